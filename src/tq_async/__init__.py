@@ -1,0 +1,54 @@
+"""tq_async: an asyncio-native streaming data plane for RL post-training.
+
+Producers ``put`` fields of samples into partitions, a controller tracks which fields each
+sample has and which task consumed it, samplers decide what each consumer gets, and
+consumers stream ready batches. See the README for a tour.
+"""
+
+from ._client import AsyncClient as AsyncClient
+from ._cluster import LocalCluster as LocalCluster
+from ._cluster import local_cluster as local_cluster
+from ._codec import ColumnHeader as ColumnHeader
+from ._controller import ControllerServer as ControllerServer
+from ._errors import BrokenError as BrokenError
+from ._errors import ClosedError as ClosedError
+from ._errors import InvalidRequestError as InvalidRequestError
+from ._errors import PartitionNotFound as PartitionNotFound
+from ._errors import ProtocolError as ProtocolError
+from ._errors import RowsNotFound as RowsNotFound
+from ._errors import SchemaError as SchemaError
+from ._errors import TQError as TQError
+from ._errors import TQTimeoutError as TQTimeoutError
+from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._meta import BatchMeta as BatchMeta
+from ._state import ControllerState as ControllerState
+from ._storage import StorageServer as StorageServer
+from ._sync import Client as Client
+from .samplers import BaseSampler as BaseSampler
+from .samplers import SequentialSampler as SequentialSampler
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AsyncClient",
+    "BaseSampler",
+    "BatchMeta",
+    "BrokenError",
+    "Client",
+    "ClosedError",
+    "ColumnHeader",
+    "ControllerServer",
+    "ControllerState",
+    "InvalidRequestError",
+    "LocalCluster",
+    "PartitionNotFound",
+    "ProtocolError",
+    "RowsNotFound",
+    "SchemaError",
+    "SequentialSampler",
+    "StorageServer",
+    "TQError",
+    "TQTimeoutError",
+    "UnsupportedTypeError",
+    "local_cluster",
+]

@@ -1,0 +1,602 @@
+"""``AsyncClient``: put, get_meta, get_data and every controller call, over pooled sockets.
+
+One client holds one DEALER socket to the controller and one per storage unit, opened on
+first use and shared by every concurrent call (requests are multiplexed by id). A put is
+three steps — ask the controller for rows and placement, send each unit its slice, commit —
+and the rows become visible to consumers only at the commit, with their tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import structlog
+import torch
+import zmq
+from tensordict import TensorDict, TensorDictBase
+
+from ._codec import (
+    Column,
+    ColumnHeader,
+    column_frame_count,
+    column_from_frames,
+    column_to_frames,
+    columns_from_batch,
+    columns_to_tensordict,
+    concat_columns,
+    reorder_column,
+    take_rows,
+)
+from ._errors import ClosedError, InvalidRequestError, ProtocolError, SchemaError
+from ._meta import BatchMeta
+from ._protocol import (
+    CheckConsumption,
+    CheckProduction,
+    ClearPartition,
+    ClearSamples,
+    ConsumptionStatus,
+    GetMeta,
+    Hello,
+    HelloReply,
+    ListPartitions,
+    MetaReply,
+    PartitionInfo,
+    Placement,
+    ProductionStatus,
+    PutBegin,
+    PutCommit,
+    Release,
+    Reply,
+    ResetConsumption,
+    Seal,
+    SetTags,
+    StoredColumns,
+    StoreGet,
+    StorePut,
+)
+from ._transport import DealerConnection
+
+__all__ = ["AsyncClient"]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+    try:
+        return dec.decode(payload)  # type: ignore[no-any-return]
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"unexpected reply payload: {exc}") from exc
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i in positions:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _check_fields(data_fields: Any) -> list[str]:
+    if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
+        raise InvalidRequestError(
+            f"data_fields must be a list of field names, got {type(data_fields).__name__} "
+            f"{data_fields!r}; write data_fields=[{data_fields!r}]"
+        )
+    if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
+        raise InvalidRequestError(
+            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+        )
+    return list(data_fields)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise InvalidRequestError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return batch_size
+
+
+class AsyncClient:
+    """Talks to a tq_async controller and its storage units.
+
+    Use it as an async context manager::
+
+        async with tq.AsyncClient.connect(address) as client:
+            meta = await client.put(td, partition_id="train@0")
+
+    Args:
+        address: the controller's endpoint (``cluster.address``, or what ``tq-async serve``
+            printed).
+        request_timeout: seconds any single non-waiting request may take before it fails with
+            :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
+        allow_pickle: let this client pickle values msgpack cannot carry. None follows the
+            controller's setting.
+
+    A client belongs to the event loop (and process) that opened it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float = 60.0,
+        allow_pickle: bool | None = None,
+    ) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self._allow_pickle_opt = allow_pickle
+        self.allow_pickle = bool(allow_pickle)
+        self._controller: DealerConnection | None = None
+        self._unit_addresses: dict[int, str] = {}
+        self._units: dict[int, DealerConnection] = {}
+
+    @classmethod
+    def connect(
+        cls, address: str, *, request_timeout: float = 60.0, allow_pickle: bool | None = None
+    ) -> AsyncClient:
+        """A client for ``address``; enter it with ``async with`` to open the connection."""
+        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle)
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Connect to the controller and learn the storage units.
+
+        Raises:
+            TQTimeoutError: the controller did not answer within ``request_timeout``.
+        """
+        if self._controller is not None:
+            return
+        self._controller = DealerConnection(self.address)
+        try:
+            await self._refresh_units()
+        except BaseException:
+            self._controller.close()
+            self._controller = None
+            raise
+
+    async def aclose(self) -> None:
+        """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
+        if self._controller is not None:
+            self._controller.close()
+            self._controller = None
+        for conn in self._units.values():
+            conn.close()
+        self._units.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._controller is None
+
+    async def _refresh_units(self) -> None:
+        hello = await self._call(Hello(), HelloReply)
+        self._unit_addresses = {u.unit_id: u.address for u in hello.units}
+        if self._allow_pickle_opt is None:
+            self.allow_pickle = hello.allow_pickle
+
+    def _ctl(self) -> DealerConnection:
+        if self._controller is None:
+            raise ClosedError(
+                "the client is not connected; use `async with AsyncClient.connect(address)`"
+            )
+        return self._controller
+
+    async def _unit(self, unit_id: int) -> DealerConnection:
+        conn = self._units.get(unit_id)
+        if conn is None:
+            if unit_id not in self._unit_addresses:
+                await self._refresh_units()
+            try:
+                address = self._unit_addresses[unit_id]
+            except KeyError:
+                raise ProtocolError(
+                    f"the controller placed rows on unknown unit {unit_id}"
+                ) from None
+            conn = self._units[unit_id] = DealerConnection(address)
+        return conn
+
+    async def _call(
+        self,
+        body: msgspec.Struct,
+        typ: Any,
+        *,
+        timeout: float | bool | None = True,
+    ) -> Any:
+        payload, _ = await self._ctl().request(
+            body, timeout=self.request_timeout if timeout is True else timeout or None
+        )
+        return _decode(payload, typ)
+
+    # ---- put ---------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> BatchMeta:
+        """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``.
+
+        Args:
+            data: a ``TensorDict(batch_size=[n])`` or a dict of columns (tensors ``[n, ...]``,
+                jagged nested tensors, lists of ``n`` tensors, lists of ``n`` plain values).
+            partition_id: where new rows go (created on first put). Omit when ``meta`` is given.
+            meta: rows to add fields to (from an earlier put or get_meta); ``data`` must have
+                ``len(meta)`` rows in the same order.
+            tags: one dict per row (or None), merged into each row's tags atomically with the
+                data becoming visible.
+
+        Returns:
+            A :class:`BatchMeta` of the written rows.
+
+        Raises:
+            SchemaError: columns disagree on rows, or contradict the partition's schema.
+            UnsupportedTypeError: a value cannot travel without pickle.
+
+        Cancellation: new rows that were allocated but not committed are cleared (best
+        effort); nothing half-written ever becomes visible.
+        """
+        if meta is not None:
+            if partition_id is not None and partition_id != meta.partition_id:
+                raise InvalidRequestError(
+                    f"partition_id {partition_id!r} contradicts meta.partition_id "
+                    f"{meta.partition_id!r}; pass only meta"
+                )
+            partition_id = meta.partition_id
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
+        n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
+        if meta is not None and n != len(meta):
+            raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
+        tag_list: list[dict[str, Any] | None] | None = None
+        if tags is not None:
+            if len(tags) != n:
+                raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
+            tag_list = [dict(t) if t else None for t in tags]
+        begin = PutBegin(
+            partition_id,
+            headers,
+            n_rows=n if meta is None else 0,
+            rows=None if meta is None else list(meta.global_indexes),
+        )
+        placement: Placement = await self._call(begin, Placement)
+        fields = [h.name for h in headers]
+        try:
+            await self._store(partition_id, placement, headers, columns)
+            await self._call(PutCommit(partition_id, placement.rows, fields, tag_list), None)
+        except BaseException:
+            if meta is None:
+                with anyio.move_on_after(5, shield=True):
+                    try:
+                        await self._call(ClearSamples(partition_id, placement.rows), None)
+                    except Exception as exc:  # the original error matters more
+                        log.warning("could not clear rows of a failed put", error=str(exc))
+            raise
+        if meta is None:
+            out_tags = [t or {} for t in tag_list] if tag_list else []
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=fields,
+                units=placement.units,
+                tags=out_tags,
+            )
+        merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
+        if tag_list:
+            for m, t in zip(merged_tags, tag_list, strict=True):
+                if t:
+                    m.update(t)
+        return msgspec.structs.replace(
+            meta,
+            field_names=list(dict.fromkeys([*meta.field_names, *fields])),
+            units=placement.units,
+            tags=merged_tags if (meta.tags or tag_list) else [],
+        )
+
+    async def _store(
+        self,
+        partition_id: str,
+        placement: Placement,
+        headers: list[ColumnHeader],
+        columns: list[Column],
+    ) -> None:
+        by_unit: dict[int, list[int]] = {}
+        for pos, unit in enumerate(placement.units):
+            by_unit.setdefault(unit, []).append(pos)
+
+        async def store_one(unit: int, positions: list[int]) -> None:
+            if len(by_unit) == 1:
+                rows, cols = placement.rows, columns
+            else:
+                runs = _runs(positions)
+                rows = [placement.rows[i] for i in positions]
+                cols = [take_rows(c, runs) for c in columns]
+            frames: list[Any] = []
+            for h, c in zip(headers, cols, strict=True):
+                frames.extend(column_to_frames(h, c))
+            conn = await self._unit(unit)
+            await conn.request(
+                StorePut(partition_id, rows, headers), frames, timeout=self.request_timeout
+            )
+
+        if len(by_unit) == 1:
+            ((unit, positions),) = by_unit.items()
+            await store_one(unit, positions)
+            return
+        async with anyio.create_task_group() as tg:
+            for unit, positions in by_unit.items():
+                tg.start_soon(store_one, unit, positions)
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    async def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task.
+
+        Waits (event-driven, no polling) until the sampler finds enough rows. In ``"fetch"``
+        mode the rows are marked consumed for ``task_name``; ``"peek"`` consumes nothing.
+
+        Args:
+            data_fields: the fields the rows must have (and that ``get_data`` will read).
+            batch_size: rows wanted (a sampler may return a short last batch once the
+                partition is sealed).
+            partition_id: the partition to read; it need not exist yet.
+            task_name: the consuming task; each task consumes every row once.
+            sampling_config: passed to the sampler, e.g. ``{"dp_rank": 0, "batch_index": 3}``.
+                With ``batch_index``, the same ``(task, dp_rank, batch_index)`` always
+                returns the same rows (replicas and replays read the recorded batch).
+            mode: ``"fetch"`` or ``"peek"``.
+            timeout: seconds to wait for rows; None waits until data arrives or the call is
+                cancelled.
+
+        Returns:
+            A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
+            sealed and every row has been consumed by the task.
+
+        Raises:
+            TQTimeoutError: not enough rows within ``timeout`` (nothing was consumed).
+            InvalidRequestError: bad arguments (e.g. ``data_fields`` not a list).
+
+        Cancellation: the controller drops the waiting request; if rows had already been
+        handed out, they are released back to the task (a batch recorded under a
+        ``batch_index`` stays readable by that index instead).
+        """
+        fields = _check_fields(data_fields)
+        _check_batch_size(batch_size)
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError(
+                f"partition_id must be a non-empty string, got {partition_id!r}"
+            )
+        if mode not in ("fetch", "peek"):
+            raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
+        if timeout is not None and timeout <= 0:
+            raise InvalidRequestError(f"timeout must be positive or None, got {timeout}")
+        cfg = dict(sampling_config) if sampling_config else None
+        logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
+        req = GetMeta(partition_id, fields, batch_size, task_name, cfg, mode, timeout)
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            if not reply.ok or mode != "fetch" or logged:
+                return
+            late: MetaReply = _decode(reply.payload, MetaReply)
+            if late.rows and self._controller is not None:
+                self._controller.send_oneway(Release(partition_id, task_name, late.rows))
+
+        client_deadline = None if timeout is None else timeout + self.request_timeout
+        payload, _ = await self._ctl().request(req, timeout=client_deadline, on_abandon=on_abandon)
+        got: MetaReply = _decode(payload, MetaReply)
+        return BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            task_name=task_name,
+            batch_index=cfg.get("batch_index") if cfg else None,
+            end_of_stream=got.end_of_stream,
+        )
+
+    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+        """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
+
+        Returns:
+            ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
+            received buffers when one unit holds the rows), jagged columns as jagged nested
+            tensors, other columns as ``NonTensorStack``.
+
+        Raises:
+            RowsNotFound: some rows were cleared.
+
+        Cancellation: nothing changes on the services (reads have no side effects).
+        """
+        names = list(fields) if fields is not None else list(meta.field_names)
+        n = len(meta)
+        if n == 0 or not names:
+            return TensorDict({}, batch_size=[n])
+        by_unit: dict[int, list[int]] = {}
+        for pos, unit in enumerate(meta.units):
+            by_unit.setdefault(unit, []).append(pos)
+        results: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+
+        async def fetch(unit: int, positions: list[int]) -> None:
+            rows = (
+                meta.global_indexes
+                if len(by_unit) == 1
+                else [meta.global_indexes[i] for i in positions]
+            )
+            conn = await self._unit(unit)
+            payload, frames = await conn.request(
+                StoreGet(meta.partition_id, rows, names), timeout=self.request_timeout
+            )
+            stored: StoredColumns = _decode(payload, StoredColumns)
+            cols: list[Column] = []
+            pos = 0
+            for h in stored.columns:
+                k = column_frame_count(h)
+                cols.append(column_from_frames(h, frames[pos : pos + k], len(rows)))
+                pos += k
+            if pos != len(frames):
+                raise ProtocolError("a storage reply carried extra frames")
+            results[unit] = (stored.columns, cols)
+
+        if len(by_unit) == 1:
+            ((unit, positions),) = by_unit.items()
+            await fetch(unit, positions)
+            headers, columns = results[unit]
+            return columns_to_tensordict(n, headers, columns)
+        async with anyio.create_task_group() as tg:
+            for unit, positions in by_unit.items():
+                tg.start_soon(fetch, unit, positions)
+        order = [pos for positions in by_unit.values() for pos in positions]
+        inverse = [0] * n
+        for i, pos in enumerate(order):
+            inverse[pos] = i
+        headers = results[next(iter(by_unit))][0]
+        columns = []
+        for j in range(len(names)):
+            merged = concat_columns([results[u][1][j] for u in by_unit])
+            columns.append(reorder_column(merged, inverse))
+        return columns_to_tensordict(n, headers, columns)
+
+    async def get(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+    ) -> tuple[TensorDict, BatchMeta]:
+        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
+
+        Cancellation: if the data was not delivered, fetched rows are released back to the
+        task (unless recorded under a ``batch_index``, which stays replayable).
+        """
+        meta = await self.get_meta(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+        )
+        try:
+            td = await self.get_data(meta)
+        except BaseException:
+            if mode == "fetch" and meta.batch_index is None and len(meta):
+                with anyio.move_on_after(5, shield=True):
+                    await self.release(meta)
+            raise
+        return td, meta
+
+    async def release(self, meta: BatchMeta) -> None:
+        """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        if meta.task_name is None:
+            raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
+        await self._call(Release(meta.partition_id, meta.task_name, meta.global_indexes), None)
+
+    # ---- controller calls --------------------------------------------------------------------
+
+    async def seal(self, partition_id: str) -> None:
+        """No more rows will be added: drained consumers then see end-of-stream."""
+        await self._call(Seal(partition_id), None)
+
+    async def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
+        """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""
+        await self._call(ResetConsumption(partition_id, task_name), None)
+
+    async def clear_samples(self, meta: BatchMeta) -> None:
+        """Remove ``meta``'s rows from the partition and free their storage."""
+        await self._call(ClearSamples(meta.partition_id, list(meta.global_indexes)), None)
+
+    async def clear_partition(self, partition_id: str) -> None:
+        """Remove the partition with all its rows, state and sampler caches; free storage."""
+        await self._call(ClearPartition(partition_id), None)
+
+    async def check_production_status(
+        self,
+        partition_id: str,
+        data_fields: Sequence[str],
+        global_indexes: Sequence[int] | None = None,
+    ) -> bool:
+        """True when every given row (all rows if None) has every field in ``data_fields``."""
+        fields = _check_fields(data_fields)
+        rows = list(global_indexes) if global_indexes is not None else None
+        return bool(await self._call(CheckProduction(partition_id, fields, rows), bool))
+
+    async def check_consumption_status(
+        self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
+    ) -> bool:
+        """True when ``task_name`` has consumed every given row (all rows if None)."""
+        rows = list(global_indexes) if global_indexes is not None else None
+        return bool(await self._call(CheckConsumption(partition_id, task_name, rows), bool))
+
+    async def production_status(
+        self, partition_id: str, data_fields: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Per field, a bool tensor over row ids: is the cell produced (cleared rows: False)."""
+        fields = None if data_fields is None else _check_fields(data_fields)
+        masks = await self._call(ProductionStatus(partition_id, fields), dict[str, bytes])
+        return {k: _mask(v) for k, v in masks.items()}
+
+    async def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
+        """A bool tensor over row ids: has ``task_name`` consumed the row."""
+        return _mask(await self._call(ConsumptionStatus(partition_id, task_name), bytes))
+
+    async def list_partitions(self) -> list[str]:
+        """Ids of every partition the controller knows."""
+        return list(await self._call(ListPartitions(), list[str]))
+
+    async def partition_info(self, partition_id: str) -> dict[str, Any]:
+        """Row counts, schema, sealed flag and per-task consumed counts of a partition."""
+        return dict(await self._call(PartitionInfo(partition_id), dict[str, Any]))
+
+    async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
+        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        if len(tags) != len(meta):
+            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
+        body = SetTags(meta.partition_id, list(meta.global_indexes), [dict(t) for t in tags])
+        await self._call(body, None)
+
+
+def _mask(raw: bytes) -> torch.Tensor:
+    if not raw:
+        return torch.zeros(0, dtype=torch.bool)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)

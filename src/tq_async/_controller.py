@@ -1,0 +1,529 @@
+"""The controller service: a thin async shell around :class:`~tq_async._state.ControllerState`.
+
+Every request is answered from the reader callback when it can be (status calls, puts, a
+get_meta whose sampler finds rows at once). Only requests that must wait become tasks: a
+get_meta with too few ready rows, an async sampler, a clear that tells the storage units.
+
+A waiting get_meta parks on a future registered under ``(partition, task)``; the state hands
+back :class:`~tq_async._state.Wakeup` events when production, consumption, sealing or clearing
+changes what a task could receive, and only the matching futures are woken. There is no timer
+and no polling: an idle waiter costs one future until data arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import zmq
+from anyio.abc import TaskGroup, TaskStatus
+
+from ._errors import (
+    InvalidRequestError,
+    PartitionNotFound,
+    ProtocolError,
+    RowsNotFound,
+    TQError,
+    TQTimeoutError,
+)
+from ._protocol import (
+    Cancel,
+    CheckConsumption,
+    CheckProduction,
+    ClearPartition,
+    ClearSamples,
+    ConsumptionStatus,
+    ControllerRequest,
+    GetMeta,
+    Hello,
+    HelloReply,
+    ListPartitions,
+    MetaReply,
+    PartitionInfo,
+    Placement,
+    ProductionStatus,
+    PutBegin,
+    PutCommit,
+    RegisterUnit,
+    Release,
+    ResetConsumption,
+    Seal,
+    SetTags,
+    StoreClear,
+    UnitInfo,
+    controller_request_decoder,
+    error_reply,
+    ok_reply,
+    salvage_rid,
+)
+from ._state import ControllerState, Partition, ReadyView, RowOrigin, RowTags, Wakeup
+from ._transport import DealerConnection, RouterEndpoint
+from .samplers import BaseSampler, SampleResult, SequentialSampler
+
+__all__ = ["ControllerServer"]
+
+log = structlog.get_logger(__name__)
+
+#: errors that are the caller's fault: answered without a traceback in the log
+_EXPECTED = (InvalidRequestError, PartitionNotFound, RowsNotFound, ProtocolError, TQTimeoutError)
+
+
+def _kwargs_filter(sampler: Any) -> frozenset[str] | None:
+    """Names ``sampler.sample`` accepts as keywords, or None when it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(sampler.sample).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+class _Attempt:
+    """What one sampler call needs to be finished after an ``await``."""
+
+    __slots__ = ("final", "partition", "result")
+
+    def __init__(self, partition: Partition, result: Any, final: bool) -> None:
+        self.partition = partition
+        self.result = result
+        self.final = final
+
+
+class ControllerServer:
+    """Serves a :class:`ControllerState` on a ROUTER socket.
+
+    Args:
+        state: the state machine (a new empty one by default).
+        sampler: decides what each get_meta receives (:class:`SequentialSampler` by default).
+        allow_pickle: told to clients; storage units enforce it.
+        unit_timeout: seconds to wait for a storage unit when the controller calls it (clears).
+    """
+
+    def __init__(
+        self,
+        state: ControllerState | None = None,
+        sampler: BaseSampler | None = None,
+        *,
+        allow_pickle: bool = False,
+        unit_timeout: float = 30.0,
+    ) -> None:
+        self.state = state or ControllerState()
+        self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
+        self.allow_pickle = allow_pickle
+        self.unit_timeout = unit_timeout
+        self._sampler_kwargs = _kwargs_filter(self.sampler)
+        self._endpoint: RouterEndpoint | None = None
+        self._tg: TaskGroup | None = None
+        self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
+        self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
+        self._units: dict[int, DealerConnection] = {}
+        #: number of sampler invocations (tests use it to prove waiting is event-driven)
+        self.sampler_calls = 0
+        #: bumped on every wake-up; lets a new waiter know whether to look again
+        self._generation = 0
+
+    @property
+    def address(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("the controller is not serving")
+        return self._endpoint.address
+
+    @property
+    def waiting(self) -> int:
+        """Number of get_meta requests currently parked waiting for data."""
+        return len(self._pending)
+
+    async def serve(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Bind, report the address through ``task_status``, serve until cancelled."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._endpoint = RouterEndpoint(bind, self._on_message)
+            try:
+                task_status.started(self._endpoint.address)
+                await anyio.sleep_forever()
+            finally:
+                self._endpoint.close()
+                for conn in self._units.values():
+                    conn.close()
+                self._units.clear()
+                tg.cancel_scope.cancel()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _send_ok(self, peer: bytes, rid: int, payload: Any) -> None:
+        if self._endpoint is not None:
+            self._endpoint.send(peer, [ok_reply(rid, payload)])
+
+    def _send_error(self, peer: bytes, rid: int, exc: BaseException, op: str) -> None:
+        if not isinstance(exc, _EXPECTED):
+            log.error("request failed", op=op, rid=rid, exc_info=exc)
+        if self._endpoint is not None:
+            self._endpoint.send(peer, [error_reply(rid, exc)])
+
+    def _notify(self, wakeups: Sequence[Wakeup]) -> None:
+        if wakeups:
+            self._generation += 1
+        for w in wakeups:
+            by_task = self._waiters.get(w.partition_id)
+            if not by_task:
+                continue
+            tasks = list(by_task) if w.task_name is None else [w.task_name]
+            for t in tasks:
+                futs = by_task.pop(t, None)
+                if futs:
+                    for fut in futs:
+                        if not fut.done():
+                            fut.set_result(None)
+            if not by_task:
+                del self._waiters[w.partition_id]
+
+    def _register_waiter(self, partition_id: str, task: str) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(partition_id, {}).setdefault(task, {})[fut] = None
+        return fut
+
+    def _drop_waiter(self, partition_id: str, task: str, fut: asyncio.Future[None]) -> None:
+        by_task = self._waiters.get(partition_id)
+        if by_task is not None:
+            futs = by_task.get(task)
+            if futs is not None:
+                futs.pop(fut, None)
+                if not futs:
+                    del by_task[task]
+            if not by_task:
+                del self._waiters[partition_id]
+
+    def _spawn(self, coro_fn: Any, *args: Any) -> None:
+        if self._tg is None:
+            raise RuntimeError("the controller is not serving")
+        self._tg.start_soon(coro_fn, *args)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def _on_message(self, peer: bytes, frames: list[zmq.Frame]) -> None:
+        header = frames[0].buffer
+        try:
+            req: ControllerRequest = controller_request_decoder.decode(header)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            rid = salvage_rid(header)
+            log.warning("malformed controller request", error=str(exc), rid=rid)
+            if rid is not None:
+                self._send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
+            return
+        body = req.body
+        try:
+            self._handle(peer, req.rid, body)
+        except Exception as exc:
+            self._send_error(peer, req.rid, exc, type(body).__name__)
+
+    def _handle(self, peer: bytes, rid: int, body: Any) -> None:
+        st = self.state
+        if isinstance(body, GetMeta):
+            self._get_meta(peer, rid, body)
+        elif isinstance(body, PutBegin):
+            rows, units, wakeups = st.put_begin(
+                body.partition_id, body.columns, body.n_rows, body.rows
+            )
+            self._send_ok(peer, rid, Placement(rows, units))
+            self._notify(wakeups)
+        elif isinstance(body, PutCommit):
+            p = st.partition(body.partition_id)
+            gained = p.commit(body.rows, body.fields, body.tags)
+            self._send_ok(peer, rid, None)
+            self._notify([Wakeup(body.partition_id, t) for t in gained])
+        elif isinstance(body, Cancel):
+            scope = self._pending.get((peer, body.target))
+            if scope is not None:
+                scope.cancel()
+        elif isinstance(body, Release):
+            p = st.partition(body.partition_id)
+            if p.release(body.task_name, body.rows):
+                self._notify([Wakeup(body.partition_id, body.task_name)])
+            self._send_ok(peer, rid, None)
+        elif isinstance(body, Hello):
+            infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
+            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle))
+        elif isinstance(body, Seal):
+            sealed = st.partitions.get(body.partition_id)
+            if sealed is None:
+                sealed = st.partitions[body.partition_id] = Partition(body.partition_id)
+            sealed.sealed = True
+            self._send_ok(peer, rid, None)
+            self._notify([Wakeup(body.partition_id)])
+        elif isinstance(body, ResetConsumption):
+            st.partition(body.partition_id).reset_consumption(body.task_name)
+            self.sampler.reset_partition(body.partition_id, body.task_name)
+            self._send_ok(peer, rid, None)
+            self._notify([Wakeup(body.partition_id, body.task_name)])
+        elif isinstance(body, ClearSamples):
+            by_unit = st.partition(body.partition_id).clear_rows(body.rows)
+            self._notify([Wakeup(body.partition_id)])
+            self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
+        elif isinstance(body, ClearPartition):
+            p = st.partition(body.partition_id)
+            by_unit = p.live_rows_by_unit()
+            del st.partitions[body.partition_id]
+            self.sampler.clear_partition(body.partition_id)
+            self._notify([Wakeup(body.partition_id)])
+            whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
+            self._spawn(self._clear_units, peer, rid, body.partition_id, whole)
+        elif isinstance(body, CheckProduction):
+            p = st.partition(body.partition_id)
+            rows = body.rows if body.rows is not None else _alive_rows(p)
+            p.check_rows(rows)
+            ok = all(f in p.fields for f in body.data_fields) and all(
+                p.is_produced(r, body.data_fields) for r in rows
+            )
+            self._send_ok(peer, rid, ok)
+        elif isinstance(body, CheckConsumption):
+            p = st.partition(body.partition_id)
+            rows = body.rows if body.rows is not None else _alive_rows(p)
+            p.check_rows(rows)
+            consumed = p.consumed.get(body.task_name)
+            self._send_ok(peer, rid, consumed is not None and all(consumed[r] for r in rows))
+        elif isinstance(body, ProductionStatus):
+            p = st.partition(body.partition_id)
+            names = body.data_fields if body.data_fields is not None else list(p.fields)
+            self._send_ok(peer, rid, {n: p.production_mask(n) for n in names})
+        elif isinstance(body, ConsumptionStatus):
+            p = st.partition(body.partition_id)
+            self._send_ok(peer, rid, p.consumption_mask(body.task_name))
+        elif isinstance(body, ListPartitions):
+            self._send_ok(peer, rid, sorted(st.partitions))
+        elif isinstance(body, PartitionInfo):
+            self._send_ok(peer, rid, st.partition(body.partition_id).info())
+        elif isinstance(body, SetTags):
+            st.partition(body.partition_id).set_tags(body.rows, body.tags)
+            self._send_ok(peer, rid, None)
+        elif isinstance(body, RegisterUnit):
+            st.units[body.unit_id] = body.address
+            self._send_ok(peer, rid, None)
+        else:  # pragma: no cover - the decoder admits only the types above
+            raise ProtocolError(f"unknown request {type(body).__name__}")
+
+    # ---- get_meta ----------------------------------------------------------------------------
+
+    def _get_meta(self, peer: bytes, rid: int, req: GetMeta) -> None:
+        _validate_get_meta(req)
+        outcome = self._attempt(req)
+        if isinstance(outcome, MetaReply):
+            self._send_ok(peer, rid, outcome)
+        else:
+            self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation)
+
+    def _call_sampler(self, req: GetMeta, p: Partition, ready: ReadyView, final: bool) -> Any:
+        cfg = req.sampling_config or {}
+        ctx: dict[str, Any] = {
+            "partition_id": req.partition_id,
+            "task_name": req.task_name,
+            "data_fields": list(req.data_fields),
+            "dp_rank": cfg.get("dp_rank"),
+            "batch_index": cfg.get("batch_index"),
+            "sampling_config": cfg,
+            "tags": RowTags(p),
+            "origin": RowOrigin(p),
+            "final": final,
+            "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+        }
+        if self._sampler_kwargs is not None:
+            ctx = {k: v for k, v in ctx.items() if k in self._sampler_kwargs}
+        self.sampler_calls += 1
+        return self.sampler.sample(ready, req.batch_size, **ctx)
+
+    def _attempt(self, req: GetMeta) -> MetaReply | _Attempt | None:
+        """Try to answer now: a reply, an in-flight async sampler call, or None (wait)."""
+        p = self.state.partitions.get(req.partition_id)
+        if p is None:
+            return None
+        logged = self._logged(req, p)
+        if logged is not None:
+            return logged
+        rs = p.ready_set(req.task_name, req.data_fields)
+        final = p.is_final(req.task_name, rs)
+        result = self._call_sampler(req, p, ReadyView(rs.rows), final)
+        if inspect.isawaitable(result):
+            return _Attempt(p, result, final)
+        return self._finish(req, p, result, final, strict=True)
+
+    def _logged(self, req: GetMeta, p: Partition) -> MetaReply | None:
+        key = _delivery_key(req)
+        if key is None:
+            return None
+        rows = p.deliveries.get(key)
+        return None if rows is None else _meta_reply(p, list(rows), req.data_fields)
+
+    def _finish(
+        self, req: GetMeta, p: Partition, result: Any, final: bool, *, strict: bool
+    ) -> MetaReply | None:
+        """Apply a sampler's answer; None means "nothing yet" (or, if not strict, retry)."""
+        sampled, consumed = _check_result(result)
+        if self.state.partitions.get(req.partition_id) is not p:
+            return None  # cleared while an async sampler ran
+        logged = self._logged(req, p)
+        if logged is not None:
+            return logged
+        if not sampled:
+            if final:
+                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
+            return None
+        try:
+            p.check_rows(sampled)
+            for r in sampled:
+                if not p.is_produced(r, req.data_fields):
+                    raise InvalidRequestError(
+                        f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+                    )
+            if req.mode == "fetch" and consumed:
+                p.check_rows(consumed)
+                p.consume(req.task_name, consumed)
+        except TQError:
+            if strict:
+                raise
+            return None  # the state moved while an async sampler ran: sample again
+        key = _delivery_key(req)
+        if key is not None:
+            p.deliveries[key] = tuple(sampled)
+        return _meta_reply(p, sampled, req.data_fields)
+
+    async def _get_meta_waiting(
+        self, peer: bytes, rid: int, req: GetMeta, first: _Attempt | None, generation: int
+    ) -> None:
+        pid, task = req.partition_id, req.task_name
+        scope = anyio.CancelScope()
+        self._pending[(peer, rid)] = scope
+        fut: asyncio.Future[None] | None = None
+        attempt: MetaReply | _Attempt | None = first
+        try:
+            with scope, anyio.fail_after(req.timeout) if req.timeout else nullcontext():
+                while True:
+                    # register before looking, so a wake-up between the two is never missed
+                    fut = self._register_waiter(pid, task)
+                    if attempt is None and self._generation != generation:
+                        attempt = self._attempt(req)
+                    if isinstance(attempt, _Attempt):
+                        answer = await attempt.result
+                        attempt = self._finish(
+                            req, attempt.partition, answer, attempt.final, strict=False
+                        )
+                    if isinstance(attempt, MetaReply):
+                        self._send_ok(peer, rid, attempt)
+                        return
+                    if not fut.done():
+                        await fut
+                    self._drop_waiter(pid, task, fut)
+                    fut = None
+                    attempt = None
+                    generation = -1  # something changed: look again
+        except TimeoutError:
+            self._send_error(
+                peer,
+                rid,
+                TQTimeoutError(
+                    f"get_meta on partition {pid!r} for task {task!r} found fewer than "
+                    f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
+                ),
+                "GetMeta",
+            )
+        except Exception as exc:
+            self._send_error(peer, rid, exc, "GetMeta")
+        finally:
+            self._pending.pop((peer, rid), None)
+            if fut is not None:
+                self._drop_waiter(pid, task, fut)
+
+    # ---- storage units -----------------------------------------------------------------------
+
+    def _unit(self, unit_id: int) -> DealerConnection:
+        conn = self._units.get(unit_id)
+        if conn is None:
+            conn = self._units[unit_id] = DealerConnection(self.state.units[unit_id])
+        return conn
+
+    async def _clear_units(
+        self, peer: bytes, rid: int, partition_id: str, by_unit: Mapping[int, list[int] | None]
+    ) -> None:
+        errors: list[str] = []
+
+        async def clear_one(unit_id: int, rows: list[int] | None) -> None:
+            try:
+                await self._unit(unit_id).request(
+                    StoreClear(partition_id, rows), timeout=self.unit_timeout
+                )
+            except TQError as exc:
+                errors.append(f"unit {unit_id}: {exc}")
+
+        async with anyio.create_task_group() as tg:
+            for unit_id, rows in by_unit.items():
+                if unit_id in self.state.units:
+                    tg.start_soon(clear_one, unit_id, rows)
+        if errors:
+            self._send_error(
+                peer,
+                rid,
+                TQError(
+                    f"partition {partition_id!r} was cleared in the controller, but freeing "
+                    f"storage failed: {'; '.join(errors)}"
+                ),
+                "Clear",
+            )
+        else:
+            self._send_ok(peer, rid, None)
+
+
+def _alive_rows(p: Partition) -> list[int]:
+    return [r for r in range(p.n_rows) if p.alive[r]]
+
+
+def _delivery_key(req: GetMeta) -> tuple[str, int, int] | None:
+    cfg = req.sampling_config
+    if req.mode != "fetch" or not cfg or cfg.get("batch_index") is None:
+        return None
+    dp_rank = cfg.get("dp_rank") or 0
+    return (req.task_name, int(dp_rank), int(cfg["batch_index"]))
+
+
+def _meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
+    tags = p.tags
+    return MetaReply(rows, [p.units[r] for r in rows], [tags[r] or {} for r in rows], list(fields))
+
+
+def _check_result(result: Any) -> SampleResult:
+    try:
+        sampled, consumed = result
+        sampled = [int(r) for r in sampled]
+        consumed = [int(r) for r in consumed]
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            "a sampler must return (sampled, consumed), two lists of row indexes; "
+            f"got {type(result).__name__}"
+        ) from exc
+    return sampled, consumed
+
+
+def _validate_get_meta(req: GetMeta) -> None:
+    if req.batch_size <= 0:
+        raise InvalidRequestError(f"batch_size must be a positive integer, got {req.batch_size}")
+    if not req.data_fields:
+        raise InvalidRequestError("data_fields must name at least one field")
+    if req.mode not in ("fetch", "peek"):
+        raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {req.mode!r}")
+    if req.timeout is not None and req.timeout <= 0:
+        raise InvalidRequestError(f"timeout must be positive or None, got {req.timeout}")
+    if not req.task_name:
+        raise InvalidRequestError("task_name must be a non-empty string")

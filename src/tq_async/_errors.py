@@ -1,0 +1,110 @@
+"""The one exception tree of tq_async.
+
+Every error the library raises derives from :class:`TQError`. Each takes a single message
+string (so it pickles, and a PyTorch DataLoader can re-raise it from a worker as
+``type(exc)(msg)``) and the message says what to do about it.
+
+Errors cross the wire by class name: a service answers a failed request with the name of the
+class and its message, and the client re-raises the same class (see :func:`error_from_wire`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TQError",
+    "ClosedError",
+    "BrokenError",
+    "TQTimeoutError",
+    "ProtocolError",
+    "InvalidRequestError",
+    "SchemaError",
+    "UnsupportedTypeError",
+    "PartitionNotFound",
+    "RowsNotFound",
+    "error_from_wire",
+]
+
+
+class TQError(Exception):
+    """Base class of every error raised by tq_async."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        """The human-readable message (what happened and what to do)."""
+        return str(self.args[0]) if self.args else ""
+
+
+class ClosedError(TQError):
+    """The object was closed by its owner and cannot be used any more."""
+
+
+class BrokenError(TQError):
+    """A peer vanished or a connection broke; ``__cause__`` holds the underlying error."""
+
+
+class TQTimeoutError(TQError, TimeoutError):
+    """A request did not complete within its deadline."""
+
+
+class ProtocolError(TQError):
+    """A message on the wire was malformed, truncated or of an unknown kind."""
+
+
+class InvalidRequestError(TQError, ValueError):
+    """A request's arguments are invalid (bad batch size, bad field list, ...)."""
+
+
+class SchemaError(InvalidRequestError):
+    """Data does not match a partition's field schema (dtype, per-row shape, layout)."""
+
+
+class UnsupportedTypeError(InvalidRequestError, TypeError):
+    """A column holds values that cannot travel without pickle, and pickle is not allowed."""
+
+
+class PartitionNotFound(TQError, KeyError):
+    """The named partition does not exist (never created, or cleared)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return self.message
+
+
+class RowsNotFound(TQError, KeyError):
+    """Some requested rows do not exist in the partition (never allocated, or cleared)."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_BY_NAME: dict[str, type[TQError]] = {
+    cls.__name__: cls
+    for cls in (
+        TQError,
+        ClosedError,
+        BrokenError,
+        TQTimeoutError,
+        ProtocolError,
+        InvalidRequestError,
+        SchemaError,
+        UnsupportedTypeError,
+        PartitionNotFound,
+        RowsNotFound,
+    )
+}
+
+
+def register_error(cls: type[TQError]) -> type[TQError]:
+    """Make ``cls`` travel over the wire by name (used by later error classes)."""
+    _BY_NAME[cls.__name__] = cls
+    return cls
+
+
+def error_from_wire(kind: str, message: str) -> TQError:
+    """Rebuild the exception a service reported; unknown kinds become a plain :class:`TQError`."""
+    cls = _BY_NAME.get(kind, TQError)
+    if cls is TQError and kind != "TQError":
+        message = f"{kind}: {message}"
+    return cls(message)

@@ -1,0 +1,97 @@
+"""``BatchMeta``: which rows of which partition, where they live, and their tags."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = ["BatchMeta"]
+
+
+class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """A handle on rows of one partition, as returned by ``put`` and ``get_meta``.
+
+    It carries no tensor data: pass it to ``get_data`` to read the cells, to ``put(meta=...)``
+    to add fields to the same rows, or to ``clear_samples`` to free them. It pickles, and
+    travels between processes as msgpack.
+
+    Attributes:
+        partition_id: the partition the rows belong to.
+        global_indexes: the rows' ids inside the partition, in batch order.
+        field_names: the fields this batch refers to (read by ``get_data``).
+        units: the storage unit holding each row (``units[i]`` for ``global_indexes[i]``).
+        tags: each row's tags (``custom_meta``), e.g. ``{"uid": 7, "total_lengths": 913}``.
+        task_name: the task that fetched the rows (None for a put).
+        batch_index: the ``batch_index`` the rows were fetched under, if any.
+        end_of_stream: True on the empty batch that tells a consumer the partition is sealed
+            and drained for its task.
+    """
+
+    partition_id: str
+    global_indexes: list[int]
+    field_names: list[str]
+    units: list[int]
+    tags: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    task_name: str | None = None
+    batch_index: int | None = None
+    end_of_stream: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.units) != len(self.global_indexes):
+            raise ValueError("BatchMeta needs one unit per row")
+        if self.tags and len(self.tags) != len(self.global_indexes):
+            raise ValueError("BatchMeta needs one tag dict per row (or none at all)")
+
+    def __len__(self) -> int:
+        return len(self.global_indexes)
+
+    @property
+    def size(self) -> int:
+        """Number of rows."""
+        return len(self.global_indexes)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the batch has no rows (for example at end of stream)."""
+        return not self.global_indexes
+
+    def select_rows(self, positions: Sequence[int] | slice) -> BatchMeta:
+        """A BatchMeta for the rows at ``positions`` (indexes into this batch)."""
+        if isinstance(positions, slice):
+            positions = range(len(self))[positions]
+        idx = list(positions)
+        return msgspec.structs.replace(
+            self,
+            global_indexes=[self.global_indexes[i] for i in idx],
+            units=[self.units[i] for i in idx],
+            tags=[self.tags[i] for i in idx] if self.tags else [],
+        )
+
+    def select_fields(self, fields: Sequence[str]) -> BatchMeta:
+        """The same rows, referring to ``fields`` only."""
+        return msgspec.structs.replace(self, field_names=list(fields))
+
+    def chunk(self, size: int) -> list[BatchMeta]:
+        """Split into consecutive pieces of ``size`` rows (the last one may be shorter)."""
+        if size <= 0:
+            raise ValueError(f"chunk size must be positive, got {size}")
+        return [self.select_rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    @classmethod
+    def concat(cls, metas: Sequence[BatchMeta]) -> BatchMeta:
+        """Rows of several batches of one partition, one after another."""
+        if not metas:
+            raise ValueError("concat needs at least one BatchMeta")
+        first = metas[0]
+        if any(m.partition_id != first.partition_id for m in metas):
+            raise ValueError("concat needs batches of one partition")
+        has_tags = any(m.tags for m in metas)
+        return msgspec.structs.replace(
+            first,
+            global_indexes=[r for m in metas for r in m.global_indexes],
+            units=[u for m in metas for u in m.units],
+            tags=[t for m in metas for t in (m.tags or [{}] * len(m))] if has_tags else [],
+            batch_index=first.batch_index if len(metas) == 1 else None,
+        )

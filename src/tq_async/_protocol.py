@@ -1,0 +1,284 @@
+"""Control messages: msgspec Structs encoded as msgpack, one tagged union per service.
+
+A request is a multipart message ``[header, *data_frames]``. ``header`` encodes a
+:class:`Request` envelope ``[rid, body]`` whose ``body`` is one of the structs below (tagged by
+class name). The reply is ``[reply_header, *data_frames]`` where ``reply_header`` is a
+:class:`Reply` ``[rid, ok, payload]``: on success ``payload`` is the op's result (msgpack), on
+failure an ``[error_class_name, message]`` pair. ``rid`` is chosen by the client and unique per
+connection; replies may arrive in any order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ._codec import ColumnHeader
+from ._errors import ProtocolError
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+# ---- controller ------------------------------------------------------------------------------
+
+
+class Hello(_Msg):
+    """Ask for the cluster's storage units and settings."""
+
+
+class RegisterUnit(_Msg):
+    """A storage unit announces itself (process / Ray deployments)."""
+
+    unit_id: int
+    address: str
+
+
+class PutBegin(_Msg):
+    """Validate the schema and allocate ``n_rows`` new rows, or look up existing ``rows``."""
+
+    partition_id: str
+    columns: list[ColumnHeader]
+    n_rows: int = 0
+    rows: list[int] | None = None
+
+
+class PutCommit(_Msg):
+    """Every unit acknowledged: mark the cells produced and apply tags (atomically)."""
+
+    partition_id: str
+    rows: list[int]
+    fields: list[str]
+    tags: list[dict[str, Any] | None] | None = None
+
+
+class GetMeta(_Msg):
+    partition_id: str
+    data_fields: list[str]
+    batch_size: int
+    task_name: str
+    sampling_config: dict[str, Any] | None = None
+    mode: str = "fetch"
+    timeout: float | None = None
+
+
+class Cancel(_Msg):
+    """Cancel the caller's waiting request ``target`` (nothing it would have consumed is)."""
+
+    target: int
+
+
+class Release(_Msg):
+    """Give back rows a cancelled fetch received: they become ready again for the task."""
+
+    partition_id: str
+    task_name: str
+    rows: list[int]
+
+
+class Seal(_Msg):
+    partition_id: str
+
+
+class ResetConsumption(_Msg):
+    partition_id: str
+    task_name: str | None = None
+
+
+class ClearSamples(_Msg):
+    partition_id: str
+    rows: list[int]
+
+
+class ClearPartition(_Msg):
+    partition_id: str
+
+
+class CheckProduction(_Msg):
+    partition_id: str
+    data_fields: list[str]
+    rows: list[int] | None = None
+
+
+class CheckConsumption(_Msg):
+    partition_id: str
+    task_name: str
+    rows: list[int] | None = None
+
+
+class ProductionStatus(_Msg):
+    partition_id: str
+    data_fields: list[str] | None = None
+
+
+class ConsumptionStatus(_Msg):
+    partition_id: str
+    task_name: str
+
+
+class ListPartitions(_Msg):
+    pass
+
+
+class PartitionInfo(_Msg):
+    partition_id: str
+
+
+class SetTags(_Msg):
+    partition_id: str
+    rows: list[int]
+    tags: list[dict[str, Any]]
+
+
+ControllerBody = (
+    Hello
+    | RegisterUnit
+    | PutBegin
+    | PutCommit
+    | GetMeta
+    | Cancel
+    | Release
+    | Seal
+    | ResetConsumption
+    | ClearSamples
+    | ClearPartition
+    | CheckProduction
+    | CheckConsumption
+    | ProductionStatus
+    | ConsumptionStatus
+    | ListPartitions
+    | PartitionInfo
+    | SetTags
+)
+
+
+# ---- storage unit ----------------------------------------------------------------------------
+
+
+class StorePut(_Msg):
+    """Store ``columns`` (frames follow the header, in column order) for ``rows``."""
+
+    partition_id: str
+    rows: list[int]
+    columns: list[ColumnHeader]
+
+
+class StoreGet(_Msg):
+    """Send ``fields`` of ``rows``, in that row order."""
+
+    partition_id: str
+    rows: list[int]
+    fields: list[str]
+
+
+class StoreClear(_Msg):
+    """Free ``rows`` of a partition (all rows when ``rows`` is None)."""
+
+    partition_id: str
+    rows: list[int] | None = None
+
+
+class StoreStats(_Msg):
+    pass
+
+
+StorageBody = StorePut | StoreGet | StoreClear | StoreStats | Cancel
+
+
+# ---- envelopes -------------------------------------------------------------------------------
+
+
+class ControllerRequest(msgspec.Struct, array_like=True):
+    rid: int
+    body: ControllerBody
+
+
+class StorageRequest(msgspec.Struct, array_like=True):
+    rid: int
+    body: StorageBody
+
+
+class Reply(msgspec.Struct, array_like=True):
+    rid: int
+    ok: bool
+    payload: msgspec.Raw
+
+
+# ---- reply payloads --------------------------------------------------------------------------
+
+
+class UnitInfo(msgspec.Struct, array_like=True):
+    unit_id: int
+    address: str
+
+
+class HelloReply(msgspec.Struct, array_like=True):
+    units: list[UnitInfo]
+    allow_pickle: bool
+
+
+class Placement(msgspec.Struct, array_like=True):
+    """Rows of a put and the unit holding each (``units[i]`` holds ``rows[i]``)."""
+
+    rows: list[int]
+    units: list[int]
+
+
+class MetaReply(msgspec.Struct, array_like=True):
+    rows: list[int]
+    units: list[int]
+    tags: list[dict[str, Any]]
+    fields: list[str]
+    end_of_stream: bool = False
+
+
+class StoredColumns(msgspec.Struct, array_like=True):
+    n_rows: int
+    columns: list[ColumnHeader]
+
+
+class StoreStatsReply(msgspec.Struct, array_like=True):
+    partitions: int
+    rows: int
+    resident_bytes: int
+
+
+encoder = msgspec.msgpack.Encoder()
+controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest)
+storage_request_decoder = msgspec.msgpack.Decoder(StorageRequest)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+_rid_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def salvage_rid(header: bytes | memoryview) -> int | None:
+    """The request id of a message that failed to decode, if it can be read at all."""
+    try:
+        rid, _ = _rid_decoder.decode(header)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    return rid
+
+
+def ok_reply(rid: int, payload: Any) -> bytes:
+    """Encode a success reply header."""
+    return encoder.encode(Reply(rid, True, msgspec.Raw(encoder.encode(payload))))
+
+
+def error_reply(rid: int, exc: BaseException) -> bytes:
+    """Encode a failure reply header carrying the error's class name and message."""
+    kind = type(exc).__name__
+    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    return encoder.encode(Reply(rid, False, msgspec.Raw(encoder.encode([kind, message]))))
+
+
+_error_payload_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+
+
+def decode_error_payload(payload: msgspec.Raw) -> tuple[str, str]:
+    """The ``(class name, message)`` of a failure reply."""
+    try:
+        return _error_payload_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("a failure reply had an unreadable payload") from exc

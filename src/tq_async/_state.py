@@ -1,0 +1,480 @@
+"""The controller's state machine: partitions, production, consumption, readiness.
+
+Plain classes, no event loop, no sockets: every method is synchronous and either changes the
+state or answers from it. The async controller (:mod:`tq_async._controller`) owns one
+:class:`ControllerState`, runs samplers, and wakes waiters for the
+:class:`Wakeup` events the state hands back.
+
+Layout of one partition (``n`` rows allocated so far, ids ``0..n-1``, never reused):
+
+* ``alive[row]`` (bytearray): 1 until the row is cleared;
+* ``produced[field][row]`` (bytearray per field): 1 once a committed put wrote the cell;
+* ``consumed[task][row]`` (bytearray per task): 1 once the task took the row;
+* ``tags[row]``, ``origin[row]`` (first row of the put that allocated it) and ``units[row]``
+  (the storage unit that holds the row's cells; placement is recorded, never recomputed).
+
+The arrays grow geometrically (``bytearray``/``array`` amortised appends). A per-(task, fields)
+**ready set** (an insertion-ordered dict: rows in the order they became ready) is built once on
+first use and then kept up to date on every commit, consume, release and clear, so sampling
+never rescans the partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, overload
+
+from ._codec import ColumnHeader
+from ._errors import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
+
+__all__ = [
+    "ControllerState",
+    "Partition",
+    "ReadySet",
+    "ReadyView",
+    "RowTags",
+    "RowOrigin",
+    "Wakeup",
+    "DeliveryKey",
+]
+
+FieldsKey = tuple[str, ...]
+#: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
+DeliveryKey = tuple[str, int, int]
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    """Waiters of ``partition_id`` (only those of ``task_name``, unless it is None) may proceed."""
+
+    partition_id: str
+    task_name: str | None = None
+
+
+@dataclass(slots=True)
+class ReadySet:
+    """Rows produced for every field in ``fields`` and not yet consumed by ``task``."""
+
+    task: str
+    fields: FieldsKey
+    rows: dict[int, None] = field(default_factory=dict)
+
+
+class ReadyView(Sequence[int]):
+    """A read-only, lazily materialised view of a ready set, given to samplers.
+
+    ``len``, iteration and prefix slices (``view[:k]``) cost O(k); any other indexing builds a
+    list once (O(n)) and reuses it for the rest of the call.
+    """
+
+    __slots__ = ("_list", "_rows")
+
+    def __init__(self, rows: Mapping[int, None] | Sequence[int]) -> None:
+        self._rows = rows
+        self._list: list[int] | None = list(rows) if isinstance(rows, list) else None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._list if self._list is not None else self._rows)
+
+    def __contains__(self, row: object) -> bool:
+        return row in self._rows
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if (
+            isinstance(index, slice)
+            and self._list is None
+            and index.start in (None, 0)
+            and index.step in (None, 1)
+            and index.stop is not None
+            and index.stop >= 0
+        ):
+            return list(itertools.islice(self._rows, index.stop))
+        if self._list is None:
+            self._list = list(self._rows)
+        return self._list[index]
+
+    def __repr__(self) -> str:
+        return f"ReadyView(len={len(self)})"
+
+
+class RowTags(Mapping[int, Mapping[str, Any]]):
+    """Read-only ``row -> tags`` view of a partition (rows without tags map to ``{}``)."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Partition) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> Mapping[str, Any]:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        tags = self._p.tags[row]
+        return MappingProxyType(tags) if tags else _EMPTY
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
+
+
+class RowOrigin(Mapping[int, tuple[int, int]]):
+    """Read-only ``row -> (first row of the put that created it, offset within that put)``."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Partition) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> tuple[int, int]:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        first = self._p.origin[row]
+        return first, row - first
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
+
+
+class _Field:
+    __slots__ = ("header", "produced")
+
+    def __init__(self, header: ColumnHeader, n_rows: int) -> None:
+        self.header = header
+        self.produced = bytearray(n_rows)
+
+
+class Partition:
+    """One table of rows x fields and its consumption state. See the module docstring."""
+
+    def __init__(self, partition_id: str) -> None:
+        self.partition_id = partition_id
+        self.n_rows = 0
+        self.n_alive = 0
+        self.alive = bytearray()
+        self.origin = array("q")
+        self.units = array("i")
+        self.tags: list[dict[str, Any] | None] = []
+        self.fields: dict[str, _Field] = {}
+        self.consumed: dict[str, bytearray] = {}
+        self.consumed_count: dict[str, int] = {}
+        self.ready: dict[tuple[str, FieldsKey], ReadySet] = {}
+        self.sealed = False
+        self.deliveries: dict[DeliveryKey, tuple[int, ...]] = {}
+
+    # ---- schema and allocation ---------------------------------------------------------------
+
+    def check_schema(self, headers: Sequence[ColumnHeader]) -> None:
+        """Raise :class:`SchemaError` if a column contradicts its field's schema."""
+        seen: set[str] = set()
+        for h in headers:
+            if h.name in seen:
+                raise SchemaError(f"field {h.name!r} appears twice in one put")
+            seen.add(h.name)
+            known = self.fields.get(h.name)
+            if known is not None and known.header.schema() != h.schema():
+                raise SchemaError(
+                    f"field {h.name!r} is {known.header.describe()} in partition "
+                    f"{self.partition_id!r} but the put sent {h.describe()}; convert the column "
+                    "or use a new field name"
+                )
+
+    def add_fields(self, headers: Sequence[ColumnHeader]) -> None:
+        for h in headers:
+            if h.name not in self.fields:
+                self.fields[h.name] = _Field(h, self.n_rows)
+
+    def allocate(self, n: int, unit: int) -> range:
+        """Allocate ``n`` new rows on ``unit``; they exist but nothing is produced yet."""
+        first = self.n_rows
+        self.n_rows += n
+        self.n_alive += n
+        self.alive.extend(b"\x01" * n)
+        self.origin.extend(itertools.repeat(first, n))
+        self.units.extend(itertools.repeat(unit, n))
+        self.tags.extend(itertools.repeat(None, n))
+        for f in self.fields.values():
+            f.produced.extend(bytes(n))
+        for c in self.consumed.values():
+            c.extend(bytes(n))
+        return range(first, first + n)
+
+    def check_rows(self, rows: Sequence[int]) -> None:
+        """Raise :class:`RowsNotFound` unless every row exists and is alive."""
+        n, alive = self.n_rows, self.alive
+        for r in rows:
+            if not (0 <= r < n and alive[r]):
+                raise RowsNotFound(
+                    f"row {r} does not exist in partition {self.partition_id!r} (never "
+                    "allocated, or cleared); use the BatchMeta a put or get_meta returned"
+                )
+
+    # ---- production --------------------------------------------------------------------------
+
+    def commit(
+        self, rows: Sequence[int], fields: Sequence[str], tags: Sequence[Any] | None
+    ) -> list[str]:
+        """Mark ``fields`` of ``rows`` produced, merge ``tags``; return tasks that gained rows."""
+        self.check_rows(rows)
+        missing = [f for f in fields if f not in self.fields]
+        if missing:
+            raise SchemaError(f"fields {missing} were not announced by put_begin")
+        if tags is not None and len(tags) != len(rows):
+            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
+        for name in fields:
+            produced = self.fields[name].produced
+            for r in rows:
+                produced[r] = 1
+        if tags is not None:
+            for r, t in zip(rows, tags, strict=True):
+                if t:
+                    self._merge_tags(r, t)
+        gained: list[str] = []
+        changed = set(fields)
+        for (task, key), rs in self.ready.items():
+            if changed.isdisjoint(key):
+                continue
+            consumed = self.consumed[task]
+            produced_arrays = [self.fields[f].produced for f in key]
+            before = len(rs.rows)
+            for r in rows:
+                if not consumed[r] and all(p[r] for p in produced_arrays):
+                    rs.rows[r] = None
+            if len(rs.rows) != before and task not in gained:
+                gained.append(task)
+        return gained
+
+    def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
+        current = self.tags[row]
+        if current is None:
+            self.tags[row] = dict(tags)
+        else:
+            current.update(tags)
+
+    def set_tags(self, rows: Sequence[int], tags: Sequence[Mapping[str, Any]]) -> None:
+        """Merge ``tags[i]`` into row ``rows[i]``'s tags (atomic for the whole call)."""
+        if len(tags) != len(rows):
+            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
+        self.check_rows(rows)
+        for r, t in zip(rows, tags, strict=True):
+            self._merge_tags(r, t)
+
+    def is_produced(self, row: int, fields: Sequence[str]) -> bool:
+        return all(self.fields[f].produced[row] for f in fields)
+
+    # ---- consumption -------------------------------------------------------------------------
+
+    def _task_array(self, task: str) -> bytearray:
+        arr = self.consumed.get(task)
+        if arr is None:
+            arr = self.consumed[task] = bytearray(self.n_rows)
+            self.consumed_count[task] = 0
+        return arr
+
+    def ready_set(self, task: str, fields: Sequence[str]) -> ReadySet:
+        """The ready set for ``(task, fields)``, built on first use (one scan), then maintained."""
+        key = tuple(sorted(set(fields)))
+        rs = self.ready.get((task, key))
+        if rs is None:
+            consumed = self._task_array(task)
+            rs = ReadySet(task, key)
+            if all(f in self.fields for f in key):
+                produced_arrays = [self.fields[f].produced for f in key]
+                alive = self.alive
+                rs.rows = {
+                    r: None
+                    for r in range(self.n_rows)
+                    if alive[r] and not consumed[r] and all(p[r] for p in produced_arrays)
+                }
+            self.ready[(task, key)] = rs
+        return rs
+
+    def consume(self, task: str, rows: Sequence[int]) -> None:
+        """Mark ``rows`` consumed by ``task`` (they leave every ready set of the task)."""
+        consumed = self._task_array(task)
+        for r in rows:
+            if consumed[r]:
+                raise InvalidRequestError(
+                    f"row {r} of partition {self.partition_id!r} was already consumed by task "
+                    f"{task!r}; a sampler must not consume a row twice"
+                )
+        for r in rows:
+            consumed[r] = 1
+        self.consumed_count[task] += len(rows)
+        for (t, _), rs in self.ready.items():
+            if t == task:
+                for r in rows:
+                    rs.rows.pop(r, None)
+
+    def release(self, task: str, rows: Sequence[int]) -> bool:
+        """Undo ``consume`` for rows still alive; True if any row became ready again."""
+        consumed = self.consumed.get(task)
+        if consumed is None:
+            return False
+        back = [r for r in rows if 0 <= r < self.n_rows and self.alive[r] and consumed[r]]
+        for r in back:
+            consumed[r] = 0
+        self.consumed_count[task] -= len(back)
+        for (t, key), rs in self.ready.items():
+            if t == task and all(f in self.fields for f in key):
+                for r in back:
+                    if self.is_produced(r, key):
+                        rs.rows[r] = None
+        return bool(back)
+
+    def reset_consumption(self, task: str | None) -> None:
+        """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
+        tasks = list(self.consumed) if task is None else [task]
+        for t in tasks:
+            if t in self.consumed:
+                self.consumed[t] = bytearray(self.n_rows)
+                self.consumed_count[t] = 0
+            for key in [k for k in self.ready if k[0] == t]:
+                del self.ready[key]
+            for dk in [k for k in self.deliveries if k[0] == t]:
+                del self.deliveries[dk]
+
+    def pending(self, task: str, rs: ReadySet) -> int:
+        """Rows alive, not consumed by ``task`` and not (yet) ready for ``rs``."""
+        return self.n_alive - self.consumed_count.get(task, 0) - len(rs.rows)
+
+    def is_final(self, task: str, rs: ReadySet) -> bool:
+        """No more rows can become ready for ``rs``: sealed, and none is still being produced."""
+        return self.sealed and self.pending(task, rs) == 0
+
+    # ---- clearing ----------------------------------------------------------------------------
+
+    def clear_rows(self, rows: Sequence[int]) -> dict[int, list[int]]:
+        """Remove rows; return the rows to free on each storage unit."""
+        self.check_rows(rows)
+        by_unit: dict[int, list[int]] = {}
+        for r in set(rows):
+            self.alive[r] = 0
+            self.tags[r] = None
+            by_unit.setdefault(self.units[r], []).append(r)
+            for task, consumed in self.consumed.items():
+                if consumed[r]:
+                    consumed[r] = 0
+                    self.consumed_count[task] -= 1
+            for rs in self.ready.values():
+                rs.rows.pop(r, None)
+        self.n_alive -= sum(len(v) for v in by_unit.values())
+        return by_unit
+
+    def live_rows_by_unit(self) -> dict[int, list[int]]:
+        by_unit: dict[int, list[int]] = {}
+        for r in range(self.n_rows):
+            if self.alive[r]:
+                by_unit.setdefault(self.units[r], []).append(r)
+        return by_unit
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def production_mask(self, name: str) -> bytes:
+        f = self.fields.get(name)
+        if f is None:
+            return bytes(self.n_rows)
+        return bytes(a & b for a, b in zip(f.produced, self.alive, strict=True))
+
+    def consumption_mask(self, task: str) -> bytes:
+        c = self.consumed.get(task)
+        if c is None:
+            return bytes(self.n_rows)
+        return bytes(c)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "partition_id": self.partition_id,
+            "rows": self.n_alive,
+            "allocated": self.n_rows,
+            "sealed": self.sealed,
+            "fields": {name: f.header.describe() for name, f in self.fields.items()},
+            "consumed": dict(self.consumed_count),
+        }
+
+
+class ControllerState:
+    """Every partition of one controller, plus the storage units it places rows on.
+
+    Placement: all new rows of one put go to one unit, chosen round-robin across puts, so a
+    batch read back as it was written is one contiguous zero-copy slice on one unit.
+    """
+
+    def __init__(self, units: Mapping[int, str] | None = None) -> None:
+        self.partitions: dict[str, Partition] = {}
+        self.units: dict[int, str] = dict(units or {})
+        self._next_unit = 0
+
+    def partition(self, partition_id: str) -> Partition:
+        p = self.partitions.get(partition_id)
+        if p is None:
+            raise PartitionNotFound(
+                f"partition {partition_id!r} does not exist (never put to, or cleared); "
+                f"known partitions: {sorted(self.partitions)[:20]}"
+            )
+        return p
+
+    def pick_unit(self) -> int:
+        if not self.units:
+            raise InvalidRequestError(
+                "the controller has no storage units; start at least one (local_cluster "
+                "num_storage_units >= 1, or `tq-async serve storage`)"
+            )
+        ids = sorted(self.units)
+        unit = ids[self._next_unit % len(ids)]
+        self._next_unit += 1
+        return unit
+
+    def put_begin(
+        self,
+        partition_id: str,
+        headers: Sequence[ColumnHeader],
+        n_rows: int,
+        rows: Sequence[int] | None,
+    ) -> tuple[list[int], list[int], list[Wakeup]]:
+        """Validate a put and allocate its rows. Returns ``(rows, units, wakeups)``.
+
+        New rows (``rows is None``) create the partition on first use. Nothing is visible to
+        consumers until :meth:`put_commit`.
+        """
+        wakeups: list[Wakeup] = []
+        if rows is None:
+            if n_rows <= 0:
+                raise InvalidRequestError(f"a put needs at least one row, got {n_rows}")
+            p = self.partitions.get(partition_id)
+            if p is None:
+                p = Partition(partition_id)
+                p.check_schema(headers)
+                self.partitions[partition_id] = p
+                wakeups.append(Wakeup(partition_id))
+            else:
+                p.check_schema(headers)
+                if p.sealed:
+                    raise InvalidRequestError(
+                        f"partition {partition_id!r} is sealed: no new rows can be added; "
+                        "put into a new partition, or add fields to existing rows with meta="
+                    )
+            unit = self.pick_unit()
+            p.add_fields(headers)
+            new = p.allocate(n_rows, unit)
+            return list(new), [unit] * n_rows, wakeups
+        p = self.partition(partition_id)
+        p.check_schema(headers)
+        p.check_rows(rows)
+        p.add_fields(headers)
+        return list(rows), [p.units[r] for r in rows], wakeups

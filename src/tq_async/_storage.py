@@ -1,0 +1,247 @@
+"""Storage units: in-memory cell stores behind a thin ROUTER server.
+
+A unit keeps what it received: each put becomes one *chunk* per column, holding views of the
+message's frames (no copy, no re-serialisation). An index maps ``(partition, field, row)`` to
+``(chunk, position)``. Reading rows that are one run of one chunk sends a view of it (zero
+copy); other selections are gathered once into one buffer. A chunk is freed when its last row
+is cleared or overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import zmq
+from anyio.abc import TaskStatus
+
+from ._codec import (
+    Column,
+    ColumnHeader,
+    column_frame_count,
+    column_from_frames,
+    column_nbytes,
+    column_to_frames,
+    concat_columns,
+    take_rows,
+)
+from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._protocol import (
+    Cancel,
+    StorageRequest,
+    StoreClear,
+    StoredColumns,
+    StoreGet,
+    StorePut,
+    StoreStats,
+    StoreStatsReply,
+    error_reply,
+    ok_reply,
+    salvage_rid,
+    storage_request_decoder,
+)
+from ._transport import RouterEndpoint
+
+__all__ = ["StorageState", "StorageServer"]
+
+log = structlog.get_logger(__name__)
+
+
+class _Chunk:
+    __slots__ = ("column", "header", "live", "nbytes")
+
+    def __init__(self, header: ColumnHeader, column: Column) -> None:
+        self.header = header
+        self.column = column
+        self.live = len(column)
+        self.nbytes = column_nbytes(column)
+
+
+class StorageState:
+    """The cells of one unit; synchronous and socket-free (testable alone)."""
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        # partition -> field -> row -> (chunk, position)
+        self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
+        self.resident_bytes = 0
+
+    def put(
+        self, partition_id: str, rows: Sequence[int], headers: Sequence[ColumnHeader], frames: Any
+    ) -> None:
+        """Store columns for ``rows`` (frames in header order). All-or-nothing."""
+        n = len(rows)
+        if n == 0:
+            raise InvalidRequestError("a put needs at least one row")
+        if len(set(rows)) != n:
+            raise InvalidRequestError("a put lists the same row twice")
+        expected = sum(column_frame_count(h) for h in headers)
+        if expected != len(frames):
+            raise ProtocolError(f"StorePut carries {len(frames)} frames, its header {expected}")
+        chunks: list[_Chunk] = []
+        pos = 0
+        for h in headers:
+            if h.kind == "pickle" and not self.allow_pickle:
+                raise SchemaError(
+                    f"field {h.name!r} is pickled but this storage unit does not allow pickle; "
+                    "start it with allow_pickle=True in trusted deployments only"
+                )
+            k = column_frame_count(h)
+            chunks.append(_Chunk(h, column_from_frames(h, frames[pos : pos + k], n)))
+            pos += k
+        fields = self._index.setdefault(partition_id, {})
+        for chunk in chunks:
+            index = fields.setdefault(chunk.header.name, {})
+            self.resident_bytes += chunk.nbytes
+            for i, r in enumerate(rows):
+                old = index.get(r)
+                if old is not None:
+                    self._drop(old[0])
+                index[r] = (chunk, i)
+
+    def _drop(self, chunk: _Chunk) -> None:
+        chunk.live -= 1
+        if chunk.live == 0:
+            self.resident_bytes -= chunk.nbytes
+
+    def get(
+        self, partition_id: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> tuple[list[ColumnHeader], list[Column]]:
+        """Columns for ``fields`` of ``rows`` in that order (views when possible)."""
+        stored = self._index.get(partition_id)
+        if stored is None:
+            raise RowsNotFound(
+                f"this storage unit holds nothing of partition {partition_id!r} (cleared?)"
+            )
+        headers: list[ColumnHeader] = []
+        columns: list[Column] = []
+        for name in fields:
+            index = stored.get(name)
+            if index is None:
+                raise RowsNotFound(f"field {name!r} of partition {partition_id!r} is not stored")
+            pieces: list[Column] = []
+            header: ColumnHeader | None = None
+            run_chunk: _Chunk | None = None
+            a = b = 0
+            for r in rows:
+                try:
+                    chunk, i = index[r]
+                except KeyError:
+                    raise RowsNotFound(
+                        f"row {r} of field {name!r} in partition {partition_id!r} is not stored "
+                        "(never written, or cleared)"
+                    ) from None
+                if chunk is run_chunk and i == b:
+                    b += 1
+                    continue
+                if run_chunk is not None:
+                    pieces.append(take_rows(run_chunk.column, [(a, b)]))
+                run_chunk, a, b = chunk, i, i + 1
+                if header is None:
+                    header = chunk.header
+                elif chunk.header.schema() != header.schema():
+                    raise SchemaError(f"field {name!r} has mixed schemas across puts")
+            if run_chunk is not None:
+                pieces.append(take_rows(run_chunk.column, [(a, b)]))
+            if header is None:  # no rows requested
+                raise InvalidRequestError("a get needs at least one row")
+            headers.append(header)
+            columns.append(concat_columns(pieces))
+        return headers, columns
+
+    def clear(self, partition_id: str, rows: Sequence[int] | None) -> int:
+        """Free rows (all rows of the partition when None); returns rows freed."""
+        stored = self._index.get(partition_id)
+        if stored is None:
+            return 0
+        if rows is None:
+            freed = max((len(ix) for ix in stored.values()), default=0)
+            for index in stored.values():
+                for chunk, _ in index.values():
+                    self._drop(chunk)
+            del self._index[partition_id]
+            return freed
+        freed_rows: set[int] = set()
+        for index in stored.values():
+            for r in rows:
+                entry = index.pop(r, None)
+                if entry is not None:
+                    self._drop(entry[0])
+                    freed_rows.add(r)
+        if all(not ix for ix in stored.values()):
+            del self._index[partition_id]
+        return len(freed_rows)
+
+    def stats(self) -> StoreStatsReply:
+        rows = sum(
+            max((len(ix) for ix in fields.values()), default=0) for fields in self._index.values()
+        )
+        return StoreStatsReply(len(self._index), rows, self.resident_bytes)
+
+
+class StorageServer:
+    """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous)."""
+
+    def __init__(self, unit_id: int, *, allow_pickle: bool = False) -> None:
+        self.unit_id = unit_id
+        self.state = StorageState(allow_pickle=allow_pickle)
+        self._endpoint: RouterEndpoint | None = None
+
+    @property
+    def address(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("the storage unit is not serving")
+        return self._endpoint.address
+
+    async def serve(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Bind, report the address through ``task_status``, serve until cancelled."""
+        self._endpoint = RouterEndpoint(bind, self._on_message)
+        try:
+            task_status.started(self._endpoint.address)
+            await anyio.sleep_forever()
+        finally:
+            self._endpoint.close()
+
+    def _on_message(self, peer: bytes, frames: list[zmq.Frame]) -> None:
+        assert self._endpoint is not None
+        header = frames[0].buffer
+        try:
+            req: StorageRequest = storage_request_decoder.decode(header)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            rid = salvage_rid(header)
+            log.warning("malformed storage request", error=str(exc), rid=rid)
+            if rid is not None:
+                self._endpoint.send(peer, [error_reply(rid, ProtocolError(str(exc)))])
+            return
+        body = req.body
+        try:
+            if isinstance(body, StorePut):
+                self.state.put(body.partition_id, body.rows, body.columns, frames[1:])
+                reply: list[Any] = [ok_reply(req.rid, None)]
+            elif isinstance(body, StoreGet):
+                headers, columns = self.state.get(body.partition_id, body.rows, body.fields)
+                out: list[Any] = [ok_reply(req.rid, StoredColumns(len(body.rows), headers))]
+                for h, c in zip(headers, columns, strict=True):
+                    out.extend(column_to_frames(h, c))
+                reply = out
+            elif isinstance(body, StoreClear):
+                reply = [ok_reply(req.rid, self.state.clear(body.partition_id, body.rows))]
+            elif isinstance(body, StoreStats):
+                reply = [ok_reply(req.rid, self.state.stats())]
+            elif isinstance(body, Cancel):
+                return  # every storage op completes at once; nothing to cancel
+            else:  # pragma: no cover - the decoder admits only the types above
+                raise ProtocolError(f"unknown storage request {type(body).__name__}")
+        except Exception as exc:
+            if not isinstance(exc, (InvalidRequestError, RowsNotFound, ProtocolError)):
+                log.exception("storage request failed", rid=req.rid, op=type(body).__name__)
+            reply = [error_reply(req.rid, exc)]
+        self._endpoint.send(peer, reply)

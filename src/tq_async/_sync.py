@@ -1,0 +1,218 @@
+"""``Client``: the blocking twin of :class:`~tq_async.AsyncClient`.
+
+Every method runs the async implementation on the process's portal loop thread
+(:mod:`tq_async._portal`), so there is one implementation. It works from plain threads, from
+inside a running event loop (the call blocks that loop; prefer ``AsyncClient`` there), and in
+a child process after ``fork`` (connect a new ``Client`` in the child).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ._client import AsyncClient
+from ._errors import ClosedError
+from ._meta import BatchMeta
+from ._portal import get_portal
+
+__all__ = ["Client"]
+
+R = TypeVar("R")
+
+
+class Client:
+    """Blocking client; same methods and arguments as :class:`~tq_async.AsyncClient`.
+
+    Use it as a context manager::
+
+        with tq.Client.connect(address) as client:
+            meta = client.put(td, partition_id="train@0")
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float = 60.0,
+        allow_pickle: bool | None = None,
+    ) -> None:
+        self.address = address
+        self._portal = get_portal()
+        self._async: AsyncClient | None = None
+        self._kwargs: dict[str, Any] = {
+            "request_timeout": request_timeout,
+            "allow_pickle": allow_pickle,
+        }
+
+    @classmethod
+    def connect(
+        cls, address: str, *, request_timeout: float = 60.0, allow_pickle: bool | None = None
+    ) -> Client:
+        """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
+        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle)
+
+    def open(self) -> Client:
+        """Connect (on the portal loop). Returns self."""
+        if self._async is None:
+            aclient = AsyncClient(self.address, **self._kwargs)
+            self._portal.call(aclient.open)
+            self._async = aclient
+        return self
+
+    def close(self) -> None:
+        """Close the connection; further calls raise :class:`~tq_async.ClosedError`."""
+        if self._async is not None:
+            aclient, self._async = self._async, None
+            self._portal.call(aclient.aclose)
+
+    def __enter__(self) -> Client:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _require(self) -> AsyncClient:
+        if self._async is None:
+            raise ClosedError("the client is not connected; use `with Client.connect(address)`")
+        return self._async
+
+    @property
+    def async_client(self) -> AsyncClient:
+        """The underlying :class:`AsyncClient` (lives on the portal loop thread)."""
+        return self._require()
+
+    def _run(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R:
+        return self._portal.call(functools.partial(fn, *args, **kwargs))
+
+    def put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.put`."""
+        return self._run(self._require().put, data, partition_id, meta=meta, tags=tags)
+
+    def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.get_meta`."""
+        return self._run(
+            self._require().get_meta,
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+        )
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+        """Blocking :meth:`AsyncClient.get_data`."""
+        return self._run(self._require().get_data, meta, fields)
+
+    def get(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+    ) -> tuple[TensorDict, BatchMeta]:
+        """Blocking :meth:`AsyncClient.get`."""
+        return self._run(
+            self._require().get,
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+        )
+
+    def release(self, meta: BatchMeta) -> None:
+        """Blocking :meth:`AsyncClient.release`."""
+        self._run(self._require().release, meta)
+
+    def seal(self, partition_id: str) -> None:
+        """Blocking :meth:`AsyncClient.seal`."""
+        self._run(self._require().seal, partition_id)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
+        """Blocking :meth:`AsyncClient.reset_consumption`."""
+        self._run(self._require().reset_consumption, partition_id, task_name)
+
+    def clear_samples(self, meta: BatchMeta) -> None:
+        """Blocking :meth:`AsyncClient.clear_samples`."""
+        self._run(self._require().clear_samples, meta)
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Blocking :meth:`AsyncClient.clear_partition`."""
+        self._run(self._require().clear_partition, partition_id)
+
+    def check_production_status(
+        self,
+        partition_id: str,
+        data_fields: Sequence[str],
+        global_indexes: Sequence[int] | None = None,
+    ) -> bool:
+        """Blocking :meth:`AsyncClient.check_production_status`."""
+        return self._run(
+            self._require().check_production_status, partition_id, data_fields, global_indexes
+        )
+
+    def check_consumption_status(
+        self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
+    ) -> bool:
+        """Blocking :meth:`AsyncClient.check_consumption_status`."""
+        return self._run(
+            self._require().check_consumption_status, partition_id, task_name, global_indexes
+        )
+
+    def production_status(
+        self, partition_id: str, data_fields: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Blocking :meth:`AsyncClient.production_status`."""
+        return self._run(self._require().production_status, partition_id, data_fields)
+
+    def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
+        """Blocking :meth:`AsyncClient.consumption_status`."""
+        return self._run(self._require().consumption_status, partition_id, task_name)
+
+    def list_partitions(self) -> list[str]:
+        """Blocking :meth:`AsyncClient.list_partitions`."""
+        return self._run(self._require().list_partitions)
+
+    def partition_info(self, partition_id: str) -> dict[str, Any]:
+        """Blocking :meth:`AsyncClient.partition_info`."""
+        return self._run(self._require().partition_info, partition_id)
+
+    def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
+        """Blocking :meth:`AsyncClient.set_tags`."""
+        self._run(self._require().set_tags, meta, tags)
