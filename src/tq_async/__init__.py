@@ -25,7 +25,12 @@ from ._state import ControllerState as ControllerState
 from ._storage import StorageServer as StorageServer
 from ._sync import Client as Client
 from .samplers import BaseSampler as BaseSampler
+from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
+from .samplers import RankAwareSampler as RankAwareSampler
+from .samplers import SeqlenBalancedSampler as SeqlenBalancedSampler
 from .samplers import SequentialSampler as SequentialSampler
+from .samplers import get_seqlen_balanced_partitions as get_seqlen_balanced_partitions
+from .samplers import karmarkar_karp as karmarkar_karp
 
 __version__ = "0.1.0.dev0"
 
@@ -39,16 +44,21 @@ __all__ = [
     "ColumnHeader",
     "ControllerServer",
     "ControllerState",
+    "GRPOGroupNSampler",
     "InvalidRequestError",
     "LocalCluster",
     "PartitionNotFound",
     "ProtocolError",
+    "RankAwareSampler",
     "RowsNotFound",
     "SchemaError",
+    "SeqlenBalancedSampler",
     "SequentialSampler",
     "StorageServer",
     "TQError",
     "TQTimeoutError",
     "UnsupportedTypeError",
+    "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
     "local_cluster",
 ]

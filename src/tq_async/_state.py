@@ -247,8 +247,8 @@ class Partition:
         gained: list[str] = []
         changed = set(fields)
         for (task, key), rs in self.ready.items():
-            if changed.isdisjoint(key):
-                continue
+            if changed.isdisjoint(key) or not all(f in self.fields for f in key):
+                continue  # untouched, or waits for a field no put has announced yet
             consumed = self.consumed[task]
             produced_arrays = [self.fields[f].produced for f in key]
             before = len(rs.rows)

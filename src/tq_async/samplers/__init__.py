@@ -2,6 +2,20 @@
 
 from ._base import BaseSampler as BaseSampler
 from ._base import SampleResult as SampleResult
+from ._grpo import GRPOGroupNSampler as GRPOGroupNSampler
+from ._kk import get_seqlen_balanced_partitions as get_seqlen_balanced_partitions
+from ._kk import karmarkar_karp as karmarkar_karp
+from ._rank_aware import RankAwareSampler as RankAwareSampler
+from ._seqlen import SeqlenBalancedSampler as SeqlenBalancedSampler
 from ._sequential import SequentialSampler as SequentialSampler
 
-__all__ = ["BaseSampler", "SampleResult", "SequentialSampler"]
+__all__ = [
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "RankAwareSampler",
+    "SampleResult",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
+]

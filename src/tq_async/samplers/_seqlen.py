@@ -1,0 +1,237 @@
+"""Token-balanced batches across data-parallel ranks (Karmarkar-Karp over ``total_lengths``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._base import BaseSampler, SampleResult
+from ._cache import ShareCache, reads_needed
+from ._groups import check_group_size, complete_groups
+from ._kk import karmarkar_karp
+
+__all__ = ["SeqlenBalancedSampler"]
+
+
+class SeqlenBalancedSampler(BaseSampler):
+    """Splits each batch across ``dp_size`` ranks so every rank gets a near-equal token count.
+
+    The first request for a ``(partition_id, task_name, batch_index)``, from whichever rank,
+    takes ``batch_size * dp_size`` rows forming whole groups of ``n_samples_per_prompt`` rows
+    (grouped as by :class:`GRPOGroupNSampler`), sums each group's ``length_key`` tag and
+    splits the groups across the ranks with :func:`karmarkar_karp` (equal group counts per
+    rank). It returns the requesting rank's share and consumes **every** rank's share at once,
+    so no row can reach another batch or rank; later requests for the batch by other ranks
+    get ``(their_share, [])``. Within a share, groups are ordered by their smallest row, rows
+    of a group kept together. Rank 0 gets the share holding the first group found, rank 1 the
+    share holding the first group not in rank 0's, and so on, so the split depends only on
+    which rows were taken, never on which rank asked first.
+
+    Until enough whole groups are ready the sampler waits (``([], [])``). Once the partition
+    is final it uses all the whole groups left, if there are at least ``dp_size`` of them; the
+    ranks' group counts then differ by at most one.
+
+    A rank's share is forgotten after ``n_replicas`` reads (after one read when the
+    controller passes ``replays_served=True``), a batch when all its shares are, and
+    everything of a partition when it is cleared or its task's consumption is reset; at most
+    ``max_entries`` batches are kept (oldest dropped first, with a warning).
+
+    Args:
+        n_samples_per_prompt: rows per group; 1 makes every row its own group (tags unread).
+        dp_size: number of data-parallel ranks sharing each batch.
+        length_key: the tag holding a row's token count.
+        n_replicas: how many readers share each ``dp_rank`` (e.g. TP size x PP size).
+        max_entries: the most batches kept at once.
+        group_key: the tag naming a row's group (as in :class:`GRPOGroupNSampler`).
+
+    Raises:
+        ValueError: an argument is below 1.
+    """
+
+    def __init__(
+        self,
+        n_samples_per_prompt: int = 1,
+        dp_size: int = 1,
+        length_key: str = "total_lengths",
+        n_replicas: int = 1,
+        max_entries: int = 65536,
+        group_key: str = "uid",
+    ) -> None:
+        for name, value in (
+            ("n_samples_per_prompt", n_samples_per_prompt),
+            ("dp_size", dp_size),
+            ("n_replicas", n_replicas),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.dp_size = dp_size
+        self.length_key = length_key
+        self.n_replicas = n_replicas
+        self.group_key = group_key
+        self._cache = ShareCache(max_entries, type(self).__name__)
+
+    @property
+    def cache_size(self) -> int:
+        """Number of batches with at least one share not yet fully read."""
+        return len(self._cache)
+
+    def sample(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        *args: Any,
+        partition_id: str = "",
+        task_name: str = "",
+        dp_rank: int | None = None,
+        batch_index: int | None = None,
+        tags: Mapping[int, Mapping[str, Any]] | None = None,
+        origin: Mapping[int, tuple[int, int]] | None = None,
+        final: bool = False,
+        **kwargs: Any,
+    ) -> SampleResult:
+        """Return ``dp_rank``'s share of batch ``batch_index``; see the class docstring.
+
+        Args:
+            ready_indexes: ready rows in the order they became ready.
+            batch_size: rows per rank; a multiple of ``n_samples_per_prompt``.
+            *args: ignored (accepted for the contract).
+            partition_id: from the controller.
+            task_name: from the controller.
+            dp_rank: the requesting rank, in ``0..dp_size-1`` (``sampling_config``).
+            batch_index: which batch (``sampling_config``).
+            tags: ``row -> tags`` view; every sampled row needs a ``length_key`` tag.
+            origin: ``row -> (first row of its put, offset in the put)``.
+            final: no more rows can become ready: split the whole groups that are left.
+            **kwargs: other context; ``replays_served`` sets the read count.
+
+        Returns:
+            ``(share, all_rows_of_the_batch)`` for the batch's first request,
+            ``(share, [])`` for later ones, ``([], [])`` while too few groups are ready.
+
+        Raises:
+            ValueError: ``dp_rank`` or ``batch_index`` missing or out of range, bad
+                ``batch_size``, a row without a ``length_key`` tag, a rank reading its share
+                more than ``n_replicas`` times, or a final batch with fewer whole groups
+                than ranks.
+        """
+        if dp_rank is None or batch_index is None:
+            raise ValueError(
+                f"{type(self).__name__} needs dp_rank and batch_index; pass "
+                'sampling_config={"dp_rank": ..., "batch_index": ...} to get_meta'
+            )
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(
+                f"dp_rank {dp_rank} is out of range for dp_size={self.dp_size}; "
+                f"use a rank in 0..{self.dp_size - 1} or build the sampler with the real dp_size"
+            )
+        key = (partition_id, task_name, batch_index)
+        if key in self._cache:
+            share = self._cache.read(key, dp_rank)
+            if share is None:
+                raise ValueError(
+                    f"dp_rank {dp_rank} already read batch {batch_index} of partition "
+                    f"{partition_id!r} for task {task_name!r} n_replicas={self.n_replicas} "
+                    "times; set n_replicas to the number of readers per rank"
+                )
+            return share, []
+        shares = self._split(ready_indexes, batch_size, tags, origin, final, partition_id)
+        if not shares:
+            return [], []
+        reads = reads_needed(self.n_replicas, kwargs)
+        left = {rank: reads for rank in range(self.dp_size)}
+        left[dp_rank] -= 1
+        self._cache.add(key, dict(enumerate(shares)), left)
+        return list(shares[dp_rank]), [r for share in shares for r in share]
+
+    def _split(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        tags: Mapping[int, Mapping[str, Any]] | None,
+        origin: Mapping[int, tuple[int, int]] | None,
+        final: bool,
+        partition_id: str,
+    ) -> list[list[int]]:
+        n = self.n_samples_per_prompt
+        check_group_size(n, batch_size)
+        wanted = batch_size * self.dp_size // n
+        groups = complete_groups(
+            ready_indexes, n, wanted, tags=tags, origin=origin, group_key=self.group_key
+        )
+        if len(groups) < wanted and not final:
+            return []
+        if not groups:
+            return []
+        if len(groups) < self.dp_size:
+            raise ValueError(
+                f"partition {partition_id!r} is final with only {len(groups)} whole group(s) "
+                f"of {n} row(s) left, fewer than dp_size={self.dp_size}, so some rank would get "
+                "no rows; put a multiple of dp_size groups, or clear the leftover rows"
+            )
+        lengths = [self._group_length(g, tags) for g in groups]
+        # A short final batch may not divide evenly: pad with zero-length dummies so the
+        # equal-size split still applies, then drop them (group counts differ by at most 1).
+        n_real = len(groups)
+        lengths.extend([0] * (-n_real % self.dp_size))
+        parts = karmarkar_karp(lengths, self.dp_size, equal_size=True)
+        shares: list[list[int]] = []
+        for part in parts:
+            chosen = sorted((groups[i] for i in part if i < n_real), key=min)
+            shares.append([r for g in chosen for r in g])
+        return shares
+
+    def _group_length(self, group: list[int], tags: Mapping[int, Mapping[str, Any]] | None) -> int:
+        total = 0
+        for row in group:
+            row_tags = None if tags is None else tags.get(row)
+            length = None if row_tags is None else row_tags.get(self.length_key)
+            if length is None:
+                raise ValueError(
+                    f"row {row} has no {self.length_key!r} tag; put it with "
+                    f"tags=[{{{self.length_key!r}: <token count>}}, ...] (or set_tags) so "
+                    f"{type(self).__name__} can balance, or set length_key"
+                )
+            total += int(length)
+        return total
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Forget every batch of ``partition_id``.
+
+        Args:
+            partition_id: the partition being cleared.
+        """
+        self._cache.clear(partition_id)
+
+    def reset_partition(self, partition_id: str, task_name: str | None) -> None:
+        """Forget the batches of ``task_name`` (all tasks when None) in ``partition_id``.
+
+        Args:
+            partition_id: the partition whose consumption was reset.
+            task_name: the task reset, or None for every task.
+        """
+        self._cache.clear(partition_id, task_name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The unread shares of every cached batch (msgpack-able).
+
+        Returns:
+            ``{"entries": [[[partition_id, task_name, batch_index], [[rank, rows,
+            reads_left], ...]], ...]}``.
+        """
+        return {"entries": self._cache.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: a previous :meth:`state_dict`.
+        """
+        self._cache.load_state_dict(list(state.get("entries", [])))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(n_samples_per_prompt={self.n_samples_per_prompt}, "
+            f"dp_size={self.dp_size}, length_key={self.length_key!r}, "
+            f"n_replicas={self.n_replicas}, max_entries={self._cache.max_entries})"
+        )

@@ -1,0 +1,176 @@
+"""Bad input gets a clear TQError, changes nothing, and the service keeps answering."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from tensordict import TensorDict
+
+import tq_async as tq
+from tq_async._protocol import GetMeta, ListPartitions, Reply, StoreGet, encoder
+
+
+async def test_client_side_argument_errors() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.InvalidRequestError, match=r"data_fields=\['x'\]"):
+            await client.get_meta("x", 1, "p", "t")  # type: ignore[arg-type]
+        for bad in (0, -3, 1.5, True):
+            with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+                await client.get_meta(["x"], bad, "p", "t")  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="mode"):
+            await client.get_meta(["x"], 1, "p", "t", mode="steal")
+        with pytest.raises(tq.InvalidRequestError, match="partition_id"):
+            await client.put({"x": torch.zeros(1)})
+        assert await client.list_partitions() == []
+
+
+async def test_schema_violations_change_nothing() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.zeros(2, 3)}, partition_id="p")
+        with pytest.raises(tq.SchemaError, match=r"float32.*float64.*convert"):
+            await client.put({"x": torch.zeros(2, 3, dtype=torch.float64)}, partition_id="p")
+        with pytest.raises(tq.SchemaError, match=r"\[3\].*\[4\]"):
+            await client.put({"x": torch.zeros(2, 4)}, partition_id="p")
+        with pytest.raises(tq.SchemaError, match="batch has 2 rows"):
+            await client.put({"x": torch.zeros(2, 3), "y": torch.zeros(3)}, partition_id="p")
+        with pytest.raises(tq.SchemaError, match="jagged"):
+            await client.put(
+                {
+                    "x": torch.nested.nested_tensor(
+                        [torch.zeros(3), torch.zeros(1)], layout=torch.jagged
+                    )
+                },
+                partition_id="p",
+            )
+        with pytest.raises(tq.SchemaError, match="meta has 2"):
+            await client.put({"y": torch.zeros(3)}, meta=meta)
+        with pytest.raises(tq.UnsupportedTypeError, match=r"'obj'.*object"):
+            await client.put({"obj": [object(), object()]}, partition_id="p")
+        info = await client.partition_info("p")
+        assert info["rows"] == 2
+        assert set(info["fields"]) == {"x"}
+
+
+async def test_unknown_partition_on_status_calls() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for call in (
+            client.check_consumption_status("nope", "t"),
+            client.check_production_status("nope", ["x"]),
+            client.consumption_status("nope", "t"),
+            client.production_status("nope"),
+            client.partition_info("nope"),
+            client.clear_partition("nope"),
+            client.reset_consumption("nope"),
+        ):
+            with pytest.raises(tq.PartitionNotFound, match="'nope'"):
+                await call
+        assert await client.list_partitions() == []
+
+
+async def test_pickle_needs_opt_in_on_both_sides() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, allow_pickle=True) as client,
+    ):
+        with pytest.raises(tq.SchemaError, match="does not allow pickle"):
+            await client.put({"t": [(1, 2)]}, partition_id="p")
+        assert await client.list_partitions() == ["p"]  # created, but no rows left behind
+        assert (await client.partition_info("p"))["rows"] == 0
+    async with (
+        tq.local_cluster(num_storage_units=1, allow_pickle=True) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert client.allow_pickle  # follows the deployment
+        meta = await client.put({"t": [(1, 2), {3}]}, partition_id="p")
+        td = await client.get_data(meta)
+        assert td.get("t").tolist() == [(1, 2), {3}]
+
+
+async def raw_request(address: str, frames: list[bytes]) -> list[bytes] | None:
+    """Send raw frames on a fresh DEALER; the reply's frames, or None if none within 1 s."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send_multipart(frames)
+        if await sock.poll(1000):
+            return list(await sock.recv_multipart())
+        return None
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\xc1garbage"],
+        [b""],
+        [encoder.encode([1])],
+        [encoder.encode([7, ["NoSuchRequest"]])],
+        [encoder.encode([8, ["GetMeta", "p", "not-a-list", 1, "t"]])],
+        [encoder.encode([9, ["GetMeta", "p", ["x"], 0, "t"]])],
+        [encoder.encode(["rid", ["Hello"]])],
+        [b"\x92" + b"\xff" * 64],
+    ],
+)
+async def test_malformed_messages_get_an_error_or_are_dropped(frames: list[bytes]) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for address in (cluster.address, cluster.unit_addresses[0]):
+            reply = await raw_request(address, frames)
+            if reply is not None:
+                decoded = msgspec.msgpack.decode(reply[0], type=Reply)
+                assert not decoded.ok
+        # the services still answer
+        assert await client.list_partitions() == []
+        good = await raw_request(cluster.address, [encoder.encode((5, ListPartitions()))])
+        assert good is not None
+        assert msgspec.msgpack.decode(good[0], type=Reply).ok
+
+
+async def test_truncated_data_frames_are_rejected() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        header = encoder.encode(
+            (
+                3,
+                msgspec.msgpack.decode(
+                    encoder.encode(["StorePut", "p", [0, 1], [["x", "dense", "float32", [4]]]])
+                ),
+            )
+        )
+        reply = await raw_request(cluster.unit_addresses[0], [header, b"\x00" * 7])
+        assert reply is not None
+        decoded = msgspec.msgpack.decode(reply[0], type=Reply)
+        assert not decoded.ok
+        assert b"ProtocolError" in bytes(decoded.payload)
+        missing = await raw_request(
+            cluster.unit_addresses[0], [encoder.encode((4, StoreGet("p", [0], ["x"])))]
+        )
+        assert missing is not None
+        assert not msgspec.msgpack.decode(missing[0], type=Reply).ok
+        meta = await client.put(TensorDict({"x": torch.ones(2, 4)}, [2]), partition_id="p")
+        assert (await client.get_data(meta))["x"].sum() == 8
+        # a bad GetMeta over the wire is answered with InvalidRequestError
+        bad = await raw_request(
+            cluster.address, [encoder.encode((6, GetMeta("p", ["x"], -1, "t")))]
+        )
+        assert bad is not None
+        assert b"InvalidRequestError" in bad[0]

@@ -1,0 +1,105 @@
+"""Samplers through the controller: DP ranks x replicas, out-of-order producers."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+
+N, DP, REPLICAS, PER_RANK, BATCHES = 4, 4, 2, 8, 4
+GROUPS = DP * PER_RANK // N * BATCHES  # 32 prompt groups of N rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_seqlen_balanced_dp_groups_with_replicas(seed: int) -> None:
+    rng = random.Random(seed)
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=N, dp_size=DP, n_replicas=REPLICAS)
+    async with (
+        tq.local_cluster(num_storage_units=2, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        got: dict[tuple[int, int, int], list[int]] = {}  # (rank, replica, batch) -> uids
+
+        async def produce() -> None:
+            order = list(range(GROUPS))
+            rng.shuffle(order)  # groups arrive out of order
+            for uid in order:
+                lengths = [rng.randint(10, 500) for _ in range(N)]
+                await client.put(
+                    {"uid_col": torch.full((N,), uid), "len": torch.tensor(lengths)},
+                    partition_id="p",
+                    tags=[{"uid": uid, "total_lengths": n} for n in lengths],
+                )
+                if rng.random() < 0.5:
+                    await anyio.lowlevel.checkpoint()
+
+        async def rank(dp_rank: int, replica: int) -> None:
+            for b in range(BATCHES):
+                for _ in range(rng.randint(0, 3)):  # ranks run at different speeds
+                    await anyio.lowlevel.checkpoint()
+                td, meta = await client.get(
+                    ["uid_col", "len"],
+                    PER_RANK,
+                    "p",
+                    "update_actor",
+                    {"dp_rank": dp_rank, "batch_index": b},
+                    timeout=20,
+                )
+                got[(dp_rank, replica, b)] = td["uid_col"].tolist()
+                assert [t["uid"] for t in meta.tags] == td["uid_col"].tolist()
+
+        async with anyio.create_task_group() as tg:
+            ranks = [(r, k) for r in range(DP) for k in range(REPLICAS)]
+            rng.shuffle(ranks)
+            for r, k in ranks:
+                tg.start_soon(rank, r, k)
+            tg.start_soon(produce)
+
+        all_uids: list[int] = []
+        for b in range(BATCHES):
+            for r in range(DP):
+                first, second = got[(r, 0, b)], got[(r, 1, b)]
+                assert first == second  # identical within a DP group
+                assert len(first) == PER_RANK
+                # whole groups only
+                assert all(first.count(u) == N for u in set(first))
+                all_uids.extend(first)
+        # every row delivered to exactly one DP group, nothing lost
+        assert sorted(all_uids) == sorted(u for u in range(GROUPS) for _ in range(N))
+        assert await client.check_consumption_status("p", "update_actor")
+        await client.clear_partition("p")
+        assert sampler.cache_size == 0
+
+
+async def test_grpo_groups_never_span_prompts_through_the_controller() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=tq.GRPOGroupNSampler(4)) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        # two puts of one prompt group each (no uid tags: groups come from the put)
+        await client.put({"x": torch.arange(4)}, partition_id="p")
+        await client.put({"x": torch.arange(4, 8)}, partition_id="p")
+        first = await client.get_meta(["x"], 4, "p", "t")
+        second = await client.get_meta(["x"], 4, "p", "t")
+        assert first.global_indexes == [0, 1, 2, 3]
+        assert second.global_indexes == [4, 5, 6, 7]
+
+
+async def test_rank_aware_sampler_through_controller_cache_stays_bounded() -> None:
+    sampler = tq.RankAwareSampler(tq.GRPOGroupNSampler(2), n_replicas=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(
+            {"x": torch.arange(8)}, partition_id="p", tags=[{"uid": i // 2} for i in range(8)]
+        )
+        for b in range(2):
+            a = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": b})
+            c = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": b})
+            assert a.global_indexes == c.global_indexes
+        assert sampler.cache_size == 0  # the controller served the replicas from its log

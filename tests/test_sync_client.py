@@ -1,0 +1,109 @@
+"""The blocking Client: from a plain thread, inside a running loop, in another process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+
+
+def test_client_from_a_plain_thread() -> None:
+    async def main() -> None:
+        async with tq.local_cluster(num_storage_units=1) as cluster:
+
+            def blocking() -> list[int]:
+                with tq.Client.connect(cluster.address) as client:
+                    client.put({"x": torch.arange(4)}, partition_id="p")
+                    td, _meta = client.get(["x"], 4, "p", "t")
+                    assert client.check_consumption_status("p", "t")
+                    return td["x"].tolist()
+
+            assert await anyio.to_thread.run_sync(blocking) == [0, 1, 2, 3]
+
+    anyio.run(main)
+
+
+async def test_client_called_from_inside_a_running_loop() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        # Blocking calls from a coroutine block this loop, so the cluster must live elsewhere:
+        # here the test hands the blocking work to a thread, the loop keeps serving.
+        def blocking() -> int:
+            with tq.Client.connect(cluster.address) as client:
+                client.put({"x": torch.ones(3)}, partition_id="p")
+                return len(client.get_meta(["x"], 3, "p", "t"))
+
+        assert await anyio.to_thread.run_sync(blocking) == 3
+
+
+def test_client_inside_a_foreign_running_loop(tmp_path: object) -> None:
+    """A sync Client used from code that runs inside someone else's event loop."""
+    script = textwrap.dedent(
+        """
+        import asyncio, torch, tq_async as tq
+        from tq_async._cli import main
+        import subprocess, sys
+        proc = subprocess.Popen([sys.executable, "-m", "tq_async._cli", "serve",
+                                 "--storage-units", "1"], stdout=subprocess.PIPE, text=True)
+        address = proc.stdout.readline().strip().split("=", 1)[1]
+        async def inside_loop():
+            with tq.Client.connect(address) as client:   # blocking calls in a coroutine
+                client.put({"x": torch.arange(3)}, partition_id="p")
+                return client.get(["x"], 3, "p", "t")[0]["x"].tolist()
+        try:
+            print(asyncio.run(inside_loop()))
+        finally:
+            proc.terminate(); proc.wait(10)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[0, 1, 2]"
+
+
+def _child(address: str, queue: mp.Queue[object]) -> None:
+    with tq.Client.connect(address) as client:
+        client.put({"x": torch.arange(5), "s": list("abcde")}, partition_id="p")
+        td, _ = client.get(["x", "s"], 5, "p", "child")
+        queue.put((td["x"].tolist(), td.get("s").tolist()))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_client_in_a_separate_process(method: str) -> None:
+    ctx = mp.get_context(method)
+
+    async def main() -> None:
+        async with tq.local_cluster(num_storage_units=2) as cluster:
+            if method == "fork":
+                # use the portal in the parent first: the child must build its own after fork
+                def parent_use() -> None:
+                    with tq.Client.connect(cluster.address) as c:
+                        c.list_partitions()
+
+                await anyio.to_thread.run_sync(parent_use)
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=(cluster.address, queue))
+            proc.start()
+            try:
+                result = await anyio.to_thread.run_sync(queue.get, True, 60)
+            finally:
+                await anyio.to_thread.run_sync(proc.join, 30)
+            assert result == ([0, 1, 2, 3, 4], list("abcde"))
+            assert proc.exitcode == 0
+
+    anyio.run(main)
+
+
+def test_closed_client_raises_closed_error() -> None:
+    client = tq.Client("tcp://127.0.0.1:1")
+    with pytest.raises(tq.ClosedError, match="not connected"):
+        client.list_partitions()
+    assert os.getpid() > 0
