@@ -277,3 +277,20 @@ async def test_sampler_with_positional_only_contract_ports_unchanged() -> None:
     ):
         await client.put(batch(5), partition_id="p")
         assert (await client.get_meta(["x"], 2, "p", "t")).global_indexes == [3, 4]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_both_transports_round_trip(transport: str) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2, transport=transport) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert cluster.address.startswith(f"{transport}://")
+        meta = await client.put(batch(3), partition_id="p")
+        assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2]
+
+
+async def test_bad_transport_is_rejected() -> None:
+    with pytest.raises(tq.InvalidRequestError, match="transport"):
+        async with tq.local_cluster(transport="udp"):
+            pass
