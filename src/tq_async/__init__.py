@@ -11,8 +11,10 @@ from ._cluster import local_cluster as local_cluster
 from ._codec import ColumnHeader as ColumnHeader
 from ._controller import ControllerServer as ControllerServer
 from ._errors import BrokenError as BrokenError
+from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
 from ._errors import InvalidRequestError as InvalidRequestError
+from ._errors import KeyNotFound as KeyNotFound
 from ._errors import PartitionNotFound as PartitionNotFound
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RowsNotFound as RowsNotFound
@@ -20,6 +22,7 @@ from ._errors import SchemaError as SchemaError
 from ._errors import TQError as TQError
 from ._errors import TQTimeoutError as TQTimeoutError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
 from ._state import ControllerState as ControllerState
 from ._storage import StorageServer as StorageServer
@@ -39,6 +42,7 @@ __all__ = [
     "BaseSampler",
     "BatchMeta",
     "BrokenError",
+    "CheckpointError",
     "Client",
     "ClosedError",
     "ColumnHeader",
@@ -46,6 +50,7 @@ __all__ = [
     "ControllerState",
     "GRPOGroupNSampler",
     "InvalidRequestError",
+    "KeyNotFound",
     "LocalCluster",
     "PartitionNotFound",
     "ProtocolError",
@@ -58,6 +63,7 @@ __all__ = [
     "TQError",
     "TQTimeoutError",
     "UnsupportedTypeError",
+    "configure_logging",
     "get_seqlen_balanced_partitions",
     "karmarkar_karp",
     "local_cluster",

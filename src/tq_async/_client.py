@@ -8,6 +8,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from ._codec import (
     columns_from_batch,
     columns_to_tensordict,
     concat_columns,
+    position_runs,
     reorder_column,
     take_rows,
 )
@@ -42,6 +44,10 @@ from ._protocol import (
     GetMeta,
     Hello,
     HelloReply,
+    KVClear,
+    KVList,
+    KVLookup,
+    KVTag,
     ListPartitions,
     MetaReply,
     PartitionInfo,
@@ -76,16 +82,6 @@ def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
         return dec.decode(payload)  # type: ignore[no-any-return]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"unexpected reply payload: {exc}") from exc
-
-
-def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i in positions:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 def _check_fields(data_fields: Any) -> list[str]:
@@ -259,6 +255,17 @@ class AsyncClient:
         Cancellation: new rows that were allocated but not committed are cleared (best
         effort); nothing half-written ever becomes visible.
         """
+        return await self._put(data, partition_id, meta=meta, tags=tags, keys=None)
+
+    async def _put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None,
+        *,
+        meta: BatchMeta | None,
+        tags: Sequence[Mapping[str, Any] | None] | None,
+        keys: Sequence[str] | None,
+    ) -> BatchMeta:
         if meta is not None:
             if partition_id is not None and partition_id != meta.partition_id:
                 raise InvalidRequestError(
@@ -271,6 +278,8 @@ class AsyncClient:
         n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
+        if keys is not None and n != len(keys):
+            raise SchemaError(f"the batch has {n} rows but {len(keys)} keys; they must match")
         tag_list: list[dict[str, Any] | None] | None = None
         if tags is not None:
             if len(tags) != n:
@@ -279,8 +288,9 @@ class AsyncClient:
         begin = PutBegin(
             partition_id,
             headers,
-            n_rows=n if meta is None else 0,
+            n_rows=n if meta is None and keys is None else 0,
             rows=None if meta is None else list(meta.global_indexes),
+            keys=None if keys is None else list(keys),
         )
         placement: Placement = await self._call(begin, Placement)
         fields = [h.name for h in headers]
@@ -288,7 +298,7 @@ class AsyncClient:
             await self._store(partition_id, placement, headers, columns)
             await self._call(PutCommit(partition_id, placement.rows, fields, tag_list), None)
         except BaseException:
-            if meta is None:
+            if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
                     try:
                         await self._call(ClearSamples(partition_id, placement.rows), None)
@@ -331,7 +341,7 @@ class AsyncClient:
             if len(by_unit) == 1:
                 rows, cols = placement.rows, columns
             else:
-                runs = _runs(positions)
+                runs = position_runs(positions)
                 rows = [placement.rows[i] for i in positions]
                 cols = [take_rows(c, runs) for c in columns]
             frames: list[Any] = []
@@ -447,6 +457,14 @@ class AsyncClient:
         n = len(meta)
         if n == 0 or not names:
             return TensorDict({}, batch_size=[n])
+        headers, columns = await self._fetch_columns(meta, names)
+        return columns_to_tensordict(n, headers, columns)
+
+    async def _fetch_columns(
+        self, meta: BatchMeta, names: list[str]
+    ) -> tuple[list[ColumnHeader], list[Column]]:
+        """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit."""
+        n = len(meta)
         by_unit: dict[int, list[int]] = {}
         for pos, unit in enumerate(meta.units):
             by_unit.setdefault(unit, []).append(pos)
@@ -476,8 +494,7 @@ class AsyncClient:
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
-            headers, columns = results[unit]
-            return columns_to_tensordict(n, headers, columns)
+            return results[unit]
         async with anyio.create_task_group() as tg:
             for unit, positions in by_unit.items():
                 tg.start_soon(fetch, unit, positions)
@@ -490,7 +507,7 @@ class AsyncClient:
         for j in range(len(names)):
             merged = concat_columns([results[u][1][j] for u in by_unit])
             columns.append(reorder_column(merged, inverse))
-        return columns_to_tensordict(n, headers, columns)
+        return headers, columns
 
     async def get(
         self,
@@ -594,6 +611,147 @@ class AsyncClient:
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         body = SetTags(meta.partition_id, list(meta.global_indexes), [dict(t) for t in tags])
         await self._call(body, None)
+
+    # ---- KV API ------------------------------------------------------------------------------
+
+    async def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> BatchMeta:
+        """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``).
+
+        New keys get new rows; existing keys are updated in place, field by field (fields
+        not in ``fields`` keep their values). ``tags`` are merged into each key's tags
+        atomically with the data becoming visible.
+
+        Raises:
+            SchemaError: ``fields`` has a different number of rows than ``keys``.
+            InvalidRequestError: a key repeats, or new keys go to a sealed partition.
+        """
+        key_list = _check_keys(keys)
+        return await self._put(fields, partition_id, meta=None, tags=tags, keys=key_list)
+
+    async def kv_put(
+        self,
+        key: str,
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any] | None = None,
+        tag: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Write one key's ``fields`` and/or merge ``tag`` into its tags.
+
+        ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a mapping from field
+        name to the key's value (a tensor is one dense row; other values travel as msgpack).
+        With ``fields=None`` only the tags change (the key is created if missing).
+        """
+        if fields is None:
+            if tag is None:
+                raise InvalidRequestError("kv_put needs fields, a tag, or both")
+            body = KVTag(partition_id, _check_keys([key]), [dict(tag)])
+            placement: Placement = await self._call(body, Placement)
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=[],
+                units=placement.units,
+            )
+        return await self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
+
+    async def kv_batch_get(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str] | None = None,
+    ) -> TensorDict:
+        """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected).
+
+        Raises:
+            KeyNotFound: a key is missing, or lacks a selected field (the error names it);
+                never a silently shorter result.
+        """
+        fields = None if select_fields is None else _check_fields(select_fields)
+        body = KVLookup(partition_id, _check_keys(keys), fields)
+        got: MetaReply = await self._call(body, MetaReply)
+        meta = BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+        )
+        return await self.get_data(meta)
+
+    async def kv_list(
+        self, partition_id: str | None = None
+    ) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
+        listing = await self._call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
+        return dict(listing)
+
+    async def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
+        """Remove ``keys`` and free their storage; a missing key fails the whole call."""
+        await self._call(KVClear(partition_id, _check_keys(keys)), None)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    async def save_checkpoint(
+        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+    ) -> None:
+        """Write partitions (all by default), their state, tags, keys and cells to ``path``.
+
+        The directory is written under a temporary name and renamed into place, so ``path``
+        holds either a whole checkpoint or what it held before. Take it while producers are
+        paused: the controller state is a consistent snapshot, cells are read right after it.
+
+        Raises:
+            CheckpointError: ``path`` cannot be written.
+        """
+        from ._checkpoint import save_checkpoint
+
+        await save_checkpoint(self, os.fspath(path), partition_ids)
+
+    async def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
+
+        Works onto any number of storage units. Every file is verified before anything is
+        loaded, and the restored partitions appear all at once or not at all.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, corrupt, partial or of another format
+                version (nothing was loaded).
+            InvalidRequestError: a partition of the checkpoint already exists.
+        """
+        from ._checkpoint import load_checkpoint
+
+        return await load_checkpoint(self, os.fspath(path))
+
+
+def _check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
+        raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise InvalidRequestError("keys must be a non-empty list of strings")
+    return list(keys)
+
+
+def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
+    """One key's fields as a one-row batch."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_size == torch.Size([]):
+            return fields.unsqueeze(0)
+        if fields.batch_size == torch.Size([1]):
+            return fields
+        raise SchemaError(
+            f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
+            "; use kv_batch_put for several keys"
+        )
+    return {
+        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
+        for name, value in fields.items()
+    }
 
 
 def _mask(raw: bytes) -> torch.Tensor:

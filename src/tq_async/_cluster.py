@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 import anyio
 import structlog
+from prometheus_client import CollectorRegistry
 
 from ._controller import ControllerServer
 from ._errors import InvalidRequestError
+from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._state import ControllerState
 from ._storage import StorageServer
 from ._transport import is_loopback
@@ -36,6 +38,7 @@ class LocalCluster:
     address: str
     controller: ControllerServer
     units: list[StorageServer] = field(default_factory=list)
+    metrics_url: str | None = None
 
     @property
     def unit_addresses(self) -> list[str]:
@@ -51,6 +54,8 @@ async def local_cluster(
     bind: str | None = None,
     transport: str = "ipc",
     allow_pickle: bool = False,
+    metrics_registry: CollectorRegistry | None = None,
+    serve_metrics_on: str | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -68,6 +73,10 @@ async def local_cluster(
             twice the bandwidth of loopback TCP) or ``"tcp"`` (a free port each on ``host``).
         allow_pickle: allow columns of arbitrary Python objects (pickle runs code on load:
             trusted deployments only).
+        metrics_registry: a ``prometheus_client.CollectorRegistry`` to record metrics in
+            (off by default; the global registry is never used).
+        serve_metrics_on: ``"host:port"`` to serve the registry over HTTP (port 0: any
+            free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
 
     Yields:
         A :class:`LocalCluster`.
@@ -90,22 +99,45 @@ async def local_cluster(
             "binding a non-loopback interface: anyone who can reach it can read and write data",
             address=controller_bind,
         )
+    if serve_metrics_on is not None and metrics_registry is None:
+        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+    stop_metrics = None
     try:
         async with anyio.create_task_group() as tg:
-            units = [StorageServer(i, allow_pickle=allow_pickle) for i in range(num_storage_units)]
+            units = [
+                StorageServer(
+                    i, allow_pickle=allow_pickle, metrics=Metrics(metrics_registry, "storage")
+                )
+                for i in range(num_storage_units)
+            ]
             addresses = {}
             for unit in units:
-                addresses[unit.unit_id] = await tg.start(
-                    unit.serve, endpoint(f"unit{unit.unit_id}")
-                )
+                address = await tg.start(unit.serve, endpoint(f"unit{unit.unit_id}"))
+                addresses[unit.unit_id] = address
             controller = ControllerServer(
-                ControllerState(addresses), sampler, allow_pickle=allow_pickle
+                ControllerState(addresses),
+                sampler,
+                allow_pickle=allow_pickle,
+                metrics=Metrics(metrics_registry, "controller"),
             )
             address = await tg.start(controller.serve, controller_bind)
+            cluster = LocalCluster(address, controller, units)
+            if metrics_registry is not None:
+                metrics_registry.register(
+                    controller_collector(controller.state, lambda: controller.waiting)
+                )
+                metrics_registry.register(storage_collector({u.unit_id: u.state for u in units}))
+                if serve_metrics_on is not None:
+                    host_part, _, port_part = serve_metrics_on.rpartition(":")
+                    cluster.metrics_url, stop_metrics = serve_metrics(
+                        metrics_registry, host_part or "127.0.0.1", int(port_part or 0)
+                    )
             try:
-                yield LocalCluster(address, controller, units)
+                yield cluster
             finally:
                 tg.cancel_scope.cancel()
     finally:
+        if stop_metrics is not None:
+            await anyio.to_thread.run_sync(stop_metrics)
         if sockdir is not None:
             shutil.rmtree(sockdir, ignore_errors=True)

@@ -521,15 +521,20 @@ def _stack_jagged(parts: Sequence[JaggedColumn]) -> JaggedColumn:
     return JaggedColumn(torch.cat(values), offsets)
 
 
-def reorder_column(column: Column, order: Sequence[int]) -> Column:
-    """Rows in the given order (``order[i]`` is the source row of output row ``i``)."""
+def position_runs(positions: Iterable[int]) -> list[tuple[int, int]]:
+    """Group positions into maximal ``[a, b)`` runs of consecutive integers, in order."""
     runs: list[tuple[int, int]] = []
-    for i in order:
+    for i in positions:
         if runs and runs[-1][1] == i:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
-    return take_rows(column, runs)
+    return runs
+
+
+def reorder_column(column: Column, order: Sequence[int]) -> Column:
+    """Rows in the given order (``order[i]`` is the source row of output row ``i``)."""
+    return take_rows(column, position_runs(order))
 
 
 # --------------------------------------------------------------------------------------------

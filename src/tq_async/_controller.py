@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -26,12 +27,14 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._errors import (
     InvalidRequestError,
+    KeyNotFound,
     PartitionNotFound,
     ProtocolError,
     RowsNotFound,
     TQError,
     TQTimeoutError,
 )
+from ._metrics import Metrics
 from ._protocol import (
     Cancel,
     CheckConsumption,
@@ -40,9 +43,14 @@ from ._protocol import (
     ClearSamples,
     ConsumptionStatus,
     ControllerRequest,
+    DumpState,
     GetMeta,
     Hello,
     HelloReply,
+    KVClear,
+    KVList,
+    KVLookup,
+    KVTag,
     ListPartitions,
     MetaReply,
     PartitionInfo,
@@ -53,8 +61,12 @@ from ._protocol import (
     RegisterUnit,
     Release,
     ResetConsumption,
+    RestoreAbort,
+    RestoreBegin,
+    RestoreCommit,
     Seal,
     SetTags,
+    StateDump,
     StoreClear,
     UnitInfo,
     controller_request_decoder,
@@ -71,7 +83,14 @@ __all__ = ["ControllerServer"]
 log = structlog.get_logger(__name__)
 
 #: errors that are the caller's fault: answered without a traceback in the log
-_EXPECTED = (InvalidRequestError, PartitionNotFound, RowsNotFound, ProtocolError, TQTimeoutError)
+_EXPECTED = (
+    InvalidRequestError,
+    KeyNotFound,
+    PartitionNotFound,
+    RowsNotFound,
+    ProtocolError,
+    TQTimeoutError,
+)
 
 
 def _kwargs_filter(sampler: Any) -> frozenset[str] | None:
@@ -108,6 +127,7 @@ class ControllerServer:
         sampler: decides what each get_meta receives (:class:`SequentialSampler` by default).
         allow_pickle: told to clients; storage units enforce it.
         unit_timeout: seconds to wait for a storage unit when the controller calls it (clears).
+        metrics: where to record request metrics (disabled by default).
     """
 
     def __init__(
@@ -117,8 +137,10 @@ class ControllerServer:
         *,
         allow_pickle: bool = False,
         unit_timeout: float = 30.0,
+        metrics: Metrics | None = None,
     ) -> None:
         self.state = state or ControllerState()
+        self.metrics = metrics or Metrics(None, "controller")
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
@@ -227,18 +249,25 @@ class ControllerServer:
                 self._send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
             return
         body = req.body
+        metrics = self.metrics.enabled
+        t0 = time.perf_counter() if metrics else 0.0
+        ok = True
         try:
-            self._handle(peer, req.rid, body)
+            deferred = self._handle(peer, req.rid, body, t0)
         except Exception as exc:
+            ok, deferred = False, False
             self._send_error(peer, req.rid, exc, type(body).__name__)
+        if metrics and not deferred:
+            self.metrics.request(type(body).__name__, ok, time.perf_counter() - t0)
 
-    def _handle(self, peer: bytes, rid: int, body: Any) -> None:
+    def _handle(self, peer: bytes, rid: int, body: Any, t0: float) -> bool:
+        """Dispatch one request; True when a task will send the reply (and record metrics)."""
         st = self.state
         if isinstance(body, GetMeta):
-            self._get_meta(peer, rid, body)
-        elif isinstance(body, PutBegin):
+            return self._get_meta(peer, rid, body, t0)
+        if isinstance(body, PutBegin):
             rows, units, wakeups = st.put_begin(
-                body.partition_id, body.columns, body.n_rows, body.rows
+                body.partition_id, body.columns, body.n_rows, body.rows, body.keys
             )
             self._send_ok(peer, rid, Placement(rows, units))
             self._notify(wakeups)
@@ -311,21 +340,80 @@ class ControllerServer:
         elif isinstance(body, SetTags):
             st.partition(body.partition_id).set_tags(body.rows, body.tags)
             self._send_ok(peer, rid, None)
+        elif isinstance(body, KVLookup):
+            p = st.partition(body.partition_id)
+            rows = p.rows_for_keys(body.keys)
+            fields = body.fields if body.fields is not None else list(p.fields)
+            for key, r in zip(body.keys, rows, strict=True):
+                lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[r]]
+                if lacking:
+                    raise KeyNotFound(
+                        f"key {key!r} of partition {body.partition_id!r} has no fields "
+                        f"{lacking}; put them first or select other fields"
+                    )
+            self._send_ok(peer, rid, _meta_reply(p, rows, fields))
+        elif isinstance(body, KVTag):
+            if len(body.tags) != len(body.keys):
+                raise InvalidRequestError(
+                    f"got {len(body.tags)} tag dicts for {len(body.keys)} keys"
+                )
+            rows, units, wakeups = st.put_begin(body.partition_id, [], 0, None, body.keys)
+            st.partition(body.partition_id).set_tags(rows, body.tags)
+            self._send_ok(peer, rid, Placement(rows, units))
+            self._notify(wakeups)
+        elif isinstance(body, KVList):
+            pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
+            listing = {}
+            for pid in pids:
+                p = st.partition(pid)
+                listing[pid] = {k: p.tags[r] or {} for k, r in p.keys.items()}
+            self._send_ok(peer, rid, listing)
+        elif isinstance(body, KVClear):
+            p = st.partition(body.partition_id)
+            by_unit = p.clear_rows(p.rows_for_keys(body.keys))
+            self._notify([Wakeup(body.partition_id)])
+            self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
+        elif isinstance(body, DumpState):
+            ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
+            dumps = [st.partition(pid).dump() for pid in ids]
+            self._send_ok(peer, rid, StateDump(dumps, self.sampler.state_dict()))
+        elif isinstance(body, RestoreBegin):
+            staged = st.restore_begin(body.state.partitions)
+            self._send_ok(peer, rid, {p.partition_id: list(p.units) for p in staged})
+        elif isinstance(body, RestoreCommit):
+            missing = [pid for pid in body.partition_ids if pid not in st.restoring]
+            if missing:
+                raise InvalidRequestError(f"partitions {missing} are not being restored")
+            for pid in body.partition_ids:
+                st.partitions[pid] = st.restoring.pop(pid)
+            if body.sampler_state:
+                self.sampler.load_state_dict(body.sampler_state)
+            self._send_ok(peer, rid, None)
+            self._notify([Wakeup(pid) for pid in body.partition_ids])
+        elif isinstance(body, RestoreAbort):
+            for pid in body.partition_ids:
+                st.restoring.pop(pid, None)
+            everywhere: dict[int, list[int] | None] = dict.fromkeys(st.units)
+            for pid in body.partition_ids:
+                self._spawn(self._clear_units, None, rid, pid, everywhere)
+            self._send_ok(peer, rid, None)
         elif isinstance(body, RegisterUnit):
             st.units[body.unit_id] = body.address
             self._send_ok(peer, rid, None)
         else:  # pragma: no cover - the decoder admits only the types above
             raise ProtocolError(f"unknown request {type(body).__name__}")
+        return False
 
     # ---- get_meta ----------------------------------------------------------------------------
 
-    def _get_meta(self, peer: bytes, rid: int, req: GetMeta) -> None:
+    def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
         _validate_get_meta(req)
         outcome = self._attempt(req)
         if isinstance(outcome, MetaReply):
             self._send_ok(peer, rid, outcome)
-        else:
-            self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation)
+            return False
+        self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation, t0)
+        return True
 
     def _call_sampler(self, req: GetMeta, p: Partition, ready: ReadyView, final: bool) -> Any:
         cfg = req.sampling_config or {}
@@ -402,9 +490,17 @@ class ControllerServer:
         return _meta_reply(p, sampled, req.data_fields)
 
     async def _get_meta_waiting(
-        self, peer: bytes, rid: int, req: GetMeta, first: _Attempt | None, generation: int
+        self,
+        peer: bytes,
+        rid: int,
+        req: GetMeta,
+        first: _Attempt | None,
+        generation: int,
+        t0: float,
     ) -> None:
         pid, task = req.partition_id, req.task_name
+        ok = False
+        structlog.contextvars.bind_contextvars(rid=rid, op="GetMeta", partition=pid, task=task)
         scope = anyio.CancelScope()
         self._pending[(peer, rid)] = scope
         fut: asyncio.Future[None] | None = None
@@ -423,6 +519,7 @@ class ControllerServer:
                         )
                     if isinstance(attempt, MetaReply):
                         self._send_ok(peer, rid, attempt)
+                        ok = True
                         return
                     if not fut.done():
                         await fut
@@ -446,6 +543,10 @@ class ControllerServer:
             self._pending.pop((peer, rid), None)
             if fut is not None:
                 self._drop_waiter(pid, task, fut)
+            if self.metrics.enabled:
+                waited = time.perf_counter() - t0
+                self.metrics.request("GetMeta", ok, waited)
+                self.metrics.consumer_wait(waited)
 
     # ---- storage units -----------------------------------------------------------------------
 
@@ -456,8 +557,13 @@ class ControllerServer:
         return conn
 
     async def _clear_units(
-        self, peer: bytes, rid: int, partition_id: str, by_unit: Mapping[int, list[int] | None]
+        self,
+        peer: bytes | None,
+        rid: int,
+        partition_id: str,
+        by_unit: Mapping[int, list[int] | None],
     ) -> None:
+        """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors."""
         errors: list[str] = []
 
         async def clear_one(unit_id: int, rows: list[int] | None) -> None:
@@ -472,7 +578,10 @@ class ControllerServer:
             for unit_id, rows in by_unit.items():
                 if unit_id in self.state.units:
                     tg.start_soon(clear_one, unit_id, rows)
-        if errors:
+        if peer is None:
+            if errors:
+                log.warning("freeing storage failed", partition=partition_id, errors=errors)
+        elif errors:
             self._send_error(
                 peer,
                 rid,

@@ -21,6 +21,8 @@ __all__ = [
     "UnsupportedTypeError",
     "PartitionNotFound",
     "RowsNotFound",
+    "KeyNotFound",
+    "CheckpointError",
     "error_from_wire",
 ]
 
@@ -72,6 +74,17 @@ class PartitionNotFound(TQError, KeyError):
         return self.message
 
 
+class KeyNotFound(TQError, KeyError):
+    """A KV key (or a field of a key) does not exist in the partition."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointError(TQError):
+    """A checkpoint is missing, corrupt, partial, or of an unknown format version."""
+
+
 class RowsNotFound(TQError, KeyError):
     """Some requested rows do not exist in the partition (never allocated, or cleared)."""
 
@@ -92,6 +105,8 @@ _BY_NAME: dict[str, type[TQError]] = {
         UnsupportedTypeError,
         PartitionNotFound,
         RowsNotFound,
+        KeyNotFound,
+        CheckpointError,
     )
 }
 

@@ -43,6 +43,7 @@ class PutBegin(_Msg):
     columns: list[ColumnHeader]
     n_rows: int = 0
     rows: list[int] | None = None
+    keys: list[str] | None = None
 
 
 class PutCommit(_Msg):
@@ -132,6 +133,78 @@ class SetTags(_Msg):
     tags: list[dict[str, Any]]
 
 
+class KVLookup(_Msg):
+    """Rows of ``keys``; every key must exist and have every field in ``fields``."""
+
+    partition_id: str
+    keys: list[str]
+    fields: list[str] | None = None
+
+
+class KVTag(_Msg):
+    """Merge ``tags[i]`` into the tags of ``keys[i]`` (creating missing keys), atomically."""
+
+    partition_id: str
+    keys: list[str]
+    tags: list[dict[str, Any]]
+
+
+class KVList(_Msg):
+    partition_id: str | None = None
+
+
+class KVClear(_Msg):
+    partition_id: str
+    keys: list[str]
+
+
+class FieldDump(msgspec.Struct, array_like=True):
+    header: ColumnHeader
+    produced: bytes
+
+
+class PartitionDump(msgspec.Struct, array_like=True):
+    """Everything the controller knows of one partition (not the cells)."""
+
+    partition_id: str
+    n_rows: int
+    alive: bytes
+    origin: list[int]
+    units: list[int]
+    tags: list[dict[str, Any] | None]
+    row_keys: list[str | None]
+    sealed: bool
+    fields: list[FieldDump]
+    consumed: dict[str, bytes]
+    deliveries: list[tuple[str, int, int, list[int]]]
+
+
+class StateDump(msgspec.Struct, array_like=True):
+    partitions: list[PartitionDump]
+    sampler_state: dict[str, Any]
+
+
+class DumpState(_Msg):
+    """A consistent snapshot of the controller's state (all partitions, or the named ones)."""
+
+    partition_ids: list[str] | None = None
+
+
+class RestoreBegin(_Msg):
+    """Stage partitions from a checkpoint (invisible until RestoreCommit); returns placement."""
+
+    state: StateDump
+
+
+class RestoreCommit(_Msg):
+    partition_ids: list[str]
+    sampler_state: dict[str, Any] | None = None
+
+
+class RestoreAbort(_Msg):
+    partition_ids: list[str]
+
+
 ControllerBody = (
     Hello
     | RegisterUnit
@@ -151,6 +224,14 @@ ControllerBody = (
     | ListPartitions
     | PartitionInfo
     | SetTags
+    | KVLookup
+    | KVTag
+    | KVList
+    | KVClear
+    | DumpState
+    | RestoreBegin
+    | RestoreCommit
+    | RestoreAbort
 )
 
 

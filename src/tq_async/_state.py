@@ -29,7 +29,14 @@ from types import MappingProxyType
 from typing import Any, overload
 
 from ._codec import ColumnHeader
-from ._errors import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
+from ._errors import (
+    InvalidRequestError,
+    KeyNotFound,
+    PartitionNotFound,
+    RowsNotFound,
+    SchemaError,
+)
+from ._protocol import FieldDump, PartitionDump
 
 __all__ = [
     "ControllerState",
@@ -176,6 +183,9 @@ class Partition:
         self.ready: dict[tuple[str, FieldsKey], ReadySet] = {}
         self.sealed = False
         self.deliveries: dict[DeliveryKey, tuple[int, ...]] = {}
+        #: KV API: user key -> row, and each row's key (None for rows put without a key)
+        self.keys: dict[str, int] = {}
+        self.row_keys: list[str | None] = []
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -208,6 +218,7 @@ class Partition:
         self.origin.extend(itertools.repeat(first, n))
         self.units.extend(itertools.repeat(unit, n))
         self.tags.extend(itertools.repeat(None, n))
+        self.row_keys.extend(itertools.repeat(None, n))
         for f in self.fields.values():
             f.produced.extend(bytes(n))
         for c in self.consumed.values():
@@ -366,6 +377,10 @@ class Partition:
         for r in set(rows):
             self.alive[r] = 0
             self.tags[r] = None
+            key = self.row_keys[r]
+            if key is not None:
+                del self.keys[key]
+                self.row_keys[r] = None
             by_unit.setdefault(self.units[r], []).append(r)
             for task, consumed in self.consumed.items():
                 if consumed[r]:
@@ -382,6 +397,83 @@ class Partition:
             if self.alive[r]:
                 by_unit.setdefault(self.units[r], []).append(r)
         return by_unit
+
+    # ---- keys (KV API) -----------------------------------------------------------------------
+
+    def rows_for_keys(self, keys: Sequence[str]) -> list[int]:
+        """The row of each key; raise :class:`KeyNotFound` naming every missing key."""
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise KeyNotFound(
+                f"keys {missing[:10]}{' ...' if len(missing) > 10 else ''} are not in partition "
+                f"{self.partition_id!r}; kv_list() shows the keys it has"
+            )
+        return [self.keys[k] for k in keys]
+
+    def bind_keys(self, keys: Sequence[str], unit: int) -> tuple[list[int], list[int]]:
+        """Rows for ``keys``: existing keys keep their row, new keys get new rows on ``unit``."""
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError("the same key appears twice in one call")
+        new_keys = [k for k in keys if k not in self.keys]
+        if new_keys:
+            if self.sealed:
+                raise InvalidRequestError(
+                    f"partition {self.partition_id!r} is sealed: new keys {new_keys[:5]} cannot "
+                    "be added; update existing keys only, or use a new partition"
+                )
+            for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
+                self.keys[key] = row
+                self.row_keys[row] = key
+        rows = [self.keys[k] for k in keys]
+        return rows, [self.units[r] for r in rows]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def dump(self) -> PartitionDump:
+        """Everything but the cells, as plain msgpack-able values."""
+        return PartitionDump(
+            partition_id=self.partition_id,
+            n_rows=self.n_rows,
+            alive=bytes(self.alive),
+            origin=list(self.origin),
+            units=list(self.units),
+            tags=list(self.tags),
+            row_keys=list(self.row_keys),
+            sealed=self.sealed,
+            fields=[FieldDump(f.header, bytes(f.produced)) for f in self.fields.values()],
+            consumed={t: bytes(c) for t, c in self.consumed.items()},
+            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.deliveries.items()],
+        )
+
+    @classmethod
+    def restore(cls, dump: PartitionDump, units: Sequence[int]) -> Partition:
+        """Rebuild a partition from :meth:`dump`, its rows placed on ``units`` (one per row)."""
+        n = dump.n_rows
+        arrays = [dump.alive, dump.origin, dump.tags, dump.row_keys, units]
+        arrays += [f.produced for f in dump.fields] + list(dump.consumed.values())
+        if any(len(a) != n for a in arrays):
+            raise InvalidRequestError(
+                f"checkpoint of partition {dump.partition_id!r} is inconsistent: per-row arrays "
+                f"do not all have {n} rows"
+            )
+        p = cls(dump.partition_id)
+        p.n_rows = n
+        p.alive = bytearray(dump.alive)
+        p.n_alive = sum(p.alive)
+        p.origin = array("q", dump.origin)
+        p.units = array("i", units)
+        p.tags = [dict(t) if t else None for t in dump.tags]
+        p.row_keys = list(dump.row_keys)
+        p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
+        p.sealed = dump.sealed
+        for fd in dump.fields:
+            p.fields[fd.header.name] = _Field(fd.header, 0)
+            p.fields[fd.header.name].produced = bytearray(fd.produced)
+        for task, mask in dump.consumed.items():
+            p.consumed[task] = bytearray(mask)
+            p.consumed_count[task] = sum(a & b for a, b in zip(mask, p.alive, strict=True))
+        p.deliveries = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
+        return p
 
     # ---- status ------------------------------------------------------------------------------
 
@@ -419,6 +511,32 @@ class ControllerState:
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, str] = dict(units or {})
         self._next_unit = 0
+        #: partitions being restored from a checkpoint: invisible until committed
+        self.restoring: dict[str, Partition] = {}
+
+    def restore_begin(self, dumps: Sequence[PartitionDump]) -> list[Partition]:
+        """Stage partitions from a checkpoint; their alive rows are spread over the units."""
+        if not self.units:
+            raise InvalidRequestError("the controller has no storage units to restore onto")
+        clash = [d.partition_id for d in dumps if d.partition_id in self.partitions]
+        clash += [d.partition_id for d in dumps if d.partition_id in self.restoring]
+        if clash:
+            raise InvalidRequestError(
+                f"partitions {clash} already exist (or are being restored); clear them before "
+                "loading a checkpoint that holds them"
+            )
+        staged = []
+        ids = sorted(self.units)
+        for d in dumps:
+            live = [r for r in range(d.n_rows) if d.alive[r]]
+            units = [ids[0]] * d.n_rows
+            per_unit = -(-len(live) // len(ids)) if live else 1
+            for i, r in enumerate(live):  # contiguous blocks, one per unit
+                units[r] = ids[min(i // per_unit, len(ids) - 1)]
+            staged.append(Partition.restore(d, units))
+        for p in staged:
+            self.restoring[p.partition_id] = p
+        return staged
 
     def partition(self, partition_id: str) -> Partition:
         p = self.partitions.get(partition_id)
@@ -446,35 +564,42 @@ class ControllerState:
         headers: Sequence[ColumnHeader],
         n_rows: int,
         rows: Sequence[int] | None,
+        keys: Sequence[str] | None = None,
     ) -> tuple[list[int], list[int], list[Wakeup]]:
-        """Validate a put and allocate its rows. Returns ``(rows, units, wakeups)``.
+        """Validate a put and find its rows. Returns ``(rows, units, wakeups)``.
 
-        New rows (``rows is None``) create the partition on first use. Nothing is visible to
-        consumers until :meth:`put_commit`.
+        Exactly one of: ``n_rows`` new rows, existing ``rows``, or ``keys`` (existing keys keep
+        their rows, new keys get new rows). New rows create the partition on first use.
+        Nothing is visible to consumers until the put is committed.
         """
         wakeups: list[Wakeup] = []
-        if rows is None:
-            if n_rows <= 0:
-                raise InvalidRequestError(f"a put needs at least one row, got {n_rows}")
-            p = self.partitions.get(partition_id)
-            if p is None:
-                p = Partition(partition_id)
-                p.check_schema(headers)
-                self.partitions[partition_id] = p
-                wakeups.append(Wakeup(partition_id))
-            else:
-                p.check_schema(headers)
-                if p.sealed:
-                    raise InvalidRequestError(
-                        f"partition {partition_id!r} is sealed: no new rows can be added; "
-                        "put into a new partition, or add fields to existing rows with meta="
-                    )
-            unit = self.pick_unit()
-            p.add_fields(headers)
-            new = p.allocate(n_rows, unit)
-            return list(new), [unit] * n_rows, wakeups
-        p = self.partition(partition_id)
+        if rows is not None:
+            known = self.partition(partition_id)
+            known.check_schema(headers)
+            known.check_rows(rows)
+            known.add_fields(headers)
+            return list(rows), [known.units[r] for r in rows], wakeups
+        if keys is None and n_rows <= 0:
+            raise InvalidRequestError(f"a put needs at least one row, got {n_rows}")
+        if keys is not None and not keys:
+            raise InvalidRequestError("a keyed put needs at least one key")
+        p = self.partitions.get(partition_id)
+        fresh = p is None
+        if p is None:
+            p = Partition(partition_id)
         p.check_schema(headers)
-        p.check_rows(rows)
+        if keys is None and p.sealed:
+            raise InvalidRequestError(
+                f"partition {partition_id!r} is sealed: no new rows can be added; "
+                "put into a new partition, or add fields to existing rows with meta="
+            )
+        unit = self.pick_unit()
+        if keys is not None:
+            got_rows, units = p.bind_keys(keys, unit)  # validates before changing anything
+        else:
+            got_rows, units = list(p.allocate(n_rows, unit)), [unit] * n_rows
         p.add_fields(headers)
-        return list(rows), [p.units[r] for r in rows], wakeups
+        if fresh:
+            self.partitions[partition_id] = p
+            wakeups.append(Wakeup(partition_id))
+        return got_rows, units, wakeups

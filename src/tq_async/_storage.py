@@ -9,6 +9,7 @@ is cleared or overwritten.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from ._codec import (
     take_rows,
 )
 from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._metrics import Metrics
 from ._protocol import (
     Cancel,
     StorageRequest,
@@ -185,9 +187,12 @@ class StorageState:
 class StorageServer:
     """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous)."""
 
-    def __init__(self, unit_id: int, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self, unit_id: int, *, allow_pickle: bool = False, metrics: Metrics | None = None
+    ) -> None:
         self.unit_id = unit_id
         self.state = StorageState(allow_pickle=allow_pickle)
+        self.metrics = metrics or Metrics(None, "storage")
         self._endpoint: RouterEndpoint | None = None
 
     @property
@@ -222,16 +227,22 @@ class StorageServer:
                 self._endpoint.send(peer, [error_reply(rid, ProtocolError(str(exc)))])
             return
         body = req.body
+        metrics = self.metrics.enabled
+        t0 = time.perf_counter() if metrics else 0.0
         try:
             if isinstance(body, StorePut):
                 self.state.put(body.partition_id, body.rows, body.columns, frames[1:])
                 reply: list[Any] = [ok_reply(req.rid, None)]
+                if metrics:
+                    self.metrics.transfer("in", sum(f.buffer.nbytes for f in frames[1:]))
             elif isinstance(body, StoreGet):
                 headers, columns = self.state.get(body.partition_id, body.rows, body.fields)
                 out: list[Any] = [ok_reply(req.rid, StoredColumns(len(body.rows), headers))]
                 for h, c in zip(headers, columns, strict=True):
                     out.extend(column_to_frames(h, c))
                 reply = out
+                if metrics:
+                    self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out[1:]))
             elif isinstance(body, StoreClear):
                 reply = [ok_reply(req.rid, self.state.clear(body.partition_id, body.rows))]
             elif isinstance(body, StoreStats):
@@ -244,4 +255,9 @@ class StorageServer:
             if not isinstance(exc, (InvalidRequestError, RowsNotFound, ProtocolError)):
                 log.exception("storage request failed", rid=req.rid, op=type(body).__name__)
             reply = [error_reply(req.rid, exc)]
+            metrics_ok = False
+        else:
+            metrics_ok = True
         self._endpoint.send(peer, reply)
+        if metrics:
+            self.metrics.request(type(body).__name__, metrics_ok, time.perf_counter() - t0)

@@ -9,6 +9,7 @@ a child process after ``fork`` (connect a new ``Client`` in the child).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -216,3 +217,50 @@ class Client:
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Blocking :meth:`AsyncClient.set_tags`."""
         self._run(self._require().set_tags, meta, tags)
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.kv_batch_put`."""
+        return self._run(self._require().kv_batch_put, keys, partition_id, fields, tags)
+
+    def kv_put(
+        self,
+        key: str,
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any] | None = None,
+        tag: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.kv_put`."""
+        return self._run(self._require().kv_put, key, partition_id, fields, tag)
+
+    def kv_batch_get(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str] | None = None,
+    ) -> TensorDict:
+        """Blocking :meth:`AsyncClient.kv_batch_get`."""
+        return self._run(self._require().kv_batch_get, keys, partition_id, select_fields)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """Blocking :meth:`AsyncClient.kv_list`."""
+        return self._run(self._require().kv_list, partition_id)
+
+    def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
+        """Blocking :meth:`AsyncClient.kv_clear`."""
+        self._run(self._require().kv_clear, keys, partition_id)
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+    ) -> None:
+        """Blocking :meth:`AsyncClient.save_checkpoint`."""
+        self._run(self._require().save_checkpoint, path, partition_ids)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
+        """Blocking :meth:`AsyncClient.load_checkpoint`."""
+        return self._run(self._require().load_checkpoint, path)

@@ -1,0 +1,174 @@
+"""Checkpoints: exact round trips, a different number of units, corrupt or partial input."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+
+
+def sample_batch() -> TensorDict:
+    return TensorDict(
+        {
+            "ids": torch.arange(12, dtype=torch.int64).reshape(4, 3),
+            "bf": torch.randn(4, 2).to(torch.bfloat16),
+            "mask": torch.tensor([True, False, True, True]),
+            "resp": torch.nested.nested_tensor(
+                [torch.arange(n, dtype=torch.int32) for n in (1, 5, 2, 3)], layout=torch.jagged
+            ),
+            "text": ["a", "bb", "ccc", "dddd"],
+        },
+        [4],
+    )
+
+
+async def fill(client: tq.AsyncClient) -> tq.BatchMeta:
+    td = sample_batch()
+    meta = await client.put(td, partition_id="p", tags=[{"uid": i} for i in range(4)])
+    await client.put({"reward": torch.tensor([0.5, 1.5])}, meta=meta.select_rows([0, 2]))
+    await client.put({"ids": torch.arange(6).reshape(2, 3)}, partition_id="p")
+    await client.kv_batch_put(["k1", "k2"], "kv", {"v": torch.tensor([1.0, 2.0])})
+    await client.get_meta(["ids"], 2, "p", "ref")  # consumption state to be kept
+    await client.get_meta(["ids"], 2, "p", "actor", {"dp_rank": 0, "batch_index": 0})
+    await client.seal("p")
+    return meta
+
+
+@pytest.mark.parametrize(("units_before", "units_after"), [(2, 2), (2, 3), (3, 1)])
+async def test_round_trip_onto_a_different_number_of_units(
+    tmp_path: Path, units_before: int, units_after: int
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=units_before) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await fill(client)
+        before = await client.get_data(meta)
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=units_after) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
+        info = await client.partition_info("p")
+        assert info["rows"] == 6
+        assert info["sealed"]
+        assert info["consumed"] == {"ref": 2, "actor": 2}
+        # data comes back exact, whatever unit it now lives on
+        meta2 = await client.get_meta(list(before.keys()), 4, "p", "fresh", mode="peek")
+        after = await client.get_data(meta2)
+        for key in ("ids", "bf", "mask"):
+            assert after[key].dtype == before[key].dtype
+            assert torch.equal(after[key], before[key])
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(after["resp"].unbind(), before["resp"].unbind(), strict=True)
+        )
+        assert after.get("text").tolist() == before.get("text").tolist()
+        assert meta2.tags == [{"uid": i} for i in range(4)]
+        # production, consumption and recorded deliveries survived
+        status = await client.production_status("p", ["reward"])
+        assert status["reward"].tolist() == [True, False, True, False, False, False]
+        replay = await client.get_meta(["ids"], 2, "p", "actor", {"dp_rank": 0, "batch_index": 0})
+        assert replay.global_indexes == [0, 1]
+        rest = await client.get_meta(["ids"], 8, "p", "ref")
+        assert rest.global_indexes == [2, 3, 4, 5]  # short tail of a sealed partition
+        assert (await client.kv_batch_get(["k2", "k1"], "kv"))["v"].tolist() == [2.0, 1.0]
+        if units_after > 1:
+            assert len({u for u in meta2.units}) >= 1
+            assert sum(u.state.resident_bytes > 0 for u in cluster.units) >= 2
+
+
+async def test_existing_partition_blocks_restore_and_changes_nothing(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await fill(client)
+        await client.save_checkpoint(ckpt)
+        with pytest.raises(tq.InvalidRequestError, match="already exist"):
+            await client.load_checkpoint(ckpt)
+        assert sorted(await client.list_partitions()) == ["kv", "p"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest", "version"])
+async def test_corrupt_or_partial_checkpoint_is_refused(tmp_path: Path, damage: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await fill(client)
+        await client.save_checkpoint(ckpt)
+    cells = sorted(ckpt.glob("cells-*.bin"))[0]
+    if damage == "flip":
+        data = bytearray(cells.read_bytes())
+        data[-1] ^= 0xFF
+        cells.write_bytes(data)
+    elif damage == "truncate":
+        cells.write_bytes(cells.read_bytes()[:-3])
+    elif damage == "delete":
+        cells.unlink()
+    elif damage == "manifest":
+        (ckpt / "manifest.json").unlink()
+    else:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["format_version"] = 99
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.CheckpointError):
+            await client.load_checkpoint(ckpt)
+        assert await client.list_partitions() == []  # nothing half-loaded
+        assert all(u.state.resident_bytes == 0 for u in cluster.units)
+
+
+async def test_save_replaces_atomically(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, partition_id="a")
+        await client.save_checkpoint(ckpt)
+        await client.put({"x": torch.arange(3)}, partition_id="b")
+        await client.save_checkpoint(ckpt)  # replaces the old one whole
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temp dirs left behind
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert sorted(await client.load_checkpoint(ckpt)) == ["a", "b"]
+
+
+async def test_sampler_state_is_checkpointed(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    sampler = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p", tags=[{"total_lengths": 5}] * 4)
+        await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 0})
+        assert sampler.cache_size == 1  # rank 1's share is waiting for it
+        await client.save_checkpoint(ckpt)
+    restored = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=restored) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert restored.cache_size == 1
+        share = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 1, "batch_index": 0})
+        assert len(share) == 2
+        assert restored.cache_size == 0

@@ -1,0 +1,95 @@
+"""The KV API: keyed rows, partial field updates, atomic tag merges, loud misses."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+
+
+async def test_kv_batch_put_get_and_partial_updates() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        fields = TensorDict({"a": torch.arange(3), "s": ["x", "y", "z"]}, [3])
+        await client.kv_batch_put(["k0", "k1", "k2"], "p", fields, tags=[{"v": 0}] * 3)
+        got = await client.kv_batch_get(["k2", "k0"], "p")
+        assert got["a"].tolist() == [2, 0]
+        assert got.get("s").tolist() == ["z", "x"]
+        # update one field of an existing key, add a new key in the same call
+        await client.kv_batch_put(["k1", "k3"], "p", {"a": torch.tensor([10, 30])})
+        got = await client.kv_batch_get(["k0", "k1", "k3"], "p", select_fields=["a"])
+        assert got["a"].tolist() == [0, 10, 30]
+        # k1 kept its other field
+        assert (await client.kv_batch_get(["k1"], "p", ["s"])).get("s").tolist() == ["y"]
+        # k3 has no "s": asking for it is an error naming the key, not a shorter batch
+        with pytest.raises(tq.KeyNotFound, match=r"'k3'.*\['s'\]"):
+            await client.kv_batch_get(["k1", "k3"], "p", select_fields=["s"])
+        with pytest.raises(tq.KeyNotFound, match="nope"):
+            await client.kv_batch_get(["k0", "nope"], "p")
+
+
+async def test_kv_put_single_key_and_tags_merge_atomically() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_put("a", "p", {"reward": torch.tensor(1.5), "note": "hi"}, tag={"x": 1})
+        got = await client.kv_batch_get(["a"], "p")
+        assert got["reward"].tolist() == [1.5]
+        assert got.get("note").tolist() == ["hi"]
+
+        # many concurrent tag updates of one key: none is lost
+        async def tag(i: int) -> None:
+            await client.kv_put("a", "p", tag={f"t{i}": i})
+
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(tag, i)
+        tags = (await client.kv_list("p"))["p"]["a"]
+        assert tags == {"x": 1} | {f"t{i}": i for i in range(50)}
+        # a tag-only put creates the key
+        await client.kv_put("b", "p", tag={"only": True})
+        assert set((await client.kv_list())["p"]) == {"a", "b"}
+
+
+async def test_kv_clear_and_bad_input() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_batch_put(["a", "b"], "p", {"x": torch.zeros(2, 8)})
+        with pytest.raises(tq.KeyNotFound, match="zzz"):
+            await client.kv_clear(["a", "zzz"], "p")
+        assert set((await client.kv_list("p"))["p"]) == {"a", "b"}  # nothing cleared
+        await client.kv_clear(["a"], "p")
+        assert set((await client.kv_list("p"))["p"]) == {"b"}
+        assert cluster.units[0].state.resident_bytes == 8 * 4 * 2  # chunk freed with last row
+        await client.kv_clear(["b"], "p")
+        assert cluster.units[0].state.resident_bytes == 0
+        with pytest.raises(tq.InvalidRequestError, match="twice"):
+            await client.kv_batch_put(["c", "c"], "p", {"x": torch.zeros(2, 8)})
+        with pytest.raises(tq.SchemaError, match="2 keys"):
+            await client.kv_batch_put(["c", "d"], "p", {"x": torch.zeros(3, 8)})
+        with pytest.raises(tq.InvalidRequestError, match="list of strings"):
+            await client.kv_batch_get("c", "p")  # type: ignore[arg-type]
+        with pytest.raises(tq.PartitionNotFound):
+            await client.kv_list("nope")
+
+
+def test_sync_kv() -> None:
+    async def main() -> None:
+        async with tq.local_cluster(num_storage_units=1) as cluster:
+
+            def blocking() -> list[int]:
+                with tq.Client.connect(cluster.address) as client:
+                    client.kv_batch_put(["a", "b"], "p", {"x": torch.tensor([1, 2])})
+                    return client.kv_batch_get(["b", "a"], "p")["x"].tolist()
+
+            assert await anyio.to_thread.run_sync(blocking) == [2, 1]
+
+    anyio.run(main)

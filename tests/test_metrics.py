@@ -1,0 +1,101 @@
+"""Prometheus metrics on an injected registry, scraped over HTTP; opt-in logging."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import anyio
+import prometheus_client
+import pytest
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+import tq_async as tq
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # loopback only
+        body: bytes = resp.read()
+    return body.decode()
+
+
+def value(text: str, line_prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_prefix!r} not in the scrape")
+
+
+async def test_metrics_are_served_and_counted() -> None:
+    registry = CollectorRegistry()
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    async with (
+        tq.local_cluster(
+            num_storage_units=2, metrics_registry=registry, serve_metrics_on="127.0.0.1:0"
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert cluster.metrics_url is not None
+        meta = await client.put({"x": torch.zeros(4, 256)}, partition_id="train@0")
+        await client.get_data(meta)
+        await client.get_meta(["x"], 3, "train@0", "learner")
+        with pytest.raises(tq.PartitionNotFound):
+            await client.partition_info("nope")
+        text = await anyio.to_thread.run_sync(scrape, cluster.metrics_url)
+    ok = 'tq_requests_total{op="GetMeta",outcome="ok",service="controller"}'
+    assert value(text, ok) == 1
+    err = 'tq_requests_total{op="PartitionInfo",outcome="error",service="controller"}'
+    assert value(text, err) == 1
+    assert value(text, 'tq_transfer_bytes_total{direction="in",service="storage"}') == 4 * 256 * 4
+    assert value(text, 'tq_transfer_bytes_total{direction="out",service="storage"}') == 4096
+    assert value(text, 'tq_rows_ready{task="learner"}') == 1
+    assert value(text, 'tq_rows_unconsumed{task="learner"}') == 1
+    assert value(text, "tq_partitions ") == 1
+    resident = [value(text, f'tq_storage_resident_bytes{{unit="{u}"}}') for u in (0, 1)]
+    assert sorted(resident) == [0, 4096]
+    assert 'tq_request_duration_seconds_bucket{le="0.001",op="PutBegin"' in text
+    assert "train@0" not in text  # partition ids are never label values
+    assert set(prometheus_client.REGISTRY._names_to_collectors) == before  # global untouched
+
+
+async def test_waiting_get_meta_records_wait_time() -> None:
+    registry = CollectorRegistry()
+    async with (
+        tq.local_cluster(num_storage_units=1, metrics_registry=registry) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.get_meta, ["x"], 1, "p", "t")
+            with anyio.fail_after(5):
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            assert registry.get_sample_value("tq_get_meta_waiting") == 1
+            await client.put({"x": torch.zeros(1)}, partition_id="p")
+        assert registry.get_sample_value("tq_consumer_wait_seconds_count") == 1
+        assert registry.get_sample_value("tq_get_meta_waiting") == 0
+
+
+def test_serve_metrics_needs_a_registry() -> None:
+    async def main() -> None:
+        async with tq.local_cluster(serve_metrics_on="127.0.0.1:0"):
+            pass
+
+    with pytest.raises(tq.InvalidRequestError, match="metrics_registry"):
+        anyio.run(main)
+
+
+def test_configure_logging_is_opt_in(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        tq.configure_logging("WARNING", json=True)
+        log = structlog.get_logger("tq_async.test")
+        log.info("hidden")
+        log.warning("shown", rid=7)
+        err = capsys.readouterr().err
+        assert '"event": "shown"' in err
+        assert '"rid": 7' in err
+        assert "hidden" not in err
+        with pytest.raises(ValueError, match="level"):
+            tq.configure_logging("LOUD")
+    finally:
+        structlog.reset_defaults()
