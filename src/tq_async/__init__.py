@@ -9,6 +9,7 @@ from ._client import AsyncClient as AsyncClient
 from ._cluster import LocalCluster as LocalCluster
 from ._cluster import local_cluster as local_cluster
 from ._codec import ColumnHeader as ColumnHeader
+from ._controller import AdmissionConfig as AdmissionConfig
 from ._controller import ControllerServer as ControllerServer
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
@@ -32,12 +33,15 @@ from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
 from .samplers import SeqlenBalancedSampler as SeqlenBalancedSampler
 from .samplers import SequentialSampler as SequentialSampler
+from .samplers import StalenessSampler as StalenessSampler
+from .samplers import StaleRows as StaleRows
 from .samplers import get_seqlen_balanced_partitions as get_seqlen_balanced_partitions
 from .samplers import karmarkar_karp as karmarkar_karp
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AdmissionConfig",
     "AsyncClient",
     "BaseSampler",
     "BatchMeta",
@@ -59,6 +63,8 @@ __all__ = [
     "SchemaError",
     "SeqlenBalancedSampler",
     "SequentialSampler",
+    "StaleRows",
+    "StalenessSampler",
     "StorageServer",
     "TQError",
     "TQTimeoutError",

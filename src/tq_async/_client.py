@@ -36,6 +36,7 @@ from ._codec import (
 from ._errors import ClosedError, InvalidRequestError, ProtocolError, SchemaError
 from ._meta import BatchMeta
 from ._protocol import (
+    AcquireRollout,
     CheckConsumption,
     CheckProduction,
     ClearPartition,
@@ -55,14 +56,19 @@ from ._protocol import (
     ProductionStatus,
     PutBegin,
     PutCommit,
+    RecycledRows,
     Release,
+    ReleaseRollout,
     Reply,
     ResetConsumption,
     Seal,
+    SetPolicyVersion,
     SetTags,
+    StalenessStatus,
     StoredColumns,
     StoreGet,
     StorePut,
+    TakeRecycled,
 )
 from ._transport import DealerConnection
 
@@ -233,6 +239,7 @@ class AsyncClient:
         *,
         meta: BatchMeta | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``.
 
@@ -244,6 +251,9 @@ class AsyncClient:
                 ``len(meta)`` rows in the same order.
             tags: one dict per row (or None), merged into each row's tags atomically with the
                 data becoming visible.
+            policy_version: the policy version that produced this data (one int, or one per
+                row); recorded per field, so a trajectory appended across versions keeps each
+                segment's version. A row's version is its oldest field's.
 
         Returns:
             A :class:`BatchMeta` of the written rows.
@@ -255,7 +265,9 @@ class AsyncClient:
         Cancellation: new rows that were allocated but not committed are cleared (best
         effort); nothing half-written ever becomes visible.
         """
-        return await self._put(data, partition_id, meta=meta, tags=tags, keys=None)
+        return await self._put(
+            data, partition_id, meta=meta, tags=tags, keys=None, policy_version=policy_version
+        )
 
     async def _put(
         self,
@@ -265,6 +277,7 @@ class AsyncClient:
         meta: BatchMeta | None,
         tags: Sequence[Mapping[str, Any] | None] | None,
         keys: Sequence[str] | None,
+        policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         if meta is not None:
             if partition_id is not None and partition_id != meta.partition_id:
@@ -285,6 +298,16 @@ class AsyncClient:
             if len(tags) != n:
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
             tag_list = [dict(t) if t else None for t in tags]
+        versions: list[int] | None = None
+        if policy_version is not None:
+            if isinstance(policy_version, int):
+                versions = [policy_version] * n
+            else:
+                versions = [int(v) for v in policy_version]
+            if len(versions) != n or any(v < 0 for v in versions):
+                raise InvalidRequestError(
+                    f"policy_version must be one int >= 0 or {n} of them, got {policy_version!r}"
+                )
         begin = PutBegin(
             partition_id,
             headers,
@@ -296,7 +319,8 @@ class AsyncClient:
         fields = [h.name for h in headers]
         try:
             await self._store(partition_id, placement, headers, columns)
-            await self._call(PutCommit(partition_id, placement.rows, fields, tag_list), None)
+            commit = PutCommit(partition_id, placement.rows, fields, tag_list, versions)
+            await self._call(commit, None)
         except BaseException:
             if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
@@ -305,6 +329,7 @@ class AsyncClient:
                     except Exception as exc:  # the original error matters more
                         log.warning("could not clear rows of a failed put", error=str(exc))
             raise
+        written_versions = {f: list(versions) for f in fields} if versions else {}
         if meta is None:
             out_tags = [t or {} for t in tag_list] if tag_list else []
             return BatchMeta(
@@ -313,6 +338,7 @@ class AsyncClient:
                 field_names=fields,
                 units=placement.units,
                 tags=out_tags,
+                policy_versions=written_versions,
             )
         merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
         if tag_list:
@@ -324,6 +350,7 @@ class AsyncClient:
             field_names=list(dict.fromkeys([*meta.field_names, *fields])),
             units=placement.units,
             tags=merged_tags if (meta.tags or tag_list) else [],
+            policy_versions=meta.policy_versions | written_versions,
         )
 
     async def _store(
@@ -438,6 +465,7 @@ class AsyncClient:
             task_name=task_name,
             batch_index=cfg.get("batch_index") if cfg else None,
             end_of_stream=got.end_of_stream,
+            policy_versions=got.versions,
         )
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
@@ -611,6 +639,64 @@ class AsyncClient:
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         body = SetTags(meta.partition_id, list(meta.global_indexes), [dict(t) for t in tags])
         await self._call(body, None)
+
+    # ---- staleness control -------------------------------------------------------------------
+
+    async def set_policy_version(self, version: int) -> None:
+        """The learner announces its policy version (after each update).
+
+        Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
+        for staleness.
+        """
+        await self._call(SetPolicyVersion(int(version)), None)
+
+    async def acquire_rollout(
+        self, policy_version: int, n: int = 1, *, timeout: float | None = None
+    ) -> None:
+        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start.
+
+        Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
+        while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
+        reserves ``n`` slots, freed when the learner task consumes the rows (or by
+        :meth:`release_rollout`, or when unconsumed rows are cleared).
+
+        Raises:
+            TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
+            InvalidRequestError: ``n`` can never fit the capacity.
+
+        Cancellation: the waiting request is dropped; nothing is reserved.
+        """
+        deadline = None if timeout is None else timeout + self.request_timeout
+        await self._ctl().request(
+            AcquireRollout(int(policy_version), int(n), timeout), timeout=deadline
+        )
+
+    async def release_rollout(self, n: int) -> None:
+        """Give back ``n`` admission slots of rollouts that will not be put."""
+        await self._call(ReleaseRollout(int(n)), None)
+
+    async def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
+        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
+
+        Each recycled row is handed out exactly once; read its prompt fields with
+        :meth:`get_data` and put the regenerated sample as a new row.
+        """
+        got = await self._call(TakeRecycled(int(max_rows)), list[RecycledRows])
+        return [
+            BatchMeta(
+                partition_id=r.partition_id,
+                global_indexes=r.meta.rows,
+                field_names=r.meta.fields,
+                units=r.meta.units,
+                tags=r.meta.tags,
+                policy_versions=r.meta.versions,
+            )
+            for r in got
+        ]
+
+    async def staleness_status(self) -> dict[str, int]:
+        """Learner version, outstanding admitted rows, and stale rows dropped/recycled/kept."""
+        return dict(await self._call(StalenessStatus(), dict[str, int]))
 
     # ---- KV API ------------------------------------------------------------------------------
 

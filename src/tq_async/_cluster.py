@@ -12,7 +12,7 @@ import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ._controller import ControllerServer
+from ._controller import AdmissionConfig, ControllerServer
 from ._errors import InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._state import ControllerState
@@ -56,6 +56,7 @@ async def local_cluster(
     allow_pickle: bool = False,
     metrics_registry: CollectorRegistry | None = None,
     serve_metrics_on: str | None = None,
+    admission: AdmissionConfig | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -77,6 +78,7 @@ async def local_cluster(
             (off by default; the global registry is never used).
         serve_metrics_on: ``"host:port"`` to serve the registry over HTTP (port 0: any
             free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
+        admission: staleness and capacity bounds enforced by ``acquire_rollout``.
 
     Yields:
         A :class:`LocalCluster`.
@@ -119,6 +121,7 @@ async def local_cluster(
                 sampler,
                 allow_pickle=allow_pickle,
                 metrics=Metrics(metrics_registry, "controller"),
+                admission=admission,
             )
             address = await tg.start(controller.serve, controller_bind)
             cluster = LocalCluster(address, controller, units)

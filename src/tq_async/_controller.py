@@ -17,6 +17,7 @@ import inspect
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -36,6 +37,7 @@ from ._errors import (
 )
 from ._metrics import Metrics
 from ._protocol import (
+    AcquireRollout,
     Cancel,
     CheckConsumption,
     CheckProduction,
@@ -58,27 +60,40 @@ from ._protocol import (
     ProductionStatus,
     PutBegin,
     PutCommit,
+    RecycledRows,
     RegisterUnit,
     Release,
+    ReleaseRollout,
     ResetConsumption,
     RestoreAbort,
     RestoreBegin,
     RestoreCommit,
     Seal,
+    SetPolicyVersion,
     SetTags,
+    StalenessStatus,
     StateDump,
     StoreClear,
+    TakeRecycled,
     UnitInfo,
     controller_request_decoder,
     error_reply,
     ok_reply,
     salvage_rid,
 )
-from ._state import ControllerState, Partition, ReadyView, RowOrigin, RowTags, Wakeup
+from ._state import (
+    ControllerState,
+    Partition,
+    ReadyView,
+    RowOrigin,
+    RowTags,
+    RowVersions,
+    Wakeup,
+)
 from ._transport import DealerConnection, RouterEndpoint
-from .samplers import BaseSampler, SampleResult, SequentialSampler
+from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
 
-__all__ = ["ControllerServer"]
+__all__ = ["AdmissionConfig", "ControllerServer"]
 
 log = structlog.get_logger(__name__)
 
@@ -111,12 +126,39 @@ def _kwargs_filter(sampler: Any) -> frozenset[str] | None:
 class _Attempt:
     """What one sampler call needs to be finished after an ``await``."""
 
-    __slots__ = ("final", "partition", "result")
+    __slots__ = ("final", "partition", "result", "stale")
 
-    def __init__(self, partition: Partition, result: Any, final: bool) -> None:
+    def __init__(self, partition: Partition, result: Any, final: bool, stale: StaleRows) -> None:
         self.partition = partition
         self.result = result
         self.final = final
+        self.stale = stale
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounds on asynchronous rollouts, enforced by ``acquire_rollout`` (see issue: staleness).
+
+    Attributes:
+        max_staleness: a rollout of policy version ``v`` may start only while
+            ``v - learner_version <= max_staleness`` (None: no version bound).
+        capacity: the most rows admitted and not yet consumed by ``learner_task`` (None: no
+            bound). Unconsumed rows are never evicted: producers wait instead.
+        learner_task: the task whose consumption frees admission slots (needed with
+            ``capacity``).
+    """
+
+    max_staleness: int | None = None
+    capacity: int | None = None
+    learner_task: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidRequestError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
+            raise InvalidRequestError(
+                "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
+            )
 
 
 class ControllerServer:
@@ -128,6 +170,7 @@ class ControllerServer:
         allow_pickle: told to clients; storage units enforce it.
         unit_timeout: seconds to wait for a storage unit when the controller calls it (clears).
         metrics: where to record request metrics (disabled by default).
+        admission: bounds for ``acquire_rollout`` (staleness and capacity; none by default).
     """
 
     def __init__(
@@ -138,9 +181,12 @@ class ControllerServer:
         allow_pickle: bool = False,
         unit_timeout: float = 30.0,
         metrics: Metrics | None = None,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         self.state = state or ControllerState()
         self.metrics = metrics or Metrics(None, "controller")
+        self.admission = admission or AdmissionConfig()
+        self._admission_waiters: dict[asyncio.Future[None], None] = {}
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
@@ -273,7 +319,7 @@ class ControllerServer:
             self._notify(wakeups)
         elif isinstance(body, PutCommit):
             p = st.partition(body.partition_id)
-            gained = p.commit(body.rows, body.fields, body.tags)
+            gained = p.commit(body.rows, body.fields, body.tags, body.versions)
             self._send_ok(peer, rid, None)
             self._notify([Wakeup(body.partition_id, t) for t in gained])
         elif isinstance(body, Cancel):
@@ -301,12 +347,15 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
             self._notify([Wakeup(body.partition_id, body.task_name)])
         elif isinstance(body, ClearSamples):
-            by_unit = st.partition(body.partition_id).clear_rows(body.rows)
+            p = st.partition(body.partition_id)
+            self._free_unconsumed(p, body.rows)
+            by_unit = p.clear_rows(body.rows)
             self._notify([Wakeup(body.partition_id)])
             self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
         elif isinstance(body, ClearPartition):
             p = st.partition(body.partition_id)
             by_unit = p.live_rows_by_unit()
+            self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
             del st.partitions[body.partition_id]
             self.sampler.clear_partition(body.partition_id)
             self._notify([Wakeup(body.partition_id)])
@@ -370,7 +419,9 @@ class ControllerServer:
             self._send_ok(peer, rid, listing)
         elif isinstance(body, KVClear):
             p = st.partition(body.partition_id)
-            by_unit = p.clear_rows(p.rows_for_keys(body.keys))
+            key_rows = p.rows_for_keys(body.keys)
+            self._free_unconsumed(p, key_rows)
+            by_unit = p.clear_rows(key_rows)
             self._notify([Wakeup(body.partition_id)])
             self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
         elif isinstance(body, DumpState):
@@ -397,6 +448,38 @@ class ControllerServer:
             for pid in body.partition_ids:
                 self._spawn(self._clear_units, None, rid, pid, everywhere)
             self._send_ok(peer, rid, None)
+        elif isinstance(body, SetPolicyVersion):
+            if body.version < st.learner_version:
+                log.warning(
+                    "policy version went backwards", old=st.learner_version, new=body.version
+                )
+            st.learner_version = body.version
+            self._send_ok(peer, rid, None)
+            self._wake_admission()
+            # rows may have gone stale: let waiting samplers look again (and drop them)
+            self._notify([Wakeup(pid) for pid in list(self._waiters)])
+        elif isinstance(body, AcquireRollout):
+            return self._acquire(peer, rid, body, t0)
+        elif isinstance(body, ReleaseRollout):
+            if body.n < 0:
+                raise InvalidRequestError(f"release_rollout needs n >= 0, got {body.n}")
+            self._free_slots(body.n)
+            self._send_ok(peer, rid, None)
+        elif isinstance(body, TakeRecycled):
+            if body.max_rows < 1:
+                raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
+            self._send_ok(peer, rid, self._take_recycled(body.max_rows))
+        elif isinstance(body, StalenessStatus):
+            self._send_ok(
+                peer,
+                rid,
+                {
+                    "learner_version": st.learner_version,
+                    "outstanding": st.outstanding,
+                    "recycled_pending": len(st.recycled),
+                    **st.stale_counts,
+                },
+            )
         elif isinstance(body, RegisterUnit):
             st.units[body.unit_id] = body.address
             self._send_ok(peer, rid, None)
@@ -415,7 +498,9 @@ class ControllerServer:
         self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation, t0)
         return True
 
-    def _call_sampler(self, req: GetMeta, p: Partition, ready: ReadyView, final: bool) -> Any:
+    def _call_sampler(
+        self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, stale: StaleRows
+    ) -> Any:
         cfg = req.sampling_config or {}
         ctx: dict[str, Any] = {
             "partition_id": req.partition_id,
@@ -428,6 +513,9 @@ class ControllerServer:
             "origin": RowOrigin(p),
             "final": final,
             "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+            "policy_version": self.state.learner_version,
+            "versions": RowVersions(p),
+            "stale": stale,
         }
         if self._sampler_kwargs is not None:
             ctx = {k: v for k, v in ctx.items() if k in self._sampler_kwargs}
@@ -444,10 +532,11 @@ class ControllerServer:
             return logged
         rs = p.ready_set(req.task_name, req.data_fields)
         final = p.is_final(req.task_name, rs)
-        result = self._call_sampler(req, p, ReadyView(rs.rows), final)
+        stale = StaleRows()
+        result = self._call_sampler(req, p, ReadyView(rs.rows), final, stale)
         if inspect.isawaitable(result):
-            return _Attempt(p, result, final)
-        return self._finish(req, p, result, final, strict=True)
+            return _Attempt(p, result, final, stale)
+        return self._finish(req, p, result, final, stale, strict=True)
 
     def _logged(self, req: GetMeta, p: Partition) -> MetaReply | None:
         key = _delivery_key(req)
@@ -457,7 +546,14 @@ class ControllerServer:
         return None if rows is None else _meta_reply(p, list(rows), req.data_fields)
 
     def _finish(
-        self, req: GetMeta, p: Partition, result: Any, final: bool, *, strict: bool
+        self,
+        req: GetMeta,
+        p: Partition,
+        result: Any,
+        final: bool,
+        stale: StaleRows,
+        *,
+        strict: bool,
     ) -> MetaReply | None:
         """Apply a sampler's answer; None means "nothing yet" (or, if not strict, retry)."""
         sampled, consumed = _check_result(result)
@@ -466,6 +562,9 @@ class ControllerServer:
         logged = self._logged(req, p)
         if logged is not None:
             return logged
+        if stale and req.mode == "fetch":
+            self._apply_stale(req, p, stale)
+            final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
         if not sampled:
             if final:
                 return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
@@ -480,6 +579,7 @@ class ControllerServer:
             if req.mode == "fetch" and consumed:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
+                self._learner_consumed(req.task_name, p, consumed)
         except TQError:
             if strict:
                 raise
@@ -488,6 +588,141 @@ class ControllerServer:
         if key is not None:
             p.deliveries[key] = tuple(sampled)
         return _meta_reply(p, sampled, req.data_fields)
+
+    # ---- staleness and admission -------------------------------------------------------------
+
+    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows) -> None:
+        """Consume the rows a sampler found stale; queue recycled prompts; count."""
+        consumed = p.consumed.get(req.task_name)
+        st = self.state
+        st.stale_counts["kept"] += stale.kept
+        for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
+            valid = [
+                r
+                for r in dict.fromkeys(rows)
+                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
+            ]
+            if not valid:
+                continue
+            p.consume(req.task_name, valid)
+            self._learner_consumed(req.task_name, p, valid)
+            st.stale_counts[kind] += len(valid)
+            if kind == "recycled":
+                st.recycled.extend((p.partition_id, r) for r in valid)
+        if stale.dropped or stale.recycled or stale.kept:
+            self.metrics.stale(stale)
+
+    def _free_unconsumed(self, p: Partition, rows: Sequence[int]) -> None:
+        """Cleared rows the learner never consumed give their admission slots back."""
+        task = self.admission.learner_task
+        if task is None:
+            return
+        consumed = p.consumed.get(task)
+        freed = sum(
+            1
+            for r in set(rows)
+            if 0 <= r < p.n_rows
+            and p.alive[r]
+            and p.row_version[r] >= 0
+            and not (consumed and consumed[r])
+        )
+        if freed:
+            self._free_slots(freed)
+
+    def _learner_consumed(self, task: str, p: Partition, rows: Sequence[int]) -> None:
+        """Consumption by the learner task frees admission slots of versioned rows."""
+        if self.admission.learner_task != task:
+            return
+        freed = sum(1 for r in rows if p.row_version[r] >= 0)
+        if freed:
+            self._free_slots(freed)
+
+    def _free_slots(self, n: int) -> None:
+        self.state.outstanding = max(0, self.state.outstanding - n)
+        self._wake_admission()
+
+    def _wake_admission(self) -> None:
+        waiters, self._admission_waiters = self._admission_waiters, {}
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _admissible(self, version: int, n: int) -> bool:
+        cfg, st = self.admission, self.state
+        if cfg.max_staleness is not None and version - max(st.learner_version, 0) > (
+            cfg.max_staleness
+        ):
+            return False
+        return cfg.capacity is None or st.outstanding + n <= cfg.capacity
+
+    def _acquire(self, peer: bytes, rid: int, body: AcquireRollout, t0: float) -> bool:
+        if body.n < 1 or body.policy_version < 0:
+            raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
+        cap = self.admission.capacity
+        if cap is not None and body.n > cap:
+            raise InvalidRequestError(
+                f"a rollout of {body.n} rows can never fit the capacity of {cap}; acquire "
+                "fewer rows at a time or raise the capacity"
+            )
+        if self._admissible(body.policy_version, body.n):
+            self.state.outstanding += body.n
+            self._send_ok(peer, rid, None)
+            return False
+        self._spawn(self._acquire_waiting, peer, rid, body, t0)
+        return True
+
+    async def _acquire_waiting(
+        self, peer: bytes, rid: int, body: AcquireRollout, t0: float
+    ) -> None:
+        scope = anyio.CancelScope()
+        self._pending[(peer, rid)] = scope
+        ok = False
+        try:
+            with scope, anyio.fail_after(body.timeout) if body.timeout else nullcontext():
+                while not self._admissible(body.policy_version, body.n):
+                    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._admission_waiters[fut] = None
+                    try:
+                        await fut
+                    finally:
+                        self._admission_waiters.pop(fut, None)
+                self.state.outstanding += body.n
+                self._send_ok(peer, rid, None)
+                ok = True
+        except TimeoutError:
+            st = self.state
+            self._send_error(
+                peer,
+                rid,
+                TQTimeoutError(
+                    f"rollout of policy version {body.policy_version} not admitted within "
+                    f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
+                    "outstanding); nothing was reserved"
+                ),
+                "AcquireRollout",
+            )
+        finally:
+            self._pending.pop((peer, rid), None)
+            if self.metrics.enabled:
+                self.metrics.request("AcquireRollout", ok, time.perf_counter() - t0)
+
+    def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
+        out: dict[str, list[int]] = {}
+        taken = 0
+        st = self.state
+        while st.recycled and taken < max_rows:
+            pid, row = st.recycled.popleft()
+            p = st.partitions.get(pid)
+            if p is None or not p.alive[row]:
+                continue  # its partition was cleared: nothing left to regenerate from
+            out.setdefault(pid, []).append(row)
+            taken += 1
+        return [
+            RecycledRows(
+                pid, _meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields))
+            )
+            for pid, rows in out.items()
+        ]
 
     async def _get_meta_waiting(
         self,
@@ -515,7 +750,12 @@ class ControllerServer:
                     if isinstance(attempt, _Attempt):
                         answer = await attempt.result
                         attempt = self._finish(
-                            req, attempt.partition, answer, attempt.final, strict=False
+                            req,
+                            attempt.partition,
+                            answer,
+                            attempt.final,
+                            attempt.stale,
+                            strict=False,
                         )
                     if isinstance(attempt, MetaReply):
                         self._send_ok(peer, rid, attempt)
@@ -609,7 +849,16 @@ def _delivery_key(req: GetMeta) -> tuple[str, int, int] | None:
 
 def _meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
     tags = p.tags
-    return MetaReply(rows, [p.units[r] for r in rows], [tags[r] or {} for r in rows], list(fields))
+    versions = {
+        f: [fv[r] for r in rows] for f in fields if (fv := p.field_versions.get(f)) is not None
+    }
+    return MetaReply(
+        rows,
+        [p.units[r] for r in rows],
+        [tags[r] or {} for r in rows],
+        list(fields),
+        versions=versions,
+    )
 
 
 def _check_result(result: Any) -> SampleResult:

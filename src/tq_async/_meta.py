@@ -27,6 +27,8 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         batch_index: the ``batch_index`` the rows were fetched under, if any.
         end_of_stream: True on the empty batch that tells a consumer the partition is sealed
             and drained for its task.
+        policy_versions: per field that carries policy versions, each row's version (-1:
+            none); see :meth:`row_policy_versions`.
     """
 
     partition_id: str
@@ -37,6 +39,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     task_name: str | None = None
     batch_index: int | None = None
     end_of_stream: bool = False
+    policy_versions: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.units) != len(self.global_indexes):
@@ -67,7 +70,17 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             global_indexes=[self.global_indexes[i] for i in idx],
             units=[self.units[i] for i in idx],
             tags=[self.tags[i] for i in idx] if self.tags else [],
+            policy_versions={f: [v[i] for i in idx] for f, v in self.policy_versions.items()},
         )
+
+    def row_policy_versions(self) -> list[int]:
+        """Each row's policy version: the oldest over its versioned fields (-1: none)."""
+        out = [-1] * len(self)
+        for versions in self.policy_versions.values():
+            for i, v in enumerate(versions):
+                if v >= 0 and (out[i] < 0 or v < out[i]):
+                    out[i] = v
+        return out
 
     def select_fields(self, fields: Sequence[str]) -> BatchMeta:
         """The same rows, referring to ``fields`` only."""
@@ -88,10 +101,15 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         if any(m.partition_id != first.partition_id for m in metas):
             raise ValueError("concat needs batches of one partition")
         has_tags = any(m.tags for m in metas)
+        fields = {f for m in metas for f in m.policy_versions}
         return msgspec.structs.replace(
             first,
             global_indexes=[r for m in metas for r in m.global_indexes],
             units=[u for m in metas for u in m.units],
             tags=[t for m in metas for t in (m.tags or [{}] * len(m))] if has_tags else [],
             batch_index=first.batch_index if len(metas) == 1 else None,
+            policy_versions={
+                f: [v for m in metas for v in m.policy_versions.get(f, [-1] * len(m))]
+                for f in fields
+            },
         )

@@ -12,6 +12,7 @@ tq_requests_total                  counter service, op, outcome (ok | error)
 tq_request_duration_seconds        hist.   service, op
 tq_transfer_bytes_total            counter service, direction (in | out)
 tq_consumer_wait_seconds           hist.   (time a get_meta waited for rows)
+tq_stale_rows_total                counter policy (dropped | recycled | kept)
 tq_rows_ready                      gauge   task (rows ready and not consumed, all partitions)
 tq_rows_unconsumed                 gauge   task (rows alive and not consumed by the task)
 tq_partitions                      gauge   (partitions held by the controller)
@@ -86,6 +87,16 @@ class Metrics:
                 registry=registry,
             ),
         )
+        self._stale = _shared(
+            registry,
+            "tq_stale_rows_total",
+            lambda: Counter(
+                "tq_stale_rows",
+                "Rows found too stale when sampled, by what was done with them.",
+                ["policy"],
+                registry=registry,
+            ),
+        )
         self._wait = _shared(
             registry,
             "tq_consumer_wait_seconds",
@@ -115,6 +126,18 @@ class Metrics:
         """Count payload bytes moved in or out."""
         if self.enabled:
             self._bytes.labels(self.service, direction).inc(nbytes)
+
+    def stale(self, stale: Any) -> None:
+        """Count stale rows by policy (``dropped``, ``recycled``, ``kept``)."""
+        if not self.enabled:
+            return
+        for policy, n in (
+            ("dropped", len(stale.dropped)),
+            ("recycled", len(stale.recycled)),
+            ("kept", stale.kept),
+        ):
+            if n:
+                self._stale.labels(policy).inc(n)
 
     def consumer_wait(self, seconds: float) -> None:
         """Observe how long a get_meta waited for rows."""

@@ -47,12 +47,43 @@ class PutBegin(_Msg):
 
 
 class PutCommit(_Msg):
-    """Every unit acknowledged: mark the cells produced and apply tags (atomically)."""
+    """Every unit acknowledged: mark the cells produced, apply tags and versions (atomically)."""
 
     partition_id: str
     rows: list[int]
     fields: list[str]
     tags: list[dict[str, Any] | None] | None = None
+    versions: list[int] | None = None
+
+
+class SetPolicyVersion(_Msg):
+    """The learner announces its policy version."""
+
+    version: int
+
+
+class AcquireRollout(_Msg):
+    """Wait until a rollout of ``policy_version`` producing ``n`` rows may start."""
+
+    policy_version: int
+    n: int = 1
+    timeout: float | None = None
+
+
+class ReleaseRollout(_Msg):
+    """Give back admission slots of rollouts that will not be put (e.g. generation failed)."""
+
+    n: int
+
+
+class TakeRecycled(_Msg):
+    """Take up to ``max_rows`` stale rows whose prompts must be regenerated (each once)."""
+
+    max_rows: int
+
+
+class StalenessStatus(_Msg):
+    pass
 
 
 class GetMeta(_Msg):
@@ -177,6 +208,8 @@ class PartitionDump(msgspec.Struct, array_like=True):
     fields: list[FieldDump]
     consumed: dict[str, bytes]
     deliveries: list[tuple[str, int, int, list[int]]]
+    row_version: list[int] = []
+    field_versions: dict[str, list[int]] = {}
 
 
 class StateDump(msgspec.Struct, array_like=True):
@@ -232,6 +265,11 @@ ControllerBody = (
     | RestoreBegin
     | RestoreCommit
     | RestoreAbort
+    | SetPolicyVersion
+    | AcquireRollout
+    | ReleaseRollout
+    | TakeRecycled
+    | StalenessStatus
 )
 
 
@@ -313,6 +351,14 @@ class MetaReply(msgspec.Struct, array_like=True):
     tags: list[dict[str, Any]]
     fields: list[str]
     end_of_stream: bool = False
+    versions: dict[str, list[int]] = {}
+
+
+class RecycledRows(msgspec.Struct, array_like=True):
+    """Stale rows of one partition whose prompts must be regenerated."""
+
+    partition_id: str
+    meta: MetaReply
 
 
 class StoredColumns(msgspec.Struct, array_like=True):

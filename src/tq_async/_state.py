@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -45,6 +46,7 @@ __all__ = [
     "ReadyView",
     "RowTags",
     "RowOrigin",
+    "RowVersions",
     "Wakeup",
     "DeliveryKey",
 ]
@@ -158,6 +160,26 @@ class RowOrigin(Mapping[int, tuple[int, int]]):
         return self._p.n_alive
 
 
+class RowVersions(Mapping[int, int]):
+    """Read-only ``row -> policy version`` view (the row's oldest field version; -1: none)."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Partition) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> int:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        return self._p.row_version[row]
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
+
+
 class _Field:
     __slots__ = ("header", "produced")
 
@@ -186,6 +208,9 @@ class Partition:
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
+        #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
+        self.field_versions: dict[str, array[int]] = {}
+        self.row_version = array("q")
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -219,6 +244,9 @@ class Partition:
         self.units.extend(itertools.repeat(unit, n))
         self.tags.extend(itertools.repeat(None, n))
         self.row_keys.extend(itertools.repeat(None, n))
+        self.row_version.extend(itertools.repeat(-1, n))
+        for fv in self.field_versions.values():
+            fv.extend(itertools.repeat(-1, n))
         for f in self.fields.values():
             f.produced.extend(bytes(n))
         for c in self.consumed.values():
@@ -238,15 +266,36 @@ class Partition:
     # ---- production --------------------------------------------------------------------------
 
     def commit(
-        self, rows: Sequence[int], fields: Sequence[str], tags: Sequence[Any] | None
+        self,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        tags: Sequence[Any] | None,
+        versions: Sequence[int] | None = None,
     ) -> list[str]:
-        """Mark ``fields`` of ``rows`` produced, merge ``tags``; return tasks that gained rows."""
+        """Mark ``fields`` of ``rows`` produced, merge ``tags`` and record policy ``versions``.
+
+        Returns the tasks that gained ready rows.
+        """
         self.check_rows(rows)
         missing = [f for f in fields if f not in self.fields]
         if missing:
             raise SchemaError(f"fields {missing} were not announced by put_begin")
         if tags is not None and len(tags) != len(rows):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
+        if versions is not None:
+            if len(versions) != len(rows) or any(v < 0 for v in versions):
+                raise InvalidRequestError(
+                    f"policy_version needs one non-negative int per row ({len(rows)} rows)"
+                )
+            for name in fields:
+                fv = self.field_versions.get(name)
+                if fv is None:
+                    fv = self.field_versions[name] = array("q", itertools.repeat(-1, self.n_rows))
+                for r, v in zip(rows, versions, strict=True):
+                    fv[r] = v
+            rv = self.row_version
+            for r, v in zip(rows, versions, strict=True):
+                rv[r] = v if rv[r] < 0 else min(rv[r], v)
         for name in fields:
             produced = self.fields[name].produced
             for r in rows:
@@ -443,6 +492,8 @@ class Partition:
             fields=[FieldDump(f.header, bytes(f.produced)) for f in self.fields.values()],
             consumed={t: bytes(c) for t, c in self.consumed.items()},
             deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.deliveries.items()],
+            row_version=list(self.row_version),
+            field_versions={f: list(v) for f, v in self.field_versions.items()},
         )
 
     @classmethod
@@ -473,6 +524,8 @@ class Partition:
             p.consumed[task] = bytearray(mask)
             p.consumed_count[task] = sum(a & b for a, b in zip(mask, p.alive, strict=True))
         p.deliveries = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
+        p.row_version = array("q", dump.row_version or itertools.repeat(-1, n))
+        p.field_versions = {f: array("q", v) for f, v in dump.field_versions.items()}
         return p
 
     # ---- status ------------------------------------------------------------------------------
@@ -513,6 +566,14 @@ class ControllerState:
         self._next_unit = 0
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
+        #: the learner's policy version (-1: never announced)
+        self.learner_version = -1
+        #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)
+        self.outstanding = 0
+        #: stale rows whose prompts must be regenerated: (partition_id, row), taken once
+        self.recycled: deque[tuple[str, int]] = deque()
+        #: how many stale rows each policy handled
+        self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
 
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> list[Partition]:
         """Stage partitions from a checkpoint; their alive rows are spread over the units."""

@@ -103,9 +103,17 @@ class Client:
         *,
         meta: BatchMeta | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.put`."""
-        return self._run(self._require().put, data, partition_id, meta=meta, tags=tags)
+        return self._run(
+            self._require().put,
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            policy_version=policy_version,
+        )
 
     def get_meta(
         self,
@@ -264,3 +272,25 @@ class Client:
     def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Blocking :meth:`AsyncClient.load_checkpoint`."""
         return self._run(self._require().load_checkpoint, path)
+
+    def set_policy_version(self, version: int) -> None:
+        """Blocking :meth:`AsyncClient.set_policy_version`."""
+        self._run(self._require().set_policy_version, version)
+
+    def acquire_rollout(
+        self, policy_version: int, n: int = 1, *, timeout: float | None = None
+    ) -> None:
+        """Blocking :meth:`AsyncClient.acquire_rollout`."""
+        self._run(self._require().acquire_rollout, policy_version, n, timeout=timeout)
+
+    def release_rollout(self, n: int) -> None:
+        """Blocking :meth:`AsyncClient.release_rollout`."""
+        self._run(self._require().release_rollout, n)
+
+    def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
+        """Blocking :meth:`AsyncClient.take_recycled`."""
+        return self._run(self._require().take_recycled, max_rows)
+
+    def staleness_status(self) -> dict[str, int]:
+        """Blocking :meth:`AsyncClient.staleness_status`."""
+        return self._run(self._require().staleness_status)

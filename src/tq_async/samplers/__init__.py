@@ -8,6 +8,8 @@ from ._kk import karmarkar_karp as karmarkar_karp
 from ._rank_aware import RankAwareSampler as RankAwareSampler
 from ._seqlen import SeqlenBalancedSampler as SeqlenBalancedSampler
 from ._sequential import SequentialSampler as SequentialSampler
+from ._staleness import StalenessSampler as StalenessSampler
+from ._staleness import StaleRows as StaleRows
 
 __all__ = [
     "BaseSampler",
@@ -16,6 +18,8 @@ __all__ = [
     "SampleResult",
     "SeqlenBalancedSampler",
     "SequentialSampler",
+    "StaleRows",
+    "StalenessSampler",
     "get_seqlen_balanced_partitions",
     "karmarkar_karp",
 ]

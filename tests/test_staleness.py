@@ -1,0 +1,197 @@
+"""Staleness control: versions, admission, StalenessSampler, recycling."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tq_async as tq
+
+
+def test_staleness_sampler_as_a_pure_function() -> None:
+    versions = {0: 0, 1: 1, 2: 2, 3: -1, 4: 3}
+    for policy in ("drop", "recycle"):
+        sink = tq.StaleRows()
+        s = tq.StalenessSampler(max_staleness=1, on_stale=policy)
+        got = s.sample(list(versions), 3, policy_version=3, versions=versions, stale=sink)
+        assert got == ([2, 3, 4], [2, 3, 4])  # rows 0 (v0) and 1 (v1) lag 3 by more than 1
+        assert (sink.dropped if policy == "drop" else sink.recycled) == [0, 1]
+    sink = tq.StaleRows()
+    kept = tq.StalenessSampler(max_staleness=1, on_stale="keep")
+    assert kept.sample([0, 1], 2, policy_version=3, versions=versions, stale=sink) == (
+        [0, 1],
+        [0, 1],
+    )
+    assert sink.kept == 2
+    # no learner version yet, or no context at all: nothing is stale
+    assert tq.StalenessSampler(max_staleness=0).sample([0, 1], 2) == ([0, 1], [0, 1])
+    with pytest.raises(ValueError, match="on_stale"):
+        tq.StalenessSampler(on_stale="ignore")
+    with pytest.raises(ValueError, match="max_staleness"):
+        tq.StalenessSampler(max_staleness=-1)
+
+
+async def test_versions_are_kept_per_field_segment() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"prompt": torch.zeros(2)}, "p", policy_version=3)
+        await client.put({"tail": torch.zeros(2)}, meta=meta, policy_version=[5, 2])
+        got = await client.get_meta(["prompt", "tail"], 2, "p", "t")
+        assert got.policy_versions == {"prompt": [3, 3], "tail": [5, 2]}
+        assert got.row_policy_versions() == [3, 2]  # a row is as old as its oldest segment
+        with pytest.raises(tq.InvalidRequestError, match="policy_version"):
+            await client.put({"prompt": torch.zeros(2)}, "p", policy_version=[1])
+
+
+async def test_acquire_waits_for_the_learner_and_wakes_on_set_policy_version() -> None:
+    admission = tq.AdmissionConfig(max_staleness=1)
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(1)  # learner at 0 (none announced): lag 1 is fine
+        admitted: list[int] = []
+
+        async def producer() -> None:
+            await client.acquire_rollout(3)
+            admitted.append(3)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(producer)
+            with anyio.fail_after(5):
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            await client.set_policy_version(1)  # lag 2: still too far
+            assert admitted == []
+            await client.set_policy_version(2)
+        assert admitted == [3]
+        with pytest.raises(tq.TQTimeoutError, match="nothing was reserved"):
+            await client.acquire_rollout(9, timeout=0.05)
+
+
+async def test_capacity_frees_when_the_learner_consumes() -> None:
+    admission = tq.AdmissionConfig(capacity=4, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 4)
+        await client.put({"x": torch.zeros(4)}, "p", policy_version=0)
+        with pytest.raises(tq.TQTimeoutError):
+            await client.acquire_rollout(0, 1, timeout=0.05)
+        await client.get_meta(["x"], 2, "p", "learn")  # frees 2 slots
+        await client.acquire_rollout(0, 2, timeout=5)
+        assert (await client.staleness_status())["outstanding"] == 4
+        await client.release_rollout(2)  # e.g. a generation failed
+        await client.clear_partition("p")  # unconsumed rows give their slots back
+        assert (await client.staleness_status())["outstanding"] == 0
+        with pytest.raises(tq.InvalidRequestError, match="never fit"):
+            await client.acquire_rollout(0, 5)
+
+
+async def test_recycled_prompts_are_handed_out_exactly_once() -> None:
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        fresh = await client.get_meta(["prompt"], 2, "p", "learn")
+        assert fresh.global_indexes == [3, 4]
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert await client.take_recycled() == []  # exactly once
+        prompts = await client.get_data(taken[0].select_fields(["prompt"]))
+        await client.put({"prompt": prompts["prompt"]}, "p", policy_version=1)  # regenerated
+        again = await client.get_meta(["prompt"], 3, "p", "learn")
+        assert again.global_indexes == [5, 6, 7]
+        status = await client.staleness_status()
+        assert status["recycled"] == 3
+        assert status["recycled_pending"] == 0
+
+
+async def test_waiting_consumer_drops_rows_that_go_stale() -> None:
+    """A learner update must not leave stale rows blocking capacity forever."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="drop")
+    admission = tq.AdmissionConfig(capacity=2, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 2)
+        await client.put({"x": torch.zeros(2)}, "p", policy_version=0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.get_meta, ["x"], 3, "p", "learn")  # waits: only 2 rows
+            with anyio.fail_after(5):
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            await client.set_policy_version(1)  # both rows stale: the waiter drops them
+            await client.acquire_rollout(1, 2, timeout=5)  # their slots came back
+            await client.put({"x": torch.zeros(3)}, "p", policy_version=1)
+        assert (await client.staleness_status())["dropped"] == 2
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    k=st.integers(0, 2),
+    capacity=st.integers(2, 8),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["produce", "learn"]), st.integers(1, 3), st.integers(0, 3)),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_property_no_row_consumed_beyond_the_bound(
+    k: int, capacity: int, steps: list[tuple[str, int, int]]
+) -> None:
+    """Random producer/learner interleavings against a model of admission."""
+
+    async def run() -> None:
+        sampler = tq.StalenessSampler(max_staleness=k, on_stale="drop")
+        admission = tq.AdmissionConfig(max_staleness=k, capacity=capacity, learner_task="learn")
+        async with (
+            tq.local_cluster(num_storage_units=1, sampler=sampler, admission=admission) as c,
+            tq.AsyncClient.connect(c.address) as client,
+        ):
+            learner = 0
+            outstanding = 0
+            await client.set_policy_version(0)
+            for action, n, lag in steps:
+                if action == "produce":
+                    version = max(0, learner + k + 1 - lag)  # sometimes ahead of the bound
+                    should_block = version - learner > k or outstanding + n > capacity
+                    if n > capacity:
+                        continue
+                    if should_block:
+                        with pytest.raises(tq.TQTimeoutError):
+                            await client.acquire_rollout(version, n, timeout=0.02)
+                        continue
+                    await client.acquire_rollout(version, n, timeout=5)
+                    outstanding += n
+                    await client.put({"x": torch.zeros(n)}, "p", policy_version=version)
+                else:
+                    try:
+                        meta = await client.get_meta(["x"], n, "p", "learn", timeout=0.02)
+                    except tq.TQTimeoutError:
+                        meta = None
+                    if meta is not None:
+                        for v in meta.row_policy_versions():
+                            assert learner - v <= k  # never beyond the bound
+                    learner += 1
+                    await client.set_policy_version(learner)
+                    # the model: what the controller says is outstanding is what is unconsumed
+                    outstanding = (await client.staleness_status())["outstanding"]
+                    assert 0 <= outstanding <= capacity
+
+    anyio.run(run)
