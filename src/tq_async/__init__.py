@@ -25,6 +25,9 @@ from ._errors import TQTimeoutError as TQTimeoutError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
+from ._security import CurveClient as CurveClient
+from ._security import CurveServer as CurveServer
+from ._security import curve_keypair as curve_keypair
 from ._state import ControllerState as ControllerState
 from ._storage import StorageServer as StorageServer
 from ._sync import Client as Client
@@ -52,6 +55,8 @@ __all__ = [
     "ColumnHeader",
     "ControllerServer",
     "ControllerState",
+    "CurveClient",
+    "CurveServer",
     "GRPOGroupNSampler",
     "InvalidRequestError",
     "KeyNotFound",
@@ -70,6 +75,7 @@ __all__ = [
     "TQTimeoutError",
     "UnsupportedTypeError",
     "configure_logging",
+    "curve_keypair",
     "get_seqlen_balanced_partitions",
     "karmarkar_karp",
     "local_cluster",

@@ -70,6 +70,7 @@ from ._protocol import (
     StorePut,
     TakeRecycled,
 )
+from ._security import CurveClient
 from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
@@ -124,6 +125,7 @@ class AsyncClient:
             :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the
             controller's setting.
+        curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -134,9 +136,11 @@ class AsyncClient:
         *,
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.address = address
         self.request_timeout = request_timeout
+        self.curve = curve
         self._allow_pickle_opt = allow_pickle
         self.allow_pickle = bool(allow_pickle)
         self._controller: DealerConnection | None = None
@@ -145,10 +149,15 @@ class AsyncClient:
 
     @classmethod
     def connect(
-        cls, address: str, *, request_timeout: float = 60.0, allow_pickle: bool | None = None
+        cls,
+        address: str,
+        *,
+        request_timeout: float = 60.0,
+        allow_pickle: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
-        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle)
+        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle, curve=curve)
 
     async def __aenter__(self) -> AsyncClient:
         await self.open()
@@ -170,7 +179,7 @@ class AsyncClient:
         """
         if self._controller is not None:
             return
-        self._controller = DealerConnection(self.address)
+        self._controller = DealerConnection(self.address, curve=self.curve)
         try:
             await self._refresh_units()
         except BaseException:
@@ -215,7 +224,7 @@ class AsyncClient:
                 raise ProtocolError(
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
-            conn = self._units[unit_id] = DealerConnection(address)
+            conn = self._units[unit_id] = DealerConnection(address, curve=self.curve)
         return conn
 
     async def _call(

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from ._controller import AdmissionConfig, ControllerServer
 from ._errors import InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from ._security import CurveServer
 from ._state import ControllerState
 from ._storage import StorageServer
 from ._transport import is_loopback
@@ -57,6 +58,7 @@ async def local_cluster(
     metrics_registry: CollectorRegistry | None = None,
     serve_metrics_on: str | None = None,
     admission: AdmissionConfig | None = None,
+    curve: CurveServer | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -79,6 +81,7 @@ async def local_cluster(
         serve_metrics_on: ``"host:port"`` to serve the registry over HTTP (port 0: any
             free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
         admission: staleness and capacity bounds enforced by ``acquire_rollout``.
+        curve: CURVE keys: encrypt every socket and admit only the allowed client keys.
 
     Yields:
         A :class:`LocalCluster`.
@@ -108,7 +111,10 @@ async def local_cluster(
         async with anyio.create_task_group() as tg:
             units = [
                 StorageServer(
-                    i, allow_pickle=allow_pickle, metrics=Metrics(metrics_registry, "storage")
+                    i,
+                    allow_pickle=allow_pickle,
+                    metrics=Metrics(metrics_registry, "storage"),
+                    curve=curve,
                 )
                 for i in range(num_storage_units)
             ]
@@ -122,6 +128,7 @@ async def local_cluster(
                 allow_pickle=allow_pickle,
                 metrics=Metrics(metrics_registry, "controller"),
                 admission=admission,
+                curve=curve,
             )
             address = await tg.start(controller.serve, controller_bind)
             cluster = LocalCluster(address, controller, units)

@@ -81,6 +81,7 @@ from ._protocol import (
     ok_reply,
     salvage_rid,
 )
+from ._security import CurveServer
 from ._state import (
     ControllerState,
     Partition,
@@ -90,7 +91,7 @@ from ._state import (
     RowVersions,
     Wakeup,
 )
-from ._transport import DealerConnection, RouterEndpoint
+from ._transport import DealerConnection, LogThrottle, RouterEndpoint
 from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
 
 __all__ = ["AdmissionConfig", "ControllerServer"]
@@ -171,6 +172,7 @@ class ControllerServer:
         unit_timeout: seconds to wait for a storage unit when the controller calls it (clears).
         metrics: where to record request metrics (disabled by default).
         admission: bounds for ``acquire_rollout`` (staleness and capacity; none by default).
+        curve: CURVE keys for this service's socket and its connections to the units.
     """
 
     def __init__(
@@ -182,8 +184,11 @@ class ControllerServer:
         unit_timeout: float = 30.0,
         metrics: Metrics | None = None,
         admission: AdmissionConfig | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         self.state = state or ControllerState()
+        self.curve = curve
+        self._malformed = LogThrottle()
         self.metrics = metrics or Metrics(None, "controller")
         self.admission = admission or AdmissionConfig()
         self._admission_waiters: dict[asyncio.Future[None], None] = {}
@@ -221,7 +226,7 @@ class ControllerServer:
         """Bind, report the address through ``task_status``, serve until cancelled."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            self._endpoint = RouterEndpoint(bind, self._on_message)
+            self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
             try:
                 task_status.started(self._endpoint.address)
                 await anyio.sleep_forever()
@@ -290,7 +295,7 @@ class ControllerServer:
             req: ControllerRequest = controller_request_decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             rid = salvage_rid(header)
-            log.warning("malformed controller request", error=str(exc), rid=rid)
+            self._malformed.warning("malformed controller request", error=str(exc), rid=rid)
             if rid is not None:
                 self._send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
             return
@@ -793,7 +798,10 @@ class ControllerServer:
     def _unit(self, unit_id: int) -> DealerConnection:
         conn = self._units.get(unit_id)
         if conn is None:
-            conn = self._units[unit_id] = DealerConnection(self.state.units[unit_id])
+            conn = self._units[unit_id] = DealerConnection(
+                self.state.units[unit_id],
+                curve=self.curve.as_client() if self.curve is not None else None,
+            )
         return conn
 
     async def _clear_units(

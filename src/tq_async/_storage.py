@@ -45,7 +45,8 @@ from ._protocol import (
     salvage_rid,
     storage_request_decoder,
 )
-from ._transport import RouterEndpoint
+from ._security import CurveServer
+from ._transport import LogThrottle, RouterEndpoint
 
 __all__ = ["StorageState", "StorageServer"]
 
@@ -188,9 +189,16 @@ class StorageServer:
     """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous)."""
 
     def __init__(
-        self, unit_id: int, *, allow_pickle: bool = False, metrics: Metrics | None = None
+        self,
+        unit_id: int,
+        *,
+        allow_pickle: bool = False,
+        metrics: Metrics | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         self.unit_id = unit_id
+        self.curve = curve
+        self._malformed = LogThrottle()
         self.state = StorageState(allow_pickle=allow_pickle)
         self.metrics = metrics or Metrics(None, "storage")
         self._endpoint: RouterEndpoint | None = None
@@ -208,7 +216,7 @@ class StorageServer:
         task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind, report the address through ``task_status``, serve until cancelled."""
-        self._endpoint = RouterEndpoint(bind, self._on_message)
+        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
         try:
             task_status.started(self._endpoint.address)
             await anyio.sleep_forever()
@@ -222,7 +230,7 @@ class StorageServer:
             req: StorageRequest = storage_request_decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             rid = salvage_rid(header)
-            log.warning("malformed storage request", error=str(exc), rid=rid)
+            self._malformed.warning("malformed storage request", error=str(exc), rid=rid)
             if rid is not None:
                 self._endpoint.send(peer, [error_reply(rid, ProtocolError(str(exc)))])
             return

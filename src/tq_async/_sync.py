@@ -21,6 +21,7 @@ from ._client import AsyncClient
 from ._errors import ClosedError
 from ._meta import BatchMeta
 from ._portal import get_portal
+from ._security import CurveClient
 
 __all__ = ["Client"]
 
@@ -42,6 +43,7 @@ class Client:
         *,
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.address = address
         self._portal = get_portal()
@@ -49,14 +51,20 @@ class Client:
         self._kwargs: dict[str, Any] = {
             "request_timeout": request_timeout,
             "allow_pickle": allow_pickle,
+            "curve": curve,
         }
 
     @classmethod
     def connect(
-        cls, address: str, *, request_timeout: float = 60.0, allow_pickle: bool | None = None
+        cls,
+        address: str,
+        *,
+        request_timeout: float = 60.0,
+        allow_pickle: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
-        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle)
+        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle, curve=curve)
 
     def open(self) -> Client:
         """Connect (on the portal loop). Returns self."""

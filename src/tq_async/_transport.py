@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ import zmq
 
 from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
+from ._security import CurveClient, CurveServer
 
 __all__ = ["RouterEndpoint", "DealerConnection", "zmq_context", "normalize_bind"]
 
@@ -37,6 +39,29 @@ log = structlog.get_logger(__name__)
 
 #: Messages handled per reader callback before yielding to other tasks (fairness).
 _DRAIN_BUDGET = 512
+
+
+class LogThrottle:
+    """Let ``burst`` warnings through per ``window`` seconds, then count the rest.
+
+    Malformed input is worth a warning, but a flood of it must not become a flood of logs.
+    """
+
+    def __init__(self, burst: int = 10, window: float = 10.0) -> None:
+        self.burst = burst
+        self.window = window
+        self._start = 0.0
+        self._seen = 0
+
+    def warning(self, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._start > self.window:
+            if self._seen > self.burst:
+                log.warning("suppressed warnings", count=self._seen - self.burst, event=event)
+            self._start, self._seen = now, 0
+        self._seen += 1
+        if self._seen <= self.burst:
+            log.warning(event, **fields)
 
 
 def zmq_context() -> zmq.Context[Any]:
@@ -120,8 +145,11 @@ class RouterEndpoint(_Drained):
         on_message: Callable[[bytes, list[zmq.Frame]], None],
         *,
         context: zmq.Context[Any] | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         sock = (context or zmq_context()).socket(zmq.ROUTER)
+        if curve is not None:
+            curve.apply(sock)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -165,8 +193,16 @@ class DealerConnection(_Drained):
 
     _pid_counter = itertools.count(1)
 
-    def __init__(self, address: str, *, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        context: zmq.Context[Any] | None = None,
+        curve: CurveClient | None = None,
+    ) -> None:
         sock = (context or zmq_context()).socket(zmq.DEALER)
+        if curve is not None:
+            curve.apply(sock)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
