@@ -23,6 +23,7 @@ from ._errors import SchemaError as SchemaError
 from ._errors import TQError as TQError
 from ._errors import TQTimeoutError as TQTimeoutError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._errors import WouldBlock as WouldBlock
 from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
 from ._security import CurveClient as CurveClient
@@ -74,6 +75,7 @@ __all__ = [
     "TQError",
     "TQTimeoutError",
     "UnsupportedTypeError",
+    "WouldBlock",
     "configure_logging",
     "curve_keypair",
     "get_seqlen_balanced_partitions",

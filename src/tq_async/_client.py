@@ -57,6 +57,7 @@ from ._protocol import (
     PutBegin,
     PutCommit,
     RecycledRows,
+    RegisterTasks,
     Release,
     ReleaseRollout,
     Reply,
@@ -146,6 +147,7 @@ class AsyncClient:
         self._controller: DealerConnection | None = None
         self._unit_addresses: dict[int, str] = {}
         self._units: dict[int, DealerConnection] = {}
+        self._capacity: int | None = None
 
     @classmethod
     def connect(
@@ -203,6 +205,7 @@ class AsyncClient:
     async def _refresh_units(self) -> None:
         hello = await self._call(Hello(), HelloReply)
         self._unit_addresses = {u.unit_id: u.address for u in hello.units}
+        self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
 
@@ -249,6 +252,7 @@ class AsyncClient:
         meta: BatchMeta | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         policy_version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``.
 
@@ -263,6 +267,8 @@ class AsyncClient:
             policy_version: the policy version that produced this data (one int, or one per
                 row); recorded per field, so a trajectory appended across versions keeps each
                 segment's version. A row's version is its oldest field's.
+            timeout: when the cluster has a capacity and it is full, wait at most this many
+                seconds for room (None: until room is made or the call is cancelled).
 
         Returns:
             A :class:`BatchMeta` of the written rows.
@@ -270,12 +276,39 @@ class AsyncClient:
         Raises:
             SchemaError: columns disagree on rows, or contradict the partition's schema.
             UnsupportedTypeError: a value cannot travel without pickle.
+            TQTimeoutError: no room within ``timeout`` (nothing was written).
 
         Cancellation: new rows that were allocated but not committed are cleared (best
         effort); nothing half-written ever becomes visible.
         """
         return await self._put(
-            data, partition_id, meta=meta, tags=tags, keys=None, policy_version=policy_version
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            keys=None,
+            policy_version=policy_version,
+            timeout=timeout,
+        )
+
+    async def put_nowait(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
+    ) -> BatchMeta:
+        """:meth:`put`, but raise :class:`~tq_async.WouldBlock` instead of waiting for room."""
+        return await self._put(
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            keys=None,
+            policy_version=policy_version,
+            nowait=True,
         )
 
     async def _put(
@@ -287,6 +320,8 @@ class AsyncClient:
         tags: Sequence[Mapping[str, Any] | None] | None,
         keys: Sequence[str] | None,
         policy_version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+        nowait: bool = False,
     ) -> BatchMeta:
         if meta is not None:
             if partition_id is not None and partition_id != meta.partition_id:
@@ -323,8 +358,14 @@ class AsyncClient:
             n_rows=n if meta is None and keys is None else 0,
             rows=None if meta is None else list(meta.global_indexes),
             keys=None if keys is None else list(keys),
+            nowait=nowait,
+            timeout=timeout,
         )
-        placement: Placement = await self._call(begin, Placement)
+        # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
+        deadline: float | bool | None = True
+        if self._capacity is not None and not nowait:
+            deadline = None if timeout is None else timeout + self.request_timeout
+        placement: Placement = await self._call(begin, Placement, timeout=deadline)
         fields = [h.name for h in headers]
         try:
             await self._store(partition_id, placement, headers, columns)
@@ -587,6 +628,15 @@ class AsyncClient:
         await self._call(Release(meta.partition_id, meta.task_name, meta.global_indexes), None)
 
     # ---- controller calls --------------------------------------------------------------------
+
+    async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
+        """Auto-clear: free each row once every task in ``tasks`` has consumed it.
+
+        Applies to ``partition_id``, or to every partition without its own setting when None;
+        an empty ``tasks`` turns it off. Cleared rows can no longer be replayed by
+        ``batch_index``: use auto-clear for streams that are read once.
+        """
+        await self._call(RegisterTasks(list(tasks), partition_id), None)
 
     async def seal(self, partition_id: str) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""

@@ -59,6 +59,8 @@ async def local_cluster(
     serve_metrics_on: str | None = None,
     admission: AdmissionConfig | None = None,
     curve: CurveServer | None = None,
+    capacity: int | None = None,
+    capacity_scope: str = "partition",
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -82,6 +84,10 @@ async def local_cluster(
             free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
         admission: staleness and capacity bounds enforced by ``acquire_rollout``.
         curve: CURVE keys: encrypt every socket and admit only the allowed client keys.
+        capacity: backpressure: the most live rows per partition (``capacity_scope=
+            "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
+            ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
+            by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
 
     Yields:
         A :class:`LocalCluster`.
@@ -104,6 +110,12 @@ async def local_cluster(
             "binding a non-loopback interface: anyone who can reach it can read and write data",
             address=controller_bind,
         )
+    if capacity is not None and capacity < 1:
+        raise InvalidRequestError(f"capacity must be >= 1, got {capacity}")
+    if capacity_scope not in ("partition", "global"):
+        raise InvalidRequestError(
+            f"capacity_scope must be 'partition' or 'global', got {capacity_scope!r}"
+        )
     if serve_metrics_on is not None and metrics_registry is None:
         raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
     stop_metrics = None
@@ -122,8 +134,11 @@ async def local_cluster(
             for unit in units:
                 address = await tg.start(unit.serve, endpoint(f"unit{unit.unit_id}"))
                 addresses[unit.unit_id] = address
+            state = ControllerState(addresses)
+            state.capacity = capacity
+            state.capacity_global = capacity_scope == "global"
             controller = ControllerServer(
-                ControllerState(addresses),
+                state,
                 sampler,
                 allow_pickle=allow_pickle,
                 metrics=Metrics(metrics_registry, "controller"),

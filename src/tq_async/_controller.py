@@ -34,6 +34,7 @@ from ._errors import (
     RowsNotFound,
     TQError,
     TQTimeoutError,
+    WouldBlock,
 )
 from ._metrics import Metrics
 from ._protocol import (
@@ -61,6 +62,7 @@ from ._protocol import (
     PutBegin,
     PutCommit,
     RecycledRows,
+    RegisterTasks,
     RegisterUnit,
     Release,
     ReleaseRollout,
@@ -100,6 +102,7 @@ log = structlog.get_logger(__name__)
 
 #: errors that are the caller's fault: answered without a traceback in the log
 _EXPECTED = (
+    WouldBlock,
     InvalidRequestError,
     KeyNotFound,
     PartitionNotFound,
@@ -192,6 +195,7 @@ class ControllerServer:
         self.metrics = metrics or Metrics(None, "controller")
         self.admission = admission or AdmissionConfig()
         self._admission_waiters: dict[asyncio.Future[None], None] = {}
+        self._room_waiters: dict[asyncio.Future[None], None] = {}
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
@@ -317,11 +321,21 @@ class ControllerServer:
         if isinstance(body, GetMeta):
             return self._get_meta(peer, rid, body, t0)
         if isinstance(body, PutBegin):
-            rows, units, wakeups = st.put_begin(
-                body.partition_id, body.columns, body.n_rows, body.rows, body.keys
-            )
-            self._send_ok(peer, rid, Placement(rows, units))
-            self._notify(wakeups)
+            n_new = st.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
+            if not st.has_room(body.partition_id, n_new):
+                if st.capacity is not None and n_new > st.capacity:
+                    raise InvalidRequestError(
+                        f"a put of {n_new} new rows can never fit the capacity of "
+                        f"{st.capacity} rows; split it"
+                    )
+                if body.nowait:
+                    raise WouldBlock(
+                        f"partition {body.partition_id!r} is at its capacity of {st.capacity} "
+                        "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
+                    )
+                self._spawn(self._put_begin_waiting, peer, rid, body, n_new, t0)
+                return True
+            self._put_begin(peer, rid, body)
         elif isinstance(body, PutCommit):
             p = st.partition(body.partition_id)
             gained = p.commit(body.rows, body.fields, body.tags, body.versions)
@@ -338,7 +352,7 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
-            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle))
+            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle, st.capacity))
         elif isinstance(body, Seal):
             sealed = st.partitions.get(body.partition_id)
             if sealed is None:
@@ -355,6 +369,7 @@ class ControllerServer:
             p = st.partition(body.partition_id)
             self._free_unconsumed(p, body.rows)
             by_unit = p.clear_rows(body.rows)
+            self._rows_freed()
             self._notify([Wakeup(body.partition_id)])
             self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
         elif isinstance(body, ClearPartition):
@@ -362,6 +377,7 @@ class ControllerServer:
             by_unit = p.live_rows_by_unit()
             self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
             del st.partitions[body.partition_id]
+            self._rows_freed()
             self.sampler.clear_partition(body.partition_id)
             self._notify([Wakeup(body.partition_id)])
             whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
@@ -427,6 +443,7 @@ class ControllerServer:
             key_rows = p.rows_for_keys(body.keys)
             self._free_unconsumed(p, key_rows)
             by_unit = p.clear_rows(key_rows)
+            self._rows_freed()
             self._notify([Wakeup(body.partition_id)])
             self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
         elif isinstance(body, DumpState):
@@ -452,6 +469,12 @@ class ControllerServer:
             everywhere: dict[int, list[int] | None] = dict.fromkeys(st.units)
             for pid in body.partition_ids:
                 self._spawn(self._clear_units, None, rid, pid, everywhere)
+            self._send_ok(peer, rid, None)
+        elif isinstance(body, RegisterTasks):
+            if body.tasks:
+                st.auto_clear[body.partition_id] = tuple(dict.fromkeys(body.tasks))
+            else:
+                st.auto_clear.pop(body.partition_id, None)
             self._send_ok(peer, rid, None)
         elif isinstance(body, SetPolicyVersion):
             if body.version < st.learner_version:
@@ -584,7 +607,7 @@ class ControllerServer:
             if req.mode == "fetch" and consumed:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
-                self._learner_consumed(req.task_name, p, consumed)
+                self._after_consume(req.task_name, p, consumed)
         except TQError:
             if strict:
                 raise
@@ -593,6 +616,65 @@ class ControllerServer:
         if key is not None:
             p.deliveries[key] = tuple(sampled)
         return _meta_reply(p, sampled, req.data_fields)
+
+    # ---- backpressure ------------------------------------------------------------------------
+
+    def _put_begin(self, peer: bytes, rid: int, body: PutBegin) -> None:
+        rows, units, wakeups = self.state.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows, body.keys
+        )
+        self._send_ok(peer, rid, Placement(rows, units))
+        self._notify(wakeups)
+
+    async def _put_begin_waiting(
+        self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
+    ) -> None:
+        scope = anyio.CancelScope()
+        self._pending[(peer, rid)] = scope
+        ok = False
+        try:
+            with scope, anyio.fail_after(body.timeout) if body.timeout else nullcontext():
+                while not self.state.has_room(body.partition_id, n_new):
+                    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._room_waiters[fut] = None
+                    try:
+                        await fut
+                    finally:
+                        self._room_waiters.pop(fut, None)
+                self._put_begin(peer, rid, body)
+                ok = True
+        except TimeoutError:
+            self._send_error(
+                peer,
+                rid,
+                TQTimeoutError(
+                    f"partition {body.partition_id!r} stayed at its capacity of "
+                    f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+                ),
+                "PutBegin",
+            )
+        except Exception as exc:
+            self._send_error(peer, rid, exc, "PutBegin")
+        finally:
+            self._pending.pop((peer, rid), None)
+            if self.metrics.enabled:
+                self.metrics.request("PutBegin", ok, time.perf_counter() - t0)
+
+    def _rows_freed(self) -> None:
+        """Rows were cleared: puts waiting for capacity may fit now."""
+        waiters, self._room_waiters = self._room_waiters, {}
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _after_consume(self, task: str, p: Partition, rows: Sequence[int]) -> None:
+        """Admission slots and auto-clear follow consumption."""
+        self._learner_consumed(task, p, rows)
+        done = self.state.auto_clear_done(p, rows)
+        if done:
+            by_unit = p.clear_rows(done)
+            self._spawn(self._clear_units, None, 0, p.partition_id, by_unit)
+            self._rows_freed()
 
     # ---- staleness and admission -------------------------------------------------------------
 
@@ -610,7 +692,7 @@ class ControllerServer:
             if not valid:
                 continue
             p.consume(req.task_name, valid)
-            self._learner_consumed(req.task_name, p, valid)
+            self._after_consume(req.task_name, p, valid)
             st.stale_counts[kind] += len(valid)
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)

@@ -23,6 +23,7 @@ __all__ = [
     "RowsNotFound",
     "KeyNotFound",
     "CheckpointError",
+    "WouldBlock",
     "error_from_wire",
 ]
 
@@ -81,6 +82,10 @@ class KeyNotFound(TQError, KeyError):
         return self.message
 
 
+class WouldBlock(TQError):
+    """``put_nowait`` found the capacity full (``put`` would have waited)."""
+
+
 class CheckpointError(TQError):
     """A checkpoint is missing, corrupt, partial, or of an unknown format version."""
 
@@ -107,6 +112,7 @@ _BY_NAME: dict[str, type[TQError]] = {
         RowsNotFound,
         KeyNotFound,
         CheckpointError,
+        WouldBlock,
     )
 }
 

@@ -44,6 +44,9 @@ class PutBegin(_Msg):
     n_rows: int = 0
     rows: list[int] | None = None
     keys: list[str] | None = None
+    #: when the capacity is full: False waits (up to ``timeout``), True fails with WouldBlock
+    nowait: bool = False
+    timeout: float | None = None
 
 
 class PutCommit(_Msg):
@@ -54,6 +57,14 @@ class PutCommit(_Msg):
     fields: list[str]
     tags: list[dict[str, Any] | None] | None = None
     versions: list[int] | None = None
+
+
+class RegisterTasks(_Msg):
+    """Rows of ``partition_id`` (every partition when None) are cleared automatically once
+    every task in ``tasks`` has consumed them (an empty list turns auto-clear off)."""
+
+    tasks: list[str]
+    partition_id: str | None = None
 
 
 class SetPolicyVersion(_Msg):
@@ -265,6 +276,7 @@ ControllerBody = (
     | RestoreBegin
     | RestoreCommit
     | RestoreAbort
+    | RegisterTasks
     | SetPolicyVersion
     | AcquireRollout
     | ReleaseRollout
@@ -336,6 +348,7 @@ class UnitInfo(msgspec.Struct, array_like=True):
 class HelloReply(msgspec.Struct, array_like=True):
     units: list[UnitInfo]
     allow_pickle: bool
+    capacity: int | None = None
 
 
 class Placement(msgspec.Struct, array_like=True):

@@ -574,6 +574,43 @@ class ControllerState:
         self.recycled: deque[tuple[str, int]] = deque()
         #: how many stale rows each policy handled
         self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
+        #: backpressure: the most live rows per partition (or in all, when capacity_global)
+        self.capacity: int | None = None
+        self.capacity_global = False
+        #: auto-clear: rows are cleared once every listed task consumed them (None: default)
+        self.auto_clear: dict[str | None, tuple[str, ...]] = {}
+
+    def new_rows_needed(
+        self, partition_id: str, n_rows: int, rows: Sequence[int] | None, keys: Sequence[str] | None
+    ) -> int:
+        """How many rows a put would add (0 when it only writes to existing rows)."""
+        if rows is not None:
+            return 0
+        if keys is not None:
+            p = self.partitions.get(partition_id)
+            return len(keys) if p is None else sum(1 for k in set(keys) if k not in p.keys)
+        return n_rows
+
+    def has_room(self, partition_id: str, n_new: int) -> bool:
+        """Whether ``n_new`` more live rows fit the capacity."""
+        if self.capacity is None or n_new == 0:
+            return True
+        if self.capacity_global:
+            live = sum(p.n_alive for p in self.partitions.values())
+        else:
+            p = self.partitions.get(partition_id)
+            live = p.n_alive if p is not None else 0
+        return live + n_new <= self.capacity
+
+    def auto_clear_done(self, p: Partition, rows: Sequence[int]) -> list[int]:
+        """Of ``rows``, those every auto-clear task of ``p`` has consumed (still alive)."""
+        tasks = self.auto_clear.get(p.partition_id, self.auto_clear.get(None))
+        if not tasks:
+            return []
+        arrays = [p.consumed.get(t) for t in tasks]
+        if any(a is None for a in arrays):
+            return []
+        return [r for r in dict.fromkeys(rows) if p.alive[r] and all(a[r] for a in arrays if a)]
 
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> list[Partition]:
         """Stage partitions from a checkpoint; their alive rows are spread over the units."""

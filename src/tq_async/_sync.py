@@ -112,6 +112,7 @@ class Client:
         meta: BatchMeta | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         policy_version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.put`."""
         return self._run(
@@ -121,7 +122,31 @@ class Client:
             meta=meta,
             tags=tags,
             policy_version=policy_version,
+            timeout=timeout,
         )
+
+    def put_nowait(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.put_nowait`."""
+        return self._run(
+            self._require().put_nowait,
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            policy_version=policy_version,
+        )
+
+    def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
+        """Blocking :meth:`AsyncClient.register_tasks`."""
+        self._run(self._require().register_tasks, tasks, partition_id)
 
     def get_meta(
         self,

@@ -1,0 +1,90 @@
+"""Backpressure: a full partition makes put wait (or put_nowait raise); nothing is evicted."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+
+
+def rows(n: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.zeros(n)}
+
+
+async def test_put_waits_for_room_and_put_nowait_raises() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=4) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        first = await client.put(rows(3), "p")
+        with pytest.raises(tq.WouldBlock, match="capacity of 4"):
+            await client.put_nowait(rows(2), "p")
+        await client.put_nowait(rows(1), "p")  # exactly fits
+        done: list[tq.BatchMeta] = []
+
+        async def producer() -> None:
+            done.append(await client.put(rows(2), "p"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(producer)
+            with anyio.fail_after(5):
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            # consuming does not free anything: unconsumed data is never evicted, and
+            # consumed data stays until cleared
+            await client.get_meta(["x"], 4, "p", "t")
+            assert not done
+            await client.clear_samples(first.select_rows([0, 1]))
+        assert len(done[0]) == 2
+        assert (await client.partition_info("p"))["rows"] == 4
+        with pytest.raises(tq.TQTimeoutError, match="nothing was written"):
+            await client.put(rows(1), "p", timeout=0.05)
+        with pytest.raises(tq.InvalidRequestError, match="never fit"):
+            await client.put(rows(5), "q")
+        # adding fields to existing rows needs no room
+        await client.put({"y": torch.ones(2)}, meta=done[0])
+
+
+async def test_auto_clear_frees_rows_once_every_registered_task_consumed() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=4) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["reward", "learner"])
+        await client.put(rows(4), "p")
+        await client.get_meta(["x"], 4, "p", "reward")
+        assert (await client.partition_info("p"))["rows"] == 4  # learner has not consumed
+        await client.get_meta(["x"], 2, "p", "learner")
+        assert (await client.partition_info("p"))["rows"] == 2
+        assert cluster.units[0].state.resident_bytes == 16  # the chunk lives while rows do
+        await client.put_nowait(rows(2), "p")  # room again
+        await client.register_tasks([])  # off
+        await client.get_meta(["x"], 2, "p", "learner")
+        assert (await client.partition_info("p"))["rows"] == 4
+
+
+async def test_global_capacity_spans_partitions() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=3, capacity_scope="global") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(rows(2), "a")
+        with pytest.raises(tq.WouldBlock):
+            await client.put_nowait(rows(2), "b")
+        await client.clear_partition("a")
+        await client.put_nowait(rows(3), "b")
+
+
+async def test_cancelled_waiting_put_writes_nothing() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(rows(1), "p")
+        with anyio.move_on_after(0.05):
+            await client.put(rows(1), "p")
+        # the Cancel travels ahead of this request on the same socket
+        assert (await client.partition_info("p"))["allocated"] == 1
+        assert cluster.controller.waiting == 0
