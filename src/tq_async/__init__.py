@@ -11,6 +11,9 @@ from ._cluster import local_cluster as local_cluster
 from ._codec import ColumnHeader as ColumnHeader
 from ._controller import AdmissionConfig as AdmissionConfig
 from ._controller import ControllerServer as ControllerServer
+from ._dataset import AsyncStreamingDataset as AsyncStreamingDataset
+from ._dataset import chunk_batch_fn as chunk_batch_fn
+from ._dataset import default_fetch_batch_fn as default_fetch_batch_fn
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
@@ -32,6 +35,8 @@ from ._security import curve_keypair as curve_keypair
 from ._state import ControllerState as ControllerState
 from ._storage import StorageServer as StorageServer
 from ._sync import Client as Client
+from ._torch_dataset import StreamingDataLoader as StreamingDataLoader
+from ._torch_dataset import StreamingDataset as StreamingDataset
 from .samplers import BaseSampler as BaseSampler
 from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
@@ -47,6 +52,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AdmissionConfig",
     "AsyncClient",
+    "AsyncStreamingDataset",
     "BaseSampler",
     "BatchMeta",
     "BrokenError",
@@ -70,14 +76,18 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StaleRows",
+    "StreamingDataLoader",
+    "StreamingDataset",
     "StalenessSampler",
     "StorageServer",
     "TQError",
     "TQTimeoutError",
     "UnsupportedTypeError",
     "WouldBlock",
+    "chunk_batch_fn",
     "configure_logging",
     "curve_keypair",
+    "default_fetch_batch_fn",
     "get_seqlen_balanced_partitions",
     "karmarkar_karp",
     "local_cluster",

@@ -33,7 +33,13 @@ from ._codec import (
     reorder_column,
     take_rows,
 )
-from ._errors import ClosedError, InvalidRequestError, ProtocolError, SchemaError
+from ._errors import (
+    ClosedError,
+    InvalidRequestError,
+    ProtocolError,
+    RowsNotFound,
+    SchemaError,
+)
 from ._meta import BatchMeta
 from ._protocol import (
     AcquireRollout,
@@ -50,6 +56,7 @@ from ._protocol import (
     KVLookup,
     KVTag,
     ListPartitions,
+    LostRows,
     MetaReply,
     PartitionInfo,
     Placement,
@@ -376,6 +383,8 @@ class AsyncClient:
                 with anyio.move_on_after(5, shield=True):
                     try:
                         await self._call(ClearSamples(partition_id, placement.rows), None)
+                    except RowsNotFound:
+                        pass  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
                         log.warning("could not clear rows of a failed put", error=str(exc))
             raise
@@ -449,6 +458,7 @@ class AsyncClient:
         *,
         mode: str = "fetch",
         timeout: float | None = None,
+        stop_when_consumed: bool = False,
     ) -> BatchMeta:
         """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task.
 
@@ -467,6 +477,8 @@ class AsyncClient:
             mode: ``"fetch"`` or ``"peek"``.
             timeout: seconds to wait for rows; None waits until data arrives or the call is
                 cancelled.
+            stop_when_consumed: also return end-of-stream (instead of waiting) once the
+                partition holds rows and the task has consumed all of them, sealed or not.
 
         Returns:
             A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
@@ -494,7 +506,9 @@ class AsyncClient:
             raise InvalidRequestError(f"timeout must be positive or None, got {timeout}")
         cfg = dict(sampling_config) if sampling_config else None
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
-        req = GetMeta(partition_id, fields, batch_size, task_name, cfg, mode, timeout)
+        req = GetMeta(
+            partition_id, fields, batch_size, task_name, cfg, mode, timeout, stop_when_consumed
+        )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             if not reply.ok or mode != "fetch" or logged:
@@ -597,6 +611,7 @@ class AsyncClient:
         *,
         mode: str = "fetch",
         timeout: float | None = None,
+        stop_when_consumed: bool = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
@@ -611,6 +626,7 @@ class AsyncClient:
             sampling_config,
             mode=mode,
             timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
         )
         try:
             td = await self.get_data(meta)
@@ -628,6 +644,14 @@ class AsyncClient:
         await self._call(Release(meta.partition_id, meta.task_name, meta.global_indexes), None)
 
     # ---- controller calls --------------------------------------------------------------------
+
+    async def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
+        """Rows lost with storage units that went away.
+
+        Returns:
+            ``{"dead_units": [unit ids], "rows": {partition_id: [rows]}}``.
+        """
+        return dict(await self._call(LostRows(partition_id), dict[str, Any]))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Auto-clear: free each row once every task in ``tasks`` has consumed it.

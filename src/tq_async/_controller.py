@@ -55,6 +55,7 @@ from ._protocol import (
     KVLookup,
     KVTag,
     ListPartitions,
+    LostRows,
     MetaReply,
     PartitionInfo,
     Placement,
@@ -196,6 +197,8 @@ class ControllerServer:
         self.admission = admission or AdmissionConfig()
         self._admission_waiters: dict[asyncio.Future[None], None] = {}
         self._room_waiters: dict[asyncio.Future[None], None] = {}
+        #: set while shutting down: units going away then are not "lost"
+        self.stopping = False
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
@@ -231,10 +234,13 @@ class ControllerServer:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
+            for unit_id in list(self.state.units):
+                self._unit(unit_id)  # connect now, so a unit that dies is noticed at once
             try:
                 task_status.started(self._endpoint.address)
                 await anyio.sleep_forever()
             finally:
+                self.stopping = True
                 self._endpoint.close()
                 for conn in self._units.values():
                     conn.close()
@@ -509,8 +515,17 @@ class ControllerServer:
                 },
             )
         elif isinstance(body, RegisterUnit):
+            old = self._units.pop(body.unit_id, None)
+            if old is not None:
+                old.close()
             st.units[body.unit_id] = body.address
+            st.dead_units.discard(body.unit_id)  # a restarted unit takes new rows again
+            self._unit(body.unit_id)
             self._send_ok(peer, rid, None)
+        elif isinstance(body, LostRows):
+            pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
+            lost = {pid: sorted(st.partition(pid).lost) for pid in pids}
+            self._send_ok(peer, rid, {"dead_units": sorted(st.dead_units), "rows": lost})
         else:  # pragma: no cover - the decoder admits only the types above
             raise ProtocolError(f"unknown request {type(body).__name__}")
         return False
@@ -594,7 +609,7 @@ class ControllerServer:
             self._apply_stale(req, p, stale)
             final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
         if not sampled:
-            if final:
+            if final or (req.stop_when_consumed and _all_consumed(p, req.task_name)):
                 return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
             return None
         try:
@@ -668,8 +683,11 @@ class ControllerServer:
                 fut.set_result(None)
 
     def _after_consume(self, task: str, p: Partition, rows: Sequence[int]) -> None:
-        """Admission slots and auto-clear follow consumption."""
+        """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
         self._learner_consumed(task, p, rows)
+        if _all_consumed(p, task):
+            # waiters of this task asking stop_when_consumed can end their stream now
+            self._notify([Wakeup(p.partition_id, task)])
         done = self.state.auto_clear_done(p, rows)
         if done:
             by_unit = p.clear_rows(done)
@@ -883,8 +901,23 @@ class ControllerServer:
             conn = self._units[unit_id] = DealerConnection(
                 self.state.units[unit_id],
                 curve=self.curve.as_client() if self.curve is not None else None,
+                on_disconnect=lambda: self._unit_lost(unit_id),
             )
         return conn
+
+    def _unit_lost(self, unit_id: int) -> None:
+        """A unit's connection broke: its rows are lost (its memory went with it)."""
+        if self.stopping or unit_id in self.state.dead_units:
+            return
+        self.state.dead_units.add(unit_id)
+        lost = {pid: p.lose_unit(unit_id) for pid, p in self.state.partitions.items()}
+        log.error(
+            "storage unit lost",
+            unit=unit_id,
+            address=self.state.units.get(unit_id),
+            rows_lost={pid: len(rows) for pid, rows in lost.items() if rows},
+        )
+        self._notify([Wakeup(pid) for pid, rows in lost.items() if rows])
 
     async def _clear_units(
         self,
@@ -906,7 +939,7 @@ class ControllerServer:
 
         async with anyio.create_task_group() as tg:
             for unit_id, rows in by_unit.items():
-                if unit_id in self.state.units:
+                if unit_id in self.state.units and unit_id not in self.state.dead_units:
                     tg.start_soon(clear_one, unit_id, rows)
         if peer is None:
             if errors:
@@ -923,6 +956,11 @@ class ControllerServer:
             )
         else:
             self._send_ok(peer, rid, None)
+
+
+def _all_consumed(p: Partition, task: str) -> bool:
+    """The partition holds rows and ``task`` consumed every one of them."""
+    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
 
 
 def _alive_rows(p: Partition) -> list[int]:

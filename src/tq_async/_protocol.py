@@ -59,6 +59,12 @@ class PutCommit(_Msg):
     versions: list[int] | None = None
 
 
+class LostRows(_Msg):
+    """Rows lost with dead storage units: ``{partition_id: rows}``, and the dead unit ids."""
+
+    partition_id: str | None = None
+
+
 class RegisterTasks(_Msg):
     """Rows of ``partition_id`` (every partition when None) are cleared automatically once
     every task in ``tasks`` has consumed them (an empty list turns auto-clear off)."""
@@ -105,6 +111,8 @@ class GetMeta(_Msg):
     sampling_config: dict[str, Any] | None = None
     mode: str = "fetch"
     timeout: float | None = None
+    #: also end the stream once the partition holds rows and the task consumed all of them
+    stop_when_consumed: bool = False
 
 
 class Cancel(_Msg):
@@ -277,6 +285,7 @@ ControllerBody = (
     | RestoreCommit
     | RestoreAbort
     | RegisterTasks
+    | LostRows
     | SetPolicyVersion
     | AcquireRollout
     | ReleaseRollout

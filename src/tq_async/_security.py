@@ -17,6 +17,7 @@ of source control (files readable by the service user only, or a secret store). 
 traffic is still encrypted); otherwise a ZAP handler admits only the listed public keys (one
 handler per process: services of one process share the union of their allow-lists). A
 client with a wrong or missing key never completes the handshake: its calls fail with
+:class:`~tq_async.BrokenError` when the service drops the handshake, or at the latest with
 :class:`~tq_async.TQTimeoutError` after ``request_timeout``.
 """
 

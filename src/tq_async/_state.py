@@ -31,6 +31,7 @@ from typing import Any, overload
 
 from ._codec import ColumnHeader
 from ._errors import (
+    BrokenError,
     InvalidRequestError,
     KeyNotFound,
     PartitionNotFound,
@@ -208,6 +209,8 @@ class Partition:
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
+        #: rows lost with a storage unit: row -> unit
+        self.lost: dict[int, int] = {}
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
         self.field_versions: dict[str, array[int]] = {}
         self.row_version = array("q")
@@ -258,6 +261,11 @@ class Partition:
         n, alive = self.n_rows, self.alive
         for r in rows:
             if not (0 <= r < n and alive[r]):
+                if r in self.lost:
+                    raise RowsNotFound(
+                        f"row {r} of partition {self.partition_id!r} was lost with storage unit "
+                        f"{self.lost[r]}; lost_rows() lists every lost row"
+                    )
                 raise RowsNotFound(
                     f"row {r} does not exist in partition {self.partition_id!r} (never "
                     "allocated, or cleared); use the BatchMeta a put or get_meta returned"
@@ -440,6 +448,14 @@ class Partition:
         self.n_alive -= sum(len(v) for v in by_unit.values())
         return by_unit
 
+    def lose_unit(self, unit: int) -> list[int]:
+        """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
+        rows = [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
+        if rows:
+            self.clear_rows(rows)
+            self.lost.update(dict.fromkeys(rows, unit))
+        return rows
+
     def live_rows_by_unit(self) -> dict[int, list[int]]:
         by_unit: dict[int, list[int]] = {}
         for r in range(self.n_rows):
@@ -550,6 +566,7 @@ class Partition:
             "sealed": self.sealed,
             "fields": {name: f.header.describe() for name, f in self.fields.items()},
             "consumed": dict(self.consumed_count),
+            "lost": len(self.lost),
         }
 
 
@@ -566,6 +583,8 @@ class ControllerState:
         self._next_unit = 0
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
+        #: storage units whose connection broke: their rows are lost, new rows avoid them
+        self.dead_units: set[int] = set()
         #: the learner's policy version (-1: never announced)
         self.learner_version = -1
         #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)
@@ -651,7 +670,12 @@ class ControllerState:
                 "the controller has no storage units; start at least one (local_cluster "
                 "num_storage_units >= 1, or `tq-async serve storage`)"
             )
-        ids = sorted(self.units)
+        ids = sorted(u for u in self.units if u not in self.dead_units)
+        if not ids:
+            raise BrokenError(
+                f"every storage unit ({sorted(self.units)}) is down; restart them (they "
+                "register again) before putting"
+            )
         unit = ids[self._next_unit % len(ids)]
         self._next_unit += 1
         return unit

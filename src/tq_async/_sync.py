@@ -144,6 +144,10 @@ class Client:
             policy_version=policy_version,
         )
 
+    def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
+        """Blocking :meth:`AsyncClient.lost_rows`."""
+        return self._run(self._require().lost_rows, partition_id)
+
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Blocking :meth:`AsyncClient.register_tasks`."""
         self._run(self._require().register_tasks, tasks, partition_id)
@@ -158,6 +162,7 @@ class Client:
         *,
         mode: str = "fetch",
         timeout: float | None = None,
+        stop_when_consumed: bool = False,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.get_meta`."""
         return self._run(
@@ -169,6 +174,7 @@ class Client:
             sampling_config,
             mode=mode,
             timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
         )
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
@@ -185,6 +191,7 @@ class Client:
         *,
         mode: str = "fetch",
         timeout: float | None = None,
+        stop_when_consumed: bool = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -196,6 +203,7 @@ class Client:
             sampling_config,
             mode=mode,
             timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
         )
 
     def release(self, meta: BatchMeta) -> None:

@@ -28,6 +28,7 @@ import anyio
 import msgspec
 import structlog
 import zmq
+import zmq.utils.monitor
 
 from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
@@ -39,6 +40,9 @@ log = structlog.get_logger(__name__)
 
 #: Messages handled per reader callback before yielding to other tasks (fairness).
 _DRAIN_BUDGET = 512
+#: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class LogThrottle:
@@ -199,6 +203,7 @@ class DealerConnection(_Drained):
         *,
         context: zmq.Context[Any] | None = None,
         curve: CurveClient | None = None,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> None:
         sock = (context or zmq_context()).socket(zmq.DEALER)
         if curve is not None:
@@ -206,17 +211,63 @@ class DealerConnection(_Drained):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        # a peer whose host vanishes without closing the connection is noticed by heartbeats
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        # a closed connection is reported on this monitor socket (no polling)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             raise BrokenError(f"cannot connect to {address!r}: {exc}") from exc
         self.address = address
+        #: False once the connection broke, until it is re-established
+        self.connected: bool | None = None
+        self._on_disconnect = on_disconnect
         self._pending: dict[int, asyncio.Future[tuple[Reply, list[zmq.Frame]]]] = {}
         self._orphans: dict[int, Callable[[Reply, list[zmq.Frame]], None]] = {}
         self._rids = itertools.count(1)
         self._pid = os.getpid()
         super().__init__(sock)
+        self._monitor = monitor
+        self._monitor_fd: int = monitor.getsockopt(zmq.FD)
+        self._loop.add_reader(self._monitor_fd, self._drain_monitor)
+        # the FD is edge-triggered: events queued before add_reader would never be signalled
+        self._loop.call_soon(self._drain_monitor)
+
+    def _drain_monitor(self) -> None:
+        if self._closed:
+            return
+        while True:
+            try:
+                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._fail_pending(
+                    BrokenError(
+                        f"the connection to {self.address} broke (the service stopped or "
+                        "vanished); requests in flight are lost: retry once it is back"
+                    )
+                )
+                if self._on_disconnect is not None:
+                    self._on_disconnect()
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._orphans.clear()
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -264,6 +315,11 @@ class DealerConnection(_Drained):
             raise ClosedError(
                 "this connection was opened in another process (before a fork); "
                 "connect a new client in this process"
+            )
+        if self.connected is False:
+            raise BrokenError(
+                f"the connection to {self.address} is broken (the service stopped or "
+                "vanished); retry once it is back"
             )
         rid = next(self._rids)
         fut: asyncio.Future[tuple[Reply, list[zmq.Frame]]] = self._loop.create_future()
@@ -317,12 +373,13 @@ class DealerConnection(_Drained):
         """Close the socket; requests still waiting fail with :class:`ClosedError`."""
         if self._closed:
             return
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._monitor_fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._close_socket()
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ClosedError(f"the connection to {self.address} was closed"))
-        self._pending.clear()
-        self._orphans.clear()
+        self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
 
 
 def check_frames(frames: Sequence[zmq.Frame], expected: int, what: str) -> None:

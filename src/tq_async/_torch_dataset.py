@@ -1,0 +1,377 @@
+"""PyTorch adapter: ``StreamingDataset`` (an ``IterableDataset``) and ``StreamingDataLoader``.
+
+There is one implementation, :class:`~tq_async.AsyncStreamingDataset`; this module runs it on
+the process's portal loop (:func:`tq_async._portal.get_portal`, a daemon thread started on
+first use and re-created after ``fork``). A ``StreamingDataset`` stores only its address and
+arguments: the loop, the client and its sockets are created inside whichever process iterates
+it, so it pickles for ``spawn`` workers and is safe to ``fork``.
+
+Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
+**one item per batch** (the batch's micro-batches as a list). A DataLoader collects worker
+results round-robin starting at worker 0, so items arrive in ``batch_index`` order; the
+:class:`StreamingDataLoader` then flattens each item into its micro-batches. (Yielding
+micro-batches from the workers would break the order as soon as two batches have different
+numbers of micro-batches, e.g. a short last batch.)
+
+State lives in the main process. The loader moves the dataset's position as it hands out each
+micro-batch; workers receive the position when they start (a DataLoader without persistent
+workers starts new ones for every ``iter(loader)``, forked or pickled from the dataset as it
+is at that moment). That is how :meth:`StreamingDataLoader.reset`, :meth:`~StreamingDataLoader.step`
+and :meth:`~StreamingDataLoader.load_state_dict` reach the workers, and why persistent workers
+are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ._dataset import (
+    AsyncStreamingDataset,
+    FetchBatchFn,
+    MicroBatch,
+    ProcessBatchFn,
+    _BatchSlice,
+    _parse_state,
+)
+from ._errors import InvalidRequestError
+from ._portal import get_portal
+
+__all__ = ["StreamingDataset", "StreamingDataLoader"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _BatchItem:
+    """What a worker hands the loader: the rest of one batch, from micro-batch ``first_micro``."""
+
+    batch_index: int
+    first_micro: int
+    micro_batches: list[MicroBatch]
+
+    def pin_memory(self) -> _BatchItem:
+        """Pinned copies of the data (a DataLoader with ``pin_memory=True`` calls this)."""
+        pinned = [(td.pin_memory(), meta) for td, meta in self.micro_batches]
+        return _BatchItem(self.batch_index, self.first_micro, pinned)
+
+
+def _identity(item: Any) -> Any:
+    """The loader's collate function: items are already batches."""
+    return item
+
+
+class StreamingDataset(IterableDataset[MicroBatch]):
+    """A ``torch.utils.data.IterableDataset`` over :class:`~tq_async.AsyncStreamingDataset`.
+
+    Iterating it directly yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index``
+    order. Read it through :class:`StreamingDataLoader`, which keeps the order with any number
+    of workers and tracks the position; a plain ``DataLoader`` needs ``batch_size=None`` and
+    an identity ``collate_fn`` (its default one cannot convert a ``BatchMeta``) and is refused
+    with more than one worker.
+
+    The arguments are those of :class:`~tq_async.AsyncStreamingDataset`, except that
+    ``address`` must be the controller's address (a string): each process that iterates the
+    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run on the
+    portal loop (``fetch_batch_fn`` receives an :class:`~tq_async.AsyncClient`), and must be
+    importable module-level functions when DataLoader workers are spawned.
+
+    In the process that iterates without workers, the replay window survives between passes;
+    DataLoader workers are new processes every pass, so their replays re-read from storage.
+
+    Raises:
+        InvalidRequestError: an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        data_fields: Sequence[str],
+        batch_size: int,
+        micro_batch_size: int,
+        partition_id: str,
+        task_name: str,
+        dp_rank: int = 0,
+        prefetch: int = 2,
+        replay_window: int = 8,
+        stop_when_consumed: bool = False,
+        sampling_config: Mapping[str, Any] | None = None,
+        fetch_batch_fn: FetchBatchFn | None = None,
+        process_batch_fn: ProcessBatchFn | None = None,
+        *,
+        request_timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(address, str) or not address:
+            raise InvalidRequestError(
+                "StreamingDataset needs the controller's address as a string (each worker "
+                f"process opens its own client), got {type(address).__name__}"
+            )
+        self._kwargs: dict[str, Any] = {
+            "address": address,
+            "data_fields": list(data_fields) if not isinstance(data_fields, str) else data_fields,
+            "batch_size": batch_size,
+            "micro_batch_size": micro_batch_size,
+            "partition_id": partition_id,
+            "task_name": task_name,
+            "dp_rank": dp_rank,
+            "prefetch": prefetch,
+            "replay_window": replay_window,
+            "stop_when_consumed": stop_when_consumed,
+            "sampling_config": dict(sampling_config) if sampling_config else None,
+            "fetch_batch_fn": fetch_batch_fn,
+            "process_batch_fn": process_batch_fn,
+            "request_timeout": request_timeout,
+        }
+        # Validates every argument (opens nothing: the client is created on entry).
+        probe = AsyncStreamingDataset(**self._kwargs)
+        self._state: dict[str, Any] = probe.state_dict()
+        #: bumped by reset/step/load_state_dict (a running loader pass restarts its workers)
+        self._generation = 0
+        #: set by StreamingDataLoader: yield one item per batch (see the module docstring)
+        self._whole_batches = False
+        self._local: AsyncStreamingDataset | None = None
+        self._local_pid: int | None = None
+
+    # ---- state (main process) ----------------------------------------------------------------
+
+    @property
+    def partition_id(self) -> str:
+        """The partition being read."""
+        return str(self._state["partition_id"])
+
+    @property
+    def batch_index(self) -> int:
+        """The ``batch_index`` of the next micro-batch to be delivered."""
+        return int(self._state["batch_index"])
+
+    def reset(self) -> None:
+        """Replay from ``batch_index`` 0 of the current partition (takes effect on next iter)."""
+        self._set_position(self.partition_id, 0, 0)
+
+    def step(self, partition_id: str) -> None:
+        """Move to another partition at ``batch_index`` 0 (takes effect on next iter).
+
+        Raises:
+            InvalidRequestError: ``partition_id`` is not a non-empty string.
+        """
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError(
+                f"partition_id must be a non-empty string, got {partition_id!r}"
+            )
+        self._set_position(partition_id, 0, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next micro-batch, as a plain dict (see
+        :meth:`AsyncStreamingDataset.state_dict`)."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a position :meth:`state_dict` recorded (takes effect on next iter).
+
+        Raises:
+            InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
+        """
+        partition_id, index, micro = _parse_state(
+            state, self._kwargs["task_name"], self._kwargs["dp_rank"]
+        )
+        self._set_position(partition_id, index, micro)
+
+    def _set_position(self, partition_id: str, index: int, micro: int) -> None:
+        self._state.update(partition_id=partition_id, batch_index=index, micro_batch_index=micro)
+        self._generation += 1
+
+    def _delivered(self, item: _BatchItem, count: int) -> None:
+        """The first ``count`` micro-batches of ``item`` have been handed out."""
+        if count >= len(item.micro_batches):
+            self._state.update(batch_index=item.batch_index + 1, micro_batch_index=0)
+        else:
+            self._state.update(
+                batch_index=item.batch_index, micro_batch_index=item.first_micro + count
+            )
+
+    # ---- pickling ----------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The per-process dataset holds a loop-bound client and cached tensors: never shipped.
+        state = self.__dict__.copy()
+        state["_local"] = None
+        state["_local_pid"] = None
+        return state
+
+    # ---- iteration ---------------------------------------------------------------------------
+
+    def _local_dataset(self) -> AsyncStreamingDataset:
+        # A dataset still entered (an abandoned pass not yet garbage-collected) is left alone.
+        local = self._local
+        if local is None or self._local_pid != os.getpid() or local._stack is not None:
+            local = self._local = AsyncStreamingDataset(**self._kwargs)
+            self._local_pid = os.getpid()
+        return local
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
+
+        Raises:
+            InvalidRequestError: iterated by a plain DataLoader with several workers.
+        """
+        info = get_worker_info()
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if num_workers > 1 and not self._whole_batches:
+            raise InvalidRequestError(
+                "a StreamingDataset read by several DataLoader workers must go through "
+                "tq_async.StreamingDataLoader (it keeps batches in order and tracks the "
+                "position); a plain DataLoader would interleave micro-batches"
+            )
+        ads = self._local_dataset()
+        ads.load_state_dict(self._state)
+        ads._set_worker(worker_id, num_workers)
+        return self._run(ads)
+
+    def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
+        portal = get_portal()
+        context = portal.wrap_async_context_manager(ads)
+        context.__enter__()
+        exc_info: tuple[Any, Any, Any] = (None, None, None)
+        try:
+            while True:
+                got: _BatchSlice | None = portal.call(ads._anext_batch)
+                if got is None:
+                    return
+                item = _BatchItem(got.batch_index, got.first_micro, got.micro_batches)
+                if self._whole_batches:
+                    yield item
+                    continue
+                generation = self._generation
+                for i, micro_batch in enumerate(item.micro_batches):
+                    self._delivered(item, i + 1)
+                    yield micro_batch
+                    if self._generation != generation:
+                        break  # reset/step while iterating: continue from the new position
+                if not item.micro_batches:
+                    self._delivered(item, 0)
+                if self._generation != generation:
+                    # on the loop thread: it cancels the prefetcher running there
+                    portal.call(ads.load_state_dict, self._state)
+        except BaseException:
+            exc_info = sys.exc_info()
+            raise
+        finally:
+            # At interpreter shutdown the portal thread is gone: calling it would hang.
+            if not sys.is_finalizing():
+                context.__exit__(*exc_info)
+
+
+class StreamingDataLoader(DataLoader[MicroBatch]):
+    """A ``torch.utils.data.DataLoader`` for a :class:`StreamingDataset`.
+
+    It yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
+    ``num_workers`` (worker ``w`` of ``W`` fetches batches ``w, w + W, ...``), fork or spawn,
+    and forwards :meth:`reset`, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`
+    to the dataset. The position advances as micro-batches are handed out, so
+    :meth:`state_dict` taken inside the loop resumes right after the last one received.
+
+    Calling :meth:`reset`, :meth:`step` or :meth:`load_state_dict` inside the loop makes the
+    running pass continue from the new position (its workers are replaced).
+
+    Args:
+        dataset: the stream.
+        num_workers: worker processes (0: fetch in this process, on its portal loop).
+        **kwargs: other ``DataLoader`` arguments (``multiprocessing_context``,
+            ``prefetch_factor``, ``pin_memory``, ``timeout``, ``worker_init_fn``, ...).
+
+    Raises:
+        InvalidRequestError: ``dataset`` is not a :class:`StreamingDataset`, or an argument
+            would break batching or ordering (``batch_size``, ``collate_fn``, ``sampler``,
+            ``batch_sampler``, ``shuffle``, ``drop_last``, ``in_order=False``,
+            ``persistent_workers=True``).
+    """
+
+    def __init__(self, dataset: StreamingDataset, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise InvalidRequestError(
+                f"StreamingDataLoader needs a tq_async.StreamingDataset, got "
+                f"{type(dataset).__name__}"
+            )
+        for name in ("batch_size", "collate_fn", "sampler", "batch_sampler", "shuffle"):
+            if kwargs.get(name) is not None:
+                raise InvalidRequestError(
+                    f"StreamingDataLoader does not take {name}=: the dataset already batches "
+                    "(set batch_size and micro_batch_size on the StreamingDataset)"
+                )
+            kwargs.pop(name, None)
+        if kwargs.pop("drop_last", False):
+            raise InvalidRequestError("StreamingDataLoader does not take drop_last=True")
+        if not kwargs.pop("in_order", True):
+            raise InvalidRequestError(
+                "StreamingDataLoader needs in_order=True: batches are delivered in "
+                "batch_index order"
+            )
+        if kwargs.get("persistent_workers"):
+            raise InvalidRequestError(
+                "StreamingDataLoader does not support persistent_workers=True: workers learn "
+                "the position (reset/step/load_state_dict) when they start, so they must be "
+                "started for every pass"
+            )
+        dataset._whole_batches = True
+        super().__init__(
+            dataset,
+            batch_size=None,
+            collate_fn=_identity,
+            num_workers=num_workers,
+            **kwargs,
+        )
+        self._stream = dataset
+
+    def reset(self) -> None:
+        """Replay from ``batch_index`` 0 (see :meth:`StreamingDataset.reset`)."""
+        self._stream.reset()
+
+    def step(self, partition_id: str) -> None:
+        """Move to another partition (see :meth:`StreamingDataset.step`)."""
+        self._stream.step(partition_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next micro-batch (see :meth:`StreamingDataset.state_dict`)."""
+        return self._stream.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a recorded position (see :meth:`StreamingDataset.load_state_dict`)."""
+        self._stream.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
+        """Yield micro-batches in ``batch_index`` order until the stream ends."""
+        ds = self._stream
+        while True:
+            generation = ds._generation
+            moved = False
+            # A new DataLoader iterator (new workers) sees the dataset's current position.
+            items = super().__iter__()
+            try:
+                for item in items:
+                    if not isinstance(item, _BatchItem):
+                        raise InvalidRequestError(
+                            f"a StreamingDataLoader worker returned {type(item).__name__}; "
+                            "its dataset must be the StreamingDataset it was built with"
+                        )
+                    for i, micro_batch in enumerate(item.micro_batches):
+                        ds._delivered(item, i + 1)
+                        yield micro_batch
+                        if ds._generation != generation:
+                            moved = True
+                            break
+                    if moved:
+                        break
+                    if not item.micro_batches:
+                        ds._delivered(item, 0)
+            finally:
+                del items  # shuts the workers down now, not at garbage collection
+            if not moved:
+                return
+            log.debug("position moved during a pass; restarting workers", **ds.state_dict())

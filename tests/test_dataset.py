@@ -1,0 +1,494 @@
+"""AsyncStreamingDataset: order, micro-batching, replay, resume, cancellation, end of stream."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+from tq_async._dataset import (
+    AsyncStreamingDataset,
+    MicroBatch,
+    chunk_batch_fn,
+    default_fetch_batch_fn,
+)
+
+# A generous bound for things that must happen (never a synchronisation device).
+DEADLINE = 20
+
+
+def _rows(n: int, start: int = 0) -> dict[str, Any]:
+    """``n`` rows whose ``x`` equals their global row id when put into an empty partition."""
+    ids = range(start, start + n)
+    return {
+        "x": torch.tensor(list(ids)),
+        "jag": torch.nested.nested_tensor(
+            [torch.full((i % 5 + 1,), float(i)) for i in ids], layout=torch.jagged
+        ),
+        "s": [f"row{i}" for i in ids],
+    }
+
+
+def _check_aligned(td: Any, meta: tq.BatchMeta) -> None:
+    """Data and metadata name the same rows, and every column survived intact."""
+    assert td.batch_size[0] == len(meta)
+    rows = list(meta.global_indexes)
+    assert td["x"].tolist() == rows
+    assert [t.tolist() for t in td["jag"].unbind()] == [[float(r)] * (r % 5 + 1) for r in rows]
+    assert td.get("s").tolist() == [f"row{r}" for r in rows]
+
+
+async def _drain(ds: AsyncStreamingDataset) -> list[MicroBatch]:
+    with anyio.fail_after(DEADLINE):
+        return [mb async for mb in ds]
+
+
+def _ids(batches: Sequence[MicroBatch]) -> list[tuple[int | None, list[int]]]:
+    return [(meta.batch_index, list(meta.global_indexes)) for _, meta in batches]
+
+
+async def test_uneven_micro_batches_stay_aligned_with_jagged_and_strings() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(10), partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(client, ["x", "jag", "s"], 10, 4, "p", "train")
+        async with ds:
+            got = await _drain(ds)
+    # TransferQueue's bug was data [4, 4, 2] against meta [4, 3, 3].
+    assert [len(meta) for _, meta in got] == [4, 4, 2]
+    assert [td.batch_size[0] for td, _ in got] == [4, 4, 2]
+    for td, meta in got:
+        _check_aligned(td, meta)
+        assert meta.batch_index == 0
+    assert [r for _, m in got for r in m.global_indexes] == list(range(10))
+
+
+def test_chunk_batch_fn_checks_its_inputs() -> None:
+    meta = tq.BatchMeta(partition_id="p", global_indexes=[0, 1, 2], field_names=[], units=[0] * 3)
+    td = TensorDict({"x": torch.arange(3)}, batch_size=[3])
+    assert [len(m) for _, m in chunk_batch_fn(td, meta, micro_batch_size=8)] == [3]
+    with pytest.raises(tq.InvalidRequestError, match="2 rows of data but its BatchMeta has 3"):
+        chunk_batch_fn(td[:2], meta, micro_batch_size=1)
+    with pytest.raises(tq.InvalidRequestError, match="positive"):
+        chunk_batch_fn(td, meta, micro_batch_size=0)
+
+
+async def test_batches_in_order_exactly_once_then_sealed_and_drained_ends() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for start in (0, 7, 15):  # three puts, on alternating units
+            await client.put(_rows({0: 7, 7: 8, 15: 6}[start], start), partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(cluster.address, ["x", "jag", "s"], 4, 3, "p", "train")
+        async with ds:
+            got = await _drain(ds)
+            again = await _drain(ds)  # still sealed and drained: ends at once
+            assert ds.batch_index == 6
+    assert again == []
+    indexes = [b for b, _ in _ids(got)]
+    assert indexes == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert sorted(r for _, rows in _ids(got) for r in rows) == list(range(21))
+    assert [len(m) for _, m in got] == [3, 1] * 5 + [1]
+    for td, meta in got:
+        _check_aligned(td, meta)
+
+
+async def test_empty_but_unsealed_stream_waits_then_delivers() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        ds = AsyncStreamingDataset(client, ["x"], 4, 4, "p", "train", prefetch=1)
+        async with ds:
+            # No partition at all, then an empty queue: the stream neither ends nor yields.
+            with anyio.move_on_after(0.2) as waited:
+                await anext(ds)
+            assert waited.cancelled_caught
+            assert ds.batch_index == 0  # the cancelled __anext__ moved nothing
+            await client.put(_rows(4), partition_id="p")
+            with anyio.fail_after(DEADLINE):
+                td, _ = await anext(ds)
+            assert td["x"].tolist() == [0, 1, 2, 3]
+            # 3 rows are fewer than a batch: not delivered until the partition is final
+            await client.put(_rows(3, 4), partition_id="p")
+            with anyio.move_on_after(0.2) as waited:
+                await anext(ds)
+            assert waited.cancelled_caught
+            await client.seal("p")
+            with anyio.fail_after(DEADLINE):
+                td, _ = await anext(ds)
+                assert td["x"].tolist() == [4, 5, 6]
+                with pytest.raises(StopAsyncIteration):
+                    await anext(ds)
+
+
+async def test_ranks_of_one_dp_group_see_identical_batches() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(24), partition_id="p")
+        await client.seal("p")
+        seen: dict[tuple[int, int], list[tuple[int | None, list[int]]]] = {}
+
+        async def consume(dp_rank: int, replica: int) -> None:
+            ds = AsyncStreamingDataset(cluster.address, ["x"], 4, 2, "p", "actor", dp_rank=dp_rank)
+            async with ds:
+                seen[(dp_rank, replica)] = _ids(await _drain(ds))
+
+        async with anyio.create_task_group() as tg:
+            for dp_rank in (0, 1):
+                for replica in (0, 1):
+                    tg.start_soon(consume, dp_rank, replica)
+    assert seen[(0, 0)] == seen[(0, 1)]
+    assert seen[(1, 0)] == seen[(1, 1)]
+    rank0 = {r for _, rows in seen[(0, 0)] for r in rows}
+    rank1 = {r for _, rows in seen[(1, 0)] for r in rows}
+    assert not rank0 & rank1
+    assert rank0 | rank1 == set(range(24))
+
+
+async def test_replay_after_reset_rereads_beyond_the_window_with_bounded_memory() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(24), partition_id="p")
+        await client.seal("p")
+        fetched: list[int] = []
+
+        async def counting_fetch(**kwargs: Any) -> Any:
+            got = await default_fetch_batch_fn(**kwargs)
+            if not got[1].end_of_stream:
+                fetched.append(kwargs["batch_index"])
+            return got
+
+        ds = AsyncStreamingDataset(
+            client,
+            ["x", "jag", "s"],
+            2,
+            1,
+            "p",
+            "train",
+            replay_window=3,
+            fetch_batch_fn=counting_fetch,
+        )
+        async with ds:
+            first: list[tuple[int | None, list[int]]] = []
+            async for _, meta in ds:
+                assert ds.cached_batches <= 3
+                first.append((meta.batch_index, list(meta.global_indexes)))
+            assert fetched == list(range(12))
+            assert ds.cached_batch_indexes == [9, 10, 11]
+            for _epoch in range(2):
+                ds.reset()
+                fetched.clear()
+                replay: list[tuple[int | None, list[int]]] = []
+                async for td, meta in ds:
+                    assert ds.cached_batches <= 3
+                    _check_aligned(td, meta)
+                    replay.append((meta.batch_index, list(meta.global_indexes)))
+                assert replay == first
+                # the window served 9..11; everything older was re-read by batch_index
+                assert fetched == list(range(9))
+                assert ds.cached_batch_indexes == [9, 10, 11]
+        # a replay consumed nothing new
+        assert (await client.partition_info("p"))["consumed"]["train"] == 24
+
+
+async def test_prefetch_stays_within_bounds() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(10), partition_id="p")
+        await client.seal("p")
+        prefetch = 2
+        started = {i: anyio.Event() for i in range(13)}
+        ahead: list[int] = []
+        last_taken = -1  # the batch the consumer holds
+
+        async def watched_fetch(**kwargs: Any) -> Any:
+            index = kwargs["batch_index"]
+            ahead.append(index - last_taken)
+            started[index].set()
+            return await default_fetch_batch_fn(**kwargs)
+
+        ds = AsyncStreamingDataset(
+            client, ["x"], 1, 1, "p", "train", prefetch=prefetch, fetch_batch_fn=watched_fetch
+        )
+        async with ds:
+            with anyio.fail_after(DEADLINE):
+                for i in range(10):
+                    _, meta = await anext(ds)
+                    assert meta.batch_index == i
+                    last_taken = i
+                    # wait until the prefetcher has reached its limit for this position
+                    # (index 10 is the end-of-stream fetch, the last one) ...
+                    await started[min(i + prefetch, 10)].wait()
+                    # ... and it cannot go further while we hold on to batch i
+                    assert not started[i + prefetch + 1].is_set()
+        assert max(ahead) == prefetch
+
+
+async def test_step_moves_to_the_next_partition_and_drops_the_window() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for pid in ("train@0", "train@1"):
+            await client.put(_rows(6), partition_id=pid)
+            await client.seal(pid)
+        ds = AsyncStreamingDataset(client, ["x"], 3, 3, "train@0", "train")
+        async with ds:
+            assert _ids(await _drain(ds)) == [(0, [0, 1, 2]), (1, [3, 4, 5])]
+            assert ds.cached_batches == 2
+            ds.step("train@1")
+            assert (ds.partition_id, ds.batch_index, ds.cached_batches) == ("train@1", 0, 0)
+            got = await _drain(ds)
+        assert _ids(got) == [(0, [0, 1, 2]), (1, [3, 4, 5])]
+        assert {m.partition_id for _, m in got} == {"train@1"}
+
+
+async def test_reset_during_iteration_continues_from_the_start() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(6), partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(client, ["x"], 2, 2, "p", "train")
+        async with ds:
+            seen: list[int | None] = []
+            with anyio.fail_after(DEADLINE):
+                async for _, meta in ds:
+                    seen.append(meta.batch_index)
+                    if len(seen) == 2:
+                        ds.reset()
+        assert seen == [0, 1, 0, 1, 2]
+
+
+async def test_state_dict_resumes_mid_batch_exactly_once() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(16), partition_id="p")
+        await client.seal("p")
+        args = (["x", "jag", "s"], 4, 2, "p", "train")
+        first = AsyncStreamingDataset(cluster.address, *args)
+        async with first:
+            with anyio.fail_after(DEADLINE):
+                taken = [await anext(first) for _ in range(3)]  # batch 0, half of batch 1
+            state = first.state_dict()
+        assert (state["batch_index"], state["micro_batch_index"]) == (1, 1)
+        # the state travels as msgpack
+        state = msgspec.msgpack.decode(msgspec.msgpack.encode(state))
+        second = AsyncStreamingDataset(cluster.address, *args)
+        second.load_state_dict(state)
+        async with second:
+            rest = await _drain(second)
+    assert _ids(rest)[0] == (1, [6, 7])
+    everything = [r for _, rows in _ids(taken + rest) for r in rows]
+    assert everything == list(range(16))
+    for td, meta in rest:
+        _check_aligned(td, meta)
+
+
+async def test_leaving_mid_stream_keeps_prefetched_batches_readable() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(12), partition_id="p")
+        await client.seal("p")
+        prefetched = anyio.Event()
+        rows_of: dict[int, list[int]] = {}
+
+        async def noting_fetch(**kwargs: Any) -> Any:
+            td, meta = await default_fetch_batch_fn(**kwargs)
+            rows_of[kwargs["batch_index"]] = list(meta.global_indexes)
+            if kwargs["batch_index"] == 1:
+                prefetched.set()
+            return td, meta
+
+        ds = AsyncStreamingDataset(
+            cluster.address, ["x"], 3, 3, "p", "train", prefetch=2, fetch_batch_fn=noting_fetch
+        )
+        async with ds:
+            with anyio.fail_after(DEADLINE):
+                _, meta = await anext(ds)
+                await prefetched.wait()  # batch 1 is fetched (consumed) but not delivered
+        assert (meta.batch_index, ds.batch_index) == (0, 1)
+        consumed = (await client.consumption_status("p", "train")).tolist()
+        assert all(consumed[r] for r in rows_of[1])
+        # the undelivered batch is still there under its batch_index
+        again = await client.get_meta(
+            ["x"], 3, "p", "train", {"dp_rank": 0, "batch_index": 1}, timeout=5
+        )
+        assert list(again.global_indexes) == rows_of[1]
+        # and the dataset picks up exactly where delivery stopped
+        async with ds:
+            rest = await _drain(ds)
+        assert _ids(rest)[0] == (1, rows_of[1])
+        assert sorted([*meta.global_indexes, *(r for _, rs in _ids(rest) for r in rs)]) == list(
+            range(12)
+        )
+
+
+async def test_cancelled_fetch_on_demand_loses_nothing() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        ds = AsyncStreamingDataset(client, ["x"], 2, 2, "p", "train", prefetch=0)
+        async with ds:
+            with anyio.move_on_after(0.05):  # cancelled while get_meta waits
+                await anext(ds)
+            await client.put(_rows(4), partition_id="p")
+            await client.seal("p")
+            got = await _drain(ds)
+        assert _ids(got) == [(0, [0, 1]), (1, [2, 3])]
+
+
+async def test_stop_when_consumed_ends_without_a_seal() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        kwargs: dict[str, Any] = {"stop_when_consumed": True}
+        ds = AsyncStreamingDataset(client, ["x"], 4, 4, "p", "train", **kwargs)
+        async with ds:
+            # nothing produced yet is not "everything consumed"
+            with anyio.move_on_after(0.3) as waited:
+                await anext(ds)
+            assert waited.cancelled_caught
+            await client.put(_rows(8), partition_id="p")
+            assert _ids(await _drain(ds)) == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+            # replay still works after a stop, and stops again at the same place
+            ds.reset()
+            assert [b for b, _ in _ids(await _drain(ds))] == [0, 1]
+            # new rows: the stream continues where it stopped
+            await client.put(_rows(4, 8), partition_id="p")
+            assert _ids(await _drain(ds)) == [(2, [8, 9, 10, 11])]
+
+
+async def test_stop_when_consumed_notices_rows_taken_by_another_consumer() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(16), partition_id="p")
+        seen: dict[int, list[int]] = {}
+
+        async def consume(dp_rank: int) -> None:
+            ds = AsyncStreamingDataset(
+                client,
+                ["x"],
+                4,
+                4,
+                "p",
+                "train",
+                dp_rank=dp_rank,
+                stop_when_consumed=True,
+            )
+            async with ds:
+                seen[dp_rank] = [r for _, rows in _ids(await _drain(ds)) for r in rows]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, 0)
+            tg.start_soon(consume, 1)
+    assert sorted(seen[0] + seen[1]) == list(range(16))
+
+
+async def test_errors_are_tq_errors_that_say_what_to_do() -> None:
+    with pytest.raises(tq.InvalidRequestError, match=r"data_fields=\['x'\]"):
+        AsyncStreamingDataset("tcp://127.0.0.1:1", "x", 4, 2, "p", "t")
+    with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+        AsyncStreamingDataset("tcp://127.0.0.1:1", ["x"], 0, 2, "p", "t")
+    with pytest.raises(tq.InvalidRequestError, match="batch_index"):
+        AsyncStreamingDataset(
+            "tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t", sampling_config={"batch_index": 3}
+        )
+    ds = AsyncStreamingDataset("tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t")
+    with pytest.raises(tq.ClosedError, match="async with"):
+        await anext(ds)
+    with pytest.raises(tq.InvalidRequestError, match="same task_name"):
+        ds.load_state_dict({**ds.state_dict(), "task_name": "other"})
+    with pytest.raises(tq.InvalidRequestError, match="version"):
+        ds.load_state_dict({})
+    # every error pickles and rebuilds from its message (DataLoader workers re-raise that way)
+    err = tq.InvalidRequestError("x")
+    assert type(pickle.loads(pickle.dumps(err))) is tq.InvalidRequestError
+
+
+async def test_fetch_errors_surface_in_order_and_iteration_can_retry() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(4), partition_id="p")
+        await client.seal("p")
+        failures = [1]
+
+        async def flaky_fetch(**kwargs: Any) -> Any:
+            if kwargs["batch_index"] == 1 and failures:
+                failures.pop()
+                raise tq.BrokenError("storage unit went away")
+            return await default_fetch_batch_fn(**kwargs)
+
+        async def empty_fetch(**kwargs: Any) -> Any:
+            meta = tq.BatchMeta(partition_id="p", global_indexes=[], field_names=[], units=[])
+            return None, meta
+
+        ds = AsyncStreamingDataset(client, ["x"], 2, 2, "p", "train", fetch_batch_fn=flaky_fetch)
+        async with ds:
+            with anyio.fail_after(DEADLINE):
+                assert (await anext(ds))[1].batch_index == 0
+                with pytest.raises(tq.BrokenError, match="went away"):
+                    await anext(ds)
+                assert ds.batch_index == 1
+                assert [b for b, _ in _ids(await _drain(ds))] == [1]
+        bad = AsyncStreamingDataset(client, ["x"], 2, 2, "p", "other", fetch_batch_fn=empty_fetch)
+        async with bad:
+            with pytest.raises(tq.TQError, match="without end_of_stream"):
+                await anext(bad)
+
+
+async def test_custom_process_batch_fn_and_body_errors_pass_through() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(4), partition_id="p")
+        await client.seal("p")
+
+        def one_per_row(td: Any, meta: tq.BatchMeta, micro_batch_size: int) -> list[MicroBatch]:
+            assert micro_batch_size == 2
+            return [(td[i : i + 1], meta.select_rows([i])) for i in range(len(meta))][::-1]
+
+        ds = AsyncStreamingDataset(client, ["x"], 4, 2, "p", "train", process_batch_fn=one_per_row)
+        got: list[MicroBatch] = []
+
+        async def read_then_fail() -> None:
+            async with ds:
+                got.extend(await _drain(ds))
+                raise ValueError("from the body")
+
+        # the body's own error comes out as itself, not wrapped in an ExceptionGroup
+        with pytest.raises(ValueError, match="from the body"):
+            await read_then_fail()
+        assert [m.global_indexes for _, m in got] == [[3], [2], [1], [0]]
+        assert [td["x"].tolist() for td, _ in got] == [[3], [2], [1], [0]]

@@ -1,0 +1,139 @@
+"""Fault injection: storage units die mid-get and mid-put; nothing hangs, nothing half-visible."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+from tq_async._controller import ControllerServer
+from tq_async._state import ControllerState
+from tq_async._storage import StorageServer
+
+UNIT_PROCESS = textwrap.dedent(
+    """
+    import anyio, sys
+    from tq_async._storage import StorageServer
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            address = await tg.start(StorageServer(1).serve, "tcp://127.0.0.1:0")
+            print(address, flush=True)
+
+    anyio.run(main)
+    """
+)
+
+BLACK_HOLE = textwrap.dedent(
+    """
+    import zmq
+    sock = zmq.Context().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(f"tcp://127.0.0.1:{port}", flush=True)
+    while True:
+        sock.recv_multipart()  # swallow every request, never answer
+    """
+)
+
+
+@contextmanager
+def process(script: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@asynccontextmanager
+async def cluster_with_remote_unit(remote: str) -> AsyncIterator[ControllerServer]:
+    """Unit 0 in this loop, unit 1 at ``remote``; the first put lands on 0, the next on 1."""
+    async with anyio.create_task_group() as tg:
+        local = StorageServer(0)
+        addresses = {0: await tg.start(local.serve, "tcp://127.0.0.1:0"), 1: remote}
+        controller = ControllerServer(ControllerState(addresses))
+        await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        try:
+            yield controller
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def until(predicate: object, seconds: float = 10) -> None:
+    """Yield to the loop until ``predicate()`` holds (event processing, bounded in time)."""
+    with anyio.fail_after(seconds):
+        while not predicate():  # type: ignore[operator]
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_unit_killed_after_it_holds_rows() -> None:
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=5) as client,
+        ):
+            safe = await client.put({"x": torch.arange(4)}, "p")
+            doomed = await client.put({"x": torch.arange(4, 8)}, "p")
+            assert set(safe.units) == {0}
+            assert set(doomed.units) == {1}
+            assert (await client.get_data(doomed))["x"].tolist() == [4, 5, 6, 7]
+            os.kill(proc.pid, signal.SIGKILL)
+            await until(lambda: 1 in controller.state.dead_units)
+            lost = await client.lost_rows("p")
+            assert lost == {"dead_units": [1], "rows": {"p": [4, 5, 6, 7]}}
+            # reads touching the dead unit fail clearly and quickly; the rest still reads
+            with anyio.fail_after(10), pytest.raises((tq.BrokenError, tq.TQTimeoutError)):
+                await client.get_data(doomed)
+            assert (await client.get_data(safe))["x"].tolist() == [0, 1, 2, 3]
+            # lost rows are never handed out; new puts avoid the dead unit
+            assert (await client.partition_info("p"))["rows"] == 4
+            got = await client.get_meta(["x"], 4, "p", "t", mode="peek")
+            assert got.global_indexes == [0, 1, 2, 3]
+            again = await client.put({"x": torch.arange(2)}, "p")
+            assert set(again.units) == {0}
+            with pytest.raises(tq.RowsNotFound, match="lost with storage unit 1"):
+                await client.put({"y": torch.zeros(4)}, meta=doomed)
+
+
+async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
+    with process(BLACK_HOLE) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failure: list[BaseException] = []
+
+            async def doomed_put() -> None:
+                try:
+                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: never answers
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(doomed_put)
+                await until(lambda: any(c.connected for c in client._units.values()))
+                await until(lambda: 1 in client._units and client._units[1].connected)
+                os.kill(proc.pid, signal.SIGKILL)
+            # the put failed fast with BrokenError (well before its 30 s timeout)
+            assert isinstance(failure[0], tq.BrokenError)
+            info = await client.partition_info("p")
+            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
+            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
+            assert got.global_indexes == [0, 1]

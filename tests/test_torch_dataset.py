@@ -1,0 +1,237 @@
+"""StreamingDataset / StreamingDataLoader: order and exactly-once across workers, fork and spawn.
+
+DataLoader workers are other processes, so the cluster runs in a ``tq-async serve``
+subprocess (one per module; every test uses its own partitions).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import tq_async as tq
+from _cluster_proc import resume_and_read, serve_cluster
+from tq_async._torch_dataset import StreamingDataLoader, StreamingDataset
+
+N_ROWS = 22  # batches of 4 -> [4, 4, 4, 4, 4, 2]; micro-batches of 3 -> [3, 1] per batch
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with serve_cluster(storage_units=2) as addr:
+        yield addr
+
+
+@pytest.fixture
+def client(address: str) -> Iterator[tq.Client]:
+    with tq.Client.connect(address) as c:
+        yield c
+
+
+def _put(client: tq.Client, partition_id: str, n: int = N_ROWS, *, seal: bool = True) -> None:
+    ids = list(range(n))
+    client.put(
+        {
+            "x": torch.tensor(ids),
+            "jag": torch.nested.nested_tensor(
+                [torch.full((i % 3 + 1,), float(i)) for i in ids], layout=torch.jagged
+            ),
+            "s": [f"row{i}" for i in ids],
+        },
+        partition_id=partition_id,
+    )
+    if seal:
+        client.seal(partition_id)
+
+
+def _dataset(address: str, partition_id: str, task: str, **kwargs: Any) -> StreamingDataset:
+    return StreamingDataset(address, ["x", "jag", "s"], 4, 3, partition_id, task, **kwargs)
+
+
+def _checked(items: Iterable[Any]) -> Iterator[tuple[int, list[int]]]:
+    """``(batch_index, rows)`` of each micro-batch; data and metadata must agree row by row."""
+    for td, meta in items:
+        rows = list(meta.global_indexes)
+        assert td["x"].tolist() == rows
+        assert td.get("s").tolist() == [f"row{r}" for r in rows]
+        assert [t.tolist() for t in td["jag"].unbind()] == [[float(r)] * (r % 3 + 1) for r in rows]
+        yield meta.batch_index, rows
+
+
+def _read(items: Iterable[Any]) -> list[tuple[int, list[int]]]:
+    return list(_checked(items))
+
+
+def _check_stream(got: list[tuple[int, list[int]]], n: int = N_ROWS) -> None:
+    """Batch indexes ascend without gaps, micro-batches of a batch are adjacent, rows once."""
+    indexes = [b for b, _ in got]
+    assert indexes == sorted(indexes)
+    assert sorted(set(indexes)) == list(range(len(set(indexes))))
+    assert sorted(r for _, rows in got for r in rows) == list(range(n))
+    per_batch: dict[int, int] = {}
+    for b, rows in got:
+        per_batch[b] = per_batch.get(b, 0) + len(rows)
+        assert len(rows) <= 3
+    assert all(size <= 4 for size in per_batch.values())
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "context"),
+    [(0, None), (1, "fork"), (2, "fork"), (1, "spawn"), (2, "spawn")],
+)
+def test_loader_yields_every_batch_once_in_order(
+    address: str, client: tq.Client, num_workers: int, context: str | None
+) -> None:
+    pid = f"order-{num_workers}-{context}"
+    _put(client, pid)
+    loader = StreamingDataLoader(
+        _dataset(address, pid, "train"),
+        num_workers=num_workers,
+        multiprocessing_context=context,
+    )
+    first = _read(loader)
+    _check_stream(first)
+    assert loader.state_dict()["batch_index"] == 6
+    if context == "spawn":
+        return  # spawned workers take seconds to start: one pass is enough here
+    # Replay: workers are new processes, yet every batch_index resolves to the same rows.
+    assert _read(loader) == []  # sealed and drained: a new pass ends at once
+    loader.reset()
+    assert _read(loader) == first
+    assert client.partition_info(pid)["consumed"]["train"] == N_ROWS
+
+
+def test_loader_resumes_mid_batch_with_workers(address: str, client: tq.Client) -> None:
+    _put(client, "resume")
+    loader = StreamingDataLoader(
+        _dataset(address, "resume", "train"), num_workers=2, multiprocessing_context="fork"
+    )
+    taken = []
+    for item in _checked(loader):
+        taken.append(item)
+        if len(taken) == 5:  # batches 0 and 1, then the first micro-batch of batch 2
+            break
+    state = msgspec.json.decode(msgspec.json.encode(loader.state_dict()))
+    assert (state["batch_index"], state["micro_batch_index"]) == (2, 1)
+    again = StreamingDataLoader(
+        _dataset(address, "resume", "train"), num_workers=2, multiprocessing_context="fork"
+    )
+    again.load_state_dict(state)
+    rest = _read(again)
+    assert rest[0] == (2, [11])
+    _check_stream(taken + rest)
+
+
+def test_state_dict_resumes_in_a_new_process(address: str, client: tq.Client) -> None:
+    _put(client, "newproc")
+    ds = _dataset(address, "newproc", "train")
+    taken = []
+    for item in _checked(ds):  # plain iteration: no DataLoader at all
+        taken.append(item)
+        if len(taken) == 3:
+            break
+    state = msgspec.msgpack.decode(msgspec.msgpack.encode(ds.state_dict()))
+    assert (state["batch_index"], state["micro_batch_index"]) == (1, 1)
+    kwargs = {
+        "address": address,
+        "data_fields": ["x", "jag", "s"],
+        "batch_size": 4,
+        "micro_batch_size": 3,
+        "partition_id": "newproc",
+        "task_name": "train",
+    }
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        out = pool.submit(resume_and_read, kwargs, state).result(timeout=90)
+    *rest, (_, end_state) = out
+    assert rest[0][:2] == (1, [7])
+    assert all(x == rows for _, rows, x in rest)
+    _check_stream(taken + [(b, rows) for b, rows, _ in rest])
+    assert end_state["batch_index"] == 6
+
+
+def test_step_and_reset_reach_the_workers(address: str, client: tq.Client) -> None:
+    _put(client, "step@0")
+    _put(client, "step@1", 8)
+    loader = StreamingDataLoader(
+        _dataset(address, "step@0", "train"), num_workers=2, multiprocessing_context="fork"
+    )
+    first = _read(loader)
+    _check_stream(first)
+    loader.step("step@1")
+    assert [b for b, _ in _read(loader)] == [0, 0, 1, 1]
+    # reset inside a pass: the pass carries on from batch 0 with new workers
+    loader.step("step@0")
+    seen = []
+    for _, meta in loader:
+        seen.append((meta.batch_index, list(meta.global_indexes)))
+        if len(seen) == 3:
+            loader.reset()
+    assert seen[3:] == first
+
+
+def test_stop_when_consumed_across_workers(address: str, client: tq.Client) -> None:
+    _put(client, "unsealed", 16, seal=False)
+    loader = StreamingDataLoader(
+        _dataset(address, "unsealed", "train", stop_when_consumed=True),
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    got = _read(loader)
+    _check_stream(got, 16)
+
+
+def test_dataset_pickles_without_its_connection(address: str, client: tq.Client) -> None:
+    _put(client, "pickle", 8)
+    ds = _dataset(address, "pickle", "train")
+    assert len(_read(ds)) == 4
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._local is None
+    assert copy.state_dict() == ds.state_dict()
+    copy.reset()
+    assert [b for b, _ in _read(copy)] == [0, 0, 1, 1]
+
+
+def test_plain_dataloader_with_workers_is_refused(address: str, client: tq.Client) -> None:
+    _put(client, "plain", 8)
+    plain = DataLoader(
+        _dataset(address, "plain", "train"),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    with pytest.raises(tq.InvalidRequestError, match="StreamingDataLoader"):
+        next(iter(plain))
+
+
+def test_loader_refuses_arguments_that_break_order(address: str) -> None:
+    ds = _dataset(address, "any", "train")
+    with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+        StreamingDataLoader(ds, batch_size=4)
+    with pytest.raises(tq.InvalidRequestError, match="persistent_workers"):
+        StreamingDataLoader(ds, num_workers=1, persistent_workers=True)
+    with pytest.raises(tq.InvalidRequestError, match="in_order"):
+        StreamingDataLoader(ds, num_workers=1, in_order=False)
+    with pytest.raises(tq.InvalidRequestError, match="StreamingDataset"):
+        StreamingDataLoader([1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(tq.InvalidRequestError, match="address"):
+        StreamingDataset(None, ["x"], 4, 2, "p", "t")  # type: ignore[arg-type]
+
+
+def test_plain_iteration_follows_reset_mid_pass(address: str, client: tq.Client) -> None:
+    _put(client, "plain-reset", 8)
+    ds = _dataset(address, "plain-reset", "train")
+    seen = []
+    for _, meta in ds:
+        seen.append(meta.batch_index)
+        if len(seen) == 3:
+            ds.reset()
+    assert seen == [0, 0, 1, 0, 0, 1, 1]
+    assert ds.state_dict()["batch_index"] == 2
