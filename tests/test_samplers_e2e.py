@@ -103,3 +103,18 @@ async def test_rank_aware_sampler_through_controller_cache_stays_bounded() -> No
             c = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": b})
             assert a.global_indexes == c.global_indexes
         assert sampler.cache_size == 0  # the controller served the replicas from its log
+
+
+async def test_task_samplers_pick_per_task() -> None:
+    balanced = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": balanced}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p", tags=[{"total_lengths": 9}] * 4)
+        plain = await client.get_meta(["x"], 4, "p", "reward")  # the default sampler
+        assert plain.global_indexes == [0, 1, 2, 3]
+        with pytest.raises(tq.TQError, match="dp_rank"):  # the learner's needs its context
+            await client.get_meta(["x"], 2, "p", "learner")
+        share = await client.get_meta(["x"], 2, "p", "learner", {"dp_rank": 0, "batch_index": 0})
+        assert len(share) == 2

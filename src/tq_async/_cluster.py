@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -51,6 +51,7 @@ async def local_cluster(
     num_storage_units: int = 2,
     sampler: BaseSampler | None = None,
     *,
+    task_samplers: Mapping[str, BaseSampler] | None = None,
     host: str = "127.0.0.1",
     bind: str | None = None,
     transport: str = "ipc",
@@ -71,6 +72,8 @@ async def local_cluster(
         num_storage_units: how many storage units (rows of one put go to one unit,
             round-robin across puts).
         sampler: the controller's sampler (:class:`~tq_async.SequentialSampler` by default).
+        task_samplers: samplers for particular tasks, e.g. ``{"update_actor":
+            tq.SeqlenBalancedSampler(dp_size=4)}``; other tasks use ``sampler``.
         host: the interface to bind with ``transport="tcp"``; loopback by default.
         bind: the controller's full bind address (overrides ``host`` and ``transport`` for
             the controller), e.g. ``"tcp://127.0.0.1:5555"``.
@@ -140,6 +143,7 @@ async def local_cluster(
             controller = ControllerServer(
                 state,
                 sampler,
+                task_samplers=task_samplers,
                 allow_pickle=allow_pickle,
                 metrics=Metrics(metrics_registry, "controller"),
                 admission=admission,

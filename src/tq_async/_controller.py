@@ -172,6 +172,8 @@ class ControllerServer:
     Args:
         state: the state machine (a new empty one by default).
         sampler: decides what each get_meta receives (:class:`SequentialSampler` by default).
+        task_samplers: samplers for particular tasks (e.g. ``{"update_actor":
+            SeqlenBalancedSampler(...)}``); other tasks use ``sampler``.
         allow_pickle: told to clients; storage units enforce it.
         unit_timeout: seconds to wait for a storage unit when the controller calls it (clears).
         metrics: where to record request metrics (disabled by default).
@@ -184,6 +186,7 @@ class ControllerServer:
         state: ControllerState | None = None,
         sampler: BaseSampler | None = None,
         *,
+        task_samplers: Mapping[str, BaseSampler] | None = None,
         allow_pickle: bool = False,
         unit_timeout: float = 30.0,
         metrics: Metrics | None = None,
@@ -200,9 +203,12 @@ class ControllerServer:
         #: set while shutting down: units going away then are not "lost"
         self.stopping = False
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
+        self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
-        self._sampler_kwargs = _kwargs_filter(self.sampler)
+        self._sampler_kwargs = {
+            id(smp): _kwargs_filter(smp) for smp in (self.sampler, *self.task_samplers.values())
+        }
         self._endpoint: RouterEndpoint | None = None
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
@@ -368,7 +374,8 @@ class ControllerServer:
             self._notify([Wakeup(body.partition_id)])
         elif isinstance(body, ResetConsumption):
             st.partition(body.partition_id).reset_consumption(body.task_name)
-            self.sampler.reset_partition(body.partition_id, body.task_name)
+            for smp in self._all_samplers():
+                smp.reset_partition(body.partition_id, body.task_name)
             self._send_ok(peer, rid, None)
             self._notify([Wakeup(body.partition_id, body.task_name)])
         elif isinstance(body, ClearSamples):
@@ -384,7 +391,8 @@ class ControllerServer:
             self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
             del st.partitions[body.partition_id]
             self._rows_freed()
-            self.sampler.clear_partition(body.partition_id)
+            for smp in self._all_samplers():
+                smp.clear_partition(body.partition_id)
             self._notify([Wakeup(body.partition_id)])
             whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
             self._spawn(self._clear_units, peer, rid, body.partition_id, whole)
@@ -455,7 +463,11 @@ class ControllerServer:
         elif isinstance(body, DumpState):
             ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
             dumps = [st.partition(pid).dump() for pid in ids]
-            self._send_ok(peer, rid, StateDump(dumps, self.sampler.state_dict()))
+            sampler_state = {"default": self.sampler.state_dict()}
+            sampler_state |= {
+                f"task:{t}": smp.state_dict() for t, smp in self.task_samplers.items()
+            }
+            self._send_ok(peer, rid, StateDump(dumps, sampler_state))
         elif isinstance(body, RestoreBegin):
             staged = st.restore_begin(body.state.partitions)
             self._send_ok(peer, rid, {p.partition_id: list(p.units) for p in staged})
@@ -466,7 +478,9 @@ class ControllerServer:
             for pid in body.partition_ids:
                 st.partitions[pid] = st.restoring.pop(pid)
             if body.sampler_state:
-                self.sampler.load_state_dict(body.sampler_state)
+                self.sampler.load_state_dict(body.sampler_state.get("default", {}))
+                for t, smp in self.task_samplers.items():
+                    smp.load_state_dict(body.sampler_state.get(f"task:{t}", {}))
             self._send_ok(peer, rid, None)
             self._notify([Wakeup(pid) for pid in body.partition_ids])
         elif isinstance(body, RestoreAbort):
@@ -560,10 +574,15 @@ class ControllerServer:
             "versions": RowVersions(p),
             "stale": stale,
         }
-        if self._sampler_kwargs is not None:
-            ctx = {k: v for k, v in ctx.items() if k in self._sampler_kwargs}
+        sampler = self.task_samplers.get(req.task_name, self.sampler)
+        accepted = self._sampler_kwargs[id(sampler)]
+        if accepted is not None:
+            ctx = {k: v for k, v in ctx.items() if k in accepted}
         self.sampler_calls += 1
-        return self.sampler.sample(ready, req.batch_size, **ctx)
+        return sampler.sample(ready, req.batch_size, **ctx)
+
+    def _all_samplers(self) -> list[BaseSampler]:
+        return [self.sampler, *self.task_samplers.values()]
 
     def _attempt(self, req: GetMeta) -> MetaReply | _Attempt | None:
         """Try to answer now: a reply, an in-flight async sampler call, or None (wait)."""
