@@ -137,3 +137,59 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
             got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
             assert got.global_indexes == [0, 1]
+
+
+async def test_lost_reply_is_retried_and_delivered_exactly_once() -> None:
+    """A transport that loses a reply: the client retries, the server deduplicates."""
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        endpoint = cluster.controller._endpoint
+        assert endpoint is not None
+        real_send = endpoint.send
+        lose_next: list[bool] = [False]
+        lost: list[list[bytes]] = []
+
+        def lossy_send(peer: bytes, frames: list[bytes]) -> None:
+            if lose_next[0]:
+                lose_next[0] = False
+                lost.append(frames)
+                return
+            real_send(peer, frames)
+
+        endpoint.send = lossy_send  # type: ignore[method-assign]
+        async with tq.AsyncClient.connect(
+            cluster.address, request_timeout=10, retry_after=0.2
+        ) as client:
+            await client.put({"x": torch.arange(8)}, "p")
+            lose_next[0] = True
+            got = await client.get_meta(["x"], 4, "p", "t")
+            assert len(lost) == 1  # the first reply was really lost
+            assert got.global_indexes == [0, 1, 2, 3]
+            # the retry did not consume a second batch: the next one is the rest
+            rest = await client.get_meta(["x"], 4, "p", "t", timeout=5)
+            assert rest.global_indexes == [4, 5, 6, 7]
+            assert await client.check_consumption_status("p", "t")
+
+
+async def test_lost_reply_of_a_call_with_a_deadline_reconnects() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        endpoint = cluster.controller._endpoint
+        assert endpoint is not None
+        real_send = endpoint.send
+        lose_next = [False]
+
+        def lossy_send(peer: bytes, frames: list[bytes]) -> None:
+            if lose_next[0]:
+                lose_next[0] = False
+                return
+            real_send(peer, frames)
+
+        endpoint.send = lossy_send  # type: ignore[method-assign]
+        async with tq.AsyncClient.connect(
+            cluster.address, request_timeout=10, retry_after=0.2
+        ) as client:
+            await client.put({"x": torch.arange(4)}, "p")
+            lose_next[0] = True
+            meta = await client.put({"x": torch.arange(4, 6)}, "p")  # its PutBegin reply is lost
+            assert client._ctl().reconnects >= 1
+            assert meta.global_indexes == [4, 5]  # one allocation, not two
+            assert (await client.partition_info("p"))["allocated"] == 6

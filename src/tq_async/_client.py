@@ -134,6 +134,9 @@ class AsyncClient:
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the
             controller's setting.
         curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
+        retry_after: when a request with a deadline has no reply after this many seconds,
+            reconnect (same identity) and resend it; services deduplicate retried requests,
+            so nothing runs twice. None disables retries.
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -145,10 +148,12 @@ class AsyncClient:
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
+        retry_after: float | None = 10.0,
     ) -> None:
         self.address = address
         self.request_timeout = request_timeout
         self.curve = curve
+        self.retry_after = retry_after
         self._allow_pickle_opt = allow_pickle
         self.allow_pickle = bool(allow_pickle)
         self._controller: DealerConnection | None = None
@@ -164,9 +169,16 @@ class AsyncClient:
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
+        retry_after: float | None = 10.0,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
-        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle, curve=curve)
+        return cls(
+            address,
+            request_timeout=request_timeout,
+            allow_pickle=allow_pickle,
+            curve=curve,
+            retry_after=retry_after,
+        )
 
     async def __aenter__(self) -> AsyncClient:
         await self.open()
@@ -188,7 +200,9 @@ class AsyncClient:
         """
         if self._controller is not None:
             return
-        self._controller = DealerConnection(self.address, curve=self.curve)
+        self._controller = DealerConnection(
+            self.address, curve=self.curve, retry_after=self.retry_after
+        )
         try:
             await self._refresh_units()
         except BaseException:
@@ -234,7 +248,9 @@ class AsyncClient:
                 raise ProtocolError(
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
-            conn = self._units[unit_id] = DealerConnection(address, curve=self.curve)
+            conn = self._units[unit_id] = DealerConnection(
+                address, curve=self.curve, retry_after=self.retry_after
+            )
         return conn
 
     async def _call(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -100,6 +101,9 @@ from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
 __all__ = ["AdmissionConfig", "ControllerServer"]
 
 log = structlog.get_logger(__name__)
+
+#: replies remembered for deduplicating retried requests (about 1 KiB each)
+_REPLY_CACHE = 8192
 
 #: errors that are the caller's fault: answered without a traceback in the log
 _EXPECTED = (
@@ -213,6 +217,8 @@ class ControllerServer:
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
+        #: recent replies by (client identity, request id), for retried requests
+        self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
         self.sampler_calls = 0
@@ -256,14 +262,21 @@ class ControllerServer:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _send_ok(self, peer: bytes, rid: int, payload: Any) -> None:
-        if self._endpoint is not None:
-            self._endpoint.send(peer, [ok_reply(rid, payload)])
+        self._reply(peer, rid, ok_reply(rid, payload))
 
     def _send_error(self, peer: bytes, rid: int, exc: BaseException, op: str) -> None:
         if not isinstance(exc, _EXPECTED):
             log.error("request failed", op=op, rid=rid, exc_info=exc)
+        self._reply(peer, rid, error_reply(rid, exc))
+
+    def _reply(self, peer: bytes, rid: int, header: bytes) -> None:
+        """Send a reply and remember it: a retried request gets it again, not re-executed."""
+        replies = self._replies
+        replies[(peer, rid)] = header
+        if len(replies) > _REPLY_CACHE:
+            replies.popitem(last=False)
         if self._endpoint is not None:
-            self._endpoint.send(peer, [error_reply(rid, exc)])
+            self._endpoint.send(peer, [header])
 
     def _notify(self, wakeups: Sequence[Wakeup]) -> None:
         if wakeups:
@@ -315,6 +328,14 @@ class ControllerServer:
             if rid is not None:
                 self._send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
             return
+        key = (peer, req.rid)
+        cached = self._replies.get(key)
+        if cached is not None:  # a retry of a finished request: the same answer again
+            if self._endpoint is not None:
+                self._endpoint.send(peer, [cached])
+            return
+        if key in self._pending:
+            return  # a retry of a request still waiting: its reply will reach the retry
         body = req.body
         metrics = self.metrics.enabled
         t0 = time.perf_counter() if metrics else 0.0

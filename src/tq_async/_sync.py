@@ -44,6 +44,7 @@ class Client:
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
+        retry_after: float | None = 10.0,
     ) -> None:
         self.address = address
         self._portal = get_portal()
@@ -52,6 +53,7 @@ class Client:
             "request_timeout": request_timeout,
             "allow_pickle": allow_pickle,
             "curve": curve,
+            "retry_after": retry_after,
         }
 
     @classmethod
@@ -62,9 +64,16 @@ class Client:
         request_timeout: float = 60.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
+        retry_after: float | None = 10.0,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
-        return cls(address, request_timeout=request_timeout, allow_pickle=allow_pickle, curve=curve)
+        return cls(
+            address,
+            request_timeout=request_timeout,
+            allow_pickle=allow_pickle,
+            curve=curve,
+            retry_after=retry_after,
+        )
 
     def open(self) -> Client:
         """Connect (on the portal loop). Returns self."""

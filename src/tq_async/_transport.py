@@ -21,10 +21,10 @@ import contextlib
 import itertools
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import msgspec
 import structlog
 import zmq
@@ -135,9 +135,19 @@ class _Drained:
         if self._closed:
             return
         self._closed = True
+        self._release_socket()
+
+    def _release_socket(self) -> None:
         with contextlib.suppress(RuntimeError, ValueError):  # the loop may be closed already
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
+
+    def _adopt_socket(self, sock: zmq.Socket[Any]) -> None:
+        """Start reading a replacement socket (after :meth:`_release_socket`)."""
+        self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_drain()
 
 
 class RouterEndpoint(_Drained):
@@ -157,6 +167,8 @@ class RouterEndpoint(_Drained):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a client that reconnects with the same identity takes it over (retries)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.bind(normalize_bind(bind))
@@ -204,10 +216,33 @@ class DealerConnection(_Drained):
         context: zmq.Context[Any] | None = None,
         curve: CurveClient | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        retry_after: float | None = None,
     ) -> None:
-        sock = (context or zmq_context()).socket(zmq.DEALER)
-        if curve is not None:
-            curve.apply(sock)
+        self.address = address
+        self.retry_after = retry_after
+        #: False once the connection broke, until it is re-established
+        self.connected: bool | None = None
+        self.reconnects = 0
+        self._context = context or zmq_context()
+        self._curve = curve
+        # a fixed identity: after a reconnect the service routes replies to the new socket
+        # and recognises retried requests (same identity, same request id)
+        self._identity = uuid.uuid4().bytes
+        self._on_disconnect = on_disconnect
+        self._pending: dict[int, asyncio.Future[tuple[Reply, list[zmq.Frame]]]] = {}
+        self._inflight: dict[int, list[Any]] = {}
+        self._orphans: dict[int, Callable[[Reply, list[zmq.Frame]], None]] = {}
+        self._rids = itertools.count(1)
+        self._pid = os.getpid()
+        sock, monitor = self._open()
+        super().__init__(sock)
+        self._watch(monitor)
+
+    def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+        sock = self._context.socket(zmq.DEALER)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
@@ -217,26 +252,46 @@ class DealerConnection(_Drained):
         # a closed connection is reported on this monitor socket (no polling)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
-            sock.connect(address)
+            sock.connect(self.address)
         except zmq.ZMQError as exc:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-            raise BrokenError(f"cannot connect to {address!r}: {exc}") from exc
-        self.address = address
-        #: False once the connection broke, until it is re-established
-        self.connected: bool | None = None
-        self._on_disconnect = on_disconnect
-        self._pending: dict[int, asyncio.Future[tuple[Reply, list[zmq.Frame]]]] = {}
-        self._orphans: dict[int, Callable[[Reply, list[zmq.Frame]], None]] = {}
-        self._rids = itertools.count(1)
-        self._pid = os.getpid()
-        super().__init__(sock)
+            raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+        return sock, monitor
+
+    def _watch(self, monitor: zmq.Socket[Any]) -> None:
         self._monitor = monitor
-        self._monitor_fd: int = monitor.getsockopt(zmq.FD)
+        self._monitor_fd: int = monitor.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._loop.add_reader(self._monitor_fd, self._drain_monitor)
         # the FD is edge-triggered: events queued before add_reader would never be signalled
         self._loop.call_soon(self._drain_monitor)
+
+    def _unwatch(self) -> None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._monitor_fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+
+    def reconnect(self) -> None:
+        """Replace the socket (same identity) and resend every request still in flight.
+
+        Services deduplicate by (identity, request id), so a request that did arrive is
+        not executed twice: its cached reply is sent again.
+        """
+        if self._closed:
+            return
+        self._unwatch()
+        self._release_socket()
+        sock, monitor = self._open()
+        self.connected = None
+        self.reconnects += 1
+        self._adopt_socket(sock)
+        self._watch(monitor)
+        for frames in list(self._inflight.values()):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(frames)
 
     def _drain_monitor(self) -> None:
         if self._closed:
@@ -264,6 +319,7 @@ class DealerConnection(_Drained):
 
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
+        self._inflight.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
@@ -276,6 +332,7 @@ class DealerConnection(_Drained):
             log.warning("dropped an unreadable reply", peer=self.address)
             return
         fut = self._pending.pop(reply.rid, None)
+        self._inflight.pop(reply.rid, None)
         if fut is not None:
             if not fut.done():
                 fut.set_result((reply, frames[1:]))
@@ -322,19 +379,48 @@ class DealerConnection(_Drained):
                 "vanished); retry once it is back"
             )
         rid = next(self._rids)
-        fut: asyncio.Future[tuple[Reply, list[zmq.Frame]]] = self._loop.create_future()
-        self._pending[rid] = fut
+        outgoing = [encoder.encode((rid, body)), *frames]
+        self._inflight[rid] = outgoing
         try:
-            self._send([encoder.encode((rid, body)), *frames])
+            self._send(outgoing)
         except zmq.ZMQError as exc:
-            self._pending.pop(rid, None)
+            self._inflight.pop(rid, None)
             raise BrokenError(f"cannot send to {self.address}: {exc}") from exc
+        loop = self._loop
+        deadline = None if timeout is None else loop.time() + timeout
         try:
-            if timeout is None:
-                reply, rframes = await fut
-            else:
-                with anyio.fail_after(timeout):
+            while True:
+                fut: asyncio.Future[tuple[Reply, list[zmq.Frame]]] = loop.create_future()
+                self._pending[rid] = fut
+                remaining = None if deadline is None else deadline - loop.time()
+                wait = remaining
+                if self.retry_after is not None:
+                    wait = (
+                        self.retry_after if remaining is None else min(self.retry_after, remaining)
+                    )
+                if wait is not None and wait <= 0:
+                    raise TimeoutError
+                # one plain timer per attempt (anyio.fail_after/asyncio.wait cost 30+ us each)
+                timer = None if wait is None else loop.call_later(wait, _tick, fut)
+                try:
                     reply, rframes = await fut
+                    break
+                except _Tick:
+                    pass
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                if remaining is not None and wait is not None and wait >= remaining:
+                    raise TimeoutError
+                if deadline is None:
+                    # A long wait (e.g. get_meta until data arrives) is legitimate; re-send the
+                    # same request as a keep-alive: the service ignores it while the request
+                    # is pending and answers from its reply cache if the reply was lost.
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._send(outgoing)
+                else:
+                    log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
+                    self.reconnect()
         except TimeoutError:
             self._abandon(rid, on_abandon)
             raise TQTimeoutError(
@@ -352,8 +438,9 @@ class DealerConnection(_Drained):
     def _abandon(
         self, rid: int, on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None
     ) -> None:
+        self._inflight.pop(rid, None)
         fut = self._pending.pop(rid, None)
-        if fut is not None and fut.done() and not fut.cancelled():
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
             # the reply arrived in the same loop iteration as the cancellation
             if on_abandon is not None:
                 on_abandon(*fut.result())
@@ -373,13 +460,18 @@ class DealerConnection(_Drained):
         """Close the socket; requests still waiting fail with :class:`ClosedError`."""
         if self._closed:
             return
-        with contextlib.suppress(RuntimeError, ValueError):
-            self._loop.remove_reader(self._monitor_fd)
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        self._monitor.close(linger=0)
+        self._unwatch()
         self._close_socket()
         self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
+
+
+class _Tick(Exception):
+    """A request's retry timer fired (internal: never leaves :meth:`DealerConnection.request`)."""
+
+
+def _tick(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Tick())
 
 
 def check_frames(frames: Sequence[zmq.Frame], expected: int, what: str) -> None:
