@@ -42,6 +42,7 @@ from ._errors import (
 )
 from ._meta import BatchMeta
 from ._protocol import (
+    Ack,
     AcquireRollout,
     CheckConsumption,
     CheckProduction,
@@ -475,6 +476,8 @@ class AsyncClient:
         mode: str = "fetch",
         timeout: float | None = None,
         stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
     ) -> BatchMeta:
         """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task.
 
@@ -495,6 +498,11 @@ class AsyncClient:
                 cancelled.
             stop_when_consumed: also return end-of-stream (instead of waiting) once the
                 partition holds rows and the task has consumed all of them, sealed or not.
+            lease: seconds the delivered rows stay leased to this caller. Unless
+                acknowledged in time (:meth:`ack`, or ``ack=`` on the next request), they
+                return to the task and are delivered again: at-least-once, and exactly-once
+                for consumers that acknowledge.
+            ack: batches this request acknowledges (typically the previous one).
 
         Returns:
             A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
@@ -520,10 +528,21 @@ class AsyncClient:
             raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
         if timeout is not None and timeout <= 0:
             raise InvalidRequestError(f"timeout must be positive or None, got {timeout}")
+        if lease is not None and lease <= 0:
+            raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
         cfg = dict(sampling_config) if sampling_config else None
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
-            partition_id, fields, batch_size, task_name, cfg, mode, timeout, stop_when_consumed
+            partition_id,
+            fields,
+            batch_size,
+            task_name,
+            cfg,
+            mode,
+            timeout,
+            stop_when_consumed,
+            lease,
+            _lease_ids(ack),
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -546,6 +565,7 @@ class AsyncClient:
             batch_index=cfg.get("batch_index") if cfg else None,
             end_of_stream=got.end_of_stream,
             policy_versions=got.versions,
+            lease_id=got.lease_id,
         )
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
@@ -628,6 +648,8 @@ class AsyncClient:
         mode: str = "fetch",
         timeout: float | None = None,
         stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
@@ -643,6 +665,8 @@ class AsyncClient:
             mode=mode,
             timeout=timeout,
             stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
         )
         try:
             td = await self.get_data(meta)
@@ -652,6 +676,12 @@ class AsyncClient:
                     await self.release(meta)
             raise
         return td, meta
+
+    async def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
+        """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
+        ids = _lease_ids(metas)
+        if ids:
+            await self._call(Ack(ids), None)
 
     async def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
@@ -912,6 +942,13 @@ class AsyncClient:
         from ._checkpoint import load_checkpoint
 
         return await load_checkpoint(self, os.fspath(path))
+
+
+def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
 
 
 def _check_keys(keys: Any) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from ._errors import (
 )
 from ._metrics import Metrics
 from ._protocol import (
+    Ack,
     AcquireRollout,
     Cancel,
     CheckConsumption,
@@ -132,6 +134,15 @@ def _kwargs_filter(sampler: Any) -> frozenset[str] | None:
     )
 
 
+@dataclass
+class _Lease:
+    partition: Partition
+    task: str
+    rows: list[int]
+    key: tuple[str, int, int] | None
+    timer: asyncio.TimerHandle
+
+
 class _Attempt:
     """What one sampler call needs to be finished after an ``await``."""
 
@@ -217,6 +228,8 @@ class ControllerServer:
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
         #: recent replies by (client identity, request id), for retried requests
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
@@ -378,6 +391,9 @@ class ControllerServer:
             scope = self._pending.get((peer, body.target))
             if scope is not None:
                 scope.cancel()
+        elif isinstance(body, Ack):
+            self._commit_leases(body.lease_ids)
+            self._send_ok(peer, rid, None)
         elif isinstance(body, Release):
             p = st.partition(body.partition_id)
             if p.release(body.task_name, body.rows):
@@ -550,13 +566,21 @@ class ControllerServer:
                 },
             )
         elif isinstance(body, RegisterUnit):
-            old = self._units.pop(body.unit_id, None)
+            unit_id = body.unit_id
+            if unit_id < 0:
+                # the unit asks for an id: the one its address already has (a retry or a
+                # restart at the same address), else the next free one
+                unit_id = next(
+                    (i for i, a in st.units.items() if a == body.address),
+                    max(st.units, default=-1) + 1,
+                )
+            old = self._units.pop(unit_id, None)
             if old is not None:
                 old.close()
-            st.units[body.unit_id] = body.address
-            st.dead_units.discard(body.unit_id)  # a restarted unit takes new rows again
-            self._unit(body.unit_id)
-            self._send_ok(peer, rid, None)
+            st.units[unit_id] = body.address
+            st.dead_units.discard(unit_id)  # a restarted unit takes new rows again
+            self._unit(unit_id)
+            self._send_ok(peer, rid, unit_id)
         elif isinstance(body, LostRows):
             pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
             lost = {pid: sorted(st.partition(pid).lost) for pid in pids}
@@ -569,6 +593,8 @@ class ControllerServer:
 
     def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
         _validate_get_meta(req)
+        if req.ack:
+            self._commit_leases(req.ack)
         outcome = self._attempt(req)
         if isinstance(outcome, MetaReply):
             self._send_ok(peer, rid, outcome)
@@ -670,7 +696,48 @@ class ControllerServer:
         key = _delivery_key(req)
         if key is not None:
             p.deliveries[key] = tuple(sampled)
-        return _meta_reply(p, sampled, req.data_fields)
+        reply = _meta_reply(p, sampled, req.data_fields)
+        if req.lease is not None and req.mode == "fetch" and consumed:
+            reply.lease_id = self._lease(req, p, sampled, key)
+        return reply
+
+    # ---- leases ------------------------------------------------------------------------------
+
+    def _lease(
+        self, req: GetMeta, p: Partition, rows: list[int], key: tuple[str, int, int] | None
+    ) -> int:
+        """Lease delivered rows: unless acknowledged in time they go back to the task."""
+        lease_id = next(self._lease_ids)
+        timer = asyncio.get_running_loop().call_later(
+            req.lease or 0.0, self._expire_lease, lease_id
+        )
+        self._leases[lease_id] = _Lease(p, req.task_name, rows, key, timer)
+        return lease_id
+
+    def _commit_leases(self, lease_ids: Sequence[int]) -> None:
+        for lease_id in lease_ids:
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                lease.timer.cancel()
+
+    def _expire_lease(self, lease_id: int) -> None:
+        """Redeliver: the rows of an unacknowledged lease become ready again for its task."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        p = lease.partition
+        if self.state.partitions.get(p.partition_id) is not p:
+            return  # the partition was cleared meanwhile
+        if lease.key is not None and p.deliveries.get(lease.key) == tuple(lease.rows):
+            del p.deliveries[lease.key]
+        if p.release(lease.task, lease.rows):
+            log.info(
+                "lease expired: rows go back to the task",
+                partition=p.partition_id,
+                task=lease.task,
+                rows=len(lease.rows),
+            )
+            self._notify([Wakeup(p.partition_id, lease.task)])
 
     # ---- backpressure ------------------------------------------------------------------------
 
@@ -1051,5 +1118,7 @@ def _validate_get_meta(req: GetMeta) -> None:
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {req.mode!r}")
     if req.timeout is not None and req.timeout <= 0:
         raise InvalidRequestError(f"timeout must be positive or None, got {req.timeout}")
+    if req.lease is not None and req.lease <= 0:
+        raise InvalidRequestError(f"lease must be positive seconds or None, got {req.lease}")
     if not req.task_name:
         raise InvalidRequestError("task_name must be a non-empty string")

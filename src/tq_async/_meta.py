@@ -29,6 +29,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             and drained for its task.
         policy_versions: per field that carries policy versions, each row's version (-1:
             none); see :meth:`row_policy_versions`.
+        lease_id: when fetched with ``lease=``, the lease to acknowledge (0: none).
     """
 
     partition_id: str
@@ -40,6 +41,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     batch_index: int | None = None
     end_of_stream: bool = False
     policy_versions: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    lease_id: int = 0
 
     def __post_init__(self) -> None:
         if len(self.units) != len(self.global_indexes):

@@ -30,7 +30,10 @@ class Hello(_Msg):
 
 
 class RegisterUnit(_Msg):
-    """A storage unit announces itself (process / Ray deployments)."""
+    """A storage unit announces itself (process / Ray deployments).
+
+    ``unit_id < 0`` asks the controller to choose the id. The reply is the unit's id.
+    """
 
     unit_id: int
     address: str
@@ -113,12 +116,22 @@ class GetMeta(_Msg):
     timeout: float | None = None
     #: also end the stream once the partition holds rows and the task consumed all of them
     stop_when_consumed: bool = False
+    #: seconds the delivered rows stay leased: unless acknowledged, they return to the task
+    lease: float | None = None
+    #: leases this request acknowledges (the consumer is done with those batches)
+    ack: list[int] | None = None
 
 
 class Cancel(_Msg):
     """Cancel the caller's waiting request ``target`` (nothing it would have consumed is)."""
 
     target: int
+
+
+class Ack(_Msg):
+    """Commit leased batches: their rows stay consumed for good."""
+
+    lease_ids: list[int]
 
 
 class Release(_Msg):
@@ -265,6 +278,7 @@ ControllerBody = (
     | GetMeta
     | Cancel
     | Release
+    | Ack
     | Seal
     | ResetConsumption
     | ClearSamples
@@ -374,6 +388,7 @@ class MetaReply(msgspec.Struct, array_like=True):
     fields: list[str]
     end_of_stream: bool = False
     versions: dict[str, list[int]] = {}
+    lease_id: int = 0
 
 
 class RecycledRows(msgspec.Struct, array_like=True):

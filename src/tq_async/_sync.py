@@ -172,6 +172,8 @@ class Client:
         mode: str = "fetch",
         timeout: float | None = None,
         stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.get_meta`."""
         return self._run(
@@ -184,6 +186,8 @@ class Client:
             mode=mode,
             timeout=timeout,
             stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
         )
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
@@ -201,6 +205,8 @@ class Client:
         mode: str = "fetch",
         timeout: float | None = None,
         stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -213,7 +219,13 @@ class Client:
             mode=mode,
             timeout=timeout,
             stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
         )
+
+    def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
+        """Blocking :meth:`AsyncClient.ack`."""
+        self._run(self._require().ack, metas)
 
     def release(self, meta: BatchMeta) -> None:
         """Blocking :meth:`AsyncClient.release`."""

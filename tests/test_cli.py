@@ -1,0 +1,296 @@
+"""``tq-async serve controller`` / ``serve storage`` processes, and the helpers behind them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+import structlog
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+from tq_async._cli import _build_parser, load_curve
+from tq_async._controller import ControllerServer
+from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
+from tq_async._serve import advertised_address, register_unit, warn_if_exposed
+
+#: a service process imports torch (~4 s on the 2-core CI box, more when several start at once)
+START_TIMEOUT = 60.0
+
+
+class Service:
+    """A ``tq-async serve ...`` child process; stdout is read line by line, stderr to a file."""
+
+    def __init__(self, argv: Sequence[str], stderr_path: Path, prefix: Sequence[str] = ()) -> None:
+        self.stderr_path = stderr_path
+        self._stderr = stderr_path.open("w")
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "tq_async._cli", "serve", *argv],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+
+    def wait_line(self, prefix: str, timeout: float = START_TIMEOUT) -> str:
+        """The rest of the first stdout line starting with ``prefix`` (bounded wait)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {prefix!r} line within {timeout} s: {self.stderr()}")
+                if not sel.select(timeout=left):
+                    continue
+                line = self.proc.stdout.readline()
+                if not line:
+                    code = self.proc.wait(timeout=10)
+                    raise RuntimeError(f"service exited with {code}: {self.stderr()}")
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the process and return its exit code (killed after 20 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+
+
+@contextmanager
+def service(
+    argv: Sequence[str], stderr_path: Path, prefix: Sequence[str] = ()
+) -> Iterator[Service]:
+    """Run ``tq-async serve *argv``; always killed on exit."""
+    svc = Service(argv, stderr_path, prefix)
+    try:
+        yield svc
+    finally:
+        svc.close()
+
+
+@contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port that is bound but never listens: every connection is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def parse_unit(line: str) -> tuple[int, str]:
+    unit_id, address = line.split()
+    return int(unit_id), address
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+
+async def test_controller_and_two_storage_processes(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        ctl = stack.enter_context(
+            service(["controller", "--bind", "tcp://127.0.0.1:0"], tmp_path / "ctl.err")
+        )
+        address = ctl.wait_line("TQ_ADDRESS=")
+        assert address.startswith("tcp://127.0.0.1:")
+        units = [
+            stack.enter_context(
+                service(
+                    ["storage", "--controller", address, "--unit-id", str(i)],
+                    tmp_path / f"unit{i}.err",
+                )
+            )
+            for i in range(2)
+        ]
+        registered = dict(parse_unit(u.wait_line("TQ_UNIT=")) for u in units)
+        assert sorted(registered) == [0, 1]
+        assert len(set(registered.values())) == 2
+
+        async with tq.AsyncClient.connect(address) as client:
+            for k in range(4):  # puts go round-robin over the units
+                x = torch.arange(k * 8, (k + 1) * 8)
+                await client.put(TensorDict({"x": x}, batch_size=[8]), partition_id="p")
+            td, meta = await client.get(["x"], 32, "p", "t", timeout=30)
+        assert set(meta.units) == {0, 1}
+        assert sorted(td["x"].tolist()) == list(range(32))
+        order = sorted(range(32), key=lambda i: meta.global_indexes[i])
+        assert td["x"][order].tolist() == list(range(32))
+
+        # SIGTERM / SIGINT: a clean exit (status 0) for every role
+        assert units[0].stop(signal.SIGINT) == 0
+        assert units[1].stop() == 0
+        assert ctl.stop() == 0
+
+
+def test_storage_fails_clearly_when_the_controller_does_not_answer(tmp_path: Path) -> None:
+    with refused_port() as port:
+        controller = f"tcp://127.0.0.1:{port}"
+        argv = ["storage", "--controller", controller, "--unit-id", "0"]
+        with service([*argv, "--register-timeout", "2"], tmp_path / "unit.err") as unit:
+            code = unit.proc.wait(timeout=START_TIMEOUT)
+            err = unit.stderr()
+    assert code == 1
+    assert f"the controller at {controller} did not answer within 2.0 s" in err
+    assert "tq-async serve controller" in err
+
+
+def test_wildcard_controller_needs_advertise(tmp_path: Path) -> None:
+    with service(["controller", "--bind", "tcp://0.0.0.0:0"], tmp_path / "ctl.err") as ctl:
+        code = ctl.proc.wait(timeout=START_TIMEOUT)
+        err = ctl.stderr()
+    assert code == 1
+    assert "--advertise HOST" in err
+
+
+# ---- argument parsing -----------------------------------------------------------------------
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return _build_parser().parse_args(argv)
+
+
+def test_all_in_one_serve_keeps_its_flags() -> None:
+    args = parse("serve", "--storage-units", "3", "--bind", "tcp://127.0.0.1:5555")
+    assert args.role is None
+    assert args.storage_units == 3
+    assert args.bind == "tcp://127.0.0.1:5555"
+
+
+def test_role_options_before_or_after_the_role() -> None:
+    before = parse("serve", "--bind", "tcp://127.0.0.1:1", "--allow-pickle", "controller")
+    after = parse("serve", "controller", "--bind", "tcp://127.0.0.1:1", "--allow-pickle")
+    for args in (before, after):
+        assert (args.role, args.bind, args.allow_pickle) == (
+            "controller",
+            "tcp://127.0.0.1:1",
+            True,
+        )
+    unit = parse("serve", "storage", "--controller", "tcp://h:1", "--unit-id", "3")
+    assert (unit.role, unit.controller, unit.unit_id, unit.bind) == (
+        "storage",
+        "tcp://h:1",
+        3,
+        None,
+    )
+
+
+def test_storage_needs_a_controller(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("serve", "storage")
+    assert "--controller" in capsys.readouterr().err
+
+
+# ---- addresses, warnings, registration (in process) -----------------------------------------
+
+
+def test_advertised_address() -> None:
+    assert advertised_address("ipc:///tmp/x", "ipc:///tmp/x") == "ipc:///tmp/x"
+    bound = "tcp://127.0.0.1:4242"
+    assert advertised_address(bound, "tcp://127.0.0.1:0") == bound
+    assert advertised_address(bound, "tcp://0.0.0.0:0", "node7") == "tcp://node7:4242"
+    assert advertised_address(bound, "tcp://*:0", "fd00::7") == "tcp://[fd00::7]:4242"
+    # a unit publishes its address on the route to the controller (no packet is sent)
+    towards = "tcp://127.0.0.1:9"
+    assert advertised_address(bound, "tcp://0.0.0.0:0", towards=towards) == bound
+    with pytest.raises(InvalidRequestError, match="--advertise HOST"):
+        advertised_address(bound, "tcp://0.0.0.0:0")
+
+
+def test_non_loopback_bind_warns() -> None:
+    with structlog.testing.capture_logs() as logs:
+        warn_if_exposed("tcp://127.0.0.1:0", "controller")
+        warn_if_exposed("ipc:///tmp/x", "storage")
+        assert logs == []
+        warn_if_exposed("tcp://0.0.0.0:5555", "storage")
+    assert len(logs) == 1
+    assert logs[0]["log_level"] == "warning"
+    assert "anyone who can reach it can read and write data" in logs[0]["event"]
+    assert logs[0]["address"] == "tcp://0.0.0.0:5555"
+
+
+async def test_register_unit_times_out_with_the_controller_address() -> None:
+    with refused_port() as port:
+        controller = f"tcp://127.0.0.1:{port}"
+        with pytest.raises(TQTimeoutError, match=f"controller at {controller} did not answer"):
+            await register_unit(controller, 0, "tcp://127.0.0.1:1", timeout=0.2)
+
+
+async def test_registered_units_are_announced_to_clients() -> None:
+    controller = ControllerServer()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        assert await register_unit(address, 4, "tcp://127.0.0.1:1", timeout=10) == 4
+        # registering the same unit again (a retry) is harmless
+        assert await register_unit(address, 4, "tcp://127.0.0.1:1", timeout=10) == 4
+        assert controller.state.units == {4: "tcp://127.0.0.1:1"}
+        tg.cancel_scope.cancel()
+
+
+async def test_controller_assigns_unit_ids() -> None:
+    controller = ControllerServer()
+    supported = True
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        try:
+            first = await register_unit(address, None, "tcp://127.0.0.1:1", timeout=10)
+        except ProtocolError:
+            supported = False
+        else:
+            second = await register_unit(address, None, "tcp://127.0.0.1:2", timeout=10)
+            assert (first, second) == (0, 1)
+            # the same address asking again (a retry, or a restart there) keeps its id
+            assert await register_unit(address, None, "tcp://127.0.0.1:1", timeout=10) == 0
+            assert controller.state.units == {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:2"}
+        tg.cancel_scope.cancel()
+    if not supported:
+        pytest.skip("this controller does not assign unit ids yet (RegisterUnit unit_id=-1)")
+
+
+def test_load_curve(tmp_path: Path) -> None:
+    import zmq.auth
+
+    public, secret = zmq.auth.create_certificates(tmp_path, "service")
+    (tmp_path / "clients").mkdir()
+    client_public, _ = zmq.auth.create_certificates(tmp_path / "clients", "c1")
+    assert load_curve(None, None) is None
+    open_to_all = load_curve(secret, None)
+    assert open_to_all is not None
+    assert open_to_all.allowed_clients is None
+    listed = load_curve(secret, [str(tmp_path / "clients")])
+    assert listed is not None
+    assert list(listed.allowed_clients or []) == [zmq.auth.load_certificate(client_public)[0]]
+    with pytest.raises(InvalidRequestError, match="no secret key"):
+        load_curve(public, None)
+    with pytest.raises(InvalidRequestError, match="cannot read CURVE certificates"):
+        load_curve(str(tmp_path / "missing.key_secret"), None)
+    with pytest.raises(InvalidRequestError, match="--curve-allow needs --curve-cert"):
+        load_curve(None, [client_public])

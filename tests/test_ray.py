@@ -1,0 +1,138 @@
+"""``tq_async.ray``: a cluster of Ray actors, fed and drained by Ray tasks over ZMQ.
+
+Ray starts slowly on the 2-core CI box (~5 s, ~10 s more for the actors), so one local Ray
+instance serves the whole module and the tests are few.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import tq_async as tq  # noqa: E402
+import tq_async.ray as tq_ray  # noqa: E402
+
+NAMESPACE = "tq_async_test"
+ROWS = 64
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    # num_cpus=4 even on 2 cores: with fewer, ray.init can hang here. Functions of this module
+    # travel by value: Ray workers cannot import a test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def our_actors() -> list[dict[str, Any]]:
+    named: list[dict[str, Any]] = ray.util.list_named_actors(all_namespaces=True)
+    return [a for a in named if a["namespace"] == NAMESPACE]
+
+
+def produce(address: str) -> int:
+    """A rollout worker: blocking client, 8 puts of 8 rows, then seal."""
+    import torch
+    from tensordict import TensorDict
+
+    with tq.Client.connect(address) as client:
+        for k in range(ROWS // 8):
+            uids = list(range(k * 8, (k + 1) * 8))
+            td = TensorDict({"x": torch.tensor(uids) * 10}, batch_size=[8])
+            client.put(td, partition_id="train@0", tags=[{"uid": u} for u in uids])
+        client.seal("train@0")
+    return ROWS
+
+
+def consume(address: str) -> tuple[list[int], list[int]]:
+    """A learner: async client, batches of 6 until end of stream. Returns (uids, units)."""
+    import anyio
+
+    async def run() -> tuple[list[int], list[int]]:
+        uids: list[int] = []
+        units: list[int] = []
+        async with tq.AsyncClient.connect(address) as client:
+            while True:
+                td, meta = await client.get(["x"], 6, "train@0", "learner", timeout=60)
+                if meta.end_of_stream:
+                    return uids, units
+                got = [t["uid"] for t in meta.tags]
+                assert td["x"].tolist() == [u * 10 for u in got]
+                uids += got
+                units += meta.units
+
+    return anyio.run(run)
+
+
+def test_public_names_are_documented() -> None:
+    for name in tq_ray.__all__:
+        assert inspect.getdoc(getattr(tq_ray, name)), name
+    assert inspect.getdoc(tq_ray.RayCluster.shutdown)
+
+
+def test_needs_ray_init() -> None:
+    # first in the module: the shared Ray instance is not started yet
+    assert not ray.is_initialized()
+    with pytest.raises(tq.InvalidRequestError, match=r"ray\.init\(\)"):
+        tq_ray.launch(1)
+
+
+def test_launch_stream_attach_shutdown(local_ray: None) -> None:
+    here = ray.get_runtime_context().get_node_id()
+    cluster = tq_ray.launch(
+        2, name="rl", namespace=NAMESPACE, host="127.0.0.1", placement=[here], timeout=90
+    )
+    try:
+        assert len(cluster.unit_addresses) == 2
+        assert {a["name"] for a in our_actors()} == {"rl", "rl.unit0", "rl.unit1"}
+
+        # Ray tasks talk ZMQ to the actors' endpoints; only the address goes through Ray.
+        consumer = ray.remote(consume).remote(cluster.address)
+        producer = ray.remote(produce).remote(cluster.address)
+        assert ray.get(producer, timeout=90) == ROWS
+        uids, units = ray.get(consumer, timeout=90)
+        assert sorted(uids) == list(range(ROWS))  # every row exactly once
+        assert set(units) == {0, 1}
+
+        attached = tq_ray.attach("rl", NAMESPACE)
+        assert attached.address == cluster.address
+        assert attached.unit_addresses == cluster.unit_addresses
+        with tq.Client.connect(attached.address) as client:
+            assert "train@0" in client.list_partitions()
+
+        with pytest.raises(tq.InvalidRequestError, match="already runs"):
+            tq_ray.launch(1, name="rl", namespace=NAMESPACE)
+    finally:
+        cluster.shutdown()
+    assert our_actors() == []
+    cluster.shutdown()  # idempotent
+
+
+def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
+    with pytest.raises(tq.InvalidRequestError, match="no alive Ray node has the resources"):
+        tq_ray.launch(1, namespace=NAMESPACE, placement={"resources": {"tq_storage": 1}})
+    with pytest.raises(tq.InvalidRequestError, match="not alive Ray nodes"):
+        tq_ray.launch(1, namespace=NAMESPACE, placement=["f" * 56])
+    with pytest.raises(tq.InvalidRequestError, match="unknown placement keys"):
+        tq_ray.launch(1, namespace=NAMESPACE, placement={"gpus": 1})
+    with pytest.raises(tq.InvalidRequestError, match="no tq_async cluster named 'nope'"):
+        tq_ray.attach("nope", NAMESPACE)
+    assert our_actors() == []
+    # a service that cannot start: the error names it, and nothing is left running (binding an
+    # address this host does not have fails at once, without sending anything)
+    with pytest.raises(tq.BrokenError, match=r"controller 'bad'.*cannot bind"):
+        tq_ray.launch(1, name="bad", namespace=NAMESPACE, host="203.0.113.7", timeout=60)
+    assert our_actors() == []
+    # a resource filter that matches this node selects it
+    cpu_nodes = tq_ray.select_nodes({"resources": {"CPU": 1}})
+    assert cpu_nodes == [ray.get_runtime_context().get_node_id()]
