@@ -17,7 +17,7 @@ import inspect
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -751,43 +751,26 @@ class ControllerServer:
     async def _put_begin_waiting(
         self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
     ) -> None:
-        scope = anyio.CancelScope()
-        self._pending[(peer, rid)] = scope
-        ok = False
-        try:
-            with scope, anyio.fail_after(body.timeout) if body.timeout else nullcontext():
-                while not self.state.has_room(body.partition_id, n_new):
-                    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._room_waiters[fut] = None
-                    try:
-                        await fut
-                    finally:
-                        self._room_waiters.pop(fut, None)
-                self._put_begin(peer, rid, body)
-                ok = True
-        except TimeoutError:
-            self._send_error(
-                peer,
-                rid,
-                TQTimeoutError(
-                    f"partition {body.partition_id!r} stayed at its capacity of "
-                    f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
-                ),
-                "PutBegin",
-            )
-        except Exception as exc:
-            self._send_error(peer, rid, exc, "PutBegin")
-        finally:
-            self._pending.pop((peer, rid), None)
-            if self.metrics.enabled:
-                self.metrics.request("PutBegin", ok, time.perf_counter() - t0)
+        async def work() -> None:
+            await _until(lambda: self.state.has_room(body.partition_id, n_new), self._room_waiters)
+            self._put_begin(peer, rid, body)
+
+        await self._waiting_request(
+            peer,
+            rid,
+            "PutBegin",
+            t0,
+            body.timeout,
+            lambda: (
+                f"partition {body.partition_id!r} stayed at its capacity of "
+                f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+            ),
+            work,
+        )
 
     def _rows_freed(self) -> None:
         """Rows were cleared: puts waiting for capacity may fit now."""
-        waiters, self._room_waiters = self._room_waiters, {}
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        _wake_all(self._room_waiters)
 
     def _after_consume(self, task: str, p: Partition, rows: Sequence[int]) -> None:
         """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
@@ -854,10 +837,7 @@ class ControllerServer:
         self._wake_admission()
 
     def _wake_admission(self) -> None:
-        waiters, self._admission_waiters = self._admission_waiters, {}
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        _wake_all(self._admission_waiters)
 
     def _admissible(self, version: int, n: int) -> bool:
         cfg, st = self.admission, self.state
@@ -886,37 +866,27 @@ class ControllerServer:
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
     ) -> None:
-        scope = anyio.CancelScope()
-        self._pending[(peer, rid)] = scope
-        ok = False
-        try:
-            with scope, anyio.fail_after(body.timeout) if body.timeout else nullcontext():
-                while not self._admissible(body.policy_version, body.n):
-                    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._admission_waiters[fut] = None
-                    try:
-                        await fut
-                    finally:
-                        self._admission_waiters.pop(fut, None)
-                self.state.outstanding += body.n
-                self._send_ok(peer, rid, None)
-                ok = True
-        except TimeoutError:
-            st = self.state
-            self._send_error(
-                peer,
-                rid,
-                TQTimeoutError(
-                    f"rollout of policy version {body.policy_version} not admitted within "
-                    f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
-                    "outstanding); nothing was reserved"
-                ),
-                "AcquireRollout",
+        async def work() -> None:
+            await _until(
+                lambda: self._admissible(body.policy_version, body.n), self._admission_waiters
             )
-        finally:
-            self._pending.pop((peer, rid), None)
-            if self.metrics.enabled:
-                self.metrics.request("AcquireRollout", ok, time.perf_counter() - t0)
+            self.state.outstanding += body.n
+            self._send_ok(peer, rid, None)
+
+        st = self.state
+        await self._waiting_request(
+            peer,
+            rid,
+            "AcquireRollout",
+            t0,
+            body.timeout,
+            lambda: (
+                f"rollout of policy version {body.policy_version} not admitted within "
+                f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
+                "outstanding); nothing was reserved"
+            ),
+            work,
+        )
 
     def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
         out: dict[str, list[int]] = {}
@@ -946,18 +916,16 @@ class ControllerServer:
         t0: float,
     ) -> None:
         pid, task = req.partition_id, req.task_name
-        ok = False
         structlog.contextvars.bind_contextvars(rid=rid, op="GetMeta", partition=pid, task=task)
-        scope = anyio.CancelScope()
-        self._pending[(peer, rid)] = scope
-        fut: asyncio.Future[None] | None = None
-        attempt: MetaReply | _Attempt | None = first
-        try:
-            with scope, anyio.fail_after(req.timeout) if req.timeout else nullcontext():
-                while True:
-                    # register before looking, so a wake-up between the two is never missed
-                    fut = self._register_waiter(pid, task)
-                    if attempt is None and self._generation != generation:
+
+        async def work() -> None:
+            attempt: MetaReply | _Attempt | None = first
+            look = self._generation != generation
+            while True:
+                # register before looking, so a wake-up between the two is never missed
+                fut = self._register_waiter(pid, task)
+                try:
+                    if attempt is None and look:
                         attempt = self._attempt(req)
                     if isinstance(attempt, _Attempt):
                         answer = await attempt.result
@@ -971,34 +939,58 @@ class ControllerServer:
                         )
                     if isinstance(attempt, MetaReply):
                         self._send_ok(peer, rid, attempt)
-                        ok = True
+                        self.metrics.consumer_wait(time.perf_counter() - t0)
                         return
                     if not fut.done():
                         await fut
+                finally:
                     self._drop_waiter(pid, task, fut)
-                    fut = None
-                    attempt = None
-                    generation = -1  # something changed: look again
+                attempt, look = None, True  # something changed: look again
+
+        await self._waiting_request(
+            peer,
+            rid,
+            "GetMeta",
+            t0,
+            req.timeout,
+            lambda: (
+                f"get_meta on partition {pid!r} for task {task!r} found fewer than "
+                f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
+            ),
+            work,
+        )
+
+    async def _waiting_request(
+        self,
+        peer: bytes,
+        rid: int,
+        op: str,
+        t0: float,
+        timeout: float | None,
+        timeout_message: Callable[[], str],
+        work: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Run a request that may wait: ``work`` sends the reply.
+
+        The request can be cancelled by the client (``Cancel``), fails with
+        :class:`TQTimeoutError` after ``timeout``, and answers any error; nothing it would
+        have done happens after it ends.
+        """
+        scope = anyio.CancelScope()
+        self._pending[(peer, rid)] = scope
+        ok = False
+        try:
+            with scope, anyio.fail_after(timeout) if timeout else nullcontext():
+                await work()
+                ok = not scope.cancel_called
         except TimeoutError:
-            self._send_error(
-                peer,
-                rid,
-                TQTimeoutError(
-                    f"get_meta on partition {pid!r} for task {task!r} found fewer than "
-                    f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
-                ),
-                "GetMeta",
-            )
+            self._send_error(peer, rid, TQTimeoutError(timeout_message()), op)
         except Exception as exc:
-            self._send_error(peer, rid, exc, "GetMeta")
+            self._send_error(peer, rid, exc, op)
         finally:
             self._pending.pop((peer, rid), None)
-            if fut is not None:
-                self._drop_waiter(pid, task, fut)
             if self.metrics.enabled:
-                waited = time.perf_counter() - t0
-                self.metrics.request("GetMeta", ok, waited)
-                self.metrics.consumer_wait(waited)
+                self.metrics.request(op, ok, time.perf_counter() - t0)
 
     # ---- storage units -----------------------------------------------------------------------
 
@@ -1063,6 +1055,24 @@ class ControllerServer:
             )
         else:
             self._send_ok(peer, rid, None)
+
+
+async def _until(predicate: Callable[[], bool], waiters: dict[asyncio.Future[None], None]) -> None:
+    """Wait (event-driven) until ``predicate()`` holds; :func:`_wake_all` wakes the waiters."""
+    while not predicate():
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters[fut] = None
+        try:
+            await fut
+        finally:
+            waiters.pop(fut, None)
+
+
+def _wake_all(waiters: dict[asyncio.Future[None], None]) -> None:
+    for fut in list(waiters):
+        if not fut.done():
+            fut.set_result(None)
+    waiters.clear()
 
 
 def _all_consumed(p: Partition, task: str) -> bool:

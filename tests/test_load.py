@@ -1,0 +1,134 @@
+"""Load: 512 client coroutines in 4 processes put and get for 60 s (TQ_LOAD_SECONDS).
+
+Zero rows lost or duplicated, and the service's memory is flat once the data is cleared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+
+PROCESSES = 4
+COROUTINES = 128  # per process: half put, half get
+ROWS = 4
+SECONDS = float(os.environ.get("TQ_LOAD_SECONDS", "60"))
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def worker(address: str, index: int, seconds: float, out: Any) -> None:
+    """Producers put until the deadline, consumers get until end of stream."""
+
+    async def main() -> None:
+        produced: list[int] = []
+        consumed: list[int] = []
+        start = time.monotonic()
+        deadline = start + seconds
+        async with tq.AsyncClient.connect(address, request_timeout=120) as client:
+
+            async def producer(c: int) -> None:
+                seq = 0
+                while time.monotonic() < deadline:
+                    base = ((index * COROUTINES + c) << 32) | seq
+                    ids = torch.arange(base, base + ROWS, dtype=torch.int64)
+                    await client.put({"id": ids, "payload": torch.zeros(ROWS, 256)}, "load")
+                    produced.extend(ids.tolist())
+                    seq += ROWS
+
+            async def consumer() -> None:
+                while True:
+                    td, meta = await client.get(["id", "payload"], ROWS, "load", "load")
+                    if meta.end_of_stream:
+                        return
+                    consumed.extend(td["id"].tolist())
+
+            async def halfway() -> None:
+                await anyio.sleep(seconds / 2)  # this worker's own clock: report mid-run
+                out.put(("half", index))
+
+            async with anyio.create_task_group() as consumers:
+                for _ in range(COROUTINES // 2):
+                    consumers.start_soon(consumer)
+                async with anyio.create_task_group() as producers:
+                    producers.start_soon(halfway)
+                    for c in range(COROUTINES // 2):
+                        producers.start_soon(producer, c)
+                out.put(("done", index))  # the parent seals once every worker is done
+        out.put(("result", index, produced, consumed))
+
+    anyio.run(main)
+
+
+@pytest.mark.timeout(SECONDS + 300)
+def test_512_coroutines_in_4_processes_lose_and_duplicate_nothing() -> None:
+    service = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    workers: list[Any] = []
+    try:
+        assert service.stdout is not None
+        address = service.stdout.readline().strip().split("=", 1)[1]
+        with tq.Client.connect(address) as client:
+            client.register_tasks(["load"])  # rows are freed as soon as they are consumed
+            workers = [
+                ctx.Process(target=worker, args=(address, i, SECONDS, out))
+                for i in range(PROCESSES)
+            ]
+            for w in workers:
+                w.start()
+            events: dict[str, list[Any]] = {"half": [], "done": [], "result": []}
+            rss_during = 0.0
+            budget = time.monotonic() + SECONDS + 240
+            while len(events["result"]) < PROCESSES:
+                msg = out.get(timeout=max(1.0, budget - time.monotonic()))
+                events[msg[0]].append(msg)
+                if msg[0] == "half" and len(events["half"]) == PROCESSES:
+                    rss_during = rss_mb(service.pid)
+                if msg[0] == "done" and len(events["done"]) == PROCESSES:
+                    client.seal("load")  # consumers drain what is left, then see the end
+            produced = [i for msg in events["result"] for i in msg[2]]
+            consumed = [i for msg in events["result"] for i in msg[3]]
+            assert produced
+            assert len(set(produced)) == len(produced)
+            assert len(consumed) == len(set(consumed)), "a row was delivered twice"
+            assert set(consumed) == set(produced), "a row was lost"
+            assert client.partition_info("load")["rows"] == 0  # auto-cleared as consumed
+            client.clear_partition("load")
+            rss_after = rss_mb(service.pid)
+            print(
+                f"\nload: {len(produced)} rows put and got by {PROCESSES * COROUTINES} "
+                f"coroutines in {PROCESSES} processes over {SECONDS:.0f} s "
+                f"({len(produced) / SECONDS:.0f} rows/s); service RSS {rss_during:.0f} MB "
+                f"mid-run, {rss_after:.0f} MB after clear"
+            )
+            assert rss_after < rss_during * 1.25 + 32, "memory is not flat after clear"
+    finally:
+        for w in workers:
+            w.join(30)
+            if w.is_alive():
+                w.kill()
+        service.terminate()
+        service.wait(30)
+        if service.stdout is not None:
+            service.stdout.close()
