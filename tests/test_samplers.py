@@ -416,6 +416,20 @@ def test_seqlen_final_with_fewer_groups_than_ranks_is_an_error() -> None:
     assert s.sample([], 4, **ctx(0, 0, tags=tags, final=True)) == ([], [])
 
 
+def test_seqlen_short_final_tail_can_be_dropped_or_uneven() -> None:
+    tags = lengths_tags({r: 1 for r in range(3)})
+    dropping = SeqlenBalancedSampler(dp_size=4, tail="drop")
+    # every row consumed, none delivered: every rank then sees the end of the stream together
+    assert dropping.sample([0, 1, 2], 4, **ctx(0, 0, tags=tags, final=True)) == ([], [0, 1, 2])
+    uneven = SeqlenBalancedSampler(dp_size=4, tail="uneven")
+    share, consumed = uneven.sample([0, 1, 2], 4, **ctx(3, 0, tags=tags, final=True))
+    assert sorted(consumed) == [0, 1, 2]
+    shares = [share] + [uneven.sample([], 4, **ctx(r, 0, tags=tags))[0] for r in (0, 1, 2)]
+    assert sorted(len(s) for s in shares) == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="tail must be"):
+        SeqlenBalancedSampler(tail="pad")
+
+
 def test_seqlen_missing_length_tag_names_row_and_key() -> None:
     tags = lengths_tags({0: 1, 1: 2, 2: 3})
     s = SeqlenBalancedSampler(dp_size=2)

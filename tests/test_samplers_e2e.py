@@ -118,3 +118,23 @@ async def test_task_samplers_pick_per_task() -> None:
             await client.get_meta(["x"], 2, "p", "learner")
         share = await client.get_meta(["x"], 2, "p", "learner", {"dp_rank": 0, "batch_index": 0})
         assert len(share) == 2
+
+
+async def test_dropped_tail_ends_every_rank_together() -> None:
+    sampler = tq.SeqlenBalancedSampler(dp_size=2, tail="drop")
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(5)}, "p", tags=[{"total_lengths": 3}] * 5)
+        await client.seal("p")
+        shares = [
+            await client.get_meta(["x"], 2, "p", "learner", {"dp_rank": r, "batch_index": 0})
+            for r in (0, 1)
+        ]
+        assert sorted(r for m in shares for r in m.global_indexes) == [0, 1, 2, 3]
+        # one row is left for two ranks: it is dropped and both ranks end together
+        for r in (0, 1):
+            end = await client.get_meta(["x"], 2, "p", "learner", {"dp_rank": r, "batch_index": 1})
+            assert end.end_of_stream
+        assert await client.check_consumption_status("p", "learner")

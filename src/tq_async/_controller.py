@@ -674,10 +674,6 @@ class ControllerServer:
         if stale and req.mode == "fetch":
             self._apply_stale(req, p, stale)
             final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
-        if not sampled:
-            if final or (req.stop_when_consumed and _all_consumed(p, req.task_name)):
-                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
-            return None
         try:
             p.check_rows(sampled)
             for r in sampled:
@@ -686,6 +682,7 @@ class ControllerServer:
                         f"the sampler returned row {r}, which lacks some of {req.data_fields}"
                     )
             if req.mode == "fetch" and consumed:
+                # consumed-but-not-sampled is allowed (e.g. a dropped tail)
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
                 self._after_consume(req.task_name, p, consumed)
@@ -693,6 +690,12 @@ class ControllerServer:
             if strict:
                 raise
             return None  # the state moved while an async sampler ran: sample again
+        if not sampled:
+            if consumed:
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
+            if final or (req.stop_when_consumed and _all_consumed(p, req.task_name)):
+                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
+            return None
         key = _delivery_key(req)
         if key is not None:
             p.deliveries[key] = tuple(sampled)

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
+
 from ._base import BaseSampler, SampleResult
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
 from ._kk import karmarkar_karp
 
 __all__ = ["SeqlenBalancedSampler"]
+
+log = structlog.get_logger(__name__)
 
 
 class SeqlenBalancedSampler(BaseSampler):
@@ -43,9 +47,14 @@ class SeqlenBalancedSampler(BaseSampler):
         n_replicas: how many readers share each ``dp_rank`` (e.g. TP size x PP size).
         max_entries: the most batches kept at once.
         group_key: the tag naming a row's group (as in :class:`GRPOGroupNSampler`).
+        tail: what a final batch with fewer whole groups than ranks does: ``"error"``
+            (a ``ValueError``, the default), ``"drop"`` (its rows are consumed without being
+            delivered, with a warning, and every rank sees the end of the stream together,
+            which keeps collectives in step) or ``"uneven"`` (some ranks get one group, the
+            others the end of the stream).
 
     Raises:
-        ValueError: an argument is below 1.
+        ValueError: an argument is below 1, or ``tail`` is unknown.
     """
 
     def __init__(
@@ -56,7 +65,11 @@ class SeqlenBalancedSampler(BaseSampler):
         n_replicas: int = 1,
         max_entries: int = 65536,
         group_key: str = "uid",
+        tail: str = "error",
     ) -> None:
+        if tail not in ("error", "drop", "uneven"):
+            raise ValueError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
+        self.tail = tail
         for name, value in (
             ("n_samples_per_prompt", n_samples_per_prompt),
             ("dp_size", dp_size),
@@ -138,6 +151,8 @@ class SeqlenBalancedSampler(BaseSampler):
         shares = self._split(ready_indexes, batch_size, tags, origin, final, partition_id)
         if not shares:
             return [], []
+        if len(shares) == 1 and self.dp_size > 1:  # a dropped tail: consumed, never delivered
+            return [], shares[0]
         reads = reads_needed(self.n_replicas, kwargs)
         left = {rank: reads for rank in range(self.dp_size)}
         left[dp_rank] -= 1
@@ -164,11 +179,23 @@ class SeqlenBalancedSampler(BaseSampler):
         if not groups:
             return []
         if len(groups) < self.dp_size:
-            raise ValueError(
-                f"partition {partition_id!r} is final with only {len(groups)} whole group(s) "
-                f"of {n} row(s) left, fewer than dp_size={self.dp_size}, so some rank would get "
-                "no rows; put a multiple of dp_size groups, or clear the leftover rows"
-            )
+            if self.tail == "drop":
+                rows = sorted(r for g in groups for r in g)
+                log.warning(
+                    "dropping a final batch smaller than dp_size",
+                    partition_id=partition_id,
+                    groups=len(groups),
+                    rows=len(rows),
+                    dp_size=self.dp_size,
+                )
+                return [rows]
+            if self.tail == "error":
+                raise ValueError(
+                    f"partition {partition_id!r} is final with only {len(groups)} whole "
+                    f"group(s) of {n} row(s) left, fewer than dp_size={self.dp_size}, so some "
+                    "rank would get no rows; put a multiple of dp_size groups, clear the "
+                    "leftover rows, or build the sampler with tail='drop' or 'uneven'"
+                )
         lengths = [self._group_length(g, tags) for g in groups]
         # A short final batch may not divide evenly: pad with zero-length dummies so the
         # equal-size split still applies, then drop them (group counts differ by at most 1).

@@ -1,0 +1,146 @@
+"""The main example, examples/async_grpo.py, at a tiny size: in-process, remote and as a script."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import tq_async as tq
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("async_grpo_example", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+
+
+def check_summary(s: dict[str, Any], rows: int, dp_size: int = 2) -> None:
+    assert s["rows"] == rows
+    for task, t in s["tasks"].items():
+        assert t["exactly_once"], task
+        assert t["rows"] == rows - (s["dropped"] if task == "learner" else 0), task
+        assert t["rows_per_s"] > 0
+        assert 0 <= t["wait_mean_s"] <= t["wait_max_s"]
+    assert s["exactly_once"]
+    assert s["consumption_confirmed"]
+    assert s["replicas_identical"]
+    assert len(s["losses"]) == s["steps"]
+    assert all(math.isfinite(loss) for loss in s["losses"])
+    assert math.isfinite(s["final_loss"])
+    balance = s["balance"]
+    assert len(balance["tokens_per_rank"]) == s["steps"]
+    assert all(len(per_step) == dp_size for per_step in balance["tokens_per_rank"])
+    assert all(tokens > 0 for per_step in balance["tokens_per_rank"] for tokens in per_step)
+    assert 1.0 <= balance["ratio_mean"] <= balance["ratio_max"]
+    assert balance["in_order_ratio_mean"] >= 1.0
+
+
+@pytest.mark.parametrize("bound", ["1", "0", "off"])
+async def test_tiny_run_in_process(bound: str) -> None:
+    args = example.parse_args(["--tiny", "--quiet", "--max-staleness", bound])
+    s = await example.run(args)
+    check_summary(s, rows=3 * 4 * 2)
+    assert s["dropped"] == 0  # admission keeps every row within the bound
+    if bound != "off":
+        assert s["staleness_seen_max"] <= int(bound)
+
+
+async def test_larger_groups_and_more_ranks() -> None:
+    sizes = "--dp-size 3 --replicas 1 --n-samples 3 --prompts-per-step 6 --rank-batch-size 6"
+    args = example.parse_args(["--tiny", "--quiet", *sizes.split(), "--micro-batch-size", "4"])
+    s = await example.run(args)
+    check_summary(s, rows=3 * 6 * 3, dp_size=3)
+
+
+async def test_against_a_cluster_it_did_not_start() -> None:
+    # --address: the cluster's own (default) samplers and no admission; still exactly once
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        args = example.parse_args(["--tiny", "--quiet", "--address", cluster.address])
+        s = await example.run(args)
+        check_summary(s, rows=24)
+        assert s["remote"]
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            assert await client.list_partitions() == []  # every step partition was cleared
+
+
+async def test_staleness_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    args = example.parse_args(["--tiny", "--staleness-sweep", "off,0"])
+    results = await example.sweep(args, args.staleness_sweep)
+    assert [s["max_staleness"] for s in results] == [None, 0]
+    for s in results:
+        check_summary(s, rows=24)
+    out = capsys.readouterr().out
+    assert "samples/s" in out
+    assert "dropped" in out
+
+
+def test_summed_rank_gradients_are_the_whole_batch_gradient() -> None:
+    """What the learner's all-reduce relies on: sums over ranks / all tokens == one batch."""
+    torch.manual_seed(0)
+    policy, rng = example.TinyPolicy(16), torch.Generator().manual_seed(0)
+    prompts, responses, old = [], [], []
+    for _ in range(3):
+        prompt = torch.randint(1, 16, (8,), generator=rng)
+        got, lps = example.generate(policy, prompt, 2, 12, rng)
+        prompts += [prompt, prompt]
+        responses += got
+        old += lps
+    lengths = [len(r) for r in responses]
+    batch = {
+        "input_ids": torch.stack(prompts),
+        "responses": example.jagged(responses),
+        "old_log_prob": example.jagged([lp - 0.1 for lp in old]),  # as if from an older policy
+        "ref_log_prob": example.jagged([torch.randn(n, generator=rng) for n in lengths]),
+        "advantages": torch.randn(6, generator=rng),
+    }
+    params = list(policy.parameters())
+
+    def grads(rows: slice) -> tuple[list[torch.Tensor], int]:
+        part = {
+            k: example.jagged(v.unbind()[rows]) if v.is_nested else v[rows]
+            for k, v in batch.items()
+        }
+        loss, tokens = example.grpo_loss(policy, part, clip=0.2, kl_coef=0.02)
+        return list(torch.autograd.grad(loss, params)), tokens
+
+    whole, n_tokens = grads(slice(0, 6))
+    (rank0, t0), (rank1, t1) = grads(slice(0, 4)), grads(slice(4, 6))
+    assert t0 + t1 == n_tokens == sum(lengths)
+    for w, a, b in zip(whole, rank0, rank1, strict=True):
+        torch.testing.assert_close((a + b) / n_tokens, w / n_tokens)
+
+
+def test_script_prints_the_summary() -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for task in ("rollout", "reward", "ref", "learner"):
+        line = next(line for line in out.splitlines() if line.startswith(task))
+        assert line.endswith("yes"), line  # consumed exactly once
+    assert "NO" not in out
+    assert "tokens per DP rank per step" in out
+    assert "final loss" in out
+    assert "step   3/3" in out  # the learner prints its loss per step
