@@ -41,9 +41,10 @@ from typing import Any, TypeAlias
 
 import anyio
 import structlog
+import torch
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from ._client import AsyncClient
 from ._errors import (
@@ -178,12 +179,47 @@ def chunk_batch_fn(
             f"the batch has {rows} rows of data but its BatchMeta has {n}; a fetch_batch_fn "
             "must return data and metadata of the same rows"
         )
-    return [
-        (td[start : start + micro_batch_size], part)
-        for start, part in zip(
-            range(0, n, micro_batch_size), meta.chunk(micro_batch_size), strict=True
-        )
-    ]
+    bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
+    return list(zip(_split_rows(td, bounds), meta.chunk(micro_batch_size), strict=True))
+
+
+def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[TensorDictBase]:
+    """Rows ``[a, b)`` of a flat batch for each bound, cut column by column.
+
+    ``TensorDict.__getitem__`` costs ~0.7 ms per jagged column and micro-batch (measured:
+    3.3 ms to cut a 16-row batch with 3 jagged columns into 4); here a jagged column's values
+    and offsets are read once and each piece re-wraps a window of them (no copy), and dense
+    columns are plain views.
+    """
+    if td.batch_dims != 1:
+        return [td[a:b] for a, b in bounds]
+    columns: list[tuple[str, str, Any, Any]] = []
+    for key in td.keys():  # noqa: SIM118 - TensorDict keys()
+        value = td.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            holes = getattr(value, "_lengths", None) is not None
+            if value.layout != torch.jagged or holes or getattr(value, "_ragged_idx", 1) != 1:
+                return [td[a:b] for a, b in bounds]
+            offsets = value.offsets()  # type: ignore[attr-defined]
+            columns.append((key, "jagged", value.values(), offsets.tolist()))
+        elif isinstance(value, (torch.Tensor, NonTensorStack)):
+            columns.append((key, "plain", value, None))
+        else:
+            return [td[a:b] for a, b in bounds]
+    pieces = []
+    for a, b in bounds:
+        out: dict[str, Any] = {}
+        for key, kind, data, offsets in columns:
+            if kind == "jagged":
+                lo = offsets[a]
+                out[key] = torch.nested.nested_tensor_from_jagged(
+                    data[lo : offsets[b]],
+                    torch.tensor(offsets[a : b + 1], dtype=torch.int64) - lo,
+                )
+            else:
+                out[key] = data[a:b]
+        pieces.append(TensorDict(out, batch_size=[b - a]))
+    return pieces
 
 
 @dataclass(slots=True)
