@@ -180,3 +180,15 @@ def test_waiting_on_a_field_not_announced_yet() -> None:
     st.put_begin("p", [REW], 0, rows)
     assert p.commit(rows, ["rew"], None) == ["t"]
     assert list(rs.rows) == rows
+
+
+def test_ready_set_compacts_after_many_deletions() -> None:
+    st = ControllerState({0: "a"})
+    rows = new_rows(st, 5000, [IDS])
+    p = st.partition("p")
+    p.commit(rows, ["ids"], None)
+    rs = p.ready_set("t", ["ids"])
+    p.consume("t", rows[:4000])
+    assert rs.deleted < 2000  # rebuilt along the way: prefix scans skip no dead slots
+    assert list(rs.rows)[:3] == [4000, 4001, 4002]
+    assert ReadyView(rs.rows)[:2] == [4000, 4001]

@@ -15,6 +15,7 @@ SIGINT.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -266,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _build_parser()
     args = parser.parse_args(argv)
+    # This process is ours: move the ~300k objects torch/tensordict leave behind out of the
+    # collector's reach, so full collections stop stalling puts (measured: worst put
+    # 262 ms -> 9 ms, mean 4.4-6.0 -> 3.4-3.6 ms). The library never does this in a user's
+    # process.
+    gc.freeze()
     if args.command != "serve":  # pragma: no cover - argparse admits only "serve"
         return 2
     if args.role is not None and (args.storage_units != 2 or args.host != "127.0.0.1"):

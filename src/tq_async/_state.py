@@ -73,6 +73,21 @@ class ReadySet:
     task: str
     fields: FieldsKey
     rows: dict[int, None] = field(default_factory=dict)
+    #: deletions since the dict was last rebuilt (see :meth:`discard`)
+    deleted: int = 0
+
+    def discard(self, row: int) -> None:
+        """Remove a row; rebuild the dict once deletions outnumber live rows.
+
+        A dict does not compact after deletions, so iterating its first k keys (what a
+        sequential sampler does) would skip every deleted slot: measured 5-6x slower
+        get_meta once half of a 1M-row partition was consumed. Rebuilding is amortised O(1).
+        """
+        if self.rows.pop(row, 0) is None:
+            self.deleted += 1
+            if self.deleted > len(self.rows) + 1024:
+                self.rows = dict(self.rows)
+                self.deleted = 0
 
 
 class ReadyView(Sequence[int]):
@@ -387,7 +402,7 @@ class Partition:
         for (t, _), rs in self.ready.items():
             if t == task:
                 for r in rows:
-                    rs.rows.pop(r, None)
+                    rs.discard(r)
 
     def release(self, task: str, rows: Sequence[int]) -> bool:
         """Undo ``consume`` for rows still alive; True if any row became ready again."""
@@ -444,7 +459,7 @@ class Partition:
                     consumed[r] = 0
                     self.consumed_count[task] -= 1
             for rs in self.ready.values():
-                rs.rows.pop(r, None)
+                rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
         return by_unit
 

@@ -1,0 +1,139 @@
+"""Shared pieces of the workloads: configuration, result dicts, statistics, clusters."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._proc import ServeProcess
+
+__all__ = [
+    "SYSTEM",
+    "Config",
+    "result",
+    "percentile",
+    "median",
+    "rate_stats",
+    "Cluster",
+    "minor_faults",
+    "open_cluster",
+    "open_cluster_handle",
+]
+
+SYSTEM = "tq_async"
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the runner asks of a workload.
+
+    Attributes:
+        smoke: tiny sizes (CI): exercises every code path in a few seconds, measures nothing.
+        mode: ``"embedded"`` (cluster in this event loop) or ``"process"`` (``tq-async serve``
+            in a subprocess; clients here, over loopback TCP).
+        storage_units: storage units of the cluster.
+    """
+
+    smoke: bool = False
+    mode: str = "embedded"
+    storage_units: int = 2
+
+    def pick(self, full: Any, smoke: Any) -> Any:
+        """``smoke`` in smoke mode, else ``full``."""
+        return smoke if self.smoke else full
+
+
+def result(
+    workload: str,
+    metric: str,
+    value: float,
+    unit: str,
+    *,
+    best: float | None = None,
+    higher_is_better: bool = True,
+    n: int | None = None,
+    note: str = "",
+    **extra: Any,
+) -> dict[str, Any]:
+    """One measured number as a plain dict (the ``--json`` schema).
+
+    ``value`` is the headline (a median unless the metric says otherwise), ``best`` the best
+    repetition (max or min according to ``higher_is_better``); ``system`` and ``mode`` are
+    filled in by the runner unless given.
+    """
+    out: dict[str, Any] = {
+        "workload": workload,
+        "metric": metric,
+        "value": float(value),
+        "unit": unit,
+        "best": None if best is None else float(best),
+        "higher_is_better": higher_is_better,
+        "n": n,
+        "note": note,
+    }
+    out.update(extra)
+    return out
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (``p`` in 0..100) of a non-empty sequence."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    k = max(0, math.ceil(p / 100 * len(ordered)) - 1)
+    return ordered[min(k, len(ordered) - 1)]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def rate_stats(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
+    """``(median, best)`` throughput in GB/s (1e9 bytes) for operations moving ``nbytes``."""
+    return nbytes / median(seconds) / 1e9, nbytes / min(seconds) / 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A running cluster: its controller address and the pid of the process serving it."""
+
+    address: str
+    pid: int
+
+
+@asynccontextmanager
+async def open_cluster_handle(cfg: Config) -> AsyncIterator[Cluster]:
+    """A running cluster for ``cfg.mode`` (embedded: served by this process)."""
+    if cfg.mode == "embedded":
+        import tq_async as tq
+
+        async with tq.local_cluster(num_storage_units=cfg.storage_units) as cluster:
+            yield Cluster(cluster.address, os.getpid())
+    elif cfg.mode == "process":
+        server = await anyio.to_thread.run_sync(ServeProcess, cfg.storage_units)
+        try:
+            yield Cluster(server.address, server.pid)
+        finally:
+            await anyio.to_thread.run_sync(server.stop)
+    else:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+
+
+@asynccontextmanager
+async def open_cluster(cfg: Config) -> AsyncIterator[str]:
+    """A running cluster for ``cfg.mode``; yields the controller address."""
+    async with open_cluster_handle(cfg) as cluster:
+        yield cluster.address
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (field 10 of ``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])

@@ -1,0 +1,165 @@
+"""W3 wake-up latency: how soon a waiting consumer sees a row after its put started.
+
+A consumer loops on ``get_meta(["t"], batch_size=1)`` (it is parked in the controller while
+no row is ready) and then ``get_data``; a producer puts one-row batches on a fixed 10 ms
+schedule. The row carries ``t`` (float64) = ``time.perf_counter()`` taken just before
+``put`` is called; ``perf_counter`` is CLOCK_MONOTONIC, comparable across processes.
+
+Reported: put-start -> get_meta returned (p50/p90/p99/max) and put-start -> data in hand
+(p50/p99), for a consumer in this process (own AsyncClient, same event loop as the producer)
+and for a consumer in a spawned process. The first few puts are warm-up and dropped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import traceback
+from time import perf_counter
+from typing import Any
+
+import anyio
+
+from ._common import Config, open_cluster, percentile, result
+
+__all__ = ["run"]
+
+WORKLOAD = "W3"
+INTERVAL = 0.010
+WARMUP = 5
+
+
+async def _consume(client: Any, pid: str, n: int) -> tuple[list[float], list[float]]:
+    """Latencies (s) of ``n`` rows: to get_meta returned, to data in hand."""
+    to_meta: list[float] = []
+    to_data: list[float] = []
+    for _ in range(n):
+        meta = await client.get_meta(["t"], 1, pid, "consumer")
+        t1 = perf_counter()
+        td = await client.get_data(meta)
+        t2 = perf_counter()
+        t0 = float(td["t"][0])
+        to_meta.append(t1 - t0)
+        to_data.append(t2 - t0)
+    return to_meta, to_data
+
+
+async def _produce(client: Any, pid: str, n: int) -> None:
+    import torch
+
+    start = perf_counter()
+    for i in range(n):
+        delay = start + i * INTERVAL - perf_counter()
+        if delay > 0:
+            await anyio.sleep(delay)
+        await client.put(
+            {"t": torch.tensor([perf_counter()], dtype=torch.float64)}, partition_id=pid
+        )
+
+
+def _consumer_process(address: str, pid: str, n: int, ready: Any, out: Any) -> None:
+    try:
+        out.put(("ok", anyio.run(_consumer_process_async, address, pid, n, ready)))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+async def _consumer_process_async(
+    address: str, pid: str, n: int, ready: Any
+) -> tuple[list[float], list[float]]:
+    import tq_async as tq
+
+    async with tq.AsyncClient.connect(address) as client:
+        ready.set()
+        return await _consume(client, pid, n)
+
+
+def _stats(label: str, to_meta: list[float], to_data: list[float], n: int) -> list[dict[str, Any]]:
+    to_meta = to_meta[WARMUP:]
+    to_data = to_data[WARMUP:]
+    ms = [v * 1e3 for v in to_meta]
+    out = [
+        result(
+            WORKLOAD,
+            f"put->get_meta {name} ({label})",
+            percentile(ms, p) if p < 100 else max(ms),
+            "ms",
+            higher_is_better=False,
+            n=len(ms),
+            note=f"{n} puts every {INTERVAL * 1e3:g} ms, first {WARMUP} dropped"
+            if name == "p50"
+            else "",
+        )
+        for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
+    ]
+    data_ms = [v * 1e3 for v in to_data]
+    out += [
+        result(
+            WORKLOAD,
+            f"put->get_data {name} ({label})",
+            percentile(data_ms, p),
+            "ms",
+            higher_is_better=False,
+            n=len(data_ms),
+        )
+        for name, p in (("p50", 50), ("p99", 99))
+    ]
+    return out
+
+
+async def _main(cfg: Config) -> list[dict[str, Any]]:
+    import tq_async as tq
+
+    n = cfg.pick(450, 20) + WARMUP
+    out: list[dict[str, Any]] = []
+    with anyio.fail_after(cfg.pick(300, 60)):
+        async with open_cluster(cfg) as address:
+            # consumer in this process
+            async with (
+                tq.AsyncClient.connect(address) as producer,
+                tq.AsyncClient.connect(address) as consumer,
+            ):
+                res: dict[str, tuple[list[float], list[float]]] = {}
+
+                async def consume() -> None:
+                    res["c"] = await _consume(consumer, "w3-local", n)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(consume)
+                    await anyio.sleep(0.1)  # let the consumer park in get_meta first
+                    await _produce(producer, "w3-local", n)
+                await producer.clear_partition("w3-local")
+            out += _stats("same process", *res["c"], n)
+
+            # consumer in a spawned process
+            ctx = multiprocessing.get_context("spawn")
+            ready = ctx.Event()
+            q = ctx.Queue()
+            proc = ctx.Process(
+                target=_consumer_process, args=(address, "w3-remote", n, ready, q), daemon=True
+            )
+            proc.start()
+            try:
+                if not await anyio.to_thread.run_sync(ready.wait, 120):
+                    raise RuntimeError("the W3 consumer process did not start within 120 s")
+                async with tq.AsyncClient.connect(address) as producer:
+                    await anyio.sleep(0.2)  # the consumer is now parked in get_meta
+                    await _produce(producer, "w3-remote", n)
+                    try:
+                        msg = await anyio.to_thread.run_sync(q.get, True, 60)
+                    except queue.Empty:
+                        raise RuntimeError("the W3 consumer process reported nothing") from None
+                    await producer.clear_partition("w3-remote")
+                if msg[0] == "error":
+                    raise RuntimeError(f"the W3 consumer process failed:\n{msg[1]}")
+                out += _stats("consumer process", *msg[1], n)
+            finally:
+                await anyio.to_thread.run_sync(proc.join, 30)
+                if proc.is_alive():
+                    proc.terminate()
+    return out
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    """Run W3 and return its results."""
+    return anyio.run(_main, cfg)

@@ -1,0 +1,44 @@
+"""``python -m benchmarks --smoke`` runs every workload end to end and prints the table.
+
+No performance assertions: the smoke run uses tiny sizes and only proves the suite works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(180)
+def test_benchmarks_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "smoke.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(out_json)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    header = next((line for line in lines if line.startswith("workload")), None)
+    assert header is not None, proc.stdout
+    for column in ("metric", "median", "best", "unit", "target", "status"):
+        assert column in header
+    for workload in ("W1", "W2", "W3", "W4"):
+        assert any(line.startswith(workload + " ") for line in lines), workload
+    doc = json.loads(out_json.read_text())
+    assert doc["failures"] == []
+    assert {r["workload"] for r in doc["results"]} == {"W1", "W2", "W3", "W4"}
+    for r in doc["results"]:
+        assert {"workload", "metric", "value", "unit", "system", "mode"} <= r.keys()
