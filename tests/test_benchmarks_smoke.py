@@ -42,3 +42,16 @@ def test_benchmarks_smoke(tmp_path: Path) -> None:
     assert {r["workload"] for r in doc["results"]} == {"W1", "W2", "W3", "W4"}
     for r in doc["results"]:
         assert {"workload", "metric", "value", "unit", "system", "mode"} <= r.keys()
+
+
+def test_extra_benchmarks_smoke() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.extra", "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SeqlenBalancedSampler" in done.stdout
+    assert "dataset / raw" in done.stdout

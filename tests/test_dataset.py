@@ -251,7 +251,7 @@ async def test_step_moves_to_the_next_partition_and_drops_the_window() -> None:
         for pid in ("train@0", "train@1"):
             await client.put(_rows(6), partition_id=pid)
             await client.seal(pid)
-        ds = AsyncStreamingDataset(client, ["x"], 3, 3, "train@0", "train")
+        ds = AsyncStreamingDataset(client, ["x"], 3, 3, "train@0", "train", replay_window=8)
         async with ds:
             assert _ids(await _drain(ds)) == [(0, [0, 1, 2]), (1, [3, 4, 5])]
             assert ds.cached_batches == 2

@@ -77,7 +77,11 @@ FetchBatchFn: TypeAlias = Callable[..., Awaitable[tuple[TensorDictBase | None, B
 #: :func:`chunk_batch_fn`.
 ProcessBatchFn: TypeAlias = Callable[..., Sequence[MicroBatch]]
 
-_DEFAULT_REPLAY_WINDOW = 8
+#: 0 by default: storage keeps every batch, so a replay re-reads it at full speed, while
+#: batches held in memory keep their receive buffers from being reused and every new batch
+#: then pays first-touch page faults (measured on the W1 batch: 0.84x raw get throughput
+#: with 0, 0.51x with 8; `python -m benchmarks.extra`).
+_DEFAULT_REPLAY_WINDOW = 0
 
 #: Deadline of the get_meta that looks for an already-recorded batch once every row is
 #: consumed. A recorded batch is answered at once, inside the controller's reader callback,
@@ -455,7 +459,6 @@ class AsyncStreamingDataset:
         dropped from the prefetch queue (they stay recorded and are read again in turn).
         """
         self._move(self._partition_id, self._offset, 0)
-        log.debug("dataset reset", partition_id=self._partition_id, task_name=self.task_name)
 
     def step(self, partition_id: str) -> None:
         """Move to another partition (e.g. the next training step), at ``batch_index`` 0.
@@ -469,7 +472,6 @@ class AsyncStreamingDataset:
             InvalidRequestError: ``partition_id`` is not a non-empty string.
         """
         self._move(_name("partition_id", partition_id), self._offset, 0)
-        log.debug("dataset stepped", partition_id=partition_id, task_name=self.task_name)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the dataset is: a plain dict (msgpack- and JSON-able) for checkpoints.
@@ -814,12 +816,6 @@ class AsyncStreamingDataset:
             )
         td, meta = got
         if meta.end_of_stream:
-            log.debug(
-                "end of stream",
-                partition_id=self._partition_id,
-                task_name=self.task_name,
-                batch_index=index,
-            )
             return None
         if meta.is_empty or td is None:
             raise TQError(

@@ -99,7 +99,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         task_name: str,
         dp_rank: int = 0,
         prefetch: int = 2,
-        replay_window: int = 8,
+        replay_window: int = 0,
         stop_when_consumed: bool = False,
         sampling_config: Mapping[str, Any] | None = None,
         fetch_batch_fn: FetchBatchFn | None = None,
