@@ -54,15 +54,24 @@ async def test_auto_clear_frees_rows_once_every_registered_task_consumed() -> No
     ):
         await client.register_tasks(["reward", "learner"])
         await client.put(rows(4), "p")
-        await client.get_meta(["x"], 4, "p", "reward")
+        reward = await client.get_meta(["x"], 4, "p", "reward")
+        await client.ack(reward)
         assert (await client.partition_info("p"))["rows"] == 4  # learner has not consumed
-        await client.get_meta(["x"], 2, "p", "learner")
+        learner = await client.get_meta(["x"], 2, "p", "learner")
+        # fetched but not yet read: held, never freed under the consumer's feet
+        assert (await client.partition_info("p"))["rows"] == 4
+        assert (await client.get_data(learner))["x"].tolist() == [0.0, 0.0]
+        await client.ack(learner)
         assert (await client.partition_info("p"))["rows"] == 2
         assert cluster.units[0].state.resident_bytes == 16  # the chunk lives while rows do
         await client.put_nowait(rows(2), "p")  # room again
+        # get() acknowledges by itself once it has read the data
+        td, _ = await client.get(["x"], 2, "p", "learner")
+        assert len(td) == 2
+        assert (await client.partition_info("p"))["rows"] == 2
         await client.register_tasks([])  # off
         await client.get_meta(["x"], 2, "p", "learner")
-        assert (await client.partition_info("p"))["rows"] == 4
+        assert (await client.partition_info("p"))["rows"] == 2
 
 
 async def test_global_capacity_spans_partitions() -> None:

@@ -670,10 +670,15 @@ class AsyncClient:
         )
         try:
             td = await self.get_data(meta)
+            if lease is None and meta.lease_id and self._controller is not None:
+                # an auto-clear hold: the data is read, the rows may be freed now
+                self._controller.send_oneway(Ack([meta.lease_id]))
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
                 with anyio.move_on_after(5, shield=True):
                     await self.release(meta)
+            if lease is None and meta.lease_id and self._controller is not None:
+                self._controller.send_oneway(Ack([meta.lease_id]))  # drop the hold
             raise
         return td, meta
 
@@ -705,6 +710,10 @@ class AsyncClient:
         Applies to ``partition_id``, or to every partition without its own setting when None;
         an empty ``tasks`` turns it off. Cleared rows can no longer be replayed by
         ``batch_index``: use auto-clear for streams that are read once.
+
+        A fetch by one of these tasks holds its rows until the consumer acknowledges them,
+        so they are never freed before they are read: :meth:`get` acknowledges after
+        reading; after :meth:`get_meta` + :meth:`get_data`, call :meth:`ack`.
         """
         await self._call(RegisterTasks(list(tasks), partition_id), None)
 

@@ -140,7 +140,7 @@ class _Lease:
     task: str
     rows: list[int]
     key: tuple[str, int, int] | None
-    timer: asyncio.TimerHandle
+    timer: asyncio.TimerHandle | None  # None: a hold for auto-clear, released by ack only
 
 
 class _Attempt:
@@ -229,6 +229,8 @@ class ControllerServer:
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         self._leases: dict[int, _Lease] = {}
+        #: rows under a lease or hold: partition -> row -> number of holders
+        self._held: dict[str, dict[int, int]] = {}
         self._lease_ids = itertools.count(1)
         #: recent replies by (client identity, request id), for retried requests
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
@@ -681,11 +683,20 @@ class ControllerServer:
                     raise InvalidRequestError(
                         f"the sampler returned row {r}, which lacks some of {req.data_fields}"
                     )
+            # A lease, or a task whose rows are auto-cleared, holds the delivered rows until
+            # acknowledged: auto-clear must not free rows the consumer has yet to read.
+            holding = bool(
+                req.mode == "fetch"
+                and consumed
+                and sampled
+                and (req.lease is not None or self.state.auto_clears(p, req.task_name))
+            )
             if req.mode == "fetch" and consumed:
                 # consumed-but-not-sampled is allowed (e.g. a dropped tail)
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
-                self._after_consume(req.task_name, p, consumed)
+                held = set(sampled) if holding else set()
+                self._after_consume(req.task_name, p, [r for r in consumed if r not in held])
         except TQError:
             if strict:
                 raise
@@ -700,7 +711,7 @@ class ControllerServer:
         if key is not None:
             p.deliveries[key] = tuple(sampled)
         reply = _meta_reply(p, sampled, req.data_fields)
-        if req.lease is not None and req.mode == "fetch" and consumed:
+        if holding:
             reply.lease_id = self._lease(req, p, sampled, key)
         return reply
 
@@ -709,25 +720,52 @@ class ControllerServer:
     def _lease(
         self, req: GetMeta, p: Partition, rows: list[int], key: tuple[str, int, int] | None
     ) -> int:
-        """Lease delivered rows: unless acknowledged in time they go back to the task."""
+        """Lease delivered rows: unless acknowledged in time they go back to the task.
+
+        Without ``req.lease`` this is a hold (no expiry) that only keeps auto-clear away
+        from the rows until the consumer acknowledges (``get`` does after reading).
+        """
         lease_id = next(self._lease_ids)
-        timer = asyncio.get_running_loop().call_later(
-            req.lease or 0.0, self._expire_lease, lease_id
-        )
+        timer = None
+        if req.lease is not None:
+            timer = asyncio.get_running_loop().call_later(req.lease, self._expire_lease, lease_id)
         self._leases[lease_id] = _Lease(p, req.task_name, rows, key, timer)
+        held = self._held.setdefault(p.partition_id, {})
+        for r in rows:
+            held[r] = held.get(r, 0) + 1
         return lease_id
+
+    def _unhold(self, lease: _Lease) -> None:
+        held = self._held.get(lease.partition.partition_id)
+        if held is None:
+            return
+        for r in lease.rows:
+            n = held.get(r, 0) - 1
+            if n > 0:
+                held[r] = n
+            else:
+                held.pop(r, None)
+        if not held:
+            del self._held[lease.partition.partition_id]
 
     def _commit_leases(self, lease_ids: Sequence[int]) -> None:
         for lease_id in lease_ids:
             lease = self._leases.pop(lease_id, None)
-            if lease is not None:
+            if lease is None:
+                continue
+            if lease.timer is not None:
                 lease.timer.cancel()
+            self._unhold(lease)
+            p = lease.partition
+            if self.state.partitions.get(p.partition_id) is p:
+                self._auto_clear(p, lease.rows)
 
     def _expire_lease(self, lease_id: int) -> None:
         """Redeliver: the rows of an unacknowledged lease become ready again for its task."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return
+        self._unhold(lease)
         p = lease.partition
         if self.state.partitions.get(p.partition_id) is not p:
             return  # the partition was cleared meanwhile
@@ -781,7 +819,12 @@ class ControllerServer:
         if _all_consumed(p, task):
             # waiters of this task asking stop_when_consumed can end their stream now
             self._notify([Wakeup(p.partition_id, task)])
-        done = self.state.auto_clear_done(p, rows)
+        self._auto_clear(p, rows)
+
+    def _auto_clear(self, p: Partition, rows: Sequence[int]) -> None:
+        """Free rows every auto-clear task consumed, unless a consumer still holds them."""
+        held = self._held.get(p.partition_id, {})
+        done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             by_unit = p.clear_rows(done)
             self._spawn(self._clear_units, None, 0, p.partition_id, by_unit)

@@ -636,6 +636,11 @@ class ControllerState:
             live = p.n_alive if p is not None else 0
         return live + n_new <= self.capacity
 
+    def auto_clears(self, p: Partition, task: str) -> bool:
+        """Whether ``task`` is one of the auto-clear tasks of ``p``."""
+        tasks = self.auto_clear.get(p.partition_id, self.auto_clear.get(None))
+        return bool(tasks) and task in tasks  # type: ignore[operator]
+
     def auto_clear_done(self, p: Partition, rows: Sequence[int]) -> list[int]:
         """Of ``rows``, those every auto-clear task of ``p`` has consumed (still alive)."""
         tasks = self.auto_clear.get(p.partition_id, self.auto_clear.get(None))
