@@ -97,3 +97,18 @@ async def test_cancelled_waiting_put_writes_nothing() -> None:
         # the Cancel travels ahead of this request on the same socket
         assert (await client.partition_info("p"))["allocated"] == 1
         assert cluster.controller.waiting == 0
+
+
+async def test_auto_clear_with_the_streaming_dataset() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learner"])
+        await client.put(rows(6), "p")
+        await client.seal("p")
+        ds = tq.AsyncStreamingDataset(client, ["x"], 2, 2, "p", "learner")
+        async with ds:
+            got = [len(td) async for td, _ in ds]
+        assert got == [2, 2, 2]
+        assert (await client.partition_info("p"))["rows"] == 0  # every row read, then freed

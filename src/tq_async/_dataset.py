@@ -145,7 +145,10 @@ async def default_fetch_batch_fn(
     )
     if meta.end_of_stream or meta.is_empty:
         return None, meta
-    return await client.get_data(meta), meta
+    data = await client.get_data(meta)
+    if meta.lease_id:
+        await client.ack(meta)  # an auto-clear hold: read, so the rows may be freed
+    return data, meta
 
 
 def chunk_batch_fn(
