@@ -408,7 +408,7 @@ def write_png(path: Path, rows: Sequence[dict[str, Any]], title: str) -> None:
         ax.text(1, y, " n/a: " + (r["note"] or "no value")[:90], va="center", fontsize=7)
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=7)
-    ax.invert_yaxis()
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # first row on top, no margins
     ax.set_xscale("log")
     ax.axvline(1.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xlabel(
