@@ -53,6 +53,8 @@ TARGETS: tuple[Target, ...] = (
     Target("W2", "get_meta p50 ratio 1M/1k rows", "<=", 2.0),
     Target("W3", "put->get_meta p99 (same process)", "<=", 2.0),
     Target("W3", "put->get_meta p99 (consumer process)", "<=", 2.0),
+    Target("W3", "put->dataset item p99 (same process)", "<=", 2.0),
+    Target("W3", "put->dataset item p99 (consumer process)", "<=", 2.0),
     Target("W4", "local_cluster start->first put", "<=", 0.5),
 )
 
@@ -181,6 +183,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--storage-units", type=int, default=2, help="storage units (default 2)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the workloads on TransferQueue 0.1.11 in its own venv and print the "
+        "ratio table (= python -m benchmarks.compare; see its --help for more options)",
+    )
     args = parser.parse_args(argv)
     only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
     unknown = [w for w in only if w not in WORKLOADS]
@@ -193,6 +201,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--compare" in argv:
+        from benchmarks import compare  # matplotlib and the TransferQueue venv only here
+
+        return compare.main([a for a in argv if a != "--compare"])
     args = _parse(argv)
     modes = ["embedded", "process"] if args.mode == "both" else [args.mode]
     machine = machine_info()
@@ -249,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         doc = {
             "machine": machine,
-            "command": [sys.executable, "-m", "benchmarks", *(argv or sys.argv[1:])],
+            "command": [sys.executable, "-m", "benchmarks", *argv],
             "smoke": args.smoke,
             "repeat": args.repeat,
             "targets": [vars(t) for t in TARGETS],

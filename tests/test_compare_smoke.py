@@ -42,6 +42,7 @@ def _ours() -> dict[str, Any]:
             _r("W1", "get_meta+get_data dense", 2.0, "GB/s", mode=mode),
             _r("W2", "get_meta b8, 1 client sequential", 9000.0, "calls/s", mode=mode),
             _r("W3", "put->get_meta p99 (consumer process)", 1.0, "ms", mode=mode),
+            _r("W3", "put->dataset item p99 (consumer process)", 2.5, "ms", mode=mode),
         ]
     results += [
         _r("W4", "local_cluster start->first put", 0.2, "s", mode="embedded"),
@@ -60,6 +61,7 @@ def _theirs() -> dict[str, Any]:
         # a failed measurement: value NaN (JSON NaN), flagged
         _r("W2", "get_meta b8, 1 client sequential", math.nan, "calls/s", failed=True),
         _r("W3", "put->get_meta p99 (consumer process)", 1000.0, "ms"),
+        _r("W3", "put->get_data p99 (consumer process)", 1000.0, "ms"),
         _r("W4", "ray.init+tq.init start->first put", 12.0, "s"),
     ]
     for r in results:
@@ -80,7 +82,8 @@ def test_compare_on_canned_results(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "benchmarks.compare",
+            "benchmarks",
+            "--compare",  # delegates to python -m benchmarks.compare
             "--ours-json",
             str(ours),
             "--tq-json",
@@ -112,9 +115,15 @@ def test_compare_on_canned_results(tmp_path: Path) -> None:
     assert put_p["factor"] == pytest.approx(2.5)
     assert put_p["status"] == "MISS"
     assert rows[("W1", "get dense", "embedded")]["status"] == "PASS"  # 8x >= 8x
-    lat = rows[("W3", "put->get_meta p99 (consumer process)", "process")]
-    assert lat["factor"] == pytest.approx(1000.0)  # lower is better: theirs / ours
-    assert lat["status"] == "PASS"
+    # the targeted W3 row pairs the two streaming datasets: our item in hand vs their get_data
+    lat = rows[("W3", "put->dataset item p99 (consumer process)", "process")]
+    assert lat["factor"] == pytest.approx(400.0)  # lower is better: theirs / ours
+    assert lat["target"] == 500
+    assert lat["status"] == "MISS"
+    raw = rows[("W3", "raw put->get_meta p99 (consumer process)", "process")]
+    assert raw["factor"] == pytest.approx(1000.0)
+    assert raw["target"] is None  # informational: raw client vs their dataset
+    assert raw["status"] == ""
     w2 = rows[("W2", "get_meta 1 client sequential", "embedded")]
     assert w2["factor"] is None
     assert w2["status"] == "n/a"
