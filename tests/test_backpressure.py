@@ -13,10 +13,17 @@ def rows(n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.zeros(n)}
 
 
-async def test_put_waits_for_room_and_put_nowait_raises() -> None:
+@pytest.fixture(params=[65536, 0], ids=["one-message put", "three-step put"])
+def inline(request: pytest.FixtureRequest) -> int:
+    """Both put paths wait for room the same way (``inline_put_bytes`` of the client)."""
+    value: int = request.param
+    return value
+
+
+async def test_put_waits_for_room_and_put_nowait_raises(inline: int) -> None:
     async with (
         tq.local_cluster(num_storage_units=1, capacity=4) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
     ):
         first = await client.put(rows(3), "p")
         with pytest.raises(tq.WouldBlock, match="capacity of 4"):
@@ -47,10 +54,10 @@ async def test_put_waits_for_room_and_put_nowait_raises() -> None:
         await client.put({"y": torch.ones(2)}, meta=done[0])
 
 
-async def test_auto_clear_frees_rows_once_every_registered_task_consumed() -> None:
+async def test_auto_clear_frees_rows_once_every_registered_task_consumed(inline: int) -> None:
     async with (
         tq.local_cluster(num_storage_units=1, capacity=4) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
     ):
         await client.register_tasks(["reward", "learner"])
         await client.put(rows(4), "p")
@@ -74,10 +81,10 @@ async def test_auto_clear_frees_rows_once_every_registered_task_consumed() -> No
         assert (await client.partition_info("p"))["rows"] == 2
 
 
-async def test_global_capacity_spans_partitions() -> None:
+async def test_global_capacity_spans_partitions(inline: int) -> None:
     async with (
         tq.local_cluster(num_storage_units=1, capacity=3, capacity_scope="global") as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
     ):
         await client.put(rows(2), "a")
         with pytest.raises(tq.WouldBlock):
@@ -86,10 +93,10 @@ async def test_global_capacity_spans_partitions() -> None:
         await client.put_nowait(rows(3), "b")
 
 
-async def test_cancelled_waiting_put_writes_nothing() -> None:
+async def test_cancelled_waiting_put_writes_nothing(inline: int) -> None:
     async with (
         tq.local_cluster(num_storage_units=1, capacity=1) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
     ):
         await client.put(rows(1), "p")
         with anyio.move_on_after(0.05):

@@ -151,6 +151,20 @@ async def test_controller_and_two_storage_processes(tmp_path: Path) -> None:
         assert ctl.stop() == 0
 
 
+async def test_serve_capacity_applies_backpressure(tmp_path: Path) -> None:
+    with service(["--capacity", "4"], tmp_path / "serve.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        async with tq.AsyncClient.connect(address) as client:
+            await client.put({"x": torch.arange(4)}, "p")
+            with pytest.raises(tq.WouldBlock, match="capacity of 4 rows"):
+                await client.put_nowait({"x": torch.arange(1)}, "p")
+            other = await client.put({"x": torch.arange(4)}, "q")  # per partition by default
+            assert len(other) == 4
+            await client.clear_partition("p")
+            assert len(await client.put_nowait({"x": torch.arange(4)}, "p")) == 4
+        assert svc.stop() == 0
+
+
 def test_storage_fails_clearly_when_the_controller_does_not_answer(tmp_path: Path) -> None:
     with refused_port() as port:
         controller = f"tcp://127.0.0.1:{port}"
@@ -201,6 +215,16 @@ def test_role_options_before_or_after_the_role() -> None:
         3,
         None,
     )
+
+
+def test_capacity_flags() -> None:
+    assert parse("serve").capacity is None
+    args = parse("serve", "--capacity", "8", "--capacity-scope", "global")
+    assert (args.capacity, args.capacity_scope) == (8, "global")
+    ctl = parse("serve", "controller", "--capacity", "8")
+    assert (ctl.role, ctl.capacity, ctl.capacity_scope) == ("controller", 8, "partition")
+    with pytest.raises(SystemExit):
+        parse("serve", "--capacity-scope", "cluster")
 
 
 def test_storage_needs_a_controller(capsys: pytest.CaptureFixture[str]) -> None:

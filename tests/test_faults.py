@@ -112,10 +112,13 @@ async def test_unit_killed_after_it_holds_rows() -> None:
 
 
 async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
+    """The three-step put (client -> unit directly) to a unit that dies."""
     with process(BLACK_HOLE) as (proc, remote):
         async with (
             cluster_with_remote_unit(remote) as controller,
-            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+            tq.AsyncClient.connect(
+                controller.address, request_timeout=30, inline_put_bytes=0
+            ) as client,
         ):
             await client.put({"x": torch.arange(2)}, "p")  # unit 0
             failure: list[BaseException] = []
@@ -132,6 +135,36 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
                 await until(lambda: 1 in client._units and client._units[1].connected)
                 os.kill(proc.pid, signal.SIGKILL)
             # the put failed fast with BrokenError (well before its 30 s timeout)
+            assert isinstance(failure[0], tq.BrokenError)
+            info = await client.partition_info("p")
+            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
+            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
+            assert got.global_indexes == [0, 1]
+
+
+async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
+    """The one-message put: the controller forwards to a remote unit that dies."""
+    with process(BLACK_HOLE) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failure: list[BaseException] = []
+
+            async def doomed_put() -> None:
+                try:
+                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: never answers
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(doomed_put)
+                # the controller watches every unit from the start: wait for the request itself
+                await until(lambda: 1 in controller._units and bool(controller._units[1]._pending))
+                os.kill(proc.pid, signal.SIGKILL)
+            assert not client._units  # the client never talked to a unit itself
+            # the put failed fast (well before its 30 s timeout), with the unit's loss
             assert isinstance(failure[0], tq.BrokenError)
             info = await client.partition_info("p")
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible

@@ -1,6 +1,9 @@
 """Load: 512 client coroutines in 4 processes put and get for 60 s (TQ_LOAD_SECONDS).
 
 Zero rows lost or duplicated, and the service's memory is flat once the data is cleared.
+The service runs with ``--capacity``: producers outpace consumers (a put is one round trip,
+a get two), so without backpressure the backlog -- and the memory -- would grow all run long
+and "mid-run" would not be a steady state to compare with.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ PROCESSES = 4
 COROUTINES = 128  # per process: half put, half get
 ROWS = 4
 SECONDS = float(os.environ.get("TQ_LOAD_SECONDS", "60"))
+CAPACITY = 16384  # rows in the partition at most: producers wait beyond it
 
 
 def rss_mb(pid: int) -> float:
@@ -78,7 +82,16 @@ def worker(address: str, index: int, seconds: float, out: Any) -> None:
 @pytest.mark.timeout(SECONDS + 300)
 def test_512_coroutines_in_4_processes_lose_and_duplicate_nothing() -> None:
     service = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "2"],
+        [
+            sys.executable,
+            "-m",
+            "tq_async._cli",
+            "serve",
+            "--storage-units",
+            "2",
+            "--capacity",
+            str(CAPACITY),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

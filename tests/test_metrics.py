@@ -54,7 +54,7 @@ async def test_metrics_are_served_and_counted() -> None:
     assert value(text, "tq_partitions ") == 1
     resident = [value(text, f'tq_storage_resident_bytes{{unit="{u}"}}') for u in (0, 1)]
     assert sorted(resident) == [0, 4096]
-    assert 'tq_request_duration_seconds_bucket{le="0.001",op="PutBegin"' in text
+    assert 'tq_request_duration_seconds_bucket{le="0.001",op="PutInline"' in text
     assert "train@0" not in text  # partition ids are never label values
     assert set(prometheus_client.REGISTRY._names_to_collectors) == before  # global untouched
 

@@ -53,6 +53,8 @@ async def _serve(args: argparse.Namespace) -> None:
         metrics_registry=registry,
         serve_metrics_on=args.metrics_on,
         curve=load_curve(args.curve_cert, args.curve_allow),
+        capacity=args.capacity,
+        capacity_scope=args.capacity_scope,
     ) as cluster:
         # The one line a launcher parses; flushed so a parent reading our stdout sees it.
         print(f"TQ_ADDRESS={cluster.address}", flush=True)
@@ -128,6 +130,8 @@ async def _serve_role(args: argparse.Namespace) -> None:
                         allow_pickle=args.allow_pickle,
                         metrics_registry=registry,
                         curve=curve,
+                        capacity=args.capacity,
+                        capacity_scope=args.capacity_scope,
                     )
                 )
                 print(f"TQ_ADDRESS={address}", flush=True)
@@ -199,6 +203,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="admit only clients whose public certificate is this file or in this directory "
         "(repeatable); without it any client that knows the public key gets in",
     )
+    serve.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="backpressure: the most live rows per partition (see --capacity-scope); a put "
+        "that does not fit waits until rows are cleared (default: unbounded)",
+    )
+    serve.add_argument(
+        "--capacity-scope",
+        choices=["partition", "global"],
+        default="partition",
+        help="--capacity counts rows per partition (default) or in all partitions together",
+    )
     serve.add_argument("--log-level", default="INFO", help="lowest log level shown on stderr")
     serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     serve.set_defaults(role=None)
@@ -231,6 +249,8 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="give up if the controller does not answer the registration in this time",
     )
+    ctl.add_argument("--capacity", type=int, default=argparse.SUPPRESS, metavar="ROWS")
+    ctl.add_argument("--capacity-scope", choices=["partition", "global"], default=argparse.SUPPRESS)
     for role in (ctl, unit):
         role.add_argument(
             "--bind",

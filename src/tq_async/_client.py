@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from ._codec import (
     ColumnHeader,
     column_frame_count,
     column_from_frames,
+    column_nbytes,
     column_to_frames,
     columns_from_batch,
     columns_to_tensordict,
@@ -64,6 +66,7 @@ from ._protocol import (
     ProductionStatus,
     PutBegin,
     PutCommit,
+    PutInline,
     RecycledRows,
     RegisterTasks,
     Release,
@@ -119,6 +122,20 @@ def _check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A validated, encoded put on its way to the services."""
+
+    partition_id: str
+    meta: BatchMeta | None
+    keys: Sequence[str] | None
+    headers: list[ColumnHeader]
+    columns: list[Column]
+    n: int
+    tags: list[dict[str, Any] | None] | None
+    versions: list[int] | None
+
+
 class AsyncClient:
     """Talks to a tq_async controller and its storage units.
 
@@ -138,6 +155,11 @@ class AsyncClient:
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
             so nothing runs twice. None disables retries.
+        inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
+            unit (new rows always do) goes to the controller in one message, which stores
+            and commits it (:class:`~tq_async._protocol.PutInline`): one round trip instead
+            of three, and the lowest put-to-consumer latency. Larger puts send their columns
+            straight to the units. 0 disables it.
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -150,8 +172,12 @@ class AsyncClient:
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
+        inline_put_bytes: int = 65536,
     ) -> None:
+        if inline_put_bytes < 0:
+            raise InvalidRequestError(f"inline_put_bytes must be >= 0, got {inline_put_bytes}")
         self.address = address
+        self.inline_put_bytes = inline_put_bytes
         self.request_timeout = request_timeout
         self.curve = curve
         self.retry_after = retry_after
@@ -171,6 +197,7 @@ class AsyncClient:
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
+        inline_put_bytes: int = 65536,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
         return cls(
@@ -179,6 +206,7 @@ class AsyncClient:
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,
+            inline_put_bytes=inline_put_bytes,
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -376,35 +404,20 @@ class AsyncClient:
                 raise InvalidRequestError(
                     f"policy_version must be one int >= 0 or {n} of them, got {policy_version!r}"
                 )
-        begin = PutBegin(
-            partition_id,
-            headers,
-            n_rows=n if meta is None and keys is None else 0,
-            rows=None if meta is None else list(meta.global_indexes),
-            keys=None if keys is None else list(keys),
-            nowait=nowait,
-            timeout=timeout,
-        )
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._capacity is not None and not nowait:
             deadline = None if timeout is None else timeout + self.request_timeout
-        placement: Placement = await self._call(begin, Placement, timeout=deadline)
         fields = [h.name for h in headers]
-        try:
-            await self._store(partition_id, placement, headers, columns)
-            commit = PutCommit(partition_id, placement.rows, fields, tag_list, versions)
-            await self._call(commit, None)
-        except BaseException:
-            if meta is None and keys is None:
-                with anyio.move_on_after(5, shield=True):
-                    try:
-                        await self._call(ClearSamples(partition_id, placement.rows), None)
-                    except RowsNotFound:
-                        pass  # already gone (e.g. lost with their storage unit)
-                    except Exception as exc:  # the original error matters more
-                        log.warning("could not clear rows of a failed put", error=str(exc))
-            raise
+        put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
+        if (
+            keys is None
+            and (meta is None or len(set(meta.units)) == 1)
+            and sum(column_nbytes(c) for c in columns) <= self.inline_put_bytes
+        ):
+            placement = await self._put_inline(put, nowait, timeout, deadline)
+        else:
+            placement = await self._put_in_three(put, nowait, timeout, deadline)
         written_versions = {f: list(versions) for f in fields} if versions else {}
         if meta is None:
             out_tags = [t or {} for t in tag_list] if tag_list else []
@@ -428,6 +441,73 @@ class AsyncClient:
             tags=merged_tags if (meta.tags or tag_list) else [],
             policy_versions=meta.policy_versions | written_versions,
         )
+
+    async def _put_inline(
+        self, put: _Put, nowait: bool, timeout: float | None, deadline: float | bool | None
+    ) -> Placement:
+        """One round trip: the controller places, stores and commits (see PutInline)."""
+        meta = put.meta
+        body = PutInline(
+            put.partition_id,
+            put.headers,
+            n_rows=put.n if meta is None else 0,
+            rows=None if meta is None else list(meta.global_indexes),
+            tags=put.tags,
+            versions=put.versions,
+            nowait=nowait,
+            timeout=timeout,
+        )
+        frames: list[Any] = []
+        for h, c in zip(put.headers, put.columns, strict=True):
+            frames.extend(column_to_frames(h, c))
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            # the caller gave up (cancelled, timed out) but the put landed: undo new rows, as
+            # a failed three-step put does
+            if reply.ok and meta is None and self._controller is not None:
+                late: Placement = _decode(reply.payload, Placement)
+                self._controller.send_oneway(ClearSamples(put.partition_id, late.rows))
+
+        payload, _ = await self._ctl().request(
+            body,
+            frames,
+            timeout=self.request_timeout if deadline is True else deadline or None,
+            on_abandon=on_abandon,
+        )
+        placement: Placement = _decode(payload, Placement)
+        return placement
+
+    async def _put_in_three(
+        self, put: _Put, nowait: bool, timeout: float | None, deadline: float | bool | None
+    ) -> Placement:
+        """PutBegin (placement) -> StorePut to each unit -> PutCommit."""
+        partition_id, meta, keys, headers = put.partition_id, put.meta, put.keys, put.headers
+        begin = PutBegin(
+            partition_id,
+            headers,
+            n_rows=put.n if meta is None and keys is None else 0,
+            rows=None if meta is None else list(meta.global_indexes),
+            keys=None if keys is None else list(keys),
+            nowait=nowait,
+            timeout=timeout,
+        )
+        placement: Placement = await self._call(begin, Placement, timeout=deadline)
+        fields = [h.name for h in headers]
+        try:
+            await self._store(partition_id, placement, headers, put.columns)
+            commit = PutCommit(partition_id, placement.rows, fields, put.tags, put.versions)
+            await self._call(commit, None)
+        except BaseException:
+            if meta is None and keys is None:
+                with anyio.move_on_after(5, shield=True):
+                    try:
+                        await self._call(ClearSamples(partition_id, placement.rows), None)
+                    except RowsNotFound:
+                        pass  # already gone (e.g. lost with their storage unit)
+                    except Exception as exc:  # the original error matters more
+                        log.warning("could not clear rows of a failed put", error=str(exc))
+            raise
+        return placement
 
     async def _store(
         self,

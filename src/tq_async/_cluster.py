@@ -16,7 +16,7 @@ from ._controller import AdmissionConfig, ControllerServer
 from ._errors import InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._security import CurveServer
-from ._state import ControllerState
+from ._state import ControllerState, check_capacity
 from ._storage import StorageServer
 from ._transport import is_loopback
 from .samplers import BaseSampler
@@ -113,12 +113,7 @@ async def local_cluster(
             "binding a non-loopback interface: anyone who can reach it can read and write data",
             address=controller_bind,
         )
-    if capacity is not None and capacity < 1:
-        raise InvalidRequestError(f"capacity must be >= 1, got {capacity}")
-    if capacity_scope not in ("partition", "global"):
-        raise InvalidRequestError(
-            f"capacity_scope must be 'partition' or 'global', got {capacity_scope!r}"
-        )
+    capacity, capacity_global = check_capacity(capacity, capacity_scope)
     if serve_metrics_on is not None and metrics_registry is None:
         raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
     stop_metrics = None
@@ -138,8 +133,7 @@ async def local_cluster(
                 address = await tg.start(unit.serve, endpoint(f"unit{unit.unit_id}"))
                 addresses[unit.unit_id] = address
             state = ControllerState(addresses)
-            state.capacity = capacity
-            state.capacity_global = capacity_scope == "global"
+            state.capacity, state.capacity_global = capacity, capacity_global
             controller = ControllerServer(
                 state,
                 sampler,
@@ -148,6 +142,7 @@ async def local_cluster(
                 metrics=Metrics(metrics_registry, "controller"),
                 admission=admission,
                 curve=curve,
+                local_units={u.unit_id: u for u in units},
             )
             address = await tg.start(controller.serve, controller_bind)
             cluster = LocalCluster(address, controller, units)

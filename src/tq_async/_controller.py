@@ -65,6 +65,7 @@ from ._protocol import (
     ProductionStatus,
     PutBegin,
     PutCommit,
+    PutInline,
     RecycledRows,
     RegisterTasks,
     RegisterUnit,
@@ -80,6 +81,7 @@ from ._protocol import (
     StalenessStatus,
     StateDump,
     StoreClear,
+    StorePut,
     TakeRecycled,
     UnitInfo,
     controller_request_decoder,
@@ -97,6 +99,7 @@ from ._state import (
     RowVersions,
     Wakeup,
 )
+from ._storage import StorageServer
 from ._transport import DealerConnection, LogThrottle, RouterEndpoint
 from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
 
@@ -194,6 +197,9 @@ class ControllerServer:
         metrics: where to record request metrics (disabled by default).
         admission: bounds for ``acquire_rollout`` (staleness and capacity; none by default).
         curve: CURVE keys for this service's socket and its connections to the units.
+        local_units: storage units running in this process (``local_cluster`` passes its
+            own): a small put sent whole to the controller (:class:`PutInline`) is stored in
+            them directly, without a message.
     """
 
     def __init__(
@@ -207,8 +213,10 @@ class ControllerServer:
         metrics: Metrics | None = None,
         admission: AdmissionConfig | None = None,
         curve: CurveServer | None = None,
+        local_units: Mapping[int, StorageServer] | None = None,
     ) -> None:
         self.state = state or ControllerState()
+        self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self._malformed = LogThrottle()
         self.metrics = metrics or Metrics(None, "controller")
@@ -356,7 +364,10 @@ class ControllerServer:
         t0 = time.perf_counter() if metrics else 0.0
         ok = True
         try:
-            deferred = self._handle(peer, req.rid, body, t0)
+            if isinstance(body, PutInline):
+                deferred = self._put_inline(peer, req.rid, body, frames[1:], t0)
+            else:
+                deferred = self._handle(peer, req.rid, body, t0)
         except Exception as exc:
             ok, deferred = False, False
             self._send_error(peer, req.rid, exc, type(body).__name__)
@@ -370,17 +381,7 @@ class ControllerServer:
             return self._get_meta(peer, rid, body, t0)
         if isinstance(body, PutBegin):
             n_new = st.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
-            if not st.has_room(body.partition_id, n_new):
-                if st.capacity is not None and n_new > st.capacity:
-                    raise InvalidRequestError(
-                        f"a put of {n_new} new rows can never fit the capacity of "
-                        f"{st.capacity} rows; split it"
-                    )
-                if body.nowait:
-                    raise WouldBlock(
-                        f"partition {body.partition_id!r} is at its capacity of {st.capacity} "
-                        "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
-                    )
+            if not self._room_for(body.partition_id, n_new, body.nowait):
                 self._spawn(self._put_begin_waiting, peer, rid, body, n_new, t0)
                 return True
             self._put_begin(peer, rid, body)
@@ -789,6 +790,128 @@ class ControllerServer:
         self._send_ok(peer, rid, Placement(rows, units))
         self._notify(wakeups)
 
+    def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
+        """Whether ``n_new`` rows fit now; raises when they never will, or when ``nowait``."""
+        st = self.state
+        if st.has_room(partition_id, n_new):
+            return True
+        if st.capacity is not None and n_new > st.capacity:
+            raise InvalidRequestError(
+                f"a put of {n_new} new rows can never fit the capacity of "
+                f"{st.capacity} rows; split it"
+            )
+        if nowait:
+            raise WouldBlock(
+                f"partition {partition_id!r} is at its capacity of {st.capacity} "
+                "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
+            )
+        return False
+
+    # ---- one-message puts ----------------------------------------------------------------------
+
+    def _put_inline(
+        self, peer: bytes, rid: int, body: PutInline, frames: list[zmq.Frame], t0: float
+    ) -> bool:
+        """A :class:`PutInline`; True when a task will answer it.
+
+        With room and a unit in this process, everything happens here: place, store, commit,
+        reply. Otherwise a task waits for room and/or forwards the columns to the unit.
+        """
+        n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, None)
+        placed = None
+        if self._room_for(body.partition_id, n_new, body.nowait):
+            placed = self._inline_place(body)
+            unit = self.local_units.get(placed.units[0])
+            if unit is not None:
+                try:
+                    unit.store_local(body.partition_id, placed.rows, body.columns, frames)
+                    self._inline_commit(peer, rid, body, placed)
+                except BaseException:
+                    self._inline_undo(body, placed, remote=False)
+                    raise
+                return False
+        self._spawn(self._put_inline_task, peer, rid, body, frames, n_new, placed, t0)
+        return True
+
+    def _inline_place(self, body: PutInline) -> _Placed:
+        rows, units, wakeups = self.state.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows
+        )
+        if len(set(units)) != 1:
+            raise InvalidRequestError(
+                "a one-message put must write rows of one storage unit; these rows are on "
+                f"units {sorted(set(units))} (the client splits such puts)"
+            )
+        return _Placed(self.state.partitions[body.partition_id], rows, units, wakeups)
+
+    def _inline_commit(self, peer: bytes, rid: int, body: PutInline, placed: _Placed) -> None:
+        p = self.state.partition(body.partition_id)
+        fields = [h.name for h in body.columns]
+        gained = p.commit(placed.rows, fields, body.tags, body.versions)
+        self._send_ok(peer, rid, Placement(placed.rows, placed.units))
+        self._notify([*placed.wakeups, *(Wakeup(body.partition_id, t) for t in gained)])
+
+    def _inline_undo(self, body: PutInline, placed: _Placed, *, remote: bool) -> None:
+        """A one-message put failed after its rows were placed: drop new rows again."""
+        p = placed.partition
+        if body.rows is not None or self.state.partitions.get(body.partition_id) is not p:
+            return  # existing rows (their new cells were never marked produced), or cleared
+        # rows may be gone already: lost with their unit, or the partition cleared meanwhile
+        rows = [r for r in placed.rows if r < p.n_rows and p.alive[r]]
+        if not rows:
+            return
+        self._free_unconsumed(p, rows)
+        by_unit = p.clear_rows(rows)
+        self._rows_freed()
+        self._notify([Wakeup(body.partition_id)])
+        if remote:
+            self._spawn(self._clear_units, None, 0, body.partition_id, by_unit)
+        else:
+            for unit_id, rows in by_unit.items():
+                local = self.local_units.get(unit_id)
+                if local is not None:
+                    local.state.clear(body.partition_id, rows)
+
+    async def _put_inline_task(
+        self,
+        peer: bytes,
+        rid: int,
+        body: PutInline,
+        frames: list[zmq.Frame],
+        n_new: int,
+        placed: _Placed | None,
+        t0: float,
+    ) -> None:
+        async def work() -> None:
+            nonlocal placed
+            if placed is None:
+                await _until(
+                    lambda: self.state.has_room(body.partition_id, n_new), self._room_waiters
+                )
+                placed = self._inline_place(body)
+            unit_id = placed.units[0]
+            local = self.local_units.get(unit_id)
+            try:
+                if local is not None:
+                    local.store_local(body.partition_id, placed.rows, body.columns, frames)
+                else:
+                    store = StorePut(body.partition_id, placed.rows, body.columns)
+                    await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
+                self._inline_commit(peer, rid, body, placed)
+            except BaseException:
+                self._inline_undo(body, placed, remote=local is None)
+                raise
+
+        def timed_out() -> str:
+            if placed is None:
+                return (
+                    f"partition {body.partition_id!r} stayed at its capacity of "
+                    f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+                )
+            return f"the put did not complete within {body.timeout} s; nothing was written"
+
+        await self._waiting_request(peer, rid, "PutInline", t0, body.timeout, timed_out, work)
+
     async def _put_begin_waiting(
         self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
     ) -> None:
@@ -1119,6 +1242,16 @@ def _wake_all(waiters: dict[asyncio.Future[None], None]) -> None:
         if not fut.done():
             fut.set_result(None)
     waiters.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Where a one-message put goes (all rows on one unit), and the wake-ups it owes."""
+
+    partition: Partition
+    rows: list[int]
+    units: list[int]
+    wakeups: list[Wakeup]
 
 
 def _all_consumed(p: Partition, task: str) -> bool:

@@ -62,6 +62,25 @@ class PutCommit(_Msg):
     versions: list[int] | None = None
 
 
+class PutInline(_Msg):
+    """A small put in one request: the column frames follow the header.
+
+    The controller allocates ``n_rows`` new rows (or looks up the existing ``rows``, which
+    must sit on one unit), has the unit store the columns -- directly when the unit lives in
+    its process, else with a :class:`StorePut` -- and commits, as PutBegin + StorePut +
+    PutCommit would; the reply is the :class:`Placement`.
+    """
+
+    partition_id: str
+    columns: list[ColumnHeader]
+    n_rows: int = 0
+    rows: list[int] | None = None
+    tags: list[dict[str, Any] | None] | None = None
+    versions: list[int] | None = None
+    nowait: bool = False
+    timeout: float | None = None
+
+
 class LostRows(_Msg):
     """Rows lost with dead storage units: ``{partition_id: rows}``, and the dead unit ids."""
 
@@ -275,6 +294,7 @@ ControllerBody = (
     | RegisterUnit
     | PutBegin
     | PutCommit
+    | PutInline
     | GetMeta
     | Cancel
     | Release

@@ -27,7 +27,7 @@ from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from ._metrics import Metrics, controller_collector, storage_collector
 from ._protocol import RegisterUnit
 from ._security import CurveClient, CurveServer
-from ._state import ControllerState
+from ._state import ControllerState, check_capacity
 from ._storage import StorageServer
 from ._transport import DealerConnection, is_loopback
 from .samplers import BaseSampler
@@ -219,6 +219,8 @@ async def serve_controller(
     allow_pickle: bool = False,
     metrics_registry: CollectorRegistry | None = None,
     curve: CurveServer | None = None,
+    capacity: int | None = None,
+    capacity_scope: str = "partition",
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a controller with no storage units of its own; units register themselves.
@@ -234,16 +236,21 @@ async def serve_controller(
         metrics_registry: record metrics here (off by default).
         curve: CURVE keys: encrypt the socket, admit only allowed client keys; the storage
             units must use the same service keypair.
+        capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
+            per partition (``capacity_scope="global"``: in all partitions together); a put
+            that does not fit waits. None: unbounded.
 
     Raises:
         BrokenError: ``bind`` could not be bound.
-        InvalidRequestError: a wildcard ``bind`` without ``advertise``.
+        InvalidRequestError: a wildcard ``bind`` without ``advertise``, or a bad capacity.
     """
     if _is_wildcard(bind) and not advertise:
         advertised_address(bind, bind, None)  # raises the explanatory error
     warn_if_exposed(bind, "controller", curve)
+    state = ControllerState()
+    state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
     controller = ControllerServer(
-        ControllerState(),
+        state,
         sampler,
         allow_pickle=allow_pickle,
         metrics=Metrics(metrics_registry, "controller"),

@@ -745,3 +745,12 @@ class ControllerState:
             self.partitions[partition_id] = p
             wakeups.append(Wakeup(partition_id))
         return got_rows, units, wakeups
+
+
+def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
+    """Validate a capacity setting; ``(capacity, capacity is global)``."""
+    if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
+        raise InvalidRequestError(f"capacity must be >= 1 or None, got {capacity!r}")
+    if scope not in ("partition", "global"):
+        raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")
+    return capacity, scope == "global"

@@ -223,6 +223,20 @@ class StorageServer:
         finally:
             self._endpoint.close()
 
+    def store_local(
+        self, partition_id: str, rows: Sequence[int], headers: Sequence[ColumnHeader], frames: Any
+    ) -> None:
+        """A :class:`StorePut` from a controller in this process, without a message."""
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            self.state.put(partition_id, rows, headers, frames)
+            ok = True
+        finally:
+            if self.metrics.enabled:
+                self.metrics.transfer("in", sum(memoryview(f).nbytes for f in frames))
+                self.metrics.request("StorePut", ok, time.perf_counter() - t0)
+
     def _on_message(self, peer: bytes, frames: list[zmq.Frame]) -> None:
         assert self._endpoint is not None
         header = frames[0].buffer
