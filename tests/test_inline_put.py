@@ -7,6 +7,7 @@ both give the same result, and that a failed one-message put leaves nothing behi
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
 
@@ -124,3 +125,16 @@ async def test_inline_put_failing_at_commit_is_undone() -> None:
         assert cluster.units[0].state.stats().rows == 2
         got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
         assert got.global_indexes == [0, 1]
+
+
+async def test_blocking_client_takes_the_option() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        seen = count_requests(cluster.controller)
+
+        def blocking_puts() -> None:
+            for limit in (0, 65536):
+                with tq.Client.connect(cluster.address, inline_put_bytes=limit) as client:
+                    client.put({"x": torch.arange(2)}, "p")
+
+        await anyio.to_thread.run_sync(blocking_puts)
+        assert seen == {"Hello": 2, "PutBegin": 1, "PutCommit": 1, "PutInline": 1}

@@ -45,6 +45,7 @@ class Client:
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
+        inline_put_bytes: int = 65536,
     ) -> None:
         self.address = address
         self._portal = get_portal()
@@ -54,6 +55,7 @@ class Client:
             "allow_pickle": allow_pickle,
             "curve": curve,
             "retry_after": retry_after,
+            "inline_put_bytes": inline_put_bytes,
         }
 
     @classmethod
@@ -65,6 +67,7 @@ class Client:
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
+        inline_put_bytes: int = 65536,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -73,6 +76,7 @@ class Client:
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,
+            inline_put_bytes=inline_put_bytes,
         )
 
     def open(self) -> Client:
