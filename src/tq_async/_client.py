@@ -32,6 +32,7 @@ from ._codec import (
     columns_to_tensordict,
     concat_columns,
     position_runs,
+    positions_by_unit,
     reorder_column,
     take_rows,
 )
@@ -160,6 +161,10 @@ class AsyncClient:
             and commits it (:class:`~tq_async._protocol.PutInline`): one round trip instead
             of three, and the lowest put-to-consumer latency. Larger puts send their columns
             straight to the units. 0 disables it.
+        inline_get_bytes: :meth:`get` asks the controller to send the cells along with the
+            batch's metadata when they sit in storage units of the controller's own process
+            (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
+            round trip instead of two. Otherwise it reads them from the units. 0 disables it.
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -173,9 +178,13 @@ class AsyncClient:
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
+        inline_get_bytes: int = 1 << 20,
     ) -> None:
         if inline_put_bytes < 0:
             raise InvalidRequestError(f"inline_put_bytes must be >= 0, got {inline_put_bytes}")
+        if inline_get_bytes < 0:
+            raise InvalidRequestError(f"inline_get_bytes must be >= 0, got {inline_get_bytes}")
+        self.inline_get_bytes = inline_get_bytes
         self.address = address
         self.inline_put_bytes = inline_put_bytes
         self.request_timeout = request_timeout
@@ -198,6 +207,7 @@ class AsyncClient:
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
+        inline_get_bytes: int = 1 << 20,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
         return cls(
@@ -207,6 +217,7 @@ class AsyncClient:
             curve=curve,
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
+            inline_get_bytes=inline_get_bytes,
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -516,9 +527,7 @@ class AsyncClient:
         headers: list[ColumnHeader],
         columns: list[Column],
     ) -> None:
-        by_unit: dict[int, list[int]] = {}
-        for pos, unit in enumerate(placement.units):
-            by_unit.setdefault(unit, []).append(pos)
+        by_unit = positions_by_unit(placement.units)
 
         async def store_one(unit: int, positions: list[int]) -> None:
             if len(by_unit) == 1:
@@ -596,6 +605,37 @@ class AsyncClient:
         handed out, they are released back to the task (a batch recorded under a
         ``batch_index`` stays readable by that index instead).
         """
+        meta, _, _ = await self._get_meta(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=0,
+        )
+        return meta
+
+    async def _get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+        *,
+        mode: str,
+        timeout: float | None,
+        stop_when_consumed: bool,
+        lease: float | None,
+        ack: BatchMeta | Sequence[BatchMeta] | None,
+        inline_bytes: int,
+    ) -> tuple[BatchMeta, MetaReply, list[Any]]:
+        """:meth:`get_meta`, plus the raw reply and its frames (cells sent inline)."""
         fields = _check_fields(data_fields)
         _check_batch_size(batch_size)
         if not isinstance(task_name, str) or not task_name:
@@ -623,6 +663,7 @@ class AsyncClient:
             stop_when_consumed,
             lease,
             _lease_ids(ack),
+            inline_bytes,
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -633,9 +674,11 @@ class AsyncClient:
                 self._controller.send_oneway(Release(partition_id, task_name, late.rows))
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
-        payload, _ = await self._ctl().request(req, timeout=client_deadline, on_abandon=on_abandon)
+        payload, frames = await self._ctl().request(
+            req, timeout=client_deadline, on_abandon=on_abandon
+        )
         got: MetaReply = _decode(payload, MetaReply)
-        return BatchMeta(
+        meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
             field_names=got.fields,
@@ -647,6 +690,7 @@ class AsyncClient:
             policy_versions=got.versions,
             lease_id=got.lease_id,
         )
+        return meta, got, frames
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
@@ -672,11 +716,8 @@ class AsyncClient:
         self, meta: BatchMeta, names: list[str]
     ) -> tuple[list[ColumnHeader], list[Column]]:
         """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit."""
-        n = len(meta)
-        by_unit: dict[int, list[int]] = {}
-        for pos, unit in enumerate(meta.units):
-            by_unit.setdefault(unit, []).append(pos)
-        results: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+        by_unit = positions_by_unit(meta.units)
+        parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
 
         async def fetch(unit: int, positions: list[int]) -> None:
             rows = (
@@ -689,33 +730,16 @@ class AsyncClient:
                 StoreGet(meta.partition_id, rows, names), timeout=self.request_timeout
             )
             stored: StoredColumns = _decode(payload, StoredColumns)
-            cols: list[Column] = []
-            pos = 0
-            for h in stored.columns:
-                k = column_frame_count(h)
-                cols.append(column_from_frames(h, frames[pos : pos + k], len(rows)))
-                pos += k
-            if pos != len(frames):
-                raise ProtocolError("a storage reply carried extra frames")
-            results[unit] = (stored.columns, cols)
+            parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
-            return results[unit]
-        async with anyio.create_task_group() as tg:
-            for unit, positions in by_unit.items():
-                tg.start_soon(fetch, unit, positions)
-        order = [pos for positions in by_unit.values() for pos in positions]
-        inverse = [0] * n
-        for i, pos in enumerate(order):
-            inverse[pos] = i
-        headers = results[next(iter(by_unit))][0]
-        columns = []
-        for j in range(len(names)):
-            merged = concat_columns([results[u][1][j] for u in by_unit])
-            columns.append(reorder_column(merged, inverse))
-        return headers, columns
+        else:
+            async with anyio.create_task_group() as tg:
+                for unit, positions in by_unit.items():
+                    tg.start_soon(fetch, unit, positions)
+        return _merge_parts(len(meta), by_unit, parts)
 
     async def get(
         self,
@@ -736,7 +760,7 @@ class AsyncClient:
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
-        meta = await self.get_meta(
+        meta, got, frames = await self._get_meta(
             data_fields,
             batch_size,
             partition_id,
@@ -747,9 +771,14 @@ class AsyncClient:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
+            inline_bytes=self.inline_get_bytes,
         )
         try:
-            td = await self.get_data(meta)
+            if got.inline is not None:  # the controller sent the cells along: no get_data
+                headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
+                td = columns_to_tensordict(len(meta), headers, columns)
+            else:
+                td = await self.get_data(meta)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
                 self._controller.send_oneway(Ack([meta.lease_id]))
@@ -1069,3 +1098,63 @@ def _mask(raw: bytes) -> torch.Tensor:
     if not raw:
         return torch.zeros(0, dtype=torch.bool)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
+
+
+def _stored_columns(
+    stored: StoredColumns, frames: Sequence[Any], n_rows: int
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
+    if stored.n_rows != n_rows:
+        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
+    columns: list[Column] = []
+    pos = 0
+    for h in stored.columns:
+        k = column_frame_count(h)
+        if pos + k > len(frames):
+            raise ProtocolError("a storage reply carried too few frames")
+        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("a storage reply carried extra frames")
+    return stored.columns, columns
+
+
+def _inline_parts(
+    got: MetaReply, frames: Sequence[Any]
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
+    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
+    assert got.inline is not None
+    by_unit = positions_by_unit(got.units)
+    if len(got.inline) != len(by_unit):
+        raise ProtocolError(
+            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
+        )
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+    pos = 0
+    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
+        k = sum(column_frame_count(h) for h in stored.columns)
+        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("an inline reply carried extra frames")
+    return by_unit, parts
+
+
+def _merge_parts(
+    n: int,
+    by_unit: dict[int, list[int]],
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """One column per field, rows back in batch order, from the parts of several units."""
+    if len(by_unit) == 1:
+        return parts[next(iter(by_unit))]
+    order = [pos for positions in by_unit.values() for pos in positions]
+    inverse = [0] * n
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    headers = parts[next(iter(by_unit))][0]
+    columns = []
+    for j in range(len(headers)):
+        merged = concat_columns([parts[u][1][j] for u in by_unit])
+        columns.append(reorder_column(merged, inverse))
+    return headers, columns

@@ -82,6 +82,8 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _msgpack_decoder = msgspec.msgpack.Decoder()
 _bytes_list_decoder = msgspec.msgpack.Decoder(list[bytes])
@@ -151,8 +153,8 @@ Column: TypeAlias = DenseColumn | JaggedColumn | ListColumn
 
 
 def _dtype_name(dtype: torch.dtype, field: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
         raise UnsupportedTypeError(
             f"field {field!r} has dtype {dtype}, which tq_async cannot send; "
             f"cast it to one of: {', '.join(sorted(_DTYPES))}"
@@ -210,10 +212,18 @@ def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Co
             f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
             "column's first dimension must be the batch size"
         )
-    t = t.detach()
-    if t.device.type != "cpu":
+    # Each torch call below is guarded: the first put after an idle spell runs with cold
+    # caches on the VMs we measured, where one dispatched torch op costs 30-90 us.
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
     header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
     return header, DenseColumn(t)
 
@@ -363,7 +373,11 @@ def _tensor_frame(t: torch.Tensor) -> Any:
     """A zero-copy buffer over a contiguous tensor's bytes (keeps the tensor alive)."""
     if t.numel() == 0:
         return b""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    try:
+        array = t.numpy()  # one torch call (cold caches: see _tensor_column)
+    except TypeError:  # bf16 and fp8 have no numpy dtype: reinterpret the bytes
+        array = t.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
 def _frame_buffer(frame: Frame) -> memoryview:
@@ -373,8 +387,7 @@ def _frame_buffer(frame: Frame) -> memoryview:
 
 def _tensor_from_frame(frame: Frame, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     buf = _frame_buffer(frame)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if buf.nbytes != expected:
         raise ProtocolError(
             f"a {dtype} frame of shape {tuple(shape)} must hold {expected} bytes, got "
@@ -384,7 +397,8 @@ def _tensor_from_frame(frame: Frame, dtype: torch.dtype, shape: Sequence[int]) -
         return torch.empty(tuple(shape), dtype=dtype)
     if buf.readonly:  # torch tensors are writable: copy read-only buffers (never zmq frames)
         buf = memoryview(bytearray(buf))
-    return torch.frombuffer(buf, dtype=dtype).view(tuple(shape))
+    flat = torch.frombuffer(buf, dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(tuple(shape))
 
 
 def column_frame_count(header: ColumnHeader) -> int:
@@ -530,6 +544,15 @@ def position_runs(positions: Iterable[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i + 1))
     return runs
+
+
+def positions_by_unit(units: Sequence[int]) -> dict[int, list[int]]:
+    """Positions of a batch's rows grouped by the unit holding them, units in order of first
+    appearance (the order in which a batch's parts travel)."""
+    by_unit: dict[int, list[int]] = {}
+    for pos, unit in enumerate(units):
+        by_unit.setdefault(unit, []).append(pos)
+    return by_unit
 
 
 def reorder_column(column: Column, order: Sequence[int]) -> Column:

@@ -28,6 +28,7 @@ import structlog
 import zmq
 from anyio.abc import TaskGroup, TaskStatus
 
+from ._codec import positions_by_unit
 from ._errors import (
     InvalidRequestError,
     KeyNotFound,
@@ -81,6 +82,7 @@ from ._protocol import (
     StalenessStatus,
     StateDump,
     StoreClear,
+    StoredColumns,
     StorePut,
     TakeRecycled,
     UnitInfo,
@@ -292,14 +294,61 @@ class ControllerServer:
             log.error("request failed", op=op, rid=rid, exc_info=exc)
         self._reply(peer, rid, error_reply(rid, exc))
 
-    def _reply(self, peer: bytes, rid: int, header: bytes) -> None:
-        """Send a reply and remember it: a retried request gets it again, not re-executed."""
+    def _reply(
+        self,
+        peer: bytes,
+        rid: int,
+        header: bytes,
+        frames: Sequence[Any] = (),
+        *,
+        remember: bytes | None = None,
+    ) -> None:
+        """Send a reply and remember it: a retried request gets it again, not re-executed.
+
+        ``remember`` replaces ``header`` in the cache when the reply carries data frames
+        (the cache keeps no cells alive; a retried ``get`` then reads them from the units).
+        """
         replies = self._replies
-        replies[(peer, rid)] = header
+        replies[(peer, rid)] = header if remember is None else remember
         if len(replies) > _REPLY_CACHE:
             replies.popitem(last=False)
         if self._endpoint is not None:
-            self._endpoint.send(peer, [header])
+            self._endpoint.send(peer, [header, *frames])
+
+    def _send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
+        """Answer a get_meta; a ``get`` whose cells are small and local gets them too."""
+        inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
+        if inline is None:
+            self._send_ok(peer, rid, reply)
+            return
+        without = ok_reply(rid, reply)
+        reply.inline, frames = inline
+        self._reply(peer, rid, ok_reply(rid, reply), frames, remember=without)
+
+    def _read_inline(
+        self, req: GetMeta, reply: MetaReply
+    ) -> tuple[list[StoredColumns], list[Any]] | None:
+        """The reply's cells from units in this process, or None (remote units, too big)."""
+        by_unit = positions_by_unit(reply.units)
+        if any(u not in self.local_units for u in by_unit):
+            return None
+        parts: list[StoredColumns] = []
+        frames: list[Any] = []
+        size = 0
+        for unit_id, positions in by_unit.items():
+            rows = reply.rows if len(by_unit) == 1 else [reply.rows[i] for i in positions]
+            try:
+                stored, part = self.local_units[unit_id].read_local(
+                    req.partition_id, rows, reply.fields
+                )
+            except TQError:
+                return None  # let the client's own read report it
+            size += sum(memoryview(f).nbytes for f in part)
+            if size > req.inline_bytes:
+                return None
+            parts.append(stored)
+            frames.extend(part)
+        return parts, frames
 
     def _notify(self, wakeups: Sequence[Wakeup]) -> None:
         if wakeups:
@@ -600,7 +649,7 @@ class ControllerServer:
             self._commit_leases(req.ack)
         outcome = self._attempt(req)
         if isinstance(outcome, MetaReply):
-            self._send_ok(peer, rid, outcome)
+            self._send_meta(peer, rid, req, outcome)
             return False
         self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation, t0)
         return True
@@ -1107,7 +1156,7 @@ class ControllerServer:
                             strict=False,
                         )
                     if isinstance(attempt, MetaReply):
-                        self._send_ok(peer, rid, attempt)
+                        self._send_meta(peer, rid, req, attempt)
                         self.metrics.consumer_wait(time.perf_counter() - t0)
                         return
                     if not fut.done():

@@ -83,10 +83,6 @@ ProcessBatchFn: TypeAlias = Callable[..., Sequence[MicroBatch]]
 #: with 0, 0.51x with 8; `python -m benchmarks.extra`).
 _DEFAULT_REPLAY_WINDOW = 0
 
-#: Deadline of the get_meta that looks for an already-recorded batch once every row is
-#: consumed. A recorded batch is answered at once, inside the controller's reader callback,
-#: so this only bounds how long "nothing recorded" takes to be known.
-
 
 async def default_fetch_batch_fn(
     *,
@@ -101,13 +97,14 @@ async def default_fetch_batch_fn(
     stop_when_consumed: bool = False,
     **_: Any,
 ) -> tuple[TensorDict | None, BatchMeta]:
-    """Fetch one batch: ``get_meta`` under ``sampling_config``, then ``get_data``.
+    """Fetch one batch: :meth:`~tq_async.AsyncClient.get` under ``sampling_config``.
 
     This is the default ``fetch_batch_fn``. A custom one receives the same keyword arguments
     (accept ``**kwargs`` to ignore those you do not need) and must keep its contract:
 
-    * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``) to ``get_meta`` so
-      the rows are recorded under the batch index and can be read again on replay or resume;
+    * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``) to ``get`` or
+      ``get_meta`` so the rows are recorded under the batch index and can be read again on
+      replay or resume;
     * wait for rows rather than return an empty batch (``get_meta`` waits when ``timeout``
       is None), and let :class:`~tq_async.TQTimeoutError` escape when ``timeout`` expires;
     * at the end of the stream, return ``(None, meta)`` with ``meta.end_of_stream`` set.
@@ -134,7 +131,9 @@ async def default_fetch_batch_fn(
     Cancellation: rows already handed out stay recorded under ``batch_index`` (re-read by
     the next fetch of the same index); nothing is lost.
     """
-    meta = await client.get_meta(
+    # ``get`` reads the cells with the metadata when the controller can send them along
+    # (one round trip), and acknowledges an auto-clear hold once they are read
+    data, meta = await client.get(
         data_fields,
         batch_size,
         partition_id,
@@ -145,9 +144,6 @@ async def default_fetch_batch_fn(
     )
     if meta.end_of_stream or meta.is_empty:
         return None, meta
-    data = await client.get_data(meta)
-    if meta.lease_id:
-        await client.ack(meta)  # an auto-clear hold: read, so the rows may be freed
     return data, meta
 
 
@@ -186,6 +182,8 @@ def chunk_batch_fn(
             f"the batch has {rows} rows of data but its BatchMeta has {n}; a fetch_batch_fn "
             "must return data and metadata of the same rows"
         )
+    if micro_batch_size >= n:
+        return [(td, meta)]  # one micro-batch: the batch itself (nothing to cut)
     bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
     return list(zip(_split_rows(td, bounds), meta.chunk(micro_batch_size), strict=True))
 

@@ -139,6 +139,9 @@ class GetMeta(_Msg):
     lease: float | None = None
     #: leases this request acknowledges (the consumer is done with those batches)
     ack: list[int] | None = None
+    #: a ``get``: if the rows' cells sit in storage units of the controller's process and
+    #: take at most this many bytes, the reply carries them (one round trip, no get_data)
+    inline_bytes: int = 0
 
 
 class Cancel(_Msg):
@@ -409,6 +412,9 @@ class MetaReply(msgspec.Struct, array_like=True):
     end_of_stream: bool = False
     versions: dict[str, list[int]] = {}
     lease_id: int = 0
+    #: the cells, when the request asked for them inline: one part per storage unit, in
+    #: order of first appearance in ``units``, each followed by its columns' frames
+    inline: list[StoredColumns] | None = None
 
 
 class RecycledRows(msgspec.Struct, array_like=True):

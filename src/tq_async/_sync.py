@@ -46,6 +46,7 @@ class Client:
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
+        inline_get_bytes: int = 1 << 20,
     ) -> None:
         self.address = address
         self._portal = get_portal()
@@ -56,6 +57,7 @@ class Client:
             "curve": curve,
             "retry_after": retry_after,
             "inline_put_bytes": inline_put_bytes,
+            "inline_get_bytes": inline_get_bytes,
         }
 
     @classmethod
@@ -68,6 +70,7 @@ class Client:
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
+        inline_get_bytes: int = 1 << 20,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -77,6 +80,7 @@ class Client:
             curve=curve,
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
+            inline_get_bytes=inline_get_bytes,
         )
 
     def open(self) -> Client:

@@ -1,0 +1,139 @@
+"""The transport's in-process shortcut: a client in the services' process talks inproc.
+
+inproc passes message buffers by reference, so these tests pin down that the shortcut keeps
+the semantics of a socket (what was put is a copy; what was read is the reader's own) and that
+a closing endpoint still fails the requests waiting on it at once.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import zmq
+
+import tq_async as tq
+from tq_async._protocol import ListPartitions
+from tq_async._transport import DealerConnection, RouterEndpoint
+
+
+async def test_a_client_in_the_services_process_connects_inproc() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=0) as client,
+    ):
+        meta = await client.put({"x": torch.arange(4)}, "p")
+        assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2, 3]
+        assert client._controller is not None
+        assert client._controller.inproc
+        assert client._units
+        assert all(conn.inproc for conn in client._units.values())
+        # the controller reaches its units in the same process the same way
+        assert all(conn.inproc for conn in cluster.controller._units.values())
+
+
+async def test_put_keeps_a_copy_not_the_callers_buffer() -> None:
+    # above pyzmq's copy threshold (64 KiB), where inproc would pass the buffer itself
+    n = 3 * 65536
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for inline in (0, 1 << 24):  # three-step put (to the unit) and one-message put
+            client.inline_put_bytes = inline
+            dense = torch.arange(n, dtype=torch.float32).reshape(3, -1)
+            jagged = torch.nested.nested_tensor(
+                [torch.ones(n), torch.ones(1), torch.ones(2)], layout=torch.jagged
+            )
+            meta = await client.put({"d": dense, "j": jagged}, f"p{inline}")
+            dense.fill_(-1)
+            jagged.values().fill_(-1)
+            td = await client.get_data(meta)
+            assert torch.equal(td["d"].flatten(), torch.arange(n, dtype=torch.float32))
+            assert float(td["j"].values().sum()) == n + 3
+
+
+async def test_data_read_is_the_readers_own() -> None:
+    n = 4 * 65536  # above pyzmq's copy threshold
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        jagged = torch.nested.nested_tensor([torch.ones(n), torch.ones(3)], layout=torch.jagged)
+        meta = await client.put({"d": torch.arange(2 * n).reshape(2, n), "j": jagged}, "p")
+        first = await client.get_data(meta)
+        first["d"].add_(100)  # writable, and writing it must not reach the stored cells
+        first["j"].values().zero_()
+        again = await client.get_data(meta)
+        assert torch.equal(again["d"].flatten(), torch.arange(2 * n))
+        assert float(again["j"].values().sum()) == n + 3
+
+
+async def test_a_blocking_client_on_its_own_loop_thread_uses_the_shortcut() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+
+        def blocking() -> tuple[bool, list[int]]:
+            with tq.Client.connect(cluster.address) as client:
+                meta = client.put({"x": torch.arange(3)}, "p")
+                got = client.get_data(meta)["x"].tolist()
+                return bool(
+                    client._async and client._async._controller and client._async._controller.inproc
+                ), got
+
+        inproc, got = await anyio.to_thread.run_sync(blocking)
+        assert inproc
+        assert got == [0, 1, 2]
+
+
+async def test_closing_an_endpoint_fails_its_in_process_requests_at_once() -> None:
+    """inproc has no disconnect events: the endpoint tells its connections itself."""
+    seen = anyio.Event()
+
+    def never_answer(peer: bytes, frames: list[zmq.Frame]) -> None:
+        seen.set()
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", never_answer)
+    lost: list[bool] = []
+    conn = DealerConnection(endpoint.address, on_disconnect=lambda: lost.append(True))
+    try:
+        assert conn.inproc
+        assert conn.connected
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def waiting() -> None:
+                    with pytest.raises(tq.BrokenError, match="broke"):
+                        await conn.request(ListPartitions())  # no timeout: waits for ever
+
+                tg.start_soon(waiting)
+                await seen.wait()
+                endpoint.close()
+        assert lost == [True]
+        assert conn.connected is False
+    finally:
+        conn.close()
+        endpoint.close()
+
+
+async def test_other_contexts_and_curve_go_through_the_socket() -> None:
+    def ignore(peer: bytes, frames: list[zmq.Frame]) -> None:
+        pass
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", ignore)
+    other = zmq.Context()
+    try:
+        conn = DealerConnection(endpoint.address, context=other)
+        assert not conn.inproc  # inproc only works inside one context
+        conn.close()
+    finally:
+        endpoint.close()
+        other.term()
+    public, secret = tq.curve_keypair()
+    server = tq.CurveServer(public, secret)
+    async with tq.local_cluster(num_storage_units=1, curve=server) as cluster:
+        client_public, client_secret = tq.curve_keypair()
+        curve = tq.CurveClient(public, client_public, client_secret)
+        async with tq.AsyncClient.connect(cluster.address, curve=curve) as client:
+            assert await client.list_partitions() == []
+            assert client._controller is not None
+            assert not client._controller.inproc
