@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import msgspec
@@ -10,20 +9,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from tq_async import ProtocolError, SchemaError, UnsupportedTypeError
-from tq_async._codec import (
-    ColumnHeader,
-    DenseColumn,
-    JaggedColumn,
-    ListColumn,
-    column_from_frames,
-    column_to_frames,
-    columns_from_batch,
-    columns_to_tensordict,
-    concat_columns,
-    reorder_column,
-    take_rows,
-)
+from tq_async import SchemaError, UnsupportedTypeError
+from tq_async._codec import columns_from_batch, columns_to_tensordict
+from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames
 
 DTYPES = [
     torch.float64,
@@ -141,60 +129,20 @@ def test_empty_and_wrong_inputs_raise() -> None:
         columns_from_batch(TensorDict({"a": TensorDict({"b": torch.zeros(2)}, [2])}, [2]))
 
 
-def test_truncated_frame_is_a_protocol_error() -> None:
-    h = ColumnHeader("x", "dense", "float32", (3,))
-    with pytest.raises(ProtocolError, match="truncated"):
-        column_from_frames(h, [b"\x00" * 10], 2)
-    with pytest.raises(ProtocolError, match="unknown dtype"):
-        column_from_frames(ColumnHeader("x", "dense", "float99", ()), [b""], 0)
-    with pytest.raises(ProtocolError, match="msgpack"):
-        column_from_frames(ColumnHeader("s", "object"), [b"\xc1"], 1)
-    bad_offsets = torch.tensor([0, 5, 2], dtype=torch.int64).numpy().tobytes()
-    with pytest.raises(ProtocolError, match="offsets"):
-        column_from_frames(ColumnHeader("j", "jagged", "int64", ()), [b"\x00" * 16, bad_offsets], 2)
-
-
 def test_dense_receive_is_zero_copy() -> None:
     buf = bytearray(torch.arange(6, dtype=torch.int64).numpy().tobytes())
-    col = column_from_frames(ColumnHeader("x", "dense", "int64", (3,)), [buf], 2)
-    assert isinstance(col, DenseColumn)
+    header = ColumnHeader("x", "dense", "int64", (3,))
+    td = columns_to_tensordict(2, [header], [column_from_frames(header, [buf], 2)])
     buf[0] = 42  # the tensor is a view of the received buffer
-    assert int(col.data[0, 0]) == 42
+    assert td["x"].tolist() == [[42, 1, 2], [3, 4, 5]]
 
 
-def test_take_rows_views_and_gathers() -> None:
-    dense = DenseColumn(torch.arange(10).reshape(5, 2))
-    one = take_rows(dense, [(1, 3)])
-    assert isinstance(one, DenseColumn)
-    assert one.data.data_ptr() == dense.data[1].data_ptr()  # a view, no copy
-    many = take_rows(dense, [(0, 1), (3, 5)])
-    assert isinstance(many, DenseColumn)
-    assert many.data[:, 0].tolist() == [0, 6, 8]
-
-    jag = JaggedColumn(torch.arange(10), torch.tensor([0, 2, 3, 7, 10]))
-    sub = take_rows(jag, [(1, 2), (3, 4)])
-    assert isinstance(sub, JaggedColumn)
-    assert sub.offsets.tolist() == [0, 1, 4]
-    assert sub.values.tolist() == [2, 7, 8, 9]
-
-    lst = ListColumn(list("abcde"))
-    assert take_rows(lst, [(4, 5), (0, 2)]).values == ["e", "a", "b"]  # type: ignore[union-attr]
-
-
-def test_concat_and_reorder() -> None:
-    a = JaggedColumn(torch.arange(3), torch.tensor([0, 1, 3]))
-    b = JaggedColumn(torch.arange(10, 14), torch.tensor([1, 2, 4]))  # offsets not from 0
-    both = concat_columns([a, b])
-    assert isinstance(both, JaggedColumn)
-    assert jagged_rows(both) == [[0], [1, 2], [11], [12, 13]]
-    back = reorder_column(both, [3, 0, 2, 1])
-    assert isinstance(back, JaggedColumn)
-    assert jagged_rows(back) == [[12, 13], [0], [11], [1, 2]]
-
-
-def jagged_rows(col: JaggedColumn) -> list[list[int]]:
-    bounds = col.offsets.tolist()
-    return [col.values[s:e].tolist() for s, e in itertools.pairwise(bounds)]
+def test_read_only_bytes_are_copied_into_a_writable_tensor() -> None:
+    raw = torch.arange(6, dtype=torch.int64).numpy().tobytes()  # bytes: read-only
+    header = ColumnHeader("x", "dense", "int64", (3,))
+    td = columns_to_tensordict(2, [header], [column_from_frames(header, [raw], 2)])
+    td["x"].add_(1)
+    assert td["x"].tolist() == [[1, 2, 3], [4, 5, 6]]
 
 
 def test_large_dense_frame_size() -> None:
@@ -202,3 +150,11 @@ def test_large_dense_frame_size() -> None:
     _, headers, columns = columns_from_batch({"ids": t})
     (frame,) = column_to_frames(headers[0], columns[0])
     assert memoryview(frame).nbytes == math.prod(t.shape) * 8
+
+
+def test_encoding_does_not_copy_contiguous_tensors() -> None:
+    t = torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)
+    _, headers, columns = columns_from_batch({"x": t})
+    (frame,) = column_to_frames(headers[0], columns[0])
+    t[0, 0] = 7  # the frame is a view of the tensor's memory
+    assert torch.frombuffer(bytearray(frame), dtype=torch.bfloat16)[0] == 7

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tq_async as tq
-from tq_async._codec import ColumnHeader
+from tq_async._columns import ColumnHeader
 from tq_async._protocol import (
     GetMeta,
     Hello,

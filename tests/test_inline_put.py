@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._codec import column_to_frames, columns_from_batch
+from tq_async._codec import columns_from_batch
+from tq_async._columns import column_to_frames
 from tq_async._controller import ControllerServer
 from tq_async._protocol import PutInline
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tq_async import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
-from tq_async._codec import ColumnHeader
+from tq_async._columns import ColumnHeader
 from tq_async._state import ControllerState, ReadyView, RowOrigin, RowTags, Wakeup
 
 IDS = ColumnHeader("ids", "dense", "int64", (4,))

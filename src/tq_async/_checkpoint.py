@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from ._codec import (
+from ._columns import (
     Column,
     ColumnHeader,
     column_frame_count,

@@ -21,15 +21,14 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
-from ._codec import (
+from ._codec import columns_from_batch, columns_to_tensordict
+from ._columns import (
     Column,
     ColumnHeader,
     column_frame_count,
     column_from_frames,
     column_nbytes,
     column_to_frames,
-    columns_from_batch,
-    columns_to_tensordict,
     concat_columns,
     position_runs,
     positions_by_unit,

@@ -28,7 +28,7 @@ import structlog
 import zmq
 from anyio.abc import TaskGroup, TaskStatus
 
-from ._codec import positions_by_unit
+from ._columns import positions_by_unit
 from ._errors import (
     InvalidRequestError,
     KeyNotFound,

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ._codec import ColumnHeader
+from ._columns import ColumnHeader
 from ._errors import ProtocolError
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, overload
 
-from ._codec import ColumnHeader
+from ._columns import ColumnHeader
 from ._errors import (
     BrokenError,
     InvalidRequestError,

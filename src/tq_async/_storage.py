@@ -19,7 +19,7 @@ import structlog
 import zmq
 from anyio.abc import TaskStatus
 
-from ._codec import (
+from ._columns import (
     Column,
     ColumnHeader,
     column_frame_count,
