@@ -7,7 +7,8 @@ include first-use costs and the peak RSS is that of a process that did nothing e
   (``import tq_async`` is reported on its own); then the same again in the same process
   ("warm"). Teardown = closing the client and leaving ``local_cluster``.
 * process: ``tq-async serve --storage-units 2`` started by the child (which has imported
-  tq_async already), time until it prints its address, then until a new client's first put
+  tq_async and its client already; the serve process itself never imports torch), time until
+  it prints its address, then until a new client's first put
   returns; teardown = SIGTERM until the server exited. Peak RSS of the server (``VmHWM``)
   and of the client process.
 """
@@ -93,7 +94,11 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 [r["warm_start_to_first_put_s"] for r in res],
             ),
             _s("local_cluster teardown", [r["teardown_s"] for r in res], "client close + exit"),
-            _s("import tq_async", [r["import_s"] for r in res], "includes torch"),
+            _s(
+                "import tq_async",
+                [r["import_s"] for r in res],
+                "import torch, tq_async and its client (tq.AsyncClient)",
+            ),
             _s("fresh interpreter: launch->exit", walls),
             _mb("peak RSS, embedded process", [r["peak_rss"] for r in res], "VmHWM"),
         ]
