@@ -12,8 +12,8 @@
   ``train@{step}``: prompts (``input_ids``), jagged ``responses`` and ``old_log_prob``, a
   ``uid`` (the prompt group) and ``total_lengths`` tag per row, and the ``policy_version``
   of the weights they generated with. Whoever puts a step's last group seals the partition.
-* **Reward and reference workers** read rows under their own task names (``get_meta`` /
-  ``get_data``) and add columns to the same rows (``put(fields, meta=meta)``): a toy
+* **Reward and reference workers** read rows under their own task names (``get``: the rows
+  and their data) and add columns to the same rows (``put(fields, meta=meta)``): a toy
   verifiable reward with GRPO group-normalised advantages, and the log-probs of a frozen copy
   of the initial policy. Each row is handed to each task exactly once.
 * **The learner** gets a row as soon as all its columns exist. It has ``dp_size`` data-parallel
@@ -357,13 +357,13 @@ class Pipeline:
         for step in range(self.args.steps):
             while True:
                 t0 = time.perf_counter()
-                meta = await self.client.get_meta(
+                # rows and their data in one call (one round trip when the cells are local)
+                td, meta = await self.client.get(
                     ["input_ids", "responses"], batch_size, partition(step), task
                 )
                 stats.waits.append(time.perf_counter() - t0)
                 if meta.end_of_stream:
                     break  # sealed, and this task has had every row
-                td = await self.client.get_data(meta)
                 await self.client.put(await add_fields(td, meta), meta=meta)
                 stats.rows.extend((step, r) for r in meta.global_indexes)
         stats.finished_at = time.perf_counter()
