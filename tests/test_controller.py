@@ -294,3 +294,25 @@ async def test_bad_transport_is_rejected() -> None:
     with pytest.raises(tq.InvalidRequestError, match="transport"):
         async with tq.local_cluster(transport="udp"):
             pass
+
+
+class _Greedy(tq.BaseSampler):
+    """Hands out every row of the partition, ready or not (a buggy custom sampler)."""
+
+    def sample(self, ready_indexes, batch_size, **ctx):  # type: ignore[no-untyped-def]
+        rows = [0, 1, 2]
+        return rows, rows
+
+
+async def test_a_sampler_returning_rows_without_the_fields_is_refused() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_Greedy()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put(batch(3), partition_id="p")
+        await client.put({"y": torch.ones(2)}, meta=meta.select_rows([0, 1]))  # row 2 has no y
+        with pytest.raises(tq.InvalidRequestError, match="row 2, which lacks some of"):
+            await client.get_meta(["x", "y"], 3, "p", "t")
+        # nothing was consumed: a correct request still sees every row
+        got = await client.get_meta(["x"], 3, "p", "t")
+        assert got.global_indexes == [0, 1, 2]
