@@ -756,6 +756,10 @@ class AsyncClient:
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
+        One round trip when the controller can send the cells along (they sit in storage
+        units of its own process and take at most ``inline_get_bytes``); two otherwise. The
+        result is the same either way.
+
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
