@@ -1,0 +1,187 @@
+"""Machine probes behind the explanations in RESULTS.md (no tq_async involved).
+
+``python -m benchmarks.probes PROBE``:
+
+* ``tcp-ceiling``: raw pyzmq, two processes, the W1 dense batch (3 frames, 8.4 MB) sent
+  DEALER -> ROUTER over TCP loopback with one ack each, the receiver keeping 16 messages
+  like a storage unit: the best a put over a socket can do on this box.
+* ``idle-rtt``: a 100-byte round trip (blocking pyzmq, server thread) back to back and after
+  1 ms / 10 ms of idleness, over ipc, tcp and inproc: what waking up costs.
+* ``cold-call``: one small torch call right after ``time.sleep(0.01)``, after spinning for
+  0.2-3 ms first, and a second call right after the first: whether a slow first call is the
+  clock (spinning helps) or cold caches (it does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+NBYTES = 256 * 2048 * 8 * 2 + 256 * 4
+
+
+def _sink(address: str, keep: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(address)
+    kept: list[Any] = []
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2:  # the stop message
+            sock.send_multipart([frames[0].bytes, b"bye"])
+            break
+        kept.append(frames[2:])
+        if len(kept) == keep:
+            kept = []
+        sock.send_multipart([frames[0].bytes, b"ok"])
+    sock.close(linger=0)
+    ctx.term()
+
+
+def tcp_ceiling(puts: int = 400) -> None:
+    ids = np.random.randint(0, 150_000, (256, 2048)).astype(np.int64)
+    mask = np.ones((256, 2048), dtype=np.int64)
+    reward = np.random.rand(256).astype(np.float32)
+    for keep in (1, 16):
+        with socket_port() as port:
+            address = f"tcp://127.0.0.1:{port}"
+        proc = multiprocessing.get_context("spawn").Process(target=_sink, args=(address, keep))
+        proc.start()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        times = []
+        for _ in range(puts):
+            t0 = time.perf_counter()
+            sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
+            sock.recv()
+            times.append(time.perf_counter() - t0)
+        sock.send_multipart([b"q"])
+        sock.recv()
+        proc.join(30)
+        sock.close(linger=0)
+        ctx.term()
+        p50 = statistics.median(times[50:])
+        print(
+            f"tcp-ceiling receiver keeps {keep:2d}: put+ack p50 {p50 * 1e3:.2f} ms = "
+            f"{NBYTES / p50 / 1e9:.2f} GB/s"
+        )
+
+
+class socket_port:
+    """A free TCP port on loopback (bound and released)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        port: int = self._sock.getsockname()[1]
+        return port
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.close()
+
+
+def idle_rtt(calls: int = 300) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        with socket_port() as port:
+            addresses = {
+                "ipc": f"ipc://{tmp}/probe.sock",
+                "tcp": f"tcp://127.0.0.1:{port}",
+                "inproc": "inproc://probe",
+            }
+        for name, address in addresses.items():
+            ctx = zmq.Context()
+            server = ctx.socket(zmq.ROUTER)
+            server.bind(address)
+
+            def serve(server: Any = server) -> None:
+                while True:
+                    frames = server.recv_multipart()
+                    server.send_multipart(frames)
+                    if frames[1] == b"q":
+                        break
+
+            thread = threading.Thread(target=serve)
+            thread.start()
+            client = ctx.socket(zmq.DEALER)
+            client.connect(address)
+            for gap in (0.0, 0.001, 0.01):
+                times = []
+                for _ in range(calls):
+                    if gap:
+                        time.sleep(gap)
+                    t0 = time.perf_counter()
+                    client.send(b"x" * 100)
+                    client.recv()
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                print(
+                    f"idle-rtt {name:6s} after {gap * 1e3:4.0f} ms idle: p50 "
+                    f"{times[len(times) // 2] * 1e6:4.0f} us, p99 "
+                    f"{times[int(len(times) * 0.99)] * 1e6:4.0f} us"
+                )
+            client.send(b"q")
+            client.recv()
+            thread.join()
+            client.close(linger=0)
+            server.close(linger=0)
+            ctx.term()
+
+
+def cold_call(calls: int = 100) -> None:
+    import torch
+
+    for spin in (0.0, 0.0002, 0.001, 0.003):
+        times = []
+        for _ in range(calls):
+            time.sleep(0.01)
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:
+                pass
+            t0 = time.perf_counter()
+            torch.tensor([1.0]).view(torch.uint8)
+            times.append(time.perf_counter() - t0)
+        print(
+            f"cold-call after 10 ms idle, {spin * 1e3:.1f} ms spin: "
+            f"{statistics.median(times) * 1e6:.0f} us"
+        )
+    firsts, seconds = [], []
+    for _ in range(calls):
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        torch.tensor([1.0]).view(torch.uint8)
+        t1 = time.perf_counter()
+        torch.tensor([1.0]).view(torch.uint8)
+        t2 = time.perf_counter()
+        firsts.append(t1 - t0)
+        seconds.append(t2 - t1)
+    print(
+        f"cold-call first / second call after 10 ms idle: "
+        f"{statistics.median(firsts) * 1e6:.0f} / {statistics.median(seconds) * 1e6:.0f} us"
+    )
+
+
+PROBES = {"tcp-ceiling": tcp_ceiling, "idle-rtt": idle_rtt, "cold-call": cold_call}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes", description=__doc__)
+    parser.add_argument("probe", choices=[*PROBES, "all"])
+    args = parser.parse_args()
+    for name, probe in PROBES.items():
+        if args.probe in (name, "all"):
+            probe()
+
+
+if __name__ == "__main__":
+    main()
