@@ -57,19 +57,25 @@ def tcp_ceiling(puts: int = 400) -> None:
         proc.start()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(address)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a dead receiver fails the probe, never hangs it
+        sock.setsockopt(zmq.LINGER, 0)
         times = []
-        for _ in range(puts):
-            t0 = time.perf_counter()
-            sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
+        try:
+            sock.connect(address)
+            for _ in range(puts):
+                t0 = time.perf_counter()
+                sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
+                sock.recv()
+                times.append(time.perf_counter() - t0)
+            sock.send_multipart([b"q"])
             sock.recv()
-            times.append(time.perf_counter() - t0)
-        sock.send_multipart([b"q"])
-        sock.recv()
-        proc.join(30)
-        sock.close(linger=0)
-        ctx.term()
-        p50 = statistics.median(times[50:])
+        finally:
+            sock.close()
+            ctx.term()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        p50 = statistics.median(times[len(times) // 8 :])  # drop the warm-up
         print(
             f"tcp-ceiling receiver keeps {keep:2d}: put+ack p50 {p50 * 1e3:.2f} ms = "
             f"{NBYTES / p50 / 1e9:.2f} GB/s"

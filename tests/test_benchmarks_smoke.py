@@ -55,3 +55,17 @@ def test_extra_benchmarks_smoke() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SeqlenBalancedSampler" in done.stdout
     assert "dataset / raw" in done.stdout
+
+
+def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine probes quoted in RESULTS.md still run (tiny sizes)."""
+    monkeypatch.syspath_prepend(str(REPO))  # also for the probe's spawned receiver
+    from benchmarks import probes
+
+    probes.tcp_ceiling(puts=8)
+    probes.idle_rtt(calls=4)
+    probes.cold_call(calls=2)
+    out = capsys.readouterr().out
+    assert out.count("tcp-ceiling") == 2
+    assert out.count("idle-rtt") == 9
+    assert out.count("cold-call") == 5
