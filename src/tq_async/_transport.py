@@ -11,17 +11,19 @@ zmq.asyncio is the cost. So both ends here use plain non-blocking sockets:
   number of in-flight requests by request id; each request awaits a plain future.
 
 ZMQ's FD is edge-triggered and a ``send`` may consume the edge of an incoming message, so the
-reader drains until ``EAGAIN`` and every send schedules one more drain.
+reader drains until ``EVENTS`` reports nothing more to read, and every send schedules one
+more drain.
 
 **In-process shortcut.** A service endpoint also binds an ``inproc://`` endpoint and records
 it under its public address; a :class:`DealerConnection` opened in the same process (same
 ZMQ context, no CURVE) connects there instead. No I/O thread, no kernel copies, no cross-thread
-wake-ups: measured on this box, a put after 10 ms idle went from ~0.96 ms to ~0.4 ms and
-sequential get_meta from ~5k/s to ~10k/s (``benchmarks/RESULTS.md``). inproc hands message
-buffers over by reference, so to keep the semantics of a socket (the receiver owns what it got)
-an in-process connection copies its outgoing data frames and hands incoming data frames out
-read-only (the codec copies those before building writable tensors). inproc has no
-connection events, so a closing endpoint tells its in-process connections itself.
+wake-ups: measured on this box, a one-row put after 10 ms idle went from ~0.96 to ~0.6-0.75 ms,
+sequential get_meta from ~4-5k/s to ~10-11k/s and an 8.4 MB put from ~2.4 to ~5 GB/s
+(``benchmarks/RESULTS.md``). inproc hands message buffers over by reference, so to keep the
+semantics of a socket (the receiver owns what it got) an in-process connection copies its
+outgoing data frames, and the data frames it receives, into buffers of its own (recycled:
+see :mod:`tq_async._buffers`). inproc has no connection events, so a closing endpoint tells
+its in-process connections itself.
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def _local_route(address: str, context: zmq.Context[Any]) -> _LocalRoute | None:
 
 
 class _Drained:
-    """Shared reader plumbing: register the FD, drain until EAGAIN, re-drain after sends."""
+    """Shared reader plumbing: register the FD, drain while EVENTS says POLLIN, re-drain
+    after sends."""
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self._sock = sock
