@@ -249,11 +249,14 @@ def column_from_frames(header: ColumnHeader, frames: Sequence[Frame], n: int) ->
 
 
 def column_nbytes(column: Column) -> int:
-    """Bytes held by a column (tensor data; lists count their bytes values, if any)."""
+    """Bytes of a column's rows as they travel (tensor data; lists count their bytes values,
+    if any). A jagged column counts only the span of values its offsets select."""
     if isinstance(column, DenseColumn):
         return int(column.data.nbytes)
     if isinstance(column, JaggedColumn):
-        return int(column.values.nbytes + column.offsets.nbytes)
+        offsets = column.offsets
+        span = int(offsets[-1]) - int(offsets[0])
+        return span * int(column.values.shape[1]) + int(offsets.nbytes)
     return sum(len(v) for v in column.values if isinstance(v, bytes))
 
 

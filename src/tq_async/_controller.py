@@ -338,11 +338,15 @@ class ControllerServer:
         for unit_id, positions in by_unit.items():
             rows = reply.rows if len(by_unit) == 1 else [reply.rows[i] for i in positions]
             try:
-                stored, part = self.local_units[unit_id].read_local(
-                    req.partition_id, rows, reply.fields
+                got = self.local_units[unit_id].read_local(
+                    req.partition_id, rows, reply.fields, req.inline_bytes - size
                 )
             except TQError:
                 return None  # let the client's own read report it
+            if got is None:
+                return None  # too big: the client reads from the units
+            stored, part = got
+            # the frames are what travels (object columns are sized only once encoded)
             size += sum(memoryview(f).nbytes for f in part)
             if size > req.inline_bytes:
                 return None

@@ -22,6 +22,7 @@ from anyio.abc import TaskStatus
 from ._columns import (
     Column,
     ColumnHeader,
+    JaggedColumn,
     column_frame_count,
     column_from_frames,
     column_nbytes,
@@ -48,9 +49,21 @@ from ._protocol import (
 from ._security import CurveServer
 from ._transport import LogThrottle, RouterEndpoint
 
-__all__ = ["StorageState", "StorageServer"]
+__all__ = ["OverBudget", "StorageState", "StorageServer"]
 
 log = structlog.get_logger(__name__)
+
+
+class OverBudget(Exception):
+    """A read limited to some bytes would take more (internal: the caller reads otherwise)."""
+
+
+def _joined_nbytes(pieces: Sequence[Column]) -> int:
+    """``column_nbytes(concat_columns(pieces))``, computed on the views (no copy)."""
+    size = sum(column_nbytes(p) for p in pieces)
+    if isinstance(pieces[0], JaggedColumn):
+        size -= 8 * (len(pieces) - 1)  # one offsets array of n + 1, not one per piece
+    return size
 
 
 class _Chunk:
@@ -111,9 +124,20 @@ class StorageState:
             self.resident_bytes -= chunk.nbytes
 
     def get(
-        self, partition_id: str, rows: Sequence[int], fields: Sequence[str]
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        *,
+        max_bytes: int | None = None,
     ) -> tuple[list[ColumnHeader], list[Column]]:
-        """Columns for ``fields`` of ``rows`` in that order (views when possible)."""
+        """Columns for ``fields`` of ``rows`` in that order (views when possible).
+
+        Raises:
+            OverBudget: the cells take more than ``max_bytes`` (checked on the views, before
+                anything is copied together).
+        """
+        budget = max_bytes
         stored = self._index.get(partition_id)
         if stored is None:
             raise RowsNotFound(
@@ -151,15 +175,24 @@ class StorageState:
                 pieces.append(take_rows(run_chunk.column, [(a, b)]))
             if header is None:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
+            if budget is not None:
+                budget -= _joined_nbytes(pieces)
+                if budget < 0:
+                    raise OverBudget(f"the cells take more than {max_bytes} bytes")
             headers.append(header)
             columns.append(concat_columns(pieces))
         return headers, columns
 
     def read(
-        self, partition_id: str, rows: Sequence[int], fields: Sequence[str]
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        *,
+        max_bytes: int | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
         """:meth:`get`, as it travels: the reply's header and the columns' frames."""
-        headers, columns = self.get(partition_id, rows, fields)
+        headers, columns = self.get(partition_id, rows, fields, max_bytes=max_bytes)
         frames: list[Any] = []
         for h, c in zip(headers, columns, strict=True):
             frames.extend(column_to_frames(h, c))
@@ -248,14 +281,17 @@ class StorageServer:
                 self.metrics.request("StorePut", ok, time.perf_counter() - t0)
 
     def read_local(
-        self, partition_id: str, rows: Sequence[int], fields: Sequence[str]
-    ) -> tuple[StoredColumns, list[Any]]:
-        """A :class:`StoreGet` from a controller in this process, without a message."""
+        self, partition_id: str, rows: Sequence[int], fields: Sequence[str], max_bytes: int
+    ) -> tuple[StoredColumns, list[Any]] | None:
+        """A :class:`StoreGet` from a controller in this process, without a message; None
+        when the cells take more than ``max_bytes`` (nothing is copied then)."""
         t0 = time.perf_counter()
         ok = False
         try:
-            stored, frames = self.state.read(partition_id, rows, fields)
+            stored, frames = self.state.read(partition_id, rows, fields, max_bytes=max_bytes)
             ok = True
+        except OverBudget:
+            return None
         finally:
             if self.metrics.enabled:
                 if ok:
