@@ -811,8 +811,14 @@ class AsyncClient:
     async def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away.
 
+        A unit that stops answering is first *suspended* (its rows are neither handed out
+        nor lost; end-of-stream waits for them); it is declared lost when its process is
+        confirmed gone (reconnecting is refused, or another process answers at its address)
+        or after ``unit_lost_after`` seconds.
+
         Returns:
-            ``{"dead_units": [unit ids], "rows": {partition_id: [rows]}}``.
+            ``{"dead_units": [unit ids], "suspended_units": [unit ids], "rows":
+            {partition_id: [rows lost]}}``.
         """
         return dict(await self._call(LostRows(partition_id), dict[str, Any]))
 
