@@ -207,7 +207,20 @@ class ControllerCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`advance` has something to do next (None: nothing is pending)."""
-        return self._timers[0][0] if self._timers else None
+        timers = self._timers
+        while timers and not self._live(*timers[0]):
+            heapq.heappop(timers)  # acknowledged, committed, renewed or resumed meanwhile
+        return timers[0][0] if timers else None
+
+    def _live(self, deadline: float, _seq: int, kind: str, ident: int) -> bool:
+        """Whether a heap entry still stands for a deadline."""
+        if kind == "lease":
+            p = self._lease_home.get(ident)
+            return p is not None and p.leases[ident].deadline == deadline
+        if kind == "put":
+            p = self._put_home.get(ident)
+            return p is not None and p.put_leases[ident].deadline == deadline
+        return self.state.suspended.get(ident) == deadline
 
     def _arm(self, deadline: float, kind: str, ident: int) -> None:
         heapq.heappush(self._timers, (deadline, next(self._ids), kind, ident))
@@ -630,7 +643,9 @@ class ControllerCore:
             return
         put = p.put_leases.pop(put_id)
         del self._put_home[put_id]
-        rows = [r for r in put.rows if p.alive[r]]
+        # a row with any cell produced was committed (by a client that sent no put id)
+        fields = [f.produced for f in p.fields.values()]
+        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
         log.warning(
             "put lease lapsed: reclaiming the rows of an uncommitted put",
             partition=p.partition_id,
