@@ -20,7 +20,7 @@ from tq_async import (
     StalenessSampler,
 )
 from tq_async._columns import ColumnHeader
-from tq_async._core import ControllerCore, Effects, SampleCall, split_even
+from tq_async._core import ControllerCore, Deadlines, Effects, SampleCall, split_even
 from tq_async._protocol import GetMeta, MetaReply
 from tq_async._state import ControllerState, Wakeup
 from tq_async.samplers import BaseSampler
@@ -197,7 +197,7 @@ def test_seqlen_global_batch_is_recorded_for_every_rank() -> None:
 
 
 def test_a_lapsed_put_lease_reclaims_rows_and_frees_capacity() -> None:
-    core = new_core(put_lease=5.0)
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
     core.state.capacity = 16
     put(core, 8)
     placement, _ = core.put_begin("p", [X], 8, None, None, 0.0)  # the producer dies here
@@ -216,7 +216,7 @@ def test_a_lapsed_put_lease_reclaims_rows_and_frees_capacity() -> None:
 
 
 def test_a_renewed_put_lease_keeps_a_slow_producers_rows() -> None:
-    core = new_core(put_lease=5.0)
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
     placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
     core.renew_puts([placement.put_id], 4.0)
     core.advance(6.0)
@@ -225,7 +225,7 @@ def test_a_renewed_put_lease_keeps_a_slow_producers_rows() -> None:
 
 
 def test_a_put_committed_without_its_put_id_is_not_reclaimed() -> None:
-    core = new_core(put_lease=5.0)
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
     placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
     core.put_commit("p", placement.rows, ["x"], None, None)  # an older client
     core.advance(6.0)
@@ -236,7 +236,7 @@ def test_a_put_committed_without_its_put_id_is_not_reclaimed() -> None:
 
 
 def test_a_suspended_unit_resumes_with_its_rows() -> None:
-    core = new_core(unit_lost_after=60.0)
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
     put(core, 4)  # unit 0
     put(core, 4)  # unit 1
     core.state.seal("p")
@@ -254,7 +254,7 @@ def test_a_suspended_unit_resumes_with_its_rows() -> None:
 
 
 def test_a_unit_suspended_too_long_is_lost() -> None:
-    core = new_core(unit_lost_after=60.0)
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
     put(core, 4)
     put(core, 4)
     core.state.seal("p")

@@ -34,7 +34,7 @@ import zmq
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._columns import positions_by_unit
-from ._core import AdmissionConfig, ControllerCore, Effects, SampleCall, meta_reply
+from ._core import AdmissionConfig, ControllerCore, Deadlines, Effects, SampleCall, meta_reply
 from ._errors import (
     InvalidRequestError,
     KeyNotFound,
@@ -106,7 +106,7 @@ from ._storage import StorageServer
 from ._transport import DealerConnection, LogThrottle, RouterEndpoint
 from .samplers import BaseSampler
 
-__all__ = ["AdmissionConfig", "ControllerServer"]
+__all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
 log = structlog.get_logger(__name__)
 
@@ -141,12 +141,7 @@ class ControllerServer:
         local_units: storage units running in this process (``local_cluster`` passes its
             own): a small put sent whole to the controller (:class:`PutInline`) is stored in
             them directly, without a message.
-        put_lease: seconds a put keeps its new rows without committing or renewing; then a
-            dead producer's rows are reclaimed (see ``docs/guarantees.md``).
-        unit_suspend_after: seconds a storage unit may stay silent before it is suspended
-            (its rows are neither handed out nor lost; new puts avoid it).
-        unit_lost_after: seconds a suspended unit has to come back with its data before its
-            rows are declared lost.
+        deadlines: the put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
     """
 
     def __init__(
@@ -161,19 +156,10 @@ class ControllerServer:
         admission: AdmissionConfig | None = None,
         curve: CurveServer | None = None,
         local_units: Mapping[int, StorageServer] | None = None,
-        put_lease: float = 60.0,
-        unit_suspend_after: float = 10.0,
-        unit_lost_after: float = 120.0,
+        deadlines: Deadlines | None = None,
     ) -> None:
-        if not unit_suspend_after > 0:
-            raise InvalidRequestError("unit_suspend_after must be a positive number of seconds")
         self.core = ControllerCore(
-            state,
-            sampler,
-            task_samplers=task_samplers,
-            admission=admission,
-            put_lease=put_lease,
-            unit_lost_after=unit_lost_after,
+            state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
         )
         self.state = self.core.state
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
@@ -186,7 +172,7 @@ class ControllerServer:
         self.stopping = False
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
-        self.unit_suspend_after = unit_suspend_after
+        self.unit_suspend_after = self.core.deadlines.unit_suspend_after
         self._endpoint: RouterEndpoint | None = None
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}

@@ -56,7 +56,7 @@ from ._state import (
 )
 from .samplers import BaseSampler, SequentialSampler, StaleRows
 
-__all__ = ["AdmissionConfig", "ControllerCore", "Effects", "SampleCall", "TAILS"]
+__all__ = ["AdmissionConfig", "ControllerCore", "Deadlines", "Effects", "SampleCall", "TAILS"]
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +87,41 @@ class AdmissionConfig:
         if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
             raise InvalidRequestError(
                 "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
+            )
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long the controller waits before it gives up on a silent peer.
+
+    Attributes:
+        put_lease: seconds the new rows of a put stay reserved without a commit or a
+            renewal. A live producer renews every third of it while its columns travel, so
+            only a dead producer's rows are reclaimed (never visible; capacity freed;
+            end-of-stream no longer waits for them).
+        unit_suspend_after: seconds a storage unit may stay silent (no ZMTP heartbeat
+            answered) before it is *suspended*: its rows are neither handed out nor lost,
+            end-of-stream waits for them, new puts avoid it. A unit whose process is gone
+            (reconnecting is refused, or another process answers) is lost at once.
+        unit_lost_after: seconds a suspended unit has to come back with its data before its
+            rows are declared lost (``lost_rows()``; end-of-stream stops waiting for them).
+    """
+
+    put_lease: float = 60.0
+    unit_suspend_after: float = 10.0
+    unit_lost_after: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("put_lease", "unit_suspend_after", "unit_lost_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds: {value!r}")
+        if self.unit_lost_after < self.unit_suspend_after:
+            raise InvalidRequestError(
+                "unit_lost_after must be at least unit_suspend_after (a unit is suspended "
+                "first, and lost only later)"
             )
 
 
@@ -158,9 +193,7 @@ class ControllerCore:
         sampler: the default sampler.
         task_samplers: samplers for particular tasks.
         admission: bounds for ``acquire_rollout``.
-        put_lease: seconds an uncommitted put keeps its new rows without a renewal.
-        unit_lost_after: seconds a suspended storage unit has to come back before its rows
-            are declared lost.
+        deadlines: put-lease and unit-liveness deadlines (:class:`Deadlines`).
     """
 
     def __init__(
@@ -170,18 +203,15 @@ class ControllerCore:
         *,
         task_samplers: Mapping[str, BaseSampler] | None = None,
         admission: AdmissionConfig | None = None,
-        put_lease: float = 60.0,
-        unit_lost_after: float = 120.0,
+        deadlines: Deadlines | None = None,
     ) -> None:
-        for name, value in (("put_lease", put_lease), ("unit_lost_after", unit_lost_after)):
-            if not (math.isfinite(value) and value > 0):
-                raise InvalidRequestError(f"{name} must be a positive number of seconds")
+        self.deadlines = deadlines or Deadlines()
+        self.put_lease = self.deadlines.put_lease
+        self.unit_lost_after = self.deadlines.unit_lost_after
         self.state = state or ControllerState()
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
         self.admission = admission or AdmissionConfig()
-        self.put_lease = put_lease
-        self.unit_lost_after = unit_lost_after
         self._kwargs = {
             id(smp): _accepted_kwargs(smp) for smp in (self.sampler, *self.task_samplers.values())
         }
