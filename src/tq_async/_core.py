@@ -162,6 +162,8 @@ class SampleCall:
     final: bool
     stale: StaleRows
     dp_size: int | None = None
+    #: the recorded batch the answer goes to (None: not recorded)
+    key: DeliveryKey | None = None
     #: the sampler answered through ``sample_shares``
     shares: bool = False
 
@@ -212,8 +214,11 @@ class ControllerCore:
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
         self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
         self.admission = admission or AdmissionConfig()
-        self._kwargs = {
-            id(smp): _accepted_kwargs(smp) for smp in (self.sampler, *self.task_samplers.values())
+        #: per sampler: the keywords its ``sample`` takes, its DP size hint and tail policy
+        self._kwargs = {id(smp): _accepted_kwargs(smp) for smp in self.samplers()}
+        self._hints = {
+            id(smp): (getattr(smp, "dp_size_hint", None), getattr(smp, "tail_policy", None))
+            for smp in self.samplers()
         }
         self._ids = itertools.count(1)
         #: lease id / put id -> the partition holding it (gone with the partition)
@@ -298,13 +303,17 @@ class ControllerCore:
             if recorded is not None:
                 return recorded
         rs = p.ready_set(req.task_name, req.data_fields)
-        return self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
+        call = self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
+        call.key = key
+        return call
 
     def _dp_size(self, req: GetMeta) -> int | None:
-        cfg = req.sampling_config or {}
+        cfg = req.sampling_config
+        if cfg is None:
+            return None
         dp_size = cfg.get("dp_size")
         if dp_size is None:
-            dp_size = getattr(self.sampler_for(req.task_name), "dp_size_hint", None)
+            dp_size = self._hints[id(self.sampler_for(req.task_name))][0]
             if dp_size is None or cfg.get("batch_index") is None:
                 return None
         if req.mode != "fetch":
@@ -346,13 +355,9 @@ class ControllerCore:
         self.sampler_calls += 1
         return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size)
 
-    @staticmethod
-    def _tail(req: GetMeta, sampler: BaseSampler) -> str:
-        tail = (
-            (req.sampling_config or {}).get("tail")
-            or getattr(sampler, "tail_policy", None)
-            or "uneven"
-        )
+    def _tail(self, req: GetMeta, sampler: BaseSampler) -> str:
+        cfg = req.sampling_config
+        tail = (cfg.get("tail") if cfg else None) or self._hints[id(sampler)][1] or "uneven"
         if tail not in TAILS:
             raise InvalidRequestError(f"sampling_config tail must be one of {TAILS}: {tail!r}")
         return str(tail)
@@ -370,7 +375,7 @@ class ControllerCore:
         p = call.partition
         if self.state.partitions.get(req.partition_id) is not p:
             return None, fx  # cleared while an async sampler ran
-        key = delivery_key(req)
+        key = call.key
         if key is not None:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
@@ -383,7 +388,7 @@ class ControllerCore:
                 shares, consumed = self._global_shares(req, call, result)
             final = call.final
             if call.stale and req.mode == "fetch":
-                fx.add(self._apply_stale(req, p, call.stale))
+                self._apply_stale(req, p, call.stale, fx)
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
             self._check_sampled(req, p, delivered)
@@ -391,7 +396,7 @@ class ControllerCore:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
                 self._count_dropped(req, p, consumed, delivered)
-                fx.add(self._after_consume(req.task_name, p, consumed, delivered))
+                self._after_consume(req.task_name, p, consumed, delivered, fx)
         except TQError:
             if strict:
                 raise
@@ -454,7 +459,7 @@ class ControllerCore:
 
     def _check_sampled(self, req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
         p.check_rows(delivered)
-        if len(set(delivered)) != len(delivered):
+        if len(delivered) > 1 and len(set(delivered)) != len(delivered):
             raise InvalidRequestError("the sampler returned a row twice in one batch")
         # rows of the ready set have every field by construction: check only the others
         ready = p.ready_set(req.task_name, req.data_fields).rows
@@ -567,7 +572,7 @@ class ControllerCore:
                 p.settled.add(lease.key)
             if lease.deadline is not None:
                 fx.wakeups.append(Wakeup(p.partition_id, lease.task))  # end-of-stream may be due
-            fx.add(self._auto_clear(p, lease.rows))
+            self._auto_clear(p, lease.rows, fx)
         return fx
 
     def _late_ack(self, lease_id: int) -> Effects:
@@ -586,8 +591,9 @@ class ControllerCore:
         if live is not None:
             return self.ack([live], 0.0)  # the batch's current lease, settled for everyone
         p.settled.add(key)
-        rows = p.deliveries[key]
-        return self._auto_clear(p, rows)
+        fx = Effects()
+        self._auto_clear(p, p.deliveries[key], fx)
+        return fx
 
     def _expire_lease(self, lease_id: int, deadline: float, fx: Effects) -> None:
         p = self._lease_home.get(lease_id)
@@ -760,10 +766,16 @@ class ControllerCore:
     # ---- consumption side effects ------------------------------------------------------------
 
     def _after_consume(
-        self, task: str, p: Partition, rows: Sequence[int], delivered: Sequence[int] = ()
-    ) -> Effects:
+        self,
+        task: str,
+        p: Partition,
+        rows: Sequence[int],
+        delivered: Sequence[int],
+        fx: Effects,
+    ) -> None:
         """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
-        fx = Effects(admission=self._learner_consumed(task, p, rows))
+        if self._learner_consumed(task, p, rows):
+            fx.admission = True
         if all_consumed(p, task):
             # waiters of this task asking stop_when_consumed can end their stream now
             fx.wakeups.append(Wakeup(p.partition_id, task))
@@ -772,22 +784,20 @@ class ControllerCore:
             # rows consumed undelivered (a dropped tail, stale rows) can go now
             given = set(delivered)
             rows = [r for r in rows if r not in given]
-        fx.add(self._auto_clear(p, rows))
-        return fx
+        self._auto_clear(p, rows, fx)
 
-    def _auto_clear(self, p: Partition, rows: Sequence[int]) -> Effects:
+    def _auto_clear(self, p: Partition, rows: Sequence[int], fx: Effects) -> None:
         """Free rows every auto-clear task consumed, unless a consumer still holds them."""
-        if self.state.partitions.get(p.partition_id) is not p:
-            return Effects()
+        if not self.state.auto_clear or self.state.partitions.get(p.partition_id) is not p:
+            return
         held = p.held
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
-        if not done:
-            return Effects()
-        return Effects(room=True, free=[(p.partition_id, dict(p.clear_rows(done)))])
+        if done:
+            fx.room = True
+            fx.free.append((p.partition_id, dict(p.clear_rows(done))))
 
-    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows) -> Effects:
+    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
         """Consume the rows a sampler found stale; queue recycled prompts; count."""
-        fx = Effects()
         consumed = p.consumed.get(req.task_name)
         st = self.state
         st.stale_counts["kept"] += stale.kept
@@ -800,11 +810,10 @@ class ControllerCore:
             if not valid:
                 continue
             p.consume(req.task_name, valid)
-            fx.add(self._after_consume(req.task_name, p, valid))
+            self._after_consume(req.task_name, p, valid, (), fx)
             st.stale_counts[kind] += len(valid)
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)
-        return fx
 
     # ---- admission ---------------------------------------------------------------------------
 
