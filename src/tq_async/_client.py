@@ -580,7 +580,12 @@ class AsyncClient:
             task_name: the consuming task; each task consumes every row once.
             sampling_config: passed to the sampler, e.g. ``{"dp_rank": 0, "batch_index": 3}``.
                 With ``batch_index``, the same ``(task, dp_rank, batch_index)`` always
-                returns the same rows (replicas and replays read the recorded batch).
+                returns the same rows (replicas and replays read the recorded batch). With
+                ``dp_size`` too (and optionally ``tail``: ``"uneven"``, ``"drop"`` or
+                ``"error"``), batch ``b`` is decided for all ``dp_size`` ranks at once, every
+                rank gets a reply for it and the stream ends for all ranks at the same
+                ``batch_index``; under ``"uneven"`` a rank's share may be empty (0 rows,
+                ``end_of_stream`` False).
             mode: ``"fetch"`` or ``"peek"``.
             timeout: seconds to wait for rows; None waits until data arrives or the call is
                 cancelled.
@@ -594,7 +599,9 @@ class AsyncClient:
 
         Returns:
             A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
-            sealed and every row has been consumed by the task.
+            sealed and every row has been consumed by the task. With ``dp_size`` in
+            ``sampling_config`` it may also be empty without ``end_of_stream``: this rank's
+            share of the last global batch; run the step anyway so collectives stay in step.
 
         Raises:
             TQTimeoutError: not enough rows within ``timeout`` (nothing was consumed).
@@ -697,7 +704,9 @@ class AsyncClient:
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
             received buffers when one unit holds the rows), jagged columns as jagged nested
-            tensors, other columns as ``NonTensorStack``.
+            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows (end of
+            stream, or a rank's empty share of a global batch) gives an empty
+            ``TensorDict(batch_size=[0])`` without asking any storage unit.
 
         Raises:
             RowsNotFound: some rows were cleared.
@@ -758,7 +767,9 @@ class AsyncClient:
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way.
+        result is the same either way. A batch of 0 rows (end of stream, or with ``dp_size``
+        a rank's empty share) comes with an empty ``TensorDict(batch_size=[0])``; no storage
+        unit is asked.
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
@@ -777,7 +788,9 @@ class AsyncClient:
             inline_bytes=self.inline_get_bytes,
         )
         try:
-            if got.inline is not None:  # the controller sent the cells along: no get_data
+            if not len(meta):  # end of stream or an empty share: no unit to ask
+                td = TensorDict({}, batch_size=[0])
+            elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
                 td = columns_to_tensordict(len(meta), headers, columns)
             else:
