@@ -303,3 +303,21 @@ def test_loaders_give_every_rank_the_same_number_of_steps(num_workers: int) -> N
             assert None not in pair, f"step {len(steps[0]) - 1}: a rank ended before the other"
         rows = [r for s in steps for b in s for r in b]
         assert sorted(rows) == list(range(n))
+
+
+async def test_a_bad_dp_config_is_refused_before_anything_is_sent() -> None:
+    client = tq.AsyncClient("tcp://127.0.0.1:1")  # never connected: nothing can be sent
+    bad = [
+        ({"dp_rank": 0, "batch_index": 0, "dp_size": 0}, "dp_size'\\] must be a positive"),
+        ({"dp_rank": 0, "batch_index": 0, "dp_size": "2"}, "dp_size'\\] must be a positive"),
+        ({"dp_rank": 0, "batch_index": 0, "tail": "drop"}, "'tail' without 'dp_size'"),
+        ({"dp_rank": 0, "batch_index": 0, "dp_size": 2, "tail": "pad"}, "one of 'uneven'"),
+        ({"dp_rank": 2, "batch_index": 0, "dp_size": 2}, "out of range for dp_size=2"),
+        ({"dp_rank": 0, "dp_size": 2}, "needs 'batch_index'"),
+        ({"batch_index": 0, "dp_size": 2}, "needs 'dp_rank'"),
+    ]
+    for config, match in bad:
+        with pytest.raises(tq.InvalidRequestError, match=match):
+            await client.get_meta(["x"], 4, "p", "t", config)
+    with pytest.raises(tq.ClosedError):  # a good config gets as far as sending
+        await client.get_meta(["x"], 4, "p", "t", _config(1, 0, "drop"))

@@ -122,6 +122,42 @@ def _check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     """A validated, encoded put on its way to the services."""
@@ -657,6 +693,7 @@ class AsyncClient:
         if lease is not None and lease <= 0:
             raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
         cfg = dict(sampling_config) if sampling_config else None
+        _check_dp_config(cfg)
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
