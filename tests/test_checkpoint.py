@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,7 +152,9 @@ async def test_save_replaces_atomically(tmp_path: Path) -> None:
         assert sorted(await client.load_checkpoint(ckpt)) == ["a", "b"]
 
 
-async def test_sampler_state_is_checkpointed(tmp_path: Path) -> None:
+async def test_global_batch_shares_survive_a_checkpoint(tmp_path: Path) -> None:
+    # The controller records every rank's share of a global batch when the first rank asks;
+    # the record is part of the checkpoint, so rank 1 reads its share after the restore.
     ckpt = tmp_path / "ckpt"
     sampler = tq.SeqlenBalancedSampler(dp_size=2)
     async with (
@@ -159,16 +162,51 @@ async def test_sampler_state_is_checkpointed(tmp_path: Path) -> None:
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         await client.put({"x": torch.arange(4)}, "p", tags=[{"total_lengths": 5}] * 4)
-        await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 0})
-        assert sampler.cache_size == 1  # rank 1's share is waiting for it
+        first = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 0})
         await client.save_checkpoint(ckpt)
-    restored = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=tq.SeqlenBalancedSampler(dp_size=2)) as cl,
+        tq.AsyncClient.connect(cl.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        share = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 1, "batch_index": 0})
+        assert len(share) == 2
+        assert sorted(first.global_indexes + share.global_indexes) == [0, 1, 2, 3]
+
+
+class _Counting(tq.BaseSampler):
+    """A stateful sampler: counts its calls, and checkpoints the count."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kw: Any) -> Any:
+        self.calls += 1
+        rows = list(ready_indexes[:batch_size])
+        return rows, rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state["calls"])
+
+
+async def test_sampler_state_is_checkpointed(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    sampler = _Counting()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        await client.get_meta(["x"], 2, "p", "t")
+        assert sampler.calls == 1
+        await client.save_checkpoint(ckpt)
+    restored = _Counting()
     async with (
         tq.local_cluster(num_storage_units=1, sampler=restored) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         await client.load_checkpoint(ckpt)
-        assert restored.cache_size == 1
-        share = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 1, "batch_index": 0})
-        assert len(share) == 2
-        assert restored.cache_size == 0
+        assert restored.calls == 1

@@ -96,7 +96,8 @@ async def test_unit_killed_after_it_holds_rows() -> None:
             os.kill(proc.pid, signal.SIGKILL)
             await until(lambda: 1 in controller.state.dead_units)
             lost = await client.lost_rows("p")
-            assert lost == {"dead_units": [1], "rows": {"p": [4, 5, 6, 7]}}
+            # the unit's process is gone (reconnecting is refused): lost at once, not suspended
+            assert lost == {"dead_units": [1], "suspended_units": [], "rows": {"p": [4, 5, 6, 7]}}
             # reads touching the dead unit fail clearly and quickly; the rest still reads
             with anyio.fail_after(10), pytest.raises((tq.BrokenError, tq.TQTimeoutError)):
                 await client.get_data(doomed)

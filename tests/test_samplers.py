@@ -102,13 +102,24 @@ def test_grpo_tags_win_over_origin_and_untagged_rows_fall_back() -> None:
     assert rows == [0, 5, 2, 3, 6, 7]
 
 
-def test_grpo_final_returns_whole_groups_only() -> None:
+def test_grpo_final_returns_whole_groups_first() -> None:
     s = GRPOGroupNSampler(4)
     ready = [0, 1, 2, 3, 4, 5]
     assert s.sample(ready, 8) == ([], [])
     assert s.sample(ready, 8, final=True) == ([0, 1, 2, 3], [0, 1, 2, 3])
-    assert s.sample([4, 5, 6], 8, final=True) == ([], [])
     assert s.sample([], 4, final=True) == ([], [])
+
+
+def test_grpo_final_incomplete_groups_follow_the_tail_policy() -> None:
+    # Rows that can never complete a group once the partition is final were silently never
+    # delivered (end of stream came anyway); now the tail policy decides, "uneven" by default.
+    s = GRPOGroupNSampler(4)
+    assert s.sample([4, 5, 6], 8, final=True) == ([4, 5, 6], [4, 5, 6])
+    assert s.sample([4, 5, 6], 2 * 4, final=True, tail="uneven") == ([4, 5, 6], [4, 5, 6])
+    assert s.sample([4, 5, 6], 8, final=True, tail="drop") == ([], [4, 5, 6])
+    with pytest.raises(ValueError, match="groups of fewer than n_samples_per_prompt=4"):
+        s.sample([4, 5, 6], 8, final=True, tail="error")
+    assert s.sample([4, 5, 6], 8) == ([], [])  # not final: they may still complete
 
 
 def test_grpo_scans_lazily() -> None:

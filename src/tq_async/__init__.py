@@ -17,6 +17,7 @@ from ._cluster import local_cluster as local_cluster
 from ._columns import ColumnHeader as ColumnHeader
 from ._controller import AdmissionConfig as AdmissionConfig
 from ._controller import ControllerServer as ControllerServer
+from ._controller import Deadlines as Deadlines
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
@@ -98,6 +99,7 @@ __all__ = [
     "ControllerState",
     "CurveClient",
     "CurveServer",
+    "Deadlines",
     "GRPOGroupNSampler",
     "InvalidRequestError",
     "KeyNotFound",

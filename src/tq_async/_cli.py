@@ -29,6 +29,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from ._cluster import local_cluster
+from ._core import Deadlines
 from ._errors import InvalidRequestError
 from ._logging import configure_logging
 from ._metrics import serve_metrics
@@ -55,6 +56,7 @@ async def _serve(args: argparse.Namespace) -> None:
         curve=load_curve(args.curve_cert, args.curve_allow),
         capacity=args.capacity,
         capacity_scope=args.capacity_scope,
+        deadlines=_deadlines(args),
     ) as cluster:
         # The one line a launcher parses; flushed so a parent reading our stdout sees it.
         print(f"TQ_ADDRESS={cluster.address}", flush=True)
@@ -63,6 +65,15 @@ async def _serve(args: argparse.Namespace) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
+
+
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    defaults = Deadlines()
+    return Deadlines(
+        put_lease=getattr(args, "put_lease", defaults.put_lease),
+        unit_suspend_after=getattr(args, "unit_suspend_after", defaults.unit_suspend_after),
+        unit_lost_after=getattr(args, "unit_lost_after", defaults.unit_lost_after),
+    )
 
 
 def load_curve(cert: str | None, allow: Sequence[str] | None) -> CurveServer | None:
@@ -132,6 +143,7 @@ async def _serve_role(args: argparse.Namespace) -> None:
                         curve=curve,
                         capacity=args.capacity,
                         capacity_scope=args.capacity_scope,
+                        deadlines=_deadlines(args),
                     )
                 )
                 print(f"TQ_ADDRESS={address}", flush=True)
@@ -217,6 +229,31 @@ def _build_parser() -> argparse.ArgumentParser:
         default="partition",
         help="--capacity counts rows per partition (default) or in all partitions together",
     )
+    defaults = Deadlines()
+    serve.add_argument(
+        "--put-lease",
+        type=float,
+        default=defaults.put_lease,
+        metavar="SECONDS",
+        help="reclaim the rows of a put neither committed nor renewed for this long (a dead "
+        f"producer's); live producers renew (default {defaults.put_lease:g})",
+    )
+    serve.add_argument(
+        "--unit-suspend-after",
+        type=float,
+        default=defaults.unit_suspend_after,
+        metavar="SECONDS",
+        help="suspend a storage unit silent for this long: its rows wait, neither handed out "
+        f"nor lost (default {defaults.unit_suspend_after:g})",
+    )
+    serve.add_argument(
+        "--unit-lost-after",
+        type=float,
+        default=defaults.unit_lost_after,
+        metavar="SECONDS",
+        help="declare a suspended unit's rows lost after this long (default "
+        f"{defaults.unit_lost_after:g}); a unit whose process is gone is lost at once",
+    )
     serve.add_argument("--log-level", default="INFO", help="lowest log level shown on stderr")
     serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     serve.set_defaults(role=None)
@@ -251,6 +288,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ctl.add_argument("--capacity", type=int, default=argparse.SUPPRESS, metavar="ROWS")
     ctl.add_argument("--capacity-scope", choices=["partition", "global"], default=argparse.SUPPRESS)
+    for flag in ("--put-lease", "--unit-suspend-after", "--unit-lost-after"):
+        ctl.add_argument(flag, type=float, default=argparse.SUPPRESS, metavar="SECONDS")
     for role in (ctl, unit):
         role.add_argument(
             "--bind",

@@ -8,6 +8,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from ._protocol import (
     RegisterTasks,
     Release,
     ReleaseRollout,
+    RenewPut,
     Reply,
     ResetConsumption,
     Seal,
@@ -539,9 +541,12 @@ class AsyncClient:
         )
         placement: Placement = await self._call(begin, Placement, timeout=deadline)
         fields = [h.name for h in headers]
+        renewal = self._renew_put(placement)
         try:
             await self._store(partition_id, placement, headers, put.columns)
-            commit = PutCommit(partition_id, placement.rows, fields, put.tags, put.versions)
+            commit = PutCommit(
+                partition_id, placement.rows, fields, put.tags, put.versions, placement.put_id
+            )
             await self._call(commit, None)
         except BaseException:
             if meta is None and keys is None:
@@ -553,7 +558,21 @@ class AsyncClient:
                     except Exception as exc:  # the original error matters more
                         log.warning("could not clear rows of a failed put", error=str(exc))
             raise
+        finally:
+            if renewal is not None:
+                renewal.cancel()
         return placement
+
+    def _renew_put(self, placement: Placement) -> _PutRenewal | None:
+        """Keep a put's lease alive while its columns travel (a timer, no task).
+
+        The controller reclaims the new rows of a put whose producer stops renewing (it
+        died between PutBegin and PutCommit); a live producer renews every third of the
+        lease, so a slow put is never reclaimed.
+        """
+        if not placement.put_id or self._controller is None:
+            return None
+        return _PutRenewal(self._controller, placement.put_id, placement.put_lease / 3)
 
     async def _store(
         self,
@@ -861,8 +880,14 @@ class AsyncClient:
     async def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away.
 
+        A unit that stops answering is first *suspended* (its rows are neither handed out
+        nor lost; end-of-stream waits for them); it is declared lost when its process is
+        confirmed gone (reconnecting is refused, or another process answers at its address)
+        or after ``unit_lost_after`` seconds.
+
         Returns:
-            ``{"dead_units": [unit ids], "rows": {partition_id: [rows]}}``.
+            ``{"dead_units": [unit ids], "suspended_units": [unit ids], "rows":
+            {partition_id: [rows lost]}}``.
         """
         return dict(await self._call(LostRows(partition_id), dict[str, Any]))
 
@@ -1209,3 +1234,20 @@ def _merge_parts(
         merged = concat_columns([parts[u][1][j] for u in by_unit])
         columns.append(reorder_column(merged, inverse))
     return headers, columns
+
+
+class _PutRenewal:
+    """Sends RenewPut for one put every ``interval`` seconds until cancelled (timer-driven)."""
+
+    __slots__ = ("_conn", "_handle", "_interval", "_put_id")
+
+    def __init__(self, conn: DealerConnection, put_id: int, interval: float) -> None:
+        self._conn, self._put_id, self._interval = conn, put_id, interval
+        self._handle = asyncio.get_running_loop().call_later(interval, self._renew)
+
+    def _renew(self) -> None:
+        self._conn.send_oneway(RenewPut([self._put_id]))
+        self._handle = asyncio.get_running_loop().call_later(self._interval, self._renew)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

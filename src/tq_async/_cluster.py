@@ -12,7 +12,7 @@ import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ._controller import AdmissionConfig, ControllerServer
+from ._controller import AdmissionConfig, ControllerServer, Deadlines
 from ._errors import InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._security import CurveServer
@@ -62,6 +62,7 @@ async def local_cluster(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    deadlines: Deadlines | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -91,6 +92,8 @@ async def local_cluster(
             "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
             ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
             by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
+        deadlines: how long the controller waits for a producer's uncommitted put and for
+            a silent storage unit (:class:`~tq_async.Deadlines`).
 
     Yields:
         A :class:`LocalCluster`.
@@ -143,6 +146,7 @@ async def local_cluster(
                 admission=admission,
                 curve=curve,
                 local_units={u.unit_id: u for u in units},
+                deadlines=deadlines,
             )
             address = await tg.start(controller.serve, controller_bind)
             cluster = LocalCluster(address, controller, units)

@@ -1,20 +1,25 @@
-"""The controller service: a thin async shell around :class:`~tq_async._state.ControllerState`.
+"""The controller service: a thin async shell around :class:`~tq_async._core.ControllerCore`.
+
+The core decides (leases, holds, put leases, recorded and global batches, end-of-stream,
+admission, auto-clear, unit liveness) and returns :class:`~tq_async._core.Effects`; this shell
+decodes requests, sends replies, runs samplers, arms the core's one deadline timer, tells
+storage units to free rows, and wakes waiters.
 
 Every request is answered from the reader callback when it can be (status calls, puts, a
 get_meta whose sampler finds rows at once). Only requests that must wait become tasks: a
 get_meta with too few ready rows, an async sampler, a clear that tells the storage units.
 
-A waiting get_meta parks on a future registered under ``(partition, task)``; the state hands
-back :class:`~tq_async._state.Wakeup` events when production, consumption, sealing or clearing
-changes what a task could receive, and only the matching futures are woken. There is no timer
-and no polling: an idle waiter costs one future until data arrives.
+A waiting get_meta parks on a future registered under ``(partition, task)``; the core hands
+back :class:`~tq_async._state.Wakeup` events when production, consumption, sealing, clearing,
+an ack or an expiry changes what a task could receive, and only the matching futures are woken.
+There is no polling: an idle waiter costs one future until data arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,6 +34,7 @@ import zmq
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._columns import positions_by_unit
+from ._core import AdmissionConfig, ControllerCore, Deadlines, Effects, SampleCall, meta_reply
 from ._errors import (
     InvalidRequestError,
     KeyNotFound,
@@ -72,6 +78,7 @@ from ._protocol import (
     RegisterUnit,
     Release,
     ReleaseRollout,
+    RenewPut,
     ResetConsumption,
     RestoreAbort,
     RestoreBegin,
@@ -84,6 +91,8 @@ from ._protocol import (
     StoreClear,
     StoredColumns,
     StorePut,
+    StoreStats,
+    StoreStatsReply,
     TakeRecycled,
     UnitInfo,
     controller_request_decoder,
@@ -92,20 +101,12 @@ from ._protocol import (
     salvage_rid,
 )
 from ._security import CurveServer
-from ._state import (
-    ControllerState,
-    Partition,
-    ReadyView,
-    RowOrigin,
-    RowTags,
-    RowVersions,
-    Wakeup,
-)
+from ._state import ControllerState, Partition, Wakeup
 from ._storage import StorageServer
 from ._transport import DealerConnection, LogThrottle, RouterEndpoint
-from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
+from .samplers import BaseSampler
 
-__all__ = ["AdmissionConfig", "ControllerServer"]
+__all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
 log = structlog.get_logger(__name__)
 
@@ -124,73 +125,11 @@ _EXPECTED = (
 )
 
 
-def _kwargs_filter(sampler: Any) -> frozenset[str] | None:
-    """Names ``sampler.sample`` accepts as keywords, or None when it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(sampler.sample).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    )
-
-
-@dataclass
-class _Lease:
-    partition: Partition
-    task: str
-    rows: list[int]
-    key: tuple[str, int, int] | None
-    timer: asyncio.TimerHandle | None  # None: a hold for auto-clear, released by ack only
-
-
-class _Attempt:
-    """What one sampler call needs to be finished after an ``await``."""
-
-    __slots__ = ("final", "partition", "result", "stale")
-
-    def __init__(self, partition: Partition, result: Any, final: bool, stale: StaleRows) -> None:
-        self.partition = partition
-        self.result = result
-        self.final = final
-        self.stale = stale
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """Bounds on asynchronous rollouts, enforced by ``acquire_rollout`` (see issue: staleness).
-
-    Attributes:
-        max_staleness: a rollout of policy version ``v`` may start only while
-            ``v - learner_version <= max_staleness`` (None: no version bound).
-        capacity: the most rows admitted and not yet consumed by ``learner_task`` (None: no
-            bound). Unconsumed rows are never evicted: producers wait instead.
-        learner_task: the task whose consumption frees admission slots (needed with
-            ``capacity``).
-    """
-
-    max_staleness: int | None = None
-    capacity: int | None = None
-    learner_task: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise InvalidRequestError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
-            raise InvalidRequestError(
-                "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
-            )
-
-
 class ControllerServer:
-    """Serves a :class:`ControllerState` on a ROUTER socket.
+    """Serves a :class:`ControllerCore` on a ROUTER socket.
 
     Args:
-        state: the state machine (a new empty one by default).
+        state: the partitions (a new empty state by default).
         sampler: decides what each get_meta receives (:class:`SequentialSampler` by default).
         task_samplers: samplers for particular tasks (e.g. ``{"update_actor":
             SeqlenBalancedSampler(...)}``); other tasks use ``sampler``.
@@ -202,6 +141,7 @@ class ControllerServer:
         local_units: storage units running in this process (``local_cluster`` passes its
             own): a small put sent whole to the controller (:class:`PutInline`) is stored in
             them directly, without a message.
+        deadlines: the put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
     """
 
     def __init__(
@@ -216,39 +156,56 @@ class ControllerServer:
         admission: AdmissionConfig | None = None,
         curve: CurveServer | None = None,
         local_units: Mapping[int, StorageServer] | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
-        self.state = state or ControllerState()
+        self.core = ControllerCore(
+            state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
+        )
+        self.state = self.core.state
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self._malformed = LogThrottle()
         self.metrics = metrics or Metrics(None, "controller")
-        self.admission = admission or AdmissionConfig()
         self._admission_waiters: dict[asyncio.Future[None], None] = {}
         self._room_waiters: dict[asyncio.Future[None], None] = {}
         #: set while shutting down: units going away then are not "lost"
         self.stopping = False
-        self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
-        self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
-        self._sampler_kwargs = {
-            id(smp): _kwargs_filter(smp) for smp in (self.sampler, *self.task_samplers.values())
-        }
+        self.unit_suspend_after = self.core.deadlines.unit_suspend_after
         self._endpoint: RouterEndpoint | None = None
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
-        self._leases: dict[int, _Lease] = {}
-        #: rows under a lease or hold: partition -> row -> number of holders
-        self._held: dict[str, dict[int, int]] = {}
-        self._lease_ids = itertools.count(1)
         #: recent replies by (client identity, request id), for retried requests
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
-        #: number of sampler invocations (tests use it to prove waiting is event-driven)
-        self.sampler_calls = 0
+        #: each remote unit's instance token: a unit that comes back with another lost its data
+        self._unit_instance: dict[int, str] = {}
         #: bumped on every wake-up; lets a new waiter know whether to look again
         self._generation = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+
+    @property
+    def sampler(self) -> BaseSampler:
+        """The default sampler."""
+        return self.core.sampler
+
+    @property
+    def task_samplers(self) -> dict[str, BaseSampler]:
+        """Samplers of particular tasks."""
+        return self.core.task_samplers
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        """The bounds of ``acquire_rollout``."""
+        return self.core.admission
+
+    @property
+    def sampler_calls(self) -> int:
+        """Number of sampler invocations (tests use it to prove waiting is event-driven)."""
+        return self.core.sampler_calls
 
     @property
     def address(self) -> str:
@@ -278,11 +235,45 @@ class ControllerServer:
                 await anyio.sleep_forever()
             finally:
                 self.stopping = True
+                if self._timer is not None:
+                    self._timer.cancel()
                 self._endpoint.close()
                 for conn in self._units.values():
                     conn.close()
                 self._units.clear()
                 tg.cancel_scope.cancel()
+
+    # ---- effects -----------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _apply(self, fx: Effects) -> None:
+        """Do what a transition of the core left to do."""
+        self._notify(fx.wakeups)
+        for partition_id, by_unit in fx.free:
+            self._spawn(self._clear_units, None, 0, partition_id, by_unit)
+        if fx.room:
+            _wake_all(self._room_waiters)
+        if fx.admission:
+            _wake_all(self._admission_waiters)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Keep one timer armed at the core's next deadline."""
+        at = self.core.next_deadline()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None and not self.stopping:
+            self._timer = asyncio.get_running_loop().call_at(at, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer, self._timer_at = None, None
+        self._apply(self.core.advance(self._now()))
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -429,7 +420,7 @@ class ControllerServer:
 
     def _handle(self, peer: bytes, rid: int, body: Any, t0: float) -> bool:
         """Dispatch one request; True when a task will send the reply (and record metrics)."""
-        st = self.state
+        st, core = self.state, self.core
         if isinstance(body, GetMeta):
             return self._get_meta(peer, rid, body, t0)
         if isinstance(body, PutBegin):
@@ -439,56 +430,42 @@ class ControllerServer:
                 return True
             self._put_begin(peer, rid, body)
         elif isinstance(body, PutCommit):
-            p = st.partition(body.partition_id)
-            gained = p.commit(body.rows, body.fields, body.tags, body.versions)
+            fx = core.put_commit(
+                body.partition_id, body.rows, body.fields, body.tags, body.versions, body.put_id
+            )
             self._send_ok(peer, rid, None)
-            self._notify([Wakeup(body.partition_id, t) for t in gained])
+            self._apply(fx)
+        elif isinstance(body, RenewPut):
+            core.renew_puts(body.put_ids, self._now())
+            self._send_ok(peer, rid, None)
+            self._rearm()
         elif isinstance(body, Cancel):
             scope = self._pending.get((peer, body.target))
             if scope is not None:
                 scope.cancel()
         elif isinstance(body, Ack):
-            self._commit_leases(body.lease_ids)
+            fx = core.ack(body.lease_ids, self._now())
             self._send_ok(peer, rid, None)
+            self._apply(fx)
         elif isinstance(body, Release):
-            p = st.partition(body.partition_id)
-            if p.release(body.task_name, body.rows):
-                self._notify([Wakeup(body.partition_id, body.task_name)])
+            fx = core.release(body.partition_id, body.task_name, body.rows)
             self._send_ok(peer, rid, None)
+            self._apply(fx)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
             self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle, st.capacity))
         elif isinstance(body, Seal):
-            sealed = st.partitions.get(body.partition_id)
-            if sealed is None:
-                sealed = st.partitions[body.partition_id] = Partition(body.partition_id)
-            sealed.sealed = True
+            wakeups = st.seal(body.partition_id)
             self._send_ok(peer, rid, None)
-            self._notify([Wakeup(body.partition_id)])
+            self._notify(wakeups)
         elif isinstance(body, ResetConsumption):
-            st.partition(body.partition_id).reset_consumption(body.task_name)
-            for smp in self._all_samplers():
-                smp.reset_partition(body.partition_id, body.task_name)
+            fx = core.reset_consumption(body.partition_id, body.task_name)
             self._send_ok(peer, rid, None)
-            self._notify([Wakeup(body.partition_id, body.task_name)])
+            self._apply(fx)
         elif isinstance(body, ClearSamples):
-            p = st.partition(body.partition_id)
-            self._free_unconsumed(p, body.rows)
-            by_unit = p.clear_rows(body.rows)
-            self._rows_freed()
-            self._notify([Wakeup(body.partition_id)])
-            self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
+            self._clear_then_reply(peer, rid, core.clear_rows(body.partition_id, body.rows))
         elif isinstance(body, ClearPartition):
-            p = st.partition(body.partition_id)
-            by_unit = p.live_rows_by_unit()
-            self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
-            del st.partitions[body.partition_id]
-            self._rows_freed()
-            for smp in self._all_samplers():
-                smp.clear_partition(body.partition_id)
-            self._notify([Wakeup(body.partition_id)])
-            whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
-            self._spawn(self._clear_units, peer, rid, body.partition_id, whole)
+            self._clear_then_reply(peer, rid, core.clear_partition(body.partition_id))
         elif isinstance(body, CheckProduction):
             p = st.partition(body.partition_id)
             rows = body.rows if body.rows is not None else _alive_rows(p)
@@ -528,16 +505,18 @@ class ControllerServer:
                         f"key {key!r} of partition {body.partition_id!r} has no fields "
                         f"{lacking}; put them first or select other fields"
                     )
-            self._send_ok(peer, rid, _meta_reply(p, rows, fields))
+            self._send_ok(peer, rid, meta_reply(p, rows, fields))
         elif isinstance(body, KVTag):
             if len(body.tags) != len(body.keys):
                 raise InvalidRequestError(
                     f"got {len(body.tags)} tag dicts for {len(body.keys)} keys"
                 )
-            rows, units, wakeups = st.put_begin(body.partition_id, [], 0, None, body.keys)
-            st.partition(body.partition_id).set_tags(rows, body.tags)
-            self._send_ok(peer, rid, Placement(rows, units))
-            self._notify(wakeups)
+            placement, fx = core.put_begin(
+                body.partition_id, [], 0, None, body.keys, self._now(), lease=False
+            )
+            st.partition(body.partition_id).set_tags(placement.rows, body.tags)
+            self._send_ok(peer, rid, placement)
+            self._apply(fx)
         elif isinstance(body, KVList):
             pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
             listing = {}
@@ -546,13 +525,8 @@ class ControllerServer:
                 listing[pid] = {k: p.tags[r] or {} for k, r in p.keys.items()}
             self._send_ok(peer, rid, listing)
         elif isinstance(body, KVClear):
-            p = st.partition(body.partition_id)
-            key_rows = p.rows_for_keys(body.keys)
-            self._free_unconsumed(p, key_rows)
-            by_unit = p.clear_rows(key_rows)
-            self._rows_freed()
-            self._notify([Wakeup(body.partition_id)])
-            self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
+            key_rows = st.partition(body.partition_id).rows_for_keys(body.keys)
+            self._clear_then_reply(peer, rid, core.clear_rows(body.partition_id, key_rows))
         elif isinstance(body, DumpState):
             ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
             dumps = [st.partition(pid).dump() for pid in ids]
@@ -590,22 +564,20 @@ class ControllerServer:
                 st.auto_clear.pop(body.partition_id, None)
             self._send_ok(peer, rid, None)
         elif isinstance(body, SetPolicyVersion):
-            if body.version < st.learner_version:
-                log.warning(
-                    "policy version went backwards", old=st.learner_version, new=body.version
-                )
-            st.learner_version = body.version
+            fx = core.set_policy_version(body.version)
             self._send_ok(peer, rid, None)
-            self._wake_admission()
-            # rows may have gone stale: let waiting samplers look again (and drop them)
-            self._notify([Wakeup(pid) for pid in list(self._waiters)])
+            self._apply(fx)
         elif isinstance(body, AcquireRollout):
-            return self._acquire(peer, rid, body, t0)
+            if core.acquire(body.policy_version, body.n):
+                self._send_ok(peer, rid, None)
+                return False
+            self._spawn(self._acquire_waiting, peer, rid, body, t0)
+            return True
         elif isinstance(body, ReleaseRollout):
             if body.n < 0:
                 raise InvalidRequestError(f"release_rollout needs n >= 0, got {body.n}")
-            self._free_slots(body.n)
             self._send_ok(peer, rid, None)
+            self._apply(Effects(admission=core.free_slots(body.n)))
         elif isinstance(body, TakeRecycled):
             if body.max_rows < 1:
                 raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
@@ -622,228 +594,135 @@ class ControllerServer:
                 },
             )
         elif isinstance(body, RegisterUnit):
-            unit_id = body.unit_id
-            if unit_id < 0:
-                # the unit asks for an id: the one its address already has (a retry or a
-                # restart at the same address), else the next free one
-                unit_id = next(
-                    (i for i, a in st.units.items() if a == body.address),
-                    max(st.units, default=-1) + 1,
-                )
-            old = self._units.pop(unit_id, None)
-            if old is not None:
-                old.close()
-            st.units[unit_id] = body.address
-            st.dead_units.discard(unit_id)  # a restarted unit takes new rows again
-            self._unit(unit_id)
-            self._send_ok(peer, rid, unit_id)
+            self._register_unit(peer, rid, body)
         elif isinstance(body, LostRows):
             pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
             lost = {pid: sorted(st.partition(pid).lost) for pid in pids}
-            self._send_ok(peer, rid, {"dead_units": sorted(st.dead_units), "rows": lost})
+            self._send_ok(
+                peer,
+                rid,
+                {
+                    "dead_units": sorted(st.dead_units),
+                    "suspended_units": sorted(st.suspended),
+                    "rows": lost,
+                },
+            )
         else:  # pragma: no cover - the decoder admits only the types above
             raise ProtocolError(f"unknown request {type(body).__name__}")
         return False
+
+    def _clear_then_reply(self, peer: bytes, rid: int, fx: Effects) -> None:
+        """Apply a clear; answer once the storage units freed the rows."""
+        (partition_id, by_unit), *rest = fx.free
+        fx.free = rest
+        self._apply(fx)
+        self._spawn(self._clear_units, peer, rid, partition_id, by_unit)
+
+    def _register_unit(self, peer: bytes, rid: int, body: RegisterUnit) -> None:
+        st = self.state
+        unit_id = body.unit_id
+        if unit_id < 0:
+            # the unit asks for an id: the one its address already has (a retry or a
+            # restart at the same address), else the next free one
+            unit_id = next(
+                (i for i, a in st.units.items() if a == body.address),
+                max(st.units, default=-1) + 1,
+            )
+        old = self._units.pop(unit_id, None)
+        if old is not None:
+            old.close()
+        self._unit_instance.pop(unit_id, None)
+        fx = self.core.unit_registered(unit_id, body.address)
+        self._unit(unit_id)
+        self._send_ok(peer, rid, unit_id)
+        self._apply(fx)
 
     # ---- get_meta ----------------------------------------------------------------------------
 
     def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
         _validate_get_meta(req)
-        if req.ack:
-            self._commit_leases(req.ack)
-        outcome = self._attempt(req)
-        if isinstance(outcome, MetaReply):
-            self._send_meta(peer, rid, req, outcome)
+        decision, fx = self.core.get_meta(req, self._now())
+        self._apply(fx)
+        if isinstance(decision, SampleCall):
+            result = decision.run()
+            if inspect.isawaitable(result):
+                self._spawn(
+                    self._get_meta_waiting, peer, rid, req, (decision, result), self._generation, t0
+                )
+                return True
+            decision, fx = self.core.sampled(req, decision, result, self._now())
+            self._apply(fx)
+        if isinstance(decision, MetaReply):
+            self._send_meta(peer, rid, req, decision)
             return False
-        self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation, t0)
+        self._spawn(self._get_meta_waiting, peer, rid, req, None, self._generation, t0)
         return True
 
-    def _call_sampler(
-        self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, stale: StaleRows
-    ) -> Any:
-        cfg = req.sampling_config or {}
-        ctx: dict[str, Any] = {
-            "partition_id": req.partition_id,
-            "task_name": req.task_name,
-            "data_fields": list(req.data_fields),
-            "dp_rank": cfg.get("dp_rank"),
-            "batch_index": cfg.get("batch_index"),
-            "sampling_config": cfg,
-            "tags": RowTags(p),
-            "origin": RowOrigin(p),
-            "final": final,
-            "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
-            "policy_version": self.state.learner_version,
-            "versions": RowVersions(p),
-            "stale": stale,
-        }
-        sampler = self.task_samplers.get(req.task_name, self.sampler)
-        accepted = self._sampler_kwargs[id(sampler)]
-        if accepted is not None:
-            ctx = {k: v for k, v in ctx.items() if k in accepted}
-        self.sampler_calls += 1
-        return sampler.sample(ready, req.batch_size, **ctx)
-
-    def _all_samplers(self) -> list[BaseSampler]:
-        return [self.sampler, *self.task_samplers.values()]
-
-    def _attempt(self, req: GetMeta) -> MetaReply | _Attempt | None:
-        """Try to answer now: a reply, an in-flight async sampler call, or None (wait)."""
-        p = self.state.partitions.get(req.partition_id)
-        if p is None:
-            return None
-        logged = self._logged(req, p)
-        if logged is not None:
-            return logged
-        rs = p.ready_set(req.task_name, req.data_fields)
-        final = p.is_final(req.task_name, rs)
-        stale = StaleRows()
-        result = self._call_sampler(req, p, ReadyView(rs.rows), final, stale)
-        if inspect.isawaitable(result):
-            return _Attempt(p, result, final, stale)
-        return self._finish(req, p, result, final, stale, strict=True)
-
-    def _logged(self, req: GetMeta, p: Partition) -> MetaReply | None:
-        key = _delivery_key(req)
-        if key is None:
-            return None
-        rows = p.deliveries.get(key)
-        return None if rows is None else _meta_reply(p, list(rows), req.data_fields)
-
-    def _finish(
+    async def _get_meta_waiting(
         self,
+        peer: bytes,
+        rid: int,
         req: GetMeta,
-        p: Partition,
-        result: Any,
-        final: bool,
-        stale: StaleRows,
-        *,
-        strict: bool,
-    ) -> MetaReply | None:
-        """Apply a sampler's answer; None means "nothing yet" (or, if not strict, retry)."""
-        sampled, consumed = _check_result(result)
-        if self.state.partitions.get(req.partition_id) is not p:
-            return None  # cleared while an async sampler ran
-        logged = self._logged(req, p)
-        if logged is not None:
-            return logged
-        if stale and req.mode == "fetch":
-            self._apply_stale(req, p, stale)
-            final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
-        try:
-            p.check_rows(sampled)
-            # rows of the ready set have every field by construction: check only the others
-            ready = p.ready_set(req.task_name, req.data_fields).rows
-            for r in sampled:
-                if r not in ready and not p.is_produced(r, req.data_fields):
-                    raise InvalidRequestError(
-                        f"the sampler returned row {r}, which lacks some of {req.data_fields}"
-                    )
-            # A lease, or a task whose rows are auto-cleared, holds the delivered rows until
-            # acknowledged: auto-clear must not free rows the consumer has yet to read.
-            holding = bool(
-                req.mode == "fetch"
-                and consumed
-                and sampled
-                and (req.lease is not None or self.state.auto_clears(p, req.task_name))
-            )
-            if req.mode == "fetch" and consumed:
-                # consumed-but-not-sampled is allowed (e.g. a dropped tail)
-                p.check_rows(consumed)
-                p.consume(req.task_name, consumed)
-                held = set(sampled) if holding else set()
-                self._after_consume(req.task_name, p, [r for r in consumed if r not in held])
-        except TQError:
-            if strict:
-                raise
-            return None  # the state moved while an async sampler ran: sample again
-        if not sampled:
-            if consumed:
-                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
-            if final or (req.stop_when_consumed and _all_consumed(p, req.task_name)):
-                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
-            return None
-        key = _delivery_key(req)
-        if key is not None:
-            p.deliveries[key] = tuple(sampled)
-        reply = _meta_reply(p, sampled, req.data_fields)
-        if holding:
-            reply.lease_id = self._lease(req, p, sampled, key)
-        return reply
+        first: tuple[SampleCall, Awaitable[Any]] | None,
+        generation: int,
+        t0: float,
+    ) -> None:
+        pid, task = req.partition_id, req.task_name
+        structlog.contextvars.bind_contextvars(rid=rid, op="GetMeta", partition=pid, task=task)
+        core = self.core
 
-    # ---- leases ------------------------------------------------------------------------------
+        async def work() -> None:
+            running = first
+            look = self._generation != generation
+            while True:
+                # register before looking, so a wake-up between the two is never missed
+                fut = self._register_waiter(pid, task)
+                try:
+                    decision: MetaReply | SampleCall | None = None
+                    if running is None and look:
+                        decision = core.look(req, self._now())
+                        if isinstance(decision, SampleCall):
+                            result = decision.run()
+                            if inspect.isawaitable(result):
+                                running = (decision, result)
+                            else:
+                                decision, fx = core.sampled(req, decision, result, self._now())
+                                self._apply(fx)
+                    if running is not None:
+                        call, pending = running
+                        running = None
+                        answer = await pending
+                        decision, fx = core.sampled(req, call, answer, self._now(), strict=False)
+                        self._apply(fx)
+                    if isinstance(decision, MetaReply):
+                        self._send_meta(peer, rid, req, decision)
+                        self.metrics.consumer_wait(time.perf_counter() - t0)
+                        return
+                    if not fut.done():
+                        await fut
+                finally:
+                    self._drop_waiter(pid, task, fut)
+                look = True  # something changed: look again
 
-    def _lease(
-        self, req: GetMeta, p: Partition, rows: list[int], key: tuple[str, int, int] | None
-    ) -> int:
-        """Lease delivered rows: unless acknowledged in time they go back to the task.
+        await self._waiting_request(
+            peer, rid, "GetMeta", t0, req.timeout, lambda: self._get_meta_timeout(req), work
+        )
 
-        Without ``req.lease`` this is a hold (no expiry) that only keeps auto-clear away
-        from the rows until the consumer acknowledges (``get`` does after reading).
-        """
-        lease_id = next(self._lease_ids)
-        timer = None
-        if req.lease is not None:
-            timer = asyncio.get_running_loop().call_later(req.lease, self._expire_lease, lease_id)
-        self._leases[lease_id] = _Lease(p, req.task_name, rows, key, timer)
-        held = self._held.setdefault(p.partition_id, {})
-        for r in rows:
-            held[r] = held.get(r, 0) + 1
-        return lease_id
+    def _get_meta_timeout(self, req: GetMeta) -> str:
+        pid, task = req.partition_id, req.task_name
+        return (
+            f"get_meta on partition {pid!r} for task {task!r} found fewer than "
+            f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
+        )
 
-    def _unhold(self, lease: _Lease) -> None:
-        held = self._held.get(lease.partition.partition_id)
-        if held is None:
-            return
-        for r in lease.rows:
-            n = held.get(r, 0) - 1
-            if n > 0:
-                held[r] = n
-            else:
-                held.pop(r, None)
-        if not held:
-            del self._held[lease.partition.partition_id]
-
-    def _commit_leases(self, lease_ids: Sequence[int]) -> None:
-        for lease_id in lease_ids:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                continue
-            if lease.timer is not None:
-                lease.timer.cancel()
-            self._unhold(lease)
-            p = lease.partition
-            if self.state.partitions.get(p.partition_id) is p:
-                self._auto_clear(p, lease.rows)
-
-    def _expire_lease(self, lease_id: int) -> None:
-        """Redeliver: the rows of an unacknowledged lease become ready again for its task."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return
-        self._unhold(lease)
-        p = lease.partition
-        if self.state.partitions.get(p.partition_id) is not p:
-            return  # the partition was cleared meanwhile
-        if lease.key is not None and p.deliveries.get(lease.key) == tuple(lease.rows):
-            del p.deliveries[lease.key]
-        if p.release(lease.task, lease.rows):
-            log.info(
-                "lease expired: rows go back to the task",
-                partition=p.partition_id,
-                task=lease.task,
-                rows=len(lease.rows),
-            )
-            self._notify([Wakeup(p.partition_id, lease.task)])
-
-    # ---- backpressure ------------------------------------------------------------------------
+    # ---- puts --------------------------------------------------------------------------------
 
     def _put_begin(self, peer: bytes, rid: int, body: PutBegin) -> None:
-        rows, units, wakeups = self.state.put_begin(
-            body.partition_id, body.columns, body.n_rows, body.rows, body.keys
+        placement, fx = self.core.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows, body.keys, self._now()
         )
-        self._send_ok(peer, rid, Placement(rows, units))
-        self._notify(wakeups)
+        self._send_ok(peer, rid, placement)
+        self._apply(fx)
 
     def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
         """Whether ``n_new`` rows fit now; raises when they never will, or when ``nowait``."""
@@ -861,8 +740,6 @@ class ControllerServer:
                 "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
             )
         return False
-
-    # ---- one-message puts ----------------------------------------------------------------------
 
     def _put_inline(
         self, peer: bytes, rid: int, body: PutInline, frames: list[zmq.Frame], t0: float
@@ -882,50 +759,40 @@ class ControllerServer:
                     unit.store_local(body.partition_id, placed.rows, body.columns, frames)
                     self._inline_commit(peer, rid, body, placed)
                 except BaseException:
-                    self._inline_undo(body, placed, remote=False)
+                    self._inline_undo(body, placed)
                     raise
                 return False
         self._spawn(self._put_inline_task, peer, rid, body, frames, n_new, placed, t0)
         return True
 
     def _inline_place(self, body: PutInline) -> _Placed:
-        rows, units, wakeups = self.state.put_begin(
-            body.partition_id, body.columns, body.n_rows, body.rows
+        placement, fx = self.core.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows, None, self._now(), lease=False
         )
-        if len(set(units)) != 1:
+        if len(set(placement.units)) != 1:
             raise InvalidRequestError(
                 "a one-message put must write rows of one storage unit; these rows are on "
-                f"units {sorted(set(units))} (the client splits such puts)"
+                f"units {sorted(set(placement.units))} (the client splits such puts)"
             )
-        return _Placed(self.state.partitions[body.partition_id], rows, units, wakeups)
+        p = self.state.partitions[body.partition_id]
+        return _Placed(p, placement.rows, placement.units, fx)
 
     def _inline_commit(self, peer: bytes, rid: int, body: PutInline, placed: _Placed) -> None:
-        p = self.state.partition(body.partition_id)
         fields = [h.name for h in body.columns]
-        gained = p.commit(placed.rows, fields, body.tags, body.versions)
+        fx = self.core.put_commit(body.partition_id, placed.rows, fields, body.tags, body.versions)
+        fx.add(placed.effects)
         self._send_ok(peer, rid, Placement(placed.rows, placed.units))
-        self._notify([*placed.wakeups, *(Wakeup(body.partition_id, t) for t in gained)])
+        self._apply(fx)
 
-    def _inline_undo(self, body: PutInline, placed: _Placed, *, remote: bool) -> None:
+    def _inline_undo(self, body: PutInline, placed: _Placed) -> None:
         """A one-message put failed after its rows were placed: drop new rows again."""
         p = placed.partition
         if body.rows is not None or self.state.partitions.get(body.partition_id) is not p:
             return  # existing rows (their new cells were never marked produced), or cleared
         # rows may be gone already: lost with their unit, or the partition cleared meanwhile
         rows = [r for r in placed.rows if r < p.n_rows and p.alive[r]]
-        if not rows:
-            return
-        self._free_unconsumed(p, rows)
-        by_unit = p.clear_rows(rows)
-        self._rows_freed()
-        self._notify([Wakeup(body.partition_id)])
-        if remote:
-            self._spawn(self._clear_units, None, 0, body.partition_id, by_unit)
-        else:
-            for unit_id, rows in by_unit.items():
-                local = self.local_units.get(unit_id)
-                if local is not None:
-                    local.state.clear(body.partition_id, rows)
+        if rows:
+            self._apply(self.core.clear_rows(body.partition_id, rows))
 
     async def _put_inline_task(
         self,
@@ -954,7 +821,7 @@ class ControllerServer:
                     await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
                 self._inline_commit(peer, rid, body, placed)
             except BaseException:
-                self._inline_undo(body, placed, remote=local is None)
+                self._inline_undo(body, placed)
                 raise
 
         def timed_out() -> str:
@@ -987,114 +854,15 @@ class ControllerServer:
             work,
         )
 
-    def _rows_freed(self) -> None:
-        """Rows were cleared: puts waiting for capacity may fit now."""
-        _wake_all(self._room_waiters)
-
-    def _after_consume(self, task: str, p: Partition, rows: Sequence[int]) -> None:
-        """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
-        self._learner_consumed(task, p, rows)
-        if _all_consumed(p, task):
-            # waiters of this task asking stop_when_consumed can end their stream now
-            self._notify([Wakeup(p.partition_id, task)])
-        self._auto_clear(p, rows)
-
-    def _auto_clear(self, p: Partition, rows: Sequence[int]) -> None:
-        """Free rows every auto-clear task consumed, unless a consumer still holds them."""
-        held = self._held.get(p.partition_id, {})
-        done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
-        if done:
-            by_unit = p.clear_rows(done)
-            self._spawn(self._clear_units, None, 0, p.partition_id, by_unit)
-            self._rows_freed()
-
-    # ---- staleness and admission -------------------------------------------------------------
-
-    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows) -> None:
-        """Consume the rows a sampler found stale; queue recycled prompts; count."""
-        consumed = p.consumed.get(req.task_name)
-        st = self.state
-        st.stale_counts["kept"] += stale.kept
-        for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
-            valid = [
-                r
-                for r in dict.fromkeys(rows)
-                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
-            ]
-            if not valid:
-                continue
-            p.consume(req.task_name, valid)
-            self._after_consume(req.task_name, p, valid)
-            st.stale_counts[kind] += len(valid)
-            if kind == "recycled":
-                st.recycled.extend((p.partition_id, r) for r in valid)
-        if stale.dropped or stale.recycled or stale.kept:
-            self.metrics.stale(stale)
-
-    def _free_unconsumed(self, p: Partition, rows: Sequence[int]) -> None:
-        """Cleared rows the learner never consumed give their admission slots back."""
-        task = self.admission.learner_task
-        if task is None:
-            return
-        consumed = p.consumed.get(task)
-        freed = sum(
-            1
-            for r in set(rows)
-            if 0 <= r < p.n_rows
-            and p.alive[r]
-            and p.row_version[r] >= 0
-            and not (consumed and consumed[r])
-        )
-        if freed:
-            self._free_slots(freed)
-
-    def _learner_consumed(self, task: str, p: Partition, rows: Sequence[int]) -> None:
-        """Consumption by the learner task frees admission slots of versioned rows."""
-        if self.admission.learner_task != task:
-            return
-        freed = sum(1 for r in rows if p.row_version[r] >= 0)
-        if freed:
-            self._free_slots(freed)
-
-    def _free_slots(self, n: int) -> None:
-        self.state.outstanding = max(0, self.state.outstanding - n)
-        self._wake_admission()
-
-    def _wake_admission(self) -> None:
-        _wake_all(self._admission_waiters)
-
-    def _admissible(self, version: int, n: int) -> bool:
-        cfg, st = self.admission, self.state
-        if cfg.max_staleness is not None and version - max(st.learner_version, 0) > (
-            cfg.max_staleness
-        ):
-            return False
-        return cfg.capacity is None or st.outstanding + n <= cfg.capacity
-
-    def _acquire(self, peer: bytes, rid: int, body: AcquireRollout, t0: float) -> bool:
-        if body.n < 1 or body.policy_version < 0:
-            raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
-        cap = self.admission.capacity
-        if cap is not None and body.n > cap:
-            raise InvalidRequestError(
-                f"a rollout of {body.n} rows can never fit the capacity of {cap}; acquire "
-                "fewer rows at a time or raise the capacity"
-            )
-        if self._admissible(body.policy_version, body.n):
-            self.state.outstanding += body.n
-            self._send_ok(peer, rid, None)
-            return False
-        self._spawn(self._acquire_waiting, peer, rid, body, t0)
-        return True
+    # ---- admission ---------------------------------------------------------------------------
 
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
     ) -> None:
         async def work() -> None:
             await _until(
-                lambda: self._admissible(body.policy_version, body.n), self._admission_waiters
+                lambda: self.core.acquire(body.policy_version, body.n), self._admission_waiters
             )
-            self.state.outstanding += body.n
             self._send_ok(peer, rid, None)
 
         st = self.state
@@ -1124,65 +892,9 @@ class ControllerServer:
             out.setdefault(pid, []).append(row)
             taken += 1
         return [
-            RecycledRows(
-                pid, _meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields))
-            )
+            RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
             for pid, rows in out.items()
         ]
-
-    async def _get_meta_waiting(
-        self,
-        peer: bytes,
-        rid: int,
-        req: GetMeta,
-        first: _Attempt | None,
-        generation: int,
-        t0: float,
-    ) -> None:
-        pid, task = req.partition_id, req.task_name
-        structlog.contextvars.bind_contextvars(rid=rid, op="GetMeta", partition=pid, task=task)
-
-        async def work() -> None:
-            attempt: MetaReply | _Attempt | None = first
-            look = self._generation != generation
-            while True:
-                # register before looking, so a wake-up between the two is never missed
-                fut = self._register_waiter(pid, task)
-                try:
-                    if attempt is None and look:
-                        attempt = self._attempt(req)
-                    if isinstance(attempt, _Attempt):
-                        answer = await attempt.result
-                        attempt = self._finish(
-                            req,
-                            attempt.partition,
-                            answer,
-                            attempt.final,
-                            attempt.stale,
-                            strict=False,
-                        )
-                    if isinstance(attempt, MetaReply):
-                        self._send_meta(peer, rid, req, attempt)
-                        self.metrics.consumer_wait(time.perf_counter() - t0)
-                        return
-                    if not fut.done():
-                        await fut
-                finally:
-                    self._drop_waiter(pid, task, fut)
-                attempt, look = None, True  # something changed: look again
-
-        await self._waiting_request(
-            peer,
-            rid,
-            "GetMeta",
-            t0,
-            req.timeout,
-            lambda: (
-                f"get_meta on partition {pid!r} for task {task!r} found fewer than "
-                f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
-            ),
-            work,
-        )
 
     async def _waiting_request(
         self,
@@ -1224,23 +936,49 @@ class ControllerServer:
             conn = self._units[unit_id] = DealerConnection(
                 self.state.units[unit_id],
                 curve=self.curve.as_client() if self.curve is not None else None,
-                on_disconnect=lambda: self._unit_lost(unit_id),
+                on_disconnect=lambda: self._unit_silent(unit_id),
+                on_connect=lambda: self._unit_connected(unit_id),
+                on_refused=lambda: self._unit_refused(unit_id),
+                heartbeat_timeout=self.unit_suspend_after,
             )
         return conn
 
-    def _unit_lost(self, unit_id: int) -> None:
-        """A unit's connection broke: its rows are lost (its memory went with it)."""
-        if self.stopping or unit_id in self.state.dead_units:
+    def _unit_silent(self, unit_id: int) -> None:
+        """A unit's connection broke or went silent: suspend it (its data may still be there)."""
+        if self.stopping or unit_id in self.local_units:
+            if not self.stopping:  # a unit of this process only goes away when it stops
+                self._apply(self.core.unit_lost(unit_id))
             return
-        self.state.dead_units.add(unit_id)
-        lost = {pid: p.lose_unit(unit_id) for pid, p in self.state.partitions.items()}
-        log.error(
-            "storage unit lost",
-            unit=unit_id,
-            address=self.state.units.get(unit_id),
-            rows_lost={pid: len(rows) for pid, rows in lost.items() if rows},
-        )
-        self._notify([Wakeup(pid) for pid, rows in lost.items() if rows])
+        self._apply(self.core.unit_down(unit_id, self._now()))
+
+    def _unit_refused(self, unit_id: int) -> None:
+        """Reconnecting to a suspended unit was refused: its process is gone, with its data."""
+        if not self.stopping and unit_id in self.state.suspended:
+            self._apply(self.core.unit_lost(unit_id))
+
+    def _unit_connected(self, unit_id: int) -> None:
+        """A (re)connection to a unit: learn its instance, or check it is the one we had."""
+        if not self.stopping and unit_id not in self.local_units and self._tg is not None:
+            self._spawn(self._check_unit, unit_id)
+
+    async def _check_unit(self, unit_id: int) -> None:
+        conn = self._units.get(unit_id)
+        if conn is None:
+            return
+        try:
+            payload, _ = await conn.request(StoreStats(), timeout=self.unit_timeout)
+        except TQError:
+            return  # still away: the liveness deadlines decide
+        if self._units.get(unit_id) is not conn:
+            return  # replaced meanwhile (re-registered)
+        instance = msgspec.msgpack.decode(payload, type=StoreStatsReply).instance
+        known = self._unit_instance.setdefault(unit_id, instance)
+        if unit_id not in self.state.suspended:
+            return
+        if known == instance:
+            self._apply(self.core.unit_up(unit_id))
+        else:  # another process answers at the unit's address: what it held is gone
+            self._apply(self.core.unit_lost(unit_id))
 
     async def _clear_units(
         self,
@@ -1301,56 +1039,16 @@ def _wake_all(waiters: dict[asyncio.Future[None], None]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Placed:
-    """Where a one-message put goes (all rows on one unit), and the wake-ups it owes."""
+    """Where a one-message put goes (all rows on one unit), and the effects it owes."""
 
     partition: Partition
     rows: list[int]
     units: list[int]
-    wakeups: list[Wakeup]
-
-
-def _all_consumed(p: Partition, task: str) -> bool:
-    """The partition holds rows and ``task`` consumed every one of them."""
-    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+    effects: Effects
 
 
 def _alive_rows(p: Partition) -> list[int]:
     return [r for r in range(p.n_rows) if p.alive[r]]
-
-
-def _delivery_key(req: GetMeta) -> tuple[str, int, int] | None:
-    cfg = req.sampling_config
-    if req.mode != "fetch" or not cfg or cfg.get("batch_index") is None:
-        return None
-    dp_rank = cfg.get("dp_rank") or 0
-    return (req.task_name, int(dp_rank), int(cfg["batch_index"]))
-
-
-def _meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
-    tags = p.tags
-    versions = {
-        f: [fv[r] for r in rows] for f in fields if (fv := p.field_versions.get(f)) is not None
-    }
-    return MetaReply(
-        rows,
-        [p.units[r] for r in rows],
-        [tags[r] or {} for r in rows],
-        list(fields),
-        versions=versions,
-    )
-
-
-def _check_result(result: Any) -> SampleResult:
-    try:
-        sampled, consumed = result
-        sampled = [int(r) for r in sampled]
-        consumed = [int(r) for r in consumed]
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(
-            "a sampler must return (sampled, consumed), two lists of row indexes; "
-            f"got {type(result).__name__}"
-        ) from exc
-    return sampled, consumed
 
 
 def _validate_get_meta(req: GetMeta) -> None:
@@ -1360,9 +1058,9 @@ def _validate_get_meta(req: GetMeta) -> None:
         raise InvalidRequestError("data_fields must name at least one field")
     if req.mode not in ("fetch", "peek"):
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {req.mode!r}")
-    if req.timeout is not None and req.timeout <= 0:
-        raise InvalidRequestError(f"timeout must be positive or None, got {req.timeout}")
-    if req.lease is not None and req.lease <= 0:
+    if req.timeout is not None and not (math.isfinite(req.timeout) and req.timeout > 0):
+        raise InvalidRequestError(f"timeout must be positive seconds or None, got {req.timeout}")
+    if req.lease is not None and not (math.isfinite(req.lease) and req.lease > 0):
         raise InvalidRequestError(f"lease must be positive seconds or None, got {req.lease}")
     if not req.task_name:
         raise InvalidRequestError("task_name must be a non-empty string")

@@ -60,6 +60,14 @@ class PutCommit(_Msg):
     fields: list[str]
     tags: list[dict[str, Any] | None] | None = None
     versions: list[int] | None = None
+    #: the put lease of the new rows (``Placement.put_id``; 0: none)
+    put_id: int = 0
+
+
+class RenewPut(_Msg):
+    """The producer is alive and still writing: extend these put leases (fire and forget)."""
+
+    put_ids: list[int]
 
 
 class PutInline(_Msg):
@@ -297,6 +305,7 @@ ControllerBody = (
     | RegisterUnit
     | PutBegin
     | PutCommit
+    | RenewPut
     | PutInline
     | GetMeta
     | Cancel
@@ -402,6 +411,10 @@ class Placement(msgspec.Struct, array_like=True):
 
     rows: list[int]
     units: list[int]
+    #: the put lease reserving the new rows until PutCommit (0: none), and its length:
+    #: the producer renews it (RenewPut) while it writes for longer than that
+    put_id: int = 0
+    put_lease: float = 0.0
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -433,6 +446,8 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     partitions: int
     rows: int
     resident_bytes: int
+    #: random per unit process: a unit answering with another one lost what it held
+    instance: str = ""
 
 
 encoder = msgspec.msgpack.Encoder()

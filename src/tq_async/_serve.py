@@ -22,7 +22,7 @@ import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
-from ._controller import ControllerServer
+from ._controller import ControllerServer, Deadlines
 from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from ._metrics import Metrics, controller_collector, storage_collector
 from ._protocol import RegisterUnit
@@ -221,6 +221,7 @@ async def serve_controller(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    deadlines: Deadlines | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a controller with no storage units of its own; units register themselves.
@@ -239,6 +240,7 @@ async def serve_controller(
         capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
             per partition (``capacity_scope="global"``: in all partitions together); a put
             that does not fit waits. None: unbounded.
+        deadlines: put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
 
     Raises:
         BrokenError: ``bind`` could not be bound.
@@ -255,6 +257,7 @@ async def serve_controller(
         allow_pickle=allow_pickle,
         metrics=Metrics(metrics_registry, "controller"),
         curve=curve,
+        deadlines=deadlines,
     )
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(controller.serve, bind)

@@ -50,6 +50,8 @@ __all__ = [
     "RowVersions",
     "Wakeup",
     "DeliveryKey",
+    "Lease",
+    "PutLease",
 ]
 
 FieldsKey = tuple[str, ...]
@@ -196,6 +198,32 @@ class RowVersions(Mapping[int, int]):
         return self._p.n_alive
 
 
+@dataclass(slots=True, eq=False)
+class Lease:
+    """Rows delivered to a task that stay consumed only once acknowledged.
+
+    With a ``deadline`` it is a lease: un-acknowledged at the deadline, rows of an unkeyed
+    lease go back to the task's pool, and rows of a recorded batch (``key``) wait for the next
+    reader of that batch. Without one it is a *hold*: it only keeps auto-clear away from the
+    rows until the consumer acknowledges, and never blocks end-of-stream.
+    """
+
+    lease_id: int
+    task: str
+    rows: tuple[int, ...]
+    key: DeliveryKey | None
+    deadline: float | None
+
+
+@dataclass(slots=True, eq=False)
+class PutLease:
+    """New rows of a put that is not committed yet; reclaimed if the producer stops renewing."""
+
+    put_id: int
+    rows: list[int]
+    deadline: float
+
+
 class _Field:
     __slots__ = ("header", "produced")
 
@@ -229,6 +257,23 @@ class Partition:
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
         self.field_versions: dict[str, array[int]] = {}
         self.row_version = array("q")
+        #: storage units whose rows are not handed out now (suspended: neither ready nor
+        #: lost); shared with the owning :class:`ControllerState`
+        self.unavailable: set[int] = set()
+        # ---- leases (maintained by :class:`~tq_async._core.ControllerCore`) ----
+        self.leases: dict[int, Lease] = {}
+        #: leases with a deadline per task: end-of-stream waits while any is open
+        self.open_leases: dict[str, int] = {}
+        #: rows under a lease or hold -> number of holders (auto-clear leaves them alone)
+        self.held: dict[int, int] = {}
+        #: the live lease of each recorded batch (a lease belongs to the batch)
+        self.batch_leases: dict[DeliveryKey, int] = {}
+        #: recorded batches acknowledged for good: replays carry no new lease
+        self.settled: set[DeliveryKey] = set()
+        #: uncommitted puts of new rows, by put id
+        self.put_leases: dict[int, PutLease] = {}
+        #: rows a task consumed without their being delivered (a dropped tail)
+        self.dropped: dict[str, int] = {}
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -336,7 +381,7 @@ class Partition:
             produced_arrays = [self.fields[f].produced for f in key]
             before = len(rs.rows)
             for r in rows:
-                if not consumed[r] and all(p[r] for p in produced_arrays):
+                if not consumed[r] and all(p[r] for p in produced_arrays) and self.available(r):
                     rs.rows[r] = None
             if len(rs.rows) != before and task not in gained:
                 gained.append(task)
@@ -356,6 +401,10 @@ class Partition:
         self.check_rows(rows)
         for r, t in zip(rows, tags, strict=True):
             self._merge_tags(r, t)
+
+    def available(self, row: int) -> bool:
+        """Whether ``row``'s storage unit is serving (not suspended)."""
+        return not self.unavailable or self.units[row] not in self.unavailable
 
     def is_produced(self, row: int, fields: Sequence[str]) -> bool:
         return all(self.fields[f].produced[row] for f in fields)
@@ -382,7 +431,10 @@ class Partition:
                 rs.rows = {
                     r: None
                     for r in range(self.n_rows)
-                    if alive[r] and not consumed[r] and all(p[r] for p in produced_arrays)
+                    if alive[r]
+                    and not consumed[r]
+                    and all(p[r] for p in produced_arrays)
+                    and self.available(r)
                 }
             self.ready[(task, key)] = rs
         return rs
@@ -416,7 +468,7 @@ class Partition:
         for (t, key), rs in self.ready.items():
             if t == task and all(f in self.fields for f in key):
                 for r in back:
-                    if self.is_produced(r, key):
+                    if self.is_produced(r, key) and self.available(r):
                         rs.rows[r] = None
         return bool(back)
 
@@ -437,8 +489,13 @@ class Partition:
         return self.n_alive - self.consumed_count.get(task, 0) - len(rs.rows)
 
     def is_final(self, task: str, rs: ReadySet) -> bool:
-        """No more rows can become ready for ``rs``: sealed, and none is still being produced."""
-        return self.sealed and self.pending(task, rs) == 0
+        """No more rows can reach ``task`` through ``rs``.
+
+        Sealed; every alive row consumed or ready (none still being produced, none on a
+        suspended unit, none under a live put lease); and no lease of the task open (its rows
+        could still come back).
+        """
+        return self.sealed and self.pending(task, rs) == 0 and not self.open_leases.get(task)
 
     # ---- clearing ----------------------------------------------------------------------------
 
@@ -582,6 +639,9 @@ class Partition:
             "fields": {name: f.header.describe() for name, f in self.fields.items()},
             "consumed": dict(self.consumed_count),
             "lost": len(self.lost),
+            "dropped": dict(self.dropped),
+            "open_leases": dict(self.open_leases),
+            "uncommitted_puts": len(self.put_leases),
         }
 
 
@@ -598,8 +658,13 @@ class ControllerState:
         self._next_unit = 0
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
-        #: storage units whose connection broke: their rows are lost, new rows avoid them
+        #: storage units declared lost: their rows are lost, new rows avoid them
         self.dead_units: set[int] = set()
+        #: storage units that missed their liveness deadline -> when they are declared lost;
+        #: their rows are neither handed out nor lost, new rows avoid them
+        self.suspended: dict[int, float] = {}
+        #: the units whose rows are not handed out now (shared with every partition)
+        self.unavailable: set[int] = set()
         #: the learner's policy version (-1: never announced)
         self.learner_version = -1
         #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)
@@ -672,8 +737,23 @@ class ControllerState:
                 units[r] = ids[min(i // per_unit, len(ids) - 1)]
             staged.append(Partition.restore(d, units))
         for p in staged:
+            p.unavailable = self.unavailable
             self.restoring[p.partition_id] = p
         return staged
+
+    def new_partition(self, partition_id: str) -> Partition:
+        """A new empty partition bound to this state (not registered until the caller does)."""
+        p = Partition(partition_id)
+        p.unavailable = self.unavailable
+        return p
+
+    def seal(self, partition_id: str) -> list[Wakeup]:
+        """No more new rows in ``partition_id`` (created empty if it does not exist yet)."""
+        p = self.partitions.get(partition_id)
+        if p is None:
+            p = self.partitions[partition_id] = self.new_partition(partition_id)
+        p.sealed = True
+        return [Wakeup(partition_id)]
 
     def partition(self, partition_id: str) -> Partition:
         p = self.partitions.get(partition_id)
@@ -690,11 +770,11 @@ class ControllerState:
                 "the controller has no storage units; start at least one (local_cluster "
                 "num_storage_units >= 1, or `tq-async serve storage`)"
             )
-        ids = sorted(u for u in self.units if u not in self.dead_units)
+        ids = sorted(u for u in self.units if u not in self.dead_units and u not in self.suspended)
         if not ids:
             raise BrokenError(
-                f"every storage unit ({sorted(self.units)}) is down; restart them (they "
-                "register again) before putting"
+                f"every storage unit ({sorted(self.units)}) is down or suspended; restart "
+                "them (they register again) before putting"
             )
         unit = ids[self._next_unit % len(ids)]
         self._next_unit += 1
@@ -728,7 +808,7 @@ class ControllerState:
         p = self.partitions.get(partition_id)
         fresh = p is None
         if p is None:
-            p = Partition(partition_id)
+            p = self.new_partition(partition_id)
         p.check_schema(headers)
         if keys is None and p.sealed:
             raise InvalidRequestError(

@@ -9,6 +9,7 @@ is cleared or overwritten.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -81,6 +82,8 @@ class StorageState:
 
     def __init__(self, *, allow_pickle: bool = False) -> None:
         self.allow_pickle = allow_pickle
+        #: random per process: the controller tells a resumed unit from a restarted one
+        self.instance = secrets.token_hex(8)
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
@@ -225,7 +228,7 @@ class StorageState:
         rows = sum(
             max((len(ix) for ix in fields.values()), default=0) for fields in self._index.values()
         )
-        return StoreStatsReply(len(self._index), rows, self.resident_bytes)
+        return StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
 
 
 class StorageServer:

@@ -313,6 +313,9 @@ class DealerConnection(_Drained):
         context: zmq.Context[Any] | None = None,
         curve: CurveClient | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        on_connect: Callable[[], None] | None = None,
+        on_refused: Callable[[], None] | None = None,
+        heartbeat_timeout: float | None = None,
         retry_after: float | None = None,
     ) -> None:
         self.address = address
@@ -326,6 +329,11 @@ class DealerConnection(_Drained):
         # and recognises retried requests (same identity, same request id)
         self._identity = uuid.uuid4().bytes
         self._on_disconnect = on_disconnect
+        self._on_connect = on_connect
+        self._on_refused = on_refused
+        self._heartbeat_timeout_ms = (
+            _HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None else int(heartbeat_timeout * 1000)
+        )
         self._pending: dict[int, asyncio.Future[tuple[Reply, list[zmq.Frame]]]] = {}
         self._inflight: dict[int, list[Any]] = {}
         self._orphans: dict[int, Callable[[Reply, list[zmq.Frame]], None]] = {}
@@ -348,10 +356,14 @@ class DealerConnection(_Drained):
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         # a peer whose host vanishes without closing the connection is noticed by heartbeats
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        # a closed connection is reported on this monitor socket (no polling)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        timeout_ms = self._heartbeat_timeout_ms
+        sock.setsockopt(zmq.HEARTBEAT_IVL, min(_HEARTBEAT_IVL_MS, max(timeout_ms // 4, 50)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        # a closed connection is reported on this monitor socket (no polling); a refused
+        # reconnection tells that nothing listens at the address any more
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         try:
             if route is None:
                 sock.connect(self.address)
@@ -412,8 +424,16 @@ class DealerConnection(_Drained):
             event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
+                if self._on_connect is not None:
+                    self._on_connect()
             elif event == zmq.EVENT_DISCONNECTED:
                 self._disconnected()
+            elif (
+                event == zmq.EVENT_CONNECT_RETRIED
+                and self.connected is False
+                and self._on_refused is not None
+            ):
+                self._on_refused()
 
     def _disconnected(self) -> None:
         self.connected = False

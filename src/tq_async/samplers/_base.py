@@ -44,9 +44,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-__all__ = ["BaseSampler", "SampleResult"]
+__all__ = ["BaseSampler", "SampleResult", "SharesResult"]
 
 SampleResult = tuple[list[int], list[int]]
+#: ``(shares, consumed)``: one list of rows per DP rank, and the rows to mark consumed
+SharesResult = tuple[list[list[int]], list[int]]
 
 
 class BaseSampler:
@@ -61,6 +63,39 @@ class BaseSampler:
     ) -> SampleResult | Awaitable[SampleResult]:
         """Choose rows for one request; see the module docstring for the contract."""
         raise NotImplementedError
+
+    def sample_shares(
+        self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
+    ) -> SharesResult | Awaitable[SharesResult] | None:
+        """Choose one global batch for ``dp_size`` ranks at once (collective-safe mode).
+
+        The controller calls this when a request's ``sampling_config`` carries ``dp_size``
+        (or the sampler was built for several ranks, see :attr:`dp_size_hint`), once per
+        ``batch_index``, and records every rank's share before any rank reads its own. It
+        then applies the tail policy to shares of unequal length.
+
+        Returns:
+            ``(shares, consumed)`` with ``dp_size`` shares (``([], [])``: not enough yet), or
+            None (the default): the controller asks :meth:`sample` for ``batch_size *
+            dp_size`` rows and cuts them in order into ``dp_size`` shares, keeping runs of
+            :attr:`group_size` rows together.
+        """
+        return None
+
+    @property
+    def group_size(self) -> int:
+        """Rows that must stay together when a global batch is split across ranks."""
+        return 1
+
+    @property
+    def dp_size_hint(self) -> int | None:
+        """The number of DP ranks the sampler was built for (None: any)."""
+        return None
+
+    @property
+    def tail_policy(self) -> str | None:
+        """The tail policy the sampler was built with (None: the caller's, ``"uneven"``)."""
+        return None
 
     def clear_partition(self, partition_id: str) -> None:
         """Forget everything cached for ``partition_id`` (called when it is cleared)."""

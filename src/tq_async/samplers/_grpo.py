@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
+
 from ._base import BaseSampler, SampleResult
 from ._groups import check_group_size, complete_groups
 
 __all__ = ["GRPOGroupNSampler"]
+
+log = structlog.get_logger(__name__)
 
 
 class GRPOGroupNSampler(BaseSampler):
@@ -57,6 +61,7 @@ class GRPOGroupNSampler(BaseSampler):
         tags: Mapping[int, Mapping[str, Any]] | None = None,
         origin: Mapping[int, tuple[int, int]] | None = None,
         final: bool = False,
+        tail: str = "uneven",
         **kwargs: Any,
     ) -> SampleResult:
         """Pick the first ``batch_size // n`` complete groups; see the class docstring.
@@ -68,6 +73,10 @@ class GRPOGroupNSampler(BaseSampler):
             tags: ``row -> tags`` view from the controller.
             origin: ``row -> (first row of its put, offset in the put)`` from the controller.
             final: no more rows can become ready: return a short batch of whole groups.
+            tail: once final with only rows of incomplete groups left: ``"uneven"``
+                delivers them (a warning; nothing is lost), ``"drop"`` consumes them
+                undelivered (a warning; counted in the partition's status), ``"error"``
+                raises.
             **kwargs: other context from the controller (ignored).
 
         Returns:
@@ -83,10 +92,35 @@ class GRPOGroupNSampler(BaseSampler):
         groups = complete_groups(
             ready_indexes, n, wanted, tags=tags, origin=origin, group_key=self.group_key
         )
+        if not groups and final and len(ready_indexes) > 0:
+            return self._partial_tail(ready_indexes, batch_size, tail, kwargs)
         if not groups or (len(groups) < wanted and not final):
             return [], []
         rows = [r for g in groups for r in g]
         return rows, list(rows)
+
+    def _partial_tail(
+        self, ready_indexes: Sequence[int], batch_size: int, tail: str, kwargs: dict[str, Any]
+    ) -> SampleResult:
+        """The partition is final and only rows of incomplete groups are left."""
+        rows = list(ready_indexes)
+        where = {"partition_id": kwargs.get("partition_id"), "task": kwargs.get("task_name")}
+        if tail == "drop":
+            log.warning("dropping rows of incomplete groups", rows=len(rows), **where)
+            return [], rows
+        if tail == "error":
+            raise ValueError(
+                f"the partition is final and {len(rows)} ready row(s) belong to groups of fewer "
+                f"than n_samples_per_prompt={self.n_samples_per_prompt} rows; put whole "
+                "groups, or ask with tail='uneven' (deliver them) or 'drop'"
+            )
+        log.warning("delivering rows of incomplete groups", rows=len(rows), **where)
+        return rows[:batch_size], rows[:batch_size]
+
+    @property
+    def group_size(self) -> int:
+        """``n_samples_per_prompt``: groups are never split across ranks."""
+        return self.n_samples_per_prompt
 
     def __repr__(self) -> str:
         return (

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from ._base import BaseSampler, SampleResult
+from ._base import BaseSampler, SampleResult, SharesResult
 from ._cache import ShareCache, reads_needed
 from ._sequential import SequentialSampler
 
@@ -188,6 +188,27 @@ class RankAwareSampler(BaseSampler):
         if sampled and reads > 1 and epoch == self._epoch:
             self._cache.add(key, {0: list(sampled)}, {0: reads - 1})
         return list(sampled), list(consumed)
+
+    def sample_shares(
+        self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
+    ) -> SharesResult | Awaitable[SharesResult] | None:
+        """``inner``'s: the controller records a global batch for every rank itself."""
+        return self.inner.sample_shares(ready_indexes, batch_size, dp_size, **kwargs)
+
+    @property
+    def group_size(self) -> int:
+        """``inner``'s."""
+        return self.inner.group_size
+
+    @property
+    def dp_size_hint(self) -> int | None:
+        """``inner``'s."""
+        return self.inner.dp_size_hint
+
+    @property
+    def tail_policy(self) -> str | None:
+        """``inner``'s."""
+        return self.inner.tail_policy
 
     def clear_partition(self, partition_id: str) -> None:
         """Drop every cached key of ``partition_id`` (and tell ``inner``).

@@ -7,7 +7,7 @@ from typing import Any
 
 import structlog
 
-from ._base import BaseSampler, SampleResult
+from ._base import BaseSampler, SampleResult, SharesResult
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
 from ._kk import karmarkar_karp
@@ -65,11 +65,12 @@ class SeqlenBalancedSampler(BaseSampler):
         n_replicas: int = 1,
         max_entries: int = 65536,
         group_key: str = "uid",
-        tail: str = "error",
+        tail: str | None = None,
     ) -> None:
-        if tail not in ("error", "drop", "uneven"):
+        if tail not in (None, "error", "drop", "uneven"):
             raise ValueError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
-        self.tail = tail
+        self._tail = tail
+        self.tail = tail or "error"
         for name, value in (
             ("n_samples_per_prompt", n_samples_per_prompt),
             ("dp_size", dp_size),
@@ -83,6 +84,65 @@ class SeqlenBalancedSampler(BaseSampler):
         self.n_replicas = n_replicas
         self.group_key = group_key
         self._cache = ShareCache(max_entries, type(self).__name__)
+
+    @property
+    def group_size(self) -> int:
+        """``n_samples_per_prompt``: groups are never split across ranks."""
+        return self.n_samples_per_prompt
+
+    @property
+    def dp_size_hint(self) -> int | None:
+        """``dp_size``: the controller decides every batch for all ranks at once."""
+        return self.dp_size
+
+    @property
+    def tail_policy(self) -> str | None:
+        """``tail`` as given (None: the caller's policy, ``"uneven"`` by default)."""
+        return self._tail
+
+    def sample_shares(
+        self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
+    ) -> SharesResult:
+        """Split ``batch_size * dp_size`` rows of whole groups into token-balanced shares.
+
+        Used by the controller in collective-safe mode: it records every share itself (no
+        cache here) and applies the tail policy when the final batch's shares differ in
+        length (they differ by at most one group).
+
+        Args:
+            ready_indexes: ready rows in the order they became ready.
+            batch_size: rows per rank; a multiple of ``n_samples_per_prompt``.
+            dp_size: the number of ranks (the caller's ``dp_size``).
+            **kwargs: controller context: ``tags``, ``origin``, ``final`` are used.
+
+        Returns:
+            ``(shares, every row of the batch)``, or ``([], [])`` while too few groups are
+            ready.
+        """
+        n = self.n_samples_per_prompt
+        check_group_size(n, batch_size)
+        tags = kwargs.get("tags")
+        wanted = batch_size * dp_size // n
+        groups = complete_groups(
+            ready_indexes,
+            n,
+            wanted,
+            tags=tags,
+            origin=kwargs.get("origin"),
+            group_key=self.group_key,
+        )
+        if not groups or (len(groups) < wanted and not kwargs.get("final")):
+            return [], []
+        lengths = [self._group_length(g, tags) for g in groups]
+        n_real = len(groups)
+        lengths.extend([0] * (-n_real % dp_size))
+        parts = karmarkar_karp(lengths, dp_size, equal_size=True)
+        shares = []
+        for part in parts:
+            chosen = sorted((groups[i] for i in part if i < n_real), key=min)
+            shares.append([r for g in chosen for r in g])
+        shares.sort(key=lambda share: min(share, default=len(ready_indexes) + 1 << 62))
+        return shares, [r for g in groups for r in g]
 
     @property
     def cache_size(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from ._base import BaseSampler, SampleResult
+from ._base import BaseSampler, SampleResult, SharesResult
 from ._sequential import SequentialSampler
 
 __all__ = ["StaleRows", "StalenessSampler"]
@@ -122,6 +122,64 @@ class StalenessSampler(BaseSampler):
             else {k: v for k, v in kwargs.items() if k in self._inner_names}
         )
         return self.inner.sample(candidates, batch_size, *args, **inner_kwargs)
+
+    def sample_shares(
+        self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
+    ) -> SharesResult | Awaitable[SharesResult] | None:
+        """``inner``'s global batch among fresh rows (None when ``inner`` has none).
+
+        Stale rows are reported only when ``inner`` chooses here: when it returns None the
+        controller calls :meth:`sample`, which reports them itself.
+        """
+        learner = kwargs.get("policy_version")
+        versions: Mapping[int, int] | None = kwargs.get("versions")
+        sink: StaleRows | None = kwargs.get("stale")
+        stale: list[int] = []
+        if learner is not None and learner >= 0 and versions is not None:
+            oldest_ok = learner - self.max_staleness
+            stale = [r for r in ready_indexes if 0 <= versions[r] < oldest_ok]
+        candidates: Sequence[int] = ready_indexes
+        if stale and self.on_stale != "keep":
+            gone = set(stale)
+            candidates = [r for r in ready_indexes if r not in gone]
+        result = self.inner.sample_shares(candidates, batch_size, dp_size, **kwargs)
+        if result is None or sink is None or not stale:
+            return result
+        if self.on_stale != "keep":
+            (sink.drop if self.on_stale == "drop" else sink.recycle)(stale)
+            return result
+        if inspect.isawaitable(result):
+            return self._count_kept(result, set(stale), sink)
+        self._report_kept(result, set(stale), sink)
+        return result
+
+    async def _count_kept(
+        self, pending: Awaitable[SharesResult], stale: set[int], sink: StaleRows
+    ) -> SharesResult:
+        result = await pending
+        self._report_kept(result, stale, sink)
+        return result
+
+    def _report_kept(self, result: SharesResult, stale: set[int], sink: StaleRows) -> None:
+        kept = sum(1 for share in result[0] for r in share if r in stale)
+        if kept:
+            log.warning("delivering stale rows", rows=kept, max_staleness=self.max_staleness)
+            sink.keep(kept)
+
+    @property
+    def group_size(self) -> int:
+        """``inner``'s."""
+        return self.inner.group_size
+
+    @property
+    def dp_size_hint(self) -> int | None:
+        """``inner``'s."""
+        return self.inner.dp_size_hint
+
+    @property
+    def tail_policy(self) -> str | None:
+        """``inner``'s."""
+        return self.inner.tail_policy
 
     def clear_partition(self, partition_id: str) -> None:
         """Forward to ``inner``."""

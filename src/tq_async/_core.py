@@ -1,0 +1,1013 @@
+"""The controller's transitions: a pure state machine over :class:`ControllerState`.
+
+No event loop, no sockets, no clock. Every transition takes the request (and ``now``, seconds
+on any monotonic clock) and returns what the I/O shell still has to do, as
+:class:`Effects`: waiters to wake, rows to free on storage units, capacity and admission
+slots freed. Deadlines (leases, put leases, suspended units) live in one heap here; the
+shell arms a single timer for :meth:`ControllerCore.next_deadline` and calls
+:meth:`ControllerCore.advance` when it fires. Running a sampler is an effect too, because a
+sampler may be ``async def``: :meth:`ControllerCore.get_meta` returns a :class:`SampleCall`,
+the shell runs it (awaiting it if need be) and feeds the answer to
+:meth:`ControllerCore.sampled`. This is the shape of httpcore's connection pool: pure code
+changes state and hands back the I/O left to do, so each guarantee is tested without a loop
+(``tests/test_core.py``).
+
+The words, used everywhere:
+
+* **recorded batch**: the rows delivered under ``(task, dp_rank, batch_index)``; every later
+  read of that key (a replica, a replay, a restarted consumer) gets the same rows.
+* **lease**: delivered rows that stay consumed only once acknowledged before a deadline. A
+  lease belongs to its recorded batch, not to the caller: replays share it and an ack from any
+  reader settles it. At expiry, rows of a recorded batch wait for the next reader of that key;
+  rows leased without a ``batch_index`` go back to the task's pool.
+* **hold**: a lease without a deadline; it keeps auto-clear away until acknowledged and never
+  blocks end-of-stream.
+* **put lease**: the new rows of a put not yet committed. Renewed by the producer while it
+  writes; when it lapses (a dead producer) the rows are reclaimed, never visible.
+* **global batch**: with ``dp_size`` in ``sampling_config`` batch ``b`` of a task is decided
+  for every DP rank at once, so every rank gets the same number of batches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ._errors import InvalidRequestError, RowsNotFound, TQError
+from ._protocol import GetMeta, MetaReply, Placement
+from ._state import (
+    ControllerState,
+    DeliveryKey,
+    Lease,
+    Partition,
+    PutLease,
+    ReadyView,
+    RowOrigin,
+    RowTags,
+    RowVersions,
+    Wakeup,
+)
+from .samplers import BaseSampler, SequentialSampler, StaleRows
+
+__all__ = ["AdmissionConfig", "ControllerCore", "Deadlines", "Effects", "SampleCall", "TAILS"]
+
+log = structlog.get_logger(__name__)
+
+#: what a final global batch that cannot be split evenly does (see :class:`ControllerCore`)
+TAILS = ("uneven", "drop", "error")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounds on asynchronous rollouts, enforced by ``acquire_rollout``.
+
+    Attributes:
+        max_staleness: a rollout of policy version ``v`` may start only while
+            ``v - learner_version <= max_staleness`` (None: no version bound).
+        capacity: the most rows admitted and not yet consumed by ``learner_task`` (None: no
+            bound). Unconsumed rows are never evicted: producers wait instead.
+        learner_task: the task whose consumption frees admission slots (needed with
+            ``capacity``).
+    """
+
+    max_staleness: int | None = None
+    capacity: int | None = None
+    learner_task: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidRequestError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
+            raise InvalidRequestError(
+                "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
+            )
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long the controller waits before it gives up on a silent peer.
+
+    Attributes:
+        put_lease: seconds the new rows of a put stay reserved without a commit or a
+            renewal. A live producer renews every third of it while its columns travel, so
+            only a dead producer's rows are reclaimed (never visible; capacity freed;
+            end-of-stream no longer waits for them).
+        unit_suspend_after: seconds a storage unit may stay silent (no ZMTP heartbeat
+            answered) before it is *suspended*: its rows are neither handed out nor lost,
+            end-of-stream waits for them, new puts avoid it. A unit whose process is gone
+            (reconnecting is refused, or another process answers) is lost at once.
+        unit_lost_after: seconds a suspended unit has to come back with its data before its
+            rows are declared lost (``lost_rows()``; end-of-stream stops waiting for them).
+    """
+
+    put_lease: float = 60.0
+    unit_suspend_after: float = 10.0
+    unit_lost_after: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("put_lease", "unit_suspend_after", "unit_lost_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds: {value!r}")
+        if self.unit_lost_after < self.unit_suspend_after:
+            raise InvalidRequestError(
+                "unit_lost_after must be at least unit_suspend_after (a unit is suspended "
+                "first, and lost only later)"
+            )
+
+
+@dataclass(slots=True)
+class Effects:
+    """The I/O a transition leaves to the shell."""
+
+    #: waiters to wake
+    wakeups: list[Wakeup] = field(default_factory=list)
+    #: rows to free on storage units: ``(partition_id, {unit: rows, or None for all})``
+    free: list[tuple[str, dict[int, list[int] | None]]] = field(default_factory=list)
+    #: live rows were freed: puts waiting for capacity may fit now
+    room: bool = False
+    #: admission slots were freed (or the learner moved): waiting rollouts may start
+    admission: bool = False
+
+    def add(self, other: Effects) -> None:
+        """Fold ``other`` into this one."""
+        self.wakeups.extend(other.wakeups)
+        self.free.extend(other.free)
+        self.room |= other.room
+        self.admission |= other.admission
+
+
+@dataclass(slots=True, eq=False)
+class SampleCall:
+    """An effect: run the sampler on these ready rows, then feed the answer back.
+
+    ``dp_size`` is set for a global batch (:meth:`BaseSampler.sample_shares`, or
+    :meth:`BaseSampler.sample` for ``batch_size * dp_size`` rows).
+    """
+
+    partition: Partition
+    sampler: BaseSampler
+    ready: ReadyView
+    batch_size: int
+    ctx: dict[str, Any]
+    final: bool
+    stale: StaleRows
+    dp_size: int | None = None
+    #: the sampler answered through ``sample_shares``
+    shares: bool = False
+
+    def run(self) -> Any:
+        """Call the sampler: its answer, or an awaitable of it."""
+        if self.dp_size is not None:
+            shares = getattr(self.sampler, "sample_shares", None)
+            answer = (
+                None
+                if shares is None
+                else shares(self.ready, self.batch_size, self.dp_size, **self.ctx)
+            )
+            if answer is not None:
+                self.shares = True
+                return answer
+            return self.sampler.sample(self.ready, self.batch_size * self.dp_size, **self.ctx)
+        return self.sampler.sample(self.ready, self.batch_size, **self.ctx)
+
+
+#: what get_meta can come to: a reply, "run the sampler", or None (wait for a wake-up)
+Decision = MetaReply | SampleCall | None
+
+
+class ControllerCore:
+    """Every transition of the controller; see the module docstring.
+
+    Args:
+        state: the partitions, units and counters.
+        sampler: the default sampler.
+        task_samplers: samplers for particular tasks.
+        admission: bounds for ``acquire_rollout``.
+        deadlines: put-lease and unit-liveness deadlines (:class:`Deadlines`).
+    """
+
+    def __init__(
+        self,
+        state: ControllerState | None = None,
+        sampler: BaseSampler | None = None,
+        *,
+        task_samplers: Mapping[str, BaseSampler] | None = None,
+        admission: AdmissionConfig | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> None:
+        self.deadlines = deadlines or Deadlines()
+        self.put_lease = self.deadlines.put_lease
+        self.unit_lost_after = self.deadlines.unit_lost_after
+        self.state = state or ControllerState()
+        self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
+        self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
+        self.admission = admission or AdmissionConfig()
+        self._kwargs = {
+            id(smp): _accepted_kwargs(smp) for smp in (self.sampler, *self.task_samplers.values())
+        }
+        self._ids = itertools.count(1)
+        #: lease id / put id -> the partition holding it (gone with the partition)
+        self._lease_home: dict[int, Partition] = {}
+        self._put_home: dict[int, Partition] = {}
+        #: (deadline, seq, kind, id); stale entries are skipped when popped
+        self._timers: list[tuple[float, int, str, int]] = []
+        #: number of sampler invocations (tests use it to prove waiting is event-driven)
+        self.sampler_calls = 0
+
+    # ---- samplers ----------------------------------------------------------------------------
+
+    def samplers(self) -> list[BaseSampler]:
+        """Every sampler, default first."""
+        return [self.sampler, *self.task_samplers.values()]
+
+    def sampler_for(self, task: str) -> BaseSampler:
+        return self.task_samplers.get(task, self.sampler)
+
+    # ---- deadlines ---------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`advance` has something to do next (None: nothing is pending)."""
+        timers = self._timers
+        while timers and not self._live(*timers[0]):
+            heapq.heappop(timers)  # acknowledged, committed, renewed or resumed meanwhile
+        return timers[0][0] if timers else None
+
+    def _live(self, deadline: float, _seq: int, kind: str, ident: int) -> bool:
+        """Whether a heap entry still stands for a deadline."""
+        if kind == "lease":
+            p = self._lease_home.get(ident)
+            return p is not None and p.leases[ident].deadline == deadline
+        if kind == "put":
+            p = self._put_home.get(ident)
+            return p is not None and p.put_leases[ident].deadline == deadline
+        return self.state.suspended.get(ident) == deadline
+
+    def _arm(self, deadline: float, kind: str, ident: int) -> None:
+        heapq.heappush(self._timers, (deadline, next(self._ids), kind, ident))
+
+    def advance(self, now: float) -> Effects:
+        """Expire every lease, put lease and suspended unit whose deadline is ``<= now``."""
+        fx = Effects()
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            deadline, _, kind, ident = heapq.heappop(timers)
+            if kind == "lease":
+                self._expire_lease(ident, deadline, fx)
+            elif kind == "put":
+                self._lapse_put(ident, deadline, fx)
+            else:
+                self._unit_deadline(ident, deadline, fx)
+        return fx
+
+    # ---- get_meta ----------------------------------------------------------------------------
+
+    def get_meta(self, req: GetMeta, now: float) -> tuple[Decision, Effects]:
+        """Start a get_meta: a reply, a sampler call to run, or None (wait for a wake-up).
+
+        ``req.ack`` is applied first. Raises :class:`InvalidRequestError` for a request
+        that can never be served as asked.
+        """
+        fx = self.ack(req.ack, now) if req.ack else Effects()
+        return self.look(req, now), fx
+
+    def look(self, req: GetMeta, now: float) -> Decision:
+        """Look again after a wake-up (nothing changes unless a recorded batch is re-read)."""
+        p = self.state.partitions.get(req.partition_id)
+        if p is None:
+            return None
+        dp_size = self._dp_size(req)
+        key = delivery_key(req)
+        if dp_size is not None and key is None:
+            raise InvalidRequestError(
+                "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
+            )
+        if key is not None:
+            recorded = self._recorded(req, p, key, now)
+            if recorded is not None:
+                return recorded
+        rs = p.ready_set(req.task_name, req.data_fields)
+        return self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
+
+    def _dp_size(self, req: GetMeta) -> int | None:
+        cfg = req.sampling_config or {}
+        dp_size = cfg.get("dp_size")
+        if dp_size is None:
+            dp_size = getattr(self.sampler_for(req.task_name), "dp_size_hint", None)
+            if dp_size is None or cfg.get("batch_index") is None:
+                return None
+        if req.mode != "fetch":
+            return None
+        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+            raise InvalidRequestError(f"sampling_config dp_size must be an int >= 1: {dp_size!r}")
+        rank = cfg.get("dp_rank") or 0
+        if not isinstance(rank, int) or not 0 <= rank < dp_size:
+            raise InvalidRequestError(
+                f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
+            )
+        return dp_size
+
+    def _call(
+        self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
+    ) -> SampleCall:
+        cfg = req.sampling_config or {}
+        sampler = self.sampler_for(req.task_name)
+        ctx: dict[str, Any] = {
+            "partition_id": req.partition_id,
+            "task_name": req.task_name,
+            "data_fields": list(req.data_fields),
+            "dp_rank": None if dp_size is not None else cfg.get("dp_rank"),
+            "batch_index": cfg.get("batch_index"),
+            "sampling_config": cfg,
+            "tags": RowTags(p),
+            "origin": RowOrigin(p),
+            "final": final,
+            "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+            "policy_version": self.state.learner_version,
+            "versions": RowVersions(p),
+            "stale": StaleRows(),
+            "tail": self._tail(req, sampler),
+        }
+        stale = ctx["stale"]
+        accepted = self._kwargs.get(id(sampler))
+        if accepted is not None:
+            ctx = {k: v for k, v in ctx.items() if k in accepted}
+        self.sampler_calls += 1
+        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size)
+
+    @staticmethod
+    def _tail(req: GetMeta, sampler: BaseSampler) -> str:
+        tail = (
+            (req.sampling_config or {}).get("tail")
+            or getattr(sampler, "tail_policy", None)
+            or "uneven"
+        )
+        if tail not in TAILS:
+            raise InvalidRequestError(f"sampling_config tail must be one of {TAILS}: {tail!r}")
+        return str(tail)
+
+    def sampled(
+        self, req: GetMeta, call: SampleCall, result: Any, now: float, *, strict: bool = True
+    ) -> tuple[Decision, Effects]:
+        """Apply a sampler's answer: a reply, or None (nothing yet: wait).
+
+        With ``strict=False`` (the answer of an async sampler, computed while the state
+        could move) an answer that no longer fits is dropped and None returned, so the
+        shell samples again.
+        """
+        fx = Effects()
+        p = call.partition
+        if self.state.partitions.get(req.partition_id) is not p:
+            return None, fx  # cleared while an async sampler ran
+        key = delivery_key(req)
+        if key is not None:
+            recorded = self._recorded(req, p, key, now)
+            if recorded is not None:
+                return recorded, fx  # a replica decided the batch meanwhile
+        try:
+            if call.dp_size is None:
+                sampled, consumed = check_result(result)
+                shares = [sampled]
+            else:
+                shares, consumed = self._global_shares(req, call, result)
+            final = call.final
+            if call.stale and req.mode == "fetch":
+                fx.add(self._apply_stale(req, p, call.stale))
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
+            delivered = [r for share in shares for r in share]
+            self._check_sampled(req, p, delivered)
+            if req.mode == "fetch" and consumed:
+                p.check_rows(consumed)
+                p.consume(req.task_name, consumed)
+                self._count_dropped(req, p, consumed, delivered)
+                fx.add(self._after_consume(req.task_name, p, consumed, delivered))
+        except TQError:
+            if strict:
+                raise
+            return None, fx  # the state moved while an async sampler ran: sample again
+        if not delivered:
+            if consumed:
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
+            if final or (req.stop_when_consumed and all_consumed(p, req.task_name)):
+                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True), fx
+            return None, fx
+        if key is None:
+            reply = meta_reply(p, shares[0], req.data_fields)
+            if req.mode == "fetch" and self._holding(req, p):
+                reply.lease_id = self._new_lease(p, req, tuple(shares[0]), None, now)
+            return reply, fx
+        task, _, index = key
+        if call.dp_size is None:
+            p.deliveries[key] = tuple(shares[0])
+        else:
+            for r, share in enumerate(shares):
+                p.deliveries[(task, r, index)] = tuple(share)
+        recorded = self._recorded(req, p, key, now)
+        assert recorded is not None
+        return recorded, fx
+
+    def _global_shares(
+        self, req: GetMeta, call: SampleCall, result: Any
+    ) -> tuple[list[list[int]], list[int]]:
+        """The ``dp_size`` shares of a global batch, after the tail policy."""
+        assert call.dp_size is not None
+        dp_size, group = call.dp_size, int(getattr(call.sampler, "group_size", 1))
+        if call.shares:
+            shares, consumed = check_shares(result, dp_size)
+        else:
+            sampled, consumed = check_result(result)
+            shares = split_even(sampled, dp_size, group)
+        lengths = {len(s) for s in shares}
+        if len(lengths) <= 1:
+            return shares, consumed
+        tail = str(call.ctx.get("tail") or self._tail(req, call.sampler))
+        if tail == "error":
+            raise InvalidRequestError(
+                f"the last global batch of partition {req.partition_id!r} for task "
+                f"{req.task_name!r} has {sum(map(len, shares))} rows, which do not split evenly "
+                f"over dp_size={dp_size} (shares of {sorted(lengths)} rows); put a multiple of "
+                "dp_size x batch_size rows, or ask with tail='uneven' or 'drop'"
+            )
+        if tail == "drop":
+            keep = min(lengths)
+            dropped = sum(len(s) - keep for s in shares)
+            log.warning(
+                "dropping the uneven tail of a global batch",
+                partition=req.partition_id,
+                task=req.task_name,
+                rows=dropped,
+                dp_size=dp_size,
+            )
+            shares = [s[:keep] for s in shares]
+        return shares, consumed
+
+    def _check_sampled(self, req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
+        p.check_rows(delivered)
+        if len(set(delivered)) != len(delivered):
+            raise InvalidRequestError("the sampler returned a row twice in one batch")
+        # rows of the ready set have every field by construction: check only the others
+        ready = p.ready_set(req.task_name, req.data_fields).rows
+        for r in delivered:
+            if r not in ready and not p.is_produced(r, req.data_fields):
+                raise InvalidRequestError(
+                    f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+                )
+
+    def _count_dropped(
+        self, req: GetMeta, p: Partition, consumed: Sequence[int], delivered: Sequence[int]
+    ) -> None:
+        """Count rows consumed without being delivered (a dropped tail), once each."""
+        if len(consumed) == len(delivered):
+            return
+        given = set(delivered)
+        n = sum(1 for r in consumed if r not in given)
+        if n:
+            p.dropped[req.task_name] = p.dropped.get(req.task_name, 0) + n
+
+    # ---- recorded batches and leases ---------------------------------------------------------
+
+    def _holding(self, req: GetMeta, p: Partition) -> bool:
+        """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""
+        return req.lease is not None or self.state.auto_clears(p, req.task_name)
+
+    def _recorded(
+        self, req: GetMeta, p: Partition, key: DeliveryKey, now: float
+    ) -> MetaReply | None:
+        """The recorded batch ``key``, with its lease; None if it was never decided."""
+        rows = p.deliveries.get(key)
+        if rows is None:
+            return None
+        reply = meta_reply(p, list(rows), req.data_fields)
+        if req.mode != "fetch" or not rows:
+            return reply
+        lease_id = p.batch_leases.get(key)
+        if lease_id is not None:  # the batch's lease: shared, and taken over by a new reader
+            lease = p.leases[lease_id]
+            if req.lease is not None:
+                deadline = now + req.lease
+                if lease.deadline is None:
+                    lease.deadline = deadline
+                    p.open_leases[lease.task] = p.open_leases.get(lease.task, 0) + 1
+                    self._arm(deadline, "lease", lease_id)
+                elif deadline > lease.deadline:
+                    lease.deadline = deadline
+                    self._arm(deadline, "lease", lease_id)
+            reply.lease_id = lease_id
+        elif key not in p.settled and self._holding(req, p):
+            reply.lease_id = self._new_lease(p, req, rows, key, now)
+        return reply
+
+    def _new_lease(
+        self,
+        p: Partition,
+        req: GetMeta,
+        rows: tuple[int, ...],
+        key: DeliveryKey | None,
+        now: float,
+    ) -> int:
+        lease_id = next(self._ids)
+        deadline = None if req.lease is None else now + req.lease
+        p.leases[lease_id] = Lease(lease_id, req.task_name, rows, key, deadline)
+        self._lease_home[lease_id] = p
+        if key is not None:
+            p.batch_leases[key] = lease_id
+        if deadline is not None:
+            p.open_leases[req.task_name] = p.open_leases.get(req.task_name, 0) + 1
+            self._arm(deadline, "lease", lease_id)
+        held = p.held
+        for r in rows:
+            held[r] = held.get(r, 0) + 1
+        return lease_id
+
+    def _drop_lease(self, p: Partition, lease: Lease) -> None:
+        del p.leases[lease.lease_id]
+        self._lease_home.pop(lease.lease_id, None)
+        if lease.key is not None and p.batch_leases.get(lease.key) == lease.lease_id:
+            del p.batch_leases[lease.key]
+        if lease.deadline is not None:
+            p.open_leases[lease.task] -= 1
+            if not p.open_leases[lease.task]:
+                del p.open_leases[lease.task]
+        held = p.held
+        for r in lease.rows:
+            n = held.get(r, 0) - 1
+            if n > 0:
+                held[r] = n
+            else:
+                held.pop(r, None)
+
+    def ack(self, lease_ids: Sequence[int], now: float) -> Effects:
+        """Acknowledge leases and holds: their rows stay consumed for good.
+
+        An ack of a recorded batch settles it for every reader. Unknown ids (already
+        acknowledged, expired, or of a cleared partition) are ignored: acks are idempotent.
+        """
+        fx = Effects()
+        for lease_id in lease_ids:
+            p = self._lease_home.get(lease_id)
+            if p is None:
+                continue
+            lease = p.leases[lease_id]
+            self._drop_lease(p, lease)
+            if lease.key is not None:
+                p.settled.add(lease.key)
+            if lease.deadline is not None:
+                fx.wakeups.append(Wakeup(p.partition_id, lease.task))  # end-of-stream may be due
+            fx.add(self._auto_clear(p, lease.rows))
+        return fx
+
+    def _expire_lease(self, lease_id: int, deadline: float, fx: Effects) -> None:
+        p = self._lease_home.get(lease_id)
+        if p is None:
+            return
+        lease = p.leases[lease_id]
+        if lease.deadline != deadline:
+            return  # renewed (a stale heap entry)
+        self._drop_lease(p, lease)
+        if lease.key is not None:
+            # the rows stay recorded and consumed: the next reader of the batch gets them
+            log.info(
+                "lease expired: the batch waits for its next reader",
+                partition=p.partition_id,
+                task=lease.task,
+                batch=lease.key,
+                rows=len(lease.rows),
+            )
+        elif p.release(lease.task, lease.rows):
+            log.info(
+                "lease expired: rows go back to the task",
+                partition=p.partition_id,
+                task=lease.task,
+                rows=len(lease.rows),
+            )
+        fx.wakeups.append(Wakeup(p.partition_id, lease.task))
+
+    def release(self, partition_id: str, task: str, rows: Sequence[int]) -> Effects:
+        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded)."""
+        fx = Effects()
+        p = self.state.partition(partition_id)
+        recorded = {r for batch in p.deliveries.values() for r in batch} if p.deliveries else ()
+        back = [r for r in rows if r not in recorded]
+        if back and p.release(task, back):
+            fx.wakeups.append(Wakeup(partition_id, task))
+        return fx
+
+    # ---- production --------------------------------------------------------------------------
+
+    def put_begin(
+        self,
+        partition_id: str,
+        headers: Sequence[Any],
+        n_rows: int,
+        rows: Sequence[int] | None,
+        keys: Sequence[str] | None,
+        now: float,
+        *,
+        lease: bool = True,
+    ) -> tuple[Placement, Effects]:
+        """Place a put. New rows are reserved under a put lease (unless ``lease`` is False:
+        a put the controller completes itself) until :meth:`put_commit`."""
+        before = self.state.partitions.get(partition_id)
+        first_new = before.n_rows if before is not None else 0
+        got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
+        placement = Placement(got, units)
+        if lease and rows is None:
+            new = [r for r in got if r >= first_new]
+            if new:
+                p = self.state.partitions[partition_id]
+                put_id = next(self._ids)
+                p.put_leases[put_id] = PutLease(put_id, new, now + self.put_lease)
+                self._put_home[put_id] = p
+                self._arm(now + self.put_lease, "put", put_id)
+                placement.put_id = put_id
+                placement.put_lease = self.put_lease
+        return placement, Effects(wakeups=wakeups)
+
+    def renew_puts(self, put_ids: Sequence[int], now: float) -> None:
+        """The producer is alive and still writing: push the put leases' deadlines."""
+        for put_id in put_ids:
+            p = self._put_home.get(put_id)
+            if p is not None:
+                put = p.put_leases[put_id]
+                put.deadline = now + self.put_lease
+                self._arm(put.deadline, "put", put_id)
+
+    def put_commit(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        tags: Sequence[Any] | None,
+        versions: Sequence[int] | None,
+        put_id: int = 0,
+    ) -> Effects:
+        """Make a put visible: cells produced, tags and versions applied, put lease done."""
+        p = self.state.partition(partition_id)
+        if put_id:
+            if self._put_home.get(put_id) is not p:
+                raise RowsNotFound(
+                    f"the put into partition {partition_id!r} was not committed within its "
+                    f"put lease ({self.put_lease} s without a renewal), so its rows were "
+                    "reclaimed; put the batch again"
+                )
+            gained = p.commit(rows, fields, tags, versions)
+            del p.put_leases[put_id]
+            del self._put_home[put_id]
+        else:
+            gained = p.commit(rows, fields, tags, versions)
+        return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
+
+    def _lapse_put(self, put_id: int, deadline: float, fx: Effects) -> None:
+        """A producer stopped renewing its put: reclaim the rows (never visible)."""
+        p = self._put_home.get(put_id)
+        if p is None or p.put_leases[put_id].deadline != deadline:
+            return
+        put = p.put_leases.pop(put_id)
+        del self._put_home[put_id]
+        # a row with any cell produced was committed (by a client that sent no put id)
+        fields = [f.produced for f in p.fields.values()]
+        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
+        log.warning(
+            "put lease lapsed: reclaiming the rows of an uncommitted put",
+            partition=p.partition_id,
+            rows=len(rows),
+        )
+        if rows:
+            fx.add(self._clear(p, rows))
+
+    # ---- clearing ----------------------------------------------------------------------------
+
+    def clear_rows(self, partition_id: str, rows: Sequence[int]) -> Effects:
+        """Remove rows (clear_samples, kv_clear, an undone put)."""
+        return self._clear(self.state.partition(partition_id), rows)
+
+    def _clear(self, p: Partition, rows: Sequence[int]) -> Effects:
+        fx = Effects(room=True, wakeups=[Wakeup(p.partition_id)])
+        fx.admission = self._free_unconsumed(p, rows)
+        fx.free.append((p.partition_id, dict(p.clear_rows(rows))))
+        return fx
+
+    def clear_partition(self, partition_id: str) -> Effects:
+        """Drop a partition with its leases, holds, put leases and sampler caches."""
+        st = self.state
+        p = st.partition(partition_id)
+        by_unit = p.live_rows_by_unit()
+        fx = Effects(room=True, wakeups=[Wakeup(partition_id)])
+        fx.admission = self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
+        del st.partitions[partition_id]
+        for lease_id in p.leases:
+            self._lease_home.pop(lease_id, None)
+        for put_id in p.put_leases:
+            self._put_home.pop(put_id, None)
+        for smp in self.samplers():
+            smp.clear_partition(partition_id)
+        whole: dict[int, list[int] | None] = {u: None for u in st.units}
+        fx.free.append((partition_id, whole | dict(by_unit)))
+        return fx
+
+    def reset_consumption(self, partition_id: str, task: str | None) -> Effects:
+        """Forget what ``task`` (every task if None) consumed, its recorded batches and leases."""
+        p = self.state.partition(partition_id)
+        for lease in list(p.leases.values()):
+            if task is None or lease.task == task:
+                self._drop_lease(p, lease)
+        p.settled = {k for k in p.settled if task is not None and k[0] != task}
+        p.deliveries = {k: v for k, v in p.deliveries.items() if task is not None and k[0] != task}
+        p.reset_consumption(task)
+        for smp in self.samplers():
+            smp.reset_partition(partition_id, task)
+        return Effects(wakeups=[Wakeup(partition_id, task)])
+
+    # ---- consumption side effects ------------------------------------------------------------
+
+    def _after_consume(
+        self, task: str, p: Partition, rows: Sequence[int], delivered: Sequence[int] = ()
+    ) -> Effects:
+        """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
+        fx = Effects(admission=self._learner_consumed(task, p, rows))
+        if all_consumed(p, task):
+            # waiters of this task asking stop_when_consumed can end their stream now
+            fx.wakeups.append(Wakeup(p.partition_id, task))
+        if self.state.auto_clears(p, task) and delivered:
+            # delivered rows of an auto-clear task are held until acknowledged; only the
+            # rows consumed undelivered (a dropped tail, stale rows) can go now
+            given = set(delivered)
+            rows = [r for r in rows if r not in given]
+        fx.add(self._auto_clear(p, rows))
+        return fx
+
+    def _auto_clear(self, p: Partition, rows: Sequence[int]) -> Effects:
+        """Free rows every auto-clear task consumed, unless a consumer still holds them."""
+        if self.state.partitions.get(p.partition_id) is not p:
+            return Effects()
+        held = p.held
+        done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
+        if not done:
+            return Effects()
+        return Effects(room=True, free=[(p.partition_id, dict(p.clear_rows(done)))])
+
+    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows) -> Effects:
+        """Consume the rows a sampler found stale; queue recycled prompts; count."""
+        fx = Effects()
+        consumed = p.consumed.get(req.task_name)
+        st = self.state
+        st.stale_counts["kept"] += stale.kept
+        for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
+            valid = [
+                r
+                for r in dict.fromkeys(rows)
+                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
+            ]
+            if not valid:
+                continue
+            p.consume(req.task_name, valid)
+            fx.add(self._after_consume(req.task_name, p, valid))
+            st.stale_counts[kind] += len(valid)
+            if kind == "recycled":
+                st.recycled.extend((p.partition_id, r) for r in valid)
+        return fx
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def _free_unconsumed(self, p: Partition, rows: Sequence[int]) -> bool:
+        """Cleared rows the learner never consumed give their admission slots back."""
+        task = self.admission.learner_task
+        if task is None:
+            return False
+        consumed = p.consumed.get(task)
+        freed = sum(
+            1
+            for r in set(rows)
+            if 0 <= r < p.n_rows
+            and p.alive[r]
+            and p.row_version[r] >= 0
+            and not (consumed and consumed[r])
+        )
+        return self.free_slots(freed)
+
+    def _learner_consumed(self, task: str, p: Partition, rows: Sequence[int]) -> bool:
+        if self.admission.learner_task != task:
+            return False
+        return self.free_slots(sum(1 for r in rows if p.row_version[r] >= 0))
+
+    def free_slots(self, n: int) -> bool:
+        """Give back ``n`` admission slots; True if any was outstanding."""
+        if n <= 0:
+            return False
+        self.state.outstanding = max(0, self.state.outstanding - n)
+        return True
+
+    def admissible(self, version: int, n: int) -> bool:
+        """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
+        cfg, st = self.admission, self.state
+        if cfg.max_staleness is not None and version - max(st.learner_version, 0) > (
+            cfg.max_staleness
+        ):
+            return False
+        return cfg.capacity is None or st.outstanding + n <= cfg.capacity
+
+    def acquire(self, version: int, n: int) -> bool:
+        """Admit a rollout if it fits now (True), else leave everything as it is."""
+        if version < 0 or n < 1:
+            raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
+        cap = self.admission.capacity
+        if cap is not None and n > cap:
+            raise InvalidRequestError(
+                f"a rollout of {n} rows can never fit the capacity of {cap}; acquire "
+                "fewer rows at a time or raise the capacity"
+            )
+        if not self.admissible(version, n):
+            return False
+        self.state.outstanding += n
+        return True
+
+    def set_policy_version(self, version: int) -> Effects:
+        """The learner moved: rollouts may start, and rows may have gone stale."""
+        st = self.state
+        if version < st.learner_version:
+            log.warning("policy version went backwards", old=st.learner_version, new=version)
+        st.learner_version = version
+        return Effects(admission=True, wakeups=[Wakeup(pid) for pid in st.partitions])
+
+    # ---- storage units -----------------------------------------------------------------------
+
+    def unit_down(self, unit: int, now: float) -> Effects:
+        """A unit missed its liveness deadline: suspend it (rows neither handed out nor lost).
+
+        End-of-stream waits for its rows and new puts avoid it. It resumes with
+        :meth:`unit_up`; :meth:`unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
+        """
+        st = self.state
+        if unit in st.dead_units or unit in st.suspended or unit not in st.units:
+            return Effects()
+        st.suspended[unit] = now + self.unit_lost_after
+        st.unavailable.add(unit)
+        self._arm(st.suspended[unit], "unit", unit)
+        for p in st.partitions.values():
+            for rs in p.ready.values():
+                for r in [r for r in rs.rows if p.units[r] == unit]:
+                    rs.discard(r)
+        log.warning(
+            "storage unit suspended: its rows wait until it comes back or is declared lost",
+            unit=unit,
+            lost_after=self.unit_lost_after,
+        )
+        return Effects()
+
+    def unit_up(self, unit: int) -> Effects:
+        """A suspended unit came back with its data: its rows are handed out again."""
+        st = self.state
+        if st.suspended.pop(unit, None) is None:
+            return Effects()
+        st.unavailable.discard(unit)
+        fx = Effects()
+        for pid, p in st.partitions.items():
+            if p.ready and unit in set(p.units):
+                p.ready.clear()  # rebuilt on next use, with the unit's rows
+                fx.wakeups.append(Wakeup(pid))
+        log.info("storage unit resumed", unit=unit)
+        return fx
+
+    def unit_lost(self, unit: int) -> Effects:
+        """A unit's data is gone (its process died, or it restarted): its rows are lost."""
+        st = self.state
+        st.suspended.pop(unit, None)
+        st.unavailable.discard(unit)
+        if unit in st.dead_units:
+            return Effects()
+        st.dead_units.add(unit)
+        fx = Effects(room=True)
+        lost = {}
+        for pid, p in st.partitions.items():
+            rows = p.lose_unit(unit)
+            if rows:
+                lost[pid] = len(rows)
+                fx.wakeups.append(Wakeup(pid))
+        log.error("storage unit lost", unit=unit, address=st.units.get(unit), rows_lost=lost)
+        return fx
+
+    def unit_registered(self, unit: int, address: str) -> Effects:
+        """A unit process (re)started under ``unit``: what an earlier one held is gone."""
+        st = self.state
+        fx = Effects()
+        known = unit in st.units
+        if known and (
+            unit in st.suspended or any(unit in set(p.units) for p in st.partitions.values())
+        ):
+            fx = self.unit_lost(unit)
+        st.units[unit] = address
+        st.dead_units.discard(unit)  # a restarted unit takes new rows again
+        return fx
+
+    def _unit_deadline(self, unit: int, deadline: float, fx: Effects) -> None:
+        if self.state.suspended.get(unit) == deadline:
+            fx.add(self.unit_lost(unit))
+
+
+# ---- pure helpers ------------------------------------------------------------------------------
+
+
+def _accepted_kwargs(sampler: Any) -> frozenset[str] | None:
+    """Names ``sampler.sample`` accepts as keywords, or None when it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(sampler.sample).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+def delivery_key(req: GetMeta) -> DeliveryKey | None:
+    """``(task, dp_rank, batch_index)`` of a fetch that names its batch, else None."""
+    cfg = req.sampling_config
+    if req.mode != "fetch" or not cfg or cfg.get("batch_index") is None:
+        return None
+    dp_rank = cfg.get("dp_rank") or 0
+    return (req.task_name, int(dp_rank), int(cfg["batch_index"]))
+
+
+def all_consumed(p: Partition, task: str) -> bool:
+    """The partition holds rows and ``task`` consumed every one of them."""
+    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+
+
+def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
+    """The reply naming ``rows`` of ``p`` (their units, tags and versions)."""
+    tags = p.tags
+    versions = {
+        f: [fv[r] for r in rows] for f in fields if (fv := p.field_versions.get(f)) is not None
+    }
+    return MetaReply(
+        rows,
+        [p.units[r] for r in rows],
+        [tags[r] or {} for r in rows],
+        list(fields),
+        versions=versions,
+    )
+
+
+def check_result(result: Any) -> tuple[list[int], list[int]]:
+    """A sampler's ``(sampled, consumed)`` as two lists of ints, or InvalidRequestError."""
+    try:
+        sampled, consumed = result
+        sampled = [int(r) for r in sampled]
+        consumed = [int(r) for r in consumed]
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            "a sampler must return (sampled, consumed), two lists of row indexes; "
+            f"got {type(result).__name__}"
+        ) from exc
+    return sampled, consumed
+
+
+def check_shares(result: Any, dp_size: int) -> tuple[list[list[int]], list[int]]:
+    """A ``sample_shares`` answer: ``dp_size`` lists of rows (or none) and the consumed rows."""
+    try:
+        shares_in, consumed_in = result
+        shares = [[int(r) for r in share] for share in shares_in]
+        consumed = [int(r) for r in consumed_in]
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            "sample_shares must return (shares, consumed): one list of rows per rank and "
+            f"the rows to consume; got {type(result).__name__}"
+        ) from exc
+    if not shares:
+        return [[] for _ in range(dp_size)], consumed
+    if len(shares) != dp_size:
+        raise InvalidRequestError(
+            f"sample_shares returned {len(shares)} shares for {dp_size} ranks"
+        )
+    return shares, consumed
+
+
+def split_even(rows: Sequence[int], dp_size: int, group: int = 1) -> list[list[int]]:
+    """Cut ``rows`` in order into ``dp_size`` shares, runs of ``group`` rows kept together.
+
+    Share lengths differ by at most one group (earlier ranks get the longer shares); when
+    ``len(rows)`` is not a multiple of ``group`` the rows are split one by one.
+    """
+    if group < 1 or len(rows) % group:
+        group = 1
+    n_groups = len(rows) // group
+    base, extra = divmod(n_groups, dp_size)
+    shares = []
+    start = 0
+    for rank in range(dp_size):
+        size = (base + (rank < extra)) * group
+        shares.append(list(rows[start : start + size]))
+        start += size
+    return shares

@@ -1,0 +1,430 @@
+"""The controller's transitions (ControllerCore) tested alone: no loop, no socket, no clock.
+
+Each defect of the exactly-once issue has a test here; time is a number the test chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from tq_async import (
+    GRPOGroupNSampler,
+    InvalidRequestError,
+    RankAwareSampler,
+    RowsNotFound,
+    SeqlenBalancedSampler,
+    SequentialSampler,
+    StalenessSampler,
+)
+from tq_async._columns import ColumnHeader
+from tq_async._core import ControllerCore, Deadlines, Effects, SampleCall, split_even
+from tq_async._protocol import GetMeta, MetaReply
+from tq_async._state import ControllerState, Wakeup
+from tq_async.samplers import BaseSampler
+
+X = ColumnHeader("x", "dense", "int64", ())
+
+
+def new_core(sampler: BaseSampler | None = None, n_units: int = 2, **kw: Any) -> ControllerCore:
+    state = ControllerState({u: f"inproc://u{u}" for u in range(n_units)})
+    return ControllerCore(state, sampler, **kw)
+
+
+def put(
+    core: ControllerCore,
+    n: int,
+    pid: str = "p",
+    tags: Sequence[dict[str, Any]] | None = None,
+    now: float = 0.0,
+) -> list[int]:
+    placement, _ = core.put_begin(pid, [X], n, None, None, now)
+    core.put_commit(pid, placement.rows, ["x"], tags, None, placement.put_id)
+    return placement.rows
+
+
+def req(
+    batch_size: int,
+    task: str = "t",
+    pid: str = "p",
+    lease: float | None = None,
+    ack: list[int] | None = None,
+    **cfg: Any,
+) -> GetMeta:
+    return GetMeta(pid, ["x"], batch_size, task, cfg or None, lease=lease, ack=ack)
+
+
+def get(core: ControllerCore, request: GetMeta, now: float = 0.0) -> MetaReply | None:
+    """What the shell does: run the sampler until there is a reply or nothing (wait)."""
+    decision, _ = core.get_meta(request, now)
+    while isinstance(decision, SampleCall):
+        decision, _ = core.sampled(request, decision, decision.run(), now)
+    return decision
+
+
+def rows_of(reply: MetaReply | None) -> list[int]:
+    assert reply is not None
+    assert not reply.end_of_stream
+    return list(reply.rows)
+
+
+def is_end(reply: MetaReply | None) -> bool:
+    return reply is not None and reply.end_of_stream
+
+
+# ---- 1. end of stream while a lease is open ------------------------------------------------
+
+
+def test_no_end_of_stream_while_a_lease_is_open() -> None:
+    core = new_core()
+    put(core, 16)
+    core.state.seal("p")
+    dead = get(core, req(8, lease=1.0), now=0.0)  # consumer A leases 8 rows, then dies
+    alive = get(core, req(8, lease=1.0), now=0.0)  # consumer B takes the other 8
+    assert alive is not None
+    core.ack([alive.lease_id], 0.5)
+    assert get(core, req(8, lease=1.0), now=0.5) is None  # waits: A's lease is open
+    fx = core.advance(1.0)  # A's lease expires
+    assert Wakeup("p", "t") in fx.wakeups
+    again = get(core, req(8, lease=1.0), now=1.0)
+    assert sorted(rows_of(again)) == sorted(rows_of(dead))  # B gets A's rows
+    assert again is not None
+    core.ack([again.lease_id], 1.1)
+    assert is_end(get(core, req(8), now=1.1))
+
+
+def test_an_ack_lets_end_of_stream_through_and_wakes_the_task() -> None:
+    core = new_core()
+    put(core, 4)
+    core.state.seal("p")
+    got = get(core, req(4, lease=10.0))
+    assert get(core, req(4)) is None
+    assert got is not None
+    fx = core.ack([got.lease_id], 1.0)
+    assert Wakeup("p", "t") in fx.wakeups
+    assert is_end(get(core, req(4), now=1.0))
+
+
+def test_holds_do_not_block_end_of_stream() -> None:
+    core = new_core()
+    core.state.auto_clear["p"] = ("t",)
+    put(core, 4)
+    core.state.seal("p")
+    got = get(core, req(4))
+    assert got is not None
+    assert got.lease_id
+    assert is_end(get(core, req(4)))
+    assert core.next_deadline() is None  # a hold never expires
+
+
+# ---- 2. replay during an open lease --------------------------------------------------------
+
+
+def test_a_replay_shares_the_batch_lease_and_an_ack_settles_it() -> None:
+    core = new_core()
+    put(core, 8)
+    first = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=0.0)
+    # the consumer restarts and re-reads its batch before the lease expires
+    replay = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=0.5)
+    assert first is not None
+    assert replay is not None
+    assert replay.rows == first.rows
+    assert replay.lease_id == first.lease_id
+    core.ack([replay.lease_id], 0.6)  # the replay's ack settles the batch
+    fx = core.advance(10.0)
+    assert fx.wakeups == []
+    assert core.next_deadline() is None
+    rest = get(core, req(4))  # nothing acknowledged comes back into the pool
+    assert rows_of(rest) == [r for r in range(8) if r not in first.rows]
+    settled = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=11.0)
+    assert settled is not None
+    assert settled.rows == first.rows
+    assert settled.lease_id == 0
+
+
+def test_a_replay_takes_the_lease_over() -> None:
+    core = new_core()
+    put(core, 4)
+    first = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=0.0)
+    get(core, req(4, lease=5.0, dp_rank=0, batch_index=0), now=0.9)
+    core.advance(1.0)  # the first deadline passes: the lease lives on (taken over)
+    assert first is not None
+    assert core.state.partition("p").leases[first.lease_id].deadline == 5.9
+
+
+def test_an_expired_recorded_batch_goes_to_its_next_reader_only() -> None:
+    core = new_core()
+    put(core, 8)
+    core.state.seal("p")
+    first = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=0.0)
+    core.advance(2.0)  # expired: the rows stay with the batch, never back into the pool
+    other = get(core, req(8, lease=1.0, dp_rank=1, batch_index=0), now=2.0)
+    assert first is not None
+    assert other is not None
+    assert set(other.rows).isdisjoint(first.rows)
+    # a TP peer (or the restarted consumer) of rank 0 still gets the same rows, newly leased
+    peer = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=2.0)
+    assert peer is not None
+    assert peer.rows == first.rows
+    assert peer.lease_id
+    assert peer.lease_id != first.lease_id
+
+
+# ---- 3. SeqlenBalancedSampler with leases ---------------------------------------------------
+
+
+def test_seqlen_global_batch_is_recorded_for_every_rank() -> None:
+    core = new_core(SeqlenBalancedSampler(dp_size=2))
+    put(core, 32, tags=[{"total_lengths": 10 + r} for r in range(32)])
+    core.state.seal("p")
+    seen: list[int] = []
+    for b in range(4):
+        shares = [get(core, req(4, lease=1.0, dp_rank=r, batch_index=b), now=0.0) for r in (0, 1)]
+        seen += [row for s in shares for row in rows_of(s)]
+    core.advance(5.0)  # every lease expires un-acked
+    again = [
+        rows_of(get(core, req(4, lease=1.0, dp_rank=r, batch_index=b), now=5.0))
+        for b in range(4)
+        for r in (0, 1)
+    ]
+    assert sorted(row for share in again for row in share) == list(range(32))
+    assert sorted(seen) == list(range(32))  # nothing lost, nothing twice
+
+
+# ---- 4. a producer killed between allocating rows and committing them -----------------------
+
+
+def test_a_lapsed_put_lease_reclaims_rows_and_frees_capacity() -> None:
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
+    core.state.capacity = 16
+    put(core, 8)
+    placement, _ = core.put_begin("p", [X], 8, None, None, 0.0)  # the producer dies here
+    core.state.seal("p")
+    assert rows_of(get(core, req(8))) == list(range(8))
+    assert get(core, req(8)) is None  # waits: a live put lease may still commit
+    assert not core.state.has_room("p", 1)
+    fx = core.advance(5.0)
+    assert fx.room
+    assert fx.free == [("p", {placement.units[0]: placement.rows})]
+    assert Wakeup("p") in fx.wakeups
+    assert is_end(get(core, req(8), now=5.0))
+    assert core.state.has_room("p", 8)
+    with pytest.raises(RowsNotFound, match="put lease"):
+        core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+
+
+def test_a_renewed_put_lease_keeps_a_slow_producers_rows() -> None:
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
+    placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.renew_puts([placement.put_id], 4.0)
+    core.advance(6.0)
+    core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+    assert rows_of(get(core, req(4), now=6.0)) == placement.rows
+
+
+def test_a_put_committed_without_its_put_id_is_not_reclaimed() -> None:
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
+    placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, None)  # an older client
+    core.advance(6.0)
+    assert rows_of(get(core, req(4), now=6.0)) == placement.rows
+
+
+# ---- 8. a stalled unit is suspended, not lost -----------------------------------------------
+
+
+def test_a_suspended_unit_resumes_with_its_rows() -> None:
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
+    put(core, 4)  # unit 0
+    put(core, 4)  # unit 1
+    core.state.seal("p")
+    core.unit_down(1, now=0.0)
+    assert get(core, req(8)) is None  # rows 4..7 are neither ready nor lost
+    assert rows_of(get(core, req(4))) == [0, 1, 2, 3]
+    assert get(core, req(4)) is None  # end-of-stream waits for the suspended unit's rows
+    placement, _ = core.put_begin("q", [X], 2, None, None, 0.0)
+    assert placement.units == [0, 0]  # new puts avoid it
+    fx = core.unit_up(1)
+    assert Wakeup("p") in fx.wakeups
+    assert rows_of(get(core, req(4))) == [4, 5, 6, 7]
+    assert is_end(get(core, req(4)))
+    assert core.state.partition("p").lost == {}
+
+
+def test_a_unit_suspended_too_long_is_lost() -> None:
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
+    put(core, 4)
+    put(core, 4)
+    core.state.seal("p")
+    core.unit_down(1, now=0.0)
+    assert core.next_deadline() == 60.0
+    assert core.advance(59.0).wakeups == []
+    fx = core.advance(60.0)
+    assert Wakeup("p") in fx.wakeups
+    assert sorted(core.state.partition("p").lost) == [4, 5, 6, 7]
+    assert rows_of(get(core, req(8), now=60.0)) == [0, 1, 2, 3]
+    assert is_end(get(core, req(8), now=60.0))  # lost rows no longer hold it back
+
+
+def test_a_restarted_unit_loses_what_it_held() -> None:
+    core = new_core()
+    put(core, 4)
+    put(core, 4)
+    core.unit_down(1, now=0.0)
+    core.unit_registered(1, "tcp://127.0.0.1:1")
+    assert sorted(core.state.partition("p").lost) == [4, 5, 6, 7]
+    assert 1 not in core.state.dead_units
+    assert 1 not in core.state.suspended
+
+
+# ---- 9. a hold never acknowledged does not survive clear_partition --------------------------
+
+
+def test_clear_partition_drops_leases_and_holds() -> None:
+    core = new_core()
+    core.state.auto_clear["p"] = ("t",)
+    put(core, 4)
+    hold = get(core, req(2))
+    lease = get(core, req(2, lease=5.0))
+    assert hold is not None
+    assert lease is not None
+    p = core.state.partition("p")
+    assert p.leases
+    assert p.held
+    fx = core.clear_partition("p")
+    assert fx.free
+    assert fx.room
+    put(core, 4)  # the id is reused
+    assert core.advance(10.0).wakeups == []  # the old lease is gone with its partition
+    assert core.ack([hold.lease_id, lease.lease_id], 10.0).free == []
+    assert core.state.partition("p").held == {}
+
+
+# ---- 10. DP ranks in lockstep ---------------------------------------------------------------
+
+
+def lockstep(
+    core: ControllerCore,
+    dp_size: int,
+    batch_size: int,
+    tail: str | None = None,
+    n_replicas: int = 1,
+) -> list[list[list[int]]]:
+    """Every rank (and replica) reads batch after batch until every rank sees the end."""
+    extra = {"tail": tail} if tail else {}
+    per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    b = 0
+    while True:
+        replies = [
+            [
+                get(core, req(batch_size, dp_rank=r, batch_index=b, dp_size=dp_size, **extra))
+                for _ in range(n_replicas)
+            ]
+            for r in range(dp_size)
+        ]
+        ends = {is_end(rep) for reps in replies for rep in reps}
+        assert len(ends) == 1, f"ranks disagree on the end at batch {b}"
+        if ends == {True}:
+            return per_rank
+        for r, reps in enumerate(replies):
+            assert len({tuple(rows_of(rep)) for rep in reps}) == 1  # replicas agree
+            per_rank[r].append(rows_of(reps[0]))
+        b += 1
+
+
+SAMPLERS = {
+    "sequential": lambda: SequentialSampler(),
+    "grpo": lambda: GRPOGroupNSampler(4),
+    "rank_aware": lambda: RankAwareSampler(GRPOGroupNSampler(4), n_replicas=2),
+    "seqlen": lambda: SeqlenBalancedSampler(n_samples_per_prompt=4, dp_size=2),
+    "staleness": lambda: StalenessSampler(SequentialSampler()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_every_sampler_gives_every_rank_the_same_number_of_batches(name: str) -> None:
+    core = new_core(SAMPLERS[name]())
+    # 43 groups of 4 = 172 rows: does not divide by 2 ranks x 16 rows
+    put(core, 172, tags=[{"uid": r // 4, "total_lengths": 10 + r % 7} for r in range(172)])
+    core.state.seal("p")
+    per_rank = lockstep(core, dp_size=2, batch_size=16, n_replicas=2)
+    assert len(per_rank[0]) == len(per_rank[1])
+    every = [row for batches in per_rank for batch in batches for row in batch]
+    assert sorted(every) == list(range(172))  # uneven: nothing lost, nothing twice
+
+
+def test_uneven_tail_may_give_a_rank_an_empty_batch() -> None:
+    core = new_core()
+    put(core, 5)
+    core.state.seal("p")
+    per_rank = lockstep(core, dp_size=4, batch_size=2)
+    assert [len(batches) for batches in per_rank] == [1, 1, 1, 1]
+    assert sorted(len(batches[0]) for batches in per_rank) == [1, 1, 1, 2]
+    per_rank_2 = lockstep(new_sealed(1), dp_size=2, batch_size=2)
+    assert per_rank_2 == [[[0]], [[]]]  # a rank gets an empty batch, never a hang
+
+
+def new_sealed(n: int, sampler: BaseSampler | None = None) -> ControllerCore:
+    core = new_core(sampler)
+    put(core, n)
+    core.state.seal("p")
+    return core
+
+
+def test_drop_tail_counts_the_dropped_rows() -> None:
+    core = new_sealed(11)
+    per_rank = lockstep(core, dp_size=2, batch_size=4, tail="drop")
+    assert [len(b) for b in per_rank] == [2, 2]
+    delivered = sorted(r for batches in per_rank for batch in batches for r in batch)
+    assert [[len(batch) for batch in batches] for batches in per_rank] == [[4, 1], [4, 1]]
+    assert len(delivered) == len(set(delivered)) == 10  # one row of the tail dropped
+    assert core.state.partition("p").info()["dropped"] == {"t": 1}
+    assert core.state.partition("p").consumed_count["t"] == 11
+
+
+def test_error_tail_raises_and_consumes_nothing() -> None:
+    core = new_sealed(3)
+    with pytest.raises(InvalidRequestError, match="do not split evenly over dp_size=2"):
+        get(core, req(2, dp_rank=0, batch_index=0, dp_size=2, tail="error"))
+    assert core.state.partition("p").consumed_count.get("t", 0) == 0
+
+
+def test_grpo_rows_of_incomplete_groups_follow_the_tail_policy() -> None:
+    for tail, expect_dropped in (("uneven", 0), ("drop", 2)):
+        core = new_core(GRPOGroupNSampler(4))
+        put(core, 8)
+        put(core, 2, tags=[{"uid": "late"}] * 2)
+        core.state.seal("p")
+        got = rows_of(get(core, req(8, tail=tail)))
+        assert got == list(range(8))
+        rest = get(core, req(4, tail=tail))
+        if expect_dropped:
+            assert is_end(rest)
+            assert core.state.partition("p").info()["dropped"] == {"t": 2}
+        else:
+            assert rows_of(rest) == [8, 9]
+
+
+def test_bad_dp_size_and_tail_are_refused() -> None:
+    core = new_sealed(4)
+    with pytest.raises(InvalidRequestError, match="dp_rank 2 is out of range for dp_size=2"):
+        get(core, req(2, dp_rank=2, batch_index=0, dp_size=2))
+    with pytest.raises(InvalidRequestError, match="tail must be one of"):
+        get(core, req(2, dp_rank=0, batch_index=0, dp_size=2, tail="pad"))
+    with pytest.raises(InvalidRequestError, match="needs sampling_config with dp_rank"):
+        get(core, req(2, dp_size=2))
+
+
+def test_split_even_keeps_groups_together() -> None:
+    assert split_even(list(range(8)), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_even(list(range(12)), 2, 4) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
+    assert split_even(list(range(3)), 2, 4) == [[0, 1], [2]]  # not whole groups: row by row
+    assert split_even([], 3) == [[], [], []]
+
+
+def test_effects_fold() -> None:
+    a = Effects(wakeups=[Wakeup("p")], room=True)
+    a.add(Effects(free=[("p", {0: [1]})], admission=True))
+    assert a == Effects([Wakeup("p")], [("p", {0: [1]})], True, True)
