@@ -168,10 +168,7 @@ def _run_ranks(tmp: Path, config: dict[str, Any]) -> list[dict[str, Any]] | str:
 def _reported_dropped(client: tq.Client, partition_id: str, task: str) -> int | None:
     """The controller's count of rows dropped by the tail policy for ``task`` (None: absent)."""
     dropped = client.partition_info(partition_id).get("dropped")
-    if isinstance(dropped, dict):
-        value = dropped.get(task)
-        return int(value) if value is not None else None
-    return None
+    return int(dropped.get(task, 0)) if isinstance(dropped, dict) else None
 
 
 def _check_phase(

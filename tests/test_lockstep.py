@@ -64,8 +64,7 @@ async def _fill(client: tq.AsyncClient, n: int, group: int, *, seal: bool = True
 async def _dropped(client: tq.AsyncClient, task: str) -> int | None:
     """The controller's count of rows the tail policy dropped for ``task`` (None: absent)."""
     dropped = (await client.partition_info("p")).get("dropped")
-    value = dropped.get(task) if isinstance(dropped, dict) else None
-    return None if value is None else int(value)
+    return int(dropped.get(task, 0)) if isinstance(dropped, dict) else None
 
 
 async def _lockstep(
