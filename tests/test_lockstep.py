@@ -254,24 +254,45 @@ async def test_async_datasets_end_together_with_an_empty_micro_batch() -> None:
             )
             for r, p in ((0, 0), (1, 2))
         ]
-        steps: list[list[list[int]]] = [[] for _ in range(DP)]
         async with datasets[0], datasets[1]:
-            with anyio.fail_after(DEADLINE):
-                while True:  # lockstep: one micro-batch from each rank per step
-                    items = [await anext(ds, None) for ds in datasets]
-                    if items == [None, None]:
-                        break
-                    assert None not in items, f"step {len(steps[0])}: a rank ended early"
-                    for out, (td, meta) in zip(steps, items, strict=True):  # type: ignore[misc]
-                        assert td.batch_size[0] == len(meta)
-                        if len(meta):
-                            assert td["x"].tolist() == meta.global_indexes
-                        out.append(list(meta.global_indexes))
-        # 16 rows per rank in micro-batches of 4, then the tail: [4 rows] or one empty one
-        assert len(steps[0]) == len(steps[1]) == 5
-        assert sorted(len(s[-1]) for s in steps) == [0, 4]
-        rows = [r for s in steps for mb in s for r in mb]
-        assert sorted(rows) == list(range(n))
+            steps = await _datasets_in_lockstep(datasets)
+            # 16 rows per rank in micro-batches of 4, then the tail: [4 rows] or one empty one
+            assert len(steps[0]) == len(steps[1]) == 5
+            assert sorted(len(s[-1]) for s in steps) == [0, 4]
+            rows = [r for s in steps for mb in s for r in mb]
+            assert sorted(rows) == list(range(n))
+            # a replay reads the recorded batches again, the empty share included
+            for ds in datasets:
+                ds.reset()
+            assert await _datasets_in_lockstep(datasets) == steps
+            # so does a rank resumed on its empty share (e.g. restarted from a checkpoint)
+            empty_rank = next(r for r in range(DP) if not steps[r][-1])
+            state = {**datasets[empty_rank].state_dict(), "batch_index": 2}
+            resumed = tq.AsyncStreamingDataset(
+                client, ["x"], PER_RANK, 4, "p", "t", dp_rank=empty_rank, dp_size=DP
+            )
+            resumed.load_state_dict(state)
+            async with resumed:
+                with anyio.fail_after(DEADLINE):
+                    assert [list(m.global_indexes) async for _, m in resumed] == [[]]
+
+
+async def _datasets_in_lockstep(
+    datasets: list[tq.AsyncStreamingDataset],
+) -> list[list[list[int]]]:
+    """One micro-batch from each rank per step until all end (together); rows per step."""
+    steps: list[list[list[int]]] = [[] for _ in datasets]
+    with anyio.fail_after(DEADLINE):
+        while True:
+            items = [await anext(ds, None) for ds in datasets]
+            if all(item is None for item in items):
+                return steps
+            assert None not in items, f"step {len(steps[0])}: a rank ended early"
+            for out, (td, meta) in zip(steps, items, strict=True):  # type: ignore[misc]
+                assert td.batch_size[0] == len(meta)
+                if len(meta):
+                    assert td["x"].tolist() == meta.global_indexes
+                out.append(list(meta.global_indexes))
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
