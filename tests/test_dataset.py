@@ -581,6 +581,15 @@ async def test_dp_size_and_tail_travel_in_sampling_config() -> None:
         async with plain:
             await _drain(plain)
         assert seen[0] == {"dp_rank": 0, "batch_index": 0}
+        seen.clear()
+        # no tail: none is sent, so a sampler built with its own tail policy keeps it
+        default_tail = AsyncStreamingDataset(
+            client, ["x"], 2, 2, "p", "t", dp_size=2, fetch_batch_fn=fetch
+        )
+        async with default_tail:
+            await _drain(default_tail)
+        assert seen[0] == {"dp_rank": 0, "batch_index": 0, "dp_size": 2}
+        assert default_tail.tail is None
 
 
 async def test_an_empty_batch_is_one_micro_batch_of_zero_rows() -> None:

@@ -341,3 +341,22 @@ async def test_a_bad_dp_config_is_refused_before_anything_is_sent() -> None:
             await client.get_meta(["x"], 4, "p", "t", config)
     with pytest.raises(tq.ClosedError):  # a good config gets as far as sending
         await client.get_meta(["x"], 4, "p", "t", _config(1, 0, "drop"))
+
+
+async def test_a_dataset_without_tail_keeps_the_samplers_own_policy() -> None:
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=4, dp_size=DP, tail="drop")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _fill(client, 2 * DP * PER_RANK + 4, 4)  # a tail of one group: dropped
+        datasets = [
+            tq.AsyncStreamingDataset(
+                client, ["x"], PER_RANK, PER_RANK, "p", "t", dp_rank=r, dp_size=DP
+            )
+            for r in range(DP)
+        ]
+        async with datasets[0], datasets[1]:
+            steps = await _datasets_in_lockstep(datasets)
+        assert [[len(b) for b in s] for s in steps] == [[PER_RANK, PER_RANK]] * DP
+        assert await _dropped(client, "t") == 4

@@ -109,7 +109,7 @@ async def default_fetch_batch_fn(
     (accept ``**kwargs`` to ignore those you do not need) and must keep its contract:
 
     * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``, and ``dp_size``
-      and ``tail`` when the dataset has a ``dp_size``) to ``get`` or ``get_meta`` so the rows
+      and ``tail`` when the dataset has them) to ``get`` or ``get_meta`` so the rows
       are recorded under the batch index and can be read again on replay or resume;
     * wait for rows rather than return an empty batch (``get_meta`` waits when ``timeout``
       is None), and let :class:`~tq_async.TQTimeoutError` escape when ``timeout`` expires;
@@ -125,7 +125,7 @@ async def default_fetch_batch_fn(
         partition_id: the partition to read.
         task_name: the consuming task.
         sampling_config: the dataset's ``sampling_config`` plus ``dp_rank`` and
-            ``batch_index`` (and ``dp_size`` and ``tail`` when the dataset has a ``dp_size``).
+            ``batch_index`` (and ``dp_size`` and ``tail`` when the dataset has them).
         batch_index: the batch being fetched (also in ``sampling_config``).
         timeout: seconds ``get_meta`` may wait for rows; None waits until rows arrive.
         stop_when_consumed: pass to ``get_meta``: end the stream once the partition holds
@@ -292,15 +292,15 @@ def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
 _TAILS = ("uneven", "drop", "error")
 
 
-def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str]:
+def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str | None]:
     """Validate ``dp_size`` and ``tail`` (and ``dp_rank`` against ``dp_size``)."""
     dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
-    if tail not in _TAILS:
+    if tail is not None and tail not in _TAILS:
         raise InvalidRequestError(
-            f"tail must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+            f"tail must be one of {', '.join(map(repr, _TAILS))} or None, got {tail!r}"
         )
     if dp_size is None:
-        if tail != "uneven":
+        if tail is not None:
             raise InvalidRequestError(
                 f"tail={tail!r} needs dp_size: the tail policy shares the last global batch "
                 "among dp_size ranks; pass dp_size= as well"
@@ -311,7 +311,7 @@ def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str]:
         raise InvalidRequestError(
             f"dp_rank {dp_rank} is out of range for dp_size={dp_size}; ranks are 0..{dp_size - 1}"
         )
-    return dp_size, str(tail)
+    return dp_size, tail
 
 
 def _name(name: str, value: Any) -> str:
@@ -339,8 +339,9 @@ class AsyncStreamingDataset:
 
     **Collectives.** Give ``dp_size`` when the ranks run collectives (``all_reduce``) every
     step: then batch ``b`` is decided for all ``dp_size`` ranks at once and every rank gets
-    the same number of batches, ending together. With ``tail="uneven"`` (the default) the
-    last global batch is shared out as it is: a rank may get a short batch or an **empty
+    the same number of batches, ending together. With ``tail="uneven"`` (the default unless
+    the sampler was built with its own tail policy) the last global batch is shared out as it
+    is: a rank may get a short batch or an **empty
     batch** (0 rows, ``meta.end_of_stream`` False), delivered as one micro-batch of 0 rows
     (``process_batch_fn`` is not called for it). Run your step anyway, with a zero
     contribution, so the collectives stay in step. ``tail="drop"`` consumes the rows that
@@ -378,8 +379,9 @@ class AsyncStreamingDataset:
             (the default): each rank reads on its own, and ranks may end at different
             batch indexes.
         tail: with ``dp_size``, what the last global batch does when it cannot be split
-            evenly: ``"uneven"`` (default; short or empty batches, nothing lost),
-            ``"drop"`` or ``"error"``.
+            evenly: ``"uneven"`` (short or empty batches, nothing lost), ``"drop"`` or
+            ``"error"``. None (the default) sends none: the sampler's own policy applies
+            (e.g. ``SeqlenBalancedSampler(tail=...)``), else ``"uneven"``.
 
     Raises:
         InvalidRequestError: an argument is invalid.
@@ -413,7 +415,7 @@ class AsyncStreamingDataset:
         *,
         request_timeout: float = 60.0,
         dp_size: int | None = None,
-        tail: str = "uneven",
+        tail: str | None = None,
     ) -> None:
         if not isinstance(address, (str, AsyncClient)):
             raise InvalidRequestError(
@@ -443,7 +445,7 @@ class AsyncStreamingDataset:
                 "pass the rank only as dp_rank"
             )
         dp_size, tail = _check_dp(dp_rank, dp_size, tail)
-        for key, value in (("dp_size", dp_size), ("tail", tail if dp_size else None)):
+        for key, value in (("dp_size", dp_size), ("tail", tail)):
             if key in config and config[key] != value:
                 raise InvalidRequestError(
                     f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
@@ -847,6 +849,7 @@ class AsyncStreamingDataset:
         config = {**self.sampling_config, "dp_rank": self.dp_rank, "batch_index": index}
         if self.dp_size is not None:
             config["dp_size"] = self.dp_size
+        if self.tail is not None:
             config["tail"] = self.tail
         return self._checked(await call(index, config, None), index)
 

@@ -112,7 +112,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         *,
         request_timeout: float = 60.0,
         dp_size: int | None = None,
-        tail: str = "uneven",
+        tail: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(address, str) or not address:
