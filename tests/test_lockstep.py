@@ -360,3 +360,22 @@ async def test_a_dataset_without_tail_keeps_the_samplers_own_policy() -> None:
             steps = await _datasets_in_lockstep(datasets)
         assert [[len(b) for b in s] for s in steps] == [[PER_RANK, PER_RANK]] * DP
         assert await _dropped(client, "t") == 4
+
+
+async def test_a_sampler_built_for_dp_ranks_gives_datasets_empty_shares_too() -> None:
+    # no dp_size on the datasets: SeqlenBalancedSampler(dp_size=2) makes the batches global
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=4, dp_size=DP)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        n = 2 * DP * PER_RANK + 4  # the last group goes to one rank, the other gets 0 rows
+        await _fill(client, n, 4)
+        datasets = [
+            tq.AsyncStreamingDataset(client, ["x"], PER_RANK, PER_RANK, "p", "t", dp_rank=r)
+            for r in range(DP)
+        ]
+        async with datasets[0], datasets[1]:
+            steps = await _datasets_in_lockstep(datasets)
+        assert sorted(len(s[-1]) for s in steps) == [0, 4]
+        assert sorted(r for s in steps for b in s for r in b) == list(range(n))

@@ -113,8 +113,8 @@ async def default_fetch_batch_fn(
       are recorded under the batch index and can be read again on replay or resume;
     * wait for rows rather than return an empty batch (``get_meta`` waits when ``timeout``
       is None), and let :class:`~tq_async.TQTimeoutError` escape when ``timeout`` expires;
-    * with ``dp_size``, return a batch of 0 rows that is not the end of the stream as
-      ``(empty TensorDict, meta)`` (``(None, meta)`` is accepted too): this rank's share of
+    * return a batch of 0 rows that is not the end of the stream (with ``dp_size``, or a
+      sampler built for several ranks) as ``(empty TensorDict, meta)``: this rank's share of
       a global batch is empty, and the dataset delivers it so the ranks stay in step;
     * at the end of the stream, return ``(None, meta)`` with ``meta.end_of_stream`` set.
 
@@ -346,7 +346,9 @@ class AsyncStreamingDataset:
     (``process_batch_fn`` is not called for it). Run your step anyway, with a zero
     contribution, so the collectives stay in step. ``tail="drop"`` consumes the rows that
     cannot be split evenly without delivering them (the controller warns and counts them);
-    ``tail="error"`` makes such a tail an error. The number of micro-batches per batch
+    ``tail="error"`` makes such a tail an error. A sampler built for several ranks
+    (``SeqlenBalancedSampler(dp_size=...)``) makes batches global without ``dp_size`` too, so
+    empty batches can come then as well. The number of micro-batches per batch
     follows its rows, so a short batch may have fewer: run collectives once per batch (or use
     ``micro_batch_size=batch_size``).
 
@@ -893,8 +895,9 @@ class AsyncStreamingDataset:
         td, meta = got
         if meta.end_of_stream:
             return None
-        if meta.is_empty and self.dp_size is not None:
+        if meta.is_empty and (self.dp_size is not None or meta.batch_index == index):
             # this rank's share of a global batch is empty: delivered, so ranks stay in step
+            # (a sampler built for several ranks makes batches global without dp_size too)
             td = TensorDict({}, batch_size=[0]) if td is None else td
         elif meta.is_empty or td is None:
             raise TQError(
