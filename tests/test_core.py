@@ -428,3 +428,30 @@ def test_effects_fold() -> None:
     a = Effects(wakeups=[Wakeup("p")], room=True)
     a.add(Effects(free=[("p", {0: [1]})], admission=True))
     assert a == Effects([Wakeup("p")], [("p", {0: [1]})], True, True)
+
+
+def test_a_late_ack_of_a_recorded_batch_still_settles_it() -> None:
+    core = new_core()
+    put(core, 4)
+    core.state.seal("p")
+    got = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0))
+    core.advance(2.0)  # expired: the rows wait for the batch's next reader
+    assert got is not None
+    # nothing went back to the pool, and no lease is open: the pool's readers may end
+    assert is_end(get(core, req(4)))
+    core.ack([got.lease_id], 3.0)  # the consumer was only slow: its work stands
+    assert ("t", 0, 0) in core.state.partition("p").settled
+    replay = get(core, req(4, lease=1.0, dp_rank=0, batch_index=0), now=3.0)
+    assert replay is not None
+    assert replay.rows == got.rows
+    assert replay.lease_id == 0
+
+
+def test_a_late_ack_of_a_pooled_lease_is_ignored() -> None:
+    core = new_core()
+    put(core, 4)
+    got = get(core, req(4, lease=1.0))
+    core.advance(2.0)  # expired: back to the pool (at-least-once)
+    assert got is not None
+    core.ack([got.lease_id], 3.0)
+    assert rows_of(get(core, req(4), now=3.0)) == got.rows

@@ -219,6 +219,8 @@ class ControllerCore:
         #: lease id / put id -> the partition holding it (gone with the partition)
         self._lease_home: dict[int, Partition] = {}
         self._put_home: dict[int, Partition] = {}
+        #: lease id of a recorded batch -> its partition, also after the lease ended
+        self._batch_home: dict[int, Partition] = {}
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
@@ -520,6 +522,8 @@ class ControllerCore:
         self._lease_home[lease_id] = p
         if key is not None:
             p.batch_leases[key] = lease_id
+            p.lease_batch[lease_id] = key
+            self._batch_home[lease_id] = p
         if deadline is not None:
             p.open_leases[req.task_name] = p.open_leases.get(req.task_name, 0) + 1
             self._arm(deadline, "lease", lease_id)
@@ -555,6 +559,7 @@ class ControllerCore:
         for lease_id in lease_ids:
             p = self._lease_home.get(lease_id)
             if p is None:
+                fx.add(self._late_ack(lease_id))
                 continue
             lease = p.leases[lease_id]
             self._drop_lease(p, lease)
@@ -564,6 +569,25 @@ class ControllerCore:
                 fx.wakeups.append(Wakeup(p.partition_id, lease.task))  # end-of-stream may be due
             fx.add(self._auto_clear(p, lease.rows))
         return fx
+
+    def _late_ack(self, lease_id: int) -> Effects:
+        """An ack of an expired (or replaced) lease of a recorded batch still settles it.
+
+        Its rows never left the batch, so the consumer's work stands. An expired lease
+        without a batch is ignored: its rows went back to the pool (at-least-once).
+        """
+        p = self._batch_home.get(lease_id)
+        if p is None or self.state.partitions.get(p.partition_id) is not p:
+            return Effects()
+        key = p.lease_batch[lease_id]
+        if key in p.settled or key not in p.deliveries:
+            return Effects()
+        live = p.batch_leases.get(key)
+        if live is not None:
+            return self.ack([live], 0.0)  # the batch's current lease, settled for everyone
+        p.settled.add(key)
+        rows = p.deliveries[key]
+        return self._auto_clear(p, rows)
 
     def _expire_lease(self, lease_id: int, deadline: float, fx: Effects) -> None:
         p = self._lease_home.get(lease_id)
@@ -706,6 +730,8 @@ class ControllerCore:
         del st.partitions[partition_id]
         for lease_id in p.leases:
             self._lease_home.pop(lease_id, None)
+        for lease_id in p.lease_batch:
+            self._batch_home.pop(lease_id, None)
         for put_id in p.put_leases:
             self._put_home.pop(put_id, None)
         for smp in self.samplers():
@@ -721,6 +747,10 @@ class ControllerCore:
             if task is None or lease.task == task:
                 self._drop_lease(p, lease)
         p.settled = {k for k in p.settled if task is not None and k[0] != task}
+        for lease_id, key in list(p.lease_batch.items()):
+            if task is None or key[0] == task:
+                del p.lease_batch[lease_id]
+                self._batch_home.pop(lease_id, None)
         p.deliveries = {k: v for k, v in p.deliveries.items() if task is not None and k[0] != task}
         p.reset_consumption(task)
         for smp in self.samplers():

@@ -270,6 +270,8 @@ class Partition:
         self.batch_leases: dict[DeliveryKey, int] = {}
         #: recorded batches acknowledged for good: replays carry no new lease
         self.settled: set[DeliveryKey] = set()
+        #: every lease ever given on a recorded batch -> the batch: a late ack still settles it
+        self.lease_batch: dict[int, DeliveryKey] = {}
         #: uncommitted puts of new rows, by put id
         self.put_leases: dict[int, PutLease] = {}
         #: rows a task consumed without their being delivered (a dropped tail)

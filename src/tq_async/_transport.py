@@ -331,6 +331,7 @@ class DealerConnection(_Drained):
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
         self._on_refused = on_refused
+        self._retries = 0
         self._heartbeat_timeout_ms = (
             _HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None else int(heartbeat_timeout * 1000)
         )
@@ -424,16 +425,19 @@ class DealerConnection(_Drained):
             event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._retries = 0
                 if self._on_connect is not None:
                     self._on_connect()
             elif event == zmq.EVENT_DISCONNECTED:
+                self._retries = 0
                 self._disconnected()
-            elif (
-                event == zmq.EVENT_CONNECT_RETRIED
-                and self.connected is False
-                and self._on_refused is not None
-            ):
-                self._on_refused()
+            elif event == zmq.EVENT_CONNECT_RETRIED and self.connected is False:
+                # libzmq reports one retry when it schedules the reconnection after a
+                # disconnect; a second one means a connection attempt failed: nothing
+                # listens there any more (a paused process still accepts connections)
+                self._retries += 1
+                if self._retries == 2 and self._on_refused is not None:
+                    self._on_refused()
 
     def _disconnected(self) -> None:
         self.connected = False

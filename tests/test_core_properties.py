@@ -1,0 +1,194 @@
+"""Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death,
+checked against a model of the guarantees (docs/guarantees.md). Loop-free: ControllerCore."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tq_async._columns import ColumnHeader
+from tq_async._core import ControllerCore, Deadlines, SampleCall
+from tq_async._protocol import GetMeta, MetaReply
+from tq_async._state import ControllerState
+
+X = ColumnHeader("x", "dense", "int64", ())
+LEASE = 5.0
+
+
+@dataclass
+class Consumer:
+    alive: bool = True
+    next_batch: int = 0
+    #: recorded batches it read and has not acknowledged: batch index -> (rows, lease id)
+    open: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    #: unkeyed deliveries not acknowledged: lease id -> rows
+    loose: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+class Model:
+    """Drives a ControllerCore and checks every answer against the guarantees."""
+
+    def __init__(self) -> None:
+        self.core = ControllerCore(
+            ControllerState({0: "inproc://u0", 1: "inproc://u1"}),
+            deadlines=Deadlines(put_lease=LEASE),
+        )
+        self.now = 0.0
+        self.rows = 0
+        self.sealed = False
+        self.acked: Counter[int] = Counter()
+        #: rows a recorded batch (rank, index) resolved to, the first time
+        self.recorded: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.consumers = [Consumer() for _ in range(3)]
+        self.settled: set[tuple[int, int]] = set()
+
+    def get(self, request: GetMeta) -> MetaReply | None:
+        decision, _ = self.core.get_meta(request, self.now)
+        while isinstance(decision, SampleCall):
+            decision, _ = self.core.sampled(request, decision, decision.run(), self.now)
+        return decision
+
+    def put(self, n: int) -> None:
+        if self.sealed:
+            return
+        placement, _ = self.core.put_begin("p", [X], n, None, None, self.now)
+        self.core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+        self.rows += n
+
+    def read(self, c: int, keyed: bool, n: int) -> None:
+        who = self.consumers[c]
+        if not who.alive:
+            return
+        cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
+        reply = self.get(GetMeta("p", ["x"], n, "t", cfg, lease=LEASE))
+        if reply is None:
+            return
+        if reply.end_of_stream:
+            self.check_end()
+            return
+        rows = tuple(reply.rows)
+        for r in rows:
+            assert self.acked[r] == 0, f"acknowledged row {r} delivered again"
+        if keyed:
+            key = (c, who.next_batch)
+            assert self.recorded.setdefault(key, rows) == rows
+            who.open[who.next_batch] = (rows, reply.lease_id)
+            who.next_batch += 1
+        else:
+            who.loose[reply.lease_id] = rows
+
+    def ack(self, c: int) -> None:
+        who = self.consumers[c]
+        if not who.alive:
+            return
+        for index, (rows, lease_id) in who.open.items():
+            self.settle(rows, lease_id, (c, index))
+        for lease_id, rows in who.loose.items():
+            self.settle(rows, lease_id)
+        who.open.clear()
+        who.loose.clear()
+
+    def settle(
+        self, rows: tuple[int, ...], lease_id: int, key: tuple[int, int] | None = None
+    ) -> None:
+        """Acknowledge; count the rows once if the ack must take effect.
+
+        A recorded batch is settled by any ack of any of its leases, even a late one (its
+        rows never left it); an expired lease without a batch is ignored (the rows went
+        back to the pool and are read again: at-least-once).
+        """
+        live = lease_id in self.core._lease_home
+        self.core.ack([lease_id], self.now)
+        if key is not None:
+            if key not in self.settled:
+                self.settled.add(key)
+                self.acked.update(rows)
+            p = self.core.state.partition("p")
+            assert ("t", *key) in p.settled
+        elif live:
+            self.acked.update(rows)
+
+    def kill(self, c: int) -> None:
+        self.consumers[c].alive = False
+
+    def restart(self, c: int) -> None:
+        """A new process for consumer ``c``: it replays its un-acknowledged recorded batches."""
+        who = self.consumers[c]
+        replays = sorted(who.open)
+        self.consumers[c] = Consumer(next_batch=who.next_batch)
+        for index in replays:
+            reply = self.get(
+                GetMeta("p", ["x"], 1, "t", {"dp_rank": c, "batch_index": index}, lease=LEASE)
+            )
+            assert reply is not None
+            assert tuple(reply.rows) == self.recorded[(c, index)]  # the same rows, always
+            self.settle(tuple(reply.rows), reply.lease_id, (c, index))
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self.core.advance(self.now)
+
+    def check_end(self) -> None:
+        p = self.core.state.partition("p")
+        assert self.sealed, "end of stream before seal"
+        assert not p.open_leases, "end of stream while a lease is open"
+        assert p.consumed_count.get("t", 0) == p.n_alive, "end of stream with rows unread"
+
+    def finish(self) -> None:
+        """Seal, let every lease run out, restart the dead, and read to the end."""
+        self.sealed = True
+        self.core.state.seal("p")
+        self.advance(2 * LEASE)
+        for c in range(len(self.consumers)):
+            if not self.consumers[c].alive:
+                self.restart(c)
+            else:
+                self.ack(c)
+        for _ in range(self.rows + 2):
+            reply = self.get(GetMeta("p", ["x"], 4, "t", None, lease=LEASE))
+            assert reply is not None, "the end of stream never came"
+            if reply.end_of_stream:
+                self.check_end()
+                break
+            self.settle(tuple(reply.rows), reply.lease_id)
+        else:
+            raise AssertionError("the stream did not end")
+        assert sorted(self.acked.elements()) == list(range(self.rows)), "lost or duplicated"
+
+
+ops = st.one_of(
+    st.tuples(st.just("put"), st.integers(1, 6)),
+    st.tuples(st.just("read"), st.integers(0, 2), st.booleans(), st.integers(1, 5)),
+    st.tuples(st.just("ack"), st.integers(0, 2)),
+    st.tuples(st.just("kill"), st.integers(0, 2)),
+    st.tuples(st.just("restart"), st.integers(0, 2)),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 2.0, LEASE + 1])),
+    st.tuples(st.just("seal")),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ops, max_size=40))
+def test_random_interleavings_keep_the_guarantees(program: list[tuple[object, ...]]) -> None:
+    m = Model()
+    for op, *args in program:
+        if op == "seal":
+            m.sealed = True
+            m.core.state.seal("p")
+        elif op == "put":
+            m.put(*args)  # type: ignore[arg-type]
+        elif op == "read":
+            m.read(*args)  # type: ignore[arg-type]
+        elif op == "ack":
+            m.ack(*args)  # type: ignore[arg-type]
+        elif op == "kill":
+            m.kill(*args)  # type: ignore[arg-type]
+        elif op == "restart":
+            if not m.consumers[args[0]].alive:  # type: ignore[index]
+                m.restart(*args)  # type: ignore[arg-type]
+        else:
+            m.advance(*args)  # type: ignore[arg-type]
+    m.finish()

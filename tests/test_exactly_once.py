@@ -1,0 +1,374 @@
+"""Exactly-once under failure, with the services as real ``tq-async serve`` processes.
+
+Consumers and producers are real processes killed with SIGKILL; storage units are paused with
+SIGSTOP. The test waits on events (a line a process prints, a request the controller answers
+once its state changed), never on sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and loopback services")
+
+_DEADLINE = 60.0
+
+
+class Proc:
+    """A child process whose stdout (and optionally stderr) lines are read with deadlines."""
+
+    def __init__(self, argv: list[str], *, stderr: bool = False) -> None:
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if stderr else subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._buf: dict[int, bytes] = {}
+
+    def line(self, prefix: str, *, err: bool = False, timeout: float = _DEADLINE) -> str:
+        """The next line (of stdout, or stderr) that contains ``prefix``."""
+        stream = self.proc.stderr if err else self.proc.stdout
+        assert stream is not None
+        fd = stream.fileno()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                pending = self._buf.get(fd, b"")
+                *lines, rest = pending.split(b"\n")
+                for i, raw in enumerate(lines):
+                    if prefix.encode() in raw:
+                        self._buf[fd] = b"\n".join([*lines[i + 1 :], rest])
+                        return raw.decode()
+                self._buf[fd] = rest
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no line with {prefix!r} within {timeout} s")
+                if sel.select(timeout=left):
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        raise RuntimeError(
+                            f"process exited ({self.proc.wait(10)}) before {prefix!r}"
+                        )
+                    self._buf[fd] = self._buf.get(fd, b"") + chunk
+
+    def json(self, prefix: str) -> Any:
+        return json.loads(self.line(prefix).split(prefix, 1)[1])
+
+    def stop(self) -> None:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@contextmanager
+def running(*procs: Proc) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def serve(*args: str, stderr: bool = False) -> tuple[Proc, str]:
+    proc = Proc([sys.executable, "-m", "tq_async._cli", "serve", *args], stderr=stderr)
+    line = proc.line("TQ_")
+    return proc, line.split("=", 1)[1] if line.startswith("TQ_ADDRESS=") else line
+
+
+def child(code: str, *args: str) -> Proc:
+    return Proc([sys.executable, "-c", textwrap.dedent(code), *args])
+
+
+CONSUMER = """
+    import asyncio, json, sys
+    import tq_async as tq
+
+    async def main(address, plan):
+        async with tq.AsyncClient.connect(address) as c:
+            for step in json.loads(plan):
+                m = await c.get_meta(["x"], step["n"], "p", "t", step.get("cfg"),
+                                     lease=step["lease"])
+                print("GOT " + json.dumps({"rows": m.global_indexes, "lease": m.lease_id}),
+                      flush=True)
+                if step.get("ack"):
+                    await c.ack(m)
+                    print("ACKED " + json.dumps(m.global_indexes), flush=True)
+            print("PARKED", flush=True)
+            await asyncio.Event().wait()  # the test kills us here
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def drain(client: Any, n: int, lease: float, cfg: dict[str, Any] | None = None) -> list[int]:
+    """Read ``p`` for task ``t`` to the end, acknowledging each batch; the rows read."""
+    rows: list[int] = []
+    with anyio.fail_after(_DEADLINE):
+        while True:
+            m = await client.get_meta(["x"], n, "p", "t", cfg, lease=lease)
+            if m.end_of_stream:
+                return rows
+            rows += m.global_indexes
+            await client.ack(m)
+
+
+async def test_consumer_killed_holding_leases_on_a_sealed_partition() -> None:
+    server, address = serve()
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.put({"x": torch.arange(48)}, "p")
+            await c.seal("p")
+            plan = [{"n": 8, "lease": 30.0, "ack": True}, {"n": 8, "lease": 1.0}]
+            a = child(CONSUMER, address, json.dumps(plan))
+            with running(a):
+                a_acked = a.json("ACKED ")
+                a_unacked = a.json("GOT ")["rows"]  # the second batch, never acknowledged
+                a.line("PARKED")
+                a.kill()
+            # the survivor reads to the end: it must wait for A's lease, then get its rows
+            b_rows = await drain(c, 8, lease=30.0)
+            assert sorted(a_acked + b_rows) == list(range(48))  # every row acked exactly once
+            assert set(a_acked).isdisjoint(b_rows)  # no acknowledged row delivered again
+            assert set(a_unacked) <= set(b_rows)  # the killed consumer's rows came back
+            assert await c.check_consumption_status("p", "t")
+
+
+async def test_restarted_consumer_replays_its_batch_and_its_ack_settles_it() -> None:
+    server, address = serve()
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.put({"x": torch.arange(16)}, "p")
+            await c.seal("p")
+            cfg = {"dp_rank": 0, "batch_index": 0}
+            first = child(CONSUMER, address, json.dumps([{"n": 8, "lease": 30.0, "cfg": cfg}]))
+            with running(first):
+                got = first.json("GOT ")
+                first.line("PARKED")
+                first.kill()
+            # restarted before the lease expires: same rows, the same (batch's) lease; it acks
+            plan = [{"n": 8, "lease": 30.0, "cfg": cfg, "ack": True}]
+            again = child(CONSUMER, address, json.dumps(plan))
+            with running(again):
+                replay = again.json("GOT ")
+                acked = again.json("ACKED ")
+                again.line("PARKED")
+            assert replay == got
+            assert acked == got["rows"]
+            # the ack settled the batch for good: the rest, then the end, with no wait
+            rest = await drain(c, 8, lease=30.0)
+            assert sorted(rest + acked) == list(range(16))
+
+
+SERVICES = """
+    import anyio, sys
+    import tq_async as tq
+
+    async def main():
+        sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=1, dp_size=2)
+        async with tq.local_cluster(transport="tcp", task_samplers={"t": sampler}) as cluster:
+            print("TQ_ADDRESS=" + cluster.address, flush=True)
+            await anyio.sleep_forever()
+
+    anyio.run(main)
+"""
+
+
+async def test_seqlen_shares_expire_back_to_their_batch_only() -> None:
+    services = child(SERVICES)
+    address = services.line("TQ_ADDRESS=").split("=", 1)[1]
+    with running(services):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.put(
+                {"x": torch.arange(32)}, "p", tags=[{"total_lengths": r} for r in range(32)]
+            )
+            await c.seal("p")
+            # rank 0's consumer reads batches 0..3 under a short lease and dies
+            plan = [
+                {"n": 4, "lease": 1.0, "cfg": {"dp_rank": 0, "batch_index": b}} for b in range(4)
+            ]
+            dead = child(CONSUMER, address, json.dumps(plan))
+            with running(dead):
+                lost = [dead.json("GOT ")["rows"] for _ in range(4)]
+                dead.line("PARKED")
+                dead.kill()
+            rank1 = [
+                (
+                    await c.get_meta(["x"], 4, "p", "t", {"dp_rank": 1, "batch_index": b})
+                ).global_indexes
+                for b in range(4)
+            ]
+            # after the leases expired, rank 0's restarted consumer gets the same shares
+            with anyio.fail_after(_DEADLINE):
+                end = await c.get_meta(["x"], 4, "p", "t", {"dp_rank": 1, "batch_index": 4})
+            assert end.end_of_stream  # waited for the leases, then nothing went to the pool
+            for b in range(4):
+                share = await c.get_meta(
+                    ["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": b}, lease=30.0
+                )
+                assert share.global_indexes == lost[b]
+                await c.ack(share)
+            every = [r for share in lost + rank1 for r in share]
+            assert sorted(every) == list(range(32))
+
+
+PRODUCER = """
+    import asyncio, sys, torch
+    import tq_async as tq
+    from tq_async._client import AsyncClient
+
+    async def main():
+        async with tq.AsyncClient.connect(sys.argv[1], inline_put_bytes=0) as c:
+            await c.put({"x": torch.arange(8)}, "p")
+            real = AsyncClient._store
+
+            async def store_then_stall(self, *a, **k):
+                await real(self, *a, **k)
+                print("STORED", flush=True)  # the test kills us here
+                await asyncio.Event().wait()
+
+            AsyncClient._store = store_then_stall
+            await c.put({"x": torch.arange(8, 16)}, "p")
+
+    asyncio.run(main())
+"""
+
+
+async def test_producer_killed_mid_put_neither_blocks_the_end_nor_holds_capacity() -> None:
+    server, address = serve("--put-lease", "1", "--capacity", "16", "--capacity-scope", "global")
+    with running(server):
+        producer = child(PRODUCER, address)
+        with running(producer):
+            producer.line("STORED")
+            producer.kill()
+        async with tq.AsyncClient.connect(address) as c:
+            await c.seal("p")
+            rows = await drain(c, 8, lease=30.0)
+            assert rows == list(range(8))  # the committed put only; then the end of stream
+            info = await c.partition_info("p")
+            assert info["rows"] == 8
+            assert info["uncommitted_puts"] == 0
+            await c.put_nowait({"x": torch.arange(8)}, "q")  # the capacity came back
+
+
+STORAGE_ARGS = ("--unit-suspend-after", "1")
+
+
+@contextmanager
+def split_cluster(*controller_args: str) -> Iterator[tuple[str, Proc, list[Proc]]]:
+    controller, address = serve("controller", *controller_args, stderr=True)
+    units = []
+    try:
+        for unit_id in (0, 1):
+            unit, _ = serve("storage", "--controller", address, "--unit-id", str(unit_id))
+            units.append(unit)
+        yield address, controller, units
+    finally:
+        for p in [*units, controller]:
+            p.stop()
+
+
+async def test_a_paused_unit_is_suspended_then_resumes_with_its_rows() -> None:
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "120") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address) as c:
+            for i in range(4):  # units 0, 1, 0, 1
+                await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p")
+            await c.seal("p")
+            units[1].proc.send_signal(signal.SIGSTOP)
+            controller.line("storage unit suspended", err=True)
+            lost = await c.lost_rows("p")
+            assert lost == {"dead_units": [], "suspended_units": [1], "rows": {"p": []}}
+            first = await c.get_meta(["x"], 8, "p", "t", timeout=30)
+            assert first.global_indexes == [0, 1, 2, 3, 8, 9, 10, 11]  # unit 0's rows
+            assert (await c.put({"x": torch.arange(2)}, "q")).units == [0, 0]  # avoids it
+            units[1].proc.send_signal(signal.SIGCONT)
+            controller.line("storage unit resumed", err=True)
+            with anyio.fail_after(_DEADLINE):
+                second = await c.get(["x"], 8, "p", "t")
+            assert second[1].global_indexes == [4, 5, 6, 7, 12, 13, 14, 15]
+            assert second[0]["x"].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]  # data intact
+            assert (await c.get_meta(["x"], 8, "p", "t")).end_of_stream
+            assert (await c.lost_rows("p"))["rows"] == {"p": []}
+
+
+async def test_a_unit_paused_past_the_second_deadline_is_lost() -> None:
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "2") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address) as c:
+            for i in range(2):
+                await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p")
+            await c.seal("p")
+            units[1].proc.send_signal(signal.SIGSTOP)
+            controller.line("storage unit suspended", err=True)
+            controller.line("storage unit lost", err=True)
+            assert (await c.lost_rows("p"))["rows"] == {"p": [4, 5, 6, 7]}
+            assert (await c.get_meta(["x"], 8, "p", "t")).global_indexes == [0, 1, 2, 3]
+            assert (await c.get_meta(["x"], 8, "p", "t")).end_of_stream
+
+
+HOLDER = """
+    import asyncio, sys
+    import tq_async as tq
+
+    async def main():
+        async with tq.AsyncClient.connect(sys.argv[1]) as c:
+            m = await c.get_meta(["x"], 4, "p", "t")   # an auto-clear task: a hold
+            print("HELD", m.lease_id, flush=True)
+            await asyncio.Event().wait()  # killed before it acknowledges
+
+    asyncio.run(main())
+"""
+
+
+async def test_a_hold_never_acknowledged_does_not_outlive_clear_partition() -> None:
+    server, address = serve()
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.register_tasks(["t"], "p")
+            await c.put({"x": torch.arange(4)}, "p")
+            holder = child(HOLDER, address)
+            with running(holder):
+                holder.line("HELD")
+                holder.kill()
+            await c.clear_partition("p")
+            await c.put({"x": torch.arange(10, 14)}, "p")  # the id is reused
+            td, _ = await c.get(["x"], 4, "p", "t")  # reads, then acknowledges its hold
+            assert td["x"].tolist() == [10, 11, 12, 13]
+            # the new rows are auto-cleared: the old hold (same row ids) is gone
+            assert (await c.partition_info("p"))["rows"] == 0
