@@ -42,14 +42,15 @@ PHASE_TIMEOUT = 20.0
 COLLECTIVE_TIMEOUT = 20.0
 RUN_TIMEOUT = 100.0  # below the test's own timeout, so the ranks' output is shown
 
-#: task -> (sampler factory, rows per group, groups): none of the row counts divides by 8
+#: task -> (sampler factory, rows per group, groups): none of the row counts divides by 8, and
+#: no tail splits evenly over the DP ranks (so tail "drop" drops something)
 SAMPLERS: dict[str, tuple[Callable[[str], tq.BaseSampler], int, int]] = {
     "seq": (lambda tail: tq.SequentialSampler(), 1, 21),  # tail of 5 rows
     "grpo": (lambda tail: tq.GRPOGroupNSampler(2), 2, 9),  # tail of 1 group: an empty share
     "rankaware": (
         lambda tail: tq.RankAwareSampler(tq.GRPOGroupNSampler(2), n_replicas=TP),
         2,
-        10,
+        11,
     ),
     "seqlen": (
         lambda tail: tq.SeqlenBalancedSampler(
@@ -210,6 +211,8 @@ def _check_phase(
     if phase["tail"] == "uneven" and missing:
         problems.append(f"{name}: rows {missing} of {n_rows} were never delivered (tail uneven)")
     if phase["tail"] == "drop":
+        if not missing:
+            problems.append(f"{name}: the tail cannot split evenly, yet nothing was dropped")
         if dropped != len(missing):
             problems.append(
                 f"{name}: {len(missing)} rows were not delivered ({missing}) but the controller "
