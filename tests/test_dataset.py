@@ -492,3 +492,231 @@ async def test_custom_process_batch_fn_and_body_errors_pass_through() -> None:
             await read_then_fail()
         assert [m.global_indexes for _, m in got] == [[3], [2], [1], [0]]
         assert [td["x"].tolist() for td, _ in got] == [[3], [2], [1], [0]]
+
+
+# ---- dp_size, tail and empty batches -------------------------------------------------------
+
+
+def _scripted_fetch(sizes: Sequence[int], seen: list[dict[str, Any]]) -> Any:
+    """A fetch_batch_fn that needs no controller: batch ``b`` has ``sizes[b]`` rows (0: an
+    empty share, not the end), then the stream ends. Rows are numbered on from batch to batch.
+    """
+    starts = [sum(sizes[:b]) for b in range(len(sizes))]
+
+    async def fetch(*, batch_index: int, sampling_config: dict[str, Any], **_: Any) -> Any:
+        seen.append(dict(sampling_config))
+        if batch_index >= len(sizes):
+            eos = tq.BatchMeta(
+                partition_id="p", global_indexes=[], field_names=[], units=[], end_of_stream=True
+            )
+            return None, eos
+        rows = list(range(starts[batch_index], starts[batch_index] + sizes[batch_index]))
+        meta = tq.BatchMeta(
+            partition_id="p",
+            global_indexes=rows,
+            field_names=["x"],
+            units=[0] * len(rows),
+            batch_index=batch_index,
+        )
+        return TensorDict({"x": torch.tensor(rows, dtype=torch.int64)}, [len(rows)]), meta
+
+    return fetch
+
+
+def test_dp_size_and_tail_are_validated() -> None:
+    def build(**kwargs: Any) -> AsyncStreamingDataset:
+        return AsyncStreamingDataset("tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t", **kwargs)
+
+    with pytest.raises(tq.InvalidRequestError, match=r"dp_rank 2 is out of range for dp_size=2"):
+        build(dp_rank=2, dp_size=2)
+    with pytest.raises(tq.InvalidRequestError, match="dp_size must be a positive integer"):
+        build(dp_size=0)
+    with pytest.raises(tq.InvalidRequestError, match="dp_size must be a positive integer"):
+        build(dp_size=True)
+    with pytest.raises(tq.InvalidRequestError, match="tail must be one of 'uneven', 'drop'"):
+        build(dp_size=2, tail="pad")
+    with pytest.raises(tq.InvalidRequestError, match="tail='drop' needs dp_size"):
+        build(tail="drop")
+    with pytest.raises(tq.InvalidRequestError, match="sampling_config sets dp_size=4"):
+        build(dp_size=2, sampling_config={"dp_size": 4})
+    with pytest.raises(tq.InvalidRequestError, match="sampling_config sets tail='drop'"):
+        build(dp_size=2, sampling_config={"tail": "drop"})
+    with pytest.raises(tq.InvalidRequestError, match="sampling_config sets dp_size=2"):
+        build(sampling_config={"dp_size": 2})
+    ds = build(dp_rank=1, dp_size=2, tail="drop", sampling_config={"dp_size": 2})
+    assert (ds.dp_size, ds.tail) == (2, "drop")
+    assert ds.state_dict()["dp_size"] == 2
+    with pytest.raises(tq.InvalidRequestError, match="same dp_size"):
+        ds.load_state_dict({**ds.state_dict(), "dp_size": 4})
+    # a state saved before dp_size existed resumes
+    ds.load_state_dict({k: v for k, v in ds.state_dict().items() if k != "dp_size"})
+    assert build().dp_size is None
+
+
+async def test_dp_size_and_tail_travel_in_sampling_config() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        seen: list[dict[str, Any]] = []
+        fetch = _scripted_fetch([2], seen)
+        ds = AsyncStreamingDataset(
+            client,
+            ["x"],
+            2,
+            2,
+            "p",
+            "t",
+            dp_rank=1,
+            dp_size=2,
+            tail="drop",
+            sampling_config={"k": 1},
+            fetch_batch_fn=fetch,
+        )
+        async with ds:
+            await _drain(ds)
+        assert seen[0] == {"k": 1, "dp_rank": 1, "batch_index": 0, "dp_size": 2, "tail": "drop"}
+        seen.clear()
+        plain = AsyncStreamingDataset(client, ["x"], 2, 2, "p", "t", fetch_batch_fn=fetch)
+        async with plain:
+            await _drain(plain)
+        assert seen[0] == {"dp_rank": 0, "batch_index": 0}
+        seen.clear()
+        # no tail: none is sent, so a sampler built with its own tail policy keeps it
+        default_tail = AsyncStreamingDataset(
+            client, ["x"], 2, 2, "p", "t", dp_size=2, fetch_batch_fn=fetch
+        )
+        async with default_tail:
+            await _drain(default_tail)
+        assert seen[0] == {"dp_rank": 0, "batch_index": 0, "dp_size": 2}
+        assert default_tail.tail is None
+
+
+async def test_an_empty_batch_is_one_micro_batch_of_zero_rows() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        calls: list[int] = []
+
+        def counting_chunks(td: Any, meta: tq.BatchMeta, micro_batch_size: int) -> Any:
+            calls.append(len(meta))
+            return chunk_batch_fn(td, meta, micro_batch_size)
+
+        for prefetch in (0, 2):
+            seen: list[dict[str, Any]] = []
+            ds = AsyncStreamingDataset(
+                client,
+                ["x"],
+                4,
+                2,
+                "p",
+                "t",
+                dp_rank=1,
+                dp_size=2,
+                prefetch=prefetch,
+                replay_window=2,
+                fetch_batch_fn=_scripted_fetch([4, 0, 3], seen),
+                process_batch_fn=counting_chunks,
+            )
+            async with ds:
+                got = await _drain(ds)
+                # an empty batch is a step: one micro-batch of 0 rows, process_batch_fn skipped
+                assert _ids(got) == [(0, [0, 1]), (0, [2, 3]), (1, []), (2, [4, 5]), (2, [6])]
+                assert [td.batch_size[0] for td, _ in got] == [2, 2, 0, 2, 1]
+                assert not got[2][1].end_of_stream
+                assert calls == [4, 3]
+                assert ds.state_dict()["batch_index"] == 3
+                # replay (the window holds the empty batch) and resume on it
+                ds.reset()
+                assert _ids(await _drain(ds)) == _ids(got)
+                ds.load_state_dict({**ds.state_dict(), "batch_index": 1, "micro_batch_index": 0})
+                assert _ids(await _drain(ds)) == _ids(got)[2:]
+                ds.load_state_dict({**ds.state_dict(), "batch_index": 1, "micro_batch_index": 1})
+                assert _ids(await _drain(ds)) == _ids(got)[3:]
+            calls.clear()
+
+
+async def test_an_empty_batch_not_recorded_under_its_index_is_still_an_error() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+
+        async def unrecorded(**kwargs: Any) -> Any:
+            meta = tq.BatchMeta(partition_id="p", global_indexes=[], field_names=[], units=[])
+            return TensorDict({}, [0]), meta
+
+        ds = AsyncStreamingDataset(client, ["x"], 4, 2, "p", "t", fetch_batch_fn=unrecorded)
+        async with ds:
+            with pytest.raises(tq.TQError, match="without end_of_stream"):
+                await anext(ds)
+        # a share recorded under the batch asked for (a sampler built for several ranks makes
+        # batches global without dp_size) is delivered
+        ds = AsyncStreamingDataset(
+            client, ["x"], 4, 2, "p", "t", fetch_batch_fn=_scripted_fetch([0], [])
+        )
+        async with ds:
+            assert _ids(await _drain(ds)) == [(0, [])]
+
+        async def mismatched(**kwargs: Any) -> Any:
+            meta = tq.BatchMeta(partition_id="p", global_indexes=[], field_names=[], units=[])
+            return TensorDict({"x": torch.arange(2)}, [2]), meta
+
+        ds = AsyncStreamingDataset(
+            client, ["x"], 4, 2, "p", "t", dp_size=2, fetch_batch_fn=mismatched
+        )
+        async with ds:
+            with pytest.raises(tq.InvalidRequestError, match="2 rows of data for a BatchMeta of 0"):
+                await anext(ds)
+
+
+async def test_default_fetch_passes_an_empty_share_through() -> None:
+    empty = tq.BatchMeta(partition_id="p", global_indexes=[], field_names=["x"], units=[])
+
+    class StubClient:
+        async def get(self, *args: Any, **kwargs: Any) -> Any:
+            return TensorDict({}, batch_size=[0]), empty
+
+    td, meta = await default_fetch_batch_fn(
+        client=StubClient(),  # type: ignore[arg-type]
+        data_fields=["x"],
+        batch_size=4,
+        partition_id="p",
+        task_name="t",
+        sampling_config={"dp_rank": 0, "batch_index": 0, "dp_size": 2},
+        batch_index=0,
+    )
+    assert meta is empty
+    assert td is not None
+    assert td.batch_size == torch.Size([0])
+
+
+def test_chunk_batch_fn_gives_one_micro_batch_for_zero_rows() -> None:
+    meta = tq.BatchMeta(partition_id="p", global_indexes=[], field_names=["x"], units=[])
+    td = TensorDict({}, batch_size=[0])
+    for size in (1, 4):
+        ((piece, piece_meta),) = chunk_batch_fn(td, meta, micro_batch_size=size)
+        assert piece.batch_size == torch.Size([0])
+        assert len(piece_meta) == 0
+
+
+async def test_get_of_zero_rows_asks_no_storage_unit() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        # a partition no unit has ever heard of: any request to a unit would fail
+        nowhere = tq.BatchMeta(
+            partition_id="nowhere", global_indexes=[], field_names=["x"], units=[]
+        )
+        td = await client.get_data(nowhere)
+        assert td.batch_size == torch.Size([0])
+        assert not list(td.keys())
+        await client.put(_rows(2), partition_id="p")
+        await client.seal("p")
+        await client.get(["x"], 2, "p", "t")
+        with anyio.fail_after(DEADLINE):
+            td, meta = await client.get(["x"], 2, "p", "t")
+        assert meta.end_of_stream
+        assert td.batch_size == torch.Size([0])

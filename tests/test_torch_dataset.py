@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
 import tq_async as tq
@@ -235,3 +236,43 @@ def test_plain_iteration_follows_reset_mid_pass(address: str, client: tq.Client)
             ds.reset()
     assert seen == [0, 0, 1, 0, 0, 1, 1]
     assert ds.state_dict()["batch_index"] == 2
+
+
+_SHARES = [4, 0, 3]  # rows of this rank's batch b: batch 1 is an empty share, then the end
+
+
+async def _scripted_fetch(*, batch_index: int, sampling_config: dict[str, Any], **_: Any) -> Any:
+    """A fetch_batch_fn (module level: workers import it) that needs no controller."""
+    assert sampling_config["dp_size"] == 2
+    assert "tail" not in sampling_config  # the controller's default (or the sampler's)
+    if batch_index >= len(_SHARES):
+        return None, tq.BatchMeta(
+            partition_id="p", global_indexes=[], field_names=[], units=[], end_of_stream=True
+        )
+    start = sum(_SHARES[:batch_index])
+    rows = list(range(start, start + _SHARES[batch_index]))
+    meta = tq.BatchMeta(
+        partition_id="p",
+        global_indexes=rows,
+        field_names=["x"],
+        units=[0] * len(rows),
+        batch_index=batch_index,
+    )
+    return TensorDict({"x": torch.tensor(rows, dtype=torch.int64)}, [len(rows)]), meta
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_delivers_an_empty_share_as_one_micro_batch(address: str, num_workers: int) -> None:
+    ds = StreamingDataset(
+        address, ["x"], 4, 2, "p", "train", dp_rank=1, dp_size=2, fetch_batch_fn=_scripted_fetch
+    )
+    context = "fork" if num_workers else None
+    loader = StreamingDataLoader(ds, num_workers=num_workers, multiprocessing_context=context)
+    got = [(meta.batch_index, list(meta.global_indexes), len(td)) for td, meta in loader]
+    assert got == [(0, [0, 1], 2), (0, [2, 3], 2), (1, [], 0), (2, [4, 5], 2), (2, [6], 1)]
+    assert loader.state_dict()["batch_index"] == 3
+    assert loader.state_dict()["dp_size"] == 2
+    loader.load_state_dict({**loader.state_dict(), "batch_index": 1, "micro_batch_index": 0})
+    assert [m.batch_index for _, m in loader] == [1, 2, 2]
+    with pytest.raises(tq.InvalidRequestError, match="dp_rank 2 is out of range"):
+        StreamingDataset(address, ["x"], 4, 2, "p", "train", dp_rank=2, dp_size=2)

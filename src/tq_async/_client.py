@@ -124,6 +124,42 @@ def _check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     """A validated, encoded put on its way to the services."""
@@ -599,7 +635,12 @@ class AsyncClient:
             task_name: the consuming task; each task consumes every row once.
             sampling_config: passed to the sampler, e.g. ``{"dp_rank": 0, "batch_index": 3}``.
                 With ``batch_index``, the same ``(task, dp_rank, batch_index)`` always
-                returns the same rows (replicas and replays read the recorded batch).
+                returns the same rows (replicas and replays read the recorded batch). With
+                ``dp_size`` too (and optionally ``tail``: ``"uneven"``, ``"drop"`` or
+                ``"error"``), batch ``b`` is decided for all ``dp_size`` ranks at once, every
+                rank gets a reply for it and the stream ends for all ranks at the same
+                ``batch_index``; under ``"uneven"`` a rank's share may be empty (0 rows,
+                ``end_of_stream`` False).
             mode: ``"fetch"`` or ``"peek"``.
             timeout: seconds to wait for rows; None waits until data arrives or the call is
                 cancelled.
@@ -613,7 +654,9 @@ class AsyncClient:
 
         Returns:
             A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
-            sealed and every row has been consumed by the task.
+            sealed and every row has been consumed by the task. With ``dp_size`` in
+            ``sampling_config`` it may also be empty without ``end_of_stream``: this rank's
+            share of the last global batch; run the step anyway so collectives stay in step.
 
         Raises:
             TQTimeoutError: not enough rows within ``timeout`` (nothing was consumed).
@@ -669,6 +712,7 @@ class AsyncClient:
         if lease is not None and lease <= 0:
             raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
         cfg = dict(sampling_config) if sampling_config else None
+        _check_dp_config(cfg)
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
@@ -716,7 +760,9 @@ class AsyncClient:
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
             received buffers when one unit holds the rows), jagged columns as jagged nested
-            tensors, other columns as ``NonTensorStack``.
+            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows (end of
+            stream, or a rank's empty share of a global batch) gives an empty
+            ``TensorDict(batch_size=[0])`` without asking any storage unit.
 
         Raises:
             RowsNotFound: some rows were cleared.
@@ -777,7 +823,9 @@ class AsyncClient:
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way.
+        result is the same either way. A batch of 0 rows (end of stream, or with ``dp_size``
+        a rank's empty share) comes with an empty ``TensorDict(batch_size=[0])``; no storage
+        unit is asked.
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
@@ -796,7 +844,9 @@ class AsyncClient:
             inline_bytes=self.inline_get_bytes,
         )
         try:
-            if got.inline is not None:  # the controller sent the cells along: no get_data
+            if not len(meta):  # end of stream or an empty share: no unit to ask
+                td = TensorDict({}, batch_size=[0])
+            elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
                 td = columns_to_tensordict(len(meta), headers, columns)
             else:

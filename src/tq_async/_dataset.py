@@ -24,6 +24,12 @@ consuming anything. Everything below leans on that:
   last rows while batch ``k`` ends the stream, and a replay with fewer workers would stop
   before ``k + 1``.
 
+* **Collective-safe ranks.** With ``dp_size``, the controller decides batch ``b`` for all
+  ``dp_size`` ranks at once, so every rank gets batch ``b`` and the stream ends for all of them
+  at the same ``batch_index``. At the tail a rank's share may be short or empty (``tail=
+  "uneven"``): an empty batch is delivered as one micro-batch of 0 rows, so every rank runs
+  the same number of steps and its collectives stay in step.
+
 End of stream is explicit: the controller answers ``end_of_stream`` once the partition is
 sealed and every row has been consumed by the task. With ``stop_when_consumed=True`` the
 dataset also stops when every row the partition holds has been consumed by the task (see
@@ -102,11 +108,14 @@ async def default_fetch_batch_fn(
     This is the default ``fetch_batch_fn``. A custom one receives the same keyword arguments
     (accept ``**kwargs`` to ignore those you do not need) and must keep its contract:
 
-    * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``) to ``get`` or
-      ``get_meta`` so the rows are recorded under the batch index and can be read again on
-      replay or resume;
+    * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``, and ``dp_size``
+      and ``tail`` when the dataset has them) to ``get`` or ``get_meta`` so the rows
+      are recorded under the batch index and can be read again on replay or resume;
     * wait for rows rather than return an empty batch (``get_meta`` waits when ``timeout``
       is None), and let :class:`~tq_async.TQTimeoutError` escape when ``timeout`` expires;
+    * return a batch of 0 rows that is not the end of the stream (with ``dp_size``, or a
+      sampler built for several ranks) as ``(empty TensorDict, meta)``: this rank's share of
+      a global batch is empty, and the dataset delivers it so the ranks stay in step;
     * at the end of the stream, return ``(None, meta)`` with ``meta.end_of_stream`` set.
 
     Args:
@@ -116,14 +125,15 @@ async def default_fetch_batch_fn(
         partition_id: the partition to read.
         task_name: the consuming task.
         sampling_config: the dataset's ``sampling_config`` plus ``dp_rank`` and
-            ``batch_index``.
+            ``batch_index`` (and ``dp_size`` and ``tail`` when the dataset has them).
         batch_index: the batch being fetched (also in ``sampling_config``).
         timeout: seconds ``get_meta`` may wait for rows; None waits until rows arrive.
         stop_when_consumed: pass to ``get_meta``: end the stream once the partition holds
             rows and the task consumed all of them.
 
     Returns:
-        ``(data, meta)``; ``(None, meta)`` with ``meta.end_of_stream`` at the end of the stream.
+        ``(data, meta)`` (with ``dp_size``, possibly 0 rows of both); ``(None, meta)`` with
+        ``meta.end_of_stream`` at the end of the stream.
 
     Raises:
         TQTimeoutError: no batch within ``timeout`` (nothing was consumed).
@@ -142,7 +152,7 @@ async def default_fetch_batch_fn(
         timeout=timeout,
         stop_when_consumed=stop_when_consumed,
     )
-    if meta.end_of_stream or meta.is_empty:
+    if meta.end_of_stream:
         return None, meta
     return data, meta
 
@@ -155,7 +165,9 @@ def chunk_batch_fn(
     This is the default ``process_batch_fn``. Data and metadata are cut at the same row
     positions, so ``len(td_i) == len(meta_i)`` and ``meta_i`` names exactly the rows of
     ``td_i`` (10 rows by 4 give ``[4, 4, 2]`` for both). Jagged nested tensors and
-    ``NonTensorStack`` columns are sliced along the batch dimension like dense ones.
+    ``NonTensorStack`` columns are sliced along the batch dimension like dense ones. A batch
+    of 0 rows (a rank's empty share of a global batch, see ``dp_size``) gives exactly one
+    micro-batch of 0 rows, so ranks that all_reduce per micro-batch stay in step.
 
     Args:
         td: the batch, ``batch_size=[len(meta)]``.
@@ -277,6 +289,31 @@ def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
     return value
 
 
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str | None]:
+    """Validate ``dp_size`` and ``tail`` (and ``dp_rank`` against ``dp_size``)."""
+    dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
+    if tail is not None and tail not in _TAILS:
+        raise InvalidRequestError(
+            f"tail must be one of {', '.join(map(repr, _TAILS))} or None, got {tail!r}"
+        )
+    if dp_size is None:
+        if tail is not None:
+            raise InvalidRequestError(
+                f"tail={tail!r} needs dp_size: the tail policy shares the last global batch "
+                "among dp_size ranks; pass dp_size= as well"
+            )
+        return None, tail
+    dp_size = _positive_int("dp_size", dp_size)
+    if dp_rank >= dp_size:
+        raise InvalidRequestError(
+            f"dp_rank {dp_rank} is out of range for dp_size={dp_size}; ranks are 0..{dp_size - 1}"
+        )
+    return dp_size, tail
+
+
 def _name(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
@@ -299,6 +336,21 @@ class AsyncStreamingDataset:
 
     Every rank of one data-parallel group (same ``dp_rank``) receives identical batches;
     different ``dp_rank`` values receive disjoint rows.
+
+    **Collectives.** Give ``dp_size`` when the ranks run collectives (``all_reduce``) every
+    step: then batch ``b`` is decided for all ``dp_size`` ranks at once and every rank gets
+    the same number of batches, ending together. With ``tail="uneven"`` (the default unless
+    the sampler was built with its own tail policy) the last global batch is shared out as it
+    is: a rank may get a short batch or an **empty
+    batch** (0 rows, ``meta.end_of_stream`` False), delivered as one micro-batch of 0 rows
+    (``process_batch_fn`` is not called for it). Run your step anyway, with a zero
+    contribution, so the collectives stay in step. ``tail="drop"`` consumes the rows that
+    cannot be split evenly without delivering them (the controller warns and counts them);
+    ``tail="error"`` makes such a tail an error. A sampler built for several ranks
+    (``SeqlenBalancedSampler(dp_size=...)``) makes batches global without ``dp_size`` too, so
+    empty batches can come then as well. The number of micro-batches per batch
+    follows its rows, so a short batch may have fewer: run collectives once per batch (or use
+    ``micro_batch_size=batch_size``).
 
     Args:
         address: the controller's address (the dataset opens and closes its own client), or
@@ -324,6 +376,14 @@ class AsyncStreamingDataset:
             be deterministic (replay and resume re-run it on the same rows and skip the
             micro-batches already delivered).
         request_timeout: passed to the client the dataset opens from an address.
+        dp_size: the number of data-parallel ranks reading the task (``dp_rank`` in
+            ``0..dp_size-1``): every rank gets the same number of batches (see above). None
+            (the default): each rank reads on its own, and ranks may end at different
+            batch indexes.
+        tail: with ``dp_size``, what the last global batch does when it cannot be split
+            evenly: ``"uneven"`` (short or empty batches, nothing lost), ``"drop"`` or
+            ``"error"``. None (the default) sends none: the sampler's own policy applies
+            (e.g. ``SeqlenBalancedSampler(tail=...)``), else ``"uneven"``.
 
     Raises:
         InvalidRequestError: an argument is invalid.
@@ -356,6 +416,8 @@ class AsyncStreamingDataset:
         process_batch_fn: ProcessBatchFn | None = None,
         *,
         request_timeout: float = 60.0,
+        dp_size: int | None = None,
+        tail: str | None = None,
     ) -> None:
         if not isinstance(address, (str, AsyncClient)):
             raise InvalidRequestError(
@@ -384,6 +446,13 @@ class AsyncStreamingDataset:
                 f"sampling_config sets dp_rank={config['dp_rank']!r} but dp_rank={dp_rank!r}; "
                 "pass the rank only as dp_rank"
             )
+        dp_size, tail = _check_dp(dp_rank, dp_size, tail)
+        for key, value in (("dp_size", dp_size), ("tail", tail)):
+            if key in config and config[key] != value:
+                raise InvalidRequestError(
+                    f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
+                    f"{value!r}; pass it only as the dataset's {key}= argument"
+                )
         for hook_name, hook in (
             ("fetch_batch_fn", fetch_batch_fn),
             ("process_batch_fn", process_batch_fn),
@@ -398,6 +467,8 @@ class AsyncStreamingDataset:
         self._partition_id = _name("partition_id", partition_id)
         self.task_name = _name("task_name", task_name)
         self.dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
+        self.dp_size = dp_size
+        self.tail = tail
         self.prefetch = _positive_int("prefetch", prefetch, zero=True)
         self.replay_window = _positive_int("replay_window", replay_window, zero=True)
         self.stop_when_consumed = bool(stop_when_consumed)
@@ -478,14 +549,16 @@ class AsyncStreamingDataset:
         """Where the dataset is: a plain dict (msgpack- and JSON-able) for checkpoints.
 
         Returns:
-            ``{"version", "partition_id", "task_name", "dp_rank", "batch_index",
-            "micro_batch_index"}``: the next micro-batch to deliver.
+            ``{"version", "partition_id", "task_name", "dp_rank", "dp_size", "batch_index",
+            "micro_batch_index"}``: the next micro-batch to deliver (an empty batch counts
+            as one micro-batch).
         """
         return {
             "version": 1,
             "partition_id": self._partition_id,
             "task_name": self.task_name,
             "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
             "batch_index": self._next_index,
             "micro_batch_index": self._next_micro,
         }
@@ -501,10 +574,10 @@ class AsyncStreamingDataset:
             state: what :meth:`state_dict` returned (possibly in another process).
 
         Raises:
-            InvalidRequestError: ``state`` is malformed or was saved for another task or
-                ``dp_rank`` (whose recorded batches are different rows).
+            InvalidRequestError: ``state`` is malformed or was saved for another task,
+                ``dp_rank`` (whose recorded batches are different rows) or ``dp_size``.
         """
-        partition_id, index, micro = _parse_state(state, self.task_name, self.dp_rank)
+        partition_id, index, micro = _parse_state(state, self.task_name, self.dp_rank, self.dp_size)
         self._move(partition_id, index, micro)
 
     def _move(self, partition_id: str, index: int, micro: int) -> None:
@@ -776,6 +849,10 @@ class AsyncStreamingDataset:
     ) -> tuple[TensorDictBase, BatchMeta] | None:
         """``call`` for batch ``index`` under the end-of-stream rules; None at end."""
         config = {**self.sampling_config, "dp_rank": self.dp_rank, "batch_index": index}
+        if self.dp_size is not None:
+            config["dp_size"] = self.dp_size
+        if self.tail is not None:
+            config["tail"] = self.tail
         return self._checked(await call(index, config, None), index)
 
     async def _fetch_meta(
@@ -818,7 +895,11 @@ class AsyncStreamingDataset:
         td, meta = got
         if meta.end_of_stream:
             return None
-        if meta.is_empty or td is None:
+        if meta.is_empty and (self.dp_size is not None or meta.batch_index == index):
+            # this rank's share of a global batch is empty: delivered, so ranks stay in step
+            # (a sampler built for several ranks makes batches global without dp_size too)
+            td = TensorDict({}, batch_size=[0]) if td is None else td
+        elif meta.is_empty or td is None:
             raise TQError(
                 f"fetch_batch_fn returned an empty batch for batch_index {index} of partition "
                 f"{self._partition_id!r} without end_of_stream; it must wait for rows "
@@ -831,6 +912,16 @@ class AsyncStreamingDataset:
         return td, meta
 
     def _split(self, td: TensorDictBase, meta: BatchMeta) -> list[MicroBatch]:
+        if meta.is_empty:
+            # exactly one micro-batch, whatever process_batch_fn would make of 0 rows: the
+            # step count must not depend on which rank got the empty share
+            if td.batch_size[:1] != (0,):
+                raise InvalidRequestError(
+                    f"fetch_batch_fn returned {td.batch_size[0] if td.batch_size else 'no'} "
+                    "rows of data for a BatchMeta of 0 rows; data and metadata must name "
+                    "the same rows"
+                )
+            return [(td, meta)]
         parts = list(self._process_fn(td, meta, micro_batch_size=self.micro_batch_size))
         for part in parts:
             if not (isinstance(part, tuple) and len(part) == 2):
@@ -841,8 +932,13 @@ class AsyncStreamingDataset:
         return parts
 
 
-def _parse_state(state: Mapping[str, Any], task_name: str, dp_rank: int) -> tuple[str, int, int]:
-    """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``."""
+def _parse_state(
+    state: Mapping[str, Any], task_name: str, dp_rank: int, dp_size: int | None = None
+) -> tuple[str, int, int]:
+    """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``.
+
+    A state without ``dp_size`` (saved before it existed) resumes under any ``dp_size``.
+    """
     if not isinstance(state, Mapping):
         raise InvalidRequestError(
             f"load_state_dict needs the dict state_dict() returned, got {type(state).__name__}"
@@ -857,6 +953,12 @@ def _parse_state(state: Mapping[str, Any], task_name: str, dp_rank: int) -> tupl
             f"the state was saved by task {state.get('task_name')!r} dp_rank "
             f"{state.get('dp_rank')!r}, but this dataset reads task {task_name!r} dp_rank "
             f"{dp_rank}; build the dataset with the same task_name and dp_rank to resume"
+        )
+    if state.get("dp_size", dp_size) != dp_size:
+        raise InvalidRequestError(
+            f"the state was saved with dp_size={state.get('dp_size')!r}, but this dataset has "
+            f"dp_size={dp_size!r}; the recorded global batches were shared among that many "
+            "ranks, so resume with the same dp_size"
         )
     try:
         partition_id = _name("partition_id", state["partition_id"])

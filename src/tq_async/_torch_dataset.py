@@ -85,6 +85,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
     In the process that iterates without workers, the replay window survives between passes;
     DataLoader workers are new processes every pass, so their replays re-read from storage.
 
+    With ``dp_size`` every data-parallel rank gets the same number of batches, and a rank
+    may get an **empty batch** (0 rows) at the tail: it comes as one micro-batch of 0 rows.
+    Run your step anyway so collectives stay in step (see
+    :class:`~tq_async.AsyncStreamingDataset` for ``dp_size`` and ``tail``).
+
     Raises:
         InvalidRequestError: an argument is invalid.
     """
@@ -106,6 +111,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         process_batch_fn: ProcessBatchFn | None = None,
         *,
         request_timeout: float = 60.0,
+        dp_size: int | None = None,
+        tail: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(address, str) or not address:
@@ -128,6 +135,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             "fetch_batch_fn": fetch_batch_fn,
             "process_batch_fn": process_batch_fn,
             "request_timeout": request_timeout,
+            "dp_size": dp_size,
+            "tail": tail,
         }
         # Validates every argument (opens nothing: the client is created on entry).
         probe = AsyncStreamingDataset(**self._kwargs)
@@ -179,7 +188,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
         """
         partition_id, index, micro = _parse_state(
-            state, self._kwargs["task_name"], self._kwargs["dp_rank"]
+            state, self._kwargs["task_name"], self._kwargs["dp_rank"], self._kwargs["dp_size"]
         )
         self._set_position(partition_id, index, micro)
 
@@ -279,6 +288,10 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
     Calling :meth:`reset`, :meth:`step` or :meth:`load_state_dict` inside the loop makes the
     running pass continue from the new position (its workers are replaced).
+
+    A dataset built with ``dp_size`` gives every data-parallel rank the same number of
+    batches with any ``num_workers``; a rank may receive a micro-batch of 0 rows (its empty
+    share of the last global batch): run the step anyway so collectives stay in step.
 
     Args:
         dataset: the stream.
