@@ -8,6 +8,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,10 @@ from ._protocol import (
     StoreGet,
     StorePut,
     TakeRecycled,
+    check_int,
+    check_ints,
+    check_sampling_config,
+    check_seconds,
 )
 from ._security import CurveClient
 from ._transport import DealerConnection
@@ -117,9 +122,7 @@ def _check_fields(data_fields: Any) -> list[str]:
 
 
 def _check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise InvalidRequestError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return batch_size
+    return check_int("batch_size", batch_size, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +182,10 @@ class AsyncClient:
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
     ) -> None:
-        if inline_put_bytes < 0:
-            raise InvalidRequestError(f"inline_put_bytes must be >= 0, got {inline_put_bytes}")
-        if inline_get_bytes < 0:
-            raise InvalidRequestError(f"inline_get_bytes must be >= 0, got {inline_get_bytes}")
+        check_int("inline_put_bytes", inline_put_bytes)
+        check_int("inline_get_bytes", inline_get_bytes)
+        check_seconds("request_timeout", request_timeout, optional=False)
+        check_seconds("retry_after", retry_after)
         self.inline_get_bytes = inline_get_bytes
         self.address = address
         self.inline_put_bytes = inline_put_bytes
@@ -404,16 +407,8 @@ class AsyncClient:
             if len(tags) != n:
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
             tag_list = [dict(t) if t else None for t in tags]
-        versions: list[int] | None = None
-        if policy_version is not None:
-            if isinstance(policy_version, int):
-                versions = [policy_version] * n
-            else:
-                versions = [int(v) for v in policy_version]
-            if len(versions) != n or any(v < 0 for v in versions):
-                raise InvalidRequestError(
-                    f"policy_version must be one int >= 0 or {n} of them, got {policy_version!r}"
-                )
+        versions = _check_versions(policy_version, n)
+        check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._capacity is not None and not nowait:
@@ -645,11 +640,10 @@ class AsyncClient:
             )
         if mode not in ("fetch", "peek"):
             raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-        if timeout is not None and timeout <= 0:
-            raise InvalidRequestError(f"timeout must be positive or None, got {timeout}")
-        if lease is not None and lease <= 0:
-            raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
+        check_seconds("timeout", timeout)
+        check_seconds("lease", lease)
         cfg = dict(sampling_config) if sampling_config else None
+        check_sampling_config(cfg)
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
@@ -898,7 +892,7 @@ class AsyncClient:
         Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
         for staleness.
         """
-        await self._call(SetPolicyVersion(int(version)), None)
+        await self._call(SetPolicyVersion(check_int("version", _as_int(version))), None)
 
     async def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
@@ -916,14 +910,17 @@ class AsyncClient:
 
         Cancellation: the waiting request is dropped; nothing is reserved.
         """
-        deadline = None if timeout is None else timeout + self.request_timeout
-        await self._ctl().request(
-            AcquireRollout(int(policy_version), int(n), timeout), timeout=deadline
+        body = AcquireRollout(
+            check_int("policy_version", _as_int(policy_version)),
+            check_int("n", _as_int(n), 1),
+            check_seconds("timeout", timeout),
         )
+        deadline = None if timeout is None else timeout + self.request_timeout
+        await self._ctl().request(body, timeout=deadline)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
-        await self._call(ReleaseRollout(int(n)), None)
+        await self._call(ReleaseRollout(check_int("n", _as_int(n))), None)
 
     async def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
@@ -931,7 +928,8 @@ class AsyncClient:
         Each recycled row is handed out exactly once; read its prompt fields with
         :meth:`get_data` and put the regenerated sample as a new row.
         """
-        got = await self._call(TakeRecycled(int(max_rows)), list[RecycledRows])
+        body = TakeRecycled(check_int("max_rows", _as_int(max_rows), 1))
+        got = await self._call(body, list[RecycledRows])
         return [
             BatchMeta(
                 partition_id=r.partition_id,
@@ -1063,6 +1061,35 @@ class AsyncClient:
         from ._checkpoint import load_checkpoint
 
         return await load_checkpoint(self, os.fspath(path))
+
+
+def _as_int(value: Any) -> Any:
+    """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
+    (the range check that follows names it)."""
+    if isinstance(value, (bool, int)):
+        return value
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        return value
+    return as_int
+
+
+def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
+    """One policy version per row (an int >= 0 each), or None."""
+    if policy_version is None:
+        return None
+    one = _as_int(policy_version)
+    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
+        versions = [one] * n
+    else:
+        versions = [_as_int(v) for v in one]
+    if len(versions) != n:
+        raise InvalidRequestError(
+            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
+        )
+    check_ints("policy_version", versions)
+    return versions
 
 
 def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:

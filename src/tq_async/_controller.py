@@ -86,10 +86,12 @@ from ._protocol import (
     StorePut,
     TakeRecycled,
     UnitInfo,
+    check_int,
     controller_request_decoder,
     error_reply,
     ok_reply,
     salvage_rid,
+    validate,
 )
 from ._security import CurveServer
 from ._state import (
@@ -178,9 +180,11 @@ class AdmissionConfig:
     learner_task: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise InvalidRequestError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
+        if self.max_staleness is not None:
+            check_int("max_staleness", self.max_staleness)
+        if self.capacity is not None:
+            check_int("capacity", self.capacity, 1)
+        if self.capacity is not None and self.learner_task is None:
             raise InvalidRequestError(
                 "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
             )
@@ -417,6 +421,7 @@ class ControllerServer:
         t0 = time.perf_counter() if metrics else 0.0
         ok = True
         try:
+            validate(body)
             if isinstance(body, PutInline):
                 deferred = self._put_inline(peer, req.rid, body, frames[1:], t0)
             else:

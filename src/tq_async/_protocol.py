@@ -10,12 +10,14 @@ connection; replies may arrive in any order.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from ._columns import ColumnHeader
-from ._errors import ProtocolError
+from ._errors import InvalidRequestError, ProtocolError
 
 
 class _Msg(msgspec.Struct, array_like=True, tag=True):
@@ -472,3 +474,132 @@ def decode_error_payload(payload: msgspec.Raw) -> tuple[str, str]:
         return _error_payload_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError("a failure reply had an unreadable payload") from exc
+
+
+# ---- validation of numbers from the wire -----------------------------------------------------
+#
+# msgspec checks types; these check ranges. Every service calls :func:`validate` right after
+# decoding a request, and clients run the same checks before sending, so one caller's NaN can
+# never reach a timer heap or an ``array`` shared with other callers.
+
+#: the largest int the services keep (rows, versions and counts live in int64 arrays)
+MAX_INT = 2**63 - 1
+#: the most rows one put may allocate
+MAX_PUT_ROWS = 2**31 - 1
+#: storage unit ids live in int32 arrays
+MAX_UNIT_ID = 2**31 - 1
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | None:
+    """``value`` as positive finite seconds (or None when ``optional``).
+
+    Raises:
+        InvalidRequestError: naming ``name``, for NaN, infinities, zero, negatives and
+            non-numbers.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(
+            f"{name} must be a number of seconds{' or None' if optional else ''}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(
+            f"{name} must be positive, finite seconds{' or None' if optional else ''}, got "
+            f"{value!r}; pass e.g. {name}=30"
+            + (f" (or {name}=None to wait without a deadline)" if optional else "")
+        )
+    return float(value)
+
+
+def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``value`` as an int in ``[lo, hi]``.
+
+    Raises:
+        InvalidRequestError: naming ``name``, for non-ints (bools included) and values out
+            of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = MAX_INT) -> None:
+    """Every item of ``values`` (when given) is an int in ``[lo, hi]``."""
+    if values is None:
+        return
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise InvalidRequestError(
+                f"{name} must hold ints in [{lo}, {hi}], got {v!r}"
+                + ("; a policy version is a non-negative int" if name == "policy_version" else "")
+            )
+
+
+def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
+    """``dp_rank`` and ``batch_index`` of a sampling config, when set, are ints >= 0."""
+    if not cfg:
+        return
+    for key in ("dp_rank", "batch_index"):
+        v = cfg.get(key)
+        if v is not None:
+            check_int(f"sampling_config[{key!r}]", v)
+
+
+def _get_meta(b: GetMeta) -> None:
+    check_int("batch_size", b.batch_size, 1)
+    check_seconds("timeout", b.timeout)
+    check_seconds("lease", b.lease)
+    check_int("inline_bytes", b.inline_bytes)
+    check_ints("ack", b.ack)
+    check_sampling_config(b.sampling_config)
+
+
+def _put_begin(b: PutBegin) -> None:
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_seconds("timeout", b.timeout)
+
+
+def _put_commit(b: PutCommit) -> None:
+    check_ints("policy_version", b.versions)
+
+
+def _put_inline(b: PutInline) -> None:
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_ints("policy_version", b.versions)
+    check_seconds("timeout", b.timeout)
+
+
+def _acquire(b: AcquireRollout) -> None:
+    check_int("policy_version", b.policy_version)
+    check_int("n", b.n, 1)
+    check_seconds("timeout", b.timeout)
+
+
+_CHECKS: dict[type[Any], Callable[[Any], object]] = {
+    GetMeta: _get_meta,
+    PutBegin: _put_begin,
+    PutCommit: _put_commit,
+    PutInline: _put_inline,
+    AcquireRollout: _acquire,
+    RegisterUnit: lambda b: check_int("unit_id", b.unit_id, -1, MAX_UNIT_ID),
+    SetPolicyVersion: lambda b: check_int("version", b.version),
+    ReleaseRollout: lambda b: check_int("n", b.n),
+    TakeRecycled: lambda b: check_int("max_rows", b.max_rows, 1),
+    Ack: lambda b: check_ints("lease_ids", b.lease_ids),
+}
+
+
+def validate(body: Any) -> None:
+    """Check the numbers of a decoded request body; services call it right after decoding.
+
+    Raises:
+        InvalidRequestError: an argument is out of range (NaN, infinite, negative, too
+            large); the message names it.
+    """
+    check = _CHECKS.get(type(body))
+    if check is not None:
+        check(body)

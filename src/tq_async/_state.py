@@ -749,7 +749,9 @@ class ControllerState:
 
 def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
     """Validate a capacity setting; ``(capacity, capacity is global)``."""
-    if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
         raise InvalidRequestError(f"capacity must be >= 1 or None, got {capacity!r}")
     if scope not in ("partition", "global"):
         raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")

@@ -45,6 +45,7 @@ from ._protocol import (
     ok_reply,
     salvage_rid,
     storage_request_decoder,
+    validate,
 )
 from ._security import CurveServer
 from ._transport import LogThrottle, RouterEndpoint
@@ -314,6 +315,7 @@ class StorageServer:
         metrics = self.metrics.enabled
         t0 = time.perf_counter() if metrics else 0.0
         try:
+            validate(body)
             if isinstance(body, StorePut):
                 self.state.put(body.partition_id, body.rows, body.columns, frames[1:])
                 reply: list[Any] = [ok_reply(req.rid, None)]

@@ -1,0 +1,182 @@
+"""Every number from the wire is validated on the server, and by the client before sending.
+
+One caller's bad float must never degrade another caller's service (issue 14, defect 6): a
+NaN lease once corrupted the controller's timer heap, so other clients' timeouts stopped
+firing. Bad input from outside the TQError tree is covered too (defect 11).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_cluster
+from tq_async._columns import ColumnHeader
+from tq_async._protocol import (
+    AcquireRollout,
+    GetMeta,
+    PutBegin,
+    PutCommit,
+    PutInline,
+    RegisterUnit,
+    ReleaseRollout,
+    SetPolicyVersion,
+    TakeRecycled,
+    validate,
+)
+from tq_async._transport import DealerConnection
+
+NAN, INF = math.nan, math.inf
+
+
+def _get_meta(**kw: Any) -> GetMeta:
+    args: dict[str, Any] = {
+        "partition_id": "p",
+        "data_fields": ["x"],
+        "batch_size": 1,
+        "task_name": "t",
+    }
+    return GetMeta(**(args | kw))
+
+
+_HEADER = ColumnHeader("x", "dense", "float32")
+
+#: (request, the argument its error must name)
+BAD_REQUESTS: list[tuple[msgspec.Struct, str]] = [
+    (_get_meta(lease=NAN), "lease"),
+    (_get_meta(lease=INF), "lease"),
+    (_get_meta(lease=-1.0), "lease"),
+    (_get_meta(timeout=NAN), "timeout"),
+    (_get_meta(timeout=INF), "timeout"),
+    (_get_meta(timeout=-1.0), "timeout"),
+    (_get_meta(timeout=0.0), "timeout"),
+    (_get_meta(batch_size=0), "batch_size"),
+    (_get_meta(batch_size=2**63), "batch_size"),
+    (_get_meta(inline_bytes=-1), "inline_bytes"),
+    (_get_meta(sampling_config={"batch_index": "3"}), "batch_index"),
+    (_get_meta(sampling_config={"dp_rank": -1}), "dp_rank"),
+    (PutBegin("p", [_HEADER], n_rows=-1), "n_rows"),
+    (PutBegin("p", [_HEADER], n_rows=2**40), "n_rows"),
+    (PutBegin("p", [_HEADER], n_rows=1, timeout=NAN), "timeout"),
+    (PutCommit("p", [0], ["x"], versions=[-1]), "policy_version"),
+    (PutCommit("p", [0], ["x"], versions=[2**63]), "policy_version"),
+    (PutInline("p", [_HEADER], n_rows=1, timeout=INF), "timeout"),
+    (AcquireRollout(-1), "policy_version"),
+    (AcquireRollout(0, 0), "n"),
+    (AcquireRollout(0, 1, timeout=NAN), "timeout"),
+    (SetPolicyVersion(-5), "version"),
+    (ReleaseRollout(-1), "n"),
+    (TakeRecycled(0), "max_rows"),
+    (RegisterUnit(2**40, "tcp://127.0.0.1:1"), "unit_id"),
+]
+
+
+@pytest.mark.parametrize(("body", "argument"), BAD_REQUESTS)
+def test_validate_names_the_argument(body: msgspec.Struct, argument: str) -> None:
+    with pytest.raises(tq.InvalidRequestError, match=argument):
+        validate(body)
+
+
+async def test_server_rejects_bad_numbers_and_keeps_serving() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        raw = DealerConnection(cluster.address)
+        try:
+            for body, argument in BAD_REQUESTS:
+                if isinstance(body, RegisterUnit):
+                    continue  # a valid one would register a unit; the unit test covers it
+                with pytest.raises(tq.InvalidRequestError, match=argument):
+                    await raw.request(body, timeout=5)
+        finally:
+            raw.close()
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            meta = await client.put({"x": torch.arange(4)}, "p")
+            assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2, 3]
+
+
+async def test_client_rejects_bad_numbers_before_sending() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for kw, name in (
+            ({"lease": NAN}, "lease"),
+            ({"lease": -1}, "lease"),
+            ({"timeout": NAN}, "timeout"),
+            ({"timeout": INF}, "timeout"),
+            ({"timeout": -1}, "timeout"),
+            ({"sampling_config": {"batch_index": -1}}, "batch_index"),
+        ):
+            with pytest.raises(tq.InvalidRequestError, match=name):
+                await client.get_meta(["x"], 1, "p", "t", **kw)
+        with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+            await client.get_meta(["x"], 2**64, "p", "t")
+        with pytest.raises(tq.InvalidRequestError, match="timeout"):
+            await client.put({"x": torch.zeros(2)}, "p", timeout=NAN)
+        with pytest.raises(tq.InvalidRequestError, match="policy_version"):
+            await client.put({"x": torch.zeros(2)}, "p", policy_version=-1)
+        with pytest.raises(tq.InvalidRequestError, match="policy_version"):
+            await client.put({"x": torch.zeros(2)}, "p", policy_version=[0, 2**64])
+        with pytest.raises(tq.InvalidRequestError, match="timeout"):
+            await client.acquire_rollout(0, timeout=NAN)
+        with pytest.raises(tq.InvalidRequestError, match="max_rows"):
+            await client.take_recycled(NAN)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="version"):
+            await client.set_policy_version(NAN)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="request_timeout"):
+            tq.AsyncClient(cluster.address, request_timeout=NAN)
+        assert await client.list_partitions() == []
+        # numpy and torch integers are integers
+        meta = await client.put({"x": torch.zeros(2)}, "p", policy_version=np.int64(3))
+        assert meta.policy_versions["x"] == [3, 3]
+        meta = await client.put({"x": torch.zeros(2)}, "p", policy_version=torch.tensor([1, 2]))
+        assert meta.policy_versions["x"] == [1, 2]
+
+
+async def test_a_nan_lease_does_not_delay_other_clients_timeouts() -> None:
+    """Issue 14 defect 6: lease=nan once broke the controller's timer queue for everyone."""
+    with serve_cluster(storage_units=1) as address:
+        raw = DealerConnection(address)
+        try:
+            async with tq.AsyncClient.connect(address, request_timeout=4) as client:
+                await client.put({"x": torch.arange(8)}, "p")
+                async with anyio.create_task_group() as tg:
+
+                    async def park(task: str) -> None:
+                        with pytest.raises(tq.TQTimeoutError):
+                            await client.get_meta(["never"], 1, "p", task, timeout=20)
+
+                    tg.start_soon(park, "w0")
+                    for kw, name in (
+                        ({"lease": NAN, "task_name": "leaser"}, "lease"),
+                        ({"lease": INF, "task_name": "leaser"}, "lease"),
+                        ({"timeout": NAN}, "timeout"),
+                        ({"timeout": INF}, "timeout"),
+                        ({"timeout": -1.0}, "timeout"),
+                    ):
+                        with pytest.raises(tq.InvalidRequestError, match=name):
+                            await raw.request(_get_meta(**kw), timeout=5)
+                    for i in range(1, 11):
+                        tg.start_soon(park, f"w{i}")
+
+                    async def probe(i: int) -> float:
+                        t0 = time.perf_counter()
+                        with pytest.raises(tq.TQTimeoutError):
+                            await client.get_meta(["never"], 1, "p", f"probe{i}", timeout=0.3)
+                        return time.perf_counter() - t0
+
+                    took = [await probe(i) for i in range(3)]
+                    tg.cancel_scope.cancel()
+                assert max(took) < 2.0, took
+                # the leaser's rows were never leased: they are still there for it
+                meta = await client.get_meta(["x"], 8, "p", "leaser", timeout=5)
+                assert len(meta) == 8
+        finally:
+            raw.close()
