@@ -180,3 +180,88 @@ async def test_a_nan_lease_does_not_delay_other_clients_timeouts() -> None:
                 assert len(meta) == 8
         finally:
             raw.close()
+
+
+async def test_bad_values_raise_tq_errors_before_anything_is_sent() -> None:
+    """Issue 14 defect 11: each of these once escaped the TQError tree."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        x = {"x": torch.zeros(4)}
+        cases: list[tuple[Any, type[tq.TQError], str]] = [
+            (lambda: client.put({"s": torch.tensor(1.0)}, "p"), tq.SchemaError, r"'s'.*0-dim"),
+            (
+                lambda: client.put({"m": torch.zeros(4, device="meta")}, "p"),
+                tq.UnsupportedTypeError,
+                r"'m'.*meta device",
+            ),
+            (lambda: client.put({"": torch.zeros(4)}, "p"), tq.SchemaError, "non-empty"),
+            (
+                lambda: client.put(x, "p", tags=[{"uid": object()}] * 4),
+                tq.UnsupportedTypeError,
+                r"tags\[0\]\['uid'\].*object",
+            ),
+            (
+                lambda: client.put(x, "p", tags=[{"uid": 2**70}] * 4),
+                tq.UnsupportedTypeError,
+                r"tags\[0\]\['uid'\].*64 bits",
+            ),
+            (
+                lambda: client.put(x, "p", tags=[{1: 2}] * 4),
+                tq.InvalidRequestError,
+                r"tags\[0\] has key 1.*strings",
+            ),
+            (
+                lambda: client.put(x, "p\ud800"),
+                tq.InvalidRequestError,
+                "partition_id.*UTF-8",
+            ),
+            (
+                lambda: client.get_meta(["x"], 1, "p", "t\udc80"),
+                tq.InvalidRequestError,
+                "task_name.*UTF-8",
+            ),
+            (
+                lambda: client.kv_put("k\ud800", "p", tag={"a": 1}),
+                tq.InvalidRequestError,
+                "key.*UTF-8",
+            ),
+            (
+                lambda: client.put({"x\ud800": torch.zeros(4)}, "p"),
+                tq.InvalidRequestError,
+                "field name.*UTF-8",
+            ),
+            (
+                lambda: client.get_meta(["x"], 2**64, "p", "t", timeout=1),
+                tq.InvalidRequestError,
+                "batch_size",
+            ),
+            (lambda: client.seal("p\ud800"), tq.InvalidRequestError, "Seal cannot be sent"),
+        ]
+        for make, kind, match in cases:
+            with pytest.raises(kind, match=match):
+                await make()
+        assert await client.list_partitions() == []  # nothing was written
+
+
+async def test_numpy_and_torch_tag_scalars_become_python_numbers() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        tags = [
+            {"uid": np.int64(i), "len": torch.tensor(i + 0.5), "ok": np.bool_(True)}
+            for i in range(2)
+        ]
+        meta = await client.put({"x": torch.zeros(2)}, "p", tags=tags)
+        assert meta.tags == [{"uid": 0, "len": 0.5, "ok": True}, {"uid": 1, "len": 1.5, "ok": True}]
+        got = await client.get_meta(["x"], 2, "p", "t", timeout=5)
+        assert got.tags == meta.tags
+        assert all(type(t["uid"]) is int for t in got.tags)
+        await client.set_tags(got, [{"w": np.float32(2.0)}, {"w": [np.int32(1)]}])
+        got = await client.get_meta(["x"], 2, "p", "t2", mode="peek", timeout=5)
+        assert got.tags[0]["w"] == 2.0
+        assert got.tags[1]["w"] == [1]
+        with pytest.raises(tq.UnsupportedTypeError, match=r"tags\[0\]\['t'\]"):
+            await client.set_tags(got, [{"t": torch.zeros(3)}, {}])

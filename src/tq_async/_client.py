@@ -22,7 +22,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
-from ._codec import columns_from_batch, columns_to_tensordict
+from ._codec import check_text, columns_from_batch, columns_to_tensordict, tags_for_wire
 from ._columns import (
     Column,
     ColumnHeader,
@@ -118,6 +118,8 @@ def _check_fields(data_fields: Any) -> list[str]:
         raise InvalidRequestError(
             f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
+    for f in data_fields:
+        check_text("field name", f)
     return list(data_fields)
 
 
@@ -397,6 +399,7 @@ class AsyncClient:
             partition_id = meta.partition_id
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
+        check_text("partition_id", partition_id)
         n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
@@ -406,7 +409,7 @@ class AsyncClient:
         if tags is not None:
             if len(tags) != n:
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
-            tag_list = [dict(t) if t else None for t in tags]
+            tag_list = tags_for_wire(tags)
         versions = _check_versions(policy_version, n)
         check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
@@ -638,6 +641,8 @@ class AsyncClient:
             raise InvalidRequestError(
                 f"partition_id must be a non-empty string, got {partition_id!r}"
             )
+        check_text("task_name", task_name)
+        check_text("partition_id", partition_id)
         if mode not in ("fetch", "peek"):
             raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
         check_seconds("timeout", timeout)
@@ -881,7 +886,8 @@ class AsyncClient:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
-        body = SetTags(meta.partition_id, list(meta.global_indexes), [dict(t) for t in tags])
+        wire_tags = [t or {} for t in tags_for_wire(tags)]
+        body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags)
         await self._call(body, None)
 
     # ---- staleness control -------------------------------------------------------------------
@@ -984,7 +990,7 @@ class AsyncClient:
         if fields is None:
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
-            body = KVTag(partition_id, _check_keys([key]), [dict(tag)])
+            body = KVTag(partition_id, _check_keys([key]), [tags_for_wire([tag])[0] or {}])
             placement: Placement = await self._call(body, Placement)
             return BatchMeta(
                 partition_id=partition_id,
@@ -1104,6 +1110,8 @@ def _check_keys(keys: Any) -> list[str]:
         raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
     if not keys or not all(isinstance(k, str) for k in keys):
         raise InvalidRequestError("keys must be a non-empty list of strings")
+    for k in keys:
+        check_text("key", k)
     return list(keys)
 
 

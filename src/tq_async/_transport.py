@@ -46,7 +46,14 @@ import zmq
 import zmq.utils.monitor
 
 from ._buffers import buffer_pool
-from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
+from ._errors import (
+    BrokenError,
+    ClosedError,
+    InvalidRequestError,
+    ProtocolError,
+    TQTimeoutError,
+    error_from_wire,
+)
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
 
@@ -501,7 +508,7 @@ class DealerConnection(_Drained):
         if self.inproc and frames:
             frames = await private_frames(frames, incoming=False)
         rid = next(self._rids)
-        outgoing = [encoder.encode((rid, body)), *frames]
+        outgoing = [_encode_request(rid, body), *frames]
         self._inflight[rid] = outgoing
         try:
             self._send(outgoing)
@@ -587,6 +594,19 @@ class DealerConnection(_Drained):
         self._unwatch()
         self._close_socket()
         self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
+
+
+def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
+    """The request header; a value msgpack cannot carry is the caller's error, raised
+    before anything is sent (a safety net: the client checks arguments more precisely)."""
+    try:
+        return encoder.encode((rid, body))
+    except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "
+            "ints within 64 bits and plain values (None, bool, int, float, str, bytes, "
+            "lists and dicts of those)"
+        ) from None
 
 
 class _Tick(Exception):
