@@ -771,6 +771,8 @@ class ControllerServer:
         key = _delivery_key(req)
         if key is not None:
             p.deliveries[key] = tuple(sampled)
+        if stale.kept_rows and req.mode == "fetch":
+            self._count_kept(req, stale, sampled)
         reply = _meta_reply(p, sampled, req.data_fields)
         if holding:
             reply.lease_id = self._lease(req, p, sampled, key)
@@ -1019,7 +1021,7 @@ class ControllerServer:
         """Consume the rows a sampler found stale; queue recycled prompts; count."""
         consumed = p.consumed.get(req.task_name)
         st = self.state
-        st.stale_counts["kept"] += stale.kept
+        self._count_stale("kept", stale.kept - len(stale.kept_rows))  # counts without rows
         for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
             valid = [
                 r
@@ -1030,11 +1032,29 @@ class ControllerServer:
                 continue
             p.consume(req.task_name, valid)
             self._after_consume(req.task_name, p, valid)
-            st.stale_counts[kind] += len(valid)
+            self._count_stale(kind, len(valid))
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)
-        if stale.dropped or stale.recycled or stale.kept:
-            self.metrics.stale(stale)
+
+    def _count_stale(self, kind: str, n: int) -> None:
+        """Stale rows handled: the status and the metrics count the same events, once."""
+        if n > 0:
+            self.state.stale_counts[kind] += n
+            self.metrics.stale(kind, n)
+
+    def _count_kept(self, req: GetMeta, stale: StaleRows, sampled: Sequence[int]) -> None:
+        """Stale rows a sampler kept count once they are delivered (fetch), not when seen."""
+        kept = set(stale.kept_rows)
+        n = sum(1 for r in sampled if r in kept)
+        if n:
+            log.warning(
+                "delivering stale rows",
+                rows=n,
+                partition=req.partition_id,
+                task=req.task_name,
+                learner_version=self.state.learner_version,
+            )
+            self._count_stale("kept", n)
 
     def _free_unconsumed(self, p: Partition, rows: Sequence[int]) -> None:
         """Cleared rows the learner never consumed give their admission slots back."""
