@@ -436,6 +436,7 @@ class AsyncClient:
                 units=placement.units,
                 tags=out_tags,
                 policy_versions=written_versions,
+                incarnation=placement.incarnation,
             )
         merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
         if tag_list:
@@ -448,6 +449,7 @@ class AsyncClient:
             units=placement.units,
             tags=merged_tags if (meta.tags or tag_list) else [],
             policy_versions=meta.policy_versions | written_versions,
+            incarnation=placement.incarnation or meta.incarnation,
         )
 
     async def _put_inline(
@@ -464,6 +466,7 @@ class AsyncClient:
             versions=put.versions,
             nowait=nowait,
             timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
         )
         frames: list[Any] = []
         for h, c in zip(put.headers, put.columns, strict=True):
@@ -474,7 +477,8 @@ class AsyncClient:
             # a failed three-step put does
             if reply.ok and meta is None and self._controller is not None:
                 late: Placement = _decode(reply.payload, Placement)
-                self._controller.send_oneway(ClearSamples(put.partition_id, late.rows))
+                undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
+                self._controller.send_oneway(undo)
 
         payload, _ = await self._ctl().request(
             body,
@@ -498,18 +502,22 @@ class AsyncClient:
             keys=None if keys is None else list(keys),
             nowait=nowait,
             timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
         )
         placement: Placement = await self._call(begin, Placement, timeout=deadline)
         fields = [h.name for h in headers]
         try:
             await self._store(partition_id, placement, headers, put.columns)
-            commit = PutCommit(partition_id, placement.rows, fields, put.tags, put.versions)
+            commit = PutCommit(
+                partition_id, placement.rows, fields, put.tags, put.versions, placement.incarnation
+            )
             await self._call(commit, None)
         except BaseException:
             if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
                     try:
-                        await self._call(ClearSamples(partition_id, placement.rows), None)
+                        undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
+                        await self._call(undo, None)
                     except RowsNotFound:
                         pass  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
@@ -538,7 +546,9 @@ class AsyncClient:
                 frames.extend(column_to_frames(h, c))
             conn = await self._unit(unit)
             await conn.request(
-                StorePut(partition_id, rows, headers), frames, timeout=self.request_timeout
+                StorePut(partition_id, rows, headers, placement.incarnation),
+                frames,
+                timeout=self.request_timeout,
             )
 
         if len(by_unit) == 1:
@@ -687,6 +697,7 @@ class AsyncClient:
             end_of_stream=got.end_of_stream,
             policy_versions=got.versions,
             lease_id=got.lease_id,
+            incarnation=got.incarnation,
         )
         return meta, got, frames
 
@@ -725,7 +736,8 @@ class AsyncClient:
             )
             conn = await self._unit(unit)
             payload, frames = await conn.request(
-                StoreGet(meta.partition_id, rows, names), timeout=self.request_timeout
+                StoreGet(meta.partition_id, rows, names, meta.incarnation),
+                timeout=self.request_timeout,
             )
             stored: StoredColumns = _decode(payload, StoredColumns)
             parts[unit] = _stored_columns(stored, frames, len(rows))
@@ -803,7 +815,8 @@ class AsyncClient:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        await self._call(Release(meta.partition_id, meta.task_name, meta.global_indexes), None)
+        body = Release(meta.partition_id, meta.task_name, meta.global_indexes, meta.incarnation)
+        await self._call(body, None)
 
     # ---- controller calls --------------------------------------------------------------------
 
@@ -838,7 +851,8 @@ class AsyncClient:
 
     async def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
-        await self._call(ClearSamples(meta.partition_id, list(meta.global_indexes)), None)
+        body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
+        await self._call(body, None)
 
     async def clear_partition(self, partition_id: str) -> None:
         """Remove the partition with all its rows, state and sampler caches; free storage."""
@@ -887,7 +901,7 @@ class AsyncClient:
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]
-        body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags)
+        body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
         await self._call(body, None)
 
     # ---- staleness control -------------------------------------------------------------------
@@ -944,6 +958,7 @@ class AsyncClient:
                 units=r.meta.units,
                 tags=r.meta.tags,
                 policy_versions=r.meta.versions,
+                incarnation=r.meta.incarnation,
             )
             for r in got
         ]
@@ -997,6 +1012,7 @@ class AsyncClient:
                 global_indexes=placement.rows,
                 field_names=[],
                 units=placement.units,
+                incarnation=placement.incarnation,
             )
         return await self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
 
@@ -1021,6 +1037,7 @@ class AsyncClient:
             field_names=got.fields,
             units=got.units,
             tags=got.tags,
+            incarnation=got.incarnation,
         )
         return await self.get_data(meta)
 

@@ -438,6 +438,7 @@ class ControllerServer:
         if isinstance(body, GetMeta):
             return self._get_meta(peer, rid, body, t0)
         if isinstance(body, PutBegin):
+            _check_incarnation(st, body.partition_id, body.incarnation)
             n_new = st.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
             if not self._room_for(body.partition_id, n_new, body.nowait):
                 self._spawn(self._put_begin_waiting, peer, rid, body, n_new, t0)
@@ -445,6 +446,7 @@ class ControllerServer:
             self._put_begin(peer, rid, body)
         elif isinstance(body, PutCommit):
             p = st.partition(body.partition_id)
+            p.check_incarnation(body.incarnation)
             gained = p.commit(body.rows, body.fields, body.tags, body.versions)
             self._send_ok(peer, rid, None)
             self._notify([Wakeup(body.partition_id, t) for t in gained])
@@ -457,6 +459,7 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
         elif isinstance(body, Release):
             p = st.partition(body.partition_id)
+            p.check_incarnation(body.incarnation)
             if p.release(body.task_name, body.rows):
                 self._notify([Wakeup(body.partition_id, body.task_name)])
             self._send_ok(peer, rid, None)
@@ -478,6 +481,7 @@ class ControllerServer:
             self._notify([Wakeup(body.partition_id, body.task_name)])
         elif isinstance(body, ClearSamples):
             p = st.partition(body.partition_id)
+            p.check_incarnation(body.incarnation)
             self._free_unconsumed(p, body.rows)
             by_unit = p.clear_rows(body.rows)
             self._rows_freed()
@@ -493,7 +497,7 @@ class ControllerServer:
                 smp.clear_partition(body.partition_id)
             self._notify([Wakeup(body.partition_id)])
             whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
-            self._spawn(self._clear_units, peer, rid, body.partition_id, whole)
+            self._spawn(self._clear_units, peer, rid, body.partition_id, whole, p.incarnation)
         elif isinstance(body, CheckProduction):
             p = st.partition(body.partition_id)
             rows = body.rows if body.rows is not None else _alive_rows(p)
@@ -520,7 +524,9 @@ class ControllerServer:
         elif isinstance(body, PartitionInfo):
             self._send_ok(peer, rid, st.partition(body.partition_id).info())
         elif isinstance(body, SetTags):
-            st.partition(body.partition_id).set_tags(body.rows, body.tags)
+            p = st.partition(body.partition_id)
+            p.check_incarnation(body.incarnation)
+            p.set_tags(body.rows, body.tags)
             self._send_ok(peer, rid, None)
         elif isinstance(body, KVLookup):
             p = st.partition(body.partition_id)
@@ -540,8 +546,9 @@ class ControllerServer:
                     f"got {len(body.tags)} tag dicts for {len(body.keys)} keys"
                 )
             rows, units, wakeups = st.put_begin(body.partition_id, [], 0, None, body.keys)
-            st.partition(body.partition_id).set_tags(rows, body.tags)
-            self._send_ok(peer, rid, Placement(rows, units))
+            p = st.partition(body.partition_id)
+            p.set_tags(rows, body.tags)
+            self._send_ok(peer, rid, Placement(rows, units, p.incarnation))
             self._notify(wakeups)
         elif isinstance(body, KVList):
             pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
@@ -849,7 +856,8 @@ class ControllerServer:
         rows, units, wakeups = self.state.put_begin(
             body.partition_id, body.columns, body.n_rows, body.rows, body.keys
         )
-        self._send_ok(peer, rid, Placement(rows, units))
+        incarnation = self.state.partitions[body.partition_id].incarnation
+        self._send_ok(peer, rid, Placement(rows, units, incarnation))
         self._notify(wakeups)
 
     def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
@@ -879,6 +887,7 @@ class ControllerServer:
         With room and a unit in this process, everything happens here: place, store, commit,
         reply. Otherwise a task waits for room and/or forwards the columns to the unit.
         """
+        _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, None)
         placed = None
         if self._room_for(body.partition_id, n_new, body.nowait):
@@ -886,7 +895,13 @@ class ControllerServer:
             unit = self.local_units.get(placed.units[0])
             if unit is not None:
                 try:
-                    unit.store_local(body.partition_id, placed.rows, body.columns, frames)
+                    unit.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        frames,
+                        placed.partition.incarnation,
+                    )
                     self._inline_commit(peer, rid, body, placed)
                 except BaseException:
                     self._inline_undo(body, placed, remote=False)
@@ -908,9 +923,10 @@ class ControllerServer:
 
     def _inline_commit(self, peer: bytes, rid: int, body: PutInline, placed: _Placed) -> None:
         p = self.state.partition(body.partition_id)
+        p.check_incarnation(placed.partition.incarnation)  # not cleared while storing
         fields = [h.name for h in body.columns]
         gained = p.commit(placed.rows, fields, body.tags, body.versions)
-        self._send_ok(peer, rid, Placement(placed.rows, placed.units))
+        self._send_ok(peer, rid, Placement(placed.rows, placed.units, p.incarnation))
         self._notify([*placed.wakeups, *(Wakeup(body.partition_id, t) for t in gained)])
 
     def _inline_undo(self, body: PutInline, placed: _Placed, *, remote: bool) -> None:
@@ -955,9 +971,17 @@ class ControllerServer:
             local = self.local_units.get(unit_id)
             try:
                 if local is not None:
-                    local.store_local(body.partition_id, placed.rows, body.columns, frames)
+                    local.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        frames,
+                        placed.partition.incarnation,
+                    )
                 else:
-                    store = StorePut(body.partition_id, placed.rows, body.columns)
+                    store = StorePut(
+                        body.partition_id, placed.rows, body.columns, placed.partition.incarnation
+                    )
                     await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
                 self._inline_commit(peer, rid, body, placed)
             except BaseException:
@@ -1273,14 +1297,18 @@ class ControllerServer:
         rid: int,
         partition_id: str,
         by_unit: Mapping[int, list[int] | None],
+        incarnation: str | None = None,
     ) -> None:
-        """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors."""
+        """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors.
+
+        With ``incarnation``, units free only that incarnation's cells.
+        """
         errors: list[str] = []
 
         async def clear_one(unit_id: int, rows: list[int] | None) -> None:
             try:
                 await self._unit(unit_id).request(
-                    StoreClear(partition_id, rows), timeout=self.unit_timeout
+                    StoreClear(partition_id, rows, incarnation), timeout=self.unit_timeout
                 )
             except TQError as exc:
                 errors.append(f"unit {unit_id}: {exc}")
@@ -1362,7 +1390,20 @@ def _meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRep
         [tags[r] or {} for r in rows],
         list(fields),
         versions=versions,
+        incarnation=p.incarnation,
     )
+
+
+def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str | None) -> None:
+    """A write through a BatchMeta of an earlier incarnation of ``partition_id`` fails."""
+    if incarnation is not None:
+        p = st.partitions.get(partition_id)
+        if p is None:
+            raise RowsNotFound(
+                f"partition {partition_id!r} was cleared since this BatchMeta was made: its "
+                "rows are gone"
+            )
+        p.check_incarnation(incarnation)
 
 
 def _check_result(result: Any) -> SampleResult:

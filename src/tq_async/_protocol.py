@@ -52,6 +52,8 @@ class PutBegin(_Msg):
     #: when the capacity is full: False waits (up to ``timeout``), True fails with WouldBlock
     nowait: bool = False
     timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class PutCommit(_Msg):
@@ -62,6 +64,8 @@ class PutCommit(_Msg):
     fields: list[str]
     tags: list[dict[str, Any] | None] | None = None
     versions: list[int] | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class PutInline(_Msg):
@@ -81,6 +85,8 @@ class PutInline(_Msg):
     versions: list[int] | None = None
     nowait: bool = False
     timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class LostRows(_Msg):
@@ -164,6 +170,8 @@ class Release(_Msg):
     partition_id: str
     task_name: str
     rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class Seal(_Msg):
@@ -178,6 +186,8 @@ class ResetConsumption(_Msg):
 class ClearSamples(_Msg):
     partition_id: str
     rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class ClearPartition(_Msg):
@@ -218,6 +228,8 @@ class SetTags(_Msg):
     partition_id: str
     rows: list[int]
     tags: list[dict[str, Any]]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class KVLookup(_Msg):
@@ -342,6 +354,8 @@ class StorePut(_Msg):
     partition_id: str
     rows: list[int]
     columns: list[ColumnHeader]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreGet(_Msg):
@@ -350,6 +364,8 @@ class StoreGet(_Msg):
     partition_id: str
     rows: list[int]
     fields: list[str]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreClear(_Msg):
@@ -357,6 +373,8 @@ class StoreClear(_Msg):
 
     partition_id: str
     rows: list[int] | None = None
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreStats(_Msg):
@@ -404,6 +422,8 @@ class Placement(msgspec.Struct, array_like=True):
 
     rows: list[int]
     units: list[int]
+    #: the partition's incarnation (a random id, new whenever the partition is created)
+    incarnation: str | None = None
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -417,6 +437,8 @@ class MetaReply(msgspec.Struct, array_like=True):
     #: the cells, when the request asked for them inline: one part per storage unit, in
     #: order of first appearance in ``units``, each followed by its columns' frames
     inline: list[StoredColumns] | None = None
+    #: the partition's incarnation (None on an end-of-stream reply)
+    incarnation: str | None = None
 
 
 class RecycledRows(msgspec.Struct, array_like=True):
