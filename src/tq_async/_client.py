@@ -37,6 +37,7 @@ from ._columns import (
     take_rows,
 )
 from ._errors import (
+    BrokenError,
     ClosedError,
     InvalidRequestError,
     ProtocolError,
@@ -200,6 +201,11 @@ class AsyncClient:
         self._unit_addresses: dict[int, str] = {}
         self._units: dict[int, DealerConnection] = {}
         self._capacity: int | None = None
+        #: the units epoch of the last Hello, and the newest a reply carried: when they
+        #: differ a unit moved (restarted on a new address) and the units are asked again
+        self._units_epoch = 0
+        self._epoch_seen = 0
+        self._refreshing: anyio.Event | None = None
 
     @classmethod
     def connect(
@@ -268,11 +274,34 @@ class AsyncClient:
         return self._controller is None
 
     async def _refresh_units(self) -> None:
-        hello = await self._call(Hello(), HelloReply)
-        self._unit_addresses = {u.unit_id: u.address for u in hello.units}
+        """Ask the controller for the units; drop connections to addresses that changed."""
+        if self._refreshing is not None:  # one Hello at a time serves every caller
+            await self._refreshing.wait()
+            return
+        self._refreshing = done = anyio.Event()
+        try:
+            hello = await self._call(Hello(), HelloReply)
+        finally:
+            self._refreshing = None
+            done.set()
+        addresses = {u.unit_id: u.address for u in hello.units}
+        for unit_id, conn in list(self._units.items()):
+            if addresses.get(unit_id) != conn.address:
+                log.info(
+                    "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
+                )
+                del self._units[unit_id]
+                conn.close()
+        self._unit_addresses = addresses
+        self._units_epoch = self._epoch_seen = hello.units_epoch
         self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
+
+    def _note_epoch(self, epoch: int) -> None:
+        """A reply's units epoch: a new one makes the next unit call ask for the units."""
+        if epoch:
+            self._epoch_seen = epoch
 
     def _ctl(self) -> DealerConnection:
         if self._controller is None:
@@ -282,6 +311,8 @@ class AsyncClient:
         return self._controller
 
     async def _unit(self, unit_id: int) -> DealerConnection:
+        if self._epoch_seen != self._units_epoch:
+            await self._refresh_units()
         conn = self._units.get(unit_id)
         if conn is None:
             if unit_id not in self._unit_addresses:
@@ -293,9 +324,30 @@ class AsyncClient:
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
             conn = self._units[unit_id] = DealerConnection(
-                address, curve=self.curve, retry_after=self.retry_after
+                address, curve=self.curve, retry_after=self.retry_after, refused_is_broken=True
             )
         return conn
+
+    async def _unit_request(
+        self, unit_id: int, body: msgspec.Struct, frames: Sequence[Any] = ()
+    ) -> tuple[msgspec.Raw, list[Any]]:
+        """An idempotent request to a storage unit; if its connection broke and the unit is
+        back on a new address (restarted under its id), the request is sent there once."""
+        conn = await self._unit(unit_id)
+        try:
+            return await conn.request(body, frames, timeout=self.request_timeout)
+        except (BrokenError, ClosedError):
+            if self._controller is None or not await self._unit_moved(unit_id, conn):
+                raise
+        log.info("retrying at the storage unit's new address", unit=unit_id)
+        conn = await self._unit(unit_id)
+        return await conn.request(body, frames, timeout=self.request_timeout)
+
+    async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
+        """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
+        if self._units.get(unit_id) is conn:  # nobody asked since this connection broke
+            await self._refresh_units()
+        return self._unit_addresses.get(unit_id) not in (None, conn.address)
 
     async def _call(
         self,
@@ -487,6 +539,7 @@ class AsyncClient:
             on_abandon=on_abandon,
         )
         placement: Placement = _decode(payload, Placement)
+        self._note_epoch(placement.units_epoch)
         return placement
 
     async def _put_in_three(
@@ -505,6 +558,7 @@ class AsyncClient:
             incarnation=None if meta is None else meta.incarnation,
         )
         placement: Placement = await self._call(begin, Placement, timeout=deadline)
+        self._note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         try:
             await self._store(partition_id, placement, headers, put.columns)
@@ -544,12 +598,8 @@ class AsyncClient:
             frames: list[Any] = []
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
-            conn = await self._unit(unit)
-            await conn.request(
-                StorePut(partition_id, rows, headers, placement.incarnation),
-                frames,
-                timeout=self.request_timeout,
-            )
+            store = StorePut(partition_id, rows, headers, placement.incarnation)
+            await self._unit_request(unit, store, frames)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
@@ -686,6 +736,7 @@ class AsyncClient:
             req, timeout=client_deadline, on_abandon=on_abandon
         )
         got: MetaReply = _decode(payload, MetaReply)
+        self._note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
@@ -734,11 +785,8 @@ class AsyncClient:
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            conn = await self._unit(unit)
-            payload, frames = await conn.request(
-                StoreGet(meta.partition_id, rows, names, meta.incarnation),
-                timeout=self.request_timeout,
-            )
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation)
+            payload, frames = await self._unit_request(unit, get)
             stored: StoredColumns = _decode(payload, StoredColumns)
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
@@ -1031,6 +1079,7 @@ class AsyncClient:
         fields = None if select_fields is None else _check_fields(select_fields)
         body = KVLookup(partition_id, _check_keys(keys), fields)
         got: MetaReply = await self._call(body, MetaReply)
+        self._note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,

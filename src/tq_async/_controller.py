@@ -291,6 +291,8 @@ class ControllerServer:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _send_ok(self, peer: bytes, rid: int, payload: Any) -> None:
+        if isinstance(payload, (MetaReply, Placement)):
+            payload.units_epoch = self.state.units_epoch  # the rows' units may have moved
         self._reply(peer, rid, ok_reply(rid, payload))
 
     def _send_error(self, peer: bytes, rid: int, exc: BaseException, op: str) -> None:
@@ -322,6 +324,7 @@ class ControllerServer:
     def _send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
         """Answer a get_meta; a ``get`` whose cells are small and local gets them too."""
         inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
+        reply.units_epoch = self.state.units_epoch
         if inline is None:
             self._send_ok(peer, rid, reply)
             return
@@ -465,7 +468,8 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
-            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle, st.capacity))
+            hello = HelloReply(infos, self.allow_pickle, st.capacity, st.units_epoch)
+            self._send_ok(peer, rid, hello)
         elif isinstance(body, Seal):
             sealed = st.partitions.get(body.partition_id)
             if sealed is None:
@@ -645,6 +649,8 @@ class ControllerServer:
             old = self._units.pop(unit_id, None)
             if old is not None:
                 old.close()
+            if st.units.get(unit_id) != body.address:
+                st.units_epoch += 1  # clients learn the new address from their next reply
             st.units[unit_id] = body.address
             st.dead_units.discard(unit_id)  # a restarted unit takes new rows again
             self._unit(unit_id)

@@ -415,6 +415,9 @@ class HelloReply(msgspec.Struct, array_like=True):
     units: list[UnitInfo]
     allow_pickle: bool
     capacity: int | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -424,6 +427,9 @@ class Placement(msgspec.Struct, array_like=True):
     units: list[int]
     #: the partition's incarnation (a random id, new whenever the partition is created)
     incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -439,6 +445,9 @@ class MetaReply(msgspec.Struct, array_like=True):
     inline: list[StoredColumns] | None = None
     #: the partition's incarnation (None on an end-of-stream reply)
     incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class RecycledRows(msgspec.Struct, array_like=True):

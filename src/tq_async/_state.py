@@ -609,6 +609,9 @@ class ControllerState:
         self.restoring: dict[str, Partition] = {}
         #: storage units whose connection broke: their rows are lost, new rows avoid them
         self.dead_units: set[int] = set()
+        #: bumped whenever a unit's address changes (clients then ask for the units again);
+        #: starts at random so that a restarted controller's epoch differs too
+        self.units_epoch = secrets.randbits(30) + 1
         #: the learner's policy version (-1: never announced)
         self.learner_version = -1
         #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)

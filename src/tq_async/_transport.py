@@ -321,9 +321,14 @@ class DealerConnection(_Drained):
         curve: CurveClient | None = None,
         on_disconnect: Callable[[], None] | None = None,
         retry_after: float | None = None,
+        refused_is_broken: bool = False,
     ) -> None:
         self.address = address
         self.retry_after = retry_after
+        #: a refused connection attempt counts as broken (requests fail fast with
+        #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
+        #: unit that was restarted on another address)
+        self._refused_is_broken = refused_is_broken
         #: False once the connection broke, until it is re-established
         self.connected: bool | None = None
         self.reconnects = 0
@@ -358,7 +363,10 @@ class DealerConnection(_Drained):
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         # a closed connection is reported on this monitor socket (no polling)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        if self._refused_is_broken:
+            events |= zmq.EVENT_CONNECT_RETRIED
+        monitor = sock.get_monitor_socket(events)
         try:
             if route is None:
                 sock.connect(self.address)
@@ -419,7 +427,9 @@ class DealerConnection(_Drained):
             event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED or (
+                event == zmq.EVENT_CONNECT_RETRIED and self.connected is not False
+            ):
                 self._disconnected()
 
     def _disconnected(self) -> None:
