@@ -23,12 +23,16 @@ from tq_async._columns import ColumnHeader
 from tq_async._protocol import (
     AcquireRollout,
     GetMeta,
+    PartitionDump,
     PutBegin,
     PutCommit,
     PutInline,
     RegisterUnit,
     ReleaseRollout,
+    RestoreBegin,
     SetPolicyVersion,
+    StateDump,
+    StorePut,
     TakeRecycled,
     validate,
 )
@@ -76,6 +80,34 @@ BAD_REQUESTS: list[tuple[msgspec.Struct, str]] = [
     (ReleaseRollout(-1), "n"),
     (TakeRecycled(0), "max_rows"),
     (RegisterUnit(2**40, "tcp://127.0.0.1:1"), "unit_id"),
+    (PutBegin("p", [ColumnHeader("x", "dense", "float32", (-1,))], n_rows=1), "shape"),
+    (PutInline("p", [ColumnHeader("x", "dense", "nope")], n_rows=1), "dtype"),
+    (PutBegin("p", [ColumnHeader("x", "sparse")], n_rows=1), "kind"),
+    (StorePut("p", [0], [ColumnHeader("x", "dense", "float32", (2**40,))]), "shape"),
+    (
+        RestoreBegin(
+            StateDump(
+                [
+                    PartitionDump(
+                        partition_id="p",
+                        n_rows=1,
+                        alive=b"\x01",
+                        origin=[0],
+                        units=[0],
+                        tags=[None],
+                        row_keys=[None],
+                        sealed=False,
+                        fields=[],
+                        consumed={},
+                        deliveries=[],
+                        row_version=[2**63],
+                    )
+                ],
+                {},
+            )
+        ),
+        "row_version",
+    ),
 ]
 
 
@@ -90,8 +122,8 @@ async def test_server_rejects_bad_numbers_and_keeps_serving() -> None:
         raw = DealerConnection(cluster.address)
         try:
             for body, argument in BAD_REQUESTS:
-                if isinstance(body, RegisterUnit):
-                    continue  # a valid one would register a unit; the unit test covers it
+                if isinstance(body, (RegisterUnit, StorePut)):
+                    continue  # for a unit, or would register one: the unit test covers it
                 with pytest.raises(tq.InvalidRequestError, match=argument):
                     await raw.request(body, timeout=5)
         finally:
@@ -99,6 +131,22 @@ async def test_server_rejects_bad_numbers_and_keeps_serving() -> None:
         async with tq.AsyncClient.connect(cluster.address) as client:
             meta = await client.put({"x": torch.arange(4)}, "p")
             assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2, 3]
+
+
+async def test_storage_unit_rejects_bad_headers() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.arange(2)}, "p")
+        raw = DealerConnection(client._unit_addresses[0])
+        try:
+            bad = StorePut("p", [0], [ColumnHeader("x", "dense", "float32", (-1,))])
+            with pytest.raises(tq.InvalidRequestError, match="shape of column 'x'"):
+                await raw.request(bad, [b"\0" * 4], timeout=5)
+        finally:
+            raw.close()
+        assert (await client.get_data(meta))["x"].tolist() == [0, 1]
 
 
 async def test_client_rejects_bad_numbers_before_sending() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from ._columns import ColumnHeader
+from ._columns import ITEM_SIZES, KINDS, ColumnHeader
 from ._errors import InvalidRequestError, ProtocolError
 
 
@@ -580,6 +580,28 @@ def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
             check_int(f"sampling_config[{key!r}]", v)
 
 
+def check_headers(columns: Sequence[ColumnHeader]) -> None:
+    """Column headers name a known kind and dtype, and a shape of non-negative sizes."""
+    for h in columns:
+        if h.kind not in KINDS:
+            raise InvalidRequestError(
+                f"column {h.name!r} has kind {h.kind!r}; expected one of {list(KINDS)}"
+            )
+        if h.kind in ("dense", "jagged") and h.dtype not in ITEM_SIZES:
+            raise InvalidRequestError(f"column {h.name!r} has unknown dtype {h.dtype!r}")
+        check_ints(f"the shape of column {h.name!r}", h.shape, 0, MAX_PUT_ROWS)
+
+
+def _restore(b: RestoreBegin) -> None:
+    for d in b.state.partitions:
+        check_int(f"n_rows of partition {d.partition_id!r}", d.n_rows)
+        check_ints("origin", d.origin)
+        check_ints("row_version", d.row_version, -1)
+        for name, versions in d.field_versions.items():
+            check_ints(f"the versions of field {name!r}", versions, -1)
+        check_headers([f.header for f in d.fields])
+
+
 def _get_meta(b: GetMeta) -> None:
     check_int("batch_size", b.batch_size, 1)
     check_seconds("timeout", b.timeout)
@@ -590,6 +612,7 @@ def _get_meta(b: GetMeta) -> None:
 
 
 def _put_begin(b: PutBegin) -> None:
+    check_headers(b.columns)
     check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
     check_seconds("timeout", b.timeout)
 
@@ -599,6 +622,7 @@ def _put_commit(b: PutCommit) -> None:
 
 
 def _put_inline(b: PutInline) -> None:
+    check_headers(b.columns)
     check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
     check_ints("policy_version", b.versions)
     check_seconds("timeout", b.timeout)
@@ -621,6 +645,8 @@ _CHECKS: dict[type[Any], Callable[[Any], object]] = {
     ReleaseRollout: lambda b: check_int("n", b.n),
     TakeRecycled: lambda b: check_int("max_rows", b.max_rows, 1),
     Ack: lambda b: check_ints("lease_ids", b.lease_ids),
+    RestoreBegin: _restore,
+    StorePut: lambda b: check_headers(b.columns),
 }
 
 
