@@ -15,6 +15,7 @@ import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
@@ -314,6 +315,8 @@ def check_text(what: str, value: str) -> str:
 
 #: tag values msgpack carries as they are
 _TAG_PLAIN = frozenset({str, float, bool, bytes, type(None)})
+_tags_encoder = msgspec.msgpack.Encoder()
+_tags_decoder = msgspec.msgpack.Decoder(list[dict[str, Any] | None])
 
 
 def tags_for_wire(
@@ -326,6 +329,11 @@ def tags_for_wire(
         InvalidRequestError: a tag key is not a string (names the row and key).
         UnsupportedTypeError: a tag value cannot travel (names the row, key and type).
     """
+    try:  # the common case, in C: a deep copy that msgpack carries, with str keys
+        copied: list[dict[str, Any] | None] = _tags_decoder.decode(_tags_encoder.encode(tags))
+        return copied
+    except (TypeError, ValueError, OverflowError, msgspec.DecodeError):
+        pass  # name the culprit, convert numpy/torch scalars (below)
     out: list[dict[str, Any] | None] = []
     for row, t in enumerate(tags):
         if not t:
