@@ -67,6 +67,8 @@ BAD_REQUESTS: list[tuple[msgspec.Struct, str]] = [
     (_get_meta(inline_bytes=-1), "inline_bytes"),
     (_get_meta(sampling_config={"batch_index": "3"}), "batch_index"),
     (_get_meta(sampling_config={"dp_rank": -1}), "dp_rank"),
+    (_get_meta(sampling_config={"dp_size": 0}), "dp_size"),
+    (_get_meta(sampling_config={"dp_size": NAN}), "dp_size"),
     (PutBegin("p", [_HEADER], n_rows=-1), "n_rows"),
     (PutBegin("p", [_HEADER], n_rows=2**40), "n_rows"),
     (PutBegin("p", [_HEADER], n_rows=1, timeout=NAN), "timeout"),

@@ -572,13 +572,14 @@ def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = M
 
 
 def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
-    """``dp_rank`` and ``batch_index`` of a sampling config, when set, are ints >= 0."""
+    """``dp_rank`` and ``batch_index`` of a sampling config, when set, are ints >= 0, and
+    ``dp_size`` an int >= 1."""
     if not cfg:
         return
-    for key in ("dp_rank", "batch_index"):
+    for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1)):
         v = cfg.get(key)
         if v is not None:
-            check_int(f"sampling_config[{key!r}]", v)
+            check_int(f"sampling_config[{key!r}]", v, lo)
 
 
 def check_headers(columns: Sequence[ColumnHeader]) -> None:
