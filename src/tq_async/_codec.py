@@ -382,7 +382,7 @@ def _tag_value(v: Any, where: str, depth: int) -> Any:
             raise InvalidRequestError(f"{where} has key {bad!r}; nested tag keys must be strings")
         return {k: _tag_value(x, f"{where}[{k!r}]", depth + 1) for k, x in v.items()}
     raise UnsupportedTypeError(
-        f"{where} is a {type(v).__name__}, which a tag cannot carry; tags hold None, bool, "
+        f"{where} is of type {type(v).__name__}, which a tag cannot carry; tags hold None, bool, "
         "int, float, str, bytes and lists/dicts of those (convert it, e.g. int(x) or str(x))"
     )
 
