@@ -43,6 +43,7 @@ from ._errors import (
     ProtocolError,
     RowsNotFound,
     SchemaError,
+    TQError,
 )
 from ._meta import BatchMeta
 from ._protocol import (
@@ -337,7 +338,13 @@ class AsyncClient:
         try:
             return await conn.request(body, frames, timeout=self.request_timeout)
         except (BrokenError, ClosedError):
-            if self._controller is None or not await self._unit_moved(unit_id, conn):
+            if self._controller is None:
+                raise
+            try:
+                moved = await self._unit_moved(unit_id, conn)
+            except TQError:
+                moved = False  # the controller is not answering either: report the unit
+            if not moved:
                 raise
         log.info("retrying at the storage unit's new address", unit=unit_id)
         conn = await self._unit(unit_id)
