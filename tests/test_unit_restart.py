@@ -85,3 +85,23 @@ async def test_a_broken_unit_connection_asks_the_controller_again() -> None:
                 with serve_role(*args, line="TQ_UNIT=") as _:
                     m = await writer.put(_x(64, 2.0), "p")
                     assert (await reader.get_data(m))["x"][0, 0].item() == 2.0
+
+
+async def test_a_unit_registering_under_a_live_id_takes_over_and_the_old_rows_are_lost() -> None:
+    """The controller may not have noticed the old process die (a host that vanished is
+    noticed only by heartbeats): a new registration under its id still means its cells are
+    gone, so its rows are reported lost instead of being read from an empty unit."""
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        with serve_role(*args, line="TQ_UNIT=") as _:
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                old = await client.put(_x(64, 1.0), "p")
+                small = await client.put({"y": torch.arange(2)}, "s")
+                with serve_role(*args, line="TQ_UNIT=") as _:  # the old one still runs
+                    lost = await client.lost_rows()
+                    assert lost["rows"]["p"] == old.global_indexes
+                    assert lost["rows"]["s"] == small.global_indexes
+                    with pytest.raises(tq.RowsNotFound, match="lost with storage unit 0"):
+                        await client.put(_x(64, 2.0), meta=old)
+                    new = await client.put(_x(64, 3.0), "p")
+                    assert (await client.get_data(new))["x"][0, 0].item() == 3.0

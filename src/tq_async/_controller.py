@@ -646,6 +646,10 @@ class ControllerServer:
                     (i for i, a in st.units.items() if a == body.address),
                     max(st.units, default=-1) + 1,
                 )
+            if unit_id in st.units:
+                # a new process under a known id (a unit registers once per process): the old
+                # one's cells are gone, even if its death was not noticed yet
+                self._unit_lost(unit_id)
             old = self._units.pop(unit_id, None)
             if old is not None:
                 old.close()
