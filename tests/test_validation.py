@@ -16,9 +16,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tq_async as tq
 from _cluster_proc import serve_cluster
+from tq_async._codec import tags_for_wire
 from tq_async._columns import ColumnHeader
 from tq_async._protocol import (
     AcquireRollout,
@@ -315,3 +318,86 @@ async def test_numpy_and_torch_tag_scalars_become_python_numbers() -> None:
         assert got.tags[1]["w"] == [1]
         with pytest.raises(tq.UnsupportedTypeError, match=r"tags\[0\]\['t'\]"):
             await client.set_tags(got, [{"t": torch.zeros(3)}, {}])
+
+
+_seconds = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+#: what a sampling_config value may be (msgpack: anything)
+_anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.text(max_size=3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batch_size=st.integers(min_value=-(2**63), max_value=2**64 - 1),  # what msgpack carries
+    timeout=_seconds,
+    lease=_seconds,
+    rank=_anything,
+    index=_anything,
+)
+def test_validate_accepts_or_names_never_crashes(
+    batch_size: int, timeout: float | None, lease: float | None, rank: Any, index: Any
+) -> None:
+    body = _get_meta(
+        batch_size=batch_size,
+        timeout=timeout,
+        lease=lease,
+        sampling_config={"dp_rank": rank, "batch_index": index},
+    )
+    try:
+        validate(body)
+        error = ""
+    except tq.InvalidRequestError as exc:
+        error = str(exc)
+    if error:
+        assert any(n in error for n in ("batch_size", "timeout", "lease", "dp_rank", "index"))
+        return
+    # what passes is safe for timers, arrays and the encoder
+    assert 1 <= batch_size < 2**63
+    for t in (timeout, lease):
+        assert t is None or (math.isfinite(t) and t > 0)
+    for v in (rank, index):
+        assert v is None or (type(v) is int and 0 <= v < 2**63)
+
+
+_tag_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(),
+        st.text(),
+        st.binary(max_size=8),
+        st.builds(object),
+        st.integers(-5, 5).map(np.int64),
+        st.floats(-5, 5).map(torch.tensor),
+    ),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tags=st.lists(
+        st.one_of(
+            st.none(),
+            st.dictionaries(st.one_of(st.text(max_size=4), st.integers()), _tag_values, max_size=3),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_tags_travel_or_fail_with_a_tq_error(tags: list[Any]) -> None:
+    try:
+        out = tags_for_wire(tags)
+    except tq.TQError:
+        return
+    msgspec.msgpack.Encoder().encode(out)  # never raises once accepted
+    assert len(out) == len(tags)
