@@ -40,7 +40,33 @@ def serve_cluster(storage_units: int = 2) -> Iterator[str]:
             proc.stdout.close()
 
 
-def _read_address(proc: subprocess.Popen[bytes]) -> str:
+@contextmanager
+def serve_role(
+    *argv: str, line: str = "TQ_ADDRESS="
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``tq-async serve ARGV...`` (``controller``, ``storage ...``); yield the process and
+    what follows ``line`` in its output (``TQ_UNIT=`` for a unit); terminate it on exit."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        yield proc, _read_address(proc, line.encode())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _read_address(proc: subprocess.Popen[bytes], prefix: bytes = b"TQ_ADDRESS=") -> str:
     """The ``TQ_ADDRESS=`` line, waited for with a deadline (the child may fail to start)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
@@ -51,7 +77,7 @@ def _read_address(proc: subprocess.Popen[bytes]) -> str:
         while True:
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if line.startswith(b"TQ_ADDRESS="):
+                if line.startswith(prefix):
                     return line.decode().strip().split("=", 1)[1]
             left = deadline - time.monotonic()
             if left <= 0:

@@ -207,7 +207,8 @@ def test_a_lapsed_put_lease_reclaims_rows_and_frees_capacity() -> None:
     assert not core.state.has_room("p", 1)
     fx = core.advance(5.0)
     assert fx.room
-    assert fx.free == [("p", {placement.units[0]: placement.rows})]
+    incarnation = core.state.partition("p").incarnation
+    assert fx.free == [("p", incarnation, {placement.units[0]: placement.rows})]
     assert Wakeup("p") in fx.wakeups
     assert is_end(get(core, req(8), now=5.0))
     assert core.state.has_room("p", 8)
@@ -293,8 +294,9 @@ def test_clear_partition_drops_leases_and_holds() -> None:
     p = core.state.partition("p")
     assert p.leases
     assert p.held
+    incarnation = p.incarnation
     fx = core.clear_partition("p")
-    assert fx.free
+    assert fx.free == [("p", incarnation, {0: None, 1: None})]  # whole: every unit, all rows
     assert fx.room
     put(core, 4)  # the id is reused
     assert core.advance(10.0).wakeups == []  # the old lease is gone with its partition
@@ -426,8 +428,8 @@ def test_split_even_keeps_groups_together() -> None:
 
 def test_effects_fold() -> None:
     a = Effects(wakeups=[Wakeup("p")], room=True)
-    a.add(Effects(free=[("p", {0: [1]})], admission=True))
-    assert a == Effects([Wakeup("p")], [("p", {0: [1]})], True, True)
+    a.add(Effects(free=[("p", "i1", {0: [1]})], admission=True, stale=[("kept", 2)]))
+    assert a == Effects([Wakeup("p")], [("p", "i1", {0: [1]})], True, True, [("kept", 2)])
 
 
 def test_a_late_ack_of_a_recorded_batch_still_settles_it() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -195,3 +197,61 @@ def test_property_no_row_consumed_beyond_the_bound(
                     assert 0 <= outstanding <= capacity
 
     anyio.run(run)
+
+
+async def test_keep_counts_rows_delivered_once_in_status_and_metrics() -> None:
+    """Issue 14 defect 12: ``kept`` counted stale rows seen in the ready set (12 for 8)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    sampler = tq.StalenessSampler(max_staleness=1, on_stale="keep")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler, metrics_registry=registry) as cl,
+        tq.AsyncClient.connect(cl.address) as client,
+    ):
+        await client.put({"x": torch.arange(12)}, "p", policy_version=0)
+        await client.set_policy_version(5)
+        await client.get_meta(["x"], 4, "p", "peeker", mode="peek")  # sees, delivers nothing new
+        got = await client.get_meta(["x"], 8, "p", "t")
+        assert len(got) == 8
+        # too few rows for a second batch: the sampler looks (and sees 4 stale rows) again
+        with pytest.raises(tq.TQTimeoutError):
+            await client.get_meta(["x"], 8, "p", "t", timeout=0.2)
+        status = await client.staleness_status()
+        assert status["kept"] == 8
+        await client.seal("p")
+        tail = await client.get_meta(["x"], 8, "p", "t")
+        assert len(tail) == 4
+        assert (await client.staleness_status())["kept"] == 12
+    kept = registry.get_sample_value("tq_stale_rows_total", {"policy": "kept"})
+    assert kept == 12
+
+
+async def test_drop_counts_each_row_once_in_status_and_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+
+    class Repeats(tq.StalenessSampler):
+        """Reports every stale row twice (a sampler may): each is still one event."""
+
+        def sample(self, ready: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+            sink = kwargs.get("stale")
+            out = super().sample(ready, batch_size, *args, **kwargs)
+            if sink is not None:
+                sink.drop(list(sink.dropped))
+            return out
+
+    async with (
+        tq.local_cluster(
+            num_storage_units=1, sampler=Repeats(max_staleness=0), metrics_registry=registry
+        ) as cl,
+        tq.AsyncClient.connect(cl.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, "p", policy_version=0)
+        await client.put({"x": torch.arange(2)}, "p", policy_version=1)
+        await client.set_policy_version(1)
+        got = await client.get_meta(["x"], 2, "p", "t")
+        assert len(got) == 2
+        assert (await client.staleness_status())["dropped"] == 3
+    assert registry.get_sample_value("tq_stale_rows_total", {"policy": "dropped"}) == 3

@@ -9,6 +9,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
-from ._codec import columns_from_batch, columns_to_tensordict
+from ._codec import check_text, columns_from_batch, columns_to_tensordict, tags_for_wire
 from ._columns import (
     Column,
     ColumnHeader,
@@ -37,11 +38,13 @@ from ._columns import (
     take_rows,
 )
 from ._errors import (
+    BrokenError,
     ClosedError,
     InvalidRequestError,
     ProtocolError,
     RowsNotFound,
     SchemaError,
+    TQError,
 )
 from ._meta import BatchMeta
 from ._protocol import (
@@ -83,6 +86,10 @@ from ._protocol import (
     StoreGet,
     StorePut,
     TakeRecycled,
+    check_int,
+    check_ints,
+    check_sampling_config,
+    check_seconds,
 )
 from ._security import CurveClient
 from ._transport import DealerConnection
@@ -115,13 +122,13 @@ def _check_fields(data_fields: Any) -> list[str]:
         raise InvalidRequestError(
             f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
+    for f in data_fields:
+        check_text("field name", f)
     return list(data_fields)
 
 
 def _check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise InvalidRequestError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return batch_size
+    return check_int("batch_size", batch_size, 1)
 
 
 _TAILS = ("uneven", "drop", "error")
@@ -217,10 +224,10 @@ class AsyncClient:
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
     ) -> None:
-        if inline_put_bytes < 0:
-            raise InvalidRequestError(f"inline_put_bytes must be >= 0, got {inline_put_bytes}")
-        if inline_get_bytes < 0:
-            raise InvalidRequestError(f"inline_get_bytes must be >= 0, got {inline_get_bytes}")
+        check_int("inline_put_bytes", inline_put_bytes)
+        check_int("inline_get_bytes", inline_get_bytes)
+        check_seconds("request_timeout", request_timeout, optional=False)
+        check_seconds("retry_after", retry_after)
         self.inline_get_bytes = inline_get_bytes
         self.address = address
         self.inline_put_bytes = inline_put_bytes
@@ -233,6 +240,11 @@ class AsyncClient:
         self._unit_addresses: dict[int, str] = {}
         self._units: dict[int, DealerConnection] = {}
         self._capacity: int | None = None
+        #: the units epoch of the last Hello, and the newest a reply carried: when they
+        #: differ a unit moved (restarted on a new address) and the units are asked again
+        self._units_epoch = 0
+        self._epoch_seen = 0
+        self._refreshing: anyio.Event | None = None
 
     @classmethod
     def connect(
@@ -301,11 +313,34 @@ class AsyncClient:
         return self._controller is None
 
     async def _refresh_units(self) -> None:
-        hello = await self._call(Hello(), HelloReply)
-        self._unit_addresses = {u.unit_id: u.address for u in hello.units}
+        """Ask the controller for the units; drop connections to addresses that changed."""
+        if self._refreshing is not None:  # one Hello at a time serves every caller
+            await self._refreshing.wait()
+            return
+        self._refreshing = done = anyio.Event()
+        try:
+            hello = await self._call(Hello(), HelloReply)
+        finally:
+            self._refreshing = None
+            done.set()
+        addresses = {u.unit_id: u.address for u in hello.units}
+        for unit_id, conn in list(self._units.items()):
+            if addresses.get(unit_id) != conn.address:
+                log.info(
+                    "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
+                )
+                del self._units[unit_id]
+                conn.close()
+        self._unit_addresses = addresses
+        self._units_epoch = self._epoch_seen = hello.units_epoch
         self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
+
+    def _note_epoch(self, epoch: int) -> None:
+        """A reply's units epoch: a new one makes the next unit call ask for the units."""
+        if epoch:
+            self._epoch_seen = epoch
 
     def _ctl(self) -> DealerConnection:
         if self._controller is None:
@@ -315,6 +350,8 @@ class AsyncClient:
         return self._controller
 
     async def _unit(self, unit_id: int) -> DealerConnection:
+        if self._epoch_seen != self._units_epoch:
+            await self._refresh_units()
         conn = self._units.get(unit_id)
         if conn is None:
             if unit_id not in self._unit_addresses:
@@ -326,9 +363,36 @@ class AsyncClient:
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
             conn = self._units[unit_id] = DealerConnection(
-                address, curve=self.curve, retry_after=self.retry_after
+                address, curve=self.curve, retry_after=self.retry_after, refused_is_broken=True
             )
         return conn
+
+    async def _unit_request(
+        self, unit_id: int, body: msgspec.Struct, frames: Sequence[Any] = ()
+    ) -> tuple[msgspec.Raw, list[Any]]:
+        """An idempotent request to a storage unit; if its connection broke and the unit is
+        back on a new address (restarted under its id), the request is sent there once."""
+        conn = await self._unit(unit_id)
+        try:
+            return await conn.request(body, frames, timeout=self.request_timeout)
+        except (BrokenError, ClosedError):
+            if self._controller is None:
+                raise
+            try:
+                moved = await self._unit_moved(unit_id, conn)
+            except TQError:
+                moved = False  # the controller is not answering either: report the unit
+            if not moved:
+                raise
+        log.info("retrying at the storage unit's new address", unit=unit_id)
+        conn = await self._unit(unit_id)
+        return await conn.request(body, frames, timeout=self.request_timeout)
+
+    async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
+        """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
+        if self._units.get(unit_id) is conn:  # nobody asked since this connection broke
+            await self._refresh_units()
+        return self._unit_addresses.get(unit_id) not in (None, conn.address)
 
     async def _call(
         self,
@@ -432,6 +496,7 @@ class AsyncClient:
             partition_id = meta.partition_id
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
+        check_text("partition_id", partition_id)
         n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
@@ -441,17 +506,9 @@ class AsyncClient:
         if tags is not None:
             if len(tags) != n:
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
-            tag_list = [dict(t) if t else None for t in tags]
-        versions: list[int] | None = None
-        if policy_version is not None:
-            if isinstance(policy_version, int):
-                versions = [policy_version] * n
-            else:
-                versions = [int(v) for v in policy_version]
-            if len(versions) != n or any(v < 0 for v in versions):
-                raise InvalidRequestError(
-                    f"policy_version must be one int >= 0 or {n} of them, got {policy_version!r}"
-                )
+            tag_list = tags_for_wire(tags)
+        versions = _check_versions(policy_version, n)
+        check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._capacity is not None and not nowait:
@@ -476,6 +533,7 @@ class AsyncClient:
                 units=placement.units,
                 tags=out_tags,
                 policy_versions=written_versions,
+                incarnation=placement.incarnation,
             )
         merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
         if tag_list:
@@ -488,6 +546,7 @@ class AsyncClient:
             units=placement.units,
             tags=merged_tags if (meta.tags or tag_list) else [],
             policy_versions=meta.policy_versions | written_versions,
+            incarnation=placement.incarnation or meta.incarnation,
         )
 
     async def _put_inline(
@@ -504,6 +563,7 @@ class AsyncClient:
             versions=put.versions,
             nowait=nowait,
             timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
         )
         frames: list[Any] = []
         for h, c in zip(put.headers, put.columns, strict=True):
@@ -514,7 +574,8 @@ class AsyncClient:
             # a failed three-step put does
             if reply.ok and meta is None and self._controller is not None:
                 late: Placement = _decode(reply.payload, Placement)
-                self._controller.send_oneway(ClearSamples(put.partition_id, late.rows))
+                undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
+                self._controller.send_oneway(undo)
 
         payload, _ = await self._ctl().request(
             body,
@@ -523,6 +584,7 @@ class AsyncClient:
             on_abandon=on_abandon,
         )
         placement: Placement = _decode(payload, Placement)
+        self._note_epoch(placement.units_epoch)
         return placement
 
     async def _put_in_three(
@@ -538,21 +600,30 @@ class AsyncClient:
             keys=None if keys is None else list(keys),
             nowait=nowait,
             timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
         )
         placement: Placement = await self._call(begin, Placement, timeout=deadline)
+        self._note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
         try:
             await self._store(partition_id, placement, headers, put.columns)
             commit = PutCommit(
-                partition_id, placement.rows, fields, put.tags, put.versions, placement.put_id
+                partition_id,
+                placement.rows,
+                fields,
+                put.tags,
+                put.versions,
+                put_id=placement.put_id,
+                incarnation=placement.incarnation,
             )
             await self._call(commit, None)
         except BaseException:
             if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
                     try:
-                        await self._call(ClearSamples(partition_id, placement.rows), None)
+                        undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
+                        await self._call(undo, None)
                     except RowsNotFound:
                         pass  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
@@ -593,10 +664,8 @@ class AsyncClient:
             frames: list[Any] = []
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
-            conn = await self._unit(unit)
-            await conn.request(
-                StorePut(partition_id, rows, headers), frames, timeout=self.request_timeout
-            )
+            store = StorePut(partition_id, rows, headers, placement.incarnation)
+            await self._unit_request(unit, store, frames)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
@@ -705,13 +774,14 @@ class AsyncClient:
             raise InvalidRequestError(
                 f"partition_id must be a non-empty string, got {partition_id!r}"
             )
+        check_text("task_name", task_name)
+        check_text("partition_id", partition_id)
         if mode not in ("fetch", "peek"):
             raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-        if timeout is not None and timeout <= 0:
-            raise InvalidRequestError(f"timeout must be positive or None, got {timeout}")
-        if lease is not None and lease <= 0:
-            raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
+        check_seconds("timeout", timeout)
+        check_seconds("lease", lease)
         cfg = dict(sampling_config) if sampling_config else None
+        check_sampling_config(cfg)
         _check_dp_config(cfg)
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
@@ -740,6 +810,7 @@ class AsyncClient:
             req, timeout=client_deadline, on_abandon=on_abandon
         )
         got: MetaReply = _decode(payload, MetaReply)
+        self._note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
@@ -751,6 +822,7 @@ class AsyncClient:
             end_of_stream=got.end_of_stream,
             policy_versions=got.versions,
             lease_id=got.lease_id,
+            incarnation=got.incarnation,
         )
         return meta, got, frames
 
@@ -789,10 +861,8 @@ class AsyncClient:
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            conn = await self._unit(unit)
-            payload, frames = await conn.request(
-                StoreGet(meta.partition_id, rows, names), timeout=self.request_timeout
-            )
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation)
+            payload, frames = await self._unit_request(unit, get)
             stored: StoredColumns = _decode(payload, StoredColumns)
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
@@ -873,7 +943,8 @@ class AsyncClient:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        await self._call(Release(meta.partition_id, meta.task_name, meta.global_indexes), None)
+        body = Release(meta.partition_id, meta.task_name, meta.global_indexes, meta.incarnation)
+        await self._call(body, None)
 
     # ---- controller calls --------------------------------------------------------------------
 
@@ -914,7 +985,8 @@ class AsyncClient:
 
     async def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
-        await self._call(ClearSamples(meta.partition_id, list(meta.global_indexes)), None)
+        body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
+        await self._call(body, None)
 
     async def clear_partition(self, partition_id: str) -> None:
         """Remove the partition with all its rows, state and sampler caches; free storage."""
@@ -962,7 +1034,8 @@ class AsyncClient:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
-        body = SetTags(meta.partition_id, list(meta.global_indexes), [dict(t) for t in tags])
+        wire_tags = [t or {} for t in tags_for_wire(tags)]
+        body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
         await self._call(body, None)
 
     # ---- staleness control -------------------------------------------------------------------
@@ -973,7 +1046,7 @@ class AsyncClient:
         Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
         for staleness.
         """
-        await self._call(SetPolicyVersion(int(version)), None)
+        await self._call(SetPolicyVersion(check_int("version", _as_int(version))), None)
 
     async def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
@@ -991,14 +1064,17 @@ class AsyncClient:
 
         Cancellation: the waiting request is dropped; nothing is reserved.
         """
-        deadline = None if timeout is None else timeout + self.request_timeout
-        await self._ctl().request(
-            AcquireRollout(int(policy_version), int(n), timeout), timeout=deadline
+        body = AcquireRollout(
+            check_int("policy_version", _as_int(policy_version)),
+            check_int("n", _as_int(n), 1),
+            check_seconds("timeout", timeout),
         )
+        deadline = None if timeout is None else timeout + self.request_timeout
+        await self._ctl().request(body, timeout=deadline)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
-        await self._call(ReleaseRollout(int(n)), None)
+        await self._call(ReleaseRollout(check_int("n", _as_int(n))), None)
 
     async def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
@@ -1006,7 +1082,8 @@ class AsyncClient:
         Each recycled row is handed out exactly once; read its prompt fields with
         :meth:`get_data` and put the regenerated sample as a new row.
         """
-        got = await self._call(TakeRecycled(int(max_rows)), list[RecycledRows])
+        body = TakeRecycled(check_int("max_rows", _as_int(max_rows), 1))
+        got = await self._call(body, list[RecycledRows])
         return [
             BatchMeta(
                 partition_id=r.partition_id,
@@ -1015,6 +1092,7 @@ class AsyncClient:
                 units=r.meta.units,
                 tags=r.meta.tags,
                 policy_versions=r.meta.versions,
+                incarnation=r.meta.incarnation,
             )
             for r in got
         ]
@@ -1061,13 +1139,14 @@ class AsyncClient:
         if fields is None:
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
-            body = KVTag(partition_id, _check_keys([key]), [dict(tag)])
+            body = KVTag(partition_id, _check_keys([key]), [tags_for_wire([tag])[0] or {}])
             placement: Placement = await self._call(body, Placement)
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
                 field_names=[],
                 units=placement.units,
+                incarnation=placement.incarnation,
             )
         return await self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
 
@@ -1086,12 +1165,14 @@ class AsyncClient:
         fields = None if select_fields is None else _check_fields(select_fields)
         body = KVLookup(partition_id, _check_keys(keys), fields)
         got: MetaReply = await self._call(body, MetaReply)
+        self._note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
             field_names=got.fields,
             units=got.units,
             tags=got.tags,
+            incarnation=got.incarnation,
         )
         return await self.get_data(meta)
 
@@ -1140,6 +1221,35 @@ class AsyncClient:
         return await load_checkpoint(self, os.fspath(path))
 
 
+def _as_int(value: Any) -> Any:
+    """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
+    (the range check that follows names it)."""
+    if isinstance(value, (bool, int)):
+        return value
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        return value
+    return as_int
+
+
+def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
+    """One policy version per row (an int >= 0 each), or None."""
+    if policy_version is None:
+        return None
+    one = _as_int(policy_version)
+    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
+        versions = [one] * n
+    else:
+        versions = [_as_int(v) for v in one]
+    if len(versions) != n:
+        raise InvalidRequestError(
+            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
+        )
+    check_ints("policy_version", versions)
+    return versions
+
+
 def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
     if metas is None:
         return None
@@ -1152,6 +1262,8 @@ def _check_keys(keys: Any) -> list[str]:
         raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
     if not keys or not all(isinstance(k, str) for k in keys):
         raise InvalidRequestError("keys must be a non-empty list of strings")
+    for k in keys:
+        check_text("key", k)
     return list(keys)
 
 

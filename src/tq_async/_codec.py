@@ -15,6 +15,7 @@ import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
@@ -31,12 +32,14 @@ from ._columns import (
     JaggedColumn,
     ListColumn,
 )
-from ._errors import ProtocolError, SchemaError, UnsupportedTypeError
+from ._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 
 __all__ = [
+    "check_text",
     "columns_from_batch",
     "columns_to_tensordict",
     "column_value",
+    "tags_for_wire",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEM_SIZES}
@@ -121,7 +124,7 @@ def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Co
     if t.requires_grad:
         t = t.detach()
     if not t.is_cpu:
-        t = t.cpu()
+        t = _to_cpu(name, t)
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -132,10 +135,19 @@ def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Co
     return header, DenseColumn(_as_bytes(t, n))
 
 
+def _to_cpu(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta":
+        raise UnsupportedTypeError(
+            f"field {name!r} is a tensor on the meta device, which has a shape but no data; "
+            "materialise it first (e.g. torch.zeros_like(t, device='cpu'))"
+        )
+    return t.cpu()
+
+
 def _nested_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Column]:
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = _to_cpu(name, t)
     if t.layout != torch.jagged:
         # strided nested tensor: rebuild as jagged (one copy; rare path)
         return _list_of_tensors_column(name, list(t.unbind()), n)
@@ -182,7 +194,7 @@ def _list_of_tensors_column(
     lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    values = torch.cat([t.detach().cpu() for t in tensors]).contiguous()
+    values = torch.cat([_to_cpu(name, t.detach()) for t in tensors]).contiguous()
     return _jagged(name, values, offsets)
 
 
@@ -259,18 +271,120 @@ def columns_from_batch(
             f"put() takes a TensorDict or a dict of columns, not {type(data).__name__}"
         )
     if n <= 0:
+        if isinstance(data, Mapping):
+            for name, value in data.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    raise SchemaError(
+                        f"field {name!r} is a 0-dim tensor (one scalar), so the batch has no "
+                        "rows; a column needs one row per sample: put "
+                        f"{{{name!r}: t.reshape(1)}} for one row"
+                    )
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
     columns: list[Column] = []
     for name, value in items:
-        if not isinstance(name, str):
-            raise SchemaError(f"field names must be strings, got {name!r}")
+        if not isinstance(name, str) or not name:
+            raise SchemaError(
+                f"field names must be non-empty strings, got {name!r}; name the column"
+            )
+        check_text("field name", name)
         header, column = _column_from_value(name, value, n, allow_pickle)
         headers.append(header)
         columns.append(column)
     if not headers:
         raise SchemaError("the batch has no fields; put at least one column")
     return n, headers, columns
+
+
+def check_text(what: str, value: str) -> str:
+    """``value`` if it can travel as UTF-8 (msgpack strings are UTF-8).
+
+    Raises:
+        InvalidRequestError: naming ``what``, e.g. for a lone surrogate (``'\\ud800'``, what
+            ``os.fsdecode`` makes of undecodable bytes).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position "
+            f"{exc.start}); ids travel as UTF-8: remove or replace that character"
+        ) from None
+    return value
+
+
+#: tag values msgpack carries as they are
+_TAG_PLAIN = frozenset({str, float, bool, bytes, type(None)})
+_tags_encoder = msgspec.msgpack.Encoder()
+_tags_decoder = msgspec.msgpack.Decoder(list[dict[str, Any] | None])
+
+
+def tags_for_wire(
+    tags: Sequence[Mapping[str, Any] | None], what: str = "tags"
+) -> list[dict[str, Any] | None]:
+    """Copies of per-row tag dicts ready to send: numpy and torch scalars become Python
+    numbers, and anything msgpack cannot carry is refused before anything is sent.
+
+    Raises:
+        InvalidRequestError: a tag key is not a string (names the row and key).
+        UnsupportedTypeError: a tag value cannot travel (names the row, key and type).
+    """
+    try:  # the common case, in C: a deep copy that msgpack carries, with str keys
+        copied: list[dict[str, Any] | None] = _tags_decoder.decode(_tags_encoder.encode(tags))
+        return copied
+    except (TypeError, ValueError, OverflowError, msgspec.DecodeError):
+        pass  # name the culprit, convert numpy/torch scalars (below)
+    out: list[dict[str, Any] | None] = []
+    for row, t in enumerate(tags):
+        if not t:
+            out.append(None)
+            continue
+        if not isinstance(t, Mapping):
+            raise InvalidRequestError(
+                f"{what}[{row}] is a {type(t).__name__}; tags are one dict per row (or None)"
+            )
+        copy = dict(t)
+        for k, v in copy.items():
+            if type(k) is not str:
+                raise InvalidRequestError(
+                    f"{what}[{row}] has key {k!r} of type {type(k).__name__}; tag keys must be "
+                    f"strings: use {str(k)!r}"
+                )
+            tv = type(v)
+            if tv is int:
+                if not -(2**63) <= v < 2**64:
+                    raise UnsupportedTypeError(
+                        f"{what}[{row}][{k!r}] = {v} does not fit 64 bits; store it as a str"
+                    )
+            elif tv not in _TAG_PLAIN:
+                copy[k] = _tag_value(v, f"{what}[{row}][{k!r}]", 0)
+        out.append(copy)
+    return out
+
+
+def _tag_value(v: Any, where: str, depth: int) -> Any:
+    """A tag value msgpack carries: scalars converted, containers converted recursively."""
+    if isinstance(v, (np.generic, torch.Tensor)) and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    if v is None or isinstance(v, (float, bool, bytes)):
+        return v
+    if isinstance(v, str):
+        return check_text(where, str(v))
+    if isinstance(v, int):
+        if not -(2**63) <= v < 2**64:
+            raise UnsupportedTypeError(f"{where} = {v} does not fit 64 bits; store it as a str")
+        return int(v)
+    if depth < 32 and isinstance(v, (list, tuple)):
+        return [_tag_value(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if depth < 32 and isinstance(v, Mapping):
+        bad = next((k for k in v if not isinstance(k, str)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{where} has key {bad!r}; nested tag keys must be strings")
+        return {k: _tag_value(x, f"{where}[{k!r}]", depth + 1) for k, x in v.items()}
+    raise UnsupportedTypeError(
+        f"{where} is of type {type(v).__name__}, which a tag cannot carry; tags hold None, bool, "
+        "int, float, str, bytes and lists/dicts of those (convert it, e.g. int(x) or str(x))"
+    )
 
 
 def _tensor(data: np.ndarray[Any, Any], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -99,6 +99,7 @@ from ._protocol import (
     error_reply,
     ok_reply,
     salvage_rid,
+    validate,
 )
 from ._security import CurveServer
 from ._state import ControllerState, Partition, Wakeup
@@ -251,8 +252,10 @@ class ControllerServer:
     def _apply(self, fx: Effects) -> None:
         """Do what a transition of the core left to do."""
         self._notify(fx.wakeups)
-        for partition_id, by_unit in fx.free:
-            self._spawn(self._clear_units, None, 0, partition_id, by_unit)
+        for partition_id, incarnation, by_unit in fx.free:
+            self._spawn(self._clear_units, None, 0, partition_id, by_unit, incarnation)
+        for policy, n in fx.stale:
+            self.metrics.stale(policy, n)
         if fx.room:
             _wake_all(self._room_waiters)
         if fx.admission:
@@ -278,6 +281,8 @@ class ControllerServer:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _send_ok(self, peer: bytes, rid: int, payload: Any) -> None:
+        if isinstance(payload, (MetaReply, Placement)):
+            payload.units_epoch = self.state.units_epoch  # the rows' units may have moved
         self._reply(peer, rid, ok_reply(rid, payload))
 
     def _send_error(self, peer: bytes, rid: int, exc: BaseException, op: str) -> None:
@@ -309,6 +314,7 @@ class ControllerServer:
     def _send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
         """Answer a get_meta; a ``get`` whose cells are small and local gets them too."""
         inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
+        reply.units_epoch = self.state.units_epoch
         if inline is None:
             self._send_ok(peer, rid, reply)
             return
@@ -408,6 +414,7 @@ class ControllerServer:
         t0 = time.perf_counter() if metrics else 0.0
         ok = True
         try:
+            validate(body)
             if isinstance(body, PutInline):
                 deferred = self._put_inline(peer, req.rid, body, frames[1:], t0)
             else:
@@ -424,6 +431,7 @@ class ControllerServer:
         if isinstance(body, GetMeta):
             return self._get_meta(peer, rid, body, t0)
         if isinstance(body, PutBegin):
+            _check_incarnation(st, body.partition_id, body.incarnation)
             n_new = st.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
             if not self._room_for(body.partition_id, n_new, body.nowait):
                 self._spawn(self._put_begin_waiting, peer, rid, body, n_new, t0)
@@ -431,7 +439,13 @@ class ControllerServer:
             self._put_begin(peer, rid, body)
         elif isinstance(body, PutCommit):
             fx = core.put_commit(
-                body.partition_id, body.rows, body.fields, body.tags, body.versions, body.put_id
+                body.partition_id,
+                body.rows,
+                body.fields,
+                body.tags,
+                body.versions,
+                body.put_id,
+                body.incarnation,
             )
             self._send_ok(peer, rid, None)
             self._apply(fx)
@@ -448,12 +462,13 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
             self._apply(fx)
         elif isinstance(body, Release):
-            fx = core.release(body.partition_id, body.task_name, body.rows)
+            fx = core.release(body.partition_id, body.task_name, body.rows, body.incarnation)
             self._send_ok(peer, rid, None)
             self._apply(fx)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
-            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle, st.capacity))
+            hello = HelloReply(infos, self.allow_pickle, st.capacity, st.units_epoch)
+            self._send_ok(peer, rid, hello)
         elif isinstance(body, Seal):
             wakeups = st.seal(body.partition_id)
             self._send_ok(peer, rid, None)
@@ -463,7 +478,8 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
             self._apply(fx)
         elif isinstance(body, ClearSamples):
-            self._clear_then_reply(peer, rid, core.clear_rows(body.partition_id, body.rows))
+            fx = core.clear_rows(body.partition_id, body.rows, body.incarnation)
+            self._clear_then_reply(peer, rid, fx)
         elif isinstance(body, ClearPartition):
             self._clear_then_reply(peer, rid, core.clear_partition(body.partition_id))
         elif isinstance(body, CheckProduction):
@@ -492,7 +508,9 @@ class ControllerServer:
         elif isinstance(body, PartitionInfo):
             self._send_ok(peer, rid, st.partition(body.partition_id).info())
         elif isinstance(body, SetTags):
-            st.partition(body.partition_id).set_tags(body.rows, body.tags)
+            p = st.partition(body.partition_id)
+            p.check_incarnation(body.incarnation)
+            p.set_tags(body.rows, body.tags)
             self._send_ok(peer, rid, None)
         elif isinstance(body, KVLookup):
             p = st.partition(body.partition_id)
@@ -613,10 +631,10 @@ class ControllerServer:
 
     def _clear_then_reply(self, peer: bytes, rid: int, fx: Effects) -> None:
         """Apply a clear; answer once the storage units freed the rows."""
-        (partition_id, by_unit), *rest = fx.free
+        (partition_id, incarnation, by_unit), *rest = fx.free
         fx.free = rest
         self._apply(fx)
-        self._spawn(self._clear_units, peer, rid, partition_id, by_unit)
+        self._spawn(self._clear_units, peer, rid, partition_id, by_unit, incarnation)
 
     def _register_unit(self, peer: bytes, rid: int, body: RegisterUnit) -> None:
         st = self.state
@@ -749,6 +767,7 @@ class ControllerServer:
         With room and a unit in this process, everything happens here: place, store, commit,
         reply. Otherwise a task waits for room and/or forwards the columns to the unit.
         """
+        _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, None)
         placed = None
         if self._room_for(body.partition_id, n_new, body.nowait):
@@ -756,7 +775,13 @@ class ControllerServer:
             unit = self.local_units.get(placed.units[0])
             if unit is not None:
                 try:
-                    unit.store_local(body.partition_id, placed.rows, body.columns, frames)
+                    unit.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        frames,
+                        placed.partition.incarnation,
+                    )
                     self._inline_commit(peer, rid, body, placed)
                 except BaseException:
                     self._inline_undo(body, placed)
@@ -779,9 +804,12 @@ class ControllerServer:
 
     def _inline_commit(self, peer: bytes, rid: int, body: PutInline, placed: _Placed) -> None:
         fields = [h.name for h in body.columns]
-        fx = self.core.put_commit(body.partition_id, placed.rows, fields, body.tags, body.versions)
+        incarnation = placed.partition.incarnation  # not cleared while storing
+        fx = self.core.put_commit(
+            body.partition_id, placed.rows, fields, body.tags, body.versions, 0, incarnation
+        )
         fx.add(placed.effects)
-        self._send_ok(peer, rid, Placement(placed.rows, placed.units))
+        self._send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
         self._apply(fx)
 
     def _inline_undo(self, body: PutInline, placed: _Placed) -> None:
@@ -815,9 +843,17 @@ class ControllerServer:
             local = self.local_units.get(unit_id)
             try:
                 if local is not None:
-                    local.store_local(body.partition_id, placed.rows, body.columns, frames)
+                    local.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        frames,
+                        placed.partition.incarnation,
+                    )
                 else:
-                    store = StorePut(body.partition_id, placed.rows, body.columns)
+                    store = StorePut(
+                        body.partition_id, placed.rows, body.columns, placed.partition.incarnation
+                    )
                     await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
                 self._inline_commit(peer, rid, body, placed)
             except BaseException:
@@ -986,14 +1022,18 @@ class ControllerServer:
         rid: int,
         partition_id: str,
         by_unit: Mapping[int, list[int] | None],
+        incarnation: str | None = None,
     ) -> None:
-        """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors."""
+        """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors.
+
+        With ``incarnation``, units free only that incarnation's cells.
+        """
         errors: list[str] = []
 
         async def clear_one(unit_id: int, rows: list[int] | None) -> None:
             try:
                 await self._unit(unit_id).request(
-                    StoreClear(partition_id, rows), timeout=self.unit_timeout
+                    StoreClear(partition_id, rows, incarnation), timeout=self.unit_timeout
                 )
             except TQError as exc:
                 errors.append(f"unit {unit_id}: {exc}")
@@ -1045,6 +1085,18 @@ class _Placed:
     rows: list[int]
     units: list[int]
     effects: Effects
+
+
+def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str | None) -> None:
+    """A write through a BatchMeta of an earlier incarnation of ``partition_id`` fails."""
+    if incarnation is not None:
+        p = st.partitions.get(partition_id)
+        if p is None:
+            raise RowsNotFound(
+                f"partition {partition_id!r} was cleared since this BatchMeta was made: its "
+                "rows are gone"
+            )
+        p.check_incarnation(incarnation)
 
 
 def _alive_rows(p: Partition) -> list[int]:

@@ -41,7 +41,7 @@ from typing import Any
 import structlog
 
 from ._errors import InvalidRequestError, RowsNotFound, TQError
-from ._protocol import GetMeta, MetaReply, Placement
+from ._protocol import GetMeta, MetaReply, Placement, check_int
 from ._state import (
     ControllerState,
     DeliveryKey,
@@ -82,9 +82,11 @@ class AdmissionConfig:
     learner_task: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise InvalidRequestError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.capacity is not None and (self.capacity < 1 or self.learner_task is None):
+        if self.max_staleness is not None:
+            check_int("max_staleness", self.max_staleness)
+        if self.capacity is not None:
+            check_int("capacity", self.capacity, 1)
+        if self.capacity is not None and self.learner_task is None:
             raise InvalidRequestError(
                 "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
             )
@@ -131,12 +133,15 @@ class Effects:
 
     #: waiters to wake
     wakeups: list[Wakeup] = field(default_factory=list)
-    #: rows to free on storage units: ``(partition_id, {unit: rows, or None for all})``
-    free: list[tuple[str, dict[int, list[int] | None]]] = field(default_factory=list)
+    #: rows to free on storage units: ``(partition_id, incarnation, {unit: rows or None})``
+    #: (None: every row of that incarnation)
+    free: list[tuple[str, str, dict[int, list[int] | None]]] = field(default_factory=list)
     #: live rows were freed: puts waiting for capacity may fit now
     room: bool = False
     #: admission slots were freed (or the learner moved): waiting rollouts may start
     admission: bool = False
+    #: stale rows handled, ``(policy, n)``: for the metrics (the state counts them too)
+    stale: list[tuple[str, int]] = field(default_factory=list)
 
     def add(self, other: Effects) -> None:
         """Fold ``other`` into this one."""
@@ -144,6 +149,7 @@ class Effects:
         self.free.extend(other.free)
         self.room |= other.room
         self.admission |= other.admission
+        self.stale.extend(other.stale)
 
 
 @dataclass(slots=True, eq=False)
@@ -392,6 +398,8 @@ class ControllerCore:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
             self._check_sampled(req, p, delivered)
+            if call.stale.kept_rows and req.mode == "fetch":
+                self._count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
@@ -621,10 +629,13 @@ class ControllerCore:
             )
         fx.wakeups.append(Wakeup(p.partition_id, lease.task))
 
-    def release(self, partition_id: str, task: str, rows: Sequence[int]) -> Effects:
+    def release(
+        self, partition_id: str, task: str, rows: Sequence[int], incarnation: str | None = None
+    ) -> Effects:
         """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded)."""
         fx = Effects()
         p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
         recorded = {r for batch in p.deliveries.values() for r in batch} if p.deliveries else ()
         back = [r for r in rows if r not in recorded]
         if back and p.release(task, back):
@@ -650,6 +661,7 @@ class ControllerCore:
         first_new = before.n_rows if before is not None else 0
         got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
         placement = Placement(got, units)
+        placement.incarnation = self.state.partitions[partition_id].incarnation
         if lease and rows is None:
             new = [r for r in got if r >= first_new]
             if new:
@@ -679,9 +691,14 @@ class ControllerCore:
         tags: Sequence[Any] | None,
         versions: Sequence[int] | None,
         put_id: int = 0,
+        incarnation: str | None = None,
     ) -> Effects:
-        """Make a put visible: cells produced, tags and versions applied, put lease done."""
+        """Make a put visible: cells produced, tags and versions applied, put lease done.
+
+        ``incarnation`` (from a BatchMeta or the placement) must be the partition's own.
+        """
         p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
         if put_id:
             if self._put_home.get(put_id) is not p:
                 raise RowsNotFound(
@@ -716,14 +733,18 @@ class ControllerCore:
 
     # ---- clearing ----------------------------------------------------------------------------
 
-    def clear_rows(self, partition_id: str, rows: Sequence[int]) -> Effects:
+    def clear_rows(
+        self, partition_id: str, rows: Sequence[int], incarnation: str | None = None
+    ) -> Effects:
         """Remove rows (clear_samples, kv_clear, an undone put)."""
-        return self._clear(self.state.partition(partition_id), rows)
+        p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
+        return self._clear(p, rows)
 
     def _clear(self, p: Partition, rows: Sequence[int]) -> Effects:
         fx = Effects(room=True, wakeups=[Wakeup(p.partition_id)])
         fx.admission = self._free_unconsumed(p, rows)
-        fx.free.append((p.partition_id, dict(p.clear_rows(rows))))
+        fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(rows))))
         return fx
 
     def clear_partition(self, partition_id: str) -> Effects:
@@ -743,7 +764,7 @@ class ControllerCore:
         for smp in self.samplers():
             smp.clear_partition(partition_id)
         whole: dict[int, list[int] | None] = {u: None for u in st.units}
-        fx.free.append((partition_id, whole | dict(by_unit)))
+        fx.free.append((partition_id, p.incarnation, whole | dict.fromkeys(by_unit)))
         return fx
 
     def reset_consumption(self, partition_id: str, task: str | None) -> Effects:
@@ -794,13 +815,35 @@ class ControllerCore:
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             fx.room = True
-            fx.free.append((p.partition_id, dict(p.clear_rows(done))))
+            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done))))
+
+    def _count_stale(self, kind: str, n: int, fx: Effects) -> None:
+        """Stale rows handled: the status and the metrics count the same events, once."""
+        if n > 0:
+            self.state.stale_counts[kind] += n
+            fx.stale.append((kind, n))
+
+    def _count_kept(
+        self, req: GetMeta, stale: StaleRows, delivered: Sequence[int], fx: Effects
+    ) -> None:
+        """Stale rows a sampler kept count once they are delivered, not when seen."""
+        kept = set(stale.kept_rows)
+        n = sum(1 for r in delivered if r in kept)
+        if n:
+            log.warning(
+                "delivering stale rows",
+                rows=n,
+                partition=req.partition_id,
+                task=req.task_name,
+                learner_version=self.state.learner_version,
+            )
+            self._count_stale("kept", n, fx)
 
     def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
         """Consume the rows a sampler found stale; queue recycled prompts; count."""
         consumed = p.consumed.get(req.task_name)
         st = self.state
-        st.stale_counts["kept"] += stale.kept
+        self._count_stale("kept", stale.kept - len(stale.kept_rows), fx)  # counts without rows
         for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
             valid = [
                 r
@@ -811,7 +854,7 @@ class ControllerCore:
                 continue
             p.consume(req.task_name, valid)
             self._after_consume(req.task_name, p, valid, (), fx)
-            st.stale_counts[kind] += len(valid)
+            self._count_stale(kind, len(valid), fx)
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)
 
@@ -938,11 +981,11 @@ class ControllerCore:
         """A unit process (re)started under ``unit``: what an earlier one held is gone."""
         st = self.state
         fx = Effects()
-        known = unit in st.units
-        if known and (
-            unit in st.suspended or any(unit in set(p.units) for p in st.partitions.values())
-        ):
+        held_rows = any(unit in set(p.units) for p in st.partitions.values())
+        if unit in st.units and (unit in st.suspended or held_rows):
             fx = self.unit_lost(unit)
+        if st.units.get(unit) != address:
+            st.units_epoch += 1  # clients learn the new address from their next reply
         st.units[unit] = address
         st.dead_units.discard(unit)  # a restarted unit takes new rows again
         return fx
@@ -996,6 +1039,7 @@ def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRepl
         [tags[r] or {} for r in rows],
         list(fields),
         versions=versions,
+        incarnation=p.incarnation,
     )
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from ._errors import InvalidRequestError
+
 __all__ = ["BatchMeta"]
 
 
@@ -30,6 +32,11 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         policy_versions: per field that carries policy versions, each row's version (-1:
             none); see :meth:`row_policy_versions`.
         lease_id: when fetched with ``lease=``, the lease to acknowledge (0: none).
+        incarnation: the partition's incarnation when the rows were put or fetched (a
+            random id, new each time a partition id is created): once the partition is
+            cleared and its id reused, reads and writes through this BatchMeta fail with
+            ``RowsNotFound`` instead of reaching the new rows. None (a BatchMeta built by
+            hand) is not checked.
     """
 
     partition_id: str
@@ -42,6 +49,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     end_of_stream: bool = False
     policy_versions: dict[str, list[int]] = msgspec.field(default_factory=dict)
     lease_id: int = 0
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.units) != len(self.global_indexes):
@@ -102,6 +110,13 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         first = metas[0]
         if any(m.partition_id != first.partition_id for m in metas):
             raise ValueError("concat needs batches of one partition")
+        incarnations = {m.incarnation for m in metas if m.incarnation is not None}
+        if len(incarnations) > 1:
+            raise InvalidRequestError(
+                f"concat got batches of {len(incarnations)} incarnations of partition "
+                f"{first.partition_id!r} (it was cleared and re-created in between); concat "
+                "only batches fetched from one incarnation"
+            )
         has_tags = any(m.tags for m in metas)
         fields = {f for m in metas for f in m.policy_versions}
         return msgspec.structs.replace(
@@ -110,6 +125,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             units=[u for m in metas for u in m.units],
             tags=[t for m in metas for t in (m.tags or [{}] * len(m))] if has_tags else [],
             batch_index=first.batch_index if len(metas) == 1 else None,
+            incarnation=next(iter(incarnations), None),
             policy_versions={
                 f: [v for m in metas for v in m.policy_versions.get(f, [-1] * len(m))]
                 for f in fields

@@ -127,17 +127,10 @@ class Metrics:
         if self.enabled:
             self._bytes.labels(self.service, direction).inc(nbytes)
 
-    def stale(self, stale: Any) -> None:
-        """Count stale rows by policy (``dropped``, ``recycled``, ``kept``)."""
-        if not self.enabled:
-            return
-        for policy, n in (
-            ("dropped", len(stale.dropped)),
-            ("recycled", len(stale.recycled)),
-            ("kept", stale.kept),
-        ):
-            if n:
-                self._stale.labels(policy).inc(n)
+    def stale(self, policy: str, n: int) -> None:
+        """Count ``n`` stale rows handled by ``policy`` (``dropped``, ``recycled``, ``kept``)."""
+        if self.enabled and n:
+            self._stale.labels(policy).inc(n)
 
     def consumer_wait(self, seconds: float) -> None:
         """Observe how long a get_meta waited for rows."""

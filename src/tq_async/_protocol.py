@@ -10,12 +10,14 @@ connection; replies may arrive in any order.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from ._columns import ColumnHeader
-from ._errors import ProtocolError
+from ._columns import ITEM_SIZES, KINDS, ColumnHeader
+from ._errors import InvalidRequestError, ProtocolError
 
 
 class _Msg(msgspec.Struct, array_like=True, tag=True):
@@ -50,6 +52,8 @@ class PutBegin(_Msg):
     #: when the capacity is full: False waits (up to ``timeout``), True fails with WouldBlock
     nowait: bool = False
     timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class PutCommit(_Msg):
@@ -62,6 +66,8 @@ class PutCommit(_Msg):
     versions: list[int] | None = None
     #: the put lease of the new rows (``Placement.put_id``; 0: none)
     put_id: int = 0
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class RenewPut(_Msg):
@@ -87,6 +93,8 @@ class PutInline(_Msg):
     versions: list[int] | None = None
     nowait: bool = False
     timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class LostRows(_Msg):
@@ -170,6 +178,8 @@ class Release(_Msg):
     partition_id: str
     task_name: str
     rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class Seal(_Msg):
@@ -184,6 +194,8 @@ class ResetConsumption(_Msg):
 class ClearSamples(_Msg):
     partition_id: str
     rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class ClearPartition(_Msg):
@@ -224,6 +236,8 @@ class SetTags(_Msg):
     partition_id: str
     rows: list[int]
     tags: list[dict[str, Any]]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
 
 
 class KVLookup(_Msg):
@@ -349,6 +363,8 @@ class StorePut(_Msg):
     partition_id: str
     rows: list[int]
     columns: list[ColumnHeader]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreGet(_Msg):
@@ -357,6 +373,8 @@ class StoreGet(_Msg):
     partition_id: str
     rows: list[int]
     fields: list[str]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreClear(_Msg):
@@ -364,6 +382,8 @@ class StoreClear(_Msg):
 
     partition_id: str
     rows: list[int] | None = None
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
 
 
 class StoreStats(_Msg):
@@ -404,6 +424,9 @@ class HelloReply(msgspec.Struct, array_like=True):
     units: list[UnitInfo]
     allow_pickle: bool
     capacity: int | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -415,6 +438,11 @@ class Placement(msgspec.Struct, array_like=True):
     #: the producer renews it (RenewPut) while it writes for longer than that
     put_id: int = 0
     put_lease: float = 0.0
+    #: the partition's incarnation (a random id, new whenever the partition is created)
+    incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -428,6 +456,11 @@ class MetaReply(msgspec.Struct, array_like=True):
     #: the cells, when the request asked for them inline: one part per storage unit, in
     #: order of first appearance in ``units``, each followed by its columns' frames
     inline: list[StoredColumns] | None = None
+    #: the partition's incarnation (None on an end-of-stream reply)
+    incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
 
 
 class RecycledRows(msgspec.Struct, array_like=True):
@@ -487,3 +520,168 @@ def decode_error_payload(payload: msgspec.Raw) -> tuple[str, str]:
         return _error_payload_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError("a failure reply had an unreadable payload") from exc
+
+
+# ---- validation of numbers from the wire -----------------------------------------------------
+#
+# msgspec checks types; these check ranges. Every service calls :func:`validate` right after
+# decoding a request, and clients run the same checks before sending, so one caller's NaN can
+# never reach a timer heap or an ``array`` shared with other callers.
+
+#: the largest int the services keep (rows, versions and counts live in int64 arrays)
+MAX_INT = 2**63 - 1
+#: the most rows one put may allocate
+MAX_PUT_ROWS = 2**31 - 1
+#: storage unit ids live in int32 arrays
+MAX_UNIT_ID = 2**31 - 1
+_INF = math.inf
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | None:
+    """``value`` as positive finite seconds (or None when ``optional``).
+
+    Raises:
+        InvalidRequestError: naming ``name``, for NaN, infinities, zero, negatives and
+            non-numbers.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(
+            f"{name} must be a number of seconds{' or None' if optional else ''}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(
+            f"{name} must be positive, finite seconds{' or None' if optional else ''}, got "
+            f"{value!r}; pass e.g. {name}=30"
+            + (f" (or {name}=None to wait without a deadline)" if optional else "")
+        )
+    return float(value)
+
+
+def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``value`` as an int in ``[lo, hi]``.
+
+    Raises:
+        InvalidRequestError: naming ``name``, for non-ints (bools included) and values out
+            of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = MAX_INT) -> None:
+    """Every item of ``values`` (when given) is an int in ``[lo, hi]``."""
+    if values is None:
+        return
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise InvalidRequestError(
+                f"{name} must hold ints in [{lo}, {hi}], got {v!r}"
+                + ("; a policy version is a non-negative int" if name == "policy_version" else "")
+            )
+
+
+def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
+    """``dp_rank`` and ``batch_index`` of a sampling config, when set, are ints >= 0, and
+    ``dp_size`` an int >= 1."""
+    if not cfg:
+        return
+    for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1)):
+        v = cfg.get(key)
+        if v is not None:
+            check_int(f"sampling_config[{key!r}]", v, lo)
+
+
+def check_headers(columns: Sequence[ColumnHeader]) -> None:
+    """Column headers name a known kind and dtype, and a shape of non-negative sizes."""
+    for h in columns:
+        if h.kind not in KINDS:
+            raise InvalidRequestError(
+                f"column {h.name!r} has kind {h.kind!r}; expected one of {list(KINDS)}"
+            )
+        if h.kind in ("dense", "jagged") and h.dtype not in ITEM_SIZES:
+            raise InvalidRequestError(f"column {h.name!r} has unknown dtype {h.dtype!r}")
+        check_ints(f"the shape of column {h.name!r}", h.shape, 0, MAX_PUT_ROWS)
+
+
+def _restore(b: RestoreBegin) -> None:
+    for d in b.state.partitions:
+        check_int(f"n_rows of partition {d.partition_id!r}", d.n_rows)
+        check_ints("origin", d.origin)
+        check_ints("row_version", d.row_version, -1)
+        for name, versions in d.field_versions.items():
+            check_ints(f"the versions of field {name!r}", versions, -1)
+        check_headers([f.header for f in d.fields])
+
+
+def _get_meta(b: GetMeta) -> None:
+    # the decoder guarantees the types: test the ranges first, name the culprit after
+    # (the checks run on every get_meta; this way they cost well under a microsecond)
+    if not 0 < b.batch_size <= MAX_INT:
+        check_int("batch_size", b.batch_size, 1)
+    if b.timeout is not None and not 0.0 < b.timeout < _INF:
+        check_seconds("timeout", b.timeout)
+    if b.lease is not None and not 0.0 < b.lease < _INF:
+        check_seconds("lease", b.lease)
+    if not 0 <= b.inline_bytes <= MAX_INT:
+        check_int("inline_bytes", b.inline_bytes)
+    if b.ack:
+        check_ints("ack", b.ack)
+    if b.sampling_config:
+        check_sampling_config(b.sampling_config)
+
+
+def _put_begin(b: PutBegin) -> None:
+    check_headers(b.columns)
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_seconds("timeout", b.timeout)
+
+
+def _put_commit(b: PutCommit) -> None:
+    check_ints("policy_version", b.versions)
+
+
+def _put_inline(b: PutInline) -> None:
+    check_headers(b.columns)
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_ints("policy_version", b.versions)
+    check_seconds("timeout", b.timeout)
+
+
+def _acquire(b: AcquireRollout) -> None:
+    check_int("policy_version", b.policy_version)
+    check_int("n", b.n, 1)
+    check_seconds("timeout", b.timeout)
+
+
+_CHECKS: dict[type[Any], Callable[[Any], object]] = {
+    GetMeta: _get_meta,
+    PutBegin: _put_begin,
+    PutCommit: _put_commit,
+    PutInline: _put_inline,
+    AcquireRollout: _acquire,
+    RegisterUnit: lambda b: check_int("unit_id", b.unit_id, -1, MAX_UNIT_ID),
+    SetPolicyVersion: lambda b: check_int("version", b.version),
+    ReleaseRollout: lambda b: check_int("n", b.n),
+    TakeRecycled: lambda b: check_int("max_rows", b.max_rows, 1),
+    Ack: lambda b: check_ints("lease_ids", b.lease_ids),
+    RestoreBegin: _restore,
+    StorePut: lambda b: check_headers(b.columns),
+}
+
+
+def validate(body: Any) -> None:
+    """Check the numbers of a decoded request body; services call it right after decoding.
+
+    Raises:
+        InvalidRequestError: an argument is out of range (NaN, infinite, negative, too
+            large); the message names it.
+    """
+    check = _CHECKS.get(type(body))
+    if check is not None:
+        check(body)

@@ -22,6 +22,7 @@ never rescans the partition.
 from __future__ import annotations
 
 import itertools
+import secrets
 from array import array
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -237,6 +238,9 @@ class Partition:
 
     def __init__(self, partition_id: str) -> None:
         self.partition_id = partition_id
+        #: a random id of this incarnation of the partition id: unique across clears,
+        #: controller restarts and checkpoint restores (a counter would repeat)
+        self.incarnation = secrets.token_hex(8)
         self.n_rows = 0
         self.n_alive = 0
         self.alive = bytearray()
@@ -317,6 +321,11 @@ class Partition:
         for c in self.consumed.values():
             c.extend(bytes(n))
         return range(first, first + n)
+
+    def check_incarnation(self, incarnation: str | None) -> None:
+        """Raise :class:`RowsNotFound` if ``incarnation`` (from a BatchMeta) is another one."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise RowsNotFound(stale_incarnation(self.partition_id))
 
     def check_rows(self, rows: Sequence[int]) -> None:
         """Raise :class:`RowsNotFound` unless every row exists and is alive."""
@@ -667,6 +676,9 @@ class ControllerState:
         self.suspended: dict[int, float] = {}
         #: the units whose rows are not handed out now (shared with every partition)
         self.unavailable: set[int] = set()
+        #: bumped whenever a unit's address changes (clients then ask for the units again);
+        #: starts at random so that a restarted controller's epoch differs too
+        self.units_epoch = secrets.randbits(30) + 1
         #: the learner's policy version (-1: never announced)
         self.learner_version = -1
         #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)
@@ -829,9 +841,20 @@ class ControllerState:
         return got_rows, units, wakeups
 
 
+def stale_incarnation(partition_id: str) -> str:
+    """The message for a BatchMeta whose partition was cleared and its id reused."""
+    return (
+        f"partition {partition_id!r} was cleared and re-created since this BatchMeta was "
+        "made: its rows are gone (the new partition's rows are other samples); fetch a new "
+        "BatchMeta with get_meta"
+    )
+
+
 def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
     """Validate a capacity setting; ``(capacity, capacity is global)``."""
-    if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
         raise InvalidRequestError(f"capacity must be >= 1 or None, got {capacity!r}")
     if scope not in ("partition", "global"):
         raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")

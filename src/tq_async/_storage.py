@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,13 +47,18 @@ from ._protocol import (
     ok_reply,
     salvage_rid,
     storage_request_decoder,
+    validate,
 )
 from ._security import CurveServer
+from ._state import stale_incarnation
 from ._transport import LogThrottle, RouterEndpoint
 
 __all__ = ["OverBudget", "StorageState", "StorageServer"]
 
 log = structlog.get_logger(__name__)
+
+#: cleared incarnations remembered per unit (a late put into one of them is refused)
+_RETIRED = 4096
 
 
 class OverBudget(Exception):
@@ -87,11 +93,61 @@ class StorageState:
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
+        #: the partition incarnation whose cells ``_index[partition]`` holds (when known)
+        self._incarnation: dict[str, str] = {}
+        #: incarnations cleared (or replaced by a newer one) lately: their puts are refused
+        self._retired: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def _retire(self, partition_id: str, incarnation: str) -> None:
+        self._retired[(partition_id, incarnation)] = None
+        if len(self._retired) > _RETIRED:
+            self._retired.popitem(last=False)
+
+    def _check_incarnation(self, partition_id: str, incarnation: str | None) -> None:
+        """Raise :class:`RowsNotFound` when ``incarnation`` is not the one held."""
+        if incarnation is None:
+            return
+        held = self._incarnation.get(partition_id)
+        if held is not None and held != incarnation:
+            raise RowsNotFound(stale_incarnation(partition_id))
+        if (partition_id, incarnation) in self._retired:
+            raise RowsNotFound(
+                f"partition {partition_id!r} was cleared since this BatchMeta was made (its id "
+                "may have been re-created since): its rows are gone; fetch a new BatchMeta"
+            )
+
+    def _adopt(self, partition_id: str, incarnation: str | None) -> None:
+        """A put of ``incarnation``: cells of an older one still here are dropped.
+
+        The controller creates a new incarnation only after clearing the old one, so cells
+        of another incarnation belong to a cleared partition whose StoreClear is late.
+        """
+        if incarnation is None:
+            return
+        if (partition_id, incarnation) in self._retired:
+            self._check_incarnation(partition_id, incarnation)
+        held = self._incarnation.get(partition_id)
+        if held == incarnation:
+            return
+        if held is not None:
+            self.clear(partition_id, None)
+        self._incarnation[partition_id] = incarnation
 
     def put(
-        self, partition_id: str, rows: Sequence[int], headers: Sequence[ColumnHeader], frames: Any
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        headers: Sequence[ColumnHeader],
+        frames: Any,
+        *,
+        incarnation: str | None = None,
     ) -> None:
-        """Store columns for ``rows`` (frames in header order). All-or-nothing."""
+        """Store columns for ``rows`` (frames in header order). All-or-nothing.
+
+        Raises:
+            RowsNotFound: ``incarnation`` (of the partition) was cleared meanwhile.
+        """
+        self._adopt(partition_id, incarnation)
         n = len(rows)
         if n == 0:
             raise InvalidRequestError("a put needs at least one row")
@@ -133,14 +189,18 @@ class StorageState:
         fields: Sequence[str],
         *,
         max_bytes: int | None = None,
+        incarnation: str | None = None,
     ) -> tuple[list[ColumnHeader], list[Column]]:
         """Columns for ``fields`` of ``rows`` in that order (views when possible).
 
         Raises:
+            RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
+                not checked) was cleared, its id maybe reused since.
             OverBudget: the cells take more than ``max_bytes`` (checked on the views, before
                 anything is copied together).
         """
         budget = max_bytes
+        self._check_incarnation(partition_id, incarnation)
         stored = self._index.get(partition_id)
         if stored is None:
             raise RowsNotFound(
@@ -193,20 +253,40 @@ class StorageState:
         fields: Sequence[str],
         *,
         max_bytes: int | None = None,
+        incarnation: str | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
         """:meth:`get`, as it travels: the reply's header and the columns' frames."""
-        headers, columns = self.get(partition_id, rows, fields, max_bytes=max_bytes)
+        headers, columns = self.get(
+            partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
+        )
         frames: list[Any] = []
         for h, c in zip(headers, columns, strict=True):
             frames.extend(column_to_frames(h, c))
         return StoredColumns(len(rows), headers), frames
 
-    def clear(self, partition_id: str, rows: Sequence[int] | None) -> int:
-        """Free rows (all rows of the partition when None); returns rows freed."""
+    def clear(
+        self, partition_id: str, rows: Sequence[int] | None, *, incarnation: str | None = None
+    ) -> int:
+        """Free rows (all rows of the partition when None); returns rows freed.
+
+        With ``incarnation``, only that incarnation's cells: a clear arriving after a newer
+        incarnation's put frees nothing of it.
+        """
+        held = self._incarnation.get(partition_id)
+        if incarnation is not None and held is not None and held != incarnation:
+            if rows is None:
+                self._retire(partition_id, incarnation)
+            return 0  # the cells here are of a newer incarnation
+        if rows is None:
+            for inc in (incarnation, held):
+                if inc is not None:
+                    self._retire(partition_id, inc)
         stored = self._index.get(partition_id)
         if stored is None:
+            self._incarnation.pop(partition_id, None)
             return 0
         if rows is None:
+            self._incarnation.pop(partition_id, None)
             freed = max((len(ix) for ix in stored.values()), default=0)
             for index in stored.values():
                 for chunk, _ in index.values():
@@ -222,6 +302,7 @@ class StorageState:
                     freed_rows.add(r)
         if all(not ix for ix in stored.values()):
             del self._index[partition_id]
+            self._incarnation.pop(partition_id, None)
         return len(freed_rows)
 
     def stats(self) -> StoreStatsReply:
@@ -270,13 +351,18 @@ class StorageServer:
             self._endpoint.close()
 
     def store_local(
-        self, partition_id: str, rows: Sequence[int], headers: Sequence[ColumnHeader], frames: Any
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        headers: Sequence[ColumnHeader],
+        frames: Any,
+        incarnation: str | None = None,
     ) -> None:
         """A :class:`StorePut` from a controller in this process, without a message."""
         t0 = time.perf_counter()
         ok = False
         try:
-            self.state.put(partition_id, rows, headers, frames)
+            self.state.put(partition_id, rows, headers, frames, incarnation=incarnation)
             ok = True
         finally:
             if self.metrics.enabled:
@@ -317,18 +403,28 @@ class StorageServer:
         metrics = self.metrics.enabled
         t0 = time.perf_counter() if metrics else 0.0
         try:
+            validate(body)
             if isinstance(body, StorePut):
-                self.state.put(body.partition_id, body.rows, body.columns, frames[1:])
+                self.state.put(
+                    body.partition_id,
+                    body.rows,
+                    body.columns,
+                    frames[1:],
+                    incarnation=body.incarnation,
+                )
                 reply: list[Any] = [ok_reply(req.rid, None)]
                 if metrics:
                     self.metrics.transfer("in", sum(f.buffer.nbytes for f in frames[1:]))
             elif isinstance(body, StoreGet):
-                stored, out = self.state.read(body.partition_id, body.rows, body.fields)
+                stored, out = self.state.read(
+                    body.partition_id, body.rows, body.fields, incarnation=body.incarnation
+                )
                 reply = [ok_reply(req.rid, stored), *out]
                 if metrics:
                     self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
             elif isinstance(body, StoreClear):
-                reply = [ok_reply(req.rid, self.state.clear(body.partition_id, body.rows))]
+                freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
+                reply = [ok_reply(req.rid, freed)]
             elif isinstance(body, StoreStats):
                 reply = [ok_reply(req.rid, self.state.stats())]
             elif isinstance(body, Cancel):

@@ -46,7 +46,14 @@ import zmq
 import zmq.utils.monitor
 
 from ._buffers import buffer_pool
-from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
+from ._errors import (
+    BrokenError,
+    ClosedError,
+    InvalidRequestError,
+    ProtocolError,
+    TQTimeoutError,
+    error_from_wire,
+)
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
 
@@ -317,9 +324,14 @@ class DealerConnection(_Drained):
         on_refused: Callable[[], None] | None = None,
         heartbeat_timeout: float | None = None,
         retry_after: float | None = None,
+        refused_is_broken: bool = False,
     ) -> None:
         self.address = address
         self.retry_after = retry_after
+        #: a refused connection attempt counts as broken (requests fail fast with
+        #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
+        #: unit that was restarted on another address)
+        self._refused_is_broken = refused_is_broken
         #: False once the connection broke, until it is re-established
         self.connected: bool | None = None
         self.reconnects = 0
@@ -361,7 +373,7 @@ class DealerConnection(_Drained):
         sock.setsockopt(zmq.HEARTBEAT_IVL, min(_HEARTBEAT_IVL_MS, max(timeout_ms // 4, 50)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         # a closed connection is reported on this monitor socket (no polling); a refused
-        # reconnection tells that nothing listens at the address any more
+        # connection attempt tells that nothing listens at the address (any more)
         monitor = sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         )
@@ -431,7 +443,13 @@ class DealerConnection(_Drained):
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
                 self._disconnected()
-            elif event == zmq.EVENT_CONNECT_RETRIED and self.connected is False:
+            elif event != zmq.EVENT_CONNECT_RETRIED:
+                continue
+            elif self.connected is not False:
+                # the first connection attempt was refused: nothing listens there
+                if self._refused_is_broken:
+                    self._disconnected()
+            else:
                 # libzmq reports one retry when it schedules the reconnection after a
                 # disconnect; a second one means a connection attempt failed: nothing
                 # listens there any more (a paused process still accepts connections)
@@ -525,7 +543,7 @@ class DealerConnection(_Drained):
         if self.inproc and frames:
             frames = await private_frames(frames, incoming=False)
         rid = next(self._rids)
-        outgoing = [encoder.encode((rid, body)), *frames]
+        outgoing = [_encode_request(rid, body), *frames]
         self._inflight[rid] = outgoing
         try:
             self._send(outgoing)
@@ -611,6 +629,19 @@ class DealerConnection(_Drained):
         self._unwatch()
         self._close_socket()
         self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
+
+
+def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
+    """The request header; a value msgpack cannot carry is the caller's error, raised
+    before anything is sent (a safety net: the client checks arguments more precisely)."""
+    try:
+        return encoder.encode((rid, body))
+    except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "
+            "ints within 64 bits and plain values (None, bool, int, float, str, bytes, "
+            "lists and dicts of those)"
+        ) from None
 
 
 class _Tick(Exception):

@@ -23,14 +23,23 @@ class StaleRows:
 
     After the sampler returns, the controller marks dropped and recycled rows consumed for the
     task (in ``"fetch"`` mode), queues recycled rows' prompts for regeneration, and counts
-    each policy in its staleness status and metrics.
+    each policy in its staleness status and metrics -- events that happened, once each: a
+    row dropped or recycled when it is consumed, a kept row when it is delivered (not each
+    time a sampler sees it while a request waits, nor in ``"peek"`` mode).
+
+    Attributes:
+        dropped: rows reported by :meth:`drop`.
+        recycled: rows reported by :meth:`recycle`.
+        kept_rows: rows reported by :meth:`keep`.
+        kept: how many rows :meth:`keep` reported.
     """
 
-    __slots__ = ("dropped", "kept", "recycled")
+    __slots__ = ("dropped", "kept", "kept_rows", "recycled")
 
     def __init__(self) -> None:
         self.dropped: list[int] = []
         self.recycled: list[int] = []
+        self.kept_rows: list[int] = []
         self.kept = 0
 
     def drop(self, rows: Sequence[int]) -> None:
@@ -41,9 +50,14 @@ class StaleRows:
         """These rows are discarded and their prompts queued for regeneration (once each)."""
         self.recycled.extend(rows)
 
-    def keep(self, count: int) -> None:
-        """``count`` stale rows are delivered anyway (counted, with a warning)."""
-        self.kept += count
+    def keep(self, rows: Sequence[int] | int) -> None:
+        """These stale rows may be delivered anyway: those delivered are counted, with a
+        warning. (An int, the older form, reports a count without the rows: counted as is.)"""
+        if isinstance(rows, int):
+            self.kept += rows
+            return
+        self.kept_rows.extend(rows)
+        self.kept += len(rows)
 
     def __bool__(self) -> bool:
         return bool(self.dropped or self.recycled or self.kept)
@@ -103,14 +117,15 @@ class StalenessSampler(BaseSampler):
             stale = [r for r in ready_indexes if 0 <= versions[r] < oldest_ok]
             if stale:
                 if self.on_stale == "keep":
-                    log.warning(
-                        "delivering stale rows",
-                        rows=len(stale),
-                        learner_version=learner,
-                        max_staleness=self.max_staleness,
-                    )
                     if sink is not None:
-                        sink.keep(len(stale))
+                        sink.keep(stale)  # the controller warns about those it delivers
+                    else:
+                        log.warning(
+                            "stale rows may be delivered",
+                            rows=len(stale),
+                            learner_version=learner,
+                            max_staleness=self.max_staleness,
+                        )
                 else:
                     if sink is not None:
                         (sink.drop if self.on_stale == "drop" else sink.recycle)(stale)
@@ -143,28 +158,11 @@ class StalenessSampler(BaseSampler):
             gone = set(stale)
             candidates = [r for r in ready_indexes if r not in gone]
         result = self.inner.sample_shares(candidates, batch_size, dp_size, **kwargs)
-        if result is None or sink is None or not stale:
-            return result
-        if self.on_stale != "keep":
-            (sink.drop if self.on_stale == "drop" else sink.recycle)(stale)
-            return result
-        if inspect.isawaitable(result):
-            return self._count_kept(result, set(stale), sink)
-        self._report_kept(result, set(stale), sink)
+        if result is not None and sink is not None and stale:
+            # kept rows: the controller counts (and warns about) those it delivers
+            policy = {"drop": sink.drop, "recycle": sink.recycle, "keep": sink.keep}
+            policy[self.on_stale](stale)
         return result
-
-    async def _count_kept(
-        self, pending: Awaitable[SharesResult], stale: set[int], sink: StaleRows
-    ) -> SharesResult:
-        result = await pending
-        self._report_kept(result, stale, sink)
-        return result
-
-    def _report_kept(self, result: SharesResult, stale: set[int], sink: StaleRows) -> None:
-        kept = sum(1 for share in result[0] for r in share if r in stale)
-        if kept:
-            log.warning("delivering stale rows", rows=kept, max_staleness=self.max_staleness)
-            sink.keep(kept)
 
     @property
     def group_size(self) -> int:
