@@ -421,6 +421,9 @@ class Pipeline:
             partition_id=partition(0),
             task_name="learner",
             dp_rank=rank,
+            # the controller decides each global batch for every rank at once: every rank
+            # takes the same number of steps, whatever the cluster's sampler (--address)
+            dp_size=self.args.dp_size,
         )
         return tq.StreamingDataLoader(dataset)
 

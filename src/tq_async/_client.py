@@ -781,8 +781,8 @@ class AsyncClient:
         check_seconds("timeout", timeout)
         check_seconds("lease", lease)
         cfg = dict(sampling_config) if sampling_config else None
-        check_sampling_config(cfg)
         _check_dp_config(cfg)
+        check_sampling_config(cfg)
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
