@@ -7,13 +7,15 @@ import tempfile
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
+from ._config import Config
 from ._controller import AdmissionConfig, ControllerServer
-from ._errors import InvalidRequestError
+from ._errors import ConfigError, InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
@@ -62,6 +64,7 @@ async def local_cluster(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -91,13 +94,49 @@ async def local_cluster(
             "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
             ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
             by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
+        capacity_scope: ``"partition"`` or ``"global"`` (see ``capacity``).
+        config: the whole deployment as a :class:`~tq_async.Config` (e.g.
+            ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
+            and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
+            be left at their defaults; ``transport`` and ``metrics_registry`` still apply.
 
     Yields:
         A :class:`LocalCluster`.
 
     Raises:
         BrokenError: an address could not be bound.
+        ConfigError: ``config`` is bad (a sampler factory does not import or raises, ...),
+            or an argument was given both in it and explicitly.
     """
+    options: dict[str, Any] = {
+        "sampler": sampler,
+        "task_samplers": task_samplers,
+        "allow_pickle": allow_pickle,
+        "admission": admission,
+        "curve": curve,
+    }
+    auto_clear: list[str] = []
+    if config is not None:
+        _check_no_overlap(
+            num_storage_units=num_storage_units,
+            sampler=sampler,
+            task_samplers=task_samplers,
+            host=host,
+            bind=bind,
+            allow_pickle=allow_pickle,
+            serve_metrics_on=serve_metrics_on,
+            admission=admission,
+            curve=curve,
+            capacity=capacity,
+            capacity_scope=capacity_scope,
+        )
+        options = config.controller_options()
+        num_storage_units, host, bind = config.num_storage_units, config.host, config.bind
+        capacity, capacity_scope = config.capacity, config.capacity_scope
+        serve_metrics_on, auto_clear = config.metrics_on, config.auto_clear_tasks
+        if serve_metrics_on is not None and metrics_registry is None:
+            metrics_registry = CollectorRegistry()
+    allow_pickle, curve = options["allow_pickle"], options["curve"]
     if num_storage_units < 1:
         raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
     if transport not in ("ipc", "tcp"):
@@ -134,14 +173,12 @@ async def local_cluster(
                 addresses[unit.unit_id] = address
             state = ControllerState(addresses)
             state.capacity, state.capacity_global = capacity, capacity_global
+            if auto_clear:
+                state.auto_clear[None] = tuple(dict.fromkeys(auto_clear))
             controller = ControllerServer(
                 state,
-                sampler,
-                task_samplers=task_samplers,
-                allow_pickle=allow_pickle,
+                **options,
                 metrics=Metrics(metrics_registry, "controller"),
-                admission=admission,
-                curve=curve,
                 local_units={u.unit_id: u for u in units},
             )
             address = await tg.start(controller.serve, controller_bind)
@@ -165,3 +202,28 @@ async def local_cluster(
             await anyio.to_thread.run_sync(stop_metrics)
         if sockdir is not None:
             shutil.rmtree(sockdir, ignore_errors=True)
+
+
+#: local_cluster's arguments that a Config also sets, with their defaults
+_CONFIG_COVERS: dict[str, Any] = {
+    "num_storage_units": 2,
+    "sampler": None,
+    "task_samplers": None,
+    "host": "127.0.0.1",
+    "bind": None,
+    "allow_pickle": False,
+    "serve_metrics_on": None,
+    "admission": None,
+    "curve": None,
+    "capacity": None,
+    "capacity_scope": "partition",
+}
+
+
+def _check_no_overlap(**given: Any) -> None:
+    for name, value in given.items():
+        if value != _CONFIG_COVERS[name]:
+            raise ConfigError(
+                f"{name}: given both as an argument and by config=; set it in the Config "
+                f"(config.replace({name}=...)) or drop config="
+            )

@@ -202,6 +202,8 @@ class ControllerServer:
         local_units: storage units running in this process (``local_cluster`` passes its
             own): a small put sent whole to the controller (:class:`PutInline`) is stored in
             them directly, without a message.
+        default_lease: seconds of the lease of a fetch that asks for none (None: no lease
+            unless asked for).
     """
 
     def __init__(
@@ -216,8 +218,10 @@ class ControllerServer:
         admission: AdmissionConfig | None = None,
         curve: CurveServer | None = None,
         local_units: Mapping[int, StorageServer] | None = None,
+        default_lease: float | None = None,
     ) -> None:
         self.state = state or ControllerState()
+        self.default_lease = default_lease
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self._malformed = LogThrottle()
@@ -649,6 +653,8 @@ class ControllerServer:
 
     def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
         _validate_get_meta(req)
+        if req.lease is None and self.default_lease is not None:
+            req.lease = self.default_lease
         if req.ack:
             self._commit_leases(req.ack)
         outcome = self._attempt(req)

@@ -15,6 +15,7 @@ name or IP, never ``0.0.0.0``.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import anyio
 import msgspec
@@ -22,6 +23,7 @@ import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
+from ._config import Config
 from ._controller import ControllerServer
 from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from ._metrics import Metrics, controller_collector, storage_collector
@@ -221,6 +223,7 @@ async def serve_controller(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    config: Config | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a controller with no storage units of its own; units register themselves.
@@ -239,23 +242,27 @@ async def serve_controller(
         capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
             per partition (``capacity_scope="global"``: in all partitions together); a put
             that does not fit waits. None: unbounded.
+        config: a :class:`~tq_async.Config` that supplies the controller's settings instead
+            of the arguments above (samplers, admission, pickle, capacity, leases,
+            auto-clear, CURVE files); an explicit ``curve`` still wins over its ``[curve]``.
 
     Raises:
         BrokenError: ``bind`` could not be bound.
         InvalidRequestError: a wildcard ``bind`` without ``advertise``, or a bad capacity.
+        ConfigError: ``config`` is bad (e.g. a sampler factory that does not import).
     """
     if _is_wildcard(bind) and not advertise:
         advertised_address(bind, bind, None)  # raises the explanatory error
-    warn_if_exposed(bind, "controller", curve)
+    options: dict[str, Any] = {"sampler": sampler, "allow_pickle": allow_pickle, "curve": curve}
     state = ControllerState()
+    if config is not None:
+        options = {**config.controller_options(), **({"curve": curve} if curve else {})}
+        capacity, capacity_scope = config.capacity, config.capacity_scope
+        if config.auto_clear_tasks:
+            state.auto_clear[None] = tuple(dict.fromkeys(config.auto_clear_tasks))
+    warn_if_exposed(bind, "controller", options["curve"])
     state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
-    controller = ControllerServer(
-        state,
-        sampler,
-        allow_pickle=allow_pickle,
-        metrics=Metrics(metrics_registry, "controller"),
-        curve=curve,
-    )
+    controller = ControllerServer(state, **options, metrics=Metrics(metrics_registry, "controller"))
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(controller.serve, bind)
         address = advertised_address(bound, bind, advertise)
