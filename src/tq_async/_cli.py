@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import anyio
-import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
@@ -30,25 +29,26 @@ from ._cluster import local_cluster
 from ._config import Config
 from ._config import load_curve as load_curve
 from ._errors import ConfigError
-from ._logging import configure_logging
+from ._logging import configure_logging, get_logger
 from ._metrics import serve_metrics
 from ._serve import first_tq_error, serve_controller, serve_storage
 
 __all__ = ["main"]
 
-log = structlog.get_logger(__name__)
+log = get_logger("tq_async._cli")  # not __main__ under `python -m tq_async._cli`
 
 _DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 
 async def _serve(config: Config) -> None:
-    async with local_cluster(transport="tcp", config=config) as cluster:
-        # The one line a launcher parses; flushed so a parent reading our stdout sees it.
-        print(f"TQ_ADDRESS={cluster.address}", flush=True)
-        if cluster.metrics_url:
-            print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
-        log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with local_cluster(transport="tcp", config=config) as cluster:
+            # The one line a launcher parses; flushed so a parent reading our stdout sees it.
+            print(f"TQ_ADDRESS={cluster.address}", flush=True)
+            if cluster.metrics_url:
+                print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
+            log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)
                 break

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import structlog
 import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
@@ -42,6 +41,7 @@ from ._errors import (
     RowsNotFound,
     SchemaError,
 )
+from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
     Ack,
@@ -87,7 +87,7 @@ from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import structlog
 from prometheus_client import CollectorRegistry
 
 from ._config import Config
 from ._controller import AdmissionConfig, ControllerServer
 from ._errors import ConfigError, InvalidRequestError
+from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
@@ -25,7 +25,7 @@ from .samplers import BaseSampler
 
 __all__ = ["LocalCluster", "local_cluster"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

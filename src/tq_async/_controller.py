@@ -39,6 +39,7 @@ from ._errors import (
     TQTimeoutError,
     WouldBlock,
 )
+from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
     Ack,
@@ -107,7 +108,7 @@ from .samplers import BaseSampler, SampleResult, SequentialSampler, StaleRows
 
 __all__ = ["AdmissionConfig", "ControllerServer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: replies remembered for deduplicating retried requests (about 1 KiB each)
 _REPLY_CACHE = 8192

@@ -28,15 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ._errors import InvalidRequestError
+from ._logging import get_logger
 
 __all__ = ["CurveClient", "CurveServer", "curve_keypair"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _DOMAIN = "tq_async"
 #: Once a ZAP handler runs in a context, libzmq asks it about every CURVE socket, so servers

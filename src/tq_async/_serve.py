@@ -19,13 +19,13 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from ._config import Config
 from ._controller import ControllerServer
 from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
+from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, storage_collector
 from ._protocol import RegisterUnit
 from ._security import CurveClient, CurveServer
@@ -44,7 +44,7 @@ __all__ = [
     "warn_if_exposed",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: ``RegisterUnit.unit_id`` that asks the controller to choose the id.
 ASSIGN_UNIT_ID = -1

@@ -15,7 +15,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 import zmq
 from anyio.abc import TaskStatus
 
@@ -31,6 +30,7 @@ from ._columns import (
     take_rows,
 )
 from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
     Cancel,
@@ -51,7 +51,7 @@ from ._transport import LogThrottle, RouterEndpoint
 
 __all__ = ["OverBudget", "StorageState", "StorageServer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class OverBudget(Exception):

@@ -29,7 +29,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._dataset import (
@@ -41,11 +40,12 @@ from ._dataset import (
     _parse_state,
 )
 from ._errors import InvalidRequestError
+from ._logging import get_logger
 from ._portal import get_portal
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -41,18 +41,18 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 import zmq
 import zmq.utils.monitor
 
 from ._buffers import buffer_pool
 from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
+from ._logging import get_logger
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
 
 __all__ = ["RouterEndpoint", "DealerConnection", "zmq_context", "normalize_bind"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Messages handled per reader callback before yielding to other tasks (fairness).
 _DRAIN_BUDGET = 512

@@ -38,7 +38,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 
 try:
     import ray
@@ -50,13 +49,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._config import Config
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
+from ._logging import get_logger
 from ._security import CurveServer
 from ._serve import first_tq_error, serve_controller, serve_storage
 from .samplers import BaseSampler
 
 __all__ = ["RayCluster", "attach", "launch", "select_nodes"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: ``placement`` keys understood in the mapping form.
 _PLACEMENT_KEYS = frozenset({"nodes", "resources"})
