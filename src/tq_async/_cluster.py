@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -17,11 +18,15 @@ from ._controller import AdmissionConfig, ControllerServer
 from ._errors import ConfigError, InvalidRequestError
 from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from ._portal import host_services, stop_hosting
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
 from ._storage import StorageServer
 from ._transport import is_loopback
 from .samplers import BaseSampler
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["LocalCluster", "local_cluster"]
 
@@ -156,6 +161,8 @@ async def local_cluster(
     if serve_metrics_on is not None and metrics_registry is None:
         raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
     stop_metrics = None
+    raised: list[BaseException] = []  # what the caller's block raised, if anything
+    hosting = host_services()  # blocking clients on this loop's thread fail at once
     try:
         async with anyio.create_task_group() as tg:
             units = [
@@ -195,13 +202,31 @@ async def local_cluster(
                     )
             try:
                 yield cluster
+            except BaseException as exc:
+                raised.append(exc)
+                raise
             finally:
                 tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what the caller's block raised: hand it back as itself, so
+        # that `except ValueError` around `async with local_cluster()` works.
+        if not raised or not _only(group, raised[0]):
+            raise
     finally:
+        stop_hosting(hosting)
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)
         if sockdir is not None:
             shutil.rmtree(sockdir, ignore_errors=True)
+    if raised:
+        raise raised[0]
+
+
+def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
+    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
+    return rest is None
 
 
 #: local_cluster's arguments that a Config also sets, with their defaults

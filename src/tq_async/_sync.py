@@ -20,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from ._client import AsyncClient
 from ._errors import ClosedError
 from ._meta import BatchMeta
-from ._portal import get_portal
+from ._portal import check_blocking_allowed, get_portal
 from ._security import CurveClient
 
 __all__ = ["Client"]
@@ -86,6 +86,7 @@ class Client:
     def open(self) -> Client:
         """Connect (on the portal loop). Returns self."""
         if self._async is None:
+            check_blocking_allowed("tq.Client.connect(...)")
             aclient = AsyncClient(self.address, **self._kwargs)
             self._portal.call(aclient.open)
             self._async = aclient
@@ -119,6 +120,7 @@ class Client:
         return self._require()
 
     def _run(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R:
+        check_blocking_allowed(f"tq.Client.{fn.__name__}()")
         return self._portal.call(functools.partial(fn, *args, **kwargs))
 
     def put(

@@ -41,7 +41,7 @@ from ._dataset import (
 )
 from ._errors import InvalidRequestError
 from ._logging import get_logger
-from ._portal import get_portal
+from ._portal import check_blocking_allowed, get_portal
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
@@ -235,6 +235,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
+        check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
         portal = get_portal()
         context = portal.wrap_async_context_manager(ads)
         context.__enter__()
