@@ -20,11 +20,10 @@ async def test_an_exception_in_the_block_propagates_as_itself() -> None:
     class Custom(Exception):
         pass
 
-    try:
+    with pytest.raises(Custom) as custom:
         async with tq.local_cluster(num_storage_units=1):
             raise Custom("x")
-    except Custom as exc:
-        assert exc.args == ("x",)
+    assert type(custom.value) is Custom
 
 
 async def test_a_tq_error_in_the_block_propagates_as_itself() -> None:

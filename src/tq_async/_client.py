@@ -9,10 +9,10 @@ and the rows become visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import msgspec
@@ -40,6 +40,7 @@ from ._errors import (
     ProtocolError,
     RowsNotFound,
     SchemaError,
+    TQTimeoutError,
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
@@ -147,6 +148,9 @@ class AsyncClient:
     Args:
         address: the controller's endpoint (``cluster.address``, or what ``tq-async serve``
             printed).
+        connect_timeout: seconds :meth:`open` waits for the controller's first answer (at
+            most ``request_timeout``) before it fails with :class:`~tq_async.TQTimeoutError`
+            naming the address: with nothing listening there, ZMQ would wait forever.
         request_timeout: seconds any single non-waiting request may take before it fails with
             :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the
@@ -173,6 +177,7 @@ class AsyncClient:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -184,6 +189,10 @@ class AsyncClient:
         if inline_get_bytes < 0:
             raise InvalidRequestError(f"inline_get_bytes must be >= 0, got {inline_get_bytes}")
         self.inline_get_bytes = inline_get_bytes
+        check_address(address)
+        if connect_timeout <= 0:
+            raise InvalidRequestError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+        self.connect_timeout = connect_timeout
         self.address = address
         self.inline_put_bytes = inline_put_bytes
         self.request_timeout = request_timeout
@@ -202,6 +211,7 @@ class AsyncClient:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -212,11 +222,21 @@ class AsyncClient:
         return cls(
             address,
             request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+        )
+
+    def __await__(self) -> Generator[Any, None, NoReturn]:
+        # `client = await AsyncClient.connect(...)` is a natural guess: say what works
+        raise InvalidRequestError(
+            "AsyncClient.connect(...) is not awaited: use `async with "
+            "tq.AsyncClient.connect(address) as client: ...` (or `client = "
+            "tq.AsyncClient.connect(address)`, `await client.open()`, and later `await "
+            "client.aclose()`)"
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -235,15 +255,26 @@ class AsyncClient:
         """Connect to the controller and learn the storage units.
 
         Raises:
-            TQTimeoutError: the controller did not answer within ``request_timeout``.
+            TQTimeoutError: the controller did not answer within ``connect_timeout``.
+            AuthenticationError: the services refused this client's CURVE keys.
         """
         if self._controller is not None:
             return
         self._controller = DealerConnection(
             self.address, curve=self.curve, retry_after=self.retry_after
         )
+        wait = min(self.connect_timeout, self.request_timeout)
         try:
-            await self._refresh_units()
+            await self._refresh_units(timeout=wait)
+        except TQTimeoutError:
+            self._controller.close()
+            self._controller = None
+            raise TQTimeoutError(
+                f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
+                "check the address (the TQ_ADDRESS=... line "
+                "`tq-async serve` prints), that the services run, and that this host can "
+                "reach them"
+            ) from None
         except BaseException:
             self._controller.close()
             self._controller = None
@@ -262,8 +293,8 @@ class AsyncClient:
     def closed(self) -> bool:
         return self._controller is None
 
-    async def _refresh_units(self) -> None:
-        hello = await self._call(Hello(), HelloReply)
+    async def _refresh_units(self, timeout: float | bool = True) -> None:
+        hello = await self._call(Hello(), HelloReply, timeout=timeout)
         self._unit_addresses = {u.unit_id: u.address for u in hello.units}
         self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
@@ -1159,3 +1190,31 @@ def _merge_parts(
         merged = concat_columns([parts[u][1][j] for u in by_unit])
         columns.append(reorder_column(merged, inverse))
     return headers, columns
+
+
+#: schemes ZMQ can connect to
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_address(address: str) -> None:
+    """Raise a clear error for an address ZMQ cannot connect to (before anything is sent).
+
+    Raises:
+        InvalidRequestError: not a string, or no ``tcp://`` / ``ipc://`` / ``inproc://``
+            scheme (with a hint at the likely fix).
+    """
+    if not isinstance(address, str):
+        raise InvalidRequestError(
+            f"address must be a string like 'tcp://127.0.0.1:5555', got {type(address).__name__}"
+        )
+    if address.startswith(_SCHEMES):
+        return
+    if "://" in address:
+        raise InvalidRequestError(
+            f"address {address!r} has an unsupported scheme; use tcp://HOST:PORT (or the "
+            "ipc:// address local_cluster reports)"
+        )
+    raise InvalidRequestError(
+        f"address {address!r} has no scheme; did you mean 'tcp://{address}'? (the "
+        "TQ_ADDRESS=... line `tq-async serve` prints is the whole address)"
+    )

@@ -223,6 +223,9 @@ class ControllerServer:
     ) -> None:
         self.state = state or ControllerState()
         self.default_lease = default_lease
+        #: seconds after which a get_meta waiting on fields (or a partition) that do not
+        #: exist logs a warning naming them
+        self.waiting_warning_after = 30.0
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self._malformed = LogThrottle()
@@ -663,7 +666,21 @@ class ControllerServer:
             self._send_meta(peer, rid, req, outcome)
             return False
         self._spawn(self._get_meta_waiting, peer, rid, req, outcome, self._generation, t0)
+        if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
+            asyncio.get_running_loop().call_later(
+                self.waiting_warning_after, self._warn_if_still_waiting, peer, rid, req
+            )
         return True
+
+    def _warn_if_still_waiting(self, peer: bytes, rid: int, req: GetMeta) -> None:
+        why = _why_waiting(self.state, req)
+        if (peer, rid) in self._pending and why is not None:
+            log.warning(
+                f"get_meta has waited {self.waiting_warning_after:g} s: {why}",
+                partition=req.partition_id,
+                task=req.task_name,
+                fields=list(req.data_fields),
+            )
 
     def _call_sampler(
         self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, stale: StaleRows
@@ -1184,10 +1201,7 @@ class ControllerServer:
             "GetMeta",
             t0,
             req.timeout,
-            lambda: (
-                f"get_meta on partition {pid!r} for task {task!r} found fewer than "
-                f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
-            ),
+            lambda: _get_meta_timeout_message(self.state, req),
             work,
         )
 
@@ -1358,6 +1372,33 @@ def _check_result(result: Any) -> SampleResult:
             f"got {type(result).__name__}"
         ) from exc
     return sampled, consumed
+
+
+def _why_waiting(state: ControllerState, req: GetMeta) -> str | None:
+    """What a waiting get_meta lacks that more rows of the known fields would not bring."""
+    p = state.partitions.get(req.partition_id)
+    if p is None:
+        return f"partition {req.partition_id!r} does not exist (no put has created it)"
+    missing = [f for f in req.data_fields if f not in p.fields]
+    if not missing:
+        return None
+    return (
+        f"no row of partition {req.partition_id!r} has the field(s) {missing} (it has "
+        f"{sorted(p.fields)}); check the field names"
+    )
+
+
+def _get_meta_timeout_message(state: ControllerState, req: GetMeta) -> str:
+    why = _why_waiting(state, req)
+    if why is not None:
+        return (
+            f"get_meta for task {req.task_name!r} timed out after {req.timeout} s: {why}; "
+            "nothing was consumed"
+        )
+    return (
+        f"get_meta on partition {req.partition_id!r} for task {req.task_name!r} found fewer "
+        f"than {req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
+    )
 
 
 def _validate_get_meta(req: GetMeta) -> None:

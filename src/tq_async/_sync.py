@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._client import AsyncClient
+from ._client import AsyncClient, check_address
 from ._errors import ClosedError
 from ._meta import BatchMeta
 from ._portal import check_blocking_allowed, get_portal
@@ -42,17 +42,20 @@ class Client:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
     ) -> None:
+        check_address(address)
         self.address = address
         self._portal = get_portal()
         self._async: AsyncClient | None = None
         self._kwargs: dict[str, Any] = {
             "request_timeout": request_timeout,
+            "connect_timeout": connect_timeout,
             "allow_pickle": allow_pickle,
             "curve": curve,
             "retry_after": retry_after,
@@ -66,6 +69,7 @@ class Client:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -76,6 +80,7 @@ class Client:
         return cls(
             address,
             request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,

@@ -45,7 +45,14 @@ import zmq
 import zmq.utils.monitor
 
 from ._buffers import buffer_pool
-from ._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError, error_from_wire
+from ._errors import (
+    AuthenticationError,
+    BrokenError,
+    ClosedError,
+    ProtocolError,
+    TQTimeoutError,
+    error_from_wire,
+)
 from ._logging import get_logger
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
@@ -351,7 +358,14 @@ class DealerConnection(_Drained):
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         # a closed connection is reported on this monitor socket (no polling)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        #: the security handshake (NULL or CURVE) completed on this socket
+        self._handshaken = route is not None
         try:
             if route is None:
                 sock.connect(self.address)
@@ -412,8 +426,29 @@ class DealerConnection(_Drained):
             event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._fail_pending(self._rejected("rejected this client's CURVE key"))
             elif event == zmq.EVENT_DISCONNECTED:
+                if not self._handshaken:  # dropped during the handshake: not an outage
+                    self._fail_pending(self._rejected("dropped the security handshake"))
                 self._disconnected()
+
+    def _rejected(self, what: str) -> AuthenticationError:
+        if self._curve is None:
+            hint = (
+                "the services there use CURVE keys (connect with curve=tq.CurveClient("
+                "server_public, client_public, client_secret)), or what listens there is not "
+                "a tq_async service"
+            )
+        else:
+            hint = (
+                "check that server_public_key is the services' public key and that this "
+                "client's public key is in their allow-list (--curve-allow); retrying with "
+                "the same keys fails the same way"
+            )
+        return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
     def _disconnected(self) -> None:
         self.connected = False
