@@ -149,7 +149,7 @@ def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         default=default(None),
         metavar="FILE",
         help="read the deployment from this TOML file (samplers, admission, capacity, ...; "
-        "see examples/grpo.toml); the options below override it",
+        "see examples/grpo.toml); options given on the command line override it",
     )
     parser.add_argument(
         "--bind",
