@@ -119,3 +119,18 @@ async def test_refused_curve_keys_are_an_authentication_failure() -> None:
         async with tq.AsyncClient.connect(cluster.address, curve=good) as client:
             assert await client.list_partitions() == []
     assert issubclass(tq.AuthenticationError, tq.BrokenError)
+
+
+def test_a_storage_unit_with_a_controller_address_without_a_scheme() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._cli", "serve", "storage", "--controller", "h:5555"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "did you mean 'tcp://h:5555'?" in done.stderr

@@ -84,6 +84,7 @@ from ._protocol import (
     TakeRecycled,
 )
 from ._security import CurveClient
+from ._serve import check_address
 from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
@@ -1190,31 +1191,3 @@ def _merge_parts(
         merged = concat_columns([parts[u][1][j] for u in by_unit])
         columns.append(reorder_column(merged, inverse))
     return headers, columns
-
-
-#: schemes ZMQ can connect to
-_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-def check_address(address: str) -> None:
-    """Raise a clear error for an address ZMQ cannot connect to (before anything is sent).
-
-    Raises:
-        InvalidRequestError: not a string, or no ``tcp://`` / ``ipc://`` / ``inproc://``
-            scheme (with a hint at the likely fix).
-    """
-    if not isinstance(address, str):
-        raise InvalidRequestError(
-            f"address must be a string like 'tcp://127.0.0.1:5555', got {type(address).__name__}"
-        )
-    if address.startswith(_SCHEMES):
-        return
-    if "://" in address:
-        raise InvalidRequestError(
-            f"address {address!r} has an unsupported scheme; use tcp://HOST:PORT (or the "
-            "ipc:// address local_cluster reports)"
-        )
-    raise InvalidRequestError(
-        f"address {address!r} has no scheme; did you mean 'tcp://{address}'? (the "
-        "TQ_ADDRESS=... line `tq-async serve` prints is the whole address)"
-    )

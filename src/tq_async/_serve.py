@@ -36,6 +36,7 @@ from .samplers import BaseSampler
 
 __all__ = [
     "advertised_address",
+    "check_address",
     "first_tq_error",
     "local_ip_towards",
     "register_unit",
@@ -310,6 +311,7 @@ async def serve_storage(
     """
     if unit_id is not None and unit_id < 0:
         raise InvalidRequestError(f"unit_id must be >= 0, got {unit_id}")
+    check_address(controller)
     warn_if_exposed(bind, "storage", curve)
     unit = StorageServer(
         -1 if unit_id is None else unit_id,
@@ -333,3 +335,31 @@ async def serve_storage(
             "storage unit serving", unit_id=unit.unit_id, address=address, controller=controller
         )
         task_status.started((unit.unit_id, address))
+
+
+#: schemes ZMQ can connect to
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_address(address: str) -> None:
+    """Raise a clear error for an address ZMQ cannot connect to (before anything is sent).
+
+    Raises:
+        InvalidRequestError: not a string, or no ``tcp://`` / ``ipc://`` / ``inproc://``
+            scheme (with a hint at the likely fix).
+    """
+    if not isinstance(address, str):
+        raise InvalidRequestError(
+            f"address must be a string like 'tcp://127.0.0.1:5555', got {type(address).__name__}"
+        )
+    if address.startswith(_SCHEMES):
+        return
+    if "://" in address:
+        raise InvalidRequestError(
+            f"address {address!r} has an unsupported scheme; use tcp://HOST:PORT (or the "
+            "ipc:// address local_cluster reports)"
+        )
+    raise InvalidRequestError(
+        f"address {address!r} has no scheme; did you mean 'tcp://{address}'? (the "
+        "TQ_ADDRESS=... line `tq-async serve` prints is the whole address)"
+    )

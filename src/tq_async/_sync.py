@@ -17,11 +17,12 @@ from typing import Any, TypeVar
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._client import AsyncClient, check_address
+from ._client import AsyncClient
 from ._errors import ClosedError
 from ._meta import BatchMeta
 from ._portal import check_blocking_allowed, get_portal
 from ._security import CurveClient
+from ._serve import check_address
 
 __all__ = ["Client"]
 
