@@ -656,7 +656,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_summary(s: dict[str, Any]) -> None:
     bound = "off" if s["max_staleness"] is None else str(s["max_staleness"])
     if s["remote"]:
-        bound += " (enforced only if the remote cluster has admission and StalenessSampler)"
+        bound += (
+            " (enforced only if the remote cluster has admission and StalenessSampler, as"
+            " `tq-async serve --config examples/grpo.toml` does)"
+        )
     print(
         f"\n{s['rows']} samples ({s['response_tokens']} response tokens) in {s['steps']} steps: "
         f"{s['wall_s']:.1f} s, {s['samples_per_s']:.0f} samples/s; max staleness {bound}\n"
