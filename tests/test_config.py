@@ -226,3 +226,13 @@ async def test_the_example_against_serve_config_matches_the_embedded_run(
     assert remote["staleness_seen_max"] <= 1
     assert remote["dropped"] == 0
     assert abs(remote["balance"]["ratio_mean"] - embedded["balance"]["ratio_mean"]) <= 0.05
+
+
+async def test_serve_controller_takes_the_config_too(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[admission]\nmax_staleness = 0\n")
+    with serve_cluster(2, ["controller", "--config", str(path)]) as address:
+        async with tq.AsyncClient.connect(address) as client:
+            await client.acquire_rollout(0, 1)  # within the bound
+            with pytest.raises(tq.TQTimeoutError):
+                await client.acquire_rollout(1, 1, timeout=0.2)  # a version ahead: waits

@@ -286,7 +286,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         auto_clear_tasks: free each row once every one of these tasks consumed it, in every
             partition without its own ``register_tasks`` setting (empty: off).
         default_lease: seconds a fetched batch is leased when get_meta asks for no lease
-            (None: no lease unless asked); an unacknowledged batch is then redelivered.
+            (None: no lease unless asked); a batch not acknowledged in time is handed out
+            again. ``get`` (and so the streaming datasets) acknowledges after reading;
+            callers of ``get_meta`` + ``get_data`` call ``ack``.
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
         sampler: the sampler of every task without its own (``SequentialSampler`` if None).
         task_samplers: samplers for particular tasks, by task name.
