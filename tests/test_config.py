@@ -236,3 +236,8 @@ async def test_serve_controller_takes_the_config_too(tmp_path: Path) -> None:
             await client.acquire_rollout(0, 1)  # within the bound
             with pytest.raises(tq.TQTimeoutError):
                 await client.acquire_rollout(1, 1, timeout=0.2)  # a version ahead: waits
+
+
+def test_a_sampler_spec_checks_its_import_path_at_once() -> None:
+    with pytest.raises(tq.ConfigError, match='expected "module:callable"'):
+        tq.SamplerSpec("tq_async.SequentialSampler")

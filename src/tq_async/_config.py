@@ -70,6 +70,11 @@ class SamplerSpec:
     __slots__ = ("factory", "kwargs")
 
     def __init__(self, factory: str, kwargs: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(factory, str) or not _IMPORT_PATH.fullmatch(factory):
+            raise ConfigError(
+                f'factory: expected "module:callable" (e.g. "tq_async:SequentialSampler"), '
+                f"got {factory!r}"
+            )
         self.factory = factory
         self.kwargs: dict[str, Any] = dict(kwargs or {})
 
