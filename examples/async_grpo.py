@@ -42,11 +42,12 @@ Run it::
     python examples/async_grpo.py --max-staleness 0        # synchronous GRPO
     python examples/async_grpo.py --staleness-sweep off,0,1,2
 
-    tq-async serve                                         # elsewhere: prints TQ_ADDRESS=...
+    tq-async serve --config examples/grpo.toml             # elsewhere: prints TQ_ADDRESS=...
     python examples/async_grpo.py --address tcp://127.0.0.1:PORT
 
 With ``--address`` no cluster is started, and the remote cluster's samplers and admission
-apply (``tq-async serve`` starts the defaults: no token balancing, no staleness bound).
+apply: ``examples/grpo.toml`` is :func:`cluster_config` for the default arguments (a plain
+``tq-async serve`` starts the defaults: no token balancing, no staleness bound).
 """
 
 from __future__ import annotations
@@ -579,28 +580,38 @@ class Pipeline:
 # ---- running it ------------------------------------------------------------------------------
 
 
-def cluster_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The embedded cluster: a sampler per consuming task, and admission for staleness."""
+def cluster_config(args: argparse.Namespace) -> tq.Config:
+    """The services' configuration: a sampler per consuming task, and admission for staleness.
+
+    ``examples/grpo.toml`` is this for the default arguments, so that ``tq-async serve
+    --config examples/grpo.toml`` serves ``--address`` runs as the embedded cluster does.
+    """
     n = args.n_samples
-    learner: tq.BaseSampler = tq.SeqlenBalancedSampler(
-        n_samples_per_prompt=n, dp_size=args.dp_size, n_replicas=args.replicas
+    learner = tq.SamplerSpec(
+        "tq_async:SeqlenBalancedSampler",
+        {"n_samples_per_prompt": n, "dp_size": args.dp_size, "n_replicas": args.replicas},
     )
     admission = None
     if args.max_staleness is not None:
         k = args.max_staleness
-        learner = tq.StalenessSampler(learner, max_staleness=k, on_stale="drop")
-        admission = tq.AdmissionConfig(
+        learner = tq.SamplerSpec(
+            "tq_async:StalenessSampler", {"inner": learner, "max_staleness": k, "on_stale": "drop"}
+        )
+        admission = tq.AdmissionSection(
             max_staleness=k,
             # rollouts run at most k steps ahead: at most k + 1 steps of rows are in flight
             capacity=(k + 1) * args.prompts_per_step * n,
             learner_task="learner",
         )
-    return {
-        "num_storage_units": 2,
+    return tq.Config(
+        num_storage_units=2,
         # whole prompt groups for the reward task (it normalises rewards per group)
-        "task_samplers": {"reward": tq.GRPOGroupNSampler(n), "learner": learner},
-        "admission": admission,
-    }
+        task_samplers={
+            "reward": tq.SamplerSpec("tq_async:GRPOGroupNSampler", {"n_samples_per_prompt": n}),
+            "learner": learner,
+        },
+        admission=admission,
+    )
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -611,7 +622,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.address:
             address = args.address
         else:
-            cluster = await stack.enter_async_context(tq.local_cluster(**cluster_options(args)))
+            cluster = await stack.enter_async_context(tq.local_cluster(config=cluster_config(args)))
             address = cluster.address
         client = await stack.enter_async_context(tq.AsyncClient.connect(address))
         if any(p.startswith("train@") for p in await client.list_partitions()):
@@ -648,7 +659,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_summary(s: dict[str, Any]) -> None:
     bound = "off" if s["max_staleness"] is None else str(s["max_staleness"])
     if s["remote"]:
-        bound += " (enforced only if the remote cluster has admission and StalenessSampler)"
+        bound += (
+            " (enforced only if the remote cluster has admission and StalenessSampler, as"
+            " `tq-async serve --config examples/grpo.toml` does)"
+        )
     print(
         f"\n{s['rows']} samples ({s['response_tokens']} response tokens) in {s['steps']} steps: "
         f"{s['wall_s']:.1f} s, {s['samples_per_s']:.0f} samples/s; max staleness {bound}\n"

@@ -11,7 +11,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,10 +19,19 @@ _START_TIMEOUT = 60.0
 
 
 @contextmanager
-def serve_cluster(storage_units: int = 2) -> Iterator[str]:
-    """Run ``tq-async serve`` in a subprocess; yield its address; terminate it on exit."""
+def serve_cluster(storage_units: int = 2, args: Sequence[str] = ()) -> Iterator[str]:
+    """Run ``tq-async serve`` (plus ``args``) in a subprocess; yield its address; terminate
+    it on exit."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", str(storage_units)],
+        [
+            sys.executable,
+            "-m",
+            "tq_async._cli",
+            "serve",
+            "--storage-units",
+            str(storage_units),
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

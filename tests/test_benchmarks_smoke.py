@@ -37,6 +37,9 @@ def test_benchmarks_smoke(tmp_path: Path) -> None:
         assert column in header
     for workload in ("W1", "W2", "W3", "W4"):
         assert any(line.startswith(workload + " ") for line in lines), workload
+    # tiny sizes are not judged against the targets: no MISS (nor PASS) rows
+    assert "MISS" not in proc.stdout
+    assert "targets not judged at --smoke sizes" in proc.stdout
     doc = json.loads(out_json.read_text())
     assert doc["failures"] == []
     assert {r["workload"] for r in doc["results"]} == {"W1", "W2", "W3", "W4"}

@@ -136,3 +136,39 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
     # a resource filter that matches this node selects it
     cpu_nodes = tq_ray.select_nodes({"resources": {"CPU": 1}})
     assert cpu_nodes == [ray.get_runtime_context().get_node_id()]
+
+
+def test_launch_with_a_config(local_ray: None) -> None:
+    import anyio
+
+    here = ray.get_runtime_context().get_node_id()
+    bad = tq.Config(task_samplers={"learner": tq.SamplerSpec("tq_async:NoSuchSampler")})
+    with pytest.raises(tq.ConfigError, match=r"task_samplers\.learner\.factory"):
+        tq_ray.launch(name="bad", namespace=NAMESPACE, placement=[here], config=bad)
+    assert our_actors() == []  # failed before any actor started
+    with pytest.raises(tq.ConfigError, match="given both"):
+        tq_ray.launch(3, name="both", namespace=NAMESPACE, config=tq.Config())
+
+    config = tq.Config(
+        num_storage_units=1,
+        admission=tq.AdmissionSection(max_staleness=0),
+        task_samplers={"learner": tq.SamplerSpec("tq_async:GRPOGroupNSampler", {"n": 2})},
+    )
+    with pytest.raises(tq.ConfigError, match="unexpected keyword argument 'n'"):
+        tq_ray.launch(name="cfg", namespace=NAMESPACE, placement=[here], config=config)
+    config.task_samplers["learner"].kwargs = {"n_samples_per_prompt": 2}
+    cluster = tq_ray.launch(
+        name="cfg", namespace=NAMESPACE, host="127.0.0.1", placement=[here], config=config
+    )
+    try:
+        assert len(cluster.unit_addresses) == 1
+
+        async def check_admission() -> None:
+            async with tq.AsyncClient.connect(cluster.address) as client:
+                await client.acquire_rollout(0, 1)  # version 0 - learner 0 <= 0: admitted
+                with pytest.raises(tq.TQTimeoutError):
+                    await client.acquire_rollout(1, 1, timeout=0.2)  # one version ahead
+
+        anyio.run(check_admission)
+    finally:
+        cluster.shutdown()

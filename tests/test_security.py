@@ -57,11 +57,13 @@ def test_bad_keys_are_rejected_clearly() -> None:
 
 
 async def test_binds_loopback_by_default_and_warns_on_public(
-    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with tq.local_cluster(transport="tcp") as cluster:
         assert cluster.address.startswith("tcp://127.0.0.1:")
         assert all(a.startswith("tcp://127.0.0.1:") for a in cluster.unit_addresses)
+    assert "non-loopback" not in caplog.text
     async with tq.local_cluster(num_storage_units=1, bind="tcp://0.0.0.0:0"):
         pass
-    assert "non-loopback" in capsys.readouterr().out
+    # a warning of the tq_async._cluster logger (the application's logging shows it)
+    assert [r.levelname for r in caplog.records if "non-loopback" in r.getMessage()] == ["WARNING"]

@@ -15,12 +15,18 @@ from typing import TYPE_CHECKING, Any
 from ._cluster import LocalCluster as LocalCluster
 from ._cluster import local_cluster as local_cluster
 from ._columns import ColumnHeader as ColumnHeader
+from ._config import AdmissionSection as AdmissionSection
+from ._config import Config as Config
+from ._config import CurveSection as CurveSection
+from ._config import SamplerSpec as SamplerSpec
 from ._controller import AdmissionConfig as AdmissionConfig
 from ._controller import ControllerServer as ControllerServer
 from ._controller import Deadlines as Deadlines
+from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
+from ._errors import ConfigError as ConfigError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import KeyNotFound as KeyNotFound
 from ._errors import PartitionNotFound as PartitionNotFound
@@ -86,7 +92,9 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AdmissionConfig",
+    "AdmissionSection",
     "AsyncClient",
+    "AuthenticationError",
     "AsyncStreamingDataset",
     "BaseSampler",
     "BatchMeta",
@@ -95,9 +103,12 @@ __all__ = [
     "Client",
     "ClosedError",
     "ColumnHeader",
+    "Config",
+    "ConfigError",
     "ControllerServer",
     "ControllerState",
     "CurveClient",
+    "CurveSection",
     "CurveServer",
     "Deadlines",
     "GRPOGroupNSampler",
@@ -108,6 +119,7 @@ __all__ = [
     "ProtocolError",
     "RankAwareSampler",
     "RowsNotFound",
+    "SamplerSpec",
     "SchemaError",
     "SeqlenBalancedSampler",
     "SequentialSampler",

@@ -16,99 +16,43 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 
 import anyio
-import structlog
-import zmq.auth
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from ._cluster import local_cluster
+from ._config import Config
+from ._config import load_curve as load_curve
 from ._core import Deadlines
-from ._errors import InvalidRequestError
-from ._logging import configure_logging
+from ._errors import ConfigError
+from ._logging import configure_logging, get_logger
 from ._metrics import serve_metrics
-from ._security import CurveServer
 from ._serve import first_tq_error, serve_controller, serve_storage
 
 __all__ = ["main"]
 
-log = structlog.get_logger(__name__)
+log = get_logger("tq_async._cli")  # not __main__ under `python -m tq_async._cli`
 
 _DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    registry = CollectorRegistry() if args.metrics_on else None
-    async with local_cluster(
-        num_storage_units=args.storage_units,
-        host=args.host,
-        bind=args.bind,
-        transport="tcp",
-        allow_pickle=args.allow_pickle,
-        metrics_registry=registry,
-        serve_metrics_on=args.metrics_on,
-        curve=load_curve(args.curve_cert, args.curve_allow),
-        capacity=args.capacity,
-        capacity_scope=args.capacity_scope,
-        deadlines=_deadlines(args),
-    ) as cluster:
-        # The one line a launcher parses; flushed so a parent reading our stdout sees it.
-        print(f"TQ_ADDRESS={cluster.address}", flush=True)
-        if cluster.metrics_url:
-            print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
+async def _serve(config: Config) -> None:
+    # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with local_cluster(transport="tcp", config=config) as cluster:
+            # The one line a launcher parses; flushed so a parent reading our stdout sees it.
+            print(f"TQ_ADDRESS={cluster.address}", flush=True)
+            if cluster.metrics_url:
+                print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
+            log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
+            async for signum in signals:
+                log.info("stopping", signal=signal.Signals(signum).name)
                 break
-
-
-def _deadlines(args: argparse.Namespace) -> Deadlines:
-    defaults = Deadlines()
-    return Deadlines(
-        put_lease=getattr(args, "put_lease", defaults.put_lease),
-        unit_suspend_after=getattr(args, "unit_suspend_after", defaults.unit_suspend_after),
-        unit_lost_after=getattr(args, "unit_lost_after", defaults.unit_lost_after),
-    )
-
-
-def load_curve(cert: str | None, allow: Sequence[str] | None) -> CurveServer | None:
-    """CURVE keys from ZMQ certificate files (``zmq.auth.create_certificates`` makes them).
-
-    Args:
-        cert: the services' secret certificate (``NAME.key_secret``); None: no CURVE.
-        allow: public certificates (files, or directories of ``*.key`` files) of the clients
-            let in; None: any client that knows the services' public key.
-
-    Raises:
-        InvalidRequestError: a file is missing or holds no key of the needed kind.
-    """
-    if cert is None:
-        if allow:
-            raise InvalidRequestError("--curve-allow needs --curve-cert (the services' keys)")
-        return None
-    try:
-        public, secret = zmq.auth.load_certificate(cert)
-        allowed: list[bytes] | None = None
-        if allow:
-            allowed = []
-            for path in allow:
-                if os.path.isdir(path):
-                    allowed.extend(zmq.auth.load_certificates(path))
-                else:
-                    allowed.append(zmq.auth.load_certificate(path)[0])
-    except (OSError, ValueError) as exc:
-        raise InvalidRequestError(f"cannot read CURVE certificates: {exc}") from exc
-    if secret is None:
-        raise InvalidRequestError(
-            f"{cert} holds no secret key; pass the NAME.key_secret file that "
-            "zmq.auth.create_certificates(dir, NAME) wrote"
-        )
-    return CurveServer(public, secret, allowed_clients=allowed)
 
 
 async def _cancel_on_signal(
@@ -124,10 +68,9 @@ async def _cancel_on_signal(
             return
 
 
-async def _serve_role(args: argparse.Namespace) -> None:
-    registry = CollectorRegistry() if args.metrics_on else None
-    bind = args.bind or _DEFAULT_BIND
-    curve = load_curve(args.curve_cert, args.curve_allow)
+async def _serve_role(args: argparse.Namespace, config: Config) -> None:
+    registry = CollectorRegistry() if config.metrics_on else None
+    bind = config.bind or _DEFAULT_BIND
     stop_metrics: Callable[[], None] | None = None
     try:
         async with anyio.create_task_group() as tg:
@@ -138,12 +81,8 @@ async def _serve_role(args: argparse.Namespace) -> None:
                         serve_controller,
                         bind,
                         advertise=args.advertise,
-                        allow_pickle=args.allow_pickle,
                         metrics_registry=registry,
-                        curve=curve,
-                        capacity=args.capacity,
-                        capacity_scope=args.capacity_scope,
-                        deadlines=_deadlines(args),
+                        config=config,
                     )
                 )
                 print(f"TQ_ADDRESS={address}", flush=True)
@@ -155,15 +94,15 @@ async def _serve_role(args: argparse.Namespace) -> None:
                         bind,
                         unit_id=args.unit_id,
                         advertise=args.advertise,
-                        allow_pickle=args.allow_pickle,
+                        allow_pickle=config.allow_pickle,
                         register_timeout=args.register_timeout,
                         metrics_registry=registry,
-                        curve=curve,
+                        curve=config.load_curve(),
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
-            if registry is not None:
-                host, _, port = args.metrics_on.rpartition(":")
+            if registry is not None and config.metrics_on is not None:
+                host, _, port = config.metrics_on.rpartition(":")
                 url, stop_metrics = serve_metrics(registry, host or "127.0.0.1", int(port or 0))
                 print(f"TQ_METRICS_URL={url}", flush=True)
     finally:
@@ -171,102 +110,199 @@ async def _serve_role(args: argparse.Namespace) -> None:
             await anyio.to_thread.run_sync(stop_metrics)
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tq-async", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="run tq_async services until SIGTERM/SIGINT",
-        description=(
-            "Without a role: a controller and --storage-units storage units in this process. "
-            "With a role (controller / storage): one service, for clusters spread over hosts."
-        ),
+_FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
+
+#: ``serve`` options that a Config also sets: flag dest -> Config attribute
+_CONFIG_FLAGS = {
+    "storage_units": "num_storage_units",
+    "host": "host",
+    "bind": "bind",
+    "metrics_on": "metrics_on",
+    "allow_pickle": "allow_pickle",
+    "capacity": "capacity",
+    "capacity_scope": "capacity_scope",
+    "put_lease": "put_lease",
+    "unit_suspend_after": "unit_suspend_after",
+    "unit_lost_after": "unit_lost_after",
+}
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {value!r}; choose from {', '.join(_LOG_LEVELS).lower()}"
+        )
+    return level
+
+
+def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    """Options of ``serve`` that its roles take too.
+
+    In a role's parser they default to SUPPRESS, so ``serve --bind X controller`` and
+    ``serve controller --bind X`` mean the same.
+    """
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if in_role else value
+
+    parser.add_argument(
+        "--config",
+        default=default(None),
+        metavar="FILE",
+        help="read the deployment from this TOML file (samplers, admission, capacity, ...; "
+        "see examples/grpo.toml); options given on the command line override it",
     )
-    serve.add_argument("--storage-units", type=int, default=2, help="number of storage units")
-    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback)")
-    # Options that a role also takes are given SUPPRESS defaults in the role's parser, so
-    # `serve --bind X controller` and `serve controller --bind X` mean the same.
-    serve.add_argument(
-        "--bind", default=None, help="controller bind address, e.g. tcp://127.0.0.1:5555"
+    parser.add_argument(
+        "--bind",
+        default=default(None),
+        metavar="tcp://HOST:PORT",
+        help=f"the address to bind (default: {_DEFAULT_BIND}: a free port on loopback)",
     )
-    serve.add_argument(
+    parser.add_argument(
         "--metrics-on",
-        default=None,
+        default=default(None),
         metavar="HOST:PORT",
-        help="serve Prometheus metrics over HTTP here (port 0: any free port)",
+        help="serve Prometheus metrics over HTTP here (port 0: any free port; default: off)",
     )
-    serve.add_argument(
+    parser.add_argument(
         "--allow-pickle",
         action="store_true",
+        default=default(False),
         help="accept pickled columns (pickle runs code on load: trusted deployments only)",
     )
-    serve.add_argument(
+    parser.add_argument(
         "--curve-cert",
-        default=None,
+        default=default(None),
         metavar="FILE",
         help="encrypt every socket with this CURVE secret certificate (NAME.key_secret from "
-        "zmq.auth.create_certificates); every service of a cluster uses the same one",
+        "zmq.auth.create_certificates); every service of a cluster uses the same one "
+        "(default: no encryption)",
     )
-    serve.add_argument(
+    parser.add_argument(
         "--curve-allow",
         action="append",
-        default=None,
+        default=default(None),
         metavar="PATH",
         help="admit only clients whose public certificate is this file or in this directory "
         "(repeatable); without it any client that knows the public key gets in",
     )
-    serve.add_argument(
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=default("INFO"),
+        metavar="LEVEL",
+        help="lowest level logged on stderr: debug, info, warning, error or critical, in "
+        "any case (default: info)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=default(False),
+        help="log one JSON object per line (default: coloured text on a terminal, plain "
+        "text otherwise)",
+    )
+
+
+def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    defaults = Deadlines()
+    for flag, value, text in (
+        (
+            "--put-lease",
+            defaults.put_lease,
+            "reclaim the rows of a put neither committed nor renewed for this long (a dead "
+            "producer's; live producers renew)",
+        ),
+        (
+            "--unit-suspend-after",
+            defaults.unit_suspend_after,
+            "suspend a storage unit silent for this long: its rows wait, neither handed out "
+            "nor lost",
+        ),
+        (
+            "--unit-lost-after",
+            defaults.unit_lost_after,
+            "declare a suspended unit's rows lost after this long (a unit whose process is "
+            "gone is lost at once)",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            type=float,
+            default=argparse.SUPPRESS if in_role else value,
+            metavar="SECONDS",
+            help=f"{text} (default: {value:g})",
+        )
+
+
+def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
         "--capacity",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS if in_role else None,
         metavar="ROWS",
         help="backpressure: the most live rows per partition (see --capacity-scope); a put "
         "that does not fit waits until rows are cleared (default: unbounded)",
     )
-    serve.add_argument(
+    parser.add_argument(
         "--capacity-scope",
         choices=["partition", "global"],
-        default="partition",
-        help="--capacity counts rows per partition (default) or in all partitions together",
+        default=argparse.SUPPRESS if in_role else "partition",
+        help="--capacity counts rows per partition or in all partitions together "
+        "(default: partition)",
     )
-    defaults = Deadlines()
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tq-async",
+        description="Run tq_async services as processes.",
+        formatter_class=_FORMATTER,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run tq_async services until SIGTERM/SIGINT",
+        formatter_class=_FORMATTER,
+        description=(
+            "Without a role: a controller and --storage-units storage units in this process; "
+            "prints TQ_ADDRESS=<address>. With a role (controller / storage): one service, "
+            "for clusters spread over hosts. Logs go to stderr."
+        ),
+    )
     serve.add_argument(
-        "--put-lease",
-        type=float,
-        default=defaults.put_lease,
-        metavar="SECONDS",
-        help="reclaim the rows of a put neither committed nor renewed for this long (a dead "
-        f"producer's); live producers renew (default {defaults.put_lease:g})",
+        "--storage-units",
+        type=int,
+        default=2,
+        metavar="N",
+        help="number of storage units (default: 2)",
     )
     serve.add_argument(
-        "--unit-suspend-after",
-        type=float,
-        default=defaults.unit_suspend_after,
-        metavar="SECONDS",
-        help="suspend a storage unit silent for this long: its rows wait, neither handed out "
-        f"nor lost (default {defaults.unit_suspend_after:g})",
+        "--host",
+        default="127.0.0.1",
+        help="the interface the services bind (default: 127.0.0.1, loopback only)",
     )
-    serve.add_argument(
-        "--unit-lost-after",
-        type=float,
-        default=defaults.unit_lost_after,
-        metavar="SECONDS",
-        help="declare a suspended unit's rows lost after this long (default "
-        f"{defaults.unit_lost_after:g}); a unit whose process is gone is lost at once",
-    )
-    serve.add_argument("--log-level", default="INFO", help="lowest log level shown on stderr")
-    serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    _add_shared(serve, in_role=False)
+    _add_capacity(serve, in_role=False)
+    _add_deadlines(serve, in_role=False)
     serve.set_defaults(role=None)
 
-    roles = serve.add_subparsers(dest="role", metavar="{controller,storage}")
+    roles = serve.add_subparsers(dest="role", metavar="ROLE")
     ctl = roles.add_parser(
         "controller",
         help="run a controller alone (storage units register with it)",
+        formatter_class=_FORMATTER,
         description="Run a controller alone; prints TQ_ADDRESS=<address>.",
     )
     unit = roles.add_parser(
         "storage",
         help="run one storage unit and register it with a controller",
+        formatter_class=_FORMATTER,
         description="Run one storage unit, register it; prints TQ_UNIT=<id> <address>.",
     )
     unit.add_argument(
@@ -284,19 +320,12 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="give up if the controller does not answer the registration in this time",
+        help="give up if the controller does not answer the registration in this time "
+        "(default: 30)",
     )
-    ctl.add_argument("--capacity", type=int, default=argparse.SUPPRESS, metavar="ROWS")
-    ctl.add_argument("--capacity-scope", choices=["partition", "global"], default=argparse.SUPPRESS)
-    for flag in ("--put-lease", "--unit-suspend-after", "--unit-lost-after"):
-        ctl.add_argument(flag, type=float, default=argparse.SUPPRESS, metavar="SECONDS")
+    _add_capacity(ctl, in_role=True)
+    _add_deadlines(ctl, in_role=True)
     for role in (ctl, unit):
-        role.add_argument(
-            "--bind",
-            default=argparse.SUPPRESS,
-            metavar="tcp://HOST:PORT",
-            help=f"address to bind (default {_DEFAULT_BIND}; port 0: any free port)",
-        )
         role.add_argument(
             "--advertise",
             default=None,
@@ -304,15 +333,58 @@ def _build_parser() -> argparse.ArgumentParser:
             help="host name or IP that other hosts dial (needed with a 0.0.0.0 bind; a unit "
             "defaults to its IP on the route to the controller)",
         )
-        role.add_argument("--metrics-on", default=argparse.SUPPRESS, metavar="HOST:PORT")
-        role.add_argument("--allow-pickle", action="store_true", default=argparse.SUPPRESS)
-        role.add_argument("--curve-cert", default=argparse.SUPPRESS, metavar="FILE")
-        role.add_argument(
-            "--curve-allow", action="append", default=argparse.SUPPRESS, metavar="PATH"
-        )
-        role.add_argument("--log-level", default=argparse.SUPPRESS)
-        role.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS)
+        _add_shared(role, in_role=True)
     return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the options present on the command line (not defaults)."""
+    saved: list[tuple[argparse.Action, object]] = []
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    suppress(child)
+            elif action.dest != "help":
+                saved.append((action, action.default))
+                action.default = argparse.SUPPRESS
+
+    suppress(parser)
+    try:
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action, value in saved:
+            action.default = value
+
+
+def config_from_args(args: argparse.Namespace, given: set[str]) -> Config:
+    """The file of ``--config`` (or the defaults) with the options given on top.
+
+    Raises:
+        ConfigError: the file is bad, or an option makes the result invalid.
+    """
+    config = Config.from_toml(args.config) if args.config else Config()
+    changes: dict[str, object] = {
+        key: getattr(args, dest) for dest, key in _CONFIG_FLAGS.items() if dest in given
+    }
+    if "curve_cert" in given or "curve_allow" in given:
+        cert = args.curve_cert if "curve_cert" in given else None
+        allow = args.curve_allow if "curve_allow" in given else None
+        if config.curve is not None:
+            cert, allow = cert or config.curve.cert, allow or config.curve.allow
+        if cert is None:
+            raise ConfigError("--curve-allow needs --curve-cert (the services' keys)")
+        changes["curve"] = {"cert": cert, "allow": allow or []}
+    if not changes:
+        return config
+    return config.replace(source="command line", **changes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -322,9 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (``sys.argv[1:]`` by default).
 
     Returns:
-        The exit status: 0 after a clean stop, 1 when a service could not start.
+        The exit status: 0 after a clean stop, 1 when a service could not start, 2 for a
+        bad command line or configuration.
     """
     parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # This process is ours: move the objects its imports leave behind out of the collector's
     # reach, so full collections do not walk them while serving. (It mattered most while the
@@ -335,12 +409,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.role is not None and (args.storage_units != 2 or args.host != "127.0.0.1"):
         parser.error("--storage-units and --host apply to the all-in-one `serve` only")
+    configure_logging(args.log_level, json=args.log_json)
     try:
-        configure_logging(args.log_level, json=args.log_json)
-    except ValueError as exc:
-        parser.error(str(exc))
+        config = config_from_args(args, _given(parser, argv))
+        config.controller_options()  # import and call the factories now: fail before binding
+    except ConfigError as exc:
+        print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
-        anyio.run(_serve if args.role is None else _serve_role, args)
+        if args.role is None:
+            anyio.run(_serve, config)
+        else:
+            anyio.run(_serve_role, args, config)
     except BaseException as exc:
         error = first_tq_error(exc)
         if error is None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import operator
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import msgspec
-import structlog
 import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
@@ -45,7 +44,9 @@ from ._errors import (
     RowsNotFound,
     SchemaError,
     TQError,
+    TQTimeoutError,
 )
+from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
     Ack,
@@ -92,11 +93,12 @@ from ._protocol import (
     check_seconds,
 )
 from ._security import CurveClient
+from ._serve import check_address
 from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
@@ -192,6 +194,9 @@ class AsyncClient:
     Args:
         address: the controller's endpoint (``cluster.address``, or what ``tq-async serve``
             printed).
+        connect_timeout: seconds :meth:`open` waits for the controller's first answer (at
+            most ``request_timeout``) before it fails with :class:`~tq_async.TQTimeoutError`
+            naming the address: with nothing listening there, ZMQ would wait forever.
         request_timeout: seconds any single non-waiting request may take before it fails with
             :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the
@@ -218,6 +223,7 @@ class AsyncClient:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -229,6 +235,10 @@ class AsyncClient:
         check_seconds("request_timeout", request_timeout, optional=False)
         check_seconds("retry_after", retry_after)
         self.inline_get_bytes = inline_get_bytes
+        check_address(address)
+        if connect_timeout <= 0:
+            raise InvalidRequestError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+        self.connect_timeout = connect_timeout
         self.address = address
         self.inline_put_bytes = inline_put_bytes
         self.request_timeout = request_timeout
@@ -252,6 +262,7 @@ class AsyncClient:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -262,11 +273,21 @@ class AsyncClient:
         return cls(
             address,
             request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+        )
+
+    def __await__(self) -> Generator[Any, None, NoReturn]:
+        # `client = await AsyncClient.connect(...)` is a natural guess: say what works
+        raise InvalidRequestError(
+            "AsyncClient.connect(...) is not awaited: use `async with "
+            "tq.AsyncClient.connect(address) as client: ...` (or `client = "
+            "tq.AsyncClient.connect(address)`, `await client.open()`, and later `await "
+            "client.aclose()`)"
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -285,15 +306,26 @@ class AsyncClient:
         """Connect to the controller and learn the storage units.
 
         Raises:
-            TQTimeoutError: the controller did not answer within ``request_timeout``.
+            TQTimeoutError: the controller did not answer within ``connect_timeout``.
+            AuthenticationError: the services refused this client's CURVE keys.
         """
         if self._controller is not None:
             return
         self._controller = DealerConnection(
             self.address, curve=self.curve, retry_after=self.retry_after
         )
+        wait = min(self.connect_timeout, self.request_timeout)
         try:
-            await self._refresh_units()
+            await self._refresh_units(timeout=wait)
+        except TQTimeoutError:
+            self._controller.close()
+            self._controller = None
+            raise TQTimeoutError(
+                f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
+                "check the address (the TQ_ADDRESS=... line "
+                "`tq-async serve` prints), that the services run, and that this host can "
+                "reach them"
+            ) from None
         except BaseException:
             self._controller.close()
             self._controller = None
@@ -312,14 +344,14 @@ class AsyncClient:
     def closed(self) -> bool:
         return self._controller is None
 
-    async def _refresh_units(self) -> None:
+    async def _refresh_units(self, timeout: float | bool = True) -> None:
         """Ask the controller for the units; drop connections to addresses that changed."""
         if self._refreshing is not None:  # one Hello at a time serves every caller
             await self._refreshing.wait()
             return
         self._refreshing = done = anyio.Event()
         try:
-            hello = await self._call(Hello(), HelloReply)
+            hello = await self._call(Hello(), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()

@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
-import structlog
 from prometheus_client import CollectorRegistry
 
+from ._config import Config
 from ._controller import AdmissionConfig, ControllerServer, Deadlines
-from ._errors import InvalidRequestError
+from ._errors import ConfigError, InvalidRequestError
+from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from ._portal import host_services, stop_hosting
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
 from ._storage import StorageServer
 from ._transport import is_loopback
 from .samplers import BaseSampler
 
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = ["LocalCluster", "local_cluster"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -63,6 +70,7 @@ async def local_cluster(
     capacity: int | None = None,
     capacity_scope: str = "partition",
     deadlines: Deadlines | None = None,
+    config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -92,15 +100,53 @@ async def local_cluster(
             "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
             ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
             by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
+        capacity_scope: ``"partition"`` or ``"global"`` (see ``capacity``).
         deadlines: how long the controller waits for a producer's uncommitted put and for
             a silent storage unit (:class:`~tq_async.Deadlines`).
+        config: the whole deployment as a :class:`~tq_async.Config` (e.g.
+            ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
+            and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
+            be left at their defaults; ``transport`` and ``metrics_registry`` still apply.
 
     Yields:
         A :class:`LocalCluster`.
 
     Raises:
         BrokenError: an address could not be bound.
+        ConfigError: ``config`` is bad (a sampler factory does not import or raises, ...),
+            or an argument was given both in it and explicitly.
     """
+    options: dict[str, Any] = {
+        "sampler": sampler,
+        "task_samplers": task_samplers,
+        "allow_pickle": allow_pickle,
+        "admission": admission,
+        "curve": curve,
+        "deadlines": deadlines,
+    }
+    auto_clear: list[str] = []
+    if config is not None:
+        _check_no_overlap(
+            num_storage_units=num_storage_units,
+            sampler=sampler,
+            task_samplers=task_samplers,
+            host=host,
+            bind=bind,
+            allow_pickle=allow_pickle,
+            serve_metrics_on=serve_metrics_on,
+            admission=admission,
+            curve=curve,
+            capacity=capacity,
+            capacity_scope=capacity_scope,
+            deadlines=deadlines,
+        )
+        options = config.controller_options()
+        num_storage_units, host, bind = config.num_storage_units, config.host, config.bind
+        capacity, capacity_scope = config.capacity, config.capacity_scope
+        serve_metrics_on, auto_clear = config.metrics_on, config.auto_clear_tasks
+        if serve_metrics_on is not None and metrics_registry is None:
+            metrics_registry = CollectorRegistry()
+    allow_pickle, curve = options["allow_pickle"], options["curve"]
     if num_storage_units < 1:
         raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
     if transport not in ("ipc", "tcp"):
@@ -120,6 +166,8 @@ async def local_cluster(
     if serve_metrics_on is not None and metrics_registry is None:
         raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
     stop_metrics = None
+    raised: list[BaseException] = []  # what the caller's block raised, if anything
+    hosting = host_services()  # blocking clients on this loop's thread fail at once
     try:
         async with anyio.create_task_group() as tg:
             units = [
@@ -137,16 +185,13 @@ async def local_cluster(
                 addresses[unit.unit_id] = address
             state = ControllerState(addresses)
             state.capacity, state.capacity_global = capacity, capacity_global
+            if auto_clear:
+                state.auto_clear[None] = tuple(dict.fromkeys(auto_clear))
             controller = ControllerServer(
                 state,
-                sampler,
-                task_samplers=task_samplers,
-                allow_pickle=allow_pickle,
+                **options,
                 metrics=Metrics(metrics_registry, "controller"),
-                admission=admission,
-                curve=curve,
                 local_units={u.unit_id: u for u in units},
-                deadlines=deadlines,
             )
             address = await tg.start(controller.serve, controller_bind)
             cluster = LocalCluster(address, controller, units)
@@ -162,10 +207,54 @@ async def local_cluster(
                     )
             try:
                 yield cluster
+            except BaseException as exc:
+                raised.append(exc)
+                raise
             finally:
                 tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what the caller's block raised: hand it back as itself, so
+        # that `except ValueError` around `async with local_cluster()` works.
+        if not raised or not _only(group, raised[0]):
+            raise
     finally:
+        stop_hosting(hosting)
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)
         if sockdir is not None:
             shutil.rmtree(sockdir, ignore_errors=True)
+    if raised:
+        raise raised[0]
+
+
+def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
+    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
+    return rest is None
+
+
+#: local_cluster's arguments that a Config also sets, with their defaults
+_CONFIG_COVERS: dict[str, Any] = {
+    "num_storage_units": 2,
+    "sampler": None,
+    "task_samplers": None,
+    "host": "127.0.0.1",
+    "bind": None,
+    "allow_pickle": False,
+    "serve_metrics_on": None,
+    "admission": None,
+    "curve": None,
+    "capacity": None,
+    "capacity_scope": "partition",
+    "deadlines": None,
+}
+
+
+def _check_no_overlap(**given: Any) -> None:
+    for name, value in given.items():
+        if value != _CONFIG_COVERS[name]:
+            raise ConfigError(
+                f"{name}: given both as an argument and by config=; set it in the Config "
+                f"(config.replace({name}=...)) or drop config="
+            )

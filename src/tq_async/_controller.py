@@ -45,6 +45,7 @@ from ._errors import (
     TQTimeoutError,
     WouldBlock,
 )
+from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
     Ack,
@@ -109,7 +110,7 @@ from .samplers import BaseSampler
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: replies remembered for deduplicating retried requests (about 1 KiB each)
 _REPLY_CACHE = 8192
@@ -143,6 +144,8 @@ class ControllerServer:
             own): a small put sent whole to the controller (:class:`PutInline`) is stored in
             them directly, without a message.
         deadlines: the put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
+        default_lease: seconds of the lease of a fetch that asks for none (None: no lease
+            unless asked for).
     """
 
     def __init__(
@@ -158,11 +161,16 @@ class ControllerServer:
         curve: CurveServer | None = None,
         local_units: Mapping[int, StorageServer] | None = None,
         deadlines: Deadlines | None = None,
+        default_lease: float | None = None,
     ) -> None:
         self.core = ControllerCore(
             state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
         )
         self.state = self.core.state
+        self.default_lease = default_lease
+        #: seconds after which a get_meta waiting on fields (or a partition) that do not
+        #: exist logs a warning naming them
+        self.waiting_warning_after = 30.0
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self._malformed = LogThrottle()
@@ -659,6 +667,8 @@ class ControllerServer:
 
     def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
         _validate_get_meta(req)
+        if req.lease is None and self.default_lease is not None:
+            req.lease = self.default_lease
         decision, fx = self.core.get_meta(req, self._now())
         self._apply(fx)
         if isinstance(decision, SampleCall):
@@ -674,7 +684,21 @@ class ControllerServer:
             self._send_meta(peer, rid, req, decision)
             return False
         self._spawn(self._get_meta_waiting, peer, rid, req, None, self._generation, t0)
+        if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
+            asyncio.get_running_loop().call_later(
+                self.waiting_warning_after, self._warn_if_still_waiting, peer, rid, req
+            )
         return True
+
+    def _warn_if_still_waiting(self, peer: bytes, rid: int, req: GetMeta) -> None:
+        why = _why_waiting(self.state, req)
+        if (peer, rid) in self._pending and why is not None:
+            log.warning(
+                f"get_meta has waited {self.waiting_warning_after:g} s: {why}",
+                partition=req.partition_id,
+                task=req.task_name,
+                fields=list(req.data_fields),
+            )
 
     async def _get_meta_waiting(
         self,
@@ -727,10 +751,16 @@ class ControllerServer:
         )
 
     def _get_meta_timeout(self, req: GetMeta) -> str:
-        pid, task = req.partition_id, req.task_name
+        why = _why_waiting(self.state, req)
+        if why is not None:
+            return (
+                f"get_meta for task {req.task_name!r} timed out after {req.timeout} s: {why}; "
+                "nothing was consumed"
+            )
         return (
-            f"get_meta on partition {pid!r} for task {task!r} found fewer than "
-            f"{req.batch_size} ready rows within {req.timeout} s; nothing was consumed"
+            f"get_meta on partition {req.partition_id!r} for task {req.task_name!r} found "
+            f"fewer than {req.batch_size} ready rows within {req.timeout} s; nothing was "
+            "consumed"
         )
 
     # ---- puts --------------------------------------------------------------------------------
@@ -1085,6 +1115,20 @@ class _Placed:
     rows: list[int]
     units: list[int]
     effects: Effects
+
+
+def _why_waiting(state: ControllerState, req: GetMeta) -> str | None:
+    """What a waiting get_meta lacks that more rows of the known fields would not bring."""
+    p = state.partitions.get(req.partition_id)
+    if p is None:
+        return f"partition {req.partition_id!r} does not exist (no put has created it)"
+    missing = [f for f in req.data_fields if f not in p.fields]
+    if not missing:
+        return None
+    return (
+        f"no row of partition {req.partition_id!r} has the field(s) {missing} (it has "
+        f"{sorted(p.fields)}); check the field names"
+    )
 
 
 def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str | None) -> None:

@@ -38,9 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from ._errors import InvalidRequestError, RowsNotFound, TQError
+from ._logging import get_logger
 from ._protocol import GetMeta, MetaReply, Placement, check_int
 from ._state import (
     ControllerState,
@@ -58,7 +57,7 @@ from .samplers import BaseSampler, SequentialSampler, StaleRows
 
 __all__ = ["AdmissionConfig", "ControllerCore", "Deadlines", "Effects", "SampleCall", "TAILS"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: what a final global batch that cannot be split evenly does (see :class:`ControllerCore`)
 TAILS = ("uneven", "drop", "error")

@@ -46,7 +46,6 @@ from types import TracebackType
 from typing import Any, TypeAlias
 
 import anyio
-import structlog
 import torch
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -58,6 +57,7 @@ from ._errors import (
     InvalidRequestError,
     TQError,
 )
+from ._logging import get_logger
 from ._meta import BatchMeta
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "default_fetch_batch_fn",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: One micro-batch: its data and the :class:`BatchMeta` of exactly the same rows.
 MicroBatch: TypeAlias = tuple[TensorDict, BatchMeta]

@@ -24,6 +24,8 @@ __all__ = [
     "KeyNotFound",
     "CheckpointError",
     "WouldBlock",
+    "ConfigError",
+    "AuthenticationError",
     "error_from_wire",
 ]
 
@@ -123,9 +125,28 @@ def register_error(cls: type[TQError]) -> type[TQError]:
     return cls
 
 
+class ConfigError(InvalidRequestError):
+    """A configuration (:class:`~tq_async.Config`, a TOML file) is invalid.
+
+    The message is one line: the offending key, then the problem.
+    """
+
+
+class AuthenticationError(BrokenError):
+    """The service refused this client's CURVE keys (or the client has none).
+
+    Check that the client uses the services' public key and that its own public key is in
+    the services' allow-list; retrying with the same keys fails the same way.
+    """
+
+
 def error_from_wire(kind: str, message: str) -> TQError:
     """Rebuild the exception a service reported; unknown kinds become a plain :class:`TQError`."""
     cls = _BY_NAME.get(kind, TQError)
     if cls is TQError and kind != "TQError":
         message = f"{kind}: {message}"
     return cls(message)
+
+
+register_error(ConfigError)
+register_error(AuthenticationError)

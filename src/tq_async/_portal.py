@@ -6,14 +6,62 @@ executor thread, which would keep the interpreter from exiting while a client is
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import threading
+import weakref
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-__all__ = ["get_portal"]
+from ._errors import InvalidRequestError
+
+__all__ = ["check_blocking_allowed", "get_portal", "host_services", "stop_hosting"]
+
+#: event loops running services (``local_cluster``) -> how many clusters each runs
+_service_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def host_services() -> asyncio.AbstractEventLoop:
+    """Mark the running event loop as hosting services (until :func:`stop_hosting`)."""
+    loop = asyncio.get_running_loop()
+    _service_loops[loop] = _service_loops.get(loop, 0) + 1
+    return loop
+
+
+def stop_hosting(loop: asyncio.AbstractEventLoop) -> None:
+    """Undo one :func:`host_services`."""
+    left = _service_loops.get(loop, 1) - 1
+    if left:
+        _service_loops[loop] = left
+    else:
+        _service_loops.pop(loop, None)
+
+
+def check_blocking_allowed(what: str) -> None:
+    """Refuse a blocking call on a thread whose event loop runs services.
+
+    The call would block the loop, so the services it waits for could never answer: a
+    deadlock that would surface only as a misleading timeout after ``request_timeout``.
+
+    Raises:
+        InvalidRequestError: this thread's running event loop hosts a ``local_cluster``.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    if _service_loops.get(loop):
+        raise InvalidRequestError(
+            f"{what} would block the event loop that runs tq.local_cluster(), and so the "
+            "services it waits for (a deadlock); in async code use `async with "
+            "tq.AsyncClient.connect(address)` (or tq.AsyncStreamingDataset), or run the "
+            "blocking code in another thread: `await anyio.to_thread.run_sync(fn)`"
+        )
+
 
 _lock = threading.Lock()
 _portal: BlockingPortal | None = None

@@ -16,9 +16,9 @@ of source control (files readable by the service user only, or a secret store). 
 ``allowed_clients=None`` any client that knows the server's public key may connect (the
 traffic is still encrypted); otherwise a ZAP handler admits only the listed public keys (one
 handler per process: services of one process share the union of their allow-lists). A
-client with a wrong or missing key never completes the handshake: its calls fail with
-:class:`~tq_async.BrokenError` when the service drops the handshake, or at the latest with
-:class:`~tq_async.TQTimeoutError` after ``request_timeout``.
+client with a wrong or missing key never completes the handshake: opening it fails with
+:class:`~tq_async.AuthenticationError` (a :class:`~tq_async.BrokenError`) saying which key
+to check.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ._errors import InvalidRequestError
+from ._logging import get_logger
 
 __all__ = ["CurveClient", "CurveServer", "curve_keypair"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _DOMAIN = "tq_async"
 #: Once a ZAP handler runs in a context, libzmq asks it about every CURVE socket, so servers

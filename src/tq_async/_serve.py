@@ -15,15 +15,17 @@ name or IP, never ``0.0.0.0``.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import anyio
 import msgspec
-import structlog
 from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
-from ._controller import ControllerServer, Deadlines
+from ._config import Config
+from ._controller import ControllerServer
 from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
+from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, storage_collector
 from ._protocol import RegisterUnit
 from ._security import CurveClient, CurveServer
@@ -34,6 +36,7 @@ from .samplers import BaseSampler
 
 __all__ = [
     "advertised_address",
+    "check_address",
     "first_tq_error",
     "local_ip_towards",
     "register_unit",
@@ -42,7 +45,7 @@ __all__ = [
     "warn_if_exposed",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: ``RegisterUnit.unit_id`` that asks the controller to choose the id.
 ASSIGN_UNIT_ID = -1
@@ -221,7 +224,7 @@ async def serve_controller(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
-    deadlines: Deadlines | None = None,
+    config: Config | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a controller with no storage units of its own; units register themselves.
@@ -240,25 +243,27 @@ async def serve_controller(
         capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
             per partition (``capacity_scope="global"``: in all partitions together); a put
             that does not fit waits. None: unbounded.
-        deadlines: put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
+        config: a :class:`~tq_async.Config` that supplies the controller's settings instead
+            of the arguments above (samplers, admission, pickle, capacity, leases,
+            auto-clear, CURVE files); an explicit ``curve`` still wins over its ``[curve]``.
 
     Raises:
         BrokenError: ``bind`` could not be bound.
         InvalidRequestError: a wildcard ``bind`` without ``advertise``, or a bad capacity.
+        ConfigError: ``config`` is bad (e.g. a sampler factory that does not import).
     """
     if _is_wildcard(bind) and not advertise:
         advertised_address(bind, bind, None)  # raises the explanatory error
-    warn_if_exposed(bind, "controller", curve)
+    options: dict[str, Any] = {"sampler": sampler, "allow_pickle": allow_pickle, "curve": curve}
     state = ControllerState()
+    if config is not None:
+        options = {**config.controller_options(), **({"curve": curve} if curve else {})}
+        capacity, capacity_scope = config.capacity, config.capacity_scope
+        if config.auto_clear_tasks:
+            state.auto_clear[None] = tuple(dict.fromkeys(config.auto_clear_tasks))
+    warn_if_exposed(bind, "controller", options["curve"])
     state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
-    controller = ControllerServer(
-        state,
-        sampler,
-        allow_pickle=allow_pickle,
-        metrics=Metrics(metrics_registry, "controller"),
-        curve=curve,
-        deadlines=deadlines,
-    )
+    controller = ControllerServer(state, **options, metrics=Metrics(metrics_registry, "controller"))
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(controller.serve, bind)
         address = advertised_address(bound, bind, advertise)
@@ -306,6 +311,7 @@ async def serve_storage(
     """
     if unit_id is not None and unit_id < 0:
         raise InvalidRequestError(f"unit_id must be >= 0, got {unit_id}")
+    check_address(controller)
     warn_if_exposed(bind, "storage", curve)
     unit = StorageServer(
         -1 if unit_id is None else unit_id,
@@ -329,3 +335,31 @@ async def serve_storage(
             "storage unit serving", unit_id=unit.unit_id, address=address, controller=controller
         )
         task_status.started((unit.unit_id, address))
+
+
+#: schemes ZMQ can connect to
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_address(address: str) -> None:
+    """Raise a clear error for an address ZMQ cannot connect to (before anything is sent).
+
+    Raises:
+        InvalidRequestError: not a string, or no ``tcp://`` / ``ipc://`` / ``inproc://``
+            scheme (with a hint at the likely fix).
+    """
+    if not isinstance(address, str):
+        raise InvalidRequestError(
+            f"address must be a string like 'tcp://127.0.0.1:5555', got {type(address).__name__}"
+        )
+    if address.startswith(_SCHEMES):
+        return
+    if "://" in address:
+        raise InvalidRequestError(
+            f"address {address!r} has an unsupported scheme; use tcp://HOST:PORT (or the "
+            "ipc:// address local_cluster reports)"
+        )
+    raise InvalidRequestError(
+        f"address {address!r} has no scheme; did you mean 'tcp://{address}'? (the "
+        "TQ_ADDRESS=... line `tq-async serve` prints is the whole address)"
+    )

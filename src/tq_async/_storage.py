@@ -17,7 +17,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 import zmq
 from anyio.abc import TaskStatus
 
@@ -33,6 +32,7 @@ from ._columns import (
     take_rows,
 )
 from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
     Cancel,
@@ -55,7 +55,7 @@ from ._transport import LogThrottle, RouterEndpoint
 
 __all__ = ["OverBudget", "StorageState", "StorageServer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: cleared incarnations remembered per unit (a late put into one of them is refused)
 _RETIRED = 4096

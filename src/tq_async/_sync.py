@@ -20,8 +20,9 @@ from tensordict import TensorDict, TensorDictBase
 from ._client import AsyncClient
 from ._errors import ClosedError
 from ._meta import BatchMeta
-from ._portal import get_portal
+from ._portal import check_blocking_allowed, get_portal
 from ._security import CurveClient
+from ._serve import check_address
 
 __all__ = ["Client"]
 
@@ -42,17 +43,20 @@ class Client:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
     ) -> None:
+        check_address(address)
         self.address = address
         self._portal = get_portal()
         self._async: AsyncClient | None = None
         self._kwargs: dict[str, Any] = {
             "request_timeout": request_timeout,
+            "connect_timeout": connect_timeout,
             "allow_pickle": allow_pickle,
             "curve": curve,
             "retry_after": retry_after,
@@ -66,6 +70,7 @@ class Client:
         address: str,
         *,
         request_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         allow_pickle: bool | None = None,
         curve: CurveClient | None = None,
         retry_after: float | None = 10.0,
@@ -76,6 +81,7 @@ class Client:
         return cls(
             address,
             request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
             allow_pickle=allow_pickle,
             curve=curve,
             retry_after=retry_after,
@@ -86,6 +92,7 @@ class Client:
     def open(self) -> Client:
         """Connect (on the portal loop). Returns self."""
         if self._async is None:
+            check_blocking_allowed("tq.Client.connect(...)")
             aclient = AsyncClient(self.address, **self._kwargs)
             self._portal.call(aclient.open)
             self._async = aclient
@@ -119,6 +126,7 @@ class Client:
         return self._require()
 
     def _run(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R:
+        check_blocking_allowed(f"tq.Client.{fn.__name__}()")
         return self._portal.call(functools.partial(fn, *args, **kwargs))
 
     def put(

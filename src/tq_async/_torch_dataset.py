@@ -29,7 +29,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._dataset import (
@@ -41,11 +40,12 @@ from ._dataset import (
     _parse_state,
 )
 from ._errors import InvalidRequestError
-from ._portal import get_portal
+from ._logging import get_logger
+from ._portal import check_blocking_allowed, get_portal
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -244,6 +244,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
+        check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
         portal = get_portal()
         context = portal.wrap_async_context_manager(ads)
         context.__enter__()

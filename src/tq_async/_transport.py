@@ -41,12 +41,12 @@ from typing import Any
 
 import anyio
 import msgspec
-import structlog
 import zmq
 import zmq.utils.monitor
 
 from ._buffers import buffer_pool
 from ._errors import (
+    AuthenticationError,
     BrokenError,
     ClosedError,
     InvalidRequestError,
@@ -54,12 +54,13 @@ from ._errors import (
     TQTimeoutError,
     error_from_wire,
 )
+from ._logging import get_logger
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
 
 __all__ = ["RouterEndpoint", "DealerConnection", "zmq_context", "normalize_bind"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Messages handled per reader callback before yielding to other tasks (fairness).
 _DRAIN_BUDGET = 512
@@ -375,8 +376,14 @@ class DealerConnection(_Drained):
         # a closed connection is reported on this monitor socket (no polling); a refused
         # connection attempt tells that nothing listens at the address (any more)
         monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
+        #: the security handshake (NULL or CURVE) completed on this socket
+        self._handshaken = route is not None
         try:
             if route is None:
                 sock.connect(self.address)
@@ -440,8 +447,14 @@ class DealerConnection(_Drained):
                 self._retries = 0
                 if self._on_connect is not None:
                     self._on_connect()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._fail_pending(self._rejected("rejected this client's CURVE key"))
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
+                if not self._handshaken:  # dropped during the handshake: not an outage
+                    self._fail_pending(self._rejected("dropped the security handshake"))
                 self._disconnected()
             elif event != zmq.EVENT_CONNECT_RETRIED:
                 continue
@@ -456,6 +469,21 @@ class DealerConnection(_Drained):
                 self._retries += 1
                 if self._retries == 2 and self._on_refused is not None:
                     self._on_refused()
+
+    def _rejected(self, what: str) -> AuthenticationError:
+        if self._curve is None:
+            hint = (
+                "the services there use CURVE keys (connect with curve=tq.CurveClient("
+                "server_public, client_public, client_secret)), or what listens there is not "
+                "a tq_async service"
+            )
+        else:
+            hint = (
+                "check that server_public_key is the services' public key and that this "
+                "client's public key is in their allow-list (--curve-allow); retrying with "
+                "the same keys fails the same way"
+            )
+        return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
     def _disconnected(self) -> None:
         self.connected = False

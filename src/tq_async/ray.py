@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any
 
 import anyio
-import structlog
+import msgspec
 
 try:
     import ray
@@ -47,14 +47,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tq_async.ray needs Ray; install it with `pip install 'tq_async[ray]'`"
     ) from exc
 
-from ._errors import BrokenError, InvalidRequestError, TQError, TQTimeoutError
+from ._config import Config
+from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
+from ._logging import get_logger
 from ._security import CurveServer
 from ._serve import first_tq_error, serve_controller, serve_storage
 from .samplers import BaseSampler
 
 __all__ = ["RayCluster", "attach", "launch", "select_nodes"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: ``placement`` keys understood in the mapping form.
 _PLACEMENT_KEYS = frozenset({"nodes", "resources"})
@@ -306,6 +308,7 @@ def launch(
     num_cpus: float = 0.0,
     actor_options: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
+    config: Config | None = None,
 ) -> RayCluster:
     """Start a controller and ``num_storage_units`` storage units as named Ray actors.
 
@@ -334,6 +337,13 @@ def launch(
             tasks from being scheduled).
         actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``).
         timeout: seconds to wait for all services to serve.
+        config: the deployment as a :class:`~tq_async.Config` (the same one
+            ``local_cluster(config=...)`` and ``tq-async serve --config`` take): storage
+            units, samplers (built in the controller's actor, so their factories must be
+            importable there), admission, capacity, pickle, leases, auto-clear and CURVE key
+            files (read here, on the driver). ``sampler``, ``allow_pickle``, ``curve`` and
+            ``num_storage_units`` must then be left at their defaults; the config's
+            ``host``, ``bind`` and ``metrics_on`` do not apply (each actor binds its node).
 
     Returns:
         A :class:`RayCluster`; connect clients to its ``address``.
@@ -345,6 +355,25 @@ def launch(
             running).
         BrokenError: a service failed to start (nothing is left running).
     """
+    controller_options: dict[str, Any] = {
+        "sampler": sampler,
+        "allow_pickle": allow_pickle,
+        "curve": curve,
+    }
+    if config is not None:
+        given = {"num_storage_units": num_storage_units != 2, "sampler": sampler is not None}
+        given.update(allow_pickle=allow_pickle, curve=curve is not None)
+        for key, set_too in given.items():
+            if set_too:
+                raise ConfigError(
+                    f"{key}: given both as an argument and by config=; set it in the Config "
+                    "or drop config="
+                )
+        config.controller_options()  # import and call the factories here first: fail early
+        num_storage_units, allow_pickle = config.num_storage_units, config.allow_pickle
+        curve = config.load_curve()  # the key files are on this host, maybe not the actors'
+        shipped = msgspec.structs.replace(config, curve=None)  # keys travel as keys
+        controller_options = {"config": shipped, "curve": curve}
     if num_storage_units < 1:
         raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
     nodes = select_nodes(placement)
@@ -383,11 +412,7 @@ def launch(
         unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
         units = [spawn(n, nodes[i % len(nodes)]) for i, n in enumerate(unit_names)]
         actors.extend(units)
-        controller.run.remote(
-            "controller",
-            host,
-            {"sampler": sampler, "allow_pickle": allow_pickle, "curve": curve},
-        )
+        controller.run.remote("controller", host, controller_options)
         _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
         unit_options = {
             "controller": address,

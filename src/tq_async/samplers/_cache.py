@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import structlog
+from .._logging import get_logger
 
 __all__ = ["ShareCache", "reads_needed"]
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 Key = tuple[Any, ...]
 

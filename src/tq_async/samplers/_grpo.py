@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
-
+from .._logging import get_logger
 from ._base import BaseSampler, SampleResult
 from ._groups import check_group_size, complete_groups
 
 __all__ = ["GRPOGroupNSampler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class GRPOGroupNSampler(BaseSampler):

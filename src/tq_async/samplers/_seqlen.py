@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import structlog
-
+from .._logging import get_logger
 from ._base import BaseSampler, SampleResult, SharesResult
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
@@ -14,7 +13,7 @@ from ._kk import karmarkar_karp
 
 __all__ = ["SeqlenBalancedSampler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class SeqlenBalancedSampler(BaseSampler):

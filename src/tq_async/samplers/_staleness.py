@@ -6,14 +6,13 @@ import inspect
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-import structlog
-
+from .._logging import get_logger
 from ._base import BaseSampler, SampleResult, SharesResult
 from ._sequential import SequentialSampler
 
 __all__ = ["StaleRows", "StalenessSampler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _POLICIES = ("drop", "recycle", "keep")
 

@@ -1,0 +1,163 @@
+"""Logs go through standard ``logging`` loggers: the application's configuration decides."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tq_async as tq
+from test_cli import service
+from tq_async._logging import get_logger
+from tq_async._serve import warn_if_exposed
+
+QUIET_PROGRAM = """
+import anyio, torch
+from tensordict import TensorDict
+import tq_async as tq
+from tq_async._logging import get_logger
+from tq_async._serve import warn_if_exposed
+
+async def main():
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            meta = await client.put(TensorDict({"x": torch.arange(4)}, [4]), partition_id="p")
+            await client.get_data(meta)
+    get_logger("tq_async.test").info("an info record")
+    warn_if_exposed("tcp://0.0.0.0:1", "controller")  # a warning
+    print("program output")
+
+anyio.run(main)
+"""
+
+
+def test_an_unconfigured_program_gets_nothing_on_stdout_and_warnings_on_stderr() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_PROGRAM],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "program output\n"
+    # Python's last-resort handler: warnings and errors only, on stderr
+    assert "anyone who can reach it can read and write data" in done.stderr
+    assert "address='tcp://0.0.0.0:1'" in done.stderr
+    assert "an info record" not in done.stderr
+
+
+def test_records_are_stdlib_records_named_after_modules(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tq_async"):
+        warn_if_exposed("tcp://0.0.0.0:5555", "storage")
+        get_logger("tq_async.test").debug("hidden")
+    [record] = caplog.records
+    assert record.name == "tq_async._serve"
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("binding a non-loopback interface")
+    assert record.tq_event["address"] == "tcp://0.0.0.0:5555"  # type: ignore[attr-defined]
+
+
+def test_configure_logging_levels_in_any_case_and_plain_text_off_a_tty(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.txt"
+    root = logging.getLogger("tq_async")
+    saved = (root.level, root.propagate, list(root.handlers))
+    try:
+        with path.open("w") as stream:
+            tq.configure_logging("warning", stream=stream)
+            log = get_logger("tq_async.test")
+            log.info("hidden")
+            log.warning("shown", rid=7)
+        text = path.read_text()
+        assert "shown" in text
+        assert "rid=7" in text
+        assert "hidden" not in text
+        assert "\x1b[" not in text  # no colour codes in a file
+        with pytest.raises(ValueError, match="level"):
+            tq.configure_logging("LOUD")
+    finally:
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+        root.handlers[:] = saved[2]
+        import structlog
+
+        structlog.reset_defaults()
+
+
+def test_serve_logs_json_to_stderr_and_stops_on_sigterm_without_errors(tmp_path: Path) -> None:
+    with service(["--log-level", "Debug", "--log-json"], tmp_path / "err.txt") as svc:
+        assert svc.wait_line("TQ_ADDRESS=").startswith("tcp://127.0.0.1:")
+        assert svc.stop() == 0
+        lines = svc.stderr().splitlines()
+    assert lines
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert {r["event"] for r in records} >= {"serving", "stopping"}
+    assert all(r["level"] in ("debug", "info") for r in records), records
+
+
+def test_serve_plain_text_when_stderr_is_not_a_tty(tmp_path: Path) -> None:
+    with service(["controller"], tmp_path / "err.txt") as svc:
+        svc.wait_line("TQ_ADDRESS=")
+        assert svc.stop() == 0
+        text = svc.stderr()
+    assert "controller serving" in text
+    assert "stopping" in text
+    assert "\x1b[" not in text
+    assert "error" not in text.lower()
+    assert "warning" not in text.lower()
+
+
+def test_log_level_is_case_insensitive(capsys: pytest.CaptureFixture[str]) -> None:
+    from tq_async._cli import _build_parser
+
+    assert _build_parser().parse_args(["serve", "--log-level", "warning"]).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--log-level", "loud"])
+    assert "unknown log level 'loud'" in capsys.readouterr().err
+
+
+def test_serve_colours_its_logs_on_a_terminal() -> None:
+    import os
+    import pty
+    import signal
+
+    from _cluster_proc import _read_address
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
+    os.close(slave)
+    try:
+        _read_address(proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other side is closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        os.close(master)
+    text = b"".join(chunks).decode()
+    assert "serving" in text
+    assert "\x1b[" in text  # coloured

@@ -1,0 +1,136 @@
+"""Common mistakes explain themselves: typos in field names, addresses without a scheme,
+nothing listening, CURVE keys the services refuse, ``await AsyncClient.connect(...)``."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+
+
+async def put_rows(client: tq.AsyncClient) -> None:
+    data = TensorDict({"input_ids": torch.zeros(2, 3), "reward": torch.ones(2)}, [2])
+    await client.put(data, partition_id="p")
+
+
+async def test_a_typo_in_a_field_name_says_which_field_no_row_has(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        cluster.controller.waiting_warning_after = 0.05
+        await put_rows(client)
+        with (
+            caplog.at_level(logging.WARNING, logger="tq_async"),
+            pytest.raises(tq.TQTimeoutError) as info,
+        ):
+            await client.get_meta(["input_ids", "rewrd"], 2, "p", "learner", timeout=1.0)
+        message = str(info.value)
+        assert "no row of partition 'p' has the field(s) ['rewrd']" in message
+        assert "it has ['input_ids', 'reward']" in message
+        assert "nothing was consumed" in message
+        # the warning came while it waited (after waiting_warning_after)
+        [warning] = [r for r in caplog.records if "get_meta has waited" in r.getMessage()]
+        assert warning.levelno == logging.WARNING
+        assert "['rewrd']" in warning.getMessage()
+        assert warning.tq_event["task"] == "learner"  # type: ignore[attr-defined]
+
+
+async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.TQTimeoutError, match="partition 'trian@0' does not exist"):
+            await client.get_meta(["x"], 1, "trian@0", "learner", timeout=0.1)
+        await put_rows(client)
+        # the fields exist, the rows are just not enough: the old message
+        with pytest.raises(tq.TQTimeoutError, match="found fewer than 4 ready rows"):
+            await client.get_meta(["reward"], 4, "p", "learner", timeout=0.1)
+
+
+async def test_no_warning_when_the_rows_are_only_late(caplog: pytest.LogCaptureFixture) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        cluster.controller.waiting_warning_after = 0.05
+        await put_rows(client)
+        with (
+            caplog.at_level(logging.WARNING, logger="tq_async"),
+            pytest.raises(tq.TQTimeoutError),
+        ):
+            await client.get_meta(["reward"], 4, "p", "learner", timeout=0.3)
+        assert not [r for r in caplog.records if "get_meta has waited" in r.getMessage()]
+
+
+@pytest.mark.parametrize("connect", [tq.AsyncClient.connect, tq.Client.connect])
+def test_an_address_without_a_scheme_gets_a_hint(connect: object) -> None:
+    with pytest.raises(tq.InvalidRequestError, match=r"did you mean 'tcp://127\.0\.0\.1:5555'"):
+        connect("127.0.0.1:5555")  # type: ignore[operator]
+    with pytest.raises(tq.InvalidRequestError, match="unsupported scheme"):
+        connect("http://127.0.0.1:5555")  # type: ignore[operator]
+
+
+async def test_connecting_to_nothing_fails_within_the_connect_timeout() -> None:
+    assert tq.AsyncClient("tcp://127.0.0.1:9").connect_timeout <= 10
+    t0 = time.monotonic()
+    client = tq.AsyncClient.connect("tcp://127.0.0.1:9", connect_timeout=0.3)
+    with pytest.raises(tq.TQTimeoutError, match=r"nothing answered at tcp://127\.0\.0\.1:9"):
+        async with client:
+            pass
+    assert time.monotonic() - t0 < 5
+    assert client.request_timeout == 60.0  # separate from the connect timeout
+
+
+async def test_await_connect_shows_the_right_form() -> None:
+    with pytest.raises(tq.InvalidRequestError, match=r"async with tq\.AsyncClient\.connect"):
+        await tq.AsyncClient.connect("tcp://127.0.0.1:9")  # type: ignore[misc]
+
+
+async def test_refused_curve_keys_are_an_authentication_failure() -> None:
+    server_public, server_secret = tq.curve_keypair()
+    client_public, client_secret = tq.curve_keypair()
+    other_public, other_secret = tq.curve_keypair()
+    server = tq.CurveServer(server_public, server_secret, allowed_clients=[client_public])
+    async with tq.local_cluster(num_storage_units=1, curve=server, transport="tcp") as cluster:
+        cases = {
+            "rejected this client's CURVE key": tq.CurveClient(
+                server_public, other_public, other_secret
+            ),
+            "dropped the security handshake: check that server_public_key": tq.CurveClient(
+                other_public, client_public, client_secret
+            ),
+            "connect with curve=tq.CurveClient": None,
+        }
+        for message, curve in cases.items():
+            client = tq.AsyncClient.connect(cluster.address, curve=curve, connect_timeout=5)
+            with pytest.raises(tq.AuthenticationError, match=message.replace("(", r"\(")):
+                async with client:
+                    pass
+        good = tq.CurveClient(server_public, client_public, client_secret)
+        async with tq.AsyncClient.connect(cluster.address, curve=good) as client:
+            assert await client.list_partitions() == []
+    assert issubclass(tq.AuthenticationError, tq.BrokenError)
+
+
+def test_a_storage_unit_with_a_controller_address_without_a_scheme() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._cli", "serve", "storage", "--controller", "h:5555"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "did you mean 'tcp://h:5555'?" in done.stderr

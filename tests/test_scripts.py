@@ -1,0 +1,68 @@
+"""scripts/_install: the install of scripts/check and scripts/run-example is skipped when
+nothing changed (a stamp of the Python version, the extras, pyproject.toml and
+constraints.txt), and torch always goes first, exactly 2.13.0."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for .venv/bin/python: records what it was asked to do
+if [ "$1" = "--version" ]; then echo "Python 3.11.9"; exit 0; fi
+echo "$*" >> "$(dirname "$0")/../calls.log"
+"""
+
+
+def install(root: Path, extras: str) -> list[str]:
+    """Run install_into_venv in ``root``; the pip commands it ran."""
+    log = root / ".venv" / "calls.log"
+    log.unlink(missing_ok=True)
+    subprocess.run(
+        ["bash", "-c", f'set -euo pipefail; source scripts/_install; install_into_venv "{extras}"'],
+        cwd=root,
+        check=True,
+        timeout=30,
+    )
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_install_is_skipped_when_nothing_changed(tmp_path: Path) -> None:
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "_install", tmp_path / "scripts" / "_install")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(REPO / "constraints.txt", tmp_path / "constraints.txt")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+
+    first = install(tmp_path, "dev,docs")
+    assert first == [
+        "-m pip install -q --upgrade pip",
+        "-m pip install -q torch==2.13.0",
+        "-m pip install -q -c constraints.txt -e .[dev,docs]",
+    ]
+    assert install(tmp_path, "dev,docs") == []  # nothing changed: no pip at all
+    assert len(install(tmp_path, "examples")) == 3  # other extras: their own stamp
+    with (tmp_path / "constraints.txt").open("a") as f:
+        f.write("# changed\n")
+    assert install(tmp_path, "dev,docs") == first
+
+
+def test_the_constraints_pin_the_cpu_torch_and_the_project_only_has_lower_bounds() -> None:
+    constraints = (REPO / "constraints.txt").read_text().splitlines()
+    assert any(line.split(";")[0].strip() == "torch==2.13.0" for line in constraints)
+    assert not [line for line in constraints if "nvidia" in line or "+cu" in line]
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        assert "==" not in requirement, requirement
+        assert ">=" in requirement, requirement
