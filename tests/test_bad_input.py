@@ -65,9 +65,11 @@ async def test_unknown_partition_on_status_calls() -> None:
         tq.local_cluster(num_storage_units=1) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
+        # readiness checks answer "not yet" for a partition with no rows (issue 16): a loop
+        # polling them may start before the first put
+        assert await client.check_consumption_status("nope", "t") is False
+        assert await client.check_production_status("nope", ["x"]) is False
         for call in (
-            client.check_consumption_status("nope", "t"),
-            client.check_production_status("nope", ["x"]),
             client.consumption_status("nope", "t"),
             client.production_status("nope"),
             client.partition_info("nope"),

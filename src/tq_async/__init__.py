@@ -12,6 +12,7 @@ The names that need torch (clients, datasets) are imported on first use, so that
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._checkpoint import checkpoint_metadata as checkpoint_metadata
 from ._cluster import LocalCluster as LocalCluster
 from ._cluster import local_cluster as local_cluster
 from ._columns import ColumnHeader as ColumnHeader
@@ -118,6 +119,7 @@ __all__ = [
     "TQTimeoutError",
     "UnsupportedTypeError",
     "WouldBlock",
+    "checkpoint_metadata",
     "chunk_batch_fn",
     "configure_logging",
     "curve_keypair",

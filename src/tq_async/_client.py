@@ -55,6 +55,7 @@ from ._protocol import (
     Hello,
     HelloReply,
     KVClear,
+    KVKeys,
     KVList,
     KVLookup,
     KVTag,
@@ -434,10 +435,12 @@ class AsyncClient:
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
-                field_names=fields,
+                # a keyed put names every field its keys have, not only this put's
+                field_names=list(dict.fromkeys([*(placement.fields or ()), *fields])),
                 units=placement.units,
                 tags=out_tags,
                 policy_versions=written_versions,
+                keys=list(keys) if keys is not None else [],
             )
         merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
         if tag_list:
@@ -650,6 +653,14 @@ class AsyncClient:
         if lease is not None and lease <= 0:
             raise InvalidRequestError(f"lease must be positive seconds or None, got {lease}")
         cfg = dict(sampling_config) if sampling_config else None
+        for name in ("dp_rank", "batch_index"):
+            value = cfg.get(name) if cfg else None
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise InvalidRequestError(
+                    f"sampling_config[{name!r}] must be a non-negative int, got {value!r}"
+                )
         logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
@@ -688,6 +699,7 @@ class AsyncClient:
             end_of_stream=got.end_of_stream,
             policy_versions=got.versions,
             lease_id=got.lease_id,
+            keys=got.keys or [],
         )
         return meta, got, frames
 
@@ -991,8 +1003,10 @@ class AsyncClient:
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
-                field_names=[],
+                field_names=placement.fields or [],
                 units=placement.units,
+                tags=[dict(tag)],
+                keys=[key],
             )
         return await self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
 
@@ -1017,6 +1031,7 @@ class AsyncClient:
             field_names=got.fields,
             units=got.units,
             tags=got.tags,
+            keys=list(keys),
         )
         return await self.get_data(meta)
 
@@ -1027,6 +1042,17 @@ class AsyncClient:
         listing = await self._call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
         return dict(listing)
 
+    async def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
+        """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put).
+
+        Raises:
+            KeyNotFound: a row was put without a key (the error names it).
+            RowsNotFound: a row does not exist (never allocated, or cleared).
+            InvalidRequestError: ``global_indexes`` is not a list of non-negative ints.
+        """
+        rows = _check_rows(global_indexes, "global_indexes")
+        return list(await self._call(KVKeys(partition_id, rows), list[str]))
+
     async def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Remove ``keys`` and free their storage; a missing key fails the whole call."""
         await self._call(KVClear(partition_id, _check_keys(keys)), None)
@@ -1034,9 +1060,16 @@ class AsyncClient:
     # ---- checkpoints -------------------------------------------------------------------------
 
     async def save_checkpoint(
-        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        partition_ids: Sequence[str] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Write partitions (all by default), their state, tags, keys and cells to ``path``.
+
+        ``metadata`` (a dict of JSON values, e.g. ``{"step": 10}``) is stored with the
+        checkpoint; read it back with :func:`tq_async.checkpoint_metadata`.
 
         The directory is written under a temporary name and renamed into place, so ``path``
         holds either a whole checkpoint or what it held before. Take it while producers are
@@ -1044,10 +1077,11 @@ class AsyncClient:
 
         Raises:
             CheckpointError: ``path`` cannot be written.
+            InvalidRequestError: ``metadata`` is not a dict of JSON values.
         """
         from ._checkpoint import save_checkpoint
 
-        await save_checkpoint(self, os.fspath(path), partition_ids)
+        await save_checkpoint(self, os.fspath(path), partition_ids, metadata)
 
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
@@ -1070,6 +1104,14 @@ def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | Non
         return None
     items = [metas] if isinstance(metas, BatchMeta) else list(metas)
     return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
+    return [int(r) for r in rows]
 
 
 def _check_keys(keys: Any) -> list[str]:

@@ -186,9 +186,29 @@ def _list_of_tensors_column(
     return _jagged(name, values, offsets)
 
 
+def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[Any]:
+    """A numpy column as a tensor (a view when torch can share its memory), or as a list
+    of Python values when its dtype is not numeric (strings, objects)."""
+    if array.dtype.kind not in "biufc":
+        return list(array.tolist()) if array.ndim else [array.item()]
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if not array.flags.writeable:  # torch tensors are writable: never alias a read-only buffer
+        array = array.copy()
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise UnsupportedTypeError(
+            f"field {field!r} is a numpy array of dtype {array.dtype}, which tq_async cannot "
+            "send; cast it to one of: " + ", ".join(sorted(_DTYPES))
+        ) from None
+
+
 def _column_from_value(
     name: str, value: Any, n: int, allow_pickle: bool
 ) -> tuple[ColumnHeader, Column]:
+    if isinstance(value, np.ndarray):
+        value = _from_numpy(value, name)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, n)
     if isinstance(value, NonTensorStack):
@@ -211,15 +231,20 @@ def _column_from_value(
             f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
             "have the batch size"
         )
-    if values and all(isinstance(v, torch.Tensor) for v in values):
-        return _list_of_tensors_column(name, values, n)
+    if values and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        tensors = [v if isinstance(v, torch.Tensor) else _from_numpy(v, name) for v in values]
+        if all(isinstance(t, torch.Tensor) for t in tensors):
+            return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
     for value in data.values():
+        if isinstance(value, np.ndarray):
+            return int(value.shape[0]) if value.ndim > 0 else -1
         if isinstance(value, torch.Tensor):
-            return int(value.shape[0]) if value.dim() > 0 else -1
+            # size(0), not shape[0]: a strided nested tensor has no shape
+            return int(value.size(0)) if value.dim() > 0 else -1
         if isinstance(value, (list, tuple, NonTensorStack)):
             return len(value)
     return -1
@@ -232,8 +257,10 @@ def columns_from_batch(
 
     Args:
         data: a :class:`~tensordict.TensorDict` with ``batch_size=[n]``, or a mapping from
-            field name to a tensor ``[n, ...]``, a jagged nested tensor, a list of ``n``
-            tensors (becomes jagged) or a list of ``n`` plain values.
+            field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
+            travel as tensors, without a copy when writable; others as lists), a nested
+            tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
+            plain values.
         allow_pickle: whether values that msgpack cannot carry exactly may be pickled.
 
     Returns:

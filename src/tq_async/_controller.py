@@ -55,6 +55,7 @@ from ._protocol import (
     Hello,
     HelloReply,
     KVClear,
+    KVKeys,
     KVList,
     KVLookup,
     KVTag,
@@ -486,23 +487,35 @@ class ControllerServer:
             self._rows_freed()
             for smp in self._all_samplers():
                 smp.clear_partition(body.partition_id)
+                smp.clear_cache(body.partition_id)  # TransferQueue's hook, as its controller
             self._notify([Wakeup(body.partition_id)])
             whole = {u: None for u in st.units} | dict.fromkeys(by_unit)
             self._spawn(self._clear_units, peer, rid, body.partition_id, whole)
         elif isinstance(body, CheckProduction):
-            p = st.partition(body.partition_id)
-            rows = body.rows if body.rows is not None else _alive_rows(p)
-            p.check_rows(rows)
-            ok = all(f in p.fields for f in body.data_fields) and all(
-                p.is_produced(r, body.data_fields) for r in rows
-            )
+            # before the first put, or after a clear, the answer is "not yet" (not an error):
+            # a readiness loop may start before the producers do
+            p_or_none = st.partitions.get(body.partition_id)
+            ok = False
+            if p_or_none is not None:
+                p = p_or_none
+                rows = body.rows if body.rows is not None else _alive_rows(p)
+                p.check_rows(rows)
+                ok = (
+                    bool(rows)
+                    and all(f in p.fields for f in body.data_fields)
+                    and all(p.is_produced(r, body.data_fields) for r in rows)
+                )
             self._send_ok(peer, rid, ok)
         elif isinstance(body, CheckConsumption):
-            p = st.partition(body.partition_id)
-            rows = body.rows if body.rows is not None else _alive_rows(p)
-            p.check_rows(rows)
-            consumed = p.consumed.get(body.task_name)
-            self._send_ok(peer, rid, consumed is not None and all(consumed[r] for r in rows))
+            p_or_none = st.partitions.get(body.partition_id)
+            ok = False
+            if p_or_none is not None:
+                p = p_or_none
+                rows = body.rows if body.rows is not None else _alive_rows(p)
+                p.check_rows(rows)
+                consumed = p.consumed.get(body.task_name)
+                ok = bool(rows) and consumed is not None and all(consumed[r] for r in rows)
+            self._send_ok(peer, rid, ok)
         elif isinstance(body, ProductionStatus):
             p = st.partition(body.partition_id)
             names = body.data_fields if body.data_fields is not None else list(p.fields)
@@ -535,8 +548,10 @@ class ControllerServer:
                     f"got {len(body.tags)} tag dicts for {len(body.keys)} keys"
                 )
             rows, units, wakeups = st.put_begin(body.partition_id, [], 0, None, body.keys)
-            st.partition(body.partition_id).set_tags(rows, body.tags)
-            self._send_ok(peer, rid, Placement(rows, units))
+            p = st.partition(body.partition_id)
+            p.set_tags(rows, body.tags)
+            fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in rows)]
+            self._send_ok(peer, rid, Placement(rows, units, fields))
             self._notify(wakeups)
         elif isinstance(body, KVList):
             pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
@@ -553,6 +568,17 @@ class ControllerServer:
             self._rows_freed()
             self._notify([Wakeup(body.partition_id)])
             self._spawn(self._clear_units, peer, rid, body.partition_id, by_unit)
+        elif isinstance(body, KVKeys):
+            p = st.partition(body.partition_id)
+            p.check_rows(body.rows)
+            row_keys = [p.row_keys[r] for r in body.rows]
+            if None in row_keys:
+                keyless = [r for r, k in zip(body.rows, row_keys, strict=True) if k is None]
+                raise KeyNotFound(
+                    f"rows {keyless[:8]} of partition {body.partition_id!r} have no key (put "
+                    "without one); pass rows written with kv_put / kv_batch_put"
+                )
+            self._send_ok(peer, rid, row_keys)
         elif isinstance(body, DumpState):
             ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
             dumps = [st.partition(pid).dump() for pid in ids]
@@ -682,7 +708,15 @@ class ControllerServer:
         if accepted is not None:
             ctx = {k: v for k, v in ctx.items() if k in accepted}
         self.sampler_calls += 1
-        return sampler.sample(ready, req.batch_size, **ctx)
+        try:
+            result = sampler.sample(ready, req.batch_size, **ctx)
+        except TQError:
+            raise
+        except Exception as exc:
+            raise _sampler_error(sampler, exc) from None
+        if inspect.isawaitable(result):
+            return _mapped_errors(sampler, result)
+        return result
 
     def _all_samplers(self) -> list[BaseSampler]:
         return [self.sampler, *self.task_samplers.values()]
@@ -842,7 +876,11 @@ class ControllerServer:
         rows, units, wakeups = self.state.put_begin(
             body.partition_id, body.columns, body.n_rows, body.rows, body.keys
         )
-        self._send_ok(peer, rid, Placement(rows, units))
+        fields = None
+        if body.keys is not None:  # a KV put's meta names every field its keys already have
+            p = self.state.partitions[body.partition_id]
+            fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in rows)]
+        self._send_ok(peer, rid, Placement(rows, units, fields))
         self._notify(wakeups)
 
     def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
@@ -1337,7 +1375,26 @@ def _meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRep
         [tags[r] or {} for r in rows],
         list(fields),
         versions=versions,
+        keys=[p.row_keys[r] for r in rows] if p.keys else None,
     )
+
+
+def _sampler_error(sampler: BaseSampler, exc: Exception) -> InvalidRequestError:
+    """A sampler's own exception, as the caller sees it (no server traceback)."""
+    return InvalidRequestError(
+        f"sampler {type(sampler).__name__} raised {type(exc).__name__}: {exc}; check the "
+        "request (batch_size, sampling_config) against what the sampler accepts"
+    )
+
+
+async def _mapped_errors(sampler: BaseSampler, result: Awaitable[Any]) -> Any:
+    """Await an async sampler's result, mapping its exceptions like a sync sampler's."""
+    try:
+        return await result
+    except TQError:
+        raise
+    except Exception as exc:
+        raise _sampler_error(sampler, exc) from None
 
 
 def _check_result(result: Any) -> SampleResult:
@@ -1366,3 +1423,12 @@ def _validate_get_meta(req: GetMeta) -> None:
         raise InvalidRequestError(f"lease must be positive seconds or None, got {req.lease}")
     if not req.task_name:
         raise InvalidRequestError("task_name must be a non-empty string")
+    cfg = req.sampling_config or {}
+    for name in ("dp_rank", "batch_index"):
+        value = cfg.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise InvalidRequestError(
+                f"sampling_config[{name!r}] must be a non-negative int, got {value!r}"
+            )

@@ -243,6 +243,13 @@ class KVClear(_Msg):
     keys: list[str]
 
 
+class KVKeys(_Msg):
+    """The key of each of ``rows``; every row must exist and have a key."""
+
+    partition_id: str
+    rows: list[int]
+
+
 class FieldDump(msgspec.Struct, array_like=True):
     header: ColumnHeader
     produced: bytes
@@ -317,6 +324,7 @@ ControllerBody = (
     | KVTag
     | KVList
     | KVClear
+    | KVKeys
     | DumpState
     | RestoreBegin
     | RestoreCommit
@@ -402,6 +410,8 @@ class Placement(msgspec.Struct, array_like=True):
 
     rows: list[int]
     units: list[int]
+    #: keyed puts: the fields every row of the put already has (besides the put's own)
+    fields: list[str] | None = None
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -415,6 +425,8 @@ class MetaReply(msgspec.Struct, array_like=True):
     #: the cells, when the request asked for them inline: one part per storage unit, in
     #: order of first appearance in ``units``, each followed by its columns' frames
     inline: list[StoredColumns] | None = None
+    #: rows of a KV partition: each row's key (None without one); None when no row has one
+    keys: list[str | None] | None = None
 
 
 class RecycledRows(msgspec.Struct, array_like=True):

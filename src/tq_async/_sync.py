@@ -329,15 +329,23 @@ class Client:
         """Blocking :meth:`AsyncClient.kv_list`."""
         return self._run(self._require().kv_list, partition_id)
 
+    def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
+        """Blocking :meth:`AsyncClient.kv_retrieve_keys`."""
+        return self._run(self._require().kv_retrieve_keys, global_indexes, partition_id)
+
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Blocking :meth:`AsyncClient.kv_clear`."""
         self._run(self._require().kv_clear, keys, partition_id)
 
     def save_checkpoint(
-        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        partition_ids: Sequence[str] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Blocking :meth:`AsyncClient.save_checkpoint`."""
-        self._run(self._require().save_checkpoint, path, partition_ids)
+        self._run(self._require().save_checkpoint, path, partition_ids, metadata=metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Blocking :meth:`AsyncClient.load_checkpoint`."""
