@@ -38,19 +38,14 @@ async def test_schema_violations_change_nothing() -> None:
         meta = await client.put({"x": torch.zeros(2, 3)}, partition_id="p")
         with pytest.raises(tq.SchemaError, match=r"float32.*float64.*convert"):
             await client.put({"x": torch.zeros(2, 3, dtype=torch.float64)}, partition_id="p")
-        with pytest.raises(tq.SchemaError, match=r"\[3\].*\[4\]"):
-            await client.put({"x": torch.zeros(2, 4)}, partition_id="p")
+        # row shapes may change from put to put (issue 16); their number of dimensions and
+        # the kind of values may not
+        with pytest.raises(tq.SchemaError, match=r"\[3\].*\[3,1\].*dimensions"):
+            await client.put({"x": torch.zeros(2, 3, 1)}, partition_id="p")
         with pytest.raises(tq.SchemaError, match="batch has 2 rows"):
             await client.put({"x": torch.zeros(2, 3), "y": torch.zeros(3)}, partition_id="p")
-        with pytest.raises(tq.SchemaError, match="jagged"):
-            await client.put(
-                {
-                    "x": torch.nested.nested_tensor(
-                        [torch.zeros(3), torch.zeros(1)], layout=torch.jagged
-                    )
-                },
-                partition_id="p",
-            )
+        with pytest.raises(tq.SchemaError, match="object"):
+            await client.put({"x": ["a", "b"]}, partition_id="p")
         with pytest.raises(tq.SchemaError, match="meta has 2"):
             await client.put({"y": torch.zeros(3)}, meta=meta)
         with pytest.raises(tq.UnsupportedTypeError, match=r"'obj'.*object"):

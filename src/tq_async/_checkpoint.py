@@ -272,7 +272,8 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
         (pd.partition_id, fd.header.name): fd.header for pd in state.partitions for fd in pd.fields
     }
     for head, _ in cells:
-        if known.get((head.partition_id, head.column.name)) != head.column:
+        saved = known.get((head.partition_id, head.column.name))
+        if saved is None or not saved.accepts(head.column):
             raise CheckpointError(
                 f"cells of {head.partition_id!r}/{head.column.name!r} do not match the saved "
                 "schema: the checkpoint is inconsistent"

@@ -9,7 +9,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,7 +29,7 @@ from ._columns import (
     column_from_frames,
     column_nbytes,
     column_to_frames,
-    concat_columns,
+    join_columns,
     position_runs,
     positions_by_unit,
     reorder_column,
@@ -703,8 +703,27 @@ class AsyncClient:
         )
         return meta, got, frames
 
-    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+    ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
+
+        A field whose rows were put with different shapes (a rollout padded per batch) comes
+        back dense when the rows read share a shape, and as a jagged nested tensor when they
+        differ in their first dimension. Rows that differ in a later dimension cannot form one
+        tensor: reading them together raises :class:`~tq_async.SchemaError`.
+
+        Args:
+            meta: the rows to read.
+            fields: the fields to read (default: ``meta.field_names``).
+            nested: ``True``, or the names of fields, to get tensor fields back as jagged
+                nested tensors even when their rows share a shape (rows of at least one
+                dimension; a dense ``[B, L]`` becomes a nested tensor of ``B`` rows of length
+                ``L``), for code that wants one type whatever was put.
 
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
@@ -713,15 +732,17 @@ class AsyncClient:
 
         Raises:
             RowsNotFound: some rows were cleared.
+            SchemaError: rows of a field differ in more than their first dimension.
 
         Cancellation: nothing changes on the services (reads have no side effects).
         """
         names = list(fields) if fields is not None else list(meta.field_names)
+        as_nested = _check_nested(nested)
         n = len(meta)
         if n == 0 or not names:
             return TensorDict({}, batch_size=[n])
         headers, columns = await self._fetch_columns(meta, names)
-        return columns_to_tensordict(n, headers, columns)
+        return columns_to_tensordict(n, headers, columns, nested=as_nested)
 
     async def _fetch_columns(
         self, meta: BatchMeta, names: list[str]
@@ -765,16 +786,18 @@ class AsyncClient:
         stop_when_consumed: bool = False,
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way.
+        result is the same either way. ``nested`` is :meth:`get_data`'s.
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
+        as_nested = _check_nested(nested)
         meta, got, frames = await self._get_meta(
             data_fields,
             batch_size,
@@ -791,9 +814,9 @@ class AsyncClient:
         try:
             if got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
-                td = columns_to_tensordict(len(meta), headers, columns)
+                td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
             else:
-                td = await self.get_data(meta)
+                td = await self.get_data(meta, nested=as_nested)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
                 self._controller.send_oneway(Ack([meta.lease_id]))
@@ -1106,6 +1129,18 @@ def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | Non
     return [m.lease_id for m in items if m.lease_id] or None
 
 
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
 def _check_rows(rows: Any, name: str) -> list[int]:
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
@@ -1195,9 +1230,13 @@ def _merge_parts(
     inverse = [0] * n
     for i, pos in enumerate(order):
         inverse[pos] = i
-    headers = parts[next(iter(by_unit))][0]
-    columns = []
-    for j in range(len(headers)):
-        merged = concat_columns([parts[u][1][j] for u in by_unit])
+    names = parts[next(iter(by_unit))][0]
+    headers, columns = [], []
+    for j in range(len(names)):
+        # units may answer one field with different row shapes: join them like a unit does
+        header, merged = join_columns(
+            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
+        )
+        headers.append(header)
         columns.append(reorder_column(merged, inverse))
     return headers, columns

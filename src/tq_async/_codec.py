@@ -4,15 +4,17 @@
 units keep; this module turns a batch (a ``TensorDict`` or a dict of tensors, jagged nested
 tensors and lists) into columns and columns back into a ``TensorDict``. Round trips are exact:
 dtype (bf16, f16, bool, uint8, fp8, ...), shape and layout are preserved; a dense column comes
-back dense, a jagged one jagged, a list as the same Python values. Received tensor data is
-not copied: a tensor built here is a view of the message buffer (a read-only buffer is copied,
-since tensors are writable).
+back dense, a jagged one jagged, a list as the same Python values. A field whose rows were
+put with different shapes comes back dense when the rows read share a shape and jagged when
+they differ in their first dimension (:func:`tq_async._columns.join_columns`). Received
+tensor data is not copied: a tensor built here is a view of the message buffer (a read-only
+buffer is copied, since tensors are writable).
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from ._columns import (
     DenseColumn,
     JaggedColumn,
     ListColumn,
+    as_jagged,
 )
 from ._errors import ProtocolError, SchemaError, UnsupportedTypeError
 
@@ -340,11 +343,21 @@ def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
 
 
 def columns_to_tensordict(
-    n: int, headers: Sequence[ColumnHeader], columns: Sequence[Column]
+    n: int,
+    headers: Sequence[ColumnHeader],
+    columns: Sequence[Column],
+    *,
+    nested: bool | Collection[str] = False,
 ) -> TensorDict:
-    """Assemble a ``TensorDict(batch_size=[n])``; list columns become ``NonTensorStack``."""
+    """Assemble a ``TensorDict(batch_size=[n])``; list columns become ``NonTensorStack``.
+
+    ``nested`` (True, or field names): dense columns whose rows have at least one dimension
+    come back as jagged nested tensors (every row the same length).
+    """
     fields: dict[str, Any] = {}
     for header, column in zip(headers, columns, strict=True):
+        if nested is True or (nested and header.name in nested):
+            header, column = as_jagged(header, column)
         value = column_value(header, column)
         if isinstance(value, list):
             value = _non_tensor_stack(value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -198,9 +198,15 @@ class Client:
             ack=ack,
         )
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+    ) -> TensorDict:
         """Blocking :meth:`AsyncClient.get_data`."""
-        return self._run(self._require().get_data, meta, fields)
+        return self._run(self._require().get_data, meta, fields, nested=nested)
 
     def get(
         self,
@@ -215,6 +221,7 @@ class Client:
         stop_when_consumed: bool = False,
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -229,6 +236,7 @@ class Client:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
+            nested=nested,
         )
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
