@@ -989,21 +989,70 @@ class AsyncClient:
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any],
+        fields: TensorDictBase | Mapping[str, Any] | None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``).
 
         New keys get new rows; existing keys are updated in place, field by field (fields
         not in ``fields`` keep their values). ``tags`` are merged into each key's tags
-        atomically with the data becoming visible.
+        atomically with the data becoming visible. With ``fields=None`` only the tags change
+        (missing keys are created). The returned :class:`BatchMeta` names every field the keys
+        have (not only this call's) and carries the keys.
 
         Raises:
             SchemaError: ``fields`` has a different number of rows than ``keys``.
-            InvalidRequestError: a key repeats, or new keys go to a sealed partition.
+            InvalidRequestError: a key repeats, new keys go to a sealed partition, or neither
+                ``fields`` nor ``tags`` is given.
         """
         key_list = _check_keys(keys)
+        if fields is None:
+            if tags is None:
+                raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
+            if len(tags) != len(key_list):
+                raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
+            tag_dicts = [dict(t) if t else {} for t in tags]
+            placement: Placement = await self._call(
+                KVTag(partition_id, key_list, tag_dicts), Placement
+            )
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=placement.fields or [],
+                units=placement.units,
+                tags=tag_dicts,
+                keys=list[str | None](key_list),
+            )
         return await self._put(fields, partition_id, meta=None, tags=tags, keys=key_list)
+
+    async def kv_retrieve_meta(
+        self, keys: Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has.
+
+        Args:
+            keys: the keys, in the order the rows should have.
+            partition_id: their partition.
+            create: create missing keys (rows without fields) instead of failing.
+
+        Raises:
+            KeyNotFound: a key is missing (and ``create`` is False).
+            PartitionNotFound: the partition does not exist (and ``create`` is False).
+        """
+        key_list = _check_keys(keys)
+        if create:
+            return await self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
+        got: MetaReply = await self._call(
+            KVLookup(partition_id, key_list, None, available=True), MetaReply
+        )
+        return BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            keys=list[str | None](key_list),
+        )
 
     async def kv_put(
         self,

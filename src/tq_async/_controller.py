@@ -534,6 +534,8 @@ class ControllerServer:
             p = st.partition(body.partition_id)
             rows = p.rows_for_keys(body.keys)
             fields = body.fields if body.fields is not None else list(p.fields)
+            if body.available:
+                fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in rows)]
             for key, r in zip(body.keys, rows, strict=True):
                 lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[r]]
                 if lacking:

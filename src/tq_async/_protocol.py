@@ -219,11 +219,15 @@ class SetTags(_Msg):
 
 
 class KVLookup(_Msg):
-    """Rows of ``keys``; every key must exist and have every field in ``fields``."""
+    """Rows of ``keys``; every key must exist and have every field in ``fields``.
+
+    With ``available``, the reply names the fields every key has instead (``fields`` unused).
+    """
 
     partition_id: str
     keys: list[str]
     fields: list[str] | None = None
+    available: bool = False
 
 
 class KVTag(_Msg):

@@ -308,7 +308,7 @@ class Client:
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any],
+        fields: TensorDictBase | Mapping[str, Any] | None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.kv_batch_put`."""
@@ -336,6 +336,12 @@ class Client:
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """Blocking :meth:`AsyncClient.kv_list`."""
         return self._run(self._require().kv_list, partition_id)
+
+    def kv_retrieve_meta(
+        self, keys: Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.kv_retrieve_meta`."""
+        return self._run(self._require().kv_retrieve_meta, keys, partition_id, create)
 
     def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
         """Blocking :meth:`AsyncClient.kv_retrieve_keys`."""
