@@ -705,6 +705,9 @@ class ControllerServer:
             "versions": RowVersions(p),
             "stale": stale,
         }
+        # sampling_config entries also arrive as keywords (TransferQueue passes them so,
+        # e.g. priority_scores); the controller's own context wins on a name clash
+        ctx = {str(k): v for k, v in cfg.items()} | ctx
         sampler = self.task_samplers.get(req.task_name, self.sampler)
         accepted = self._sampler_kwargs[id(sampler)]
         if accepted is not None:

@@ -22,7 +22,8 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 ``dp_rank``, ``batch_index``
     from the caller's ``sampling_config`` (``None`` when absent);
 ``sampling_config``
-    the caller's whole ``sampling_config`` dict;
+    the caller's whole ``sampling_config`` dict; each of its entries also arrives as a
+    keyword of its own (as TransferQueue passes them), unless it clashes with a name here;
 ``tags``
     read-only ``row -> Mapping`` view of every row's tags (e.g. ``uid``, ``total_lengths``);
 ``origin``
