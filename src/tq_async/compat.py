@@ -1064,3 +1064,8 @@ class StreamingDataLoader(_StreamingDataLoader):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+
+
+def __dir__() -> list[str]:
+    # the public names are TransferQueue's (``__all__``); imports stay out of sight
+    return sorted({n for n in globals() if n.startswith("_")} | set(__all__))
