@@ -688,6 +688,8 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
         BrokenError: the cluster's address could not be bound.
     """
     with _lock:
+        if _state.get("pid") not in (None, os.getpid()):
+            _state.clear()  # inherited through fork: this process needs its own client
         if "client" in _state:
             return _state["config"]  # type: ignore[no-any-return]
         flat = _flatten(conf) if conf is not None else {}

@@ -3,8 +3,10 @@ consumption, adding fields to rows, status queries."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +175,25 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     tq.get_client().clear_partition("p")
     tq.load_checkpoint(tmp_path / "ckpt")
     assert tq.kv_batch_get(keys=["b", "a"], partition_id="p")["x"].tolist() == [1, 0]
+
+
+def _forked_child(results: Any) -> None:
+    config = tq.init()  # the parent's state is not this process's: attach anew
+    tq.kv_put(key="child", partition_id="p", fields={"x": torch.tensor([1])})
+    tq.close()
+    results.put(config.address)
+
+
+# Python >= 3.12 warns about fork() with threads running (the cluster's); the child only
+# talks to the services over sockets, which is safe.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_attaches_with_its_own_client() -> None:
+    config = tq.init()
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_forked_child, args=(results,))
+    child.start()
+    assert results.get(timeout=60) == config.address
+    child.join(60)
+    assert child.exitcode == 0
+    assert tq.kv_batch_get(keys="child", partition_id="p")["x"].tolist() == [[1]]
