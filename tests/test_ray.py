@@ -136,3 +136,20 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
     # a resource filter that matches this node selects it
     cpu_nodes = tq_ray.select_nodes({"resources": {"CPU": 1}})
     assert cpu_nodes == [ray.get_runtime_context().get_node_id()]
+
+
+def test_compat_init_attaches_to_a_launched_cluster(
+    local_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tq_async.compat as compat
+
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+    cluster = tq_ray.launch(1)  # the default name and namespace, which compat.init looks up
+    try:
+        config = compat.init()
+        assert config.address == cluster.address  # type: ignore[attr-defined]
+        compat.kv_put(key="k", partition_id="p", tag={"v": 1})
+        assert compat.kv_list("p") == {"p": {"k": {"v": 1}}}
+    finally:
+        compat.close()
+        cluster.shutdown()
