@@ -163,3 +163,14 @@ def test_join_columns_rule() -> None:
         join_columns([h3, h4], [c3, c4])
     with pytest.raises(tq.SchemaError, match="incompatible"):
         join_columns([h1, h3], [c1, c3])
+
+
+def test_blocking_client_takes_nested_too() -> None:
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+    ):
+        meta = client.put({"r": torch.ones(2, 3)}, partition_id="p")
+        assert client.get_data(meta, nested=True)["r"].is_nested
+        td, _ = client.get(["r"], 2, "p", "t", nested=["r"])
+        assert _lengths(td["r"]) == [3, 3]

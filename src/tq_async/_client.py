@@ -1038,6 +1038,9 @@ class AsyncClient:
         Raises:
             KeyNotFound: a key is missing (and ``create`` is False).
             PartitionNotFound: the partition does not exist (and ``create`` is False).
+
+        Cancellation: without ``create`` nothing changes; with it, keys may have been created
+        (without fields or tags) if the controller received the request.
         """
         key_list = _check_keys(keys)
         if create:
@@ -1121,6 +1124,8 @@ class AsyncClient:
             KeyNotFound: a row was put without a key (the error names it).
             RowsNotFound: a row does not exist (never allocated, or cleared).
             InvalidRequestError: ``global_indexes`` is not a list of non-negative ints.
+
+        Cancellation: nothing changes (a read).
         """
         rows = _check_rows(global_indexes, "global_indexes")
         return list(await self._call(KVKeys(partition_id, rows), list[str]))

@@ -154,3 +154,28 @@ def test_verl_v1_trainer_step() -> None:
     assert selected["responses"].shape == (3, 3)  # one rollout worker's rows: dense
     tq.kv_clear(keys=keys, partition_id=step)
     assert tq.kv_list(partition_id=step)[step] == {}
+
+
+def test_streaming_dataloader_with_loader_workers() -> None:
+    config = tq.init()
+    tq.get_client().put(
+        TensorDict({"meta_idx": torch.arange(12).view(12, 1)}, batch_size=12),
+        partition_id="train",
+    )
+    dataset = tq.StreamingDataset(
+        config=config,
+        batch_size=4,
+        micro_batch_size=2,
+        data_fields=["meta_idx"],
+        partition_id="train",
+        task_name="update_task",
+        dp_rank=0,
+        should_check_consumption_status=True,
+    )
+    loader = tq.StreamingDataLoader(dataset=dataset, num_workers=2, prefetch_factor=2)
+    got = []
+    for batch, batch_meta in loader:
+        assert isinstance(batch_meta, tq.BatchMeta)
+        assert len(batch_meta) == 2
+        got += batch["meta_idx"].view(-1).tolist()
+    assert got == list(range(12))
