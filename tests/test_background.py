@@ -49,7 +49,7 @@ def test_bind_errors_and_bad_arguments_are_raised_in_the_caller() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(tq.BrokenError):
             tq.background_cluster(num_storage_units=1, bind=f"tcp://127.0.0.1:{port}")
-    with pytest.raises(TypeError, match="num_units"):
+    with pytest.raises(tq.InvalidRequestError, match="num_units"):
         tq.background_cluster(num_units=1)
     with pytest.raises(tq.InvalidRequestError, match="num_storage_units"):
         tq.background_cluster(num_storage_units=0)

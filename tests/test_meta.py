@@ -28,9 +28,9 @@ def test_chunk_every_and_chunk_into_name_both_meanings() -> None:
     assert next(c.global_indexes for c in m.chunk_into(3)) == [0, 1, 2, 3]
     assert [len(c) for c in _meta(2).chunk_into(3)] == [1, 1, 0]
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="chunk_every"):
+        with pytest.raises(tq.InvalidRequestError, match="chunk_every"):
             m.chunk_every(bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="chunk_into"):
+        with pytest.raises(tq.InvalidRequestError, match="chunk_into"):
             m.chunk_into(bad)  # type: ignore[arg-type]
 
 
@@ -91,7 +91,7 @@ def test_extra_info_survives_chunk_concat_select_and_the_wire() -> None:
     assert again == m
     assert pickle.loads(pickle.dumps(m)) == m
     other = _meta(2, extra_info={"step": 4})
-    with pytest.raises(ValueError, match="extra_info\\['step'\\]"):
+    with pytest.raises(tq.InvalidRequestError, match="extra_info\\['step'\\]"):
         tq.BatchMeta.concat([m, other])
 
 

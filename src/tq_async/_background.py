@@ -29,7 +29,7 @@ import structlog
 from anyio.from_thread import BlockingPortal
 
 from ._cluster import LocalCluster, local_cluster
-from ._errors import ClosedError, TQTimeoutError
+from ._errors import ClosedError, InvalidRequestError, TQTimeoutError
 
 __all__ = ["BackgroundCluster", "background_cluster"]
 
@@ -164,7 +164,12 @@ def background_cluster(**kwargs: Any) -> BackgroundCluster:
     Raises:
         BrokenError: an address could not be bound.
         InvalidRequestError: an argument is invalid (as for ``local_cluster``).
-        TypeError: an unknown keyword argument.
+        InvalidRequestError: an unknown keyword argument (the message names it).
     """
-    inspect.signature(local_cluster).bind(**kwargs)  # a wrong name fails here, not in the thread
+    try:  # a wrong name fails here, not in the thread
+        inspect.signature(local_cluster).bind(**kwargs)
+    except TypeError as exc:
+        raise InvalidRequestError(
+            f"background_cluster takes local_cluster's keyword arguments: {exc}"
+        ) from None
     return BackgroundCluster(**kwargs)

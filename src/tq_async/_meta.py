@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+from ._errors import InvalidRequestError
+
 __all__ = ["BatchMeta"]
 
 
@@ -119,7 +121,9 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         10 rows with ``size=3`` give pieces of 3, 3, 3 and 1 rows.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"chunk_every(size) needs a positive number of rows, got {size!r}")
+            raise InvalidRequestError(
+                f"chunk_every(size) needs a positive number of rows, got {size!r}"
+            )
         return [self.select_rows(slice(i, i + size)) for i in range(0, len(self), size)]
 
     def chunk_into(self, n_chunks: int) -> list[BatchMeta]:
@@ -129,7 +133,9 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         rows; with more chunks than rows the last pieces are empty.
         """
         if isinstance(n_chunks, bool) or not isinstance(n_chunks, int) or n_chunks <= 0:
-            raise ValueError(f"chunk_into(n_chunks) needs a positive count, got {n_chunks!r}")
+            raise InvalidRequestError(
+                f"chunk_into(n_chunks) needs a positive count, got {n_chunks!r}"
+            )
         base, extra = divmod(len(self), n_chunks)
         pieces, start = [], 0
         for i in range(n_chunks):
@@ -165,7 +171,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         for m in metas:
             for k, v in m.extra_info.items():
                 if k in extra and extra[k] != v:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"concat: extra_info[{k!r}] differs between the batches ({extra[k]!r} "
                         f"vs {v!r}); make it agree or drop it before concatenating"
                     )
