@@ -710,6 +710,9 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
         address = _address_in(flat) or _ray_address(flat)
         metrics_endpoint = os.environ.get("TQ_METRICS_ENDPOINT")
         cluster: BackgroundCluster | None = None
+        settings = [k for k in flat if k.startswith(("controller.sampler", "backend.", "metrics."))]
+        if address is not None and settings:
+            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
         if address is None:
             cluster = _start_cluster(flat)
             address = cluster.address
