@@ -38,19 +38,14 @@ async def test_schema_violations_change_nothing() -> None:
         meta = await client.put({"x": torch.zeros(2, 3)}, partition_id="p")
         with pytest.raises(tq.SchemaError, match=r"float32.*float64.*convert"):
             await client.put({"x": torch.zeros(2, 3, dtype=torch.float64)}, partition_id="p")
-        with pytest.raises(tq.SchemaError, match=r"\[3\].*\[4\]"):
-            await client.put({"x": torch.zeros(2, 4)}, partition_id="p")
+        # row shapes may change from put to put (issue 16); their number of dimensions and
+        # the kind of values may not
+        with pytest.raises(tq.SchemaError, match=r"\[3\].*\[3,1\].*dimensions"):
+            await client.put({"x": torch.zeros(2, 3, 1)}, partition_id="p")
         with pytest.raises(tq.SchemaError, match="batch has 2 rows"):
             await client.put({"x": torch.zeros(2, 3), "y": torch.zeros(3)}, partition_id="p")
-        with pytest.raises(tq.SchemaError, match="jagged"):
-            await client.put(
-                {
-                    "x": torch.nested.nested_tensor(
-                        [torch.zeros(3), torch.zeros(1)], layout=torch.jagged
-                    )
-                },
-                partition_id="p",
-            )
+        with pytest.raises(tq.SchemaError, match="object"):
+            await client.put({"x": ["a", "b"]}, partition_id="p")
         with pytest.raises(tq.SchemaError, match="meta has 2"):
             await client.put({"y": torch.zeros(3)}, meta=meta)
         with pytest.raises(tq.UnsupportedTypeError, match=r"'obj'.*object"):
@@ -65,9 +60,11 @@ async def test_unknown_partition_on_status_calls() -> None:
         tq.local_cluster(num_storage_units=1) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
+        # readiness checks answer "not yet" for a partition with no rows (issue 16): a loop
+        # polling them may start before the first put
+        assert await client.check_consumption_status("nope", "t") is False
+        assert await client.check_production_status("nope", ["x"]) is False
         for call in (
-            client.check_consumption_status("nope", "t"),
-            client.check_production_status("nope", ["x"]),
             client.consumption_status("nope", "t"),
             client.production_status("nope"),
             client.partition_info("nope"),

@@ -8,10 +8,13 @@ import pickle
 import pytest
 
 import tq_async
+import tq_async.compat
 import tq_async.samplers
 
 
-@pytest.mark.parametrize("module", [tq_async, tq_async.samplers], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [tq_async, tq_async.samplers, tq_async.compat], ids=lambda m: m.__name__
+)
 def test_all_is_complete_unique_and_documented(module: object) -> None:
     names = module.__all__  # type: ignore[attr-defined]
     assert len(names) == len(set(names))
@@ -25,7 +28,15 @@ def test_all_is_complete_unique_and_documented(module: object) -> None:
 
 
 def test_public_methods_are_documented() -> None:
-    for cls in (tq_async.AsyncClient, tq_async.Client, tq_async.BatchMeta):
+    for cls in (
+        tq_async.AsyncClient,
+        tq_async.Client,
+        tq_async.BatchMeta,
+        tq_async.BackgroundCluster,
+        tq_async.compat.TransferQueueClient,
+        tq_async.compat.BatchMeta,
+        tq_async.compat.KVBatchMeta,
+    ):
         for name, member in inspect.getmembers(cls):
             if name.startswith("_") or not callable(member):
                 continue

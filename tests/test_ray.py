@@ -172,3 +172,20 @@ def test_launch_with_a_config(local_ray: None) -> None:
         anyio.run(check_admission)
     finally:
         cluster.shutdown()
+
+
+def test_compat_init_attaches_to_a_launched_cluster(
+    local_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tq_async.compat as compat
+
+    monkeypatch.delenv("TQ_ADDRESS", raising=False)
+    cluster = tq_ray.launch(1)  # the default name and namespace, which compat.init looks up
+    try:
+        config = compat.init()
+        assert config.address == cluster.address  # type: ignore[attr-defined]
+        compat.kv_put(key="k", partition_id="p", tag={"v": 1})
+        assert compat.kv_list("p") == {"p": {"k": {"v": 1}}}
+    finally:
+        compat.close()
+        cluster.shutdown()

@@ -12,6 +12,9 @@ The names that need torch (clients, datasets) are imported on first use, so that
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._background import BackgroundCluster as BackgroundCluster
+from ._background import background_cluster as background_cluster
+from ._checkpoint import checkpoint_metadata as checkpoint_metadata
 from ._cluster import LocalCluster as LocalCluster
 from ._cluster import local_cluster as local_cluster
 from ._columns import ColumnHeader as ColumnHeader
@@ -96,6 +99,7 @@ __all__ = [
     "AsyncClient",
     "AuthenticationError",
     "AsyncStreamingDataset",
+    "BackgroundCluster",
     "BaseSampler",
     "BatchMeta",
     "BrokenError",
@@ -132,6 +136,8 @@ __all__ = [
     "TQTimeoutError",
     "UnsupportedTypeError",
     "WouldBlock",
+    "background_cluster",
+    "checkpoint_metadata",
     "chunk_batch_fn",
     "configure_logging",
     "curve_keypair",

@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory::
 
-    manifest.json      format name and version, and the size and sha256 of every other file
+    manifest.json      format name and version, the size and sha256 of every other file,
+                       and the caller's ``metadata`` (JSON; :func:`checkpoint_metadata`)
     state.msgpack      the controller snapshot (partitions, production, consumption, tags,
                        keys, recorded deliveries) and the sampler's state_dict
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
@@ -21,7 +22,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -36,7 +37,7 @@ from ._columns import (
     position_runs,
     take_rows,
 )
-from ._errors import CheckpointError
+from ._errors import CheckpointError, InvalidRequestError
 from ._meta import BatchMeta
 from ._protocol import (
     DumpState,
@@ -51,7 +52,13 @@ from ._protocol import (
 if TYPE_CHECKING:
     from ._client import AsyncClient
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "checkpoint_metadata",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
 FORMAT = "tq_async-checkpoint"
 FORMAT_VERSION = 1
@@ -112,9 +119,13 @@ def _decode_cells(name: str, data: bytearray) -> tuple[_CellsHeader, Column]:
 
 
 async def save_checkpoint(
-    client: AsyncClient, path: str, partition_ids: Sequence[str] | None
+    client: AsyncClient,
+    path: str,
+    partition_ids: Sequence[str] | None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> None:
     """See :meth:`AsyncClient.save_checkpoint`."""
+    user_metadata = _user_metadata(metadata)
     ids = None if partition_ids is None else list(partition_ids)
     dump: StateDump = await client._call(DumpState(ids), StateDump)
     tmp = _tmp_name(path)
@@ -141,7 +152,12 @@ async def save_checkpoint(
                 headers, columns = await client._fetch_columns(meta, [fd.header.name])
                 chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
                 await anyio.to_thread.run_sync(add, f"cells-{pi}-{fi}.bin", chunks)
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": files}
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "files": files,
+            "metadata": user_metadata,
+        }
         await anyio.to_thread.run_sync(
             add, "manifest.json", [json.dumps(manifest, indent=1).encode()]
         )
@@ -150,6 +166,42 @@ async def save_checkpoint(
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidRequestError(
+            f"metadata must be a dict of JSON values, got {type(metadata).__name__}"
+        )
+    try:
+        return dict(json.loads(json.dumps(dict(metadata))))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"metadata must hold JSON values only (str, int, float, bool, None, list, dict): {exc}"
+        ) from None
+
+
+def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata`` dict a checkpoint was saved with (``{}`` when none was given).
+
+    Raises:
+        CheckpointError: ``path`` is not a readable tq_async checkpoint.
+    """
+    manifest_path = os.path.join(os.fspath(path), "manifest.json")
+    try:
+        with open(manifest_path, "rb") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{os.fspath(path)!r} is not a readable checkpoint ({exc}); pass the directory "
+            "save_checkpoint wrote"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{os.fspath(path)!r} is not a tq_async checkpoint")
+    metadata = manifest.get("metadata", {})
+    return dict(metadata) if isinstance(metadata, dict) else {}
 
 
 def _tmp_name(path: str) -> str:
@@ -220,7 +272,8 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
         (pd.partition_id, fd.header.name): fd.header for pd in state.partitions for fd in pd.fields
     }
     for head, _ in cells:
-        if known.get((head.partition_id, head.column.name)) != head.column:
+        saved = known.get((head.partition_id, head.column.name))
+        if saved is None or not saved.accepts(head.column):
             raise CheckpointError(
                 f"cells of {head.partition_id!r}/{head.column.name!r} do not match the saved "
                 "schema: the checkpoint is inconsistent"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
@@ -30,7 +30,7 @@ from ._columns import (
     column_from_frames,
     column_nbytes,
     column_to_frames,
-    concat_columns,
+    join_columns,
     position_runs,
     positions_by_unit,
     reorder_column,
@@ -60,6 +60,7 @@ from ._protocol import (
     Hello,
     HelloReply,
     KVClear,
+    KVKeys,
     KVList,
     KVLookup,
     KVTag,
@@ -561,11 +562,13 @@ class AsyncClient:
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
-                field_names=fields,
+                # a keyed put names every field its keys have, not only this put's
+                field_names=list(dict.fromkeys([*(placement.fields or ()), *fields])),
                 units=placement.units,
                 tags=out_tags,
                 policy_versions=written_versions,
                 incarnation=placement.incarnation,
+                keys=list(keys) if keys is not None else [],
             )
         merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
         if tag_list:
@@ -855,11 +858,31 @@ class AsyncClient:
             policy_versions=got.versions,
             lease_id=got.lease_id,
             incarnation=got.incarnation,
+            keys=got.keys or [],
         )
         return meta, got, frames
 
-    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+    ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
+
+        A field whose rows were put with different shapes (a rollout padded per batch) comes
+        back dense when the rows read share a shape, and as a jagged nested tensor when they
+        differ in their first dimension. Rows that differ in a later dimension cannot form one
+        tensor: reading them together raises :class:`~tq_async.SchemaError`.
+
+        Args:
+            meta: the rows to read.
+            fields: the fields to read (default: ``meta.field_names``).
+            nested: ``True``, or the names of fields, to get tensor fields back as jagged
+                nested tensors even when their rows share a shape (rows of at least one
+                dimension; a dense ``[B, L]`` becomes a nested tensor of ``B`` rows of length
+                ``L``), for code that wants one type whatever was put.
 
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
@@ -870,15 +893,17 @@ class AsyncClient:
 
         Raises:
             RowsNotFound: some rows were cleared.
+            SchemaError: rows of a field differ in more than their first dimension.
 
         Cancellation: nothing changes on the services (reads have no side effects).
         """
         names = list(fields) if fields is not None else list(meta.field_names)
+        as_nested = _check_nested(nested)
         n = len(meta)
         if n == 0 or not names:
             return TensorDict({}, batch_size=[n])
         headers, columns = await self._fetch_columns(meta, names)
-        return columns_to_tensordict(n, headers, columns)
+        return columns_to_tensordict(n, headers, columns, nested=as_nested)
 
     async def _fetch_columns(
         self, meta: BatchMeta, names: list[str]
@@ -920,18 +945,20 @@ class AsyncClient:
         stop_when_consumed: bool = False,
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way. A batch of 0 rows (end of stream, or with ``dp_size``
-        a rank's empty share) comes with an empty ``TensorDict(batch_size=[0])``; no storage
-        unit is asked.
+        result is the same either way. ``nested`` is :meth:`get_data`'s. A batch of 0 rows
+        (end of stream, or with ``dp_size`` a rank's empty share) comes with an empty
+        ``TensorDict(batch_size=[0])``; no storage unit is asked.
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
+        as_nested = _check_nested(nested)
         meta, got, frames = await self._get_meta(
             data_fields,
             batch_size,
@@ -950,9 +977,9 @@ class AsyncClient:
                 td = TensorDict({}, batch_size=[0])
             elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
-                td = columns_to_tensordict(len(meta), headers, columns)
+                td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
             else:
-                td = await self.get_data(meta)
+                td = await self.get_data(meta, nested=as_nested)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
                 self._controller.send_oneway(Ack([meta.lease_id]))
@@ -1139,21 +1166,73 @@ class AsyncClient:
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any],
+        fields: TensorDictBase | Mapping[str, Any] | None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``).
 
         New keys get new rows; existing keys are updated in place, field by field (fields
         not in ``fields`` keep their values). ``tags`` are merged into each key's tags
-        atomically with the data becoming visible.
+        atomically with the data becoming visible. With ``fields=None`` only the tags change
+        (missing keys are created). The returned :class:`BatchMeta` names every field the keys
+        have (not only this call's) and carries the keys.
 
         Raises:
             SchemaError: ``fields`` has a different number of rows than ``keys``.
-            InvalidRequestError: a key repeats, or new keys go to a sealed partition.
+            InvalidRequestError: a key repeats, new keys go to a sealed partition, or neither
+                ``fields`` nor ``tags`` is given.
         """
         key_list = _check_keys(keys)
+        if fields is None:
+            if tags is None:
+                raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
+            if len(tags) != len(key_list):
+                raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
+            tag_dicts = [dict(t) if t else {} for t in tags]
+            placement: Placement = await self._call(
+                KVTag(partition_id, key_list, tag_dicts), Placement
+            )
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=placement.fields or [],
+                units=placement.units,
+                tags=tag_dicts,
+                keys=list[str | None](key_list),
+            )
         return await self._put(fields, partition_id, meta=None, tags=tags, keys=key_list)
+
+    async def kv_retrieve_meta(
+        self, keys: Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has.
+
+        Args:
+            keys: the keys, in the order the rows should have.
+            partition_id: their partition.
+            create: create missing keys (rows without fields) instead of failing.
+
+        Raises:
+            KeyNotFound: a key is missing (and ``create`` is False).
+            PartitionNotFound: the partition does not exist (and ``create`` is False).
+
+        Cancellation: without ``create`` nothing changes; with it, keys may have been created
+        (without fields or tags) if the controller received the request.
+        """
+        key_list = _check_keys(keys)
+        if create:
+            return await self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
+        got: MetaReply = await self._call(
+            KVLookup(partition_id, key_list, None, available=True), MetaReply
+        )
+        return BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            keys=list[str | None](key_list),
+        )
 
     async def kv_put(
         self,
@@ -1176,9 +1255,11 @@ class AsyncClient:
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
-                field_names=[],
+                field_names=placement.fields or [],
                 units=placement.units,
                 incarnation=placement.incarnation,
+                tags=[dict(tag)],
+                keys=[key],
             )
         return await self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
 
@@ -1205,6 +1286,7 @@ class AsyncClient:
             units=got.units,
             tags=got.tags,
             incarnation=got.incarnation,
+            keys=list(keys),
         )
         return await self.get_data(meta)
 
@@ -1215,6 +1297,19 @@ class AsyncClient:
         listing = await self._call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
         return dict(listing)
 
+    async def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
+        """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put).
+
+        Raises:
+            KeyNotFound: a row was put without a key (the error names it).
+            RowsNotFound: a row does not exist (never allocated, or cleared).
+            InvalidRequestError: ``global_indexes`` is not a list of non-negative ints.
+
+        Cancellation: nothing changes (a read).
+        """
+        rows = _check_rows(global_indexes, "global_indexes")
+        return list(await self._call(KVKeys(partition_id, rows), list[str]))
+
     async def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Remove ``keys`` and free their storage; a missing key fails the whole call."""
         await self._call(KVClear(partition_id, _check_keys(keys)), None)
@@ -1222,9 +1317,16 @@ class AsyncClient:
     # ---- checkpoints -------------------------------------------------------------------------
 
     async def save_checkpoint(
-        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        partition_ids: Sequence[str] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Write partitions (all by default), their state, tags, keys and cells to ``path``.
+
+        ``metadata`` (a dict of JSON values, e.g. ``{"step": 10}``) is stored with the
+        checkpoint; read it back with :func:`tq_async.checkpoint_metadata`.
 
         The directory is written under a temporary name and renamed into place, so ``path``
         holds either a whole checkpoint or what it held before. Take it while producers are
@@ -1232,10 +1334,11 @@ class AsyncClient:
 
         Raises:
             CheckpointError: ``path`` cannot be written.
+            InvalidRequestError: ``metadata`` is not a dict of JSON values.
         """
         from ._checkpoint import save_checkpoint
 
-        await save_checkpoint(self, os.fspath(path), partition_ids)
+        await save_checkpoint(self, os.fspath(path), partition_ids, metadata)
 
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
@@ -1287,6 +1390,26 @@ def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | Non
         return None
     items = [metas] if isinstance(metas, BatchMeta) else list(metas)
     return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
+def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
+    return [int(r) for r in rows]
 
 
 def _check_keys(keys: Any) -> list[str]:
@@ -1372,10 +1495,14 @@ def _merge_parts(
     inverse = [0] * n
     for i, pos in enumerate(order):
         inverse[pos] = i
-    headers = parts[next(iter(by_unit))][0]
-    columns = []
-    for j in range(len(headers)):
-        merged = concat_columns([parts[u][1][j] for u in by_unit])
+    names = parts[next(iter(by_unit))][0]
+    headers, columns = [], []
+    for j in range(len(names)):
+        # units may answer one field with different row shapes: join them like a unit does
+        header, merged = join_columns(
+            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
+        )
+        headers.append(header)
         columns.append(reorder_column(merged, inverse))
     return headers, columns
 

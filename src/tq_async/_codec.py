@@ -4,15 +4,17 @@
 units keep; this module turns a batch (a ``TensorDict`` or a dict of tensors, jagged nested
 tensors and lists) into columns and columns back into a ``TensorDict``. Round trips are exact:
 dtype (bf16, f16, bool, uint8, fp8, ...), shape and layout are preserved; a dense column comes
-back dense, a jagged one jagged, a list as the same Python values. Received tensor data is
-not copied: a tensor built here is a view of the message buffer (a read-only buffer is copied,
-since tensors are writable).
+back dense, a jagged one jagged, a list as the same Python values. A field whose rows were
+put with different shapes comes back dense when the rows read share a shape and jagged when
+they differ in their first dimension (:func:`tq_async._columns.join_columns`). Received
+tensor data is not copied: a tensor built here is a view of the message buffer (a read-only
+buffer is copied, since tensors are writable).
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -31,6 +33,7 @@ from ._columns import (
     DenseColumn,
     JaggedColumn,
     ListColumn,
+    as_jagged,
 )
 from ._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 
@@ -198,9 +201,29 @@ def _list_of_tensors_column(
     return _jagged(name, values, offsets)
 
 
+def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[Any]:
+    """A numpy column as a tensor (a view when torch can share its memory), or as a list
+    of Python values when its dtype is not numeric (strings, objects)."""
+    if array.dtype.kind not in "biufc":
+        return list(array.tolist()) if array.ndim else [array.item()]
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if not array.flags.writeable:  # torch tensors are writable: never alias a read-only buffer
+        array = array.copy()
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise UnsupportedTypeError(
+            f"field {field!r} is a numpy array of dtype {array.dtype}, which tq_async cannot "
+            "send; cast it to one of: " + ", ".join(sorted(_DTYPES))
+        ) from None
+
+
 def _column_from_value(
     name: str, value: Any, n: int, allow_pickle: bool
 ) -> tuple[ColumnHeader, Column]:
+    if isinstance(value, np.ndarray):
+        value = _from_numpy(value, name)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, n)
     if isinstance(value, NonTensorStack):
@@ -223,15 +246,20 @@ def _column_from_value(
             f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
             "have the batch size"
         )
-    if values and all(isinstance(v, torch.Tensor) for v in values):
-        return _list_of_tensors_column(name, values, n)
+    if values and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        tensors = [v if isinstance(v, torch.Tensor) else _from_numpy(v, name) for v in values]
+        if all(isinstance(t, torch.Tensor) for t in tensors):
+            return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
     for value in data.values():
+        if isinstance(value, np.ndarray):
+            return int(value.shape[0]) if value.ndim > 0 else -1
         if isinstance(value, torch.Tensor):
-            return int(value.shape[0]) if value.dim() > 0 else -1
+            # size(0), not shape[0]: a strided nested tensor has no shape
+            return int(value.size(0)) if value.dim() > 0 else -1
         if isinstance(value, (list, tuple, NonTensorStack)):
             return len(value)
     return -1
@@ -244,8 +272,10 @@ def columns_from_batch(
 
     Args:
         data: a :class:`~tensordict.TensorDict` with ``batch_size=[n]``, or a mapping from
-            field name to a tensor ``[n, ...]``, a jagged nested tensor, a list of ``n``
-            tensors (becomes jagged) or a list of ``n`` plain values.
+            field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
+            travel as tensors, without a copy when writable; others as lists), a nested
+            tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
+            plain values.
         allow_pickle: whether values that msgpack cannot carry exactly may be pickled.
 
     Returns:
@@ -427,11 +457,21 @@ def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
 
 
 def columns_to_tensordict(
-    n: int, headers: Sequence[ColumnHeader], columns: Sequence[Column]
+    n: int,
+    headers: Sequence[ColumnHeader],
+    columns: Sequence[Column],
+    *,
+    nested: bool | Collection[str] = False,
 ) -> TensorDict:
-    """Assemble a ``TensorDict(batch_size=[n])``; list columns become ``NonTensorStack``."""
+    """Assemble a ``TensorDict(batch_size=[n])``; list columns become ``NonTensorStack``.
+
+    ``nested`` (True, or field names): dense columns whose rows have at least one dimension
+    come back as jagged nested tensors (every row the same length).
+    """
     fields: dict[str, Any] = {}
     for header, column in zip(headers, columns, strict=True):
+        if nested is True or (nested and header.name in nested):
+            header, column = as_jagged(header, column)
         value = column_value(header, column)
         if isinstance(value, list):
             value = _non_tensor_stack(value)

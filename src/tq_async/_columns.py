@@ -34,7 +34,7 @@ from typing import Any, TypeAlias
 import msgspec
 import numpy as np
 
-from ._errors import ProtocolError
+from ._errors import ProtocolError, SchemaError
 
 __all__ = [
     "ColumnHeader",
@@ -44,11 +44,13 @@ __all__ = [
     "ListColumn",
     "Frame",
     "ITEM_SIZES",
+    "as_jagged",
     "column_frame_count",
     "column_from_frames",
     "column_nbytes",
     "column_to_frames",
     "concat_columns",
+    "join_columns",
     "position_runs",
     "positions_by_unit",
     "reorder_column",
@@ -116,6 +118,25 @@ class ColumnHeader(msgspec.Struct, array_like=True, frozen=True):
             return self.kind
         dims = ",".join(str(d) for d in self.shape)
         return f"{self.kind} {self.dtype}[{dims}]"
+
+    def row_ndim(self) -> int:
+        """Dimensions of one row: ``len(shape)`` (dense), ``1 + len(shape)`` (jagged), -1
+        for lists."""
+        if self.kind == DENSE:
+            return len(self.shape)
+        if self.kind == JAGGED:
+            return 1 + len(self.shape)
+        return -1
+
+    def accepts(self, other: ColumnHeader) -> bool:
+        """Whether a put may write ``other`` into a field whose schema is ``self``.
+
+        Tensor rows may change shape from put to put (a rollout padded per batch), but not
+        their dtype or number of dimensions; list columns must keep their kind.
+        """
+        if self.kind in (DENSE, JAGGED) and other.kind in (DENSE, JAGGED):
+            return self.dtype == other.dtype and self.row_ndim() == other.row_ndim()
+        return self.schema() == other.schema()
 
     def item_bytes(self) -> int:
         """Bytes of one row (dense) or of one element along the ragged dimension (jagged)."""
@@ -311,6 +332,50 @@ def concat_columns(parts: Sequence[Column]) -> Column:
         if isinstance(p, ListColumn):
             out.extend(p.values)
     return ListColumn(out)
+
+
+def as_jagged(header: ColumnHeader, column: Column) -> tuple[ColumnHeader, Column]:
+    """A dense column of rows ``[L, *T]`` as a jagged one (every row ``L`` long), without a
+    copy; other columns unchanged."""
+    if not isinstance(column, DenseColumn) or not header.shape:
+        return header, column
+    length, trailing = header.shape[0], header.shape[1:]
+    jagged = ColumnHeader(header.name, JAGGED, header.dtype, trailing)
+    n = len(column)
+    values = np.ascontiguousarray(column.data).reshape(n * length, jagged.item_bytes())
+    return jagged, JaggedColumn(values, np.arange(n + 1, dtype=np.int64) * length)
+
+
+def join_columns(
+    headers: Sequence[ColumnHeader], parts: Sequence[Column]
+) -> tuple[ColumnHeader, Column]:
+    """Rows of ``parts`` one after another, whose headers may differ in row shape.
+
+    Parts of one schema concatenate as they are (a dense column stays dense). Tensor parts
+    whose rows differ in shape only along their first dimension become one jagged column
+    (dense parts are viewed as jagged rows of equal length). Rows that differ in a later
+    dimension cannot form a jagged tensor (it has one ragged dimension).
+
+    Raises:
+        SchemaError: the parts cannot form one column.
+    """
+    first = headers[0]
+    if all(h == first for h in headers):
+        return first, concat_columns(parts)
+    name = first.name
+    if not all(first.accepts(h) for h in headers):
+        kinds = sorted({h.describe() for h in headers})
+        raise SchemaError(f"field {name!r} holds rows of incompatible types {kinds}")
+    trailing = {h.shape[1:] if h.kind == DENSE else h.shape for h in headers}
+    if len(trailing) != 1 or first.row_ndim() < 1:
+        shapes = sorted({h.describe() for h in headers})
+        raise SchemaError(
+            f"rows of field {name!r} differ in more than their first dimension ({shapes}); a "
+            "jagged tensor has one ragged dimension, so they cannot come back as one column: "
+            "read them in separate batches, or pad them to one shape when you put them"
+        )
+    header = ColumnHeader(name, JAGGED, first.dtype, trailing.pop())
+    return header, concat_columns([as_jagged(h, c)[1] for h, c in zip(headers, parts, strict=True)])
 
 
 def position_runs(positions: Iterable[int]) -> list[tuple[int, int]]:

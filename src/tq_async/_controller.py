@@ -62,6 +62,7 @@ from ._protocol import (
     Hello,
     HelloReply,
     KVClear,
+    KVKeys,
     KVList,
     KVLookup,
     KVTag,
@@ -491,19 +492,30 @@ class ControllerServer:
         elif isinstance(body, ClearPartition):
             self._clear_then_reply(peer, rid, core.clear_partition(body.partition_id))
         elif isinstance(body, CheckProduction):
-            p = st.partition(body.partition_id)
-            rows = body.rows if body.rows is not None else _alive_rows(p)
-            p.check_rows(rows)
-            ok = all(f in p.fields for f in body.data_fields) and all(
-                p.is_produced(r, body.data_fields) for r in rows
-            )
+            # before the first put, or after a clear, the answer is "not yet" (not an error):
+            # a readiness loop may start before the producers do
+            p_or_none = st.partitions.get(body.partition_id)
+            ok = False
+            if p_or_none is not None:
+                p = p_or_none
+                rows = body.rows if body.rows is not None else _alive_rows(p)
+                p.check_rows(rows)
+                ok = (
+                    bool(rows)
+                    and all(f in p.fields for f in body.data_fields)
+                    and all(p.is_produced(r, body.data_fields) for r in rows)
+                )
             self._send_ok(peer, rid, ok)
         elif isinstance(body, CheckConsumption):
-            p = st.partition(body.partition_id)
-            rows = body.rows if body.rows is not None else _alive_rows(p)
-            p.check_rows(rows)
-            consumed = p.consumed.get(body.task_name)
-            self._send_ok(peer, rid, consumed is not None and all(consumed[r] for r in rows))
+            p_or_none = st.partitions.get(body.partition_id)
+            ok = False
+            if p_or_none is not None:
+                p = p_or_none
+                rows = body.rows if body.rows is not None else _alive_rows(p)
+                p.check_rows(rows)
+                consumed = p.consumed.get(body.task_name)
+                ok = bool(rows) and consumed is not None and all(consumed[r] for r in rows)
+            self._send_ok(peer, rid, ok)
         elif isinstance(body, ProductionStatus):
             p = st.partition(body.partition_id)
             names = body.data_fields if body.data_fields is not None else list(p.fields)
@@ -524,6 +536,8 @@ class ControllerServer:
             p = st.partition(body.partition_id)
             rows = p.rows_for_keys(body.keys)
             fields = body.fields if body.fields is not None else list(p.fields)
+            if body.available:
+                fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in rows)]
             for key, r in zip(body.keys, rows, strict=True):
                 lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[r]]
                 if lacking:
@@ -553,6 +567,17 @@ class ControllerServer:
         elif isinstance(body, KVClear):
             key_rows = st.partition(body.partition_id).rows_for_keys(body.keys)
             self._clear_then_reply(peer, rid, core.clear_rows(body.partition_id, key_rows))
+        elif isinstance(body, KVKeys):
+            p = st.partition(body.partition_id)
+            p.check_rows(body.rows)
+            row_keys = [p.row_keys[r] for r in body.rows]
+            if None in row_keys:
+                keyless = [r for r, k in zip(body.rows, row_keys, strict=True) if k is None]
+                raise KeyNotFound(
+                    f"rows {keyless[:8]} of partition {body.partition_id!r} have no key (put "
+                    "without one); pass rows written with kv_put / kv_batch_put"
+                )
+            self._send_ok(peer, rid, row_keys)
         elif isinstance(body, DumpState):
             ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
             dumps = [st.partition(pid).dump() for pid in ids]
@@ -1160,3 +1185,12 @@ def _validate_get_meta(req: GetMeta) -> None:
         raise InvalidRequestError(f"lease must be positive seconds or None, got {req.lease}")
     if not req.task_name:
         raise InvalidRequestError("task_name must be a non-empty string")
+    cfg = req.sampling_config or {}
+    for name in ("dp_rank", "batch_index"):
+        value = cfg.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise InvalidRequestError(
+                f"sampling_config[{name!r}] must be a non-negative int, got {value!r}"
+            )

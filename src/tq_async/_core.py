@@ -34,7 +34,7 @@ import heapq
 import inspect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,13 +173,27 @@ class SampleCall:
     shares: bool = False
 
     def run(self) -> Any:
-        """Call the sampler: its answer, or an awaitable of it."""
+        """Call the sampler: its answer, or an awaitable of it.
+
+        An exception the sampler raises (``ValueError``, ...) reaches the caller as
+        :class:`InvalidRequestError` naming the sampler, without a server traceback.
+        """
+        try:
+            result = self._call()
+        except TQError:
+            raise
+        except Exception as exc:
+            raise sampler_error(self.sampler, exc) from None
+        if inspect.isawaitable(result):
+            return _mapped_errors(self.sampler, result)
+        return result
+
+    def _call(self) -> Any:
         if self.dp_size is not None:
             shares = getattr(self.sampler, "sample_shares", None)
+            ctx = {k: v for k, v in self.ctx.items() if k != "dp_size"}
             answer = (
-                None
-                if shares is None
-                else shares(self.ready, self.batch_size, self.dp_size, **self.ctx)
+                None if shares is None else shares(self.ready, self.batch_size, self.dp_size, **ctx)
             )
             if answer is not None:
                 self.shares = True
@@ -353,6 +367,10 @@ class ControllerCore:
             "stale": StaleRows(),
             "tail": self._tail(req, sampler),
         }
+        if cfg:
+            # sampling_config entries also arrive as keywords (TransferQueue passes them so,
+            # e.g. priority_scores); the controller's own context wins on a name clash
+            ctx = {str(k): v for k, v in cfg.items()} | ctx
         stale = ctx["stale"]
         accepted = self._kwargs.get(id(sampler))
         if accepted is not None:
@@ -660,7 +678,10 @@ class ControllerCore:
         first_new = before.n_rows if before is not None else 0
         got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
         placement = Placement(got, units)
-        placement.incarnation = self.state.partitions[partition_id].incarnation
+        p = self.state.partitions[partition_id]
+        placement.incarnation = p.incarnation
+        if keys is not None:  # a KV put's meta names every field its keys already have
+            placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
         if lease and rows is None:
             new = [r for r in got if r >= first_new]
             if new:
@@ -762,6 +783,9 @@ class ControllerCore:
             self._put_home.pop(put_id, None)
         for smp in self.samplers():
             smp.clear_partition(partition_id)
+            clear_cache = getattr(smp, "clear_cache", None)
+            if clear_cache is not None:
+                clear_cache(partition_id)  # TransferQueue's hook, as its controller calls it
         whole: dict[int, list[int] | None] = {u: None for u in st.units}
         fx.free.append((partition_id, p.incarnation, whole | dict.fromkeys(by_unit)))
         return fx
@@ -1039,7 +1063,26 @@ def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRepl
         list(fields),
         versions=versions,
         incarnation=p.incarnation,
+        keys=[p.row_keys[r] for r in rows] if p.keys else None,
     )
+
+
+def sampler_error(sampler: Any, exc: Exception) -> InvalidRequestError:
+    """A sampler's own exception, as the caller sees it (no server traceback)."""
+    return InvalidRequestError(
+        f"sampler {type(sampler).__name__} raised {type(exc).__name__}: {exc}; check the "
+        "request (batch_size, sampling_config) against what the sampler accepts"
+    )
+
+
+async def _mapped_errors(sampler: Any, result: Awaitable[Any]) -> Any:
+    """Await an async sampler's result, mapping its exceptions like a sync sampler's."""
+    try:
+        return await result
+    except TQError:
+        raise
+    except Exception as exc:
+        raise sampler_error(sampler, exc) from None
 
 
 def check_result(result: Any) -> tuple[list[int], list[int]]:

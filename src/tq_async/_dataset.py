@@ -39,6 +39,7 @@ dataset also stops when every row the partition holds has been consumed by the t
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ def chunk_batch_fn(
     if micro_batch_size >= n:
         return [(td, meta)]  # one micro-batch: the batch itself (nothing to cut)
     bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
-    return list(zip(_split_rows(td, bounds), meta.chunk(micro_batch_size), strict=True))
+    return list(zip(_split_rows(td, bounds), meta.chunk_every(micro_batch_size), strict=True))
 
 
 def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[TensorDictBase]:
@@ -214,6 +215,9 @@ def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[Tenso
     for key in td.keys():  # noqa: SIM118 - TensorDict keys()
         value = td.get(key)
         if isinstance(value, torch.Tensor) and value.is_nested:
+            if value.layout == torch.strided:  # no slicing op: cut its list of rows
+                columns.append((key, "strided", list(value.unbind()), None))
+                continue
             holes = getattr(value, "_lengths", None) is not None
             if value.layout != torch.jagged or holes or getattr(value, "_ragged_idx", 1) != 1:
                 return [td[a:b] for a, b in bounds]
@@ -227,7 +231,11 @@ def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[Tenso
     for a, b in bounds:
         out: dict[str, Any] = {}
         for key, kind, data, offsets in columns:
-            if kind == "jagged":
+            if kind == "strided":
+                with warnings.catch_warnings():  # torch: "strided nested tensors: prototype"
+                    warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
+                    out[key] = torch.nested.as_nested_tensor(data[a:b], layout=torch.strided)
+            elif kind == "jagged":
                 lo = offsets[a]
                 out[key] = torch.nested.nested_tensor_from_jagged(
                     data[lo : offsets[b]],
@@ -435,6 +443,8 @@ class AsyncStreamingDataset:
             raise InvalidRequestError(
                 f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
             )
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
         config = dict(sampling_config or {})
         if "batch_index" in config:
             raise InvalidRequestError(

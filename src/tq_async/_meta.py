@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,14 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             cleared and its id reused, reads and writes through this BatchMeta fail with
             ``RowsNotFound`` instead of reaching the new rows. None (a BatchMeta built by
             hand) is not checked.
+        extra_info: a per-batch dict of your own (e.g. ``{"step": 12}``); it travels with the
+            batch and survives :meth:`chunk_into`, :meth:`chunk_every`, :meth:`select_rows`,
+            :meth:`select_fields` and :meth:`concat`.
+        keys: for rows of a KV partition, each row's key (None for a row put without one);
+            empty when no row of the batch has a key.
+
+    A BatchMeta copies the lists and dicts it is given (mutating yours afterwards changes
+    nothing here), and every selection gets its own copies of the tag dicts.
     """
 
     partition_id: str
@@ -50,12 +60,26 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     policy_versions: dict[str, list[int]] = msgspec.field(default_factory=dict)
     lease_id: int = 0
     incarnation: str | None = None
+    extra_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    keys: list[str | None] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Own copies: a caller mutating its lists (or a selection's tags) must not change
+        # this batch behind its back.
+        own = msgspec.structs.force_setattr
+        own(self, "global_indexes", list(self.global_indexes))
+        own(self, "field_names", list(self.field_names))
+        own(self, "units", list(self.units))
+        own(self, "tags", [dict(t) for t in self.tags])
+        own(self, "policy_versions", {f: list(v) for f, v in self.policy_versions.items()})
+        own(self, "extra_info", copy.deepcopy(self.extra_info) if self.extra_info else {})
+        own(self, "keys", list(self.keys))
         if len(self.units) != len(self.global_indexes):
             raise ValueError("BatchMeta needs one unit per row")
         if self.tags and len(self.tags) != len(self.global_indexes):
             raise ValueError("BatchMeta needs one tag dict per row (or none at all)")
+        if self.keys and len(self.keys) != len(self.global_indexes):
+            raise ValueError("BatchMeta needs one key per row (or none at all)")
 
     def __len__(self) -> int:
         return len(self.global_indexes)
@@ -81,6 +105,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             units=[self.units[i] for i in idx],
             tags=[self.tags[i] for i in idx] if self.tags else [],
             policy_versions={f: [v[i] for i in idx] for f, v in self.policy_versions.items()},
+            keys=[self.keys[i] for i in idx] if self.keys else [],
         )
 
     def row_policy_versions(self) -> list[int]:
@@ -96,11 +121,46 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         """The same rows, referring to ``fields`` only."""
         return msgspec.structs.replace(self, field_names=list(fields))
 
-    def chunk(self, size: int) -> list[BatchMeta]:
-        """Split into consecutive pieces of ``size`` rows (the last one may be shorter)."""
-        if size <= 0:
-            raise ValueError(f"chunk size must be positive, got {size}")
+    def chunk_every(self, size: int) -> list[BatchMeta]:
+        """Split into consecutive pieces of ``size`` rows (the last one may be shorter).
+
+        10 rows with ``size=3`` give pieces of 3, 3, 3 and 1 rows.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise InvalidRequestError(
+                f"chunk_every(size) needs a positive number of rows, got {size!r}"
+            )
         return [self.select_rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def chunk_into(self, n_chunks: int) -> list[BatchMeta]:
+        """Split into ``n_chunks`` consecutive pieces whose sizes differ by at most one.
+
+        TransferQueue's ``BatchMeta.chunk(n)``: 10 rows with ``n_chunks=3`` give 4, 3 and 3
+        rows; with more chunks than rows the last pieces are empty.
+        """
+        if isinstance(n_chunks, bool) or not isinstance(n_chunks, int) or n_chunks <= 0:
+            raise InvalidRequestError(
+                f"chunk_into(n_chunks) needs a positive count, got {n_chunks!r}"
+            )
+        base, extra = divmod(len(self), n_chunks)
+        pieces, start = [], 0
+        for i in range(n_chunks):
+            end = start + base + (1 if i < extra else 0)
+            pieces.append(self.select_rows(slice(start, end)))
+            start = end
+        return pieces
+
+    def chunk(self, size: int) -> list[BatchMeta]:
+        """Deprecated: pieces of ``size`` rows; use :meth:`chunk_every` (the same) or
+        :meth:`chunk_into` (``n`` pieces, what TransferQueue's ``chunk(n)`` means)."""
+        warnings.warn(
+            "BatchMeta.chunk(size) is deprecated: it means 'pieces of size rows' here but 'size "
+            "pieces' in TransferQueue; call chunk_every(size) for pieces of that many rows or "
+            "chunk_into(n) for n pieces",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.chunk_every(size)
 
     @classmethod
     def concat(cls, metas: Sequence[BatchMeta]) -> BatchMeta:
@@ -118,7 +178,17 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
                 "only batches fetched from one incarnation"
             )
         has_tags = any(m.tags for m in metas)
+        has_keys = any(m.keys for m in metas)
         fields = {f for m in metas for f in m.policy_versions}
+        extra: dict[str, Any] = {}
+        for m in metas:
+            for k, v in m.extra_info.items():
+                if k in extra and extra[k] != v:
+                    raise InvalidRequestError(
+                        f"concat: extra_info[{k!r}] differs between the batches ({extra[k]!r} "
+                        f"vs {v!r}); make it agree or drop it before concatenating"
+                    )
+                extra[k] = v
         return msgspec.structs.replace(
             first,
             global_indexes=[r for m in metas for r in m.global_indexes],
@@ -130,4 +200,6 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
                 f: [v for m in metas for v in m.policy_versions.get(f, [-1] * len(m))]
                 for f in fields
             },
+            extra_info=extra,
+            keys=[k for m in metas for k in (m.keys or [None] * len(m))] if has_keys else [],
         )

@@ -241,11 +241,15 @@ class SetTags(_Msg):
 
 
 class KVLookup(_Msg):
-    """Rows of ``keys``; every key must exist and have every field in ``fields``."""
+    """Rows of ``keys``; every key must exist and have every field in ``fields``.
+
+    With ``available``, the reply names the fields every key has instead (``fields`` unused).
+    """
 
     partition_id: str
     keys: list[str]
     fields: list[str] | None = None
+    available: bool = False
 
 
 class KVTag(_Msg):
@@ -263,6 +267,13 @@ class KVList(_Msg):
 class KVClear(_Msg):
     partition_id: str
     keys: list[str]
+
+
+class KVKeys(_Msg):
+    """The key of each of ``rows``; every row must exist and have a key."""
+
+    partition_id: str
+    rows: list[int]
 
 
 class FieldDump(msgspec.Struct, array_like=True):
@@ -340,6 +351,7 @@ ControllerBody = (
     | KVTag
     | KVList
     | KVClear
+    | KVKeys
     | DumpState
     | RestoreBegin
     | RestoreCommit
@@ -443,6 +455,8 @@ class Placement(msgspec.Struct, array_like=True):
     #: changes whenever a storage unit's address does: a client seeing a new value asks
     #: for the units again (:class:`Hello`) before it dials one
     units_epoch: int = 0
+    #: keyed puts: the fields every row of the put already has (besides the put's own)
+    fields: list[str] | None = None
 
 
 class MetaReply(msgspec.Struct, array_like=True):
@@ -461,6 +475,8 @@ class MetaReply(msgspec.Struct, array_like=True):
     #: changes whenever a storage unit's address does: a client seeing a new value asks
     #: for the units again (:class:`Hello`) before it dials one
     units_epoch: int = 0
+    #: rows of a KV partition: each row's key (None without one); None when no row has one
+    keys: list[str | None] | None = None
 
 
 class RecycledRows(msgspec.Struct, array_like=True):

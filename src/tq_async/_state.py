@@ -291,11 +291,13 @@ class Partition:
                 raise SchemaError(f"field {h.name!r} appears twice in one put")
             seen.add(h.name)
             known = self.fields.get(h.name)
-            if known is not None and known.header.schema() != h.schema():
+            if known is not None and not known.header.accepts(h):
+                # row shapes may change from put to put; dtype and row dimensions may not
                 raise SchemaError(
                     f"field {h.name!r} is {known.header.describe()} in partition "
-                    f"{self.partition_id!r} but the put sent {h.describe()}; convert the column "
-                    "or use a new field name"
+                    f"{self.partition_id!r} but the put sent {h.describe()}; a field keeps its "
+                    "dtype and its rows' number of dimensions: convert the column or use a new "
+                    "field name"
                 )
 
     def add_fields(self, headers: Sequence[ColumnHeader]) -> None:

@@ -28,7 +28,7 @@ from ._columns import (
     column_from_frames,
     column_nbytes,
     column_to_frames,
-    concat_columns,
+    join_columns,
     take_rows,
 )
 from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
@@ -213,7 +213,7 @@ class StorageState:
             if index is None:
                 raise RowsNotFound(f"field {name!r} of partition {partition_id!r} is not stored")
             pieces: list[Column] = []
-            header: ColumnHeader | None = None
+            piece_headers: list[ColumnHeader] = []
             run_chunk: _Chunk | None = None
             a = b = 0
             for r in rows:
@@ -229,21 +229,21 @@ class StorageState:
                     continue
                 if run_chunk is not None:
                     pieces.append(take_rows(run_chunk.column, [(a, b)]))
+                    piece_headers.append(run_chunk.header)
                 run_chunk, a, b = chunk, i, i + 1
-                if header is None:
-                    header = chunk.header
-                elif chunk.header.schema() != header.schema():
-                    raise SchemaError(f"field {name!r} has mixed schemas across puts")
             if run_chunk is not None:
                 pieces.append(take_rows(run_chunk.column, [(a, b)]))
-            if header is None:  # no rows requested
+                piece_headers.append(run_chunk.header)
+            if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             if budget is not None:
                 budget -= _joined_nbytes(pieces)
                 if budget < 0:
                     raise OverBudget(f"the cells take more than {max_bytes} bytes")
+            # rows put with different shapes: dense if they share one, else jagged
+            header, column = join_columns(piece_headers, pieces)
             headers.append(header)
-            columns.append(concat_columns(pieces))
+            columns.append(column)
         return headers, columns
 
     def read(

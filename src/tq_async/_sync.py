@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -206,9 +206,15 @@ class Client:
             ack=ack,
         )
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+    ) -> TensorDict:
         """Blocking :meth:`AsyncClient.get_data`."""
-        return self._run(self._require().get_data, meta, fields)
+        return self._run(self._require().get_data, meta, fields, nested=nested)
 
     def get(
         self,
@@ -223,6 +229,7 @@ class Client:
         stop_when_consumed: bool = False,
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -237,6 +244,7 @@ class Client:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
+            nested=nested,
         )
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
@@ -308,7 +316,7 @@ class Client:
         self,
         keys: Sequence[str],
         partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any],
+        fields: TensorDictBase | Mapping[str, Any] | None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Blocking :meth:`AsyncClient.kv_batch_put`."""
@@ -337,15 +345,29 @@ class Client:
         """Blocking :meth:`AsyncClient.kv_list`."""
         return self._run(self._require().kv_list, partition_id)
 
+    def kv_retrieve_meta(
+        self, keys: Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """Blocking :meth:`AsyncClient.kv_retrieve_meta`."""
+        return self._run(self._require().kv_retrieve_meta, keys, partition_id, create)
+
+    def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
+        """Blocking :meth:`AsyncClient.kv_retrieve_keys`."""
+        return self._run(self._require().kv_retrieve_keys, global_indexes, partition_id)
+
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Blocking :meth:`AsyncClient.kv_clear`."""
         self._run(self._require().kv_clear, keys, partition_id)
 
     def save_checkpoint(
-        self, path: str | os.PathLike[str], partition_ids: Sequence[str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        partition_ids: Sequence[str] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Blocking :meth:`AsyncClient.save_checkpoint`."""
-        self._run(self._require().save_checkpoint, path, partition_ids)
+        self._run(self._require().save_checkpoint, path, partition_ids, metadata=metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Blocking :meth:`AsyncClient.load_checkpoint`."""

@@ -22,7 +22,8 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 ``dp_rank``, ``batch_index``
     from the caller's ``sampling_config`` (``None`` when absent);
 ``sampling_config``
-    the caller's whole ``sampling_config`` dict;
+    the caller's whole ``sampling_config`` dict; each of its entries also arrives as a
+    keyword of its own (as TransferQueue passes them), unless it clashes with a name here;
 ``tags``
     read-only ``row -> Mapping`` view of every row's tags (e.g. ``uid``, ``total_lengths``);
 ``origin``
@@ -41,8 +42,12 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
+
+import msgspec
+
+from .._errors import UnsupportedTypeError
 
 __all__ = ["BaseSampler", "SampleResult", "SharesResult"]
 
@@ -56,7 +61,60 @@ class BaseSampler:
 
     Stateful samplers also override :meth:`clear_partition` (drop everything cached for a
     partition), :meth:`state_dict` and :meth:`load_state_dict`.
+
+    TransferQueue's sampler surface is here too, so its custom samplers run unchanged:
+    ``self._states`` (a dict; by convention the cache
+    ``_states[partition_id][task_name][dp_rank][batch_index]``), :meth:`has_cached_result`,
+    :meth:`clear_cache` (the controller calls it when a partition is cleared),
+    :meth:`save_checkpoint` / :meth:`load_checkpoint` (their state goes into tq_async
+    checkpoints through the default :meth:`state_dict`), and calling the sampler forwards to
+    :meth:`sample`.
     """
+
+    def __init__(self) -> None:
+        self._states: dict[Any, Any] = {}
+
+    @property
+    def _states(self) -> dict[Any, Any]:
+        # created on first use too, for subclasses whose __init__ skips super().__init__()
+        return self.__dict__.setdefault("_states", {})  # type: ignore[no-any-return]
+
+    @_states.setter
+    def _states(self, value: dict[Any, Any]) -> None:
+        self.__dict__["_states"] = value
+
+    def __call__(
+        self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> SampleResult | Awaitable[SampleResult]:
+        """``sampler(...)`` is ``sampler.sample(...)`` (as in TransferQueue)."""
+        return self.sample(ready_indexes, batch_size, *args, **kwargs)
+
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
+    ) -> bool:
+        """True when ``_states`` holds an entry for the ``dp_rank`` and ``batch_index`` of
+        ``sampling_config`` under ``partition_id`` and ``task_name`` (False without a
+        ``dp_rank``)."""
+        cfg = sampling_config or {}
+        dp_rank = cfg.get("dp_rank")
+        if dp_rank is None:
+            return False
+        by_rank = self._states.get(partition_id, {}).get(task_name, {})
+        return dp_rank in by_rank and cfg.get("batch_index") in by_rank[dp_rank]
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Drop ``_states[partition_id]`` (the controller calls this when the partition is
+        cleared, after :meth:`clear_partition`)."""
+        self._states.pop(partition_id, None)
+
+    def save_checkpoint(self) -> dict[str, Any]:
+        """TransferQueue's checkpoint hook: the sampler's state (``{"_states": ...}`` by
+        default). Values must be msgpack-able (str/int/float/bool/None/bytes/list/dict)."""
+        return {"_states": self._states}
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`save_checkpoint` returned."""
+        self._states = dict(state.get("_states", {}))
 
     def sample(
         self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
@@ -106,12 +164,30 @@ class BaseSampler:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state, for checkpoints (msgpack-able values only)."""
-        return {}
+        """The sampler's state, for checkpoints (msgpack-able values only).
+
+        By default, what :meth:`save_checkpoint` returns (when it holds anything).
+
+        Raises:
+            UnsupportedTypeError: that state holds values msgpack cannot carry.
+        """
+        state = self.save_checkpoint()
+        if state == {"_states": {}}:
+            return {}
+        try:
+            msgspec.msgpack.encode(state)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UnsupportedTypeError(
+                f"sampler {type(self).__name__}: its save_checkpoint() state cannot be stored "
+                f"in a checkpoint ({exc}); return plain values (str/int/float/bool/None/bytes/"
+                "list/dict) from save_checkpoint, e.g. an RNG's get_state() as a list"
+            ) from None
+        return {"save_checkpoint": state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        return None
+        if "save_checkpoint" in state:
+            self.load_checkpoint(state["save_checkpoint"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -36,14 +36,15 @@ class GRPOGroupNSampler(BaseSampler):
         ([4, 5, 6, 7], [4, 5, 6, 7])
 
     Args:
-        n_samples_per_prompt: rows per group (the rollout ``n``); at least 1.
+        n_samples_per_prompt: rows per group (the rollout ``n``); at least 1 (the default,
+            as in TransferQueue: every row is its own group).
         group_key: the tag that names a row's group.
 
     Raises:
         ValueError: ``n_samples_per_prompt < 1``.
     """
 
-    def __init__(self, n_samples_per_prompt: int, group_key: str = "uid") -> None:
+    def __init__(self, n_samples_per_prompt: int = 1, group_key: str = "uid") -> None:
         if n_samples_per_prompt < 1:
             raise ValueError(
                 f"n_samples_per_prompt must be >= 1 (rows per prompt group), "
