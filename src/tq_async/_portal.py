@@ -59,7 +59,8 @@ def check_blocking_allowed(what: str) -> None:
             f"{what} would block the event loop that runs tq.local_cluster(), and so the "
             "services it waits for (a deadlock); in async code use `async with "
             "tq.AsyncClient.connect(address)` (or tq.AsyncStreamingDataset), or run the "
-            "blocking code in another thread: `await anyio.to_thread.run_sync(fn)`"
+            "blocking code in another thread: `await anyio.to_thread.run_sync(fn)`; a "
+            "synchronous program starts the services with `with tq.background_cluster(...)`"
         )
 
 
