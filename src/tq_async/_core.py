@@ -484,8 +484,6 @@ class ControllerCore:
 
     def _check_sampled(self, req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
         p.check_rows(delivered)
-        if len(delivered) > 1 and len(set(delivered)) != len(delivered):
-            raise InvalidRequestError("the sampler returned a row twice in one batch")
         # rows of the ready set have every field by construction: check only the others
         ready = p.ready_set(req.task_name, req.data_fields).rows
         for r in delivered:

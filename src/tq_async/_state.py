@@ -455,6 +455,11 @@ class Partition:
     def consume(self, task: str, rows: Sequence[int]) -> None:
         """Mark ``rows`` consumed by ``task`` (they leave every ready set of the task)."""
         consumed = self._task_array(task)
+        if len(rows) > 1 and len(set(rows)) != len(rows):
+            raise InvalidRequestError(
+                f"a sampler consumed the same row twice in one call (partition "
+                f"{self.partition_id!r}, task {task!r}); consume each row once"
+            )
         for r in rows:
             if consumed[r]:
                 raise InvalidRequestError(
