@@ -37,8 +37,8 @@ def test_batch_meta_keeps_its_incarnation() -> None:
     meta = msgspec.structs.replace(meta, incarnation="abc")
     assert meta.select_rows([0, 2]).incarnation == "abc"
     assert meta.select_fields(["x"]).incarnation == "abc"
-    assert all(m.incarnation == "abc" for m in meta.chunk(2))
-    assert tq.BatchMeta.concat(meta.chunk(2)).incarnation == "abc"
+    assert all(m.incarnation == "abc" for m in meta.chunk_every(2))
+    assert tq.BatchMeta.concat(meta.chunk_every(2)).incarnation == "abc"
     other = msgspec.structs.replace(meta, incarnation="def")
     with pytest.raises(tq.InvalidRequestError, match="incarnation"):
         tq.BatchMeta.concat([meta, other])
