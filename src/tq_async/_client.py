@@ -8,6 +8,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
+from ._buffers import buffer_pool
 from ._codec import columns_from_batch, columns_to_tensordict
 from ._columns import (
     Column,
@@ -76,6 +78,12 @@ from ._protocol import (
     Seal,
     SetPolicyVersion,
     SetTags,
+    ShmAlloc,
+    ShmFrames,
+    ShmFree,
+    ShmGrant,
+    ShmHello,
+    ShmHelloReply,
     StalenessStatus,
     StoredColumns,
     StoreGet,
@@ -83,6 +91,7 @@ from ._protocol import (
     TakeRecycled,
 )
 from ._security import CurveClient
+from ._shm import ArenaMap, align
 from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
@@ -164,6 +173,13 @@ class AsyncClient:
             batch's metadata when they sit in storage units of the controller's own process
             (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
             round trip instead of two. Otherwise it reads them from the units. 0 disables it.
+        shared_memory: with a storage unit on this host (verified: the client must read a
+            token the unit wrote into its shared memory), puts of at least 64 KiB copy their
+            column bytes straight into the unit's memory and reads copy out of it, instead of
+            sending them through a socket (see ``docs/deployment.md``). False always uses
+            the socket.
+        same_host: False treats every service as remote: no shared memory (whatever
+            ``shared_memory`` says) and the addresses exactly as given.
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -178,6 +194,8 @@ class AsyncClient:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> None:
         if inline_put_bytes < 0:
             raise InvalidRequestError(f"inline_put_bytes must be >= 0, got {inline_put_bytes}")
@@ -195,6 +213,10 @@ class AsyncClient:
         self._unit_addresses: dict[int, str] = {}
         self._units: dict[int, DealerConnection] = {}
         self._capacity: int | None = None
+        self.shared_memory = bool(shared_memory and same_host)
+        self.same_host = same_host
+        #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
+        self._arenas: dict[int, ArenaMap | None] = {}
 
     @classmethod
     def connect(
@@ -207,6 +229,8 @@ class AsyncClient:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
         return cls(
@@ -217,6 +241,8 @@ class AsyncClient:
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+            shared_memory=shared_memory,
+            same_host=same_host,
         )
 
     async def __aenter__(self) -> AsyncClient:
@@ -257,6 +283,10 @@ class AsyncClient:
         for conn in self._units.values():
             conn.close()
         self._units.clear()
+        for arena in self._arenas.values():
+            if arena is not None:
+                arena.close()
+        self._arenas.clear()
 
     @property
     def closed(self) -> bool:
@@ -288,9 +318,40 @@ class AsyncClient:
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
             conn = self._units[unit_id] = DealerConnection(
-                address, curve=self.curve, retry_after=self.retry_after
+                address,
+                curve=self.curve,
+                retry_after=self.retry_after,
+                on_disconnect=lambda: self._forget_arena(unit_id),
             )
         return conn
+
+    def _forget_arena(self, unit_id: int) -> None:
+        """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
+        a dead unit's memory is freed once nobody maps it)."""
+        arena = self._arenas.pop(unit_id, None)
+        if arena is not None:
+            arena.close()
+
+    async def _arena(self, unit_id: int, conn: DealerConnection) -> ArenaMap | None:
+        """The unit's arena mapped here, if it is on this host (verified once per unit)."""
+        if not self.shared_memory or conn.inproc:
+            return None  # in-process connections copy once already
+        if unit_id in self._arenas:
+            return self._arenas[unit_id]
+        payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
+        hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        arena = None
+        if hello is not None:
+            try:
+                arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
+            except (OSError, ValueError) as exc:  # another host, namespace or user
+                log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
+        if unit_id in self._arenas:  # a concurrent call got there first
+            if arena is not None:
+                arena.close()
+            return self._arenas[unit_id]
+        self._arenas[unit_id] = arena
+        return arena
 
     async def _call(
         self,
@@ -539,6 +600,12 @@ class AsyncClient:
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
             conn = await self._unit(unit)
+            if sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES:
+                arena = await self._arena(unit, conn)
+                if arena is not None and await self._store_shm(
+                    conn, arena, StorePut(partition_id, rows, headers), frames
+                ):
+                    return
             await conn.request(
                 StorePut(partition_id, rows, headers), frames, timeout=self.request_timeout
             )
@@ -550,6 +617,34 @@ class AsyncClient:
         async with anyio.create_task_group() as tg:
             for unit, positions in by_unit.items():
                 tg.start_soon(store_one, unit, positions)
+
+    async def _store_shm(
+        self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
+    ) -> bool:
+        """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
+        nbytes = sum(align(memoryview(f).nbytes) for f in frames)
+        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self.request_timeout)
+        grant: ShmGrant | None = _decode(payload, ShmGrant | None)
+        if grant is None:
+            return False
+        try:
+            try:
+                arena.check(grant.offset, grant.size, "a shared-memory grant")
+            except ValueError as exc:
+                raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+            if grant.size < nbytes:
+                raise ProtocolError("a shared-memory grant is smaller than asked for")
+            if nbytes >= _THREAD_COPY_BYTES:
+                spans = await anyio.to_thread.run_sync(arena.write, grant.offset, frames)
+            else:
+                spans = arena.write(grant.offset, frames)
+            body.shm = ShmFrames(grant.grant, spans)
+            await conn.request(body, timeout=self.request_timeout)
+        except BaseException:
+            # the unit ignores a grant it consumed already (a put that reached it)
+            conn.send_oneway(ShmFree([grant.grant], []))
+            raise
+        return True
 
     # ---- get ---------------------------------------------------------------------------------
 
@@ -725,10 +820,24 @@ class AsyncClient:
                 else [meta.global_indexes[i] for i in positions]
             )
             conn = await self._unit(unit)
+            arena = await self._arena(unit, conn)
+
+            def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+                _release_pin(conn, reply)
+
             payload, frames = await conn.request(
-                StoreGet(meta.partition_id, rows, names), timeout=self.request_timeout
+                StoreGet(meta.partition_id, rows, names, shm=arena is not None),
+                timeout=self.request_timeout,
+                on_abandon=on_abandon,
             )
             stored: StoredColumns = _decode(payload, StoredColumns)
+            if stored.shm_spans is not None:
+                try:
+                    if arena is None or frames:
+                        raise ProtocolError("an unexpected shared-memory reply")
+                    frames = await _copy_spans(arena, stored.shm_spans)
+                finally:
+                    conn.send_oneway(ShmFree([], [stored.pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
@@ -1101,6 +1210,47 @@ def _mask(raw: bytes) -> torch.Tensor:
     if not raw:
         return torch.zeros(0, dtype=torch.bool)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
+
+
+#: puts smaller than this go through the socket even to a unit on this host: one round trip
+#: instead of two (grant, then put) costs less than the copy it saves
+_SHM_MIN_BYTES = 64 << 10
+#: copies at least this big run on a worker thread (as in the in-process path)
+_THREAD_COPY_BYTES = 16 << 20
+
+
+def _release_pin(conn: DealerConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = _decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_oneway(ShmFree([], [stored.pin]))
+
+
+async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+
+    def copy() -> list[Any]:
+        view = arena.view
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= _THREAD_COPY_BYTES:
+        return await anyio.to_thread.run_sync(copy)
+    return copy()
 
 
 def _stored_columns(
