@@ -34,6 +34,7 @@ from ._logging import configure_logging
 from ._metrics import serve_metrics
 from ._security import CurveServer
 from ._serve import first_tq_error, serve_controller, serve_storage
+from ._storage import DEFAULT_SHM_CAP
 
 __all__ = ["main"]
 
@@ -55,6 +56,7 @@ async def _serve(args: argparse.Namespace) -> None:
         curve=load_curve(args.curve_cert, args.curve_allow),
         capacity=args.capacity,
         capacity_scope=args.capacity_scope,
+        shm_cap=args.shm_cap,
     ) as cluster:
         # The one line a launcher parses; flushed so a parent reading our stdout sees it.
         print(f"TQ_ADDRESS={cluster.address}", flush=True)
@@ -147,6 +149,7 @@ async def _serve_role(args: argparse.Namespace) -> None:
                         register_timeout=args.register_timeout,
                         metrics_registry=registry,
                         curve=curve,
+                        shm_cap=args.shm_cap,
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -217,6 +220,14 @@ def _build_parser() -> argparse.ArgumentParser:
         default="partition",
         help="--capacity counts rows per partition (default) or in all partitions together",
     )
+    serve.add_argument(
+        "--shm-cap",
+        type=int,
+        default=DEFAULT_SHM_CAP,
+        metavar="BYTES",
+        help="shared memory per storage unit for clients on this host (0: off; at the cap "
+        "puts go over the socket; default %(default)s)",
+    )
     serve.add_argument("--log-level", default="INFO", help="lowest log level shown on stderr")
     serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     serve.set_defaults(role=None)
@@ -242,6 +253,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="this unit's id, unique in the cluster (default: the controller assigns one)",
     )
+    unit.add_argument("--shm-cap", type=int, default=argparse.SUPPRESS, metavar="BYTES")
     unit.add_argument(
         "--register-timeout",
         type=float,

@@ -17,7 +17,7 @@ from ._errors import InvalidRequestError
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
-from ._storage import StorageServer
+from ._storage import DEFAULT_SHM_CAP, StorageServer
 from ._transport import is_loopback
 from .samplers import BaseSampler
 
@@ -62,6 +62,7 @@ async def local_cluster(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    shm_cap: int = DEFAULT_SHM_CAP,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
 
@@ -91,6 +92,9 @@ async def local_cluster(
             "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
             ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
             by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
+        shm_cap: bytes of shared memory per storage unit for clients in other processes of
+            this host (0: off; at the cap, puts go over the socket). Pages are used only
+            once written.
 
     Yields:
         A :class:`LocalCluster`.
@@ -125,6 +129,7 @@ async def local_cluster(
                     allow_pickle=allow_pickle,
                     metrics=Metrics(metrics_registry, "storage"),
                     curve=curve,
+                    shm_cap=shm_cap,
                 )
                 for i in range(num_storage_units)
             ]

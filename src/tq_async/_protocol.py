@@ -491,6 +491,9 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     shm_idle_bytes: int = 0
     shm_cap: int = 0
     shm_fallbacks: int = 0
+    #: puts and reads served through shared memory
+    shm_puts: int = 0
+    shm_reads: int = 0
 
 
 encoder = msgspec.msgpack.Encoder()

@@ -99,6 +99,9 @@ class Arena:
         self.live_bytes = 0
         self.idle_bytes = 0
         self.fallbacks = 0
+        #: puts and reads served through the arena (totals)
+        self.puts = 0
+        self.reads = 0
         self.closed = False
 
     # ---- allocation --------------------------------------------------------------------------

@@ -321,6 +321,8 @@ class StorageState:
             shm_idle_bytes=arena.idle_bytes,
             shm_cap=arena.cap,
             shm_fallbacks=arena.fallbacks,
+            shm_puts=arena.puts,
+            shm_reads=arena.reads,
         )
 
 
@@ -451,11 +453,9 @@ class StorageServer:
         pid = self._shm_pid(peer)
         arena = self.arena
         assert arena is not None
-        if not 0 < body.nbytes <= arena.cap:
-            raise InvalidRequestError(
-                f"ShmAlloc nbytes must be in 1..{arena.cap}, got {body.nbytes}"
-            )
-        region = arena.alloc(body.nbytes)
+        if body.nbytes <= 0:
+            raise InvalidRequestError(f"ShmAlloc nbytes must be > 0, got {body.nbytes}")
+        region = arena.alloc(body.nbytes) if body.nbytes <= arena.cap else None
         if region is None:
             arena.fallbacks += 1
             return None
@@ -544,6 +544,8 @@ class StorageServer:
         stored, regions = got
         stored.pin = next_id()
         self._pins[stored.pin] = (peer, pid, regions)
+        assert self.arena is not None
+        self.arena.reads += 1
         return stored
 
     def store_local(
@@ -602,10 +604,13 @@ class StorageServer:
                     if len(frames) != 1:
                         raise ProtocolError("a shared-memory put carries no data frames")
                     data, region = self._shm_frames(peer, body)
+                    arena = self.arena
+                    assert arena is not None
                     try:
                         self.state.put(body.partition_id, body.rows, body.columns, data, region)
+                        arena.puts += 1
                     finally:
-                        self.arena.release(region)  # type: ignore[union-attr]
+                        arena.release(region)
                 reply: list[Any] = [ok_reply(req.rid, None)]
                 if metrics:
                     self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
