@@ -92,7 +92,7 @@ from ._protocol import (
 )
 from ._security import CurveClient
 from ._shm import ArenaMap, align
-from ._transport import DealerConnection
+from ._transport import DealerConnection, same_host_ipc
 
 __all__ = ["AsyncClient"]
 
@@ -217,6 +217,7 @@ class AsyncClient:
         self.same_host = same_host
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
+        self._link_locks: dict[int, anyio.Lock] = {}
 
     @classmethod
     def connect(
@@ -269,11 +270,33 @@ class AsyncClient:
             self.address, curve=self.curve, retry_after=self.retry_after
         )
         try:
-            await self._refresh_units()
+            hello = await self._refresh_units()
+            if self.same_host:
+                await self._prefer_ipc(hello)
         except BaseException:
             self._controller.close()
             self._controller = None
             raise
+
+    async def _prefer_ipc(self, hello: HelloReply) -> None:
+        """Talk to the controller through its same-host ipc twin, once proven to be the same
+        controller (its instance token); otherwise keep the given address."""
+        if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
+            return
+        assert hello.ipc is not None
+        conn = DealerConnection(hello.ipc, curve=self.curve, retry_after=self.retry_after)
+        try:
+            payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
+            again: HelloReply = _decode(payload, HelloReply)
+            ok = again.instance == hello.instance
+        except BaseException:
+            conn.close()
+            raise
+        if not ok:
+            conn.close()
+            return
+        self._controller.close()
+        self._controller = conn
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
@@ -292,12 +315,13 @@ class AsyncClient:
     def closed(self) -> bool:
         return self._controller is None
 
-    async def _refresh_units(self) -> None:
-        hello = await self._call(Hello(), HelloReply)
+    async def _refresh_units(self) -> HelloReply:
+        hello: HelloReply = await self._call(Hello(), HelloReply)
         self._unit_addresses = {u.unit_id: u.address for u in hello.units}
         self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
+        return hello
 
     def _ctl(self) -> DealerConnection:
         if self._controller is None:
@@ -332,12 +356,21 @@ class AsyncClient:
         if arena is not None:
             arena.close()
 
-    async def _arena(self, unit_id: int, conn: DealerConnection) -> ArenaMap | None:
-        """The unit's arena mapped here, if it is on this host (verified once per unit)."""
+    async def _data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
+        """The unit's connection and, if it is on this host (verified once per unit), its
+        arena mapped here. A verified unit is then reached through its ipc twin too."""
+        conn = await self._unit(unit_id)
         if not self.shared_memory or conn.inproc:
-            return None  # in-process connections copy once already
+            return conn, None  # in-process connections copy once already
         if unit_id in self._arenas:
-            return self._arenas[unit_id]
+            return conn, self._arenas[unit_id]
+        lock = self._link_locks.setdefault(unit_id, anyio.Lock())
+        async with lock:
+            if unit_id not in self._arenas:
+                await self._link(unit_id, conn)
+        return self._units.get(unit_id, conn), self._arenas.get(unit_id)
+
+    async def _link(self, unit_id: int, conn: DealerConnection) -> None:
         payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
         hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
         arena = None
@@ -346,12 +379,30 @@ class AsyncClient:
                 arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
-        if unit_id in self._arenas:  # a concurrent call got there first
-            if arena is not None:
-                arena.close()
-            return self._arenas[unit_id]
         self._arenas[unit_id] = arena
-        return arena
+        if arena is None or hello is None or not same_host_ipc(hello.ipc):
+            return
+        assert hello.ipc is not None
+        ipc = DealerConnection(
+            hello.ipc,
+            curve=self.curve,
+            retry_after=self.retry_after,
+            on_disconnect=lambda: self._forget_arena(unit_id),
+        )
+        try:
+            # says hello for this connection too (shared memory is granted per connection)
+            payload, _ = await ipc.request(
+                ShmHello(os.getpid()), timeout=min(self.request_timeout, 5.0)
+            )
+            again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        except BaseException:
+            ipc.close()
+            raise
+        if again is None or again.token != hello.token or self._units.get(unit_id) is not conn:
+            ipc.close()
+            return
+        self._units[unit_id] = ipc
+        conn.close()
 
     async def _call(
         self,
@@ -599,13 +650,16 @@ class AsyncClient:
             frames: list[Any] = []
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
-            conn = await self._unit(unit)
-            if sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES:
-                arena = await self._arena(unit, conn)
-                if arena is not None and await self._store_shm(
+            conn, arena = await self._data_link(unit)
+            big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
+            if (
+                big
+                and arena is not None
+                and await self._store_shm(
                     conn, arena, StorePut(partition_id, rows, headers), frames
-                ):
-                    return
+                )
+            ):
+                return
             await conn.request(
                 StorePut(partition_id, rows, headers), frames, timeout=self.request_timeout
             )
@@ -819,8 +873,7 @@ class AsyncClient:
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            conn = await self._unit(unit)
-            arena = await self._arena(unit, conn)
+            conn, arena = await self._data_link(unit)
 
             def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
                 _release_pin(conn, reply)

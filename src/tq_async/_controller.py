@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -235,6 +236,8 @@ class ControllerServer:
             id(smp): _kwargs_filter(smp) for smp in (self.sampler, *self.task_samplers.values())
         }
         self._endpoint: RouterEndpoint | None = None
+        #: what a same-host client compares through the ipc twin (see _transport)
+        self._instance = secrets.token_bytes(16)
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
@@ -270,7 +273,7 @@ class ControllerServer:
         """Bind, report the address through ``task_status``, serve until cancelled."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
+            self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve, twin="uds")
             for unit_id in list(self.state.units):
                 self._unit(unit_id)  # connect now, so a unit that dies is noticed at once
             try:
@@ -457,7 +460,10 @@ class ControllerServer:
             self._send_ok(peer, rid, None)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
-            self._send_ok(peer, rid, HelloReply(infos, self.allow_pickle, st.capacity))
+            ep = self._endpoint
+            ipc = ep.ipc_address if ep is not None else None
+            reply = HelloReply(infos, self.allow_pickle, st.capacity, ipc, self._instance)
+            self._send_ok(peer, rid, reply)
         elif isinstance(body, Seal):
             sealed = st.partitions.get(body.partition_id)
             if sealed is None:

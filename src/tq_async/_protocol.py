@@ -428,6 +428,9 @@ class HelloReply(msgspec.Struct, array_like=True):
     units: list[UnitInfo]
     allow_pickle: bool
     capacity: int | None = None
+    #: the controller's same-host twin endpoint, and a token a client compares through it
+    ipc: str | None = None
+    instance: bytes = b""
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -473,6 +476,8 @@ class ShmHelloReply(msgspec.Struct, array_like=True):
     fd: int
     size: int
     token: bytes
+    #: the unit's same-host twin endpoint (verified by asking ShmHello through it)
+    ipc: str | None = None
 
 
 class ShmGrant(msgspec.Struct, array_like=True):

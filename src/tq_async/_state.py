@@ -189,10 +189,13 @@ class ReadyRows:
 
     def __iter__(self) -> Iterator[int]:
         # blocks grow so that a prefix read (a sequential sampler's first k) stays O(k)
-        i, step = self._head, 64
+        i, step = self._head, 16
         while i < self._tail:
             j = min(i + step, self._tail)
-            yield from self._live_block(i, j).tolist()
+            if self._dead:
+                yield from self._live_block(i, j).tolist()
+            else:  # no dead entry anywhere (consumed from the front): no mask needed
+                yield from self._order[i:j].tolist()
             i, step = j, min(step * 4, 1 << 16)
 
     def to_list(self) -> list[int]:

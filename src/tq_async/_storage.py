@@ -438,7 +438,8 @@ class StorageServer:
         except OSError:  # not visible from here: another host or PID namespace
             return None
         self._shm_peers[peer] = body.pid
-        return ShmHelloReply(os.getpid(), arena.fd, arena.cap, arena.token)
+        ipc = self._endpoint.ipc_address if self._endpoint is not None else None
+        return ShmHelloReply(os.getpid(), arena.fd, arena.cap, arena.token, ipc)
 
     def _shm_pid(self, peer: bytes) -> int:
         pid = self._shm_peers.get(peer)
