@@ -39,7 +39,7 @@ async def test_a_same_host_client_uses_the_unix_twins(address: str) -> None:
         td, got = await client.get(["x"], 40_000, "twin", "t")
         assert torch.equal(td["x"], torch.arange(40_000))
         assert got.global_indexes == meta.global_indexes
-        assert all(c.address.startswith("ipc://@tq-") for c in client._units.values())
+        assert all(c.address.startswith("uds://@tq-") for c in client._units.values())
         await client.clear_partition("twin")
 
 

@@ -393,7 +393,7 @@ class StorageServer:
         task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind, report the address through ``task_status``, serve until cancelled."""
-        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
+        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve, twin="uds")
         try:
             self._open_arena()
             task_status.started(self._endpoint.address)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import struct
 from collections import deque
@@ -34,9 +35,10 @@ log = structlog.get_logger(__name__)
 
 HELLO = b"TQU1"
 _U32 = struct.Struct("<I")
-#: a message larger than this is refused (the control plane carries small messages; the
-#: largest are inline puts and gets of about 1 MiB)
+#: a message larger than this is refused (the connection is dropped)
 MAX_MESSAGE = 256 << 20
+#: read size for small messages; a larger message's body is received into its own buffer
+_CHUNK = 1 << 16
 
 
 def abstract_name(address: str) -> str:
@@ -68,13 +70,20 @@ def encode(frames: Sequence[Any]) -> list[Any]:
 
 
 class _Stream:
-    """Non-blocking message I/O on a connected stream socket."""
+    """Non-blocking message I/O on a connected stream socket.
+
+    Small messages are read in chunks and split; the body of a large one is received straight
+    into a buffer of its own (one copy, as ZMQ does). Writes hand the frames to ``sendmsg``
+    without joining them; what the socket does not take at once waits as views.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self._in = bytearray()
-        self._out: bytearray | None = None  # bytes not written yet (the socket was full)
+        self._big: bytearray | None = None  # the body of a large message being received
+        self._got = 0
+        self._out: deque[memoryview] = deque()  # not written yet (the socket was full)
         self.messages: deque[list[Any]] = deque()
         self.eof = False
 
@@ -82,7 +91,17 @@ class _Stream:
         """Read what the socket has and split it into messages."""
         while not self.eof:
             try:
-                chunk = self.sock.recv(1 << 20)
+                if self._big is not None:
+                    n = self.sock.recv_into(memoryview(self._big)[self._got :])
+                    if n == 0:
+                        self.eof = True
+                        break
+                    self._got += n
+                    if self._got == len(self._big):
+                        self._message(self._big)
+                        self._big = None
+                    continue
+                chunk = self.sock.recv(_CHUNK)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -92,65 +111,79 @@ class _Stream:
                 self.eof = True
                 break
             self._in += chunk
+            self._parse()
+
+    def _parse(self) -> None:
         buf = self._in
         pos = 0
-        while len(buf) - pos >= 4:
+        while len(buf) - pos >= 4 and not self.eof:
             (size,) = _U32.unpack_from(buf, pos)
             if size > MAX_MESSAGE or size < 4:
                 log.warning("dropped a connection that sent a malformed frame", size=size)
                 self.eof = True
                 break
-            if len(buf) - pos - 4 < size:
+            have = len(buf) - pos - 4
+            if have < size:
+                if size > _CHUNK:  # receive the rest straight into its own buffer
+                    self._big = bytearray(size)
+                    self._big[:have] = buf[pos + 4 :]
+                    self._got = have
+                    pos = len(buf)
                 break
             msg = buf[pos + 4 : pos + 4 + size]  # a buffer of its own (writable)
             pos += 4 + size
-            frames = _split(msg)
-            if frames is None:
-                log.warning("dropped a connection that sent a malformed message")
-                self.eof = True
-                break
-            self.messages.append(frames)
+            self._message(msg)
         if pos:
             del buf[:pos]
 
+    def _message(self, msg: bytearray) -> None:
+        frames = _split(msg)
+        if frames is None:
+            log.warning("dropped a connection that sent a malformed message")
+            self.eof = True
+            return
+        self.messages.append(frames)
+
     def write(self, frames: Sequence[Any], on_blocked: Callable[[], None]) -> None:
         """Write one message; what does not fit now waits for :meth:`flush`."""
-        parts = encode(frames)
-        if self._out is not None:
-            for p in parts:
-                self._out += p
+        parts = [memoryview(p).cast("B") for p in encode(frames)]
+        if self._out:
+            self._out.extend(parts)
             return
-        total = sum(memoryview(p).nbytes for p in parts)
         try:
             sent = self.sock.sendmsg(parts)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, f"the peer went away: {exc}") from exc
-        if sent < total:
-            rest = bytearray()
-            for p in parts:
-                rest += p
-            self._out = rest[sent:]
+        for p in parts:
+            if sent >= p.nbytes:
+                sent -= p.nbytes
+                continue
+            self._out.append(p[sent:])
+            sent = 0
+        if self._out:
             on_blocked()
 
     def flush(self) -> bool:
         """Write pending bytes; True when nothing is left."""
-        if self._out is None:
-            return True
-        try:
-            sent = self.sock.send(self._out)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            self.eof = True
-            self._out = None
-            return True
-        del self._out[:sent]
-        if not self._out:
-            self._out = None
-            return True
-        return False
+        out = self._out
+        while out:
+            try:
+                sent = self.sock.sendmsg(list(itertools.islice(out, 64)))
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                self.eof = True
+                out.clear()
+                return True
+            while sent and out:
+                if sent >= out[0].nbytes:
+                    sent -= out.popleft().nbytes
+                else:
+                    out[0] = out[0][sent:]
+                    sent = 0
+        return True
 
 
 def _split(msg: bytearray) -> list[Any] | None:
