@@ -35,7 +35,6 @@ from tq_async._protocol import (
     ShmHello,
     ShmHelloReply,
     StorePut,
-    StoreStats,
     StoreStatsReply,
 )
 from tq_async._shm import PAGE, Arena, ArenaMap
@@ -69,12 +68,8 @@ def _check(got: Any, want: dict[str, Any]) -> None:
 
 
 async def _unit_stats(client: tq.AsyncClient) -> list[StoreStatsReply]:
-    out = []
-    for unit_id in sorted(client._unit_addresses):
-        conn = await client._unit(unit_id)
-        payload, _ = await conn.request(StoreStats(), timeout=10)
-        out.append(msgspec.msgpack.decode(payload, type=StoreStatsReply))
-    return out
+    stats = await client.storage_stats()
+    return [StoreStatsReply(**st) for st in stats.values()]
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +393,7 @@ def test_dataloader_workers_read_through_shared_memory(address: str, context: st
                 assert torch.equal(row, torch.arange(r * 65536, (r + 1) * 65536))
                 rows.append(r)
         assert sorted(rows) == list(range(n))
+        assert set(client.storage_stats()) == {0, 1}  # the blocking twin
         # every batch (2 MiB: too big to ride along with get_meta) came through shared memory
         assert anyio.run(reads) >= before + 4
         client.clear_partition(pid)

@@ -88,6 +88,8 @@ from ._protocol import (
     StoredColumns,
     StoreGet,
     StorePut,
+    StoreStats,
+    StoreStatsReply,
     TakeRecycled,
 )
 from ._security import CurveClient
@@ -977,6 +979,34 @@ class AsyncClient:
             ``{"dead_units": [unit ids], "rows": {partition_id: [rows]}}``.
         """
         return dict(await self._call(LostRows(partition_id), dict[str, Any]))
+
+    async def storage_stats(self) -> dict[int, dict[str, Any]]:
+        """What each storage unit holds, asked of every unit in parallel.
+
+        Returns:
+            ``{unit_id: {"partitions", "rows", "resident_bytes", "shm_bytes",
+            "shm_idle_bytes", "shm_cap", "shm_fallbacks", "shm_puts", "shm_reads"}}``:
+            cells held, shared memory in use, freed shared memory kept for reuse, the cap
+            (0: no shared memory), and puts/reads over the socket because the arena was full
+            and through shared memory (totals).
+
+        Raises:
+            TQTimeoutError: a unit did not answer within ``request_timeout``.
+
+        Cancellation: nothing changes on the services.
+        """
+        await self._refresh_units()
+        out: dict[int, dict[str, Any]] = {}
+
+        async def ask(unit_id: int) -> None:
+            conn = await self._unit(unit_id)
+            payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
+            out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
+
+        async with anyio.create_task_group() as tg:
+            for unit_id in self._unit_addresses:
+                tg.start_soon(ask, unit_id)
+        return dict(sorted(out.items()))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Auto-clear: free each row once every task in ``tasks`` has consumed it.

@@ -47,6 +47,8 @@ class Client:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> None:
         self.address = address
         self._portal = get_portal()
@@ -58,6 +60,8 @@ class Client:
             "retry_after": retry_after,
             "inline_put_bytes": inline_put_bytes,
             "inline_get_bytes": inline_get_bytes,
+            "shared_memory": shared_memory,
+            "same_host": same_host,
         }
 
     @classmethod
@@ -71,6 +75,8 @@ class Client:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -81,6 +87,8 @@ class Client:
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+            shared_memory=shared_memory,
+            same_host=same_host,
         )
 
     def open(self) -> Client:
@@ -164,6 +172,11 @@ class Client:
     def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Blocking :meth:`AsyncClient.lost_rows`."""
         return self._run(self._require().lost_rows, partition_id)
+
+    def storage_stats(self) -> dict[int, dict[str, Any]]:
+        """Blocking :meth:`AsyncClient.storage_stats`."""
+        result: dict[int, dict[str, Any]] = self._run(self._require().storage_stats)
+        return result
 
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Blocking :meth:`AsyncClient.register_tasks`."""
