@@ -12,6 +12,10 @@
   messages); (b) shared memory: the receiver owns a memfd arena, the sender maps it through
   ``/proc/PID/fd`` and copies the batch in (one copy), a 50-byte ``ipc://`` message says
   where; read back = one copy out of the arena into a recycled buffer.
+* ``first-get-meta``: the first get_meta of a new task on a 1M-row partition (embedded),
+  five tasks: building the task's ready set.
+* ``shm-memory``: a ``tq-async serve`` holding 40 W1 batches: the unit's resident growth plus
+  its shared memory in use, against the bytes stored; then after a clear and 40 more puts.
 * ``cold-call``: one small torch call right after ``time.sleep(0.01)``, after spinning for
   0.2-3 ms first, and a second call right after the first: whether a slow first call is the
   clock (spinning helps) or cold caches (it does not).
@@ -27,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -221,6 +226,105 @@ def same_host(puts: int = 300) -> None:
             )
 
 
+def first_get_meta() -> None:
+    import asyncio
+
+    import torch
+
+    import tq_async as tq
+
+    async def run() -> None:
+        async with (
+            tq.local_cluster(num_storage_units=2) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            for _ in range(16):
+                await client.put({"x": torch.zeros(65536, dtype=torch.int32)}, partition_id="big")
+            times = []
+            for r in range(5):
+                t0 = time.perf_counter()
+                await client.get_meta(["x"], 8, "big", f"task{r}")
+                times.append((time.perf_counter() - t0) * 1e3)
+        print(
+            "first-get-meta @1M rows, 5 new tasks: " + ", ".join(f"{t:.1f}" for t in times) + " ms"
+        )
+
+    asyncio.run(run())
+
+
+def shm_memory() -> None:
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    import tq_async as tq
+
+    def rss_anon(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    async def run(pid: int, address: str) -> None:
+        from tq_async._protocol import ShmHello, ShmHelloReply
+
+        async with tq.AsyncClient.connect(address) as client:
+            batch = {
+                "ids": torch.randint(0, 1000, (256, 2048)),
+                "mask": torch.ones(256, 2048, dtype=torch.int64),
+                "r": torch.rand(256),
+            }
+            nbytes = sum(t.numel() * t.element_size() for t in batch.values())
+            base = rss_anon(pid)
+
+            async def measure(label: str, stored: int) -> None:
+                resident = 0
+                for unit in sorted(client._unit_addresses):
+                    conn, _ = await client._data_link(unit)
+                    payload, _ = await conn.request(ShmHello(os.getpid()), timeout=10)
+                    hello = msgspec.msgpack.decode(payload, type=ShmHelloReply)
+                    resident += os.stat(f"/proc/{hello.pid}/fd/{hello.fd}").st_blocks * 512
+                stats = (await client.storage_stats()).values()
+                live = sum(s["shm_bytes"] for s in stats)
+                idle = sum(s["shm_idle_bytes"] for s in stats)
+                anon = rss_anon(pid) - base
+                ratio = f" = {(anon + live) / stored:.3f}x stored" if stored else ""
+                print(
+                    f"shm-memory {label}: stored {stored / 1e6:.0f} MB; unit anon "
+                    f"+{anon / 1e6:.1f} MB; shared memory resident {resident / 1e6:.0f} MB "
+                    f"(in use {live / 1e6:.0f}, idle pool {idle / 1e6:.0f}); unit + in use "
+                    f"{(anon + live) / 1e6:.0f} MB{ratio}"
+                )
+
+            for _ in range(40):
+                await client.put(batch, partition_id="mem")
+            await measure("after 40 puts", 40 * nbytes)
+            await client.clear_partition("mem")
+            await measure("after clear", 0)
+            for _ in range(40):
+                await client.put(batch, partition_id="mem2")
+            await measure("after 40 more puts", 40 * nbytes)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        address = ""
+        for line in proc.stdout:  # the serve process prints its address first
+            if line.startswith("TQ_ADDRESS="):
+                address = line.strip().split("=", 1)[1]
+                break
+        asyncio.run(run(proc.pid, address))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def idle_rtt(calls: int = 300) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with socket_port() as port:
@@ -304,6 +408,8 @@ def cold_call(calls: int = 100) -> None:
 PROBES = {
     "tcp-ceiling": tcp_ceiling,
     "same-host": same_host,
+    "first-get-meta": first_get_meta,
+    "shm-memory": shm_memory,
     "idle-rtt": idle_rtt,
     "cold-call": cold_call,
 }
