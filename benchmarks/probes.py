@@ -7,6 +7,15 @@
   like a storage unit: the best a put over a socket can do on this box.
 * ``idle-rtt``: a 100-byte round trip (blocking pyzmq, server thread) back to back and after
   1 ms / 10 ms of idleness, over ipc, tcp and inproc: what waking up costs.
+* ``same-host``: the two candidates for a same-host data path, two processes, the W1 dense
+  batch with one ack each: (a) the batch as zmq frames over ``ipc://`` (receiver keeps 16
+  messages); (b) shared memory: the receiver owns a memfd arena, the sender maps it through
+  ``/proc/PID/fd`` and copies the batch in (one copy), a 50-byte ``ipc://`` message says
+  where; read back = one copy out of the arena into a recycled buffer.
+* ``first-get-meta``: the first get_meta of a new task on a 1M-row partition (embedded),
+  five tasks: building the task's ready set.
+* ``shm-memory``: a ``tq-async serve`` holding 40 W1 batches: the unit's resident growth plus
+  its shared memory in use, against the bytes stored; then after a clear and 40 more puts.
 * ``cold-call``: one small torch call right after ``time.sleep(0.01)``, after spinning for
   0.2-3 ms first, and a second call right after the first: whether a slow first call is the
   clock (spinning helps) or cold caches (it does not).
@@ -22,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -95,6 +105,224 @@ class socket_port:
 
     def __exit__(self, *exc: object) -> None:
         self._sock.close()
+
+
+def _arena_owner(address: str, size: int) -> None:
+    import mmap
+    import os
+
+    fd = os.memfd_create("tq-probe", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    arena = mmap.mmap(fd, size)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(address)
+    while True:
+        peer, msg = sock.recv_multipart()
+        if msg == b"q":
+            sock.send_multipart([peer, b"bye"])
+            break
+        if msg == b"hello":
+            sock.send_multipart([peer, f"{os.getpid()} {fd}".encode()])
+            continue
+        # a put: the owner would record (offset, size) views of the arena; nothing to copy
+        offset, nbytes = map(int, msg.split())
+        assert offset + nbytes <= size
+        sock.send_multipart([peer, b"ok"])
+    sock.close(linger=0)
+    ctx.term()
+    arena.close()
+    os.close(fd)
+
+
+def same_host(puts: int = 300) -> None:
+    import mmap
+
+    ids = np.random.randint(0, 150_000, (256, 2048)).astype(np.int64)
+    mask = np.ones((256, 2048), dtype=np.int64)
+    reward = np.random.rand(256).astype(np.float32)
+    parts = [ids.reshape(-1).view(np.uint8), mask.reshape(-1).view(np.uint8), reward.view(np.uint8)]
+    with tempfile.TemporaryDirectory() as tmp:
+        # (a) zmq frames over ipc://
+        address = f"ipc://{tmp}/sink.sock"
+        proc = multiprocessing.get_context("spawn").Process(target=_sink, args=(address, 16))
+        proc.start()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        times = []
+        try:
+            sock.connect(address)
+            for _ in range(puts):
+                t0 = time.perf_counter()
+                sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
+                sock.recv()
+                times.append(time.perf_counter() - t0)
+            sock.send_multipart([b"q"])
+            sock.recv()
+        finally:
+            sock.close()
+            ctx.term()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        p50 = statistics.median(times[len(times) // 8 :])
+        print(
+            f"same-host ipc:// frames, put+ack p50 {p50 * 1e3:.2f} ms = "
+            f"{NBYTES / p50 / 1e9:.2f} GB/s"
+        )
+        # (b) shared memory owned by the receiver; 16 slots recycled like a unit's pool
+        slot = -(-NBYTES // 4096) * 4096
+        address = f"ipc://{tmp}/arena.sock"
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_arena_owner, args=(address, 16 * slot)
+        )
+        proc.start()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        puts_t, gets_t = [], []
+        try:
+            sock.connect(address)
+            sock.send(b"hello")
+            pid, fd = sock.recv().split()
+            with open(f"/proc/{int(pid)}/fd/{int(fd)}", "r+b") as f:
+                arena = mmap.mmap(f.fileno(), 16 * slot)
+            view = np.frombuffer(arena, dtype=np.uint8)
+            out = np.empty(NBYTES, dtype=np.uint8)  # a recycled read buffer
+            for i in range(puts):
+                offset = (i % 16) * slot
+                t0 = time.perf_counter()
+                pos = offset
+                for part in parts:
+                    view[pos : pos + part.nbytes] = part
+                    pos += part.nbytes
+                sock.send(f"{offset} {NBYTES}".encode())
+                sock.recv()
+                t1 = time.perf_counter()
+                sock.send(f"{offset} {NBYTES}".encode())  # a read: same round trip
+                sock.recv()
+                out[:] = view[offset : offset + NBYTES]
+                t2 = time.perf_counter()
+                puts_t.append(t1 - t0)
+                gets_t.append(t2 - t1)
+            del view
+            arena.close()
+            sock.send(b"q")
+            sock.recv()
+        finally:
+            sock.close()
+            ctx.term()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        for name, ts in (("put", puts_t), ("get", gets_t)):
+            p50 = statistics.median(ts[len(ts) // 8 :])
+            print(
+                f"same-host shared memory {name}+ack p50 {p50 * 1e3:.2f} ms = "
+                f"{NBYTES / p50 / 1e9:.2f} GB/s"
+            )
+
+
+def first_get_meta() -> None:
+    import asyncio
+
+    import torch
+
+    import tq_async as tq
+
+    async def run() -> None:
+        async with (
+            tq.local_cluster(num_storage_units=2) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            for _ in range(16):
+                await client.put({"x": torch.zeros(65536, dtype=torch.int32)}, partition_id="big")
+            times = []
+            for r in range(5):
+                t0 = time.perf_counter()
+                await client.get_meta(["x"], 8, "big", f"task{r}")
+                times.append((time.perf_counter() - t0) * 1e3)
+        print(
+            "first-get-meta @1M rows, 5 new tasks: " + ", ".join(f"{t:.1f}" for t in times) + " ms"
+        )
+
+    asyncio.run(run())
+
+
+def shm_memory() -> None:
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    import tq_async as tq
+
+    def rss_anon(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    async def run(pid: int, address: str) -> None:
+        from tq_async._protocol import ShmHello, ShmHelloReply
+
+        async with tq.AsyncClient.connect(address) as client:
+            batch = {
+                "ids": torch.randint(0, 1000, (256, 2048)),
+                "mask": torch.ones(256, 2048, dtype=torch.int64),
+                "r": torch.rand(256),
+            }
+            nbytes = sum(t.numel() * t.element_size() for t in batch.values())
+            base = rss_anon(pid)
+
+            async def measure(label: str, stored: int) -> None:
+                resident = 0
+                for unit in sorted(client._unit_addresses):
+                    conn, _ = await client._data_link(unit)
+                    payload, _ = await conn.request(ShmHello(os.getpid()), timeout=10)
+                    hello = msgspec.msgpack.decode(payload, type=ShmHelloReply)
+                    resident += os.stat(f"/proc/{hello.pid}/fd/{hello.fd}").st_blocks * 512
+                stats = (await client.storage_stats()).values()
+                live = sum(s["shm_bytes"] for s in stats)
+                idle = sum(s["shm_idle_bytes"] for s in stats)
+                anon = rss_anon(pid) - base
+                ratio = f" = {(anon + live) / stored:.3f}x stored" if stored else ""
+                print(
+                    f"shm-memory {label}: stored {stored / 1e6:.0f} MB; unit anon "
+                    f"+{anon / 1e6:.1f} MB; shared memory resident {resident / 1e6:.0f} MB "
+                    f"(in use {live / 1e6:.0f}, idle pool {idle / 1e6:.0f}); unit + in use "
+                    f"{(anon + live) / 1e6:.0f} MB{ratio}"
+                )
+
+            for _ in range(40):
+                await client.put(batch, partition_id="mem")
+            await measure("after 40 puts", 40 * nbytes)
+            await client.clear_partition("mem")
+            await measure("after clear", 0)
+            for _ in range(40):
+                await client.put(batch, partition_id="mem2")
+            await measure("after 40 more puts", 40 * nbytes)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        address = ""
+        for line in proc.stdout:  # the serve process prints its address first
+            if line.startswith("TQ_ADDRESS="):
+                address = line.strip().split("=", 1)[1]
+                break
+        asyncio.run(run(proc.pid, address))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def idle_rtt(calls: int = 300) -> None:
@@ -177,7 +405,14 @@ def cold_call(calls: int = 100) -> None:
     )
 
 
-PROBES = {"tcp-ceiling": tcp_ceiling, "idle-rtt": idle_rtt, "cold-call": cold_call}
+PROBES = {
+    "tcp-ceiling": tcp_ceiling,
+    "same-host": same_host,
+    "first-get-meta": first_get_meta,
+    "shm-memory": shm_memory,
+    "idle-rtt": idle_rtt,
+    "cold-call": cold_call,
+}
 
 
 def main() -> None:

@@ -68,7 +68,10 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     probes.tcp_ceiling(puts=8)
     probes.idle_rtt(calls=4)
     probes.cold_call(calls=2)
+    if sys.platform == "linux":
+        probes.same_host(puts=8)
     out = capsys.readouterr().out
     assert out.count("tcp-ceiling") == 2
     assert out.count("idle-rtt") == 9
     assert out.count("cold-call") == 5
+    assert out.count("same-host") == (3 if sys.platform == "linux" else 0)

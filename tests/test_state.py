@@ -192,3 +192,29 @@ def test_ready_set_compacts_after_many_deletions() -> None:
     assert rs.deleted < 2000  # rebuilt along the way: prefix scans skip no dead slots
     assert list(rs.rows)[:3] == [4000, 4001, 4002]
     assert ReadyView(rs.rows)[:2] == [4000, 4001]
+
+
+def test_ready_rows_behaves_like_an_ordered_dict() -> None:
+    """Random adds/removes against the insertion-ordered dict the array-backed set replaces."""
+    import random
+
+    from tq_async._state import ReadyRows
+
+    rng = random.Random(7)
+    model: dict[int, None] = dict.fromkeys([3, 1, 2])
+    rows = ReadyRows([3, 1, 2])
+    for step in range(20_000):
+        r = rng.randrange(3000)
+        if rng.random() < 0.55:
+            model[r] = None
+            rows[r] = None
+        else:
+            assert rows.pop(r, 0) == model.pop(r, 0)
+        assert len(rows) == len(model)
+        if step % 997 == 0:
+            assert list(rows) == list(model)
+            assert rows.to_list() == list(model)
+            assert ReadyView(rows)[:5] == list(model)[:5]
+            assert all((r in rows) == (r in model) for r in range(-1, 3100, 7))
+    assert list(rows) == list(model)
+    assert rows.dead <= len(rows) + 1024

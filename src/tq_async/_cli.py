@@ -33,6 +33,7 @@ from ._errors import ConfigError
 from ._logging import configure_logging, get_logger
 from ._metrics import serve_metrics
 from ._serve import first_tq_error, serve_controller, serve_storage
+from ._storage import DEFAULT_SHM_CAP
 
 __all__ = ["main"]
 
@@ -98,6 +99,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         register_timeout=args.register_timeout,
                         metrics_registry=registry,
                         curve=config.load_curve(),
+                        shm_cap=config.shm_cap,
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -124,6 +126,7 @@ _CONFIG_FLAGS = {
     "put_lease": "put_lease",
     "unit_suspend_after": "unit_suspend_after",
     "unit_lost_after": "unit_lost_after",
+    "shm_cap": "shm_cap",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -237,6 +240,17 @@ def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         )
 
 
+def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
+        "--shm-cap",
+        type=int,
+        default=argparse.SUPPRESS if in_role else DEFAULT_SHM_CAP,
+        metavar="BYTES",
+        help="shared memory per storage unit for clients on this host (0: off; at the cap "
+        f"puts go over the socket; default: {DEFAULT_SHM_CAP})",
+    )
+
+
 def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--capacity",
@@ -290,6 +304,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_shared(serve, in_role=False)
     _add_capacity(serve, in_role=False)
     _add_deadlines(serve, in_role=False)
+    _add_shm(serve, in_role=False)
     serve.set_defaults(role=None)
 
     roles = serve.add_subparsers(dest="role", metavar="ROLE")
@@ -324,6 +339,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: 30)",
     )
     _add_capacity(ctl, in_role=True)
+    _add_shm(unit, in_role=True)
     _add_deadlines(ctl, in_role=True)
     for role in (ctl, unit):
         role.add_argument(

@@ -9,6 +9,7 @@ and the rows become visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import operator
 import os
 from collections.abc import Collection, Generator, Mapping, Sequence
@@ -22,6 +23,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
+from ._buffers import buffer_pool
 from ._codec import check_text, columns_from_batch, columns_to_tensordict, tags_for_wire
 from ._columns import (
     Column,
@@ -83,10 +85,18 @@ from ._protocol import (
     Seal,
     SetPolicyVersion,
     SetTags,
+    ShmAlloc,
+    ShmFrames,
+    ShmFree,
+    ShmGrant,
+    ShmHello,
+    ShmHelloReply,
     StalenessStatus,
     StoredColumns,
     StoreGet,
     StorePut,
+    StoreStats,
+    StoreStatsReply,
     TakeRecycled,
     check_int,
     check_ints,
@@ -95,7 +105,8 @@ from ._protocol import (
 )
 from ._security import CurveClient
 from ._serve import check_address
-from ._transport import DealerConnection
+from ._shm import ArenaMap, align
+from ._transport import DealerConnection, same_host_ipc
 
 __all__ = ["AsyncClient"]
 
@@ -215,6 +226,13 @@ class AsyncClient:
             batch's metadata when they sit in storage units of the controller's own process
             (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
             round trip instead of two. Otherwise it reads them from the units. 0 disables it.
+        shared_memory: with a storage unit on this host (verified: the client must read a
+            token the unit wrote into its shared memory), puts of at least 64 KiB copy their
+            column bytes straight into the unit's memory and reads copy out of it, instead of
+            sending them through a socket (see ``docs/deployment.md``). False always uses
+            the socket.
+        same_host: False treats every service as remote: no shared memory (whatever
+            ``shared_memory`` says) and the addresses exactly as given.
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -230,6 +248,8 @@ class AsyncClient:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> None:
         check_int("inline_put_bytes", inline_put_bytes)
         check_int("inline_get_bytes", inline_get_bytes)
@@ -256,6 +276,15 @@ class AsyncClient:
         self._units_epoch = 0
         self._epoch_seen = 0
         self._refreshing: anyio.Event | None = None
+        self._hello: HelloReply | None = None
+        #: connection address -> the address the controller lists for its unit (differs
+        #: for a verified same-host twin, which is not a move)
+        self._stands_for: dict[str, str] = {}
+        self.shared_memory = bool(shared_memory and same_host)
+        self.same_host = same_host
+        #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
+        self._arenas: dict[int, ArenaMap | None] = {}
+        self._link_locks: dict[int, anyio.Lock] = {}
 
     @classmethod
     def connect(
@@ -269,6 +298,8 @@ class AsyncClient:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
         return cls(
@@ -280,6 +311,8 @@ class AsyncClient:
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+            shared_memory=shared_memory,
+            same_host=same_host,
         )
 
     def __await__(self) -> Generator[Any, None, NoReturn]:
@@ -317,7 +350,7 @@ class AsyncClient:
         )
         wait = min(self.connect_timeout, self.request_timeout)
         try:
-            await self._refresh_units(timeout=wait)
+            hello = await self._refresh_units(timeout=wait)
         except TQTimeoutError:
             self._controller.close()
             self._controller = None
@@ -327,10 +360,34 @@ class AsyncClient:
                 "`tq-async serve` prints), that the services run, and that this host can "
                 "reach them"
             ) from None
+        try:
+            if self.same_host:
+                await self._prefer_ipc(hello)
         except BaseException:
-            self._controller.close()
-            self._controller = None
+            if self._controller is not None:
+                self._controller.close()
+                self._controller = None
             raise
+
+    async def _prefer_ipc(self, hello: HelloReply) -> None:
+        """Talk to the controller through its same-host ipc twin, once proven to be the same
+        controller (its instance token); otherwise keep the given address."""
+        if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
+            return
+        assert hello.ipc is not None
+        conn = DealerConnection(hello.ipc, curve=self.curve, retry_after=self.retry_after)
+        try:
+            payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
+            again: HelloReply = _decode(payload, HelloReply)
+            ok = again.instance == hello.instance
+        except BaseException:
+            conn.close()
+            raise
+        if not ok:
+            conn.close()
+            return
+        self._controller.close()
+        self._controller = conn
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
@@ -340,35 +397,43 @@ class AsyncClient:
         for conn in self._units.values():
             conn.close()
         self._units.clear()
+        for arena in self._arenas.values():
+            if arena is not None:
+                arena.close()
+        self._arenas.clear()
 
     @property
     def closed(self) -> bool:
         return self._controller is None
 
-    async def _refresh_units(self, timeout: float | bool = True) -> None:
+    async def _refresh_units(self, timeout: float | bool = True) -> HelloReply:
         """Ask the controller for the units; drop connections to addresses that changed."""
         if self._refreshing is not None:  # one Hello at a time serves every caller
             await self._refreshing.wait()
-            return
+            if self._hello is not None:
+                return self._hello
         self._refreshing = done = anyio.Event()
         try:
-            hello = await self._call(Hello(), HelloReply, timeout=timeout)
+            hello: HelloReply = await self._call(Hello(), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()
+        self._hello = hello
         addresses = {u.unit_id: u.address for u in hello.units}
         for unit_id, conn in list(self._units.items()):
-            if addresses.get(unit_id) != conn.address:
+            if self._stands_for.get(conn.address, conn.address) != addresses.get(unit_id):
                 log.info(
                     "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
                 )
                 del self._units[unit_id]
+                self._forget_arena(unit_id)
                 conn.close()
         self._unit_addresses = addresses
         self._units_epoch = self._epoch_seen = hello.units_epoch
         self._capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
+        return hello
 
     def _note_epoch(self, epoch: int) -> None:
         """A reply's units epoch: a new one makes the next unit call ask for the units."""
@@ -396,7 +461,11 @@ class AsyncClient:
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
             conn = self._units[unit_id] = DealerConnection(
-                address, curve=self.curve, retry_after=self.retry_after, refused_is_broken=True
+                address,
+                curve=self.curve,
+                retry_after=self.retry_after,
+                refused_is_broken=True,
+                on_disconnect=lambda: self._forget_arena(unit_id),
             )
         return conn
 
@@ -423,9 +492,78 @@ class AsyncClient:
 
     async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
         """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
+        listed = self._stands_for.get(conn.address, conn.address)
         if self._units.get(unit_id) is conn:  # nobody asked since this connection broke
             await self._refresh_units()
-        return self._unit_addresses.get(unit_id) not in (None, conn.address)
+        if self._units.get(unit_id) is conn and listed != conn.address:
+            # a same-host twin broke though the unit did not move: go back to its listed
+            # address (the twin is verified again on the next data link)
+            del self._units[unit_id]
+            self._forget_arena(unit_id)
+            conn.close()
+            return True
+        return self._unit_addresses.get(unit_id) not in (None, listed)
+
+    def _forget_arena(self, unit_id: int) -> None:
+        """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
+        a dead unit's memory is freed once nobody maps it)."""
+        arena = self._arenas.pop(unit_id, None)
+        if arena is not None:
+            arena.close()
+
+    async def _data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
+        """The unit's connection and, if it is on this host (verified once per unit), its
+        arena mapped here. A verified unit is then reached through its ipc twin too."""
+        conn = await self._unit(unit_id)
+        if not self.shared_memory or conn.inproc:
+            return conn, None  # in-process connections copy once already
+        if unit_id in self._arenas:
+            return conn, self._arenas[unit_id]
+        lock = self._link_locks.setdefault(unit_id, anyio.Lock())
+        async with lock:
+            if unit_id not in self._arenas:
+                try:
+                    await self._link(unit_id, conn)
+                except (BrokenError, ClosedError):
+                    # the unit went away: the socket path (and its retry at the unit's new
+                    # address, _unit_request) decides what happens; link again next time
+                    return conn, None
+        return self._units.get(unit_id, conn), self._arenas.get(unit_id)
+
+    async def _link(self, unit_id: int, conn: DealerConnection) -> None:
+        payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
+        hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        arena = None
+        if hello is not None:
+            try:
+                arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
+            except (OSError, ValueError) as exc:  # another host, namespace or user
+                log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
+        self._arenas[unit_id] = arena
+        if arena is None or hello is None or not same_host_ipc(hello.ipc):
+            return
+        assert hello.ipc is not None
+        ipc = DealerConnection(
+            hello.ipc,
+            curve=self.curve,
+            retry_after=self.retry_after,
+            on_disconnect=lambda: self._forget_arena(unit_id),
+        )
+        try:
+            # says hello for this connection too (shared memory is granted per connection)
+            payload, _ = await ipc.request(
+                ShmHello(os.getpid()), timeout=min(self.request_timeout, 5.0)
+            )
+            again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        except BaseException:
+            ipc.close()
+            raise
+        if again is None or again.token != hello.token or self._units.get(unit_id) is not conn:
+            ipc.close()
+            return
+        self._units[unit_id] = ipc
+        self._stands_for[ipc.address] = conn.address
+        conn.close()
 
     async def _call(
         self,
@@ -700,6 +838,10 @@ class AsyncClient:
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
             store = StorePut(partition_id, rows, headers, placement.incarnation)
+            conn, arena = await self._data_link(unit)
+            big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
+            if big and arena is not None and await self._store_shm(conn, arena, store, frames):
+                return
             await self._unit_request(unit, store, frames)
 
         if len(by_unit) == 1:
@@ -709,6 +851,34 @@ class AsyncClient:
         async with anyio.create_task_group() as tg:
             for unit, positions in by_unit.items():
                 tg.start_soon(store_one, unit, positions)
+
+    async def _store_shm(
+        self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
+    ) -> bool:
+        """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
+        nbytes = sum(align(memoryview(f).nbytes) for f in frames)
+        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self.request_timeout)
+        grant: ShmGrant | None = _decode(payload, ShmGrant | None)
+        if grant is None:
+            return False
+        try:
+            try:
+                arena.check(grant.offset, grant.size, "a shared-memory grant")
+            except ValueError as exc:
+                raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+            if grant.size < nbytes:
+                raise ProtocolError("a shared-memory grant is smaller than asked for")
+            if nbytes >= _THREAD_COPY_BYTES:
+                spans = await anyio.to_thread.run_sync(arena.write, grant.offset, frames)
+            else:
+                spans = arena.write(grant.offset, frames)
+            body.shm = ShmFrames(grant.grant, spans)
+            await conn.request(body, timeout=self.request_timeout)
+        except BaseException:
+            # the unit ignores a grant it consumed already (a put that reached it)
+            conn.send_oneway(ShmFree([grant.grant], []))
+            raise
+        return True
 
     # ---- get ---------------------------------------------------------------------------------
 
@@ -918,9 +1088,26 @@ class AsyncClient:
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            get = StoreGet(meta.partition_id, rows, names, meta.incarnation)
-            payload, frames = await self._unit_request(unit, get)
+            conn, arena = await self._data_link(unit)
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=arena is not None)
+            if arena is None:
+                payload, frames = await self._unit_request(unit, get)
+            else:
+
+                def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+                    _release_pin(conn, reply)
+
+                payload, frames = await conn.request(
+                    get, timeout=self.request_timeout, on_abandon=on_abandon
+                )
             stored: StoredColumns = _decode(payload, StoredColumns)
+            if stored.shm_spans is not None:
+                try:
+                    if arena is None or frames:
+                        raise ProtocolError("an unexpected shared-memory reply")
+                    frames = await _copy_spans(arena, stored.shm_spans)
+                finally:
+                    conn.send_oneway(ShmFree([], [stored.pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
@@ -1020,6 +1207,34 @@ class AsyncClient:
             {partition_id: [rows lost]}}``.
         """
         return dict(await self._call(LostRows(partition_id), dict[str, Any]))
+
+    async def storage_stats(self) -> dict[int, dict[str, Any]]:
+        """What each storage unit holds, asked of every unit in parallel.
+
+        Returns:
+            ``{unit_id: {"partitions", "rows", "resident_bytes", "shm_bytes",
+            "shm_idle_bytes", "shm_cap", "shm_fallbacks", "shm_puts", "shm_reads"}}``:
+            cells held, shared memory in use, freed shared memory kept for reuse, the cap
+            (0: no shared memory), and puts/reads over the socket because the arena was full
+            and through shared memory (totals).
+
+        Raises:
+            TQTimeoutError: a unit did not answer within ``request_timeout``.
+
+        Cancellation: nothing changes on the services.
+        """
+        await self._refresh_units()
+        out: dict[int, dict[str, Any]] = {}
+
+        async def ask(unit_id: int) -> None:
+            conn = await self._unit(unit_id)
+            payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
+            out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
+
+        async with anyio.create_task_group() as tg:
+            for unit_id in self._unit_addresses:
+                tg.start_soon(ask, unit_id)
+        return dict(sorted(out.items()))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Auto-clear: free each row once every task in ``tasks`` has consumed it.
@@ -1443,6 +1658,47 @@ def _mask(raw: bytes) -> torch.Tensor:
     if not raw:
         return torch.zeros(0, dtype=torch.bool)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
+
+
+#: puts smaller than this go through the socket even to a unit on this host: one round trip
+#: instead of two (grant, then put) costs less than the copy it saves
+_SHM_MIN_BYTES = 64 << 10
+#: copies at least this big run on a worker thread (as in the in-process path)
+_THREAD_COPY_BYTES = 16 << 20
+
+
+def _release_pin(conn: DealerConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = _decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_oneway(ShmFree([], [stored.pin]))
+
+
+async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+
+    def copy() -> list[Any]:
+        view = arena.view
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= _THREAD_COPY_BYTES:
+        return await anyio.to_thread.run_sync(copy)
+    return copy()
 
 
 def _stored_columns(

@@ -21,7 +21,7 @@ from ._metrics import Metrics, controller_collector, serve_metrics, storage_coll
 from ._portal import host_services, stop_hosting
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
-from ._storage import StorageServer
+from ._storage import DEFAULT_SHM_CAP, StorageServer
 from ._transport import is_loopback
 from .samplers import BaseSampler
 
@@ -70,6 +70,7 @@ async def local_cluster(
     capacity: int | None = None,
     capacity_scope: str = "partition",
     deadlines: Deadlines | None = None,
+    shm_cap: int = DEFAULT_SHM_CAP,
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -103,6 +104,9 @@ async def local_cluster(
         capacity_scope: ``"partition"`` or ``"global"`` (see ``capacity``).
         deadlines: how long the controller waits for a producer's uncommitted put and for
             a silent storage unit (:class:`~tq_async.Deadlines`).
+        shm_cap: bytes of shared memory per storage unit for clients in other processes of
+            this host (0: off; at the cap, puts go over the socket). Pages are used only
+            once written.
         config: the whole deployment as a :class:`~tq_async.Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -139,11 +143,13 @@ async def local_cluster(
             capacity=capacity,
             capacity_scope=capacity_scope,
             deadlines=deadlines,
+            shm_cap=shm_cap,
         )
         options = config.controller_options()
         num_storage_units, host, bind = config.num_storage_units, config.host, config.bind
         capacity, capacity_scope = config.capacity, config.capacity_scope
         serve_metrics_on, auto_clear = config.metrics_on, config.auto_clear_tasks
+        shm_cap = config.shm_cap
         if serve_metrics_on is not None and metrics_registry is None:
             metrics_registry = CollectorRegistry()
     allow_pickle, curve = options["allow_pickle"], options["curve"]
@@ -176,6 +182,7 @@ async def local_cluster(
                     allow_pickle=allow_pickle,
                     metrics=Metrics(metrics_registry, "storage"),
                     curve=curve,
+                    shm_cap=shm_cap,
                 )
                 for i in range(num_storage_units)
             ]
@@ -248,6 +255,7 @@ _CONFIG_COVERS: dict[str, Any] = {
     "capacity": None,
     "capacity_scope": "partition",
     "deadlines": None,
+    "shm_cap": DEFAULT_SHM_CAP,
 }
 
 

@@ -46,6 +46,7 @@ import zmq.auth
 from ._core import AdmissionConfig, Deadlines
 from ._errors import ConfigError, InvalidRequestError, TQError
 from ._security import CurveServer
+from ._storage import DEFAULT_SHM_CAP
 from .samplers import BaseSampler
 
 if sys.version_info >= (3, 11):
@@ -299,6 +300,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         unit_suspend_after: seconds a silent storage unit has before it is suspended.
         unit_lost_after: seconds a suspended unit has to come back before its rows are
             declared lost.
+        shm_cap: bytes of shared memory per storage unit for clients on the units' host (0:
+            off; at the cap, puts go over the socket).
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
         sampler: the sampler of every task without its own (``SequentialSampler`` if None).
         task_samplers: samplers for particular tasks, by task name.
@@ -317,6 +320,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     put_lease: float = Deadlines.put_lease
     unit_suspend_after: float = Deadlines.unit_suspend_after
     unit_lost_after: float = Deadlines.unit_lost_after
+    shm_cap: int = DEFAULT_SHM_CAP
     metrics_on: str | None = None
     sampler: SamplerSpec | None = None
     task_samplers: dict[str, SamplerSpec] = msgspec.field(default_factory=dict)

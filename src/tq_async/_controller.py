@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -184,6 +185,8 @@ class ControllerServer:
         self.unit_timeout = unit_timeout
         self.unit_suspend_after = self.core.deadlines.unit_suspend_after
         self._endpoint: RouterEndpoint | None = None
+        #: what a same-host client compares through the ipc twin (see _transport)
+        self._instance = secrets.token_bytes(16)
         self._tg: TaskGroup | None = None
         self._waiters: dict[str, dict[str, dict[asyncio.Future[None], None]]] = {}
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
@@ -237,7 +240,7 @@ class ControllerServer:
         """Bind, report the address through ``task_status``, serve until cancelled."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
+            self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve, twin="uds")
             for unit_id in list(self.state.units):
                 self._unit(unit_id)  # connect now, so a unit that dies is noticed at once
             try:
@@ -476,7 +479,11 @@ class ControllerServer:
             self._apply(fx)
         elif isinstance(body, Hello):
             infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
-            hello = HelloReply(infos, self.allow_pickle, st.capacity, st.units_epoch)
+            ep = self._endpoint
+            ipc = ep.ipc_address if ep is not None else None
+            hello = HelloReply(
+                infos, self.allow_pickle, st.capacity, st.units_epoch, ipc, self._instance
+            )
             self._send_ok(peer, rid, hello)
         elif isinstance(body, Seal):
             wakeups = st.seal(body.partition_id)

@@ -17,6 +17,9 @@ tq_rows_ready                      gauge   task (rows ready and not consumed, al
 tq_rows_unconsumed                 gauge   task (rows alive and not consumed by the task)
 tq_partitions                      gauge   (partitions held by the controller)
 tq_storage_resident_bytes          gauge   unit (bytes of cells held by a storage unit)
+tq_storage_shm_bytes               gauge   unit (shared memory in use by a unit's cells/reads)
+tq_storage_shm_idle_bytes          gauge   unit (freed shared memory kept resident for reuse)
+tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: arena full)
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
 =================================  ======  ===============================================
 """
@@ -29,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -152,10 +155,10 @@ def _shared(registry: CollectorRegistry, name: str, make: Callable[[], Any]) -> 
 
 
 class _Collector(Collector):
-    def __init__(self, collect: Callable[[], Iterator[GaugeMetricFamily]]) -> None:
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
         self._collect = collect
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         return self._collect()
 
 
@@ -198,13 +201,36 @@ def controller_collector(state: ControllerState, waiting: Callable[[], int]) -> 
 def storage_collector(units: dict[int, StorageState]) -> Collector:
     """``tq_storage_resident_bytes{unit}`` for the given units, computed when scraped."""
 
-    def collect() -> Iterator[GaugeMetricFamily]:
+    def collect() -> Iterator[Metric]:
         g = GaugeMetricFamily(
             "tq_storage_resident_bytes", "Bytes of cells held by a storage unit.", labels=["unit"]
         )
+        shm = GaugeMetricFamily(
+            "tq_storage_shm_bytes",
+            "Shared memory in use by a storage unit (cells and reads in flight).",
+            labels=["unit"],
+        )
+        idle = GaugeMetricFamily(
+            "tq_storage_shm_idle_bytes",
+            "Freed shared memory a storage unit keeps resident for reuse (bounded).",
+            labels=["unit"],
+        )
+        fallbacks = CounterMetricFamily(
+            "tq_storage_shm_fallbacks",
+            "Same-host puts and reads that went over the socket because the arena was full.",
+            labels=["unit"],
+        )
         for unit_id, st in sorted(units.items()):
             g.add_metric([str(unit_id)], st.resident_bytes)
+            arena = st.arena
+            if arena is not None:
+                shm.add_metric([str(unit_id)], arena.live_bytes)
+                idle.add_metric([str(unit_id)], arena.idle_bytes)
+                fallbacks.add_metric([str(unit_id)], arena.fallbacks)
         yield g
+        yield shm
+        yield idle
+        yield fallbacks
 
     return _Collector(collect)
 

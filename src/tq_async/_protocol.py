@@ -370,23 +370,56 @@ ControllerBody = (
 
 
 class StorePut(_Msg):
-    """Store ``columns`` (frames follow the header, in column order) for ``rows``."""
+    """Store ``columns`` (frames follow the header, in column order) for ``rows``.
+
+    With ``shm``, the frames are not in the message: they are spans of a shared-memory grant
+    (see :mod:`tq_async._shm`).
+    """
 
     partition_id: str
     rows: list[int]
     columns: list[ColumnHeader]
     #: the partition incarnation the cells belong to (None: whichever the unit holds)
     incarnation: str | None = None
+    shm: ShmFrames | None = None
 
 
 class StoreGet(_Msg):
-    """Send ``fields`` of ``rows``, in that row order."""
+    """Send ``fields`` of ``rows``, in that row order (through shared memory if ``shm``)."""
 
     partition_id: str
     rows: list[int]
     fields: list[str]
     #: the partition incarnation the cells belong to (None: whichever the unit holds)
     incarnation: str | None = None
+    shm: bool = False
+
+
+class ShmFrames(msgspec.Struct, array_like=True):
+    """Where a put's frames are: ``(offset, nbytes)`` spans relative to grant ``grant``."""
+
+    grant: int
+    spans: list[tuple[int, int]]
+
+
+class ShmHello(_Msg):
+    """A client on this host asks for the unit's arena (it will verify the token)."""
+
+    pid: int
+
+
+class ShmAlloc(_Msg):
+    """Reserve ``nbytes`` of the arena for a put (answered with :class:`ShmGrant` or None
+    when the arena is full: then the put goes over the socket)."""
+
+    nbytes: int
+
+
+class ShmFree(_Msg):
+    """Give back grants the client will not use, and read pins it is done with."""
+
+    grants: list[int]
+    pins: list[int]
 
 
 class StoreClear(_Msg):
@@ -402,7 +435,7 @@ class StoreStats(_Msg):
     pass
 
 
-StorageBody = StorePut | StoreGet | StoreClear | StoreStats | Cancel
+StorageBody = StorePut | StoreGet | StoreClear | StoreStats | ShmHello | ShmAlloc | ShmFree | Cancel
 
 
 # ---- envelopes -------------------------------------------------------------------------------
@@ -439,6 +472,9 @@ class HelloReply(msgspec.Struct, array_like=True):
     #: changes whenever a storage unit's address does: a client seeing a new value asks
     #: for the units again (:class:`Hello`) before it dials one
     units_epoch: int = 0
+    #: the controller's same-host twin endpoint, and a token a client compares through it
+    ipc: str | None = None
+    instance: bytes = b""
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -489,6 +525,27 @@ class RecycledRows(msgspec.Struct, array_like=True):
 class StoredColumns(msgspec.Struct, array_like=True):
     n_rows: int
     columns: list[ColumnHeader]
+    #: read through shared memory: the frames are these arena spans, pinned until the client
+    #: sends ``ShmFree(pins=[pin])``
+    shm_spans: list[tuple[int, int]] | None = None
+    pin: int = 0
+
+
+class ShmHelloReply(msgspec.Struct, array_like=True):
+    """The arena: ``/proc/{pid}/fd/{fd}``, ``size`` bytes, starting with ``token``."""
+
+    pid: int
+    fd: int
+    size: int
+    token: bytes
+    #: the unit's same-host twin endpoint (verified by asking ShmHello through it)
+    ipc: str | None = None
+
+
+class ShmGrant(msgspec.Struct, array_like=True):
+    grant: int
+    offset: int
+    size: int
 
 
 class StoreStatsReply(msgspec.Struct, array_like=True):
@@ -497,6 +554,15 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     resident_bytes: int
     #: random per unit process: a unit answering with another one lost what it held
     instance: str = ""
+    #: shared memory: bytes in use, idle pages kept for reuse, the cap (0: off), and puts
+    #: that fell back to the socket because the arena was full
+    shm_bytes: int = 0
+    shm_idle_bytes: int = 0
+    shm_cap: int = 0
+    shm_fallbacks: int = 0
+    #: puts and reads served through shared memory
+    shm_puts: int = 0
+    shm_reads: int = 0
 
 
 encoder = msgspec.msgpack.Encoder()

@@ -30,7 +30,7 @@ from ._metrics import Metrics, controller_collector, storage_collector
 from ._protocol import RegisterUnit
 from ._security import CurveClient, CurveServer
 from ._state import ControllerState, check_capacity
-from ._storage import StorageServer
+from ._storage import DEFAULT_SHM_CAP, StorageServer
 from ._transport import DealerConnection, is_loopback
 from .samplers import BaseSampler
 
@@ -285,6 +285,7 @@ async def serve_storage(
     register_timeout: float = 30.0,
     metrics_registry: CollectorRegistry | None = None,
     curve: CurveServer | None = None,
+    shm_cap: int = DEFAULT_SHM_CAP,
     task_status: TaskStatus[tuple[int, str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one storage unit: bind, register with ``controller``, serve until cancelled.
@@ -303,6 +304,7 @@ async def serve_storage(
         metrics_registry: record metrics here (off by default).
         curve: the cluster's service keypair (the controller's): encrypts this unit's socket
             and its registration.
+        shm_cap: bytes of shared memory for clients on this host (0: off).
 
     Raises:
         BrokenError: ``bind`` could not be bound.
@@ -318,6 +320,7 @@ async def serve_storage(
         allow_pickle=allow_pickle,
         metrics=Metrics(metrics_registry, "storage"),
         curve=curve,
+        shm_cap=shm_cap,
     )
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(unit.serve, bind)

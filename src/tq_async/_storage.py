@@ -5,10 +5,18 @@ message's frames (no copy, no re-serialisation). An index maps ``(partition, fie
 ``(chunk, position)``. Reading rows that are one run of one chunk sends a view of it (zero
 copy); other selections are gathered once into one buffer. A chunk is freed when its last row
 is cleared or overwritten.
+
+Clients on the unit's host put and read through the unit's shared-memory arena
+(:mod:`tq_async._shm`): a put's chunks are then views of an arena region (freed with the last
+chunk), and a read replies with arena spans instead of frames, pinned until the client has
+copied them out. Bytes that leave through a socket are copied out of the arena first, since
+a region may be reused as soon as its rows are gone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 import time
 from collections import OrderedDict
@@ -17,6 +25,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 import zmq
 from anyio.abc import TaskStatus
 
@@ -36,6 +45,11 @@ from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
     Cancel,
+    ShmAlloc,
+    ShmFree,
+    ShmGrant,
+    ShmHello,
+    ShmHelloReply,
     StorageRequest,
     StoreClear,
     StoredColumns,
@@ -50,6 +64,7 @@ from ._protocol import (
     validate,
 )
 from ._security import CurveServer
+from ._shm import PAGE, Arena, Region, Watcher, align, next_id
 from ._state import stale_incarnation
 from ._transport import LogThrottle, RouterEndpoint
 
@@ -74,22 +89,30 @@ def _joined_nbytes(pieces: Sequence[Column]) -> int:
 
 
 class _Chunk:
-    __slots__ = ("column", "header", "live", "nbytes")
+    __slots__ = ("column", "header", "live", "nbytes", "region")
 
-    def __init__(self, header: ColumnHeader, column: Column) -> None:
+    def __init__(self, header: ColumnHeader, column: Column, region: Region | None) -> None:
         self.header = header
         self.column = column
         self.live = len(column)
         self.nbytes = column_nbytes(column)
+        #: the arena region the column's views point into (None: message frames)
+        self.region = region
 
 
 class StorageState:
-    """The cells of one unit; synchronous and socket-free (testable alone)."""
+    """The cells of one unit; synchronous and socket-free (testable alone).
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    Args:
+        allow_pickle: accept pickled columns.
+        arena: the unit's shared memory, if any (regions of chunks are released into it).
+    """
+
+    def __init__(self, *, allow_pickle: bool = False, arena: Arena | None = None) -> None:
         self.allow_pickle = allow_pickle
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
+        self.arena = arena
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
@@ -139,10 +162,14 @@ class StorageState:
         rows: Sequence[int],
         headers: Sequence[ColumnHeader],
         frames: Any,
+        region: Region | None = None,
         *,
         incarnation: str | None = None,
     ) -> None:
         """Store columns for ``rows`` (frames in header order). All-or-nothing.
+
+        ``region``: the arena region ``frames`` are views of; each stored chunk takes a
+        reference (the caller keeps its own).
 
         Raises:
             RowsNotFound: ``incarnation`` (of the partition) was cleared meanwhile.
@@ -165,8 +192,10 @@ class StorageState:
                     "start it with allow_pickle=True in trusted deployments only"
                 )
             k = column_frame_count(h)
-            chunks.append(_Chunk(h, column_from_frames(h, frames[pos : pos + k], n)))
+            chunks.append(_Chunk(h, column_from_frames(h, frames[pos : pos + k], n), region))
             pos += k
+        if region is not None:
+            region.refs += len(chunks)
         fields = self._index.setdefault(partition_id, {})
         for chunk in chunks:
             index = fields.setdefault(chunk.header.name, {})
@@ -181,6 +210,8 @@ class StorageState:
         chunk.live -= 1
         if chunk.live == 0:
             self.resident_bytes -= chunk.nbytes
+            if chunk.region is not None and self.arena is not None:
+                self.arena.release(chunk.region)
 
     def get(
         self,
@@ -190,8 +221,11 @@ class StorageState:
         *,
         max_bytes: int | None = None,
         incarnation: str | None = None,
+        touched: list[_Chunk] | None = None,
     ) -> tuple[list[ColumnHeader], list[Column]]:
         """Columns for ``fields`` of ``rows`` in that order (views when possible).
+
+        ``touched`` collects the chunks read (to pin their arena regions).
 
         Raises:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
@@ -230,6 +264,8 @@ class StorageState:
                 if run_chunk is not None:
                     pieces.append(take_rows(run_chunk.column, [(a, b)]))
                     piece_headers.append(run_chunk.header)
+                if touched is not None:
+                    touched.append(chunk)
                 run_chunk, a, b = chunk, i, i + 1
             if run_chunk is not None:
                 pieces.append(take_rows(run_chunk.column, [(a, b)]))
@@ -262,7 +298,57 @@ class StorageState:
         frames: list[Any] = []
         for h, c in zip(headers, columns, strict=True):
             frames.extend(column_to_frames(h, c))
+        arena = self.arena
+        if arena is not None:
+            # a region may be reused once its rows are gone: what leaves by socket is a copy
+            frames = [bytes(f) if arena.offset_of(f) is not None else f for f in frames]
         return StoredColumns(len(rows), headers), frames
+
+    def read_shm(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        incarnation: str | None = None,
+    ) -> tuple[StoredColumns, list[Region]] | None:
+        """:meth:`get` as arena spans: views of regions where the cells already are, the
+        rest copied into a new region. Returns the reply and the regions to pin (each
+        holding one more reference), or None when the arena has no room (read by socket).
+        """
+        arena = self.arena
+        assert arena is not None
+        touched: list[_Chunk] = []
+        headers, columns = self.get(
+            partition_id, rows, fields, touched=touched, incarnation=incarnation
+        )
+        frames: list[Any] = []
+        for h, c in zip(headers, columns, strict=True):
+            frames.extend(column_to_frames(h, c))
+        offsets = [arena.offset_of(f) for f in frames]
+        sizes = [memoryview(f).nbytes for f in frames]
+        extra = sum(align(n) for off, n in zip(offsets, sizes, strict=True) if off is None and n)
+        copy: Region | None = None
+        if extra:
+            copy = arena.alloc(extra)
+            if copy is None:
+                return None
+        spans: list[tuple[int, int]] = []
+        pos = copy.offset if copy is not None else 0
+        for f, off, n in zip(frames, offsets, sizes, strict=True):
+            if n == 0:
+                spans.append((PAGE, 0))
+            elif off is not None:
+                spans.append((off, n))
+            else:
+                arena.view[pos : pos + n] = np.frombuffer(memoryview(f).cast("B"), np.uint8)
+                spans.append((pos, n))
+                pos += align(n)
+        pinned = list({id(c.region): c.region for c in touched if c.region is not None}.values())
+        for region in pinned:
+            region.refs += 1
+        if copy is not None:
+            pinned.append(copy)
+        return StoredColumns(len(rows), headers, shm_spans=spans), pinned
 
     def clear(
         self, partition_id: str, rows: Sequence[int] | None, *, incarnation: str | None = None
@@ -309,11 +395,41 @@ class StorageState:
         rows = sum(
             max((len(ix) for ix in fields.values()), default=0) for fields in self._index.values()
         )
-        return StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
+        arena = self.arena
+        if arena is None:
+            return StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
+        return StoreStatsReply(
+            len(self._index),
+            rows,
+            self.resident_bytes,
+            self.instance,
+            shm_bytes=arena.live_bytes,
+            shm_idle_bytes=arena.idle_bytes,
+            shm_cap=arena.cap,
+            shm_fallbacks=arena.fallbacks,
+            shm_puts=arena.puts,
+            shm_reads=arena.reads,
+        )
+
+
+#: default shared-memory arena per unit (address space; pages are used only once written)
+DEFAULT_SHM_CAP = 1 << 30
+#: default bound on freed arena pages kept for reuse
+DEFAULT_SHM_IDLE = 256 << 20
 
 
 class StorageServer:
-    """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous)."""
+    """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous).
+
+    Args:
+        unit_id: this unit's id.
+        allow_pickle: accept pickled columns.
+        metrics: where to count requests and bytes.
+        curve: CURVE keys (network transports).
+        shm_cap: bytes of shared memory for clients on this host (see :mod:`tq_async._shm`);
+            0 turns the shared-memory path off. At the cap, puts go over the socket.
+        shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
+    """
 
     def __init__(
         self,
@@ -322,13 +438,33 @@ class StorageServer:
         allow_pickle: bool = False,
         metrics: Metrics | None = None,
         curve: CurveServer | None = None,
+        shm_cap: int = DEFAULT_SHM_CAP,
+        shm_idle_bytes: int = DEFAULT_SHM_IDLE,
     ) -> None:
+        if shm_cap < 0 or shm_idle_bytes < 0:
+            raise InvalidRequestError(
+                f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
+            )
         self.unit_id = unit_id
         self.curve = curve
+        self.shm_cap = shm_cap
+        self.shm_idle_bytes = shm_idle_bytes
         self._malformed = LogThrottle()
         self.state = StorageState(allow_pickle=allow_pickle)
         self.metrics = metrics or Metrics(None, "storage")
         self._endpoint: RouterEndpoint | None = None
+        self._watcher: Watcher | None = None
+        #: shared memory: client identity -> its pid; grants and read pins by id
+        self._shm_peers: dict[bytes, int] = {}
+        self._grants: dict[int, tuple[bytes, int, Region]] = {}
+        self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
+        #: set (and replaced) whenever shared memory is given back (tests wait on it)
+        self.shm_released = anyio.Event()
+
+    @property
+    def arena(self) -> Arena | None:
+        """The shared-memory arena (None when off or not serving)."""
+        return self.state.arena
 
     @property
     def address(self) -> str:
@@ -343,12 +479,161 @@ class StorageServer:
         task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind, report the address through ``task_status``, serve until cancelled."""
-        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve)
+        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve, twin="uds")
         try:
+            self._open_arena()
             task_status.started(self._endpoint.address)
             await anyio.sleep_forever()
         finally:
             self._endpoint.close()
+            self._close_arena()
+
+    # ---- shared memory -----------------------------------------------------------------------
+
+    def _open_arena(self) -> None:
+        if not self.shm_cap or not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            arena = Arena(
+                self.shm_cap, idle_bytes=self.shm_idle_bytes, name=f"tq-unit-{self.unit_id}"
+            )
+        except OSError as exc:
+            log.warning("no shared memory for same-host clients", error=str(exc))
+            return
+        self.state.arena = arena
+        loop = asyncio.get_running_loop()
+        self._watcher = Watcher(loop.add_reader, loop.remove_reader)
+
+    def _close_arena(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        arena, self.state.arena = self.state.arena, None
+        if arena is not None:
+            arena.close()
+        self._shm_peers.clear()
+        self._grants.clear()
+        self._pins.clear()
+
+    def _shm_hello(self, peer: bytes, body: ShmHello) -> ShmHelloReply | None:
+        arena = self.arena
+        if arena is None or self._watcher is None or body.pid <= 0:
+            return None
+        try:
+            self._watcher.watch(body.pid, self._client_exited)
+        except OSError:  # not visible from here: another host or PID namespace
+            return None
+        self._shm_peers[peer] = body.pid
+        ipc = self._endpoint.ipc_address if self._endpoint is not None else None
+        return ShmHelloReply(os.getpid(), arena.fd, arena.cap, arena.token, ipc)
+
+    def _shm_pid(self, peer: bytes) -> int:
+        pid = self._shm_peers.get(peer)
+        if pid is None or self.arena is None:
+            raise InvalidRequestError(
+                "this client has not set up shared memory with this unit (ShmHello first); "
+                "use the socket path"
+            )
+        return pid
+
+    def _shm_alloc(self, peer: bytes, body: ShmAlloc) -> ShmGrant | None:
+        pid = self._shm_pid(peer)
+        arena = self.arena
+        assert arena is not None
+        if body.nbytes <= 0:
+            raise InvalidRequestError(f"ShmAlloc nbytes must be > 0, got {body.nbytes}")
+        region = arena.alloc(body.nbytes) if body.nbytes <= arena.cap else None
+        if region is None:
+            arena.fallbacks += 1
+            return None
+        grant = next_id()
+        self._grants[grant] = (peer, pid, region)
+        return ShmGrant(grant, region.offset, region.size)
+
+    def _shm_frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
+        """The frames a shared-memory put names, checked against its grant (consumed)."""
+        assert body.shm is not None
+        arena = self.arena
+        entry = self._grants.get(body.shm.grant)
+        if arena is None or entry is None or entry[0] != peer:
+            raise InvalidRequestError(
+                f"shared-memory grant {body.shm.grant} is unknown to this unit (never given, "
+                "used already, freed, or another client's); put again"
+            )
+        del self._grants[body.shm.grant]
+        region = entry[2]
+        try:
+            expected = sum(column_frame_count(h) for h in body.columns)
+            spans = body.shm.spans
+            if len(spans) != expected:
+                raise ProtocolError(
+                    f"a shared-memory put names {len(spans)} spans, its columns need {expected}"
+                )
+            frames: list[Any] = []
+            for off, n in spans:
+                if off < 0 or n < 0 or off + n > region.size:
+                    raise ProtocolError(
+                        f"a shared-memory span [{off}, +{n}) lies outside its grant of "
+                        f"{region.size} bytes; the description is corrupt"
+                    )
+                frames.append(arena.span(region.offset + off, n))
+        except BaseException:
+            arena.release(region)
+            self._notify_shm()
+            raise
+        return frames, region
+
+    def _shm_free(self, peer: bytes, body: ShmFree) -> None:
+        arena = self.arena
+        if arena is None:
+            return
+        for gid in body.grants:
+            entry = self._grants.get(gid)
+            if entry is not None and entry[0] == peer:
+                del self._grants[gid]
+                arena.release(entry[2])
+        for pid_ in body.pins:
+            pin = self._pins.get(pid_)
+            if pin is not None and pin[0] == peer:
+                del self._pins[pid_]
+                for region in pin[2]:
+                    arena.release(region)
+        self._notify_shm()
+
+    def _client_exited(self, pid: int) -> None:
+        """A client process is gone: its grants and pins go back to the arena."""
+        arena = self.arena
+        for peer in [p for p, q in self._shm_peers.items() if q == pid]:
+            del self._shm_peers[peer]
+        for gid in [g for g, e in self._grants.items() if e[1] == pid]:
+            region = self._grants.pop(gid)[2]
+            if arena is not None:
+                arena.release(region)
+        for key in [k for k, e in self._pins.items() if e[1] == pid]:
+            regions = self._pins.pop(key)[2]
+            if arena is not None:
+                for region in regions:
+                    arena.release(region)
+        log.debug("released the shared memory of an exited client", pid=pid)
+        self._notify_shm()
+
+    def _notify_shm(self) -> None:
+        self.shm_released.set()
+        self.shm_released = anyio.Event()
+
+    def _read_shm(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
+        pid = self._shm_pid(peer)
+        got = self.state.read_shm(body.partition_id, body.rows, body.fields, body.incarnation)
+        if got is None:
+            assert self.arena is not None
+            self.arena.fallbacks += 1
+            return None
+        stored, regions = got
+        stored.pin = next_id()
+        self._pins[stored.pin] = (peer, pid, regions)
+        assert self.arena is not None
+        self.arena.reads += 1
+        return stored
 
     def store_local(
         self,
@@ -405,23 +690,57 @@ class StorageServer:
         try:
             validate(body)
             if isinstance(body, StorePut):
-                self.state.put(
-                    body.partition_id,
-                    body.rows,
-                    body.columns,
-                    frames[1:],
-                    incarnation=body.incarnation,
-                )
+                if body.shm is None:
+                    data: list[Any] = frames[1:]
+                    self.state.put(
+                        body.partition_id,
+                        body.rows,
+                        body.columns,
+                        data,
+                        incarnation=body.incarnation,
+                    )
+                else:
+                    if len(frames) != 1:
+                        raise ProtocolError("a shared-memory put carries no data frames")
+                    data, region = self._shm_frames(peer, body)
+                    arena = self.arena
+                    assert arena is not None
+                    try:
+                        self.state.put(
+                            body.partition_id,
+                            body.rows,
+                            body.columns,
+                            data,
+                            region,
+                            incarnation=body.incarnation,
+                        )
+                        arena.puts += 1
+                    finally:
+                        arena.release(region)
                 reply: list[Any] = [ok_reply(req.rid, None)]
                 if metrics:
-                    self.metrics.transfer("in", sum(f.buffer.nbytes for f in frames[1:]))
+                    self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
             elif isinstance(body, StoreGet):
-                stored, out = self.state.read(
-                    body.partition_id, body.rows, body.fields, incarnation=body.incarnation
-                )
-                reply = [ok_reply(req.rid, stored), *out]
-                if metrics:
-                    self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
+                shm = self._read_shm(peer, body) if body.shm else None
+                if shm is not None:
+                    reply = [ok_reply(req.rid, shm)]
+                    if metrics:
+                        assert shm.shm_spans is not None
+                        self.metrics.transfer("out", sum(n for _, n in shm.shm_spans))
+                else:
+                    stored, out = self.state.read(
+                        body.partition_id, body.rows, body.fields, incarnation=body.incarnation
+                    )
+                    reply = [ok_reply(req.rid, stored), *out]
+                    if metrics:
+                        self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
+            elif isinstance(body, ShmHello):
+                reply = [ok_reply(req.rid, self._shm_hello(peer, body))]
+            elif isinstance(body, ShmAlloc):
+                reply = [ok_reply(req.rid, self._shm_alloc(peer, body))]
+            elif isinstance(body, ShmFree):
+                self._shm_free(peer, body)
+                return  # one-way
             elif isinstance(body, StoreClear):
                 freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
                 reply = [ok_reply(req.rid, freed)]

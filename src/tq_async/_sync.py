@@ -49,6 +49,8 @@ class Client:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> None:
         check_address(address)
         self.address = address
@@ -62,6 +64,8 @@ class Client:
             "retry_after": retry_after,
             "inline_put_bytes": inline_put_bytes,
             "inline_get_bytes": inline_get_bytes,
+            "shared_memory": shared_memory,
+            "same_host": same_host,
         }
 
     @classmethod
@@ -76,6 +80,8 @@ class Client:
         retry_after: float | None = 10.0,
         inline_put_bytes: int = 65536,
         inline_get_bytes: int = 1 << 20,
+        shared_memory: bool = True,
+        same_host: bool = True,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -87,6 +93,8 @@ class Client:
             retry_after=retry_after,
             inline_put_bytes=inline_put_bytes,
             inline_get_bytes=inline_get_bytes,
+            shared_memory=shared_memory,
+            same_host=same_host,
         )
 
     def open(self) -> Client:
@@ -172,6 +180,11 @@ class Client:
     def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Blocking :meth:`AsyncClient.lost_rows`."""
         return self._run(self._require().lost_rows, partition_id)
+
+    def storage_stats(self) -> dict[int, dict[str, Any]]:
+        """Blocking :meth:`AsyncClient.storage_stats`."""
+        result: dict[int, dict[str, Any]] = self._run(self._require().storage_stats)
+        return result
 
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Blocking :meth:`AsyncClient.register_tasks`."""

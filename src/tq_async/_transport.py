@@ -14,6 +14,12 @@ ZMQ's FD is edge-triggered and a ``send`` may consume the edge of an incoming me
 reader drains until ``EVENTS`` reports nothing more to read, and every send schedules one
 more drain.
 
+**Same-host twin.** A TCP endpoint also binds an abstract Unix socket (``ipc://@tq-<random>``:
+no file, gone with the process). Services advertise it; a client on the same host (the
+name is listed in its ``/proc/net/unix``) that proves it reached the same service through
+it (a token) uses it instead: local_cluster measured about twice the get_meta rate over ipc
+than over TCP.
+
 **In-process shortcut.** A service endpoint also binds an ``inproc://`` endpoint and records
 it under its public address; a :class:`DealerConnection` opened in the same process (same
 ZMQ context, no CURVE) connects there instead. No I/O thread, no kernel copies, no cross-thread
@@ -32,6 +38,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
 import uuid
@@ -57,8 +64,15 @@ from ._errors import (
 from ._logging import get_logger
 from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
 from ._security import CurveClient, CurveServer
+from ._unix import UnixListener, UnixSocket
 
-__all__ = ["RouterEndpoint", "DealerConnection", "zmq_context", "normalize_bind"]
+__all__ = [
+    "RouterEndpoint",
+    "DealerConnection",
+    "zmq_context",
+    "normalize_bind",
+    "same_host_ipc",
+]
 
 log = get_logger(__name__)
 
@@ -102,6 +116,20 @@ def normalize_bind(address: str) -> str:
     if address.startswith("tcp://") and address.endswith(":0"):
         return address[:-2] + ":*"
     return address
+
+
+def same_host_ipc(address: str | None) -> bool:
+    """True if ``address`` is an abstract Unix socket (``ipc://@name``) bound in this
+    network namespace: listed in ``/proc/net/unix``. Checked before connecting, since a ZMQ
+    connect to a missing endpoint does not fail, it waits."""
+    if not address or not address.startswith(("ipc://@", "uds://@")):
+        return False
+    name = "@" + address[len("ipc://@") :]
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip("\n").endswith(" " + name) for line in f)
+    except OSError:
+        return False
 
 
 def is_loopback(address: str) -> bool:
@@ -250,6 +278,7 @@ class RouterEndpoint(_Drained):
         *,
         context: zmq.Context[Any] | None = None,
         curve: CurveServer | None = None,
+        twin: str | None = "ipc",
     ) -> None:
         sock = (context or zmq_context()).socket(zmq.ROUTER)
         if curve is not None:
@@ -268,6 +297,23 @@ class RouterEndpoint(_Drained):
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.address.startswith("tcp://0.0.0.0:"):
             self.address = self.address.replace("0.0.0.0", "127.0.0.1", 1)
+        #: an abstract Unix socket twin of a TCP endpoint, for clients on this host
+        #: (see :func:`same_host_ipc`); None for other transports
+        self.ipc_address: str | None = None
+        self._unix: UnixListener | None = None
+        if self.address.startswith("tcp://") and sys.platform == "linux" and twin:
+            name = f"tq-{uuid.uuid4().hex}"
+            try:
+                if twin == "uds" and curve is None:  # a Unix socket has no CURVE: ipc then
+                    self._unix = UnixListener(
+                        name, asyncio.get_running_loop(), self._on_unix_message
+                    )
+                    self.ipc_address = self._unix.address
+                else:
+                    sock.bind(f"ipc://@{name}")
+                    self.ipc_address = f"ipc://@{name}"
+            except (zmq.ZMQError, OSError) as exc:  # not fatal: same-host clients use TCP
+                log.debug("no same-host twin for a tcp endpoint", error=str(exc))
         self._route: _LocalRoute | None = None
         if curve is None:  # CURVE applies to network transports only: no shortcut then
             route = _LocalRoute(f"inproc://tq-{uuid.uuid4().hex}", sock.context)
@@ -284,16 +330,26 @@ class RouterEndpoint(_Drained):
             return
         self._on_message(frames[0].bytes, frames[1:])
 
+    def _on_unix_message(self, peer: bytes, frames: list[Any]) -> None:
+        if not self._closed:
+            self._on_message(peer, frames)
+
     def send(self, peer: bytes, frames: Sequence[Any]) -> None:
         """Send a reply to ``peer``; a peer that disconnected is logged and skipped."""
         if self._closed:
             return
         try:
-            self._send([peer, *frames])
+            if self._unix is not None and self._unix.has(peer):
+                self._unix.send(peer, frames)
+            else:
+                self._send([peer, *frames])
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
             log.debug("reply dropped", error=str(exc))
 
     def close(self) -> None:
+        if self._unix is not None:
+            self._unix.close()
+            self._unix = None
         route, self._route = self._route, None
         if route is not None:
             with _local_routes_lock:
@@ -359,7 +415,14 @@ class DealerConnection(_Drained):
         super().__init__(sock)
         self._watch(monitor)
 
-    def _open(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+    def _open(self) -> tuple[Any, zmq.Socket[Any] | None]:
+        if self.address.startswith("uds://"):
+            try:
+                usock = UnixSocket(self.address, self._identity, self._unix_eof)
+            except OSError as exc:
+                raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+            self.connected = True
+            return usock, None
         route = None if self._curve is not None else _local_route(self.address, self._context)
         self.inproc = route is not None
         sock = self._context.socket(zmq.DEALER)
@@ -398,14 +461,25 @@ class DealerConnection(_Drained):
             raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
         return sock, monitor
 
-    def _watch(self, monitor: zmq.Socket[Any]) -> None:
+    def _unix_eof(self) -> None:
+        """The Unix socket's peer closed it: stop reading (the FD stays readable at EOF)."""
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._fd)
+        if not self._closed:
+            self._disconnected()
+
+    def _watch(self, monitor: zmq.Socket[Any] | None) -> None:
         self._monitor = monitor
+        if monitor is None:
+            return  # a Unix socket reports its end itself
         self._monitor_fd: int = monitor.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._loop.add_reader(self._monitor_fd, self._drain_monitor)
         # the FD is edge-triggered: events queued before add_reader would never be signalled
         self._loop.call_soon(self._drain_monitor)
 
     def _unwatch(self) -> None:
+        if self._monitor is None:
+            return
         with contextlib.suppress(RuntimeError, ValueError):
             self._loop.remove_reader(self._monitor_fd)
         with contextlib.suppress(zmq.ZMQError):
@@ -432,7 +506,7 @@ class DealerConnection(_Drained):
                 self._send(frames)
 
     def _drain_monitor(self) -> None:
-        if self._closed:
+        if self._closed or self._monitor is None:
             return
         while True:
             try:

@@ -1,0 +1,29 @@
+"""Test helpers for the shared-memory path that run in other processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+
+from tq_async._protocol import ShmAlloc, ShmGrant, ShmHello, ShmHelloReply
+from tq_async._shm import ArenaMap
+from tq_async._transport import DealerConnection
+
+
+def alloc_then_die(unit_address: str, nbytes: int) -> None:
+    """Take a shared-memory grant, write half of it, then SIGKILL ourselves mid-put."""
+
+    async def run() -> None:
+        conn = DealerConnection(unit_address)
+        payload, _ = await conn.request(ShmHello(os.getpid()), timeout=30)
+        hello = msgspec.msgpack.decode(payload, type=ShmHelloReply)
+        arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
+        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=30)
+        grant = msgspec.msgpack.decode(payload, type=ShmGrant)
+        arena.view[grant.offset : grant.offset + nbytes // 2] = 7
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(run())

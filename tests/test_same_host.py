@@ -1,0 +1,108 @@
+"""Same-host control plane: a client of a ``tq-async serve`` on its host talks to the
+controller over the controller's Unix-socket twin (``tq_async._unix``) once it has proven it
+is the same controller, and to the units over their ipc twins; ``same_host=False`` keeps the
+addresses as given."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import _read_address, serve_cluster
+from tq_async._errors import BrokenError
+from tq_async._transport import same_host_ipc
+from tq_async._unix import abstract_name
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="abstract sockets: Linux only")
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with serve_cluster(storage_units=2) as addr:
+        yield addr
+
+
+async def test_a_same_host_client_uses_the_unix_twins(address: str) -> None:
+    async with tq.AsyncClient.connect(address) as client:
+        assert client._controller is not None
+        assert client._controller.address.startswith("uds://@tq-")
+        meta = await client.put({"x": torch.arange(40_000)}, partition_id="twin")
+        td, got = await client.get(["x"], 40_000, "twin", "t")
+        assert torch.equal(td["x"], torch.arange(40_000))
+        assert got.global_indexes == meta.global_indexes
+        assert all(c.address.startswith("uds://@tq-") for c in client._units.values())
+        await client.clear_partition("twin")
+
+
+async def test_same_host_false_keeps_the_given_addresses(address: str) -> None:
+    async with tq.AsyncClient.connect(address, same_host=False) as client:
+        assert client._controller is not None
+        assert client._controller.address == address
+        await client.put({"x": torch.arange(40_000)}, partition_id="far")
+        td, _ = await client.get(["x"], 40_000, "far", "t")
+        assert torch.equal(td["x"], torch.arange(40_000))
+        assert all(c.address.startswith("tcp://") for c in client._units.values())
+        await client.clear_partition("far")
+
+
+def test_only_listed_abstract_sockets_count() -> None:
+    assert not same_host_ipc("uds://@tq-does-not-exist")
+    assert not same_host_ipc("tcp://127.0.0.1:5555")
+    assert not same_host_ipc(None)
+
+
+async def test_garbage_on_the_unix_socket_is_dropped(address: str) -> None:
+    async with tq.AsyncClient.connect(address) as client:
+        assert client._controller is not None
+        name = abstract_name(client._controller.address)
+        for garbage in (
+            b"\xff\xff\xff\xff",  # oversized length
+            struct.pack("<II", 8, 9) + b"xxxx",  # frame count beyond the message
+            struct.pack("<I", 12) + struct.pack("<II", 1, 4) + b"nope",  # no hello first
+        ):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(name)
+                s.sendall(garbage)
+                s.settimeout(10)
+                assert s.recv(10) == b""  # the service hangs up on it
+        # and still serves
+        assert await client.list_partitions() is not None
+
+
+async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
+        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = _read_address(proc)
+        async with tq.AsyncClient.connect(address, retry_after=None) as client:
+            assert client._controller is not None
+            assert client._controller.address.startswith("uds://")
+            await client.put({"x": torch.arange(4)}, partition_id="p")
+            waiting = client.get_meta(["x"], 100, "p", "t")  # parks in the controller
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+
+                    async def kill() -> None:  # runs once the get_meta has gone out
+                        proc.send_signal(signal.SIGKILL)
+
+                    tg.start_soon(kill)
+                    with pytest.raises(BrokenError):
+                        await waiting
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()

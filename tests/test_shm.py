@@ -1,0 +1,399 @@
+"""The same-host shared-memory data path (``tq_async._shm``): exact round trips, cleanup after
+a client or a unit dies, bounded memory, fallback at the cap, refusal of bad descriptions.
+
+Clients that should take the shared-memory path live in another process than the units (a
+client in the units' process takes the in-process shortcut instead): either the services run
+in a ``tq-async serve`` subprocess, or the test talks to an embedded unit through a socket of
+its own ZMQ context.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import torch
+import zmq
+
+import tq_async as tq
+from _cluster_proc import _read_address, serve_cluster
+from _shm_proc import alloc_then_die
+from tq_async._columns import ColumnHeader
+from tq_async._errors import InvalidRequestError, ProtocolError
+from tq_async._protocol import (
+    ShmAlloc,
+    ShmFrames,
+    ShmGrant,
+    ShmHello,
+    ShmHelloReply,
+    StorePut,
+    StoreStatsReply,
+)
+from tq_async._shm import PAGE, Arena, ArenaMap
+from tq_async._storage import StorageServer
+from tq_async._torch_dataset import StreamingDataLoader, StreamingDataset
+from tq_async._transport import DealerConnection
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
+)
+
+
+def _batch(n: int = 64) -> dict[str, Any]:
+    return {
+        "ids": torch.randint(0, 1 << 30, (n, 512)),
+        "bf": torch.randn(n, 3).to(torch.bfloat16),
+        "jag": torch.nested.nested_tensor(
+            [torch.arange(i % 7 + 1, dtype=torch.float32) * i for i in range(n)],
+            layout=torch.jagged,
+        ),
+        "s": [f"row-{i}" * (i % 3 + 1) for i in range(n)],
+    }
+
+
+def _check(got: Any, want: dict[str, Any]) -> None:
+    assert torch.equal(got["ids"], want["ids"])
+    assert got["bf"].dtype == torch.bfloat16
+    assert torch.equal(got["bf"], want["bf"])
+    assert [t.tolist() for t in got["jag"].unbind()] == [t.tolist() for t in want["jag"].unbind()]
+    assert got.get("s").tolist() == want["s"]
+
+
+async def _unit_stats(client: tq.AsyncClient) -> list[StoreStatsReply]:
+    stats = await client.storage_stats()
+    return [StoreStatsReply(**st) for st in stats.values()]
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with serve_cluster(storage_units=2) as addr:
+        yield addr
+
+
+# ---- the arena alone -------------------------------------------------------------------------
+
+
+def test_arena_allocates_frees_coalesces_and_bounds_idle_pages() -> None:
+    arena = Arena(64 * PAGE, idle_bytes=4 * PAGE)
+    try:
+        a, b, c = (arena.alloc(3 * PAGE) for _ in range(3))
+        assert a
+        assert b
+        assert c
+        assert a.offset == PAGE
+        assert b.offset == 4 * PAGE
+        assert arena.live_bytes == 9 * PAGE
+        arena.view[a.offset : a.offset + a.size] = 1  # pages written
+        arena.release(a)  # 3 pages fit the idle bound: kept
+        assert arena.idle_bytes == 3 * PAGE
+        arena.release(b)  # 6 > 4: given back to the OS
+        assert arena.idle_bytes == 3 * PAGE
+        assert arena.live_bytes == 3 * PAGE
+        big = arena.alloc(6 * PAGE)  # a and b coalesced into one extent
+        assert big is not None
+        assert big.offset == PAGE
+        assert arena.idle_bytes == 0  # reusing idle pages takes them out of the idle count
+        assert arena.alloc(64 * PAGE) is None  # beyond the cap
+        assert arena.view[b.offset] == 0  # MADV_REMOVE dropped b's pages
+    finally:
+        arena.close()
+
+
+def test_a_region_lives_while_referenced() -> None:
+    arena = Arena(16 * PAGE)
+    try:
+        r = arena.alloc(10)
+        assert r is not None
+        assert r.size == PAGE
+        r.refs += 1
+        arena.release(r)
+        assert arena.live_bytes == PAGE
+        arena.release(r)
+        assert arena.live_bytes == 0
+    finally:
+        arena.close()
+
+
+def test_a_client_verifies_the_token() -> None:
+    arena = Arena(16 * PAGE)
+    try:
+        mapped = ArenaMap(os.getpid(), arena.fd, arena.cap, arena.token)
+        mapped.close()
+        with pytest.raises(ValueError, match="token"):
+            ArenaMap(os.getpid(), arena.fd, arena.cap, b"x" * len(arena.token))
+        with pytest.raises(ValueError, match="size"):
+            ArenaMap(os.getpid(), arena.fd, arena.cap * 2, arena.token)
+        with pytest.raises(FileNotFoundError):
+            ArenaMap(os.getpid(), 10_000, arena.cap, arena.token)
+    finally:
+        arena.close()
+
+
+# ---- through a tq-async serve process ------------------------------------------------------
+
+
+async def test_round_trip_is_exact_over_shared_memory(address: str) -> None:
+    async with tq.AsyncClient.connect(address) as client:
+        before = sum(s.shm_puts for s in await _unit_stats(client))
+        want = _batch()
+        meta = await client.put(want, partition_id="shm-rt")
+        assert any(a is not None for a in client._arenas.values())
+        _check(await client.get_data(meta), want)
+        # rows of both units in one read
+        more = _batch()
+        await client.put(more, partition_id="shm-rt")
+        got, got_meta = await client.get(["ids", "s"], 100, "shm-rt", "reader")
+        assert len(set(got_meta.units)) == 2
+        assert torch.equal(got["ids"], torch.cat([want["ids"], more["ids"][:36]]))
+        assert got.get("s").tolist() == want["s"] + more["s"][:36]
+        stats = await _unit_stats(client)
+        assert sum(s.shm_puts for s in stats) >= before + 2
+        assert sum(s.shm_bytes for s in stats) > 0
+        await client.clear_partition("shm-rt")
+        stats = await _unit_stats(client)
+        # cleared rows give their regions back (reads pinned nothing: they were released)
+        assert all(s.shm_bytes == 0 for s in stats)
+        assert all(s.shm_idle_bytes <= 256 << 20 for s in stats)
+
+
+async def test_reads_return_memory_of_our_own(address: str) -> None:
+    async with tq.AsyncClient.connect(address) as client:
+        want = _batch(32)
+        meta = await client.put(want, partition_id="shm-own")
+        got = await client.get_data(meta)
+        got["ids"].zero_()  # writing what we read changes nothing stored
+        again = await client.get_data(meta)
+        assert torch.equal(again["ids"], want["ids"])
+        want["ids"].zero_()  # nor does writing what we put
+        assert not torch.equal((await client.get_data(meta))["ids"], want["ids"])
+        await client.clear_partition("shm-own")
+
+
+@pytest.mark.parametrize("option", ["shared_memory", "same_host"])
+async def test_the_off_switches_use_the_socket(address: str, option: str) -> None:
+    async with tq.AsyncClient.connect(address, **{option: False}) as client:
+        before = await _unit_stats(client)
+        want = _batch()
+        meta = await client.put(want, partition_id=f"shm-off-{option}")
+        _check(await client.get_data(meta), want)
+        after = await _unit_stats(client)
+        assert client._arenas == {}
+        assert [s.shm_puts for s in after] == [s.shm_puts for s in before]
+        assert [s.shm_reads for s in after] == [s.shm_reads for s in before]
+        await client.clear_partition(f"shm-off-{option}")
+
+
+def test_put_falls_back_to_the_socket_at_the_cap() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tq_async._cli",
+            "serve",
+            "--storage-units",
+            "1",
+            "--shm-cap",
+            str(256 << 10),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = _read_address(proc)
+
+        async def run() -> None:
+            async with tq.AsyncClient.connect(address) as client:
+                small = {"x": torch.arange(20_000)}  # 160 kB: fits
+                big = {"x": torch.arange(100_000)}  # 800 kB: does not
+                m1 = await client.put(small, partition_id="cap")
+                m2 = await client.put(big, partition_id="cap")
+                assert torch.equal((await client.get_data(m1))["x"], small["x"])
+                assert torch.equal((await client.get_data(m2))["x"], big["x"])
+                (stats,) = await _unit_stats(client)
+                assert stats.shm_cap == 256 << 10
+                assert stats.shm_puts == 1
+                assert stats.shm_fallbacks >= 1
+                assert stats.shm_bytes <= stats.shm_cap
+
+        anyio.run(run)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _memfd_maps() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "memfd:tq-unit" in line]
+
+
+async def test_a_killed_unit_leaves_nothing_mapped() -> None:
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
+        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = _read_address(proc)
+        async with tq.AsyncClient.connect(address) as client:
+            want = _batch()
+            meta = await client.put(want, partition_id="kill-unit")
+            _check(await client.get_data(meta), want)
+            assert _memfd_maps()  # we map the unit's arena
+            forgotten = anyio.Event()
+            forget = client._forget_arena
+
+            def spy(unit_id: int) -> None:
+                forget(unit_id)
+                forgotten.set()
+
+            client._forget_arena = spy  # type: ignore[method-assign]
+            client._units[0]._on_disconnect = lambda: spy(0)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            with anyio.fail_after(20):
+                await forgotten.wait()
+            # the unit's process is gone and we unmapped: the kernel frees the memfd
+            assert _memfd_maps() == []
+            assert not [n for n in os.listdir("/dev/shm") if n.startswith("tq")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+# ---- an embedded unit, talked to through a socket of another ZMQ context ------------------
+
+
+async def _raw_unit(server: StorageServer, ctx: zmq.Context[Any]) -> DealerConnection:
+    conn = DealerConnection(server.address, context=ctx)
+    payload, _ = await conn.request(ShmHello(os.getpid()), timeout=10)
+    assert msgspec.msgpack.decode(payload, type=ShmHelloReply | None) is not None
+    return conn
+
+
+async def _grant(conn: DealerConnection, nbytes: int) -> ShmGrant:
+    payload, _ = await conn.request(ShmAlloc(nbytes), timeout=10)
+    grant = msgspec.msgpack.decode(payload, type=ShmGrant | None)
+    assert grant is not None
+    return grant
+
+
+X = ColumnHeader("x", "dense", "int64", (4,))
+J = ColumnHeader("j", "jagged", "int64", ())
+
+
+async def test_bad_segment_descriptions_are_refused(tmp_path: Any) -> None:
+    server = StorageServer(0)
+    ctx: zmq.Context[Any] = zmq.Context()
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        conn = await _raw_unit(server, ctx)
+        other = await _raw_unit(server, ctx)
+        arena = server.arena
+        assert arena is not None
+        cases: list[tuple[str, Any, list[ColumnHeader], Any]] = []
+        g = await _grant(conn, 4 * 32)
+        cases.append(("truncated", ShmFrames(g.grant, []), [X], ProtocolError))
+        g = await _grant(conn, 4 * 32)
+        cases.append(("too few", ShmFrames(g.grant, [(0, 10)]), [J], ProtocolError))
+        g = await _grant(conn, 4 * 32)
+        cases.append(("oversized", ShmFrames(g.grant, [(0, g.size + 8)]), [X], ProtocolError))
+        g = await _grant(conn, 4 * 32)
+        cases.append(("outside", ShmFrames(g.grant, [(g.size, 32)]), [X], ProtocolError))
+        g = await _grant(conn, 4 * 32)
+        cases.append(("negative", ShmFrames(g.grant, [(-PAGE, 32)]), [X], ProtocolError))
+        g = await _grant(conn, 4 * 32)
+        cases.append(("size mismatch", ShmFrames(g.grant, [(0, 24)]), [X], ProtocolError))
+        cases.append(("unknown grant", ShmFrames(10**9, [(0, 32)]), [X], InvalidRequestError))
+        g = await _grant(other, 4 * 32)
+        cases.append(("another's grant", ShmFrames(g.grant, [(0, 32)]), [X], InvalidRequestError))
+        for what, shm, headers, error in cases:
+            body = StorePut("p", [0], headers, shm=shm)
+            with pytest.raises(error):
+                await conn.request(body, timeout=10)
+            assert server.state.stats().rows == 0, what
+        # the refused grants went back; only the other client's grant is still out
+        assert arena.live_bytes == PAGE
+        # a client that never said hello gets nothing
+        stranger = DealerConnection(server.address, context=ctx)
+        with pytest.raises(InvalidRequestError, match="ShmHello"):
+            await stranger.request(ShmAlloc(100), timeout=10)
+        with pytest.raises(InvalidRequestError, match="nbytes"):
+            await conn.request(ShmAlloc(0), timeout=10)
+        payload, _ = await conn.request(ShmAlloc(arena.cap + 1), timeout=10)
+        assert msgspec.msgpack.decode(payload) is None  # more than the cap: use the socket
+        # and a good description is stored exactly
+        g = await _grant(conn, 32)
+        arena.view[g.offset : g.offset + 32] = torch.arange(4).numpy().view("uint8")
+        await conn.request(StorePut("p", [0], [X], shm=ShmFrames(g.grant, [(0, 32)])), timeout=10)
+        _, cols = server.state.get("p", [0], ["x"])
+        assert bytes(cols[0].data) == torch.arange(4).numpy().tobytes()
+        for c in (conn, other, stranger):
+            c.close()
+        tg.cancel_scope.cancel()
+    ctx.term()
+
+
+async def test_a_client_killed_mid_put_leaks_nothing(tmp_path: Any) -> None:
+    server = StorageServer(0)
+    before = set(os.listdir("/dev/shm"))
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        arena = server.arena
+        assert arena is not None
+        child = multiprocessing.get_context("spawn").Process(
+            target=alloc_then_die, args=(server.address, 1 << 20)
+        )
+        child.start()
+        await anyio.to_thread.run_sync(child.join, 60)
+        assert child.exitcode == -signal.SIGKILL
+        with anyio.fail_after(20):
+            while arena.live_bytes:  # freed when the pidfd of the dead client fires
+                await server.shm_released.wait()
+        assert server._grants == {}
+        assert server._shm_peers == {}
+        assert server.state.stats().rows == 0
+        tg.cancel_scope.cancel()
+    assert set(os.listdir("/dev/shm")) == before
+
+
+# ---- DataLoader workers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_read_through_shared_memory(address: str, context: str) -> None:
+    pid = f"shm-loader-{context}"
+    with tq.Client.connect(address) as client:
+        n = 16
+        client.put({"x": torch.arange(n * 65536).reshape(n, 65536)}, partition_id=pid)
+        client.seal(pid)
+
+        async def reads() -> int:
+            async with tq.AsyncClient.connect(address) as c:
+                return sum(s.shm_reads for s in await _unit_stats(c))
+
+        before = anyio.run(reads)
+        ds = StreamingDataset(address, ["x"], 4, 4, pid, "train")
+        loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context=context)
+        rows = []
+        for td, meta in loader:
+            for r, row in zip(meta.global_indexes, td["x"], strict=True):
+                assert torch.equal(row, torch.arange(r * 65536, (r + 1) * 65536))
+                rows.append(r)
+        assert sorted(rows) == list(range(n))
+        assert set(client.storage_stats()) == {0, 1}  # the blocking twin
+        # every batch (2 MiB: too big to ride along with get_meta) came through shared memory
+        assert anyio.run(reads) >= before + 4
+        client.clear_partition(pid)
