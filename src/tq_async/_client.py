@@ -350,17 +350,15 @@ class AsyncClient:
         )
         wait = min(self.connect_timeout, self.request_timeout)
         try:
-            hello = await self._refresh_units(timeout=wait)
-        except TQTimeoutError:
-            self._controller.close()
-            self._controller = None
-            raise TQTimeoutError(
-                f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
-                "check the address (the TQ_ADDRESS=... line "
-                "`tq-async serve` prints), that the services run, and that this host can "
-                "reach them"
-            ) from None
-        try:
+            try:
+                hello = await self._refresh_units(timeout=wait)
+            except TQTimeoutError:
+                raise TQTimeoutError(
+                    f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
+                    "check the address (the TQ_ADDRESS=... line "
+                    "`tq-async serve` prints), that the services run, and that this host can "
+                    "reach them"
+                ) from None
             if self.same_host:
                 await self._prefer_ipc(hello)
         except BaseException:
