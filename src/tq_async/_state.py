@@ -132,7 +132,8 @@ class ReadyRows:
     def __contains__(self, row: object) -> bool:
         if not isinstance(row, int) or row < 0 or row >= len(self._pos):
             return False
-        return bool(self._pos[row] >= 0)
+        # .item() returns a Python int: half the cost of indexing (a numpy scalar)
+        return self._pos.item(row) >= 0
 
     def __setitem__(self, row: int, _value: None) -> None:
         pos = self._pos
@@ -140,7 +141,7 @@ class ReadyRows:
             grown = np.full(max(2 * len(pos), row + 1), -1, dtype=_ROW)
             grown[: len(pos)] = pos
             self._pos = pos = grown
-        elif pos[row] >= 0:
+        elif pos.item(row) >= 0:
             return  # already ready: keeps its place, as in a dict
         if self._tail == len(self._order):
             self._compact(grow=True)
@@ -152,15 +153,17 @@ class ReadyRows:
     def pop(self, row: int, default: Any = None) -> Any:
         """Remove ``row``; None if it was there, else ``default`` (``dict.pop``'s contract)."""
         pos = self._pos
-        if row < 0 or row >= len(pos) or pos[row] < 0:
+        if row < 0 or row >= len(pos):
             return default
-        i = int(pos[row])
+        i = pos.item(row)
+        if i < 0:
+            return default
         pos[row] = -1
         self._len -= 1
         self._dead += 1
         if i == self._head:  # keep the front live, so prefix reads start at once
             order, tail, head = self._order, self._tail, i + 1
-            while head < tail and pos[order[head]] != head:
+            while head < tail and pos.item(order.item(head)) != head:
                 head += 1
             self._dead -= head - i
             self._head = head
