@@ -49,7 +49,7 @@ import msgspec
 
 from .._errors import UnsupportedTypeError
 
-__all__ = ["BaseSampler", "SampleResult", "SharesResult"]
+__all__ = ["BaseSampler", "SampleResult", "SharesResult", "WrappingSampler"]
 
 SampleResult = tuple[list[int], list[int]]
 #: ``(shares, consumed)``: one list of rows per DP rank, and the rows to mark consumed
@@ -191,3 +191,24 @@ class BaseSampler:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class WrappingSampler(BaseSampler):
+    """A sampler around an ``inner`` one: the traits the controller reads are ``inner``'s."""
+
+    inner: BaseSampler
+
+    @property
+    def group_size(self) -> int:
+        """``inner``'s."""
+        return self.inner.group_size
+
+    @property
+    def dp_size_hint(self) -> int | None:
+        """``inner``'s."""
+        return self.inner.dp_size_hint
+
+    @property
+    def tail_policy(self) -> str | None:
+        """``inner``'s."""
+        return self.inner.tail_policy

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from ._base import BaseSampler, SampleResult, SharesResult
+from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
 from ._cache import ShareCache, reads_needed
 from ._sequential import SequentialSampler
 
@@ -50,7 +50,7 @@ def kwargs_filter(fn: Callable[..., Any]) -> Callable[[dict[str, Any]], dict[str
     return lambda kw: {k: v for k, v in kw.items() if k in names}
 
 
-class RankAwareSampler(BaseSampler):
+class RankAwareSampler(WrappingSampler):
     """Every request for one ``(partition_id, task_name, dp_rank, batch_index)`` gets the same rows.
 
     The first request for a key (from any replica of the rank, in any order) calls ``inner``
@@ -194,21 +194,6 @@ class RankAwareSampler(BaseSampler):
     ) -> SharesResult | Awaitable[SharesResult] | None:
         """``inner``'s: the controller records a global batch for every rank itself."""
         return self.inner.sample_shares(ready_indexes, batch_size, dp_size, **kwargs)
-
-    @property
-    def group_size(self) -> int:
-        """``inner``'s."""
-        return self.inner.group_size
-
-    @property
-    def dp_size_hint(self) -> int | None:
-        """``inner``'s."""
-        return self.inner.dp_size_hint
-
-    @property
-    def tail_policy(self) -> str | None:
-        """``inner``'s."""
-        return self.inner.tail_policy
 
     def clear_partition(self, partition_id: str) -> None:
         """Drop every cached key of ``partition_id`` (and tell ``inner``).

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from .._logging import get_logger
-from ._base import BaseSampler, SampleResult, SharesResult
+from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
 from ._sequential import SequentialSampler
 
 __all__ = ["StaleRows", "StalenessSampler"]
@@ -62,7 +62,7 @@ class StaleRows:
         return bool(self.dropped or self.recycled or self.kept)
 
 
-class StalenessSampler(BaseSampler):
+class StalenessSampler(WrappingSampler):
     """Filters out rows whose policy version lags the learner's by more than ``max_staleness``.
 
     A row's version is the oldest version among its fields (``put(..., policy_version=v)``);
@@ -162,21 +162,6 @@ class StalenessSampler(BaseSampler):
             policy = {"drop": sink.drop, "recycle": sink.recycle, "keep": sink.keep}
             policy[self.on_stale](stale)
         return result
-
-    @property
-    def group_size(self) -> int:
-        """``inner``'s."""
-        return self.inner.group_size
-
-    @property
-    def dp_size_hint(self) -> int | None:
-        """``inner``'s."""
-        return self.inner.dp_size_hint
-
-    @property
-    def tail_policy(self) -> str | None:
-        """``inner``'s."""
-        return self.inner.tail_policy
 
     def clear_partition(self, partition_id: str) -> None:
         """Forward to ``inner``."""
