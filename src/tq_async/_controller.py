@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import secrets
 import time
 from collections import OrderedDict
@@ -698,7 +697,6 @@ class ControllerServer:
     # ---- get_meta ----------------------------------------------------------------------------
 
     def _get_meta(self, peer: bytes, rid: int, req: GetMeta, t0: float) -> bool:
-        _validate_get_meta(req)
         if req.lease is None and self.default_lease is not None:
             req.lease = self.default_lease
         decision, fx = self.core.get_meta(req, self._now())
@@ -1177,27 +1175,3 @@ def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str 
 
 def _alive_rows(p: Partition) -> list[int]:
     return [r for r in range(p.n_rows) if p.alive[r]]
-
-
-def _validate_get_meta(req: GetMeta) -> None:
-    if req.batch_size <= 0:
-        raise InvalidRequestError(f"batch_size must be a positive integer, got {req.batch_size}")
-    if not req.data_fields:
-        raise InvalidRequestError("data_fields must name at least one field")
-    if req.mode not in ("fetch", "peek"):
-        raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {req.mode!r}")
-    if req.timeout is not None and not (math.isfinite(req.timeout) and req.timeout > 0):
-        raise InvalidRequestError(f"timeout must be positive seconds or None, got {req.timeout}")
-    if req.lease is not None and not (math.isfinite(req.lease) and req.lease > 0):
-        raise InvalidRequestError(f"lease must be positive seconds or None, got {req.lease}")
-    if not req.task_name:
-        raise InvalidRequestError("task_name must be a non-empty string")
-    cfg = req.sampling_config or {}
-    for name in ("dp_rank", "batch_index"):
-        value = cfg.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise InvalidRequestError(
-                f"sampling_config[{name!r}] must be a non-negative int, got {value!r}"
-            )

@@ -716,6 +716,12 @@ def _get_meta(b: GetMeta) -> None:
         check_ints("ack", b.ack)
     if b.sampling_config:
         check_sampling_config(b.sampling_config)
+    if not b.data_fields:
+        raise InvalidRequestError("data_fields must name at least one field")
+    if b.mode not in ("fetch", "peek"):
+        raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {b.mode!r}")
+    if not b.task_name:
+        raise InvalidRequestError("task_name must be a non-empty string")
 
 
 def _put_begin(b: PutBegin) -> None:
