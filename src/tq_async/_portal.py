@@ -71,9 +71,11 @@ _pid: int | None = None
 
 def _forget_after_fork() -> None:
     # The loop thread does not exist in the child: drop the reference without closing it.
-    global _portal, _pid
+    # The lock may have been held by another thread at the fork: the child gets a new one.
+    global _portal, _pid, _lock
     _portal = None
     _pid = None
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
