@@ -16,6 +16,7 @@ import torch
 
 import tq_async as tq
 from tq_async._controller import ControllerServer
+from tq_async._protocol import StorePut, storage_request_decoder
 from tq_async._state import ControllerState
 from tq_async._storage import StorageServer
 
@@ -143,6 +144,18 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
             assert got.global_indexes == [0, 1]
 
 
+def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
+    conn = controller._units.get(unit_id)
+    if conn is None:
+        return False
+    for frames in conn._inflight.values():
+        header = frames[0]
+        req = storage_request_decoder.decode(header if isinstance(header, bytes) else bytes(header))
+        if isinstance(req.body, StorePut):
+            return True
+    return False
+
+
 async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
     """The one-message put: the controller forwards to a remote unit that dies."""
     with process(BLACK_HOLE) as (proc, remote):
@@ -161,8 +174,9 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed_put)
-                # the controller watches every unit from the start: wait for the request itself
-                await until(lambda: 1 in controller._units and bool(controller._units[1]._pending))
+                # the controller watches every unit from the start (and asks each for its
+                # instance when it connects): wait for the forwarded StorePut itself
+                await until(lambda: _store_put_in_flight(controller, 1))
                 os.kill(proc.pid, signal.SIGKILL)
             assert not client._units  # the client never talked to a unit itself
             # the put failed fast (well before its 30 s timeout), with the unit's loss
