@@ -56,6 +56,33 @@ def _sink(address: str, keep: int) -> None:
     ctx.term()
 
 
+def _put_ack_p50(address: str, keep: int, frames: list[Any], puts: int) -> float:
+    """Median seconds of one put + ack to a :func:`_sink` process at ``address``."""
+    proc = multiprocessing.get_context("spawn").Process(target=_sink, args=(address, keep))
+    proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a dead receiver fails the probe, never hangs it
+    sock.setsockopt(zmq.LINGER, 0)
+    times = []
+    try:
+        sock.connect(address)
+        for _ in range(puts):
+            t0 = time.perf_counter()
+            sock.send_multipart([b"h", *frames], copy=False)
+            sock.recv()
+            times.append(time.perf_counter() - t0)
+        sock.send_multipart([b"q"])
+        sock.recv()
+    finally:
+        sock.close()
+        ctx.term()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return statistics.median(times[len(times) // 8 :])  # drop the warm-up
+
+
 def tcp_ceiling(puts: int = 400) -> None:
     ids = np.random.randint(0, 150_000, (256, 2048)).astype(np.int64)
     mask = np.ones((256, 2048), dtype=np.int64)
@@ -63,29 +90,7 @@ def tcp_ceiling(puts: int = 400) -> None:
     for keep in (1, 16):
         with socket_port() as port:
             address = f"tcp://127.0.0.1:{port}"
-        proc = multiprocessing.get_context("spawn").Process(target=_sink, args=(address, keep))
-        proc.start()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a dead receiver fails the probe, never hangs it
-        sock.setsockopt(zmq.LINGER, 0)
-        times = []
-        try:
-            sock.connect(address)
-            for _ in range(puts):
-                t0 = time.perf_counter()
-                sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
-                sock.recv()
-                times.append(time.perf_counter() - t0)
-            sock.send_multipart([b"q"])
-            sock.recv()
-        finally:
-            sock.close()
-            ctx.term()
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-        p50 = statistics.median(times[len(times) // 8 :])  # drop the warm-up
+        p50 = _put_ack_p50(address, keep, [ids.data, mask.data, reward.data], puts)
         print(
             f"tcp-ceiling receiver keeps {keep:2d}: put+ack p50 {p50 * 1e3:.2f} ms = "
             f"{NBYTES / p50 / 1e9:.2f} GB/s"
@@ -145,29 +150,7 @@ def same_host(puts: int = 300) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # (a) zmq frames over ipc://
         address = f"ipc://{tmp}/sink.sock"
-        proc = multiprocessing.get_context("spawn").Process(target=_sink, args=(address, 16))
-        proc.start()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, 60_000)
-        sock.setsockopt(zmq.LINGER, 0)
-        times = []
-        try:
-            sock.connect(address)
-            for _ in range(puts):
-                t0 = time.perf_counter()
-                sock.send_multipart([b"h", ids.data, mask.data, reward.data], copy=False)
-                sock.recv()
-                times.append(time.perf_counter() - t0)
-            sock.send_multipart([b"q"])
-            sock.recv()
-        finally:
-            sock.close()
-            ctx.term()
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-        p50 = statistics.median(times[len(times) // 8 :])
+        p50 = _put_ack_p50(address, 16, [ids.data, mask.data, reward.data], puts)
         print(
             f"same-host ipc:// frames, put+ack p50 {p50 * 1e3:.2f} ms = "
             f"{NBYTES / p50 / 1e9:.2f} GB/s"

@@ -22,31 +22,8 @@ _START_TIMEOUT = 60.0
 def serve_cluster(storage_units: int = 2, args: Sequence[str] = ()) -> Iterator[str]:
     """Run ``tq-async serve`` (plus ``args``) in a subprocess; yield its address; terminate
     it on exit."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tq_async._cli",
-            "serve",
-            "--storage-units",
-            str(storage_units),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        yield _read_address(proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with serve_role("--storage-units", str(storage_units), *args) as (_, address):
+        yield address
 
 
 @contextmanager
