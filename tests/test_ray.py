@@ -74,6 +74,19 @@ def consume(address: str) -> tuple[list[int], list[int]]:
     return anyio.run(run)
 
 
+def big_round_trip(address: str) -> tuple[bool, dict[int, dict[str, Any]]]:
+    """A Ray task on the units' node: a 512 KiB put and get (over shared memory), exact."""
+    import torch
+    from tensordict import TensorDict
+
+    x = torch.arange(64 * 1024, dtype=torch.int64).reshape(64, 1024)
+    with tq.Client.connect(address) as client:
+        client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="big")
+        td, _ = client.get(["x"], 64, "big", "reader", timeout=60)
+        got = td["x"][td["x"][:, 0].argsort()]
+        return bool(torch.equal(got, x)), client.storage_stats()
+
+
 def test_public_names_are_documented() -> None:
     for name in tq_ray.__all__:
         assert inspect.getdoc(getattr(tq_ray, name)), name
@@ -103,6 +116,12 @@ def test_launch_stream_attach_shutdown(local_ray: None) -> None:
         uids, units = ray.get(consumer, timeout=90)
         assert sorted(uids) == list(range(ROWS))  # every row exactly once
         assert set(units) == {0, 1}
+
+        # a Ray task on the actors' node moves its columns through the unit's shared memory
+        exact, stats = ray.get(ray.remote(big_round_trip).remote(cluster.address), timeout=90)
+        assert exact
+        assert sum(s["shm_puts"] for s in stats.values()) >= 1
+        assert sum(s["shm_reads"] for s in stats.values()) >= 1
 
         attached = tq_ray.attach("rl", NAMESPACE)
         assert attached.address == cluster.address
