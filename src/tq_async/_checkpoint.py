@@ -22,8 +22,9 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
@@ -48,9 +49,6 @@ from ._protocol import (
     StorePut,
     encoder,
 )
-
-if TYPE_CHECKING:
-    from ._client import AsyncClient
 
 __all__ = [
     "FORMAT",
@@ -118,8 +116,25 @@ def _decode_cells(name: str, data: bytearray) -> tuple[_CellsHeader, Column]:
         raise CheckpointError(f"checkpoint file {name!r} is corrupt: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class ClientLink:
+    """The client calls a checkpoint makes; the client hands them over (no import of it here).
+
+    Attributes:
+        call: a controller request and the type of its reply.
+        fetch_columns: the named columns of a batch's rows, read from every unit.
+        store: a request with frames to one storage unit (by id).
+    """
+
+    call: Callable[[msgspec.Struct, Any], Awaitable[Any]]
+    fetch_columns: Callable[
+        [BatchMeta, list[str]], Awaitable[tuple[list[ColumnHeader], list[Column]]]
+    ]
+    store: Callable[[int, msgspec.Struct, Sequence[Any]], Awaitable[Any]]
+
+
 async def save_checkpoint(
-    client: AsyncClient,
+    client: ClientLink,
     path: str,
     partition_ids: Sequence[str] | None,
     metadata: Mapping[str, Any] | None = None,
@@ -127,7 +142,7 @@ async def save_checkpoint(
     """See :meth:`AsyncClient.save_checkpoint`."""
     user_metadata = _user_metadata(metadata)
     ids = None if partition_ids is None else list(partition_ids)
-    dump: StateDump = await client._call(DumpState(ids), StateDump)
+    dump: StateDump = await client.call(DumpState(ids), StateDump)
     tmp = _tmp_name(path)
     try:
         os.makedirs(tmp)
@@ -149,7 +164,7 @@ async def save_checkpoint(
                     field_names=[fd.header.name],
                     units=[pd.units[r] for r in rows],
                 )
-                headers, columns = await client._fetch_columns(meta, [fd.header.name])
+                headers, columns = await client.fetch_columns(meta, [fd.header.name])
                 chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
                 await anyio.to_thread.run_sync(add, f"cells-{pi}-{fi}.bin", chunks)
         manifest = {
@@ -281,11 +296,11 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
     return state, cells
 
 
-async def load_checkpoint(client: AsyncClient, path: str) -> list[str]:
+async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
     """See :meth:`AsyncClient.load_checkpoint`."""
     state, cells = await anyio.to_thread.run_sync(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
-    placement: dict[str, list[int]] = await client._call(
+    placement: dict[str, list[int]] = await client.call(
         RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
     )
     try:
@@ -297,15 +312,14 @@ async def load_checkpoint(client: AsyncClient, path: str) -> list[str]:
             for unit, positions in by_unit.items():
                 runs = position_runs(positions)
                 part = take_rows(column, runs) if len(by_unit) > 1 else column
-                conn = await client._unit(unit)
-                await conn.request(
+                await client.store(
+                    unit,
                     StorePut(head.partition_id, [head.rows[i] for i in positions], [head.column]),
                     column_to_frames(head.column, part),
-                    timeout=client.request_timeout,
                 )
-        await client._call(RestoreCommit(ids, state.sampler_state or None), None)
+        await client.call(RestoreCommit(ids, state.sampler_state or None), None)
     except BaseException:
         with anyio.move_on_after(5, shield=True), contextlib.suppress(Exception):
-            await client._call(RestoreAbort(ids), None)
+            await client.call(RestoreAbort(ids), None)
         raise
     return ids

@@ -24,6 +24,7 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 
 from ._buffers import buffer_pool
+from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._codec import check_text, columns_from_batch, columns_to_tensordict, tags_for_wire
 from ._columns import (
     Column,
@@ -1549,9 +1550,7 @@ class AsyncClient:
             CheckpointError: ``path`` cannot be written.
             InvalidRequestError: ``metadata`` is not a dict of JSON values.
         """
-        from ._checkpoint import save_checkpoint
-
-        await save_checkpoint(self, os.fspath(path), partition_ids, metadata)
+        await save_checkpoint(self._checkpoint_link(), os.fspath(path), partition_ids, metadata)
 
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
@@ -1564,9 +1563,10 @@ class AsyncClient:
                 version (nothing was loaded).
             InvalidRequestError: a partition of the checkpoint already exists.
         """
-        from ._checkpoint import load_checkpoint
+        return await load_checkpoint(self._checkpoint_link(), os.fspath(path))
 
-        return await load_checkpoint(self, os.fspath(path))
+    def _checkpoint_link(self) -> ClientLink:
+        return ClientLink(self._call, self._fetch_columns, self._unit_request)
 
 
 def _as_int(value: Any) -> Any:

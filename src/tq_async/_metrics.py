@@ -29,15 +29,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from ._shm import Arena
     from ._state import ControllerState
-    from ._storage import StorageState
 
 __all__ = ["Metrics", "serve_metrics", "controller_collector", "storage_collector"]
 
@@ -198,7 +198,17 @@ def controller_collector(state: ControllerState, waiting: Callable[[], int]) -> 
     return _Collector(collect)
 
 
-def storage_collector(units: dict[int, StorageState]) -> Collector:
+class UnitGauges(Protocol):
+    """What :func:`storage_collector` reads of a storage unit's state (``StorageState``)."""
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    @property
+    def arena(self) -> Arena | None: ...
+
+
+def storage_collector(units: dict[int, UnitGauges]) -> Collector:
     """``tq_storage_resident_bytes{unit}`` for the given units, computed when scraped."""
 
     def collect() -> Iterator[Metric]:

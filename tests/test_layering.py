@@ -1,0 +1,204 @@
+"""The package's shape: layers, no import circles, no oversized classes or functions.
+
+The layering is written once, in ``tq_async/__init__.py``'s docstring; ``LAYERS`` below is the
+same table, checked against every ``import`` in ``src/tq_async`` (module-level, function-local
+and ``TYPE_CHECKING`` imports alike: each is an edge).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import tq_async
+
+SRC = pathlib.Path(tq_async.__file__).parent
+PACKAGE = "tq_async"
+
+#: lowest first; a module may import its own layer and the layers below, never above
+LAYERS: dict[str, list[str]] = {
+    "vocabulary": [
+        "_errors",
+        "_logging",
+        "_buffers",
+        "_portal",
+        "_columns",
+        "_codec",
+        "_meta",
+        "_protocol",
+        "samplers",
+    ],
+    "core": ["_state", "_core"],
+    "wire": ["_security", "_unix", "_shm", "_endpoints", "_routes", "_transport"],
+    "services and clients": [
+        "_metrics",
+        "_service",
+        "_parking",
+        "_storage",
+        "_controller",
+        "_controller_units",
+        "_controller_inline",
+        "_client",
+        "_client_kv",
+        "_client_shm",
+        "_checkpoint",
+        "_sync",
+        "_serve",
+        "_config",
+    ],
+    "faces": [
+        "_cluster",
+        "_background",
+        "_dataset",
+        "_torch_dataset",
+        "_cli",
+        "compat",
+        "ray",
+        "lowlevel",
+        "__init__",
+    ],
+}
+
+MAX_CLASS_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """``{"_client": path, "samplers._base": path, "__init__": path, ...}``."""
+    out: dict[str, pathlib.Path] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The tq_async modules ``name`` imports, wherever the import statement sits."""
+    package = name.split(".")[:-1]  # "samplers._base" -> ["samplers"]; "_client" -> []
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                prefix = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif node.module and node.module.split(".")[0] == PACKAGE:
+                prefix = node.module.partition(".")[2]
+            else:
+                continue
+            targets = [prefix, *(f"{prefix}.{a.name}" if prefix else a.name for a in node.names)]
+        elif isinstance(node, ast.Import):
+            targets = [
+                a.name.partition(".")[2] for a in node.names if a.name.split(".")[0] == PACKAGE
+            ]
+        for target in targets:
+            for candidate in (target, f"{target}.__init__" if target else "__init__"):
+                if candidate in known and candidate != name:
+                    found.add(candidate)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _layer_of(module: str) -> int:
+    top = module.split(".")[0]
+    for rank, members in enumerate(LAYERS.values()):
+        if top in members:
+            return rank
+    raise AssertionError(
+        f"module {module!r} is in no layer: add it to LAYERS here and to the layering in "
+        "tq_async/__init__.py's docstring"
+    )
+
+
+def test_no_import_circles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    names = list(LAYERS)
+    upward = [
+        f"{module} ({names[_layer_of(module)]}) imports {target} ({names[_layer_of(target)]})"
+        for module, targets in _graph().items()
+        for target in sorted(targets)
+        if _layer_of(target) > _layer_of(module)
+    ]
+    assert upward == []
+
+
+def test_the_layering_is_written_in_the_package_docstring() -> None:
+    doc = tq_async.__doc__ or ""
+    for layer in LAYERS:
+        assert layer in doc, layer
+
+
+def _code_lines(node: ast.AST) -> int:
+    """Lines of ``node`` not taken by docstrings (its own or nested definitions')."""
+    doc: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = inner.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                doc.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    return sum(1 for line in range(start, end + 1) if line not in doc)
+
+
+def test_no_class_or_function_is_too_long() -> None:
+    too_long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and _code_lines(node) > MAX_CLASS_LINES:
+                too_long.append(f"class {name}.{node.name}: {_code_lines(node)} lines")
+            is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if is_function and _code_lines(node) > MAX_FUNCTION_LINES:
+                too_long.append(f"def {name}.{node.name}: {_code_lines(node)} lines")
+    assert too_long == []
