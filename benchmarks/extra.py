@@ -15,6 +15,7 @@ from tensordict import TensorDict
 
 import tq_async as tq
 from tq_async._state import ControllerState, ReadyView, RowOrigin, RowTags
+from tq_async.lowlevel import ColumnHeader
 
 REPLAY = 8
 
@@ -22,7 +23,7 @@ REPLAY = 8
 def sampler_cost(n_ready: int, reps: int) -> dict[str, float]:
     """Milliseconds per sample() call over ``n_ready`` ready rows (pure, no sockets)."""
     st = ControllerState({0: "u"})
-    header = tq.ColumnHeader("x", "dense", "int64", ())
+    header = ColumnHeader("x", "dense", "int64", ())
     rows, _, _ = st.put_begin("p", [header], n_ready, None)
     p = st.partition("p")
     p.commit(rows, ["x"], [{"uid": r // 4, "total_lengths": 100 + r % 977} for r in rows])

@@ -325,7 +325,8 @@ def test_services_never_import_torch() -> None:
     without torch or tensordict (seconds and hundreds of MB saved per service process)."""
     probe = (
         "import sys, tq_async, tq_async._cli, tq_async.ray\n"
-        "from tq_async import local_cluster, ControllerServer, StorageServer\n"
+        "from tq_async import local_cluster\n"
+        "from tq_async.lowlevel import ControllerServer, StorageServer\n"
         "heavy = sorted({'torch', 'tensordict'} & set(sys.modules))\n"
         "assert not heavy, heavy\n"
         "tq_async.AsyncClient  # the client side does need torch: loaded on first use\n"

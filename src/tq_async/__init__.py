@@ -4,12 +4,30 @@ Producers ``put`` fields of samples into partitions, a controller tracks which f
 sample has and which task consumed it, samplers decide what each consumer gets, and
 consumers stream ready batches. See the README for a tour.
 
+Layers, lowest first; a module imports its own layer and the ones below, never above
+(``tests/test_layering.py`` checks it, and that no modules import each other in a circle):
+
+1. **vocabulary**: errors (``_errors``), logging, recycled buffers, the sync/async portal,
+   columns and their codec (``_columns``, ``_codec``: pure functions), ``BatchMeta``
+   (``_meta``), the wire messages (``_protocol``: msgspec records, no I/O) and the samplers.
+2. **core**: the controller's state (``_state``) and its pure state machine (``_core``): every
+   transition takes ``now`` and returns effects; no loop, socket or clock.
+3. **wire**: moving frames: endpoints and the dealer/router connections (``_transport``),
+   Unix sockets (``_unix``), shared memory (``_shm``), CURVE keys (``_security``).
+4. **services and clients**: the controller and storage services (``_controller``,
+   ``_storage``: shells that decode, call their state, send), the clients (``_client``,
+   blocking ``_sync``), checkpoints, metrics, ``_serve``, ``_config``.
+5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
+   datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat``, and
+   :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.
+
 The names that need torch (clients, datasets) are imported on first use, so that the services
 (``tq-async serve``, Ray actors), which never touch a tensor, start without importing torch:
 ~0.3 s and ~60 MB instead of ~3 s and ~330 MB.
 """
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._background import BackgroundCluster as BackgroundCluster
@@ -17,14 +35,12 @@ from ._background import background_cluster as background_cluster
 from ._checkpoint import checkpoint_metadata as checkpoint_metadata
 from ._cluster import LocalCluster as LocalCluster
 from ._cluster import local_cluster as local_cluster
-from ._columns import ColumnHeader as ColumnHeader
 from ._config import AdmissionSection as AdmissionSection
 from ._config import Config as Config
 from ._config import CurveSection as CurveSection
 from ._config import SamplerSpec as SamplerSpec
-from ._controller import AdmissionConfig as AdmissionConfig
-from ._controller import ControllerServer as ControllerServer
-from ._controller import Deadlines as Deadlines
+from ._core import AdmissionConfig as AdmissionConfig
+from ._core import Deadlines as Deadlines
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
@@ -45,8 +61,6 @@ from ._meta import BatchMeta as BatchMeta
 from ._security import CurveClient as CurveClient
 from ._security import CurveServer as CurveServer
 from ._security import curve_keypair as curve_keypair
-from ._state import ControllerState as ControllerState
-from ._storage import StorageServer as StorageServer
 from .samplers import BaseSampler as BaseSampler
 from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
@@ -78,7 +92,19 @@ _LAZY = {
 }
 
 
+#: names that moved to :mod:`tq_async.lowlevel` (still found here, with a warning)
+_MOVED = {"ColumnHeader", "ControllerServer", "ControllerState", "StorageServer"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"tq_async.{name} moved to tq_async.lowlevel: use "
+            f"`from tq_async.lowlevel import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(".lowlevel", __name__), name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -106,11 +132,8 @@ __all__ = [
     "CheckpointError",
     "Client",
     "ClosedError",
-    "ColumnHeader",
     "Config",
     "ConfigError",
-    "ControllerServer",
-    "ControllerState",
     "CurveClient",
     "CurveSection",
     "CurveServer",
@@ -131,7 +154,6 @@ __all__ = [
     "StreamingDataLoader",
     "StreamingDataset",
     "StalenessSampler",
-    "StorageServer",
     "TQError",
     "TQTimeoutError",
     "UnsupportedTypeError",

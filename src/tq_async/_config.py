@@ -415,7 +415,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return sampler, tasks
 
     def controller_options(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~tq_async.ControllerServer` (everything but state).
+        """Keyword arguments for the controller (:class:`~tq_async.lowlevel.ControllerServer`).
 
         A new controller setting is one attribute above and one entry here.
 

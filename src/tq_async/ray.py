@@ -1,11 +1,12 @@
 """Run a tq_async cluster as Ray actors, and attach to it from other Ray jobs.
 
 Ray only *places and supervises* the services; it never carries data. Each actor runs the same
-server code as :func:`~tq_async.local_cluster` (a :class:`~tq_async.ControllerServer` or a
-:class:`~tq_async.StorageServer`) in the actor's asyncio event loop, bound to a ZMQ endpoint on
-its node. Clients anywhere — the driver, Ray tasks, Ray actors, plain processes — connect to
-the returned address with :class:`~tq_async.AsyncClient` or :class:`~tq_async.Client`, and
-tensors go straight from the client's socket to the unit's, never through the object store::
+server code as :func:`~tq_async.local_cluster` (a
+:class:`~tq_async.lowlevel.ControllerServer` or a :class:`~tq_async.lowlevel.StorageServer`) in
+the actor's asyncio event loop, bound to a ZMQ endpoint on its node. Clients anywhere — the
+driver, Ray tasks, Ray actors, plain processes — connect to the returned address with
+:class:`~tq_async.AsyncClient` or :class:`~tq_async.Client`, and tensors go straight from the
+client's socket to the unit's, never through the object store::
 
     import ray
     import tq_async as tq

@@ -1,0 +1,35 @@
+"""The building blocks under the public API, for tools, tests and custom deployments.
+
+An RL job needs only :mod:`tq_async` (clients, datasets, ``local_cluster``, ``Config``,
+samplers, errors). This module holds what those are made of, for code that assembles its own
+deployment or inspects the services' state:
+
+* :class:`ControllerCore`: the controller's pure state machine (no loop, no socket, no
+  clock: every transition takes ``now`` and returns its effects);
+* :class:`ControllerState`: the per-partition bookkeeping the core keeps;
+* :class:`ControllerServer` and :class:`StorageServer`: the two services, each a thin shell
+  around its state, served on an event loop; :func:`serve_controller` and
+  :func:`serve_storage` run them as ``tq-async serve`` does;
+* :class:`ColumnHeader`: how a column travels (name, kind, dtype, shape).
+
+These names are stable within a minor version, like the rest of the public API, but they
+expose more of the design and change more often between minor versions.
+"""
+
+from ._columns import ColumnHeader as ColumnHeader
+from ._controller import ControllerServer as ControllerServer
+from ._core import ControllerCore as ControllerCore
+from ._serve import serve_controller as serve_controller
+from ._serve import serve_storage as serve_storage
+from ._state import ControllerState as ControllerState
+from ._storage import StorageServer as StorageServer
+
+__all__ = [
+    "ColumnHeader",
+    "ControllerCore",
+    "ControllerServer",
+    "ControllerState",
+    "StorageServer",
+    "serve_controller",
+    "serve_storage",
+]
