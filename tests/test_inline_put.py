@@ -7,6 +7,8 @@ both give the same result, and that a failed one-message put leaves nothing behi
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -19,20 +21,17 @@ from tq_async._protocol import PutInline
 
 
 def count_requests(controller: ControllerServer) -> dict[str, int]:
-    """Count the controller's requests by type (wraps its dispatch)."""
+    """Count the controller's requests by type (wraps its handlers)."""
     seen: dict[str, int] = {}
-    real_handle, real_inline = controller._handle, controller._put_inline
 
-    def handle(peer: bytes, rid: int, body: object, t0: float) -> bool:
-        seen[type(body).__name__] = seen.get(type(body).__name__, 0) + 1
-        return real_handle(peer, rid, body, t0)
+    def counting(handler: Any) -> Any:
+        def handle(msg: Any, body: object) -> Any:
+            seen[type(body).__name__] = seen.get(type(body).__name__, 0) + 1
+            return handler(msg, body)
 
-    def put_inline(peer: bytes, rid: int, body: PutInline, frames: list, t0: float) -> bool:  # type: ignore[type-arg]
-        seen["PutInline"] = seen.get("PutInline", 0) + 1
-        return real_inline(peer, rid, body, frames, t0)
+        return handle
 
-    controller._handle = handle  # type: ignore[method-assign]
-    controller._put_inline = put_inline  # type: ignore[method-assign]
+    controller.handlers = {typ: counting(h) for typ, h in controller.handlers.items()}
     return seen
 
 

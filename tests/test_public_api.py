@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import pickle
 
+import msgspec
 import pytest
 
 import tq_async
@@ -132,3 +133,27 @@ def test_moved_names_still_resolve_with_a_warning(name: str) -> None:
         value = getattr(tq_async, name)
     assert value is getattr(tq_async.lowlevel, name)
     assert name not in dir(tq_async)
+
+
+def _all_errors(cls: type[tq_async.TQError]) -> list[type[tq_async.TQError]]:
+    return [cls, *(s for sub in cls.__subclasses__() for s in _all_errors(sub))]
+
+
+@pytest.mark.parametrize("cls", _all_errors(tq_async.TQError), ids=lambda c: c.__name__)
+def test_every_error_crosses_the_wire_as_itself(cls: type[tq_async.TQError]) -> None:
+    from tq_async._errors import error_from_wire
+    from tq_async._protocol import Reply, decode_error_payload, error_reply
+
+    reply = msgspec.msgpack.decode(error_reply(7, cls("what happened; what to do")), type=Reply)
+    again = error_from_wire(*decode_error_payload(reply.payload))
+    assert type(again) is cls
+    assert str(again) == "what happened; what to do"
+    assert type(pickle.loads(pickle.dumps(again))) is cls
+
+
+def test_an_unknown_error_kind_becomes_a_tq_error_naming_it() -> None:
+    from tq_async._errors import error_from_wire
+
+    err = error_from_wire("MysteryError", "boom")
+    assert type(err) is tq_async.TQError
+    assert str(err) == "MysteryError: boom"

@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "AuthenticationError",
     "error_from_wire",
+    "CALLERS_FAULT",
 ]
 
 
@@ -99,32 +100,6 @@ class RowsNotFound(TQError, KeyError):
         return self.message
 
 
-_BY_NAME: dict[str, type[TQError]] = {
-    cls.__name__: cls
-    for cls in (
-        TQError,
-        ClosedError,
-        BrokenError,
-        TQTimeoutError,
-        ProtocolError,
-        InvalidRequestError,
-        SchemaError,
-        UnsupportedTypeError,
-        PartitionNotFound,
-        RowsNotFound,
-        KeyNotFound,
-        CheckpointError,
-        WouldBlock,
-    )
-}
-
-
-def register_error(cls: type[TQError]) -> type[TQError]:
-    """Make ``cls`` travel over the wire by name (used by later error classes)."""
-    _BY_NAME[cls.__name__] = cls
-    return cls
-
-
 class ConfigError(InvalidRequestError):
     """A configuration (:class:`~tq_async.Config`, a TOML file) is invalid.
 
@@ -140,13 +115,28 @@ class AuthenticationError(BrokenError):
     """
 
 
+def _subclasses(cls: type[TQError]) -> list[type[TQError]]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+#: every error travels by its class name; the client re-raises the same class
+_BY_NAME: dict[str, type[TQError]] = {cls.__name__: cls for cls in _subclasses(TQError)}
+
+#: errors that are the caller's fault: a service answers them without a traceback in its log
+CALLERS_FAULT: tuple[type[TQError], ...] = (
+    InvalidRequestError,
+    PartitionNotFound,
+    RowsNotFound,
+    KeyNotFound,
+    WouldBlock,
+    ProtocolError,
+    TQTimeoutError,
+)
+
+
 def error_from_wire(kind: str, message: str) -> TQError:
     """Rebuild the exception a service reported; unknown kinds become a plain :class:`TQError`."""
     cls = _BY_NAME.get(kind, TQError)
     if cls is TQError and kind != "TQError":
         message = f"{kind}: {message}"
     return cls(message)
-
-
-register_error(ConfigError)
-register_error(AuthenticationError)
