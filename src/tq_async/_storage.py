@@ -24,9 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import msgspec
 import numpy as np
-import zmq
 from anyio.abc import TaskStatus
 
 from ._columns import (
@@ -40,7 +38,7 @@ from ._columns import (
     join_columns,
     take_rows,
 )
-from ._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import (
@@ -50,23 +48,19 @@ from ._protocol import (
     ShmGrant,
     ShmHello,
     ShmHelloReply,
-    StorageRequest,
     StoreClear,
     StoredColumns,
     StoreGet,
     StorePut,
     StoreStats,
     StoreStatsReply,
-    error_reply,
-    ok_reply,
-    salvage_rid,
     storage_request_decoder,
-    validate,
 )
 from ._security import CurveServer
+from ._service import SENT, Handler, Incoming, Service, WithFrames
 from ._shm import PAGE, Arena, Region, Watcher, align, next_id
 from ._state import stale_incarnation
-from ._transport import LogThrottle, RouterEndpoint
+from ._transport import RouterEndpoint
 
 __all__ = ["OverBudget", "StorageState", "StorageServer"]
 
@@ -418,7 +412,7 @@ DEFAULT_SHM_CAP = 1 << 30
 DEFAULT_SHM_IDLE = 256 << 20
 
 
-class StorageServer:
+class StorageServer(Service):
     """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous).
 
     Args:
@@ -430,6 +424,8 @@ class StorageServer:
             0 turns the shared-memory path off. At the cap, puts go over the socket.
         shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
     """
+
+    name = "storage"
 
     def __init__(
         self,
@@ -449,10 +445,9 @@ class StorageServer:
         self.curve = curve
         self.shm_cap = shm_cap
         self.shm_idle_bytes = shm_idle_bytes
-        self._malformed = LogThrottle()
         self.state = StorageState(allow_pickle=allow_pickle)
-        self.metrics = metrics or Metrics(None, "storage")
-        self._endpoint: RouterEndpoint | None = None
+        super().__init__(metrics or Metrics(None, "storage"), storage_request_decoder)
+        self.handlers = self._handler_table()
         self._watcher: Watcher | None = None
         #: shared memory: client identity -> its pid; grants and read pins by id
         self._shm_peers: dict[bytes, int] = {}
@@ -469,7 +464,9 @@ class StorageServer:
     @property
     def address(self) -> str:
         if self._endpoint is None:
-            raise RuntimeError("the storage unit is not serving")
+            raise ClosedError(
+                "the storage unit is not serving: start it with `await tg.start(unit.serve)`"
+            )
         return self._endpoint.address
 
     async def serve(
@@ -479,7 +476,7 @@ class StorageServer:
         task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind, report the address through ``task_status``, serve until cancelled."""
-        self._endpoint = RouterEndpoint(bind, self._on_message, curve=self.curve, twin="uds")
+        self._endpoint = RouterEndpoint(bind, self.on_message, curve=self.curve, twin="uds")
         try:
             self._open_arena()
             task_status.started(self._endpoint.address)
@@ -673,90 +670,74 @@ class StorageServer:
                 self.metrics.request("StoreGet", ok, time.perf_counter() - t0)
         return stored, frames
 
-    def _on_message(self, peer: bytes, frames: list[zmq.Frame]) -> None:
-        assert self._endpoint is not None
-        header = frames[0].buffer
-        try:
-            req: StorageRequest = storage_request_decoder.decode(header)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            rid = salvage_rid(header)
-            self._malformed.warning("malformed storage request", error=str(exc), rid=rid)
-            if rid is not None:
-                self._endpoint.send(peer, [error_reply(rid, ProtocolError(str(exc)))])
-            return
-        body = req.body
-        metrics = self.metrics.enabled
-        t0 = time.perf_counter() if metrics else 0.0
-        try:
-            validate(body)
-            if isinstance(body, StorePut):
-                if body.shm is None:
-                    data: list[Any] = frames[1:]
-                    self.state.put(
-                        body.partition_id,
-                        body.rows,
-                        body.columns,
-                        data,
-                        incarnation=body.incarnation,
-                    )
-                else:
-                    if len(frames) != 1:
-                        raise ProtocolError("a shared-memory put carries no data frames")
-                    data, region = self._shm_frames(peer, body)
-                    arena = self.arena
-                    assert arena is not None
-                    try:
-                        self.state.put(
-                            body.partition_id,
-                            body.rows,
-                            body.columns,
-                            data,
-                            region,
-                            incarnation=body.incarnation,
-                        )
-                        arena.puts += 1
-                    finally:
-                        arena.release(region)
-                reply: list[Any] = [ok_reply(req.rid, None)]
-                if metrics:
-                    self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
-            elif isinstance(body, StoreGet):
-                shm = self._read_shm(peer, body) if body.shm else None
-                if shm is not None:
-                    reply = [ok_reply(req.rid, shm)]
-                    if metrics:
-                        assert shm.shm_spans is not None
-                        self.metrics.transfer("out", sum(n for _, n in shm.shm_spans))
-                else:
-                    stored, out = self.state.read(
-                        body.partition_id, body.rows, body.fields, incarnation=body.incarnation
-                    )
-                    reply = [ok_reply(req.rid, stored), *out]
-                    if metrics:
-                        self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
-            elif isinstance(body, ShmHello):
-                reply = [ok_reply(req.rid, self._shm_hello(peer, body))]
-            elif isinstance(body, ShmAlloc):
-                reply = [ok_reply(req.rid, self._shm_alloc(peer, body))]
-            elif isinstance(body, ShmFree):
-                self._shm_free(peer, body)
-                return  # one-way
-            elif isinstance(body, StoreClear):
-                freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
-                reply = [ok_reply(req.rid, freed)]
-            elif isinstance(body, StoreStats):
-                reply = [ok_reply(req.rid, self.state.stats())]
-            elif isinstance(body, Cancel):
-                return  # every storage op completes at once; nothing to cancel
-            else:  # pragma: no cover - the decoder admits only the types above
-                raise ProtocolError(f"unknown storage request {type(body).__name__}")
-        except Exception as exc:
-            if not isinstance(exc, (InvalidRequestError, RowsNotFound, ProtocolError)):
-                log.exception("storage request failed", rid=req.rid, op=type(body).__name__)
-            reply = [error_reply(req.rid, exc)]
-            metrics_ok = False
+    def _handler_table(self) -> dict[type, Handler]:
+        return {
+            StorePut: self._on_store_put,
+            StoreGet: self._on_store_get,
+            StoreClear: self._on_store_clear,
+            StoreStats: self._on_store_stats,
+            ShmHello: self._on_shm_hello,
+            ShmAlloc: self._on_shm_alloc,
+            ShmFree: self._on_shm_free,
+            Cancel: self._on_cancel,
+        }
+
+    def _on_store_put(self, msg: Incoming, body: StorePut) -> None:
+        if body.shm is None:
+            data: list[Any] = msg.frames[1:]
+            self.state.put(
+                body.partition_id, body.rows, body.columns, data, incarnation=body.incarnation
+            )
         else:
-            metrics_ok = True
-        self._endpoint.send(peer, reply)
-        if metrics:
-            self.metrics.request(type(body).__name__, metrics_ok, time.perf_counter() - t0)
+            if len(msg.frames) != 1:
+                raise ProtocolError("a shared-memory put carries no data frames")
+            data, region = self._shm_frames(msg.peer, body)
+            arena = self.arena
+            assert arena is not None
+            try:
+                self.state.put(
+                    body.partition_id,
+                    body.rows,
+                    body.columns,
+                    data,
+                    region,
+                    incarnation=body.incarnation,
+                )
+                arena.puts += 1
+            finally:
+                arena.release(region)
+        if self.metrics.enabled:
+            self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
+
+    def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
+        shm = self._read_shm(msg.peer, body) if body.shm else None
+        if shm is not None:
+            if self.metrics.enabled:
+                assert shm.shm_spans is not None
+                self.metrics.transfer("out", sum(n for _, n in shm.shm_spans))
+            return shm
+        stored, out = self.state.read(
+            body.partition_id, body.rows, body.fields, incarnation=body.incarnation
+        )
+        if self.metrics.enabled:
+            self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
+        return WithFrames(stored, out)
+
+    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> int:
+        return self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
+
+    def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
+        return self.state.stats()
+
+    def _on_shm_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
+        return self._shm_hello(msg.peer, body)
+
+    def _on_shm_alloc(self, msg: Incoming, body: ShmAlloc) -> ShmGrant | None:
+        return self._shm_alloc(msg.peer, body)
+
+    def _on_shm_free(self, msg: Incoming, body: ShmFree) -> Any:
+        self._shm_free(msg.peer, body)
+        return SENT  # one-way
+
+    def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
+        return SENT  # every storage op completes at once; nothing to cancel
