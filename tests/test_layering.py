@@ -28,19 +28,18 @@ LAYERS: dict[str, list[str]] = {
         "_protocol",
         "samplers",
     ],
-    "core": ["_state", "_core"],
-    "wire": ["_security", "_unix", "_shm", "_endpoints", "_routes", "_transport"],
+    "core": ["_state", "_effects", "_admission", "_liveness", "_put_leases", "_core"],
+    "wire": ["_security", "_unix", "_shm", "_transport"],
     "services and clients": [
         "_metrics",
-        "_service",
         "_parking",
+        "_service",
         "_storage",
+        "_queries",
+        "_controller_shell",
+        "_controller_puts",
         "_controller",
-        "_controller_units",
-        "_controller_inline",
         "_client",
-        "_client_kv",
-        "_client_shm",
         "_checkpoint",
         "_sync",
         "_serve",
@@ -168,6 +167,14 @@ def test_no_module_imports_a_higher_layer() -> None:
         if _layer_of(target) > _layer_of(module)
     ]
     assert upward == []
+
+
+def test_every_module_has_a_layer_and_every_listed_module_exists() -> None:
+    tops = {name.split(".")[0] for name in _modules()}
+    for module in tops:
+        _layer_of(module)
+    listed = {m for members in LAYERS.values() for m in members}
+    assert listed - tops == set()
 
 
 def test_the_layering_is_written_in_the_package_docstring() -> None:

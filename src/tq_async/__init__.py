@@ -10,13 +10,15 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
 1. **vocabulary**: errors (``_errors``), logging, recycled buffers, the sync/async portal,
    columns and their codec (``_columns``, ``_codec``: pure functions), ``BatchMeta``
    (``_meta``), the wire messages (``_protocol``: msgspec records, no I/O) and the samplers.
-2. **core**: the controller's state (``_state``) and its pure state machine (``_core``): every
-   transition takes ``now`` and returns effects; no loop, socket or clock.
+2. **core**: the controller's state (``_state``) and its pure state machine (``_core``,
+   composing ``_put_leases``, ``_admission`` and ``_liveness``; records in ``_effects``):
+   every transition takes ``now`` and returns effects; no loop, socket or clock.
 3. **wire**: moving frames: endpoints and the dealer/router connections (``_transport``),
    Unix sockets (``_unix``), shared memory (``_shm``), CURVE keys (``_security``).
 4. **services and clients**: the controller and storage services (``_controller``,
-   ``_storage``: shells that decode, call their state, send), the clients (``_client``,
-   blocking ``_sync``), checkpoints, metrics, ``_serve``, ``_config``.
+   ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
+   call their state and answer; requests that wait park in one ``_parking`` lot), the
+   clients (``_client``, blocking ``_sync``), checkpoints, metrics, ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
    datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat``, and
    :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.

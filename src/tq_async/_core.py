@@ -33,20 +33,22 @@ from __future__ import annotations
 import heapq
 import inspect
 import itertools
-import math
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidRequestError, RowsNotFound, TQError
+from ._admission import Admission
+from ._effects import AdmissionConfig, Deadlines, Effects
+from ._errors import InvalidRequestError, TQError
+from ._liveness import UnitLiveness
 from ._logging import get_logger
-from ._protocol import GetMeta, MetaReply, Placement, check_int
+from ._protocol import GetMeta, MetaReply, Placement
+from ._put_leases import PutLeases
 from ._state import (
     ControllerState,
     DeliveryKey,
     Lease,
     Partition,
-    PutLease,
     ReadyView,
     RowOrigin,
     RowTags,
@@ -61,94 +63,6 @@ log = get_logger(__name__)
 
 #: what a final global batch that cannot be split evenly does (see :class:`ControllerCore`)
 TAILS = ("uneven", "drop", "error")
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """Bounds on asynchronous rollouts, enforced by ``acquire_rollout``.
-
-    Attributes:
-        max_staleness: a rollout of policy version ``v`` may start only while
-            ``v - learner_version <= max_staleness`` (None: no version bound).
-        capacity: the most rows admitted and not yet consumed by ``learner_task`` (None: no
-            bound). Unconsumed rows are never evicted: producers wait instead.
-        learner_task: the task whose consumption frees admission slots (needed with
-            ``capacity``).
-    """
-
-    max_staleness: int | None = None
-    capacity: int | None = None
-    learner_task: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_staleness is not None:
-            check_int("max_staleness", self.max_staleness)
-        if self.capacity is not None:
-            check_int("capacity", self.capacity, 1)
-        if self.capacity is not None and self.learner_task is None:
-            raise InvalidRequestError(
-                "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
-            )
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """How long the controller waits before it gives up on a silent peer.
-
-    Attributes:
-        put_lease: seconds the new rows of a put stay reserved without a commit or a
-            renewal. A live producer renews every third of it while its columns travel, so
-            only a dead producer's rows are reclaimed (never visible; capacity freed;
-            end-of-stream no longer waits for them).
-        unit_suspend_after: seconds a storage unit may stay silent (no ZMTP heartbeat
-            answered) before it is *suspended*: its rows are neither handed out nor lost,
-            end-of-stream waits for them, new puts avoid it. A unit whose process is gone
-            (reconnecting is refused, or another process answers) is lost at once.
-        unit_lost_after: seconds a suspended unit has to come back with its data before its
-            rows are declared lost (``lost_rows()``; end-of-stream stops waiting for them).
-    """
-
-    put_lease: float = 60.0
-    unit_suspend_after: float = 10.0
-    unit_lost_after: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("put_lease", "unit_suspend_after", "unit_lost_after"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            ):
-                raise InvalidRequestError(f"{name} must be a positive number of seconds: {value!r}")
-        if self.unit_lost_after < self.unit_suspend_after:
-            raise InvalidRequestError(
-                "unit_lost_after must be at least unit_suspend_after (a unit is suspended "
-                "first, and lost only later)"
-            )
-
-
-@dataclass(slots=True)
-class Effects:
-    """The I/O a transition leaves to the shell."""
-
-    #: waiters to wake
-    wakeups: list[Wakeup] = field(default_factory=list)
-    #: rows to free on storage units: ``(partition_id, incarnation, {unit: rows or None})``
-    #: (None: every row of that incarnation)
-    free: list[tuple[str, str, dict[int, list[int] | None]]] = field(default_factory=list)
-    #: live rows were freed: puts waiting for capacity may fit now
-    room: bool = False
-    #: admission slots were freed (or the learner moved): waiting rollouts may start
-    admission: bool = False
-    #: stale rows handled, ``(policy, n)``: for the metrics (the state counts them too)
-    stale: list[tuple[str, int]] = field(default_factory=list)
-
-    def add(self, other: Effects) -> None:
-        """Fold ``other`` into this one."""
-        self.wakeups.extend(other.wakeups)
-        self.free.extend(other.free)
-        self.room |= other.room
-        self.admission |= other.admission
-        self.stale.extend(other.stale)
 
 
 @dataclass(slots=True, eq=False)
@@ -240,13 +154,15 @@ class ControllerCore:
             for smp in self.samplers()
         }
         self._ids = itertools.count(1)
-        #: lease id / put id -> the partition holding it (gone with the partition)
+        #: lease id -> the partition holding it (gone with the partition)
         self._lease_home: dict[int, Partition] = {}
-        self._put_home: dict[int, Partition] = {}
         #: lease id of a recorded batch -> its partition, also after the lease ended
         self._batch_home: dict[int, Partition] = {}
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
+        self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
+        self.rollouts = Admission(self.state, self.admission)
+        self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
         self.sampler_calls = 0
 
@@ -274,8 +190,7 @@ class ControllerCore:
             p = self._lease_home.get(ident)
             return p is not None and p.leases[ident].deadline == deadline
         if kind == "put":
-            p = self._put_home.get(ident)
-            return p is not None and p.put_leases[ident].deadline == deadline
+            return self.puts.live(ident, deadline)
         return self.state.suspended.get(ident) == deadline
 
     def _arm(self, deadline: float, kind: str, ident: int) -> None:
@@ -290,9 +205,9 @@ class ControllerCore:
             if kind == "lease":
                 self._expire_lease(ident, deadline, fx)
             elif kind == "put":
-                self._lapse_put(ident, deadline, fx)
+                self.puts.lapse(ident, deadline, fx)
             else:
-                self._unit_deadline(ident, deadline, fx)
+                self.liveness.on_deadline(ident, deadline, fx)
         return fx
 
     # ---- get_meta ----------------------------------------------------------------------------
@@ -416,7 +331,7 @@ class ControllerCore:
             delivered = [r for share in shares for r in share]
             self._check_sampled(req, p, delivered)
             if call.stale.kept_rows and req.mode == "fetch":
-                self._count_kept(req, call.stale, delivered, fx)
+                self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
@@ -659,6 +574,8 @@ class ControllerCore:
 
     # ---- production --------------------------------------------------------------------------
 
+    # ---- puts (see _put_leases) -------------------------------------------------------------
+
     def put_begin(
         self,
         partition_id: str,
@@ -670,36 +587,12 @@ class ControllerCore:
         *,
         lease: bool = True,
     ) -> tuple[Placement, Effects]:
-        """Place a put. New rows are reserved under a put lease (unless ``lease`` is False:
-        a put the controller completes itself) until :meth:`put_commit`."""
-        before = self.state.partitions.get(partition_id)
-        first_new = before.n_rows if before is not None else 0
-        got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
-        placement = Placement(got, units)
-        p = self.state.partitions[partition_id]
-        placement.incarnation = p.incarnation
-        if keys is not None:  # a KV put's meta names every field its keys already have
-            placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
-        if lease and rows is None:
-            new = [r for r in got if r >= first_new]
-            if new:
-                p = self.state.partitions[partition_id]
-                put_id = next(self._ids)
-                p.put_leases[put_id] = PutLease(put_id, new, now + self.put_lease)
-                self._put_home[put_id] = p
-                self._arm(now + self.put_lease, "put", put_id)
-                placement.put_id = put_id
-                placement.put_lease = self.put_lease
-        return placement, Effects(wakeups=wakeups)
+        """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`)."""
+        return self.puts.begin(partition_id, headers, n_rows, rows, keys, now, lease=lease)
 
     def renew_puts(self, put_ids: Sequence[int], now: float) -> None:
         """The producer is alive and still writing: push the put leases' deadlines."""
-        for put_id in put_ids:
-            p = self._put_home.get(put_id)
-            if p is not None:
-                put = p.put_leases[put_id]
-                put.deadline = now + self.put_lease
-                self._arm(put.deadline, "put", put_id)
+        self.puts.renew(put_ids, now)
 
     def put_commit(
         self,
@@ -711,43 +604,8 @@ class ControllerCore:
         put_id: int = 0,
         incarnation: str | None = None,
     ) -> Effects:
-        """Make a put visible: cells produced, tags and versions applied, put lease done.
-
-        ``incarnation`` (from a BatchMeta or the placement) must be the partition's own.
-        """
-        p = self.state.partition(partition_id)
-        p.check_incarnation(incarnation)
-        if put_id:
-            if self._put_home.get(put_id) is not p:
-                raise RowsNotFound(
-                    f"the put into partition {partition_id!r} was not committed within its "
-                    f"put lease ({self.put_lease} s without a renewal), so its rows were "
-                    "reclaimed; put the batch again"
-                )
-            gained = p.commit(rows, fields, tags, versions)
-            del p.put_leases[put_id]
-            del self._put_home[put_id]
-        else:
-            gained = p.commit(rows, fields, tags, versions)
-        return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
-
-    def _lapse_put(self, put_id: int, deadline: float, fx: Effects) -> None:
-        """A producer stopped renewing its put: reclaim the rows (never visible)."""
-        p = self._put_home.get(put_id)
-        if p is None or p.put_leases[put_id].deadline != deadline:
-            return
-        put = p.put_leases.pop(put_id)
-        del self._put_home[put_id]
-        # a row with any cell produced was committed (by a client that sent no put id)
-        fields = [f.produced for f in p.fields.values()]
-        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
-        log.warning(
-            "put lease lapsed: reclaiming the rows of an uncommitted put",
-            partition=p.partition_id,
-            rows=len(rows),
-        )
-        if rows:
-            fx.add(self._clear(p, rows))
+        """Make a put visible (see :meth:`PutLeases.commit`)."""
+        return self.puts.commit(partition_id, rows, fields, tags, versions, put_id, incarnation)
 
     # ---- clearing ----------------------------------------------------------------------------
 
@@ -761,7 +619,7 @@ class ControllerCore:
 
     def _clear(self, p: Partition, rows: Sequence[int]) -> Effects:
         fx = Effects(room=True, wakeups=[Wakeup(p.partition_id)])
-        fx.admission = self._free_unconsumed(p, rows)
+        fx.admission = self.rollouts.free_unconsumed(p, rows)
         fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(rows))))
         return fx
 
@@ -771,14 +629,16 @@ class ControllerCore:
         p = st.partition(partition_id)
         by_unit = p.live_rows_by_unit()
         fx = Effects(room=True, wakeups=[Wakeup(partition_id)])
-        fx.admission = self._free_unconsumed(p, [r for rows in by_unit.values() for r in rows])
+        fx.admission = self.rollouts.free_unconsumed(
+            p, [r for rows in by_unit.values() for r in rows]
+        )
         del st.partitions[partition_id]
         for lease_id in p.leases:
             self._lease_home.pop(lease_id, None)
         for lease_id in p.lease_batch:
             self._batch_home.pop(lease_id, None)
         for put_id in p.put_leases:
-            self._put_home.pop(put_id, None)
+            self.puts.home.pop(put_id, None)
         for smp in self.samplers():
             smp.clear_partition(partition_id)
             clear_cache = getattr(smp, "clear_cache", None)
@@ -816,7 +676,7 @@ class ControllerCore:
         fx: Effects,
     ) -> None:
         """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
-        if self._learner_consumed(task, p, rows):
+        if self.rollouts.learner_consumed(task, p, rows):
             fx.admission = True
         if all_consumed(p, task):
             # waiters of this task asking stop_when_consumed can end their stream now
@@ -838,33 +698,13 @@ class ControllerCore:
             fx.room = True
             fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done))))
 
-    def _count_stale(self, kind: str, n: int, fx: Effects) -> None:
-        """Stale rows handled: the status and the metrics count the same events, once."""
-        if n > 0:
-            self.state.stale_counts[kind] += n
-            fx.stale.append((kind, n))
-
-    def _count_kept(
-        self, req: GetMeta, stale: StaleRows, delivered: Sequence[int], fx: Effects
-    ) -> None:
-        """Stale rows a sampler kept count once they are delivered, not when seen."""
-        kept = set(stale.kept_rows)
-        n = sum(1 for r in delivered if r in kept)
-        if n:
-            log.warning(
-                "delivering stale rows",
-                rows=n,
-                partition=req.partition_id,
-                task=req.task_name,
-                learner_version=self.state.learner_version,
-            )
-            self._count_stale("kept", n, fx)
-
     def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
         """Consume the rows a sampler found stale; queue recycled prompts; count."""
         consumed = p.consumed.get(req.task_name)
         st = self.state
-        self._count_stale("kept", stale.kept - len(stale.kept_rows), fx)  # counts without rows
+        self.rollouts.count_stale(
+            "kept", stale.kept - len(stale.kept_rows), fx
+        )  # counts without rows
         for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
             valid = [
                 r
@@ -875,145 +715,45 @@ class ControllerCore:
                 continue
             p.consume(req.task_name, valid)
             self._after_consume(req.task_name, p, valid, (), fx)
-            self._count_stale(kind, len(valid), fx)
+            self.rollouts.count_stale(kind, len(valid), fx)
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)
 
-    # ---- admission ---------------------------------------------------------------------------
-
-    def _free_unconsumed(self, p: Partition, rows: Sequence[int]) -> bool:
-        """Cleared rows the learner never consumed give their admission slots back."""
-        task = self.admission.learner_task
-        if task is None:
-            return False
-        consumed = p.consumed.get(task)
-        freed = sum(
-            1
-            for r in set(rows)
-            if 0 <= r < p.n_rows
-            and p.alive[r]
-            and p.row_version[r] >= 0
-            and not (consumed and consumed[r])
-        )
-        return self.free_slots(freed)
-
-    def _learner_consumed(self, task: str, p: Partition, rows: Sequence[int]) -> bool:
-        if self.admission.learner_task != task:
-            return False
-        return self.free_slots(sum(1 for r in rows if p.row_version[r] >= 0))
+    # ---- admission (see _admission) ----------------------------------------------------------
 
     def free_slots(self, n: int) -> bool:
         """Give back ``n`` admission slots; True if any was outstanding."""
-        if n <= 0:
-            return False
-        self.state.outstanding = max(0, self.state.outstanding - n)
-        return True
+        return self.rollouts.free_slots(n)
 
     def admissible(self, version: int, n: int) -> bool:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
-        cfg, st = self.admission, self.state
-        if cfg.max_staleness is not None and version - max(st.learner_version, 0) > (
-            cfg.max_staleness
-        ):
-            return False
-        return cfg.capacity is None or st.outstanding + n <= cfg.capacity
+        return self.rollouts.admissible(version, n)
 
     def acquire(self, version: int, n: int) -> bool:
         """Admit a rollout if it fits now (True), else leave everything as it is."""
-        if version < 0 or n < 1:
-            raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
-        cap = self.admission.capacity
-        if cap is not None and n > cap:
-            raise InvalidRequestError(
-                f"a rollout of {n} rows can never fit the capacity of {cap}; acquire "
-                "fewer rows at a time or raise the capacity"
-            )
-        if not self.admissible(version, n):
-            return False
-        self.state.outstanding += n
-        return True
+        return self.rollouts.acquire(version, n)
 
     def set_policy_version(self, version: int) -> Effects:
         """The learner moved: rollouts may start, and rows may have gone stale."""
-        st = self.state
-        if version < st.learner_version:
-            log.warning("policy version went backwards", old=st.learner_version, new=version)
-        st.learner_version = version
-        return Effects(admission=True, wakeups=[Wakeup(pid) for pid in st.partitions])
+        return self.rollouts.set_policy_version(version)
 
-    # ---- storage units -----------------------------------------------------------------------
+    # ---- storage units (see _liveness) -------------------------------------------------------
 
     def unit_down(self, unit: int, now: float) -> Effects:
-        """A unit missed its liveness deadline: suspend it (rows neither handed out nor lost).
-
-        End-of-stream waits for its rows and new puts avoid it. It resumes with
-        :meth:`unit_up`; :meth:`unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
-        """
-        st = self.state
-        if unit in st.dead_units or unit in st.suspended or unit not in st.units:
-            return Effects()
-        st.suspended[unit] = now + self.unit_lost_after
-        st.unavailable.add(unit)
-        self._arm(st.suspended[unit], "unit", unit)
-        for p in st.partitions.values():
-            for rs in p.ready.values():
-                for r in [r for r in rs.rows if p.units[r] == unit]:
-                    rs.discard(r)
-        log.warning(
-            "storage unit suspended: its rows wait until it comes back or is declared lost",
-            unit=unit,
-            lost_after=self.unit_lost_after,
-        )
-        return Effects()
+        """A unit missed its liveness deadline: suspend it (see :class:`UnitLiveness`)."""
+        return self.liveness.unit_down(unit, now)
 
     def unit_up(self, unit: int) -> Effects:
         """A suspended unit came back with its data: its rows are handed out again."""
-        st = self.state
-        if st.suspended.pop(unit, None) is None:
-            return Effects()
-        st.unavailable.discard(unit)
-        fx = Effects()
-        for pid, p in st.partitions.items():
-            if p.ready and unit in set(p.units):
-                p.ready.clear()  # rebuilt on next use, with the unit's rows
-                fx.wakeups.append(Wakeup(pid))
-        log.info("storage unit resumed", unit=unit)
-        return fx
+        return self.liveness.unit_up(unit)
 
     def unit_lost(self, unit: int) -> Effects:
         """A unit's data is gone (its process died, or it restarted): its rows are lost."""
-        st = self.state
-        st.suspended.pop(unit, None)
-        st.unavailable.discard(unit)
-        if unit in st.dead_units:
-            return Effects()
-        st.dead_units.add(unit)
-        fx = Effects(room=True)
-        lost = {}
-        for pid, p in st.partitions.items():
-            rows = p.lose_unit(unit)
-            if rows:
-                lost[pid] = len(rows)
-                fx.wakeups.append(Wakeup(pid))
-        log.error("storage unit lost", unit=unit, address=st.units.get(unit), rows_lost=lost)
-        return fx
+        return self.liveness.unit_lost(unit)
 
     def unit_registered(self, unit: int, address: str) -> Effects:
         """A unit process (re)started under ``unit``: what an earlier one held is gone."""
-        st = self.state
-        fx = Effects()
-        held_rows = any(unit in set(p.units) for p in st.partitions.values())
-        if unit in st.units and (unit in st.suspended or held_rows):
-            fx = self.unit_lost(unit)
-        if st.units.get(unit) != address:
-            st.units_epoch += 1  # clients learn the new address from their next reply
-        st.units[unit] = address
-        st.dead_units.discard(unit)  # a restarted unit takes new rows again
-        return fx
-
-    def _unit_deadline(self, unit: int, deadline: float, fx: Effects) -> None:
-        if self.state.suspended.get(unit) == deadline:
-            fx.add(self.unit_lost(unit))
+        return self.liveness.unit_registered(unit, address)
 
 
 # ---- pure helpers ------------------------------------------------------------------------------
