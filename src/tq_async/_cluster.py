@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
 from ._config import Config
@@ -120,98 +121,37 @@ async def local_cluster(
         ConfigError: ``config`` is bad (a sampler factory does not import or raises, ...),
             or an argument was given both in it and explicitly.
     """
-    options: dict[str, Any] = {
-        "sampler": sampler,
-        "task_samplers": task_samplers,
-        "allow_pickle": allow_pickle,
-        "admission": admission,
-        "curve": curve,
-        "deadlines": deadlines,
-    }
-    auto_clear: list[str] = []
-    if config is not None:
-        _check_no_overlap(
-            num_storage_units=num_storage_units,
-            sampler=sampler,
-            task_samplers=task_samplers,
-            host=host,
-            bind=bind,
-            allow_pickle=allow_pickle,
-            serve_metrics_on=serve_metrics_on,
-            admission=admission,
-            curve=curve,
-            capacity=capacity,
-            capacity_scope=capacity_scope,
-            deadlines=deadlines,
-            shm_cap=shm_cap,
-        )
-        options = config.controller_options()
-        num_storage_units, host, bind = config.num_storage_units, config.host, config.bind
-        capacity, capacity_scope = config.capacity, config.capacity_scope
-        serve_metrics_on, auto_clear = config.metrics_on, config.auto_clear_tasks
-        shm_cap = config.shm_cap
-        if serve_metrics_on is not None and metrics_registry is None:
-            metrics_registry = CollectorRegistry()
-    allow_pickle, curve = options["allow_pickle"], options["curve"]
-    if num_storage_units < 1:
-        raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
+    plan = _plan(
+        config,
+        metrics_registry,
+        num_storage_units=num_storage_units,
+        sampler=sampler,
+        task_samplers=task_samplers,
+        host=host,
+        bind=bind,
+        allow_pickle=allow_pickle,
+        serve_metrics_on=serve_metrics_on,
+        admission=admission,
+        curve=curve,
+        capacity=capacity,
+        capacity_scope=capacity_scope,
+        deadlines=deadlines,
+        shm_cap=shm_cap,
+    )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-    sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
-
-    def endpoint(name: str) -> str:
-        return f"ipc://{sockdir}/{name}" if sockdir else f"tcp://{host}:0"
-
-    controller_bind = bind or endpoint("controller")
+    plan.sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
+    controller_bind = plan.bind or plan.endpoint("controller")
     if not is_loopback(controller_bind):
         log.warning(
             "binding a non-loopback interface: anyone who can reach it can read and write data",
             address=controller_bind,
         )
-    capacity, capacity_global = check_capacity(capacity, capacity_scope)
-    if serve_metrics_on is not None and metrics_registry is None:
-        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
-    stop_metrics = None
     raised: list[BaseException] = []  # what the caller's block raised, if anything
     hosting = host_services()  # blocking clients on this loop's thread fail at once
     try:
         async with anyio.create_task_group() as tg:
-            units = [
-                StorageServer(
-                    i,
-                    allow_pickle=allow_pickle,
-                    metrics=Metrics(metrics_registry, "storage"),
-                    curve=curve,
-                    shm_cap=shm_cap,
-                )
-                for i in range(num_storage_units)
-            ]
-            addresses = {}
-            for unit in units:
-                address = await tg.start(unit.serve, endpoint(f"unit{unit.unit_id}"))
-                addresses[unit.unit_id] = address
-            state = ControllerState(addresses)
-            state.capacity, state.capacity_global = capacity, capacity_global
-            if auto_clear:
-                state.auto_clear[None] = tuple(dict.fromkeys(auto_clear))
-            controller = ControllerServer(
-                state,
-                **options,
-                metrics=Metrics(metrics_registry, "controller"),
-                local_units={u.unit_id: u for u in units},
-            )
-            address = await tg.start(controller.serve, controller_bind)
-            cluster = LocalCluster(address, controller, units)
-            if metrics_registry is not None:
-                metrics_registry.register(
-                    controller_collector(controller.state, lambda: controller.waiting)
-                )
-                metrics_registry.register(storage_collector({u.unit_id: u.state for u in units}))
-                if serve_metrics_on is not None:
-                    host_part, _, port_part = serve_metrics_on.rpartition(":")
-                    cluster.metrics_url, stop_metrics = serve_metrics(
-                        metrics_registry, host_part or "127.0.0.1", int(port_part or 0)
-                    )
+            cluster = await _start(tg, plan, controller_bind)
             try:
                 yield cluster
             except BaseException as exc:
@@ -226,12 +166,115 @@ async def local_cluster(
             raise
     finally:
         stop_hosting(hosting)
-        if stop_metrics is not None:
-            await anyio.to_thread.run_sync(stop_metrics)
-        if sockdir is not None:
-            shutil.rmtree(sockdir, ignore_errors=True)
+        if plan.stop_metrics is not None:
+            await anyio.to_thread.run_sync(plan.stop_metrics)
+        if plan.sockdir is not None:
+            shutil.rmtree(plan.sockdir, ignore_errors=True)
     if raised:
         raise raised[0]
+
+
+@dataclass
+class _Plan:
+    """``local_cluster``'s arguments once a Config is folded in, and what it started."""
+
+    options: dict[str, Any]
+    num_storage_units: int
+    host: str
+    bind: str | None
+    capacity: int | None
+    capacity_global: bool
+    serve_metrics_on: str | None
+    auto_clear: list[str]
+    shm_cap: int
+    registry: CollectorRegistry | None
+    sockdir: str | None = None
+    stop_metrics: Callable[[], None] | None = None
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"
+
+
+def _plan(config: Config | None, registry: CollectorRegistry | None, **given: Any) -> _Plan:
+    """Fold ``config`` (if any) into the explicit arguments, and check them."""
+    options = {
+        k: given[k]
+        for k in ("sampler", "task_samplers", "allow_pickle", "admission", "curve", "deadlines")
+    }
+    auto_clear: list[str] = []
+    if config is not None:
+        _check_no_overlap(**given)
+        options = config.controller_options()
+        given |= {
+            "num_storage_units": config.num_storage_units,
+            "host": config.host,
+            "bind": config.bind,
+            "capacity": config.capacity,
+            "capacity_scope": config.capacity_scope,
+            "serve_metrics_on": config.metrics_on,
+            "shm_cap": config.shm_cap,
+        }
+        auto_clear = config.auto_clear_tasks
+        if config.metrics_on is not None and registry is None:
+            registry = CollectorRegistry()
+    if given["num_storage_units"] < 1:
+        raise InvalidRequestError(
+            f"num_storage_units must be >= 1, got {given['num_storage_units']}"
+        )
+    capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
+    if given["serve_metrics_on"] is not None and registry is None:
+        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+    return _Plan(
+        options,
+        given["num_storage_units"],
+        given["host"],
+        given["bind"],
+        capacity,
+        capacity_global,
+        given["serve_metrics_on"],
+        auto_clear,
+        given["shm_cap"],
+        registry,
+    )
+
+
+async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
+    """Start the units, then the controller that knows them; register the metrics."""
+    options, registry = plan.options, plan.registry
+    units = [
+        StorageServer(
+            i,
+            allow_pickle=options["allow_pickle"],
+            metrics=Metrics(registry, "storage"),
+            curve=options["curve"],
+            shm_cap=plan.shm_cap,
+        )
+        for i in range(plan.num_storage_units)
+    ]
+    addresses = {}
+    for unit in units:
+        addresses[unit.unit_id] = await tg.start(unit.serve, plan.endpoint(f"unit{unit.unit_id}"))
+    state = ControllerState(addresses)
+    state.capacity, state.capacity_global = plan.capacity, plan.capacity_global
+    if plan.auto_clear:
+        state.auto_clear[None] = tuple(dict.fromkeys(plan.auto_clear))
+    controller = ControllerServer(
+        state,
+        **options,
+        metrics=Metrics(registry, "controller"),
+        local_units={u.unit_id: u for u in units},
+    )
+    address = await tg.start(controller.serve, controller_bind)
+    cluster = LocalCluster(address, controller, units)
+    if registry is not None:
+        registry.register(controller_collector(controller.state, lambda: controller.waiting))
+        registry.register(storage_collector({u.unit_id: u.state for u in units}))
+        if plan.serve_metrics_on is not None:
+            host_part, _, port_part = plan.serve_metrics_on.rpartition(":")
+            cluster.metrics_url, plan.stop_metrics = serve_metrics(
+                registry, host_part or "127.0.0.1", int(port_part or 0)
+            )
+    return cluster
 
 
 def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
