@@ -269,44 +269,8 @@ def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tq-async",
-        description="Run tq_async services as processes.",
-        formatter_class=_FORMATTER,
-    )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser(
-        "serve",
-        help="run tq_async services until SIGTERM/SIGINT",
-        formatter_class=_FORMATTER,
-        description=(
-            "Without a role: a controller and --storage-units storage units in this process; "
-            "prints TQ_ADDRESS=<address>. With a role (controller / storage): one service, "
-            "for clusters spread over hosts. Logs go to stderr."
-        ),
-    )
-    serve.add_argument(
-        "--storage-units",
-        type=int,
-        default=2,
-        metavar="N",
-        help="number of storage units (default: 2)",
-    )
-    serve.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the interface the services bind (default: 127.0.0.1, loopback only)",
-    )
-    _add_shared(serve, in_role=False)
-    _add_capacity(serve, in_role=False)
-    _add_deadlines(serve, in_role=False)
-    _add_shm(serve, in_role=False)
-    serve.set_defaults(role=None)
-
+def _add_roles(serve: argparse.ArgumentParser) -> None:
+    """``serve controller`` and ``serve storage``: one service each, for multi-host clusters."""
     roles = serve.add_subparsers(dest="role", metavar="ROLE")
     ctl = roles.add_parser(
         "controller",
@@ -350,6 +314,47 @@ def _build_parser() -> argparse.ArgumentParser:
             "defaults to its IP on the route to the controller)",
         )
         _add_shared(role, in_role=True)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tq-async",
+        description="Run tq_async services as processes.",
+        formatter_class=_FORMATTER,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run tq_async services until SIGTERM/SIGINT",
+        formatter_class=_FORMATTER,
+        description=(
+            "Without a role: a controller and --storage-units storage units in this process; "
+            "prints TQ_ADDRESS=<address>. With a role (controller / storage): one service, "
+            "for clusters spread over hosts. Logs go to stderr."
+        ),
+    )
+    serve.add_argument(
+        "--storage-units",
+        type=int,
+        default=2,
+        metavar="N",
+        help="number of storage units (default: 2)",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface the services bind (default: 127.0.0.1, loopback only)",
+    )
+    _add_shared(serve, in_role=False)
+    _add_capacity(serve, in_role=False)
+    _add_deadlines(serve, in_role=False)
+    _add_shm(serve, in_role=False)
+    serve.set_defaults(role=None)
+
+    _add_roles(serve)
     return parser
 
 
