@@ -356,37 +356,13 @@ def launch(
             running).
         BrokenError: a service failed to start (nothing is left running).
     """
-    controller_options: dict[str, Any] = {
-        "sampler": sampler,
-        "allow_pickle": allow_pickle,
-        "curve": curve,
-    }
-    if config is not None:
-        given = {"num_storage_units": num_storage_units != 2, "sampler": sampler is not None}
-        given.update(allow_pickle=allow_pickle, curve=curve is not None)
-        for key, set_too in given.items():
-            if set_too:
-                raise ConfigError(
-                    f"{key}: given both as an argument and by config=; set it in the Config "
-                    "or drop config="
-                )
-        config.controller_options()  # import and call the factories here first: fail early
-        num_storage_units, allow_pickle = config.num_storage_units, config.allow_pickle
-        curve = config.load_curve()  # the key files are on this host, maybe not the actors'
-        shipped = msgspec.structs.replace(config, curve=None)  # keys travel as keys
-        controller_options = {"config": shipped, "curve": curve}
+    num_storage_units, allow_pickle, curve, controller_options = _fold_config(
+        config, num_storage_units, sampler, allow_pickle, curve
+    )
     if num_storage_units < 1:
         raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
     nodes = select_nodes(placement)
-    try:
-        ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        pass
-    else:
-        raise InvalidRequestError(
-            f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
-            "attach() to it, shut it down, or launch with another name"
-        )
+    _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
     base: dict[str, Any] = {
         "namespace": namespace,
@@ -444,6 +420,48 @@ def launch(
         raise
     log.info("tq_async cluster launched", name=name, namespace=namespace, address=address)
     return cluster
+
+
+def _fold_config(
+    config: Config | None,
+    num_storage_units: int,
+    sampler: BaseSampler | None,
+    allow_pickle: bool,
+    curve: CurveServer | None,
+) -> tuple[int, bool, CurveServer | None, dict[str, Any]]:
+    """``launch``'s arguments with ``config`` folded in, and the controller actor's options."""
+    controller_options: dict[str, Any] = {
+        "sampler": sampler,
+        "allow_pickle": allow_pickle,
+        "curve": curve,
+    }
+    if config is not None:
+        given = {"num_storage_units": num_storage_units != 2, "sampler": sampler is not None}
+        given.update(allow_pickle=allow_pickle, curve=curve is not None)
+        for key, set_too in given.items():
+            if set_too:
+                raise ConfigError(
+                    f"{key}: given both as an argument and by config=; set it in the Config "
+                    "or drop config="
+                )
+        config.controller_options()  # import and call the factories here first: fail early
+        num_storage_units, allow_pickle = config.num_storage_units, config.allow_pickle
+        curve = config.load_curve()  # the key files are on this host, maybe not the actors'
+        shipped = msgspec.structs.replace(config, curve=None)  # keys travel as keys
+        controller_options = {"config": shipped, "curve": curve}
+    return num_storage_units, allow_pickle, curve, controller_options
+
+
+def _check_name_free(name: str, namespace: str) -> None:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        pass
+    else:
+        raise InvalidRequestError(
+            f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
+            "attach() to it, shut it down, or launch with another name"
+        )
 
 
 def _describe(cluster: RayCluster) -> dict[str, Any]:
