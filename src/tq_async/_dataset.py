@@ -300,6 +300,63 @@ def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
 _TAILS = ("uneven", "drop", "error")
 
 
+def _check_args(
+    address: Any,
+    data_fields: Any,
+    dp_rank: Any,
+    sampling_config: Mapping[str, Any] | None,
+    dp_size: int | None,
+    tail: str | None,
+    fetch_batch_fn: Any,
+    process_batch_fn: Any,
+) -> tuple[dict[str, Any], int | None, str | None]:
+    """The dataset's arguments that need more than a type check: ``(sampling_config,
+    dp_size, tail)`` once checked."""
+    if not isinstance(address, (str, AsyncClient)):
+        raise InvalidRequestError(
+            f"address must be the controller's address or an AsyncClient, got "
+            f"{type(address).__name__}"
+        )
+    if isinstance(address, str):
+        _name("address", address)
+    if isinstance(data_fields, str) or not isinstance(data_fields, Sequence):
+        raise InvalidRequestError(
+            f"data_fields must be a list of field names, got {data_fields!r}; "
+            f"write data_fields=[{data_fields!r}]"
+        )
+    if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
+        raise InvalidRequestError(
+            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+        )
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+        raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
+    config = dict(sampling_config or {})
+    if "batch_index" in config:
+        raise InvalidRequestError(
+            "sampling_config must not set 'batch_index': the dataset sets it for every "
+            "batch; use reset(), step() or load_state_dict() to move"
+        )
+    if config.get("dp_rank", dp_rank) != dp_rank:
+        raise InvalidRequestError(
+            f"sampling_config sets dp_rank={config['dp_rank']!r} but dp_rank={dp_rank!r}; "
+            "pass the rank only as dp_rank"
+        )
+    dp_size, tail = _check_dp(dp_rank, dp_size, tail)
+    for key, value in (("dp_size", dp_size), ("tail", tail)):
+        if key in config and config[key] != value:
+            raise InvalidRequestError(
+                f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
+                f"{value!r}; pass it only as the dataset's {key}= argument"
+            )
+    for hook_name, hook in (
+        ("fetch_batch_fn", fetch_batch_fn),
+        ("process_batch_fn", process_batch_fn),
+    ):
+        if hook is not None and not callable(hook):
+            raise InvalidRequestError(f"{hook_name} must be callable, got {hook!r}")
+    return config, dp_size, tail
+
+
 def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str | None]:
     """Validate ``dp_size`` and ``tail`` (and ``dp_rank`` against ``dp_size``)."""
     dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
@@ -427,48 +484,16 @@ class AsyncStreamingDataset:
         dp_size: int | None = None,
         tail: str | None = None,
     ) -> None:
-        if not isinstance(address, (str, AsyncClient)):
-            raise InvalidRequestError(
-                f"address must be the controller's address or an AsyncClient, got "
-                f"{type(address).__name__}"
-            )
-        if isinstance(address, str):
-            _name("address", address)
-        if isinstance(data_fields, str) or not isinstance(data_fields, Sequence):
-            raise InvalidRequestError(
-                f"data_fields must be a list of field names, got {data_fields!r}; "
-                f"write data_fields=[{data_fields!r}]"
-            )
-        if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
-            raise InvalidRequestError(
-                f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
-            )
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
-        config = dict(sampling_config or {})
-        if "batch_index" in config:
-            raise InvalidRequestError(
-                "sampling_config must not set 'batch_index': the dataset sets it for every "
-                "batch; use reset(), step() or load_state_dict() to move"
-            )
-        if config.get("dp_rank", dp_rank) != dp_rank:
-            raise InvalidRequestError(
-                f"sampling_config sets dp_rank={config['dp_rank']!r} but dp_rank={dp_rank!r}; "
-                "pass the rank only as dp_rank"
-            )
-        dp_size, tail = _check_dp(dp_rank, dp_size, tail)
-        for key, value in (("dp_size", dp_size), ("tail", tail)):
-            if key in config and config[key] != value:
-                raise InvalidRequestError(
-                    f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
-                    f"{value!r}; pass it only as the dataset's {key}= argument"
-                )
-        for hook_name, hook in (
-            ("fetch_batch_fn", fetch_batch_fn),
-            ("process_batch_fn", process_batch_fn),
-        ):
-            if hook is not None and not callable(hook):
-                raise InvalidRequestError(f"{hook_name} must be callable, got {hook!r}")
+        config, dp_size, tail = _check_args(
+            address,
+            data_fields,
+            dp_rank,
+            sampling_config,
+            dp_size,
+            tail,
+            fetch_batch_fn,
+            process_batch_fn,
+        )
         self._address = address
         self._request_timeout = request_timeout
         self.data_fields: list[str] = list(data_fields)
