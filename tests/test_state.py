@@ -165,9 +165,9 @@ def test_reset_consumption_forgets_deliveries() -> None:
     p.commit(rows, ["ids"], None)
     p.ready_set("t", ["ids"])
     p.consume("t", rows)
-    p.deliveries[("t", 0, 0)] = tuple(rows)
+    p.recorded[("t", 0, 0)] = tuple(rows)
     p.reset_consumption("t")
-    assert p.deliveries == {}
+    assert p.recorded == {}
     assert list(p.ready_set("t", ["ids"]).rows) == rows
 
 

@@ -5,7 +5,7 @@ Layout of a checkpoint directory::
     manifest.json      format name and version, the size and sha256 of every other file,
                        and the caller's ``metadata`` (JSON; :func:`checkpoint_metadata`)
     state.msgpack      the controller snapshot (partitions, production, consumption, tags,
-                       keys, recorded deliveries) and the sampler's state_dict
+                       keys, recorded batches) and the sampler's state_dict
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
                        frame sizes) then the column's wire frames, exactly as the codec sends them
 

@@ -166,7 +166,7 @@ class ClientGets(ClientBase):
         cfg = dict(sampling_config) if sampling_config else None
         _check_dp_config(cfg)
         check_sampling_config(cfg)
-        logged = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
+        recorded = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
             fields,
@@ -182,7 +182,7 @@ class ClientGets(ClientBase):
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
-            if not reply.ok or mode != "fetch" or logged:
+            if not reply.ok or mode != "fetch" or recorded:
                 return
             late: MetaReply = _decode(reply.payload, MetaReply)
             if late.rows and self._controller is not None:

@@ -46,10 +46,10 @@ from ._protocol import GetMeta, MetaReply, Placement
 from ._put_leases import PutLeases
 from ._state import (
     ControllerState,
-    DeliveryKey,
     Lease,
     Partition,
     ReadyView,
+    RecordKey,
     RowOrigin,
     RowTags,
     RowVersions,
@@ -82,7 +82,7 @@ class SampleCall:
     stale: StaleRows
     dp_size: int | None = None
     #: the recorded batch the answer goes to (None: not recorded)
-    key: DeliveryKey | None = None
+    key: RecordKey | None = None
     #: the sampler answered through ``sample_shares``
     shares: bool = False
 
@@ -227,7 +227,7 @@ class ControllerCore:
         if p is None:
             return None
         dp_size = self._dp_size(req)
-        key = delivery_key(req)
+        key = record_key(req)
         if dp_size is not None and key is None:
             raise InvalidRequestError(
                 "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
@@ -354,10 +354,10 @@ class ControllerCore:
             return reply, fx
         task, _, index = key
         if call.dp_size is None:
-            p.deliveries[key] = tuple(shares[0])
+            p.recorded[key] = tuple(shares[0])
         else:
             for r, share in enumerate(shares):
-                p.deliveries[(task, r, index)] = tuple(share)
+                p.recorded[(task, r, index)] = tuple(share)
         recorded = self._recorded(req, p, key, now)
         assert recorded is not None
         return recorded, fx
@@ -424,11 +424,9 @@ class ControllerCore:
         """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""
         return req.lease is not None or self.state.auto_clears(p, req.task_name)
 
-    def _recorded(
-        self, req: GetMeta, p: Partition, key: DeliveryKey, now: float
-    ) -> MetaReply | None:
+    def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
         """The recorded batch ``key``, with its lease; None if it was never decided."""
-        rows = p.deliveries.get(key)
+        rows = p.recorded.get(key)
         if rows is None:
             return None
         reply = meta_reply(p, list(rows), req.data_fields)
@@ -456,7 +454,7 @@ class ControllerCore:
         p: Partition,
         req: GetMeta,
         rows: tuple[int, ...],
-        key: DeliveryKey | None,
+        key: RecordKey | None,
         now: float,
     ) -> int:
         lease_id = next(self._ids)
@@ -523,14 +521,14 @@ class ControllerCore:
         if p is None or self.state.partitions.get(p.partition_id) is not p:
             return Effects()
         key = p.lease_batch[lease_id]
-        if key in p.settled or key not in p.deliveries:
+        if key in p.settled or key not in p.recorded:
             return Effects()
         live = p.batch_leases.get(key)
         if live is not None:
             return self.ack([live], 0.0)  # the batch's current lease, settled for everyone
         p.settled.add(key)
         fx = Effects()
-        self._auto_clear(p, p.deliveries[key], fx)
+        self._auto_clear(p, p.recorded[key], fx)
         return fx
 
     def _expire_lease(self, lease_id: int, deadline: float, fx: Effects) -> None:
@@ -566,7 +564,7 @@ class ControllerCore:
         fx = Effects()
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
-        recorded = {r for batch in p.deliveries.values() for r in batch} if p.deliveries else ()
+        recorded = {r for batch in p.recorded.values() for r in batch} if p.recorded else ()
         back = [r for r in rows if r not in recorded]
         if back and p.release(task, back):
             fx.wakeups.append(Wakeup(partition_id, task))
@@ -659,7 +657,7 @@ class ControllerCore:
             if task is None or key[0] == task:
                 del p.lease_batch[lease_id]
                 self._batch_home.pop(lease_id, None)
-        p.deliveries = {k: v for k, v in p.deliveries.items() if task is not None and k[0] != task}
+        p.recorded = {k: v for k, v in p.recorded.items() if task is not None and k[0] != task}
         p.reset_consumption(task)
         for smp in self.samplers():
             smp.reset_partition(partition_id, task)
@@ -774,7 +772,7 @@ def _accepted_kwargs(sampler: Any) -> frozenset[str] | None:
     )
 
 
-def delivery_key(req: GetMeta) -> DeliveryKey | None:
+def record_key(req: GetMeta) -> RecordKey | None:
     """``(task, dp_rank, batch_index)`` of a fetch that names its batch, else None."""
     cfg = req.sampling_config
     if req.mode != "fetch" or not cfg or cfg.get("batch_index") is None:

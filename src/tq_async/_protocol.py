@@ -294,6 +294,8 @@ class PartitionDump(msgspec.Struct, array_like=True):
     sealed: bool
     fields: list[FieldDump]
     consumed: dict[str, bytes]
+    #: the recorded batches, ``(task, dp_rank, batch_index, rows)`` (the checkpoint
+    #: format's name for them)
     deliveries: list[tuple[str, int, int, list[int]]]
     row_version: list[int] = []
     field_versions: dict[str, list[int]] = {}

@@ -53,14 +53,14 @@ __all__ = [
     "RowOrigin",
     "RowVersions",
     "Wakeup",
-    "DeliveryKey",
+    "RecordKey",
     "Lease",
     "PutLease",
 ]
 
 FieldsKey = tuple[str, ...]
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
-DeliveryKey = tuple[str, int, int]
+RecordKey = tuple[str, int, int]
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -371,7 +371,7 @@ class Lease:
     lease_id: int
     task: str
     rows: tuple[int, ...]
-    key: DeliveryKey | None
+    key: RecordKey | None
     deadline: float | None
 
 
@@ -411,7 +411,8 @@ class Partition:
         self.consumed_count: dict[str, int] = {}
         self.ready: dict[tuple[str, FieldsKey], ReadySet] = {}
         self.sealed = False
-        self.deliveries: dict[DeliveryKey, tuple[int, ...]] = {}
+        #: the recorded batches: ``(task, dp_rank, batch_index)`` -> the rows delivered
+        self.recorded: dict[RecordKey, tuple[int, ...]] = {}
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
@@ -430,11 +431,11 @@ class Partition:
         #: rows under a lease or hold -> number of holders (auto-clear leaves them alone)
         self.held: dict[int, int] = {}
         #: the live lease of each recorded batch (a lease belongs to the batch)
-        self.batch_leases: dict[DeliveryKey, int] = {}
+        self.batch_leases: dict[RecordKey, int] = {}
         #: recorded batches acknowledged for good: replays carry no new lease
-        self.settled: set[DeliveryKey] = set()
+        self.settled: set[RecordKey] = set()
         #: every lease ever given on a recorded batch -> the batch: a late ack still settles it
-        self.lease_batch: dict[int, DeliveryKey] = {}
+        self.lease_batch: dict[int, RecordKey] = {}
         #: uncommitted puts of new rows, by put id
         self.put_leases: dict[int, PutLease] = {}
         #: rows a task consumed without their being delivered (a dropped tail)
@@ -653,8 +654,8 @@ class Partition:
                 self.consumed_count[t] = 0
             for key in [k for k in self.ready if k[0] == t]:
                 del self.ready[key]
-            for dk in [k for k in self.deliveries if k[0] == t]:
-                del self.deliveries[dk]
+            for dk in [k for k in self.recorded if k[0] == t]:
+                del self.recorded[dk]
 
     def pending(self, task: str, rs: ReadySet) -> int:
         """Rows alive, not consumed by ``task`` and not (yet) ready for ``rs``."""
@@ -751,7 +752,7 @@ class Partition:
             sealed=self.sealed,
             fields=[FieldDump(f.header, bytes(f.produced)) for f in self.fields.values()],
             consumed={t: bytes(c) for t, c in self.consumed.items()},
-            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.deliveries.items()],
+            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.recorded.items()],
             row_version=list(self.row_version),
             field_versions={f: list(v) for f, v in self.field_versions.items()},
         )
@@ -783,7 +784,7 @@ class Partition:
         for task, mask in dump.consumed.items():
             p.consumed[task] = bytearray(mask)
             p.consumed_count[task] = sum(a & b for a, b in zip(mask, p.alive, strict=True))
-        p.deliveries = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
+        p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
         p.row_version = array("q", dump.row_version or itertools.repeat(-1, n))
         p.field_versions = {f: array("q", v) for f, v in dump.field_versions.items()}
         return p
