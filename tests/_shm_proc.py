@@ -8,9 +8,9 @@ import signal
 
 import msgspec
 
+from tq_async._dealer import DealerConnection
 from tq_async._protocol import ShmAlloc, ShmGrant, ShmHello, ShmHelloReply
 from tq_async._shm import ArenaMap
-from tq_async._transport import DealerConnection
 
 
 def alloc_then_die(unit_address: str, nbytes: int) -> None:

@@ -29,7 +29,7 @@ LAYERS: dict[str, list[str]] = {
         "samplers",
     ],
     "core": ["_state", "_effects", "_admission", "_liveness", "_put_leases", "_core"],
-    "wire": ["_security", "_unix", "_shm", "_transport"],
+    "wire": ["_security", "_unix", "_shm", "_endpoints", "_routes", "_router", "_dealer"],
     "services and clients": [
         "_metrics",
         "_parking",

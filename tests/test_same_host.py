@@ -18,8 +18,8 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import _read_address, serve_cluster
+from tq_async._endpoints import same_host_ipc
 from tq_async._errors import BrokenError
-from tq_async._transport import same_host_ipc
 from tq_async._unix import abstract_name
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="abstract sockets: Linux only")

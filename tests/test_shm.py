@@ -27,6 +27,7 @@ import tq_async as tq
 from _cluster_proc import _read_address, serve_cluster
 from _shm_proc import alloc_then_die
 from tq_async._columns import ColumnHeader
+from tq_async._dealer import DealerConnection
 from tq_async._errors import InvalidRequestError, ProtocolError
 from tq_async._protocol import (
     ShmAlloc,
@@ -40,7 +41,6 @@ from tq_async._protocol import (
 from tq_async._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import StorageServer
 from tq_async._torch_dataset import StreamingDataLoader, StreamingDataset
-from tq_async._transport import DealerConnection
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"

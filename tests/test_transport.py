@@ -13,8 +13,9 @@ import torch
 import zmq
 
 import tq_async as tq
+from tq_async._dealer import DealerConnection
 from tq_async._protocol import ListPartitions
-from tq_async._transport import DealerConnection, RouterEndpoint
+from tq_async._router import RouterEndpoint
 
 
 async def test_a_client_in_the_services_process_connects_inproc() -> None:

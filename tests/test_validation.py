@@ -23,6 +23,7 @@ import tq_async as tq
 from _cluster_proc import serve_cluster
 from tq_async._codec import tags_for_wire
 from tq_async._columns import ColumnHeader
+from tq_async._dealer import DealerConnection
 from tq_async._protocol import (
     AcquireRollout,
     GetMeta,
@@ -39,7 +40,6 @@ from tq_async._protocol import (
     TakeRecycled,
     validate,
 )
-from tq_async._transport import DealerConnection
 
 NAN, INF = math.nan, math.inf
 

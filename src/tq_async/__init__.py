@@ -13,8 +13,10 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
 2. **core**: the controller's state (``_state``) and its pure state machine (``_core``,
    composing ``_put_leases``, ``_admission`` and ``_liveness``; records in ``_effects``):
    every transition takes ``now`` and returns effects; no loop, socket or clock.
-3. **wire**: moving frames: endpoints and the dealer/router connections (``_transport``),
-   Unix sockets (``_unix``), shared memory (``_shm``), CURVE keys (``_security``).
+3. **wire**: moving frames: addresses (``_endpoints``), the services' ROUTER endpoint
+   (``_router``), the clients' DEALER connection (``_dealer``), in-process routes
+   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), CURVE keys
+   (``_security``).
 4. **services and clients**: the controller and storage services (``_controller``,
    ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
    call their state and answer; requests that wait park in one ``_parking`` lot), the

@@ -1,7 +1,7 @@
 """Recycled buffers for the copies an in-process (inproc) connection makes.
 
 inproc hands message buffers over by reference, so a client in the services' process copies
-what it puts and what it reads (see :mod:`tq_async._transport`). Copies of several MiB into
+what it puts and what it reads (see :mod:`tq_async._routes`). Copies of several MiB into
 freshly allocated memory are slow on the machines we measured: glibc gives freed multi-MiB
 blocks back to the OS, and every new block page-faults its way in at ~1.7 GB/s
 (``../shared/PERF_NOTES.md``). A put of an 8.4 MB batch took 5.5 ms that way against 1.3 ms

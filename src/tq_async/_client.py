@@ -13,13 +13,13 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from ._client_calls import ControlCalls
+from ._dealer import DealerConnection
 from ._errors import (
     InvalidRequestError,
     TQTimeoutError,
 )
 from ._logging import get_logger
 from ._security import CurveClient
-from ._transport import DealerConnection
 
 __all__ = ["AsyncClient"]
 

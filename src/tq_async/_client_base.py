@@ -37,6 +37,8 @@ from ._columns import (
     positions_by_unit,
     reorder_column,
 )
+from ._dealer import DealerConnection
+from ._endpoints import same_host_ipc
 from ._errors import (
     BrokenError,
     ClosedError,
@@ -64,7 +66,6 @@ from ._protocol import (
 from ._security import CurveClient
 from ._serve import check_address
 from ._shm import ArenaMap
-from ._transport import DealerConnection, same_host_ipc
 
 __all__ = ["ClientBase"]
 

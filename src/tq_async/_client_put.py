@@ -35,6 +35,7 @@ from ._columns import (
     positions_by_unit,
     take_rows,
 )
+from ._dealer import DealerConnection
 from ._errors import (
     InvalidRequestError,
     ProtocolError,
@@ -58,7 +59,6 @@ from ._protocol import (
     check_seconds,
 )
 from ._shm import ArenaMap, align
-from ._transport import DealerConnection
 
 __all__ = ["ClientPuts"]
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from ._config import Config
 from ._controller import AdmissionConfig, ControllerServer, Deadlines
+from ._endpoints import is_loopback
 from ._errors import ConfigError, InvalidRequestError
 from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
@@ -23,7 +24,6 @@ from ._portal import host_services, stop_hosting
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
 from ._storage import DEFAULT_SHM_CAP, StorageServer
-from ._transport import is_loopback
 from .samplers import BaseSampler
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version

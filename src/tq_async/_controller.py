@@ -46,6 +46,7 @@ from ._core import (
     SampleCall,
     meta_reply,
 )
+from ._dealer import DealerConnection
 from ._errors import ClosedError, InvalidRequestError, TQError
 from ._logging import get_logger
 from ._metrics import Metrics
@@ -86,11 +87,11 @@ from ._protocol import (
     ok_reply,
 )
 from ._queries import QUERIES
+from ._router import RouterEndpoint
 from ._security import CurveServer
 from ._service import DEFERRED, SENT, Handler, Incoming
 from ._state import ControllerState, Wakeup
 from ._storage import StorageServer
-from ._transport import DealerConnection, RouterEndpoint
 from .samplers import BaseSampler
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
@@ -151,7 +152,7 @@ class ControllerServer(ControllerPuts):
         self.allow_pickle = allow_pickle
         self.unit_timeout = unit_timeout
         self.unit_suspend_after = self.core.deadlines.unit_suspend_after
-        #: what a same-host client compares through the ipc twin (see _transport)
+        #: what a same-host client compares through the ipc twin (see _router)
         self._instance = secrets.token_bytes(16)
         self._tg: TaskGroup | None = None
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}

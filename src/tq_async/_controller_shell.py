@@ -24,6 +24,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ._core import ControllerCore, Effects
+from ._dealer import DealerConnection
 from ._errors import ClosedError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._parking import ParkingLot
@@ -40,7 +41,6 @@ from ._security import CurveServer
 from ._service import Incoming, Service
 from ._state import ControllerState, Wakeup
 from ._storage import StorageServer
-from ._transport import DealerConnection
 
 __all__ = ["ControllerShell"]
 

@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry
 
 from ._config import Config
 from ._controller import ControllerServer
+from ._dealer import DealerConnection
+from ._endpoints import is_loopback
 from ._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, storage_collector
@@ -31,7 +33,6 @@ from ._protocol import RegisterUnit
 from ._security import CurveClient, CurveServer
 from ._state import ControllerState, check_capacity
 from ._storage import DEFAULT_SHM_CAP, StorageServer
-from ._transport import DealerConnection, is_loopback
 from .samplers import BaseSampler
 
 __all__ = [

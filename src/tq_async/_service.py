@@ -20,11 +20,12 @@ from typing import Any
 
 import msgspec
 
+from ._endpoints import LogThrottle
 from ._errors import CALLERS_FAULT, ProtocolError
 from ._logging import get_logger
 from ._metrics import Metrics
 from ._protocol import error_reply, ok_reply, salvage_rid, validate
-from ._transport import LogThrottle, RouterEndpoint
+from ._router import RouterEndpoint
 
 __all__ = ["DEFERRED", "SENT", "Incoming", "Service", "WithFrames"]
 

@@ -56,11 +56,11 @@ from ._protocol import (
     StoreStatsReply,
     storage_request_decoder,
 )
+from ._router import RouterEndpoint
 from ._security import CurveServer
 from ._service import SENT, Handler, Incoming, Service, WithFrames
 from ._shm import PAGE, Arena, Region, Watcher, align, next_id
 from ._state import stale_incarnation
-from ._transport import RouterEndpoint
 
 __all__ = ["OverBudget", "StorageState", "StorageServer"]
 

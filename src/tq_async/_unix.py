@@ -11,8 +11,8 @@ The wire: each message is ``u32 length`` + ``u32 n_frames`` + ``n_frames x u32 f
 identity, it stays the same across reconnects, so the service recognises retried requests.
 The address is an abstract socket (``uds://@name``: no file, gone with its process).
 
-:class:`UnixSocket` mimics the few ``zmq.Socket`` calls the reader in
-:mod:`tq_async._transport` makes, so a connection reuses the request machinery unchanged.
+:class:`UnixSocket` mimics the few ``zmq.Socket`` calls the reader in :mod:`tq_async._router`
+and :mod:`tq_async._dealer` make, so a connection reuses the request machinery unchanged.
 """
 
 from __future__ import annotations

@@ -1,0 +1,476 @@
+"""The client's connection: one DEALER socket per service, any number of requests in flight.
+
+Requests are ``[header, *frames]`` with ``header = msgpack([rid, body])``; each awaits its own
+future and replies may come in any order. A request with a deadline that has no reply after
+``retry_after`` seconds reconnects (same identity) and is sent again: services deduplicate
+retried requests, so nothing runs twice. The connection follows the service's liveness
+(ZMTP heartbeats, the socket monitor) and reports it through callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.utils.monitor
+
+from ._endpoints import zmq_context
+from ._errors import (
+    AuthenticationError,
+    BrokenError,
+    ClosedError,
+    InvalidRequestError,
+    ProtocolError,
+    TQTimeoutError,
+    error_from_wire,
+)
+from ._logging import get_logger
+from ._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
+from ._router import DrainedSocket
+from ._routes import local_route, private_frames
+from ._security import CurveClient
+from ._unix import UnixSocket
+
+__all__ = ["DealerConnection", "check_frames"]
+
+log = get_logger(__name__)
+
+
+#: Messages handled per reader callback before yielding to other tasks (fairness).
+_DRAIN_BUDGET = 512
+#: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 10_000
+
+
+class DealerConnection(DrainedSocket):
+    """One DEALER socket to one service, shared by every request of one client.
+
+    Requests are ``[header, *frames]`` with ``header = msgpack([rid, body])``. Each call
+    awaits its own future; replies may come in any order.
+    """
+
+    _pid_counter = itertools.count(1)
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        context: zmq.Context[Any] | None = None,
+        curve: CurveClient | None = None,
+        on_disconnect: Callable[[], None] | None = None,
+        on_connect: Callable[[], None] | None = None,
+        on_refused: Callable[[], None] | None = None,
+        heartbeat_timeout: float | None = None,
+        retry_after: float | None = None,
+        refused_is_broken: bool = False,
+    ) -> None:
+        self.address = address
+        self.retry_after = retry_after
+        #: a refused connection attempt counts as broken (requests fail fast with
+        #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
+        #: unit that was restarted on another address)
+        self._refused_is_broken = refused_is_broken
+        #: False once the connection broke, until it is re-established
+        self.connected: bool | None = None
+        self.reconnects = 0
+        self._context = context or zmq_context()
+        self._curve = curve
+        # a fixed identity: after a reconnect the service routes replies to the new socket
+        # and recognises retried requests (same identity, same request id)
+        self._identity = uuid.uuid4().bytes
+        self._on_disconnect = on_disconnect
+        self._on_connect = on_connect
+        self._on_refused = on_refused
+        self._retries = 0
+        self._heartbeat_timeout_ms = (
+            _HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None else int(heartbeat_timeout * 1000)
+        )
+        self._pending: dict[int, _ReplyFuture] = {}
+        self._inflight: dict[int, list[Any]] = {}
+        self._orphans: dict[int, Callable[[Reply, list[zmq.Frame]], None]] = {}
+        self._rids = itertools.count(1)
+        self._pid = os.getpid()
+        #: connected through the in-process twin of the service's endpoint
+        self.inproc = False
+        sock, monitor = self._open()
+        super().__init__(sock)
+        self._watch(monitor)
+
+    def _open(self) -> tuple[Any, zmq.Socket[Any] | None]:
+        if self.address.startswith("uds://"):
+            try:
+                usock = UnixSocket(self.address, self._identity, self._unix_eof)
+            except OSError as exc:
+                raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+            self.connected = True
+            return usock, None
+        route = None if self._curve is not None else local_route(self.address, self._context)
+        self.inproc = route is not None
+        sock = self._context.socket(zmq.DEALER)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        # a peer whose host vanishes without closing the connection is noticed by heartbeats
+        timeout_ms = self._heartbeat_timeout_ms
+        sock.setsockopt(zmq.HEARTBEAT_IVL, min(_HEARTBEAT_IVL_MS, max(timeout_ms // 4, 50)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        # a closed connection is reported on this monitor socket (no polling); a refused
+        # connection attempt tells that nothing listens at the address (any more)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        #: the security handshake (NULL or CURVE) completed on this socket
+        self._handshaken = route is not None
+        try:
+            if route is None:
+                sock.connect(self.address)
+            else:
+                sock.connect(route.inproc)
+                route.watchers.add(self)
+                self.connected = True  # inproc reports no connection events
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+        return sock, monitor
+
+    def _unix_eof(self) -> None:
+        """The Unix socket's peer closed it: stop reading (the FD stays readable at EOF)."""
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._fd)
+        if not self._closed:
+            self._disconnected()
+
+    def _watch(self, monitor: zmq.Socket[Any] | None) -> None:
+        self._monitor = monitor
+        if monitor is None:
+            return  # a Unix socket reports its end itself
+        self._monitor_fd: int = monitor.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._loop.add_reader(self._monitor_fd, self._drain_monitor)
+        # the FD is edge-triggered: events queued before add_reader would never be signalled
+        self._loop.call_soon(self._drain_monitor)
+
+    def _unwatch(self) -> None:
+        if self._monitor is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._monitor_fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+
+    def reconnect(self) -> None:
+        """Replace the socket (same identity) and resend every request still in flight.
+
+        Services deduplicate by (identity, request id), so a request that did arrive is
+        not executed twice: its cached reply is sent again.
+        """
+        if self._closed:
+            return
+        self._unwatch()
+        self._release_socket()
+        self.connected = None
+        sock, monitor = self._open()
+        self.reconnects += 1
+        self._adopt_socket(sock)
+        self._watch(monitor)
+        for frames in list(self._inflight.values()):
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(frames)
+
+    def _drain_monitor(self) -> None:
+        if self._closed or self._monitor is None:
+            return
+        while True:
+            try:
+                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+                self._retries = 0
+                if self._on_connect is not None:
+                    self._on_connect()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._fail_pending(self._rejected("rejected this client's CURVE key"))
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._retries = 0
+                if not self._handshaken:  # dropped during the handshake: not an outage
+                    self._fail_pending(self._rejected("dropped the security handshake"))
+                self._disconnected()
+            elif event != zmq.EVENT_CONNECT_RETRIED:
+                continue
+            elif self.connected is not False:
+                # the first connection attempt was refused: nothing listens there
+                if self._refused_is_broken:
+                    self._disconnected()
+            else:
+                # libzmq reports one retry when it schedules the reconnection after a
+                # disconnect; a second one means a connection attempt failed: nothing
+                # listens there any more (a paused process still accepts connections)
+                self._retries += 1
+                if self._retries == 2 and self._on_refused is not None:
+                    self._on_refused()
+
+    def _rejected(self, what: str) -> AuthenticationError:
+        if self._curve is None:
+            hint = (
+                "the services there use CURVE keys (connect with curve=tq.CurveClient("
+                "server_public, client_public, client_secret)), or what listens there is not "
+                "a tq_async service"
+            )
+        else:
+            hint = (
+                "check that server_public_key is the services' public key and that this "
+                "client's public key is in their allow-list (--curve-allow); retrying with "
+                "the same keys fails the same way"
+            )
+        return AuthenticationError(f"the service at {self.address} {what}: {hint}")
+
+    def _disconnected(self) -> None:
+        self.connected = False
+        self._fail_pending(
+            BrokenError(
+                f"the connection to {self.address} broke (the service stopped or "
+                "vanished); requests in flight are lost: retry once it is back"
+            )
+        )
+        if self._on_disconnect is not None:
+            self._on_disconnect()
+
+    def peer_closed(self) -> None:
+        """The in-process endpoint closed (inproc reports no disconnect event); thread-safe."""
+
+        def on_loop() -> None:
+            if self.inproc and not self._closed:
+                self._disconnected()
+
+        with contextlib.suppress(RuntimeError):  # the connection's loop is closed already
+            self._loop.call_soon_threadsafe(on_loop)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        self._inflight.clear()
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._orphans.clear()
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        try:
+            reply = reply_decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("dropped an unreadable reply", peer=self.address)
+            return
+        data = frames[1:]
+        fut = self._pending.pop(reply.rid, None)
+        self._inflight.pop(reply.rid, None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result((reply, data))
+            return
+        orphan = self._orphans.pop(reply.rid, None)
+        if orphan is not None:
+            orphan(reply, data)
+
+    async def request(
+        self,
+        body: msgspec.Struct,
+        frames: Sequence[Any] = (),
+        *,
+        timeout: float | None = None,
+        on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None = None,
+    ) -> tuple[msgspec.Raw, list[Any]]:
+        """Send ``body`` (+ data frames) and wait for the reply's payload and frames.
+
+        Args:
+            body: the request struct.
+            frames: data frames sent after the header (zero-copy).
+            timeout: seconds to wait for the reply; None waits until cancelled.
+            on_abandon: called with the reply if it arrives after this call was cancelled or
+                timed out (lets the caller undo what the service did for it).
+
+        Raises:
+            TQTimeoutError: no reply within ``timeout`` (the service is told to cancel).
+            ClosedError: the connection was closed.
+            TQError: the service answered with an error (re-raised as its class).
+
+        Cancellation: the service is sent a ``Cancel`` for this request; if the reply was
+        already on its way, ``on_abandon`` receives it.
+        """
+        self._check_usable()
+        if self.inproc and frames:
+            frames = await private_frames(frames, incoming=False)
+        rid = next(self._rids)
+        outgoing = [_encode_request(rid, body), *frames]
+        self._inflight[rid] = outgoing
+        try:
+            self._send(outgoing)
+        except zmq.ZMQError as exc:
+            self._inflight.pop(rid, None)
+            raise BrokenError(f"cannot send to {self.address}: {exc}") from exc
+        try:
+            got = await self._reply_to(rid, outgoing, timeout)
+        except BaseException:
+            self._abandon(rid, on_abandon)
+            raise
+        if got is None:
+            self._abandon(rid, on_abandon)
+            raise TQTimeoutError(
+                f"{type(body).__name__} to {self.address} got no reply within {timeout} s; "
+                "check that the service is running, or raise the timeout"
+            )
+        reply, rframes = got
+        if not reply.ok:
+            kind, message = decode_error_payload(reply.payload)
+            raise error_from_wire(kind, message)
+        if self.inproc and rframes:
+            return reply.payload, await private_frames(rframes, incoming=True)
+        return reply.payload, rframes
+
+    def _check_usable(self) -> None:
+        """Raise if a request cannot be sent on this connection at all."""
+        if self._closed:
+            raise ClosedError(f"the connection to {self.address} is closed")
+        if self._pid != os.getpid():
+            raise ClosedError(
+                "this connection was opened in another process (before a fork); "
+                "connect a new client in this process"
+            )
+        if self.connected is False:
+            raise BrokenError(
+                f"the connection to {self.address} is broken (the service stopped or "
+                "vanished); retry once it is back"
+            )
+
+    async def _reply_to(
+        self, rid: int, outgoing: list[Any], timeout: float | None
+    ) -> tuple[Reply, list[zmq.Frame]] | None:
+        """The reply to ``rid``, or None once ``timeout`` passed without one.
+
+        Every ``retry_after`` seconds without a reply, the request goes out again: a request
+        with a deadline reconnects first (its reply may have been lost with the connection);
+        one without (e.g. a get_meta waiting for data) is re-sent as a keep-alive, which the
+        service ignores while the request is pending and answers from its reply cache if the
+        reply was lost.
+        """
+        loop = self._loop
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - loop.time()
+            wait = _first_of(remaining, self.retry_after)
+            if wait is not None and wait <= 0:
+                return None
+            got = await self._attempt(rid, wait)
+            if got is not None:
+                return got
+            if remaining is not None and wait is not None and wait >= remaining:
+                return None
+            if deadline is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(outgoing)
+            else:
+                log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
+                self.reconnect()
+
+    async def _attempt(self, rid: int, wait: float | None) -> tuple[Reply, list[zmq.Frame]] | None:
+        """Wait up to ``wait`` seconds (None: no limit) for ``rid``'s reply; None if none came.
+
+        One plain loop timer per attempt resolves the future with None: anyio.fail_after or
+        asyncio.wait cost 30+ us each on this path.
+        """
+        fut: _ReplyFuture = self._loop.create_future()
+        self._pending[rid] = fut
+        if wait is None:
+            return await fut
+        timer = self._loop.call_later(wait, _no_reply_yet, fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+
+    def _abandon(
+        self, rid: int, on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None
+    ) -> None:
+        self._inflight.pop(rid, None)
+        fut = self._pending.pop(rid, None)
+        arrived = fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
+        if arrived and fut is not None and (got := fut.result()) is not None:
+            # the reply arrived in the same loop iteration as the cancellation
+            if on_abandon is not None:
+                on_abandon(*got)
+            return
+        if on_abandon is not None:
+            self._orphans[rid] = on_abandon
+        if not self._closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send([encoder.encode((next(self._rids), Cancel(rid)))])
+
+    def send_oneway(self, body: msgspec.Struct) -> None:
+        """Send a request whose reply nobody waits for (it is dropped on arrival)."""
+        if not self._closed:
+            self._send([encoder.encode((next(self._rids), body))])
+
+    def close(self) -> None:
+        """Close the socket; requests still waiting fail with :class:`ClosedError`."""
+        if self._closed:
+            return
+        self._unwatch()
+        self._close_socket()
+        self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
+
+
+def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
+    """The request header; a value msgpack cannot carry is the caller's error, raised
+    before anything is sent (a safety net: the client checks arguments more precisely)."""
+    try:
+        return encoder.encode((rid, body))
+    except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "
+            "ints within 64 bits and plain values (None, bool, int, float, str, bytes, "
+            "lists and dicts of those)"
+        ) from None
+
+
+#: a request's reply, or None when an attempt's timer fired first
+_ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
+
+
+def _no_reply_yet(fut: _ReplyFuture) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _first_of(remaining: float | None, retry_after: float | None) -> float | None:
+    """Seconds the next attempt waits: until the deadline or the next retry, if any."""
+    if retry_after is None:
+        return remaining
+    return retry_after if remaining is None else min(retry_after, remaining)
+
+
+def check_frames(frames: Sequence[zmq.Frame], expected: int, what: str) -> None:
+    """Raise :class:`ProtocolError` if a message does not carry ``expected`` data frames."""
+    if len(frames) != expected:
+        raise ProtocolError(f"{what} carries {len(frames)} data frames, expected {expected}")
