@@ -16,6 +16,11 @@
   five tasks: building the task's ready set.
 * ``shm-memory``: a ``tq-async serve`` holding 40 W1 batches: the unit's resident growth plus
   its shared memory in use, against the bytes stored; then after a clear and 40 more puts.
+* ``socket-rtt``: the floor of a cross-process round trip on this box: a blocking Unix
+  socketpair between two processes, 40 bytes each way (no event loop, no ZMQ).
+* ``after-spin``: small calls (msgspec, torch, TensorDict) right after spinning 0, 1 or 10 ms
+  in Python: what 10 ms of other work does to the next call's caches (W3's puts arrive every
+  10 ms).
 * ``cold-call``: one small torch call right after ``time.sleep(0.01)``, after spinning for
   0.2-3 ms first, and a second call right after the first: whether a slow first call is the
   clock (spinning helps) or cold caches (it does not).
@@ -25,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import socket
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -388,6 +395,61 @@ def cold_call(calls: int = 100) -> None:
     )
 
 
+def _echo(sock: socket.socket) -> None:
+    while data := sock.recv(64):
+        sock.send(data)
+
+
+def socket_rtt(calls: int = 20_000) -> None:
+    """The floor of a cross-process round trip: blocking Unix socketpair, 40 bytes."""
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(3):
+        ours, theirs = socket.socketpair()
+        echo = ctx.Process(target=_echo, args=(theirs,))
+        echo.start()
+        theirs.close()
+        for _ in range(1000):  # warm-up
+            ours.send(b"x" * 40)
+            ours.recv(64)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            ours.send(b"x" * 40)
+            ours.recv(64)
+        rtt = (time.perf_counter() - t0) / calls
+        ours.close()
+        echo.join(timeout=10)
+        print(
+            f"socket-rtt blocking Unix socketpair, 2 processes: {rtt * 1e6:.1f} us per round trip"
+        )
+
+
+def after_spin(calls: int = 300) -> None:
+    """Small calls right after spinning 0 / 1 / 10 ms in Python (no idleness, no syscall)."""
+    import torch
+    from tensordict import TensorDict
+
+    t = torch.tensor([1.0], dtype=torch.float64)
+    cases: dict[str, Callable[[], object]] = {
+        "msgspec encode": lambda: msgspec.msgpack.encode({"a": [1, 2, 3]}),
+        "torch.tensor": lambda: torch.tensor([1.0], dtype=torch.float64),
+        "TensorDict": lambda: TensorDict({"t": t}, batch_size=[1]),
+        "20 small dicts": lambda: [{"a": i} for i in range(20)],
+    }
+    for name, call in cases.items():
+        medians = []
+        for spin in (0.0, 0.001, 0.01):
+            times = []
+            for _ in range(calls):
+                end = time.perf_counter() + spin
+                while time.perf_counter() < end:
+                    pass
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            medians.append(f"{statistics.median(times) * 1e6:.1f}")
+        print(f"after-spin {name:15s} after 0 / 1 / 10 ms of spinning: {' / '.join(medians)} us")
+
+
 PROBES = {
     "tcp-ceiling": tcp_ceiling,
     "same-host": same_host,
@@ -395,6 +457,8 @@ PROBES = {
     "shm-memory": shm_memory,
     "idle-rtt": idle_rtt,
     "cold-call": cold_call,
+    "socket-rtt": socket_rtt,
+    "after-spin": after_spin,
 }
 
 
