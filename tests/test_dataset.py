@@ -15,6 +15,7 @@ from tensordict import TensorDict
 import tq_async as tq
 from tq_async._dataset import (
     AsyncStreamingDataset,
+    BatchSlice,
     MicroBatch,
     chunk_batch_fn,
     default_fetch_batch_fn,
@@ -720,3 +721,33 @@ async def test_get_of_zero_rows_asks_no_storage_unit() -> None:
             td, meta = await client.get(["x"], 2, "p", "t")
         assert meta.end_of_stream
         assert td.batch_size == torch.Size([0])
+
+
+async def test_the_adapter_interface_hands_out_whole_batches_per_worker() -> None:
+    """next_batch / set_worker / entered: what the torch adapter drives, and BatchSlice."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(12), partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(cluster.address, ["x", "jag", "s"], 4, 3, "p", "train")
+        assert not ds.entered
+        async with ds:
+            assert ds.entered
+            ds.set_worker(1, 2)  # worker 1 of 2 reads batches 1, 3, ...
+            with anyio.fail_after(DEADLINE):
+                first = await ds.next_batch()
+                assert first is not None
+                assert (first.batch_index, first.first_micro) == (1, 0)
+                assert [len(m) for _, m in first.micro_batches] == [3, 1]
+                assert await ds.next_batch() is None  # batch 3 does not exist: sealed
+        assert not ds.entered
+    assert isinstance(first, BatchSlice)
+    copy = pickle.loads(pickle.dumps(first))  # DataLoader workers send it to the loader
+    assert copy.batch_index == 1
+    assert [m.global_indexes for _, m in copy.micro_batches] == [
+        m.global_indexes for _, m in first.micro_batches
+    ]
+    for td, meta in first.micro_batches:
+        _check_aligned(td, meta)

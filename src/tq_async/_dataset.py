@@ -63,6 +63,7 @@ from ._meta import BatchMeta
 
 __all__ = [
     "AsyncStreamingDataset",
+    "BatchSlice",
     "FetchBatchFn",
     "ProcessBatchFn",
     "MicroBatch",
@@ -280,13 +281,21 @@ class _Producer:
     receive: MemoryObjectReceiveStream[_Item]
 
 
-@dataclass(frozen=True, slots=True)
-class _BatchSlice:
-    """The rest of one batch, for the torch adapter: micro-batches from ``first_micro`` on."""
+@dataclass(frozen=True)
+class BatchSlice:
+    """The rest of one batch, micro-batches from ``first_micro`` on (:meth:`next_batch`).
+
+    What the torch adapter's DataLoader workers hand the loader (it pickles: no slots).
+    """
 
     batch_index: int
     first_micro: int
     micro_batches: list[MicroBatch]
+
+    def pin_memory(self) -> BatchSlice:
+        """Pinned copies of the data (a DataLoader with ``pin_memory=True`` calls this)."""
+        pinned = [(td.pin_memory(), meta) for td, meta in self.micro_batches]
+        return BatchSlice(self.batch_index, self.first_micro, pinned)
 
 
 def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
@@ -612,7 +621,7 @@ class AsyncStreamingDataset:
             InvalidRequestError: ``state`` is malformed or was saved for another task,
                 ``dp_rank`` (whose recorded batches are different rows) or ``dp_size``.
         """
-        partition_id, index, micro = _parse_state(state, self.task_name, self.dp_rank, self.dp_size)
+        partition_id, index, micro = parse_state(state, self.task_name, self.dp_rank, self.dp_size)
         self._move(partition_id, index, micro)
 
     def _move(self, partition_id: str, index: int, micro: int) -> None:
@@ -626,8 +635,11 @@ class AsyncStreamingDataset:
         self._generation += 1
         self._drop_producer()
 
-    def _set_worker(self, worker_id: int, num_workers: int) -> None:
-        """Take batch indexes ``worker_id, worker_id + num_workers, ...`` (torch adapter)."""
+    def set_worker(self, worker_id: int, num_workers: int) -> None:
+        """Read only batch indexes ``worker_id, worker_id + num_workers, ...`` from here on.
+
+        For the torch adapter: DataLoader worker ``worker_id`` of ``num_workers``.
+        """
         position = self._next_index
         self._offset = worker_id
         self._stride = num_workers
@@ -636,6 +648,11 @@ class AsyncStreamingDataset:
         self._known_recorded = position  # everything below the position was delivered
 
     # ---- context -----------------------------------------------------------------------------
+
+    @property
+    def entered(self) -> bool:
+        """Whether the dataset is inside its ``async with`` (one at a time)."""
+        return self._stack is not None
 
     async def __aenter__(self) -> AsyncStreamingDataset:
         """Open the client (if given an address) and the task group that prefetches.
@@ -724,8 +741,8 @@ class AsyncStreamingDataset:
                 raise StopAsyncIteration
             self._current = fetched
 
-    async def _anext_batch(self) -> _BatchSlice | None:
-        """The undelivered rest of the next batch, as a whole (torch adapter); None at end.
+    async def next_batch(self) -> BatchSlice | None:
+        """The undelivered rest of the next batch, as a whole; None at the end of the stream.
 
         Delivering a whole batch per call keeps a DataLoader's round-robin over workers in
         ``batch_index`` order whatever the number of micro-batches per batch.
@@ -737,7 +754,7 @@ class AsyncStreamingDataset:
                 return None
         first = self._next_micro
         self._deliver(cur, len(cur.micro_batches))
-        return _BatchSlice(cur.batch_index, first, cur.micro_batches[first:])
+        return BatchSlice(cur.batch_index, first, cur.micro_batches[first:])
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
@@ -967,7 +984,7 @@ class AsyncStreamingDataset:
         return parts
 
 
-def _parse_state(
+def parse_state(
     state: Mapping[str, Any], task_name: str, dp_rank: int, dp_size: int | None = None
 ) -> tuple[str, int, int]:
     """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``.

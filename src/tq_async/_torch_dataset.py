@@ -26,18 +26,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._dataset import (
     AsyncStreamingDataset,
+    BatchSlice,
     FetchBatchFn,
     MicroBatch,
     ProcessBatchFn,
-    _BatchSlice,
-    _parse_state,
+    parse_state,
 )
 from ._errors import InvalidRequestError
 from ._logging import get_logger
@@ -46,20 +45,6 @@ from ._portal import check_blocking_allowed, get_portal
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class _BatchItem:
-    """What a worker hands the loader: the rest of one batch, from micro-batch ``first_micro``."""
-
-    batch_index: int
-    first_micro: int
-    micro_batches: list[MicroBatch]
-
-    def pin_memory(self) -> _BatchItem:
-        """Pinned copies of the data (a DataLoader with ``pin_memory=True`` calls this)."""
-        pinned = [(td.pin_memory(), meta) for td, meta in self.micro_batches]
-        return _BatchItem(self.batch_index, self.first_micro, pinned)
 
 
 def _identity(item: Any) -> Any:
@@ -187,7 +172,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         Raises:
             InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
         """
-        partition_id, index, micro = _parse_state(
+        partition_id, index, micro = parse_state(
             state, self._kwargs["task_name"], self._kwargs["dp_rank"], self._kwargs["dp_size"]
         )
         self._set_position(partition_id, index, micro)
@@ -196,7 +181,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         self._state.update(partition_id=partition_id, batch_index=index, micro_batch_index=micro)
         self._generation += 1
 
-    def _delivered(self, item: _BatchItem, count: int) -> None:
+    def _delivered(self, item: BatchSlice, count: int) -> None:
         """The first ``count`` micro-batches of ``item`` have been handed out."""
         if count >= len(item.micro_batches):
             self._state.update(batch_index=item.batch_index + 1, micro_batch_index=0)
@@ -219,7 +204,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
     def _local_dataset(self) -> AsyncStreamingDataset:
         # A dataset still entered (an abandoned pass not yet garbage-collected) is left alone.
         local = self._local
-        if local is None or self._local_pid != os.getpid() or local._stack is not None:
+        if local is None or self._local_pid != os.getpid() or local.entered:
             local = self._local = AsyncStreamingDataset(**self._kwargs)
             self._local_pid = os.getpid()
         return local
@@ -240,7 +225,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             )
         ads = self._local_dataset()
         ads.load_state_dict(self._state)
-        ads._set_worker(worker_id, num_workers)
+        ads.set_worker(worker_id, num_workers)
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
@@ -251,10 +236,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         exc_info: tuple[Any, Any, Any] = (None, None, None)
         try:
             while True:
-                got: _BatchSlice | None = portal.call(ads._anext_batch)
-                if got is None:
+                item: BatchSlice | None = portal.call(ads.next_batch)
+                if item is None:
                     return
-                item = _BatchItem(got.batch_index, got.first_micro, got.micro_batches)
                 if self._whole_batches:
                     yield item
                     continue
@@ -369,7 +353,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             items = super().__iter__()
             try:
                 for item in items:
-                    if not isinstance(item, _BatchItem):
+                    if not isinstance(item, BatchSlice):
                         raise InvalidRequestError(
                             f"a StreamingDataLoader worker returned {type(item).__name__}; "
                             "its dataset must be the StreamingDataset it was built with"
