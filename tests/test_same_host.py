@@ -106,3 +106,48 @@ async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
         proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _raw(frames: list[bytes]) -> bytes:
+    from tq_async._unix import encode
+
+    return b"".join(bytes(part) for part in encode(frames))
+
+
+def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
+    """Many messages in one read, messages across a full read chunk, and a large message in
+    pieces: each comes out whole, in order, once all of its bytes are in."""
+    from tq_async._unix import _CHUNK, _Stream
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        stream = _Stream(ours)
+
+        def got() -> list[list[bytes]]:
+            stream.fill()
+            out = [
+                [bytes(f.buffer if i == 0 else f) for i, f in enumerate(m)] for m in stream.messages
+            ]
+            stream.messages.clear()
+            return out
+
+        small = [[b"h%d" % i, b"x" * i] for i in range(50)]
+        theirs.sendall(b"".join(_raw(m) for m in small))
+        assert got() == small
+
+        wide = [[b"w%d" % i, bytes([i]) * (_CHUNK * 2 // 3)] for i in range(3)]  # > one chunk
+        theirs.sendall(b"".join(_raw(m) for m in wide))
+        assert got() == wide
+
+        big = [b"big", bytes(range(256)) * (3 * _CHUNK // 256)]
+        raw = _raw(big)
+        step = len(raw) // 4 + 1
+        for start in range(0, len(raw) - step, step):
+            theirs.sendall(raw[start : start + step])
+            assert got() == []  # not whole yet
+        theirs.sendall(raw[start + step :])
+        assert got() == [big]
+
+        theirs.close()
+        assert got() == []
+        assert stream.eof

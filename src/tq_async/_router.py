@@ -57,6 +57,12 @@ _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
 
 
+def _edge_triggered(sock: Any) -> bool:
+    """Whether ``sock``'s FD signals edges (ZMQ's does) rather than a level (a Unix socket's:
+    readable for as long as unread bytes wait, so nothing needs re-reading after a send)."""
+    return not getattr(sock, "level_triggered", False)
+
+
 class DrainedSocket:
     """Shared reader plumbing: register the FD, drain while EVENTS says POLLIN, re-drain
     after sends."""
@@ -65,6 +71,7 @@ class DrainedSocket:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._edge_triggered = _edge_triggered(sock)
         self._drain_scheduled = False
         self._closed = False
         self._loop.add_reader(self._fd, self._drain)
@@ -103,7 +110,8 @@ class DrainedSocket:
 
     def _send(self, frames: Sequence[Any]) -> None:
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        self._schedule_drain()
+        if self._edge_triggered:  # a send may have consumed ZMQ's read edge: look again
+            self._schedule_drain()
 
     def _close_socket(self) -> None:
         if self._closed:
@@ -120,6 +128,7 @@ class DrainedSocket:
         """Start reading a replacement socket (after :meth:`_release_socket`)."""
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._edge_triggered = _edge_triggered(sock)
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_drain()
 

@@ -112,6 +112,8 @@ class _Stream:
                 break
             self._in += chunk
             self._parse()
+            if len(chunk) < _CHUNK:  # the socket had no more: no second recv to find out
+                break  # (its FD stays readable, level-triggered, if more arrives meanwhile)
 
     def _parse(self) -> None:
         buf = self._in
@@ -211,6 +213,9 @@ class UnixSocket:
     ``getsockopt(zmq.EVENTS)`` reads what arrived and reports ``POLLIN`` while a whole
     message waits; the end of the stream calls ``on_eof`` once (a broken connection).
     """
+
+    #: its FD is readable while bytes wait (a reader need not look again after a send)
+    level_triggered = True
 
     def __init__(self, address: str, identity: bytes, on_eof: Callable[[], None]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
