@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -151,3 +152,64 @@ def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
         theirs.close()
         assert got() == []
         assert stream.eof
+
+
+async def test_small_requests_catch_their_replies_by_polling(address: str) -> None:
+    async with tq.AsyncClient.connect(address, busy_poll=0.01) as client:
+        conn = client._controller
+        assert conn is not None and conn.address.startswith("uds://")
+        assert conn._busy_poll is not None
+        await client.put({"x": torch.arange(64)}, partition_id="poll")
+        for i in range(8):
+            meta = await client.get_meta(["x"], 8, "poll", "t")
+            assert meta.global_indexes == list(range(8 * i, 8 * i + 8))
+        assert conn._busy_poll.caught_replies >= 1
+
+
+async def test_a_waiting_get_meta_parks_and_still_gets_its_rows(address: str) -> None:
+    async with (
+        tq.AsyncClient.connect(address, busy_poll=0.01) as consumer,
+        tq.AsyncClient.connect(address) as producer,
+    ):
+        assert consumer._controller is not None and consumer._controller._busy_poll is not None
+        poll = consumer._controller._busy_poll
+        missed = poll.missed_replies
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                td, meta = await consumer.get(["x"], 4, "late", "t")
+                assert td["x"].tolist() == [5, 6, 7, 8]
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(consume)
+            with anyio.fail_after(20):
+                while poll.missed_replies == missed:  # the get_meta polled, found nothing
+                    await anyio.lowlevel.checkpoint()  # (while it polls, this loop cannot run)
+            await producer.put({"x": torch.arange(5, 9)}, partition_id="late")
+            await anyio.sleep_forever()
+
+
+async def test_a_paused_service_times_a_polling_request_out_and_serves_after() -> None:
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
+        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = _read_address(proc)
+        async with tq.AsyncClient.connect(
+            address, busy_poll=0.01, request_timeout=1.0, retry_after=None
+        ) as client:
+            assert client._controller is not None and client._controller._busy_poll is not None
+            proc.send_signal(signal.SIGSTOP)
+            with anyio.fail_after(20), pytest.raises(tq.TQTimeoutError):
+                await client.list_partitions()
+            assert client._controller._busy_poll.missed_replies >= 1
+            proc.send_signal(signal.SIGCONT)
+            assert await client.list_partitions() == []
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()

@@ -50,3 +50,21 @@ def test_the_torch_dataset_takes_the_async_datasets_arguments() -> None:
     a = _parameters(tq.AsyncStreamingDataset.__init__)
     s = _parameters(tq.StreamingDataset.__init__)
     assert a == s
+
+
+@pytest.mark.parametrize(
+    "face",
+    [tq.AsyncClient.connect, tq.Client.__init__, tq.Client.connect],
+    ids=["AsyncClient.connect", "Client.__init__", "Client.connect"],
+)
+def test_every_way_to_make_a_client_takes_the_same_options(face: Any) -> None:
+    def options(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [p for p in _parameters(fn) if p[0] not in ("self", "cls")]
+
+    assert options(face) == options(tq.AsyncClient.__init__)
+
+
+def test_the_blocking_client_hands_every_option_to_its_async_client() -> None:
+    names = [p[0] for p in _parameters(tq.AsyncClient.__init__)[2:]]  # after self, address
+    client = tq.Client("tcp://127.0.0.1:1")
+    assert sorted(client._kwargs) == sorted(names)

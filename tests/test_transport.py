@@ -7,13 +7,16 @@ a closing endpoint still fails the requests waiting on it at once.
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import zmq
 
 import tq_async as tq
-from tq_async._dealer import DealerConnection
+from tq_async._dealer import BusyPoll, DealerConnection
 from tq_async._protocol import ListPartitions
 from tq_async._router import RouterEndpoint
 
@@ -138,3 +141,87 @@ async def test_other_contexts_and_curve_go_through_the_socket() -> None:
             assert await client.list_partitions() == []
             assert client._controller is not None
             assert not client._controller.inproc
+
+
+class _NeverRead:
+    """A read that never brings the reply (a service waiting for data)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> None:
+        self.reads += 1
+
+
+async def test_busy_poll_catches_a_reply_that_a_read_brings() -> None:
+    poll = BusyPoll(0.01)
+    fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    reads = 0
+
+    def read() -> None:
+        nonlocal reads
+        reads += 1
+        if reads == 3:
+            fut.set_result(7)
+
+    assert await poll.caught(fut, read)
+    assert fut.result() == 7 and reads == 3
+    assert (poll.caught_replies, poll.missed_replies) == (1, 0)
+
+
+async def test_busy_poll_backs_off_after_misses_and_resets_on_a_catch() -> None:
+    poll = BusyPoll(1e-6)
+    loop = asyncio.get_running_loop()
+    polled = []  # True: the request polled (and missed); False: it parked at once
+    for _ in range(1 + 1 + 1 + 2 + 1 + 4 + 1):  # miss, skip 1, miss, skip 2, ...
+        before = poll.missed_replies
+        assert not await poll.caught(loop.create_future(), _NeverRead())
+        polled.append(poll.missed_replies > before)
+    assert polled == [True, False, True, False, False, True] + [False] * 4 + [True]
+    for _ in range(BusyPoll.MAX_SKIP * 4):  # the skips never grow beyond MAX_SKIP
+        await poll.caught(loop.create_future(), _NeverRead())
+    assert poll._skip <= BusyPoll.MAX_SKIP
+    while poll._skip:
+        await poll.caught(loop.create_future(), _NeverRead())
+    done = loop.create_future()
+    done.set_result(None)
+    assert await poll.caught(done, _NeverRead())  # a catch resets the back-off
+    assert poll._skip == 0 and poll._backoff == 0
+
+
+async def test_busy_poll_yields_to_other_tasks_even_when_the_reply_is_there() -> None:
+    poll = BusyPoll(0.01)
+    loop = asyncio.get_running_loop()
+    ticks = 0
+
+    async def other() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        for _ in range(50):
+            fut = loop.create_future()
+            fut.set_result(None)
+            assert await poll.caught(fut, _NeverRead())
+        tg.cancel_scope.cancel()
+    assert ticks >= 49
+
+
+async def test_in_process_connections_never_poll() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, busy_poll=0.01) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        assert client._controller is not None and client._controller.inproc
+        assert client._controller._busy_poll is None  # the service runs on this very loop
+        assert all(conn._busy_poll is None for conn in client._units.values())
+
+
+@pytest.mark.parametrize("value", [-1e-6, 0.5, float("nan"), float("inf"), True, "1e-4"])
+def test_busy_poll_is_checked(value: object) -> None:
+    with pytest.raises(tq.InvalidRequestError, match="busy_poll"):
+        tq.AsyncClient.connect("tcp://127.0.0.1:1", busy_poll=value)  # type: ignore[arg-type]

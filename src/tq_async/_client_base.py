@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import operator
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,7 +38,7 @@ from ._columns import (
     positions_by_unit,
     reorder_column,
 )
-from ._dealer import DealerConnection
+from ._dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL, DealerConnection
 from ._endpoints import same_host_ipc
 from ._errors import (
     BrokenError,
@@ -171,11 +172,13 @@ class ClientBase:
         inline_get_bytes: int = 1 << 20,
         shared_memory: bool = True,
         same_host: bool = True,
+        busy_poll: float = DEFAULT_BUSY_POLL,
     ) -> None:
         check_int("inline_put_bytes", inline_put_bytes)
         check_int("inline_get_bytes", inline_get_bytes)
         check_seconds("request_timeout", request_timeout, optional=False)
         check_seconds("retry_after", retry_after)
+        self.busy_poll = _check_busy_poll(busy_poll)
         self.inline_get_bytes = inline_get_bytes
         check_address(address)
         if connect_timeout <= 0:
@@ -207,13 +210,30 @@ class ClientBase:
         self._arenas: dict[int, ArenaMap | None] = {}
         self._link_locks: dict[int, anyio.Lock] = {}
 
+    def _connection(
+        self,
+        address: str,
+        *,
+        refused_is_broken: bool = False,
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> DealerConnection:
+        """A connection to a service with this client's keys, retries and busy polling."""
+        return DealerConnection(
+            address,
+            curve=self.curve,
+            retry_after=self.retry_after,
+            busy_poll=self.busy_poll,
+            refused_is_broken=refused_is_broken,
+            on_disconnect=on_disconnect,
+        )
+
     async def _prefer_ipc(self, hello: HelloReply) -> None:
         """Talk to the controller through its same-host ipc twin, once proven to be the same
         controller (its instance token); otherwise keep the given address."""
         if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
             return
         assert hello.ipc is not None
-        conn = DealerConnection(hello.ipc, curve=self.curve, retry_after=self.retry_after)
+        conn = self._connection(hello.ipc)
         try:
             payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
             again: HelloReply = _decode(payload, HelloReply)
@@ -281,12 +301,8 @@ class ClientBase:
                 raise ProtocolError(
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
-            conn = self._units[unit_id] = DealerConnection(
-                address,
-                curve=self.curve,
-                retry_after=self.retry_after,
-                refused_is_broken=True,
-                on_disconnect=lambda: self._forget_arena(unit_id),
+            conn = self._units[unit_id] = self._connection(
+                address, refused_is_broken=True, on_disconnect=lambda: self._forget_arena(unit_id)
             )
         return conn
 
@@ -364,12 +380,7 @@ class ClientBase:
         if arena is None or hello is None or not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
-        ipc = DealerConnection(
-            hello.ipc,
-            curve=self.curve,
-            retry_after=self.retry_after,
-            on_disconnect=lambda: self._forget_arena(unit_id),
-        )
+        ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
         try:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = await ipc.request(
@@ -397,6 +408,21 @@ class ClientBase:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return _decode(payload, typ)
+
+
+def _check_busy_poll(value: Any) -> float:
+    """``busy_poll`` as seconds in ``[0, MAX_BUSY_POLL]``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_BUSY_POLL
+    ):
+        raise InvalidRequestError(
+            f"busy_poll must be seconds from 0 (off) to {MAX_BUSY_POLL}, got {value!r}; the "
+            f"default ({DEFAULT_BUSY_POLL}) catches a same-host reply without parking"
+        )
+    return float(value)
 
 
 def _as_int(value: Any) -> Any:

@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ._client import AsyncClient
+from ._dealer import DEFAULT_BUSY_POLL
 from ._errors import ClosedError
 from ._meta import BatchMeta
 from ._portal import check_blocking_allowed, get_portal
@@ -51,6 +52,7 @@ class Client:
         inline_get_bytes: int = 1 << 20,
         shared_memory: bool = True,
         same_host: bool = True,
+        busy_poll: float = DEFAULT_BUSY_POLL,
     ) -> None:
         check_address(address)
         self.address = address
@@ -66,6 +68,7 @@ class Client:
             "inline_get_bytes": inline_get_bytes,
             "shared_memory": shared_memory,
             "same_host": same_host,
+            "busy_poll": busy_poll,
         }
 
     @classmethod
@@ -82,6 +85,7 @@ class Client:
         inline_get_bytes: int = 1 << 20,
         shared_memory: bool = True,
         same_host: bool = True,
+        busy_poll: float = DEFAULT_BUSY_POLL,
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -95,6 +99,7 @@ class Client:
             inline_get_bytes=inline_get_bytes,
             shared_memory=shared_memory,
             same_host=same_host,
+            busy_poll=busy_poll,
         )
 
     def open(self) -> Client:
