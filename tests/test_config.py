@@ -106,7 +106,7 @@ def test_a_factory_of_your_own() -> None:
         ),
         (
             '[task_samplers.x]\nfactory = "tq_async:GRPOGroupNSampler"\nn_samples_per_prompt = 0',
-            "task_samplers.x: tq_async:GRPOGroupNSampler(...) raised ValueError: "
+            "task_samplers.x: tq_async:GRPOGroupNSampler(...) raised InvalidRequestError: "
             "n_samples_per_prompt must be >= 1",
         ),
         ('[sampler]\nfactory = "tq_async:Config"', "sampler: tq_async:Config(...) returned"),

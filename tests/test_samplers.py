@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+import tq_async as tq
 from tq_async.samplers import (
     BaseSampler,
     GRPOGroupNSampler,
@@ -630,3 +631,24 @@ async def test_rank_aware_waiter_started_after_the_first_finished() -> None:
     assert await asyncio.wait_for(resolve(late), 1) == ([0, 1], [])
     assert inner.calls == 1
     assert s.cache_size == 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tq.GRPOGroupNSampler(0),
+        lambda: tq.SeqlenBalancedSampler(dp_size=0),
+        lambda: tq.SeqlenBalancedSampler(dp_size=2, tail="sometimes"),
+        lambda: tq.RankAwareSampler(n_replicas=0),
+        lambda: tq.StalenessSampler(max_staleness=-1),
+        lambda: tq.StalenessSampler(max_staleness=1, on_stale="ignore"),
+        lambda: tq.karmarkar_karp([3, 1], 0, equal_size=False),
+        lambda: tq.karmarkar_karp([3, -1], 2, equal_size=False),
+        lambda: tq.BatchMeta.concat([]),
+        lambda: tq.configure_logging("loud"),
+    ],
+)
+def test_bad_arguments_to_public_constructors_raise_a_tq_error(make: Any) -> None:
+    # InvalidRequestError is also a ValueError: code that caught ValueError still does
+    with pytest.raises(tq.InvalidRequestError):
+        make()

@@ -24,6 +24,8 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from ._errors import InvalidRequestError
+
 __all__ = ["configure_logging", "get_logger"]
 
 
@@ -123,7 +125,7 @@ def configure_logging(
     """
     numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
     if not isinstance(numeric, int):
-        raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
+        raise InvalidRequestError(f"unknown log level {level!r}; use debug, info, warning or error")
     out = stream if stream is not None else sys.stderr
     tty = bool(getattr(out, "isatty", lambda: False)())
     mode = "json" if json else ("console" if tty else "plain")

@@ -75,11 +75,11 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         own(self, "extra_info", copy.deepcopy(self.extra_info) if self.extra_info else {})
         own(self, "keys", list(self.keys))
         if len(self.units) != len(self.global_indexes):
-            raise ValueError("BatchMeta needs one unit per row")
+            raise InvalidRequestError("BatchMeta needs one unit per row")
         if self.tags and len(self.tags) != len(self.global_indexes):
-            raise ValueError("BatchMeta needs one tag dict per row (or none at all)")
+            raise InvalidRequestError("BatchMeta needs one tag dict per row (or none at all)")
         if self.keys and len(self.keys) != len(self.global_indexes):
-            raise ValueError("BatchMeta needs one key per row (or none at all)")
+            raise InvalidRequestError("BatchMeta needs one key per row (or none at all)")
 
     def __len__(self) -> int:
         return len(self.global_indexes)
@@ -166,10 +166,10 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
     def concat(cls, metas: Sequence[BatchMeta]) -> BatchMeta:
         """Rows of several batches of one partition, one after another."""
         if not metas:
-            raise ValueError("concat needs at least one BatchMeta")
+            raise InvalidRequestError("concat needs at least one BatchMeta")
         first = metas[0]
         if any(m.partition_id != first.partition_id for m in metas):
-            raise ValueError("concat needs batches of one partition")
+            raise InvalidRequestError("concat needs batches of one partition")
         incarnations = {m.incarnation for m in metas if m.incarnation is not None}
         if len(incarnations) > 1:
             raise InvalidRequestError(

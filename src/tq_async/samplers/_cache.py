@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._errors import InvalidRequestError
 from .._logging import get_logger
 
 __all__ = ["ShareCache", "reads_needed"]
@@ -44,7 +45,7 @@ class ShareCache:
 
     def __init__(self, max_entries: int, owner: str) -> None:
         if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+            raise InvalidRequestError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
         self._owner = owner
         # Insertion-ordered, so the first key is the oldest entry (evicted first).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import InvalidRequestError
 from .._logging import get_logger
 from ._base import BaseSampler, SampleResult
 from ._groups import check_group_size, complete_groups
@@ -46,7 +47,7 @@ class GRPOGroupNSampler(BaseSampler):
 
     def __init__(self, n_samples_per_prompt: int = 1, group_key: str = "uid") -> None:
         if n_samples_per_prompt < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"n_samples_per_prompt must be >= 1 (rows per prompt group), "
                 f"got {n_samples_per_prompt}"
             )

@@ -11,6 +11,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from .._errors import InvalidRequestError
+
 __all__ = ["get_seqlen_balanced_partitions", "karmarkar_karp"]
 
 
@@ -84,21 +86,21 @@ def get_seqlen_balanced_partitions(
 
 def _validate(seqlens: Sequence[int], k: int, equal_size: bool) -> list[int]:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1 (the number of parts), got {k!r}")
+        raise InvalidRequestError(f"k must be an integer >= 1 (the number of parts), got {k!r}")
     lengths = list(seqlens)
     if len(lengths) < k:
-        raise ValueError(
+        raise InvalidRequestError(
             f"cannot split {len(lengths)} items into {k} non-empty parts; "
             f"pass at least {k} items or ask for fewer parts"
         )
     if equal_size and len(lengths) % k:
-        raise ValueError(
+        raise InvalidRequestError(
             f"equal_size needs the number of items ({len(lengths)}) to be divisible by "
             f"k ({k}); drop {len(lengths) % k} items or pass equal_size=False"
         )
     for i, n in enumerate(lengths):
         if n < 0:
-            raise ValueError(f"seqlens[{i}] is {n}; lengths must be non-negative")
+            raise InvalidRequestError(f"seqlens[{i}] is {n}; lengths must be non-negative")
     return lengths
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from .._errors import InvalidRequestError
 from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
 from ._cache import ShareCache, reads_needed
 from ._sequential import SequentialSampler
@@ -84,7 +85,7 @@ class RankAwareSampler(WrappingSampler):
         max_entries: int = 65536,
     ) -> None:
         if n_replicas < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"n_replicas must be >= 1 (readers per dp_rank, e.g. tp_size * pp_size), "
                 f"got {n_replicas}"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import InvalidRequestError
 from .._logging import get_logger
 from ._base import BaseSampler, SampleResult, SharesResult
 from ._cache import ShareCache, reads_needed
@@ -67,7 +68,7 @@ class SeqlenBalancedSampler(BaseSampler):
         tail: str | None = None,
     ) -> None:
         if tail not in (None, "error", "drop", "uneven"):
-            raise ValueError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
+            raise InvalidRequestError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
         self._tail = tail
         self.tail = tail or "error"
         for name, value in (
@@ -76,7 +77,7 @@ class SeqlenBalancedSampler(BaseSampler):
             ("n_replicas", n_replicas),
         ):
             if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise InvalidRequestError(f"{name} must be >= 1, got {value}")
         self.n_samples_per_prompt = n_samples_per_prompt
         self.dp_size = dp_size
         self.length_key = length_key

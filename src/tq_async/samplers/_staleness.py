@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
+from .._errors import InvalidRequestError
 from .._logging import get_logger
 from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
 from ._sequential import SequentialSampler
@@ -93,9 +94,9 @@ class StalenessSampler(WrappingSampler):
         on_stale: str = "drop",
     ) -> None:
         if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+            raise InvalidRequestError(f"max_staleness must be >= 0, got {max_staleness}")
         if on_stale not in _POLICIES:
-            raise ValueError(f"on_stale must be one of {_POLICIES}, got {on_stale!r}")
+            raise InvalidRequestError(f"on_stale must be one of {_POLICIES}, got {on_stale!r}")
         self.inner = inner if inner is not None else SequentialSampler()
         self.max_staleness = max_staleness
         self.on_stale = on_stale
