@@ -81,6 +81,7 @@ class _Stream:
         sock.setblocking(False)
         self.sock = sock
         self._in = bytearray()
+        self._chunk = memoryview(bytearray(_CHUNK))  # reused by every read of small messages
         self._big: bytearray | None = None  # the body of a large message being received
         self._got = 0
         self._out: deque[memoryview] = deque()  # not written yet (the socket was full)
@@ -101,18 +102,18 @@ class _Stream:
                         self._message(self._big)
                         self._big = None
                     continue
-                chunk = self.sock.recv(_CHUNK)
+                got = self.sock.recv_into(self._chunk)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self.eof = True
                 break
-            if not chunk:
+            if not got:
                 self.eof = True
                 break
-            self._in += chunk
+            self._in += self._chunk[:got]
             self._parse()
-            if len(chunk) < _CHUNK:  # the socket had no more: no second recv to find out
+            if got < _CHUNK:  # the socket had no more: no second recv to find out
                 break  # (its FD stays readable, level-triggered, if more arrives meanwhile)
 
     def _parse(self) -> None:

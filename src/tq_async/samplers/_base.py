@@ -32,8 +32,8 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
     True when no more rows can become ready (the partition is sealed and nothing is still
     being produced): a sampler may then return a short last batch.
 ``replays_served``
-    True when the controller records this delivery under its ``batch_index`` and serves
-    repeats itself (a cache needs one read per entry, not one per replica).
+    True when the controller records this batch under its ``batch_index`` (a recorded
+    batch) and serves repeats itself (a cache needs one read per entry, not one per replica).
 ``policy_version``, ``versions``, ``stale``
     the learner's announced policy version (-1: none), a read-only ``row -> version`` view
     (-1: none; a row's oldest field version), and a :class:`~tq_async.samplers.StaleRows` sink

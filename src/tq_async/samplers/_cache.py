@@ -25,8 +25,8 @@ Key = tuple[Any, ...]
 def reads_needed(n_replicas: int, kwargs: Mapping[str, Any]) -> int:
     """How many reads a share gets before it is dropped (the first read included).
 
-    When the controller serves repeated requests for the same key from its own delivery
-    records (it passes ``replays_served=True``), only the first read reaches the sampler;
+    When the controller serves repeated requests for the same key from its recorded
+    batches (it passes ``replays_served=True``), only the first read reaches the sampler;
     otherwise each of the ``n_replicas`` readers of a rank reads once.
     """
     return 1 if kwargs.get("replays_served") else n_replicas
