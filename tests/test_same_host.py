@@ -157,7 +157,8 @@ def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
 async def test_small_requests_catch_their_replies_by_polling(address: str) -> None:
     async with tq.AsyncClient.connect(address, busy_poll=0.01) as client:
         conn = client._controller
-        assert conn is not None and conn.address.startswith("uds://")
+        assert conn is not None
+        assert conn.address.startswith("uds://")
         assert conn._busy_poll is not None
         await client.put({"x": torch.arange(64)}, partition_id="poll")
         for i in range(8):
@@ -171,13 +172,14 @@ async def test_a_waiting_get_meta_parks_and_still_gets_its_rows(address: str) ->
         tq.AsyncClient.connect(address, busy_poll=0.01) as consumer,
         tq.AsyncClient.connect(address) as producer,
     ):
-        assert consumer._controller is not None and consumer._controller._busy_poll is not None
+        assert consumer._controller is not None
+        assert consumer._controller._busy_poll is not None
         poll = consumer._controller._busy_poll
         missed = poll.missed_replies
         async with anyio.create_task_group() as tg:
 
             async def consume() -> None:
-                td, meta = await consumer.get(["x"], 4, "late", "t")
+                td, _ = await consumer.get(["x"], 4, "late", "t")
                 assert td["x"].tolist() == [5, 6, 7, 8]
                 tg.cancel_scope.cancel()
 
@@ -200,7 +202,8 @@ async def test_a_paused_service_times_a_polling_request_out_and_serves_after() -
         async with tq.AsyncClient.connect(
             address, busy_poll=0.01, request_timeout=1.0, retry_after=None
         ) as client:
-            assert client._controller is not None and client._controller._busy_poll is not None
+            assert client._controller is not None
+            assert client._controller._busy_poll is not None
             proc.send_signal(signal.SIGSTOP)
             with anyio.fail_after(20), pytest.raises(tq.TQTimeoutError):
                 await client.list_partitions()

@@ -165,7 +165,8 @@ async def test_busy_poll_catches_a_reply_that_a_read_brings() -> None:
             fut.set_result(7)
 
     assert await poll.caught(fut, read)
-    assert fut.result() == 7 and reads == 3
+    assert fut.result() == 7
+    assert reads == 3
     assert (poll.caught_replies, poll.missed_replies) == (1, 0)
 
 
@@ -186,7 +187,8 @@ async def test_busy_poll_backs_off_after_misses_and_resets_on_a_catch() -> None:
     done = loop.create_future()
     done.set_result(None)
     assert await poll.caught(done, _NeverRead())  # a catch resets the back-off
-    assert poll._skip == 0 and poll._backoff == 0
+    assert poll._skip == 0
+    assert poll._backoff == 0
 
 
 async def test_busy_poll_yields_to_other_tasks_even_when_the_reply_is_there() -> None:
@@ -216,7 +218,8 @@ async def test_in_process_connections_never_poll() -> None:
         tq.AsyncClient.connect(cluster.address, busy_poll=0.01) as client,
     ):
         await client.put({"x": torch.arange(4)}, "p")
-        assert client._controller is not None and client._controller.inproc
+        assert client._controller is not None
+        assert client._controller.inproc
         assert client._controller._busy_poll is None  # the service runs on this very loop
         assert all(conn._busy_poll is None for conn in client._units.values())
 
