@@ -16,8 +16,9 @@
   five tasks: building the task's ready set.
 * ``shm-memory``: a ``tq-async serve`` holding 40 W1 batches: the unit's resident growth plus
   its shared memory in use, against the bytes stored; then after a clear and 40 more puts.
-* ``socket-rtt``: the floor of a cross-process round trip on this box: a blocking Unix
-  socketpair between two processes, 40 bytes each way (no event loop, no ZMQ).
+* ``socket-rtt``: a cross-process round trip of 40 bytes over a Unix socketpair (no ZMQ):
+  blocking, polling, and through asyncio with and without the client polling for the reply:
+  what waking a parked process costs (the client's busy polling rests on it).
 * ``after-spin``: small calls (msgspec, torch, TensorDict) right after spinning 0, 1 or 10 ms
   in Python: what 10 ms of other work does to the next call's caches (W3's puts arrive every
   10 ms).
@@ -29,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import socket
 import statistics
@@ -395,32 +397,145 @@ def cold_call(calls: int = 100) -> None:
     )
 
 
-def _echo(sock: socket.socket) -> None:
-    while data := sock.recv(64):
+_RTT_MSG = b"x" * 40
+
+
+def _poll_recv(sock: socket.socket, budget: float) -> bytes | None:
+    """Read ``sock`` (non-blocking) for up to ``budget`` seconds; None if nothing came."""
+    end = time.perf_counter() + budget
+    while True:
+        try:
+            return sock.recv(64)
+        except BlockingIOError:
+            if time.perf_counter() >= end:
+                return None
+
+
+def _recv(sock: socket.socket, poll: float) -> bytes:
+    """One message: polled for up to ``poll`` seconds, then a blocking wait."""
+    if poll:
+        got = _poll_recv(sock, poll)
+        if got is not None:
+            return got
+    sock.setblocking(True)
+    try:
+        return sock.recv(64)
+    finally:
+        sock.setblocking(False)
+
+
+def _echo_plain(sock: socket.socket, poll: float) -> None:
+    sock.setblocking(False)
+    while data := _recv(sock, poll):
         sock.send(data)
 
 
-def socket_rtt(calls: int = 20_000) -> None:
-    """The floor of a cross-process round trip: blocking Unix socketpair, 40 bytes."""
-    ctx = multiprocessing.get_context("fork")
-    for _ in range(3):
-        ours, theirs = socket.socketpair()
-        echo = ctx.Process(target=_echo, args=(theirs,))
-        echo.start()
-        theirs.close()
+def _echo_asyncio(sock: socket.socket, poll: float) -> None:
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        done = loop.create_future()
+
+        def on_readable() -> None:
+            try:
+                data = sock.recv(64)
+            except BlockingIOError:
+                return
+            if not data:
+                loop.remove_reader(sock.fileno())
+                done.set_result(None)
+                return
+            sock.send(data)
+
+        loop.add_reader(sock.fileno(), on_readable)
+        await done
+
+    asyncio.run(serve())
+
+
+def _rtt_plain(sock: socket.socket, poll: float, calls: int) -> float:
+    sock.setblocking(False)
+    for _ in range(1000):  # warm-up
+        sock.send(_RTT_MSG)
+        _recv(sock, poll)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        sock.send(_RTT_MSG)
+        _recv(sock, poll)
+    return (time.perf_counter() - t0) / calls
+
+
+def _rtt_asyncio(sock: socket.socket, poll: float, calls: int) -> float:
+    """A request over asyncio's reader callback; with ``poll``, the reply is first polled
+    for (what tq_async's clients do, :class:`tq_async._dealer.BusyPoll`)."""
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        waiter: asyncio.Future[bytes] | None = None
+
+        def on_readable() -> None:
+            try:
+                data = sock.recv(64)
+            except BlockingIOError:
+                return
+            if waiter is not None and not waiter.done():
+                waiter.set_result(data)
+
+        loop.add_reader(sock.fileno(), on_readable)
+
+        async def one() -> bytes:
+            nonlocal waiter
+            sock.send(_RTT_MSG)
+            if poll and (got := _poll_recv(sock, poll)) is not None:
+                return got
+            waiter = loop.create_future()
+            return await waiter
+
         for _ in range(1000):  # warm-up
-            ours.send(b"x" * 40)
-            ours.recv(64)
+            await one()
         t0 = time.perf_counter()
         for _ in range(calls):
-            ours.send(b"x" * 40)
-            ours.recv(64)
-        rtt = (time.perf_counter() - t0) / calls
-        ours.close()
-        echo.join(timeout=10)
-        print(
-            f"socket-rtt blocking Unix socketpair, 2 processes: {rtt * 1e6:.1f} us per round trip"
-        )
+            await one()
+        loop.remove_reader(sock.fileno())
+        return (time.perf_counter() - t0) / calls
+
+    return asyncio.run(run())
+
+
+def socket_rtt(calls: int = 20_000) -> None:
+    """A cross-process round trip of 40 bytes over a Unix socketpair: blocking, polling for
+    up to 100 us before blocking, and through asyncio event loops, with and without the
+    client polling for the reply (what waking a parked process costs on this box)."""
+    cases: list[tuple[str, Callable[..., None], float, Callable[..., float], float]] = [
+        ("blocking <-> blocking", _echo_plain, 0.0, _rtt_plain, 0.0),
+        ("polling <-> polling", _echo_plain, 1e-4, _rtt_plain, 1e-4),
+        ("asyncio <-> asyncio", _echo_asyncio, 0.0, _rtt_asyncio, 0.0),
+        ("asyncio <-> asyncio, the client polls", _echo_asyncio, 0.0, _rtt_asyncio, 1e-4),
+    ]
+    ctx = multiprocessing.get_context("fork")
+    for name, echo, echo_poll, client, client_poll in cases:
+        runs = []
+        for _ in range(3):
+            ours, theirs = socket.socketpair()
+            child = ctx.Process(target=_child_echo, args=(echo, theirs, ours, echo_poll))
+            child.start()
+            theirs.close()
+            runs.append(client(ours, client_poll, calls))
+            ours.close()  # the echo sees the end of the stream and returns
+            child.join(timeout=10)
+        shown = " / ".join(f"{r * 1e6:.1f}" for r in runs)
+        print(f"socket-rtt {name:40s} {shown} us per round trip (3 runs)")
+
+
+def _child_echo(
+    echo: Callable[[socket.socket, float], None],
+    sock: socket.socket,
+    parents: socket.socket,
+    poll: float,
+) -> None:
+    parents.close()  # else the parent's end stays open here and the echo never sees its end
+    echo(sock, poll)
 
 
 def after_spin(calls: int = 300) -> None:
