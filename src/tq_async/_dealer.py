@@ -45,8 +45,6 @@ __all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BusyPoll", "DealerConnection",
 log = get_logger(__name__)
 
 
-#: Messages handled per reader callback before yielding to other tasks (fairness).
-_DRAIN_BUDGET = 512
 #: Seconds a client's request polls a same-host connection for its reply (:class:`BusyPoll`).
 DEFAULT_BUSY_POLL = 1e-4
 #: the longest poll a client may ask for (longer would only burn CPU: a reply that takes

@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 HELLO = b"TQU1"
 _U32 = struct.Struct("<I")
+_POLLIN = int(zmq.POLLIN)  # a plain int: the reader's ``events & POLLIN`` stays cheap
 #: a message larger than this is refused (the connection is dropped)
 MAX_MESSAGE = 256 << 20
 #: read size for small messages; a larger message's body is received into its own buffer
@@ -253,7 +254,7 @@ class UnixSocket:
             if self._stream.eof and not self._stream.messages and self._on_eof is not None:
                 on_eof, self._on_eof = self._on_eof, None
                 on_eof()
-            return zmq.POLLIN if self._stream.messages else 0
+            return _POLLIN if self._stream.messages else 0
         raise ValueError(f"unsupported option {option}")
 
     def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[Any]:

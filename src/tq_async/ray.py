@@ -364,30 +364,22 @@ def launch(
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
-    base: dict[str, Any] = {
+    options: dict[str, Any] = {
         "namespace": namespace,
         "num_cpus": num_cpus,
         "max_restarts": 0,
         **(actor_options or {}),
     }
     if detached:
-        base["lifetime"] = "detached"
-
-    def spawn(actor_name: str, node_id: str) -> Any:
-        return _RemoteService.options(
-            name=actor_name,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            **base,
-        ).remote()
-
+        options["lifetime"] = "detached"
     actors: list[Any] = []
     try:
         # Every actor's process starts (and imports tq_async) at once; units are told the
         # controller's address once it serves.
-        controller = spawn(name, nodes[0])
+        controller = _spawn(name, nodes[0], options)
         actors.append(controller)
         unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
-        units = [spawn(n, nodes[i % len(nodes)]) for i, n in enumerate(unit_names)]
+        units = [_spawn(n, nodes[i % len(nodes)], options) for i, n in enumerate(unit_names)]
         actors.extend(units)
         controller.run.remote("controller", host, controller_options)
         _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
@@ -397,21 +389,10 @@ def launch(
             "curve": curve,
             "register_timeout": max(1.0, min(30.0, deadline - time.monotonic())),
         }
-        for i, unit in enumerate(units):
-            unit.run.remote("storage", host, {**unit_options, "unit_id": i})
-        unit_addresses: dict[int, str] = {}
-        for unit_name, unit in zip(unit_names, units, strict=True):
-            unit_id, unit_address = _resolve(
-                unit.ready.remote(), deadline, f"storage unit {unit_name!r}"
-            )
-            unit_addresses[int(unit_id)] = str(unit_address)
-        cluster = RayCluster(
-            name,
-            namespace,
-            str(address),
-            unit_addresses,
-            (*unit_names, name),
+        unit_addresses = _start_units(
+            dict(zip(unit_names, units, strict=True)), host, unit_options, deadline
         )
+        cluster = RayCluster(name, namespace, str(address), unit_addresses, (*unit_names, name))
         _resolve(
             controller.set_description.remote(_describe(cluster)), deadline, f"controller {name!r}"
         )
@@ -420,6 +401,29 @@ def launch(
         raise
     log.info("tq_async cluster launched", name=name, namespace=namespace, address=address)
     return cluster
+
+
+def _spawn(actor_name: str, node_id: str, options: Mapping[str, Any]) -> Any:
+    """A service actor (not yet running a service) on ``node_id``."""
+    return _RemoteService.options(
+        name=actor_name,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **options,
+    ).remote()
+
+
+def _start_units(
+    units: Mapping[str, Any], host: str | None, options: Mapping[str, Any], deadline: float
+) -> dict[int, str]:
+    """Start a storage unit in each actor (``{actor name: actor}``, unit ids in order); wait
+    until every one serves. Returns ``{unit id: address}``."""
+    for i, unit in enumerate(units.values()):
+        unit.run.remote("storage", host, {**options, "unit_id": i})
+    addresses: dict[int, str] = {}
+    for unit_name, unit in units.items():
+        unit_id, address = _resolve(unit.ready.remote(), deadline, f"storage unit {unit_name!r}")
+        addresses[int(unit_id)] = str(address)
+    return addresses
 
 
 def _fold_config(
