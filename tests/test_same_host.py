@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from _cluster_proc import _read_address, serve_cluster
+from _cluster_proc import _read_address, serve_cluster, serve_role
 from tq_async._endpoints import same_host_ipc
 from tq_async._errors import BrokenError
 from tq_async._unix import abstract_name
@@ -192,27 +192,17 @@ async def test_a_waiting_get_meta_parks_and_still_gets_its_rows(address: str) ->
 
 
 async def test_a_paused_service_times_a_polling_request_out_and_serves_after() -> None:
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        address = _read_address(proc)
+    with serve_role("--storage-units", "1") as (proc, address):
         async with tq.AsyncClient.connect(
             address, busy_poll=0.01, request_timeout=1.0, retry_after=None
         ) as client:
             assert client._controller is not None
             assert client._controller._busy_poll is not None
             proc.send_signal(signal.SIGSTOP)
-            with anyio.fail_after(20), pytest.raises(tq.TQTimeoutError):
-                await client.list_partitions()
+            try:
+                with anyio.fail_after(20), pytest.raises(tq.TQTimeoutError):
+                    await client.list_partitions()
+            finally:
+                proc.send_signal(signal.SIGCONT)
             assert client._controller._busy_poll.missed_replies >= 1
-            proc.send_signal(signal.SIGCONT)
             assert await client.list_partitions() == []
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
