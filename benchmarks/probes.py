@@ -25,6 +25,9 @@
 * ``cold-call``: one small torch call right after ``time.sleep(0.01)``, after spinning for
   0.2-3 ms first, and a second call right after the first: whether a slow first call is the
   clock (spinning helps) or cold caches (it does not).
+* ``steady-cpu``: the same ~0.1 ms of pure Python repeated for 6 s, one process pinned to
+  each CPU at once: how often, and when, this box runs it 5x slower than its median (W3's
+  p99 is 1 % of its puts; a box whose CPUs slow down every second or so cannot meet it).
 """
 
 from __future__ import annotations
@@ -565,6 +568,51 @@ def after_spin(calls: int = 300) -> None:
         print(f"after-spin {name:15s} after 0 / 1 / 10 ms of spinning: {' / '.join(medians)} us")
 
 
+def _steady_unit() -> int:
+    total = 0
+    for i in range(2000):
+        total += i
+    return total
+
+
+def _steady_worker(cpu: int, seconds: float, out: Any) -> None:
+    import os
+
+    os.sched_setaffinity(0, {cpu})
+    times: list[tuple[float, float]] = []
+    end = time.perf_counter() + seconds
+    while (t0 := time.perf_counter()) < end:
+        _steady_unit()
+        times.append((t0, time.perf_counter() - t0))
+    out.put((cpu, times))
+
+
+def steady_cpu(seconds: float = 6.0) -> None:
+    """Fixed Python work on every CPU at once: the slow stretches the box itself has."""
+    import os
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = [ctx.Process(target=_steady_worker, args=(c, seconds, out)) for c in cpus]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=seconds + 60) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    for cpu, times in sorted(results):
+        durations = sorted(d for _, d in times)
+        median = durations[len(durations) // 2]
+        slow = [t for t, d in times if d > 5 * median]
+        when = sorted({round(t - times[0][0], 1) for t in slow})
+        print(
+            f"steady-cpu cpu{cpu}: {len(times)} units, median {median * 1e6:.0f} us, "
+            f"p99 {durations[int(len(durations) * 0.99)] * 1e6:.0f} us, "
+            f"max {durations[-1] * 1e6:.0f} us; {len(slow)} over 5x the median, at s "
+            f"{when[:20]}"
+        )
+
+
 PROBES = {
     "tcp-ceiling": tcp_ceiling,
     "same-host": same_host,
@@ -574,6 +622,7 @@ PROBES = {
     "cold-call": cold_call,
     "socket-rtt": socket_rtt,
     "after-spin": after_spin,
+    "steady-cpu": steady_cpu,
 }
 
 
