@@ -68,10 +68,17 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     probes.tcp_ceiling(puts=8)
     probes.idle_rtt(calls=4)
     probes.cold_call(calls=2)
+    probes.after_spin(calls=2)
     if sys.platform == "linux":
         probes.same_host(puts=8)
+        probes.socket_rtt(calls=20)
+        probes.steady_cpu(seconds=0.2)
     out = capsys.readouterr().out
+    linux = sys.platform == "linux"
     assert out.count("tcp-ceiling") == 2
     assert out.count("idle-rtt") == 9
     assert out.count("cold-call") == 5
-    assert out.count("same-host") == (3 if sys.platform == "linux" else 0)
+    assert out.count("after-spin") == 4
+    assert out.count("same-host") == (3 if linux else 0)
+    assert out.count("socket-rtt") == (4 if linux else 0)
+    assert out.count("steady-cpu") == (len(os.sched_getaffinity(0)) if linux else 0)
