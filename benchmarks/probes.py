@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import socket
 import statistics
 import tempfile
@@ -126,7 +127,6 @@ class socket_port:
 
 def _arena_owner(address: str, size: int) -> None:
     import mmap
-    import os
 
     fd = os.memfd_create("tq-probe", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
@@ -248,8 +248,6 @@ def first_get_meta() -> None:
 
 
 def shm_memory() -> None:
-    import asyncio
-    import os
     import subprocess
     import sys
 
@@ -576,8 +574,6 @@ def _steady_unit() -> int:
 
 
 def _steady_worker(cpu: int, seconds: float, out: Any) -> None:
-    import os
-
     os.sched_setaffinity(0, {cpu})
     times: list[tuple[float, float]] = []
     end = time.perf_counter() + seconds
@@ -589,17 +585,19 @@ def _steady_worker(cpu: int, seconds: float, out: Any) -> None:
 
 def steady_cpu(seconds: float = 6.0) -> None:
     """Fixed Python work on every CPU at once: the slow stretches the box itself has."""
-    import os
-
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     cpus = sorted(os.sched_getaffinity(0))
     procs = [ctx.Process(target=_steady_worker, args=(c, seconds, out)) for c in cpus]
     for proc in procs:
         proc.start()
-    results = [out.get(timeout=seconds + 60) for _ in procs]
-    for proc in procs:
-        proc.join(30)
+    try:
+        results = [out.get(timeout=seconds + 60) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
     for cpu, times in sorted(results):
         durations = sorted(d for _, d in times)
         median = durations[len(durations) // 2]
