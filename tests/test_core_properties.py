@@ -140,7 +140,7 @@ class Model:
     def finish(self) -> None:
         """Seal, let every lease run out, restart the dead, and read to the end."""
         self.sealed = True
-        self.core.state.seal("p")
+        self.core.state.seal("p", create=True)
         self.advance(2 * LEASE)
         for c in range(len(self.consumers)):
             if not self.consumers[c].alive:
@@ -177,7 +177,7 @@ def test_random_interleavings_keep_the_guarantees(program: list[tuple[object, ..
     for op, *args in program:
         if op == "seal":
             m.sealed = True
-            m.core.state.seal("p")
+            m.core.state.seal("p", create=True)
         elif op == "put":
             m.put(*args)  # type: ignore[arg-type]
         elif op == "read":

@@ -51,6 +51,83 @@ def test_an_unconfigured_program_gets_nothing_on_stdout_and_warnings_on_stderr()
     assert "an info record" not in done.stderr
 
 
+COMPAT_PROGRAM = """
+import tq_async.compat as tq
+
+tq.init({"controller": {"num_storage_units": 1}})  # logs "initialised" at info
+try:
+    tq.kv_put(key="k", partition_id="p", fields={"x": [1]}, tag={})
+    print("program output")
+finally:
+    tq.close()
+"""
+
+
+def test_compat_init_prints_nothing_on_stdout() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", COMPAT_PROGRAM],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "program output\n"
+    assert "initialised" not in done.stderr  # an info record: not shown by default
+
+
+def test_every_module_logs_through_the_project_logger() -> None:
+    """A bare ``structlog.get_logger`` prints to stdout (structlog's default PrintLogger)."""
+    src = Path(tq.__file__).parent
+    offenders = [
+        f"{path.relative_to(src)}:{number}"
+        for path in sorted(src.rglob("*.py"))
+        if path.name != "_logging.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "structlog.get_logger" in line or "structlog.wrap_logger" in line
+    ]
+    assert not offenders, f"use tq_async._logging.get_logger instead: {offenders}"
+
+
+FORGOTTEN_SEAL_PROGRAM = """
+import anyio, torch
+from tensordict import TensorDict
+import tq_async as tq
+
+async def main():
+    deadlines = tq.Deadlines(waiting_warning_after=0.3)
+    async with tq.local_cluster(num_storage_units=1, deadlines=deadlines) as cluster:
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            await client.put(TensorDict({"x": torch.arange(4)}, [4]), partition_id="train@0")
+            # no seal: the third get_meta waits for rows that never come
+            for _ in range(3):
+                try:
+                    meta = await client.get_meta(["x"], 2, "train@0", "learner", timeout=2)
+                except tq.TQTimeoutError:
+                    print("timed out")
+                    break
+                print(meta.global_indexes)
+
+anyio.run(main)
+"""
+
+
+def test_a_forgotten_seal_warns_on_stderr_once_and_nothing_on_stdout() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORGOTTEN_SEAL_PROGRAM],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[0, 1]\n[2, 3]\ntimed out\n"
+    assert done.stderr.count("not sealed") == 1, done.stderr
+    assert "partition 'train@0'" in done.stderr
+    assert "the task consumed 4 of its 4 rows" in done.stderr
+    assert "client.seal('train@0')" in done.stderr
+
+
 def test_records_are_stdlib_records_named_after_modules(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

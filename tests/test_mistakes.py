@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import anyio
 import pytest
 import torch
 from tensordict import TensorDict
@@ -134,3 +135,90 @@ def test_a_storage_unit_with_a_controller_address_without_a_scheme() -> None:
     )
     assert done.returncode == 1
     assert "did you mean 'tcp://h:5555'?" in done.stderr
+
+
+async def test_a_forgotten_seal_gets_one_warning_naming_the_partition_and_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    deadlines = tq.Deadlines(waiting_warning_after=0.1)
+    async with (
+        tq.local_cluster(num_storage_units=1, deadlines=deadlines) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert cluster.controller.waiting_warning_after == 0.1
+        await put_rows(client)
+        meta = await client.get_meta(["reward"], 2, "p", "learner")
+        assert len(meta) == 2  # drained: every row consumed, nothing sealed
+        with (
+            caplog.at_level(logging.WARNING, logger="tq_async"),
+            pytest.raises(tq.TQTimeoutError),
+        ):
+            await client.get_meta(["reward"], 2, "p", "learner", timeout=0.6)
+        warnings = [r for r in caplog.records if "not sealed" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one, not one a period
+        message = warnings[0].getMessage()
+        assert "partition 'p'" in message
+        assert "the task consumed 2 of its 2 rows" in message
+        assert "client.seal('p')" in message
+        assert "timeout=" in message
+        assert "stop_when_consumed=True" in message
+        assert warnings[0].tq_event["consumed"] == 2  # type: ignore[attr-defined]
+        # sealed: the same wait ends at once, with no warning
+        caplog.clear()
+        await client.seal("p")
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            end = await client.get_meta(["reward"], 2, "p", "learner", timeout=5)
+        assert end.end_of_stream
+        assert not [r for r in caplog.records if "not sealed" in r.getMessage()]
+
+
+async def test_no_forgotten_seal_warning_while_rows_keep_coming(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        cluster.controller.waiting_warning_after = 0.15
+        await put_rows(client)
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.get_meta, ["reward"], 12, "p", "learner")
+                for _ in range(5):  # a slow producer: a row every 0.1 s, quiet never 0.15 s
+                    await anyio.sleep(0.1)
+                    await put_rows(client)
+            # 2 + 5 x 2 rows: the waiter got its batch of 12
+        assert not [r for r in caplog.records if "not sealed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_sealing_a_partition_that_does_not_exist_names_the_known_ones(
+    blocking: bool,
+) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(TensorDict({"x": torch.zeros(2)}, [2]), partition_id="train@0")
+
+        async def seal(pid: str, **kw: bool) -> None:
+            if blocking:
+
+                def blocking_seal() -> None:
+                    with tq.Client.connect(cluster.address) as sync:
+                        sync.seal(pid, **kw)
+
+                await anyio.to_thread.run_sync(blocking_seal)
+            else:
+                await client.seal(pid, **kw)
+
+        with pytest.raises(tq.PartitionNotFound) as info:
+            await seal("train_0")
+        assert "cannot seal partition 'train_0'" in str(info.value)
+        assert "known partitions: ['train@0']" in str(info.value)
+        assert "create=True" in str(info.value)
+        assert await client.list_partitions() == ["train@0"]  # the typo created nothing
+        await seal("train@1", create=True)  # the explicit form: created empty and sealed
+        assert (await client.partition_info("train@1"))["sealed"]
+        end = await client.get_meta(["x"], 1, "train@1", "t", timeout=5)
+        assert end.end_of_stream

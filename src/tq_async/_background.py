@@ -25,15 +25,15 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-import structlog
 from anyio.from_thread import BlockingPortal
 
 from ._cluster import LocalCluster, local_cluster
 from ._errors import ClosedError, InvalidRequestError, TQTimeoutError
+from ._logging import get_logger
 
 __all__ = ["BackgroundCluster", "background_cluster"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Started = tuple[BlockingPortal, anyio.Event, LocalCluster]
 

@@ -126,6 +126,7 @@ _CONFIG_FLAGS = {
     "put_lease": "put_lease",
     "unit_suspend_after": "unit_suspend_after",
     "unit_lost_after": "unit_lost_after",
+    "waiting_warning_after": "waiting_warning_after",
     "shm_cap": "shm_cap",
 }
 
@@ -229,6 +230,12 @@ def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
             defaults.unit_lost_after,
             "declare a suspended unit's rows lost after this long (a unit whose process is "
             "gone is lost at once)",
+        ),
+        (
+            "--waiting-warning-after",
+            defaults.waiting_warning_after,
+            "warn once when a get_meta has waited this long on fields no row has, a partition "
+            "that does not exist, or an unsealed partition that got no new rows",
         ),
     ):
         parser.add_argument(

@@ -125,9 +125,20 @@ class ControlCalls(ClientPuts, ClientGets):
         """
         await self._call(RegisterTasks(list(tasks), partition_id), None)
 
-    async def seal(self, partition_id: str) -> None:
-        """No more rows will be added: drained consumers then see end-of-stream."""
-        await self._call(Seal(partition_id), None)
+    async def seal(self, partition_id: str, *, create: bool = False) -> None:
+        """No more rows will be added: drained consumers then see end-of-stream.
+
+        Args:
+            partition_id: the partition.
+            create: create the partition empty (and sealed) if it does not exist.
+
+        Raises:
+            PartitionNotFound: the partition does not exist (a misspelled id) and
+                ``create`` is False; the message lists the known partitions.
+
+        Cancellation: the seal may or may not have happened; sealing again is harmless.
+        """
+        await self._call(Seal(partition_id, create), None)
 
     async def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""

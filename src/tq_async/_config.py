@@ -300,6 +300,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         unit_suspend_after: seconds a silent storage unit has before it is suspended.
         unit_lost_after: seconds a suspended unit has to come back before its rows are
             declared lost.
+        waiting_warning_after: seconds a get_meta waits before the controller warns why
+            (missing fields or partition, or a partition not sealed and gone quiet).
         shm_cap: bytes of shared memory per storage unit for clients on the units' host (0:
             off; at the cap, puts go over the socket).
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
@@ -320,6 +322,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     put_lease: float = Deadlines.put_lease
     unit_suspend_after: float = Deadlines.unit_suspend_after
     unit_lost_after: float = Deadlines.unit_lost_after
+    waiting_warning_after: float = Deadlines.waiting_warning_after
     shm_cap: int = DEFAULT_SHM_CAP
     metrics_on: str | None = None
     sampler: SamplerSpec | None = None
@@ -441,7 +444,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 declared lost before it is suspended.
         """
         try:
-            return Deadlines(self.put_lease, self.unit_suspend_after, self.unit_lost_after)
+            return Deadlines(
+                self.put_lease,
+                self.unit_suspend_after,
+                self.unit_lost_after,
+                self.waiting_warning_after,
+            )
         except InvalidRequestError as exc:
             raise ConfigError(f"config: {exc}") from None
 

@@ -142,8 +142,10 @@ class ControllerServer(ControllerPuts):
         self.state = self.core.state
         self.default_lease = default_lease
         #: seconds after which a get_meta waiting on fields (or a partition) that do not
-        #: exist logs a warning naming them
-        self.waiting_warning_after = 30.0
+        #: exist, or on an unsealed partition that got no new rows, logs a warning saying so
+        self.waiting_warning_after = self.core.deadlines.waiting_warning_after
+        #: unsealed partitions watched for going quiet while a task waits on them
+        self._quiet: dict[tuple[str, str], _QuietWatch] = {}
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self.lot = ParkingLot()
@@ -271,7 +273,7 @@ class ControllerServer(ControllerPuts):
         self._apply(fx)
 
     def _on_seal(self, msg: Incoming, body: Seal) -> None:
-        self._notify(self.state.seal(body.partition_id))
+        self._notify(self.state.seal(body.partition_id, create=body.create))
 
     def _on_reset_consumption(self, msg: Incoming, body: ResetConsumption) -> None:
         self._apply(self.core.reset_consumption(body.partition_id, body.task_name))
@@ -420,7 +422,42 @@ class ControllerServer(ControllerPuts):
             asyncio.get_running_loop().call_later(
                 self.waiting_warning_after, self._warn_if_still_waiting, msg.peer, msg.rid, req
             )
+        elif (req.partition_id, req.task_name) not in self._quiet:
+            # a forgotten seal would too: one watch per (partition, task) with waiters
+            self._watch_quiet(_QuietWatch(req, _progress(self.state, req)))
         return DEFERRED
+
+    def _watch_quiet(self, watch: _QuietWatch) -> None:
+        key = (watch.req.partition_id, watch.req.task_name)
+        self._quiet[key] = watch
+        asyncio.get_running_loop().call_later(self.waiting_warning_after, self._check_quiet, key)
+
+    def _check_quiet(self, key: tuple[str, str]) -> None:
+        """Warn once if the task still waits on an unsealed partition that made no progress."""
+        watch = self._quiet.pop(key)
+        p = self.state.partitions.get(key[0])
+        if self.stopping or not self.lot.parked(key) or p is None or p.sealed:
+            return  # nobody waits (or a new watch starts with the next waiter), or sealed
+        progress = _progress(self.state, watch.req)
+        if progress != watch.progress:
+            self._watch_quiet(_QuietWatch(watch.req, progress))
+            return
+        if not watch.warned:
+            pid, task = key
+            consumed = p.consumed_count.get(task, 0)
+            log.warning(
+                f"get_meta for task {task!r} has waited {self.waiting_warning_after:g} s on "
+                f"partition {pid!r}, which is not sealed and got no new rows in that time "
+                f"(the task consumed {consumed} of its {p.n_alive} rows); if no more rows will "
+                f"come, seal it (client.seal({pid!r})) so that drained consumers see "
+                "end-of-stream, or bound the wait with get_meta(..., timeout=...) or "
+                "stop_when_consumed=True",
+                partition=pid,
+                task=task,
+                consumed=consumed,
+                rows=p.n_alive,
+            )
+        self._watch_quiet(_QuietWatch(watch.req, progress, warned=True))
 
     def _warn_if_still_waiting(self, peer: bytes, rid: int, req: GetMeta) -> None:
         why = _why_waiting(self.state, req)
@@ -553,6 +590,39 @@ class ControllerServer(ControllerPuts):
         ]
 
 
+class _QuietWatch:
+    """A task waits on an unsealed partition: what it looked like when the watch started."""
+
+    __slots__ = ("progress", "req", "warned")
+
+    def __init__(self, req: GetMeta, progress: tuple[Any, ...], *, warned: bool = False) -> None:
+        self.req = req
+        self.progress = progress
+        #: warned about this stretch of quiet already (once per stretch)
+        self.warned = warned
+
+
+def _progress(state: ControllerState, req: GetMeta) -> tuple[Any, ...]:
+    """What changes when a partition gets rows (or fields of rows) or the task consumes.
+
+    Counting produced cells is linear in the rows, but runs once per watch period.
+    """
+    p = state.partitions.get(req.partition_id)
+    if p is None:
+        return ()
+    produced = tuple(
+        p.fields[f].produced.count(1) if f in p.fields else -1 for f in req.data_fields
+    )
+    return (
+        p.incarnation,
+        p.n_rows,
+        p.n_alive,
+        p.consumed_count.get(req.task_name, 0),
+        len(p.put_leases),
+        produced,
+    )
+
+
 def _query(core: ControllerCore, answer: Any, msg: Incoming, body: Any) -> Any:
     return answer(core, body)
 
@@ -567,5 +637,6 @@ def _why_waiting(state: ControllerState, req: GetMeta) -> str | None:
         return None
     return (
         f"no row of partition {req.partition_id!r} has the field(s) {missing} (it has "
-        f"{sorted(p.fields)}); check the field names"
+        f"{sorted(p.fields)}); check the field names, and that the task that writes them "
+        "is running (it may have failed)"
     )

@@ -60,14 +60,20 @@ class Deadlines:
             (reconnecting is refused, or another process answers) is lost at once.
         unit_lost_after: seconds a suspended unit has to come back with its data before its
             rows are declared lost (``lost_rows()``; end-of-stream stops waiting for them).
+        waiting_warning_after: seconds a get_meta may wait silently before the controller
+            logs one warning saying why it waits: fields no row has (a typo, or a task that
+            never wrote them), a partition that does not exist, or a partition that is not
+            sealed and got no new rows in that time (a forgotten ``seal``).
     """
 
     put_lease: float = 60.0
     unit_suspend_after: float = 10.0
     unit_lost_after: float = 120.0
+    waiting_warning_after: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("put_lease", "unit_suspend_after", "unit_lost_after"):
+        names = ("put_lease", "unit_suspend_after", "unit_lost_after", "waiting_warning_after")
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not (
                 isinstance(value, (int, float)) and math.isfinite(value) and value > 0

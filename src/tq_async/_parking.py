@@ -30,6 +30,10 @@ class ParkingLot:
         """Number of parked futures."""
         return sum(len(futs) for futs in self._parked.values())
 
+    def parked(self, key: Hashable) -> int:
+        """Number of futures parked under ``key``."""
+        return len(self._parked.get(key, ()))
+
     @contextmanager
     def ticket(self, key: Hashable) -> Iterator[asyncio.Future[None]]:
         """A future under ``key``, done once ``key`` is unparked; dropped when the block exits."""

@@ -184,6 +184,7 @@ class Release(_Msg):
 
 class Seal(_Msg):
     partition_id: str
+    create: bool = False
 
 
 class ResetConsumption(_Msg):

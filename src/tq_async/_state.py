@@ -923,9 +923,20 @@ class ControllerState:
         p.unavailable = self.unavailable
         return p
 
-    def seal(self, partition_id: str) -> list[Wakeup]:
-        """No more new rows in ``partition_id`` (created empty if it does not exist yet)."""
+    def seal(self, partition_id: str, *, create: bool = False) -> list[Wakeup]:
+        """No more new rows in ``partition_id``.
+
+        A partition that does not exist raises :class:`PartitionNotFound` (a misspelled id
+        would otherwise be created sealed while the real one stays open); ``create=True``
+        creates it empty and sealed.
+        """
         p = self.partitions.get(partition_id)
+        if p is None and not create:
+            raise PartitionNotFound(
+                f"cannot seal partition {partition_id!r}: it does not exist (never put to, or "
+                f"cleared); known partitions: {sorted(self.partitions)[:20]}. Check the id, "
+                "or pass create=True to create it empty and sealed"
+            )
         if p is None:
             p = self.partitions[partition_id] = self.new_partition(partition_id)
         p.sealed = True

@@ -273,9 +273,9 @@ class Client:
         """Blocking :meth:`AsyncClient.release`."""
         self._run(self._require().release, meta)
 
-    def seal(self, partition_id: str) -> None:
+    def seal(self, partition_id: str, *, create: bool = False) -> None:
         """Blocking :meth:`AsyncClient.seal`."""
-        self._run(self._require().seal, partition_id)
+        self._run(self._require().seal, partition_id, create=create)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Blocking :meth:`AsyncClient.reset_consumption`."""

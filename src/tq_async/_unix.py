@@ -26,12 +26,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
 import zmq
+
+from ._logging import get_logger
 
 __all__ = ["UnixSocket", "UnixListener", "HELLO", "abstract_name"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 HELLO = b"TQU1"
 _U32 = struct.Struct("<I")

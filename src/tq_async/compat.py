@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -46,6 +45,7 @@ from ._background import BackgroundCluster, background_cluster
 from ._dataset import chunk_batch_fn as _chunk_batch_fn
 from ._errors import ClosedError, InvalidRequestError, KeyNotFound, PartitionNotFound
 from ._errors import TQTimeoutError as _TQTimeoutError
+from ._logging import get_logger
 from ._sync import Client as _Client
 from ._torch_dataset import StreamingDataLoader as _StreamingDataLoader
 from ._torch_dataset import StreamingDataset as _StreamingDataset
@@ -87,7 +87,7 @@ __all__ = [
     "SeqlenBalancedSampler",
 ]
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 _R = TypeVar("_R")
 
 #: TransferQueue's name for a missing key; here the same class as ``tq_async.KeyNotFound``.
