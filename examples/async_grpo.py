@@ -47,17 +47,29 @@ Run it::
 
 With ``--address`` no cluster is started, and the remote cluster's samplers and admission
 apply: ``examples/grpo.toml`` is :func:`cluster_config` for the default arguments (a plain
-``tq-async serve`` starts the defaults: no token balancing, no staleness bound).
+``tq-async serve`` starts the defaults: no token balancing, no staleness bound). For other
+arguments, ``--print-config`` writes the matching file::
+
+    python examples/async_grpo.py --n-samples 8 --print-config > grpo8.toml
+    tq-async serve --config grpo8.toml
+
+If any task fails, the run stops within seconds: it clears the partitions it created (so the
+next run starts clean), prints the first error with what it most likely means, and exits
+with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import math
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
@@ -229,6 +241,36 @@ def grpo_loss(
 # ---- bookkeeping -----------------------------------------------------------------------------
 
 
+async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread; cancelling abandons the thread.
+
+    A learner thread waits inside its loader for rows; if another task fails, they may never
+    come. ``anyio.to_thread.run_sync(..., abandon_on_cancel=True)`` would let the task group
+    end, but its worker threads are not daemons: the interpreter would wait for them at exit.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return  # abandoned
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def target() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=target, name=f"learner-{fn.__name__}", daemon=True).start()
+    return await done
+
+
 @dataclass
 class TaskStats:
     """What one task did: the rows it processed and how long it waited for work."""
@@ -320,30 +362,44 @@ class Pipeline:
             # publishes them before announcing their version), so no row this rollout puts
             # is more than max_staleness versions old when the learner trains on it.
             version = self.weights.pull(engine, version)
-            prompt_rng = torch.Generator().manual_seed(args.seed * 1_000_003 + uid)
-            prompt = torch.randint(1, args.vocab, (args.prompt_len,), generator=prompt_rng)
-            responses, log_probs = await anyio.to_thread.run_sync(
-                generate, engine, prompt, n, args.max_new_tokens, rng
-            )
-            # the time a server would take to decode the group (as long as its longest answer)
-            await anyio.sleep(args.decode_ms / 1000 * max(len(r) for r in responses))
-            meta = await self.client.put(
-                {
-                    "input_ids": prompt.expand(n, -1).clone(),
-                    "responses": jagged(responses),
-                    "old_log_prob": jagged(log_probs),
-                },
-                partition_id=partition(step),
-                tags=[{"uid": uid, "total_lengths": args.prompt_len + len(r)} for r in responses],
-                policy_version=version,
-            )
+            try:
+                meta = await self.generate_and_put(engine, version, rng, step, uid)
+            except BaseException:
+                if args.max_staleness is not None:  # no rows came: give the slots back
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                        await self.client.release_rollout(n)
+                raise
             stats.rows.extend((step, r) for r in meta.global_indexes)
             self.group_tokens[uid] = (step, sum(t["total_lengths"] for t in meta.tags))
-            self.response_tokens += sum(len(r) for r in responses)
             self.groups_put[step] += 1
             if self.groups_put[step] == args.prompts_per_step:
                 await self.client.seal(partition(step))  # readers that drain it see the end
         stats.finished_at = time.perf_counter()
+
+    async def generate_and_put(
+        self, engine: TinyPolicy, version: int, rng: torch.Generator, step: int, uid: int
+    ) -> tq.BatchMeta:
+        """Sample prompt ``uid``'s group and put it as new rows of ``step``'s partition."""
+        args, n = self.args, self.args.n_samples
+        prompt_rng = torch.Generator().manual_seed(args.seed * 1_000_003 + uid)
+        prompt = torch.randint(1, args.vocab, (args.prompt_len,), generator=prompt_rng)
+        responses, log_probs = await anyio.to_thread.run_sync(
+            generate, engine, prompt, n, args.max_new_tokens, rng
+        )
+        # the time a server would take to decode the group (as long as its longest answer)
+        await anyio.sleep(args.decode_ms / 1000 * max(len(r) for r in responses))
+        meta = await self.client.put(
+            {
+                "input_ids": prompt.expand(n, -1).clone(),
+                "responses": jagged(responses),
+                "old_log_prob": jagged(log_probs),
+            },
+            partition_id=partition(step),
+            tags=[{"uid": uid, "total_lengths": args.prompt_len + len(r)} for r in responses],
+            policy_version=version,
+        )
+        self.response_tokens += sum(len(r) for r in responses)
+        return meta
 
     # -- reward and reference ----------------------------------------------------------------
 
@@ -435,11 +491,9 @@ class Pipeline:
         results: dict[tuple[int, int], RankResult],
     ) -> None:
         _, replica = key
-        # abandon_on_cancel: if another task fails, do not wait for a thread that may be
-        # blocked on a partition that will now never be sealed
-        results[key] = await anyio.to_thread.run_sync(
-            self.train_on_partition, loader, replica == 0, abandon_on_cancel=True
-        )
+        # if another task fails, do not wait for a thread that may be blocked on a partition
+        # that will now never be sealed (and do not let it keep the process alive)
+        results[key] = await in_daemon_thread(self.train_on_partition, loader, replica == 0)
 
     def train_on_partition(self, loader: tq.StreamingDataLoader, compute: bool) -> RankResult:
         """A rank's share of one step (in a worker thread): stream micro-batches, sum grads.
@@ -625,8 +679,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             cluster = await stack.enter_async_context(tq.local_cluster(config=cluster_config(args)))
             address = cluster.address
         client = await stack.enter_async_context(tq.AsyncClient.connect(address))
-        if any(p.startswith("train@") for p in await client.list_partitions()):
-            raise SystemExit(f"{address} already holds train@ partitions; use a fresh cluster")
+        leftovers = [p for p in await client.list_partitions() if p.startswith("train@")]
+        if leftovers:
+            raise SystemExit(
+                f"{address} already holds the partitions {leftovers[:5]}: another run of this "
+                "example is using this cluster, or one was killed before it could clear them. "
+                "Wait for that run, or start a fresh `tq-async serve` (or clear them: "
+                "client.clear_partition(p) for each)"
+            )
         dropped_before = (await client.staleness_status()).get("dropped", 0)
 
         pipeline = Pipeline(args, address, client)
@@ -648,12 +708,54 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         pipeline.consume, "ref", 2 * args.n_samples, pipeline.ref_log_probs
                     )
                 tg.start_soon(pipeline.learner, progress)
+        except BaseException:
+            # a task failed: free what this run created, so that the next run starts clean
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await clear_run_partitions(client)
+            raise
         finally:
             if progress is not None:
                 progress.close()
         wall = time.perf_counter() - pipeline.started
         dropped = (await client.staleness_status()).get("dropped", 0) - dropped_before
     return pipeline.summary(wall, dropped)
+
+
+async def clear_run_partitions(client: tq.AsyncClient) -> None:
+    """Clear every ``train@`` partition (best effort: the cluster may be the failure)."""
+    try:
+        for pid in await client.list_partitions():
+            if pid.startswith("train@"):
+                await client.clear_partition(pid)
+    except tq.TQError as exc:
+        print(f"could not clear this run's partitions: {exc}", file=sys.stderr)
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups of failed tasks."""
+    cancelled = asyncio.CancelledError  # anyio.run runs asyncio
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # type: ignore[attr-defined]
+        group: tuple[BaseException, ...] = exc.exceptions  # type: ignore[attr-defined]
+        exc = next((e for e in group if not isinstance(e, cancelled)), group[0])
+    return exc
+
+
+def diagnose(error: BaseException, args: argparse.Namespace) -> str:
+    """What a failure most likely means, and what to do about it."""
+    text = str(error)
+    if args.address and (
+        "n_samples_per_prompt" in text or "whole groups" in text or "sampler" in text
+    ):
+        return (
+            f"the cluster at {args.address} has samplers set up for other arguments than "
+            "this run's (examples/grpo.toml is for the defaults: --n-samples 4 --dp-size 2 "
+            "--replicas 2 --prompts-per-step 16 --max-staleness 1). Start it with this run's "
+            "configuration: python examples/async_grpo.py ARGS --print-config > run.toml; "
+            "tq-async serve --config run.toml"
+        )
+    if isinstance(error, (tq.BrokenError, tq.TQTimeoutError)) and args.address:
+        return f"is `tq-async serve` running at {args.address}, and reachable from here?"
+    return "a task of the pipeline failed (traceback above); the run was stopped"
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -719,8 +821,13 @@ def staleness_bound(value: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--address", help="a running controller (tq-async serve); default: embedded")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--address", help="a running controller (tq-async serve); None: an embedded cluster"
+    )
     p.add_argument("--steps", type=int, default=20, help="learner steps, one partition each")
     p.add_argument("--prompts-per-step", type=int, default=16, help="GRPO groups per step")
     p.add_argument("--n-samples", type=int, default=4, help="responses per prompt")
@@ -728,18 +835,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=2, help="loaders per rank (TP/PP peers)")
     p.add_argument("--rank-batch-size", type=int, default=16, help="rows per rank per batch")
     p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch")
-    p.add_argument("--rollout-workers", type=int, default=4)
-    p.add_argument("--reward-workers", type=int, default=2)
-    p.add_argument("--ref-workers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--rollout-workers", type=int, default=4, help="rollout coroutines")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward coroutines")
+    p.add_argument("--ref-workers", type=int, default=2, help="reference coroutines")
+    p.add_argument("--vocab", type=int, default=16, help="tokens in the toy vocabulary")
+    p.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="longest response")
     p.add_argument("--decode-ms", type=float, default=4.0, help="simulated ms per decoded token")
     p.add_argument("--train-ms", type=float, default=1.0, help="simulated ms per trained token")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
     p.add_argument("--kl-coef", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "--max-staleness",
         type=staleness_bound,
@@ -752,6 +859,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda v: [staleness_bound(x) for x in v.split(",")],
         metavar="K,K,...",
         help="run once per bound (e.g. off,0,1,2) and print throughput against it",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the cluster configuration (TOML) for these arguments and exit: "
+        "tq-async serve --config FILE serves --address runs with it",
     )
     p.add_argument("--tiny", action="store_true", help="a run of a few seconds (for tests)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines or progress bar")
@@ -792,6 +905,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.print_config:
+        check_args(args)
+        print(cluster_config(args).to_toml(), end="")
+        return
     torch.set_num_threads(1)  # small ops from several threads: intra-op threads only contend
     tq.configure_logging("WARNING")
     # torch warns once from inside TensorDict's slicing of jagged columns; nothing to act on
@@ -802,8 +919,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "--staleness-sweep needs the embedded cluster (admission is set there)"
             )
         anyio.run(sweep, args, args.staleness_sweep)
-    else:
-        print_summary(anyio.run(run, args))
+        return
+    try:
+        summary = anyio.run(run, args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # a task failed: one error, what it means, status 1
+        error = first_error(exc)
+        traceback.print_exception(type(error), error, error.__traceback__)
+        print(f"\nerror: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"diagnosis: {diagnose(error, args)}", file=sys.stderr)
+        sys.exit(1)
+    print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import importlib.util
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from test_cli import service
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
 
@@ -144,3 +146,74 @@ def test_script_prints_the_summary() -> None:
     assert "tokens per DP rank per step" in out
     assert "final loss" in out
     assert "step   3/3" in out  # the learner prints its loss per step
+
+
+def run_script(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_a_failed_task_stops_the_run_with_the_first_error_and_a_diagnosis(
+    tmp_path: Path,
+) -> None:
+    """Groups of 8 against a cluster set up for groups of 4 (examples/grpo.toml)."""
+    sizes = ["--tiny", "--n-samples", "8", "--rank-batch-size", "8", "--micro-batch-size", "4"]
+    toml = EXAMPLE.parent / "grpo.toml"
+    with service(["--config", str(toml)], tmp_path / "serve.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        t0 = time.monotonic()
+        done = run_script(*sizes, "--address", address)
+        elapsed = time.monotonic() - t0
+        assert done.returncode == 1, done.stderr
+        assert elapsed < 30  # seconds, not a hang (it used to stay alive indefinitely)
+        lines = done.stderr.splitlines()
+        [error] = [line for line in lines if line.startswith("error: ")]
+        assert "n_samples_per_prompt=4" in error  # the first error: the reward task's
+        [diagnosis] = [line for line in lines if line.startswith("diagnosis: ")]
+        assert "samplers set up for other arguments" in diagnosis
+        assert "--print-config" in diagnosis
+        # the failed run cleared its partitions: a rerun is not refused, it fails the same way
+        again = run_script(*sizes, "--address", address)
+        assert again.returncode == 1
+        assert "already holds" not in again.stderr
+        assert "samplers set up for other arguments" in again.stderr
+        # with the configuration printed for these arguments, the same run succeeds
+        (tmp_path / "run.toml").write_text(run_script(*sizes, "--print-config").stdout)
+    with service(["--config", str(tmp_path / "run.toml")], tmp_path / "run.err") as svc:
+        done = run_script(*sizes, "--address", svc.wait_line("TQ_ADDRESS="), "--quiet")
+        assert done.returncode == 0, done.stderr
+        assert "NO" not in done.stdout
+
+
+async def test_a_cluster_holding_another_runs_partitions_is_refused_with_what_to_do() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.zeros(2)}, partition_id="train@0")
+        args = example.parse_args(["--tiny", "--quiet", "--address", cluster.address])
+        with pytest.raises(SystemExit) as info:
+            await example.run(args)
+        message = str(info.value)
+        assert "['train@0']" in message
+        assert "another run of this example" in message
+        assert "fresh `tq-async serve`" in message
+
+
+def test_help_shows_the_defaults() -> None:
+    done = run_script("--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "responses per prompt (default: 4)" in text
+    assert "GRPO groups per step (default: 16)" in text
+    assert "(default: 1)" in text  # --max-staleness
+
+
+def test_print_config_matches_grpo_toml_for_the_defaults() -> None:
+    printed = tq.Config.from_toml_string(run_script("--print-config").stdout)
+    assert printed == tq.Config.from_toml(EXAMPLE.parent / "grpo.toml")

@@ -276,3 +276,23 @@ def test_loader_delivers_an_empty_share_as_one_micro_batch(address: str, num_wor
     assert [m.batch_index for _, m in loader] == [1, 2, 2]
     with pytest.raises(tq.InvalidRequestError, match="dp_rank 2 is out of range"):
         StreamingDataset(address, ["x"], 4, 2, "p", "train", dp_rank=2, dp_size=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_the_controller_reports_ends_the_iteration(
+    address: str, client: tq.Client, num_workers: int
+) -> None:
+    """A permanent error (here: an uneven tail under tail='error') is raised, not waited on."""
+    pid = f"tail-error-{num_workers}"
+    _put(client, pid, n=21)  # global batches of 2 x 4: 8, 8, then 5 rows that do not split
+    ds = _dataset(address, pid, "train", dp_rank=0, dp_size=2, tail="error")
+    context = "fork" if num_workers else None
+    loader = StreamingDataLoader(ds, num_workers=num_workers, multiprocessing_context=context)
+    got: list[int] = []
+
+    def read_all() -> None:
+        got.extend(meta.batch_index for _, meta in loader)
+
+    with pytest.raises(tq.InvalidRequestError, match="do not split evenly over dp_size=2"):
+        read_all()
+    assert sorted(set(got)) == [0, 1]  # the whole batches came first

@@ -278,7 +278,8 @@ def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
 
 def _add_roles(serve: argparse.ArgumentParser) -> None:
     """``serve controller`` and ``serve storage``: one service each, for multi-host clusters."""
-    roles = serve.add_subparsers(dest="role", metavar="ROLE")
+    # optional: without a role, `serve` runs every service in one process
+    roles = serve.add_subparsers(dest="role", metavar="[ROLE]", title="roles (optional)")
     ctl = roles.add_parser(
         "controller",
         help="run a controller alone (storage units register with it)",
