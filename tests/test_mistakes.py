@@ -3,8 +3,12 @@ nothing listening, CURVE keys the services refuse, ``await AsyncClient.connect(.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -80,15 +84,71 @@ def test_an_address_without_a_scheme_gets_a_hint(connect: object) -> None:
         connect("http://127.0.0.1:5555")  # type: ignore[operator]
 
 
-async def test_connecting_to_nothing_fails_within_the_connect_timeout() -> None:
+async def test_a_silent_peer_fails_within_the_connect_timeout() -> None:
     assert tq.AsyncClient("tcp://127.0.0.1:9").connect_timeout <= 10
-    t0 = time.monotonic()
-    client = tq.AsyncClient.connect("tcp://127.0.0.1:9", connect_timeout=0.3)
-    with pytest.raises(tq.TQTimeoutError, match=r"nothing answered at tcp://127\.0\.0\.1:9"):
-        async with client:
+    with socket.socket() as listener:  # accepts (the kernel does) but never speaks ZMTP
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        client = tq.AsyncClient.connect(address, connect_timeout=0.3)
+        with pytest.raises(tq.TQTimeoutError, match=f"nothing answered at {address}"):
+            async with client:
+                pass
+        assert time.monotonic() - t0 < 5
+        assert client.request_timeout == 60.0  # separate from the connect timeout
+
+
+async def open_once(connect: Any, address: str) -> None:
+    if connect == tq.Client.connect:
+
+        def blocking() -> None:
+            with connect(address):
+                pass
+
+        await anyio.to_thread.run_sync(blocking)
+    else:
+        async with connect(address):
             pass
-    assert time.monotonic() - t0 < 5
-    assert client.request_timeout == 60.0  # separate from the connect timeout
+
+
+@pytest.mark.parametrize("connect", [tq.AsyncClient.connect, tq.Client.connect])
+async def test_a_refused_connection_fails_at_once(connect: Any) -> None:
+    with socket.socket() as bound:  # bound, never listening: every connection is refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{bound.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(tq.BrokenError, match=f"nothing listens at {address}") as info:
+            await open_once(connect, address)
+        assert time.monotonic() - t0 < 3  # not the 10 s connect timeout
+        assert not isinstance(info.value, tq.AuthenticationError)
+
+
+async def test_a_peer_that_accepts_and_drops_is_not_an_authentication_failure() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        stop = threading.Event()
+
+        def accept_and_drop() -> None:
+            listener.settimeout(0.05)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    listener.accept()[0].close()
+
+        thread = threading.Thread(target=accept_and_drop, daemon=True)
+        thread.start()
+        try:
+            client = tq.AsyncClient.connect(address, connect_timeout=5)
+            with pytest.raises(tq.BrokenError, match="not a tq_async service") as info:
+                async with client:
+                    pass
+            assert not isinstance(info.value, tq.AuthenticationError)
+            assert "CURVE" not in str(info.value)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
 
 
 async def test_await_connect_shows_the_right_form() -> None:

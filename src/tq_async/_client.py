@@ -131,11 +131,14 @@ class AsyncClient(ControlCalls):
 
         Raises:
             TQTimeoutError: the controller did not answer within ``connect_timeout``.
+            BrokenError: nothing listens at the address (the connection was refused), or
+                what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
         """
         if self._controller is not None:
             return
-        self._controller = self._connection(self.address)
+        # a refused first attempt means nothing listens there: fail now, not at the timeout
+        self._controller = self._connection(self.address, refused_is_broken=True)
         wait = min(self.connect_timeout, self.request_timeout)
         try:
             try:

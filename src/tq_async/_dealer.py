@@ -198,6 +198,7 @@ class DealerConnection(DrainedSocket):
             | zmq.EVENT_CONNECT_RETRIED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         )
         #: the security handshake (NULL or CURVE) completed on this socket
         self._handshaken = route is not None
@@ -269,7 +270,8 @@ class DealerConnection(DrainedSocket):
                 return
             except zmq.ZMQError:
                 return
-            event = zmq.utils.monitor.parse_monitor_message(msg)["event"]
+            parsed = zmq.utils.monitor.parse_monitor_message(msg)
+            event = parsed["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
                 self._retries = 0
@@ -279,17 +281,23 @@ class DealerConnection(DrainedSocket):
                 self._handshaken = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._fail_pending(self._rejected("rejected this client's CURVE key"))
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                if parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    self._fail_pending(self._mechanism_mismatch())
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
                 if not self._handshaken:  # dropped during the handshake: not an outage
-                    self._fail_pending(self._rejected("dropped the security handshake"))
+                    self._fail_pending(self._dropped_handshake())
                 self._disconnected()
             elif event != zmq.EVENT_CONNECT_RETRIED:
                 continue
             elif self.connected is not False:
                 # the first connection attempt was refused: nothing listens there
                 if self._refused_is_broken:
-                    self._disconnected()
+                    self._disconnected(
+                        f"nothing listens at {self.address} (the connection was refused); "
+                        "check the address and that the service runs there"
+                    )
             else:
                 # libzmq reports one retry when it schedules the reconnection after a
                 # disconnect; a second one means a connection attempt failed: nothing
@@ -298,12 +306,31 @@ class DealerConnection(DrainedSocket):
                 if self._retries == 2 and self._on_refused is not None:
                     self._on_refused()
 
+    def _mechanism_mismatch(self) -> AuthenticationError:
+        if self._curve is None:
+            return self._rejected("uses CURVE encryption")
+        return AuthenticationError(
+            f"the service at {self.address} does not use CURVE encryption: connect without "
+            "curve=, or start the services with CURVE keys (--curve-cert)"
+        )
+
+    def _dropped_handshake(self) -> BrokenError:
+        """The peer closed the connection before the ZMTP handshake completed."""
+        if self._curve is not None:  # most likely the wrong server key
+            return self._rejected("dropped the security handshake")
+        # a CURVE service announces its mechanism first (EVENT_HANDSHAKE_FAILED_PROTOCOL):
+        # a bare drop is a peer that accepts connections but does not speak ZMTP
+        return BrokenError(
+            f"the peer at {self.address} accepted the connection and closed it before the "
+            "ZMTP handshake: what listens there is not a tq_async service (or it was "
+            "stopping); check the address (the TQ_ADDRESS=... line `tq-async serve` prints)"
+        )
+
     def _rejected(self, what: str) -> AuthenticationError:
         if self._curve is None:
             hint = (
                 "the services there use CURVE keys (connect with curve=tq.CurveClient("
-                "server_public, client_public, client_secret)), or what listens there is not "
-                "a tq_async service"
+                "server_public, client_public, client_secret))"
             )
         else:
             hint = (
@@ -313,11 +340,12 @@ class DealerConnection(DrainedSocket):
             )
         return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
-    def _disconnected(self) -> None:
+    def _disconnected(self, why: str | None = None) -> None:
         self.connected = False
         self._fail_pending(
             BrokenError(
-                f"the connection to {self.address} broke (the service stopped or "
+                why
+                or f"the connection to {self.address} broke (the service stopped or "
                 "vanished); requests in flight are lost: retry once it is back"
             )
         )
