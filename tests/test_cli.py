@@ -151,6 +151,50 @@ async def test_controller_and_two_storage_processes(tmp_path: Path) -> None:
         assert ctl.stop() == 0
 
 
+def unit_outcome(unit: Service) -> tuple[int, str] | str:
+    """``(id, address)`` once the unit registered, or its stderr if it exited (bounded)."""
+    try:
+        return parse_unit(unit.wait_line("TQ_UNIT="))
+    except RuntimeError:  # it exited
+        return unit.stderr()
+
+
+async def test_a_unit_id_is_held_by_one_live_unit(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        ctl = stack.enter_context(
+            service(["controller", "--bind", "tcp://127.0.0.1:0"], tmp_path / "ctl.err")
+        )
+        address = ctl.wait_line("TQ_ADDRESS=")
+
+        def unit(name: str, *argv: str) -> Service:
+            return stack.enter_context(
+                service(["storage", "--controller", address, *argv], tmp_path / f"{name}.err")
+            )
+
+        # the issue's race: one unit with --unit-id 0 and one without, started together
+        first, second = unit("a", "--unit-id", "0"), unit("b")
+        outcomes = [unit_outcome(first), unit_outcome(second)]
+        registered = [o for o in outcomes if isinstance(o, tuple)]
+        assert len({unit_id for unit_id, _ in registered}) == len(registered)  # never shared
+        for refused in [o for o in outcomes if isinstance(o, str)]:
+            assert "storage unit id 0 is held by a live unit at tcp://" in refused
+        holder = dict(registered)
+        assert 0 in holder
+        # a second live unit asking for a held id is refused, naming the id and the holder
+        clash = unit("clash", "--unit-id", "0")
+        assert clash.proc.wait(timeout=START_TIMEOUT) == 1
+        assert f"storage unit id 0 is held by a live unit at {holder[0]}" in clash.stderr()
+        assert "leave --unit-id out to get a free id" in clash.stderr()
+        # without --unit-id: a free one
+        free = unit_outcome(unit("free"))
+        assert isinstance(free, tuple)
+        assert free[0] not in holder
+        async with tq.AsyncClient.connect(address) as client:
+            stats = await client.storage_stats()
+        assert sorted(stats) == sorted([*holder, free[0]])  # every live unit is listed
+        assert ctl.stop() == 0
+
+
 async def test_serve_capacity_applies_backpressure(tmp_path: Path) -> None:
     with service(["--capacity", "4"], tmp_path / "serve.err") as svc:
         address = svc.wait_line("TQ_ADDRESS=")

@@ -10,6 +10,7 @@ after the restart are read back; rows the killed unit held are lost, as document
 from __future__ import annotations
 
 import signal
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -87,17 +88,22 @@ async def test_a_broken_unit_connection_asks_the_controller_again() -> None:
                     assert (await reader.get_data(m))["x"][0, 0].item() == 2.0
 
 
-async def test_a_unit_registering_under_a_live_id_takes_over_and_the_old_rows_are_lost() -> None:
+async def test_a_unit_registering_under_an_unnoticed_dead_id_takes_over() -> None:
     """The controller may not have noticed the old process die (a host that vanished is
-    noticed only by heartbeats): a new registration under its id still means its cells are
-    gone, so its rows are reported lost instead of being read from an empty unit."""
+    noticed only by heartbeats): a new registration under its id, which the old unit does
+    not answer for, means its cells are gone, so its rows are reported lost instead of being
+    read from an empty unit. (A live holder refuses the newcomer: see test_cli.)"""
     with serve_role("controller") as (_, address):
         args = ("storage", "--controller", address, "--unit-id", "0")
-        with serve_role(*args, line="TQ_UNIT=") as _:
+        with serve_role(*args, line="TQ_UNIT=") as (old_unit, _):
             async with tq.AsyncClient.connect(address, request_timeout=10) as client:
                 old = await client.put(_x(64, 1.0), "p")
                 small = await client.put({"y": torch.arange(2)}, "s")
-                with serve_role(*args, line="TQ_UNIT=") as _:  # the old one still runs
+                # its host vanished: nothing answers there, and no connection is closed
+                old_unit.send_signal(signal.SIGSTOP)
+                stack = ExitStack()
+                stack.callback(old_unit.send_signal, signal.SIGCONT)
+                with stack, serve_role(*args, line="TQ_UNIT=") as _:
                     lost = await client.lost_rows()
                     assert lost["rows"]["p"] == old.global_indexes
                     assert lost["rows"]["s"] == small.global_indexes

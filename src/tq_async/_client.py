@@ -39,7 +39,9 @@ class AsyncClient(ControlCalls):
             printed).
         connect_timeout: seconds :meth:`open` waits for the controller's first answer (at
             most ``request_timeout``) before it fails with :class:`~tq_async.TQTimeoutError`
-            naming the address: with nothing listening there, ZMQ would wait forever.
+            naming the address (a host that drops the connection attempts, or a peer that
+            never answers; ZMQ alone would wait forever). A refused connection (nothing
+            listens at the address) fails at once with :class:`~tq_async.BrokenError`.
         request_timeout: seconds any single non-waiting request may take before it fails with
             :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the

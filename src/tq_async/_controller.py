@@ -160,6 +160,7 @@ class ControllerServer(ControllerPuts):
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
+        self._registering: set[int] = set()
         self._unit_instance: dict[int, str] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None

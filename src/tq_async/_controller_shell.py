@@ -25,7 +25,7 @@ from anyio.abc import TaskGroup
 
 from ._core import ControllerCore, Effects
 from ._dealer import DealerConnection
-from ._errors import ClosedError, TQError, TQTimeoutError
+from ._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._parking import ParkingLot
 from ._protocol import (
@@ -38,7 +38,7 @@ from ._protocol import (
     ok_reply,
 )
 from ._security import CurveServer
-from ._service import Incoming, Service
+from ._service import DEFERRED, Incoming, Service
 from ._state import ControllerState, Wakeup
 from ._storage import StorageServer
 
@@ -48,6 +48,8 @@ log = get_logger(__name__)
 
 #: replies remembered for deduplicating retried requests (about 1 KiB each)
 _REPLY_CACHE = 8192
+#: seconds a unit holding an id has to answer before a newcomer with that id replaces it
+_HOLDER_PROBE = 2.0
 
 
 class ControllerShell(Service):
@@ -72,6 +74,8 @@ class ControllerShell(Service):
     #: recent replies by (client identity, request id), for retried requests
     _replies: OrderedDict[tuple[bytes, int], bytes]
     _units: dict[int, DealerConnection]
+    #: unit ids whose holder is being probed for a newcomer
+    _registering: set[int]
     _timer: asyncio.TimerHandle | None
     _timer_at: float | None
 
@@ -189,7 +193,13 @@ class ControllerShell(Service):
 
     # ---- storage units -----------------------------------------------------------------------
 
-    def _on_register_unit(self, msg: Incoming, body: RegisterUnit) -> int:
+    def _on_register_unit(self, msg: Incoming, body: RegisterUnit) -> Any:
+        """Give a unit its id; an id held by a live unit elsewhere is refused.
+
+        Registering again is how a restarted unit comes back: accepted at the address the id
+        already has (that endpoint can only be the new process), once the id's unit is lost
+        or suspended, or when the old unit does not answer a probe.
+        """
         st = self.state
         unit_id = body.unit_id
         if unit_id < 0:
@@ -197,13 +207,49 @@ class ControllerShell(Service):
             # restart at the same address), else the next free one
             unit_id = next(
                 (i for i, a in st.units.items() if a == body.address),
-                max(st.units, default=-1) + 1,
+                max([*st.units, *self._registering], default=-1) + 1,
             )
+            return self._register(unit_id, body.address)
+        held = st.units.get(unit_id)
+        if held is None or held == body.address or unit_id in st.dead_units:
+            return self._register(unit_id, body.address)
+        if unit_id in self._registering:
+            raise InvalidRequestError(
+                f"another storage unit is registering with id {unit_id} right now; give each "
+                "unit its own --unit-id (or leave it out to get a free id)"
+            )
+        if unit_id in self.local_units:
+            raise _held(unit_id, held)
+        self._registering.add(unit_id)
+        self._spawn(self._register_if_gone, msg.peer, msg.rid, unit_id, body.address, held)
+        return DEFERRED
+
+    async def _register_if_gone(
+        self, peer: bytes, rid: int, unit_id: int, address: str, held: str
+    ) -> None:
+        """Register ``address`` under ``unit_id`` unless the unit holding it answers."""
+        try:
+            alive = unit_id not in self.state.suspended
+            if alive:
+                try:
+                    await self._unit(unit_id).request(
+                        StoreStats(), timeout=min(self.unit_timeout, _HOLDER_PROBE)
+                    )
+                except TQError:
+                    alive = False  # gone (or too stalled to serve): the newcomer replaces it
+            if alive:
+                self.send_error(peer, rid, _held(unit_id, held), "RegisterUnit")
+            else:
+                self.send_ok(peer, rid, self._register(unit_id, address))
+        finally:
+            self._registering.discard(unit_id)
+
+    def _register(self, unit_id: int, address: str) -> int:
         old = self._units.pop(unit_id, None)
         if old is not None:
             old.close()
         self._unit_instance.pop(unit_id, None)
-        self._apply(self.core.unit_registered(unit_id, body.address))
+        self._apply(self.core.unit_registered(unit_id, address))
         self._unit(unit_id)
         return unit_id
 
@@ -298,6 +344,14 @@ class ControllerShell(Service):
             )
         else:
             self.send_ok(peer, rid, None)
+
+
+def _held(unit_id: int, holder: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"storage unit id {unit_id} is held by a live unit at {holder}; give this unit another "
+        "--unit-id, or leave --unit-id out to get a free id (a unit restarted under its id is "
+        "accepted once the old process is gone)"
+    )
 
 
 def _of_partition(partition_id: str, key: object) -> bool:
