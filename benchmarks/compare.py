@@ -10,8 +10,11 @@ Runs, one after the other (never at the same time -- the box has 2 cores):
 
 Then it pairs the metrics (:data:`PAIRS`), prints a ratio table -- how many times better
 tq_async is, the issue's target for that row and PASS/MISS -- and writes a JSON file (both
-suites' documents plus the pairs) and a PNG bar chart (matplotlib). ``--ours-json`` and
-``--tq-json`` reuse earlier result files instead of running a suite.
+suites' documents plus the pairs) and a PNG bar chart (matplotlib), by default
+``benchmarks/out/comparison.json`` and ``.png`` (ignored by git). ``--ours-json`` and
+``--tq-json`` reuse earlier result files instead of running a suite. With ``--smoke`` the
+sizes are too small to mean anything, so no row is judged (as ``python -m benchmarks
+--smoke`` judges none).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TQ_VENV = REPO_ROOT / "benchmarks" / ".venv-tq"
 TQ_VERSION = "0.1.11"
 TORCH_PIN = "torch==2.13.0"
+#: where the JSON and the PNG go unless --json / --png say otherwise (ignored by git)
+OUT_DIR = REPO_ROOT / "benchmarks" / "out"
+#: the status of a row with a target at --smoke sizes
+NOT_JUDGED = "not judged (smoke)"
 
 
 @dataclass(frozen=True)
@@ -225,13 +232,14 @@ def _factor(better: str, ours: float, theirs: float) -> float:
 
 
 def pair_results(
-    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]]
+    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], *, judged: bool = True
 ) -> list[dict[str, Any]]:
     """The comparison rows for the (workload, metric) pairs present in either result list.
 
     ``factor`` compares the medians (the headline, judged against the target); ``factor_best``
     the best repetitions of both sides (``status`` says ``MISS (best passes)`` when only that
-    meets the target, as ``python -m benchmarks`` does).
+    meets the target, as ``python -m benchmarks`` does). With ``judged=False`` (smoke sizes)
+    a row with a target gets the status :data:`NOT_JUDGED` instead of PASS/MISS.
 
     One row per pair and per mode of ours (``embedded``/``process``) that has the metric; a pair
     whose metric is missing on one side, or failed there, gets ``status`` ``n/a`` and a note.
@@ -289,7 +297,9 @@ def pair_results(
                     f = _factor(p.better, o["value"], t["value"])
                     fb = _factor(p.better, _best(o), _best(t))
                     row["factor"], row["factor_best"] = f, fb
-                    if p.target is not None:
+                    if p.target is not None and not judged:
+                        row["status"] = NOT_JUDGED
+                    elif p.target is not None:
                         if f >= p.target:
                             row["status"] = "PASS"
                         elif fb >= p.target:
@@ -528,8 +538,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="do not create/update the TransferQueue venv (it must exist)",
     )
     parser.add_argument("--tq-venv", type=Path, default=TQ_VENV, help=f"default {TQ_VENV}")
-    parser.add_argument("--json", type=Path, default=Path("comparison.json"), dest="json_path")
-    parser.add_argument("--png", type=Path, default=Path("comparison.png"), dest="png_path")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=OUT_DIR / "comparison.json",
+        dest="json_path",
+        help="where to write the JSON (default: benchmarks/out/comparison.json)",
+    )
+    parser.add_argument(
+        "--png",
+        type=Path,
+        default=OUT_DIR / "comparison.png",
+        dest="png_path",
+        help="where to write the chart (default: benchmarks/out/comparison.png)",
+    )
     parser.add_argument("--no-png", action="store_true", help="skip the chart")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument(
@@ -589,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         ours_doc, tq_doc = _load(ours_path), _load(tq_path)
 
-    rows = pair_results(ours_doc["results"], tq_doc["results"])
+    rows = pair_results(ours_doc["results"], tq_doc["results"], judged=not args.smoke)
     facts = observations(tq_doc["results"])
     print()
     print(format_table(rows, markdown=args.markdown))
@@ -598,10 +620,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     targeted = [r for r in rows if r["target"] is not None]
     passed = sum(r["status"] == "PASS" for r in targeted)
     best = sum(r["status"] == "MISS (best passes)" for r in targeted)
-    print(
-        f"\ntargets: {passed} of {len(targeted)} rows PASS on the medians, {best} more on the "
-        "best runs (factor = times better than TransferQueue)"
-    )
+    if args.smoke:
+        print("\ntargets: not judged at --smoke sizes (they measure nothing)")
+    else:
+        print(
+            f"\ntargets: {passed} of {len(targeted)} rows PASS on the medians, {best} more on "
+            "the best runs (factor = times better than TransferQueue)"
+        )
     m = ours_doc.get("machine", {})
     title = (
         f"tq_async vs TransferQueue {tq_doc.get('machine', {}).get('transferqueue', TQ_VERSION)}"

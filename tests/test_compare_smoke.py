@@ -138,3 +138,46 @@ def test_compare_on_canned_results(tmp_path: Path) -> None:
 
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out_png.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_smoke_comparison_judges_nothing(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours.json", tmp_path / "tq.json"
+    ours.write_text(json.dumps(_ours()))
+    theirs.write_text(json.dumps(_theirs()))
+    out_json = tmp_path / "cmp.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "benchmarks.compare", "--smoke", "--no-png"),
+            *("--ours-json", str(ours), "--tq-json", str(theirs), "--json", str(out_json)),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "MISS" not in proc.stdout
+    assert "PASS" not in proc.stdout
+    assert "not judged at --smoke sizes" in proc.stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    targeted = [r for r in rows if r["target"] is not None and r["factor"] is not None]
+    assert targeted
+    assert {r["status"] for r in targeted} == {"not judged (smoke)"}
+
+
+def test_outputs_default_to_an_ignored_folder() -> None:
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.compare import _parse
+    finally:
+        sys.path.remove(str(REPO))
+    args = _parse(["--no-png"])
+    for path in (args.json_path, args.png_path):
+        assert path.parent == REPO / "benchmarks" / "out"
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", str(path)], cwd=REPO, check=False, timeout=30
+        )
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
