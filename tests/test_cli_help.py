@@ -63,3 +63,11 @@ def test_help_shows_the_defaults() -> None:
     storage = " ".join(run("serve", "storage", "--help").stdout.split())
     assert "(default: 30)" in storage
     assert "(default: the controller assigns one)" in storage
+
+
+def test_serve_help_shows_the_role_as_optional() -> None:
+    text = run("serve", "--help").stdout
+    usage = " ".join(text.split("\n\n")[0].split())
+    assert usage.endswith("[ROLE] ...")  # `tq-async serve` alone runs every service
+    assert "roles (optional)" in text
+    assert "(default: 30)" in " ".join(text.split())  # --waiting-warning-after

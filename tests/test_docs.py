@@ -271,3 +271,45 @@ def test_the_code_in_the_docs_runs(path: Path, tmp_path: Path) -> None:
             session.run(block)
     finally:
         session.close()
+
+
+def test_python_blocks_also_run_when_pasted_into_a_file() -> None:
+    """No top-level ``await`` / ``async with``: a reader's file would not even compile."""
+    for block in all_blocks():
+        if block.lang == "python" and not block.skipped:
+            try:
+                compile(block.text, str(block), "exec")
+            except SyntaxError as exc:
+                pytest.fail(f"{block}: {exc.msg} (wrap it in `async def main()` + anyio.run)")
+
+
+def test_every_page_has_its_own_title() -> None:
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    titles = {path.name: path.read_text().splitlines()[0] for path in pages}
+    assert all(t.startswith("# ") for t in titles.values()), titles
+    assert len(set(titles.values())) == len(titles), titles
+
+
+#: files the docs name that live in the repository (folders searched, in order)
+_NAMED_FILE = re.compile(r"(?<![\w/.:-])([\w./-]*[A-Za-z_]\w*\.(?:md|toml|py))\b")
+
+
+def _prose(path: Path) -> str:
+    """The text of a page outside its code blocks (blocks may name files they create)."""
+    out, inside = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            inside = not inside
+        elif not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_the_files_the_docs_name_exist() -> None:
+    places = [ROOT, *(ROOT / d for d in ("docs", "src/tq_async", "src", "benchmarks", "examples"))]
+    missing = []
+    for path in FILES:
+        for name in set(_NAMED_FILE.findall(_prose(path))):
+            if not any((place / name).exists() for place in places):
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
