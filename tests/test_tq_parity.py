@@ -108,7 +108,7 @@ async def test_status_checks_answer_false_before_the_first_put_and_after_a_clear
     ):
         assert await client.check_production_status("p", ["x"]) is False
         assert await client.check_consumption_status("p", "t") is False
-        await client.seal("p")  # exists, no rows
+        await client.seal("p", create=True)  # exists, no rows
         assert await client.check_production_status("p", ["x"]) is False
         assert await client.check_consumption_status("p", "t") is False
         await client.put({"x": torch.arange(2)}, partition_id="p2")
