@@ -307,9 +307,10 @@ def _prose(path: Path) -> str:
 
 def test_the_files_the_docs_name_exist() -> None:
     places = [ROOT, *(ROOT / d for d in ("docs", "src/tq_async", "src", "benchmarks", "examples"))]
-    missing = []
-    for path in FILES:
-        for name in set(_NAMED_FILE.findall(_prose(path))):
-            if not any((place / name).exists() for place in places):
-                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in FILES
+        for name in sorted(set(_NAMED_FILE.findall(_prose(path))))
+        if not any((place / name).exists() for place in places)
+    ]
     assert not missing, missing

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tq_async as tq
 from test_cli import service
@@ -126,6 +127,21 @@ def test_a_forgotten_seal_warns_on_stderr_once_and_nothing_on_stdout() -> None:
     assert "partition 'train@0'" in done.stderr
     assert "the task consumed 4 of its 4 rows" in done.stderr
     assert "client.seal('train@0')" in done.stderr
+
+
+async def test_serve_warns_once_about_a_forgotten_seal(tmp_path: Path) -> None:
+    with service(["--waiting-warning-after", "0.2"], tmp_path / "serve.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        async with tq.AsyncClient.connect(address) as client:
+            await client.put({"x": torch.arange(2)}, partition_id="train@0")
+            assert len(await client.get_meta(["x"], 2, "train@0", "learner")) == 2
+            with pytest.raises(tq.TQTimeoutError):
+                await client.get_meta(["x"], 2, "train@0", "learner", timeout=1.0)
+        assert svc.stop() == 0
+        err = svc.stderr()
+    assert err.count("not sealed") == 1, err
+    assert "client.seal('train@0')" in err
+    assert "the task consumed 2 of its 2 rows" in err
 
 
 def test_records_are_stdlib_records_named_after_modules(

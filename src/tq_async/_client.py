@@ -152,6 +152,8 @@ class AsyncClient(ControlCalls):
                     "`tq-async serve` prints), that the services run, and that this host can "
                     "reach them"
                 ) from None
+            # from now on a refusal is a restarting controller: requests wait for it
+            self._controller.refused_is_broken = False
             if self.same_host:
                 await self._prefer_ipc(hello)
         except BaseException:

@@ -138,7 +138,7 @@ class DealerConnection(DrainedSocket):
         #: a refused connection attempt counts as broken (requests fail fast with
         #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
         #: unit that was restarted on another address)
-        self._refused_is_broken = refused_is_broken
+        self.refused_is_broken = refused_is_broken
         #: False once the connection broke, until it is re-established
         self.connected: bool | None = None
         self.reconnects = 0
@@ -293,7 +293,7 @@ class DealerConnection(DrainedSocket):
                 continue
             elif self.connected is not False:
                 # the first connection attempt was refused: nothing listens there
-                if self._refused_is_broken:
+                if self.refused_is_broken:
                     self._disconnected(
                         f"nothing listens at {self.address} (the connection was refused); "
                         "check the address and that the service runs there"
