@@ -282,3 +282,14 @@ async def test_sealing_a_partition_that_does_not_exist_names_the_known_ones(
         assert (await client.partition_info("train@1"))["sealed"]
         end = await client.get_meta(["x"], 1, "train@1", "t", timeout=5)
         assert end.end_of_stream
+
+
+async def test_curve_keys_against_services_without_curve_say_so() -> None:
+    server_public, _ = tq.curve_keypair()
+    client_public, client_secret = tq.curve_keypair()
+    curve = tq.CurveClient(server_public, client_public, client_secret)
+    async with tq.local_cluster(num_storage_units=1, transport="tcp") as cluster:
+        client = tq.AsyncClient.connect(cluster.address, curve=curve, connect_timeout=5)
+        with pytest.raises(tq.AuthenticationError, match="does not use CURVE encryption"):
+            async with client:
+                pass
