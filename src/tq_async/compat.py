@@ -37,14 +37,21 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import numpy as np
 import structlog
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from . import _meta
 from ._background import BackgroundCluster, background_cluster
 from ._dataset import chunk_batch_fn as _chunk_batch_fn
-from ._errors import ClosedError, InvalidRequestError, KeyNotFound, PartitionNotFound
+from ._errors import (
+    ClosedError,
+    InvalidRequestError,
+    KeyNotFound,
+    PartitionNotFound,
+    SchemaError,
+)
 from ._errors import TQTimeoutError as _TQTimeoutError
 from ._sync import Client as _Client
 from ._torch_dataset import StreamingDataLoader as _StreamingDataLoader
@@ -109,6 +116,7 @@ _SAMPLERS: dict[str, type[BaseSampler]] = {
 _HONOURED = frozenset(
     {
         "address",
+        "allow_pickle",
         "controller.sampler",
         "controller.polling_mode",
         "controller.zmq_info",
@@ -379,12 +387,140 @@ def _as_list(value: str | Sequence[str], name: str) -> list[str]:
     return list(value)
 
 
-def _no_parser(data_parser: Any) -> None:
-    if data_parser is not None:
+#: the partition where compat numbers the partitions it has seen (one key per partition), so
+#: that global indexes seen through compat are unique across partitions
+_REGISTRY = "__tq_async_compat__"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars turned into Python scalars, through lists, tuples and
+    dicts (a reward function returning ``np.float64`` then travels as msgpack)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _plain_column(value: Any) -> Any:
+    if isinstance(value, NonTensorStack):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)) and not all(isinstance(v, torch.Tensor) for v in value):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _columns_of(fields: TensorDictBase | Mapping[str, Any]) -> dict[str, Any]:
+    """``{field: column}`` of a TensorDict or a dict (iterating a TensorDict gives rows)."""
+    if isinstance(fields, TensorDictBase):
+        return {k: fields.get(k) for k in fields.keys()}  # noqa: SIM118
+    return dict(fields)
+
+
+def _plain_columns(fields: TensorDictBase | Mapping[str, Any]) -> Any:
+    """``fields`` with non-tensor columns as lists of plain values (a TensorDict as is when
+    it has none)."""
+    columns = _columns_of(fields)
+    plain = {k: _plain_column(v) for k, v in columns.items()}
+    if isinstance(fields, TensorDictBase) and all(plain[k] is v for k, v in columns.items()):
+        return fields
+    return plain
+
+
+def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
+    """One key's fields as a one-row batch: each value of a dict is the key's row (a
+    ``NonTensorStack`` row holds its list of values, as in TransferQueue)."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_size == torch.Size([]):
+            fields = fields.unsqueeze(0)
+        return _plain_columns(fields)
+    row: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+            value = torch.from_numpy(value)
+        if isinstance(value, torch.Tensor) and not value.is_nested:
+            row[name] = value.unsqueeze(0)
+        elif isinstance(value, NonTensorStack):
+            row[name] = [[_plain(v) for v in value.tolist()]]
+        elif isinstance(value, NonTensorData):
+            row[name] = [_plain(value.data)]
+        else:
+            row[name] = [_plain(value)]
+    return row
+
+
+def _parsed(fields: Any, data_parser: Callable[[Any], Any] | None) -> Any:
+    """``data_parser({field: column})`` run here (TransferQueue runs it in the storage unit):
+    the columns it returns are what is put."""
+    if data_parser is None:
+        return fields
+    columns = _columns_of(fields)
+    parsed = data_parser(columns)
+    if not isinstance(parsed, Mapping) or set(parsed) != set(columns):
         raise InvalidRequestError(
-            "data_parser is not supported by tq_async.compat: parse references into values "
-            "before the put (see docs/migrating.md)"
+            "data_parser must return the dict it was given, with the same field names and "
+            "values replaced"
         )
+    return {k: _plain_column(v) for k, v in parsed.items()}
+
+
+def _stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
+    """The dtype of each tensor field of a partition (from its schema)."""
+    try:
+        info = get_client().client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name, described in info.get("fields", {}).items():
+        parts = str(described).split(" ", 1)
+        if len(parts) == 2 and parts[0] in ("dense", "jagged"):
+            dtype = getattr(torch, parts[1].split("[", 1)[0], None)
+            if isinstance(dtype, torch.dtype):
+                out[name] = dtype
+    return out
+
+
+def _cast_to_partition(partition_id: str, fields: Any) -> Any:
+    """``fields`` with each tensor column cast to the dtype its field has in the partition
+    (None when no column needs it)."""
+    stored = _stored_dtypes(partition_id)
+    out: dict[str, Any] = {}
+    changed = []
+    for name, value in _columns_of(fields).items():
+        dtype = stored.get(name)
+        if isinstance(value, torch.Tensor) and dtype is not None and value.dtype != dtype:
+            if not torch.can_cast(value.dtype, dtype):
+                _log.warning(
+                    "a field's dtype changed between puts: the rows are cast to the field's "
+                    "first dtype, which may lose precision",
+                    partition_id=partition_id,
+                    field=name,
+                    put=str(value.dtype),
+                    field_dtype=str(dtype),
+                )
+            value = value.to(dtype)
+            changed.append(name)
+        out[name] = value
+    return out if changed else None
+
+
+def _put_retrying_dtypes(partition_id: str | None, fields: Any, put: Callable[[Any], _R]) -> _R:
+    """``put(fields)``; when the partition refuses a tensor column's dtype, the columns are
+    cast to the partition's dtypes and put again (TransferQueue reads rows of several dtypes
+    as the dtype of the field's first row)."""
+    try:
+        return put(fields)
+    except SchemaError:
+        if partition_id is None:
+            raise
+        cast = _cast_to_partition(partition_id, fields)
+        if cast is None:
+            raise
+        return put(cast)
 
 
 class TransferQueueClient:
@@ -470,14 +606,24 @@ class TransferQueueClient:
         partition_id: str | None = None,
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
-        """Write ``data``: new rows of ``partition_id``, or new fields of ``metadata``'s rows."""
-        _no_parser(data_parser)
-        meta = self._client.put(data, partition_id if metadata is None else None, meta=metadata)
+        """Write ``data``: new rows of ``partition_id``, or new fields of ``metadata``'s rows.
+
+        ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
+        with another dtype than it has in the partition is cast to the partition's dtype.
+        """
+        data = _parsed(_plain_columns(data), data_parser)
+        pid = partition_id if metadata is None else None
+        meta = _put_retrying_dtypes(
+            partition_id if metadata is None else metadata.partition_id,
+            data,
+            lambda d: self._client.put(d, pid, meta=metadata),
+        )
         return BatchMeta.from_meta(meta)
 
     def get_data(self, metadata: _meta.BatchMeta) -> TensorDict:
-        """The cells of ``metadata``'s rows and fields."""
-        return self._client.get_data(metadata)
+        """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
+        nested tensors, as in TransferQueue."""
+        return self._client.get_data(metadata, nested=True)
 
     def set_custom_meta(self, metadata: _meta.BatchMeta) -> None:
         """Store ``metadata``'s per-row tags (``custom_meta``) on the controller."""
@@ -652,19 +798,79 @@ def _address_in(flat: Mapping[str, Any]) -> str | None:
     return os.environ.get("TQ_ADDRESS") or None
 
 
-def _ray_address(flat: Mapping[str, Any]) -> str | None:
-    """The address of a cluster launched with ``tq_async.ray.launch``, when Ray is up."""
+#: the controller actor's name and Ray namespace when compat runs the services on Ray:
+#: TransferQueue's, so ``ray.get_actor(RAY_CONTROLLER, namespace=RAY_NAMESPACE)`` finds it
+RAY_CONTROLLER = "TransferQueueController"
+RAY_NAMESPACE = "transfer_queue"
+
+
+def _ray() -> Any:
+    """The ``ray`` module when Ray is initialised in this process (else None)."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
+    return ray
+
+
+def _in_ray_worker(ray: Any) -> bool:
+    """True in a Ray task or actor (False in a driver)."""
+    worker = getattr(ray.get_runtime_context(), "worker", None)
+    return getattr(worker, "mode", None) == getattr(ray, "WORKER_MODE", 1)
+
+
+def _ray_attach() -> Any:
+    """The compat cluster of this Ray cluster, or one launched with ``tq_async.ray.launch``'s
+    default name; None when there is neither."""
+    from .ray import attach
+
+    for name, namespace in ((RAY_CONTROLLER, RAY_NAMESPACE), ("tq_async", "tq_async")):
+        try:
+            return attach(name, namespace, timeout=30.0)
+        except InvalidRequestError:
+            continue
+    return None
+
+
+def _ray_cluster(flat: Mapping[str, Any]) -> tuple[Any, bool]:
+    """``(RayCluster, launched here)`` when Ray is initialised, else ``(None, False)``.
+
+    Every process of a Ray job finds the services by name; only a driver launches them, so
+    one job can never split over two clusters.
+
+    Raises:
+        ClosedError: a Ray worker found no services (the driver did not call ``init()``).
+    """
+    ray = _ray()
+    if ray is None:
+        return None, False
+    found = _ray_attach()
+    if found is not None:
+        return found, False
+    if _in_ray_worker(ray):
+        raise ClosedError(
+            f"tq_async.compat.init() in a Ray worker found no TransferQueue services (no Ray "
+            f"actor {RAY_CONTROLLER!r} in namespace {RAY_NAMESPACE!r}): call tq.init() in the "
+            "driver, after ray.init() and before starting workers, or give init() the "
+            "cluster's address"
+        )
+    from .ray import launch
+
+    options = _cluster_options(flat)
     try:
-        from .ray import attach
-    except ImportError:  # pragma: no cover - tq_async.ray needs the ray extra
-        return None
-    try:
-        return attach(timeout=5.0).address
-    except Exception:  # no such cluster: start one here instead
-        return None
+        return launch(
+            options["num_storage_units"],
+            name=RAY_CONTROLLER,
+            namespace=RAY_NAMESPACE,
+            sampler=options["sampler"],
+            allow_pickle=options["allow_pickle"],
+            # one node: loopback only; several: each service on its node's address
+            host="127.0.0.1" if len([n for n in ray.nodes() if n.get("Alive")]) == 1 else None,
+        ), True
+    except InvalidRequestError:  # another driver launched it in the meantime
+        found = _ray_attach()
+        if found is None:
+            raise
+        return found, False
 
 
 def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
@@ -707,24 +913,15 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
                 f"backend.storage_backend {backend!r} is not available in tq_async: its storage "
                 "units hold the data (remove the key or set it to 'SimpleStorage')"
             )
-        address = _address_in(flat) or _ray_address(flat)
+        address, cluster, ray_cluster, where = _locate(flat)
         metrics_endpoint = os.environ.get("TQ_METRICS_ENDPOINT")
-        cluster: BackgroundCluster | None = None
-        settings = [k for k in flat if k.startswith(("controller.sampler", "backend.", "metrics."))]
-        if address is not None and settings:
-            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
-        if address is None:
-            cluster = _start_cluster(flat)
-            address = cluster.address
-            os.environ["TQ_ADDRESS"] = address
-            if cluster.cluster.metrics_url is not None:
-                metrics_endpoint = cluster.cluster.metrics_url.split("//")[1].split("/")[0]
-                os.environ["TQ_METRICS_ENDPOINT"] = metrics_endpoint
+        if cluster is not None and cluster.cluster.metrics_url is not None:
+            metrics_endpoint = cluster.cluster.metrics_url.split("//")[1].split("/")[0]
+            os.environ["TQ_METRICS_ENDPOINT"] = metrics_endpoint
         try:
             client = TransferQueueClient(f"TransferQueueClient_{os.getpid()}", address)
         except BaseException:
-            if cluster is not None:
-                _stop(cluster)
+            _stop_owned(cluster, ray_cluster)
             raise
         client.polling_mode = bool(flat.get("controller.polling_mode", False))
         sampler = flat.get("controller.sampler", "SequentialSampler")
@@ -753,22 +950,33 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
                 },
             }
         )
-        _state.update(client=client, cluster=cluster, config=config, pid=os.getpid())
-        _log.info("tq_async.compat initialised", address=address, owns_cluster=bool(cluster))
+        _state.update(
+            client=client, cluster=cluster, ray_cluster=ray_cluster, config=config, pid=os.getpid()
+        )
+        _log.info("tq_async.compat initialised", address=address, attached_to=where)
         return config  # type: ignore[no-any-return]
 
 
-def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
+def _cluster_options(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a cluster ``init`` starts: storage units, sampler, pickle."""
     units = flat.get("backend.SimpleStorage.num_data_storage_units", 2)
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(
             f"backend.SimpleStorage.num_data_storage_units must be an int >= 1, got {units!r}"
         )
-    capacity = flat.get("backend.SimpleStorage.total_storage_size")
-    kwargs: dict[str, Any] = {
+    allow_pickle = flat.get("allow_pickle", False)
+    if not isinstance(allow_pickle, bool):
+        raise InvalidRequestError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+    return {
         "num_storage_units": units,
         "sampler": _resolve_sampler(flat.get("controller.sampler")),
+        "allow_pickle": allow_pickle,
     }
+
+
+def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
+    kwargs = _cluster_options(flat)
+    capacity = flat.get("backend.SimpleStorage.total_storage_size")
     if capacity is not None:
         kwargs |= {"capacity": capacity, "capacity_scope": "global"}
     if flat.get("metrics.enabled", False):
@@ -782,11 +990,44 @@ def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
     return background_cluster(**kwargs)
 
 
+def _locate(flat: Mapping[str, Any]) -> tuple[str, BackgroundCluster | None, Any, str]:
+    """``(address, cluster started here, Ray cluster launched here, where)`` for ``init``.
+
+    An address in the config or ``TQ_ADDRESS`` wins; with Ray initialised the job's Ray
+    services (found by name, or launched by a driver); otherwise a private cluster in this
+    process, whose address goes to ``TQ_ADDRESS`` for the processes it starts.
+    """
+    address = _address_in(flat)
+    settings = [k for k in flat if k.startswith(("controller.sampler", "backend.", "metrics."))]
+    settings += [k for k in flat if k == "allow_pickle"]
+    if address is not None:
+        if settings:
+            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
+        return address, None, None, "the given address"
+    ray_cluster, launched = _ray_cluster(flat)
+    if ray_cluster is not None:
+        if not launched and settings:
+            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
+        how = "launched" if launched else "found"
+        where = f"Ray actor {ray_cluster.name!r} in namespace {ray_cluster.namespace!r} ({how})"
+        return ray_cluster.address, None, ray_cluster if launched else None, where
+    cluster = _start_cluster(flat)
+    os.environ["TQ_ADDRESS"] = cluster.address
+    return cluster.address, cluster, None, "a private cluster started in this process"
+
+
 def _stop(cluster: BackgroundCluster) -> None:
     cluster.close()
     if os.environ.get("TQ_ADDRESS") == cluster.address:
         del os.environ["TQ_ADDRESS"]
     os.environ.pop("TQ_METRICS_ENDPOINT", None)
+
+
+def _stop_owned(cluster: BackgroundCluster | None, ray_cluster: Any) -> None:
+    if cluster is not None:
+        _stop(cluster)
+    if ray_cluster is not None and _ray() is not None:
+        ray_cluster.shutdown()
 
 
 def close() -> None:
@@ -798,14 +1039,14 @@ def close() -> None:
     with _lock:
         client: TransferQueueClient | None = _state.pop("client", None)
         cluster: BackgroundCluster | None = _state.pop("cluster", None)
+        ray_cluster = _state.pop("ray_cluster", None)
         pid = _state.pop("pid", None)
         _state.clear()
         if pid != os.getpid():
             return  # inherited through fork: the parent owns both
         if client is not None:
             client.close()
-        if cluster is not None:
-            _stop(cluster)
+        _stop_owned(cluster, ray_cluster)
 
 
 def get_client() -> TransferQueueClient:
@@ -838,15 +1079,27 @@ def kv_put(
     tag: Mapping[str, Any] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    """Write one key's ``fields`` (a tensor per field, one row) and/or merge ``tag``.
+    """Write one key's ``fields`` and/or merge ``tag``.
+
+    ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a dict whose values are
+    the key's row: a tensor (one row), a ``NonTensorStack`` / ``NonTensorData`` (the row holds
+    its values, as in TransferQueue), or a plain value. ``data_parser`` runs here, on the
+    fields, before they travel (see :func:`kv_batch_put`).
 
     Raises:
         InvalidRequestError: neither ``fields`` nor ``tag`` is given.
     """
-    _no_parser(data_parser)
     if not isinstance(key, str):
         raise InvalidRequestError(f"key must be a string, got {type(key).__name__}")
-    meta = get_client().client.kv_put(key, partition_id, fields, tag)
+    if fields is not None:
+        fields = _parsed(_one_row(fields), data_parser)
+    client = get_client().client
+    if fields is None:
+        meta = client.kv_put(key, partition_id, None, tag)
+    else:
+        meta = _put_retrying_dtypes(
+            partition_id, fields, lambda f: client.kv_batch_put([key], partition_id, f, [tag])
+        )
     return _kv_meta(meta, [key])
 
 
@@ -859,13 +1112,24 @@ def kv_batch_put(
 ) -> KVBatchMeta:
     """Write ``fields`` (row ``i`` for ``keys[i]``) and/or merge ``tags`` into the keys.
 
+    ``data_parser`` (TransferQueue's hook) gets ``{field: column}`` (a ``NonTensorStack``
+    column as a list) and returns it with values replaced; it runs in this process before the
+    put, not in a storage unit. A tensor field put with another dtype than it has in the
+    partition is cast to the partition's dtype (see docs/migrating.md).
+
     Raises:
         InvalidRequestError: neither ``fields`` nor ``tags`` is given, or their lengths do not
             match ``keys``.
     """
-    _no_parser(data_parser)
     key_list = _as_list(keys, "keys")
-    meta = get_client().client.kv_batch_put(key_list, partition_id, fields, tags)
+    client = get_client().client
+    if fields is None:
+        meta = client.kv_batch_put(key_list, partition_id, None, tags)
+    else:
+        fields = _parsed(_plain_columns(fields), data_parser)
+        meta = _put_retrying_dtypes(
+            partition_id, fields, lambda f: client.kv_batch_put(key_list, partition_id, f, tags)
+        )
     return _kv_meta(meta, key_list)
 
 
@@ -874,13 +1138,26 @@ def kv_batch_get(
     partition_id: str,
     select_fields: str | Sequence[str] | None = None,
 ) -> TensorDict:
-    """The fields of ``keys`` (row ``i`` for ``keys[i]``; every field when not selected).
+    """The fields of ``keys``, row ``i`` for ``keys[i]``.
+
+    Without ``select_fields``: every field all the keys have. With it: the selected fields
+    all the keys have (a field some key lacks is left out, as in TransferQueue). Tensor
+    fields come back as jagged nested tensors (TransferQueue's shape), rows with no
+    dimension as a dense ``[n]`` tensor.
 
     Raises:
-        StorageKeyNotFoundError: a key is missing or lacks a selected field.
+        StorageKeyNotFoundError: a key is missing.
     """
-    fields = None if select_fields is None else _as_list(select_fields, "select_fields")
-    return get_client().client.kv_batch_get(_as_list(keys, "keys"), partition_id, fields)
+    key_list = _as_list(keys, "keys")
+    client = get_client().client
+    meta = client.kv_retrieve_meta(key_list, partition_id)
+    present = list(meta.field_names)
+    if select_fields is not None:
+        wanted = _as_list(select_fields, "select_fields")
+        present = [f for f in wanted if f in meta.field_names]
+    if not present:
+        return TensorDict({}, batch_size=[len(key_list)])
+    return client.get_data(meta.select_fields(present), nested=True)
 
 
 def kv_batch_get_by_meta(
@@ -906,8 +1183,14 @@ def kv_batch_get_by_meta(
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
-    return get_client().client.kv_list(partition_id)
+    """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist yet,
+    as in TransferQueue), or for all when None."""
+    try:
+        listing = get_client().client.kv_list(partition_id)
+    except PartitionNotFound:
+        return {}
+    listing.pop(_REGISTRY, None)
+    return listing
 
 
 def kv_clear(keys: str | Sequence[str], partition_id: str) -> None:
