@@ -55,6 +55,7 @@ LAYERS: dict[str, list[str]] = {
         "_dataset",
         "_torch_dataset",
         "_cli",
+        "_compat_meta",
         "compat",
         "ray",
         "lowlevel",

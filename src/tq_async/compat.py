@@ -44,6 +44,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from . import _meta
 from ._background import BackgroundCluster, background_cluster
+from ._compat_meta import GLOBAL_INDEX_STRIDE
+from ._compat_meta import BatchMeta as BatchMeta
 from ._dataset import chunk_batch_fn as _chunk_batch_fn
 from ._errors import (
     ClosedError,
@@ -132,104 +134,6 @@ _HONOURED = frozenset(
 
 
 # ---- batch metadata --------------------------------------------------------------------------
-
-
-class BatchMeta(_meta.BatchMeta, frozen=True, kw_only=True):
-    """:class:`tq_async.BatchMeta` with TransferQueue's names and its ``chunk(n)`` (n pieces).
-
-    Adds ``partition_ids`` (one per row), ``custom_meta`` (the rows' tags),
-    ``get_all_custom_meta`` / ``update_custom_meta``, ``select_samples``, ``is_ready``,
-    indexing by row, and the ``extra_info`` helpers.
-    """
-
-    @classmethod
-    def from_meta(cls, meta: _meta.BatchMeta) -> BatchMeta:
-        """The same batch as a compat :class:`BatchMeta`."""
-        if isinstance(meta, cls):
-            return meta
-        return cls(**{f: getattr(meta, f) for f in meta.__struct_fields__})
-
-    def chunk(self, chunks: int) -> list[BatchMeta]:  # type: ignore[override]
-        """``chunks`` pieces whose sizes differ by at most one (TransferQueue's meaning; 10
-        rows, ``chunks=3``: 4, 3, 3), i.e. :meth:`chunk_into`."""
-        return self.chunk_into(chunks)  # type: ignore[return-value]
-
-    @property
-    def partition_ids(self) -> list[str]:
-        """The partition of each row (all rows of a BatchMeta share one here)."""
-        return [self.partition_id] * len(self)
-
-    @property
-    def custom_meta(self) -> list[dict[str, Any]]:
-        """Each row's tags (TransferQueue's ``custom_meta``); edit with
-        :meth:`update_custom_meta`."""
-        if not self.tags and len(self):
-            self.tags.extend({} for _ in range(len(self)))
-        return self.tags
-
-    @property
-    def is_ready(self) -> bool:
-        """True for a non-empty batch (every row of a fetched batch has its fields)."""
-        return len(self) > 0
-
-    def get_all_custom_meta(self) -> list[dict[str, Any]]:
-        """Copies of each row's tags."""
-        return [dict(t) for t in self.custom_meta]
-
-    def update_custom_meta(self, custom_meta: Sequence[Mapping[str, Any]]) -> None:
-        """Merge ``custom_meta[i]`` into row ``i``'s tags (here; send them with
-        ``TransferQueueClient.set_custom_meta``).
-
-        Raises:
-            InvalidRequestError: ``custom_meta`` does not have one dict per row.
-        """
-        if len(custom_meta) != len(self):
-            raise InvalidRequestError(
-                f"custom_meta has {len(custom_meta)} dicts for {len(self)} rows; give one per row"
-            )
-        for mine, new in zip(self.custom_meta, custom_meta, strict=True):
-            mine.update(new)
-
-    def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
-        """The rows at ``sample_indices`` (positions in this batch)."""
-        return self.select_rows(list(sample_indices))  # type: ignore[return-value]
-
-    def __getitem__(self, item: int | slice) -> BatchMeta:
-        """One row (as a batch of one) or a slice of rows."""
-        if isinstance(item, slice):
-            return self.select_rows(item)  # type: ignore[return-value]
-        index = item + len(self) if item < 0 else item
-        if not 0 <= index < len(self):
-            raise IndexError(f"BatchMeta index {item} out of range for {len(self)} rows")
-        return self.select_rows([index])  # type: ignore[return-value]
-
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
-        """``extra_info[key]``, or ``default``."""
-        return self.extra_info.get(key, default)
-
-    def set_extra_info(self, key: str, value: Any) -> None:
-        """Set ``extra_info[key]``."""
-        self.extra_info[key] = value
-
-    def update_extra_info(self, info_dict: Mapping[str, Any]) -> None:
-        """Merge ``info_dict`` into ``extra_info``."""
-        self.extra_info.update(info_dict)
-
-    def get_all_extra_info(self) -> dict[str, Any]:
-        """A copy of ``extra_info``."""
-        return dict(self.extra_info)
-
-    def has_extra_info(self, key: str) -> bool:
-        """Whether ``extra_info`` has ``key``."""
-        return key in self.extra_info
-
-    def remove_extra_info(self, key: str) -> Any:
-        """Remove ``extra_info[key]`` and return it (None when absent)."""
-        return self.extra_info.pop(key, None)
-
-    def clear_extra_info(self) -> None:
-        """Empty ``extra_info``."""
-        self.extra_info.clear()
 
 
 @dataclass
@@ -390,6 +294,61 @@ def _as_list(value: str | Sequence[str], name: str) -> list[str]:
 #: the partition where compat numbers the partitions it has seen (one key per partition), so
 #: that global indexes seen through compat are unique across partitions
 _REGISTRY = "__tq_async_compat__"
+#: ``(address, partition id) -> the partition's first global index``, per process
+_bases: dict[tuple[str, str], int] = {}
+
+
+def _base(partition_id: str) -> int:
+    """The global index of the partition's row 0 as seen through compat: its ordinal in the
+    cluster (the row of its key in the registry partition) times ``GLOBAL_INDEX_STRIDE``.
+    0 when compat is not initialised in this process (a DataLoader worker)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is None or _state.get("pid") != os.getpid() or partition_id == _REGISTRY:
+        return 0
+    key = (client.address, partition_id)
+    base = _bases.get(key)
+    if base is None:
+        got = client.client.kv_retrieve_meta([partition_id], _REGISTRY, create=True)
+        base = _bases[key] = got.global_indexes[0] * GLOBAL_INDEX_STRIDE
+    return base
+
+
+def _schema(partition_id: str) -> dict[str, dict[str, Any]]:
+    """The field schema of a partition, from its controller (``{}`` when unknown)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is None or _state.get("pid") != os.getpid():
+        return {}
+    try:
+        info = client.client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, described in info.get("fields", {}).items():
+        kind, _, rest = str(described).partition(" ")
+        dtype_name, _, dims = rest.partition("[")
+        dtype = getattr(torch, dtype_name, None)
+        shape = [int(d) for d in dims.rstrip("]").split(",") if d]
+        out[name] = {
+            "dtype": dtype if isinstance(dtype, torch.dtype) else None,
+            "shape": torch.Size(shape) if kind == "dense" else None,
+            "is_nested": kind == "jagged",
+            "is_non_tensor": kind in ("object", "pickle"),
+        }
+    return out
+
+
+def _compat_meta(meta: _meta.BatchMeta) -> BatchMeta:
+    """The compat view of a native batch (global indexes unique across partitions)."""
+    return BatchMeta.from_native(meta, _base(meta.partition_id), _schema)
+
+
+def _native(meta: BatchMeta | _meta.BatchMeta) -> _meta.BatchMeta:
+    """The native batch the client sends."""
+    if isinstance(meta, BatchMeta):
+        return meta.to_native()
+    if isinstance(meta, _meta.BatchMeta):
+        return meta
+    raise InvalidRequestError(f"expected a BatchMeta, got {type(meta).__name__}")
 
 
 def _plain(value: Any) -> Any:
@@ -597,12 +556,12 @@ class TransferQueueClient:
             meta = _meta.BatchMeta(
                 partition_id=partition_id, global_indexes=[], field_names=[], units=[]
             )
-        return BatchMeta.from_meta(meta)
+        return _compat_meta(meta)
 
     def put(
         self,
         data: TensorDictBase | Mapping[str, Any],
-        metadata: _meta.BatchMeta | None = None,
+        metadata: BatchMeta | _meta.BatchMeta | None = None,
         partition_id: str | None = None,
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
@@ -612,31 +571,37 @@ class TransferQueueClient:
         with another dtype than it has in the partition is cast to the partition's dtype.
         """
         data = _parsed(_plain_columns(data), data_parser)
-        pid = partition_id if metadata is None else None
+        native = None if metadata is None else _native(metadata)
+        pid = partition_id if native is None else native.partition_id
         meta = _put_retrying_dtypes(
-            partition_id if metadata is None else metadata.partition_id,
-            data,
-            lambda d: self._client.put(d, pid, meta=metadata),
+            pid, data, lambda d: self._client.put(d, pid if native is None else None, meta=native)
         )
-        return BatchMeta.from_meta(meta)
+        out = _compat_meta(meta)
+        if isinstance(metadata, BatchMeta) and metadata.size == out.size:
+            out.extra_info.update(metadata.extra_info)
+        return out
 
-    def get_data(self, metadata: _meta.BatchMeta) -> TensorDict:
+    def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
         """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
         nested tensors, as in TransferQueue."""
-        return self._client.get_data(metadata, nested=True)
+        native = _native(metadata)
+        if not native.field_names or not len(native):
+            return TensorDict({}, batch_size=[len(native)])
+        return self._client.get_data(native, nested=True)
 
-    def set_custom_meta(self, metadata: _meta.BatchMeta) -> None:
-        """Store ``metadata``'s per-row tags (``custom_meta``) on the controller."""
-        tags = metadata.tags or [{} for _ in range(len(metadata))]
-        self._client.set_tags(metadata, tags)
+    def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
+        """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
+        native = _native(metadata)
+        tags = native.tags or [{} for _ in range(len(native))]
+        self._client.set_tags(native, tags)
 
     def clear_partition(self, partition_id: str) -> None:
         """Remove the partition and free its storage."""
         self._client.clear_partition(partition_id)
 
-    def clear_samples(self, metadata: _meta.BatchMeta) -> None:
+    def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
         """Remove ``metadata``'s rows and free their storage."""
-        self._client.clear_samples(metadata)
+        self._client.clear_samples(_native(metadata))
 
     # -- status --
 
@@ -649,7 +614,7 @@ class TransferQueueClient:
             mask = self._client.consumption_status(partition_id, task_name)
         except PartitionNotFound:
             return None, None
-        return torch.arange(mask.shape[0]), mask.to(torch.int8)
+        return _base(partition_id) + torch.arange(mask.shape[0]), mask.to(torch.int8)
 
     def get_production_status(
         self, data_fields: Sequence[str], partition_id: str
@@ -664,7 +629,7 @@ class TransferQueueClient:
         ready = torch.ones(n, dtype=torch.bool)
         for name in data_fields:
             ready &= masks.get(name, torch.zeros(n, dtype=torch.bool))
-        return torch.arange(n), ready.to(torch.int8)
+        return _base(partition_id) + torch.arange(n), ready.to(torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """True when ``task_name`` consumed every row (False before the first put)."""
@@ -682,7 +647,7 @@ class TransferQueueClient:
 
     def get_partition_list(self) -> list[str]:
         """Ids of every partition."""
-        return self._client.list_partitions()
+        return [p for p in self._client.list_partitions() if p != _REGISTRY]
 
     # -- KV --
 
@@ -691,12 +656,13 @@ class TransferQueueClient:
     ) -> BatchMeta:
         """A batch of ``keys``' rows (missing keys are created with ``create``)."""
         got = self._client.kv_retrieve_meta(_as_list(keys, "keys"), partition_id, create)
-        return BatchMeta.from_meta(got)
+        return _compat_meta(got)
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes``."""
         rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        return self._client.kv_retrieve_keys(rows, partition_id)
+        base = _base(partition_id)
+        return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """``{partition_id: {key: tags}}`` for one partition or all."""
@@ -1042,6 +1008,7 @@ def close() -> None:
         ray_cluster = _state.pop("ray_cluster", None)
         pid = _state.pop("pid", None)
         _state.clear()
+        _bases.clear()
         if pid != os.getpid():
             return  # inherited through fork: the parent owns both
         if client is not None:
@@ -1251,10 +1218,34 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
 
 
 def _compat_chunks(
-    process: Callable[..., Any], td: TensorDictBase, meta: _meta.BatchMeta, **kwargs: Any
+    process: Callable[..., Any],
+    base: int,
+    td: TensorDictBase,
+    meta: _meta.BatchMeta,
+    **kwargs: Any,
 ) -> Any:
-    """Hand ``process_batch_fn`` a compat :class:`BatchMeta` (TransferQueue's ``chunk``)."""
-    return process(td, BatchMeta.from_meta(meta), **kwargs)
+    """Hand ``process_batch_fn`` a compat :class:`BatchMeta` (TransferQueue's ``chunk``).
+
+    It runs on the dataset's event loop: the partition's first global index (``base``) was
+    looked up when the dataset was made, and nothing here may block on the cluster.
+    """
+    if process is _chunk_batch_fn:
+        return [
+            (part, BatchMeta.from_native(m, base, _schema))
+            for part, m in _chunk_batch_fn(td, meta, **kwargs)
+        ]
+    return process(td, BatchMeta.from_native(meta, base, _schema), **kwargs)
+
+
+def _base_at(address: str, partition_id: str) -> int:
+    """:func:`_base` for a cluster at ``address`` (through a short-lived client when this
+    process's compat client is attached elsewhere, or not at all)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is not None and _state.get("pid") == os.getpid() and client.address == address:
+        return _base(partition_id)
+    with _Client.connect(address) as other:
+        got = other.kv_retrieve_meta([partition_id], _REGISTRY, create=True)
+    return got.global_indexes[0] * GLOBAL_INDEX_STRIDE
 
 
 class StreamingDataset(_StreamingDataset):
@@ -1312,7 +1303,9 @@ class StreamingDataset(_StreamingDataset):
             task_name,
             dp_rank=dp_rank,
             stop_when_consumed=should_check_consumption_status,
-            process_batch_fn=functools.partial(_compat_chunks, process_batch_fn or _chunk_batch_fn),
+            process_batch_fn=functools.partial(
+                _compat_chunks, process_batch_fn or _chunk_batch_fn, _base_at(address, partition_id)
+            ),
         )
         self.config = config
 
