@@ -57,6 +57,7 @@ LAYERS: dict[str, list[str]] = {
         "_cli",
         "_compat_meta",
         "compat",
+        "transfer_queue",
         "ray",
         "lowlevel",
         "__init__",
