@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import sys
 import threading
 import warnings
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -467,6 +469,99 @@ def _cast_to_partition(partition_id: str, fields: Any) -> Any:
     return out if changed else None
 
 
+def _ragged_rows(value: Any) -> list[torch.Tensor] | None:
+    """The rows of a column whose rows differ in more than their first dimension (a list of
+    tensors or a strided nested tensor); None for any other column."""
+    if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.strided:
+        rows = list(value.unbind())
+    elif (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+    ):
+        rows = list(value)
+    else:
+        return None
+    first = rows[0]
+    if first.dim() < 2 or any(r.dim() != first.dim() or r.dtype != first.dtype for r in rows):
+        return None
+    if all(r.shape[1:] == first.shape[1:] for r in rows):
+        return None
+    return rows
+
+
+def _split_ragged(fields: Any) -> tuple[Any, list[tuple[list[int], dict[str, Any]]]]:
+    """``(fields without the ragged columns, [(row positions, {field: rows}), ...])``: the
+    rows of a column ragged beyond its first dimension, grouped so that each group's rows
+    share their shape after the first dimension (each group is one jagged column)."""
+    columns = _columns_of(fields)
+    groups: dict[tuple[int, ...], tuple[list[int], dict[str, list[torch.Tensor]]]] = {}
+    base: dict[str, Any] = {}
+    for name, value in columns.items():
+        rows = _ragged_rows(value)
+        if rows is None:
+            base[name] = value
+            continue
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, row in enumerate(rows):
+            by_shape.setdefault(tuple(row.shape[1:]), []).append(i)
+        for positions in by_shape.values():
+            key = tuple(positions)
+            group = groups.setdefault(key, (positions, {}))
+            group[1][name] = [rows[i] for i in positions]
+    if not groups:
+        return fields, []
+    return base, list(groups.values())
+
+
+def _put_ragged(
+    fields: Any,
+    put_all: Callable[[Any], _meta.BatchMeta],
+    put_rows: Callable[[_meta.BatchMeta, list[int], Any], object],
+) -> _meta.BatchMeta:
+    """Put ``fields``; columns ragged beyond their first dimension go in further puts of the
+    same rows, one per row shape (TransferQueue stores each row on its own)."""
+    base, groups = _split_ragged(fields)
+    if not groups:
+        return put_all(fields)
+    if not base:
+        raise SchemaError(
+            "every column of this put is ragged in more than its first dimension; put one "
+            "column whose rows share a shape with it (e.g. an index), or pad the rows"
+        )
+    meta = put_all(base)
+    for positions, columns in groups:
+        put_rows(meta, positions, columns)
+    names = [*meta.field_names, *(n for _, c in groups for n in c)]
+    return msgspec.structs.replace(meta, field_names=list(dict.fromkeys(names)))
+
+
+_RAGGED_FIELD = re.compile(r"rows of field '([^']+)' differ in more than their first dimension")
+
+
+def _read(meta: _meta.BatchMeta) -> TensorDict:
+    """``get_data(meta, nested=True)``; a field whose rows differ in more than their first
+    dimension comes back as a strided nested tensor (read row by row), as in TransferQueue."""
+    client = get_client().client
+    try:
+        return client.get_data(meta, nested=True)
+    except SchemaError as exc:
+        found = _RAGGED_FIELD.search(str(exc))
+        if found is None or found.group(1) not in meta.field_names:
+            raise
+        ragged = found.group(1)
+    rest = [f for f in meta.field_names if f != ragged]
+    td = _read(meta.select_fields(rest)) if rest else TensorDict({}, batch_size=[len(meta)])
+    rows = [
+        client.get_data(meta.select_rows([i]).select_fields([ragged]))[ragged][0]
+        for i in range(len(meta))
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
+        td.set(ragged, torch.nested.nested_tensor(rows))
+    return td
+
+
 def _put_retrying_dtypes(partition_id: str | None, fields: Any, put: Callable[[Any], _R]) -> _R:
     """``put(fields)``; when the partition refuses a tensor column's dtype, the columns are
     cast to the partition's dtypes and put again (TransferQueue reads rows of several dtypes
@@ -573,8 +668,12 @@ class TransferQueueClient:
         data = _parsed(_plain_columns(data), data_parser)
         native = None if metadata is None else _native(metadata)
         pid = partition_id if native is None else native.partition_id
-        meta = _put_retrying_dtypes(
-            pid, data, lambda d: self._client.put(d, pid if native is None else None, meta=native)
+        meta = _put_ragged(
+            data,
+            lambda d: _put_retrying_dtypes(
+                pid, d, lambda e: self._client.put(e, pid if native is None else None, meta=native)
+            ),
+            lambda m, rows, d: self._client.put(d, None, meta=m.select_rows(rows)),
         )
         out = _compat_meta(meta)
         if isinstance(metadata, BatchMeta) and metadata.size == out.size:
@@ -587,7 +686,7 @@ class TransferQueueClient:
         native = _native(metadata)
         if not native.field_names or not len(native):
             return TensorDict({}, batch_size=[len(native)])
-        return self._client.get_data(native, nested=True)
+        return _read(native)
 
     def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
         """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
@@ -1094,8 +1193,12 @@ def kv_batch_put(
         meta = client.kv_batch_put(key_list, partition_id, None, tags)
     else:
         fields = _parsed(_plain_columns(fields), data_parser)
-        meta = _put_retrying_dtypes(
-            partition_id, fields, lambda f: client.kv_batch_put(key_list, partition_id, f, tags)
+        meta = _put_ragged(
+            fields,
+            lambda f: _put_retrying_dtypes(
+                partition_id, f, lambda g: client.kv_batch_put(key_list, partition_id, g, tags)
+            ),
+            lambda _, rows, f: client.kv_batch_put([key_list[i] for i in rows], partition_id, f),
         )
     return _kv_meta(meta, key_list)
 
@@ -1124,7 +1227,7 @@ def kv_batch_get(
         present = [f for f in wanted if f in meta.field_names]
     if not present:
         return TensorDict({}, batch_size=[len(key_list)])
-    return client.get_data(meta.select_fields(present), nested=True)
+    return _read(meta.select_fields(present))
 
 
 def kv_batch_get_by_meta(

@@ -154,3 +154,22 @@ def test_jagged_fields_stay_jagged_whatever_the_lengths() -> None:
     got = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["responses"])
     assert got["responses"].offsets().tolist() == [0, 3, 6]
     assert got["responses"].to_padded_tensor(-1).shape == (2, 3)
+
+
+def test_rows_ragged_in_two_dimensions() -> None:
+    # Qwen-VL position ids (4, L) per key, and a list of images of several sizes in one put
+    tq.init()
+    for i, length in enumerate((3, 5)):
+        position_ids = torch.arange(4 * length).view(4, length)
+        tq.kv_put(key=f"q{i}", partition_id="v", fields={"position_ids": position_ids})
+    got = tq.kv_batch_get(keys=["q0", "q1"], partition_id="v")["position_ids"]
+    assert [tuple(t.shape) for t in got.unbind()] == [(4, 3), (4, 5)]
+    assert torch.equal(got[1], torch.arange(20).view(4, 5))
+    client = tq.get_client()
+    images = [torch.ones(3, 2, 2), torch.zeros(3, 4, 4), torch.ones(3, 2, 2)]
+    put = client.put(data={"uid": torch.arange(3), "img": images}, partition_id="w")
+    assert put.field_names == ["img", "uid"]
+    meta = client.get_meta(data_fields=["img"], batch_size=3, partition_id="w", task_name="t")
+    rows = client.get_data(meta)["img"].unbind()
+    assert [tuple(t.shape) for t in rows] == [(3, 2, 2), (3, 4, 4), (3, 2, 2)]
+    assert torch.equal(rows[1], torch.zeros(3, 4, 4))
