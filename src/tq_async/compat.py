@@ -786,6 +786,9 @@ class TransferQueueClient:
     save_storage_checkpoint = save_controller_checkpoint
     load_storage_checkpoint = load_controller_checkpoint
 
+    def initialize_storage_manager(self, *args: Any, **kwargs: Any) -> None:
+        """Accepted and ignored: the client finds the storage units through the controller."""
+
     def close(self) -> None:
         """Close the connection."""
         self._client.close()
@@ -805,6 +808,10 @@ class TransferQueueClient:
     async_kv_retrieve_meta = _to_thread(kv_retrieve_meta)
     async_kv_retrieve_keys = _to_thread(kv_retrieve_keys)
     async_kv_list = _to_thread(kv_list)
+    async_save_controller_checkpoint = _to_thread(save_controller_checkpoint)
+    async_load_controller_checkpoint = _to_thread(load_controller_checkpoint)
+    async_save_storage_checkpoint = _to_thread(save_storage_checkpoint)
+    async_load_storage_checkpoint = _to_thread(load_storage_checkpoint)
 
 
 # ---- init / close ----------------------------------------------------------------------------
