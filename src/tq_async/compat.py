@@ -17,11 +17,15 @@ Names, argument names and argument order follow TransferQueue 0.1.11 (``transfer
 ``BatchMeta``, ``StorageKeyNotFoundError`` and the samplers.
 
 Rendezvous: :func:`init` attaches to the address in its config (``address`` or
-``controller.zmq_info``) or in the ``TQ_ADDRESS`` environment variable, or to a cluster
-launched with :func:`tq_async.ray.launch` when Ray is initialised; with none of these it
-starts a :func:`~tq_async.background_cluster` and publishes its address in ``TQ_ADDRESS``, so
-child processes that call ``init()`` attach to it. Every remaining difference is listed, with
-its reason, in ``docs/migrating.md``.
+``controller.zmq_info``) or in the ``TQ_ADDRESS`` environment variable. When Ray is
+initialised, every process of the job finds the services by name as Ray actors
+(``TransferQueueController`` in namespace ``transfer_queue``, TransferQueue's names); a driver
+that finds none launches them with :func:`tq_async.ray.launch`, a Ray worker that finds none
+raises :class:`~tq_async.ClosedError`. Without Ray it starts a
+:func:`~tq_async.background_cluster` and publishes its address in ``TQ_ADDRESS``, so child
+processes that call ``init()`` attach to it. ``python -m tq_async.transfer_queue program.py``
+runs a TransferQueue program unchanged. Every remaining difference is listed, with its reason,
+in ``docs/migrating.md``.
 """
 
 from __future__ import annotations
@@ -266,7 +270,7 @@ def _kv_meta(meta: _meta.BatchMeta, keys: Sequence[str]) -> KVBatchMeta:
         keys=list(keys),
         tags=tags,
         partition_id=meta.partition_id,
-        fields=list(meta.field_names),
+        fields=sorted(meta.field_names),
         extra_info=meta.extra_info,
     )
 
@@ -948,14 +952,20 @@ def _ray_cluster(flat: Mapping[str, Any]) -> tuple[Any, bool]:
 def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     """Attach this process to a cluster, starting one if there is none; idempotent.
 
+    Where it attaches: the config's address or ``TQ_ADDRESS``; with Ray initialised, the
+    job's services found by name (launched here when this is the driver and there are none;
+    a Ray worker that finds none raises ``ClosedError``); otherwise a cluster started in this
+    process. It logs where it attached.
+
     Args:
         conf: TransferQueue's config shape (a dict or an OmegaConf ``DictConfig``). Honoured:
             ``address`` (or ``controller.zmq_info`` as a string), ``controller.sampler`` (an
             instance, a class or a built-in sampler's name), ``controller.polling_mode``,
             ``backend.SimpleStorage.num_data_storage_units`` (default 2),
             ``backend.SimpleStorage.total_storage_size`` (a global row capacity),
-            ``metrics.enabled`` and ``metrics.port``. Other keys are ignored with a warning.
-            The cluster settings apply only when this call starts the cluster.
+            ``metrics.enabled``, ``metrics.port`` and ``allow_pickle`` (accept values that
+            travel only with pickle). Other keys are ignored with a warning. The cluster
+            settings apply only when this call starts the cluster.
 
     Returns:
         The effective config; ``config.controller.zmq_info`` and ``config.address`` hold the
@@ -964,6 +974,8 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     Raises:
         InvalidRequestError: an honoured key has a bad value.
         BrokenError: the cluster's address could not be bound.
+        ClosedError: a Ray worker found no services of its job (call ``init()`` in the
+            driver first).
     """
     with _lock:
         if _state.get("pid") not in (None, os.getpid()):
@@ -1228,10 +1240,10 @@ def kv_batch_get(
     key_list = _as_list(keys, "keys")
     client = get_client().client
     meta = client.kv_retrieve_meta(key_list, partition_id)
-    present = list(meta.field_names)
+    present = sorted(meta.field_names)  # TransferQueue's order
     if select_fields is not None:
         wanted = _as_list(select_fields, "select_fields")
-        present = [f for f in wanted if f in meta.field_names]
+        present = sorted(f for f in set(wanted) if f in meta.field_names)
     if not present:
         return TensorDict({}, batch_size=[len(key_list)])
     return _read(meta.select_fields(present))
