@@ -1090,8 +1090,7 @@ def _locate(flat: Mapping[str, Any]) -> tuple[str, BackgroundCluster | None, Any
         return address, None, None, "the given address"
     ray_cluster, launched = _ray_cluster(flat)
     if ray_cluster is not None:
-        if not launched and settings:
-            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
+        # Ray workers are handed the driver's config: its settings are the cluster's already
         how = "launched" if launched else "found"
         where = f"Ray actor {ray_cluster.name!r} in namespace {ray_cluster.namespace!r} ({how})"
         return ray_cluster.address, None, ray_cluster if launched else None, where

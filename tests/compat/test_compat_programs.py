@@ -30,7 +30,7 @@ from transfer_queue.metadata import BatchMeta
 from transfer_queue.sampler import BaseSampler
 from transfer_queue.utils.logging_utils import get_logger
 
-log = get_logger(__name__)
+log = get_logger("MAIN", default_level="INFO")  # the recipes' call
 log.info("a recipe logs like this")
 config = yaml.safe_load((resources.files("transfer_queue") / "config.yaml").read_text())
 config["controller"]["polling_mode"] = True  # (the recipes merge with OmegaConf)
