@@ -1322,7 +1322,10 @@ def save_checkpoint(
     """
     if not include_storage:
         _log.warning("include_storage=False is ignored: the cells are always saved")
-    get_client().client.save_checkpoint(checkpoint_dir, metadata=metadata)
+    client = get_client().client
+    # compat's numbering of partitions stays out: a restore goes into a cluster that has its own
+    partitions = [p for p in client.list_partitions() if p != _REGISTRY]
+    client.save_checkpoint(checkpoint_dir, partitions, metadata=metadata)
 
 
 def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
