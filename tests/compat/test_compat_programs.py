@@ -124,6 +124,7 @@ def test_notebook_cells_in_order_through_the_alias(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "NOTEBOOK DONE" in done.stdout
+    assert "INFO - MAIN - a recipe logs like this" in done.stderr  # as TransferQueue's helper
 
 
 def test_the_alias_never_shadows_an_installed_transfer_queue(
