@@ -991,6 +991,11 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
                 UserWarning,
                 stacklevel=2,
             )
+        if os.environ.get("TQ_PRE_ALLOC_SAMPLE_NUM"):
+            _log.warning(
+                "TQ_PRE_ALLOC_SAMPLE_NUM is ignored: rows exist from their put; consumers learn "
+                "that production is over from seal() / end of stream (see docs/migrating.md)"
+            )
         backend = flat.get("backend.storage_backend", "SimpleStorage")
         if backend != "SimpleStorage":
             raise InvalidRequestError(
