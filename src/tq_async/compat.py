@@ -1098,6 +1098,9 @@ def _locate(flat: Mapping[str, Any]) -> tuple[str, BackgroundCluster | None, Any
         # Ray workers are handed the driver's config: its settings are the cluster's already
         how = "launched" if launched else "found"
         where = f"Ray actor {ray_cluster.name!r} in namespace {ray_cluster.namespace!r} ({how})"
+        # for the processes this one starts (close() takes it back)
+        os.environ["TQ_ADDRESS"] = ray_cluster.address
+        _state["published"] = ray_cluster.address
         return ray_cluster.address, None, ray_cluster if launched else None, where
     cluster = _start_cluster(flat)
     os.environ["TQ_ADDRESS"] = cluster.address
@@ -1128,9 +1131,12 @@ def close() -> None:
         client: TransferQueueClient | None = _state.pop("client", None)
         cluster: BackgroundCluster | None = _state.pop("cluster", None)
         ray_cluster = _state.pop("ray_cluster", None)
+        published = _state.pop("published", None)
         pid = _state.pop("pid", None)
         _state.clear()
         _bases.clear()
+        if published is not None and os.environ.get("TQ_ADDRESS") == published:
+            del os.environ["TQ_ADDRESS"]
         if pid != os.getpid():
             return  # inherited through fork: the parent owns both
         if client is not None:

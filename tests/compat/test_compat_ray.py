@@ -46,6 +46,7 @@ def test_ray_init_first_never_splits_the_job() -> None:
         assert "driver" in lonely
         assert "TQ_ADDRESS" not in os.environ
         config = tq.init()  # the driver: launches the services as named Ray actors
+        assert os.environ["TQ_ADDRESS"] == config.address  # for the processes it starts
         producers = [ray.remote(_producer).remote(rank) for rank in range(2)]
         addresses = ray.get(producers, timeout=120)
         assert addresses == [config.address, config.address]
@@ -58,6 +59,7 @@ def test_ray_init_first_never_splits_the_job() -> None:
         controller = ray.get_actor(tq.RAY_CONTROLLER, namespace=tq.RAY_NAMESPACE)
         assert ray.get(controller.get_config.remote(), timeout=60)["address"] == config.address
         tq.close()  # the driver launched them: close() shuts the actors down
+        assert "TQ_ADDRESS" not in os.environ
         named = ray.util.list_named_actors(all_namespaces=True)
         assert not [a for a in named if a["namespace"] == tq.RAY_NAMESPACE]
     finally:
