@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -158,3 +159,18 @@ def test_encoding_does_not_copy_contiguous_tensors() -> None:
     (frame,) = column_to_frames(headers[0], columns[0])
     t[0, 0] = 7  # the frame is a view of the tensor's memory
     assert torch.frombuffer(bytearray(frame), dtype=torch.bfloat16)[0] == 7
+
+
+def test_jagged_result_pads_to_its_longest_row() -> None:
+    # without the lengths' bounds torch pads every row to the length of all values together
+    rows = torch.nested.as_nested_tensor([torch.arange(2), torch.arange(3)], layout=torch.jagged)
+    back = roundtrip(TensorDict({"r": rows}, batch_size=2))["r"]
+    assert back.to_padded_tensor(-1).tolist() == [[0, 1, -1], [0, 1, 2]]
+
+
+def test_numpy_scalar_inside_a_value_is_refused_or_pickled() -> None:
+    # np.float64 is a float, but msgpack cannot carry it: a TQError, never a raw TypeError
+    data = {"extra": [{"acc": np.float64(1.0)}, {"acc": np.float64(0.5)}]}
+    with pytest.raises(UnsupportedTypeError, match="allow_pickle"):
+        columns_from_batch(data)
+    assert roundtrip(data, allow_pickle=True)["extra"].tolist()[1] == {"acc": 0.5}

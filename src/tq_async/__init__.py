@@ -22,7 +22,8 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
    call their state and answer; requests that wait park in one ``_parking`` lot), the
    clients (``_client``, blocking ``_sync``), checkpoints, metrics, ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
-   datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat``, and
+   datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat`` (with
+   ``_compat_meta``, TransferQueue's ``BatchMeta``), and
    :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.
 
 The names that need torch (clients, datasets) are imported on first use, so that the services

@@ -81,6 +81,8 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def _plain_value_ok(value: Any, depth: int = 0) -> bool:
     """True when msgpack carries ``value`` and gives back an equal value of the same type."""
+    if isinstance(value, np.generic):  # np.float64 is a float, but msgpack refuses it
+        return False
     if value is None or isinstance(value, (str, bool, int, float, bytes)):
         return not isinstance(value, int) or -(2**63) <= value < 2**64
     if depth > 32:
@@ -439,7 +441,13 @@ def column_value(header: ColumnHeader, column: Column) -> Any:
             offsets = offsets - a
         elif not offsets.flags.writeable:
             offsets = offsets.copy()
-        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+        # the lengths' bounds, given: without them to_padded_tensor() pads every row to the
+        # length of all values together
+        lengths = np.diff(offsets)
+        longest, shortest = (int(lengths.max()), int(lengths.min())) if len(lengths) else (0, 0)
+        return torch.nested.nested_tensor_from_jagged(
+            values, torch.from_numpy(offsets), min_seqlen=shortest, max_seqlen=longest
+        )
     if header.kind == PICKLE:
         return [pickle.loads(v) for v in column.values]
     return column.values

@@ -568,8 +568,40 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     shm_reads: int = 0
 
 
-encoder = msgspec.msgpack.Encoder()
-controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest)
+#: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,
+#: e.g. priority scores): dtype, shape and raw bytes, so no pickle is needed
+_EXT_NDARRAY = 1
+_ndarray_header = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], bytes])
+
+
+def _enc_hook(obj: Any) -> Any:
+    """Numeric numpy arrays travel as an extension type, numpy scalars as Python scalars."""
+    import numpy as np  # here: most messages never need it
+
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+        return obj.item()
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+        array = np.ascontiguousarray(obj)
+        payload = msgspec.msgpack.encode((array.dtype.str, array.shape, array.tobytes()))
+        return msgspec.msgpack.Ext(_EXT_NDARRAY, payload)
+    raise NotImplementedError(
+        f"Encoding objects of type {type(obj).__module__}.{type(obj).__qualname__} is unsupported"
+    )
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _EXT_NDARRAY:
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+    import numpy as np
+
+    dtype, shape, raw = _ndarray_header.decode(data)
+    if np.dtype(dtype).kind not in "biufc":
+        raise ProtocolError(f"a numpy array of dtype {dtype!r} cannot travel")
+    return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest, ext_hook=_ext_hook)
 storage_request_decoder = msgspec.msgpack.Decoder(StorageRequest)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 _rid_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])

@@ -17,11 +17,15 @@ Names, argument names and argument order follow TransferQueue 0.1.11 (``transfer
 ``BatchMeta``, ``StorageKeyNotFoundError`` and the samplers.
 
 Rendezvous: :func:`init` attaches to the address in its config (``address`` or
-``controller.zmq_info``) or in the ``TQ_ADDRESS`` environment variable, or to a cluster
-launched with :func:`tq_async.ray.launch` when Ray is initialised; with none of these it
-starts a :func:`~tq_async.background_cluster` and publishes its address in ``TQ_ADDRESS``, so
-child processes that call ``init()`` attach to it. Every remaining difference is listed, with
-its reason, in ``docs/migrating.md``.
+``controller.zmq_info``) or in the ``TQ_ADDRESS`` environment variable. When Ray is
+initialised, every process of the job finds the services by name as Ray actors
+(``TransferQueueController`` in namespace ``transfer_queue``, TransferQueue's names); a driver
+that finds none launches them with :func:`tq_async.ray.launch`, a Ray worker that finds none
+raises :class:`~tq_async.ClosedError`. Without Ray it starts a
+:func:`~tq_async.background_cluster` and publishes its address in ``TQ_ADDRESS``, so child
+processes that call ``init()`` attach to it. ``python -m tq_async.transfer_queue program.py``
+runs a TransferQueue program unchanged. Every remaining difference is listed, with its reason,
+in ``docs/migrating.md``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import sys
 import threading
 import warnings
@@ -37,13 +42,23 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
+import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from . import _meta
 from ._background import BackgroundCluster, background_cluster
+from ._compat_meta import GLOBAL_INDEX_STRIDE
+from ._compat_meta import BatchMeta as BatchMeta
 from ._dataset import chunk_batch_fn as _chunk_batch_fn
-from ._errors import ClosedError, InvalidRequestError, KeyNotFound, PartitionNotFound
+from ._errors import (
+    ClosedError,
+    InvalidRequestError,
+    KeyNotFound,
+    PartitionNotFound,
+    SchemaError,
+)
 from ._errors import TQTimeoutError as _TQTimeoutError
 from ._logging import get_logger
 from ._sync import Client as _Client
@@ -109,6 +124,7 @@ _SAMPLERS: dict[str, type[BaseSampler]] = {
 _HONOURED = frozenset(
     {
         "address",
+        "allow_pickle",
         "controller.sampler",
         "controller.polling_mode",
         "controller.zmq_info",
@@ -124,104 +140,6 @@ _HONOURED = frozenset(
 
 
 # ---- batch metadata --------------------------------------------------------------------------
-
-
-class BatchMeta(_meta.BatchMeta, frozen=True, kw_only=True):
-    """:class:`tq_async.BatchMeta` with TransferQueue's names and its ``chunk(n)`` (n pieces).
-
-    Adds ``partition_ids`` (one per row), ``custom_meta`` (the rows' tags),
-    ``get_all_custom_meta`` / ``update_custom_meta``, ``select_samples``, ``is_ready``,
-    indexing by row, and the ``extra_info`` helpers.
-    """
-
-    @classmethod
-    def from_meta(cls, meta: _meta.BatchMeta) -> BatchMeta:
-        """The same batch as a compat :class:`BatchMeta`."""
-        if isinstance(meta, cls):
-            return meta
-        return cls(**{f: getattr(meta, f) for f in meta.__struct_fields__})
-
-    def chunk(self, chunks: int) -> list[BatchMeta]:  # type: ignore[override]
-        """``chunks`` pieces whose sizes differ by at most one (TransferQueue's meaning; 10
-        rows, ``chunks=3``: 4, 3, 3), i.e. :meth:`chunk_into`."""
-        return self.chunk_into(chunks)  # type: ignore[return-value]
-
-    @property
-    def partition_ids(self) -> list[str]:
-        """The partition of each row (all rows of a BatchMeta share one here)."""
-        return [self.partition_id] * len(self)
-
-    @property
-    def custom_meta(self) -> list[dict[str, Any]]:
-        """Each row's tags (TransferQueue's ``custom_meta``); edit with
-        :meth:`update_custom_meta`."""
-        if not self.tags and len(self):
-            self.tags.extend({} for _ in range(len(self)))
-        return self.tags
-
-    @property
-    def is_ready(self) -> bool:
-        """True for a non-empty batch (every row of a fetched batch has its fields)."""
-        return len(self) > 0
-
-    def get_all_custom_meta(self) -> list[dict[str, Any]]:
-        """Copies of each row's tags."""
-        return [dict(t) for t in self.custom_meta]
-
-    def update_custom_meta(self, custom_meta: Sequence[Mapping[str, Any]]) -> None:
-        """Merge ``custom_meta[i]`` into row ``i``'s tags (here; send them with
-        ``TransferQueueClient.set_custom_meta``).
-
-        Raises:
-            InvalidRequestError: ``custom_meta`` does not have one dict per row.
-        """
-        if len(custom_meta) != len(self):
-            raise InvalidRequestError(
-                f"custom_meta has {len(custom_meta)} dicts for {len(self)} rows; give one per row"
-            )
-        for mine, new in zip(self.custom_meta, custom_meta, strict=True):
-            mine.update(new)
-
-    def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
-        """The rows at ``sample_indices`` (positions in this batch)."""
-        return self.select_rows(list(sample_indices))  # type: ignore[return-value]
-
-    def __getitem__(self, item: int | slice) -> BatchMeta:
-        """One row (as a batch of one) or a slice of rows."""
-        if isinstance(item, slice):
-            return self.select_rows(item)  # type: ignore[return-value]
-        index = item + len(self) if item < 0 else item
-        if not 0 <= index < len(self):
-            raise IndexError(f"BatchMeta index {item} out of range for {len(self)} rows")
-        return self.select_rows([index])  # type: ignore[return-value]
-
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
-        """``extra_info[key]``, or ``default``."""
-        return self.extra_info.get(key, default)
-
-    def set_extra_info(self, key: str, value: Any) -> None:
-        """Set ``extra_info[key]``."""
-        self.extra_info[key] = value
-
-    def update_extra_info(self, info_dict: Mapping[str, Any]) -> None:
-        """Merge ``info_dict`` into ``extra_info``."""
-        self.extra_info.update(info_dict)
-
-    def get_all_extra_info(self) -> dict[str, Any]:
-        """A copy of ``extra_info``."""
-        return dict(self.extra_info)
-
-    def has_extra_info(self, key: str) -> bool:
-        """Whether ``extra_info`` has ``key``."""
-        return key in self.extra_info
-
-    def remove_extra_info(self, key: str) -> Any:
-        """Remove ``extra_info[key]`` and return it (None when absent)."""
-        return self.extra_info.pop(key, None)
-
-    def clear_extra_info(self) -> None:
-        """Empty ``extra_info``."""
-        self.extra_info.clear()
 
 
 @dataclass
@@ -352,7 +270,7 @@ def _kv_meta(meta: _meta.BatchMeta, keys: Sequence[str]) -> KVBatchMeta:
         keys=list(keys),
         tags=tags,
         partition_id=meta.partition_id,
-        fields=list(meta.field_names),
+        fields=sorted(meta.field_names),
         extra_info=meta.extra_info,
     )
 
@@ -379,12 +297,288 @@ def _as_list(value: str | Sequence[str], name: str) -> list[str]:
     return list(value)
 
 
-def _no_parser(data_parser: Any) -> None:
-    if data_parser is not None:
+#: the partition where compat numbers the partitions it has seen (one key per partition), so
+#: that global indexes seen through compat are unique across partitions
+_REGISTRY = "__tq_async_compat__"
+#: ``(address, partition id) -> the partition's first global index``, per process
+_bases: dict[tuple[str, str], int] = {}
+
+
+def _base(partition_id: str) -> int:
+    """The global index of the partition's row 0 as seen through compat: its ordinal in the
+    cluster (the row of its key in the registry partition) times ``GLOBAL_INDEX_STRIDE``.
+    0 when compat is not initialised in this process (a DataLoader worker)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is None or _state.get("pid") != os.getpid() or partition_id == _REGISTRY:
+        return 0
+    key = (client.address, partition_id)
+    base = _bases.get(key)
+    if base is None:
+        got = client.client.kv_retrieve_meta([partition_id], _REGISTRY, create=True)
+        base = _bases[key] = got.global_indexes[0] * GLOBAL_INDEX_STRIDE
+    return base
+
+
+def _schema(partition_id: str) -> dict[str, dict[str, Any]]:
+    """The field schema of a partition, from its controller (``{}`` when unknown)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is None or _state.get("pid") != os.getpid():
+        return {}
+    try:
+        info = client.client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, described in info.get("fields", {}).items():
+        kind, _, rest = str(described).partition(" ")
+        dtype_name, _, dims = rest.partition("[")
+        dtype = getattr(torch, dtype_name, None)
+        shape = [int(d) for d in dims.rstrip("]").split(",") if d]
+        out[name] = {
+            "dtype": dtype if isinstance(dtype, torch.dtype) else None,
+            "shape": torch.Size(shape) if kind == "dense" else None,
+            "is_nested": kind == "jagged",
+            "is_non_tensor": kind in ("object", "pickle"),
+        }
+    return out
+
+
+def _compat_meta(meta: _meta.BatchMeta) -> BatchMeta:
+    """The compat view of a native batch (global indexes unique across partitions)."""
+    return BatchMeta.from_native(meta, _base(meta.partition_id), _schema)
+
+
+def _native(meta: BatchMeta | _meta.BatchMeta) -> _meta.BatchMeta:
+    """The native batch the client sends."""
+    if isinstance(meta, BatchMeta):
+        return meta.to_native()
+    if isinstance(meta, _meta.BatchMeta):
+        return meta
+    raise InvalidRequestError(f"expected a BatchMeta, got {type(meta).__name__}")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars turned into Python scalars, through lists, tuples and
+    dicts (a reward function returning ``np.float64`` then travels as msgpack)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _plain_column(value: Any) -> Any:
+    if isinstance(value, NonTensorStack):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)) and not all(isinstance(v, torch.Tensor) for v in value):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _columns_of(fields: TensorDictBase | Mapping[str, Any]) -> dict[str, Any]:
+    """``{field: column}`` of a TensorDict or a dict (iterating a TensorDict gives rows)."""
+    if isinstance(fields, TensorDictBase):
+        return {k: fields.get(k) for k in fields.keys()}  # noqa: SIM118
+    return dict(fields)
+
+
+def _plain_columns(fields: TensorDictBase | Mapping[str, Any]) -> Any:
+    """``fields`` with non-tensor columns as lists of plain values (a TensorDict as is when
+    it has none)."""
+    columns = _columns_of(fields)
+    plain = {k: _plain_column(v) for k, v in columns.items()}
+    if isinstance(fields, TensorDictBase) and all(plain[k] is v for k, v in columns.items()):
+        return fields
+    return plain
+
+
+def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
+    """One key's fields as a one-row batch: each value of a dict is the key's row (a
+    ``NonTensorStack`` row holds its list of values, as in TransferQueue)."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_size == torch.Size([]):
+            fields = fields.unsqueeze(0)
+        return _plain_columns(fields)
+    row: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+            value = torch.from_numpy(value)
+        if isinstance(value, torch.Tensor) and not value.is_nested:
+            row[name] = value.unsqueeze(0)
+        elif isinstance(value, NonTensorStack):
+            row[name] = [[_plain(v) for v in value.tolist()]]
+        elif isinstance(value, NonTensorData):
+            row[name] = [_plain(value.data)]
+        else:
+            row[name] = [_plain(value)]
+    return row
+
+
+def _parsed(fields: Any, data_parser: Callable[[Any], Any] | None) -> Any:
+    """``data_parser({field: column})`` run here (TransferQueue runs it in the storage unit):
+    the columns it returns are what is put."""
+    if data_parser is None:
+        return fields
+    columns = _columns_of(fields)
+    parsed = data_parser(columns)
+    if not isinstance(parsed, Mapping) or set(parsed) != set(columns):
         raise InvalidRequestError(
-            "data_parser is not supported by tq_async.compat: parse references into values "
-            "before the put (see docs/migrating.md)"
+            "data_parser must return the dict it was given, with the same field names and "
+            "values replaced"
         )
+    return {k: _plain_column(v) for k, v in parsed.items()}
+
+
+def _stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
+    """The dtype of each tensor field of a partition (from its schema)."""
+    try:
+        info = get_client().client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name, described in info.get("fields", {}).items():
+        parts = str(described).split(" ", 1)
+        if len(parts) == 2 and parts[0] in ("dense", "jagged"):
+            dtype = getattr(torch, parts[1].split("[", 1)[0], None)
+            if isinstance(dtype, torch.dtype):
+                out[name] = dtype
+    return out
+
+
+def _cast_to_partition(partition_id: str, fields: Any) -> Any:
+    """``fields`` with each tensor column cast to the dtype its field has in the partition
+    (None when no column needs it)."""
+    stored = _stored_dtypes(partition_id)
+    out: dict[str, Any] = {}
+    changed = []
+    for name, value in _columns_of(fields).items():
+        dtype = stored.get(name)
+        if isinstance(value, torch.Tensor) and dtype is not None and value.dtype != dtype:
+            if not torch.can_cast(value.dtype, dtype):
+                _log.warning(
+                    "a field's dtype changed between puts: the rows are cast to the field's "
+                    "first dtype, which may lose precision",
+                    partition_id=partition_id,
+                    field=name,
+                    put=str(value.dtype),
+                    field_dtype=str(dtype),
+                )
+            value = value.to(dtype)
+            changed.append(name)
+        out[name] = value
+    return out if changed else None
+
+
+def _ragged_rows(value: Any) -> list[torch.Tensor] | None:
+    """The rows of a column whose rows differ in more than their first dimension (a list of
+    tensors or a strided nested tensor); None for any other column."""
+    if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.strided:
+        rows = list(value.unbind())
+    elif (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+    ):
+        rows = list(value)
+    else:
+        return None
+    first = rows[0]
+    if first.dim() < 2 or any(r.dim() != first.dim() or r.dtype != first.dtype for r in rows):
+        return None
+    if all(r.shape[1:] == first.shape[1:] for r in rows):
+        return None
+    return rows
+
+
+def _split_ragged(fields: Any) -> tuple[Any, list[tuple[list[int], dict[str, Any]]]]:
+    """``(fields without the ragged columns, [(row positions, {field: rows}), ...])``: the
+    rows of a column ragged beyond its first dimension, grouped so that each group's rows
+    share their shape after the first dimension (each group is one jagged column)."""
+    columns = _columns_of(fields)
+    groups: dict[tuple[int, ...], tuple[list[int], dict[str, list[torch.Tensor]]]] = {}
+    base: dict[str, Any] = {}
+    for name, value in columns.items():
+        rows = _ragged_rows(value)
+        if rows is None:
+            base[name] = value
+            continue
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, row in enumerate(rows):
+            by_shape.setdefault(tuple(row.shape[1:]), []).append(i)
+        for positions in by_shape.values():
+            key = tuple(positions)
+            group = groups.setdefault(key, (positions, {}))
+            group[1][name] = [rows[i] for i in positions]
+    if not groups:
+        return fields, []
+    return base, list(groups.values())
+
+
+def _put_ragged(
+    fields: Any,
+    put_all: Callable[[Any], _meta.BatchMeta],
+    put_rows: Callable[[_meta.BatchMeta, list[int], Any], object],
+) -> _meta.BatchMeta:
+    """Put ``fields``; columns ragged beyond their first dimension go in further puts of the
+    same rows, one per row shape (TransferQueue stores each row on its own)."""
+    base, groups = _split_ragged(fields)
+    if not groups:
+        return put_all(fields)
+    if not base:
+        raise SchemaError(
+            "every column of this put is ragged in more than its first dimension; put one "
+            "column whose rows share a shape with it (e.g. an index), or pad the rows"
+        )
+    meta = put_all(base)
+    for positions, columns in groups:
+        put_rows(meta, positions, columns)
+    names = [*meta.field_names, *(n for _, c in groups for n in c)]
+    return msgspec.structs.replace(meta, field_names=list(dict.fromkeys(names)))
+
+
+_RAGGED_FIELD = re.compile(r"rows of field '([^']+)' differ in more than their first dimension")
+
+
+def _read(meta: _meta.BatchMeta) -> TensorDict:
+    """``get_data(meta, nested=True)``; a field whose rows differ in more than their first
+    dimension comes back as a strided nested tensor (read row by row), as in TransferQueue."""
+    client = get_client().client
+    try:
+        return client.get_data(meta, nested=True)
+    except SchemaError as exc:
+        found = _RAGGED_FIELD.search(str(exc))
+        if found is None or found.group(1) not in meta.field_names:
+            raise
+        ragged = found.group(1)
+    rest = [f for f in meta.field_names if f != ragged]
+    td = _read(meta.select_fields(rest)) if rest else TensorDict({}, batch_size=[len(meta)])
+    rows = [
+        client.get_data(meta.select_rows([i]).select_fields([ragged]))[ragged][0]
+        for i in range(len(meta))
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
+        td.set(ragged, torch.nested.nested_tensor(rows))
+    return td
+
+
+def _put_retrying_dtypes(partition_id: str | None, fields: Any, put: Callable[[Any], _R]) -> _R:
+    """``put(fields)``; when the partition refuses a tensor column's dtype, the columns are
+    cast to the partition's dtypes and put again (TransferQueue reads rows of several dtypes
+    as the dtype of the field's first row)."""
+    try:
+        return put(fields)
+    except SchemaError:
+        if partition_id is None:
+            raise
+        cast = _cast_to_partition(partition_id, fields)
+        if cast is None:
+            raise
+        return put(cast)
 
 
 class TransferQueueClient:
@@ -461,36 +655,56 @@ class TransferQueueClient:
             meta = _meta.BatchMeta(
                 partition_id=partition_id, global_indexes=[], field_names=[], units=[]
             )
-        return BatchMeta.from_meta(meta)
+        return _compat_meta(meta)
 
     def put(
         self,
         data: TensorDictBase | Mapping[str, Any],
-        metadata: _meta.BatchMeta | None = None,
+        metadata: BatchMeta | _meta.BatchMeta | None = None,
         partition_id: str | None = None,
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
-        """Write ``data``: new rows of ``partition_id``, or new fields of ``metadata``'s rows."""
-        _no_parser(data_parser)
-        meta = self._client.put(data, partition_id if metadata is None else None, meta=metadata)
-        return BatchMeta.from_meta(meta)
+        """Write ``data``: new rows of ``partition_id``, or new fields of ``metadata``'s rows.
 
-    def get_data(self, metadata: _meta.BatchMeta) -> TensorDict:
-        """The cells of ``metadata``'s rows and fields."""
-        return self._client.get_data(metadata)
+        ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
+        with another dtype than it has in the partition is cast to the partition's dtype.
+        """
+        data = _parsed(_plain_columns(data), data_parser)
+        native = None if metadata is None else _native(metadata)
+        pid = partition_id if native is None else native.partition_id
+        meta = _put_ragged(
+            data,
+            lambda d: _put_retrying_dtypes(
+                pid, d, lambda e: self._client.put(e, pid if native is None else None, meta=native)
+            ),
+            lambda m, rows, d: self._client.put(d, None, meta=m.select_rows(rows)),
+        )
+        out = _compat_meta(meta)
+        if isinstance(metadata, BatchMeta) and metadata.size == out.size:
+            out.extra_info.update(metadata.extra_info)
+        return out
 
-    def set_custom_meta(self, metadata: _meta.BatchMeta) -> None:
-        """Store ``metadata``'s per-row tags (``custom_meta``) on the controller."""
-        tags = metadata.tags or [{} for _ in range(len(metadata))]
-        self._client.set_tags(metadata, tags)
+    def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
+        """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
+        nested tensors, as in TransferQueue."""
+        native = _native(metadata)
+        if not native.field_names or not len(native):
+            return TensorDict({}, batch_size=[len(native)])
+        return _read(native)
+
+    def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
+        """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
+        native = _native(metadata)
+        tags = native.tags or [{} for _ in range(len(native))]
+        self._client.set_tags(native, tags)
 
     def clear_partition(self, partition_id: str) -> None:
         """Remove the partition and free its storage."""
         self._client.clear_partition(partition_id)
 
-    def clear_samples(self, metadata: _meta.BatchMeta) -> None:
+    def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
         """Remove ``metadata``'s rows and free their storage."""
-        self._client.clear_samples(metadata)
+        self._client.clear_samples(_native(metadata))
 
     # -- status --
 
@@ -503,7 +717,7 @@ class TransferQueueClient:
             mask = self._client.consumption_status(partition_id, task_name)
         except PartitionNotFound:
             return None, None
-        return torch.arange(mask.shape[0]), mask.to(torch.int8)
+        return _base(partition_id) + torch.arange(mask.shape[0]), mask.to(torch.int8)
 
     def get_production_status(
         self, data_fields: Sequence[str], partition_id: str
@@ -518,7 +732,7 @@ class TransferQueueClient:
         ready = torch.ones(n, dtype=torch.bool)
         for name in data_fields:
             ready &= masks.get(name, torch.zeros(n, dtype=torch.bool))
-        return torch.arange(n), ready.to(torch.int8)
+        return _base(partition_id) + torch.arange(n), ready.to(torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """True when ``task_name`` consumed every row (False before the first put)."""
@@ -536,7 +750,7 @@ class TransferQueueClient:
 
     def get_partition_list(self) -> list[str]:
         """Ids of every partition."""
-        return self._client.list_partitions()
+        return [p for p in self._client.list_partitions() if p != _REGISTRY]
 
     # -- KV --
 
@@ -545,12 +759,13 @@ class TransferQueueClient:
     ) -> BatchMeta:
         """A batch of ``keys``' rows (missing keys are created with ``create``)."""
         got = self._client.kv_retrieve_meta(_as_list(keys, "keys"), partition_id, create)
-        return BatchMeta.from_meta(got)
+        return _compat_meta(got)
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes``."""
         rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        return self._client.kv_retrieve_keys(rows, partition_id)
+        base = _base(partition_id)
+        return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """``{partition_id: {key: tags}}`` for one partition or all."""
@@ -575,6 +790,9 @@ class TransferQueueClient:
     save_storage_checkpoint = save_controller_checkpoint
     load_storage_checkpoint = load_controller_checkpoint
 
+    def initialize_storage_manager(self, *args: Any, **kwargs: Any) -> None:
+        """Accepted and ignored: the client finds the storage units through the controller."""
+
     def close(self) -> None:
         """Close the connection."""
         self._client.close()
@@ -594,6 +812,10 @@ class TransferQueueClient:
     async_kv_retrieve_meta = _to_thread(kv_retrieve_meta)
     async_kv_retrieve_keys = _to_thread(kv_retrieve_keys)
     async_kv_list = _to_thread(kv_list)
+    async_save_controller_checkpoint = _to_thread(save_controller_checkpoint)
+    async_load_controller_checkpoint = _to_thread(load_controller_checkpoint)
+    async_save_storage_checkpoint = _to_thread(save_storage_checkpoint)
+    async_load_storage_checkpoint = _to_thread(load_storage_checkpoint)
 
 
 # ---- init / close ----------------------------------------------------------------------------
@@ -652,23 +874,88 @@ def _address_in(flat: Mapping[str, Any]) -> str | None:
     return os.environ.get("TQ_ADDRESS") or None
 
 
-def _ray_address(flat: Mapping[str, Any]) -> str | None:
-    """The address of a cluster launched with ``tq_async.ray.launch``, when Ray is up."""
+#: the controller actor's name and Ray namespace when compat runs the services on Ray:
+#: TransferQueue's, so ``ray.get_actor(RAY_CONTROLLER, namespace=RAY_NAMESPACE)`` finds it
+RAY_CONTROLLER = "TransferQueueController"
+RAY_NAMESPACE = "transfer_queue"
+
+
+def _ray() -> Any:
+    """The ``ray`` module when Ray is initialised in this process (else None)."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
+    return ray
+
+
+def _in_ray_worker(ray: Any) -> bool:
+    """True in a Ray task or actor (False in a driver)."""
+    worker = getattr(ray.get_runtime_context(), "worker", None)
+    return getattr(worker, "mode", None) == getattr(ray, "WORKER_MODE", 1)
+
+
+def _ray_attach() -> Any:
+    """The compat cluster of this Ray cluster, or one launched with ``tq_async.ray.launch``'s
+    default name; None when there is neither."""
+    from .ray import attach
+
+    for name, namespace in ((RAY_CONTROLLER, RAY_NAMESPACE), ("tq_async", "tq_async")):
+        try:
+            return attach(name, namespace, timeout=30.0)
+        except InvalidRequestError:
+            continue
+    return None
+
+
+def _ray_cluster(flat: Mapping[str, Any]) -> tuple[Any, bool]:
+    """``(RayCluster, launched here)`` when Ray is initialised, else ``(None, False)``.
+
+    Every process of a Ray job finds the services by name; only a driver launches them, so
+    one job can never split over two clusters.
+
+    Raises:
+        ClosedError: a Ray worker found no services (the driver did not call ``init()``).
+    """
+    ray = _ray()
+    if ray is None:
+        return None, False
+    found = _ray_attach()
+    if found is not None:
+        return found, False
+    if _in_ray_worker(ray):
+        raise ClosedError(
+            f"tq_async.compat.init() in a Ray worker found no TransferQueue services (no Ray "
+            f"actor {RAY_CONTROLLER!r} in namespace {RAY_NAMESPACE!r}): call tq.init() in the "
+            "driver, after ray.init() and before starting workers, or give init() the "
+            "cluster's address"
+        )
+    from .ray import launch
+
+    options = _cluster_options(flat)
     try:
-        from .ray import attach
-    except ImportError:  # pragma: no cover - tq_async.ray needs the ray extra
-        return None
-    try:
-        return attach(timeout=5.0).address
-    except Exception:  # no such cluster: start one here instead
-        return None
+        return launch(
+            options["num_storage_units"],
+            name=RAY_CONTROLLER,
+            namespace=RAY_NAMESPACE,
+            sampler=options["sampler"],
+            allow_pickle=options["allow_pickle"],
+            # one node: loopback only; several: each service on its node's address
+            host="127.0.0.1" if len([n for n in ray.nodes() if n.get("Alive")]) == 1 else None,
+        ), True
+    except InvalidRequestError:  # another driver launched it in the meantime
+        found = _ray_attach()
+        if found is None:
+            raise
+        return found, False
 
 
 def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     """Attach this process to a cluster, starting one if there is none; idempotent.
+
+    Where it attaches: the config's address or ``TQ_ADDRESS``; with Ray initialised, the
+    job's services found by name (launched here when this is the driver and there are none;
+    a Ray worker that finds none raises ``ClosedError``); otherwise a cluster started in this
+    process. It logs where it attached.
 
     Args:
         conf: TransferQueue's config shape (a dict or an OmegaConf ``DictConfig``). Honoured:
@@ -676,8 +963,9 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
             instance, a class or a built-in sampler's name), ``controller.polling_mode``,
             ``backend.SimpleStorage.num_data_storage_units`` (default 2),
             ``backend.SimpleStorage.total_storage_size`` (a global row capacity),
-            ``metrics.enabled`` and ``metrics.port``. Other keys are ignored with a warning.
-            The cluster settings apply only when this call starts the cluster.
+            ``metrics.enabled``, ``metrics.port`` and ``allow_pickle`` (accept values that
+            travel only with pickle). Other keys are ignored with a warning. The cluster
+            settings apply only when this call starts the cluster.
 
     Returns:
         The effective config; ``config.controller.zmq_info`` and ``config.address`` hold the
@@ -686,6 +974,8 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     Raises:
         InvalidRequestError: an honoured key has a bad value.
         BrokenError: the cluster's address could not be bound.
+        ClosedError: a Ray worker found no services of its job (call ``init()`` in the
+            driver first).
     """
     with _lock:
         if _state.get("pid") not in (None, os.getpid()):
@@ -701,30 +991,26 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
                 UserWarning,
                 stacklevel=2,
             )
+        if os.environ.get("TQ_PRE_ALLOC_SAMPLE_NUM"):
+            _log.warning(
+                "TQ_PRE_ALLOC_SAMPLE_NUM is ignored: rows exist from their put; consumers learn "
+                "that production is over from seal() / end of stream (see docs/migrating.md)"
+            )
         backend = flat.get("backend.storage_backend", "SimpleStorage")
         if backend != "SimpleStorage":
             raise InvalidRequestError(
                 f"backend.storage_backend {backend!r} is not available in tq_async: its storage "
                 "units hold the data (remove the key or set it to 'SimpleStorage')"
             )
-        address = _address_in(flat) or _ray_address(flat)
+        address, cluster, ray_cluster, where = _locate(flat)
         metrics_endpoint = os.environ.get("TQ_METRICS_ENDPOINT")
-        cluster: BackgroundCluster | None = None
-        settings = [k for k in flat if k.startswith(("controller.sampler", "backend.", "metrics."))]
-        if address is not None and settings:
-            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
-        if address is None:
-            cluster = _start_cluster(flat)
-            address = cluster.address
-            os.environ["TQ_ADDRESS"] = address
-            if cluster.cluster.metrics_url is not None:
-                metrics_endpoint = cluster.cluster.metrics_url.split("//")[1].split("/")[0]
-                os.environ["TQ_METRICS_ENDPOINT"] = metrics_endpoint
+        if cluster is not None and cluster.cluster.metrics_url is not None:
+            metrics_endpoint = cluster.cluster.metrics_url.split("//")[1].split("/")[0]
+            os.environ["TQ_METRICS_ENDPOINT"] = metrics_endpoint
         try:
             client = TransferQueueClient(f"TransferQueueClient_{os.getpid()}", address)
         except BaseException:
-            if cluster is not None:
-                _stop(cluster)
+            _stop_owned(cluster, ray_cluster)
             raise
         client.polling_mode = bool(flat.get("controller.polling_mode", False))
         sampler = flat.get("controller.sampler", "SequentialSampler")
@@ -753,22 +1039,33 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
                 },
             }
         )
-        _state.update(client=client, cluster=cluster, config=config, pid=os.getpid())
-        _log.info("tq_async.compat initialised", address=address, owns_cluster=bool(cluster))
+        _state.update(
+            client=client, cluster=cluster, ray_cluster=ray_cluster, config=config, pid=os.getpid()
+        )
+        _log.info("tq_async.compat initialised", address=address, attached_to=where)
         return config  # type: ignore[no-any-return]
 
 
-def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
+def _cluster_options(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a cluster ``init`` starts: storage units, sampler, pickle."""
     units = flat.get("backend.SimpleStorage.num_data_storage_units", 2)
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(
             f"backend.SimpleStorage.num_data_storage_units must be an int >= 1, got {units!r}"
         )
-    capacity = flat.get("backend.SimpleStorage.total_storage_size")
-    kwargs: dict[str, Any] = {
+    allow_pickle = flat.get("allow_pickle", False)
+    if not isinstance(allow_pickle, bool):
+        raise InvalidRequestError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+    return {
         "num_storage_units": units,
         "sampler": _resolve_sampler(flat.get("controller.sampler")),
+        "allow_pickle": allow_pickle,
     }
+
+
+def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
+    kwargs = _cluster_options(flat)
+    capacity = flat.get("backend.SimpleStorage.total_storage_size")
     if capacity is not None:
         kwargs |= {"capacity": capacity, "capacity_scope": "global"}
     if flat.get("metrics.enabled", False):
@@ -782,11 +1079,46 @@ def _start_cluster(flat: Mapping[str, Any]) -> BackgroundCluster:
     return background_cluster(**kwargs)
 
 
+def _locate(flat: Mapping[str, Any]) -> tuple[str, BackgroundCluster | None, Any, str]:
+    """``(address, cluster started here, Ray cluster launched here, where)`` for ``init``.
+
+    An address in the config or ``TQ_ADDRESS`` wins; with Ray initialised the job's Ray
+    services (found by name, or launched by a driver); otherwise a private cluster in this
+    process, whose address goes to ``TQ_ADDRESS`` for the processes it starts.
+    """
+    address = _address_in(flat)
+    settings = [k for k in flat if k.startswith(("controller.sampler", "backend.", "metrics."))]
+    settings += [k for k in flat if k == "allow_pickle"]
+    if address is not None:
+        if settings:
+            _log.warning("attaching to a running cluster: its own settings stay", ignored=settings)
+        return address, None, None, "the given address"
+    ray_cluster, launched = _ray_cluster(flat)
+    if ray_cluster is not None:
+        # Ray workers are handed the driver's config: its settings are the cluster's already
+        how = "launched" if launched else "found"
+        where = f"Ray actor {ray_cluster.name!r} in namespace {ray_cluster.namespace!r} ({how})"
+        # for the processes this one starts (close() takes it back)
+        os.environ["TQ_ADDRESS"] = ray_cluster.address
+        _state["published"] = ray_cluster.address
+        return ray_cluster.address, None, ray_cluster if launched else None, where
+    cluster = _start_cluster(flat)
+    os.environ["TQ_ADDRESS"] = cluster.address
+    return cluster.address, cluster, None, "a private cluster started in this process"
+
+
 def _stop(cluster: BackgroundCluster) -> None:
     cluster.close()
     if os.environ.get("TQ_ADDRESS") == cluster.address:
         del os.environ["TQ_ADDRESS"]
     os.environ.pop("TQ_METRICS_ENDPOINT", None)
+
+
+def _stop_owned(cluster: BackgroundCluster | None, ray_cluster: Any) -> None:
+    if cluster is not None:
+        _stop(cluster)
+    if ray_cluster is not None and _ray() is not None:
+        ray_cluster.shutdown()
 
 
 def close() -> None:
@@ -798,14 +1130,18 @@ def close() -> None:
     with _lock:
         client: TransferQueueClient | None = _state.pop("client", None)
         cluster: BackgroundCluster | None = _state.pop("cluster", None)
+        ray_cluster = _state.pop("ray_cluster", None)
+        published = _state.pop("published", None)
         pid = _state.pop("pid", None)
         _state.clear()
+        _bases.clear()
+        if published is not None and os.environ.get("TQ_ADDRESS") == published:
+            del os.environ["TQ_ADDRESS"]
         if pid != os.getpid():
             return  # inherited through fork: the parent owns both
         if client is not None:
             client.close()
-        if cluster is not None:
-            _stop(cluster)
+        _stop_owned(cluster, ray_cluster)
 
 
 def get_client() -> TransferQueueClient:
@@ -838,15 +1174,27 @@ def kv_put(
     tag: Mapping[str, Any] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    """Write one key's ``fields`` (a tensor per field, one row) and/or merge ``tag``.
+    """Write one key's ``fields`` and/or merge ``tag``.
+
+    ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a dict whose values are
+    the key's row: a tensor (one row), a ``NonTensorStack`` / ``NonTensorData`` (the row holds
+    its values, as in TransferQueue), or a plain value. ``data_parser`` runs here, on the
+    fields, before they travel (see :func:`kv_batch_put`).
 
     Raises:
         InvalidRequestError: neither ``fields`` nor ``tag`` is given.
     """
-    _no_parser(data_parser)
     if not isinstance(key, str):
         raise InvalidRequestError(f"key must be a string, got {type(key).__name__}")
-    meta = get_client().client.kv_put(key, partition_id, fields, tag)
+    if fields is not None:
+        fields = _parsed(_one_row(fields), data_parser)
+    client = get_client().client
+    if fields is None:
+        meta = client.kv_put(key, partition_id, None, tag)
+    else:
+        meta = _put_retrying_dtypes(
+            partition_id, fields, lambda f: client.kv_batch_put([key], partition_id, f, [tag])
+        )
     return _kv_meta(meta, [key])
 
 
@@ -859,13 +1207,28 @@ def kv_batch_put(
 ) -> KVBatchMeta:
     """Write ``fields`` (row ``i`` for ``keys[i]``) and/or merge ``tags`` into the keys.
 
+    ``data_parser`` (TransferQueue's hook) gets ``{field: column}`` (a ``NonTensorStack``
+    column as a list) and returns it with values replaced; it runs in this process before the
+    put, not in a storage unit. A tensor field put with another dtype than it has in the
+    partition is cast to the partition's dtype (see docs/migrating.md).
+
     Raises:
         InvalidRequestError: neither ``fields`` nor ``tags`` is given, or their lengths do not
             match ``keys``.
     """
-    _no_parser(data_parser)
     key_list = _as_list(keys, "keys")
-    meta = get_client().client.kv_batch_put(key_list, partition_id, fields, tags)
+    client = get_client().client
+    if fields is None:
+        meta = client.kv_batch_put(key_list, partition_id, None, tags)
+    else:
+        fields = _parsed(_plain_columns(fields), data_parser)
+        meta = _put_ragged(
+            fields,
+            lambda f: _put_retrying_dtypes(
+                partition_id, f, lambda g: client.kv_batch_put(key_list, partition_id, g, tags)
+            ),
+            lambda _, rows, f: client.kv_batch_put([key_list[i] for i in rows], partition_id, f),
+        )
     return _kv_meta(meta, key_list)
 
 
@@ -874,13 +1237,26 @@ def kv_batch_get(
     partition_id: str,
     select_fields: str | Sequence[str] | None = None,
 ) -> TensorDict:
-    """The fields of ``keys`` (row ``i`` for ``keys[i]``; every field when not selected).
+    """The fields of ``keys``, row ``i`` for ``keys[i]``.
+
+    Without ``select_fields``: every field all the keys have. With it: the selected fields
+    all the keys have (a field some key lacks is left out, as in TransferQueue). Tensor
+    fields come back as jagged nested tensors (TransferQueue's shape), rows with no
+    dimension as a dense ``[n]`` tensor.
 
     Raises:
-        StorageKeyNotFoundError: a key is missing or lacks a selected field.
+        StorageKeyNotFoundError: a key is missing.
     """
-    fields = None if select_fields is None else _as_list(select_fields, "select_fields")
-    return get_client().client.kv_batch_get(_as_list(keys, "keys"), partition_id, fields)
+    key_list = _as_list(keys, "keys")
+    client = get_client().client
+    meta = client.kv_retrieve_meta(key_list, partition_id)
+    present = sorted(meta.field_names)  # TransferQueue's order
+    if select_fields is not None:
+        wanted = _as_list(select_fields, "select_fields")
+        present = sorted(f for f in set(wanted) if f in meta.field_names)
+    if not present:
+        return TensorDict({}, batch_size=[len(key_list)])
+    return _read(meta.select_fields(present))
 
 
 def kv_batch_get_by_meta(
@@ -906,8 +1282,14 @@ def kv_batch_get_by_meta(
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
-    return get_client().client.kv_list(partition_id)
+    """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist yet,
+    as in TransferQueue), or for all when None."""
+    try:
+        listing = get_client().client.kv_list(partition_id)
+    except PartitionNotFound:
+        return {}
+    listing.pop(_REGISTRY, None)
+    return listing
 
 
 def kv_clear(keys: str | Sequence[str], partition_id: str) -> None:
@@ -951,7 +1333,10 @@ def save_checkpoint(
     """
     if not include_storage:
         _log.warning("include_storage=False is ignored: the cells are always saved")
-    get_client().client.save_checkpoint(checkpoint_dir, metadata=metadata)
+    client = get_client().client
+    # compat's numbering of partitions stays out: a restore goes into a cluster that has its own
+    partitions = [p for p in client.list_partitions() if p != _REGISTRY]
+    client.save_checkpoint(checkpoint_dir, partitions, metadata=metadata)
 
 
 def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
@@ -968,10 +1353,34 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
 
 
 def _compat_chunks(
-    process: Callable[..., Any], td: TensorDictBase, meta: _meta.BatchMeta, **kwargs: Any
+    process: Callable[..., Any],
+    base: int,
+    td: TensorDictBase,
+    meta: _meta.BatchMeta,
+    **kwargs: Any,
 ) -> Any:
-    """Hand ``process_batch_fn`` a compat :class:`BatchMeta` (TransferQueue's ``chunk``)."""
-    return process(td, BatchMeta.from_meta(meta), **kwargs)
+    """Hand ``process_batch_fn`` a compat :class:`BatchMeta` (TransferQueue's ``chunk``).
+
+    It runs on the dataset's event loop: the partition's first global index (``base``) was
+    looked up when the dataset was made, and nothing here may block on the cluster.
+    """
+    if process is _chunk_batch_fn:
+        return [
+            (part, BatchMeta.from_native(m, base, _schema))
+            for part, m in _chunk_batch_fn(td, meta, **kwargs)
+        ]
+    return process(td, BatchMeta.from_native(meta, base, _schema), **kwargs)
+
+
+def _base_at(address: str, partition_id: str) -> int:
+    """:func:`_base` for a cluster at ``address`` (through a short-lived client when this
+    process's compat client is attached elsewhere, or not at all)."""
+    client: TransferQueueClient | None = _state.get("client")
+    if client is not None and _state.get("pid") == os.getpid() and client.address == address:
+        return _base(partition_id)
+    with _Client.connect(address) as other:
+        got = other.kv_retrieve_meta([partition_id], _REGISTRY, create=True)
+    return got.global_indexes[0] * GLOBAL_INDEX_STRIDE
 
 
 class StreamingDataset(_StreamingDataset):
@@ -1029,7 +1438,9 @@ class StreamingDataset(_StreamingDataset):
             task_name,
             dp_rank=dp_rank,
             stop_when_consumed=should_check_consumption_status,
-            process_batch_fn=functools.partial(_compat_chunks, process_batch_fn or _chunk_batch_fn),
+            process_batch_fn=functools.partial(
+                _compat_chunks, process_batch_fn or _chunk_batch_fn, _base_at(address, partition_id)
+            ),
         )
         self.config = config
 

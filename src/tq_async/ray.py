@@ -132,6 +132,11 @@ class _ServiceActor:
         """What :meth:`set_description` recorded."""
         return self._description
 
+    async def get_config(self) -> dict[str, Any]:
+        """TransferQueue's name for :meth:`describe` (its ``"address"`` is what
+        ``tq_async.compat.StreamingDataset(config=...)`` reads)."""
+        return self._description
+
 
 _RemoteService = ray.remote(_ServiceActor)
 

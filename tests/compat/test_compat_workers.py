@@ -82,7 +82,8 @@ def _rollout_worker(meta: tq.KVBatchMeta, length: int, results: Any) -> None:
         keys=meta.keys, partition_id=meta.partition_id, select_fields=["input_ids"]
     )
     n = prompts.batch_size[0]
-    responses = prompts["input_ids"][:, :1].repeat(1, length)  # padded to this worker's length
+    # jagged, as TransferQueue returns it; padded to this worker's length
+    responses = prompts["input_ids"].to_padded_tensor(0)[:, :1].repeat(1, length)
     out = tq.kv_batch_put(
         keys=meta.keys,
         partition_id=meta.partition_id,
@@ -151,7 +152,8 @@ def test_verl_v1_trainer_step() -> None:
     listing = tq.kv_list(partition_id=step)[step]
     assert listing["uid4_0"] == {"status": "scored", "response_length": 5}
     selected = tq.kv_batch_get(keys=keys[:3], partition_id=step, select_fields=["responses"])
-    assert selected["responses"].shape == (3, 3)  # one rollout worker's rows: dense
+    # one rollout worker's rows, all of one length: still jagged, as in TransferQueue
+    assert selected["responses"].offsets().tolist() == [0, 3, 6, 9]
     tq.kv_clear(keys=keys, partition_id=step)
     assert tq.kv_list(partition_id=step)[step] == {}
 

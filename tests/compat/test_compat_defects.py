@@ -1,0 +1,175 @@
+"""TransferQueue programs that did not run through ``tq_async.compat`` (issue 23): the KV
+reads of several keys (D1), numpy values in ``sampling_config`` (D3), ``NonTensorStack`` rows
+and pickle (D4), a field's dtype changing between puts, ``data_parser``, and the calls verl's
+v1 trainer makes (``kv_list`` before the first put, ``select_fields`` naming absent fields,
+jagged fields read back jagged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+import tq_async
+import tq_async.compat as tq
+
+
+def test_d1_kv_batch_get_returns_the_fields_all_keys_have() -> None:
+    tq.init()
+    tq.kv_put(key="a", partition_id="p", fields={"x": torch.tensor([1])})
+    tq.kv_put(key="b", partition_id="p", fields={"x": torch.tensor([2]), "y": torch.tensor([3])})
+    assert list(tq.kv_batch_get(keys="a", partition_id="p").keys()) == ["x"]
+    assert list(tq.kv_batch_get(keys=["a", "b"], partition_id="p").keys()) == ["x"]
+    assert sorted(tq.kv_batch_get(keys="b", partition_id="p").keys()) == ["x", "y"]
+    # select_fields naming a field some key lacks: the present fields (a run without a critic)
+    got = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["x", "values"])
+    assert list(got.keys()) == ["x"]
+    none = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["values"])
+    assert list(none.keys()) == []
+    assert none.batch_size == torch.Size([2])
+    # fields of cleared rows are not selected either
+    tq.kv_put(key="c", partition_id="p", fields={"x": torch.tensor([4]), "z": torch.tensor([5])})
+    tq.kv_clear(keys=["b", "c"], partition_id="p")
+    assert list(tq.kv_batch_get(keys="a", partition_id="p").keys()) == ["x"]
+    with pytest.raises(tq.StorageKeyNotFoundError, match="nope"):
+        tq.kv_batch_get(keys=["a", "nope"], partition_id="p")
+
+
+def test_kv_list_before_any_put_is_empty() -> None:
+    tq.init()
+    assert tq.kv_list() == {}
+    assert tq.kv_list("train") == {}
+    tq.kv_put(key="a", partition_id="train", tag={"s": 1})
+    assert tq.kv_list("train") == {"train": {"a": {"s": 1}}}
+    assert list(tq.kv_list()) == ["train"]
+
+
+class _PriorityScores(tq.BaseSampler):
+    """Tutorial 05's idea: the row with the highest score in ``sampling_config``."""
+
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        scores = kwargs["priority_scores"]
+        assert isinstance(scores, np.ndarray)  # it arrives as the numpy array it was
+        ranked = sorted(ready_indexes, key=lambda i: -float(scores[i]))[:batch_size]
+        return ranked, ranked
+
+
+def test_d3_numpy_array_in_sampling_config() -> None:
+    tq.init({"controller": {"sampler": _PriorityScores()}})
+    client = tq.get_client()
+    client.put(data=TensorDict({"x": torch.arange(8)}, batch_size=8), partition_id="p")
+    scores = np.array([0.01, 0.01, 88, 999, 0.01, 0.01, 0.01, 10])
+    meta = client.get_meta(
+        data_fields=["x"], batch_size=2, partition_id="p", task_name="t",
+        sampling_config={"priority_scores": scores, "temperature": np.float64(1.0)},
+    )  # fmt: skip
+    assert meta.global_indexes == [3, 2]
+
+
+def test_d4_non_tensor_stack_rows_and_numpy_scalars() -> None:
+    tq.init()
+    tq.kv_put(
+        key="single_nt",
+        partition_id="train",
+        fields={"label": NonTensorStack("positive"), "score": torch.tensor([0.99])},
+    )
+    single = tq.kv_batch_get(keys="single_nt", partition_id="train")
+    assert list(single["label"]) == [["positive"]]  # the row holds the stack's values
+    # a reward function returning numpy scalars inside dicts
+    rewards = NonTensorStack({"acc": np.float64(1.0), "n": np.int64(3)}, {"acc": np.float32(0.5)})
+    tq.kv_batch_put(
+        keys=["a", "b"],
+        partition_id="train",
+        fields=TensorDict({"reward_extra": rewards}, batch_size=2),
+    )
+    got = tq.kv_batch_get(keys=["a", "b"], partition_id="train")
+    assert got.get("reward_extra").tolist() == [{"acc": 1.0, "n": 3}, {"acc": 0.5}]
+    # a dict holding a tensor needs pickle: refused with a TQError that says how to allow it
+    with pytest.raises(tq_async.UnsupportedTypeError, match="allow_pickle"):
+        tq.kv_put(
+            key="c", partition_id="train", fields={"mm": NonTensorStack({"t": torch.ones(2)})}
+        )
+
+
+def test_d4_pickle_enabled_through_init_config() -> None:
+    tq.init({"allow_pickle": True})
+    multi_modal = NonTensorStack(
+        {"pixel_values": torch.ones(2, 3)}, {"pixel_values": torch.ones(1, 3)}
+    )
+    tq.kv_batch_put(
+        keys=["a", "b"], partition_id="p", fields=TensorDict({"mm": multi_modal}, batch_size=2)
+    )
+    got = tq.kv_batch_get(keys=["b"], partition_id="p").get("mm").tolist()
+    assert torch.equal(got[0]["pixel_values"], torch.ones(1, 3))
+
+
+def test_dtype_change_between_puts_reads_as_the_fields_dtype() -> None:
+    # tutorial 02: attention_mask first put as float32 (torch.ones(size)), later as int64
+    tq.init()
+    first = TensorDict(
+        {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3)}, batch_size=1
+    )
+    tq.kv_put(key="0_0", partition_id="Train", fields=first)
+    ids = torch.tensor([[4, 5, 6], [7, 8, 9]])
+    later = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=2)
+    tq.kv_batch_put(keys=["1_0", "1_1"], partition_id="Train", fields=later)
+    got = tq.kv_batch_get(keys=["1_0", "0_0", "1_1"], partition_id="Train")
+    assert got["attention_mask"].dtype == torch.float32
+    assert got["attention_mask"].to_padded_tensor(0).tolist() == [[1.0] * 3] * 3
+    # the same through the client's put of new rows
+    client = tq.get_client()
+    client.put(data=TensorDict({"m": torch.zeros(2, 2)}, batch_size=2), partition_id="q")
+    client.put(data=TensorDict({"m": torch.ones(1, 2, dtype=torch.int32)}, batch_size=1),
+               partition_id="q")  # fmt: skip
+    meta = client.get_meta(data_fields=["m"], batch_size=3, partition_id="q", task_name="t")
+    assert client.get_data(meta)["m"].dtype == torch.float32
+
+
+def test_data_parser_runs_before_the_put() -> None:
+    tq.init()
+    urls = [f"float32:{n}" for n in (1, 3, 2)]
+
+    def parse(columns: dict[str, Any]) -> dict[str, Any]:
+        assert columns["to_parse"] == urls  # a NonTensorStack column arrives as a list
+        columns["to_parse"] = [torch.ones(int(u.split(":")[1])) for u in columns["to_parse"]]
+        return columns
+
+    fields = TensorDict({"x": torch.randn(3, 2), "to_parse": NonTensorStack(*urls)}, batch_size=3)
+    meta = tq.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields, data_parser=parse)
+    assert sorted(meta.fields or []) == ["to_parse", "x"]
+    got = tq.kv_batch_get(keys=["a", "b", "c"], partition_id="p")
+    assert [r.shape[0] for r in got["to_parse"].unbind()] == [1, 3, 2]
+
+
+def test_jagged_fields_stay_jagged_whatever_the_lengths() -> None:
+    # verl puts responses as jagged rows and calls .offsets() / .to_padded_tensor()
+    tq.init()
+    same = torch.nested.as_nested_tensor([torch.arange(3), torch.arange(3)], layout=torch.jagged)
+    tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"responses": same})
+    got = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["responses"])
+    assert got["responses"].offsets().tolist() == [0, 3, 6]
+    assert got["responses"].to_padded_tensor(-1).shape == (2, 3)
+
+
+def test_rows_ragged_in_two_dimensions() -> None:
+    # Qwen-VL position ids (4, L) per key, and a list of images of several sizes in one put
+    tq.init()
+    for i, length in enumerate((3, 5)):
+        position_ids = torch.arange(4 * length).view(4, length)
+        tq.kv_put(key=f"q{i}", partition_id="v", fields={"position_ids": position_ids})
+    got = tq.kv_batch_get(keys=["q0", "q1"], partition_id="v")["position_ids"]
+    assert [tuple(t.shape) for t in got.unbind()] == [(4, 3), (4, 5)]
+    assert torch.equal(got[1], torch.arange(20).view(4, 5))
+    client = tq.get_client()
+    images = [torch.ones(3, 2, 2), torch.zeros(3, 4, 4), torch.ones(3, 2, 2)]
+    put = client.put(data={"uid": torch.arange(3), "img": images}, partition_id="w")
+    assert put.field_names == ["img", "uid"]
+    meta = client.get_meta(data_fields=["img"], batch_size=3, partition_id="w", task_name="t")
+    rows = client.get_data(meta)["img"].unbind()
+    assert [tuple(t.shape) for t in rows] == [(3, 2, 2), (3, 4, 4), (3, 2, 2)]
+    assert torch.equal(rows[1], torch.zeros(3, 4, 4))
