@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import socket
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,27 @@ _POLLIN = int(zmq.POLLIN)  # a plain int: the reader's ``events & POLLIN`` stays
 MAX_MESSAGE = 256 << 20
 #: read size for small messages; a larger message's body is received into its own buffer
 _CHUNK = 1 << 16
+#: a Unix socket's kernel buffer limits (bytes queued per direction before a writer waits).
+#: The kernel allocates them only for bytes in flight, so an idle connection costs none of
+#: it; set on purpose rather than inherited from ``net.core.wmem_default`` (208 KiB on most
+#: hosts): control messages are small, and large columns travel through shared memory or,
+#: when they do not, simply wait for the reader (the writer keeps views, never copies)
+SOCKET_BUFFER = 256 << 10
+
+
+class _Scratch(threading.local):
+    """The read buffer of one thread: every connection read on it shares one.
+
+    A buffer per connection cost 64 KiB of the service's memory per idle client (four units
+    on one serve: 256 KiB). Reads copy what arrived out of it at once (into the stream's
+    pending bytes), so one per thread suffices.
+    """
+
+    def __init__(self) -> None:
+        self.chunk = memoryview(bytearray(_CHUNK))
+
+
+_scratch = _Scratch()
 
 
 def abstract_name(address: str) -> str:
@@ -78,11 +100,14 @@ class _Stream:
     without joining them; what the socket does not take at once waits as views.
     """
 
+    __slots__ = ("_big", "_got", "_in", "_out", "eof", "messages", "sock")
+
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         self.sock = sock
         self._in = bytearray()
-        self._chunk = memoryview(bytearray(_CHUNK))  # reused by every read of small messages
         self._big: bytearray | None = None  # the body of a large message being received
         self._got = 0
         self._out: deque[memoryview] = deque()  # not written yet (the socket was full)
@@ -91,6 +116,7 @@ class _Stream:
 
     def fill(self) -> None:
         """Read what the socket has and split it into messages."""
+        chunk = _scratch.chunk
         while not self.eof:
             try:
                 if self._big is not None:
@@ -103,7 +129,7 @@ class _Stream:
                         self._message(self._big)
                         self._big = None
                     continue
-                got = self.sock.recv_into(self._chunk)
+                got = self.sock.recv_into(chunk)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -112,7 +138,7 @@ class _Stream:
             if not got:
                 self.eof = True
                 break
-            self._in += self._chunk[:got]
+            self._in += chunk[:got]
             self._parse()
             if got < _CHUNK:  # the socket had no more: no second recv to find out
                 break  # (its FD stays readable, level-triggered, if more arrives meanwhile)
