@@ -35,6 +35,7 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -266,6 +267,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         time.sleep(0.5)  # let the services finish starting (their imports settle)
         rss0, fds0 = _rss(pid), _fds(pid)
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [
+                    shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy",
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-r",
+                    "50",
+                    "-o",
+                    args.py_spy,
+                    "--nonblocking",
+                    "--format",
+                    "raw",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         ctx = mp.get_context("spawn")
         sizes = [args.clients // procs + (i < args.clients % procs) for i in range(procs)]
         first = 0
@@ -295,24 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["idle_rss_mb"] = rss1 / 1e6
         out["rss_per_client_kb"] = (rss1 - rss0) / max(1, n_ok) / 1e3
         out["fds_per_client"] = (fds1 - fds0) / max(1, n_ok)
-        if args.py_spy:
-            spy = subprocess.Popen(
-                [
-                    "py-spy",
-                    "record",
-                    "-p",
-                    str(pid),
-                    "-d",
-                    str(int(args.duration)),
-                    "-r",
-                    "50",
-                    "-o",
-                    args.py_spy,
-                    "--nonblocking",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+        print(f"connected: {out['connect_s']:.1f} s, {out['connect_errors']}", file=sys.stderr)
         cpu0, t0 = _cpu_s(pid), time.perf_counter()
         for _, c in workers:
             c.send("go")
@@ -339,13 +341,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _, c in workers:
             c.send("close")
     finally:
-        if spy is not None:
-            spy.wait(timeout=60)
         for proc, _ in workers:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
         serve.stop()
+        if spy is not None:  # it stops (and writes its file) once the services are gone
+            try:
+                spy.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                spy.kill()
     return out
 
 

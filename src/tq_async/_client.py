@@ -71,6 +71,12 @@ class AsyncClient(ControlCalls):
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
             0 turns it off.
 
+    Attributes:
+        link_fallbacks: same-host handshakes with a storage unit that did not complete
+            within 5 s (or found the unit's listen queue full): that unit is then reached
+            through the socket the handshake was sent on, without shared memory; no request
+            fails for it.
+
     A client belongs to the event loop (and process) that opened it.
     """
 

@@ -47,6 +47,7 @@ from ._errors import (
     ProtocolError,
     SchemaError,
     TQError,
+    TQTimeoutError,
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
@@ -209,6 +210,8 @@ class ClientBase:
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
         self._link_locks: dict[int, anyio.Lock] = {}
+        #: same-host handshakes that did not complete in time (the socket path is used)
+        self.link_fallbacks = 0
 
     def _connection(
         self,
@@ -368,7 +371,20 @@ class ClientBase:
         return self._units.get(unit_id, conn), self._arenas.get(unit_id)
 
     async def _link(self, unit_id: int, conn: DealerConnection) -> None:
-        payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
+        """Set up shared memory with the unit and move to its same-host twin, if it answers
+        in time; otherwise stay on the socket path (counted in :attr:`link_fallbacks`).
+
+        A handshake waits at most :data:`SHM_HELLO_TIMEOUT`: a unit too busy to answer one
+        within that is better used through the socket it already answers on than waited
+        for, and nothing was consumed by a handshake that timed out.
+        """
+        wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+        try:
+            payload, _ = await conn.request(ShmHello(os.getpid()), timeout=wait)
+        except TQTimeoutError:
+            self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
+            self._arenas[unit_id] = None
+            return
         hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
         arena = None
         if hello is not None:
@@ -380,13 +396,19 @@ class ClientBase:
         if arena is None or hello is None or not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
-        ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        try:
+            ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        except BrokenError as exc:  # its listen queue is full: the socket we have will do
+            self._link_fell_back(unit_id, str(exc))
+            return
         try:
             # says hello for this connection too (shared memory is granted per connection)
-            payload, _ = await ipc.request(
-                ShmHello(os.getpid()), timeout=min(self.request_timeout, 5.0)
-            )
+            payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
             again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        except TQTimeoutError:
+            ipc.close()  # the arena stays: granted to the connection that said hello first
+            self._link_fell_back(unit_id, "the unit's same-host socket did not answer in time")
+            return
         except BaseException:
             ipc.close()
             raise
@@ -396,6 +418,15 @@ class ClientBase:
         self._units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
         conn.close()
+
+    def _link_fell_back(self, unit_id: int, why: str) -> None:
+        self.link_fallbacks += 1
+        log.warning(
+            "a same-host handshake with a storage unit fell back to the socket path",
+            unit=unit_id,
+            reason=why,
+            fallbacks=self.link_fallbacks,
+        )
 
     async def _call(
         self,
@@ -408,6 +439,11 @@ class ClientBase:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return _decode(payload, typ)
+
+
+#: seconds a same-host handshake with a storage unit may take before the client uses the
+#: socket path instead (it never fails a request for it)
+SHM_HELLO_TIMEOUT = 5.0
 
 
 def _check_busy_poll(value: Any) -> float:

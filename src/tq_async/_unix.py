@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import itertools
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +50,9 @@ _CHUNK = 1 << 16
 #: hosts): control messages are small, and large columns travel through shared memory or,
 #: when they do not, simply wait for the reader (the writer keeps views, never copies)
 SOCKET_BUFFER = 256 << 10
+#: connections waiting to be accepted. Thousands of clients start at once (a job's ranks
+#: and DataLoader workers); the kernel caps it at ``net.core.somaxconn`` (4,096 by default)
+BACKLOG = 4096
 
 
 class _Scratch(threading.local):
@@ -62,6 +68,31 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+
+#: accepted connections after which the listener gives freed heap back (see trim_heap)
+_TRIM_AFTER = 128
+#: seconds after such a burst of connections (coalesced: one trim per burst)
+_TRIM_DELAY = 2.0
+_malloc_trim: Any = None
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    A same-host client first reaches a service over TCP, then moves to its Unix socket and
+    closes the TCP connection. ZMQ's buffers for those short-lived connections are freed but
+    stay resident in its I/O thread's heap: measured with 400 clients, 40 KB of the
+    services' RSS per client, 5 KB once trimmed. So after a burst of new connections the
+    listener trims once (a few ms, on the loop, at most once per burst).
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
 def abstract_name(address: str) -> str:
@@ -247,8 +278,15 @@ class UnixSocket:
 
     def __init__(self, address: str, identity: bytes, on_eof: Callable[[], None]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Non-blocking before connecting: a Unix socket's connect completes at once while
+        # the listener's queue has room, and blocks -- the whole event loop -- when it is
+        # full; then it fails with EAGAIN instead and the caller uses the socket it has.
+        sock.setblocking(False)
         try:
             sock.connect(abstract_name(address))
+        except BlockingIOError as exc:
+            sock.close()
+            raise OSError(exc.errno, "the service's listen queue is full") from exc
         except OSError:
             sock.close()
             raise
@@ -320,13 +358,15 @@ class UnixListener:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind("\0" + name)
-            self._sock.listen(1024)
+            self._sock.listen(BACKLOG)
         except OSError:
             self._sock.close()
             raise
         self._sock.setblocking(False)
         self._peers: dict[bytes, _Peer] = {}
         self._all: set[_Peer] = set()
+        self._accepted = 0  # since the last heap trim
+        self._trim: asyncio.TimerHandle | None = None
         loop.add_reader(self._sock.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -334,11 +374,24 @@ class UnixListener:
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as exc:
                 log.warning("accept failed", error=str(exc))
-                return
+                break
             self._all.add(_Peer(self, conn))
+            self._accepted += 1
+        if self._accepted >= _TRIM_AFTER:
+            if self._trim is not None:
+                self._trim.cancel()
+            self._trim = self._loop.call_later(_TRIM_DELAY, self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        self._trim = None
+        self._accepted = 0
+        t0 = time.perf_counter()
+        trim_heap()
+        ms = (time.perf_counter() - t0) * 1e3
+        log.debug("trimmed the heap after a burst of connections", ms=ms)
 
     def has(self, identity: bytes) -> bool:
         return identity in self._peers
@@ -350,6 +403,9 @@ class UnixListener:
         peer.send(frames)
 
     def close(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

@@ -1,0 +1,120 @@
+"""Many clients on one ``tq-async serve``: what an idle connection costs the services, and a
+same-host handshake that a stalled unit does not answer in time (it degrades to the socket
+path; no request fails for it).
+
+The full-size measurement is ``python -m benchmarks.capacity`` (``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_role
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
+)
+
+#: the issue's target: services' memory per idle client connection
+IDLE_BYTES_PER_CONNECTION = 16 << 10
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _open_linked(address: str) -> tq.AsyncClient:
+    client = tq.AsyncClient.connect(address)
+    await client.open()
+    for unit in sorted(client._unit_addresses):  # every data path an active client opens
+        await client._data_link(unit)
+    return client
+
+
+@pytest.mark.timeout(120)
+async def test_idle_connections_cost_the_services_little() -> None:
+    """Hundreds of idle clients, each linked to the controller and every unit (its Unix
+    sockets, shared-memory handshake done): the services grow by at most 16 KiB and about
+    one descriptor per connection."""
+    n, units = 300, 2
+    with serve_role("--storage-units", str(units)) as (proc, address):
+        # one client first: the services' one-off costs (imports, caches) are not per client
+        first = await _open_linked(address)
+        rss0, fds0 = _rss(proc.pid), _fds(proc.pid)
+        clients: list[tq.AsyncClient] = []
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def one() -> None:
+                    clients.append(await _open_linked(address))
+
+                for _ in range(n):
+                    tg.start_soon(one)
+            assert all(c.link_fallbacks == 0 for c in clients)
+            # the controller and every unit answer each client over its Unix socket
+            assert all(c._ctl().address.startswith("uds://") for c in clients)
+            assert all(len(c._units) == units for c in clients)
+            assert all(x.address.startswith("uds://") for c in clients for x in c._units.values())
+            connections = n * (1 + units)
+            fds = (_fds(proc.pid) - fds0) / connections
+            # the services give the short-lived TCP connections' buffers back to the OS
+            # shortly after a burst of connections: wait for that (bounded), not for a time
+            with anyio.move_on_after(15):
+                while (_rss(proc.pid) - rss0) / connections > IDLE_BYTES_PER_CONNECTION:
+                    await anyio.sleep(0.2)
+            per_connection = (_rss(proc.pid) - rss0) / connections
+        finally:
+            for c in [first, *clients]:
+                await c.aclose()
+    assert per_connection <= IDLE_BYTES_PER_CONNECTION, per_connection
+    assert 0.9 <= fds <= 1.1, fds
+
+
+@pytest.mark.timeout(120)
+async def test_handshake_with_a_stalled_unit_degrades_to_the_socket() -> None:
+    """The unit's process is paused (SIGSTOP) past the handshake's deadline while a client
+    links to it for its first read: the client reads over the socket it already has once the
+    unit resumes (counted in ``link_fallbacks``) instead of failing with a timeout."""
+    data = torch.arange(4 * 256, dtype=torch.int64).view(4, 256)
+    with serve_role("--storage-units", "1") as (proc, address):
+        # request_timeout above the handshake's 5 s but below the pause: before the fix the
+        # handshake waited request_timeout and the read failed
+        async with tq.AsyncClient.connect(address, request_timeout=6.5) as client:
+            await client.put({"x": data}, partition_id="p")
+            meta = await client.get_meta(["x"], 4, "p", "t")
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                async with anyio.create_task_group() as tg:
+                    got: dict[str, object] = {}
+
+                    async def read() -> None:
+                        got["td"] = await client.get_data(meta)
+
+                    tg.start_soon(read)
+                    await anyio.sleep(7.5)  # the fault: the unit stays stalled this long
+                    os.kill(proc.pid, signal.SIGCONT)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert time.monotonic() - t0 < 15
+            assert client.link_fallbacks == 1
+            assert torch.equal(got["td"]["x"], data)  # type: ignore[index]
+            # later reads go on over the socket path, and the unit's rows are all there
+            meta = await client.get_meta(["x"], 4, "p", "t2")
+            assert torch.equal((await client.get_data(meta))["x"], data)
+            assert client.link_fallbacks == 1
