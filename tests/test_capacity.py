@@ -71,18 +71,26 @@ async def test_idle_connections_cost_the_services_little() -> None:
             assert all(len(c._units) == units for c in clients)
             assert all(x.address.startswith("uds://") for c in clients for x in c._units.values())
             connections = n * (1 + units)
-            fds = (_fds(proc.pid) - fds0) / connections
-            # the services give the short-lived TCP connections' buffers back to the OS
-            # shortly after a burst of connections: wait for that (bounded), not for a time
+
+            def per_connection() -> tuple[float, float]:
+                return (
+                    (_rss(proc.pid) - rss0) / connections,
+                    (_fds(proc.pid) - fds0) / connections,
+                )
+
+            # the services close the short-lived TCP connections and give their buffers back
+            # to the OS shortly after a burst of connections: wait for that (bounded)
             with anyio.move_on_after(15):
-                while (_rss(proc.pid) - rss0) / connections > IDLE_BYTES_PER_CONNECTION:
+                while True:
+                    nbytes, fds = per_connection()
+                    if nbytes <= IDLE_BYTES_PER_CONNECTION and fds <= 1.05:
+                        break
                     await anyio.sleep(0.2)
-            per_connection = (_rss(proc.pid) - rss0) / connections
         finally:
             for c in [first, *clients]:
                 await c.aclose()
-    assert per_connection <= IDLE_BYTES_PER_CONNECTION, per_connection
-    assert 0.9 <= fds <= 1.1, fds
+    assert nbytes <= IDLE_BYTES_PER_CONNECTION, nbytes
+    assert 0.95 <= fds <= 1.05, fds
 
 
 @pytest.mark.timeout(120)
@@ -118,3 +126,62 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket() -> None:
             meta = await client.get_meta(["x"], 4, "p", "t2")
             assert torch.equal((await client.get_data(meta))["x"], data)
             assert client.link_fallbacks == 1
+
+
+async def _drain(client: tq.AsyncClient, task: str) -> list[list[int]]:
+    rows: list[list[int]] = []
+    while True:
+        meta = await client.get_meta(["x"], 8, "p", task, timeout=30)
+        if meta.end_of_stream or not len(meta):
+            return rows
+        rows += (await client.get_data(meta))["x"].tolist()
+
+
+async def _stall_and_time_out(address: str, data: torch.Tensor, proc_pid: int) -> None:
+    """Acknowledge rows, pause the services, and let a get_meta and a put time out."""
+    async with tq.AsyncClient.connect(address, request_timeout=1.0) as client:
+        await client.put({"x": data[:4]}, partition_id="p")  # acknowledged
+        os.kill(proc_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(tq.TQTimeoutError):
+                await client.get_meta(["x"], 4, "p", "t", timeout=1.0)
+            with pytest.raises(tq.TQTimeoutError):
+                await client.put({"x": data[4:]}, partition_id="p")
+            assert time.monotonic() - t0 < 10  # bounded by the deadlines, never a hang
+        finally:
+            os.kill(proc_pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(120)
+async def test_stalled_services_make_requests_wait_and_lose_no_acknowledged_row() -> None:
+    """Saturation at its worst: the services' process is paused. Requests wait up to their
+    deadline and fail with TQTimeoutError; once the services resume, every acknowledged row
+    is stored and read back (the timed-out put's rows may have landed, all or none)."""
+    data = torch.arange(8 * 16, dtype=torch.int64).view(8, 16)
+    with serve_role("--storage-units", "2") as (proc, address):
+        await _stall_and_time_out(address, data, proc.pid)
+        async with tq.AsyncClient.connect(address) as client:
+            await client.seal("p")
+            rows = await _drain(client, "another-task")
+    assert {tuple(r) for r in data[:4].tolist()} <= {tuple(r) for r in rows}
+    assert len(rows) in (4, 8)
+    assert len({tuple(r) for r in rows}) == len(rows)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a get_meta that timed out before the controller saw it is executed when the "
+    "controller catches up, and its Cancel arrives after the reply: its rows are consumed "
+    "(client cancellation and the controller's undo are issue 24's; see "
+    "../shared/repro/cancelled_get_meta_loses_rows_serve.py)",
+)
+@pytest.mark.timeout(120)
+async def test_a_get_meta_that_timed_out_during_a_stall_consumed_nothing() -> None:
+    data = torch.arange(8 * 16, dtype=torch.int64).view(8, 16)
+    with serve_role("--storage-units", "2") as (proc, address):
+        await _stall_and_time_out(address, data, proc.pid)
+        async with tq.AsyncClient.connect(address) as client:
+            await client.seal("p")
+            rows = await _drain(client, "t")  # the task whose get_meta timed out
+    assert {tuple(r) for r in data[:4].tolist()} <= {tuple(r) for r in rows}
