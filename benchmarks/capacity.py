@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -204,6 +205,29 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _sum(measure: Callable[[int], float], pids: list[int]) -> Any:
+    return sum(measure(p) for p in pids)
+
+
+def _start_services(args: argparse.Namespace) -> list[ServeProcess]:
+    """``tq-async serve`` (all in one), or with ``--split`` a controller and one process per
+    unit (the controller first)."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if not args.split:
+        return [ServeProcess(args.storage_units, env=env)]
+    controller = ServeProcess(role=["controller"], env=env)
+    services = [controller]
+    try:
+        for _ in range(args.storage_units):
+            unit = ["storage", "--controller", controller.address]
+            services.append(ServeProcess(role=unit, env=env, line="TQ_UNIT="))
+    except BaseException:
+        for sv in services:
+            sv.stop()
+        raise
+    return services
+
+
 def _raise_nofile() -> tuple[int, int]:
     """Raise this process's fd limit (inherited by the serve process and the workers)."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -259,14 +283,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run one capacity measurement; returns the figures (also printed)."""
     limit = _raise_nofile()
     procs = args.procs or max(1, math.ceil(args.clients / args.per_proc))
-    serve = ServeProcess(args.storage_units, env={"OMP_NUM_THREADS": "1"})
-    pid = serve.pid
+    services = _start_services(args)
+    pids = [sv.pid for sv in services]
+    pid = pids[0]  # the controller's process (all services', without --split)
+    address = services[0].address
     spy: subprocess.Popen[bytes] | None = None
-    out: dict[str, Any] = {"clients": args.clients, "procs": procs, "nofile": list(limit)}
+    out: dict[str, Any] = {
+        "clients": args.clients,
+        "procs": procs,
+        "nofile": list(limit),
+        "services": f"{len(services)} processes, {args.storage_units} units",
+    }
     workers: list[tuple[Any, Connection]] = []
     try:
         time.sleep(0.5)  # let the services finish starting (their imports settle)
-        rss0, fds0 = _rss(pid), _fds(pid)
+        rss0, fds0 = _sum(_rss, pids), _sum(_fds, pids)
         if args.py_spy:
             spy = subprocess.Popen(
                 [
@@ -290,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first = 0
         for n in sizes:
             load = Load(
-                serve.address,
+                address,
                 n,
                 first,
                 args.duration,
@@ -309,24 +340,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["connect_s"] = max(m[1] for m in connected)
         out["connect_errors"] = dict(sum((Counter(m[2]) for m in connected), Counter()))
         time.sleep(0.5)
-        rss1, fds1 = _rss(pid), _fds(pid)
+        rss1, fds1 = _sum(_rss, pids), _sum(_fds, pids)
         n_ok = args.clients - sum(out["connect_errors"].values())
         out["idle_rss_mb"] = rss1 / 1e6
         out["rss_per_client_kb"] = (rss1 - rss0) / max(1, n_ok) / 1e3
         out["fds_per_client"] = (fds1 - fds0) / max(1, n_ok)
         print(f"connected: {out['connect_s']:.1f} s, {out['connect_errors']}", file=sys.stderr)
-        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        cpu0, t0 = _sum(_cpu_s, pids), time.perf_counter()
         for _, c in workers:
             c.send("go")
         peak = rss1
         deadline = time.perf_counter() + args.duration
         while time.perf_counter() < deadline:
             time.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
-            peak = max(peak, _rss(pid))
-        out["service_cpu_cores"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
+            peak = max(peak, _sum(_rss, pids))
+        out["service_cpu_cores"] = (_sum(_cpu_s, pids) - cpu0) / (time.perf_counter() - t0)
         wait = args.duration + args.request_timeout * 3 + 300
         done = [_recv(c, "done", wait) for _, c in workers]
-        out["peak_rss_mb"] = max(peak, _rss(pid)) / 1e6
+        out["peak_rss_mb"] = max(peak, _sum(_rss, pids)) / 1e6
         total = _merge([m[1] for m in done])
         out["ops_per_s"] = total["ops"] / args.duration
         out["put_p50_ms"] = _pct(total["put_ms"], 50)
@@ -337,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["error_kinds"] = dict(total["errors"].most_common(5))
         out["rows_acked"] = total["rows_acked"]
         out["rows_lost"] = total["rows_acked"] - total["rows_read"] - total["rows_drained"]
-        out["stats"] = _service_stats(serve.address)
+        out["stats"] = _service_stats(address)
         for _, c in workers:
             c.send("close")
     finally:
@@ -345,7 +376,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-        serve.stop()
+        for sv in reversed(services):
+            sv.stop()
         if spy is not None:  # it stops (and writes its file) once the services are gone
             try:
                 spy.wait(timeout=120)
@@ -370,7 +402,8 @@ def _service_stats(address: str) -> dict[str, Any]:
 
 def _print(out: dict[str, Any]) -> None:
     print(
-        f"clients {out['clients']} in {out['procs']} processes (RLIMIT_NOFILE {out['nofile']})\n"
+        f"clients {out['clients']} in {out['procs']} processes (RLIMIT_NOFILE {out['nofile']}, "
+        f"services: {out['services']})\n"
         f"  connect all        {out['connect_s']:.1f} s  (errors {out['connect_errors'] or 0})\n"
         f"  services idle      {out['idle_rss_mb']:.0f} MB RSS, "
         f"{out['rss_per_client_kb']:.1f} KB and {out['fds_per_client']:.2f} fds per client\n"
@@ -393,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=4, help="rows per put (default 4)")
     p.add_argument("--width", type=int, default=256, help="int64 per row (default 256)")
     p.add_argument("--storage-units", type=int, default=4)
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="run the controller and each unit in a process of its own (tq-async serve "
+        "controller / storage) instead of all in one",
+    )
     p.add_argument("--procs", type=int, default=0, help="worker processes (0: --per-proc)")
     p.add_argument("--per-proc", type=int, default=512, help="clients per worker process")
     p.add_argument("--request-timeout", type=float, default=60.0)
