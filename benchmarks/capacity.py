@@ -339,7 +339,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         connected = [_recv(c, "connected", args.request_timeout * 4 + 120) for _, c in workers]
         out["connect_s"] = max(m[1] for m in connected)
         out["connect_errors"] = dict(sum((Counter(m[2]) for m in connected), Counter()))
-        time.sleep(0.5)
+        # the services trim their heap 2 s after a burst of connections (_unix.trim_heap)
+        time.sleep(3.0)
         rss1, fds1 = _sum(_rss, pids), _sum(_fds, pids)
         n_ok = args.clients - sum(out["connect_errors"].values())
         out["idle_rss_mb"] = rss1 / 1e6
