@@ -63,6 +63,7 @@ class Load:
     width: int
     request_timeout: float
     link: bool
+    busy_poll: float | None
 
 
 @dataclass
@@ -140,8 +141,14 @@ async def _drain(client: Any, load: Load, cid: int, rep: WorkerReport) -> None:
 async def _open(load: Load, cid: int, rep: WorkerReport) -> Any:
     import tq_async as tq
 
+    options: dict[str, Any] = {}
+    if load.busy_poll is not None:
+        options["busy_poll"] = load.busy_poll
     client = tq.AsyncClient.connect(
-        load.address, request_timeout=load.request_timeout, connect_timeout=load.request_timeout
+        load.address,
+        request_timeout=load.request_timeout,
+        connect_timeout=load.request_timeout,
+        **options,
     )
     try:
         await client.open()
@@ -330,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.width,
                 args.request_timeout,
                 not args.no_link,
+                args.busy_poll,
             )
             first += n
             parent, child = ctx.Pipe()
@@ -436,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=0, help="worker processes (0: --per-proc)")
     p.add_argument("--per-proc", type=int, default=512, help="clients per worker process")
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--busy-poll",
+        type=float,
+        default=None,
+        help="the clients' busy_poll (default: the library's)",
+    )
     p.add_argument("--no-link", action="store_true", help="do not open data paths up front")
     p.add_argument("--py-spy", metavar="FILE", help="profile the services (py-spy record)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")

@@ -236,11 +236,21 @@ class ClientBase:
         if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
             return
         assert hello.ipc is not None
-        conn = self._connection(hello.ipc)
         try:
-            payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
+            conn = self._connection(hello.ipc)
+        except BrokenError as exc:  # its listen queue is full: TCP works
+            self._link_fell_back(None, str(exc))
+            return
+        try:
+            wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+            payload, _ = await conn.request(Hello(), timeout=wait)
             again: HelloReply = _decode(payload, HelloReply)
             ok = again.instance == hello.instance
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            # refused (the controller is out of descriptors) or too busy: TCP answered
+            conn.close()
+            self._link_fell_back(None, str(exc))
+            return
         except BaseException:
             conn.close()
             raise
@@ -405,9 +415,9 @@ class ClientBase:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
             again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
-        except TQTimeoutError:
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
             ipc.close()  # the arena stays: granted to the connection that said hello first
-            self._link_fell_back(unit_id, "the unit's same-host socket did not answer in time")
+            self._link_fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
             return
         except BaseException:
             ipc.close()
@@ -419,11 +429,12 @@ class ClientBase:
         self._stands_for[ipc.address] = conn.address
         conn.close()
 
-    def _link_fell_back(self, unit_id: int, why: str) -> None:
+    def _link_fell_back(self, unit_id: int | None, why: str) -> None:
+        """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
         self.link_fallbacks += 1
         log.warning(
-            "a same-host handshake with a storage unit fell back to the socket path",
-            unit=unit_id,
+            "a same-host handshake fell back to the socket path",
+            unit="controller" if unit_id is None else unit_id,
             reason=why,
             fallbacks=self.link_fallbacks,
         )

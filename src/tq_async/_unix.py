@@ -21,7 +21,10 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import itertools
+import os
+import resource
 import socket
 import struct
 import threading
@@ -32,6 +35,8 @@ from typing import Any
 
 import structlog
 import zmq
+
+from ._endpoints import LogThrottle
 
 __all__ = ["UnixSocket", "UnixListener", "HELLO", "abstract_name"]
 
@@ -366,6 +371,10 @@ class UnixListener:
         self._peers: dict[bytes, _Peer] = {}
         self._all: set[_Peer] = set()
         self._accepted = 0  # since the last heap trim
+        #: a descriptor kept in reserve to refuse clients once the limit is reached
+        self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._refused = 0
+        self._throttle = LogThrottle()
         self._trim: asyncio.TimerHandle | None = None
         loop.add_reader(self._sock.fileno(), self._accept)
 
@@ -376,6 +385,8 @@ class UnixListener:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._refuse_one():
+                    continue
                 log.warning("accept failed", error=str(exc))
                 break
             self._all.add(_Peer(self, conn))
@@ -384,6 +395,32 @@ class UnixListener:
             if self._trim is not None:
                 self._trim.cancel()
             self._trim = self._loop.call_later(_TRIM_DELAY, self._trim_heap)
+
+    def _refuse_one(self) -> bool:
+        """Out of file descriptors: accept one waiting client on the spare descriptor and
+        close it at once, so that it learns now (its connection ends) instead of waiting for
+        a reply that cannot come; a same-host client then stays on TCP. Without this the
+        queued connection stays readable and the loop retries the accept forever."""
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        try:
+            conn, _ = self._sock.accept()
+            conn.close()
+            refused = True
+        except OSError:
+            refused = False
+        with contextlib.suppress(OSError):
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._refused += 1
+        self._throttle.warning(
+            "out of file descriptors: refused a client's Unix-socket connection; raise the "
+            "service's RLIMIT_NOFILE (docs/deployment.md, 'Many clients')",
+            refused=self._refused,
+            limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        )
+        return refused
 
     def _trim_heap(self) -> None:
         self._trim = None
@@ -403,6 +440,9 @@ class UnixListener:
         peer.send(frames)
 
     def close(self) -> None:
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         if self._trim is not None:
             self._trim.cancel()
             self._trim = None
