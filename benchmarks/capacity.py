@@ -80,6 +80,7 @@ class WorkerReport:
     rows_read: int = 0
     rows_drained: int = 0
     drain_errors: int = 0
+    link_fallbacks: int = 0
 
 
 def _kind(exc: BaseException) -> str:
@@ -176,6 +177,7 @@ async def _worker_main(load: Load, conn: Connection) -> None:
     until = loop.time() + load.duration
     await asyncio.gather(*(_client_loop(c, load, cid, until, rep) for cid, c in clients))
     await asyncio.gather(*(_drain(c, load, cid, rep) for cid, c in clients))
+    rep.link_fallbacks = sum(getattr(c, "link_fallbacks", 0) for _, c in clients)  # 0: older
     conn.send(("done", asdict(rep)))
     await loop.run_in_executor(None, conn.recv)  # "close"
     for _, c in clients:
@@ -281,7 +283,8 @@ def _merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         total["errors"].update(rep["errors"])
         total["put_ms"] += rep["put_ms"]
         total["get_ms"] += rep["get_ms"]
-        for key in ("ops", "rows_acked", "rows_read", "rows_drained", "drain_errors"):
+        keys = ("ops", "rows_acked", "rows_read", "rows_drained", "drain_errors", "link_fallbacks")
+        for key in keys:
             total[key] = total.get(key, 0) + rep[key]
     return total
 
@@ -375,6 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["get_p99_ms"] = _pct(total["get_ms"], 99)
         out["errors"] = sum(total["errors"].values())
         out["error_kinds"] = dict(total["errors"].most_common(5))
+        out["link_fallbacks"] = total["link_fallbacks"]
         out["rows_acked"] = total["rows_acked"]
         out["rows_lost"] = total["rows_acked"] - total["rows_read"] - total["rows_drained"]
         out["stats"] = _service_stats(address)
@@ -422,6 +426,7 @@ def _print(out: dict[str, Any]) -> None:
         f"  services           {out['service_cpu_cores']:.2f} cores, "
         f"peak {out['peak_rss_mb']:.0f} MB RSS\n"
         f"  errors             {out['errors']} {out['error_kinds'] or ''}\n"
+        f"  same-host fallbacks {out['link_fallbacks']} (handshakes that used the socket path)\n"
         f"  rows acked / lost  {out['rows_acked']} / {out['rows_lost']}\n"
         f"  units              {out['stats']}"
     )
