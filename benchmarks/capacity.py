@@ -64,6 +64,7 @@ class Load:
     request_timeout: float
     link: bool
     busy_poll: float | None
+    at_once: int  # clients of this process opening at the same time (0: all)
 
 
 @dataclass
@@ -168,7 +169,13 @@ async def _open(load: Load, cid: int, rep: WorkerReport) -> Any:
 async def _worker_main(load: Load, conn: Connection) -> None:
     rep = WorkerReport()
     t0 = time.perf_counter()
-    opened = await asyncio.gather(*(_open(load, load.first + i, rep) for i in range(load.clients)))
+    gate = asyncio.Semaphore(load.at_once or load.clients)
+
+    async def gated(cid: int) -> Any:
+        async with gate:
+            return await _open(load, cid, rep)
+
+    opened = await asyncio.gather(*(gated(load.first + i) for i in range(load.clients)))
     rep.connect_s = time.perf_counter() - t0
     clients = [(load.first + i, c) for i, c in enumerate(opened) if c is not None]
     loop = asyncio.get_running_loop()
@@ -341,6 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.request_timeout,
                 not args.no_link,
                 args.busy_poll,
+                args.at_once,
             )
             first += n
             parent, child = ctx.Pipe()
@@ -454,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="the clients' busy_poll (default: the library's)",
+    )
+    p.add_argument(
+        "--at-once",
+        type=int,
+        default=0,
+        help="clients each worker process opens at the same time (default 0: all at once)",
     )
     p.add_argument("--no-link", action="store_true", help="do not open data paths up front")
     p.add_argument("--py-spy", metavar="FILE", help="profile the services (py-spy record)")
