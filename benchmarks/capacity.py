@@ -41,7 +41,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -81,6 +81,8 @@ class WorkerReport:
     rows_read: int = 0
     rows_drained: int = 0
     drain_errors: int = 0
+    rows_lost: int = 0  # acknowledged, never read back
+    rows_unacked_landed: int = 0  # read back though their put failed (timed out)
     link_fallbacks: int = 0
 
 
@@ -92,17 +94,35 @@ def _kind(exc: BaseException) -> str:
 # ---- worker side -----------------------------------------------------------------------------
 
 
-async def _client_loop(client: Any, load: Load, cid: int, until: float, rep: WorkerReport) -> None:
+class _Rows:
+    """One client's row ids: those whose put was acknowledged, and those read back (the
+    first int64 of each row is its id, unique in the client's partition)."""
+
+    def __init__(self) -> None:
+        self.acked: set[int] = set()
+        self.read: set[int] = set()
+        self.next = 0
+
+    def note_read(self, td: Any) -> int:
+        ids = td["x"][:, 0].tolist()
+        self.read.update(ids)
+        return len(ids)
+
+
+async def _client_loop(
+    client: Any, load: Load, cid: int, until: float, rep: WorkerReport, rows: _Rows
+) -> None:
     import torch
     from tensordict import TensorDict
 
     part = f"cap-{cid}"
-    td = TensorDict(
-        {"x": torch.arange(load.rows * load.width, dtype=torch.int64).view(load.rows, -1)},
-        batch_size=[load.rows],
-    )
+    x = torch.zeros(load.rows, load.width, dtype=torch.int64)
     loop = asyncio.get_running_loop()
     while loop.time() < until:
+        ids = list(range(rows.next, rows.next + load.rows))
+        rows.next += load.rows
+        x[:, 0] = torch.tensor(ids)
+        td = TensorDict({"x": x.clone()}, batch_size=[load.rows])
         t0 = time.perf_counter()
         try:
             await client.put(td, partition_id=part)
@@ -112,11 +132,10 @@ async def _client_loop(client: Any, load: Load, cid: int, until: float, rep: Wor
             continue
         t1 = time.perf_counter()
         rep.put_ms.append((t1 - t0) * 1e3)
-        rep.rows_acked += load.rows
+        rows.acked.update(ids)
         try:
             meta = await client.get_meta(["x"], load.rows, part, "read", timeout=load.duration)
-            got = await client.get_data(meta)
-            rep.rows_read += len(got)
+            rep.rows_read += rows.note_read(await client.get_data(meta))
         except Exception as exc:
             rep.errors["get " + _kind(exc)] += 1
         else:
@@ -126,18 +145,21 @@ async def _client_loop(client: Any, load: Load, cid: int, until: float, rep: Wor
             await asyncio.sleep(load.think)
 
 
-async def _drain(client: Any, load: Load, cid: int, rep: WorkerReport) -> None:
+async def _drain(client: Any, load: Load, cid: int, rep: WorkerReport, rows: _Rows) -> None:
     part = f"cap-{cid}"
     try:
         await client.seal(part)
         while True:
             meta = await client.get_meta(["x"], 64, part, "read", timeout=load.request_timeout)
             if meta.end_of_stream or not len(meta):
-                return
-            rep.rows_drained += len(await client.get_data(meta))
+                break
+            rep.rows_drained += rows.note_read(await client.get_data(meta))
     except Exception as exc:
         rep.drain_errors += 1
         rep.errors["drain " + _kind(exc)] += 1
+    rep.rows_acked += len(rows.acked)
+    rep.rows_lost += len(rows.acked - rows.read)
+    rep.rows_unacked_landed += len(rows.read - rows.acked)
 
 
 async def _open(load: Load, cid: int, rep: WorkerReport) -> Any:
@@ -182,10 +204,11 @@ async def _worker_main(load: Load, conn: Connection) -> None:
     conn.send(("connected", rep.connect_s, dict(rep.connect_errors)))
     await loop.run_in_executor(None, conn.recv)  # "go"
     until = loop.time() + load.duration
-    await asyncio.gather(*(_client_loop(c, load, cid, until, rep) for cid, c in clients))
-    await asyncio.gather(*(_drain(c, load, cid, rep) for cid, c in clients))
+    rows = {cid: _Rows() for cid, _ in clients}
+    await asyncio.gather(*(_client_loop(c, load, cid, until, rep, rows[cid]) for cid, c in clients))
+    await asyncio.gather(*(_drain(c, load, cid, rep, rows[cid]) for cid, c in clients))
     rep.link_fallbacks = sum(getattr(c, "link_fallbacks", 0) for _, c in clients)  # 0: older
-    conn.send(("done", asdict(rep)))
+    conn.send(("done", vars(rep)))  # Counters pickle as they are
     await loop.run_in_executor(None, conn.recv)  # "close"
     for _, c in clients:
         await c.aclose()
@@ -290,7 +313,16 @@ def _merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         total["errors"].update(rep["errors"])
         total["put_ms"] += rep["put_ms"]
         total["get_ms"] += rep["get_ms"]
-        keys = ("ops", "rows_acked", "rows_read", "rows_drained", "drain_errors", "link_fallbacks")
+        keys = (
+            "ops",
+            "rows_acked",
+            "rows_read",
+            "rows_drained",
+            "drain_errors",
+            "link_fallbacks",
+            "rows_lost",
+            "rows_unacked_landed",
+        )
         for key in keys:
             total[key] = total.get(key, 0) + rep[key]
     return total
@@ -385,10 +417,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["get_p50_ms"] = _pct(total["get_ms"], 50)
         out["get_p99_ms"] = _pct(total["get_ms"], 99)
         out["errors"] = sum(total["errors"].values())
-        out["error_kinds"] = dict(total["errors"].most_common(5))
+        out["error_kinds"] = dict(total["errors"].most_common(6))
         out["link_fallbacks"] = total["link_fallbacks"]
         out["rows_acked"] = total["rows_acked"]
-        out["rows_lost"] = total["rows_acked"] - total["rows_read"] - total["rows_drained"]
+        out["rows_lost"] = total["rows_lost"]
+        out["rows_unacked_landed"] = total["rows_unacked_landed"]
         out["stats"] = _service_stats(address)
         for _, c in workers:
             c.send("close")
@@ -435,7 +468,8 @@ def _print(out: dict[str, Any]) -> None:
         f"peak {out['peak_rss_mb']:.0f} MB RSS\n"
         f"  errors             {out['errors']} {out['error_kinds'] or ''}\n"
         f"  same-host fallbacks {out['link_fallbacks']} (handshakes that used the socket path)\n"
-        f"  rows acked / lost  {out['rows_acked']} / {out['rows_lost']}\n"
+        f"  rows acked / lost  {out['rows_acked']} / {out['rows_lost']} (and "
+        f"{out['rows_unacked_landed']} rows of puts that failed were stored)\n"
         f"  units              {out['stats']}"
     )
 

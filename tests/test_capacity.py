@@ -17,6 +17,7 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
+from tq_async import _client_base
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -94,10 +95,14 @@ async def test_idle_connections_cost_the_services_little() -> None:
 
 
 @pytest.mark.timeout(120)
-async def test_handshake_with_a_stalled_unit_degrades_to_the_socket() -> None:
+async def test_handshake_with_a_stalled_unit_degrades_to_the_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The unit's process is paused (SIGSTOP) past the handshake's deadline while a client
     links to it for its first read: the client reads over the socket it already has once the
-    unit resumes (counted in ``link_fallbacks``) instead of failing with a timeout."""
+    unit resumes (counted in ``link_fallbacks``) instead of failing with a timeout, and
+    tries the handshake again later (here: at once)."""
+    monkeypatch.setattr(_client_base, "RELINK_AFTER", 0.0)
     data = torch.arange(4 * 256, dtype=torch.int64).view(4, 256)
     with serve_role("--storage-units", "1") as (proc, address):
         # request_timeout above the handshake's 5 s but below the pause: before the fix the
@@ -122,10 +127,12 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket() -> None:
             assert time.monotonic() - t0 < 15
             assert client.link_fallbacks == 1
             assert torch.equal(got["td"]["x"], data)  # type: ignore[index]
-            # later reads go on over the socket path, and the unit's rows are all there
+            assert client._arenas[0] is None  # the socket path
+            # the next read asks again: the unit answers now, shared memory from then on
             meta = await client.get_meta(["x"], 4, "p", "t2")
             assert torch.equal((await client.get_data(meta))["x"], data)
             assert client.link_fallbacks == 1
+            assert client._arenas[0] is not None
 
 
 async def _drain(client: tq.AsyncClient, task: str) -> list[list[int]]:

@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -212,6 +213,8 @@ class ClientBase:
         self._link_locks: dict[int, anyio.Lock] = {}
         #: same-host handshakes that did not complete in time (the socket path is used)
         self.link_fallbacks = 0
+        #: unit id -> when to try the handshake again after one timed out
+        self._relink_at: dict[int, float] = {}
 
     def _connection(
         self,
@@ -368,7 +371,9 @@ class ClientBase:
         if not self.shared_memory or conn.inproc:
             return conn, None  # in-process connections copy once already
         if unit_id in self._arenas:
-            return conn, self._arenas[unit_id]
+            arena = self._arenas[unit_id]
+            if arena is not None or not self._relink_due(unit_id):
+                return conn, arena
         lock = self._link_locks.setdefault(unit_id, anyio.Lock())
         async with lock:
             if unit_id not in self._arenas:
@@ -394,6 +399,7 @@ class ClientBase:
         except TQTimeoutError:
             self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
             self._arenas[unit_id] = None
+            self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
             return
         hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
         arena = None
@@ -429,6 +435,15 @@ class ClientBase:
         self._stands_for[ipc.address] = conn.address
         conn.close()
 
+    def _relink_due(self, unit_id: int) -> bool:
+        """Whether a unit whose handshake timed out is to be asked again (then: forgotten)."""
+        due = self._relink_at.get(unit_id)
+        if due is None or time.monotonic() < due:
+            return False
+        del self._relink_at[unit_id]
+        del self._arenas[unit_id]
+        return True
+
     def _link_fell_back(self, unit_id: int | None, why: str) -> None:
         """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
         self.link_fallbacks += 1
@@ -455,6 +470,8 @@ class ClientBase:
 #: seconds a same-host handshake with a storage unit may take before the client uses the
 #: socket path instead (it never fails a request for it)
 SHM_HELLO_TIMEOUT = 5.0
+#: seconds after a handshake timed out before the client tries it again (on its next data call)
+RELINK_AFTER = 30.0
 
 
 def _check_busy_poll(value: Any) -> float:
