@@ -192,3 +192,32 @@ async def test_a_get_meta_that_timed_out_during_a_stall_consumed_nothing() -> No
             await client.seal("p")
             rows = await _drain(client, "t")  # the task whose get_meta timed out
     assert {tuple(r) for r in data[:4].tolist()} <= {tuple(r) for r in rows}
+
+
+@pytest.mark.timeout(120)
+async def test_a_saturated_service_over_a_unix_socket_is_waited_for_not_reconnected() -> None:
+    """A service that answers later than ``retry_after`` over its Unix socket is busy, not
+    gone (a Unix socket reports its end): the client waits up to its deadline on the same
+    connection. Reconnecting there had thousands of waiting clients storm the saturated
+    service's listen queue at 8,192 clients."""
+    data = torch.arange(4 * 16, dtype=torch.int64).view(4, 16)
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=20, retry_after=0.5) as client:
+            assert client._ctl().address.startswith("uds://")
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                async with anyio.create_task_group() as tg:
+                    done: list[object] = []
+
+                    async def put() -> None:
+                        done.append(await client.put({"x": data}, partition_id="p"))
+
+                    tg.start_soon(put)
+                    await anyio.sleep(2.0)  # the fault: 4 x retry_after without an answer
+                    assert not done
+                    os.kill(proc.pid, signal.SIGCONT)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert client._ctl().reconnects == 0
+            meta = await client.get_meta(["x"], 4, "p", "t", timeout=10)
+            assert torch.equal((await client.get_data(meta))["x"], data)
