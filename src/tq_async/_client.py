@@ -47,7 +47,9 @@ class AsyncClient(ControlCalls):
         curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
-            so nothing runs twice. None disables retries.
+            so nothing runs twice. None disables retries. A same-host Unix-socket
+            connection is not retried: it loses nothing without reporting its end, so a
+            silent service there is a busy one, waited for up to ``request_timeout``.
         inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
             unit (new rows always do) goes to the controller in one message, which stores
             and commits it (:class:`~tq_async._protocol.PutInline`): one round trip instead
