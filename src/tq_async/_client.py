@@ -74,10 +74,11 @@ class AsyncClient(ControlCalls):
             0 turns it off.
 
     Attributes:
-        link_fallbacks: same-host handshakes with a storage unit that did not complete
-            within 5 s (or found the unit's listen queue full): that unit is then reached
-            through the socket the handshake was sent on, without shared memory; no request
-            fails for it.
+        link_fallbacks: same-host switches that did not happen: a handshake with the
+            controller or a storage unit that got no answer within 5 s, or a Unix socket
+            that was refused. That service is then reached through the socket the handshake
+            was sent on (for a unit: without shared memory, asked again 30 s later); no
+            request fails for it.
 
     A client belongs to the event loop (and process) that opened it.
     """
