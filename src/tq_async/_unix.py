@@ -88,7 +88,8 @@ def trim_heap() -> None:
     closes the TCP connection. ZMQ's buffers for those short-lived connections are freed but
     stay resident in its I/O thread's heap: measured with 400 clients, 40 KB of the
     services' RSS per client, 5 KB once trimmed. So after a burst of new connections the
-    listener trims once (a few ms, on the loop, at most once per burst).
+    listener trims once, on the loop: ~50 ms with 150 MB freed in 50,000 holes, microseconds
+    when there is nothing to give back; at most once per burst of connections.
     """
     global _malloc_trim
     if _malloc_trim is None:
