@@ -221,3 +221,22 @@ async def test_a_saturated_service_over_a_unix_socket_is_waited_for_not_reconnec
             assert client._ctl().reconnects == 0
             meta = await client.get_meta(["x"], 4, "p", "t", timeout=10)
             assert torch.equal((await client.get_data(meta))["x"], data)
+
+
+def test_serve_raises_its_descriptor_soft_limit_to_the_hard_one() -> None:
+    """A service holds a descriptor per client: ``tq-async serve`` lifts the soft limit
+    (often 1,024) to the hard one at start, which needs no privilege."""
+    import resource
+
+    from tq_async._serve import raise_fd_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 512 if hard == resource.RLIM_INFINITY else min(512, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        got_soft, got_hard = raise_fd_limit("serve", units=4)
+        assert got_hard == hard
+        assert got_soft == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got_soft
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
