@@ -244,6 +244,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _py_spy(pid: int, out: str) -> subprocess.Popen[bytes]:
+    """``py-spy record`` of ``pid`` (50 Hz, collapsed stacks) until it exits."""
+    exe = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
+    cmd = [exe, "record", "-p", str(pid), "-r", "50", "-o", out, "--nonblocking"]
+    return subprocess.Popen(
+        [*cmd, "--format", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
 def _sum(measure: Callable[[int], float], pids: list[int]) -> Any:
     return sum(measure(p) for p in pids)
 
@@ -333,10 +342,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limit = _raise_nofile()
     procs = args.procs or max(1, math.ceil(args.clients / args.per_proc))
     services = _start_services(args)
-    pids = [sv.pid for sv in services]
-    pid = pids[0]  # the controller's process (all services', without --split)
+    pids = [sv.pid for sv in services]  # the controller's first (all services', unsplit)
     address = services[0].address
-    spy: subprocess.Popen[bytes] | None = None
+    spies: list[subprocess.Popen[bytes]] = []
     out: dict[str, Any] = {
         "clients": args.clients,
         "procs": procs,
@@ -347,24 +355,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         time.sleep(0.5)  # let the services finish starting (their imports settle)
         rss0, fds0 = _sum(_rss, pids), _sum(_fds, pids)
-        if args.py_spy:
-            spy = subprocess.Popen(
-                [
-                    shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy",
-                    "record",
-                    "-p",
-                    str(pid),
-                    "-r",
-                    "50",
-                    "-o",
-                    args.py_spy,
-                    "--nonblocking",
-                    "--format",
-                    "raw",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+        if args.py_spy:  # one profile per service process: FILE, FILE.1, FILE.2, ...
+            spies = [_py_spy(p, args.py_spy + (f".{i}" if i else "")) for i, p in enumerate(pids)]
         ctx = mp.get_context("spawn")
         sizes = [args.clients // procs + (i < args.clients % procs) for i in range(procs)]
         first = 0
@@ -432,7 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 proc.kill()
         for sv in reversed(services):
             sv.stop()
-        if spy is not None:  # it stops (and writes its file) once the services are gone
+        for spy in spies:  # each stops (and writes its file) once its process is gone
             try:
                 spy.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -504,7 +496,12 @@ def main(argv: list[str] | None = None) -> int:
         help="clients each worker process opens at the same time (default 0: all at once)",
     )
     p.add_argument("--no-link", action="store_true", help="do not open data paths up front")
-    p.add_argument("--py-spy", metavar="FILE", help="profile the services (py-spy record)")
+    p.add_argument(
+        "--py-spy",
+        metavar="FILE",
+        help="profile the services (py-spy record, collapsed stacks; with --split FILE is "
+        "the controller's, FILE.1 ... the units')",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     args = p.parse_args(argv)
