@@ -115,16 +115,18 @@ class ServeProcess:
     """
 
     def __init__(
-        self, storage_units: int = 2, *, timeout: float = 120.0, env: dict[str, str] | None = None
+        self,
+        storage_units: int = 2,
+        *,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        role: list[str] | None = None,
+        line: str = "TQ_ADDRESS=",
     ) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tq_async._cli",
-            "serve",
-            "--storage-units",
-            str(storage_units),
-        ]
+        # ``role``: the arguments of one role (``["controller"]``, ``["storage",
+        # "--controller", ADDR]``) instead of the all-in-one serve; ``line``: what it prints
+        args = role if role is not None else ["--storage-units", str(storage_units)]
+        cmd = [sys.executable, "-m", "tq_async._cli", "serve", *args]
         self.started_at = time.perf_counter()
         self.proc = subprocess.Popen(
             cmd,
@@ -143,19 +145,19 @@ class ServeProcess:
         address = None
         while address is None:
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+                text = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
                 self.stop()
                 raise RuntimeError(
                     f"tq-async serve printed no address within {timeout} s"
                 ) from None
-            if line is None:
+            if text is None:
                 self.stop()
                 raise RuntimeError(
                     "tq-async serve exited before printing its address:\n" + "".join(self.tail)
                 )
-            if line.startswith("TQ_ADDRESS="):
-                address = line.strip().split("=", 1)[1]
+            if text.startswith(line):
+                address = text.strip().split("=", 1)[1]
         self.ready_s = time.perf_counter() - self.started_at
         self.address: str = address
 

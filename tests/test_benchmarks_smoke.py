@@ -82,3 +82,19 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.count("same-host") == (3 if linux else 0)
     assert out.count("socket-rtt") == (4 if linux else 0)
     assert out.count("steady-cpu") == (len(os.sched_getaffinity(0)) if linux else 0)
+
+
+def test_capacity_smoke() -> None:
+    """``python -m benchmarks.capacity --smoke``: a few clients in two processes against a
+    ``tq-async serve``, every phase (connect, load, drain) with 0 errors and 0 rows lost."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.capacity", "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rows acked / lost" in done.stdout
+    assert "per client" in done.stdout

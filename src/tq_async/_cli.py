@@ -32,7 +32,7 @@ from ._core import Deadlines
 from ._errors import ConfigError
 from ._logging import configure_logging, get_logger
 from ._metrics import serve_metrics
-from ._serve import first_tq_error, serve_controller, serve_storage
+from ._serve import first_tq_error, raise_fd_limit, serve_controller, serve_storage
 from ._storage import DEFAULT_SHM_CAP
 
 __all__ = ["main"]
@@ -445,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    # a service holds a descriptor per client: the default soft limit (often 1,024) would
+    # cap it long before the hard limit does (docs/deployment.md, "File descriptors")
+    raise_fd_limit("serve" if args.role is None else args.role, config.num_storage_units)
     try:
         if args.role is None:
             anyio.run(_serve, config)

@@ -49,7 +49,9 @@ class AsyncClient(ControlCalls):
         curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
-            so nothing runs twice. None disables retries.
+            so nothing runs twice. None disables retries. A same-host Unix-socket
+            connection is not retried: it loses nothing without reporting its end, so a
+            silent service there is a busy one, waited for up to ``request_timeout``.
         inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
             unit (new rows always do) goes to the controller in one message, which stores
             and commits it (:class:`~tq_async._protocol.PutInline`): one round trip instead
@@ -72,6 +74,13 @@ class AsyncClient(ControlCalls):
             the price of up to this much CPU per request. After a poll that caught nothing
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
             0 turns it off.
+
+    Attributes:
+        link_fallbacks: same-host switches that did not happen: a handshake with the
+            controller or a storage unit that got no answer within 5 s, or a Unix socket
+            that was refused. That service is then reached through the socket the handshake
+            was sent on (for a unit: without shared memory, asked again 30 s later); no
+            request fails for it.
 
     A client belongs to the event loop (and process) that opened it.
     """

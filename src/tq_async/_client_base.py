@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ from ._errors import (
     ProtocolError,
     SchemaError,
     TQError,
+    TQTimeoutError,
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
@@ -209,6 +211,10 @@ class ClientBase:
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
         self._link_locks: dict[int, anyio.Lock] = {}
+        #: same-host handshakes that did not complete in time (the socket path is used)
+        self.link_fallbacks = 0
+        #: unit id -> when to try the handshake again after one timed out
+        self._relink_at: dict[int, float] = {}
 
     def _connection(
         self,
@@ -233,11 +239,21 @@ class ClientBase:
         if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
             return
         assert hello.ipc is not None
-        conn = self._connection(hello.ipc)
         try:
-            payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
+            conn = self._connection(hello.ipc)
+        except BrokenError as exc:  # its listen queue is full: TCP works
+            self._link_fell_back(None, str(exc))
+            return
+        try:
+            wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+            payload, _ = await conn.request(Hello(), timeout=wait)
             again: HelloReply = _decode(payload, HelloReply)
             ok = again.instance == hello.instance
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            # refused (the controller is out of descriptors) or too busy: TCP answered
+            conn.close()
+            self._link_fell_back(None, str(exc))
+            return
         except BaseException:
             conn.close()
             raise
@@ -355,7 +371,9 @@ class ClientBase:
         if not self.shared_memory or conn.inproc:
             return conn, None  # in-process connections copy once already
         if unit_id in self._arenas:
-            return conn, self._arenas[unit_id]
+            arena = self._arenas[unit_id]
+            if arena is not None or not self._relink_due(unit_id):
+                return conn, arena
         lock = self._link_locks.setdefault(unit_id, anyio.Lock())
         async with lock:
             if unit_id not in self._arenas:
@@ -368,7 +386,21 @@ class ClientBase:
         return self._units.get(unit_id, conn), self._arenas.get(unit_id)
 
     async def _link(self, unit_id: int, conn: DealerConnection) -> None:
-        payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
+        """Set up shared memory with the unit and move to its same-host twin, if it answers
+        in time; otherwise stay on the socket path (counted in :attr:`link_fallbacks`).
+
+        A handshake waits at most :data:`SHM_HELLO_TIMEOUT`: a unit too busy to answer one
+        within that is better used through the socket it already answers on than waited
+        for, and nothing was consumed by a handshake that timed out.
+        """
+        wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+        try:
+            payload, _ = await conn.request(ShmHello(os.getpid()), timeout=wait)
+        except TQTimeoutError:
+            self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
+            self._arenas[unit_id] = None
+            self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
+            return
         hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
         arena = None
         if hello is not None:
@@ -380,13 +412,19 @@ class ClientBase:
         if arena is None or hello is None or not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
-        ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        try:
+            ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        except BrokenError as exc:  # its listen queue is full: the socket we have will do
+            self._link_fell_back(unit_id, str(exc))
+            return
         try:
             # says hello for this connection too (shared memory is granted per connection)
-            payload, _ = await ipc.request(
-                ShmHello(os.getpid()), timeout=min(self.request_timeout, 5.0)
-            )
+            payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
             again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            ipc.close()  # the arena stays: granted to the connection that said hello first
+            self._link_fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
+            return
         except BaseException:
             ipc.close()
             raise
@@ -396,6 +434,25 @@ class ClientBase:
         self._units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
         conn.close()
+
+    def _relink_due(self, unit_id: int) -> bool:
+        """Whether a unit whose handshake timed out is to be asked again (then: forgotten)."""
+        due = self._relink_at.get(unit_id)
+        if due is None or time.monotonic() < due:
+            return False
+        del self._relink_at[unit_id]
+        del self._arenas[unit_id]
+        return True
+
+    def _link_fell_back(self, unit_id: int | None, why: str) -> None:
+        """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
+        self.link_fallbacks += 1
+        log.warning(
+            "a same-host handshake fell back to the socket path",
+            unit="controller" if unit_id is None else unit_id,
+            reason=why,
+            fallbacks=self.link_fallbacks,
+        )
 
     async def _call(
         self,
@@ -408,6 +465,13 @@ class ClientBase:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return _decode(payload, typ)
+
+
+#: seconds a same-host handshake with a storage unit may take before the client uses the
+#: socket path instead (it never fails a request for it)
+SHM_HELLO_TIMEOUT = 5.0
+#: seconds after a handshake timed out before the client tries it again (on its next data call)
+RELINK_AFTER = 30.0
 
 
 def _check_busy_poll(value: Any) -> float:

@@ -483,9 +483,13 @@ class DealerConnection(DrainedSocket):
             if deadline is None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(outgoing)
-            else:
+            elif self._edge_triggered:  # ZMQ; a Unix socket is level-triggered
                 log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
                 self.reconnect()
+            # A Unix socket loses no reply without ending (its end is reported): silence is a
+            # busy service, and waiting up to the deadline is the backpressure. Reconnecting
+            # there made thousands of waiting clients storm a saturated service's listen queue
+            # (8,192 clients: BrokenError "listen queue is full", benchmarks/RESULTS.md).
 
     async def _attempt(self, rid: int, wait: float | None) -> tuple[Reply, list[zmq.Frame]] | None:
         """Wait up to ``wait`` seconds (None: no limit) for ``rid``'s reply; None if none came.

@@ -6,6 +6,7 @@ logs.
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -42,9 +43,33 @@ class LogThrottle:
             log.warning(event, **fields)
 
 
+#: the context whose socket cap was set (the class holds the instance anyway)
+_sized: zmq.Context[Any] | None = None
+
+
 def zmq_context() -> zmq.Context[Any]:
-    """The process-wide ZMQ context (a fresh one after ``fork``)."""
-    return zmq.Context.instance()
+    """The process-wide ZMQ context (a fresh one after ``fork``).
+
+    ZMQ caps a context at 1,023 sockets by default, whatever the process's file-descriptor
+    limit: a process with 512 clients (one socket each to the controller, and one per unit
+    until the same-host link replaces it) ran into ``ZMQError: Too many open files`` with
+    thousands of descriptors to spare. The cap follows ``RLIMIT_NOFILE`` instead, taken when
+    the context is made (it applies from the first socket on); its cost is a few bytes of
+    slot table per possible socket.
+    """
+    global _sized
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    if ctx is not _sized:  # a new instance (first use, or after a fork)
+        _sized = ctx
+        want = min(_nofile_soft(), ctx.get(zmq.SOCKET_LIMIT))
+        if want > ctx.get(zmq.MAX_SOCKETS):
+            ctx.set(zmq.MAX_SOCKETS, want)
+    return ctx
+
+
+def _nofile_soft() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def normalize_bind(address: str) -> str:

@@ -43,7 +43,7 @@ from ._errors import (
 from ._logging import get_logger
 from ._routes import LocalRoute, local_routes, local_routes_lock
 from ._security import CurveServer
-from ._unix import UnixListener
+from ._unix import BACKLOG, UnixListener
 
 __all__ = ["DrainedSocket", "RouterEndpoint"]
 
@@ -167,6 +167,10 @@ class RouterEndpoint(DrainedSocket):
         # a client that reconnects with the same identity takes it over (retries)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ's default accept queue is 100: thousands of clients connecting at once overflowed
+        # it and their SYNs were retried after 1, 3, 7, ... s (a handshake then missed its
+        # deadline); the kernel caps this at net.core.somaxconn
+        sock.setsockopt(zmq.BACKLOG, BACKLOG)
         try:
             sock.bind(normalize_bind(bind))
         except zmq.ZMQError as exc:

@@ -14,6 +14,7 @@ name or IP, never ``0.0.0.0``.
 
 from __future__ import annotations
 
+import resource
 import socket
 from typing import Any
 
@@ -339,6 +340,40 @@ async def serve_storage(
             "storage unit serving", unit_id=unit.unit_id, address=address, controller=controller
         )
         task_status.started((unit.unit_id, address))
+
+
+#: descriptors a serving process keeps besides its clients' (listeners, arenas, log files)
+FD_RESERVE = 256
+
+
+def raise_fd_limit(role: str = "serve", units: int = 0) -> tuple[int, int]:
+    """Raise this process's ``RLIMIT_NOFILE`` soft limit to its hard limit, and say how many
+    clients that holds.
+
+    A service holds one descriptor per connected client and endpoint: a unit one per client
+    (its Unix socket or TCP connection), a controller one, the all-in-one ``serve`` with
+    ``units`` units ``1 + units`` per client, plus one per client process per unit (a pidfd,
+    shared memory). Many hosts start processes at a soft limit of 1,024, which caps a
+    controller below 1,000 clients although the hard limit allows far more; raising the soft
+    limit up to the hard one needs no privilege. The hard limit is the administrator's
+    (``ulimit -Hn``, systemd ``LimitNOFILE=``, ``docker run --ulimit nofile=``).
+
+    Returns:
+        The (soft, hard) limits now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # an unlimited hard limit still stops at the kernel's nr_open (1,048,576 by default)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the file-descriptor limit", error=str(exc), soft=soft)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    per_client = 1 + units if role == "serve" else 1
+    clients = max(0, (soft - FD_RESERVE) // per_client)
+    log.info("file-descriptor limit", soft=soft, hard=hard, clients_held=clients)
+    return soft, hard
 
 
 #: schemes ZMQ can connect to
