@@ -267,8 +267,12 @@ class ClientGets(ClientBase):
                 else [meta.global_indexes[i] for i in positions]
             )
             conn, arena = await self._data_link(unit)
-            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=arena is not None)
-            if arena is None:
+            nixl = None
+            if arena is None and self._nixl is not None:  # another host: NIXL
+                nixl = await self._nixl.link(unit, conn, self.request_timeout)
+            shm = arena is not None or nixl is not None
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
+            if not shm:
                 payload, frames = await self._unit_request(unit, get)
             else:
 
@@ -280,12 +284,26 @@ class ClientGets(ClientBase):
                 )
             stored: StoredColumns = _decode(payload, StoredColumns)
             if stored.shm_spans is not None:
+                pin = stored.pin
                 try:
-                    if arena is None or frames:
+                    if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
-                    frames = await _copy_spans(arena, stored.shm_spans)
+                    if arena is not None:
+                        frames = await _copy_spans(arena, stored.shm_spans)
+                    else:
+                        assert nixl is not None
+                        assert self._nixl is not None
+                        got = await self._nixl.read(
+                            unit, nixl, stored.shm_spans, self.request_timeout
+                        )
+                        if got is None:  # the transfer failed: read through the socket
+                            get.shm = False
+                            payload, frames = await self._unit_request(unit, get)
+                            stored = _decode(payload, StoredColumns)
+                        else:
+                            frames = got
                 finally:
-                    conn.send_oneway(ShmFree([], [stored.pin]))
+                    conn.send_oneway(ShmFree([], [pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:

@@ -331,6 +331,12 @@ class ClientPuts(ClientBase):
             big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and await self._store_shm(conn, arena, store, frames):
                 return
+            if big and arena is None and self._nixl is not None:  # another host: NIXL
+                peer = await self._nixl.link(unit, conn, self.request_timeout)
+                if peer is not None and await self._nixl.put(
+                    unit, conn, peer, store, frames, self.request_timeout
+                ):
+                    return
             await self._unit_request(unit, store, frames)
 
         if len(by_unit) == 1:

@@ -53,6 +53,7 @@ class Client:
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> None:
         check_address(address)
         self.address = address
@@ -69,6 +70,7 @@ class Client:
             "shared_memory": shared_memory,
             "same_host": same_host,
             "busy_poll": busy_poll,
+            "data_path": data_path,
         }
 
     @classmethod
@@ -86,6 +88,7 @@ class Client:
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -100,6 +103,7 @@ class Client:
             shared_memory=shared_memory,
             same_host=same_host,
             busy_poll=busy_poll,
+            data_path=data_path,
         )
 
     def open(self) -> Client:
