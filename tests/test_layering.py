@@ -24,6 +24,7 @@ LAYERS: dict[str, list[str]] = {
         "_portal",
         "_columns",
         "_codec",
+        "_devices",
         "_meta",
         "_protocol",
         "samplers",

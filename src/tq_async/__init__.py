@@ -20,7 +20,8 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
 4. **services and clients**: the controller and storage services (``_controller``,
    ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
    call their state and answer; requests that wait park in one ``_parking`` lot), the
-   clients (``_client``, blocking ``_sync``; their NIXL links, ``_client_nixl``), checkpoints, metrics, ``_serve``, ``_config``.
+   clients (``_client``, blocking ``_sync``; their NIXL links, ``_client_nixl``; device
+   copies, ``_devices``), checkpoints, metrics, ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
    datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat``, and
    :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.

@@ -75,6 +75,10 @@ class StreamingDataset(IterableDataset[MicroBatch]):
     Run your step anyway so collectives stay in step (see
     :class:`~tq_async.AsyncStreamingDataset` for ``dp_size`` and ``tail``).
 
+    ``device`` (e.g. ``"cuda:0"``) delivers tensors on that device, copied in the prefetching
+    task; use it without DataLoader workers (CUDA does not survive a fork: with workers, pass
+    ``pin_memory=True`` to the loader and move the batch in the main process).
+
     Raises:
         InvalidRequestError: an argument is invalid.
     """
@@ -98,6 +102,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         request_timeout: float = 60.0,
         dp_size: int | None = None,
         tail: str | None = None,
+        device: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(address, str) or not address:
@@ -122,6 +127,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             "request_timeout": request_timeout,
             "dp_size": dp_size,
             "tail": tail,
+            "device": device,
         }
         # Validates every argument (opens nothing: the client is created on entry).
         probe = AsyncStreamingDataset(**self._kwargs)
