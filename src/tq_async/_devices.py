@@ -52,7 +52,8 @@ class _CudaCopier:
     """Copies on a side stream that waits for the caller's stream; completion by event."""
 
     def __init__(self, device: torch.device) -> None:
-        if device.index is None:  # "cuda": the current device, as torch reads it
+        index: int | None = device.index  # None for "cuda": the current device
+        if index is None:
             device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.stream = _streams.get(device)
