@@ -234,9 +234,10 @@ class Client:
         fields: Sequence[str] | None = None,
         *,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> TensorDict:
         """Blocking :meth:`AsyncClient.get_data`."""
-        return self._run(self._require().get_data, meta, fields, nested=nested)
+        return self._run(self._require().get_data, meta, fields, nested=nested, device=device)
 
     def get(
         self,
@@ -252,6 +253,7 @@ class Client:
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -267,6 +269,7 @@ class Client:
             lease=lease,
             ack=ack,
             nested=nested,
+            device=device,
         )
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
