@@ -70,7 +70,8 @@ async def _measure(address: str, path: str, rounds: int, big_mb: int) -> dict[st
     async with tq.AsyncClient.connect(
         address, data_path=path, request_timeout=120, **opts
     ) as client:
-        await client.put(batch, partition_id="warm")  # connections, agents, registrations
+        for _ in range(5):  # connections, agents, registrations, the unit's arena pages
+            await client.get_data(await client.put(batch, partition_id="warm"))
         puts, gets, metas = [], [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -117,6 +118,7 @@ async def _measure(address: str, path: str, rounds: int, big_mb: int) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=3, help="alternations of the two paths")
     parser.add_argument("--big", type=int, default=0, metavar="MIB", help="also a batch of MIB")
     args = parser.parse_args(argv)
     from tq_async import _nixl
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}, {os.cpu_count()} CPUs")
         results = {}
-        for path in ("zmq", "nixl", "zmq", "nixl"):  # alternated: a shared machine drifts
+        for path in ("zmq", "nixl") * args.repeat:  # alternated: a shared machine drifts
             got = anyio.run(_measure, address, path, args.rounds, args.big)
             results.setdefault(path, []).append(got)
             line = f"{path:5s} put {got['put_gbps']:.2f} GB/s (best {got['put_best']:.2f})"

@@ -24,8 +24,10 @@ import anyio
 import pytest
 import structlog
 import torch
+import zmq
 
 import tq_async as tq
+import tq_async._client_base as _nixl_base
 from _cluster_proc import serve_role
 from tq_async import _nixl
 from tq_async._errors import BrokenError, TQError
@@ -233,6 +235,29 @@ async def test_a_failed_read_falls_back_to_the_socket(
         assert stats["shm_bytes"] == base["shm_bytes"]  # and both pins went back
 
 
+@pytest.mark.parametrize(
+    ("options", "rdma", "takes_nixl"),
+    [
+        ({}, True, True),
+        ({}, False, False),  # over TCP alone the socket is faster (see rdma_present)
+        ({"data_path": "nixl"}, False, True),
+        ({"data_path": "shm"}, True, False),
+        ({"data_path": "zmq"}, True, False),
+        ({"shared_memory": False}, True, False),
+        ({"curve": "keys"}, True, False),  # UCX does not encrypt
+    ],
+)
+def test_which_clients_take_nixl(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], rdma: bool, takes_nixl: bool
+) -> None:
+    monkeypatch.setattr(_nixl_base, "rdma_present", lambda: rdma)
+    if options.get("curve"):
+        public, secret = zmq.curve_keypair()
+        options = {**options, "curve": tq.CurveClient(public, public, secret)}
+    client = tq.AsyncClient.connect("tcp://127.0.0.1:1", **options)
+    assert (client._nixl is not None) == takes_nixl
+
+
 # ---- two "hosts": network namespaces (as tests/test_multihost.py builds them) ----------------
 
 
@@ -299,14 +324,15 @@ def _line(proc: subprocess.Popen[str], prefix: str) -> str:
 
 
 def _client_main(address: str) -> None:
-    """Run in namespace h4 ("another host"): "auto" picks NIXL; the bytes come back exact.
+    """Run in namespace h4 ("another host"); the bytes come back exact.
 
     Network namespaces share the PID namespace, so the shared-memory handshake would succeed
-    here: ``same_host=False`` makes the client treat the unit as remote, as on a real host.
+    here: ``data_path="nixl"`` keeps the client off it (and this sandbox has no RDMA, where
+    "auto" would pick NIXL).
     """
 
     async def run() -> None:
-        async with tq.AsyncClient.connect(address, request_timeout=30, same_host=False) as client:
+        async with tq.AsyncClient.connect(address, request_timeout=30, data_path="nixl") as client:
             want = _batch()
             meta = await client.put(want, partition_id="p")
             _check(await client.get_data(meta), want)

@@ -71,8 +71,9 @@ class AsyncClient(ControlCalls):
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
             0 turns it off.
         data_path: how column bytes travel to and from the storage units: ``"auto"``
-            (shared memory with a unit on this host, NIXL with one on another host when both
-            have it and this client does not use CURVE, the socket otherwise), ``"shm"`` (no
+            (shared memory with a unit on this host; NIXL with one on another host when both
+            have it, this host has RDMA hardware and this client does not use CURVE; the
+            socket otherwise), ``"shm"`` (no
             NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
             ``"zmq"`` (always the socket). A NIXL transfer that fails falls back to the
             socket for that request (see ``docs/deployment.md``, "Data paths").

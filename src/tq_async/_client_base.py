@@ -51,7 +51,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
-from ._nixl import check_data_path
+from ._nixl import check_data_path, rdma_present
 from ._protocol import (
     Hello,
     HelloReply,
@@ -209,13 +209,11 @@ class ClientBase:
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
         self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
-        #: units on other hosts reached through NIXL: forced, or under "auto" unless the
-        #: client encrypts (UCX does not) or turned shared memory off (socket only)
-        self._nixl = (
-            NixlLinks(forced=data_path == "nixl")
-            if data_path == "nixl" or (data_path == "auto" and shared_memory and curve is None)
-            else None
-        )
+        #: units on other hosts reached through NIXL: forced, or under "auto" where it pays
+        #: (RDMA hardware here) unless the client encrypts (UCX does not) or turned shared
+        #: memory off (socket only)
+        auto = data_path == "auto" and shared_memory and curve is None and rdma_present()
+        self._nixl = NixlLinks(forced=data_path == "nixl") if data_path == "nixl" or auto else None
         self.same_host = same_host
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
