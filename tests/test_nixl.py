@@ -25,12 +25,14 @@ import pytest
 import structlog
 import torch
 import zmq
+from prometheus_client import CollectorRegistry
 
 import tq_async as tq
 import tq_async._client_base as _nixl_base
 from _cluster_proc import serve_role
 from tq_async import _nixl
 from tq_async._errors import BrokenError, TQError
+from tq_async.lowlevel import transfer_collector
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -225,9 +227,12 @@ async def test_a_failed_read_falls_back_to_the_socket(
             raise _nixl.TransferFailed("error", "injected")
 
         monkeypatch.setattr(agent, "_xfer", broken)
-        before = _nixl.fallbacks["error"]
+        registry = CollectorRegistry()
+        registry.register(transfer_collector())
+        before = registry.get_sample_value("tq_transfer_fallbacks_total", {"reason": "error"})
         _check(await client.get_data(meta), want)  # through the socket
-        assert _nixl.fallbacks["error"] == before + 1
+        after = registry.get_sample_value("tq_transfer_fallbacks_total", {"reason": "error"})
+        assert after == (before or 0) + 1
         monkeypatch.undo()
         _check(await client.get_data(meta), want)  # NIXL again (linked anew)
         stats = await _nixl_stats(client)
