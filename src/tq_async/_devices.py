@@ -75,8 +75,10 @@ class _CudaCopier:
         pinned = t if t.is_pinned() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         if pinned is not t:
             pinned.copy_(t)
-        # allocated on the caller's stream: freeing it later is ordered with the caller's work
-        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        # allocated on the caller's stream (this runs on a worker thread, whose current stream
+        # is the default one): freeing it later is ordered with the caller's work
+        with torch.cuda.stream(self._caller):
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         with torch.cuda.stream(self.stream):
             out.copy_(pinned, non_blocking=True)
         return out
