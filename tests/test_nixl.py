@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import structlog
 import torch
@@ -31,7 +32,19 @@ import tq_async as tq
 import tq_async._client_base as _nixl_base
 from _cluster_proc import serve_role
 from tq_async import _nixl
+from tq_async._columns import ColumnHeader
+from tq_async._dealer import DealerConnection
 from tq_async._errors import BrokenError, TQError
+from tq_async._protocol import (
+    NixlHello,
+    NixlHelloReply,
+    ShmAlloc,
+    ShmFree,
+    ShmGrant,
+    StoredColumns,
+    StoreGet,
+)
+from tq_async._storage import StorageServer
 from tq_async.lowlevel import transfer_collector
 
 pytestmark = pytest.mark.skipif(
@@ -48,6 +61,9 @@ def _have_nixl() -> bool:
 
 
 needs_nixl = pytest.mark.skipif(not _have_nixl(), reason="NIXL is not installed (tq_async[nixl])")
+
+
+X = ColumnHeader("x", "dense", "int64", (4,))
 
 
 def _batch(n: int = 64, seed: int = 0) -> dict[str, Any]:
@@ -261,6 +277,52 @@ def test_which_clients_take_nixl(
         options = {**options, "curve": tq.CurveClient(public, public, secret)}
     client = tq.AsyncClient.connect("tcp://127.0.0.1:1", **options)
     assert (client._nixl is not None) == takes_nixl
+
+
+@needs_nixl
+async def test_a_silent_nixl_clients_claims_are_released(tmp_path: Path) -> None:
+    """A NIXL client on another host that vanishes holding a grant and a read pin: no pidfd
+    tells the unit, so the claims go back once older than the unit's claim ttl."""
+    server = StorageServer(0, data_path="nixl")
+    now = [0.0]
+    server.nixl_claims.clock = lambda: now[0]
+    ctx: zmq.Context[Any] = zmq.Context()
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        arena = server.arena
+        assert arena is not None
+        server.state.put("p", [0], [X], [torch.arange(4).numpy().tobytes()])
+        base = arena.live_bytes
+        conns = []
+        for _ in range(2):
+            conn = DealerConnection(server.address, context=ctx)
+            conns.append(conn)
+            payload, _ = await conn.request(NixlHello("tq-test"), timeout=30)
+            assert msgspec.msgpack.decode(payload, type=NixlHelloReply | None) is not None
+        gone, alive = conns
+        payload, _ = await gone.request(ShmAlloc(1 << 20), timeout=10)
+        assert msgspec.msgpack.decode(payload, type=ShmGrant | None) is not None
+        payload, _ = await gone.request(StoreGet("p", [0], ["x"], shm=True), timeout=10)
+        assert msgspec.msgpack.decode(payload, type=StoredColumns).shm_spans
+        gone.close()  # vanished: neither used nor freed
+        assert arena.live_bytes > base
+        now[0] = server.nixl_claims.ttl - 1  # not yet abandoned: nothing is taken back
+        payload, _ = await alive.request(ShmAlloc(100), timeout=10)
+        grant = msgspec.msgpack.decode(payload, type=ShmGrant)
+        assert len(server._grants) == 2
+        alive.send_oneway(ShmFree([grant.grant], []))
+        now[0] = server.nixl_claims.ttl + 1
+        payload, _ = await alive.request(ShmAlloc(100), timeout=10)
+        assert len(server._grants) == 1  # only the live client's new grant
+        assert server._pins == {}
+        grant = msgspec.msgpack.decode(payload, type=ShmGrant)
+        alive.send_oneway(ShmFree([grant.grant], []))
+        with anyio.fail_after(10):
+            while arena.live_bytes != base:
+                await server.shm_released.wait()
+        alive.close()
+        tg.cancel_scope.cancel()
+    ctx.term()
 
 
 # ---- two "hosts": network namespaces (as tests/test_multihost.py builds them) ----------------

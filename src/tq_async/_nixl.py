@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -226,6 +226,42 @@ class UnitNixl:
             except Exception as exc:  # the unit is going away anyway
                 log.warning("could not deregister the arena from NIXL", error=str(exc))
             self.registered_bytes = 0
+
+
+class Claims:
+    """When a NIXL client's grants and read pins were given, to release those of a client
+    that vanished (on another host no ``pidfd`` tells the unit; a live client frees its
+    claims or uses them within its ``request_timeout``).
+
+    Args:
+        ttl: seconds after which a claim still held counts as abandoned.
+        clock: a monotonic clock (tests pass their own).
+    """
+
+    def __init__(self, ttl: float = 600.0, clock: Any = time.monotonic) -> None:
+        self.ttl = ttl
+        self.clock = clock
+        self._issued: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def note(self, kind: str, claim: int) -> None:
+        self._issued[(kind, claim)] = self.clock()
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def expired(self, live: Any) -> list[tuple[str, int]]:
+        """Claims older than ``ttl`` that ``live(kind, id)`` says are still held; claims no
+        longer held are forgotten on the way (oldest first: amortised O(1))."""
+        out = []
+        now = self.clock()
+        while self._issued:
+            key, issued = next(iter(self._issued.items()))
+            if live(*key):
+                if now - issued < self.ttl:
+                    break
+                out.append(key)
+            del self._issued[key]
+        return out
 
 
 # ---- the client's side ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ._columns import (
 from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from ._logging import get_logger
 from ._metrics import Metrics
-from ._nixl import UnitNixl, check_data_path
+from ._nixl import Claims, UnitNixl, check_data_path
 from ._nixl import load as load_nixl
 from ._protocol import (
     Cancel,
@@ -466,6 +466,8 @@ class StorageServer(Service):
         #: NIXL: the unit's agent (made on the first NixlHello) and the clients that use it
         self.nixl: UnitNixl | None = None
         self._nixl_peers: set[bytes] = set()
+        #: grants and pins of NIXL clients, released when abandoned (see Claims)
+        self.nixl_claims = Claims()
         #: set (and replaced) whenever shared memory is given back (tests wait on it)
         self.shm_released = anyio.Event()
 
@@ -556,6 +558,7 @@ class StorageServer(Service):
 
     def _shm_alloc(self, peer: bytes, body: ShmAlloc) -> ShmGrant | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         arena = self.arena
         assert arena is not None
         if body.nbytes <= 0:
@@ -566,6 +569,8 @@ class StorageServer(Service):
             return None
         grant = next_id()
         self._grants[grant] = (peer, pid, region)
+        if pid == 0:
+            self.nixl_claims.note("grant", grant)
         return ShmGrant(grant, region.offset, region.size)
 
     def _shm_frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
@@ -655,12 +660,31 @@ class StorageServer(Service):
         log.debug("a NIXL client", unit=self.unit_id, agent=body.agent)
         return NixlHelloReply(self.nixl.metadata, self.nixl.name, arena.base, arena.cap)
 
+    def _expire_nixl_claims(self) -> None:
+        """Release the grants and pins of NIXL clients that held them past the claims' ttl."""
+        if not len(self.nixl_claims):
+            return
+
+        def live(kind: str, claim: int) -> bool:
+            return claim in (self._grants if kind == "grant" else self._pins)
+
+        arena = self.arena
+        for kind, claim in self.nixl_claims.expired(live):
+            grant = self._grants.pop(claim) if kind == "grant" else None
+            regions = [grant[2]] if grant is not None else self._pins.pop(claim)[2]
+            log.warning("released the claim of a silent NIXL client", kind=kind, id=claim)
+            if arena is not None:
+                for region in regions:
+                    arena.release(region)
+        self._notify_shm()
+
     def _notify_shm(self) -> None:
         self.shm_released.set()
         self.shm_released = anyio.Event()
 
     def _read_shm(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         got = self.state.read_shm(body.partition_id, body.rows, body.fields, body.incarnation)
         if got is None:
             assert self.arena is not None
@@ -669,6 +693,8 @@ class StorageServer(Service):
         stored, regions = got
         stored.pin = next_id()
         self._pins[stored.pin] = (peer, pid, regions)
+        if pid == 0:
+            self.nixl_claims.note("pin", stored.pin)
         assert self.arena is not None
         if self.nixl is not None and peer in self._nixl_peers:
             self.nixl.reads += 1
