@@ -325,6 +325,17 @@ async def test_a_silent_nixl_clients_claims_are_released(tmp_path: Path) -> None
     ctx.term()
 
 
+async def test_a_bad_data_path_is_refused_before_anything_starts() -> None:
+    with pytest.raises(tq.InvalidRequestError, match="data_path must be one of"):
+        tq.AsyncClient.connect("tcp://127.0.0.1:1", data_path="rdma")
+    with pytest.raises(tq.InvalidRequestError, match="data_path must be one of"):
+        async with tq.local_cluster(data_path="rdma"):
+            pass
+    with pytest.raises(tq.ConfigError, match="data_path"):
+        tq.Config.from_dict({"data_path": "rdma"})
+    assert tq.Config.from_toml_string('data_path = "nixl"').data_path == "nixl"
+
+
 # ---- two "hosts": network namespaces (as tests/test_multihost.py builds them) ----------------
 
 
