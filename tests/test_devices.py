@@ -233,3 +233,10 @@ async def test_a_cuda_put_does_not_hold_the_loop_for_its_copies() -> None:
             stop.set()
     # the loop-lag probe measures how long the loop was held by anything else
     assert max(lags) < 0.05, max(lags)
+
+
+def test_a_cuda_device_in_a_dataloader_worker_is_refused() -> None:
+    ds = tq.StreamingDataset("tcp://127.0.0.1:1", ["x"], 8, 8, "p", "t", device="cuda")
+    loader = tq.StreamingDataLoader(ds, num_workers=1)
+    with pytest.raises(tq.InvalidRequestError, match="CUDA does not survive a fork"):
+        next(iter(loader))

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._dataset import (
@@ -219,9 +220,17 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
 
         Raises:
-            InvalidRequestError: iterated by a plain DataLoader with several workers.
+            InvalidRequestError: iterated by a plain DataLoader with several workers, or in
+                a DataLoader worker with a CUDA ``device``.
         """
         info = get_worker_info()
+        device = self._kwargs["device"]
+        if info is not None and device is not None and torch.device(device).type == "cuda":
+            raise InvalidRequestError(
+                "StreamingDataset(device='cuda...') in a DataLoader worker: CUDA does not "
+                "survive a fork; leave device out, pass pin_memory=True to the loader, and "
+                "move each batch to the GPU in the main process"
+            )
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if num_workers > 1 and not self._whole_batches:
             raise InvalidRequestError(
