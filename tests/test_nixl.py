@@ -321,7 +321,11 @@ async def test_a_silent_nixl_clients_claims_are_released(tmp_path: Path) -> None
             while arena.live_bytes != base:
                 await server.shm_released.wait()
         alive.close()
+        unit_agent = server.nixl
+        assert unit_agent is not None
         tg.cancel_scope.cancel()
+    assert unit_agent.registered_bytes == 0  # the arena was deregistered before it went
+    assert server.nixl is None
     ctx.term()
 
 
