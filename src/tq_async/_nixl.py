@@ -148,15 +148,10 @@ def load() -> Any | None:
         return module
 
 
-def _forget_load() -> None:
-    """Load again on next use (tests simulate a missing NIXL)."""
-    with _state_lock:
-        _loaded.clear()
-
-
 #: microseconds NIXL's progress thread waits between idle polls (NIXL's Python agent sets 0:
 #: a busy spin that keeps a core busy for as long as the unit lives)
 PROGRESS_DELAY_US = int(os.environ.get("TQ_NIXL_PROGRESS_DELAY_US", "200"))
+_agent_lock = threading.Lock()
 
 
 def _new_agent(nixl: Any, role: str) -> Any:
@@ -176,11 +171,12 @@ def _new_agent(nixl: Any, role: str) -> Any:
         def __getattr__(self, key: str) -> Any:
             return _Config if key == "nixlAgentConfig" else getattr(bind, key)
 
-    api.nixlBind = _Bind()  # type: ignore[union-attr]
-    try:
-        return _make_agent(nixl, role, name)
-    finally:
-        api.nixlBind = bind  # type: ignore[union-attr]
+    with _agent_lock:  # the swap is process-wide: one agent is made at a time
+        api.nixlBind = _Bind()  # type: ignore[union-attr]
+        try:
+            return _make_agent(nixl, role, name)
+        finally:
+            api.nixlBind = bind  # type: ignore[union-attr]
 
 
 def _make_agent(nixl: Any, role: str, name: str) -> Any:
@@ -188,7 +184,7 @@ def _make_agent(nixl: Any, role: str, name: str) -> Any:
         # a unit is only ever a target: UCX progresses its side (RMA emulated over TCP needs
         # it) on the agent's thread. A client progresses its transfers itself while it waits
         # for them: one thread fewer competing for the CPU.
-        enable_prog_thread=role == "unit" or os.environ.get("TQ_NIXL_PROGRESS_THREAD") == "1",
+        enable_prog_thread=role == "unit",
         backends=["UCX"],
         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
