@@ -179,8 +179,8 @@ def _move(t: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> torc
 def _device_of(value: Any) -> torch.device | None:
     if isinstance(value, torch.Tensor):
         return value.device if on_device(value) else None
-    if isinstance(value, list):
-        for v in value:
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        for v in value:  # a list column of tensors (a list of plain values stops above)
             if isinstance(v, torch.Tensor) and on_device(v):
                 return v.device
     return None
