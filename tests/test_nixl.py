@@ -255,6 +255,29 @@ async def test_a_failed_read_falls_back_to_the_socket(
         assert stats["shm_bytes"] == base["shm_bytes"]  # and both pins went back
 
 
+@needs_nixl
+async def test_unit_nixl_counts_are_prometheus_metrics() -> None:
+    registry = CollectorRegistry()
+    async with tq.local_cluster(
+        num_storage_units=1, data_path="nixl", metrics_registry=registry
+    ) as cluster:
+        assert registry.get_sample_value("tq_storage_nixl_registered_bytes", {"unit": "0"}) > 0
+        async with tq.AsyncClient.connect(
+            cluster.address, data_path="nixl", request_timeout=30
+        ) as client:
+            want = _batch(seed=5)
+            meta = await client.put(want, partition_id="p")
+            _check(await client.get_data(meta), want)
+            stats = await _nixl_stats(client)
+        sample = registry.get_sample_value
+        assert sample("tq_storage_nixl_puts_total", {"unit": "0"}) == stats["nixl_puts"] == 1
+        assert sample("tq_storage_nixl_reads_total", {"unit": "0"}) == stats["nixl_reads"] == 1
+        assert (
+            sample("tq_storage_nixl_registered_bytes", {"unit": "0"})
+            == stats["nixl_registered_bytes"]
+        )
+
+
 @pytest.mark.parametrize(
     ("options", "rdma", "takes_nixl"),
     [

@@ -111,6 +111,8 @@ class StorageState:
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
         self.arena = arena
+        #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
+        self.nixl: UnitNixl | None = None
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
@@ -407,6 +409,9 @@ class StorageState:
             shm_fallbacks=arena.fallbacks,
             shm_puts=arena.puts,
             shm_reads=arena.reads,
+            nixl_puts=self.nixl.puts if self.nixl is not None else 0,
+            nixl_reads=self.nixl.reads if self.nixl is not None else 0,
+            nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
         )
 
 
@@ -463,8 +468,7 @@ class StorageServer(Service):
         self._shm_peers: dict[bytes, int] = {}
         self._grants: dict[int, tuple[bytes, int, Region]] = {}
         self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
-        #: NIXL: the unit's agent (made on the first NixlHello) and the clients that use it
-        self.nixl: UnitNixl | None = None
+        #: NIXL: the clients that use the unit's agent (``state.nixl``, made on the first hello)
         self._nixl_peers: set[bytes] = set()
         #: grants and pins of NIXL clients, released when abandoned (see Claims)
         self.nixl_claims = Claims()
@@ -475,6 +479,11 @@ class StorageServer(Service):
     def arena(self) -> Arena | None:
         """The shared-memory arena (None when off or not serving)."""
         return self.state.arena
+
+    @property
+    def nixl(self) -> UnitNixl | None:
+        """The unit's NIXL agent with the arena registered (None: no NIXL client yet)."""
+        return self.state.nixl
 
     @property
     def address(self) -> str:
@@ -525,9 +534,9 @@ class StorageServer(Service):
             self._watcher.close()
             self._watcher = None
         arena, self.state.arena = self.state.arena, None
-        if self.nixl is not None:  # deregistered before the arena is unmapped
-            self.nixl.close()
-            self.nixl = None
+        if self.state.nixl is not None:  # deregistered before the arena is unmapped
+            self.state.nixl.close()
+            self.state.nixl = None
             self._nixl_peers.clear()
         if arena is not None:
             arena.close()
@@ -663,7 +672,7 @@ class StorageServer(Service):
         if nixl is None or arena is None:
             return False
         try:
-            self.nixl = UnitNixl(nixl, arena.base, arena.cap)
+            self.state.nixl = UnitNixl(nixl, arena.base, arena.cap)
         except Exception as exc:
             log.warning("NIXL could not register the arena: socket only", error=str(exc))
             self.data_path = "shm"
@@ -812,12 +821,7 @@ class StorageServer(Service):
         return self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
 
     def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
-        stats = self.state.stats()
-        if self.nixl is not None:
-            stats.nixl_puts = self.nixl.puts
-            stats.nixl_reads = self.nixl.reads
-            stats.nixl_registered_bytes = self.nixl.registered_bytes
-        return stats
+        return self.state.stats()
 
     def _on_shm_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
         return self._shm_hello(msg.peer, body)
