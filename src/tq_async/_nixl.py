@@ -118,12 +118,28 @@ _loaded: list[Any] = []  # [module or None] once tried
 fallbacks: Counter[str] = Counter()
 
 
+#: UCX settings this process gets unless its environment sets them (read when an agent is
+#: made). Over TCP alone UCX emulates a one-sided READ with messages of at most one TX
+#: segment (8 KiB by default), copied through buffers of that size on both ends: with 1 MiB
+#: segments a NIXL read of the W1 batch went from 0.44-0.47x to 0.70-0.73x of the ZMQ socket
+#: (benchmarks/RESULTS.md). They apply to UCX's TCP transport only, cost at most a segment
+#: per connection receiving and per send in flight, and peers with other sizes still agree.
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+
+
+def _ucx_defaults() -> None:
+    """Apply :data:`UCX_DEFAULTS` unless the environment sets any of them (then it decides)."""
+    if not any(key in os.environ for key in UCX_DEFAULTS):
+        os.environ.update(UCX_DEFAULTS)
+
+
 def load() -> Any | None:
     """The NIXL Python module, or None when it is not installed or fails to load (one warning
     per process; the data path between hosts is then ZMQ)."""
     with _state_lock:
         if _loaded:
             return _loaded[0]
+        _ucx_defaults()
         module = None
         errors = []
         for name in ("nixl_cu12", "nixl"):  # the wheel's module; the meta-package's
