@@ -79,7 +79,7 @@ def rdma_present() -> bool:
     """Whether this host has RDMA devices (InfiniBand, RoCE): where NIXL pays off.
 
     Over TCP alone, UCX emulates one-sided reads with messages, and on our loopback
-    measurements a NIXL read reached 0.6-0.75x of the ZMQ socket (writes 1.05-1.3x):
+    measurements a NIXL read reached 0.6-0.8x of the ZMQ socket (writes 0.65-1.3x):
     ``data_path="auto"`` therefore takes NIXL to another host only when RDMA hardware is here
     (``data_path="nixl"`` takes it regardless).
     """
@@ -121,9 +121,10 @@ fallbacks: Counter[str] = Counter()
 #: UCX settings this process gets unless its environment sets them (read when an agent is
 #: made). Over TCP alone UCX emulates a one-sided READ with messages of at most one TX
 #: segment (8 KiB by default), copied through buffers of that size on both ends: with 1 MiB
-#: segments a NIXL read of the W1 batch went from 0.44-0.47x to 0.70-0.73x of the ZMQ socket
-#: (benchmarks/RESULTS.md). They apply to UCX's TCP transport only, cost at most a segment
-#: per connection receiving and per send in flight, and peers with other sizes still agree.
+#: segments a NIXL read of the W1 batch went from 0.63x to 0.81x of the ZMQ socket, a write
+#: from 0.76x to 0.65x (benchmarks/RESULTS.md). They apply to UCX's TCP transport only, cost
+#: about a segment per connection receiving and per send in flight, and peers with other
+#: sizes still interoperate (UCX refuses an RX segment smaller than the TX one).
 UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 
 
