@@ -5,6 +5,7 @@ No performance assertions: the smoke run uses tiny sizes and only proves the sui
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,3 +100,46 @@ def test_capacity_smoke() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rows acked / lost" in done.stdout
     assert "per client" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only host")
+def test_gpu_check_says_there_is_no_gpu() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no CUDA device here" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_check_runs_every_path() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--mib", "16", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "to_device (device= reads)" in done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None, reason="needs tq_async[nixl]")
+def test_nixl_vs_zmq_smoke() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.nixl_vs_zmq", "--rounds", "2", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "nixl puts/reads 7/7" in done.stdout  # 5 warm-up and 2 timed, all through NIXL
+    assert "NIXL/ZMQ get" in done.stdout
+    assert "best calls" in done.stdout

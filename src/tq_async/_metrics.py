@@ -20,7 +20,13 @@ tq_storage_resident_bytes          gauge   unit (bytes of cells held by a storag
 tq_storage_shm_bytes               gauge   unit (shared memory in use by a unit's cells/reads)
 tq_storage_shm_idle_bytes          gauge   unit (freed shared memory kept resident for reuse)
 tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: arena full)
+tq_storage_nixl_puts_total         counter unit (puts whose bytes a client WROTE with NIXL)
+tq_storage_nixl_reads_total        counter unit (reads whose bytes a client READ with NIXL)
+tq_storage_nixl_registered_bytes   gauge   unit (bytes a unit registered with NIXL: its arena)
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
+tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
+                                           transfers that went over the socket instead
+                                           (:func:`transfer_collector`)
 =================================  ======  ===============================================
 """
 
@@ -35,11 +41,20 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ._nixl import fallbacks as nixl_fallbacks
+
 if TYPE_CHECKING:
+    from ._nixl import UnitNixl
     from ._shm import Arena
     from ._state import ControllerState
 
-__all__ = ["Metrics", "serve_metrics", "controller_collector", "storage_collector"]
+__all__ = [
+    "Metrics",
+    "serve_metrics",
+    "controller_collector",
+    "storage_collector",
+    "transfer_collector",
+]
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5, 1, 5, 30)
 
@@ -207,9 +222,12 @@ class UnitGauges(Protocol):
     @property
     def arena(self) -> Arena | None: ...
 
+    @property
+    def nixl(self) -> UnitNixl | None: ...
+
 
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
-    """``tq_storage_resident_bytes{unit}`` for the given units, computed when scraped."""
+    """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
 
     def collect() -> Iterator[Metric]:
         g = GaugeMetricFamily(
@@ -230,6 +248,21 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             "Same-host puts and reads that went over the socket because the arena was full.",
             labels=["unit"],
         )
+        nixl_puts = CounterMetricFamily(
+            "tq_storage_nixl_puts",
+            "Puts whose bytes a client wrote into a storage unit's arena with NIXL.",
+            labels=["unit"],
+        )
+        nixl_reads = CounterMetricFamily(
+            "tq_storage_nixl_reads",
+            "Reads whose bytes a client read out of a storage unit's arena with NIXL.",
+            labels=["unit"],
+        )
+        nixl_bytes = GaugeMetricFamily(
+            "tq_storage_nixl_registered_bytes",
+            "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
+            labels=["unit"],
+        )
         for unit_id, st in sorted(units.items()):
             g.add_metric([str(unit_id)], st.resident_bytes)
             arena = st.arena
@@ -237,10 +270,30 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
                 shm.add_metric([str(unit_id)], arena.live_bytes)
                 idle.add_metric([str(unit_id)], arena.idle_bytes)
                 fallbacks.add_metric([str(unit_id)], arena.fallbacks)
-        yield g
-        yield shm
-        yield idle
-        yield fallbacks
+            nixl = st.nixl
+            if nixl is not None:
+                nixl_puts.add_metric([str(unit_id)], nixl.puts)
+                nixl_reads.add_metric([str(unit_id)], nixl.reads)
+                nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
+        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes)
+
+    return _Collector(collect)
+
+
+def transfer_collector() -> Collector:
+    """``tq_transfer_fallbacks_total{reason}``: NIXL transfers of this process's clients that
+    failed and went over the socket instead (register it in the client's process:
+    ``registry.register(tq_async.lowlevel.transfer_collector())``)."""
+
+    def collect() -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "tq_transfer_fallbacks",
+            "Client requests whose NIXL transfer failed and that went over the socket.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(nixl_fallbacks.items()):
+            c.add_metric([reason], n)
+        yield c
 
     return _Collector(collect)
 

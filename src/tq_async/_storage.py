@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from ._columns import (
     Column,
@@ -41,8 +41,12 @@ from ._columns import (
 from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from ._logging import get_logger
 from ._metrics import Metrics
+from ._nixl import Claims, UnitNixl, check_data_path
+from ._nixl import load as load_nixl
 from ._protocol import (
     Cancel,
+    NixlHello,
+    NixlHelloReply,
     ShmAlloc,
     ShmFree,
     ShmGrant,
@@ -58,7 +62,7 @@ from ._protocol import (
 )
 from ._router import RouterEndpoint
 from ._security import CurveServer
-from ._service import SENT, Handler, Incoming, Service, WithFrames
+from ._service import DEFERRED, SENT, Handler, Incoming, Service, WithFrames
 from ._shm import PAGE, Arena, Region, Watcher, align, next_id
 from ._state import stale_incarnation
 
@@ -107,6 +111,8 @@ class StorageState:
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
         self.arena = arena
+        #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
+        self.nixl: UnitNixl | None = None
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
@@ -403,6 +409,9 @@ class StorageState:
             shm_fallbacks=arena.fallbacks,
             shm_puts=arena.puts,
             shm_reads=arena.reads,
+            nixl_puts=self.nixl.puts if self.nixl is not None else 0,
+            nixl_reads=self.nixl.reads if self.nixl is not None else 0,
+            nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
         )
 
 
@@ -413,7 +422,8 @@ DEFAULT_SHM_IDLE = 256 << 20
 
 
 class StorageServer(Service):
-    """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous).
+    """Serves one :class:`StorageState` on a ROUTER socket (every handler is synchronous but
+    the first NIXL hellos', which wait for the agent being made on a worker thread).
 
     Args:
         unit_id: this unit's id.
@@ -423,6 +433,10 @@ class StorageServer(Service):
         shm_cap: bytes of shared memory for clients on this host (see :mod:`tq_async._shm`);
             0 turns the shared-memory path off. At the cap, puts go over the socket.
         shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
+        data_path: what this unit offers besides the socket: ``"auto"`` (shared memory to
+            clients on its host, NIXL to the others when installed), ``"shm"``, ``"nixl"``
+            (NIXL to every client; its arena is the one shared memory would use) or
+            ``"zmq"`` (the socket only).
     """
 
     name = "storage"
@@ -436,12 +450,14 @@ class StorageServer(Service):
         curve: CurveServer | None = None,
         shm_cap: int = DEFAULT_SHM_CAP,
         shm_idle_bytes: int = DEFAULT_SHM_IDLE,
+        data_path: str = "auto",
     ) -> None:
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
             )
         self.unit_id = unit_id
+        self.data_path = check_data_path(data_path)
         self.curve = curve
         self.shm_cap = shm_cap
         self.shm_idle_bytes = shm_idle_bytes
@@ -453,6 +469,13 @@ class StorageServer(Service):
         self._shm_peers: dict[bytes, int] = {}
         self._grants: dict[int, tuple[bytes, int, Region]] = {}
         self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
+        #: NIXL: the clients that use the unit's agent (``state.nixl``, made on the first hello)
+        self._nixl_peers: set[bytes] = set()
+        #: set once the agent is made (or failed to be): NIXL hellos that came meanwhile wait
+        self._nixl_ready: anyio.Event | None = None
+        self._tg: TaskGroup | None = None
+        #: grants and pins of NIXL clients, released when abandoned (see Claims)
+        self.nixl_claims = Claims()
         #: set (and replaced) whenever shared memory is given back (tests wait on it)
         self.shm_released = anyio.Event()
 
@@ -460,6 +483,11 @@ class StorageServer(Service):
     def arena(self) -> Arena | None:
         """The shared-memory arena (None when off or not serving)."""
         return self.state.arena
+
+    @property
+    def nixl(self) -> UnitNixl | None:
+        """The unit's NIXL agent with the arena registered (None: no NIXL client yet)."""
+        return self.state.nixl
 
     @property
     def address(self) -> str:
@@ -479,15 +507,22 @@ class StorageServer(Service):
         self._endpoint = RouterEndpoint(bind, self.on_message, curve=self.curve, twin="uds")
         try:
             self._open_arena()
-            task_status.started(self._endpoint.address)
-            await anyio.sleep_forever()
+            async with anyio.create_task_group() as tg:  # ends (NIXL set up) before the arena
+                self._tg = tg
+                if self.data_path == "nixl" and self.arena is not None:
+                    await self._start_nixl()  # asked for: ready before the first client
+                task_status.started(self._endpoint.address)
+                await anyio.sleep_forever()
         finally:
+            self._tg = None
             self._endpoint.close()
             self._close_arena()
 
     # ---- shared memory -----------------------------------------------------------------------
 
     def _open_arena(self) -> None:
+        if self.data_path == "zmq":
+            return
         if not self.shm_cap or not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
             return
         try:
@@ -506,6 +541,11 @@ class StorageServer(Service):
             self._watcher.close()
             self._watcher = None
         arena, self.state.arena = self.state.arena, None
+        if self.state.nixl is not None:  # deregistered before the arena is unmapped
+            self.state.nixl.close()
+            self.state.nixl = None
+            self._nixl_peers.clear()
+        self._nixl_ready = None
         if arena is not None:
             arena.close()
         self._shm_peers.clear()
@@ -514,7 +554,7 @@ class StorageServer(Service):
 
     def _shm_hello(self, peer: bytes, body: ShmHello) -> ShmHelloReply | None:
         arena = self.arena
-        if arena is None or self._watcher is None or body.pid <= 0:
+        if arena is None or self._watcher is None or body.pid <= 0 or self.data_path == "nixl":
             return None
         try:
             self._watcher.watch(body.pid, self._client_exited)
@@ -526,6 +566,8 @@ class StorageServer(Service):
 
     def _shm_pid(self, peer: bytes) -> int:
         pid = self._shm_peers.get(peer)
+        if pid is None and peer in self._nixl_peers:
+            return 0  # a NIXL client: claims go back when it frees them
         if pid is None or self.arena is None:
             raise InvalidRequestError(
                 "this client has not set up shared memory with this unit (ShmHello first); "
@@ -535,6 +577,7 @@ class StorageServer(Service):
 
     def _shm_alloc(self, peer: bytes, body: ShmAlloc) -> ShmGrant | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         arena = self.arena
         assert arena is not None
         if body.nbytes <= 0:
@@ -545,6 +588,8 @@ class StorageServer(Service):
             return None
         grant = next_id()
         self._grants[grant] = (peer, pid, region)
+        if pid == 0:
+            self.nixl_claims.note("grant", grant)
         return ShmGrant(grant, region.offset, region.size)
 
     def _shm_frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
@@ -614,12 +659,87 @@ class StorageServer(Service):
         log.debug("released the shared memory of an exited client", pid=pid)
         self._notify_shm()
 
+    def _nixl_offered(self) -> bool:
+        if self.arena is None or self.data_path not in ("auto", "nixl"):
+            return False
+        # UCX does not encrypt: an encrypted unit offers NIXL only if told to
+        return self.curve is None or self.data_path == "nixl"
+
+    def _nixl_hello(self, peer: bytes, body: NixlHello) -> NixlHelloReply | None:
+        """Offer a client the NIXL path (None: the unit offers none, or NIXL failed)."""
+        arena, unit = self.arena, self.nixl
+        if arena is None or unit is None or not self._nixl_offered():
+            return None
+        self._nixl_peers.add(peer)
+        log.debug("a NIXL client", unit=self.unit_id, agent=body.agent)
+        return NixlHelloReply(unit.metadata, unit.name, arena.base, arena.cap)
+
+    async def _start_nixl(self) -> None:
+        """Make the unit's NIXL agent and register the arena, once, on a worker thread (it
+        takes ~0.5 s: the unit serves other requests meanwhile); without NIXL, or when it
+        fails, the unit offers the socket and shared memory only."""
+        arena = self.arena
+        if self._nixl_ready is not None or arena is None:
+            return
+        ready = self._nixl_ready = anyio.Event()
+        limit, arena.idle_limit = arena.idle_limit, arena.cap  # pages stay the registered ones
+
+        def make() -> UnitNixl | None:
+            nixl = load_nixl()
+            return None if nixl is None else UnitNixl(nixl, arena.base, arena.cap)
+
+        unit = None
+        try:
+            # not abandoned when cancelled: the agent is kept (and closed with the arena)
+            unit = await anyio.to_thread.run_sync(make)
+        except Exception as exc:
+            log.warning("NIXL could not register the arena: socket only", error=str(exc))
+            self.data_path = "shm"
+        finally:
+            if unit is None:
+                arena.idle_limit = limit
+            self.state.nixl = unit
+            ready.set()
+
+    async def _nixl_hello_waiting(self, msg: Incoming, body: NixlHello) -> None:
+        """Answer a NIXL hello once the agent is made (the first hellos of a unit)."""
+        await self._start_nixl()  # the first hello starts it, the others find it started
+        assert self._nixl_ready is not None
+        await self._nixl_ready.wait()
+        try:
+            reply = self._nixl_hello(msg.peer, body)
+        except Exception as exc:
+            self.send_error(msg.peer, msg.rid, exc, "NixlHello")
+            self.record("NixlHello", False, msg.t0)
+            return
+        self.send_ok(msg.peer, msg.rid, reply)
+        self.record("NixlHello", True, msg.t0)
+
+    def _expire_nixl_claims(self) -> None:
+        """Release the grants and pins of NIXL clients that held them past the claims' ttl."""
+        if not len(self.nixl_claims):
+            return
+
+        def live(kind: str, claim: int) -> bool:
+            return claim in (self._grants if kind == "grant" else self._pins)
+
+        arena = self.arena
+        for kind, claim in self.nixl_claims.expired(live):
+            grant = self._grants.pop(claim) if kind == "grant" else None
+            regions = [grant[2]] if grant is not None else self._pins.pop(claim)[2]
+            log.warning("released the claim of a silent NIXL client", kind=kind, id=claim)
+            if arena is not None:
+                for region in regions:
+                    arena.release(region)
+        self._notify_shm()
+
     def _notify_shm(self) -> None:
         self.shm_released.set()
         self.shm_released = anyio.Event()
 
     def _read_shm(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         got = self.state.read_shm(body.partition_id, body.rows, body.fields, body.incarnation)
         if got is None:
             assert self.arena is not None
@@ -628,8 +748,13 @@ class StorageServer(Service):
         stored, regions = got
         stored.pin = next_id()
         self._pins[stored.pin] = (peer, pid, regions)
+        if pid == 0:
+            self.nixl_claims.note("pin", stored.pin)
         assert self.arena is not None
-        self.arena.reads += 1
+        if self.nixl is not None and peer in self._nixl_peers:
+            self.nixl.reads += 1
+        else:
+            self.arena.reads += 1
         return stored
 
     def store_local(
@@ -679,6 +804,7 @@ class StorageServer(Service):
             ShmHello: self._on_shm_hello,
             ShmAlloc: self._on_shm_alloc,
             ShmFree: self._on_shm_free,
+            NixlHello: self._on_nixl_hello,
             Cancel: self._on_cancel,
         }
 
@@ -703,7 +829,10 @@ class StorageServer(Service):
                     region,
                     incarnation=body.incarnation,
                 )
-                arena.puts += 1
+                if self.nixl is not None and msg.peer in self._nixl_peers:
+                    self.nixl.puts += 1
+                else:
+                    arena.puts += 1
             finally:
                 arena.release(region)
         if self.metrics.enabled:
@@ -738,6 +867,14 @@ class StorageServer(Service):
     def _on_shm_free(self, msg: Incoming, body: ShmFree) -> Any:
         self._shm_free(msg.peer, body)
         return SENT  # one-way
+
+    def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> Any:
+        if self.nixl is not None or self._tg is None or not self._nixl_offered():
+            return self._nixl_hello(msg.peer, body)
+        if self._nixl_ready is not None and self._nixl_ready.is_set():
+            return None  # NIXL failed to start: the socket
+        self._tg.start_soon(self._nixl_hello_waiting, msg, body)
+        return DEFERRED
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         return SENT  # every storage op completes at once; nothing to cancel
