@@ -528,7 +528,7 @@ def _release_pin(conn: DealerConnection, reply: Reply) -> None:
     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
         stored: StoredColumns = _decode(reply.payload, StoredColumns)
         if stored.shm_spans is not None:
-            conn.send_oneway(ShmFree([], [stored.pin]))
+            conn.send_best_effort(ShmFree([], [stored.pin]))
 
 
 async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
@@ -627,7 +627,7 @@ class _PutRenewal:
         self._handle = asyncio.get_running_loop().call_later(interval, self._renew)
 
     def _renew(self) -> None:
-        self._conn.send_oneway(RenewPut([self._put_id]))
+        self._conn.send_best_effort(RenewPut([self._put_id]))
         self._handle = asyncio.get_running_loop().call_later(self._interval, self._renew)
 
     def cancel(self) -> None:

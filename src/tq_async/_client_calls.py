@@ -50,6 +50,7 @@ from ._protocol import (
     RecycledRows,
     RegisterTasks,
     ReleaseRollout,
+    Reply,
     ResetConsumption,
     Seal,
     SetPolicyVersion,
@@ -218,7 +219,13 @@ class ControlCalls(ClientPuts, ClientGets):
             check_seconds("timeout", timeout),
         )
         deadline = None if timeout is None else timeout + self.request_timeout
-        await self._ctl().request(body, timeout=deadline)
+
+        def on_abandon(reply: Reply, _frames: list[Any]) -> None:
+            # admitted, but the caller gave up before it knew: free the slots it reserved
+            if reply.ok and self._controller is not None:
+                self._controller.send_best_effort(ReleaseRollout(body.n))
+
+        await self._ctl().request(body, timeout=deadline, on_abandon=on_abandon)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""

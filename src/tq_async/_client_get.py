@@ -186,7 +186,8 @@ class ClientGets(ClientBase):
                 return
             late: MetaReply = _decode(reply.payload, MetaReply)
             if late.rows and self._controller is not None:
-                self._controller.send_oneway(Release(partition_id, task_name, late.rows))
+                undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
+                self._controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
         payload, frames = await self._ctl().request(
@@ -285,7 +286,7 @@ class ClientGets(ClientBase):
                         raise ProtocolError("an unexpected shared-memory reply")
                     frames = await _copy_spans(arena, stored.shm_spans)
                 finally:
-                    conn.send_oneway(ShmFree([], [stored.pin]))
+                    conn.send_best_effort(ShmFree([], [stored.pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
@@ -347,13 +348,14 @@ class ClientGets(ClientBase):
                 td = await self.get_data(meta, nested=as_nested)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
-                self._controller.send_oneway(Ack([meta.lease_id]))
+                self._controller.send_best_effort(Ack([meta.lease_id]))
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
+                # the rows go back, and their lease or hold is dropped with them
                 with anyio.move_on_after(5, shield=True):
                     await self.release(meta)
-            if lease is None and meta.lease_id and self._controller is not None:
-                self._controller.send_oneway(Ack([meta.lease_id]))  # drop the hold
+            elif lease is None and meta.lease_id and self._controller is not None:
+                self._controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
             raise
         return td, meta
 
@@ -367,5 +369,11 @@ class ClientGets(ClientBase):
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        body = Release(meta.partition_id, meta.task_name, meta.global_indexes, meta.incarnation)
+        body = Release(
+            meta.partition_id,
+            meta.task_name,
+            meta.global_indexes,
+            meta.incarnation,
+            meta.lease_id or 0,
+        )
         await self._call(body, None)

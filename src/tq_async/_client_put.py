@@ -237,7 +237,7 @@ class ClientPuts(ClientBase):
             if reply.ok and meta is None and self._controller is not None:
                 late: Placement = _decode(reply.payload, Placement)
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
-                self._controller.send_oneway(undo)
+                self._controller.send_best_effort(undo)
 
         payload, _ = await self._ctl().request(
             body,
@@ -365,6 +365,6 @@ class ClientPuts(ClientBase):
             await conn.request(body, timeout=self.request_timeout)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
-            conn.send_oneway(ShmFree([grant.grant], []))
+            conn.send_best_effort(ShmFree([grant.grant], []))
             raise
         return True

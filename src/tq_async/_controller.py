@@ -267,7 +267,9 @@ class ControllerServer(ControllerPuts):
         self._apply(self.core.ack(body.lease_ids, self._now()))
 
     def _on_release(self, msg: Incoming, body: Release) -> None:
-        fx = self.core.release(body.partition_id, body.task_name, body.rows, body.incarnation)
+        fx = self.core.release(
+            body.partition_id, body.task_name, body.rows, body.incarnation, body.lease_id
+        )
         self._apply(fx)
 
     def _on_seal(self, msg: Incoming, body: Seal) -> None:

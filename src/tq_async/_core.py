@@ -558,12 +558,30 @@ class ControllerCore:
         fx.wakeups.append(Wakeup(p.partition_id, lease.task))
 
     def release(
-        self, partition_id: str, task: str, rows: Sequence[int], incarnation: str | None = None
+        self,
+        partition_id: str,
+        task: str,
+        rows: Sequence[int],
+        incarnation: str | None = None,
+        lease_id: int = 0,
     ) -> Effects:
-        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded)."""
+        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded).
+
+        This is the ``cancel`` transition of a fetch whose caller never saw its reply
+        (:meth:`cancel` for a request still waiting): its lease or hold (``lease_id``) is
+        dropped, not acknowledged — an expiry must not give the rows back a second time,
+        and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
+        Rows of a recorded batch stay with the batch (its next reader gets them), and so
+        does its lease.
+        """
         fx = Effects()
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
+        lease = p.leases.get(lease_id) if lease_id else None
+        if lease is not None and lease.key is None and lease.task == task:
+            self._drop_lease(p, lease)
+            if lease.deadline is not None:
+                fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
         recorded = {r for batch in p.recorded.values() for r in batch} if p.recorded else ()
         back = [r for r in rows if r not in recorded]
         if back and p.release(task, back):

@@ -15,7 +15,7 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -256,7 +256,7 @@ class DealerConnection(DrainedSocket):
         self._adopt_socket(sock)
         self._watch(monitor)
         for frames in list(self._inflight.values()):
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, OSError):
                 self._send(frames)
 
     def _drain_monitor(self) -> None:
@@ -349,11 +349,18 @@ class DealerConnection(DrainedSocket):
             log.warning("dropped an unreadable reply", peer=self.address)
             return
         data = frames[1:]
-        fut = self._pending.pop(reply.rid, None)
+        fut = self._pending.get(reply.rid)
         self._inflight.pop(reply.rid, None)
         if fut is not None:
+            # the entry stays until the request itself ends: a request cancelled after its
+            # reply arrived, but before it ran again, still finds the reply (_abandon)
             if not fut.done():
                 fut.set_result((reply, data))
+            elif _holds_reply(fut) is None:
+                # the attempt's timer fired, or the caller was cancelled, just before: keep
+                # the reply for the next attempt or for _abandon
+                self._pending[reply.rid] = arrived = self._loop.create_future()
+                arrived.set_result((reply, data))
             return
         orphan = self._orphans.pop(reply.rid, None)
         if orphan is not None:
@@ -391,27 +398,30 @@ class DealerConnection(DrainedSocket):
         outgoing = [_encode_request(rid, body), *frames]
         self._inflight[rid] = outgoing
         try:
-            self._send(outgoing)
-        except zmq.ZMQError as exc:
+            with self.transport_errors(type(body).__name__):
+                self._send(outgoing)
+        except BrokenError:
             self._inflight.pop(rid, None)
-            raise BrokenError(f"cannot send to {self.address}: {exc}") from exc
+            raise
         try:
             got = await self._reply_to(rid, outgoing, timeout)
+            if got is None:
+                raise TQTimeoutError(
+                    f"{type(body).__name__} to {self.address} got no reply within {timeout} "
+                    "s; check that the service is running, or raise the timeout"
+                )
+            reply, rframes = got
+            if reply.ok and self.inproc and rframes:
+                rframes = await private_frames(rframes, incoming=True)
         except BaseException:
+            # cancelled or timed out at any point, even after the reply arrived: the
+            # service is told, or the reply goes to on_abandon (the caller never saw it)
             self._abandon(rid, on_abandon)
             raise
-        if got is None:
-            self._abandon(rid, on_abandon)
-            raise TQTimeoutError(
-                f"{type(body).__name__} to {self.address} got no reply within {timeout} s; "
-                "check that the service is running, or raise the timeout"
-            )
-        reply, rframes = got
+        self._pending.pop(rid, None)
         if not reply.ok:
             kind, message = decode_error_payload(reply.payload)
             raise error_from_wire(kind, message)
-        if self.inproc and rframes:
-            return reply.payload, await private_frames(rframes, incoming=True)
         return reply.payload, rframes
 
     def _check_usable(self) -> None:
@@ -453,7 +463,7 @@ class DealerConnection(DrainedSocket):
             if remaining is not None and wait is not None and wait >= remaining:
                 return None
             if deadline is None:
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, OSError):
                     self._send(outgoing)
             else:
                 log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
@@ -465,9 +475,14 @@ class DealerConnection(DrainedSocket):
         One plain loop timer per attempt resolves the future with None: anyio.fail_after or
         asyncio.wait cost 30+ us each on this path.
         """
+        pending = self._pending
+        if rid in pending:
+            got = _holds_reply(pending[rid])
+            if got is not None:
+                return got  # arrived as the last attempt's timer fired
+        alone = len(pending) == (rid in pending)
         fut: _ReplyFuture = self._loop.create_future()
-        alone = not self._pending
-        self._pending[rid] = fut
+        pending[rid] = fut
         if alone and self._busy_poll is not None and await self._busy_poll.caught(fut, self._drain):
             return fut.result()
         if wait is None:
@@ -483,22 +498,56 @@ class DealerConnection(DrainedSocket):
     ) -> None:
         self._inflight.pop(rid, None)
         fut = self._pending.pop(rid, None)
-        arrived = fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-        if arrived and fut is not None and (got := fut.result()) is not None:
-            # the reply arrived in the same loop iteration as the cancellation
+        got = None if fut is None else _holds_reply(fut)
+        if got is not None:
+            # the reply arrived, but the caller gave up before it saw it
             if on_abandon is not None:
-                on_abandon(*got)
+                try:
+                    on_abandon(*got)
+                except Exception:  # clean-up must not replace the caller's own error
+                    log.exception("undoing an abandoned request failed", peer=self.address)
             return
         if on_abandon is not None:
             self._orphans[rid] = on_abandon
-        if not self._closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send([encoder.encode((next(self._rids), Cancel(rid)))])
+        self.send_best_effort(Cancel(rid))
 
     def send_oneway(self, body: msgspec.Struct) -> None:
-        """Send a request whose reply nobody waits for (it is dropped on arrival)."""
+        """Send a request whose reply nobody waits for (it is dropped on arrival).
+
+        Raises:
+            BrokenError: the connection is broken (nothing was sent).
+        """
         if not self._closed:
-            self._send([encoder.encode((next(self._rids), body))])
+            with self.transport_errors(type(body).__name__):
+                self._send([encoder.encode((next(self._rids), body))])
+
+    def send_best_effort(self, body: msgspec.Struct) -> bool:
+        """:meth:`send_oneway` for clean-up that must not replace the caller's outcome (an
+        unpin after a read, a Cancel, a renewal): a broken connection is logged, not raised;
+        the service frees what the message was about when it notices the client is gone.
+
+        Returns:
+            Whether the message was handed to the socket.
+        """
+        try:
+            self.send_oneway(body)
+        except BrokenError as exc:
+            log.debug("one-way message not sent", peer=self.address, error=str(exc))
+            return False
+        return not self._closed
+
+    @contextlib.contextmanager
+    def transport_errors(self, what: str) -> Iterator[None]:
+        """The one place where the transport's own failures (``zmq.ZMQError``, the Unix
+        socket's ``OSError``) become :class:`BrokenError` for every call of the client,
+        requests and one-way messages alike."""
+        try:
+            yield
+        except (zmq.ZMQError, OSError) as exc:
+            raise BrokenError(
+                f"{what} to {self.address} failed: {exc} (the service stopped or vanished); "
+                "retry once it is back"
+            ) from exc
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with :class:`ClosedError`."""
@@ -524,6 +573,14 @@ def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
 
 #: a request's reply, or None when an attempt's timer fired first
 _ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
+
+
+def _holds_reply(fut: _ReplyFuture) -> tuple[Reply, list[zmq.Frame]] | None:
+    """The reply ``fut`` resolved to; None while it waits, or if it timed out, was
+    cancelled or failed."""
+    if not fut.done() or fut.cancelled() or fut.exception() is not None:
+        return None
+    return fut.result()
 
 
 def _no_reply_yet(fut: _ReplyFuture) -> None:

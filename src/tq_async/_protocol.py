@@ -180,6 +180,8 @@ class Release(_Msg):
     rows: list[int]
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: the fetch's lease or hold (0: none): dropped with the rows, never acknowledged
+    lease_id: int = 0
 
 
 class Seal(_Msg):
