@@ -538,9 +538,17 @@ async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list
             arena.check(off, n, "a shared-memory span")
         except ValueError as exc:
             raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
 
     def copy() -> list[Any]:
-        view = arena.view
         return [
             b""
             if n == 0

@@ -31,6 +31,7 @@ from ._codec import check_text, columns_to_tensordict
 from ._columns import (
     Column,
     ColumnHeader,
+    empty_column,
     positions_by_unit,
 )
 from ._errors import (
@@ -41,6 +42,7 @@ from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
     Ack,
+    FieldSchema,
     GetMeta,
     MetaReply,
     Release,
@@ -236,9 +238,11 @@ class ClientGets(ClientBase):
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
             received buffers when one unit holds the rows), jagged columns as jagged nested
-            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows (end of
-            stream, or a rank's empty share of a global batch) gives an empty
-            ``TensorDict(batch_size=[0])`` without asking any storage unit.
+            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows asks no
+            storage unit: at end of stream it gives ``TensorDict(batch_size=[0])`` without
+            columns; otherwise (a rank's empty share of a global batch) every field with 0
+            rows and its dtype and row shape (a jagged field: an empty jagged column), as a
+            non-empty batch of the same fields would have.
 
         Raises:
             RowsNotFound: some rows were cleared.
@@ -250,9 +254,22 @@ class ClientGets(ClientBase):
         as_nested = _check_nested(nested)
         n = len(meta)
         if n == 0 or not names:
-            return TensorDict({}, batch_size=[n])
+            return await self._empty(meta, names, as_nested)
         headers, columns = await self._fetch_columns(meta, names)
         return columns_to_tensordict(n, headers, columns, nested=as_nested)
+
+    async def _empty(
+        self, meta: BatchMeta, names: list[str], nested: bool | frozenset[str]
+    ) -> TensorDict:
+        """A batch of 0 rows: end of stream has no columns; any other (a rank's empty share)
+        carries every field with 0 rows, its dtype and row shape, as a non-empty batch of
+        the same fields would (one question to the controller, no storage unit)."""
+        if meta.end_of_stream or not names or len(meta):
+            return TensorDict({}, batch_size=[len(meta)])
+        headers = await self._call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        by_name = {h.name: h for h in headers}
+        known = [by_name[f] for f in names if f in by_name]
+        return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
 
     async def _fetch_columns(
         self, meta: BatchMeta, names: list[str]
@@ -318,8 +335,9 @@ class ClientGets(ClientBase):
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
         result is the same either way. ``nested`` is :meth:`get_data`'s. A batch of 0 rows
-        (end of stream, or with ``dp_size`` a rank's empty share) comes with an empty
-        ``TensorDict(batch_size=[0])``; no storage unit is asked.
+        (end of stream, or with ``dp_size`` a rank's empty share) asks no storage unit; its
+        ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share carries every
+        field with 0 rows).
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
@@ -340,7 +358,7 @@ class ClientGets(ClientBase):
         )
         try:
             if not len(meta):  # end of stream or an empty share: no unit to ask
-                td = TensorDict({}, batch_size=[0])
+                td = await self._empty(meta, list(meta.field_names), as_nested)
             elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
                 td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)

@@ -234,6 +234,14 @@ class PartitionInfo(_Msg):
     partition_id: str
 
 
+class FieldSchema(_Msg):
+    """The headers (kind, dtype, row shape) of a partition's ``fields``: what an empty
+    batch of them carries (unknown fields and partitions are left out)."""
+
+    partition_id: str
+    fields: list[str]
+
+
 class SetTags(_Msg):
     partition_id: str
     rows: list[int]
@@ -331,6 +339,7 @@ class RestoreAbort(_Msg):
 
 ControllerBody = (
     Hello
+    | FieldSchema
     | RegisterUnit
     | PutBegin
     | PutCommit
