@@ -225,3 +225,23 @@ async def test_random_timeouts_around_get_meta_lose_no_rows(mode: str) -> None:
                 got.extend((await client.get_data(meta))["i"].tolist())
         got.extend(await drain(client, "r", "a"))
         assert sorted(got) == list(range(120))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["inline", "three_steps", "keyed"])
+async def test_put_cancelled_with_its_placement_queued_leaves_nothing(mode: str, how: str) -> None:
+    """The put was placed (its new rows under a put lease) but the caller never knew: the
+    rows are reclaimed at once, so end-of-stream does not wait for the put lease (60 s)."""
+    inline = 65536 if how == "inline" else 0
+    async with client_in(mode, inline_put_bytes=inline) as client:
+        conn = controller(client)
+        data = TensorDict({"i": torch.arange(4) + 100}, batch_size=[4])
+
+        async def put() -> Any:
+            if how == "keyed":
+                return await client.kv_batch_put(["a", "b", "c", "d"], "p", data)
+            return await client.put(data, partition_id="p")
+
+        assert await cancelled(put, lambda task: cancel_on_reply(conn, task)) is None
+        await fill(client, "p", 2)
+        assert sorted(await drain(client, "p")) == [0, 1]

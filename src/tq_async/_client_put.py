@@ -45,6 +45,7 @@ from ._errors import (
 from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
+    AbortPut,
     ClearSamples,
     Placement,
     PutBegin,
@@ -264,7 +265,21 @@ class ClientPuts(ClientBase):
             timeout=timeout,
             incarnation=None if meta is None else meta.incarnation,
         )
-        placement: Placement = await self._call(begin, Placement, timeout=deadline)
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            # placed, but the caller gave up before it knew: reclaim the new rows now (not
+            # when the put lease lapses: until then they hold capacity and end-of-stream)
+            if reply.ok and self._controller is not None:
+                late: Placement = _decode(reply.payload, Placement)
+                if late.put_id:
+                    self._controller.send_best_effort(AbortPut([late.put_id]))
+
+        payload, _ = await self._ctl().request(
+            begin,
+            timeout=self.request_timeout if deadline is True else deadline or None,
+            on_abandon=on_abandon,
+        )
+        placement: Placement = _decode(payload, Placement)
         self._note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
@@ -281,6 +296,9 @@ class ClientPuts(ClientBase):
             )
             await self._call(commit, None)
         except BaseException:
+            if placement.put_id and self._controller is not None:
+                # new rows not committed are reclaimed at once (a keyed put's too)
+                self._controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
                     try:

@@ -52,6 +52,7 @@ from ._logging import get_logger
 from ._metrics import Metrics
 from ._parking import ParkingLot
 from ._protocol import (
+    AbortPut,
     Ack,
     AcquireRollout,
     Cancel,
@@ -232,6 +233,7 @@ class ControllerServer(ControllerPuts):
             PutCommit: self._on_put_commit,
             PutInline: self._on_put_inline,
             RenewPut: self._on_renew_put,
+            AbortPut: self._on_abort_put,
             Cancel: self._on_cancel,
             Ack: self._on_ack,
             Release: self._on_release,

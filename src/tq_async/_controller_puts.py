@@ -15,7 +15,7 @@ from typing import Any
 from ._controller_shell import ControllerShell
 from ._core import Effects
 from ._errors import InvalidRequestError, RowsNotFound, WouldBlock
-from ._protocol import Placement, PutBegin, PutCommit, PutInline, RenewPut, StorePut
+from ._protocol import AbortPut, Placement, PutBegin, PutCommit, PutInline, RenewPut, StorePut
 from ._service import DEFERRED, SENT, Incoming
 from ._state import ControllerState, Partition
 
@@ -45,6 +45,9 @@ class ControllerPuts(ControllerShell):
             body.incarnation,
         )
         self._apply(fx)
+
+    def _on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
+        self._apply(self.core.abort_puts(body.put_ids))
 
     def _on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
         self.core.renew_puts(body.put_ids, self._now())

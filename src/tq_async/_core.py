@@ -606,6 +606,10 @@ class ControllerCore:
         """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`)."""
         return self.puts.begin(partition_id, headers, n_rows, rows, keys, now, lease=lease)
 
+    def abort_puts(self, put_ids: Sequence[int]) -> Effects:
+        """A producer gave up puts before committing: their new rows are reclaimed now."""
+        return self.puts.abort(put_ids)
+
     def renew_puts(self, put_ids: Sequence[int], now: float) -> None:
         """The producer is alive and still writing: push the put leases' deadlines."""
         self.puts.renew(put_ids, now)

@@ -76,6 +76,13 @@ class RenewPut(_Msg):
     put_ids: list[int]
 
 
+class AbortPut(_Msg):
+    """The producer gave up these puts before committing them (cancelled, failed): their
+    new rows are reclaimed now, as when a put lease lapses (fire and forget)."""
+
+    put_ids: list[int]
+
+
 class PutInline(_Msg):
     """A small put in one request: the column frames follow the header.
 
@@ -344,6 +351,7 @@ ControllerBody = (
     | PutBegin
     | PutCommit
     | RenewPut
+    | AbortPut
     | PutInline
     | GetMeta
     | Cancel

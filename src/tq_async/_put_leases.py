@@ -128,6 +128,18 @@ class PutLeases:
             gained = p.commit(rows, fields, tags, versions)
         return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
 
+    def abort(self, put_ids: Sequence[int]) -> Effects:
+        """The producer gave up these puts: reclaim their rows now (never visible).
+
+        Unknown ids (committed, lapsed, of a cleared partition) are ignored.
+        """
+        fx = Effects()
+        for put_id in put_ids:
+            p = self.home.get(put_id)
+            if p is not None:
+                self.lapse(put_id, p.put_leases[put_id].deadline, fx)
+        return fx
+
     def lapse(self, put_id: int, deadline: float, fx: Effects) -> None:
         """A producer stopped renewing its put: reclaim the rows (never visible)."""
         p = self.home.get(put_id)
