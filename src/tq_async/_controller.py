@@ -91,7 +91,7 @@ from ._queries import QUERIES
 from ._router import RouterEndpoint
 from ._security import CurveServer
 from ._service import DEFERRED, SENT, Handler, Incoming
-from ._state import ControllerState, Wakeup
+from ._state import ControllerState
 from ._storage import StorageServer
 from .samplers import BaseSampler
 
@@ -140,7 +140,6 @@ class ControllerServer(ControllerPuts):
         self.core = ControllerCore(
             state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
         )
-        self.state = self.core.state
         self.default_lease = default_lease
         #: seconds after which a get_meta waiting on fields (or a partition) that do not
         #: exist logs a warning naming them
@@ -275,16 +274,13 @@ class ControllerServer(ControllerPuts):
         self._apply(fx)
 
     def _on_seal(self, msg: Incoming, body: Seal) -> None:
-        self._notify(self.state.seal(body.partition_id))
+        self._apply(self.core.catalog.seal(body.partition_id))
 
     def _on_reset_consumption(self, msg: Incoming, body: ResetConsumption) -> None:
         self._apply(self.core.reset_consumption(body.partition_id, body.task_name))
 
     def _on_register_tasks(self, msg: Incoming, body: RegisterTasks) -> None:
-        if body.tasks:
-            self.state.auto_clear[body.partition_id] = tuple(dict.fromkeys(body.tasks))
-        else:
-            self.state.auto_clear.pop(body.partition_id, None)
+        self._apply(self.core.catalog.register_tasks(body.partition_id, body.tasks))
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state
@@ -316,44 +312,28 @@ class ControllerServer(ControllerPuts):
         return DEFERRED
 
     def _on_set_tags(self, msg: Incoming, body: SetTags) -> None:
-        p = self.state.partition(body.partition_id)
-        p.check_incarnation(body.incarnation)
-        p.set_tags(body.rows, body.tags)
+        fx = self.core.catalog.set_tags(body.partition_id, body.rows, body.tags, body.incarnation)
+        self._apply(fx)
 
     def _on_kv_tag(self, msg: Incoming, body: KVTag) -> Placement:
-        if len(body.tags) != len(body.keys):
-            raise InvalidRequestError(f"got {len(body.tags)} tag dicts for {len(body.keys)} keys")
-        placement, fx = self.core.put_begin(
-            body.partition_id, [], 0, None, body.keys, self._now(), lease=False
+        placement, fx = self.core.catalog.kv_tag(
+            body.partition_id, body.keys, body.tags, self._now()
         )
-        self.state.partition(body.partition_id).set_tags(placement.rows, body.tags)
         self._apply(fx)
         return placement
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def _on_restore_begin(self, msg: Incoming, body: RestoreBegin) -> dict[str, list[int]]:
-        staged = self.state.restore_begin(body.state.partitions)
-        return {p.partition_id: list(p.units) for p in staged}
+        return self.core.catalog.restore_begin(body.state.partitions)
 
     def _on_restore_commit(self, msg: Incoming, body: RestoreCommit) -> None:
-        st = self.state
-        missing = [pid for pid in body.partition_ids if pid not in st.restoring]
-        if missing:
-            raise InvalidRequestError(f"partitions {missing} are not being restored")
-        for pid in body.partition_ids:
-            st.partitions[pid] = st.restoring.pop(pid)
-        if body.sampler_state:
-            self.sampler.load_state_dict(body.sampler_state.get("default", {}))
-            for t, smp in self.task_samplers.items():
-                smp.load_state_dict(body.sampler_state.get(f"task:{t}", {}))
-        self._notify([Wakeup(pid) for pid in body.partition_ids])
+        samplers = (self.sampler, self.task_samplers)
+        fx = self.core.catalog.restore_commit(body.partition_ids, body.sampler_state, samplers)
+        self._apply(fx)
 
     def _on_restore_abort(self, msg: Incoming, body: RestoreAbort) -> None:
-        st = self.state
-        for pid in body.partition_ids:
-            st.restoring.pop(pid, None)
-        everywhere: dict[int, list[int] | None] = dict.fromkeys(st.units)
+        everywhere = self.core.catalog.restore_abort(body.partition_ids)
         for pid in body.partition_ids:
             self._spawn(self._clear_units, None, msg.rid, pid, everywhere)
 
@@ -541,16 +521,8 @@ class ControllerServer(ControllerPuts):
         )
 
     def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
-        out: dict[str, list[int]] = {}
-        taken = 0
+        out = self.core.catalog.take_recycled(max_rows)
         st = self.state
-        while st.recycled and taken < max_rows:
-            pid, row = st.recycled.popleft()
-            p = st.partitions.get(pid)
-            if p is None or not p.alive[row]:
-                continue  # its partition was cleared: nothing left to regenerate from
-            out.setdefault(pid, []).append(row)
-            taken += 1
         return [
             RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
             for pid, rows in out.items()

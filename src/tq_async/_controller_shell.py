@@ -55,7 +55,6 @@ class ControllerShell(Service):
 
     name = "controller"
     core: ControllerCore
-    state: ControllerState
     curve: CurveServer | None
     unit_suspend_after: float
     #: each remote unit's instance token: a unit that comes back with another lost its data
@@ -74,6 +73,12 @@ class ControllerShell(Service):
     _units: dict[int, DealerConnection]
     _timer: asyncio.TimerHandle | None
     _timer_at: float | None
+
+    @property
+    def state(self) -> ControllerState:
+        """The core's state, for reading: every change goes through a transition of
+        :attr:`core` (``tests/test_layering.py`` checks the shell's modules)."""
+        return self.core.state
 
     # ---- effects -----------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._admission import Admission
+from ._catalog import Catalog
 from ._effects import AdmissionConfig, Deadlines, Effects
 from ._errors import InvalidRequestError, TQError
 from ._liveness import UnitLiveness
@@ -161,6 +162,8 @@ class ControllerCore:
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
         self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
+        #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
+        self.catalog = Catalog(self.state, self.puts)
         self.rollouts = Admission(self.state, self.admission)
         self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
