@@ -175,3 +175,23 @@ def test_a_sampler_called_directly_refuses_a_bad_context(
 def test_a_sampler_called_directly_refuses_a_bad_dp_size() -> None:
     with pytest.raises(tq.InvalidRequestError, match="dp_size"):
         tq.RankAwareSampler().sample_shares(list(range(8)), 2, 0)
+
+
+async def test_a_paused_same_host_unit_is_reported_as_not_answering() -> None:
+    """A unit stopped with SIGSTOP still exists: a request that times out, and a connection
+    that breaks, say so (it is not "stopped or vanished")."""
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=0.5, retry_after=None) as client:
+            meta = await client.put({"x": torch.ones(4, 3)}, partition_id="p")
+            await client.get_data(meta)  # links to the unit: its process is known
+            (conn,) = client._units.values()
+            assert conn.peer_pid == proc.pid
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(tq.TQTimeoutError, match=r"not answering.*paused"):
+                    await client.get_data(meta)
+                conn._disconnected()  # what a heartbeat timeout does
+                with pytest.raises(tq.BrokenError, match=f"process {proc.pid} still exists"):
+                    conn._check_usable()
+            finally:
+                proc.send_signal(signal.SIGCONT)

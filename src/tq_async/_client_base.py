@@ -377,10 +377,14 @@ class ClientBase:
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
         self._arenas[unit_id] = arena
-        if arena is None or hello is None or not same_host_ipc(hello.ipc):
+        if arena is None or hello is None:
+            return
+        conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
+        if not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
         ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        ipc.peer_pid = hello.pid
         try:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = await ipc.request(

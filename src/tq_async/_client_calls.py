@@ -182,7 +182,10 @@ class ControlCalls(ClientPuts, ClientGets):
         return dict(await self._call(PartitionInfo(partition_id), dict[str, Any]))
 
     async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
-        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).
+
+        Tag values are :meth:`put`'s: tuples and sets come back as lists.
+        """
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]

@@ -88,7 +88,10 @@ class ClientPuts(ClientBase):
             meta: rows to add fields to (from an earlier put or get_meta); ``data`` must have
                 ``len(meta)`` rows in the same order.
             tags: one dict per row (or None), merged into each row's tags atomically with the
-                data becoming visible.
+                data becoming visible. Keys are strings; values are what msgpack carries
+                (None, bool, int, float, str, bytes, lists and dicts of those; numpy and
+                torch scalars become numbers). Tuples and sets are accepted and come back
+                as lists (a set's in no particular order), as msgpack has one array type.
             policy_version: the policy version that produced this data (one int, or one per
                 row); recorded per field, so a trajectory appended across versions keeps each
                 segment's version. A row's version is its oldest field's.

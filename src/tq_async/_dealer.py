@@ -161,6 +161,8 @@ class DealerConnection(DrainedSocket):
         self._pid = os.getpid()
         #: connected through the in-process twin of the service's endpoint
         self.inproc = False
+        #: the service's process, when known to be on this host (its shared-memory hello)
+        self.peer_pid: int | None = None
         sock, monitor = self._open()
         super().__init__(sock)
         self._watch(monitor)
@@ -220,7 +222,7 @@ class DealerConnection(DrainedSocket):
         with contextlib.suppress(RuntimeError, ValueError):
             self._loop.remove_reader(self._fd)
         if not self._closed:
-            self._disconnected()
+            self._disconnected(closed_by_peer=True)
 
     def _watch(self, monitor: zmq.Socket[Any] | None) -> None:
         self._monitor = monitor
@@ -313,12 +315,14 @@ class DealerConnection(DrainedSocket):
             )
         return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
-    def _disconnected(self) -> None:
+    def _disconnected(self, *, closed_by_peer: bool = False) -> None:
         self.connected = False
+        # a peer that closed the connection itself is gone (a paused one closes nothing)
+        why = "the service stopped or vanished" if closed_by_peer else self._why_broken()
         self._fail_pending(
             BrokenError(
-                f"the connection to {self.address} broke (the service stopped or "
-                "vanished); requests in flight are lost: retry once it is back"
+                f"the connection to {self.address} broke ({why}); requests in flight are "
+                "lost: retry once it is back"
             )
         )
         if self._on_disconnect is not None:
@@ -408,7 +412,7 @@ class DealerConnection(DrainedSocket):
             if got is None:
                 raise TQTimeoutError(
                     f"{type(body).__name__} to {self.address} got no reply within {timeout} "
-                    "s; check that the service is running, or raise the timeout"
+                    f"s; {self._why_silent()}"
                 )
             reply, rframes = got
             if reply.ok and self.inproc and rframes:
@@ -435,9 +439,30 @@ class DealerConnection(DrainedSocket):
             )
         if self.connected is False:
             raise BrokenError(
-                f"the connection to {self.address} is broken (the service stopped or "
-                "vanished); retry once it is back"
+                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
+                "once it is back"
             )
+
+    def _why_silent(self) -> str:
+        """What a timed-out request's caller should check."""
+        if _process_state(self.peer_pid) is not None:
+            return f"{self._why_broken()}; raise the timeout if it is only slow"
+        return "check that the service is running, or raise the timeout"
+
+    def _why_broken(self) -> str:
+        """Why the service went away, as far as this side can tell: a same-host service
+        whose process still exists is only not answering (paused, swapping, overloaded)."""
+        state = _process_state(self.peer_pid)
+        if state is None:
+            # across hosts a paused service and a vanished one look the same
+            known = self.peer_pid is not None
+            return (
+                "the service stopped or vanished"
+                if known
+                else ("the service stopped, vanished or is not answering")
+            )
+        paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
+        return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
 
     async def _reply_to(
         self, rid: int, outgoing: list[Any], timeout: float | None
@@ -573,6 +598,22 @@ def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
 
 #: a request's reply, or None when an attempt's timer fired first
 _ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The state letter of a process of this host (``R``, ``S``, ``T``...), None if gone
+    or unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows the last ")"
+    fields = stat[stat.rfind(b")") + 2 :].split(b" ", 1)
+    state = fields[0].decode(errors="replace")
+    return None if state in ("Z", "X", "x") else state
 
 
 def _holds_reply(fut: _ReplyFuture) -> tuple[Reply, list[zmq.Frame]] | None:
