@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import os
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -67,6 +68,9 @@ from ._protocol import (
 from ._security import CurveClient
 from ._serve import check_address
 from ._shm import ArenaMap
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ClientBase"]
 
@@ -412,6 +416,25 @@ class ClientBase:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return _decode(payload, typ)
+
+
+@contextlib.contextmanager
+def one_error() -> Any:
+    """Calls that ask several storage units at once raise one error, as a call to one unit
+    would: the first ``TQError`` of the task group's exception group (never the group)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        raise next((e for e in leaves if isinstance(e, TQError)), leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Any:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 def _check_busy_poll(value: Any) -> float:

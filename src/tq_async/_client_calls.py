@@ -20,6 +20,7 @@ from ._client_base import (
     _decode,
     _mask,
     _one_row,
+    one_error,
 )
 from ._client_get import ClientGets
 from ._client_put import ClientPuts
@@ -108,9 +109,10 @@ class ControlCalls(ClientPuts, ClientGets):
             payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
             out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
 
-        async with anyio.create_task_group() as tg:
-            for unit_id in self._unit_addresses:
-                tg.start_soon(ask, unit_id)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for unit_id in self._unit_addresses:
+                    tg.start_soon(ask, unit_id)
         return dict(sorted(out.items()))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:

@@ -26,6 +26,7 @@ from ._client_base import (
     _merge_parts,
     _release_pin,
     _stored_columns,
+    one_error,
 )
 from ._codec import check_text, columns_to_tensordict
 from ._columns import (
@@ -193,7 +194,7 @@ class ClientGets(ClientBase):
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
         payload, frames = await self._ctl().request(
-            req, timeout=client_deadline, on_abandon=on_abandon
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = _decode(payload, MetaReply)
         self._note_epoch(got.units_epoch)
@@ -310,9 +311,10 @@ class ClientGets(ClientBase):
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
         else:
-            async with anyio.create_task_group() as tg:
-                for unit, positions in by_unit.items():
-                    tg.start_soon(fetch, unit, positions)
+            with one_error():
+                async with anyio.create_task_group() as tg:
+                    for unit, positions in by_unit.items():
+                        tg.start_soon(fetch, unit, positions)
         return _merge_parts(len(meta), by_unit, parts)
 
     async def get(

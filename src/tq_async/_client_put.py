@@ -24,6 +24,7 @@ from ._client_base import (
     _decode,
     _Put,
     _PutRenewal,
+    one_error,
 )
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
@@ -358,9 +359,10 @@ class ClientPuts(ClientBase):
             ((unit, positions),) = by_unit.items()
             await store_one(unit, positions)
             return
-        async with anyio.create_task_group() as tg:
-            for unit, positions in by_unit.items():
-                tg.start_soon(store_one, unit, positions)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for unit, positions in by_unit.items():
+                    tg.start_soon(store_one, unit, positions)
 
     async def _store_shm(
         self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
