@@ -176,13 +176,6 @@ async def test_stalled_services_make_requests_wait_and_lose_no_acknowledged_row(
     assert len({tuple(r) for r in rows}) == len(rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a get_meta that timed out before the controller saw it is executed when the "
-    "controller catches up, and its Cancel arrives after the reply: its rows are consumed "
-    "(client cancellation and the controller's undo are issue 24's; see "
-    "../shared/repro/cancelled_get_meta_loses_rows_serve.py)",
-)
 @pytest.mark.timeout(120)
 async def test_a_get_meta_that_timed_out_during_a_stall_consumed_nothing() -> None:
     data = torch.arange(8 * 16, dtype=torch.int64).view(8, 16)

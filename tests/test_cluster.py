@@ -49,7 +49,7 @@ async def test_a_blocking_client_on_the_services_loop_fails_at_once() -> None:
             tq.Client.connect(cluster.address).open()
         assert "tq.AsyncClient.connect(address)" in str(info.value)
         assert "anyio.to_thread.run_sync" in str(info.value)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 0.1  # known before any I/O
 
         # from another thread the same blocking client works
         def use() -> list[str]:

@@ -457,3 +457,88 @@ def test_a_late_ack_of_a_pooled_lease_is_ignored() -> None:
     assert got is not None
     core.ack([got.lease_id], 3.0)
     assert rows_of(get(core, req(4), now=3.0)) == got.rows
+
+
+# ---- the catalogue: seal, auto-clear tasks, tags, room for puts, cancellation -----------------
+
+
+def test_room_for_decides_wait_refuse_or_go() -> None:
+    from tq_async import WouldBlock
+
+    core = new_core()
+    core.state.capacity = 4
+    put(core, 3)
+    assert core.catalog.room_for("p", 1, nowait=False)
+    assert not core.catalog.room_for("p", 2, nowait=False)  # waits for room
+    with pytest.raises(WouldBlock, match="capacity of 4"):
+        core.catalog.room_for("p", 2, nowait=True)
+    with pytest.raises(InvalidRequestError, match="never fit"):
+        core.catalog.room_for("p", 5, nowait=False)
+
+
+def test_seal_and_register_tasks_go_through_the_catalogue() -> None:
+    core = new_core()
+    rows = put(core, 2)
+    fx = core.catalog.seal("p")
+    assert fx.wakeups == [Wakeup("p")]
+    core.catalog.register_tasks("p", ["t", "t"])
+    assert core.state.auto_clear["p"] == ("t",)
+    reply = get(core, req(2))
+    assert rows_of(reply) == rows
+    core.catalog.register_tasks("p", [])
+    assert "p" not in core.state.auto_clear
+
+
+def test_set_tags_checks_the_incarnation() -> None:
+    core = new_core()
+    rows = put(core, 2)
+    p = core.state.partition("p")
+    core.catalog.set_tags("p", rows, [{"a": 1}, {"a": 2}], p.incarnation)
+    assert p.tags[rows[1]] == {"a": 2}
+    with pytest.raises(RowsNotFound):
+        core.catalog.set_tags("p", rows, [{}, {}], "another-incarnation")
+
+
+@pytest.mark.parametrize("lease", [None, 5.0])
+def test_a_cancelled_fetch_gives_rows_back_and_drops_its_lease(lease: float | None) -> None:
+    core = new_core()
+    put(core, 4)
+    reply = get(core, req(4, lease=lease))
+    assert reply is not None
+    core.release("p", "t", reply.rows, reply.incarnation, reply.lease_id)
+    assert not core.state.partition("p").leases
+    again = get(core, req(4, lease=lease), now=1.0)
+    assert rows_of(again) == reply.rows
+    assert again is not None
+    core.ack([again.lease_id], 1.0)
+    # the first lease's deadline passes: nothing is given back a second time
+    core.advance(100.0)
+    assert get(core, req(1), now=100.0) is None
+
+
+def test_an_aborted_put_reclaims_its_rows_at_once() -> None:
+    core = new_core()
+    placement, _ = core.put_begin("p", [X], 3, None, None, 0.0)
+    fx = core.abort_puts([placement.put_id, 999])
+    assert fx.free  # the units free the cells
+    p = core.state.partition("p")
+    assert p.n_alive == 0
+    assert not p.put_leases
+
+
+def test_cancel_undoes_a_fetch_but_not_a_recorded_batch_or_a_peek() -> None:
+    core = new_core()
+    put(core, 4)
+    pooled = req(2, lease=5.0)
+    reply = get(core, pooled)
+    assert reply is not None
+    core.cancel(pooled, reply)
+    assert not core.state.partition("p").leases
+    assert sorted(rows_of(get(core, req(4)))) == [0, 1, 2, 3]  # all four ready again
+    core2 = new_core()
+    put(core2, 4)
+    keyed = GetMeta("p", ["x"], 2, "t", {"dp_rank": 0, "batch_index": 0})
+    first = get(core2, keyed)
+    assert first is not None
+    core2.cancel(keyed, first)
+    assert rows_of(get(core2, keyed)) == first.rows  # the batch keeps its rows

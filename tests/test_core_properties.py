@@ -1,5 +1,7 @@
-"""Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death,
-checked against a model of the guarantees (docs/guarantees.md). Loop-free: ControllerCore."""
+"""Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death /
+cancellation (a fetch whose reply its caller never saw, a put abandoned after its placement) /
+tags / seal, checked against a model of the guarantees (docs/guarantees.md). Loop-free:
+ControllerCore, every transition the controller's shell calls."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class Consumer:
     open: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     #: unkeyed deliveries not acknowledged: lease id -> rows
     loose: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: a recorded batch it fetched but never saw (cancelled): read that key again
+    redo: bool = False
 
 
 class Model:
@@ -37,7 +41,8 @@ class Model:
             deadlines=Deadlines(put_lease=LEASE),
         )
         self.now = 0.0
-        self.rows = 0
+        #: ids of the rows committed (an aborted put's ids are never visible)
+        self.committed: list[int] = []
         self.sealed = False
         self.acked: Counter[int] = Counter()
         #: rows a recorded batch (rank, index) resolved to, the first time
@@ -56,7 +61,52 @@ class Model:
             return
         placement, _ = self.core.put_begin("p", [X], n, None, None, self.now)
         self.core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
-        self.rows += n
+        self.committed += placement.rows
+
+    def abort_put(self, n: int) -> None:
+        """A put whose caller gave up after its placement: its rows are never visible."""
+        if self.sealed:
+            return
+        placement, _ = self.core.put_begin("p", [X], n, None, None, self.now)
+        self.core.abort_puts([placement.put_id])
+        p = self.core.state.partition("p")
+        assert not any(p.alive[r] for r in placement.rows), "an aborted put left rows"
+        assert not p.put_leases, "an aborted put left its put lease"
+
+    def cancel(self, c: int, keyed: bool, n: int, lease: bool) -> None:
+        """A fetch answered but its caller cancelled before it saw the reply: the client
+        gives the rows back (``release`` with the fetch's lease); a recorded batch keeps
+        them for the next reader of its key."""
+        who = self.consumers[c]
+        if not who.alive or (keyed and who.redo):
+            return
+        cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
+        reply = self.get(GetMeta("p", ["x"], n, "t", cfg, lease=LEASE if lease else None))
+        if reply is None or reply.end_of_stream:
+            return
+        for r in reply.rows:
+            assert self.acked[r] == 0, f"acknowledged row {r} delivered again"
+        if keyed:
+            key = (c, who.next_batch)
+            assert self.recorded.setdefault(key, tuple(reply.rows)) == tuple(reply.rows)
+            who.redo = True
+            return
+        self.core.release("p", "t", reply.rows, reply.incarnation, reply.lease_id)
+        p = self.core.state.partition("p")
+        assert reply.lease_id not in p.leases, "a cancelled fetch kept its lease"
+        consumed = p.consumed.get("t")
+        assert consumed is not None
+        assert not any(consumed[r] for r in reply.rows), "a cancelled fetch consumed rows"
+
+    def tag(self, row: int) -> None:
+        if row < len(self.committed):
+            r = self.committed[row]
+            self.core.catalog.set_tags("p", [r], [{"seen": row}])
+            assert self.core.state.partition("p").tags[r] == {"seen": row}
+
+    def seal(self) -> None:
+        self.sealed = True
+        self.core.catalog.seal("p", create=True)
 
     def read(self, c: int, keyed: bool, n: int) -> None:
         who = self.consumers[c]
@@ -77,6 +127,7 @@ class Model:
             assert self.recorded.setdefault(key, rows) == rows
             who.open[who.next_batch] = (rows, reply.lease_id)
             who.next_batch += 1
+            who.redo = False
         else:
             who.loose[reply.lease_id] = rows
 
@@ -118,7 +169,7 @@ class Model:
         """A new process for consumer ``c``: it replays its un-acknowledged recorded batches."""
         who = self.consumers[c]
         replays = sorted(who.open)
-        self.consumers[c] = Consumer(next_batch=who.next_batch)
+        self.consumers[c] = Consumer(next_batch=who.next_batch, redo=who.redo)
         for index in replays:
             reply = self.get(
                 GetMeta("p", ["x"], 1, "t", {"dp_rank": c, "batch_index": index}, lease=LEASE)
@@ -139,15 +190,17 @@ class Model:
 
     def finish(self) -> None:
         """Seal, let every lease run out, restart the dead, and read to the end."""
-        self.sealed = True
-        self.core.state.seal("p", create=True)
+        self.seal()
         self.advance(2 * LEASE)
         for c in range(len(self.consumers)):
             if not self.consumers[c].alive:
                 self.restart(c)
             else:
                 self.ack(c)
-        for _ in range(self.rows + 2):
+            if self.consumers[c].redo:  # the cancelled batch, read again under its key
+                self.read(c, True, 1)
+                self.ack(c)
+        for _ in range(len(self.committed) + 2):
             reply = self.get(GetMeta("p", ["x"], 4, "t", None, lease=LEASE))
             assert reply is not None, "the end of stream never came"
             if reply.end_of_stream:
@@ -156,7 +209,7 @@ class Model:
             self.settle(tuple(reply.rows), reply.lease_id)
         else:
             raise AssertionError("the stream did not end")
-        assert sorted(self.acked.elements()) == list(range(self.rows)), "lost or duplicated"
+        assert sorted(self.acked.elements()) == sorted(self.committed), "lost or duplicated"
 
 
 ops = st.one_of(
@@ -167,6 +220,11 @@ ops = st.one_of(
     st.tuples(st.just("restart"), st.integers(0, 2)),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 2.0, LEASE + 1])),
     st.tuples(st.just("seal")),
+    st.tuples(
+        st.just("cancel"), st.integers(0, 2), st.booleans(), st.integers(1, 5), st.booleans()
+    ),
+    st.tuples(st.just("abort_put"), st.integers(1, 4)),
+    st.tuples(st.just("tag"), st.integers(0, 30)),
 )
 
 
@@ -176,8 +234,13 @@ def test_random_interleavings_keep_the_guarantees(program: list[tuple[object, ..
     m = Model()
     for op, *args in program:
         if op == "seal":
-            m.sealed = True
-            m.core.state.seal("p", create=True)
+            m.seal()
+        elif op == "cancel":
+            m.cancel(*args)  # type: ignore[arg-type]
+        elif op == "abort_put":
+            m.abort_put(*args)  # type: ignore[arg-type]
+        elif op == "tag":
+            m.tag(*args)  # type: ignore[arg-type]
         elif op == "put":
             m.put(*args)  # type: ignore[arg-type]
         elif op == "read":

@@ -29,17 +29,16 @@ LAYERS: dict[str, list[str]] = {
         "_protocol",
         "samplers",
     ],
-    "core": ["_state", "_effects", "_admission", "_liveness", "_put_leases", "_core"],
-    "wire": [
-        "_security",
-        "_unix",
-        "_shm",
-        "_nixl",
-        "_endpoints",
-        "_routes",
-        "_router",
-        "_dealer",
+    "core": [
+        "_state",
+        "_effects",
+        "_admission",
+        "_liveness",
+        "_put_leases",
+        "_catalog",
+        "_core",
     ],
+    "wire": ["_security", "_unix", "_shm", "_nixl", "_endpoints", "_routes", "_router", "_dealer"],
     "services and clients": [
         "_metrics",
         "_parking",
@@ -226,3 +225,87 @@ def test_no_class_or_function_is_too_long() -> None:
             if is_function and _code_lines(node) > MAX_FUNCTION_LINES:
                 too_long.append(f"def {name}.{node.name}: {_code_lines(node)} lines")
     assert too_long == []
+
+
+#: the controller's I/O shell: it reads the state, every change is a transition of the core
+SHELL = ["_controller", "_controller_puts", "_controller_shell"]
+#: methods that change a ControllerState, a Partition or one of their containers
+MUTATORS = {
+    "add_fields",
+    "allocate",
+    "append",
+    "clear",
+    "commit",
+    "consume",
+    "extend",
+    "pop",
+    "popitem",
+    "popleft",
+    "put_begin",
+    "release",
+    "remove",
+    "reset_consumption",
+    "restore_begin",
+    "seal",
+    "set_tags",
+    "setdefault",
+    "update",
+}
+
+
+def _state_writes(tree: ast.AST) -> list[str]:
+    """Writes through ``self.state`` (or a name bound from it) in a module of the shell."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        tainted = {"self.state"}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and any(
+                ast.unparse(node.value).startswith(t) for t in tainted
+            ):
+                tainted |= {ast.unparse(t) for t in node.targets}
+
+        def from_state(expr: ast.AST, tainted: set[str] = tainted) -> bool:
+            text = ast.unparse(expr)
+            return any(text == t or text.startswith((t + ".", t + "[")) for t in tainted)
+
+        for node in ast.walk(fn):
+            targets: list[ast.AST] = []
+            if isinstance(node, (ast.Assign, ast.Delete)):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            found.extend(
+                f"{fn.name}: {ast.unparse(t)} ="
+                for t in targets
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and from_state(t.value)
+            )
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+                and from_state(node.func.value)
+            ):
+                found.append(f"{fn.name}: {ast.unparse(node.func)}()")
+    return found
+
+
+def test_the_controller_shell_changes_state_only_through_the_core() -> None:
+    writes = []
+    for name in SHELL:
+        writes += [f"{name}.{w}" for w in _state_writes(ast.parse(_modules()[name].read_text()))]
+    assert writes == []
+
+
+def test_the_state_write_finder_finds_writes() -> None:
+    code = """
+def f(self):
+    st = self.state
+    st.auto_clear["p"] = ("t",)
+    self.state.partition("p").set_tags([0], [{}])
+    p = st.partitions["p"]
+    p.consume("t", [0])
+    return st.units
+"""
+    assert len(_state_writes(ast.parse(code))) == 3

@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import os
+import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ from ._protocol import (
 from ._security import CurveClient
 from ._serve import check_address
 from ._shm import ArenaMap
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ClientBase"]
 
@@ -420,7 +424,10 @@ class ClientBase:
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
         self._arenas[unit_id] = arena
-        if arena is None or hello is None or not same_host_ipc(hello.ipc):
+        if arena is None or hello is None:
+            return
+        conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
+        if not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
         try:
@@ -428,6 +435,7 @@ class ClientBase:
         except BrokenError as exc:  # its listen queue is full: the socket we have will do
             self._link_fell_back(unit_id, str(exc))
             return
+        ipc.peer_pid = hello.pid
         try:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
@@ -483,6 +491,25 @@ class ClientBase:
 SHM_HELLO_TIMEOUT = 5.0
 #: seconds after a handshake timed out before the client tries it again (on its next data call)
 RELINK_AFTER = 30.0
+
+
+@contextlib.contextmanager
+def one_error() -> Any:
+    """Calls that ask several storage units at once raise one error, as a call to one unit
+    would: the first ``TQError`` of the task group's exception group (never the group)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        raise next((e for e in leaves if isinstance(e, TQError)), leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Any:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 def _check_busy_poll(value: Any) -> float:
@@ -603,7 +630,7 @@ def _release_pin(conn: DealerConnection, reply: Reply) -> None:
     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
         stored: StoredColumns = _decode(reply.payload, StoredColumns)
         if stored.shm_spans is not None:
-            conn.send_oneway(ShmFree([], [stored.pin]))
+            conn.send_best_effort(ShmFree([], [stored.pin]))
 
 
 async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
@@ -613,9 +640,17 @@ async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list
             arena.check(off, n, "a shared-memory span")
         except ValueError as exc:
             raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
 
     def copy() -> list[Any]:
-        view = arena.view
         return [
             b""
             if n == 0
@@ -702,7 +737,7 @@ class _PutRenewal:
         self._handle = asyncio.get_running_loop().call_later(interval, self._renew)
 
     def _renew(self) -> None:
-        self._conn.send_oneway(RenewPut([self._put_id]))
+        self._conn.send_best_effort(RenewPut([self._put_id]))
         self._handle = asyncio.get_running_loop().call_later(self._interval, self._renew)
 
     def cancel(self) -> None:

@@ -20,6 +20,7 @@ from ._client_base import (
     _decode,
     _mask,
     _one_row,
+    one_error,
 )
 from ._client_get import ClientGets
 from ._client_put import ClientPuts
@@ -50,6 +51,7 @@ from ._protocol import (
     RecycledRows,
     RegisterTasks,
     ReleaseRollout,
+    Reply,
     ResetConsumption,
     Seal,
     SetPolicyVersion,
@@ -107,9 +109,10 @@ class ControlCalls(ClientPuts, ClientGets):
             payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
             out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
 
-        async with anyio.create_task_group() as tg:
-            for unit_id in self._unit_addresses:
-                tg.start_soon(ask, unit_id)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for unit_id in self._unit_addresses:
+                    tg.start_soon(ask, unit_id)
         return dict(sorted(out.items()))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
@@ -192,7 +195,10 @@ class ControlCalls(ClientPuts, ClientGets):
         return dict(await self._call(PartitionInfo(partition_id), dict[str, Any]))
 
     async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
-        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).
+
+        Tag values are :meth:`put`'s: tuples and sets come back as lists.
+        """
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]
@@ -229,7 +235,13 @@ class ControlCalls(ClientPuts, ClientGets):
             check_seconds("timeout", timeout),
         )
         deadline = None if timeout is None else timeout + self.request_timeout
-        await self._ctl().request(body, timeout=deadline)
+
+        def on_abandon(reply: Reply, _frames: list[Any]) -> None:
+            # admitted, but the caller gave up before it knew: free the slots it reserved
+            if reply.ok and self._controller is not None:
+                self._controller.send_best_effort(ReleaseRollout(body.n))
+
+        await self._ctl().request(body, timeout=deadline, on_abandon=on_abandon)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""

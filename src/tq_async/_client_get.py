@@ -26,11 +26,13 @@ from ._client_base import (
     _merge_parts,
     _release_pin,
     _stored_columns,
+    one_error,
 )
 from ._codec import check_text, columns_to_tensordict
 from ._columns import (
     Column,
     ColumnHeader,
+    empty_column,
     positions_by_unit,
 )
 from ._devices import check_device, to_device
@@ -42,6 +44,7 @@ from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
     Ack,
+    FieldSchema,
     GetMeta,
     MetaReply,
     Release,
@@ -187,11 +190,12 @@ class ClientGets(ClientBase):
                 return
             late: MetaReply = _decode(reply.payload, MetaReply)
             if late.rows and self._controller is not None:
-                self._controller.send_oneway(Release(partition_id, task_name, late.rows))
+                undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
+                self._controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
         payload, frames = await self._ctl().request(
-            req, timeout=client_deadline, on_abandon=on_abandon
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = _decode(payload, MetaReply)
         self._note_epoch(got.units_epoch)
@@ -240,9 +244,11 @@ class ClientGets(ClientBase):
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
             received buffers when one unit holds the rows), jagged columns as jagged nested
-            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows (end of
-            stream, or a rank's empty share of a global batch) gives an empty
-            ``TensorDict(batch_size=[0])`` without asking any storage unit.
+            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows asks no
+            storage unit: at end of stream it gives ``TensorDict(batch_size=[0])`` without
+            columns; otherwise (a rank's empty share of a global batch) every field with 0
+            rows and its dtype and row shape (a jagged field: an empty jagged column), as a
+            non-empty batch of the same fields would have.
 
         Raises:
             RowsNotFound: some rows were cleared.
@@ -255,9 +261,22 @@ class ClientGets(ClientBase):
         target = check_device(device)
         n = len(meta)
         if n == 0 or not names:
-            return TensorDict({}, batch_size=[n])
+            return await to_device(await self._empty(meta, names, as_nested), target)
         headers, columns = await self._fetch_columns(meta, names)
         return await to_device(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
+
+    async def _empty(
+        self, meta: BatchMeta, names: list[str], nested: bool | frozenset[str]
+    ) -> TensorDict:
+        """A batch of 0 rows: end of stream has no columns; any other (a rank's empty share)
+        carries every field with 0 rows, its dtype and row shape, as a non-empty batch of
+        the same fields would (one question to the controller, no storage unit)."""
+        if meta.end_of_stream or not names or len(meta):
+            return TensorDict({}, batch_size=[len(meta)])
+        headers = await self._call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        by_name = {h.name: h for h in headers}
+        known = [by_name[f] for f in names if f in by_name]
+        return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
 
     async def _fetch_columns(
         self, meta: BatchMeta, names: list[str]
@@ -309,16 +328,17 @@ class ClientGets(ClientBase):
                         else:
                             frames = got
                 finally:
-                    conn.send_oneway(ShmFree([], [pin]))
+                    conn.send_best_effort(ShmFree([], [pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
         else:
-            async with anyio.create_task_group() as tg:
-                for unit, positions in by_unit.items():
-                    tg.start_soon(fetch, unit, positions)
+            with one_error():
+                async with anyio.create_task_group() as tg:
+                    for unit, positions in by_unit.items():
+                        tg.start_soon(fetch, unit, positions)
         return _merge_parts(len(meta), by_unit, parts)
 
     async def get(
@@ -342,8 +362,9 @@ class ClientGets(ClientBase):
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
         result is the same either way. ``nested`` and ``device`` are :meth:`get_data`'s. A
-        batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) comes with an
-        empty ``TensorDict(batch_size=[0])``; no storage unit is asked.
+        batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
+        storage unit; its ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share
+        carries every field with 0 rows).
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
@@ -365,7 +386,9 @@ class ClientGets(ClientBase):
         )
         try:
             if not len(meta):  # end of stream or an empty share: no unit to ask
-                td = TensorDict({}, batch_size=[0])
+                td = await to_device(
+                    await self._empty(meta, list(meta.field_names), as_nested), target
+                )
             elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
                 td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
@@ -374,13 +397,14 @@ class ClientGets(ClientBase):
                 td = await self.get_data(meta, nested=as_nested, device=target)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
-                self._controller.send_oneway(Ack([meta.lease_id]))
+                self._controller.send_best_effort(Ack([meta.lease_id]))
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
+                # the rows go back, and their lease or hold is dropped with them
                 with anyio.move_on_after(5, shield=True):
                     await self.release(meta)
-            if lease is None and meta.lease_id and self._controller is not None:
-                self._controller.send_oneway(Ack([meta.lease_id]))  # drop the hold
+            elif lease is None and meta.lease_id and self._controller is not None:
+                self._controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
             raise
         return td, meta
 
@@ -394,5 +418,11 @@ class ClientGets(ClientBase):
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        body = Release(meta.partition_id, meta.task_name, meta.global_indexes, meta.incarnation)
+        body = Release(
+            meta.partition_id,
+            meta.task_name,
+            meta.global_indexes,
+            meta.incarnation,
+            meta.lease_id or 0,
+        )
         await self._call(body, None)

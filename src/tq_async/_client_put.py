@@ -24,6 +24,7 @@ from ._client_base import (
     _decode,
     _Put,
     _PutRenewal,
+    one_error,
 )
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
@@ -46,6 +47,7 @@ from ._errors import (
 from ._logging import get_logger
 from ._meta import BatchMeta
 from ._protocol import (
+    AbortPut,
     ClearSamples,
     Placement,
     PutBegin,
@@ -88,7 +90,10 @@ class ClientPuts(ClientBase):
             meta: rows to add fields to (from an earlier put or get_meta); ``data`` must have
                 ``len(meta)`` rows in the same order.
             tags: one dict per row (or None), merged into each row's tags atomically with the
-                data becoming visible.
+                data becoming visible. Keys are strings; values are what msgpack carries
+                (None, bool, int, float, str, bytes, lists and dicts of those; numpy and
+                torch scalars become numbers). Tuples and sets are accepted and come back
+                as lists (a set's in no particular order), as msgpack has one array type.
             policy_version: the policy version that produced this data (one int, or one per
                 row); recorded per field, so a trajectory appended across versions keeps each
                 segment's version. A row's version is its oldest field's.
@@ -239,7 +244,7 @@ class ClientPuts(ClientBase):
             if reply.ok and meta is None and self._controller is not None:
                 late: Placement = _decode(reply.payload, Placement)
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
-                self._controller.send_oneway(undo)
+                self._controller.send_best_effort(undo)
 
         payload, _ = await self._ctl().request(
             body,
@@ -266,7 +271,21 @@ class ClientPuts(ClientBase):
             timeout=timeout,
             incarnation=None if meta is None else meta.incarnation,
         )
-        placement: Placement = await self._call(begin, Placement, timeout=deadline)
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            # placed, but the caller gave up before it knew: reclaim the new rows now (not
+            # when the put lease lapses: until then they hold capacity and end-of-stream)
+            if reply.ok and self._controller is not None:
+                late: Placement = _decode(reply.payload, Placement)
+                if late.put_id:
+                    self._controller.send_best_effort(AbortPut([late.put_id]))
+
+        payload, _ = await self._ctl().request(
+            begin,
+            timeout=self.request_timeout if deadline is True else deadline or None,
+            on_abandon=on_abandon,
+        )
+        placement: Placement = _decode(payload, Placement)
         self._note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
@@ -283,6 +302,9 @@ class ClientPuts(ClientBase):
             )
             await self._call(commit, None)
         except BaseException:
+            if placement.put_id and self._controller is not None:
+                # new rows not committed are reclaimed at once (a keyed put's too)
+                self._controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
                 with anyio.move_on_after(5, shield=True):
                     try:
@@ -345,9 +367,10 @@ class ClientPuts(ClientBase):
             ((unit, positions),) = by_unit.items()
             await store_one(unit, positions)
             return
-        async with anyio.create_task_group() as tg:
-            for unit, positions in by_unit.items():
-                tg.start_soon(store_one, unit, positions)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for unit, positions in by_unit.items():
+                    tg.start_soon(store_one, unit, positions)
 
     async def _store_shm(
         self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
@@ -373,6 +396,6 @@ class ClientPuts(ClientBase):
             await conn.request(body, timeout=self.request_timeout)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
-            conn.send_oneway(ShmFree([grant.grant], []))
+            conn.send_best_effort(ShmFree([grant.grant], []))
             raise
         return True

@@ -49,6 +49,7 @@ __all__ = [
     "column_from_frames",
     "column_nbytes",
     "column_to_frames",
+    "empty_column",
     "concat_columns",
     "join_columns",
     "position_runs",
@@ -184,6 +185,17 @@ class ListColumn:
 
 
 Column: TypeAlias = DenseColumn | JaggedColumn | ListColumn
+
+
+def empty_column(header: ColumnHeader) -> Column:
+    """A column of 0 rows of ``header``'s kind, dtype and row shape."""
+    if header.kind == DENSE:
+        row_bytes = ITEM_SIZES[header.dtype] * math.prod(header.shape)
+        return DenseColumn(np.zeros((0, row_bytes), np.uint8))
+    if header.kind == JAGGED:
+        item_bytes = ITEM_SIZES[header.dtype] * math.prod(header.shape)
+        return JaggedColumn(np.zeros((0, item_bytes), np.uint8), np.zeros(1, np.int64))
+    return ListColumn([])
 
 
 # --------------------------------------------------------------------------------------------

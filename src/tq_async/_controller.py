@@ -45,6 +45,7 @@ from ._core import (
     Effects,
     SampleCall,
     meta_reply,
+    record_key,
 )
 from ._dealer import DealerConnection
 from ._errors import ClosedError, InvalidRequestError, TQError
@@ -52,6 +53,7 @@ from ._logging import get_logger
 from ._metrics import Metrics
 from ._parking import ParkingLot
 from ._protocol import (
+    AbortPut,
     Ack,
     AcquireRollout,
     Cancel,
@@ -90,11 +92,15 @@ from ._queries import QUERIES
 from ._router import RouterEndpoint
 from ._security import CurveServer
 from ._service import DEFERRED, SENT, Handler, Incoming
-from ._state import ControllerState, Wakeup
+from ._state import ControllerState
 from ._storage import StorageServer
 from .samplers import BaseSampler
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
+
+#: answered fetches a late Cancel can still undo: a client cancels within a round trip of
+#: the answer, so this only needs to outlast the fetches answered meanwhile (~100 B each)
+_FETCHES_REMEMBERED = 16384
 
 log = get_logger(__name__)
 
@@ -139,7 +145,6 @@ class ControllerServer(ControllerPuts):
         self.core = ControllerCore(
             state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
         )
-        self.state = self.core.state
         self.default_lease = default_lease
         #: seconds after which a get_meta waiting on fields (or a partition) that do not
         #: exist, or on an unsealed partition that got no new rows, logs a warning saying so
@@ -159,6 +164,8 @@ class ControllerServer(ControllerPuts):
         self._tg: TaskGroup | None = None
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        #: recent answered fetches (client, request id) -> what a late Cancel gives back
+        self._fetched: OrderedDict[tuple[bytes, int], tuple[Any, ...]] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
         self._registering: set[int] = set()
         self._unit_instance: dict[int, str] = {}
@@ -235,6 +242,7 @@ class ControllerServer(ControllerPuts):
             PutCommit: self._on_put_commit,
             PutInline: self._on_put_inline,
             RenewPut: self._on_renew_put,
+            AbortPut: self._on_abort_put,
             Cancel: self._on_cancel,
             Ack: self._on_ack,
             Release: self._on_release,
@@ -261,29 +269,36 @@ class ControllerServer(ControllerPuts):
     # ---- consumption -------------------------------------------------------------------------
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
-        scope = self._pending.get((msg.peer, body.target))
+        key = (msg.peer, body.target)
+        scope = self._pending.get(key)
         if scope is not None:
-            scope.cancel()
-        return SENT  # one-way
+            scope.cancel()  # still waiting: it ends without consuming anything
+            return SENT  # one-way
+        undo = self._fetched.pop(key, None)
+        if undo is not None:
+            # answered, but the caller gave up before the reply reached it: the rows go
+            # back now, before any later request of that client is served (a client-side
+            # Release after the late reply arrived could come after its end-of-stream)
+            self._apply(self.core.release(*undo))
+        return SENT
 
     def _on_ack(self, msg: Incoming, body: Ack) -> None:
         self._apply(self.core.ack(body.lease_ids, self._now()))
 
     def _on_release(self, msg: Incoming, body: Release) -> None:
-        fx = self.core.release(body.partition_id, body.task_name, body.rows, body.incarnation)
+        fx = self.core.release(
+            body.partition_id, body.task_name, body.rows, body.incarnation, body.lease_id
+        )
         self._apply(fx)
 
     def _on_seal(self, msg: Incoming, body: Seal) -> None:
-        self._notify(self.state.seal(body.partition_id, create=body.create))
+        self._apply(self.core.catalog.seal(body.partition_id, create=body.create))
 
     def _on_reset_consumption(self, msg: Incoming, body: ResetConsumption) -> None:
         self._apply(self.core.reset_consumption(body.partition_id, body.task_name))
 
     def _on_register_tasks(self, msg: Incoming, body: RegisterTasks) -> None:
-        if body.tasks:
-            self.state.auto_clear[body.partition_id] = tuple(dict.fromkeys(body.tasks))
-        else:
-            self.state.auto_clear.pop(body.partition_id, None)
+        self._apply(self.core.catalog.register_tasks(body.partition_id, body.tasks))
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state
@@ -315,44 +330,28 @@ class ControllerServer(ControllerPuts):
         return DEFERRED
 
     def _on_set_tags(self, msg: Incoming, body: SetTags) -> None:
-        p = self.state.partition(body.partition_id)
-        p.check_incarnation(body.incarnation)
-        p.set_tags(body.rows, body.tags)
+        fx = self.core.catalog.set_tags(body.partition_id, body.rows, body.tags, body.incarnation)
+        self._apply(fx)
 
     def _on_kv_tag(self, msg: Incoming, body: KVTag) -> Placement:
-        if len(body.tags) != len(body.keys):
-            raise InvalidRequestError(f"got {len(body.tags)} tag dicts for {len(body.keys)} keys")
-        placement, fx = self.core.put_begin(
-            body.partition_id, [], 0, None, body.keys, self._now(), lease=False
+        placement, fx = self.core.catalog.kv_tag(
+            body.partition_id, body.keys, body.tags, self._now()
         )
-        self.state.partition(body.partition_id).set_tags(placement.rows, body.tags)
         self._apply(fx)
         return placement
 
     # ---- checkpoints -------------------------------------------------------------------------
 
     def _on_restore_begin(self, msg: Incoming, body: RestoreBegin) -> dict[str, list[int]]:
-        staged = self.state.restore_begin(body.state.partitions)
-        return {p.partition_id: list(p.units) for p in staged}
+        return self.core.catalog.restore_begin(body.state.partitions)
 
     def _on_restore_commit(self, msg: Incoming, body: RestoreCommit) -> None:
-        st = self.state
-        missing = [pid for pid in body.partition_ids if pid not in st.restoring]
-        if missing:
-            raise InvalidRequestError(f"partitions {missing} are not being restored")
-        for pid in body.partition_ids:
-            st.partitions[pid] = st.restoring.pop(pid)
-        if body.sampler_state:
-            self.sampler.load_state_dict(body.sampler_state.get("default", {}))
-            for t, smp in self.task_samplers.items():
-                smp.load_state_dict(body.sampler_state.get(f"task:{t}", {}))
-        self._notify([Wakeup(pid) for pid in body.partition_ids])
+        samplers = (self.sampler, self.task_samplers)
+        fx = self.core.catalog.restore_commit(body.partition_ids, body.sampler_state, samplers)
+        self._apply(fx)
 
     def _on_restore_abort(self, msg: Incoming, body: RestoreAbort) -> None:
-        st = self.state
-        for pid in body.partition_ids:
-            st.restoring.pop(pid, None)
-        everywhere: dict[int, list[int] | None] = dict.fromkeys(st.units)
+        everywhere = self.core.catalog.restore_abort(body.partition_ids)
         for pid in body.partition_ids:
             self._spawn(self._clear_units, None, msg.rid, pid, everywhere)
 
@@ -363,8 +362,17 @@ class ControllerServer(ControllerPuts):
 
         A retried ``get`` is answered without the cells (it reads them from the units).
         """
+        scope = self._pending.get((peer, rid)) if self._pending else None
+        if scope is not None and scope.cancel_called:
+            # the Cancel came while the answer was on its way (the waiting request had
+            # already been woken): the caller is gone, so the rows go back, unsent
+            self._apply(self.core.cancel(req, reply))
+            return
+        undoable = reply.rows and req.mode == "fetch" and record_key(req) is None
         inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
         reply.units_epoch = self.state.units_epoch
+        if undoable:
+            self._remember_fetch(peer, rid, req, reply)
         if inline is None:
             self.send_ok(peer, rid, reply)
             return
@@ -372,6 +380,13 @@ class ControllerServer(ControllerPuts):
         reply.inline, frames = inline
         self.send(peer, rid, ok_reply(rid, reply), frames)
         self._remember(peer, rid, without)  # the cache keeps no cells alive
+
+    def _remember_fetch(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
+        """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
+        fetched = self._fetched
+        fetched[(peer, rid)] = _undo_of(req, reply)
+        if len(fetched) > _FETCHES_REMEMBERED:
+            fetched.popitem(last=False)
 
     def _read_inline(
         self, req: GetMeta, reply: MetaReply
@@ -411,14 +426,16 @@ class ControllerServer(ControllerPuts):
             result = decision.run()
             if inspect.isawaitable(result):
                 first = (decision, result)
-                self._spawn(self._get_meta_waiting, msg, req, first, self.lot.generation)
+                self._spawn_waiting(
+                    msg, self._get_meta_waiting, msg, req, first, self.lot.generation
+                )
                 return DEFERRED
             decision, fx = self.core.sampled(req, decision, result, self._now())
             self._apply(fx)
         if isinstance(decision, MetaReply):
             self._send_meta(msg.peer, msg.rid, req, decision)
             return SENT
-        self._spawn(self._get_meta_waiting, msg, req, None, self.lot.generation)
+        self._spawn_waiting(msg, self._get_meta_waiting, msg, req, None, self.lot.generation)
         if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
             asyncio.get_running_loop().call_later(
                 self.waiting_warning_after, self._warn_if_still_waiting, msg.peer, msg.rid, req
@@ -537,7 +554,7 @@ class ControllerServer(ControllerPuts):
     def _on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
         if self.core.acquire(body.policy_version, body.n):
             return None
-        self._spawn(self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
+        self._spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
 
     def _on_release_rollout(self, msg: Incoming, body: ReleaseRollout) -> None:
@@ -575,16 +592,8 @@ class ControllerServer(ControllerPuts):
         )
 
     def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
-        out: dict[str, list[int]] = {}
-        taken = 0
+        out = self.core.catalog.take_recycled(max_rows)
         st = self.state
-        while st.recycled and taken < max_rows:
-            pid, row = st.recycled.popleft()
-            p = st.partitions.get(pid)
-            if p is None or not p.alive[row]:
-                continue  # its partition was cleared: nothing left to regenerate from
-            out.setdefault(pid, []).append(row)
-            taken += 1
         return [
             RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
             for pid, rows in out.items()
@@ -622,6 +631,11 @@ def _progress(state: ControllerState, req: GetMeta) -> tuple[Any, ...]:
         len(p.put_leases),
         produced,
     )
+
+
+def _undo_of(req: GetMeta, reply: MetaReply) -> tuple[Any, ...]:
+    """The arguments of :meth:`ControllerCore.release` that undo a fetch's answer."""
+    return (req.partition_id, req.task_name, reply.rows, reply.incarnation, reply.lease_id)
 
 
 def _query(core: ControllerCore, answer: Any, msg: Incoming, body: Any) -> Any:

@@ -14,8 +14,8 @@ from typing import Any
 
 from ._controller_shell import ControllerShell
 from ._core import Effects
-from ._errors import InvalidRequestError, RowsNotFound, WouldBlock
-from ._protocol import Placement, PutBegin, PutCommit, PutInline, RenewPut, StorePut
+from ._errors import InvalidRequestError, RowsNotFound
+from ._protocol import AbortPut, Placement, PutBegin, PutCommit, PutInline, RenewPut, StorePut
 from ._service import DEFERRED, SENT, Incoming
 from ._state import ControllerState, Partition
 
@@ -29,7 +29,9 @@ class ControllerPuts(ControllerShell):
         _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
         if not self._room_for(body.partition_id, n_new, body.nowait):
-            self._spawn(self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0)
+            self._spawn_waiting(
+                msg, self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0
+            )
             return DEFERRED
         self._put_begin(msg.peer, msg.rid, body)
         return SENT
@@ -46,6 +48,9 @@ class ControllerPuts(ControllerShell):
         )
         self._apply(fx)
 
+    def _on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
+        self._apply(self.core.abort_puts(body.put_ids))
+
     def _on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
         self.core.renew_puts(body.put_ids, self._now())
         self._rearm()
@@ -59,20 +64,7 @@ class ControllerPuts(ControllerShell):
 
     def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
         """Whether ``n_new`` rows fit now; raises when they never will, or when ``nowait``."""
-        st = self.state
-        if st.has_room(partition_id, n_new):
-            return True
-        if st.capacity is not None and n_new > st.capacity:
-            raise InvalidRequestError(
-                f"a put of {n_new} new rows can never fit the capacity of "
-                f"{st.capacity} rows; split it"
-            )
-        if nowait:
-            raise WouldBlock(
-                f"partition {partition_id!r} is at its capacity of {st.capacity} "
-                "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
-            )
-        return False
+        return self.core.catalog.room_for(partition_id, n_new, nowait)
 
     def _on_put_inline(self, msg: Incoming, body: PutInline) -> Any:
         """A :class:`PutInline`.
@@ -101,7 +93,9 @@ class ControllerPuts(ControllerShell):
                     raise
                 return SENT
         frames = msg.frames[1:]
-        self._spawn(self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0)
+        self._spawn_waiting(
+            msg, self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0
+        )
         return DEFERRED
 
     def _inline_place(self, body: PutInline) -> _Placed:
@@ -128,13 +122,10 @@ class ControllerPuts(ControllerShell):
 
     def _inline_undo(self, body: PutInline, placed: _Placed) -> None:
         """A one-message put failed after its rows were placed: drop new rows again."""
-        p = placed.partition
-        if body.rows is not None or self.state.partitions.get(body.partition_id) is not p:
-            return  # existing rows (their new cells were never marked produced), or cleared
-        # rows may be gone already: lost with their unit, or the partition cleared meanwhile
-        rows = [r for r in placed.rows if r < p.n_rows and p.alive[r]]
-        if rows:
-            self._apply(self.core.clear_rows(body.partition_id, rows))
+        if body.rows is not None:
+            return  # existing rows: their new cells were never marked produced
+        fx = self.core.puts.undo(body.partition_id, placed.rows, placed.partition.incarnation)
+        self._apply(fx)
 
     async def _put_inline_task(
         self,

@@ -57,7 +57,6 @@ class ControllerShell(Service):
 
     name = "controller"
     core: ControllerCore
-    state: ControllerState
     curve: CurveServer | None
     unit_suspend_after: float
     #: each remote unit's instance token: a unit that comes back with another lost its data
@@ -78,6 +77,12 @@ class ControllerShell(Service):
     _registering: set[int]
     _timer: asyncio.TimerHandle | None
     _timer_at: float | None
+
+    @property
+    def state(self) -> ControllerState:
+        """The core's state, for reading: every change goes through a transition of
+        :attr:`core` (``tests/test_layering.py`` checks the shell's modules)."""
+        return self.core.state
 
     # ---- effects -----------------------------------------------------------------------------
 
@@ -120,6 +125,12 @@ class ControllerShell(Service):
     def _on_deadline(self) -> None:
         self._timer, self._timer_at = None, None
         self._apply(self.core.advance(self._now()))
+
+    def _spawn_waiting(self, msg: Incoming, coro_fn: Any, *args: Any) -> None:
+        """Spawn a request that may wait (it runs :meth:`_waiting_request`). It can be
+        cancelled from now on: a ``Cancel`` read before its task starts still finds it."""
+        self._pending[(msg.peer, msg.rid)] = anyio.CancelScope()
+        self._spawn(coro_fn, *args)
 
     def _spawn(self, coro_fn: Any, *args: Any) -> None:
         if self._tg is None:
@@ -175,8 +186,8 @@ class ControllerShell(Service):
         :class:`TQTimeoutError` after ``timeout``, and answers any error; nothing it would
         have done happens after it ends.
         """
-        scope = anyio.CancelScope()
-        self._pending[(peer, rid)] = scope
+        # registered when the request was spawned (a Cancel may have come since)
+        scope = self._pending.setdefault((peer, rid), anyio.CancelScope())
         ok = False
         try:
             with scope, anyio.fail_after(timeout) if timeout else nullcontext():

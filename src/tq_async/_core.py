@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._admission import Admission
+from ._catalog import Catalog
 from ._effects import AdmissionConfig, Deadlines, Effects
 from ._errors import InvalidRequestError, TQError
 from ._liveness import UnitLiveness
@@ -161,6 +162,8 @@ class ControllerCore:
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
         self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
+        #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
+        self.catalog = Catalog(self.state, self.puts)
         self.rollouts = Admission(self.state, self.admission)
         self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
@@ -557,13 +560,39 @@ class ControllerCore:
             )
         fx.wakeups.append(Wakeup(p.partition_id, lease.task))
 
+    def cancel(self, req: GetMeta, reply: MetaReply) -> Effects:
+        """The caller of ``req`` gave up before it saw ``reply``: undo the answer (see
+        :meth:`release`). A recorded batch keeps its rows for its key; a peek took nothing."""
+        if req.mode != "fetch" or not reply.rows or record_key(req) is not None:
+            return Effects()
+        rows, incarnation, lease_id = reply.rows, reply.incarnation, reply.lease_id
+        return self.release(req.partition_id, req.task_name, rows, incarnation, lease_id)
+
     def release(
-        self, partition_id: str, task: str, rows: Sequence[int], incarnation: str | None = None
+        self,
+        partition_id: str,
+        task: str,
+        rows: Sequence[int],
+        incarnation: str | None = None,
+        lease_id: int = 0,
     ) -> Effects:
-        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded)."""
+        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded).
+
+        This is the ``cancel`` transition of a fetch whose caller never saw its reply
+        (:meth:`cancel` for a request still waiting): its lease or hold (``lease_id``) is
+        dropped, not acknowledged — an expiry must not give the rows back a second time,
+        and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
+        Rows of a recorded batch stay with the batch (its next reader gets them), and so
+        does its lease.
+        """
         fx = Effects()
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
+        lease = p.leases.get(lease_id) if lease_id else None
+        if lease is not None and lease.key is None and lease.task == task:
+            self._drop_lease(p, lease)
+            if lease.deadline is not None:
+                fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
         recorded = {r for batch in p.recorded.values() for r in batch} if p.recorded else ()
         back = [r for r in rows if r not in recorded]
         if back and p.release(task, back):
@@ -587,6 +616,10 @@ class ControllerCore:
     ) -> tuple[Placement, Effects]:
         """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`)."""
         return self.puts.begin(partition_id, headers, n_rows, rows, keys, now, lease=lease)
+
+    def abort_puts(self, put_ids: Sequence[int]) -> Effects:
+        """A producer gave up puts before committing: their new rows are reclaimed now."""
+        return self.puts.abort(put_ids)
 
     def renew_puts(self, put_ids: Sequence[int], now: float) -> None:
         """The producer is alive and still writing: push the put leases' deadlines."""

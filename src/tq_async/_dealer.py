@@ -15,7 +15,7 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -161,6 +161,8 @@ class DealerConnection(DrainedSocket):
         self._pid = os.getpid()
         #: connected through the in-process twin of the service's endpoint
         self.inproc = False
+        #: the service's process, when known to be on this host (its shared-memory hello)
+        self.peer_pid: int | None = None
         sock, monitor = self._open()
         super().__init__(sock)
         self._watch(monitor)
@@ -221,7 +223,7 @@ class DealerConnection(DrainedSocket):
         with contextlib.suppress(RuntimeError, ValueError):
             self._loop.remove_reader(self._fd)
         if not self._closed:
-            self._disconnected()
+            self._disconnected(closed_by_peer=True)
 
     def _watch(self, monitor: zmq.Socket[Any] | None) -> None:
         self._monitor = monitor
@@ -257,7 +259,7 @@ class DealerConnection(DrainedSocket):
         self._adopt_socket(sock)
         self._watch(monitor)
         for frames in list(self._inflight.values()):
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, OSError):
                 self._send(frames)
 
     def _drain_monitor(self) -> None:
@@ -340,15 +342,16 @@ class DealerConnection(DrainedSocket):
             )
         return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
-    def _disconnected(self, why: str | None = None) -> None:
+    def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self.connected = False
-        self._fail_pending(
-            BrokenError(
-                why
-                or f"the connection to {self.address} broke (the service stopped or "
-                "vanished); requests in flight are lost: retry once it is back"
+        if why is None:
+            # a peer that closed the connection itself is gone (a paused one closes nothing)
+            cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
+            why = (
+                f"the connection to {self.address} broke ({cause}); requests in flight are "
+                "lost: retry once it is back"
             )
-        )
+        self._fail_pending(BrokenError(why))
         if self._on_disconnect is not None:
             self._on_disconnect()
 
@@ -377,11 +380,18 @@ class DealerConnection(DrainedSocket):
             log.warning("dropped an unreadable reply", peer=self.address)
             return
         data = frames[1:]
-        fut = self._pending.pop(reply.rid, None)
+        fut = self._pending.get(reply.rid)
         self._inflight.pop(reply.rid, None)
         if fut is not None:
+            # the entry stays until the request itself ends: a request cancelled after its
+            # reply arrived, but before it ran again, still finds the reply (_abandon)
             if not fut.done():
                 fut.set_result((reply, data))
+            elif _holds_reply(fut) is None:
+                # the attempt's timer fired, or the caller was cancelled, just before: keep
+                # the reply for the next attempt or for _abandon
+                self._pending[reply.rid] = arrived = self._loop.create_future()
+                arrived.set_result((reply, data))
             return
         orphan = self._orphans.pop(reply.rid, None)
         if orphan is not None:
@@ -394,6 +404,7 @@ class DealerConnection(DrainedSocket):
         *,
         timeout: float | None = None,
         on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None = None,
+        cancel_undoes: bool = False,
     ) -> tuple[msgspec.Raw, list[Any]]:
         """Send ``body`` (+ data frames) and wait for the reply's payload and frames.
 
@@ -403,6 +414,9 @@ class DealerConnection(DrainedSocket):
             timeout: seconds to wait for the reply; None waits until cancelled.
             on_abandon: called with the reply if it arrives after this call was cancelled or
                 timed out (lets the caller undo what the service did for it).
+            cancel_undoes: the service undoes an answered request itself when its
+                ``Cancel`` arrives: ``on_abandon`` runs only for a reply that arrived before
+                the call gave up (no ``Cancel`` is sent for it then).
 
         Raises:
             TQTimeoutError: no reply within ``timeout`` (the service is told to cancel).
@@ -420,26 +434,28 @@ class DealerConnection(DrainedSocket):
         self._inflight[rid] = outgoing
         try:
             self._send(outgoing)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:  # (a context manager costs ~1 us a call)
             self._inflight.pop(rid, None)
-            raise BrokenError(f"cannot send to {self.address}: {exc}") from exc
+            raise self._broken(type(body).__name__, exc) from exc
         try:
             got = await self._reply_to(rid, outgoing, timeout)
+            if got is None:
+                raise TQTimeoutError(
+                    f"{type(body).__name__} to {self.address} got no reply within {timeout} "
+                    f"s; {self._why_silent()}"
+                )
+            reply, rframes = got
+            if reply.ok and self.inproc and rframes:
+                rframes = await private_frames(rframes, incoming=True)
         except BaseException:
-            self._abandon(rid, on_abandon)
+            # cancelled or timed out at any point, even after the reply arrived: the
+            # service is told, or the reply goes to on_abandon (the caller never saw it)
+            self._abandon(rid, on_abandon, cancel_undoes)
             raise
-        if got is None:
-            self._abandon(rid, on_abandon)
-            raise TQTimeoutError(
-                f"{type(body).__name__} to {self.address} got no reply within {timeout} s; "
-                "check that the service is running, or raise the timeout"
-            )
-        reply, rframes = got
+        self._pending.pop(rid, None)
         if not reply.ok:
             kind, message = decode_error_payload(reply.payload)
             raise error_from_wire(kind, message)
-        if self.inproc and rframes:
-            return reply.payload, await private_frames(rframes, incoming=True)
         return reply.payload, rframes
 
     def _check_usable(self) -> None:
@@ -453,9 +469,30 @@ class DealerConnection(DrainedSocket):
             )
         if self.connected is False:
             raise BrokenError(
-                f"the connection to {self.address} is broken (the service stopped or "
-                "vanished); retry once it is back"
+                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
+                "once it is back"
             )
+
+    def _why_silent(self) -> str:
+        """What a timed-out request's caller should check."""
+        if _process_state(self.peer_pid) is not None:
+            return f"{self._why_broken()}; raise the timeout if it is only slow"
+        return "check that the service is running, or raise the timeout"
+
+    def _why_broken(self) -> str:
+        """Why the service went away, as far as this side can tell: a same-host service
+        whose process still exists is only not answering (paused, swapping, overloaded)."""
+        state = _process_state(self.peer_pid)
+        if state is None:
+            # across hosts a paused service and a vanished one look the same
+            known = self.peer_pid is not None
+            return (
+                "the service stopped or vanished"
+                if known
+                else ("the service stopped, vanished or is not answering")
+            )
+        paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
+        return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
 
     async def _reply_to(
         self, rid: int, outgoing: list[Any], timeout: float | None
@@ -481,7 +518,7 @@ class DealerConnection(DrainedSocket):
             if remaining is not None and wait is not None and wait >= remaining:
                 return None
             if deadline is None:
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, OSError):
                     self._send(outgoing)
             elif self._edge_triggered:  # ZMQ; a Unix socket is level-triggered
                 log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
@@ -497,9 +534,14 @@ class DealerConnection(DrainedSocket):
         One plain loop timer per attempt resolves the future with None: anyio.fail_after or
         asyncio.wait cost 30+ us each on this path.
         """
+        pending = self._pending
+        if rid in pending:
+            got = _holds_reply(pending[rid])
+            if got is not None:
+                return got  # arrived as the last attempt's timer fired
+        alone = len(pending) == (rid in pending)
         fut: _ReplyFuture = self._loop.create_future()
-        alone = not self._pending
-        self._pending[rid] = fut
+        pending[rid] = fut
         if alone and self._busy_poll is not None and await self._busy_poll.caught(fut, self._drain):
             return fut.result()
         if wait is None:
@@ -511,26 +553,66 @@ class DealerConnection(DrainedSocket):
             timer.cancel()
 
     def _abandon(
-        self, rid: int, on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None
+        self,
+        rid: int,
+        on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None,
+        cancel_undoes: bool = False,
     ) -> None:
         self._inflight.pop(rid, None)
         fut = self._pending.pop(rid, None)
-        arrived = fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-        if arrived and fut is not None and (got := fut.result()) is not None:
-            # the reply arrived in the same loop iteration as the cancellation
+        got = None if fut is None else _holds_reply(fut)
+        if got is not None:
+            # the reply arrived, but the caller gave up before it saw it
             if on_abandon is not None:
-                on_abandon(*got)
+                try:
+                    on_abandon(*got)
+                except Exception:  # clean-up must not replace the caller's own error
+                    log.exception("undoing an abandoned request failed", peer=self.address)
             return
-        if on_abandon is not None:
+        if on_abandon is not None and not cancel_undoes:
             self._orphans[rid] = on_abandon
-        if not self._closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send([encoder.encode((next(self._rids), Cancel(rid)))])
+        self.send_best_effort(Cancel(rid))
 
     def send_oneway(self, body: msgspec.Struct) -> None:
-        """Send a request whose reply nobody waits for (it is dropped on arrival)."""
+        """Send a request whose reply nobody waits for (it is dropped on arrival).
+
+        Raises:
+            BrokenError: the connection is broken (nothing was sent).
+        """
         if not self._closed:
-            self._send([encoder.encode((next(self._rids), body))])
+            with self.transport_errors(type(body).__name__):
+                self._send([encoder.encode((next(self._rids), body))])
+
+    def send_best_effort(self, body: msgspec.Struct) -> bool:
+        """:meth:`send_oneway` for clean-up that must not replace the caller's outcome (an
+        unpin after a read, a Cancel, a renewal): a broken connection is logged, not raised;
+        the service frees what the message was about when it notices the client is gone.
+
+        Returns:
+            Whether the message was handed to the socket.
+        """
+        try:
+            self.send_oneway(body)
+        except BrokenError as exc:
+            log.debug("one-way message not sent", peer=self.address, error=str(exc))
+            return False
+        return not self._closed
+
+    @contextlib.contextmanager
+    def transport_errors(self, what: str) -> Iterator[None]:
+        """The one place where the transport's own failures (``zmq.ZMQError``, the Unix
+        socket's ``OSError``) become :class:`BrokenError` for every call of the client,
+        requests and one-way messages alike."""
+        try:
+            yield
+        except (zmq.ZMQError, OSError) as exc:
+            raise self._broken(what, exc) from exc
+
+    def _broken(self, what: str, exc: BaseException) -> BrokenError:
+        """The error of a send the transport refused (see :meth:`transport_errors`)."""
+        return BrokenError(
+            f"{what} to {self.address} failed: {exc} ({self._why_broken()}); retry once it is back"
+        )
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with :class:`ClosedError`."""
@@ -556,6 +638,30 @@ def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
 
 #: a request's reply, or None when an attempt's timer fired first
 _ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The state letter of a process of this host (``R``, ``S``, ``T``...), None if gone
+    or unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows the last ")"
+    fields = stat[stat.rfind(b")") + 2 :].split(b" ", 1)
+    state = fields[0].decode(errors="replace")
+    return None if state in ("Z", "X", "x") else state
+
+
+def _holds_reply(fut: _ReplyFuture) -> tuple[Reply, list[zmq.Frame]] | None:
+    """The reply ``fut`` resolved to; None while it waits, or if it timed out, was
+    cancelled or failed."""
+    if not fut.done() or fut.cancelled() or fut.exception() is not None:
+        return None
+    return fut.result()
 
 
 def _no_reply_yet(fut: _ReplyFuture) -> None:

@@ -76,6 +76,13 @@ class RenewPut(_Msg):
     put_ids: list[int]
 
 
+class AbortPut(_Msg):
+    """The producer gave up these puts before committing them (cancelled, failed): their
+    new rows are reclaimed now, as when a put lease lapses (fire and forget)."""
+
+    put_ids: list[int]
+
+
 class PutInline(_Msg):
     """A small put in one request: the column frames follow the header.
 
@@ -180,6 +187,8 @@ class Release(_Msg):
     rows: list[int]
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: the fetch's lease or hold (0: none): dropped with the rows, never acknowledged
+    lease_id: int = 0
 
 
 class Seal(_Msg):
@@ -231,6 +240,14 @@ class ListPartitions(_Msg):
 
 class PartitionInfo(_Msg):
     partition_id: str
+
+
+class FieldSchema(_Msg):
+    """The headers (kind, dtype, row shape) of a partition's ``fields``: what an empty
+    batch of them carries (unknown fields and partitions are left out)."""
+
+    partition_id: str
+    fields: list[str]
 
 
 class SetTags(_Msg):
@@ -330,10 +347,12 @@ class RestoreAbort(_Msg):
 
 ControllerBody = (
     Hello
+    | FieldSchema
     | RegisterUnit
     | PutBegin
     | PutCommit
     | RenewPut
+    | AbortPut
     | PutInline
     | GetMeta
     | Cancel

@@ -128,6 +128,28 @@ class PutLeases:
             gained = p.commit(rows, fields, tags, versions)
         return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
 
+    def undo(self, partition_id: str, rows: Sequence[int], incarnation: str) -> Effects:
+        """A put the controller completes itself (no put lease) failed after placing new
+        ``rows``: drop those still alive (unless the partition was cleared meanwhile)."""
+        p = self.state.partitions.get(partition_id)
+        if p is None or p.incarnation != incarnation:
+            return Effects()
+        # rows may be gone already: lost with their unit
+        alive = [r for r in rows if r < p.n_rows and p.alive[r]]
+        return self._clear(p, alive) if alive else Effects()
+
+    def abort(self, put_ids: Sequence[int]) -> Effects:
+        """The producer gave up these puts: reclaim their rows now (never visible).
+
+        Unknown ids (committed, lapsed, of a cleared partition) are ignored.
+        """
+        fx = Effects()
+        for put_id in put_ids:
+            p = self.home.get(put_id)
+            if p is not None:
+                self.lapse(put_id, p.put_leases[put_id].deadline, fx)
+        return fx
+
     def lapse(self, put_id: int, deadline: float, fx: Effects) -> None:
         """A producer stopped renewing its put: reclaim the rows (never visible)."""
         p = self.home.get(put_id)

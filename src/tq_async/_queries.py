@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._columns import ColumnHeader
 from ._core import ControllerCore, meta_reply
 from ._errors import KeyNotFound
 from ._protocol import (
@@ -16,6 +17,7 @@ from ._protocol import (
     CheckProduction,
     ConsumptionStatus,
     DumpState,
+    FieldSchema,
     KVKeys,
     KVList,
     KVLookup,
@@ -73,6 +75,13 @@ def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
 
 def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
     return core.state.partition(body.partition_id).info()
+
+
+def field_schema(core: ControllerCore, body: FieldSchema) -> list[ColumnHeader]:
+    p = core.state.partitions.get(body.partition_id)
+    if p is None:
+        return []
+    return [p.fields[f].header for f in body.fields if f in p.fields]
 
 
 def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
@@ -155,6 +164,7 @@ QUERIES: dict[type, Callable[[ControllerCore, Any], Any]] = {
     ConsumptionStatus: consumption_status,
     ListPartitions: list_partitions,
     PartitionInfo: partition_info,
+    FieldSchema: field_schema,
     KVLookup: kv_lookup,
     KVList: kv_list,
     KVKeys: kv_keys,

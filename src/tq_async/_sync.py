@@ -12,18 +12,20 @@ import functools
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from tensordict import TensorDict, TensorDictBase
-
-from ._client import AsyncClient
 from ._dealer import DEFAULT_BUSY_POLL
 from ._errors import ClosedError
 from ._meta import BatchMeta
 from ._portal import check_blocking_allowed, get_portal
 from ._security import CurveClient
 from ._serve import check_address
+
+if TYPE_CHECKING:  # torch loads with the AsyncClient, in open(): a mistake fails before it
+    import torch
+    from tensordict import TensorDict, TensorDictBase
+
+    from ._client import AsyncClient
 
 __all__ = ["Client"]
 
@@ -57,7 +59,8 @@ class Client:
     ) -> None:
         check_address(address)
         self.address = address
-        self._portal = get_portal()
+        #: the portal is found on first use: a Client made (by mistake) on the loop that
+        #: runs the services fails at once in open(), before any thread or I/O
         self._async: AsyncClient | None = None
         self._kwargs: dict[str, Any] = {
             "request_timeout": request_timeout,
@@ -110,8 +113,10 @@ class Client:
         """Connect (on the portal loop). Returns self."""
         if self._async is None:
             check_blocking_allowed("tq.Client.connect(...)")
+            from ._client import AsyncClient
+
             aclient = AsyncClient(self.address, **self._kwargs)
-            self._portal.call(aclient.open)
+            get_portal().call(aclient.open)
             self._async = aclient
         return self
 
@@ -119,7 +124,7 @@ class Client:
         """Close the connection; further calls raise :class:`~tq_async.ClosedError`."""
         if self._async is not None:
             aclient, self._async = self._async, None
-            self._portal.call(aclient.aclose)
+            get_portal().call(aclient.aclose)
 
     def __enter__(self) -> Client:
         return self.open()
@@ -144,7 +149,7 @@ class Client:
 
     def _run(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R:
         check_blocking_allowed(f"tq.Client.{fn.__name__}()")
-        return self._portal.call(functools.partial(fn, *args, **kwargs))
+        return get_portal().call(functools.partial(fn, *args, **kwargs))
 
     def put(
         self,

@@ -47,13 +47,49 @@ from typing import Any
 
 import msgspec
 
-from .._errors import UnsupportedTypeError
+from .._errors import InvalidRequestError, UnsupportedTypeError
 
-__all__ = ["BaseSampler", "SampleResult", "SharesResult", "WrappingSampler"]
+__all__ = ["BaseSampler", "SampleResult", "SharesResult", "WrappingSampler", "check_context"]
 
 SampleResult = tuple[list[int], list[int]]
 #: ``(shares, consumed)``: one list of rows per DP rank, and the rows to mark consumed
 SharesResult = tuple[list[list[int]], list[int]]
+
+
+def _index(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidRequestError(f"a sampler needs {name} as an integer >= {low}, got {value!r}")
+
+
+def check_context(batch_size: Any, kwargs: Mapping[str, Any], dp_size: Any = None) -> None:
+    """Refuse a context no request could carry: what ``get_meta`` checks before the
+    controller calls a sampler, checked again for a sampler called directly (as
+    TransferQueue's tests and users do).
+
+    Raises:
+        InvalidRequestError: ``batch_size`` or ``dp_size`` below 1, ``dp_rank`` or
+            ``batch_index`` negative or not an int, ``dp_rank`` not below ``dp_size``.
+    """
+    if type(batch_size) is not int or batch_size < 1:
+        _index("batch_size", batch_size, 1)
+    dp_rank = kwargs.get("dp_rank")
+    if dp_rank is None and kwargs.get("batch_index") is None and dp_size is None:
+        cfg = kwargs.get("sampling_config")
+        if not cfg or cfg.get("dp_size") is None:
+            return  # the common pooled fetch: nothing more to check
+    if dp_rank is not None:
+        _index("dp_rank", dp_rank, 0)
+    if (batch_index := kwargs.get("batch_index")) is not None:
+        _index("batch_index", batch_index, 0)
+    if dp_size is None:
+        cfg = kwargs.get("sampling_config")
+        dp_size = cfg.get("dp_size") if isinstance(cfg, Mapping) else None
+    if dp_size is not None:
+        _index("dp_size", dp_size, 1)
+        if dp_rank is not None and dp_rank >= dp_size:
+            raise InvalidRequestError(
+                f"a sampler got dp_rank {dp_rank} for dp_size {dp_size}; ranks are 0..{dp_size - 1}"
+            )
 
 
 class BaseSampler:

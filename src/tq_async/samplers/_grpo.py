@@ -7,7 +7,7 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
-from ._base import BaseSampler, SampleResult
+from ._base import BaseSampler, SampleResult, check_context
 from ._groups import check_group_size, complete_groups
 
 __all__ = ["GRPOGroupNSampler"]
@@ -89,6 +89,7 @@ class GRPOGroupNSampler(BaseSampler):
         """
         n = self.n_samples_per_prompt
         check_group_size(n, batch_size)
+        check_context(batch_size, kwargs)
         wanted = batch_size // n
         groups = complete_groups(
             ready_indexes, n, wanted, tags=tags, origin=origin, group_key=self.group_key

@@ -14,7 +14,13 @@ from typing import Any
 import anyio
 
 from .._errors import InvalidRequestError
-from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
+from ._base import (
+    BaseSampler,
+    SampleResult,
+    SharesResult,
+    WrappingSampler,
+    check_context,
+)
 from ._cache import ShareCache, reads_needed
 from ._sequential import SequentialSampler
 
@@ -124,6 +130,7 @@ class RankAwareSampler(WrappingSampler):
             ``(sampled, consumed)`` for the first request of a key, ``(sampled, [])`` for the
             others; an awaitable of that when ``inner`` is async.
         """
+        check_context(batch_size, kwargs)
         dp_rank, batch_index = kwargs.get("dp_rank"), kwargs.get("batch_index")
         if dp_rank is None or batch_index is None:
             return self.inner.sample(ready_indexes, batch_size, *args, **self._inner_kwargs(kwargs))
@@ -194,6 +201,7 @@ class RankAwareSampler(WrappingSampler):
         self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
     ) -> SharesResult | Awaitable[SharesResult] | None:
         """``inner``'s: the controller records a global batch for every rank itself."""
+        check_context(batch_size, kwargs, dp_size)
         return self.inner.sample_shares(ready_indexes, batch_size, dp_size, **kwargs)
 
     def clear_partition(self, partition_id: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
-from ._base import BaseSampler, SampleResult, SharesResult
+from ._base import BaseSampler, SampleResult, SharesResult, check_context
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
 from ._kk import karmarkar_karp
@@ -119,6 +119,7 @@ class SeqlenBalancedSampler(BaseSampler):
             ``(shares, every row of the batch)``, or ``([], [])`` while too few groups are
             ready.
         """
+        check_context(batch_size, kwargs, dp_size)
         n = self.n_samples_per_prompt
         check_group_size(n, batch_size)
         tags = kwargs.get("tags")
@@ -189,15 +190,18 @@ class SeqlenBalancedSampler(BaseSampler):
                 than ranks.
         """
         if dp_rank is None or batch_index is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{type(self).__name__} needs dp_rank and batch_index; pass "
                 'sampling_config={"dp_rank": ..., "batch_index": ...} to get_meta'
             )
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
+            raise InvalidRequestError(f"dp_rank must be an int, got {dp_rank!r}")
         if not 0 <= dp_rank < self.dp_size:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"dp_rank {dp_rank} is out of range for dp_size={self.dp_size}; "
                 f"use a rank in 0..{self.dp_size - 1} or build the sampler with the real dp_size"
             )
+        check_context(batch_size, {"dp_rank": dp_rank, "batch_index": batch_index}, self.dp_size)
         key = (partition_id, task_name, batch_index)
         if key in self._cache:
             share = self._cache.read(key, dp_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._base import BaseSampler, SampleResult
+from ._base import BaseSampler, SampleResult, check_context
 
 __all__ = ["SequentialSampler"]
 
@@ -25,6 +25,7 @@ class SequentialSampler(BaseSampler):
         final: bool = False,
         **kwargs: Any,
     ) -> SampleResult:
+        check_context(batch_size, kwargs)
         if len(ready_indexes) >= batch_size:
             rows = list(ready_indexes[:batch_size])
         elif final and len(ready_indexes) > 0:

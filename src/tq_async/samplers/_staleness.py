@@ -8,7 +8,13 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
-from ._base import BaseSampler, SampleResult, SharesResult, WrappingSampler
+from ._base import (
+    BaseSampler,
+    SampleResult,
+    SharesResult,
+    WrappingSampler,
+    check_context,
+)
 from ._sequential import SequentialSampler
 
 __all__ = ["StaleRows", "StalenessSampler"]
@@ -108,6 +114,7 @@ class StalenessSampler(WrappingSampler):
         self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
     ) -> SampleResult | Awaitable[SampleResult]:
         """Split ready rows into fresh and stale, report the stale, let ``inner`` choose."""
+        check_context(batch_size, kwargs)
         learner = kwargs.get("policy_version")
         versions: Mapping[int, int] | None = kwargs.get("versions")
         sink: StaleRows | None = kwargs.get("stale")
@@ -146,6 +153,7 @@ class StalenessSampler(WrappingSampler):
         Stale rows are reported only when ``inner`` chooses here: when it returns None the
         controller calls :meth:`sample`, which reports them itself.
         """
+        check_context(batch_size, kwargs, dp_size)
         learner = kwargs.get("policy_version")
         versions: Mapping[int, int] | None = kwargs.get("versions")
         sink: StaleRows | None = kwargs.get("stale")

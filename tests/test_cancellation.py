@@ -1,0 +1,267 @@
+"""Cancellation at every point of a real round trip consumes nothing (docs/guarantees.md).
+
+Each test cancels a real request on real sockets — embedded, and against a ``tq-async serve``
+process over TCP and over its same-host Unix socket — at one chosen point: before the request
+is sent, while it waits at the controller, after its reply arrived but before the caller ran
+again (the reply is queued), during a busy poll, and after the client reconnected to retry.
+Then it checks that the rows come back (at most once, exactly once after a drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+from _cluster_proc import serve_cluster
+from tq_async._dealer import DealerConnection
+
+MODES = ["embedded", "tcp", "unix"]
+
+
+@asynccontextmanager
+async def client_in(mode: str, **kwargs: Any) -> AsyncIterator[tq.AsyncClient]:
+    """An AsyncClient of a cluster in this loop (embedded) or of a ``tq-async serve``."""
+    if mode == "unix":
+        # the reply comes through the loop's reader, not a poll inside the request's own
+        # step (test_busy_polled_... covers the poll)
+        kwargs.setdefault("busy_poll", 0)
+    if mode == "embedded":
+        async with (
+            tq.local_cluster(num_storage_units=2) as cluster,
+            tq.AsyncClient.connect(cluster.address, **kwargs) as client,
+        ):
+            yield client
+        return
+    with serve_cluster() as address:
+        async with tq.AsyncClient.connect(address, same_host=mode == "unix", **kwargs) as client:
+            await client.list_partitions()  # connected (through the Unix socket if asked)
+            yield client
+
+
+def controller(client: tq.AsyncClient) -> DealerConnection:
+    conn = client._controller
+    assert conn is not None
+    return conn
+
+
+def cancel_on_reply(conn: DealerConnection, victim: asyncio.Task[Any]) -> None:
+    """Cancel ``victim`` right after the connection read a reply, before the victim runs:
+    the reply sits resolved in the loop's queue (what a timeout that fires in the same loop
+    iteration as the reply's arrival does)."""
+    read = conn._on_frames
+
+    def hook(frames: list[Any]) -> None:
+        read(frames)
+        victim.cancel()
+        conn._on_frames = read  # type: ignore[method-assign]
+
+    conn._on_frames = hook  # type: ignore[method-assign]
+
+
+async def fill(client: tq.AsyncClient, pid: str, n: int = 8) -> None:
+    await client.put(TensorDict({"i": torch.arange(n)}, batch_size=[n]), partition_id=pid)
+
+
+async def drain(client: tq.AsyncClient, pid: str, task: str = "t") -> list[int]:
+    """Seal, then read every row left for ``task`` until end-of-stream."""
+    await client.seal(pid)
+    got: list[int] = []
+    while True:
+        meta = await client.get_meta(["i"], 1, pid, task, timeout=10)
+        if meta.end_of_stream:
+            return got
+        got.extend((await client.get_data(meta))["i"].tolist())
+
+
+async def cancelled(coro_fn: Callable[[], Any], arm: Callable[[asyncio.Task[Any]], None]) -> Any:
+    """Run ``coro_fn()`` as a task armed by ``arm``; return its result, or None if cancelled."""
+    task = asyncio.get_running_loop().create_task(coro_fn())
+    arm(task)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise
+        return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lease", [None, 30.0])
+async def test_get_meta_cancelled_with_its_reply_queued_gives_rows_back(
+    mode: str, lease: float | None
+) -> None:
+    async with client_in(mode) as client:
+        await fill(client, "p")
+        conn = controller(client)
+        got = await cancelled(
+            lambda: client.get_meta(["i"], 4, "p", "t", lease=lease),
+            lambda task: cancel_on_reply(conn, task),
+        )
+        assert got is None
+        rows = await drain(client, "p")
+        # every row still there, once; the dropped lease does not hold end-of-stream back
+        assert sorted(rows) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_get_cancelled_with_its_reply_queued_gives_rows_back(mode: str) -> None:
+    async with client_in(mode) as client:
+        await fill(client, "p")
+        conn = controller(client)
+        got = await cancelled(
+            lambda: client.get(["i"], 4, "p", "t"), lambda task: cancel_on_reply(conn, task)
+        )
+        assert got is None
+        assert sorted(await drain(client, "p")) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_get_meta_cancelled_while_waiting_or_before_sending_consumes_nothing(
+    mode: str,
+) -> None:
+    async with client_in(mode) as client:
+        await fill(client, "p", 2)
+        # waits at the controller (too few rows), then is cancelled
+        with anyio.move_on_after(0.2):
+            await client.get_meta(["i"], 4, "p", "t")
+        # cancelled at its first await (anyio lets a call whose reply is already there
+        # complete: then its rows are the caller's)
+        got: list[int] = []
+        meta = None
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            meta = await client.get_meta(["i"], 2, "p", "t")
+        if meta is not None:
+            got += (await client.get_data(meta))["i"].tolist()
+        await fill(client, "p", 2)
+        assert sorted(got + await drain(client, "p")) == [0, 0, 1, 1]
+
+
+def cancel_on_send(conn: DealerConnection, victim: asyncio.Task[Any]) -> None:
+    """Cancel ``victim`` as its request leaves: it is cancelled at its next await (the busy
+    poll's first yield), while the service answers."""
+    send = conn._send
+
+    def hook(frames: Any) -> None:
+        send(frames)
+        victim.cancel()
+        conn._send = send  # type: ignore[method-assign]
+
+    conn._send = hook  # type: ignore[method-assign]
+
+
+async def test_busy_polled_get_meta_cancelled_gives_rows_back() -> None:
+    """Over the Unix socket a request polls for its reply; cancelled as it starts polling,
+    its reply arrives for nobody and the rows go back."""
+    async with client_in("unix", busy_poll=0.01) as client:
+        await fill(client, "p")
+        conn = controller(client)
+        assert conn._busy_poll is not None
+        for _ in range(8):
+            got = await cancelled(
+                lambda: client.get_meta(["i"], 1, "p", "t"),
+                lambda task: cancel_on_send(conn, task),
+            )
+            assert got is None
+        assert sorted(await drain(client, "p")) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", ["embedded", "tcp"])
+async def test_cancelled_after_a_reconnect_retry_gives_rows_back(mode: str) -> None:
+    """The request waits past ``retry_after``, reconnects, is answered from the service's
+    reply cache or its pending entry, and is cancelled with that reply queued."""
+    async with client_in(mode, retry_after=0.05) as client:
+        await fill(client, "p", 2)
+        conn = controller(client)
+
+        async def wait_then_fill() -> None:
+            while conn.reconnects == 0:
+                await anyio.sleep(0.01)
+            cancel_on_reply(conn, victim)
+            await fill(client, "p", 2)
+
+        victim = asyncio.get_running_loop().create_task(
+            client.get_meta(["i"], 4, "p", "t", timeout=30)
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_then_fill)
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+        assert sorted(await drain(client, "p")) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["embedded", "tcp"])
+async def test_acquire_rollout_cancelled_after_admission_reserves_nothing(mode: str) -> None:
+    async with client_in(mode) as client:
+        conn = controller(client)
+        got = await cancelled(
+            lambda: client.acquire_rollout(0, 3), lambda task: cancel_on_reply(conn, task)
+        )
+        assert got is None
+        for _ in range(100):  # the one-way ReleaseRollout is ordered before this request
+            status = await client.staleness_status()
+            if status["outstanding"] == 0:
+                break
+        assert status["outstanding"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_random_timeouts_around_get_meta_lose_no_rows(mode: str) -> None:
+    """The reproduction of the issue: tight timeouts around get_meta, then a drain."""
+    import random
+
+    rng = random.Random(7)
+    async with client_in(mode) as client:
+        await client.put(TensorDict({"i": torch.arange(120)}, batch_size=[120]), partition_id="r")
+        got: list[int] = []
+        for _ in range(150):
+            meta = None
+            with anyio.move_on_after(rng.choice([0.0, 0.0002, 0.0005, 0.001, 0.003])):
+                meta = await client.get_meta(["i"], 4, "r", "a")
+            if meta is not None:
+                got.extend((await client.get_data(meta))["i"].tolist())
+        got.extend(await drain(client, "r", "a"))
+        assert sorted(got) == list(range(120))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["inline", "three_steps", "keyed"])
+async def test_put_cancelled_with_its_placement_queued_leaves_nothing(mode: str, how: str) -> None:
+    """The put was placed (its new rows under a put lease) but the caller never knew: the
+    rows are reclaimed at once, so end-of-stream does not wait for the put lease (60 s)."""
+    inline = 65536 if how == "inline" else 0
+    async with client_in(mode, inline_put_bytes=inline) as client:
+        conn = controller(client)
+        data = TensorDict({"i": torch.arange(4) + 100}, batch_size=[4])
+
+        async def put() -> Any:
+            if how == "keyed":
+                return await client.kv_batch_put(["a", "b", "c", "d"], "p", data)
+            return await client.put(data, partition_id="p")
+
+        assert await cancelled(put, lambda task: cancel_on_reply(conn, task)) is None
+        await fill(client, "p", 2)
+        assert sorted(await drain(client, "p")) == [0, 1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_cancel_read_before_the_waiting_request_started_drops_it(mode: str) -> None:
+    """The request and its Cancel leave back to back (cancelled at its first await): the
+    controller reads both before the request's waiting task starts. The Cancel must still
+    drop it; left waiting, it would take the next rows for nobody."""
+    async with client_in(mode) as client:
+        for _ in range(5):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await client.get_meta(["i"], 2, "p", "t")
+            assert scope.cancelled_caught  # no rows to answer it with: it was cancelled
+        await fill(client, "p", 2)
+        assert sorted(await drain(client, "p")) == [0, 1]

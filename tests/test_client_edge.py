@@ -1,0 +1,211 @@
+"""Promises at the client's edge: errors of a broken unit, empty shares, samplers called
+directly. (The blocking client on the services' loop: ``tests/test_cluster.py``;
+cancellation: ``tests/test_cancellation.py``.)"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async as tq
+import tq_async._client_get as client_get
+from _cluster_proc import serve_role
+from tq_async._dealer import DealerConnection
+from tq_async._protocol import ShmFree
+
+
+async def until(predicate: Any, seconds: float = 10) -> None:
+    """Let the loop run until ``predicate()`` holds (bounded)."""
+    with anyio.fail_after(seconds):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+async def test_unit_killed_after_a_same_host_read_still_returns_the_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unit dies between its shared-memory reply and the client's unpin: the data was
+    copied, so the read returns it; the failed best-effort unpin replaces nothing (it used
+    to surface as a raw ``zmq.error.ZMQError``)."""
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            x = torch.arange(64 * 4096, dtype=torch.float32).reshape(64, 4096)  # 1 MiB
+            meta = await client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="p")
+            await client.get_data(meta)  # links to the unit: Unix socket + shared memory
+            assert any(a is not None for a in client._arenas.values())
+            copy = client_get._copy_spans
+            units: list[DealerConnection] = list(client._units.values())
+
+            async def copy_then_kill(arena: Any, spans: Any) -> list[Any]:
+                frames = await copy(arena, spans)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                await until(lambda: all(c.connected is False for c in units))
+                return frames
+
+            monkeypatch.setattr(client_get, "_copy_spans", copy_then_kill)
+            td = await client.get_data(meta)
+            assert torch.equal(td["x"], x)
+            # every later call on that connection is a TQError, one-way sends included
+            with pytest.raises(tq.BrokenError):
+                units[0].send_oneway(ShmFree([], []))
+            assert units[0].send_best_effort(ShmFree([], [])) is False
+            with pytest.raises(tq.BrokenError):
+                await client.get_data(meta)
+
+
+async def test_unit_killed_before_a_same_host_read_copies_is_broken_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unit dies after its shared-memory reply, before the client copied: its arena is
+    unmapped with the connection, so the read fails with BrokenError (not AttributeError)."""
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            x = torch.ones(64, 4096)
+            meta = await client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="p")
+            await client.get_data(meta)
+            copy = client_get._copy_spans
+            units: list[DealerConnection] = list(client._units.values())
+
+            async def kill_then_copy(arena: Any, spans: Any) -> list[Any]:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                await until(lambda: all(c.connected is False for c in units))
+                return await copy(arena, spans)
+
+            monkeypatch.setattr(client_get, "_copy_spans", kill_then_copy)
+            with pytest.raises(tq.BrokenError):
+                await client.get_data(meta)
+
+
+async def test_a_killed_unit_fails_a_read_in_flight_with_broken_error() -> None:
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            meta = await client.put({"x": torch.ones(4, 3)}, partition_id="p")
+            await client.get_data(meta)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            with pytest.raises(tq.BrokenError):
+                await client.get_data(meta)
+
+
+def _dtypes(td: TensorDict) -> dict[str, Any]:
+    out = {}
+    for k in td.keys():  # noqa: SIM118 (a TensorDict iterates its keys only so)
+        v = td[k]
+        out[k] = (v.dtype, v.is_nested, tuple(v.shape[2:] if v.is_nested else v.shape[1:]))
+    return out
+
+
+@pytest.mark.parametrize("how", ["get_data", "get"])
+async def test_an_empty_share_carries_every_field_with_zero_rows(how: str) -> None:
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"t": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        jag = torch.nested.nested_tensor(
+            [torch.ones(3, 2), torch.ones(5, 2)], layout=torch.jagged, dtype=torch.bfloat16
+        )
+        data = TensorDict(
+            {"ids": torch.arange(2), "x": torch.ones(2, 3, 4, dtype=torch.float16), "j": jag},
+            batch_size=[2],
+        )
+        # one group of 2 rows for 2 ranks: rank 0 gets it, rank 1 an empty share
+        await client.put(data, partition_id="p", tags=[{"uid": 0, "total_lengths": 5}] * 2)
+        await client.seal("p")
+        fields = ["ids", "x", "j"]
+        shares: dict[int, TensorDict] = {}
+        for rank in (0, 1):
+            cfg = {"dp_rank": rank, "batch_index": 0, "dp_size": 2}
+            if how == "get":
+                td, meta = await client.get(fields, 2, "p", "t", cfg)
+            else:
+                meta = await client.get_meta(fields, 2, "p", "t", cfg)
+                td = await client.get_data(meta)
+            assert not meta.end_of_stream
+            shares[rank] = td
+        full, empty = shares[0], shares[1]
+        assert full.batch_size == torch.Size([2])
+        assert empty.batch_size == torch.Size([0])
+        assert sorted(empty.keys()) == sorted(fields)
+        assert _dtypes(empty) == _dtypes(full)
+        assert empty["x"].shape == (0, 3, 4)
+        assert empty["ids"].shape == (0,)
+        assert empty["j"].is_nested
+        assert empty["j"].size(0) == 0
+        # end of stream still carries no columns
+        end = await client.get_meta(fields, 2, "p", "t", {"dp_rank": 1, "batch_index": 1})
+        assert end.end_of_stream
+        assert list((await client.get_data(end)).keys()) == []
+
+
+SAMPLERS = [
+    tq.SequentialSampler(),
+    tq.GRPOGroupNSampler(2),
+    tq.RankAwareSampler(),
+    tq.SeqlenBalancedSampler(dp_size=2),
+    tq.StalenessSampler(max_staleness=1),
+]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize(
+    ("ctx", "word"),
+    [
+        ({"dp_rank": -1, "batch_index": 0}, "dp_rank"),
+        ({"dp_rank": 0, "batch_index": -2}, "batch_index"),
+        ({"dp_rank": 0.5, "batch_index": 0}, "dp_rank"),
+        ({"dp_rank": 2, "batch_index": 0, "sampling_config": {"dp_size": 2}}, "dp_rank"),
+    ],
+)
+def test_a_sampler_called_directly_refuses_a_bad_context(
+    sampler: tq.BaseSampler, ctx: dict[str, Any], word: str
+) -> None:
+    tags = {r: {"uid": r // 2, "total_lengths": 3} for r in range(8)}
+    with pytest.raises(tq.InvalidRequestError, match=word):
+        sampler(list(range(8)), 2, partition_id="p", task_name="t", tags=tags, **ctx)
+
+
+def test_a_sampler_called_directly_refuses_a_bad_dp_size() -> None:
+    with pytest.raises(tq.InvalidRequestError, match="dp_size"):
+        tq.RankAwareSampler().sample_shares(list(range(8)), 2, 0)
+
+
+async def test_a_paused_same_host_unit_is_reported_as_not_answering() -> None:
+    """A unit stopped with SIGSTOP still exists: a request that times out, and a connection
+    that breaks, say so (it is not "stopped or vanished")."""
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with tq.AsyncClient.connect(address, request_timeout=0.5, retry_after=None) as client:
+            meta = await client.put({"x": torch.ones(4, 3)}, partition_id="p")
+            await client.get_data(meta)  # links to the unit: its process is known
+            (conn,) = client._units.values()
+            assert conn.peer_pid == proc.pid
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(tq.TQTimeoutError, match=r"not answering.*paused"):
+                    await client.get_data(meta)
+                conn._disconnected()  # what a heartbeat timeout does
+                with pytest.raises(tq.BrokenError, match=f"process {proc.pid} still exists"):
+                    conn._check_usable()
+            finally:
+                proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_read_from_several_units_raises_one_tq_error_not_a_group() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        a = await client.put({"v": torch.arange(2)}, partition_id="p")
+        b = await client.put({"v": torch.arange(2)}, partition_id="p")
+        meta = tq.BatchMeta.concat([a, b])
+        assert len(set(meta.units)) == 2
+        await client.clear_samples(b)
+        with pytest.raises(tq.RowsNotFound):
+            await client.get_data(meta)
