@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,3 +83,30 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.count("same-host") == (3 if linux else 0)
     assert out.count("socket-rtt") == (4 if linux else 0)
     assert out.count("steady-cpu") == (len(os.sched_getaffinity(0)) if linux else 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only host")
+def test_gpu_check_says_there_is_no_gpu() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no CUDA device here" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_check_runs_every_path() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--mib", "16", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "to_device (device= reads)" in done.stdout

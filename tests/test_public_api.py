@@ -122,6 +122,7 @@ def test_the_public_names_are_pinned() -> None:
         "StorageServer",
         "serve_controller",
         "serve_storage",
+        "transfer_collector",
     ]
     for name in tq_async.lowlevel.__all__:
         assert inspect.getdoc(getattr(tq_async.lowlevel, name)), f"{name} has no docstring"

@@ -15,12 +15,13 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
    every transition takes ``now`` and returns effects; no loop, socket or clock.
 3. **wire**: moving frames: addresses (``_endpoints``), the services' ROUTER endpoint
    (``_router``), the clients' DEALER connection (``_dealer``), in-process routes
-   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), CURVE keys
-   (``_security``).
+   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), NIXL transfers
+   (``_nixl``), CURVE keys (``_security``).
 4. **services and clients**: the controller and storage services (``_controller``,
    ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
    call their state and answer; requests that wait park in one ``_parking`` lot), the
-   clients (``_client``, blocking ``_sync``), checkpoints, metrics, ``_serve``, ``_config``.
+   clients (``_client``, blocking ``_sync``; their NIXL links, ``_client_nixl``; device
+   copies, ``_devices``), checkpoints, metrics, ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
    datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat``, and
    :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.

@@ -71,6 +71,22 @@ class BufferPool:
         weakref.finalize(view, self._release, base)
         return view.data
 
+    def empty(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` (contents undefined) in pooled memory; it goes back
+        to the pool like a :meth:`copy`."""
+        size = size_class(nbytes)
+        base = None
+        with self._lock:
+            stack = self._free.get(size)
+            if stack:
+                base = stack.pop()
+                self.idle_bytes -= size
+        if base is None:
+            base = np.empty(size, dtype=np.uint8)
+        view = base[:nbytes]
+        weakref.finalize(view, self._release, base)
+        return view.data
+
     def _release(self, base: np.ndarray[Any, Any]) -> None:
         size = base.nbytes
         with self._lock:

@@ -32,6 +32,7 @@ from ._core import Deadlines
 from ._errors import ConfigError
 from ._logging import configure_logging, get_logger
 from ._metrics import serve_metrics
+from ._nixl import DATA_PATHS
 from ._serve import first_tq_error, serve_controller, serve_storage
 from ._storage import DEFAULT_SHM_CAP
 
@@ -100,6 +101,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         metrics_registry=registry,
                         curve=config.load_curve(),
                         shm_cap=config.shm_cap,
+                        data_path=config.data_path,
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -127,6 +129,7 @@ _CONFIG_FLAGS = {
     "unit_suspend_after": "unit_suspend_after",
     "unit_lost_after": "unit_lost_after",
     "shm_cap": "shm_cap",
+    "data_path": "data_path",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -248,6 +251,13 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         metavar="BYTES",
         help="shared memory per storage unit for clients on this host (0: off; at the cap "
         f"puts go over the socket; default: {DEFAULT_SHM_CAP})",
+    )
+    parser.add_argument(
+        "--data-path",
+        choices=DATA_PATHS,
+        default=argparse.SUPPRESS if in_role else "auto",
+        help="what storage units offer besides the socket: auto (shared memory on this host, "
+        "NIXL to other hosts when installed), shm, nixl or zmq (default: auto)",
     )
 
 

@@ -70,6 +70,13 @@ class AsyncClient(ControlCalls):
             the price of up to this much CPU per request. After a poll that caught nothing
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
             0 turns it off.
+        data_path: how column bytes travel to and from the storage units: ``"auto"``
+            (shared memory with a unit on this host; NIXL with one on another host when both
+            have it, this host has RDMA hardware and this client does not use CURVE; the
+            socket otherwise), ``"shm"`` (no
+            NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
+            ``"zmq"`` (always the socket). A NIXL transfer that fails falls back to the
+            socket for that request (see ``docs/deployment.md``, "Data paths").
 
     A client belongs to the event loop (and process) that opened it.
     """
@@ -89,6 +96,7 @@ class AsyncClient(ControlCalls):
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection."""
         return cls(
@@ -103,6 +111,7 @@ class AsyncClient(ControlCalls):
             shared_memory=shared_memory,
             same_host=same_host,
             busy_poll=busy_poll,
+            data_path=data_path,
         )
 
     def __await__(self) -> Generator[Any, None, NoReturn]:

@@ -28,6 +28,7 @@ import zmq
 from tensordict import TensorDictBase
 
 from ._buffers import buffer_pool
+from ._client_nixl import NixlLinks
 from ._codec import check_text
 from ._columns import (
     Column,
@@ -50,6 +51,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._nixl import check_data_path, rdma_present
 from ._protocol import (
     Hello,
     HelloReply,
@@ -173,8 +175,10 @@ class ClientBase:
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> None:
         check_int("inline_put_bytes", inline_put_bytes)
+        self.data_path = check_data_path(data_path)
         check_int("inline_get_bytes", inline_get_bytes)
         check_seconds("request_timeout", request_timeout, optional=False)
         check_seconds("retry_after", retry_after)
@@ -204,7 +208,12 @@ class ClientBase:
         #: connection address -> the address the controller lists for its unit (differs
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
-        self.shared_memory = bool(shared_memory and same_host)
+        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
+        #: units on other hosts reached through NIXL: forced, or under "auto" where it pays
+        #: (RDMA hardware here) unless the client encrypts (UCX does not) or turned shared
+        #: memory off (socket only)
+        auto = data_path == "auto" and shared_memory and curve is None and rdma_present()
+        self._nixl = NixlLinks(forced=data_path == "nixl") if data_path == "nixl" or auto else None
         self.same_host = same_host
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
@@ -347,6 +356,8 @@ class ClientBase:
         arena = self._arenas.pop(unit_id, None)
         if arena is not None:
             arena.close()
+        if self._nixl is not None:
+            self._nixl.forget(unit_id)
 
     async def _data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
         """The unit's connection and, if it is on this host (verified once per unit), its

@@ -34,6 +34,7 @@ from ._columns import (
     empty_column,
     positions_by_unit,
 )
+from ._devices import check_device, to_device
 from ._errors import (
     InvalidRequestError,
     ProtocolError,
@@ -219,6 +220,7 @@ class ClientGets(ClientBase):
         fields: Sequence[str] | None = None,
         *,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
 
@@ -234,6 +236,9 @@ class ClientGets(ClientBase):
                 nested tensors even when their rows share a shape (rows of at least one
                 dimension; a dense ``[B, L]`` becomes a nested tensor of ``B`` rows of length
                 ``L``), for code that wants one type whatever was put.
+            device: deliver the tensor fields on this device (e.g. ``"cuda:0"``): copied
+                through pinned memory with ``non_blocking`` copies, waited for off the event
+                loop. None (or ``"cpu"``): host memory of the caller's own.
 
         Returns:
             ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
@@ -252,11 +257,12 @@ class ClientGets(ClientBase):
         """
         names = list(fields) if fields is not None else list(meta.field_names)
         as_nested = _check_nested(nested)
+        target = check_device(device)
         n = len(meta)
         if n == 0 or not names:
-            return await self._empty(meta, names, as_nested)
+            return await to_device(await self._empty(meta, names, as_nested), target)
         headers, columns = await self._fetch_columns(meta, names)
-        return columns_to_tensordict(n, headers, columns, nested=as_nested)
+        return await to_device(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
 
     async def _empty(
         self, meta: BatchMeta, names: list[str], nested: bool | frozenset[str]
@@ -285,8 +291,12 @@ class ClientGets(ClientBase):
                 else [meta.global_indexes[i] for i in positions]
             )
             conn, arena = await self._data_link(unit)
-            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=arena is not None)
-            if arena is None:
+            nixl = None
+            if arena is None and self._nixl is not None:  # another host: NIXL
+                nixl = await self._nixl.link(unit, conn, self.request_timeout)
+            shm = arena is not None or nixl is not None
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
+            if not shm:
                 payload, frames = await self._unit_request(unit, get)
             else:
 
@@ -298,12 +308,26 @@ class ClientGets(ClientBase):
                 )
             stored: StoredColumns = _decode(payload, StoredColumns)
             if stored.shm_spans is not None:
+                pin = stored.pin
                 try:
-                    if arena is None or frames:
+                    if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
-                    frames = await _copy_spans(arena, stored.shm_spans)
+                    if arena is not None:
+                        frames = await _copy_spans(arena, stored.shm_spans)
+                    else:
+                        assert nixl is not None
+                        assert self._nixl is not None
+                        got = await self._nixl.read(
+                            unit, nixl, stored.shm_spans, self.request_timeout
+                        )
+                        if got is None:  # the transfer failed: read through the socket
+                            get.shm = False
+                            payload, frames = await self._unit_request(unit, get)
+                            stored = _decode(payload, StoredColumns)
+                        else:
+                            frames = got
                 finally:
-                    conn.send_best_effort(ShmFree([], [stored.pin]))
+                    conn.send_best_effort(ShmFree([], [pin]))
             parts[unit] = _stored_columns(stored, frames, len(rows))
 
         if len(by_unit) == 1:
@@ -329,20 +353,22 @@ class ClientGets(ClientBase):
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way. ``nested`` is :meth:`get_data`'s. A batch of 0 rows
-        (end of stream, or with ``dp_size`` a rank's empty share) asks no storage unit; its
-        ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share carries every
-        field with 0 rows).
+        result is the same either way. ``nested`` and ``device`` are :meth:`get_data`'s. A
+        batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
+        storage unit; its ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share
+        carries every field with 0 rows).
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
         as_nested = _check_nested(nested)
+        target = check_device(device)
         meta, got, frames = await self._get_meta(
             data_fields,
             batch_size,
@@ -362,8 +388,9 @@ class ClientGets(ClientBase):
             elif got.inline is not None:  # the controller sent the cells along: no get_data
                 headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
                 td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
+                td = await to_device(td, target)
             else:
-                td = await self.get_data(meta, nested=as_nested)
+                td = await self.get_data(meta, nested=as_nested, device=target)
             if lease is None and meta.lease_id and self._controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
                 self._controller.send_best_effort(Ack([meta.lease_id]))

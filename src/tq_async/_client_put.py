@@ -36,6 +36,7 @@ from ._columns import (
     take_rows,
 )
 from ._dealer import DealerConnection
+from ._devices import to_host
 from ._errors import (
     InvalidRequestError,
     ProtocolError,
@@ -161,6 +162,7 @@ class ClientPuts(ClientBase):
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
         check_text("partition_id", partition_id)
+        data = await to_host(data)  # CUDA columns: pinned copies, waited for off the loop
         n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
@@ -352,6 +354,12 @@ class ClientPuts(ClientBase):
             big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and await self._store_shm(conn, arena, store, frames):
                 return
+            if big and arena is None and self._nixl is not None:  # another host: NIXL
+                peer = await self._nixl.link(unit, conn, self.request_timeout)
+                if peer is not None and await self._nixl.put(
+                    unit, conn, peer, store, frames, self.request_timeout
+                ):
+                    return
             await self._unit_request(unit, store, frames)
 
         if len(by_unit) == 1:

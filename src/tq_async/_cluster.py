@@ -20,6 +20,7 @@ from ._endpoints import is_loopback
 from ._errors import ConfigError, InvalidRequestError
 from ._logging import get_logger
 from ._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from ._nixl import check_data_path
 from ._portal import host_services, stop_hosting
 from ._security import CurveServer
 from ._state import ControllerState, check_capacity
@@ -72,6 +73,7 @@ async def local_cluster(
     capacity_scope: str = "partition",
     deadlines: Deadlines | None = None,
     shm_cap: int = DEFAULT_SHM_CAP,
+    data_path: str = "auto",
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -108,6 +110,8 @@ async def local_cluster(
         shm_cap: bytes of shared memory per storage unit for clients in other processes of
             this host (0: off; at the cap, puts go over the socket). Pages are used only
             once written.
+        data_path: what the storage units offer besides the socket (``"auto"``, ``"shm"``,
+            ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
         config: the whole deployment as a :class:`~tq_async.Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -137,6 +141,7 @@ async def local_cluster(
         capacity_scope=capacity_scope,
         deadlines=deadlines,
         shm_cap=shm_cap,
+        data_path=data_path,
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -187,6 +192,7 @@ class _Plan:
     serve_metrics_on: str | None
     auto_clear: list[str]
     shm_cap: int
+    data_path: str
     registry: CollectorRegistry | None
     sockdir: str | None = None
     stop_metrics: Callable[[], None] | None = None
@@ -213,6 +219,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
             "capacity_scope": config.capacity_scope,
             "serve_metrics_on": config.metrics_on,
             "shm_cap": config.shm_cap,
+            "data_path": config.data_path,
         }
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
@@ -234,6 +241,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         given["serve_metrics_on"],
         auto_clear,
         given["shm_cap"],
+        check_data_path(given["data_path"]),
         registry,
     )
 
@@ -248,6 +256,7 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             metrics=Metrics(registry, "storage"),
             curve=options["curve"],
             shm_cap=plan.shm_cap,
+            data_path=plan.data_path,
         )
         for i in range(plan.num_storage_units)
     ]
@@ -299,6 +308,7 @@ _CONFIG_COVERS: dict[str, Any] = {
     "capacity_scope": "partition",
     "deadlines": None,
     "shm_cap": DEFAULT_SHM_CAP,
+    "data_path": "auto",
 }
 
 

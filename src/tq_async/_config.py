@@ -302,6 +302,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             declared lost.
         shm_cap: bytes of shared memory per storage unit for clients on the units' host (0:
             off; at the cap, puts go over the socket).
+        data_path: what storage units offer besides the socket: ``"auto"`` (shared memory
+            to clients on their host, NIXL to clients on other hosts when ``tq_async[nixl]``
+            is installed), ``"shm"``, ``"nixl"`` or ``"zmq"``. Each client chooses too
+            (``connect(data_path=...)``); see ``docs/deployment.md``, "Data paths".
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
         sampler: the sampler of every task without its own (``SequentialSampler`` if None).
         task_samplers: samplers for particular tasks, by task name.
@@ -321,6 +325,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     unit_suspend_after: float = Deadlines.unit_suspend_after
     unit_lost_after: float = Deadlines.unit_lost_after
     shm_cap: int = DEFAULT_SHM_CAP
+    data_path: Literal["auto", "zmq", "shm", "nixl"] = "auto"
     metrics_on: str | None = None
     sampler: SamplerSpec | None = None
     task_samplers: dict[str, SamplerSpec] = msgspec.field(default_factory=dict)

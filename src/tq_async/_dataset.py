@@ -53,6 +53,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from ._client import AsyncClient
+from ._devices import check_device, to_device
 from ._errors import (
     ClosedError,
     InvalidRequestError,
@@ -458,6 +459,9 @@ class AsyncStreamingDataset:
             evenly: ``"uneven"`` (short or empty batches, nothing lost), ``"drop"`` or
             ``"error"``. None (the default) sends none: the sampler's own policy applies
             (e.g. ``SeqlenBalancedSampler(tail=...)``), else ``"uneven"``.
+        device: deliver tensor fields on this device (e.g. ``"cuda:0"``): each batch is
+            copied through pinned memory in the prefetching task, so the copy of the next
+            batch overlaps the work on the current one. None: host memory.
 
     Raises:
         InvalidRequestError: an argument is invalid.
@@ -492,7 +496,9 @@ class AsyncStreamingDataset:
         request_timeout: float = 60.0,
         dp_size: int | None = None,
         tail: str | None = None,
+        device: Any = None,
     ) -> None:
+        self.device = check_device(device)
         config, dp_size, tail = _check_args(
             address,
             data_fields,
@@ -860,6 +866,8 @@ class AsyncStreamingDataset:
         else:
             fetched = cached
         td, meta = fetched
+        # on the device here, in the prefetching task: overlapped with the caller's work
+        td = await to_device(td, self.device)
         return _Fetched(index, td, meta, self._split(td, meta))
 
     def _remember(self, index: int, batch: tuple[TensorDictBase, BatchMeta]) -> None:

@@ -21,6 +21,9 @@ tq_storage_shm_bytes               gauge   unit (shared memory in use by a unit'
 tq_storage_shm_idle_bytes          gauge   unit (freed shared memory kept resident for reuse)
 tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: arena full)
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
+tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
+                                           transfers that went over the socket instead
+                                           (:func:`transfer_collector`)
 =================================  ======  ===============================================
 """
 
@@ -35,11 +38,19 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ._nixl import fallbacks as nixl_fallbacks
+
 if TYPE_CHECKING:
     from ._shm import Arena
     from ._state import ControllerState
 
-__all__ = ["Metrics", "serve_metrics", "controller_collector", "storage_collector"]
+__all__ = [
+    "Metrics",
+    "serve_metrics",
+    "controller_collector",
+    "storage_collector",
+    "transfer_collector",
+]
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5, 1, 5, 30)
 
@@ -241,6 +252,24 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
         yield shm
         yield idle
         yield fallbacks
+
+    return _Collector(collect)
+
+
+def transfer_collector() -> Collector:
+    """``tq_transfer_fallbacks_total{reason}``: NIXL transfers of this process's clients that
+    failed and went over the socket instead (register it in the client's process:
+    ``registry.register(tq_async.lowlevel.transfer_collector())``)."""
+
+    def collect() -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "tq_transfer_fallbacks",
+            "Client requests whose NIXL transfer failed and that went over the socket.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(nixl_fallbacks.items()):
+            c.add_metric([reason], n)
+        yield c
 
     return _Collector(collect)
 

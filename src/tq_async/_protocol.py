@@ -443,6 +443,14 @@ class ShmFree(_Msg):
     pins: list[int]
 
 
+class NixlHello(_Msg):
+    """A client on another host asks for the unit's NIXL agent and arena (see
+    :mod:`tq_async._nixl`); answered with :class:`NixlHelloReply`, or None when the unit
+    offers no NIXL path (then the socket)."""
+
+    agent: str
+
+
 class StoreClear(_Msg):
     """Free ``rows`` of a partition (all rows when ``rows`` is None)."""
 
@@ -456,7 +464,17 @@ class StoreStats(_Msg):
     pass
 
 
-StorageBody = StorePut | StoreGet | StoreClear | StoreStats | ShmHello | ShmAlloc | ShmFree | Cancel
+StorageBody = (
+    StorePut
+    | StoreGet
+    | StoreClear
+    | StoreStats
+    | ShmHello
+    | ShmAlloc
+    | ShmFree
+    | NixlHello
+    | Cancel
+)
 
 
 # ---- envelopes -------------------------------------------------------------------------------
@@ -563,6 +581,15 @@ class ShmHelloReply(msgspec.Struct, array_like=True):
     ipc: str | None = None
 
 
+class NixlHelloReply(msgspec.Struct, array_like=True):
+    """The unit's NIXL agent (its metadata, to load) and its registered arena."""
+
+    metadata: bytes
+    agent: str
+    base: int
+    size: int
+
+
 class ShmGrant(msgspec.Struct, array_like=True):
     grant: int
     offset: int
@@ -584,6 +611,10 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: puts and reads served through shared memory
     shm_puts: int = 0
     shm_reads: int = 0
+    #: NIXL: puts and reads served, and bytes registered with it (0: no NIXL agent)
+    nixl_puts: int = 0
+    nixl_reads: int = 0
+    nixl_registered_bytes: int = 0
 
 
 encoder = msgspec.msgpack.Encoder()

@@ -287,6 +287,7 @@ async def serve_storage(
     metrics_registry: CollectorRegistry | None = None,
     curve: CurveServer | None = None,
     shm_cap: int = DEFAULT_SHM_CAP,
+    data_path: str = "auto",
     task_status: TaskStatus[tuple[int, str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one storage unit: bind, register with ``controller``, serve until cancelled.
@@ -306,6 +307,8 @@ async def serve_storage(
         curve: the cluster's service keypair (the controller's): encrypts this unit's socket
             and its registration.
         shm_cap: bytes of shared memory for clients on this host (0: off).
+        data_path: what the unit offers besides the socket (``"auto"``, ``"shm"``,
+            ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
 
     Raises:
         BrokenError: ``bind`` could not be bound.
@@ -322,6 +325,7 @@ async def serve_storage(
         metrics=Metrics(metrics_registry, "storage"),
         curve=curve,
         shm_cap=shm_cap,
+        data_path=data_path,
     )
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(unit.serve, bind)

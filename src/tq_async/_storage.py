@@ -41,8 +41,12 @@ from ._columns import (
 from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from ._logging import get_logger
 from ._metrics import Metrics
+from ._nixl import Claims, UnitNixl, check_data_path
+from ._nixl import load as load_nixl
 from ._protocol import (
     Cancel,
+    NixlHello,
+    NixlHelloReply,
     ShmAlloc,
     ShmFree,
     ShmGrant,
@@ -423,6 +427,10 @@ class StorageServer(Service):
         shm_cap: bytes of shared memory for clients on this host (see :mod:`tq_async._shm`);
             0 turns the shared-memory path off. At the cap, puts go over the socket.
         shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
+        data_path: what this unit offers besides the socket: ``"auto"`` (shared memory to
+            clients on its host, NIXL to the others when installed), ``"shm"``, ``"nixl"``
+            (NIXL to every client; its arena is the one shared memory would use) or
+            ``"zmq"`` (the socket only).
     """
 
     name = "storage"
@@ -436,12 +444,14 @@ class StorageServer(Service):
         curve: CurveServer | None = None,
         shm_cap: int = DEFAULT_SHM_CAP,
         shm_idle_bytes: int = DEFAULT_SHM_IDLE,
+        data_path: str = "auto",
     ) -> None:
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
             )
         self.unit_id = unit_id
+        self.data_path = check_data_path(data_path)
         self.curve = curve
         self.shm_cap = shm_cap
         self.shm_idle_bytes = shm_idle_bytes
@@ -453,6 +463,11 @@ class StorageServer(Service):
         self._shm_peers: dict[bytes, int] = {}
         self._grants: dict[int, tuple[bytes, int, Region]] = {}
         self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
+        #: NIXL: the unit's agent (made on the first NixlHello) and the clients that use it
+        self.nixl: UnitNixl | None = None
+        self._nixl_peers: set[bytes] = set()
+        #: grants and pins of NIXL clients, released when abandoned (see Claims)
+        self.nixl_claims = Claims()
         #: set (and replaced) whenever shared memory is given back (tests wait on it)
         self.shm_released = anyio.Event()
 
@@ -488,6 +503,8 @@ class StorageServer(Service):
     # ---- shared memory -----------------------------------------------------------------------
 
     def _open_arena(self) -> None:
+        if self.data_path == "zmq":
+            return
         if not self.shm_cap or not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
             return
         try:
@@ -500,12 +517,18 @@ class StorageServer(Service):
         self.state.arena = arena
         loop = asyncio.get_running_loop()
         self._watcher = Watcher(loop.add_reader, loop.remove_reader)
+        if self.data_path == "nixl":  # asked for: ready before the first client (~0.5 s)
+            self._start_nixl()
 
     def _close_arena(self) -> None:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
         arena, self.state.arena = self.state.arena, None
+        if self.nixl is not None:  # deregistered before the arena is unmapped
+            self.nixl.close()
+            self.nixl = None
+            self._nixl_peers.clear()
         if arena is not None:
             arena.close()
         self._shm_peers.clear()
@@ -514,7 +537,7 @@ class StorageServer(Service):
 
     def _shm_hello(self, peer: bytes, body: ShmHello) -> ShmHelloReply | None:
         arena = self.arena
-        if arena is None or self._watcher is None or body.pid <= 0:
+        if arena is None or self._watcher is None or body.pid <= 0 or self.data_path == "nixl":
             return None
         try:
             self._watcher.watch(body.pid, self._client_exited)
@@ -526,6 +549,8 @@ class StorageServer(Service):
 
     def _shm_pid(self, peer: bytes) -> int:
         pid = self._shm_peers.get(peer)
+        if pid is None and peer in self._nixl_peers:
+            return 0  # a NIXL client: claims go back when it frees them
         if pid is None or self.arena is None:
             raise InvalidRequestError(
                 "this client has not set up shared memory with this unit (ShmHello first); "
@@ -535,6 +560,7 @@ class StorageServer(Service):
 
     def _shm_alloc(self, peer: bytes, body: ShmAlloc) -> ShmGrant | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         arena = self.arena
         assert arena is not None
         if body.nbytes <= 0:
@@ -545,6 +571,8 @@ class StorageServer(Service):
             return None
         grant = next_id()
         self._grants[grant] = (peer, pid, region)
+        if pid == 0:
+            self.nixl_claims.note("grant", grant)
         return ShmGrant(grant, region.offset, region.size)
 
     def _shm_frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
@@ -614,12 +642,60 @@ class StorageServer(Service):
         log.debug("released the shared memory of an exited client", pid=pid)
         self._notify_shm()
 
+    def _nixl_hello(self, peer: bytes, body: NixlHello) -> NixlHelloReply | None:
+        """Offer a client the NIXL path: the agent is made and the arena registered once."""
+        arena = self.arena
+        if arena is None or self.data_path not in ("auto", "nixl"):
+            return None
+        if self.curve is not None and self.data_path != "nixl":
+            return None  # UCX does not encrypt: an encrypted unit offers NIXL only if told to
+        if self.nixl is None and not self._start_nixl():
+            return None
+        assert self.nixl is not None
+        self._nixl_peers.add(peer)
+        log.debug("a NIXL client", unit=self.unit_id, agent=body.agent)
+        return NixlHelloReply(self.nixl.metadata, self.nixl.name, arena.base, arena.cap)
+
+    def _start_nixl(self) -> bool:
+        """Make the unit's NIXL agent and register the arena (once); False without NIXL."""
+        arena = self.arena
+        nixl = load_nixl() if arena is not None else None
+        if nixl is None or arena is None:
+            return False
+        try:
+            self.nixl = UnitNixl(nixl, arena.base, arena.cap)
+        except Exception as exc:
+            log.warning("NIXL could not register the arena: socket only", error=str(exc))
+            self.data_path = "shm"
+            return False
+        arena.idle_limit = arena.cap  # registered pages must stay the ones registered
+        return True
+
+    def _expire_nixl_claims(self) -> None:
+        """Release the grants and pins of NIXL clients that held them past the claims' ttl."""
+        if not len(self.nixl_claims):
+            return
+
+        def live(kind: str, claim: int) -> bool:
+            return claim in (self._grants if kind == "grant" else self._pins)
+
+        arena = self.arena
+        for kind, claim in self.nixl_claims.expired(live):
+            grant = self._grants.pop(claim) if kind == "grant" else None
+            regions = [grant[2]] if grant is not None else self._pins.pop(claim)[2]
+            log.warning("released the claim of a silent NIXL client", kind=kind, id=claim)
+            if arena is not None:
+                for region in regions:
+                    arena.release(region)
+        self._notify_shm()
+
     def _notify_shm(self) -> None:
         self.shm_released.set()
         self.shm_released = anyio.Event()
 
     def _read_shm(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
         pid = self._shm_pid(peer)
+        self._expire_nixl_claims()
         got = self.state.read_shm(body.partition_id, body.rows, body.fields, body.incarnation)
         if got is None:
             assert self.arena is not None
@@ -628,8 +704,13 @@ class StorageServer(Service):
         stored, regions = got
         stored.pin = next_id()
         self._pins[stored.pin] = (peer, pid, regions)
+        if pid == 0:
+            self.nixl_claims.note("pin", stored.pin)
         assert self.arena is not None
-        self.arena.reads += 1
+        if self.nixl is not None and peer in self._nixl_peers:
+            self.nixl.reads += 1
+        else:
+            self.arena.reads += 1
         return stored
 
     def store_local(
@@ -679,6 +760,7 @@ class StorageServer(Service):
             ShmHello: self._on_shm_hello,
             ShmAlloc: self._on_shm_alloc,
             ShmFree: self._on_shm_free,
+            NixlHello: self._on_nixl_hello,
             Cancel: self._on_cancel,
         }
 
@@ -703,7 +785,10 @@ class StorageServer(Service):
                     region,
                     incarnation=body.incarnation,
                 )
-                arena.puts += 1
+                if self.nixl is not None and msg.peer in self._nixl_peers:
+                    self.nixl.puts += 1
+                else:
+                    arena.puts += 1
             finally:
                 arena.release(region)
         if self.metrics.enabled:
@@ -727,7 +812,12 @@ class StorageServer(Service):
         return self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
 
     def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
-        return self.state.stats()
+        stats = self.state.stats()
+        if self.nixl is not None:
+            stats.nixl_puts = self.nixl.puts
+            stats.nixl_reads = self.nixl.reads
+            stats.nixl_registered_bytes = self.nixl.registered_bytes
+        return stats
 
     def _on_shm_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
         return self._shm_hello(msg.peer, body)
@@ -738,6 +828,9 @@ class StorageServer(Service):
     def _on_shm_free(self, msg: Incoming, body: ShmFree) -> Any:
         self._shm_free(msg.peer, body)
         return SENT  # one-way
+
+    def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> NixlHelloReply | None:
+        return self._nixl_hello(msg.peer, body)
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         return SENT  # every storage op completes at once; nothing to cancel

@@ -55,6 +55,7 @@ class Client:
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> None:
         check_address(address)
         self.address = address
@@ -72,6 +73,7 @@ class Client:
             "shared_memory": shared_memory,
             "same_host": same_host,
             "busy_poll": busy_poll,
+            "data_path": data_path,
         }
 
     @classmethod
@@ -89,6 +91,7 @@ class Client:
         shared_memory: bool = True,
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
+        data_path: str = "auto",
     ) -> Client:
         """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
         return cls(
@@ -103,6 +106,7 @@ class Client:
             shared_memory=shared_memory,
             same_host=same_host,
             busy_poll=busy_poll,
+            data_path=data_path,
         )
 
     def open(self) -> Client:
@@ -235,9 +239,10 @@ class Client:
         fields: Sequence[str] | None = None,
         *,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> TensorDict:
         """Blocking :meth:`AsyncClient.get_data`."""
-        return self._run(self._require().get_data, meta, fields, nested=nested)
+        return self._run(self._require().get_data, meta, fields, nested=nested, device=device)
 
     def get(
         self,
@@ -253,6 +258,7 @@ class Client:
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
         nested: bool | Collection[str] = False,
+        device: Any = None,
     ) -> tuple[TensorDict, BatchMeta]:
         """Blocking :meth:`AsyncClient.get`."""
         return self._run(
@@ -268,6 +274,7 @@ class Client:
             lease=lease,
             ack=ack,
             nested=nested,
+            device=device,
         )
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:

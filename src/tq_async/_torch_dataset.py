@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ._dataset import (
@@ -75,6 +76,10 @@ class StreamingDataset(IterableDataset[MicroBatch]):
     Run your step anyway so collectives stay in step (see
     :class:`~tq_async.AsyncStreamingDataset` for ``dp_size`` and ``tail``).
 
+    ``device`` (e.g. ``"cuda:0"``) delivers tensors on that device, copied in the prefetching
+    task; use it without DataLoader workers (CUDA does not survive a fork: with workers, pass
+    ``pin_memory=True`` to the loader and move the batch in the main process).
+
     Raises:
         InvalidRequestError: an argument is invalid.
     """
@@ -98,6 +103,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         request_timeout: float = 60.0,
         dp_size: int | None = None,
         tail: str | None = None,
+        device: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(address, str) or not address:
@@ -122,6 +128,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             "request_timeout": request_timeout,
             "dp_size": dp_size,
             "tail": tail,
+            "device": device,
         }
         # Validates every argument (opens nothing: the client is created on entry).
         probe = AsyncStreamingDataset(**self._kwargs)
@@ -213,9 +220,17 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
 
         Raises:
-            InvalidRequestError: iterated by a plain DataLoader with several workers.
+            InvalidRequestError: iterated by a plain DataLoader with several workers, or in
+                a DataLoader worker with a CUDA ``device``.
         """
         info = get_worker_info()
+        device = self._kwargs["device"]
+        if info is not None and device is not None and torch.device(device).type == "cuda":
+            raise InvalidRequestError(
+                "StreamingDataset(device='cuda...') in a DataLoader worker: CUDA does not "
+                "survive a fork; leave device out, pass pin_memory=True to the loader, and "
+                "move each batch to the GPU in the main process"
+            )
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if num_workers > 1 and not self._whole_batches:
             raise InvalidRequestError(

@@ -10,7 +10,9 @@ deployment or inspects the services' state:
 * :class:`ControllerServer` and :class:`StorageServer`: the two services, each a thin shell
   around its state, served on an event loop; :func:`serve_controller` and
   :func:`serve_storage` run them as ``tq-async serve`` does;
-* :class:`ColumnHeader`: how a column travels (name, kind, dtype, shape).
+* :class:`ColumnHeader`: how a column travels (name, kind, dtype, shape);
+* :func:`transfer_collector`: ``tq_transfer_fallbacks_total{reason}``, the NIXL transfers of
+  this process's clients that fell back to the socket (register it in a Prometheus registry).
 
 These names are stable within a minor version, like the rest of the public API, but they
 expose more of the design and change more often between minor versions.
@@ -19,6 +21,7 @@ expose more of the design and change more often between minor versions.
 from ._columns import ColumnHeader as ColumnHeader
 from ._controller import ControllerServer as ControllerServer
 from ._core import ControllerCore as ControllerCore
+from ._metrics import transfer_collector as transfer_collector
 from ._serve import serve_controller as serve_controller
 from ._serve import serve_storage as serve_storage
 from ._state import ControllerState as ControllerState
@@ -32,4 +35,5 @@ __all__ = [
     "StorageServer",
     "serve_controller",
     "serve_storage",
+    "transfer_collector",
 ]

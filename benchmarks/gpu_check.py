@@ -1,0 +1,161 @@
+"""Every GPU path of tq_async, against torch's own pinned copies in the same run.
+
+    python -m benchmarks.gpu_check [--mib 256] [--rounds 5]
+
+On a machine without CUDA it says so and exits 0 having measured nothing. With CUDA it
+prints, for a batch of ``--mib`` MiB of int64 in 4 columns:
+
+* torch baseline: pinned ``cudaMemcpy`` D2H and H2D (``copy_(non_blocking=True)`` into/out
+  of pinned memory, then synchronize) — the ceiling;
+* ``to_host``: tq_async's staging of CUDA columns for a put (ratio to the D2H baseline);
+* ``to_device``: tq_async's delivery of host columns on the GPU (ratio to H2D);
+* ``put`` of CUDA tensors and ``get_data(device="cuda")`` end to end (embedded cluster), and
+  the longest event-loop stall while CUDA puts run (a loop-lag probe; target < 1 ms);
+* ``AsyncStreamingDataset(device="cuda")``: batches per second;
+* GPU-direct NIXL and CUDA IPC between processes: reported as not implemented (GPU tensors
+  travel through host memory).
+
+Targets (issue 26): ``to_host``/``to_device`` >= 0.7x the baseline; loop stall < 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def _baseline(torch: Any, cols: dict[str, Any], rounds: int) -> tuple[float, float]:
+    nbytes = sum(t.numel() * t.element_size() for t in cols.values())
+    pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in cols.items()}
+    dev = {k: torch.empty_like(t) for k, t in cols.items()}
+    d2h, h2d = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k, t in cols.items():
+            pinned[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        d2h.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k, t in pinned.items():
+            dev[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d.append(time.perf_counter() - t0)
+    return _gbps(nbytes, d2h), _gbps(nbytes, h2d)
+
+
+async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
+    import anyio
+    import anyio.lowlevel
+    from tensordict import TensorDict
+
+    import tq_async as tq
+    from tq_async._devices import to_device, to_host
+
+    nbytes = sum(t.numel() * t.element_size() for t in cols.values())
+    rows = next(iter(cols.values())).shape[0]
+    out: dict[str, Any] = {}
+    staged, times = None, []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        staged = await to_host(cols)
+        times.append(time.perf_counter() - t0)
+    out["to_host"] = _gbps(nbytes, times)
+    assert staged is not None
+    host = TensorDict(dict(staged), batch_size=[rows])
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        back = await to_device(host, torch.device("cuda"))
+        times.append(time.perf_counter() - t0)
+    out["to_device"] = _gbps(nbytes, times)
+    assert all(torch.equal(back[k], cols[k]) for k in cols)
+
+    lags: list[float] = []
+    async with (
+        tq.local_cluster(num_storage_units=1, shm_cap=4 * nbytes + (64 << 20)) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        stop = anyio.Event()
+
+        async def probe() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                await anyio.lowlevel.checkpoint()
+                lags.append(time.perf_counter() - t0)
+
+        puts, gets = [], []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(probe)
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                meta = await client.put(cols, partition_id="gpu")
+                puts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                td = await client.get_data(meta, device="cuda")
+                gets.append(time.perf_counter() - t0)
+                await client.clear_samples(meta)
+            stop.set()
+        assert td[next(iter(cols))].is_cuda
+        out["put"], out["get"] = _gbps(nbytes, puts), _gbps(nbytes, gets)
+        out["max_loop_stall_ms"] = max(lags) * 1e3
+
+        small = {k: t[: max(1, rows // 8)] for k, t in cols.items()}
+        for _ in range(8):
+            await client.put(small, partition_id="ds")
+        await client.seal("ds")
+        ds = tq.AsyncStreamingDataset(
+            client, list(cols), len(small["c0"]), len(small["c0"]), "ds", "t", device="cuda"
+        )
+        n, t0 = 0, time.perf_counter()
+        async with ds:
+            async for batch, _ in ds:
+                assert batch["c0"].is_cuda
+                n += 1
+        out["dataset_batches_per_s"] = n / (time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=256, help="batch size in MiB")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing")
+        print("measured; run it on a machine with a GPU")
+        return 0
+    import anyio
+
+    per_col = (args.mib << 20) // 4 // 8
+    rows = 256
+    cols = {
+        f"c{i}": torch.randint(0, 1 << 30, (rows, per_col // rows), device="cuda") for i in range(4)
+    }
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.mib} MiB")
+    d2h, h2d = _baseline(torch, cols, args.rounds)
+    print(f"torch pinned cudaMemcpy: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s")
+    got = anyio.run(_paths, torch, cols, args.rounds)
+    up, down = got["to_host"], got["to_device"]
+    print(f"tq_async to_host (put staging): {up:.2f} GB/s = {up / d2h:.2f}x D2H")
+    print(f"tq_async to_device (device= reads): {down:.2f} GB/s = {down / h2d:.2f}x H2D")
+    print(f"put of CUDA tensors (embedded): {got['put']:.2f} GB/s")
+    print(f"get_data(device='cuda') (embedded): {got['get']:.2f} GB/s")
+    print(f"longest event-loop stall during CUDA puts: {got['max_loop_stall_ms']:.2f} ms")
+    print(f"AsyncStreamingDataset(device='cuda'): {got['dataset_batches_per_s']:.0f} batches/s")
+    print("NIXL with GPU memory (GPU-direct): not implemented; GPU tensors go through host memory")
+    print("CUDA IPC between processes: not implemented; same-host GPU tensors go through shm")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""The NIXL (UCX) data path (``tq_async._nixl``): exact round trips of every column kind,
+fallback to the socket when a transfer fails or NIXL is missing, a unit killed mid-transfer,
+and registrations that stay flat however many transfers run.
+
+A client takes the NIXL path with a unit in another process when asked to
+(``data_path="nixl"``: on one host, as here, "auto" would pick shared memory) and with a unit
+on another host under ``"auto"``; ``test_nixl_between_network_namespaces`` runs the unit and
+the client in two network namespaces standing for two hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import structlog
+import torch
+import zmq
+from prometheus_client import CollectorRegistry
+
+import tq_async as tq
+import tq_async._client_base as _nixl_base
+from _cluster_proc import serve_role
+from tq_async import _nixl
+from tq_async._columns import ColumnHeader
+from tq_async._dealer import DealerConnection
+from tq_async._errors import BrokenError, TQError
+from tq_async._protocol import (
+    NixlHello,
+    NixlHelloReply,
+    ShmAlloc,
+    ShmFree,
+    ShmGrant,
+    StoredColumns,
+    StoreGet,
+)
+from tq_async._storage import StorageServer
+from tq_async.lowlevel import transfer_collector
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
+)
+
+
+def _have_nixl() -> bool:
+    try:
+        import nixl_cu12  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+needs_nixl = pytest.mark.skipif(not _have_nixl(), reason="NIXL is not installed (tq_async[nixl])")
+
+
+X = ColumnHeader("x", "dense", "int64", (4,))
+
+
+def _batch(n: int = 64, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 1 << 30, (n, 512), generator=g),
+        "f32": torch.randn(n, 7, generator=g),
+        "bf": torch.randn(n, 3, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(n, 33, generator=g) > 0.5,
+        "jag": torch.nested.nested_tensor(
+            [torch.arange(i % 7 + 1, dtype=torch.float32) * i for i in range(n)],
+            layout=torch.jagged,
+        ),
+        "s": [f"row-{i}" * (i % 3 + 1) for i in range(n)],
+    }
+
+
+def _check(got: Any, want: dict[str, Any]) -> None:
+    for name in ("ids", "f32", "bf", "mask"):
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+    assert [t.tolist() for t in got["jag"].unbind()] == [t.tolist() for t in want["jag"].unbind()]
+    assert got.get("s").tolist() == want["s"]
+
+
+@pytest.fixture
+def split_cluster() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A controller process and one storage unit process offering NIXL."""
+    with ExitStack() as stack:
+        _, address = stack.enter_context(serve_role("controller"))
+        unit, _ = stack.enter_context(
+            serve_role("storage", "--controller", address, "--data-path", "nixl", line="TQ_UNIT=")
+        )
+        yield address, unit
+
+
+async def _nixl_stats(client: tq.AsyncClient) -> dict[str, int]:
+    (stats,) = (await client.storage_stats()).values()
+    return stats
+
+
+@needs_nixl
+async def test_round_trip_is_exact_over_nixl(
+    split_cluster: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    address, _ = split_cluster
+    async with tq.AsyncClient.connect(address, data_path="nixl", request_timeout=30) as client:
+        before = dict(_nixl.fallbacks)
+        want = _batch()
+        meta = await client.put(want, partition_id="p")
+        _check(await client.get_data(meta), want)
+        td, _ = await client.get(list(want), 64, "p", "t")
+        _check(td, want)
+        stats = await _nixl_stats(client)
+        assert stats["nixl_puts"] == 1
+        assert stats["nixl_reads"] == 2
+        assert stats["nixl_registered_bytes"] == stats["shm_cap"] > 0
+        assert stats["shm_puts"] == stats["shm_reads"] == 0
+        assert dict(_nixl.fallbacks) == before
+
+
+@needs_nixl
+async def test_registrations_stay_flat_over_a_thousand_transfers(
+    split_cluster: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    address, _ = split_cluster
+    async with tq.AsyncClient.connect(address, data_path="nixl", request_timeout=30) as client:
+        x = torch.arange(16 * 1024, dtype=torch.int64).reshape(16, 1024)  # 128 KiB: not inline
+        meta = await client.put({"x": x}, partition_id="warm")
+        await client.clear_partition("warm")
+        agent = _nixl.client_agent()
+        assert agent is not None
+        regs = agent.registrations
+        base = await _nixl_stats(client)
+        for i in range(500):
+            meta = await client.put({"x": x + i}, partition_id="loop")
+            got = await client.get_data(meta)
+            assert torch.equal(got["x"], x + i)
+            await client.clear_samples(meta)
+        stats = await _nixl_stats(client)
+        assert agent.registrations == regs <= _nixl.STAGING_SLOTS
+        assert stats["nixl_puts"] - base["nixl_puts"] == 500
+        assert stats["nixl_reads"] - base["nixl_reads"] == 500
+        # every grant and read pin went back: the arena holds what it held before
+        assert stats["shm_bytes"] == base["shm_bytes"]
+        assert stats["nixl_registered_bytes"] == base["nixl_registered_bytes"]
+
+
+@needs_nixl
+async def test_a_unit_killed_mid_transfer_is_broken_and_shows_no_row(
+    split_cluster: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, unit = split_cluster
+    # small staging buffers: the put below takes several WRITEs, the unit dies after the first
+    monkeypatch.setattr(_nixl, "_client_agents", [])
+    monkeypatch.setattr(_nixl, "STAGING_BYTES", 1 << 20)
+    async with tq.AsyncClient.connect(
+        address, data_path="nixl", request_timeout=10, retry_after=None
+    ) as client:
+        small = {"x": torch.arange(32 * 1024).reshape(32, 1024)}
+        await client.put(small, partition_id="warm")
+        agent = _nixl.client_agent()
+        assert agent is not None
+        regs = agent.registrations
+        started, killed = threading.Event(), threading.Event()
+        xfer = agent._xfer
+        calls = 0
+
+        def spy(*args: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # one window is in the arena; the next goes to a dead unit
+                started.set()
+                killed.wait(30)
+            xfer(*args)
+
+        monkeypatch.setattr(agent, "_xfer", spy)
+        before = _nixl.fallbacks.total()
+        big = {"x": torch.arange(8 << 20, dtype=torch.int64).reshape(64, -1)}  # 64 MiB
+
+        async def kill() -> None:
+            await anyio.to_thread.run_sync(started.wait, 30)
+            unit.send_signal(signal.SIGKILL)
+            await anyio.to_thread.run_sync(unit.wait, 10)
+            killed.set()
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill)
+                with pytest.raises(TQError) as info:
+                    await client.put(big, partition_id="p")
+        # the failed WRITE is counted, then the socket finds the unit gone
+        assert isinstance(info.value, BrokenError), info.value
+        assert calls >= 2
+        assert _nixl.fallbacks.total() == before + 1  # "error" here: UCX saw the peer go
+        assert agent.registrations == regs  # nothing registered per transfer, nothing leaked
+        # no row of the failed put is visible
+        status = await client.production_status("p")
+        assert not any(bool(mask.any()) for mask in status.values()), status
+
+
+async def test_nixl_missing_uses_the_socket_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # import fails
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    monkeypatch.setattr(_nixl, "_loaded", [])
+    monkeypatch.setattr(_nixl, "_client_agents", [])
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        with structlog.testing.capture_logs() as logs:
+            async with tq.AsyncClient.connect(cluster.address, data_path="nixl") as client:
+                for k in range(3):
+                    want = _batch(seed=k)
+                    meta = await client.put(want, partition_id="p")
+                    _check(await client.get_data(meta), want)
+                stats = await _nixl_stats(client)
+    assert stats["nixl_puts"] == stats["nixl_reads"] == stats["nixl_registered_bytes"] == 0
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1, warnings
+    assert "NIXL is not available" in warnings[0]["event"]
+
+
+@needs_nixl
+async def test_a_failed_read_falls_back_to_the_socket(
+    split_cluster: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, _ = split_cluster
+    async with tq.AsyncClient.connect(address, data_path="nixl", request_timeout=30) as client:
+        want = _batch(seed=3)
+        meta = await client.put(want, partition_id="p")
+        agent = _nixl.client_agent()
+        assert agent is not None
+        base = await _nixl_stats(client)
+
+        def broken(*args: Any) -> None:
+            raise _nixl.TransferFailed("error", "injected")
+
+        monkeypatch.setattr(agent, "_xfer", broken)
+        registry = CollectorRegistry()
+        registry.register(transfer_collector())
+        before = registry.get_sample_value("tq_transfer_fallbacks_total", {"reason": "error"})
+        _check(await client.get_data(meta), want)  # through the socket
+        after = registry.get_sample_value("tq_transfer_fallbacks_total", {"reason": "error"})
+        assert after == (before or 0) + 1
+        monkeypatch.undo()
+        _check(await client.get_data(meta), want)  # NIXL again (linked anew)
+        stats = await _nixl_stats(client)
+        assert stats["nixl_reads"] == 2  # the unit pinned spans twice; one READ failed
+        assert stats["shm_bytes"] == base["shm_bytes"]  # and both pins went back
+
+
+@pytest.mark.parametrize(
+    ("options", "rdma", "takes_nixl"),
+    [
+        ({}, True, True),
+        ({}, False, False),  # over TCP alone the socket is faster (see rdma_present)
+        ({"data_path": "nixl"}, False, True),
+        ({"data_path": "shm"}, True, False),
+        ({"data_path": "zmq"}, True, False),
+        ({"shared_memory": False}, True, False),
+        ({"curve": "keys"}, True, False),  # UCX does not encrypt
+    ],
+)
+def test_which_clients_take_nixl(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], rdma: bool, takes_nixl: bool
+) -> None:
+    monkeypatch.setattr(_nixl_base, "rdma_present", lambda: rdma)
+    if options.get("curve"):
+        public, secret = zmq.curve_keypair()
+        options = {**options, "curve": tq.CurveClient(public, public, secret)}
+    client = tq.AsyncClient.connect("tcp://127.0.0.1:1", **options)
+    assert (client._nixl is not None) == takes_nixl
+
+
+@needs_nixl
+async def test_a_silent_nixl_clients_claims_are_released(tmp_path: Path) -> None:
+    """A NIXL client on another host that vanishes holding a grant and a read pin: no pidfd
+    tells the unit, so the claims go back once older than the unit's claim ttl."""
+    server = StorageServer(0, data_path="nixl")
+    now = [0.0]
+    server.nixl_claims.clock = lambda: now[0]
+    ctx: zmq.Context[Any] = zmq.Context()
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        arena = server.arena
+        assert arena is not None
+        server.state.put("p", [0], [X], [torch.arange(4).numpy().tobytes()])
+        base = arena.live_bytes
+        conns = []
+        for _ in range(2):
+            conn = DealerConnection(server.address, context=ctx)
+            conns.append(conn)
+            payload, _ = await conn.request(NixlHello("tq-test"), timeout=30)
+            assert msgspec.msgpack.decode(payload, type=NixlHelloReply | None) is not None
+        gone, alive = conns
+        payload, _ = await gone.request(ShmAlloc(1 << 20), timeout=10)
+        assert msgspec.msgpack.decode(payload, type=ShmGrant | None) is not None
+        payload, _ = await gone.request(StoreGet("p", [0], ["x"], shm=True), timeout=10)
+        assert msgspec.msgpack.decode(payload, type=StoredColumns).shm_spans
+        gone.close()  # vanished: neither used nor freed
+        assert arena.live_bytes > base
+        now[0] = server.nixl_claims.ttl - 1  # not yet abandoned: nothing is taken back
+        payload, _ = await alive.request(ShmAlloc(100), timeout=10)
+        grant = msgspec.msgpack.decode(payload, type=ShmGrant)
+        assert len(server._grants) == 2
+        alive.send_oneway(ShmFree([grant.grant], []))
+        now[0] = server.nixl_claims.ttl + 1
+        payload, _ = await alive.request(ShmAlloc(100), timeout=10)
+        assert len(server._grants) == 1  # only the live client's new grant
+        assert server._pins == {}
+        grant = msgspec.msgpack.decode(payload, type=ShmGrant)
+        alive.send_oneway(ShmFree([grant.grant], []))
+        with anyio.fail_after(10):
+            while arena.live_bytes != base:
+                await server.shm_released.wait()
+        alive.close()
+        unit_agent = server.nixl
+        assert unit_agent is not None
+        tg.cancel_scope.cancel()
+    assert unit_agent.registered_bytes == 0  # the arena was deregistered before it went
+    assert server.nixl is None
+    ctx.term()
+
+
+async def test_a_bad_data_path_is_refused_before_anything_starts() -> None:
+    with pytest.raises(tq.InvalidRequestError, match="data_path must be one of"):
+        tq.AsyncClient.connect("tcp://127.0.0.1:1", data_path="rdma")
+    with pytest.raises(tq.InvalidRequestError, match="data_path must be one of"):
+        async with tq.local_cluster(data_path="rdma"):
+            pass
+    with pytest.raises(tq.ConfigError, match="data_path"):
+        tq.Config.from_dict({"data_path": "rdma"})
+    assert tq.Config.from_toml_string('data_path = "nixl"').data_path == "nixl"
+
+
+# ---- two "hosts": network namespaces (as tests/test_multihost.py builds them) ----------------
+
+
+@needs_nixl
+@pytest.mark.parametrize("tls", ["tcp", "default"])
+def test_nixl_between_network_namespaces(tmp_path: Path, tls: str) -> None:
+    from test_multihost import Lab, _why_not
+
+    reason = _why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    lab = Lab(f"tqn{os.getpid() % 10000}")
+    try:
+        lab.build()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        lab.destroy()
+        pytest.skip(f"this sandbox cannot build network namespaces: {exc}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tls == "tcp":
+        env["UCX_TLS"] = "tcp"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+
+        def start(host: str, *argv: str) -> subprocess.Popen[str]:
+            proc = subprocess.Popen(
+                [*lab.exec_prefix(host), sys.executable, "-m", "tq_async._cli", "serve", *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+            procs.append(proc)
+            return proc
+
+        ctl = start("h1", "controller", "--bind", f"tcp://{lab.ip('h1')}:5555")
+        address = _line(ctl, "TQ_ADDRESS=")
+        unit = start("h2", "storage", "--controller", address, "--bind", f"tcp://{lab.ip('h2')}:0")
+        _line(unit, "TQ_UNIT=")
+        client = subprocess.run(
+            [*lab.exec_prefix("h4"), sys.executable, __file__, address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert client.returncode == 0, client.stderr
+        assert client.stdout.strip().splitlines()[-1] == "OK nixl_puts=1 nixl_reads=1"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        lab.destroy()
+
+
+def _line(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:  # bounded: the service prints it at start or exits
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    raise RuntimeError(f"the service exited with {proc.wait(timeout=10)} before {prefix}")
+
+
+def _client_main(address: str) -> None:
+    """Run in namespace h4 ("another host"); the bytes come back exact.
+
+    Network namespaces share the PID namespace, so the shared-memory handshake would succeed
+    here: ``data_path="nixl"`` keeps the client off it (and this sandbox has no RDMA, where
+    "auto" would pick NIXL).
+    """
+
+    async def run() -> None:
+        async with tq.AsyncClient.connect(address, request_timeout=30, data_path="nixl") as client:
+            want = _batch()
+            meta = await client.put(want, partition_id="p")
+            _check(await client.get_data(meta), want)
+            stats = await _nixl_stats(client)
+            print(f"OK nixl_puts={stats['nixl_puts']} nixl_reads={stats['nixl_reads']}")
+
+    anyio.run(run)
+
+
+if __name__ == "__main__":
+    _client_main(sys.argv[1])
