@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Self
 
 from ._client_calls import ControlCalls
 from ._dealer import DEFAULT_BUSY_POLL
@@ -114,6 +114,7 @@ class AsyncClient(ControlCalls):
             data_path=data_path,
         )
 
+    # unasync: async-only
     def __await__(self) -> Generator[Any, None, NoReturn]:
         # `client = await AsyncClient.connect(...)` is a natural guess: say what works
         raise InvalidRequestError(
@@ -122,6 +123,8 @@ class AsyncClient(ControlCalls):
             "tq.AsyncClient.connect(address)`, `await client.open()`, and later `await "
             "client.aclose()`)"
         )
+
+    # unasync: end
 
     async def __aenter__(self) -> AsyncClient:
         await self.open()
@@ -135,15 +138,15 @@ class AsyncClient(ControlCalls):
     ) -> None:
         await self.aclose()
 
-    async def open(self) -> None:
-        """Connect to the controller and learn the storage units.
+    async def open(self) -> Self:
+        """Connect to the controller and learn the storage units; returns the client.
 
         Raises:
             TQTimeoutError: the controller did not answer within ``connect_timeout``.
             AuthenticationError: the services refused this client's CURVE keys.
         """
         if self._controller is not None:
-            return
+            return self
         self._controller = self._connection(self.address)
         wait = min(self.connect_timeout, self.request_timeout)
         try:
@@ -163,6 +166,7 @@ class AsyncClient(ControlCalls):
                 self._controller.close()
                 self._controller = None
             raise
+        return self
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""

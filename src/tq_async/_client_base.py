@@ -12,7 +12,6 @@ validate arguments before anything is sent.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import operator
@@ -21,7 +20,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
 import torch
 import zmq
@@ -52,11 +50,11 @@ from ._errors import (
 from ._logging import get_logger
 from ._meta import BatchMeta
 from ._nixl import check_data_path, rdma_present
+from ._primitives import Event, Lock, run_sync_off_loop
 from ._protocol import (
     Hello,
     HelloReply,
     MetaReply,
-    RenewPut,
     Reply,
     ShmFree,
     ShmHello,
@@ -203,7 +201,7 @@ class ClientBase:
         #: differ a unit moved (restarted on a new address) and the units are asked again
         self._units_epoch = 0
         self._epoch_seen = 0
-        self._refreshing: anyio.Event | None = None
+        self._refreshing: Event | None = None
         self._hello: HelloReply | None = None
         #: connection address -> the address the controller lists for its unit (differs
         #: for a verified same-host twin, which is not a move)
@@ -217,7 +215,35 @@ class ClientBase:
         self.same_host = same_host
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self._arenas: dict[int, ArenaMap | None] = {}
-        self._link_locks: dict[int, anyio.Lock] = {}
+        self._link_locks: dict[int, Lock] = {}
+        #: the process that opened the connections (a forked child opens its own)
+        self._pid = os.getpid()
+        #: a forked child's copies of its parent's connections: never used, closed or freed
+        #: (they are the parent's sockets)
+        self._inherited: list[DealerConnection] = []
+
+    def _check_process(self) -> None:
+        """In a child forked from the process that opened this client, start over with
+        connections of the child's own, on first use; the parent's are left untouched."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        old, self._controller = self._controller, None
+        self._inherited.extend(self._units.values())
+        self._units.clear()
+        self._stands_for.clear()
+        self._link_locks.clear()  # a lock held by another thread at the fork stays held
+        for arena in self._arenas.values():
+            if arena is not None:
+                arena.close()  # the child's mapping only
+        self._arenas.clear()
+        self._refreshing = None
+        if self._nixl is not None:
+            self._nixl = NixlLinks(forced=self._nixl.forced)
+        if old is not None:
+            self._inherited.append(old)
+            # the same address the parent used (its verified same-host twin, if any)
+            self._controller = self._connection(old.address)
 
     def _connection(
         self,
@@ -262,7 +288,7 @@ class ClientBase:
             await self._refreshing.wait()
             if self._hello is not None:
                 return self._hello
-        self._refreshing = done = anyio.Event()
+        self._refreshing = done = Event()
         try:
             hello: HelloReply = await self._call(Hello(), HelloReply, timeout=timeout)
         finally:
@@ -291,6 +317,7 @@ class ClientBase:
             self._epoch_seen = epoch
 
     def _ctl(self) -> DealerConnection:
+        self._check_process()
         if self._controller is None:
             raise ClosedError(
                 "the client is not connected; use `async with AsyncClient.connect(address)`"
@@ -298,6 +325,7 @@ class ClientBase:
         return self._controller
 
     async def _unit(self, unit_id: int) -> DealerConnection:
+        self._check_process()
         if self._epoch_seen != self._units_epoch:
             await self._refresh_units()
         conn = self._units.get(unit_id)
@@ -367,7 +395,7 @@ class ClientBase:
             return conn, None  # in-process connections copy once already
         if unit_id in self._arenas:
             return conn, self._arenas[unit_id]
-        lock = self._link_locks.setdefault(unit_id, anyio.Lock())
+        lock = self._link_locks.setdefault(unit_id, Lock())
         async with lock:
             if unit_id not in self._arenas:
                 try:
@@ -574,7 +602,7 @@ async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list
         ]
 
     if sum(n for _, n in spans) >= _THREAD_COPY_BYTES:
-        return await anyio.to_thread.run_sync(copy)
+        return await run_sync_off_loop(copy)
     return copy()
 
 
@@ -638,20 +666,3 @@ def _merge_parts(
         headers.append(header)
         columns.append(reorder_column(merged, inverse))
     return headers, columns
-
-
-class _PutRenewal:
-    """Sends RenewPut for one put every ``interval`` seconds until cancelled (timer-driven)."""
-
-    __slots__ = ("_conn", "_handle", "_interval", "_put_id")
-
-    def __init__(self, conn: DealerConnection, put_id: int, interval: float) -> None:
-        self._conn, self._put_id, self._interval = conn, put_id, interval
-        self._handle = asyncio.get_running_loop().call_later(interval, self._renew)
-
-    def _renew(self) -> None:
-        self._conn.send_best_effort(RenewPut([self._put_id]))
-        self._handle = asyncio.get_running_loop().call_later(self._interval, self._renew)
-
-    def cancel(self) -> None:
-        self._handle.cancel()

@@ -6,7 +6,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
 import msgspec
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -29,6 +28,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._primitives import run_each
 from ._protocol import (
     AcquireRollout,
     CheckConsumption,
@@ -108,9 +108,7 @@ class ControlCalls(ClientPuts, ClientGets):
             payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
             out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
 
-        async with anyio.create_task_group() as tg:
-            for unit_id in self._unit_addresses:
-                tg.start_soon(ask, unit_id)
+        await run_each(ask, [(unit_id,) for unit_id in self._unit_addresses])
         return dict(sorted(out.items()))
 
     async def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:

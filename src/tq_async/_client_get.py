@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-import anyio
 import zmq
 from tensordict import TensorDict
 
@@ -41,6 +40,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._primitives import cleanup_scope, run_each
 from ._protocol import (
     Ack,
     FieldSchema,
@@ -334,9 +334,7 @@ class ClientGets(ClientBase):
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
         else:
-            async with anyio.create_task_group() as tg:
-                for unit, positions in by_unit.items():
-                    tg.start_soon(fetch, unit, positions)
+            await run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
 
     async def get(
@@ -397,7 +395,7 @@ class ClientGets(ClientBase):
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
-                with anyio.move_on_after(5, shield=True):
+                with cleanup_scope(5):
                     await self.release(meta)
             elif lease is None and meta.lease_id and self._controller is not None:
                 self._controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
 import msgspec
 import zmq
 from tensordict import TensorDictBase
@@ -23,7 +22,6 @@ from ._client_base import (
     _check_versions,
     _decode,
     _Put,
-    _PutRenewal,
 )
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
@@ -45,6 +43,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ._protocol import (
     AbortPut,
     ClearSamples,
@@ -52,6 +51,7 @@ from ._protocol import (
     PutBegin,
     PutCommit,
     PutInline,
+    RenewPut,
     Reply,
     ShmAlloc,
     ShmFrames,
@@ -305,7 +305,7 @@ class ClientPuts(ClientBase):
                 # new rows not committed are reclaimed at once (a keyed put's too)
                 self._controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
-                with anyio.move_on_after(5, shield=True):
+                with cleanup_scope(5):
                     try:
                         undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
                         await self._call(undo, None)
@@ -319,7 +319,7 @@ class ClientPuts(ClientBase):
                 renewal.cancel()
         return placement
 
-    def _renew_put(self, placement: Placement) -> _PutRenewal | None:
+    def _renew_put(self, placement: Placement) -> Repeater | None:
         """Keep a put's lease alive while its columns travel (a timer, no task).
 
         The controller reclaims the new rows of a put whose producer stops renewing (it
@@ -328,7 +328,8 @@ class ClientPuts(ClientBase):
         """
         if not placement.put_id or self._controller is None:
             return None
-        return _PutRenewal(self._controller, placement.put_id, placement.put_lease / 3)
+        conn, renew = self._controller, RenewPut([placement.put_id])
+        return Repeater(placement.put_lease / 3, lambda: conn.send_best_effort(renew))
 
     async def _store(
         self,
@@ -366,9 +367,7 @@ class ClientPuts(ClientBase):
             ((unit, positions),) = by_unit.items()
             await store_one(unit, positions)
             return
-        async with anyio.create_task_group() as tg:
-            for unit, positions in by_unit.items():
-                tg.start_soon(store_one, unit, positions)
+        await run_each(store_one, by_unit.items())
 
     async def _store_shm(
         self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
@@ -387,7 +386,7 @@ class ClientPuts(ClientBase):
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
             if nbytes >= _THREAD_COPY_BYTES:
-                spans = await anyio.to_thread.run_sync(arena.write, grant.offset, frames)
+                spans = await run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)

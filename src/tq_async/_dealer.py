@@ -40,7 +40,14 @@ from ._routes import local_route, private_frames
 from ._security import CurveClient
 from ._unix import UnixSocket
 
-__all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BusyPoll", "DealerConnection", "check_frames"]
+__all__ = [
+    "DEFAULT_BUSY_POLL",
+    "MAX_BUSY_POLL",
+    "BusyPoll",
+    "DealerConnection",
+    "check_frames",
+    "process_state",
+]
 
 log = get_logger(__name__)
 
@@ -445,14 +452,14 @@ class DealerConnection(DrainedSocket):
 
     def _why_silent(self) -> str:
         """What a timed-out request's caller should check."""
-        if _process_state(self.peer_pid) is not None:
+        if process_state(self.peer_pid) is not None:
             return f"{self._why_broken()}; raise the timeout if it is only slow"
         return "check that the service is running, or raise the timeout"
 
     def _why_broken(self) -> str:
         """Why the service went away, as far as this side can tell: a same-host service
         whose process still exists is only not answering (paused, swapping, overloaded)."""
-        state = _process_state(self.peer_pid)
+        state = process_state(self.peer_pid)
         if state is None:
             # across hosts a paused service and a vanished one look the same
             known = self.peer_pid is not None
@@ -600,7 +607,7 @@ def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
 _ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
 
 
-def _process_state(pid: int | None) -> str | None:
+def process_state(pid: int | None) -> str | None:
     """The state letter of a process of this host (``R``, ``S``, ``T``...), None if gone
     or unknown."""
     if pid is None:

@@ -33,6 +33,7 @@ __all__ = [
     "local_route",
     "local_routes",
     "local_routes_lock",
+    "copy_frames",
     "private_frames",
 ]
 
@@ -73,6 +74,11 @@ async def private_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
     if sum(memoryview(f).nbytes for f in frames) >= THREAD_COPY_BYTES:
         return await anyio.to_thread.run_sync(copy, frames)
     return copy(frames)
+
+
+def copy_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
+    """:func:`private_frames` in the calling thread (the blocking client's)."""
+    return _copy_in(frames) if incoming else _copy_out(frames)
 
 
 class RouteWatcher(Protocol):
