@@ -104,6 +104,15 @@ local_routes: dict[str, LocalRoute] = {}
 local_routes_lock = threading.Lock()
 
 
+def _after_fork() -> None:
+    # held by another thread at the fork, it would stay held in the child (routes of the
+    # parent's endpoints are ignored there anyway: pid check in local_route)
+    local_routes_lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def local_route(address: str, context: zmq.Context[Any]) -> LocalRoute | None:
     with local_routes_lock:
         route = local_routes.get(address)

@@ -1039,9 +1039,9 @@ class StreamingDataLoader(_StreamingDataLoader):
     :class:`tq_async.StreamingDataLoader`.
 
     Yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
-    ``num_workers``. Workers start with ``spawn`` unless ``multiprocessing_context`` says
-    otherwise: :func:`init` opened a client (sockets and an event-loop thread) in this process,
-    and a ``fork`` of it was seen to hang workers.
+    ``num_workers``. Workers start with the platform's default method, as torch's do
+    (``fork`` on Linux), unless ``multiprocessing_context`` says otherwise: the client
+    :func:`init` opened runs no thread of its own, and a worker re-creates its connections.
 
     Raises:
         InvalidRequestError: ``collate_fn`` is given or ``persistent_workers`` is True (the
@@ -1060,8 +1060,6 @@ class StreamingDataLoader(_StreamingDataLoader):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
     ) -> None:
-        if num_workers > 0 and multiprocessing_context is None:
-            multiprocessing_context = "spawn"
         super().__init__(
             dataset,
             num_workers,
