@@ -6,6 +6,20 @@ One client holds one DEALER socket to the controller and one per storage unit, o
 first use and shared by every concurrent call (requests are multiplexed by id). A put is
 three steps — ask the controller for rows and placement, send each unit its slice, commit —
 and the rows become visible to consumers only at the commit, with their tags.
+
+Two faces, one implementation. This module and its siblings (``_client_base``, ``_client_put``,
+``_client_get``, ``_client_calls``, ``_client_nixl``, ``_checkpoint``) are the only source of
+the client's logic; ``scripts/unasync.py`` generates the blocking ``tq.Client`` from them
+(``_sync*.py``), as httpcore generates its sync twin, and ``tests/test_sync_parity.py`` fails
+when the generated modules are not current. What differs between the faces is the I/O and
+nothing else: the event-loop connection (``_dealer``) against one driven by the calling
+thread (``_sync_dealer``), and three concurrency helpers (``_primitives`` /
+``_sync_primitives``). A generated twin rather than a sans-I/O core with two shells: the
+client's calls are chains of dependent requests with undo paths between them (a put asks for
+placement, writes each unit through shared memory, NIXL or the socket, commits, and aborts or
+clears on any failure; a read pins and unpins; a moved unit is asked again), which read as
+straight-line code here and would each become an explicit state machine in a sans-I/O core,
+doubling the code the two faces must agree on.
 """
 
 from __future__ import annotations
