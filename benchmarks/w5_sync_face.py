@@ -187,6 +187,35 @@ def _loader_rate(address: str, pid: str, task: str, workers: int, batches: int) 
     return n / elapsed
 
 
+def _plain_rate(batches: int) -> float:
+    """A plain torch DataLoader with 2 fork workers handing over items of the same shape
+    (a 32 x 16 int64 TensorDict and a small dict): the ceiling of the worker hand-off."""
+    import torch
+    from tensordict import TensorDict
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+    class Items(IterableDataset[Any]):
+        def __iter__(self) -> Iterator[Any]:
+            info = get_worker_info()
+            w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+            for i in range(w, batches, n):
+                td = TensorDict({"x": torch.arange(512).view(32, 16)}, batch_size=[32])
+                yield [(td, {"batch_index": i, "rows": list(range(32))})]
+
+    loader = DataLoader(
+        Items(),
+        batch_size=None,
+        collate_fn=lambda x: x,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    it = iter(loader)
+    next(it)
+    t0 = perf_counter()
+    n = sum(1 for _ in it)
+    return n / (perf_counter() - t0)
+
+
 def _async_rate(address: str, pid: str, task: str, batches: int) -> float:
     import tq_async as tq
 
@@ -223,6 +252,17 @@ def _datasets(cfg: Config, address: str) -> list[dict[str, Any]]:
             asyn.append(_async_rate(address, pid, f"a{r}", batches))
             for w in rates:
                 rates[w].append(_loader_rate(address, pid, f"l{w}-{r}", w, batches))
+        plain = [_plain_rate(batches) for _ in range(rounds)]
+        out.append(
+            result(
+                WORKLOAD,
+                "plain torch DataLoader 2 workers (fork), same items",
+                median(plain),
+                "items/s",
+                best=max(plain),
+                note="the ceiling of the worker hand-off on this machine",
+            )
+        )
         for w, rs in rates.items():
             label = (
                 f"StreamingDataLoader {w} workers{' (fork)' if w else ''} vs AsyncStreamingDataset"
