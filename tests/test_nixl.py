@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 import tq_async as tq
 import tq_async._client_base as _nixl_base
 from _cluster_proc import serve_role
-from tq_async import _nixl
+from tq_async import _nixl, _storage
 from tq_async._columns import ColumnHeader
 from tq_async._dealer import DealerConnection
 from tq_async._errors import BrokenError, TQError
@@ -43,6 +43,8 @@ from tq_async._protocol import (
     ShmGrant,
     StoredColumns,
     StoreGet,
+    StoreStats,
+    StoreStatsReply,
 )
 from tq_async._storage import StorageServer
 from tq_async.lowlevel import transfer_collector
@@ -181,7 +183,7 @@ async def test_a_unit_killed_mid_transfer_is_broken_and_shows_no_row(
             xfer(*args)
 
         monkeypatch.setattr(agent, "_xfer", spy)
-        before = _nixl.fallbacks.total()
+        before = _nixl.fallbacks.copy()
         big = {"x": torch.arange(8 << 20, dtype=torch.int64).reshape(64, -1)}  # 64 MiB
 
         async def kill() -> None:
@@ -195,11 +197,19 @@ async def test_a_unit_killed_mid_transfer_is_broken_and_shows_no_row(
                 tg.start_soon(kill)
                 with pytest.raises(TQError) as info:
                     await client.put(big, partition_id="p")
-        # the failed WRITE is counted, then the socket finds the unit gone
+        # the failed WRITE is counted once, then the socket finds the unit gone: BrokenError,
+        # whichever way UCX saw it (docs/deployment.md, "Data paths": "error" when UCX sees
+        # the connection drop, as on loopback; "timeout" when it sees nothing before the
+        # request_timeout, as with a host gone without a reset)
         assert isinstance(info.value, BrokenError), info.value
         assert calls >= 2
-        assert _nixl.fallbacks.total() == before + 1  # "error" here: UCX saw the peer go
+        counted = _nixl.fallbacks - before
+        assert counted.total() == 1, counted
+        assert set(counted) <= {"error", "timeout"}, counted
         assert agent.registrations == regs  # nothing registered per transfer, nothing leaked
+        assert agent.busy_slots == 0  # the staging buffer went back to the pool
+        assert client._nixl is not None
+        assert not client._nixl._peers  # it says hello again next time
         # no row of the failed put is visible
         status = await client.production_status("p")
         assert not any(bool(mask.any()) for mask in status.values()), status
@@ -255,6 +265,29 @@ async def test_a_failed_read_falls_back_to_the_socket(
         assert stats["shm_bytes"] == base["shm_bytes"]  # and both pins went back
 
 
+@needs_nixl
+async def test_unit_nixl_counts_are_prometheus_metrics() -> None:
+    registry = CollectorRegistry()
+    async with tq.local_cluster(
+        num_storage_units=1, data_path="nixl", metrics_registry=registry
+    ) as cluster:
+        assert registry.get_sample_value("tq_storage_nixl_registered_bytes", {"unit": "0"}) > 0
+        async with tq.AsyncClient.connect(
+            cluster.address, data_path="nixl", request_timeout=30
+        ) as client:
+            want = _batch(seed=5)
+            meta = await client.put(want, partition_id="p")
+            _check(await client.get_data(meta), want)
+            stats = await _nixl_stats(client)
+        sample = registry.get_sample_value
+        assert sample("tq_storage_nixl_puts_total", {"unit": "0"}) == stats["nixl_puts"] == 1
+        assert sample("tq_storage_nixl_reads_total", {"unit": "0"}) == stats["nixl_reads"] == 1
+        assert (
+            sample("tq_storage_nixl_registered_bytes", {"unit": "0"})
+            == stats["nixl_registered_bytes"]
+        )
+
+
 @pytest.mark.parametrize(
     ("options", "rdma", "takes_nixl"),
     [
@@ -276,6 +309,60 @@ def test_which_clients_take_nixl(
         options = {**options, "curve": tq.CurveClient(public, public, secret)}
     client = tq.AsyncClient.connect("tcp://127.0.0.1:1", **options)
     assert (client._nixl is not None) == takes_nixl
+
+
+@needs_nixl
+async def test_a_unit_serves_while_its_first_nixl_hello_sets_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under "auto" the first NIXL hello makes the unit's agent (~0.5 s): on a worker thread,
+    while the unit answers other requests; hellos that come meanwhile wait for the same agent."""
+    made, release = threading.Event(), threading.Event()
+    agents: list[Any] = []
+    real = _storage.UnitNixl
+
+    def held(*args: Any) -> Any:
+        made.set()  # the registration is under way ...
+        release.wait(30)  # ... and stays so until the test has been served
+        agents.append(real(*args))
+        return agents[-1]
+
+    monkeypatch.setattr(_storage, "UnitNixl", held)
+    server = StorageServer(0, data_path="auto")
+    ctx: zmq.Context[Any] = zmq.Context()
+    replies: list[Any] = []
+    answered = anyio.Event()
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+            conns = [DealerConnection(server.address, context=ctx) for _ in range(3)]
+
+            async def hello(conn: DealerConnection) -> None:
+                payload, _ = await conn.request(NixlHello("tq-test"), timeout=30)
+                replies.append(msgspec.msgpack.decode(payload, type=NixlHelloReply | None))
+                if len(replies) == 2:
+                    answered.set()
+
+            tg.start_soon(hello, conns[0])
+            await anyio.to_thread.run_sync(made.wait, 30)
+            assert made.is_set()
+            tg.start_soon(hello, conns[1])  # a second hello while the first one waits
+            payload, _ = await conns[2].request(StoreStats(), timeout=10)  # served meanwhile
+            assert msgspec.msgpack.decode(payload, type=StoreStatsReply).nixl_registered_bytes == 0
+            assert not replies
+            release.set()
+            await answered.wait()
+            assert len(agents) == 1  # one agent, one registration, for both
+            assert replies[0] == replies[1]
+            assert replies[0] is not None
+            assert replies[0].agent == agents[0].name
+            payload, _ = await conns[2].request(NixlHello("tq-test"), timeout=10)  # at once now
+            assert msgspec.msgpack.decode(payload, type=NixlHelloReply | None) == replies[0]
+            for conn in conns:
+                conn.close()
+            tg.cancel_scope.cancel()
+    ctx.term()
+    assert agents[0].registered_bytes == 0  # deregistered when the unit stopped
 
 
 @needs_nixl

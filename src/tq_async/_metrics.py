@@ -20,6 +20,9 @@ tq_storage_resident_bytes          gauge   unit (bytes of cells held by a storag
 tq_storage_shm_bytes               gauge   unit (shared memory in use by a unit's cells/reads)
 tq_storage_shm_idle_bytes          gauge   unit (freed shared memory kept resident for reuse)
 tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: arena full)
+tq_storage_nixl_puts_total         counter unit (puts whose bytes a client WROTE with NIXL)
+tq_storage_nixl_reads_total        counter unit (reads whose bytes a client READ with NIXL)
+tq_storage_nixl_registered_bytes   gauge   unit (bytes a unit registered with NIXL: its arena)
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
 tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
                                            transfers that went over the socket instead
@@ -41,6 +44,7 @@ from prometheus_client.registry import Collector
 from ._nixl import fallbacks as nixl_fallbacks
 
 if TYPE_CHECKING:
+    from ._nixl import UnitNixl
     from ._shm import Arena
     from ._state import ControllerState
 
@@ -218,9 +222,12 @@ class UnitGauges(Protocol):
     @property
     def arena(self) -> Arena | None: ...
 
+    @property
+    def nixl(self) -> UnitNixl | None: ...
+
 
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
-    """``tq_storage_resident_bytes{unit}`` for the given units, computed when scraped."""
+    """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
 
     def collect() -> Iterator[Metric]:
         g = GaugeMetricFamily(
@@ -241,6 +248,21 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             "Same-host puts and reads that went over the socket because the arena was full.",
             labels=["unit"],
         )
+        nixl_puts = CounterMetricFamily(
+            "tq_storage_nixl_puts",
+            "Puts whose bytes a client wrote into a storage unit's arena with NIXL.",
+            labels=["unit"],
+        )
+        nixl_reads = CounterMetricFamily(
+            "tq_storage_nixl_reads",
+            "Reads whose bytes a client read out of a storage unit's arena with NIXL.",
+            labels=["unit"],
+        )
+        nixl_bytes = GaugeMetricFamily(
+            "tq_storage_nixl_registered_bytes",
+            "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
+            labels=["unit"],
+        )
         for unit_id, st in sorted(units.items()):
             g.add_metric([str(unit_id)], st.resident_bytes)
             arena = st.arena
@@ -248,10 +270,12 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
                 shm.add_metric([str(unit_id)], arena.live_bytes)
                 idle.add_metric([str(unit_id)], arena.idle_bytes)
                 fallbacks.add_metric([str(unit_id)], arena.fallbacks)
-        yield g
-        yield shm
-        yield idle
-        yield fallbacks
+            nixl = st.nixl
+            if nixl is not None:
+                nixl_puts.add_metric([str(unit_id)], nixl.puts)
+                nixl_reads.add_metric([str(unit_id)], nixl.reads)
+                nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
+        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes)
 
     return _Collector(collect)
 

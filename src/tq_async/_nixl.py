@@ -318,6 +318,12 @@ class ClientAgent:
                     except Exception as exc:
                         log.debug("could not remove a NIXL peer", peer=name, error=str(exc))
 
+    @property
+    def busy_slots(self) -> int:
+        """Staging buffers held by transfers now (0 when none is in flight)."""
+        with self._cond:
+            return self._made - len(self._free)
+
     @contextmanager
     def _slot(self, deadline: float) -> Iterator[_Slot]:
         with self._cond:

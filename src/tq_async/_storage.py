@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from ._columns import (
     Column,
@@ -62,7 +62,7 @@ from ._protocol import (
 )
 from ._router import RouterEndpoint
 from ._security import CurveServer
-from ._service import SENT, Handler, Incoming, Service, WithFrames
+from ._service import DEFERRED, SENT, Handler, Incoming, Service, WithFrames
 from ._shm import PAGE, Arena, Region, Watcher, align, next_id
 from ._state import stale_incarnation
 
@@ -111,6 +111,8 @@ class StorageState:
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
         self.arena = arena
+        #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
+        self.nixl: UnitNixl | None = None
         # partition -> field -> row -> (chunk, position)
         self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
         self.resident_bytes = 0
@@ -407,6 +409,9 @@ class StorageState:
             shm_fallbacks=arena.fallbacks,
             shm_puts=arena.puts,
             shm_reads=arena.reads,
+            nixl_puts=self.nixl.puts if self.nixl is not None else 0,
+            nixl_reads=self.nixl.reads if self.nixl is not None else 0,
+            nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
         )
 
 
@@ -417,7 +422,8 @@ DEFAULT_SHM_IDLE = 256 << 20
 
 
 class StorageServer(Service):
-    """Serves one :class:`StorageState` on a ROUTER socket (all handlers are synchronous).
+    """Serves one :class:`StorageState` on a ROUTER socket (every handler is synchronous but
+    the first NIXL hellos', which wait for the agent being made on a worker thread).
 
     Args:
         unit_id: this unit's id.
@@ -463,9 +469,11 @@ class StorageServer(Service):
         self._shm_peers: dict[bytes, int] = {}
         self._grants: dict[int, tuple[bytes, int, Region]] = {}
         self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
-        #: NIXL: the unit's agent (made on the first NixlHello) and the clients that use it
-        self.nixl: UnitNixl | None = None
+        #: NIXL: the clients that use the unit's agent (``state.nixl``, made on the first hello)
         self._nixl_peers: set[bytes] = set()
+        #: set once the agent is made (or failed to be): NIXL hellos that came meanwhile wait
+        self._nixl_ready: anyio.Event | None = None
+        self._tg: TaskGroup | None = None
         #: grants and pins of NIXL clients, released when abandoned (see Claims)
         self.nixl_claims = Claims()
         #: set (and replaced) whenever shared memory is given back (tests wait on it)
@@ -475,6 +483,11 @@ class StorageServer(Service):
     def arena(self) -> Arena | None:
         """The shared-memory arena (None when off or not serving)."""
         return self.state.arena
+
+    @property
+    def nixl(self) -> UnitNixl | None:
+        """The unit's NIXL agent with the arena registered (None: no NIXL client yet)."""
+        return self.state.nixl
 
     @property
     def address(self) -> str:
@@ -494,9 +507,14 @@ class StorageServer(Service):
         self._endpoint = RouterEndpoint(bind, self.on_message, curve=self.curve, twin="uds")
         try:
             self._open_arena()
-            task_status.started(self._endpoint.address)
-            await anyio.sleep_forever()
+            async with anyio.create_task_group() as tg:  # ends (NIXL set up) before the arena
+                self._tg = tg
+                if self.data_path == "nixl" and self.arena is not None:
+                    await self._start_nixl()  # asked for: ready before the first client
+                task_status.started(self._endpoint.address)
+                await anyio.sleep_forever()
         finally:
+            self._tg = None
             self._endpoint.close()
             self._close_arena()
 
@@ -517,18 +535,17 @@ class StorageServer(Service):
         self.state.arena = arena
         loop = asyncio.get_running_loop()
         self._watcher = Watcher(loop.add_reader, loop.remove_reader)
-        if self.data_path == "nixl":  # asked for: ready before the first client (~0.5 s)
-            self._start_nixl()
 
     def _close_arena(self) -> None:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
         arena, self.state.arena = self.state.arena, None
-        if self.nixl is not None:  # deregistered before the arena is unmapped
-            self.nixl.close()
-            self.nixl = None
+        if self.state.nixl is not None:  # deregistered before the arena is unmapped
+            self.state.nixl.close()
+            self.state.nixl = None
             self._nixl_peers.clear()
+        self._nixl_ready = None
         if arena is not None:
             arena.close()
         self._shm_peers.clear()
@@ -642,34 +659,61 @@ class StorageServer(Service):
         log.debug("released the shared memory of an exited client", pid=pid)
         self._notify_shm()
 
+    def _nixl_offered(self) -> bool:
+        if self.arena is None or self.data_path not in ("auto", "nixl"):
+            return False
+        # UCX does not encrypt: an encrypted unit offers NIXL only if told to
+        return self.curve is None or self.data_path == "nixl"
+
     def _nixl_hello(self, peer: bytes, body: NixlHello) -> NixlHelloReply | None:
-        """Offer a client the NIXL path: the agent is made and the arena registered once."""
-        arena = self.arena
-        if arena is None or self.data_path not in ("auto", "nixl"):
+        """Offer a client the NIXL path (None: the unit offers none, or NIXL failed)."""
+        arena, unit = self.arena, self.nixl
+        if arena is None or unit is None or not self._nixl_offered():
             return None
-        if self.curve is not None and self.data_path != "nixl":
-            return None  # UCX does not encrypt: an encrypted unit offers NIXL only if told to
-        if self.nixl is None and not self._start_nixl():
-            return None
-        assert self.nixl is not None
         self._nixl_peers.add(peer)
         log.debug("a NIXL client", unit=self.unit_id, agent=body.agent)
-        return NixlHelloReply(self.nixl.metadata, self.nixl.name, arena.base, arena.cap)
+        return NixlHelloReply(unit.metadata, unit.name, arena.base, arena.cap)
 
-    def _start_nixl(self) -> bool:
-        """Make the unit's NIXL agent and register the arena (once); False without NIXL."""
+    async def _start_nixl(self) -> None:
+        """Make the unit's NIXL agent and register the arena, once, on a worker thread (it
+        takes ~0.5 s: the unit serves other requests meanwhile); without NIXL, or when it
+        fails, the unit offers the socket and shared memory only."""
         arena = self.arena
-        nixl = load_nixl() if arena is not None else None
-        if nixl is None or arena is None:
-            return False
+        if self._nixl_ready is not None or arena is None:
+            return
+        ready = self._nixl_ready = anyio.Event()
+        limit, arena.idle_limit = arena.idle_limit, arena.cap  # pages stay the registered ones
+
+        def make() -> UnitNixl | None:
+            nixl = load_nixl()
+            return None if nixl is None else UnitNixl(nixl, arena.base, arena.cap)
+
+        unit = None
         try:
-            self.nixl = UnitNixl(nixl, arena.base, arena.cap)
+            # not abandoned when cancelled: the agent is kept (and closed with the arena)
+            unit = await anyio.to_thread.run_sync(make)
         except Exception as exc:
             log.warning("NIXL could not register the arena: socket only", error=str(exc))
             self.data_path = "shm"
-            return False
-        arena.idle_limit = arena.cap  # registered pages must stay the ones registered
-        return True
+        finally:
+            if unit is None:
+                arena.idle_limit = limit
+            self.state.nixl = unit
+            ready.set()
+
+    async def _nixl_hello_waiting(self, msg: Incoming, body: NixlHello) -> None:
+        """Answer a NIXL hello once the agent is made (the first hellos of a unit)."""
+        await self._start_nixl()  # the first hello starts it, the others find it started
+        assert self._nixl_ready is not None
+        await self._nixl_ready.wait()
+        try:
+            reply = self._nixl_hello(msg.peer, body)
+        except Exception as exc:
+            self.send_error(msg.peer, msg.rid, exc, "NixlHello")
+            self.record("NixlHello", False, msg.t0)
+            return
+        self.send_ok(msg.peer, msg.rid, reply)
+        self.record("NixlHello", True, msg.t0)
 
     def _expire_nixl_claims(self) -> None:
         """Release the grants and pins of NIXL clients that held them past the claims' ttl."""
@@ -812,12 +856,7 @@ class StorageServer(Service):
         return self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
 
     def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
-        stats = self.state.stats()
-        if self.nixl is not None:
-            stats.nixl_puts = self.nixl.puts
-            stats.nixl_reads = self.nixl.reads
-            stats.nixl_registered_bytes = self.nixl.registered_bytes
-        return stats
+        return self.state.stats()
 
     def _on_shm_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
         return self._shm_hello(msg.peer, body)
@@ -829,8 +868,13 @@ class StorageServer(Service):
         self._shm_free(msg.peer, body)
         return SENT  # one-way
 
-    def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> NixlHelloReply | None:
-        return self._nixl_hello(msg.peer, body)
+    def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> Any:
+        if self.nixl is not None or self._tg is None or not self._nixl_offered():
+            return self._nixl_hello(msg.peer, body)
+        if self._nixl_ready is not None and self._nixl_ready.is_set():
+            return None  # NIXL failed to start: the socket
+        self._tg.start_soon(self._nixl_hello_waiting, msg, body)
+        return DEFERRED
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         return SENT  # every storage op completes at once; nothing to cancel
