@@ -325,3 +325,25 @@ def f(self):
     return st.units
 """
     assert len(_state_writes(ast.parse(code))) == 3
+
+
+#: the client's modules, async and generated blocking: they share nothing private
+CLIENT_MODULES = sorted(
+    name
+    for name in _modules()
+    if name.startswith(("_client", "_sync")) or name in ("_checkpoint", "_dealer", "_primitives")
+)
+
+
+def test_no_private_name_is_imported_across_client_modules() -> None:
+    found = []
+    for name in CLIENT_MODULES:
+        tree = ast.parse(_modules()[name].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found += [
+                    f"{name} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert not found, "helpers live next to their only user, shared ones are public: " + str(found)

@@ -11,20 +11,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
-from ._client_base import (
-    _as_int,
-    _check_fields,
-    _check_keys,
-    _check_rows,
-    _decode,
-    _mask,
-    _one_row,
-)
+from ._client_base import as_int, check_fields, decode
 from ._client_get import ClientGets
 from ._client_put import ClientPuts
-from ._codec import tags_for_wire
+from ._codec import check_text, tags_for_wire
 from ._errors import (
     InvalidRequestError,
+    SchemaError,
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
@@ -68,6 +61,47 @@ __all__ = ["ControlCalls"]
 log = get_logger(__name__)
 
 
+def _check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
+        raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise InvalidRequestError("keys must be a non-empty list of strings")
+    for k in keys:
+        check_text("key", k)
+    return list(keys)
+
+
+def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
+    return [int(r) for r in rows]
+
+
+def _mask(raw: bytes) -> torch.Tensor:
+    if not raw:
+        return torch.zeros(0, dtype=torch.bool)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
+
+
+def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
+    """One key's fields as a one-row batch."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_size == torch.Size([]):
+            return fields.unsqueeze(0)
+        if fields.batch_size == torch.Size([1]):
+            return fields
+        raise SchemaError(
+            f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
+            "; use kv_batch_put for several keys"
+        )
+    return {
+        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
+        for name, value in fields.items()
+    }
+
+
 class ControlCalls(ClientPuts, ClientGets):
     """Status, tags, staleness, KV and checkpoints of :class:`~tq_async.AsyncClient`."""
 
@@ -106,7 +140,7 @@ class ControlCalls(ClientPuts, ClientGets):
         async def ask(unit_id: int) -> None:
             conn = await self._unit(unit_id)
             payload, _ = await conn.request(StoreStats(), timeout=self.request_timeout)
-            out[unit_id] = msgspec.structs.asdict(_decode(payload, StoreStatsReply))
+            out[unit_id] = msgspec.structs.asdict(decode(payload, StoreStatsReply))
 
         await run_each(ask, [(unit_id,) for unit_id in self._unit_addresses])
         return dict(sorted(out.items()))
@@ -148,7 +182,7 @@ class ControlCalls(ClientPuts, ClientGets):
         global_indexes: Sequence[int] | None = None,
     ) -> bool:
         """True when every given row (all rows if None) has every field in ``data_fields``."""
-        fields = _check_fields(data_fields)
+        fields = check_fields(data_fields)
         rows = list(global_indexes) if global_indexes is not None else None
         return bool(await self._call(CheckProduction(partition_id, fields, rows), bool))
 
@@ -163,7 +197,7 @@ class ControlCalls(ClientPuts, ClientGets):
         self, partition_id: str, data_fields: Sequence[str] | None = None
     ) -> dict[str, torch.Tensor]:
         """Per field, a bool tensor over row ids: is the cell produced (cleared rows: False)."""
-        fields = None if data_fields is None else _check_fields(data_fields)
+        fields = None if data_fields is None else check_fields(data_fields)
         masks = await self._call(ProductionStatus(partition_id, fields), dict[str, bytes])
         return {k: _mask(v) for k, v in masks.items()}
 
@@ -196,7 +230,7 @@ class ControlCalls(ClientPuts, ClientGets):
         Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
         for staleness.
         """
-        await self._call(SetPolicyVersion(check_int("version", _as_int(version))), None)
+        await self._call(SetPolicyVersion(check_int("version", as_int(version))), None)
 
     async def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
@@ -215,8 +249,8 @@ class ControlCalls(ClientPuts, ClientGets):
         Cancellation: the waiting request is dropped; nothing is reserved.
         """
         body = AcquireRollout(
-            check_int("policy_version", _as_int(policy_version)),
-            check_int("n", _as_int(n), 1),
+            check_int("policy_version", as_int(policy_version)),
+            check_int("n", as_int(n), 1),
             check_seconds("timeout", timeout),
         )
         deadline = None if timeout is None else timeout + self.request_timeout
@@ -230,7 +264,7 @@ class ControlCalls(ClientPuts, ClientGets):
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
-        await self._call(ReleaseRollout(check_int("n", _as_int(n))), None)
+        await self._call(ReleaseRollout(check_int("n", as_int(n))), None)
 
     async def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
@@ -238,7 +272,7 @@ class ControlCalls(ClientPuts, ClientGets):
         Each recycled row is handed out exactly once; read its prompt fields with
         :meth:`get_data` and put the regenerated sample as a new row.
         """
-        body = TakeRecycled(check_int("max_rows", _as_int(max_rows), 1))
+        body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
         got = await self._call(body, list[RecycledRows])
         return [
             BatchMeta(
@@ -370,7 +404,7 @@ class ControlCalls(ClientPuts, ClientGets):
             KeyNotFound: a key is missing, or lacks a selected field (the error names it);
                 never a silently shorter result.
         """
-        fields = None if select_fields is None else _check_fields(select_fields)
+        fields = None if select_fields is None else check_fields(select_fields)
         body = KVLookup(partition_id, _check_keys(keys), fields)
         got: MetaReply = await self._call(body, MetaReply)
         self._note_epoch(got.units_epoch)

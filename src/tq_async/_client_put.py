@@ -9,20 +9,14 @@ visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 from tensordict import TensorDictBase
 
-from ._client_base import (
-    _SHM_MIN_BYTES,
-    _THREAD_COPY_BYTES,
-    ClientBase,
-    _check_versions,
-    _decode,
-    _Put,
-)
+from ._client_base import THREAD_COPY_BYTES, ClientBase, as_int, decode
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
     Column,
@@ -58,6 +52,7 @@ from ._protocol import (
     ShmFree,
     ShmGrant,
     StorePut,
+    check_ints,
     check_seconds,
 )
 from ._shm import ArenaMap, align
@@ -65,6 +60,42 @@ from ._shm import ArenaMap, align
 __all__ = ["ClientPuts"]
 
 log = get_logger(__name__)
+
+
+#: puts smaller than this go through the socket even to a unit on this host: one round trip
+#: instead of two (grant, then put) costs less than the copy it saves
+_SHM_MIN_BYTES = 64 << 10
+
+
+def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
+    """One policy version per row (an int >= 0 each), or None."""
+    if policy_version is None:
+        return None
+    one = as_int(policy_version)
+    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
+        versions = [one] * n
+    else:
+        versions = [as_int(v) for v in one]
+    if len(versions) != n:
+        raise InvalidRequestError(
+            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
+        )
+    check_ints("policy_version", versions)
+    return versions
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A validated, encoded put on its way to the services."""
+
+    partition_id: str
+    meta: BatchMeta | None
+    keys: Sequence[str] | None
+    headers: list[ColumnHeader]
+    columns: list[Column]
+    n: int
+    tags: list[dict[str, Any] | None] | None
+    versions: list[int] | None
 
 
 class ClientPuts(ClientBase):
@@ -241,7 +272,7 @@ class ClientPuts(ClientBase):
             # the caller gave up (cancelled, timed out) but the put landed: undo new rows, as
             # a failed three-step put does
             if reply.ok and meta is None and self._controller is not None:
-                late: Placement = _decode(reply.payload, Placement)
+                late: Placement = decode(reply.payload, Placement)
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
                 self._controller.send_best_effort(undo)
 
@@ -251,7 +282,7 @@ class ClientPuts(ClientBase):
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
-        placement: Placement = _decode(payload, Placement)
+        placement: Placement = decode(payload, Placement)
         self._note_epoch(placement.units_epoch)
         return placement
 
@@ -275,7 +306,7 @@ class ClientPuts(ClientBase):
             # placed, but the caller gave up before it knew: reclaim the new rows now (not
             # when the put lease lapses: until then they hold capacity and end-of-stream)
             if reply.ok and self._controller is not None:
-                late: Placement = _decode(reply.payload, Placement)
+                late: Placement = decode(reply.payload, Placement)
                 if late.put_id:
                     self._controller.send_best_effort(AbortPut([late.put_id]))
 
@@ -284,7 +315,7 @@ class ClientPuts(ClientBase):
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
-        placement: Placement = _decode(payload, Placement)
+        placement: Placement = decode(payload, Placement)
         self._note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
@@ -375,7 +406,7 @@ class ClientPuts(ClientBase):
         """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
         nbytes = sum(align(memoryview(f).nbytes) for f in frames)
         payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self.request_timeout)
-        grant: ShmGrant | None = _decode(payload, ShmGrant | None)
+        grant: ShmGrant | None = decode(payload, ShmGrant | None)
         if grant is None:
             return False
         try:
@@ -385,7 +416,7 @@ class ClientPuts(ClientBase):
                 raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
-            if nbytes >= _THREAD_COPY_BYTES:
+            if nbytes >= THREAD_COPY_BYTES:
                 spans = await run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)

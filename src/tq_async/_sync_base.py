@@ -14,53 +14,31 @@ validate arguments before anything is sent.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-import torch
-import zmq
-from tensordict import TensorDictBase
 
-from ._buffers import buffer_pool
 from ._codec import check_text
-from ._columns import (
-    Column,
-    ColumnHeader,
-    column_frame_count,
-    column_from_frames,
-    join_columns,
-    positions_by_unit,
-    reorder_column,
-)
 from ._endpoints import same_host_ipc
 from ._errors import (
     BrokenError,
     ClosedError,
     InvalidRequestError,
     ProtocolError,
-    SchemaError,
     TQError,
 )
 from ._logging import get_logger
-from ._meta import BatchMeta
 from ._nixl import check_data_path, rdma_present
 from ._protocol import (
     Hello,
     HelloReply,
-    MetaReply,
-    Reply,
-    ShmFree,
     ShmHello,
     ShmHelloReply,
-    StoredColumns,
     check_int,
-    check_ints,
     check_seconds,
 )
 from ._security import CurveClient
@@ -68,7 +46,7 @@ from ._serve import check_address
 from ._shm import ArenaMap
 from ._sync_dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL, BlockingConnection
 from ._sync_nixl import NixlLinks
-from ._sync_primitives import Event, Lock, run_sync_off_loop
+from ._sync_primitives import Event, Lock
 
 __all__ = ["ClientBase"]
 
@@ -79,7 +57,7 @@ T = TypeVar("T")
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
+def decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
     dec = _decoders.get(typ)
     if dec is None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
@@ -89,7 +67,7 @@ def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
         raise ProtocolError(f"unexpected reply payload: {exc}") from exc
 
 
-def _check_fields(data_fields: Any) -> list[str]:
+def check_fields(data_fields: Any) -> list[str]:
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
             f"data_fields must be a list of field names, got {type(data_fields).__name__} "
@@ -102,60 +80,6 @@ def _check_fields(data_fields: Any) -> list[str]:
     for f in data_fields:
         check_text("field name", f)
     return list(data_fields)
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    return check_int("batch_size", batch_size, 1)
-
-
-_TAILS = ("uneven", "drop", "error")
-
-
-def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
-    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
-    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
-        return
-    dp_size = cfg.get("dp_size")
-    if dp_size is None:
-        raise InvalidRequestError(
-            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
-            "global batch among dp_size ranks; add 'dp_size'"
-        )
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise InvalidRequestError(
-            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
-        )
-    tail = cfg.get("tail", "uneven")
-    if tail not in _TAILS:
-        raise InvalidRequestError(
-            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
-        )
-    for key in ("dp_rank", "batch_index"):
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidRequestError(
-                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
-                f"b is decided for all ranks at once), got {value!r}"
-            )
-    if cfg["dp_rank"] >= dp_size:
-        raise InvalidRequestError(
-            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
-            f"{dp_size}; ranks are 0..{dp_size - 1}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Put:
-    """A validated, encoded put on its way to the services."""
-
-    partition_id: str
-    meta: BatchMeta | None
-    keys: Sequence[str] | None
-    headers: list[ColumnHeader]
-    columns: list[Column]
-    n: int
-    tags: list[dict[str, Any] | None] | None
-    versions: list[int] | None
 
 
 class ClientBase:
@@ -273,7 +197,7 @@ class ClientBase:
         conn = self._connection(hello.ipc)
         try:
             payload, _ = conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
-            again: HelloReply = _decode(payload, HelloReply)
+            again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except BaseException:
             conn.close()
@@ -408,7 +332,7 @@ class ClientBase:
 
     def _link(self, unit_id: int, conn: BlockingConnection) -> None:
         payload, _ = conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
-        hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        hello: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
         arena = None
         if hello is not None:
             try:
@@ -427,7 +351,7 @@ class ClientBase:
         try:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = ipc.request(ShmHello(os.getpid()), timeout=min(self.request_timeout, 5.0))
-            again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+            again: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
         except BaseException:
             ipc.close()
             raise
@@ -448,7 +372,7 @@ class ClientBase:
         payload, _ = self._ctl().request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
-        return _decode(payload, typ)
+        return decode(payload, typ)
 
 
 def _check_busy_poll(value: Any) -> float:
@@ -466,7 +390,7 @@ def _check_busy_poll(value: Any) -> float:
     return float(value)
 
 
-def _as_int(value: Any) -> Any:
+def as_int(value: Any) -> Any:
     """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
     (the range check that follows names it)."""
     if isinstance(value, (bool, int)):
@@ -478,189 +402,5 @@ def _as_int(value: Any) -> Any:
     return as_int
 
 
-def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
-    """One policy version per row (an int >= 0 each), or None."""
-    if policy_version is None:
-        return None
-    one = _as_int(policy_version)
-    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
-        versions = [one] * n
-    else:
-        versions = [_as_int(v) for v in one]
-    if len(versions) != n:
-        raise InvalidRequestError(
-            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
-        )
-    check_ints("policy_version", versions)
-    return versions
-
-
-def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
-    if metas is None:
-        return None
-    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
-    return [m.lease_id for m in items if m.lease_id] or None
-
-
-def _check_nested(nested: Any) -> bool | frozenset[str]:
-    if isinstance(nested, bool):
-        return nested
-    if isinstance(nested, str) or not isinstance(nested, Collection):
-        raise InvalidRequestError(
-            f"nested must be True/False or a list of field names, got {nested!r}"
-        )
-    if not all(isinstance(f, str) for f in nested):
-        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
-    return frozenset(nested)
-
-
-def _check_rows(rows: Any, name: str) -> list[int]:
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
-        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
-    return [int(r) for r in rows]
-
-
-def _check_keys(keys: Any) -> list[str]:
-    if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
-        raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
-    if not keys or not all(isinstance(k, str) for k in keys):
-        raise InvalidRequestError("keys must be a non-empty list of strings")
-    for k in keys:
-        check_text("key", k)
-    return list(keys)
-
-
-def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
-    """One key's fields as a one-row batch."""
-    if isinstance(fields, TensorDictBase):
-        if fields.batch_size == torch.Size([]):
-            return fields.unsqueeze(0)
-        if fields.batch_size == torch.Size([1]):
-            return fields
-        raise SchemaError(
-            f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
-            "; use kv_batch_put for several keys"
-        )
-    return {
-        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
-        for name, value in fields.items()
-    }
-
-
-def _mask(raw: bytes) -> torch.Tensor:
-    if not raw:
-        return torch.zeros(0, dtype=torch.bool)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
-
-
-#: puts smaller than this go through the socket even to a unit on this host: one round trip
-#: instead of two (grant, then put) costs less than the copy it saves
-_SHM_MIN_BYTES = 64 << 10
 #: copies at least this big run on a worker thread (as in the in-process path)
-_THREAD_COPY_BYTES = 16 << 20
-
-
-def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
-    """Unpin a shared-memory read whose caller gave up before copying it."""
-    if not reply.ok:
-        return
-    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-        stored: StoredColumns = _decode(reply.payload, StoredColumns)
-        if stored.shm_spans is not None:
-            conn.send_best_effort(ShmFree([], [stored.pin]))
-
-
-def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
-    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
-    for off, n in spans:
-        try:
-            arena.check(off, n, "a shared-memory span")
-        except ValueError as exc:
-            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
-    try:
-        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
-        # connection broke), so a copy under way never reads unmapped memory
-        view = arena.view
-    except AttributeError:
-        raise BrokenError(
-            "the connection to the storage unit broke during a same-host read (its shared "
-            "memory is unmapped); retry once it is back"
-        ) from None
-
-    def copy() -> list[Any]:
-        return [
-            b""
-            if n == 0
-            else buffer_pool.copy(view[off : off + n])
-            if n >= zmq.COPY_THRESHOLD
-            else bytearray(view[off : off + n])
-            for off, n in spans
-        ]
-
-    if sum(n for _, n in spans) >= _THREAD_COPY_BYTES:
-        return run_sync_off_loop(copy)
-    return copy()
-
-
-def _stored_columns(
-    stored: StoredColumns, frames: Sequence[Any], n_rows: int
-) -> tuple[list[ColumnHeader], list[Column]]:
-    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
-    if stored.n_rows != n_rows:
-        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
-    columns: list[Column] = []
-    pos = 0
-    for h in stored.columns:
-        k = column_frame_count(h)  # too few frames: column_from_frames says so
-        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
-        pos += k
-    if pos != len(frames):
-        raise ProtocolError("a storage reply carried extra frames")
-    return stored.columns, columns
-
-
-def _inline_parts(
-    got: MetaReply, frames: Sequence[Any]
-) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
-    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
-    assert got.inline is not None
-    by_unit = positions_by_unit(got.units)
-    if len(got.inline) != len(by_unit):
-        raise ProtocolError(
-            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
-        )
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
-    pos = 0
-    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
-        k = sum(column_frame_count(h) for h in stored.columns)
-        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
-        pos += k
-    if pos != len(frames):
-        raise ProtocolError("an inline reply carried extra frames")
-    return by_unit, parts
-
-
-def _merge_parts(
-    n: int,
-    by_unit: dict[int, list[int]],
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
-) -> tuple[list[ColumnHeader], list[Column]]:
-    """One column per field, rows back in batch order, from the parts of several units."""
-    if len(by_unit) == 1:
-        return parts[next(iter(by_unit))]
-    order = [pos for positions in by_unit.values() for pos in positions]
-    inverse = [0] * n
-    for i, pos in enumerate(order):
-        inverse[pos] = i
-    names = parts[next(iter(by_unit))][0]
-    headers, columns = [], []
-    for j in range(len(names)):
-        # units may answer one field with different row shapes: join them like a unit does
-        header, merged = join_columns(
-            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
-        )
-        headers.append(header)
-        columns.append(reorder_column(merged, inverse))
-    return headers, columns
+THREAD_COPY_BYTES = 16 << 20

@@ -8,21 +8,29 @@ trip); otherwise the cells come from each unit, through its shared memory on the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 from tensordict import TensorDict
 
+from ._buffers import buffer_pool
 from ._codec import check_text, columns_to_tensordict
 from ._columns import (
     Column,
     ColumnHeader,
+    column_frame_count,
+    column_from_frames,
     empty_column,
+    join_columns,
     positions_by_unit,
+    reorder_column,
 )
 from ._devices import check_device, to_device_now
 from ._errors import (
+    BrokenError,
     InvalidRequestError,
     ProtocolError,
 )
@@ -38,28 +46,181 @@ from ._protocol import (
     ShmFree,
     StoredColumns,
     StoreGet,
+    check_int,
     check_sampling_config,
     check_seconds,
 )
-from ._sync_base import (
-    ClientBase,
-    _check_batch_size,
-    _check_dp_config,
-    _check_fields,
-    _check_nested,
-    _copy_spans,
-    _decode,
-    _inline_parts,
-    _lease_ids,
-    _merge_parts,
-    _release_pin,
-    _stored_columns,
-)
-from ._sync_primitives import cleanup_scope, run_each
+from ._shm import ArenaMap
+from ._sync_base import THREAD_COPY_BYTES, ClientBase, check_fields, decode
+from ._sync_dealer import BlockingConnection
+from ._sync_primitives import cleanup_scope, run_each, run_sync_off_loop
 
 __all__ = ["ClientGets"]
 
 log = get_logger(__name__)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return check_int("batch_size", batch_size, 1)
+
+
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
+def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
+
+    def copy() -> list[Any]:
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
+        return run_sync_off_loop(copy)
+    return copy()
+
+
+def _stored_columns(
+    stored: StoredColumns, frames: Sequence[Any], n_rows: int
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
+    if stored.n_rows != n_rows:
+        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
+    columns: list[Column] = []
+    pos = 0
+    for h in stored.columns:
+        k = column_frame_count(h)  # too few frames: column_from_frames says so
+        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("a storage reply carried extra frames")
+    return stored.columns, columns
+
+
+def _inline_parts(
+    got: MetaReply, frames: Sequence[Any]
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
+    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
+    assert got.inline is not None
+    by_unit = positions_by_unit(got.units)
+    if len(got.inline) != len(by_unit):
+        raise ProtocolError(
+            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
+        )
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+    pos = 0
+    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
+        k = sum(column_frame_count(h) for h in stored.columns)
+        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("an inline reply carried extra frames")
+    return by_unit, parts
+
+
+def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _merge_parts(
+    n: int,
+    by_unit: dict[int, list[int]],
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """One column per field, rows back in batch order, from the parts of several units."""
+    if len(by_unit) == 1:
+        return parts[next(iter(by_unit))]
+    order = [pos for positions in by_unit.values() for pos in positions]
+    inverse = [0] * n
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    names = parts[next(iter(by_unit))][0]
+    headers, columns = [], []
+    for j in range(len(names)):
+        # units may answer one field with different row shapes: join them like a unit does
+        header, merged = join_columns(
+            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
+        )
+        headers.append(header)
+        columns.append(reorder_column(merged, inverse))
+    return headers, columns
+
+
+def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_best_effort(ShmFree([], [stored.pin]))
 
 
 class ClientGets(ClientBase):
@@ -154,7 +315,7 @@ class ClientGets(ClientBase):
         inline_bytes: int,
     ) -> tuple[BatchMeta, MetaReply, list[Any]]:
         """:meth:`get_meta`, plus the raw reply and its frames (cells sent inline)."""
-        fields = _check_fields(data_fields)
+        fields = check_fields(data_fields)
         _check_batch_size(batch_size)
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
@@ -189,14 +350,14 @@ class ClientGets(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             if not reply.ok or mode != "fetch" or recorded:
                 return
-            late: MetaReply = _decode(reply.payload, MetaReply)
+            late: MetaReply = decode(reply.payload, MetaReply)
             if late.rows and self._controller is not None:
                 undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
                 self._controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
         payload, frames = self._ctl().request(req, timeout=client_deadline, on_abandon=on_abandon)
-        got: MetaReply = _decode(payload, MetaReply)
+        got: MetaReply = decode(payload, MetaReply)
         self._note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
@@ -306,7 +467,7 @@ class ClientGets(ClientBase):
                 payload, frames = conn.request(
                     get, timeout=self.request_timeout, on_abandon=on_abandon
                 )
-            stored: StoredColumns = _decode(payload, StoredColumns)
+            stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
                 pin = stored.pin
                 try:
@@ -321,7 +482,7 @@ class ClientGets(ClientBase):
                         if got is None:  # the transfer failed: read through the socket
                             get.shm = False
                             payload, frames = self._unit_request(unit, get)
-                            stored = _decode(payload, StoredColumns)
+                            stored = decode(payload, StoredColumns)
                         else:
                             frames = got
                 finally:
