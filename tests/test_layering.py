@@ -61,6 +61,7 @@ LAYERS: dict[str, list[str]] = {
         "_controller_puts",
         "_controller",
         "_checkpoint",
+        "_options",
         "_client_nixl",
         "_client_base",
         "_client_put",

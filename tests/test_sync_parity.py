@@ -14,6 +14,7 @@ import inspect
 import pathlib
 import re
 import sys
+import typing
 from typing import Any
 
 import pytest
@@ -81,16 +82,23 @@ def test_the_torch_dataset_takes_the_async_datasets_arguments() -> None:
     assert a == s
 
 
-@pytest.mark.parametrize(
-    "face",
-    [tq.AsyncClient.connect, tq.Client.__init__, tq.Client.connect],
-    ids=["AsyncClient.connect", "Client.__init__", "Client.connect"],
-)
-def test_every_way_to_make_a_client_takes_the_same_options(face: Any) -> None:
-    def options(fn: Any) -> list[tuple[str, Any, Any]]:
-        return [p for p in _parameters(fn) if p[0] not in ("self", "cls")]
-
-    assert options(face) == options(tq.AsyncClient.__init__)
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client], ids=lambda c: c.__name__)
+def test_the_connection_options_are_one_typed_object(cls: type) -> None:
+    # the constructor spells each option once, with its default; ClientOptions types the
+    # same names the same way, and connect() takes exactly those (Unpack)
+    init = inspect.signature(cls.__init__).parameters
+    options = {n: p for n, p in init.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    hints = typing.get_type_hints(cls.__init__)
+    typed = typing.get_type_hints(tq.ClientOptions)
+    assert list(typed) == list(options)
+    assert all(typed[n] == hints[n] for n in options)
+    (kwargs,) = [
+        p
+        for p in inspect.signature(cls.connect).parameters.values()
+        if p.kind is inspect.Parameter.VAR_KEYWORD
+    ]
+    connect_hints = typing.get_type_hints(cls.connect)
+    assert connect_hints[kwargs.name] == typing.Unpack[tq.ClientOptions]
 
 
 def test_the_blocking_client_is_the_async_clients_code_not_a_wrapper() -> None:

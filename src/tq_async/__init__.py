@@ -63,6 +63,7 @@ from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WouldBlock as WouldBlock
 from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
+from ._options import ClientOptions as ClientOptions
 from ._security import CurveClient as CurveClient
 from ._security import CurveServer as CurveServer
 from ._security import curve_keypair as curve_keypair
@@ -128,6 +129,7 @@ __all__ = [
     "AdmissionConfig",
     "AdmissionSection",
     "AsyncClient",
+    "ClientOptions",
     "AuthenticationError",
     "AsyncStreamingDataset",
     "BackgroundCluster",

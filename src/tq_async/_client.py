@@ -24,16 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Any, NoReturn, Self, Unpack
 
 from ._client_calls import ControlCalls
-from ._dealer import DEFAULT_BUSY_POLL
 from ._errors import (
     InvalidRequestError,
     TQTimeoutError,
 )
 from ._logging import get_logger
-from ._security import CurveClient
+from ._options import ClientOptions
 
 __all__ = ["AsyncClient"]
 
@@ -96,37 +95,11 @@ class AsyncClient(ControlCalls):
     """
 
     @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> AsyncClient:
-        """A client for ``address``; enter it with ``async with`` to open the connection."""
-        return cls(
-            address,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            allow_pickle=allow_pickle,
-            curve=curve,
-            retry_after=retry_after,
-            inline_put_bytes=inline_put_bytes,
-            inline_get_bytes=inline_get_bytes,
-            shared_memory=shared_memory,
-            same_host=same_host,
-            busy_poll=busy_poll,
-            data_path=data_path,
-        )
+    def connect(cls, address: str, **options: Unpack[ClientOptions]) -> AsyncClient:
+        """A client for ``address``; enter it with ``async with`` to open the connection.
+
+        ``options`` are the constructor's (:class:`~tq_async.ClientOptions`)."""
+        return cls(address, **options)
 
     # unasync: async-only
     def __await__(self) -> Generator[Any, None, NoReturn]:

@@ -25,15 +25,14 @@ doubling the code the two faces must agree on.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Self
+from typing import Self, Unpack
 
 from ._errors import (
     TQTimeoutError,
 )
 from ._logging import get_logger
-from ._security import CurveClient
+from ._options import ClientOptions
 from ._sync_calls import ControlCalls
-from ._sync_dealer import DEFAULT_BUSY_POLL
 
 __all__ = ["Client"]
 
@@ -96,37 +95,11 @@ class Client(ControlCalls):
     """
 
     @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> Client:
-        """A client for ``address``; enter it with ``with`` to open the connection."""
-        return cls(
-            address,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            allow_pickle=allow_pickle,
-            curve=curve,
-            retry_after=retry_after,
-            inline_put_bytes=inline_put_bytes,
-            inline_get_bytes=inline_get_bytes,
-            shared_memory=shared_memory,
-            same_host=same_host,
-            busy_poll=busy_poll,
-            data_path=data_path,
-        )
+    def connect(cls, address: str, **options: Unpack[ClientOptions]) -> Client:
+        """A client for ``address``; enter it with ``with`` to open the connection.
+
+        ``options`` are the constructor's (:class:`~tq_async.ClientOptions`)."""
+        return cls(address, **options)
 
     def __enter__(self) -> Client:
         self.open()
