@@ -242,3 +242,50 @@ def test_forked_ranks_with_forked_loader_workers_finish() -> None:
         for _ in range(2):
             got = forked_loaders(cluster.address)
             assert got == {r: list(range(_ROWS)) for r in range(_RANKS)}
+
+
+# ---- the same connection kinds and recoveries as the async client ---------------------------
+
+
+def test_curve_through_the_blocking_client() -> None:
+    server_public, server_secret = tq.curve_keypair()
+    good_public, good_secret = tq.curve_keypair()
+    bad_public, bad_secret = tq.curve_keypair()
+    server = tq.CurveServer(server_public, server_secret, allowed_clients=[good_public])
+    with tq.background_cluster(num_storage_units=2, curve=server) as cluster:
+        good = tq.CurveClient(server_public, good_public, good_secret)
+        with tq.Client.connect(cluster.address, curve=good) as client:
+            meta = client.put({"x": torch.arange(4)}, "p")
+            assert client.get_data(meta)["x"].tolist() == [0, 1, 2, 3]
+            big = client.put({"y": torch.ones(64, 1024)}, "p")  # straight to the units
+            assert client.get_data(big)["y"].sum().item() == 64 * 1024
+        unknown = tq.CurveClient(server_public, bad_public, bad_secret)
+        started = time.monotonic()
+        with pytest.raises((tq.BrokenError, tq.TQTimeoutError, tq.AuthenticationError)):
+            tq.Client.connect(cluster.address, curve=unknown, request_timeout=0.3).open()
+        assert time.monotonic() - started < 5
+
+
+def test_the_blocking_client_follows_a_unit_restarted_on_a_new_port() -> None:
+    from _cluster_proc import serve_role
+
+    big = {"x": torch.full((64, 1024), 1.0)}  # 256 KiB: straight to the units
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address)
+        with (
+            serve_role(*args, "--unit-id", "0", line="TQ_UNIT="),
+            serve_role(*args, "--unit-id", "1", line="TQ_UNIT=") as (u1, _unit1),
+            tq.Client.connect(address, request_timeout=10) as client,
+        ):
+            before = [client.put(big, "p") for _ in range(2)]
+            assert sorted(m.units[0] for m in before) == [0, 1]
+            u1.send_signal(signal.SIGKILL)
+            u1.wait(timeout=10)
+            with serve_role(*args, "--unit-id", "1", line="TQ_UNIT="):
+                after = [client.put(big, "q") for _ in range(4)]
+                assert sorted(m.units[0] for m in after) == [0, 0, 1, 1]
+                for m in after:
+                    assert client.get_data(m)["x"][0, 0].item() == 1.0
+                on_1 = next(m for m in before if m.units[0] == 1)
+                with pytest.raises(tq.RowsNotFound):
+                    client.get_data(on_1)
