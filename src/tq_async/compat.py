@@ -34,7 +34,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import structlog
@@ -387,6 +387,35 @@ def _no_parser(data_parser: Any) -> None:
         )
 
 
+class _ThreadClients:
+    """Stands for one blocking :class:`tq_async.Client` per thread, each opened on the
+    thread's first call (the first one at once, so a bad address fails here)."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._local = threading.local()
+        self._all: list[_Client] = []
+        self._all_lock = threading.Lock()
+        self.current()
+
+    def current(self) -> _Client:
+        client: _Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = _Client.connect(self._address).open()
+            with self._all_lock:
+                self._all.append(client)
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+    def close(self) -> None:
+        with self._all_lock:
+            clients, self._all = self._all, []
+        for client in clients:
+            client.close()
+
+
 class TransferQueueClient:
     """TransferQueue's client, method for method (names and argument order), over a blocking
     :class:`tq_async.Client`.
@@ -416,12 +445,15 @@ class TransferQueueClient:
         self.client_id = client_id
         self.address = controller_info
         self.polling_mode = False
-        self._client = _Client.connect(controller_info).open()
+        # one blocking Client per thread: the async_ forms run on worker threads, several at
+        # once, and a Client serves one thread at a time
+        self._client: _Client = cast(_Client, _ThreadClients(controller_info))
 
     @property
     def client(self) -> _Client:
-        """The underlying blocking :class:`tq_async.Client` (every tq_async method)."""
-        return self._client
+        """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
+        calling thread's own (a Client serves one thread at a time)."""
+        return cast(_ThreadClients, self._client).current()
 
     # -- data --
 
