@@ -118,11 +118,11 @@ def _raw(frames: list[bytes]) -> bytes:
 def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
     """Many messages in one read, messages across a full read chunk, and a large message in
     pieces: each comes out whole, in order, once all of its bytes are in."""
-    from tq_async._unix import _CHUNK, _Stream
+    from tq_async._unix import _CHUNK, MessageStream
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        stream = _Stream(ours)
+        stream = MessageStream(ours)
 
         def got() -> list[list[bytes]]:
             stream.fill()
