@@ -289,3 +289,24 @@ def test_the_blocking_client_follows_a_unit_restarted_on_a_new_port() -> None:
                 on_1 = next(m for m in before if m.units[0] == 1)
                 with pytest.raises(tq.RowsNotFound):
                     client.get_data(on_1)
+
+
+def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:
+    # inproc has no disconnect events: the closing endpoint wakes the blocked thread itself
+    cluster = tq.background_cluster(num_storage_units=1)
+    try:
+        with tq.Client.connect(cluster.address) as client:
+            assert client._controller is not None
+            assert client._controller.inproc
+            closer = threading.Thread(
+                target=lambda: (_until(lambda: _waiting(client), "get_meta"), cluster.close()),
+                daemon=True,
+            )
+            closer.start()
+            started = time.monotonic()
+            with pytest.raises((tq.BrokenError, tq.ClosedError)):
+                client.get_meta(["x"], 1, "p", "t")
+            closer.join(30)
+            assert time.monotonic() - started < 5.0
+    finally:
+        cluster.close()

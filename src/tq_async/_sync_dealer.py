@@ -61,6 +61,8 @@ _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
 _Got = tuple[Reply, list[Any]]
 _POLLIN = int(zmq.POLLIN)
+#: a write to a service that reads nothing (paused) fails after this long without a timeout
+_WRITE_WAIT = 60.0
 
 
 class _BusyPoll:
@@ -129,6 +131,8 @@ class BlockingConnection:
         self._wake_fd: int | None = None
         self._peer_gone = False
         self._handshaken = True
+        #: the longest a write waits for room in a full Unix socket (the request's timeout)
+        self._write_wait = _WRITE_WAIT
         self._open()
         self._busy_poll: _BusyPoll | None = (
             _BusyPoll(busy_poll) if busy_poll > 0 and self._stream is not None else None
@@ -228,8 +232,15 @@ class BlockingConnection:
         stream = self._stream
         assert stream is not None
         stream.write(frames, _nothing)
+        deadline = time.monotonic() + self._write_wait
         while stream.blocked and not stream.eof:  # the socket is full: wait until it drains
-            select.select([], [stream.sock], [], 1.0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stream.eof = True  # a message half written: the stream cannot go on
+                raise zmq.ZMQError(
+                    zmq.EAGAIN, f"the service read nothing for {self._write_wait:g} s"
+                )
+            select.select([], [stream.sock], [], left)
             stream.flush()
         if stream.eof:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, "the connection is closed")
@@ -240,7 +251,9 @@ class BlockingConnection:
                 raise zmq.ZMQError(zmq.EHOSTUNREACH, "the connection is closed")
             self._write(frames)
         elif self._sock is not None:
-            self._sock.send_multipart(frames, copy=False)
+            # never blocks (as the async connection): a DEALER without a peer (its inproc
+            # endpoint closed) would wait forever; zmq.Again becomes BrokenError
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def _read(self) -> None:
         """Take every message that arrived, without blocking."""
@@ -380,6 +393,7 @@ class BlockingConnection:
             outgoing = [_encode_request(rid, body), *frames]
             self._inflight[rid] = outgoing
             self._waiting, self._failure = rid, None
+            self._write_wait = _WRITE_WAIT if timeout is None else timeout
             try:
                 with self.transport_errors(type(body).__name__):
                     self._send(outgoing)
