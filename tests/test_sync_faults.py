@@ -143,6 +143,8 @@ def test_ctrl_c_during_a_blocking_get_meta_cancels_it_on_the_service(
 def _use_inherited(client: tq.Client, queue: Any) -> None:
     client.put({"x": torch.arange(3) + 10}, partition_id="child")
     td, _ = client.get(["x"], 3, "child", "t")
+    big = client.put({"y": torch.full((64, 1024), 2.0)}, partition_id="child")  # shared memory
+    assert client.get_data(big)["y"].sum().item() == 2.0 * 64 * 1024
     queue.put(td["x"].tolist())
 
 
@@ -152,7 +154,8 @@ def test_a_client_used_in_a_forked_child_reconnects_and_the_parents_keeps_workin
 ) -> None:
     def run(address: str) -> None:
         with tq.Client.connect(address) as client:
-            client.put({"x": torch.arange(4)}, partition_id="p")  # sockets, arenas in use
+            client.put({"x": torch.arange(4)}, partition_id="p")  # sockets in use
+            big = client.put({"y": torch.ones(64, 1024)}, partition_id="q")  # arenas mapped
             queue = _FORK.Queue()
             proc = _FORK.Process(target=_use_inherited, args=(client, queue))
             proc.start()
@@ -161,6 +164,7 @@ def test_a_client_used_in_a_forked_child_reconnects_and_the_parents_keeps_workin
             assert proc.exitcode == 0
             td, _ = client.get(["x"], 4, "p", "t")  # the parent's connections are untouched
             assert td["x"].tolist() == [0, 1, 2, 3]
+            assert client.get_data(big)["y"].sum().item() == 64 * 1024
 
     if where == "serve":
         run(served[0])
