@@ -74,9 +74,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
     The arguments are those of :class:`~tq_async.AsyncStreamingDataset`, except that
     ``address`` must be the controller's address (a string): each process that iterates the
-    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run on the
-    portal loop (``fetch_batch_fn`` receives an :class:`~tq_async.AsyncClient`), and must be
-    importable module-level functions when DataLoader workers are spawned.
+    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run in the
+    iterating thread (``fetch_batch_fn`` is awaited and receives the blocking client's
+    :class:`~tq_async.AsyncClient`-shaped view: the same coroutine methods, which do their I/O
+    without suspending), and must be importable module-level functions when DataLoader
+    workers are spawned.
 
     In the process that iterates without workers, the replay window survives between passes;
     DataLoader workers are new processes every pass, so their replays re-read from storage.
@@ -305,7 +307,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
     Args:
         dataset: the stream.
-        num_workers: worker processes (0: fetch in this process, on its portal loop).
+        num_workers: worker processes (0: fetch in this process, in the iterating thread).
         **kwargs: other ``DataLoader`` arguments (``multiprocessing_context``,
             ``prefetch_factor``, ``pin_memory``, ``timeout``, ``worker_init_fn``, ...).
 
