@@ -5,6 +5,7 @@ No performance assertions: the smoke run uses tiny sizes and only proves the sui
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -110,3 +111,19 @@ def test_gpu_check_runs_every_path() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "to_device (device= reads)" in done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None, reason="needs tq_async[nixl]")
+def test_nixl_vs_zmq_smoke() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.nixl_vs_zmq", "--rounds", "2", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "nixl puts/reads 7/7" in done.stdout  # 5 warm-up and 2 timed, all through NIXL
+    assert "NIXL/ZMQ get" in done.stdout
+    assert "best calls" in done.stdout

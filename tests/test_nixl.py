@@ -215,6 +215,26 @@ async def test_a_unit_killed_mid_transfer_is_broken_and_shows_no_row(
         assert not any(bool(mask.any()) for mask in status.values()), status
 
 
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, _nixl.UCX_DEFAULTS),  # larger TCP segments unless told otherwise
+        ({"UCX_TCP_TX_SEG_SIZE": "64k"}, {"UCX_TCP_TX_SEG_SIZE": "64k"}),  # the user decides
+    ],
+)
+def test_ucx_tcp_segments_default_to_ours_unless_set(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: dict[str, str]
+) -> None:
+    for key in _nixl.UCX_DEFAULTS:
+        monkeypatch.setenv(key, "")  # so that what load() sets is undone after the test
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(_nixl, "_loaded", [])
+    _nixl.load()
+    assert {k: os.environ[k] for k in _nixl.UCX_DEFAULTS if k in os.environ} == want
+
+
 async def test_nixl_missing_uses_the_socket_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -79,7 +79,7 @@ def rdma_present() -> bool:
     """Whether this host has RDMA devices (InfiniBand, RoCE): where NIXL pays off.
 
     Over TCP alone, UCX emulates one-sided reads with messages, and on our loopback
-    measurements a NIXL read reached 0.6-0.75x of the ZMQ socket (writes 1.05-1.3x):
+    measurements a NIXL read reached 0.6-0.8x of the ZMQ socket (writes 0.65-1.3x):
     ``data_path="auto"`` therefore takes NIXL to another host only when RDMA hardware is here
     (``data_path="nixl"`` takes it regardless).
     """
@@ -118,12 +118,29 @@ _loaded: list[Any] = []  # [module or None] once tried
 fallbacks: Counter[str] = Counter()
 
 
+#: UCX settings this process gets unless its environment sets them (read when an agent is
+#: made). Over TCP alone UCX emulates a one-sided READ with messages of at most one TX
+#: segment (8 KiB by default), copied through buffers of that size on both ends: with 1 MiB
+#: segments a NIXL read of the W1 batch went from 0.63x to 0.81x of the ZMQ socket, a write
+#: from 0.76x to 0.65x (benchmarks/RESULTS.md). They apply to UCX's TCP transport only, cost
+#: about a segment per connection receiving and per send in flight, and peers with other
+#: sizes still interoperate (UCX refuses an RX segment smaller than the TX one).
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+
+
+def _ucx_defaults() -> None:
+    """Apply :data:`UCX_DEFAULTS` unless the environment sets any of them (then it decides)."""
+    if not any(key in os.environ for key in UCX_DEFAULTS):
+        os.environ.update(UCX_DEFAULTS)
+
+
 def load() -> Any | None:
     """The NIXL Python module, or None when it is not installed or fails to load (one warning
     per process; the data path between hosts is then ZMQ)."""
     with _state_lock:
         if _loaded:
             return _loaded[0]
+        _ucx_defaults()
         module = None
         errors = []
         for name in ("nixl_cu12", "nixl"):  # the wheel's module; the meta-package's
