@@ -195,3 +195,17 @@ async def test_a_paused_same_host_unit_is_reported_as_not_answering() -> None:
                     conn._check_usable()
             finally:
                 proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_read_from_several_units_raises_one_tq_error_not_a_group() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        a = await client.put({"v": torch.arange(2)}, partition_id="p")
+        b = await client.put({"v": torch.arange(2)}, partition_id="p")
+        meta = tq.BatchMeta.concat([a, b])
+        assert len(set(meta.units)) == 2
+        await client.clear_samples(b)
+        with pytest.raises(tq.RowsNotFound):
+            await client.get_data(meta)

@@ -22,9 +22,10 @@ doubling the code the two faces must agree on.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 from types import TracebackType
-from typing import Any, NoReturn, Self, Unpack
+from typing import Any, NoReturn
 
 from ._client_calls import ControlCalls
 from ._errors import (
@@ -33,6 +34,11 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._options import ClientOptions
+
+if sys.version_info >= (3, 11):
+    from typing import Self, Unpack
+else:  # pragma: no cover - depends on the Python version
+    from typing_extensions import Self, Unpack
 
 __all__ = ["AsyncClient"]
 

@@ -355,7 +355,7 @@ class ClientGets(ClientBase):
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
         payload, frames = await self._ctl().request(
-            req, timeout=client_deadline, on_abandon=on_abandon
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = decode(payload, MetaReply)
         self._note_epoch(got.units_epoch)

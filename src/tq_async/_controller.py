@@ -45,6 +45,7 @@ from ._core import (
     Effects,
     SampleCall,
     meta_reply,
+    record_key,
 )
 from ._dealer import DealerConnection
 from ._errors import ClosedError, InvalidRequestError, TQError
@@ -96,6 +97,10 @@ from ._storage import StorageServer
 from .samplers import BaseSampler
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
+
+#: answered fetches a late Cancel can still undo: a client cancels within a round trip of
+#: the answer, so this only needs to outlast the fetches answered meanwhile (~100 B each)
+_FETCHES_REMEMBERED = 16384
 
 log = get_logger(__name__)
 
@@ -157,6 +162,8 @@ class ControllerServer(ControllerPuts):
         self._tg: TaskGroup | None = None
         self._pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         self._replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        #: recent answered fetches (client, request id) -> what a late Cancel gives back
+        self._fetched: OrderedDict[tuple[bytes, int], tuple[Any, ...]] = OrderedDict()
         self._units: dict[int, DealerConnection] = {}
         self._unit_instance: dict[int, str] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -259,10 +266,18 @@ class ControllerServer(ControllerPuts):
     # ---- consumption -------------------------------------------------------------------------
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
-        scope = self._pending.get((msg.peer, body.target))
+        key = (msg.peer, body.target)
+        scope = self._pending.get(key)
         if scope is not None:
-            scope.cancel()
-        return SENT  # one-way
+            scope.cancel()  # still waiting: it ends without consuming anything
+            return SENT  # one-way
+        undo = self._fetched.pop(key, None)
+        if undo is not None:
+            # answered, but the caller gave up before the reply reached it: the rows go
+            # back now, before any later request of that client is served (a client-side
+            # Release after the late reply arrived could come after its end-of-stream)
+            self._apply(self.core.release(*undo))
+        return SENT
 
     def _on_ack(self, msg: Incoming, body: Ack) -> None:
         self._apply(self.core.ack(body.lease_ids, self._now()))
@@ -344,8 +359,18 @@ class ControllerServer(ControllerPuts):
 
         A retried ``get`` is answered without the cells (it reads them from the units).
         """
+        undoable = bool(reply.rows) and req.mode == "fetch" and record_key(req) is None
+        scope = self._pending.get((peer, rid))
+        if scope is not None and scope.cancel_called:
+            # the Cancel came while the answer was on its way (the waiting request had
+            # already been woken): the caller is gone, so the rows go back, unsent
+            if undoable:
+                self._apply(self.core.release(*_undo_of(req, reply)))
+            return
         inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
         reply.units_epoch = self.state.units_epoch
+        if undoable:
+            self._remember_fetch(peer, rid, req, reply)
         if inline is None:
             self.send_ok(peer, rid, reply)
             return
@@ -353,6 +378,13 @@ class ControllerServer(ControllerPuts):
         reply.inline, frames = inline
         self.send(peer, rid, ok_reply(rid, reply), frames)
         self._remember(peer, rid, without)  # the cache keeps no cells alive
+
+    def _remember_fetch(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
+        """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
+        fetched = self._fetched
+        fetched[(peer, rid)] = _undo_of(req, reply)
+        if len(fetched) > _FETCHES_REMEMBERED:
+            fetched.popitem(last=False)
 
     def _read_inline(
         self, req: GetMeta, reply: MetaReply
@@ -392,14 +424,16 @@ class ControllerServer(ControllerPuts):
             result = decision.run()
             if inspect.isawaitable(result):
                 first = (decision, result)
-                self._spawn(self._get_meta_waiting, msg, req, first, self.lot.generation)
+                self._spawn_waiting(
+                    msg, self._get_meta_waiting, msg, req, first, self.lot.generation
+                )
                 return DEFERRED
             decision, fx = self.core.sampled(req, decision, result, self._now())
             self._apply(fx)
         if isinstance(decision, MetaReply):
             self._send_meta(msg.peer, msg.rid, req, decision)
             return SENT
-        self._spawn(self._get_meta_waiting, msg, req, None, self.lot.generation)
+        self._spawn_waiting(msg, self._get_meta_waiting, msg, req, None, self.lot.generation)
         if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
             asyncio.get_running_loop().call_later(
                 self.waiting_warning_after, self._warn_if_still_waiting, msg.peer, msg.rid, req
@@ -483,7 +517,7 @@ class ControllerServer(ControllerPuts):
     def _on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
         if self.core.acquire(body.policy_version, body.n):
             return None
-        self._spawn(self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
+        self._spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
 
     def _on_release_rollout(self, msg: Incoming, body: ReleaseRollout) -> None:
@@ -527,6 +561,11 @@ class ControllerServer(ControllerPuts):
             RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
             for pid, rows in out.items()
         ]
+
+
+def _undo_of(req: GetMeta, reply: MetaReply) -> tuple[Any, ...]:
+    """The arguments of :meth:`ControllerCore.release` that undo a fetch's answer."""
+    return (req.partition_id, req.task_name, reply.rows, reply.incarnation, reply.lease_id)
 
 
 def _query(core: ControllerCore, answer: Any, msg: Incoming, body: Any) -> Any:

@@ -29,7 +29,9 @@ class ControllerPuts(ControllerShell):
         _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
         if not self._room_for(body.partition_id, n_new, body.nowait):
-            self._spawn(self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0)
+            self._spawn_waiting(
+                msg, self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0
+            )
             return DEFERRED
         self._put_begin(msg.peer, msg.rid, body)
         return SENT
@@ -91,7 +93,9 @@ class ControllerPuts(ControllerShell):
                     raise
                 return SENT
         frames = msg.frames[1:]
-        self._spawn(self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0)
+        self._spawn_waiting(
+            msg, self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0
+        )
         return DEFERRED
 
     def _inline_place(self, body: PutInline) -> _Placed:

@@ -122,6 +122,12 @@ class ControllerShell(Service):
         self._timer, self._timer_at = None, None
         self._apply(self.core.advance(self._now()))
 
+    def _spawn_waiting(self, msg: Incoming, coro_fn: Any, *args: Any) -> None:
+        """Spawn a request that may wait (it runs :meth:`_waiting_request`). It can be
+        cancelled from now on: a ``Cancel`` read before its task starts still finds it."""
+        self._pending[(msg.peer, msg.rid)] = anyio.CancelScope()
+        self._spawn(coro_fn, *args)
+
     def _spawn(self, coro_fn: Any, *args: Any) -> None:
         if self._tg is None:
             raise ClosedError(
@@ -176,8 +182,8 @@ class ControllerShell(Service):
         :class:`TQTimeoutError` after ``timeout``, and answers any error; nothing it would
         have done happens after it ends.
         """
-        scope = anyio.CancelScope()
-        self._pending[(peer, rid)] = scope
+        # registered when the request was spawned (a Cancel may have come since)
+        scope = self._pending.setdefault((peer, rid), anyio.CancelScope())
         ok = False
         try:
             with scope, anyio.fail_after(timeout) if timeout else nullcontext():

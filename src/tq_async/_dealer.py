@@ -384,6 +384,7 @@ class DealerConnection(DrainedSocket):
         *,
         timeout: float | None = None,
         on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None = None,
+        cancel_undoes: bool = False,
     ) -> tuple[msgspec.Raw, list[Any]]:
         """Send ``body`` (+ data frames) and wait for the reply's payload and frames.
 
@@ -393,6 +394,9 @@ class DealerConnection(DrainedSocket):
             timeout: seconds to wait for the reply; None waits until cancelled.
             on_abandon: called with the reply if it arrives after this call was cancelled or
                 timed out (lets the caller undo what the service did for it).
+            cancel_undoes: the service undoes an answered request itself when its
+                ``Cancel`` arrives: ``on_abandon`` runs only for a reply that arrived before
+                the call gave up (no ``Cancel`` is sent for it then).
 
         Raises:
             TQTimeoutError: no reply within ``timeout`` (the service is told to cancel).
@@ -427,7 +431,7 @@ class DealerConnection(DrainedSocket):
         except BaseException:
             # cancelled or timed out at any point, even after the reply arrived: the
             # service is told, or the reply goes to on_abandon (the caller never saw it)
-            self._abandon(rid, on_abandon)
+            self._abandon(rid, on_abandon, cancel_undoes)
             raise
         self._pending.pop(rid, None)
         if not reply.ok:
@@ -526,7 +530,10 @@ class DealerConnection(DrainedSocket):
             timer.cancel()
 
     def _abandon(
-        self, rid: int, on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None
+        self,
+        rid: int,
+        on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None,
+        cancel_undoes: bool = False,
     ) -> None:
         self._inflight.pop(rid, None)
         fut = self._pending.pop(rid, None)
@@ -539,7 +546,7 @@ class DealerConnection(DrainedSocket):
                 except Exception:  # clean-up must not replace the caller's own error
                     log.exception("undoing an abandoned request failed", peer=self.address)
             return
-        if on_abandon is not None:
+        if on_abandon is not None and not cancel_undoes:
             self._orphans[rid] = on_abandon
         self.send_best_effort(Cancel(rid))
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+
+from ._errors import TQError
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Event", "Lock", "Repeater", "cleanup_scope", "run_each", "run_sync_off_loop"]
 
@@ -33,10 +39,24 @@ async def run_sync_off_loop(fn: Callable[..., T], *args: Any) -> T:
 async def run_each(
     fn: Callable[..., Coroutine[Any, Any, None]], items: Iterable[tuple[Any, ...]]
 ) -> None:
-    """``fn(*item)`` for every item, concurrently; the first failure cancels the rest."""
-    async with anyio.create_task_group() as tg:
-        for item in items:
-            tg.start_soon(fn, *item)
+    """``fn(*item)`` for every item, concurrently; the first failure cancels the rest and is
+    raised alone, as one call would raise it (the first ``TQError`` of the task group's
+    exception group, never the group)."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for item in items:
+                tg.start_soon(fn, *item)
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        raise next((e for e in leaves if isinstance(e, TQError)), leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ doubling the code the two faces must agree on.
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
-from typing import Self, Unpack
 
 from ._errors import (
     TQTimeoutError,
@@ -33,6 +33,11 @@ from ._errors import (
 from ._logging import get_logger
 from ._options import ClientOptions
 from ._sync_calls import ControlCalls
+
+if sys.version_info >= (3, 11):
+    from typing import Self, Unpack
+else:  # pragma: no cover - depends on the Python version
+    from typing_extensions import Self, Unpack
 
 __all__ = ["Client"]
 

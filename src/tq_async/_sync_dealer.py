@@ -373,6 +373,7 @@ class BlockingConnection:
         *,
         timeout: float | None = None,
         on_abandon: Callable[[Reply, list[Any]], None] | None = None,
+        cancel_undoes: bool = False,
     ) -> tuple[msgspec.Raw, list[Any]]:
         """Send ``body`` (+ data frames) and wait, in this thread, for the reply.
 
@@ -407,7 +408,7 @@ class BlockingConnection:
                 if reply.ok and self.inproc and rframes:
                     rframes = copy_frames(rframes, incoming=True)
             except BaseException:
-                self._abandon(rid, on_abandon)
+                self._abandon(rid, on_abandon, cancel_undoes)
                 raise
             finally:
                 self._waiting = None
@@ -487,7 +488,12 @@ class BlockingConnection:
             raise self._failure
         return arrived.pop(rid)
 
-    def _abandon(self, rid: int, on_abandon: Callable[[Reply, list[Any]], None] | None) -> None:
+    def _abandon(
+        self,
+        rid: int,
+        on_abandon: Callable[[Reply, list[Any]], None] | None,
+        cancel_undoes: bool = False,
+    ) -> None:
         self._inflight.pop(rid, None)
         got = self._arrived.pop(rid, None)
         if got is not None:
@@ -497,8 +503,8 @@ class BlockingConnection:
                 except Exception:
                     log.exception("undoing an abandoned request failed", peer=self.address)
             return
-        if on_abandon is not None:
-            self._orphans[rid] = on_abandon
+        if on_abandon is not None and not cancel_undoes:
+            self._orphans[rid] = on_abandon  # (the service undoes it itself otherwise)
         self.send_best_effort(Cancel(rid))
 
     def send_oneway(self, body: msgspec.Struct) -> None:

@@ -356,7 +356,9 @@ class ClientGets(ClientBase):
                 self._controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
-        payload, frames = self._ctl().request(req, timeout=client_deadline, on_abandon=on_abandon)
+        payload, frames = self._ctl().request(
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
+        )
         got: MetaReply = decode(payload, MetaReply)
         self._note_epoch(got.units_epoch)
         meta = BatchMeta(
