@@ -314,3 +314,27 @@ def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> Non
             assert time.monotonic() - started < 5.0
     finally:
         cluster.close()
+
+
+def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    # retry_after: no reply yet -> reconnect under the same identity and resend; the service
+    # deduplicates, so the put runs once
+    address, proc = served
+    with tq.Client.connect(address, retry_after=0.2, request_timeout=30) as client:
+        client.put({"x": torch.arange(2)}, partition_id="p")
+        reconnects = client._controller.reconnects if client._controller else 0
+        proc.send_signal(signal.SIGSTOP)
+        resumer = threading.Timer(1.0, proc.send_signal, args=(signal.SIGCONT,))
+        resumer.start()
+        try:
+            client.put({"x": torch.arange(2) + 2}, partition_id="p")  # waits out the pause
+        finally:
+            resumer.join()
+        assert client._controller is not None
+        assert client._controller.reconnects > reconnects
+        td, _ = client.get(["x"], 4, "p", "t", timeout=10)
+        assert sorted(td["x"].tolist()) == [0, 1, 2, 3]  # each put once
+        with pytest.raises(tq.TQTimeoutError):  # and nothing more is there
+            client.get_meta(["x"], 1, "p", "t", timeout=0.2)
