@@ -385,8 +385,8 @@ class BlockingConnection:
         self._owner = threading.get_ident()
         try:
             check_blocking_allowed(f"a blocking {type(body).__name__}")
-            self._check_usable()
-            self._read()  # what happened since the last request (a broken link, late replies)
+            self._check_open()
+            self._read()  # what happened since the last request (broken, back, late replies)
             self._check_usable()
             if self.inproc and frames:
                 frames = copy_frames(frames, incoming=False)
@@ -428,17 +428,20 @@ class BlockingConnection:
         )
 
     def _check_usable(self) -> None:
+        self._check_open()
+        if self.connected is False:
+            raise BrokenError(
+                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
+                "once it is back"
+            )
+
+    def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"the connection to {self.address} is closed")
         if self._pid != os.getpid():
             raise ClosedError(
                 "this connection was opened in another process (before a fork); its client "
                 "re-creates its connections in this process on its next call"
-            )
-        if self.connected is False:
-            raise BrokenError(
-                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
-                "once it is back"
             )
 
     def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> _Got | None:
