@@ -7,6 +7,7 @@ rank uses the inherited client, then reads a sealed partition through a
 finish within ``--timeout`` seconds counts as hung (its processes are killed).
 
     python -m benchmarks.fork_stress --runs 100
+    python -m benchmarks.fork_stress --first-batch   # 4 ranks x 2 workers: fork vs spawn
 """
 
 from __future__ import annotations
@@ -65,12 +66,50 @@ def one_run(address: str, timeout: float) -> str:
         return status
 
 
+def _first(address: str, rank: int, method: str, t0: float, out: Any) -> None:
+    import tq_async as tq
+
+    dataset = tq.StreamingDataset(address, ["x"], 2, 2, "first", f"{method}{rank}")
+    loader = tq.StreamingDataLoader(dataset, num_workers=WORKERS, multiprocessing_context=method)
+    next(iter(loader))
+    out.put(time.perf_counter() - t0)
+
+
+def first_batch(address: str, method: str) -> float:
+    """Seconds until every one of 4 forked ranks has its first batch from 2 ``method``
+    workers each."""
+    out = _FORK.Queue()
+    t0 = time.perf_counter()
+    procs = [_FORK.Process(target=_first, args=(address, r, method, t0, out)) for r in range(RANKS)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return max(got)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--first-batch", action="store_true", help="fork vs spawn, once each")
     args = parser.parse_args()
+    import torch
+
     import tq_async as tq
+
+    if args.first_batch:
+        with (
+            tq.background_cluster(num_storage_units=2) as cluster,
+            tq.Client.connect(cluster.address) as client,
+        ):
+            client.put({"x": torch.arange(64)}, partition_id="first")
+            client.seal("first")
+            for method in ("fork", "spawn"):
+                s = first_batch(cluster.address, method)
+                print(f"4 ranks x {WORKERS} {method} workers: first batch in {s:.2f} s")
+        return
 
     counts: dict[str, int] = {}
     t0 = time.perf_counter()
