@@ -50,7 +50,7 @@ def _until(condition: Any, what: str, seconds: float = 10.0) -> None:
 
 def _waiting(client: tq.Client) -> bool:
     """A call of ``client`` is waiting on its controller connection."""
-    return bool(client._controller is not None and client._controller._busy.locked())
+    return bool(client._links.controller is not None and client._links.controller._busy.locked())
 
 
 def test_a_second_thread_is_refused_at_once_naming_the_rule() -> None:
@@ -105,7 +105,7 @@ import os, signal, sys, threading, time, torch, tq_async as tq
 address = sys.argv[1]
 with tq.Client.connect(address) as client:
     client.list_partitions()
-    conn = client._controller
+    conn = client._links.controller
     def interrupt():
         while not conn._busy.locked():
             time.sleep(0.001)
@@ -300,8 +300,8 @@ def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> Non
     cluster = tq.background_cluster(num_storage_units=1)
     try:
         with tq.Client.connect(cluster.address) as client:
-            assert client._controller is not None
-            assert client._controller.inproc
+            assert client._links.controller is not None
+            assert client._links.controller.inproc
             closer = threading.Thread(
                 target=lambda: (_until(lambda: _waiting(client), "get_meta"), cluster.close()),
                 daemon=True,
@@ -324,7 +324,7 @@ def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
     address, proc = served
     with tq.Client.connect(address, retry_after=0.2, request_timeout=30) as client:
         client.put({"x": torch.arange(2)}, partition_id="p")
-        reconnects = client._controller.reconnects if client._controller else 0
+        reconnects = client._links.controller.reconnects if client._links.controller else 0
         proc.send_signal(signal.SIGSTOP)
         resumer = threading.Timer(1.0, proc.send_signal, args=(signal.SIGCONT,))
         resumer.start()
@@ -332,8 +332,8 @@ def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
             client.put({"x": torch.arange(2) + 2}, partition_id="p")  # waits out the pause
         finally:
             resumer.join()
-        assert client._controller is not None
-        assert client._controller.reconnects > reconnects
+        assert client._links.controller is not None
+        assert client._links.controller.reconnects > reconnects
         td, _ = client.get(["x"], 4, "p", "t", timeout=10)
         assert sorted(td["x"].tolist()) == [0, 1, 2, 3]  # each put once
         with pytest.raises(tq.TQTimeoutError):  # and nothing more is there

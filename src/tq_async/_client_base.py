@@ -1,13 +1,15 @@
-"""The client's plumbing: its connections to the controller and the storage units.
+"""The client's plumbing: its options and its links to the controller and the storage units.
 
-:class:`ClientBase` opens (on first use) and pools one connection to the controller and one
-per storage unit, follows units that move (a restarted unit answers at a new address; the
-controller's replies carry a ``units_epoch``), negotiates the same-host path (Unix sockets
-and the unit's shared memory) and sends controller requests. The calls users make live in
+A client *holds* its links as one object, :class:`Links`: it opens (on first use) and pools
+one connection to the controller and one per storage unit, follows units that move (a
+restarted unit answers at a new address; the controller's replies carry a
+``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
+its verified twins), re-creates all of it in a forked child, and sends controller requests.
+:class:`ClientBase` checks the options and holds the links. The calls users make live in
 :mod:`tq_async._client_put` (put), :mod:`tq_async._client_get` (get_meta, get_data, get),
 :mod:`tq_async._client_calls` (status, staleness, KV, checkpoints) and
-:class:`tq_async.AsyncClient` (lifecycle), which composes them. The module-level helpers here
-validate arguments before anything is sent.
+:class:`tq_async.AsyncClient` (lifecycle); the helpers only they use live next to them, and
+the few shared ones here are public (no private name crosses a client module).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ._security import CurveClient
 from ._serve import check_address
 from ._shm import ArenaMap
 
-__all__ = ["ClientBase"]
+__all__ = ["ClientBase", "Links"]
 
 
 log = get_logger(__name__)
@@ -81,7 +83,8 @@ def check_fields(data_fields: Any) -> list[str]:
 
 
 class ClientBase:
-    """The connections of an :class:`~tq_async.AsyncClient` (see the module docstring)."""
+    """What every call of an :class:`~tq_async.AsyncClient` uses: its options, checked, and
+    its links (:class:`Links`), which it holds."""
 
     def __init__(
         self,
@@ -115,12 +118,62 @@ class ClientBase:
         self.request_timeout = request_timeout
         self.curve = curve
         self.retry_after = retry_after
+        self.same_host = same_host
+        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
+        #: the controller and unit connections, arenas and same-host twins
+        self._links = Links(
+            address,
+            request_timeout=request_timeout,
+            allow_pickle=allow_pickle,
+            curve=curve,
+            retry_after=retry_after,
+            shared_memory=self.shared_memory,
+            busy_poll=self.busy_poll,
+            # units on other hosts reached through NIXL: forced, or under "auto" where it
+            # pays (RDMA hardware here) unless the client encrypts (UCX does not) or turned
+            # shared memory off (socket only)
+            nixl=data_path == "nixl"
+            or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
+            nixl_forced=data_path == "nixl",
+        )
+
+    @property
+    def allow_pickle(self) -> bool:
+        """Whether this client pickles values msgpack cannot carry (the option, or else the
+        controller's setting)."""
+        return self._links.allow_pickle
+
+
+class Links:
+    """A client's links: one connection to the controller and one per storage unit (opened
+    on first use, pooled), the units' arenas mapped here, their verified same-host twins,
+    and the units epoch that tells when a unit moved. Every call goes through them."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float,
+        allow_pickle: bool | None,
+        curve: CurveClient | None,
+        retry_after: float | None,
+        shared_memory: bool,
+        busy_poll: float,
+        nixl: bool,
+        nixl_forced: bool,
+    ) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self.curve = curve
+        self.retry_after = retry_after
+        self.busy_poll = busy_poll
+        self.shared_memory = shared_memory
         self._allow_pickle_opt = allow_pickle
         self.allow_pickle = bool(allow_pickle)
-        self._controller: DealerConnection | None = None
-        self._unit_addresses: dict[int, str] = {}
-        self._units: dict[int, DealerConnection] = {}
-        self._capacity: int | None = None
+        self.controller: DealerConnection | None = None
+        self.unit_addresses: dict[int, str] = {}
+        self.units: dict[int, DealerConnection] = {}
+        self.capacity: int | None = None
         #: the units epoch of the last Hello, and the newest a reply carried: when they
         #: differ a unit moved (restarted on a new address) and the units are asked again
         self._units_epoch = 0
@@ -130,15 +183,9 @@ class ClientBase:
         #: connection address -> the address the controller lists for its unit (differs
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
-        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
-        #: units on other hosts reached through NIXL: forced, or under "auto" where it pays
-        #: (RDMA hardware here) unless the client encrypts (UCX does not) or turned shared
-        #: memory off (socket only)
-        auto = data_path == "auto" and shared_memory and curve is None and rdma_present()
-        self._nixl = NixlLinks(forced=data_path == "nixl") if data_path == "nixl" or auto else None
-        self.same_host = same_host
+        self.nixl = NixlLinks(forced=nixl_forced) if nixl else None
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
-        self._arenas: dict[int, ArenaMap | None] = {}
+        self.arenas: dict[int, ArenaMap | None] = {}
         self._link_locks: dict[int, Lock] = {}
         #: the process that opened the connections (a forked child opens its own)
         self._pid = os.getpid()
@@ -146,30 +193,43 @@ class ClientBase:
         #: (they are the parent's sockets)
         self._inherited: list[DealerConnection] = []
 
-    def _check_process(self) -> None:
+    def close(self) -> None:
+        """Close every connection; calls still waiting fail with ClosedError."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+        for conn in self.units.values():
+            conn.close()
+        self.units.clear()
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.close()
+        self.arenas.clear()
+
+    def check_process(self) -> None:
         """In a child forked from the process that opened this client, start over with
         connections of the child's own, on first use; the parent's are left untouched."""
         if self._pid == os.getpid():
             return
         self._pid = os.getpid()
-        old, self._controller = self._controller, None
-        self._inherited.extend(self._units.values())
-        self._units.clear()
+        old, self.controller = self.controller, None
+        self._inherited.extend(self.units.values())
+        self.units.clear()
         self._stands_for.clear()
         self._link_locks.clear()  # a lock held by another thread at the fork stays held
-        for arena in self._arenas.values():
+        for arena in self.arenas.values():
             if arena is not None:
                 arena.close()  # the child's mapping only
-        self._arenas.clear()
+        self.arenas.clear()
         self._refreshing = None
-        if self._nixl is not None:
-            self._nixl = NixlLinks(forced=self._nixl.forced)
+        if self.nixl is not None:
+            self.nixl = NixlLinks(forced=self.nixl.forced)
         if old is not None:
             self._inherited.append(old)
             # the same address the parent used (its verified same-host twin, if any)
-            self._controller = self._connection(old.address)
+            self.controller = self.connection(old.address)
 
-    def _connection(
+    def connection(
         self,
         address: str,
         *,
@@ -186,13 +246,13 @@ class ClientBase:
             on_disconnect=on_disconnect,
         )
 
-    async def _prefer_ipc(self, hello: HelloReply) -> None:
+    async def prefer_ipc(self, hello: HelloReply) -> None:
         """Talk to the controller through its same-host ipc twin, once proven to be the same
         controller (its instance token); otherwise keep the given address."""
-        if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
+        if not hello.instance or not same_host_ipc(hello.ipc) or self.controller is None:
             return
         assert hello.ipc is not None
-        conn = self._connection(hello.ipc)
+        conn = self.connection(hello.ipc)
         try:
             payload, _ = await conn.request(Hello(), timeout=min(self.request_timeout, 5.0))
             again: HelloReply = decode(payload, HelloReply)
@@ -203,10 +263,10 @@ class ClientBase:
         if not ok:
             conn.close()
             return
-        self._controller.close()
-        self._controller = conn
+        self.controller.close()
+        self.controller = conn
 
-    async def _refresh_units(self, timeout: float | bool = True) -> HelloReply:
+    async def refresh_units(self, timeout: float | bool = True) -> HelloReply:
         """Ask the controller for the units; drop connections to addresses that changed."""
         if self._refreshing is not None:  # one Hello at a time serves every caller
             await self._refreshing.wait()
@@ -214,69 +274,69 @@ class ClientBase:
                 return self._hello
         self._refreshing = done = Event()
         try:
-            hello: HelloReply = await self._call(Hello(), HelloReply, timeout=timeout)
+            hello: HelloReply = await self.call(Hello(), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()
         self._hello = hello
         addresses = {u.unit_id: u.address for u in hello.units}
-        for unit_id, conn in list(self._units.items()):
+        for unit_id, conn in list(self.units.items()):
             if self._stands_for.get(conn.address, conn.address) != addresses.get(unit_id):
                 log.info(
                     "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
                 )
-                del self._units[unit_id]
+                del self.units[unit_id]
                 self._forget_arena(unit_id)
                 conn.close()
-        self._unit_addresses = addresses
+        self.unit_addresses = addresses
         self._units_epoch = self._epoch_seen = hello.units_epoch
-        self._capacity = hello.capacity
+        self.capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
         return hello
 
-    def _note_epoch(self, epoch: int) -> None:
+    def note_epoch(self, epoch: int) -> None:
         """A reply's units epoch: a new one makes the next unit call ask for the units."""
         if epoch:
             self._epoch_seen = epoch
 
-    def _ctl(self) -> DealerConnection:
-        self._check_process()
-        if self._controller is None:
+    def ctl(self) -> DealerConnection:
+        self.check_process()
+        if self.controller is None:
             raise ClosedError(
                 "the client is not connected; use `async with AsyncClient.connect(address)`"
             )
-        return self._controller
+        return self.controller
 
-    async def _unit(self, unit_id: int) -> DealerConnection:
-        self._check_process()
+    async def unit(self, unit_id: int) -> DealerConnection:
+        self.check_process()
         if self._epoch_seen != self._units_epoch:
-            await self._refresh_units()
-        conn = self._units.get(unit_id)
+            await self.refresh_units()
+        conn = self.units.get(unit_id)
         if conn is None:
-            if unit_id not in self._unit_addresses:
-                await self._refresh_units()
+            if unit_id not in self.unit_addresses:
+                await self.refresh_units()
             try:
-                address = self._unit_addresses[unit_id]
+                address = self.unit_addresses[unit_id]
             except KeyError:
                 raise ProtocolError(
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
-            conn = self._units[unit_id] = self._connection(
+            conn = self.units[unit_id] = self.connection(
                 address, refused_is_broken=True, on_disconnect=lambda: self._forget_arena(unit_id)
             )
         return conn
 
-    async def _unit_request(
+    async def unit_request(
         self, unit_id: int, body: msgspec.Struct, frames: Sequence[Any] = ()
     ) -> tuple[msgspec.Raw, list[Any]]:
         """An idempotent request to a storage unit; if its connection broke and the unit is
         back on a new address (restarted under its id), the request is sent there once."""
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         try:
             return await conn.request(body, frames, timeout=self.request_timeout)
         except (BrokenError, ClosedError):
-            if self._controller is None:
+            if self.controller is None:
                 raise
             try:
                 moved = await self._unit_moved(unit_id, conn)
@@ -285,50 +345,50 @@ class ClientBase:
             if not moved:
                 raise
         log.info("retrying at the storage unit's new address", unit=unit_id)
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         return await conn.request(body, frames, timeout=self.request_timeout)
 
     async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
         """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
         listed = self._stands_for.get(conn.address, conn.address)
-        if self._units.get(unit_id) is conn:  # nobody asked since this connection broke
-            await self._refresh_units()
-        if self._units.get(unit_id) is conn and listed != conn.address:
+        if self.units.get(unit_id) is conn:  # nobody asked since this connection broke
+            await self.refresh_units()
+        if self.units.get(unit_id) is conn and listed != conn.address:
             # a same-host twin broke though the unit did not move: go back to its listed
             # address (the twin is verified again on the next data link)
-            del self._units[unit_id]
+            del self.units[unit_id]
             self._forget_arena(unit_id)
             conn.close()
             return True
-        return self._unit_addresses.get(unit_id) not in (None, listed)
+        return self.unit_addresses.get(unit_id) not in (None, listed)
 
     def _forget_arena(self, unit_id: int) -> None:
         """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
         a dead unit's memory is freed once nobody maps it)."""
-        arena = self._arenas.pop(unit_id, None)
+        arena = self.arenas.pop(unit_id, None)
         if arena is not None:
             arena.close()
-        if self._nixl is not None:
-            self._nixl.forget(unit_id)
+        if self.nixl is not None:
+            self.nixl.forget(unit_id)
 
-    async def _data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
+    async def data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
         """The unit's connection and, if it is on this host (verified once per unit), its
         arena mapped here. A verified unit is then reached through its ipc twin too."""
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         if not self.shared_memory or conn.inproc:
             return conn, None  # in-process connections copy once already
-        if unit_id in self._arenas:
-            return conn, self._arenas[unit_id]
+        if unit_id in self.arenas:
+            return conn, self.arenas[unit_id]
         lock = self._link_locks.setdefault(unit_id, Lock())
         async with lock:
-            if unit_id not in self._arenas:
+            if unit_id not in self.arenas:
                 try:
                     await self._link(unit_id, conn)
                 except (BrokenError, ClosedError):
                     # the unit went away: the socket path (and its retry at the unit's new
                     # address, _unit_request) decides what happens; link again next time
                     return conn, None
-        return self._units.get(unit_id, conn), self._arenas.get(unit_id)
+        return self.units.get(unit_id, conn), self.arenas.get(unit_id)
 
     async def _link(self, unit_id: int, conn: DealerConnection) -> None:
         payload, _ = await conn.request(ShmHello(os.getpid()), timeout=self.request_timeout)
@@ -339,14 +399,14 @@ class ClientBase:
                 arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
-        self._arenas[unit_id] = arena
+        self.arenas[unit_id] = arena
         if arena is None or hello is None:
             return
         conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
         if not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None
-        ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        ipc = self.connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
         ipc.peer_pid = hello.pid
         try:
             # says hello for this connection too (shared memory is granted per connection)
@@ -357,21 +417,21 @@ class ClientBase:
         except BaseException:
             ipc.close()
             raise
-        if again is None or again.token != hello.token or self._units.get(unit_id) is not conn:
+        if again is None or again.token != hello.token or self.units.get(unit_id) is not conn:
             ipc.close()
             return
-        self._units[unit_id] = ipc
+        self.units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
         conn.close()
 
-    async def _call(
+    async def call(
         self,
         body: msgspec.Struct,
         typ: Any,
         *,
         timeout: float | bool | None = True,
     ) -> Any:
-        payload, _ = await self._ctl().request(
+        payload, _ = await self.ctl().request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return decode(payload, typ)

@@ -349,16 +349,16 @@ class ClientGets(ClientBase):
             if not reply.ok or mode != "fetch" or recorded:
                 return
             late: MetaReply = decode(reply.payload, MetaReply)
-            if late.rows and self._controller is not None:
+            if late.rows and self._links.controller is not None:
                 undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
-                self._controller.send_best_effort(undo)
+                self._links.controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
-        payload, frames = await self._ctl().request(
+        payload, frames = await self._links.ctl().request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = decode(payload, MetaReply)
-        self._note_epoch(got.units_epoch)
+        self._links.note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
@@ -433,7 +433,7 @@ class ClientGets(ClientBase):
         the same fields would (one question to the controller, no storage unit)."""
         if meta.end_of_stream or not names or len(meta):
             return TensorDict({}, batch_size=[len(meta)])
-        headers = await self._call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        headers = await self._links.call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
         by_name = {h.name: h for h in headers}
         known = [by_name[f] for f in names if f in by_name]
         return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
@@ -451,14 +451,14 @@ class ClientGets(ClientBase):
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            conn, arena = await self._data_link(unit)
+            conn, arena = await self._links.data_link(unit)
             nixl = None
-            if arena is None and self._nixl is not None:  # another host: NIXL
-                nixl = await self._nixl.link(unit, conn, self.request_timeout)
+            if arena is None and self._links.nixl is not None:  # another host: NIXL
+                nixl = await self._links.nixl.link(unit, conn, self.request_timeout)
             shm = arena is not None or nixl is not None
             get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
             if not shm:
-                payload, frames = await self._unit_request(unit, get)
+                payload, frames = await self._links.unit_request(unit, get)
             else:
 
                 def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -477,13 +477,13 @@ class ClientGets(ClientBase):
                         frames = await _copy_spans(arena, stored.shm_spans)
                     else:
                         assert nixl is not None
-                        assert self._nixl is not None
-                        got = await self._nixl.read(
+                        assert self._links.nixl is not None
+                        got = await self._links.nixl.read(
                             unit, nixl, stored.shm_spans, self.request_timeout
                         )
                         if got is None:  # the transfer failed: read through the socket
                             get.shm = False
-                            payload, frames = await self._unit_request(unit, get)
+                            payload, frames = await self._links.unit_request(unit, get)
                             stored = decode(payload, StoredColumns)
                         else:
                             frames = got
@@ -550,16 +550,16 @@ class ClientGets(ClientBase):
                 td = await to_device(td, target)
             else:
                 td = await self.get_data(meta, nested=as_nested, device=target)
-            if lease is None and meta.lease_id and self._controller is not None:
+            if lease is None and meta.lease_id and self._links.controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
-                self._controller.send_best_effort(Ack([meta.lease_id]))
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
                     await self.release(meta)
-            elif lease is None and meta.lease_id and self._controller is not None:
-                self._controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
+            elif lease is None and meta.lease_id and self._links.controller is not None:
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
             raise
         return td, meta
 
@@ -567,7 +567,7 @@ class ClientGets(ClientBase):
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
         ids = _lease_ids(metas)
         if ids:
-            await self._call(Ack(ids), None)
+            await self._links.call(Ack(ids), None)
 
     async def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
@@ -580,4 +580,4 @@ class ClientGets(ClientBase):
             meta.incarnation,
             meta.lease_id or 0,
         )
-        await self._call(body, None)
+        await self._links.call(body, None)

@@ -208,7 +208,7 @@ class ClientPuts(ClientBase):
         check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
-        if self._capacity is not None and not nowait:
+        if self._links.capacity is not None and not nowait:
             deadline = None if timeout is None else timeout + self.request_timeout
         fields = [h.name for h in headers]
         put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
@@ -271,19 +271,19 @@ class ClientPuts(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             # the caller gave up (cancelled, timed out) but the put landed: undo new rows, as
             # a failed three-step put does
-            if reply.ok and meta is None and self._controller is not None:
+            if reply.ok and meta is None and self._links.controller is not None:
                 late: Placement = decode(reply.payload, Placement)
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
-                self._controller.send_best_effort(undo)
+                self._links.controller.send_best_effort(undo)
 
-        payload, _ = await self._ctl().request(
+        payload, _ = await self._links.ctl().request(
             body,
             frames,
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
         placement: Placement = decode(payload, Placement)
-        self._note_epoch(placement.units_epoch)
+        self._links.note_epoch(placement.units_epoch)
         return placement
 
     async def _put_in_three(
@@ -305,18 +305,18 @@ class ClientPuts(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             # placed, but the caller gave up before it knew: reclaim the new rows now (not
             # when the put lease lapses: until then they hold capacity and end-of-stream)
-            if reply.ok and self._controller is not None:
+            if reply.ok and self._links.controller is not None:
                 late: Placement = decode(reply.payload, Placement)
                 if late.put_id:
-                    self._controller.send_best_effort(AbortPut([late.put_id]))
+                    self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        payload, _ = await self._ctl().request(
+        payload, _ = await self._links.ctl().request(
             begin,
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
         placement: Placement = decode(payload, Placement)
-        self._note_epoch(placement.units_epoch)
+        self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
         try:
@@ -330,16 +330,16 @@ class ClientPuts(ClientBase):
                 put_id=placement.put_id,
                 incarnation=placement.incarnation,
             )
-            await self._call(commit, None)
+            await self._links.call(commit, None)
         except BaseException:
-            if placement.put_id and self._controller is not None:
+            if placement.put_id and self._links.controller is not None:
                 # new rows not committed are reclaimed at once (a keyed put's too)
-                self._controller.send_best_effort(AbortPut([placement.put_id]))
+                self._links.controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
                 with cleanup_scope(5):
                     try:
                         undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
-                        await self._call(undo, None)
+                        await self._links.call(undo, None)
                     except RowsNotFound:
                         pass  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
@@ -357,9 +357,9 @@ class ClientPuts(ClientBase):
         died between PutBegin and PutCommit); a live producer renews every third of the
         lease, so a slow put is never reclaimed.
         """
-        if not placement.put_id or self._controller is None:
+        if not placement.put_id or self._links.controller is None:
             return None
-        conn, renew = self._controller, RenewPut([placement.put_id])
+        conn, renew = self._links.controller, RenewPut([placement.put_id])
         return Repeater(placement.put_lease / 3, lambda: conn.send_best_effort(renew))
 
     async def _store(
@@ -382,17 +382,17 @@ class ClientPuts(ClientBase):
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
             store = StorePut(partition_id, rows, headers, placement.incarnation)
-            conn, arena = await self._data_link(unit)
+            conn, arena = await self._links.data_link(unit)
             big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and await self._store_shm(conn, arena, store, frames):
                 return
-            if big and arena is None and self._nixl is not None:  # another host: NIXL
-                peer = await self._nixl.link(unit, conn, self.request_timeout)
-                if peer is not None and await self._nixl.put(
+            if big and arena is None and self._links.nixl is not None:  # another host: NIXL
+                peer = await self._links.nixl.link(unit, conn, self.request_timeout)
+                if peer is not None and await self._links.nixl.put(
                     unit, conn, peer, store, frames, self.request_timeout
                 ):
                     return
-            await self._unit_request(unit, store, frames)
+            await self._links.unit_request(unit, store, frames)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()

@@ -125,13 +125,13 @@ class Client(ControlCalls):
             TQTimeoutError: the controller did not answer within ``connect_timeout``.
             AuthenticationError: the services refused this client's CURVE keys.
         """
-        if self._controller is not None:
+        if self._links.controller is not None:
             return self
-        self._controller = self._connection(self.address)
+        self._links.controller = self._links.connection(self.address)
         wait = min(self.connect_timeout, self.request_timeout)
         try:
             try:
-                hello = self._refresh_units(timeout=wait)
+                hello = self._links.refresh_units(timeout=wait)
             except TQTimeoutError:
                 raise TQTimeoutError(
                     f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
@@ -140,27 +140,18 @@ class Client(ControlCalls):
                     "reach them"
                 ) from None
             if self.same_host:
-                self._prefer_ipc(hello)
+                self._links.prefer_ipc(hello)
         except BaseException:
-            if self._controller is not None:
-                self._controller.close()
-                self._controller = None
+            if self._links.controller is not None:
+                self._links.controller.close()
+                self._links.controller = None
             raise
         return self
 
     def close(self) -> None:
         """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
-        if self._controller is not None:
-            self._controller.close()
-            self._controller = None
-        for conn in self._units.values():
-            conn.close()
-        self._units.clear()
-        for arena in self._arenas.values():
-            if arena is not None:
-                arena.close()
-        self._arenas.clear()
+        self._links.close()
 
     @property
     def closed(self) -> bool:
-        return self._controller is None
+        return self._links.controller is None

@@ -119,7 +119,7 @@ class ControlCalls(ClientPuts, ClientGets):
             ``{"dead_units": [unit ids], "suspended_units": [unit ids], "rows":
             {partition_id: [rows lost]}}``.
         """
-        return dict(self._call(LostRows(partition_id), dict[str, Any]))
+        return dict(self._links.call(LostRows(partition_id), dict[str, Any]))
 
     def storage_stats(self) -> dict[int, dict[str, Any]]:
         """What each storage unit holds, asked of every unit in parallel.
@@ -136,15 +136,15 @@ class ControlCalls(ClientPuts, ClientGets):
 
         Cancellation: nothing changes on the services.
         """
-        self._refresh_units()
+        self._links.refresh_units()
         out: dict[int, dict[str, Any]] = {}
 
         def ask(unit_id: int) -> None:
-            conn = self._unit(unit_id)
+            conn = self._links.unit(unit_id)
             payload, _ = conn.request(StoreStats(), timeout=self.request_timeout)
             out[unit_id] = msgspec.structs.asdict(decode(payload, StoreStatsReply))
 
-        run_each(ask, [(unit_id,) for unit_id in self._unit_addresses])
+        run_each(ask, [(unit_id,) for unit_id in self._links.unit_addresses])
         return dict(sorted(out.items()))
 
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
@@ -158,24 +158,24 @@ class ControlCalls(ClientPuts, ClientGets):
         so they are never freed before they are read: :meth:`get` acknowledges after
         reading; after :meth:`get_meta` + :meth:`get_data`, call :meth:`ack`.
         """
-        self._call(RegisterTasks(list(tasks), partition_id), None)
+        self._links.call(RegisterTasks(list(tasks), partition_id), None)
 
     def seal(self, partition_id: str) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""
-        self._call(Seal(partition_id), None)
+        self._links.call(Seal(partition_id), None)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""
-        self._call(ResetConsumption(partition_id, task_name), None)
+        self._links.call(ResetConsumption(partition_id, task_name), None)
 
     def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
         body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
-        self._call(body, None)
+        self._links.call(body, None)
 
     def clear_partition(self, partition_id: str) -> None:
         """Remove the partition with all its rows, state and sampler caches; free storage."""
-        self._call(ClearPartition(partition_id), None)
+        self._links.call(ClearPartition(partition_id), None)
 
     def check_production_status(
         self,
@@ -186,34 +186,34 @@ class ControlCalls(ClientPuts, ClientGets):
         """True when every given row (all rows if None) has every field in ``data_fields``."""
         fields = check_fields(data_fields)
         rows = list(global_indexes) if global_indexes is not None else None
-        return bool(self._call(CheckProduction(partition_id, fields, rows), bool))
+        return bool(self._links.call(CheckProduction(partition_id, fields, rows), bool))
 
     def check_consumption_status(
         self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
     ) -> bool:
         """True when ``task_name`` has consumed every given row (all rows if None)."""
         rows = list(global_indexes) if global_indexes is not None else None
-        return bool(self._call(CheckConsumption(partition_id, task_name, rows), bool))
+        return bool(self._links.call(CheckConsumption(partition_id, task_name, rows), bool))
 
     def production_status(
         self, partition_id: str, data_fields: Sequence[str] | None = None
     ) -> dict[str, torch.Tensor]:
         """Per field, a bool tensor over row ids: is the cell produced (cleared rows: False)."""
         fields = None if data_fields is None else check_fields(data_fields)
-        masks = self._call(ProductionStatus(partition_id, fields), dict[str, bytes])
+        masks = self._links.call(ProductionStatus(partition_id, fields), dict[str, bytes])
         return {k: _mask(v) for k, v in masks.items()}
 
     def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
         """A bool tensor over row ids: has ``task_name`` consumed the row."""
-        return _mask(self._call(ConsumptionStatus(partition_id, task_name), bytes))
+        return _mask(self._links.call(ConsumptionStatus(partition_id, task_name), bytes))
 
     def list_partitions(self) -> list[str]:
         """Ids of every partition the controller knows."""
-        return list(self._call(ListPartitions(), list[str]))
+        return list(self._links.call(ListPartitions(), list[str]))
 
     def partition_info(self, partition_id: str) -> dict[str, Any]:
         """Row counts, schema, sealed flag and per-task consumed counts of a partition."""
-        return dict(self._call(PartitionInfo(partition_id), dict[str, Any]))
+        return dict(self._links.call(PartitionInfo(partition_id), dict[str, Any]))
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).
@@ -224,7 +224,7 @@ class ControlCalls(ClientPuts, ClientGets):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]
         body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
-        self._call(body, None)
+        self._links.call(body, None)
 
     def set_policy_version(self, version: int) -> None:
         """The learner announces its policy version (after each update).
@@ -232,7 +232,7 @@ class ControlCalls(ClientPuts, ClientGets):
         Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
         for staleness.
         """
-        self._call(SetPolicyVersion(check_int("version", as_int(version))), None)
+        self._links.call(SetPolicyVersion(check_int("version", as_int(version))), None)
 
     def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
@@ -259,14 +259,14 @@ class ControlCalls(ClientPuts, ClientGets):
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # admitted, but the caller gave up before it knew: free the slots it reserved
-            if reply.ok and self._controller is not None:
-                self._controller.send_best_effort(ReleaseRollout(body.n))
+            if reply.ok and self._links.controller is not None:
+                self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        self._ctl().request(body, timeout=deadline, on_abandon=on_abandon)
+        self._links.ctl().request(body, timeout=deadline, on_abandon=on_abandon)
 
     def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
-        self._call(ReleaseRollout(check_int("n", as_int(n))), None)
+        self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
 
     def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
@@ -275,7 +275,7 @@ class ControlCalls(ClientPuts, ClientGets):
         :meth:`get_data` and put the regenerated sample as a new row.
         """
         body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
-        got = self._call(body, list[RecycledRows])
+        got = self._links.call(body, list[RecycledRows])
         return [
             BatchMeta(
                 partition_id=r.partition_id,
@@ -291,7 +291,7 @@ class ControlCalls(ClientPuts, ClientGets):
 
     def staleness_status(self) -> dict[str, int]:
         """Learner version, outstanding admitted rows, and stale rows dropped/recycled/kept."""
-        return dict(self._call(StalenessStatus(), dict[str, int]))
+        return dict(self._links.call(StalenessStatus(), dict[str, int]))
 
     def kv_batch_put(
         self,
@@ -320,7 +320,9 @@ class ControlCalls(ClientPuts, ClientGets):
             if len(tags) != len(key_list):
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
             tag_dicts = [dict(t) if t else {} for t in tags]
-            placement: Placement = self._call(KVTag(partition_id, key_list, tag_dicts), Placement)
+            placement: Placement = self._links.call(
+                KVTag(partition_id, key_list, tag_dicts), Placement
+            )
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
@@ -351,7 +353,7 @@ class ControlCalls(ClientPuts, ClientGets):
         key_list = _check_keys(keys)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
-        got: MetaReply = self._call(
+        got: MetaReply = self._links.call(
             KVLookup(partition_id, key_list, None, available=True), MetaReply
         )
         return BatchMeta(
@@ -380,7 +382,7 @@ class ControlCalls(ClientPuts, ClientGets):
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
             body = KVTag(partition_id, _check_keys([key]), [tags_for_wire([tag])[0] or {}])
-            placement: Placement = self._call(body, Placement)
+            placement: Placement = self._links.call(body, Placement)
             return BatchMeta(
                 partition_id=partition_id,
                 global_indexes=placement.rows,
@@ -406,8 +408,8 @@ class ControlCalls(ClientPuts, ClientGets):
         """
         fields = None if select_fields is None else check_fields(select_fields)
         body = KVLookup(partition_id, _check_keys(keys), fields)
-        got: MetaReply = self._call(body, MetaReply)
-        self._note_epoch(got.units_epoch)
+        got: MetaReply = self._links.call(body, MetaReply)
+        self._links.note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
@@ -421,7 +423,7 @@ class ControlCalls(ClientPuts, ClientGets):
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
-        listing = self._call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
+        listing = self._links.call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
         return dict(listing)
 
     def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
@@ -435,11 +437,11 @@ class ControlCalls(ClientPuts, ClientGets):
         Cancellation: nothing changes (a read).
         """
         rows = _check_rows(global_indexes, "global_indexes")
-        return list(self._call(KVKeys(partition_id, rows), list[str]))
+        return list(self._links.call(KVKeys(partition_id, rows), list[str]))
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Remove ``keys`` and free their storage; a missing key fails the whole call."""
-        self._call(KVClear(partition_id, _check_keys(keys)), None)
+        self._links.call(KVClear(partition_id, _check_keys(keys)), None)
 
     def save_checkpoint(
         self,
@@ -477,4 +479,4 @@ class ControlCalls(ClientPuts, ClientGets):
         return load_checkpoint(self._checkpoint_link(), os.fspath(path))
 
     def _checkpoint_link(self) -> ClientLink:
-        return ClientLink(self._call, self._fetch_columns, self._unit_request)
+        return ClientLink(self._links.call, self._fetch_columns, self._links.unit_request)
