@@ -524,3 +524,21 @@ def test_an_aborted_put_reclaims_its_rows_at_once() -> None:
     p = core.state.partition("p")
     assert p.n_alive == 0
     assert not p.put_leases
+
+
+def test_cancel_undoes_a_fetch_but_not_a_recorded_batch_or_a_peek() -> None:
+    core = new_core()
+    put(core, 4)
+    pooled = req(2, lease=5.0)
+    reply = get(core, pooled)
+    assert reply is not None
+    core.cancel(pooled, reply)
+    assert not core.state.partition("p").leases
+    assert sorted(rows_of(get(core, req(4)))) == [0, 1, 2, 3]  # all four ready again
+    core2 = new_core()
+    put(core2, 4)
+    keyed = GetMeta("p", ["x"], 2, "t", {"dp_rank": 0, "batch_index": 0})
+    first = get(core2, keyed)
+    assert first is not None
+    core2.cancel(keyed, first)
+    assert rows_of(get(core2, keyed)) == first.rows  # the batch keeps its rows

@@ -299,6 +299,8 @@ async def run_all(clients: list[tq.AsyncClient], seeds: list[int], pause: Any = 
             await run_program(clients[i % len(clients)], prog, pause)
         except Broken as exc:
             raise AssertionError(f"seed {seed} ({prog}): {exc}") from exc
+        if os.environ.get("TQ_EDGE_EXAMPLES") and (i + 1) % 100 == 0:
+            print(f"edge: {i + 1} programs passed (last seed {seed})", flush=True)  # long runs
 
 
 # ---- the modes ---------------------------------------------------------------------------------

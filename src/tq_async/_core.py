@@ -560,6 +560,14 @@ class ControllerCore:
             )
         fx.wakeups.append(Wakeup(p.partition_id, lease.task))
 
+    def cancel(self, req: GetMeta, reply: MetaReply) -> Effects:
+        """The caller of ``req`` gave up before it saw ``reply``: undo the answer (see
+        :meth:`release`). A recorded batch keeps its rows for its key; a peek took nothing."""
+        if req.mode != "fetch" or not reply.rows or record_key(req) is not None:
+            return Effects()
+        rows, incarnation, lease_id = reply.rows, reply.incarnation, reply.lease_id
+        return self.release(req.partition_id, req.task_name, rows, incarnation, lease_id)
+
     def release(
         self,
         partition_id: str,
