@@ -359,13 +359,13 @@ class ControllerServer(ControllerPuts):
 
         A retried ``get`` is answered without the cells (it reads them from the units).
         """
-        scope = self._pending.get((peer, rid))
+        scope = self._pending.get((peer, rid)) if self._pending else None
         if scope is not None and scope.cancel_called:
             # the Cancel came while the answer was on its way (the waiting request had
             # already been woken): the caller is gone, so the rows go back, unsent
             self._apply(self.core.cancel(req, reply))
             return
-        undoable = bool(reply.rows) and req.mode == "fetch" and record_key(req) is None
+        undoable = reply.rows and req.mode == "fetch" and record_key(req) is None
         inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
         reply.units_epoch = self.state.units_epoch
         if undoable:

@@ -70,8 +70,13 @@ def check_context(batch_size: Any, kwargs: Mapping[str, Any], dp_size: Any = Non
         InvalidRequestError: ``batch_size`` or ``dp_size`` below 1, ``dp_rank`` or
             ``batch_index`` negative or not an int, ``dp_rank`` not below ``dp_size``.
     """
-    _index("batch_size", batch_size, 1)
+    if type(batch_size) is not int or batch_size < 1:
+        _index("batch_size", batch_size, 1)
     dp_rank = kwargs.get("dp_rank")
+    if dp_rank is None and kwargs.get("batch_index") is None and dp_size is None:
+        cfg = kwargs.get("sampling_config")
+        if not cfg or cfg.get("dp_size") is None:
+            return  # the common pooled fetch: nothing more to check
     if dp_rank is not None:
         _index("dp_rank", dp_rank, 0)
     if (batch_index := kwargs.get("batch_index")) is not None:
