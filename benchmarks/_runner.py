@@ -24,6 +24,7 @@ WORKLOADS: dict[str, str] = {
     "W2": "benchmarks.w2_control_plane",
     "W3": "benchmarks.w3_wakeup",
     "W4": "benchmarks.w4_startup",
+    "W5": "benchmarks.w5_sync_face",
 }
 
 
@@ -56,6 +57,19 @@ TARGETS: tuple[Target, ...] = (
     Target("W3", "put->dataset item p99 (same process)", "<=", 2.0),
     Target("W3", "put->dataset item p99 (consumer process)", "<=", 2.0),
     Target("W4", "local_cluster start->first put", "<=", 0.5),
+    Target("W5", "get_meta b8 sequential, blocking/async", ">=", 0.8),
+    Target("W5", "W1 put dense, blocking/async", ">=", 0.9),
+    Target("W5", "W1 get_meta+get_data dense, blocking/async", ">=", 0.9),
+    Target(
+        "W5", "StreamingDataLoader 0 workers vs AsyncStreamingDataset, blocking/async", ">=", 0.8
+    ),
+    Target(
+        "W5",
+        "StreamingDataLoader 2 workers (fork) vs AsyncStreamingDataset, blocking/async",
+        ">=",
+        0.8,
+    ),
+    Target("W5", "compat kv_batch_get 256 keys x 6 fields, blocking/async", ">=", 0.8),
 )
 
 
@@ -158,7 +172,7 @@ def format_table(results: Sequence[dict[str, Any]], *, markdown: bool = False) -
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description="tq_async benchmark suite (W1-W4)."
+        prog="python -m benchmarks", description="tq_async benchmark suite (W1-W5)."
     )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (CI)")
     parser.add_argument(

@@ -273,8 +273,8 @@ def shm_memory() -> None:
 
             async def measure(label: str, stored: int) -> None:
                 resident = 0
-                for unit in sorted(client._unit_addresses):
-                    conn, _ = await client._data_link(unit)
+                for unit in sorted(client._links.unit_addresses):
+                    conn, _ = await client._links.data_link(unit)
                     payload, _ = await conn.request(ShmHello(os.getpid()), timeout=10)
                     hello = msgspec.msgpack.decode(payload, type=ShmHelloReply)
                     resident += os.stat(f"/proc/{hello.pid}/fd/{hello.fd}").st_blocks * 512

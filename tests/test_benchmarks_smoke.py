@@ -37,14 +37,14 @@ def test_benchmarks_smoke(tmp_path: Path) -> None:
     assert header is not None, proc.stdout
     for column in ("metric", "median", "best", "unit", "target", "status"):
         assert column in header
-    for workload in ("W1", "W2", "W3", "W4"):
+    for workload in ("W1", "W2", "W3", "W4", "W5"):
         assert any(line.startswith(workload + " ") for line in lines), workload
     # tiny sizes are not judged against the targets: no MISS (nor PASS) rows
     assert "MISS" not in proc.stdout
     assert "targets not judged at --smoke sizes" in proc.stdout
     doc = json.loads(out_json.read_text())
     assert doc["failures"] == []
-    assert {r["workload"] for r in doc["results"]} == {"W1", "W2", "W3", "W4"}
+    assert {r["workload"] for r in doc["results"]} == {"W1", "W2", "W3", "W4", "W5"}
     for r in doc["results"]:
         assert {"workload", "metric", "value", "unit", "system", "mode"} <= r.keys()
 

@@ -47,7 +47,7 @@ async def client_in(mode: str, **kwargs: Any) -> AsyncIterator[tq.AsyncClient]:
 
 
 def controller(client: tq.AsyncClient) -> DealerConnection:
-    conn = client._controller
+    conn = client._links.controller
     assert conn is not None
     return conn
 

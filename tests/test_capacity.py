@@ -42,8 +42,8 @@ def _fds(pid: int) -> int:
 async def _open_linked(address: str) -> tq.AsyncClient:
     client = tq.AsyncClient.connect(address)
     await client.open()
-    for unit in sorted(client._unit_addresses):  # every data path an active client opens
-        await client._data_link(unit)
+    for unit in sorted(client._links.unit_addresses):  # every data path an active client opens
+        await client._links.data_link(unit)
     return client
 
 
@@ -68,9 +68,11 @@ async def test_idle_connections_cost_the_services_little() -> None:
                     tg.start_soon(one)
             assert all(c.link_fallbacks == 0 for c in clients)
             # the controller and every unit answer each client over its Unix socket
-            assert all(c._ctl().address.startswith("uds://") for c in clients)
-            assert all(len(c._units) == units for c in clients)
-            assert all(x.address.startswith("uds://") for c in clients for x in c._units.values())
+            assert all(c._links.ctl().address.startswith("uds://") for c in clients)
+            assert all(len(c._links.units) == units for c in clients)
+            assert all(
+                x.address.startswith("uds://") for c in clients for x in c._links.units.values()
+            )
             connections = n * (1 + units)
 
             def per_connection() -> tuple[float, float]:
@@ -127,12 +129,12 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket(
             assert time.monotonic() - t0 < 15
             assert client.link_fallbacks == 1
             assert torch.equal(got["td"]["x"], data)  # type: ignore[index]
-            assert client._arenas[0] is None  # the socket path
+            assert client._links.arenas[0] is None  # the socket path
             # the next read asks again: the unit answers now, shared memory from then on
             meta = await client.get_meta(["x"], 4, "p", "t2")
             assert torch.equal((await client.get_data(meta))["x"], data)
             assert client.link_fallbacks == 1
-            assert client._arenas[0] is not None
+            assert client._links.arenas[0] is not None
 
 
 async def _drain(client: tq.AsyncClient, task: str) -> list[list[int]]:
@@ -196,7 +198,7 @@ async def test_a_saturated_service_over_a_unix_socket_is_waited_for_not_reconnec
     data = torch.arange(4 * 16, dtype=torch.int64).view(4, 16)
     with serve_role("--storage-units", "1") as (proc, address):
         async with tq.AsyncClient.connect(address, request_timeout=20, retry_after=0.5) as client:
-            assert client._ctl().address.startswith("uds://")
+            assert client._links.ctl().address.startswith("uds://")
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 async with anyio.create_task_group() as tg:
@@ -211,7 +213,7 @@ async def test_a_saturated_service_over_a_unix_socket_is_waited_for_not_reconnec
                     os.kill(proc.pid, signal.SIGCONT)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
-            assert client._ctl().reconnects == 0
+            assert client._links.ctl().reconnects == 0
             meta = await client.get_meta(["x"], 4, "p", "t", timeout=10)
             assert torch.equal((await client.get_data(meta))["x"], data)
 

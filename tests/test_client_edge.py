@@ -37,9 +37,9 @@ async def test_unit_killed_after_a_same_host_read_still_returns_the_rows(
             x = torch.arange(64 * 4096, dtype=torch.float32).reshape(64, 4096)  # 1 MiB
             meta = await client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="p")
             await client.get_data(meta)  # links to the unit: Unix socket + shared memory
-            assert any(a is not None for a in client._arenas.values())
+            assert any(a is not None for a in client._links.arenas.values())
             copy = client_get._copy_spans
-            units: list[DealerConnection] = list(client._units.values())
+            units: list[DealerConnection] = list(client._links.units.values())
 
             async def copy_then_kill(arena: Any, spans: Any) -> list[Any]:
                 frames = await copy(arena, spans)
@@ -70,7 +70,7 @@ async def test_unit_killed_before_a_same_host_read_copies_is_broken_error(
             meta = await client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="p")
             await client.get_data(meta)
             copy = client_get._copy_spans
-            units: list[DealerConnection] = list(client._units.values())
+            units: list[DealerConnection] = list(client._links.units.values())
 
             async def kill_then_copy(arena: Any, spans: Any) -> list[Any]:
                 proc.send_signal(signal.SIGKILL)
@@ -184,7 +184,7 @@ async def test_a_paused_same_host_unit_is_reported_as_not_answering() -> None:
         async with tq.AsyncClient.connect(address, request_timeout=0.5, retry_after=None) as client:
             meta = await client.put({"x": torch.ones(4, 3)}, partition_id="p")
             await client.get_data(meta)  # links to the unit: its process is known
-            (conn,) = client._units.values()
+            (conn,) = client._links.units.values()
             assert conn.peer_pid == proc.pid
             proc.send_signal(signal.SIGSTOP)
             try:

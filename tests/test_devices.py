@@ -240,3 +240,24 @@ def test_a_cuda_device_in_a_dataloader_worker_is_refused() -> None:
     loader = tq.StreamingDataLoader(ds, num_workers=1)
     with pytest.raises(tq.InvalidRequestError, match="CUDA does not survive a fork"):
         next(iter(loader))
+
+
+def test_the_blocking_client_copies_device_columns_in_the_calling_thread(
+    seam: list[_Recorder],
+) -> None:
+    # the same paths as the async client's, through to_host_now / to_device_now: no thread
+    want = _batch()
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+    ):
+        meta = client.put(want, partition_id="p")
+        (copier,) = seam
+        assert copier.copies == 3 + 2 + 16
+        assert copier.finished.is_set()
+        assert copier.threads == {threading.get_ident()}
+        seam.clear()
+        _check(client.get_data(meta, device="cpu"), want)
+        (copier,) = seam
+        assert copier.copies == 7
+        assert copier.threads == {threading.get_ident()}

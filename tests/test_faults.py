@@ -133,8 +133,8 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed_put)
-                await until(lambda: any(c.connected for c in client._units.values()))
-                await until(lambda: 1 in client._units and client._units[1].connected)
+                await until(lambda: any(c.connected for c in client._links.units.values()))
+                await until(lambda: 1 in client._links.units and client._links.units[1].connected)
                 os.kill(proc.pid, signal.SIGKILL)
             # the put failed fast with BrokenError (well before its 30 s timeout)
             assert isinstance(failure[0], tq.BrokenError)
@@ -178,7 +178,7 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
                 # instance when it connects): wait for the forwarded StorePut itself
                 await until(lambda: _store_put_in_flight(controller, 1))
                 os.kill(proc.pid, signal.SIGKILL)
-            assert not client._units  # the client never talked to a unit itself
+            assert not client._links.units  # the client never talked to a unit itself
             # the put failed fast (well before its 30 s timeout), with the unit's loss
             assert isinstance(failure[0], tq.BrokenError)
             info = await client.partition_info("p")
@@ -238,6 +238,6 @@ async def test_lost_reply_of_a_call_with_a_deadline_reconnects() -> None:
             await client.put({"x": torch.arange(4)}, "p")
             lose_next[0] = True
             meta = await client.put({"x": torch.arange(4, 6)}, "p")  # its PutBegin reply is lost
-            assert client._ctl().reconnects >= 1
+            assert client._links.ctl().reconnects >= 1
             assert meta.global_indexes == [4, 5]  # one allocation, not two
             assert (await client.partition_info("p"))["allocated"] == 6

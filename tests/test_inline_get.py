@@ -87,7 +87,7 @@ async def test_get_of_local_cells_is_one_round_trip_in_meta_order() -> None:
         assert meta.global_indexes == [7, 5, 3, 1, 6, 4]
         check(td, meta)
         assert reads[0] == 0
-        assert not client._units  # the client never had to talk to a unit
+        assert not client._links.units  # the client never had to talk to a unit
 
 
 async def test_large_or_disabled_inline_reads_from_the_units() -> None:

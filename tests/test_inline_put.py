@@ -48,7 +48,7 @@ async def test_small_put_is_one_request_and_never_touches_a_unit() -> None:
             policy_version=3,
         )
         assert seen == {"PutInline": 1}
-        assert not client._units  # the client did not connect to any unit
+        assert not client._links.units  # the client did not connect to any unit
         assert meta.global_indexes == [0, 1, 2, 3]
         assert len(set(meta.units)) == 1
         assert [t["uid"] for t in meta.tags] == [0, 1, 2, 3]
@@ -120,7 +120,7 @@ async def test_inline_put_failing_at_commit_is_undone() -> None:
         frames = [f for h, c in zip(headers, columns, strict=True) for f in column_to_frames(h, c)]
         body = PutInline("p", headers, n_rows=n, tags=[{"uid": 1}])  # 1 tag dict, 2 rows
         with pytest.raises(tq.InvalidRequestError, match="tag dicts"):
-            await client._ctl().request(body, frames, timeout=10)
+            await client._links.ctl().request(body, frames, timeout=10)
         assert (await client.partition_info("p"))["rows"] == 2
         assert cluster.units[0].state.stats().rows == 2
         got = await client.get_meta(["x"], 2, "p", "t", mode="peek")

@@ -22,6 +22,8 @@ LAYERS: dict[str, list[str]] = {
         "_logging",
         "_buffers",
         "_portal",
+        "_primitives",
+        "_sync_primitives",
         "_columns",
         "_codec",
         "_devices",
@@ -38,7 +40,17 @@ LAYERS: dict[str, list[str]] = {
         "_catalog",
         "_core",
     ],
-    "wire": ["_security", "_unix", "_shm", "_nixl", "_endpoints", "_routes", "_router", "_dealer"],
+    "wire": [
+        "_security",
+        "_unix",
+        "_shm",
+        "_nixl",
+        "_endpoints",
+        "_routes",
+        "_router",
+        "_dealer",
+        "_sync_dealer",
+    ],
     "services and clients": [
         "_metrics",
         "_parking",
@@ -49,12 +61,19 @@ LAYERS: dict[str, list[str]] = {
         "_controller_puts",
         "_controller",
         "_checkpoint",
+        "_options",
         "_client_nixl",
         "_client_base",
         "_client_put",
         "_client_get",
         "_client_calls",
         "_client",
+        "_sync_checkpoint",
+        "_sync_nixl",
+        "_sync_base",
+        "_sync_put",
+        "_sync_get",
+        "_sync_calls",
         "_sync",
         "_serve",
         "_config",
@@ -309,3 +328,25 @@ def f(self):
     return st.units
 """
     assert len(_state_writes(ast.parse(code))) == 3
+
+
+#: the client's modules, async and generated blocking: they share nothing private
+CLIENT_MODULES = sorted(
+    name
+    for name in _modules()
+    if name.startswith(("_client", "_sync")) or name in ("_checkpoint", "_dealer", "_primitives")
+)
+
+
+def test_no_private_name_is_imported_across_client_modules() -> None:
+    found = []
+    for name in CLIENT_MODULES:
+        tree = ast.parse(_modules()[name].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found += [
+                    f"{name} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert not found, "helpers live next to their only user, shared ones are public: " + str(found)

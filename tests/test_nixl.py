@@ -208,8 +208,8 @@ async def test_a_unit_killed_mid_transfer_is_broken_and_shows_no_row(
         assert set(counted) <= {"error", "timeout"}, counted
         assert agent.registrations == regs  # nothing registered per transfer, nothing leaked
         assert agent.busy_slots == 0  # the staging buffer went back to the pool
-        assert client._nixl is not None
-        assert not client._nixl._peers  # it says hello again next time
+        assert client._links.nixl is not None
+        assert not client._links.nixl._peers  # it says hello again next time
         # no row of the failed put is visible
         status = await client.production_status("p")
         assert not any(bool(mask.any()) for mask in status.values()), status
@@ -328,7 +328,7 @@ def test_which_clients_take_nixl(
         public, secret = zmq.curve_keypair()
         options = {**options, "curve": tq.CurveClient(public, public, secret)}
     client = tq.AsyncClient.connect("tcp://127.0.0.1:1", **options)
-    assert (client._nixl is not None) == takes_nixl
+    assert (client._links.nixl is not None) == takes_nixl
 
 
 @needs_nixl

@@ -77,6 +77,7 @@ def test_the_public_names_are_pinned() -> None:
         "BrokenError",
         "CheckpointError",
         "Client",
+        "ClientOptions",
         "ClosedError",
         "Config",
         "ConfigError",

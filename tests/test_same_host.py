@@ -34,24 +34,24 @@ def address() -> Iterator[str]:
 
 async def test_a_same_host_client_uses_the_unix_twins(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
-        assert client._controller is not None
-        assert client._controller.address.startswith("uds://@tq-")
+        assert client._links.controller is not None
+        assert client._links.controller.address.startswith("uds://@tq-")
         meta = await client.put({"x": torch.arange(40_000)}, partition_id="twin")
         td, got = await client.get(["x"], 40_000, "twin", "t")
         assert torch.equal(td["x"], torch.arange(40_000))
         assert got.global_indexes == meta.global_indexes
-        assert all(c.address.startswith("uds://@tq-") for c in client._units.values())
+        assert all(c.address.startswith("uds://@tq-") for c in client._links.units.values())
         await client.clear_partition("twin")
 
 
 async def test_same_host_false_keeps_the_given_addresses(address: str) -> None:
     async with tq.AsyncClient.connect(address, same_host=False) as client:
-        assert client._controller is not None
-        assert client._controller.address == address
+        assert client._links.controller is not None
+        assert client._links.controller.address == address
         await client.put({"x": torch.arange(40_000)}, partition_id="far")
         td, _ = await client.get(["x"], 40_000, "far", "t")
         assert torch.equal(td["x"], torch.arange(40_000))
-        assert all(c.address.startswith("tcp://") for c in client._units.values())
+        assert all(c.address.startswith("tcp://") for c in client._links.units.values())
         await client.clear_partition("far")
 
 
@@ -63,8 +63,8 @@ def test_only_listed_abstract_sockets_count() -> None:
 
 async def test_garbage_on_the_unix_socket_is_dropped(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
-        assert client._controller is not None
-        name = abstract_name(client._controller.address)
+        assert client._links.controller is not None
+        name = abstract_name(client._links.controller.address)
         for garbage in (
             b"\xff\xff\xff\xff",  # oversized length
             struct.pack("<II", 8, 9) + b"xxxx",  # frame count beyond the message
@@ -88,8 +88,8 @@ async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
     try:
         address = _read_address(proc)
         async with tq.AsyncClient.connect(address, retry_after=None) as client:
-            assert client._controller is not None
-            assert client._controller.address.startswith("uds://")
+            assert client._links.controller is not None
+            assert client._links.controller.address.startswith("uds://")
             await client.put({"x": torch.arange(4)}, partition_id="p")
             waiting = client.get_meta(["x"], 100, "p", "t")  # parks in the controller
             with anyio.fail_after(20):
@@ -118,11 +118,11 @@ def _raw(frames: list[bytes]) -> bytes:
 def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
     """Many messages in one read, messages across a full read chunk, and a large message in
     pieces: each comes out whole, in order, once all of its bytes are in."""
-    from tq_async._unix import _CHUNK, _Stream
+    from tq_async._unix import _CHUNK, MessageStream
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        stream = _Stream(ours)
+        stream = MessageStream(ours)
 
         def got() -> list[list[bytes]]:
             stream.fill()
@@ -156,7 +156,7 @@ def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
 
 async def test_small_requests_catch_their_replies_by_polling(address: str) -> None:
     async with tq.AsyncClient.connect(address, busy_poll=0.01) as client:
-        conn = client._controller
+        conn = client._links.controller
         assert conn is not None
         assert conn.address.startswith("uds://")
         assert conn._busy_poll is not None
@@ -172,9 +172,9 @@ async def test_a_waiting_get_meta_parks_and_still_gets_its_rows(address: str) ->
         tq.AsyncClient.connect(address, busy_poll=0.01) as consumer,
         tq.AsyncClient.connect(address) as producer,
     ):
-        assert consumer._controller is not None
-        assert consumer._controller._busy_poll is not None
-        poll = consumer._controller._busy_poll
+        assert consumer._links.controller is not None
+        assert consumer._links.controller._busy_poll is not None
+        poll = consumer._links.controller._busy_poll
         missed = poll.missed_replies
         async with anyio.create_task_group() as tg:
 
@@ -196,13 +196,13 @@ async def test_a_paused_service_times_a_polling_request_out_and_serves_after() -
         async with tq.AsyncClient.connect(
             address, busy_poll=0.01, request_timeout=1.0, retry_after=None
         ) as client:
-            assert client._controller is not None
-            assert client._controller._busy_poll is not None
+            assert client._links.controller is not None
+            assert client._links.controller._busy_poll is not None
             proc.send_signal(signal.SIGSTOP)
             try:
                 with anyio.fail_after(20), pytest.raises(tq.TQTimeoutError):
                     await client.list_partitions()
             finally:
                 proc.send_signal(signal.SIGCONT)
-            assert client._controller._busy_poll.missed_replies >= 1
+            assert client._links.controller._busy_poll.missed_replies >= 1
             assert await client.list_partitions() == []

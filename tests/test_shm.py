@@ -145,7 +145,7 @@ async def test_round_trip_is_exact_over_shared_memory(address: str) -> None:
         before = sum(s.shm_puts for s in await _unit_stats(client))
         want = _batch()
         meta = await client.put(want, partition_id="shm-rt")
-        assert any(a is not None for a in client._arenas.values())
+        assert any(a is not None for a in client._links.arenas.values())
         _check(await client.get_data(meta), want)
         # rows of both units in one read
         more = _batch()
@@ -185,7 +185,7 @@ async def test_the_off_switches_use_the_socket(address: str, option: str) -> Non
         meta = await client.put(want, partition_id=f"shm-off-{option}")
         _check(await client.get_data(meta), want)
         after = await _unit_stats(client)
-        assert client._arenas == {}
+        assert client._links.arenas == {}
         assert [s.shm_puts for s in after] == [s.shm_puts for s in before]
         assert [s.shm_reads for s in after] == [s.shm_reads for s in before]
         await client.clear_partition(f"shm-off-{option}")
@@ -250,14 +250,14 @@ async def test_a_killed_unit_leaves_nothing_mapped() -> None:
             _check(await client.get_data(meta), want)
             assert _memfd_maps()  # we map the unit's arena
             forgotten = anyio.Event()
-            forget = client._forget_arena
+            forget = client._links._forget_arena
 
             def spy(unit_id: int) -> None:
                 forget(unit_id)
                 forgotten.set()
 
-            client._forget_arena = spy  # type: ignore[method-assign]
-            client._units[0]._on_disconnect = lambda: spy(0)
+            client._links._forget_arena = spy  # type: ignore[method-assign]
+            client._links.units[0]._on_disconnect = lambda: spy(0)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
             with anyio.fail_after(20):

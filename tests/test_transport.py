@@ -28,10 +28,10 @@ async def test_a_client_in_the_services_process_connects_inproc() -> None:
     ):
         meta = await client.put({"x": torch.arange(4)}, "p")
         assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2, 3]
-        assert client._controller is not None
-        assert client._controller.inproc
-        assert client._units
-        assert all(conn.inproc for conn in client._units.values())
+        assert client._links.controller is not None
+        assert client._links.controller.inproc
+        assert client._links.units
+        assert all(conn.inproc for conn in client._links.units.values())
         # the controller reaches its units in the same process the same way
         assert all(conn.inproc for conn in cluster.controller._units.values())
 
@@ -80,9 +80,8 @@ async def test_a_blocking_client_on_its_own_loop_thread_uses_the_shortcut() -> N
             with tq.Client.connect(cluster.address) as client:
                 meta = client.put({"x": torch.arange(3)}, "p")
                 got = client.get_data(meta)["x"].tolist()
-                return bool(
-                    client._async and client._async._controller and client._async._controller.inproc
-                ), got
+                # the blocking client's own connection, driven by this thread, goes inproc
+                return bool(client._links.controller and client._links.controller.inproc), got
 
         inproc, got = await anyio.to_thread.run_sync(blocking)
         assert inproc
@@ -139,8 +138,8 @@ async def test_other_contexts_and_curve_go_through_the_socket() -> None:
         curve = tq.CurveClient(public, client_public, client_secret)
         async with tq.AsyncClient.connect(cluster.address, curve=curve) as client:
             assert await client.list_partitions() == []
-            assert client._controller is not None
-            assert not client._controller.inproc
+            assert client._links.controller is not None
+            assert not client._links.controller.inproc
 
 
 class _NeverRead:
@@ -218,10 +217,10 @@ async def test_in_process_connections_never_poll() -> None:
         tq.AsyncClient.connect(cluster.address, busy_poll=0.01) as client,
     ):
         await client.put({"x": torch.arange(4)}, "p")
-        assert client._controller is not None
-        assert client._controller.inproc
-        assert client._controller._busy_poll is None  # the service runs on this very loop
-        assert all(conn._busy_poll is None for conn in client._units.values())
+        assert client._links.controller is not None
+        assert client._links.controller.inproc
+        assert client._links.controller._busy_poll is None  # the service runs on this very loop
+        assert all(conn._busy_poll is None for conn in client._links.units.values())
 
 
 @pytest.mark.parametrize("value", [-1e-6, 0.5, float("nan"), float("inf"), True, "1e-4"])

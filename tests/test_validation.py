@@ -144,7 +144,7 @@ async def test_storage_unit_rejects_bad_headers() -> None:
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         meta = await client.put({"x": torch.arange(2)}, "p")
-        raw = DealerConnection(client._unit_addresses[0])
+        raw = DealerConnection(client._links.unit_addresses[0])
         try:
             bad = StorePut("p", [0], [ColumnHeader("x", "dense", "float32", (-1,))])
             with pytest.raises(tq.InvalidRequestError, match="shape of column 'x'"):

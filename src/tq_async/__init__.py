@@ -7,20 +7,24 @@ consumers stream ready batches. See the README for a tour.
 Layers, lowest first; a module imports its own layer and the ones below, never above
 (``tests/test_layering.py`` checks it, and that no modules import each other in a circle):
 
-1. **vocabulary**: errors (``_errors``), logging, recycled buffers, the sync/async portal,
+1. **vocabulary**: errors (``_errors``), logging, recycled buffers, the services' loop registry
+   and portal (``_portal``), the clients' concurrency primitives (``_primitives``, blocking
+   ``_sync_primitives``),
    columns and their codec (``_columns``, ``_codec``: pure functions), ``BatchMeta``
    (``_meta``), the wire messages (``_protocol``: msgspec records, no I/O) and the samplers.
 2. **core**: the controller's state (``_state``) and its pure state machine (``_core``,
    composing ``_put_leases``, ``_admission`` and ``_liveness``; records in ``_effects``):
    every transition takes ``now`` and returns effects; no loop, socket or clock.
 3. **wire**: moving frames: addresses (``_endpoints``), the services' ROUTER endpoint
-   (``_router``), the clients' DEALER connection (``_dealer``), in-process routes
+   (``_router``), the clients' DEALER connection (``_dealer``; the blocking client's,
+   driven by the calling thread, ``_sync_dealer``), in-process routes
    (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), NIXL transfers
    (``_nixl``), CURVE keys (``_security``).
 4. **services and clients**: the controller and storage services (``_controller``,
    ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
    call their state and answer; requests that wait park in one ``_parking`` lot), the
-   clients (``_client``, blocking ``_sync``; their NIXL links, ``_client_nixl``; device
+   clients (``_client`` and its modules; the blocking ``_sync*`` twins generated from them by
+   ``scripts/unasync.py``; their options, ``_options``; NIXL links, ``_client_nixl``; device
    copies, ``_devices``), checkpoints, metrics, ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
    datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat`` (with
@@ -64,6 +68,7 @@ from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WouldBlock as WouldBlock
 from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
+from ._options import ClientOptions as ClientOptions
 from ._security import CurveClient as CurveClient
 from ._security import CurveServer as CurveServer
 from ._security import curve_keypair as curve_keypair
@@ -129,6 +134,7 @@ __all__ = [
     "AdmissionConfig",
     "AdmissionSection",
     "AsyncClient",
+    "ClientOptions",
     "AuthenticationError",
     "AsyncStreamingDataset",
     "BackgroundCluster",

@@ -15,6 +15,7 @@ whatever thread that happens in.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -101,5 +102,15 @@ class BufferPool:
             self.idle_bytes = 0
 
 
-#: The process's pool (buffers are plain memory: nothing to redo after a fork).
+#: The process's pool (buffers are plain memory: nothing to redo after a fork but its lock).
 buffer_pool = BufferPool()
+
+
+def _after_fork() -> None:
+    # A thread of the parent (services on a background loop, a copy on a worker thread) may
+    # have held the lock at the fork: in the child it would stay held forever, and the first
+    # copy (or the release of an inherited buffer at garbage collection) would hang.
+    buffer_pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)

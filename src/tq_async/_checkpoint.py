@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import msgspec
 
 from ._columns import (
@@ -40,6 +39,7 @@ from ._columns import (
 )
 from ._errors import CheckpointError, InvalidRequestError
 from ._meta import BatchMeta
+from ._primitives import cleanup_scope, run_sync_off_loop
 from ._protocol import (
     DumpState,
     RestoreAbort,
@@ -152,7 +152,7 @@ async def save_checkpoint(
             size, digest = _write(os.path.join(tmp, name), chunks)
             files[name] = {"bytes": size, "sha256": digest}
 
-        await anyio.to_thread.run_sync(add, "state.msgpack", [encoder.encode(dump)])
+        await run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
         for pi, pd in enumerate(dump.partitions):
             for fi, fd in enumerate(pd.fields):
                 rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
@@ -166,16 +166,14 @@ async def save_checkpoint(
                 )
                 headers, columns = await client.fetch_columns(meta, [fd.header.name])
                 chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
-                await anyio.to_thread.run_sync(add, f"cells-{pi}-{fi}.bin", chunks)
+                await run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "files": files,
             "metadata": user_metadata,
         }
-        await anyio.to_thread.run_sync(
-            add, "manifest.json", [json.dumps(manifest, indent=1).encode()]
-        )
+        await run_sync_off_loop(add, "manifest.json", [json.dumps(manifest, indent=1).encode()])
         _swap_into_place(tmp, path)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
@@ -298,7 +296,7 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
 
 async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
     """See :meth:`AsyncClient.load_checkpoint`."""
-    state, cells = await anyio.to_thread.run_sync(_read_verified, path)
+    state, cells = await run_sync_off_loop(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
     placement: dict[str, list[int]] = await client.call(
         RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
@@ -319,7 +317,7 @@ async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
                 )
         await client.call(RestoreCommit(ids, state.sampler_state or None), None)
     except BaseException:
-        with anyio.move_on_after(5, shield=True), contextlib.suppress(Exception):
+        with cleanup_scope(5), contextlib.suppress(Exception):
             await client.call(RestoreAbort(ids), None)
         raise
     return ids

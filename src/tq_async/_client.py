@@ -4,22 +4,41 @@ One client holds one DEALER socket to the controller and one per storage unit, o
 first use and shared by every concurrent call (requests are multiplexed by id). A put is
 three steps — ask the controller for rows and placement, send each unit its slice, commit —
 and the rows become visible to consumers only at the commit, with their tags.
+
+Two faces, one implementation. This module and its siblings (``_client_base``, ``_client_put``,
+``_client_get``, ``_client_calls``, ``_client_nixl``, ``_checkpoint``) are the only source of
+the client's logic; ``scripts/unasync.py`` generates the blocking ``tq.Client`` from them
+(``_sync*.py``), as httpcore generates its sync twin, and ``tests/test_sync_parity.py`` fails
+when the generated modules are not current. What differs between the faces is the I/O and
+nothing else: the event-loop connection (``_dealer``) against one driven by the calling
+thread (``_sync_dealer``), and three concurrency helpers (``_primitives`` /
+``_sync_primitives``). A generated twin rather than a sans-I/O core with two shells: the
+client's calls are chains of dependent requests with undo paths between them (a put asks for
+placement, writes each unit through shared memory, NIXL or the socket, commits, and aborts or
+clears on any failure; a read pins and unpins; a moved unit is asked again), which read as
+straight-line code here and would each become an explicit state machine in a sans-I/O core,
+doubling the code the two faces must agree on.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any, NoReturn
 
 from ._client_calls import ControlCalls
-from ._dealer import DEFAULT_BUSY_POLL
 from ._errors import (
     InvalidRequestError,
     TQTimeoutError,
 )
 from ._logging import get_logger
-from ._security import CurveClient
+from ._options import ClientOptions
+
+if sys.version_info >= (3, 11):
+    from typing import Self, Unpack
+else:  # pragma: no cover - depends on the Python version
+    from typing_extensions import Self, Unpack
 
 __all__ = ["AsyncClient"]
 
@@ -93,38 +112,13 @@ class AsyncClient(ControlCalls):
     """
 
     @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> AsyncClient:
-        """A client for ``address``; enter it with ``async with`` to open the connection."""
-        return cls(
-            address,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            allow_pickle=allow_pickle,
-            curve=curve,
-            retry_after=retry_after,
-            inline_put_bytes=inline_put_bytes,
-            inline_get_bytes=inline_get_bytes,
-            shared_memory=shared_memory,
-            same_host=same_host,
-            busy_poll=busy_poll,
-            data_path=data_path,
-        )
+    def connect(cls, address: str, **options: Unpack[ClientOptions]) -> AsyncClient:
+        """A client for ``address``; enter it with ``async with`` to open the connection.
 
+        ``options`` are the constructor's (:class:`~tq_async.ClientOptions`)."""
+        return cls(address, **options)
+
+    # unasync: async-only
     def __await__(self) -> Generator[Any, None, NoReturn]:
         # `client = await AsyncClient.connect(...)` is a natural guess: say what works
         raise InvalidRequestError(
@@ -133,6 +127,8 @@ class AsyncClient(ControlCalls):
             "tq.AsyncClient.connect(address)`, `await client.open()`, and later `await "
             "client.aclose()`)"
         )
+
+    # unasync: end
 
     async def __aenter__(self) -> AsyncClient:
         await self.open()
@@ -146,8 +142,8 @@ class AsyncClient(ControlCalls):
     ) -> None:
         await self.aclose()
 
-    async def open(self) -> None:
-        """Connect to the controller and learn the storage units.
+    async def open(self) -> Self:
+        """Connect to the controller and learn the storage units; returns the client.
 
         Raises:
             TQTimeoutError: the controller did not answer within ``connect_timeout``.
@@ -155,14 +151,16 @@ class AsyncClient(ControlCalls):
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
         """
-        if self._controller is not None:
-            return
+        if self._links.controller is not None:
+            return self
         # a refused first attempt means nothing listens there: fail now, not at the timeout
-        self._controller = self._connection(self.address, refused_is_broken=True)
+        controller = self._links.controller = self._links.connection(
+            self.address, refused_is_broken=True
+        )
         wait = min(self.connect_timeout, self.request_timeout)
         try:
             try:
-                hello = await self._refresh_units(timeout=wait)
+                hello = await self._links.refresh_units(timeout=wait)
             except TQTimeoutError:
                 raise TQTimeoutError(
                     f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
@@ -171,28 +169,25 @@ class AsyncClient(ControlCalls):
                     "reach them"
                 ) from None
             # from now on a refusal is a restarting controller: requests wait for it
-            self._controller.refused_is_broken = False
+            controller.refused_is_broken = False
             if self.same_host:
-                await self._prefer_ipc(hello)
+                await self._links.prefer_ipc(hello)
         except BaseException:
-            if self._controller is not None:
-                self._controller.close()
-                self._controller = None
+            if self._links.controller is not None:
+                self._links.controller.close()
+                self._links.controller = None
             raise
+        return self
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
-        if self._controller is not None:
-            self._controller.close()
-            self._controller = None
-        for conn in self._units.values():
-            conn.close()
-        self._units.clear()
-        for arena in self._arenas.values():
-            if arena is not None:
-                arena.close()
-        self._arenas.clear()
+        self._links.close()
 
     @property
     def closed(self) -> bool:
-        return self._controller is None
+        return self._links.controller is None
+
+    @property
+    def link_fallbacks(self) -> int:
+        """Same-host switches that did not happen (see the class docstring)."""
+        return self._links.link_fallbacks

@@ -1,46 +1,31 @@
-"""The client's plumbing: its connections to the controller and the storage units.
+"""The client's plumbing: its options and its links to the controller and the storage units.
 
-:class:`ClientBase` opens (on first use) and pools one connection to the controller and one
-per storage unit, follows units that move (a restarted unit answers at a new address; the
-controller's replies carry a ``units_epoch``), negotiates the same-host path (Unix sockets
-and the unit's shared memory) and sends controller requests. The calls users make live in
+A client *holds* its links as one object, :class:`Links`: it opens (on first use) and pools
+one connection to the controller and one per storage unit, follows units that move (a
+restarted unit answers at a new address; the controller's replies carry a
+``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
+its verified twins), re-creates all of it in a forked child, and sends controller requests.
+:class:`ClientBase` checks the options and holds the links. The calls users make live in
 :mod:`tq_async._client_put` (put), :mod:`tq_async._client_get` (get_meta, get_data, get),
 :mod:`tq_async._client_calls` (status, staleness, KV, checkpoints) and
-:class:`tq_async.AsyncClient` (lifecycle), which composes them. The module-level helpers here
-validate arguments before anything is sent.
+:class:`tq_async.AsyncClient` (lifecycle); the helpers only they use live next to them, and
+the few shared ones here are public (no private name crosses a client module).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 import operator
 import os
-import sys
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
-import torch
 import zmq
-from tensordict import TensorDictBase
 
-from ._buffers import buffer_pool
 from ._client_nixl import NixlLinks
 from ._codec import check_text
-from ._columns import (
-    Column,
-    ColumnHeader,
-    column_frame_count,
-    column_from_frames,
-    join_columns,
-    positions_by_unit,
-    reorder_column,
-)
 from ._dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL, DealerConnection
 from ._endpoints import same_host_ipc
 from ._errors import (
@@ -48,35 +33,25 @@ from ._errors import (
     ClosedError,
     InvalidRequestError,
     ProtocolError,
-    SchemaError,
     TQError,
     TQTimeoutError,
 )
 from ._logging import get_logger
-from ._meta import BatchMeta
 from ._nixl import check_data_path, rdma_present
+from ._primitives import Event, Lock
 from ._protocol import (
     Hello,
     HelloReply,
-    MetaReply,
-    RenewPut,
-    Reply,
-    ShmFree,
     ShmHello,
     ShmHelloReply,
-    StoredColumns,
     check_int,
-    check_ints,
     check_seconds,
 )
 from ._security import CurveClient
 from ._serve import check_address
 from ._shm import ArenaMap
 
-if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
-    from exceptiongroup import BaseExceptionGroup
-
-__all__ = ["ClientBase"]
+__all__ = ["ClientBase", "Links"]
 
 
 log = get_logger(__name__)
@@ -85,7 +60,7 @@ T = TypeVar("T")
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
+def decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
     dec = _decoders.get(typ)
     if dec is None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
@@ -95,7 +70,7 @@ def _decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
         raise ProtocolError(f"unexpected reply payload: {exc}") from exc
 
 
-def _check_fields(data_fields: Any) -> list[str]:
+def check_fields(data_fields: Any) -> list[str]:
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
             f"data_fields must be a list of field names, got {type(data_fields).__name__} "
@@ -110,62 +85,9 @@ def _check_fields(data_fields: Any) -> list[str]:
     return list(data_fields)
 
 
-def _check_batch_size(batch_size: Any) -> int:
-    return check_int("batch_size", batch_size, 1)
-
-
-_TAILS = ("uneven", "drop", "error")
-
-
-def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
-    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
-    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
-        return
-    dp_size = cfg.get("dp_size")
-    if dp_size is None:
-        raise InvalidRequestError(
-            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
-            "global batch among dp_size ranks; add 'dp_size'"
-        )
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise InvalidRequestError(
-            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
-        )
-    tail = cfg.get("tail", "uneven")
-    if tail not in _TAILS:
-        raise InvalidRequestError(
-            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
-        )
-    for key in ("dp_rank", "batch_index"):
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidRequestError(
-                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
-                f"b is decided for all ranks at once), got {value!r}"
-            )
-    if cfg["dp_rank"] >= dp_size:
-        raise InvalidRequestError(
-            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
-            f"{dp_size}; ranks are 0..{dp_size - 1}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Put:
-    """A validated, encoded put on its way to the services."""
-
-    partition_id: str
-    meta: BatchMeta | None
-    keys: Sequence[str] | None
-    headers: list[ColumnHeader]
-    columns: list[Column]
-    n: int
-    tags: list[dict[str, Any] | None] | None
-    versions: list[int] | None
-
-
 class ClientBase:
-    """The connections of an :class:`~tq_async.AsyncClient` (see the module docstring)."""
+    """What every call of an :class:`~tq_async.AsyncClient` uses: its options, checked, and
+    its links (:class:`Links`), which it holds."""
 
     def __init__(
         self,
@@ -199,37 +121,122 @@ class ClientBase:
         self.request_timeout = request_timeout
         self.curve = curve
         self.retry_after = retry_after
+        self.same_host = same_host
+        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
+        #: the controller and unit connections, arenas and same-host twins
+        self._links = Links(
+            address,
+            request_timeout=request_timeout,
+            allow_pickle=allow_pickle,
+            curve=curve,
+            retry_after=retry_after,
+            shared_memory=self.shared_memory,
+            busy_poll=self.busy_poll,
+            # units on other hosts reached through NIXL: forced, or under "auto" where it
+            # pays (RDMA hardware here) unless the client encrypts (UCX does not) or turned
+            # shared memory off (socket only)
+            nixl=data_path == "nixl"
+            or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
+            nixl_forced=data_path == "nixl",
+        )
+
+    @property
+    def allow_pickle(self) -> bool:
+        """Whether this client pickles values msgpack cannot carry (the option, or else the
+        controller's setting)."""
+        return self._links.allow_pickle
+
+
+class Links:
+    """A client's links: one connection to the controller and one per storage unit (opened
+    on first use, pooled), the units' arenas mapped here, their verified same-host twins,
+    and the units epoch that tells when a unit moved. Every call goes through them."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float,
+        allow_pickle: bool | None,
+        curve: CurveClient | None,
+        retry_after: float | None,
+        shared_memory: bool,
+        busy_poll: float,
+        nixl: bool,
+        nixl_forced: bool,
+    ) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self.curve = curve
+        self.retry_after = retry_after
+        self.busy_poll = busy_poll
+        self.shared_memory = shared_memory
         self._allow_pickle_opt = allow_pickle
         self.allow_pickle = bool(allow_pickle)
-        self._controller: DealerConnection | None = None
-        self._unit_addresses: dict[int, str] = {}
-        self._units: dict[int, DealerConnection] = {}
-        self._capacity: int | None = None
+        self.controller: DealerConnection | None = None
+        self.unit_addresses: dict[int, str] = {}
+        self.units: dict[int, DealerConnection] = {}
+        self.capacity: int | None = None
         #: the units epoch of the last Hello, and the newest a reply carried: when they
         #: differ a unit moved (restarted on a new address) and the units are asked again
         self._units_epoch = 0
         self._epoch_seen = 0
-        self._refreshing: anyio.Event | None = None
+        self._refreshing: Event | None = None
         self._hello: HelloReply | None = None
         #: connection address -> the address the controller lists for its unit (differs
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
-        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
-        #: units on other hosts reached through NIXL: forced, or under "auto" where it pays
-        #: (RDMA hardware here) unless the client encrypts (UCX does not) or turned shared
-        #: memory off (socket only)
-        auto = data_path == "auto" and shared_memory and curve is None and rdma_present()
-        self._nixl = NixlLinks(forced=data_path == "nixl") if data_path == "nixl" or auto else None
-        self.same_host = same_host
+        self.nixl = NixlLinks(forced=nixl_forced) if nixl else None
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
-        self._arenas: dict[int, ArenaMap | None] = {}
-        self._link_locks: dict[int, anyio.Lock] = {}
+        self.arenas: dict[int, ArenaMap | None] = {}
+        self._link_locks: dict[int, Lock] = {}
         #: same-host handshakes that did not complete in time (the socket path is used)
         self.link_fallbacks = 0
         #: unit id -> when to try the handshake again after one timed out
         self._relink_at: dict[int, float] = {}
+        #: the process that opened the connections (a forked child opens its own)
+        self._pid = os.getpid()
+        #: a forked child's copies of its parent's connections: never used, closed or freed
+        #: (they are the parent's sockets)
+        self._inherited: list[DealerConnection] = []
 
-    def _connection(
+    def close(self) -> None:
+        """Close every connection; calls still waiting fail with ClosedError."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+        for conn in self.units.values():
+            conn.close()
+        self.units.clear()
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.close()
+        self.arenas.clear()
+
+    def check_process(self) -> None:
+        """In a child forked from the process that opened this client, start over with
+        connections of the child's own, on first use; the parent's are left untouched."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        old, self.controller = self.controller, None
+        self._inherited.extend(self.units.values())
+        self.units.clear()
+        self._stands_for.clear()
+        self._link_locks.clear()  # a lock held by another thread at the fork stays held
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.close()  # the child's mapping only
+        self.arenas.clear()
+        self._refreshing = None
+        if self.nixl is not None:
+            self.nixl = NixlLinks(forced=self.nixl.forced)
+        if old is not None:
+            self._inherited.append(old)
+            # the same address the parent used (its verified same-host twin, if any)
+            self.controller = self.connection(old.address)
+
+    def connection(
         self,
         address: str,
         *,
@@ -246,21 +253,21 @@ class ClientBase:
             on_disconnect=on_disconnect,
         )
 
-    async def _prefer_ipc(self, hello: HelloReply) -> None:
+    async def prefer_ipc(self, hello: HelloReply) -> None:
         """Talk to the controller through its same-host ipc twin, once proven to be the same
         controller (its instance token); otherwise keep the given address."""
-        if not hello.instance or not same_host_ipc(hello.ipc) or self._controller is None:
+        if not hello.instance or not same_host_ipc(hello.ipc) or self.controller is None:
             return
         assert hello.ipc is not None
         try:
-            conn = self._connection(hello.ipc)
+            conn = self.connection(hello.ipc)
         except BrokenError as exc:  # its listen queue is full: TCP works
             self._link_fell_back(None, str(exc))
             return
         try:
             wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
             payload, _ = await conn.request(Hello(), timeout=wait)
-            again: HelloReply = _decode(payload, HelloReply)
+            again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
             # refused (the controller is out of descriptors) or too busy: TCP answered
@@ -273,78 +280,80 @@ class ClientBase:
         if not ok:
             conn.close()
             return
-        self._controller.close()
-        self._controller = conn
+        self.controller.close()
+        self.controller = conn
 
-    async def _refresh_units(self, timeout: float | bool = True) -> HelloReply:
+    async def refresh_units(self, timeout: float | bool = True) -> HelloReply:
         """Ask the controller for the units; drop connections to addresses that changed."""
         if self._refreshing is not None:  # one Hello at a time serves every caller
             await self._refreshing.wait()
             if self._hello is not None:
                 return self._hello
-        self._refreshing = done = anyio.Event()
+        self._refreshing = done = Event()
         try:
-            hello: HelloReply = await self._call(Hello(), HelloReply, timeout=timeout)
+            hello: HelloReply = await self.call(Hello(), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()
         self._hello = hello
         addresses = {u.unit_id: u.address for u in hello.units}
-        for unit_id, conn in list(self._units.items()):
+        for unit_id, conn in list(self.units.items()):
             if self._stands_for.get(conn.address, conn.address) != addresses.get(unit_id):
                 log.info(
                     "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
                 )
-                del self._units[unit_id]
+                del self.units[unit_id]
                 self._forget_arena(unit_id)
                 conn.close()
-        self._unit_addresses = addresses
+        self.unit_addresses = addresses
         self._units_epoch = self._epoch_seen = hello.units_epoch
-        self._capacity = hello.capacity
+        self.capacity = hello.capacity
         if self._allow_pickle_opt is None:
             self.allow_pickle = hello.allow_pickle
         return hello
 
-    def _note_epoch(self, epoch: int) -> None:
+    def note_epoch(self, epoch: int) -> None:
         """A reply's units epoch: a new one makes the next unit call ask for the units."""
         if epoch:
             self._epoch_seen = epoch
 
-    def _ctl(self) -> DealerConnection:
-        if self._controller is None:
+    def ctl(self) -> DealerConnection:
+        self.check_process()
+        if self.controller is None:
             raise ClosedError(
                 "the client is not connected; use `async with AsyncClient.connect(address)`"
             )
-        return self._controller
+        return self.controller
 
-    async def _unit(self, unit_id: int) -> DealerConnection:
+    async def unit(self, unit_id: int) -> DealerConnection:
+        self.check_process()
         if self._epoch_seen != self._units_epoch:
-            await self._refresh_units()
-        conn = self._units.get(unit_id)
+            await self.refresh_units()
+        conn = self.units.get(unit_id)
         if conn is None:
-            if unit_id not in self._unit_addresses:
-                await self._refresh_units()
+            if unit_id not in self.unit_addresses:
+                await self.refresh_units()
             try:
-                address = self._unit_addresses[unit_id]
+                address = self.unit_addresses[unit_id]
             except KeyError:
                 raise ProtocolError(
                     f"the controller placed rows on unknown unit {unit_id}"
                 ) from None
-            conn = self._units[unit_id] = self._connection(
+            conn = self.units[unit_id] = self.connection(
                 address, refused_is_broken=True, on_disconnect=lambda: self._forget_arena(unit_id)
             )
         return conn
 
-    async def _unit_request(
+    async def unit_request(
         self, unit_id: int, body: msgspec.Struct, frames: Sequence[Any] = ()
     ) -> tuple[msgspec.Raw, list[Any]]:
         """An idempotent request to a storage unit; if its connection broke and the unit is
         back on a new address (restarted under its id), the request is sent there once."""
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         try:
             return await conn.request(body, frames, timeout=self.request_timeout)
         except (BrokenError, ClosedError):
-            if self._controller is None:
+            if self.controller is None:
                 raise
             try:
                 moved = await self._unit_moved(unit_id, conn)
@@ -353,52 +362,52 @@ class ClientBase:
             if not moved:
                 raise
         log.info("retrying at the storage unit's new address", unit=unit_id)
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         return await conn.request(body, frames, timeout=self.request_timeout)
 
     async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
         """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
         listed = self._stands_for.get(conn.address, conn.address)
-        if self._units.get(unit_id) is conn:  # nobody asked since this connection broke
-            await self._refresh_units()
-        if self._units.get(unit_id) is conn and listed != conn.address:
+        if self.units.get(unit_id) is conn:  # nobody asked since this connection broke
+            await self.refresh_units()
+        if self.units.get(unit_id) is conn and listed != conn.address:
             # a same-host twin broke though the unit did not move: go back to its listed
             # address (the twin is verified again on the next data link)
-            del self._units[unit_id]
+            del self.units[unit_id]
             self._forget_arena(unit_id)
             conn.close()
             return True
-        return self._unit_addresses.get(unit_id) not in (None, listed)
+        return self.unit_addresses.get(unit_id) not in (None, listed)
 
     def _forget_arena(self, unit_id: int) -> None:
         """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
         a dead unit's memory is freed once nobody maps it)."""
-        arena = self._arenas.pop(unit_id, None)
+        arena = self.arenas.pop(unit_id, None)
         if arena is not None:
             arena.close()
-        if self._nixl is not None:
-            self._nixl.forget(unit_id)
+        if self.nixl is not None:
+            self.nixl.forget(unit_id)
 
-    async def _data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
+    async def data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
         """The unit's connection and, if it is on this host (verified once per unit), its
         arena mapped here. A verified unit is then reached through its ipc twin too."""
-        conn = await self._unit(unit_id)
+        conn = await self.unit(unit_id)
         if not self.shared_memory or conn.inproc:
             return conn, None  # in-process connections copy once already
-        if unit_id in self._arenas:
-            arena = self._arenas[unit_id]
+        if unit_id in self.arenas:
+            arena = self.arenas[unit_id]
             if arena is not None or not self._relink_due(unit_id):
                 return conn, arena
-        lock = self._link_locks.setdefault(unit_id, anyio.Lock())
+        lock = self._link_locks.setdefault(unit_id, Lock())
         async with lock:
-            if unit_id not in self._arenas:
+            if unit_id not in self.arenas:
                 try:
                     await self._link(unit_id, conn)
                 except (BrokenError, ClosedError):
                     # the unit went away: the socket path (and its retry at the unit's new
                     # address, _unit_request) decides what happens; link again next time
                     return conn, None
-        return self._units.get(unit_id, conn), self._arenas.get(unit_id)
+        return self.units.get(unit_id, conn), self.arenas.get(unit_id)
 
     async def _link(self, unit_id: int, conn: DealerConnection) -> None:
         """Set up shared memory with the unit and move to its same-host twin, if it answers
@@ -413,17 +422,17 @@ class ClientBase:
             payload, _ = await conn.request(ShmHello(os.getpid()), timeout=wait)
         except TQTimeoutError:
             self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
-            self._arenas[unit_id] = None
+            self.arenas[unit_id] = None
             self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
             return
-        hello: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+        hello: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
         arena = None
         if hello is not None:
             try:
                 arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
-        self._arenas[unit_id] = arena
+        self.arenas[unit_id] = arena
         if arena is None or hello is None:
             return
         conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
@@ -431,7 +440,7 @@ class ClientBase:
             return
         assert hello.ipc is not None
         try:
-            ipc = self._connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+            ipc = self.connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
         except BrokenError as exc:  # its listen queue is full: the socket we have will do
             self._link_fell_back(unit_id, str(exc))
             return
@@ -439,7 +448,7 @@ class ClientBase:
         try:
             # says hello for this connection too (shared memory is granted per connection)
             payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
-            again: ShmHelloReply | None = _decode(payload, ShmHelloReply | None)
+            again: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
             ipc.close()  # the arena stays: granted to the connection that said hello first
             self._link_fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
@@ -447,10 +456,10 @@ class ClientBase:
         except BaseException:
             ipc.close()
             raise
-        if again is None or again.token != hello.token or self._units.get(unit_id) is not conn:
+        if again is None or again.token != hello.token or self.units.get(unit_id) is not conn:
             ipc.close()
             return
-        self._units[unit_id] = ipc
+        self.units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
         conn.close()
 
@@ -460,7 +469,7 @@ class ClientBase:
         if due is None or time.monotonic() < due:
             return False
         del self._relink_at[unit_id]
-        del self._arenas[unit_id]
+        del self.arenas[unit_id]
         return True
 
     def _link_fell_back(self, unit_id: int | None, why: str) -> None:
@@ -473,17 +482,17 @@ class ClientBase:
             fallbacks=self.link_fallbacks,
         )
 
-    async def _call(
+    async def call(
         self,
         body: msgspec.Struct,
         typ: Any,
         *,
         timeout: float | bool | None = True,
     ) -> Any:
-        payload, _ = await self._ctl().request(
+        payload, _ = await self.ctl().request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
-        return _decode(payload, typ)
+        return decode(payload, typ)
 
 
 #: seconds a same-host handshake with a storage unit may take before the client uses the
@@ -491,25 +500,6 @@ class ClientBase:
 SHM_HELLO_TIMEOUT = 5.0
 #: seconds after a handshake timed out before the client tries it again (on its next data call)
 RELINK_AFTER = 30.0
-
-
-@contextlib.contextmanager
-def one_error() -> Any:
-    """Calls that ask several storage units at once raise one error, as a call to one unit
-    would: the first ``TQError`` of the task group's exception group (never the group)."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = list(_leaves(group))
-        raise next((e for e in leaves if isinstance(e, TQError)), leaves[0]) from None
-
-
-def _leaves(group: BaseExceptionGroup[Any]) -> Any:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
 
 
 def _check_busy_poll(value: Any) -> float:
@@ -527,7 +517,7 @@ def _check_busy_poll(value: Any) -> float:
     return float(value)
 
 
-def _as_int(value: Any) -> Any:
+def as_int(value: Any) -> Any:
     """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
     (the range check that follows names it)."""
     if isinstance(value, (bool, int)):
@@ -539,206 +529,5 @@ def _as_int(value: Any) -> Any:
     return as_int
 
 
-def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
-    """One policy version per row (an int >= 0 each), or None."""
-    if policy_version is None:
-        return None
-    one = _as_int(policy_version)
-    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
-        versions = [one] * n
-    else:
-        versions = [_as_int(v) for v in one]
-    if len(versions) != n:
-        raise InvalidRequestError(
-            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
-        )
-    check_ints("policy_version", versions)
-    return versions
-
-
-def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
-    if metas is None:
-        return None
-    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
-    return [m.lease_id for m in items if m.lease_id] or None
-
-
-def _check_nested(nested: Any) -> bool | frozenset[str]:
-    if isinstance(nested, bool):
-        return nested
-    if isinstance(nested, str) or not isinstance(nested, Collection):
-        raise InvalidRequestError(
-            f"nested must be True/False or a list of field names, got {nested!r}"
-        )
-    if not all(isinstance(f, str) for f in nested):
-        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
-    return frozenset(nested)
-
-
-def _check_rows(rows: Any, name: str) -> list[int]:
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
-        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
-    return [int(r) for r in rows]
-
-
-def _check_keys(keys: Any) -> list[str]:
-    if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
-        raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
-    if not keys or not all(isinstance(k, str) for k in keys):
-        raise InvalidRequestError("keys must be a non-empty list of strings")
-    for k in keys:
-        check_text("key", k)
-    return list(keys)
-
-
-def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
-    """One key's fields as a one-row batch."""
-    if isinstance(fields, TensorDictBase):
-        if fields.batch_size == torch.Size([]):
-            return fields.unsqueeze(0)
-        if fields.batch_size == torch.Size([1]):
-            return fields
-        raise SchemaError(
-            f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
-            "; use kv_batch_put for several keys"
-        )
-    return {
-        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
-        for name, value in fields.items()
-    }
-
-
-def _mask(raw: bytes) -> torch.Tensor:
-    if not raw:
-        return torch.zeros(0, dtype=torch.bool)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
-
-
-#: puts smaller than this go through the socket even to a unit on this host: one round trip
-#: instead of two (grant, then put) costs less than the copy it saves
-_SHM_MIN_BYTES = 64 << 10
 #: copies at least this big run on a worker thread (as in the in-process path)
-_THREAD_COPY_BYTES = 16 << 20
-
-
-def _release_pin(conn: DealerConnection, reply: Reply) -> None:
-    """Unpin a shared-memory read whose caller gave up before copying it."""
-    if not reply.ok:
-        return
-    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-        stored: StoredColumns = _decode(reply.payload, StoredColumns)
-        if stored.shm_spans is not None:
-            conn.send_best_effort(ShmFree([], [stored.pin]))
-
-
-async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
-    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
-    for off, n in spans:
-        try:
-            arena.check(off, n, "a shared-memory span")
-        except ValueError as exc:
-            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
-    try:
-        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
-        # connection broke), so a copy under way never reads unmapped memory
-        view = arena.view
-    except AttributeError:
-        raise BrokenError(
-            "the connection to the storage unit broke during a same-host read (its shared "
-            "memory is unmapped); retry once it is back"
-        ) from None
-
-    def copy() -> list[Any]:
-        return [
-            b""
-            if n == 0
-            else buffer_pool.copy(view[off : off + n])
-            if n >= zmq.COPY_THRESHOLD
-            else bytearray(view[off : off + n])
-            for off, n in spans
-        ]
-
-    if sum(n for _, n in spans) >= _THREAD_COPY_BYTES:
-        return await anyio.to_thread.run_sync(copy)
-    return copy()
-
-
-def _stored_columns(
-    stored: StoredColumns, frames: Sequence[Any], n_rows: int
-) -> tuple[list[ColumnHeader], list[Column]]:
-    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
-    if stored.n_rows != n_rows:
-        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
-    columns: list[Column] = []
-    pos = 0
-    for h in stored.columns:
-        k = column_frame_count(h)  # too few frames: column_from_frames says so
-        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
-        pos += k
-    if pos != len(frames):
-        raise ProtocolError("a storage reply carried extra frames")
-    return stored.columns, columns
-
-
-def _inline_parts(
-    got: MetaReply, frames: Sequence[Any]
-) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
-    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
-    assert got.inline is not None
-    by_unit = positions_by_unit(got.units)
-    if len(got.inline) != len(by_unit):
-        raise ProtocolError(
-            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
-        )
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
-    pos = 0
-    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
-        k = sum(column_frame_count(h) for h in stored.columns)
-        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
-        pos += k
-    if pos != len(frames):
-        raise ProtocolError("an inline reply carried extra frames")
-    return by_unit, parts
-
-
-def _merge_parts(
-    n: int,
-    by_unit: dict[int, list[int]],
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
-) -> tuple[list[ColumnHeader], list[Column]]:
-    """One column per field, rows back in batch order, from the parts of several units."""
-    if len(by_unit) == 1:
-        return parts[next(iter(by_unit))]
-    order = [pos for positions in by_unit.values() for pos in positions]
-    inverse = [0] * n
-    for i, pos in enumerate(order):
-        inverse[pos] = i
-    names = parts[next(iter(by_unit))][0]
-    headers, columns = [], []
-    for j in range(len(names)):
-        # units may answer one field with different row shapes: join them like a unit does
-        header, merged = join_columns(
-            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
-        )
-        headers.append(header)
-        columns.append(reorder_column(merged, inverse))
-    return headers, columns
-
-
-class _PutRenewal:
-    """Sends RenewPut for one put every ``interval`` seconds until cancelled (timer-driven)."""
-
-    __slots__ = ("_conn", "_handle", "_interval", "_put_id")
-
-    def __init__(self, conn: DealerConnection, put_id: int, interval: float) -> None:
-        self._conn, self._put_id, self._interval = conn, put_id, interval
-        self._handle = asyncio.get_running_loop().call_later(interval, self._renew)
-
-    def _renew(self) -> None:
-        self._conn.send_best_effort(RenewPut([self._put_id]))
-        self._handle = asyncio.get_running_loop().call_later(self._interval, self._renew)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
+THREAD_COPY_BYTES = 16 << 20

@@ -6,42 +6,37 @@ trip); otherwise the cells come from each unit, through its shared memory on the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-import anyio
+import msgspec
 import zmq
 from tensordict import TensorDict
 
-from ._client_base import (
-    ClientBase,
-    _check_batch_size,
-    _check_dp_config,
-    _check_fields,
-    _check_nested,
-    _copy_spans,
-    _decode,
-    _inline_parts,
-    _lease_ids,
-    _merge_parts,
-    _release_pin,
-    _stored_columns,
-    one_error,
-)
+from ._buffers import buffer_pool
+from ._client_base import THREAD_COPY_BYTES, ClientBase, check_fields, decode
 from ._codec import check_text, columns_to_tensordict
 from ._columns import (
     Column,
     ColumnHeader,
+    column_frame_count,
+    column_from_frames,
     empty_column,
+    join_columns,
     positions_by_unit,
+    reorder_column,
 )
+from ._dealer import DealerConnection
 from ._devices import check_device, to_device
 from ._errors import (
+    BrokenError,
     InvalidRequestError,
     ProtocolError,
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._primitives import cleanup_scope, run_each, run_sync_off_loop
 from ._protocol import (
     Ack,
     FieldSchema,
@@ -52,13 +47,178 @@ from ._protocol import (
     ShmFree,
     StoredColumns,
     StoreGet,
+    check_int,
     check_sampling_config,
     check_seconds,
 )
+from ._shm import ArenaMap
 
 __all__ = ["ClientGets"]
 
 log = get_logger(__name__)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return check_int("batch_size", batch_size, 1)
+
+
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
+async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
+
+    def copy() -> list[Any]:
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
+        return await run_sync_off_loop(copy)
+    return copy()
+
+
+def _stored_columns(
+    stored: StoredColumns, frames: Sequence[Any], n_rows: int
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
+    if stored.n_rows != n_rows:
+        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
+    columns: list[Column] = []
+    pos = 0
+    for h in stored.columns:
+        k = column_frame_count(h)  # too few frames: column_from_frames says so
+        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("a storage reply carried extra frames")
+    return stored.columns, columns
+
+
+def _inline_parts(
+    got: MetaReply, frames: Sequence[Any]
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
+    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
+    assert got.inline is not None
+    by_unit = positions_by_unit(got.units)
+    if len(got.inline) != len(by_unit):
+        raise ProtocolError(
+            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
+        )
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+    pos = 0
+    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
+        k = sum(column_frame_count(h) for h in stored.columns)
+        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("an inline reply carried extra frames")
+    return by_unit, parts
+
+
+def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _merge_parts(
+    n: int,
+    by_unit: dict[int, list[int]],
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """One column per field, rows back in batch order, from the parts of several units."""
+    if len(by_unit) == 1:
+        return parts[next(iter(by_unit))]
+    order = [pos for positions in by_unit.values() for pos in positions]
+    inverse = [0] * n
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    names = parts[next(iter(by_unit))][0]
+    headers, columns = [], []
+    for j in range(len(names)):
+        # units may answer one field with different row shapes: join them like a unit does
+        header, merged = join_columns(
+            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
+        )
+        headers.append(header)
+        columns.append(reorder_column(merged, inverse))
+    return headers, columns
+
+
+def _release_pin(conn: DealerConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_best_effort(ShmFree([], [stored.pin]))
 
 
 class ClientGets(ClientBase):
@@ -153,7 +313,7 @@ class ClientGets(ClientBase):
         inline_bytes: int,
     ) -> tuple[BatchMeta, MetaReply, list[Any]]:
         """:meth:`get_meta`, plus the raw reply and its frames (cells sent inline)."""
-        fields = _check_fields(data_fields)
+        fields = check_fields(data_fields)
         _check_batch_size(batch_size)
         if not isinstance(task_name, str) or not task_name:
             raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
@@ -188,17 +348,17 @@ class ClientGets(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             if not reply.ok or mode != "fetch" or recorded:
                 return
-            late: MetaReply = _decode(reply.payload, MetaReply)
-            if late.rows and self._controller is not None:
+            late: MetaReply = decode(reply.payload, MetaReply)
+            if late.rows and self._links.controller is not None:
                 undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
-                self._controller.send_best_effort(undo)
+                self._links.controller.send_best_effort(undo)
 
         client_deadline = None if timeout is None else timeout + self.request_timeout
-        payload, frames = await self._ctl().request(
+        payload, frames = await self._links.ctl().request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
-        got: MetaReply = _decode(payload, MetaReply)
-        self._note_epoch(got.units_epoch)
+        got: MetaReply = decode(payload, MetaReply)
+        self._links.note_epoch(got.units_epoch)
         meta = BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
@@ -273,7 +433,7 @@ class ClientGets(ClientBase):
         the same fields would (one question to the controller, no storage unit)."""
         if meta.end_of_stream or not names or len(meta):
             return TensorDict({}, batch_size=[len(meta)])
-        headers = await self._call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        headers = await self._links.call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
         by_name = {h.name: h for h in headers}
         known = [by_name[f] for f in names if f in by_name]
         return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
@@ -291,14 +451,14 @@ class ClientGets(ClientBase):
                 if len(by_unit) == 1
                 else [meta.global_indexes[i] for i in positions]
             )
-            conn, arena = await self._data_link(unit)
+            conn, arena = await self._links.data_link(unit)
             nixl = None
-            if arena is None and self._nixl is not None:  # another host: NIXL
-                nixl = await self._nixl.link(unit, conn, self.request_timeout)
+            if arena is None and self._links.nixl is not None:  # another host: NIXL
+                nixl = await self._links.nixl.link(unit, conn, self.request_timeout)
             shm = arena is not None or nixl is not None
             get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
             if not shm:
-                payload, frames = await self._unit_request(unit, get)
+                payload, frames = await self._links.unit_request(unit, get)
             else:
 
                 def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -307,7 +467,7 @@ class ClientGets(ClientBase):
                 payload, frames = await conn.request(
                     get, timeout=self.request_timeout, on_abandon=on_abandon
                 )
-            stored: StoredColumns = _decode(payload, StoredColumns)
+            stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
                 pin = stored.pin
                 try:
@@ -317,14 +477,14 @@ class ClientGets(ClientBase):
                         frames = await _copy_spans(arena, stored.shm_spans)
                     else:
                         assert nixl is not None
-                        assert self._nixl is not None
-                        got = await self._nixl.read(
+                        assert self._links.nixl is not None
+                        got = await self._links.nixl.read(
                             unit, nixl, stored.shm_spans, self.request_timeout
                         )
                         if got is None:  # the transfer failed: read through the socket
                             get.shm = False
-                            payload, frames = await self._unit_request(unit, get)
-                            stored = _decode(payload, StoredColumns)
+                            payload, frames = await self._links.unit_request(unit, get)
+                            stored = decode(payload, StoredColumns)
                         else:
                             frames = got
                 finally:
@@ -335,10 +495,7 @@ class ClientGets(ClientBase):
             ((unit, positions),) = by_unit.items()
             await fetch(unit, positions)
         else:
-            with one_error():
-                async with anyio.create_task_group() as tg:
-                    for unit, positions in by_unit.items():
-                        tg.start_soon(fetch, unit, positions)
+            await run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
 
     async def get(
@@ -395,16 +552,16 @@ class ClientGets(ClientBase):
                 td = await to_device(td, target)
             else:
                 td = await self.get_data(meta, nested=as_nested, device=target)
-            if lease is None and meta.lease_id and self._controller is not None:
+            if lease is None and meta.lease_id and self._links.controller is not None:
                 # an auto-clear hold: the data is read, the rows may be freed now
-                self._controller.send_best_effort(Ack([meta.lease_id]))
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
-                with anyio.move_on_after(5, shield=True):
+                with cleanup_scope(5):
                     await self.release(meta)
-            elif lease is None and meta.lease_id and self._controller is not None:
-                self._controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
+            elif lease is None and meta.lease_id and self._links.controller is not None:
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
             raise
         return td, meta
 
@@ -412,7 +569,7 @@ class ClientGets(ClientBase):
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
         ids = _lease_ids(metas)
         if ids:
-            await self._call(Ack(ids), None)
+            await self._links.call(Ack(ids), None)
 
     async def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
@@ -425,4 +582,4 @@ class ClientGets(ClientBase):
             meta.incarnation,
             meta.lease_id or 0,
         )
-        await self._call(body, None)
+        await self._links.call(body, None)

@@ -13,13 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import anyio
 import msgspec
 
 from ._dealer import DealerConnection
 from ._errors import BrokenError, ClosedError, ProtocolError
 from ._logging import get_logger
 from ._nixl import ClientAgent, TransferFailed, client_agent, fallbacks
+from ._primitives import Lock, run_sync_off_loop
 from ._protocol import (
     NixlHello,
     NixlHelloReply,
@@ -80,7 +80,7 @@ class NixlLinks:
     def __init__(self, *, forced: bool = False) -> None:
         self.forced = forced
         self._peers: dict[int, NixlPeer | None] = {}
-        self._locks: dict[int, anyio.Lock] = {}
+        self._locks: dict[int, Lock] = {}
 
     async def link(self, unit_id: int, conn: DealerConnection, timeout: float) -> NixlPeer | None:
         """The unit's NIXL peer, asked once per unit (None: use the socket)."""
@@ -88,10 +88,10 @@ class NixlLinks:
             return self._peers[unit_id]
         if conn.inproc and not self.forced:
             return None
-        async with self._locks.setdefault(unit_id, anyio.Lock()):
+        async with self._locks.setdefault(unit_id, Lock()):
             if unit_id in self._peers:
                 return self._peers[unit_id]
-            agent = await anyio.to_thread.run_sync(client_agent)
+            agent = await run_sync_off_loop(client_agent)
             peer = None
             if agent is not None:
                 try:
@@ -100,7 +100,7 @@ class NixlLinks:
                     return None  # the socket path decides what a gone unit means
                 hello = _decode(_hello_decoder, payload)
                 if hello is not None:
-                    name = await anyio.to_thread.run_sync(agent.add_remote, hello.metadata)
+                    name = await run_sync_off_loop(agent.add_remote, hello.metadata)
                     peer = NixlPeer(agent, name, hello.base, hello.size)
             self._peers[unit_id] = peer
             return peer
@@ -133,7 +133,7 @@ class NixlLinks:
                 raise ProtocolError("a NIXL grant is smaller than asked for")
             deadline = time.monotonic() + timeout
             try:
-                spans = await anyio.to_thread.run_sync(
+                spans = await run_sync_off_loop(
                     peer.agent.write, peer.name, peer.base + grant.offset, frames, deadline
                 )
             except TransferFailed as exc:
@@ -160,7 +160,7 @@ class NixlLinks:
                 peer.check(off, n, "a NIXL span")
         deadline = time.monotonic() + timeout
         try:
-            frames: list[Any] = await anyio.to_thread.run_sync(
+            frames: list[Any] = await run_sync_off_loop(
                 peer.agent.read, peer.name, peer.base, spans, deadline
             )
         except TransferFailed as exc:

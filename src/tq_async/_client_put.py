@@ -9,23 +9,14 @@ visible to consumers only at the commit, with their tags.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import msgspec
 import zmq
 from tensordict import TensorDictBase
 
-from ._client_base import (
-    _SHM_MIN_BYTES,
-    _THREAD_COPY_BYTES,
-    ClientBase,
-    _check_versions,
-    _decode,
-    _Put,
-    _PutRenewal,
-    one_error,
-)
+from ._client_base import THREAD_COPY_BYTES, ClientBase, as_int, decode
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
     Column,
@@ -46,6 +37,7 @@ from ._errors import (
 )
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ._protocol import (
     AbortPut,
     ClearSamples,
@@ -53,12 +45,14 @@ from ._protocol import (
     PutBegin,
     PutCommit,
     PutInline,
+    RenewPut,
     Reply,
     ShmAlloc,
     ShmFrames,
     ShmFree,
     ShmGrant,
     StorePut,
+    check_ints,
     check_seconds,
 )
 from ._shm import ArenaMap, align
@@ -66,6 +60,42 @@ from ._shm import ArenaMap, align
 __all__ = ["ClientPuts"]
 
 log = get_logger(__name__)
+
+
+#: puts smaller than this go through the socket even to a unit on this host: one round trip
+#: instead of two (grant, then put) costs less than the copy it saves
+_SHM_MIN_BYTES = 64 << 10
+
+
+def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
+    """One policy version per row (an int >= 0 each), or None."""
+    if policy_version is None:
+        return None
+    one = as_int(policy_version)
+    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
+        versions = [one] * n
+    else:
+        versions = [as_int(v) for v in one]
+    if len(versions) != n:
+        raise InvalidRequestError(
+            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
+        )
+    check_ints("policy_version", versions)
+    return versions
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A validated, encoded put on its way to the services."""
+
+    partition_id: str
+    meta: BatchMeta | None
+    keys: Sequence[str] | None
+    headers: list[ColumnHeader]
+    columns: list[Column]
+    n: int
+    tags: list[dict[str, Any] | None] | None
+    versions: list[int] | None
 
 
 class ClientPuts(ClientBase):
@@ -178,7 +208,7 @@ class ClientPuts(ClientBase):
         check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
-        if self._capacity is not None and not nowait:
+        if self._links.capacity is not None and not nowait:
             deadline = None if timeout is None else timeout + self.request_timeout
         fields = [h.name for h in headers]
         put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
@@ -241,19 +271,19 @@ class ClientPuts(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             # the caller gave up (cancelled, timed out) but the put landed: undo new rows, as
             # a failed three-step put does
-            if reply.ok and meta is None and self._controller is not None:
-                late: Placement = _decode(reply.payload, Placement)
+            if reply.ok and meta is None and self._links.controller is not None:
+                late: Placement = decode(reply.payload, Placement)
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
-                self._controller.send_best_effort(undo)
+                self._links.controller.send_best_effort(undo)
 
-        payload, _ = await self._ctl().request(
+        payload, _ = await self._links.ctl().request(
             body,
             frames,
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
-        placement: Placement = _decode(payload, Placement)
-        self._note_epoch(placement.units_epoch)
+        placement: Placement = decode(payload, Placement)
+        self._links.note_epoch(placement.units_epoch)
         return placement
 
     async def _put_in_three(
@@ -275,18 +305,18 @@ class ClientPuts(ClientBase):
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
             # placed, but the caller gave up before it knew: reclaim the new rows now (not
             # when the put lease lapses: until then they hold capacity and end-of-stream)
-            if reply.ok and self._controller is not None:
-                late: Placement = _decode(reply.payload, Placement)
+            if reply.ok and self._links.controller is not None:
+                late: Placement = decode(reply.payload, Placement)
                 if late.put_id:
-                    self._controller.send_best_effort(AbortPut([late.put_id]))
+                    self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        payload, _ = await self._ctl().request(
+        payload, _ = await self._links.ctl().request(
             begin,
             timeout=self.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
-        placement: Placement = _decode(payload, Placement)
-        self._note_epoch(placement.units_epoch)
+        placement: Placement = decode(payload, Placement)
+        self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
         try:
@@ -300,16 +330,16 @@ class ClientPuts(ClientBase):
                 put_id=placement.put_id,
                 incarnation=placement.incarnation,
             )
-            await self._call(commit, None)
+            await self._links.call(commit, None)
         except BaseException:
-            if placement.put_id and self._controller is not None:
+            if placement.put_id and self._links.controller is not None:
                 # new rows not committed are reclaimed at once (a keyed put's too)
-                self._controller.send_best_effort(AbortPut([placement.put_id]))
+                self._links.controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
-                with anyio.move_on_after(5, shield=True):
+                with cleanup_scope(5):
                     try:
                         undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
-                        await self._call(undo, None)
+                        await self._links.call(undo, None)
                     except RowsNotFound:
                         pass  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
@@ -320,16 +350,17 @@ class ClientPuts(ClientBase):
                 renewal.cancel()
         return placement
 
-    def _renew_put(self, placement: Placement) -> _PutRenewal | None:
+    def _renew_put(self, placement: Placement) -> Repeater | None:
         """Keep a put's lease alive while its columns travel (a timer, no task).
 
         The controller reclaims the new rows of a put whose producer stops renewing (it
         died between PutBegin and PutCommit); a live producer renews every third of the
         lease, so a slow put is never reclaimed.
         """
-        if not placement.put_id or self._controller is None:
+        if not placement.put_id or self._links.controller is None:
             return None
-        return _PutRenewal(self._controller, placement.put_id, placement.put_lease / 3)
+        conn, renew = self._links.controller, RenewPut([placement.put_id])
+        return Repeater(placement.put_lease / 3, lambda: conn.send_best_effort(renew))
 
     async def _store(
         self,
@@ -351,26 +382,23 @@ class ClientPuts(ClientBase):
             for h, c in zip(headers, cols, strict=True):
                 frames.extend(column_to_frames(h, c))
             store = StorePut(partition_id, rows, headers, placement.incarnation)
-            conn, arena = await self._data_link(unit)
+            conn, arena = await self._links.data_link(unit)
             big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and await self._store_shm(conn, arena, store, frames):
                 return
-            if big and arena is None and self._nixl is not None:  # another host: NIXL
-                peer = await self._nixl.link(unit, conn, self.request_timeout)
-                if peer is not None and await self._nixl.put(
+            if big and arena is None and self._links.nixl is not None:  # another host: NIXL
+                peer = await self._links.nixl.link(unit, conn, self.request_timeout)
+                if peer is not None and await self._links.nixl.put(
                     unit, conn, peer, store, frames, self.request_timeout
                 ):
                     return
-            await self._unit_request(unit, store, frames)
+            await self._links.unit_request(unit, store, frames)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
             await store_one(unit, positions)
             return
-        with one_error():
-            async with anyio.create_task_group() as tg:
-                for unit, positions in by_unit.items():
-                    tg.start_soon(store_one, unit, positions)
+        await run_each(store_one, by_unit.items())
 
     async def _store_shm(
         self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
@@ -378,7 +406,7 @@ class ClientPuts(ClientBase):
         """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
         nbytes = sum(align(memoryview(f).nbytes) for f in frames)
         payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self.request_timeout)
-        grant: ShmGrant | None = _decode(payload, ShmGrant | None)
+        grant: ShmGrant | None = decode(payload, ShmGrant | None)
         if grant is None:
             return False
         try:
@@ -388,8 +416,8 @@ class ClientPuts(ClientBase):
                 raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
-            if nbytes >= _THREAD_COPY_BYTES:
-                spans = await anyio.to_thread.run_sync(arena.write, grant.offset, frames)
+            if nbytes >= THREAD_COPY_BYTES:
+                spans = await run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)

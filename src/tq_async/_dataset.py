@@ -322,7 +322,8 @@ def _check_args(
 ) -> tuple[dict[str, Any], int | None, str | None]:
     """The dataset's arguments that need more than a type check: ``(sampling_config,
     dp_size, tail)`` once checked."""
-    if not isinstance(address, (str, AsyncClient)):
+    # (the torch adapter passes a blocking client's async-shaped view: anything with get_meta)
+    if not isinstance(address, str) and not callable(getattr(address, "get_meta", None)):
         raise InvalidRequestError(
             f"address must be the controller's address or an AsyncClient, got "
             f"{type(address).__name__}"

@@ -40,7 +40,14 @@ from ._routes import local_route, private_frames
 from ._security import CurveClient
 from ._unix import UnixSocket
 
-__all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BusyPoll", "DealerConnection", "check_frames"]
+__all__ = [
+    "DEFAULT_BUSY_POLL",
+    "MAX_BUSY_POLL",
+    "BusyPoll",
+    "DealerConnection",
+    "check_frames",
+    "process_state",
+]
 
 log = get_logger(__name__)
 
@@ -282,14 +289,16 @@ class DealerConnection(DrainedSocket):
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._fail_pending(self._rejected("rejected this client's CURVE key"))
+                self._fail_pending(
+                    rejected(self.address, self._curve, "rejected this client's CURVE key")
+                )
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 if parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._fail_pending(self._mechanism_mismatch())
+                    self._fail_pending(mechanism_mismatch(self.address, self._curve))
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
                 if not self._handshaken:  # dropped during the handshake: not an outage
-                    self._fail_pending(self._dropped_handshake())
+                    self._fail_pending(dropped_handshake(self.address, self._curve))
                 self._disconnected()
             elif event != zmq.EVENT_CONNECT_RETRIED:
                 continue
@@ -307,40 +316,6 @@ class DealerConnection(DrainedSocket):
                 self._retries += 1
                 if self._retries == 2 and self._on_refused is not None:
                     self._on_refused()
-
-    def _mechanism_mismatch(self) -> AuthenticationError:
-        if self._curve is None:
-            return self._rejected("uses CURVE encryption")
-        return AuthenticationError(
-            f"the service at {self.address} does not use CURVE encryption: connect without "
-            "curve=, or start the services with CURVE keys (--curve-cert)"
-        )
-
-    def _dropped_handshake(self) -> BrokenError:
-        """The peer closed the connection before the ZMTP handshake completed."""
-        if self._curve is not None:  # most likely the wrong server key
-            return self._rejected("dropped the security handshake")
-        # a CURVE service announces its mechanism first (EVENT_HANDSHAKE_FAILED_PROTOCOL):
-        # a bare drop is a peer that accepts connections but does not speak ZMTP
-        return BrokenError(
-            f"the peer at {self.address} accepted the connection and closed it before the "
-            "ZMTP handshake: what listens there is not a tq_async service (or it was "
-            "stopping); check the address (the TQ_ADDRESS=... line `tq-async serve` prints)"
-        )
-
-    def _rejected(self, what: str) -> AuthenticationError:
-        if self._curve is None:
-            hint = (
-                "the services there use CURVE keys (connect with curve=tq.CurveClient("
-                "server_public, client_public, client_secret))"
-            )
-        else:
-            hint = (
-                "check that server_public_key is the services' public key and that this "
-                "client's public key is in their allow-list (--curve-allow); retrying with "
-                "the same keys fails the same way"
-            )
-        return AuthenticationError(f"the service at {self.address} {what}: {hint}")
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self.connected = False
@@ -475,14 +450,14 @@ class DealerConnection(DrainedSocket):
 
     def _why_silent(self) -> str:
         """What a timed-out request's caller should check."""
-        if _process_state(self.peer_pid) is not None:
+        if process_state(self.peer_pid) is not None:
             return f"{self._why_broken()}; raise the timeout if it is only slow"
         return "check that the service is running, or raise the timeout"
 
     def _why_broken(self) -> str:
         """Why the service went away, as far as this side can tell: a same-host service
         whose process still exists is only not answering (paused, swapping, overloaded)."""
-        state = _process_state(self.peer_pid)
+        state = process_state(self.peer_pid)
         if state is None:
             # across hosts a paused service and a vanished one look the same
             known = self.peer_pid is not None
@@ -623,6 +598,45 @@ class DealerConnection(DrainedSocket):
         self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
 
 
+def mechanism_mismatch(address: str, curve: CurveClient | None) -> AuthenticationError:
+    """The service and this client disagree on CURVE (one uses it, the other not)."""
+    if curve is None:
+        return rejected(address, curve, "uses CURVE encryption")
+    return AuthenticationError(
+        f"the service at {address} does not use CURVE encryption: connect without "
+        "curve=, or start the services with CURVE keys (--curve-cert)"
+    )
+
+
+def dropped_handshake(address: str, curve: CurveClient | None) -> BrokenError:
+    """The peer closed the connection before the ZMTP handshake completed."""
+    if curve is not None:  # most likely the wrong server key
+        return rejected(address, curve, "dropped the security handshake")
+    # a CURVE service announces its mechanism first (EVENT_HANDSHAKE_FAILED_PROTOCOL):
+    # a bare drop is a peer that accepts connections but does not speak ZMTP
+    return BrokenError(
+        f"the peer at {address} accepted the connection and closed it before the "
+        "ZMTP handshake: what listens there is not a tq_async service (or it was "
+        "stopping); check the address (the TQ_ADDRESS=... line `tq-async serve` prints)"
+    )
+
+
+def rejected(address: str, curve: CurveClient | None, what: str) -> AuthenticationError:
+    """The service refused this client's security handshake (``what`` it did)."""
+    if curve is None:
+        hint = (
+            "the services there use CURVE keys (connect with curve=tq.CurveClient("
+            "server_public, client_public, client_secret))"
+        )
+    else:
+        hint = (
+            "check that server_public_key is the services' public key and that this "
+            "client's public key is in their allow-list (--curve-allow); retrying with "
+            "the same keys fails the same way"
+        )
+    return AuthenticationError(f"the service at {address} {what}: {hint}")
+
+
 def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
     """The request header; a value msgpack cannot carry is the caller's error, raised
     before anything is sent (a safety net: the client checks arguments more precisely)."""
@@ -640,7 +654,7 @@ def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
 _ReplyFuture = asyncio.Future[tuple[Reply, list[zmq.Frame]] | None]
 
 
-def _process_state(pid: int | None) -> str | None:
+def process_state(pid: int | None) -> str | None:
     """The state letter of a process of this host (``R``, ``S``, ``T``...), None if gone
     or unknown."""
     if pid is None:

@@ -20,7 +20,7 @@ rebuilding the batch — runs in tests without a GPU (:class:`HostCopier`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import anyio
@@ -145,21 +145,25 @@ async def to_device(td: TensorDict, device: torch.device | None) -> TensorDict:
     """``td``'s tensors on ``device`` (non-tensor fields unchanged); ``td`` itself when there
     is nothing to move. The copies run and are waited for on a worker thread."""
     if device is None or (device.type == "cpu" and make_copier is _cuda_copier):
+        return td
+    return await anyio.to_thread.run_sync(to_device_now, td, device)
+
+
+def to_device_now(td: TensorDict, device: torch.device | None) -> TensorDict:
+    """:func:`to_device` in the calling thread (the blocking client's)."""
+    if device is None or (device.type == "cpu" and make_copier is _cuda_copier):
         return td  # read columns are host memory of our own already (tests swap the copier)
     keys = [str(k) for k in td.keys()]  # noqa: SIM118 - a TensorDict's keys
     if not keys:
         return td
     copier = make_copier(device)
 
-    def run() -> TensorDict:
-        out: dict[str, Any] = {}
-        for k in keys:
-            v = td.get(k)
-            out[k] = _move(v, copier.to_device) if isinstance(v, torch.Tensor) else v
-        copier.finish()
-        return TensorDict(out, batch_size=td.batch_size)
-
-    return await anyio.to_thread.run_sync(run)
+    out: dict[str, Any] = {}
+    for k in keys:
+        v = td.get(k)
+        out[k] = _move(v, copier.to_device) if isinstance(v, torch.Tensor) else v
+    copier.finish()
+    return TensorDict(out, batch_size=td.batch_size)
 
 
 def _move(t: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -186,40 +190,50 @@ def _device_of(value: Any) -> torch.device | None:
     return None
 
 
+def _host_items(data: TensorDictBase | Mapping[str, Any]) -> list[tuple[str, Any]] | None:
+    """``data``'s columns when some tensor of it is on a device; None when all are on the host
+    (or ``data`` is not something put takes: the codec explains what is wrong)."""
+    if isinstance(data, TensorDictBase):
+        if len(data.batch_size) != 1:
+            return None
+        items = [(k, data.get(k)) for k in data.keys()]  # noqa: SIM118
+    else:
+        items = list(data.items()) if isinstance(data, Mapping) else []
+    return items if any(_device_of(v) is not None for _, v in items) else None
+
+
 async def to_host(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Mapping[str, Any]:
     """``data`` with every tensor on a device copied to pinned host memory (per column, so a
     batch may mix devices); ``data`` itself when every tensor is on the host already.
 
     The copies are started and waited for on a worker thread: the event loop never waits.
     """
-    if isinstance(data, TensorDictBase):
-        if len(data.batch_size) != 1:
-            return data  # the codec explains what is wrong
-        items: Iterable[tuple[str, Any]] = [(k, data.get(k)) for k in data.keys()]  # noqa: SIM118
-    else:  # anything else: the codec explains what put takes
-        items = list(data.items()) if isinstance(data, Mapping) else []
-    devices = {d for _, v in items if (d := _device_of(v)) is not None}
-    if not devices:
+    if _host_items(data) is None:
         return data
+    return await anyio.to_thread.run_sync(to_host_now, data)
+
+
+def to_host_now(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Mapping[str, Any]:
+    """:func:`to_host` in the calling thread (the blocking client's)."""
+    items = _host_items(data)
+    if items is None:
+        return data
+    devices = {d for _, v in items if (d := _device_of(v)) is not None}
     copiers = {d: make_copier(d) for d in devices}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         return copiers[t.device].to_host(t) if on_device(t) else t
 
-    def run() -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if isinstance(v, torch.Tensor):
-                out[k] = _move(v, copy) if on_device(v) else v
-            elif isinstance(v, list) and _device_of(v) is not None:
-                out[k] = [copy(x.detach()) if isinstance(x, torch.Tensor) else x for x in v]
-            else:
-                out[k] = v
-        for copier in copiers.values():
-            copier.finish()
-        return out
-
-    out = await anyio.to_thread.run_sync(run)
+    out: dict[str, Any] = {}
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            out[k] = _move(v, copy) if on_device(v) else v
+        elif isinstance(v, list) and _device_of(v) is not None:
+            out[k] = [copy(x.detach()) if isinstance(x, torch.Tensor) else x for x in v]
+        else:
+            out[k] = v
+    for copier in copiers.values():
+        copier.finish()
     if isinstance(data, TensorDictBase):
         return TensorDict(out, batch_size=data.batch_size)
     return out

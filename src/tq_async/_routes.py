@@ -33,6 +33,7 @@ __all__ = [
     "local_route",
     "local_routes",
     "local_routes_lock",
+    "copy_frames",
     "private_frames",
 ]
 
@@ -75,6 +76,11 @@ async def private_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
     return copy(frames)
 
 
+def copy_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
+    """:func:`private_frames` in the calling thread (the blocking client's)."""
+    return _copy_in(frames) if incoming else _copy_out(frames)
+
+
 class RouteWatcher(Protocol):
     """A connection that goes through a route (told when its endpoint closes)."""
 
@@ -96,6 +102,15 @@ class LocalRoute:
 #: public address of an endpoint of this process -> its inproc twin
 local_routes: dict[str, LocalRoute] = {}
 local_routes_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    # held by another thread at the fork, it would stay held in the child (routes of the
+    # parent's endpoints are ignored there anyway: pid check in local_route)
+    local_routes_lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def local_route(address: str, context: zmq.Context[Any]) -> LocalRoute | None:

@@ -1,133 +1,125 @@
-"""``Client``: the blocking twin of :class:`~tq_async.AsyncClient`.
+# Generated from src/tq_async/_client.py by scripts/unasync.py: do not edit; change
+# the source and run `python scripts/unasync.py`.
+"""``Client``: put, get_meta, get_data and every controller call, over pooled sockets.
 
-Every method runs the async implementation on the process's portal loop thread
-(:mod:`tq_async._portal`), so there is one implementation. It works from plain threads, from
-inside a running event loop (the call blocks that loop; prefer ``AsyncClient`` there), and in
-a child process after ``fork`` (connect a new ``Client`` in the child).
+One client holds one DEALER socket to the controller and one per storage unit, opened on
+first use and shared by every concurrent call (requests are multiplexed by id). A put is
+three steps — ask the controller for rows and placement, send each unit its slice, commit —
+and the rows become visible to consumers only at the commit, with their tags.
+
+Two faces, one implementation. This module and its siblings (``_client_base``, ``_client_put``,
+``_client_get``, ``_client_calls``, ``_client_nixl``, ``_checkpoint``) are the only source of
+the client's logic; ``scripts/unasync.py`` generates the blocking ``tq.Client`` from them
+(``_sync*.py``), as httpcore generates its sync twin, and ``tests/test_sync_parity.py`` fails
+when the generated modules are not current. What differs between the faces is the I/O and
+nothing else: the event-loop connection (``_dealer``) against one driven by the calling
+thread (``_sync_dealer``), and three concurrency helpers (``_primitives`` /
+``_sync_primitives``). A generated twin rather than a sans-I/O core with two shells: the
+client's calls are chains of dependent requests with undo paths between them (a put asks for
+placement, writes each unit through shared memory, NIXL or the socket, commits, and aborts or
+clears on any failure; a read pins and unpins; a moved unit is asked again), which read as
+straight-line code here and would each become an explicit state machine in a sans-I/O core,
+doubling the code the two faces must agree on.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+import sys
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._dealer import DEFAULT_BUSY_POLL
-from ._errors import ClosedError
-from ._meta import BatchMeta
-from ._portal import check_blocking_allowed, get_portal
-from ._security import CurveClient
-from ._serve import check_address
+from ._errors import (
+    TQTimeoutError,
+)
+from ._logging import get_logger
+from ._options import ClientOptions
+from ._sync_calls import ControlCalls
 
-if TYPE_CHECKING:  # torch loads with the AsyncClient, in open(): a mistake fails before it
-    import torch
-    from tensordict import TensorDict, TensorDictBase
-
-    from ._client import AsyncClient
+if sys.version_info >= (3, 11):
+    from typing import Self, Unpack
+else:  # pragma: no cover - depends on the Python version
+    from typing_extensions import Self, Unpack
 
 __all__ = ["Client"]
 
-R = TypeVar("R")
+log = get_logger(__name__)
 
 
-class Client:
-    """Blocking client; same methods and arguments as :class:`~tq_async.AsyncClient`.
+class Client(ControlCalls):
+    """Talks to a tq_async controller and its storage units.
 
     Use it as a context manager::
 
         with tq.Client.connect(address) as client:
             meta = client.put(td, partition_id="train@0")
+
+    Args:
+        address: the controller's endpoint (``cluster.address``, or what ``tq-async serve``
+            printed).
+        connect_timeout: seconds :meth:`open` waits for the controller's first answer (at
+            most ``request_timeout``) before it fails with :class:`~tq_async.TQTimeoutError`
+            naming the address (a host that drops the connection attempts, or a peer that
+            never answers; ZMQ alone would wait forever). A refused connection (nothing
+            listens at the address) fails at once with :class:`~tq_async.BrokenError`.
+        request_timeout: seconds any single non-waiting request may take before it fails with
+            :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
+        allow_pickle: let this client pickle values msgpack cannot carry. None follows the
+            controller's setting.
+        curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
+        retry_after: when a request with a deadline has no reply after this many seconds,
+            reconnect (same identity) and resend it; services deduplicate retried requests,
+            so nothing runs twice. None disables retries. A same-host Unix-socket
+            connection is not retried: it loses nothing without reporting its end, so a
+            silent service there is a busy one, waited for up to ``request_timeout``.
+        inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
+            unit (new rows always do) goes to the controller in one message, which stores
+            and commits it (:class:`~tq_async._protocol.PutInline`): one round trip instead
+            of three, and the lowest put-to-consumer latency. Larger puts send their columns
+            straight to the units. 0 disables it.
+        inline_get_bytes: :meth:`get` asks the controller to send the cells along with the
+            batch's metadata when they sit in storage units of the controller's own process
+            (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
+            round trip instead of two. Otherwise it reads them from the units. 0 disables it.
+        shared_memory: with a storage unit on this host (verified: the client must read a
+            token the unit wrote into its shared memory), puts of at least 64 KiB copy their
+            column bytes straight into the unit's memory and reads copy out of it, instead of
+            sending them through a socket (see ``docs/deployment.md``). False always uses
+            the socket.
+        same_host: False treats every service as remote: no shared memory (whatever
+            ``shared_memory`` says) and the addresses exactly as given.
+        busy_poll: seconds a request to a service on this host (over its Unix socket) with
+            no other request in flight reads its socket for the reply before it parks in the
+            event loop: waking a parked process costs 25-30 us on a VM, which this saves, at
+            the price of up to this much CPU per request. After a poll that caught nothing
+            (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
+            0 turns it off.
+        data_path: how column bytes travel to and from the storage units: ``"auto"``
+            (shared memory with a unit on this host; NIXL with one on another host when both
+            have it, this host has RDMA hardware and this client does not use CURVE; the
+            socket otherwise), ``"shm"`` (no
+            NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
+            ``"zmq"`` (always the socket). A NIXL transfer that fails falls back to the
+            socket for that request (see ``docs/deployment.md``, "Data paths").
+
+    Attributes:
+        link_fallbacks: same-host switches that did not happen: a handshake with the
+            controller or a storage unit that got no answer within 5 s, or a Unix socket
+            that was refused. That service is then reached through the socket the handshake
+            was sent on (for a unit: without shared memory, asked again 30 s later); no
+            request fails for it.
+
+    A client belongs to the event loop (and process) that opened it.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> None:
-        check_address(address)
-        self.address = address
-        #: the portal is found on first use: a Client made (by mistake) on the loop that
-        #: runs the services fails at once in open(), before any thread or I/O
-        self._async: AsyncClient | None = None
-        self._kwargs: dict[str, Any] = {
-            "request_timeout": request_timeout,
-            "connect_timeout": connect_timeout,
-            "allow_pickle": allow_pickle,
-            "curve": curve,
-            "retry_after": retry_after,
-            "inline_put_bytes": inline_put_bytes,
-            "inline_get_bytes": inline_get_bytes,
-            "shared_memory": shared_memory,
-            "same_host": same_host,
-            "busy_poll": busy_poll,
-            "data_path": data_path,
-        }
-
     @classmethod
-    def connect(
-        cls,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> Client:
-        """A client for ``address``; enter it with ``with`` (or call :meth:`open`)."""
-        return cls(
-            address,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            allow_pickle=allow_pickle,
-            curve=curve,
-            retry_after=retry_after,
-            inline_put_bytes=inline_put_bytes,
-            inline_get_bytes=inline_get_bytes,
-            shared_memory=shared_memory,
-            same_host=same_host,
-            busy_poll=busy_poll,
-            data_path=data_path,
-        )
+    def connect(cls, address: str, **options: Unpack[ClientOptions]) -> Client:
+        """A client for ``address``; enter it with ``with`` to open the connection.
 
-    def open(self) -> Client:
-        """Connect (on the portal loop). Returns self."""
-        if self._async is None:
-            check_blocking_allowed("tq.Client.connect(...)")
-            from ._client import AsyncClient
-
-            aclient = AsyncClient(self.address, **self._kwargs)
-            get_portal().call(aclient.open)
-            self._async = aclient
-        return self
-
-    def close(self) -> None:
-        """Close the connection; further calls raise :class:`~tq_async.ClosedError`."""
-        if self._async is not None:
-            aclient, self._async = self._async, None
-            get_portal().call(aclient.aclose)
+        ``options`` are the constructor's (:class:`~tq_async.ClientOptions`)."""
+        return cls(address, **options)
 
     def __enter__(self) -> Client:
-        return self.open()
+        self.open()
+        return self
 
     def __exit__(
         self,
@@ -137,290 +129,52 @@ class Client:
     ) -> None:
         self.close()
 
-    def _require(self) -> AsyncClient:
-        if self._async is None:
-            raise ClosedError("the client is not connected; use `with Client.connect(address)`")
-        return self._async
+    def open(self) -> Self:
+        """Connect to the controller and learn the storage units; returns the client.
+
+        Raises:
+            TQTimeoutError: the controller did not answer within ``connect_timeout``.
+            BrokenError: nothing listens at the address (the connection was refused), or
+                what accepted the connection is not a tq_async service.
+            AuthenticationError: the services refused this client's CURVE keys.
+        """
+        if self._links.controller is not None:
+            return self
+        # a refused first attempt means nothing listens there: fail now, not at the timeout
+        controller = self._links.controller = self._links.connection(
+            self.address, refused_is_broken=True
+        )
+        wait = min(self.connect_timeout, self.request_timeout)
+        try:
+            try:
+                hello = self._links.refresh_units(timeout=wait)
+            except TQTimeoutError:
+                raise TQTimeoutError(
+                    f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
+                    "check the address (the TQ_ADDRESS=... line "
+                    "`tq-async serve` prints), that the services run, and that this host can "
+                    "reach them"
+                ) from None
+            # from now on a refusal is a restarting controller: requests wait for it
+            controller.refused_is_broken = False
+            if self.same_host:
+                self._links.prefer_ipc(hello)
+        except BaseException:
+            if self._links.controller is not None:
+                self._links.controller.close()
+                self._links.controller = None
+            raise
+        return self
+
+    def close(self) -> None:
+        """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
+        self._links.close()
 
     @property
-    def async_client(self) -> AsyncClient:
-        """The underlying :class:`AsyncClient` (lives on the portal loop thread)."""
-        return self._require()
+    def closed(self) -> bool:
+        return self._links.controller is None
 
-    def _run(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> R:
-        check_blocking_allowed(f"tq.Client.{fn.__name__}()")
-        return get_portal().call(functools.partial(fn, *args, **kwargs))
-
-    def put(
-        self,
-        data: TensorDictBase | Mapping[str, Any],
-        partition_id: str | None = None,
-        *,
-        meta: BatchMeta | None = None,
-        tags: Sequence[Mapping[str, Any] | None] | None = None,
-        policy_version: int | Sequence[int] | None = None,
-        timeout: float | None = None,
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.put`."""
-        return self._run(
-            self._require().put,
-            data,
-            partition_id,
-            meta=meta,
-            tags=tags,
-            policy_version=policy_version,
-            timeout=timeout,
-        )
-
-    def put_nowait(
-        self,
-        data: TensorDictBase | Mapping[str, Any],
-        partition_id: str | None = None,
-        *,
-        meta: BatchMeta | None = None,
-        tags: Sequence[Mapping[str, Any] | None] | None = None,
-        policy_version: int | Sequence[int] | None = None,
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.put_nowait`."""
-        return self._run(
-            self._require().put_nowait,
-            data,
-            partition_id,
-            meta=meta,
-            tags=tags,
-            policy_version=policy_version,
-        )
-
-    def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
-        """Blocking :meth:`AsyncClient.lost_rows`."""
-        return self._run(self._require().lost_rows, partition_id)
-
-    def storage_stats(self) -> dict[int, dict[str, Any]]:
-        """Blocking :meth:`AsyncClient.storage_stats`."""
-        result: dict[int, dict[str, Any]] = self._run(self._require().storage_stats)
-        return result
-
-    def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
-        """Blocking :meth:`AsyncClient.register_tasks`."""
-        self._run(self._require().register_tasks, tasks, partition_id)
-
-    def get_meta(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str,
-        sampling_config: Mapping[str, Any] | None = None,
-        *,
-        mode: str = "fetch",
-        timeout: float | None = None,
-        stop_when_consumed: bool = False,
-        lease: float | None = None,
-        ack: BatchMeta | Sequence[BatchMeta] | None = None,
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.get_meta`."""
-        return self._run(
-            self._require().get_meta,
-            data_fields,
-            batch_size,
-            partition_id,
-            task_name,
-            sampling_config,
-            mode=mode,
-            timeout=timeout,
-            stop_when_consumed=stop_when_consumed,
-            lease=lease,
-            ack=ack,
-        )
-
-    def get_data(
-        self,
-        meta: BatchMeta,
-        fields: Sequence[str] | None = None,
-        *,
-        nested: bool | Collection[str] = False,
-        device: Any = None,
-    ) -> TensorDict:
-        """Blocking :meth:`AsyncClient.get_data`."""
-        return self._run(self._require().get_data, meta, fields, nested=nested, device=device)
-
-    def get(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str,
-        sampling_config: Mapping[str, Any] | None = None,
-        *,
-        mode: str = "fetch",
-        timeout: float | None = None,
-        stop_when_consumed: bool = False,
-        lease: float | None = None,
-        ack: BatchMeta | Sequence[BatchMeta] | None = None,
-        nested: bool | Collection[str] = False,
-        device: Any = None,
-    ) -> tuple[TensorDict, BatchMeta]:
-        """Blocking :meth:`AsyncClient.get`."""
-        return self._run(
-            self._require().get,
-            data_fields,
-            batch_size,
-            partition_id,
-            task_name,
-            sampling_config,
-            mode=mode,
-            timeout=timeout,
-            stop_when_consumed=stop_when_consumed,
-            lease=lease,
-            ack=ack,
-            nested=nested,
-            device=device,
-        )
-
-    def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
-        """Blocking :meth:`AsyncClient.ack`."""
-        self._run(self._require().ack, metas)
-
-    def release(self, meta: BatchMeta) -> None:
-        """Blocking :meth:`AsyncClient.release`."""
-        self._run(self._require().release, meta)
-
-    def seal(self, partition_id: str, *, create: bool = False) -> None:
-        """Blocking :meth:`AsyncClient.seal`."""
-        self._run(self._require().seal, partition_id, create=create)
-
-    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
-        """Blocking :meth:`AsyncClient.reset_consumption`."""
-        self._run(self._require().reset_consumption, partition_id, task_name)
-
-    def clear_samples(self, meta: BatchMeta) -> None:
-        """Blocking :meth:`AsyncClient.clear_samples`."""
-        self._run(self._require().clear_samples, meta)
-
-    def clear_partition(self, partition_id: str) -> None:
-        """Blocking :meth:`AsyncClient.clear_partition`."""
-        self._run(self._require().clear_partition, partition_id)
-
-    def check_production_status(
-        self,
-        partition_id: str,
-        data_fields: Sequence[str],
-        global_indexes: Sequence[int] | None = None,
-    ) -> bool:
-        """Blocking :meth:`AsyncClient.check_production_status`."""
-        return self._run(
-            self._require().check_production_status, partition_id, data_fields, global_indexes
-        )
-
-    def check_consumption_status(
-        self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
-    ) -> bool:
-        """Blocking :meth:`AsyncClient.check_consumption_status`."""
-        return self._run(
-            self._require().check_consumption_status, partition_id, task_name, global_indexes
-        )
-
-    def production_status(
-        self, partition_id: str, data_fields: Sequence[str] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Blocking :meth:`AsyncClient.production_status`."""
-        return self._run(self._require().production_status, partition_id, data_fields)
-
-    def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
-        """Blocking :meth:`AsyncClient.consumption_status`."""
-        return self._run(self._require().consumption_status, partition_id, task_name)
-
-    def list_partitions(self) -> list[str]:
-        """Blocking :meth:`AsyncClient.list_partitions`."""
-        return self._run(self._require().list_partitions)
-
-    def partition_info(self, partition_id: str) -> dict[str, Any]:
-        """Blocking :meth:`AsyncClient.partition_info`."""
-        return self._run(self._require().partition_info, partition_id)
-
-    def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
-        """Blocking :meth:`AsyncClient.set_tags`."""
-        self._run(self._require().set_tags, meta, tags)
-
-    def kv_batch_put(
-        self,
-        keys: Sequence[str],
-        partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any] | None,
-        tags: Sequence[Mapping[str, Any] | None] | None = None,
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.kv_batch_put`."""
-        return self._run(self._require().kv_batch_put, keys, partition_id, fields, tags)
-
-    def kv_put(
-        self,
-        key: str,
-        partition_id: str,
-        fields: TensorDictBase | Mapping[str, Any] | None = None,
-        tag: Mapping[str, Any] | None = None,
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.kv_put`."""
-        return self._run(self._require().kv_put, key, partition_id, fields, tag)
-
-    def kv_batch_get(
-        self,
-        keys: Sequence[str],
-        partition_id: str,
-        select_fields: Sequence[str] | None = None,
-    ) -> TensorDict:
-        """Blocking :meth:`AsyncClient.kv_batch_get`."""
-        return self._run(self._require().kv_batch_get, keys, partition_id, select_fields)
-
-    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-        """Blocking :meth:`AsyncClient.kv_list`."""
-        return self._run(self._require().kv_list, partition_id)
-
-    def kv_retrieve_meta(
-        self, keys: Sequence[str], partition_id: str, create: bool = False
-    ) -> BatchMeta:
-        """Blocking :meth:`AsyncClient.kv_retrieve_meta`."""
-        return self._run(self._require().kv_retrieve_meta, keys, partition_id, create)
-
-    def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
-        """Blocking :meth:`AsyncClient.kv_retrieve_keys`."""
-        return self._run(self._require().kv_retrieve_keys, global_indexes, partition_id)
-
-    def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
-        """Blocking :meth:`AsyncClient.kv_clear`."""
-        self._run(self._require().kv_clear, keys, partition_id)
-
-    def save_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        partition_ids: Sequence[str] | None = None,
-        *,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Blocking :meth:`AsyncClient.save_checkpoint`."""
-        self._run(self._require().save_checkpoint, path, partition_ids, metadata=metadata)
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
-        """Blocking :meth:`AsyncClient.load_checkpoint`."""
-        return self._run(self._require().load_checkpoint, path)
-
-    def set_policy_version(self, version: int) -> None:
-        """Blocking :meth:`AsyncClient.set_policy_version`."""
-        self._run(self._require().set_policy_version, version)
-
-    def acquire_rollout(
-        self, policy_version: int, n: int = 1, *, timeout: float | None = None
-    ) -> None:
-        """Blocking :meth:`AsyncClient.acquire_rollout`."""
-        self._run(self._require().acquire_rollout, policy_version, n, timeout=timeout)
-
-    def release_rollout(self, n: int) -> None:
-        """Blocking :meth:`AsyncClient.release_rollout`."""
-        self._run(self._require().release_rollout, n)
-
-    def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
-        """Blocking :meth:`AsyncClient.take_recycled`."""
-        return self._run(self._require().take_recycled, max_rows)
-
-    def staleness_status(self) -> dict[str, int]:
-        """Blocking :meth:`AsyncClient.staleness_status`."""
-        return self._run(self._require().staleness_status)
+    @property
+    def link_fallbacks(self) -> int:
+        """Same-host switches that did not happen (see the class docstring)."""
+        return self._links.link_fallbacks

@@ -1,10 +1,15 @@
 """PyTorch adapter: ``StreamingDataset`` (an ``IterableDataset``) and ``StreamingDataLoader``.
 
-There is one implementation, :class:`~tq_async.AsyncStreamingDataset`; this module runs it on
-the process's portal loop (:func:`tq_async._portal.get_portal`, a daemon thread started on
-first use and re-created after ``fork``). A ``StreamingDataset`` stores only its address and
+There is one implementation, :class:`~tq_async.AsyncStreamingDataset`; this module drives it
+in the iterating thread itself, over the blocking :class:`~tq_async.Client` (its I/O in the
+calling thread): a private event loop, run only while a batch is asked for, hosts the
+dataset, and its client calls block that thread instead of suspending. No portal thread, no
+hand-off: nothing of tq_async runs in the background, so a process that forks (DataLoader
+workers) never forks in the middle of it. A ``StreamingDataset`` stores only its address and
 arguments: the loop, the client and its sockets are created inside whichever process iterates
-it, so it pickles for ``spawn`` workers and is safe to ``fork``.
+it, so it pickles for ``spawn`` workers and is safe to ``fork``. It fetches when asked
+(``prefetch`` applies to :class:`~tq_async.AsyncStreamingDataset`): DataLoader workers run
+ahead of the consumer by the loader's ``prefetch_factor``.
 
 Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
 **one item per batch** (the batch's micro-batches as a list). A DataLoader collects worker
@@ -23,10 +28,12 @@ are refused.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -39,13 +46,16 @@ from ._dataset import (
     ProcessBatchFn,
     parse_state,
 )
-from ._errors import InvalidRequestError
+from ._errors import ClosedError, InvalidRequestError
 from ._logging import get_logger
-from ._portal import check_blocking_allowed, get_portal
+from ._portal import check_blocking_allowed
+from ._sync import Client
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
 log = get_logger(__name__)
+
+R = TypeVar("R")
 
 
 def _identity(item: Any) -> Any:
@@ -64,9 +74,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
     The arguments are those of :class:`~tq_async.AsyncStreamingDataset`, except that
     ``address`` must be the controller's address (a string): each process that iterates the
-    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run on the
-    portal loop (``fetch_batch_fn`` receives an :class:`~tq_async.AsyncClient`), and must be
-    importable module-level functions when DataLoader workers are spawned.
+    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run in the
+    iterating thread (``fetch_batch_fn`` is awaited and receives the blocking client's
+    :class:`~tq_async.AsyncClient`-shaped view: the same coroutine methods, which do their I/O
+    without suspending), and must be importable module-level functions when DataLoader
+    workers are spawned.
 
     In the process that iterates without workers, the replay window survives between passes;
     DataLoader workers are new processes every pass, so their replays re-read from storage.
@@ -212,7 +224,12 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         # A dataset still entered (an abandoned pass not yet garbage-collected) is left alone.
         local = self._local
         if local is None or self._local_pid != os.getpid() or local.entered:
-            local = self._local = AsyncStreamingDataset(**self._kwargs)
+            client = Client(
+                self._kwargs["address"], request_timeout=self._kwargs["request_timeout"]
+            )
+            # fetched when asked, in this thread: a prefetching task would block it too
+            kwargs = {**self._kwargs, "address": _AsyncFace(client), "prefetch": 0}
+            local = self._local = AsyncStreamingDataset(**kwargs)
             self._local_pid = os.getpid()
         return local
 
@@ -245,13 +262,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
-        portal = get_portal()
-        context = portal.wrap_async_context_manager(ads)
-        context.__enter__()
+        host = _InThread(ads)
         exc_info: tuple[Any, Any, Any] = (None, None, None)
         try:
             while True:
-                item: BatchSlice | None = portal.call(ads.next_batch)
+                item: BatchSlice | None = host.call(ads.next_batch)
                 if item is None:
                     return
                 if self._whole_batches:
@@ -266,15 +281,12 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 if not item.micro_batches:
                     self._delivered(item, 0)
                 if self._generation != generation:
-                    # on the loop thread: it cancels the prefetcher running there
-                    portal.call(ads.load_state_dict, self._state)
+                    ads.load_state_dict(self._state)
         except BaseException:
             exc_info = sys.exc_info()
             raise
         finally:
-            # At interpreter shutdown the portal thread is gone: calling it would hang.
-            if not sys.is_finalizing():
-                context.__exit__(*exc_info)
+            host.close(exc_info[1])
 
 
 class StreamingDataLoader(DataLoader[MicroBatch]):
@@ -295,7 +307,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
     Args:
         dataset: the stream.
-        num_workers: worker processes (0: fetch in this process, on its portal loop).
+        num_workers: worker processes (0: fetch in this process, in the iterating thread).
         **kwargs: other ``DataLoader`` arguments (``multiprocessing_context``,
             ``prefetch_factor``, ``pin_memory``, ``timeout``, ``worker_init_fn``, ...).
 
@@ -388,3 +400,73 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             if not moved:
                 return
             log.debug("position moved during a pass; restarting workers", **ds.state_dict())
+
+
+class _AsyncFace:
+    """An :class:`~tq_async.AsyncClient`-shaped view of a blocking :class:`~tq_async.Client`:
+    each coroutine method makes the blocking call (it never suspends). The dataset (and a
+    ``fetch_batch_fn``) awaits it as it would the async client."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @property
+    def closed(self) -> bool:
+        return self.client.closed
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.client, name)
+        if not callable(fn):
+            return fn
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return call
+
+
+class _InThread:
+    """Hosts an :class:`AsyncStreamingDataset` (entered with ``async with``) on a private
+    event loop of the calling thread; :meth:`call` runs a coroutine there and returns its
+    result. The loop runs only inside :meth:`call`: between batches nothing runs."""
+
+    def __init__(self, ads: AsyncStreamingDataset) -> None:
+        face = ads._address
+        assert isinstance(face, _AsyncFace)
+        self._client = face.client
+        self._client.open()
+        self._loop = asyncio.new_event_loop()
+        self._inbox: asyncio.Queue[tuple[Any, asyncio.Future[Any]] | None] = asyncio.Queue()
+        self._host = self._loop.create_task(self._serve(ads))
+
+    async def _serve(self, ads: AsyncStreamingDataset) -> None:
+        async with ads:
+            while (job := await self._inbox.get()) is not None:
+                fn, fut = job
+                try:
+                    result = await fn()
+                except Exception as exc:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
+
+    def call(self, fn: Callable[[], Awaitable[R]]) -> R:
+        fut: asyncio.Future[R] = self._loop.create_future()
+        self._inbox.put_nowait((fn, fut))
+        either: list[asyncio.Future[Any]] = [fut, self._host]
+        self._loop.run_until_complete(asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED))
+        if not fut.done():  # the host ended: entering the dataset failed
+            self._host.result()
+            raise ClosedError("the dataset's host ended")  # pragma: no cover - result() raised
+        return fut.result()
+
+    def close(self, exc: BaseException | None) -> None:
+        try:
+            if not self._host.done() and not self._loop.is_closed():
+                self._inbox.put_nowait(None)
+                with contextlib.suppress(Exception):
+                    self._loop.run_until_complete(self._host)
+        finally:
+            if not self._loop.is_closed():
+                self._loop.close()
+            self._client.close()

@@ -38,7 +38,7 @@ import zmq
 from ._endpoints import LogThrottle
 from ._logging import get_logger
 
-__all__ = ["UnixSocket", "UnixListener", "HELLO", "abstract_name"]
+__all__ = ["HELLO", "MessageStream", "UnixListener", "UnixSocket", "abstract_name"]
 
 log = get_logger(__name__)
 
@@ -129,7 +129,7 @@ def encode(frames: Sequence[Any]) -> list[Any]:
     return [head, *views]
 
 
-class _Stream:
+class MessageStream:
     """Non-blocking message I/O on a connected stream socket.
 
     Small messages are read in chunks and split; the body of a large one is received straight
@@ -232,6 +232,11 @@ class _Stream:
         if self._out:
             on_blocked()
 
+    @property
+    def blocked(self) -> bool:
+        """Bytes of an earlier write still wait for room in the socket."""
+        return bool(self._out)
+
     def flush(self) -> bool:
         """Write pending bytes; True when nothing is left."""
         out = self._out
@@ -297,7 +302,7 @@ class UnixSocket:
             sock.close()
             raise
         self._loop = asyncio.get_running_loop()
-        self._stream = _Stream(sock)
+        self._stream = MessageStream(sock)
         self._on_eof: Callable[[], None] | None = on_eof
         self._writing = False
         self._stream.write([HELLO, identity], self._blocked)
@@ -457,7 +462,7 @@ class UnixListener:
 class _Peer:
     def __init__(self, listener: UnixListener, sock: socket.socket) -> None:
         self._listener = listener
-        self._stream = _Stream(sock)
+        self._stream = MessageStream(sock)
         self._fd = sock.fileno()
         self.identity: bytes | None = None
         self._writing = False

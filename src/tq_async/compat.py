@@ -39,7 +39,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import msgspec
@@ -581,6 +581,35 @@ def _put_retrying_dtypes(partition_id: str | None, fields: Any, put: Callable[[A
         return put(cast)
 
 
+class _ThreadClients:
+    """Stands for one blocking :class:`tq_async.Client` per thread, each opened on the
+    thread's first call (the first one at once, so a bad address fails here)."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._local = threading.local()
+        self._all: list[_Client] = []
+        self._all_lock = threading.Lock()
+        self.current()
+
+    def current(self) -> _Client:
+        client: _Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = _Client.connect(self._address).open()
+            with self._all_lock:
+                self._all.append(client)
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+    def close(self) -> None:
+        with self._all_lock:
+            clients, self._all = self._all, []
+        for client in clients:
+            client.close()
+
+
 class TransferQueueClient:
     """TransferQueue's client, method for method (names and argument order), over a blocking
     :class:`tq_async.Client`.
@@ -610,12 +639,15 @@ class TransferQueueClient:
         self.client_id = client_id
         self.address = controller_info
         self.polling_mode = False
-        self._client = _Client.connect(controller_info).open()
+        # one blocking Client per thread: the async_ forms run on worker threads, several at
+        # once, and a Client serves one thread at a time
+        self._client: _Client = cast(_Client, _ThreadClients(controller_info))
 
     @property
     def client(self) -> _Client:
-        """The underlying blocking :class:`tq_async.Client` (every tq_async method)."""
-        return self._client
+        """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
+        calling thread's own (a Client serves one thread at a time)."""
+        return cast(_ThreadClients, self._client).current()
 
     # -- data --
 
@@ -1450,9 +1482,9 @@ class StreamingDataLoader(_StreamingDataLoader):
     :class:`tq_async.StreamingDataLoader`.
 
     Yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
-    ``num_workers``. Workers start with ``spawn`` unless ``multiprocessing_context`` says
-    otherwise: :func:`init` opened a client (sockets and an event-loop thread) in this process,
-    and a ``fork`` of it was seen to hang workers.
+    ``num_workers``. Workers start with the platform's default method, as torch's do
+    (``fork`` on Linux), unless ``multiprocessing_context`` says otherwise: the client
+    :func:`init` opened runs no thread of its own, and a worker re-creates its connections.
 
     Raises:
         InvalidRequestError: ``collate_fn`` is given or ``persistent_workers`` is True (the
@@ -1471,8 +1503,6 @@ class StreamingDataLoader(_StreamingDataLoader):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
     ) -> None:
-        if num_workers > 0 and multiprocessing_context is None:
-            multiprocessing_context = "spawn"
         super().__init__(
             dataset,
             num_workers,

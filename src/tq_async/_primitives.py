@@ -1,0 +1,83 @@
+"""The few concurrency primitives the client logic uses, asynchronous flavour.
+
+The client's logic is written once, as async code (:mod:`tq_async._client` and its
+modules), and its blocking twin is generated from it (``scripts/unasync.py``): the generator
+rewrites ``import`` of this module into :mod:`tq_async._sync_primitives`, which offers the
+same names with blocking semantics. So the client modules use *these* names, never anyio or
+asyncio directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from ._errors import TQError
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["Event", "Lock", "Repeater", "cleanup_scope", "run_each", "run_sync_off_loop"]
+
+T = TypeVar("T")
+
+Lock = anyio.Lock
+Event = anyio.Event
+
+
+async def run_sync_off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread (a long copy must not stall the event loop)."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def run_each(
+    fn: Callable[..., Coroutine[Any, Any, None]], items: Iterable[tuple[Any, ...]]
+) -> None:
+    """``fn(*item)`` for every item, concurrently; the first failure cancels the rest and is
+    raised alone, as one call would raise it (the first ``TQError`` of the task group's
+    exception group, never the group)."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for item in items:
+                tg.start_soon(fn, *item)
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        raise next((e for e in leaves if isinstance(e, TQError)), leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+@contextlib.contextmanager
+def cleanup_scope(seconds: float) -> Iterator[None]:
+    """Clean-up after a failure: shielded from cancellation, bounded to ``seconds``."""
+    with anyio.move_on_after(seconds, shield=True):
+        yield
+
+
+class Repeater:
+    """Calls ``fn()`` every ``interval`` seconds until cancelled (a loop timer, no task)."""
+
+    __slots__ = ("_fn", "_handle", "_interval")
+
+    def __init__(self, interval: float, fn: Callable[[], Any]) -> None:
+        self._fn, self._interval = fn, interval
+        self._handle = asyncio.get_running_loop().call_later(interval, self._fire)
+
+    def _fire(self) -> None:
+        self._fn()
+        self._handle = asyncio.get_running_loop().call_later(self._interval, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

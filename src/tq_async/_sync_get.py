@@ -1,0 +1,585 @@
+# Generated from src/tq_async/_client_get.py by scripts/unasync.py: do not edit; change
+# the source and run `python scripts/unasync.py`.
+"""The client's reads: get_meta (which rows), get_data (their cells), get (both at once).
+
+``get`` takes the cells along with the metadata when the controller can send them (one round
+trip); otherwise the cells come from each unit, through its shared memory on the same host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+from tensordict import TensorDict
+
+from ._buffers import buffer_pool
+from ._codec import check_text, columns_to_tensordict
+from ._columns import (
+    Column,
+    ColumnHeader,
+    column_frame_count,
+    column_from_frames,
+    empty_column,
+    join_columns,
+    positions_by_unit,
+    reorder_column,
+)
+from ._devices import check_device, to_device_now
+from ._errors import (
+    BrokenError,
+    InvalidRequestError,
+    ProtocolError,
+)
+from ._logging import get_logger
+from ._meta import BatchMeta
+from ._protocol import (
+    Ack,
+    FieldSchema,
+    GetMeta,
+    MetaReply,
+    Release,
+    Reply,
+    ShmFree,
+    StoredColumns,
+    StoreGet,
+    check_int,
+    check_sampling_config,
+    check_seconds,
+)
+from ._shm import ArenaMap
+from ._sync_base import THREAD_COPY_BYTES, ClientBase, check_fields, decode
+from ._sync_dealer import BlockingConnection
+from ._sync_primitives import cleanup_scope, run_each, run_sync_off_loop
+
+__all__ = ["ClientGets"]
+
+log = get_logger(__name__)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return check_int("batch_size", batch_size, 1)
+
+
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
+def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
+
+    def copy() -> list[Any]:
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
+        return run_sync_off_loop(copy)
+    return copy()
+
+
+def _stored_columns(
+    stored: StoredColumns, frames: Sequence[Any], n_rows: int
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
+    if stored.n_rows != n_rows:
+        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
+    columns: list[Column] = []
+    pos = 0
+    for h in stored.columns:
+        k = column_frame_count(h)  # too few frames: column_from_frames says so
+        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("a storage reply carried extra frames")
+    return stored.columns, columns
+
+
+def _inline_parts(
+    got: MetaReply, frames: Sequence[Any]
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
+    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
+    assert got.inline is not None
+    by_unit = positions_by_unit(got.units)
+    if len(got.inline) != len(by_unit):
+        raise ProtocolError(
+            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
+        )
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+    pos = 0
+    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
+        k = sum(column_frame_count(h) for h in stored.columns)
+        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("an inline reply carried extra frames")
+    return by_unit, parts
+
+
+def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _merge_parts(
+    n: int,
+    by_unit: dict[int, list[int]],
+    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
+) -> tuple[list[ColumnHeader], list[Column]]:
+    """One column per field, rows back in batch order, from the parts of several units."""
+    if len(by_unit) == 1:
+        return parts[next(iter(by_unit))]
+    order = [pos for positions in by_unit.values() for pos in positions]
+    inverse = [0] * n
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    names = parts[next(iter(by_unit))][0]
+    headers, columns = [], []
+    for j in range(len(names)):
+        # units may answer one field with different row shapes: join them like a unit does
+        header, merged = join_columns(
+            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
+        )
+        headers.append(header)
+        columns.append(reorder_column(merged, inverse))
+    return headers, columns
+
+
+def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_best_effort(ShmFree([], [stored.pin]))
+
+
+class ClientGets(ClientBase):
+    """The read calls of :class:`~tq_async.Client`."""
+
+    def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+    ) -> BatchMeta:
+        """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task.
+
+        Waits (event-driven, no polling) until the sampler finds enough rows. In ``"fetch"``
+        mode the rows are marked consumed for ``task_name``; ``"peek"`` consumes nothing.
+
+        Args:
+            data_fields: the fields the rows must have (and that ``get_data`` will read).
+            batch_size: rows wanted (a sampler may return a short last batch once the
+                partition is sealed).
+            partition_id: the partition to read; it need not exist yet.
+            task_name: the consuming task; each task consumes every row once.
+            sampling_config: passed to the sampler, e.g. ``{"dp_rank": 0, "batch_index": 3}``.
+                With ``batch_index``, the same ``(task, dp_rank, batch_index)`` always
+                returns the same rows (replicas and replays read the recorded batch). With
+                ``dp_size`` too (and optionally ``tail``: ``"uneven"``, ``"drop"`` or
+                ``"error"``), batch ``b`` is decided for all ``dp_size`` ranks at once, every
+                rank gets a reply for it and the stream ends for all ranks at the same
+                ``batch_index``; under ``"uneven"`` a rank's share may be empty (0 rows,
+                ``end_of_stream`` False).
+            mode: ``"fetch"`` or ``"peek"``.
+            timeout: seconds to wait for rows; None waits until data arrives or the call is
+                cancelled.
+            stop_when_consumed: also return end-of-stream (instead of waiting) once the
+                partition holds rows and the task has consumed all of them, sealed or not.
+            lease: seconds the delivered rows stay leased to this caller. Unless
+                acknowledged in time (:meth:`ack`, or ``ack=`` on the next request), they
+                return to the task and are delivered again: at-least-once, and exactly-once
+                for consumers that acknowledge.
+            ack: batches this request acknowledges (typically the previous one).
+
+        Returns:
+            A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
+            sealed and every row has been consumed by the task. With ``dp_size`` in
+            ``sampling_config`` it may also be empty without ``end_of_stream``: this rank's
+            share of the last global batch; run the step anyway so collectives stay in step.
+
+        Raises:
+            TQTimeoutError: not enough rows within ``timeout`` (nothing was consumed).
+            InvalidRequestError: bad arguments (e.g. ``data_fields`` not a list).
+
+        Cancellation: the controller drops the waiting request; if rows had already been
+        handed out, they are released back to the task (a batch recorded under a
+        ``batch_index`` stays readable by that index instead).
+        """
+        meta, _, _ = self._get_meta(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=0,
+        )
+        return meta
+
+    def _get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+        *,
+        mode: str,
+        timeout: float | None,
+        stop_when_consumed: bool,
+        lease: float | None,
+        ack: BatchMeta | Sequence[BatchMeta] | None,
+        inline_bytes: int,
+    ) -> tuple[BatchMeta, MetaReply, list[Any]]:
+        """:meth:`get_meta`, plus the raw reply and its frames (cells sent inline)."""
+        fields = check_fields(data_fields)
+        _check_batch_size(batch_size)
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError(
+                f"partition_id must be a non-empty string, got {partition_id!r}"
+            )
+        check_text("task_name", task_name)
+        check_text("partition_id", partition_id)
+        if mode not in ("fetch", "peek"):
+            raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
+        check_seconds("timeout", timeout)
+        check_seconds("lease", lease)
+        cfg = dict(sampling_config) if sampling_config else None
+        _check_dp_config(cfg)
+        check_sampling_config(cfg)
+        recorded = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
+        req = GetMeta(
+            partition_id,
+            fields,
+            batch_size,
+            task_name,
+            cfg,
+            mode,
+            timeout,
+            stop_when_consumed,
+            lease,
+            _lease_ids(ack),
+            inline_bytes,
+        )
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            if not reply.ok or mode != "fetch" or recorded:
+                return
+            late: MetaReply = decode(reply.payload, MetaReply)
+            if late.rows and self._links.controller is not None:
+                undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
+                self._links.controller.send_best_effort(undo)
+
+        client_deadline = None if timeout is None else timeout + self.request_timeout
+        payload, frames = self._links.ctl().request(
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
+        )
+        got: MetaReply = decode(payload, MetaReply)
+        self._links.note_epoch(got.units_epoch)
+        meta = BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            task_name=task_name,
+            batch_index=cfg.get("batch_index") if cfg else None,
+            end_of_stream=got.end_of_stream,
+            policy_versions=got.versions,
+            lease_id=got.lease_id,
+            incarnation=got.incarnation,
+            keys=got.keys or [],
+        )
+        return meta, got, frames
+
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> TensorDict:
+        """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
+
+        A field whose rows were put with different shapes (a rollout padded per batch) comes
+        back dense when the rows read share a shape, and as a jagged nested tensor when they
+        differ in their first dimension. Rows that differ in a later dimension cannot form one
+        tensor: reading them together raises :class:`~tq_async.SchemaError`.
+
+        Args:
+            meta: the rows to read.
+            fields: the fields to read (default: ``meta.field_names``).
+            nested: ``True``, or the names of fields, to get tensor fields back as jagged
+                nested tensors even when their rows share a shape (rows of at least one
+                dimension; a dense ``[B, L]`` becomes a nested tensor of ``B`` rows of length
+                ``L``), for code that wants one type whatever was put.
+            device: deliver the tensor fields on this device (e.g. ``"cuda:0"``): copied
+                through pinned memory with ``non_blocking`` copies, waited for off the event
+                loop. None (or ``"cpu"``): host memory of the caller's own.
+
+        Returns:
+            ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
+            received buffers when one unit holds the rows), jagged columns as jagged nested
+            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows asks no
+            storage unit: at end of stream it gives ``TensorDict(batch_size=[0])`` without
+            columns; otherwise (a rank's empty share of a global batch) every field with 0
+            rows and its dtype and row shape (a jagged field: an empty jagged column), as a
+            non-empty batch of the same fields would have.
+
+        Raises:
+            RowsNotFound: some rows were cleared.
+            SchemaError: rows of a field differ in more than their first dimension.
+
+        Cancellation: nothing changes on the services (reads have no side effects).
+        """
+        names = list(fields) if fields is not None else list(meta.field_names)
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        n = len(meta)
+        if n == 0 or not names:
+            return to_device_now(self._empty(meta, names, as_nested), target)
+        headers, columns = self._fetch_columns(meta, names)
+        return to_device_now(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
+
+    def _empty(
+        self, meta: BatchMeta, names: list[str], nested: bool | frozenset[str]
+    ) -> TensorDict:
+        """A batch of 0 rows: end of stream has no columns; any other (a rank's empty share)
+        carries every field with 0 rows, its dtype and row shape, as a non-empty batch of
+        the same fields would (one question to the controller, no storage unit)."""
+        if meta.end_of_stream or not names or len(meta):
+            return TensorDict({}, batch_size=[len(meta)])
+        headers = self._links.call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        by_name = {h.name: h for h in headers}
+        known = [by_name[f] for f in names if f in by_name]
+        return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
+
+    def _fetch_columns(
+        self, meta: BatchMeta, names: list[str]
+    ) -> tuple[list[ColumnHeader], list[Column]]:
+        """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit."""
+        by_unit = positions_by_unit(meta.units)
+        parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+
+        def fetch(unit: int, positions: list[int]) -> None:
+            rows = (
+                meta.global_indexes
+                if len(by_unit) == 1
+                else [meta.global_indexes[i] for i in positions]
+            )
+            conn, arena = self._links.data_link(unit)
+            nixl = None
+            if arena is None and self._links.nixl is not None:  # another host: NIXL
+                nixl = self._links.nixl.link(unit, conn, self.request_timeout)
+            shm = arena is not None or nixl is not None
+            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
+            if not shm:
+                payload, frames = self._links.unit_request(unit, get)
+            else:
+
+                def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+                    _release_pin(conn, reply)
+
+                payload, frames = conn.request(
+                    get, timeout=self.request_timeout, on_abandon=on_abandon
+                )
+            stored: StoredColumns = decode(payload, StoredColumns)
+            if stored.shm_spans is not None:
+                pin = stored.pin
+                try:
+                    if not shm or frames:
+                        raise ProtocolError("an unexpected shared-memory reply")
+                    if arena is not None:
+                        frames = _copy_spans(arena, stored.shm_spans)
+                    else:
+                        assert nixl is not None
+                        assert self._links.nixl is not None
+                        got = self._links.nixl.read(
+                            unit, nixl, stored.shm_spans, self.request_timeout
+                        )
+                        if got is None:  # the transfer failed: read through the socket
+                            get.shm = False
+                            payload, frames = self._links.unit_request(unit, get)
+                            stored = decode(payload, StoredColumns)
+                        else:
+                            frames = got
+                finally:
+                    conn.send_best_effort(ShmFree([], [pin]))
+            parts[unit] = _stored_columns(stored, frames, len(rows))
+
+        if len(by_unit) == 1:
+            ((unit, positions),) = by_unit.items()
+            fetch(unit, positions)
+        else:
+            run_each(fetch, by_unit.items())
+        return _merge_parts(len(meta), by_unit, parts)
+
+    def get(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> tuple[TensorDict, BatchMeta]:
+        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
+
+        One round trip when the controller can send the cells along (they sit in storage
+        units of its own process and take at most ``inline_get_bytes``); two otherwise. The
+        result is the same either way. ``nested`` and ``device`` are :meth:`get_data`'s. A
+        batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
+        storage unit; its ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share
+        carries every field with 0 rows).
+
+        Cancellation: if the data was not delivered, fetched rows are released back to the
+        task (unless recorded under a ``batch_index``, which stays replayable).
+        """
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        meta, got, frames = self._get_meta(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=self.inline_get_bytes,
+        )
+        try:
+            if not len(meta):  # end of stream or an empty share: no unit to ask
+                td = to_device_now(self._empty(meta, list(meta.field_names), as_nested), target)
+            elif got.inline is not None:  # the controller sent the cells along: no get_data
+                headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
+                td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
+                td = to_device_now(td, target)
+            else:
+                td = self.get_data(meta, nested=as_nested, device=target)
+            if lease is None and meta.lease_id and self._links.controller is not None:
+                # an auto-clear hold: the data is read, the rows may be freed now
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))
+        except BaseException:
+            if mode == "fetch" and meta.batch_index is None and len(meta):
+                # the rows go back, and their lease or hold is dropped with them
+                with cleanup_scope(5):
+                    self.release(meta)
+            elif lease is None and meta.lease_id and self._links.controller is not None:
+                self._links.controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
+            raise
+        return td, meta
+
+    def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
+        """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
+        ids = _lease_ids(metas)
+        if ids:
+            self._links.call(Ack(ids), None)
+
+    def release(self, meta: BatchMeta) -> None:
+        """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        if meta.task_name is None:
+            raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
+        body = Release(
+            meta.partition_id,
+            meta.task_name,
+            meta.global_indexes,
+            meta.incarnation,
+            meta.lease_id or 0,
+        )
+        self._links.call(body, None)

@@ -1,0 +1,340 @@
+"""The blocking client's rules and faults: threads, the services' loop, a killed controller,
+Ctrl-C, and ``fork`` (a forked child's client re-creates its connections; never a hang)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import tq_async as tq
+from tq_async._buffers import buffer_pool
+
+_FORK = mp.get_context("fork")
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``tq-async serve`` in its own process: (address, process)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.startswith("TQ_ADDRESS="), line
+    try:
+        yield line.split("=", 1)[1], proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def _until(condition: Any, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _waiting(client: tq.Client) -> bool:
+    """A call of ``client`` is waiting on its controller connection."""
+    return bool(client._links.controller is not None and client._links.controller._busy.locked())
+
+
+def test_a_second_thread_is_refused_at_once_naming_the_rule() -> None:
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+    ):
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(client.get_meta(["x"], 1, "p", "t")), daemon=True
+        )
+        waiter.start()
+        _until(lambda: _waiting(client), "the get_meta to wait")
+        started = time.monotonic()
+        with pytest.raises(tq.InvalidRequestError, match="one thread at a time"):
+            client.list_partitions()
+        assert time.monotonic() - started < 0.1
+        with tq.Client.connect(cluster.address) as other:  # one client per thread works
+            other.put({"x": torch.ones(1)}, partition_id="p")
+        waiter.join(30)
+        assert len(got[0]) == 1
+
+
+async def test_a_blocking_call_on_the_services_loop_fails_at_once() -> None:
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        started = time.monotonic()
+        with pytest.raises(tq.InvalidRequestError, match="would block the event loop"):
+            tq.Client.connect(cluster.address).open()
+        assert time.monotonic() - started < 0.1
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["unix-socket", "tcp"])
+def test_controller_killed_during_a_blocking_call_is_broken_at_once(
+    served: tuple[str, subprocess.Popen[str]], same_host: bool
+) -> None:
+    address, proc = served
+    with tq.Client.connect(address, same_host=same_host) as client:
+        killer = threading.Thread(
+            target=lambda: (_until(lambda: _waiting(client), "get_meta"), proc.kill()),
+            daemon=True,
+        )
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(tq.BrokenError):
+            client.get_meta(["x"], 1, "p", "t")  # waits for rows that never come
+        killer.join(10)
+        assert time.monotonic() - started < 5.0
+
+
+_CTRL_C = """
+import os, signal, sys, threading, time, torch, tq_async as tq
+address = sys.argv[1]
+with tq.Client.connect(address) as client:
+    client.list_partitions()
+    conn = client._links.controller
+    def interrupt():
+        while not conn._busy.locked():
+            time.sleep(0.001)
+        time.sleep(0.05)  # the request is on the service (sent before the lock is seen)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        client.get_meta(["x"], 1, "p", "t")
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+    client.put({"x": torch.arange(1)}, partition_id="p")
+    # the cancelled get_meta took nothing: the row is there for the same task
+    print(len(client.get_meta(["x"], 1, "p", "t", timeout=10)))
+"""
+
+
+def test_ctrl_c_during_a_blocking_get_meta_cancels_it_on_the_service(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    address, _ = served
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C, address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split() == ["interrupted", "1"], out.stderr
+
+
+# ---- fork ------------------------------------------------------------------------------------
+
+
+def _use_inherited(client: tq.Client, queue: Any) -> None:
+    client.put({"x": torch.arange(3) + 10}, partition_id="child")
+    td, _ = client.get(["x"], 3, "child", "t")
+    big = client.put({"y": torch.full((64, 1024), 2.0)}, partition_id="child")  # shared memory
+    assert client.get_data(big)["y"].sum().item() == 2.0 * 64 * 1024
+    queue.put(td["x"].tolist())
+
+
+@pytest.mark.parametrize("where", ["serve", "background"])
+def test_a_client_used_in_a_forked_child_reconnects_and_the_parents_keeps_working(
+    served: tuple[str, subprocess.Popen[str]], where: str
+) -> None:
+    def run(address: str) -> None:
+        with tq.Client.connect(address) as client:
+            client.put({"x": torch.arange(4)}, partition_id="p")  # sockets in use
+            big = client.put({"y": torch.ones(64, 1024)}, partition_id="q")  # arenas mapped
+            queue = _FORK.Queue()
+            proc = _FORK.Process(target=_use_inherited, args=(client, queue))
+            proc.start()
+            assert queue.get(timeout=60) == [10, 11, 12]
+            proc.join(30)
+            assert proc.exitcode == 0
+            td, _ = client.get(["x"], 4, "p", "t")  # the parent's connections are untouched
+            assert td["x"].tolist() == [0, 1, 2, 3]
+            assert client.get_data(big)["y"].sum().item() == 64 * 1024
+
+    if where == "serve":
+        run(served[0])
+    else:  # services on a thread of this very process: the child reaches them by socket
+        with tq.background_cluster(num_storage_units=1) as cluster:
+            run(cluster.address)
+
+
+def _copy_in_child(queue: Any) -> None:
+    buffer_pool.copy(memoryview(bytearray(1 << 20)))
+    queue.put("copied")
+
+
+def test_a_lock_another_thread_held_at_fork_does_not_hang_the_child() -> None:
+    # the hang class behind "forked DataLoader workers hang": a thread of the parent (the
+    # services' loop, a copy on a worker thread) holds a lock at the instant of the fork
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with buffer_pool._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(10)
+    queue = _FORK.Queue()
+    proc = _FORK.Process(target=_copy_in_child, args=(queue,))
+    proc.start()
+    try:
+        assert queue.get(timeout=30) == "copied"
+    finally:
+        release.set()
+        proc.join(30)
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.exitcode == 0
+
+
+# ---- a forked 4-rank x 2-worker DataLoader, every rank holding an open client ---------------
+
+_RANKS, _WORKERS, _ROWS = 4, 2, 16
+
+
+def _rank(address: str, rank: int, client: tq.Client, queue: Any) -> None:
+    client.list_partitions()  # the inherited client, used in the rank before its workers fork
+    dataset = tq.StreamingDataset(address, ["x"], 2, 2, "p", f"task{rank}", prefetch=2)
+    loader = tq.StreamingDataLoader(dataset, num_workers=_WORKERS, timeout=60)
+    got = sorted(int(v) for td, _ in loader for v in td["x"].view(-1).tolist())
+    client.list_partitions()
+    queue.put((rank, got))
+
+
+def forked_loaders(address: str) -> dict[int, list[int]]:
+    """One run: 4 forked ranks, each with 2 forked DataLoader workers; rank -> rows read."""
+    with tq.Client.connect(address) as client:
+        client.put({"x": torch.arange(_ROWS)}, partition_id="p")
+        client.seal("p")
+        queue = _FORK.Queue()
+        procs = [
+            _FORK.Process(target=_rank, args=(address, r, client, queue)) for r in range(_RANKS)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(queue.get(timeout=120) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.exitcode is None:
+                    p.kill()
+        assert [p.exitcode for p in procs] == [0] * _RANKS
+        client.clear_partition("p")
+        return got
+
+
+def test_forked_ranks_with_forked_loader_workers_finish() -> None:
+    with tq.background_cluster(num_storage_units=2) as cluster:
+        for _ in range(2):
+            got = forked_loaders(cluster.address)
+            assert got == {r: list(range(_ROWS)) for r in range(_RANKS)}
+
+
+# ---- the same connection kinds and recoveries as the async client ---------------------------
+
+
+def test_curve_through_the_blocking_client() -> None:
+    server_public, server_secret = tq.curve_keypair()
+    good_public, good_secret = tq.curve_keypair()
+    bad_public, bad_secret = tq.curve_keypair()
+    server = tq.CurveServer(server_public, server_secret, allowed_clients=[good_public])
+    with tq.background_cluster(num_storage_units=2, curve=server) as cluster:
+        good = tq.CurveClient(server_public, good_public, good_secret)
+        with tq.Client.connect(cluster.address, curve=good) as client:
+            meta = client.put({"x": torch.arange(4)}, "p")
+            assert client.get_data(meta)["x"].tolist() == [0, 1, 2, 3]
+            big = client.put({"y": torch.ones(64, 1024)}, "p")  # straight to the units
+            assert client.get_data(big)["y"].sum().item() == 64 * 1024
+        unknown = tq.CurveClient(server_public, bad_public, bad_secret)
+        started = time.monotonic()
+        with pytest.raises((tq.BrokenError, tq.TQTimeoutError, tq.AuthenticationError)):
+            tq.Client.connect(cluster.address, curve=unknown, request_timeout=0.3).open()
+        assert time.monotonic() - started < 5
+
+
+def test_the_blocking_client_follows_a_unit_restarted_on_a_new_port() -> None:
+    from _cluster_proc import serve_role
+
+    big = {"x": torch.full((64, 1024), 1.0)}  # 256 KiB: straight to the units
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address)
+        with (
+            serve_role(*args, "--unit-id", "0", line="TQ_UNIT="),
+            serve_role(*args, "--unit-id", "1", line="TQ_UNIT=") as (u1, _unit1),
+            tq.Client.connect(address, request_timeout=10) as client,
+        ):
+            before = [client.put(big, "p") for _ in range(2)]
+            assert sorted(m.units[0] for m in before) == [0, 1]
+            u1.send_signal(signal.SIGKILL)
+            u1.wait(timeout=10)
+            with serve_role(*args, "--unit-id", "1", line="TQ_UNIT="):
+                after = [client.put(big, "q") for _ in range(4)]
+                assert sorted(m.units[0] for m in after) == [0, 0, 1, 1]
+                for m in after:
+                    assert client.get_data(m)["x"][0, 0].item() == 1.0
+                on_1 = next(m for m in before if m.units[0] == 1)
+                with pytest.raises(tq.RowsNotFound):
+                    client.get_data(on_1)
+
+
+def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:
+    # inproc has no disconnect events: the closing endpoint wakes the blocked thread itself
+    cluster = tq.background_cluster(num_storage_units=1)
+    try:
+        with tq.Client.connect(cluster.address) as client:
+            assert client._links.controller is not None
+            assert client._links.controller.inproc
+            closer = threading.Thread(
+                target=lambda: (_until(lambda: _waiting(client), "get_meta"), cluster.close()),
+                daemon=True,
+            )
+            closer.start()
+            started = time.monotonic()
+            with pytest.raises((tq.BrokenError, tq.ClosedError)):
+                client.get_meta(["x"], 1, "p", "t")
+            closer.join(30)
+            assert time.monotonic() - started < 5.0
+    finally:
+        cluster.close()
+
+
+def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    # retry_after: no reply yet -> reconnect under the same identity and resend; the service
+    # deduplicates, so the put runs once
+    address, proc = served
+    with tq.Client.connect(address, retry_after=0.2, request_timeout=30) as client:
+        client.put({"x": torch.arange(2)}, partition_id="p")
+        reconnects = client._links.controller.reconnects if client._links.controller else 0
+        proc.send_signal(signal.SIGSTOP)
+        resumer = threading.Timer(1.0, proc.send_signal, args=(signal.SIGCONT,))
+        resumer.start()
+        try:
+            client.put({"x": torch.arange(2) + 2}, partition_id="p")  # waits out the pause
+        finally:
+            resumer.join()
+        assert client._links.controller is not None
+        assert client._links.controller.reconnects > reconnects
+        td, _ = client.get(["x"], 4, "p", "t", timeout=10)
+        assert sorted(td["x"].tolist()) == [0, 1, 2, 3]  # each put once
+        with pytest.raises(tq.TQTimeoutError):  # and nothing more is there
+            client.get_meta(["x"], 1, "p", "t", timeout=0.2)
