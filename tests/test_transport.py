@@ -227,3 +227,31 @@ async def test_in_process_connections_never_poll() -> None:
 def test_busy_poll_is_checked(value: object) -> None:
     with pytest.raises(tq.InvalidRequestError, match="busy_poll"):
         tq.AsyncClient.connect("tcp://127.0.0.1:1", busy_poll=value)  # type: ignore[arg-type]
+
+
+async def test_a_refusal_read_before_the_request_still_says_nothing_listens() -> None:
+    # the monitor's refusal event can arrive before the first request is made (a fast
+    # machine): the request must still give the precise reason, not a guess
+    refused = anyio.Event()
+    conn = DealerConnection("tcp://127.0.0.1:9", refused_is_broken=True, on_disconnect=refused.set)
+    try:
+        with anyio.fail_after(10):
+            await refused.wait()
+        with pytest.raises(tq.BrokenError, match=r"nothing listens at tcp://127\.0\.0\.1:9"):
+            await conn.request(ListPartitions(), timeout=5)
+    finally:
+        conn.close()
+
+
+def test_a_refusal_read_before_the_blocking_request_still_says_nothing_listens() -> None:
+    from tq_async._sync_dealer import BlockingConnection
+
+    conn = BlockingConnection("tcp://127.0.0.1:9", refused_is_broken=True)
+    try:
+        assert conn._monitor is not None
+        # wait (no sleep) until the refusal event is there; the request reads it first
+        assert conn._monitor.poll(10_000), "libzmq reported no connection attempt"
+        with pytest.raises(tq.BrokenError, match=r"nothing listens at tcp://127\.0\.0\.1:9"):
+            conn.request(ListPartitions(), timeout=5)
+    finally:
+        conn.close()

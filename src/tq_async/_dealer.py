@@ -148,6 +148,7 @@ class DealerConnection(DrainedSocket):
         self.refused_is_broken = refused_is_broken
         #: False once the connection broke, until it is re-established
         self.connected: bool | None = None
+        self._broken_why: str | None = None
         self.reconnects = 0
         self._context = context or zmq_context()
         self._curve = curve
@@ -319,6 +320,9 @@ class DealerConnection(DrainedSocket):
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self.connected = False
+        #: a precise reason (nothing listens there) outlives the event: a request made after
+        #: the event was read gives it, not a guess from the peer's process state
+        self._broken_why = why
         if why is None:
             # a peer that closed the connection itself is gone (a paused one closes nothing)
             cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
@@ -443,6 +447,8 @@ class DealerConnection(DrainedSocket):
                 "connect a new client in this process"
             )
         if self.connected is False:
+            if self._broken_why is not None:
+                raise BrokenError(self._broken_why)
             raise BrokenError(
                 f"the connection to {self.address} is broken ({self._why_broken()}); retry "
                 "once it is back"

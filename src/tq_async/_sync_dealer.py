@@ -116,6 +116,7 @@ class BlockingConnection:
         #: successful connection); afterwards a refusal is a restarting service
         self.refused_is_broken = refused_is_broken
         self.connected: bool | None = None
+        self._broken_why: str | None = None
         self.reconnects = 0
         self._curve = curve
         self._identity = uuid.uuid4().bytes
@@ -355,6 +356,9 @@ class BlockingConnection:
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self.connected = False
+        #: a precise reason (nothing listens there) outlives the event: a request made after
+        #: the event was read gives it, not a guess from the peer's process state
+        self._broken_why = why
         if why is None:
             cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
             why = (
@@ -437,6 +441,8 @@ class BlockingConnection:
     def _check_usable(self) -> None:
         self._check_open()
         if self.connected is False:
+            if self._broken_why is not None:
+                raise BrokenError(self._broken_why)
             raise BrokenError(
                 f"the connection to {self.address} is broken ({self._why_broken()}); retry "
                 "once it is back"
