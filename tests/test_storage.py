@@ -47,3 +47,35 @@ def test_a_jagged_view_counts_only_its_rows() -> None:
     assert col.values.shape[0] == 10  # the whole chunk is still referenced...
     assert column_nbytes(col) == 4 + 16  # ...but only row 3's 4 bytes (+ offsets) travel
     assert sum(memoryview(f).nbytes for f in column_to_frames(JAGGED, col)) == 4 + 16
+
+
+def test_overwrites_and_clears_match_a_model_and_free_every_chunk() -> None:
+    # random puts over overlapping rows, partial clears and reads in any order: every read
+    # returns the latest value of each cell, and once everything is cleared no chunk and no
+    # byte is held (an overwritten or cleared cell releases its chunk)
+    rng = np.random.default_rng(7)
+    state = StorageState()
+    model: dict[int, int] = {}  # row -> the first dense value written for it last
+    for step in range(300):
+        action = rng.integers(0, 4)
+        if action < 2 or not model:
+            rows = sorted({int(r) for r in rng.integers(0, 64, size=int(rng.integers(1, 12)))})
+            start = 1000 * step
+            put(state, rows, start)
+            for k, r in enumerate(rows):
+                model[r] = start + 2 * k
+        elif action == 2:
+            rows = [int(r) for r in rng.choice(sorted(model), size=min(5, len(model)))]
+            rows = list(dict.fromkeys(rows))
+            state.clear("p", rows)
+            for r in rows:
+                del model[r]
+        else:
+            rows = [int(r) for r in rng.permutation(sorted(model))[:20]]
+            _, (dense,) = state.get("p", rows, ["x"])
+            assert dense.data.view(np.int64)[:, 0].tolist() == [model[r] for r in rows]  # type: ignore[union-attr]
+    assert state.resident_bytes > 0
+    state.clear("p", None)
+    assert state.resident_bytes == 0
+    assert state._chunks == {}
+    assert state.stats().rows == 0

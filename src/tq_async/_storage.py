@@ -16,6 +16,7 @@ a region may be reused as soon as its rows are gone.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
 import time
@@ -86,6 +87,11 @@ def _joined_nbytes(pieces: Sequence[Column]) -> int:
     return size
 
 
+#: a cell is ``chunk serial << _CELL_BITS | position in the chunk``
+_CELL_BITS = 32
+_POSITION = (1 << _CELL_BITS) - 1
+
+
 class _Chunk:
     __slots__ = ("column", "header", "live", "nbytes", "region")
 
@@ -113,8 +119,12 @@ class StorageState:
         self.arena = arena
         #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
         self.nixl: UnitNixl | None = None
-        # partition -> field -> row -> (chunk, position)
-        self._index: dict[str, dict[str, dict[int, tuple[_Chunk, int]]]] = {}
+        # partition -> field -> row -> cell: ``serial << 32 | position`` of the row in the
+        # chunk ``_chunks[serial]`` (a plain int: a tuple holding the chunk would be one more
+        # object for the garbage collector to scan, per cell -- most of a 1M-row put)
+        self._index: dict[str, dict[str, dict[int, int]]] = {}
+        self._chunks: dict[int, _Chunk] = {}
+        self._serials = itertools.count(1)
         self.resident_bytes = 0
         #: the partition incarnation whose cells ``_index[partition]`` holds (when known)
         self._incarnation: dict[str, str] = {}
@@ -200,15 +210,21 @@ class StorageState:
         for chunk in chunks:
             index = fields.setdefault(chunk.header.name, {})
             self.resident_bytes += chunk.nbytes
-            for i, r in enumerate(rows):
-                old = index.get(r)
-                if old is not None:
-                    self._drop(old[0])
-                index[r] = (chunk, i)
+            serial = next(self._serials)
+            self._chunks[serial] = chunk
+            # cells overwritten release their old chunk; the index is then updated in one C
+            # loop (a Python loop over a 1M-row put took most of its time)
+            for r in index.keys() & rows:
+                self._drop(index[r] >> _CELL_BITS)
+            first = serial << _CELL_BITS
+            index.update(zip(rows, range(first, first + n), strict=True))
 
-    def _drop(self, chunk: _Chunk) -> None:
+    def _drop(self, serial: int) -> None:
+        """One cell of chunk ``serial`` is gone (overwritten or cleared)."""
+        chunk = self._chunks[serial]
         chunk.live -= 1
         if chunk.live == 0:
+            del self._chunks[serial]
             self.resident_bytes -= chunk.nbytes
             if chunk.region is not None and self.arena is not None:
                 self.arena.release(chunk.region)
@@ -248,28 +264,24 @@ class StorageState:
                 raise RowsNotFound(f"field {name!r} of partition {partition_id!r} is not stored")
             pieces: list[Column] = []
             piece_headers: list[ColumnHeader] = []
-            run_chunk: _Chunk | None = None
-            a = b = 0
+            # runs of consecutive cells of one chunk: cells [start, end)
+            start = end = -1
             for r in rows:
                 try:
-                    chunk, i = index[r]
+                    cell = index[r]
                 except KeyError:
                     raise RowsNotFound(
                         f"row {r} of field {name!r} in partition {partition_id!r} is not stored "
                         "(never written, or cleared)"
                     ) from None
-                if chunk is run_chunk and i == b:
-                    b += 1
+                if cell == end:  # the next position in the same chunk
+                    end += 1
                     continue
-                if run_chunk is not None:
-                    pieces.append(take_rows(run_chunk.column, [(a, b)]))
-                    piece_headers.append(run_chunk.header)
-                if touched is not None:
-                    touched.append(chunk)
-                run_chunk, a, b = chunk, i, i + 1
-            if run_chunk is not None:
-                pieces.append(take_rows(run_chunk.column, [(a, b)]))
-                piece_headers.append(run_chunk.header)
+                if start >= 0:
+                    self._take(start, end, pieces, piece_headers, touched)
+                start, end = cell, cell + 1
+            if start >= 0:
+                self._take(start, end, pieces, piece_headers, touched)
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             if budget is not None:
@@ -281,6 +293,22 @@ class StorageState:
             headers.append(header)
             columns.append(column)
         return headers, columns
+
+    def _take(
+        self,
+        start: int,
+        end: int,
+        pieces: list[Column],
+        headers: list[ColumnHeader],
+        touched: list[_Chunk] | None,
+    ) -> None:
+        """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
+        chunk = self._chunks[start >> _CELL_BITS]
+        a = start & _POSITION
+        pieces.append(take_rows(chunk.column, [(a, a + end - start)]))
+        headers.append(chunk.header)
+        if touched is not None:
+            touched.append(chunk)
 
     def read(
         self,
@@ -375,8 +403,8 @@ class StorageState:
             self._incarnation.pop(partition_id, None)
             freed = max((len(ix) for ix in stored.values()), default=0)
             for index in stored.values():
-                for chunk, _ in index.values():
-                    self._drop(chunk)
+                for cell in index.values():
+                    self._drop(cell >> _CELL_BITS)
             del self._index[partition_id]
             return freed
         freed_rows: set[int] = set()
@@ -384,7 +412,7 @@ class StorageState:
             for r in rows:
                 entry = index.pop(r, None)
                 if entry is not None:
-                    self._drop(entry[0])
+                    self._drop(entry >> _CELL_BITS)
                     freed_rows.add(r)
         if all(not ix for ix in stored.values()):
             del self._index[partition_id]
