@@ -134,6 +134,7 @@ def _time_calls(times: dict[str, list[float]]) -> None:
 
     agent = _nixl.ClientAgent
     agent.read = timed("read", agent.read)  # type: ignore[method-assign]
+    agent.write = timed("write", agent.write)  # type: ignore[method-assign]
     agent._xfer = timed("transfer", agent._xfer)  # type: ignore[method-assign]
 
 
@@ -188,14 +189,24 @@ async def _per_call(address: str, rounds: int, breakdown: bool = False) -> None:
         # every NIXL get is one read; puts add their WRITEs to "transfer": the READs are the
         # first transfer of each (get, put) pair, as the loop above alternates them
         ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
-        reads = parts["transfer"][0::2] if len(parts["transfer"]) == 2 * rounds else []
+        one_each = len(parts["transfer"]) == 2 * rounds
+        reads = parts["transfer"][0::2] if one_each else []
+        writes = parts["transfer"][1::2] if one_each else []
         xfer = statistics.median(reads) * 1e3 if reads else float("nan")
+        wxfer = statistics.median(writes) * 1e3 if writes else float("nan")
         get_ms = statistics.median(times[("nixl", "get")]) * 1e3
+        put_ms = statistics.median(times[("nixl", "put")]) * 1e3
         print(
             f"a NIXL get_data: {get_ms:.2f} ms; ClientAgent.read {ms['read']:.2f} ms = its READ "
             f"{xfer:.2f} ms + copy out {ms['read'] - xfer:.2f} ms; the rest (request, pin, "
             f"threads, decoding) {get_ms - ms['read']:.2f} ms; a socket get_data "
             f"{statistics.median(times[('zmq', 'get')]) * 1e3:.2f} ms"
+        )
+        print(
+            f"a NIXL put: {put_ms:.2f} ms; ClientAgent.write {ms['write']:.2f} ms = copy in "
+            f"{ms['write'] - wxfer:.2f} ms + its WRITE {wxfer:.2f} ms; the rest (grant, "
+            f"StorePut, controller, encoding) {put_ms - ms['write']:.2f} ms; a socket put "
+            f"{statistics.median(times[('zmq', 'put')]) * 1e3:.2f} ms"
         )
 
 
