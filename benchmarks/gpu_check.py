@@ -13,7 +13,11 @@ prints, for a batch of ``--mib`` MiB of int64 in 4 columns:
   subprocess, this host: shared memory), and the longest event-loop stall while they run (a
   loop-lag probe; target < 1 ms);
 * ``AsyncStreamingDataset(device="cuda")``: batches per second;
-* GPU-direct NIXL and CUDA IPC between processes: reported as not implemented (GPU tensors
+* GPU -> GPU between two processes: torch's own CUDA IPC (a tensor sent through a
+  ``torch.multiprocessing`` queue, its handle opened and copied device to device in the
+  consumer: the reference a CUDA IPC path in tq_async would be held to) against tq_async's
+  path today (a put of CUDA tensors then ``get_data(device=)``: through shared memory);
+* GPU-direct NIXL and CUDA IPC inside tq_async: reported as not implemented (GPU tensors
   travel through host memory).
 
 Targets (issue 26): ``to_host``/``to_device`` >= 0.7x the baseline; loop stall < 1 ms.
@@ -50,6 +54,52 @@ def _baseline(torch: Any, cols: dict[str, Any], rounds: int) -> tuple[float, flo
         torch.cuda.synchronize()
         h2d.append(time.perf_counter() - t0)
     return _gbps(nbytes, d2h), _gbps(nbytes, h2d)
+
+
+def _ipc_consumer(queue: Any, done: Any, rounds: int) -> None:
+    """The consumer of :func:`ipc_between_processes` (a spawned process): receives each
+    tensor by its IPC handle, copies it into memory of its own and says when that is done."""
+    import torch
+
+    for _ in range(rounds):
+        sent_at, shared = queue.get()
+        own = shared.clone()  # on a GPU: a device-to-device copy out of the producer's memory
+        if own.is_cuda:
+            torch.cuda.synchronize(own.device)
+        took = time.perf_counter() - sent_at  # CLOCK_MONOTONIC: one clock for the host
+        done.put((took, int(own.sum().item())))
+        del shared, own  # the producer may free it once it hears from us
+
+
+def ipc_between_processes(torch: Any, device: str, nbytes: int, rounds: int) -> float:
+    """GB/s of torch's own inter-process sharing of a ``device`` tensor of ``nbytes``: the
+    producer puts it on a ``torch.multiprocessing`` queue (CUDA: an IPC handle; CPU: shared
+    memory), a spawned consumer copies it into memory of its own. The first round (the
+    consumer's CUDA context, the handle's first opening) is not counted.
+
+    Lifetime (torch's rules for CUDA IPC): the producer keeps the tensor alive, unmodified,
+    until the consumer has said it is done with it, and outlives the consumer's use."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    consumer = ctx.Process(target=_ipc_consumer, args=(queue, done, rounds + 1), daemon=True)
+    consumer.start()
+    x = torch.randint(0, 1 << 20, (nbytes // 8,), dtype=torch.int64, device=device)
+    want = int(x.sum().item())
+    times = []
+    try:
+        for _ in range(rounds + 1):
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            queue.put((time.perf_counter(), x))
+            took, total = done.get(timeout=300)
+            if total != want:
+                raise RuntimeError("the consumer's copy differs from the producer's tensor")
+            times.append(took)
+    finally:
+        consumer.join(60)
+        if consumer.is_alive():
+            consumer.kill()
+    return _gbps(x.numel() * 8, times[1:])
 
 
 async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -161,8 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{got['p99_loop_stall_ms']:.2f} ms (a stall includes this process being descheduled)"
     )
     print(f"AsyncStreamingDataset(device='cuda'): {got['dataset_batches_per_s']:.0f} batches/s")
+    ipc = ipc_between_processes(torch, "cuda", args.mib << 20, args.rounds)
+    print(f"GPU -> GPU between processes, torch CUDA IPC (handle + D2D copy): {ipc:.2f} GB/s")
+    both = 1 / (1 / got["put"] + 1 / got["get"])
+    print(
+        f"GPU -> GPU between processes through tq_async today (put, then get_data(device=); "
+        f"shared memory): {both:.2f} GB/s = {both / ipc:.2f}x torch CUDA IPC"
+    )
     print("NIXL with GPU memory (GPU-direct): not implemented; GPU tensors go through host memory")
-    print("CUDA IPC between processes: not implemented; same-host GPU tensors go through shm")
+    print("CUDA IPC inside tq_async: not implemented; same-host GPU tensors go through shm")
     return 0
 
 

@@ -4,6 +4,7 @@
     UCX_TLS=tcp python -m benchmarks.nixl_vs_zmq    # UCX over TCP only
     python -m benchmarks.nixl_vs_zmq --big 1024     # also a 1 GiB batch: client RSS growth
     python -m benchmarks.nixl_vs_zmq --per-call     # the paths alternated call by call
+    python -m benchmarks.nixl_vs_zmq --per-call --breakdown  # + where a NIXL read's time goes
 
 A controller and one storage unit run as ``tq-async serve`` processes (the unit with an arena
 big enough for the batches); this process is the client. Each data path — ``zmq`` (the socket,
@@ -117,12 +118,37 @@ async def _measure(address: str, path: str, rounds: int, big_mb: int) -> dict[st
     return out
 
 
-async def _per_call(address: str, rounds: int) -> None:
+def _time_calls(times: dict[str, list[float]]) -> None:
+    """Time the client's NIXL read (READ plus the copy out of staging) and its transfers."""
+    from tq_async import _nixl
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+
+        return call
+
+    agent = _nixl.ClientAgent
+    agent.read = timed("read", agent.read)  # type: ignore[method-assign]
+    agent.write = timed("write", agent.write)  # type: ignore[method-assign]
+    agent._xfer = timed("transfer", agent._xfer)  # type: ignore[method-assign]
+
+
+async def _per_call(address: str, rounds: int, breakdown: bool = False) -> None:
     """Both paths open at once, alternated call by call (get, then put): on a host shared
-    with other jobs, drift then hits both paths alike."""
+    with other jobs, drift then hits both paths alike. With ``breakdown``, also the medians
+    of the parts of a NIXL read (its READ, the copy out of staging, the rest)."""
     import torch
 
     import tq_async as tq
+
+    parts: dict[str, list[float]] = {}
+    if breakdown:
+        _time_calls(parts)
 
     batch, nbytes = _batch(256, 2048)
     times: dict[tuple[str, str], list[float]] = {}
@@ -141,6 +167,7 @@ async def _per_call(address: str, rounds: int) -> None:
             for _ in range(4):  # connections, agents, registrations, the arena's pages
                 await client.get_data(metas[path])
                 await client.clear_samples(await client.put(batch, partition_id=f"w-{path}"))
+        parts.clear()
         for _ in range(rounds):
             for path, client in clients.items():
                 t0 = time.perf_counter()
@@ -158,6 +185,29 @@ async def _per_call(address: str, rounds: int) -> None:
             f"{statistics.median(z) / statistics.median(n):.2f}x "
             f"(best calls {min(z) / min(n):.2f}x)"
         )
+    if breakdown:
+        # every NIXL get is one read; puts add their WRITEs to "transfer": the READs are the
+        # first transfer of each (get, put) pair, as the loop above alternates them
+        ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+        one_each = len(parts["transfer"]) == 2 * rounds
+        reads = parts["transfer"][0::2] if one_each else []
+        writes = parts["transfer"][1::2] if one_each else []
+        xfer = statistics.median(reads) * 1e3 if reads else float("nan")
+        wxfer = statistics.median(writes) * 1e3 if writes else float("nan")
+        get_ms = statistics.median(times[("nixl", "get")]) * 1e3
+        put_ms = statistics.median(times[("nixl", "put")]) * 1e3
+        print(
+            f"a NIXL get_data: {get_ms:.2f} ms; ClientAgent.read {ms['read']:.2f} ms = its READ "
+            f"{xfer:.2f} ms + copy out {ms['read'] - xfer:.2f} ms; the rest (request, pin, "
+            f"threads, decoding) {get_ms - ms['read']:.2f} ms; a socket get_data "
+            f"{statistics.median(times[('zmq', 'get')]) * 1e3:.2f} ms"
+        )
+        print(
+            f"a NIXL put: {put_ms:.2f} ms; ClientAgent.write {ms['write']:.2f} ms = copy in "
+            f"{ms['write'] - wxfer:.2f} ms + its WRITE {wxfer:.2f} ms; the rest (grant, "
+            f"StorePut, controller, encoding) {put_ms - ms['write']:.2f} ms; a socket put "
+            f"{statistics.median(times[('zmq', 'put')]) * 1e3:.2f} ms"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", type=int, default=0, metavar="MIB", help="also a batch of MIB")
     parser.add_argument(
         "--per-call", action="store_true", help="alternate the paths call by call instead"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="with --per-call: the parts of a NIXL read"
     )
     args = parser.parse_args(argv)
     from tq_async import _nixl
@@ -183,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}, {os.cpu_count()} CPUs")
         if args.per_call:
-            anyio.run(_per_call, address, args.rounds * args.repeat)
+            anyio.run(_per_call, address, args.rounds * args.repeat, args.breakdown)
             return 0
         results = {}
         for path in ("zmq", "nixl") * args.repeat:  # alternated: a shared machine drifts

@@ -127,6 +127,27 @@ def test_gpu_check_runs_every_path() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "to_device (device= reads)" in done.stdout
+    assert "torch CUDA IPC" in done.stdout
+
+
+def test_gpu_check_shares_a_tensor_between_processes_on_the_cpu_too() -> None:
+    """The two-process reference of gpu_check (torch's CUDA IPC on a GPU) runs its plumbing
+    here with a host tensor (torch shares it through shared memory)."""
+    code = (
+        "import torch\n"
+        "from benchmarks.gpu_check import ipc_between_processes\n"
+        "print('GB/s', ipc_between_processes(torch, 'cpu', 1 << 20, 2))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split("GB/s")[1]) > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None, reason="needs tq_async[nixl]")

@@ -257,6 +257,61 @@ async def test_nixl_missing_uses_the_socket_with_one_warning(
 
 
 @needs_nixl
+async def test_a_client_agent_that_fails_to_start_uses_the_socket_with_one_warning(
+    split_cluster: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL imports but cannot make this process's agent (UCX missing a library, no
+    resources): one warning, then every request goes through the socket."""
+    address, _ = split_cluster
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("injected: no UCX backend")
+
+    monkeypatch.setattr(_nixl, "_loaded", [])
+    monkeypatch.setattr(_nixl, "_client_agents", [])
+    monkeypatch.setattr(_nixl, "_make_agent", broken)
+    before = _nixl.fallbacks.copy()
+    with structlog.testing.capture_logs() as logs:
+        async with tq.AsyncClient.connect(address, data_path="nixl", request_timeout=30) as client:
+            for k in range(3):
+                want = _batch(seed=k)
+                meta = await client.put(want, partition_id="p")
+                _check(await client.get_data(meta), want)
+            stats = await _nixl_stats(client)
+    assert stats["nixl_puts"] == stats["nixl_reads"] == 0
+    assert _nixl.fallbacks == before  # nothing was tried through NIXL, nothing fell back
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1, warnings
+    assert "NIXL failed to start an agent" in warnings[0]["event"]
+
+
+@needs_nixl
+async def test_a_unit_whose_nixl_fails_to_start_serves_by_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A unit whose agent or arena registration fails offers no NIXL (one warning) and
+    serves a NIXL client through the socket, exactly."""
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("injected: registration refused")
+
+    monkeypatch.setattr(_storage, "UnitNixl", broken)
+    with structlog.testing.capture_logs() as logs:
+        async with (
+            tq.local_cluster(num_storage_units=1, data_path="nixl") as cluster,
+            tq.AsyncClient.connect(cluster.address, data_path="nixl", request_timeout=30) as client,
+        ):
+            want = _batch(seed=7)
+            meta = await client.put(want, partition_id="p")
+            _check(await client.get_data(meta), want)
+            stats = await _nixl_stats(client)
+    assert stats["nixl_puts"] == stats["nixl_reads"] == stats["nixl_registered_bytes"] == 0
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1, warnings
+    assert "NIXL could not register the arena" in warnings[0]["event"]
+
+
+@needs_nixl
 async def test_a_failed_read_falls_back_to_the_socket(
     split_cluster: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
