@@ -179,8 +179,8 @@ async def _open(load: Load, cid: int, rep: WorkerReport) -> Any:
         if load.link:
             # the data path to every unit, as a first get_data would open it (benchmark only:
             # a private call, so that idle clients hold every connection a busy one does)
-            for unit in sorted(client._unit_addresses):
-                await client._data_link(unit)
+            for unit in sorted(client._links.unit_addresses):
+                await client._links.data_link(unit)
     except Exception as exc:
         rep.connect_errors[_kind(exc)] += 1
         await client.aclose()

@@ -751,3 +751,103 @@ async def test_the_adapter_interface_hands_out_whole_batches_per_worker() -> Non
     ]
     for td, meta in first.micro_batches:
         _check_aligned(td, meta)
+
+
+# ---- BatchSlice from a DataLoader worker to the loader: small batches travel as bytes -------
+
+
+def _meta(n: int) -> tq.BatchMeta:
+    return tq.BatchMeta(
+        partition_id="p", global_indexes=list(range(n)), field_names=["a"], units=[0] * n
+    )
+
+
+def _through_a_worker_queue(item: BatchSlice) -> tuple[BatchSlice, list[int]]:
+    """``item`` pickled as a DataLoader worker's queue does (ForkingPickler, with torch's
+    reductions), and the sizes of the storages torch moved to shared memory for it."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions as reductions
+
+    moved: list[int] = []
+
+    class Spy(ForkingPickler):
+        pass
+
+    def reduce_storage(storage: Any) -> Any:
+        moved.append(storage.nbytes())
+        return reductions.reduce_storage(storage)
+
+    Spy.register(torch.UntypedStorage, reduce_storage)
+    buf = io.BytesIO()
+    Spy(buf, pickle.HIGHEST_PROTOCOL).dump(item)
+    return pickle.loads(buf.getbuffer()), moved
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    assert a.batch_size == b.batch_size
+    keys = sorted(a.keys())
+    assert keys == sorted(b.keys())
+    for key in keys:
+        x, y = a[key], b[key]
+        assert type(x) is type(y)
+        if isinstance(x, TensorDict):
+            _same(x, y)
+            continue
+        assert x.dtype == y.dtype
+        if x.is_nested:
+            assert all(torch.equal(u, v) for u, v in zip(x.unbind(), y.unbind(), strict=True))
+        else:
+            assert x.shape == y.shape
+            assert torch.equal(x, y)
+
+
+def test_a_small_plain_batch_slice_travels_as_bytes_not_shared_memory() -> None:
+    n = 4
+    td = TensorDict(
+        {
+            "i64": torch.arange(n * 3).view(n, 3),
+            "f32": torch.rand(n, 2, 2),
+            "bf16": torch.rand(n, 5).to(torch.bfloat16),
+            "flag": torch.tensor([True, False, True, True]),
+            "u8": torch.arange(n, dtype=torch.uint8),
+            "empty": torch.zeros(n, 0),
+            "strided": torch.arange(n * 4).view(4, n).t(),  # not contiguous
+        },
+        batch_size=[n],
+    )
+    item = BatchSlice(7, 1, [(td, _meta(n)), (td[:2], _meta(2))])
+    got, moved = _through_a_worker_queue(item)
+    assert moved == []  # no tensor went through shared memory and fd passing
+    assert (got.batch_index, got.first_micro) == (7, 1)
+    for (a, ma), (b, mb) in zip(item.micro_batches, got.micro_batches, strict=True):
+        _same(a, b)
+        assert ma == mb
+    out = got.micro_batches[0][0]["i64"]
+    out += 1  # the loader's tensors are its own (writable, not the pickle's bytes)
+    assert torch.equal(td["i64"] + 1, out)
+
+
+_OTHER_BATCHES = {
+    "over-the-budget": lambda: TensorDict({"big": torch.zeros(2, 600_000)}, [2]),  # > 1 MiB
+    "jagged": lambda: TensorDict(
+        {"j": torch.nested.nested_tensor([torch.zeros(2), torch.ones(3)], layout=torch.jagged)},
+        [2],
+    ),
+    "named-dims": lambda: TensorDict({"a": torch.zeros(2, 3)}, [2], names=["rows"]),
+    "nested-tensordict": lambda: TensorDict({"inner": TensorDict({"a": torch.ones(2)}, [2])}, [2]),
+}
+
+
+@pytest.mark.parametrize("kind", list(_OTHER_BATCHES))
+def test_other_batch_slices_take_torchs_path_unchanged(kind: str) -> None:
+    td = _OTHER_BATCHES[kind]()
+    item = BatchSlice(0, 0, [(td, _meta(2))])
+    got, moved = _through_a_worker_queue(item)
+    assert moved  # torch's reductions (shared memory) carried the tensors
+    (b, meta), ((a, want),) = got.micro_batches[0], item.micro_batches
+    _same(a, b)
+    assert meta == want
+    assert b.names == a.names

@@ -338,15 +338,68 @@ CLIENT_MODULES = sorted(
 )
 
 
+def _private_imports(name: str, tree: ast.AST) -> list[str]:
+    """``from ._x import _y`` (or ``from tq_async._x import _y``) in module ``name``."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        if node.level == 1 or node.module.startswith(f"{PACKAGE}."):
+            found += [
+                f"{name} imports {node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_")
+            ]
+    return found
+
+
 def test_no_private_name_is_imported_across_client_modules() -> None:
     found = []
     for name in CLIENT_MODULES:
-        tree = ast.parse(_modules()[name].read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                found += [
-                    f"{name} imports {node.module}.{a.name}"
-                    for a in node.names
-                    if a.name.startswith("_")
-                ]
+        found += _private_imports(name, ast.parse(_modules()[name].read_text()))
     assert not found, "helpers live next to their only user, shared ones are public: " + str(found)
+
+
+def test_the_private_import_finder_finds_them() -> None:
+    code = """
+from ._client_base import Links, _check_busy_poll
+from tq_async._client_get import _copy_spans
+from ._protocol import Hello
+"""
+    assert _private_imports("_client", ast.parse(code)) == [
+        "_client imports _client_base._check_busy_poll",
+        "_client imports tq_async._client_get._copy_spans",
+    ]
+
+
+def _client_classes() -> dict[str, str]:
+    """Class name -> the client module that defines it."""
+    return {
+        node.name: name
+        for name in CLIENT_MODULES
+        for node in ast.walk(ast.parse(_modules()[name].read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def test_the_client_holds_its_parts_instead_of_inheriting_them() -> None:
+    """httpcore's pool *holds* its connections: a client spread over modules by inheritance is
+    one class in disguise. No client class derives from a class of another client module."""
+    defined = _client_classes()
+    inherited = []
+    for name in CLIENT_MODULES:
+        for node in ast.walk(ast.parse(_modules()[name].read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                base_name = ast.unparse(base).rsplit(".", 1)[-1]
+                if defined.get(base_name, name) != name:
+                    inherited.append(f"{name}.{node.name}({base_name} of {defined[base_name]})")
+    assert not inherited, "hold the part as an attribute and delegate to it: " + str(inherited)
+
+
+def test_the_client_checks_find_what_they_look_for() -> None:
+    """The private-import and inheritance checks see the real client modules (a renamed module
+    must not make them vacuous)."""
+    assert {"_client", "_client_base", "_sync", "_sync_base"} <= set(CLIENT_MODULES)
+    assert {"AsyncClient", "Client", "Links"} <= set(_client_classes())

@@ -29,7 +29,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 import tq_async as tq
-import tq_async._client_base as _nixl_base
+import tq_async._client as _nixl_base
 from _cluster_proc import serve_role
 from tq_async import _nixl, _storage
 from tq_async._columns import ColumnHeader

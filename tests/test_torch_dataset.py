@@ -6,6 +6,7 @@ subprocess (one per module; every test uses its own partitions).
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import pickle
 from collections.abc import Iterable, Iterator
@@ -296,3 +297,33 @@ def test_an_error_the_controller_reports_ends_the_iteration(
     with pytest.raises(tq.InvalidRequestError, match="do not split evenly over dp_size=2"):
         read_all()
     assert sorted(set(got)) == [0, 1]  # the whole batches came first
+
+
+#: set by the test in this process: a forked worker inherits it, a spawned one imports anew
+_PARENT_STATE: list[str] = []
+
+
+def _expect_start_method(forked: bool, _worker_id: int) -> None:
+    if bool(_PARENT_STATE) != forked:
+        raise AssertionError(f"the worker was {'not ' if forked else ''}forked")
+
+
+def test_loader_workers_start_with_the_platforms_default_method(
+    address: str, client: tq.Client
+) -> None:
+    """No ``multiprocessing_context``: workers start as torch's do, with the platform's
+    default method (``fork`` on Linux up to Python 3.13): the worker sees the parent's state."""
+    pid = "default-start"
+    _put(client, pid)
+    _PARENT_STATE.append("set after import")
+    try:
+        forked = multiprocessing.get_start_method() == "fork"
+        loader = StreamingDataLoader(
+            _dataset(address, pid, "train"),
+            num_workers=2,
+            worker_init_fn=functools.partial(_expect_start_method, forked),
+            timeout=60,
+        )
+        _check_stream(_read(loader))
+    finally:
+        _PARENT_STATE.clear()

@@ -16,7 +16,7 @@ import msgspec
 import zmq
 from tensordict import TensorDictBase
 
-from ._client_base import THREAD_COPY_BYTES, ClientBase, as_int, decode
+from ._client_base import THREAD_COPY_BYTES, Links, as_int, decode
 from ._codec import check_text, columns_from_batch, tags_for_wire
 from ._columns import (
     Column,
@@ -57,7 +57,7 @@ from ._protocol import (
 )
 from ._shm import ArenaMap, align
 
-__all__ = ["ClientPuts"]
+__all__ = ["PutPath"]
 
 log = get_logger(__name__)
 
@@ -98,8 +98,14 @@ class _Put:
     versions: list[int] | None
 
 
-class ClientPuts(ClientBase):
-    """The put calls of :class:`~tq_async.AsyncClient`."""
+class PutPath:
+    """The put path of a client: :meth:`~tq_async.AsyncClient.put` and
+    :meth:`~tq_async.AsyncClient.put_nowait` (and the keyed puts of the KV calls), over the
+    client's links."""
+
+    def __init__(self, links: Links, *, inline_put_bytes: int) -> None:
+        self._links = links
+        self.inline_put_bytes = inline_put_bytes
 
     async def put(
         self,
@@ -111,37 +117,8 @@ class ClientPuts(ClientBase):
         policy_version: int | Sequence[int] | None = None,
         timeout: float | None = None,
     ) -> BatchMeta:
-        """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``.
-
-        Args:
-            data: a ``TensorDict(batch_size=[n])`` or a dict of columns (tensors ``[n, ...]``,
-                jagged nested tensors, lists of ``n`` tensors, lists of ``n`` plain values).
-            partition_id: where new rows go (created on first put). Omit when ``meta`` is given.
-            meta: rows to add fields to (from an earlier put or get_meta); ``data`` must have
-                ``len(meta)`` rows in the same order.
-            tags: one dict per row (or None), merged into each row's tags atomically with the
-                data becoming visible. Keys are strings; values are what msgpack carries
-                (None, bool, int, float, str, bytes, lists and dicts of those; numpy and
-                torch scalars become numbers). Tuples and sets are accepted and come back
-                as lists (a set's in no particular order), as msgpack has one array type.
-            policy_version: the policy version that produced this data (one int, or one per
-                row); recorded per field, so a trajectory appended across versions keeps each
-                segment's version. A row's version is its oldest field's.
-            timeout: when the cluster has a capacity and it is full, wait at most this many
-                seconds for room (None: until room is made or the call is cancelled).
-
-        Returns:
-            A :class:`BatchMeta` of the written rows.
-
-        Raises:
-            SchemaError: columns disagree on rows, or contradict the partition's schema.
-            UnsupportedTypeError: a value cannot travel without pickle.
-            TQTimeoutError: no room within ``timeout`` (nothing was written).
-
-        Cancellation: new rows that were allocated but not committed are cleared (best
-        effort); nothing half-written ever becomes visible.
-        """
-        return await self._put(
+        """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``."""
+        return await self.write(
             data,
             partition_id,
             meta=meta,
@@ -161,7 +138,7 @@ class ClientPuts(ClientBase):
         policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         """:meth:`put`, but raise :class:`~tq_async.WouldBlock` instead of waiting for room."""
-        return await self._put(
+        return await self.write(
             data,
             partition_id,
             meta=meta,
@@ -171,7 +148,7 @@ class ClientPuts(ClientBase):
             nowait=True,
         )
 
-    async def _put(
+    async def write(
         self,
         data: TensorDictBase | Mapping[str, Any],
         partition_id: str | None,
@@ -194,7 +171,7 @@ class ClientPuts(ClientBase):
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
         check_text("partition_id", partition_id)
         data = await to_host(data)  # CUDA columns: pinned copies, waited for off the loop
-        n, headers, columns = columns_from_batch(data, allow_pickle=self.allow_pickle)
+        n, headers, columns = columns_from_batch(data, allow_pickle=self._links.allow_pickle)
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
         if keys is not None and n != len(keys):
@@ -209,7 +186,7 @@ class ClientPuts(ClientBase):
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._links.capacity is not None and not nowait:
-            deadline = None if timeout is None else timeout + self.request_timeout
+            deadline = None if timeout is None else timeout + self._links.request_timeout
         fields = [h.name for h in headers]
         put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
         if (
@@ -279,7 +256,7 @@ class ClientPuts(ClientBase):
         payload, _ = await self._links.ctl().request(
             body,
             frames,
-            timeout=self.request_timeout if deadline is True else deadline or None,
+            timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
         placement: Placement = decode(payload, Placement)
@@ -312,7 +289,7 @@ class ClientPuts(ClientBase):
 
         payload, _ = await self._links.ctl().request(
             begin,
-            timeout=self.request_timeout if deadline is True else deadline or None,
+            timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
         )
         placement: Placement = decode(payload, Placement)
@@ -387,9 +364,9 @@ class ClientPuts(ClientBase):
             if big and arena is not None and await self._store_shm(conn, arena, store, frames):
                 return
             if big and arena is None and self._links.nixl is not None:  # another host: NIXL
-                peer = await self._links.nixl.link(unit, conn, self.request_timeout)
+                peer = await self._links.nixl.link(unit, conn, self._links.request_timeout)
                 if peer is not None and await self._links.nixl.put(
-                    unit, conn, peer, store, frames, self.request_timeout
+                    unit, conn, peer, store, frames, self._links.request_timeout
                 ):
                     return
             await self._links.unit_request(unit, store, frames)
@@ -405,7 +382,7 @@ class ClientPuts(ClientBase):
     ) -> bool:
         """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
         nbytes = sum(align(memoryview(f).nbytes) for f in frames)
-        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self.request_timeout)
+        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self._links.request_timeout)
         grant: ShmGrant | None = decode(payload, ShmGrant | None)
         if grant is None:
             return False
@@ -421,7 +398,7 @@ class ClientPuts(ClientBase):
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
-            await conn.request(body, timeout=self.request_timeout)
+            await conn.request(body, timeout=self._links.request_timeout)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
             conn.send_best_effort(ShmFree([grant.grant], []))

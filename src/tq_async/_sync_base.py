@@ -1,22 +1,22 @@
 # Generated from src/tq_async/_client_base.py by scripts/unasync.py: do not edit; change
 # the source and run `python scripts/unasync.py`.
-"""The client's plumbing: its options and its links to the controller and the storage units.
+"""The client's plumbing: its links to the controller and the storage units.
 
 A client *holds* its links as one object, :class:`Links`: it opens (on first use) and pools
 one connection to the controller and one per storage unit, follows units that move (a
 restarted unit answers at a new address; the controller's replies carry a
 ``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
 its verified twins), re-creates all of it in a forked child, and sends controller requests.
-:class:`ClientBase` checks the options and holds the links. The calls users make live in
-:mod:`tq_async._sync_put` (put), :mod:`tq_async._sync_get` (get_meta, get_data, get),
-:mod:`tq_async._sync_calls` (status, staleness, KV, checkpoints) and
-:class:`tq_async.Client` (lifecycle); the helpers only they use live next to them, and
-the few shared ones here are public (no private name crosses a client module).
+:class:`tq_async.Client` checks its options and holds the links and three parts
+built on them, to which it delegates: the put path (:mod:`tq_async._sync_put`), the read
+path (:mod:`tq_async._sync_get`: get_meta, get_data, get) and the other controller calls
+(:mod:`tq_async._sync_calls`: status, staleness, KV, checkpoints). The helpers only one
+of them uses live next to it, and the few shared ones here are public (no private name
+crosses a client module).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import time
@@ -37,23 +37,19 @@ from ._errors import (
     TQTimeoutError,
 )
 from ._logging import get_logger
-from ._nixl import check_data_path, rdma_present
 from ._protocol import (
     Hello,
     HelloReply,
     ShmHello,
     ShmHelloReply,
-    check_int,
-    check_seconds,
 )
 from ._security import CurveClient
-from ._serve import check_address
 from ._shm import ArenaMap
-from ._sync_dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL, BlockingConnection
+from ._sync_dealer import BlockingConnection
 from ._sync_nixl import NixlLinks
 from ._sync_primitives import Event, Lock
 
-__all__ = ["ClientBase", "Links"]
+__all__ = ["Links"]
 
 
 log = get_logger(__name__)
@@ -85,68 +81,6 @@ def check_fields(data_fields: Any) -> list[str]:
     for f in data_fields:
         check_text("field name", f)
     return list(data_fields)
-
-
-class ClientBase:
-    """What every call of an :class:`~tq_async.Client` uses: its options, checked, and
-    its links (:class:`Links`), which it holds."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        request_timeout: float = 60.0,
-        connect_timeout: float = 10.0,
-        allow_pickle: bool | None = None,
-        curve: CurveClient | None = None,
-        retry_after: float | None = 10.0,
-        inline_put_bytes: int = 65536,
-        inline_get_bytes: int = 1 << 20,
-        shared_memory: bool = True,
-        same_host: bool = True,
-        busy_poll: float = DEFAULT_BUSY_POLL,
-        data_path: str = "auto",
-    ) -> None:
-        check_int("inline_put_bytes", inline_put_bytes)
-        self.data_path = check_data_path(data_path)
-        check_int("inline_get_bytes", inline_get_bytes)
-        check_seconds("request_timeout", request_timeout, optional=False)
-        check_seconds("retry_after", retry_after)
-        self.busy_poll = _check_busy_poll(busy_poll)
-        self.inline_get_bytes = inline_get_bytes
-        check_address(address)
-        if connect_timeout <= 0:
-            raise InvalidRequestError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
-        self.connect_timeout = connect_timeout
-        self.address = address
-        self.inline_put_bytes = inline_put_bytes
-        self.request_timeout = request_timeout
-        self.curve = curve
-        self.retry_after = retry_after
-        self.same_host = same_host
-        self.shared_memory = bool(shared_memory and same_host) and data_path in ("auto", "shm")
-        #: the controller and unit connections, arenas and same-host twins
-        self._links = Links(
-            address,
-            request_timeout=request_timeout,
-            allow_pickle=allow_pickle,
-            curve=curve,
-            retry_after=retry_after,
-            shared_memory=self.shared_memory,
-            busy_poll=self.busy_poll,
-            # units on other hosts reached through NIXL: forced, or under "auto" where it
-            # pays (RDMA hardware here) unless the client encrypts (UCX does not) or turned
-            # shared memory off (socket only)
-            nixl=data_path == "nixl"
-            or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
-            nixl_forced=data_path == "nixl",
-        )
-
-    @property
-    def allow_pickle(self) -> bool:
-        """Whether this client pickles values msgpack cannot carry (the option, or else the
-        controller's setting)."""
-        return self._links.allow_pickle
 
 
 class Links:
@@ -500,21 +434,6 @@ class Links:
 SHM_HELLO_TIMEOUT = 5.0
 #: seconds after a handshake timed out before the client tries it again (on its next data call)
 RELINK_AFTER = 30.0
-
-
-def _check_busy_poll(value: Any) -> float:
-    """``busy_poll`` as seconds in ``[0, MAX_BUSY_POLL]``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_BUSY_POLL
-    ):
-        raise InvalidRequestError(
-            f"busy_poll must be seconds from 0 (off) to {MAX_BUSY_POLL}, got {value!r}; the "
-            f"default ({DEFAULT_BUSY_POLL}) catches a same-host reply without parking"
-        )
-    return float(value)
 
 
 def as_int(value: Any) -> Any:

@@ -52,11 +52,11 @@ from ._protocol import (
     check_int,
     check_seconds,
 )
-from ._sync_base import as_int, check_fields, decode
+from ._sync_base import Links, as_int, check_fields, decode
 from ._sync_checkpoint import ClientLink, load_checkpoint, save_checkpoint
-from ._sync_get import ClientGets
+from ._sync_get import GetPath
 from ._sync_primitives import run_each
-from ._sync_put import ClientPuts
+from ._sync_put import PutPath
 
 __all__ = ["ControlCalls"]
 
@@ -104,75 +104,38 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
     }
 
 
-class ControlCalls(ClientPuts, ClientGets):
-    """Status, tags, staleness, KV and checkpoints of :class:`~tq_async.Client`."""
+class ControlCalls:
+    """Status, tags, staleness, KV and checkpoints of a client, over its links; the KV calls
+    write through its put path and read through its get path."""
+
+    def __init__(self, links: Links, puts: PutPath, gets: GetPath) -> None:
+        self._links = links
+        self._puts = puts
+        self._gets = gets
 
     def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
-        """Rows lost with storage units that went away.
-
-        A unit that stops answering is first *suspended* (its rows are neither handed out
-        nor lost; end-of-stream waits for them); it is declared lost when its process is
-        confirmed gone (reconnecting is refused, or another process answers at its address)
-        or after ``unit_lost_after`` seconds.
-
-        Returns:
-            ``{"dead_units": [unit ids], "suspended_units": [unit ids], "rows":
-            {partition_id: [rows lost]}}``.
-        """
+        """Rows lost with storage units that went away."""
         return dict(self._links.call(LostRows(partition_id), dict[str, Any]))
 
     def storage_stats(self) -> dict[int, dict[str, Any]]:
-        """What each storage unit holds, asked of every unit in parallel.
-
-        Returns:
-            ``{unit_id: {"partitions", "rows", "resident_bytes", "shm_bytes",
-            "shm_idle_bytes", "shm_cap", "shm_fallbacks", "shm_puts", "shm_reads"}}``:
-            cells held, shared memory in use, freed shared memory kept for reuse, the cap
-            (0: no shared memory), and puts/reads over the socket because the arena was full
-            and through shared memory (totals).
-
-        Raises:
-            TQTimeoutError: a unit did not answer within ``request_timeout``.
-
-        Cancellation: nothing changes on the services.
-        """
+        """What each storage unit holds, asked of every unit in parallel."""
         self._links.refresh_units()
         out: dict[int, dict[str, Any]] = {}
 
         def ask(unit_id: int) -> None:
             conn = self._links.unit(unit_id)
-            payload, _ = conn.request(StoreStats(), timeout=self.request_timeout)
+            payload, _ = conn.request(StoreStats(), timeout=self._links.request_timeout)
             out[unit_id] = msgspec.structs.asdict(decode(payload, StoreStatsReply))
 
         run_each(ask, [(unit_id,) for unit_id in self._links.unit_addresses])
         return dict(sorted(out.items()))
 
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
-        """Auto-clear: free each row once every task in ``tasks`` has consumed it.
-
-        Applies to ``partition_id``, or to every partition without its own setting when None;
-        an empty ``tasks`` turns it off. Cleared rows can no longer be replayed by
-        ``batch_index``: use auto-clear for streams that are read once.
-
-        A fetch by one of these tasks holds its rows until the consumer acknowledges them,
-        so they are never freed before they are read: :meth:`get` acknowledges after
-        reading; after :meth:`get_meta` + :meth:`get_data`, call :meth:`ack`.
-        """
+        """Auto-clear: free each row once every task in ``tasks`` has consumed it."""
         self._links.call(RegisterTasks(list(tasks), partition_id), None)
 
     def seal(self, partition_id: str, *, create: bool = False) -> None:
-        """No more rows will be added: drained consumers then see end-of-stream.
-
-        Args:
-            partition_id: the partition.
-            create: create the partition empty (and sealed) if it does not exist.
-
-        Raises:
-            PartitionNotFound: the partition does not exist (a misspelled id) and
-                ``create`` is False; the message lists the known partitions.
-
-        Cancellation: the seal may or may not have happened; sealing again is harmless.
-        """
+        """No more rows will be added: drained consumers then see end-of-stream."""
         self._links.call(Seal(partition_id, create), None)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
@@ -227,10 +190,7 @@ class ControlCalls(ClientPuts, ClientGets):
         return dict(self._links.call(PartitionInfo(partition_id), dict[str, Any]))
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
-        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).
-
-        Tag values are :meth:`put`'s: tuples and sets come back as lists.
-        """
+        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]
@@ -238,35 +198,19 @@ class ControlCalls(ClientPuts, ClientGets):
         self._links.call(body, None)
 
     def set_policy_version(self, version: int) -> None:
-        """The learner announces its policy version (after each update).
-
-        Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
-        for staleness.
-        """
+        """The learner announces its policy version (after each update)."""
         self._links.call(SetPolicyVersion(check_int("version", as_int(version))), None)
 
     def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
     ) -> None:
-        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start.
-
-        Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
-        while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
-        reserves ``n`` slots, freed when the learner task consumes the rows (or by
-        :meth:`release_rollout`, or when unconsumed rows are cleared).
-
-        Raises:
-            TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
-            InvalidRequestError: ``n`` can never fit the capacity.
-
-        Cancellation: the waiting request is dropped; nothing is reserved.
-        """
+        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start."""
         body = AcquireRollout(
             check_int("policy_version", as_int(policy_version)),
             check_int("n", as_int(n), 1),
             check_seconds("timeout", timeout),
         )
-        deadline = None if timeout is None else timeout + self.request_timeout
+        deadline = None if timeout is None else timeout + self._links.request_timeout
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # admitted, but the caller gave up before it knew: free the slots it reserved
@@ -280,11 +224,7 @@ class ControlCalls(ClientPuts, ClientGets):
         self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
 
     def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
-        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
-
-        Each recycled row is handed out exactly once; read its prompt fields with
-        :meth:`get_data` and put the regenerated sample as a new row.
-        """
+        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition."""
         body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
         got = self._links.call(body, list[RecycledRows])
         return [
@@ -311,19 +251,7 @@ class ControlCalls(ClientPuts, ClientGets):
         fields: TensorDictBase | Mapping[str, Any] | None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
-        """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``).
-
-        New keys get new rows; existing keys are updated in place, field by field (fields
-        not in ``fields`` keep their values). ``tags`` are merged into each key's tags
-        atomically with the data becoming visible. With ``fields=None`` only the tags change
-        (missing keys are created). The returned :class:`BatchMeta` names every field the keys
-        have (not only this call's) and carries the keys.
-
-        Raises:
-            SchemaError: ``fields`` has a different number of rows than ``keys``.
-            InvalidRequestError: a key repeats, new keys go to a sealed partition, or neither
-                ``fields`` nor ``tags`` is given.
-        """
+        """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
         key_list = _check_keys(keys)
         if fields is None:
             if tags is None:
@@ -342,25 +270,12 @@ class ControlCalls(ClientPuts, ClientGets):
                 tags=tag_dicts,
                 keys=list[str | None](key_list),
             )
-        return self._put(fields, partition_id, meta=None, tags=tags, keys=key_list)
+        return self._puts.write(fields, partition_id, meta=None, tags=tags, keys=key_list)
 
     def kv_retrieve_meta(
         self, keys: Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
-        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has.
-
-        Args:
-            keys: the keys, in the order the rows should have.
-            partition_id: their partition.
-            create: create missing keys (rows without fields) instead of failing.
-
-        Raises:
-            KeyNotFound: a key is missing (and ``create`` is False).
-            PartitionNotFound: the partition does not exist (and ``create`` is False).
-
-        Cancellation: without ``create`` nothing changes; with it, keys may have been created
-        (without fields or tags) if the controller received the request.
-        """
+        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has."""
         key_list = _check_keys(keys)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
@@ -383,12 +298,7 @@ class ControlCalls(ClientPuts, ClientGets):
         fields: TensorDictBase | Mapping[str, Any] | None = None,
         tag: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
-        """Write one key's ``fields`` and/or merge ``tag`` into its tags.
-
-        ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a mapping from field
-        name to the key's value (a tensor is one dense row; other values travel as msgpack).
-        With ``fields=None`` only the tags change (the key is created if missing).
-        """
+        """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
         if fields is None:
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
@@ -411,12 +321,7 @@ class ControlCalls(ClientPuts, ClientGets):
         partition_id: str,
         select_fields: Sequence[str] | None = None,
     ) -> TensorDict:
-        """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected).
-
-        Raises:
-            KeyNotFound: a key is missing, or lacks a selected field (the error names it);
-                never a silently shorter result.
-        """
+        """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected)."""
         fields = None if select_fields is None else check_fields(select_fields)
         body = KVLookup(partition_id, _check_keys(keys), fields)
         got: MetaReply = self._links.call(body, MetaReply)
@@ -430,7 +335,7 @@ class ControlCalls(ClientPuts, ClientGets):
             incarnation=got.incarnation,
             keys=list(keys),
         )
-        return self.get_data(meta)
+        return self._gets.get_data(meta)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
@@ -438,15 +343,7 @@ class ControlCalls(ClientPuts, ClientGets):
         return dict(listing)
 
     def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
-        """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put).
-
-        Raises:
-            KeyNotFound: a row was put without a key (the error names it).
-            RowsNotFound: a row does not exist (never allocated, or cleared).
-            InvalidRequestError: ``global_indexes`` is not a list of non-negative ints.
-
-        Cancellation: nothing changes (a read).
-        """
+        """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put)."""
         rows = _check_rows(global_indexes, "global_indexes")
         return list(self._links.call(KVKeys(partition_id, rows), list[str]))
 
@@ -461,33 +358,12 @@ class ControlCalls(ClientPuts, ClientGets):
         *,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        """Write partitions (all by default), their state, tags, keys and cells to ``path``.
-
-        ``metadata`` (a dict of JSON values, e.g. ``{"step": 10}``) is stored with the
-        checkpoint; read it back with :func:`tq_async.checkpoint_metadata`.
-
-        The directory is written under a temporary name and renamed into place, so ``path``
-        holds either a whole checkpoint or what it held before. Take it while producers are
-        paused: the controller state is a consistent snapshot, cells are read right after it.
-
-        Raises:
-            CheckpointError: ``path`` cannot be written.
-            InvalidRequestError: ``metadata`` is not a dict of JSON values.
-        """
+        """Write partitions (all by default), their state, tags, keys and cells to ``path``."""
         save_checkpoint(self._checkpoint_link(), os.fspath(path), partition_ids, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
-
-        Works onto any number of storage units. Every file is verified before anything is
-        loaded, and the restored partitions appear all at once or not at all.
-
-        Raises:
-            CheckpointError: the checkpoint is missing, corrupt, partial or of another format
-                version (nothing was loaded).
-            InvalidRequestError: a partition of the checkpoint already exists.
-        """
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids."""
         return load_checkpoint(self._checkpoint_link(), os.fspath(path))
 
     def _checkpoint_link(self) -> ClientLink:
-        return ClientLink(self._links.call, self._fetch_columns, self._links.unit_request)
+        return ClientLink(self._links.call, self._gets.fetch_columns, self._links.unit_request)

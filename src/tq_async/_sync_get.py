@@ -51,11 +51,11 @@ from ._protocol import (
     check_seconds,
 )
 from ._shm import ArenaMap
-from ._sync_base import THREAD_COPY_BYTES, ClientBase, check_fields, decode
+from ._sync_base import THREAD_COPY_BYTES, Links, check_fields, decode
 from ._sync_dealer import BlockingConnection
 from ._sync_primitives import cleanup_scope, run_each, run_sync_off_loop
 
-__all__ = ["ClientGets"]
+__all__ = ["GetPath"]
 
 log = get_logger(__name__)
 
@@ -223,8 +223,14 @@ def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
             conn.send_best_effort(ShmFree([], [stored.pin]))
 
 
-class ClientGets(ClientBase):
-    """The read calls of :class:`~tq_async.Client`."""
+class GetPath:
+    """The read path of a client: :meth:`~tq_async.Client.get_meta`,
+    :meth:`~tq_async.Client.get_data`, :meth:`~tq_async.Client.get`, ``ack`` and
+    ``release``, over the client's links."""
+
+    def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
+        self._links = links
+        self.inline_get_bytes = inline_get_bytes
 
     def get_meta(
         self,
@@ -240,50 +246,7 @@ class ClientGets(ClientBase):
         lease: float | None = None,
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
     ) -> BatchMeta:
-        """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task.
-
-        Waits (event-driven, no polling) until the sampler finds enough rows. In ``"fetch"``
-        mode the rows are marked consumed for ``task_name``; ``"peek"`` consumes nothing.
-
-        Args:
-            data_fields: the fields the rows must have (and that ``get_data`` will read).
-            batch_size: rows wanted (a sampler may return a short last batch once the
-                partition is sealed).
-            partition_id: the partition to read; it need not exist yet.
-            task_name: the consuming task; each task consumes every row once.
-            sampling_config: passed to the sampler, e.g. ``{"dp_rank": 0, "batch_index": 3}``.
-                With ``batch_index``, the same ``(task, dp_rank, batch_index)`` always
-                returns the same rows (replicas and replays read the recorded batch). With
-                ``dp_size`` too (and optionally ``tail``: ``"uneven"``, ``"drop"`` or
-                ``"error"``), batch ``b`` is decided for all ``dp_size`` ranks at once, every
-                rank gets a reply for it and the stream ends for all ranks at the same
-                ``batch_index``; under ``"uneven"`` a rank's share may be empty (0 rows,
-                ``end_of_stream`` False).
-            mode: ``"fetch"`` or ``"peek"``.
-            timeout: seconds to wait for rows; None waits until data arrives or the call is
-                cancelled.
-            stop_when_consumed: also return end-of-stream (instead of waiting) once the
-                partition holds rows and the task has consumed all of them, sealed or not.
-            lease: seconds the delivered rows stay leased to this caller. Unless
-                acknowledged in time (:meth:`ack`, or ``ack=`` on the next request), they
-                return to the task and are delivered again: at-least-once, and exactly-once
-                for consumers that acknowledge.
-            ack: batches this request acknowledges (typically the previous one).
-
-        Returns:
-            A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
-            sealed and every row has been consumed by the task. With ``dp_size`` in
-            ``sampling_config`` it may also be empty without ``end_of_stream``: this rank's
-            share of the last global batch; run the step anyway so collectives stay in step.
-
-        Raises:
-            TQTimeoutError: not enough rows within ``timeout`` (nothing was consumed).
-            InvalidRequestError: bad arguments (e.g. ``data_fields`` not a list).
-
-        Cancellation: the controller drops the waiting request; if rows had already been
-        handed out, they are released back to the task (a batch recorded under a
-        ``batch_index`` stays readable by that index instead).
-        """
+        """Ask the controller for ``batch_size`` rows that have ``data_fields``, for a task."""
         meta, _, _ = self._get_meta(
             data_fields,
             batch_size,
@@ -355,7 +318,7 @@ class ClientGets(ClientBase):
                 undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
                 self._links.controller.send_best_effort(undo)
 
-        client_deadline = None if timeout is None else timeout + self.request_timeout
+        client_deadline = None if timeout is None else timeout + self._links.request_timeout
         payload, frames = self._links.ctl().request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
@@ -385,46 +348,14 @@ class ClientGets(ClientBase):
         nested: bool | Collection[str] = False,
         device: Any = None,
     ) -> TensorDict:
-        """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``).
-
-        A field whose rows were put with different shapes (a rollout padded per batch) comes
-        back dense when the rows read share a shape, and as a jagged nested tensor when they
-        differ in their first dimension. Rows that differ in a later dimension cannot form one
-        tensor: reading them together raises :class:`~tq_async.SchemaError`.
-
-        Args:
-            meta: the rows to read.
-            fields: the fields to read (default: ``meta.field_names``).
-            nested: ``True``, or the names of fields, to get tensor fields back as jagged
-                nested tensors even when their rows share a shape (rows of at least one
-                dimension; a dense ``[B, L]`` becomes a nested tensor of ``B`` rows of length
-                ``L``), for code that wants one type whatever was put.
-            device: deliver the tensor fields on this device (e.g. ``"cuda:0"``): copied
-                through pinned memory with ``non_blocking`` copies, waited for off the event
-                loop. None (or ``"cpu"``): host memory of the caller's own.
-
-        Returns:
-            ``TensorDict(batch_size=[len(meta)])``: dense columns as tensors (views of the
-            received buffers when one unit holds the rows), jagged columns as jagged nested
-            tensors, other columns as ``NonTensorStack``. A ``meta`` of 0 rows asks no
-            storage unit: at end of stream it gives ``TensorDict(batch_size=[0])`` without
-            columns; otherwise (a rank's empty share of a global batch) every field with 0
-            rows and its dtype and row shape (a jagged field: an empty jagged column), as a
-            non-empty batch of the same fields would have.
-
-        Raises:
-            RowsNotFound: some rows were cleared.
-            SchemaError: rows of a field differ in more than their first dimension.
-
-        Cancellation: nothing changes on the services (reads have no side effects).
-        """
+        """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
         names = list(fields) if fields is not None else list(meta.field_names)
         as_nested = _check_nested(nested)
         target = check_device(device)
         n = len(meta)
         if n == 0 or not names:
             return to_device_now(self._empty(meta, names, as_nested), target)
-        headers, columns = self._fetch_columns(meta, names)
+        headers, columns = self.fetch_columns(meta, names)
         return to_device_now(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
 
     def _empty(
@@ -440,7 +371,7 @@ class ClientGets(ClientBase):
         known = [by_name[f] for f in names if f in by_name]
         return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
 
-    def _fetch_columns(
+    def fetch_columns(
         self, meta: BatchMeta, names: list[str]
     ) -> tuple[list[ColumnHeader], list[Column]]:
         """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit."""
@@ -456,7 +387,7 @@ class ClientGets(ClientBase):
             conn, arena = self._links.data_link(unit)
             nixl = None
             if arena is None and self._links.nixl is not None:  # another host: NIXL
-                nixl = self._links.nixl.link(unit, conn, self.request_timeout)
+                nixl = self._links.nixl.link(unit, conn, self._links.request_timeout)
             shm = arena is not None or nixl is not None
             get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
             if not shm:
@@ -467,7 +398,7 @@ class ClientGets(ClientBase):
                     _release_pin(conn, reply)
 
                 payload, frames = conn.request(
-                    get, timeout=self.request_timeout, on_abandon=on_abandon
+                    get, timeout=self._links.request_timeout, on_abandon=on_abandon
                 )
             stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
@@ -481,7 +412,7 @@ class ClientGets(ClientBase):
                         assert nixl is not None
                         assert self._links.nixl is not None
                         got = self._links.nixl.read(
-                            unit, nixl, stored.shm_spans, self.request_timeout
+                            unit, nixl, stored.shm_spans, self._links.request_timeout
                         )
                         if got is None:  # the transfer failed: read through the socket
                             get.shm = False
@@ -516,18 +447,7 @@ class ClientGets(ClientBase):
         nested: bool | Collection[str] = False,
         device: Any = None,
     ) -> tuple[TensorDict, BatchMeta]:
-        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
-
-        One round trip when the controller can send the cells along (they sit in storage
-        units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way. ``nested`` and ``device`` are :meth:`get_data`'s. A
-        batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
-        storage unit; its ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share
-        carries every field with 0 rows).
-
-        Cancellation: if the data was not delivered, fetched rows are released back to the
-        task (unless recorded under a ``batch_index``, which stays replayable).
-        """
+        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`."""
         as_nested = _check_nested(nested)
         target = check_device(device)
         meta, got, frames = self._get_meta(

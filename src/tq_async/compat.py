@@ -307,9 +307,10 @@ _bases: dict[tuple[str, str], int] = {}
 def _base(partition_id: str) -> int:
     """The global index of the partition's row 0 as seen through compat: its ordinal in the
     cluster (the row of its key in the registry partition) times ``GLOBAL_INDEX_STRIDE``.
-    0 when compat is not initialised in this process (a DataLoader worker)."""
-    client: TransferQueueClient | None = _state.get("client")
-    if client is None or _state.get("pid") != os.getpid() or partition_id == _REGISTRY:
+    0 when compat is not initialised in this process or the one it was forked from (a
+    spawned DataLoader worker)."""
+    client = _attached()
+    if client is None or partition_id == _REGISTRY:
         return 0
     key = (client.address, partition_id)
     base = _bases.get(key)
@@ -321,8 +322,8 @@ def _base(partition_id: str) -> int:
 
 def _schema(partition_id: str) -> dict[str, dict[str, Any]]:
     """The field schema of a partition, from its controller (``{}`` when unknown)."""
-    client: TransferQueueClient | None = _state.get("client")
-    if client is None or _state.get("pid") != os.getpid():
+    client = _attached()
+    if client is None:
         return {}
     try:
         info = client.client.partition_info(partition_id)
@@ -883,6 +884,47 @@ def _flatten(conf: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+#: a forked child's copies of what its parent's init() made (client, cluster): never used,
+#: closed or freed here (their sockets and threads are the parent's)
+_inherited: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    # another thread of the parent may have held the lock (in init or close) at the fork: the
+    # child's copy stays held forever, as the thread that would release it is not copied
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _forget_parents_state() -> None:
+    """In a forked child (``_lock`` held): keep the parent's objects out of reach, clear."""
+    _inherited.extend(_state[k] for k in ("client", "cluster", "ray_cluster") if _state.get(k))
+    _state.clear()
+
+
+def _attached() -> TransferQueueClient | None:
+    """This process's compat client; None when :func:`init` was not called.
+
+    A child forked from an initialised process (a DataLoader worker, a ``worker_init_fn``,
+    a helper process) gets a client of its own for the parent's cluster on first use: the
+    parent's sockets are left untouched, and the cluster stays the parent's to stop.
+    """
+    if _state.get("pid") == os.getpid():
+        return _state.get("client")
+    with _lock:
+        parent: TransferQueueClient | None = _state.get("client")
+        if parent is None or _state.get("pid") == os.getpid():
+            return parent
+        client = TransferQueueClient(f"TransferQueueClient_{os.getpid()}", parent.address)
+        client.polling_mode = parent.polling_mode
+        config = _state.get("config")
+        _forget_parents_state()
+        _state.update(client=client, config=config, pid=os.getpid())
+        _log.info("tq_async.compat attached a forked child", address=parent.address)
+        return client
 
 
 def _resolve_sampler(sampler: Any) -> BaseSampler | None:
@@ -1011,7 +1053,7 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     """
     with _lock:
         if _state.get("pid") not in (None, os.getpid()):
-            _state.clear()  # inherited through fork: this process needs its own client
+            _forget_parents_state()  # inherited through fork: this process needs its own
         if "client" in _state:
             return _state["config"]  # type: ignore[no-any-return]
         flat = _flatten(conf) if conf is not None else {}
@@ -1182,8 +1224,8 @@ def get_client() -> TransferQueueClient:
     Raises:
         ClosedError: :func:`init` was not called (or :func:`close` was).
     """
-    client: TransferQueueClient | None = _state.get("client")
-    if client is None or _state.get("pid") != os.getpid():
+    client = _attached()
+    if client is None:
         raise ClosedError("tq_async.compat is not initialised: call tq.init() first")
     return client
 
@@ -1407,8 +1449,8 @@ def _compat_chunks(
 def _base_at(address: str, partition_id: str) -> int:
     """:func:`_base` for a cluster at ``address`` (through a short-lived client when this
     process's compat client is attached elsewhere, or not at all)."""
-    client: TransferQueueClient | None = _state.get("client")
-    if client is not None and _state.get("pid") == os.getpid() and client.address == address:
+    client = _attached()
+    if client is not None and client.address == address:
         return _base(partition_id)
     with _Client.connect(address) as other:
         got = other.kv_retrieve_meta([partition_id], _REGISTRY, create=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,84 @@ def test_a_forked_child_attaches_with_its_own_client() -> None:
     assert tq.kv_batch_get(keys="child", partition_id="p")["x"].to_padded_tensor(0).tolist() == [
         [1]
     ]
+
+
+def _forked_reader(results: Any) -> None:
+    # no init() here: the process was forked from one that called it (a DataLoader worker,
+    # a worker_init_fn, a helper process): compat's module-level functions work as they did
+    try:
+        got = tq.kv_batch_get(keys=["a", "b"], partition_id="fork")["x"].tolist()
+        tq.kv_put(key=f"child-{os.getpid()}", partition_id="fork", fields={"x": torch.tensor(7)})
+        base = tq.get_client().kv_retrieve_meta(["a"], "fork").global_indexes
+        results.put((got, base, tq.get_client().client is not None))
+    except BaseException as exc:
+        results.put(repr(exc))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("lock_held", [False, True], ids=["plain", "lock-held-at-fork"])
+def test_a_forked_child_uses_the_module_level_client_without_init(lock_held: bool) -> None:
+    """A child forked from an initialised process gets a client of its own for the parent's
+    cluster on first use (the parent's sockets are left alone), even when another thread of
+    the parent held compat's lock at the fork; the parent's client keeps working, and the
+    child sees the global indexes the parent sees."""
+    tq.init()
+    tq.get_client().kv_retrieve_meta(["first"], "first", create=True)  # "fork" is not row 0
+    tq.kv_batch_put(
+        keys=["a", "b"], partition_id="fork", fields=TensorDict({"x": torch.arange(2)}, [2])
+    )
+    parent_base = tq.get_client().kv_retrieve_meta(["a"], "fork").global_indexes
+    assert parent_base[0] >= tq.GLOBAL_INDEX_STRIDE
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    release = threading.Event()
+    held = threading.Event()
+
+    def hold() -> None:
+        with tq._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    if lock_held:
+        holder.start()
+        assert held.wait(10)
+    child = ctx.Process(target=_forked_reader, args=(results,))
+    try:
+        child.start()
+        got = results.get(timeout=30)
+        child.join(30)
+    finally:
+        release.set()
+        if lock_held:
+            holder.join(10)
+        if child.is_alive():  # hung: fail without leaving it behind
+            child.kill()
+            child.join(10)
+    assert child.exitcode == 0
+    assert got == ([0, 1], parent_base, True)
+    assert tq.kv_batch_get(keys=[f"child-{child.pid}"], partition_id="fork")["x"].tolist() == [7]
+
+
+class _KVRows(torch.utils.data.Dataset[int]):
+    """A map-style dataset whose items are read with compat's kv functions (in the worker)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return int(tq.kv_batch_get(keys=[f"k{i}"], partition_id="items")["x"][0])
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_fork_workers_of_a_torch_dataloader_call_compat_kv_functions() -> None:
+    tq.init()
+    keys = [f"k{i}" for i in range(4)]
+    tq.kv_batch_put(
+        keys=keys, partition_id="items", fields=TensorDict({"x": torch.arange(4) * 10}, [4])
+    )
+    loader = torch.utils.data.DataLoader(
+        _KVRows(), batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60
+    )
+    assert [int(x) for x in loader] == [0, 10, 20, 30]
+    assert tq.kv_batch_get(keys=keys, partition_id="items")["x"].tolist() == [0, 10, 20, 30]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 from typing import Any
 
@@ -181,3 +182,41 @@ def test_streaming_dataloader_with_loader_workers() -> None:
         assert len(batch_meta) == 2
         got += batch["meta_idx"].view(-1).tolist()
     assert got == list(range(12))
+
+
+#: set by the test in this process: a forked worker inherits it, a spawned one imports anew
+_PARENT_STATE: list[str] = []
+
+
+def _expect_start_method(forked: bool, _worker_id: int) -> None:
+    if bool(_PARENT_STATE) != forked:
+        raise AssertionError(f"the worker was {'not ' if forked else ''}forked")
+
+
+def test_streaming_dataloader_workers_start_with_the_platforms_default_method() -> None:
+    """No ``multiprocessing_context``: workers start as torch's do, with the platform's
+    default method (``fork`` on Linux up to Python 3.13), not ``spawn``."""
+    config = tq.init()
+    tq.get_client().put(TensorDict({"x": torch.arange(8).view(8, 1)}, [8]), partition_id="dflt")
+    dataset = tq.StreamingDataset(
+        config=config,
+        batch_size=4,
+        micro_batch_size=4,
+        data_fields=["x"],
+        partition_id="dflt",
+        task_name="t",
+        dp_rank=0,
+        should_check_consumption_status=True,
+    )
+    _PARENT_STATE.append("set after import")
+    try:
+        forked = mp.get_start_method() == "fork"
+        loader = tq.StreamingDataLoader(
+            dataset=dataset,
+            num_workers=2,
+            worker_init_fn=functools.partial(_expect_start_method, forked),
+        )
+        got = [v for batch, _ in loader for v in batch["x"].view(-1).tolist()]
+    finally:
+        _PARENT_STATE.clear()
+    assert got == list(range(8))
