@@ -410,7 +410,7 @@ class AsyncClient:
         handed out, they are released back to the task (a batch recorded under a
         ``batch_index`` stays readable by that index instead).
         """
-        return await self._gets.get_meta(
+        meta, _, _ = await self._gets.meta_call(
             data_fields,
             batch_size,
             partition_id,
@@ -421,7 +421,9 @@ class AsyncClient:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
+            inline_bytes=0,
         )
+        return meta
 
     async def get_data(
         self,

@@ -634,8 +634,13 @@ def _progress(state: ControllerState, req: GetMeta) -> tuple[Any, ...]:
 
 
 def _undo_of(req: GetMeta, reply: MetaReply) -> tuple[Any, ...]:
-    """The arguments of :meth:`ControllerCore.release` that undo a fetch's answer."""
-    return (req.partition_id, req.task_name, reply.rows, reply.incarnation, reply.lease_id)
+    """The arguments of :meth:`ControllerCore.release` that undo a fetch's answer.
+
+    Only atomic values (the rows as a tuple, not the reply's list): the garbage collector
+    stops tracking such a tuple, and 16,384 remembered fetches tracked cost the control
+    plane ~10 % of its calls in full collections (W2, 4 clients in one process).
+    """
+    return (req.partition_id, req.task_name, tuple(reply.rows), reply.incarnation, reply.lease_id)
 
 
 def _query(core: ControllerCore, answer: Any, msg: Incoming, body: Any) -> Any:

@@ -400,7 +400,7 @@ class Client:
         handed out, they are released back to the task (a batch recorded under a
         ``batch_index`` stays readable by that index instead).
         """
-        return self._gets.get_meta(
+        meta, _, _ = self._gets.meta_call(
             data_fields,
             batch_size,
             partition_id,
@@ -411,7 +411,9 @@ class Client:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
+            inline_bytes=0,
         )
+        return meta
 
     def get_data(
         self,

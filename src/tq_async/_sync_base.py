@@ -68,7 +68,17 @@ def decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
         raise ProtocolError(f"unexpected reply payload: {exc}") from exc
 
 
+#: field lists already checked (a consumer asks for the same few lists on every call)
+_checked_fields: dict[tuple[str, ...], None] = {}
+
+
 def check_fields(data_fields: Any) -> list[str]:
+    if type(data_fields) is list or type(data_fields) is tuple:
+        try:
+            if tuple(data_fields) in _checked_fields:
+                return list(data_fields)
+        except TypeError:  # an unhashable entry: the checks below name it
+            pass
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
             f"data_fields must be a list of field names, got {type(data_fields).__name__} "
@@ -80,6 +90,8 @@ def check_fields(data_fields: Any) -> list[str]:
         )
     for f in data_fields:
         check_text("field name", f)
+    if len(_checked_fields) < 1024:
+        _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
 
 
