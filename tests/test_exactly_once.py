@@ -244,19 +244,19 @@ async def test_seqlen_shares_expire_back_to_their_batch_only() -> None:
 PRODUCER = """
     import asyncio, sys, torch
     import tq_async as tq
-    from tq_async._client import AsyncClient
+    from tq_async._client_put import PutPath  # the client's put path (it holds one)
 
     async def main():
         async with tq.AsyncClient.connect(sys.argv[1], inline_put_bytes=0) as c:
             await c.put({"x": torch.arange(8)}, "p")
-            real = AsyncClient._store
+            real = PutPath._store
 
             async def store_then_stall(self, *a, **k):
                 await real(self, *a, **k)
                 print("STORED", flush=True)  # the test kills us here
                 await asyncio.Event().wait()
 
-            AsyncClient._store = store_then_stall
+            PutPath._store = store_then_stall
             await c.put({"x": torch.arange(8, 16)}, "p")
 
     asyncio.run(main())
