@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
@@ -21,6 +22,7 @@ __all__ = [
     "percentile",
     "median",
     "rate_stats",
+    "settle",
     "Cluster",
     "minor_faults",
     "open_cluster",
@@ -137,3 +139,17 @@ def minor_faults(pid: int) -> int:
     """Minor page faults of process ``pid`` so far (field 10 of ``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def settle() -> None:
+    """Start a timed round from a clean garbage-collector state (a full collection now).
+
+    ``import torch`` leaves ~310,000 objects the collector tracks; a generation-2 collection
+    then takes 100-150 ms on the reference box. Where those collections land depends on how
+    many objects the code allocated so far, so without this a ~1-s round contains one or not
+    by the phase of the collector, and a change that allocates a few objects more or less
+    moves a median by 15 % (W2 before/after the merge of issues 23-28, RESULTS.md). timeit
+    disables the collector while timing for the same reason; collecting before each round
+    keeps it on during the round but starts every round from the same state.
+    """
+    gc.collect()

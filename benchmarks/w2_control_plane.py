@@ -30,7 +30,7 @@ from typing import Any
 
 import anyio
 
-from ._common import Config, median, open_cluster, percentile, result
+from ._common import Config, median, open_cluster, percentile, result, settle
 
 __all__ = ["run"]
 
@@ -185,6 +185,7 @@ async def _main(cfg: Config) -> list[dict[str, Any]]:
             for r in range(rounds):
                 pid = f"w2-seq-{r}"
                 await _fill(client, pid, rows, 4096)
+                settle()
                 t_start = perf_counter()
                 for k in range(seq_calls):
                     t0 = perf_counter()
@@ -226,6 +227,7 @@ async def _main(cfg: Config) -> list[dict[str, Any]]:
                 for r in range(rounds):
                     pid = f"w2-conc-{r}"
                     await _fill(client, pid, rows, 4096)
+                    settle()
                     t0 = perf_counter()
                     async with anyio.create_task_group() as tg:
                         for i, c in enumerate(extra):
