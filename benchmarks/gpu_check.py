@@ -10,13 +10,16 @@ prints, for a batch of ``--mib`` MiB of int64 in 4 columns:
 * ``to_host``: tq_async's staging of CUDA columns for a put (ratio to the D2H baseline);
 * ``to_device``: tq_async's delivery of host columns on the GPU (ratio to H2D);
 * ``put`` of CUDA tensors and ``get_data(device="cuda")`` end to end (``tq-async serve`` in a
-  subprocess, this host: shared memory), and the longest event-loop stall while they run (a
-  loop-lag probe; target < 1 ms);
+  subprocess, this host: shared memory), and the event-loop stalls while they run (a
+  loop-lag probe, puts and reads apart, the first round apart; target < 1 ms);
 * ``AsyncStreamingDataset(device="cuda")``: batches per second;
 * GPU -> GPU between two processes: torch's own CUDA IPC (a tensor sent through a
   ``torch.multiprocessing`` queue, its handle opened and copied device to device in the
   consumer: the reference a CUDA IPC path in tq_async would be held to) against tq_async's
   path today (a put of CUDA tensors then ``get_data(device=)``: through shared memory);
+* NIXL with GPU memory (a probe outside tq_async's data path): a client agent's registered
+  CUDA buffer READ from / WRITten to another agent's registered host buffer, against the
+  pinned copies: what a GPU-direct path would get;
 * GPU-direct NIXL and CUDA IPC inside tq_async: reported as not implemented (GPU tensors
   travel through host memory).
 
@@ -102,6 +105,62 @@ def ipc_between_processes(torch: Any, device: str, nbytes: int, rounds: int) -> 
     return _gbps(x.numel() * 8, times[1:])
 
 
+def nixl_vram(torch: Any, nbytes: int, rounds: int) -> tuple[float, float] | str:
+    """GB/s of NIXL (UCX) moving ``nbytes`` between GPU memory and host memory: a client agent
+    with a registered CUDA buffer READs from and WRITEs to a unit agent's registered host
+    buffer (another agent in this process; UCX picks its transports, e.g. ``cuda_copy``). The
+    GPU-direct path a storage unit's arena would see; the first round is not counted. A string
+    says why it could not run."""
+    import numpy as np
+
+    from tq_async import _nixl
+
+    nixl = _nixl.load()
+    if nixl is None:
+        return "NIXL is not installed here"
+    try:
+        unit = _nixl._make_agent(nixl, "unit", "gpu-check-unit")
+        client = _nixl._make_agent(nixl, "client", "gpu-check-client")
+        host = np.empty(nbytes, dtype=np.uint8)
+        host[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        addr = int(host.ctypes.data)
+        vram = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        regs = [
+            (unit, unit.register_memory([(addr, nbytes, 0, "")], "DRAM")),
+            (client, client.register_memory(vram)),
+        ]
+        peer = client.add_remote_agent(unit.get_agent_metadata())
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        local = client.get_xfer_descs(vram)
+        remote = client.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+
+        def once(op: str) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handle = client.initialize_xfer(op, local, remote, peer)
+            state = client.transfer(handle)
+            while state == "PROC":
+                state = client.check_xfer_state(handle)
+            took = time.perf_counter() - t0
+            handle.release()
+            if state != "DONE":
+                raise RuntimeError(f"NIXL {op} ended in state {state}")
+            return took
+
+        reads = [once("READ") for _ in range(rounds + 1)][1:]
+        if not torch.equal(vram.cpu(), torch.from_numpy(host)):
+            raise RuntimeError("the GPU buffer differs from the host buffer after a READ")
+        vram.random_(0, 256)
+        writes = [once("WRITE") for _ in range(rounds + 1)][1:]
+        if not torch.equal(vram.cpu(), torch.from_numpy(host)):
+            raise RuntimeError("the host buffer differs from the GPU buffer after a WRITE")
+        for agent, reg in regs:
+            agent.deregister_memory(reg)
+        return _gbps(nbytes, reads), _gbps(nbytes, writes)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
     import anyio
     import anyio.lowlevel
@@ -131,7 +190,10 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
 
     from ._common import Config, open_cluster
 
-    lags: list[float] = []
+    # event-loop stalls by phase; the first round (streams, pinned pools, arena growth) is
+    # reported apart
+    lags: dict[str, list[float]] = {"first round": [], "put": [], "get": []}
+    phase = ["first round"]
     # the services in another process (`tq-async serve`): the loop-lag probe sees only the
     # client's own work on its event loop
     async with (
@@ -144,24 +206,27 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
             while not stop.is_set():
                 t0 = time.perf_counter()
                 await anyio.lowlevel.checkpoint()
-                lags.append(time.perf_counter() - t0)
+                lags[phase[0]].append(time.perf_counter() - t0)
 
         puts, gets = [], []
         async with anyio.create_task_group() as tg:
             tg.start_soon(probe)
-            for _ in range(rounds):
+            for r in range(rounds + 1):
+                phase[0] = "put" if r else "first round"
                 t0 = time.perf_counter()
                 meta = await client.put(cols, partition_id="gpu")
                 puts.append(time.perf_counter() - t0)
+                phase[0] = "get" if r else "first round"
                 t0 = time.perf_counter()
                 td = await client.get_data(meta, device="cuda")
                 gets.append(time.perf_counter() - t0)
                 await client.clear_samples(meta)
             stop.set()
         assert td[next(iter(cols))].is_cuda
-        out["put"], out["get"] = _gbps(nbytes, puts), _gbps(nbytes, gets)
-        out["max_loop_stall_ms"] = max(lags) * 1e3
-        out["p99_loop_stall_ms"] = sorted(lags)[int(len(lags) * 0.99)] * 1e3
+        out["put"], out["get"] = _gbps(nbytes, puts[1:]), _gbps(nbytes, gets[1:])
+        out["stalls"] = {
+            k: (max(v) * 1e3, sum(x > 1e-3 for x in v), len(v)) for k, v in lags.items() if v
+        }
 
         small = {k: t[: max(1, rows // 8)] for k, t in cols.items()}
         for _ in range(8):
@@ -206,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tq_async to_device (device= reads): {down:.2f} GB/s = {down / h2d:.2f}x H2D")
     print(f"put of CUDA tensors (tq-async serve): {got['put']:.2f} GB/s")
     print(f"get_data(device='cuda') (tq-async serve): {got['get']:.2f} GB/s")
-    print(
-        f"event-loop stalls during them: max {got['max_loop_stall_ms']:.2f} ms, p99 "
-        f"{got['p99_loop_stall_ms']:.2f} ms (a stall includes this process being descheduled)"
-    )
+    for phase, (most, over, n) in got["stalls"].items():
+        print(
+            f"event-loop stalls, {phase}: max {most:.2f} ms, {over} of {n} checkpoints over 1 ms"
+            " (a stall includes this process being descheduled)"
+        )
     print(f"AsyncStreamingDataset(device='cuda'): {got['dataset_batches_per_s']:.0f} batches/s")
     ipc = ipc_between_processes(torch, "cuda", args.mib << 20, args.rounds)
     print(f"GPU -> GPU between processes, torch CUDA IPC (handle + D2D copy): {ipc:.2f} GB/s")
@@ -218,7 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         f"GPU -> GPU between processes through tq_async today (put, then get_data(device=); "
         f"shared memory): {both:.2f} GB/s = {both / ipc:.2f}x torch CUDA IPC"
     )
-    print("NIXL with GPU memory (GPU-direct): not implemented; GPU tensors go through host memory")
+    got_nixl = nixl_vram(torch, args.mib << 20, args.rounds)
+    if isinstance(got_nixl, str):
+        print(f"NIXL with GPU memory (probe): could not run: {got_nixl}")
+    else:
+        r, w = got_nixl
+        print(
+            f"NIXL with GPU memory (probe, two agents): READ host->GPU {r:.2f} GB/s = "
+            f"{r / h2d:.2f}x H2D, WRITE GPU->host {w:.2f} GB/s = {w / d2h:.2f}x D2H"
+        )
+    print("NIXL with GPU memory inside tq_async: not implemented; GPU tensors go through host")
     print("CUDA IPC inside tq_async: not implemented; same-host GPU tensors go through shm")
     return 0
 

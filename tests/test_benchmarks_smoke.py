@@ -150,7 +150,10 @@ def test_gpu_check_shares_a_tensor_between_processes_on_the_cpu_too() -> None:
     assert float(done.stdout.split("GB/s")[1]) > 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None, reason="needs tq_async[nixl]")
+@pytest.mark.skipif(
+    all(importlib.util.find_spec(m) is None for m in ("nixl_cu12", "nixl_cu13")),
+    reason="needs tq_async[nixl]",
+)
 def test_nixl_vs_zmq_smoke() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.nixl_vs_zmq", "--rounds", "2", "--repeat", "1"],

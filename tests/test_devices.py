@@ -261,3 +261,35 @@ def test_the_blocking_client_copies_device_columns_in_the_calling_thread(
         (copier,) = seam
         assert copier.copies == 7
         assert copier.threads == {threading.get_ident()}
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_a_dataset_on_cuda_yields_cuda_batches_in_order() -> None:
+    async with _client() as client:
+        for k in range(4):
+            await client.put({"x": (torch.arange(8) + 8 * k).cuda()}, partition_id="p")
+        await client.seal("p")
+        ds = tq.AsyncStreamingDataset(client, ["x"], 8, 8, "p", "train", prefetch=2, device="cuda")
+        got = []
+        async with ds:
+            async for td, _ in ds:
+                assert td["x"].is_cuda
+                got.extend(td["x"].tolist())
+    assert got == list(range(32))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_blocking_client_round_trips_cuda_columns() -> None:
+    want = _batch()
+    sent = {**want, "ids": want["ids"].cuda(), "jag": want["jag"].cuda()}
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+    ):
+        meta = client.put(sent, partition_id="p")
+        td = client.get_data(meta, device="cuda")
+        assert td["ids"].is_cuda
+        assert td["bf"].is_cuda
+        _check(td.to("cpu"), want)

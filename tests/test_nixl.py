@@ -10,6 +10,7 @@ the client in two network namespaces standing for two hosts.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -55,11 +56,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _have_nixl() -> bool:
-    try:
-        import nixl_cu12  # noqa: F401
-    except Exception:
-        return False
-    return True
+    for name in ("nixl_cu12", "nixl_cu13"):  # the CUDA 12 / CUDA 13 wheels
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
+        return True
+    return False
 
 
 needs_nixl = pytest.mark.skipif(not _have_nixl(), reason="NIXL is not installed (tq_async[nixl])")
@@ -238,8 +241,8 @@ def test_ucx_tcp_segments_default_to_ours_unless_set(
 async def test_nixl_missing_uses_the_socket_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # import fails
-    monkeypatch.setitem(sys.modules, "nixl", None)
+    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails
     monkeypatch.setattr(_nixl, "_loaded", [])
     monkeypatch.setattr(_nixl, "_client_agents", [])
     async with tq.local_cluster(num_storage_units=1) as cluster:
@@ -587,3 +590,23 @@ def _client_main(address: str) -> None:
 
 if __name__ == "__main__":
     _client_main(sys.argv[1])
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_columns_round_trip_over_nixl(
+    split_cluster: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    address, _ = split_cluster
+    async with tq.AsyncClient.connect(address, data_path="nixl", request_timeout=30) as client:
+        want = _batch()
+        sent = {**want, "ids": want["ids"].cuda(), "bf": want["bf"].cuda()}
+        meta = await client.put(sent, partition_id="p")
+        td = await client.get_data(meta, device="cuda")
+        assert td["ids"].is_cuda
+        assert td["f32"].is_cuda
+        _check(td.to("cpu"), want)
+        stats = await _nixl_stats(client)
+        assert stats["nixl_puts"] == 1
+        assert stats["nixl_reads"] == 1

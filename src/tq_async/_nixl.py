@@ -143,7 +143,8 @@ def load() -> Any | None:
         _ucx_defaults()
         module = None
         errors = []
-        for name in ("nixl_cu12", "nixl"):  # the wheel's module; the meta-package's
+        # the CUDA 12 and CUDA 13 wheels' modules, then the meta-package's
+        for name in ("nixl_cu12", "nixl_cu13", "nixl"):
             try:
                 module = importlib.import_module(name)
                 if not hasattr(module, "nixl_agent"):
