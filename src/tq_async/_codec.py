@@ -477,7 +477,12 @@ def _public_njt(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
 
 
 def _direct_njt_maker() -> _NJTMaker | None:
-    """torch's jagged-tensor constructor (private: ``torch.nested._internal``), or None."""
+    """torch's jagged-tensor constructor (private: ``torch.nested._internal``), or None.
+
+    What it builds differs from ``nested_tensor_from_jagged``'s in one respect only: it is
+    not registered as an autograd view of ``values`` (``_is_view()`` is False), which no one
+    can observe here, since ``values`` is a buffer of the read that nothing else holds.
+    """
     try:
         from torch.nested._internal.nested_tensor import NestedTensor, _store_val_in_tensor
     except ImportError:  # pragma: no cover - another torch
