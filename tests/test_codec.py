@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from tq_async import SchemaError, UnsupportedTypeError, _codec
+from tq_async import ProtocolError, SchemaError, UnsupportedTypeError, _codec
 from tq_async._codec import columns_from_batch, columns_to_tensordict
-from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames
+from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames, empty_column
 
 DTYPES = [
     torch.float64,
@@ -298,3 +298,19 @@ def test_tensordict_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(TensorDict, "_new_unsafe", changed, raising=False)
     assert _codec._probed_tensordict_maker().__name__ == "public"
+
+
+def test_a_column_of_another_row_count_is_a_protocol_error() -> None:
+    _, headers, columns = columns_from_batch({"x": torch.zeros(3, 2)})
+    with pytest.raises(ProtocolError, match="'x' came with 3 rows, not 4"):
+        columns_to_tensordict(4, headers, columns, nested=True)
+    with pytest.raises(ProtocolError, match="'x' came with 3 rows, not 2"):
+        columns_to_tensordict(2, headers, columns)
+
+
+def test_no_rows_read_as_jagged() -> None:
+    header = ColumnHeader("x", "dense", "int64", (5,))
+    td = columns_to_tensordict(0, [header], [empty_column(header)], nested=True)
+    assert td["x"].is_nested
+    assert td["x"]._max_seqlen == 0
+    assert td.batch_size == (0,)

@@ -608,13 +608,13 @@ class _RaggedDims:
         key = offsets.tobytes()
         dim = self._seen.get(key)
         if dim is None:
-            if uniform is not None:
+            if len(offsets) < 2:  # no rows
+                lo = hi = 0
+            elif uniform is not None:
                 lo = hi = uniform
-            elif len(offsets) > 1:
+            else:
                 lengths = np.diff(offsets)
                 lo, hi = int(lengths.min()), int(lengths.max())
-            else:
-                lo = hi = 0
             if not offsets.flags.writeable:
                 offsets = offsets.copy()
             dim = self._seen[key] = _Ragged(torch.from_numpy(offsets), lo, hi)
@@ -668,6 +668,8 @@ def columns_to_tensordict(
     ragged = _RaggedDims()
     tensors_only = True
     for header, column in zip(headers, columns, strict=True):
+        if len(column) != n:  # the unchecked TensorDict below relies on it
+            raise ProtocolError(f"field {header.name!r} came with {len(column)} rows, not {n}")
         value: Any
         if isinstance(column, JaggedColumn):
             value = ragged.jagged(header, column)
