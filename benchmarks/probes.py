@@ -1,4 +1,5 @@
-"""Machine probes behind the explanations in RESULTS.md (no tq_async involved).
+"""Machine probes behind the explanations in RESULTS.md (no tq_async involved, except in
+``jagged-assembly``).
 
 ``python -m benchmarks.probes PROBE``:
 
@@ -28,6 +29,12 @@
 * ``steady-cpu``: the same ~0.1 ms of pure Python repeated for 6 s, one process pinned to
   each CPU at once: how often, and when, this box runs it 5x slower than its median (W3's
   p99 is 1 % of its puts; a box whose CPUs slow down every second or so cannot meet it).
+* ``jagged-assembly``: what turning a verl step (256 rows: 4 float/int fields of 512, a mask
+  of 1024, a reward) into a TensorDict of jagged nested tensors costs, piece by piece: torch's
+  ``nested_tensor_from_jagged`` against its constructor (on offsets shared or fresh), a
+  ``TensorDict`` of them checked and unchecked, tq_async's ``columns_to_tensordict`` dense and
+  nested, and the constructor right after 10 MiB of fresh buffers were written (what a read
+  does just before): the floor under compat ``kv_batch_get`` (W5).
 """
 
 from __future__ import annotations
@@ -566,6 +573,72 @@ def after_spin(calls: int = 300) -> None:
         print(f"after-spin {name:15s} after 0 / 1 / 10 ms of spinning: {' / '.join(medians)} us")
 
 
+def _us(call: Callable[[], object], calls: int, prepare: Callable[[], object] | None = None) -> str:
+    """The best of 5 means of ``calls`` calls, in us (``prepare`` runs before each, untimed)."""
+    means = []
+    for _ in range(5):
+        total = 0.0
+        for _ in range(calls):
+            if prepare is not None:
+                prepare()
+            t0 = time.perf_counter()
+            call()
+            total += time.perf_counter() - t0
+        means.append(total / calls * 1e6)
+    return f"{min(means):7.1f} us"
+
+
+def jagged_assembly(calls: int = 300) -> None:
+    """The pieces of a jagged read's assembly (no sockets)."""
+    import torch
+    from tensordict import TensorDict
+
+    from tq_async import _codec
+
+    n, length = 256, 512
+    values = torch.randn(n * length)
+    offsets = torch.arange(n + 1) * length
+    dim = _codec._Ragged(offsets, length, length)
+    direct = _codec._probed_njt_maker()
+    cases: dict[str, Callable[[], object]] = {
+        "nested_tensor_from_jagged, shared offsets": lambda: _codec._public_njt(values, dim),
+        "nested_tensor_from_jagged, fresh offsets": lambda: _codec._public_njt(
+            values, _codec._Ragged(torch.arange(n + 1) * length, length, length)
+        ),
+        "direct constructor, shared offsets": lambda: direct(values, dim),
+        "direct constructor, fresh offsets": lambda: direct(
+            values, _codec._Ragged(torch.arange(n + 1) * length, length, length)
+        ),
+    }
+    fields: dict[str, torch.Tensor] = {f"f{i}": direct(values, dim) for i in range(5)}
+    fields["reward"] = torch.randn(n)
+    cases["TensorDict of 5 jagged + 1 dense, checked"] = lambda: TensorDict(fields, [n])
+    unchecked = _codec._probed_tensordict_maker()
+    cases["TensorDict of 5 jagged + 1 dense, unchecked"] = lambda: unchecked(fields, n)
+    step = {
+        "prompts": torch.zeros(n, length, dtype=torch.int64),
+        "responses": torch.zeros(n, length, dtype=torch.int64),
+        "attention_mask": torch.ones(n, 2 * length, dtype=torch.int64),
+        "old_log_probs": torch.randn(n, length),
+        "advantages": torch.randn(n, length),
+        "rewards": torch.randn(n),
+    }
+    rows, headers, columns = _codec.columns_from_batch(step)
+    for nested in (False, True):
+        cases[f"columns_to_tensordict of the step, nested={nested}"] = lambda nested=nested: (
+            _codec.columns_to_tensordict(rows, headers, columns, nested=nested)
+        )
+    for name, call in cases.items():
+        print(f"jagged-assembly {name:48s} {_us(call, calls)}")
+    held: list[np.ndarray[Any, Any]] = []
+
+    def fresh_buffers() -> None:  # as a read's copies: 5 x 2 MiB written just before
+        held[:] = [np.ones(n * length * 8, dtype=np.uint8) for _ in range(5)]
+
+    after = _us(lambda: direct(values, dim), calls, prepare=fresh_buffers)
+    print(f"jagged-assembly {'direct constructor after 10 MiB of fresh buffers':48s} {after}")
+
+
 def _steady_unit() -> int:
     total = 0
     for i in range(2000):
@@ -621,6 +694,7 @@ PROBES = {
     "socket-rtt": socket_rtt,
     "after-spin": after_spin,
     "steady-cpu": steady_cpu,
+    "jagged-assembly": jagged_assembly,
 }
 
 

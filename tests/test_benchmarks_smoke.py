@@ -71,6 +71,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     probes.idle_rtt(calls=4)
     probes.cold_call(calls=2)
     probes.after_spin(calls=2)
+    probes.jagged_assembly(calls=2)
     if sys.platform == "linux":
         probes.same_host(puts=8)
         probes.socket_rtt(calls=20)
@@ -81,6 +82,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.count("idle-rtt") == 9
     assert out.count("cold-call") == 5
     assert out.count("after-spin") == 4
+    assert out.count("jagged-assembly") == 9
     assert out.count("same-host") == (3 if linux else 0)
     assert out.count("socket-rtt") == (4 if linux else 0)
     assert out.count("steady-cpu") == (len(os.sched_getaffinity(0)) if linux else 0)

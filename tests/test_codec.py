@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import msgspec
@@ -10,9 +11,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from tq_async import SchemaError, UnsupportedTypeError
+from tq_async import ProtocolError, SchemaError, UnsupportedTypeError, _codec
 from tq_async._codec import columns_from_batch, columns_to_tensordict
-from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames
+from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames, empty_column
 
 DTYPES = [
     torch.float64,
@@ -174,3 +175,142 @@ def test_numpy_scalar_inside_a_value_is_refused_or_pickled() -> None:
     with pytest.raises(UnsupportedTypeError, match="allow_pickle"):
         columns_from_batch(data)
     assert roundtrip(data, allow_pickle=True)["extra"].tolist()[1] == {"acc": 0.5}
+
+
+def _dense_columns(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[int, list[ColumnHeader], list[object]]:
+    n, headers, columns = columns_from_batch(tensors)
+    return n, headers, columns
+
+
+def test_jagged_fields_of_equal_lengths_share_their_ragged_dimension() -> None:
+    # fields whose rows have the same lengths come back on one offsets tensor: one ragged
+    # "nested int", so they combine (prompt ids + mask, log-probs * mask) as dense ones do
+    ids = torch.arange(12).view(4, 3)
+    mask = torch.ones(4, 3, dtype=torch.int64)
+    logp = torch.randn(4, 3)
+    longer = torch.zeros(4, 5, dtype=torch.int64)
+    rows = [torch.arange(k) for k in (1, 3, 0, 2)]
+    fields = {"ids": ids, "mask": mask, "logp": logp, "longer": longer, "r": rows, "s": rows}
+    n, headers, columns = _dense_columns(fields)  # type: ignore[arg-type]
+    td = columns_to_tensordict(n, headers, columns, nested=True)  # type: ignore[arg-type]
+    assert td["ids"].offsets() is td["mask"].offsets() is td["logp"].offsets()
+    assert td["ids"].shape == td["mask"].shape == td["logp"].shape
+    assert (td["ids"] + td["mask"]).to_padded_tensor(0).tolist() == (ids + 1).tolist()
+    assert torch.equal((td["logp"] * td["mask"]).to_padded_tensor(0), logp)
+    assert td["r"].offsets() is td["s"].offsets()  # jagged columns of equal lengths too
+    assert (td["r"] + td["s"]).to_padded_tensor(-1).tolist() == [
+        [0, -1, -1], [0, 2, 4], [-1, -1, -1], [0, 2, -1]
+    ]  # fmt: skip
+    with pytest.raises(RuntimeError):  # other lengths: another ragged dimension
+        td["ids"] + td["longer"]
+    with pytest.raises(RuntimeError):
+        td["ids"] + td["r"]
+
+
+def test_jagged_fields_of_separate_reads_do_not_share_offsets() -> None:
+    # the offsets tensor is shared within one batch only: a user's in-place edit of one
+    # batch's offsets can never reach another batch
+    n, headers, columns = _dense_columns({"ids": torch.arange(6).view(2, 3)})
+    a = columns_to_tensordict(n, headers, columns, nested=True)["ids"]  # type: ignore[arg-type]
+    b = columns_to_tensordict(n, headers, columns, nested=True)["ids"]  # type: ignore[arg-type]
+    assert a.offsets() is not b.offsets()
+    assert torch.equal(a.offsets(), b.offsets())
+
+
+JAGGED_CASES = [
+    (torch.arange(10.0), [0, 3, 3, 10]),  # an empty row
+    (torch.arange(24).view(8, 3), [0, 1, 5, 8]),  # rows [L, 3]
+    (torch.randn(6, 2, 2).to(torch.bfloat16), [0, 6]),  # one row, rows [L, 2, 2]
+    (torch.rand(4) > 0.5, [0, 2, 4]),
+    (torch.zeros(0, 3), [0]),  # no rows
+]
+
+
+@pytest.mark.parametrize(("values", "offsets"), JAGGED_CASES, ids=range(len(JAGGED_CASES)))
+def test_direct_jagged_constructor_builds_what_torch_builds(
+    values: torch.Tensor, offsets: list[int]
+) -> None:
+    # _codec builds jagged tensors with torch's private constructor (3x cheaper than
+    # nested_tensor_from_jagged) only because they are the same tensors: this pins it
+    make = _codec._direct_njt_maker()
+    assert make is not None, "torch.nested._internal moved: the jagged assembly got ~3x slower"
+    assert _codec._probed_njt_maker() is not _codec._public_njt
+    off = torch.tensor(offsets)
+    lengths = off.diff()
+    lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+    dim = _codec._Ragged(off, lo, hi)
+    ours, theirs = make(values, dim), _codec._public_njt(values, dim)
+    assert _codec._same_njt(ours, theirs)
+    assert [t.tolist() for t in ours.unbind()] == [t.tolist() for t in theirs.unbind()]
+    assert torch.equal((ours + theirs).values(), (theirs + theirs).values())  # one nested int
+    assert torch.equal(ours.to(torch.float64).values(), theirs.to(torch.float64).values())
+    assert torch.equal(ours.clone().to_padded_tensor(0), theirs.to_padded_tensor(0))
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert torch.equal(loaded.to_padded_tensor(0), theirs.to_padded_tensor(0))
+    assert loaded._max_seqlen == theirs._max_seqlen
+    ours.values().fill_(1)  # a view of the values it was built on, as torch's is
+    assert bool((values == 1).all())
+
+
+def test_jagged_assembly_falls_back_to_the_public_constructors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fields = {"ids": torch.arange(12).view(4, 3), "r": [torch.arange(k) for k in (1, 3, 0, 2)]}
+    n, headers, columns = _dense_columns(fields)  # type: ignore[arg-type]
+    fast = columns_to_tensordict(n, headers, columns, nested=True)  # type: ignore[arg-type]
+    monkeypatch.setattr(_codec, "_njt", _codec._public_njt)
+    monkeypatch.setattr(_codec, "_new_tensordict", lambda f, k: TensorDict(f, batch_size=[k]))
+    slow = columns_to_tensordict(n, headers, columns, nested=True)  # type: ignore[arg-type]
+    assert fast.batch_size == slow.batch_size
+    assert list(fast.keys()) == list(slow.keys())
+    for key in fields:
+        assert torch.equal(fast[key].to_padded_tensor(-1), slow[key].to_padded_tensor(-1))
+        assert fast[key]._max_seqlen == slow[key]._max_seqlen
+
+
+def test_jagged_probe_refuses_a_constructor_that_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unbounded(values: torch.Tensor, dim: _codec._Ragged) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(values, dim.offsets)  # no lengths' bounds
+
+    def broken(values: torch.Tensor, dim: _codec._Ragged) -> torch.Tensor:
+        raise TypeError("a changed signature")
+
+    for maker in (unbounded, broken):
+        monkeypatch.setattr(_codec, "_direct_njt_maker", lambda m=maker: m)
+        assert _codec._probed_njt_maker() is _codec._public_njt
+
+
+def test_tensordict_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    make = _codec._probed_tensordict_maker()
+    assert make.__name__ == "make", "tensordict changed: the unchecked constructor is not used"
+    td = make({"x": torch.zeros(2, 3)}, 2)
+    assert td.batch_size == (2,)
+    assert td.device is None
+    assert not td.is_locked
+
+    def changed(*args: object, **kwargs: object) -> TensorDict:
+        raise TypeError("a changed signature")
+
+    monkeypatch.setattr(TensorDict, "_new_unsafe", changed, raising=False)
+    assert _codec._probed_tensordict_maker().__name__ == "public"
+
+
+def test_a_column_of_another_row_count_is_a_protocol_error() -> None:
+    _, headers, columns = columns_from_batch({"x": torch.zeros(3, 2)})
+    with pytest.raises(ProtocolError, match="'x' came with 3 rows, not 4"):
+        columns_to_tensordict(4, headers, columns, nested=True)
+    with pytest.raises(ProtocolError, match="'x' came with 3 rows, not 2"):
+        columns_to_tensordict(2, headers, columns)
+
+
+def test_no_rows_read_as_jagged() -> None:
+    header = ColumnHeader("x", "dense", "int64", (5,))
+    td = columns_to_tensordict(0, [header], [empty_column(header)], nested=True)
+    assert td["x"].is_nested
+    assert td["x"]._max_seqlen == 0
+    assert td.batch_size == (0,)

@@ -293,3 +293,21 @@ def test_the_blocking_client_round_trips_cuda_columns() -> None:
         assert td["ids"].is_cuda
         assert td["bf"].is_cuda
         _check(td.to("cpu"), want)
+
+
+async def test_jagged_reads_on_a_device_keep_their_bounds_and_shared_lengths(
+    seam: list[_Recorder],
+) -> None:
+    # what a host read gives (rows padded to the longest row, fields of equal lengths on one
+    # ragged dimension) holds on the device too; the shared offsets are copied once
+    want = {"a": torch.arange(64).view(16, 4), "b": torch.ones(16, 4, dtype=torch.int64)}
+    want["jag"] = _batch()["jag"]
+    async with _client() as client:
+        meta = await client.put(want, partition_id="p")
+        seam.clear()
+        got = await client.get_data(meta, nested=True, device="cpu")
+        (copier,) = seam
+        assert copier.copies == 2 + 1 + 2  # a's and b's values, their offsets, jag's two
+        assert (got["a"] + got["b"]).to_padded_tensor(0).tolist() == (want["a"] + 1).tolist()
+        assert got["jag"].to_padded_tensor(-1).shape == (16, 5)  # its longest row, not all
+        assert got["a"]._max_seqlen == 4

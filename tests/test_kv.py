@@ -93,3 +93,22 @@ def test_sync_kv() -> None:
             assert await anyio.to_thread.run_sync(blocking) == [2, 1]
 
     anyio.run(main)
+
+
+async def test_kv_batch_get_names_the_first_key_lacking_a_field() -> None:
+    # the lookup checks a field for all keys at once and goes key by key only to name one
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        keys = [f"k{i}" for i in range(300)]
+        await client.kv_batch_put(keys, "p", {"a": torch.arange(300)})
+        await client.kv_batch_put(keys[:200] + keys[201:], "p", {"b": torch.zeros(299)})
+        got = await client.kv_batch_get(keys[150:250], "p", ["a"])
+        assert got["a"].tolist() == list(range(150, 250))
+        with pytest.raises(tq.KeyNotFound, match=r"key 'k200' .* has no fields \['b'\]"):
+            await client.kv_batch_get(keys[150:250], "p")
+        with pytest.raises(tq.KeyNotFound, match=r"key 'k7' .* has no fields \['zz'\]"):
+            await client.kv_batch_get(["k7", "k8"], "p", ["a", "zz"])
+        meta = await client.kv_retrieve_meta(keys[150:250], "p")  # the fields all keys have
+        assert meta.field_names == ["a"]

@@ -14,7 +14,8 @@ buffer is copied, since tensors are writable).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,7 +34,6 @@ from ._columns import (
     DenseColumn,
     JaggedColumn,
     ListColumn,
-    as_jagged,
 )
 from ._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 
@@ -434,23 +434,211 @@ def column_value(header: ColumnHeader, column: Column) -> Any:
     if isinstance(column, DenseColumn):
         return _tensor(column.data, _torch_dtype(header.dtype), (len(column), *header.shape))
     if isinstance(column, JaggedColumn):
+        return _RaggedDims().jagged(header, column)
+    if header.kind == PICKLE:
+        return [pickle.loads(v) for v in column.values]
+    return column.values
+
+
+# --------------------------------------------------------------------------------------------
+# jagged nested tensors, built in bulk
+#
+# A batch of verl's shape (256 rows x 6 fields read back jagged) spent most of its assembly in
+# torch's per-tensor Python machinery, not in moving bytes (W5, benchmarks/RESULTS.md):
+# ``nested_tensor_from_jagged`` ~70 us a field (its op dispatch and schema normalisation
+# around a ~20 us constructor), ~15 us more for a fresh offsets tensor (a new ragged
+# "nested int"), and ~12 us a field for ``TensorDict``'s shape check (every ``size(i)`` of a
+# jagged tensor goes through ``__torch_function__``). Fields of one batch whose rows have the
+# same lengths share one offsets tensor, hence one nested int: they combine as dense tensors
+# do (``ids + mask``). The two private constructors below are used only after a probe showed
+# they give what the public ones give on this torch / tensordict; otherwise the public ones.
+
+
+@dataclass(slots=True, eq=False)
+class _Ragged:
+    """One ragged dimension of a batch: the offsets its fields share, the bounds of their rows'
+    lengths, and those bounds as the direct constructor stores them (made on first use)."""
+
+    offsets: torch.Tensor
+    lo: int
+    hi: int
+    stored: dict[str, torch.Tensor] | None = None
+
+
+_NJTMaker = Callable[[torch.Tensor, _Ragged], torch.Tensor]
+
+
+def _public_njt(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+    # the lengths' bounds, given: without them to_padded_tensor() pads every row to the
+    # length of all values together
+    return torch.nested.nested_tensor_from_jagged(
+        values, dim.offsets, min_seqlen=dim.lo, max_seqlen=dim.hi
+    )
+
+
+def _direct_njt_maker() -> _NJTMaker | None:
+    """torch's jagged-tensor constructor (private: ``torch.nested._internal``), or None.
+
+    What it builds differs from ``nested_tensor_from_jagged``'s in one respect only: it is
+    not registered as an autograd view of ``values`` (``_is_view()`` is False), which no one
+    can observe here, since ``values`` is a buffer of the read that nothing else holds.
+    """
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor, _store_val_in_tensor
+    except ImportError:  # pragma: no cover - another torch
+        return None
+
+    def make(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+        if dim.stored is None:  # the bounds as the public factory stores them
+            dim.stored = {
+                "min_seqlen": _store_val_in_tensor(dim.lo),
+                "max_seqlen": _store_val_in_tensor(dim.hi),
+            }
+        # a dict of its own (torch may add to it), the bounds' tensors shared as torch's ops
+        # share them between a jagged tensor and what they compute from it
+        return NestedTensor(values, dim.offsets, _metadata_cache=dict(dim.stored))
+
+    return make
+
+
+def _same_njt(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are jagged tensors alike in everything a reader can see."""
+    return (
+        type(a) is type(b)
+        and a.layout == b.layout == torch.jagged
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.requires_grad == b.requires_grad
+        and a.offsets() is b.offsets()
+        and a.lengths() is None is b.lengths()
+        and a.values().data_ptr() == b.values().data_ptr()
+        and a._ragged_idx == b._ragged_idx
+        and sorted(a._metadata_cache) == sorted(b._metadata_cache)
+        and a._min_seqlen == b._min_seqlen
+        and a._max_seqlen == b._max_seqlen
+        and torch.equal(a.to_padded_tensor(0), b.to_padded_tensor(0))
+    )
+
+
+def _probed_njt_maker() -> _NJTMaker:
+    """The direct constructor when it builds what the public factory builds, else the
+    public factory."""
+    make = _direct_njt_maker()
+    if make is None:
+        return _public_njt
+    try:
+        dim = _Ragged(torch.tensor([0, 2, 2, 5]), 0, 3)
+        for values in (torch.arange(5.0), torch.arange(10).view(5, 2)):
+            if not _same_njt(make(values, dim), _public_njt(values, dim)):
+                return _public_njt
+    except Exception:  # any surprise: the public path
+        return _public_njt
+    return make
+
+
+def _probed_tensordict_maker() -> Callable[[dict[str, torch.Tensor], int], TensorDict]:
+    """tensordict's unchecked constructor (private: ``TensorDict._new_unsafe``) when it builds
+    what ``TensorDict(fields, batch_size=[n])`` builds, else the public constructor."""
+
+    def public(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+        return TensorDict(fields, batch_size=[n])
+
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if unsafe is None:  # pragma: no cover - another tensordict
+        return public
+
+    def make(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+        return unsafe(fields, batch_size=torch.Size([n]), nested=False)  # type: ignore[no-any-return]
+
+    try:
+        sample = {
+            "a": torch.zeros(2, 3),
+            "b": _public_njt(torch.zeros(3), _Ragged(torch.tensor([0, 1, 3]), 1, 2)),
+        }
+        a, b = make(sample, 2), public(sample, 2)
+        same = (
+            type(a) is type(b)
+            and a.batch_size == b.batch_size
+            and a.device == b.device
+            and a.names == b.names
+            and a.is_locked == b.is_locked
+            and list(a.keys()) == list(b.keys())
+            and all(a.get(k) is b.get(k) for k in sample)
+        )
+    except Exception:  # any surprise: the public path
+        return public
+    return make if same else public
+
+
+_njt: _NJTMaker | None = None
+_new_tensordict: Callable[[dict[str, torch.Tensor], int], TensorDict] | None = None
+
+
+def _jagged_tensor(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged(values, dim.offsets, min_seqlen=dim.lo,
+    max_seqlen=dim.hi)``, cheaper where the probe allows."""
+    global _njt
+    if _njt is None:
+        _njt = _probed_njt_maker()
+    return _njt(values, dim)
+
+
+def _tensordict(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """``TensorDict(fields, batch_size=[n])`` for tensors built here (each ``n`` rows, on the
+    CPU), without re-checking their shapes where the probe allows."""
+    global _new_tensordict
+    if _new_tensordict is None:
+        _new_tensordict = _probed_tensordict_maker()
+    return _new_tensordict(fields, n)
+
+
+class _RaggedDims:
+    """The ragged dimensions of one batch's jagged fields: one offsets tensor (one nested int)
+    per distinct row lengths, so fields with equal lengths combine. Never shared across
+    batches: a user's in-place edit of one batch's offsets stays in it."""
+
+    __slots__ = ("_seen", "_uniform")
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, _Ragged] = {}
+        self._uniform: dict[tuple[int, int], _Ragged] = {}
+
+    def _dim(self, offsets: np.ndarray[Any, np.dtype[np.int64]], uniform: int | None) -> _Ragged:
+        key = offsets.tobytes()
+        dim = self._seen.get(key)
+        if dim is None:
+            if len(offsets) < 2:  # no rows
+                lo = hi = 0
+            elif uniform is not None:
+                lo = hi = uniform
+            else:
+                lengths = np.diff(offsets)
+                lo, hi = int(lengths.min()), int(lengths.max())
+            if not offsets.flags.writeable:
+                offsets = offsets.copy()
+            dim = self._seen[key] = _Ragged(torch.from_numpy(offsets), lo, hi)
+        return dim
+
+    def jagged(self, header: ColumnHeader, column: JaggedColumn) -> torch.Tensor:
+        """A jagged column as a jagged nested tensor (a view of its values)."""
         offsets = column.offsets
         a, b = int(offsets[0]), int(offsets[-1])
         values = _tensor(column.values[a:b], _torch_dtype(header.dtype), (b - a, *header.shape))
         if a:
             offsets = offsets - a
-        elif not offsets.flags.writeable:
-            offsets = offsets.copy()
-        # the lengths' bounds, given: without them to_padded_tensor() pads every row to the
-        # length of all values together
-        lengths = np.diff(offsets)
-        longest, shortest = (int(lengths.max()), int(lengths.min())) if len(lengths) else (0, 0)
-        return torch.nested.nested_tensor_from_jagged(
-            values, torch.from_numpy(offsets), min_seqlen=shortest, max_seqlen=longest
-        )
-    if header.kind == PICKLE:
-        return [pickle.loads(v) for v in column.values]
-    return column.values
+        return _jagged_tensor(values, self._dim(offsets, None))
+
+    def dense(self, header: ColumnHeader, column: DenseColumn) -> torch.Tensor:
+        """A dense column of rows ``[L, *T]`` as a jagged nested tensor, every row ``L`` long
+        (a view of its data)."""
+        n, length = len(column), header.shape[0]
+        values = _tensor(column.data, _torch_dtype(header.dtype), (n * length, *header.shape[1:]))
+        dim = self._uniform.get((n, length))
+        if dim is None:
+            offsets = np.arange(n + 1, dtype=np.int64) * length
+            dim = self._uniform[n, length] = self._dim(offsets, length)
+        return _jagged_tensor(values, dim)
 
 
 def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
@@ -477,11 +665,26 @@ def columns_to_tensordict(
     come back as jagged nested tensors (every row the same length).
     """
     fields: dict[str, Any] = {}
+    ragged = _RaggedDims()
+    tensors_only = True
     for header, column in zip(headers, columns, strict=True):
-        if nested is True or (nested and header.name in nested):
-            header, column = as_jagged(header, column)
-        value = column_value(header, column)
-        if isinstance(value, list):
-            value = _non_tensor_stack(value)
+        if len(column) != n:  # the unchecked TensorDict below relies on it
+            raise ProtocolError(f"field {header.name!r} came with {len(column)} rows, not {n}")
+        value: Any
+        if isinstance(column, JaggedColumn):
+            value = ragged.jagged(header, column)
+        elif (
+            isinstance(column, DenseColumn)
+            and header.shape
+            and (nested is True or (nested and header.name in nested))
+        ):
+            value = ragged.dense(header, column)
+        else:
+            value = column_value(header, column)
+            if isinstance(value, list):
+                value = _non_tensor_stack(value)
+                tensors_only = False
         fields[header.name] = value
+    if tensors_only:
+        return _tensordict(fields, n)
     return TensorDict(fields, batch_size=[n])

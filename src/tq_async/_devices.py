@@ -157,24 +157,48 @@ def to_device_now(td: TensorDict, device: torch.device | None) -> TensorDict:
     if not keys:
         return td
     copier = make_copier(device)
-
+    move = _Mover(copier.to_device, host_offsets=True)
     out: dict[str, Any] = {}
     for k in keys:
         v = td.get(k)
-        out[k] = _move(v, copier.to_device) if isinstance(v, torch.Tensor) else v
+        out[k] = move(v) if isinstance(v, torch.Tensor) else v
     copier.finish()
     return TensorDict(out, batch_size=td.batch_size)
 
 
-def _move(t: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``copy`` of ``t``, a jagged nested tensor copied as its values and offsets."""
-    t = t.detach()
-    if t.is_nested and t.layout == torch.jagged and getattr(t, "_lengths", None) is None:
-        values, offsets = copy(t.values()), copy(t.offsets())  # type: ignore[attr-defined]
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
-    if t.is_nested:
-        return torch.nested.as_nested_tensor([copy(r) for r in t.unbind()], layout=t.layout)
-    return copy(t)
+class _Mover:
+    """Copies of one batch's tensors; a jagged nested tensor is copied as its values and
+    offsets, and jagged tensors that share offsets (fields of equal lengths: one ragged
+    dimension) share the copy. With ``host_offsets`` (the offsets are host memory, reads) the
+    copies keep the bounds of the rows' lengths (without them ``to_padded_tensor()`` pads
+    every row to the length of all values together); device offsets (puts) are not read, as
+    that would wait for the device."""
+
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor], *, host_offsets: bool) -> None:
+        self._copy = copy
+        self._host_offsets = host_offsets
+        self._offsets: dict[int, tuple[torch.Tensor, torch.Tensor, int | None, int | None]] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        copy = self._copy
+        if t.is_nested and t.layout == torch.jagged and getattr(t, "_lengths", None) is None:
+            offsets: torch.Tensor = t.offsets()  # type: ignore[attr-defined]
+            # keyed by identity; the source is kept in the entry so the id stays its own
+            entry = self._offsets.get(id(offsets))
+            if entry is None:
+                lo = hi = None
+                if self._host_offsets:
+                    lengths = offsets.diff()
+                    lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+                entry = self._offsets[id(offsets)] = (offsets, copy(offsets), lo, hi)
+            _, moved, lo, hi = entry
+            return torch.nested.nested_tensor_from_jagged(
+                copy(t.values()), moved, min_seqlen=lo, max_seqlen=hi
+            )
+        if t.is_nested:
+            return torch.nested.as_nested_tensor([copy(r) for r in t.unbind()], layout=t.layout)
+        return copy(t)
 
 
 # ---- device -> host (puts) -----------------------------------------------------------------
@@ -224,10 +248,11 @@ def to_host_now(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Ma
     def copy(t: torch.Tensor) -> torch.Tensor:
         return copiers[t.device].to_host(t) if on_device(t) else t
 
+    move = _Mover(copy, host_offsets=False)
     out: dict[str, Any] = {}
     for k, v in items:
         if isinstance(v, torch.Tensor):
-            out[k] = _move(v, copy) if on_device(v) else v
+            out[k] = move(v) if on_device(v) else v
         elif isinstance(v, list) and _device_of(v) is not None:
             out[k] = [copy(x.detach()) if isinstance(x, torch.Tensor) else x for x in v]
         else:

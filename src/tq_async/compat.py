@@ -39,6 +39,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -292,7 +293,7 @@ def _to_thread(fn: Callable[..., _R]) -> Callable[..., Any]:
 def _as_list(value: str | Sequence[str], name: str) -> list[str]:
     if isinstance(value, str):
         return [value]
-    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, Sequence) or not all(map(isinstance, value, repeat(str))):
         raise InvalidRequestError(f"{name} must be a string or a list of strings, got {value!r}")
     return list(value)
 
@@ -544,23 +545,22 @@ def _put_ragged(
 _RAGGED_FIELD = re.compile(r"rows of field '([^']+)' differ in more than their first dimension")
 
 
-def _read(meta: _meta.BatchMeta) -> TensorDict:
-    """``get_data(meta, nested=True)``; a field whose rows differ in more than their first
-    dimension comes back as a strided nested tensor (read row by row), as in TransferQueue."""
+def _read(meta: _meta.BatchMeta, fields: list[str] | None = None) -> TensorDict:
+    """``get_data(meta, fields, nested=True)``; a field whose rows differ in more than their
+    first dimension comes back as a strided nested tensor (read row by row), as in
+    TransferQueue."""
     client = get_client().client
+    names = list(meta.field_names) if fields is None else fields
     try:
-        return client.get_data(meta, nested=True)
+        return client.get_data(meta, names, nested=True)
     except SchemaError as exc:
         found = _RAGGED_FIELD.search(str(exc))
-        if found is None or found.group(1) not in meta.field_names:
+        if found is None or found.group(1) not in names:
             raise
         ragged = found.group(1)
-    rest = [f for f in meta.field_names if f != ragged]
-    td = _read(meta.select_fields(rest)) if rest else TensorDict({}, batch_size=[len(meta)])
-    rows = [
-        client.get_data(meta.select_rows([i]).select_fields([ragged]))[ragged][0]
-        for i in range(len(meta))
-    ]
+    rest = [f for f in names if f != ragged]
+    td = _read(meta, rest) if rest else TensorDict({}, batch_size=[len(meta)])
+    rows = [client.get_data(meta.select_rows([i]), [ragged])[ragged][0] for i in range(len(meta))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
         td.set(ragged, torch.nested.nested_tensor(rows))
@@ -1330,7 +1330,7 @@ def kv_batch_get(
         present = sorted(f for f in set(wanted) if f in meta.field_names)
     if not present:
         return TensorDict({}, batch_size=[len(key_list)])
-    return _read(meta.select_fields(present))
+    return _read(meta, present)
 
 
 def kv_batch_get_by_meta(

@@ -128,6 +128,32 @@ def test_multi_modal_non_tensor_columns_and_per_key_lengths() -> None:
     assert [r.shape[0] for r in got["response"].unbind()] == [7, 5]
 
 
+def test_fields_of_equal_lengths_combine() -> None:
+    # a verl step: prompts and responses padded to one length, the mask twice as long. The
+    # jagged fields whose rows have the same lengths share one ragged dimension, so they
+    # combine as the dense tensors a trainer put (responses * mask, ids + ids)
+    tq.init()
+    prompts, responses = torch.arange(8).view(2, 4), torch.arange(8, 16).view(2, 4)
+    logp = torch.randn(2, 4)
+    fields = {
+        "prompts": prompts, "responses": responses, "old_log_probs": logp,
+        "attention_mask": torch.ones(2, 8, dtype=torch.int64), "rewards": torch.randn(2),
+    }  # fmt: skip
+    tq.kv_batch_put(keys=["a", "b"], partition_id="step", fields=fields)
+    for _ in range(2):  # the second read reuses nothing of the first one's offsets
+        got = tq.kv_batch_get(keys=["a", "b"], partition_id="step")
+        assert (got["prompts"] + got["responses"]).to_padded_tensor(0).tolist() == (
+            prompts + responses
+        ).tolist()
+        assert torch.equal(
+            (got["old_log_probs"] * got["responses"]).to_padded_tensor(0), logp * responses
+        )
+        assert got["attention_mask"].to_padded_tensor(0).shape == (2, 8)
+        assert not got["rewards"].is_nested
+        with pytest.raises(RuntimeError):  # rows of other lengths: another ragged dimension
+            got["prompts"] + got["attention_mask"]
+
+
 async def test_async_kv_forms() -> None:
     tq.init()
     fields = TensorDict({"x": torch.arange(4).view(2, 2)}, batch_size=2)
