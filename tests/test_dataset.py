@@ -74,6 +74,37 @@ async def test_uneven_micro_batches_stay_aligned_with_jagged_and_strings() -> No
     assert [r for _, m in got for r in m.global_indexes] == list(range(10))
 
 
+async def test_jagged_micro_batches_pad_to_their_longest_row_and_share_lengths() -> None:
+    # a micro-batch of a jagged field is what a read of its rows gives: padded to its longest
+    # row (not to all its values), and fields of equal lengths on one ragged dimension
+    lengths = [1, 9, 2, 2, 3, 1, 1, 4]
+    rows = {
+        "ids": torch.nested.nested_tensor(
+            [torch.arange(n) + 10 * i for i, n in enumerate(lengths)], layout=torch.jagged
+        ),
+        "mask": torch.nested.nested_tensor(
+            [torch.ones(n, dtype=torch.int64) for n in lengths], layout=torch.jagged
+        ),
+    }
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(rows, partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(client, ["ids", "mask"], 8, 4, "p", "train")
+        async with ds:
+            got = await _drain(ds)
+    assert [td["ids"].to_padded_tensor(-1).shape for td, _ in got] == [(4, 9), (4, 4)]
+    for (td, _), first in zip(got, (0, 4), strict=True):
+        part = lengths[first : first + 4]
+        summed = (td["ids"] + td["mask"]).to_padded_tensor(-1)  # one ragged dimension
+        assert [int((row >= 0).sum()) for row in summed] == part
+        assert [t.tolist() for t in td["ids"].unbind()] == [
+            (torch.arange(n) + 10 * i).tolist() for i, n in enumerate(part, start=first)
+        ]
+
+
 def test_chunk_batch_fn_checks_its_inputs() -> None:
     meta = tq.BatchMeta(partition_id="p", global_indexes=[0, 1, 2], field_names=[], units=[0] * 3)
     td = TensorDict({"x": torch.arange(3)}, batch_size=[3])

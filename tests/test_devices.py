@@ -311,3 +311,27 @@ async def test_jagged_reads_on_a_device_keep_their_bounds_and_shared_lengths(
         assert (got["a"] + got["b"]).to_padded_tensor(0).tolist() == (want["a"] + 1).tolist()
         assert got["jag"].to_padded_tensor(-1).shape == (16, 5)  # its longest row, not all
         assert got["a"]._max_seqlen == 4
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_jagged_micro_batches_on_cuda_keep_values_and_offsets_together() -> None:
+    lengths = [1, 9, 2, 2, 3, 1, 1, 4]
+    rows = {
+        "ids": torch.nested.nested_tensor(
+            [torch.arange(n) + 10 * i for i, n in enumerate(lengths)], layout=torch.jagged
+        )
+    }
+    async with _client() as client:
+        await client.put(rows, partition_id="p")
+        await client.seal("p")
+        ds = tq.AsyncStreamingDataset(client, ["ids"], 8, 4, "p", "train", device="cuda")
+        got = []
+        async with ds:
+            async for td, _ in ds:
+                assert td["ids"].is_cuda
+                assert td["ids"].offsets().is_cuda
+                got.append(td["ids"].to_padded_tensor(-1).shape)
+                got.extend(t.tolist() for t in td["ids"].unbind())
+    want = [(torch.arange(n) + 10 * i).tolist() for i, n in enumerate(lengths)]
+    assert got == [(4, 9), *want[:4], (4, 4), *want[4:]]

@@ -224,7 +224,7 @@ def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[Tenso
             if value.layout != torch.jagged or holes or getattr(value, "_ragged_idx", 1) != 1:
                 return [td[a:b] for a, b in bounds]
             offsets = value.offsets()  # type: ignore[attr-defined]
-            columns.append((key, "jagged", value.values(), offsets.tolist()))
+            columns.append((key, "jagged", value.values(), (offsets, offsets.tolist())))
         elif isinstance(value, (torch.Tensor, NonTensorStack)):
             columns.append((key, "plain", value, None))
         else:
@@ -232,16 +232,28 @@ def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[Tenso
     pieces = []
     for a, b in bounds:
         out: dict[str, Any] = {}
+        # one ragged dimension per distinct row lengths in this piece (fields of equal lengths
+        # combine, as in a read), with its lengths' bounds (without them to_padded_tensor()
+        # pads every row to the length of all the piece's values)
+        ragged: dict[tuple[int, ...], tuple[torch.Tensor, int, int]] = {}
         for key, kind, data, offsets in columns:
             if kind == "strided":
                 with warnings.catch_warnings():  # torch: "strided nested tensors: prototype"
                     warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
                     out[key] = torch.nested.as_nested_tensor(data[a:b], layout=torch.strided)
             elif kind == "jagged":
-                lo = offsets[a]
+                source, host = offsets
+                lo = host[a]
+                shape = tuple(x - lo for x in host[a : b + 1])
+                dim = ragged.get(shape)
+                if dim is None:
+                    lengths = [host[i + 1] - host[i] for i in range(a, b)] or [0]
+                    # on the offsets' device (a dataset with device= splits on the device)
+                    window = source[a : b + 1] - lo
+                    dim = ragged[shape] = (window, min(lengths), max(lengths))
+                window, shortest, longest = dim
                 out[key] = torch.nested.nested_tensor_from_jagged(
-                    data[lo : offsets[b]],
-                    torch.tensor(offsets[a : b + 1], dtype=torch.int64) - lo,
+                    data[lo : host[b]], window, min_seqlen=shortest, max_seqlen=longest
                 )
             else:
                 out[key] = data[a:b]
