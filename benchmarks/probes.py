@@ -1,5 +1,5 @@
 """Machine probes behind the explanations in RESULTS.md (no tq_async involved, except in
-``jagged-assembly``).
+``jagged-assembly`` and ``jagged-micro-batches``).
 
 ``python -m benchmarks.probes PROBE``:
 
@@ -35,6 +35,9 @@
   ``TensorDict`` of them checked and unchecked, tq_async's ``columns_to_tensordict`` dense and
   nested, and the constructor right after 10 MiB of fresh buffers were written (what a read
   does just before): the floor under compat ``kv_batch_get`` (W5).
+* ``jagged-micro-batches``: an ``AsyncStreamingDataset`` (embedded cluster) cutting verl-shaped
+  batches (256 rows x 6 jagged fields, prompts 100-1000 and responses 50-500 tokens) into
+  micro-batches of 64: micro-batches per second.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import zmq
@@ -639,6 +643,57 @@ def jagged_assembly(calls: int = 300) -> None:
     print(f"jagged-assembly {'direct constructor after 10 MiB of fresh buffers':48s} {after}")
 
 
+def jagged_micro_batches(batches: int = 16, rounds: int = 5) -> None:
+    """An ``AsyncStreamingDataset`` cutting verl-shaped jagged batches into micro-batches:
+    256 rows x 6 jagged fields (prompts 100-1000 and responses 50-500 tokens long, masks and
+    float fields sharing their lengths), micro-batches of 64, embedded cluster; micro-batches
+    per second, median of ``rounds`` passes over ``batches`` batches each."""
+    import torch
+
+    import tq_async as tq
+
+    g = torch.Generator().manual_seed(0)
+
+    def jagged(lengths: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        rows = [torch.ones(n, dtype=dtype) for n in lengths]
+        return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+    prompts = torch.randint(100, 1000, (256,), generator=g).tolist()
+    responses = torch.randint(50, 500, (256,), generator=g).tolist()
+    batch = {
+        "prompts": jagged(prompts),
+        "attention_mask": jagged(prompts),
+        "responses": jagged(responses),
+        "response_mask": jagged(responses),
+        "old_log_probs": jagged(responses, torch.float32),
+        "advantages": jagged(responses, torch.float32),
+    }
+
+    async def run() -> list[float]:
+        rates = []
+        async with (
+            tq.local_cluster(num_storage_units=2) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            for r in range(rounds):
+                for _ in range(batches):
+                    await client.put(batch, partition_id=f"p{r}")
+                await client.seal(f"p{r}")
+                ds = tq.AsyncStreamingDataset(client, list(batch), 256, 64, f"p{r}", "t")
+                n, t0 = 0, time.perf_counter()
+                async with ds:
+                    async for _ in ds:
+                        n += 1
+                rates.append(n / (time.perf_counter() - t0))
+        return rates
+
+    rates = anyio.run(run)
+    print(
+        f"jagged-micro-batches {statistics.median(rates):7.0f} micro-batches/s "
+        f"(passes: {', '.join(f'{r:.0f}' for r in rates)})"
+    )
+
+
 def _steady_unit() -> int:
     total = 0
     for i in range(2000):
@@ -695,6 +750,7 @@ PROBES = {
     "after-spin": after_spin,
     "steady-cpu": steady_cpu,
     "jagged-assembly": jagged_assembly,
+    "jagged-micro-batches": jagged_micro_batches,
 }
 
 

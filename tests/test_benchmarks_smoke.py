@@ -72,6 +72,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     probes.cold_call(calls=2)
     probes.after_spin(calls=2)
     probes.jagged_assembly(calls=2)
+    probes.jagged_micro_batches(batches=2, rounds=1)
     if sys.platform == "linux":
         probes.same_host(puts=8)
         probes.socket_rtt(calls=20)

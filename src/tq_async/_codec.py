@@ -38,11 +38,13 @@ from ._columns import (
 from ._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 
 __all__ = [
+    "RowWindows",
     "check_text",
     "columns_from_batch",
     "columns_to_tensordict",
     "column_value",
     "tags_for_wire",
+    "tensordict_of",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEM_SIZES}
@@ -591,6 +593,47 @@ def _tensordict(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
     if _new_tensordict is None:
         _new_tensordict = _probed_tensordict_maker()
     return _new_tensordict(fields, n)
+
+
+def tensordict_of(fields: dict[str, Any], n: int, *, cpu_tensors: bool) -> TensorDict:
+    """``TensorDict(fields, batch_size=[n])``. With ``cpu_tensors`` (the caller knows every
+    field is a CPU tensor of ``n`` rows that it built) the shapes are not checked again, where
+    the probe allows."""
+    if cpu_tensors:
+        return _tensordict(fields, n)
+    return TensorDict(fields, batch_size=[n])
+
+
+class RowWindows:
+    """Rows ``[a, b)`` of a batch's jagged tensors as jagged tensors of their own (views of
+    their values), e.g. for a micro-batch.
+
+    Each window keeps the bounds of its rows' lengths (without them ``to_padded_tensor()``
+    pads every row to the length of all the window's values), and the windows of fields whose
+    source tensors share an offsets tensor share one too: one ragged dimension, as in the
+    batch (``ids + mask`` works). Offsets are cut on their own device.
+    """
+
+    __slots__ = ("_a", "_b", "_dims")
+
+    def __init__(self, a: int, b: int) -> None:
+        self._a, self._b = a, b
+        self._dims: dict[int, _Ragged] = {}
+
+    def cut(self, values: torch.Tensor, offsets: torch.Tensor, host: Sequence[int]) -> torch.Tensor:
+        """The window of the jagged tensor ``(values, offsets)``; ``host`` is ``offsets`` as
+        Python ints. The caller keeps ``offsets`` alive while this object is used (windows
+        are keyed by its identity)."""
+        a, b = self._a, self._b
+        dim = self._dims.get(id(offsets))
+        if dim is None:
+            lengths = [host[i + 1] - host[i] for i in range(a, b)] or [0]
+            dim = _Ragged(offsets[a : b + 1] - host[a], min(lengths), max(lengths))
+            self._dims[id(offsets)] = dim
+        window = values[host[a] : host[b]]
+        if window.device.type != "cpu":  # the direct constructor was probed on the CPU
+            return _public_njt(window, dim)
+        return _jagged_tensor(window, dim)
 
 
 class _RaggedDims:

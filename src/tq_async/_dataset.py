@@ -53,6 +53,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from ._client import AsyncClient
+from ._codec import RowWindows, tensordict_of
 from ._devices import check_device, to_device
 from ._errors import (
     ClosedError,
@@ -229,35 +230,25 @@ def _split_rows(td: TensorDictBase, bounds: list[tuple[int, int]]) -> list[Tenso
             columns.append((key, "plain", value, None))
         else:
             return [td[a:b] for a, b in bounds]
+    # every piece is CPU tensors of its rows when every column is (checked once, not per piece)
+    cpu_tensors = all(
+        kind != "strided" and isinstance(data, torch.Tensor) and data.device.type == "cpu"
+        for _, kind, data, _ in columns
+    )
     pieces = []
     for a, b in bounds:
         out: dict[str, Any] = {}
-        # one ragged dimension per distinct row lengths in this piece (fields of equal lengths
-        # combine, as in a read), with its lengths' bounds (without them to_padded_tensor()
-        # pads every row to the length of all the piece's values)
-        ragged: dict[tuple[int, ...], tuple[torch.Tensor, int, int]] = {}
+        windows = RowWindows(a, b)
         for key, kind, data, offsets in columns:
             if kind == "strided":
                 with warnings.catch_warnings():  # torch: "strided nested tensors: prototype"
                     warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
                     out[key] = torch.nested.as_nested_tensor(data[a:b], layout=torch.strided)
             elif kind == "jagged":
-                source, host = offsets
-                lo = host[a]
-                shape = tuple(x - lo for x in host[a : b + 1])
-                dim = ragged.get(shape)
-                if dim is None:
-                    lengths = [host[i + 1] - host[i] for i in range(a, b)] or [0]
-                    # on the offsets' device (a dataset with device= splits on the device)
-                    window = source[a : b + 1] - lo
-                    dim = ragged[shape] = (window, min(lengths), max(lengths))
-                window, shortest, longest = dim
-                out[key] = torch.nested.nested_tensor_from_jagged(
-                    data[lo : host[b]], window, min_seqlen=shortest, max_seqlen=longest
-                )
+                out[key] = windows.cut(data, *offsets)
             else:
                 out[key] = data[a:b]
-        pieces.append(TensorDict(out, batch_size=[b - a]))
+        pieces.append(tensordict_of(out, b - a, cpu_tensors=cpu_tensors))
     return pieces
 
 
