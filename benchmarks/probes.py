@@ -35,9 +35,10 @@
   ``TensorDict`` of them checked and unchecked, tq_async's ``columns_to_tensordict`` dense and
   nested, and the constructor right after 10 MiB of fresh buffers were written (what a read
   does just before): the floor under compat ``kv_batch_get`` (W5).
-* ``jagged-micro-batches``: an ``AsyncStreamingDataset`` (embedded cluster) cutting verl-shaped
-  batches (256 rows x 6 jagged fields, prompts 100-1000 and responses 50-500 tokens) into
-  micro-batches of 64: micro-batches per second.
+* ``jagged-micro-batches``: an ``AsyncStreamingDataset`` (embedded cluster), then a
+  ``StreamingDataLoader`` with 0 and 2 fork workers (services on a background thread), cutting
+  verl-shaped batches (256 rows x 6 jagged fields, prompts 100-1000 and responses 50-500
+  tokens) into micro-batches of 64: micro-batches per second.
 """
 
 from __future__ import annotations
@@ -644,7 +645,8 @@ def jagged_assembly(calls: int = 300) -> None:
 
 
 def jagged_micro_batches(batches: int = 16, rounds: int = 5) -> None:
-    """An ``AsyncStreamingDataset`` cutting verl-shaped jagged batches into micro-batches:
+    """An ``AsyncStreamingDataset``, then a ``StreamingDataLoader`` with 0 and 2 fork workers,
+    cutting verl-shaped jagged batches into micro-batches:
     256 rows x 6 jagged fields (prompts 100-1000 and responses 50-500 tokens long, masks and
     float fields sharing their lengths), micro-batches of 64, embedded cluster; micro-batches
     per second, median of ``rounds`` passes over ``batches`` batches each."""
@@ -687,11 +689,32 @@ def jagged_micro_batches(batches: int = 16, rounds: int = 5) -> None:
                 rates.append(n / (time.perf_counter() - t0))
         return rates
 
-    rates = anyio.run(run)
-    print(
-        f"jagged-micro-batches {statistics.median(rates):7.0f} micro-batches/s "
-        f"(passes: {', '.join(f'{r:.0f}' for r in rates)})"
-    )
+    def loader(workers: int) -> list[float]:
+        rates = []
+        with (
+            tq.background_cluster(num_storage_units=2) as cluster,
+            tq.Client.connect(cluster.address) as client,
+        ):
+            for r in range(rounds):
+                for _ in range(batches):
+                    client.put(batch, partition_id=f"p{r}")
+                client.seal(f"p{r}")
+                ds = tq.StreamingDataset(cluster.address, list(batch), 256, 64, f"p{r}", "t")
+                n, t0 = 0, time.perf_counter()
+                for _ in tq.StreamingDataLoader(ds, num_workers=workers):
+                    n += 1
+                rates.append(n / (time.perf_counter() - t0))
+        return rates
+
+    for name, rates in (
+        ("AsyncStreamingDataset", anyio.run(run)),
+        ("StreamingDataLoader, 0 workers", loader(0)),
+        ("StreamingDataLoader, 2 fork workers", loader(2)),
+    ):
+        print(
+            f"jagged-micro-batches {name:36s} {statistics.median(rates):5.0f} micro-batches/s "
+            f"(passes: {', '.join(f'{r:.0f}' for r in rates)})"
+        )
 
 
 def _steady_unit() -> int:

@@ -8,9 +8,10 @@ from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 import tq_async as tq
 from tq_async._dataset import (
@@ -862,9 +863,12 @@ def test_a_small_plain_batch_slice_travels_as_bytes_not_shared_memory() -> None:
 
 
 _OTHER_BATCHES = {
-    "over-the-budget": lambda: TensorDict({"big": torch.zeros(2, 600_000)}, [2]),  # > 1 MiB
-    "jagged": lambda: TensorDict(
-        {"j": torch.nested.nested_tensor([torch.zeros(2), torch.ones(3)], layout=torch.jagged)},
+    "jagged with holes": lambda: TensorDict(
+        {
+            "j": torch.nested.nested_tensor_from_jagged(
+                torch.arange(6.0), torch.tensor([0, 3, 6]), lengths=torch.tensor([2, 3])
+            )
+        },
         [2],
     ),
     "named-dims": lambda: TensorDict({"a": torch.zeros(2, 3)}, [2], names=["rows"]),
@@ -872,8 +876,61 @@ _OTHER_BATCHES = {
 }
 
 
+def _verl_like(n: int, longest: int) -> TensorDict:
+    """A read's shape: jagged fields of equal lengths on one offsets tensor, a dense one and
+    strings."""
+    lengths = [(i * 7) % longest + 1 for i in range(n)]
+    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()])
+    values = torch.arange(int(offsets[-1]))
+    bounds = {"min_seqlen": 1, "max_seqlen": longest}  # as a read gives them
+    ids = torch.nested.nested_tensor_from_jagged(values, offsets, **bounds)
+    flags = torch.ones_like(values, dtype=torch.bool)
+    mask = torch.nested.nested_tensor_from_jagged(flags, offsets, **bounds)
+    other = torch.nested.nested_tensor(
+        [torch.full((i % 3 + 1, 2), float(i)) for i in range(n)], layout=torch.jagged
+    )
+    return TensorDict(
+        {
+            "ids": ids,
+            "mask": mask,
+            "logp": other,
+            "reward": torch.rand(n),
+            "uid": NonTensorStack.from_list([f"u{i}" for i in range(n)]),
+        },
+        batch_size=[n],
+    )
+
+
+def _same_jagged(a: TensorDict, b: TensorDict) -> None:
+    for key in ("ids", "mask", "logp"):
+        x, y = a[key], b[key]
+        assert x.dtype == y.dtype
+        assert [t.tolist() for t in x.unbind()] == [t.tolist() for t in y.unbind()]
+        assert x.to_padded_tensor(0).shape == y.to_padded_tensor(0).shape  # bounds kept
+    assert torch.equal(a["reward"], b["reward"])
+    assert a.get("uid").tolist() == b.get("uid").tolist()
+    (a["ids"] + a["mask"].to(torch.int64)).unbind()  # one ragged dimension: they combine
+
+
+@pytest.mark.parametrize(("rows", "longest", "inline"), [(8, 5, True), (512, 600, False)])
+def test_jagged_batch_slices_travel_in_one_buffer(rows: int, longest: int, inline: bool) -> None:
+    tds = [_verl_like(rows, longest) for _ in range(2)]
+    item = BatchSlice(3, 0, [(td, _meta(rows)) for td in tds])
+    got, moved = _through_a_worker_queue(item)
+    # small: bytes inside the pickle; large (> 1 MiB): one shared-memory buffer for all
+    # 2 micro-batches x (3 values + 2 offsets + 1 dense) tensors, not one per tensor
+    assert moved == ([] if inline else [moved[0]])
+    for (a, _), (b, _) in zip(item.micro_batches, got.micro_batches, strict=True):
+        _same_jagged(a, b)
+        _same_jagged(b, a)
+    out = got.micro_batches[0][0]["reward"]
+    out += 1  # the loader's tensors are its own
+    assert torch.equal(tds[0]["reward"] + 1, out)
+
+
 @pytest.mark.parametrize("kind", list(_OTHER_BATCHES))
 def test_other_batch_slices_take_torchs_path_unchanged(kind: str) -> None:
+    # (a jagged slice took this path too until issue 25's follow-up packed it: see above)
     td = _OTHER_BATCHES[kind]()
     item = BatchSlice(0, 0, [(td, _meta(2))])
     got, moved = _through_a_worker_queue(item)

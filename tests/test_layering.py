@@ -26,6 +26,7 @@ LAYERS: dict[str, list[str]] = {
         "_sync_primitives",
         "_columns",
         "_codec",
+        "_handoff",
         "_devices",
         "_meta",
         "_protocol",

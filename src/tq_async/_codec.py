@@ -39,6 +39,7 @@ from ._errors import InvalidRequestError, ProtocolError, SchemaError, Unsupporte
 
 __all__ = [
     "RowWindows",
+    "SharedOffsets",
     "check_text",
     "columns_from_batch",
     "columns_to_tensordict",
@@ -602,6 +603,22 @@ def tensordict_of(fields: dict[str, Any], n: int, *, cpu_tensors: bool) -> Tenso
     if cpu_tensors:
         return _tensordict(fields, n)
     return TensorDict(fields, batch_size=[n])
+
+
+class SharedOffsets:
+    """Jagged tensors on one offsets tensor (one ragged dimension: they combine), with the
+    bounds of its rows' lengths (``to_padded_tensor()`` pads to the longest row)."""
+
+    __slots__ = ("_dim",)
+
+    def __init__(self, offsets: torch.Tensor, shortest: int, longest: int) -> None:
+        self._dim = _Ragged(offsets, shortest, longest)
+
+    def jagged(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (rows one after another) as a jagged tensor on these offsets."""
+        if values.device.type != "cpu":  # the direct constructor was probed on the CPU
+            return _public_njt(values, self._dim)
+        return _jagged_tensor(values, self._dim)
 
 
 class RowWindows:

@@ -60,6 +60,7 @@ from ._errors import (
     InvalidRequestError,
     TQError,
 )
+from ._handoff import pack, unpack
 from ._logging import get_logger
 from ._meta import BatchMeta
 
@@ -303,76 +304,24 @@ class BatchSlice:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # From a DataLoader worker to the loader: torch would move every tensor to shared
-        # memory and pass its file descriptor over a fresh, authenticated connection, per
-        # tensor (half a millisecond and more on a VM, on both sides), which costs a small
-        # batch more than copying its bytes. Plain dense CPU columns up to
-        # _INLINE_PICKLE_BYTES in all travel as bytes inside the pickle instead.
-        packed: list[tuple[list[int], list[_Column], BatchMeta]] = []
-        budget = _INLINE_PICKLE_BYTES
-        for td, meta in self.micro_batches:
-            columns = _packed(td, budget)
-            if columns is None:
-                return (BatchSlice, (self.batch_index, self.first_micro, self.micro_batches))
-            budget -= sum(len(c[3]) for c in columns)
-            packed.append((list(td.batch_size), columns, meta))
-        return (_unpacked_slice, (self.batch_index, self.first_micro, packed))
+        # memory of its own and pass its file descriptor, per tensor (half a millisecond and
+        # more on a VM, on both sides; a jagged field is two tensors). Plain batches travel in
+        # one buffer instead: bytes inside the pickle up to _INLINE_PICKLE_BYTES, one
+        # shared-memory tensor beyond (tq_async._handoff).
+        packed = pack(self.micro_batches, _INLINE_PICKLE_BYTES)
+        if packed is None:
+            return (BatchSlice, (self.batch_index, self.first_micro, self.micro_batches))
+        return (_unpacked_slice, (self.batch_index, self.first_micro, *packed))
 
 
-#: a BatchSlice whose dense CPU columns take at most this many bytes pickles them as bytes
-#: (see BatchSlice.__reduce__); a larger one goes through torch's shared memory, where one
-#: copy beats three
+#: a BatchSlice whose tensors take at most this many bytes pickles them as bytes (see
+#: BatchSlice.__reduce__); a larger one goes as one shared-memory tensor
 _INLINE_PICKLE_BYTES = 1 << 20
 
-#: one column as bytes: name, dtype, shape, the contiguous data
-_Column: TypeAlias = tuple[str, torch.dtype, tuple[int, ...], bytes]
 
-
-def _packed(td: Any, budget: int) -> list[_Column] | None:
-    """``td``'s columns as bytes if it is a plain ``TensorDict`` of dense CPU tensors of at
-    most ``budget`` bytes in all (no names, not locked, no device, nothing nested)."""
-    if type(td) is not TensorDict or td.device is not None or td.is_locked:
-        return None
-    if any(name is not None for name in td.names):
-        return None
-    out: list[_Column] = []
-    for name, value in td.items():
-        if (
-            type(value) is not torch.Tensor
-            or value.layout is not torch.strided
-            or value.is_nested
-            or value.is_quantized
-            or value.device.type != "cpu"
-            or value.requires_grad
-            or value.is_conj()
-            or value.is_neg()
-        ):
-            return None
-        budget -= value.numel() * value.element_size()
-        if budget < 0:
-            return None
-        raw = value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        out.append((name, value.dtype, tuple(value.shape), raw))
-    return out
-
-
-def _unpacked_slice(
-    batch_index: int,
-    first_micro: int,
-    packed: list[tuple[list[int], list[_Column], BatchMeta]],
-) -> BatchSlice:
+def _unpacked_slice(batch_index: int, first_micro: int, buffer: Any, packed: Any) -> BatchSlice:
     """A :class:`BatchSlice` from what :meth:`BatchSlice.__reduce__` packed."""
-    micro_batches: list[MicroBatch] = []
-    for batch_size, columns, meta in packed:
-        data = {}
-        for name, dtype, shape, raw in columns:
-            flat = (
-                torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                if raw
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            data[name] = flat.view(dtype).view(shape)
-        micro_batches.append((TensorDict(data, batch_size=batch_size), meta))
-    return BatchSlice(batch_index, first_micro, micro_batches)
+    return BatchSlice(batch_index, first_micro, unpack(buffer, packed))
 
 
 def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
