@@ -4,10 +4,12 @@ A DataLoader worker pickles what it yields onto a queue, and torch's reductions 
 tensor to shared memory of its own and pass its file descriptor over a fresh, authenticated
 connection: half a millisecond and more per tensor on a VM, on both sides. A micro-batch of
 jagged fields is two tensors per field (values and offsets), so a verl-shaped batch (6 jagged
-fields, cut into 4 micro-batches) paid for 32 of them, ~16 ms a batch. Here every tensor of a
+fields, cut into 4 micro-batches: 7 MB) paid for 32 of them: 14 ms to pickle and unpickle one,
+against 5 ms in one buffer (``benchmarks/RESULTS.md``). Here every tensor of a
 :class:`~tq_async._dataset.BatchSlice` is copied into one buffer: bytes inside the pickle up to
 ``inline_bytes``, one shared-memory tensor beyond (one descriptor). The loader's side rebuilds
-the micro-batches as views of that buffer (its own memory: writable, not the worker's).
+the micro-batches as views of that buffer (writable; the worker lets go of it once sent; it
+lives as long as any micro-batch of the slice does).
 Jagged fields keep what they had: the bounds of their rows' lengths, and one ragged dimension
 for the fields that shared an offsets tensor.
 
