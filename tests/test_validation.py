@@ -280,6 +280,11 @@ async def test_bad_values_raise_tq_errors_before_anything_is_sent() -> None:
                 tq.InvalidRequestError,
                 "key.*UTF-8",
             ),
+            (  # among many keys, the one that cannot travel is named
+                lambda: client.kv_batch_get(["a", "b", "c\udc80", "d"], "p"),
+                tq.InvalidRequestError,
+                r"key 'c\\udc80' is not valid UTF-8",
+            ),
             (
                 lambda: client.put({"x\ud800": torch.zeros(4)}, "p"),
                 tq.InvalidRequestError,
