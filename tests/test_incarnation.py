@@ -148,3 +148,31 @@ def test_storage_unit_keeps_incarnations_apart() -> None:
     with pytest.raises(tq.RowsNotFound):
         _read(st, [1], "C")
     assert st.stats().rows == 1
+
+
+async def test_a_kv_meta_of_a_reused_partition_id_is_stale_too() -> None:
+    # kv_retrieve_meta's BatchMeta (what compat's kv_batch_get reads through) carries the
+    # incarnation as get_meta's does: after a clear and new puts under the same keys, it
+    # reads nothing rather than the new rows
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        keys = ["a", "b", "c"]
+        await client.kv_batch_put(keys, "kv", {"x": torch.arange(3)}, [{}] * 3)
+        meta = await client.kv_retrieve_meta(keys, "kv")
+        assert meta.incarnation is not None
+        assert (await client.get_data(meta))["x"].tolist() == [0, 1, 2]
+        await client.clear_partition("kv")
+        await client.kv_batch_put(keys, "kv", {"x": torch.arange(3) + 100}, [{}] * 3)
+        with pytest.raises(tq.RowsNotFound, match=STALE):
+            await client.get_data(meta)
+        fresh = await client.kv_retrieve_meta(keys, "kv")
+        assert (await client.get_data(fresh))["x"].tolist() == [100, 101, 102]
+        # a tags-only kv_batch_put's BatchMeta too
+        tagged = await client.kv_batch_put(keys, "kv", None, [{"t": 1}] * 3)
+        assert tagged.incarnation == fresh.incarnation is not None
+        await client.clear_partition("kv")
+        await client.kv_batch_put(keys, "kv", {"x": torch.arange(3)}, [{}] * 3)
+        with pytest.raises(tq.RowsNotFound, match=STALE):
+            await client.get_data(tagged)

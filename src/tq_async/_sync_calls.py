@@ -270,6 +270,7 @@ class ControlCalls:
                 global_indexes=placement.rows,
                 field_names=placement.fields or [],
                 units=placement.units,
+                incarnation=placement.incarnation,
                 tags=tag_dicts,
                 keys=list[str | None](key_list),
             )
@@ -285,12 +286,14 @@ class ControlCalls:
         got: MetaReply = self._links.call(
             KVLookup(partition_id, key_list, None, available=True), MetaReply
         )
+        self._links.note_epoch(got.units_epoch)
         return BatchMeta(
             partition_id=partition_id,
             global_indexes=got.rows,
             field_names=got.fields,
             units=got.units,
             tags=got.tags,
+            incarnation=got.incarnation,
             keys=list[str | None](key_list),
         )
 
