@@ -327,3 +327,65 @@ def test_loader_workers_start_with_the_platforms_default_method(
         _check_stream(_read(loader))
     finally:
         _PARENT_STATE.clear()
+
+
+def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_every_row(
+    address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # batches over 1 MiB go to the loader as one shared-memory buffer (tq_async._handoff);
+    # a worker SIGKILLed right after allocating it ends the pass with torch's error (no hang),
+    # and a loader resumed from the position reads every row once
+    import os
+    import signal
+
+    from tq_async import _handoff
+
+    n, width = 12, 70_000  # 4-row batches of ~1.1 MB
+    client.put(
+        {
+            "x": torch.arange(n),
+            "jag": torch.nested.nested_tensor(
+                [torch.full((width + i,), float(i)) for i in range(n)], layout=torch.jagged
+            ),
+        },
+        partition_id="handoff-kill",
+    )
+    client.seal("handoff-kill")
+    parent, marker = os.getpid(), tmp_path / "killed"
+    allocate = _handoff._shared_bytes
+
+    def dying(nbytes: int) -> torch.Tensor:
+        buffer = allocate(nbytes)
+        if os.getpid() != parent:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return buffer  # one worker dies, once
+            os.kill(os.getpid(), signal.SIGKILL)
+        return buffer
+
+    monkeypatch.setattr(_handoff, "_shared_bytes", dying)
+
+    def loader() -> StreamingDataLoader:
+        ds = StreamingDataset(address, ["x", "jag"], 4, 4, "handoff-kill", "train")
+        return StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60)
+
+    first = loader()
+    got: list[tuple[int, list[int]]] = []
+
+    def drain() -> None:
+        for _, meta in first:
+            got.append((meta.batch_index, list(meta.global_indexes)))
+
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        drain()
+    assert marker.exists()
+    again = loader()
+    again.load_state_dict(first.state_dict())
+    for td, meta in again:
+        rows = list(meta.global_indexes)
+        assert td["x"].tolist() == rows
+        assert [len(t) for t in td["jag"].unbind()] == [width + r for r in rows]
+        got.append((meta.batch_index, rows))
+    assert [b for b, _ in got] == [0, 1, 2]
+    assert sorted(r for _, rows in got for r in rows) == list(range(n))

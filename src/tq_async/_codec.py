@@ -635,7 +635,7 @@ class RowWindows:
 
     def __init__(self, a: int, b: int) -> None:
         self._a, self._b = a, b
-        self._dims: dict[int, _Ragged] = {}
+        self._dims: dict[int, SharedOffsets] = {}
 
     def cut(self, values: torch.Tensor, offsets: torch.Tensor, host: Sequence[int]) -> torch.Tensor:
         """The window of the jagged tensor ``(values, offsets)``; ``host`` is ``offsets`` as
@@ -645,12 +645,9 @@ class RowWindows:
         dim = self._dims.get(id(offsets))
         if dim is None:
             lengths = [host[i + 1] - host[i] for i in range(a, b)] or [0]
-            dim = _Ragged(offsets[a : b + 1] - host[a], min(lengths), max(lengths))
+            dim = SharedOffsets(offsets[a : b + 1] - host[a], min(lengths), max(lengths))
             self._dims[id(offsets)] = dim
-        window = values[host[a] : host[b]]
-        if window.device.type != "cpu":  # the direct constructor was probed on the CPU
-            return _public_njt(window, dim)
-        return _jagged_tensor(window, dim)
+        return dim.jagged(values[host[a] : host[b]])
 
 
 class _RaggedDims:
