@@ -15,13 +15,16 @@ prints, for a batch of ``--mib`` MiB of int64 in 4 columns:
 * ``AsyncStreamingDataset(device="cuda")``: batches per second;
 * GPU -> GPU between two processes: torch's own CUDA IPC (a tensor sent through a
   ``torch.multiprocessing`` queue, its handle opened and copied device to device in the
-  consumer: the reference a CUDA IPC path in tq_async would be held to) against tq_async's
-  path today (a put of CUDA tensors then ``get_data(device=)``: through shared memory);
+  consumer: the reference) against tq_async through host memory (a put of CUDA tensors then
+  ``get_data(device=)``, shared memory) and through a storage unit's **device arena**
+  (``tq-async serve --device-cap``: the columns copied device to device into GPU memory the
+  unit owns, and out of it, by CUDA IPC), with the event-loop stalls and the unit's
+  counters;
 * NIXL with GPU memory (a probe outside tq_async's data path): a client agent's registered
   CUDA buffer READ from / WRITten to another agent's registered host buffer, against the
   pinned copies: what a GPU-direct path would get;
-* GPU-direct NIXL and CUDA IPC inside tq_async: reported as not implemented (GPU tensors
-  travel through host memory).
+* GPU-direct NIXL inside tq_async: reported as not implemented (across hosts GPU tensors
+  travel through pinned host memory).
 
 Targets (issue 26): ``to_host``/``to_device`` >= 0.7x the baseline; loop stall < 1 ms.
 """
@@ -244,6 +247,60 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
     return out
 
 
+async def device_arena(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Put and ``get_data(device="cuda")`` through a storage unit's device arena (``tq-async
+    serve --device-cap``, another process): CUDA IPC, device to device both ways. Reports
+    GB/s of each, the event loop's longest stalls by phase, and the unit's counters."""
+    import anyio
+    import anyio.lowlevel
+
+    import tq_async as tq
+
+    from ._proc import ServeProcess
+
+    nbytes = sum(t.numel() * t.element_size() for t in cols.values())
+    role = ["--storage-units", "1", "--device-cap", str(2 * nbytes + (64 << 20))]
+    server = await anyio.to_thread.run_sync(lambda: ServeProcess(role=role))
+    lags: dict[str, list[float]] = {"first round": [], "put": [], "get": []}
+    phase = ["first round"]
+    try:
+        async with tq.AsyncClient.connect(server.address) as client:
+            stop = anyio.Event()
+
+            async def probe() -> None:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    await anyio.lowlevel.checkpoint()
+                    lags[phase[0]].append(time.perf_counter() - t0)
+
+            puts, gets = [], []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(probe)
+                for r in range(rounds + 1):
+                    phase[0] = "put" if r else "first round"
+                    t0 = time.perf_counter()
+                    meta = await client.put(cols, partition_id="ipc")
+                    puts.append(time.perf_counter() - t0)
+                    phase[0] = "get" if r else "first round"
+                    t0 = time.perf_counter()
+                    td = await client.get_data(meta, device="cuda")
+                    gets.append(time.perf_counter() - t0)
+                    await client.clear_samples(meta)
+                stop.set()
+            assert all(torch.equal(td[k], cols[k]) for k in cols)
+            stats = (await client.storage_stats())[0]
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+    return {
+        "put": _gbps(nbytes, puts[1:]),
+        "get": _gbps(nbytes, gets[1:]),
+        "stalls": {
+            k: (max(v) * 1e3, sum(x > 1e-3 for x in v), len(v)) for k, v in lags.items() if v
+        },
+        "counters": {k: v for k, v in stats.items() if k.startswith("device_")},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="batch size in MiB")
@@ -281,9 +338,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU -> GPU between processes, torch CUDA IPC (handle + D2D copy): {ipc:.2f} GB/s")
     both = 1 / (1 / got["put"] + 1 / got["get"])
     print(
-        f"GPU -> GPU between processes through tq_async today (put, then get_data(device=); "
-        f"shared memory): {both:.2f} GB/s = {both / ipc:.2f}x torch CUDA IPC"
+        f"GPU -> GPU between processes through tq_async, host memory (put, then "
+        f"get_data(device=); shared memory): {both:.2f} GB/s = {both / ipc:.2f}x torch CUDA IPC"
     )
+    arena = anyio.run(device_arena, torch, cols, args.rounds)
+    both = 1 / (1 / arena["put"] + 1 / arena["get"])
+    print(
+        f"device arena (tq-async serve --device-cap; CUDA IPC): put {arena['put']:.2f} GB/s, "
+        f"get_data(device='cuda') {arena['get']:.2f} GB/s; put then get {both:.2f} GB/s = "
+        f"{both / ipc:.2f}x torch CUDA IPC"
+    )
+    for phase, (most, over, n) in arena["stalls"].items():
+        print(
+            f"device arena, event-loop stalls, {phase}: max {most:.2f} ms, {over} of {n} "
+            "checkpoints over 1 ms"
+        )
+    print(f"device arena counters: {arena['counters']}")
     got_nixl = nixl_vram(torch, args.mib << 20, args.rounds)
     if isinstance(got_nixl, str):
         print(f"NIXL with GPU memory (probe): could not run: {got_nixl}")
@@ -294,7 +364,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r / h2d:.2f}x H2D, WRITE GPU->host {w:.2f} GB/s = {w / d2h:.2f}x D2H"
         )
     print("NIXL with GPU memory inside tq_async: not implemented; GPU tensors go through host")
-    print("CUDA IPC inside tq_async: not implemented; same-host GPU tensors go through shm")
     return 0
 
 

@@ -36,6 +36,7 @@ FILES = {
     "_client_put.py": "_sync_put.py",
     "_client_calls.py": "_sync_calls.py",
     "_client_nixl.py": "_sync_nixl.py",
+    "_client_gpu.py": "_sync_gpu.py",
     "_client.py": "_sync.py",
     "_checkpoint.py": "_sync_checkpoint.py",
 }
@@ -47,6 +48,7 @@ REPLACEMENTS = [
     (r"\._client_put\b", "._sync_put"),
     (r"\._client_calls\b", "._sync_calls"),
     (r"\._client_nixl\b", "._sync_nixl"),
+    (r"\._client_gpu\b", "._sync_gpu"),
     (r"\._client\b", "._sync"),
     (r"\._checkpoint\b", "._sync_checkpoint"),
     (r"\._primitives\b", "._sync_primitives"),

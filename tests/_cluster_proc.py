@@ -89,3 +89,15 @@ def resume_and_read(kwargs: Mapping[str, Any], state: Mapping[str, Any]) -> list
     ]
     out.append(("state", ds.state_dict()))
     return out
+
+
+def put_cuda_and_exit(address: str) -> None:
+    """In a fresh process: put a CUDA column into partition "gone", seal it, exit."""
+    import torch
+
+    import tq_async as tq
+
+    with tq.Client.connect(address) as client:
+        x = torch.arange(64 * 4096, device="cuda", dtype=torch.float32).reshape(64, 4096)
+        client.put({"x": x}, partition_id="gone")
+        client.seal("gone")

@@ -27,3 +27,19 @@ def alloc_then_die(unit_address: str, nbytes: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     asyncio.run(run())
+
+
+def device_alloc_then_die(unit_address: str, nbytes: int) -> None:
+    """Take a device arena grant (after both handshakes), then SIGKILL ourselves mid-put."""
+    from tq_async._protocol import DeviceHello
+
+    async def run() -> None:
+        conn = DealerConnection(unit_address)
+        await conn.request(ShmHello(os.getpid()), timeout=30)
+        payload, _ = await conn.request(DeviceHello(os.getpid()), timeout=30)
+        assert payload != msgspec.msgpack.encode(None)
+        payload, _ = await conn.request(ShmAlloc(nbytes, device=True), timeout=30)
+        msgspec.msgpack.decode(payload, type=ShmGrant)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(run())

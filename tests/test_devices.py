@@ -335,3 +335,65 @@ async def test_jagged_micro_batches_on_cuda_keep_values_and_offsets_together() -
                 got.extend(t.tolist() for t in td["ids"].unbind())
     want = [(torch.arange(n) + 10 * i).tolist() for i, n in enumerate(lengths)]
     assert got == [(4, 9), *want[:4], (4, 4), *want[4:]]
+
+
+# ---- on a GPU: a storage unit's device arena (CUDA IPC between processes) -------------------
+
+
+def _device_stats(client: tq.Client) -> dict[str, int]:
+    (stats,) = client.storage_stats().values()
+    return {k: v for k, v in stats.items() if k.startswith("device_")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_columns_move_device_to_device_through_a_units_device_arena() -> None:
+    from _cluster_proc import serve_cluster
+
+    want = _batch(64)
+    big = torch.randn(64, 4096, device="cuda")  # 1 MiB: device to device
+    sent = {**want, "ids": want["ids"].cuda(), "jag": want["jag"].cuda(), "big": big}
+    with (
+        serve_cluster(storage_units=1, args=["--device-cap", str(64 << 20)]) as address,
+        tq.Client.connect(address) as client,
+    ):
+        meta = client.put(sent, partition_id="ipc")
+        stats = _device_stats(client)
+        assert stats["device_puts"] == 1
+        assert stats["device_bytes"] >= big.nbytes + want["ids"].nbytes
+        td = client.get_data(meta, device="cuda")
+        assert td["big"].is_cuda
+        assert td["ids"].is_cuda
+        assert torch.equal(td["big"], big)
+        _check(td.to("cpu"), want)
+        assert _device_stats(client)["device_reads"] == 1
+        host = client.get_data(meta)  # host tensors: the unit copies its cells out
+        assert not host["big"].is_cuda
+        assert torch.equal(host["big"], big.cpu())
+        _check(host, want)
+        client.clear_partition("ipc")
+        assert _device_stats(client)["device_bytes"] == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rows_put_from_a_gpu_outlive_their_producer() -> None:
+    """Unlike torch's CUDA IPC (the producer keeps the tensor alive), the unit owns the cells:
+    a producer that exits after its put takes nothing with it."""
+    import multiprocessing
+
+    from _cluster_proc import put_cuda_and_exit, serve_cluster
+
+    with serve_cluster(storage_units=1, args=["--device-cap", str(64 << 20)]) as address:
+        child = multiprocessing.get_context("spawn").Process(
+            target=put_cuda_and_exit, args=(address,)
+        )
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+        with tq.Client.connect(address) as client:
+            assert _device_stats(client)["device_puts"] == 1
+            td, _ = client.get(["x"], 64, "gone", "t", device="cuda")
+            assert td["x"].is_cuda
+            want = torch.arange(64 * 4096, dtype=torch.float32).reshape(64, 4096)
+            assert torch.equal(td["x"].cpu(), want)

@@ -18,14 +18,15 @@ Layers, lowest first; a module imports its own layer and the ones below, never a
 3. **wire**: moving frames: addresses (``_endpoints``), the services' ROUTER endpoint
    (``_router``), the clients' DEALER connection (``_dealer``; the blocking client's,
    driven by the calling thread, ``_sync_dealer``), in-process routes
-   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), NIXL transfers
-   (``_nixl``), CURVE keys (``_security``).
+   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), device arenas over
+   the CUDA driver (``_gpu``), NIXL transfers (``_nixl``), CURVE keys (``_security``).
 4. **services and clients**: the controller and storage services (``_controller``,
    ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
    call their state and answer; requests that wait park in one ``_parking`` lot), the
    clients (``_client`` and its modules; the blocking ``_sync*`` twins generated from them by
    ``scripts/unasync.py``; their options, ``_options``; NIXL links, ``_client_nixl``; device
-   copies, ``_devices``), checkpoints, metrics, ``_serve``, ``_config``.
+   arena links, ``_client_gpu``; device copies, ``_devices``), checkpoints, metrics,
+   ``_serve``, ``_config``.
 5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
    datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat`` (with
    ``_compat_meta``, TransferQueue's ``BatchMeta``), and

@@ -102,6 +102,8 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         curve=config.load_curve(),
                         shm_cap=config.shm_cap,
                         data_path=config.data_path,
+                        device_cap=config.device_cap,
+                        device_index=config.device_index,
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -131,6 +133,8 @@ _CONFIG_FLAGS = {
     "waiting_warning_after": "waiting_warning_after",
     "shm_cap": "shm_cap",
     "data_path": "data_path",
+    "device_cap": "device_cap",
+    "device_index": "device_index",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -265,6 +269,21 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         default=argparse.SUPPRESS if in_role else "auto",
         help="what storage units offer besides the socket: auto (shared memory on this host, "
         "NIXL to other hosts when installed), shm, nixl or zmq (default: auto)",
+    )
+    parser.add_argument(
+        "--device-cap",
+        type=int,
+        default=argparse.SUPPRESS if in_role else 0,
+        metavar="BYTES",
+        help="GPU memory per storage unit for columns put from GPUs by clients on this host "
+        "(moved device to device by CUDA IPC; 0: off, the default)",
+    )
+    parser.add_argument(
+        "--device-index",
+        type=int,
+        default=argparse.SUPPRESS if in_role else 0,
+        metavar="N",
+        help="which GPU holds them (CUDA index; default: 0)",
     )
 
 

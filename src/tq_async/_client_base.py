@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
+from ._client_gpu import DeviceLinks
 from ._client_nixl import NixlLinks
 from ._codec import check_text
 from ._dealer import DealerConnection
@@ -133,6 +134,8 @@ class Links:
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
         self.nixl = NixlLinks(forced=nixl_forced) if nixl else None
+        #: the device arenas of units on this host (GPU columns device to device)
+        self.devices = DeviceLinks() if shared_memory else None
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
         self.arenas: dict[int, ArenaMap | None] = {}
         self._link_locks: dict[int, Lock] = {}
@@ -158,6 +161,8 @@ class Links:
             if arena is not None:
                 arena.close()
         self.arenas.clear()
+        if self.devices is not None:
+            self.devices.close()
 
     def check_process(self) -> None:
         """In a child forked from the process that opened this client, start over with
@@ -170,6 +175,8 @@ class Links:
         self.units.clear()
         self._stands_for.clear()
         self._link_locks.clear()  # a lock held by another thread at the fork stays held
+        if self.devices is not None:
+            self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
         for arena in self.arenas.values():
             if arena is not None:
                 arena.close()  # the child's mapping only
@@ -333,6 +340,8 @@ class Links:
             arena.close()
         if self.nixl is not None:
             self.nixl.forget(unit_id)
+        if self.devices is not None:
+            self.devices.forget(unit_id)
 
     async def data_link(self, unit_id: int) -> tuple[DealerConnection, ArenaMap | None]:
         """The unit's connection and, if it is on this host (verified once per unit), its

@@ -196,6 +196,9 @@ class _Plan:
     registry: CollectorRegistry | None
     sockdir: str | None = None
     stop_metrics: Callable[[], None] | None = None
+    #: GPU memory per unit for cells put from GPUs (Config.device_cap), and which GPU
+    device_cap: int = 0
+    device_index: int = 0
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"
@@ -231,7 +234,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
     if given["serve_metrics_on"] is not None and registry is None:
         raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
-    return _Plan(
+    plan = _Plan(
         options,
         given["num_storage_units"],
         given["host"],
@@ -244,6 +247,9 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         check_data_path(given["data_path"]),
         registry,
     )
+    if config is not None:
+        plan.device_cap, plan.device_index = config.device_cap, config.device_index
+    return plan
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
@@ -257,6 +263,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             curve=options["curve"],
             shm_cap=plan.shm_cap,
             data_path=plan.data_path,
+            device_cap=plan.device_cap,
+            device_index=plan.device_index,
         )
         for i in range(plan.num_storage_units)
     ]

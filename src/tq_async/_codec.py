@@ -42,10 +42,12 @@ __all__ = [
     "SharedOffsets",
     "check_text",
     "columns_from_batch",
+    "DeviceColumn",
     "columns_to_tensordict",
     "column_value",
     "tags_for_wire",
     "tensordict_of",
+    "torch_dtype",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEM_SIZES}
@@ -75,7 +77,8 @@ def _dtype_name(dtype: torch.dtype, field: str) -> str:
     return name
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a column header names."""
     try:
         return _DTYPES[name]
     except KeyError:
@@ -270,9 +273,23 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
     return -1
 
 
+@dataclass(slots=True, eq=False)
+class DeviceColumn:
+    """A dense column left on its device by a put (it moves device to device, see
+    :mod:`tq_async._client_gpu`), or read back onto one: ``tensor`` is ``[n, *shape]``."""
+
+    tensor: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.tensor.shape[0])
+
+
 def columns_from_batch(
-    data: TensorDictBase | Mapping[str, Any], *, allow_pickle: bool = False
-) -> tuple[int, list[ColumnHeader], list[Column]]:
+    data: TensorDictBase | Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    keep: Callable[[Any], bool] | None = None,
+) -> tuple[int, list[ColumnHeader], list[Column | DeviceColumn]]:
     """Split a batch into columns ready to send.
 
     Args:
@@ -282,6 +299,8 @@ def columns_from_batch(
             tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
             plain values.
         allow_pickle: whether values that msgpack cannot carry exactly may be pickled.
+        keep: which tensors stay where they are, as :class:`DeviceColumn` (dense tensors
+            only; the caller moves them).
 
     Returns:
         ``(n, headers, columns)``.
@@ -316,19 +335,33 @@ def columns_from_batch(
                     )
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
-    columns: list[Column] = []
+    columns: list[Column | DeviceColumn] = []
     for name, value in items:
         if not isinstance(name, str) or not name:
             raise SchemaError(
                 f"field names must be non-empty strings, got {name!r}; name the column"
             )
         check_text("field name", name)
-        header, column = _column_from_value(name, value, n, allow_pickle)
+        column: Column | DeviceColumn
+        if keep is not None and keep(value):
+            header, column = _kept_column(name, value, n)
+        else:
+            header, column = _column_from_value(name, value, n, allow_pickle)
         headers.append(header)
         columns.append(column)
     if not headers:
         raise SchemaError("the batch has no fields; put at least one column")
     return n, headers, columns
+
+
+def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, DeviceColumn]:
+    if t.shape[0] != n:
+        raise SchemaError(
+            f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
+            "column's first dimension must be the batch size"
+        )
+    header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
+    return header, DeviceColumn(t.detach())
 
 
 def check_text(what: str, value: str) -> str:
@@ -432,10 +465,12 @@ def _tensor(data: np.ndarray[Any, Any], dtype: torch.dtype, shape: tuple[int, ..
     return flat if len(shape) == 1 else flat.view(shape)
 
 
-def column_value(header: ColumnHeader, column: Column) -> Any:
+def column_value(header: ColumnHeader, column: Column | DeviceColumn) -> Any:
     """The user-facing value of a column: a tensor, a jagged nested tensor or a list."""
+    if isinstance(column, DeviceColumn):
+        return column.tensor
     if isinstance(column, DenseColumn):
-        return _tensor(column.data, _torch_dtype(header.dtype), (len(column), *header.shape))
+        return _tensor(column.data, torch_dtype(header.dtype), (len(column), *header.shape))
     if isinstance(column, JaggedColumn):
         return _RaggedDims().jagged(header, column)
     if header.kind == PICKLE:
@@ -681,7 +716,7 @@ class _RaggedDims:
         """A jagged column as a jagged nested tensor (a view of its values)."""
         offsets = column.offsets
         a, b = int(offsets[0]), int(offsets[-1])
-        values = _tensor(column.values[a:b], _torch_dtype(header.dtype), (b - a, *header.shape))
+        values = _tensor(column.values[a:b], torch_dtype(header.dtype), (b - a, *header.shape))
         if a:
             offsets = offsets - a
         return _jagged_tensor(values, self._dim(offsets, None))
@@ -690,7 +725,7 @@ class _RaggedDims:
         """A dense column of rows ``[L, *T]`` as a jagged nested tensor, every row ``L`` long
         (a view of its data)."""
         n, length = len(column), header.shape[0]
-        values = _tensor(column.data, _torch_dtype(header.dtype), (n * length, *header.shape[1:]))
+        values = _tensor(column.data, torch_dtype(header.dtype), (n * length, *header.shape[1:]))
         dim = self._uniform.get((n, length))
         if dim is None:
             offsets = np.arange(n + 1, dtype=np.int64) * length
@@ -712,7 +747,7 @@ def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
 def columns_to_tensordict(
     n: int,
     headers: Sequence[ColumnHeader],
-    columns: Sequence[Column],
+    columns: Sequence[Column | DeviceColumn],
     *,
     nested: bool | Collection[str] = False,
 ) -> TensorDict:

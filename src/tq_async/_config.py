@@ -308,6 +308,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             to clients on their host, NIXL to clients on other hosts when ``tq_async[nixl]``
             is installed), ``"shm"``, ``"nixl"`` or ``"zmq"``. Each client chooses too
             (``connect(data_path=...)``); see ``docs/deployment.md``, "Data paths".
+        device_cap: bytes of GPU memory per storage unit for cells put from GPUs by clients
+            on the units' host (0: none, the default): such columns then move device to
+            device (CUDA IPC) instead of through host memory; see ``docs/deployment.md``,
+            "GPU to GPU on one host". Needs ``shm_cap`` > 0 and a GPU on the units' host.
+        device_index: which GPU holds them (its CUDA index as the units' process sees it).
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
         sampler: the sampler of every task without its own (``SequentialSampler`` if None).
         task_samplers: samplers for particular tasks, by task name.
@@ -329,6 +334,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     waiting_warning_after: float = Deadlines.waiting_warning_after
     shm_cap: int = DEFAULT_SHM_CAP
     data_path: Literal["auto", "zmq", "shm", "nixl"] = "auto"
+    device_cap: int = 0
+    device_index: int = 0
     metrics_on: str | None = None
     sampler: SamplerSpec | None = None
     task_samplers: dict[str, SamplerSpec] = msgspec.field(default_factory=dict)
@@ -338,6 +345,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
+        for name in ("device_cap", "device_index"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.capacity is not None and self.capacity < 1:
             raise ConfigError(f"capacity: must be >= 1 rows or absent, got {self.capacity}")
         if self.default_lease is not None and self.default_lease <= 0:

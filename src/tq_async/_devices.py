@@ -214,35 +214,52 @@ def _device_of(value: Any) -> torch.device | None:
     return None
 
 
-def _host_items(data: TensorDictBase | Mapping[str, Any]) -> list[tuple[str, Any]] | None:
-    """``data``'s columns when some tensor of it is on a device; None when all are on the host
-    (or ``data`` is not something put takes: the codec explains what is wrong)."""
+#: which values a put leaves where they are (see :func:`to_host`)
+Keep = Callable[[Any], bool] | None
+
+
+def _host_items(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> list[tuple[str, Any]] | None:
+    """``data``'s columns when some tensor of it (not kept) is on a device; None when all
+    are on the host (or ``data`` is not something put takes: the codec explains what is
+    wrong)."""
     if isinstance(data, TensorDictBase):
         if len(data.batch_size) != 1:
             return None
         items = [(k, data.get(k)) for k in data.keys()]  # noqa: SIM118
     else:
         items = list(data.items()) if isinstance(data, Mapping) else []
-    return items if any(_device_of(v) is not None for _, v in items) else None
+    for _, v in items:
+        if _device_of(v) is not None and (keep is None or not keep(v)):
+            return items
+    return None
 
 
-async def to_host(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Mapping[str, Any]:
+async def to_host(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> TensorDictBase | Mapping[str, Any]:
     """``data`` with every tensor on a device copied to pinned host memory (per column, so a
     batch may mix devices); ``data`` itself when every tensor is on the host already.
+    Values ``keep`` says yes to stay where they are.
 
     The copies are started and waited for on a worker thread: the event loop never waits.
     """
-    if _host_items(data) is None:
+    if _host_items(data, keep) is None:
         return data
-    return await anyio.to_thread.run_sync(to_host_now, data)
+    return await anyio.to_thread.run_sync(to_host_now, data, keep)
 
 
-def to_host_now(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Mapping[str, Any]:
+def to_host_now(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> TensorDictBase | Mapping[str, Any]:
     """:func:`to_host` in the calling thread (the blocking client's)."""
-    items = _host_items(data)
+    items = _host_items(data, keep)
     if items is None:
         return data
-    devices = {d for _, v in items if (d := _device_of(v)) is not None}
+    devices = {
+        d for _, v in items if (d := _device_of(v)) is not None and (keep is None or not keep(v))
+    }
     copiers = {d: make_copier(d) for d in devices}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
@@ -251,7 +268,9 @@ def to_host_now(data: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | Ma
     move = _Mover(copy, host_offsets=False)
     out: dict[str, Any] = {}
     for k, v in items:
-        if isinstance(v, torch.Tensor):
+        if keep is not None and keep(v):
+            out[k] = v
+        elif isinstance(v, torch.Tensor):
             out[k] = move(v) if on_device(v) else v
         elif isinstance(v, list) and _device_of(v) is not None:
             out[k] = [copy(x.detach()) if isinstance(x, torch.Tensor) else x for x in v]

@@ -404,10 +404,16 @@ class StorePut(_Msg):
     #: the partition incarnation the cells belong to (None: whichever the unit holds)
     incarnation: str | None = None
     shm: ShmFrames | None = None
+    #: columns whose cells the client wrote into the unit's device arena (no frames)
+    device: DeviceFrames | None = None
 
 
 class StoreGet(_Msg):
-    """Send ``fields`` of ``rows``, in that row order (through shared memory if ``shm``)."""
+    """Send ``fields`` of ``rows``, in that row order (through shared memory if ``shm``).
+
+    With ``device`` (and ``shm``) fields whose cells are in the unit's device arena are
+    answered with their spans there (``StoredColumns.device_spans``).
+    """
 
     partition_id: str
     rows: list[int]
@@ -415,6 +421,7 @@ class StoreGet(_Msg):
     #: the partition incarnation the cells belong to (None: whichever the unit holds)
     incarnation: str | None = None
     shm: bool = False
+    device: bool = False
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -424,17 +431,36 @@ class ShmFrames(msgspec.Struct, array_like=True):
     spans: list[tuple[int, int]]
 
 
+class DeviceFrames(msgspec.Struct, array_like=True):
+    """Where a put's device columns are: column ``columns[i]`` (position among the put's
+    columns) at ``spans[i] = (offset, nbytes)`` of device arena grant ``grant``."""
+
+    grant: int
+    columns: list[int]
+    spans: list[tuple[int, int]]
+
+
 class ShmHello(_Msg):
     """A client on this host asks for the unit's arena (it will verify the token)."""
 
     pid: int
 
 
+class DeviceHello(_Msg):
+    """A client that shares memory with the unit asks for its device arena (see
+    :mod:`tq_async._gpu`; answered with :class:`DeviceHelloReply`, or None: no device
+    arena for this client)."""
+
+    pid: int
+
+
 class ShmAlloc(_Msg):
-    """Reserve ``nbytes`` of the arena for a put (answered with :class:`ShmGrant` or None
-    when the arena is full: then the put goes over the socket)."""
+    """Reserve ``nbytes`` of the arena (of the device arena, with ``device``) for a put
+    (answered with :class:`ShmGrant` or None when the arena is full: then the put goes
+    over the socket, or through host memory)."""
 
     nbytes: int
+    device: bool = False
 
 
 class ShmFree(_Msg):
@@ -471,6 +497,7 @@ StorageBody = (
     | StoreClear
     | StoreStats
     | ShmHello
+    | DeviceHello
     | ShmAlloc
     | ShmFree
     | NixlHello
@@ -569,6 +596,9 @@ class StoredColumns(msgspec.Struct, array_like=True):
     #: sends ``ShmFree(pins=[pin])``
     shm_spans: list[tuple[int, int]] | None = None
     pin: int = 0
+    #: per column, its pieces' ``(offset, nbytes)`` in the device arena, in row order
+    #: (empty: the column came as frames); pinned with ``pin``
+    device_spans: list[list[tuple[int, int]]] | None = None
 
 
 class ShmHelloReply(msgspec.Struct, array_like=True):
@@ -580,6 +610,18 @@ class ShmHelloReply(msgspec.Struct, array_like=True):
     token: bytes
     #: the unit's same-host twin endpoint (verified by asking ShmHello through it)
     ipc: str | None = None
+
+
+class DeviceHelloReply(msgspec.Struct, array_like=True):
+    """The unit's device arena: ``kind`` ``"cuda"`` (``handle`` is a CUDA IPC handle) or
+    ``"host"`` (emulation, tests: ``handle`` is ``pid:fd``), ``size`` bytes on the device
+    with UUID ``device``, starting with ``token``."""
+
+    kind: str
+    handle: bytes
+    size: int
+    device: bytes
+    token: bytes
 
 
 class NixlHelloReply(msgspec.Struct, array_like=True):
@@ -616,6 +658,13 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     nixl_puts: int = 0
     nixl_reads: int = 0
     nixl_registered_bytes: int = 0
+    #: device arena (GPU memory, same-host clients): bytes in use, the cap (0: none), puts
+    #: and reads served through it, and cells copied to host memory for other readers
+    device_bytes: int = 0
+    device_cap: int = 0
+    device_puts: int = 0
+    device_reads: int = 0
+    device_fallbacks: int = 0
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

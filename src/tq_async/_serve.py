@@ -289,6 +289,8 @@ async def serve_storage(
     curve: CurveServer | None = None,
     shm_cap: int = DEFAULT_SHM_CAP,
     data_path: str = "auto",
+    device_cap: int = 0,
+    device_index: int = 0,
     task_status: TaskStatus[tuple[int, str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one storage unit: bind, register with ``controller``, serve until cancelled.
@@ -310,6 +312,8 @@ async def serve_storage(
         shm_cap: bytes of shared memory for clients on this host (0: off).
         data_path: what the unit offers besides the socket (``"auto"``, ``"shm"``,
             ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+        device_cap: bytes of GPU memory for cells put from GPUs on this host (0: none).
+        device_index: which GPU holds them.
 
     Raises:
         BrokenError: ``bind`` could not be bound.
@@ -327,6 +331,8 @@ async def serve_storage(
         curve=curve,
         shm_cap=shm_cap,
         data_path=data_path,
+        device_cap=device_cap,
+        device_index=device_index,
     )
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(unit.serve, bind)

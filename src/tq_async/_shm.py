@@ -42,7 +42,7 @@ import numpy as np
 
 from ._errors import InvalidRequestError
 
-__all__ = ["Arena", "ArenaMap", "Region", "PAGE", "TOKEN_BYTES"]
+__all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
 
 PAGE = 4096
 TOKEN_BYTES = 16
@@ -64,6 +64,40 @@ class Region:
         self.offset = offset
         self.size = size
         self.refs = 1
+
+
+class Extents:
+    """Free extents of an address range, first fit, coalesced on release."""
+
+    def __init__(self, start: int, size: int) -> None:
+        # sorted by offset, coalesced: starts[i] -> sizes[i]
+        self._starts: list[int] = [start]
+        self._sizes: list[int] = [size]
+
+    def take(self, size: int) -> int | None:
+        """The start of ``size`` free bytes (now taken), or None when none are."""
+        for i, free in enumerate(self._sizes):
+            if free >= size:
+                start = self._starts[i]
+                if free == size:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] = start + size
+                    self._sizes[i] = free - size
+                return start
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        """``[offset, offset + size)`` is free again."""
+        i = bisect.bisect_left(self._starts, offset)
+        self._starts.insert(i, offset)
+        self._sizes.insert(i, size)
+        if i + 1 < len(self._starts) and offset + size == self._starts[i + 1]:  # merge right
+            self._sizes[i] += self._sizes.pop(i + 1)
+            del self._starts[i + 1]
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:  # merge left
+            self._sizes[i - 1] += self._sizes.pop(i)
+            del self._starts[i]
 
 
 class Arena:
@@ -91,9 +125,7 @@ class Arena:
         self.base = int(self.view.ctypes.data)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.view[:TOKEN_BYTES] = np.frombuffer(self.token, dtype=np.uint8)
-        # free extents, sorted by offset, coalesced: starts[i] -> sizes[i]
-        self._starts: list[int] = [PAGE]
-        self._sizes: list[int] = [self.cap - PAGE]
+        self._extents = Extents(PAGE, self.cap - PAGE)
         # pages written since they were last given back (idle accounting)
         self._resident = np.zeros(self.cap // PAGE, dtype=np.bool_)
         self.live_bytes = 0
@@ -109,20 +141,14 @@ class Arena:
     def alloc(self, nbytes: int) -> Region | None:
         """A region of at least ``nbytes`` (page-rounded), or None when the arena is full."""
         size = align(max(nbytes, 1), PAGE)
-        for i, free in enumerate(self._sizes):
-            if free >= size:
-                start = self._starts[i]
-                if free == size:
-                    del self._starts[i], self._sizes[i]
-                else:
-                    self._starts[i] = start + size
-                    self._sizes[i] = free - size
-                a, b = start // PAGE, (start + size) // PAGE
-                self.idle_bytes -= int(np.count_nonzero(self._resident[a:b])) * PAGE
-                self._resident[a:b] = True
-                self.live_bytes += size
-                return Region(start, size)
-        return None
+        start = self._extents.take(size)
+        if start is None:
+            return None
+        a, b = start // PAGE, (start + size) // PAGE
+        self.idle_bytes -= int(np.count_nonzero(self._resident[a:b])) * PAGE
+        self._resident[a:b] = True
+        self.live_bytes += size
+        return Region(start, size)
 
     def release(self, region: Region) -> None:
         """Drop one reference; the region is freed with the last."""
@@ -140,15 +166,7 @@ class Arena:
             self._resident[offset // PAGE : (offset + size) // PAGE] = False
         else:
             self.idle_bytes += size
-        i = bisect.bisect_left(self._starts, offset)
-        self._starts.insert(i, offset)
-        self._sizes.insert(i, size)
-        if i + 1 < len(self._starts) and offset + size == self._starts[i + 1]:  # merge right
-            self._sizes[i] += self._sizes.pop(i + 1)
-            del self._starts[i + 1]
-        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:  # merge left
-            self._sizes[i - 1] += self._sizes.pop(i)
-            del self._starts[i]
+        self._extents.give(offset, size)
 
     # ---- views -------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import secrets
 import time
@@ -29,6 +30,7 @@ import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._columns import (
+    ITEM_SIZES,
     Column,
     ColumnHeader,
     JaggedColumn,
@@ -40,12 +42,15 @@ from ._columns import (
     take_rows,
 )
 from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from ._gpu import CudaError, DeviceArena, DeviceCells, device_span_ok, open_device_arena
 from ._logging import get_logger
 from ._metrics import Metrics
 from ._nixl import Claims, UnitNixl, check_data_path
 from ._nixl import load as load_nixl
 from ._protocol import (
     Cancel,
+    DeviceHello,
+    DeviceHelloReply,
     NixlHello,
     NixlHelloReply,
     ShmAlloc,
@@ -93,15 +98,23 @@ _POSITION = (1 << _CELL_BITS) - 1
 
 
 class _Chunk:
-    __slots__ = ("column", "header", "live", "nbytes", "region")
+    __slots__ = ("column", "device", "header", "live", "nbytes", "region")
 
-    def __init__(self, header: ColumnHeader, column: Column, region: Region | None) -> None:
+    def __init__(
+        self,
+        header: ColumnHeader,
+        column: Column | DeviceCells,
+        region: Region | None,
+        device: Region | None = None,
+    ) -> None:
         self.header = header
         self.column = column
         self.live = len(column)
-        self.nbytes = column_nbytes(column)
+        self.nbytes = column.nbytes if isinstance(column, DeviceCells) else column_nbytes(column)
         #: the arena region the column's views point into (None: message frames)
         self.region = region
+        #: the device arena region the cells are in (``column`` is then DeviceCells)
+        self.device = device
 
 
 class StorageState:
@@ -117,6 +130,8 @@ class StorageState:
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
         self.arena = arena
+        #: the unit's device arena, if any (see :mod:`tq_async._gpu`; set by the server)
+        self.device: DeviceArena | None = None
         #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
         self.nixl: UnitNixl | None = None
         # partition -> field -> row -> cell: ``serial << 32 | position`` of the row in the
@@ -175,11 +190,14 @@ class StorageState:
         region: Region | None = None,
         *,
         incarnation: str | None = None,
+        device: tuple[Region, dict[int, int]] | None = None,
     ) -> None:
         """Store columns for ``rows`` (frames in header order). All-or-nothing.
 
         ``region``: the arena region ``frames`` are views of; each stored chunk takes a
-        reference (the caller keeps its own).
+        reference (the caller keeps its own). ``device``: a device arena region and, by
+        header position, where in it a column's cells are (those columns have no frames);
+        each of their chunks takes a reference of it.
 
         Raises:
             RowsNotFound: ``incarnation`` (of the partition) was cleared meanwhile.
@@ -190,22 +208,32 @@ class StorageState:
             raise InvalidRequestError("a put needs at least one row")
         if len(set(rows)) != n:
             raise InvalidRequestError("a put lists the same row twice")
-        expected = sum(column_frame_count(h) for h in headers)
+        on_device = device[1] if device is not None else {}
+        expected = sum(column_frame_count(h) for i, h in enumerate(headers) if i not in on_device)
         if expected != len(frames):
             raise ProtocolError(f"StorePut carries {len(frames)} frames, its header {expected}")
         chunks: list[_Chunk] = []
         pos = 0
-        for h in headers:
+        for i, h in enumerate(headers):
             if h.kind == "pickle" and not self.allow_pickle:
                 raise SchemaError(
                     f"field {h.name!r} is pickled but this storage unit does not allow pickle; "
                     "start it with allow_pickle=True in trusted deployments only"
                 )
+            if i in on_device:
+                assert device is not None
+                if h.kind != "dense":
+                    raise ProtocolError(f"field {h.name!r} on a device must be dense")
+                cells = DeviceCells(on_device[i], ITEM_SIZES[h.dtype] * math.prod(h.shape), n)
+                chunks.append(_Chunk(h, cells, None, device[0]))
+                continue
             k = column_frame_count(h)
             chunks.append(_Chunk(h, column_from_frames(h, frames[pos : pos + k], n), region))
             pos += k
         if region is not None:
-            region.refs += len(chunks)
+            region.refs += sum(c.region is not None for c in chunks)
+        if device is not None:
+            device[0].refs += len(on_device)
         fields = self._index.setdefault(partition_id, {})
         for chunk in chunks:
             index = fields.setdefault(chunk.header.name, {})
@@ -228,6 +256,8 @@ class StorageState:
             self.resident_bytes -= chunk.nbytes
             if chunk.region is not None and self.arena is not None:
                 self.arena.release(chunk.region)
+            if chunk.device is not None and self.device is not None:
+                self.device.release(chunk.device)
 
     def get(
         self,
@@ -238,10 +268,13 @@ class StorageState:
         max_bytes: int | None = None,
         incarnation: str | None = None,
         touched: list[_Chunk] | None = None,
-    ) -> tuple[list[ColumnHeader], list[Column]]:
+        device_ok: bool = False,
+    ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
         """Columns for ``fields`` of ``rows`` in that order (views when possible).
 
-        ``touched`` collects the chunks read (to pin their arena regions).
+        ``touched`` collects the chunks read (to pin their arena regions). Cells in the
+        device arena are copied to the host, unless ``device_ok``: then a field whose cells
+        all are there (with one row shape) comes as their pieces, a list of DeviceCells.
 
         Raises:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
@@ -257,12 +290,12 @@ class StorageState:
                 f"this storage unit holds nothing of partition {partition_id!r} (cleared?)"
             )
         headers: list[ColumnHeader] = []
-        columns: list[Column] = []
+        columns: list[Column | list[DeviceCells]] = []
         for name in fields:
             index = stored.get(name)
             if index is None:
                 raise RowsNotFound(f"field {name!r} of partition {partition_id!r} is not stored")
-            pieces: list[Column] = []
+            pieces: list[Column | DeviceCells] = []
             piece_headers: list[ColumnHeader] = []
             # runs of consecutive cells of one chunk: cells [start, end)
             start = end = -1
@@ -284,12 +317,21 @@ class StorageState:
                 self._take(start, end, pieces, piece_headers, touched)
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
+            on_device = [p for p in pieces if isinstance(p, DeviceCells)]
+            if on_device:
+                if device_ok and len(on_device) == len(pieces) and len(set(piece_headers)) == 1:
+                    headers.append(piece_headers[0])
+                    columns.append(on_device)
+                    continue
+                host = [self._to_host(h, p) for h, p in zip(piece_headers, pieces, strict=True)]
+            else:
+                host = pieces  # type: ignore[assignment]
             if budget is not None:
-                budget -= _joined_nbytes(pieces)
+                budget -= _joined_nbytes(host)
                 if budget < 0:
                     raise OverBudget(f"the cells take more than {max_bytes} bytes")
             # rows put with different shapes: dense if they share one, else jagged
-            header, column = join_columns(piece_headers, pieces)
+            header, column = join_columns(piece_headers, host)
             headers.append(header)
             columns.append(column)
         return headers, columns
@@ -298,17 +340,29 @@ class StorageState:
         self,
         start: int,
         end: int,
-        pieces: list[Column],
+        pieces: list[Column | DeviceCells],
         headers: list[ColumnHeader],
         touched: list[_Chunk] | None,
     ) -> None:
         """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
         chunk = self._chunks[start >> _CELL_BITS]
         a = start & _POSITION
-        pieces.append(take_rows(chunk.column, [(a, a + end - start)]))
+        column = chunk.column
+        if isinstance(column, DeviceCells):
+            pieces.append(column.rows(a, a + end - start))
+        else:
+            pieces.append(take_rows(column, [(a, a + end - start)]))
         headers.append(chunk.header)
         if touched is not None:
             touched.append(chunk)
+
+    def _to_host(self, header: ColumnHeader, piece: Column | DeviceCells) -> Column:
+        """``piece`` in host memory (cells in the device arena are copied out)."""
+        if not isinstance(piece, DeviceCells):
+            return piece
+        assert self.device is not None  # device cells exist only while the arena does
+        self.device.fallbacks += 1
+        return column_from_frames(header, [self.device.read(piece.offset, piece.nbytes)], piece.n)
 
     def read(
         self,
@@ -325,6 +379,7 @@ class StorageState:
         )
         frames: list[Any] = []
         for h, c in zip(headers, columns, strict=True):
+            assert not isinstance(c, list)  # device_ok=False: host columns only
             frames.extend(column_to_frames(h, c))
         arena = self.arena
         if arena is not None:
@@ -338,20 +393,37 @@ class StorageState:
         rows: Sequence[int],
         fields: Sequence[str],
         incarnation: str | None = None,
-    ) -> tuple[StoredColumns, list[Region]] | None:
+        *,
+        device_ok: bool = False,
+    ) -> tuple[StoredColumns, list[Region], list[Region]] | None:
         """:meth:`get` as arena spans: views of regions where the cells already are, the
-        rest copied into a new region. Returns the reply and the regions to pin (each
-        holding one more reference), or None when the arena has no room (read by socket).
+        rest copied into a new region. Returns the reply, the regions to pin (each holding
+        one more reference) and the device arena regions to pin (likewise), or None when
+        the arena has no room (read by socket).
+
+        With ``device_ok``, fields whose cells are in the device arena stay there: the reply
+        lists their spans in it (:attr:`StoredColumns.device_spans`), and they have no
+        frames.
         """
         arena = self.arena
         assert arena is not None
         touched: list[_Chunk] = []
         headers, columns = self.get(
-            partition_id, rows, fields, touched=touched, incarnation=incarnation
+            partition_id,
+            rows,
+            fields,
+            touched=touched,
+            incarnation=incarnation,
+            device_ok=device_ok,
         )
         frames: list[Any] = []
+        device_spans: list[list[tuple[int, int]]] = []
         for h, c in zip(headers, columns, strict=True):
-            frames.extend(column_to_frames(h, c))
+            if isinstance(c, list):
+                device_spans.append([(p.offset, p.nbytes) for p in c])
+            else:
+                device_spans.append([])
+                frames.extend(column_to_frames(h, c))
         offsets = [arena.offset_of(f) for f in frames]
         sizes = [memoryview(f).nbytes for f in frames]
         extra = sum(align(n) for off, n in zip(offsets, sizes, strict=True) if off is None and n)
@@ -376,7 +448,16 @@ class StorageState:
             region.refs += 1
         if copy is not None:
             pinned.append(copy)
-        return StoredColumns(len(rows), headers, shm_spans=spans), pinned
+        stored = StoredColumns(len(rows), headers, shm_spans=spans)
+        on_device: list[Region] = []
+        if any(device_spans):
+            stored.device_spans = device_spans
+            on_device = list(
+                {id(c.device): c.device for c in touched if c.device is not None}.values()
+            )
+            for region in on_device:
+                region.refs += 1
+        return stored, pinned, on_device
 
     def clear(
         self, partition_id: str, rows: Sequence[int] | None, *, incarnation: str | None = None
@@ -440,7 +521,20 @@ class StorageState:
             nixl_puts=self.nixl.puts if self.nixl is not None else 0,
             nixl_reads=self.nixl.reads if self.nixl is not None else 0,
             nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
+            **self._device_stats(),
         )
+
+    def _device_stats(self) -> dict[str, int]:
+        device = self.device
+        if device is None:
+            return {}
+        return {
+            "device_bytes": device.live_bytes,
+            "device_cap": device.cap,
+            "device_puts": device.puts,
+            "device_reads": device.reads,
+            "device_fallbacks": device.fallbacks,
+        }
 
 
 #: default shared-memory arena per unit (address space; pages are used only once written)
@@ -465,6 +559,9 @@ class StorageServer(Service):
             clients on its host, NIXL to the others when installed), ``"shm"``, ``"nixl"``
             (NIXL to every client; its arena is the one shared memory would use) or
             ``"zmq"`` (the socket only).
+        device_cap: bytes of GPU memory for cells put from GPUs by clients on this host (see
+            :mod:`tq_async._gpu`; 0: none). Needs shared memory (``shm_cap``) too.
+        device_index: which GPU (its CUDA index as this process sees it) holds them.
     """
 
     name = "storage"
@@ -479,11 +576,19 @@ class StorageServer(Service):
         shm_cap: int = DEFAULT_SHM_CAP,
         shm_idle_bytes: int = DEFAULT_SHM_IDLE,
         data_path: str = "auto",
+        device_cap: int = 0,
+        device_index: int = 0,
     ) -> None:
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
             )
+        if device_cap < 0 or device_index < 0:
+            raise InvalidRequestError(
+                f"device_cap and device_index must be >= 0, got {device_cap} and {device_index}"
+            )
+        self.device_cap = device_cap
+        self.device_index = device_index
         self.unit_id = unit_id
         self.data_path = check_data_path(data_path)
         self.curve = curve
@@ -497,6 +602,10 @@ class StorageServer(Service):
         self._shm_peers: dict[bytes, int] = {}
         self._grants: dict[int, tuple[bytes, int, Region]] = {}
         self._pins: dict[int, tuple[bytes, int, list[Region]]] = {}
+        #: device arena: grants by id (as shared-memory ones), and the device regions a read
+        #: pin holds (by the pin's id in ``_pins``)
+        self._device_grants: dict[int, tuple[bytes, int, Region]] = {}
+        self._device_pins: dict[int, list[Region]] = {}
         #: NIXL: the clients that use the unit's agent (``state.nixl``, made on the first hello)
         self._nixl_peers: set[bytes] = set()
         #: set once the agent is made (or failed to be): NIXL hellos that came meanwhile wait
@@ -535,6 +644,7 @@ class StorageServer(Service):
         self._endpoint = RouterEndpoint(bind, self.on_message, curve=self.curve, twin="uds")
         try:
             self._open_arena()
+            await self._open_device_arena()
             async with anyio.create_task_group() as tg:  # ends (NIXL set up) before the arena
                 self._tg = tg
                 if self.data_path == "nixl" and self.arena is not None:
@@ -564,7 +674,26 @@ class StorageServer(Service):
         loop = asyncio.get_running_loop()
         self._watcher = Watcher(loop.add_reader, loop.remove_reader)
 
+    async def _open_device_arena(self) -> None:
+        """The device arena (on a worker thread: a CUDA context takes a while); without a
+        GPU or shared memory the unit goes on without one, saying why."""
+        if not self.device_cap or self.arena is None:
+            if self.device_cap:
+                log.warning("no device arena: it needs shared memory (shm_cap > 0)")
+            return
+        try:
+            self.state.device = await anyio.to_thread.run_sync(
+                open_device_arena, self.device_index, self.device_cap
+            )
+        except (CudaError, OSError, InvalidRequestError) as exc:
+            log.warning("no device arena: GPU cells go through host memory", error=str(exc))
+
     def _close_arena(self) -> None:
+        device, self.state.device = self.state.device, None
+        if device is not None:
+            device.close()
+        self._device_grants.clear()
+        self._device_pins.clear()
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
@@ -610,6 +739,8 @@ class StorageServer(Service):
         assert arena is not None
         if body.nbytes <= 0:
             raise InvalidRequestError(f"ShmAlloc nbytes must be > 0, got {body.nbytes}")
+        if body.device:
+            return self._device_alloc(peer, pid, body.nbytes)
         region = arena.alloc(body.nbytes) if body.nbytes <= arena.cap else None
         if region is None:
             arena.fallbacks += 1
@@ -619,6 +750,54 @@ class StorageServer(Service):
         if pid == 0:
             self.nixl_claims.note("grant", grant)
         return ShmGrant(grant, region.offset, region.size)
+
+    def _device_hello(self, peer: bytes, body: DeviceHello) -> DeviceHelloReply | None:
+        device = self.state.device
+        if device is None or self._shm_peers.get(peer) != body.pid:
+            return None  # no arena, or not a verified same-host peer
+        memory = device.memory
+        if memory.kind == "cuda" and body.pid == os.getpid():
+            return None  # CUDA opens no IPC handle in the process that made it
+        return DeviceHelloReply(memory.kind, memory.handle, device.cap, memory.device, device.token)
+
+    def _device_alloc(self, peer: bytes, pid: int, nbytes: int) -> ShmGrant | None:
+        device = self.state.device
+        if device is None or pid == 0:
+            raise InvalidRequestError(
+                "this unit has no device arena for this client (DeviceHello first)"
+            )
+        region = device.alloc(nbytes) if nbytes <= device.cap else None
+        if region is None:
+            device.fallbacks += 1
+            return None
+        grant = next_id()
+        self._device_grants[grant] = (peer, pid, region)
+        return ShmGrant(grant, region.offset, region.size)
+
+    def _device_columns(self, peer: bytes, body: StorePut) -> tuple[Region, dict[int, int]]:
+        """Where a put's device columns are, checked against its grant (consumed; the
+        caller releases the grant's reference)."""
+        assert body.device is not None
+        device = self.state.device
+        entry = self._device_grants.pop(body.device.grant, None)
+        if device is None or entry is None or entry[0] != peer:
+            if entry is not None:  # another client's: not consumed
+                self._device_grants[body.device.grant] = entry
+            raise InvalidRequestError(
+                f"device arena grant {body.device.grant} is unknown to this unit (never "
+                "given, used already, freed, or another client's); put again"
+            )
+        region = entry[2]
+        where: dict[int, int] = {}
+        cols, spans = body.device.columns, body.device.spans
+        ok = len(cols) == len(spans) and len(set(cols)) == len(cols)
+        for col, (off, n) in zip(cols, spans, strict=False):
+            ok = ok and 0 <= col < len(body.columns) and device_span_ok(off, n, region.size)
+            where[col] = region.offset + off
+        if not ok:
+            device.release(region)
+            raise ProtocolError("a put's device columns are described wrongly; put again")
+        return region, where
 
     def _shm_frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
         """The frames a shared-memory put names, checked against its grant (consumed)."""
@@ -633,7 +812,10 @@ class StorageServer(Service):
         del self._grants[body.shm.grant]
         region = entry[2]
         try:
-            expected = sum(column_frame_count(h) for h in body.columns)
+            on_device = set(body.device.columns) if body.device is not None else set()
+            expected = sum(
+                column_frame_count(h) for i, h in enumerate(body.columns) if i not in on_device
+            )
             spans = body.shm.spans
             if len(spans) != expected:
                 raise ProtocolError(
@@ -662,13 +844,23 @@ class StorageServer(Service):
             if entry is not None and entry[0] == peer:
                 del self._grants[gid]
                 arena.release(entry[2])
+            entry = self._device_grants.get(gid)
+            if entry is not None and entry[0] == peer:
+                self._release_device([self._device_grants.pop(gid)[2]])
         for pid_ in body.pins:
             pin = self._pins.get(pid_)
             if pin is not None and pin[0] == peer:
                 del self._pins[pid_]
                 for region in pin[2]:
                     arena.release(region)
+                self._release_device(self._device_pins.pop(pid_, []))
         self._notify_shm()
+
+    def _release_device(self, regions: list[Region]) -> None:
+        device = self.state.device
+        if device is not None:
+            for region in regions:
+                device.release(region)
 
     def _client_exited(self, pid: int) -> None:
         """A client process is gone: its grants and pins go back to the arena."""
@@ -684,6 +876,9 @@ class StorageServer(Service):
             if arena is not None:
                 for region in regions:
                     arena.release(region)
+            self._release_device(self._device_pins.pop(key, []))
+        for gid in [g for g, e in self._device_grants.items() if e[1] == pid]:
+            self._release_device([self._device_grants.pop(gid)[2]])
         log.debug("released the shared memory of an exited client", pid=pid)
         self._notify_shm()
 
@@ -768,14 +963,21 @@ class StorageServer(Service):
     def _read_shm(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
         pid = self._shm_pid(peer)
         self._expire_nixl_claims()
-        got = self.state.read_shm(body.partition_id, body.rows, body.fields, body.incarnation)
+        device_ok = body.device and self.state.device is not None and pid > 0
+        got = self.state.read_shm(
+            body.partition_id, body.rows, body.fields, body.incarnation, device_ok=device_ok
+        )
         if got is None:
             assert self.arena is not None
             self.arena.fallbacks += 1
             return None
-        stored, regions = got
+        stored, regions, on_device = got
         stored.pin = next_id()
         self._pins[stored.pin] = (peer, pid, regions)
+        if on_device:
+            assert self.state.device is not None
+            self._device_pins[stored.pin] = on_device
+            self.state.device.reads += 1
         if pid == 0:
             self.nixl_claims.note("pin", stored.pin)
         assert self.arena is not None
@@ -830,6 +1032,7 @@ class StorageServer(Service):
             StoreClear: self._on_store_clear,
             StoreStats: self._on_store_stats,
             ShmHello: self._on_shm_hello,
+            DeviceHello: self._on_device_hello,
             ShmAlloc: self._on_shm_alloc,
             ShmFree: self._on_shm_free,
             NixlHello: self._on_nixl_hello,
@@ -837,34 +1040,55 @@ class StorageServer(Service):
         }
 
     def _on_store_put(self, msg: Incoming, body: StorePut) -> None:
+        device = self._device_columns(msg.peer, body) if body.device is not None else None
+        try:
+            data = self._store_put(msg, body, device)
+        finally:
+            if device is not None:
+                self._release_device([device[0]])
+        if device is not None:
+            assert self.state.device is not None
+            self.state.device.puts += 1
+        if self.metrics.enabled:
+            self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
+
+    def _store_put(
+        self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
+    ) -> list[Any]:
+        """Store a put's columns (frames, shared-memory spans or device cells); its frames."""
         if body.shm is None:
             data: list[Any] = msg.frames[1:]
             self.state.put(
-                body.partition_id, body.rows, body.columns, data, incarnation=body.incarnation
+                body.partition_id,
+                body.rows,
+                body.columns,
+                data,
+                incarnation=body.incarnation,
+                device=device,
             )
-        else:
-            if len(msg.frames) != 1:
-                raise ProtocolError("a shared-memory put carries no data frames")
-            data, region = self._shm_frames(msg.peer, body)
-            arena = self.arena
-            assert arena is not None
-            try:
-                self.state.put(
-                    body.partition_id,
-                    body.rows,
-                    body.columns,
-                    data,
-                    region,
-                    incarnation=body.incarnation,
-                )
-                if self.nixl is not None and msg.peer in self._nixl_peers:
-                    self.nixl.puts += 1
-                else:
-                    arena.puts += 1
-            finally:
-                arena.release(region)
-        if self.metrics.enabled:
-            self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
+            return data
+        if len(msg.frames) != 1:
+            raise ProtocolError("a shared-memory put carries no data frames")
+        data, region = self._shm_frames(msg.peer, body)
+        arena = self.arena
+        assert arena is not None
+        try:
+            self.state.put(
+                body.partition_id,
+                body.rows,
+                body.columns,
+                data,
+                region,
+                incarnation=body.incarnation,
+                device=device,
+            )
+            if self.nixl is not None and msg.peer in self._nixl_peers:
+                self.nixl.puts += 1
+            else:
+                arena.puts += 1
+        finally:
+            arena.release(region)
+        return data
 
     def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
         shm = self._read_shm(msg.peer, body) if body.shm else None
@@ -888,6 +1112,9 @@ class StorageServer(Service):
 
     def _on_shm_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
         return self._shm_hello(msg.peer, body)
+
+    def _on_device_hello(self, msg: Incoming, body: DeviceHello) -> DeviceHelloReply | None:
+        return self._device_hello(msg.peer, body)
 
     def _on_shm_alloc(self, msg: Incoming, body: ShmAlloc) -> ShmGrant | None:
         return self._shm_alloc(msg.peer, body)

@@ -372,4 +372,4 @@ class ControlCalls:
         return load_checkpoint(self._checkpoint_link(), os.fspath(path))
 
     def _checkpoint_link(self) -> ClientLink:
-        return ClientLink(self._links.call, self._gets.fetch_columns, self._links.unit_request)
+        return ClientLink(self._links.call, self._gets.fetch_host_columns, self._links.unit_request)

@@ -13,11 +13,18 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 from tensordict import TensorDict
 
 from ._buffers import buffer_pool
-from ._codec import check_text, columns_to_tensordict
+from ._codec import (
+    DeviceColumn,
+    check_text,
+    column_value,
+    columns_from_batch,
+    columns_to_tensordict,
+)
 from ._columns import (
     Column,
     ColumnHeader,
@@ -145,14 +152,21 @@ def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
 
 
 def _stored_columns(
-    stored: StoredColumns, frames: Sequence[Any], n_rows: int
-) -> tuple[list[ColumnHeader], list[Column]]:
-    """Rebuild the columns of one unit's part from its frames (all of them, exactly)."""
+    stored: StoredColumns,
+    frames: Sequence[Any],
+    n_rows: int,
+    on_device: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly) and
+    the columns read from its device arena (``on_device``, by position)."""
     if stored.n_rows != n_rows:
         raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
-    columns: list[Column] = []
+    columns: list[Column | DeviceColumn] = []
     pos = 0
-    for h in stored.columns:
+    for j, h in enumerate(stored.columns):
+        if on_device and j in on_device:
+            columns.append(DeviceColumn(on_device[j]))
+            continue
         k = column_frame_count(h)  # too few frames: column_from_frames says so
         columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
         pos += k
@@ -163,7 +177,7 @@ def _stored_columns(
 
 def _inline_parts(
     got: MetaReply, frames: Sequence[Any]
-) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column]]]]:
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]]]:
     """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
     assert got.inline is not None
     by_unit = positions_by_unit(got.units)
@@ -171,7 +185,7 @@ def _inline_parts(
         raise ProtocolError(
             f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
         )
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+    parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]] = {}
     pos = 0
     for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
         k = sum(column_frame_count(h) for h in stored.columns)
@@ -192,8 +206,8 @@ def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | Non
 def _merge_parts(
     n: int,
     by_unit: dict[int, list[int]],
-    parts: dict[int, tuple[list[ColumnHeader], list[Column]]],
-) -> tuple[list[ColumnHeader], list[Column]]:
+    parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]],
+) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
     """One column per field, rows back in batch order, from the parts of several units."""
     if len(by_unit) == 1:
         return parts[next(iter(by_unit))]
@@ -202,15 +216,40 @@ def _merge_parts(
     for i, pos in enumerate(order):
         inverse[pos] = i
     names = parts[next(iter(by_unit))][0]
-    headers, columns = [], []
+    headers: list[ColumnHeader] = []
+    columns: list[Column | DeviceColumn] = []
     for j in range(len(names)):
+        pieces = [parts[u][1][j] for u in by_unit]
+        piece_headers = [parts[u][0][j] for u in by_unit]
+        device = next((p.tensor.device for p in pieces if isinstance(p, DeviceColumn)), None)
+        if device is not None and len(set(piece_headers)) == 1:  # joined on the device
+            tensors = [_tensor_on(piece_headers[0], p, device) for p in pieces]
+            index = torch.tensor(inverse, device=device)
+            headers.append(piece_headers[0])
+            columns.append(DeviceColumn(torch.cat(tensors).index_select(0, index)))
+            continue
         # units may answer one field with different row shapes: join them like a unit does
-        header, merged = join_columns(
-            [parts[u][0][j] for u in by_unit], [parts[u][1][j] for u in by_unit]
-        )
+        host = [_host_column(h, p) for h, p in zip(piece_headers, pieces, strict=True)]
+        header, merged = join_columns(piece_headers, host)
         headers.append(header)
         columns.append(reorder_column(merged, inverse))
     return headers, columns
+
+
+def _tensor_on(header: ColumnHeader, column: Column | DeviceColumn, device: Any) -> torch.Tensor:
+    if isinstance(column, DeviceColumn):
+        return column.tensor.to(device, non_blocking=True)
+    tensor: torch.Tensor = column_value(header, column)
+    return tensor.to(device)
+
+
+def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
+    """``column`` in host memory (a part read from a device arena is copied to the host)."""
+    if not isinstance(column, DeviceColumn):
+        return column
+    _, _, (host,) = columns_from_batch({header.name: column.tensor.cpu()})
+    assert not isinstance(host, DeviceColumn)
+    return host
 
 
 def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
@@ -327,7 +366,9 @@ class GetPath:
         n = len(meta)
         if n == 0 or not names:
             return to_device_now(self._empty(meta, names, as_nested), target)
-        headers, columns = self.fetch_columns(meta, names)
+        # onto a device: columns in a device arena of a unit on this host go device to device
+        on = target if target is not None and not as_nested else None
+        headers, columns = self.fetch_columns(meta, names, device=on)
         return to_device_now(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
 
     def _empty(
@@ -343,12 +384,23 @@ class GetPath:
         known = [by_name[f] for f in names if f in by_name]
         return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
 
-    def fetch_columns(
+    def fetch_host_columns(
         self, meta: BatchMeta, names: list[str]
     ) -> tuple[list[ColumnHeader], list[Column]]:
-        """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit."""
+        """:meth:`fetch_columns` into host memory (what a checkpoint writes)."""
+        headers, columns = self.fetch_columns(meta, names)
+        return headers, [c for c in columns if not isinstance(c, DeviceColumn)]
+
+    def fetch_columns(
+        self, meta: BatchMeta, names: list[str], *, device: torch.device | None = None
+    ) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
+        """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit.
+
+        With ``device``, columns a unit on this host keeps in its device arena (of that kind
+        of device) come as :class:`DeviceColumn` on ``device``, copied device to device.
+        """
         by_unit = positions_by_unit(meta.units)
-        parts: dict[int, tuple[list[ColumnHeader], list[Column]]] = {}
+        parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]] = {}
 
         def fetch(unit: int, positions: list[int]) -> None:
             rows = (
@@ -361,7 +413,15 @@ class GetPath:
             if arena is None and self._links.nixl is not None:  # another host: NIXL
                 nixl = self._links.nixl.link(unit, conn, self._links.request_timeout)
             shm = arena is not None or nixl is not None
-            get = StoreGet(meta.partition_id, rows, names, meta.incarnation, shm=shm)
+            view = None
+            if device is not None and arena is not None and self._links.devices is not None:
+                view = self._links.devices.link(unit, conn, self._links.request_timeout)
+                if view is not None and view.device.type != device.type:
+                    view = None
+            get = StoreGet(
+                meta.partition_id, rows, names, meta.incarnation, shm=shm, device=view is not None
+            )
+            on_device: dict[int, torch.Tensor] | None = None
             if not shm:
                 payload, frames = self._links.unit_request(unit, get)
             else:
@@ -380,6 +440,10 @@ class GetPath:
                         raise ProtocolError("an unexpected shared-memory reply")
                     if arena is not None:
                         frames = _copy_spans(arena, stored.shm_spans)
+                        if stored.device_spans is not None:
+                            if view is None or device is None or self._links.devices is None:
+                                raise ProtocolError("an unexpected device arena reply")
+                            on_device = self._links.devices.read(view, stored, device)
                     else:
                         assert nixl is not None
                         assert self._links.nixl is not None
@@ -394,7 +458,7 @@ class GetPath:
                             frames = got
                 finally:
                     conn.send_best_effort(ShmFree([], [pin]))
-            parts[unit] = _stored_columns(stored, frames, len(rows))
+            parts[unit] = _stored_columns(stored, frames, len(rows), on_device)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
+import torch
 import zmq
 from tensordict import TensorDictBase
 
-from ._codec import check_text, columns_from_batch, tags_for_wire
+from ._codec import DeviceColumn, check_text, columns_from_batch, tags_for_wire
 from ._columns import (
     Column,
     ColumnHeader,
@@ -57,6 +58,7 @@ from ._protocol import (
 from ._shm import ArenaMap, align
 from ._sync_base import THREAD_COPY_BYTES, Links, as_int, decode
 from ._sync_dealer import BlockingConnection
+from ._sync_gpu import keeps_on_device
 from ._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 
 __all__ = ["PutPath"]
@@ -86,6 +88,22 @@ def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[
     return versions
 
 
+def _host(column: Column | DeviceColumn) -> TypeGuard[Column]:
+    return not isinstance(column, DeviceColumn)
+
+
+def _take_rows(
+    column: Column | DeviceColumn, runs: Sequence[tuple[int, int]]
+) -> Column | DeviceColumn:
+    """:func:`take_rows`, for device columns too (their rows joined on the device)."""
+    if not isinstance(column, DeviceColumn):
+        return take_rows(column, runs)
+    t = column.tensor
+    if len(runs) == 1:
+        return DeviceColumn(t[runs[0][0] : runs[0][1]])
+    return DeviceColumn(torch.cat([t[a:b] for a, b in runs]))
+
+
 @dataclass(frozen=True, slots=True)
 class _Put:
     """A validated, encoded put on its way to the services."""
@@ -94,7 +112,7 @@ class _Put:
     meta: BatchMeta | None
     keys: Sequence[str] | None
     headers: list[ColumnHeader]
-    columns: list[Column]
+    columns: list[Column | DeviceColumn]
     n: int
     tags: list[dict[str, Any] | None] | None
     versions: list[int] | None
@@ -172,8 +190,13 @@ class PutPath:
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
         check_text("partition_id", partition_id)
-        data = to_host_now(data)  # CUDA columns: pinned copies, waited for off the loop
-        n, headers, columns = columns_from_batch(data, allow_pickle=self._links.allow_pickle)
+        # big dense GPU columns may move device to device (to a unit on this host with a
+        # device arena); the other CUDA columns: pinned copies, waited for off the loop
+        keep = keeps_on_device if self._links.devices is not None else None
+        data = to_host_now(data, keep)
+        n, headers, columns = columns_from_batch(
+            data, allow_pickle=self._links.allow_pickle, keep=keep
+        )
         if meta is not None and n != len(meta):
             raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
         if keys is not None and n != len(keys):
@@ -191,11 +214,7 @@ class PutPath:
             deadline = None if timeout is None else timeout + self._links.request_timeout
         fields = [h.name for h in headers]
         put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
-        if (
-            keys is None
-            and (meta is None or len(set(meta.units)) == 1)
-            and sum(column_nbytes(c) for c in columns) <= self.inline_put_bytes
-        ):
+        if keys is None and (meta is None or len(set(meta.units)) == 1) and self._small(columns):
             placement = self._put_inline(put, nowait, timeout, deadline)
         else:
             placement = self._put_in_three(put, nowait, timeout, deadline)
@@ -227,6 +246,16 @@ class PutPath:
             incarnation=placement.incarnation or meta.incarnation,
         )
 
+    def _small(self, columns: list[Column | DeviceColumn]) -> bool:
+        """Whether a put's columns go in one message to the controller (:class:`PutInline`;
+        device columns never do)."""
+        size = 0
+        for c in columns:
+            if isinstance(c, DeviceColumn):
+                return False
+            size += column_nbytes(c)
+        return size <= self.inline_put_bytes
+
     def _put_inline(
         self, put: _Put, nowait: bool, timeout: float | None, deadline: float | bool | None
     ) -> Placement:
@@ -245,6 +274,7 @@ class PutPath:
         )
         frames: list[Any] = []
         for h, c in zip(put.headers, put.columns, strict=True):
+            assert not isinstance(c, DeviceColumn)  # those take three steps
             frames.extend(column_to_frames(h, c))
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -346,7 +376,7 @@ class PutPath:
         partition_id: str,
         placement: Placement,
         headers: list[ColumnHeader],
-        columns: list[Column],
+        columns: list[Column | DeviceColumn],
     ) -> None:
         by_unit = positions_by_unit(placement.units)
 
@@ -356,12 +386,27 @@ class PutPath:
             else:
                 runs = position_runs(positions)
                 rows = [placement.rows[i] for i in positions]
-                cols = [take_rows(c, runs) for c in columns]
-            frames: list[Any] = []
-            for h, c in zip(headers, cols, strict=True):
-                frames.extend(column_to_frames(h, c))
+                cols = [_take_rows(c, runs) for c in columns]
             store = StorePut(partition_id, rows, headers, placement.incarnation)
             conn, arena = self._links.data_link(unit)
+            host = self._place_device_columns(unit, conn, arena, store, cols)
+            try:
+                send(unit, conn, arena, store, host)
+            except BaseException:
+                if store.device is not None:  # the unit ignores a grant it consumed
+                    conn.send_best_effort(ShmFree([store.device.grant], []))
+                raise
+
+        def send(
+            unit: int,
+            conn: BlockingConnection,
+            arena: ArenaMap | None,
+            store: StorePut,
+            host: list[tuple[ColumnHeader, Column]],
+        ) -> None:
+            frames: list[Any] = []
+            for h, c in host:
+                frames.extend(column_to_frames(h, c))
             big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and self._store_shm(conn, arena, store, frames):
                 return
@@ -378,6 +423,38 @@ class PutPath:
             store_one(unit, positions)
             return
         run_each(store_one, by_unit.items())
+
+    def _place_device_columns(
+        self,
+        unit: int,
+        conn: BlockingConnection,
+        arena: ArenaMap | None,
+        store: StorePut,
+        cols: list[Column | DeviceColumn],
+    ) -> list[tuple[ColumnHeader, Column]]:
+        """Move the device columns of a unit's slice into its device arena (described in
+        ``store.device``) when it has one, else to host memory; the columns left to send as
+        frames, with their headers."""
+        held = [(i, c.tensor) for i, c in enumerate(cols) if isinstance(c, DeviceColumn)]
+        headers = store.columns
+        if not held:
+            return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+        devices = self._links.devices
+        if arena is not None and devices is not None:
+            timeout = self._links.request_timeout
+            view = devices.link(unit, conn, timeout)
+            if view is not None and devices.put(conn, view, store, held, timeout):
+                return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+        # through host memory: pinned copies, waited for off the loop
+        moved = to_host_now({str(i): t for i, t in held})
+        _, _, host_cols = columns_from_batch(moved, allow_pickle=False)
+        by_position = {i: c for (i, _), c in zip(held, host_cols, strict=True)}
+        out: list[tuple[ColumnHeader, Column]] = []
+        for i, (h, c) in enumerate(zip(headers, cols, strict=True)):
+            column = by_position.get(i, c)
+            assert _host(column)
+            out.append((h, column))
+        return out
 
     def _store_shm(
         self, conn: BlockingConnection, arena: ArenaMap, body: StorePut, frames: list[Any]

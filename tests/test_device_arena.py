@@ -1,0 +1,306 @@
+"""Device arenas (``tq_async._gpu``): a storage unit owns device memory, clients on its host
+put dense GPU columns into it and read them out device to device.
+
+Without a GPU the arena is emulated (``TQ_ASYNC_GPU_EMULATE=1``: host memory a client maps,
+and dense CPU columns count as device columns), which runs the whole protocol — grants,
+spans, pins, releases on death, fallbacks — across real processes. ``tests/test_devices.py``
+has the CUDA versions (marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_cluster
+from _shm_proc import device_alloc_then_die
+from tq_async import _gpu
+from tq_async._columns import ColumnHeader
+from tq_async._gpu import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
+from tq_async._shm import Arena
+from tq_async._storage import StorageServer, StorageState
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
+)
+
+CAP = 64 << 20
+
+
+@pytest.fixture
+def emulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EMULATE_ENV, "1")
+
+
+def _batch(n: int = 32) -> dict[str, Any]:
+    return {
+        "ids": torch.arange(n * 4096, dtype=torch.int64).reshape(n, 4096),  # 32 KiB a row
+        "bf": torch.randn(n, 2048).to(torch.bfloat16),
+        "mask": torch.arange(n * 65536).reshape(n, 65536) % 3 == 0,
+        "small": torch.arange(n, dtype=torch.float32),  # under the device threshold
+        "jag": torch.nested.nested_tensor(
+            [torch.arange(i % 5 + 1, dtype=torch.float32) for i in range(n)], layout=torch.jagged
+        ),
+        "s": [f"row-{i}" for i in range(n)],
+    }
+
+
+def _same(td: Any, batch: dict[str, Any]) -> None:
+    for k in ("ids", "bf", "mask", "small"):
+        assert td[k].dtype == batch[k].dtype
+        assert torch.equal(td[k], batch[k]), k
+    assert [t.tolist() for t in td["jag"].unbind()] == [t.tolist() for t in batch["jag"].unbind()]
+    assert list(td["s"]) == batch["s"]
+
+
+async def _stats(client: tq.AsyncClient) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for s in (await client.storage_stats()).values():
+        for k, v in s.items():
+            if k.startswith("device_"):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+# ---- the unit's state, alone ---------------------------------------------------------------
+
+
+def _state() -> StorageState:
+    state = StorageState(arena=Arena(8 << 20))
+    state.device = DeviceArena(HostMemory(0, 8 << 20))
+    return state
+
+
+def _device_put(state: StorageState, rows: list[int], values: np.ndarray) -> None:
+    """Put ``values`` (int64 [n, k]) of field "x" as device cells (as a client would)."""
+    device = state.device
+    assert device is not None
+    region = device.alloc(values.nbytes)
+    assert region is not None
+    device.memory.write(region.offset, values.tobytes())
+    header = ColumnHeader("x", "dense", "int64", (values.shape[1],))
+    state.put("p", rows, [header], [], device=(region, {0: region.offset}))
+    device.release(region)  # the grant's reference
+
+
+def test_device_cells_are_read_where_they_are_or_copied_out() -> None:
+    state = _state()
+    values = np.arange(8 * 16, dtype=np.int64).reshape(8, 16)
+    _device_put(state, list(range(8)), values)
+    assert state.device is not None
+    assert state.device.live_bytes > 0
+    # a reader that takes device spans gets the pieces, in row order
+    _, columns = state.get("p", [2, 3, 4, 0], ["x"], device_ok=True)
+    pieces = columns[0]
+    assert isinstance(pieces, list)
+    assert all(isinstance(p, DeviceCells) for p in pieces)
+    assert [(p.offset - pieces[0].offset, p.n) for p in pieces] == [(0, 3), (-2 * 128, 1)]
+    # any other reader gets host bytes, copied out of the device arena (counted)
+    _headers, columns = state.get("p", [2, 3, 4, 0], ["x"])
+    host = columns[0]
+    assert not isinstance(host, list)
+    got = np.asarray(host.data).view(np.int64).reshape(4, 16)  # type: ignore[union-attr]
+    assert (got == values[[2, 3, 4, 0]]).all()
+    assert state.device.fallbacks == 2
+
+
+def test_a_field_partly_on_the_device_is_read_through_the_host() -> None:
+    state = _state()
+    _device_put(state, [0, 1], np.ones((2, 16), dtype=np.int64))
+    row = np.full((1, 16), 7, dtype=np.int64)
+    header = ColumnHeader("x", "dense", "int64", (16,))
+    state.put("p", [2], [header], [row.tobytes()])
+    _, columns = state.get("p", [0, 1, 2], ["x"], device_ok=True)
+    assert not isinstance(columns[0], list)  # one host column: the unit joined the pieces
+
+
+def test_read_pins_keep_device_cells_until_released() -> None:
+    state = _state()
+    device = state.device
+    assert device is not None
+    _device_put(state, list(range(4)), np.arange(64, dtype=np.int64).reshape(4, 16))
+    got = state.read_shm("p", [0, 1, 2, 3], ["x"], device_ok=True)
+    assert got is not None
+    stored, _pinned, on_device = got
+    assert stored.device_spans is not None
+    assert stored.device_spans[0]
+    assert len(on_device) == 1
+    state.clear("p", None)
+    assert device.live_bytes > 0  # the reader still copies out of it
+    for region in on_device:
+        device.release(region)
+    assert device.live_bytes == 0
+
+
+def test_overwritten_and_cleared_device_cells_are_freed() -> None:
+    state = _state()
+    device = state.device
+    assert device is not None
+    _device_put(state, [0, 1], np.zeros((2, 16), dtype=np.int64))
+    first = device.live_bytes
+    _device_put(state, [0, 1], np.ones((2, 16), dtype=np.int64))  # overwrites both rows
+    assert device.live_bytes == first
+    _, columns = state.get("p", [0, 1], ["x"])
+    assert not isinstance(columns[0], list)
+    assert np.asarray(columns[0].data).view(np.int64).reshape(-1).tolist() == [1] * 32  # type: ignore[union-attr]
+    assert state.clear("p", None) == 2
+    assert device.live_bytes == 0
+
+
+# ---- across processes ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def address(emulate: None) -> Iterator[str]:
+    with serve_cluster(storage_units=2, args=["--device-cap", str(CAP)]) as addr:
+        yield addr
+
+
+def _rows(batches: list[dict[str, Any]], rows: list[int]) -> dict[str, Any]:
+    """The batch the rows ``rows`` of ``batches`` (put one after another) make."""
+    out: dict[str, Any] = {}
+    for k in ("ids", "bf", "mask", "small"):
+        out[k] = torch.cat([b[k] for b in batches])[rows]
+    jag = [t for b in batches for t in b["jag"].unbind()]
+    out["jag"] = torch.nested.nested_tensor([jag[r] for r in rows], layout=torch.jagged)
+    out["s"] = [s for b in batches for s in b["s"]]
+    out["s"] = [out["s"][r] for r in rows]
+    return out
+
+
+async def test_big_dense_columns_go_device_to_device(address: str) -> None:
+    batches = [_batch(), _batch()]
+    batches[1]["ids"] = batches[1]["ids"] + 1_000_000
+    async with tq.AsyncClient.connect(address) as client:
+        for b in batches:  # one unit each
+            await client.put(b, partition_id="dev")
+        stats = await _stats(client)
+        assert stats["device_puts"] == 2
+        assert stats["device_bytes"] > 2 * 3 * 32 * 8192  # ids, bf, mask (not small)
+        assert stats["device_cap"] == 2 * CAP
+        meta = await client.get_meta(list(batches[0]), 64, "dev", "t")
+        assert sorted(set(meta.units)) == [0, 1]
+        want = _rows(batches, meta.global_indexes)
+        _same(await client.get_data(meta, device="cpu"), want)  # the arena's kind of device
+        stats = await _stats(client)
+        assert stats["device_reads"] == 2
+        assert stats["device_fallbacks"] == 0
+        # a reader that names no device gets host memory: the unit copies the cells out
+        _same(await client.get_data(meta), want)
+        assert (await _stats(client))["device_fallbacks"] > 0
+        # rows in another order, interleaving both units
+        order = [i for pair in zip(range(32), range(63, 31, -1), strict=True) for i in pair]
+        sub = meta.select_rows(order)
+        td = await client.get_data(sub, device="cpu")
+        assert torch.equal(td["ids"], want["ids"][order])
+        assert torch.equal(td["mask"], want["mask"][order])
+        await client.clear_partition("dev")
+        assert (await _stats(client))["device_bytes"] == 0
+
+
+async def test_columns_added_to_rows_and_read_back_together(address: str) -> None:
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put({"p": torch.arange(16 * 8192).reshape(16, 8192)}, partition_id="a")
+        r = torch.randn(16, 8192)
+        meta = await client.put({"r": r}, meta=meta)
+        td, got = await client.get(["p", "r"], 16, "a", "t", device="cpu")
+        assert torch.equal(td["r"][torch.argsort(torch.tensor(got.global_indexes))], r)
+        assert (await _stats(client))["device_puts"] == 2
+        await client.clear_partition("a")
+
+
+def test_the_blocking_client_takes_the_device_path(address: str) -> None:
+    batch = _batch()
+    with tq.Client.connect(address) as client:
+        meta = client.put(batch, partition_id="sync-dev")
+        _same(client.get_data(meta, device="cpu"), batch)
+        stats = {
+            k: sum(s[k] for s in client.storage_stats().values())
+            for k in ("device_puts", "device_reads")
+        }
+        assert stats == {"device_puts": 1, "device_reads": 1}
+        client.clear_partition("sync-dev")
+
+
+async def test_a_client_without_the_device_path_reads_the_same_rows(address: str) -> None:
+    batch = _batch()
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put(batch, partition_id="far")
+    async with tq.AsyncClient.connect(address, same_host=False) as far:  # as on another host
+        _same(await far.get_data(meta, device="cpu"), batch)
+        await far.clear_partition("far")
+
+
+async def test_a_full_device_arena_puts_through_host_memory(emulate: None) -> None:
+    with serve_cluster(storage_units=1, args=["--device-cap", str(1 << 20)]) as addr:
+        async with tq.AsyncClient.connect(addr) as client:
+            big = torch.arange(64 * 8192).reshape(64, 8192)  # 4 MiB: more than the arena
+            meta = await client.put({"x": big}, partition_id="full")
+            stats = await _stats(client)
+            assert stats["device_puts"] == 0
+            assert stats["device_bytes"] == 0
+            assert torch.equal((await client.get_data(meta, device="cpu"))["x"], big)
+
+
+async def test_a_dead_clients_device_grant_is_freed(emulate: None, tmp_path: Any) -> None:
+    server = StorageServer(0, device_cap=CAP)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        device = server.state.device
+        assert device is not None
+        child = multiprocessing.get_context("spawn").Process(
+            target=device_alloc_then_die, args=(server.address, 1 << 20)
+        )
+        child.start()
+        await anyio.to_thread.run_sync(child.join, 60)
+        assert child.exitcode == -signal.SIGKILL
+        with anyio.fail_after(20):
+            while device.live_bytes:  # freed when the pidfd of the dead client fires
+                await server.shm_released.wait()
+        assert server._device_grants == {}
+        tg.cancel_scope.cancel()
+
+
+async def test_units_without_a_device_arena_take_host_memory(emulate: None) -> None:
+    batch = _batch()
+    with serve_cluster(storage_units=2) as addr:  # no --device-cap
+        async with tq.AsyncClient.connect(addr) as client:
+            meta = await client.put(batch, partition_id="plain")
+            _same(await client.get_data(meta, device="cpu"), batch)
+            assert await _stats(client) == {
+                "device_bytes": 0,
+                "device_cap": 0,
+                "device_puts": 0,
+                "device_reads": 0,
+                "device_fallbacks": 0,
+            }
+
+
+async def test_a_unit_without_a_gpu_serves_without_a_device_arena(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    monkeypatch.setattr(_gpu, "_driver", None)
+    monkeypatch.setattr(_gpu, "_driver_error", "no usable CUDA driver in this process: test")
+    server = StorageServer(0, device_cap=CAP)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        assert server.state.device is None  # warned, and serves the rest
+        assert server.arena is not None
+        tg.cancel_scope.cancel()
+
+
+def test_bad_device_settings_are_refused() -> None:
+    with pytest.raises(tq.TQError, match="device_cap"):
+        StorageServer(0, device_cap=-1)
+    with pytest.raises(tq.ConfigError, match="device_index"):
+        tq.Config(device_index=-1)
