@@ -85,6 +85,7 @@ def test_the_public_names_are_pinned() -> None:
         "CurveSection",
         "CurveServer",
         "Deadlines",
+        "DeviceError",
         "GRPOGroupNSampler",
         "InvalidRequestError",
         "KeyNotFound",

@@ -57,6 +57,7 @@ from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigError as ConfigError
+from ._errors import DeviceError as DeviceError
 from ._errors import InvalidRequestError as InvalidRequestError
 from ._errors import KeyNotFound as KeyNotFound
 from ._errors import PartitionNotFound as PartitionNotFound
@@ -147,6 +148,7 @@ __all__ = [
     "ClosedError",
     "Config",
     "ConfigError",
+    "DeviceError",
     "CurveClient",
     "CurveSection",
     "CurveServer",

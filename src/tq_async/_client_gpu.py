@@ -27,8 +27,8 @@ import torch
 from ._codec import torch_dtype
 from ._columns import ColumnHeader
 from ._dealer import DealerConnection
-from ._errors import BrokenError, ClosedError, ProtocolError
-from ._gpu import DEVICE_ALIGN, EMULATE_ENV, CudaError, driver
+from ._errors import BrokenError, ClosedError, DeviceError, ProtocolError
+from ._gpu import DEVICE_ALIGN, EMULATE_ENV, driver
 from ._logging import get_logger
 from ._primitives import Lock, run_sync_off_loop
 from ._protocol import (
@@ -81,7 +81,7 @@ class DeviceView:
     """A unit's device arena opened in this process: ``tensor`` is its bytes (uint8).
 
     Raises:
-        CudaError: the device is not visible here, or the handle does not open.
+        DeviceError: the device is not visible here, or the handle does not open.
         OSError, ValueError: the emulated arena cannot be mapped, or the token differs.
     """
 
@@ -92,7 +92,7 @@ class DeviceView:
             cuda = driver()
             ordinal = cuda.ordinal_of(hello.device)
             if ordinal is None:
-                raise CudaError("the unit's GPU is not visible to this process")
+                raise DeviceError("the unit's GPU is not visible to this process")
             torch.empty(0, device=f"cuda:{ordinal}")  # torch's context first: it is shared
             ptr = cuda.open_handle(ordinal, hello.handle)
             self._close = lambda: cuda.close_handle(ordinal, ptr)
@@ -125,7 +125,7 @@ class DeviceView:
         del self.tensor
         try:
             self._close()
-        except (BufferError, CudaError) as exc:  # a view is alive, or the context is gone
+        except (BufferError, DeviceError) as exc:  # a view is alive, or the context is gone
             log.debug("a device arena stays mapped", error=str(exc))
 
 
@@ -178,7 +178,7 @@ class DeviceLinks:
             if hello is not None:
                 try:
                     view = await run_sync_off_loop(DeviceView, hello)
-                except (CudaError, OSError, ValueError, RuntimeError) as exc:
+                except (DeviceError, OSError, ValueError, RuntimeError) as exc:
                     log.warning(
                         "the unit's device arena does not open here: host memory instead",
                         unit=unit_id,

@@ -26,6 +26,7 @@ __all__ = [
     "WouldBlock",
     "ConfigError",
     "AuthenticationError",
+    "DeviceError",
     "error_from_wire",
     "CALLERS_FAULT",
 ]
@@ -112,6 +113,14 @@ class AuthenticationError(BrokenError):
 
     Check that the client uses the services' public key and that its own public key is in
     the services' allow-list; retrying with the same keys fails the same way.
+    """
+
+
+class DeviceError(TQError):
+    """A GPU could not be used: no CUDA driver, the device not visible to this process, or
+    not enough device memory. Storage units then serve without a device arena (GPU columns go
+    through host memory); check ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` on the units'
+    host, or lower ``device_cap``.
     """
 
 

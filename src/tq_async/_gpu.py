@@ -42,12 +42,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._errors import InvalidRequestError, TQError
+from ._errors import DeviceError, InvalidRequestError
 from ._shm import PAGE, TOKEN_BYTES, Extents, Region, align
 
 __all__ = [
     "CudaDriver",
-    "CudaError",
     "DeviceArena",
     "DeviceCells",
     "DeviceMemory",
@@ -61,10 +60,6 @@ __all__ = [
 EMULATE_ENV = "TQ_ASYNC_GPU_EMULATE"
 #: device arena spans start on this boundary (any dtype's view of them is aligned)
 DEVICE_ALIGN = 256
-
-
-class CudaError(TQError):
-    """A CUDA driver call failed."""
 
 
 class _Handle(ctypes.Structure):
@@ -88,7 +83,7 @@ class CudaDriver:
             f = getattr(self._lib, n, None)
             if f is not None:
                 return f
-        raise CudaError(f"the CUDA driver has no {name}; update the NVIDIA driver")
+        raise DeviceError(f"the CUDA driver has no {name}; update the NVIDIA driver")
 
     def _call(self, name: str, *args: Any) -> None:
         rc = self._fn(name)(*args)
@@ -98,7 +93,7 @@ class CudaDriver:
             if get is not None:
                 get(rc, ctypes.byref(text))
             what = (text.value or b"").decode(errors="replace")
-            raise CudaError(f"{name} failed: CUDA error {rc} {what}".rstrip())
+            raise DeviceError(f"{name} failed: CUDA error {rc} {what}".rstrip())
 
     def device_count(self) -> int:
         n = ctypes.c_int()
@@ -152,7 +147,7 @@ class CudaDriver:
 
     def open_handle(self, ordinal: int, handle: bytes) -> int:
         if len(handle) != 64:
-            raise CudaError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
+            raise DeviceError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
         ptr = ctypes.c_uint64()
         h = _Handle.from_buffer_copy(handle)
         # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: the arena may be on another GPU of the host
@@ -189,19 +184,19 @@ def driver() -> CudaDriver:
     """The CUDA driver of this process (loaded once).
 
     Raises:
-        CudaError: no NVIDIA driver here (or it failed to initialise).
+        DeviceError: no NVIDIA driver here (or it failed to initialise).
     """
     global _driver, _driver_error
     if _driver is not None:
         return _driver
     if _driver_error is not None:
-        raise CudaError(_driver_error)
+        raise DeviceError(_driver_error)
     try:
         name = ctypes.util.find_library("cuda") or "libcuda.so.1"
         _driver = CudaDriver(ctypes.CDLL(name))
-    except (OSError, CudaError) as exc:
+    except (OSError, DeviceError) as exc:
         _driver_error = f"no usable CUDA driver in this process: {exc}"
-        raise CudaError(_driver_error) from None
+        raise DeviceError(_driver_error) from None
     return _driver
 
 
@@ -341,7 +336,7 @@ def open_device_arena(ordinal: int, cap: int) -> DeviceArena:
     says :data:`EMULATE_ENV`).
 
     Raises:
-        CudaError: no CUDA driver, no such GPU, or not enough device memory.
+        DeviceError: no CUDA driver, no such GPU, or not enough device memory.
     """
     cap = align(cap, PAGE)
     if os.environ.get(EMULATE_ENV):

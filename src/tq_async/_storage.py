@@ -41,8 +41,15 @@ from ._columns import (
     join_columns,
     take_rows,
 )
-from ._errors import ClosedError, InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
-from ._gpu import CudaError, DeviceArena, DeviceCells, device_span_ok, open_device_arena
+from ._errors import (
+    ClosedError,
+    DeviceError,
+    InvalidRequestError,
+    ProtocolError,
+    RowsNotFound,
+    SchemaError,
+)
+from ._gpu import DeviceArena, DeviceCells, device_span_ok, open_device_arena
 from ._logging import get_logger
 from ._metrics import Metrics
 from ._nixl import Claims, UnitNixl, check_data_path
@@ -685,7 +692,7 @@ class StorageServer(Service):
             self.state.device = await anyio.to_thread.run_sync(
                 open_device_arena, self.device_index, self.device_cap
             )
-        except (CudaError, OSError, InvalidRequestError) as exc:
+        except (DeviceError, OSError, InvalidRequestError) as exc:
             log.warning("no device arena: GPU cells go through host memory", error=str(exc))
 
     def _close_arena(self) -> None:

@@ -28,8 +28,8 @@ import torch
 
 from ._codec import torch_dtype
 from ._columns import ColumnHeader
-from ._errors import BrokenError, ClosedError, ProtocolError
-from ._gpu import DEVICE_ALIGN, EMULATE_ENV, CudaError, driver
+from ._errors import BrokenError, ClosedError, DeviceError, ProtocolError
+from ._gpu import DEVICE_ALIGN, EMULATE_ENV, driver
 from ._logging import get_logger
 from ._protocol import (
     DeviceFrames,
@@ -83,7 +83,7 @@ class DeviceView:
     """A unit's device arena opened in this process: ``tensor`` is its bytes (uint8).
 
     Raises:
-        CudaError: the device is not visible here, or the handle does not open.
+        DeviceError: the device is not visible here, or the handle does not open.
         OSError, ValueError: the emulated arena cannot be mapped, or the token differs.
     """
 
@@ -94,7 +94,7 @@ class DeviceView:
             cuda = driver()
             ordinal = cuda.ordinal_of(hello.device)
             if ordinal is None:
-                raise CudaError("the unit's GPU is not visible to this process")
+                raise DeviceError("the unit's GPU is not visible to this process")
             torch.empty(0, device=f"cuda:{ordinal}")  # torch's context first: it is shared
             ptr = cuda.open_handle(ordinal, hello.handle)
             self._close = lambda: cuda.close_handle(ordinal, ptr)
@@ -127,7 +127,7 @@ class DeviceView:
         del self.tensor
         try:
             self._close()
-        except (BufferError, CudaError) as exc:  # a view is alive, or the context is gone
+        except (BufferError, DeviceError) as exc:  # a view is alive, or the context is gone
             log.debug("a device arena stays mapped", error=str(exc))
 
 
@@ -180,7 +180,7 @@ class DeviceLinks:
             if hello is not None:
                 try:
                     view = run_sync_off_loop(DeviceView, hello)
-                except (CudaError, OSError, ValueError, RuntimeError) as exc:
+                except (DeviceError, OSError, ValueError, RuntimeError) as exc:
                     log.warning(
                         "the unit's device arena does not open here: host memory instead",
                         unit=unit_id,
