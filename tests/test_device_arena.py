@@ -27,7 +27,7 @@ from tq_async import _gpu
 from tq_async._columns import ColumnHeader
 from tq_async._gpu import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
 from tq_async._shm import Arena
-from tq_async._storage import StorageServer, StorageState
+from tq_async._storage import OverBudget, StorageServer, StorageState
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -111,6 +111,17 @@ def test_device_cells_are_read_where_they_are_or_copied_out() -> None:
     got = np.asarray(host.data).view(np.int64).reshape(4, 16)  # type: ignore[union-attr]
     assert (got == values[[2, 3, 4, 0]]).all()
     assert state.device.fallbacks == 2
+
+
+def test_a_read_over_its_budget_copies_nothing_out_of_the_device_arena() -> None:
+    state = _state()
+    _device_put(state, list(range(8)), np.zeros((8, 16), dtype=np.int64))
+    with pytest.raises(OverBudget):
+        state.get("p", list(range(8)), ["x"], max_bytes=8 * 16 * 8 - 1)
+    assert state.device is not None
+    assert state.device.fallbacks == 0
+    _, columns = state.get("p", list(range(8)), ["x"], max_bytes=8 * 16 * 8)
+    assert len(columns[0]) == 8
 
 
 def test_a_field_partly_on_the_device_is_read_through_the_host() -> None:

@@ -325,6 +325,12 @@ class StorageState:
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             on_device = [p for p in pieces if isinstance(p, DeviceCells)]
+            if budget is not None:  # before anything is copied out of the device arena
+                in_host = [p for p in pieces if not isinstance(p, DeviceCells)]
+                budget -= sum(p.nbytes for p in on_device)
+                budget -= _joined_nbytes(in_host) if in_host else 0
+                if budget < 0:
+                    raise OverBudget(f"the cells take more than {max_bytes} bytes")
             if on_device:
                 if device_ok and len(on_device) == len(pieces) and len(set(piece_headers)) == 1:
                     headers.append(piece_headers[0])
@@ -333,10 +339,6 @@ class StorageState:
                 host = [self._to_host(h, p) for h, p in zip(piece_headers, pieces, strict=True)]
             else:
                 host = pieces  # type: ignore[assignment]
-            if budget is not None:
-                budget -= _joined_nbytes(host)
-                if budget < 0:
-                    raise OverBudget(f"the cells take more than {max_bytes} bytes")
             # rows put with different shapes: dense if they share one, else jagged
             header, column = join_columns(piece_headers, host)
             headers.append(header)
