@@ -43,3 +43,22 @@ def device_alloc_then_die(unit_address: str, nbytes: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     asyncio.run(run())
+
+
+def device_read_then_stop(unit_address: str, partition_id: str, rows: list[int]) -> None:
+    """Read ``rows`` of field "x" through the unit's device arena (pinned by the reply), then
+    stop (SIGSTOP) without giving the pin back: the test kills us."""
+    from tq_async._protocol import DeviceHello, StoredColumns, StoreGet
+
+    async def run() -> None:
+        conn = DealerConnection(unit_address)
+        await conn.request(ShmHello(os.getpid()), timeout=30)
+        await conn.request(DeviceHello(os.getpid()), timeout=30)
+        get = StoreGet(partition_id, rows, ["x"], shm=True, device=True)
+        payload, _ = await conn.request(get, timeout=30)
+        stored = msgspec.msgpack.decode(payload, type=StoredColumns)
+        assert stored.device_spans is not None
+        assert stored.device_spans[0]
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    asyncio.run(run())

@@ -22,7 +22,7 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_cluster
-from _shm_proc import device_alloc_then_die
+from _shm_proc import device_alloc_then_die, device_read_then_stop
 from tq_async import _gpu
 from tq_async._columns import ColumnHeader
 from tq_async._gpu import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
@@ -278,6 +278,34 @@ async def test_a_dead_clients_device_grant_is_freed(emulate: None, tmp_path: Any
             while device.live_bytes:  # freed when the pidfd of the dead client fires
                 await server.shm_released.wait()
         assert server._device_grants == {}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_dead_readers_pin_on_device_cells_is_released(emulate: None, tmp_path: Any) -> None:
+    server = StorageServer(0, device_cap=CAP)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        device = server.state.device
+        assert device is not None
+        _device_put(server.state, list(range(8)), np.arange(128, dtype=np.int64).reshape(8, 16))
+        child = multiprocessing.get_context("spawn").Process(
+            target=device_read_then_stop, args=(server.address, "p", [3, 1, 2])
+        )
+        child.start()
+        assert child.pid is not None
+        # stopped, holding its pin (waitpid reports the stop; it does not reap)
+        await anyio.to_thread.run_sync(os.waitpid, child.pid, os.WUNTRACED)
+        assert device.reads == 1
+        assert len(server._device_pins) == 1
+        server.state.clear("p", None)  # the cells are gone; the reader's pin holds them
+        assert device.live_bytes > 0
+        os.kill(child.pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(child.join, 60)
+        with anyio.fail_after(20):
+            while device.live_bytes:  # until the pidfd of the dead reader fires
+                await server.shm_released.wait()
+        assert server._device_pins == {}
+        assert server._pins == {}
         tg.cancel_scope.cancel()
 
 
