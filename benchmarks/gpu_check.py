@@ -165,8 +165,6 @@ def nixl_vram(torch: Any, nbytes: int, rounds: int) -> tuple[float, float] | str
 
 
 async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
-    import anyio
-    import anyio.lowlevel
     from tensordict import TensorDict
 
     import tq_async as tq
@@ -193,43 +191,13 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
 
     from ._common import Config, open_cluster
 
-    # event-loop stalls by phase; the first round (streams, pinned pools, arena growth) is
-    # reported apart
-    lags: dict[str, list[float]] = {"first round": [], "put": [], "get": []}
-    phase = ["first round"]
     # the services in another process (`tq-async serve`): the loop-lag probe sees only the
     # client's own work on its event loop
     async with (
         open_cluster(Config(mode="process", storage_units=1)) as address,
         tq.AsyncClient.connect(address) as client,
     ):
-        stop = anyio.Event()
-
-        async def probe() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                await anyio.lowlevel.checkpoint()
-                lags[phase[0]].append(time.perf_counter() - t0)
-
-        puts, gets = [], []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(probe)
-            for r in range(rounds + 1):
-                phase[0] = "put" if r else "first round"
-                t0 = time.perf_counter()
-                meta = await client.put(cols, partition_id="gpu")
-                puts.append(time.perf_counter() - t0)
-                phase[0] = "get" if r else "first round"
-                t0 = time.perf_counter()
-                td = await client.get_data(meta, device="cuda")
-                gets.append(time.perf_counter() - t0)
-                await client.clear_samples(meta)
-            stop.set()
-        assert td[next(iter(cols))].is_cuda
-        out["put"], out["get"] = _gbps(nbytes, puts[1:]), _gbps(nbytes, gets[1:])
-        out["stalls"] = {
-            k: (max(v) * 1e3, sum(x > 1e-3 for x in v), len(v)) for k, v in lags.items() if v
-        }
+        out |= await _rounds(client, cols, rounds)
 
         small = {k: t[: max(1, rows // 8)] for k, t in cols.items()}
         for _ in range(8):
@@ -261,43 +229,55 @@ async def device_arena(torch: Any, cols: dict[str, Any], rounds: int) -> dict[st
     nbytes = sum(t.numel() * t.element_size() for t in cols.values())
     role = ["--storage-units", "1", "--device-cap", str(2 * nbytes + (64 << 20))]
     server = await anyio.to_thread.run_sync(lambda: ServeProcess(role=role))
-    lags: dict[str, list[float]] = {"first round": [], "put": [], "get": []}
-    phase = ["first round"]
     try:
         async with tq.AsyncClient.connect(server.address) as client:
-            stop = anyio.Event()
-
-            async def probe() -> None:
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    await anyio.lowlevel.checkpoint()
-                    lags[phase[0]].append(time.perf_counter() - t0)
-
-            puts, gets = [], []
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(probe)
-                for r in range(rounds + 1):
-                    phase[0] = "put" if r else "first round"
-                    t0 = time.perf_counter()
-                    meta = await client.put(cols, partition_id="ipc")
-                    puts.append(time.perf_counter() - t0)
-                    phase[0] = "get" if r else "first round"
-                    t0 = time.perf_counter()
-                    td = await client.get_data(meta, device="cuda")
-                    gets.append(time.perf_counter() - t0)
-                    await client.clear_samples(meta)
-                stop.set()
-            assert all(torch.equal(td[k], cols[k]) for k in cols)
+            out = await _rounds(client, cols, rounds)
             stats = (await client.storage_stats())[0]
     finally:
         await anyio.to_thread.run_sync(server.stop)
+    return out | {"counters": {k: v for k, v in stats.items() if k.startswith("device_")}}
+
+
+async def _rounds(client: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """``rounds`` (after a first, reported apart) of a put of ``cols`` then
+    ``get_data(device="cuda")``: GB/s of each, and the event loop's stalls by phase (a
+    loop-lag probe: puts, reads and the first round, with streams, pools and arenas made)."""
+    import anyio
+    import anyio.lowlevel
+    import torch
+
+    nbytes = sum(t.numel() * t.element_size() for t in cols.values())
+    lags: dict[str, list[float]] = {"first round": [], "put": [], "get": []}
+    phase = ["first round"]
+    stop = anyio.Event()
+
+    async def probe() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await anyio.lowlevel.checkpoint()
+            lags[phase[0]].append(time.perf_counter() - t0)
+
+    puts, gets = [], []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(probe)
+        for r in range(rounds + 1):
+            phase[0] = "put" if r else "first round"
+            t0 = time.perf_counter()
+            meta = await client.put(cols, partition_id="gpu")
+            puts.append(time.perf_counter() - t0)
+            phase[0] = "get" if r else "first round"
+            t0 = time.perf_counter()
+            td = await client.get_data(meta, device="cuda")
+            gets.append(time.perf_counter() - t0)
+            await client.clear_samples(meta)
+        stop.set()
+    assert all(td[k].is_cuda and torch.equal(td[k], cols[k]) for k in cols)
     return {
         "put": _gbps(nbytes, puts[1:]),
         "get": _gbps(nbytes, gets[1:]),
         "stalls": {
             k: (max(v) * 1e3, sum(x > 1e-3 for x in v), len(v)) for k, v in lags.items() if v
         },
-        "counters": {k: v for k, v in stats.items() if k.startswith("device_")},
     }
 
 
