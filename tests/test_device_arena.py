@@ -229,6 +229,28 @@ async def test_columns_added_to_rows_and_read_back_together(address: str) -> Non
         await client.clear_partition("a")
 
 
+@pytest.mark.parametrize("replay_window", [0, 2])
+async def test_a_dataset_on_the_device_reads_device_to_device(
+    address: str, replay_window: int
+) -> None:
+    batch = _batch()
+    pid = f"ds-{replay_window}"
+    async with tq.AsyncClient.connect(address) as client:
+        await client.put(batch, partition_id=pid)
+        await client.seal(pid)
+        ds = tq.AsyncStreamingDataset(
+            client, ["ids", "mask"], 16, 8, pid, "t", device="cpu", replay_window=replay_window
+        )
+        got = []
+        async with ds:
+            async for td, _ in ds:
+                got.append(td["ids"])
+        assert torch.equal(torch.cat(got), batch["ids"])
+        # without a replay window the reads came out of the device arena; with one, the
+        # batches it keeps came through host memory
+        assert (await _stats(client))["device_reads"] == (2 if replay_window == 0 else 0)
+
+
 def test_the_blocking_client_takes_the_device_path(address: str) -> None:
     batch = _batch()
     with tq.Client.connect(address) as client:

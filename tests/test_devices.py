@@ -397,3 +397,24 @@ def test_rows_put_from_a_gpu_outlive_their_producer() -> None:
             assert td["x"].is_cuda
             want = torch.arange(64 * 4096, dtype=torch.float32).reshape(64, 4096)
             assert torch.equal(td["x"].cpu(), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_a_dataset_on_cuda_reads_out_of_a_units_device_arena() -> None:
+    from _cluster_proc import serve_cluster
+
+    x = torch.arange(64 * 4096, device="cuda").reshape(64, 4096)
+    with serve_cluster(storage_units=1, args=["--device-cap", str(64 << 20)]) as address:
+        async with tq.AsyncClient.connect(address) as client:
+            await client.put({"x": x}, partition_id="ds")
+            await client.seal("ds")
+            ds = tq.AsyncStreamingDataset(client, ["x"], 16, 8, "ds", "t", device="cuda")
+            got = []
+            async with ds:
+                async for td, _ in ds:
+                    assert td["x"].is_cuda
+                    got.append(td["x"])
+            assert torch.equal(torch.cat(got), x)
+            (stats,) = (await client.storage_stats()).values()
+            assert stats["device_reads"] == 4

@@ -106,6 +106,7 @@ async def default_fetch_batch_fn(
     batch_index: int,
     timeout: float | None = None,
     stop_when_consumed: bool = False,
+    device: Any = None,
     **_: Any,
 ) -> tuple[TensorDict | None, BatchMeta]:
     """Fetch one batch: :meth:`~tq_async.AsyncClient.get` under ``sampling_config``.
@@ -135,6 +136,9 @@ async def default_fetch_batch_fn(
         timeout: seconds ``get_meta`` may wait for rows; None waits until rows arrive.
         stop_when_consumed: pass to ``get_meta``: end the stream once the partition holds
             rows and the task consumed all of them.
+        device: read the tensors onto this device (``get(..., device=)``: columns in a
+            device arena of a unit on this host move device to device). The dataset passes
+            it to this default function only, when it has a ``device`` and no replay window.
 
     Returns:
         ``(data, meta)`` (with ``dp_size``, possibly 0 rows of both); ``(None, meta)`` with
@@ -156,6 +160,7 @@ async def default_fetch_batch_fn(
         sampling_config,
         timeout=timeout,
         stop_when_consumed=stop_when_consumed,
+        device=device,
     )
     if meta.end_of_stream:
         return None, meta
@@ -487,7 +492,9 @@ class AsyncStreamingDataset:
             (e.g. ``SeqlenBalancedSampler(tail=...)``), else ``"uneven"``.
         device: deliver tensor fields on this device (e.g. ``"cuda:0"``): each batch is
             copied through pinned memory in the prefetching task, so the copy of the next
-            batch overlaps the work on the current one. None: host memory.
+            batch overlaps the work on the current one. None: host memory. Without a replay
+            window, columns a unit on this host keeps in its device arena come device to
+            device instead (``docs/deployment.md``, "GPU to GPU on one host").
 
     Raises:
         InvalidRequestError: an argument is invalid.
@@ -883,17 +890,20 @@ class AsyncStreamingDataset:
     async def _load(self, index: int, generation: int) -> _Fetched | None:
         """Batch ``index`` from the replay window or from the services; None at end."""
         cached = self._cache.get(index)
+        moved = False
         if cached is None:
             fetched = await self._fetch(index)
             if fetched is None:
                 return None
+            moved = self._fetches_onto_device
             if generation == self._generation:
                 self._remember(index, fetched)
         else:
             fetched = cached
         td, meta = fetched
-        # on the device here, in the prefetching task: overlapped with the caller's work
-        td = await to_device(td, self.device)
+        if not moved:
+            # on the device here, in the prefetching task: overlapped with the caller's work
+            td = await to_device(td, self.device)
         return _Fetched(index, td, meta, self._split(td, meta))
 
     def _remember(self, index: int, batch: tuple[TensorDictBase, BatchMeta]) -> None:
@@ -956,8 +966,20 @@ class AsyncStreamingDataset:
         )
         return TensorDict({}, batch_size=[len(meta)]), meta
 
+    @property
+    def _fetches_onto_device(self) -> bool:
+        """Whether a fetch reads onto :attr:`device` itself (device to device from a unit's
+        device arena): with the default ``fetch_batch_fn`` (a custom one gets the arguments
+        it always got) and no replay window (whose batches stay in host memory)."""
+        return (
+            self._fetch_fn is default_fetch_batch_fn
+            and self.device is not None
+            and not self.replay_window
+        )
+
     async def _call_fetch(self, index: int, config: dict[str, Any], timeout: float | None) -> Any:
         assert self._client is not None
+        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
         result: Any = self._fetch_fn(
             client=self._client,
             data_fields=list(self.data_fields),
@@ -968,6 +990,7 @@ class AsyncStreamingDataset:
             batch_index=index,
             timeout=timeout,
             stop_when_consumed=self.stop_when_consumed,
+            **extra,
         )
         if inspect.isawaitable(result):
             result = await result
