@@ -215,10 +215,14 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
     return out
 
 
-async def device_arena(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
-    """Put and ``get_data(device="cuda")`` through a storage unit's device arena (``tq-async
+async def device_arena(
+    torch: Any, cols: dict[str, Any], rounds: int, device: str = "cuda"
+) -> dict[str, Any]:
+    """Put and ``get_data(device=device)`` through a storage unit's device arena (``tq-async
     serve --device-cap``, another process): CUDA IPC, device to device both ways. Reports
-    GB/s of each, the event loop's longest stalls by phase, and the unit's counters."""
+    GB/s of each, the event loop's longest stalls by phase, and the unit's counters. (With
+    ``TQ_ASYNC_GPU_EMULATE=1`` and host ``cols``, ``device="cpu"`` runs the plumbing without
+    a GPU: tests.)"""
     import anyio
     import anyio.lowlevel
 
@@ -231,16 +235,18 @@ async def device_arena(torch: Any, cols: dict[str, Any], rounds: int) -> dict[st
     server = await anyio.to_thread.run_sync(lambda: ServeProcess(role=role))
     try:
         async with tq.AsyncClient.connect(server.address) as client:
-            out = await _rounds(client, cols, rounds)
+            out = await _rounds(client, cols, rounds, device)
             stats = (await client.storage_stats())[0]
     finally:
         await anyio.to_thread.run_sync(server.stop)
     return out | {"counters": {k: v for k, v in stats.items() if k.startswith("device_")}}
 
 
-async def _rounds(client: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any]:
+async def _rounds(
+    client: Any, cols: dict[str, Any], rounds: int, device: str = "cuda"
+) -> dict[str, Any]:
     """``rounds`` (after a first, reported apart) of a put of ``cols`` then
-    ``get_data(device="cuda")``: GB/s of each, and the event loop's stalls by phase (a
+    ``get_data(device=device)``: GB/s of each, and the event loop's stalls by phase (a
     loop-lag probe: puts, reads and the first round, with streams, pools and arenas made)."""
     import anyio
     import anyio.lowlevel
@@ -267,11 +273,11 @@ async def _rounds(client: Any, cols: dict[str, Any], rounds: int) -> dict[str, A
             puts.append(time.perf_counter() - t0)
             phase[0] = "get" if r else "first round"
             t0 = time.perf_counter()
-            td = await client.get_data(meta, device="cuda")
+            td = await client.get_data(meta, device=device)
             gets.append(time.perf_counter() - t0)
             await client.clear_samples(meta)
         stop.set()
-    assert all(td[k].is_cuda and torch.equal(td[k], cols[k]) for k in cols)
+    assert all(td[k].device.type == device and torch.equal(td[k], cols[k]) for k in cols)
     return {
         "put": _gbps(nbytes, puts[1:]),
         "get": _gbps(nbytes, gets[1:]),

@@ -131,6 +131,34 @@ def test_gpu_check_runs_every_path() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "to_device (device= reads)" in done.stdout
     assert "torch CUDA IPC" in done.stdout
+    assert "device arena (tq-async serve --device-cap; CUDA IPC)" in done.stdout
+
+
+def test_gpu_check_device_arena_runs_its_plumbing_emulated() -> None:
+    """gpu_check's device-arena rounds, without a GPU: the unit's arena emulated in host
+    memory (``TQ_ASYNC_GPU_EMULATE``), host columns standing for CUDA ones."""
+    code = (
+        "import anyio, torch\n"
+        "from benchmarks.gpu_check import device_arena\n"
+        "cols = {f'c{i}': torch.arange(64 * 1024).reshape(64, 1024) + i for i in range(2)}\n"
+        "got = anyio.run(device_arena, torch, cols, 2, 'cpu')\n"
+        "print('COUNTERS', got['counters'], sorted(got['stalls']), got['put'] > 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "TQ_ASYNC_GPU_EMULATE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.split("COUNTERS", 1)[1]
+    assert "'device_puts': 3" in line
+    assert "'device_reads': 3" in line
+    assert "'device_bytes': 0" in line
+    assert "['first round', 'get', 'put'] True" in line
 
 
 def test_gpu_check_shares_a_tensor_between_processes_on_the_cpu_too() -> None:
