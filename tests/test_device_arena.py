@@ -113,15 +113,15 @@ def test_device_cells_are_read_where_they_are_or_copied_out() -> None:
     assert state.device.fallbacks == 2
 
 
-def test_a_read_over_its_budget_copies_nothing_out_of_the_device_arena() -> None:
+def test_device_cells_are_never_sent_inline() -> None:
+    """A budgeted read (the controller sending cells along with a get_meta reply) leaves
+    device cells alone: the reader then fetches them, device to device when it can."""
     state = _state()
     _device_put(state, list(range(8)), np.zeros((8, 16), dtype=np.int64))
     with pytest.raises(OverBudget):
-        state.get("p", list(range(8)), ["x"], max_bytes=8 * 16 * 8 - 1)
+        state.get("p", list(range(8)), ["x"], max_bytes=1 << 30)
     assert state.device is not None
-    assert state.device.fallbacks == 0
-    _, columns = state.get("p", list(range(8)), ["x"], max_bytes=8 * 16 * 8)
-    assert len(columns[0]) == 8
+    assert state.device.fallbacks == 0  # nothing was copied out
 
 
 def test_a_field_partly_on_the_device_is_read_through_the_host() -> None:
@@ -249,6 +249,18 @@ async def test_a_dataset_on_the_device_reads_device_to_device(
         # without a replay window the reads came out of the device arena; with one, the
         # batches it keeps came through host memory
         assert (await _stats(client))["device_reads"] == (2 if replay_window == 0 else 0)
+
+
+async def test_a_small_get_onto_the_device_is_not_sent_inline(address: str) -> None:
+    x = torch.arange(16 * 8192).reshape(16, 8192)  # 1 MiB: the controller would inline it
+    async with tq.AsyncClient.connect(address) as client:
+        await client.put({"x": x[:8]}, partition_id="small")
+        td, _ = await client.get(["x"], 8, "small", "t", device="cpu")
+        assert torch.equal(td["x"], x[:8])
+        assert (await _stats(client))["device_reads"] == 1
+        td, _ = await client.get(["x"], 8, "small", "u")  # host memory: through the unit
+        assert torch.equal(td["x"], x[:8])
+        await client.clear_partition("small")
 
 
 def test_the_blocking_client_takes_the_device_path(address: str) -> None:

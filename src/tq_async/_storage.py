@@ -325,10 +325,10 @@ class StorageState:
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             on_device = [p for p in pieces if isinstance(p, DeviceCells)]
-            if budget is not None:  # before anything is copied out of the device arena
-                in_host = [p for p in pieces if not isinstance(p, DeviceCells)]
-                budget -= sum(p.nbytes for p in on_device)
-                budget -= _joined_nbytes(in_host) if in_host else 0
+            if budget is not None:
+                if on_device:  # a reader on this host takes them device to device
+                    raise OverBudget("cells in the device arena are not sent inline")
+                budget -= _joined_nbytes(pieces)  # type: ignore[arg-type]
                 if budget < 0:
                     raise OverBudget(f"the cells take more than {max_bytes} bytes")
             if on_device:
