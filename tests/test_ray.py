@@ -170,6 +170,7 @@ def test_launch_with_a_config(local_ray: None) -> None:
 
     config = tq.Config(
         num_storage_units=1,
+        shm_cap=8 << 20,  # reaches the units (as data_path and device_cap do)
         admission=tq.AdmissionSection(max_staleness=0),
         task_samplers={"learner": tq.SamplerSpec("tq_async:GRPOGroupNSampler", {"n": 2})},
     )
@@ -187,6 +188,8 @@ def test_launch_with_a_config(local_ray: None) -> None:
                 await client.acquire_rollout(0, 1)  # version 0 - learner 0 <= 0: admitted
                 with pytest.raises(tq.TQTimeoutError):
                     await client.acquire_rollout(1, 1, timeout=0.2)  # one version ahead
+                (stats,) = (await client.storage_stats()).values()
+                assert stats["shm_cap"] == 8 << 20
 
         anyio.run(check_admission)
     finally:

@@ -393,6 +393,7 @@ def launch(
             "allow_pickle": allow_pickle,
             "curve": curve,
             "register_timeout": max(1.0, min(30.0, deadline - time.monotonic())),
+            **_unit_config(config),
         }
         unit_addresses = _start_units(
             dict(zip(unit_names, units, strict=True)), host, unit_options, deadline
@@ -429,6 +430,19 @@ def _start_units(
         unit_id, address = _resolve(unit.ready.remote(), deadline, f"storage unit {unit_name!r}")
         addresses[int(unit_id)] = str(address)
     return addresses
+
+
+def _unit_config(config: Config | None) -> dict[str, Any]:
+    """What a storage unit takes from ``config`` (its data paths): shared memory, the data
+    path, the device arena."""
+    if config is None:
+        return {}
+    return {
+        "shm_cap": config.shm_cap,
+        "data_path": config.data_path,
+        "device_cap": config.device_cap,
+        "device_index": config.device_index,
+    }
 
 
 def _fold_config(
