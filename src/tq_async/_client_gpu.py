@@ -16,7 +16,7 @@ reader on another host, or one that asks for host tensors, gets from the unit.
 
 from __future__ import annotations
 
-import mmap
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +41,7 @@ from ._protocol import (
     StoredColumns,
     StorePut,
 )
-from ._shm import PAGE, TOKEN_BYTES, align
+from ._shm import PAGE, TOKEN_BYTES, ArenaMap, align
 
 __all__ = ["DEVICE_MIN_BYTES", "DeviceLinks", "DeviceView", "keeps_on_device"]
 
@@ -57,11 +57,17 @@ _grant_decoder = msgspec.msgpack.Decoder(ShmGrant | None)
 def keeps_on_device(t: Any) -> bool:
     """Whether a put may move column ``t`` device to device: a dense tensor on a GPU (on
     the host too, in emulation: tests) of at least :data:`DEVICE_MIN_BYTES`."""
-    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+    if not isinstance(t, torch.Tensor):
         return False
-    if t.dim() == 0 or t.device.type == "meta" or t.nbytes < DEVICE_MIN_BYTES:
+    kind = t.device.type  # first: a host tensor (the common case) stops here
+    if kind != "cuda" and not (kind == "cpu" and os.environ.get(EMULATE_ENV)):
         return False
-    return t.device.type == "cuda" or (t.device.type == "cpu" and bool(os.environ.get(EMULATE_ENV)))
+    return (
+        not t.is_nested
+        and t.layout == torch.strided
+        and t.dim() > 0
+        and (t.nbytes >= DEVICE_MIN_BYTES)
+    )
 
 
 class _CudaArray:
@@ -97,17 +103,16 @@ class DeviceView:
             ptr = cuda.open_handle(ordinal, hello.handle)
             self._close = lambda: cuda.close_handle(ordinal, ptr)
             self.tensor = torch.as_tensor(_CudaArray(ptr, hello.size), device=f"cuda:{ordinal}")
-        elif hello.kind == "host":
+            if bytes(self.tensor[:TOKEN_BYTES].cpu().numpy()) != hello.token:
+                self.close()
+                raise ValueError("the device arena's token differs from what the unit said")
+        elif hello.kind == "host":  # emulation: a memfd mapped as shared memory is
             pid, fd = hello.handle.decode().split(":")
-            with open(f"/proc/{int(pid)}/fd/{int(fd)}", "r+b", buffering=0) as f:
-                mapped = mmap.mmap(f.fileno(), hello.size)
-            self._close = mapped.close
-            self.tensor = torch.frombuffer(mapped, dtype=torch.uint8)
+            arena = ArenaMap(int(pid), int(fd), hello.size, hello.token)  # checks the token
+            self._close = arena.close
+            self.tensor = torch.from_numpy(arena.view)
         else:
             raise ValueError(f"unknown device arena kind {hello.kind!r}")
-        if bytes(self.tensor[:TOKEN_BYTES].cpu().numpy()) != hello.token:
-            self.close()
-            raise ValueError("the device arena's token differs from what the unit said")
 
     @property
     def device(self) -> torch.device:
@@ -127,15 +132,6 @@ class DeviceView:
             self._close()
         except (BufferError, DeviceError) as exc:  # a view is alive, or the context is gone
             log.debug("a device arena stays mapped", error=str(exc))
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _wait(event: Any) -> None:
@@ -213,7 +209,8 @@ class DeviceLinks:
         """Copy ``columns`` (position in the put, tensor) into a grant of the unit's device
         arena and describe them in ``body.device``; False when the arena is full. The caller
         gives the grant back if ``body`` does not reach the unit."""
-        flats = [(i, _flat_bytes(t)) for i, t in columns]
+        # the codec made them plain (DeviceColumn): their bytes are their values
+        flats = [(i, t.view(-1).view(torch.uint8)) for i, t in columns]
         nbytes = sum(align(f.numel(), DEVICE_ALIGN) for _, f in flats)
         payload, _ = await conn.request(ShmAlloc(nbytes, device=True), timeout=timeout)
         try:
@@ -268,16 +265,17 @@ def _gather(
     target: torch.device,
 ) -> torch.Tensor:
     """One column out of the arena: its pieces joined into new memory on ``target``."""
+    dtype = torch_dtype(header.dtype or "")
     total = 0
     for off, nbytes in spans:
         view.check(off, nbytes, "a device span")
         total += nbytes
+    row = dtype.itemsize * math.prod(header.shape)
+    if header.kind != "dense" or total != n * row:
+        raise ProtocolError(f"field {header.name!r} came from the device arena malformed")
     out = torch.empty(total, dtype=torch.uint8, device=target)
     pos = 0
     for off, nbytes in spans:
         out[pos : pos + nbytes].copy_(view.tensor[off : off + nbytes], non_blocking=True)
         pos += nbytes
-    dtype = torch_dtype(header.dtype or "")
-    if header.kind != "dense" or total % max(n, 1):
-        raise ProtocolError(f"field {header.name!r} came from the device arena malformed")
     return out.view(dtype).view((n, *header.shape))

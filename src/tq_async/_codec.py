@@ -130,20 +130,29 @@ def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Co
             f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
             "column's first dimension must be the batch size"
         )
-    # Each torch call below is guarded: the first put after an idle spell runs with cold
-    # caches on the VMs we measured, where one dispatched torch op costs 30-90 us.
-    if t.requires_grad:
-        t = t.detach()
     if not t.is_cpu:
         t = _to_cpu(name, t)
+    t = _plain(t)
+    header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
+    return header, DenseColumn(_as_bytes(t, n))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with conjugation and negation resolved, contiguous: its bytes are its
+    values in row order (a copy only where one of these needs it).
+
+    Each torch call is guarded: the first put after an idle spell runs with cold caches on
+    the VMs we measured, where one dispatched torch op costs 30-90 us.
+    """
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
-    return header, DenseColumn(_as_bytes(t, n))
+    return t
 
 
 def _to_cpu(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -276,7 +285,8 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
 @dataclass(slots=True, eq=False)
 class DeviceColumn:
     """A dense column left on its device by a put (it moves device to device, see
-    :mod:`tq_async._client_gpu`), or read back onto one: ``tensor`` is ``[n, *shape]``."""
+    :mod:`tq_async._client_gpu`), or read back onto one: ``tensor`` is ``[n, *shape]``
+    (a put's: detached and contiguous, its bytes its values)."""
 
     tensor: torch.Tensor
 
@@ -361,7 +371,7 @@ def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Devi
             "column's first dimension must be the batch size"
         )
     header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
-    return header, DeviceColumn(t.detach())
+    return header, DeviceColumn(_plain(t))
 
 
 def check_text(what: str, value: str) -> str:

@@ -389,7 +389,11 @@ class GetPath:
     ) -> tuple[list[ColumnHeader], list[Column]]:
         """:meth:`fetch_columns` into host memory (what a checkpoint writes)."""
         headers, columns = self.fetch_columns(meta, names)
-        return headers, [c for c in columns if not isinstance(c, DeviceColumn)]
+        host: list[Column] = []
+        for c in columns:
+            assert not isinstance(c, DeviceColumn)  # no device named: every column is host's
+            host.append(c)
+        return headers, host
 
     def fetch_columns(
         self, meta: BatchMeta, names: list[str], *, device: torch.device | None = None
