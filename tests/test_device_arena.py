@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -26,6 +27,7 @@ from _shm_proc import device_alloc_then_die, device_read_then_stop
 from tq_async import _gpu
 from tq_async._columns import ColumnHeader
 from tq_async._gpu import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
+from tq_async._protocol import StorePut
 from tq_async._shm import Arena
 from tq_async._storage import OverBudget, StorageServer, StorageState
 
@@ -261,6 +263,63 @@ async def test_a_small_get_onto_the_device_is_not_sent_inline(address: str) -> N
         td, _ = await client.get(["x"], 8, "small", "u")  # host memory: through the unit
         assert torch.equal(td["x"], x[:8])
         await client.clear_partition("small")
+
+
+async def test_a_put_cancelled_after_its_device_copy_leaves_nothing(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled between the copy into the device grant and the unit hearing of it: the grant
+    goes back, no row is committed, nothing stays in the arena."""
+    async with tq.AsyncClient.connect(address) as client:
+        links = client._links
+        entered = anyio.Event()
+        real = links.unit_request
+
+        async def stalled(unit: int, body: Any, frames: Any = ()) -> Any:
+            if isinstance(body, StorePut) and body.device is not None:
+                entered.set()
+                await anyio.sleep_forever()  # the StorePut never leaves
+            return await real(unit, body, frames)
+
+        monkeypatch.setattr(links, "unit_request", stalled)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.put, {"x": torch.zeros(16, 8192)}, "cancelled-put")
+            await entered.wait()  # the grant is taken and the copy made
+            assert (await _stats(client))["device_bytes"] > 0
+            tg.cancel_scope.cancel()
+        monkeypatch.setattr(links, "unit_request", real)
+        assert (await _stats(client))["device_bytes"] == 0  # the grant was given back
+        status = await client.production_status("cancelled-put")
+        assert not any(bool(v.any()) for v in status.values())  # nothing committed
+        await client.clear_partition("cancelled-put")
+
+
+async def test_a_read_cancelled_during_its_device_copy_unpins_and_consumes_nothing(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.arange(16 * 8192).reshape(16, 8192)
+    async with tq.AsyncClient.connect(address) as client:
+        await client.put({"x": x}, partition_id="cancelled-read")
+        devices = client._links.devices
+        assert devices is not None
+        entered = anyio.Event()
+        real = devices.read
+
+        async def stalled(*args: Any) -> Any:
+            entered.set()  # the unit answered with pinned device spans
+            await anyio.sleep_forever()
+
+        monkeypatch.setattr(devices, "read", stalled)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(client.get, ["x"], 16, "cancelled-read", "t", device="cpu"))
+            await entered.wait()
+            tg.cancel_scope.cancel()
+        monkeypatch.setattr(devices, "read", real)
+        # nothing was consumed: the task gets the same rows, device to device
+        td, _ = await client.get(["x"], 16, "cancelled-read", "t", device="cpu")
+        assert torch.equal(td["x"], x)
+        await client.clear_partition("cancelled-read")
+        assert (await _stats(client))["device_bytes"] == 0  # the cancelled read's pin is gone
 
 
 def test_the_blocking_client_takes_the_device_path(address: str) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 import os
 import secrets
@@ -191,6 +190,8 @@ def driver() -> CudaDriver:
         return _driver
     if _driver_error is not None:
         raise DeviceError(_driver_error)
+    import ctypes.util  # here: a unit without a device arena never needs it
+
     try:
         name = ctypes.util.find_library("cuda") or "libcuda.so.1"
         _driver = CudaDriver(ctypes.CDLL(name))
