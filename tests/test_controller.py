@@ -316,3 +316,72 @@ async def test_a_sampler_returning_rows_without_the_fields_is_refused() -> None:
         # nothing was consumed: a correct request still sees every row
         got = await client.get_meta(["x"], 3, "p", "t")
         assert got.global_indexes == [0, 1, 2]
+
+
+async def test_a_zero_timeout_answers_now_or_times_out_at_once() -> None:
+    """``timeout=0``: what can be answered now, else TQTimeoutError, nothing consumed (and
+    nothing left waiting on the controller)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(3), partition_id="p")
+        with anyio.fail_after(5):
+            with pytest.raises(tq.TQTimeoutError, match="nothing was consumed"):
+                await client.get_meta(["x"], 4, "p", "t", timeout=0)
+            assert cluster.controller.lot.parked(("p", "t")) == 0
+            await client.put(batch(1, 3), partition_id="p")
+            got = await client.get_meta(["x"], 4, "p", "t", timeout=0)
+        assert got.global_indexes == [0, 1, 2, 3]
+        with pytest.raises(tq.InvalidRequestError, match="timeout"):
+            await client.get_meta(["x"], 4, "p", "t", timeout=-1)
+
+
+async def test_a_zero_timeout_waits_for_an_async_sampler_answer_only() -> None:
+    class Later(tq.BaseSampler):
+        async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            await anyio.lowlevel.checkpoint()
+            rows = list(ready_indexes)[:batch_size]
+            return (rows, rows) if len(rows) == batch_size else ([], [])
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=Later()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(2), partition_id="p")
+        with anyio.fail_after(5):
+            with pytest.raises(tq.TQTimeoutError):
+                await client.get_meta(["x"], 4, "p", "t", timeout=0)
+        assert (await client.partition_info("p"))["consumed"].get("t", 0) == 0
+        await client.put(batch(2, 2), partition_id="p")
+        with anyio.fail_after(5):  # the async sampler's answer is awaited
+            got = await client.get_meta(["x"], 4, "p", "t", timeout=0)
+        assert got.global_indexes == [0, 1, 2, 3]
+
+
+async def test_record_from_with_an_async_sampler_decides_lower_batches_in_one_call() -> None:
+    class Later(tq.BaseSampler):
+        async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            await anyio.lowlevel.checkpoint()
+            rows = list(ready_indexes)[:batch_size]
+            return (rows, rows) if len(rows) == batch_size else ([], [])
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=Later()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(4), partition_id="p")
+        got: list[tq.BatchMeta] = []
+
+        async def third() -> None:
+            cfg = {"batch_index": 2, "dp_rank": 0, "record_from": 0}
+            got.append(await client.get_meta(["x"], 2, "p", "t", cfg))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(third)
+            await wait_until_waiting(cluster, 1)  # batches 0 and 1 took the 4 rows
+            await client.put(batch(2, 4), partition_id="p")
+        assert got[0].global_indexes == [4, 5]
+        for b, rows in enumerate([[0, 1], [2, 3]]):
+            meta = await client.get_meta(["x"], 2, "p", "t", {"batch_index": b, "dp_rank": 0})
+            assert meta.global_indexes == rows

@@ -542,3 +542,85 @@ def test_cancel_undoes_a_fetch_but_not_a_recorded_batch_or_a_peek() -> None:
     assert first is not None
     core2.cancel(keyed, first)
     assert rows_of(get(core2, keyed)) == first.rows  # the batch keeps its rows
+
+
+# ---- record_from: batches below the asked one are decided first ----------------------------
+
+
+def test_record_from_decides_the_lower_batches_first_in_order() -> None:
+    core = new_core()
+    put(core, 16)
+    got = get(core, req(4, batch_index=3, dp_rank=0, record_from=0))
+    assert rows_of(got) == [12, 13, 14, 15]  # batches 0, 1, 2 took the rows before it
+    for b in range(3):  # recorded: every reader of those indexes gets them
+        assert rows_of(get(core, req(4, batch_index=b, dp_rank=0))) == list(range(4 * b, 4 * b + 4))
+    assert core.state.partitions["p"].consumed_count["t"] == 16
+
+
+def test_record_from_skips_decided_batches_and_an_empty_range_is_plain() -> None:
+    core = new_core()
+    put(core, 12)
+    assert rows_of(get(core, req(4, batch_index=1, dp_rank=0))) == [0, 1, 2, 3]
+    # 1 is decided: only 0 is left below 2; record_from == batch_index decides nothing else
+    assert rows_of(get(core, req(4, batch_index=2, dp_rank=0, record_from=0))) == [8, 9, 10, 11]
+    assert rows_of(get(core, req(4, batch_index=0, dp_rank=0))) == [4, 5, 6, 7]
+    put(core, 4)
+    assert rows_of(get(core, req(4, batch_index=3, dp_rank=0, record_from=3))) == [12, 13, 14, 15]
+
+
+def test_record_from_ends_the_stream_where_a_lower_batch_ends_it() -> None:
+    core = new_core()
+    put(core, 4)
+    core.state.seal("p")
+    assert is_end(get(core, req(4, batch_index=2, dp_rank=0, record_from=0)))
+    assert rows_of(get(core, req(4, batch_index=0, dp_rank=0))) == [0, 1, 2, 3]
+    assert is_end(get(core, req(4, batch_index=1, dp_rank=0)))
+
+
+def test_record_from_waits_on_a_lower_batch_and_keeps_what_it_decided() -> None:
+    core = new_core()
+    put(core, 4)
+    assert get(core, req(4, batch_index=2, dp_rank=0, record_from=0)) is None  # waits on 1
+    assert (("t", 0, 0)) in core.state.partitions["p"].recorded  # 0 stays decided
+    put(core, 8)
+    assert rows_of(get(core, req(4, batch_index=2, dp_rank=0, record_from=0))) == [8, 9, 10, 11]
+    assert rows_of(get(core, req(4, batch_index=1, dp_rank=0))) == [4, 5, 6, 7]
+
+
+def test_record_from_decides_global_batches_for_every_rank() -> None:
+    core = new_core()
+    put(core, 12)
+    got = get(core, req(2, batch_index=2, dp_rank=1, dp_size=2, record_from=0))
+    assert rows_of(got) == [10, 11]
+    recorded = core.state.partitions["p"].recorded
+    assert [list(recorded[("t", r, b)]) for b in range(2) for r in range(2)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+
+
+def test_samplers_never_see_record_from() -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Spy(BaseSampler):
+        def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            seen.append(kwargs)
+            rows = list(ready_indexes)[:batch_size]
+            return rows, rows
+
+    core = new_core(Spy())
+    put(core, 8)
+    rows_of(get(core, req(4, batch_index=1, dp_rank=0, record_from=0)))
+    assert [k["batch_index"] for k in seen] == [0, 1]
+    assert all("record_from" not in k and "record_from" not in k["sampling_config"] for k in seen)
+
+
+def test_record_from_is_checked() -> None:
+    from tq_async._protocol import check_sampling_config
+
+    with pytest.raises(InvalidRequestError, match="record_from'\\] needs 'batch_index'"):
+        check_sampling_config({"record_from": 0})
+    with pytest.raises(InvalidRequestError, match="record_from"):
+        check_sampling_config({"record_from": -1, "batch_index": 2})

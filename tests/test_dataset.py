@@ -138,6 +138,37 @@ async def test_batches_in_order_exactly_once_then_sealed_and_drained_ends() -> N
         _check_aligned(td, meta)
 
 
+async def test_next_batch_without_waiting_answers_now_or_raises_and_moves_nothing() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(4), partition_id="p")
+        ds = AsyncStreamingDataset(client, ["x"], 4, 2, "p", "train", prefetch=0)
+        async with ds:
+            with anyio.fail_after(DEADLINE):
+                first = await ds.next_batch(wait=False)
+                assert first is not None
+                assert [td["x"].tolist() for td, _ in first.micro_batches] == [[0, 1], [2, 3]]
+                with pytest.raises(tq.TQTimeoutError, match="nothing was consumed"):
+                    await ds.next_batch(wait=False)  # batch 1 has no rows yet
+                assert ds.batch_index == 1
+                await client.put(_rows(2, 4), partition_id="p")
+                await client.seal("p")
+                last = await ds.next_batch(wait=False)
+                assert last is not None
+                assert [td["x"].tolist() for td, _ in last.micro_batches] == [[4, 5]]
+                assert await ds.next_batch(wait=False) is None  # sealed and drained
+        async def custom(**kwargs: Any) -> Any:  # may not honour timeout=0
+            return await default_fetch_batch_fn(**kwargs)
+
+        for kwargs in ({"prefetch": 1}, {"prefetch": 0, "fetch_batch_fn": custom}):
+            other = AsyncStreamingDataset(client, ["x"], 4, 2, "p", "t2", **kwargs)
+            async with other:
+                with pytest.raises(tq.InvalidRequestError, match="wait=False"):
+                    await other.next_batch(wait=False)
+
+
 async def test_empty_but_unsealed_stream_waits_then_delivers() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

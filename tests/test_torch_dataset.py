@@ -111,6 +111,64 @@ def test_loader_yields_every_batch_once_in_order(
     assert client.partition_info(pid)["consumed"]["train"] == N_ROWS
 
 
+def test_workers_hand_over_ready_batches_together_in_order(
+    address: str, client: tq.Client
+) -> None:
+    """A worker hands the loader its ready batches (w, w + W, ...) a few at a time; the loader
+    still yields them in batch_index order. Batches over the hand-off's byte bound go alone."""
+    from tq_async import _torch_dataset as td_mod
+
+    pid = "grouped"
+    client.put({"x": torch.arange(64)}, partition_id=pid)
+    client.seal(pid)
+    loader = StreamingDataLoader(
+        StreamingDataset(address, ["x"], 4, 4, pid, "train"),
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,
+    )
+    raw = [[b.batch_index for b in got] for got in DataLoader.__iter__(loader)]
+    # sealed: everything is ready, so a hand-off is as full as the bounds allow
+    assert raw == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert td_mod._HANDOFF_BATCHES == 8
+    loader.reset()
+    got = [(meta.batch_index, td["x"].tolist()) for td, meta in loader]
+    assert got == [(b, list(range(4 * b, 4 * b + 4))) for b in range(16)]
+
+    big = "grouped-big"
+    client.put({"x": torch.zeros(8, 40_000, dtype=torch.int64)}, partition_id=big)  # 1.3 MB
+    client.seal(big)  # 4-row batches of 1.3 MB: over the bound, one per hand-off
+    loader = StreamingDataLoader(
+        StreamingDataset(address, ["x"], 4, 4, big, "train"),
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,
+    )
+    assert [[b.batch_index for b in got] for got in DataLoader.__iter__(loader)] == [[0], [1]]
+
+
+def test_a_worker_never_waits_to_fill_a_hand_off(address: str, client: tq.Client) -> None:
+    """While later batches have no rows yet, a worker hands over the batch it has: the loader
+    yields batch 0 before any other row exists (a hang here would end in DataLoader's
+    timeout)."""
+    pid = "grouped-streaming"
+    client.put({"x": torch.arange(4)}, partition_id=pid)
+    loader = StreamingDataLoader(
+        StreamingDataset(address, ["x"], 4, 4, pid, "train"),
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,
+    )
+    it = iter(loader)
+    td, meta = next(it)
+    assert (meta.batch_index, td["x"].tolist()) == (0, [0, 1, 2, 3])
+    client.put({"x": torch.arange(4, 14)}, partition_id=pid)
+    client.seal(pid)
+    rest = [(meta.batch_index, td["x"].tolist()) for td, meta in it]
+    assert rest == [(1, [4, 5, 6, 7]), (2, [8, 9, 10, 11]), (3, [12, 13])]
+    assert client.partition_info(pid)["consumed"]["train"] == 14
+
+
 def test_loader_resumes_mid_batch_with_workers(address: str, client: tq.Client) -> None:
     _put(client, "resume")
     loader = StreamingDataLoader(

@@ -64,7 +64,9 @@ BAD_REQUESTS: list[tuple[msgspec.Struct, str]] = [
     (_get_meta(timeout=NAN), "timeout"),
     (_get_meta(timeout=INF), "timeout"),
     (_get_meta(timeout=-1.0), "timeout"),
-    (_get_meta(timeout=0.0), "timeout"),
+    (_get_meta(timeout=-0.001), "timeout"),  # 0 itself means "answer now" (test_controller)
+    (_get_meta(sampling_config={"record_from": 0}), "record_from"),
+    (_get_meta(sampling_config={"batch_index": 1, "record_from": -1}), "record_from"),
     (_get_meta(batch_size=0), "batch_size"),
     (_get_meta(batch_size=2**63), "batch_size"),
     (_get_meta(inline_bytes=-1), "inline_bytes"),
@@ -363,8 +365,9 @@ def test_validate_accepts_or_names_never_crashes(
         return
     # what passes is safe for timers, arrays and the encoder
     assert 1 <= batch_size < 2**63
-    for t in (timeout, lease):
-        assert t is None or (math.isfinite(t) and t > 0)
+    assert lease is None or (math.isfinite(lease) and lease > 0)
+    # a timeout of 0 is "answer now": the controller arms no timer for it
+    assert timeout is None or (math.isfinite(timeout) and timeout >= 0)
     for v in (rank, index):
         assert v is None or (type(v) is int and 0 <= v < 2**63)
 

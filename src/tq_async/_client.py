@@ -384,10 +384,15 @@ class AsyncClient:
                 ``"error"``), batch ``b`` is decided for all ``dp_size`` ranks at once, every
                 rank gets a reply for it and the stream ends for all ranks at the same
                 ``batch_index``; under ``"uneven"`` a rank's share may be empty (0 rows,
-                ``end_of_stream`` False).
+                ``end_of_stream`` False). With ``record_from`` too (an int), the batch
+                indexes from ``record_from`` up to ``batch_index`` not decided yet are
+                decided first, lowest first, in the same call (readers sharing one index
+                space, like DataLoader workers, keep the recorded indexes gap-free in one
+                round trip); they stay recorded even if this call then times out.
             mode: ``"fetch"`` or ``"peek"``.
             timeout: seconds to wait for rows; None waits until data arrives or the call is
-                cancelled.
+                cancelled; 0 answers only what can be answered at once (else
+                :class:`TQTimeoutError`, nothing consumed).
             stop_when_consumed: also return end-of-stream (instead of waiting) once the
                 partition holds rows and the task has consumed all of them, sealed or not.
             lease: seconds the delivered rows stay leased to this caller. Unless

@@ -42,13 +42,14 @@ from ._core import (
     AdmissionConfig,
     ControllerCore,
     Deadlines,
+    Decision,
     Effects,
     SampleCall,
     meta_reply,
     record_key,
 )
 from ._dealer import DealerConnection
-from ._errors import ClosedError, InvalidRequestError, TQError
+from ._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._metrics import Metrics
 from ._parking import ParkingLot
@@ -422,18 +423,17 @@ class ControllerServer(ControllerPuts):
             req.lease = self.default_lease
         decision, fx = self.core.get_meta(req, self._now())
         self._apply(fx)
-        if isinstance(decision, SampleCall):
-            result = decision.run()
-            if inspect.isawaitable(result):
-                first = (decision, result)
-                self._spawn_waiting(
-                    msg, self._get_meta_waiting, msg, req, first, self.lot.generation
-                )
-                return DEFERRED
-            decision, fx = self.core.sampled(req, decision, result, self._now())
-            self._apply(fx)
+        decision, running = self._settle(req, decision)
+        if running is not None:
+            self._spawn_waiting(msg, self._get_meta_waiting, msg, req, running, self.lot.generation)
+            return DEFERRED
         if isinstance(decision, MetaReply):
             self._send_meta(msg.peer, msg.rid, req, decision)
+            return SENT
+        if req.timeout == 0:  # answer now or not at all
+            self.send_error(
+                msg.peer, msg.rid, TQTimeoutError(self._get_meta_timeout(req)), "GetMeta"
+            )
             return SENT
         self._spawn_waiting(msg, self._get_meta_waiting, msg, req, None, self.lot.generation)
         if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
@@ -444,6 +444,20 @@ class ControllerServer(ControllerPuts):
             # a forgotten seal would too: one watch per (partition, task) with waiters
             self._watch_quiet(_QuietWatch(req, _progress(self.state, req)))
         return DEFERRED
+
+    def _settle(
+        self, req: GetMeta, decision: Decision
+    ) -> tuple[Decision, tuple[SampleCall, Awaitable[Any]] | None]:
+        """Run the sampler calls ``decision`` leads to (one per batch a ``record_from`` decides
+        first, then the asked batch's) until a reply, a wait (None), or an ``async`` sampler's
+        call, returned with its awaitable to be awaited."""
+        while isinstance(decision, SampleCall):
+            result = decision.run()
+            if inspect.isawaitable(result):
+                return None, (decision, result)
+            decision, fx = self.core.sampled(req, decision, result, self._now())
+            self._apply(fx)
+        return decision, None
 
     def _watch_quiet(self, watch: _QuietWatch) -> None:
         key = (watch.req.partition_id, watch.req.task_name)
@@ -505,32 +519,27 @@ class ControllerServer(ControllerPuts):
             while True:
                 # a ticket before looking, so a wake-up between the two is never missed
                 with self.lot.ticket((pid, task)) as fut:
-                    decision: MetaReply | SampleCall | None = None
+                    decision: Decision = None
                     if running is None and look:
-                        decision = core.look(req, self._now())
-                        if isinstance(decision, SampleCall):
-                            result = decision.run()
-                            if inspect.isawaitable(result):
-                                running = (decision, result)
-                            else:
-                                decision, fx = core.sampled(req, decision, result, self._now())
-                                self._apply(fx)
-                    if running is not None:
+                        decision, running = self._settle(req, core.look(req, self._now()))
+                    while running is not None:
                         call, pending = running
-                        running = None
                         answer = await pending
                         decision, fx = core.sampled(req, call, answer, self._now(), strict=False)
                         self._apply(fx)
+                        decision, running = self._settle(req, decision)
                     if isinstance(decision, MetaReply):
                         self._send_meta(peer, rid, req, decision)
                         self.metrics.consumer_wait(time.perf_counter() - t0)
                         return
+                    if req.timeout == 0:  # a sampler's answer was awaited, rows are not
+                        raise TimeoutError
                     if not fut.done():
                         await fut
                 look = True  # something changed: look again
 
         await self._waiting_request(
-            peer, rid, "GetMeta", t0, req.timeout, lambda: self._get_meta_timeout(req), work
+            peer, rid, "GetMeta", t0, req.timeout or None, lambda: self._get_meta_timeout(req), work
         )
 
     def _get_meta_timeout(self, req: GetMeta) -> str:

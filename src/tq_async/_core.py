@@ -37,6 +37,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from ._admission import Admission
 from ._catalog import Catalog
 from ._effects import AdmissionConfig, Deadlines, Effects
@@ -58,7 +60,15 @@ from ._state import (
 )
 from .samplers import BaseSampler, SequentialSampler, StaleRows
 
-__all__ = ["AdmissionConfig", "ControllerCore", "Deadlines", "Effects", "SampleCall", "TAILS"]
+__all__ = [
+    "TAILS",
+    "AdmissionConfig",
+    "ControllerCore",
+    "Deadlines",
+    "Decision",
+    "Effects",
+    "SampleCall",
+]
 
 log = get_logger(__name__)
 
@@ -86,6 +96,8 @@ class SampleCall:
     key: RecordKey | None = None
     #: the sampler answered through ``sample_shares``
     shares: bool = False
+    #: a batch below the asked one, decided first (``record_from``): this request for it
+    earlier: GetMeta | None = None
 
     def run(self) -> Any:
         """Call the sampler: its answer, or an awaitable of it.
@@ -239,10 +251,20 @@ class ControllerCore:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded
-        rs = p.ready_set(req.task_name, req.data_fields)
-        call = self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
+            earlier = _first_undecided(req, p, key)
+            if earlier is not None:
+                # record_from: batches below this one are decided first, lowest first
+                call = self._sample(earlier, p, dp_size)
+                call.key, call.earlier = record_key(earlier), earlier
+                return call
+        call = self._sample(req, p, dp_size)
         call.key = key
         return call
+
+    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall:
+        """The sampler call for ``req`` on the rows ready for it now."""
+        rs = p.ready_set(req.task_name, req.data_fields)
+        return self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
 
     def _dp_size(self, req: GetMeta) -> int | None:
         cfg = req.sampling_config
@@ -268,6 +290,8 @@ class ControllerCore:
         self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
     ) -> SampleCall:
         cfg = req.sampling_config or {}
+        if "record_from" in cfg:  # the controller's, not the sampler's
+            cfg = {k: v for k, v in cfg.items() if k != "record_from"}
         sampler = self.sampler_for(req.task_name)
         ctx: dict[str, Any] = {
             "partition_id": req.partition_id,
@@ -311,7 +335,22 @@ class ControllerCore:
         With ``strict=False`` (the answer of an async sampler, computed while the state
         could move) an answer that no longer fits is dropped and None returned, so the
         shell samples again.
+
+        The answer for a batch below the asked one (``record_from``) records that batch and
+        comes to what :meth:`look` says next: the next such batch's sampler call, or the
+        asked batch's; its end of stream is the asked batch's too.
         """
+        earlier = call.earlier
+        if earlier is None:
+            return self._apply_sample(req, call, result, now, strict)
+        decision, fx = self._apply_sample(earlier, call, result, now, strict)
+        if isinstance(decision, MetaReply) and not decision.end_of_stream:
+            return self.look(req, now), fx
+        return decision, fx
+
+    def _apply_sample(
+        self, req: GetMeta, call: SampleCall, result: Any, now: float, strict: bool
+    ) -> tuple[Decision, Effects]:
         fx = Effects()
         p = call.partition
         if self.state.partitions.get(req.partition_id) is not p:
@@ -332,13 +371,13 @@ class ControllerCore:
                 self._apply_stale(req, p, call.stale, fx)
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
-            self._check_sampled(req, p, delivered)
+            check_sampled(req, p, delivered)
             if call.stale.kept_rows and req.mode == "fetch":
                 self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
                 p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
-                self._count_dropped(req, p, consumed, delivered)
+                count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)
         except TQError:
             if strict:
@@ -399,27 +438,6 @@ class ControllerCore:
             )
             shares = [s[:keep] for s in shares]
         return shares, consumed
-
-    def _check_sampled(self, req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
-        p.check_rows(delivered)
-        # rows of the ready set have every field by construction: check only the others
-        ready = p.ready_set(req.task_name, req.data_fields).rows
-        for r in delivered:
-            if r not in ready and not p.is_produced(r, req.data_fields):
-                raise InvalidRequestError(
-                    f"the sampler returned row {r}, which lacks some of {req.data_fields}"
-                )
-
-    def _count_dropped(
-        self, req: GetMeta, p: Partition, consumed: Sequence[int], delivered: Sequence[int]
-    ) -> None:
-        """Count rows consumed without being delivered (a dropped tail), once each."""
-        if len(consumed) == len(delivered):
-            return
-        given = set(delivered)
-        n = sum(1 for r in consumed if r not in given)
-        if n:
-            p.dropped[req.task_name] = p.dropped.get(req.task_name, 0) + n
 
     # ---- recorded batches and leases ---------------------------------------------------------
 
@@ -803,6 +821,48 @@ def _accepted_kwargs(sampler: Any) -> frozenset[str] | None:
         for p in params
         if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     )
+
+
+def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
+    """The sampler's rows exist and have the request's fields."""
+    p.check_rows(delivered)
+    # rows of the ready set have every field by construction: check only the others
+    ready = p.ready_set(req.task_name, req.data_fields).rows
+    for r in delivered:
+        if r not in ready and not p.is_produced(r, req.data_fields):
+            raise InvalidRequestError(
+                f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+            )
+
+
+def count_dropped(
+    req: GetMeta, p: Partition, consumed: Sequence[int], delivered: Sequence[int]
+) -> None:
+    """Count rows consumed without being delivered (a dropped tail), once each."""
+    if len(consumed) == len(delivered):
+        return
+    given = set(delivered)
+    n = sum(1 for r in consumed if r not in given)
+    if n:
+        p.dropped[req.task_name] = p.dropped.get(req.task_name, 0) + n
+
+
+def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | None:
+    """With ``record_from`` in the request's ``sampling_config``: the request for the lowest
+    batch index in ``[record_from, batch_index)`` not decided yet for ``(task, dp_rank)``,
+    else None. Deciding those first keeps the recorded indexes a gap-free prefix when several
+    readers share the index space (DataLoader workers), in one round trip."""
+    cfg = req.sampling_config
+    start = cfg.get("record_from") if cfg else None
+    if start is None:
+        return None
+    task, rank, index = key
+    recorded = p.recorded
+    for i in range(max(int(start), 0), index):
+        if (task, rank, i) not in recorded:
+            assert cfg is not None
+            return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
+    return None
 
 
 def record_key(req: GetMeta) -> RecordKey | None:

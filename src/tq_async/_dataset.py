@@ -780,15 +780,28 @@ class AsyncStreamingDataset:
                 raise StopAsyncIteration
             self._current = fetched
 
-    async def next_batch(self) -> BatchSlice | None:
+    async def next_batch(self, *, wait: bool = True) -> BatchSlice | None:
         """The undelivered rest of the next batch, as a whole; None at the end of the stream.
 
         Delivering a whole batch per call keeps a DataLoader's round-robin over workers in
         ``batch_index`` order whatever the number of micro-batches per batch.
+
+        With ``wait=False`` (``prefetch=0`` and the default ``fetch_batch_fn`` only) a batch
+        that cannot be decided at once is not waited for: :class:`TQTimeoutError`, nothing
+        consumed and the position unchanged (batches below it that it decided stay recorded).
+
+        Raises:
+            InvalidRequestError: ``wait=False`` with ``prefetch`` or a custom fetch.
+            TQTimeoutError: ``wait=False`` and the batch is not ready.
         """
+        if not wait and (self.prefetch or self._fetch_fn is not default_fetch_batch_fn):
+            raise InvalidRequestError(
+                "next_batch(wait=False) needs prefetch=0 and the default fetch_batch_fn (a "
+                "custom one may not honour timeout=0)"
+            )
         cur = self._current
         if cur is None:
-            cur = await self._next_fetched()
+            cur = await self._next_fetched(None if wait else 0)
             if cur is None:
                 return None
         first = self._next_micro
@@ -805,15 +818,16 @@ class AsyncStreamingDataset:
             self._current = cur
             self._next_micro = delivered
 
-    async def _next_fetched(self) -> _Fetched | None:
-        """The batch at the position, from the prefetcher (or fetched now); None at end."""
+    async def _next_fetched(self, timeout: float | None = None) -> _Fetched | None:
+        """The batch at the position, from the prefetcher (or fetched now, waiting at most
+        ``timeout``); None at end."""
         if self._tg is None or self._client is None:
             raise ClosedError(
                 "iterate an AsyncStreamingDataset inside `async with dataset:` (it owns the "
                 "client and the prefetching task)"
             )
         if self.prefetch == 0:
-            return await self._load(self._next_index, self._generation)
+            return await self._load(self._next_index, self._generation, timeout)
         while True:
             producer = self._producer or self._start_producer()
             try:
@@ -887,12 +901,14 @@ class AsyncStreamingDataset:
 
     # ---- fetching ----------------------------------------------------------------------------
 
-    async def _load(self, index: int, generation: int) -> _Fetched | None:
+    async def _load(
+        self, index: int, generation: int, timeout: float | None = None
+    ) -> _Fetched | None:
         """Batch ``index`` from the replay window or from the services; None at end."""
         cached = self._cache.get(index)
         moved = False
         if cached is None:
-            fetched = await self._fetch(index)
+            fetched = await self._fetch(index, timeout)
             if fetched is None:
                 return None
             moved = self._fetches_onto_device
@@ -921,19 +937,18 @@ class AsyncStreamingDataset:
             del self._cache[lowest]
         self._cache[index] = batch
 
-    async def _fetch(self, index: int) -> tuple[TensorDictBase, BatchMeta] | None:
+    async def _fetch(
+        self, index: int, timeout: float | None = None
+    ) -> tuple[TensorDictBase, BatchMeta] | None:
+        record_from = None
         if self._stride > 1 and self._fetch_fn is default_fetch_batch_fn:
-            # Several DataLoader workers share the index space. Record the other workers'
-            # indexes below ours first (metadata only; answered at once when already
-            # recorded), so the recorded indexes of (task, dp_rank) stay a gap-free prefix:
-            # otherwise, at the sealed tail, batch k+1 could take the last rows while batch k
-            # ends the stream, and a replay with fewer workers would stop before k+1.
-            for earlier in range(self._known_recorded, index):
-                if (earlier - self._offset) % self._stride == 0:
-                    continue  # one of ours: this worker fetched it before
-                if await self._wait_for(earlier, self._fetch_meta) is None:
-                    return None
-        got = await self._wait_for(index, self._call_fetch)
+            # Several DataLoader workers share the index space. The controller records the
+            # other workers' indexes below ours first, in the same call (``record_from``), so
+            # the recorded indexes of (task, dp_rank) stay a gap-free prefix: otherwise, at
+            # the sealed tail, batch k+1 could take the last rows while batch k ends the
+            # stream, and a replay with fewer workers would stop before k+1.
+            record_from = self._known_recorded
+        got = await self._wait_for(index, self._call_fetch, record_from, timeout)
         if got is not None:
             self._known_recorded = max(self._known_recorded, index + 1)
         return got
@@ -942,6 +957,8 @@ class AsyncStreamingDataset:
         self,
         index: int,
         call: Callable[[int, dict[str, Any], float | None], Awaitable[Any]],
+        record_from: int | None = None,
+        timeout: float | None = None,
     ) -> tuple[TensorDictBase, BatchMeta] | None:
         """``call`` for batch ``index`` under the end-of-stream rules; None at end."""
         config = {**self.sampling_config, "dp_rank": self.dp_rank, "batch_index": index}
@@ -949,22 +966,9 @@ class AsyncStreamingDataset:
             config["dp_size"] = self.dp_size
         if self.tail is not None:
             config["tail"] = self.tail
-        return self._checked(await call(index, config, None), index)
-
-    async def _fetch_meta(
-        self, index: int, config: dict[str, Any], timeout: float | None
-    ) -> tuple[TensorDictBase, BatchMeta]:
-        assert self._client is not None
-        meta = await self._client.get_meta(
-            self.data_fields,
-            self.batch_size,
-            self._partition_id,
-            self.task_name,
-            config,
-            timeout=timeout,
-            stop_when_consumed=self.stop_when_consumed,
-        )
-        return TensorDict({}, batch_size=[len(meta)]), meta
+        if record_from is not None:
+            config["record_from"] = record_from
+        return self._checked(await call(index, config, timeout), index)
 
     @property
     def _fetches_onto_device(self) -> bool:

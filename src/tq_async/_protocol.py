@@ -803,14 +803,19 @@ def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = M
 
 
 def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
-    """``dp_rank`` and ``batch_index`` of a sampling config, when set, are ints >= 0, and
-    ``dp_size`` an int >= 1."""
+    """``dp_rank``, ``batch_index`` and ``record_from`` of a sampling config, when set, are
+    ints >= 0 (``record_from`` only with ``batch_index``), and ``dp_size`` an int >= 1."""
     if not cfg:
         return
-    for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1)):
+    for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1), ("record_from", 0)):
         v = cfg.get(key)
         if v is not None:
             check_int(f"sampling_config[{key!r}]", v, lo)
+    if cfg.get("record_from") is not None and cfg.get("batch_index") is None:
+        raise InvalidRequestError(
+            "sampling_config['record_from'] needs 'batch_index': it names the batches below "
+            "batch_index to decide first"
+        )
 
 
 def check_headers(columns: Sequence[ColumnHeader]) -> None:
@@ -840,7 +845,7 @@ def _get_meta(b: GetMeta) -> None:
     # (the checks run on every get_meta; this way they cost well under a microsecond)
     if not 0 < b.batch_size <= MAX_INT:
         check_int("batch_size", b.batch_size, 1)
-    if b.timeout is not None and not 0.0 < b.timeout < _INF:
+    if b.timeout is not None and not 0.0 < b.timeout < _INF and b.timeout != 0:
         check_seconds("timeout", b.timeout)
     if b.lease is not None and not 0.0 < b.lease < _INF:
         check_seconds("lease", b.lease)

@@ -301,7 +301,8 @@ class GetPath:
         check_text("partition_id", partition_id)
         if mode not in ("fetch", "peek"):
             raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-        check_seconds("timeout", timeout)
+        if isinstance(timeout, bool) or timeout != 0:  # 0: answer now or time out
+            check_seconds("timeout", timeout)
         check_seconds("lease", lease)
         cfg = dict(sampling_config) if sampling_config else None
         _check_dp_config(cfg)

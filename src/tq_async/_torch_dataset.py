@@ -12,11 +12,16 @@ it, so it pickles for ``spawn`` workers and is safe to ``fork``. It fetches when
 ahead of the consumer by the loader's ``prefetch_factor``.
 
 Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
-**one item per batch** (the batch's micro-batches as a list). A DataLoader collects worker
-results round-robin starting at worker 0, so items arrive in ``batch_index`` order; the
-:class:`StreamingDataLoader` then flattens each item into its micro-batches. (Yielding
-micro-batches from the workers would break the order as soon as two batches have different
-numbers of micro-batches, e.g. a short last batch.)
+whole batches (each with its micro-batches), never micro-batches: yielding micro-batches
+would break the order as soon as two batches have different numbers of them, e.g. a short
+last batch. Each item a worker yields holds the batch it waited for plus up to seven more of
+its own that are ready at once (asked with ``timeout=0``: a worker never waits to fill an
+item), within 1 MiB: every item costs both processes a queue round trip and wake-ups, which
+small batches would otherwise pay one by one. The :class:`StreamingDataLoader` keeps the
+batches it receives ahead of the next ``batch_index`` (at most a few items' worth) and
+yields micro-batches strictly in ``batch_index`` order. Workers share one index space
+without gaps: each fetch asks the controller to decide the lower indexes not decided yet
+first, in the same request (``record_from``).
 
 State lives in the main process. The loader moves the dataset's position as it hands out each
 micro-batch; workers receive the position when they start (a DataLoader without persistent
@@ -46,7 +51,7 @@ from ._dataset import (
     ProcessBatchFn,
     parse_state,
 )
-from ._errors import ClosedError, InvalidRequestError
+from ._errors import ClosedError, InvalidRequestError, TQError
 from ._logging import get_logger
 from ._portal import check_blocking_allowed
 from ._sync import Client
@@ -264,11 +269,24 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
         host = _InThread(ads)
         exc_info: tuple[Any, Any, Any] = (None, None, None)
+        # a DataLoader worker hands over a few batches at once when they are ready (see
+        # _HANDOFF_BATCHES); a custom fetch_batch_fn may not honour "do not wait"
+        grouped = (
+            self._whole_batches
+            and get_worker_info() is not None
+            and self._kwargs["fetch_batch_fn"] is None
+        )
         try:
             while True:
                 item: BatchSlice | None = host.call(ads.next_batch)
                 if item is None:
                     return
+                if grouped:
+                    group = _ready_group(host, ads, item)
+                    yield group
+                    if group.ended:
+                        return
+                    continue
                 if self._whole_batches:
                     yield item
                     continue
@@ -378,28 +396,90 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             moved = False
             # A new DataLoader iterator (new workers) sees the dataset's current position.
             items = super().__iter__()
+            # batches by batch_index, until every lower one has come: a worker's hand-off
+            # holds several of its batches (w, w + W, ...), the others' come in between
+            waiting: dict[int, BatchSlice] = {}
             try:
-                for item in items:
-                    if not isinstance(item, BatchSlice):
-                        raise InvalidRequestError(
-                            f"a StreamingDataLoader worker returned {type(item).__name__}; "
-                            "its dataset must be the StreamingDataset it was built with"
-                        )
-                    for i, micro_batch in enumerate(item.micro_batches):
-                        ds._delivered(item, i + 1)
-                        yield micro_batch
-                        if ds._generation != generation:
-                            moved = True
-                            break
+                for got in items:
+                    for handed in _slices(got):
+                        waiting[handed.batch_index] = handed
+                    while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
+                        for i, micro_batch in enumerate(item.micro_batches):
+                            ds._delivered(item, i + 1)
+                            yield micro_batch
+                            if ds._generation != generation:
+                                moved = True
+                                break
+                        if not item.micro_batches:
+                            ds._delivered(item, 0)
                     if moved:
                         break
-                    if not item.micro_batches:
-                        ds._delivered(item, 0)
+                if waiting and not moved:
+                    raise InvalidRequestError(
+                        f"the StreamingDataLoader's workers ended without batch "
+                        f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
+                        "report it"
+                    )
             finally:
                 del items  # shuts the workers down now, not at garbage collection
             if not moved:
                 return
             log.debug("position moved during a pass; restarting workers", **ds.state_dict())
+
+
+#: a DataLoader worker hands the loader up to this many of its batches at once, the ones
+#: ready without waiting, while they hold at most _HANDOFF_BYTES: each hand-off costs both
+#: processes a queue round trip and wake-ups (~0.2-0.3 ms on a 2-vCPU VM), which small
+#: batches would otherwise pay one by one (benchmarks/RESULTS.md, W5)
+_HANDOFF_BATCHES = 8
+_HANDOFF_BYTES = 1 << 20
+
+
+class _Group(list[BatchSlice]):
+    """Batches of one worker handed over at once, in its order; ``ended``: its stream ended
+    after them (not pickled: only the worker reads it)."""
+
+    ended = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Group, (list(self),))
+
+
+def _ready_group(host: _InThread, ads: AsyncStreamingDataset, first: BatchSlice) -> _Group:
+    """``first`` and the worker's next batches that are ready at once (within the bounds)."""
+    group = _Group([first])
+    size = _slice_bytes(first)
+    while len(group) < _HANDOFF_BATCHES and size < _HANDOFF_BYTES:
+        try:
+            item = host.call(lambda: ads.next_batch(wait=False))
+        except TQError:
+            # not ready (TQTimeoutError), or failed: hand over what is; the next fetch
+            # waits for it, or fails again after these batches are delivered
+            break
+        if item is None:
+            group.ended = True
+            break
+        group.append(item)
+        size += _slice_bytes(item)
+    return group
+
+
+def _slice_bytes(item: BatchSlice) -> int:
+    return sum(
+        v.nbytes for td, _ in item.micro_batches for v in td.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def _slices(got: Any) -> list[BatchSlice]:
+    """What a worker handed over, as batches."""
+    items = got if isinstance(got, list) else [got]
+    for item in items:
+        if not isinstance(item, BatchSlice):
+            raise InvalidRequestError(
+                f"a StreamingDataLoader worker returned {type(item).__name__}; "
+                "its dataset must be the StreamingDataset it was built with"
+            )
+    return items
 
 
 class _AsyncFace:
