@@ -291,7 +291,7 @@ def _kv(cfg: Config, address: str) -> list[dict[str, Any]]:
         "advantages": torch.randn(256, seq),
         "rewards": torch.randn(256),
     }
-    calls = cfg.pick(60, 3)
+    calls = cfg.pick(200, 3)  # ~0.25 s a sample: 60 calls (75 ms) were at a burst's mercy
     rounds = cfg.pick(3, 1)
     compat.init({"address": address})  # what a verl trainer does (attach to TQ_ADDRESS)
     compat.kv_batch_put(keys, "w5-kv", fields)

@@ -257,6 +257,32 @@ def test_direct_jagged_constructor_builds_what_torch_builds(
     assert bool((values == 1).all())
 
 
+def test_direct_jagged_constructor_reuses_sizes_per_dimension_and_row_layout() -> None:
+    # sizes and strides (nested-int arithmetic) are computed once per ragged dimension and
+    # row layout: fields of every dtype and row shape on one dimension get torch's tensors
+    make = _codec._direct_njt_maker()
+    assert make is not None
+    off = torch.tensor([0, 2, 2, 5])
+    dim, again = _codec._Ragged(off, 0, 3), _codec._Ragged(off.clone(), 0, 3)
+    cases = [
+        torch.arange(5.0),
+        torch.arange(5),  # same layout, another dtype
+        torch.arange(10).view(5, 2),  # another row shape
+        torch.arange(5.0),  # same layout again
+        torch.randn(5, 3)[:, 1],  # strided values
+    ]
+    built = [make(v, dim) for v in cases]
+    assert dim.layouts is not None and len(dim.layouts) == 3
+    for ours, values in zip(built, cases, strict=True):
+        assert _codec._same_njt(ours, _codec._public_njt(values, dim))
+    assert built[0].offsets() is built[2].offsets() and (built[0] + built[3]).shape[0] == 3
+    other = make(torch.arange(5.0), again)  # another batch: its own dimension
+    assert other.shape[1] != built[0].shape[1]
+    # the bounds' tensors carry their value in their shape: shared by value across batches
+    assert other._metadata_cache["max_seqlen"] is built[0]._metadata_cache["max_seqlen"]
+    assert other._max_seqlen == 3 and other._min_seqlen == 0
+
+
 def test_jagged_assembly_falls_back_to_the_public_constructors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -159,6 +159,7 @@ async def test_next_batch_without_waiting_answers_now_or_raises_and_moves_nothin
                 assert last is not None
                 assert [td["x"].tolist() for td, _ in last.micro_batches] == [[4, 5]]
                 assert await ds.next_batch(wait=False) is None  # sealed and drained
+
         async def custom(**kwargs: Any) -> Any:  # may not honour timeout=0
             return await default_fetch_batch_fn(**kwargs)
 

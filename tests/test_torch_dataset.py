@@ -111,9 +111,7 @@ def test_loader_yields_every_batch_once_in_order(
     assert client.partition_info(pid)["consumed"]["train"] == N_ROWS
 
 
-def test_workers_hand_over_ready_batches_together_in_order(
-    address: str, client: tq.Client
-) -> None:
+def test_workers_hand_over_ready_batches_together_in_order(address: str, client: tq.Client) -> None:
     """A worker hands the loader its ready batches (w, w + W, ...) a few at a time; the loader
     still yields them in batch_index order. Batches over the hand-off's byte bound go alone."""
     from tq_async import _torch_dataset as td_mod
