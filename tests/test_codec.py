@@ -272,15 +272,18 @@ def test_direct_jagged_constructor_reuses_sizes_per_dimension_and_row_layout() -
         torch.randn(5, 3)[:, 1],  # strided values
     ]
     built = [make(v, dim) for v in cases]
-    assert dim.layouts is not None and len(dim.layouts) == 3
+    assert dim.layouts is not None
+    assert len(dim.layouts) == 3
     for ours, values in zip(built, cases, strict=True):
         assert _codec._same_njt(ours, _codec._public_njt(values, dim))
-    assert built[0].offsets() is built[2].offsets() and (built[0] + built[3]).shape[0] == 3
+    assert built[0].offsets() is built[2].offsets()
+    assert (built[0] + built[3]).shape[0] == 3
     other = make(torch.arange(5.0), again)  # another batch: its own dimension
     assert other.shape[1] != built[0].shape[1]
     # the bounds' tensors carry their value in their shape: shared by value across batches
     assert other._metadata_cache["max_seqlen"] is built[0]._metadata_cache["max_seqlen"]
-    assert other._max_seqlen == 3 and other._min_seqlen == 0
+    assert other._max_seqlen == 3
+    assert other._min_seqlen == 0
 
 
 def test_jagged_assembly_falls_back_to_the_public_constructors(

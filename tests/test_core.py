@@ -624,3 +624,6 @@ def test_record_from_is_checked() -> None:
         check_sampling_config({"record_from": 0})
     with pytest.raises(InvalidRequestError, match="record_from"):
         check_sampling_config({"record_from": -1, "batch_index": 2})
+    with pytest.raises(InvalidRequestError, match="at most 65536 are decided in one request"):
+        check_sampling_config({"record_from": 0, "batch_index": 10**9})
+    check_sampling_config({"record_from": 5, "batch_index": 2})  # above: nothing to decide

@@ -137,6 +137,49 @@ def test_ctrl_c_during_a_blocking_get_meta_cancels_it_on_the_service(
     assert out.stdout.split() == ["interrupted", "1"], out.stderr
 
 
+_CTRL_C_LOADER = """
+import os, signal, sys, threading, time, torch, tq_async as tq
+address = sys.argv[1]
+ds = tq.StreamingDataset(address, ["x"], 2, 2, "loader-ctrl-c", "t")
+loader = tq.StreamingDataLoader(ds)
+def interrupt():
+    while ds._local is None:
+        time.sleep(0.001)
+    conn = ds._local._address.client._links.controller
+    while conn is None or not conn._busy.locked():
+        time.sleep(0.001)
+        conn = ds._local._address.client._links.controller
+    time.sleep(0.05)  # the request is on the service (sent before the lock is seen)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    for _ in loader:  # waits for rows that are not there yet
+        print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+print(ds.state_dict()["batch_index"])
+with tq.Client.connect(address) as client:
+    client.put({"x": torch.arange(2)}, partition_id="loader-ctrl-c")
+    client.seal("loader-ctrl-c")
+# the interrupted fetch took nothing, and the loader goes on where it was
+print([td["x"].tolist() for td, _ in loader])
+"""
+
+
+def test_ctrl_c_while_a_loader_waits_cancels_the_fetch_and_the_loader_goes_on(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    address, _ = served
+    out = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_LOADER, address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split("\n")[:3] == ["interrupted", "0", "[[0, 1]]"], out.stderr
+
+
 # ---- fork ------------------------------------------------------------------------------------
 
 

@@ -802,6 +802,10 @@ def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = M
             )
 
 
+#: the most batches one get_meta decides ahead of its own (``record_from``)
+MAX_RECORD_SPAN = 1 << 16
+
+
 def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
     """``dp_rank``, ``batch_index`` and ``record_from`` of a sampling config, when set, are
     ints >= 0 (``record_from`` only with ``batch_index``), and ``dp_size`` an int >= 1."""
@@ -811,11 +815,20 @@ def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
         v = cfg.get(key)
         if v is not None:
             check_int(f"sampling_config[{key!r}]", v, lo)
-    if cfg.get("record_from") is not None and cfg.get("batch_index") is None:
-        raise InvalidRequestError(
-            "sampling_config['record_from'] needs 'batch_index': it names the batches below "
-            "batch_index to decide first"
-        )
+    record_from = cfg.get("record_from")
+    if record_from is not None:
+        index = cfg.get("batch_index")
+        if index is None:
+            raise InvalidRequestError(
+                "sampling_config['record_from'] needs 'batch_index': it names the batches below "
+                "batch_index to decide first"
+            )
+        if index - record_from > MAX_RECORD_SPAN:
+            raise InvalidRequestError(
+                f"sampling_config['record_from'] is {index - record_from} batches below "
+                f"batch_index; at most {MAX_RECORD_SPAN} are decided in one request (it is "
+                "meant for the few batches of readers sharing an index space)"
+            )
 
 
 def check_headers(columns: Sequence[ColumnHeader]) -> None:

@@ -508,7 +508,11 @@ class _AsyncFace:
 class _InThread:
     """Hosts an :class:`AsyncStreamingDataset` (entered with ``async with``) on a private
     event loop of the calling thread; :meth:`call` runs a coroutine there and returns its
-    result. The loop runs only inside :meth:`call`: between batches nothing runs."""
+    result. The loop runs only inside :meth:`call`: between batches nothing runs.
+
+    The host task enters the dataset (its task group lives in that task) and waits until
+    :meth:`close`; each call runs as a task of its own (``prefetch=0``: the dataset starts
+    no task of its own), so a call costs one task, not a hand-off to the host and back."""
 
     def __init__(self, ads: AsyncStreamingDataset) -> None:
         face = ads._address
@@ -516,37 +520,49 @@ class _InThread:
         self._client = face.client
         self._client.open()
         self._loop = asyncio.new_event_loop()
-        self._inbox: asyncio.Queue[tuple[Any, asyncio.Future[Any]] | None] = asyncio.Queue()
+        self._entered: asyncio.Future[None] = self._loop.create_future()
+        self._closing: asyncio.Future[None] = self._loop.create_future()
         self._host = self._loop.create_task(self._serve(ads))
+        self._running: asyncio.Task[Any] | None = None
 
     async def _serve(self, ads: AsyncStreamingDataset) -> None:
         async with ads:
-            while (job := await self._inbox.get()) is not None:
-                fn, fut = job
-                try:
-                    result = await fn()
-                except Exception as exc:
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(result)
+            self._entered.set_result(None)
+            await self._closing
 
     def call(self, fn: Callable[[], Awaitable[R]]) -> R:
-        fut: asyncio.Future[R] = self._loop.create_future()
-        self._inbox.put_nowait((fn, fut))
-        either: list[asyncio.Future[Any]] = [fut, self._host]
-        self._loop.run_until_complete(asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED))
-        if not fut.done():  # the host ended: entering the dataset failed
-            self._host.result()
-            raise ClosedError("the dataset's host ended")  # pragma: no cover - result() raised
-        return fut.result()
+        loop = self._loop
+        if not self._entered.done():
+            either: list[asyncio.Future[Any]] = [self._entered, self._host]
+            loop.run_until_complete(asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED))
+            if not self._entered.done():  # the host ended: entering the dataset failed
+                self._host.result()
+                raise ClosedError("the dataset's host ended")  # pragma: no cover - raised
+        task: asyncio.Task[R] = loop.create_task(_awaited(fn))
+        self._running = task
+        result = loop.run_until_complete(task)
+        self._running = None
+        return result
 
     def close(self, exc: BaseException | None) -> None:
+        loop = self._loop
         try:
-            if not self._host.done() and not self._loop.is_closed():
-                self._inbox.put_nowait(None)
-                with contextlib.suppress(Exception):
-                    self._loop.run_until_complete(self._host)
+            if not loop.is_closed():
+                running = self._running
+                if running is not None and not running.done():  # interrupted (Ctrl-C)
+                    running.cancel()
+                    with contextlib.suppress(BaseException):
+                        loop.run_until_complete(running)
+                if not self._host.done():
+                    if not self._closing.done():
+                        self._closing.set_result(None)
+                    with contextlib.suppress(Exception):
+                        loop.run_until_complete(self._host)
         finally:
-            if not self._loop.is_closed():
-                self._loop.close()
+            if not loop.is_closed():
+                loop.close()
             self._client.close()
+
+
+async def _awaited(fn: Callable[[], Awaitable[R]]) -> R:
+    return await fn()
