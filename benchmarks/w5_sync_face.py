@@ -125,7 +125,7 @@ def _w1(cfg: Config, address: str) -> list[dict[str, Any]]:
     import tq_async as tq
 
     rows, seqlen = cfg.pick((256, 2048), (8, 64))
-    reps = cfg.pick(12, 2)
+    reps = cfg.pick(40, 2)  # 12 (11 timed, ~2 ms each) left the median to one burst
     td, nbytes = _dense(rows, seqlen)
     fields = list(td.keys())
     put_s: dict[str, list[float]] = {"sync": [], "async": []}
