@@ -39,6 +39,10 @@
   ``StreamingDataLoader`` with 0 and 2 fork workers (services on a background thread), cutting
   verl-shaped batches (256 rows x 6 jagged fields, prompts 100-1000 and responses 50-500
   tokens) into micro-batches of 64: micro-batches per second.
+* ``loader-cpu``: W5's datasets (32-row batches, sealed) over 2,000 batches, services in
+  ``tq-async serve`` then embedded: an ``AsyncStreamingDataset`` and a ``StreamingDataLoader``
+  with 2 fork workers, items/s and the CPU a batch costs the loader's process and its
+  workers (``getrusage``): where a DataLoader worker's time goes.
 """
 
 from __future__ import annotations
@@ -717,6 +721,57 @@ def jagged_micro_batches(batches: int = 16, rounds: int = 5) -> None:
         )
 
 
+def loader_cpu(batches: int = 2000, rounds: int = 2) -> None:
+    """W5's datasets over ``batches`` batches of 32 rows (a sealed partition), with the
+    services in ``tq-async serve`` and then embedded: an ``AsyncStreamingDataset``, a
+    ``StreamingDataLoader`` with 2 fork workers; items/s and the CPU a batch costs this
+    process and (reaped) children, from ``getrusage``, and the children's context switches."""
+    import resource
+
+    import torch
+
+    import tq_async as tq
+
+    from ._proc import ServeProcess
+    from .w5_sync_face import _async_rate, _loader_rate
+
+    def cpu() -> tuple[float, float, float]:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (
+            me.ru_utime + me.ru_stime,
+            kids.ru_utime + kids.ru_stime,
+            kids.ru_nvcsw + kids.ru_nivcsw,
+        )
+
+    def measure(mode: str, address: str) -> None:
+        with tq.Client.connect(address) as client:
+            client.put({"x": torch.arange(batches * 32 * 16).view(-1, 16)}, partition_id="p")
+            client.seal("p")
+        for r in range(rounds):
+            for name in ("AsyncStreamingDataset", "StreamingDataLoader, 2 fork workers"):
+                before = cpu()
+                if name.startswith("Async"):
+                    rate = _async_rate(address, "p", f"a{r}", batches)
+                else:
+                    rate = _loader_rate(address, "p", f"l{r}", 2, batches)
+                after = cpu()
+                per = [(a - b) / batches for a, b in zip(after, before, strict=True)]
+                print(
+                    f"loader-cpu {mode:8s} {name:36s} {rate:6.0f} items/s, this process "
+                    f"{per[0] * 1e6:4.0f} us, children {per[1] * 1e6:4.0f} us, children's "
+                    f"context switches {per[2]:.1f} a batch"
+                )
+
+    server = ServeProcess(2)
+    try:
+        measure("serve", server.address)
+    finally:
+        server.stop()
+    with tq.background_cluster(num_storage_units=2) as cluster:
+        measure("embedded", cluster.address)
+
+
 def _steady_unit() -> int:
     total = 0
     for i in range(2000):
@@ -774,6 +829,7 @@ PROBES = {
     "steady-cpu": steady_cpu,
     "jagged-assembly": jagged_assembly,
     "jagged-micro-batches": jagged_micro_batches,
+    "loader-cpu": loader_cpu,
 }
 
 
