@@ -8,7 +8,8 @@ Every comparison runs both sides in the same run, on the same cluster, one after
 * W1 dense batch (input_ids + attention_mask int64 [256, 2048] + reward, 8.4 MB): put and
   get_meta+get_data through the blocking client vs the async one (GB/s) and their ratios.
 * ``StreamingDataLoader`` with 0 and 2 (fork) workers vs ``AsyncStreamingDataset`` reading the
-  same sealed partition (one task each; batches of 32 rows): items/s and the ratios.
+  same sealed partition (one task each; batches of 32 rows): items/s and the ratios; and,
+  informational, 2 workers with ``prefetch_factor=8`` (hand-offs of 8 batches).
 * compat ``kv_batch_get`` of a verl-sized step (256 keys x 6 fields) through
   ``tq_async.compat.TransferQueueClient`` vs ``AsyncClient.kv_batch_get`` (calls/s), ratio.
 * time to the first batch of a ``StreamingDataLoader`` with 2 workers, fork vs spawn
@@ -171,11 +172,15 @@ def _w1(cfg: Config, address: str) -> list[dict[str, Any]]:
 # ---- datasets ------------------------------------------------------------------------------------
 
 
-def _loader_rate(address: str, pid: str, task: str, workers: int, batches: int) -> float:
+def _loader_rate(
+    address: str, pid: str, task: str, workers: int, batches: int, prefetch: int | None = None
+) -> float:
     import tq_async as tq
 
     ds = tq.StreamingDataset(address, ["x"], 32, 32, pid, task)
     kwargs: dict[str, Any] = {"multiprocessing_context": "fork"} if workers else {}
+    if prefetch is not None:
+        kwargs["prefetch_factor"] = prefetch
     loader = tq.StreamingDataLoader(ds, num_workers=workers, **kwargs)
     it = iter(loader)
     next(it)  # workers started, first batch in: the rate is the steady state
@@ -248,10 +253,12 @@ def _datasets(cfg: Config, address: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         asyn: list[float] = []
         rates: dict[int, list[float]] = {0: [], 2: []}
+        deep: list[float] = []
         for r in range(rounds):
             asyn.append(_async_rate(address, pid, f"a{r}", batches))
             for w in rates:
                 rates[w].append(_loader_rate(address, pid, f"l{w}-{r}", w, batches))
+            deep.append(_loader_rate(address, pid, f"l8-{r}", 2, batches, prefetch=8))
         plain = [_plain_rate(batches) for _ in range(rounds)]
         out.append(
             result(
@@ -268,6 +275,13 @@ def _datasets(cfg: Config, address: str) -> list[dict[str, Any]]:
                 f"StreamingDataLoader {w} workers{' (fork)' if w else ''} vs AsyncStreamingDataset"
             )
             out += _ratio_rows(label, "items/s", rs, asyn, "batches of 32 rows")
+        out += _ratio_rows(
+            "StreamingDataLoader 2 workers (fork), prefetch_factor=8 vs AsyncStreamingDataset",
+            "items/s",
+            deep,
+            asyn,
+            "informational: hand-offs of 8 batches, and 16 batches fetched ahead (not 4)",
+        )
         client.clear_partition(pid)
     return out
 

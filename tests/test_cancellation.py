@@ -265,3 +265,37 @@ async def test_a_cancel_read_before_the_waiting_request_started_drops_it(mode: s
             assert scope.cancelled_caught  # no rows to answer it with: it was cancelled
         await fill(client, "p", 2)
         assert sorted(await drain(client, "p")) == [0, 1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_record_from_cancelled_keeps_the_batches_it_decided_and_takes_nothing_else(
+    mode: str,
+) -> None:
+    """A fetch with ``record_from`` (what DataLoader workers send) cancelled while it waits on
+    its own batch: the lower batch it decided stays recorded for its readers, its own batch
+    takes nothing. Cancelled with its reply queued: its batch stays recorded, as every
+    recorded batch does, and the next reader of that index gets the same rows."""
+    async with client_in(mode) as client:
+        await fill(client, "p", 4)  # rows 0-3: enough for batch 0 only
+
+        def config(index: int, **extra: int) -> dict[str, int]:
+            return {"batch_index": index, "dp_rank": 0, **extra}
+
+        async def rows(index: int) -> list[int]:
+            meta = await client.get_meta(["i"], 4, "p", "t", config(index), timeout=10)
+            return list(meta.global_indexes)
+
+        with anyio.move_on_after(0.2) as scope:  # waits at the controller for batch 1's rows
+            await client.get_meta(["i"], 4, "p", "t", config(1, record_from=0))
+        assert scope.cancelled_caught
+        assert await rows(0) == [0, 1, 2, 3]  # decided on the way: recorded
+        await fill(client, "p", 8)  # rows 4-11
+        conn = controller(client)
+        got = await cancelled(
+            lambda: client.get_meta(["i"], 4, "p", "t", config(2, record_from=0)),
+            lambda task: cancel_on_reply(conn, task),
+        )
+        assert got is None
+        assert await rows(1) == [4, 5, 6, 7]  # decided by the cancelled fetch on its way
+        assert await rows(2) == [8, 9, 10, 11]  # its own batch: recorded, the same rows
+        assert await drain(client, "p") == []  # nothing else was taken, nothing lost

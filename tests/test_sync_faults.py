@@ -126,15 +126,19 @@ with tq.Client.connect(address) as client:
 def test_ctrl_c_during_a_blocking_get_meta_cancels_it_on_the_service(
     served: tuple[str, subprocess.Popen[str]],
 ) -> None:
-    address, _ = served
-    out = subprocess.run(
-        [sys.executable, "-c", _CTRL_C, address],
+    out = _run_script(_CTRL_C, served[0])
+    assert out.stdout.split() == ["interrupted", "1"], out.stderr
+
+
+def _run_script(script: str, address: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter, given the cluster's address (bounded in time)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, address],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    assert out.stdout.split() == ["interrupted", "1"], out.stderr
 
 
 _CTRL_C_LOADER = """
@@ -169,14 +173,7 @@ print([td["x"].tolist() for td, _ in loader])
 def test_ctrl_c_while_a_loader_waits_cancels_the_fetch_and_the_loader_goes_on(
     served: tuple[str, subprocess.Popen[str]],
 ) -> None:
-    address, _ = served
-    out = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_LOADER, address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    out = _run_script(_CTRL_C_LOADER, served[0])
     assert out.stdout.split("\n")[:3] == ["interrupted", "0", "[[0, 1]]"], out.stderr
 
 

@@ -114,35 +114,73 @@ def test_loader_yields_every_batch_once_in_order(
 def test_workers_hand_over_ready_batches_together_in_order(address: str, client: tq.Client) -> None:
     """A worker hands the loader its ready batches (w, w + W, ...) a few at a time; the loader
     still yields them in batch_index order. Batches over the hand-off's byte bound go alone."""
-    from tq_async import _torch_dataset as td_mod
-
     pid = "grouped"
     client.put({"x": torch.arange(64)}, partition_id=pid)
     client.seal(pid)
-    loader = StreamingDataLoader(
-        StreamingDataset(address, ["x"], 4, 4, pid, "train"),
-        num_workers=2,
-        multiprocessing_context="fork",
-        timeout=60,
-    )
-    raw = [[b.batch_index for b in got] for got in DataLoader.__iter__(loader)]
-    # sealed: everything is ready, so a hand-off is as full as the bounds allow
-    assert raw == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
-    assert td_mod._HANDOFF_BATCHES == 8
-    loader.reset()
-    got = [(meta.batch_index, td["x"].tolist()) for td, meta in loader]
+
+    def loader(**kwargs: Any) -> StreamingDataLoader:
+        ds = StreamingDataset(address, ["x"], 4, 4, pid, "train")
+        return StreamingDataLoader(
+            ds, num_workers=2, multiprocessing_context="fork", timeout=60, **kwargs
+        )
+
+    def hand_offs(lo: StreamingDataLoader) -> list[list[int]]:
+        return [[b.batch_index for b in got] for got in DataLoader.__iter__(lo)]
+
+    # sealed: everything is ready, so a hand-off holds prefetch_factor batches (2 by default)
+    default = loader()
+    pairs = [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert hand_offs(default) == pairs
+    assert default.prefetch_factor == 1  # torch's: one hand-off a worker at a time
+    assert hand_offs(loader(prefetch_factor=8)) == [
+        [0, 2, 4, 6, 8, 10, 12, 14],
+        [1, 3, 5, 7, 9, 11, 13, 15],
+    ]
+    got = [(meta.batch_index, td["x"].tolist()) for td, meta in loader()]
     assert got == [(b, list(range(4 * b, 4 * b + 4))) for b in range(16)]
 
     big = "grouped-big"
     client.put({"x": torch.zeros(8, 40_000, dtype=torch.int64)}, partition_id=big)  # 1.3 MB
     client.seal(big)  # 4-row batches of 1.3 MB: over the bound, one per hand-off
-    loader = StreamingDataLoader(
+    big_loader = StreamingDataLoader(
         StreamingDataset(address, ["x"], 4, 4, big, "train"),
         num_workers=2,
         multiprocessing_context="fork",
         timeout=60,
     )
-    assert [[b.batch_index for b in got] for got in DataLoader.__iter__(loader)] == [[0], [1]]
+    assert hand_offs(big_loader) == [[0], [1]]
+
+
+def test_a_loader_takes_no_more_rows_ahead_than_torchs_read_ahead(
+    address: str, client: tq.Client
+) -> None:
+    """Ranks sharing a task's rows (no ``dp_size``, TransferQueue's tutorial 06): one rank's
+    loader that stops after 5 batches has decided at most those, what its workers fetch
+    ahead (num_workers x prefetch_factor batches) and what it holds to keep the order; the
+    other rank still gets its 5 batches. (Hand-offs of 8 ready batches once took all 40 rows
+    here and starved the second rank.)"""
+    pid = "read-ahead"
+    client.put({"x": torch.arange(40)}, partition_id=pid)  # not sealed: a streaming task
+
+    def five(dp_rank: int) -> list[int]:
+        ds = StreamingDataset(address, ["x"], 2, 2, pid, "train", dp_rank=dp_rank)
+        loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60)
+        got: list[int] = []
+        for td, _ in loader:
+            got += td["x"].tolist()
+            if len(got) == 10:
+                break
+        del loader  # its workers stop
+        return got
+
+    first = five(0)
+    consumed = client.partition_info(pid)["consumed"]["train"]
+    # 5 delivered + 2 workers x 2 fetched ahead + at most 3 held for order = 12 batches
+    assert len(first) == 10
+    assert consumed <= 24
+    second = five(1)
+    assert len(second) == 10
+    assert not set(first) & set(second)
 
 
 def test_a_worker_never_waits_to_fill_a_hand_off(address: str, client: tq.Client) -> None:
@@ -383,6 +421,58 @@ def test_loader_workers_start_with_the_platforms_default_method(
         _check_stream(_read(loader))
     finally:
         _PARENT_STATE.clear()
+
+
+def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
+    address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed after fetching a hand-off of several batches (recorded, never
+    delivered) ends the pass with torch's error; a loader resumed from the position reads
+    every row once, in order: the dead worker's batches are re-read by their batch_index."""
+    import os
+    import signal
+
+    from tq_async import _torch_dataset as td_mod
+
+    pid = "grouped-kill"
+    client.put({"x": torch.arange(64)}, partition_id=pid)
+    client.seal(pid)
+    parent, marker = os.getpid(), tmp_path / "killed"
+    ready_group = td_mod._ready_group
+
+    def dying(host: Any, ads: Any, first: Any, most: int) -> Any:
+        group = ready_group(host, ads, first, most)
+        if os.getpid() != parent and len(group) > 1:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return group  # one worker dies, once
+            os.kill(os.getpid(), signal.SIGKILL)
+        return group
+
+    monkeypatch.setattr(td_mod, "_ready_group", dying)
+
+    def loader() -> StreamingDataLoader:
+        ds = StreamingDataset(address, ["x"], 4, 4, pid, "train")
+        # the loader's timeout bounds how long torch takes to see the dead worker when its
+        # SIGCHLD lands on another thread than the one waiting for the worker's queue
+        return StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=10)
+
+    first = loader()
+    got: list[tuple[int, list[int]]] = []
+
+    def drain() -> None:
+        for td, meta in first:
+            got.append((meta.batch_index, td["x"].tolist()))
+
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        drain()
+    assert marker.exists()
+    again = loader()
+    again.load_state_dict(first.state_dict())
+    got += [(meta.batch_index, td["x"].tolist()) for td, meta in again]
+    assert got == [(b, list(range(4 * b, 4 * b + 4))) for b in range(16)]
+    assert client.partition_info(pid)["consumed"]["train"] == 64
 
 
 def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_every_row(

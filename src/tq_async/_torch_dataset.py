@@ -14,14 +14,17 @@ ahead of the consumer by the loader's ``prefetch_factor``.
 Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
 whole batches (each with its micro-batches), never micro-batches: yielding micro-batches
 would break the order as soon as two batches have different numbers of them, e.g. a short
-last batch. Each item a worker yields holds the batch it waited for plus up to seven more of
-its own that are ready at once (asked with ``timeout=0``: a worker never waits to fill an
-item), within 1 MiB: every item costs both processes a queue round trip and wake-ups, which
-small batches would otherwise pay one by one. The :class:`StreamingDataLoader` keeps the
-batches it receives ahead of the next ``batch_index`` (at most a few items' worth) and
-yields micro-batches strictly in ``batch_index`` order. Workers share one index space
-without gaps: each fetch asks the controller to decide the lower indexes not decided yet
-first, in the same request (``record_from``).
+last batch. A loader fetches ``num_workers x prefetch_factor`` batches ahead, as any
+DataLoader, and no more (every batch fetched has its rows consumed for the task: ranks sharing
+the task's rows would find fewer); within that, each worker hands over its
+``prefetch_factor`` batches in one item (torch is asked for one item per worker at a time):
+the batch it waited for and its next ones that are ready at once (asked with ``timeout=0``: a
+worker never waits to fill an item), within 1 MiB, since every item costs both processes a
+queue round trip and wake-ups. The :class:`StreamingDataLoader` keeps the batches it
+receives ahead of the next ``batch_index`` (at most an item per worker) and yields
+micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
+each fetch asks the controller to decide the lower indexes not decided yet first, in the
+same request (``record_from``).
 
 State lives in the main process. The loader moves the dataset's position as it hands out each
 micro-batch; workers receive the position when they start (a DataLoader without persistent
@@ -154,6 +157,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         self._generation = 0
         #: set by StreamingDataLoader: yield one item per batch (see the module docstring)
         self._whole_batches = False
+        #: set by StreamingDataLoader: batches a worker hands over at most at once
+        self._handoff_batches = 1
         self._local: AsyncStreamingDataset | None = None
         self._local_pid: int | None = None
 
@@ -269,10 +274,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
         host = _InThread(ads)
         exc_info: tuple[Any, Any, Any] = (None, None, None)
-        # a DataLoader worker hands over a few batches at once when they are ready (see
-        # _HANDOFF_BATCHES); a custom fetch_batch_fn may not honour "do not wait"
+        # a DataLoader worker hands over its prefetch_factor batches at once when they are
+        # ready (see _ready_group); a custom fetch_batch_fn may not honour "do not wait"
         grouped = (
             self._whole_batches
+            and self._handoff_batches > 1
             and get_worker_info() is not None
             and self._kwargs["fetch_batch_fn"] is None
         )
@@ -282,7 +288,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 if item is None:
                     return
                 if grouped:
-                    group = _ready_group(host, ads, item)
+                    group = _ready_group(host, ads, item, self._handoff_batches)
                     yield group
                     if group.ended:
                         return
@@ -328,6 +334,9 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         num_workers: worker processes (0: fetch in this process, in the iterating thread).
         **kwargs: other ``DataLoader`` arguments (``multiprocessing_context``,
             ``prefetch_factor``, ``pin_memory``, ``timeout``, ``worker_init_fn``, ...).
+            ``prefetch_factor`` (2 by default) is the batches each worker fetches ahead, as
+            in torch; a worker hands them to the loader together (the loader's
+            ``prefetch_factor`` attribute, torch's, reads 1).
 
     Raises:
         InvalidRequestError: ``dataset`` is not a :class:`StreamingDataset`, or an argument
@@ -363,6 +372,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                 "started for every pass"
             )
         dataset._whole_batches = True
+        prefetch = kwargs.get("prefetch_factor")
+        if num_workers > 0 and (prefetch is None or _positive(prefetch)):
+            # A worker fetches prefetch_factor batches ahead, as with any DataLoader, and hands
+            # them over together: torch is asked for one item per worker at a time, each of
+            # up to prefetch_factor batches (the rows a loader takes ahead of its consumer
+            # stay what torch's read-ahead would take: other ranks sharing the task's rows
+            # are not starved; see _ready_group)
+            dataset._handoff_batches = 2 if prefetch is None else prefetch
+            kwargs["prefetch_factor"] = 1
         super().__init__(
             dataset,
             batch_size=None,
@@ -427,12 +445,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             log.debug("position moved during a pass; restarting workers", **ds.state_dict())
 
 
-#: a DataLoader worker hands the loader up to this many of its batches at once, the ones
-#: ready without waiting, while they hold at most _HANDOFF_BYTES: each hand-off costs both
-#: processes a queue round trip and wake-ups (~0.2-0.3 ms on a 2-vCPU VM), which small
+#: a DataLoader worker hands the loader up to prefetch_factor of its batches at once, the
+#: ones ready without waiting, while they hold at most _HANDOFF_BYTES: each hand-off costs
+#: both processes a queue round trip and wake-ups (~0.2-0.3 ms on a 2-vCPU VM), which small
 #: batches would otherwise pay one by one (benchmarks/RESULTS.md, W5)
-_HANDOFF_BATCHES = 8
 _HANDOFF_BYTES = 1 << 20
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class _Group(list[BatchSlice]):
@@ -445,11 +466,16 @@ class _Group(list[BatchSlice]):
         return (_Group, (list(self),))
 
 
-def _ready_group(host: _InThread, ads: AsyncStreamingDataset, first: BatchSlice) -> _Group:
-    """``first`` and the worker's next batches that are ready at once (within the bounds)."""
+def _ready_group(
+    host: _InThread, ads: AsyncStreamingDataset, first: BatchSlice, most: int
+) -> _Group:
+    """``first`` and the worker's next batches that are ready at once, ``most`` in all,
+    within the bytes bound. Never more: every batch fetched is a batch decided, its rows
+    consumed for the task ahead of the consumer, and ranks that share the task's rows (no
+    ``dp_size``) would find fewer."""
     group = _Group([first])
     size = _slice_bytes(first)
-    while len(group) < _HANDOFF_BATCHES and size < _HANDOFF_BYTES:
+    while len(group) < most and size < _HANDOFF_BYTES:
         try:
             item = host.call(lambda: ads.next_batch(wait=False))
         except TQError:
