@@ -423,6 +423,21 @@ def test_loader_workers_start_with_the_platforms_default_method(
         _PARENT_STATE.clear()
 
 
+def _die_once_in_a_worker(parent: int, marker: Any) -> None:
+    """SIGKILL this process if it is a DataLoader worker (not ``parent``) and no worker died
+    before (``marker``, a file, is created by the one that does)."""
+    import os
+    import signal
+
+    if os.getpid() == parent:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return  # one worker dies, once
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
     address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -430,7 +445,6 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
     delivered) ends the pass with torch's error; a loader resumed from the position reads
     every row once, in order: the dead worker's batches are re-read by their batch_index."""
     import os
-    import signal
 
     from tq_async import _torch_dataset as td_mod
 
@@ -442,12 +456,8 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
 
     def dying(host: Any, ads: Any, first: Any, most: int) -> Any:
         group = ready_group(host, ads, first, most)
-        if os.getpid() != parent and len(group) > 1:
-            try:
-                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return group  # one worker dies, once
-            os.kill(os.getpid(), signal.SIGKILL)
+        if len(group) > 1:
+            _die_once_in_a_worker(parent, marker)
         return group
 
     monkeypatch.setattr(td_mod, "_ready_group", dying)
@@ -482,7 +492,6 @@ def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_
     # a worker SIGKILLed right after allocating it ends the pass with torch's error (no hang),
     # and a loader resumed from the position reads every row once
     import os
-    import signal
 
     from tq_async import _handoff
 
@@ -502,12 +511,7 @@ def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_
 
     def dying(nbytes: int) -> torch.Tensor:
         buffer = allocate(nbytes)
-        if os.getpid() != parent:
-            try:
-                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return buffer  # one worker dies, once
-            os.kill(os.getpid(), signal.SIGKILL)
+        _die_once_in_a_worker(parent, marker)
         return buffer
 
     monkeypatch.setattr(_handoff, "_shared_bytes", dying)
