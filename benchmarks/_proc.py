@@ -188,6 +188,8 @@ class ServeProcess:
                 self.proc.wait()
         elapsed = time.perf_counter() - t0
         self._reader.join(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # the reader is done with it (EOF at the exit)
         return elapsed
 
 

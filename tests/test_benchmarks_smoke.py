@@ -18,19 +18,26 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(180)
-def test_benchmarks_smoke(tmp_path: Path) -> None:
-    out_json = tmp_path / "smoke.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(out_json)],
+def _python(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in the repository, its output captured (bounded in time)."""
+    return subprocess.run(
+        [sys.executable, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
+
+
+@pytest.mark.timeout(180)
+def test_benchmarks_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "smoke.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = _python("-m", "benchmarks", "--smoke", "--json", str(out_json), env=env)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     header = next((line for line in lines if line.startswith("workload")), None)
@@ -50,13 +57,7 @@ def test_benchmarks_smoke(tmp_path: Path) -> None:
 
 
 def test_extra_benchmarks_smoke() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.extra", "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _python("-m", "benchmarks.extra", "--smoke")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SeqlenBalancedSampler" in done.stdout
     assert "dataset / raw" in done.stdout
@@ -73,6 +74,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     probes.after_spin(calls=2)
     probes.jagged_assembly(calls=2)
     probes.jagged_micro_batches(batches=2, rounds=1)
+    probes.loader_cpu(batches=8, rounds=1)
     if sys.platform == "linux":
         probes.same_host(puts=8)
         probes.socket_rtt(calls=20)
@@ -84,6 +86,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.count("cold-call") == 5
     assert out.count("after-spin") == 4
     assert out.count("jagged-assembly") == 9
+    assert out.count("loader-cpu") == 4  # 2 readers x (tq-async serve, embedded)
     assert out.count("same-host") == (3 if linux else 0)
     assert out.count("socket-rtt") == (4 if linux else 0)
     assert out.count("steady-cpu") == (len(os.sched_getaffinity(0)) if linux else 0)
@@ -92,14 +95,7 @@ def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
 def test_capacity_smoke() -> None:
     """``python -m benchmarks.capacity --smoke``: a few clients in two processes against a
     ``tq-async serve``, every phase (connect, load, drain) with 0 errors and 0 rows lost."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.capacity", "--smoke"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
+    done = _python("-m", "benchmarks.capacity", "--smoke", timeout=150)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rows acked / lost" in done.stdout
     assert "per client" in done.stdout
@@ -107,13 +103,7 @@ def test_capacity_smoke() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only host")
 def test_gpu_check_says_there_is_no_gpu() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _python("-m", "benchmarks.gpu_check")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no CUDA device here" in done.stdout
 
@@ -121,13 +111,7 @@ def test_gpu_check_says_there_is_no_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_check_runs_every_path() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--mib", "16", "--rounds", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _python("-m", "benchmarks.gpu_check", "--mib", "16", "--rounds", "2", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "to_device (device= reads)" in done.stdout
     assert "torch CUDA IPC" in done.stdout
@@ -144,15 +128,7 @@ def test_gpu_check_device_arena_runs_its_plumbing_emulated() -> None:
         "got = anyio.run(device_arena, torch, cols, 2, 'cpu')\n"
         "print('COUNTERS', got['counters'], sorted(got['stalls']), got['put'] > 0)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, "TQ_ASYNC_GPU_EMULATE": "1"},
-    )
+    done = _python("-c", code, env={**os.environ, "TQ_ASYNC_GPU_EMULATE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.split("COUNTERS", 1)[1]
     assert "'device_puts': 3" in line
@@ -169,14 +145,7 @@ def test_gpu_check_shares_a_tensor_between_processes_on_the_cpu_too() -> None:
         "from benchmarks.gpu_check import ipc_between_processes\n"
         "print('GB/s', ipc_between_processes(torch, 'cpu', 1 << 20, 2))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=REPO,
-    )
+    done = _python("-c", code)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split("GB/s")[1]) > 0
 
@@ -186,14 +155,7 @@ def test_gpu_check_shares_a_tensor_between_processes_on_the_cpu_too() -> None:
     reason="needs tq_async[nixl]",
 )
 def test_nixl_vs_zmq_smoke() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.nixl_vs_zmq", "--rounds", "2", "--repeat", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=REPO,
-    )
+    done = _python("-m", "benchmarks.nixl_vs_zmq", "--rounds", "2", "--repeat", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "nixl puts/reads 7/7" in done.stdout  # 5 warm-up and 2 timed, all through NIXL
     assert "NIXL/ZMQ get" in done.stdout
