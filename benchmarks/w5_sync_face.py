@@ -244,7 +244,7 @@ def _datasets(cfg: Config, address: str) -> list[dict[str, Any]]:
 
     import tq_async as tq
 
-    batches = cfg.pick(400, 8)
+    batches = cfg.pick(1600, 8)  # 400 (0.15-0.2 s a pass) left a run to one slow stretch
     rounds = cfg.pick(2, 1)
     pid = "w5-ds"
     with tq.Client.connect(address) as client:

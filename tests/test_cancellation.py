@@ -299,3 +299,35 @@ async def test_record_from_cancelled_keeps_the_batches_it_decided_and_takes_noth
         assert await rows(1) == [4, 5, 6, 7]  # decided by the cancelled fetch on its way
         assert await rows(2) == [8, 9, 10, 11]  # its own batch: recorded, the same rows
         assert await drain(client, "p") == []  # nothing else was taken, nothing lost
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_get_batches_cancelled_keeps_every_batch_it_decided_and_takes_nothing_else(
+    mode: str,
+) -> None:
+    """``get_batches`` (what DataLoader workers send for a hand-off) cancelled while its own
+    batch waits: nothing is taken. Cancelled with its reply queued: the asked batch, the
+    batches it took ahead and those decided between stay recorded (each re-read as the same
+    rows by its next reader); nothing else is taken, nothing is lost."""
+    async with client_in(mode) as client:
+
+        def config(index: int) -> dict[str, int]:
+            return {"batch_index": index, "dp_rank": 0, "record_from": 0}
+
+        async def rows(index: int) -> list[int]:
+            meta = await client.get_meta(["i"], 2, "p", "t", config(index), timeout=0)
+            return list(meta.global_indexes)
+
+        def fetch() -> Any:
+            return client.get_batches(["i"], 2, "p", "t", config(0), also=[2, 4])
+
+        with anyio.move_on_after(0.2) as scope:  # no rows: it waits at the controller
+            await fetch()
+        assert scope.cancelled_caught
+        await fill(client, "p", 12)  # rows 0-11: six batches of 2, all ready
+        conn = controller(client)
+        got = await cancelled(fetch, lambda task: cancel_on_reply(conn, task))
+        assert got is None
+        # 0, 2 and 4 came together, 1 and 3 were decided between: all recorded
+        assert [await rows(i) for i in range(5)] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+        assert await drain(client, "p") == [10, 11]  # nothing else was taken, nothing lost

@@ -20,7 +20,7 @@ from tq_async import (
     StalenessSampler,
 )
 from tq_async._columns import ColumnHeader
-from tq_async._core import ControllerCore, Deadlines, Effects, SampleCall, split_even
+from tq_async._core import ControllerCore, Deadlines, Effects, SampleCall, follower, split_even
 from tq_async._protocol import GetMeta, MetaReply
 from tq_async._state import ControllerState, Wakeup
 from tq_async.samplers import BaseSampler
@@ -615,6 +615,21 @@ def test_samplers_never_see_record_from() -> None:
     rows_of(get(core, req(4, batch_index=1, dp_rank=0, record_from=0)))
     assert [k["batch_index"] for k in seen] == [0, 1]
     assert all("record_from" not in k and "record_from" not in k["sampling_config"] for k in seen)
+
+
+def test_a_batch_asked_for_with_also_is_the_same_fetch_answered_now_or_not() -> None:
+    """``follower``: what the shell asks the core for each index of ``GetMeta.also``."""
+    core = new_core()
+    put(core, 16)
+    asked = GetMeta("p", ["x"], 4, "t", {"batch_index": 0, "dp_rank": 1}, lease=5.0)
+    asked.also, asked.ack, asked.timeout = [2], [7], None
+    sub = follower(asked, 2, 0)
+    assert sub.sampling_config == {"batch_index": 2, "dp_rank": 1, "record_from": 1}
+    assert (sub.timeout, sub.ack, sub.also, sub.lease) == (0, None, None, 5.0)
+    assert asked.sampling_config == {"batch_index": 0, "dp_rank": 1}  # left as it was
+    rows_of(get(core, asked))
+    assert rows_of(get(core, sub)) == [8, 9, 10, 11]  # batch 1 was decided first
+    assert rows_of(get(core, req(4, batch_index=1, dp_rank=1))) == [4, 5, 6, 7]
 
 
 def test_record_from_is_checked() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
@@ -181,6 +182,24 @@ def test_a_loader_takes_no_more_rows_ahead_than_torchs_read_ahead(
     second = five(1)
     assert len(second) == 10
     assert not set(first) & set(second)
+
+
+def test_a_worker_fetches_its_ready_hand_off_in_one_request() -> None:
+    """Two fork workers, torch's default prefetch_factor (2), 16 ready batches: each worker
+    hands over 4 items of 2 batches, each fetched in one request (``get_batches``), then asks
+    once more and meets the end: 10 requests, not one a batch."""
+    registry = CollectorRegistry()
+    labels = {"op": "GetMeta", "outcome": "ok", "service": "controller"}
+    with tq.background_cluster(num_storage_units=1, metrics_registry=registry) as cluster:
+        with tq.Client.connect(cluster.address) as client:
+            client.put({"x": torch.arange(64)}, partition_id="p")
+            client.seal("p")
+        before = registry.get_sample_value("tq_requests_total", labels) or 0
+        ds = StreamingDataset(cluster.address, ["x"], 4, 4, "p", "train")
+        loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60)
+        got = [td["x"].tolist() for td, _ in loader]
+        assert got == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+        assert registry.get_sample_value("tq_requests_total", labels) == before + 10
 
 
 def test_a_worker_never_waits_to_fill_a_hand_off(address: str, client: tq.Client) -> None:

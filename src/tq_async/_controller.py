@@ -45,6 +45,7 @@ from ._core import (
     Decision,
     Effects,
     SampleCall,
+    follower,
     meta_reply,
     record_key,
 )
@@ -359,7 +360,8 @@ class ControllerServer(ControllerPuts):
     # ---- get_meta ----------------------------------------------------------------------------
 
     def _send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
-        """Answer a get_meta; a ``get`` whose cells are small and local gets them too.
+        """Answer a get_meta, with the batches its ``also`` asks for that can be decided now;
+        a ``get`` whose cells are small and local gets them too.
 
         A retried ``get`` is answered without the cells (it reads them from the units).
         """
@@ -369,18 +371,56 @@ class ControllerServer(ControllerPuts):
             # already been woken): the caller is gone, so the rows go back, unsent
             self._apply(self.core.cancel(req, reply))
             return
-        undoable = reply.rows and req.mode == "fetch" and record_key(req) is None
-        inline = self._read_inline(req, reply) if req.inline_bytes > 0 and reply.rows else None
-        reply.units_epoch = self.state.units_epoch
-        if undoable:
+        if reply.rows and req.mode == "fetch" and record_key(req) is None:
             self._remember_fetch(peer, rid, req, reply)
-        if inline is None:
+        answers = [(req, reply), *self._also(req, reply)] if req.also else [(req, reply)]
+        epoch = self.state.units_epoch
+        for _, r in answers:
+            r.units_epoch = epoch
+        if len(answers) > 1:
+            reply.more = [r for _, r in answers[1:]]
+        inline: list[tuple[MetaReply, list[StoredColumns]]] = []
+        frames: list[Any] = []
+        budget = req.inline_bytes
+        for sub, r in answers:
+            got = self._read_inline(sub, r, budget) if budget > 0 and r.rows else None
+            if got is not None:
+                inline.append((r, got[0]))
+                frames += got[1]
+                budget -= got[2]
+        if not inline:
             self.send_ok(peer, rid, reply)
             return
         without = ok_reply(rid, reply)
-        reply.inline, frames = inline
+        for r, parts in inline:
+            r.inline = parts
         self.send(peer, rid, ok_reply(rid, reply), frames)
         self._remember(peer, rid, without)  # the cache keeps no cells alive
+
+    def _also(self, req: GetMeta, first: MetaReply) -> list[tuple[GetMeta, MetaReply]]:
+        """The batches ``req.also`` names that can be decided now, in order: up to the first
+        that cannot (or that ends the stream, fails, or needs an ``async`` sampler's answer)."""
+        out: list[tuple[GetMeta, MetaReply]] = []
+        if first.end_of_stream or req.also is None:
+            return out
+        after = int((req.sampling_config or {})["batch_index"])  # checked: also needs it
+        for index in req.also:
+            sub = follower(req, index, after)
+            try:
+                decision, running = self._settle(sub, self.core.look(sub, self._now()))
+            except Exception as exc:  # raised again when that batch is asked for itself
+                log.debug("a batch asked for with also= failed", batch_index=index, error=repr(exc))
+                break
+            if running is not None:  # nothing is decided until it is awaited: left undone
+                close = getattr(running[1], "close", None)
+                if close is not None:
+                    close()
+                break
+            if not isinstance(decision, MetaReply) or decision.end_of_stream:
+                break
+            out.append((sub, decision))
+            after = index
+        return out
 
     def _remember_fetch(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
         """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
@@ -390,9 +430,10 @@ class ControllerServer(ControllerPuts):
             fetched.popitem(last=False)
 
     def _read_inline(
-        self, req: GetMeta, reply: MetaReply
-    ) -> tuple[list[StoredColumns], list[Any]] | None:
-        """The reply's cells from units in this process, or None (remote units, too big)."""
+        self, req: GetMeta, reply: MetaReply, budget: int
+    ) -> tuple[list[StoredColumns], list[Any], int] | None:
+        """The reply's cells from units in this process and their size in bytes, or None
+        (remote units, more than ``budget`` bytes)."""
         by_unit = positions_by_unit(reply.units)
         if any(u not in self.local_units for u in by_unit):
             return None
@@ -403,7 +444,7 @@ class ControllerServer(ControllerPuts):
             rows = reply.rows if len(by_unit) == 1 else [reply.rows[i] for i in positions]
             try:
                 got = self.local_units[unit_id].read_local(
-                    req.partition_id, rows, reply.fields, req.inline_bytes - size
+                    req.partition_id, rows, reply.fields, budget - size
                 )
             except TQError:
                 return None  # let the client's own read report it
@@ -412,11 +453,11 @@ class ControllerServer(ControllerPuts):
             stored, part = got
             # the frames are what travels (object columns are sized only once encoded)
             size += sum(memoryview(f).nbytes for f in part)
-            if size > req.inline_bytes:
+            if size > budget:
                 return None
             parts.append(stored)
             frames.extend(part)
-        return parts, frames
+        return parts, frames, size
 
     def _on_get_meta(self, msg: Incoming, req: GetMeta) -> Any:
         if req.lease is None and self.default_lease is not None:

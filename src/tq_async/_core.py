@@ -30,10 +30,11 @@ The words, used everywhere:
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import inspect
 import itertools
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,7 @@ class SampleCall:
         except Exception as exc:
             raise sampler_error(self.sampler, exc) from None
         if inspect.isawaitable(result):
-            return _mapped_errors(self.sampler, result)
+            return _Mapped(self.sampler, result)
         return result
 
     def _call(self) -> Any:
@@ -874,6 +875,14 @@ def record_key(req: GetMeta) -> RecordKey | None:
     return (req.task_name, int(dp_rank), int(cfg["batch_index"]))
 
 
+def follower(req: GetMeta, index: int, after: int) -> GetMeta:
+    """The request deciding batch ``index`` of ``req.also`` once batch ``after`` (the one
+    before it in the request) is decided: the same fetch under ``index``, deciding the
+    indexes between first (``record_from``), answered now or not at all (``timeout=0``)."""
+    cfg = {**(req.sampling_config or {}), "batch_index": index, "record_from": after + 1}
+    return msgspec.structs.replace(req, sampling_config=cfg, timeout=0, ack=None, also=None)
+
+
 def all_consumed(p: Partition, task: str) -> bool:
     """The partition holds rows and ``task`` consumed every one of them."""
     return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
@@ -904,14 +913,29 @@ def sampler_error(sampler: Any, exc: Exception) -> InvalidRequestError:
     )
 
 
-async def _mapped_errors(sampler: Any, result: Awaitable[Any]) -> Any:
-    """Await an async sampler's result, mapping its exceptions like a sync sampler's."""
-    try:
-        return await result
-    except TQError:
-        raise
-    except Exception as exc:
-        raise sampler_error(sampler, exc) from None
+class _Mapped:
+    """An async sampler's answer, its exceptions mapped like a sync sampler's; ``close()``
+    drops it unawaited (the sampler's coroutine is closed unstarted, a future cancelled)."""
+
+    __slots__ = ("result", "sampler")
+
+    def __init__(self, sampler: Any, result: Awaitable[Any]) -> None:
+        self.sampler = sampler
+        self.result = result
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        try:
+            return (yield from self.result.__await__())
+        except TQError:
+            raise
+        except Exception as exc:
+            raise sampler_error(self.sampler, exc) from None
+
+    def close(self) -> None:
+        if inspect.iscoroutine(self.result):
+            self.result.close()
+        elif isinstance(self.result, asyncio.Future):
+            self.result.cancel()
 
 
 def check_result(result: Any) -> tuple[list[int], list[int]]:

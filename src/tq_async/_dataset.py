@@ -63,6 +63,7 @@ from ._errors import (
 from ._handoff import pack, unpack
 from ._logging import get_logger
 from ._meta import BatchMeta
+from ._protocol import MAX_ALSO, check_int
 
 __all__ = [
     "AsyncStreamingDataset",
@@ -571,6 +572,8 @@ class AsyncStreamingDataset:
         self._generation = 0
         #: batch_index -> (data, meta) of the most recent ``replay_window`` batch indexes
         self._cache: dict[int, tuple[TensorDictBase, BatchMeta]] = {}
+        #: batch_index -> (data, meta) of batches ``next_batch(ahead=)`` took, until read
+        self._taken: dict[int, tuple[TensorDictBase, BatchMeta]] = {}
         #: the batch whose micro-batches are being delivered
         self._current: _Fetched | None = None
 
@@ -671,6 +674,7 @@ class AsyncStreamingDataset:
         self._next_micro = micro
         self._known_recorded = 0
         self._current = None
+        self._taken.clear()  # recorded: read again by their indexes
         self._generation += 1
         self._drop_producer()
 
@@ -780,28 +784,35 @@ class AsyncStreamingDataset:
                 raise StopAsyncIteration
             self._current = fetched
 
-    async def next_batch(self, *, wait: bool = True) -> BatchSlice | None:
+    async def next_batch(self, *, wait: bool = True, ahead: int = 0) -> BatchSlice | None:
         """The undelivered rest of the next batch, as a whole; None at the end of the stream.
 
         Delivering a whole batch per call keeps a DataLoader's round-robin over workers in
         ``batch_index`` order whatever the number of micro-batches per batch.
 
-        With ``wait=False`` (``prefetch=0`` and the default ``fetch_batch_fn`` only) a batch
-        that cannot be decided at once is not waited for: :class:`TQTimeoutError`, nothing
-        consumed and the position unchanged (batches below it that it decided stay recorded).
+        With ``wait=False`` a batch that cannot be decided at once is not waited for:
+        :class:`TQTimeoutError`, nothing consumed and the position unchanged (batches below
+        it that it decided stay recorded). With ``ahead=n`` the request that fetches the
+        batch also takes up to ``n`` of the following ones that can be decided at once
+        (:meth:`~tq_async.AsyncClient.get_batches`); the next calls deliver them without
+        asking (a move, :meth:`reset` or :meth:`step`, drops them: they stay recorded and
+        are read again by their indexes). Both need ``prefetch=0`` and the default
+        ``fetch_batch_fn``.
 
         Raises:
-            InvalidRequestError: ``wait=False`` with ``prefetch`` or a custom fetch.
+            InvalidRequestError: ``wait=False`` or ``ahead`` with ``prefetch`` or a custom
+                fetch; ``ahead`` not an int in 0..64.
             TQTimeoutError: ``wait=False`` and the batch is not ready.
         """
-        if not wait and (self.prefetch or self._fetch_fn is not default_fetch_batch_fn):
+        if (not wait or ahead) and (self.prefetch or self._fetch_fn is not default_fetch_batch_fn):
             raise InvalidRequestError(
-                "next_batch(wait=False) needs prefetch=0 and the default fetch_batch_fn (a "
-                "custom one may not honour timeout=0)"
+                "next_batch(wait=False) and next_batch(ahead=) need prefetch=0 and the "
+                "default fetch_batch_fn (a custom one may not honour timeout=0)"
             )
+        check_int("ahead", ahead, 0, MAX_ALSO)
         cur = self._current
         if cur is None:
-            cur = await self._next_fetched(None if wait else 0)
+            cur = await self._next_fetched(None if wait else 0, ahead)
             if cur is None:
                 return None
         first = self._next_micro
@@ -818,16 +829,16 @@ class AsyncStreamingDataset:
             self._current = cur
             self._next_micro = delivered
 
-    async def _next_fetched(self, timeout: float | None = None) -> _Fetched | None:
+    async def _next_fetched(self, timeout: float | None = None, ahead: int = 0) -> _Fetched | None:
         """The batch at the position, from the prefetcher (or fetched now, waiting at most
-        ``timeout``); None at end."""
+        ``timeout``, taking up to ``ahead`` following ones); None at end."""
         if self._tg is None or self._client is None:
             raise ClosedError(
                 "iterate an AsyncStreamingDataset inside `async with dataset:` (it owns the "
                 "client and the prefetching task)"
             )
         if self.prefetch == 0:
-            return await self._load(self._next_index, self._generation, timeout)
+            return await self._load(self._next_index, self._generation, timeout, ahead)
         while True:
             producer = self._producer or self._start_producer()
             try:
@@ -902,18 +913,22 @@ class AsyncStreamingDataset:
     # ---- fetching ----------------------------------------------------------------------------
 
     async def _load(
-        self, index: int, generation: int, timeout: float | None = None
+        self, index: int, generation: int, timeout: float | None = None, ahead: int = 0
     ) -> _Fetched | None:
-        """Batch ``index`` from the replay window or from the services; None at end."""
+        """Batch ``index`` from the replay window, the batches taken ahead, or the services
+        (taking up to ``ahead`` following ones); None at end."""
         cached = self._cache.get(index)
         moved = False
         if cached is None:
-            fetched = await self._fetch(index, timeout)
-            if fetched is None:
-                return None
+            got = self._taken.pop(index, None)
+            if got is None:
+                got = await self._fetch(index, timeout, ahead)
+                if got is None:
+                    return None
             moved = self._fetches_onto_device
             if generation == self._generation:
-                self._remember(index, fetched)
+                self._remember(index, got)
+            fetched = got
         else:
             fetched = cached
         td, meta = fetched
@@ -938,37 +953,54 @@ class AsyncStreamingDataset:
         self._cache[index] = batch
 
     async def _fetch(
-        self, index: int, timeout: float | None = None
+        self, index: int, timeout: float | None = None, ahead: int = 0
     ) -> tuple[TensorDictBase, BatchMeta] | None:
-        record_from = None
+        config = {**self.sampling_config, "dp_rank": self.dp_rank, "batch_index": index}
+        if self.dp_size is not None:
+            config["dp_size"] = self.dp_size
+        if self.tail is not None:
+            config["tail"] = self.tail
         if self._stride > 1 and self._fetch_fn is default_fetch_batch_fn:
             # Several DataLoader workers share the index space. The controller records the
             # other workers' indexes below ours first, in the same call (``record_from``), so
             # the recorded indexes of (task, dp_rank) stay a gap-free prefix: otherwise, at
             # the sealed tail, batch k+1 could take the last rows while batch k ends the
             # stream, and a replay with fewer workers would stop before k+1.
-            record_from = self._known_recorded
-        got = await self._wait_for(index, self._call_fetch, record_from, timeout)
+            config["record_from"] = self._known_recorded
+        if ahead:
+            also = [index + self._stride * i for i in range(1, ahead + 1)]
+            first, *more = await self._call_fetch_ahead(config, also, timeout)
+            got = self._checked(first, index)
+            for j, batch in zip(also, more, strict=False):
+                taken = self._checked(batch, j)
+                if got is None or taken is None:
+                    break  # (the controller sends no batch past the end)
+                self._taken[j] = taken
+                self._known_recorded = max(self._known_recorded, j + 1)
+        else:
+            got = self._checked(await self._call_fetch(index, config, timeout), index)
         if got is not None:
             self._known_recorded = max(self._known_recorded, index + 1)
         return got
 
-    async def _wait_for(
-        self,
-        index: int,
-        call: Callable[[int, dict[str, Any], float | None], Awaitable[Any]],
-        record_from: int | None = None,
-        timeout: float | None = None,
-    ) -> tuple[TensorDictBase, BatchMeta] | None:
-        """``call`` for batch ``index`` under the end-of-stream rules; None at end."""
-        config = {**self.sampling_config, "dp_rank": self.dp_rank, "batch_index": index}
-        if self.dp_size is not None:
-            config["dp_size"] = self.dp_size
-        if self.tail is not None:
-            config["tail"] = self.tail
-        if record_from is not None:
-            config["record_from"] = record_from
-        return self._checked(await call(index, config, timeout), index)
+    async def _call_fetch_ahead(
+        self, config: dict[str, Any], also: list[int], timeout: float | None
+    ) -> list[tuple[TensorDict, BatchMeta]]:
+        """The default fetch of ``config``'s batch, with the batches of ``also`` that can be
+        decided at once, in one request."""
+        assert self._client is not None
+        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
+        return await self._client.get_batches(
+            list(self.data_fields),
+            self.batch_size,
+            self._partition_id,
+            self.task_name,
+            config,
+            also=also,
+            timeout=timeout,
+            stop_when_consumed=self.stop_when_consumed,
+            **extra,
+        )
 
     @property
     def _fetches_onto_device(self) -> bool:

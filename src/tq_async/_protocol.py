@@ -165,6 +165,11 @@ class GetMeta(_Msg):
     #: a ``get``: if the rows' cells sit in storage units of the controller's process and
     #: take at most this many bytes, the reply carries them (one round trip, no get_data)
     inline_bytes: int = 0
+    #: a fetch under a ``batch_index``: once it is answered, also decide these higher batch
+    #: indexes, lowest first, each only if it can be decided at once (as with ``timeout=0``;
+    #: the indexes between are decided first, as with ``record_from``), stopping at the
+    #: first that cannot or that ends the stream; each rides in the reply's ``more``
+    also: list[int] | None = None
 
 
 class Cancel(_Msg):
@@ -580,6 +585,9 @@ class MetaReply(msgspec.Struct, array_like=True):
     units_epoch: int = 0
     #: rows of a KV partition: each row's key (None without one); None when no row has one
     keys: list[str | None] | None = None
+    #: the batches a request's ``also`` decided, in its order (their ``inline`` frames
+    #: follow this reply's own, in the same order)
+    more: list[MetaReply] | None = None
 
 
 class RecycledRows(msgspec.Struct, array_like=True):
@@ -805,6 +813,9 @@ def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = M
 #: the most batches one get_meta decides ahead of its own (``record_from``)
 MAX_RECORD_SPAN = 1 << 16
 
+#: the most batches one get_meta asks for besides its own (``also``)
+MAX_ALSO = 64
+
 
 def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
     """``dp_rank``, ``batch_index`` and ``record_from`` of a sampling config, when set, are
@@ -829,6 +840,35 @@ def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
                 f"batch_index; at most {MAX_RECORD_SPAN} are decided in one request (it is "
                 "meant for the few batches of readers sharing an index space)"
             )
+
+
+def check_also(also: Sequence[int], cfg: Mapping[str, Any] | None, mode: str) -> None:
+    """``also`` names at most :data:`MAX_ALSO` increasing batch indexes above the request's
+    own ``batch_index``, within :data:`MAX_RECORD_SPAN` of it, for a ``fetch``."""
+    first = cfg.get("batch_index") if cfg else None
+    if mode != "fetch" or first is None:
+        raise InvalidRequestError(
+            "also= needs a fetch whose sampling_config names a batch_index (the batches it "
+            "asks for are recorded under their indexes, like the asked one)"
+        )
+    if len(also) > MAX_ALSO:
+        raise InvalidRequestError(
+            f"also= names {len(also)} batches; at most {MAX_ALSO} ride with one request"
+        )
+    check_ints("also", also)
+    below = first
+    for j in also:
+        if j <= below:
+            raise InvalidRequestError(
+                f"also= must name increasing batch indexes above batch_index {first}, got "
+                f"{list(also)}"
+            )
+        below = j
+    if below - first > MAX_RECORD_SPAN:
+        raise InvalidRequestError(
+            f"also= reaches {below - first} batches above batch_index {first}; at most "
+            f"{MAX_RECORD_SPAN}"
+        )
 
 
 def check_headers(columns: Sequence[ColumnHeader]) -> None:
@@ -868,6 +908,8 @@ def _get_meta(b: GetMeta) -> None:
         check_ints("ack", b.ack)
     if b.sampling_config:
         check_sampling_config(b.sampling_config)
+    if b.also is not None:
+        check_also(b.also, b.sampling_config, b.mode)
     if not b.data_fields:
         raise InvalidRequestError("data_fields must name at least one field")
     if b.mode not in ("fetch", "peek"):

@@ -506,6 +506,59 @@ class Client:
             device=device,
         )
 
+    def get_batches(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any],
+        *,
+        also: Sequence[int],
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> list[tuple[TensorDict, BatchMeta]]:
+        """:meth:`get` of a batch under its ``batch_index``, and of later batches that can
+        be decided at once, in one round trip.
+
+        The first item is ``sampling_config["batch_index"]``'s batch, waited for as
+        :meth:`get` waits (``timeout``; it may be the end of the stream). Then come the
+        batches of ``also`` (increasing indexes above it, at most 64) in order, each only if
+        the controller could decide it at once when it answered: the list stops before
+        the first that could not, that would end the stream, or that needs an ``async``
+        sampler's answer. The indexes between are decided first, as ``record_from`` does.
+        Every batch is recorded under its index (a later fetch of it re-reads the same
+        rows), so a batch you do not get now is fetched again by its index, nothing lost.
+        Readers sharing an index space (DataLoader workers) fetch several of their batches
+        this way.
+
+        Raises:
+            InvalidRequestError: ``also`` is not increasing above ``batch_index``, or the
+                config names no ``batch_index``.
+            TQTimeoutError: the first batch did not come within ``timeout``.
+
+        Cancellation: the batches stay recorded under their indexes (re-read by the next
+        fetch of each).
+        """
+        return self._gets.get_batches(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            also=also,
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            nested=nested,
+            device=device,
+        )
+
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
         return self._gets.ack(metas)

@@ -53,6 +53,7 @@ from ._protocol import (
     ShmFree,
     StoredColumns,
     StoreGet,
+    check_also,
     check_int,
     check_sampling_config,
     check_seconds,
@@ -196,6 +197,33 @@ def _inline_parts(
     return by_unit, parts
 
 
+def _batch_meta(
+    got: MetaReply, partition_id: str, task_name: str, batch_index: int | None
+) -> BatchMeta:
+    """The :class:`BatchMeta` of a get_meta reply."""
+    return BatchMeta(
+        partition_id=partition_id,
+        global_indexes=got.rows,
+        field_names=got.fields,
+        units=got.units,
+        tags=got.tags,
+        task_name=task_name,
+        batch_index=batch_index,
+        end_of_stream=got.end_of_stream,
+        policy_versions=got.versions,
+        lease_id=got.lease_id,
+        incarnation=got.incarnation,
+        keys=got.keys or [],
+    )
+
+
+def _inline_frame_count(got: MetaReply) -> int:
+    """How many of a reply's frames carry its own inline cells."""
+    if got.inline is None:
+        return 0
+    return sum(column_frame_count(h) for stored in got.inline for h in stored.columns)
+
+
 def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
     if metas is None:
         return None
@@ -285,6 +313,7 @@ class GetPath:
         lease: float | None,
         ack: BatchMeta | Sequence[BatchMeta] | None,
         inline_bytes: int,
+        also: list[int] | None = None,
     ) -> tuple[BatchMeta, MetaReply, list[Any]]:
         """:meth:`~tq_async.Client.get_meta`, plus the raw reply and its frames (cells
         sent inline); the client's ``get_meta`` calls it directly (one coroutine less per
@@ -307,6 +336,8 @@ class GetPath:
         cfg = dict(sampling_config) if sampling_config else None
         _check_dp_config(cfg)
         check_sampling_config(cfg)
+        if also is not None:
+            check_also(also, cfg, mode)
         recorded = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
         req = GetMeta(
             partition_id,
@@ -320,6 +351,7 @@ class GetPath:
             lease,
             _lease_ids(ack),
             inline_bytes,
+            also,
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -336,21 +368,8 @@ class GetPath:
         )
         got: MetaReply = decode(payload, MetaReply)
         self._links.note_epoch(got.units_epoch)
-        meta = BatchMeta(
-            partition_id=partition_id,
-            global_indexes=got.rows,
-            field_names=got.fields,
-            units=got.units,
-            tags=got.tags,
-            task_name=task_name,
-            batch_index=cfg.get("batch_index") if cfg else None,
-            end_of_stream=got.end_of_stream,
-            policy_versions=got.versions,
-            lease_id=got.lease_id,
-            incarnation=got.incarnation,
-            keys=got.keys or [],
-        )
-        return meta, got, frames
+        index = cfg.get("batch_index") if cfg else None
+        return _batch_meta(got, partition_id, task_name, index), got, frames
 
     def get_data(
         self,
@@ -505,26 +524,92 @@ class GetPath:
             inline_bytes=self.inline_get_bytes,
         )
         try:
-            if not len(meta):  # end of stream or an empty share: no unit to ask
-                td = to_device_now(self._empty(meta, list(meta.field_names), as_nested), target)
-            elif got.inline is not None:  # the controller sent the cells along: no get_data
-                headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
-                td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
-                td = to_device_now(td, target)
-            else:
-                td = self.get_data(meta, nested=as_nested, device=target)
-            if lease is None and meta.lease_id and self._links.controller is not None:
-                # an auto-clear hold: the data is read, the rows may be freed now
-                self._links.controller.send_best_effort(Ack([meta.lease_id]))
+            td = self._read(meta, got, frames, as_nested, target)
         except BaseException:
             if mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
                     self.release(meta)
-            elif lease is None and meta.lease_id and self._links.controller is not None:
-                self._links.controller.send_best_effort(Ack([meta.lease_id]))  # drop the hold
+            else:
+                self._end_hold(meta, lease)  # drop the hold
             raise
+        self._end_hold(meta, lease)  # an auto-clear hold: the data is read, rows may go
         return td, meta
+
+    def get_batches(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any],
+        *,
+        also: Sequence[int],
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> list[tuple[TensorDict, BatchMeta]]:
+        """:meth:`get` of the batch ``sampling_config["batch_index"]`` names, and of the
+        batches ``also`` names that can be decided at once, in one round trip."""
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        meta, got, frames = self.meta_call(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode="fetch",
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=self.inline_get_bytes,
+            also=list(also),
+        )
+        answers = [(meta, got)]
+        for index, follower in zip(also, got.more or (), strict=False):
+            answers.append((_batch_meta(follower, partition_id, task_name, index), follower))
+        out: list[tuple[TensorDict, BatchMeta]] = []
+        pos = 0
+        try:
+            for m, g in answers:
+                k = _inline_frame_count(g)
+                out.append((self._read(m, g, frames[pos : pos + k], as_nested, target), m))
+                pos += k
+                self._end_hold(m, lease)
+        except BaseException:
+            for m, _ in answers[len(out) :]:
+                self._end_hold(m, lease)  # the batches stay recorded under their indexes
+            raise
+        if pos != len(frames):
+            raise ProtocolError("a get_meta reply carried extra frames")
+        return out
+
+    def _read(
+        self,
+        meta: BatchMeta,
+        got: MetaReply,
+        frames: Sequence[Any],
+        as_nested: bool | frozenset[str],
+        target: Any,
+    ) -> TensorDict:
+        """The data of a get_meta reply: sent inline, read from the units, or empty."""
+        if not len(meta):  # end of stream or an empty share: no unit to ask
+            return to_device_now(self._empty(meta, list(meta.field_names), as_nested), target)
+        if got.inline is not None:  # the controller sent the cells along: no get_data
+            headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
+            td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
+            return to_device_now(td, target)
+        return self.get_data(meta, nested=as_nested, device=target)
+
+    def _end_hold(self, meta: BatchMeta, lease: float | None) -> None:
+        """Drop the auto-clear hold a fetch without ``lease`` put on its rows."""
+        if lease is None and meta.lease_id and self._links.controller is not None:
+            self._links.controller.send_best_effort(Ack([meta.lease_id]))
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""

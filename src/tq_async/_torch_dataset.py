@@ -282,9 +282,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             and get_worker_info() is not None
             and self._kwargs["fetch_batch_fn"] is None
         )
+        # the hand-off's batches come in one request when they are ready at once
+        ahead = self._handoff_batches - 1 if grouped else 0
         try:
             while True:
-                item: BatchSlice | None = host.call(ads.next_batch)
+                item: BatchSlice | None = host.call(lambda: ads.next_batch(ahead=ahead))
                 if item is None:
                     return
                 if grouped:
@@ -472,7 +474,8 @@ def _ready_group(
     """``first`` and the worker's next batches that are ready at once, ``most`` in all,
     within the bytes bound. Never more: every batch fetched is a batch decided, its rows
     consumed for the task ahead of the consumer, and ranks that share the task's rows (no
-    ``dp_size``) would find fewer."""
+    ``dp_size``) would find fewer. The request that fetched ``first`` usually took them
+    already (``next_batch(ahead=)``); one that was not ready then is asked for again."""
     group = _Group([first])
     size = _slice_bytes(first)
     while len(group) < most and size < _HANDOFF_BYTES:
