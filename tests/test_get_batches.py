@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from tensordict import TensorDict
 
 import tq_async as tq
+from test_controller import _Later
 from tq_async._client_get import GetPath
 from tq_async._protocol import MAX_ALSO, GetMeta, validate
 
@@ -137,15 +138,6 @@ async def test_a_batch_that_fails_ahead_leaves_the_asked_one_and_fails_on_its_ow
         assert [m.batch_index for _, m in got] == [0, 1]
         with pytest.raises(tq.InvalidRequestError, match="do not split evenly"):
             await client.get_batches(["x"], 4, "p", "t", cfg(2, **dp), also=[3])
-
-
-class _Later(tq.BaseSampler):
-    """A sequential sampler that answers after a suspension (an ``async`` sampler)."""
-
-    async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
-        await anyio.lowlevel.checkpoint()
-        picked = list(ready_indexes)[:batch_size]
-        return (picked, picked) if len(picked) == batch_size else ([], [])
 
 
 async def test_an_async_sampler_answers_the_asked_batch_and_nothing_is_taken_ahead() -> None:
