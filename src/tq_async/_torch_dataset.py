@@ -18,9 +18,11 @@ last batch. A loader fetches ``num_workers x prefetch_factor`` batches ahead, as
 DataLoader, and no more (every batch fetched has its rows consumed for the task: ranks sharing
 the task's rows would find fewer); within that, each worker hands over its
 ``prefetch_factor`` batches in one item (torch is asked for one item per worker at a time):
-the batch it waited for and its next ones that are ready at once (asked with ``timeout=0``: a
-worker never waits to fill an item), within 1 MiB, since every item costs both processes a
-queue round trip and wake-ups. The :class:`StreamingDataLoader` keeps the batches it
+the batch it waited for and its next ones that are ready at once (a worker never waits to
+fill an item), within 1 MiB, since every item costs both processes a queue round trip and
+wake-ups. They come in one request (``next_batch(ahead=)``, ``get_batches``): the controller
+adds to the asked batch those it can decide at once; one that was not ready then is asked for
+again with ``timeout=0``. The :class:`StreamingDataLoader` keeps the batches it
 receives ahead of the next ``batch_index`` (at most an item per worker) and yields
 micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
 each fetch asks the controller to decide the lower indexes not decided yet first, in the
