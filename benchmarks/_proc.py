@@ -102,7 +102,7 @@ class CpuMeter:
 
 
 class ServeProcess:
-    """``python -m tq_async._cli serve`` in a subprocess, until :meth:`stop`.
+    """``python -m tq_async._deploy._cli serve`` in a subprocess, until :meth:`stop`.
 
     The constructor blocks until the server printed ``TQ_ADDRESS=...`` (or fails). A daemon
     thread keeps draining the server's output afterwards so it can never block on a full pipe;
@@ -126,7 +126,7 @@ class ServeProcess:
         # ``role``: the arguments of one role (``["controller"]``, ``["storage",
         # "--controller", ADDR]``) instead of the all-in-one serve; ``line``: what it prints
         args = role if role is not None else ["--storage-units", str(storage_units)]
-        cmd = [sys.executable, "-m", "tq_async._cli", "serve", *args]
+        cmd = [sys.executable, "-m", "tq_async._deploy._cli", "serve", *args]
         self.started_at = time.perf_counter()
         self.proc = subprocess.Popen(
             cmd,

@@ -116,7 +116,7 @@ def nixl_vram(torch: Any, nbytes: int, rounds: int) -> tuple[float, float] | str
     says why it could not run."""
     import numpy as np
 
-    from tq_async import _nixl
+    from tq_async._paths import _nixl
 
     nixl = _nixl.load()
     if nixl is None:
@@ -168,7 +168,7 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
     from tensordict import TensorDict
 
     import tq_async as tq
-    from tq_async._devices import to_device, to_host
+    from tq_async._paths._device_copy import to_device, to_host
 
     nbytes = sum(t.numel() * t.element_size() for t in cols.values())
     rows = next(iter(cols.values())).shape[0]

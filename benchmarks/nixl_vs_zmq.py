@@ -49,7 +49,7 @@ def _batch(rows: int, seqlen: int) -> tuple[dict[str, Any], int]:
 
 def _start(argv: list[str], line: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve", *argv],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -65,7 +65,7 @@ async def _measure(address: str, path: str, rounds: int, big_mb: int) -> dict[st
     import torch
 
     import tq_async as tq
-    from tq_async import _nixl
+    from tq_async._paths import _nixl
 
     batch, nbytes = _batch(256, 2048)
     opts: dict[str, Any] = {"same_host": False} if path == "zmq" else {}
@@ -120,7 +120,7 @@ async def _measure(address: str, path: str, rounds: int, big_mb: int) -> dict[st
 
 def _time_calls(times: dict[str, list[float]]) -> None:
     """Time the client's NIXL read (READ plus the copy out of staging) and its transfers."""
-    from tq_async import _nixl
+    from tq_async._paths import _nixl
 
     def timed(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown", action="store_true", help="with --per-call: the parts of a NIXL read"
     )
     args = parser.parse_args(argv)
-    from tq_async import _nixl
+    from tq_async._paths import _nixl
 
     if _nixl.load() is None:
         print("NIXL is not installed: pip install 'tq_async[nixl]'")

@@ -276,7 +276,7 @@ def shm_memory() -> None:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
     async def run(pid: int, address: str) -> None:
-        from tq_async._protocol import ShmHello, ShmHelloReply
+        from tq_async._wire._protocol import ShmHello, ShmHelloReply
 
         async with tq.AsyncClient.connect(address) as client:
             batch = {
@@ -316,7 +316,7 @@ def shm_memory() -> None:
             await measure("after 40 more puts", 40 * nbytes)
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve"],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -484,7 +484,7 @@ def _rtt_plain(sock: socket.socket, poll: float, calls: int) -> float:
 
 def _rtt_asyncio(sock: socket.socket, poll: float, calls: int) -> float:
     """A request over asyncio's reader callback; with ``poll``, the reply is first polled
-    for (what tq_async's clients do, :class:`tq_async._dealer.BusyPoll`)."""
+    for (what tq_async's clients do, :class:`tq_async._transport._dealer.BusyPoll`)."""
 
     async def run() -> float:
         loop = asyncio.get_running_loop()
@@ -602,7 +602,7 @@ def jagged_assembly(calls: int = 300) -> None:
     import torch
     from tensordict import TensorDict
 
-    from tq_async import _codec
+    from tq_async._wire import _codec
 
     n, length = 256, 512
     values = torch.randn(n * length)

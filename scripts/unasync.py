@@ -1,8 +1,9 @@
 """Generate the blocking client from the asynchronous one (httpcore's ``unasync`` approach).
 
-The client's logic is written once, as async code; each module listed in ``FILES`` gets a
-blocking twin, rewritten token by token: ``async def`` -> ``def``, ``await x`` -> ``x``,
-``async with`` -> ``with``, ``AsyncClient`` -> ``Client``, the event-loop connection
+The client's logic is written once, as async code; each module of ``_client/_async/`` listed
+in ``FILES`` gets a blocking twin of the same name in ``_client/_sync/``, rewritten token by
+token: ``async def`` -> ``def``, ``await x`` -> ``x``, ``async with`` -> ``with``, ``AsyncClient``
+-> ``Client``, the event-loop connection
 (``_dealer.DealerConnection``) -> the calling-thread one (``_sync_dealer.BlockingConnection``),
 the async primitives (``_primitives``) -> their blocking twins (``_sync_primitives``), and so
 on (``REPLACEMENTS``). Lines between ``# unasync: async-only`` and ``# unasync: end`` are
@@ -31,28 +32,24 @@ RUFF = pathlib.Path(sys.executable).parent / "ruff"
 
 #: async source -> its blocking twin (in src/tq_async)
 FILES = {
-    "_client_base.py": "_sync_base.py",
-    "_client_get.py": "_sync_get.py",
-    "_client_put.py": "_sync_put.py",
-    "_client_calls.py": "_sync_calls.py",
-    "_client_nixl.py": "_sync_nixl.py",
-    "_client_gpu.py": "_sync_gpu.py",
-    "_client.py": "_sync.py",
-    "_checkpoint.py": "_sync_checkpoint.py",
+    f"_client/_async/{name}.py": f"_client/_sync/{name}.py"
+    for name in (
+        "_base",
+        "_get",
+        "_put",
+        "_calls",
+        "_nixl_links",
+        "_device_links",
+        "_client",
+        "_checkpoint",
+    )
 }
 
 #: whole-word replacements, applied in this order
 REPLACEMENTS = [
-    (r"\._client_base\b", "._sync_base"),
-    (r"\._client_get\b", "._sync_get"),
-    (r"\._client_put\b", "._sync_put"),
-    (r"\._client_calls\b", "._sync_calls"),
-    (r"\._client_nixl\b", "._sync_nixl"),
-    (r"\._client_gpu\b", "._sync_gpu"),
-    (r"\._client\b", "._sync"),
-    (r"\._checkpoint\b", "._sync_checkpoint"),
-    (r"\._primitives\b", "._sync_primitives"),
+    (r"\b_client\._async\b", "_client._sync"),
     (r"\._dealer\b", "._sync_dealer"),
+    (r"\._primitives\b", "._sync_primitives"),
     (r"\bDealerConnection\b", "BlockingConnection"),
     (r"\bAsyncClient\b", "Client"),
     (r"\bto_device\b", "to_device_now"),
@@ -113,8 +110,8 @@ def generate(source: str, target: str) -> str:
         text = re.sub(pattern, repl, text)
     text = _drop_awaitable(text)
     header = (
-        f"# Generated from src/tq_async/{source} by scripts/unasync.py: do not edit; change\n"
-        f"# the source and run `python scripts/unasync.py`.\n"
+        f"# Generated from src/tq_async/{source} by scripts/unasync.py:\n"
+        f"# do not edit; change the source and run `python scripts/unasync.py`.\n"
     )
     text = header + text
     text = _ruff(["check", "--fix", "--quiet", "--exit-zero"], text, target)

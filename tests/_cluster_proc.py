@@ -33,7 +33,7 @@ def serve_role(
     """Run ``tq-async serve ARGV...`` (``controller``, ``storage ...``); yield the process and
     what follows ``line`` in its output (``TQ_UNIT=`` for a unit); terminate it on exit."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve", *argv],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -80,7 +80,7 @@ def resume_and_read(kwargs: Mapping[str, Any], state: Mapping[str, Any]) -> list
 
     Returns ``[(batch_index, rows, x values), ...]`` for every micro-batch.
     """
-    from tq_async._torch_dataset import StreamingDataset
+    from tq_async._datasets._torch import StreamingDataset
 
     ds = StreamingDataset(**kwargs)
     ds.load_state_dict(state)

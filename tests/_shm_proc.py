@@ -8,9 +8,9 @@ import signal
 
 import msgspec
 
-from tq_async._dealer import DealerConnection
-from tq_async._protocol import ShmAlloc, ShmGrant, ShmHello, ShmHelloReply
-from tq_async._shm import ArenaMap
+from tq_async._paths._shm import ArenaMap
+from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._protocol import ShmAlloc, ShmGrant, ShmHello, ShmHelloReply
 
 
 def alloc_then_die(unit_address: str, nbytes: int) -> None:
@@ -31,7 +31,7 @@ def alloc_then_die(unit_address: str, nbytes: int) -> None:
 
 def device_alloc_then_die(unit_address: str, nbytes: int) -> None:
     """Take a device arena grant (after both handshakes), then SIGKILL ourselves mid-put."""
-    from tq_async._protocol import DeviceHello
+    from tq_async._wire._protocol import DeviceHello
 
     async def run() -> None:
         conn = DealerConnection(unit_address)
@@ -48,7 +48,7 @@ def device_alloc_then_die(unit_address: str, nbytes: int) -> None:
 def device_read_then_stop(unit_address: str, partition_id: str, rows: list[int]) -> None:
     """Read ``rows`` of field "x" through the unit's device arena (pinned by the reply), then
     stop (SIGSTOP) without giving the pin back: the test kills us."""
-    from tq_async._protocol import DeviceHello, StoredColumns, StoreGet
+    from tq_async._wire._protocol import DeviceHello, StoredColumns, StoreGet
 
     async def run() -> None:
         conn = DealerConnection(unit_address)

@@ -10,7 +10,7 @@ import zmq.asyncio
 from tensordict import TensorDict
 
 import tq_async as tq
-from tq_async._protocol import GetMeta, ListPartitions, Reply, StoreGet, encoder
+from tq_async._wire._protocol import GetMeta, ListPartitions, Reply, StoreGet, encoder
 
 
 async def test_client_side_argument_errors() -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tq_async._buffers import BufferPool, size_class
+from tq_async._wire._buffers import BufferPool, size_class
 
 
 def address(view: memoryview) -> int:

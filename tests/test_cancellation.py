@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 import tq_async as tq
 from _cluster_proc import serve_cluster
-from tq_async._dealer import DealerConnection
+from tq_async._transport._dealer import DealerConnection
 
 MODES = ["embedded", "tcp", "unix"]
 

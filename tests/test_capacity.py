@@ -17,7 +17,7 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
-from tq_async import _client_base
+from tq_async._client._async import _base as _client_base
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -223,7 +223,7 @@ def test_serve_raises_its_descriptor_soft_limit_to_the_hard_one() -> None:
     (often 1,024) to the hard one at start, which needs no privilege."""
     import resource
 
-    from tq_async._serve import raise_fd_limit
+    from tq_async._service._serve import raise_fd_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = 512 if hard == resource.RLIM_INFINITY else min(512, hard)

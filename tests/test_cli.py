@@ -22,10 +22,10 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from tq_async._cli import _build_parser, load_curve
-from tq_async._controller import ControllerServer
+from tq_async._controller._server import ControllerServer
+from tq_async._deploy._cli import _build_parser, load_curve
 from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
-from tq_async._serve import advertised_address, register_unit, warn_if_exposed
+from tq_async._service._serve import advertised_address, register_unit, warn_if_exposed
 
 #: generous: a service starts in ~0.3 s, but CI boxes are slow when several start at once
 START_TIMEOUT = 60.0
@@ -38,7 +38,7 @@ class Service:
         self.stderr_path = stderr_path
         self._stderr = stderr_path.open("w")
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "tq_async._cli", "serve", *argv],
+            [*prefix, sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
@@ -371,7 +371,7 @@ def test_services_never_import_torch() -> None:
     # tq_async.ray needs the optional `ray` extra (a host without it still checks the rest)
     ray = ", tq_async.ray" if importlib.util.find_spec("ray") is not None else ""
     probe = (
-        f"import sys, tq_async, tq_async._cli{ray}\n"
+        f"import sys, tq_async, tq_async._deploy._cli{ray}\n"
         "from tq_async import local_cluster\n"
         "from tq_async.lowlevel import ControllerServer, StorageServer\n"
         "heavy = sorted({'torch', 'tensordict'} & set(sys.modules))\n"

@@ -15,7 +15,7 @@ COMMANDS = [[], ["serve"], ["serve", "controller"], ["serve", "storage"]]
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tq_async._cli", *argv],
+        [sys.executable, "-m", "tq_async._deploy._cli", *argv],
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,10 +13,10 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-import tq_async._client_get as client_get
+import tq_async._client._async._get as client_get
 from _cluster_proc import serve_role
-from tq_async._dealer import DealerConnection
-from tq_async._protocol import ShmFree
+from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._protocol import ShmFree
 
 
 async def until(predicate: Any, seconds: float = 10) -> None:

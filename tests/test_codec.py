@@ -11,9 +11,10 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from tq_async import ProtocolError, SchemaError, UnsupportedTypeError, _codec
-from tq_async._codec import columns_from_batch, columns_to_tensordict
-from tq_async._columns import ColumnHeader, column_from_frames, column_to_frames, empty_column
+from tq_async import ProtocolError, SchemaError, UnsupportedTypeError
+from tq_async._wire import _codec
+from tq_async._wire._codec import columns_from_batch, columns_to_tensordict
+from tq_async._wire._columns import ColumnHeader, column_from_frames, column_to_frames, empty_column
 
 DTYPES = [
     torch.float64,

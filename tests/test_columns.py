@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tq_async import ProtocolError
-from tq_async._columns import (
+from tq_async._wire._columns import (
     ColumnHeader,
     DenseColumn,
     JaggedColumn,

@@ -11,7 +11,7 @@ import pytest
 
 import tq_async as tq
 from _cluster_proc import serve_cluster
-from tq_async._cli import _build_parser, _given, config_from_args
+from tq_async._deploy._cli import _build_parser, _given, config_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,7 +191,7 @@ def test_serve_rejects_a_bad_config_with_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[task_samplers.learner]\nfactory = "tq_async:NoSuchSampler"\n')
     done = subprocess.run(
-        [sys.executable, "-m", "tq_async._cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

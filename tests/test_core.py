@@ -19,10 +19,17 @@ from tq_async import (
     SequentialSampler,
     StalenessSampler,
 )
-from tq_async._columns import ColumnHeader
-from tq_async._core import ControllerCore, Deadlines, Effects, SampleCall, follower, split_even
-from tq_async._protocol import GetMeta, MetaReply
-from tq_async._state import ControllerState, Wakeup
+from tq_async._core._state import ControllerState, Wakeup
+from tq_async._core._transitions import (
+    ControllerCore,
+    Deadlines,
+    Effects,
+    SampleCall,
+    follower,
+    split_even,
+)
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import GetMeta, MetaReply
 from tq_async.samplers import BaseSampler
 
 X = ColumnHeader("x", "dense", "int64", ())
@@ -633,7 +640,7 @@ def test_a_batch_asked_for_with_also_is_the_same_fetch_answered_now_or_not() -> 
 
 
 def test_record_from_is_checked() -> None:
-    from tq_async._protocol import check_sampling_config
+    from tq_async._wire._protocol import check_sampling_config
 
     with pytest.raises(InvalidRequestError, match="record_from'\\] needs 'batch_index'"):
         check_sampling_config({"record_from": 0})

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tq_async._columns import ColumnHeader
-from tq_async._core import ControllerCore, Deadlines, SampleCall
-from tq_async._protocol import GetMeta, MetaReply
-from tq_async._state import ControllerState
+from tq_async._core._state import ControllerState
+from tq_async._core._transitions import ControllerCore, Deadlines, SampleCall
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import GetMeta, MetaReply
 
 X = ColumnHeader("x", "dense", "int64", ())
 LEASE = 5.0

@@ -14,7 +14,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tq_async as tq
-from tq_async._dataset import (
+from tq_async._datasets._async import (
     AsyncStreamingDataset,
     BatchSlice,
     MicroBatch,

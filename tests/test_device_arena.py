@@ -1,4 +1,5 @@
-"""Device arenas (``tq_async._gpu``): a storage unit owns device memory, clients on its host
+"""Device arenas (``tq_async._paths._device``): a storage unit owns device memory, clients on its
+host
 put dense GPU columns into it and read them out device to device.
 
 Without a GPU the arena is emulated (``TQ_ASYNC_GPU_EMULATE=1``: host memory a client maps,
@@ -24,12 +25,12 @@ import torch
 import tq_async as tq
 from _cluster_proc import serve_cluster
 from _shm_proc import device_alloc_then_die, device_read_then_stop
-from tq_async import _gpu
-from tq_async._columns import ColumnHeader
-from tq_async._gpu import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
-from tq_async._protocol import StorePut
-from tq_async._shm import Arena
-from tq_async._storage import OverBudget, StorageServer, StorageState
+from tq_async._paths import _device as _gpu
+from tq_async._paths._device import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
+from tq_async._paths._shm import Arena
+from tq_async._storage._server import OverBudget, StorageServer, StorageState
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import StorePut
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"

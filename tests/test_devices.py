@@ -1,7 +1,8 @@
-"""Tensors on devices in and out (``tq_async._devices``).
+"""Tensors on devices in and out (``tq_async._paths._device_copy``).
 
 Without a GPU the device logic runs through its seam: ``on_device`` says every tensor is on a
-device and a :class:`~tq_async._devices.HostCopier` does the copies, so what is moved, how
+device and a :class:`~tq_async._paths._device_copy.HostCopier` does the copies, so what is moved,
+how
 jagged tensors and lists of tensors are rebuilt, that a batch may mix devices, that the copies
 are waited for off the event loop and that a dataset copies in its prefetching task are all
 checked here. The tests marked ``gpu`` run the CUDA copier itself (skipped without CUDA);
@@ -22,8 +23,8 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async import _devices
-from tq_async._devices import HostCopier
+from tq_async._paths import _device_copy as _devices
+from tq_async._paths._device_copy import HostCopier
 
 
 def _batch(n: int = 16) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def running(*procs: Proc) -> Iterator[None]:
 
 
 def serve(*args: str, stderr: bool = False) -> tuple[Proc, str]:
-    proc = Proc([sys.executable, "-m", "tq_async._cli", "serve", *args], stderr=stderr)
+    proc = Proc([sys.executable, "-m", "tq_async._deploy._cli", "serve", *args], stderr=stderr)
     line = proc.line("TQ_")
     return proc, line.split("=", 1)[1] if line.startswith("TQ_ADDRESS=") else line
 
@@ -244,7 +244,8 @@ async def test_seqlen_shares_expire_back_to_their_batch_only() -> None:
 PRODUCER = """
     import asyncio, sys, torch
     import tq_async as tq
-    from tq_async._client_put import PutPath  # the client's put path (it holds one)
+    from tq_async._client._async._put import PutPath  # the client's put path (it
+    holds one)
 
     async def main():
         async with tq.AsyncClient.connect(sys.argv[1], inline_put_bytes=0) as c:

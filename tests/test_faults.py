@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._controller import ControllerServer
-from tq_async._protocol import StorePut, storage_request_decoder
-from tq_async._state import ControllerState
-from tq_async._storage import StorageServer
+from tq_async._controller._server import ControllerServer
+from tq_async._core._state import ControllerState
+from tq_async._storage._server import StorageServer
+from tq_async._wire._protocol import StorePut, storage_request_decoder
 
 UNIT_PROCESS = textwrap.dedent(
     """
     import anyio, sys
-    from tq_async._storage import StorageServer
+    from tq_async._storage._server import StorageServer
 
     async def main():
         async with anyio.create_task_group() as tg:

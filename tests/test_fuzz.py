@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tq_async as tq
-from tq_async._columns import ColumnHeader
-from tq_async._protocol import (
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import (
     GetMeta,
     Hello,
     ListPartitions,

@@ -20,8 +20,8 @@ from tensordict import TensorDict
 
 import tq_async as tq
 from test_controller import _Later
-from tq_async._client_get import GetPath
-from tq_async._protocol import MAX_ALSO, GetMeta, validate
+from tq_async._client._async._get import GetPath
+from tq_async._wire._protocol import MAX_ALSO, GetMeta, validate
 
 
 def rows(n: int, start: int = 0) -> TensorDict:

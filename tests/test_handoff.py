@@ -1,4 +1,5 @@
-"""``tq_async._handoff``: micro-batches packed into one buffer (the DataLoader paths are in
+"""``tq_async._datasets._handoff``: micro-batches packed into one buffer (the DataLoader paths are
+in
 ``tests/test_dataset.py`` and ``tests/test_torch_dataset.py``)."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tq_async import _handoff
+from tq_async._datasets import _handoff
 
 
 def test_a_jagged_tensors_fields_read_directly_are_its_accessors() -> None:

@@ -13,9 +13,9 @@ import torch
 import zmq
 
 import tq_async as tq
-from tq_async._controller import ControllerServer
-from tq_async._protocol import MetaReply, StoreGet, reply_decoder, storage_request_decoder
-from tq_async._storage import StorageServer
+from tq_async._controller._server import ControllerServer
+from tq_async._storage._server import StorageServer
+from tq_async._wire._protocol import MetaReply, StoreGet, reply_decoder, storage_request_decoder
 
 
 def count_unit_reads(units: list[StorageServer]) -> list[int]:

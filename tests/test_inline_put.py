@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._codec import columns_from_batch
-from tq_async._columns import column_to_frames
-from tq_async._controller import ControllerServer
-from tq_async._protocol import PutInline
+from tq_async._controller._server import ControllerServer
+from tq_async._wire._codec import columns_from_batch
+from tq_async._wire._columns import column_to_frames
+from tq_async._wire._protocol import PutInline
 
 
 def count_requests(controller: ControllerServer) -> dict[str, int]:

@@ -20,75 +20,19 @@ LAYERS: dict[str, list[str]] = {
     "vocabulary": [
         "_errors",
         "_logging",
-        "_buffers",
         "_portal",
         "_primitives",
         "_sync_primitives",
-        "_columns",
-        "_codec",
-        "_handoff",
-        "_devices",
         "_meta",
-        "_protocol",
+        "_wire",
         "samplers",
     ],
-    "core": [
-        "_state",
-        "_effects",
-        "_admission",
-        "_liveness",
-        "_put_leases",
-        "_catalog",
-        "_core",
-    ],
-    "wire": [
-        "_security",
-        "_unix",
-        "_shm",
-        "_gpu",
-        "_nixl",
-        "_endpoints",
-        "_routes",
-        "_router",
-        "_dealer",
-        "_sync_dealer",
-    ],
-    "services and clients": [
-        "_metrics",
-        "_parking",
-        "_service",
-        "_storage",
-        "_queries",
-        "_controller_shell",
-        "_controller_puts",
-        "_controller",
-        "_checkpoint",
-        "_options",
-        "_client_nixl",
-        "_client_gpu",
-        "_client_base",
-        "_client_put",
-        "_client_get",
-        "_client_calls",
-        "_client",
-        "_sync_checkpoint",
-        "_sync_nixl",
-        "_sync_gpu",
-        "_sync_base",
-        "_sync_put",
-        "_sync_get",
-        "_sync_calls",
-        "_sync",
-        "_serve",
-        "_config",
-    ],
+    "core": ["_core"],
+    "transport": ["_transport", "_paths"],
+    "services and clients": ["_service", "_controller", "_storage", "_client"],
     "faces": [
-        "_cluster",
-        "_background",
-        "_dataset",
-        "_torch_dataset",
-        "_cli",
-        "_compat_meta",
+        "_deploy",
+        "_datasets",
         "compat",
         "transfer_queue",
         "ray",
@@ -251,7 +195,7 @@ def test_no_class_or_function_is_too_long() -> None:
 
 
 #: the controller's I/O shell: it reads the state, every change is a transition of the core
-SHELL = ["_controller", "_controller_puts", "_controller_shell"]
+SHELL = ["_controller._server", "_controller._puts", "_controller._shell"]
 #: methods that change a ControllerState, a Partition or one of their containers
 MUTATORS = {
     "add_fields",
@@ -336,9 +280,7 @@ def f(self):
 
 #: the client's modules, async and generated blocking: they share nothing private
 CLIENT_MODULES = sorted(
-    name
-    for name in _modules()
-    if name.startswith(("_client", "_sync")) or name in ("_checkpoint", "_dealer", "_primitives")
+    name for name in _modules() if name.startswith("_client") or name == "_transport._dealer"
 )
 
 
@@ -348,7 +290,7 @@ def _private_imports(name: str, tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or not node.module:
             continue
-        if node.level == 1 or node.module.startswith(f"{PACKAGE}."):
+        if node.level or node.module.startswith(f"{PACKAGE}."):
             found += [
                 f"{name} imports {node.module}.{a.name}"
                 for a in node.names
@@ -367,12 +309,12 @@ def test_no_private_name_is_imported_across_client_modules() -> None:
 def test_the_private_import_finder_finds_them() -> None:
     code = """
 from ._client_base import Links, _check_busy_poll
-from tq_async._client_get import _copy_spans
+from tq_async._client._async._get import _copy_spans
 from ._protocol import Hello
 """
     assert _private_imports("_client", ast.parse(code)) == [
         "_client imports _client_base._check_busy_poll",
-        "_client imports tq_async._client_get._copy_spans",
+        "_client imports tq_async._client._async._get._copy_spans",
     ]
 
 
@@ -405,5 +347,10 @@ def test_the_client_holds_its_parts_instead_of_inheriting_them() -> None:
 def test_the_client_checks_find_what_they_look_for() -> None:
     """The private-import and inheritance checks see the real client modules (a renamed module
     must not make them vacuous)."""
-    assert {"_client", "_client_base", "_sync", "_sync_base"} <= set(CLIENT_MODULES)
+    assert {
+        "_client._async._client",
+        "_client._async._base",
+        "_client._sync._client",
+        "_client._sync._base",
+    } <= set(CLIENT_MODULES)
     assert {"AsyncClient", "Client", "Links"} <= set(_client_classes())

@@ -85,7 +85,7 @@ def test_512_coroutines_in_4_processes_lose_and_duplicate_nothing() -> None:
         [
             sys.executable,
             "-m",
-            "tq_async._cli",
+            "tq_async._deploy._cli",
             "serve",
             "--storage-units",
             "2",

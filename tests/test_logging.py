@@ -14,14 +14,14 @@ import torch
 import tq_async as tq
 from test_cli import service
 from tq_async._logging import get_logger
-from tq_async._serve import warn_if_exposed
+from tq_async._service._serve import warn_if_exposed
 
 QUIET_PROGRAM = """
 import anyio, torch
 from tensordict import TensorDict
 import tq_async as tq
 from tq_async._logging import get_logger
-from tq_async._serve import warn_if_exposed
+from tq_async._service._serve import warn_if_exposed
 
 async def main():
     async with tq.local_cluster(num_storage_units=1) as cluster:
@@ -151,7 +151,7 @@ def test_records_are_stdlib_records_named_after_modules(
         warn_if_exposed("tcp://0.0.0.0:5555", "storage")
         get_logger("tq_async.test").debug("hidden")
     [record] = caplog.records
-    assert record.name == "tq_async._serve"
+    assert record.name == "tq_async._service._serve"
     assert record.levelno == logging.WARNING
     assert record.getMessage().startswith("binding a non-loopback interface")
     assert record.tq_event["address"] == "tcp://0.0.0.0:5555"  # type: ignore[attr-defined]
@@ -209,7 +209,7 @@ def test_serve_plain_text_when_stderr_is_not_a_tty(tmp_path: Path) -> None:
 
 
 def test_log_level_is_case_insensitive(capsys: pytest.CaptureFixture[str]) -> None:
-    from tq_async._cli import _build_parser
+    from tq_async._deploy._cli import _build_parser
 
     assert _build_parser().parse_args(["serve", "--log-level", "warning"]).log_level == "WARNING"
     with pytest.raises(SystemExit):
@@ -226,7 +226,7 @@ def test_serve_colours_its_logs_on_a_terminal() -> None:
 
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve"],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve"],
         stdout=subprocess.PIPE,
         stderr=slave,
     )

@@ -187,7 +187,15 @@ def test_a_storage_unit_with_a_controller_address_without_a_scheme() -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "tq_async._cli", "serve", "storage", "--controller", "h:5555"],
+        [
+            sys.executable,
+            "-m",
+            "tq_async._deploy._cli",
+            "serve",
+            "storage",
+            "--controller",
+            "h:5555",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

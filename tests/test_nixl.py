@@ -1,4 +1,4 @@
-"""The NIXL (UCX) data path (``tq_async._nixl``): exact round trips of every column kind,
+"""The NIXL (UCX) data path (``tq_async._paths._nixl``): exact round trips of every column kind,
 fallback to the socket when a transfer fails or NIXL is missing, a unit killed mid-transfer,
 and registrations that stay flat however many transfers run.
 
@@ -30,13 +30,15 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 import tq_async as tq
-import tq_async._client as _nixl_base
+import tq_async._client._async._client as _nixl_base
 from _cluster_proc import serve_role
-from tq_async import _nixl, _storage
-from tq_async._columns import ColumnHeader
-from tq_async._dealer import DealerConnection
 from tq_async._errors import BrokenError, TQError
-from tq_async._protocol import (
+from tq_async._paths import _nixl
+from tq_async._storage._server import StorageServer
+from tq_async._storage._server import _server as _storage
+from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import (
     NixlHello,
     NixlHelloReply,
     ShmAlloc,
@@ -47,7 +49,6 @@ from tq_async._protocol import (
     StoreStats,
     StoreStatsReply,
 )
-from tq_async._storage import StorageServer
 from tq_async.lowlevel import transfer_collector
 
 pytestmark = pytest.mark.skipif(
@@ -529,7 +530,14 @@ def test_nixl_between_network_namespaces(tmp_path: Path, tls: str) -> None:
 
         def start(host: str, *argv: str) -> subprocess.Popen[str]:
             proc = subprocess.Popen(
-                [*lab.exec_prefix(host), sys.executable, "-m", "tq_async._cli", "serve", *argv],
+                [
+                    *lab.exec_prefix(host),
+                    sys.executable,
+                    "-m",
+                    "tq_async._deploy._cli",
+                    "serve",
+                    *argv,
+                ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,

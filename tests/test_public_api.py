@@ -145,7 +145,7 @@ def _all_errors(cls: type[tq_async.TQError]) -> list[type[tq_async.TQError]]:
 @pytest.mark.parametrize("cls", _all_errors(tq_async.TQError), ids=lambda c: c.__name__)
 def test_every_error_crosses_the_wire_as_itself(cls: type[tq_async.TQError]) -> None:
     from tq_async._errors import error_from_wire
-    from tq_async._protocol import Reply, decode_error_payload, error_reply
+    from tq_async._wire._protocol import Reply, decode_error_payload, error_reply
 
     reply = msgspec.msgpack.decode(error_reply(7, cls("what happened; what to do")), type=Reply)
     again = error_from_wire(*decode_error_payload(reply.payload))

@@ -1,5 +1,6 @@
 """Same-host control plane: a client of a ``tq-async serve`` on its host talks to the
-controller over the controller's Unix-socket twin (``tq_async._unix``) once it has proven it
+controller over the controller's Unix-socket twin (``tq_async._transport._unix``) once it has
+proven it
 is the same controller, and to the units over their ipc twins; ``same_host=False`` keeps the
 addresses as given."""
 
@@ -19,9 +20,9 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import _read_address, serve_cluster, serve_role
-from tq_async._endpoints import same_host_ipc
 from tq_async._errors import BrokenError
-from tq_async._unix import abstract_name
+from tq_async._transport._endpoints import same_host_ipc
+from tq_async._transport._unix import abstract_name
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="abstract sockets: Linux only")
 
@@ -81,7 +82,7 @@ async def test_garbage_on_the_unix_socket_is_dropped(address: str) -> None:
 
 async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--storage-units", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -110,7 +111,7 @@ async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
 
 
 def _raw(frames: list[bytes]) -> bytes:
-    from tq_async._unix import encode
+    from tq_async._transport._unix import encode
 
     return b"".join(bytes(part) for part in encode(frames))
 
@@ -118,7 +119,7 @@ def _raw(frames: list[bytes]) -> bytes:
 def test_the_stream_reads_messages_whole_however_they_arrive() -> None:
     """Many messages in one read, messages across a full read chunk, and a large message in
     pieces: each comes out whole, in order, once all of its bytes are in."""
-    from tq_async._unix import _CHUNK, MessageStream
+    from tq_async._transport._unix import _CHUNK, MessageStream
 
     ours, theirs = socket.socketpair()
     with ours, theirs:

@@ -65,5 +65,5 @@ async def test_binds_loopback_by_default_and_warns_on_public(
     assert "non-loopback" not in caplog.text
     async with tq.local_cluster(num_storage_units=1, bind="tcp://0.0.0.0:0"):
         pass
-    # a warning of the tq_async._cluster logger (the application's logging shows it)
+    # a warning of the tq_async._deploy._cluster logger (the application's logging shows it)
     assert [r.levelname for r in caplog.records if "non-loopback" in r.getMessage()] == ["WARNING"]

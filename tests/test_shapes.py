@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._columns import ColumnHeader, DenseColumn, JaggedColumn, join_columns
+from tq_async._wire._columns import ColumnHeader, DenseColumn, JaggedColumn, join_columns
 
 
 def _lengths(t: torch.Tensor) -> list[int]:

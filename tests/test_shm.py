@@ -1,4 +1,5 @@
-"""The same-host shared-memory data path (``tq_async._shm``): exact round trips, cleanup after
+"""The same-host shared-memory data path (``tq_async._paths._shm``): exact round trips, cleanup
+after
 a client or a unit dies, bounded memory, fallback at the cap, refusal of bad descriptions.
 
 Clients that should take the shared-memory path live in another process than the units (a
@@ -26,10 +27,13 @@ import zmq
 import tq_async as tq
 from _cluster_proc import _read_address, serve_cluster
 from _shm_proc import alloc_then_die
-from tq_async._columns import ColumnHeader
-from tq_async._dealer import DealerConnection
+from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
 from tq_async._errors import InvalidRequestError, ProtocolError
-from tq_async._protocol import (
+from tq_async._paths._shm import PAGE, Arena, ArenaMap
+from tq_async._storage._server import StorageServer
+from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import (
     ShmAlloc,
     ShmFrames,
     ShmGrant,
@@ -38,9 +42,6 @@ from tq_async._protocol import (
     StorePut,
     StoreStatsReply,
 )
-from tq_async._shm import PAGE, Arena, ArenaMap
-from tq_async._storage import StorageServer
-from tq_async._torch_dataset import StreamingDataLoader, StreamingDataset
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -196,7 +197,7 @@ def test_put_falls_back_to_the_socket_at_the_cap() -> None:
         [
             sys.executable,
             "-m",
-            "tq_async._cli",
+            "tq_async._deploy._cli",
             "serve",
             "--storage-units",
             "1",
@@ -238,7 +239,7 @@ def _memfd_maps() -> list[str]:
 
 async def test_a_killed_unit_leaves_nothing_mapped() -> None:
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, read with a deadline
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--storage-units", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tq_async import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
-from tq_async._columns import ColumnHeader
-from tq_async._state import ControllerState, ReadyView, RowOrigin, RowTags, Wakeup
+from tq_async._core._state import (
+    ControllerState,
+    ReadyView,
+    RowOrigin,
+    RowTags,
+    Wakeup,
+)
+from tq_async._wire._columns import ColumnHeader
 
 IDS = ColumnHeader("ids", "dense", "int64", (4,))
 REW = ColumnHeader("rew", "dense", "float32", ())
@@ -198,7 +204,7 @@ def test_ready_rows_behaves_like_an_ordered_dict() -> None:
     """Random adds/removes against the insertion-ordered dict the array-backed set replaces."""
     import random
 
-    from tq_async._state import ReadyRows
+    from tq_async._core._state import ReadyRows
 
     rng = random.Random(7)
     model: dict[int, None] = dict.fromkeys([3, 1, 2])

@@ -48,9 +48,9 @@ def test_client_inside_a_foreign_running_loop(tmp_path: object) -> None:
     script = textwrap.dedent(
         """
         import asyncio, torch, tq_async as tq
-        from tq_async._cli import main
+        from tq_async._deploy._cli import main
         import subprocess, sys
-        proc = subprocess.Popen([sys.executable, "-m", "tq_async._cli", "serve",
+        proc = subprocess.Popen([sys.executable, "-m", "tq_async._deploy._cli", "serve",
                                  "--storage-units", "1"], stdout=subprocess.PIPE, text=True)
         address = proc.stdout.readline().strip().split("=", 1)[1]
         async def inside_loop():

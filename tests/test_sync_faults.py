@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._buffers import buffer_pool
+from tq_async._wire._buffers import buffer_pool
 
 _FORK = mp.get_context("fork")
 
@@ -26,7 +26,7 @@ _FORK = mp.get_context("fork")
 def served() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``tq-async serve`` in its own process: (address, process)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tq_async._cli", "serve", "--storage-units", "1"],
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--storage-units", "1"],
         stdout=subprocess.PIPE,
         text=True,
     )

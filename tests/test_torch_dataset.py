@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import tq_async as tq
 from _cluster_proc import resume_and_read, serve_cluster
-from tq_async._torch_dataset import StreamingDataLoader, StreamingDataset
+from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
 
 N_ROWS = 22  # batches of 4 -> [4, 4, 4, 4, 4, 2]; micro-batches of 3 -> [3, 1] per batch
 
@@ -465,7 +465,7 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
     every row once, in order: the dead worker's batches are re-read by their batch_index."""
     import os
 
-    from tq_async import _torch_dataset as td_mod
+    from tq_async._datasets import _torch as td_mod
 
     pid = "grouped-kill"
     client.put({"x": torch.arange(64)}, partition_id=pid)
@@ -507,12 +507,12 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
 def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_every_row(
     address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # batches over 1 MiB go to the loader as one shared-memory buffer (tq_async._handoff);
+    # batches over 1 MiB go to the loader as one shared-memory buffer (tq_async._datasets._handoff);
     # a worker SIGKILLed right after allocating it ends the pass with torch's error (no hang),
     # and a loader resumed from the position reads every row once
     import os
 
-    from tq_async import _handoff
+    from tq_async._datasets import _handoff
 
     n, width = 12, 70_000  # 4-row batches of ~1.1 MB
     client.put(

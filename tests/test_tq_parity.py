@@ -188,7 +188,7 @@ async def test_numpy_columns_are_accepted() -> None:
 
 
 def test_numpy_column_is_not_copied_when_writable() -> None:
-    from tq_async._codec import columns_from_batch
+    from tq_async._wire._codec import columns_from_batch
 
     array = np.arange(6, dtype=np.int64).reshape(3, 2)
     _, _, columns = columns_from_batch({"x": array})

@@ -16,9 +16,9 @@ import torch
 import zmq
 
 import tq_async as tq
-from tq_async._dealer import BusyPoll, DealerConnection
-from tq_async._protocol import ListPartitions
-from tq_async._router import RouterEndpoint
+from tq_async._transport._dealer import BusyPoll, DealerConnection
+from tq_async._transport._router import RouterEndpoint
+from tq_async._wire._protocol import ListPartitions
 
 
 async def test_a_client_in_the_services_process_connects_inproc() -> None:
@@ -244,7 +244,7 @@ async def test_a_refusal_read_before_the_request_still_says_nothing_listens() ->
 
 
 def test_a_refusal_read_before_the_blocking_request_still_says_nothing_listens() -> None:
-    from tq_async._sync_dealer import BlockingConnection
+    from tq_async._transport._sync_dealer import BlockingConnection
 
     conn = BlockingConnection("tcp://127.0.0.1:9", refused_is_broken=True)
     try:

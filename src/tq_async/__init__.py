@@ -4,33 +4,35 @@ Producers ``put`` fields of samples into partitions, a controller tracks which f
 sample has and which task consumed it, samplers decide what each consumer gets, and
 consumers stream ready batches. See the README for a tour.
 
-Layers, lowest first; a module imports its own layer and the ones below, never above
-(``tests/test_layering.py`` checks it, and that no modules import each other in a circle):
+Layers, lowest first, one folder each (a module imports its own layer and the ones below,
+never above; ``tests/test_layering.py`` checks it, and that no modules import each other in a
+circle):
 
-1. **vocabulary**: errors (``_errors``), logging, recycled buffers, the services' loop registry
+1. **vocabulary**: errors (``_errors``), logging (``_logging``), the services' loop registry
    and portal (``_portal``), the clients' concurrency primitives (``_primitives``, blocking
-   ``_sync_primitives``),
-   columns and their codec (``_columns``, ``_codec``: pure functions), ``BatchMeta``
-   (``_meta``), the wire messages (``_protocol``: msgspec records, no I/O) and the samplers.
-2. **core**: the controller's state (``_state``) and its pure state machine (``_core``,
-   composing ``_put_leases``, ``_admission`` and ``_liveness``; records in ``_effects``):
-   every transition takes ``now`` and returns effects; no loop, socket or clock.
-3. **wire**: moving frames: addresses (``_endpoints``), the services' ROUTER endpoint
-   (``_router``), the clients' DEALER connection (``_dealer``; the blocking client's,
-   driven by the calling thread, ``_sync_dealer``), in-process routes
-   (``_routes``), Unix sockets (``_unix``), shared memory (``_shm``), device arenas over
-   the CUDA driver (``_gpu``), NIXL transfers (``_nixl``), CURVE keys (``_security``).
-4. **services and clients**: the controller and storage services (``_controller``,
-   ``_storage``: tables of small handlers on one request loop, ``_service``, that decode,
-   call their state and answer; requests that wait park in one ``_parking`` lot), the
-   clients (``_client`` and its modules; the blocking ``_sync*`` twins generated from them by
-   ``scripts/unasync.py``; their options, ``_options``; NIXL links, ``_client_nixl``; device
-   arena links, ``_client_gpu``; device copies, ``_devices``), checkpoints, metrics,
-   ``_serve``, ``_config``.
-5. **faces**: what users start: ``local_cluster``, ``background_cluster``, the streaming
-   datasets, the ``tq-async`` CLI, ``tq_async.ray``, ``tq_async.compat`` (with
-   ``_compat_meta``, TransferQueue's ``BatchMeta``), and
-   :mod:`tq_async.lowlevel`, the internals for tools and custom deployments.
+   ``_sync_primitives``), ``BatchMeta`` (``_meta``), the wire's vocabulary in ``_wire/``
+   (control messages ``_protocol``, columns as bytes ``_columns``, tensors <-> columns
+   ``_codec``: pure functions and msgspec records, no I/O) and the samplers (``samplers/``).
+2. **core**: ``_core/``, the controller's state (``_state``) and its pure state machine
+   (``_transitions``, composing ``_put_leases``, ``_admission``, ``_liveness`` and
+   ``_catalog``; records in ``_effects``): every transition takes ``now`` and returns
+   effects; no loop, socket or clock.
+3. **transport**: moving frames, ``_transport/`` (addresses ``_endpoints``, the services'
+   ROUTER ``_router``, the clients' DEALER connection ``_dealer`` and the blocking client's
+   ``_sync_dealer``, in-process ``_routes``, Unix sockets ``_unix``, CURVE ``_security``),
+   and the data paths, ``_paths/`` (shared memory ``_shm``, NIXL ``_nixl``, device arenas
+   ``_device`` and device copies ``_device_copy``).
+4. **services and clients**: what both services share, ``_service/`` (the request loop
+   ``_loop``, the ``_parking`` lot for requests that wait, ``_metrics``, one ``Config``
+   ``_config``, one service on its own ``_serve``); the controller, ``_controller/`` (a thin
+   shell around the core); the storage units, ``_storage/``; the clients, ``_client/``
+   (``_async/``, and ``_sync/``, the blocking twins generated from it by
+   ``scripts/unasync.py``; their ``_options``).
+5. **faces**: what users start: ``_deploy/`` (``local_cluster``, ``background_cluster``, the
+   ``tq-async`` CLI), ``_datasets/`` (the streaming datasets and the PyTorch adapter),
+   ``tq_async.ray``, ``tq_async.compat`` (with TransferQueue's ``BatchMeta``), the
+   ``tq_async.transfer_queue`` alias and :mod:`tq_async.lowlevel`, the internals for tools
+   and custom deployments.
 
 The names that need torch (clients, datasets) are imported on first use, so that the services
 (``tq-async serve``, Ray actors), which never touch a tensor, start without importing torch:
@@ -41,17 +43,14 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ._background import BackgroundCluster as BackgroundCluster
-from ._background import background_cluster as background_cluster
-from ._checkpoint import checkpoint_metadata as checkpoint_metadata
-from ._cluster import LocalCluster as LocalCluster
-from ._cluster import local_cluster as local_cluster
-from ._config import AdmissionSection as AdmissionSection
-from ._config import Config as Config
-from ._config import CurveSection as CurveSection
-from ._config import SamplerSpec as SamplerSpec
-from ._core import AdmissionConfig as AdmissionConfig
-from ._core import Deadlines as Deadlines
+from ._client._async._checkpoint import checkpoint_metadata as checkpoint_metadata
+from ._client._options import ClientOptions as ClientOptions
+from ._core._transitions import AdmissionConfig as AdmissionConfig
+from ._core._transitions import Deadlines as Deadlines
+from ._deploy._background import BackgroundCluster as BackgroundCluster
+from ._deploy._background import background_cluster as background_cluster
+from ._deploy._cluster import LocalCluster as LocalCluster
+from ._deploy._cluster import local_cluster as local_cluster
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
@@ -70,10 +69,13 @@ from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WouldBlock as WouldBlock
 from ._logging import configure_logging as configure_logging
 from ._meta import BatchMeta as BatchMeta
-from ._options import ClientOptions as ClientOptions
-from ._security import CurveClient as CurveClient
-from ._security import CurveServer as CurveServer
-from ._security import curve_keypair as curve_keypair
+from ._service._config import AdmissionSection as AdmissionSection
+from ._service._config import Config as Config
+from ._service._config import CurveSection as CurveSection
+from ._service._config import SamplerSpec as SamplerSpec
+from ._transport._security import CurveClient as CurveClient
+from ._transport._security import CurveServer as CurveServer
+from ._transport._security import curve_keypair as curve_keypair
 from .samplers import BaseSampler as BaseSampler
 from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
@@ -85,23 +87,23 @@ from .samplers import get_seqlen_balanced_partitions as get_seqlen_balanced_part
 from .samplers import karmarkar_karp as karmarkar_karp
 
 if TYPE_CHECKING:
-    from ._client import AsyncClient as AsyncClient
-    from ._dataset import AsyncStreamingDataset as AsyncStreamingDataset
-    from ._dataset import chunk_batch_fn as chunk_batch_fn
-    from ._dataset import default_fetch_batch_fn as default_fetch_batch_fn
-    from ._sync import Client as Client
-    from ._torch_dataset import StreamingDataLoader as StreamingDataLoader
-    from ._torch_dataset import StreamingDataset as StreamingDataset
+    from ._client._async._client import AsyncClient as AsyncClient
+    from ._client._sync._client import Client as Client
+    from ._datasets._async import AsyncStreamingDataset as AsyncStreamingDataset
+    from ._datasets._async import chunk_batch_fn as chunk_batch_fn
+    from ._datasets._async import default_fetch_batch_fn as default_fetch_batch_fn
+    from ._datasets._torch import StreamingDataLoader as StreamingDataLoader
+    from ._datasets._torch import StreamingDataset as StreamingDataset
 
 #: public name -> module, imported on first access (PEP 562)
 _LAZY = {
-    "AsyncClient": "._client",
-    "AsyncStreamingDataset": "._dataset",
-    "chunk_batch_fn": "._dataset",
-    "default_fetch_batch_fn": "._dataset",
-    "Client": "._sync",
-    "StreamingDataLoader": "._torch_dataset",
-    "StreamingDataset": "._torch_dataset",
+    "AsyncClient": "._client._async._client",
+    "AsyncStreamingDataset": "._datasets._async",
+    "chunk_batch_fn": "._datasets._async",
+    "default_fetch_batch_fn": "._datasets._async",
+    "Client": "._client._sync._client",
+    "StreamingDataLoader": "._datasets._torch",
+    "StreamingDataset": "._datasets._torch",
 }
 
 

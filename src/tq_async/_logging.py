@@ -111,7 +111,7 @@ def configure_logging(
     The library never calls this. It adds one handler to the ``tq_async`` logger (a second
     call replaces it) and configures structlog for the application's own structlog loggers;
     with a logging set-up of your own, skip it: tq_async's records go through the standard
-    ``logging`` loggers named after its modules (``tq_async._client``, ...).
+    ``logging`` loggers named after its modules (``tq_async._client._async._client``, ...).
 
     Args:
         level: the lowest level shown, as a name in any case (``"debug"``, ``"INFO"``) or a

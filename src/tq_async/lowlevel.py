@@ -18,14 +18,14 @@ These names are stable within a minor version, like the rest of the public API, 
 expose more of the design and change more often between minor versions.
 """
 
-from ._columns import ColumnHeader as ColumnHeader
-from ._controller import ControllerServer as ControllerServer
-from ._core import ControllerCore as ControllerCore
-from ._metrics import transfer_collector as transfer_collector
-from ._serve import serve_controller as serve_controller
-from ._serve import serve_storage as serve_storage
-from ._state import ControllerState as ControllerState
-from ._storage import StorageServer as StorageServer
+from ._controller._server import ControllerServer as ControllerServer
+from ._core._state import ControllerState as ControllerState
+from ._core._transitions import ControllerCore as ControllerCore
+from ._service._metrics import transfer_collector as transfer_collector
+from ._service._serve import serve_controller as serve_controller
+from ._service._serve import serve_storage as serve_storage
+from ._storage._server import StorageServer as StorageServer
+from ._wire._columns import ColumnHeader as ColumnHeader
 
 __all__ = [
     "ColumnHeader",

@@ -48,11 +48,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tq_async.ray needs Ray; install it with `pip install 'tq_async[ray]'`"
     ) from exc
 
-from ._config import Config
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
-from ._security import CurveServer
-from ._serve import first_tq_error, serve_controller, serve_storage
+from ._service._config import Config
+from ._service._serve import first_tq_error, serve_controller, serve_storage
+from ._transport._security import CurveServer
 from .samplers import BaseSampler
 
 __all__ = ["RayCluster", "attach", "launch", "select_nodes"]

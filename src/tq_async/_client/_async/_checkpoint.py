@@ -1,0 +1,323 @@
+"""Checkpoints: the controller's state and every cell, in a directory written atomically.
+
+Layout of a checkpoint directory::
+
+    manifest.json      format name and version, the size and sha256 of every other file,
+                       and the caller's ``metadata`` (JSON; :func:`checkpoint_metadata`)
+    state.msgpack      the controller snapshot (partitions, production, consumption, tags,
+                       keys, recorded batches) and the sampler's state_dict
+    cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
+                       frame sizes) then the column's wire frames, exactly as the codec sends them
+
+Row placement is not saved: a restore spreads rows over whatever storage units exist. No
+pickle is involved in reading a checkpoint (pickled columns stay opaque bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..._errors import CheckpointError, InvalidRequestError
+from ..._meta import BatchMeta
+from ..._primitives import cleanup_scope, run_sync_off_loop
+from ..._wire._columns import (
+    Column,
+    ColumnHeader,
+    column_frame_count,
+    column_from_frames,
+    column_to_frames,
+    position_runs,
+    take_rows,
+)
+from ..._wire._protocol import (
+    DumpState,
+    RestoreAbort,
+    RestoreBegin,
+    RestoreCommit,
+    StateDump,
+    StorePut,
+    encoder,
+)
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "checkpoint_metadata",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+FORMAT = "tq_async-checkpoint"
+FORMAT_VERSION = 1
+_MAGIC = b"TQCELLS1"
+
+
+class _CellsHeader(msgspec.Struct, array_like=True):
+    partition_id: str
+    rows: list[int]
+    column: ColumnHeader
+    frame_sizes: list[int]
+
+
+def _sha256(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write(path: str, chunks: Sequence[Any]) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            f.write(view)
+            digest.update(view)
+            size += view.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _encode_cells(
+    partition_id: str, rows: list[int], header: ColumnHeader, column: Column
+) -> list[Any]:
+    frames = column_to_frames(header, column)
+    sizes = [memoryview(f).cast("B").nbytes for f in frames]
+    head = encoder.encode(_CellsHeader(partition_id, rows, header, sizes))
+    return [_MAGIC, struct.pack("<Q", len(head)), head, *frames]
+
+
+def _decode_cells(name: str, data: bytearray) -> tuple[_CellsHeader, Column]:
+    view = memoryview(data)
+    try:
+        if bytes(view[:8]) != _MAGIC:
+            raise ValueError("bad magic")
+        (hlen,) = struct.unpack("<Q", view[8:16])
+        head = msgspec.msgpack.decode(view[16 : 16 + hlen], type=_CellsHeader)
+        pos = 16 + hlen
+        frames = []
+        for size in head.frame_sizes:
+            frames.append(view[pos : pos + size])
+            pos += size
+        if pos != len(view) or len(frames) != column_frame_count(head.column):
+            raise ValueError("size mismatch")
+        return head, column_from_frames(head.column, frames, len(head.rows))
+    except (ValueError, struct.error, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"checkpoint file {name!r} is corrupt: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ClientLink:
+    """The client calls a checkpoint makes; the client hands them over (no import of it here).
+
+    Attributes:
+        call: a controller request and the type of its reply.
+        fetch_columns: the named columns of a batch's rows, read from every unit.
+        store: a request with frames to one storage unit (by id).
+    """
+
+    call: Callable[[msgspec.Struct, Any], Awaitable[Any]]
+    fetch_columns: Callable[
+        [BatchMeta, list[str]], Awaitable[tuple[list[ColumnHeader], list[Column]]]
+    ]
+    store: Callable[[int, msgspec.Struct, Sequence[Any]], Awaitable[Any]]
+
+
+async def save_checkpoint(
+    client: ClientLink,
+    path: str,
+    partition_ids: Sequence[str] | None,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """See :meth:`AsyncClient.save_checkpoint`."""
+    user_metadata = _user_metadata(metadata)
+    ids = None if partition_ids is None else list(partition_ids)
+    dump: StateDump = await client.call(DumpState(ids), StateDump)
+    tmp = _tmp_name(path)
+    try:
+        os.makedirs(tmp)
+        files: dict[str, dict[str, Any]] = {}
+
+        def add(name: str, chunks: Sequence[Any]) -> None:
+            size, digest = _write(os.path.join(tmp, name), chunks)
+            files[name] = {"bytes": size, "sha256": digest}
+
+        await run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
+        for pi, pd in enumerate(dump.partitions):
+            for fi, fd in enumerate(pd.fields):
+                rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
+                if not rows:
+                    continue
+                meta = BatchMeta(
+                    partition_id=pd.partition_id,
+                    global_indexes=rows,
+                    field_names=[fd.header.name],
+                    units=[pd.units[r] for r in rows],
+                )
+                headers, columns = await client.fetch_columns(meta, [fd.header.name])
+                chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
+                await run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "files": files,
+            "metadata": user_metadata,
+        }
+        await run_sync_off_loop(add, "manifest.json", [json.dumps(manifest, indent=1).encode()])
+        _swap_into_place(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidRequestError(
+            f"metadata must be a dict of JSON values, got {type(metadata).__name__}"
+        )
+    try:
+        return dict(json.loads(json.dumps(dict(metadata))))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"metadata must hold JSON values only (str, int, float, bool, None, list, dict): {exc}"
+        ) from None
+
+
+def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata`` dict a checkpoint was saved with (``{}`` when none was given).
+
+    Raises:
+        CheckpointError: ``path`` is not a readable tq_async checkpoint.
+    """
+    manifest_path = os.path.join(os.fspath(path), "manifest.json")
+    try:
+        with open(manifest_path, "rb") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{os.fspath(path)!r} is not a readable checkpoint ({exc}); pass the directory "
+            "save_checkpoint wrote"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{os.fspath(path)!r} is not a tq_async checkpoint")
+    metadata = manifest.get("metadata", {})
+    return dict(metadata) if isinstance(metadata, dict) else {}
+
+
+def _tmp_name(path: str) -> str:
+    """A sibling of ``path`` (same filesystem, so the final rename is atomic)."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    return os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def _swap_into_place(tmp: str, path: str) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is replaced only once ``tmp`` is whole."""
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+        return
+    old = f"{tmp}.old"
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Column]]]:
+    manifest_path = os.path.join(path, "manifest.json")
+    try:
+        with open(manifest_path, "rb") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path!r} is not a checkpoint (no manifest.json): a partial or missing checkpoint"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {manifest_path!r}: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not a tq_async checkpoint")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path!r} has checkpoint format version {manifest.get('format_version')!r}; this "
+            f"tq_async reads version {FORMAT_VERSION}: load it with the version that wrote it"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "state.msgpack" not in files:
+        raise CheckpointError(f"{path!r} has a manifest without state.msgpack")
+    blobs: dict[str, bytearray] = {}
+    for name, info in files.items():
+        if name == "manifest.json":
+            continue
+        if os.path.basename(name) != name:
+            raise CheckpointError(f"{path!r} names a file outside the checkpoint: {name!r}")
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                data = bytearray(f.read())
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {name!r} is missing: {exc}") from exc
+        if len(data) != info.get("bytes") or _sha256(data) != info.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint file {name!r} does not match its manifest (size or sha256): the "
+                "checkpoint is corrupt or partial"
+            )
+        blobs[name] = data
+    try:
+        state = msgspec.msgpack.decode(blobs.pop("state.msgpack"), type=StateDump)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"state.msgpack of {path!r} is unreadable: {exc}") from exc
+    cells = [_decode_cells(name, data) for name, data in sorted(blobs.items())]
+    known = {
+        (pd.partition_id, fd.header.name): fd.header for pd in state.partitions for fd in pd.fields
+    }
+    for head, _ in cells:
+        saved = known.get((head.partition_id, head.column.name))
+        if saved is None or not saved.accepts(head.column):
+            raise CheckpointError(
+                f"cells of {head.partition_id!r}/{head.column.name!r} do not match the saved "
+                "schema: the checkpoint is inconsistent"
+            )
+    return state, cells
+
+
+async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
+    """See :meth:`AsyncClient.load_checkpoint`."""
+    state, cells = await run_sync_off_loop(_read_verified, path)
+    ids = [pd.partition_id for pd in state.partitions]
+    placement: dict[str, list[int]] = await client.call(
+        RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
+    )
+    try:
+        for head, column in cells:
+            units = placement[head.partition_id]
+            by_unit: dict[int, list[int]] = {}
+            for pos, row in enumerate(head.rows):
+                by_unit.setdefault(units[row], []).append(pos)
+            for unit, positions in by_unit.items():
+                runs = position_runs(positions)
+                part = take_rows(column, runs) if len(by_unit) > 1 else column
+                await client.store(
+                    unit,
+                    StorePut(head.partition_id, [head.rows[i] for i in positions], [head.column]),
+                    column_to_frames(head.column, part),
+                )
+        await client.call(RestoreCommit(ids, state.sampler_state or None), None)
+    except BaseException:
+        with cleanup_scope(5), contextlib.suppress(Exception):
+            await client.call(RestoreAbort(ids), None)
+        raise
+    return ids

@@ -1,0 +1,483 @@
+"""The client's puts: validate and encode a batch, place its rows, store, commit.
+
+A put is three steps — ask the controller for rows and placement, send each unit its slice
+(through the unit's shared memory on the same host), commit — or one message to the
+controller for a small put whose rows sit on one unit (:class:`PutInline`). The rows become
+visible to consumers only at the commit, with their tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import msgspec
+import torch
+import zmq
+from tensordict import TensorDictBase
+
+from ..._errors import (
+    InvalidRequestError,
+    ProtocolError,
+    RowsNotFound,
+    SchemaError,
+)
+from ..._logging import get_logger
+from ..._meta import BatchMeta
+from ..._paths._device_copy import to_host
+from ..._paths._shm import ArenaMap, align
+from ..._primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
+from ..._transport._dealer import DealerConnection
+from ..._wire._codec import DeviceColumn, check_text, columns_from_batch, tags_for_wire
+from ..._wire._columns import (
+    Column,
+    ColumnHeader,
+    column_nbytes,
+    column_to_frames,
+    position_runs,
+    positions_by_unit,
+    take_rows,
+)
+from ..._wire._protocol import (
+    AbortPut,
+    ClearSamples,
+    Placement,
+    PutBegin,
+    PutCommit,
+    PutInline,
+    RenewPut,
+    Reply,
+    ShmAlloc,
+    ShmFrames,
+    ShmFree,
+    ShmGrant,
+    StorePut,
+    check_ints,
+    check_seconds,
+)
+from ._base import THREAD_COPY_BYTES, Links, as_int, decode
+from ._device_links import keeps_on_device
+
+__all__ = ["PutPath"]
+
+log = get_logger(__name__)
+
+
+#: puts smaller than this go through the socket even to a unit on this host: one round trip
+#: instead of two (grant, then put) costs less than the copy it saves
+_SHM_MIN_BYTES = 64 << 10
+
+
+def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[int] | None:
+    """One policy version per row (an int >= 0 each), or None."""
+    if policy_version is None:
+        return None
+    one = as_int(policy_version)
+    if isinstance(one, (int, str, bytes)) or not hasattr(one, "__iter__"):
+        versions = [one] * n
+    else:
+        versions = [as_int(v) for v in one]
+    if len(versions) != n:
+        raise InvalidRequestError(
+            f"policy_version must be one int >= 0 or {n} of them, got {len(versions)}"
+        )
+    check_ints("policy_version", versions)
+    return versions
+
+
+def _host(column: Column | DeviceColumn) -> TypeGuard[Column]:
+    return not isinstance(column, DeviceColumn)
+
+
+def _take_rows(
+    column: Column | DeviceColumn, runs: Sequence[tuple[int, int]]
+) -> Column | DeviceColumn:
+    """:func:`take_rows`, for device columns too (their rows joined on the device)."""
+    if not isinstance(column, DeviceColumn):
+        return take_rows(column, runs)
+    t = column.tensor
+    if len(runs) == 1:
+        return DeviceColumn(t[runs[0][0] : runs[0][1]])
+    return DeviceColumn(torch.cat([t[a:b] for a, b in runs]))
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A validated, encoded put on its way to the services."""
+
+    partition_id: str
+    meta: BatchMeta | None
+    keys: Sequence[str] | None
+    headers: list[ColumnHeader]
+    columns: list[Column | DeviceColumn]
+    n: int
+    tags: list[dict[str, Any] | None] | None
+    versions: list[int] | None
+
+
+class PutPath:
+    """The put path of a client: :meth:`~tq_async.AsyncClient.put` and
+    :meth:`~tq_async.AsyncClient.put_nowait` (and the keyed puts of the KV calls), over the
+    client's links."""
+
+    def __init__(self, links: Links, *, inline_put_bytes: int) -> None:
+        self._links = links
+        self.inline_put_bytes = inline_put_bytes
+
+    async def put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``."""
+        return await self.write(
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            keys=None,
+            policy_version=policy_version,
+            timeout=timeout,
+        )
+
+    async def put_nowait(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None = None,
+        *,
+        meta: BatchMeta | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        policy_version: int | Sequence[int] | None = None,
+    ) -> BatchMeta:
+        """:meth:`put`, but raise :class:`~tq_async.WouldBlock` instead of waiting for room."""
+        return await self.write(
+            data,
+            partition_id,
+            meta=meta,
+            tags=tags,
+            keys=None,
+            policy_version=policy_version,
+            nowait=True,
+        )
+
+    async def write(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        partition_id: str | None,
+        *,
+        meta: BatchMeta | None,
+        tags: Sequence[Mapping[str, Any] | None] | None,
+        keys: Sequence[str] | None,
+        policy_version: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+        nowait: bool = False,
+    ) -> BatchMeta:
+        if meta is not None:
+            if partition_id is not None and partition_id != meta.partition_id:
+                raise InvalidRequestError(
+                    f"partition_id {partition_id!r} contradicts meta.partition_id "
+                    f"{meta.partition_id!r}; pass only meta"
+                )
+            partition_id = meta.partition_id
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
+        check_text("partition_id", partition_id)
+        # big dense GPU columns may move device to device (to a unit on this host with a
+        # device arena); the other CUDA columns: pinned copies, waited for off the loop
+        keep = keeps_on_device if self._links.devices is not None else None
+        data = await to_host(data, keep)
+        n, headers, columns = columns_from_batch(
+            data, allow_pickle=self._links.allow_pickle, keep=keep
+        )
+        if meta is not None and n != len(meta):
+            raise SchemaError(f"the batch has {n} rows but meta has {len(meta)}; they must match")
+        if keys is not None and n != len(keys):
+            raise SchemaError(f"the batch has {n} rows but {len(keys)} keys; they must match")
+        tag_list: list[dict[str, Any] | None] | None = None
+        if tags is not None:
+            if len(tags) != n:
+                raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
+            tag_list = tags_for_wire(tags)
+        versions = _check_versions(policy_version, n)
+        check_seconds("timeout", timeout)
+        # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
+        deadline: float | bool | None = True
+        if self._links.capacity is not None and not nowait:
+            deadline = None if timeout is None else timeout + self._links.request_timeout
+        fields = [h.name for h in headers]
+        put = _Put(partition_id, meta, keys, headers, columns, n, tag_list, versions)
+        if keys is None and (meta is None or len(set(meta.units)) == 1) and self._small(columns):
+            placement = await self._put_inline(put, nowait, timeout, deadline)
+        else:
+            placement = await self._put_in_three(put, nowait, timeout, deadline)
+        written_versions = {f: list(versions) for f in fields} if versions else {}
+        if meta is None:
+            out_tags = [t or {} for t in tag_list] if tag_list else []
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                # a keyed put names every field its keys have, not only this put's
+                field_names=list(dict.fromkeys([*(placement.fields or ()), *fields])),
+                units=placement.units,
+                tags=out_tags,
+                policy_versions=written_versions,
+                incarnation=placement.incarnation,
+                keys=list(keys) if keys is not None else [],
+            )
+        merged_tags = [dict(t) for t in meta.tags] if meta.tags else [{} for _ in range(n)]
+        if tag_list:
+            for m, t in zip(merged_tags, tag_list, strict=True):
+                if t:
+                    m.update(t)
+        return msgspec.structs.replace(
+            meta,
+            field_names=list(dict.fromkeys([*meta.field_names, *fields])),
+            units=placement.units,
+            tags=merged_tags if (meta.tags or tag_list) else [],
+            policy_versions=meta.policy_versions | written_versions,
+            incarnation=placement.incarnation or meta.incarnation,
+        )
+
+    def _small(self, columns: list[Column | DeviceColumn]) -> bool:
+        """Whether a put's columns go in one message to the controller (:class:`PutInline`;
+        device columns never do)."""
+        size = 0
+        for c in columns:
+            if isinstance(c, DeviceColumn):
+                return False
+            size += column_nbytes(c)
+        return size <= self.inline_put_bytes
+
+    async def _put_inline(
+        self, put: _Put, nowait: bool, timeout: float | None, deadline: float | bool | None
+    ) -> Placement:
+        """One round trip: the controller places, stores and commits (see PutInline)."""
+        meta = put.meta
+        body = PutInline(
+            put.partition_id,
+            put.headers,
+            n_rows=put.n if meta is None else 0,
+            rows=None if meta is None else list(meta.global_indexes),
+            tags=put.tags,
+            versions=put.versions,
+            nowait=nowait,
+            timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
+        )
+        frames: list[Any] = []
+        for h, c in zip(put.headers, put.columns, strict=True):
+            assert not isinstance(c, DeviceColumn)  # those take three steps
+            frames.extend(column_to_frames(h, c))
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            # the caller gave up (cancelled, timed out) but the put landed: undo new rows, as
+            # a failed three-step put does
+            if reply.ok and meta is None and self._links.controller is not None:
+                late: Placement = decode(reply.payload, Placement)
+                undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
+                self._links.controller.send_best_effort(undo)
+
+        payload, _ = await self._links.ctl().request(
+            body,
+            frames,
+            timeout=self._links.request_timeout if deadline is True else deadline or None,
+            on_abandon=on_abandon,
+        )
+        placement: Placement = decode(payload, Placement)
+        self._links.note_epoch(placement.units_epoch)
+        return placement
+
+    async def _put_in_three(
+        self, put: _Put, nowait: bool, timeout: float | None, deadline: float | bool | None
+    ) -> Placement:
+        """PutBegin (placement) -> StorePut to each unit -> PutCommit."""
+        partition_id, meta, keys, headers = put.partition_id, put.meta, put.keys, put.headers
+        begin = PutBegin(
+            partition_id,
+            headers,
+            n_rows=put.n if meta is None and keys is None else 0,
+            rows=None if meta is None else list(meta.global_indexes),
+            keys=None if keys is None else list(keys),
+            nowait=nowait,
+            timeout=timeout,
+            incarnation=None if meta is None else meta.incarnation,
+        )
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            # placed, but the caller gave up before it knew: reclaim the new rows now (not
+            # when the put lease lapses: until then they hold capacity and end-of-stream)
+            if reply.ok and self._links.controller is not None:
+                late: Placement = decode(reply.payload, Placement)
+                if late.put_id:
+                    self._links.controller.send_best_effort(AbortPut([late.put_id]))
+
+        payload, _ = await self._links.ctl().request(
+            begin,
+            timeout=self._links.request_timeout if deadline is True else deadline or None,
+            on_abandon=on_abandon,
+        )
+        placement: Placement = decode(payload, Placement)
+        self._links.note_epoch(placement.units_epoch)
+        fields = [h.name for h in headers]
+        renewal = self._renew_put(placement)
+        try:
+            await self._store(partition_id, placement, headers, put.columns)
+            commit = PutCommit(
+                partition_id,
+                placement.rows,
+                fields,
+                put.tags,
+                put.versions,
+                put_id=placement.put_id,
+                incarnation=placement.incarnation,
+            )
+            await self._links.call(commit, None)
+        except BaseException:
+            if placement.put_id and self._links.controller is not None:
+                # new rows not committed are reclaimed at once (a keyed put's too)
+                self._links.controller.send_best_effort(AbortPut([placement.put_id]))
+            if meta is None and keys is None:
+                with cleanup_scope(5):
+                    try:
+                        undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
+                        await self._links.call(undo, None)
+                    except RowsNotFound:
+                        pass  # already gone (e.g. lost with their storage unit)
+                    except Exception as exc:  # the original error matters more
+                        log.warning("could not clear rows of a failed put", error=str(exc))
+            raise
+        finally:
+            if renewal is not None:
+                renewal.cancel()
+        return placement
+
+    def _renew_put(self, placement: Placement) -> Repeater | None:
+        """Keep a put's lease alive while its columns travel (a timer, no task).
+
+        The controller reclaims the new rows of a put whose producer stops renewing (it
+        died between PutBegin and PutCommit); a live producer renews every third of the
+        lease, so a slow put is never reclaimed.
+        """
+        if not placement.put_id or self._links.controller is None:
+            return None
+        conn, renew = self._links.controller, RenewPut([placement.put_id])
+        return Repeater(placement.put_lease / 3, lambda: conn.send_best_effort(renew))
+
+    async def _store(
+        self,
+        partition_id: str,
+        placement: Placement,
+        headers: list[ColumnHeader],
+        columns: list[Column | DeviceColumn],
+    ) -> None:
+        by_unit = positions_by_unit(placement.units)
+
+        async def store_one(unit: int, positions: list[int]) -> None:
+            if len(by_unit) == 1:
+                rows, cols = placement.rows, columns
+            else:
+                runs = position_runs(positions)
+                rows = [placement.rows[i] for i in positions]
+                cols = [_take_rows(c, runs) for c in columns]
+            store = StorePut(partition_id, rows, headers, placement.incarnation)
+            conn, arena = await self._links.data_link(unit)
+            host = await self._place_device_columns(unit, conn, arena, store, cols)
+            try:
+                await send(unit, conn, arena, store, host)
+            except BaseException:
+                if store.device is not None:  # the unit ignores a grant it consumed
+                    conn.send_best_effort(ShmFree([store.device.grant], []))
+                raise
+
+        async def send(
+            unit: int,
+            conn: DealerConnection,
+            arena: ArenaMap | None,
+            store: StorePut,
+            host: list[tuple[ColumnHeader, Column]],
+        ) -> None:
+            frames: list[Any] = []
+            for h, c in host:
+                frames.extend(column_to_frames(h, c))
+            big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
+            if big and arena is not None and await self._store_shm(conn, arena, store, frames):
+                return
+            if big and arena is None and self._links.nixl is not None:  # another host: NIXL
+                peer = await self._links.nixl.link(unit, conn, self._links.request_timeout)
+                if peer is not None and await self._links.nixl.put(
+                    unit, conn, peer, store, frames, self._links.request_timeout
+                ):
+                    return
+            await self._links.unit_request(unit, store, frames)
+
+        if len(by_unit) == 1:
+            ((unit, positions),) = by_unit.items()
+            await store_one(unit, positions)
+            return
+        await run_each(store_one, by_unit.items())
+
+    async def _place_device_columns(
+        self,
+        unit: int,
+        conn: DealerConnection,
+        arena: ArenaMap | None,
+        store: StorePut,
+        cols: list[Column | DeviceColumn],
+    ) -> list[tuple[ColumnHeader, Column]]:
+        """Move the device columns of a unit's slice into its device arena (described in
+        ``store.device``) when it has one, else to host memory; the columns left to send as
+        frames, with their headers."""
+        held = [(i, c.tensor) for i, c in enumerate(cols) if isinstance(c, DeviceColumn)]
+        headers = store.columns
+        if not held:
+            return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+        devices = self._links.devices
+        if arena is not None and devices is not None:
+            timeout = self._links.request_timeout
+            view = await devices.link(unit, conn, timeout)
+            if view is not None and await devices.put(conn, view, store, held, timeout):
+                return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+        # through host memory: pinned copies, waited for off the loop
+        moved = await to_host({str(i): t for i, t in held})
+        _, _, host_cols = columns_from_batch(moved, allow_pickle=False)
+        by_position = {i: c for (i, _), c in zip(held, host_cols, strict=True)}
+        out: list[tuple[ColumnHeader, Column]] = []
+        for i, (h, c) in enumerate(zip(headers, cols, strict=True)):
+            column = by_position.get(i, c)
+            assert _host(column)
+            out.append((h, column))
+        return out
+
+    async def _store_shm(
+        self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
+    ) -> bool:
+        """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
+        nbytes = sum(align(memoryview(f).nbytes) for f in frames)
+        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=self._links.request_timeout)
+        grant: ShmGrant | None = decode(payload, ShmGrant | None)
+        if grant is None:
+            return False
+        try:
+            try:
+                arena.check(grant.offset, grant.size, "a shared-memory grant")
+            except ValueError as exc:
+                raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+            if grant.size < nbytes:
+                raise ProtocolError("a shared-memory grant is smaller than asked for")
+            if nbytes >= THREAD_COPY_BYTES:
+                spans = await run_sync_off_loop(arena.write, grant.offset, frames)
+            else:
+                spans = arena.write(grant.offset, frames)
+            body.shm = ShmFrames(grant.grant, spans)
+            await conn.request(body, timeout=self._links.request_timeout)
+        except BaseException:
+            # the unit ignores a grant it consumed already (a put that reached it)
+            conn.send_best_effort(ShmFree([grant.grant], []))
+            raise
+        return True

@@ -1,0 +1,473 @@
+# Generated from src/tq_async/_client/_async/_base.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""The client's plumbing: its links to the controller and the storage units.
+
+A client *holds* its links as one object, :class:`Links`: it opens (on first use) and pools
+one connection to the controller and one per storage unit, follows units that move (a
+restarted unit answers at a new address; the controller's replies carry a
+``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
+its verified twins), re-creates all of it in a forked child, and sends controller requests.
+:class:`tq_async.Client` checks its options and holds the links and three parts
+built on them, to which it delegates: the put path (:mod:`tq_async._client._sync._put`), the read
+path (:mod:`tq_async._client._sync._get`: get_meta, get_data, get) and the other controller calls
+(:mod:`tq_async._client._sync._calls`: status, staleness, KV, checkpoints). The helpers only one
+of them uses live next to it, and the few shared ones here are public (no private name
+crosses a client module).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from ..._errors import (
+    BrokenError,
+    ClosedError,
+    InvalidRequestError,
+    ProtocolError,
+    TQError,
+    TQTimeoutError,
+)
+from ..._logging import get_logger
+from ..._paths._shm import ArenaMap
+from ..._sync_primitives import Event, Lock
+from ..._transport._endpoints import same_host_ipc
+from ..._transport._security import CurveClient
+from ..._transport._sync_dealer import BlockingConnection
+from ..._wire._codec import check_text
+from ..._wire._protocol import (
+    Hello,
+    HelloReply,
+    ShmHello,
+    ShmHelloReply,
+)
+from ._device_links import DeviceLinks
+from ._nixl_links import NixlLinks
+
+__all__ = ["Links"]
+
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+    try:
+        return dec.decode(payload)  # type: ignore[no-any-return]
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"unexpected reply payload: {exc}") from exc
+
+
+#: field lists already checked (a consumer asks for the same few lists on every call)
+_checked_fields: dict[tuple[str, ...], None] = {}
+
+
+def check_fields(data_fields: Any) -> list[str]:
+    if type(data_fields) is list or type(data_fields) is tuple:
+        try:
+            if tuple(data_fields) in _checked_fields:
+                return list(data_fields)
+        except TypeError:  # an unhashable entry: the checks below name it
+            pass
+    if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
+        raise InvalidRequestError(
+            f"data_fields must be a list of field names, got {type(data_fields).__name__} "
+            f"{data_fields!r}; write data_fields=[{data_fields!r}]"
+        )
+    if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
+        raise InvalidRequestError(
+            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+        )
+    for f in data_fields:
+        check_text("field name", f)
+    if len(_checked_fields) < 1024:
+        _checked_fields[tuple(data_fields)] = None
+    return list(data_fields)
+
+
+class Links:
+    """A client's links: one connection to the controller and one per storage unit (opened
+    on first use, pooled), the units' arenas mapped here, their verified same-host twins,
+    and the units epoch that tells when a unit moved. Every call goes through them."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float,
+        allow_pickle: bool | None,
+        curve: CurveClient | None,
+        retry_after: float | None,
+        shared_memory: bool,
+        busy_poll: float,
+        nixl: bool,
+        nixl_forced: bool,
+    ) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self.curve = curve
+        self.retry_after = retry_after
+        self.busy_poll = busy_poll
+        self.shared_memory = shared_memory
+        self._allow_pickle_opt = allow_pickle
+        self.allow_pickle = bool(allow_pickle)
+        self.controller: BlockingConnection | None = None
+        self.unit_addresses: dict[int, str] = {}
+        self.units: dict[int, BlockingConnection] = {}
+        self.capacity: int | None = None
+        #: the units epoch of the last Hello, and the newest a reply carried: when they
+        #: differ a unit moved (restarted on a new address) and the units are asked again
+        self._units_epoch = 0
+        self._epoch_seen = 0
+        self._refreshing: Event | None = None
+        self._hello: HelloReply | None = None
+        #: connection address -> the address the controller lists for its unit (differs
+        #: for a verified same-host twin, which is not a move)
+        self._stands_for: dict[str, str] = {}
+        self.nixl = NixlLinks(forced=nixl_forced) if nixl else None
+        #: the device arenas of units on this host (GPU columns device to device)
+        self.devices = DeviceLinks() if shared_memory else None
+        #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
+        self.arenas: dict[int, ArenaMap | None] = {}
+        self._link_locks: dict[int, Lock] = {}
+        #: same-host handshakes that did not complete in time (the socket path is used)
+        self.link_fallbacks = 0
+        #: unit id -> when to try the handshake again after one timed out
+        self._relink_at: dict[int, float] = {}
+        #: the process that opened the connections (a forked child opens its own)
+        self._pid = os.getpid()
+        #: a forked child's copies of its parent's connections: never used, closed or freed
+        #: (they are the parent's sockets)
+        self._inherited: list[BlockingConnection] = []
+
+    def close(self) -> None:
+        """Close every connection; calls still waiting fail with ClosedError."""
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+        for conn in self.units.values():
+            conn.close()
+        self.units.clear()
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.close()
+        self.arenas.clear()
+        if self.devices is not None:
+            self.devices.close()
+
+    def check_process(self) -> None:
+        """In a child forked from the process that opened this client, start over with
+        connections of the child's own, on first use; the parent's are left untouched."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        old, self.controller = self.controller, None
+        self._inherited.extend(self.units.values())
+        self.units.clear()
+        self._stands_for.clear()
+        self._link_locks.clear()  # a lock held by another thread at the fork stays held
+        if self.devices is not None:
+            self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.close()  # the child's mapping only
+        self.arenas.clear()
+        self._refreshing = None
+        if self.nixl is not None:
+            self.nixl = NixlLinks(forced=self.nixl.forced)
+        if old is not None:
+            self._inherited.append(old)
+            # the same address the parent used (its verified same-host twin, if any)
+            self.controller = self.connection(old.address)
+
+    def connection(
+        self,
+        address: str,
+        *,
+        refused_is_broken: bool = False,
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> BlockingConnection:
+        """A connection to a service with this client's keys, retries and busy polling."""
+        return BlockingConnection(
+            address,
+            curve=self.curve,
+            retry_after=self.retry_after,
+            busy_poll=self.busy_poll,
+            refused_is_broken=refused_is_broken,
+            on_disconnect=on_disconnect,
+        )
+
+    def prefer_ipc(self, hello: HelloReply) -> None:
+        """Talk to the controller through its same-host ipc twin, once proven to be the same
+        controller (its instance token); otherwise keep the given address."""
+        if not hello.instance or not same_host_ipc(hello.ipc) or self.controller is None:
+            return
+        assert hello.ipc is not None
+        try:
+            conn = self.connection(hello.ipc)
+        except BrokenError as exc:  # its listen queue is full: TCP works
+            self._link_fell_back(None, str(exc))
+            return
+        try:
+            wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+            payload, _ = conn.request(Hello(), timeout=wait)
+            again: HelloReply = decode(payload, HelloReply)
+            ok = again.instance == hello.instance
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            # refused (the controller is out of descriptors) or too busy: TCP answered
+            conn.close()
+            self._link_fell_back(None, str(exc))
+            return
+        except BaseException:
+            conn.close()
+            raise
+        if not ok:
+            conn.close()
+            return
+        self.controller.close()
+        self.controller = conn
+
+    def refresh_units(self, timeout: float | bool = True) -> HelloReply:
+        """Ask the controller for the units; drop connections to addresses that changed."""
+        if self._refreshing is not None:  # one Hello at a time serves every caller
+            self._refreshing.wait()
+            if self._hello is not None:
+                return self._hello
+        self._refreshing = done = Event()
+        try:
+            hello: HelloReply = self.call(Hello(), HelloReply, timeout=timeout)
+        finally:
+            self._refreshing = None
+            done.set()
+        self._hello = hello
+        addresses = {u.unit_id: u.address for u in hello.units}
+        for unit_id, conn in list(self.units.items()):
+            if self._stands_for.get(conn.address, conn.address) != addresses.get(unit_id):
+                log.info(
+                    "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
+                )
+                del self.units[unit_id]
+                self._forget_arena(unit_id)
+                conn.close()
+        self.unit_addresses = addresses
+        self._units_epoch = self._epoch_seen = hello.units_epoch
+        self.capacity = hello.capacity
+        if self._allow_pickle_opt is None:
+            self.allow_pickle = hello.allow_pickle
+        return hello
+
+    def note_epoch(self, epoch: int) -> None:
+        """A reply's units epoch: a new one makes the next unit call ask for the units."""
+        if epoch:
+            self._epoch_seen = epoch
+
+    def ctl(self) -> BlockingConnection:
+        self.check_process()
+        if self.controller is None:
+            raise ClosedError("the client is not connected; use `with Client.connect(address)`")
+        return self.controller
+
+    def unit(self, unit_id: int) -> BlockingConnection:
+        self.check_process()
+        if self._epoch_seen != self._units_epoch:
+            self.refresh_units()
+        conn = self.units.get(unit_id)
+        if conn is None:
+            if unit_id not in self.unit_addresses:
+                self.refresh_units()
+            try:
+                address = self.unit_addresses[unit_id]
+            except KeyError:
+                raise ProtocolError(
+                    f"the controller placed rows on unknown unit {unit_id}"
+                ) from None
+            conn = self.units[unit_id] = self.connection(
+                address, refused_is_broken=True, on_disconnect=lambda: self._forget_arena(unit_id)
+            )
+        return conn
+
+    def unit_request(
+        self, unit_id: int, body: msgspec.Struct, frames: Sequence[Any] = ()
+    ) -> tuple[msgspec.Raw, list[Any]]:
+        """An idempotent request to a storage unit; if its connection broke and the unit is
+        back on a new address (restarted under its id), the request is sent there once."""
+        conn = self.unit(unit_id)
+        try:
+            return conn.request(body, frames, timeout=self.request_timeout)
+        except (BrokenError, ClosedError):
+            if self.controller is None:
+                raise
+            try:
+                moved = self._unit_moved(unit_id, conn)
+            except TQError:
+                moved = False  # the controller is not answering either: report the unit
+            if not moved:
+                raise
+        log.info("retrying at the storage unit's new address", unit=unit_id)
+        conn = self.unit(unit_id)
+        return conn.request(body, frames, timeout=self.request_timeout)
+
+    def _unit_moved(self, unit_id: int, conn: BlockingConnection) -> bool:
+        """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
+        listed = self._stands_for.get(conn.address, conn.address)
+        if self.units.get(unit_id) is conn:  # nobody asked since this connection broke
+            self.refresh_units()
+        if self.units.get(unit_id) is conn and listed != conn.address:
+            # a same-host twin broke though the unit did not move: go back to its listed
+            # address (the twin is verified again on the next data link)
+            del self.units[unit_id]
+            self._forget_arena(unit_id)
+            conn.close()
+            return True
+        return self.unit_addresses.get(unit_id) not in (None, listed)
+
+    def _forget_arena(self, unit_id: int) -> None:
+        """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
+        a dead unit's memory is freed once nobody maps it)."""
+        arena = self.arenas.pop(unit_id, None)
+        if arena is not None:
+            arena.close()
+        if self.nixl is not None:
+            self.nixl.forget(unit_id)
+        if self.devices is not None:
+            self.devices.forget(unit_id)
+
+    def data_link(self, unit_id: int) -> tuple[BlockingConnection, ArenaMap | None]:
+        """The unit's connection and, if it is on this host (verified once per unit), its
+        arena mapped here. A verified unit is then reached through its ipc twin too."""
+        conn = self.unit(unit_id)
+        if not self.shared_memory or conn.inproc:
+            return conn, None  # in-process connections copy once already
+        if unit_id in self.arenas:
+            arena = self.arenas[unit_id]
+            if arena is not None or not self._relink_due(unit_id):
+                return conn, arena
+        lock = self._link_locks.setdefault(unit_id, Lock())
+        with lock:
+            if unit_id not in self.arenas:
+                try:
+                    self._link(unit_id, conn)
+                except (BrokenError, ClosedError):
+                    # the unit went away: the socket path (and its retry at the unit's new
+                    # address, _unit_request) decides what happens; link again next time
+                    return conn, None
+        return self.units.get(unit_id, conn), self.arenas.get(unit_id)
+
+    def _link(self, unit_id: int, conn: BlockingConnection) -> None:
+        """Set up shared memory with the unit and move to its same-host twin, if it answers
+        in time; otherwise stay on the socket path (counted in :attr:`link_fallbacks`).
+
+        A handshake waits at most :data:`SHM_HELLO_TIMEOUT`: a unit too busy to answer one
+        within that is better used through the socket it already answers on than waited
+        for, and nothing was consumed by a handshake that timed out.
+        """
+        wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+        try:
+            payload, _ = conn.request(ShmHello(os.getpid()), timeout=wait)
+        except TQTimeoutError:
+            self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
+            self.arenas[unit_id] = None
+            self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
+            return
+        hello: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
+        arena = None
+        if hello is not None:
+            try:
+                arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
+            except (OSError, ValueError) as exc:  # another host, namespace or user
+                log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
+        self.arenas[unit_id] = arena
+        if arena is None or hello is None:
+            return
+        conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
+        if not same_host_ipc(hello.ipc):
+            return
+        assert hello.ipc is not None
+        try:
+            ipc = self.connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+        except BrokenError as exc:  # its listen queue is full: the socket we have will do
+            self._link_fell_back(unit_id, str(exc))
+            return
+        ipc.peer_pid = hello.pid
+        try:
+            # says hello for this connection too (shared memory is granted per connection)
+            payload, _ = ipc.request(ShmHello(os.getpid()), timeout=wait)
+            again: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            ipc.close()  # the arena stays: granted to the connection that said hello first
+            self._link_fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
+            return
+        except BaseException:
+            ipc.close()
+            raise
+        if again is None or again.token != hello.token or self.units.get(unit_id) is not conn:
+            ipc.close()
+            return
+        self.units[unit_id] = ipc
+        self._stands_for[ipc.address] = conn.address
+        conn.close()
+
+    def _relink_due(self, unit_id: int) -> bool:
+        """Whether a unit whose handshake timed out is to be asked again (then: forgotten)."""
+        due = self._relink_at.get(unit_id)
+        if due is None or time.monotonic() < due:
+            return False
+        del self._relink_at[unit_id]
+        del self.arenas[unit_id]
+        return True
+
+    def _link_fell_back(self, unit_id: int | None, why: str) -> None:
+        """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
+        self.link_fallbacks += 1
+        log.warning(
+            "a same-host handshake fell back to the socket path",
+            unit="controller" if unit_id is None else unit_id,
+            reason=why,
+            fallbacks=self.link_fallbacks,
+        )
+
+    def call(
+        self,
+        body: msgspec.Struct,
+        typ: Any,
+        *,
+        timeout: float | bool | None = True,
+    ) -> Any:
+        payload, _ = self.ctl().request(
+            body, timeout=self.request_timeout if timeout is True else timeout or None
+        )
+        return decode(payload, typ)
+
+
+#: seconds a same-host handshake with a storage unit may take before the client uses the
+#: socket path instead (it never fails a request for it)
+SHM_HELLO_TIMEOUT = 5.0
+#: seconds after a handshake timed out before the client tries it again (on its next data call)
+RELINK_AFTER = 30.0
+
+
+def as_int(value: Any) -> Any:
+    """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
+    (the range check that follows names it)."""
+    if isinstance(value, (bool, int)):
+        return value
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        return value
+    return as_int
+
+
+#: copies at least this big run on a worker thread (as in the in-process path)
+THREAD_COPY_BYTES = 16 << 20

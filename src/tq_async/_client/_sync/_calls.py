@@ -1,0 +1,375 @@
+# Generated from src/tq_async/_client/_async/_calls.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""The client's other controller calls: status, tags, staleness, KV and checkpoints."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ..._errors import (
+    InvalidRequestError,
+    SchemaError,
+)
+from ..._logging import get_logger
+from ..._meta import BatchMeta
+from ..._sync_primitives import run_each
+from ..._wire._codec import check_text, tags_for_wire
+from ..._wire._protocol import (
+    AcquireRollout,
+    CheckConsumption,
+    CheckProduction,
+    ClearPartition,
+    ClearSamples,
+    ConsumptionStatus,
+    KVClear,
+    KVKeys,
+    KVList,
+    KVLookup,
+    KVTag,
+    ListPartitions,
+    LostRows,
+    MetaReply,
+    PartitionInfo,
+    Placement,
+    ProductionStatus,
+    RecycledRows,
+    RegisterTasks,
+    ReleaseRollout,
+    Reply,
+    ResetConsumption,
+    Seal,
+    SetPolicyVersion,
+    SetTags,
+    StalenessStatus,
+    StoreStats,
+    StoreStatsReply,
+    TakeRecycled,
+    check_int,
+    check_seconds,
+)
+from ._base import Links, as_int, check_fields, decode
+from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
+from ._get import GetPath
+from ._put import PutPath
+
+__all__ = ["ControlCalls"]
+
+log = get_logger(__name__)
+
+
+def _check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
+        raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise InvalidRequestError("keys must be a non-empty list of strings")
+    try:
+        "".join(keys).encode("utf-8")  # one pass (a key at a time cost 3x for 256 keys)
+    except UnicodeEncodeError:
+        for k in keys:
+            check_text("key", k)  # names the first key that cannot travel
+    return list(keys)
+
+
+def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+        raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
+    return [int(r) for r in rows]
+
+
+def _mask(raw: bytes) -> torch.Tensor:
+    if not raw:
+        return torch.zeros(0, dtype=torch.bool)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.bool)
+
+
+def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
+    """One key's fields as a one-row batch."""
+    if isinstance(fields, TensorDictBase):
+        if fields.batch_size == torch.Size([]):
+            return fields.unsqueeze(0)
+        if fields.batch_size == torch.Size([1]):
+            return fields
+        raise SchemaError(
+            f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
+            "; use kv_batch_put for several keys"
+        )
+    return {
+        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
+        for name, value in fields.items()
+    }
+
+
+class ControlCalls:
+    """Status, tags, staleness, KV and checkpoints of a client, over its links; the KV calls
+    write through its put path and read through its get path."""
+
+    def __init__(self, links: Links, puts: PutPath, gets: GetPath) -> None:
+        self._links = links
+        self._puts = puts
+        self._gets = gets
+
+    def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
+        """Rows lost with storage units that went away."""
+        return dict(self._links.call(LostRows(partition_id), dict[str, Any]))
+
+    def storage_stats(self) -> dict[int, dict[str, Any]]:
+        """What each storage unit holds, asked of every unit in parallel."""
+        self._links.refresh_units()
+        out: dict[int, dict[str, Any]] = {}
+
+        def ask(unit_id: int) -> None:
+            conn = self._links.unit(unit_id)
+            payload, _ = conn.request(StoreStats(), timeout=self._links.request_timeout)
+            out[unit_id] = msgspec.structs.asdict(decode(payload, StoreStatsReply))
+
+        run_each(ask, [(unit_id,) for unit_id in self._links.unit_addresses])
+        return dict(sorted(out.items()))
+
+    def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
+        """Auto-clear: free each row once every task in ``tasks`` has consumed it."""
+        self._links.call(RegisterTasks(list(tasks), partition_id), None)
+
+    def seal(self, partition_id: str, *, create: bool = False) -> None:
+        """No more rows will be added: drained consumers then see end-of-stream."""
+        self._links.call(Seal(partition_id, create), None)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
+        """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""
+        self._links.call(ResetConsumption(partition_id, task_name), None)
+
+    def clear_samples(self, meta: BatchMeta) -> None:
+        """Remove ``meta``'s rows from the partition and free their storage."""
+        body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
+        self._links.call(body, None)
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Remove the partition with all its rows, state and sampler caches; free storage."""
+        self._links.call(ClearPartition(partition_id), None)
+
+    def check_production_status(
+        self,
+        partition_id: str,
+        data_fields: Sequence[str],
+        global_indexes: Sequence[int] | None = None,
+    ) -> bool:
+        """True when every given row (all rows if None) has every field in ``data_fields``."""
+        fields = check_fields(data_fields)
+        rows = list(global_indexes) if global_indexes is not None else None
+        return bool(self._links.call(CheckProduction(partition_id, fields, rows), bool))
+
+    def check_consumption_status(
+        self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
+    ) -> bool:
+        """True when ``task_name`` has consumed every given row (all rows if None)."""
+        rows = list(global_indexes) if global_indexes is not None else None
+        return bool(self._links.call(CheckConsumption(partition_id, task_name, rows), bool))
+
+    def production_status(
+        self, partition_id: str, data_fields: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Per field, a bool tensor over row ids: is the cell produced (cleared rows: False)."""
+        fields = None if data_fields is None else check_fields(data_fields)
+        masks = self._links.call(ProductionStatus(partition_id, fields), dict[str, bytes])
+        return {k: _mask(v) for k, v in masks.items()}
+
+    def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
+        """A bool tensor over row ids: has ``task_name`` consumed the row."""
+        return _mask(self._links.call(ConsumptionStatus(partition_id, task_name), bytes))
+
+    def list_partitions(self) -> list[str]:
+        """Ids of every partition the controller knows."""
+        return list(self._links.call(ListPartitions(), list[str]))
+
+    def partition_info(self, partition_id: str) -> dict[str, Any]:
+        """Row counts, schema, sealed flag and per-task consumed counts of a partition."""
+        return dict(self._links.call(PartitionInfo(partition_id), dict[str, Any]))
+
+    def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
+        """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        if len(tags) != len(meta):
+            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
+        wire_tags = [t or {} for t in tags_for_wire(tags)]
+        body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
+        self._links.call(body, None)
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner announces its policy version (after each update)."""
+        self._links.call(SetPolicyVersion(check_int("version", as_int(version))), None)
+
+    def acquire_rollout(
+        self, policy_version: int, n: int = 1, *, timeout: float | None = None
+    ) -> None:
+        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start."""
+        body = AcquireRollout(
+            check_int("policy_version", as_int(policy_version)),
+            check_int("n", as_int(n), 1),
+            check_seconds("timeout", timeout),
+        )
+        deadline = None if timeout is None else timeout + self._links.request_timeout
+
+        def on_abandon(reply: Reply, _frames: list[Any]) -> None:
+            # admitted, but the caller gave up before it knew: free the slots it reserved
+            if reply.ok and self._links.controller is not None:
+                self._links.controller.send_best_effort(ReleaseRollout(body.n))
+
+        self._links.ctl().request(body, timeout=deadline, on_abandon=on_abandon)
+
+    def release_rollout(self, n: int) -> None:
+        """Give back ``n`` admission slots of rollouts that will not be put."""
+        self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
+
+    def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
+        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition."""
+        body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
+        got = self._links.call(body, list[RecycledRows])
+        return [
+            BatchMeta(
+                partition_id=r.partition_id,
+                global_indexes=r.meta.rows,
+                field_names=r.meta.fields,
+                units=r.meta.units,
+                tags=r.meta.tags,
+                policy_versions=r.meta.versions,
+                incarnation=r.meta.incarnation,
+            )
+            for r in got
+        ]
+
+    def staleness_status(self) -> dict[str, int]:
+        """Learner version, outstanding admitted rows, and stale rows dropped/recycled/kept."""
+        return dict(self._links.call(StalenessStatus(), dict[str, int]))
+
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any] | None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> BatchMeta:
+        """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
+        key_list = _check_keys(keys)
+        if fields is None:
+            if tags is None:
+                raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
+            if len(tags) != len(key_list):
+                raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
+            tag_dicts = [dict(t) if t else {} for t in tags]
+            placement: Placement = self._links.call(
+                KVTag(partition_id, key_list, tag_dicts), Placement
+            )
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=placement.fields or [],
+                units=placement.units,
+                incarnation=placement.incarnation,
+                tags=tag_dicts,
+                keys=list[str | None](key_list),
+            )
+        return self._puts.write(fields, partition_id, meta=None, tags=tags, keys=key_list)
+
+    def kv_retrieve_meta(
+        self, keys: Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has."""
+        key_list = _check_keys(keys)
+        if create:
+            return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
+        got: MetaReply = self._links.call(
+            KVLookup(partition_id, key_list, None, available=True), MetaReply
+        )
+        self._links.note_epoch(got.units_epoch)
+        return BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            incarnation=got.incarnation,
+            keys=list[str | None](key_list),
+        )
+
+    def kv_put(
+        self,
+        key: str,
+        partition_id: str,
+        fields: TensorDictBase | Mapping[str, Any] | None = None,
+        tag: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
+        if fields is None:
+            if tag is None:
+                raise InvalidRequestError("kv_put needs fields, a tag, or both")
+            body = KVTag(partition_id, _check_keys([key]), [tags_for_wire([tag])[0] or {}])
+            placement: Placement = self._links.call(body, Placement)
+            return BatchMeta(
+                partition_id=partition_id,
+                global_indexes=placement.rows,
+                field_names=placement.fields or [],
+                units=placement.units,
+                incarnation=placement.incarnation,
+                tags=[dict(tag)],
+                keys=[key],
+            )
+        return self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
+
+    def kv_batch_get(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str] | None = None,
+    ) -> TensorDict:
+        """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected)."""
+        fields = None if select_fields is None else check_fields(select_fields)
+        body = KVLookup(partition_id, _check_keys(keys), fields)
+        got: MetaReply = self._links.call(body, MetaReply)
+        self._links.note_epoch(got.units_epoch)
+        meta = BatchMeta(
+            partition_id=partition_id,
+            global_indexes=got.rows,
+            field_names=got.fields,
+            units=got.units,
+            tags=got.tags,
+            incarnation=got.incarnation,
+            keys=list(keys),
+        )
+        return self._gets.get_data(meta)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
+        listing = self._links.call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
+        return dict(listing)
+
+    def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
+        """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put)."""
+        rows = _check_rows(global_indexes, "global_indexes")
+        return list(self._links.call(KVKeys(partition_id, rows), list[str]))
+
+    def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
+        """Remove ``keys`` and free their storage; a missing key fails the whole call."""
+        self._links.call(KVClear(partition_id, _check_keys(keys)), None)
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        partition_ids: Sequence[str] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write partitions (all by default), their state, tags, keys and cells to ``path``."""
+        save_checkpoint(self._checkpoint_link(), os.fspath(path), partition_ids, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids."""
+        return load_checkpoint(self._checkpoint_link(), os.fspath(path))
+
+    def _checkpoint_link(self) -> ClientLink:
+        return ClientLink(self._links.call, self._gets.fetch_host_columns, self._links.unit_request)

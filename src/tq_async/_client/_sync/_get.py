@@ -1,0 +1,631 @@
+# Generated from src/tq_async/_client/_async/_get.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""The client's reads: get_meta (which rows), get_data (their cells), get (both at once).
+
+``get`` takes the cells along with the metadata when the controller can send them (one round
+trip); otherwise the cells come from each unit, through its shared memory on the same host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from tensordict import TensorDict
+
+from ..._errors import (
+    BrokenError,
+    InvalidRequestError,
+    ProtocolError,
+)
+from ..._logging import get_logger
+from ..._meta import BatchMeta
+from ..._paths._device_copy import check_device, to_device_now
+from ..._paths._shm import ArenaMap
+from ..._sync_primitives import cleanup_scope, run_each, run_sync_off_loop
+from ..._transport._sync_dealer import BlockingConnection
+from ..._wire._buffers import buffer_pool
+from ..._wire._codec import (
+    DeviceColumn,
+    check_text,
+    column_value,
+    columns_from_batch,
+    columns_to_tensordict,
+)
+from ..._wire._columns import (
+    Column,
+    ColumnHeader,
+    column_frame_count,
+    column_from_frames,
+    empty_column,
+    join_columns,
+    positions_by_unit,
+    reorder_column,
+)
+from ..._wire._protocol import (
+    Ack,
+    FieldSchema,
+    GetMeta,
+    MetaReply,
+    Release,
+    Reply,
+    ShmFree,
+    StoredColumns,
+    StoreGet,
+    check_also,
+    check_int,
+    check_sampling_config,
+    check_seconds,
+)
+from ._base import THREAD_COPY_BYTES, Links, check_fields, decode
+
+__all__ = ["GetPath"]
+
+log = get_logger(__name__)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return check_int("batch_size", batch_size, 1)
+
+
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
+def _check_nested(nested: Any) -> bool | frozenset[str]:
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)
+
+
+def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    """Copies of the arena's ``spans``, in buffers of our own (pooled, like inproc reads)."""
+    for off, n in spans:
+        try:
+            arena.check(off, n, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    try:
+        # held until the copy is done: the mapping outlives a close meanwhile (the unit's
+        # connection broke), so a copy under way never reads unmapped memory
+        view = arena.view
+    except AttributeError:
+        raise BrokenError(
+            "the connection to the storage unit broke during a same-host read (its shared "
+            "memory is unmapped); retry once it is back"
+        ) from None
+
+    def copy() -> list[Any]:
+        return [
+            b""
+            if n == 0
+            else buffer_pool.copy(view[off : off + n])
+            if n >= zmq.COPY_THRESHOLD
+            else bytearray(view[off : off + n])
+            for off, n in spans
+        ]
+
+    if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
+        return run_sync_off_loop(copy)
+    return copy()
+
+
+def _stored_columns(
+    stored: StoredColumns,
+    frames: Sequence[Any],
+    n_rows: int,
+    on_device: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
+    """Rebuild the columns of one unit's part from its frames (all of them, exactly) and
+    the columns read from its device arena (``on_device``, by position)."""
+    if stored.n_rows != n_rows:
+        raise ProtocolError(f"a storage part carries {stored.n_rows} rows, expected {n_rows}")
+    columns: list[Column | DeviceColumn] = []
+    pos = 0
+    for j, h in enumerate(stored.columns):
+        if on_device and j in on_device:
+            columns.append(DeviceColumn(on_device[j]))
+            continue
+        k = column_frame_count(h)  # too few frames: column_from_frames says so
+        columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("a storage reply carried extra frames")
+    return stored.columns, columns
+
+
+def _inline_parts(
+    got: MetaReply, frames: Sequence[Any]
+) -> tuple[dict[int, list[int]], dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]]]:
+    """The per-unit parts a get_meta reply carried inline (``got.inline``)."""
+    assert got.inline is not None
+    by_unit = positions_by_unit(got.units)
+    if len(got.inline) != len(by_unit):
+        raise ProtocolError(
+            f"an inline reply carries {len(got.inline)} parts for {len(by_unit)} units"
+        )
+    parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]] = {}
+    pos = 0
+    for (unit, positions), stored in zip(by_unit.items(), got.inline, strict=True):
+        k = sum(column_frame_count(h) for h in stored.columns)
+        parts[unit] = _stored_columns(stored, frames[pos : pos + k], len(positions))
+        pos += k
+    if pos != len(frames):
+        raise ProtocolError("an inline reply carried extra frames")
+    return by_unit, parts
+
+
+def _batch_meta(
+    got: MetaReply, partition_id: str, task_name: str, batch_index: int | None
+) -> BatchMeta:
+    """The :class:`BatchMeta` of a get_meta reply."""
+    return BatchMeta(
+        partition_id=partition_id,
+        global_indexes=got.rows,
+        field_names=got.fields,
+        units=got.units,
+        tags=got.tags,
+        task_name=task_name,
+        batch_index=batch_index,
+        end_of_stream=got.end_of_stream,
+        policy_versions=got.versions,
+        lease_id=got.lease_id,
+        incarnation=got.incarnation,
+        keys=got.keys or [],
+    )
+
+
+def _inline_frame_count(got: MetaReply) -> int:
+    """How many of a reply's frames carry its own inline cells."""
+    if got.inline is None:
+        return 0
+    return sum(column_frame_count(h) for stored in got.inline for h in stored.columns)
+
+
+def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
+
+
+def _merge_parts(
+    n: int,
+    by_unit: dict[int, list[int]],
+    parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]],
+) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
+    """One column per field, rows back in batch order, from the parts of several units."""
+    if len(by_unit) == 1:
+        return parts[next(iter(by_unit))]
+    order = [pos for positions in by_unit.values() for pos in positions]
+    inverse = [0] * n
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    names = parts[next(iter(by_unit))][0]
+    headers: list[ColumnHeader] = []
+    columns: list[Column | DeviceColumn] = []
+    for j in range(len(names)):
+        pieces = [parts[u][1][j] for u in by_unit]
+        piece_headers = [parts[u][0][j] for u in by_unit]
+        device = next((p.tensor.device for p in pieces if isinstance(p, DeviceColumn)), None)
+        if device is not None and len(set(piece_headers)) == 1:  # joined on the device
+            tensors = [_tensor_on(piece_headers[0], p, device) for p in pieces]
+            index = torch.tensor(inverse, device=device)
+            headers.append(piece_headers[0])
+            columns.append(DeviceColumn(torch.cat(tensors).index_select(0, index)))
+            continue
+        # units may answer one field with different row shapes: join them like a unit does
+        host = [_host_column(h, p) for h, p in zip(piece_headers, pieces, strict=True)]
+        header, merged = join_columns(piece_headers, host)
+        headers.append(header)
+        columns.append(reorder_column(merged, inverse))
+    return headers, columns
+
+
+def _tensor_on(header: ColumnHeader, column: Column | DeviceColumn, device: Any) -> torch.Tensor:
+    if isinstance(column, DeviceColumn):
+        return column.tensor.to(device, non_blocking=True)
+    tensor: torch.Tensor = column_value(header, column)
+    return tensor.to(device)
+
+
+def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
+    """``column`` in host memory (a part read from a device arena is copied to the host)."""
+    if not isinstance(column, DeviceColumn):
+        return column
+    _, _, (host,) = columns_from_batch({header.name: column.tensor.cpu()})
+    assert not isinstance(host, DeviceColumn)
+    return host
+
+
+def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
+    """Unpin a shared-memory read whose caller gave up before copying it."""
+    if not reply.ok:
+        return
+    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        stored: StoredColumns = decode(reply.payload, StoredColumns)
+        if stored.shm_spans is not None:
+            conn.send_best_effort(ShmFree([], [stored.pin]))
+
+
+class GetPath:
+    """The read path of a client: :meth:`~tq_async.Client.get_meta`,
+    :meth:`~tq_async.Client.get_data`, :meth:`~tq_async.Client.get`, ``ack`` and
+    ``release``, over the client's links."""
+
+    def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
+        self._links = links
+        self.inline_get_bytes = inline_get_bytes
+
+    def meta_call(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+        *,
+        mode: str,
+        timeout: float | None,
+        stop_when_consumed: bool,
+        lease: float | None,
+        ack: BatchMeta | Sequence[BatchMeta] | None,
+        inline_bytes: int,
+        also: list[int] | None = None,
+    ) -> tuple[BatchMeta, MetaReply, list[Any]]:
+        """:meth:`~tq_async.Client.get_meta`, plus the raw reply and its frames (cells
+        sent inline); the client's ``get_meta`` calls it directly (one coroutine less per
+        call on the control plane's hottest path)."""
+        fields = check_fields(data_fields)
+        _check_batch_size(batch_size)
+        if not isinstance(task_name, str) or not task_name:
+            raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError(
+                f"partition_id must be a non-empty string, got {partition_id!r}"
+            )
+        check_text("task_name", task_name)
+        check_text("partition_id", partition_id)
+        if mode not in ("fetch", "peek"):
+            raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
+        if isinstance(timeout, bool) or timeout != 0:  # 0: answer now or time out
+            check_seconds("timeout", timeout)
+        check_seconds("lease", lease)
+        cfg = dict(sampling_config) if sampling_config else None
+        _check_dp_config(cfg)
+        check_sampling_config(cfg)
+        if also is not None:
+            check_also(also, cfg, mode)
+        recorded = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
+        req = GetMeta(
+            partition_id,
+            fields,
+            batch_size,
+            task_name,
+            cfg,
+            mode,
+            timeout,
+            stop_when_consumed,
+            lease,
+            _lease_ids(ack),
+            inline_bytes,
+            also,
+        )
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            if not reply.ok or mode != "fetch" or recorded:
+                return
+            late: MetaReply = decode(reply.payload, MetaReply)
+            if late.rows and self._links.controller is not None:
+                undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
+                self._links.controller.send_best_effort(undo)
+
+        client_deadline = None if timeout is None else timeout + self._links.request_timeout
+        payload, frames = self._links.ctl().request(
+            req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
+        )
+        got: MetaReply = decode(payload, MetaReply)
+        self._links.note_epoch(got.units_epoch)
+        index = cfg.get("batch_index") if cfg else None
+        return _batch_meta(got, partition_id, task_name, index), got, frames
+
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> TensorDict:
+        """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
+        names = list(fields) if fields is not None else list(meta.field_names)
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        n = len(meta)
+        if n == 0 or not names:
+            return to_device_now(self._empty(meta, names, as_nested), target)
+        # onto a device: columns in a device arena of a unit on this host go device to device
+        on = target if target is not None and not as_nested else None
+        headers, columns = self.fetch_columns(meta, names, device=on)
+        return to_device_now(columns_to_tensordict(n, headers, columns, nested=as_nested), target)
+
+    def _empty(
+        self, meta: BatchMeta, names: list[str], nested: bool | frozenset[str]
+    ) -> TensorDict:
+        """A batch of 0 rows: end of stream has no columns; any other (a rank's empty share)
+        carries every field with 0 rows, its dtype and row shape, as a non-empty batch of
+        the same fields would (one question to the controller, no storage unit)."""
+        if meta.end_of_stream or not names or len(meta):
+            return TensorDict({}, batch_size=[len(meta)])
+        headers = self._links.call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
+        by_name = {h.name: h for h in headers}
+        known = [by_name[f] for f in names if f in by_name]
+        return columns_to_tensordict(0, known, [empty_column(h) for h in known], nested=nested)
+
+    def fetch_host_columns(
+        self, meta: BatchMeta, names: list[str]
+    ) -> tuple[list[ColumnHeader], list[Column]]:
+        """:meth:`fetch_columns` into host memory (what a checkpoint writes)."""
+        headers, columns = self.fetch_columns(meta, names)
+        host: list[Column] = []
+        for c in columns:
+            assert not isinstance(c, DeviceColumn)  # no device named: every column is host's
+            host.append(c)
+        return headers, host
+
+    def fetch_columns(
+        self, meta: BatchMeta, names: list[str], *, device: torch.device | None = None
+    ) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
+        """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit.
+
+        With ``device``, columns a unit on this host keeps in its device arena (of that kind
+        of device) come as :class:`DeviceColumn` on ``device``, copied device to device.
+        """
+        by_unit = positions_by_unit(meta.units)
+        parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]] = {}
+
+        def fetch(unit: int, positions: list[int]) -> None:
+            rows = (
+                meta.global_indexes
+                if len(by_unit) == 1
+                else [meta.global_indexes[i] for i in positions]
+            )
+            conn, arena = self._links.data_link(unit)
+            nixl = None
+            if arena is None and self._links.nixl is not None:  # another host: NIXL
+                nixl = self._links.nixl.link(unit, conn, self._links.request_timeout)
+            shm = arena is not None or nixl is not None
+            view = None
+            if device is not None and arena is not None and self._links.devices is not None:
+                view = self._links.devices.link(unit, conn, self._links.request_timeout)
+                if view is not None and view.device.type != device.type:
+                    view = None
+            get = StoreGet(
+                meta.partition_id, rows, names, meta.incarnation, shm=shm, device=view is not None
+            )
+            on_device: dict[int, torch.Tensor] | None = None
+            if not shm:
+                payload, frames = self._links.unit_request(unit, get)
+            else:
+
+                def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+                    _release_pin(conn, reply)
+
+                payload, frames = conn.request(
+                    get, timeout=self._links.request_timeout, on_abandon=on_abandon
+                )
+            stored: StoredColumns = decode(payload, StoredColumns)
+            if stored.shm_spans is not None:
+                pin = stored.pin
+                try:
+                    if not shm or frames:
+                        raise ProtocolError("an unexpected shared-memory reply")
+                    if arena is not None:
+                        frames = _copy_spans(arena, stored.shm_spans)
+                        if stored.device_spans is not None:
+                            if view is None or device is None or self._links.devices is None:
+                                raise ProtocolError("an unexpected device arena reply")
+                            on_device = self._links.devices.read(view, stored, device)
+                    else:
+                        assert nixl is not None
+                        assert self._links.nixl is not None
+                        got = self._links.nixl.read(
+                            unit, nixl, stored.shm_spans, self._links.request_timeout
+                        )
+                        if got is None:  # the transfer failed: read through the socket
+                            get.shm = False
+                            payload, frames = self._links.unit_request(unit, get)
+                            stored = decode(payload, StoredColumns)
+                        else:
+                            frames = got
+                finally:
+                    conn.send_best_effort(ShmFree([], [pin]))
+            parts[unit] = _stored_columns(stored, frames, len(rows), on_device)
+
+        if len(by_unit) == 1:
+            ((unit, positions),) = by_unit.items()
+            fetch(unit, positions)
+        else:
+            run_each(fetch, by_unit.items())
+        return _merge_parts(len(meta), by_unit, parts)
+
+    def get(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None = None,
+        *,
+        mode: str = "fetch",
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> tuple[TensorDict, BatchMeta]:
+        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`."""
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        meta, got, frames = self.meta_call(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode=mode,
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=self.inline_get_bytes,
+        )
+        try:
+            td = self._read(meta, got, frames, as_nested, target)
+        except BaseException:
+            if mode == "fetch" and meta.batch_index is None and len(meta):
+                # the rows go back, and their lease or hold is dropped with them
+                with cleanup_scope(5):
+                    self.release(meta)
+            else:
+                self._end_hold(meta, lease)  # drop the hold
+            raise
+        self._end_hold(meta, lease)  # an auto-clear hold: the data is read, rows may go
+        return td, meta
+
+    def get_batches(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any],
+        *,
+        also: Sequence[int],
+        timeout: float | None = None,
+        stop_when_consumed: bool = False,
+        lease: float | None = None,
+        ack: BatchMeta | Sequence[BatchMeta] | None = None,
+        nested: bool | Collection[str] = False,
+        device: Any = None,
+    ) -> list[tuple[TensorDict, BatchMeta]]:
+        """:meth:`get` of the batch ``sampling_config["batch_index"]`` names, and of the
+        batches ``also`` names that can be decided at once, in one round trip."""
+        as_nested = _check_nested(nested)
+        target = check_device(device)
+        meta, got, frames = self.meta_call(
+            data_fields,
+            batch_size,
+            partition_id,
+            task_name,
+            sampling_config,
+            mode="fetch",
+            timeout=timeout,
+            stop_when_consumed=stop_when_consumed,
+            lease=lease,
+            ack=ack,
+            inline_bytes=self.inline_get_bytes,
+            also=list(also),
+        )
+        answers = [(meta, got)]
+        for index, follower in zip(also, got.more or (), strict=False):
+            answers.append((_batch_meta(follower, partition_id, task_name, index), follower))
+        out: list[tuple[TensorDict, BatchMeta]] = []
+        pos = 0
+        try:
+            for m, g in answers:
+                k = _inline_frame_count(g)
+                out.append((self._read(m, g, frames[pos : pos + k], as_nested, target), m))
+                pos += k
+                self._end_hold(m, lease)
+        except BaseException:
+            for m, _ in answers[len(out) :]:
+                self._end_hold(m, lease)  # the batches stay recorded under their indexes
+            raise
+        if pos != len(frames):
+            raise ProtocolError("a get_meta reply carried extra frames")
+        return out
+
+    def _read(
+        self,
+        meta: BatchMeta,
+        got: MetaReply,
+        frames: Sequence[Any],
+        as_nested: bool | frozenset[str],
+        target: Any,
+    ) -> TensorDict:
+        """The data of a get_meta reply: sent inline, read from the units, or empty."""
+        if not len(meta):  # end of stream or an empty share: no unit to ask
+            return to_device_now(self._empty(meta, list(meta.field_names), as_nested), target)
+        if got.inline is not None:  # the controller sent the cells along: no get_data
+            headers, columns = _merge_parts(len(meta), *_inline_parts(got, frames))
+            td = columns_to_tensordict(len(meta), headers, columns, nested=as_nested)
+            return to_device_now(td, target)
+        return self.get_data(meta, nested=as_nested, device=target)
+
+    def _end_hold(self, meta: BatchMeta, lease: float | None) -> None:
+        """Drop the auto-clear hold a fetch without ``lease`` put on its rows."""
+        if lease is None and meta.lease_id and self._links.controller is not None:
+            self._links.controller.send_best_effort(Ack([meta.lease_id]))
+
+    def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
+        """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
+        ids = _lease_ids(metas)
+        if ids:
+            self._links.call(Ack(ids), None)
+
+    def release(self, meta: BatchMeta) -> None:
+        """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        if meta.task_name is None:
+            raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
+        body = Release(
+            meta.partition_id,
+            meta.task_name,
+            meta.global_indexes,
+            meta.incarnation,
+            meta.lease_id or 0,
+        )
+        self._links.call(body, None)

@@ -1,0 +1,224 @@
+"""The controller's put handlers: place rows, wait for room, store small puts directly.
+
+A put is two requests, :class:`PutBegin` (place the rows under a put lease) and
+:class:`PutCommit` (make the cells visible), with :class:`RenewPut` keeping the lease while
+the columns travel to the units. A small put is one :class:`PutInline`: with room and a unit
+in this process it is placed, stored, committed and answered in the reader callback;
+otherwise a task waits for room and/or forwards the columns to the unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._core._state import ControllerState, Partition
+from .._core._transitions import Effects
+from .._errors import InvalidRequestError, RowsNotFound
+from .._service._loop import DEFERRED, SENT, Incoming
+from .._wire._protocol import (
+    AbortPut,
+    Placement,
+    PutBegin,
+    PutCommit,
+    PutInline,
+    RenewPut,
+    StorePut,
+)
+from ._shell import ControllerShell
+
+__all__ = ["ControllerPuts"]
+
+
+class ControllerPuts(ControllerShell):
+    """The put handlers of :class:`~tq_async._controller._server.ControllerServer`."""
+
+    def _on_put_begin(self, msg: Incoming, body: PutBegin) -> Any:
+        _check_incarnation(self.state, body.partition_id, body.incarnation)
+        n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
+        if not self._room_for(body.partition_id, n_new, body.nowait):
+            self._spawn_waiting(
+                msg, self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0
+            )
+            return DEFERRED
+        self._put_begin(msg.peer, msg.rid, body)
+        return SENT
+
+    def _on_put_commit(self, msg: Incoming, body: PutCommit) -> None:
+        fx = self.core.put_commit(
+            body.partition_id,
+            body.rows,
+            body.fields,
+            body.tags,
+            body.versions,
+            body.put_id,
+            body.incarnation,
+        )
+        self._apply(fx)
+
+    def _on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
+        self._apply(self.core.abort_puts(body.put_ids))
+
+    def _on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
+        self.core.renew_puts(body.put_ids, self._now())
+        self._rearm()
+
+    def _put_begin(self, peer: bytes, rid: int, body: PutBegin) -> None:
+        placement, fx = self.core.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows, body.keys, self._now()
+        )
+        self.send_ok(peer, rid, placement)
+        self._apply(fx)
+
+    def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
+        """Whether ``n_new`` rows fit now; raises when they never will, or when ``nowait``."""
+        return self.core.catalog.room_for(partition_id, n_new, nowait)
+
+    def _on_put_inline(self, msg: Incoming, body: PutInline) -> Any:
+        """A :class:`PutInline`.
+
+        With room and a unit in this process, everything happens here: place, store, commit,
+        reply. Otherwise a task waits for room and/or forwards the columns to the unit.
+        """
+        _check_incarnation(self.state, body.partition_id, body.incarnation)
+        n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, None)
+        placed = None
+        if self._room_for(body.partition_id, n_new, body.nowait):
+            placed = self._inline_place(body)
+            unit = self.local_units.get(placed.units[0])
+            if unit is not None:
+                try:
+                    unit.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        msg.frames[1:],
+                        placed.partition.incarnation,
+                    )
+                    self._inline_commit(msg.peer, msg.rid, body, placed)
+                except BaseException:
+                    self._inline_undo(body, placed)
+                    raise
+                return SENT
+        frames = msg.frames[1:]
+        self._spawn_waiting(
+            msg, self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0
+        )
+        return DEFERRED
+
+    def _inline_place(self, body: PutInline) -> _Placed:
+        placement, fx = self.core.put_begin(
+            body.partition_id, body.columns, body.n_rows, body.rows, None, self._now(), lease=False
+        )
+        if len(set(placement.units)) != 1:
+            raise InvalidRequestError(
+                "a one-message put must write rows of one storage unit; these rows are on "
+                f"units {sorted(set(placement.units))} (the client splits such puts)"
+            )
+        p = self.state.partitions[body.partition_id]
+        return _Placed(p, placement.rows, placement.units, fx)
+
+    def _inline_commit(self, peer: bytes, rid: int, body: PutInline, placed: _Placed) -> None:
+        fields = [h.name for h in body.columns]
+        incarnation = placed.partition.incarnation  # not cleared while storing
+        fx = self.core.put_commit(
+            body.partition_id, placed.rows, fields, body.tags, body.versions, 0, incarnation
+        )
+        fx.add(placed.effects)
+        self.send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
+        self._apply(fx)
+
+    def _inline_undo(self, body: PutInline, placed: _Placed) -> None:
+        """A one-message put failed after its rows were placed: drop new rows again."""
+        if body.rows is not None:
+            return  # existing rows: their new cells were never marked produced
+        fx = self.core.puts.undo(body.partition_id, placed.rows, placed.partition.incarnation)
+        self._apply(fx)
+
+    async def _put_inline_task(
+        self,
+        peer: bytes,
+        rid: int,
+        body: PutInline,
+        frames: list[Any],
+        n_new: int,
+        placed: _Placed | None,
+        t0: float,
+    ) -> None:
+        async def work() -> None:
+            nonlocal placed
+            if placed is None:
+                await self.lot.until("room", lambda: self.state.has_room(body.partition_id, n_new))
+                placed = self._inline_place(body)
+            unit_id = placed.units[0]
+            local = self.local_units.get(unit_id)
+            try:
+                if local is not None:
+                    local.store_local(
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        frames,
+                        placed.partition.incarnation,
+                    )
+                else:
+                    store = StorePut(
+                        body.partition_id, placed.rows, body.columns, placed.partition.incarnation
+                    )
+                    await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
+                self._inline_commit(peer, rid, body, placed)
+            except BaseException:
+                self._inline_undo(body, placed)
+                raise
+
+        def timed_out() -> str:
+            if placed is None:
+                return (
+                    f"partition {body.partition_id!r} stayed at its capacity of "
+                    f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+                )
+            return f"the put did not complete within {body.timeout} s; nothing was written"
+
+        await self._waiting_request(peer, rid, "PutInline", t0, body.timeout, timed_out, work)
+
+    async def _put_begin_waiting(
+        self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
+    ) -> None:
+        async def work() -> None:
+            await self.lot.until("room", lambda: self.state.has_room(body.partition_id, n_new))
+            self._put_begin(peer, rid, body)
+
+        await self._waiting_request(
+            peer,
+            rid,
+            "PutBegin",
+            t0,
+            body.timeout,
+            lambda: (
+                f"partition {body.partition_id!r} stayed at its capacity of "
+                f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+            ),
+            work,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Where a one-message put goes (all rows on one unit), and the effects it owes."""
+
+    partition: Partition
+    rows: list[int]
+    units: list[int]
+    effects: Effects
+
+
+def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str | None) -> None:
+    """A write through a BatchMeta of an earlier incarnation of ``partition_id`` fails."""
+    if incarnation is not None:
+        p = st.partitions.get(partition_id)
+        if p is None:
+            raise RowsNotFound(
+                f"partition {partition_id!r} was cleared since this BatchMeta was made: its "
+                "rows are gone"
+            )
+        p.check_incarnation(incarnation)

@@ -1,0 +1,183 @@
+"""The controller's read-only requests: answers computed from the state, nothing changes.
+
+Each function takes the :class:`~tq_async._core._transitions.ControllerCore` and a request body and
+returns
+the reply's payload; :data:`QUERIES` maps request types to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._core._state import Partition
+from .._core._transitions import ControllerCore, meta_reply
+from .._errors import KeyNotFound
+from .._wire._columns import ColumnHeader
+from .._wire._protocol import (
+    CheckConsumption,
+    CheckProduction,
+    ConsumptionStatus,
+    DumpState,
+    FieldSchema,
+    KVKeys,
+    KVList,
+    KVLookup,
+    ListPartitions,
+    LostRows,
+    MetaReply,
+    PartitionInfo,
+    ProductionStatus,
+    StalenessStatus,
+    StateDump,
+)
+
+__all__ = ["QUERIES"]
+
+
+def check_production(core: ControllerCore, body: CheckProduction) -> bool:
+    # before the first put, or after a clear, the answer is "not yet" (not an error): a
+    # readiness loop may start before the producers do
+    p = core.state.partitions.get(body.partition_id)
+    if p is None:
+        return False
+    rows = body.rows if body.rows is not None else _alive_rows(p)
+    p.check_rows(rows)
+    return (
+        bool(rows)
+        and all(f in p.fields for f in body.data_fields)
+        and all(p.is_produced(r, body.data_fields) for r in rows)
+    )
+
+
+def check_consumption(core: ControllerCore, body: CheckConsumption) -> bool:
+    p = core.state.partitions.get(body.partition_id)
+    if p is None:
+        return False
+    rows = body.rows if body.rows is not None else _alive_rows(p)
+    p.check_rows(rows)
+    consumed = p.consumed.get(body.task_name)
+    return bool(rows) and consumed is not None and all(consumed[r] for r in rows)
+
+
+def production_status(core: ControllerCore, body: ProductionStatus) -> dict[str, Any]:
+    p = core.state.partition(body.partition_id)
+    names = body.data_fields if body.data_fields is not None else list(p.fields)
+    return {n: p.production_mask(n) for n in names}
+
+
+def consumption_status(core: ControllerCore, body: ConsumptionStatus) -> Any:
+    return core.state.partition(body.partition_id).consumption_mask(body.task_name)
+
+
+def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
+    return sorted(core.state.partitions)
+
+
+def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
+    return core.state.partition(body.partition_id).info()
+
+
+def field_schema(core: ControllerCore, body: FieldSchema) -> list[ColumnHeader]:
+    p = core.state.partitions.get(body.partition_id)
+    if p is None:
+        return []
+    return [p.fields[f].header for f in body.fields if f in p.fields]
+
+
+def _all_produced(produced: bytearray, rows: list[int]) -> bool:
+    return all(map(produced.__getitem__, rows))
+
+
+def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
+    p = core.state.partition(body.partition_id)
+    rows = p.rows_for_keys(body.keys)
+    if body.available:  # the fields every key has: nothing to check key by key
+        fields = [f for f, fd in p.fields.items() if _all_produced(fd.produced, rows)]
+        return meta_reply(p, rows, fields)
+    fields = body.fields if body.fields is not None else list(p.fields)
+    # one scan per field; key by key (to name the first key lacking a field) only on failure
+    if all(f in p.fields and _all_produced(p.fields[f].produced, rows) for f in fields):
+        return meta_reply(p, rows, fields)
+    for key, r in zip(body.keys, rows, strict=True):
+        lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[r]]
+        if lacking:
+            raise KeyNotFound(
+                f"key {key!r} of partition {body.partition_id!r} has no fields "
+                f"{lacking}; put them first or select other fields"
+            )
+    raise AssertionError("unreachable: a field lacks a row that no key lacks")  # pragma: no cover
+
+
+def kv_list(core: ControllerCore, body: KVList) -> dict[str, dict[str, Any]]:
+    st = core.state
+    pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
+    listing = {}
+    for pid in pids:
+        p = st.partition(pid)
+        listing[pid] = {k: p.tags[r] or {} for k, r in p.keys.items()}
+    return listing
+
+
+def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
+    p = core.state.partition(body.partition_id)
+    p.check_rows(body.rows)
+    row_keys = [p.row_keys[r] for r in body.rows]
+    if None in row_keys:
+        keyless = [r for r, k in zip(body.rows, row_keys, strict=True) if k is None]
+        raise KeyNotFound(
+            f"rows {keyless[:8]} of partition {body.partition_id!r} have no key (put "
+            "without one); pass rows written with kv_put / kv_batch_put"
+        )
+    return row_keys
+
+
+def dump_state(core: ControllerCore, body: DumpState) -> StateDump:
+    st = core.state
+    ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
+    dumps = [st.partition(pid).dump() for pid in ids]
+    sampler_state = {"default": core.sampler.state_dict()}
+    sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
+    return StateDump(dumps, sampler_state)
+
+
+def staleness_status(core: ControllerCore, body: StalenessStatus) -> dict[str, int]:
+    st = core.state
+    return {
+        "learner_version": st.learner_version,
+        "outstanding": st.outstanding,
+        "recycled_pending": len(st.recycled),
+        **st.stale_counts,
+    }
+
+
+def lost_rows(core: ControllerCore, body: LostRows) -> dict[str, Any]:
+    st = core.state
+    pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
+    return {
+        "dead_units": sorted(st.dead_units),
+        "suspended_units": sorted(st.suspended),
+        "rows": {pid: sorted(st.partition(pid).lost) for pid in pids},
+    }
+
+
+def _alive_rows(p: Partition) -> list[int]:
+    return [r for r in range(p.n_rows) if p.alive[r]]
+
+
+#: request type -> its answer
+QUERIES: dict[type, Callable[[ControllerCore, Any], Any]] = {
+    CheckProduction: check_production,
+    CheckConsumption: check_consumption,
+    ProductionStatus: production_status,
+    ConsumptionStatus: consumption_status,
+    ListPartitions: list_partitions,
+    PartitionInfo: partition_info,
+    FieldSchema: field_schema,
+    KVLookup: kv_lookup,
+    KVList: kv_list,
+    KVKeys: kv_keys,
+    DumpState: dump_state,
+    StalenessStatus: staleness_status,
+    LostRows: lost_rows,
+}

@@ -1,0 +1,114 @@
+"""Rollout admission and stale-row accounting: a pure part of the controller's core.
+
+:class:`Admission` decides whether a rollout may start (``acquire_rollout``: the staleness
+bound and the capacity of :class:`~tq_async._core._effects.AdmissionConfig`), gives slots back as
+the learner consumes rows or rows are cleared unconsumed, and counts stale rows once for the
+status and the metrics. No loop, no clock: :class:`~tq_async._core._transitions.ControllerCore`
+calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._errors import InvalidRequestError
+from .._logging import get_logger
+from .._wire._protocol import GetMeta
+from ..samplers import StaleRows
+from ._effects import AdmissionConfig, Effects
+from ._state import ControllerState, Partition, Wakeup
+
+__all__ = ["Admission"]
+
+log = get_logger(__name__)
+
+
+class Admission:
+    """Admission slots and stale-row counts over ``state`` (see the module docstring)."""
+
+    def __init__(self, state: ControllerState, config: AdmissionConfig) -> None:
+        self.state = state
+        self.config = config
+
+    def free_unconsumed(self, p: Partition, rows: Sequence[int]) -> bool:
+        """Cleared rows the learner never consumed give their admission slots back."""
+        task = self.config.learner_task
+        if task is None:
+            return False
+        consumed = p.consumed.get(task)
+        freed = sum(
+            1
+            for r in set(rows)
+            if 0 <= r < p.n_rows
+            and p.alive[r]
+            and p.row_version[r] >= 0
+            and not (consumed and consumed[r])
+        )
+        return self.free_slots(freed)
+
+    def learner_consumed(self, task: str, p: Partition, rows: Sequence[int]) -> bool:
+        """The learner consumed ``rows``: their slots go back; True if any was outstanding."""
+        if self.config.learner_task != task:
+            return False
+        return self.free_slots(sum(1 for r in rows if p.row_version[r] >= 0))
+
+    def free_slots(self, n: int) -> bool:
+        """Give back ``n`` admission slots; True if any was outstanding."""
+        if n <= 0:
+            return False
+        self.state.outstanding = max(0, self.state.outstanding - n)
+        return True
+
+    def admissible(self, version: int, n: int) -> bool:
+        """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
+        cfg, st = self.config, self.state
+        if cfg.max_staleness is not None and version - max(st.learner_version, 0) > (
+            cfg.max_staleness
+        ):
+            return False
+        return cfg.capacity is None or st.outstanding + n <= cfg.capacity
+
+    def acquire(self, version: int, n: int) -> bool:
+        """Admit a rollout if it fits now (True), else leave everything as it is."""
+        if version < 0 or n < 1:
+            raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
+        cap = self.config.capacity
+        if cap is not None and n > cap:
+            raise InvalidRequestError(
+                f"a rollout of {n} rows can never fit the capacity of {cap}; acquire "
+                "fewer rows at a time or raise the capacity"
+            )
+        if not self.admissible(version, n):
+            return False
+        self.state.outstanding += n
+        return True
+
+    def set_policy_version(self, version: int) -> Effects:
+        """The learner moved: rollouts may start, and rows may have gone stale."""
+        st = self.state
+        if version < st.learner_version:
+            log.warning("policy version went backwards", old=st.learner_version, new=version)
+        st.learner_version = version
+        return Effects(admission=True, wakeups=[Wakeup(pid) for pid in st.partitions])
+
+    def count_stale(self, kind: str, n: int, fx: Effects) -> None:
+        """Stale rows handled: the status and the metrics count the same events, once."""
+        if n > 0:
+            self.state.stale_counts[kind] += n
+            fx.stale.append((kind, n))
+
+    def count_kept(
+        self, req: GetMeta, stale: StaleRows, delivered: Sequence[int], fx: Effects
+    ) -> None:
+        """Stale rows a sampler kept count once they are delivered, not when seen."""
+        kept = set(stale.kept_rows)
+        n = sum(1 for r in delivered if r in kept)
+        if n:
+            log.warning(
+                "delivering stale rows",
+                rows=n,
+                partition=req.partition_id,
+                task=req.task_name,
+                learner_version=self.state.learner_version,
+            )
+            self.count_stale("kept", n, fx)

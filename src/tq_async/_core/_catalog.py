@@ -1,0 +1,159 @@
+"""The partition catalogue: a pure part of the controller's core.
+
+The transitions that change a partition's description but deliver nothing: sealing,
+registering auto-clear tasks, tags, the capacity decision of a put (``room_for``), checkpoint
+restores and handing out recycled rows. :class:`~tq_async._core._transitions.ControllerCore`
+composes it
+as ``core.catalog``; the controller's shell calls these and only reads the state itself, so
+the property test (``tests/test_core_properties.py``) drives every state change without a
+loop. No loop, no clock, no sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._errors import InvalidRequestError, WouldBlock
+from .._wire._protocol import PartitionDump, Placement
+from ._effects import Effects
+from ._put_leases import PutLeases
+from ._state import ControllerState, Wakeup
+
+__all__ = ["Catalog"]
+
+
+class Catalog:
+    """Seal, auto-clear tasks, tags, room for puts, restores, recycled rows of ``state``.
+
+    Args:
+        state: the controller's state.
+        puts: the core's put leases (a KV tag creates its missing keys through them).
+    """
+
+    def __init__(self, state: ControllerState, puts: PutLeases) -> None:
+        self.state = state
+        self._puts = puts
+
+    def seal(self, partition_id: str, *, create: bool = False) -> Effects:
+        """No more new rows in ``partition_id``: drained readers get end-of-stream.
+
+        A partition that does not exist raises :class:`PartitionNotFound` (a misspelled id
+        would otherwise be created sealed while the real one stays open); ``create=True``
+        creates it sealed and empty. (What sealing an unknown partition does is decided
+        here, and only here.)
+        """
+        return Effects(wakeups=self.state.seal(partition_id, create=create))
+
+    def register_tasks(self, partition_id: str | None, tasks: Sequence[str]) -> Effects:
+        """Auto-clear rows of ``partition_id`` (every partition: None) once ``tasks`` all
+        consumed them; no tasks: auto-clear off."""
+        if tasks:
+            self.state.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
+        else:
+            self.state.auto_clear.pop(partition_id, None)
+        return Effects()
+
+    def set_tags(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        tags: Sequence[Mapping[str, Any]],
+        incarnation: str | None = None,
+    ) -> Effects:
+        """Merge ``tags[i]`` into the tags of ``rows[i]`` (of that incarnation)."""
+        p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
+        p.set_tags(rows, tags)
+        return Effects()
+
+    def kv_tag(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        tags: Sequence[Mapping[str, Any]],
+        now: float,
+    ) -> tuple[Placement, Effects]:
+        """Merge tags into the rows of ``keys``, creating missing keys (rows without fields)."""
+        if len(tags) != len(keys):
+            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(keys)} keys")
+        placement, fx = self._puts.begin(partition_id, [], 0, None, keys, now, lease=False)
+        self.state.partition(partition_id).set_tags(placement.rows, tags)
+        return placement, fx
+
+    def room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
+        """Whether ``n_new`` new rows fit the capacity now (False: the put waits for room).
+
+        Raises:
+            InvalidRequestError: they never will (more than the whole capacity).
+            WouldBlock: they do not fit now and the put does not wait (``nowait``).
+        """
+        st = self.state
+        if st.has_room(partition_id, n_new):
+            return True
+        if st.capacity is not None and n_new > st.capacity:
+            raise InvalidRequestError(
+                f"a put of {n_new} new rows can never fit the capacity of "
+                f"{st.capacity} rows; split it"
+            )
+        if nowait:
+            raise WouldBlock(
+                f"partition {partition_id!r} is at its capacity of {st.capacity} "
+                "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
+            )
+        return False
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def restore_begin(self, dumps: Sequence[PartitionDump]) -> dict[str, list[int]]:
+        """Stage partitions of a checkpoint; each one's units (where its cells must go)."""
+        staged = self.state.restore_begin(dumps)
+        return {p.partition_id: list(p.units) for p in staged}
+
+    def restore_commit(
+        self,
+        partition_ids: Sequence[str],
+        sampler_state: Mapping[str, Any] | None,
+        samplers: Any,
+    ) -> Effects:
+        """Make staged partitions live, and load the samplers' state.
+
+        Args:
+            partition_ids: partitions staged by :meth:`restore_begin`.
+            sampler_state: ``{"default": ..., "task:<name>": ...}`` from the checkpoint.
+            samplers: ``(default sampler, {task: sampler})``.
+        """
+        st = self.state
+        missing = [pid for pid in partition_ids if pid not in st.restoring]
+        if missing:
+            raise InvalidRequestError(f"partitions {missing} are not being restored")
+        for pid in partition_ids:
+            st.partitions[pid] = st.restoring.pop(pid)
+        if sampler_state:
+            default, by_task = samplers
+            default.load_state_dict(sampler_state.get("default", {}))
+            for t, smp in by_task.items():
+                smp.load_state_dict(sampler_state.get(f"task:{t}", {}))
+        return Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
+
+    def restore_abort(self, partition_ids: Sequence[str]) -> dict[int, list[int] | None]:
+        """Drop staged partitions; the units to clear them on (every unit, all rows)."""
+        for pid in partition_ids:
+            self.state.restoring.pop(pid, None)
+        return dict.fromkeys(self.state.units)
+
+    # ---- stale rows --------------------------------------------------------------------------
+
+    def take_recycled(self, max_rows: int) -> dict[str, list[int]]:
+        """Hand out up to ``max_rows`` recycled rows (each once), by partition."""
+        out: dict[str, list[int]] = {}
+        taken = 0
+        st = self.state
+        while st.recycled and taken < max_rows:
+            pid, row = st.recycled.popleft()
+            p = st.partitions.get(pid)
+            if p is None or not p.alive[row]:
+                continue  # its partition was cleared: nothing left to regenerate from
+            out.setdefault(pid, []).append(row)
+            taken += 1
+        return out

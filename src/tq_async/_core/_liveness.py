@@ -1,0 +1,113 @@
+"""Storage-unit liveness: a pure part of the controller's core.
+
+A unit that goes silent is *suspended* (its rows are neither handed out nor lost, end-of-stream
+waits for them, new puts avoid it); it resumes when it comes back with its data, and is
+*lost* when its process is confirmed gone or after ``Deadlines.unit_lost_after``. No loop,
+no clock: :class:`~tq_async._core._transitions.ControllerCore` calls it with ``now`` and arms its
+deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .._logging import get_logger
+from ._effects import Effects
+from ._state import ControllerState, Wakeup
+
+__all__ = ["UnitLiveness"]
+
+log = get_logger(__name__)
+
+
+class UnitLiveness:
+    """Suspends, resumes and loses storage units of ``state``.
+
+    Args:
+        state: the controller's state.
+        lost_after: seconds a suspended unit has to come back.
+        arm: ``arm(deadline, "unit", unit)`` schedules :meth:`on_deadline`.
+    """
+
+    def __init__(
+        self,
+        state: ControllerState,
+        lost_after: float,
+        arm: Callable[[float, str, int], None],
+    ) -> None:
+        self.state = state
+        self.unit_lost_after = lost_after
+        self._arm = arm
+
+    def unit_down(self, unit: int, now: float) -> Effects:
+        """A unit missed its liveness deadline: suspend it (rows neither handed out nor lost).
+
+        End-of-stream waits for its rows and new puts avoid it. It resumes with
+        :meth:`unit_up`; :meth:`unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
+        """
+        st = self.state
+        if unit in st.dead_units or unit in st.suspended or unit not in st.units:
+            return Effects()
+        st.suspended[unit] = now + self.unit_lost_after
+        st.unavailable.add(unit)
+        self._arm(st.suspended[unit], "unit", unit)
+        for p in st.partitions.values():
+            for rs in p.ready.values():
+                for r in [r for r in rs.rows if p.units[r] == unit]:
+                    rs.discard(r)
+        log.warning(
+            "storage unit suspended: its rows wait until it comes back or is declared lost",
+            unit=unit,
+            lost_after=self.unit_lost_after,
+        )
+        return Effects()
+
+    def unit_up(self, unit: int) -> Effects:
+        """A suspended unit came back with its data: its rows are handed out again."""
+        st = self.state
+        if st.suspended.pop(unit, None) is None:
+            return Effects()
+        st.unavailable.discard(unit)
+        fx = Effects()
+        for pid, p in st.partitions.items():
+            if p.ready and unit in set(p.units):
+                p.ready.clear()  # rebuilt on next use, with the unit's rows
+                fx.wakeups.append(Wakeup(pid))
+        log.info("storage unit resumed", unit=unit)
+        return fx
+
+    def unit_lost(self, unit: int) -> Effects:
+        """A unit's data is gone (its process died, or it restarted): its rows are lost."""
+        st = self.state
+        st.suspended.pop(unit, None)
+        st.unavailable.discard(unit)
+        if unit in st.dead_units:
+            return Effects()
+        st.dead_units.add(unit)
+        fx = Effects(room=True)
+        lost = {}
+        for pid, p in st.partitions.items():
+            rows = p.lose_unit(unit)
+            if rows:
+                lost[pid] = len(rows)
+                fx.wakeups.append(Wakeup(pid))
+        log.error("storage unit lost", unit=unit, address=st.units.get(unit), rows_lost=lost)
+        return fx
+
+    def unit_registered(self, unit: int, address: str) -> Effects:
+        """A unit process (re)started under ``unit``: what an earlier one held is gone."""
+        st = self.state
+        fx = Effects()
+        held_rows = any(unit in set(p.units) for p in st.partitions.values())
+        if unit in st.units and (unit in st.suspended or held_rows):
+            fx = self.unit_lost(unit)
+        if st.units.get(unit) != address:
+            st.units_epoch += 1  # clients learn the new address from their next reply
+        st.units[unit] = address
+        st.dead_units.discard(unit)  # a restarted unit takes new rows again
+        return fx
+
+    def on_deadline(self, unit: int, deadline: float, fx: Effects) -> None:
+        """A suspended unit's deadline passed: lose it, unless it resumed meanwhile."""
+        if self.state.suspended.get(unit) == deadline:
+            fx.add(self.unit_lost(unit))

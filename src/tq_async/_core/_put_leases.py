@@ -1,0 +1,169 @@
+"""Put leases: a pure part of the controller's core.
+
+A put places rows first (:meth:`PutLeases.begin`) and makes their cells visible later
+(:meth:`PutLeases.commit`). Meanwhile the new rows are reserved under a *put lease*, renewed
+by the producer while its columns travel (:meth:`PutLeases.renew`). When a lease lapses (a
+dead producer) the rows are reclaimed, never visible. No loop, no clock:
+:class:`~tq_async._core._transitions.ControllerCore` calls it with ``now`` and arms its deadlines.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._errors import RowsNotFound
+from .._logging import get_logger
+from .._wire._protocol import Placement
+from ._effects import Effects
+from ._state import ControllerState, Partition, PutLease, Wakeup
+
+__all__ = ["PutLeases"]
+
+log = get_logger(__name__)
+
+
+class PutLeases:
+    """The put leases of ``state``'s partitions.
+
+    Args:
+        state: the controller's state.
+        seconds: the lease (``Deadlines.put_lease``).
+        ids: the core's id counter (put ids and lease ids never collide).
+        arm: ``arm(deadline, "put", put_id)`` schedules :meth:`lapse`.
+        clear: ``clear(partition, rows)`` drops rows and returns the effects.
+    """
+
+    def __init__(
+        self,
+        state: ControllerState,
+        seconds: float,
+        ids: itertools.count[int],
+        arm: Callable[[float, str, int], None],
+        clear: Callable[[Partition, Sequence[int]], Effects],
+    ) -> None:
+        self.state = state
+        self.put_lease = seconds
+        self._ids = ids
+        self._arm = arm
+        self._clear = clear
+        #: put id -> the partition holding it (gone with the partition)
+        self.home: dict[int, Partition] = {}
+
+    def live(self, put_id: int, deadline: float) -> bool:
+        """Whether a put lease still ends at ``deadline`` (not committed or renewed)."""
+        p = self.home.get(put_id)
+        return p is not None and p.put_leases[put_id].deadline == deadline
+
+    def begin(
+        self,
+        partition_id: str,
+        headers: Sequence[Any],
+        n_rows: int,
+        rows: Sequence[int] | None,
+        keys: Sequence[str] | None,
+        now: float,
+        *,
+        lease: bool = True,
+    ) -> tuple[Placement, Effects]:
+        """Place a put. New rows are reserved under a put lease (unless ``lease`` is False:
+        a put the controller completes itself) until :meth:`commit`."""
+        before = self.state.partitions.get(partition_id)
+        first_new = before.n_rows if before is not None else 0
+        got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
+        placement = Placement(got, units)
+        p = self.state.partitions[partition_id]
+        placement.incarnation = p.incarnation
+        if keys is not None:  # a KV put's meta names every field its keys already have
+            placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
+        if lease and rows is None:
+            new = [r for r in got if r >= first_new]
+            if new:
+                p = self.state.partitions[partition_id]
+                put_id = next(self._ids)
+                p.put_leases[put_id] = PutLease(put_id, new, now + self.put_lease)
+                self.home[put_id] = p
+                self._arm(now + self.put_lease, "put", put_id)
+                placement.put_id = put_id
+                placement.put_lease = self.put_lease
+        return placement, Effects(wakeups=wakeups)
+
+    def renew(self, put_ids: Sequence[int], now: float) -> None:
+        """The producer is alive and still writing: push the put leases' deadlines."""
+        for put_id in put_ids:
+            p = self.home.get(put_id)
+            if p is not None:
+                put = p.put_leases[put_id]
+                put.deadline = now + self.put_lease
+                self._arm(put.deadline, "put", put_id)
+
+    def commit(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        tags: Sequence[Any] | None,
+        versions: Sequence[int] | None,
+        put_id: int = 0,
+        incarnation: str | None = None,
+    ) -> Effects:
+        """Make a put visible: cells produced, tags and versions applied, put lease done.
+
+        ``incarnation`` (from a BatchMeta or the placement) must be the partition's own.
+        """
+        p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
+        if put_id:
+            if self.home.get(put_id) is not p:
+                raise RowsNotFound(
+                    f"the put into partition {partition_id!r} was not committed within its "
+                    f"put lease ({self.put_lease} s without a renewal), so its rows were "
+                    "reclaimed; put the batch again"
+                )
+            gained = p.commit(rows, fields, tags, versions)
+            del p.put_leases[put_id]
+            del self.home[put_id]
+        else:
+            gained = p.commit(rows, fields, tags, versions)
+        return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
+
+    def undo(self, partition_id: str, rows: Sequence[int], incarnation: str) -> Effects:
+        """A put the controller completes itself (no put lease) failed after placing new
+        ``rows``: drop those still alive (unless the partition was cleared meanwhile)."""
+        p = self.state.partitions.get(partition_id)
+        if p is None or p.incarnation != incarnation:
+            return Effects()
+        # rows may be gone already: lost with their unit
+        alive = [r for r in rows if r < p.n_rows and p.alive[r]]
+        return self._clear(p, alive) if alive else Effects()
+
+    def abort(self, put_ids: Sequence[int]) -> Effects:
+        """The producer gave up these puts: reclaim their rows now (never visible).
+
+        Unknown ids (committed, lapsed, of a cleared partition) are ignored.
+        """
+        fx = Effects()
+        for put_id in put_ids:
+            p = self.home.get(put_id)
+            if p is not None:
+                self.lapse(put_id, p.put_leases[put_id].deadline, fx)
+        return fx
+
+    def lapse(self, put_id: int, deadline: float, fx: Effects) -> None:
+        """A producer stopped renewing its put: reclaim the rows (never visible)."""
+        p = self.home.get(put_id)
+        if p is None or p.put_leases[put_id].deadline != deadline:
+            return
+        put = p.put_leases.pop(put_id)
+        del self.home[put_id]
+        # a row with any cell produced was committed (by a client that sent no put id)
+        fields = [f.produced for f in p.fields.values()]
+        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
+        log.warning(
+            "put lease lapsed: reclaiming the rows of an uncommitted put",
+            partition=p.partition_id,
+            rows=len(rows),
+        )
+        if rows:
+            fx.add(self._clear(p, rows))

@@ -1,0 +1,599 @@
+"""PyTorch adapter: ``StreamingDataset`` (an ``IterableDataset``) and ``StreamingDataLoader``.
+
+There is one implementation, :class:`~tq_async.AsyncStreamingDataset`; this module drives it
+in the iterating thread itself, over the blocking :class:`~tq_async.Client` (its I/O in the
+calling thread): a private event loop, run only while a batch is asked for, hosts the
+dataset, and its client calls block that thread instead of suspending. No portal thread, no
+hand-off: nothing of tq_async runs in the background, so a process that forks (DataLoader
+workers) never forks in the middle of it. A ``StreamingDataset`` stores only its address and
+arguments: the loop, the client and its sockets are created inside whichever process iterates
+it, so it pickles for ``spawn`` workers and is safe to ``fork``. It fetches when asked
+(``prefetch`` applies to :class:`~tq_async.AsyncStreamingDataset`): DataLoader workers run
+ahead of the consumer by the loader's ``prefetch_factor``.
+
+Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
+whole batches (each with its micro-batches), never micro-batches: yielding micro-batches
+would break the order as soon as two batches have different numbers of them, e.g. a short
+last batch. A loader fetches ``num_workers x prefetch_factor`` batches ahead, as any
+DataLoader, and no more (every batch fetched has its rows consumed for the task: ranks sharing
+the task's rows would find fewer); within that, each worker hands over its
+``prefetch_factor`` batches in one item (torch is asked for one item per worker at a time):
+the batch it waited for and its next ones that are ready at once (a worker never waits to
+fill an item), within 1 MiB, since every item costs both processes a queue round trip and
+wake-ups. They come in one request (``next_batch(ahead=)``, ``get_batches``): the controller
+adds to the asked batch those it can decide at once; one that was not ready then is asked for
+again with ``timeout=0``. The :class:`StreamingDataLoader` keeps the batches it
+receives ahead of the next ``batch_index`` (at most an item per worker) and yields
+micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
+each fetch asks the controller to decide the lower indexes not decided yet first, in the
+same request (``record_from``).
+
+State lives in the main process. The loader moves the dataset's position as it hands out each
+micro-batch; workers receive the position when they start (a DataLoader without persistent
+workers starts new ones for every ``iter(loader)``, forked or pickled from the dataset as it
+is at that moment). That is how :meth:`StreamingDataLoader.reset`, :meth:`~StreamingDataLoader.step`
+and :meth:`~StreamingDataLoader.load_state_dict` reach the workers, and why persistent workers
+are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .._client._sync._client import Client
+from .._errors import ClosedError, InvalidRequestError, TQError
+from .._logging import get_logger
+from .._portal import check_blocking_allowed
+from ._async import (
+    AsyncStreamingDataset,
+    BatchSlice,
+    FetchBatchFn,
+    MicroBatch,
+    ProcessBatchFn,
+    parse_state,
+)
+
+__all__ = ["StreamingDataset", "StreamingDataLoader"]
+
+log = get_logger(__name__)
+
+R = TypeVar("R")
+
+
+def _identity(item: Any) -> Any:
+    """The loader's collate function: items are already batches."""
+    return item
+
+
+class StreamingDataset(IterableDataset[MicroBatch]):
+    """A ``torch.utils.data.IterableDataset`` over :class:`~tq_async.AsyncStreamingDataset`.
+
+    Iterating it directly yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index``
+    order. Read it through :class:`StreamingDataLoader`, which keeps the order with any number
+    of workers and tracks the position; a plain ``DataLoader`` needs ``batch_size=None`` and
+    an identity ``collate_fn`` (its default one cannot convert a ``BatchMeta``) and is refused
+    with more than one worker.
+
+    The arguments are those of :class:`~tq_async.AsyncStreamingDataset`, except that
+    ``address`` must be the controller's address (a string): each process that iterates the
+    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run in the
+    iterating thread (``fetch_batch_fn`` is awaited and receives the blocking client's
+    :class:`~tq_async.AsyncClient`-shaped view: the same coroutine methods, which do their I/O
+    without suspending), and must be importable module-level functions when DataLoader
+    workers are spawned.
+
+    In the process that iterates without workers, the replay window survives between passes;
+    DataLoader workers are new processes every pass, so their replays re-read from storage.
+
+    With ``dp_size`` every data-parallel rank gets the same number of batches, and a rank
+    may get an **empty batch** (0 rows) at the tail: it comes as one micro-batch of 0 rows.
+    Run your step anyway so collectives stay in step (see
+    :class:`~tq_async.AsyncStreamingDataset` for ``dp_size`` and ``tail``).
+
+    ``device`` (e.g. ``"cuda:0"``) delivers tensors on that device, copied in the prefetching
+    task; use it without DataLoader workers (CUDA does not survive a fork: with workers, pass
+    ``pin_memory=True`` to the loader and move the batch in the main process).
+
+    Raises:
+        InvalidRequestError: an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        data_fields: Sequence[str],
+        batch_size: int,
+        micro_batch_size: int,
+        partition_id: str,
+        task_name: str,
+        dp_rank: int = 0,
+        prefetch: int = 2,
+        replay_window: int = 0,
+        stop_when_consumed: bool = False,
+        sampling_config: Mapping[str, Any] | None = None,
+        fetch_batch_fn: FetchBatchFn | None = None,
+        process_batch_fn: ProcessBatchFn | None = None,
+        *,
+        request_timeout: float = 60.0,
+        dp_size: int | None = None,
+        tail: str | None = None,
+        device: Any = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(address, str) or not address:
+            raise InvalidRequestError(
+                "StreamingDataset needs the controller's address as a string (each worker "
+                f"process opens its own client), got {type(address).__name__}"
+            )
+        self._kwargs: dict[str, Any] = {
+            "address": address,
+            "data_fields": list(data_fields) if not isinstance(data_fields, str) else data_fields,
+            "batch_size": batch_size,
+            "micro_batch_size": micro_batch_size,
+            "partition_id": partition_id,
+            "task_name": task_name,
+            "dp_rank": dp_rank,
+            "prefetch": prefetch,
+            "replay_window": replay_window,
+            "stop_when_consumed": stop_when_consumed,
+            "sampling_config": dict(sampling_config) if sampling_config else None,
+            "fetch_batch_fn": fetch_batch_fn,
+            "process_batch_fn": process_batch_fn,
+            "request_timeout": request_timeout,
+            "dp_size": dp_size,
+            "tail": tail,
+            "device": device,
+        }
+        # Validates every argument (opens nothing: the client is created on entry).
+        probe = AsyncStreamingDataset(**self._kwargs)
+        self._state: dict[str, Any] = probe.state_dict()
+        #: bumped by reset/step/load_state_dict (a running loader pass restarts its workers)
+        self._generation = 0
+        #: set by StreamingDataLoader: yield one item per batch (see the module docstring)
+        self._whole_batches = False
+        #: set by StreamingDataLoader: batches a worker hands over at most at once
+        self._handoff_batches = 1
+        self._local: AsyncStreamingDataset | None = None
+        self._local_pid: int | None = None
+
+    # ---- state (main process) ----------------------------------------------------------------
+
+    @property
+    def partition_id(self) -> str:
+        """The partition being read."""
+        return str(self._state["partition_id"])
+
+    @property
+    def batch_index(self) -> int:
+        """The ``batch_index`` of the next micro-batch to be delivered."""
+        return int(self._state["batch_index"])
+
+    def reset(self) -> None:
+        """Replay from ``batch_index`` 0 of the current partition (takes effect on next iter)."""
+        self._set_position(self.partition_id, 0, 0)
+
+    def step(self, partition_id: str) -> None:
+        """Move to another partition at ``batch_index`` 0 (takes effect on next iter).
+
+        Raises:
+            InvalidRequestError: ``partition_id`` is not a non-empty string.
+        """
+        if not isinstance(partition_id, str) or not partition_id:
+            raise InvalidRequestError(
+                f"partition_id must be a non-empty string, got {partition_id!r}"
+            )
+        self._set_position(partition_id, 0, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next micro-batch, as a plain dict (see
+        :meth:`AsyncStreamingDataset.state_dict`)."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a position :meth:`state_dict` recorded (takes effect on next iter).
+
+        Raises:
+            InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
+        """
+        partition_id, index, micro = parse_state(
+            state, self._kwargs["task_name"], self._kwargs["dp_rank"], self._kwargs["dp_size"]
+        )
+        self._set_position(partition_id, index, micro)
+
+    def _set_position(self, partition_id: str, index: int, micro: int) -> None:
+        self._state.update(partition_id=partition_id, batch_index=index, micro_batch_index=micro)
+        self._generation += 1
+
+    def _delivered(self, item: BatchSlice, count: int) -> None:
+        """The first ``count`` micro-batches of ``item`` have been handed out."""
+        if count >= len(item.micro_batches):
+            self._state.update(batch_index=item.batch_index + 1, micro_batch_index=0)
+        else:
+            self._state.update(
+                batch_index=item.batch_index, micro_batch_index=item.first_micro + count
+            )
+
+    # ---- pickling ----------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The per-process dataset holds a loop-bound client and cached tensors: never shipped.
+        state = self.__dict__.copy()
+        state["_local"] = None
+        state["_local_pid"] = None
+        return state
+
+    # ---- iteration ---------------------------------------------------------------------------
+
+    def _local_dataset(self) -> AsyncStreamingDataset:
+        # A dataset still entered (an abandoned pass not yet garbage-collected) is left alone.
+        local = self._local
+        if local is None or self._local_pid != os.getpid() or local.entered:
+            client = Client(
+                self._kwargs["address"], request_timeout=self._kwargs["request_timeout"]
+            )
+            # fetched when asked, in this thread: a prefetching task would block it too
+            kwargs = {**self._kwargs, "address": _AsyncFace(client), "prefetch": 0}
+            local = self._local = AsyncStreamingDataset(**kwargs)
+            self._local_pid = os.getpid()
+        return local
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
+
+        Raises:
+            InvalidRequestError: iterated by a plain DataLoader with several workers, or in
+                a DataLoader worker with a CUDA ``device``.
+        """
+        info = get_worker_info()
+        device = self._kwargs["device"]
+        if info is not None and device is not None and torch.device(device).type == "cuda":
+            raise InvalidRequestError(
+                "StreamingDataset(device='cuda...') in a DataLoader worker: CUDA does not "
+                "survive a fork; leave device out, pass pin_memory=True to the loader, and "
+                "move each batch to the GPU in the main process"
+            )
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if num_workers > 1 and not self._whole_batches:
+            raise InvalidRequestError(
+                "a StreamingDataset read by several DataLoader workers must go through "
+                "tq_async.StreamingDataLoader (it keeps batches in order and tracks the "
+                "position); a plain DataLoader would interleave micro-batches"
+            )
+        ads = self._local_dataset()
+        ads.load_state_dict(self._state)
+        ads.set_worker(worker_id, num_workers)
+        return self._run(ads)
+
+    def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
+        check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
+        host = _InThread(ads)
+        exc_info: tuple[Any, Any, Any] = (None, None, None)
+        # a DataLoader worker hands over its prefetch_factor batches at once when they are
+        # ready (see _ready_group); a custom fetch_batch_fn may not honour "do not wait"
+        grouped = (
+            self._whole_batches
+            and self._handoff_batches > 1
+            and get_worker_info() is not None
+            and self._kwargs["fetch_batch_fn"] is None
+        )
+        # the hand-off's batches come in one request when they are ready at once
+        ahead = self._handoff_batches - 1 if grouped else 0
+        try:
+            while True:
+                item: BatchSlice | None = host.call(lambda: ads.next_batch(ahead=ahead))
+                if item is None:
+                    return
+                if grouped:
+                    group = _ready_group(host, ads, item, self._handoff_batches)
+                    yield group
+                    if group.ended:
+                        return
+                    continue
+                if self._whole_batches:
+                    yield item
+                    continue
+                generation = self._generation
+                for i, micro_batch in enumerate(item.micro_batches):
+                    self._delivered(item, i + 1)
+                    yield micro_batch
+                    if self._generation != generation:
+                        break  # reset/step while iterating: continue from the new position
+                if not item.micro_batches:
+                    self._delivered(item, 0)
+                if self._generation != generation:
+                    ads.load_state_dict(self._state)
+        except BaseException:
+            exc_info = sys.exc_info()
+            raise
+        finally:
+            host.close(exc_info[1])
+
+
+class StreamingDataLoader(DataLoader[MicroBatch]):
+    """A ``torch.utils.data.DataLoader`` for a :class:`StreamingDataset`.
+
+    It yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
+    ``num_workers`` (worker ``w`` of ``W`` fetches batches ``w, w + W, ...``), fork or spawn,
+    and forwards :meth:`reset`, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`
+    to the dataset. The position advances as micro-batches are handed out, so
+    :meth:`state_dict` taken inside the loop resumes right after the last one received.
+
+    Calling :meth:`reset`, :meth:`step` or :meth:`load_state_dict` inside the loop makes the
+    running pass continue from the new position (its workers are replaced).
+
+    A dataset built with ``dp_size`` gives every data-parallel rank the same number of
+    batches with any ``num_workers``; a rank may receive a micro-batch of 0 rows (its empty
+    share of the last global batch): run the step anyway so collectives stay in step.
+
+    Args:
+        dataset: the stream.
+        num_workers: worker processes (0: fetch in this process, in the iterating thread).
+        **kwargs: other ``DataLoader`` arguments (``multiprocessing_context``,
+            ``prefetch_factor``, ``pin_memory``, ``timeout``, ``worker_init_fn``, ...).
+            ``prefetch_factor`` (2 by default) is the batches each worker fetches ahead, as
+            in torch; a worker hands them to the loader together (the loader's
+            ``prefetch_factor`` attribute, torch's, reads 1).
+
+    Raises:
+        InvalidRequestError: ``dataset`` is not a :class:`StreamingDataset`, or an argument
+            would break batching or ordering (``batch_size``, ``collate_fn``, ``sampler``,
+            ``batch_sampler``, ``shuffle``, ``drop_last``, ``in_order=False``,
+            ``persistent_workers=True``).
+    """
+
+    def __init__(self, dataset: StreamingDataset, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise InvalidRequestError(
+                f"StreamingDataLoader needs a tq_async.StreamingDataset, got "
+                f"{type(dataset).__name__}"
+            )
+        for name in ("batch_size", "collate_fn", "sampler", "batch_sampler", "shuffle"):
+            if kwargs.get(name) is not None:
+                raise InvalidRequestError(
+                    f"StreamingDataLoader does not take {name}=: the dataset already batches "
+                    "(set batch_size and micro_batch_size on the StreamingDataset)"
+                )
+            kwargs.pop(name, None)
+        if kwargs.pop("drop_last", False):
+            raise InvalidRequestError("StreamingDataLoader does not take drop_last=True")
+        if not kwargs.pop("in_order", True):
+            raise InvalidRequestError(
+                "StreamingDataLoader needs in_order=True: batches are delivered in "
+                "batch_index order"
+            )
+        if kwargs.get("persistent_workers"):
+            raise InvalidRequestError(
+                "StreamingDataLoader does not support persistent_workers=True: workers learn "
+                "the position (reset/step/load_state_dict) when they start, so they must be "
+                "started for every pass"
+            )
+        dataset._whole_batches = True
+        prefetch = kwargs.get("prefetch_factor")
+        if num_workers > 0 and (prefetch is None or _positive(prefetch)):
+            # A worker fetches prefetch_factor batches ahead, as with any DataLoader, and hands
+            # them over together: torch is asked for one item per worker at a time, each of
+            # up to prefetch_factor batches (the rows a loader takes ahead of its consumer
+            # stay what torch's read-ahead would take: other ranks sharing the task's rows
+            # are not starved; see _ready_group)
+            dataset._handoff_batches = 2 if prefetch is None else prefetch
+            kwargs["prefetch_factor"] = 1
+        super().__init__(
+            dataset,
+            batch_size=None,
+            collate_fn=_identity,
+            num_workers=num_workers,
+            **kwargs,
+        )
+        self._stream = dataset
+
+    def reset(self) -> None:
+        """Replay from ``batch_index`` 0 (see :meth:`StreamingDataset.reset`)."""
+        self._stream.reset()
+
+    def step(self, partition_id: str) -> None:
+        """Move to another partition (see :meth:`StreamingDataset.step`)."""
+        self._stream.step(partition_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the next micro-batch (see :meth:`StreamingDataset.state_dict`)."""
+        return self._stream.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a recorded position (see :meth:`StreamingDataset.load_state_dict`)."""
+        self._stream.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
+        """Yield micro-batches in ``batch_index`` order until the stream ends."""
+        ds = self._stream
+        while True:
+            generation = ds._generation
+            moved = False
+            # A new DataLoader iterator (new workers) sees the dataset's current position.
+            items = super().__iter__()
+            # batches by batch_index, until every lower one has come: a worker's hand-off
+            # holds several of its batches (w, w + W, ...), the others' come in between
+            waiting: dict[int, BatchSlice] = {}
+            try:
+                for got in items:
+                    for handed in _slices(got):
+                        waiting[handed.batch_index] = handed
+                    while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
+                        for i, micro_batch in enumerate(item.micro_batches):
+                            ds._delivered(item, i + 1)
+                            yield micro_batch
+                            if ds._generation != generation:
+                                moved = True
+                                break
+                        if not item.micro_batches:
+                            ds._delivered(item, 0)
+                    if moved:
+                        break
+                if waiting and not moved:
+                    raise InvalidRequestError(
+                        f"the StreamingDataLoader's workers ended without batch "
+                        f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
+                        "report it"
+                    )
+            finally:
+                del items  # shuts the workers down now, not at garbage collection
+            if not moved:
+                return
+            log.debug("position moved during a pass; restarting workers", **ds.state_dict())
+
+
+#: a DataLoader worker hands the loader up to prefetch_factor of its batches at once, the
+#: ones ready without waiting, while they hold at most _HANDOFF_BYTES: each hand-off costs
+#: both processes a queue round trip and wake-ups (~0.2-0.3 ms on a 2-vCPU VM), which small
+#: batches would otherwise pay one by one (benchmarks/RESULTS.md, W5)
+_HANDOFF_BYTES = 1 << 20
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+class _Group(list[BatchSlice]):
+    """Batches of one worker handed over at once, in its order; ``ended``: its stream ended
+    after them (not pickled: only the worker reads it)."""
+
+    ended = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Group, (list(self),))
+
+
+def _ready_group(
+    host: _InThread, ads: AsyncStreamingDataset, first: BatchSlice, most: int
+) -> _Group:
+    """``first`` and the worker's next batches that are ready at once, ``most`` in all,
+    within the bytes bound. Never more: every batch fetched is a batch decided, its rows
+    consumed for the task ahead of the consumer, and ranks that share the task's rows (no
+    ``dp_size``) would find fewer. The request that fetched ``first`` usually took them
+    already (``next_batch(ahead=)``); one that was not ready then is asked for again."""
+    group = _Group([first])
+    size = _slice_bytes(first)
+    while len(group) < most and size < _HANDOFF_BYTES:
+        try:
+            item = host.call(lambda: ads.next_batch(wait=False))
+        except TQError:
+            # not ready (TQTimeoutError), or failed: hand over what is; the next fetch
+            # waits for it, or fails again after these batches are delivered
+            break
+        if item is None:
+            group.ended = True
+            break
+        group.append(item)
+        size += _slice_bytes(item)
+    return group
+
+
+def _slice_bytes(item: BatchSlice) -> int:
+    return sum(
+        v.nbytes for td, _ in item.micro_batches for v in td.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def _slices(got: Any) -> list[BatchSlice]:
+    """What a worker handed over, as batches."""
+    items = got if isinstance(got, list) else [got]
+    for item in items:
+        if not isinstance(item, BatchSlice):
+            raise InvalidRequestError(
+                f"a StreamingDataLoader worker returned {type(item).__name__}; "
+                "its dataset must be the StreamingDataset it was built with"
+            )
+    return items
+
+
+class _AsyncFace:
+    """An :class:`~tq_async.AsyncClient`-shaped view of a blocking :class:`~tq_async.Client`:
+    each coroutine method makes the blocking call (it never suspends). The dataset (and a
+    ``fetch_batch_fn``) awaits it as it would the async client."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @property
+    def closed(self) -> bool:
+        return self.client.closed
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.client, name)
+        if not callable(fn):
+            return fn
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return call
+
+
+class _InThread:
+    """Hosts an :class:`AsyncStreamingDataset` (entered with ``async with``) on a private
+    event loop of the calling thread; :meth:`call` runs a coroutine there and returns its
+    result. The loop runs only inside :meth:`call`: between batches nothing runs.
+
+    The host task enters the dataset (its task group lives in that task) and waits until
+    :meth:`close`; each call runs as a task of its own (``prefetch=0``: the dataset starts
+    no task of its own), so a call costs one task, not a hand-off to the host and back."""
+
+    def __init__(self, ads: AsyncStreamingDataset) -> None:
+        face = ads._address
+        assert isinstance(face, _AsyncFace)
+        self._client = face.client
+        self._client.open()
+        self._loop = asyncio.new_event_loop()
+        self._entered: asyncio.Future[None] = self._loop.create_future()
+        self._closing: asyncio.Future[None] = self._loop.create_future()
+        self._host = self._loop.create_task(self._serve(ads))
+        self._running: asyncio.Task[Any] | None = None
+
+    async def _serve(self, ads: AsyncStreamingDataset) -> None:
+        async with ads:
+            self._entered.set_result(None)
+            await self._closing
+
+    def call(self, fn: Callable[[], Awaitable[R]]) -> R:
+        loop = self._loop
+        if not self._entered.done():
+            either: list[asyncio.Future[Any]] = [self._entered, self._host]
+            loop.run_until_complete(asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED))
+            if not self._entered.done():  # the host ended: entering the dataset failed
+                self._host.result()
+                raise ClosedError("the dataset's host ended")  # pragma: no cover - raised
+        task: asyncio.Task[R] = loop.create_task(_awaited(fn))
+        self._running = task
+        result = loop.run_until_complete(task)
+        self._running = None
+        return result
+
+    def close(self, exc: BaseException | None) -> None:
+        loop = self._loop
+        try:
+            if not loop.is_closed():
+                running = self._running
+                if running is not None and not running.done():  # interrupted (Ctrl-C)
+                    running.cancel()
+                    with contextlib.suppress(BaseException):
+                        loop.run_until_complete(running)
+                if not self._host.done():
+                    if not self._closing.done():
+                        self._closing.set_result(None)
+                    with contextlib.suppress(Exception):
+                        loop.run_until_complete(self._host)
+        finally:
+            if not loop.is_closed():
+                loop.close()
+            self._client.close()
+
+
+async def _awaited(fn: Callable[[], Awaitable[R]]) -> R:
+    return await fn()

@@ -1,0 +1,495 @@
+"""``tq-async``: run tq_async services as processes.
+
+``tq-async serve`` runs a whole cluster (a controller and its storage units) in one process.
+To spread a cluster over hosts, run one controller and any number of storage units, each
+in its own process::
+
+    tq-async serve controller --bind tcp://10.0.0.1:5555
+    tq-async serve storage --controller tcp://10.0.0.1:5555 --bind tcp://10.0.0.2:0 --unit-id 0
+
+Each process prints the one line a launcher parses (``TQ_ADDRESS=...`` for a controller,
+``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM or
+SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import anyio
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry
+
+from .._core._transitions import Deadlines
+from .._errors import ConfigError
+from .._logging import configure_logging, get_logger
+from .._paths._nixl import DATA_PATHS
+from .._service._config import Config
+from .._service._config import load_curve as load_curve
+from .._service._metrics import serve_metrics
+from .._service._serve import first_tq_error, raise_fd_limit, serve_controller, serve_storage
+from .._storage._server import DEFAULT_SHM_CAP
+from ._cluster import local_cluster
+
+__all__ = ["main"]
+
+log = get_logger("tq_async._deploy._cli")  # not __main__ under `python -m tq_async._deploy._cli`
+
+_DEFAULT_BIND = "tcp://127.0.0.1:0"
+
+
+async def _serve(config: Config) -> None:
+    # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with local_cluster(transport="tcp", config=config) as cluster:
+            # The one line a launcher parses; flushed so a parent reading our stdout sees it.
+            print(f"TQ_ADDRESS={cluster.address}", flush=True)
+            if cluster.metrics_url:
+                print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
+            log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
+            async for signum in signals:
+                log.info("stopping", signal=signal.Signals(signum).name)
+                break
+
+
+async def _cancel_on_signal(
+    scope: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    # Started (not start_soon) so the handler is installed before any service starts: a
+    # SIGTERM during a unit's registration stops it cleanly instead of killing the process.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            log.info("stopping", signal=signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+async def _serve_role(args: argparse.Namespace, config: Config) -> None:
+    registry = CollectorRegistry() if config.metrics_on else None
+    bind = config.bind or _DEFAULT_BIND
+    stop_metrics: Callable[[], None] | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(_cancel_on_signal, tg.cancel_scope)
+            if args.role == "controller":
+                address = await tg.start(
+                    partial(
+                        serve_controller,
+                        bind,
+                        advertise=args.advertise,
+                        metrics_registry=registry,
+                        config=config,
+                    )
+                )
+                print(f"TQ_ADDRESS={address}", flush=True)
+            else:
+                unit_id, address = await tg.start(
+                    partial(
+                        serve_storage,
+                        args.controller,
+                        bind,
+                        unit_id=args.unit_id,
+                        advertise=args.advertise,
+                        allow_pickle=config.allow_pickle,
+                        register_timeout=args.register_timeout,
+                        metrics_registry=registry,
+                        curve=config.load_curve(),
+                        shm_cap=config.shm_cap,
+                        data_path=config.data_path,
+                        device_cap=config.device_cap,
+                        device_index=config.device_index,
+                    )
+                )
+                print(f"TQ_UNIT={unit_id} {address}", flush=True)
+            if registry is not None and config.metrics_on is not None:
+                host, _, port = config.metrics_on.rpartition(":")
+                url, stop_metrics = serve_metrics(registry, host or "127.0.0.1", int(port or 0))
+                print(f"TQ_METRICS_URL={url}", flush=True)
+    finally:
+        if stop_metrics is not None:
+            await anyio.to_thread.run_sync(stop_metrics)
+
+
+_FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
+
+#: ``serve`` options that a Config also sets: flag dest -> Config attribute
+_CONFIG_FLAGS = {
+    "storage_units": "num_storage_units",
+    "host": "host",
+    "bind": "bind",
+    "metrics_on": "metrics_on",
+    "allow_pickle": "allow_pickle",
+    "capacity": "capacity",
+    "capacity_scope": "capacity_scope",
+    "put_lease": "put_lease",
+    "unit_suspend_after": "unit_suspend_after",
+    "unit_lost_after": "unit_lost_after",
+    "waiting_warning_after": "waiting_warning_after",
+    "shm_cap": "shm_cap",
+    "data_path": "data_path",
+    "device_cap": "device_cap",
+    "device_index": "device_index",
+}
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {value!r}; choose from {', '.join(_LOG_LEVELS).lower()}"
+        )
+    return level
+
+
+def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    """Options of ``serve`` that its roles take too.
+
+    In a role's parser they default to SUPPRESS, so ``serve --bind X controller`` and
+    ``serve controller --bind X`` mean the same.
+    """
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if in_role else value
+
+    parser.add_argument(
+        "--config",
+        default=default(None),
+        metavar="FILE",
+        help="read the deployment from this TOML file (samplers, admission, capacity, ...; "
+        "see examples/grpo.toml); options given on the command line override it",
+    )
+    parser.add_argument(
+        "--bind",
+        default=default(None),
+        metavar="tcp://HOST:PORT",
+        help=f"the address to bind (default: {_DEFAULT_BIND}: a free port on loopback)",
+    )
+    parser.add_argument(
+        "--metrics-on",
+        default=default(None),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP here (port 0: any free port; default: off)",
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        default=default(False),
+        help="accept pickled columns (pickle runs code on load: trusted deployments only)",
+    )
+    parser.add_argument(
+        "--curve-cert",
+        default=default(None),
+        metavar="FILE",
+        help="encrypt every socket with this CURVE secret certificate (NAME.key_secret from "
+        "zmq.auth.create_certificates); every service of a cluster uses the same one "
+        "(default: no encryption)",
+    )
+    parser.add_argument(
+        "--curve-allow",
+        action="append",
+        default=default(None),
+        metavar="PATH",
+        help="admit only clients whose public certificate is this file or in this directory "
+        "(repeatable); without it any client that knows the public key gets in",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=default("INFO"),
+        metavar="LEVEL",
+        help="lowest level logged on stderr: debug, info, warning, error or critical, in "
+        "any case (default: info)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=default(False),
+        help="log one JSON object per line (default: coloured text on a terminal, plain "
+        "text otherwise)",
+    )
+
+
+def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    defaults = Deadlines()
+    for flag, value, text in (
+        (
+            "--put-lease",
+            defaults.put_lease,
+            "reclaim the rows of a put neither committed nor renewed for this long (a dead "
+            "producer's; live producers renew)",
+        ),
+        (
+            "--unit-suspend-after",
+            defaults.unit_suspend_after,
+            "suspend a storage unit silent for this long: its rows wait, neither handed out "
+            "nor lost",
+        ),
+        (
+            "--unit-lost-after",
+            defaults.unit_lost_after,
+            "declare a suspended unit's rows lost after this long (a unit whose process is "
+            "gone is lost at once)",
+        ),
+        (
+            "--waiting-warning-after",
+            defaults.waiting_warning_after,
+            "warn once when a get_meta has waited this long on fields no row has, a partition "
+            "that does not exist, or an unsealed partition that got no new rows",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            type=float,
+            default=argparse.SUPPRESS if in_role else value,
+            metavar="SECONDS",
+            help=f"{text} (default: {value:g})",
+        )
+
+
+def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
+        "--shm-cap",
+        type=int,
+        default=argparse.SUPPRESS if in_role else DEFAULT_SHM_CAP,
+        metavar="BYTES",
+        help="shared memory per storage unit for clients on this host (0: off; at the cap "
+        f"puts go over the socket; default: {DEFAULT_SHM_CAP})",
+    )
+    parser.add_argument(
+        "--data-path",
+        choices=DATA_PATHS,
+        default=argparse.SUPPRESS if in_role else "auto",
+        help="what storage units offer besides the socket: auto (shared memory on this host, "
+        "NIXL to other hosts when installed), shm, nixl or zmq (default: auto)",
+    )
+    parser.add_argument(
+        "--device-cap",
+        type=int,
+        default=argparse.SUPPRESS if in_role else 0,
+        metavar="BYTES",
+        help="GPU memory per storage unit for columns put from GPUs by clients on this host "
+        "(moved device to device by CUDA IPC; 0: off, the default)",
+    )
+    parser.add_argument(
+        "--device-index",
+        type=int,
+        default=argparse.SUPPRESS if in_role else 0,
+        metavar="N",
+        help="which GPU holds them (CUDA index; default: 0)",
+    )
+
+
+def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=argparse.SUPPRESS if in_role else None,
+        metavar="ROWS",
+        help="backpressure: the most live rows per partition (see --capacity-scope); a put "
+        "that does not fit waits until rows are cleared (default: unbounded)",
+    )
+    parser.add_argument(
+        "--capacity-scope",
+        choices=["partition", "global"],
+        default=argparse.SUPPRESS if in_role else "partition",
+        help="--capacity counts rows per partition or in all partitions together "
+        "(default: partition)",
+    )
+
+
+def _add_roles(serve: argparse.ArgumentParser) -> None:
+    """``serve controller`` and ``serve storage``: one service each, for multi-host clusters."""
+    # optional: without a role, `serve` runs every service in one process
+    roles = serve.add_subparsers(dest="role", metavar="[ROLE]", title="roles (optional)")
+    ctl = roles.add_parser(
+        "controller",
+        help="run a controller alone (storage units register with it)",
+        formatter_class=_FORMATTER,
+        description="Run a controller alone; prints TQ_ADDRESS=<address>.",
+    )
+    unit = roles.add_parser(
+        "storage",
+        help="run one storage unit and register it with a controller",
+        formatter_class=_FORMATTER,
+        description="Run one storage unit, register it; prints TQ_UNIT=<id> <address>.",
+    )
+    unit.add_argument(
+        "--controller", required=True, metavar="ADDR", help="the controller's address"
+    )
+    unit.add_argument(
+        "--unit-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="this unit's id, unique in the cluster (default: the controller assigns one)",
+    )
+    unit.add_argument(
+        "--register-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up if the controller does not answer the registration in this time "
+        "(default: 30)",
+    )
+    _add_capacity(ctl, in_role=True)
+    _add_shm(unit, in_role=True)
+    _add_deadlines(ctl, in_role=True)
+    for role in (ctl, unit):
+        role.add_argument(
+            "--advertise",
+            default=None,
+            metavar="HOST",
+            help="host name or IP that other hosts dial (needed with a 0.0.0.0 bind; a unit "
+            "defaults to its IP on the route to the controller)",
+        )
+        _add_shared(role, in_role=True)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tq-async",
+        description="Run tq_async services as processes.",
+        formatter_class=_FORMATTER,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run tq_async services until SIGTERM/SIGINT",
+        formatter_class=_FORMATTER,
+        description=(
+            "Without a role: a controller and --storage-units storage units in this process; "
+            "prints TQ_ADDRESS=<address>. With a role (controller / storage): one service, "
+            "for clusters spread over hosts. Logs go to stderr."
+        ),
+    )
+    serve.add_argument(
+        "--storage-units",
+        type=int,
+        default=2,
+        metavar="N",
+        help="number of storage units (default: 2)",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface the services bind (default: 127.0.0.1, loopback only)",
+    )
+    _add_shared(serve, in_role=False)
+    _add_capacity(serve, in_role=False)
+    _add_deadlines(serve, in_role=False)
+    _add_shm(serve, in_role=False)
+    serve.set_defaults(role=None)
+
+    _add_roles(serve)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the options present on the command line (not defaults)."""
+    saved: list[tuple[argparse.Action, object]] = []
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    suppress(child)
+            elif action.dest != "help":
+                saved.append((action, action.default))
+                action.default = argparse.SUPPRESS
+
+    suppress(parser)
+    try:
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action, value in saved:
+            action.default = value
+
+
+def config_from_args(args: argparse.Namespace, given: set[str]) -> Config:
+    """The file of ``--config`` (or the defaults) with the options given on top.
+
+    Raises:
+        ConfigError: the file is bad, or an option makes the result invalid.
+    """
+    config = Config.from_toml(args.config) if args.config else Config()
+    changes: dict[str, object] = {
+        key: getattr(args, dest) for dest, key in _CONFIG_FLAGS.items() if dest in given
+    }
+    if "curve_cert" in given or "curve_allow" in given:
+        cert = args.curve_cert if "curve_cert" in given else None
+        allow = args.curve_allow if "curve_allow" in given else None
+        if config.curve is not None:
+            cert, allow = cert or config.curve.cert, allow or config.curve.allow
+        if cert is None:
+            raise ConfigError("--curve-allow needs --curve-cert (the services' keys)")
+        changes["curve"] = {"cert": cert, "allow": allow or []}
+    if not changes:
+        return config
+    return config.replace(source="command line", **changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tq-async`` command.
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` by default).
+
+    Returns:
+        The exit status: 0 after a clean stop, 1 when a service could not start, 2 for a
+        bad command line or configuration.
+    """
+    parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    # This process is ours: move the objects its imports leave behind out of the collector's
+    # reach, so full collections do not walk them while serving. (It mattered most while the
+    # services imported torch, ~300k objects: worst put 262 ms -> 9 ms; they no longer do.)
+    # The library never does this in a user's process.
+    gc.freeze()
+    if args.command != "serve":  # pragma: no cover - argparse admits only "serve"
+        return 2
+    if args.role is not None and (args.storage_units != 2 or args.host != "127.0.0.1"):
+        parser.error("--storage-units and --host apply to the all-in-one `serve` only")
+    configure_logging(args.log_level, json=args.log_json)
+    try:
+        config = config_from_args(args, _given(parser, argv))
+        config.controller_options()  # import and call the factories now: fail before binding
+    except ConfigError as exc:
+        print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    # a service holds a descriptor per client: the default soft limit (often 1,024) would
+    # cap it long before the hard limit does (docs/deployment.md, "File descriptors")
+    raise_fd_limit("serve" if args.role is None else args.role, config.num_storage_units)
+    try:
+        if args.role is None:
+            anyio.run(_serve, config)
+        else:
+            anyio.run(_serve_role, args, config)
+    except BaseException as exc:
+        error = first_tq_error(exc)
+        if error is None:
+            raise
+        print(f"tq-async: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""``local_cluster``: a controller and storage units as tasks in the caller's event loop."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from prometheus_client import CollectorRegistry
+
+from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
+from .._core._state import ControllerState, check_capacity
+from .._errors import ConfigError, InvalidRequestError
+from .._logging import get_logger
+from .._paths._nixl import check_data_path
+from .._portal import host_services, stop_hosting
+from .._service._config import Config
+from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from .._storage._server import DEFAULT_SHM_CAP, StorageServer
+from .._transport._endpoints import is_loopback
+from .._transport._security import CurveServer
+from ..samplers import BaseSampler
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["LocalCluster", "local_cluster"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class LocalCluster:
+    """A running cluster: connect clients to :attr:`address`.
+
+    Attributes:
+        address: the controller's endpoint.
+        controller: the controller service (its ``state`` is inspectable in tests).
+        units: the storage unit services.
+    """
+
+    address: str
+    controller: ControllerServer
+    units: list[StorageServer] = field(default_factory=list)
+    metrics_url: str | None = None
+
+    @property
+    def unit_addresses(self) -> list[str]:
+        return [u.address for u in self.units]
+
+
+@asynccontextmanager
+async def local_cluster(
+    num_storage_units: int = 2,
+    sampler: BaseSampler | None = None,
+    *,
+    task_samplers: Mapping[str, BaseSampler] | None = None,
+    host: str = "127.0.0.1",
+    bind: str | None = None,
+    transport: str = "ipc",
+    allow_pickle: bool = False,
+    metrics_registry: CollectorRegistry | None = None,
+    serve_metrics_on: str | None = None,
+    admission: AdmissionConfig | None = None,
+    curve: CurveServer | None = None,
+    capacity: int | None = None,
+    capacity_scope: str = "partition",
+    deadlines: Deadlines | None = None,
+    shm_cap: int = DEFAULT_SHM_CAP,
+    data_path: str = "auto",
+    config: Config | None = None,
+) -> AsyncIterator[LocalCluster]:
+    """Run a controller and ``num_storage_units`` storage units in this event loop.
+
+    Every service binds its own ZMQ socket, so clients in other processes of this host can
+    connect to ``cluster.address`` too. Leaving the block stops them.
+
+    Args:
+        num_storage_units: how many storage units (rows of one put go to one unit,
+            round-robin across puts).
+        sampler: the controller's sampler (:class:`~tq_async.SequentialSampler` by default).
+        task_samplers: samplers for particular tasks, e.g. ``{"update_actor":
+            tq.SeqlenBalancedSampler(dp_size=4)}``; other tasks use ``sampler``.
+        host: the interface to bind with ``transport="tcp"``; loopback by default.
+        bind: the controller's full bind address (overrides ``host`` and ``transport`` for
+            the controller), e.g. ``"tcp://127.0.0.1:5555"``.
+        transport: ``"ipc"`` (default: Unix sockets in a private temporary directory, about
+            twice the bandwidth of loopback TCP) or ``"tcp"`` (a free port each on ``host``).
+        allow_pickle: allow columns of arbitrary Python objects (pickle runs code on load:
+            trusted deployments only).
+        metrics_registry: a ``prometheus_client.CollectorRegistry`` to record metrics in
+            (off by default; the global registry is never used).
+        serve_metrics_on: ``"host:port"`` to serve the registry over HTTP (port 0: any
+            free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
+        admission: staleness and capacity bounds enforced by ``acquire_rollout``.
+        curve: CURVE keys: encrypt every socket and admit only the allowed client keys.
+        capacity: backpressure: the most live rows per partition (``capacity_scope=
+            "partition"``) or in all partitions (``"global"``). A full ``put`` waits and
+            ``put_nowait`` raises ``WouldBlock``; rows free only when cleared (explicitly, or
+            by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
+        capacity_scope: ``"partition"`` or ``"global"`` (see ``capacity``).
+        deadlines: how long the controller waits for a producer's uncommitted put and for
+            a silent storage unit (:class:`~tq_async.Deadlines`).
+        shm_cap: bytes of shared memory per storage unit for clients in other processes of
+            this host (0: off; at the cap, puts go over the socket). Pages are used only
+            once written.
+        data_path: what the storage units offer besides the socket (``"auto"``, ``"shm"``,
+            ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+        config: the whole deployment as a :class:`~tq_async.Config` (e.g.
+            ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
+            and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
+            be left at their defaults; ``transport`` and ``metrics_registry`` still apply.
+
+    Yields:
+        A :class:`LocalCluster`.
+
+    Raises:
+        BrokenError: an address could not be bound.
+        ConfigError: ``config`` is bad (a sampler factory does not import or raises, ...),
+            or an argument was given both in it and explicitly.
+    """
+    plan = _plan(
+        config,
+        metrics_registry,
+        num_storage_units=num_storage_units,
+        sampler=sampler,
+        task_samplers=task_samplers,
+        host=host,
+        bind=bind,
+        allow_pickle=allow_pickle,
+        serve_metrics_on=serve_metrics_on,
+        admission=admission,
+        curve=curve,
+        capacity=capacity,
+        capacity_scope=capacity_scope,
+        deadlines=deadlines,
+        shm_cap=shm_cap,
+        data_path=data_path,
+    )
+    if transport not in ("ipc", "tcp"):
+        raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+    plan.sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
+    controller_bind = plan.bind or plan.endpoint("controller")
+    if not is_loopback(controller_bind):
+        log.warning(
+            "binding a non-loopback interface: anyone who can reach it can read and write data",
+            address=controller_bind,
+        )
+    raised: list[BaseException] = []  # what the caller's block raised, if anything
+    hosting = host_services()  # blocking clients on this loop's thread fail at once
+    try:
+        async with anyio.create_task_group() as tg:
+            cluster = await _start(tg, plan, controller_bind)
+            try:
+                yield cluster
+            except BaseException as exc:
+                raised.append(exc)
+                raise
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what the caller's block raised: hand it back as itself, so
+        # that `except ValueError` around `async with local_cluster()` works.
+        if not raised or not _only(group, raised[0]):
+            raise
+    finally:
+        stop_hosting(hosting)
+        if plan.stop_metrics is not None:
+            await anyio.to_thread.run_sync(plan.stop_metrics)
+        if plan.sockdir is not None:
+            shutil.rmtree(plan.sockdir, ignore_errors=True)
+    if raised:
+        raise raised[0]
+
+
+@dataclass
+class _Plan:
+    """``local_cluster``'s arguments once a Config is folded in, and what it started."""
+
+    options: dict[str, Any]
+    num_storage_units: int
+    host: str
+    bind: str | None
+    capacity: int | None
+    capacity_global: bool
+    serve_metrics_on: str | None
+    auto_clear: list[str]
+    shm_cap: int
+    data_path: str
+    registry: CollectorRegistry | None
+    sockdir: str | None = None
+    stop_metrics: Callable[[], None] | None = None
+    #: GPU memory per unit for cells put from GPUs (Config.device_cap), and which GPU
+    device_cap: int = 0
+    device_index: int = 0
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"
+
+
+def _plan(config: Config | None, registry: CollectorRegistry | None, **given: Any) -> _Plan:
+    """Fold ``config`` (if any) into the explicit arguments, and check them."""
+    options = {
+        k: given[k]
+        for k in ("sampler", "task_samplers", "allow_pickle", "admission", "curve", "deadlines")
+    }
+    auto_clear: list[str] = []
+    if config is not None:
+        _check_no_overlap(**given)
+        options = config.controller_options()
+        given |= {
+            "num_storage_units": config.num_storage_units,
+            "host": config.host,
+            "bind": config.bind,
+            "capacity": config.capacity,
+            "capacity_scope": config.capacity_scope,
+            "serve_metrics_on": config.metrics_on,
+            "shm_cap": config.shm_cap,
+            "data_path": config.data_path,
+        }
+        auto_clear = config.auto_clear_tasks
+        if config.metrics_on is not None and registry is None:
+            registry = CollectorRegistry()
+    if given["num_storage_units"] < 1:
+        raise InvalidRequestError(
+            f"num_storage_units must be >= 1, got {given['num_storage_units']}"
+        )
+    capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
+    if given["serve_metrics_on"] is not None and registry is None:
+        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+    plan = _Plan(
+        options,
+        given["num_storage_units"],
+        given["host"],
+        given["bind"],
+        capacity,
+        capacity_global,
+        given["serve_metrics_on"],
+        auto_clear,
+        given["shm_cap"],
+        check_data_path(given["data_path"]),
+        registry,
+    )
+    if config is not None:
+        plan.device_cap, plan.device_index = config.device_cap, config.device_index
+    return plan
+
+
+async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
+    """Start the units, then the controller that knows them; register the metrics."""
+    options, registry = plan.options, plan.registry
+    units = [
+        StorageServer(
+            i,
+            allow_pickle=options["allow_pickle"],
+            metrics=Metrics(registry, "storage"),
+            curve=options["curve"],
+            shm_cap=plan.shm_cap,
+            data_path=plan.data_path,
+            device_cap=plan.device_cap,
+            device_index=plan.device_index,
+        )
+        for i in range(plan.num_storage_units)
+    ]
+    addresses = {}
+    for unit in units:
+        addresses[unit.unit_id] = await tg.start(unit.serve, plan.endpoint(f"unit{unit.unit_id}"))
+    state = ControllerState(addresses)
+    state.capacity, state.capacity_global = plan.capacity, plan.capacity_global
+    if plan.auto_clear:
+        state.auto_clear[None] = tuple(dict.fromkeys(plan.auto_clear))
+    controller = ControllerServer(
+        state,
+        **options,
+        metrics=Metrics(registry, "controller"),
+        local_units={u.unit_id: u for u in units},
+    )
+    address = await tg.start(controller.serve, controller_bind)
+    cluster = LocalCluster(address, controller, units)
+    if registry is not None:
+        registry.register(controller_collector(controller.state, lambda: controller.waiting))
+        registry.register(storage_collector({u.unit_id: u.state for u in units}))
+        if plan.serve_metrics_on is not None:
+            host_part, _, port_part = plan.serve_metrics_on.rpartition(":")
+            cluster.metrics_url, plan.stop_metrics = serve_metrics(
+                registry, host_part or "127.0.0.1", int(port_part or 0)
+            )
+    return cluster
+
+
+def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
+    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
+    return rest is None
+
+
+#: local_cluster's arguments that a Config also sets, with their defaults
+_CONFIG_COVERS: dict[str, Any] = {
+    "num_storage_units": 2,
+    "sampler": None,
+    "task_samplers": None,
+    "host": "127.0.0.1",
+    "bind": None,
+    "allow_pickle": False,
+    "serve_metrics_on": None,
+    "admission": None,
+    "curve": None,
+    "capacity": None,
+    "capacity_scope": "partition",
+    "deadlines": None,
+    "shm_cap": DEFAULT_SHM_CAP,
+    "data_path": "auto",
+}
+
+
+def _check_no_overlap(**given: Any) -> None:
+    for name, value in given.items():
+        if value != _CONFIG_COVERS[name]:
+            raise ConfigError(
+                f"{name}: given both as an argument and by config=; set it in the Config "
+                f"(config.replace({name}=...)) or drop config="
+            )

@@ -1,0 +1,373 @@
+"""Device memory a storage unit owns and same-host clients open: CUDA IPC, without torch.
+
+Measured on an H200 (``benchmarks/RESULTS.md``, "On a GPU"): moving a GPU tensor from one
+process to another through host memory ran at ~2 GB/s, torch's own CUDA IPC at ~400 GB/s.
+So a storage unit on a GPU host may own a **device arena** (``gpu_cap`` bytes of one GPU's
+memory): a client on its host copies a put's CUDA columns straight into it (device to
+device) and a read's back out of it onto the device it names, and only a small message
+travels. The cells stay owned by the unit, as shared-memory cells are, so the guarantees do
+not change: a producer that exits after its put takes nothing with it, and a dead unit is
+a dead unit whatever memory its cells were in.
+
+Rules (the shared-memory ones of :mod:`tq_async._paths._shm`, for device memory):
+
+* **Only the unit allocates.** One ``cuMemAlloc`` of ``gpu_cap`` bytes when the unit
+  starts; the driver frees it with the unit's process (and every client's mapping of it
+  goes with the last one closed).
+* **Verified, never assumed.** A client opens the arena's IPC handle (only processes on the
+  unit's host can) and must read back the random token the unit wrote at its start; only a
+  client the unit already shares host memory with (a verified shared-memory peer, so a
+  process on its host) is offered it.
+* **Never trust a client's offsets; death frees a client's claims.** Grants and read pins
+  work as for shared memory (checked spans, released when the client says so or its
+  process exits).
+* **Readers copy.** A read copies the cells onto the reader's device before the unit's pin
+  is dropped: what a read returns is memory of the reader's own.
+
+The services never import torch: the unit talks to the CUDA driver (``libcuda``) through
+:mod:`ctypes`. The device work sits behind :class:`DeviceMemory`; :class:`HostMemory`
+stands for it in tests without a GPU (``TQ_ASYNC_GPU_EMULATE=1`` in a unit's environment:
+the "device" arena is then host memory that clients map; for tests only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import secrets
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._errors import DeviceError, InvalidRequestError
+from ._shm import PAGE, TOKEN_BYTES, Extents, Region, align
+
+__all__ = [
+    "CudaDriver",
+    "DeviceArena",
+    "DeviceCells",
+    "DeviceMemory",
+    "EMULATE_ENV",
+    "HostMemory",
+    "driver",
+    "open_device_arena",
+]
+
+#: set in a storage unit's environment, its device arena is host memory (tests only)
+EMULATE_ENV = "TQ_ASYNC_GPU_EMULATE"
+#: device arena spans start on this boundary (any dtype's view of them is aligned)
+DEVICE_ALIGN = 256
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class CudaDriver:
+    """The few CUDA driver calls device arenas need (``libcuda``, through ctypes).
+
+    Every call makes the device's primary context current for itself (the context torch's
+    runtime uses too) and restores the previous one.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+        self._call("cuInit", ctypes.c_uint(0))
+
+    def _fn(self, name: str) -> Any:
+        for n in (f"{name}_v2", name):
+            f = getattr(self._lib, n, None)
+            if f is not None:
+                return f
+        raise DeviceError(f"the CUDA driver has no {name}; update the NVIDIA driver")
+
+    def _call(self, name: str, *args: Any) -> None:
+        rc = self._fn(name)(*args)
+        if rc != 0:
+            text = ctypes.c_char_p()
+            get = getattr(self._lib, "cuGetErrorString", None)
+            if get is not None:
+                get(rc, ctypes.byref(text))
+            what = (text.value or b"").decode(errors="replace")
+            raise DeviceError(f"{name} failed: CUDA error {rc} {what}".rstrip())
+
+    def device_count(self) -> int:
+        n = ctypes.c_int()
+        self._call("cuDeviceGetCount", ctypes.byref(n))
+        return n.value
+
+    def uuid(self, ordinal: int) -> bytes:
+        dev = ctypes.c_int()
+        self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        out = ctypes.create_string_buffer(16)
+        self._call("cuDeviceGetUuid", out, dev)
+        return out.raw
+
+    def ordinal_of(self, uuid: bytes) -> int | None:
+        """This process's ordinal of the device ``uuid`` (None: not visible here)."""
+        for i in range(self.device_count()):
+            if self.uuid(i) == uuid:
+                return i
+        return None
+
+    def _context(self, ordinal: int) -> ctypes.c_void_p:
+        ctx = self._ctx.get(ordinal)
+        if ctx is None:
+            dev = ctypes.c_int()
+            self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+            ctx = ctypes.c_void_p()
+            self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+            self._ctx[ordinal] = ctx
+        return ctx
+
+    def run(self, ordinal: int, name: str, *args: Any) -> None:
+        """``name(*args)`` with device ``ordinal``'s primary context current."""
+        self._call("cuCtxPushCurrent", self._context(ordinal))
+        try:
+            self._call(name, *args)
+        finally:
+            self._call("cuCtxPopCurrent", ctypes.byref(ctypes.c_void_p()))
+
+    def alloc(self, ordinal: int, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self.run(ordinal, "cuMemAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return ptr.value
+
+    def free(self, ordinal: int, ptr: int) -> None:
+        self.run(ordinal, "cuMemFree", ctypes.c_uint64(ptr))
+
+    def ipc_handle(self, ordinal: int, ptr: int) -> bytes:
+        handle = _Handle()
+        self.run(ordinal, "cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(ptr))
+        return ctypes.string_at(ctypes.addressof(handle), 64)
+
+    def open_handle(self, ordinal: int, handle: bytes) -> int:
+        if len(handle) != 64:
+            raise DeviceError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
+        ptr = ctypes.c_uint64()
+        h = _Handle.from_buffer_copy(handle)
+        # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: the arena may be on another GPU of the host
+        self.run(ordinal, "cuIpcOpenMemHandle", ctypes.byref(ptr), h, ctypes.c_uint(1))
+        return ptr.value
+
+    def close_handle(self, ordinal: int, ptr: int) -> None:
+        self.run(ordinal, "cuIpcCloseMemHandle", ctypes.c_uint64(ptr))
+
+    def to_host(self, ordinal: int, dst: int, src: int, nbytes: int) -> None:
+        self.run(
+            ordinal,
+            "cuMemcpyDtoH",
+            ctypes.c_void_p(dst),
+            ctypes.c_uint64(src),
+            ctypes.c_size_t(nbytes),
+        )
+
+    def to_device(self, ordinal: int, dst: int, src: int, nbytes: int) -> None:
+        self.run(
+            ordinal,
+            "cuMemcpyHtoD",
+            ctypes.c_uint64(dst),
+            ctypes.c_void_p(src),
+            ctypes.c_size_t(nbytes),
+        )
+
+
+_driver: CudaDriver | None = None
+_driver_error: str | None = None
+
+
+def driver() -> CudaDriver:
+    """The CUDA driver of this process (loaded once).
+
+    Raises:
+        DeviceError: no NVIDIA driver here (or it failed to initialise).
+    """
+    global _driver, _driver_error
+    if _driver is not None:
+        return _driver
+    if _driver_error is not None:
+        raise DeviceError(_driver_error)
+    import ctypes.util  # here: a unit without a device arena never needs it
+
+    try:
+        name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        _driver = CudaDriver(ctypes.CDLL(name))
+    except (OSError, DeviceError) as exc:
+        _driver_error = f"no usable CUDA driver in this process: {exc}"
+        raise DeviceError(_driver_error) from None
+    return _driver
+
+
+class DeviceMemory(Protocol):
+    """One allocation of device memory, as the unit holds it."""
+
+    #: ``"cuda"`` (a CUDA IPC handle) or ``"host"`` (emulation: ``pid:fd`` of a memfd)
+    kind: str
+    size: int
+    #: what a client opens: the IPC handle
+    handle: bytes
+    #: the device's UUID (clients find their ordinal of it)
+    device: bytes
+
+    def read(self, offset: int, out: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        """Copy ``[offset, offset + out.nbytes)`` into host array ``out``."""
+        ...
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy host bytes ``data`` to ``offset``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CudaMemory:
+    """``size`` bytes of GPU ``ordinal``'s memory (``cuMemAlloc``), shared by IPC handle."""
+
+    kind = "cuda"
+
+    def __init__(self, ordinal: int, size: int) -> None:
+        self._driver = driver()
+        self.ordinal = ordinal
+        self.size = size
+        self.device = self._driver.uuid(ordinal)
+        self.ptr = self._driver.alloc(ordinal, size)
+        try:
+            self.handle = self._driver.ipc_handle(ordinal, self.ptr)
+        except BaseException:
+            self._driver.free(ordinal, self.ptr)
+            raise
+
+    def read(self, offset: int, out: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        if out.nbytes:
+            self._driver.to_host(self.ordinal, out.ctypes.data, self.ptr + offset, out.nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        buf = ctypes.create_string_buffer(data, len(data))
+        self._driver.to_device(self.ordinal, self.ptr + offset, ctypes.addressof(buf), len(data))
+
+    def close(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            self._driver.free(self.ordinal, ptr)
+
+
+class HostMemory:
+    """Host memory standing in for a device (tests): a memfd clients map by ``pid:fd``."""
+
+    kind = "host"
+
+    def __init__(self, ordinal: int, size: int) -> None:
+        self.size = size
+        self.device = b"host-emulation-%d" % ordinal
+        self.fd = os.memfd_create("tq-device-emulation", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.mmap = mmap.mmap(self.fd, size)
+        self.view = np.frombuffer(self.mmap, dtype=np.uint8)
+        self.handle = f"{os.getpid()}:{self.fd}".encode()
+
+    def read(self, offset: int, out: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        out[...] = self.view[offset : offset + out.nbytes]
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.view[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            del self.view
+            with contextlib.suppress(BufferError):  # a view is alive: unmapped when it goes
+                self.mmap.close()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DeviceArena:
+    """The unit's device arena: one :class:`DeviceMemory` and a first-fit allocator.
+
+    The first ``PAGE`` bytes hold the token clients verify. Regions are freed with their
+    last reference (chunks, grants, read pins), as the shared-memory arena's are.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        if memory.size < 2 * PAGE:
+            raise InvalidRequestError(f"gpu_cap must be at least {2 * PAGE} bytes")
+        self.memory = memory
+        self.cap = memory.size
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        memory.write(0, self.token)
+        self._extents = Extents(PAGE, self.cap - PAGE)
+        self.live_bytes = 0
+        #: puts and reads served through the device arena, and puts that did not fit
+        self.puts = 0
+        self.reads = 0
+        self.fallbacks = 0
+        self.closed = False
+
+    def alloc(self, nbytes: int) -> Region | None:
+        size = align(max(nbytes, 1), PAGE)
+        start = self._extents.take(size)
+        if start is None:
+            return None
+        self.live_bytes += size
+        return Region(start, size)
+
+    def release(self, region: Region) -> None:
+        region.refs -= 1
+        if region.refs == 0:
+            self.live_bytes -= region.size
+            if not self.closed:
+                self._extents.give(region.offset, region.size)
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """``[offset, offset + nbytes)`` copied to a new host array."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        self.memory.read(offset, out)
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.memory.close()
+
+
+def open_device_arena(ordinal: int, cap: int) -> DeviceArena:
+    """A device arena of ``cap`` bytes on GPU ``ordinal`` (host memory when the environment
+    says :data:`EMULATE_ENV`).
+
+    Raises:
+        DeviceError: no CUDA driver, no such GPU, or not enough device memory.
+    """
+    cap = align(cap, PAGE)
+    if os.environ.get(EMULATE_ENV):
+        return DeviceArena(HostMemory(ordinal, cap))
+    return DeviceArena(CudaMemory(ordinal, cap))
+
+
+def device_span_ok(offset: int, nbytes: int, size: int) -> bool:
+    """Whether ``[offset, offset + nbytes)`` lies in a region of ``size`` bytes, aligned."""
+    return offset >= 0 and nbytes >= 0 and offset + nbytes <= size and offset % DEVICE_ALIGN == 0
+
+
+class DeviceCells:
+    """Rows ``[0, n)`` of a dense column in the device arena, from ``offset``, ``row_bytes``
+    each (what a storage unit keeps for a column put from a device)."""
+
+    __slots__ = ("n", "offset", "row_bytes")
+
+    def __init__(self, offset: int, row_bytes: int, n: int) -> None:
+        self.offset = offset
+        self.row_bytes = row_bytes
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.row_bytes
+
+    def rows(self, a: int, b: int) -> DeviceCells:
+        """Rows ``[a, b)``."""
+        return DeviceCells(self.offset + a * self.row_bytes, self.row_bytes, b - a)

@@ -1,0 +1,283 @@
+"""Tensors on accelerators in and out, without stalling the event loop.
+
+A put of CUDA tensors copies each one to pinned host memory with ``non_blocking=True`` on a
+side stream that first waits for the caller's stream (so the copy sees what the caller's
+kernels wrote), records an event, and waits for it on a worker thread: the event loop goes on
+serving other requests meanwhile, and columns on different devices (or on the CPU) travel in
+one batch. A read with ``device=`` copies the received columns into pinned memory and on to the
+device the same way; a streaming dataset does it in its prefetching task, so the copy of the
+next batch overlaps the caller's work on the current one.
+
+Lifetime rules: the caller's CUDA tensors must not be modified until ``put`` returns (the
+copies read them); tensors delivered on a device are allocated on the caller's current stream
+and complete before they are returned, so using them on that stream needs no synchronisation.
+
+The device work sits behind a small seam, :class:`Copier` (one per device), so that the
+logic around it — which values move, jagged tensors and lists of tensors, mixed devices,
+rebuilding the batch — runs in tests without a GPU (:class:`HostCopier`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import anyio
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .._errors import InvalidRequestError
+
+__all__ = ["Copier", "HostCopier", "check_device", "to_device", "to_host"]
+
+
+class Copier(Protocol):
+    """Asynchronous copies between one device and pinned host memory."""
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying ``t`` (on the device) to a new host tensor; return it (incomplete)."""
+        ...
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying ``t`` (on the host) to a new device tensor; return it (incomplete)."""
+        ...
+
+    def finish(self) -> None:
+        """Block until every copy started so far is complete (called on a worker thread)."""
+        ...
+
+
+class _CudaCopier:
+    """Copies on a side stream that waits for the caller's stream; completion by event."""
+
+    def __init__(self, device: torch.device) -> None:
+        index: int | None = device.index  # None for "cuda": the current device
+        if index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
+        self.device = device
+        self.stream = _streams.get(device)
+        if self.stream is None:
+            self.stream = _streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._caller = torch.cuda.current_stream(device)  # the stream the caller's work is on
+        self.stream.wait_stream(self._caller)
+        self._event: Any = None
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+        return host
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t  # there already (a fetch_batch_fn may deliver on the device)
+        pinned = t if t.is_pinned() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if pinned is not t:
+            pinned.copy_(t)
+        # allocated on the caller's stream (this runs on a worker thread, whose current stream
+        # is the default one): freeing it later is ordered with the caller's work
+        with torch.cuda.stream(self._caller):
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out.copy_(pinned, non_blocking=True)
+        return out
+
+    def finish(self) -> None:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        event.synchronize()
+
+
+#: one side stream per device, made on first use
+_streams: dict[torch.device, Any] = {}
+
+
+class HostCopier:
+    """A :class:`Copier` between host tensors (tests run the device logic through it)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.copies = 0
+        self.finished = threading.Event()
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.copies += 1
+        return t.detach().clone()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.copies += 1
+        return t.detach().clone()
+
+    def finish(self) -> None:
+        self.finished.set()
+
+
+def _cuda_copier(device: torch.device) -> Copier:
+    return _CudaCopier(device)
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an accelerator (the seam: tests say every tensor does)."""
+    return t.device.type not in ("cpu", "meta")
+
+
+#: the seam: the copier for a device (tests give a :class:`HostCopier`)
+make_copier: Callable[[torch.device], Copier] = _cuda_copier
+
+
+def check_device(device: Any) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None: leave tensors where they are)."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(
+            f"device must be a torch device or its name (e.g. 'cuda:0'), got {device!r}"
+        ) from exc
+
+
+# ---- host -> device (reads) ----------------------------------------------------------------
+
+
+async def to_device(td: TensorDict, device: torch.device | None) -> TensorDict:
+    """``td``'s tensors on ``device`` (non-tensor fields unchanged); ``td`` itself when there
+    is nothing to move. The copies run and are waited for on a worker thread."""
+    if device is None or (device.type == "cpu" and make_copier is _cuda_copier):
+        return td
+    return await anyio.to_thread.run_sync(to_device_now, td, device)
+
+
+def to_device_now(td: TensorDict, device: torch.device | None) -> TensorDict:
+    """:func:`to_device` in the calling thread (the blocking client's)."""
+    if device is None or (device.type == "cpu" and make_copier is _cuda_copier):
+        return td  # read columns are host memory of our own already (tests swap the copier)
+    keys = [str(k) for k in td.keys()]  # noqa: SIM118 - a TensorDict's keys
+    if not keys:
+        return td
+    copier = make_copier(device)
+    move = _Mover(copier.to_device, host_offsets=True)
+    out: dict[str, Any] = {}
+    for k in keys:
+        v = td.get(k)
+        out[k] = move(v) if isinstance(v, torch.Tensor) else v
+    copier.finish()
+    return TensorDict(out, batch_size=td.batch_size)
+
+
+class _Mover:
+    """Copies of one batch's tensors; a jagged nested tensor is copied as its values and
+    offsets, and jagged tensors that share offsets (fields of equal lengths: one ragged
+    dimension) share the copy. With ``host_offsets`` (the offsets are host memory, reads) the
+    copies keep the bounds of the rows' lengths (without them ``to_padded_tensor()`` pads
+    every row to the length of all values together); device offsets (puts) are not read, as
+    that would wait for the device."""
+
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor], *, host_offsets: bool) -> None:
+        self._copy = copy
+        self._host_offsets = host_offsets
+        self._offsets: dict[int, tuple[torch.Tensor, torch.Tensor, int | None, int | None]] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        copy = self._copy
+        if t.is_nested and t.layout == torch.jagged and getattr(t, "_lengths", None) is None:
+            offsets: torch.Tensor = t.offsets()  # type: ignore[attr-defined]
+            # keyed by identity; the source is kept in the entry so the id stays its own
+            entry = self._offsets.get(id(offsets))
+            if entry is None:
+                lo = hi = None
+                if self._host_offsets:
+                    lengths = offsets.diff()
+                    lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+                entry = self._offsets[id(offsets)] = (offsets, copy(offsets), lo, hi)
+            _, moved, lo, hi = entry
+            return torch.nested.nested_tensor_from_jagged(
+                copy(t.values()), moved, min_seqlen=lo, max_seqlen=hi
+            )
+        if t.is_nested:
+            return torch.nested.as_nested_tensor([copy(r) for r in t.unbind()], layout=t.layout)
+        return copy(t)
+
+
+# ---- device -> host (puts) -----------------------------------------------------------------
+
+
+def _device_of(value: Any) -> torch.device | None:
+    if isinstance(value, torch.Tensor):
+        return value.device if on_device(value) else None
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        for v in value:  # a list column of tensors (a list of plain values stops above)
+            if isinstance(v, torch.Tensor) and on_device(v):
+                return v.device
+    return None
+
+
+#: which values a put leaves where they are (see :func:`to_host`)
+Keep = Callable[[Any], bool] | None
+
+
+def _host_items(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> list[tuple[str, Any]] | None:
+    """``data``'s columns when some tensor of it (not kept) is on a device; None when all
+    are on the host (or ``data`` is not something put takes: the codec explains what is
+    wrong)."""
+    if isinstance(data, TensorDictBase):
+        if len(data.batch_size) != 1:
+            return None
+        items = [(k, data.get(k)) for k in data.keys()]  # noqa: SIM118
+    else:
+        items = list(data.items()) if isinstance(data, Mapping) else []
+    for _, v in items:
+        if _device_of(v) is not None and (keep is None or not keep(v)):
+            return items
+    return None
+
+
+async def to_host(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> TensorDictBase | Mapping[str, Any]:
+    """``data`` with every tensor on a device copied to pinned host memory (per column, so a
+    batch may mix devices); ``data`` itself when every tensor is on the host already.
+    Values ``keep`` says yes to stay where they are.
+
+    The copies are started and waited for on a worker thread: the event loop never waits.
+    """
+    if _host_items(data, keep) is None:
+        return data
+    return await anyio.to_thread.run_sync(to_host_now, data, keep)
+
+
+def to_host_now(
+    data: TensorDictBase | Mapping[str, Any], keep: Keep = None
+) -> TensorDictBase | Mapping[str, Any]:
+    """:func:`to_host` in the calling thread (the blocking client's)."""
+    items = _host_items(data, keep)
+    if items is None:
+        return data
+    devices = {
+        d for _, v in items if (d := _device_of(v)) is not None and (keep is None or not keep(v))
+    }
+    copiers = {d: make_copier(d) for d in devices}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return copiers[t.device].to_host(t) if on_device(t) else t
+
+    move = _Mover(copy, host_offsets=False)
+    out: dict[str, Any] = {}
+    for k, v in items:
+        if keep is not None and keep(v):
+            out[k] = v
+        elif isinstance(v, torch.Tensor):
+            out[k] = move(v) if on_device(v) else v
+        elif isinstance(v, list) and _device_of(v) is not None:
+            out[k] = [copy(x.detach()) if isinstance(x, torch.Tensor) else x for x in v]
+        else:
+            out[k] = v
+    for copier in copiers.values():
+        copier.finish()
+    if isinstance(data, TensorDictBase):
+        return TensorDict(out, batch_size=data.batch_size)
+    return out

@@ -1,0 +1,1 @@
+"""Storage units: cell stores behind a thin ROUTER server."""

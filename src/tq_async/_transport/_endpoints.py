@@ -1,0 +1,101 @@
+"""Addresses and the process's ZMQ context: binding, same-host and loopback checks.
+
+Also :class:`LogThrottle`, which keeps a flood of malformed input from becoming a flood of
+logs.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from .._logging import get_logger
+
+__all__ = ["LogThrottle", "is_loopback", "normalize_bind", "same_host_ipc", "zmq_context"]
+
+log = get_logger(__name__)
+
+
+class LogThrottle:
+    """Let ``burst`` warnings through per ``window`` seconds, then count the rest.
+
+    Malformed input is worth a warning, but a flood of it must not become a flood of logs.
+    """
+
+    def __init__(self, burst: int = 10, window: float = 10.0) -> None:
+        self.burst = burst
+        self.window = window
+        self._start = 0.0
+        self._seen = 0
+
+    def warning(self, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._start > self.window:
+            if self._seen > self.burst:
+                log.warning("suppressed warnings", count=self._seen - self.burst, event=event)
+            self._start, self._seen = now, 0
+        self._seen += 1
+        if self._seen <= self.burst:
+            log.warning(event, **fields)
+
+
+#: the context whose socket cap was set (the class holds the instance anyway)
+_sized: zmq.Context[Any] | None = None
+
+
+def zmq_context() -> zmq.Context[Any]:
+    """The process-wide ZMQ context (a fresh one after ``fork``).
+
+    ZMQ caps a context at 1,023 sockets by default, whatever the process's file-descriptor
+    limit: a process with 512 clients (one socket each to the controller, and one per unit
+    until the same-host link replaces it) ran into ``ZMQError: Too many open files`` with
+    thousands of descriptors to spare. The cap follows ``RLIMIT_NOFILE`` instead, taken when
+    the context is made (it applies from the first socket on); its cost is a few bytes of
+    slot table per possible socket.
+    """
+    global _sized
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    if ctx is not _sized:  # a new instance (first use, or after a fork)
+        _sized = ctx
+        want = min(_nofile_soft(), ctx.get(zmq.SOCKET_LIMIT))
+        if want > ctx.get(zmq.MAX_SOCKETS):
+            ctx.set(zmq.MAX_SOCKETS, want)
+    return ctx
+
+
+def _nofile_soft() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def normalize_bind(address: str) -> str:
+    """``tcp://host:0`` means "any free port" (ZMQ spells it ``*``)."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        return address[:-2] + ":*"
+    return address
+
+
+def same_host_ipc(address: str | None) -> bool:
+    """True if ``address`` is an abstract Unix socket (``ipc://@name``) bound in this
+    network namespace: listed in ``/proc/net/unix``. Checked before connecting, since a ZMQ
+    connect to a missing endpoint does not fail, it waits."""
+    if not address or not address.startswith(("ipc://@", "uds://@")):
+        return False
+    name = "@" + address[len("ipc://@") :]
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip("\n").endswith(" " + name) for line in f)
+    except OSError:
+        return False
+
+
+def is_loopback(address: str) -> bool:
+    """True for ``tcp://127.x``/``localhost``/``[::1]``, ``ipc://`` and ``inproc://``."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

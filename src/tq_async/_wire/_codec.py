@@ -1,0 +1,852 @@
+"""Tensors <-> columns: the user's edge of the wire format. Pure functions, no sockets.
+
+:mod:`tq_async._wire._columns` defines the columns (bytes, no torch) that travel and that storage
+units keep; this module turns a batch (a ``TensorDict`` or a dict of tensors, jagged nested
+tensors and lists) into columns and columns back into a ``TensorDict``. Round trips are exact:
+dtype (bf16, f16, bool, uint8, fp8, ...), shape and layout are preserved; a dense column comes
+back dense, a jagged one jagged, a list as the same Python values. A field whose rows were
+put with different shapes comes back dense when the rows read share a shape and jagged when
+they differ in their first dimension (:func:`tq_async._wire._columns.join_columns`). Received
+tensor data is not copied: a tensor built here is a view of the message buffer (a read-only
+buffer is copied, since tensors are writable).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from .._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
+from ._columns import (
+    DENSE,
+    ITEM_SIZES,
+    JAGGED,
+    OBJECT,
+    PICKLE,
+    Column,
+    ColumnHeader,
+    DenseColumn,
+    JaggedColumn,
+    ListColumn,
+)
+
+__all__ = [
+    "RowWindows",
+    "SharedOffsets",
+    "check_text",
+    "columns_from_batch",
+    "DeviceColumn",
+    "columns_to_tensordict",
+    "column_value",
+    "tags_for_wire",
+    "tensordict_of",
+    "torch_dtype",
+]
+
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEM_SIZES}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+# --------------------------------------------------------------------------------------------
+# batch -> columns
+
+
+def _as_bytes(t: torch.Tensor, rows: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A contiguous tensor's bytes as ``uint8 [rows, -1]``, without a copy."""
+    try:
+        array = t.numpy()  # one torch call: cold-cache torch calls cost 30-90 us each here
+    except TypeError:  # bf16 and fp8 have no numpy dtype: reinterpret the bytes
+        array = t.view(torch.uint8).numpy()
+    flat = array.reshape(-1).view(np.uint8)
+    return flat.reshape(rows, flat.shape[0] // rows if rows else 0)
+
+
+def _dtype_name(dtype: torch.dtype, field: str) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise UnsupportedTypeError(
+            f"field {field!r} has dtype {dtype}, which tq_async cannot send; "
+            f"cast it to one of: {', '.join(sorted(_DTYPES))}"
+        )
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a column header names."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype {name!r} in a column header") from None
+
+
+def _plain_value_ok(value: Any, depth: int = 0) -> bool:
+    """True when msgpack carries ``value`` and gives back an equal value of the same type."""
+    if isinstance(value, np.generic):  # np.float64 is a float, but msgpack refuses it
+        return False
+    if value is None or isinstance(value, (str, bool, int, float, bytes)):
+        return not isinstance(value, int) or -(2**63) <= value < 2**64
+    if depth > 32:
+        return False
+    if type(value) is list:
+        return all(_plain_value_ok(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(
+            isinstance(k, (str, int)) and _plain_value_ok(v, depth + 1) for k, v in value.items()
+        )
+    return False
+
+
+def _object_column(name: str, values: list[Any], allow_pickle: bool) -> tuple[ColumnHeader, Column]:
+    for v in values:
+        if not _plain_value_ok(v):
+            if not allow_pickle:
+                raise UnsupportedTypeError(
+                    f"field {name!r} holds a value of type {type(v).__name__}, which travels "
+                    "only with pickle; convert it to str/int/float/bool/None/bytes/list/dict, "
+                    "or start the services and client with allow_pickle=True (pickle runs "
+                    "code on load: only in trusted deployments)"
+                )
+            pickled = [pickle.dumps(x, protocol=5) for x in values]
+            return ColumnHeader(name, PICKLE), ListColumn(pickled)
+    return ColumnHeader(name, OBJECT), ListColumn(list(values))
+
+
+def _tensor_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Column]:
+    if t.is_nested:
+        return _nested_column(name, t, n)
+    if t.layout != torch.strided:
+        raise UnsupportedTypeError(
+            f"field {name!r} has layout {t.layout}; send it dense (t.to_dense()) or as a jagged "
+            "nested tensor"
+        )
+    if t.dim() == 0 or t.shape[0] != n:
+        raise SchemaError(
+            f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
+            "column's first dimension must be the batch size"
+        )
+    if not t.is_cpu:
+        t = _to_cpu(name, t)
+    t = _plain(t)
+    header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
+    return header, DenseColumn(_as_bytes(t, n))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with conjugation and negation resolved, contiguous: its bytes are its
+    values in row order (a copy only where one of these needs it).
+
+    Each torch call is guarded: the first put after an idle spell runs with cold caches on
+    the VMs we measured, where one dispatched torch op costs 30-90 us.
+    """
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+def _to_cpu(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta":
+        raise UnsupportedTypeError(
+            f"field {name!r} is a tensor on the meta device, which has a shape but no data; "
+            "materialise it first (e.g. torch.zeros_like(t, device='cpu'))"
+        )
+    return t.cpu()
+
+
+def _nested_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Column]:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = _to_cpu(name, t)
+    if t.layout != torch.jagged:
+        # strided nested tensor: rebuild as jagged (one copy; rare path)
+        return _list_of_tensors_column(name, list(t.unbind()), n)
+    if t.shape[0] != n:
+        raise SchemaError(
+            f"field {name!r} has {t.shape[0]} rows but the batch has {n}; every column must "
+            "have the batch size"
+        )
+    ragged_idx = getattr(t, "_ragged_idx", 1)
+    if ragged_idx != 1:
+        raise SchemaError(
+            f"field {name!r} is ragged in dimension {ragged_idx}; tq_async carries jagged "
+            "tensors ragged in dimension 1 only (transpose it first)"
+        )
+    if getattr(t, "_lengths", None) is not None:
+        return _list_of_tensors_column(name, list(t.unbind()), n)
+    values = t.values().contiguous()
+    offsets = t.offsets().to(torch.int64).contiguous()  # type: ignore[attr-defined]
+    return _jagged(name, values, offsets)
+
+
+def _jagged(name: str, values: torch.Tensor, offsets: torch.Tensor) -> tuple[ColumnHeader, Column]:
+    header = ColumnHeader(name, JAGGED, _dtype_name(values.dtype, name), tuple(values.shape[1:]))
+    column = JaggedColumn(_as_bytes(values, int(values.shape[0])), offsets.numpy())
+    return header, column
+
+
+def _list_of_tensors_column(
+    name: str, tensors: list[torch.Tensor], n: int
+) -> tuple[ColumnHeader, Column]:
+    if len(tensors) != n:
+        raise SchemaError(f"field {name!r} has {len(tensors)} rows but the batch has {n}")
+    if n == 0:
+        raise SchemaError(f"field {name!r} is an empty list of tensors")
+    first = tensors[0]
+    for t in tensors:
+        if t.dim() == 0 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+            raise SchemaError(
+                f"field {name!r} is a list of tensors that cannot form one jagged column: "
+                "every row needs the same dtype and the same shape after its first dimension "
+                f"(row 0 is {first.dtype}{tuple(first.shape)}, another row is "
+                f"{t.dtype}{tuple(t.shape)})"
+            )
+    lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.cat([_to_cpu(name, t.detach()) for t in tensors]).contiguous()
+    return _jagged(name, values, offsets)
+
+
+def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[Any]:
+    """A numpy column as a tensor (a view when torch can share its memory), or as a list
+    of Python values when its dtype is not numeric (strings, objects)."""
+    if array.dtype.kind not in "biufc":
+        return list(array.tolist()) if array.ndim else [array.item()]
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if not array.flags.writeable:  # torch tensors are writable: never alias a read-only buffer
+        array = array.copy()
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise UnsupportedTypeError(
+            f"field {field!r} is a numpy array of dtype {array.dtype}, which tq_async cannot "
+            "send; cast it to one of: " + ", ".join(sorted(_DTYPES))
+        ) from None
+
+
+def _column_from_value(
+    name: str, value: Any, n: int, allow_pickle: bool
+) -> tuple[ColumnHeader, Column]:
+    if isinstance(value, np.ndarray):
+        value = _from_numpy(value, name)
+    if isinstance(value, torch.Tensor):
+        return _tensor_column(name, value, n)
+    if isinstance(value, NonTensorStack):
+        values = value.tolist()
+    elif isinstance(value, NonTensorData):
+        values = [value.data] * n
+    elif isinstance(value, (list, tuple)):
+        values = list(value)
+    elif isinstance(value, TensorDictBase):
+        raise SchemaError(
+            f"field {name!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))"
+        )
+    else:
+        raise UnsupportedTypeError(
+            f"field {name!r} is a {type(value).__name__}; a column must be a tensor, a jagged "
+            "nested tensor, or a list with one value per row"
+        )
+    if len(values) != n:
+        raise SchemaError(
+            f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
+            "have the batch size"
+        )
+    if values and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        tensors = [v if isinstance(v, torch.Tensor) else _from_numpy(v, name) for v in values]
+        if all(isinstance(t, torch.Tensor) for t in tensors):
+            return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
+    return _object_column(name, values, allow_pickle)
+
+
+def _batch_size_of(data: Mapping[str, Any]) -> int:
+    for value in data.values():
+        if isinstance(value, np.ndarray):
+            return int(value.shape[0]) if value.ndim > 0 else -1
+        if isinstance(value, torch.Tensor):
+            # size(0), not shape[0]: a strided nested tensor has no shape
+            return int(value.size(0)) if value.dim() > 0 else -1
+        if isinstance(value, (list, tuple, NonTensorStack)):
+            return len(value)
+    return -1
+
+
+@dataclass(slots=True, eq=False)
+class DeviceColumn:
+    """A dense column left on its device by a put (it moves device to device, see
+    :mod:`tq_async._client._async._device_links`), or read back onto one: ``tensor`` is ``[n,
+    *shape]``
+    (a put's: detached and contiguous, its bytes its values)."""
+
+    tensor: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.tensor.shape[0])
+
+
+def columns_from_batch(
+    data: TensorDictBase | Mapping[str, Any],
+    *,
+    allow_pickle: bool = False,
+    keep: Callable[[Any], bool] | None = None,
+) -> tuple[int, list[ColumnHeader], list[Column | DeviceColumn]]:
+    """Split a batch into columns ready to send.
+
+    Args:
+        data: a :class:`~tensordict.TensorDict` with ``batch_size=[n]``, or a mapping from
+            field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
+            travel as tensors, without a copy when writable; others as lists), a nested
+            tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
+            plain values.
+        allow_pickle: whether values that msgpack cannot carry exactly may be pickled.
+        keep: which tensors stay where they are, as :class:`DeviceColumn` (dense tensors
+            only; the caller moves them).
+
+    Returns:
+        ``(n, headers, columns)``.
+
+    Raises:
+        SchemaError: columns disagree on the number of rows, or the batch is empty.
+        UnsupportedTypeError: a value cannot travel (names the field and the type).
+    """
+    if isinstance(data, TensorDictBase):
+        if len(data.batch_size) != 1:
+            raise SchemaError(
+                f"the TensorDict has batch_size {list(data.batch_size)}; tq_async needs one "
+                "batch dimension (rows), e.g. batch_size=[n]"
+            )
+        n = int(data.batch_size[0])
+        items: Iterable[tuple[str, Any]] = ((k, data.get(k)) for k in data.keys())  # noqa: SIM118
+    elif isinstance(data, Mapping):
+        n = _batch_size_of(data)
+        items = data.items()
+    else:
+        raise UnsupportedTypeError(
+            f"put() takes a TensorDict or a dict of columns, not {type(data).__name__}"
+        )
+    if n <= 0:
+        if isinstance(data, Mapping):
+            for name, value in data.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    raise SchemaError(
+                        f"field {name!r} is a 0-dim tensor (one scalar), so the batch has no "
+                        "rows; a column needs one row per sample: put "
+                        f"{{{name!r}: t.reshape(1)}} for one row"
+                    )
+        raise SchemaError("the batch has no rows; put at least one row")
+    headers: list[ColumnHeader] = []
+    columns: list[Column | DeviceColumn] = []
+    for name, value in items:
+        if not isinstance(name, str) or not name:
+            raise SchemaError(
+                f"field names must be non-empty strings, got {name!r}; name the column"
+            )
+        check_text("field name", name)
+        column: Column | DeviceColumn
+        if keep is not None and keep(value):
+            header, column = _kept_column(name, value, n)
+        else:
+            header, column = _column_from_value(name, value, n, allow_pickle)
+        headers.append(header)
+        columns.append(column)
+    if not headers:
+        raise SchemaError("the batch has no fields; put at least one column")
+    return n, headers, columns
+
+
+def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, DeviceColumn]:
+    if t.shape[0] != n:
+        raise SchemaError(
+            f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
+            "column's first dimension must be the batch size"
+        )
+    header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
+    return header, DeviceColumn(_plain(t))
+
+
+def check_text(what: str, value: str) -> str:
+    """``value`` if it can travel as UTF-8 (msgpack strings are UTF-8).
+
+    Raises:
+        InvalidRequestError: naming ``what``, e.g. for a lone surrogate (``'\\ud800'``, what
+            ``os.fsdecode`` makes of undecodable bytes).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position "
+            f"{exc.start}); ids travel as UTF-8: remove or replace that character"
+        ) from None
+    return value
+
+
+#: tag values msgpack carries as they are
+_TAG_PLAIN = frozenset({str, float, bool, bytes, type(None)})
+_tags_encoder = msgspec.msgpack.Encoder()
+_tags_decoder = msgspec.msgpack.Decoder(list[dict[str, Any] | None])
+
+
+def tags_for_wire(
+    tags: Sequence[Mapping[str, Any] | None], what: str = "tags"
+) -> list[dict[str, Any] | None]:
+    """Copies of per-row tag dicts ready to send: numpy and torch scalars become Python
+    numbers, and anything msgpack cannot carry is refused before anything is sent.
+
+    Raises:
+        InvalidRequestError: a tag key is not a string (names the row and key).
+        UnsupportedTypeError: a tag value cannot travel (names the row, key and type).
+    """
+    try:  # the common case, in C: a deep copy that msgpack carries, with str keys
+        copied: list[dict[str, Any] | None] = _tags_decoder.decode(_tags_encoder.encode(tags))
+        return copied
+    except (TypeError, ValueError, OverflowError, msgspec.DecodeError):
+        pass  # name the culprit, convert numpy/torch scalars (below)
+    out: list[dict[str, Any] | None] = []
+    for row, t in enumerate(tags):
+        if not t:
+            out.append(None)
+            continue
+        if not isinstance(t, Mapping):
+            raise InvalidRequestError(
+                f"{what}[{row}] is a {type(t).__name__}; tags are one dict per row (or None)"
+            )
+        copy = dict(t)
+        for k, v in copy.items():
+            if type(k) is not str:
+                raise InvalidRequestError(
+                    f"{what}[{row}] has key {k!r} of type {type(k).__name__}; tag keys must be "
+                    f"strings: use {str(k)!r}"
+                )
+            tv = type(v)
+            if tv is int:
+                if not -(2**63) <= v < 2**64:
+                    raise UnsupportedTypeError(
+                        f"{what}[{row}][{k!r}] = {v} does not fit 64 bits; store it as a str"
+                    )
+            elif tv not in _TAG_PLAIN:
+                copy[k] = _tag_value(v, f"{what}[{row}][{k!r}]", 0)
+        out.append(copy)
+    return out
+
+
+def _tag_value(v: Any, where: str, depth: int) -> Any:
+    """A tag value msgpack carries: scalars converted, containers converted recursively."""
+    if isinstance(v, (np.generic, torch.Tensor)) and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    if v is None or isinstance(v, (float, bool, bytes)):
+        return v
+    if isinstance(v, str):
+        return check_text(where, str(v))
+    if isinstance(v, int):
+        if not -(2**63) <= v < 2**64:
+            raise UnsupportedTypeError(f"{where} = {v} does not fit 64 bits; store it as a str")
+        return int(v)
+    if depth < 32 and isinstance(v, (list, tuple)):
+        return [_tag_value(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if depth < 32 and isinstance(v, Mapping):
+        bad = next((k for k in v if not isinstance(k, str)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{where} has key {bad!r}; nested tag keys must be strings")
+        return {k: _tag_value(x, f"{where}[{k!r}]", depth + 1) for k, x in v.items()}
+    raise UnsupportedTypeError(
+        f"{where} is of type {type(v).__name__}, which a tag cannot carry; tags hold None, bool, "
+        "int, float, str, bytes and lists/dicts of those (convert it, e.g. int(x) or str(x))"
+    )
+
+
+def _tensor(data: np.ndarray[Any, Any], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data``'s bytes (a view; a copy when the bytes are read-only)."""
+    if data.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    if not data.flags.writeable or not data.flags.c_contiguous:
+        data = data.copy()  # tensors are writable; never write into someone else's buffer
+    flat = torch.frombuffer(data, dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(shape)
+
+
+def column_value(header: ColumnHeader, column: Column | DeviceColumn) -> Any:
+    """The user-facing value of a column: a tensor, a jagged nested tensor or a list."""
+    if isinstance(column, DeviceColumn):
+        return column.tensor
+    if isinstance(column, DenseColumn):
+        return _tensor(column.data, torch_dtype(header.dtype), (len(column), *header.shape))
+    if isinstance(column, JaggedColumn):
+        return _RaggedDims().jagged(header, column)
+    if header.kind == PICKLE:
+        return [pickle.loads(v) for v in column.values]
+    return column.values
+
+
+# --------------------------------------------------------------------------------------------
+# jagged nested tensors, built in bulk
+#
+# A batch of verl's shape (256 rows x 6 fields read back jagged) spent most of its assembly in
+# torch's per-tensor Python machinery, not in moving bytes (W5, benchmarks/RESULTS.md):
+# ``nested_tensor_from_jagged`` ~70 us a field (its op dispatch and schema normalisation
+# around a ~20 us constructor), ~15 us more for a fresh offsets tensor (a new ragged
+# "nested int"), and ~12 us a field for ``TensorDict``'s shape check (every ``size(i)`` of a
+# jagged tensor goes through ``__torch_function__``). Fields of one batch whose rows have the
+# same lengths share one offsets tensor, hence one nested int: they combine as dense tensors
+# do (``ids + mask``). The two private constructors below are used only after a probe showed
+# they give what the public ones give on this torch / tensordict; otherwise the public ones.
+
+
+@dataclass(slots=True, eq=False)
+class _Ragged:
+    """One ragged dimension of a batch: the offsets its fields share, the bounds of their rows'
+    lengths, and those bounds as the direct constructor stores them (made on first use)."""
+
+    offsets: torch.Tensor
+    lo: int
+    hi: int
+    stored: dict[str, torch.Tensor] | None = None
+    #: the direct constructor's sizes and strides, by the values' row shape and strides
+    layouts: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
+
+
+_NJTMaker = Callable[[torch.Tensor, _Ragged], torch.Tensor]
+
+
+def _public_njt(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+    # the lengths' bounds, given: without them to_padded_tensor() pads every row to the
+    # length of all values together
+    return torch.nested.nested_tensor_from_jagged(
+        values, dim.offsets, min_seqlen=dim.lo, max_seqlen=dim.hi
+    )
+
+
+def _direct_njt_maker() -> _NJTMaker | None:
+    """torch's jagged-tensor constructor (private: ``torch.nested._internal``), or None.
+
+    What it builds differs from ``nested_tensor_from_jagged``'s in one respect only: it is
+    not registered as an autograd view of ``values`` (``_is_view()`` is False), which no one
+    can observe here, since ``values`` is a buffer of the read that nothing else holds.
+
+    ``NestedTensor.__new__`` is done here, minus its argument checks, with the sizes and
+    strides computed once per ragged dimension and row layout: they are symbolic ("nested
+    int") arithmetic, a third of the constructor's time when every field of a batch pays it
+    (W5's compat ``kv_batch_get``). ``NestedTensor.__init__`` runs as torch wrote it.
+    """
+    try:
+        from torch._C import DispatchKey, DispatchKeySet
+        from torch.nested._internal.nested_tensor import (
+            NestedTensor,
+            _store_val_in_tensor,
+            get_tensor_symint,
+        )
+    except ImportError:  # pragma: no cover - another torch
+        return None
+    keys = DispatchKeySet(DispatchKey.NestedTensor).add(DispatchKey.AutogradNestedTensor)
+    wrapper = torch.Tensor._make_wrapper_subclass
+    init = NestedTensor.__init__
+    bounds: dict[int, torch.Tensor] = {}
+
+    def bound(n: int) -> torch.Tensor:
+        """A row-length bound as torch stores it (an empty tensor of shape ``(0, n)``): one
+        per value, shared like torch's ops share them (they carry their value in their
+        shape, nothing else), a few thousand at most."""
+        t = bounds.get(n)
+        if t is None:
+            if len(bounds) >= 4096:
+                bounds.clear()
+            t = bounds[n] = _store_val_in_tensor(n)
+        return t
+
+    def make(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+        if dim.stored is None:  # the bounds as the public factory stores them
+            dim.stored = {"min_seqlen": bound(dim.lo), "max_seqlen": bound(dim.hi)}
+            dim.layouts = {}
+        assert dim.layouts is not None
+        stride = values.stride()
+        layout = dim.layouts.get((values.shape, stride))
+        if layout is None:  # ragged in the values' first dimension, as the public factory
+            ragged = get_tensor_symint(dim.offsets, coeff=1)  # type: ignore[no-untyped-call]
+            layout = dim.layouts[values.shape, stride] = (
+                (len(dim.offsets) - 1, ragged, *values.shape[1:]),
+                (ragged * stride[0], *stride),
+            )
+        size, strides = layout
+        nt = wrapper(  # what NestedTensor.__new__ asks for
+            NestedTensor,
+            size,
+            strides,
+            0,
+            torch.contiguous_format,
+            values.dtype,
+            torch.jagged,
+            values.device,
+            False,
+            False,
+            "sizes",
+            False,
+            True,
+            keys,
+            storage_size=values.untyped_storage().size(),
+        )
+        nt._ragged_idx = 1
+        nt._size = size
+        nt._strides = strides
+        # a dict of its own (torch may add to it), the bounds' tensors shared as torch's ops
+        # share them between a jagged tensor and what they compute from it
+        init(nt, values, dim.offsets, _metadata_cache=dict(dim.stored))
+        return nt
+
+    return make
+
+
+def _same_njt(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are jagged tensors alike in everything a reader can see."""
+    return (
+        type(a) is type(b)
+        and sorted(vars(a)) == sorted(vars(b))
+        and a._size == b._size
+        and a._strides == b._strides
+        and a.layout == b.layout == torch.jagged
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.requires_grad == b.requires_grad
+        and a.offsets() is b.offsets()
+        and a.lengths() is None is b.lengths()
+        and a.values().data_ptr() == b.values().data_ptr()
+        and a._ragged_idx == b._ragged_idx
+        and sorted(a._metadata_cache) == sorted(b._metadata_cache)
+        and a._min_seqlen == b._min_seqlen
+        and a._max_seqlen == b._max_seqlen
+        and torch.equal(a.to_padded_tensor(0), b.to_padded_tensor(0))
+    )
+
+
+def _probed_njt_maker() -> _NJTMaker:
+    """The direct constructor when it builds what the public factory builds, else the
+    public factory."""
+    make = _direct_njt_maker()
+    if make is None:
+        return _public_njt
+    try:
+        dim = _Ragged(torch.tensor([0, 2, 2, 5]), 0, 3)
+        for values in (torch.arange(5.0), torch.arange(10).view(5, 2)):
+            if not _same_njt(make(values, dim), _public_njt(values, dim)):
+                return _public_njt
+    except Exception:  # any surprise: the public path
+        return _public_njt
+    return make
+
+
+def _probed_tensordict_maker() -> Callable[[dict[str, torch.Tensor], int], TensorDict]:
+    """tensordict's unchecked constructor (private: ``TensorDict._new_unsafe``) when it builds
+    what ``TensorDict(fields, batch_size=[n])`` builds, else the public constructor."""
+
+    def public(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+        return TensorDict(fields, batch_size=[n])
+
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if unsafe is None:  # pragma: no cover - another tensordict
+        return public
+
+    def make(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+        return unsafe(fields, batch_size=torch.Size([n]), nested=False)  # type: ignore[no-any-return]
+
+    try:
+        sample = {
+            "a": torch.zeros(2, 3),
+            "b": _public_njt(torch.zeros(3), _Ragged(torch.tensor([0, 1, 3]), 1, 2)),
+        }
+        a, b = make(sample, 2), public(sample, 2)
+        same = (
+            type(a) is type(b)
+            and a.batch_size == b.batch_size
+            and a.device == b.device
+            and a.names == b.names
+            and a.is_locked == b.is_locked
+            and list(a.keys()) == list(b.keys())
+            and all(a.get(k) is b.get(k) for k in sample)
+        )
+    except Exception:  # any surprise: the public path
+        return public
+    return make if same else public
+
+
+_njt: _NJTMaker | None = None
+_new_tensordict: Callable[[dict[str, torch.Tensor], int], TensorDict] | None = None
+
+
+def _jagged_tensor(values: torch.Tensor, dim: _Ragged) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged(values, dim.offsets, min_seqlen=dim.lo,
+    max_seqlen=dim.hi)``, cheaper where the probe allows."""
+    global _njt
+    if _njt is None:
+        _njt = _probed_njt_maker()
+    return _njt(values, dim)
+
+
+def _tensordict(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """``TensorDict(fields, batch_size=[n])`` for tensors built here (each ``n`` rows, on the
+    CPU), without re-checking their shapes where the probe allows."""
+    global _new_tensordict
+    if _new_tensordict is None:
+        _new_tensordict = _probed_tensordict_maker()
+    return _new_tensordict(fields, n)
+
+
+def tensordict_of(fields: dict[str, Any], n: int, *, cpu_tensors: bool) -> TensorDict:
+    """``TensorDict(fields, batch_size=[n])``. With ``cpu_tensors`` (the caller knows every
+    field is a CPU tensor of ``n`` rows that it built) the shapes are not checked again, where
+    the probe allows."""
+    if cpu_tensors:
+        return _tensordict(fields, n)
+    return TensorDict(fields, batch_size=[n])
+
+
+class SharedOffsets:
+    """Jagged tensors on one offsets tensor (one ragged dimension: they combine), with the
+    bounds of its rows' lengths (``to_padded_tensor()`` pads to the longest row)."""
+
+    __slots__ = ("_dim",)
+
+    def __init__(self, offsets: torch.Tensor, shortest: int, longest: int) -> None:
+        self._dim = _Ragged(offsets, shortest, longest)
+
+    def jagged(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (rows one after another) as a jagged tensor on these offsets."""
+        if values.device.type != "cpu":  # the direct constructor was probed on the CPU
+            return _public_njt(values, self._dim)
+        return _jagged_tensor(values, self._dim)
+
+
+class RowWindows:
+    """Rows ``[a, b)`` of a batch's jagged tensors as jagged tensors of their own (views of
+    their values), e.g. for a micro-batch.
+
+    Each window keeps the bounds of its rows' lengths (without them ``to_padded_tensor()``
+    pads every row to the length of all the window's values), and the windows of fields whose
+    source tensors share an offsets tensor share one too: one ragged dimension, as in the
+    batch (``ids + mask`` works). Offsets are cut on their own device.
+    """
+
+    __slots__ = ("_a", "_b", "_dims")
+
+    def __init__(self, a: int, b: int) -> None:
+        self._a, self._b = a, b
+        self._dims: dict[int, SharedOffsets] = {}
+
+    def cut(self, values: torch.Tensor, offsets: torch.Tensor, host: Sequence[int]) -> torch.Tensor:
+        """The window of the jagged tensor ``(values, offsets)``; ``host`` is ``offsets`` as
+        Python ints. The caller keeps ``offsets`` alive while this object is used (windows
+        are keyed by its identity)."""
+        a, b = self._a, self._b
+        dim = self._dims.get(id(offsets))
+        if dim is None:
+            lengths = [host[i + 1] - host[i] for i in range(a, b)] or [0]
+            dim = SharedOffsets(offsets[a : b + 1] - host[a], min(lengths), max(lengths))
+            self._dims[id(offsets)] = dim
+        return dim.jagged(values[host[a] : host[b]])
+
+
+class _RaggedDims:
+    """The ragged dimensions of one batch's jagged fields: one offsets tensor (one nested int)
+    per distinct row lengths, so fields with equal lengths combine. Never shared across
+    batches: a user's in-place edit of one batch's offsets stays in it."""
+
+    __slots__ = ("_seen", "_uniform")
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, _Ragged] = {}
+        self._uniform: dict[tuple[int, int], _Ragged] = {}
+
+    def _dim(self, offsets: np.ndarray[Any, np.dtype[np.int64]], uniform: int | None) -> _Ragged:
+        key = offsets.tobytes()
+        dim = self._seen.get(key)
+        if dim is None:
+            if len(offsets) < 2:  # no rows
+                lo = hi = 0
+            elif uniform is not None:
+                lo = hi = uniform
+            else:
+                lengths = np.diff(offsets)
+                lo, hi = int(lengths.min()), int(lengths.max())
+            if not offsets.flags.writeable:
+                offsets = offsets.copy()
+            dim = self._seen[key] = _Ragged(torch.from_numpy(offsets), lo, hi)
+        return dim
+
+    def jagged(self, header: ColumnHeader, column: JaggedColumn) -> torch.Tensor:
+        """A jagged column as a jagged nested tensor (a view of its values)."""
+        offsets = column.offsets
+        a, b = int(offsets[0]), int(offsets[-1])
+        values = _tensor(column.values[a:b], torch_dtype(header.dtype), (b - a, *header.shape))
+        if a:
+            offsets = offsets - a
+        return _jagged_tensor(values, self._dim(offsets, None))
+
+    def dense(self, header: ColumnHeader, column: DenseColumn) -> torch.Tensor:
+        """A dense column of rows ``[L, *T]`` as a jagged nested tensor, every row ``L`` long
+        (a view of its data)."""
+        n, length = len(column), header.shape[0]
+        values = _tensor(column.data, torch_dtype(header.dtype), (n * length, *header.shape[1:]))
+        dim = self._uniform.get((n, length))
+        if dim is None:
+            offsets = np.arange(n + 1, dtype=np.int64) * length
+            dim = self._uniform[n, length] = self._dim(offsets, length)
+        return _jagged_tensor(values, dim)
+
+
+def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
+    """A flat ``NonTensorStack`` with one entry per row.
+
+    ``NonTensorStack.from_list`` is 3x faster but turns list values into nested stacks, so
+    rows holding lists are wrapped one by one.
+    """
+    if any(isinstance(v, list) for v in values):
+        return NonTensorStack(*[NonTensorData(v, batch_size=[]) for v in values])
+    return NonTensorStack.from_list(values)
+
+
+def columns_to_tensordict(
+    n: int,
+    headers: Sequence[ColumnHeader],
+    columns: Sequence[Column | DeviceColumn],
+    *,
+    nested: bool | Collection[str] = False,
+) -> TensorDict:
+    """Assemble a ``TensorDict(batch_size=[n])``; list columns become ``NonTensorStack``.
+
+    ``nested`` (True, or field names): dense columns whose rows have at least one dimension
+    come back as jagged nested tensors (every row the same length).
+    """
+    fields: dict[str, Any] = {}
+    ragged = _RaggedDims()
+    tensors_only = True
+    for header, column in zip(headers, columns, strict=True):
+        if len(column) != n:  # the unchecked TensorDict below relies on it
+            raise ProtocolError(f"field {header.name!r} came with {len(column)} rows, not {n}")
+        value: Any
+        if isinstance(column, JaggedColumn):
+            value = ragged.jagged(header, column)
+        elif (
+            isinstance(column, DenseColumn)
+            and header.shape
+            and (nested is True or (nested and header.name in nested))
+        ):
+            value = ragged.dense(header, column)
+        else:
+            value = column_value(header, column)
+            if isinstance(value, list):
+                value = _non_tensor_stack(value)
+                tensors_only = False
+        fields[header.name] = value
+    if tensors_only:
+        return _tensordict(fields, n)
+    return TensorDict(fields, batch_size=[n])

@@ -1,0 +1,969 @@
+"""Control messages: msgspec Structs encoded as msgpack, one tagged union per service.
+
+A request is a multipart message ``[header, *data_frames]``. ``header`` encodes a
+:class:`Request` envelope ``[rid, body]`` whose ``body`` is one of the structs below (tagged by
+class name). The reply is ``[reply_header, *data_frames]`` where ``reply_header`` is a
+:class:`Reply` ``[rid, ok, payload]``: on success ``payload`` is the op's result (msgpack), on
+failure an ``[error_class_name, message]`` pair. ``rid`` is chosen by the client and unique per
+connection; replies may arrive in any order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from .._errors import InvalidRequestError, ProtocolError
+from ._columns import ITEM_SIZES, KINDS, ColumnHeader
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+# ---- controller ------------------------------------------------------------------------------
+
+
+class Hello(_Msg):
+    """Ask for the cluster's storage units and settings."""
+
+
+class RegisterUnit(_Msg):
+    """A storage unit announces itself (process / Ray deployments).
+
+    ``unit_id < 0`` asks the controller to choose the id. The reply is the unit's id.
+    """
+
+    unit_id: int
+    address: str
+
+
+class PutBegin(_Msg):
+    """Validate the schema and allocate ``n_rows`` new rows, or look up existing ``rows``."""
+
+    partition_id: str
+    columns: list[ColumnHeader]
+    n_rows: int = 0
+    rows: list[int] | None = None
+    keys: list[str] | None = None
+    #: when the capacity is full: False waits (up to ``timeout``), True fails with WouldBlock
+    nowait: bool = False
+    timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+
+
+class PutCommit(_Msg):
+    """Every unit acknowledged: mark the cells produced, apply tags and versions (atomically)."""
+
+    partition_id: str
+    rows: list[int]
+    fields: list[str]
+    tags: list[dict[str, Any] | None] | None = None
+    versions: list[int] | None = None
+    #: the put lease of the new rows (``Placement.put_id``; 0: none)
+    put_id: int = 0
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+
+
+class RenewPut(_Msg):
+    """The producer is alive and still writing: extend these put leases (fire and forget)."""
+
+    put_ids: list[int]
+
+
+class AbortPut(_Msg):
+    """The producer gave up these puts before committing them (cancelled, failed): their
+    new rows are reclaimed now, as when a put lease lapses (fire and forget)."""
+
+    put_ids: list[int]
+
+
+class PutInline(_Msg):
+    """A small put in one request: the column frames follow the header.
+
+    The controller allocates ``n_rows`` new rows (or looks up the existing ``rows``, which
+    must sit on one unit), has the unit store the columns -- directly when the unit lives in
+    its process, else with a :class:`StorePut` -- and commits, as PutBegin + StorePut +
+    PutCommit would; the reply is the :class:`Placement`.
+    """
+
+    partition_id: str
+    columns: list[ColumnHeader]
+    n_rows: int = 0
+    rows: list[int] | None = None
+    tags: list[dict[str, Any] | None] | None = None
+    versions: list[int] | None = None
+    nowait: bool = False
+    timeout: float | None = None
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+
+
+class LostRows(_Msg):
+    """Rows lost with dead storage units: ``{partition_id: rows}``, and the dead unit ids."""
+
+    partition_id: str | None = None
+
+
+class RegisterTasks(_Msg):
+    """Rows of ``partition_id`` (every partition when None) are cleared automatically once
+    every task in ``tasks`` has consumed them (an empty list turns auto-clear off)."""
+
+    tasks: list[str]
+    partition_id: str | None = None
+
+
+class SetPolicyVersion(_Msg):
+    """The learner announces its policy version."""
+
+    version: int
+
+
+class AcquireRollout(_Msg):
+    """Wait until a rollout of ``policy_version`` producing ``n`` rows may start."""
+
+    policy_version: int
+    n: int = 1
+    timeout: float | None = None
+
+
+class ReleaseRollout(_Msg):
+    """Give back admission slots of rollouts that will not be put (e.g. generation failed)."""
+
+    n: int
+
+
+class TakeRecycled(_Msg):
+    """Take up to ``max_rows`` stale rows whose prompts must be regenerated (each once)."""
+
+    max_rows: int
+
+
+class StalenessStatus(_Msg):
+    pass
+
+
+class GetMeta(_Msg):
+    partition_id: str
+    data_fields: list[str]
+    batch_size: int
+    task_name: str
+    sampling_config: dict[str, Any] | None = None
+    mode: str = "fetch"
+    timeout: float | None = None
+    #: also end the stream once the partition holds rows and the task consumed all of them
+    stop_when_consumed: bool = False
+    #: seconds the delivered rows stay leased: unless acknowledged, they return to the task
+    lease: float | None = None
+    #: leases this request acknowledges (the consumer is done with those batches)
+    ack: list[int] | None = None
+    #: a ``get``: if the rows' cells sit in storage units of the controller's process and
+    #: take at most this many bytes, the reply carries them (one round trip, no get_data)
+    inline_bytes: int = 0
+    #: a fetch under a ``batch_index``: once it is answered, also decide these higher batch
+    #: indexes, lowest first, each only if it can be decided at once (as with ``timeout=0``;
+    #: the indexes between are decided first, as with ``record_from``), stopping at the
+    #: first that cannot or that ends the stream; each rides in the reply's ``more``
+    also: list[int] | None = None
+
+
+class Cancel(_Msg):
+    """Cancel the caller's waiting request ``target`` (nothing it would have consumed is)."""
+
+    target: int
+
+
+class Ack(_Msg):
+    """Commit leased batches: their rows stay consumed for good."""
+
+    lease_ids: list[int]
+
+
+class Release(_Msg):
+    """Give back rows a cancelled fetch received: they become ready again for the task."""
+
+    partition_id: str
+    task_name: str
+    rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+    #: the fetch's lease or hold (0: none): dropped with the rows, never acknowledged
+    lease_id: int = 0
+
+
+class Seal(_Msg):
+    partition_id: str
+    create: bool = False
+
+
+class ResetConsumption(_Msg):
+    partition_id: str
+    task_name: str | None = None
+
+
+class ClearSamples(_Msg):
+    partition_id: str
+    rows: list[int]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+
+
+class ClearPartition(_Msg):
+    partition_id: str
+
+
+class CheckProduction(_Msg):
+    partition_id: str
+    data_fields: list[str]
+    rows: list[int] | None = None
+
+
+class CheckConsumption(_Msg):
+    partition_id: str
+    task_name: str
+    rows: list[int] | None = None
+
+
+class ProductionStatus(_Msg):
+    partition_id: str
+    data_fields: list[str] | None = None
+
+
+class ConsumptionStatus(_Msg):
+    partition_id: str
+    task_name: str
+
+
+class ListPartitions(_Msg):
+    pass
+
+
+class PartitionInfo(_Msg):
+    partition_id: str
+
+
+class FieldSchema(_Msg):
+    """The headers (kind, dtype, row shape) of a partition's ``fields``: what an empty
+    batch of them carries (unknown fields and partitions are left out)."""
+
+    partition_id: str
+    fields: list[str]
+
+
+class SetTags(_Msg):
+    partition_id: str
+    rows: list[int]
+    tags: list[dict[str, Any]]
+    #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
+    incarnation: str | None = None
+
+
+class KVLookup(_Msg):
+    """Rows of ``keys``; every key must exist and have every field in ``fields``.
+
+    With ``available``, the reply names the fields every key has instead (``fields`` unused).
+    """
+
+    partition_id: str
+    keys: list[str]
+    fields: list[str] | None = None
+    available: bool = False
+
+
+class KVTag(_Msg):
+    """Merge ``tags[i]`` into the tags of ``keys[i]`` (creating missing keys), atomically."""
+
+    partition_id: str
+    keys: list[str]
+    tags: list[dict[str, Any]]
+
+
+class KVList(_Msg):
+    partition_id: str | None = None
+
+
+class KVClear(_Msg):
+    partition_id: str
+    keys: list[str]
+
+
+class KVKeys(_Msg):
+    """The key of each of ``rows``; every row must exist and have a key."""
+
+    partition_id: str
+    rows: list[int]
+
+
+class FieldDump(msgspec.Struct, array_like=True):
+    header: ColumnHeader
+    produced: bytes
+
+
+class PartitionDump(msgspec.Struct, array_like=True):
+    """Everything the controller knows of one partition (not the cells)."""
+
+    partition_id: str
+    n_rows: int
+    alive: bytes
+    origin: list[int]
+    units: list[int]
+    tags: list[dict[str, Any] | None]
+    row_keys: list[str | None]
+    sealed: bool
+    fields: list[FieldDump]
+    consumed: dict[str, bytes]
+    #: the recorded batches, ``(task, dp_rank, batch_index, rows)`` (the checkpoint
+    #: format's name for them)
+    deliveries: list[tuple[str, int, int, list[int]]]
+    row_version: list[int] = []
+    field_versions: dict[str, list[int]] = {}
+
+
+class StateDump(msgspec.Struct, array_like=True):
+    partitions: list[PartitionDump]
+    sampler_state: dict[str, Any]
+
+
+class DumpState(_Msg):
+    """A consistent snapshot of the controller's state (all partitions, or the named ones)."""
+
+    partition_ids: list[str] | None = None
+
+
+class RestoreBegin(_Msg):
+    """Stage partitions from a checkpoint (invisible until RestoreCommit); returns placement."""
+
+    state: StateDump
+
+
+class RestoreCommit(_Msg):
+    partition_ids: list[str]
+    sampler_state: dict[str, Any] | None = None
+
+
+class RestoreAbort(_Msg):
+    partition_ids: list[str]
+
+
+ControllerBody = (
+    Hello
+    | FieldSchema
+    | RegisterUnit
+    | PutBegin
+    | PutCommit
+    | RenewPut
+    | AbortPut
+    | PutInline
+    | GetMeta
+    | Cancel
+    | Release
+    | Ack
+    | Seal
+    | ResetConsumption
+    | ClearSamples
+    | ClearPartition
+    | CheckProduction
+    | CheckConsumption
+    | ProductionStatus
+    | ConsumptionStatus
+    | ListPartitions
+    | PartitionInfo
+    | SetTags
+    | KVLookup
+    | KVTag
+    | KVList
+    | KVClear
+    | KVKeys
+    | DumpState
+    | RestoreBegin
+    | RestoreCommit
+    | RestoreAbort
+    | RegisterTasks
+    | LostRows
+    | SetPolicyVersion
+    | AcquireRollout
+    | ReleaseRollout
+    | TakeRecycled
+    | StalenessStatus
+)
+
+
+# ---- storage unit ----------------------------------------------------------------------------
+
+
+class StorePut(_Msg):
+    """Store ``columns`` (frames follow the header, in column order) for ``rows``.
+
+    With ``shm``, the frames are not in the message: they are spans of a shared-memory grant
+    (see :mod:`tq_async._paths._shm`).
+    """
+
+    partition_id: str
+    rows: list[int]
+    columns: list[ColumnHeader]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
+    shm: ShmFrames | None = None
+    #: columns whose cells the client wrote into the unit's device arena (no frames)
+    device: DeviceFrames | None = None
+
+
+class StoreGet(_Msg):
+    """Send ``fields`` of ``rows``, in that row order (through shared memory if ``shm``).
+
+    With ``device`` (and ``shm``) fields whose cells are in the unit's device arena are
+    answered with their spans there (``StoredColumns.device_spans``).
+    """
+
+    partition_id: str
+    rows: list[int]
+    fields: list[str]
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
+    shm: bool = False
+    device: bool = False
+
+
+class ShmFrames(msgspec.Struct, array_like=True):
+    """Where a put's frames are: ``(offset, nbytes)`` spans relative to grant ``grant``."""
+
+    grant: int
+    spans: list[tuple[int, int]]
+
+
+class DeviceFrames(msgspec.Struct, array_like=True):
+    """Where a put's device columns are: column ``columns[i]`` (position among the put's
+    columns) at ``spans[i] = (offset, nbytes)`` of device arena grant ``grant``."""
+
+    grant: int
+    columns: list[int]
+    spans: list[tuple[int, int]]
+
+
+class ShmHello(_Msg):
+    """A client on this host asks for the unit's arena (it will verify the token)."""
+
+    pid: int
+
+
+class DeviceHello(_Msg):
+    """A client that shares memory with the unit asks for its device arena (see
+    :mod:`tq_async._paths._device`; answered with :class:`DeviceHelloReply`, or None: no device
+    arena for this client)."""
+
+    pid: int
+
+
+class ShmAlloc(_Msg):
+    """Reserve ``nbytes`` of the arena (of the device arena, with ``device``) for a put
+    (answered with :class:`ShmGrant` or None when the arena is full: then the put goes
+    over the socket, or through host memory)."""
+
+    nbytes: int
+    device: bool = False
+
+
+class ShmFree(_Msg):
+    """Give back grants the client will not use, and read pins it is done with."""
+
+    grants: list[int]
+    pins: list[int]
+
+
+class NixlHello(_Msg):
+    """A client on another host asks for the unit's NIXL agent and arena (see
+    :mod:`tq_async._paths._nixl`); answered with :class:`NixlHelloReply`, or None when the unit
+    offers no NIXL path (then the socket)."""
+
+    agent: str
+
+
+class StoreClear(_Msg):
+    """Free ``rows`` of a partition (all rows when ``rows`` is None)."""
+
+    partition_id: str
+    rows: list[int] | None = None
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
+
+
+class StoreStats(_Msg):
+    pass
+
+
+StorageBody = (
+    StorePut
+    | StoreGet
+    | StoreClear
+    | StoreStats
+    | ShmHello
+    | DeviceHello
+    | ShmAlloc
+    | ShmFree
+    | NixlHello
+    | Cancel
+)
+
+
+# ---- envelopes -------------------------------------------------------------------------------
+
+
+class ControllerRequest(msgspec.Struct, array_like=True):
+    rid: int
+    body: ControllerBody
+
+
+class StorageRequest(msgspec.Struct, array_like=True):
+    rid: int
+    body: StorageBody
+
+
+class Reply(msgspec.Struct, array_like=True):
+    rid: int
+    ok: bool
+    payload: msgspec.Raw
+
+
+# ---- reply payloads --------------------------------------------------------------------------
+
+
+class UnitInfo(msgspec.Struct, array_like=True):
+    unit_id: int
+    address: str
+
+
+class HelloReply(msgspec.Struct, array_like=True):
+    units: list[UnitInfo]
+    allow_pickle: bool
+    capacity: int | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
+    #: the controller's same-host twin endpoint, and a token a client compares through it
+    ipc: str | None = None
+    instance: bytes = b""
+
+
+class Placement(msgspec.Struct, array_like=True):
+    """Rows of a put and the unit holding each (``units[i]`` holds ``rows[i]``)."""
+
+    rows: list[int]
+    units: list[int]
+    #: the put lease reserving the new rows until PutCommit (0: none), and its length:
+    #: the producer renews it (RenewPut) while it writes for longer than that
+    put_id: int = 0
+    put_lease: float = 0.0
+    #: the partition's incarnation (a random id, new whenever the partition is created)
+    incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
+    #: keyed puts: the fields every row of the put already has (besides the put's own)
+    fields: list[str] | None = None
+
+
+class MetaReply(msgspec.Struct, array_like=True):
+    rows: list[int]
+    units: list[int]
+    tags: list[dict[str, Any]]
+    fields: list[str]
+    end_of_stream: bool = False
+    versions: dict[str, list[int]] = {}
+    lease_id: int = 0
+    #: the cells, when the request asked for them inline: one part per storage unit, in
+    #: order of first appearance in ``units``, each followed by its columns' frames
+    inline: list[StoredColumns] | None = None
+    #: the partition's incarnation (None on an end-of-stream reply)
+    incarnation: str | None = None
+    #: changes whenever a storage unit's address does: a client seeing a new value asks
+    #: for the units again (:class:`Hello`) before it dials one
+    units_epoch: int = 0
+    #: rows of a KV partition: each row's key (None without one); None when no row has one
+    keys: list[str | None] | None = None
+    #: the batches a request's ``also`` decided, in its order (their ``inline`` frames
+    #: follow this reply's own, in the same order)
+    more: list[MetaReply] | None = None
+
+
+class RecycledRows(msgspec.Struct, array_like=True):
+    """Stale rows of one partition whose prompts must be regenerated."""
+
+    partition_id: str
+    meta: MetaReply
+
+
+class StoredColumns(msgspec.Struct, array_like=True):
+    n_rows: int
+    columns: list[ColumnHeader]
+    #: read through shared memory: the frames are these arena spans, pinned until the client
+    #: sends ``ShmFree(pins=[pin])``
+    shm_spans: list[tuple[int, int]] | None = None
+    pin: int = 0
+    #: per column, its pieces' ``(offset, nbytes)`` in the device arena, in row order
+    #: (empty: the column came as frames); pinned with ``pin``
+    device_spans: list[list[tuple[int, int]]] | None = None
+
+
+class ShmHelloReply(msgspec.Struct, array_like=True):
+    """The arena: ``/proc/{pid}/fd/{fd}``, ``size`` bytes, starting with ``token``."""
+
+    pid: int
+    fd: int
+    size: int
+    token: bytes
+    #: the unit's same-host twin endpoint (verified by asking ShmHello through it)
+    ipc: str | None = None
+
+
+class DeviceHelloReply(msgspec.Struct, array_like=True):
+    """The unit's device arena: ``kind`` ``"cuda"`` (``handle`` is a CUDA IPC handle) or
+    ``"host"`` (emulation, tests: ``handle`` is ``pid:fd``), ``size`` bytes on the device
+    with UUID ``device``, starting with ``token``."""
+
+    kind: str
+    handle: bytes
+    size: int
+    device: bytes
+    token: bytes
+
+
+class NixlHelloReply(msgspec.Struct, array_like=True):
+    """The unit's NIXL agent (its metadata, to load) and its registered arena."""
+
+    metadata: bytes
+    agent: str
+    base: int
+    size: int
+
+
+class ShmGrant(msgspec.Struct, array_like=True):
+    grant: int
+    offset: int
+    size: int
+
+
+class StoreStatsReply(msgspec.Struct, array_like=True):
+    partitions: int
+    rows: int
+    resident_bytes: int
+    #: random per unit process: a unit answering with another one lost what it held
+    instance: str = ""
+    #: shared memory: bytes in use, idle pages kept for reuse, the cap (0: off), and puts
+    #: that fell back to the socket because the arena was full
+    shm_bytes: int = 0
+    shm_idle_bytes: int = 0
+    shm_cap: int = 0
+    shm_fallbacks: int = 0
+    #: puts and reads served through shared memory
+    shm_puts: int = 0
+    shm_reads: int = 0
+    #: NIXL: puts and reads served, and bytes registered with it (0: no NIXL agent)
+    nixl_puts: int = 0
+    nixl_reads: int = 0
+    nixl_registered_bytes: int = 0
+    #: device arena (GPU memory, same-host clients): bytes in use, the cap (0: none), puts
+    #: and reads served through it, and cells copied to host memory for other readers
+    device_bytes: int = 0
+    device_cap: int = 0
+    device_puts: int = 0
+    device_reads: int = 0
+    device_fallbacks: int = 0
+
+
+#: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,
+#: e.g. priority scores): dtype, shape and raw bytes, so no pickle is needed
+_EXT_NDARRAY = 1
+_ndarray_header = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], bytes])
+
+
+def _enc_hook(obj: Any) -> Any:
+    """Numeric numpy arrays travel as an extension type, numpy scalars as Python scalars."""
+    import numpy as np  # here: most messages never need it
+
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+        return obj.item()
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+        array = np.ascontiguousarray(obj)
+        payload = msgspec.msgpack.encode((array.dtype.str, array.shape, array.tobytes()))
+        return msgspec.msgpack.Ext(_EXT_NDARRAY, payload)
+    raise NotImplementedError(
+        f"Encoding objects of type {type(obj).__module__}.{type(obj).__qualname__} is unsupported"
+    )
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _EXT_NDARRAY:
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+    import numpy as np
+
+    dtype, shape, raw = _ndarray_header.decode(data)
+    if np.dtype(dtype).kind not in "biufc":
+        raise ProtocolError(f"a numpy array of dtype {dtype!r} cannot travel")
+    return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest, ext_hook=_ext_hook)
+storage_request_decoder = msgspec.msgpack.Decoder(StorageRequest)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+_rid_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def salvage_rid(header: bytes | memoryview) -> int | None:
+    """The request id of a message that failed to decode, if it can be read at all."""
+    try:
+        rid, _ = _rid_decoder.decode(header)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    return rid
+
+
+def ok_reply(rid: int, payload: Any) -> bytes:
+    """Encode a success reply header."""
+    return encoder.encode(Reply(rid, True, msgspec.Raw(encoder.encode(payload))))
+
+
+def error_reply(rid: int, exc: BaseException) -> bytes:
+    """Encode a failure reply header carrying the error's class name and message."""
+    kind = type(exc).__name__
+    message = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+    return encoder.encode(Reply(rid, False, msgspec.Raw(encoder.encode([kind, message]))))
+
+
+_error_payload_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+
+
+def decode_error_payload(payload: msgspec.Raw) -> tuple[str, str]:
+    """The ``(class name, message)`` of a failure reply."""
+    try:
+        return _error_payload_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("a failure reply had an unreadable payload") from exc
+
+
+# ---- validation of numbers from the wire -----------------------------------------------------
+#
+# msgspec checks types; these check ranges. Every service calls :func:`validate` right after
+# decoding a request, and clients run the same checks before sending, so one caller's NaN can
+# never reach a timer heap or an ``array`` shared with other callers.
+
+#: the largest int the services keep (rows, versions and counts live in int64 arrays)
+MAX_INT = 2**63 - 1
+#: the most rows one put may allocate
+MAX_PUT_ROWS = 2**31 - 1
+#: storage unit ids live in int32 arrays
+MAX_UNIT_ID = 2**31 - 1
+_INF = math.inf
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | None:
+    """``value`` as positive finite seconds (or None when ``optional``).
+
+    Raises:
+        InvalidRequestError: naming ``name``, for NaN, infinities, zero, negatives and
+            non-numbers.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(
+            f"{name} must be a number of seconds{' or None' if optional else ''}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(
+            f"{name} must be positive, finite seconds{' or None' if optional else ''}, got "
+            f"{value!r}; pass e.g. {name}=30"
+            + (f" (or {name}=None to wait without a deadline)" if optional else "")
+        )
+    return float(value)
+
+
+def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``value`` as an int in ``[lo, hi]``.
+
+    Raises:
+        InvalidRequestError: naming ``name``, for non-ints (bools included) and values out
+            of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = MAX_INT) -> None:
+    """Every item of ``values`` (when given) is an int in ``[lo, hi]``."""
+    if values is None:
+        return
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise InvalidRequestError(
+                f"{name} must hold ints in [{lo}, {hi}], got {v!r}"
+                + ("; a policy version is a non-negative int" if name == "policy_version" else "")
+            )
+
+
+#: the most batches one get_meta decides ahead of its own (``record_from``)
+MAX_RECORD_SPAN = 1 << 16
+
+#: the most batches one get_meta asks for besides its own (``also``)
+MAX_ALSO = 64
+
+
+def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
+    """``dp_rank``, ``batch_index`` and ``record_from`` of a sampling config, when set, are
+    ints >= 0 (``record_from`` only with ``batch_index``), and ``dp_size`` an int >= 1."""
+    if not cfg:
+        return
+    for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1), ("record_from", 0)):
+        v = cfg.get(key)
+        if v is not None:
+            check_int(f"sampling_config[{key!r}]", v, lo)
+    record_from = cfg.get("record_from")
+    if record_from is not None:
+        index = cfg.get("batch_index")
+        if index is None:
+            raise InvalidRequestError(
+                "sampling_config['record_from'] needs 'batch_index': it names the batches below "
+                "batch_index to decide first"
+            )
+        if index - record_from > MAX_RECORD_SPAN:
+            raise InvalidRequestError(
+                f"sampling_config['record_from'] is {index - record_from} batches below "
+                f"batch_index; at most {MAX_RECORD_SPAN} are decided in one request (it is "
+                "meant for the few batches of readers sharing an index space)"
+            )
+
+
+def check_also(also: Sequence[int], cfg: Mapping[str, Any] | None, mode: str) -> None:
+    """``also`` names at most :data:`MAX_ALSO` increasing batch indexes above the request's
+    own ``batch_index``, within :data:`MAX_RECORD_SPAN` of it, for a ``fetch``."""
+    first = cfg.get("batch_index") if cfg else None
+    if mode != "fetch" or first is None:
+        raise InvalidRequestError(
+            "also= needs a fetch whose sampling_config names a batch_index (the batches it "
+            "asks for are recorded under their indexes, like the asked one)"
+        )
+    if len(also) > MAX_ALSO:
+        raise InvalidRequestError(
+            f"also= names {len(also)} batches; at most {MAX_ALSO} ride with one request"
+        )
+    check_ints("also", also)
+    below = first
+    for j in also:
+        if j <= below:
+            raise InvalidRequestError(
+                f"also= must name increasing batch indexes above batch_index {first}, got "
+                f"{list(also)}"
+            )
+        below = j
+    if below - first > MAX_RECORD_SPAN:
+        raise InvalidRequestError(
+            f"also= reaches {below - first} batches above batch_index {first}; at most "
+            f"{MAX_RECORD_SPAN}"
+        )
+
+
+def check_headers(columns: Sequence[ColumnHeader]) -> None:
+    """Column headers name a known kind and dtype, and a shape of non-negative sizes."""
+    for h in columns:
+        if h.kind not in KINDS:
+            raise InvalidRequestError(
+                f"column {h.name!r} has kind {h.kind!r}; expected one of {list(KINDS)}"
+            )
+        if h.kind in ("dense", "jagged") and h.dtype not in ITEM_SIZES:
+            raise InvalidRequestError(f"column {h.name!r} has unknown dtype {h.dtype!r}")
+        check_ints(f"the shape of column {h.name!r}", h.shape, 0, MAX_PUT_ROWS)
+
+
+def _restore(b: RestoreBegin) -> None:
+    for d in b.state.partitions:
+        check_int(f"n_rows of partition {d.partition_id!r}", d.n_rows)
+        check_ints("origin", d.origin)
+        check_ints("row_version", d.row_version, -1)
+        for name, versions in d.field_versions.items():
+            check_ints(f"the versions of field {name!r}", versions, -1)
+        check_headers([f.header for f in d.fields])
+
+
+def _get_meta(b: GetMeta) -> None:
+    # the decoder guarantees the types: test the ranges first, name the culprit after
+    # (the checks run on every get_meta; this way they cost well under a microsecond)
+    if not 0 < b.batch_size <= MAX_INT:
+        check_int("batch_size", b.batch_size, 1)
+    if b.timeout is not None and not 0.0 < b.timeout < _INF and b.timeout != 0:
+        check_seconds("timeout", b.timeout)
+    if b.lease is not None and not 0.0 < b.lease < _INF:
+        check_seconds("lease", b.lease)
+    if not 0 <= b.inline_bytes <= MAX_INT:
+        check_int("inline_bytes", b.inline_bytes)
+    if b.ack:
+        check_ints("ack", b.ack)
+    if b.sampling_config:
+        check_sampling_config(b.sampling_config)
+    if b.also is not None:
+        check_also(b.also, b.sampling_config, b.mode)
+    if not b.data_fields:
+        raise InvalidRequestError("data_fields must name at least one field")
+    if b.mode not in ("fetch", "peek"):
+        raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {b.mode!r}")
+    if not b.task_name:
+        raise InvalidRequestError("task_name must be a non-empty string")
+
+
+def _put_begin(b: PutBegin) -> None:
+    check_headers(b.columns)
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_seconds("timeout", b.timeout)
+
+
+def _put_commit(b: PutCommit) -> None:
+    check_ints("policy_version", b.versions)
+
+
+def _put_inline(b: PutInline) -> None:
+    check_headers(b.columns)
+    check_int("n_rows", b.n_rows, 0, MAX_PUT_ROWS)
+    check_ints("policy_version", b.versions)
+    check_seconds("timeout", b.timeout)
+
+
+def _acquire(b: AcquireRollout) -> None:
+    check_int("policy_version", b.policy_version)
+    check_int("n", b.n, 1)
+    check_seconds("timeout", b.timeout)
+
+
+_CHECKS: dict[type[Any], Callable[[Any], object]] = {
+    GetMeta: _get_meta,
+    PutBegin: _put_begin,
+    PutCommit: _put_commit,
+    PutInline: _put_inline,
+    AcquireRollout: _acquire,
+    RegisterUnit: lambda b: check_int("unit_id", b.unit_id, -1, MAX_UNIT_ID),
+    SetPolicyVersion: lambda b: check_int("version", b.version),
+    ReleaseRollout: lambda b: check_int("n", b.n),
+    TakeRecycled: lambda b: check_int("max_rows", b.max_rows, 1),
+    Ack: lambda b: check_ints("lease_ids", b.lease_ids),
+    RestoreBegin: _restore,
+    StorePut: lambda b: check_headers(b.columns),
+}
+
+
+def validate(body: Any) -> None:
+    """Check the numbers of a decoded request body; services call it right after decoding.
+
+    Raises:
+        InvalidRequestError: an argument is out of range (NaN, infinite, negative, too
+            large); the message names it.
+    """
+    check = _CHECKS.get(type(body))
+    if check is not None:
+        check(body)
