@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tq_async._service._loop._parking import ParkingLot
+from tq_async._service._parking import ParkingLot
 
 
 async def test_unpark_wakes_only_its_key() -> None:
