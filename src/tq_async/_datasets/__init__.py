@@ -1,2 +1,2 @@
-"""The streaming datasets: ``AsyncStreamingDataset`` (``_async``), the PyTorch adapter
-(``_torch``), DataLoader hand-offs (``_handoff``)."""
+"""The streaming datasets: ``AsyncStreamingDataset`` (``_async``) and its prefetcher
+(``_prefetch``), the PyTorch adapter (``_torch``), DataLoader hand-offs (``_handoff``)."""

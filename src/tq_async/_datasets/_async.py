@@ -49,7 +49,6 @@ from typing import Any, TypeAlias
 import anyio
 import torch
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from .._client._async._client import AsyncClient
@@ -58,12 +57,12 @@ from .._errors import (
     InvalidRequestError,
     TQError,
 )
-from .._logging import get_logger
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
 from .._wire._codec import RowWindows, tensordict_of
 from .._wire._protocol import MAX_ALSO, check_int
 from ._handoff import pack, unpack
+from ._prefetch import Prefetcher
 
 __all__ = [
     "AsyncStreamingDataset",
@@ -74,8 +73,6 @@ __all__ = [
     "chunk_batch_fn",
     "default_fetch_batch_fn",
 ]
-
-log = get_logger(__name__)
 
 #: One micro-batch: its data and the :class:`BatchMeta` of exactly the same rows.
 MicroBatch: TypeAlias = tuple[TensorDict, BatchMeta]
@@ -267,29 +264,6 @@ class _Fetched:
     data: TensorDictBase
     meta: BatchMeta
     micro_batches: list[MicroBatch]
-
-
-@dataclass(slots=True)
-class _End:
-    """The stream ended at ``batch_index`` (nothing recorded there, nothing more to read)."""
-
-    batch_index: int
-
-
-@dataclass(slots=True)
-class _Failed:
-    """Fetching or processing raised; the consumer re-raises it at the same position."""
-
-    error: Exception
-
-
-_Item: TypeAlias = _Fetched | _End | _Failed
-
-
-@dataclass(slots=True)
-class _Producer:
-    scope: anyio.CancelScope
-    receive: MemoryObjectReceiveStream[_Item]
 
 
 @dataclass(frozen=True)
@@ -580,7 +554,8 @@ class AsyncStreamingDataset:
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
         self._client: AsyncClient | None = None
-        self._producer: _Producer | None = None
+        #: batches fetched ahead by a task of ``_tg`` (with ``prefetch``)
+        self._prefetcher = Prefetcher(self.prefetch, self._load, self._position)
 
     # ---- public state ------------------------------------------------------------------------
 
@@ -676,7 +651,7 @@ class AsyncStreamingDataset:
         self._current = None
         self._taken.clear()  # recorded: read again by their indexes
         self._generation += 1
-        self._drop_producer()
+        self._prefetcher.drop()
 
     def set_worker(self, worker_id: int, num_workers: int) -> None:
         """Read only batch indexes ``worker_id, worker_id + num_workers, ...`` from here on.
@@ -740,7 +715,7 @@ class AsyncStreamingDataset:
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        self._drop_producer()
+        self._prefetcher.drop()
         self._current = None
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
@@ -839,76 +814,11 @@ class AsyncStreamingDataset:
             )
         if self.prefetch == 0:
             return await self._load(self._next_index, self._generation, timeout, ahead)
-        while True:
-            producer = self._producer or self._start_producer()
-            try:
-                item = await producer.receive.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                # the producer was dropped (reset/step) while we waited: start over
-                if self._producer is producer:
-                    self._drop_producer()
-                continue
-            if self._producer is not producer:
-                continue  # moved (reset/step) while this item was on its way
-            if isinstance(item, _Failed):
-                self._drop_producer()
-                raise item.error
-            if item.batch_index != self._next_index:
-                # Defensive: a hand-off lost to a cancellation would show up here. The batch
-                # is recorded under its index; restart the producer at the position.
-                log.debug(
-                    "prefetch out of step, restarting",
-                    expected=self._next_index,
-                    got=item.batch_index,
-                )
-                self._drop_producer()
-                continue
-            if isinstance(item, _End):
-                self._drop_producer()
-                return None
-            return item
+        return await self._prefetcher.next(self._tg)
 
-    def _start_producer(self) -> _Producer:
-        assert self._tg is not None
-        send, receive = anyio.create_memory_object_stream[_Item](self.prefetch - 1)
-        producer = _Producer(anyio.CancelScope(), receive)
-        self._producer = producer
-        self._tg.start_soon(self._produce, producer.scope, send, self._next_index, self._generation)
-        return producer
-
-    def _drop_producer(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            producer.scope.cancel()
-            producer.receive.close()
-
-    async def _produce(
-        self,
-        scope: anyio.CancelScope,
-        send: MemoryObjectSendStream[_Item],
-        index: int,
-        generation: int,
-    ) -> None:
-        """Fetch batches ``index, index + stride, ...`` into ``send`` until end or cancel.
-
-        The memory stream holds ``prefetch - 1`` items and this task holds one more while it
-        waits to send: at most ``prefetch`` batches are fetched ahead of the consumer.
-        """
-        with send, scope:
-            while True:
-                item: _Item | None
-                try:
-                    item = await self._load(index, generation)
-                except Exception as exc:  # handed to the consumer, raised where it reads
-                    log.debug("fetch failed", batch_index=index, error=repr(exc))
-                    item = _Failed(exc)
-                try:
-                    await send.send(_End(index) if item is None else item)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return  # the consumer dropped this producer
-                if not isinstance(item, _Fetched):
-                    return
-                index += self._stride
+    def _position(self) -> tuple[int, int, int]:
+        """``(batch_index, generation, stride)`` of the position, for the prefetcher."""
+        return self._next_index, self._generation, self._stride
 
     # ---- fetching ----------------------------------------------------------------------------
 
