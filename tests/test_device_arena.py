@@ -28,7 +28,8 @@ from _shm_proc import device_alloc_then_die, device_read_then_stop
 from tq_async._paths import _device as _gpu
 from tq_async._paths._device import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
 from tq_async._paths._shm import Arena
-from tq_async._storage._server import OverBudget, StorageServer, StorageState
+from tq_async._storage._cells import OverBudget, StorageState
+from tq_async._storage._server import StorageServer
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import StorePut
 

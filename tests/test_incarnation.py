@@ -15,7 +15,7 @@ import torch
 import tq_async as tq
 from _cluster_proc import serve_cluster
 from tq_async._core._state import Partition
-from tq_async._storage._server import StorageState
+from tq_async._storage._cells import StorageState
 from tq_async._wire._columns import ColumnHeader, ListColumn, column_to_frames
 
 #: what every error about a stale BatchMeta says

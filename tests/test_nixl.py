@@ -34,8 +34,8 @@ import tq_async._client._async._client as _nixl_base
 from _cluster_proc import serve_role
 from tq_async._errors import BrokenError, TQError
 from tq_async._paths import _nixl
+from tq_async._storage import _nixl_handlers as _storage
 from tq_async._storage._server import StorageServer
-from tq_async._storage import _server as _storage
 from tq_async._transport._dealer import DealerConnection
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import (

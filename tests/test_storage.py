@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tq_async._storage._server import OverBudget, StorageState
+from tq_async._storage._cells import OverBudget, StorageState
 from tq_async._wire._columns import ColumnHeader, JaggedColumn, column_nbytes, column_to_frames
 
 DENSE = ColumnHeader("x", "dense", "int64", (2,))  # 16 bytes per row

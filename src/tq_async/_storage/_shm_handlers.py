@@ -1,0 +1,247 @@
+"""A storage unit's shared-memory path: its arena and the requests that use it.
+
+Clients on the unit's host put and read through the unit's shared-memory arena
+(:mod:`tq_async._paths._shm`): a client says hello with its pid (watched: when the process
+exits, what it held goes back), asks for a grant (:class:`ShmAlloc`), writes its columns into
+the granted region and sends a :class:`StorePut` naming spans of it instead of frames; a read
+(:class:`StoreGet` with ``shm``) is answered with arena spans, pinned until the client frees
+the pin (:class:`ShmFree`). NIXL clients on other hosts use the same arena (registered with
+the unit's agent, :mod:`tq_async._storage._nixl_handlers`) and the same grants and pins.
+
+Who holds which region is decided by the unit's :class:`~tq_async._storage._book.Book`;
+:class:`ShmPath` does the arena's side of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import anyio
+
+from .._errors import InvalidRequestError, ProtocolError
+from .._logging import get_logger
+from .._paths._shm import Arena, Region, Watcher
+from .._service._loop import SENT, Incoming
+from .._wire._columns import column_frame_count
+from .._wire._protocol import (
+    ShmFree,
+    ShmGrant,
+    ShmHello,
+    ShmHelloReply,
+    StoredColumns,
+    StoreGet,
+    StorePut,
+)
+from ._book import Book, Released
+from ._cells import StorageState
+
+__all__ = ["ShmPath"]
+
+log = get_logger(__name__)
+
+
+class ShmPath:
+    """The shared-memory arena of one unit and the handlers of the requests that use it.
+
+    Args:
+        state: the unit's cells (the arena is theirs while it is open: chunks are views of it).
+        book: who holds which region.
+        cap: bytes of address space of the arena (0: no shared memory).
+        idle_bytes: most bytes of freed pages kept resident for reuse.
+    """
+
+    def __init__(self, state: StorageState, book: Book, *, cap: int, idle_bytes: int) -> None:
+        self.state = state
+        self.book = book
+        self.cap = cap
+        self.idle_bytes = idle_bytes
+        self._watcher: Watcher | None = None
+        self._ipc: str | None = None
+        #: set (and replaced) whenever shared memory is given back (tests wait on it)
+        self.released = anyio.Event()
+
+    @property
+    def arena(self) -> Arena | None:
+        """The arena (None when off or not serving)."""
+        return self.state.arena
+
+    def open(self, name: str, ipc: str | None) -> None:
+        """Make the arena (when the unit offers shared memory and the system has it);
+        ``ipc`` is told to clients (the unit's same-host socket)."""
+        if self.book.data_path == "zmq":
+            return
+        if not self.cap or not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            arena = Arena(self.cap, idle_bytes=self.idle_bytes, name=name)
+        except OSError as exc:
+            log.warning("no shared memory for same-host clients", error=str(exc))
+            return
+        self.state.arena = arena
+        self._ipc = ipc
+        loop = asyncio.get_running_loop()
+        self._watcher = Watcher(loop.add_reader, loop.remove_reader)
+
+    def close(self) -> None:
+        """Unmap the arena (the NIXL agent is closed first: it has the arena registered)."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        arena, self.state.arena = self.state.arena, None
+        if arena is not None:
+            arena.close()
+
+    # ---- handlers ----------------------------------------------------------------------------
+
+    def on_hello(self, msg: Incoming, body: ShmHello) -> ShmHelloReply | None:
+        arena = self.arena
+        if arena is None or self._watcher is None or body.pid <= 0 or self.book.data_path == "nixl":
+            return None
+        try:
+            self._watcher.watch(body.pid, self._client_exited)
+        except OSError:  # not visible from here: another host or PID namespace
+            return None
+        self.book.peers[msg.peer] = body.pid
+        return ShmHelloReply(os.getpid(), arena.fd, arena.cap, arena.token, self._ipc)
+
+    def claimant(self, peer: bytes) -> int:
+        """The pid of a client that may take grants and pins (0: a NIXL client); NIXL
+        claims held too long are taken back on the way."""
+        pid = self.book.pid(peer)
+        if pid is None or (pid > 0 and self.arena is None):
+            raise InvalidRequestError(
+                "this client has not set up shared memory with this unit (ShmHello first); "
+                "use the socket path"
+            )
+        self._expire_claims()
+        return pid
+
+    def alloc(self, peer: bytes, pid: int, nbytes: int) -> ShmGrant | None:
+        """A grant of ``nbytes`` (None: the arena is full; the client puts by socket)."""
+        arena = self.arena
+        assert arena is not None
+        region = arena.alloc(nbytes) if nbytes <= arena.cap else None
+        if region is None:
+            arena.fallbacks += 1
+            return None
+        return ShmGrant(self.book.grant(peer, pid, region), region.offset, region.size)
+
+    def on_free(self, msg: Incoming, body: ShmFree) -> Any:
+        if self.arena is not None:
+            self.give_back(self.book.free(msg.peer, body.grants, body.pins))
+        return SENT  # one-way
+
+    def put(
+        self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
+    ) -> list[Any]:
+        """Store a put whose columns are in its grant (consumed); their frames (views)."""
+        if len(msg.frames) != 1:
+            raise ProtocolError("a shared-memory put carries no data frames")
+        data, region = self._frames(msg.peer, body)
+        arena = self.arena
+        assert arena is not None
+        try:
+            self.state.put(
+                body.partition_id,
+                body.rows,
+                body.columns,
+                data,
+                region,
+                incarnation=body.incarnation,
+                device=device,
+            )
+            if self.state.nixl is not None and msg.peer in self.book.nixl_peers:
+                self.state.nixl.puts += 1
+            else:
+                arena.puts += 1
+        finally:
+            arena.release(region)
+        return data
+
+    def read(self, peer: bytes, body: StoreGet) -> StoredColumns | None:
+        """A read answered with arena spans, pinned (None: no room; read by socket)."""
+        pid = self.claimant(peer)
+        device = self.state.device
+        device_ok = body.device and device is not None and pid > 0
+        got = self.state.read_shm(
+            body.partition_id, body.rows, body.fields, body.incarnation, device_ok=device_ok
+        )
+        arena = self.arena
+        assert arena is not None
+        if got is None:
+            arena.fallbacks += 1
+            return None
+        stored, regions, on_device = got
+        stored.pin = self.book.pin(peer, pid, regions, on_device)
+        if on_device:
+            assert device is not None
+            device.reads += 1
+        if self.state.nixl is not None and peer in self.book.nixl_peers:
+            self.state.nixl.reads += 1
+        else:
+            arena.reads += 1
+        return stored
+
+    # ---- giving back -------------------------------------------------------------------------
+
+    def give_back(self, released: Released) -> None:
+        """Release what the book gave back into the arenas; wake whoever waits for room."""
+        arena, device = self.arena, self.state.device
+        if arena is not None:
+            for region in released.shm:
+                arena.release(region)
+        if device is not None:
+            for region in released.device:
+                device.release(region)
+        self.released.set()
+        self.released = anyio.Event()
+
+    def _frames(self, peer: bytes, body: StorePut) -> tuple[list[Any], Region]:
+        """The frames a shared-memory put names, checked against its grant (consumed)."""
+        assert body.shm is not None
+        arena = self.arena
+        region = self.book.take_grant(peer, body.shm.grant) if arena is not None else None
+        if arena is None or region is None:
+            raise InvalidRequestError(
+                f"shared-memory grant {body.shm.grant} is unknown to this unit (never given, "
+                "used already, freed, or another client's); put again"
+            )
+        try:
+            on_device = set(body.device.columns) if body.device is not None else set()
+            expected = sum(
+                column_frame_count(h) for i, h in enumerate(body.columns) if i not in on_device
+            )
+            spans = body.shm.spans
+            if len(spans) != expected:
+                raise ProtocolError(
+                    f"a shared-memory put names {len(spans)} spans, its columns need {expected}"
+                )
+            frames: list[Any] = []
+            for off, n in spans:
+                if off < 0 or n < 0 or off + n > region.size:
+                    raise ProtocolError(
+                        f"a shared-memory span [{off}, +{n}) lies outside its grant of "
+                        f"{region.size} bytes; the description is corrupt"
+                    )
+                frames.append(arena.span(region.offset + off, n))
+        except BaseException:
+            self.give_back(Released(shm=[region]))
+            raise
+        return frames, region
+
+    def _client_exited(self, pid: int) -> None:
+        """A client process is gone: its grants and pins go back to the arenas."""
+        released = self.book.exited(pid)
+        log.debug("released the shared memory of an exited client", pid=pid)
+        self.give_back(released)
+
+    def _expire_claims(self) -> None:
+        """Release the grants and pins of NIXL clients that held them past the claims' ttl."""
+        released = self.book.expire()
+        if released is None:
+            return
+        for kind, claim in released.expired:
+            log.warning("released the claim of a silent NIXL client", kind=kind, id=claim)
+        self.give_back(released)
