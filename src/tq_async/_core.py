@@ -167,6 +167,12 @@ class ControllerCore:
             id(smp): (getattr(smp, "dp_size_hint", None), getattr(smp, "tail_policy", None))
             for smp in self.samplers()
         }
+        for smp in self.samplers():  # prompt groups: a put never overfills one (issue 38)
+            grouping = getattr(smp, "group_tag", None)  # a TransferQueue sampler may lack it
+            if grouping is not None:
+                tag, n = grouping
+                limits = self.state.group_limits
+                limits[tag] = max(limits.get(tag, 0), n)  # several: no sampler's n refused
         self._ids = itertools.count(1)
         #: lease id -> the partition holding it (gone with the partition)
         self._lease_home: dict[int, Partition] = {}

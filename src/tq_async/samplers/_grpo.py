@@ -120,6 +120,13 @@ class GRPOGroupNSampler(BaseSampler):
         return rows[:batch_size], rows[:batch_size]
 
     @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
+        (every row is its own group: tags are not read)."""
+        n = self.n_samples_per_prompt
+        return (self.group_key, n) if n > 1 else None
+
+    @property
     def group_size(self) -> int:
         """``n_samples_per_prompt``: groups are never split across ranks."""
         return self.n_samples_per_prompt
