@@ -254,10 +254,7 @@ def _column_from_value(
             f"field {name!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))"
         )
     else:
-        raise UnsupportedTypeError(
-            f"field {name!r} is a {type(value).__name__}; a column must be a tensor, a jagged "
-            "nested tensor, or a list with one value per row"
-        )
+        raise _not_a_column(name, value)
     if len(values) != n:
         raise SchemaError(
             f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
@@ -268,6 +265,17 @@ def _column_from_value(
         if all(isinstance(t, torch.Tensor) for t in tensors):
             return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)
+
+
+def _not_a_column(name: str, value: Any) -> UnsupportedTypeError:
+    """A field whose value is one value (``{"prompt": "hello"}``), not one value per row."""
+    example = repr(value)
+    one_row = f"; for one row put {{{name!r}: [{example}]}}" if len(example) <= 40 else ""
+    return UnsupportedTypeError(
+        f"field {name!r} is a single {type(value).__name__}, not a column: a column is a tensor "
+        f"or a list of n values (one per row; also a numpy array or a jagged nested tensor)"
+        f"{one_row}"
+    )
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
@@ -292,6 +300,10 @@ class DeviceColumn:
 
     def __len__(self) -> int:
         return int(self.tensor.shape[0])
+
+
+#: what a mapping's value may be (a NonTensorData is one value for every row: a TensorDict's)
+_COLUMN_TYPES = (torch.Tensor, np.ndarray, list, tuple, NonTensorStack, NonTensorData)
 
 
 def columns_from_batch(
@@ -343,6 +355,8 @@ def columns_from_batch(
                         "rows; a column needs one row per sample: put "
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
+                if not isinstance(value, _COLUMN_TYPES):
+                    raise _not_a_column(name, value)
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
     columns: list[Column | DeviceColumn] = []
