@@ -684,6 +684,18 @@ def test_a_reused_uid_is_refused_at_set_tags_and_free_again_after_a_clear() -> N
     assert rows_of(get(core, req(2))) == rows
 
 
+def test_kv_tags_giving_one_uid_more_than_n_rows_create_no_key() -> None:
+    core = new_core(GRPOGroupNSampler(2))
+    core.catalog.kv_tag("p", ["a", "b"], [{"uid": 7}] * 2, 0.0)
+    with pytest.raises(InvalidRequestError, match=r"uid=7.*rows \[0, 1\]"):
+        core.catalog.kv_tag("p", ["c"], [{"uid": 7}], 0.0)
+    with pytest.raises(InvalidRequestError, match="uid=8"):
+        core.catalog.kv_tag("q", ["a", "b", "c", "a"], [{"uid": 8}] * 4, 0.0)
+    assert sorted(core.state.partition("p").keys) == ["a", "b"]
+    assert "q" not in core.state.partitions
+    core.catalog.kv_tag("p", ["a", "b"], [{"uid": 7}] * 2, 0.0)  # the same rows again: fine
+
+
 def test_uid_reuse_is_allowed_without_a_grouping_sampler() -> None:
     core = new_core()  # sequential: tags do not group rows
     put(core, 6, tags=[{"uid": 0}] * 6)
