@@ -64,6 +64,8 @@ RecordKey = tuple[str, int, int]
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _NO_ROWS: Set[int] = frozenset()
 _MISSING: Any = object()
+#: the usual group tag types (hashable without trying)
+_PLAIN = frozenset({int, str})
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,7 +540,7 @@ class Partition:
             raise SchemaError(f"fields {missing} were not announced by put_begin")
         if tags is not None and len(tags) != len(rows):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
-        if tags is not None:
+        if tags is not None and self.group_limits:
             self.check_groups(rows, tags)
         if versions is not None:
             if len(versions) != len(rows) or any(v < 0 for v in versions):
@@ -579,12 +581,14 @@ class Partition:
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
         current = self.tags[row]
-        for tag, index in self._groups.items():
-            if tag in tags:
-                _unindex(index, current, tag, row)
-                value = tags[tag]
-                if _hashable(value):
-                    index.setdefault(value, set()).add(row)
+        if self._groups:  # keep the tag indexes up to date
+            for tag, index in self._groups.items():
+                if tag in tags:
+                    if current is not None:
+                        _unindex(index, current, tag, row)
+                    value = tags[tag]
+                    if type(value) in _PLAIN or _hashable(value):
+                        index.setdefault(value, set()).add(row)
         if current is None:
             self.tags[row] = dict(tags)
         else:
@@ -628,7 +632,7 @@ class Partition:
                 if not t or tag not in t:
                     continue
                 value = t[tag]
-                if not _hashable(value):
+                if type(value) not in _PLAIN and not _hashable(value):
                     raise InvalidRequestError(
                         f"row {r} is tagged {tag}={value!r}, an unhashable "
                         f"{type(value).__name__}, but {tag!r} names a row's prompt group; use an "
