@@ -672,3 +672,19 @@ def test_bad_arguments_to_public_constructors_raise_a_tq_error(make: Any) -> Non
     # InvalidRequestError is also a ValueError: code that caught ValueError still does
     with pytest.raises(tq.InvalidRequestError):
         make()
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_built_in_samplers_called_directly_refuse_a_batch_size_below_one(batch_size: int) -> None:
+    """TransferQueue's slice (0: no rows, -1: all but the last); here a ValueError naming it,
+    as docs/migrating.md says."""
+    ctx = {"dp_rank": 0, "batch_index": 0}
+    for sampler in (
+        SequentialSampler(),
+        GRPOGroupNSampler(2),
+        SeqlenBalancedSampler(),
+        RankAwareSampler(),
+        tq.StalenessSampler(),
+    ):
+        with pytest.raises(ValueError, match="batch_size"):
+            sampler.sample([0, 1, 2], batch_size, **ctx)
