@@ -267,14 +267,21 @@ def _column_from_value(
     return _object_column(name, values, allow_pickle)
 
 
-def _not_a_column(name: str, value: Any) -> UnsupportedTypeError:
-    """A field whose value is one value (``{"prompt": "hello"}``), not one value per row."""
+def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidRequestError:
+    """A field whose value is one value (``{"prompt": "hello"}``), not one value per row.
+
+    ``no_rows``: no other column gives the batch rows either (a :class:`SchemaError`, as for
+    a 0-dim tensor); else the batch has rows and this column's type is the problem (an
+    :class:`UnsupportedTypeError`, as for any value that is not a column).
+    """
     example = repr(value)
     one_row = f"; for one row put {{{name!r}: [{example}]}}" if len(example) <= 40 else ""
-    return UnsupportedTypeError(
-        f"field {name!r} is a single {type(value).__name__}, not a column: a column is a tensor "
-        f"or a list of n values (one per row; also a numpy array or a jagged nested tensor)"
-        f"{one_row}"
+    kind = type(value).__name__
+    then = ", so the batch has no rows" if no_rows else ""
+    error = SchemaError if no_rows else UnsupportedTypeError
+    return error(
+        f"field {name!r} is a single {kind}, not a column{then}: a column is a tensor or a "
+        f"list of n values (one per row; also a numpy array or a jagged nested tensor){one_row}"
     )
 
 
@@ -356,7 +363,7 @@ def columns_from_batch(
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
                 if not isinstance(value, _COLUMN_TYPES):
-                    raise _not_a_column(name, value)
+                    raise _not_a_column(name, value, no_rows=True)
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
     columns: list[Column | DeviceColumn] = []
