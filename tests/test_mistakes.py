@@ -78,6 +78,9 @@ async def test_a_field_one_or_two_edits_from_a_known_one_is_said_at_once(
             assert "get_meta waits for field 'input_id'" in warning.getMessage()
             assert "did you mean 'input_ids'?" in warning.getMessage()
             caplog.clear()
+            with pytest.raises(tq.TQTimeoutError, match="did you mean 'input_ids'"):
+                await client.get_meta(["input_id"], 2, "p", "learner", timeout=0.1)
+            assert not caplog.records  # said once per task and name, not on every wait
             # a field far from every known one, or a numbered sibling, is not a typo
             for field in ("values", "reward2"):
                 with pytest.raises(tq.TQTimeoutError) as info:

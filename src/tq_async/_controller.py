@@ -542,8 +542,9 @@ class ControllerServer(ControllerPuts):
         typo = _typo(self.state, req)
         if typo is None or (req.task_name, *typo) in self._typos_said:
             return
-        if len(self._typos_said) < 1024:
-            self._typos_said.add((req.task_name, *typo))
+        if len(self._typos_said) >= 1024:  # bounded: forgetting means saying one again
+            self._typos_said.clear()
+        self._typos_said.add((req.task_name, *typo))
         what, name, known = typo
         log.warning(
             f"get_meta waits for {what} {name!r}, which does not exist: did you mean {known!r}? "
