@@ -30,6 +30,27 @@ async def test_client_side_argument_errors() -> None:
         assert await client.list_partitions() == []
 
 
+async def test_a_bare_value_as_a_column_says_what_a_column_is() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        what = (
+            r"field 'prompt' is a single str, not a column.*: a column is a tensor or a list of n"
+        )
+        # alone: the batch has no rows (a SchemaError, as a 0-dim tensor); beside a column
+        # of 2 rows: a value of the wrong type (UnsupportedTypeError); the same explanation
+        for batch, error in (
+            ({"prompt": "hello"}, tq.SchemaError),
+            ({"prompt": "hello", "x": [1, 2]}, tq.UnsupportedTypeError),
+        ):
+            with pytest.raises(error, match=what + r".*\['hello'\]"):
+                await client.put(batch, partition_id="p")
+        with pytest.raises(tq.SchemaError, match="field 'n' is a single int, not a column"):
+            await client.put({"n": 3}, partition_id="p")
+        assert await client.list_partitions() == []
+
+
 async def test_schema_violations_change_nothing() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -649,3 +649,84 @@ def test_record_from_is_checked() -> None:
     with pytest.raises(InvalidRequestError, match="at most 65536 are decided in one request"):
         check_sampling_config({"record_from": 0, "batch_index": 10**9})
     check_sampling_config({"record_from": 5, "batch_index": 2})  # above: nothing to decide
+
+
+# ---- a prompt group never holds rows of two prompts (issue 38) -----------------------------
+
+GROUPING = {
+    "grpo": lambda: GRPOGroupNSampler(4),
+    "rank_aware": lambda: RankAwareSampler(GRPOGroupNSampler(4), n_replicas=2),
+    "staleness": lambda: StalenessSampler(GRPOGroupNSampler(4)),
+    "seqlen": lambda: SeqlenBalancedSampler(n_samples_per_prompt=4, dp_size=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GROUPING))
+def test_a_put_giving_one_uid_more_than_n_rows_is_refused(name: str) -> None:
+    core = new_core(task_samplers={"learner": GROUPING[name]()})
+    put(core, 3, tags=[{"uid": 0}] * 3)
+    put(core, 4, tags=[{"uid": 1}] * 4)
+    placement, _ = core.put_begin("p", [X], 2, None, None, 0.0)
+    with pytest.raises(InvalidRequestError, match=r"uid=0.*rows \[0, 1, 2\].*\[7, 8\]"):
+        core.put_commit("p", placement.rows, ["x"], [{"uid": 0}] * 2, None, placement.put_id)
+    p = core.state.partition("p")
+    assert placement.rows == [7, 8]
+    assert p.tags[7] is None  # nothing of it committed
+    assert not p.fields["x"].produced[7]
+    assert placement.put_id in p.put_leases
+    core.abort_puts([placement.put_id])  # what the client does when its commit fails
+    assert p.n_alive == 7
+    assert put(core, 1, tags=[{"uid": 0}]) == [9]  # the 4th row of uid 0 is fine
+
+
+def test_a_reused_uid_is_refused_at_set_tags_and_free_again_after_a_clear() -> None:
+    core = new_core(GRPOGroupNSampler(2))
+    put(core, 2, tags=[{"uid": "a"}] * 2)
+    rows = put(core, 2, tags=[{"uid": "b"}] * 2)
+    with pytest.raises(InvalidRequestError, match="uid='a'"):
+        core.catalog.set_tags("p", rows[:1], [{"uid": "a"}])
+    assert core.state.partition("p").tags[rows[0]] == {"uid": "b"}  # nothing applied
+    core.clear_rows("p", [0, 1])
+    core.catalog.set_tags("p", rows, [{"uid": "a"}] * 2)  # uid "a" is free again
+    assert rows_of(get(core, req(2))) == rows
+
+
+def test_kv_tags_giving_one_uid_more_than_n_rows_create_no_key() -> None:
+    core = new_core(GRPOGroupNSampler(2))
+    core.catalog.kv_tag("p", ["a", "b"], [{"uid": 7}] * 2, 0.0)
+    with pytest.raises(InvalidRequestError, match=r"uid=7.*rows \[0, 1\]"):
+        core.catalog.kv_tag("p", ["c"], [{"uid": 7}], 0.0)
+    with pytest.raises(InvalidRequestError, match="uid=8"):
+        core.catalog.kv_tag("q", ["a", "b", "c", "a"], [{"uid": 8}] * 4, 0.0)
+    assert sorted(core.state.partition("p").keys) == ["a", "b"]
+    assert "q" not in core.state.partitions
+    core.catalog.kv_tag("p", ["a", "b"], [{"uid": 7}] * 2, 0.0)  # the same rows again: fine
+
+
+def test_uid_reuse_is_allowed_without_a_grouping_sampler() -> None:
+    core = new_core()  # sequential: tags do not group rows
+    put(core, 6, tags=[{"uid": 0}] * 6)
+    core_n1 = new_core(GRPOGroupNSampler())  # n=1: every row is its own group
+    put(core_n1, 6, tags=[{"uid": 0}] * 6)
+
+
+class _Opaque(BaseSampler):
+    """A custom sampler around GRPO the controller cannot see into (no group_tag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grpo = GRPOGroupNSampler(4)
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kw: Any) -> Any:
+        return self.grpo.sample(ready_indexes, batch_size, *args, **kw)
+
+
+def test_a_uid_with_too_many_rows_fails_the_first_get_that_sees_it() -> None:
+    core = new_core(_Opaque())
+    for k in range(4):  # A0, B0, A1, B1, ... all under uid 0
+        put(core, 1, tags=[{"uid": 0, "src": f"A{k}"}])
+        put(core, 1, tags=[{"uid": 0, "src": f"B{k}"}])
+    core.state.seal("p")
+    with pytest.raises(InvalidRequestError, match=r"uid=0.*rows \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+        get(core, req(4))
+    assert core.state.partition("p").consumed_count.get("t", 0) == 0

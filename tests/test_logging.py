@@ -46,10 +46,40 @@ def test_an_unconfigured_program_gets_nothing_on_stdout_and_warnings_on_stderr()
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "program output\n"
-    # Python's last-resort handler: warnings and errors only, on stderr
+    # warnings and errors only, on stderr, where Python's last-resort handler prints them
     assert "anyone who can reach it can read and write data" in done.stderr
     assert "address='tcp://0.0.0.0:1'" in done.stderr
     assert "an info record" not in done.stderr
+    # with the level and the logger: a bare line would not say who warns
+    [line] = [ln for ln in done.stderr.splitlines() if "anyone who can reach" in ln]
+    assert line.startswith("WARNING tq_async._serve: ")
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("logging.basicConfig()", "WARNING:tq_async._serve:"),  # the application's own format
+        ("logging.lastResort = None", None),  # the application silenced unhandled records
+    ],
+)
+def test_a_configured_program_sees_each_warning_once_in_its_own_format(
+    setup: str, expected: str | None
+) -> None:
+    program = (
+        f"import logging\n{setup}\n"
+        "from tq_async._serve import warn_if_exposed\n"
+        "warn_if_exposed('tcp://0.0.0.0:1', 'controller')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if "anyone who can reach" in ln]
+    if expected is None:
+        assert lines == []
+    else:
+        [line] = lines
+        assert line.startswith(expected)
 
 
 COMPAT_PROGRAM = """

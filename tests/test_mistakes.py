@@ -61,6 +61,50 @@ async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
             await client.get_meta(["reward"], 4, "p", "learner", timeout=0.1)
 
 
+async def test_a_field_one_or_two_edits_from_a_known_one_is_said_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert cluster.controller.waiting_warning_after == 30  # the general warning's default
+        await put_rows(client)
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            with pytest.raises(tq.TQTimeoutError, match="did you mean 'input_ids'"):
+                await client.get_meta(["input_id"], 2, "p", "learner", timeout=0.3)
+            # said when the request started waiting, not after waiting_warning_after
+            [warning] = [r for r in caplog.records if "did you mean" in r.getMessage()]
+            assert "get_meta waits for field 'input_id'" in warning.getMessage()
+            assert "did you mean 'input_ids'?" in warning.getMessage()
+            caplog.clear()
+            with pytest.raises(tq.TQTimeoutError, match="did you mean 'input_ids'"):
+                await client.get_meta(["input_id"], 2, "p", "learner", timeout=0.1)
+            assert not caplog.records  # said once per task and name, not on every wait
+            # a field far from every known one, or a numbered sibling, is not a typo
+            for field in ("values", "reward2"):
+                with pytest.raises(tq.TQTimeoutError) as info:
+                    await client.get_meta([field], 2, "p", "learner", timeout=0.1)
+                assert "did you mean" not in str(info.value)
+            assert not caplog.records
+
+
+async def test_waiting_on_an_unknown_partition_lists_the_known_ones() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.zeros(2)}, partition_id="train@0")
+        with pytest.raises(tq.TQTimeoutError) as info:
+            await client.get_meta(["x"], 1, "trian@0", "learner", timeout=0.1)
+        assert "known partitions: ['train@0']" in str(info.value)
+        assert "did you mean 'train@0'?" in str(info.value)
+        with pytest.raises(tq.TQTimeoutError) as info:  # the next step's, not a typo
+            await client.get_meta(["x"], 1, "train@1", "learner", timeout=0.1)
+        assert "known partitions: ['train@0']" in str(info.value)
+        assert "did you mean" not in str(info.value)
+
+
 async def test_no_warning_when_the_rows_are_only_late(caplog: pytest.LogCaptureFixture) -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -6,6 +6,7 @@ addresses as given."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import struct
@@ -100,7 +101,8 @@ async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
                         proc.send_signal(signal.SIGKILL)
 
                     tg.start_soon(kill)
-                    with pytest.raises(BrokenError):
+                    # named by the address the program connected to, the socket after it
+                    with pytest.raises(BrokenError, match=rf"{re.escape(address)} \(uds://@tq-"):
                         await waiting
     finally:
         if proc.poll() is None:
@@ -108,6 +110,19 @@ async def test_a_dead_controller_breaks_a_unix_connection_at_once() -> None:
         proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def test_a_blocking_client_names_the_address_it_connected_to_when_broken() -> None:
+    with serve_role("--storage-units", "1") as (proc, address):
+        client = tq.Client.connect(address, retry_after=None)
+        with client:
+            assert client._links.controller is not None
+            assert client._links.controller.address.startswith("uds://")
+            client.put({"x": torch.arange(4)}, partition_id="p")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            with pytest.raises(BrokenError, match=rf"{re.escape(address)} \(uds://@tq-"):
+                client.get_meta(["x"], 100, "p", "t", timeout=10)
 
 
 def _raw(frames: list[bytes]) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -121,6 +122,25 @@ def test_grpo_final_incomplete_groups_follow_the_tail_policy() -> None:
     with pytest.raises(ValueError, match="groups of fewer than n_samples_per_prompt=4"):
         s.sample([4, 5, 6], 8, final=True, tail="error")
     assert s.sample([4, 5, 6], 8) == ([], [])  # not final: they may still complete
+
+
+def test_grpo_partial_group_warning_says_what_and_how_to_change_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The uneven tail is a WARNING record of the sampler's logger naming the partial group,
+    the partition and the other policies (it was a bare line saying rows=3)."""
+    s = GRPOGroupNSampler(4)
+    with caplog.at_level(logging.WARNING, logger="tq_async"):
+        s.sample([4, 5, 6], 8, final=True, partition_id="p", task_name="learner")
+        s.sample([4, 5, 6], 8, final=True, tail="drop", partition_id="p", task_name="learner")
+    uneven, drop = caplog.records
+    assert uneven.name == "tq_async.samplers._grpo"
+    assert uneven.levelno == drop.levelno == logging.WARNING
+    assert "GRPOGroupNSampler(4): partition 'p' is final" in uneven.getMessage()
+    assert "a partial group of 3 rows" in uneven.getMessage()
+    assert "sampling_config={'tail': 'drop'}" in uneven.getMessage()
+    assert "dropping 3 rows" in drop.getMessage()
+    assert uneven.tq_event["task"] == "learner"  # type: ignore[attr-defined]
 
 
 def test_grpo_scans_lazily() -> None:
@@ -652,3 +672,19 @@ def test_bad_arguments_to_public_constructors_raise_a_tq_error(make: Any) -> Non
     # InvalidRequestError is also a ValueError: code that caught ValueError still does
     with pytest.raises(tq.InvalidRequestError):
         make()
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_built_in_samplers_called_directly_refuse_a_batch_size_below_one(batch_size: int) -> None:
+    """TransferQueue's slice (0: no rows, -1: all but the last); here a ValueError naming it,
+    as docs/migrating.md says."""
+    ctx = {"dp_rank": 0, "batch_index": 0}
+    for sampler in (
+        SequentialSampler(),
+        GRPOGroupNSampler(2),
+        SeqlenBalancedSampler(),
+        RankAwareSampler(),
+        tq.StalenessSampler(),
+    ):
+        with pytest.raises(ValueError, match="batch_size"):
+            sampler.sample([0, 1, 2], batch_size, **ctx)

@@ -138,3 +138,26 @@ async def test_dropped_tail_ends_every_rank_together() -> None:
             end = await client.get_meta(["x"], 2, "p", "learner", {"dp_rank": r, "batch_index": 1})
             assert end.end_of_stream
         assert await client.check_consumption_status("p", "learner")
+
+
+@pytest.mark.parametrize("inline_put_bytes", [65536, 0])  # one message, or three steps
+async def test_a_reused_grpo_uid_is_refused_at_the_put(inline_put_bytes: int) -> None:
+    """Two prompts under one uid: the put that gives it a 5th row fails, nothing mixes."""
+    sampler = tq.RankAwareSampler(tq.GRPOGroupNSampler(4), n_replicas=1)
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline_put_bytes) as client,
+    ):
+        for k in range(2):
+            for src in ("A", "B"):
+                await client.put({"x": torch.zeros(1)}, "p", tags=[{"uid": 0, "src": f"{src}{k}"}])
+        with pytest.raises(tq.InvalidRequestError, match=r"uid=0.*rows \[0, 1, 2, 3\].*\[4\]"):
+            await client.put({"x": torch.zeros(1)}, "p", tags=[{"uid": 0, "src": "A2"}])
+        await client.put({"x": torch.zeros(4)}, "p", tags=[{"uid": 1}] * 4)
+        await client.seal("p")
+        info = await client.partition_info("p")
+        assert (info["rows"], info["uncommitted_puts"]) == (8, 0)  # the refused row is gone
+        first = await client.get_meta(["x"], 4, "p", "learner", timeout=5)
+        second = await client.get_meta(["x"], 4, "p", "learner", timeout=5)
+        assert [t["uid"] for t in first.tags + second.tags] == [0] * 4 + [1] * 4
+        assert sorted(first.global_indexes + second.global_indexes) == [0, 1, 2, 3, 5, 6, 7, 8]

@@ -4,9 +4,18 @@ Every module logs with ``log = get_logger(__name__)``: a structlog ``BoundLogger
 read ``log.warning("unit lost", unit=3)``) that wraps ``logging.getLogger(__name__)``, with its
 own processors and without ``structlog.configure``. So the application's logging
 configuration decides what is shown and where: a program that configures nothing gets
-nothing on stdout and, by Python's default, only warnings and errors on stderr. Each record's
-message reads ``event key=value ...``; its ``tq_event`` attribute holds the key-values for
-structured formatters.
+nothing on stdout and, as Python's default has it, only warnings and errors on stderr. Each
+record's message reads ``event key=value ...``; its ``tq_event`` attribute holds the
+key-values for structured formatters.
+
+Python prints a record no handler takes with :data:`logging.lastResort`, as its bare message:
+a line that does not say it is a warning, nor whose. The ``tq_async`` logger therefore has one
+handler of its own (:class:`_LastResort`, the library's counterpart of the usual
+``NullHandler``): it prints exactly what the last resort would, when it would, prefixed with
+the level and the logger (``WARNING tq_async._controller: ...``), and nothing as soon as the
+application has a handler that sees the record (``logging.basicConfig``, pytest's capture,
+:func:`configure_logging`) or silenced the last resort (``logging.lastResort = None``). It
+configures nothing else: no level, no root handler, no structlog set-up.
 
 ``configure_logging`` is an opt-in set-up for applications (and ``tq-async serve``) that
 have none of their own.
@@ -57,6 +66,43 @@ _PROCESSORS: list[Processor] = [
     _captured,
     _to_stdlib,
 ]
+
+
+class _LastResort(logging.Handler):
+    """:data:`logging.lastResort` for tq_async's records, with the level and the logger.
+
+    It acts only where the last resort would: no other handler on the record's way up the
+    logger tree, and the last resort enabled, at its level (warnings and errors).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fallback = logging.lastResort
+        if fallback is None or record.levelno < fallback.level or self._taken(record.name):
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")  # stderr as it is now (pytest swaps it)
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+    def _taken(self, name: str) -> bool:
+        """Whether another handler sees records of logger ``name`` (as ``callHandlers`` walks)."""
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return True
+            if not logger.propagate:
+                return False
+            logger = logger.parent
+        return False
+
+
+if not any(isinstance(h, _LastResort) for h in logging.getLogger("tq_async").handlers):
+    logging.getLogger("tq_async").addHandler(_LastResort())
 
 
 def get_logger(name: str) -> Any:

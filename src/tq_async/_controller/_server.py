@@ -30,7 +30,7 @@ import inspect
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from functools import partial
 from typing import Any
 
@@ -155,6 +155,8 @@ class ControllerServer(ControllerPuts):
         self.waiting_warning_after = self.core.deadlines.waiting_warning_after
         #: unsealed partitions watched for going quiet while a task waits on them
         self._quiet: dict[tuple[str, str], _QuietWatch] = {}
+        #: (task, what, name, known name) of the typos already said (see _warn_if_typo)
+        self._typos_said: set[tuple[str, str, str, str]] = set()
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self.lot = ParkingLot()
@@ -479,6 +481,7 @@ class ControllerServer(ControllerPuts):
             )
             return SENT
         self._spawn_waiting(msg, self._get_meta_waiting, msg, req, None, self.lot.generation)
+        self._warn_if_typo(req)
         if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
             asyncio.get_running_loop().call_later(
                 self.waiting_warning_after, self._warn_if_still_waiting, msg.peer, msg.rid, req
@@ -533,6 +536,25 @@ class ControllerServer(ControllerPuts):
                 rows=p.n_alive,
             )
         self._watch_quiet(_QuietWatch(watch.req, progress, warned=True))
+
+    def _warn_if_typo(self, req: GetMeta) -> None:
+        """Say at once (not after ``waiting_warning_after``) when a waiting get_meta names a
+        field or partition one or two edits from a known one: almost surely a typo. Once per
+        (task, name, known name): a consumer that really waits for it is told only once."""
+        typo = _typo(self.state, req)
+        if typo is None or (req.task_name, *typo) in self._typos_said:
+            return
+        if len(self._typos_said) >= 1024:  # bounded: forgetting means saying one again
+            self._typos_said.clear()
+        self._typos_said.add((req.task_name, *typo))
+        what, name, known = typo
+        log.warning(
+            f"get_meta waits for {what} {name!r}, which does not exist: did you mean {known!r}? "
+            f"(it waits until a put creates {name!r}; its timeout error will say this again)",
+            partition=req.partition_id,
+            task=req.task_name,
+            fields=list(req.data_fields),
+        )
 
     def _warn_if_still_waiting(self, peer: bytes, rid: int, req: GetMeta) -> None:
         why = _why_waiting(self.state, req)
@@ -703,12 +725,73 @@ def _why_waiting(state: ControllerState, req: GetMeta) -> str | None:
     """What a waiting get_meta lacks that more rows of the known fields would not bring."""
     p = state.partitions.get(req.partition_id)
     if p is None:
-        return f"partition {req.partition_id!r} does not exist (no put has created it)"
+        known = sorted(state.partitions)
+        guess = _close_match(req.partition_id, known)
+        return (
+            f"partition {req.partition_id!r} does not exist (no put has created it); "
+            f"known partitions: {known[:20]}" + (f"; did you mean {guess!r}?" if guess else "")
+        )
     missing = [f for f in req.data_fields if f not in p.fields]
     if not missing:
         return None
+    guesses = [(f, _close_match(f, p.fields)) for f in missing]
+    hint = "".join(f"; did you mean {g!r} for {f!r}?" for f, g in guesses if g)
     return (
         f"no row of partition {req.partition_id!r} has the field(s) {missing} (it has "
-        f"{sorted(p.fields)}); check the field names, and that the task that writes them "
-        "is running (it may have failed)"
+        f"{sorted(p.fields)}){hint}; check the field names, and that the task that writes "
+        "them is running (it may have failed)"
     )
+
+
+def _typo(state: ControllerState, req: GetMeta) -> tuple[str, str, str] | None:
+    """``(what, name, known name)`` when the request names a partition or field that does not
+    exist but is one or two edits from one that does."""
+    p = state.partitions.get(req.partition_id)
+    if p is None:
+        guess = _close_match(req.partition_id, state.partitions)
+        return None if guess is None else ("partition", req.partition_id, guess)
+    for f in req.data_fields:
+        if f not in p.fields:
+            guess = _close_match(f, p.fields)
+            if guess is not None:
+                return "field", f, guess
+    return None
+
+
+def _close_match(name: str, known: Collection[str]) -> str | None:
+    """The known name one or two edits from ``name`` (the closest, first on a tie), if any.
+
+    Short names allow fewer edits (none below 3 characters, one below 6), and names that
+    differ only in their digits are siblings, not typos (``train@4`` waits for the step
+    after ``train@3``; ``reward2`` next to ``reward1``).
+    """
+    allowed = min(2, len(name) // 3)
+    if allowed == 0 or len(known) > 4096:  # a cheap check on a wait, not a search
+        return None
+    best: tuple[int, str] | None = None
+    for k in known:
+        if abs(len(k) - len(name)) > allowed or _siblings(k, name):
+            continue
+        d = _edits(name, k, allowed)
+        if d <= allowed and (best is None or d < best[0]):
+            best = (d, k)
+    return None if best is None else best[1]
+
+
+def _siblings(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are the same once their digits are taken out."""
+    return "".join(c for c in a if not c.isdigit()) == "".join(c for c in b if not c.isdigit())
+
+
+def _edits(a: str, b: str, cap: int) -> int:
+    """Levenshtein distance of ``a`` and ``b`` (insert, delete, substitute), or ``cap + 1``
+    as soon as it is known to exceed ``cap``."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        if min(current) > cap:
+            return cap + 1
+        previous = current
+    return previous[-1]

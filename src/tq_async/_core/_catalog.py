@@ -77,6 +77,11 @@ class Catalog:
         """Merge tags into the rows of ``keys``, creating missing keys (rows without fields)."""
         if len(tags) != len(keys):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(keys)} keys")
+        # refuse an overfull prompt group before missing keys get rows (new ones: ids < 0)
+        p = self.state.partitions.get(partition_id) or self.state.new_partition(partition_id)
+        fresh: dict[str, int] = {}
+        rows = [p.keys[k] if k in p.keys else fresh.setdefault(k, -1 - len(fresh)) for k in keys]
+        p.check_groups(rows, tags)
         placement, fx = self._puts.begin(partition_id, [], 0, None, keys, now, lease=False)
         self.state.partition(partition_id).set_tags(placement.rows, tags)
         return placement, fx

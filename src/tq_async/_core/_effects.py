@@ -65,7 +65,9 @@ class Deadlines:
         waiting_warning_after: seconds a get_meta may wait silently before the controller
             logs one warning saying why it waits: fields no row has (a typo, or a task that
             never wrote them), a partition that does not exist, or a partition that is not
-            sealed and got no new rows in that time (a forgotten ``seal``).
+            sealed and got no new rows in that time (a forgotten ``seal``). A field or
+            partition one or two edits from a known one is said at once ("did you mean
+            'input_ids'?"), whatever this is.
     """
 
     put_lease: float = 60.0

@@ -167,6 +167,7 @@ class ControllerCore:
             id(smp): (getattr(smp, "dp_size_hint", None), getattr(smp, "tail_policy", None))
             for smp in self.samplers()
         }
+        self.state.group_limits.update(group_limits(self.samplers()))
         self._ids = itertools.count(1)
         #: lease id -> the partition holding it (gone with the partition)
         self._lease_home: dict[int, Partition] = {}
@@ -807,6 +808,19 @@ class ControllerCore:
 
 
 # ---- pure helpers ------------------------------------------------------------------------------
+
+
+def group_limits(samplers: Sequence[BaseSampler]) -> dict[str, int]:
+    """Tag -> the most rows of a partition one value may have: the prompt groups of the
+    samplers (:attr:`BaseSampler.group_tag`; a put never overfills one). Several samplers
+    grouping by one tag: the largest ``n``, so that no sampler's groups are refused."""
+    limits: dict[str, int] = {}
+    for smp in samplers:
+        grouping = getattr(smp, "group_tag", None)  # a TransferQueue sampler may lack it
+        if grouping is not None:
+            tag, n = grouping
+            limits[tag] = max(limits.get(tag, 0), n)
+    return limits
 
 
 def _accepted_kwargs(sampler: Any) -> frozenset[str] | None:

@@ -139,8 +139,13 @@ class DealerConnection(DrainedSocket):
         retry_after: float | None = None,
         refused_is_broken: bool = False,
         busy_poll: float = 0.0,
+        known_as: str | None = None,
     ) -> None:
         self.address = address
+        #: the address the program gave, when ``address`` is its same-host twin
+        self.known_as = known_as or address
+        #: how messages name the peer: the program's address, then the socket used
+        self.name = address if self.known_as == address else f"{self.known_as} ({address})"
         self.retry_after = retry_after
         #: a refused connection attempt counts as broken (requests fail fast with
         #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
@@ -184,7 +189,7 @@ class DealerConnection(DrainedSocket):
             try:
                 usock = UnixSocket(self.address, self._identity, self._unix_eof)
             except OSError as exc:
-                raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+                raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
             self.connected = True
             return usock, None
         route = None if self._curve is not None else local_route(self.address, self._context)
@@ -223,7 +228,7 @@ class DealerConnection(DrainedSocket):
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-            raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+            raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
         return sock, monitor
 
     def _unix_eof(self) -> None:
@@ -291,15 +296,15 @@ class DealerConnection(DrainedSocket):
                 self._handshaken = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._fail_pending(
-                    rejected(self.address, self._curve, "rejected this client's CURVE key")
+                    rejected(self.name, self._curve, "rejected this client's CURVE key")
                 )
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 if parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._fail_pending(mechanism_mismatch(self.address, self._curve))
+                    self._fail_pending(mechanism_mismatch(self.name, self._curve))
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
                 if not self._handshaken:  # dropped during the handshake: not an outage
-                    self._fail_pending(dropped_handshake(self.address, self._curve))
+                    self._fail_pending(dropped_handshake(self.name, self._curve))
                 self._disconnected()
             elif event != zmq.EVENT_CONNECT_RETRIED:
                 continue
@@ -307,7 +312,7 @@ class DealerConnection(DrainedSocket):
                 # the first connection attempt was refused: nothing listens there
                 if self.refused_is_broken:
                     self._disconnected(
-                        f"nothing listens at {self.address} (the connection was refused); "
+                        f"nothing listens at {self.name} (the connection was refused); "
                         "check the address and that the service runs there"
                     )
             else:
@@ -327,7 +332,7 @@ class DealerConnection(DrainedSocket):
             # a peer that closed the connection itself is gone (a paused one closes nothing)
             cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
             why = (
-                f"the connection to {self.address} broke ({cause}); requests in flight are "
+                f"the connection to {self.name} broke ({cause}); requests in flight are "
                 "lost: retry once it is back"
             )
         self._fail_pending(BrokenError(why))
@@ -356,7 +361,7 @@ class DealerConnection(DrainedSocket):
         try:
             reply = reply_decoder.decode(frames[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("dropped an unreadable reply", peer=self.address)
+            log.warning("dropped an unreadable reply", peer=self.name)
             return
         data = frames[1:]
         fut = self._pending.get(reply.rid)
@@ -420,7 +425,7 @@ class DealerConnection(DrainedSocket):
             got = await self._reply_to(rid, outgoing, timeout)
             if got is None:
                 raise TQTimeoutError(
-                    f"{type(body).__name__} to {self.address} got no reply within {timeout} "
+                    f"{type(body).__name__} to {self.name} got no reply within {timeout} "
                     f"s; {self._why_silent()}"
                 )
             reply, rframes = got
@@ -440,7 +445,7 @@ class DealerConnection(DrainedSocket):
     def _check_usable(self) -> None:
         """Raise if a request cannot be sent on this connection at all."""
         if self._closed:
-            raise ClosedError(f"the connection to {self.address} is closed")
+            raise ClosedError(f"the connection to {self.name} is closed")
         if self._pid != os.getpid():
             raise ClosedError(
                 "this connection was opened in another process (before a fork); "
@@ -450,7 +455,7 @@ class DealerConnection(DrainedSocket):
             if self._broken_why is not None:
                 raise BrokenError(self._broken_why)
             raise BrokenError(
-                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
+                f"the connection to {self.name} is broken ({self._why_broken()}); retry "
                 "once it is back"
             )
 
@@ -502,7 +507,7 @@ class DealerConnection(DrainedSocket):
                 with contextlib.suppress(zmq.ZMQError, OSError):
                     self._send(outgoing)
             elif self._edge_triggered:  # ZMQ; a Unix socket is level-triggered
-                log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
+                log.info("no reply yet: reconnecting and retrying", peer=self.name, rid=rid)
                 self.reconnect()
             # A Unix socket loses no reply without ending (its end is reported): silence is a
             # busy service, and waiting up to the deadline is the backpressure. Reconnecting
@@ -548,7 +553,7 @@ class DealerConnection(DrainedSocket):
                 try:
                     on_abandon(*got)
                 except Exception:  # clean-up must not replace the caller's own error
-                    log.exception("undoing an abandoned request failed", peer=self.address)
+                    log.exception("undoing an abandoned request failed", peer=self.name)
             return
         if on_abandon is not None and not cancel_undoes:
             self._orphans[rid] = on_abandon
@@ -575,7 +580,7 @@ class DealerConnection(DrainedSocket):
         try:
             self.send_oneway(body)
         except BrokenError as exc:
-            log.debug("one-way message not sent", peer=self.address, error=str(exc))
+            log.debug("one-way message not sent", peer=self.name, error=str(exc))
             return False
         return not self._closed
 
@@ -592,7 +597,7 @@ class DealerConnection(DrainedSocket):
     def _broken(self, what: str, exc: BaseException) -> BrokenError:
         """The error of a send the transport refused (see :meth:`transport_errors`)."""
         return BrokenError(
-            f"{what} to {self.address} failed: {exc} ({self._why_broken()}); retry once it is back"
+            f"{what} to {self.name} failed: {exc} ({self._why_broken()}); retry once it is back"
         )
 
     def close(self) -> None:
@@ -601,7 +606,7 @@ class DealerConnection(DrainedSocket):
             return
         self._unwatch()
         self._close_socket()
-        self._fail_pending(ClosedError(f"the connection to {self.address} was closed"))
+        self._fail_pending(ClosedError(f"the connection to {self.name} was closed"))
 
 
 def mechanism_mismatch(address: str, curve: CurveClient | None) -> AuthenticationError:

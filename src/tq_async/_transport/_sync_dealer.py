@@ -110,8 +110,13 @@ class BlockingConnection:
         retry_after: float | None = None,
         refused_is_broken: bool = False,
         busy_poll: float = 0.0,
+        known_as: str | None = None,
     ) -> None:
         self.address = address
+        #: the address the program gave, when ``address`` is its same-host twin
+        self.known_as = known_as or address
+        #: how messages name the peer: the program's address, then the socket used
+        self.name = address if self.known_as == address else f"{self.known_as} ({address})"
         self.retry_after = retry_after
         #: a refused connection attempt means nothing listens there (before the first
         #: successful connection); afterwards a refusal is a restarting service
@@ -159,7 +164,7 @@ class BlockingConnection:
                 sock.connect(abstract_name(self.address))
             except OSError as exc:
                 sock.close()
-                raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+                raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
             self._stream = MessageStream(sock)
             self._write([HELLO, self._identity])
             self._poller.register(sock.fileno(), select.POLLIN)
@@ -198,7 +203,7 @@ class BlockingConnection:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-            raise BrokenError(f"cannot connect to {self.address!r}: {exc}") from exc
+            raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
         self._sock, self._monitor = sock, monitor
         self._zpoller = zmq.Poller()
         self._zpoller.register(sock, zmq.POLLIN)
@@ -305,7 +310,7 @@ class BlockingConnection:
         try:
             reply = reply_decoder.decode(frames[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("dropped an unreadable reply", peer=self.address)
+            log.warning("dropped an unreadable reply", peer=self.name)
             return
         self._inflight.pop(reply.rid, None)
         if reply.rid == self._waiting:
@@ -316,7 +321,7 @@ class BlockingConnection:
             try:
                 orphan(reply, frames[1:])
             except Exception:
-                log.exception("undoing an abandoned request failed", peer=self.address)
+                log.exception("undoing an abandoned request failed", peer=self.name)
 
     def _drain_monitor(self) -> None:
         monitor = self._monitor
@@ -335,14 +340,14 @@ class BlockingConnection:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._fail(rejected(self.address, self._curve, "rejected this client's CURVE key"))
+                self._fail(rejected(self.name, self._curve, "rejected this client's CURVE key"))
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 if parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._fail(mechanism_mismatch(self.address, self._curve))
+                    self._fail(mechanism_mismatch(self.name, self._curve))
             elif event == zmq.EVENT_DISCONNECTED:
                 self._retries = 0
                 if not self._handshaken:  # dropped during the handshake: not an outage
-                    self._fail(dropped_handshake(self.address, self._curve))
+                    self._fail(dropped_handshake(self.name, self._curve))
                 self._disconnected()
             elif (
                 event == zmq.EVENT_CONNECT_RETRIED
@@ -351,7 +356,7 @@ class BlockingConnection:
             ):
                 # the first connection attempt was refused: nothing listens there
                 self._disconnected(
-                    f"nothing listens at {self.address} (the connection was refused); "
+                    f"nothing listens at {self.name} (the connection was refused); "
                     "check the address and that the service runs there"
                 )
 
@@ -363,7 +368,7 @@ class BlockingConnection:
         if why is None:
             cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
             why = (
-                f"the connection to {self.address} broke ({cause}); requests in flight are "
+                f"the connection to {self.name} broke ({cause}); requests in flight are "
                 "lost: retry once it is back"
             )
         self._fail(BrokenError(why))
@@ -413,7 +418,7 @@ class BlockingConnection:
                 got = self._reply_to(rid, outgoing, timeout)
                 if got is None:
                     raise TQTimeoutError(
-                        f"{type(body).__name__} to {self.address} got no reply within "
+                        f"{type(body).__name__} to {self.name} got no reply within "
                         f"{timeout} s; {self._why_silent()}"
                     )
                 reply, rframes = got
@@ -434,7 +439,7 @@ class BlockingConnection:
 
     def _shared_error(self) -> InvalidRequestError:
         return InvalidRequestError(
-            f"this tq.Client's connection to {self.address} is in use by another thread: a "
+            f"this tq.Client's connection to {self.name} is in use by another thread: a "
             "blocking Client serves one thread at a time (its calls run in the calling "
             "thread); give each thread its own tq.Client, or use tq.AsyncClient"
         )
@@ -445,13 +450,13 @@ class BlockingConnection:
             if self._broken_why is not None:
                 raise BrokenError(self._broken_why)
             raise BrokenError(
-                f"the connection to {self.address} is broken ({self._why_broken()}); retry "
+                f"the connection to {self.name} is broken ({self._why_broken()}); retry "
                 "once it is back"
             )
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError(f"the connection to {self.address} is closed")
+            raise ClosedError(f"the connection to {self.name} is closed")
         if self._pid != os.getpid():
             raise ClosedError(
                 "this connection was opened in another process (before a fork); its client "
@@ -480,7 +485,7 @@ class BlockingConnection:
                 with contextlib.suppress(zmq.ZMQError, OSError):
                     self._send(outgoing)
             else:
-                log.info("no reply yet: reconnecting and retrying", peer=self.address, rid=rid)
+                log.info("no reply yet: reconnecting and retrying", peer=self.name, rid=rid)
                 self.reconnect()
 
     def _attempt(self, rid: int, wait: float | None) -> _Got | None:
@@ -518,7 +523,7 @@ class BlockingConnection:
                 try:
                     on_abandon(*got)
                 except Exception:
-                    log.exception("undoing an abandoned request failed", peer=self.address)
+                    log.exception("undoing an abandoned request failed", peer=self.name)
             return
         if on_abandon is not None and not cancel_undoes:
             self._orphans[rid] = on_abandon  # (the service undoes it itself otherwise)
@@ -538,7 +543,7 @@ class BlockingConnection:
         try:
             self.send_oneway(body)
         except (BrokenError, InvalidRequestError) as exc:
-            log.debug("one-way message not sent", peer=self.address, error=str(exc))
+            log.debug("one-way message not sent", peer=self.name, error=str(exc))
             return False
         return not self._closed
 
@@ -549,7 +554,7 @@ class BlockingConnection:
             yield
         except (zmq.ZMQError, OSError) as exc:
             raise BrokenError(
-                f"{what} to {self.address} failed: {exc} (the service stopped or vanished); "
+                f"{what} to {self.name} failed: {exc} (the service stopped or vanished); "
                 "retry once it is back"
             ) from exc
 

@@ -254,10 +254,7 @@ def _column_from_value(
             f"field {name!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))"
         )
     else:
-        raise UnsupportedTypeError(
-            f"field {name!r} is a {type(value).__name__}; a column must be a tensor, a jagged "
-            "nested tensor, or a list with one value per row"
-        )
+        raise _not_a_column(name, value)
     if len(values) != n:
         raise SchemaError(
             f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
@@ -268,6 +265,24 @@ def _column_from_value(
         if all(isinstance(t, torch.Tensor) for t in tensors):
             return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)
+
+
+def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidRequestError:
+    """A field whose value is one value (``{"prompt": "hello"}``), not one value per row.
+
+    ``no_rows``: no other column gives the batch rows either (a :class:`SchemaError`, as for
+    a 0-dim tensor); else the batch has rows and this column's type is the problem (an
+    :class:`UnsupportedTypeError`, as for any value that is not a column).
+    """
+    example = repr(value)
+    one_row = f"; for one row put {{{name!r}: [{example}]}}" if len(example) <= 40 else ""
+    kind = type(value).__name__
+    then = ", so the batch has no rows" if no_rows else ""
+    error = SchemaError if no_rows else UnsupportedTypeError
+    return error(
+        f"field {name!r} is a single {kind}, not a column{then}: a column is a tensor or a "
+        f"list of n values (one per row; also a numpy array or a jagged nested tensor){one_row}"
+    )
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
@@ -293,6 +308,10 @@ class DeviceColumn:
 
     def __len__(self) -> int:
         return int(self.tensor.shape[0])
+
+
+#: what a mapping's value may be (a NonTensorData is one value for every row: a TensorDict's)
+_COLUMN_TYPES = (torch.Tensor, np.ndarray, list, tuple, NonTensorStack, NonTensorData)
 
 
 def columns_from_batch(
@@ -344,6 +363,8 @@ def columns_from_batch(
                         "rows; a column needs one row per sample: put "
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
+                if not isinstance(value, _COLUMN_TYPES):
+                    raise _not_a_column(name, value, no_rows=True)
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
     columns: list[Column | DeviceColumn] = []

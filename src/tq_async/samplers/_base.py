@@ -182,6 +182,16 @@ class BaseSampler:
         return 1
 
     @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``(tag, n)`` when the sampler groups rows by a tag: at most ``n`` rows of a
+        partition share one value of ``tag`` (None, the default: tags group nothing).
+
+        The controller refuses a put (or ``set_tags``) that would give one value more rows,
+        so two prompts under one ``uid`` never mix into a group.
+        """
+        return None
+
+    @property
     def dp_size_hint(self) -> int | None:
         """The number of DP ranks the sampler was built for (None: any)."""
         return None
@@ -238,6 +248,11 @@ class WrappingSampler(BaseSampler):
     def group_size(self) -> int:
         """``inner``'s."""
         return self.inner.group_size
+
+    @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``inner``'s."""
+        return self.inner.group_tag
 
     @property
     def dp_size_hint(self) -> int | None:

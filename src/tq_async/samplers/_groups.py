@@ -116,14 +116,41 @@ def complete_groups(
             done[key] = partial.pop(key)
             if limit is not None and len(done) >= limit:
                 break
+    _check_whole(done, n, tags, group_key)
     return [rows for _, rows in sorted(done.values(), key=lambda e: e[0])]
 
 
-def _overfull(key: Hashable, n: int, group_key: str, rows: list[int], extra: int) -> ValueError:
+def _check_whole(
+    done: Mapping[Hashable, tuple[int, list[int]]],
+    n: int,
+    tags: Mapping[int, Mapping[str, Any]] | None,
+    group_key: str,
+) -> None:
+    """Raise ``ValueError`` when a complete tag group's value has more than ``n`` live rows in
+    the partition (ready or not): its rows are two prompts', so the group would mix them.
+
+    Asks the controller's tags view (``tags.tagged``, an index: ``O(1)`` per group); a plain
+    mapping (a unit test, a direct call) has no partition behind it and is not checked.
+    """
+    tagged = getattr(tags, "tagged", None)
+    if tagged is None:
+        return
+    for key in done:
+        if isinstance(key, tuple) and key[0] == "tag":
+            every = tagged(group_key, key[1])
+            if len(every) > n:
+                raise _overfull(key, n, group_key, sorted(every), None)
+
+
+def _overfull(
+    key: Hashable, n: int, group_key: str, rows: list[int], extra: int | None
+) -> ValueError:
     # Only tag-based groups can overfill: put- and row-based groups hold at most n rows.
     value = key[1] if isinstance(key, tuple) else key
+    listed = rows if extra is None else [*rows, extra]
     return ValueError(
         f"group {group_key}={value!r} has more than n_samples_per_prompt={n} rows "
-        f"(rows {[*rows, extra]} so far); give each prompt group its own {group_key!r} tag "
+        f"(rows {listed}): two prompts share one {group_key!r}, and a group would mix them; "
+        f"nothing was handed out. Give each prompt group its own {group_key!r} tag "
         "or set n_samples_per_prompt to the real group size"
     )

@@ -29,8 +29,28 @@ class GRPOGroupNSampler(BaseSampler):
     the first ``batch_size // n`` groups to complete while scanning the ready rows (the scan
     stops there, so it costs ``O(batch_size)`` when rows arrive in order), ordered by where
     each group first appears among the ready rows, rows of a group together. Sampled rows are
-    consumed. Until enough groups are complete the sampler waits (returns ``([], [])``); once
-    the partition is final it returns the complete groups there are, never a partial group.
+    consumed. Until enough groups are complete the sampler waits (returns ``([], [])``).
+
+    Once the partition is final (sealed, every put committed), a request gets the complete
+    groups there are (a short batch, still of whole groups). Rows of groups that can never
+    complete (fewer than ``n`` rows put under a ``uid``, or a put of a number of rows that
+    is not a multiple of ``n``) come last, and the ``tail`` policy (``sampling_config=
+    {"tail": ...}``) decides what happens to them:
+
+    * ``"uneven"`` (the default): they are delivered, up to ``batch_size`` rows per request,
+      as a **partial group** (rows of several incomplete groups may share that batch), with
+      a warning from the ``tq_async.samplers._grpo`` logger; nothing is lost. Ask for
+      ``"drop"`` when every batch must hold whole groups only.
+    * ``"drop"``: they are consumed undelivered, with a warning, and counted in
+      ``partition_info(...)["dropped"]``; every batch holds whole groups only.
+    * ``"error"``: the request fails (``InvalidRequestError`` through the controller,
+      ``ValueError`` called directly); nothing is consumed.
+
+    A group never holds rows of two prompts: through the controller, a put (or
+    ``set_tags``) that would give one ``group_key`` value more than ``n`` rows of a partition
+    is refused whole (:attr:`group_tag`), and a get whose group's value has more than ``n``
+    rows fails; called directly, more than ``n`` ready rows under one value raise
+    ``ValueError``.
 
     Example:
         >>> GRPOGroupNSampler(4).sample([1, 2, 3, 4, 5, 6, 7], 4)
@@ -42,7 +62,7 @@ class GRPOGroupNSampler(BaseSampler):
         group_key: the tag that names a row's group.
 
     Raises:
-        ValueError: ``n_samples_per_prompt < 1``.
+        InvalidRequestError: ``n_samples_per_prompt < 1``.
     """
 
     def __init__(self, n_samples_per_prompt: int = 1, group_key: str = "uid") -> None:
@@ -75,17 +95,19 @@ class GRPOGroupNSampler(BaseSampler):
             origin: ``row -> (first row of its put, offset in the put)`` from the controller.
             final: no more rows can become ready: return a short batch of whole groups.
             tail: once final with only rows of incomplete groups left: ``"uneven"``
-                delivers them (a warning; nothing is lost), ``"drop"`` consumes them
-                undelivered (a warning; counted in the partition's status), ``"error"``
-                raises.
+                delivers them as a partial group (a warning; nothing is lost), ``"drop"``
+                consumes them undelivered (a warning; counted in the partition's status),
+                ``"error"`` raises.
             **kwargs: other context from the controller (ignored).
 
         Returns:
             ``(rows, rows)``, or ``([], [])`` while too few groups are complete.
 
         Raises:
-            ValueError: ``batch_size`` is not a positive multiple of ``n_samples_per_prompt``,
-                or more than ``n_samples_per_prompt`` ready rows share one group tag.
+            ValueError: ``batch_size`` is not a positive multiple of ``n_samples_per_prompt``;
+                more than ``n_samples_per_prompt`` rows share one group tag (ready ones, or
+                any of the partition's through the controller's ``tags``); ``tail="error"``
+                with only rows of incomplete groups left.
         """
         n = self.n_samples_per_prompt
         check_group_size(n, batch_size)
@@ -106,9 +128,17 @@ class GRPOGroupNSampler(BaseSampler):
     ) -> SampleResult:
         """The partition is final and only rows of incomplete groups are left."""
         rows = list(ready_indexes)
-        where = {"partition_id": kwargs.get("partition_id"), "task": kwargs.get("task_name")}
+        n = self.n_samples_per_prompt
+        pid, task = kwargs.get("partition_id"), kwargs.get("task_name")
+        where = {"partition": pid, "task": task, "rows": len(rows), "n_samples_per_prompt": n}
+        head = f"GRPOGroupNSampler({n}): partition {pid!r} is final and {len(rows)} ready row(s) "
+        head += f"belong to prompt groups of fewer than {n} rows, which can never complete"
         if tail == "drop":
-            log.warning("dropping rows of incomplete groups", rows=len(rows), **where)
+            log.warning(
+                f"{head}; dropping {len(rows)} rows undelivered (tail='drop'; counted in "
+                "partition_info()['dropped'])",
+                **where,
+            )
             return [], rows
         if tail == "error":
             raise ValueError(
@@ -116,8 +146,21 @@ class GRPOGroupNSampler(BaseSampler):
                 f"than n_samples_per_prompt={self.n_samples_per_prompt} rows; put whole "
                 "groups, or ask with tail='uneven' (deliver them) or 'drop'"
             )
-        log.warning("delivering rows of incomplete groups", rows=len(rows), **where)
-        return rows[:batch_size], rows[:batch_size]
+        given = rows[:batch_size]
+        log.warning(
+            f"{head}; delivering them as a partial group of {len(given)} rows (tail='uneven', "
+            "the default); pass sampling_config={'tail': 'drop'} to drop them or 'error' to "
+            "fail instead",
+            **where,
+        )
+        return given, list(given)
+
+    @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
+        (every row is its own group: tags are not read)."""
+        n = self.n_samples_per_prompt
+        return (self.group_key, n) if n > 1 else None
 
     @property
     def group_size(self) -> int:

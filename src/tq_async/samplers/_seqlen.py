@@ -86,6 +86,13 @@ class SeqlenBalancedSampler(BaseSampler):
         self._cache = ShareCache(max_entries, type(self).__name__)
 
     @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
+        (every row is its own group: tags are not read)."""
+        n = self.n_samples_per_prompt
+        return (self.group_key, n) if n > 1 else None
+
+    @property
     def group_size(self) -> int:
         """``n_samples_per_prompt``: groups are never split across ranks."""
         return self.n_samples_per_prompt

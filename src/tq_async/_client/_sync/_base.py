@@ -189,7 +189,7 @@ class Links:
         if old is not None:
             self._inherited.append(old)
             # the same address the parent used (its verified same-host twin, if any)
-            self.controller = self.connection(old.address)
+            self.controller = self.connection(old.address, known_as=old.known_as)
 
     def connection(
         self,
@@ -197,8 +197,11 @@ class Links:
         *,
         refused_is_broken: bool = False,
         on_disconnect: Callable[[], None] | None = None,
+        known_as: str | None = None,
     ) -> BlockingConnection:
-        """A connection to a service with this client's keys, retries and busy polling."""
+        """A connection to a service with this client's keys, retries and busy polling;
+        ``known_as``: the address the program gave, when ``address`` is its same-host twin
+        (errors name that one first)."""
         return BlockingConnection(
             address,
             curve=self.curve,
@@ -206,6 +209,7 @@ class Links:
             busy_poll=self.busy_poll,
             refused_is_broken=refused_is_broken,
             on_disconnect=on_disconnect,
+            known_as=known_as,
         )
 
     def prefer_ipc(self, hello: HelloReply) -> None:
@@ -215,7 +219,7 @@ class Links:
             return
         assert hello.ipc is not None
         try:
-            conn = self.connection(hello.ipc)
+            conn = self.connection(hello.ipc, known_as=self.controller.known_as)
         except BrokenError as exc:  # its listen queue is full: TCP works
             self._link_fell_back(None, str(exc))
             return
@@ -395,7 +399,9 @@ class Links:
             return
         assert hello.ipc is not None
         try:
-            ipc = self.connection(hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id))
+            ipc = self.connection(
+                hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id), known_as=conn.address
+            )
         except BrokenError as exc:  # its listen queue is full: the socket we have will do
             self._link_fell_back(unit_id, str(exc))
             return
