@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from tq_async._service._parking import ParkingLot
 
 
