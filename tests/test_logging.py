@@ -52,13 +52,13 @@ def test_an_unconfigured_program_gets_nothing_on_stdout_and_warnings_on_stderr()
     assert "an info record" not in done.stderr
     # with the level and the logger: a bare line would not say who warns
     [line] = [ln for ln in done.stderr.splitlines() if "anyone who can reach" in ln]
-    assert line.startswith("WARNING tq_async._serve: ")
+    assert line.startswith("WARNING tq_async._service._serve: ")
 
 
 @pytest.mark.parametrize(
     ("setup", "expected"),
     [
-        ("logging.basicConfig()", "WARNING:tq_async._serve:"),  # the application's own format
+        ("logging.basicConfig()", "WARNING:tq_async._service._serve:"),  # the application's own format
         ("logging.lastResort = None", None),  # the application silenced unhandled records
     ],
 )
@@ -67,7 +67,7 @@ def test_a_configured_program_sees_each_warning_once_in_its_own_format(
 ) -> None:
     program = (
         f"import logging\n{setup}\n"
-        "from tq_async._serve import warn_if_exposed\n"
+        "from tq_async._service._serve import warn_if_exposed\n"
         "warn_if_exposed('tcp://0.0.0.0:1', 'controller')\n"
     )
     done = subprocess.run(
