@@ -5,7 +5,9 @@ A sampler answers one question per ``get_meta`` request: given the rows ready fo
 (``sampled``) and which become consumed (``consumed``)? Returning ``([], [])`` means "not
 enough yet": the controller waits for the partition to change and asks again. Context comes
 as keyword arguments; name the ones you need (``tags``, ``final``, ``dp_rank``...) and take
-``**kwargs`` for the rest.
+``**kwargs`` for the rest. The controller asks only once ``batch_size`` rows are ready or the
+partition is final (TransferQueue's contract); a sampler that sets ``short_ready_ok = True``
+is asked on every readiness event, with however many rows are ready.
 
 Run it with ``python examples/custom_sampler.py``.
 """

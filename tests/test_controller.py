@@ -297,7 +297,10 @@ async def test_bad_transport_is_rejected() -> None:
 
 
 class _Greedy(tq.BaseSampler):
-    """Hands out every row of the partition, ready or not (a buggy custom sampler)."""
+    """Hands out every row of the partition, ready or not (a buggy custom sampler that asks
+    to be called before ``batch_size`` rows are ready)."""
+
+    short_ready_ok = True
 
     def sample(self, ready_indexes, batch_size, **ctx):  # type: ignore[no-untyped-def]
         rows = [0, 1, 2]

@@ -58,7 +58,10 @@ def test_an_unconfigured_program_gets_nothing_on_stdout_and_warnings_on_stderr()
 @pytest.mark.parametrize(
     ("setup", "expected"),
     [
-        ("logging.basicConfig()", "WARNING:tq_async._service._serve:"),  # the application's own format
+        (
+            "logging.basicConfig()",
+            "WARNING:tq_async._service._serve:",
+        ),  # the application's own format
         ("logging.lastResort = None", None),  # the application silenced unhandled records
     ],
 )

@@ -76,6 +76,7 @@ def test_the_public_names_are_pinned() -> None:
         "BatchMeta",
         "BrokenError",
         "CheckpointError",
+        "CheckpointNotFoundError",
         "Client",
         "ClientOptions",
         "ClosedError",

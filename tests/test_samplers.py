@@ -464,13 +464,26 @@ def test_seqlen_short_final_tail_can_be_dropped_or_uneven() -> None:
 
 def test_seqlen_missing_length_tag_names_row_and_key() -> None:
     tags = lengths_tags({0: 1, 1: 2, 2: 3})
-    s = SeqlenBalancedSampler(dp_size=2)
+    s = SeqlenBalancedSampler(dp_size=2, missing_length=None)
     with pytest.raises(ValueError, match="row 3 has no 'total_lengths' tag"):
         s.sample([0, 1, 2, 3], 2, **ctx(0, 0, tags=tags))
     with pytest.raises(ValueError, match="row 0 has no 'n_tokens' tag"):
-        SeqlenBalancedSampler(dp_size=2, length_key="n_tokens").sample(
+        SeqlenBalancedSampler(dp_size=2, length_key="n_tokens", missing_length=None).sample(
             [0, 1, 2, 3], 2, **ctx(0, 0, tags=tags)
         )
+
+
+def test_seqlen_a_row_without_a_length_counts_one_by_default() -> None:
+    """TransferQueue's SeqlenBalancedSampler reads a missing ``total_lengths`` as 1."""
+    tags = {0: {"total_lengths": 3}, 1: {}, 2: {}, 3: {}}  # 3 | 1 + 1 + 1: rows 0 vs 1-3
+    s = SeqlenBalancedSampler(dp_size=2)
+    share0, consumed = s.sample([0, 1, 2, 3], 2, **ctx(0, 0, tags=tags))
+    share1, _ = s.sample([], 2, **ctx(1, 0, tags=tags))
+    assert sorted(consumed) == [0, 1, 2, 3]
+    assert sorted(share0 + share1) == [0, 1, 2, 3]
+    assert len(share0) == len(share1) == 2
+    untagged = SeqlenBalancedSampler(dp_size=2, missing_length=5)
+    assert untagged.sample([0, 1], 1, **ctx(0, 0, tags={}))[1] == [0, 1]
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ from ._deploy._cluster import local_cluster as local_cluster
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigError as ConfigError
 from ._errors import DeviceError as DeviceError
@@ -146,6 +147,7 @@ __all__ = [
     "BatchMeta",
     "BrokenError",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "Client",
     "ClosedError",
     "Config",

@@ -23,6 +23,7 @@ __all__ = [
     "RowsNotFound",
     "KeyNotFound",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "WouldBlock",
     "ConfigError",
     "AuthenticationError",
@@ -92,6 +93,11 @@ class WouldBlock(TQError):
 
 class CheckpointError(TQError):
     """A checkpoint is missing, corrupt, partial, or of an unknown format version."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist (also a ``FileNotFoundError``, so
+    resume-if-present code written for TransferQueue, ``except FileNotFoundError``, works)."""
 
 
 class RowsNotFound(TQError, KeyError):

@@ -256,17 +256,16 @@ class ControllerCore:
             earlier = _first_undecided(req, p, key)
             if earlier is not None:
                 # record_from: batches below this one are decided first, lowest first
-                call = self._sample(earlier, p, dp_size)
-                call.key, call.earlier = record_key(earlier), earlier
-                return call
-        call = self._sample(req, p, dp_size)
-        call.key = key
-        return call
+                return _keyed(self._sample(earlier, p, dp_size), record_key(earlier), earlier)
+        return _keyed(self._sample(req, p, dp_size), key, None)
 
-    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall:
-        """The sampler call for ``req`` on the rows ready for it now."""
+    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
+        """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
         rs = p.ready_set(req.task_name, req.data_fields)
-        return self._call(req, p, ReadyView(rs.rows), p.is_final(req.task_name, rs), dp_size)
+        final = p.is_final(req.task_name, rs)
+        if not final and _too_few(self.sampler_for(req.task_name), req, len(rs.rows), dp_size):
+            return None
+        return self._call(req, p, ReadyView(rs.rows), final, dp_size)
 
     def _dp_size(self, req: GetMeta) -> int | None:
         cfg = req.sampling_config
@@ -821,6 +820,29 @@ def group_limits(samplers: Sequence[BaseSampler]) -> dict[str, int]:
             tag, n = grouping
             limits[tag] = max(limits.get(tag, 0), n)
     return limits
+
+
+def _keyed(
+    call: SampleCall | None, key: RecordKey | None, earlier: GetMeta | None
+) -> SampleCall | None:
+    """``call`` marked with the recorded batch its answer goes to (and the earlier request)."""
+    if call is not None:
+        call.key, call.earlier = key, earlier
+    return call
+
+
+def _too_few(sampler: Any, req: GetMeta, ready: int, dp_size: int | None) -> bool:
+    """Whether a sampler is not asked yet (the partition not final): as in TransferQueue, one
+    without :attr:`~BaseSampler.short_ready_ok` is called only once the request's rows are
+    ready (``batch_size * dp_size`` for a global batch) or it holds this rank's answer already
+    (``has_cached_result``)."""
+    if getattr(sampler, "short_ready_ok", False) or ready >= req.batch_size * (dp_size or 1):
+        return False
+    has = getattr(sampler, "has_cached_result", None)
+    try:
+        return not (has is not None and has(req.partition_id, req.task_name, req.sampling_config))
+    except Exception as exc:
+        raise sampler_error(sampler, exc) from None
 
 
 def _accepted_kwargs(sampler: Any) -> frozenset[str] | None:

@@ -50,6 +50,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from .. import _meta
 from .._client._sync._client import Client as _Client
+from .._datasets._async import _split_rows
 from .._datasets._async import chunk_batch_fn as _chunk_batch_fn
 from .._datasets._torch import StreamingDataLoader as _StreamingDataLoader
 from .._datasets._torch import StreamingDataset as _StreamingDataset
@@ -60,6 +61,7 @@ from .._errors import (
     KeyNotFound,
     PartitionNotFound,
     SchemaError,
+    UnsupportedTypeError,
 )
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._logging import get_logger
@@ -173,7 +175,7 @@ class KVBatchMeta:
             raise InvalidRequestError("KVBatchMeta fields repeat; each field may appear once")
         # own copies, so chunks and selections never share mutable state
         self.keys = list(self.keys)
-        self.tags = [dict(t) for t in self.tags]
+        self.tags = copy.deepcopy([dict(t) for t in self.tags])
         self.fields = None if self.fields is None else list(self.fields)
         self.extra_info = copy.deepcopy(dict(self.extra_info or {}))
 
@@ -373,9 +375,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _plain_column(value: Any) -> Any:
+def _plain_column(value: Any, rows: int | None = None) -> Any:
     if isinstance(value, NonTensorStack):
         return [_plain(v) for v in value.tolist()]
+    if (
+        rows is not None
+        and isinstance(value, NonTensorData)
+        and isinstance(value.data, np.ndarray)
+        and value.data.ndim > 0
+        and value.data.shape[0] == rows
+    ):
+        # a TensorDict keeps a numpy string/object array whole; TransferQueue puts row i =
+        # element i, as for a list
+        array = value.data
+        return [_plain(v) for v in (array.tolist() if array.ndim == 1 else list(array))]
     if isinstance(value, (list, tuple)) and not all(isinstance(v, torch.Tensor) for v in value):
         return [_plain(v) for v in value]
     return value
@@ -388,11 +401,17 @@ def _columns_of(fields: TensorDictBase | Mapping[str, Any]) -> dict[str, Any]:
     return dict(fields)
 
 
-def _plain_columns(fields: TensorDictBase | Mapping[str, Any]) -> Any:
+def _plain_columns(fields: TensorDictBase | Mapping[str, Any], *, split: bool = True) -> Any:
     """``fields`` with non-tensor columns as lists of plain values (a TensorDict as is when
-    it has none)."""
+    it has none). With ``split``, a numpy array the TensorDict holds whole (strings,
+    objects) with one element per row is cut into its rows."""
     columns = _columns_of(fields)
-    plain = {k: _plain_column(v) for k, v in columns.items()}
+    rows = (
+        int(fields.batch_size[0])
+        if split and isinstance(fields, TensorDictBase) and len(fields.batch_size) == 1
+        else None
+    )
+    plain = {k: _plain_column(v, rows) for k, v in columns.items()}
     if isinstance(fields, TensorDictBase) and all(plain[k] is v for k, v in columns.items()):
         return fields
     return plain
@@ -403,7 +422,7 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
     ``NonTensorStack`` row holds its list of values, as in TransferQueue)."""
     if isinstance(fields, TensorDictBase):
         if fields.batch_size == torch.Size([]):
-            fields = fields.unsqueeze(0)
+            return _plain_columns(fields.unsqueeze(0), split=False)  # the array is the row's
         return _plain_columns(fields)
     row: dict[str, Any] = {}
     for name, value in fields.items():
@@ -1417,7 +1436,9 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
     """Restore a checkpoint written by :func:`save_checkpoint`.
 
     Raises:
-        CheckpointError: the checkpoint is missing, partial or corrupt.
+        CheckpointNotFoundError: ``checkpoint_dir`` does not exist (a ``FileNotFoundError``,
+            as in TransferQueue, and a ``CheckpointError``).
+        CheckpointError: the checkpoint is partial or corrupt.
         InvalidRequestError: one of its partitions exists already (clear it first).
     """
     get_client().client.load_checkpoint(checkpoint_dir)
@@ -1444,6 +1465,49 @@ def _compat_chunks(
             for part, m in _chunk_batch_fn(td, meta, **kwargs)
         ]
     return process(td, BatchMeta.from_native(meta, base, _schema), **kwargs)
+
+
+def chunk_batch_fn(
+    td: TensorDictBase, batch_meta: BatchMeta, micro_batch_size: int = 1
+) -> list[tuple[TensorDictBase, BatchMeta]]:
+    """TransferQueue's ``transfer_queue.dataloader.streaming_dataset.chunk_batch_fn``: cut a
+    batch and its compat :class:`BatchMeta` into micro-batches of ``micro_batch_size`` rows
+    (the last may be short). Jagged and strided nested columns are cut like dense ones.
+
+    Unlike TransferQueue's (whose metadata chunks are ``batch_meta.chunk(k)``: 10 rows by 4
+    give data ``[4, 4, 2]`` but metadata ``[4, 3, 3]``), each metadata chunk names exactly the
+    rows of its data chunk.
+
+    Raises:
+        UnsupportedTypeError: ``td`` is not a TensorDict (a ``TypeError``).
+        InvalidRequestError: ``micro_batch_size`` is not a positive int or exceeds the rows,
+            ``td`` has no batch dimension, or ``td`` and ``batch_meta`` differ in rows (a
+            ``ValueError``).
+    """
+    if not isinstance(td, TensorDictBase):
+        raise UnsupportedTypeError(f"chunk_batch_fn needs a TensorDict, got {type(td).__name__}")
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise InvalidRequestError(
+            f"micro_batch_size must be a positive integer, got {micro_batch_size!r}"
+        )
+    if micro_batch_size <= 0:
+        raise InvalidRequestError(
+            f"micro_batch_size must be a positive integer, got {micro_batch_size}"
+        )
+    if len(td.batch_size) == 0:
+        raise InvalidRequestError("chunk_batch_fn needs a TensorDict with a batch dimension")
+    total = int(td.batch_size[0])
+    if micro_batch_size > total:
+        raise InvalidRequestError(
+            f"micro_batch_size ({micro_batch_size}) exceeds the batch's {total} rows"
+        )
+    if len(batch_meta) != total:
+        raise InvalidRequestError(
+            f"the batch has {total} rows of data but its BatchMeta has {len(batch_meta)}"
+        )
+    bounds = [(a, min(a + micro_batch_size, total)) for a in range(0, total, micro_batch_size)]
+    parts = _split_rows(td, bounds)
+    return [(part, batch_meta[a:b]) for part, (a, b) in zip(parts, bounds, strict=True)]
 
 
 def _base_at(address: str, partition_id: str) -> int:

@@ -175,6 +175,14 @@ class BatchMeta:
         self._base = 0
         self._schema_loader: Any = None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Ray (a task argument, ray.get) unpickles numpy arrays read-only, zero-copy over its
+        # object store; this batch's arrays are written in place (add_fields)
+        self.__dict__.update(state)
+        status = state.get("production_status")
+        if isinstance(status, np.ndarray) and not status.flags.writeable:
+            self.production_status = status.copy()
+
     # ---- to and from tq_async's BatchMeta ----------------------------------------------------
 
     @classmethod

@@ -14,6 +14,11 @@
 Returning ``([], [])`` means "not enough yet": the controller waits for the partition's next
 readiness event and calls again; it never polls on a timer. ``sample`` may be ``async def``.
 
+As in TransferQueue, the controller calls a sampler only once at least ``batch_size`` rows are
+ready (``batch_size * dp_size`` for a global batch) or the partition is final, unless the
+sampler's :attr:`~BaseSampler.short_ready_ok` is True (tq_async's own samplers: they are asked
+on every readiness event and decide themselves, e.g. whole GRPO groups out of order).
+
 The controller passes context as keyword arguments (a sampler whose ``sample`` does not take
 ``**kwargs`` only receives those it names):
 
@@ -42,6 +47,7 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
@@ -92,8 +98,9 @@ def check_context(batch_size: Any, kwargs: Mapping[str, Any], dp_size: Any = Non
             )
 
 
-class BaseSampler:
-    """Base class of samplers; subclasses implement :meth:`sample`.
+class BaseSampler(ABC):
+    """Base class of samplers; subclasses implement :meth:`sample` (abstract, as in
+    TransferQueue: ``BaseSampler()`` is a ``TypeError``).
 
     Stateful samplers also override :meth:`clear_partition` (drop everything cached for a
     partition), :meth:`state_dict` and :meth:`load_state_dict`.
@@ -152,11 +159,11 @@ class BaseSampler:
         """Restore what :meth:`save_checkpoint` returned."""
         self._states = dict(state.get("_states", {}))
 
+    @abstractmethod
     def sample(
         self, ready_indexes: Sequence[int], batch_size: int, *args: Any, **kwargs: Any
     ) -> SampleResult | Awaitable[SampleResult]:
         """Choose rows for one request; see the module docstring for the contract."""
-        raise NotImplementedError
 
     def sample_shares(
         self, ready_indexes: Sequence[int], batch_size: int, dp_size: int, **kwargs: Any
@@ -175,6 +182,16 @@ class BaseSampler:
             :attr:`group_size` rows together.
         """
         return None
+
+    @property
+    def short_ready_ok(self) -> bool:
+        """False (the default, TransferQueue's contract): the controller calls :meth:`sample`
+        only once ``batch_size`` rows are ready (``batch_size * dp_size`` for a global batch)
+        or the partition is final. True: on every readiness event, with however many rows are
+        ready (the sampler returns ``([], [])`` to wait). tq_async's own samplers are True; a
+        custom sampler that hands out short batches on purpose sets ``short_ready_ok = True``
+        in its class body."""
+        return False
 
     @property
     def group_size(self) -> int:
@@ -243,6 +260,11 @@ class WrappingSampler(BaseSampler):
     """A sampler around an ``inner`` one: the traits the controller reads are ``inner``'s."""
 
     inner: BaseSampler
+
+    @property
+    def short_ready_ok(self) -> bool:
+        """``inner``'s: it is what sees the ready rows."""
+        return self.inner.short_ready_ok
 
     @property
     def group_size(self) -> int:

@@ -74,6 +74,11 @@ class GRPOGroupNSampler(BaseSampler):
         self.n_samples_per_prompt = n_samples_per_prompt
         self.group_key = group_key
 
+    @property
+    def short_ready_ok(self) -> bool:
+        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
+        return True
+
     def sample(
         self,
         ready_indexes: Sequence[int],

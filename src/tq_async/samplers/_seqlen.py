@@ -47,6 +47,8 @@ class SeqlenBalancedSampler(BaseSampler):
         n_replicas: how many readers share each ``dp_rank`` (e.g. TP size x PP size).
         max_entries: the most batches kept at once.
         group_key: the tag naming a row's group (as in :class:`GRPOGroupNSampler`).
+        missing_length: the token count of a row without a ``length_key`` tag (1, as in
+            TransferQueue); None makes such a row an error (a ``ValueError`` naming it).
         tail: what a final batch with fewer whole groups than ranks does: ``"error"``
             (a ``ValueError``, the default), ``"drop"`` (its rows are consumed without being
             delivered, with a warning, and every rank sees the end of the stream together,
@@ -66,6 +68,7 @@ class SeqlenBalancedSampler(BaseSampler):
         max_entries: int = 65536,
         group_key: str = "uid",
         tail: str | None = None,
+        missing_length: int | None = 1,
     ) -> None:
         if tail not in (None, "error", "drop", "uneven"):
             raise InvalidRequestError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
@@ -83,6 +86,7 @@ class SeqlenBalancedSampler(BaseSampler):
         self.length_key = length_key
         self.n_replicas = n_replicas
         self.group_key = group_key
+        self.missing_length = missing_length
         self._cache = ShareCache(max_entries, type(self).__name__)
 
     @property
@@ -156,6 +160,11 @@ class SeqlenBalancedSampler(BaseSampler):
     def cache_size(self) -> int:
         """Number of batches with at least one share not yet fully read."""
         return len(self._cache)
+
+    @property
+    def short_ready_ok(self) -> bool:
+        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
+        return True
 
     def sample(
         self,
@@ -284,6 +293,8 @@ class SeqlenBalancedSampler(BaseSampler):
         for row in group:
             row_tags = None if tags is None else tags.get(row)
             length = None if row_tags is None else row_tags.get(self.length_key)
+            if length is None:
+                length = self.missing_length
             if length is None:
                 raise ValueError(
                     f"row {row} has no {self.length_key!r} tag; put it with "

@@ -17,6 +17,11 @@ class SequentialSampler(BaseSampler):
     final (sealed and fully produced) it returns the short remainder.
     """
 
+    @property
+    def short_ready_ok(self) -> bool:
+        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
+        return True
+
     def sample(
         self,
         ready_indexes: Sequence[int],

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from ..._errors import CheckpointError, InvalidRequestError
+from ..._errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
 from ..._meta import BatchMeta
 from ..._primitives import cleanup_scope, run_sync_off_loop
 from ..._wire._columns import (
@@ -207,7 +207,8 @@ def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open(manifest_path, "rb") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(
+        kind = CheckpointError if os.path.isdir(path) else CheckpointNotFoundError
+        raise kind(
             f"{os.fspath(path)!r} is not a readable checkpoint ({exc}); pass the directory "
             "save_checkpoint wrote"
         ) from None
@@ -244,6 +245,10 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
         with open(manifest_path, "rb") as f:
             manifest = json.load(f)
     except FileNotFoundError:
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(
+                f"checkpoint {path!r} does not exist; pass the directory save_checkpoint wrote"
+            ) from None
         raise CheckpointError(
             f"{path!r} is not a checkpoint (no manifest.json): a partial or missing checkpoint"
         ) from None

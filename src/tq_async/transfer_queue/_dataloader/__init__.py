@@ -1,0 +1,1 @@
+"""The submodules of ``transfer_queue.dataloader`` (its ``__path__`` names this folder)."""

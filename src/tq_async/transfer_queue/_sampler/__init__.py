@@ -1,0 +1,1 @@
+"""The submodules of ``transfer_queue.sampler`` (its ``__path__`` names this folder)."""
