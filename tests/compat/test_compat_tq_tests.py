@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_async._columns import ColumnHeader
-from tq_async._protocol import GetMeta, MetaReply
-from tq_async._state import ControllerState
 
 import tq_async
 import tq_async.compat as tq
-from tq_async._core import ControllerCore, SampleCall
+from tq_async._core._state import ControllerState
+from tq_async._core._transitions import ControllerCore, SampleCall
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import GetMeta, MetaReply
 
 # ---- D5: a custom sampler is called once batch_size rows are ready (or the partition is final)
 
