@@ -70,8 +70,8 @@ from ..samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from ..samplers import RankAwareSampler as RankAwareSampler
 from ..samplers import SeqlenBalancedSampler as SeqlenBalancedSampler
 from ..samplers import SequentialSampler as SequentialSampler
-from ._meta import GLOBAL_INDEX_STRIDE
-from ._meta import BatchMeta as BatchMeta
+from ._batch_meta import GLOBAL_INDEX_STRIDE
+from ._batch_meta import BatchMeta as BatchMeta
 
 __all__ = [
     "init",
