@@ -1,27 +1,27 @@
 """The controller's get path: get_meta, its waiting, its answer, and a Cancel of it.
 
-The core decides (:meth:`~tq_async._core._transitions.ControllerCore.get_meta`); this part runs
-the samplers the core asks for (awaiting an ``async`` one in a task), parks a request that
-must wait in the :class:`~tq_async._service._parking.ParkingLot` under ``(partition, task)``
-until a :class:`~tq_async._core._state.Wakeup` concerns it, answers with the batches a
-``get_batches`` asks for ahead, sends the cells of a small ``get`` from units of this process
-along, and warns about a request that waits on something that will not come (a misspelled
-field or partition, a partition nobody seals).
+The core decides a request in one call (:meth:`~tq_async._core._transitions.ControllerCore.decide`:
+it runs plain samplers and decides the batches a ``get_batches`` asks for ahead) and collects
+its effects, applied here once. This part awaits an ``async`` sampler's answer in a task and
+hands it back (:meth:`~tq_async._core._transitions.ControllerCore.resume`), parks a request
+that must wait in the :class:`~tq_async._service._parking.ParkingLot` under
+``(partition, task)`` until a :class:`~tq_async._core._state.Wakeup` concerns it, sends the
+cells of a small ``get`` from units of this process along, and warns about a request that
+waits on something that will not come (a misspelled field or partition, a partition nobody
+seals).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
 from typing import Any
 
 import structlog
 
 from .._core._state import ControllerState
-from .._core._transitions import Decision, SampleCall, follower, record_key
+from .._core._transitions import Awaiting, Effects, Outcome, record_key
 from .._errors import TQError, TQTimeoutError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, SENT, Incoming
@@ -91,8 +91,8 @@ class GetPath:
         return SENT
 
     def send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
-        """Answer a get_meta, with the batches its ``also`` asks for that can be decided now;
-        a ``get`` whose cells are small and local gets them too.
+        """Answer a get_meta (with the batches its ``also`` asked for that the core decided
+        along, ``reply.more``); a ``get`` whose cells are small and local gets them too.
 
         A retried ``get`` is answered without the cells (it reads them from the units).
         """
@@ -104,17 +104,15 @@ class GetPath:
             return
         if reply.rows and req.mode == "fetch" and record_key(req) is None:
             self._remember_fetch(peer, rid, req, reply)
-        answers = [(req, reply), *self._also(req, reply)] if req.also else [(req, reply)]
+        answers = [reply, *reply.more] if reply.more else [reply]
         epoch = self.state.units_epoch
-        for _, r in answers:
+        for r in answers:
             r.units_epoch = epoch
-        if len(answers) > 1:
-            reply.more = [r for _, r in answers[1:]]
         inline: list[tuple[MetaReply, list[StoredColumns]]] = []
         frames: list[Any] = []
         budget = req.inline_bytes
-        for sub, r in answers:
-            got = self._read_inline(sub, r, budget) if budget > 0 and r.rows else None
+        for r in answers:
+            got = self._read_inline(req, r, budget) if budget > 0 and r.rows else None
             if got is not None:
                 inline.append((r, got[0]))
                 frames += got[1]
@@ -127,31 +125,6 @@ class GetPath:
             r.inline = parts
         self.shell.send(peer, rid, ok_reply(rid, reply), frames)
         self.shell.remember(peer, rid, without)  # the cache keeps no cells alive
-
-    def _also(self, req: GetMeta, first: MetaReply) -> list[tuple[GetMeta, MetaReply]]:
-        """The batches ``req.also`` names that can be decided now, in order: up to the first
-        that cannot (or that ends the stream, fails, or needs an ``async`` sampler's answer)."""
-        out: list[tuple[GetMeta, MetaReply]] = []
-        if first.end_of_stream or req.also is None:
-            return out
-        after = int((req.sampling_config or {})["batch_index"])  # checked: also needs it
-        for index in req.also:
-            sub = follower(req, index, after)
-            try:
-                decision, running = self._settle(sub, self.core.look(sub, self.shell.now()))
-            except Exception as exc:  # raised again when that batch is asked for itself
-                log.debug("a batch asked for with also= failed", batch_index=index, error=repr(exc))
-                break
-            if running is not None:  # nothing is decided until it is awaited: left undone
-                close = getattr(running[1], "close", None)
-                if close is not None:
-                    close()
-                break
-            if not isinstance(decision, MetaReply) or decision.end_of_stream:
-                break
-            out.append((sub, decision))
-            after = index
-        return out
 
     def _remember_fetch(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
         """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
@@ -193,12 +166,14 @@ class GetPath:
     def on_get_meta(self, msg: Incoming, req: GetMeta) -> Any:
         if req.lease is None and self.default_lease is not None:
             req.lease = self.default_lease
-        decision, fx = self.core.get_meta(req, self.shell.now())
-        self.shell.apply(fx)
-        decision, running = self._settle(req, decision)
-        if running is not None:
+        fx = Effects()
+        try:  # one call into the core decides the request; its effects are applied once
+            decision = self.core.decide(req, self.shell.now(), fx)
+        finally:
+            self.shell.apply(fx)
+        if isinstance(decision, Awaiting):
             self.shell.spawn_waiting(
-                msg, self._get_meta_waiting, msg, req, running, self.shell.lot.generation
+                msg, self._get_meta_waiting, msg, req, decision, self.shell.lot.generation
             )
             return DEFERRED
         if isinstance(decision, MetaReply):
@@ -220,20 +195,6 @@ class GetPath:
             # a forgotten seal would too: one watch per (partition, task) with waiters
             self._watch_quiet(_QuietWatch(req, _progress(self.state, req)))
         return DEFERRED
-
-    def _settle(
-        self, req: GetMeta, decision: Decision
-    ) -> tuple[Decision, tuple[SampleCall, Awaitable[Any]] | None]:
-        """Run the sampler calls ``decision`` leads to (one per batch a ``record_from`` decides
-        first, then the asked batch's) until a reply, a wait (None), or an ``async`` sampler's
-        call, returned with its awaitable to be awaited."""
-        while isinstance(decision, SampleCall):
-            result = decision.run()
-            if inspect.isawaitable(result):
-                return None, (decision, result)
-            decision, fx = self.core.sampled(req, decision, result, self.shell.now())
-            self.shell.apply(fx)
-        return decision, None
 
     def _watch_quiet(self, watch: _QuietWatch) -> None:
         key = (watch.req.partition_id, watch.req.task_name)
@@ -277,35 +238,47 @@ class GetPath:
                 fields=list(req.data_fields),
             )
 
+    def _decide(
+        self, peer: bytes, rid: int, req: GetMeta, awaiting: Awaiting | None, answer: Any
+    ) -> Outcome:
+        """Look again after a wake-up (``awaiting`` None), or go on with an ``async``
+        sampler's answer: one call into the core, its effects applied once. A request
+        cancelled meanwhile decides no batch ahead (its answer is undone, not sent)."""
+        scope = self.shell.pending.get((peer, rid))
+        ahead = scope is None or not scope.cancel_called
+        fx = Effects()
+        try:
+            if awaiting is None:
+                return self.core.decide(req, self.shell.now(), fx, again=True, ahead=ahead)
+            return self.core.resume(req, awaiting, answer, self.shell.now(), fx, ahead=ahead)
+        finally:
+            self.shell.apply(fx)
+
     async def _get_meta_waiting(
         self,
         msg: Incoming,
         req: GetMeta,
-        first: tuple[SampleCall, Awaitable[Any]] | None,
+        first: Awaiting | None,
         generation: int,
     ) -> None:
         peer, rid, t0 = msg.peer, msg.rid, msg.t0
         pid, task = req.partition_id, req.task_name
         structlog.contextvars.bind_contextvars(rid=rid, op="GetMeta", partition=pid, task=task)
-        core = self.core
 
         async def work() -> None:
-            running = first
+            awaiting = first
             look = self.shell.lot.generation != generation
             while True:
                 # a ticket before looking, so a wake-up between the two is never missed
                 with self.shell.lot.ticket((pid, task)) as fut:
-                    decision: Decision = None
-                    if running is None and look:
-                        decision, running = self._settle(req, core.look(req, self.shell.now()))
-                    while running is not None:
-                        call, pending = running
-                        answer = await pending
-                        decision, fx = core.sampled(
-                            req, call, answer, self.shell.now(), strict=False
-                        )
-                        self.shell.apply(fx)
-                        decision, running = self._settle(req, decision)
+                    decision: Outcome = None
+                    if awaiting is not None:  # the first call's async sampler
+                        decision, awaiting = awaiting, None
+                    elif look:
+                        decision = self._decide(peer, rid, req, None, None)
+                    while isinstance(decision, Awaiting):
+                        answer = await decision.answer
+                        decision = self._decide(peer, rid, req, decision, answer)
                     if isinstance(decision, MetaReply):
                         self.send_meta(peer, rid, req, decision)
                         self.shell.metrics.consumer_wait(time.perf_counter() - t0)

@@ -4,8 +4,8 @@
 The core decides (leases, holds, put leases, recorded and global batches, end-of-stream,
 admission, auto-clear, unit liveness) and returns :class:`~tq_async._core._transitions.Effects`;
 this shell
-decodes requests, sends replies, runs samplers, arms the core's one deadline timer, tells
-storage units to free rows, and wakes waiters.
+decodes requests, sends replies, awaits ``async`` samplers, arms the core's one deadline
+timer, tells storage units to free rows, and wakes waiters.
 
 Every request is answered from the reader callback when it can be (status calls, puts, a
 get_meta whose sampler finds rows at once). Only requests that must wait become tasks: a
