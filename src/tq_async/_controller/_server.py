@@ -226,7 +226,7 @@ class ControllerServer(Service):
                 self._links.close()
                 tg.cancel_scope.cancel()
 
-    # ---- the request loop's hooks: replies go through the shell's cache ------------------------
+    # ---- the request loop's hooks: replies go through the shell's cache ----------------------
 
     def send(self, peer: bytes, rid: int, header: bytes, frames: Sequence[Any] = ()) -> None:
         """Send a reply and remember it: a retried request gets it again, not re-executed."""

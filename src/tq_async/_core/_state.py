@@ -200,7 +200,7 @@ class Partition:
         #: storage units whose rows are not handed out now (suspended: neither ready nor
         #: lost); shared with the owning :class:`ControllerState`
         self.unavailable: set[int] = set()
-        # ---- leases (maintained by :class:`~tq_async._core._transitions.ControllerCore`) ----
+        # ---- leases (maintained by :class:`~tq_async._core._leases.GetLeases`) ----
         self.leases: dict[int, Lease] = {}
         #: leases with a deadline per task: end-of-stream waits while any is open
         self.open_leases: dict[str, int] = {}

@@ -119,7 +119,7 @@ class ControllerCore:
         """Every sampler, default first."""
         return self.gets.samplers()
 
-    # ---- deadlines ------------------------------------------------------------------------------
+    # ---- deadlines ---------------------------------------------------------------------------
 
     def next_deadline(self) -> float | None:
         """When :meth:`advance` has something to do next (None: nothing is pending)."""
@@ -153,7 +153,7 @@ class ControllerCore:
                 self.liveness.on_deadline(ident, deadline, fx)
         return fx
 
-    # ---- get_meta (see _gets) -------------------------------------------------------------------
+    # ---- get_meta (see _gets) ----------------------------------------------------------------
 
     def get_meta(self, req: GetMeta, now: float) -> tuple[Decision, Effects]:
         """Start a get_meta: a reply, a sampler call to run, or None (wait for a wake-up).
@@ -227,7 +227,7 @@ class ControllerCore:
         """A cancelled fetch gives rows back (see :meth:`GetLeases.release`)."""
         return self.leases.release(partition_id, task, rows, incarnation, lease_id)
 
-    # ---- puts (see _put_leases) -----------------------------------------------------------------
+    # ---- puts (see _put_leases) --------------------------------------------------------------
 
     def put_begin(
         self,
@@ -264,7 +264,7 @@ class ControllerCore:
         """Make a put visible (see :meth:`PutLeases.commit`)."""
         return self.puts.commit(partition_id, rows, fields, tags, versions, put_id, incarnation)
 
-    # ---- clearing -------------------------------------------------------------------------------
+    # ---- clearing ----------------------------------------------------------------------------
 
     def clear_rows(
         self, partition_id: str, rows: Sequence[int], incarnation: str | None = None
@@ -311,7 +311,7 @@ class ControllerCore:
             smp.reset_partition(partition_id, task)
         return Effects(wakeups=[Wakeup(partition_id, task)])
 
-    # ---- admission (see _admission) -------------------------------------------------------------
+    # ---- admission (see _admission) ----------------------------------------------------------
 
     def free_slots(self, n: int) -> bool:
         """Give back ``n`` admission slots; True if any was outstanding."""
@@ -329,7 +329,7 @@ class ControllerCore:
         """The learner moved: rollouts may start, and rows may have gone stale."""
         return self.rollouts.set_policy_version(version)
 
-    # ---- storage units (see _liveness) ----------------------------------------------------------
+    # ---- storage units (see _liveness) -------------------------------------------------------
 
     def unit_down(self, unit: int, now: float) -> Effects:
         """A unit missed its liveness deadline: suspend it (see :class:`UnitLiveness`)."""
