@@ -332,7 +332,7 @@ async def test_a_zero_timeout_answers_now_or_times_out_at_once() -> None:
         with anyio.fail_after(5):
             with pytest.raises(tq.TQTimeoutError, match="nothing was consumed"):
                 await client.get_meta(["x"], 4, "p", "t", timeout=0)
-            assert cluster.controller.lot.parked(("p", "t")) == 0
+            assert cluster.controller._shell.lot.parked(("p", "t")) == 0
             await client.put(batch(1, 3), partition_id="p")
             got = await client.get_meta(["x"], 4, "p", "t", timeout=0)
         assert got.global_indexes == [0, 1, 2, 3]

@@ -151,7 +151,7 @@ class Model:
         rows never left it); an expired lease without a batch is ignored (the rows went
         back to the pool and are read again: at-least-once).
         """
-        live = lease_id in self.core._lease_home
+        live = lease_id in self.core.leases.home
         self.core.ack([lease_id], self.now)
         if key is not None:
             if key not in self.settled:

@@ -244,8 +244,7 @@ async def test_seqlen_shares_expire_back_to_their_batch_only() -> None:
 PRODUCER = """
     import asyncio, sys, torch
     import tq_async as tq
-    from tq_async._client._async._put import PutPath  # the client's put path (it
-    holds one)
+    from tq_async._client._async._put import PutPath  # the client's put path
 
     async def main():
         async with tq.AsyncClient.connect(sys.argv[1], inline_put_bytes=0) as c:

@@ -145,7 +145,7 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
 
 
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
-    conn = controller._units.get(unit_id)
+    conn = controller._links.conns.get(unit_id)
     if conn is None:
         return False
     for frames in conn._inflight.values():

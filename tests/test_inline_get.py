@@ -137,7 +137,7 @@ async def test_a_retried_get_gets_metadata_without_the_cells() -> None:
         await client.put({"x": torch.arange(3)}, "p")
         await client.get(["x"], 3, "p", "t")
         controller: ControllerServer = cluster.controller
-        reply = reply_decoder.decode(list(controller._replies.values())[-1])
+        reply = reply_decoder.decode(list(controller._shell.replies.values())[-1])
         meta = msgspec.msgpack.decode(reply.payload, type=MetaReply)
         assert meta.rows == [0, 1, 2]
         assert meta.inline is None

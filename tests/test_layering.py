@@ -195,7 +195,17 @@ def test_no_class_or_function_is_too_long() -> None:
 
 
 #: the controller's I/O shell: it reads the state, every change is a transition of the core
-SHELL = ["_controller._server", "_controller._puts", "_controller._shell"]
+SHELL = [
+    "_controller._server",
+    "_controller._shell",
+    "_controller._units",
+    "_controller._puts",
+    "_controller._gets",
+    "_controller._calls",
+    "_controller._queries",
+]
+#: how the shell's modules reach the state: the server, each part, the core they hold
+STATE_ROOTS = {"self.state", "self.shell.state", "self.core.state", "self.shell.core.state"}
 #: methods that change a ControllerState, a Partition or one of their containers
 MUTATORS = {
     "add_fields",
@@ -226,7 +236,7 @@ def _state_writes(tree: ast.AST) -> list[str]:
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        tainted = {"self.state"}
+        tainted = set(STATE_ROOTS)
         for node in ast.walk(fn):
             if isinstance(node, ast.Assign) and any(
                 ast.unparse(node.value).startswith(t) for t in tainted
@@ -259,6 +269,9 @@ def _state_writes(tree: ast.AST) -> list[str]:
 
 
 def test_the_controller_shell_changes_state_only_through_the_core() -> None:
+    assert {m for m in _modules() if m.startswith("_controller.")} - {
+        "_controller.__init__"
+    } == set(SHELL), "a new module of the controller's shell: add it to SHELL"
     writes = []
     for name in SHELL:
         writes += [f"{name}.{w}" for w in _state_writes(ast.parse(_modules()[name].read_text()))]
@@ -276,6 +289,17 @@ def f(self):
     return st.units
 """
     assert len(_state_writes(ast.parse(code))) == 3
+
+
+def test_the_state_write_finder_follows_the_parts_of_the_shell() -> None:
+    code = """
+def f(self):
+    self.shell.state.partition("p").consume("t", [0])
+    p = self.core.state.partitions["p"]
+    p.sealed = True
+    return self.shell.state.units
+"""
+    assert len(_state_writes(ast.parse(code))) == 2
 
 
 #: the client's modules, async and generated blocking: they share nothing private
@@ -354,3 +378,24 @@ def test_the_client_checks_find_what_they_look_for() -> None:
         "_client._sync._base",
     } <= set(CLIENT_MODULES)
     assert {"AsyncClient", "Client", "Links"} <= set(_client_classes())
+
+
+def test_the_controller_holds_its_parts_instead_of_inheriting_them() -> None:
+    """As the client: no class of the controller's shell derives from a class of another of
+    its modules (the server holds the plumbing, the unit links and the paths as attributes)."""
+    defined = {
+        node.name: name
+        for name in SHELL
+        for node in ast.walk(ast.parse(_modules()[name].read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"ControllerServer", "Shell", "UnitLinks", "PutPath", "GetPath"} <= set(defined)
+    inherited = [
+        f"{name}.{node.name}({ast.unparse(base)})"
+        for name in SHELL
+        for node in ast.walk(ast.parse(_modules()[name].read_text()))
+        if isinstance(node, ast.ClassDef)
+        for base in node.bases
+        if defined.get(ast.unparse(base).rsplit(".", 1)[-1], name) != name
+    ]
+    assert not inherited, "hold the part as an attribute and delegate to it: " + str(inherited)

@@ -33,7 +33,7 @@ async def test_a_client_in_the_services_process_connects_inproc() -> None:
         assert client._links.units
         assert all(conn.inproc for conn in client._links.units.values())
         # the controller reaches its units in the same process the same way
-        assert all(conn.inproc for conn in cluster.controller._units.values())
+        assert all(conn.inproc for conn in cluster.controller._links.conns.values())
 
 
 async def test_put_keeps_a_copy_not_the_callers_buffer() -> None:

@@ -13,10 +13,11 @@ circle):
    ``_sync_primitives``), ``BatchMeta`` (``_meta``), the wire's vocabulary in ``_wire/``
    (control messages ``_protocol``, columns as bytes ``_columns``, tensors <-> columns
    ``_codec``: pure functions and msgspec records, no I/O) and the samplers (``samplers/``).
-2. **core**: ``_core/``, the controller's state (``_state``) and its pure state machine
-   (``_transitions``, composing ``_put_leases``, ``_admission``, ``_liveness`` and
-   ``_catalog``; records in ``_effects``): every transition takes ``now`` and returns
-   effects; no loop, socket or clock.
+2. **core**: ``_core/``, the controller's state (``_state``, ready sets ``_ready``) and its
+   pure state machine (``_transitions``, composing the get path ``_gets`` with its leases
+   ``_leases`` and sampler calls ``_sampling``, ``_put_leases``, ``_admission``,
+   ``_liveness`` and ``_catalog``; records in ``_effects``): every transition takes ``now``
+   and returns effects; no loop, socket or clock.
 3. **transport**: moving frames, ``_transport/`` (addresses ``_endpoints``, the services'
    ROUTER ``_router``, the clients' DEALER connection ``_dealer`` and the blocking client's
    ``_sync_dealer``, in-process ``_routes``, Unix sockets ``_unix``, CURVE ``_security``),

@@ -25,26 +25,37 @@ from .._wire._protocol import (
     RenewPut,
     StorePut,
 )
-from ._shell import ControllerShell
+from ._shell import Shell
+from ._units import UnitLinks
 
-__all__ = ["ControllerPuts"]
+__all__ = ["PutPath"]
 
 
-class ControllerPuts(ControllerShell):
+class PutPath:
     """The put handlers of :class:`~tq_async._controller._server.ControllerServer`."""
 
-    def _on_put_begin(self, msg: Incoming, body: PutBegin) -> Any:
+    def __init__(self, shell: Shell, links: UnitLinks) -> None:
+        self.shell = shell
+        self.core = shell.core
+        self.links = links
+
+    @property
+    def state(self) -> ControllerState:
+        """The core's state, for reading."""
+        return self.shell.state
+
+    def on_put_begin(self, msg: Incoming, body: PutBegin) -> Any:
         _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
         if not self._room_for(body.partition_id, n_new, body.nowait):
-            self._spawn_waiting(
+            self.shell.spawn_waiting(
                 msg, self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0
             )
             return DEFERRED
         self._put_begin(msg.peer, msg.rid, body)
         return SENT
 
-    def _on_put_commit(self, msg: Incoming, body: PutCommit) -> None:
+    def on_put_commit(self, msg: Incoming, body: PutCommit) -> None:
         fx = self.core.put_commit(
             body.partition_id,
             body.rows,
@@ -54,27 +65,27 @@ class ControllerPuts(ControllerShell):
             body.put_id,
             body.incarnation,
         )
-        self._apply(fx)
+        self.shell.apply(fx)
 
-    def _on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
-        self._apply(self.core.abort_puts(body.put_ids))
+    def on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
+        self.shell.apply(self.core.abort_puts(body.put_ids))
 
-    def _on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
-        self.core.renew_puts(body.put_ids, self._now())
-        self._rearm()
+    def on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
+        self.core.renew_puts(body.put_ids, self.shell.now())
+        self.shell.rearm()
 
     def _put_begin(self, peer: bytes, rid: int, body: PutBegin) -> None:
         placement, fx = self.core.put_begin(
-            body.partition_id, body.columns, body.n_rows, body.rows, body.keys, self._now()
+            body.partition_id, body.columns, body.n_rows, body.rows, body.keys, self.shell.now()
         )
-        self.send_ok(peer, rid, placement)
-        self._apply(fx)
+        self.shell.send_ok(peer, rid, placement)
+        self.shell.apply(fx)
 
     def _room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
         """Whether ``n_new`` rows fit now; raises when they never will, or when ``nowait``."""
         return self.core.catalog.room_for(partition_id, n_new, nowait)
 
-    def _on_put_inline(self, msg: Incoming, body: PutInline) -> Any:
+    def on_put_inline(self, msg: Incoming, body: PutInline) -> Any:
         """A :class:`PutInline`.
 
         With room and a unit in this process, everything happens here: place, store, commit,
@@ -85,7 +96,7 @@ class ControllerPuts(ControllerShell):
         placed = None
         if self._room_for(body.partition_id, n_new, body.nowait):
             placed = self._inline_place(body)
-            unit = self.local_units.get(placed.units[0])
+            unit = self.links.local_units.get(placed.units[0])
             if unit is not None:
                 try:
                     unit.store_local(
@@ -101,14 +112,20 @@ class ControllerPuts(ControllerShell):
                     raise
                 return SENT
         frames = msg.frames[1:]
-        self._spawn_waiting(
+        self.shell.spawn_waiting(
             msg, self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0
         )
         return DEFERRED
 
     def _inline_place(self, body: PutInline) -> _Placed:
         placement, fx = self.core.put_begin(
-            body.partition_id, body.columns, body.n_rows, body.rows, None, self._now(), lease=False
+            body.partition_id,
+            body.columns,
+            body.n_rows,
+            body.rows,
+            None,
+            self.shell.now(),
+            lease=False,
         )
         if len(set(placement.units)) != 1:
             raise InvalidRequestError(
@@ -125,15 +142,15 @@ class ControllerPuts(ControllerShell):
             body.partition_id, placed.rows, fields, body.tags, body.versions, 0, incarnation
         )
         fx.add(placed.effects)
-        self.send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
-        self._apply(fx)
+        self.shell.send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
+        self.shell.apply(fx)
 
     def _inline_undo(self, body: PutInline, placed: _Placed) -> None:
         """A one-message put failed after its rows were placed: drop new rows again."""
         if body.rows is not None:
             return  # existing rows: their new cells were never marked produced
         fx = self.core.puts.undo(body.partition_id, placed.rows, placed.partition.incarnation)
-        self._apply(fx)
+        self.shell.apply(fx)
 
     async def _put_inline_task(
         self,
@@ -148,10 +165,12 @@ class ControllerPuts(ControllerShell):
         async def work() -> None:
             nonlocal placed
             if placed is None:
-                await self.lot.until("room", lambda: self.state.has_room(body.partition_id, n_new))
+                await self.shell.lot.until(
+                    "room", lambda: self.state.has_room(body.partition_id, n_new)
+                )
                 placed = self._inline_place(body)
             unit_id = placed.units[0]
-            local = self.local_units.get(unit_id)
+            local = self.links.local_units.get(unit_id)
             try:
                 if local is not None:
                     local.store_local(
@@ -165,7 +184,9 @@ class ControllerPuts(ControllerShell):
                     store = StorePut(
                         body.partition_id, placed.rows, body.columns, placed.partition.incarnation
                     )
-                    await self._unit(unit_id).request(store, frames, timeout=self.unit_timeout)
+                    await self.links.conn(unit_id).request(
+                        store, frames, timeout=self.links.unit_timeout
+                    )
                 self._inline_commit(peer, rid, body, placed)
             except BaseException:
                 self._inline_undo(body, placed)
@@ -179,16 +200,18 @@ class ControllerPuts(ControllerShell):
                 )
             return f"the put did not complete within {body.timeout} s; nothing was written"
 
-        await self._waiting_request(peer, rid, "PutInline", t0, body.timeout, timed_out, work)
+        await self.shell.waiting_request(peer, rid, "PutInline", t0, body.timeout, timed_out, work)
 
     async def _put_begin_waiting(
         self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
     ) -> None:
         async def work() -> None:
-            await self.lot.until("room", lambda: self.state.has_room(body.partition_id, n_new))
+            await self.shell.lot.until(
+                "room", lambda: self.state.has_room(body.partition_id, n_new)
+            )
             self._put_begin(peer, rid, body)
 
-        await self._waiting_request(
+        await self.shell.waiting_request(
             peer,
             rid,
             "PutBegin",

@@ -1,0 +1,177 @@
+"""The controller's other calls: acks and releases, seal and consumption resets, clears,
+tags, KV, checkpoint restores and rollout admission.
+
+Each handler asks the core for the transition and applies its effects; a clear answers once
+the storage units freed the rows, an ``acquire_rollout`` that does not fit waits for room.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._core._state import ControllerState
+from .._core._transitions import Effects, meta_reply
+from .._errors import InvalidRequestError
+from .._service._loop import DEFERRED, Incoming
+from .._wire._protocol import (
+    Ack,
+    AcquireRollout,
+    ClearPartition,
+    ClearSamples,
+    KVClear,
+    KVTag,
+    Placement,
+    RecycledRows,
+    RegisterTasks,
+    Release,
+    ReleaseRollout,
+    ResetConsumption,
+    RestoreAbort,
+    RestoreBegin,
+    RestoreCommit,
+    Seal,
+    SetPolicyVersion,
+    SetTags,
+    TakeRecycled,
+)
+from ._shell import Shell
+from ._units import UnitLinks
+
+__all__ = ["ControlCalls"]
+
+
+class ControlCalls:
+    """The controller's other handlers (see the module docstring)."""
+
+    def __init__(self, shell: Shell, links: UnitLinks) -> None:
+        self.shell = shell
+        self.core = shell.core
+        self.links = links
+
+    @property
+    def state(self) -> ControllerState:
+        """The core's state, for reading."""
+        return self.shell.state
+
+    # ---- consumption -------------------------------------------------------------------------
+
+    def on_ack(self, msg: Incoming, body: Ack) -> None:
+        self.shell.apply(self.core.ack(body.lease_ids, self.shell.now()))
+
+    def on_release(self, msg: Incoming, body: Release) -> None:
+        fx = self.core.release(
+            body.partition_id, body.task_name, body.rows, body.incarnation, body.lease_id
+        )
+        self.shell.apply(fx)
+
+    def on_seal(self, msg: Incoming, body: Seal) -> None:
+        self.shell.apply(self.core.catalog.seal(body.partition_id, create=body.create))
+
+    def on_reset_consumption(self, msg: Incoming, body: ResetConsumption) -> None:
+        self.shell.apply(self.core.reset_consumption(body.partition_id, body.task_name))
+
+    def on_register_tasks(self, msg: Incoming, body: RegisterTasks) -> None:
+        self.shell.apply(self.core.catalog.register_tasks(body.partition_id, body.tasks))
+
+    # ---- clears, tags, KV --------------------------------------------------------------------
+
+    def on_clear_samples(self, msg: Incoming, body: ClearSamples) -> Any:
+        fx = self.core.clear_rows(body.partition_id, body.rows, body.incarnation)
+        return self._clear_then_reply(msg, fx)
+
+    def on_clear_partition(self, msg: Incoming, body: ClearPartition) -> Any:
+        return self._clear_then_reply(msg, self.core.clear_partition(body.partition_id))
+
+    def on_kv_clear(self, msg: Incoming, body: KVClear) -> Any:
+        key_rows = self.state.partition(body.partition_id).rows_for_keys(body.keys)
+        return self._clear_then_reply(msg, self.core.clear_rows(body.partition_id, key_rows))
+
+    def _clear_then_reply(self, msg: Incoming, fx: Effects) -> Any:
+        """Apply a clear; answer once the storage units freed the rows."""
+        (partition_id, incarnation, by_unit), *rest = fx.free
+        fx.free = rest
+        self.shell.apply(fx)
+        self.shell.spawn(
+            self.links.clear_units, msg.peer, msg.rid, partition_id, by_unit, incarnation
+        )
+        return DEFERRED
+
+    def on_set_tags(self, msg: Incoming, body: SetTags) -> None:
+        fx = self.core.catalog.set_tags(body.partition_id, body.rows, body.tags, body.incarnation)
+        self.shell.apply(fx)
+
+    def on_kv_tag(self, msg: Incoming, body: KVTag) -> Placement:
+        placement, fx = self.core.catalog.kv_tag(
+            body.partition_id, body.keys, body.tags, self.shell.now()
+        )
+        self.shell.apply(fx)
+        return placement
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def on_restore_begin(self, msg: Incoming, body: RestoreBegin) -> dict[str, list[int]]:
+        return self.core.catalog.restore_begin(body.state.partitions)
+
+    def on_restore_commit(self, msg: Incoming, body: RestoreCommit) -> None:
+        core = self.core
+        samplers = (core.sampler, core.task_samplers)
+        fx = core.catalog.restore_commit(body.partition_ids, body.sampler_state, samplers)
+        self.shell.apply(fx)
+
+    def on_restore_abort(self, msg: Incoming, body: RestoreAbort) -> None:
+        everywhere = self.core.catalog.restore_abort(body.partition_ids)
+        for pid in body.partition_ids:
+            self.shell.spawn(self.links.clear_units, None, msg.rid, pid, everywhere)
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def on_set_policy_version(self, msg: Incoming, body: SetPolicyVersion) -> None:
+        self.shell.apply(self.core.set_policy_version(body.version))
+
+    def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
+        if self.core.acquire(body.policy_version, body.n):
+            return None
+        self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
+        return DEFERRED
+
+    def on_release_rollout(self, msg: Incoming, body: ReleaseRollout) -> None:
+        if body.n < 0:
+            raise InvalidRequestError(f"release_rollout needs n >= 0, got {body.n}")
+        self.shell.apply(Effects(admission=self.core.free_slots(body.n)))
+
+    def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
+        if body.max_rows < 1:
+            raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
+        return self._take_recycled(body.max_rows)
+
+    async def _acquire_waiting(
+        self, peer: bytes, rid: int, body: AcquireRollout, t0: float
+    ) -> None:
+        async def work() -> None:
+            await self.shell.lot.until(
+                "admission", lambda: self.core.acquire(body.policy_version, body.n)
+            )
+            self.shell.send_ok(peer, rid, None)
+
+        st = self.state
+        await self.shell.waiting_request(
+            peer,
+            rid,
+            "AcquireRollout",
+            t0,
+            body.timeout,
+            lambda: (
+                f"rollout of policy version {body.policy_version} not admitted within "
+                f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
+                "outstanding); nothing was reserved"
+            ),
+            work,
+        )
+
+    def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
+        out = self.core.catalog.take_recycled(max_rows)
+        st = self.state
+        return [
+            RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
+            for pid, rows in out.items()
+        ]

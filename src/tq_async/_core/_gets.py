@@ -1,0 +1,527 @@
+"""The get path, decided in one place: what a get_meta (and the batches it asks for ahead)
+comes to.
+
+:meth:`Gets.decide` takes a request and returns what it comes to — a reply (with the batches
+``GetMeta.also`` asks for that can be decided now in ``reply.more``), None (wait for a
+wake-up), or an ``async`` sampler's started call (:class:`~tq_async._core._sampling.Awaiting`)
+for the shell to await and hand to :meth:`Gets.resume` — and collects every effect of the
+request in one :class:`~tq_async._core._effects.Effects`, applied once by the shell. Plain
+samplers are run here; a batch below the asked one (``record_from``) is decided first.
+
+The steps, each usable alone (``tests/test_core.py`` drives them one by one): :meth:`Gets.look`
+says which sampler call a request needs (or the recorded batch it re-reads), and
+:meth:`Gets.sampled` applies a sampler's answer: consumption, stale rows, the tail of a global
+batch, recorded batches and their leases (:mod:`tq_async._core._leases`), auto-clear and
+admission follow-ups.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from .._errors import InvalidRequestError, TQError
+from .._logging import get_logger
+from .._wire._protocol import GetMeta, MetaReply
+from ..samplers import BaseSampler, StaleRows
+from ._admission import Admission
+from ._effects import Effects
+from ._leases import GetLeases
+from ._ready import ReadyView
+from ._sampling import (
+    TAILS,
+    Awaiting,
+    Decision,
+    SampleCall,
+    accepted_kwargs,
+    check_result,
+    check_shares,
+    split_even,
+    too_few,
+)
+from ._state import (
+    ControllerState,
+    Partition,
+    RecordKey,
+    RowOrigin,
+    RowTags,
+    RowVersions,
+    Wakeup,
+)
+
+__all__ = ["Gets", "all_consumed", "follower", "meta_reply", "record_key"]
+
+log = get_logger(__name__)
+
+#: what a request comes to in one step: a reply, a wait (None), or an async sampler to await
+Outcome = MetaReply | Awaiting | None
+
+
+class Gets:
+    """What every get_meta comes to (see the module docstring).
+
+    Args:
+        state: the partitions.
+        leases: the get-side leases and holds.
+        rollouts: admission (the learner's consumption frees slots; stale rows are counted).
+        sampler: the default sampler.
+        task_samplers: samplers of particular tasks.
+    """
+
+    def __init__(
+        self,
+        state: ControllerState,
+        leases: GetLeases,
+        rollouts: Admission,
+        sampler: BaseSampler,
+        task_samplers: Mapping[str, BaseSampler],
+    ) -> None:
+        self.state = state
+        self.leases = leases
+        self.rollouts = rollouts
+        self.sampler = sampler
+        self.task_samplers = task_samplers
+        #: per sampler: the keywords its ``sample`` takes, its DP size hint and tail policy
+        self._kwargs = {id(smp): accepted_kwargs(smp) for smp in self.samplers()}
+        self._hints = {
+            id(smp): (getattr(smp, "dp_size_hint", None), getattr(smp, "tail_policy", None))
+            for smp in self.samplers()
+        }
+        #: number of sampler invocations (tests use it to prove waiting is event-driven)
+        self.sampler_calls = 0
+
+    def samplers(self) -> list[BaseSampler]:
+        """Every sampler, default first."""
+        return [self.sampler, *self.task_samplers.values()]
+
+    def sampler_for(self, task: str) -> BaseSampler:
+        return self.task_samplers.get(task, self.sampler)
+
+    # ---- one request, one step ---------------------------------------------------------------
+
+    def decide(self, req: GetMeta, now: float, fx: Effects, *, ahead: bool = True) -> Outcome:
+        """What ``req`` comes to now; its effects go to ``fx`` (also when it raises: the shell
+        applies them either way). ``req.ack`` is not applied here (see
+        :meth:`~tq_async._core._transitions.ControllerCore.decide`); with ``ahead``, a reply
+        carries the batches ``req.also`` asks for that can be decided now."""
+        return self._settle(req, self.look(req, now), now, fx, ahead)
+
+    def resume(
+        self,
+        req: GetMeta,
+        awaiting: Awaiting,
+        answer: Any,
+        now: float,
+        fx: Effects,
+        *,
+        ahead: bool = True,
+    ) -> Outcome:
+        """Go on with an ``async`` sampler's ``answer`` (computed while the state could move:
+        an answer that no longer fits is dropped, and the request samples again)."""
+        decision, more = self.sampled(req, awaiting.call, answer, now, strict=False)
+        fx.add(more)
+        return self._settle(req, decision, now, fx, ahead)
+
+    def _settle(
+        self, req: GetMeta, decision: Decision, now: float, fx: Effects, ahead: bool
+    ) -> Outcome:
+        """Run the sampler calls ``decision`` leads to (one per batch a ``record_from``
+        decides first, then the asked batch's) until a reply, a wait, or an ``async``
+        sampler's call; a reply then looks ahead."""
+        while isinstance(decision, SampleCall):
+            result = decision.run()
+            if inspect.isawaitable(result):
+                return Awaiting(decision, result)
+            decision, more = self.sampled(req, decision, result, now)
+            fx.add(more)
+        if ahead and isinstance(decision, MetaReply) and req.also:
+            decided = self._ahead(req, decision, now, fx)
+            if decided:
+                decision.more = decided
+        return decision
+
+    def _ahead(self, req: GetMeta, first: MetaReply, now: float, fx: Effects) -> list[MetaReply]:
+        """The batches ``req.also`` names that can be decided now, in order: up to the first
+        that cannot (or that ends the stream, fails, or needs an ``async`` sampler's answer)."""
+        out: list[MetaReply] = []
+        if first.end_of_stream or req.also is None:
+            return out
+        after = int((req.sampling_config or {})["batch_index"])  # checked: also needs it
+        for index in req.also:
+            sub = follower(req, index, after)
+            try:
+                decision = self._settle(sub, self.look(sub, now), now, fx, False)
+            except Exception as exc:  # raised again when that batch is asked for itself
+                log.debug("a batch asked for with also= failed", batch_index=index, error=repr(exc))
+                break
+            if isinstance(decision, Awaiting):  # nothing is decided until it is awaited
+                close = getattr(decision.answer, "close", None)
+                if close is not None:
+                    close()
+                break
+            if not isinstance(decision, MetaReply) or decision.end_of_stream:
+                break
+            out.append(decision)
+            after = index
+        return out
+
+    # ---- the steps ---------------------------------------------------------------------------
+
+    def look(self, req: GetMeta, now: float) -> Decision:
+        """Look again after a wake-up (nothing changes unless a recorded batch is re-read)."""
+        p = self.state.partitions.get(req.partition_id)
+        if p is None:
+            return None
+        dp_size = self._dp_size(req)
+        key = record_key(req)
+        if dp_size is not None and key is None:
+            raise InvalidRequestError(
+                "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
+            )
+        if key is not None:
+            recorded = self._recorded(req, p, key, now)
+            if recorded is not None:
+                return recorded
+            earlier = _first_undecided(req, p, key)
+            if earlier is not None:
+                # record_from: batches below this one are decided first, lowest first
+                return _keyed(self._sample(earlier, p, dp_size), record_key(earlier), earlier)
+        return _keyed(self._sample(req, p, dp_size), key, None)
+
+    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
+        """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
+        rs = p.ready_set(req.task_name, req.data_fields)
+        final = p.is_final(req.task_name, rs)
+        if not final and too_few(self.sampler_for(req.task_name), req, len(rs.rows), dp_size):
+            return None
+        return self._call(req, p, ReadyView(rs.rows), final, dp_size)
+
+    def _dp_size(self, req: GetMeta) -> int | None:
+        cfg = req.sampling_config
+        if cfg is None:
+            return None
+        dp_size = cfg.get("dp_size")
+        if dp_size is None:
+            dp_size = self._hints[id(self.sampler_for(req.task_name))][0]
+            if dp_size is None or cfg.get("batch_index") is None:
+                return None
+        if req.mode != "fetch":
+            return None
+        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+            raise InvalidRequestError(f"sampling_config dp_size must be an int >= 1: {dp_size!r}")
+        rank = cfg.get("dp_rank") or 0
+        if not isinstance(rank, int) or not 0 <= rank < dp_size:
+            raise InvalidRequestError(
+                f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
+            )
+        return dp_size
+
+    def _call(
+        self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
+    ) -> SampleCall:
+        cfg = req.sampling_config or {}
+        if "record_from" in cfg:  # the controller's, not the sampler's
+            cfg = {k: v for k, v in cfg.items() if k != "record_from"}
+        sampler = self.sampler_for(req.task_name)
+        ctx: dict[str, Any] = {
+            "partition_id": req.partition_id,
+            "task_name": req.task_name,
+            "data_fields": list(req.data_fields),
+            "dp_rank": None if dp_size is not None else cfg.get("dp_rank"),
+            "batch_index": cfg.get("batch_index"),
+            "sampling_config": cfg,
+            "tags": RowTags(p),
+            "origin": RowOrigin(p),
+            "final": final,
+            "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+            "policy_version": self.state.learner_version,
+            "versions": RowVersions(p),
+            "stale": StaleRows(),
+            "tail": self._tail(req, sampler),
+        }
+        if cfg:
+            # sampling_config entries also arrive as keywords (TransferQueue passes them so,
+            # e.g. priority_scores); the controller's own context wins on a name clash
+            ctx = {str(k): v for k, v in cfg.items()} | ctx
+        stale = ctx["stale"]
+        accepted = self._kwargs.get(id(sampler))
+        if accepted is not None:
+            ctx = {k: v for k, v in ctx.items() if k in accepted}
+        self.sampler_calls += 1
+        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size)
+
+    def _tail(self, req: GetMeta, sampler: BaseSampler) -> str:
+        cfg = req.sampling_config
+        tail = (cfg.get("tail") if cfg else None) or self._hints[id(sampler)][1] or "uneven"
+        if tail not in TAILS:
+            raise InvalidRequestError(f"sampling_config tail must be one of {TAILS}: {tail!r}")
+        return str(tail)
+
+    def sampled(
+        self, req: GetMeta, call: SampleCall, result: Any, now: float, *, strict: bool = True
+    ) -> tuple[Decision, Effects]:
+        """Apply a sampler's answer: a reply, or None (nothing yet: wait).
+
+        With ``strict=False`` (the answer of an async sampler, computed while the state
+        could move) an answer that no longer fits is dropped and None returned, so the
+        shell samples again.
+
+        The answer for a batch below the asked one (``record_from``) records that batch and
+        comes to what :meth:`look` says next: the next such batch's sampler call, or the
+        asked batch's; its end of stream is the asked batch's too.
+        """
+        earlier = call.earlier
+        if earlier is None:
+            return self._apply_sample(req, call, result, now, strict)
+        decision, fx = self._apply_sample(earlier, call, result, now, strict)
+        if isinstance(decision, MetaReply) and not decision.end_of_stream:
+            return self.look(req, now), fx
+        return decision, fx
+
+    def _apply_sample(
+        self, req: GetMeta, call: SampleCall, result: Any, now: float, strict: bool
+    ) -> tuple[Decision, Effects]:
+        fx = Effects()
+        p = call.partition
+        if self.state.partitions.get(req.partition_id) is not p:
+            return None, fx  # cleared while an async sampler ran
+        key = call.key
+        if key is not None:
+            recorded = self._recorded(req, p, key, now)
+            if recorded is not None:
+                return recorded, fx  # a replica decided the batch meanwhile
+        try:
+            if call.dp_size is None:
+                sampled, consumed = check_result(result)
+                shares = [sampled]
+            else:
+                shares, consumed = self._global_shares(req, call, result)
+            final = call.final
+            if call.stale and req.mode == "fetch":
+                self._apply_stale(req, p, call.stale, fx)
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
+            delivered = [r for share in shares for r in share]
+            check_sampled(req, p, delivered)
+            if call.stale.kept_rows and req.mode == "fetch":
+                self.rollouts.count_kept(req, call.stale, delivered, fx)
+            if req.mode == "fetch" and consumed:
+                p.check_rows(consumed)
+                p.consume(req.task_name, consumed)
+                count_dropped(req, p, consumed, delivered)
+                self._after_consume(req.task_name, p, consumed, delivered, fx)
+        except TQError:
+            if strict:
+                raise
+            return None, fx  # the state moved while an async sampler ran: sample again
+        if not delivered:
+            if consumed:
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
+            if final or (req.stop_when_consumed and all_consumed(p, req.task_name)):
+                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True), fx
+            return None, fx
+        if key is None:
+            reply = meta_reply(p, shares[0], req.data_fields)
+            if req.mode == "fetch" and self._holding(req, p):
+                reply.lease_id = self.leases.new_lease(p, req, tuple(shares[0]), None, now)
+            return reply, fx
+        task, _, index = key
+        if call.dp_size is None:
+            p.recorded[key] = tuple(shares[0])
+        else:
+            for r, share in enumerate(shares):
+                p.recorded[(task, r, index)] = tuple(share)
+        recorded = self._recorded(req, p, key, now)
+        assert recorded is not None
+        return recorded, fx
+
+    def _global_shares(
+        self, req: GetMeta, call: SampleCall, result: Any
+    ) -> tuple[list[list[int]], list[int]]:
+        """The ``dp_size`` shares of a global batch, after the tail policy."""
+        assert call.dp_size is not None
+        dp_size, group = call.dp_size, int(getattr(call.sampler, "group_size", 1))
+        if call.shares:
+            shares, consumed = check_shares(result, dp_size)
+        else:
+            sampled, consumed = check_result(result)
+            shares = split_even(sampled, dp_size, group)
+        lengths = {len(s) for s in shares}
+        if len(lengths) <= 1:
+            return shares, consumed
+        tail = str(call.ctx.get("tail") or self._tail(req, call.sampler))
+        if tail == "error":
+            raise InvalidRequestError(
+                f"the last global batch of partition {req.partition_id!r} for task "
+                f"{req.task_name!r} has {sum(map(len, shares))} rows, which do not split evenly "
+                f"over dp_size={dp_size} (shares of {sorted(lengths)} rows); put a multiple of "
+                "dp_size x batch_size rows, or ask with tail='uneven' or 'drop'"
+            )
+        if tail == "drop":
+            keep = min(lengths)
+            dropped = sum(len(s) - keep for s in shares)
+            log.warning(
+                "dropping the uneven tail of a global batch",
+                partition=req.partition_id,
+                task=req.task_name,
+                rows=dropped,
+                dp_size=dp_size,
+            )
+            shares = [s[:keep] for s in shares]
+        return shares, consumed
+
+    def _holding(self, req: GetMeta, p: Partition) -> bool:
+        """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""
+        return req.lease is not None or self.state.auto_clears(p, req.task_name)
+
+    def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
+        """The recorded batch ``key``, with its lease; None if it was never decided."""
+        rows = p.recorded.get(key)
+        if rows is None:
+            return None
+        reply = meta_reply(p, list(rows), req.data_fields)
+        if req.mode != "fetch" or not rows:
+            return reply
+        lease_id = p.batch_leases.get(key)
+        if lease_id is not None:  # the batch's lease: shared, and taken over by a new reader
+            self.leases.take_over(p, lease_id, req, now)
+            reply.lease_id = lease_id
+        elif key not in p.settled and self._holding(req, p):
+            reply.lease_id = self.leases.new_lease(p, req, rows, key, now)
+        return reply
+
+    def _after_consume(
+        self,
+        task: str,
+        p: Partition,
+        rows: Sequence[int],
+        delivered: Sequence[int],
+        fx: Effects,
+    ) -> None:
+        """Admission slots, auto-clear and "all consumed" waiters follow consumption."""
+        if self.rollouts.learner_consumed(task, p, rows):
+            fx.admission = True
+        if all_consumed(p, task):
+            # waiters of this task asking stop_when_consumed can end their stream now
+            fx.wakeups.append(Wakeup(p.partition_id, task))
+        if not self.state.auto_clear:
+            return  # no task auto-clears
+        if self.state.auto_clears(p, task) and delivered:
+            # delivered rows of an auto-clear task are held until acknowledged; only the
+            # rows consumed undelivered (a dropped tail, stale rows) can go now
+            given = set(delivered)
+            rows = [r for r in rows if r not in given]
+        self.leases.auto_clear(p, rows, fx)
+
+    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
+        """Consume the rows a sampler found stale; queue recycled prompts; count."""
+        consumed = p.consumed.get(req.task_name)
+        st = self.state
+        self.rollouts.count_stale(
+            "kept", stale.kept - len(stale.kept_rows), fx
+        )  # counts without rows
+        for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
+            valid = [
+                r
+                for r in dict.fromkeys(rows)
+                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
+            ]
+            if not valid:
+                continue
+            p.consume(req.task_name, valid)
+            self._after_consume(req.task_name, p, valid, (), fx)
+            self.rollouts.count_stale(kind, len(valid), fx)
+            if kind == "recycled":
+                st.recycled.extend((p.partition_id, r) for r in valid)
+
+
+def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
+    """The sampler's rows exist and have the request's fields."""
+    p.check_rows(delivered)
+    # rows of the ready set have every field by construction: check only the others
+    ready = p.ready_set(req.task_name, req.data_fields).rows
+    for r in ready.missing(delivered):
+        if not p.is_produced(r, req.data_fields):
+            raise InvalidRequestError(
+                f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+            )
+
+
+def count_dropped(
+    req: GetMeta, p: Partition, consumed: Sequence[int], delivered: Sequence[int]
+) -> None:
+    """Count rows consumed without being delivered (a dropped tail), once each."""
+    if len(consumed) == len(delivered):
+        return
+    given = set(delivered)
+    n = sum(1 for r in consumed if r not in given)
+    if n:
+        p.dropped[req.task_name] = p.dropped.get(req.task_name, 0) + n
+
+
+def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | None:
+    """With ``record_from`` in the request's ``sampling_config``: the request for the lowest
+    batch index in ``[record_from, batch_index)`` not decided yet for ``(task, dp_rank)``,
+    else None. Deciding those first keeps the recorded indexes a gap-free prefix when several
+    readers share the index space (DataLoader workers), in one round trip."""
+    cfg = req.sampling_config
+    start = cfg.get("record_from") if cfg else None
+    if start is None:
+        return None
+    task, rank, index = key
+    recorded = p.recorded
+    for i in range(max(int(start), 0), index):
+        if (task, rank, i) not in recorded:
+            assert cfg is not None
+            return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
+    return None
+
+
+def record_key(req: GetMeta) -> RecordKey | None:
+    """``(task, dp_rank, batch_index)`` of a fetch that names its batch, else None."""
+    cfg = req.sampling_config
+    if req.mode != "fetch" or not cfg or cfg.get("batch_index") is None:
+        return None
+    dp_rank = cfg.get("dp_rank") or 0
+    return (req.task_name, int(dp_rank), int(cfg["batch_index"]))
+
+
+def follower(req: GetMeta, index: int, after: int) -> GetMeta:
+    """The request deciding batch ``index`` of ``req.also`` once batch ``after`` (the one
+    before it in the request) is decided: the same fetch under ``index``, deciding the
+    indexes between first (``record_from``), answered now or not at all (``timeout=0``)."""
+    cfg = {**(req.sampling_config or {}), "batch_index": index, "record_from": after + 1}
+    return msgspec.structs.replace(req, sampling_config=cfg, timeout=0, ack=None, also=None)
+
+
+def all_consumed(p: Partition, task: str) -> bool:
+    """The partition holds rows and ``task`` consumed every one of them."""
+    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+
+
+def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
+    """The reply naming ``rows`` of ``p`` (their units, tags and versions)."""
+    tags = p.tags
+    versions = {
+        f: [fv[r] for r in rows] for f in fields if (fv := p.field_versions.get(f)) is not None
+    }
+    return MetaReply(
+        rows,
+        [p.units[r] for r in rows],
+        [tags[r] or {} for r in rows],
+        list(fields),
+        versions=versions,
+        incarnation=p.incarnation,
+        keys=[p.row_keys[r] for r in rows] if p.keys else None,
+    )
+
+
+def _keyed(
+    call: SampleCall | None, key: RecordKey | None, earlier: GetMeta | None
+) -> SampleCall | None:
+    """``call`` marked with the recorded batch its answer goes to (and the earlier request)."""
+    if call is not None:
+        call.key, call.earlier = key, earlier
+    return call

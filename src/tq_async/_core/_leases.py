@@ -1,0 +1,235 @@
+"""Get-side leases: what delivered rows owe until the consumer acknowledges them.
+
+A **lease** keeps delivered rows consumed only once acknowledged before a deadline; a
+**hold** (a lease without one) keeps auto-clear away until acknowledged. A lease belongs to
+its recorded batch, not to the caller: replays share it and an ack from any reader settles it
+(see :mod:`tq_async._core._transitions` for the words). :class:`GetLeases` gives, takes over,
+acknowledges, expires and releases them, and frees the rows every auto-clear task consumed
+once nobody holds them. Plain bookkeeping over the partitions; deadlines go to the core's one
+heap through ``arm``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from .._logging import get_logger
+from .._wire._protocol import GetMeta
+from ._effects import Effects
+from ._state import ControllerState, Lease, Partition, RecordKey, Wakeup
+
+__all__ = ["GetLeases"]
+
+log = get_logger(__name__)
+
+
+class GetLeases:
+    """Every lease and hold of the get side (see the module docstring).
+
+    Args:
+        state: the partitions.
+        ids: the core's id counter (lease ids are unique among put ids too).
+        arm: ``arm(deadline, "lease", lease_id)`` puts a deadline on the core's heap.
+    """
+
+    def __init__(
+        self,
+        state: ControllerState,
+        ids: itertools.count[int],
+        arm: Callable[[float, str, int], None],
+    ) -> None:
+        self.state = state
+        self._ids = ids
+        self._arm = arm
+        #: lease id -> the partition holding it (gone with the partition)
+        self.home: dict[int, Partition] = {}
+        #: lease id of a recorded batch -> its partition, also after the lease ended
+        self.batch_home: dict[int, Partition] = {}
+
+    def live(self, lease_id: int, deadline: float) -> bool:
+        """Whether a heap entry still stands for the lease's deadline."""
+        p = self.home.get(lease_id)
+        return p is not None and p.leases[lease_id].deadline == deadline
+
+    def forget(self, p: Partition) -> None:
+        """``p`` is gone (cleared): its leases and recorded batches with it."""
+        for lease_id in p.leases:
+            self.home.pop(lease_id, None)
+        for lease_id in p.lease_batch:
+            self.batch_home.pop(lease_id, None)
+
+    def reset(self, p: Partition, task: str | None) -> None:
+        """Drop the leases and recorded batches of ``task`` (every task if None)."""
+        for lease in list(p.leases.values()):
+            if task is None or lease.task == task:
+                self.drop(p, lease)
+        p.settled = {k for k in p.settled if task is not None and k[0] != task}
+        for lease_id, key in list(p.lease_batch.items()):
+            if task is None or key[0] == task:
+                del p.lease_batch[lease_id]
+                self.batch_home.pop(lease_id, None)
+        p.recorded = {k: v for k, v in p.recorded.items() if task is not None and k[0] != task}
+
+    def take_over(self, p: Partition, lease_id: int, req: GetMeta, now: float) -> None:
+        """A new reader of a recorded batch takes its lease over: a lease asked for pushes
+        the deadline (a hold becomes a lease)."""
+        lease = p.leases[lease_id]
+        if req.lease is not None:
+            deadline = now + req.lease
+            if lease.deadline is None:
+                lease.deadline = deadline
+                p.open_leases[lease.task] = p.open_leases.get(lease.task, 0) + 1
+                self._arm(deadline, "lease", lease_id)
+            elif deadline > lease.deadline:
+                lease.deadline = deadline
+                self._arm(deadline, "lease", lease_id)
+
+    def new_lease(
+        self,
+        p: Partition,
+        req: GetMeta,
+        rows: tuple[int, ...],
+        key: RecordKey | None,
+        now: float,
+    ) -> int:
+        lease_id = next(self._ids)
+        deadline = None if req.lease is None else now + req.lease
+        p.leases[lease_id] = Lease(lease_id, req.task_name, rows, key, deadline)
+        self.home[lease_id] = p
+        if key is not None:
+            p.batch_leases[key] = lease_id
+            p.lease_batch[lease_id] = key
+            self.batch_home[lease_id] = p
+        if deadline is not None:
+            p.open_leases[req.task_name] = p.open_leases.get(req.task_name, 0) + 1
+            self._arm(deadline, "lease", lease_id)
+        held = p.held
+        for r in rows:
+            held[r] = held.get(r, 0) + 1
+        return lease_id
+
+    def drop(self, p: Partition, lease: Lease) -> None:
+        del p.leases[lease.lease_id]
+        self.home.pop(lease.lease_id, None)
+        if lease.key is not None and p.batch_leases.get(lease.key) == lease.lease_id:
+            del p.batch_leases[lease.key]
+        if lease.deadline is not None:
+            p.open_leases[lease.task] -= 1
+            if not p.open_leases[lease.task]:
+                del p.open_leases[lease.task]
+        held = p.held
+        for r in lease.rows:
+            n = held.get(r, 0) - 1
+            if n > 0:
+                held[r] = n
+            else:
+                held.pop(r, None)
+
+    def ack(self, lease_ids: Sequence[int], now: float) -> Effects:
+        """Acknowledge leases and holds: their rows stay consumed for good.
+
+        An ack of a recorded batch settles it for every reader. Unknown ids (already
+        acknowledged, expired, or of a cleared partition) are ignored: acks are idempotent.
+        """
+        fx = Effects()
+        for lease_id in lease_ids:
+            p = self.home.get(lease_id)
+            if p is None:
+                fx.add(self._late_ack(lease_id))
+                continue
+            lease = p.leases[lease_id]
+            self.drop(p, lease)
+            if lease.key is not None:
+                p.settled.add(lease.key)
+            if lease.deadline is not None:
+                fx.wakeups.append(Wakeup(p.partition_id, lease.task))  # end-of-stream may be due
+            self.auto_clear(p, lease.rows, fx)
+        return fx
+
+    def _late_ack(self, lease_id: int) -> Effects:
+        """An ack of an expired (or replaced) lease of a recorded batch still settles it.
+
+        Its rows never left the batch, so the consumer's work stands. An expired lease
+        without a batch is ignored: its rows went back to the pool (at-least-once).
+        """
+        p = self.batch_home.get(lease_id)
+        if p is None or self.state.partitions.get(p.partition_id) is not p:
+            return Effects()
+        key = p.lease_batch[lease_id]
+        if key in p.settled or key not in p.recorded:
+            return Effects()
+        live = p.batch_leases.get(key)
+        if live is not None:
+            return self.ack([live], 0.0)  # the batch's current lease, settled for everyone
+        p.settled.add(key)
+        fx = Effects()
+        self.auto_clear(p, p.recorded[key], fx)
+        return fx
+
+    def expire(self, lease_id: int, deadline: float, fx: Effects) -> None:
+        p = self.home.get(lease_id)
+        if p is None:
+            return
+        lease = p.leases[lease_id]
+        if lease.deadline != deadline:
+            return  # renewed (a stale heap entry)
+        self.drop(p, lease)
+        if lease.key is not None:
+            # the rows stay recorded and consumed: the next reader of the batch gets them
+            log.info(
+                "lease expired: the batch waits for its next reader",
+                partition=p.partition_id,
+                task=lease.task,
+                batch=lease.key,
+                rows=len(lease.rows),
+            )
+        elif p.release(lease.task, lease.rows):
+            log.info(
+                "lease expired: rows go back to the task",
+                partition=p.partition_id,
+                task=lease.task,
+                rows=len(lease.rows),
+            )
+        fx.wakeups.append(Wakeup(p.partition_id, lease.task))
+
+    def release(
+        self,
+        partition_id: str,
+        task: str,
+        rows: Sequence[int],
+        incarnation: str | None = None,
+        lease_id: int = 0,
+    ) -> Effects:
+        """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded).
+
+        This is the ``cancel`` transition of a fetch whose caller never saw its reply
+        (:meth:`cancel` for a request still waiting): its lease or hold (``lease_id``) is
+        dropped, not acknowledged — an expiry must not give the rows back a second time,
+        and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
+        Rows of a recorded batch stay with the batch (its next reader gets them), and so
+        does its lease.
+        """
+        fx = Effects()
+        p = self.state.partition(partition_id)
+        p.check_incarnation(incarnation)
+        lease = p.leases.get(lease_id) if lease_id else None
+        if lease is not None and lease.key is None and lease.task == task:
+            self.drop(p, lease)
+            if lease.deadline is not None:
+                fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
+        recorded = {r for batch in p.recorded.values() for r in batch} if p.recorded else ()
+        back = [r for r in rows if r not in recorded]
+        if back and p.release(task, back):
+            fx.wakeups.append(Wakeup(partition_id, task))
+        return fx
+
+    def auto_clear(self, p: Partition, rows: Sequence[int], fx: Effects) -> None:
+        """Free rows every auto-clear task consumed, unless a consumer still holds them."""
+        if not self.state.auto_clear or self.state.partitions.get(p.partition_id) is not p:
+            return
+        held = p.held
+        done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
+        if done:
+            fx.room = True
+            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done))))

@@ -1,0 +1,254 @@
+"""Ready sets: per ``(task, fields)``, the rows a task can be given now, in readiness order.
+
+A ready set (:class:`ReadySet`, array-backed :class:`ReadyRows`) is built once on first use
+(one numpy scan, :func:`ready_mask`) and then kept up to date by its
+:class:`~tq_async._core._state.Partition` on every commit, consume, release and clear, so
+sampling never rescans the partition. Samplers see it through a read-only
+:class:`ReadyView`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+import numpy as np
+
+__all__ = ["FieldsKey", "ReadyRows", "ReadySet", "ReadyView", "ready_mask"]
+
+FieldsKey = tuple[str, ...]
+
+#: row ids in ready sets: a partition holds fewer than 2**31 rows
+_ROW = np.int32
+
+
+class ReadyRows:
+    """Rows in the order they became ready, array-backed (numpy): the ready set's ``rows``.
+
+    It behaves like the insertion-ordered ``dict[int, None]`` it replaces (``row in rows``,
+    ``len``, iteration in readiness order, ``rows[row] = None`` appends a row that is not
+    there yet), but a ready set of a million rows is built from one numpy mask instead of a
+    Python loop: measured on our 2-vCPU box, ``dict.fromkeys`` over 1M rows took 59-77 ms and
+    the ``tolist`` feeding it 28-35 ms, where the mask takes 2-7 ms.
+
+    Layout: ``_order[_head:_tail]`` lists rows in readiness order, including dead entries;
+    ``_pos[row]`` is the index of the row's live entry in ``_order`` (-1: not ready). An entry
+    ``i`` is live iff ``_pos[_order[i]] == i``, so removing a row is O(1) and re-adding it
+    appends a new entry (what a dict does). Dead entries are skipped when iterating and
+    compacted away once they outnumber live ones (amortised O(1), see ReadySet.discard).
+    """
+
+    __slots__ = ("_dead", "_head", "_len", "_order", "_pos", "_tail")
+
+    def __init__(self, rows: Any = ()) -> None:
+        order = np.array(rows, dtype=_ROW).ravel()
+        n = len(order)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order[:n] = order
+        self._pos = np.full(max(int(order.max()) + 1 if n else 0, 64), -1, dtype=_ROW)
+        self._pos[order] = np.arange(n, dtype=_ROW)
+        self._head = 0
+        self._tail = self._len = n
+        self._dead = 0
+
+    @classmethod
+    def from_mask(cls, mask: np.ndarray[Any, Any]) -> ReadyRows:
+        """The rows where ``mask`` (bool, indexed by row) is set, in row order.
+
+        Built without a scatter: fresh memory page-faults at ~1.7 GB/s on the machines we
+        measured, so the arrays are int32 and sized to the rows (1M rows: ~10 ms).
+        """
+        self = cls()
+        order = np.flatnonzero(mask).astype(_ROW)
+        n = len(order)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order[:n] = order
+        pos = np.cumsum(mask, dtype=_ROW)
+        pos -= 1
+        pos[~mask] = -1
+        if len(pos) < 64:
+            pos = np.concatenate([pos, np.full(64 - len(pos), -1, dtype=_ROW)])
+        self._pos = pos
+        self._tail = self._len = n
+        return self
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, row: object) -> bool:
+        if not isinstance(row, int) or row < 0 or row >= len(self._pos):
+            return False
+        # .item() returns a Python int: half the cost of indexing (a numpy scalar)
+        return self._pos.item(row) >= 0
+
+    def __setitem__(self, row: int, _value: None) -> None:
+        pos = self._pos
+        if row >= len(pos):
+            grown = np.full(max(2 * len(pos), row + 1), -1, dtype=_ROW)
+            grown[: len(pos)] = pos
+            self._pos = pos = grown
+        elif pos.item(row) >= 0:
+            return  # already ready: keeps its place, as in a dict
+        if self._tail == len(self._order):
+            self._compact(grow=True)
+        self._order[self._tail] = row
+        pos[row] = self._tail
+        self._tail += 1
+        self._len += 1
+
+    def pop(self, row: int, default: Any = None) -> Any:
+        """Remove ``row``; None if it was there, else ``default`` (``dict.pop``'s contract)."""
+        pos = self._pos
+        if row < 0 or row >= len(pos):
+            return default
+        i = pos.item(row)
+        if i < 0:
+            return default
+        pos[row] = -1
+        self._len -= 1
+        self._dead += 1
+        if i == self._head:  # keep the front live, so prefix reads start at once
+            order, tail, head = self._order, self._tail, i + 1
+            while head < tail and pos.item(order.item(head)) != head:
+                head += 1
+            self._dead -= head - i
+            self._head = head
+        if self._dead > self._len + 1024:
+            self._compact(grow=False)
+        return None
+
+    def _compact(self, *, grow: bool) -> None:
+        live = self._live_block(self._head, self._tail)
+        n = len(live)
+        cap = max(2 * n, 64) if grow or len(self._order) > 4 * max(n, 16) else len(self._order)
+        if cap < n + 1:
+            cap = 2 * n + 64
+        order = np.empty(cap, dtype=_ROW)
+        order[:n] = live
+        self._order = order
+        self._pos[live] = np.arange(n, dtype=_ROW)
+        self._head, self._tail, self._dead = 0, n, 0
+
+    def _live_block(self, a: int, b: int) -> np.ndarray[Any, Any]:
+        block = self._order[a:b]
+        live: np.ndarray[Any, Any] = block[self._pos[block] == np.arange(a, b, dtype=_ROW)]
+        return live
+
+    @property
+    def dead(self) -> int:
+        """Dead entries still in the order array (compacted once they outnumber live ones)."""
+        return self._dead
+
+    def __iter__(self) -> Iterator[int]:
+        # blocks grow so that a prefix read (a sequential sampler's first k) stays O(k)
+        i, step = self._head, 16
+        while i < self._tail:
+            j = min(i + step, self._tail)
+            if self._dead:
+                yield from self._live_block(i, j).tolist()
+            else:  # no dead entry anywhere (consumed from the front): no mask needed
+                yield from self._order[i:j].tolist()
+            i, step = j, min(step * 4, 1 << 16)
+
+    def missing(self, rows: Sequence[int]) -> list[int]:
+        """Of ``rows``, those not ready, in order (one call for a whole batch)."""
+        return [r for r in rows if r not in self]
+
+    def to_list(self) -> list[int]:
+        """Every ready row, in order."""
+        result: list[int] = self._live_block(self._head, self._tail).tolist()
+        return result
+
+    def __repr__(self) -> str:
+        return f"ReadyRows(len={self._len})"
+
+
+@dataclass(slots=True)
+class ReadySet:
+    """Rows produced for every field in ``fields`` and not yet consumed by ``task``."""
+
+    task: str
+    fields: FieldsKey
+    rows: ReadyRows = field(default_factory=lambda: ReadyRows())
+
+    def discard(self, row: int) -> None:
+        """Remove a row (if ready).
+
+        Dead slots are compacted away once they outnumber live rows (inside
+        :class:`ReadyRows`): otherwise a sequential sampler's first-k read would skip every
+        consumed slot (measured 5-6x slower get_meta once half of a 1M-row partition was
+        consumed). Amortised O(1).
+        """
+        self.rows.pop(row, 0)
+
+    def discard_all(self, rows: Sequence[int]) -> None:
+        """Remove every row of ``rows`` that is ready (see :meth:`discard`)."""
+        pop = self.rows.pop
+        for r in rows:
+            pop(r, 0)
+
+    @property
+    def deleted(self) -> int:
+        """Deletions not compacted away yet."""
+        return self.rows.dead
+
+
+class ReadyView(Sequence[int]):
+    """A read-only, lazily materialised view of a ready set, given to samplers.
+
+    ``len``, iteration and prefix slices (``view[:k]``) cost O(k); any other indexing builds a
+    list once (O(n)) and reuses it for the rest of the call.
+    """
+
+    __slots__ = ("_list", "_rows")
+
+    def __init__(self, rows: ReadyRows | Mapping[int, None] | Sequence[int]) -> None:
+        self._rows = rows
+        self._list: list[int] | None = list(rows) if isinstance(rows, list) else None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._list if self._list is not None else self._rows)
+
+    def __contains__(self, row: object) -> bool:
+        return row in self._rows
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if (
+            isinstance(index, slice)
+            and self._list is None
+            and index.start in (None, 0)
+            and index.step in (None, 1)
+            and index.stop is not None
+            and index.stop >= 0
+        ):
+            return list(itertools.islice(self._rows, index.stop))
+        if self._list is None:
+            rows = self._rows
+            self._list = rows.to_list() if isinstance(rows, ReadyRows) else list(rows)
+        return self._list[index]
+
+    def __repr__(self) -> str:
+        return f"ReadyView(len={len(self)})"
+
+
+def ready_mask(
+    alive: bytearray, consumed: bytearray, produced: Sequence[bytearray]
+) -> np.ndarray[Any, Any]:
+    """Which rows are alive, not consumed and produced for every field (one vectorised scan).
+
+    The numpy views of the bytearrays die with this call: a live export would stop them
+    from growing.
+    """
+    mask = np.frombuffer(alive, dtype=np.bool_) & ~np.frombuffer(consumed, dtype=np.bool_)
+    for p in produced:
+        mask &= np.frombuffer(p, dtype=np.bool_)
+    return mask

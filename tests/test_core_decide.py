@@ -1,0 +1,94 @@
+"""``ControllerCore.decide`` / ``resume``: a get_meta decided in one call into the core, its
+look-ahead (``GetMeta.also``) a core step, its effects collected in one ``Effects``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tq_async._core._state import ControllerState, Wakeup
+from tq_async._core._transitions import Awaiting, ControllerCore, Effects
+from tq_async._errors import InvalidRequestError
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import GetMeta, MetaReply
+from tq_async.samplers import BaseSampler, SequentialSampler
+
+X = ColumnHeader("x", "dense", "int64", ())
+
+
+def new_core(sampler: BaseSampler | None = None) -> ControllerCore:
+    return ControllerCore(ControllerState({0: "inproc://u0"}), sampler)
+
+
+def put(core: ControllerCore, n: int) -> None:
+    placement, _ = core.put_begin("p", [X], n, None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+
+
+def batch(index: int, *, also: list[int] | None = None, lease: float | None = None) -> GetMeta:
+    req = GetMeta("p", ["x"], 4, "t", {"batch_index": index, "dp_rank": 0}, lease=lease)
+    req.also = also
+    return req
+
+
+def test_decide_answers_the_batches_asked_ahead_in_the_same_call() -> None:
+    core = new_core()
+    put(core, 12)
+    fx = Effects()
+    reply = core.decide(batch(0, also=[1, 2, 3]), 0.0, fx)
+    assert isinstance(reply, MetaReply)
+    assert reply.rows == [0, 1, 2, 3]
+    assert reply.more is not None
+    assert [r.rows for r in reply.more] == [[4, 5, 6, 7], [8, 9, 10, 11]]  # batch 3: no rows
+    # decided, and recorded: asking for batch 2 itself re-reads it
+    again = core.decide(batch(2), 0.0, Effects())
+    assert isinstance(again, MetaReply)
+    assert again.rows == [8, 9, 10, 11]
+
+
+def test_decide_without_ahead_decides_only_the_asked_batch() -> None:
+    core = new_core()
+    put(core, 8)
+    reply = core.decide(batch(0, also=[1]), 0.0, Effects(), ahead=False)
+    assert isinstance(reply, MetaReply)
+    assert reply.more is None
+    assert ("t", 0, 1) not in core.state.partitions["p"].recorded
+
+
+def test_an_async_sampler_is_handed_back_and_resumed() -> None:
+    class Later(SequentialSampler):
+        async def sample(self, ready: Any, batch_size: int, *a: Any, **kw: Any) -> Any:  # type: ignore[override]
+            rows = list(ready)[:batch_size]
+            return rows, rows
+
+    core = new_core(Later())
+    put(core, 8)
+    req = batch(0)
+    pending = core.decide(req, 0.0, Effects())
+    assert isinstance(pending, Awaiting)
+
+    async def answer() -> Any:
+        return await pending.answer
+
+    reply = core.resume(req, pending, asyncio.run(answer()), 0.0, Effects())
+    assert isinstance(reply, MetaReply)
+    assert reply.rows == [0, 1, 2, 3]
+
+
+def test_effects_are_collected_when_the_sampler_raises() -> None:
+    class Broken(SequentialSampler):
+        def sample(self, ready: Any, batch_size: int, *a: Any, **kw: Any) -> Any:  # type: ignore[override]
+            if kw.get("task_name") == "bad":
+                raise ValueError("no")
+            return super().sample(ready, batch_size, *a, **kw)
+
+    core = new_core(Broken())
+    put(core, 8)
+    got = core.decide(GetMeta("p", ["x"], 4, "t", None, lease=10.0), 0.0, Effects())
+    assert isinstance(got, MetaReply)
+    fx = Effects()
+    with pytest.raises(InvalidRequestError, match="Broken raised ValueError"):
+        core.decide(GetMeta("p", ["x"], 4, "bad", None, ack=[got.lease_id]), 1.0, fx)
+    assert Wakeup("p", "t") in fx.wakeups  # the ack happened: the shell applies it anyway
