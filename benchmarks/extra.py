@@ -14,7 +14,8 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from tq_async._core._state import ControllerState, ReadyView, RowOrigin, RowTags
+from tq_async._core._state import ControllerState, ReadyView
+from tq_async._core._views import RowOrigin, RowTags
 from tq_async.lowlevel import ColumnHeader
 
 REPLAY = 8

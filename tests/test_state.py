@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tq_async import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
-from tq_async._core._state import (
-    ControllerState,
-    ReadyView,
-    RowOrigin,
-    RowTags,
-    Wakeup,
-)
+from tq_async._core._state import ControllerState, ReadyView, Wakeup
+from tq_async._core._views import RowOrigin, RowTags
 from tq_async._wire._columns import ColumnHeader
 
 IDS = ColumnHeader("ids", "dense", "int64", (4,))

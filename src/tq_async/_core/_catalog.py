@@ -81,7 +81,7 @@ class Catalog:
         p = self.state.partitions.get(partition_id) or self.state.new_partition(partition_id)
         fresh: dict[str, int] = {}
         rows = [p.keys[k] if k in p.keys else fresh.setdefault(k, -1 - len(fresh)) for k in keys]
-        p.check_groups(rows, tags)
+        p.groups.check(p.partition_id, rows, tags)
         placement, fx = self._puts.begin(partition_id, [], 0, None, keys, now, lease=False)
         self.state.partition(partition_id).set_tags(placement.rows, tags)
         return placement, fx

@@ -46,11 +46,9 @@ from ._state import (
     ControllerState,
     Partition,
     RecordKey,
-    RowOrigin,
-    RowTags,
-    RowVersions,
     Wakeup,
 )
+from ._views import RowOrigin, RowTags, RowVersions
 
 __all__ = ["Gets", "all_consumed", "follower", "meta_reply", "record_key"]
 

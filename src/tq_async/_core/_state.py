@@ -25,9 +25,8 @@ import itertools
 import secrets
 from array import array
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from .._errors import (
 )
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
+from ._groups import TagGroups
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
 
 __all__ = [
@@ -50,9 +50,6 @@ __all__ = [
     "ReadyRows",
     "ReadySet",
     "ReadyView",
-    "RowTags",
-    "RowOrigin",
-    "RowVersions",
     "Wakeup",
     "RecordKey",
     "Lease",
@@ -61,11 +58,6 @@ __all__ = [
 
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
 RecordKey = tuple[str, int, int]
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
-_NO_ROWS: Set[int] = frozenset()
-_MISSING: Any = object()
-#: the usual group tag types (hashable without trying)
-_PLAIN = frozenset({int, str})
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,76 +66,6 @@ class Wakeup:
 
     partition_id: str
     task_name: str | None = None
-
-
-class RowTags(Mapping[int, Mapping[str, Any]]):
-    """Read-only ``row -> tags`` view of a partition (rows without tags map to ``{}``)."""
-
-    __slots__ = ("_p",)
-
-    def __init__(self, partition: Partition) -> None:
-        self._p = partition
-
-    def __getitem__(self, row: int) -> Mapping[str, Any]:
-        if not 0 <= row < self._p.n_rows:
-            raise KeyError(row)
-        tags = self._p.tags[row]
-        return MappingProxyType(tags) if tags else _EMPTY
-
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
-
-    def __len__(self) -> int:
-        return self._p.n_alive
-
-    def tagged(self, tag: str, value: Any) -> Set[int]:
-        """The live rows of the partition whose ``tag`` is ``value`` (ready or not).
-
-        An index kept up to date on every tag change (built by one scan on first use), so a
-        sampler checks a group against the whole partition in ``O(1)``.
-        """
-        return self._p.tagged(tag, value)
-
-
-class RowOrigin(Mapping[int, tuple[int, int]]):
-    """Read-only ``row -> (first row of the put that created it, offset within that put)``."""
-
-    __slots__ = ("_p",)
-
-    def __init__(self, partition: Partition) -> None:
-        self._p = partition
-
-    def __getitem__(self, row: int) -> tuple[int, int]:
-        if not 0 <= row < self._p.n_rows:
-            raise KeyError(row)
-        first = self._p.origin[row]
-        return first, row - first
-
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
-
-    def __len__(self) -> int:
-        return self._p.n_alive
-
-
-class RowVersions(Mapping[int, int]):
-    """Read-only ``row -> policy version`` view (the row's oldest field version; -1: none)."""
-
-    __slots__ = ("_p",)
-
-    def __init__(self, partition: Partition) -> None:
-        self._p = partition
-
-    def __getitem__(self, row: int) -> int:
-        if not 0 <= row < self._p.n_rows:
-            raise KeyError(row)
-        return self._p.row_version[row]
-
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
-
-    def __len__(self) -> int:
-        return self._p.n_alive
 
 
 @dataclass(slots=True, eq=False)
@@ -228,11 +150,8 @@ class Partition:
         self.put_leases: dict[int, PutLease] = {}
         #: rows a task consumed without their being delivered (a dropped tail)
         self.dropped: dict[str, int] = {}
-        #: tag -> the most live rows one value of it may have: the prompt groups of the
-        #: controller's samplers (shared with the owning :class:`ControllerState`)
-        self.group_limits: Mapping[str, int] = {}
-        #: tag -> value -> the live rows with it; per tag built on first use, then maintained
-        self._groups: dict[str, dict[Any, set[int]]] = {}
+        #: the rows sharing a value of a grouping tag (a prompt group), kept up to date
+        self.groups = TagGroups(lambda: self.tags)
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -316,8 +235,8 @@ class Partition:
             raise SchemaError(f"fields {missing} were not announced by put_begin")
         if tags is not None and len(tags) != len(rows):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
-        if tags is not None and self.group_limits:
-            self.check_groups(rows, tags)
+        if tags is not None and self.groups.limits:
+            self.groups.check(self.partition_id, rows, tags)
         if versions is not None:
             if len(versions) != len(rows) or any(v < 0 for v in versions):
                 raise InvalidRequestError(
@@ -357,14 +276,7 @@ class Partition:
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
         current = self.tags[row]
-        if self._groups:  # keep the tag indexes up to date
-            for tag, index in self._groups.items():
-                if tag in tags:
-                    if current is not None:
-                        _unindex(index, current, tag, row)
-                    value = tags[tag]
-                    if type(value) in _PLAIN or _hashable(value):
-                        index.setdefault(value, set()).add(row)
+        self.groups.merged(row, current, tags)
         if current is None:
             self.tags[row] = dict(tags)
         else:
@@ -375,59 +287,9 @@ class Partition:
         if len(tags) != len(rows):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
         self.check_rows(rows)
-        self.check_groups(rows, tags)
+        self.groups.check(self.partition_id, rows, tags)
         for r, t in zip(rows, tags, strict=True):
             self._merge_tags(r, t)
-
-    # ---- prompt groups -----------------------------------------------------------------------
-
-    def tagged(self, tag: str, value: Any) -> Set[int]:
-        """The live rows whose ``tag`` is ``value`` (see :class:`RowTags`)."""
-        return self._group_index(tag).get(value, _NO_ROWS)
-
-    def _group_index(self, tag: str) -> dict[Any, set[int]]:
-        index = self._groups.get(tag)
-        if index is None:
-            index = self._groups[tag] = {}
-            for row, tags in enumerate(self.tags):  # a cleared row's tags are None
-                value = _MISSING if tags is None else tags.get(tag, _MISSING)
-                if value is not _MISSING and _hashable(value):
-                    index.setdefault(value, set()).add(row)
-        return index
-
-    def check_groups(self, rows: Sequence[int], tags: Sequence[Mapping[str, Any] | None]) -> None:
-        """Raise :class:`InvalidRequestError` if merging ``tags`` into ``rows`` gives a value of
-        a grouping tag (:attr:`group_limits`) more live rows than one prompt group holds.
-
-        ``O(len(rows))``: the rows per value are an index kept up to date. Changes nothing.
-        """
-        for tag, n in self.group_limits.items():
-            index = self._group_index(tag)
-            joining: dict[Any, dict[int, None]] = {}
-            for r, t in zip(rows, tags, strict=True):
-                if not t or tag not in t:
-                    continue
-                value = t[tag]
-                if type(value) not in _PLAIN and not _hashable(value):
-                    raise InvalidRequestError(
-                        f"row {r} is tagged {tag}={value!r}, an unhashable "
-                        f"{type(value).__name__}, but {tag!r} names a row's prompt group; use an "
-                        "int or str"
-                    )
-                if r not in index.get(value, _NO_ROWS):
-                    joining.setdefault(value, {})[r] = None
-            for value, new in joining.items():
-                have = index.get(value, _NO_ROWS)
-                if len(have) + len(new) > n:
-                    raise InvalidRequestError(
-                        f"{len(have) + len(new)} rows of partition {self.partition_id!r} would "
-                        f"share {tag}={value!r}, but one prompt group holds "
-                        f"n_samples_per_prompt={n} rows: rows {_few(sorted(have))} have it and "
-                        f"this call adds rows {_few(list(new))}. Two prompts under one {tag!r} "
-                        "would be mixed into one group; nothing of this call was applied. Give "
-                        f"each prompt its own {tag!r} tag (e.g. a uuid, not a counter that "
-                        "restarts) or set n_samples_per_prompt to the real group size"
-                    )
 
     def available(self, row: int) -> bool:
         """Whether ``row``'s storage unit is serving (not suspended)."""
@@ -531,8 +393,7 @@ class Partition:
         by_unit: dict[int, list[int]] = {}
         for r in set(rows):
             self.alive[r] = 0
-            for tag, index in self._groups.items():
-                _unindex(index, self.tags[r], tag, r)
+            self.groups.cleared(r, self.tags[r])
             self.tags[r] = None
             key = self.row_keys[r]
             if key is not None:
@@ -772,7 +633,7 @@ class ControllerState:
             staged.append(Partition.restore(d, units))
         for p in staged:
             p.unavailable = self.unavailable
-            p.group_limits = self.group_limits
+            p.groups.limits = self.group_limits
             self.restoring[p.partition_id] = p
         return staged
 
@@ -780,7 +641,7 @@ class ControllerState:
         """A new empty partition bound to this state (not registered until the caller does)."""
         p = Partition(partition_id)
         p.unavailable = self.unavailable
-        p.group_limits = self.group_limits
+        p.groups.limits = self.group_limits
         return p
 
     def seal(self, partition_id: str, *, create: bool = False) -> list[Wakeup]:
@@ -872,35 +733,6 @@ class ControllerState:
             self.partitions[partition_id] = p
             wakeups.append(Wakeup(partition_id))
         return got_rows, units, wakeups
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _unindex(
-    index: dict[Any, set[int]], tags: Mapping[str, Any] | None, tag: str, row: int
-) -> None:
-    """Take ``row`` out of ``index`` under its current value of ``tag`` (if any)."""
-    value = _MISSING if tags is None else tags.get(tag, _MISSING)
-    if value is _MISSING or not _hashable(value):
-        return
-    rows = index.get(value)
-    if rows is not None:
-        rows.discard(row)
-        if not rows:
-            del index[value]
-
-
-def _few(rows: Sequence[int], limit: int = 12) -> str:
-    """``rows`` as a list, cut after ``limit`` (an error message stays short)."""
-    if len(rows) <= limit:
-        return str(list(rows))
-    return f"[{', '.join(map(str, rows[:limit]))}, ... ({len(rows)} in all)]"
 
 
 def stale_incarnation(partition_id: str) -> str:

@@ -1,0 +1,101 @@
+"""The read-only views of a partition's rows that samplers receive (``tags``, ``origin``,
+``versions`` in their keyword arguments): mappings over the live rows, no copies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence, Set
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from ._groups import TagGroups
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class Rows(Protocol):
+    """What the views read of a partition."""
+
+    @property
+    def n_rows(self) -> int: ...
+    @property
+    def n_alive(self) -> int: ...
+    @property
+    def alive(self) -> Sequence[int]: ...
+    @property
+    def tags(self) -> Sequence[Mapping[str, Any] | None]: ...
+    @property
+    def origin(self) -> Sequence[int]: ...
+    @property
+    def row_version(self) -> Sequence[int]: ...
+    @property
+    def groups(self) -> TagGroups: ...
+
+
+class RowTags(Mapping[int, Mapping[str, Any]]):
+    """Read-only ``row -> tags`` view of a partition (rows without tags map to ``{}``)."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Rows) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> Mapping[str, Any]:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        tags = self._p.tags[row]
+        return MappingProxyType(tags) if tags else _EMPTY
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
+
+    def tagged(self, tag: str, value: Any) -> Set[int]:
+        """The live rows of the partition whose ``tag`` is ``value`` (ready or not).
+
+        An index kept up to date on every tag change (built by one scan on first use), so a
+        sampler checks a group against the whole partition in ``O(1)``.
+        """
+        return self._p.groups.rows(tag, value)
+
+
+class RowOrigin(Mapping[int, tuple[int, int]]):
+    """Read-only ``row -> (first row of the put that created it, offset within that put)``."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Rows) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> tuple[int, int]:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        first = self._p.origin[row]
+        return first, row - first
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
+
+
+class RowVersions(Mapping[int, int]):
+    """Read-only ``row -> policy version`` view (the row's oldest field version; -1: none)."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, partition: Rows) -> None:
+        self._p = partition
+
+    def __getitem__(self, row: int) -> int:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        return self._p.row_version[row]
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive
