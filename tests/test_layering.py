@@ -36,6 +36,7 @@ LAYERS: dict[str, list[str]] = {
         "compat",
         "transfer_queue",
         "ray",
+        "events",
         "lowlevel",
         "__init__",
     ],

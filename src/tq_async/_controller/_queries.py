@@ -17,6 +17,7 @@ from .._wire._columns import ColumnHeader
 from .._wire._protocol import (
     CheckConsumption,
     CheckProduction,
+    ClusterStatus,
     ConsumptionStatus,
     DumpState,
     FieldSchema,
@@ -75,7 +76,43 @@ def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
 
 
 def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
-    return core.state.partition(body.partition_id).info()
+    p = core.state.partition(body.partition_id)
+    info = p.info()
+    # per task: rows ready now (its largest maintained ready set: no scan) and rows leased
+    ready: dict[str, int] = {}
+    for (task, _), rs in p.ready.items():
+        ready[task] = max(ready.get(task, 0), len(rs.rows))
+    leased: dict[str, int] = {}
+    for lease in p.leases.values():
+        leased[lease.task] = leased.get(lease.task, 0) + len(lease.rows)
+    return info | {"ready": ready, "leased": leased}
+
+
+def cluster_status(core: ControllerCore, body: ClusterStatus) -> dict[str, Any]:
+    st = core.state
+    adm = core.admission
+    units = {
+        u: {
+            "address": a,
+            "state": "lost" if u in st.dead_units else "suspended" if u in st.suspended else "up",
+        }
+        for u, a in sorted(st.units.items())
+    }
+    return {
+        "units": units,
+        "partitions": len(st.partitions),
+        "capacity": st.capacity,
+        "capacity_scope": "global" if st.capacity_global else "partition",
+        "policy_version": st.learner_version,
+        "admission": {
+            "max_staleness": adm.max_staleness,
+            "capacity": adm.capacity,
+            "learner_task": adm.learner_task,
+            "outstanding": st.outstanding,
+        },
+        "stale": dict(st.stale_counts),
+        "recycled_pending": len(st.recycled),
+    }
 
 
 def field_schema(core: ControllerCore, body: FieldSchema) -> list[ColumnHeader]:
@@ -180,4 +217,5 @@ QUERIES: dict[type, Callable[[ControllerCore, Any], Any]] = {
     DumpState: dump_state,
     StalenessStatus: staleness_status,
     LostRows: lost_rows,
+    ClusterStatus: cluster_status,
 }

@@ -93,12 +93,14 @@ from .._wire._protocol import (
     StoredColumns,
     TakeRecycled,
     UnitInfo,
+    WatchNext,
     controller_request_decoder,
     ok_reply,
 )
 from ..samplers import BaseSampler
 from ._puts import ControllerPuts
 from ._queries import QUERIES
+from ._watch import WatchHub
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
@@ -158,6 +160,7 @@ class ControllerServer(ControllerPuts):
         self.local_units: dict[int, StorageServer] = dict(local_units or {})
         self.curve = curve
         self.lot = ParkingLot()
+        self.watch = WatchHub(self)
         #: set while shutting down: units going away then are not "lost"
         self.stopping = False
         self.allow_pickle = allow_pickle
@@ -267,6 +270,7 @@ class ControllerServer(ControllerPuts):
             ReleaseRollout: self._on_release_rollout,
             TakeRecycled: self._on_take_recycled,
             RegisterUnit: self._on_register_unit,
+            WatchNext: self.watch.on_watch_next,
         }
         return table
 

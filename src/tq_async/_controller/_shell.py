@@ -42,6 +42,7 @@ from .._wire._protocol import (
     StoreStatsReply,
     ok_reply,
 )
+from ._watch import WatchHub
 
 __all__ = ["ControllerShell"]
 
@@ -68,6 +69,8 @@ class ControllerShell(Service):
     stopping: bool
     #: requests parked under what they wait for: ``(partition, task)``, "room", "admission"
     lot: ParkingLot
+    #: the event log and its watchers (``client.watch()``)
+    watch: WatchHub
     _tg: TaskGroup | None
     #: requests that are waiting, by (client identity, request id)
     _pending: dict[tuple[bytes, int], anyio.CancelScope]
@@ -92,6 +95,7 @@ class ControllerShell(Service):
 
     def _apply(self, fx: Effects) -> None:
         """Do what a transition of the core left to do."""
+        self.watch.drain()
         self._notify(fx.wakeups)
         for partition_id, incarnation, by_unit in fx.free:
             self._spawn(self._clear_units, None, 0, partition_id, by_unit, incarnation)

@@ -41,7 +41,9 @@ from .._errors import (
     SchemaError,
 )
 from .._wire._columns import ColumnHeader
+from .._wire._events import PartitionCleared
 from .._wire._protocol import FieldDump, PartitionDump
+from ._events import Outbox
 
 __all__ = [
     "ControllerState",
@@ -62,6 +64,8 @@ FieldsKey = tuple[str, ...]
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
 RecordKey = tuple[str, int, int]
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+#: the events of a partition no state owns: never recorded
+_NO_EVENTS = Outbox()
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +428,8 @@ class Partition:
         #: storage units whose rows are not handed out now (suspended: neither ready nor
         #: lost); shared with the owning :class:`ControllerState`
         self.unavailable: set[int] = set()
+        #: where row changes are recorded for watchers: the owning state's (see _events)
+        self.events = _NO_EVENTS
         # ---- leases (maintained by :class:`~tq_async._core._transitions.ControllerCore`) ----
         self.leases: dict[int, Lease] = {}
         #: leases with a deadline per task: end-of-stream waits while any is open
@@ -624,6 +630,7 @@ class Partition:
         for r in rows:
             consumed[r] = 1
         self.consumed_count[task] += len(rows)
+        self.events.consumed(self.partition_id, task, rows)
         for (t, _), rs in self.ready.items():
             if t == task:
                 for r in rows:
@@ -638,6 +645,7 @@ class Partition:
         for r in back:
             consumed[r] = 0
         self.consumed_count[task] -= len(back)
+        self.events.released(self.partition_id, task, back)
         for (t, key), rs in self.ready.items():
             if t == task and all(f in self.fields for f in key):
                 for r in back:
@@ -648,6 +656,7 @@ class Partition:
     def reset_consumption(self, task: str | None) -> None:
         """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
         tasks = list(self.consumed) if task is None else [task]
+        self.events.reset(self.partition_id, task)
         for t in tasks:
             if t in self.consumed:
                 self.consumed[t] = bytearray(self.n_rows)
@@ -672,8 +681,9 @@ class Partition:
 
     # ---- clearing ----------------------------------------------------------------------------
 
-    def clear_rows(self, rows: Sequence[int]) -> dict[int, list[int]]:
-        """Remove rows; return the rows to free on each storage unit."""
+    def clear_rows(self, rows: Sequence[int], reason: str = "clear") -> dict[int, list[int]]:
+        """Remove rows; return the rows to free on each storage unit (``reason``: for
+        watchers)."""
         self.check_rows(rows)
         by_unit: dict[int, list[int]] = {}
         for r in set(rows):
@@ -691,13 +701,14 @@ class Partition:
             for rs in self.ready.values():
                 rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
+        self.events.rows_removed(self.partition_id, set(rows), reason)
         return by_unit
 
     def lose_unit(self, unit: int) -> list[int]:
         """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
         rows = [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
         if rows:
-            self.clear_rows(rows)
+            self.clear_rows(rows, "lost")
             self.lost.update(dict.fromkeys(rows, unit))
         return rows
 
@@ -854,6 +865,8 @@ class ControllerState:
         self.capacity_global = False
         #: auto-clear: rows are cleared once every listed task consumed them (None: default)
         self.auto_clear: dict[str | None, tuple[str, ...]] = {}
+        #: the events transitions record for watchers (see _events)
+        self.events = Outbox()
 
     def new_rows_needed(
         self, partition_id: str, n_rows: int, rows: Sequence[int] | None, keys: Sequence[str] | None
@@ -914,6 +927,7 @@ class ControllerState:
             staged.append(Partition.restore(d, units))
         for p in staged:
             p.unavailable = self.unavailable
+            p.events = self.events
             self.restoring[p.partition_id] = p
         return staged
 
@@ -921,6 +935,14 @@ class ControllerState:
         """A new empty partition bound to this state (not registered until the caller does)."""
         p = Partition(partition_id)
         p.unavailable = self.unavailable
+        p.events = self.events
+        return p
+
+    def drop_partition(self, partition_id: str) -> Partition:
+        """Forget a partition (``clear_partition``)."""
+        p = self.partitions.pop(partition_id)
+        if self.events.on:
+            self.events.add(PartitionCleared(partition_id=partition_id, incarnation=p.incarnation))
         return p
 
     def seal(self, partition_id: str, *, create: bool = False) -> list[Wakeup]:

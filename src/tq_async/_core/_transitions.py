@@ -493,10 +493,12 @@ class ControllerCore:
         held = p.held
         for r in rows:
             held[r] = held.get(r, 0) + 1
+        self.state.events.lease(p.partition_id, req.task_name, lease_id, rows, req.lease)
         return lease_id
 
-    def _drop_lease(self, p: Partition, lease: Lease) -> None:
+    def _drop_lease(self, p: Partition, lease: Lease, *, acked: bool = False) -> None:
         del p.leases[lease.lease_id]
+        self.state.events.lease_ended(p.partition_id, lease.task, lease.lease_id, acked=acked)
         self._lease_home.pop(lease.lease_id, None)
         if lease.key is not None and p.batch_leases.get(lease.key) == lease.lease_id:
             del p.batch_leases[lease.key]
@@ -525,7 +527,7 @@ class ControllerCore:
                 fx.add(self._late_ack(lease_id))
                 continue
             lease = p.leases[lease_id]
-            self._drop_lease(p, lease)
+            self._drop_lease(p, lease, acked=True)
             if lease.key is not None:
                 p.settled.add(lease.key)
             if lease.deadline is not None:
@@ -682,7 +684,7 @@ class ControllerCore:
         fx.admission = self.rollouts.free_unconsumed(
             p, [r for rows in by_unit.values() for r in rows]
         )
-        del st.partitions[partition_id]
+        st.drop_partition(partition_id)
         for lease_id in p.leases:
             self._lease_home.pop(lease_id, None)
         for lease_id in p.lease_batch:
@@ -746,7 +748,7 @@ class ControllerCore:
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             fx.room = True
-            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done))))
+            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done, "auto_clear"))))
 
     def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
         """Consume the rows a sampler found stale; queue recycled prompts; count."""
