@@ -67,7 +67,7 @@ async def cluster_status(ctl: DealerConnection) -> dict[str, Any]:
 
 def render(status: dict[str, Any], address: str) -> str:
     """The status as a screen of plain text."""
-    lines = [f"tq-async cluster at {address}", ""]
+    lines = [f"tq-async cluster at {address}"]
     lines.append(f"partitions ({len(status['partitions'])}):")
     for pid, info in sorted(status["partitions"].items()):
         sealed = "sealed" if info["sealed"] else "open"
@@ -83,7 +83,7 @@ def render(status: dict[str, Any], address: str) -> str:
             lines.append(
                 f"    lost rows {info['lost']}, uncommitted puts {info['uncommitted_puts']}"
             )
-    lines += ["", f"storage units ({len(status['units'])}):"]
+    lines.append(f"storage units ({len(status['units'])}):")
     for unit_id, unit in sorted(status["units"].items(), key=lambda kv: int(kv[0])):
         line = f"  unit {unit_id} [{unit['state']}] {unit['address']}"
         if "rows" in unit:
@@ -98,7 +98,6 @@ def render(status: dict[str, Any], address: str) -> str:
     cap = status["capacity"]
     scope = status["capacity_scope"]
     lines += [
-        "",
         f"capacity: {'none' if cap is None else f'{cap} rows per {scope}'}",
         f"policy version: {status['policy_version']}, admission: max_staleness "
         f"{adm['max_staleness']}, capacity {adm['capacity']}, outstanding {adm['outstanding']}",
