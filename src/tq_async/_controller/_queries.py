@@ -7,8 +7,11 @@ the reply's payload; :data:`QUERIES` maps request types to them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from .._core._state import Partition
 from .._core._transitions import ControllerCore, meta_reply
@@ -31,6 +34,7 @@ from .._wire._protocol import (
     ProductionStatus,
     StalenessStatus,
     StateDump,
+    encoder,
 )
 
 __all__ = ["QUERIES"]
@@ -146,14 +150,27 @@ def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
     raise AssertionError("unreachable: a field lacks a row that no key lacks")  # pragma: no cover
 
 
-def kv_list(core: ControllerCore, body: KVList) -> dict[str, dict[str, Any]]:
+def kv_list(core: ControllerCore, body: KVList) -> dict[str, msgspec.Raw]:
     st = core.state
     pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
-    listing = {}
-    for pid in pids:
-        p = st.partition(pid)
-        listing[pid] = {k: p.tags[r] or {} for k, r in p.keys.items()}
-    return listing
+    return {pid: _kv_listing(st.partition(pid)) for pid in pids}
+
+
+#: each partition's encoded ``kv_list`` answer and the ``kv_version`` it was made at: a poll
+#: of an unchanged partition (verl's replay buffer asks every 2 s) costs a lookup
+_KV_LISTINGS: weakref.WeakKeyDictionary[Partition, tuple[int, msgspec.Raw]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _kv_listing(p: Partition) -> msgspec.Raw:
+    cached = _KV_LISTINGS.get(p)
+    if cached is not None and cached[0] == p.kv_version:
+        return cached[1]
+    tags = p.tags
+    raw = msgspec.Raw(encoder.encode({k: tags[r] or {} for k, r in p.keys.items()}))
+    _KV_LISTINGS[p] = (p.kv_version, raw)
+    return raw
 
 
 def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:

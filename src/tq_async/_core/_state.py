@@ -420,6 +420,8 @@ class Partition:
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
+        #: bumped when keys or tags change: a cached ``kv_list`` answer of an older one is stale
+        self.kv_version = 0
         #: rows lost with a storage unit: row -> unit
         self.lost: dict[int, int] = {}
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
@@ -567,6 +569,7 @@ class Partition:
         return gained
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
+        self.kv_version += 1
         current = self.tags[row]
         if current is None:
             self.tags[row] = dict(tags)
@@ -701,6 +704,7 @@ class Partition:
             for rs in self.ready.values():
                 rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
+        self.kv_version += 1
         self.events.rows_removed(self.partition_id, set(rows), reason)
         return by_unit
 
@@ -745,6 +749,7 @@ class Partition:
             for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
                 self.keys[key] = row
                 self.row_keys[row] = key
+            self.kv_version += 1
         rows = [self.keys[k] for k in keys]
         return rows, [self.units[r] for r in rows]
 
