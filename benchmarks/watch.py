@@ -125,7 +125,8 @@ async def kv_list_ms(n_keys: int, calls: int) -> float:
     async with tq.local_cluster() as cluster, tq.AsyncClient.connect(cluster.address) as client:
         for i in range(0, n_keys, 4096):
             keys = [f"key-{k}" for k in range(i, min(n_keys, i + 4096))]
-            await client.kv_batch_put(keys, "kv", tags=[{"v": 1}] * len(keys))
+            fields = {"x": torch.arange(len(keys))}
+            await client.kv_batch_put(keys, "kv", fields, tags=[{"v": 1}] * len(keys))
         times = []
         for _ in range(calls):
             t0 = perf_counter()

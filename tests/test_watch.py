@@ -337,18 +337,17 @@ async def test_cancelling_or_breaking_a_watch_leaves_nothing_behind() -> None:
 
             tg.start_soon(wait_forever)
             await anyio.wait_all_tasks_blocked()
-            while ctl.lot.parked("watch") == 0:  # subscribed, then parked on the controller
+            while not ctl.watch.parked:  # subscribed, then parked on the controller
                 await anyio.wait_all_tasks_blocked()
-            assert ctl.waiting == 1
+            assert len(ctl.watch.parked) == 1
             tg.cancel_scope.cancel()
         await client.list_partitions()  # the Cancel went before this on the same connection
-        await anyio.wait_all_tasks_blocked()
-        assert (ctl.lot.parked("watch"), ctl.waiting) == (0, 0)
+        assert (len(ctl.watch.parked), ctl.waiting) == (0, 0)
         # breaking out between steps holds nothing on the controller
         async with client.watch() as w:
             await _put(client)
             await _take(w, 1)
-        assert (ctl.lot.parked("watch"), ctl.waiting) == (0, 0)
+        assert (len(ctl.watch.parked), ctl.waiting) == (0, 0)
 
 
 async def test_bad_input_names_what_is_known() -> None:

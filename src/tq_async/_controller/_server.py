@@ -278,6 +278,8 @@ class ControllerServer(ControllerPuts):
 
     def _on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         key = (msg.peer, body.target)
+        if self.watch.cancel(key):
+            return SENT  # a parked watch: gone
         scope = self._pending.get(key)
         if scope is not None:
             scope.cancel()  # still waiting: it ends without consuming anything

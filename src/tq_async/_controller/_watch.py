@@ -2,30 +2,31 @@
 
 The core's transitions record events (:mod:`tq_async._core._events`); the shell's
 ``_apply`` hands them to :meth:`WatchHub.drain`, which numbers them into an
-:class:`EventLog`, a bounded ring (the newest ``history`` events), and wakes the watchers.
+:class:`EventLog`, a bounded ring (the newest ``history`` events), and answers the parked
+watchers once the loop finished its current pass (the events of every request handled in
+that pass travel together).
 
 A watcher long-polls: each :class:`~tq_async._wire._protocol.WatchNext` asks for the events
-after ``since``; the controller answers at once when some match, else parks the request
-(under ``"watch"`` in the shell's parking lot) until they do or ``poll`` seconds pass (an
-empty batch: ask again). Nothing is pushed, so a slow watcher costs the controller nothing:
-the ring overwrites, and a watcher that fell behind it (or more than its ``max_lag``), or that
-counts in another controller incarnation, gets one :class:`~tq_async._wire._events.Resync`
-with a snapshot instead of the missing events. A cancelled watch (the client's ``Cancel``)
-leaves nothing behind. Replies skip the retry cache: a retried ``WatchNext`` is simply
-answered again.
+after ``since``; the controller answers at once when some match, else parks the request (an
+entry in :attr:`WatchHub.parked` and a timer: no task) until they do or ``poll`` seconds pass
+(an empty batch: ask again). Nothing is pushed, so a slow watcher costs the controller
+nothing: the ring overwrites, and a watcher that fell behind it (or more than its
+``max_lag``), or that counts in another controller incarnation, gets one
+:class:`~tq_async._wire._events.Resync` with a snapshot instead of the missing events. A
+cancelled watch (the client's ``Cancel``) leaves nothing behind. Replies skip the retry
+cache: a retried ``WatchNext`` is simply answered again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
-
-import anyio
 
 from .._core._events import partition_snapshot
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError
-from .._service._loop import DEFERRED, SENT, Incoming
+from .._service._loop import SENT, Incoming
 from .._wire._events import EVENT_KINDS, ClusterSnapshot, Event, Resync, WatchBatch
 from .._wire._protocol import WatchNext, ok_reply
 
@@ -78,13 +79,45 @@ class WatchHub:
     def __init__(self, shell: Any, history: int = DEFAULT_HISTORY) -> None:
         self.shell = shell
         self.log = EventLog(history)
+        #: parked requests, by (client identity, request id): what they asked, their poll timer
+        self.parked: dict[tuple[bytes, int], tuple[WatchNext, asyncio.TimerHandle]] = {}
+        self._flush_due = False
 
     def drain(self) -> None:
-        """Number the events the core recorded since the last call; wake the watchers."""
+        """Number the events the core recorded since the last call; the parked watchers are
+        answered once the loop is done with what it is doing (events of many requests
+        handled in one pass share one answer)."""
         events = self.shell.state.events.take()
         if events:
             self.log.append(events)
-            self.shell.lot.unpark("watch")
+            if self.parked and not self._flush_due:
+                self._flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        self.drain()
+        for key, (body, timer) in list(self.parked.items()):
+            batch = self.answer(body)
+            if batch is not None:
+                del self.parked[key]
+                timer.cancel()
+                self._reply(*key, batch)
+
+    def cancel(self, key: tuple[bytes, int]) -> bool:
+        """The client gave up a parked request (its ``Cancel``): True if it was one."""
+        parked = self.parked.pop(key, None)
+        if parked is None:
+            return False
+        parked[1].cancel()
+        return True
+
+    def _poll_over(self, key: tuple[bytes, int]) -> None:
+        parked = self.parked.pop(key, None)
+        if parked is not None and not self.shell.stopping:
+            body = parked[0]
+            assert body.since is not None
+            self._reply(*key, WatchBatch(self.log.incarnation, body.since, []))
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -101,8 +134,14 @@ class WatchHub:
         if batch is not None:
             self._reply(msg.peer, msg.rid, batch)
             return SENT
-        shell._spawn_waiting(msg, self._waiting, msg, body)
-        return DEFERRED
+        # parked without a task: answered by _flush, _poll_over, or dropped by cancel
+        key = (msg.peer, msg.rid)
+        timer = asyncio.get_running_loop().call_later(body.poll, self._poll_over, key)
+        old = self.parked.pop(key, None)
+        if old is not None:  # a retry of a parked request replaces it
+            old[1].cancel()
+        self.parked[key] = (body, timer)
+        return SENT
 
     def answer(self, body: WatchNext) -> WatchBatch | None:
         """The events after ``body.since`` that match, a Resync, or None (none yet: then
@@ -154,23 +193,6 @@ class WatchHub:
                 f"max_lag={body.max_lag}"
             )
         return None
-
-    async def _waiting(self, msg: Incoming, body: WatchNext) -> None:
-        shell, peer, rid = self.shell, msg.peer, msg.rid
-
-        async def work() -> None:
-            with anyio.move_on_after(body.poll):
-                while True:
-                    with shell.lot.ticket("watch") as fut:
-                        batch = self.answer(body)
-                        if batch is not None:
-                            self._reply(peer, rid, batch)
-                            return
-                        await fut
-            assert body.since is not None
-            self._reply(peer, rid, WatchBatch(self.log.incarnation, body.since, []))
-
-        await shell._waiting_request(peer, rid, "WatchNext", msg.t0, None, str, work)
 
     def _reply(self, peer: bytes, rid: int, batch: WatchBatch) -> None:
         endpoint = self.shell._endpoint
