@@ -87,9 +87,9 @@ class WatchHub:
         """Number the events the core recorded since the last call; the parked watchers are
         answered once the loop is done with what it is doing (events of many requests
         handled in one pass share one answer)."""
-        events = self.shell.state.events.take()
-        if events:
-            self.log.append(events)
+        outbox = self.shell.state.events
+        if outbox.items:  # (most calls: nothing recorded, nothing to allocate)
+            self.log.append(outbox.take())
             if self.parked and not self._flush_due:
                 self._flush_due = True
                 asyncio.get_running_loop().call_soon(self._flush)
