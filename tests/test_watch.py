@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import socket
 from typing import Any
 
 import anyio
@@ -391,3 +392,30 @@ def test_the_blocking_client_iterates_too() -> None:
             assert got == ["partition_created", "rows_added", "fields_produced"]
 
     anyio.run(main)
+
+
+async def test_a_restarted_controller_breaks_the_watch_and_a_resume_resyncs() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bind = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    async with tq.local_cluster(num_storage_units=1, bind=bind):
+        client = tq.AsyncClient.connect(bind)
+        await client.open()
+        watch = client.watch()
+        await watch.start()
+        await _put(client)
+        assert [e.kind for e in await _take(watch, 3)][-1] == "fields_produced"
+    try:
+        async with (
+            tq.local_cluster(num_storage_units=1, bind=bind),
+            tq.AsyncClient.connect(bind) as other,
+        ):
+            await _put(other, "q")
+            with pytest.raises(tq.BrokenError):  # never a silent gap
+                await _take(watch, 1)
+            again = other.watch(since=watch.seq, incarnation=watch.incarnation)
+            [ev] = await _take(again, 1)
+            assert isinstance(ev, Resync)
+            assert [p.partition_id for p in ev.snapshot.partitions] == ["q"]
+    finally:
+        await client.aclose()
