@@ -42,6 +42,7 @@ FILES = {
         "_device_links",
         "_client",
         "_checkpoint",
+        "_watch",
     )
 }
 
@@ -56,6 +57,10 @@ REPLACEMENTS = [
     (r"\bto_host\b", "to_host_now"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
+    (r"\b__aiter__\b", "__iter__"),
+    (r"\b__anext__\b", "__next__"),
+    (r"\bStopAsyncIteration\b", "StopIteration"),
+    (r"\ban async iterator\b", "an iterator"),
     (r"\baclose\b", "close"),
     (r"\ban async context manager\b", "a context manager"),
     (r"\basync with\b", "with"),

@@ -36,6 +36,7 @@ LAYERS: dict[str, list[str]] = {
         "compat",
         "transfer_queue",
         "ray",
+        "events",
         "lowlevel",
         "__init__",
     ],
@@ -203,6 +204,7 @@ SHELL = [
     "_controller._gets",
     "_controller._calls",
     "_controller._queries",
+    "_controller._watch",
 ]
 #: how the shell's modules reach the state: the server, each part, the core they hold
 STATE_ROOTS = {"self.state", "self.shell.state", "self.core.state", "self.shell.core.state"}

@@ -10,13 +10,14 @@ import pytest
 
 import tq_async
 import tq_async.compat
+import tq_async.events
 import tq_async.lowlevel
 import tq_async.samplers
 
 
 @pytest.mark.parametrize(
     "module",
-    [tq_async, tq_async.samplers, tq_async.compat, tq_async.lowlevel],
+    [tq_async, tq_async.samplers, tq_async.compat, tq_async.lowlevel, tq_async.events],
     ids=lambda m: m.__name__,
 )
 def test_all_is_complete_unique_and_documented(module: object) -> None:

@@ -31,7 +31,8 @@ circle):
    ``scripts/unasync.py``; their ``_options``).
 5. **faces**: what users start: ``_deploy/`` (``local_cluster``, ``background_cluster``, the
    ``tq-async`` CLI), ``_datasets/`` (the streaming datasets and the PyTorch adapter),
-   ``tq_async.ray``, ``tq_async.compat`` (with TransferQueue's ``BatchMeta``), the
+   ``tq_async.ray``, ``tq_async.events`` (what ``watch`` yields), ``tq_async.compat`` (with
+   TransferQueue's ``BatchMeta``), the
    ``tq_async.transfer_queue`` alias and :mod:`tq_async.lowlevel`, the internals for tools
    and custom deployments.
 

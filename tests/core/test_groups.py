@@ -49,7 +49,7 @@ def test_merges_and_clears_keep_the_index_true() -> None:
 
 def test_an_unhashable_group_value_is_refused_with_what_to_use() -> None:
     g = _groups([], {"uid": 4})
-    with pytest.raises(InvalidRequestError, match="unhashable list.*use an int or str"):
+    with pytest.raises(InvalidRequestError, match=r"unhashable list.*use an int or str"):
         g.check("p", [0], [{"uid": [1, 2]}])
 
 

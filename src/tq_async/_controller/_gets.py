@@ -81,6 +81,8 @@ class GetPath:
 
     def on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         key = (msg.peer, body.target)
+        if self.shell.watch.cancel(key):
+            return SENT  # a parked watch: gone
         scope = self.shell.pending.get(key)
         if scope is not None:
             scope.cancel()  # still waiting: it ends without consuming anything

@@ -7,8 +7,11 @@ the reply's payload; :data:`QUERIES` maps request types to them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from .._core._state import Partition
 from .._core._transitions import ControllerCore, meta_reply
@@ -17,6 +20,7 @@ from .._wire._columns import ColumnHeader
 from .._wire._protocol import (
     CheckConsumption,
     CheckProduction,
+    ClusterStatus,
     ConsumptionStatus,
     DumpState,
     FieldSchema,
@@ -30,6 +34,7 @@ from .._wire._protocol import (
     ProductionStatus,
     StalenessStatus,
     StateDump,
+    encoder,
 )
 
 __all__ = ["QUERIES"]
@@ -75,7 +80,43 @@ def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
 
 
 def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
-    return core.state.partition(body.partition_id).info()
+    p = core.state.partition(body.partition_id)
+    info = p.info()
+    # per task: rows ready now (its largest maintained ready set: no scan) and rows leased
+    ready: dict[str, int] = {}
+    for (task, _), rs in p.ready.items():
+        ready[task] = max(ready.get(task, 0), len(rs.rows))
+    leased: dict[str, int] = {}
+    for lease in p.leases.values():
+        leased[lease.task] = leased.get(lease.task, 0) + len(lease.rows)
+    return info | {"ready": ready, "leased": leased}
+
+
+def cluster_status(core: ControllerCore, body: ClusterStatus) -> dict[str, Any]:
+    st = core.state
+    adm = core.admission
+    units = {
+        u: {
+            "address": a,
+            "state": "lost" if u in st.dead_units else "suspended" if u in st.suspended else "up",
+        }
+        for u, a in sorted(st.units.items())
+    }
+    return {
+        "units": units,
+        "partitions": len(st.partitions),
+        "capacity": st.capacity,
+        "capacity_scope": "global" if st.capacity_global else "partition",
+        "policy_version": st.learner_version,
+        "admission": {
+            "max_staleness": adm.max_staleness,
+            "capacity": adm.capacity,
+            "learner_task": adm.learner_task,
+            "outstanding": st.outstanding,
+        },
+        "stale": dict(st.stale_counts),
+        "recycled_pending": len(st.recycled),
+    }
 
 
 def field_schema(core: ControllerCore, body: FieldSchema) -> list[ColumnHeader]:
@@ -109,14 +150,27 @@ def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
     raise AssertionError("unreachable: a field lacks a row that no key lacks")  # pragma: no cover
 
 
-def kv_list(core: ControllerCore, body: KVList) -> dict[str, dict[str, Any]]:
+def kv_list(core: ControllerCore, body: KVList) -> dict[str, msgspec.Raw]:
     st = core.state
     pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
-    listing = {}
-    for pid in pids:
-        p = st.partition(pid)
-        listing[pid] = {k: p.tags[r] or {} for k, r in p.keys.items()}
-    return listing
+    return {pid: _kv_listing(st.partition(pid)) for pid in pids}
+
+
+#: each partition's encoded ``kv_list`` answer and the ``kv_version`` it was made at: a poll
+#: of an unchanged partition (verl's replay buffer asks every 2 s) costs a lookup
+_KV_LISTINGS: weakref.WeakKeyDictionary[Partition, tuple[int, msgspec.Raw]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _kv_listing(p: Partition) -> msgspec.Raw:
+    cached = _KV_LISTINGS.get(p)
+    if cached is not None and cached[0] == p.kv_version:
+        return cached[1]
+    tags = p.tags
+    raw = msgspec.Raw(encoder.encode({k: tags[r] or {} for k, r in p.keys.items()}))
+    _KV_LISTINGS[p] = (p.kv_version, raw)
+    return raw
 
 
 def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
@@ -180,4 +234,5 @@ QUERIES: dict[type, Callable[[ControllerCore, Any], Any]] = {
     DumpState: dump_state,
     StalenessStatus: staleness_status,
     LostRows: lost_rows,
+    ClusterStatus: cluster_status,
 }

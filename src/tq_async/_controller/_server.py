@@ -73,6 +73,7 @@ from .._wire._protocol import (
     SetTags,
     TakeRecycled,
     UnitInfo,
+    WatchNext,
     controller_request_decoder,
 )
 from ..samplers import BaseSampler
@@ -82,6 +83,7 @@ from ._puts import PutPath
 from ._queries import QUERIES
 from ._shell import Shell
 from ._units import UnitLinks
+from ._watch import WatchHub
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
@@ -150,6 +152,11 @@ class ControllerServer(Service):
         """The core's state, for reading: every change goes through a transition of
         :attr:`core` (``tests/test_layering.py`` checks the controller's modules)."""
         return self.core.state
+
+    @property
+    def watch(self) -> WatchHub:
+        """The event log and its watchers (``client.watch()``)."""
+        return self._shell.watch
 
     @property
     def sampler(self) -> BaseSampler:
@@ -273,6 +280,7 @@ class ControllerServer(Service):
             ReleaseRollout: calls.on_release_rollout,
             TakeRecycled: calls.on_take_recycled,
             RegisterUnit: self._links.on_register_unit,
+            WatchNext: self._shell.watch.on_watch_next,
         }
         return table
 

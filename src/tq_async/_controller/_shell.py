@@ -29,6 +29,7 @@ from .._service._metrics import Metrics
 from .._service._parking import ParkingLot
 from .._transport._router import RouterEndpoint
 from .._wire._protocol import MetaReply, Placement, ok_reply
+from ._watch import WatchHub
 
 __all__ = ["FreeRows", "SendError", "Shell"]
 
@@ -68,6 +69,8 @@ class Shell:
         self.replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
         #: what frees rows on the storage units (the links to them, once built)
         self.free_rows: FreeRows = _nowhere
+        #: the event log and its watchers (``client.watch()``)
+        self.watch = WatchHub(self)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
@@ -84,6 +87,7 @@ class Shell:
 
     def apply(self, fx: Effects) -> None:
         """Do what a transition of the core left to do."""
+        self.watch.drain()
         self._notify(fx.wakeups)
         for partition_id, incarnation, by_unit in fx.free:
             self.free_rows(partition_id, by_unit, incarnation)

@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import InvalidRequestError, WouldBlock
+from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
 from ._effects import Effects
+from ._events import partition_snapshot
 from ._put_leases import PutLeases
 from ._state import ControllerState, Wakeup
 
@@ -43,7 +45,15 @@ class Catalog:
         creates it sealed and empty. (What sealing an unknown partition does is decided
         here, and only here.)
         """
-        return Effects(wakeups=self.state.seal(partition_id, create=create))
+        existed = partition_id in self.state.partitions
+        fx = Effects(wakeups=self.state.seal(partition_id, create=create))
+        out = self.state.events
+        if out.on:
+            p = self.state.partitions[partition_id]
+            if not existed:
+                out.add(PartitionCreated(partition_id=partition_id, incarnation=p.incarnation))
+            out.add(PartitionSealed(partition_id=partition_id))
+        return fx
 
     def register_tasks(self, partition_id: str | None, tasks: Sequence[str]) -> Effects:
         """Auto-clear rows of ``partition_id`` (every partition: None) once ``tasks`` all
@@ -65,6 +75,7 @@ class Catalog:
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
         p.set_tags(rows, tags)
+        self.state.events.tags(partition_id, rows, tags)
         return Effects()
 
     def kv_tag(
@@ -84,6 +95,7 @@ class Catalog:
         p.groups.check(p.partition_id, rows, tags)
         placement, fx = self._puts.begin(partition_id, [], 0, None, keys, now, lease=False)
         self.state.partition(partition_id).set_tags(placement.rows, tags)
+        self.state.events.tags(partition_id, placement.rows, tags)
         return placement, fx
 
     def room_for(self, partition_id: str, n_new: int, nowait: bool) -> bool:
@@ -134,6 +146,9 @@ class Catalog:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
         for pid in partition_ids:
             st.partitions[pid] = st.restoring.pop(pid)
+            if st.events.on:
+                snap = partition_snapshot(st.partitions[pid])
+                st.events.add(PartitionRestored(partition_id=pid, snapshot=snap))
         if sampler_state:
             default, by_task = samplers
             default.load_state_dict(sampler_state.get("default", {}))

@@ -107,10 +107,12 @@ class GetLeases:
         held = p.held
         for r in rows:
             held[r] = held.get(r, 0) + 1
+        self.state.events.lease(p.partition_id, req.task_name, lease_id, rows, req.lease)
         return lease_id
 
-    def drop(self, p: Partition, lease: Lease) -> None:
+    def drop(self, p: Partition, lease: Lease, *, acked: bool = False) -> None:
         del p.leases[lease.lease_id]
+        self.state.events.lease_ended(p.partition_id, lease.task, lease.lease_id, acked=acked)
         self.home.pop(lease.lease_id, None)
         if lease.key is not None and p.batch_leases.get(lease.key) == lease.lease_id:
             del p.batch_leases[lease.key]
@@ -139,7 +141,7 @@ class GetLeases:
                 fx.add(self._late_ack(lease_id))
                 continue
             lease = p.leases[lease_id]
-            self.drop(p, lease)
+            self.drop(p, lease, acked=True)
             if lease.key is not None:
                 p.settled.add(lease.key)
             if lease.deadline is not None:
@@ -232,4 +234,4 @@ class GetLeases:
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             fx.room = True
-            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done))))
+            fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done, "auto_clear"))))

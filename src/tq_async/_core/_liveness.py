@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._logging import get_logger
+from .._wire._events import UnitBack, UnitLost, UnitSuspended
 from ._effects import Effects
 from ._state import ControllerState, Wakeup
 
@@ -55,6 +56,8 @@ class UnitLiveness:
             for rs in p.ready.values():
                 for r in [r for r in rs.rows if p.units[r] == unit]:
                     rs.discard(r)
+        if st.events.on:
+            st.events.add(UnitSuspended(unit=unit))
         log.warning(
             "storage unit suspended: its rows wait until it comes back or is declared lost",
             unit=unit,
@@ -68,6 +71,8 @@ class UnitLiveness:
         if st.suspended.pop(unit, None) is None:
             return Effects()
         st.unavailable.discard(unit)
+        if st.events.on:
+            st.events.add(UnitBack(unit=unit))
         fx = Effects()
         for pid, p in st.partitions.items():
             if p.ready and unit in set(p.units):
@@ -91,6 +96,8 @@ class UnitLiveness:
             if rows:
                 lost[pid] = len(rows)
                 fx.wakeups.append(Wakeup(pid))
+        if st.events.on:
+            st.events.add(UnitLost(unit=unit))
         log.error("storage unit lost", unit=unit, address=st.units.get(unit), rows_lost=lost)
         return fx
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from .._errors import RowsNotFound
 from .._logging import get_logger
+from .._wire._events import PartitionCreated
 from .._wire._protocol import Placement
 from ._effects import Effects
+from ._events import Outbox
 from ._state import ControllerState, Partition, PutLease, Wakeup
 
 __all__ = ["PutLeases"]
@@ -74,6 +76,8 @@ class PutLeases:
         got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
         placement = Placement(got, units)
         p = self.state.partitions[partition_id]
+        if self.state.events.on:
+            _placed_events(self.state.events, p, before is None, got, first_new, rows, keys)
         placement.incarnation = p.incarnation
         if keys is not None:  # a KV put's meta names every field its keys already have
             placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
@@ -126,6 +130,7 @@ class PutLeases:
             del self.home[put_id]
         else:
             gained = p.commit(rows, fields, tags, versions)
+        self.state.events.produced(partition_id, rows, fields, tags)
         return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
 
     def undo(self, partition_id: str, rows: Sequence[int], incarnation: str) -> Effects:
@@ -167,3 +172,24 @@ class PutLeases:
         )
         if rows:
             fx.add(self._clear(p, rows))
+
+
+def _placed_events(
+    out: Outbox,
+    p: Partition,
+    created: bool,
+    got: Sequence[int],
+    first_new: int,
+    rows: Sequence[int] | None,
+    keys: Sequence[str] | None,
+) -> None:
+    """The partition created (``created``), and the new rows of a placement (with keys)."""
+    if created:
+        out.add(PartitionCreated(partition_id=p.partition_id, incarnation=p.incarnation))
+    if rows is not None:
+        return  # existing rows: nothing new
+    if keys is None:
+        out.rows_added(p.partition_id, [r for r in got if r >= first_new], None)
+        return
+    new = {r: k for k, r in zip(keys, got, strict=True) if r >= first_new}
+    out.rows_added(p.partition_id, list(new), list(new.values()))

@@ -40,7 +40,9 @@ from .._errors import (
     SchemaError,
 )
 from .._wire._columns import ColumnHeader
+from .._wire._events import PartitionCleared
 from .._wire._protocol import FieldDump, PartitionDump
+from ._events import Outbox
 from ._groups import TagGroups
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
 
@@ -58,6 +60,8 @@ __all__ = [
 
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
 RecordKey = tuple[str, int, int]
+#: the events of a partition no state owns: never recorded
+_NO_EVENTS = Outbox()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +130,8 @@ class Partition:
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
+        #: bumped when keys or tags change: a cached ``kv_list`` answer of an older one is stale
+        self.kv_version = 0
         #: rows lost with a storage unit: row -> unit
         self.lost: dict[int, int] = {}
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
@@ -134,6 +140,8 @@ class Partition:
         #: storage units whose rows are not handed out now (suspended: neither ready nor
         #: lost); shared with the owning :class:`ControllerState`
         self.unavailable: set[int] = set()
+        #: where row changes are recorded for watchers: the owning state's (see _events)
+        self.events = _NO_EVENTS
         # ---- leases (maintained by :class:`~tq_async._core._leases.GetLeases`) ----
         self.leases: dict[int, Lease] = {}
         #: leases with a deadline per task: end-of-stream waits while any is open
@@ -275,6 +283,7 @@ class Partition:
         return gained
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
+        self.kv_version += 1
         current = self.tags[row]
         self.groups.merged(row, current, tags)
         if current is None:
@@ -340,6 +349,7 @@ class Partition:
         for r in rows:
             consumed[r] = 1
         self.consumed_count[task] += len(rows)
+        self.events.consumed(self.partition_id, task, rows)
         for (t, _), rs in self.ready.items():
             if t == task:
                 rs.discard_all(rows)
@@ -353,6 +363,7 @@ class Partition:
         for r in back:
             consumed[r] = 0
         self.consumed_count[task] -= len(back)
+        self.events.released(self.partition_id, task, back)
         for (t, key), rs in self.ready.items():
             if t == task and all(f in self.fields for f in key):
                 for r in back:
@@ -363,6 +374,7 @@ class Partition:
     def reset_consumption(self, task: str | None) -> None:
         """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
         tasks = list(self.consumed) if task is None else [task]
+        self.events.reset(self.partition_id, task)
         for t in tasks:
             if t in self.consumed:
                 self.consumed[t] = bytearray(self.n_rows)
@@ -387,8 +399,9 @@ class Partition:
 
     # ---- clearing ----------------------------------------------------------------------------
 
-    def clear_rows(self, rows: Sequence[int]) -> dict[int, list[int]]:
-        """Remove rows; return the rows to free on each storage unit."""
+    def clear_rows(self, rows: Sequence[int], reason: str = "clear") -> dict[int, list[int]]:
+        """Remove rows; return the rows to free on each storage unit (``reason``: for
+        watchers)."""
         self.check_rows(rows)
         by_unit: dict[int, list[int]] = {}
         for r in set(rows):
@@ -407,13 +420,15 @@ class Partition:
             for rs in self.ready.values():
                 rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
+        self.kv_version += 1
+        self.events.rows_removed(self.partition_id, set(rows), reason)
         return by_unit
 
     def lose_unit(self, unit: int) -> list[int]:
         """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
         rows = [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
         if rows:
-            self.clear_rows(rows)
+            self.clear_rows(rows, "lost")
             self.lost.update(dict.fromkeys(rows, unit))
         return rows
 
@@ -450,6 +465,7 @@ class Partition:
             for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
                 self.keys[key] = row
                 self.row_keys[row] = key
+            self.kv_version += 1
         rows = [self.keys[k] for k in keys]
         return rows, [self.units[r] for r in rows]
 
@@ -573,6 +589,8 @@ class ControllerState:
         #: tag -> the most rows of a partition one value of it may have (the samplers' prompt
         #: groups, see ``BaseSampler.group_tag``; shared with every partition)
         self.group_limits: dict[str, int] = {}
+        #: the events transitions record for watchers (see _events)
+        self.events = Outbox()
 
     def new_rows_needed(
         self, partition_id: str, n_rows: int, rows: Sequence[int] | None, keys: Sequence[str] | None
@@ -634,6 +652,7 @@ class ControllerState:
         for p in staged:
             p.unavailable = self.unavailable
             p.groups.limits = self.group_limits
+            p.events = self.events
             self.restoring[p.partition_id] = p
         return staged
 
@@ -642,6 +661,14 @@ class ControllerState:
         p = Partition(partition_id)
         p.unavailable = self.unavailable
         p.groups.limits = self.group_limits
+        p.events = self.events
+        return p
+
+    def drop_partition(self, partition_id: str) -> Partition:
+        """Forget a partition (``clear_partition``)."""
+        p = self.partitions.pop(partition_id)
+        if self.events.on:
+            self.events.add(PartitionCleared(partition_id=partition_id, incarnation=p.incarnation))
         return p
 
     def seal(self, partition_id: str, *, create: bool = False) -> list[Wakeup]:

@@ -291,7 +291,7 @@ class ControllerCore:
         fx.admission = self.rollouts.free_unconsumed(
             p, [r for rows in by_unit.values() for r in rows]
         )
-        del st.partitions[partition_id]
+        st.drop_partition(partition_id)
         self.leases.forget(p)
         for put_id in p.put_leases:
             self.puts.home.pop(put_id, None)

@@ -247,6 +247,11 @@ class PartitionInfo(_Msg):
     partition_id: str
 
 
+class ClusterStatus(_Msg):
+    """The controller's view of the cluster for ``tq-async status``: storage units, capacity,
+    admission and the learner's policy version."""
+
+
 class FieldSchema(_Msg):
     """The headers (kind, dtype, row shape) of a partition's ``fields``: what an empty
     batch of them carries (unknown fields and partitions are left out)."""
@@ -350,6 +355,24 @@ class RestoreAbort(_Msg):
     partition_ids: list[str]
 
 
+class WatchNext(_Msg):
+    """The events after ``since`` (see :mod:`tq_async._wire._events`); the reply, a
+    ``WatchBatch``, comes once one matches, or empty after ``poll`` seconds.
+
+    ``since`` None subscribes: the reply comes at once, empty, with the position to go on
+    from. ``incarnation`` is the controller's that ``since`` counts in (None: this one).
+    """
+
+    since: int | None = None
+    incarnation: str | None = None
+    partition_id: str | None = None
+    kinds: list[str] | None = None
+    max_events: int = 4096
+    #: the most events this watcher may fall behind before it gets a ``Resync`` instead
+    max_lag: int | None = None
+    poll: float = 30.0
+
+
 ControllerBody = (
     Hello
     | FieldSchema
@@ -390,6 +413,8 @@ ControllerBody = (
     | ReleaseRollout
     | TakeRecycled
     | StalenessStatus
+    | WatchNext
+    | ClusterStatus
 )
 
 
@@ -941,7 +966,17 @@ def _acquire(b: AcquireRollout) -> None:
     check_seconds("timeout", b.timeout)
 
 
+def _watch_next(b: WatchNext) -> None:
+    if b.since is not None:
+        check_int("since", b.since)
+    check_int("max_events", b.max_events, 1)
+    if b.max_lag is not None:
+        check_int("max_lag", b.max_lag, 1)
+    check_seconds("poll", b.poll, optional=False)
+
+
 _CHECKS: dict[type[Any], Callable[[Any], object]] = {
+    WatchNext: _watch_next,
     GetMeta: _get_meta,
     PutBegin: _put_begin,
     PutCommit: _put_commit,

@@ -58,6 +58,7 @@ from ._base import Links
 from ._calls import ControlCalls
 from ._get import GetPath
 from ._put import PutPath
+from ._watch import Watcher
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -675,6 +676,31 @@ class Client:
     def partition_info(self, partition_id: str) -> dict[str, Any]:
         """Row counts, schema, sealed flag and per-task consumed counts of a partition."""
         return self._calls.partition_info(partition_id)
+
+    def watch(
+        self,
+        partition_id: str | None = None,
+        kinds: Sequence[str] | None = None,
+        since: int | None = None,
+        *,
+        incarnation: str | None = None,
+        max_lag: int | None = None,
+        poll: float = 30.0,
+    ) -> Watcher:
+        """The controller's changes as typed events, in order: ``for ev in
+        client.watch()`` (see ``docs/watching.md``).
+
+        Args:
+            partition_id: only this partition's events (and the units'); it must exist.
+            kinds: only these kinds (``tq_async.lowlevel.EVENT_KINDS``), e.g.
+                ``["rows_added", "fields_produced"]``.
+            since: go on after this event (``watcher.seq``) of ``incarnation``
+                (``watcher.incarnation``): no gap, no duplicate, or one ``Resync``
+                when the controller cannot tell what happened in between.
+            max_lag: a watcher more events behind gets one ``Resync`` instead of them.
+            poll: seconds one request waits on the controller before asking again.
+        """
+        return Watcher(self._links, partition_id, kinds, since, incarnation, max_lag, poll)
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).

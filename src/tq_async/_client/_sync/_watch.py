@@ -1,0 +1,126 @@
+# Generated from src/tq_async/_client/_async/_watch.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""``client.watch()``: the controller's events as an iterator.
+
+A :class:`Watcher` long-polls the controller (:class:`~tq_async._wire._protocol.WatchNext`):
+each request asks for the events after the last one it got and returns once some match, so
+nothing is pushed and nothing is held between requests. Breaking out of the loop or
+cancelling it leaves nothing behind: a request still waiting is cancelled on the controller.
+:attr:`Watcher.incarnation` and :attr:`Watcher.seq` say where it stands; a new watch with
+``since=seq, incarnation=incarnation`` goes on from there, with no gap and no duplicate, or
+starts with one :class:`~tq_async._wire._events.Resync` when the controller cannot tell the
+events in between.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+
+from ..._errors import InvalidRequestError
+from ..._wire._codec import check_text
+from ..._wire._events import EVENT_KINDS, AnyEvent, WatchBatch
+from ..._wire._protocol import WatchNext, check_int, check_seconds
+from ._base import Links, as_int
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover - depends on the Python version
+    from typing_extensions import Self
+
+__all__ = ["Watcher"]
+
+
+class Watcher:
+    """The iterator ``client.watch()`` returns (see the module docstring).
+
+    ``with client.watch() as events`` subscribes on entering, so that no event after
+    that point is missed; a plain ``for ev in client.watch()`` subscribes on its first
+    step.
+    """
+
+    def __init__(
+        self,
+        links: Links,
+        partition_id: str | None,
+        kinds: Sequence[str] | None,
+        since: int | None,
+        incarnation: str | None,
+        max_lag: int | None,
+        poll: float,
+    ) -> None:
+        if partition_id is not None:
+            check_text("partition_id", partition_id)
+        if kinds is not None:
+            if isinstance(kinds, str):
+                kinds = [kinds]
+            unknown = [k for k in kinds if k not in EVENT_KINDS]
+            if unknown:
+                raise InvalidRequestError(
+                    f"unknown event kinds {unknown}; the kinds are {list(EVENT_KINDS)}"
+                )
+        if since is not None:
+            since = check_int("since", as_int(since))
+        if max_lag is not None:
+            max_lag = check_int("max_lag", as_int(max_lag), 1)
+        self._links = links
+        self._body = WatchNext(
+            since,
+            incarnation,
+            partition_id,
+            None if kinds is None else list(kinds),
+            max_lag=max_lag,
+            poll=float(check_seconds("poll", poll, optional=False) or 30.0),
+        )
+        self._events: deque[AnyEvent] = deque()
+        self._closed = False
+        #: the controller incarnation the position counts in (None: not subscribed yet)
+        self.incarnation: str | None = incarnation
+        #: the last event yielded (or, before any, where the watch started)
+        self.seq: int | None = since
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> AnyEvent:
+        while not self._events:
+            if self._closed:
+                raise StopIteration
+            self._next_batch()
+        ev = self._events.popleft()
+        self.seq = ev.seq
+        return ev
+
+    def start(self) -> None:
+        """Subscribe now (a watch without ``since`` sees the events from here on)."""
+        if self._body.since is None:
+            self._next_batch()
+
+    def close(self) -> None:
+        """Stop: the iteration ends (nothing waits on the controller between steps)."""
+        self._closed = True
+        self._events.clear()
+
+    def _next_batch(self) -> None:
+        body = self._body
+        wait = body.poll + self._links.request_timeout
+        batch: WatchBatch = self._links.call(body, WatchBatch, timeout=wait)
+        if body.since is None:
+            self.seq = batch.cursor
+        body.since, body.incarnation = batch.cursor, batch.incarnation
+        self.incarnation = batch.incarnation
+        self._events.extend(batch.events)

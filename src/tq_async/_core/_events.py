@@ -1,0 +1,131 @@
+"""The events the core's transitions record, for ``watch`` (see :mod:`tq_async._wire._events`).
+
+An :class:`Outbox` lives on the :class:`~tq_async._core._state.ControllerState`; a transition
+that changes what a watcher can see records an event right after the change, and the shell
+takes them (:meth:`Outbox.take`) when it applies the transition's effects, numbers them and
+hands them to the watchers. Nothing is recorded until the first watch starts
+(:meth:`Outbox.start`): a controller nobody watches builds no events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from .._wire._events import (
+    ConsumptionReset,
+    Event,
+    FieldsProduced,
+    LeaseAcked,
+    LeaseExpired,
+    LeaseGranted,
+    PartitionSnapshot,
+    RowsAdded,
+    RowsConsumed,
+    RowsReleased,
+    RowsRemoved,
+    TagsChanged,
+)
+
+__all__ = ["Outbox", "partition_snapshot"]
+
+
+class Outbox:
+    """Events recorded by transitions, in order, until the shell takes them."""
+
+    __slots__ = ("items", "on")
+
+    def __init__(self) -> None:
+        #: recording (a watch started once)
+        self.on = False
+        self.items: list[Event] = []
+
+    def start(self) -> None:
+        """Record from now on."""
+        self.on = True
+
+    def take(self) -> list[Event]:
+        """The events recorded since the last call."""
+        items, self.items = self.items, []
+        return items
+
+    def add(self, event: Event) -> None:
+        """Record ``event`` (built by the caller only when :attr:`on`)."""
+        if self.on:
+            self.items.append(event)
+
+    # ---- the common ones, built only when recording ---------------------------------------------
+
+    def rows_added(self, pid: str, rows: Sequence[int], keys: Sequence[str] | None) -> None:
+        if self.on and rows:
+            self.items.append(RowsAdded(partition_id=pid, rows=list(rows), keys=_keys(keys)))
+
+    def rows_removed(self, pid: str, rows: Collection[int], reason: str) -> None:
+        if self.on and rows:
+            self.items.append(RowsRemoved(partition_id=pid, rows=sorted(rows), reason=reason))
+
+    def produced(
+        self, pid: str, rows: Sequence[int], fields: Sequence[str], tags: Sequence[Any] | None
+    ) -> None:
+        if not self.on:
+            return
+        self.items.append(FieldsProduced(partition_id=pid, rows=list(rows), fields=list(fields)))
+        if tags is not None and any(tags):
+            self.tags(pid, rows, [t or {} for t in tags])
+
+    def tags(self, pid: str, rows: Sequence[int], tags: Sequence[Mapping[str, Any]]) -> None:
+        if self.on and rows:
+            self.items.append(
+                TagsChanged(partition_id=pid, rows=list(rows), tags=[dict(t) for t in tags])
+            )
+
+    def consumed(self, pid: str, task: str, rows: Sequence[int]) -> None:
+        if self.on and rows:
+            self.items.append(RowsConsumed(partition_id=pid, task=task, rows=list(rows)))
+
+    def released(self, pid: str, task: str, rows: Sequence[int]) -> None:
+        if self.on and rows:
+            self.items.append(RowsReleased(partition_id=pid, task=task, rows=list(rows)))
+
+    def reset(self, pid: str, task: str | None) -> None:
+        if self.on:
+            self.items.append(ConsumptionReset(partition_id=pid, task=task))
+
+    def lease(
+        self, pid: str, task: str, lease_id: int, rows: Sequence[int], seconds: float | None
+    ) -> None:
+        if self.on:
+            self.items.append(
+                LeaseGranted(
+                    partition_id=pid, task=task, lease_id=lease_id, rows=list(rows), seconds=seconds
+                )
+            )
+
+    def lease_ended(self, pid: str, task: str, lease_id: int, *, acked: bool) -> None:
+        if self.on:
+            kind = LeaseAcked if acked else LeaseExpired
+            self.items.append(kind(partition_id=pid, task=task, lease_id=lease_id))
+
+
+def _keys(keys: Sequence[str] | None) -> list[str] | None:
+    return None if keys is None else list(keys)
+
+
+def partition_snapshot(p: Any) -> PartitionSnapshot:
+    """A :class:`~tq_async._core._state.Partition`'s live rows, fields, consumption, keys
+    and open leases (``p`` untyped: the state module imports this one)."""
+    alive = p.alive
+    rows = [r for r in range(p.n_rows) if alive[r]]
+    fields = {name: [r for r in rows if f.produced[r]] for name, f in p.fields.items()}
+    consumed = {task: [r for r in rows if c[r]] for task, c in p.consumed.items()}
+    return PartitionSnapshot(
+        partition_id=p.partition_id,
+        incarnation=p.incarnation,
+        sealed=p.sealed,
+        rows=rows,
+        fields=fields,
+        consumed=consumed,
+        keys=dict(p.keys),
+        leases={lease_id: lease.task for lease_id, lease in p.leases.items()},
+        tags={r: dict(p.tags[r]) for r in rows if p.tags[r]},
+    )

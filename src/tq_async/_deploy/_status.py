@@ -1,0 +1,151 @@
+"""``tq-async status ADDRESS``: a running cluster on one screen (``--json``, ``--watch``).
+
+It asks the controller what it knows (``ClusterStatus``, the partitions and their
+``partition_info``) and each storage unit what it holds (``StoreStats``), over plain
+control connections: no torch, no client. ``--watch`` redraws the screen whenever the
+controller logs an event (a ``watch`` on every partition), so an idle cluster costs it one
+parked request.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+import msgspec
+
+from .._errors import TQError
+from .._transport._dealer import DealerConnection
+from .._wire._events import WatchBatch
+from .._wire._protocol import (
+    ClusterStatus,
+    ListPartitions,
+    PartitionInfo,
+    StoreStats,
+    StoreStatsReply,
+    WatchNext,
+)
+
+__all__ = ["cluster_status", "render", "run_status"]
+
+#: seconds each request may take
+_TIMEOUT = 10.0
+
+
+async def _ask(conn: DealerConnection, body: msgspec.Struct, typ: Any) -> Any:
+    payload, _ = await conn.request(body, timeout=_TIMEOUT)
+    return msgspec.msgpack.decode(payload, type=typ)
+
+
+async def cluster_status(ctl: DealerConnection) -> dict[str, Any]:
+    """Everything ``tq-async status`` shows, as one JSON-able dict."""
+    out: dict[str, Any] = await _ask(ctl, ClusterStatus(), dict[str, Any])
+    ids: list[str] = await _ask(ctl, ListPartitions(), list[str])
+    partitions = {}
+    for pid in ids:
+        try:
+            partitions[pid] = await _ask(ctl, PartitionInfo(pid), dict[str, Any])
+        except TQError:
+            continue  # cleared meanwhile
+    out["partitions"] = partitions
+    units: dict[str, dict[str, Any]] = {}
+    for unit_id, unit in out["units"].items():
+        units[str(unit_id)] = unit
+        if unit["state"] != "up":
+            continue
+        conn = DealerConnection(unit["address"], refused_is_broken=True)
+        try:
+            stats = await _ask(conn, StoreStats(), StoreStatsReply)
+            unit.update(msgspec.structs.asdict(stats))
+        except TQError as exc:
+            unit["error"] = str(exc)
+        finally:
+            conn.close()
+    out["units"] = units
+    return out
+
+
+def render(status: dict[str, Any], address: str) -> str:
+    """The status as a screen of plain text."""
+    lines = [f"tq-async cluster at {address}"]
+    lines.append(f"partitions ({len(status['partitions'])}):")
+    for pid, info in sorted(status["partitions"].items()):
+        sealed = "sealed" if info["sealed"] else "open"
+        fields = ", ".join(info["fields"]) or "-"
+        lines.append(f"  {pid}: {info['rows']} rows, {sealed}, fields: {fields}")
+        tasks = sorted(set(info["consumed"]) | set(info.get("ready", {})))
+        for task in tasks:
+            consumed = info["consumed"].get(task, 0)
+            ready = info.get("ready", {}).get(task, 0)
+            leased = info.get("leased", {}).get(task, 0)
+            lines.append(f"    task {task}: consumed {consumed}, ready {ready}, leased {leased}")
+        if info["lost"] or info["uncommitted_puts"]:
+            lines.append(
+                f"    lost rows {info['lost']}, uncommitted puts {info['uncommitted_puts']}"
+            )
+    lines.append(f"storage units ({len(status['units'])}):")
+    for unit_id, unit in sorted(status["units"].items(), key=lambda kv: int(kv[0])):
+        line = f"  unit {unit_id} [{unit['state']}] {unit['address']}"
+        if "rows" in unit:
+            line += (
+                f": {unit['rows']} rows, {_size(unit['resident_bytes'])}, shared memory "
+                f"{_size(unit['shm_bytes'])} of {_size(unit['shm_cap'])}"
+            )
+        if "error" in unit:
+            line += f": not answering ({unit['error']})"
+        lines.append(line)
+    adm = status["admission"]
+    cap = status["capacity"]
+    scope = status["capacity_scope"]
+    lines += [
+        f"capacity: {'none' if cap is None else f'{cap} rows per {scope}'}",
+        f"policy version: {status['policy_version']}, admission: max_staleness "
+        f"{adm['max_staleness']}, capacity {adm['capacity']}, outstanding {adm['outstanding']}",
+        f"stale rows: {status['stale']}, recycled pending {status['recycled_pending']}",
+    ]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def run_status(
+    address: str,
+    *,
+    as_json: bool = False,
+    watch: bool = False,
+    screens: int | None = None,
+    out: TextIO = sys.stdout,
+) -> None:
+    """Print the status once, or (``watch``) again after every batch of events, until
+    cancelled or ``screens`` screens were printed."""
+    ctl = DealerConnection(address, refused_is_broken=True)
+    try:
+        body = WatchNext(poll=5.0)
+        shown = 0
+        while True:
+            if watch and body.since is None:
+                batch = await _ask(ctl, body, WatchBatch)  # subscribe before the first look
+                body.since, body.incarnation = batch.cursor, batch.incarnation
+            status = await cluster_status(ctl)
+            if as_json:
+                out.write(msgspec.json.encode(status).decode() + "\n")
+            else:
+                clear = "\x1b[2J\x1b[H" if watch and out.isatty() else ""
+                out.write(clear + render(status, address) + "\n")
+            out.flush()
+            shown += 1
+            if not watch or (screens is not None and shown >= screens):
+                return
+            while True:  # until something happened
+                batch = await _ask(ctl, body, WatchBatch)
+                body.since, body.incarnation = batch.cursor, batch.incarnation
+                if batch.events:
+                    break
+    finally:
+        ctl.close()

@@ -1,0 +1,421 @@
+"""``client.watch()``: the controller's changes as typed events, replayable to its state."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+from tq_async._controller._watch import EventLog
+from tq_async.events import EVENT_KINDS, Event, Resync
+
+# ---- a model of the cluster, built from events only ------------------------------------------
+
+
+class Model:
+    """Partitions as the events tell them: live rows, produced fields, consumption, keys, tags."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, dict[str, Any]] = {}
+        self.resyncs = 0
+        self.seqs: list[int] = []
+
+    def apply(self, ev: Event) -> None:
+        self.seqs.append(ev.seq)
+        kind = ev.kind
+        if kind == "resync":
+            assert isinstance(ev, Resync)
+            self.resyncs += 1
+            self.parts = {s.partition_id: _from_snapshot(s) for s in ev.snapshot.partitions}
+            return
+        if kind.startswith("unit_"):
+            return
+        pid = ev.partition_id  # type: ignore[attr-defined]
+        if kind == "partition_created":
+            self.parts[pid] = _empty(ev.incarnation)  # type: ignore[attr-defined]
+            return
+        if kind == "partition_restored":
+            self.parts[pid] = _from_snapshot(ev.snapshot)  # type: ignore[attr-defined]
+            return
+        if kind == "partition_cleared":
+            del self.parts[pid]
+            return
+        p = self.parts[pid]
+        rows = set(getattr(ev, "rows", ()))
+        if kind == "partition_sealed":
+            p["sealed"] = True
+        elif kind == "rows_added":
+            p["rows"] |= rows
+            for key, r in zip(ev.keys or (), ev.rows, strict=False):  # type: ignore[attr-defined]
+                p["keys"][key] = r
+        elif kind == "rows_removed":
+            p["rows"] -= rows
+            for s in (*p["fields"].values(), *p["consumed"].values()):
+                s -= rows
+            p["keys"] = {k: r for k, r in p["keys"].items() if r not in rows}
+            p["tags"] = {r: t for r, t in p["tags"].items() if r not in rows}
+        elif kind == "fields_produced":
+            for f in ev.fields:  # type: ignore[attr-defined]
+                p["fields"].setdefault(f, set()).update(rows)
+        elif kind == "tags_changed":
+            for r, t in zip(ev.rows, ev.tags, strict=True):  # type: ignore[attr-defined]
+                if t:
+                    p["tags"].setdefault(r, {}).update(t)
+        elif kind == "rows_consumed":
+            p["consumed"].setdefault(ev.task, set()).update(rows)  # type: ignore[attr-defined]
+        elif kind == "rows_released":
+            p["consumed"].get(ev.task, set()).difference_update(rows)  # type: ignore[attr-defined]
+        elif kind == "consumption_reset":
+            task = ev.task  # type: ignore[attr-defined]
+            for t in list(p["consumed"]):
+                if task is None or t == task:
+                    p["consumed"][t] = set()
+
+    def state(self) -> dict[str, Any]:
+        return {pid: _normal(p) for pid, p in self.parts.items()}
+
+
+def _empty(incarnation: str) -> dict[str, Any]:
+    return {
+        "incarnation": incarnation,
+        "sealed": False,
+        "rows": set(),
+        "fields": {},
+        "consumed": {},
+        "keys": {},
+        "tags": {},
+    }
+
+
+def _from_snapshot(s: Any) -> dict[str, Any]:
+    p = _empty(s.incarnation)
+    p["sealed"] = s.sealed
+    p["rows"] = set(s.rows)
+    p["fields"] = {f: set(r) for f, r in s.fields.items()}
+    p["consumed"] = {t: set(r) for t, r in s.consumed.items()}
+    p["keys"] = dict(s.keys)
+    p["tags"] = {r: dict(t) for r, t in s.tags.items()}
+    return p
+
+
+def _normal(p: dict[str, Any]) -> dict[str, Any]:
+    out = dict(p)
+    out["fields"] = {f: s for f, s in p["fields"].items() if s}
+    out["consumed"] = {t: s for t, s in p["consumed"].items() if s}
+    out["tags"] = {r: t for r, t in p["tags"].items() if t}
+    return out
+
+
+def truth(cluster: tq.LocalCluster) -> dict[str, Any]:
+    """The controller's own state, in the model's shape."""
+    out = {}
+    for pid, p in cluster.controller.state.partitions.items():
+        rows = {r for r in range(p.n_rows) if p.alive[r]}
+        out[pid] = _normal(
+            {
+                "incarnation": p.incarnation,
+                "sealed": p.sealed,
+                "rows": rows,
+                "fields": {f: {r for r in rows if fd.produced[r]} for f, fd in p.fields.items()},
+                "consumed": {t: {r for r in rows if c[r]} for t, c in p.consumed.items()},
+                "keys": dict(p.keys),
+                "tags": {r: dict(p.tags[r]) for r in rows if p.tags[r]},
+            }
+        )
+    return out
+
+
+# ---- random operations -----------------------------------------------------------------------
+
+
+async def random_ops(client: tq.AsyncClient, rng: random.Random, n: int, tag: str) -> None:
+    """``n`` random puts, reads, acks, releases, clears, tags, KV writes and seals."""
+    metas: dict[str, list[tq.BatchMeta]] = {}
+    for i in range(n):
+        op = rng.random()
+        pid = rng.choice(["a", "b", "c"])
+        if op < 0.3:
+            k = rng.randint(1, 4)
+            tags = [{"i": i}] * k if rng.random() < 0.3 else None
+            meta = await client.put({"x": torch.arange(k)}, pid, tags=tags)
+            metas.setdefault(pid, []).append(meta)
+            if rng.random() < 0.3:
+                await client.put({"y": torch.zeros(k)}, meta=meta)
+        elif op < 0.5:
+            task = rng.choice(["t1", "t2"])
+            lease = 60.0 if rng.random() < 0.5 else None
+            try:
+                meta = await client.get_meta(["x"], 1, pid, task, timeout=0, lease=lease)
+            except tq.TQTimeoutError:
+                continue
+            if lease is not None:
+                await (client.ack(meta) if rng.random() < 0.5 else client.release(meta))
+        elif op < 0.6 and metas.get(pid):
+            meta = metas[pid].pop(rng.randrange(len(metas[pid])))
+            with contextlib.suppress(tq.RowsNotFound):  # some rows were cleared already
+                await client.clear_samples(meta)
+        elif op < 0.67 and metas.get(pid):
+            meta = metas[pid][-1]
+            await client.set_tags(meta, [{"tag": tag, "i": i}] * len(meta))
+        elif op < 0.77:
+            keys = [f"k{rng.randint(0, 6)}" for _ in range(rng.randint(1, 3))]
+            keys = list(dict.fromkeys(keys))
+            await client.kv_batch_put(keys, "kv", {"x": torch.arange(len(keys))})
+            if rng.random() < 0.3:
+                await client.kv_put(keys[0], "kv", tag={"t": i})
+            if rng.random() < 0.2:
+                await client.kv_clear(keys[:1], "kv")
+        elif op < 0.83 and pid in await client.list_partitions():
+            await client.reset_consumption(pid, rng.choice(["t1", None]))
+        elif op < 0.88:
+            await client.seal(f"s{i % 3}", create=True)
+        elif op < 0.92 and pid in await client.list_partitions():
+            await client.clear_partition(pid)
+            metas.pop(pid, None)
+
+
+async def _replay(history: int | None, seed: int) -> Model:
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        if history is not None:
+            cluster.controller.watch.log = EventLog(history)
+        rng = random.Random(seed)
+        model = Model()
+        async with client.watch() as events:
+            if history is not None:  # the watcher is not reading yet: it falls behind
+                await random_ops(client, rng, 40, "before")
+            async with anyio.create_task_group() as tg:
+
+                async def watcher() -> None:
+                    async for ev in events:
+                        model.apply(ev)
+                        if ev.kind == "partition_sealed" and ev.partition_id == "end":  # type: ignore[attr-defined]
+                            return
+
+                tg.start_soon(watcher)
+                await random_ops(client, rng, 150, "during")
+                await client.seal("end", create=True)
+        assert model.state() == truth(cluster)
+        return model
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_events_replayed_give_the_final_state(seed: int) -> None:
+    model = await _replay(None, seed)
+    assert model.resyncs == 0
+    assert model.seqs == list(range(1, len(model.seqs) + 1))  # no gap, no duplicate
+
+
+async def test_events_replayed_across_a_forced_resync() -> None:
+    model = await _replay(8, 3)
+    assert model.resyncs >= 1
+
+
+# ---- positions, resyncs, bounds --------------------------------------------------------------
+
+
+async def _put(client: tq.AsyncClient, pid: str = "p", n: int = 2) -> tq.BatchMeta:
+    return await client.put({"x": torch.arange(n)}, pid)
+
+
+async def _take(events: Any, n: int) -> list[Event]:
+    out = []
+    async for ev in events:
+        out.append(ev)
+        if len(out) == n:
+            break
+    return out
+
+
+async def test_since_resumes_with_no_gap_and_no_duplicate() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+        client.watch() as whole,
+        client.watch() as first,
+    ):
+        for _ in range(3):
+            await _put(client)  # 1 created + 3 x (rows added, fields produced)
+        seen = await _take(first, 4)
+        await first.aclose()
+        assert [e.seq for e in seen] == [1, 2, 3, 4]
+        for _ in range(2):
+            await _put(client)
+        # a new watch from where the first stopped: the rest, once
+        rest = client.watch(since=first.seq, incarnation=first.incarnation)
+        got = await _take(rest, 7)
+        assert [e.seq for e in got] == list(range(5, 12))
+        assert [e.seq for e in await _take(whole, 11)] == list(range(1, 12))
+        assert not any(isinstance(e, Resync) for e in got)
+        assert cluster.controller.waiting == 0
+
+
+async def test_another_incarnation_or_lost_history_gives_one_resync() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        async with client.watch():  # starts the event log
+            await _put(client, n=3)
+        [ev] = await _take(client.watch(since=0, incarnation="0123456789abcdef"), 1)
+        assert isinstance(ev, Resync)
+        assert "another controller incarnation" in ev.reason
+        [part] = ev.snapshot.partitions
+        assert (part.partition_id, part.rows, part.fields) == ("p", [0, 1, 2], {"x": [0, 1, 2]})
+        assert ev.seq == 3
+        # a position past the last event: a Resync too, then the events after it
+        later = client.watch(since=99)
+        [ev] = await _take(later, 1)
+        assert isinstance(ev, Resync)
+        await client.seal("p")
+        [ev] = await _take(later, 1)
+        assert (ev.kind, ev.seq) == ("partition_sealed", 4)
+        # history gone
+        cluster.controller.watch.log = log = EventLog(2)
+        async with client.watch() as w:
+            await _put(client, "q")
+            await _put(client, "q")
+            assert log.oldest > 1
+        [ev] = await _take(client.watch(since=0, incarnation=log.incarnation), 1)
+        assert isinstance(ev, Resync)
+        assert "gone" in ev.reason
+        assert w.incarnation == log.incarnation
+
+
+async def test_a_watcher_that_falls_behind_its_bound_gets_a_resync() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        async with client.watch(max_lag=3) as slow, client.watch() as fast:
+            for _ in range(3):
+                await _put(client)  # 7 events
+            [ev] = await _take(slow, 1)
+            assert isinstance(ev, Resync)
+            assert "max_lag=3" in ev.reason
+            assert [p.rows for p in ev.snapshot.partitions] == [[0, 1, 2, 3, 4, 5]]
+            await client.seal("p")
+            [ev] = await _take(slow, 1)
+            assert (ev.kind, ev.seq) == ("partition_sealed", 8)
+            # the fast one was not slowed or cut short
+            assert [e.seq for e in await _take(fast, 8)] == list(range(1, 9))
+        assert cluster.controller.watch.log.last == 8
+
+
+async def test_filters_by_partition_and_kind() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _put(client, "p")
+        await _put(client, "q")
+        async with client.watch("q", kinds=["fields_produced"]) as w:
+            await _put(client, "p")
+            await _put(client, "q", 3)
+            [ev] = await _take(w, 1)
+            assert (ev.kind, ev.partition_id, ev.rows) == ("fields_produced", "q", [2, 3, 4])  # type: ignore[attr-defined]
+
+
+async def test_cancelling_or_breaking_a_watch_leaves_nothing_behind() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        ctl = cluster.controller
+        async with anyio.create_task_group() as tg:
+
+            async def wait_forever() -> None:
+                async with client.watch() as w:
+                    await _take(w, 1)
+
+            tg.start_soon(wait_forever)
+            await anyio.wait_all_tasks_blocked()
+            while not ctl.watch.parked:  # subscribed, then parked on the controller
+                await anyio.wait_all_tasks_blocked()
+            assert len(ctl.watch.parked) == 1
+            tg.cancel_scope.cancel()
+        await client.list_partitions()  # the Cancel went before this on the same connection
+        assert (len(ctl.watch.parked), ctl.waiting) == (0, 0)
+        # breaking out between steps holds nothing on the controller
+        async with client.watch() as w:
+            await _put(client)
+            await _take(w, 1)
+        assert (len(ctl.watch.parked), ctl.waiting) == (0, 0)
+
+
+async def test_bad_input_names_what_is_known() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _put(client, "p")
+        with pytest.raises(
+            tq.InvalidRequestError, match=r"unknown event kinds \['rows'\].*rows_added"
+        ):
+            client.watch(kinds=["rows"])
+        with pytest.raises(tq.InvalidRequestError, match=r"'nope'.*known partitions: \['p'\]"):
+            await client.watch("nope").start()
+        with pytest.raises(tq.InvalidRequestError, match="since"):
+            client.watch(since=-1)
+        with pytest.raises(tq.InvalidRequestError, match="poll"):
+            client.watch(poll=0)
+        with pytest.raises(tq.InvalidRequestError, match="max_lag"):
+            client.watch(max_lag=0)
+        assert cluster.controller.waiting == 0
+        assert "resync" in EVENT_KINDS
+
+
+def test_the_blocking_client_iterates_too() -> None:
+    async def main() -> None:
+        async with tq.local_cluster(num_storage_units=1) as cluster:
+
+            def blocking() -> list[str]:
+                with tq.Client.connect(cluster.address) as client:
+                    with client.watch() as events:
+                        client.put({"x": torch.arange(2)}, partition_id="p")
+                        kinds = []
+                        for ev in events:
+                            kinds.append(ev.kind)
+                            if ev.kind == "fields_produced":
+                                break
+                    return kinds
+
+            got = await anyio.to_thread.run_sync(blocking)
+            assert got == ["partition_created", "rows_added", "fields_produced"]
+
+    anyio.run(main)
+
+
+async def test_a_restarted_controller_breaks_the_watch_and_a_resume_resyncs() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bind = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    async with tq.local_cluster(num_storage_units=1, bind=bind):
+        client = tq.AsyncClient.connect(bind)
+        await client.open()
+        watch = client.watch()
+        await watch.start()
+        await _put(client)
+        assert [e.kind for e in await _take(watch, 3)][-1] == "fields_produced"
+    try:
+        async with (
+            tq.local_cluster(num_storage_units=1, bind=bind),
+            tq.AsyncClient.connect(bind) as other,
+        ):
+            await _put(other, "q")
+            with pytest.raises(tq.BrokenError):  # never a silent gap
+                await _take(watch, 1)
+            again = other.watch(since=watch.seq, incarnation=watch.incarnation)
+            [ev] = await _take(again, 1)
+            assert isinstance(ev, Resync)
+            assert [p.partition_id for p in ev.snapshot.partitions] == ["q"]
+    finally:
+        await client.aclose()
