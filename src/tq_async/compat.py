@@ -30,6 +30,7 @@ in ``docs/migrating.md``.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import os
@@ -38,6 +39,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, TypeVar, cast
@@ -591,7 +593,12 @@ class _ThreadClients:
         self._local = threading.local()
         self._all: list[_Client] = []
         self._all_lock = threading.Lock()
-        self.current()
+        if asyncio._get_running_loop() is None:
+            self.current()
+        else:  # init() in async code: this thread's blocking calls are refused (its loop
+            # would stop), so the address is checked from a worker thread
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(lambda: _Client.connect(address).open().close()).result()
 
     def current(self) -> _Client:
         client: _Client | None = getattr(self._local, "client", None)
