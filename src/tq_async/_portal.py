@@ -7,20 +7,27 @@ executor thread, which would keep the interpreter from exiting while a client is
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._errors import InvalidRequestError
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 __all__ = [
     "ASYNC_CLIENT",
     "allow_blocking",
     "check_blocking_allowed",
+    "tolerating_blocking",
     "get_portal",
     "host_services",
     "stop_hosting",
@@ -57,6 +64,26 @@ def allow_blocking(loop: asyncio.AbstractEventLoop) -> None:
 #: private event loops whose tasks may make blocking calls (:func:`allow_blocking`)
 _blocking_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
+#: per thread: how many :func:`tolerating_blocking` calls are running
+_tolerance = threading.local()
+
+
+def tolerating_blocking(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn``, whose blocking calls may stop this thread's running event loop (not the
+    services' loop: that would deadlock). For TransferQueue's API (``tq_async.compat``),
+    whose synchronous functions programs call inside async code (verl's trainer does)."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        _tolerance.depth = getattr(_tolerance, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _tolerance.depth -= 1
+
+    return call
+
+
 #: what async code uses instead of the blocking client
 ASYNC_CLIENT = "`async with tq.AsyncClient.connect(address)`"
 
@@ -75,7 +102,8 @@ def check_blocking_allowed(what: str, instead: str = ASYNC_CLIENT) -> None:
 
     Raises:
         InvalidRequestError: this thread's event loop is running (and is not a private loop
-            of :func:`allow_blocking`).
+            of :func:`allow_blocking`; nor, unless it runs services, inside
+            :func:`tolerating_blocking`).
     """
     loop = asyncio._get_running_loop()
     if loop is None or loop in _blocking_loops:
@@ -88,6 +116,8 @@ def check_blocking_allowed(what: str, instead: str = ASYNC_CLIENT) -> None:
             "blocking code in another thread: `await anyio.to_thread.run_sync(fn)`; a "
             "synchronous program starts the services with `with tq.background_cluster(...)`"
         )
+    if getattr(_tolerance, "depth", 0):
+        return
     raise InvalidRequestError(
         f"{what} would block the running event loop of this thread (every other task of it "
         f"would stop until the reply); in async code use {instead}, or run the blocking code "

@@ -39,7 +39,6 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, TypeVar, cast
@@ -64,6 +63,7 @@ from ._errors import (
 )
 from ._errors import TQTimeoutError as _TQTimeoutError
 from ._logging import get_logger
+from ._portal import tolerating_blocking
 from ._sync import Client as _Client
 from ._torch_dataset import StreamingDataLoader as _StreamingDataLoader
 from ._torch_dataset import StreamingDataset as _StreamingDataset
@@ -593,12 +593,7 @@ class _ThreadClients:
         self._local = threading.local()
         self._all: list[_Client] = []
         self._all_lock = threading.Lock()
-        if asyncio._get_running_loop() is None:
-            self.current()
-        else:  # init() in async code: this thread's blocking calls are refused (its loop
-            # would stop), so the address is checked from a worker thread
-            with ThreadPoolExecutor(1) as pool:
-                pool.submit(lambda: _Client.connect(address).open().close()).result()
+        tolerating_blocking(self.current)()
 
     def current(self) -> _Client:
         client: _Client | None = getattr(self._local, "client", None)
@@ -609,7 +604,12 @@ class _ThreadClients:
         return client
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.current(), name)
+        if asyncio._get_running_loop() is None:
+            return getattr(self.current(), name)
+        # TransferQueue's synchronous functions work inside async code (blocking its loop):
+        # programs written for it call them there
+        value = getattr(tolerating_blocking(self.current)(), name)
+        return tolerating_blocking(value) if callable(value) else value
 
     def close(self) -> None:
         with self._all_lock:
@@ -654,7 +654,10 @@ class TransferQueueClient:
     @property
     def client(self) -> _Client:
         """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
-        calling thread's own (a Client serves one thread at a time)."""
+        calling thread's own (a Client serves one thread at a time). Inside async code, a
+        view of it whose calls may block the running loop, as TransferQueue's do."""
+        if asyncio._get_running_loop() is not None:
+            return self._client  # the _ThreadClients: it forwards them so
         return cast(_ThreadClients, self._client).current()
 
     # -- data --
