@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import math
 import statistics
 import sys
@@ -911,8 +910,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     torch.set_num_threads(1)  # small ops from several threads: intra-op threads only contend
     tq.configure_logging("WARNING")
-    # torch warns once from inside TensorDict's slicing of jagged columns; nothing to act on
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if args.staleness_sweep:
         if args.address:
             raise SystemExit(

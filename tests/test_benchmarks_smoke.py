@@ -17,6 +17,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: the benchmark runs share one xdist worker (--dist loadgroup): each keeps the CPUs busy, and
+#: two at once on a 2-vCPU machine pass their subprocess deadlines
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 
 def _python(
     *args: str, timeout: float = 120, env: dict[str, str] | None = None

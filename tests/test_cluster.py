@@ -7,6 +7,7 @@ import time
 
 import anyio
 import pytest
+import torch
 
 import tq_async as tq
 
@@ -67,9 +68,59 @@ async def test_iterating_a_streaming_loader_on_the_services_loop_fails_at_once()
             next(iter(loader))
 
 
-async def test_a_blocking_client_elsewhere_is_untouched() -> None:
-    # not this loop's services: the blocking client only blocks this loop (discouraged, but
-    # it cannot deadlock), so it is allowed
-    # nothing listens there (refused at once): a BrokenError, not InvalidRequestError
-    with pytest.raises(tq.BrokenError, match="nothing listens at"):
+async def test_a_blocking_client_inside_any_running_loop_fails_at_once() -> None:
+    # not this loop's services (they run on another thread's loop), so no deadlock, but every
+    # other task of this loop would stop for each wait: refused at once, as on the services' loop
+    with tq.background_cluster(num_storage_units=1) as cluster:
+        t0 = time.monotonic()
+        with (
+            pytest.raises(
+                tq.InvalidRequestError, match="would block the running event loop"
+            ) as info,
+            tq.Client.connect(cluster.address) as client,
+        ):
+            client.list_partitions()
+        assert "tq.AsyncClient.connect(address)" in str(info.value)
+        assert "anyio.to_thread.run_sync" in str(info.value)
+        assert time.monotonic() - t0 < 0.1  # known before any I/O
+
+        # from a plain thread the same blocking client works
+        def use() -> list[str]:
+            with tq.Client.connect(cluster.address) as client:
+                return client.list_partitions()
+
+        assert await anyio.to_thread.run_sync(use) == []
+
+    # nothing listens there (refused at once): a BrokenError, from a plain thread
+    def unreachable() -> None:
         tq.Client.connect("tcp://127.0.0.1:9", request_timeout=0.2).open()
+
+    with pytest.raises(tq.BrokenError, match="nothing listens at"):
+        await anyio.to_thread.run_sync(unreachable)
+
+
+async def test_iterating_a_streaming_dataset_inside_any_running_loop_fails_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with tq.background_cluster(num_storage_units=1) as cluster:
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            await client.put({"x": torch.arange(8)}, partition_id="p")
+            await client.seal("p")
+
+        def dataset() -> tq.StreamingDataset:
+            return tq.StreamingDataset(cluster.address, ["x"], 4, 4, "p", "learner")
+
+        for stream in (dataset(), tq.StreamingDataLoader(dataset(), num_workers=2)):
+            t0 = time.monotonic()
+            with pytest.raises(tq.InvalidRequestError, match=r"tq\.AsyncStreamingDataset") as info:
+                next(iter(stream))
+            assert "would block the running event loop" in str(info.value)
+            assert "anyio.to_thread.run_sync" in str(info.value)
+            assert time.monotonic() - t0 < 0.1  # known before any I/O
+
+        # from a plain thread the same dataset reads
+        def read() -> list[list[int]]:
+            return [td["x"].tolist() for td, _meta in dataset()]
+
+        assert await anyio.to_thread.run_sync(read) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "Task was destroyed" not in caplog.text

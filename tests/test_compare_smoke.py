@@ -19,6 +19,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: the benchmark runs share one xdist worker (--dist loadgroup): each keeps the CPUs busy, and
+#: two at once on a 2-vCPU machine pass their subprocess deadlines
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 
 def _r(workload: str, metric: str, value: float, unit: str, **extra: Any) -> dict[str, Any]:
     return {

@@ -138,6 +138,7 @@ def test_script_prints_the_summary() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    assert "is_fx_tracing" not in done.stderr  # torch's tracing notice (tq_async drops it)
     out = done.stdout
     for task in ("rollout", "reward", "ref", "learner"):
         line = next(line for line in out.splitlines() if line.startswith(task))

@@ -18,6 +18,10 @@ ray = pytest.importorskip("ray")
 import tq_async as tq  # noqa: E402
 import tq_async.ray as tq_ray  # noqa: E402
 
+#: one worker runs the whole module (pytest-xdist --dist loadgroup): one local Ray cluster, not
+#: one per worker (two starting at once on 2 vCPUs can time out)
+pytestmark = pytest.mark.xdist_group("ray")
+
 NAMESPACE = "tq_async_test"
 ROWS = 64
 

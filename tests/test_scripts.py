@@ -30,16 +30,20 @@ def install(root: Path, extras: str) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_the_install_is_skipped_when_nothing_changed(tmp_path: Path) -> None:
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(REPO / "scripts" / "_install", tmp_path / "scripts" / "_install")
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copy(REPO / "constraints.txt", tmp_path / "constraints.txt")
-    python = tmp_path / ".venv" / "bin" / "python"
+def _project(root: Path) -> None:
+    """``root``: the files scripts/_install reads, and a fake .venv/bin/python."""
+    (root / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "_install", root / "scripts" / "_install")
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    shutil.copy(REPO / "constraints.txt", root / "constraints.txt")
+    python = root / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
 
+
+def test_the_install_is_skipped_when_nothing_changed(tmp_path: Path) -> None:
+    _project(tmp_path)
     first = install(tmp_path, "dev,docs")
     assert first == [
         "-m pip install -q --upgrade pip",
@@ -51,6 +55,32 @@ def test_the_install_is_skipped_when_nothing_changed(tmp_path: Path) -> None:
     with (tmp_path / "constraints.txt").open("a") as f:
         f.write("# changed\n")
     assert install(tmp_path, "dev,docs") == first
+
+
+def test_the_install_says_what_it_installs_and_how_long_it_takes(tmp_path: Path) -> None:
+    _project(tmp_path)
+
+    def printed() -> str:
+        return subprocess.run(
+            ["bash", "-c", 'set -euo pipefail; source scripts/_install; install_into_venv "dev"'],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+
+    out = printed()
+    assert "usually ~70 s" in out
+    assert "torch 2.13.0, the CPU build" in out
+    assert "[dev]" in out
+    assert "==> installed in " in out
+    assert printed() == ""  # nothing changed: nothing to say
+
+
+def test_the_check_runs_the_tests_on_every_core_and_passes_arguments_on() -> None:
+    check = (REPO / "scripts" / "check").read_text()
+    assert '.venv/bin/pytest -n auto --dist loadgroup "$@"' in check
 
 
 def test_the_constraints_pin_the_cpu_torch_and_the_project_only_has_lower_bounds() -> None:

@@ -44,19 +44,28 @@ async def test_client_called_from_inside_a_running_loop() -> None:
 
 
 def test_client_inside_a_foreign_running_loop(tmp_path: object) -> None:
-    """A sync Client used from code that runs inside someone else's event loop."""
+    """A sync Client used from code that runs inside someone else's event loop (a separate
+    server): refused at once, naming tq.AsyncClient, rather than freezing that loop for every
+    wait; the same calls handed to a thread work."""
     script = textwrap.dedent(
         """
-        import asyncio, torch, tq_async as tq
-        from tq_async._deploy._cli import main
+        import asyncio, time, torch, tq_async as tq
         import subprocess, sys
         proc = subprocess.Popen([sys.executable, "-m", "tq_async._deploy._cli", "serve",
                                  "--storage-units", "1"], stdout=subprocess.PIPE, text=True)
         address = proc.stdout.readline().strip().split("=", 1)[1]
-        async def inside_loop():
-            with tq.Client.connect(address) as client:   # blocking calls in a coroutine
+        def blocking():
+            with tq.Client.connect(address) as client:
                 client.put({"x": torch.arange(3)}, partition_id="p")
                 return client.get(["x"], 3, "p", "t")[0]["x"].tolist()
+        async def inside_loop():
+            tq.Client  # its first lookup imports the blocking client: not the time measured
+            t0 = time.monotonic()
+            try:
+                blocking()   # blocking calls in a coroutine
+            except tq.InvalidRequestError as exc:
+                print(f"refused after {time.monotonic() - t0:.3f} s: {exc}")
+            return await asyncio.to_thread(blocking)
         try:
             print(asyncio.run(inside_loop()))
         finally:
@@ -66,7 +75,11 @@ def test_client_inside_a_foreign_running_loop(tmp_path: object) -> None:
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stdout.strip().splitlines()[-1] == "[0, 1, 2]"
+    *_, refused, result = out.stdout.strip().splitlines()
+    assert result == "[0, 1, 2]"
+    assert refused.startswith("refused after 0.0")  # at once, not after a wait
+    assert "would block the running event loop" in refused
+    assert "tq.AsyncClient.connect(address)" in refused
 
 
 def _child(address: str, queue: mp.Queue[object]) -> None:

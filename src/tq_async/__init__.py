@@ -114,7 +114,21 @@ _LAZY = {
 _MOVED = {"ColumnHeader", "ControllerServer", "ControllerState", "StorageServer"}
 
 
+def _version() -> str:
+    """The installed distribution's version (``pyproject.toml``'s when it was installed);
+    ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tq_async")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # looked up on first use: importlib.metadata costs ~15-60 ms
+        value = globals()[name] = _version()
+        return value
     if name in _MOVED:
         warnings.warn(
             f"tq_async.{name} moved to tq_async.lowlevel: use "
@@ -135,7 +149,8 @@ def __dir__() -> list[str]:
     return sorted({n for n in globals() if n.startswith("_")} | set(__all__))
 
 
-__version__ = "0.1.0.dev0"
+#: ``tq_async.__version__`` (see :func:`_version`) is looked up on first use, in ``__getattr__``
+__version__: str
 
 __all__ = [
     "AdmissionConfig",

@@ -7,17 +7,31 @@ executor thread, which would keep the interpreter from exiting while a client is
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._errors import InvalidRequestError
 
-__all__ = ["check_blocking_allowed", "get_portal", "host_services", "stop_hosting"]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+__all__ = [
+    "ASYNC_CLIENT",
+    "allow_blocking",
+    "check_blocking_allowed",
+    "tolerating_blocking",
+    "get_portal",
+    "host_services",
+    "stop_hosting",
+]
 
 #: event loops running services (``local_cluster``) -> how many clusters each runs
 _service_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = (
@@ -41,18 +55,58 @@ def stop_hosting(loop: asyncio.AbstractEventLoop) -> None:
         _service_loops.pop(loop, None)
 
 
-def check_blocking_allowed(what: str) -> None:
-    """Refuse a blocking call on a thread whose event loop runs services.
+def allow_blocking(loop: asyncio.AbstractEventLoop) -> None:
+    """Let blocking calls run on ``loop``: a private loop that runs only while its thread
+    waits anyway (the synchronous ``StreamingDataset``'s), whose tasks make them."""
+    _blocking_loops.add(loop)
 
-    The call would block the loop, so the services it waits for could never answer: a
-    deadlock that would surface only as a misleading timeout after ``request_timeout``.
+
+#: private event loops whose tasks may make blocking calls (:func:`allow_blocking`)
+_blocking_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+#: per thread: how many :func:`tolerating_blocking` calls are running
+_tolerance = threading.local()
+
+
+def tolerating_blocking(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn``, whose blocking calls may stop this thread's running event loop (not the
+    services' loop: that would deadlock). For TransferQueue's API (``tq_async.compat``),
+    whose synchronous functions programs call inside async code (verl's trainer does)."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        _tolerance.depth = getattr(_tolerance, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _tolerance.depth -= 1
+
+    return call
+
+
+#: what async code uses instead of the blocking client
+ASYNC_CLIENT = "`async with tq.AsyncClient.connect(address)`"
+
+
+def check_blocking_allowed(what: str, instead: str = ASYNC_CLIENT) -> None:
+    """Refuse a blocking call on a thread whose event loop is running.
+
+    On the loop that runs services the call would block them, so they could never answer: a
+    deadlock that would surface only as a misleading timeout after ``request_timeout``. On
+    any other running loop it would stop every other task of that loop for the whole wait,
+    silently. Cheap where it passes (a plain thread: one lookup of the running loop).
+
+    Args:
+        what: the call, for the message ("a blocking GetMeta").
+        instead: the async counterpart async code should use, for the message.
 
     Raises:
-        InvalidRequestError: this thread's running event loop hosts a ``local_cluster``.
+        InvalidRequestError: this thread's event loop is running (and is not a private loop
+            of :func:`allow_blocking`; nor, unless it runs services, inside
+            :func:`tolerating_blocking`).
     """
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
+    loop = asyncio._get_running_loop()
+    if loop is None or loop in _blocking_loops:
         return
     if _service_loops.get(loop):
         raise InvalidRequestError(
@@ -62,6 +116,13 @@ def check_blocking_allowed(what: str) -> None:
             "blocking code in another thread: `await anyio.to_thread.run_sync(fn)`; a "
             "synchronous program starts the services with `with tq.background_cluster(...)`"
         )
+    if getattr(_tolerance, "depth", 0):
+        return
+    raise InvalidRequestError(
+        f"{what} would block the running event loop of this thread (every other task of it "
+        f"would stop until the reply); in async code use {instead}, or run the blocking code "
+        "in another thread: `await anyio.to_thread.run_sync(fn)`"
+    )
 
 
 _lock = threading.Lock()

@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .._client._sync._client import Client
 from .._errors import ClosedError, InvalidRequestError, TQError
 from .._logging import get_logger
-from .._portal import check_blocking_allowed
+from .._portal import allow_blocking, check_blocking_allowed
 from ._async import (
     AsyncStreamingDataset,
     BatchSlice,
@@ -66,6 +66,9 @@ __all__ = ["StreamingDataset", "StreamingDataLoader"]
 log = get_logger(__name__)
 
 R = TypeVar("R")
+
+#: what async code iterates instead of a StreamingDataset / StreamingDataLoader
+_ASYNC_DATASET = "`async with tq.AsyncStreamingDataset(...) as ds: async for td, meta in ds`"
 
 
 def _identity(item: Any) -> Any:
@@ -249,8 +252,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
 
         Raises:
-            InvalidRequestError: iterated by a plain DataLoader with several workers, or in
-                a DataLoader worker with a CUDA ``device``.
+            InvalidRequestError: iterated by a plain DataLoader with several workers, in
+                a DataLoader worker with a CUDA ``device``, or on a thread whose event loop is
+                running (async code uses :class:`~tq_async.AsyncStreamingDataset`).
         """
         info = get_worker_info()
         device = self._kwargs["device"]
@@ -273,7 +277,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
-        check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader")
+        check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader", _ASYNC_DATASET)
         host = _InThread(ads)
         exc_info: tuple[Any, Any, Any] = (None, None, None)
         # a DataLoader worker hands over its prefetch_factor batches at once when they are
@@ -411,7 +415,13 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         self._stream.load_state_dict(state)
 
     def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
-        """Yield micro-batches in ``batch_index`` order until the stream ends."""
+        """Yield micro-batches in ``batch_index`` order until the stream ends.
+
+        Raises:
+            InvalidRequestError: iterated on a thread whose event loop is running (it would
+                block that loop): async code uses :class:`~tq_async.AsyncStreamingDataset`.
+        """
+        check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
         while True:
             generation = ds._generation
@@ -551,6 +561,7 @@ class _InThread:
         self._client = face.client
         self._client.open()
         self._loop = asyncio.new_event_loop()
+        allow_blocking(self._loop)  # it runs only while this thread waits for the client
         self._entered: asyncio.Future[None] = self._loop.create_future()
         self._closing: asyncio.Future[None] = self._loop.create_future()
         self._host = self._loop.create_task(self._serve(ads))

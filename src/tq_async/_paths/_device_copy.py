@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
+from .._wire._codec import jagged_from_values
 
 __all__ = ["Copier", "HostCopier", "check_device", "to_device", "to_host"]
 
@@ -193,9 +194,7 @@ class _Mover:
                     lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
                 entry = self._offsets[id(offsets)] = (offsets, copy(offsets), lo, hi)
             _, moved, lo, hi = entry
-            return torch.nested.nested_tensor_from_jagged(
-                copy(t.values()), moved, min_seqlen=lo, max_seqlen=hi
-            )
+            return jagged_from_values(copy(t.values()), moved, lo, hi)
         if t.is_nested:
             return torch.nested.as_nested_tensor([copy(r) for r in t.unbind()], layout=t.layout)
         return copy(t)

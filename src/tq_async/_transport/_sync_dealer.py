@@ -12,8 +12,9 @@ Rules a blocking connection enforces at once (never a hang):
 
 - **One thread at a time.** A request made while another thread's request is using the
   same connection raises :class:`~tq_async.InvalidRequestError` naming the rule.
-- **Not on the services' event loop.** A request from the thread whose running event loop
-  hosts ``local_cluster`` services would block them: refused at once.
+- **Not on a running event loop.** A request from a thread whose event loop is running would
+  stop that loop for the whole wait (and, on the loop that hosts ``local_cluster`` services,
+  deadlock them): refused at once, naming :class:`~tq_async.AsyncClient`.
 - **Fork.** A connection opened in another process is never touched; the client above
   re-creates its connections in the child (:meth:`ClientBase._check_process`).
 """
@@ -401,7 +402,7 @@ class BlockingConnection:
             raise self._shared_error()
         self._owner = threading.get_ident()
         try:
-            check_blocking_allowed(f"a blocking {type(body).__name__}")
+            check_blocking_allowed(f"a blocking tq.Client request ({type(body).__name__})")
             self._check_open()
             self._read()  # what happened since the last request (broken, back, late replies)
             self._check_usable()

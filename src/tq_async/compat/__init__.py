@@ -30,6 +30,7 @@ in ``docs/migrating.md``.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import os
@@ -65,6 +66,7 @@ from .._errors import (
 )
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._logging import get_logger
+from .._portal import tolerating_blocking
 from ..samplers import BaseSampler as BaseSampler
 from ..samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from ..samplers import RankAwareSampler as RankAwareSampler
@@ -610,7 +612,7 @@ class _ThreadClients:
         self._local = threading.local()
         self._all: list[_Client] = []
         self._all_lock = threading.Lock()
-        self.current()
+        tolerating_blocking(self.current)()
 
     def current(self) -> _Client:
         client: _Client | None = getattr(self._local, "client", None)
@@ -621,7 +623,12 @@ class _ThreadClients:
         return client
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.current(), name)
+        if asyncio._get_running_loop() is None:
+            return getattr(self.current(), name)
+        # TransferQueue's synchronous functions work inside async code (blocking its loop):
+        # programs written for it call them there
+        value = getattr(tolerating_blocking(self.current)(), name)
+        return tolerating_blocking(value) if callable(value) else value
 
     def close(self) -> None:
         with self._all_lock:
@@ -666,7 +673,10 @@ class TransferQueueClient:
     @property
     def client(self) -> _Client:
         """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
-        calling thread's own (a Client serves one thread at a time)."""
+        calling thread's own (a Client serves one thread at a time). Inside async code, a
+        view of it whose calls may block the running loop, as TransferQueue's do."""
+        if asyncio._get_running_loop() is not None:
+            return self._client  # the _ThreadClients: it forwards them so
         return cast(_ThreadClients, self._client).current()
 
     # -- data --
