@@ -508,6 +508,10 @@ def column_value(header: ColumnHeader, column: Column | DeviceColumn) -> Any:
     return column.values
 
 
+# --------------------------------------------------------------------------------------------
+# columns -> batch (jagged columns as nested tensors built in bulk: ``_nested``)
+
+
 class _RaggedDims:
     """The ragged dimensions of one batch's jagged fields: one offsets tensor (one nested int)
     per distinct row lengths, so fields with equal lengths combine. Never shared across
