@@ -602,27 +602,27 @@ def jagged_assembly(calls: int = 300) -> None:
     import torch
     from tensordict import TensorDict
 
-    from tq_async._wire import _codec
+    from tq_async._wire import _codec, _nested
 
     n, length = 256, 512
     values = torch.randn(n * length)
     offsets = torch.arange(n + 1) * length
-    dim = _codec._Ragged(offsets, length, length)
-    direct = _codec._probed_njt_maker()
+    dim = _nested.Ragged(offsets, length, length)
+    direct = _nested._probed_njt_maker()
     cases: dict[str, Callable[[], object]] = {
-        "nested_tensor_from_jagged, shared offsets": lambda: _codec._public_njt(values, dim),
-        "nested_tensor_from_jagged, fresh offsets": lambda: _codec._public_njt(
-            values, _codec._Ragged(torch.arange(n + 1) * length, length, length)
+        "nested_tensor_from_jagged, shared offsets": lambda: _nested._public_njt(values, dim),
+        "nested_tensor_from_jagged, fresh offsets": lambda: _nested._public_njt(
+            values, _nested.Ragged(torch.arange(n + 1) * length, length, length)
         ),
         "direct constructor, shared offsets": lambda: direct(values, dim),
         "direct constructor, fresh offsets": lambda: direct(
-            values, _codec._Ragged(torch.arange(n + 1) * length, length, length)
+            values, _nested.Ragged(torch.arange(n + 1) * length, length, length)
         ),
     }
     fields: dict[str, torch.Tensor] = {f"f{i}": direct(values, dim) for i in range(5)}
     fields["reward"] = torch.randn(n)
     cases["TensorDict of 5 jagged + 1 dense, checked"] = lambda: TensorDict(fields, [n])
-    unchecked = _codec._probed_tensordict_maker()
+    unchecked = _nested._probed_tensordict_maker()
     cases["TensorDict of 5 jagged + 1 dense, unchecked"] = lambda: unchecked(fields, n)
     step = {
         "prompts": torch.zeros(n, length, dtype=torch.int64),

@@ -12,7 +12,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from tq_async import ProtocolError, SchemaError, UnsupportedTypeError
-from tq_async._wire import _codec
+from tq_async._wire import _nested
 from tq_async._wire._codec import columns_from_batch, columns_to_tensordict
 from tq_async._wire._columns import ColumnHeader, column_from_frames, column_to_frames, empty_column
 
@@ -233,17 +233,17 @@ JAGGED_CASES = [
 def test_direct_jagged_constructor_builds_what_torch_builds(
     values: torch.Tensor, offsets: list[int]
 ) -> None:
-    # _codec builds jagged tensors with torch's private constructor (3x cheaper than
+    # _nested builds jagged tensors with torch's private constructor (3x cheaper than
     # nested_tensor_from_jagged) only because they are the same tensors: this pins it
-    make = _codec._direct_njt_maker()
+    make = _nested._direct_njt_maker()
     assert make is not None, "torch.nested._internal moved: the jagged assembly got ~3x slower"
-    assert _codec._probed_njt_maker() is not _codec._public_njt
+    assert _nested._probed_njt_maker() is not _nested._public_njt
     off = torch.tensor(offsets)
     lengths = off.diff()
     lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
-    dim = _codec._Ragged(off, lo, hi)
-    ours, theirs = make(values, dim), _codec._public_njt(values, dim)
-    assert _codec._same_njt(ours, theirs)
+    dim = _nested.Ragged(off, lo, hi)
+    ours, theirs = make(values, dim), _nested._public_njt(values, dim)
+    assert _nested._same_njt(ours, theirs)
     assert [t.tolist() for t in ours.unbind()] == [t.tolist() for t in theirs.unbind()]
     assert torch.equal((ours + theirs).values(), (theirs + theirs).values())  # one nested int
     assert torch.equal(ours.to(torch.float64).values(), theirs.to(torch.float64).values())
@@ -261,10 +261,10 @@ def test_direct_jagged_constructor_builds_what_torch_builds(
 def test_direct_jagged_constructor_reuses_sizes_per_dimension_and_row_layout() -> None:
     # sizes and strides (nested-int arithmetic) are computed once per ragged dimension and
     # row layout: fields of every dtype and row shape on one dimension get torch's tensors
-    make = _codec._direct_njt_maker()
+    make = _nested._direct_njt_maker()
     assert make is not None
     off = torch.tensor([0, 2, 2, 5])
-    dim, again = _codec._Ragged(off, 0, 3), _codec._Ragged(off.clone(), 0, 3)
+    dim, again = _nested.Ragged(off, 0, 3), _nested.Ragged(off.clone(), 0, 3)
     cases = [
         torch.arange(5.0),
         torch.arange(5),  # same layout, another dtype
@@ -276,7 +276,7 @@ def test_direct_jagged_constructor_reuses_sizes_per_dimension_and_row_layout() -
     assert dim.layouts is not None
     assert len(dim.layouts) == 3
     for ours, values in zip(built, cases, strict=True):
-        assert _codec._same_njt(ours, _codec._public_njt(values, dim))
+        assert _nested._same_njt(ours, _nested._public_njt(values, dim))
     assert built[0].offsets() is built[2].offsets()
     assert (built[0] + built[3]).shape[0] == 3
     other = make(torch.arange(5.0), again)  # another batch: its own dimension
@@ -293,8 +293,8 @@ def test_jagged_assembly_falls_back_to_the_public_constructors(
     fields = {"ids": torch.arange(12).view(4, 3), "r": [torch.arange(k) for k in (1, 3, 0, 2)]}
     n, headers, columns = _dense_columns(fields)  # type: ignore[arg-type]
     fast = columns_to_tensordict(n, headers, columns, nested=True)  # type: ignore[arg-type]
-    monkeypatch.setattr(_codec, "_njt", _codec._public_njt)
-    monkeypatch.setattr(_codec, "_new_tensordict", lambda f, k: TensorDict(f, batch_size=[k]))
+    monkeypatch.setattr(_nested, "_njt", _nested._public_njt)
+    monkeypatch.setattr(_nested, "_new_tensordict", lambda f, k: TensorDict(f, batch_size=[k]))
     slow = columns_to_tensordict(n, headers, columns, nested=True)  # type: ignore[arg-type]
     assert fast.batch_size == slow.batch_size
     assert list(fast.keys()) == list(slow.keys())
@@ -304,19 +304,19 @@ def test_jagged_assembly_falls_back_to_the_public_constructors(
 
 
 def test_jagged_probe_refuses_a_constructor_that_differs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def unbounded(values: torch.Tensor, dim: _codec._Ragged) -> torch.Tensor:
+    def unbounded(values: torch.Tensor, dim: _nested.Ragged) -> torch.Tensor:
         return torch.nested.nested_tensor_from_jagged(values, dim.offsets)  # no lengths' bounds
 
-    def broken(values: torch.Tensor, dim: _codec._Ragged) -> torch.Tensor:
+    def broken(values: torch.Tensor, dim: _nested.Ragged) -> torch.Tensor:
         raise TypeError("a changed signature")
 
     for maker in (unbounded, broken):
-        monkeypatch.setattr(_codec, "_direct_njt_maker", lambda m=maker: m)
-        assert _codec._probed_njt_maker() is _codec._public_njt
+        monkeypatch.setattr(_nested, "_direct_njt_maker", lambda m=maker: m)
+        assert _nested._probed_njt_maker() is _nested._public_njt
 
 
 def test_tensordict_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    make = _codec._probed_tensordict_maker()
+    make = _nested._probed_tensordict_maker()
     assert make.__name__ == "make", "tensordict changed: the unchecked constructor is not used"
     td = make({"x": torch.zeros(2, 3)}, 2)
     assert td.batch_size == (2,)
@@ -327,7 +327,7 @@ def test_tensordict_probe(monkeypatch: pytest.MonkeyPatch) -> None:
         raise TypeError("a changed signature")
 
     monkeypatch.setattr(TensorDict, "_new_unsafe", changed, raising=False)
-    assert _codec._probed_tensordict_maker().__name__ == "public"
+    assert _nested._probed_tensordict_maker().__name__ == "public"
 
 
 def test_a_column_of_another_row_count_is_a_protocol_error() -> None:

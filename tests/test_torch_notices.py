@@ -20,7 +20,7 @@ import torch
 from torch.fx import _symbolic_trace
 
 from tq_async._paths import _device_copy as _devices
-from tq_async._wire import _codec
+from tq_async._wire import _nested
 
 NOTICE = "is_fx_tracing will return true"
 
@@ -61,10 +61,10 @@ def test_building_jagged_tensors_logs_no_notice(notices: list[logging.LogRecord]
     jagged = _jagged()
     _symbolic_trace.is_fx_tracing_warning.cache_clear()
     assert len(notices) == 1  # torch's own call
-    dim = _codec._Ragged(torch.tensor([0, 2, 2, 5]), 0, 3)
-    _codec._public_njt(torch.arange(5.0), dim)  # the public factory
+    dim = _nested.Ragged(torch.tensor([0, 2, 2, 5]), 0, 3)
+    _nested._public_njt(torch.arange(5.0), dim)  # the public factory
     _symbolic_trace.is_fx_tracing_warning.cache_clear()
-    _codec._probed_njt_maker()  # its probe builds with both factories
+    _nested._probed_njt_maker()  # its probe builds with both factories
     _symbolic_trace.is_fx_tracing_warning.cache_clear()
     _devices._Mover(torch.clone, host_offsets=True)(jagged)  # a copy to a device
     assert len(notices) == 1

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from .._wire._codec import SharedOffsets, tensordict_of
+from .._wire._nested import SharedOffsets, tensordict_of
 
 __all__ = ["pack", "unpack"]
 

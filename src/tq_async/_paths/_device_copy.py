@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
-from .._wire._codec import jagged_from_values
+from .._wire._nested import jagged_from_values
 
 __all__ = ["Copier", "HostCopier", "check_device", "to_device", "to_host"]
 

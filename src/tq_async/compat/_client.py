@@ -1,0 +1,434 @@
+"""TransferQueue's client (:class:`TransferQueueClient`) over a blocking
+:class:`tq_async.Client` per thread, and the process-wide lookups it shares with the KV
+functions: this process's client, and each partition's first global index as seen through
+compat (from the registry partition, so that indexes are unique across partitions)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
+from typing import Any, TypeVar, cast
+
+import anyio
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .. import _meta
+from .._client._sync._client import Client as _Client
+from .._errors import ClosedError, InvalidRequestError, PartitionNotFound
+from .._errors import TQTimeoutError as _TQTimeoutError
+from .._portal import tolerating_blocking
+from ._batch_meta import GLOBAL_INDEX_STRIDE, BatchMeta
+from ._columns import parsed, plain_columns, put_ragged, put_retrying_dtypes, read
+
+_R = TypeVar("_R")
+
+#: How long a ``get_meta`` in ``polling_mode`` waits for enough rows before it returns an
+#: empty batch (TransferQueue answers at once; a short event-driven wait spares the caller's
+#: retry loop most of its empty rounds).
+POLLING_WAIT = 0.05
+
+#: this process's client lookup: ``tq_async.compat`` (which owns the init/close lifecycle and
+#: the fork handling) installs it when it is imported
+_lookups: list[Callable[[], TransferQueueClient | None]] = []
+
+
+def install_lookup(lookup: Callable[[], TransferQueueClient | None]) -> None:
+    """Make ``lookup`` what :func:`attached` answers (``tq_async.compat`` calls it once)."""
+    _lookups[:] = [lookup]
+
+
+def attached() -> TransferQueueClient | None:
+    """This process's compat client; None when :func:`tq_async.compat.init` was not called."""
+    return _lookups[0]() if _lookups else None
+
+
+def get_client() -> TransferQueueClient:
+    """This process's client.
+
+    Raises:
+        ClosedError: :func:`init` was not called (or :func:`close` was).
+    """
+    client = attached()
+    if client is None:
+        raise ClosedError("tq_async.compat is not initialised: call tq.init() first")
+    return client
+
+
+def to_thread(fn: Callable[..., _R]) -> Callable[..., Any]:
+    """The ``async_`` twin of a blocking method: the same call on a worker thread."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> _R:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+    wrapper.__doc__ = f"Awaitable form of ``{fn.__name__}`` (runs it on a worker thread)."
+    return wrapper
+
+
+def as_list(value: str | Sequence[str], name: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, Sequence) or not all(map(isinstance, value, repeat(str))):
+        raise InvalidRequestError(f"{name} must be a string or a list of strings, got {value!r}")
+    return list(value)
+
+
+#: the partition where compat numbers the partitions it has seen (one key per partition), so
+#: that global indexes seen through compat are unique across partitions
+REGISTRY = "__tq_async_compat__"
+#: ``(address, partition id) -> the partition's first global index``, per process
+first_indexes: dict[tuple[str, str], int] = {}
+
+
+def first_index(partition_id: str) -> int:
+    """The global index of the partition's row 0 as seen through compat: its ordinal in the
+    cluster (the row of its key in the registry partition) times ``GLOBAL_INDEX_STRIDE``.
+    0 when compat is not initialised in this process or the one it was forked from (a
+    spawned DataLoader worker)."""
+    client = attached()
+    if client is None or partition_id == REGISTRY:
+        return 0
+    key = (client.address, partition_id)
+    base = first_indexes.get(key)
+    if base is None:
+        got = client.client.kv_retrieve_meta([partition_id], REGISTRY, create=True)
+        base = first_indexes[key] = got.global_indexes[0] * GLOBAL_INDEX_STRIDE
+    return base
+
+
+def partition_schema(partition_id: str) -> dict[str, dict[str, Any]]:
+    """The field schema of a partition, from its controller (``{}`` when unknown)."""
+    client = attached()
+    if client is None:
+        return {}
+    try:
+        info = client.client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, described in info.get("fields", {}).items():
+        kind, _, rest = str(described).partition(" ")
+        dtype_name, _, dims = rest.partition("[")
+        dtype = getattr(torch, dtype_name, None)
+        shape = [int(d) for d in dims.rstrip("]").split(",") if d]
+        out[name] = {
+            "dtype": dtype if isinstance(dtype, torch.dtype) else None,
+            "shape": torch.Size(shape) if kind == "dense" else None,
+            "is_nested": kind == "jagged",
+            "is_non_tensor": kind in ("object", "pickle"),
+        }
+    return out
+
+
+def _compat_meta(meta: _meta.BatchMeta) -> BatchMeta:
+    """The compat view of a native batch (global indexes unique across partitions)."""
+    return BatchMeta.from_native(meta, first_index(meta.partition_id), partition_schema)
+
+
+def _native(meta: BatchMeta | _meta.BatchMeta) -> _meta.BatchMeta:
+    """The native batch the client sends."""
+    if isinstance(meta, BatchMeta):
+        return meta.to_native()
+    if isinstance(meta, _meta.BatchMeta):
+        return meta
+    raise InvalidRequestError(f"expected a BatchMeta, got {type(meta).__name__}")
+
+
+def stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
+    """The dtype of each tensor field of a partition (from its schema)."""
+    try:
+        info = get_client().client.partition_info(partition_id)
+    except PartitionNotFound:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name, described in info.get("fields", {}).items():
+        parts = str(described).split(" ", 1)
+        if len(parts) == 2 and parts[0] in ("dense", "jagged"):
+            dtype = getattr(torch, parts[1].split("[", 1)[0], None)
+            if isinstance(dtype, torch.dtype):
+                out[name] = dtype
+    return out
+
+
+class _ThreadClients:
+    """Stands for one blocking :class:`tq_async.Client` per thread, each opened on the
+    thread's first call (the first one at once, so a bad address fails here)."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._local = threading.local()
+        self._all: list[_Client] = []
+        self._all_lock = threading.Lock()
+        tolerating_blocking(self.current)()
+
+    def current(self) -> _Client:
+        client: _Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = _Client.connect(self._address).open()
+            with self._all_lock:
+                self._all.append(client)
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        if asyncio._get_running_loop() is None:
+            return getattr(self.current(), name)
+        # TransferQueue's synchronous functions work inside async code (blocking its loop):
+        # programs written for it call them there
+        value = getattr(tolerating_blocking(self.current)(), name)
+        return tolerating_blocking(value) if callable(value) else value
+
+    def close(self) -> None:
+        with self._all_lock:
+            clients, self._all = self._all, []
+        for client in clients:
+            client.close()
+
+
+class TransferQueueClient:
+    """TransferQueue's client, method for method (names and argument order), over a blocking
+    :class:`tq_async.Client`.
+
+    Get the process's client with :func:`get_client` after :func:`init`. Each ``async_``
+    method runs its blocking twin on a worker thread.
+
+    Args:
+        client_id: a name for logs (unused otherwise).
+        controller_info: the controller's address (a string), e.g. ``os.environ["TQ_ADDRESS"]``.
+        zmq_io_threads: ignored (tq_async sockets need none).
+        zmq_max_sockets: ignored.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        controller_info: str,
+        zmq_io_threads: int | None = None,
+        zmq_max_sockets: int | None = None,
+    ) -> None:
+        if not isinstance(controller_info, str) or not controller_info:
+            raise InvalidRequestError(
+                "controller_info must be the controller's address (a string such as "
+                f"os.environ['TQ_ADDRESS']), got {type(controller_info).__name__}"
+            )
+        self.client_id = client_id
+        self.address = controller_info
+        self.polling_mode = False
+        # one blocking Client per thread: the async_ forms run on worker threads, several at
+        # once, and a Client serves one thread at a time
+        self._client: _Client = cast(_Client, _ThreadClients(controller_info))
+
+    @property
+    def client(self) -> _Client:
+        """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
+        calling thread's own (a Client serves one thread at a time). Inside async code, a
+        view of it whose calls may block the running loop, as TransferQueue's do."""
+        if asyncio._get_running_loop() is not None:
+            return self._client  # the _ThreadClients: it forwards them so
+        return cast(_ThreadClients, self._client).current()
+
+    # -- data --
+
+    def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Rows for ``task_name``: waits until the sampler finds them (with ``polling_mode``,
+        returns an empty batch when there are not enough). ``mode="force_fetch"`` looks
+        without consuming.
+
+        Raises:
+            InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
+        """
+        if not task_name:
+            raise InvalidRequestError(
+                "get_meta needs a task_name (the consumer whose consumption is tracked)"
+            )
+        if mode not in ("fetch", "force_fetch"):
+            raise InvalidRequestError(
+                f"mode must be 'fetch' or 'force_fetch', got {mode!r} ('insert' is internal to "
+                "TransferQueue: put() allocates rows here)"
+            )
+        ours = "fetch" if mode == "fetch" else "peek"
+        timeout = POLLING_WAIT if self.polling_mode else None
+        try:
+            meta = self._client.get_meta(
+                data_fields, batch_size, partition_id, task_name, sampling_config,
+                mode=ours, timeout=timeout,
+            )  # fmt: skip
+        except _TQTimeoutError:
+            meta = _meta.BatchMeta(
+                partition_id=partition_id, global_indexes=[], field_names=[], units=[]
+            )
+        return _compat_meta(meta)
+
+    def put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        metadata: BatchMeta | _meta.BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Write ``data``: new rows of ``partition_id``, or new fields of ``metadata``'s rows.
+
+        ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
+        with another dtype than it has in the partition is cast to the partition's dtype.
+        """
+        data = parsed(plain_columns(data), data_parser)
+        native = None if metadata is None else _native(metadata)
+        pid = partition_id if native is None else native.partition_id
+        meta = put_ragged(
+            data,
+            lambda d: put_retrying_dtypes(
+                pid,
+                d,
+                lambda e: self._client.put(e, pid if native is None else None, meta=native),
+                stored_dtypes,
+            ),
+            lambda m, rows, d: self._client.put(d, None, meta=m.select_rows(rows)),
+        )
+        out = _compat_meta(meta)
+        if isinstance(metadata, BatchMeta) and metadata.size == out.size:
+            out.extra_info.update(metadata.extra_info)
+        return out
+
+    def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
+        """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
+        nested tensors, as in TransferQueue."""
+        native = _native(metadata)
+        if not native.field_names or not len(native):
+            return TensorDict({}, batch_size=[len(native)])
+        return read(get_client().client, native)
+
+    def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
+        """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
+        native = _native(metadata)
+        tags = native.tags or [{} for _ in range(len(native))]
+        self._client.set_tags(native, tags)
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Remove the partition and free its storage."""
+        self._client.clear_partition(partition_id)
+
+    def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
+        """Remove ``metadata``'s rows and free their storage."""
+        self._client.clear_samples(_native(metadata))
+
+    # -- status --
+
+    def get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(row ids, 1 where task_name consumed the row)``; ``(None, None)`` for an unknown
+        partition."""
+        try:
+            mask = self._client.consumption_status(partition_id, task_name)
+        except PartitionNotFound:
+            return None, None
+        return first_index(partition_id) + torch.arange(mask.shape[0]), mask.to(torch.int8)
+
+    def get_production_status(
+        self, data_fields: Sequence[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(row ids, 1 where every field in data_fields is written)``; ``(None, None)`` for
+        an unknown partition."""
+        try:
+            masks = self._client.production_status(partition_id)
+        except PartitionNotFound:
+            return None, None
+        n = max((m.shape[0] for m in masks.values()), default=0)
+        ready = torch.ones(n, dtype=torch.bool)
+        for name in data_fields:
+            ready &= masks.get(name, torch.zeros(n, dtype=torch.bool))
+        return first_index(partition_id) + torch.arange(n), ready.to(torch.int8)
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        """True when ``task_name`` consumed every row (False before the first put)."""
+        return self._client.check_consumption_status(partition_id, task_name)
+
+    def check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
+        """True when every row has every field in ``data_fields`` (False before the first
+        put)."""
+        return self._client.check_production_status(partition_id, data_fields)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Make the rows consumable again for ``task_name`` (all tasks when None)."""
+        self._client.reset_consumption(partition_id, task_name)
+        return True
+
+    def get_partition_list(self) -> list[str]:
+        """Ids of every partition."""
+        return [p for p in self._client.list_partitions() if p != REGISTRY]
+
+    # -- KV --
+
+    def kv_retrieve_meta(
+        self, keys: str | Sequence[str], partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """A batch of ``keys``' rows (missing keys are created with ``create``)."""
+        got = self._client.kv_retrieve_meta(as_list(keys, "keys"), partition_id, create)
+        return _compat_meta(got)
+
+    def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
+        """The key of each row in ``global_indexes``."""
+        rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        base = first_index(partition_id)
+        return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        """``{partition_id: {key: tags}}`` for one partition or all."""
+        return self._client.kv_list(partition_id)
+
+    # -- checkpoints --
+
+    def save_controller_checkpoint(self, path: str) -> None:
+        """Not separable here: use :func:`save_checkpoint` (controller state and cells)."""
+        raise InvalidRequestError(
+            "tq_async checkpoints hold the controller state and the cells together: call "
+            "tq_async.compat.save_checkpoint(checkpoint_dir) instead"
+        )
+
+    def load_controller_checkpoint(self, path: str) -> None:
+        """Not separable here: use :func:`load_checkpoint`."""
+        raise InvalidRequestError(
+            "call tq_async.compat.load_checkpoint(checkpoint_dir) instead (one checkpoint "
+            "holds the controller state and the cells)"
+        )
+
+    save_storage_checkpoint = save_controller_checkpoint
+    load_storage_checkpoint = load_controller_checkpoint
+
+    def initialize_storage_manager(self, *args: Any, **kwargs: Any) -> None:
+        """Accepted and ignored: the client finds the storage units through the controller."""
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._client.close()
+
+    async_get_meta = to_thread(get_meta)
+    async_put = to_thread(put)
+    async_get_data = to_thread(get_data)
+    async_set_custom_meta = to_thread(set_custom_meta)
+    async_clear_partition = to_thread(clear_partition)
+    async_clear_samples = to_thread(clear_samples)
+    async_get_consumption_status = to_thread(get_consumption_status)
+    async_get_production_status = to_thread(get_production_status)
+    async_check_consumption_status = to_thread(check_consumption_status)
+    async_check_production_status = to_thread(check_production_status)
+    async_reset_consumption = to_thread(reset_consumption)
+    async_get_partition_list = to_thread(get_partition_list)
+    async_kv_retrieve_meta = to_thread(kv_retrieve_meta)
+    async_kv_retrieve_keys = to_thread(kv_retrieve_keys)
+    async_kv_list = to_thread(kv_list)
+    async_save_controller_checkpoint = to_thread(save_controller_checkpoint)
+    async_load_controller_checkpoint = to_thread(load_controller_checkpoint)
+    async_save_storage_checkpoint = to_thread(save_storage_checkpoint)
+    async_load_storage_checkpoint = to_thread(load_storage_checkpoint)
