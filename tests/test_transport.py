@@ -255,3 +255,34 @@ def test_a_refusal_read_before_the_blocking_request_still_says_nothing_listens()
             conn.request(ListPartitions(), timeout=5)
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_a_silent_unix_socket_is_waited_for_not_reconnected(blocking: bool) -> None:
+    # a Unix socket loses no reply without ending: silence is a busy service, and
+    # reconnecting made many waiting clients storm its listen queue; the blocking
+    # connection once reconnected anyway
+    import socket
+    import uuid
+
+    from tq_async._transport._sync_dealer import BlockingConnection
+    from tq_async._transport._unix import abstract_name
+
+    address = f"uds://@tq-test-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(abstract_name(address))
+    listener.listen(16)  # accepts into its backlog, never answers
+    conn: DealerConnection | BlockingConnection
+    try:
+        if blocking:
+            conn = BlockingConnection(address, retry_after=0.05)
+            with pytest.raises(tq.TQTimeoutError):
+                conn.request(ListPartitions(), timeout=0.5)
+        else:
+            conn = DealerConnection(address, retry_after=0.05)
+            with pytest.raises(tq.TQTimeoutError):
+                await conn.request(ListPartitions(), timeout=0.5)
+        assert conn.reconnects == 0
+        conn.close()
+    finally:
+        listener.close()
