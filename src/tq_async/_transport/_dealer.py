@@ -16,7 +16,7 @@ import contextlib
 import time
 import types
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -252,6 +252,20 @@ class DealerConnection(ConnectionState, DrainedSocket):
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(exc)
+
+    def _drain(self) -> None:
+        """Read what arrived: a Unix socket's messages in one read (ZMQ's as any socket's)."""
+        if self._edge_triggered:  # ZMQ; a Unix socket is level-triggered
+            super()._drain()
+            return
+        self._drain_scheduled = False
+        if self._closed:
+            return
+        for frames in cast(UnixSocket, self._sock).take_messages():
+            try:
+                self._on_frames(frames)
+            except Exception:  # a handler bug must not kill the reader
+                log.exception("message handler failed")
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         rid = self._core.on_message(frames)
