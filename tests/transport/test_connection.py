@@ -212,6 +212,25 @@ def test_curve_refusals_say_what_to_fix() -> None:
     assert core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0).fail is None
 
 
+def test_a_refusal_read_before_any_request_is_still_the_requests_error() -> None:
+    # the blocking connection reads the monitor when a request starts: the refusal and the
+    # disconnect that follows it may both be read before the request waits for anything
+    core = ConnectionCore("tcp://h:1")
+    core.handshaken = False
+    core.on_monitor(zmq.EVENT_CONNECTED, 0)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
+    assert isinstance(seen.fail, tq.AuthenticationError)  # not "not a tq_async service"
+    core.disconnected(seen.why)
+    for _ in range(2):
+        with pytest.raises(tq.AuthenticationError, match="uses CURVE encryption"):
+            core.check_usable(closed=False)
+    core.on_monitor(zmq.EVENT_CONNECTED, 0)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)  # e.g. the service got the keys
+    core.check_usable(closed=False)
+    assert core.refusal is None
+
+
 def test_why_broken_tells_a_live_process_from_a_gone_one() -> None:
     core = ConnectionCore("tcp://h:1")
     assert "stopped, vanished or is not answering" in core.why_broken()  # across hosts

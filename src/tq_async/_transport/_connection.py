@@ -187,6 +187,10 @@ class ConnectionCore:
         #: a precise reason (nothing listens there) outlives the event: a request made after
         #: the event was read gives it, not a guess from the peer's process state
         self.broken_why: str | None = None
+        #: the service's last refusal of this client's handshake (CURVE keys, not ZMTP):
+        #: the error of the requests made while the connection is down, even when the
+        #: event was read before any request waited for it
+        self.refusal: BaseException | None = None
         self.reconnects = 0
         #: the security handshake (NULL or CURVE) completed on the current socket
         self.handshaken = True
@@ -302,18 +306,22 @@ class ConnectionCore:
             return Liveness(connected=True)
         if event == _HANDSHAKE_SUCCEEDED:
             self.handshaken = True
+            self.refusal = None
         elif event == _HANDSHAKE_FAILED_AUTH:
-            return Liveness(
-                fail=rejected(self.address, self.curve, "rejected this client's CURVE key")
-            )
+            self.refusal = rejected(self.address, self.curve, "rejected this client's CURVE key")
+            return Liveness(fail=self.refusal)
         elif event == _HANDSHAKE_FAILED_PROTOCOL:
             if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                return Liveness(fail=mechanism_mismatch(self.address, self.curve))
+                self.refusal = mechanism_mismatch(self.address, self.curve)
+                return Liveness(fail=self.refusal)
         elif event == _DISCONNECTED:
             self._retries = 0
+            if self.handshaken:
+                return Liveness(broken=True)
             # dropped during the handshake: not an outage
-            fail = None if self.handshaken else dropped_handshake(self.address, self.curve)
-            return Liveness(fail=fail, broken=True)
+            if self.refusal is None:
+                self.refusal = dropped_handshake(self.address, self.curve)
+            return Liveness(fail=self.refusal, broken=True)
         elif event != _CONNECT_RETRIED:
             pass
         elif self.connected is not False:
@@ -363,6 +371,8 @@ class ConnectionCore:
         """Raise if a request cannot be sent on this connection now."""
         self.check_open(closed)
         if self.connected is False:
+            if self.refusal is not None:
+                raise _again(self.refusal)
             if self.broken_why is not None:
                 raise BrokenError(self.broken_why)
             raise BrokenError(
@@ -519,6 +529,11 @@ def check_frames(frames: Sequence[Any], expected: int, what: str) -> None:
     """Raise :class:`ProtocolError` if a message does not carry ``expected`` data frames."""
     if len(frames) != expected:
         raise ProtocolError(f"{what} carries {len(frames)} data frames, expected {expected}")
+
+
+def _again(exc: BaseException) -> BaseException:
+    """A new error like ``exc`` (one raised again would carry its old traceback along)."""
+    return type(exc)(*exc.args)
 
 
 def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
