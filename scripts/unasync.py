@@ -42,6 +42,7 @@ FILES = {
         "_device_links",
         "_client",
         "_checkpoint",
+        "_query",
     )
 }
 
