@@ -313,6 +313,9 @@ class DealerConnection(ConnectionState, DrainedSocket):
         except (zmq.ZMQError, OSError) as exc:  # (a context manager costs ~1 us a call)
             core.abandon(rid, None)
             raise self._broken(type(body).__name__, exc) from exc
+        except BaseException:  # nothing went out: nothing to cancel, nothing to resend
+            core.abandon(rid, None)
+            raise
         try:
             got = await self._reply_to(rid, outgoing, timeout)
             if got is None:
