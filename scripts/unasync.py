@@ -43,6 +43,7 @@ FILES = {
         "_client",
         "_checkpoint",
         "_watch",
+        "_query",
     )
 }
 

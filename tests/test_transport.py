@@ -8,6 +8,8 @@ a closing endpoint still fails the requests waiting on it at once.
 from __future__ import annotations
 
 import asyncio
+import socket
+import uuid
 
 import anyio
 import anyio.lowlevel
@@ -18,6 +20,8 @@ import zmq
 import tq_async as tq
 from tq_async._transport._dealer import BusyPoll, DealerConnection
 from tq_async._transport._router import RouterEndpoint
+from tq_async._transport._sync_dealer import BlockingConnection
+from tq_async._transport._unix import abstract_name
 from tq_async._wire._protocol import ListPartitions
 
 
@@ -244,8 +248,6 @@ async def test_a_refusal_read_before_the_request_still_says_nothing_listens() ->
 
 
 def test_a_refusal_read_before_the_blocking_request_still_says_nothing_listens() -> None:
-    from tq_async._transport._sync_dealer import BlockingConnection
-
     conn = BlockingConnection("tcp://127.0.0.1:9", refused_is_broken=True)
     try:
         assert conn._monitor is not None
@@ -255,3 +257,50 @@ def test_a_refusal_read_before_the_blocking_request_still_says_nothing_listens()
             conn.request(ListPartitions(), timeout=5)
     finally:
         conn.close()
+
+
+def _silent_listener() -> tuple[str, socket.socket]:
+    """A Unix socket that accepts connections into its backlog and never answers."""
+    address = f"uds://@tq-test-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(abstract_name(address))
+    listener.listen(16)
+    return address, listener
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_a_silent_unix_socket_is_waited_for_not_reconnected(blocking: bool) -> None:
+    # a Unix socket loses no reply without ending: silence is a busy service, and
+    # reconnecting made many waiting clients storm its listen queue; the blocking
+    # connection once reconnected anyway
+    address, listener = _silent_listener()
+    conn: DealerConnection | BlockingConnection
+    try:
+        if blocking:  # on a thread of its own: a blocking call on a running loop is refused
+            conn = blocking_conn = BlockingConnection(address, retry_after=0.05)
+
+            def wait() -> None:
+                with pytest.raises(tq.TQTimeoutError):
+                    blocking_conn.request(ListPartitions(), timeout=0.5)
+
+            await anyio.to_thread.run_sync(wait)
+        else:
+            conn = DealerConnection(address, retry_after=0.05)
+            with pytest.raises(tq.TQTimeoutError):
+                await conn.request(ListPartitions(), timeout=0.5)
+        assert conn.reconnects == 0
+        conn.close()
+    finally:
+        listener.close()
+
+
+async def test_a_request_that_could_not_be_sent_is_not_kept_for_a_resend() -> None:
+    address, listener = _silent_listener()
+    conn = DealerConnection(address)
+    try:
+        with pytest.raises(TypeError):
+            await conn.request(ListPartitions(), [object()])  # not a buffer
+        assert conn._inflight == {}  # (a reconnect would have sent it)
+    finally:
+        conn.close()
+        listener.close()

@@ -19,8 +19,9 @@ circle):
    ``_liveness`` and ``_catalog``; records in ``_effects``): every transition takes ``now``
    and returns effects; no loop, socket or clock.
 3. **transport**: moving frames, ``_transport/`` (addresses ``_endpoints``, the services'
-   ROUTER ``_router``, the clients' DEALER connection ``_dealer`` and the blocking client's
-   ``_sync_dealer``, in-process ``_routes``, Unix sockets ``_unix``, CURVE ``_security``),
+   ROUTER ``_router``, the clients' connection core ``_connection`` (no I/O) under the DEALER
+   connection ``_dealer`` and the blocking client's ``_sync_dealer``, in-process ``_routes``,
+   Unix sockets ``_unix``, CURVE ``_security``),
    and the data paths, ``_paths/`` (shared memory ``_shm``, NIXL ``_nixl``, device arenas
    ``_device`` and device copies ``_device_copy``).
 4. **services and clients**: what both services share, ``_service/`` (the request loop

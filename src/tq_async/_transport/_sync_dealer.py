@@ -1,6 +1,8 @@
 """The blocking client's connection: the I/O shell under the generated :class:`tq_async.Client`.
 
-Same wire, same semantics as :class:`tq_async._transport._dealer.DealerConnection` (request ids,
+The blocking shell around :class:`~tq_async._transport._connection.ConnectionCore`, which it
+shares with :class:`tq_async._transport._dealer.DealerConnection`: same wire, same semantics
+(request ids,
 retries that reconnect under the same identity, keep-alive resends of waiting requests,
 ``Cancel`` for an abandoned request, ``on_abandon`` for a reply that came too late, the
 transport's failures as :class:`~tq_async.BrokenError`), but all I/O happens in the calling
@@ -22,13 +24,11 @@ Rules a blocking connection enforces at once (never a hang):
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import select
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,25 +36,22 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from .._errors import (
-    BrokenError,
-    ClosedError,
-    InvalidRequestError,
-    TQTimeoutError,
-    error_from_wire,
-)
+from .._errors import BrokenError, InvalidRequestError
 from .._logging import get_logger
 from .._portal import check_blocking_allowed
 from .._sync_primitives import next_timer, run_due_timers
-from .._wire._protocol import Cancel, Reply, decode_error_payload, encoder, reply_decoder
-from ._dealer import (
+from .._wire._protocol import Cancel, Reply
+from ._connection import (
     DEFAULT_BUSY_POLL,
     MAX_BUSY_POLL,
+    MONITOR_EVENTS,
+    ConnectionCore,
+    ConnectionState,
+    Got,
+    PollBackoff,
     check_frames,
-    dropped_handshake,
-    mechanism_mismatch,
-    process_state,
-    rejected,
+    first_of,
+    heartbeat_ms,
 )
 from ._endpoints import zmq_context
 from ._routes import copy_frames, local_route
@@ -65,41 +62,31 @@ __all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BlockingConnection", "check_fr
 
 log = get_logger(__name__)
 
-_HEARTBEAT_IVL_MS = 2_000
-_HEARTBEAT_TIMEOUT_MS = 10_000
-_Got = tuple[Reply, list[Any]]
 _POLLIN = int(zmq.POLLIN)
 #: a write to a service that reads nothing (paused) fails after this long without a timeout
 _WRITE_WAIT = 60.0
 
 
-class _BusyPoll:
-    """:class:`tq_async._transport._dealer.BusyPoll` for a blocking wait: read the Unix socket for
-    up to
-    ``budget`` seconds before parking in ``poll``; after a poll that caught nothing the next
-    1, 2, ... 64 requests park at once."""
+class _BusyPoll(PollBackoff):
+    """:class:`~tq_async._transport._connection.PollBackoff` for a blocking wait: read the
+    Unix socket for up to ``budget`` seconds before parking in ``poll``."""
 
-    __slots__ = ("_backoff", "_skip", "budget")
-
-    def __init__(self, budget: float) -> None:
-        self.budget, self._backoff, self._skip = budget, 0, 0
+    __slots__ = ()
 
     def caught(self, done: Callable[[], bool], read: Callable[[], None]) -> bool:
-        if self._skip:
-            self._skip -= 1
+        if not self.should_poll():
             return False
         end = time.perf_counter() + self.budget
         while not done():
             read()
             if not done() and time.perf_counter() >= end:
-                self._backoff = min(2 * self._backoff or 1, 64)
-                self._skip = self._backoff
+                self.miss()
                 return False
-        self._backoff = 0
+        self.hit()
         return True
 
 
-class BlockingConnection:
+class BlockingConnection(ConnectionState):
     """One socket to one service, driven by the calling thread (see the module docstring)."""
 
     def __init__(
@@ -119,35 +106,23 @@ class BlockingConnection:
         #: how messages name the peer: the program's address, then the socket used
         self.name = address if self.known_as == address else f"{self.known_as} ({address})"
         self.retry_after = retry_after
-        #: a refused connection attempt means nothing listens there (before the first
-        #: successful connection); afterwards a refusal is a restarting service
-        self.refused_is_broken = refused_is_broken
-        self.connected: bool | None = None
-        self._broken_why: str | None = None
-        self.reconnects = 0
+        self._core = ConnectionCore(
+            address, curve=curve, refused_is_broken=refused_is_broken, name=self.name
+        )
         self._curve = curve
-        self._identity = uuid.uuid4().bytes
         self._on_disconnect = on_disconnect
-        self._retries = 0
-        self._inflight: dict[int, list[Any]] = {}
-        #: request id -> its reply, arrived (for the request that waits, or a late one)
-        self._arrived: dict[int, _Got] = {}
-        self._waiting: int | None = None
+        #: the messages in flight (the core's table), re-sent after a reconnect
+        self._inflight = self._core.inflight
+        #: the failure of the connection while a request waits (raised by that request)
         self._failure: BaseException | None = None
-        self._orphans: dict[int, Callable[[Reply, list[Any]], None]] = {}
-        self._rids = itertools.count(1)
-        self._pid = os.getpid()
         self._busy = threading.Lock()
         self._owner: int | None = None
         self._closed = False
-        self.inproc = False
-        self.peer_pid: int | None = None
         self._stream: MessageStream | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._wake_fd: int | None = None
         self._peer_gone = False
-        self._handshaken = True
         #: the longest a write waits for room in a full Unix socket (the request's timeout)
         self._write_wait = _WRITE_WAIT
         self._open()
@@ -158,6 +133,7 @@ class BlockingConnection:
     # ---- sockets ---------------------------------------------------------------------------
 
     def _open(self) -> None:
+        core = self._core
         self._poller = select.poll()
         if self.address.startswith("uds://"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -167,30 +143,25 @@ class BlockingConnection:
                 sock.close()
                 raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
             self._stream = MessageStream(sock)
-            self._write([HELLO, self._identity])
+            self._write([HELLO, core.identity])
             self._poller.register(sock.fileno(), select.POLLIN)
-            self.connected = True
+            core.connected = True
             return
         context = zmq_context()
         route = None if self._curve is not None else local_route(self.address, context)
-        self.inproc = route is not None
+        core.inproc = route is not None
         sock = context.socket(zmq.DEALER)
         if self._curve is not None:
             self._curve.apply(sock)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.IDENTITY, core.identity)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_CONNECT_RETRIED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        )
-        self._handshaken = route is not None
+        heartbeat_ivl, heartbeat_timeout = heartbeat_ms(None)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout)
+        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
+        core.handshaken = route is not None
         try:
             if route is None:
                 sock.connect(self.address)
@@ -199,7 +170,7 @@ class BlockingConnection:
                 if self._wake_fd is None:
                     self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 route.watchers.add(self)
-                self.connected = True
+                core.connected = True
         except zmq.ZMQError as exc:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -229,9 +200,9 @@ class BlockingConnection:
         if self._closed:
             return
         self._release()
-        self.connected = None
+        self._core.connected = None
         self._open()
-        self.reconnects += 1
+        self._core.reconnects += 1
         for frames in list(self._inflight.values()):
             with contextlib.suppress(zmq.ZMQError, OSError):
                 self._send(frames)
@@ -308,21 +279,7 @@ class BlockingConnection:
         self._read()
 
     def _on_frames(self, frames: list[Any]) -> None:
-        try:
-            reply = reply_decoder.decode(frames[0].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("dropped an unreadable reply", peer=self.name)
-            return
-        self._inflight.pop(reply.rid, None)
-        if reply.rid == self._waiting:
-            self._arrived[reply.rid] = (reply, frames[1:])
-            return
-        orphan = self._orphans.pop(reply.rid, None)
-        if orphan is not None:
-            try:
-                orphan(reply, frames[1:])
-            except Exception:
-                log.exception("undoing an abandoned request failed", peer=self.name)
+        self._core.on_message(frames)  # a reply for this thread's request waits in arrived
 
     def _drain_monitor(self) -> None:
         monitor = self._monitor
@@ -334,53 +291,21 @@ class BlockingConnection:
             except zmq.ZMQError:
                 return
             parsed = zmq.utils.monitor.parse_monitor_message(msg)
-            event = parsed["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self.connected = True
-                self._retries = 0
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshaken = True
-            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._fail(rejected(self.name, self._curve, "rejected this client's CURVE key"))
-            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                if parsed["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                    self._fail(mechanism_mismatch(self.name, self._curve))
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._retries = 0
-                if not self._handshaken:  # dropped during the handshake: not an outage
-                    self._fail(dropped_handshake(self.name, self._curve))
-                self._disconnected()
-            elif (
-                event == zmq.EVENT_CONNECT_RETRIED
-                and self.connected is not False
-                and self.refused_is_broken
-            ):
-                # the first connection attempt was refused: nothing listens there
-                self._disconnected(
-                    f"nothing listens at {self.name} (the connection was refused); "
-                    "check the address and that the service runs there"
-                )
+            seen = self._core.on_monitor(parsed["event"], parsed["value"])
+            if seen.fail is not None:
+                self._fail(seen.fail)
+            if seen.broken:
+                self._disconnected(seen.why)
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
-        self.connected = False
-        #: a precise reason (nothing listens there) outlives the event: a request made after
-        #: the event was read gives it, not a guess from the peer's process state
-        self._broken_why = why
-        if why is None:
-            cause = "the service stopped or vanished" if closed_by_peer else self._why_broken()
-            why = (
-                f"the connection to {self.name} broke ({cause}); requests in flight are "
-                "lost: retry once it is back"
-            )
-        self._fail(BrokenError(why))
+        self._fail(self._core.disconnected(why, closed_by_peer=closed_by_peer))
         if self._on_disconnect is not None:
             self._on_disconnect()
 
     def _fail(self, exc: BaseException) -> None:
-        if self._waiting is not None and self._failure is None:
+        if self._core.waiting and self._failure is None:
             self._failure = exc
-        self._inflight.clear()
-        self._orphans.clear()
+        self._core.forget_all()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -406,34 +331,25 @@ class BlockingConnection:
             self._check_open()
             self._read()  # what happened since the last request (broken, back, late replies)
             self._check_usable()
-            if self.inproc and frames:
+            core = self._core
+            if core.inproc and frames:
                 frames = copy_frames(frames, incoming=False)
-            rid = next(self._rids)
-            outgoing = [_encode_request(rid, body), *frames]
-            self._inflight[rid] = outgoing
-            self._waiting, self._failure = rid, None
+            rid, outgoing = core.start(body, frames)
+            self._failure = None
             self._write_wait = _WRITE_WAIT if timeout is None else timeout
             try:
                 with self.transport_errors(type(body).__name__):
                     self._send(outgoing)
                 got = self._reply_to(rid, outgoing, timeout)
                 if got is None:
-                    raise TQTimeoutError(
-                        f"{type(body).__name__} to {self.name} got no reply within "
-                        f"{timeout} s; {self._why_silent()}"
-                    )
+                    raise core.timed_out(type(body).__name__, timeout)
                 reply, rframes = got
-                if reply.ok and self.inproc and rframes:
-                    rframes = copy_frames(rframes, incoming=True)
+                if reply.ok and core.inproc and rframes:
+                    got = reply, copy_frames(rframes, incoming=True)
             except BaseException:
                 self._abandon(rid, on_abandon, cancel_undoes)
                 raise
-            finally:
-                self._waiting = None
-            if not reply.ok:
-                kind, message = decode_error_payload(reply.payload)
-                raise error_from_wire(kind, message)
-            return reply.payload, rframes
+            return core.finish(rid, got)
         finally:
             self._owner = None
             self._busy.release()
@@ -446,35 +362,18 @@ class BlockingConnection:
         )
 
     def _check_usable(self) -> None:
-        self._check_open()
-        if self.connected is False:
-            if self._broken_why is not None:
-                raise BrokenError(self._broken_why)
-            raise BrokenError(
-                f"the connection to {self.name} is broken ({self._why_broken()}); retry "
-                "once it is back"
-            )
+        self._core.check_usable(self._closed)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"the connection to {self.name} is closed")
-        if self._pid != os.getpid():
-            raise ClosedError(
-                "this connection was opened in another process (before a fork); its client "
-                "re-creates its connections in this process on its next call"
-            )
+        self._core.check_open(self._closed)
 
-    def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> _Got | None:
+    def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed (retries as the async
-        connection does: reconnect with a deadline, keep-alive resend without)."""
+        connection does: over ZMQ, reconnect with a deadline; keep-alive resend without)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
-            wait = (
-                remaining
-                if self.retry_after is None
-                else (self.retry_after if remaining is None else min(self.retry_after, remaining))
-            )
+            wait = first_of(remaining, self.retry_after)
             if wait is not None and wait <= 0:
                 return None
             got = self._attempt(rid, wait)
@@ -485,12 +384,12 @@ class BlockingConnection:
             if deadline is None:
                 with contextlib.suppress(zmq.ZMQError, OSError):
                     self._send(outgoing)
-            else:
+            elif self._stream is None:  # ZMQ; a Unix socket loses no reply without ending
                 log.info("no reply yet: reconnecting and retrying", peer=self.name, rid=rid)
                 self.reconnect()
 
-    def _attempt(self, rid: int, wait: float | None) -> _Got | None:
-        arrived = self._arrived
+    def _attempt(self, rid: int, wait: float | None) -> Got | None:
+        arrived = self._core.arrived
 
         def done() -> bool:
             return rid in arrived or self._failure is not None
@@ -507,9 +406,10 @@ class BlockingConnection:
                 left = timer
             self._park(left)
             run_due_timers()
-        if self._failure is not None:
-            raise self._failure
-        return arrived.pop(rid)
+        if rid in arrived:
+            return arrived.pop(rid)
+        assert self._failure is not None
+        raise self._failure
 
     def _abandon(
         self,
@@ -517,27 +417,17 @@ class BlockingConnection:
         on_abandon: Callable[[Reply, list[Any]], None] | None,
         cancel_undoes: bool = False,
     ) -> None:
-        self._inflight.pop(rid, None)
-        got = self._arrived.pop(rid, None)
-        if got is not None:
-            if on_abandon is not None:
-                try:
-                    on_abandon(*got)
-                except Exception:
-                    log.exception("undoing an abandoned request failed", peer=self.name)
-            return
-        if on_abandon is not None and not cancel_undoes:
-            self._orphans[rid] = on_abandon  # (the service undoes it itself otherwise)
-        self.send_best_effort(Cancel(rid))
+        if self._core.abandon(rid, on_abandon, cancel_undoes):
+            self.send_best_effort(Cancel(rid))
 
     def send_oneway(self, body: msgspec.Struct) -> None:
         """Send a request whose reply nobody waits for (dropped on arrival)."""
-        if self._closed or self._pid != os.getpid():
+        if self._closed or self._core.pid != os.getpid():
             return
         if self._owner not in (None, threading.get_ident()):
             raise self._shared_error()
         with self.transport_errors(type(body).__name__):
-            self._send([encoder.encode((next(self._rids), body))])
+            self._send(self._core.oneway(body))
 
     def send_best_effort(self, body: msgspec.Struct) -> bool:
         """:meth:`send_oneway` whose failure is logged, not raised (clean-up messages)."""
@@ -554,51 +444,20 @@ class BlockingConnection:
         try:
             yield
         except (zmq.ZMQError, OSError) as exc:
-            raise BrokenError(
-                f"{what} to {self.name} failed: {exc} (the service stopped or vanished); "
-                "retry once it is back"
-            ) from exc
-
-    def _why_silent(self) -> str:
-        if process_state(self.peer_pid) is not None:
-            return f"{self._why_broken()}; raise the timeout if it is only slow"
-        return "check that the service is running, or raise the timeout"
-
-    def _why_broken(self) -> str:
-        state = process_state(self.peer_pid)
-        if state is None:
-            return (
-                "the service stopped or vanished"
-                if self.peer_pid is not None
-                else "the service stopped, vanished or is not answering"
-            )
-        paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
-        return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
+            raise self._core.broken(what, exc) from exc
 
     def close(self) -> None:
         """Close the socket (in the process that opened it; a forked child leaves it be)."""
         if self._closed:
             return
         self._closed = True
-        if self._pid == os.getpid():
+        if self._core.pid == os.getpid():
             self._release()
             if self._wake_fd is not None:
                 os.close(self._wake_fd)
                 self._wake_fd = None
-        self._inflight.clear()
-        self._orphans.clear()
+        self._core.forget_all()
 
 
 def _nothing() -> None:
     """A blocking write drains the socket itself (no writer callback)."""
-
-
-def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
-    try:
-        return encoder.encode((rid, body))
-    except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
-        raise InvalidRequestError(
-            f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "
-            "ints within 64 bits and plain values (None, bool, int, float, str, bytes, "
-            "lists and dicts of those)"
-        ) from None

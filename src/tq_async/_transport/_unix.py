@@ -333,6 +333,22 @@ class UnixSocket:
             return _POLLIN if self._stream.messages else 0
         raise ValueError(f"unsupported option {option}")
 
+    def take_messages(self) -> list[list[Any]]:
+        """Every whole message that arrived, in one read (a reader that takes them this way
+        does not read the socket again to learn that nothing more waits: its FD is
+        level-triggered); the end of the stream calls ``on_eof`` as :meth:`getsockopt` does."""
+        stream = self._stream
+        stream.fill()
+        messages = stream.messages
+        if messages:
+            taken = list(messages)
+            messages.clear()
+            return taken
+        if stream.eof and self._on_eof is not None:
+            on_eof, self._on_eof = self._on_eof, None
+            on_eof()
+        return []
+
     def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[Any]:
         if not self._stream.messages:
             raise zmq.Again()

@@ -56,6 +56,7 @@ from ._base import Links
 from ._calls import ControlCalls
 from ._get import GetPath
 from ._put import PutPath
+from ._query import meta_query
 from ._watch import Watcher
 
 if sys.version_info >= (3, 11):
@@ -416,7 +417,7 @@ class AsyncClient:
         handed out, they are released back to the task (a batch recorded under a
         ``batch_index`` stays readable by that index instead).
         """
-        meta, _, _ = await self._gets.meta_call(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
@@ -427,8 +428,8 @@ class AsyncClient:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
-            inline_bytes=0,
         )
+        meta, _, _ = await self._gets.meta_call(query, 0)
         return meta
 
     async def get_data(
@@ -502,7 +503,7 @@ class AsyncClient:
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
-        return await self._gets.get(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
@@ -516,6 +517,7 @@ class AsyncClient:
             nested=nested,
             device=device,
         )
+        return await self._gets.get(query)
 
     async def get_batches(
         self,
@@ -555,13 +557,13 @@ class AsyncClient:
         Cancellation: the batches stay recorded under their indexes (re-read by the next
         fetch of each).
         """
-        return await self._gets.get_batches(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
             task_name,
             sampling_config,
-            also=also,
+            also=list(also),
             timeout=timeout,
             stop_when_consumed=stop_when_consumed,
             lease=lease,
@@ -569,6 +571,7 @@ class AsyncClient:
             nested=nested,
             device=device,
         )
+        return await self._gets.get_batches(query)
 
     async def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""

@@ -58,6 +58,7 @@ from ._base import Links
 from ._calls import ControlCalls
 from ._get import GetPath
 from ._put import PutPath
+from ._query import meta_query
 from ._watch import Watcher
 
 if sys.version_info >= (3, 11):
@@ -406,7 +407,7 @@ class Client:
         handed out, they are released back to the task (a batch recorded under a
         ``batch_index`` stays readable by that index instead).
         """
-        meta, _, _ = self._gets.meta_call(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
@@ -417,8 +418,8 @@ class Client:
             stop_when_consumed=stop_when_consumed,
             lease=lease,
             ack=ack,
-            inline_bytes=0,
         )
+        meta, _, _ = self._gets.meta_call(query, 0)
         return meta
 
     def get_data(
@@ -492,7 +493,7 @@ class Client:
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
         """
-        return self._gets.get(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
@@ -506,6 +507,7 @@ class Client:
             nested=nested,
             device=device,
         )
+        return self._gets.get(query)
 
     def get_batches(
         self,
@@ -545,13 +547,13 @@ class Client:
         Cancellation: the batches stay recorded under their indexes (re-read by the next
         fetch of each).
         """
-        return self._gets.get_batches(
+        query = meta_query(
             data_fields,
             batch_size,
             partition_id,
             task_name,
             sampling_config,
-            also=also,
+            also=list(also),
             timeout=timeout,
             stop_when_consumed=stop_when_consumed,
             lease=lease,
@@ -559,6 +561,7 @@ class Client:
             nested=nested,
             device=device,
         )
+        return self._gets.get_batches(query)
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""

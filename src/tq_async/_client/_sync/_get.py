@@ -9,7 +9,7 @@ trip); otherwise the cells come from each unit, through its shared memory on the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -31,7 +31,6 @@ from ..._transport._sync_dealer import BlockingConnection
 from ..._wire._buffers import buffer_pool
 from ..._wire._codec import (
     DeviceColumn,
-    check_text,
     column_value,
     columns_from_batch,
     columns_to_tensordict,
@@ -49,75 +48,19 @@ from ..._wire._columns import (
 from ..._wire._protocol import (
     Ack,
     FieldSchema,
-    GetMeta,
     MetaReply,
     Release,
     Reply,
     ShmFree,
     StoredColumns,
     StoreGet,
-    check_also,
-    check_int,
-    check_sampling_config,
-    check_seconds,
 )
-from ._base import THREAD_COPY_BYTES, Links, check_fields, decode
+from ._base import THREAD_COPY_BYTES, Links, decode
+from ._query import MetaQuery, check_nested, lease_ids
 
 __all__ = ["GetPath"]
 
 log = get_logger(__name__)
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    return check_int("batch_size", batch_size, 1)
-
-
-_TAILS = ("uneven", "drop", "error")
-
-
-def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
-    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
-    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
-        return
-    dp_size = cfg.get("dp_size")
-    if dp_size is None:
-        raise InvalidRequestError(
-            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
-            "global batch among dp_size ranks; add 'dp_size'"
-        )
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise InvalidRequestError(
-            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
-        )
-    tail = cfg.get("tail", "uneven")
-    if tail not in _TAILS:
-        raise InvalidRequestError(
-            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
-        )
-    for key in ("dp_rank", "batch_index"):
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidRequestError(
-                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
-                f"b is decided for all ranks at once), got {value!r}"
-            )
-    if cfg["dp_rank"] >= dp_size:
-        raise InvalidRequestError(
-            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
-            f"{dp_size}; ranks are 0..{dp_size - 1}"
-        )
-
-
-def _check_nested(nested: Any) -> bool | frozenset[str]:
-    if isinstance(nested, bool):
-        return nested
-    if isinstance(nested, str) or not isinstance(nested, Collection):
-        raise InvalidRequestError(
-            f"nested must be True/False or a list of field names, got {nested!r}"
-        )
-    if not all(isinstance(f, str) for f in nested):
-        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
-    return frozenset(nested)
 
 
 def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
@@ -224,13 +167,6 @@ def _inline_frame_count(got: MetaReply) -> int:
     return sum(column_frame_count(h) for stored in got.inline for h in stored.columns)
 
 
-def _lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
-    if metas is None:
-        return None
-    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
-    return [m.lease_id for m in items if m.lease_id] or None
-
-
 def _merge_parts(
     n: int,
     by_unit: dict[int, list[int]],
@@ -300,76 +236,32 @@ class GetPath:
         self.inline_get_bytes = inline_get_bytes
 
     def meta_call(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str,
-        sampling_config: Mapping[str, Any] | None,
-        *,
-        mode: str,
-        timeout: float | None,
-        stop_when_consumed: bool,
-        lease: float | None,
-        ack: BatchMeta | Sequence[BatchMeta] | None,
-        inline_bytes: int,
-        also: list[int] | None = None,
+        self, query: MetaQuery, inline_bytes: int
     ) -> tuple[BatchMeta, MetaReply, list[Any]]:
-        """:meth:`~tq_async.Client.get_meta`, plus the raw reply and its frames (cells
-        sent inline); the client's ``get_meta`` calls it directly (one coroutine less per
-        call on the control plane's hottest path)."""
-        fields = check_fields(data_fields)
-        _check_batch_size(batch_size)
-        if not isinstance(task_name, str) or not task_name:
-            raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
-        if not isinstance(partition_id, str) or not partition_id:
-            raise InvalidRequestError(
-                f"partition_id must be a non-empty string, got {partition_id!r}"
-            )
-        check_text("task_name", task_name)
-        check_text("partition_id", partition_id)
-        if mode not in ("fetch", "peek"):
-            raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-        if isinstance(timeout, bool) or timeout != 0:  # 0: answer now or time out
-            check_seconds("timeout", timeout)
-        check_seconds("lease", lease)
-        cfg = dict(sampling_config) if sampling_config else None
-        _check_dp_config(cfg)
-        check_sampling_config(cfg)
-        if also is not None:
-            check_also(also, cfg, mode)
-        recorded = mode == "fetch" and cfg is not None and cfg.get("batch_index") is not None
-        req = GetMeta(
-            partition_id,
-            fields,
-            batch_size,
-            task_name,
-            cfg,
-            mode,
-            timeout,
-            stop_when_consumed,
-            lease,
-            _lease_ids(ack),
-            inline_bytes,
-            also,
-        )
+        """:meth:`~tq_async.Client.get_meta` of a checked ``query``, plus the raw reply
+        and its frames (cells sent inline, up to ``inline_bytes``); the client's
+        ``get_meta`` calls it directly (one coroutine less per call on the control plane's
+        hottest path)."""
+        req = query.request(inline_bytes)
+        partition_id, task_name = query.partition_id, query.task_name
+        skip_undo = query.mode != "fetch" or query.recorded
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
-            if not reply.ok or mode != "fetch" or recorded:
+            if not reply.ok or skip_undo:
                 return
             late: MetaReply = decode(reply.payload, MetaReply)
             if late.rows and self._links.controller is not None:
                 undo = Release(partition_id, task_name, late.rows, late.incarnation, late.lease_id)
                 self._links.controller.send_best_effort(undo)
 
+        timeout = query.timeout
         client_deadline = None if timeout is None else timeout + self._links.request_timeout
         payload, frames = self._links.ctl().request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = decode(payload, MetaReply)
         self._links.note_epoch(got.units_epoch)
-        index = cfg.get("batch_index") if cfg else None
-        return _batch_meta(got, partition_id, task_name, index), got, frames
+        return _batch_meta(got, partition_id, task_name, query.batch_index), got, frames
 
     def get_data(
         self,
@@ -381,7 +273,7 @@ class GetPath:
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
         names = list(fields) if fields is not None else list(meta.field_names)
-        as_nested = _check_nested(nested)
+        as_nested = check_nested(nested)
         target = check_device(device)
         n = len(meta)
         if n == 0 or not names:
@@ -491,42 +383,15 @@ class GetPath:
             run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
 
-    def get(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str,
-        sampling_config: Mapping[str, Any] | None = None,
-        *,
-        mode: str = "fetch",
-        timeout: float | None = None,
-        stop_when_consumed: bool = False,
-        lease: float | None = None,
-        ack: BatchMeta | Sequence[BatchMeta] | None = None,
-        nested: bool | Collection[str] = False,
-        device: Any = None,
-    ) -> tuple[TensorDict, BatchMeta]:
-        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`."""
-        as_nested = _check_nested(nested)
-        target = check_device(device)
-        meta, got, frames = self.meta_call(
-            data_fields,
-            batch_size,
-            partition_id,
-            task_name,
-            sampling_config,
-            mode=mode,
-            timeout=timeout,
-            stop_when_consumed=stop_when_consumed,
-            lease=lease,
-            ack=ack,
-            inline_bytes=self.inline_get_bytes,
-        )
+    def get(self, query: MetaQuery) -> tuple[TensorDict, BatchMeta]:
+        """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
+        :class:`BatchMeta`."""
+        meta, got, frames = self.meta_call(query, self.inline_get_bytes)
+        lease = query.lease
         try:
-            td = self._read(meta, got, frames, as_nested, target)
+            td = self._read(meta, got, frames, query.nested, query.device)
         except BaseException:
-            if mode == "fetch" and meta.batch_index is None and len(meta):
+            if query.mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
                     self.release(meta)
@@ -536,42 +401,14 @@ class GetPath:
         self._end_hold(meta, lease)  # an auto-clear hold: the data is read, rows may go
         return td, meta
 
-    def get_batches(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str,
-        sampling_config: Mapping[str, Any],
-        *,
-        also: Sequence[int],
-        timeout: float | None = None,
-        stop_when_consumed: bool = False,
-        lease: float | None = None,
-        ack: BatchMeta | Sequence[BatchMeta] | None = None,
-        nested: bool | Collection[str] = False,
-        device: Any = None,
-    ) -> list[tuple[TensorDict, BatchMeta]]:
-        """:meth:`get` of the batch ``sampling_config["batch_index"]`` names, and of the
-        batches ``also`` names that can be decided at once, in one round trip."""
-        as_nested = _check_nested(nested)
-        target = check_device(device)
-        meta, got, frames = self.meta_call(
-            data_fields,
-            batch_size,
-            partition_id,
-            task_name,
-            sampling_config,
-            mode="fetch",
-            timeout=timeout,
-            stop_when_consumed=stop_when_consumed,
-            lease=lease,
-            ack=ack,
-            inline_bytes=self.inline_get_bytes,
-            also=list(also),
-        )
+    def get_batches(self, query: MetaQuery) -> list[tuple[TensorDict, BatchMeta]]:
+        """:meth:`get` of the batch the query's ``batch_index`` names, and of the batches its
+        ``also`` names that can be decided at once, in one round trip."""
+        meta, got, frames = self.meta_call(query, self.inline_get_bytes)
+        partition_id, task_name, lease = query.partition_id, query.task_name, query.lease
+        as_nested, target = query.nested, query.device
         answers = [(meta, got)]
-        for index, follower in zip(also, got.more or (), strict=False):
+        for index, follower in zip(query.also or (), got.more or (), strict=False):
             answers.append((_batch_meta(follower, partition_id, task_name, index), follower))
         out: list[tuple[TensorDict, BatchMeta]] = []
         pos = 0
@@ -613,7 +450,7 @@ class GetPath:
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
         """Acknowledge leased batches: their rows stay consumed (no redelivery)."""
-        ids = _lease_ids(metas)
+        ids = lease_ids(metas)
         if ids:
             self._links.call(Ack(ids), None)
 

@@ -1,0 +1,195 @@
+# Generated from src/tq_async/_client/_async/_query.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""A read's arguments, checked once: :class:`MetaQuery`.
+
+:meth:`~tq_async.Client.get_meta`, :meth:`~tq_async.Client.get` and
+:meth:`~tq_async.Client.get_batches` keep their explicit signatures (for users and type
+checkers); each checks its arguments once with :func:`meta_query` and passes the query down
+the read path (:class:`~tq_async._client._sync._get.GetPath`), which reads them from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from ..._errors import InvalidRequestError
+from ..._meta import BatchMeta
+from ..._paths._device_copy import check_device
+from ..._wire._codec import check_text
+from ..._wire._protocol import (
+    GetMeta,
+    check_also,
+    check_int,
+    check_sampling_config,
+    check_seconds,
+)
+from ._base import check_fields
+
+__all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
+
+
+class MetaQuery(NamedTuple):
+    """The checked arguments of one read (see :meth:`~tq_async.Client.get_meta`)."""
+
+    fields: list[str]
+    batch_size: int
+    partition_id: str
+    task_name: str
+    #: a copy of the caller's ``sampling_config`` (None when empty)
+    config: dict[str, Any] | None
+    mode: str
+    timeout: float | None
+    stop_when_consumed: bool
+    lease: float | None
+    #: the lease ids of the batches this read acknowledges
+    ack: list[int] | None
+    #: the later batch indexes decided in the same round trip (``get_batches``)
+    also: list[int] | None = None
+    #: ``get_data``'s ``nested`` and ``device``, checked
+    nested: bool | frozenset[str] = False
+    device: Any = None
+
+    @property
+    def batch_index(self) -> Any:
+        """The ``batch_index`` the config names, if any."""
+        return self.config.get("batch_index") if self.config else None
+
+    @property
+    def recorded(self) -> bool:
+        """A fetch under a ``batch_index``: its rows stay recorded (replayable) even when the
+        call is abandoned, so they are not released."""
+        return self.mode == "fetch" and self.batch_index is not None
+
+    def request(self, inline_bytes: int) -> GetMeta:
+        """The controller's request, asking for cells inline up to ``inline_bytes``."""
+        return GetMeta(
+            self.partition_id,
+            self.fields,
+            self.batch_size,
+            self.task_name,
+            self.config,
+            self.mode,
+            self.timeout,
+            self.stop_when_consumed,
+            self.lease,
+            self.ack,
+            inline_bytes,
+            self.also,
+        )
+
+
+def meta_query(
+    data_fields: Sequence[str],
+    batch_size: int,
+    partition_id: str,
+    task_name: str,
+    sampling_config: Mapping[str, Any] | None = None,
+    *,
+    mode: str = "fetch",
+    timeout: float | None = None,
+    stop_when_consumed: bool = False,
+    lease: float | None = None,
+    ack: BatchMeta | Sequence[BatchMeta] | None = None,
+    also: Sequence[int] | None = None,
+    nested: bool | Collection[str] = False,
+    device: Any = None,
+) -> MetaQuery:
+    """Check a read's arguments (before anything is sent) into a :class:`MetaQuery`.
+
+    Raises:
+        InvalidRequestError: an argument is not what the read takes (the message names it).
+    """
+    as_nested = check_nested(nested)
+    target = check_device(device)
+    fields = check_fields(data_fields)
+    check_int("batch_size", batch_size, 1)
+    if not isinstance(task_name, str) or not task_name:
+        raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
+    if not isinstance(partition_id, str) or not partition_id:
+        raise InvalidRequestError(f"partition_id must be a non-empty string, got {partition_id!r}")
+    check_text("task_name", task_name)
+    check_text("partition_id", partition_id)
+    if mode not in ("fetch", "peek"):
+        raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
+    if isinstance(timeout, bool) or timeout != 0:  # 0: answer now or time out
+        check_seconds("timeout", timeout)
+    check_seconds("lease", lease)
+    cfg = dict(sampling_config) if sampling_config else None
+    _check_dp_config(cfg)
+    check_sampling_config(cfg)
+    wanted = None if also is None else list(also)
+    if wanted is not None:
+        check_also(wanted, cfg, mode)
+    return MetaQuery(
+        fields,
+        batch_size,
+        partition_id,
+        task_name,
+        cfg,
+        mode,
+        timeout,
+        stop_when_consumed,
+        lease,
+        lease_ids(ack),
+        wanted,
+        as_nested,
+        target,
+    )
+
+
+def lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
+    """The lease ids of the leased batches among ``metas`` (None when there are none)."""
+    if metas is None:
+        return None
+    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
+    return [m.lease_id for m in items if m.lease_id] or None
+
+
+_TAILS = ("uneven", "drop", "error")
+
+
+def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
+    """A ``sampling_config``'s ``dp_size`` and ``tail``, checked before anything is sent."""
+    if not cfg or (cfg.get("dp_size") is None and "tail" not in cfg):
+        return
+    dp_size = cfg.get("dp_size")
+    if dp_size is None:
+        raise InvalidRequestError(
+            "sampling_config sets 'tail' without 'dp_size': the tail policy shares the last "
+            "global batch among dp_size ranks; add 'dp_size'"
+        )
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(
+            f"sampling_config['dp_size'] must be a positive integer, got {dp_size!r}"
+        )
+    tail = cfg.get("tail", "uneven")
+    if tail not in _TAILS:
+        raise InvalidRequestError(
+            f"sampling_config['tail'] must be one of {', '.join(map(repr, _TAILS))}, got {tail!r}"
+        )
+    for key in ("dp_rank", "batch_index"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(
+                f"sampling_config with dp_size needs {key!r} as a non-negative integer (batch "
+                f"b is decided for all ranks at once), got {value!r}"
+            )
+    if cfg["dp_rank"] >= dp_size:
+        raise InvalidRequestError(
+            f"sampling_config['dp_rank'] {cfg['dp_rank']} is out of range for dp_size="
+            f"{dp_size}; ranks are 0..{dp_size - 1}"
+        )
+
+
+def check_nested(nested: Any) -> bool | frozenset[str]:
+    """``get_data``'s ``nested``: a bool, or the field names as a frozenset."""
+    if isinstance(nested, bool):
+        return nested
+    if isinstance(nested, str) or not isinstance(nested, Collection):
+        raise InvalidRequestError(
+            f"nested must be True/False or a list of field names, got {nested!r}"
+        )
+    if not all(isinstance(f, str) for f in nested):
+        raise InvalidRequestError(f"nested must list field names (strings), got {nested!r}")
+    return frozenset(nested)

@@ -1,0 +1,298 @@
+"""The client connection's core without sockets: framing, request ids, the table of requests,
+what monitor events mean and the errors a broken or silent connection gives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+import tq_async as tq
+from tq_async._transport._connection import (
+    ConnectionCore,
+    PollBackoff,
+    first_of,
+    heartbeat_ms,
+)
+from tq_async._transport._unix import Frame
+from tq_async._wire._protocol import Cancel, ListPartitions, Reply, encoder, error_reply
+
+_header = msgspec.msgpack.Decoder(tuple[int, Any])
+
+
+def _frames(*parts: bytes) -> list[Frame]:
+    return [Frame(memoryview(p)) for p in parts]
+
+
+def _reply(rid: int, payload: object = None, *data: bytes) -> list[Frame]:
+    header = encoder.encode(Reply(rid, True, msgspec.Raw(encoder.encode(payload))))
+    return _frames(header, *data)
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# ---- framing and request ids ------------------------------------------------------------------
+
+
+def test_a_request_is_its_header_then_its_frames_with_a_new_id_each() -> None:
+    core = ConnectionCore("tcp://h:1")
+    rid1, out1 = core.start(ListPartitions(), [b"a", b"b"])
+    rid2, out2 = core.start(Cancel(7), ())
+    assert rid2 == rid1 + 1
+    assert out1[1:] == [b"a", b"b"]
+    rid, _body = _header.decode(out1[0])
+    assert rid == rid1
+    assert _header.decode(out2[0])[0] == rid2
+    assert core.inflight == {rid1: out1, rid2: out2}
+    assert core.waiting == {rid1, rid2}
+    (oneway,) = core.oneway(ListPartitions())
+    assert _header.decode(oneway)[0] == rid2 + 1  # one-way messages take ids too
+    assert len(core.inflight) == 2  # ... but nothing waits for them
+
+
+class _Odd(msgspec.Struct):
+    value: Any
+
+
+def test_a_body_msgpack_cannot_carry_is_the_callers_error_before_anything_is_sent() -> None:
+    core = ConnectionCore("tcp://h:1")
+    with pytest.raises(tq.InvalidRequestError, match=r"_Odd cannot be sent.*valid UTF-8"):
+        core.start(_Odd(2**70), ())  # beyond 64 bits
+    assert core.inflight == {}
+    assert core.waiting == set()
+
+
+# ---- the table of requests --------------------------------------------------------------------
+
+
+def test_a_reply_is_kept_for_its_waiting_request_until_it_finishes() -> None:
+    core = ConnectionCore("tcp://h:1")
+    rid, _ = core.start(ListPartitions(), ())
+    assert core.on_message(_reply(rid, ["p"], b"data")) == rid
+    assert rid not in core.inflight  # answered: not re-sent after a reconnect
+    got = core.arrived.pop(rid)
+    payload, frames = core.finish(rid, got)
+    assert msgspec.msgpack.decode(payload) == ["p"]
+    assert [bytes(f.buffer) for f in frames] == [b"data"]
+    assert core.waiting == set()
+
+
+def test_a_failure_reply_raises_its_class() -> None:
+    core = ConnectionCore("tcp://h:1")
+    rid, _ = core.start(ListPartitions(), ())
+    header = error_reply(rid, tq.SchemaError("no field x"))
+    assert core.on_message(_frames(header)) == rid
+    with pytest.raises(tq.SchemaError, match="no field x"):
+        core.finish(rid, core.arrived.pop(rid))
+    assert core.waiting == set()
+
+
+def test_an_unreadable_reply_is_dropped() -> None:
+    core = ConnectionCore("tcp://h:1")
+    rid, _ = core.start(ListPartitions(), ())
+    assert core.on_message(_frames(b"\xc1 not msgpack")) is None
+    assert core.arrived == {}
+    assert rid in core.inflight
+
+
+def test_an_abandoned_request_hands_its_reply_to_on_abandon_now_or_when_it_arrives() -> None:
+    core = ConnectionCore("tcp://h:1")
+    undone: list[int] = []
+
+    def undo(reply: Reply, frames: list[Any]) -> None:
+        undone.append(reply.rid)
+
+    early, _ = core.start(ListPartitions(), ())
+    core.on_message(_reply(early))
+    assert not core.abandon(early, undo)  # the reply is there: no Cancel, undone now
+    assert undone == [early]
+
+    late, _ = core.start(ListPartitions(), ())
+    assert core.abandon(late, undo)  # no reply yet: the service is sent a Cancel
+    assert late not in core.inflight
+    assert core.waiting == set()
+    assert core.on_message(_reply(late)) is None
+    assert undone == [early, late]
+
+    undone_by_service, _ = core.start(ListPartitions(), ())
+    assert core.abandon(undone_by_service, undo, cancel_undoes=True)
+    core.on_message(_reply(undone_by_service))
+    assert undone == [early, late]  # the service undid it on the Cancel
+
+
+def test_an_on_abandon_that_fails_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    core = ConnectionCore("tcp://h:1")
+
+    def undo(reply: Reply, frames: list[Any]) -> None:
+        raise RuntimeError("boom")
+
+    rid, _ = core.start(ListPartitions(), ())
+    core.abandon(rid, undo)
+    assert core.on_message(_reply(rid)) is None  # the reader goes on
+    rid, _ = core.start(ListPartitions(), ())
+    core.on_message(_reply(rid))
+    assert not core.abandon(rid, undo)  # the caller's own error is not replaced
+
+
+def test_a_failed_connection_forgets_what_it_would_resend_or_undo() -> None:
+    core = ConnectionCore("tcp://h:1")
+    rid, _ = core.start(ListPartitions(), ())
+    core.abandon(rid, lambda reply, frames: None)
+    core.start(ListPartitions(), ())
+    core.forget_all()
+    assert core.inflight == {}
+    assert core.orphans == {}
+
+
+# ---- liveness ---------------------------------------------------------------------------------
+
+
+def test_monitor_events_connect_refuse_and_break() -> None:
+    core = ConnectionCore("tcp://h:1", refused_is_broken=True)
+    core.handshaken = False
+    seen = core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0)  # the first attempt was refused
+    assert seen.broken
+    assert seen.why is not None
+    assert "nothing listens at tcp://h:1" in seen.why
+    error = core.disconnected(seen.why)
+    assert core.connected is False
+    with pytest.raises(tq.BrokenError, match="nothing listens at tcp://h:1"):
+        core.check_usable(closed=False)  # the precise reason outlives the event
+    assert str(error) == seen.why
+
+    assert core.on_monitor(zmq.EVENT_CONNECTED, 0).connected
+    assert core.connected
+    core.check_usable(closed=False)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
+    seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
+    assert seen.broken
+    assert seen.fail is None
+    assert seen.why is None
+    core.disconnected()
+    # libzmq reports one retry as it schedules the reconnection, a second on a refusal
+    assert not core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).refused
+    assert core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).refused
+
+
+def test_a_refused_first_attempt_is_only_broken_when_asked() -> None:
+    core = ConnectionCore("tcp://h:1")
+    seen = core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0)
+    assert not seen.broken
+    assert core.connected is None
+
+
+def test_a_drop_during_the_handshake_is_not_a_tq_async_service() -> None:
+    core = ConnectionCore("tcp://h:1")
+    core.handshaken = False
+    seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
+    assert seen.broken
+    assert isinstance(seen.fail, tq.BrokenError)
+    assert "not a tq_async service" in str(seen.fail)
+
+
+def test_curve_refusals_say_what_to_fix() -> None:
+    core = ConnectionCore("tcp://h:1")
+    seen = core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 0)
+    assert isinstance(seen.fail, tq.AuthenticationError)
+    assert "curve=tq.CurveClient" in str(seen.fail)
+    seen = core.on_monitor(
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    )
+    assert isinstance(seen.fail, tq.AuthenticationError)
+    assert "uses CURVE encryption" in str(seen.fail)
+    assert core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0).fail is None
+
+
+def test_a_refusal_read_before_any_request_is_still_the_requests_error() -> None:
+    # the blocking connection reads the monitor when a request starts: the refusal and the
+    # disconnect that follows it may both be read before the request waits for anything
+    core = ConnectionCore("tcp://h:1")
+    core.handshaken = False
+    core.on_monitor(zmq.EVENT_CONNECTED, 0)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
+    assert isinstance(seen.fail, tq.AuthenticationError)  # not "not a tq_async service"
+    core.disconnected(seen.why)
+    for _ in range(2):
+        with pytest.raises(tq.AuthenticationError, match="uses CURVE encryption"):
+            core.check_usable(closed=False)
+    core.on_monitor(zmq.EVENT_CONNECTED, 0)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)  # e.g. the service got the keys
+    core.check_usable(closed=False)
+    assert core.refusal is None
+
+
+def test_why_broken_tells_a_live_process_from_a_gone_one() -> None:
+    core = ConnectionCore("tcp://h:1")
+    assert "stopped, vanished or is not answering" in core.why_broken()  # across hosts
+    assert "check that the service is running" in str(core.timed_out("GetMeta", 2))
+    core.peer_pid = os.getpid()
+    assert f"its process {os.getpid()} still exists" in core.why_broken()
+    error = core.timed_out("GetMeta", 2)
+    assert isinstance(error, tq.TQTimeoutError)
+    assert "GetMeta to tcp://h:1 got no reply within 2 s" in str(error)
+    assert "raise the timeout if it is only slow" in str(error)
+    core.peer_pid = _gone_pid()
+    assert core.why_broken() == "the service stopped or vanished"
+    error = core.disconnected()
+    assert "the connection to tcp://h:1 broke (the service stopped or vanished)" in str(error)
+    assert "vanished" in str(core.disconnected(closed_by_peer=True))
+    with pytest.raises(tq.BrokenError, match=r"is broken \(the service stopped or vanished\)"):
+        core.check_usable(closed=False)
+    broken = core.broken("Put", OSError("EPIPE"))
+    assert "Put to tcp://h:1 failed: EPIPE (the service stopped or vanished)" in str(broken)
+
+
+def test_a_closed_or_inherited_connection_is_never_used() -> None:
+    core = ConnectionCore("tcp://h:1")
+    with pytest.raises(tq.ClosedError, match="is closed"):
+        core.check_usable(closed=True)
+    core.pid = -1  # opened in another process (before a fork)
+    with pytest.raises(tq.ClosedError, match="another process"):
+        core.check_open(closed=False)
+
+
+# ---- waiting ----------------------------------------------------------------------------------
+
+
+def test_the_poll_backs_off_after_misses_and_resets_on_a_catch() -> None:
+    poll = PollBackoff(1e-4)
+    polled = []
+    for _ in range(11):  # miss, skip 1, miss, skip 2, miss, skip 4, ...
+        polled.append(poll.should_poll())
+        if polled[-1]:
+            poll.miss()
+    assert polled == [True, False, True, False, False, True] + [False] * 4 + [True]
+    for _ in range(PollBackoff.MAX_SKIP * 4):
+        if poll.should_poll():
+            poll.miss()
+    assert poll._skip <= PollBackoff.MAX_SKIP
+    while not poll.should_poll():
+        pass
+    poll.hit()
+    assert poll.should_poll()
+    assert poll.caught_replies == 1
+    assert poll.missed_replies > 3
+
+
+def test_an_attempt_waits_until_the_deadline_or_the_next_retry() -> None:
+    assert first_of(None, None) is None
+    assert first_of(5.0, None) == 5.0
+    assert first_of(None, 2.0) == 2.0
+    assert first_of(5.0, 2.0) == 2.0
+    assert first_of(1.0, 2.0) == 1.0
+
+
+def test_heartbeats_notice_a_silent_peer_after_the_timeout() -> None:
+    assert heartbeat_ms(None) == (2_000, 10_000)
+    assert heartbeat_ms(1.0) == (250, 1_000)
+    assert heartbeat_ms(0.1) == (50, 100)
