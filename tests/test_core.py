@@ -389,7 +389,7 @@ def test_drop_tail_counts_the_dropped_rows() -> None:
     delivered = sorted(r for batches in per_rank for batch in batches for r in batch)
     assert [[len(batch) for batch in batches] for batches in per_rank] == [[4, 1], [4, 1]]
     assert len(delivered) == len(set(delivered)) == 10  # one row of the tail dropped
-    assert core.state.partition("p").info()["dropped"] == {"t": 1}
+    assert core.state.partition("p").dropped == {"t": 1}
     assert core.state.partition("p").consumed_count["t"] == 11
 
 
@@ -411,7 +411,7 @@ def test_grpo_rows_of_incomplete_groups_follow_the_tail_policy() -> None:
         rest = get(core, req(4, tail=tail))
         if expect_dropped:
             assert is_end(rest)
-            assert core.state.partition("p").info()["dropped"] == {"t": 2}
+            assert core.state.partition("p").dropped == {"t": 2}
         else:
             assert rows_of(rest) == [8, 9]
 

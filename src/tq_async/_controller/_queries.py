@@ -81,7 +81,18 @@ def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
 
 def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
     p = core.state.partition(body.partition_id)
-    info = p.info()
+    info = {
+        "partition_id": p.partition_id,
+        "rows": p.n_alive,
+        "allocated": p.n_rows,
+        "sealed": p.sealed,
+        "fields": {name: f.header.describe() for name, f in p.fields.items()},
+        "consumed": dict(p.consumed_count),
+        "lost": len(p.lost),
+        "dropped": dict(p.dropped),
+        "open_leases": dict(p.open_leases),
+        "uncommitted_puts": len(p.put_leases),
+    }
     # per task: rows ready now (its largest maintained ready set: no scan) and rows leased
     ready: dict[str, int] = {}
     for (task, _), rs in p.ready.items():

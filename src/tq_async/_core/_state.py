@@ -535,20 +535,6 @@ class Partition:
             return bytes(self.n_rows)
         return bytes(c)
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "partition_id": self.partition_id,
-            "rows": self.n_alive,
-            "allocated": self.n_rows,
-            "sealed": self.sealed,
-            "fields": {name: f.header.describe() for name, f in self.fields.items()},
-            "consumed": dict(self.consumed_count),
-            "lost": len(self.lost),
-            "dropped": dict(self.dropped),
-            "open_leases": dict(self.open_leases),
-            "uncommitted_puts": len(self.put_leases),
-        }
-
 
 class ControllerState:
     """Every partition of one controller, plus the storage units it places rows on.
