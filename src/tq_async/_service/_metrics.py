@@ -23,6 +23,9 @@ tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: are
 tq_storage_nixl_puts_total         counter unit (puts whose bytes a client WROTE with NIXL)
 tq_storage_nixl_reads_total        counter unit (reads whose bytes a client READ with NIXL)
 tq_storage_nixl_registered_bytes   gauge   unit (bytes a unit registered with NIXL: its arena)
+tq_storage_locality_bytes_total    counter unit, direction (in | out), locality (same_host |
+                                           other_host): payload bytes a unit moved for
+                                           clients of its own host and of others
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
 tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
                                            transfers that went over the socket instead
@@ -225,6 +228,9 @@ class UnitGauges(Protocol):
     @property
     def nixl(self) -> UnitNixl | None: ...
 
+    @property
+    def locality(self) -> dict[str, int]: ...
+
 
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
     """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
@@ -263,7 +269,16 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
             labels=["unit"],
         )
+        locality = CounterMetricFamily(
+            "tq_storage_locality_bytes",
+            "Payload bytes a storage unit moved, by direction and by whether the client was "
+            "on the unit's host.",
+            labels=["unit", "direction", "locality"],
+        )
         for unit_id, st in sorted(units.items()):
+            for key, n in sorted(st.locality.items()):
+                direction, _, where = key.partition("_")
+                locality.add_metric([str(unit_id), direction, where], n)
             g.add_metric([str(unit_id)], st.resident_bytes)
             arena = st.arena
             if arena is not None:
@@ -275,7 +290,7 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
                 nixl_puts.add_metric([str(unit_id)], nixl.puts)
                 nixl_reads.add_metric([str(unit_id)], nixl.reads)
                 nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
-        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes)
+        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes, locality)
 
     return _Collector(collect)
 

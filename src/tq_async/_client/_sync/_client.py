@@ -50,6 +50,7 @@ from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._paths._nixl import check_data_path, rdma_present
 from ..._service._serve import check_address
+from ..._transport._hosts import resolve_host_id
 from ..._transport._security import CurveClient
 from ..._transport._sync_dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL
 from ..._wire._protocol import check_int, check_seconds
@@ -124,6 +125,10 @@ class Client:
             NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
             ``"zmq"`` (always the socket). A NIXL transfer that fails falls back to the
             socket for that request (see ``docs/deployment.md``, "Data paths").
+        host_id: this client's host id, sent with its puts and reads: new rows go to a
+            storage unit with the same host id when there is one (default:
+            ``$TQ_HOST_ID``, the Ray node id, or the machine's boot id and host name; see
+            ``docs/deployment.md``, "Locality"). A preference only: any id reads correct data.
 
     Attributes:
         link_fallbacks: same-host switches that did not happen: a handshake with the
@@ -153,6 +158,7 @@ class Client:
         same_host: bool = True,
         busy_poll: float = DEFAULT_BUSY_POLL,
         data_path: str = "auto",
+        host_id: str | None = None,
     ) -> None:
         check_int("inline_put_bytes", inline_put_bytes)
         self.data_path = check_data_path(data_path)
@@ -186,6 +192,7 @@ class Client:
             or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
             nixl_forced=data_path == "nixl",
         )
+        self._links.host_id = resolve_host_id(host_id)
         self._puts = PutPath(self._links, inline_put_bytes=inline_put_bytes)
         self._gets = GetPath(self._links, inline_get_bytes=inline_get_bytes)
         self._calls = ControlCalls(self._links, self._puts, self._gets)
@@ -253,6 +260,11 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._links.controller is None
+
+    @property
+    def host_id(self) -> str:
+        """This client's host id (see the ``host_id`` option)."""
+        return self._links.host_id
 
     @property
     def link_fallbacks(self) -> int:

@@ -352,6 +352,7 @@ class GetPath:
             _lease_ids(ack),
             inline_bytes,
             also,
+            self._links.host_id,
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -443,7 +444,13 @@ class GetPath:
                 if view is not None and view.device.type != device.type:
                     view = None
             get = StoreGet(
-                meta.partition_id, rows, names, meta.incarnation, shm=shm, device=view is not None
+                meta.partition_id,
+                rows,
+                names,
+                meta.incarnation,
+                shm=shm,
+                device=view is not None,
+                host=self._links.host_id,
             )
             on_device: dict[int, torch.Tensor] | None = None
             if not shm:
