@@ -4,6 +4,12 @@ their own host and for others, and a spoofed host id still reads correct data.""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import anyio
 import pytest
 import torch
@@ -148,3 +154,22 @@ async def test_a_cluster_from_a_config_labels_its_units() -> None:
     with pytest.raises(tq.InvalidRequestError, match="3 host ids for 2 storage units"):
         async with tq.local_cluster(num_storage_units=2, host_id=["a", "b", "c"]):
             pass
+
+
+def test_the_locality_benchmark_reports_the_byte_split() -> None:
+    """``python -m benchmarks.locality`` (label-only): local placement writes on the
+    producer's host, round-robin across hosts; the shares' balance is the sampler's in both
+    (the byte split of the reads is reported, not asserted: with few steps it is noise)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    argv = ["-m", "benchmarks.locality", "--hosts", "2", "--steps", "3"]
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    local, round_robin = (json.loads(line) for line in proc.stdout.splitlines()[-2:])
+    assert (local["placement"], round_robin["placement"]) == ("local", "round_robin")
+    assert local["cross_host_write_fraction"] == 0.0
+    assert round_robin["cross_host_write_fraction"] > 0.0
+    assert 0.0 <= local["cross_host_read_fraction"] <= 1.0
+    assert local["token_imbalance_max"] == round_robin["token_imbalance_max"]

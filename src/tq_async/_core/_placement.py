@@ -4,7 +4,8 @@ All new rows of one put go to one unit (a batch read back as it was written is o
 slice on one unit; a GRPO group, put together by its producer, stays together too). Which one:
 
 - ``"round_robin"``: the live units in turn, put after put (the order of every release before
-  locality).
+  locality); it also turns off handing a global batch's shares to ranks by host
+  (:mod:`tq_async._core._assign`).
 - ``"local"``: a unit on the producer's host when there is one, the least-loaded of them;
   otherwise, or when that host's units hold more than :data:`SPILL_RATIO` times the mean
   load of all live units (a host's load is its units' mean) *and* more than the mean plus
