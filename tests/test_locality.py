@@ -66,6 +66,28 @@ async def test_rows_go_to_the_producers_host_and_bytes_are_counted_by_locality()
     assert samples[("1", "out", "other_host")] == 64 * 1024 * 4
 
 
+async def test_rows_delivered_per_task_are_counted_by_locality() -> None:
+    registry = CollectorRegistry()
+    async with (
+        tq.local_cluster(
+            num_storage_units=2, host_id=["a", "b"], metrics_registry=registry
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address, host_id="b") as on_b,
+        tq.AsyncClient.connect(cluster.address, host_id="a") as on_a,
+    ):
+        await on_b.put({"x": torch.zeros(6, 2)}, partition_id="p")  # on host b's unit
+        await on_b.get(["x"], 4, "p", "near")
+        await on_a.get(["x"], 6, "p", "far")
+    delivered = {
+        (s.labels["task"], s.labels["locality"]): s.value
+        for m in registry.collect()
+        if m.name == "tq_rows_delivered"
+        for s in m.samples
+        if s.name == "tq_rows_delivered_total"
+    }
+    assert delivered == {("near", "same_host"): 4, ("far", "other_host"): 6}
+
+
 async def test_a_spoofed_or_unknown_host_id_still_gets_correct_data() -> None:
     async with (
         tq.local_cluster(num_storage_units=2, host_id=["a", "b"]) as cluster,

@@ -133,3 +133,16 @@ def test_round_robin_placement_turns_the_share_assignment_off() -> None:
     on_a = _put(core, 4, "a", tags[:4])
     _put(core, 4, "b", tags[4:])
     assert sorted(_get(core, 0, 0, "b")) == on_a  # the sampler's order
+
+
+def test_a_rank_that_moves_host_is_followed() -> None:
+    core = _core(GRPOGroupNSampler(n_samples_per_prompt=4))
+    tags = [{"uid": i // 4} for i in range(16)]
+    _put(core, 4, "a", tags[:4])
+    _put(core, 4, "b", tags[4:8])
+    _get(core, 0, 0, "a")
+    assert core.gets.rank_hosts[("learner", 0)] == "a"
+    _put(core, 4, "a", tags[8:12])
+    on_b = _put(core, 4, "b", tags[12:])
+    assert sorted(_get(core, 0, 1, "b")) == on_b  # its new host's rows
+    assert core.gets.rank_hosts[("learner", 0)] == "b"

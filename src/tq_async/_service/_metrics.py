@@ -12,6 +12,9 @@ tq_requests_total                  counter service, op, outcome (ok | error)
 tq_request_duration_seconds        hist.   service, op
 tq_transfer_bytes_total            counter service, direction (in | out)
 tq_consumer_wait_seconds           hist.   (time a get_meta waited for rows)
+tq_rows_delivered_total            counter task, locality (same_host | other_host): rows
+                                           handed to consumers, by whether their unit is
+                                           on the consumer's host
 tq_stale_rows_total                counter policy (dropped | recycled | kept)
 tq_rows_ready                      gauge   task (rows ready and not consumed, all partitions)
 tq_rows_unconsumed                 gauge   task (rows alive and not consumed by the task)
@@ -75,6 +78,7 @@ class Metrics:
         self.service = service
         self._children: dict[tuple[str, str], Any] = {}
         self._durations: dict[str, Any] = {}
+        self._registry = registry
         if registry is None:
             return
         self._requests = _shared(
@@ -128,6 +132,27 @@ class Metrics:
                 registry=registry,
             ),
         )
+
+    def delivered(self, task: str, same_host: int, other_host: int) -> None:
+        """Count rows handed to a consumer of ``task``: on its host, and elsewhere."""
+        registry = self._registry
+        if registry is None:
+            return
+        counter = _shared(
+            registry,
+            "tq_rows_delivered_total",
+            lambda: Counter(
+                "tq_rows_delivered",
+                "Rows handed to consumers, by task and by whether the unit holding them is "
+                "on the consumer's host (same_host) or not (other_host, or hosts unknown).",
+                ["task", "locality"],
+                registry=registry,
+            ),
+        )
+        if same_host:
+            counter.labels(task, "same_host").inc(same_host)
+        if other_host:
+            counter.labels(task, "other_host").inc(other_host)
 
     def request(self, op: str, ok: bool, seconds: float) -> None:
         """Count one request and observe its duration."""
