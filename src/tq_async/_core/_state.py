@@ -704,7 +704,9 @@ class ControllerState:
                 f"every storage unit ({sorted(self.units)}) is down or suspended; restart "
                 "them (they register again) before putting"
             )
-        return self.placer.choose(ids, self.unit_hosts, self.unit_loads(), host, n_rows)
+        local = self.placer.effective_mode(ids, self.unit_hosts) == "local"
+        loads = self.unit_loads() if local else {}  # round-robin needs none
+        return self.placer.choose(ids, self.unit_hosts, loads, host, n_rows)
 
     def put_begin(
         self,
