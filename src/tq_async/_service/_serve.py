@@ -196,7 +196,9 @@ async def register_unit(
     requested = ASSIGN_UNIT_ID if unit_id is None else unit_id
     conn = DealerConnection(controller, curve=curve)
     try:
-        payload, _ = await conn.request(RegisterUnit(requested, address, host), timeout=timeout)
+        payload, _ = await conn.request(
+            RegisterUnit(requested, address, host=host), timeout=timeout
+        )
     except TQTimeoutError:
         raise TQTimeoutError(
             f"the controller at {controller} did not answer within {timeout} s; check that "

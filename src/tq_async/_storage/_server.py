@@ -283,8 +283,7 @@ class StorageServer(Service):
     def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
         shm = self.shm_path.read(msg.peer, body) if body.shm else None
         if shm is not None:
-            assert shm.shm_spans is not None
-            self._count("out", body.host, sum(n for _, n in shm.shm_spans))
+            self._count("out", body.host, sum(n for _, n in shm.shm_spans or ()))
             return shm
         stored, out = self.state.read(
             body.partition_id, body.rows, body.fields, incarnation=body.incarnation

@@ -227,7 +227,7 @@ class Links:
             return
         try:
             wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
-            payload, _ = await conn.request(Hello(self.host_id), timeout=wait)
+            payload, _ = await conn.request(Hello(host=self.host_id), timeout=wait)
             again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
@@ -252,7 +252,9 @@ class Links:
                 return self._hello
         self._refreshing = done = Event()
         try:
-            hello: HelloReply = await self.call(Hello(self.host_id), HelloReply, timeout=timeout)
+            hello: HelloReply = await self.call(
+                Hello(host=self.host_id), HelloReply, timeout=timeout
+            )
         finally:
             self._refreshing = None
             done.set()

@@ -229,7 +229,7 @@ class Links:
             return
         try:
             wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
-            payload, _ = conn.request(Hello(self.host_id), timeout=wait)
+            payload, _ = conn.request(Hello(host=self.host_id), timeout=wait)
             again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
@@ -254,7 +254,7 @@ class Links:
                 return self._hello
         self._refreshing = done = Event()
         try:
-            hello: HelloReply = self.call(Hello(self.host_id), HelloReply, timeout=timeout)
+            hello: HelloReply = self.call(Hello(host=self.host_id), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()

@@ -352,7 +352,7 @@ class GetPath:
             _lease_ids(ack),
             inline_bytes,
             also,
-            self._links.host_id,
+            host=self._links.host_id,
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
