@@ -30,3 +30,4 @@ class ClientOptions(TypedDict, total=False):
     same_host: bool
     busy_poll: float
     data_path: str
+    host_id: str | None

@@ -26,6 +26,7 @@ from .._core._transitions import Awaiting, Effects, Outcome, record_key
 from .._errors import TQError, TQTimeoutError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, SENT, Incoming
+from .._transport._hosts import same_host
 from .._wire._columns import positions_by_unit
 from .._wire._protocol import Cancel, GetMeta, MetaReply, StoredColumns, ok_reply
 from ._shell import Shell
@@ -110,6 +111,8 @@ class GetPath:
         if reply.rows and req.mode == "fetch" and record_key(req) is None:
             self._remember_fetch(peer, rid, req, reply)
         answers = [reply, *reply.more] if reply.more else [reply]
+        if req.mode == "fetch" and self.shell.metrics.enabled:
+            self._count_locality(req, answers)
         epoch = self.state.units_epoch
         for r in answers:
             r.units_epoch = epoch
@@ -130,6 +133,13 @@ class GetPath:
             r.inline = parts
         self.shell.send(peer, rid, ok_reply(rid, reply), frames)
         self.shell.remember(peer, rid, without)  # the cache keeps no cells alive
+
+    def _count_locality(self, req: GetMeta, answers: list[MetaReply]) -> None:
+        """Count the delivered rows by whether their unit is on the consumer's host."""
+        hosts = self.state.unit_hosts
+        for r in answers:
+            same = sum(1 for u in r.units if same_host(hosts.get(u, ""), req.host))
+            self.shell.metrics.delivered(req.task_name, same, len(r.units) - same)
 
     def _remember_fetch(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:
         """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
@@ -153,7 +163,7 @@ class GetPath:
             rows = reply.rows if len(by_unit) == 1 else [reply.rows[i] for i in positions]
             try:
                 got = self.links.local_units[unit_id].read_local(
-                    req.partition_id, rows, reply.fields, budget - size
+                    req.partition_id, rows, reply.fields, budget - size, req.host
                 )
             except TQError:
                 return None  # let the client's own read report it

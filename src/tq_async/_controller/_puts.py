@@ -76,7 +76,13 @@ class PutPath:
 
     def _put_begin(self, peer: bytes, rid: int, body: PutBegin) -> None:
         placement, fx = self.core.put_begin(
-            body.partition_id, body.columns, body.n_rows, body.rows, body.keys, self.shell.now()
+            body.partition_id,
+            body.columns,
+            body.n_rows,
+            body.rows,
+            body.keys,
+            self.shell.now(),
+            host=body.host,
         )
         self.shell.send_ok(peer, rid, placement)
         self.shell.apply(fx)
@@ -105,6 +111,7 @@ class PutPath:
                         body.columns,
                         msg.frames[1:],
                         placed.partition.incarnation,
+                        host=body.host,
                     )
                     self._inline_commit(msg.peer, msg.rid, body, placed)
                 except BaseException:
@@ -126,6 +133,7 @@ class PutPath:
             None,
             self.shell.now(),
             lease=False,
+            host=body.host,
         )
         if len(set(placement.units)) != 1:
             raise InvalidRequestError(
@@ -179,10 +187,15 @@ class PutPath:
                         body.columns,
                         frames,
                         placed.partition.incarnation,
+                        host=body.host,
                     )
                 else:
                     store = StorePut(
-                        body.partition_id, placed.rows, body.columns, placed.partition.incarnation
+                        body.partition_id,
+                        placed.rows,
+                        body.columns,
+                        placed.partition.incarnation,
+                        host=body.host,
                     )
                     await self.links.conn(unit_id).request(
                         store, frames, timeout=self.links.unit_timeout

@@ -286,7 +286,7 @@ class ControllerServer(Service):
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state
-        infos = [UnitInfo(i, a) for i, a in sorted(st.units.items())]
+        infos = [UnitInfo(i, a, host=st.unit_hosts.get(i, "")) for i, a in sorted(st.units.items())]
         ipc = self._endpoint.ipc_address if self._endpoint is not None else None
         return HelloReply(
             infos, self.allow_pickle, st.capacity, st.units_epoch, ipc, self._instance

@@ -98,10 +98,10 @@ class UnitLinks:
                 (i for i, a in st.units.items() if a == body.address),
                 max([*st.units, *self._registering], default=-1) + 1,
             )
-            return self._register(unit_id, body.address)
+            return self._register(unit_id, body.address, body.host)
         held = st.units.get(unit_id)
         if held is None or held == body.address or unit_id in st.dead_units:
-            return self._register(unit_id, body.address)
+            return self._register(unit_id, body.address, body.host)
         if unit_id in self._registering:
             raise InvalidRequestError(
                 f"another storage unit is registering with id {unit_id} right now; give each "
@@ -110,11 +110,13 @@ class UnitLinks:
         if unit_id in self.local_units:
             raise _held(unit_id, held)
         self._registering.add(unit_id)
-        self.shell.spawn(self._register_if_gone, msg.peer, msg.rid, unit_id, body.address, held)
+        self.shell.spawn(
+            self._register_if_gone, msg.peer, msg.rid, unit_id, body.address, held, body.host
+        )
         return DEFERRED
 
     async def _register_if_gone(
-        self, peer: bytes, rid: int, unit_id: int, address: str, held: str
+        self, peer: bytes, rid: int, unit_id: int, address: str, held: str, host: str = ""
     ) -> None:
         """Register ``address`` under ``unit_id`` unless the unit holding it answers."""
         try:
@@ -129,16 +131,16 @@ class UnitLinks:
             if alive:
                 self.shell.send_error(peer, rid, _held(unit_id, held), "RegisterUnit")
             else:
-                self.shell.send_ok(peer, rid, self._register(unit_id, address))
+                self.shell.send_ok(peer, rid, self._register(unit_id, address, host))
         finally:
             self._registering.discard(unit_id)
 
-    def _register(self, unit_id: int, address: str) -> int:
+    def _register(self, unit_id: int, address: str, host: str = "") -> int:
         old = self.conns.pop(unit_id, None)
         if old is not None:
             old.close()
         self._unit_instance.pop(unit_id, None)
-        self.shell.apply(self.core.unit_registered(unit_id, address))
+        self.shell.apply(self.core.unit_registered(unit_id, address, host))
         self.conn(unit_id)
         return unit_id
 

@@ -28,6 +28,7 @@ from .._logging import get_logger
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, StaleRows
 from ._admission import Admission
+from ._assign import local_shares
 from ._effects import Effects
 from ._leases import GetLeases
 from ._ready import ReadyView
@@ -48,7 +49,7 @@ from ._state import (
     RecordKey,
     Wakeup,
 )
-from ._views import RowOrigin, RowTags, RowVersions
+from ._views import RowHosts, RowOrigin, RowTags, RowVersions
 
 __all__ = ["Gets", "all_consumed", "follower", "meta_reply", "record_key"]
 
@@ -90,6 +91,8 @@ class Gets:
         }
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
         self.sampler_calls = 0
+        #: locality: ``(task, dp_rank)`` -> the host id its last request came from
+        self.rank_hosts: dict[tuple[str, int], str] = {}
 
     def samplers(self) -> list[BaseSampler]:
         """Every sampler, default first."""
@@ -175,6 +178,8 @@ class Gets:
             return None
         dp_size = self._dp_size(req)
         key = record_key(req)
+        if req.host and key is not None:  # a rank that moves host is followed
+            self.rank_hosts[(req.task_name, key[1])] = req.host
         if dp_size is not None and key is None:
             raise InvalidRequestError(
                 "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
@@ -239,6 +244,8 @@ class Gets:
             "versions": RowVersions(p),
             "stale": StaleRows(),
             "tail": self._tail(req, sampler),
+            "row_hosts": RowHosts(p, self.state.unit_hosts),
+            "rank_host": req.host,
         }
         if cfg:
             # sampling_config entries also arrive as keywords (TransferQueue passes them so,
@@ -297,6 +304,7 @@ class Gets:
                 shares = [sampled]
             else:
                 shares, consumed = self._global_shares(req, call, result)
+                shares = self._by_host(req, p, shares)
             final = call.final
             if call.stale and req.mode == "fetch":
                 self._apply_stale(req, p, call.stale, fx)
@@ -369,6 +377,16 @@ class Gets:
             )
             shares = [s[:keep] for s in shares]
         return shares, consumed
+
+    def _by_host(self, req: GetMeta, p: Partition, shares: list[list[int]]) -> list[list[int]]:
+        """The shares handed to the ranks that find most of them on their own host (see
+        :mod:`tq_async._core._assign`; the sampler's order when nothing is gained, or with
+        ``placement = "round_robin"``: locality off)."""
+        if self.state.placer.mode == "round_robin":
+            return shares
+        hosts = [self.rank_hosts.get((req.task_name, r), "") for r in range(len(shares))]
+        unit_hosts, units = self.state.unit_hosts, p.units
+        return local_shares(shares, hosts, lambda row: unit_hosts.get(units[row], ""))
 
     def _holding(self, req: GetMeta, p: Partition) -> bool:
         """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""

@@ -101,8 +101,9 @@ class UnitLiveness:
         log.error("storage unit lost", unit=unit, address=st.units.get(unit), rows_lost=lost)
         return fx
 
-    def unit_registered(self, unit: int, address: str) -> Effects:
-        """A unit process (re)started under ``unit``: what an earlier one held is gone."""
+    def unit_registered(self, unit: int, address: str, host: str = "") -> Effects:
+        """A unit process (re)started under ``unit`` on ``host`` (its host id, ``""``:
+        unknown): what an earlier one held is gone."""
         st = self.state
         fx = Effects()
         held_rows = any(unit in set(p.units) for p in st.partitions.values())
@@ -111,6 +112,7 @@ class UnitLiveness:
         if st.units.get(unit) != address:
             st.units_epoch += 1  # clients learn the new address from their next reply
         st.units[unit] = address
+        st.unit_hosts[unit] = host
         st.dead_units.discard(unit)  # a restarted unit takes new rows again
         return fx
 

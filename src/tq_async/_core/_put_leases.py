@@ -68,12 +68,14 @@ class PutLeases:
         now: float,
         *,
         lease: bool = True,
+        host: str = "",
     ) -> tuple[Placement, Effects]:
         """Place a put. New rows are reserved under a put lease (unless ``lease`` is False:
-        a put the controller completes itself) until :meth:`commit`."""
+        a put the controller completes itself) until :meth:`commit`. ``host``: the producer's
+        host id (new rows prefer a unit there; see :mod:`tq_async._core._placement`)."""
         before = self.state.partitions.get(partition_id)
         first_new = before.n_rows if before is not None else 0
-        got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys)
+        got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys, host)
         placement = Placement(got, units)
         p = self.state.partitions[partition_id]
         if self.state.events.on:

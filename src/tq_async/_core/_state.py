@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,7 @@ from .._wire._events import PartitionCleared
 from .._wire._protocol import FieldDump, PartitionDump
 from ._events import Outbox
 from ._groups import TagGroups
+from ._placement import Placer
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
 
 __all__ = [
@@ -119,6 +120,8 @@ class Partition:
         self.alive = bytearray()
         self.origin = array("q")
         self.units = array("i")
+        #: live rows per storage unit (the load placement balances)
+        self.unit_rows: dict[int, int] = {}
         self.tags: list[dict[str, Any] | None] = []
         self.fields: dict[str, _Field] = {}
         self.consumed: dict[str, bytearray] = {}
@@ -193,6 +196,7 @@ class Partition:
         self.alive.extend(b"\x01" * n)
         self.origin.extend(itertools.repeat(first, n))
         self.units.extend(itertools.repeat(unit, n))
+        self.unit_rows[unit] = self.unit_rows.get(unit, 0) + n
         self.tags.extend(itertools.repeat(None, n))
         self.row_keys.extend(itertools.repeat(None, n))
         self.row_version.extend(itertools.repeat(-1, n))
@@ -422,6 +426,8 @@ class Partition:
         self.n_alive -= sum(len(v) for v in by_unit.values())
         self.kv_version += 1
         self.events.rows_removed(self.partition_id, set(rows), reason)
+        for unit, freed in by_unit.items():
+            self.unit_rows[unit] -= len(freed)
         return by_unit
 
     def lose_unit(self, unit: int) -> list[int]:
@@ -506,6 +512,7 @@ class Partition:
         p.n_alive = sum(p.alive)
         p.origin = array("q", dump.origin)
         p.units = array("i", units)
+        p.unit_rows = dict(Counter(u for u, alive in zip(units, p.alive, strict=True) if alive))
         p.tags = [dict(t) if t else None for t in dump.tags]
         p.row_keys = list(dump.row_keys)
         p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
@@ -539,14 +546,17 @@ class Partition:
 class ControllerState:
     """Every partition of one controller, plus the storage units it places rows on.
 
-    Placement: all new rows of one put go to one unit, chosen round-robin across puts, so a
-    batch read back as it was written is one contiguous zero-copy slice on one unit.
+    Placement: all new rows of one put go to one unit, so a batch read back as it was
+    written is one contiguous zero-copy slice on one unit; which unit is decided by
+    :class:`~tq_async._core._placement.Placer` (on the producer's host when it can).
     """
 
     def __init__(self, units: Mapping[int, str] | None = None) -> None:
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, str] = dict(units or {})
-        self._next_unit = 0
+        #: each unit's host id ("" or missing: unknown), and who chooses a put's unit
+        self.unit_hosts: dict[int, str] = {}
+        self.placer = Placer()
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
         #: storage units declared lost: their rows are lost, new rows avoid them
@@ -685,7 +695,17 @@ class ControllerState:
             )
         return p
 
-    def pick_unit(self) -> int:
+    def unit_loads(self) -> dict[int, int]:
+        """Live rows per storage unit, in every partition."""
+        loads: dict[int, int] = {}
+        for p in self.partitions.values():
+            for unit, n in p.unit_rows.items():
+                loads[unit] = loads.get(unit, 0) + n
+        return loads
+
+    def pick_unit(self, host: str = "", n_rows: int = 0) -> int:
+        """The unit for a put of ``n_rows`` new rows from a producer on ``host`` (see
+        :class:`~tq_async._core._placement.Placer`)."""
         if not self.units:
             raise InvalidRequestError(
                 "the controller has no storage units; start at least one (local_cluster "
@@ -697,9 +717,9 @@ class ControllerState:
                 f"every storage unit ({sorted(self.units)}) is down or suspended; restart "
                 "them (they register again) before putting"
             )
-        unit = ids[self._next_unit % len(ids)]
-        self._next_unit += 1
-        return unit
+        local = self.placer.effective_mode(ids, self.unit_hosts) == "local"
+        loads = self.unit_loads() if local else {}  # round-robin needs none
+        return self.placer.choose(ids, self.unit_hosts, loads, host, n_rows)
 
     def put_begin(
         self,
@@ -708,12 +728,14 @@ class ControllerState:
         n_rows: int,
         rows: Sequence[int] | None,
         keys: Sequence[str] | None = None,
+        host: str = "",
     ) -> tuple[list[int], list[int], list[Wakeup]]:
         """Validate a put and find its rows. Returns ``(rows, units, wakeups)``.
 
         Exactly one of: ``n_rows`` new rows, existing ``rows``, or ``keys`` (existing keys keep
         their rows, new keys get new rows). New rows create the partition on first use.
-        Nothing is visible to consumers until the put is committed.
+        Nothing is visible to consumers until the put is committed. ``host``: the
+        producer's host id (new rows prefer a unit there).
         """
         wakeups: list[Wakeup] = []
         if rows is not None:
@@ -736,7 +758,7 @@ class ControllerState:
                 f"partition {partition_id!r} is sealed: no new rows can be added; "
                 "put into a new partition, or add fields to existing rows with meta="
             )
-        unit = self.pick_unit()
+        unit = self.pick_unit(host, n_rows if keys is None else len(keys))
         if keys is not None:
             got_rows, units = p.bind_keys(keys, unit)  # validates before changing anything
         else:

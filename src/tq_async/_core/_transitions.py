@@ -241,9 +241,13 @@ class ControllerCore:
         now: float,
         *,
         lease: bool = True,
+        host: str = "",
     ) -> tuple[Placement, Effects]:
-        """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`)."""
-        return self.puts.begin(partition_id, headers, n_rows, rows, keys, now, lease=lease)
+        """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`);
+        ``host``: the producer's host id (new rows prefer a unit there)."""
+        return self.puts.begin(
+            partition_id, headers, n_rows, rows, keys, now, lease=lease, host=host
+        )
 
     def abort_puts(self, put_ids: Sequence[int]) -> Effects:
         """A producer gave up puts before committing: their new rows are reclaimed now."""
@@ -345,6 +349,7 @@ class ControllerCore:
         """A unit's data is gone (its process died, or it restarted): its rows are lost."""
         return self.liveness.unit_lost(unit)
 
-    def unit_registered(self, unit: int, address: str) -> Effects:
-        """A unit process (re)started under ``unit``: what an earlier one held is gone."""
-        return self.liveness.unit_registered(unit, address)
+    def unit_registered(self, unit: int, address: str, host: str = "") -> Effects:
+        """A unit process (re)started under ``unit`` on ``host``: what an earlier one held
+        is gone."""
+        return self.liveness.unit_registered(unit, address, host)

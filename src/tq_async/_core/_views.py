@@ -99,3 +99,32 @@ class RowVersions(Mapping[int, int]):
 
     def __len__(self) -> int:
         return self._p.n_alive
+
+
+class PlacedRows(Rows, Protocol):
+    """What :class:`RowHosts` reads of a partition: the rows and each row's unit."""
+
+    @property
+    def units(self) -> Sequence[int]: ...
+
+
+class RowHosts(Mapping[int, str]):
+    """Read-only ``row -> host id`` view: the host of the unit holding the row (``""``:
+    unknown). Locality: a sampler may prefer rows on the asking rank's host (``rank_host``)."""
+
+    __slots__ = ("_hosts", "_p")
+
+    def __init__(self, partition: PlacedRows, hosts: Mapping[int, str]) -> None:
+        self._p = partition
+        self._hosts = hosts
+
+    def __getitem__(self, row: int) -> str:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        return self._hosts.get(self._p.units[row], "")
+
+    def __iter__(self) -> Iterator[int]:
+        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+
+    def __len__(self) -> int:
+        return self._p.n_alive

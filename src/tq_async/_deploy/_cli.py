@@ -105,6 +105,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         data_path=config.data_path,
                         device_cap=config.device_cap,
                         device_index=config.device_index,
+                        host_id=_one_host_id(config.host_id),
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -115,6 +116,13 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
     finally:
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)
+
+
+def _one_host_id(host_id: str | list[str] | None) -> str | None:
+    """A unit's host id from ``Config.host_id`` (a list names one per unit of a cluster)."""
+    if isinstance(host_id, list):
+        raise ConfigError("host_id: a storage unit alone takes one host id, not a list")
+    return host_id
 
 
 _FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
@@ -136,6 +144,8 @@ _CONFIG_FLAGS = {
     "data_path": "data_path",
     "device_cap": "device_cap",
     "device_index": "device_index",
+    "placement": "placement",
+    "host_id": "host_id",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -286,6 +296,13 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         metavar="N",
         help="which GPU holds them (CUDA index; default: 0)",
     )
+    parser.add_argument(
+        "--host-id",
+        default=argparse.SUPPRESS if in_role else None,
+        metavar="ID",
+        help="the storage units' host id: units and clients with equal ids are on one host "
+        "(default: $TQ_HOST_ID, the Ray node id, or this machine's boot id and host name)",
+    )
 
 
 def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
@@ -303,6 +320,13 @@ def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         default=argparse.SUPPRESS if in_role else "partition",
         help="--capacity counts rows per partition or in all partitions together "
         "(default: partition)",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=["auto", "local", "round_robin"],
+        default=argparse.SUPPRESS if in_role else "auto",
+        help="where a put's rows go: local (a unit on the producer's host, least-loaded), "
+        "round_robin, or auto (local while units span several hosts; default: auto)",
     )
 
 

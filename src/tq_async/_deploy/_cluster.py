@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +15,7 @@ from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
+from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
 from .._errors import ConfigError, InvalidRequestError
 from .._logging import get_logger
@@ -74,6 +75,8 @@ async def local_cluster(
     deadlines: Deadlines | None = None,
     shm_cap: int = DEFAULT_SHM_CAP,
     data_path: str = "auto",
+    placement: str = "auto",
+    host_id: str | Sequence[str] | None = None,
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -82,8 +85,8 @@ async def local_cluster(
     connect to ``cluster.address`` too. Leaving the block stops them.
 
     Args:
-        num_storage_units: how many storage units (rows of one put go to one unit,
-            round-robin across puts).
+        num_storage_units: how many storage units (rows of one put go to one unit; see
+            ``placement``).
         sampler: the controller's sampler (:class:`~tq_async.SequentialSampler` by default).
         task_samplers: samplers for particular tasks, e.g. ``{"update_actor":
             tq.SeqlenBalancedSampler(dp_size=4)}``; other tasks use ``sampler``.
@@ -112,6 +115,12 @@ async def local_cluster(
             once written.
         data_path: what the storage units offer besides the socket (``"auto"``, ``"shm"``,
             ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+        placement: which unit a put's new rows go to: ``"auto"`` (the default: ``"local"``
+            while the units span more than one host), ``"local"`` (a unit on the producer's
+            host, the least-loaded there) or ``"round_robin"``; see :class:`~tq_async.Config`.
+        host_id: the storage units' host id (default: ``$TQ_HOST_ID``, the Ray node id or
+            the machine's), or one per unit: labels that make one machine look like
+            several hosts (tests and benchmarks of locality).
         config: the whole deployment as a :class:`~tq_async.Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -142,6 +151,8 @@ async def local_cluster(
         deadlines=deadlines,
         shm_cap=shm_cap,
         data_path=data_path,
+        placement=placement,
+        host_id=host_id,
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -199,6 +210,9 @@ class _Plan:
     #: GPU memory per unit for cells put from GPUs (Config.device_cap), and which GPU
     device_cap: int = 0
     device_index: int = 0
+    #: where new rows go (Config.placement), and each unit's host id (None: found out)
+    placement: str = "auto"
+    host_ids: list[str | None] = field(default_factory=list)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"
@@ -223,6 +237,8 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
             "serve_metrics_on": config.metrics_on,
             "shm_cap": config.shm_cap,
             "data_path": config.data_path,
+            "placement": config.placement,
+            "host_id": config.host_id,
         }
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
@@ -249,7 +265,21 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     )
     if config is not None:
         plan.device_cap, plan.device_index = config.device_cap, config.device_index
+    plan.placement = check_placement(given["placement"])
+    plan.host_ids = _host_ids(given["host_id"], plan.num_storage_units)
     return plan
+
+
+def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
+    """Each unit's host id: one for all, or one per unit (None: each unit finds out)."""
+    if host_id is None or isinstance(host_id, str):
+        return [host_id] * n
+    if len(host_id) != n:
+        raise InvalidRequestError(
+            f"host_id: got {len(host_id)} host ids for {n} storage units; give one for all "
+            "or one per unit"
+        )
+    return list(host_id)
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
@@ -265,6 +295,7 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             data_path=plan.data_path,
             device_cap=plan.device_cap,
             device_index=plan.device_index,
+            host_id=plan.host_ids[i],
         )
         for i in range(plan.num_storage_units)
     ]
@@ -273,6 +304,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
         addresses[unit.unit_id] = await tg.start(unit.serve, plan.endpoint(f"unit{unit.unit_id}"))
     state = ControllerState(addresses)
     state.capacity, state.capacity_global = plan.capacity, plan.capacity_global
+    state.placer = Placer(plan.placement)
+    state.unit_hosts = {u.unit_id: u.host_id for u in units}
     if plan.auto_clear:
         state.auto_clear[None] = tuple(dict.fromkeys(plan.auto_clear))
     controller = ControllerServer(
@@ -317,6 +350,8 @@ _CONFIG_COVERS: dict[str, Any] = {
     "deadlines": None,
     "shm_cap": DEFAULT_SHM_CAP,
     "data_path": "auto",
+    "placement": "auto",
+    "host_id": None,
 }
 
 

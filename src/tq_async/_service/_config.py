@@ -313,6 +313,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             device (CUDA IPC) instead of through host memory; see ``docs/deployment.md``,
             "GPU to GPU on one host". Needs ``shm_cap`` > 0 and a GPU on the units' host.
         device_index: which GPU holds them (its CUDA index as the units' process sees it).
+        placement: which storage unit a put's new rows go to: ``"local"`` (a unit on the
+            producer's host, the least-loaded there, unless that host holds more than 1.2x
+            the mean; else the least-loaded unit), ``"round_robin"``, or ``"auto"`` (the
+            default: ``"local"`` while the units span more than one host). See
+            ``docs/deployment.md``, "Locality".
+        host_id: the storage units' host id (default: ``$TQ_HOST_ID``, the Ray node id or
+            the machine's); a list gives the units of an all-in-one cluster one each (tests
+            of locality on one machine).
         metrics_on: ``"host:port"`` to serve Prometheus metrics on (port 0: any free port).
         sampler: the sampler of every task without its own (``SequentialSampler`` if None).
         task_samplers: samplers for particular tasks, by task name.
@@ -336,6 +344,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     data_path: Literal["auto", "zmq", "shm", "nixl"] = "auto"
     device_cap: int = 0
     device_index: int = 0
+    placement: Literal["auto", "local", "round_robin"] = "auto"
+    host_id: str | list[str] | None = None
     metrics_on: str | None = None
     sampler: SamplerSpec | None = None
     task_samplers: dict[str, SamplerSpec] = msgspec.field(default_factory=dict)

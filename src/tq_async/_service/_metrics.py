@@ -12,6 +12,9 @@ tq_requests_total                  counter service, op, outcome (ok | error)
 tq_request_duration_seconds        hist.   service, op
 tq_transfer_bytes_total            counter service, direction (in | out)
 tq_consumer_wait_seconds           hist.   (time a get_meta waited for rows)
+tq_rows_delivered_total            counter task, locality (same_host | other_host): rows
+                                           handed to consumers, by whether their unit is
+                                           on the consumer's host
 tq_stale_rows_total                counter policy (dropped | recycled | kept)
 tq_rows_ready                      gauge   task (rows ready and not consumed, all partitions)
 tq_rows_unconsumed                 gauge   task (rows alive and not consumed by the task)
@@ -23,6 +26,9 @@ tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: are
 tq_storage_nixl_puts_total         counter unit (puts whose bytes a client WROTE with NIXL)
 tq_storage_nixl_reads_total        counter unit (reads whose bytes a client READ with NIXL)
 tq_storage_nixl_registered_bytes   gauge   unit (bytes a unit registered with NIXL: its arena)
+tq_storage_locality_bytes_total    counter unit, direction (in | out), locality (same_host |
+                                           other_host): payload bytes a unit moved for
+                                           clients of its own host and of others
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
 tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
                                            transfers that went over the socket instead
@@ -72,6 +78,7 @@ class Metrics:
         self.service = service
         self._children: dict[tuple[str, str], Any] = {}
         self._durations: dict[str, Any] = {}
+        self._registry = registry
         if registry is None:
             return
         self._requests = _shared(
@@ -125,6 +132,27 @@ class Metrics:
                 registry=registry,
             ),
         )
+
+    def delivered(self, task: str, same_host: int, other_host: int) -> None:
+        """Count rows handed to a consumer of ``task``: on its host, and elsewhere."""
+        registry = self._registry
+        if registry is None:
+            return
+        counter = _shared(
+            registry,
+            "tq_rows_delivered_total",
+            lambda: Counter(
+                "tq_rows_delivered",
+                "Rows handed to consumers, by task and by whether the unit holding them is "
+                "on the consumer's host (same_host) or not (other_host, or hosts unknown).",
+                ["task", "locality"],
+                registry=registry,
+            ),
+        )
+        if same_host:
+            counter.labels(task, "same_host").inc(same_host)
+        if other_host:
+            counter.labels(task, "other_host").inc(other_host)
 
     def request(self, op: str, ok: bool, seconds: float) -> None:
         """Count one request and observe its duration."""
@@ -225,6 +253,9 @@ class UnitGauges(Protocol):
     @property
     def nixl(self) -> UnitNixl | None: ...
 
+    @property
+    def locality(self) -> dict[str, int]: ...
+
 
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
     """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
@@ -263,7 +294,16 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
             labels=["unit"],
         )
+        locality = CounterMetricFamily(
+            "tq_storage_locality_bytes",
+            "Payload bytes a storage unit moved, by direction and by whether the client was "
+            "on the unit's host.",
+            labels=["unit", "direction", "locality"],
+        )
         for unit_id, st in sorted(units.items()):
+            for key, n in sorted(st.locality.items()):
+                direction, _, where = key.partition("_")
+                locality.add_metric([str(unit_id), direction, where], n)
             g.add_metric([str(unit_id)], st.resident_bytes)
             arena = st.arena
             if arena is not None:
@@ -275,7 +315,7 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
                 nixl_puts.add_metric([str(unit_id)], nixl.puts)
                 nixl_reads.add_metric([str(unit_id)], nixl.reads)
                 nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
-        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes)
+        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes, locality)
 
     return _Collector(collect)
 

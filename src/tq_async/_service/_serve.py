@@ -24,6 +24,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from .._controller._server import ControllerServer
+from .._core._placement import Placer
 from .._core._state import ControllerState, check_capacity
 from .._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from .._logging import get_logger
@@ -171,6 +172,7 @@ async def register_unit(
     *,
     timeout: float = 30.0,
     curve: CurveClient | None = None,
+    host: str = "",
 ) -> int:
     """Announce a storage unit to a controller; returns the unit's id.
 
@@ -181,6 +183,7 @@ async def register_unit(
         timeout: seconds to wait for the controller to answer (ZMQ connects lazily, so a
             controller that starts within this time is found).
         curve: CURVE keys to reach a controller that requires them.
+        host: the unit's host id (placement prefers units on a producer's host).
 
     Returns:
         The registered id (``unit_id``, or the one the controller chose).
@@ -193,7 +196,9 @@ async def register_unit(
     requested = ASSIGN_UNIT_ID if unit_id is None else unit_id
     conn = DealerConnection(controller, curve=curve)
     try:
-        payload, _ = await conn.request(RegisterUnit(requested, address), timeout=timeout)
+        payload, _ = await conn.request(
+            RegisterUnit(requested, address, host=host), timeout=timeout
+        )
     except TQTimeoutError:
         raise TQTimeoutError(
             f"the controller at {controller} did not answer within {timeout} s; check that "
@@ -226,6 +231,7 @@ async def serve_controller(
     curve: CurveServer | None = None,
     capacity: int | None = None,
     capacity_scope: str = "partition",
+    placement: str = "auto",
     config: Config | None = None,
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -245,6 +251,8 @@ async def serve_controller(
         capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
             per partition (``capacity_scope="global"``: in all partitions together); a put
             that does not fit waits. None: unbounded.
+        placement: where a put's new rows go: ``"auto"``, ``"local"`` or
+            ``"round_robin"`` (see :class:`~tq_async.Config`).
         config: a :class:`~tq_async.Config` that supplies the controller's settings instead
             of the arguments above (samplers, admission, pickle, capacity, leases,
             auto-clear, CURVE files); an explicit ``curve`` still wins over its ``[curve]``.
@@ -261,10 +269,12 @@ async def serve_controller(
     if config is not None:
         options = {**config.controller_options(), **({"curve": curve} if curve else {})}
         capacity, capacity_scope = config.capacity, config.capacity_scope
+        placement = config.placement
         if config.auto_clear_tasks:
             state.auto_clear[None] = tuple(dict.fromkeys(config.auto_clear_tasks))
     warn_if_exposed(bind, "controller", options["curve"])
     state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
+    state.placer = Placer(placement)
     controller = ControllerServer(state, **options, metrics=Metrics(metrics_registry, "controller"))
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(controller.serve, bind)
@@ -291,6 +301,7 @@ async def serve_storage(
     data_path: str = "auto",
     device_cap: int = 0,
     device_index: int = 0,
+    host_id: str | None = None,
     task_status: TaskStatus[tuple[int, str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one storage unit: bind, register with ``controller``, serve until cancelled.
@@ -314,6 +325,8 @@ async def serve_storage(
             ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
         device_cap: bytes of GPU memory for cells put from GPUs on this host (0: none).
         device_index: which GPU holds them.
+        host_id: this unit's host id (default: ``$TQ_HOST_ID``, the Ray node id or the
+            machine's; see ``docs/deployment.md``, "Locality").
 
     Raises:
         BrokenError: ``bind`` could not be bound.
@@ -333,6 +346,7 @@ async def serve_storage(
         data_path=data_path,
         device_cap=device_cap,
         device_index=device_index,
+        host_id=host_id,
     )
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(unit.serve, bind)
@@ -343,6 +357,7 @@ async def serve_storage(
             address,
             timeout=register_timeout,
             curve=curve.as_client() if curve is not None else None,
+            host=unit.host_id,
         )
         if metrics_registry is not None:
             metrics_registry.register(storage_collector({unit.unit_id: unit.state}))

@@ -28,6 +28,7 @@ from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaEr
 from .._paths._device import DeviceArena, DeviceCells
 from .._paths._nixl import UnitNixl
 from .._paths._shm import PAGE, Arena, Region, align
+from .._transport._hosts import LOCALITY_KEYS
 from .._wire._columns import (
     ITEM_SIZES,
     Column,
@@ -102,6 +103,9 @@ class StorageState:
         self.device: DeviceArena | None = None
         #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
         self.nixl: UnitNixl | None = None
+        #: locality: the unit's host id, and payload bytes moved by where the client runs
+        self.host = ""
+        self.locality = dict.fromkeys(LOCALITY_KEYS, 0)
         # partition -> field -> row -> cell: ``serial << 32 | position`` of the row in the
         # chunk ``_chunks[serial]`` (a plain int: a tuple holding the chunk would be one more
         # object for the garbage collector to scan, per cell -- most of a 1M-row put)
@@ -476,7 +480,9 @@ class StorageState:
         )
         arena = self.arena
         if arena is None:
-            return StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
+            reply = StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
+            reply.host, reply.locality = self.host, dict(self.locality)
+            return reply
         return StoreStatsReply(
             len(self._index),
             rows,
@@ -492,6 +498,8 @@ class StorageState:
             nixl_reads=self.nixl.reads if self.nixl is not None else 0,
             nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
             **self._device_stats(),
+            host=self.host,
+            locality=dict(self.locality),
         )
 
     def _device_stats(self) -> dict[str, int]:

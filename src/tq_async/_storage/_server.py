@@ -29,6 +29,7 @@ from .._paths._nixl import Claims, UnitNixl, check_data_path
 from .._paths._shm import Arena, Region
 from .._service._loop import DEFERRED, SENT, Handler, Incoming, Service, WithFrames
 from .._service._metrics import Metrics
+from .._transport._hosts import locality_key, resolve_host_id
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer
 from .._wire._columns import ColumnHeader
@@ -86,6 +87,8 @@ class StorageServer(Service):
         device_cap: bytes of GPU memory for cells put from GPUs by clients on this host (see
             :mod:`tq_async._paths._device`; 0: none). Needs shared memory (``shm_cap``) too.
         device_index: which GPU (its CUDA index as this process sees it) holds them.
+        host_id: this unit's host id (see :mod:`tq_async._transport._hosts`; None: found
+            out: ``$TQ_HOST_ID``, the Ray node id, or the machine's).
     """
 
     name = "storage"
@@ -102,6 +105,7 @@ class StorageServer(Service):
         data_path: str = "auto",
         device_cap: int = 0,
         device_index: int = 0,
+        host_id: str | None = None,
     ) -> None:
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
@@ -114,6 +118,7 @@ class StorageServer(Service):
         self.unit_id = unit_id
         self.curve = curve
         self.state = StorageState(allow_pickle=allow_pickle)
+        self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
         self.shm_path = ShmPath(self.state, self.book, cap=shm_cap, idle_bytes=shm_idle_bytes)
         self.nixl_path = NixlPath(self.state, self.book, encrypted=curve is not None)
@@ -121,6 +126,22 @@ class StorageServer(Service):
         super().__init__(metrics or Metrics(None, "storage"), storage_request_decoder)
         self.handlers = self._handler_table()
         self._tg: TaskGroup | None = None
+
+    @property
+    def host_id(self) -> str:
+        """This unit's host id (see :mod:`tq_async._transport._hosts`)."""
+        return self.state.host
+
+    def _moved(self, direction: str, client_host: str, frames: Sequence[Any]) -> None:
+        """Count payload bytes moved ``direction`` for a client on ``client_host``."""
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        self._count(direction, client_host, nbytes)
+
+    def _count(self, direction: str, client_host: str, nbytes: int) -> None:
+        key = locality_key(direction, self.state.host, client_host)
+        self.state.locality[key] += nbytes
+        if self.metrics.enabled:
+            self.metrics.transfer(direction, nbytes)
 
     @property
     def arena(self) -> Arena | None:
@@ -179,23 +200,31 @@ class StorageServer(Service):
         headers: Sequence[ColumnHeader],
         frames: Any,
         incarnation: str | None = None,
+        host: str = "",
     ) -> None:
-        """A :class:`StorePut` from a controller in this process, without a message."""
+        """A :class:`StorePut` from a controller in this process, without a message
+        (``host``: the producer's host id)."""
         t0 = time.perf_counter()
         ok = False
         try:
             self.state.put(partition_id, rows, headers, frames, incarnation=incarnation)
             ok = True
         finally:
+            self._moved("in", host, frames)
             if self.metrics.enabled:
-                self.metrics.transfer("in", sum(memoryview(f).nbytes for f in frames))
                 self.metrics.request("StorePut", ok, time.perf_counter() - t0)
 
     def read_local(
-        self, partition_id: str, rows: Sequence[int], fields: Sequence[str], max_bytes: int
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        max_bytes: int,
+        host: str = "",
     ) -> tuple[StoredColumns, list[Any]] | None:
         """A :class:`StoreGet` from a controller in this process, without a message; None
-        when the cells take more than ``max_bytes`` (nothing is copied then)."""
+        when the cells take more than ``max_bytes`` (nothing is copied then). ``host``: the
+        reader's host id."""
         t0 = time.perf_counter()
         ok = False
         try:
@@ -204,9 +233,9 @@ class StorageServer(Service):
         except OverBudget:
             return None
         finally:
+            if ok:
+                self._moved("out", host, frames)
             if self.metrics.enabled:
-                if ok:
-                    self.metrics.transfer("out", sum(memoryview(f).nbytes for f in frames))
                 self.metrics.request("StoreGet", ok, time.perf_counter() - t0)
         return stored, frames
 
@@ -232,8 +261,7 @@ class StorageServer(Service):
         else:
             with self.device_path.put(msg.peer, body) as device:
                 data = self._store_put(msg, body, device)
-        if self.metrics.enabled:
-            self.metrics.transfer("in", sum(memoryview(f).nbytes for f in data))
+        self._moved("in", body.host, data)
 
     def _store_put(
         self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
@@ -255,15 +283,12 @@ class StorageServer(Service):
     def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
         shm = self.shm_path.read(msg.peer, body) if body.shm else None
         if shm is not None:
-            if self.metrics.enabled:
-                assert shm.shm_spans is not None
-                self.metrics.transfer("out", sum(n for _, n in shm.shm_spans))
+            self._count("out", body.host, sum(n for _, n in shm.shm_spans or ()))
             return shm
         stored, out = self.state.read(
             body.partition_id, body.rows, body.fields, incarnation=body.incarnation
         )
-        if self.metrics.enabled:
-            self.metrics.transfer("out", sum(memoryview(f).nbytes for f in out))
+        self._moved("out", body.host, out)
         return WithFrames(stored, out)
 
     def _on_store_clear(self, msg: Incoming, body: StoreClear) -> int:

@@ -30,6 +30,9 @@ class _Msg(msgspec.Struct, array_like=True, tag=True):
 class Hello(_Msg):
     """Ask for the cluster's storage units and settings."""
 
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
+
 
 class RegisterUnit(_Msg):
     """A storage unit announces itself (process / Ray deployments).
@@ -39,6 +42,8 @@ class RegisterUnit(_Msg):
 
     unit_id: int
     address: str
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class PutBegin(_Msg):
@@ -54,6 +59,8 @@ class PutBegin(_Msg):
     timeout: float | None = None
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class PutCommit(_Msg):
@@ -102,6 +109,8 @@ class PutInline(_Msg):
     timeout: float | None = None
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class LostRows(_Msg):
@@ -170,6 +179,8 @@ class GetMeta(_Msg):
     #: the indexes between are decided first, as with ``record_from``), stopping at the
     #: first that cannot or that ends the stream; each rides in the reply's ``more``
     also: list[int] | None = None
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class Cancel(_Msg):
@@ -436,6 +447,8 @@ class StorePut(_Msg):
     shm: ShmFrames | None = None
     #: columns whose cells the client wrote into the unit's device arena (no frames)
     device: DeviceFrames | None = None
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class StoreGet(_Msg):
@@ -452,6 +465,8 @@ class StoreGet(_Msg):
     incarnation: str | None = None
     shm: bool = False
     device: bool = False
+    #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
+    host: str = ""
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -560,6 +575,8 @@ class Reply(msgspec.Struct, array_like=True):
 class UnitInfo(msgspec.Struct, array_like=True):
     unit_id: int
     address: str
+    #: locality: the unit's host id ("": unknown)
+    host: str = ""
 
 
 class HelloReply(msgspec.Struct, array_like=True):
@@ -698,6 +715,11 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     device_puts: int = 0
     device_reads: int = 0
     device_fallbacks: int = 0
+    #: locality: the unit's host id, and payload bytes moved for clients of its own host
+    #: and of other hosts: ``{"in_same_host", "in_other_host", "out_same_host",
+    #: "out_other_host"}`` (a client that sent no host id counts as another host)
+    host: str = ""
+    locality: dict[str, int] = {}
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

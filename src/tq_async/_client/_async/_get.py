@@ -240,7 +240,7 @@ class GetPath:
         and its frames (cells sent inline, up to ``inline_bytes``); the client's
         ``get_meta`` calls it directly (one coroutine less per call on the control plane's
         hottest path)."""
-        req = query.request(inline_bytes)
+        req = query.request(inline_bytes, self._links.host_id)
         partition_id, task_name = query.partition_id, query.task_name
         skip_undo = query.mode != "fetch" or query.recorded
 
@@ -333,7 +333,13 @@ class GetPath:
                 if view is not None and view.device.type != device.type:
                     view = None
             get = StoreGet(
-                meta.partition_id, rows, names, meta.incarnation, shm=shm, device=view is not None
+                meta.partition_id,
+                rows,
+                names,
+                meta.incarnation,
+                shm=shm,
+                device=view is not None,
+                host=self._links.host_id,
             )
             on_device: dict[int, torch.Tensor] | None = None
             if not shm:

@@ -132,6 +132,10 @@ class Links:
         self._epoch_seen = 0
         self._refreshing: Event | None = None
         self._hello: HelloReply | None = None
+        #: locality: this client's host id (sent with hellos, puts and reads), and each
+        #: unit's as the controller lists it
+        self.host_id = ""
+        self.unit_hosts: dict[int, str] = {}
         #: connection address -> the address the controller lists for its unit (differs
         #: for a verified same-host twin, which is not a move)
         self._stands_for: dict[str, str] = {}
@@ -225,7 +229,7 @@ class Links:
             return
         try:
             wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
-            payload, _ = conn.request(Hello(), timeout=wait)
+            payload, _ = conn.request(Hello(host=self.host_id), timeout=wait)
             again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
@@ -250,7 +254,7 @@ class Links:
                 return self._hello
         self._refreshing = done = Event()
         try:
-            hello: HelloReply = self.call(Hello(), HelloReply, timeout=timeout)
+            hello: HelloReply = self.call(Hello(host=self.host_id), HelloReply, timeout=timeout)
         finally:
             self._refreshing = None
             done.set()
@@ -265,6 +269,7 @@ class Links:
                 self._forget_arena(unit_id)
                 conn.close()
         self.unit_addresses = addresses
+        self.unit_hosts = {u.unit_id: u.host for u in hello.units}
         self._units_epoch = self._epoch_seen = hello.units_epoch
         self.capacity = hello.capacity
         if self._allow_pickle_opt is None:

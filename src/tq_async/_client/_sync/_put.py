@@ -271,6 +271,7 @@ class PutPath:
             nowait=nowait,
             timeout=timeout,
             incarnation=None if meta is None else meta.incarnation,
+            host=self._links.host_id,
         )
         frames: list[Any] = []
         for h, c in zip(put.headers, put.columns, strict=True):
@@ -309,6 +310,7 @@ class PutPath:
             nowait=nowait,
             timeout=timeout,
             incarnation=None if meta is None else meta.incarnation,
+            host=self._links.host_id,
         )
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -387,7 +389,9 @@ class PutPath:
                 runs = position_runs(positions)
                 rows = [placement.rows[i] for i in positions]
                 cols = [_take_rows(c, runs) for c in columns]
-            store = StorePut(partition_id, rows, headers, placement.incarnation)
+            store = StorePut(
+                partition_id, rows, headers, placement.incarnation, host=self._links.host_id
+            )
             conn, arena = self._links.data_link(unit)
             host = self._place_device_columns(unit, conn, arena, store, cols)
             try:

@@ -61,8 +61,9 @@ class MetaQuery(NamedTuple):
         call is abandoned, so they are not released."""
         return self.mode == "fetch" and self.batch_index is not None
 
-    def request(self, inline_bytes: int) -> GetMeta:
-        """The controller's request, asking for cells inline up to ``inline_bytes``."""
+    def request(self, inline_bytes: int, host: str = "") -> GetMeta:
+        """The controller's request, asking for cells inline up to ``inline_bytes``, from a
+        client on ``host`` (see ``_transport/_hosts.py``)."""
         return GetMeta(
             self.partition_id,
             self.fields,
@@ -76,6 +77,7 @@ class MetaQuery(NamedTuple):
             self.ack,
             inline_bytes,
             self.also,
+            host=host,
         )
 
 
