@@ -34,7 +34,7 @@ circle):
    ``tq-async`` CLI), ``_datasets/`` (the streaming datasets and the PyTorch adapter),
    ``tq_async.ray``, ``tq_async.events`` (what ``watch`` yields), ``tq_async.compat`` (with
    TransferQueue's ``BatchMeta``), the
-   ``tq_async.transfer_queue`` alias and :mod:`tq_async.lowlevel`, the internals for tools
+   ``tq_async.transfer_queue`` alias and `tq_async.lowlevel`, the internals for tools
    and custom deployments.
 
 The names that need torch (clients, datasets) are imported on first use, so that the services
@@ -111,7 +111,7 @@ _LAZY = {
 }
 
 
-#: names that moved to :mod:`tq_async.lowlevel` (still found here, with a warning)
+#: names that moved to `tq_async.lowlevel` (still found here, with a warning)
 _MOVED = {"ColumnHeader", "ControllerServer", "ControllerState", "StorageServer"}
 
 
@@ -150,7 +150,7 @@ def __dir__() -> list[str]:
     return sorted({n for n in globals() if n.startswith("_")} | set(__all__))
 
 
-#: ``tq_async.__version__`` (see :func:`_version`) is looked up on first use, in ``__getattr__``
+#: ``tq_async.__version__`` (see `_version`) is looked up on first use, in ``__getattr__``
 __version__: str
 
 __all__ = [

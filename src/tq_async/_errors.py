@@ -1,11 +1,11 @@
 """The one exception tree of tq_async.
 
-Every error the library raises derives from :class:`TQError`. Each takes a single message
+Every error the library raises derives from `TQError`. Each takes a single message
 string (so it pickles, and a PyTorch DataLoader can re-raise it from a worker as
 ``type(exc)(msg)``) and the message says what to do about it.
 
 Errors cross the wire by class name: a service answers a failed request with the name of the
-class and its message, and the client re-raises the same class (see :func:`error_from_wire`).
+class and its message, and the client re-raises the same class (see `error_from_wire`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class RowsNotFound(TQError, KeyError):
 
 
 class ConfigError(InvalidRequestError):
-    """A configuration (:class:`~tq_async.Config`, a TOML file) is invalid.
+    """A configuration (`Config`, a TOML file) is invalid.
 
     The message is one line: the offending key, then the problem.
     """
@@ -150,7 +150,7 @@ CALLERS_FAULT: tuple[type[TQError], ...] = (
 
 
 def error_from_wire(kind: str, message: str) -> TQError:
-    """Rebuild the exception a service reported; unknown kinds become a plain :class:`TQError`."""
+    """Rebuild the exception a service reported; unknown kinds become a plain `TQError`."""
     cls = _BY_NAME.get(kind, TQError)
     if cls is TQError and kind != "TQError":
         message = f"{kind}: {message}"

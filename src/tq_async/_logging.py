@@ -8,13 +8,13 @@ nothing on stdout and, as Python's default has it, only warnings and errors on s
 record's message reads ``event key=value ...``; its ``tq_event`` attribute holds the
 key-values for structured formatters.
 
-Python prints a record no handler takes with :data:`logging.lastResort`, as its bare message:
+Python prints a record no handler takes with `logging.lastResort`, as its bare message:
 a line that does not say it is a warning, nor whose. The ``tq_async`` logger therefore has one
-handler of its own (:class:`_LastResort`, the library's counterpart of the usual
+handler of its own (`_LastResort`, the library's counterpart of the usual
 ``NullHandler``): it prints exactly what the last resort would, when it would, prefixed with
 the level and the logger (``WARNING tq_async._controller: ...``), and nothing as soon as the
 application has a handler that sees the record (``logging.basicConfig``, pytest's capture,
-:func:`configure_logging`) or silenced the last resort (``logging.lastResort = None``). It
+`configure_logging`) or silenced the last resort (``logging.lastResort = None``). It
 configures nothing else: no level, no root handler, no structlog set-up.
 
 ``configure_logging`` is an opt-in set-up for applications (and ``tq-async serve``) that
@@ -69,7 +69,7 @@ _PROCESSORS: list[Processor] = [
 
 
 class _LastResort(logging.Handler):
-    """:data:`logging.lastResort` for tq_async's records, with the level and the logger.
+    """`logging.lastResort` for tq_async's records, with the level and the logger.
 
     It acts only where the last resort would: no other handler on the record's way up the
     logger tree, and the last resort enabled, at its level (warnings and errors).
@@ -146,7 +146,7 @@ class StructuredFormatter(logging.Formatter):
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The handler :func:`configure_logging` installs (replaced by a second call)."""
+    """The handler `configure_logging` installs (replaced by a second call)."""
 
 
 def configure_logging(

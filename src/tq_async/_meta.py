@@ -32,7 +32,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         end_of_stream: True on the empty batch that tells a consumer the partition is sealed
             and drained for its task.
         policy_versions: per field that carries policy versions, each row's version (-1:
-            none); see :meth:`row_policy_versions`.
+            none); see `row_policy_versions`.
         lease_id: when fetched with ``lease=``, the lease to acknowledge (0: none).
         incarnation: the partition's incarnation when the rows were put or fetched (a
             random id, new each time a partition id is created): once the partition is
@@ -40,8 +40,8 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             ``RowsNotFound`` instead of reaching the new rows. None (a BatchMeta built by
             hand) is not checked.
         extra_info: a per-batch dict of your own (e.g. ``{"step": 12}``); it travels with the
-            batch and survives :meth:`chunk_into`, :meth:`chunk_every`, :meth:`select_rows`,
-            :meth:`select_fields` and :meth:`concat`.
+            batch and survives `chunk_into`, `chunk_every`, `select_rows`,
+            `select_fields` and `concat`.
         keys: for rows of a KV partition, each row's key (None for a row put without one);
             empty when no row of the batch has a key.
 
@@ -151,8 +151,8 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         return pieces
 
     def chunk(self, size: int) -> list[BatchMeta]:
-        """Deprecated: pieces of ``size`` rows; use :meth:`chunk_every` (the same) or
-        :meth:`chunk_into` (``n`` pieces, what TransferQueue's ``chunk(n)`` means)."""
+        """Deprecated: pieces of ``size`` rows; use `chunk_every` (the same) or
+        `chunk_into` (``n`` pieces, what TransferQueue's ``chunk(n)`` means)."""
         warnings.warn(
             "BatchMeta.chunk(size) is deprecated: it means 'pieces of size rows' here but 'size "
             "pieces' in TransferQueue; call chunk_every(size) for pieces of that many rows or "

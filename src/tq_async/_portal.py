@@ -40,14 +40,14 @@ _service_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = (
 
 
 def host_services() -> asyncio.AbstractEventLoop:
-    """Mark the running event loop as hosting services (until :func:`stop_hosting`)."""
+    """Mark the running event loop as hosting services (until `stop_hosting`)."""
     loop = asyncio.get_running_loop()
     _service_loops[loop] = _service_loops.get(loop, 0) + 1
     return loop
 
 
 def stop_hosting(loop: asyncio.AbstractEventLoop) -> None:
-    """Undo one :func:`host_services`."""
+    """Undo one `host_services`."""
     left = _service_loops.get(loop, 1) - 1
     if left:
         _service_loops[loop] = left
@@ -61,10 +61,10 @@ def allow_blocking(loop: asyncio.AbstractEventLoop) -> None:
     _blocking_loops.add(loop)
 
 
-#: private event loops whose tasks may make blocking calls (:func:`allow_blocking`)
+#: private event loops whose tasks may make blocking calls (`allow_blocking`)
 _blocking_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
-#: per thread: how many :func:`tolerating_blocking` calls are running
+#: per thread: how many `tolerating_blocking` calls are running
 _tolerance = threading.local()
 
 
@@ -102,8 +102,8 @@ def check_blocking_allowed(what: str, instead: str = ASYNC_CLIENT) -> None:
 
     Raises:
         InvalidRequestError: this thread's event loop is running (and is not a private loop
-            of :func:`allow_blocking`; nor, unless it runs services, inside
-            :func:`tolerating_blocking`).
+            of `allow_blocking`; nor, unless it runs services, inside
+            `tolerating_blocking`).
     """
     loop = asyncio._get_running_loop()
     if loop is None or loop in _blocking_loops:

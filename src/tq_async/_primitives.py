@@ -1,8 +1,8 @@
 """The few concurrency primitives the client logic uses, asynchronous flavour.
 
-The client's logic is written once, as async code (:mod:`tq_async._client._async._client` and its
+The client's logic is written once, as async code (`tq_async._client._async._client` and its
 modules), and its blocking twin is generated from it (``scripts/unasync.py``): the generator
-rewrites ``import`` of this module into :mod:`tq_async._sync_primitives`, which offers the
+rewrites ``import`` of this module into `tq_async._sync_primitives`, which offers the
 same names with blocking semantics. So the client modules use *these* names, never anyio or
 asyncio directly.
 """

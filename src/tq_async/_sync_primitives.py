@@ -1,10 +1,10 @@
-"""The blocking twins of :mod:`tq_async._primitives` (used by the generated blocking
+"""The blocking twins of `tq_async._primitives` (used by the generated blocking
 client).
 
 A blocking client runs in its caller's thread and waits on one connection at a time, so
 "concurrently" means "one after the other", a worker thread is the calling thread, and a
-repeating timer fires while a request of this thread waits (:func:`run_due_timers`, called
-from the connection's wait loop in :mod:`tq_async._transport._sync_dealer`).
+repeating timer fires while a request of this thread waits (`run_due_timers`, called
+from the connection's wait loop in `tq_async._transport._sync_dealer`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What ``client.watch()`` yields: the controller's changes as typed events.
 
 Every event is a msgspec struct with ``seq`` (its place in the controller's event log) and
-``kind`` (e.g. ``"rows_added"``, what ``watch(kinds=...)`` selects; :data:`EVENT_KINDS`
+``kind`` (e.g. ``"rows_added"``, what ``watch(kinds=...)`` selects; `EVENT_KINDS`
 lists them). ``msgspec.json.encode(event)`` prints one as JSON. See ``docs/watching.md``.
 """
 

@@ -1,17 +1,17 @@
 """The building blocks under the public API, for tools, tests and custom deployments.
 
-An RL job needs only :mod:`tq_async` (clients, datasets, ``local_cluster``, ``Config``,
+An RL job needs only `tq_async` (clients, datasets, ``local_cluster``, ``Config``,
 samplers, errors). This module holds what those are made of, for code that assembles its own
 deployment or inspects the services' state:
 
-* :class:`ControllerCore`: the controller's pure state machine (no loop, no socket, no
+* `ControllerCore`: the controller's pure state machine (no loop, no socket, no
   clock: every transition takes ``now`` and returns its effects);
-* :class:`ControllerState`: the per-partition bookkeeping the core keeps;
-* :class:`ControllerServer` and :class:`StorageServer`: the two services, each a thin shell
-  around its state, served on an event loop; :func:`serve_controller` and
-  :func:`serve_storage` run them as ``tq-async serve`` does;
-* :class:`ColumnHeader`: how a column travels (name, kind, dtype, shape);
-* :func:`transfer_collector`: ``tq_transfer_fallbacks_total{reason}``, the NIXL transfers of
+* `ControllerState`: the per-partition bookkeeping the core keeps;
+* `ControllerServer` and `StorageServer`: the two services, each a thin shell
+  around its state, served on an event loop; `serve_controller` and
+  `serve_storage` run them as ``tq-async serve`` does;
+* `ColumnHeader`: how a column travels (name, kind, dtype, shape);
+* `transfer_collector`: ``tq_transfer_fallbacks_total{reason}``, the NIXL transfers of
   this process's clients that fell back to the socket (register it in a Prometheus registry).
 
 These names are stable within a minor version, like the rest of the public API, but they

@@ -1,12 +1,12 @@
 """Run a tq_async cluster as Ray actors, and attach to it from other Ray jobs.
 
 Ray only *places and supervises* the services; it never carries data. Each actor runs the same
-server code as :func:`~tq_async.local_cluster` (a
-:class:`~tq_async.lowlevel.ControllerServer` or a :class:`~tq_async.lowlevel.StorageServer`) in
+server code as `local_cluster` (a
+`ControllerServer` or a `StorageServer`) in
 the actor's asyncio event loop, bound to a ZMQ endpoint on its node. Clients anywhere — the
 driver, Ray tasks, Ray actors, plain processes — connect to the returned address with
-:class:`~tq_async.AsyncClient` or :class:`~tq_async.Client`, and tensors go straight from the
-client's socket to the unit's, never through the object store::
+`AsyncClient` or `Client`, and tensors go straight from the
+client's socket to the unit's, never through the object store:
 
     import ray
     import tq_async as tq
@@ -87,7 +87,7 @@ class _ServiceActor:
         return self._started, self._stop
 
     async def run(self, role: str, host: str | None, options: dict[str, Any]) -> None:
-        """Serve ``role`` (``"controller"`` or ``"storage"``) until :meth:`stop`."""
+        """Serve ``role`` (``"controller"`` or ``"storage"``) until `stop`."""
         started, stop = self._events()
         node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call,unused-ignore]
         bind = f"tcp://{host or node_ip}:0"
@@ -121,19 +121,19 @@ class _ServiceActor:
         return self._unit_id, self._address
 
     async def stop(self) -> None:
-        """End :meth:`run` (the service closes its socket)."""
+        """End `run` (the service closes its socket)."""
         self._events()[1].set()
 
     async def set_description(self, description: dict[str, Any]) -> None:
-        """Record what :func:`attach` returns (the controller actor holds it)."""
+        """Record what `attach` returns (the controller actor holds it)."""
         self._description = description
 
     async def describe(self) -> dict[str, Any]:
-        """What :meth:`set_description` recorded."""
+        """What `set_description` recorded."""
         return self._description
 
     async def get_config(self) -> dict[str, Any]:
-        """TransferQueue's name for :meth:`describe` (its ``"address"`` is what
+        """TransferQueue's name for `describe` (its ``"address"`` is what
         ``tq_async.compat.StreamingDataset(config=...)`` reads)."""
         return self._description
 
@@ -143,7 +143,7 @@ _RemoteService = ray.remote(_ServiceActor)
 
 @dataclass(frozen=True)
 class RayCluster:
-    """A tq_async cluster running as Ray actors (from :func:`launch` or :func:`attach`).
+    """A tq_async cluster running as Ray actors (from `launch` or `attach`).
 
     It holds only names and addresses, so it pickles and can be passed to Ray tasks (though
     passing ``cluster.address``, a string, is all a client needs).
@@ -164,7 +164,7 @@ class RayCluster:
     def shutdown(self, *, timeout: float = 30.0) -> None:
         """Stop and kill this cluster's actors (and no others); data in it is lost.
 
-        Any handle can do it, including one from :func:`attach`. Calling it again, or after
+        Any handle can do it, including one from `attach`. Calling it again, or after
         the actors are gone, does nothing.
 
         Args:
@@ -319,14 +319,14 @@ def launch(
     """Start a controller and ``num_storage_units`` storage units as named Ray actors.
 
     The controller goes to the first selected node and unit ``i`` to node ``i % len(nodes)``
-    (see :func:`select_nodes`). Each service binds a free port on its node's IP
+    (see `select_nodes`). Each service binds a free port on its node's IP
     (``ray.util.get_node_ip_address()``) and units register with the controller, exactly as
     ``tq-async serve storage`` does. Blocks until every service serves.
 
     Args:
         num_storage_units: how many storage units.
         name: the controller actor's name (units are ``f"{name}.unit{i}"``); unique per
-            namespace. Other jobs :func:`attach` by it.
+            namespace. Other jobs `attach` by it.
         namespace: the Ray namespace of the actors.
         placement: where the services go: ``None``/``"spread"`` (round-robin over alive
             nodes), a list of node ids, or ``{"resources": {"tq_storage": 1}}`` (nodes that
@@ -338,12 +338,12 @@ def launch(
         host: the interface to bind instead of the node IP, e.g. ``"127.0.0.1"`` on a single
             node (``"0.0.0.0"`` binds every interface and publishes the node IP).
         detached: let the actors outlive this driver (``lifetime="detached"``); then some job
-            must call :meth:`RayCluster.shutdown`. Otherwise they die with this driver.
+            must call `RayCluster.shutdown`. Otherwise they die with this driver.
         num_cpus: CPUs each actor reserves in Ray's scheduler (0: they never keep training
             tasks from being scheduled).
         actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``).
         timeout: seconds to wait for all services to serve.
-        config: the deployment as a :class:`~tq_async.Config` (the same one
+        config: the deployment as a `Config` (the same one
             ``local_cluster(config=...)`` and ``tq-async serve --config`` take): storage
             units, samplers (built in the controller's actor, so their factories must be
             importable there), admission, capacity, pickle, leases, auto-clear and CURVE key
@@ -352,7 +352,7 @@ def launch(
             ``host``, ``bind`` and ``metrics_on`` do not apply (each actor binds its node).
 
     Returns:
-        A :class:`RayCluster`; connect clients to its ``address``.
+        A `RayCluster`; connect clients to its ``address``.
 
     Raises:
         InvalidRequestError: Ray is not initialised, no node matches ``placement``, or
@@ -498,15 +498,15 @@ def _describe(cluster: RayCluster) -> dict[str, Any]:
 def attach(
     name: str = "tq_async", namespace: str = "tq_async", *, timeout: float = 30.0
 ) -> RayCluster:
-    """Find a cluster that :func:`launch` started (possibly in another Ray job).
+    """Find a cluster that `launch` started (possibly in another Ray job).
 
     Args:
-        name: the ``name`` given to :func:`launch`.
-        namespace: the ``namespace`` given to :func:`launch`.
+        name: the ``name`` given to `launch`.
+        namespace: the ``namespace`` given to `launch`.
         timeout: seconds to wait for the controller actor to answer.
 
     Returns:
-        A :class:`RayCluster` whose ``address`` clients connect to.
+        A `RayCluster` whose ``address`` clients connect to.
 
     Raises:
         InvalidRequestError: no such cluster (or Ray is not initialised).

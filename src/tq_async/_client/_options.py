@@ -10,10 +10,10 @@ __all__ = ["ClientOptions"]
 
 
 class ClientOptions(TypedDict, total=False):
-    """The connection options :class:`~tq_async.AsyncClient` and :class:`~tq_async.Client`
+    """The connection options `AsyncClient` and `Client`
     take (``connect(address, **options)``), each optional; the client's docstring gives
     each one's meaning and default. Typing a dict of options with it lets a type checker
-    check them where they are built::
+    check them where they are built:
 
         options: tq.ClientOptions = {"request_timeout": 5.0, "same_host": False}
         with tq.Client.connect(address, **options) as client: ...

@@ -1,11 +1,11 @@
 """The controller's get path: get_meta, its waiting, its answer, and a Cancel of it.
 
-The core decides a request in one call (:meth:`~tq_async._core._transitions.ControllerCore.decide`:
+The core decides a request in one call (`decide`:
 it runs plain samplers and decides the batches a ``get_batches`` asks for ahead) and collects
 its effects, applied here once. This part awaits an ``async`` sampler's answer in a task and
-hands it back (:meth:`~tq_async._core._transitions.ControllerCore.resume`), parks a request
-that must wait in the :class:`~tq_async._service._parking.ParkingLot` under
-``(partition, task)`` until a :class:`~tq_async._core._state.Wakeup` concerns it, sends the
+hands it back (`resume`), parks a request
+that must wait in the `ParkingLot` under
+``(partition, task)`` until a `Wakeup` concerns it, sends the
 cells of a small ``get`` from units of this process along, and warns about a request that
 waits on something that will not come (a misspelled field or partition, a partition nobody
 seals).
@@ -42,7 +42,7 @@ log = get_logger(__name__)
 
 
 class GetPath:
-    """The get_meta handlers of :class:`~tq_async._controller._server.ControllerServer`.
+    """The get_meta handlers of `ControllerServer`.
 
     Args:
         shell: the controller's plumbing.
@@ -376,7 +376,7 @@ def _progress(state: ControllerState, req: GetMeta) -> tuple[Any, ...]:
 
 
 def _undo_of(req: GetMeta, reply: MetaReply) -> tuple[Any, ...]:
-    """The arguments of :meth:`ControllerCore.release` that undo a fetch's answer.
+    """The arguments of `ControllerCore.release` that undo a fetch's answer.
 
     Only atomic values (the rows as a tuple, not the reply's list): the garbage collector
     stops tracking such a tuple, and 16,384 remembered fetches tracked cost the control

@@ -1,8 +1,8 @@
 """The controller's put handlers: place rows, wait for room, store small puts directly.
 
-A put is two requests, :class:`PutBegin` (place the rows under a put lease) and
-:class:`PutCommit` (make the cells visible), with :class:`RenewPut` keeping the lease while
-the columns travel to the units. A small put is one :class:`PutInline`: with room and a unit
+A put is two requests, `PutBegin` (place the rows under a put lease) and
+`PutCommit` (make the cells visible), with `RenewPut` keeping the lease while
+the columns travel to the units. A small put is one `PutInline`: with room and a unit
 in this process it is placed, stored, committed and answered in the reader callback;
 otherwise a task waits for room and/or forwards the columns to the unit.
 """
@@ -32,7 +32,7 @@ __all__ = ["PutPath"]
 
 
 class PutPath:
-    """The put handlers of :class:`~tq_async._controller._server.ControllerServer`."""
+    """The put handlers of `ControllerServer`."""
 
     def __init__(self, shell: Shell, links: UnitLinks) -> None:
         self.shell = shell
@@ -92,7 +92,7 @@ class PutPath:
         return self.core.catalog.room_for(partition_id, n_new, nowait)
 
     def on_put_inline(self, msg: Incoming, body: PutInline) -> Any:
-        """A :class:`PutInline`.
+        """A `PutInline`.
 
         With room and a unit in this process, everything happens here: place, store, commit,
         reply. Otherwise a task waits for room and/or forwards the columns to the unit.

@@ -1,8 +1,8 @@
 """The controller's read-only requests: answers computed from the state, nothing changes.
 
-Each function takes the :class:`~tq_async._core._transitions.ControllerCore` and a request body and
+Each function takes the `ControllerCore` and a request body and
 returns
-the reply's payload; :data:`QUERIES` maps request types to them.
+the reply's payload; `QUERIES` maps request types to them.
 """
 
 from __future__ import annotations

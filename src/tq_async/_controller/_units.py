@@ -1,9 +1,9 @@
 """The controller's links to its storage units.
 
-:class:`UnitLinks` registers the units (giving each its id), keeps one connection to each,
+`UnitLinks` registers the units (giving each its id), keeps one connection to each,
 watches their liveness (a unit that goes silent is suspended, one whose process is gone is
 lost) and tells them to free rows. What a unit's coming and going does to the rows is decided
-by the core (:class:`~tq_async._core._liveness.UnitLiveness`); this part does the I/O.
+by the core (`UnitLiveness`); this part does the I/O.
 """
 
 from __future__ import annotations

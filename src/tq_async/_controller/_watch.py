@@ -1,18 +1,18 @@
 """The controller's event log and its watchers: what answers ``client.watch()``.
 
-The core's transitions record events (:mod:`tq_async._core._events`); the shell's
-``_apply`` hands them to :meth:`WatchHub.drain`, which numbers them into an
-:class:`EventLog`, a bounded ring (the newest ``history`` events), and answers the parked
+The core's transitions record events (`tq_async._core._events`); the shell's
+``_apply`` hands them to `WatchHub.drain`, which numbers them into an
+`EventLog`, a bounded ring (the newest ``history`` events), and answers the parked
 watchers once the loop finished its current pass (the events of every request handled in
 that pass travel together).
 
-A watcher long-polls: each :class:`~tq_async._wire._protocol.WatchNext` asks for the events
+A watcher long-polls: each `WatchNext` asks for the events
 after ``since``; the controller answers at once when some match, else parks the request (an
-entry in :attr:`WatchHub.parked` and a timer: no task) until they do or ``poll`` seconds pass
+entry in `WatchHub.parked` and a timer: no task) until they do or ``poll`` seconds pass
 (an empty batch: ask again). Nothing is pushed, so a slow watcher costs the controller
 nothing: the ring overwrites, and a watcher that fell behind it (or more than its
 ``max_lag``), or that counts in another controller incarnation, gets one
-:class:`~tq_async._wire._events.Resync` with a snapshot instead of the missing events. A
+`Resync` with a snapshot instead of the missing events. A
 cancelled watch (the client's ``Cancel``) leaves nothing behind. Replies skip the retry
 cache: a retried ``WatchNext`` is simply answered again.
 """
@@ -72,7 +72,7 @@ class EventLog:
 class WatchHub:
     """The event log of a controller shell and the answers to its ``WatchNext`` requests.
 
-    ``shell`` is the :class:`~tq_async._controller._shell.Shell` (untyped: it
+    ``shell`` is the `Shell` (untyped: it
     imports this module).
     """
 

@@ -1,9 +1,9 @@
 """Rollout admission and stale-row accounting: a pure part of the controller's core.
 
-:class:`Admission` decides whether a rollout may start (``acquire_rollout``: the staleness
-bound and the capacity of :class:`~tq_async._core._effects.AdmissionConfig`), gives slots back as
+`Admission` decides whether a rollout may start (``acquire_rollout``: the staleness
+bound and the capacity of `AdmissionConfig`), gives slots back as
 the learner consumes rows or rows are cleared unconsumed, and counts stale rows once for the
-status and the metrics. No loop, no clock: :class:`~tq_async._core._transitions.ControllerCore`
+status and the metrics. No loop, no clock: `ControllerCore`
 calls it.
 """
 

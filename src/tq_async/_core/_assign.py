@@ -5,8 +5,8 @@ balances them its own way (equal rows, equal tokens, whole prompt groups). Any p
 the shares keeps that balance, so the controller then hands the shares to the ranks so that
 the rows each rank finds on its own host are as many as possible: an assignment problem on
 ``dp_size x dp_size`` (weight of share ``s`` for rank ``r``: rows of ``s`` held by units on
-``r``'s host), solved exactly by the Hungarian algorithm (:func:`assign`; O(n^3): up to
-:data:`EXACT_UP_TO` ranks, about 15 ms at 64; beyond, greedily, heaviest pairs first). The
+``r``'s host), solved exactly by the Hungarian algorithm (`assign`; O(n^3): up to
+`EXACT_UP_TO` ranks, about 15 ms at 64; beyond, greedily, heaviest pairs first). The
 sampler's own
 order is kept whenever it is already optimal (on one host, or without known hosts, nothing
 moves). The weights are rows, not bytes: the controller knows where each row lives, not its

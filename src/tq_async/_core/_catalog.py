@@ -2,7 +2,7 @@
 
 The transitions that change a partition's description but deliver nothing: sealing,
 registering auto-clear tasks, tags, the capacity decision of a put (``room_for``), checkpoint
-restores and handing out recycled rows. :class:`~tq_async._core._transitions.ControllerCore`
+restores and handing out recycled rows. `ControllerCore`
 composes it
 as ``core.catalog``; the controller's shell calls these and only reads the state itself, so
 the property test (``tests/test_core_properties.py``) drives every state change without a
@@ -40,7 +40,7 @@ class Catalog:
     def seal(self, partition_id: str, *, create: bool = False) -> Effects:
         """No more new rows in ``partition_id``: drained readers get end-of-stream.
 
-        A partition that does not exist raises :class:`PartitionNotFound` (a misspelled id
+        A partition that does not exist raises `PartitionNotFound` (a misspelled id
         would otherwise be created sealed while the real one stays open); ``create=True``
         creates it sealed and empty. (What sealing an unknown partition does is decided
         here, and only here.)
@@ -136,7 +136,7 @@ class Catalog:
         """Make staged partitions live, and load the samplers' state.
 
         Args:
-            partition_ids: partitions staged by :meth:`restore_begin`.
+            partition_ids: partitions staged by `restore_begin`.
             sampler_state: ``{"default": ..., "task:<name>": ...}`` from the checkpoint.
             samplers: ``(default sampler, {task: sampler})``.
         """

@@ -1,10 +1,10 @@
 """The records the controller's pure core takes and returns: its configuration and effects.
 
-:class:`Effects` is what a transition of :class:`~tq_async._core._transitions.ControllerCore` (or
+`Effects` is what a transition of `ControllerCore` (or
 of the
-parts it composes, :mod:`tq_async._core._admission` and :mod:`tq_async._core._liveness`) leaves the
+parts it composes, `tq_async._core._admission` and `tq_async._core._liveness`) leaves the
 I/O
-shell to do; :class:`AdmissionConfig` and :class:`Deadlines` configure them.
+shell to do; `AdmissionConfig` and `Deadlines` configure them.
 """
 
 from __future__ import annotations

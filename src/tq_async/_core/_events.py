@@ -1,10 +1,10 @@
-"""The events the core's transitions record, for ``watch`` (see :mod:`tq_async._wire._events`).
+"""The events the core's transitions record, for ``watch`` (see `tq_async._wire._events`).
 
-An :class:`Outbox` lives on the :class:`~tq_async._core._state.ControllerState`; a transition
+An `Outbox` lives on the `ControllerState`; a transition
 that changes what a watcher can see records an event right after the change, and the shell
-takes them (:meth:`Outbox.take`) when it applies the transition's effects, numbers them and
+takes them (`Outbox.take`) when it applies the transition's effects, numbers them and
 hands them to the watchers. Nothing is recorded until the first watch starts
-(:meth:`Outbox.start`): a controller nobody watches builds no events.
+(`Outbox.start`): a controller nobody watches builds no events.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Outbox:
         return items
 
     def add(self, event: Event) -> None:
-        """Record ``event`` (built by the caller only when :attr:`on`)."""
+        """Record ``event`` (built by the caller only when `on`)."""
         if self.on:
             self.items.append(event)
 
@@ -112,7 +112,7 @@ def _keys(keys: Sequence[str] | None) -> list[str] | None:
 
 
 def partition_snapshot(p: Any) -> PartitionSnapshot:
-    """A :class:`~tq_async._core._state.Partition`'s live rows, fields, consumption, keys
+    """A `Partition`'s live rows, fields, consumption, keys
     and open leases (``p`` untyped: the state module imports this one)."""
     alive = p.alive
     rows = [r for r in range(p.n_rows) if alive[r]]

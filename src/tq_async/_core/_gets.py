@@ -1,17 +1,17 @@
 """The get path, decided in one place: what a get_meta (and the batches it asks for ahead)
 comes to.
 
-:meth:`Gets.decide` takes a request and returns what it comes to — a reply (with the batches
+`Gets.decide` takes a request and returns what it comes to — a reply (with the batches
 ``GetMeta.also`` asks for that can be decided now in ``reply.more``), None (wait for a
-wake-up), or an ``async`` sampler's started call (:class:`~tq_async._core._sampling.Awaiting`)
-for the shell to await and hand to :meth:`Gets.resume` — and collects every effect of the
-request in one :class:`~tq_async._core._effects.Effects`, applied once by the shell. Plain
+wake-up), or an ``async`` sampler's started call (`Awaiting`)
+for the shell to await and hand to `Gets.resume` — and collects every effect of the
+request in one `Effects`, applied once by the shell. Plain
 samplers are run here; a batch below the asked one (``record_from``) is decided first.
 
-The steps, each usable alone (``tests/test_core.py`` drives them one by one): :meth:`Gets.look`
+The steps, each usable alone (``tests/test_core.py`` drives them one by one): `Gets.look`
 says which sampler call a request needs (or the recorded batch it re-reads), and
-:meth:`Gets.sampled` applies a sampler's answer: consumption, stale rows, the tail of a global
-batch, recorded batches and their leases (:mod:`tq_async._core._leases`), auto-clear and
+`Gets.sampled` applies a sampler's answer: consumption, stale rows, the tail of a global
+batch, recorded batches and their leases (`tq_async._core._leases`), auto-clear and
 admission follow-ups.
 """
 
@@ -106,7 +106,7 @@ class Gets:
     def decide(self, req: GetMeta, now: float, fx: Effects, *, ahead: bool = True) -> Outcome:
         """What ``req`` comes to now; its effects go to ``fx`` (also when it raises: the shell
         applies them either way). ``req.ack`` is not applied here (see
-        :meth:`~tq_async._core._transitions.ControllerCore.decide`); with ``ahead``, a reply
+        `decide`); with ``ahead``, a reply
         carries the batches ``req.also`` asks for that can be decided now."""
         return self._settle(req, self.look(req, now), now, fx, ahead)
 
@@ -275,7 +275,7 @@ class Gets:
         shell samples again.
 
         The answer for a batch below the asked one (``record_from``) records that batch and
-        comes to what :meth:`look` says next: the next such batch's sampler call, or the
+        comes to what `look` says next: the next such batch's sampler call, or the
         asked batch's; its end of stream is the asked batch's too.
         """
         earlier = call.earlier
@@ -380,7 +380,7 @@ class Gets:
 
     def _by_host(self, req: GetMeta, p: Partition, shares: list[list[int]]) -> list[list[int]]:
         """The shares handed to the ranks that find most of them on their own host (see
-        :mod:`tq_async._core._assign`; the sampler's order when nothing is gained, or with
+        `tq_async._core._assign`; the sampler's order when nothing is gained, or with
         ``placement = "round_robin"``: locality off)."""
         if self.state.placer.mode == "round_robin":
             return shares

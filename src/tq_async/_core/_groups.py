@@ -1,7 +1,7 @@
 """Prompt groups by tag: which live rows of a partition share a value of a grouping tag.
 
 A GRPO group is the rows put under one ``uid``; two prompts that reuse a ``uid`` would be
-mixed into one group and train on wrong advantages. :class:`TagGroups` keeps, per grouping tag,
+mixed into one group and train on wrong advantages. `TagGroups` keeps, per grouping tag,
 ``value -> live rows`` (built by one scan of the partition's tags on first use, then kept up to
 date on every tag change and clear), so a put, ``set_tags`` or ``kv_put`` is checked against
 the whole partition in ``O(rows it touches)``, and a sampler finds a group's rows in ``O(1)``.
@@ -64,8 +64,8 @@ class TagGroups:
             _unindex(index, current, tag, row)
 
     def check(self, partition_id: str, rows: Sequence[int], tags: Sequence[Tags | None]) -> None:
-        """Raise :class:`InvalidRequestError` if merging ``tags`` into ``rows`` gives a value of
-        a grouping tag (:attr:`limits`) more live rows than one prompt group holds.
+        """Raise `InvalidRequestError` if merging ``tags`` into ``rows`` gives a value of
+        a grouping tag (`limits`) more live rows than one prompt group holds.
 
         ``O(len(rows))``: the rows per value are an index kept up to date. Changes nothing.
         """

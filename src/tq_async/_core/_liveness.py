@@ -3,7 +3,7 @@
 A unit that goes silent is *suspended* (its rows are neither handed out nor lost, end-of-stream
 waits for them, new puts avoid it); it resumes when it comes back with its data, and is
 *lost* when its process is confirmed gone or after ``Deadlines.unit_lost_after``. No loop,
-no clock: :class:`~tq_async._core._transitions.ControllerCore` calls it with ``now`` and arms its
+no clock: `ControllerCore` calls it with ``now`` and arms its
 deadline.
 """
 
@@ -27,7 +27,7 @@ class UnitLiveness:
     Args:
         state: the controller's state.
         lost_after: seconds a suspended unit has to come back.
-        arm: ``arm(deadline, "unit", unit)`` schedules :meth:`on_deadline`.
+        arm: ``arm(deadline, "unit", unit)`` schedules `on_deadline`.
     """
 
     def __init__(
@@ -44,7 +44,7 @@ class UnitLiveness:
         """A unit missed its liveness deadline: suspend it (rows neither handed out nor lost).
 
         End-of-stream waits for its rows and new puts avoid it. It resumes with
-        :meth:`unit_up`; :meth:`unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
+        `unit_up`; `unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
         """
         st = self.state
         if unit in st.dead_units or unit in st.suspended or unit not in st.units:

@@ -5,9 +5,9 @@ slice on one unit; a GRPO group, put together by its producer, stays together to
 
 - ``"round_robin"``: the live units in turn, put after put (the order of every release before
   locality); it also turns off handing a global batch's shares to ranks by host
-  (:mod:`tq_async._core._assign`).
+  (`tq_async._core._assign`).
 - ``"local"``: a unit on the producer's host when there is one, the least-loaded of them;
-  otherwise, or when that host's units hold more than :data:`SPILL_RATIO` times the mean
+  otherwise, or when that host's units hold more than `SPILL_RATIO` times the mean
   load of all live units (a host's load is its units' mean) *and* more than the mean plus
   the put's own rows (so that a few puts from one host while the cluster is nearly empty do
   not spill), the least-loaded unit of another host. Load is what the controller knows

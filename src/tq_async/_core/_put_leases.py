@@ -1,10 +1,10 @@
 """Put leases: a pure part of the controller's core.
 
-A put places rows first (:meth:`PutLeases.begin`) and makes their cells visible later
-(:meth:`PutLeases.commit`). Meanwhile the new rows are reserved under a *put lease*, renewed
-by the producer while its columns travel (:meth:`PutLeases.renew`). When a lease lapses (a
+A put places rows first (`PutLeases.begin`) and makes their cells visible later
+(`PutLeases.commit`). Meanwhile the new rows are reserved under a *put lease*, renewed
+by the producer while its columns travel (`PutLeases.renew`). When a lease lapses (a
 dead producer) the rows are reclaimed, never visible. No loop, no clock:
-:class:`~tq_async._core._transitions.ControllerCore` calls it with ``now`` and arms its deadlines.
+`ControllerCore` calls it with ``now`` and arms its deadlines.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PutLeases:
         state: the controller's state.
         seconds: the lease (``Deadlines.put_lease``).
         ids: the core's id counter (put ids and lease ids never collide).
-        arm: ``arm(deadline, "put", put_id)`` schedules :meth:`lapse`.
+        arm: ``arm(deadline, "put", put_id)`` schedules `lapse`.
         clear: ``clear(partition, rows)`` drops rows and returns the effects.
     """
 
@@ -71,8 +71,8 @@ class PutLeases:
         host: str = "",
     ) -> tuple[Placement, Effects]:
         """Place a put. New rows are reserved under a put lease (unless ``lease`` is False:
-        a put the controller completes itself) until :meth:`commit`. ``host``: the producer's
-        host id (new rows prefer a unit there; see :mod:`tq_async._core._placement`)."""
+        a put the controller completes itself) until `commit`. ``host``: the producer's
+        host id (new rows prefer a unit there; see `tq_async._core._placement`)."""
         before = self.state.partitions.get(partition_id)
         first_new = before.n_rows if before is not None else 0
         got, units, wakeups = self.state.put_begin(partition_id, headers, n_rows, rows, keys, host)

@@ -1,10 +1,10 @@
 """Ready sets: per ``(task, fields)``, the rows a task can be given now, in readiness order.
 
-A ready set (:class:`ReadySet`, array-backed :class:`ReadyRows`) is built once on first use
-(one numpy scan, :func:`ready_mask`) and then kept up to date by its
-:class:`~tq_async._core._state.Partition` on every commit, consume, release and clear, so
+A ready set (`ReadySet`, array-backed `ReadyRows`) is built once on first use
+(one numpy scan, `ready_mask`) and then kept up to date by its
+`Partition` on every commit, consume, release and clear, so
 sampling never rescans the partition. Samplers see it through a read-only
-:class:`ReadyView`.
+`ReadyView`.
 """
 
 from __future__ import annotations
@@ -177,14 +177,14 @@ class ReadySet:
         """Remove a row (if ready).
 
         Dead slots are compacted away once they outnumber live rows (inside
-        :class:`ReadyRows`): otherwise a sequential sampler's first-k read would skip every
+        `ReadyRows`): otherwise a sequential sampler's first-k read would skip every
         consumed slot (measured 5-6x slower get_meta once half of a 1M-row partition was
         consumed). Amortised O(1).
         """
         self.rows.pop(row, 0)
 
     def discard_all(self, rows: Sequence[int]) -> None:
-        """Remove every row of ``rows`` that is ready (see :meth:`discard`)."""
+        """Remove every row of ``rows`` that is ready (see `discard`)."""
         pop = self.rows.pop
         for r in rows:
             pop(r, 0)

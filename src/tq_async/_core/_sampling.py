@@ -1,10 +1,10 @@
 """Running a sampler: the call the core hands out, and the checks of a sampler's answer.
 
 A sampler may be ``async def``, so running it is an effect: the core decides *what* to ask
-(:class:`SampleCall`: the ready rows, the batch size, the context) and runs a plain sampler
-itself; an ``async`` sampler's call comes back to the shell as :class:`Awaiting`, to be
-awaited and fed back. The helpers here check what a sampler answered (:func:`check_result`,
-:func:`check_shares`) and cut a global batch into DP shares (:func:`split_even`).
+(`SampleCall`: the ready rows, the batch size, the context) and runs a plain sampler
+itself; an ``async`` sampler's call comes back to the shell as `Awaiting`, to be
+awaited and fed back. The helpers here check what a sampler answered (`check_result`,
+`check_shares`) and cut a global batch into DP shares (`split_even`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-#: what a final global batch that cannot be split evenly does (see :class:`SampleCall`)
+#: what a final global batch that cannot be split evenly does (see `SampleCall`)
 TAILS = ("uneven", "drop", "error")
 
 
@@ -42,8 +42,8 @@ TAILS = ("uneven", "drop", "error")
 class SampleCall:
     """An effect: run the sampler on these ready rows, then feed the answer back.
 
-    ``dp_size`` is set for a global batch (:meth:`BaseSampler.sample_shares`, or
-    :meth:`BaseSampler.sample` for ``batch_size * dp_size`` rows).
+    ``dp_size`` is set for a global batch (`BaseSampler.sample_shares`, or
+    `BaseSampler.sample` for ``batch_size * dp_size`` rows).
     """
 
     partition: Partition
@@ -65,7 +65,7 @@ class SampleCall:
         """Call the sampler: its answer, or an awaitable of it.
 
         An exception the sampler raises (``ValueError``, ...) reaches the caller as
-        :class:`InvalidRequestError` naming the sampler, without a server traceback.
+        `InvalidRequestError` naming the sampler, without a server traceback.
         """
         try:
             result = self._call()
@@ -97,8 +97,8 @@ Decision = MetaReply | SampleCall | None
 
 @dataclass(slots=True, eq=False)
 class Awaiting:
-    """An ``async`` sampler's call, started: the shell awaits :attr:`answer` and hands it to
-    :meth:`~tq_async._core._transitions.ControllerCore.resume`."""
+    """An ``async`` sampler's call, started: the shell awaits `answer` and hands it to
+    `resume`."""
 
     call: SampleCall
     answer: Awaitable[Any]
@@ -121,7 +121,7 @@ def accepted_kwargs(sampler: Any) -> frozenset[str] | None:
 
 def group_limits(samplers: Sequence[BaseSampler]) -> dict[str, int]:
     """Tag -> the most rows of a partition one value may have: the prompt groups of the
-    samplers (:attr:`BaseSampler.group_tag`; a put never overfills one). Several samplers
+    samplers (`BaseSampler.group_tag`; a put never overfills one). Several samplers
     grouping by one tag: the largest ``n``, so that no sampler's groups are refused."""
     limits: dict[str, int] = {}
     for smp in samplers:
@@ -134,7 +134,7 @@ def group_limits(samplers: Sequence[BaseSampler]) -> dict[str, int]:
 
 def too_few(sampler: Any, req: GetMeta, ready: int, dp_size: int | None) -> bool:
     """Whether a sampler is not asked yet (the partition not final): as in TransferQueue, one
-    without :attr:`~BaseSampler.short_ready_ok` is called only once the request's rows are
+    without `short_ready_ok` is called only once the request's rows are
     ready (``batch_size * dp_size`` for a global batch) or it holds this rank's answer already
     (``has_cached_result``)."""
     if getattr(sampler, "short_ready_ok", False) or ready >= req.batch_size * (dp_size or 1):

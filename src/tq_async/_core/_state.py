@@ -1,9 +1,9 @@
 """The controller's state machine: partitions, production, consumption, readiness.
 
 Plain classes, no event loop, no sockets: every method is synchronous and either changes the
-state or answers from it. The async controller (:mod:`tq_async._controller._server`) owns one
-:class:`ControllerState`, runs samplers, and wakes waiters for the
-:class:`Wakeup` events the state hands back.
+state or answers from it. The async controller (`tq_async._controller._server`) owns one
+`ControllerState`, runs samplers, and wakes waiters for the
+`Wakeup` events the state hands back.
 
 Layout of one partition (``n`` rows allocated so far, ids ``0..n-1``, never reused):
 
@@ -14,7 +14,7 @@ Layout of one partition (``n`` rows allocated so far, ids ``0..n-1``, never reus
   (the storage unit that holds the row's cells; placement is recorded, never recomputed).
 
 The arrays grow geometrically (``bytearray``/``array`` amortised appends). A per-(task, fields)
-**ready set** (:mod:`tq_async._core._ready`: rows in the order they became ready) is built
+**ready set** (`tq_async._core._ready`: rows in the order they became ready) is built
 once on first use (one numpy scan) and then kept up to date on every commit, consume, release
 and clear, so sampling never rescans the partition.
 """
@@ -141,11 +141,11 @@ class Partition:
         self.field_versions: dict[str, array[int]] = {}
         self.row_version = array("q")
         #: storage units whose rows are not handed out now (suspended: neither ready nor
-        #: lost); shared with the owning :class:`ControllerState`
+        #: lost); shared with the owning `ControllerState`
         self.unavailable: set[int] = set()
         #: where row changes are recorded for watchers: the owning state's (see _events)
         self.events = _NO_EVENTS
-        # ---- leases (maintained by :class:`~tq_async._core._leases.GetLeases`) ----
+        # ---- leases (maintained by `GetLeases`) ----
         self.leases: dict[int, Lease] = {}
         #: leases with a deadline per task: end-of-stream waits while any is open
         self.open_leases: dict[str, int] = {}
@@ -167,7 +167,7 @@ class Partition:
     # ---- schema and allocation ---------------------------------------------------------------
 
     def check_schema(self, headers: Sequence[ColumnHeader]) -> None:
-        """Raise :class:`SchemaError` if a column contradicts its field's schema."""
+        """Raise `SchemaError` if a column contradicts its field's schema."""
         seen: set[str] = set()
         for h in headers:
             if h.name in seen:
@@ -209,12 +209,12 @@ class Partition:
         return range(first, first + n)
 
     def check_incarnation(self, incarnation: str | None) -> None:
-        """Raise :class:`RowsNotFound` if ``incarnation`` (from a BatchMeta) is another one."""
+        """Raise `RowsNotFound` if ``incarnation`` (from a BatchMeta) is another one."""
         if incarnation is not None and incarnation != self.incarnation:
             raise RowsNotFound(stale_incarnation(self.partition_id))
 
     def check_rows(self, rows: Sequence[int]) -> None:
-        """Raise :class:`RowsNotFound` unless every row exists and is alive."""
+        """Raise `RowsNotFound` unless every row exists and is alive."""
         n, alive = self.n_rows, self.alive
         for r in rows:
             if not (0 <= r < n and alive[r]):
@@ -448,7 +448,7 @@ class Partition:
     # ---- keys (KV API) -----------------------------------------------------------------------
 
     def rows_for_keys(self, keys: Sequence[str]) -> list[int]:
-        """The row of each key; raise :class:`KeyNotFound` naming every missing key."""
+        """The row of each key; raise `KeyNotFound` naming every missing key."""
         missing = [k for k in keys if k not in self.keys]
         if missing:
             raise KeyNotFound(
@@ -497,7 +497,7 @@ class Partition:
 
     @classmethod
     def restore(cls, dump: PartitionDump, units: Sequence[int]) -> Partition:
-        """Rebuild a partition from :meth:`dump`, its rows placed on ``units`` (one per row)."""
+        """Rebuild a partition from `dump`, its rows placed on ``units`` (one per row)."""
         n = dump.n_rows
         arrays = [dump.alive, dump.origin, dump.tags, dump.row_keys, units]
         arrays += [f.produced for f in dump.fields] + list(dump.consumed.values())
@@ -548,7 +548,7 @@ class ControllerState:
 
     Placement: all new rows of one put go to one unit, so a batch read back as it was
     written is one contiguous zero-copy slice on one unit; which unit is decided by
-    :class:`~tq_async._core._placement.Placer` (on the producer's host when it can).
+    `Placer` (on the producer's host when it can).
     """
 
     def __init__(self, units: Mapping[int, str] | None = None) -> None:
@@ -670,7 +670,7 @@ class ControllerState:
     def seal(self, partition_id: str, *, create: bool = False) -> list[Wakeup]:
         """No more new rows in ``partition_id``.
 
-        A partition that does not exist raises :class:`PartitionNotFound` (a misspelled id
+        A partition that does not exist raises `PartitionNotFound` (a misspelled id
         would otherwise be created sealed while the real one stays open); ``create=True``
         creates it empty and sealed.
         """
@@ -705,7 +705,7 @@ class ControllerState:
 
     def pick_unit(self, host: str = "", n_rows: int = 0) -> int:
         """The unit for a put of ``n_rows`` new rows from a producer on ``host`` (see
-        :class:`~tq_async._core._placement.Placer`)."""
+        `Placer`)."""
         if not self.units:
             raise InvalidRequestError(
                 "the controller has no storage units; start at least one (local_cluster "

@@ -1,15 +1,15 @@
-"""The controller's transitions: a pure state machine over :class:`ControllerState`.
+"""The controller's transitions: a pure state machine over `ControllerState`.
 
 No event loop, no sockets, no clock. Every transition takes the request (and ``now``, seconds
 on any monotonic clock) and returns what the I/O shell still has to do, as
-:class:`Effects`: waiters to wake, rows to free on storage units, capacity and admission
+`Effects`: waiters to wake, rows to free on storage units, capacity and admission
 slots freed. Deadlines (leases, put leases, suspended units) live in one heap here; the
-shell arms a single timer for :meth:`ControllerCore.next_deadline` and calls
-:meth:`ControllerCore.advance` when it fires. A get_meta is decided in one call,
-:meth:`ControllerCore.decide` (:mod:`tq_async._core._gets`): it runs plain samplers, looks
+shell arms a single timer for `ControllerCore.next_deadline` and calls
+`ControllerCore.advance` when it fires. A get_meta is decided in one call,
+`ControllerCore.decide` (`tq_async._core._gets`): it runs plain samplers, looks
 ahead for ``get_batches``, and returns a reply, a wait, or an ``async`` sampler's started call
-(:class:`~tq_async._core._sampling.Awaiting`) that the shell awaits and hands to
-:meth:`ControllerCore.resume`. This is the shape of httpcore's connection pool: pure code
+(`Awaiting`) that the shell awaits and hands to
+`ControllerCore.resume`. This is the shape of httpcore's connection pool: pure code
 changes state and hands back the I/O left to do, so each guarantee is tested without a loop
 (``tests/test_core.py``).
 
@@ -78,7 +78,7 @@ class ControllerCore:
         sampler: the default sampler.
         task_samplers: samplers for particular tasks.
         admission: bounds for ``acquire_rollout``.
-        deadlines: put-lease and unit-liveness deadlines (:class:`Deadlines`).
+        deadlines: put-lease and unit-liveness deadlines (`Deadlines`).
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class ControllerCore:
     # ---- deadlines ---------------------------------------------------------------------------
 
     def next_deadline(self) -> float | None:
-        """When :meth:`advance` has something to do next (None: nothing is pending)."""
+        """When `advance` has something to do next (None: nothing is pending)."""
         timers = self._timers
         while timers and not self._live(*timers[0]):
             heapq.heappop(timers)  # acknowledged, committed, renewed or resumed meanwhile
@@ -160,7 +160,7 @@ class ControllerCore:
     def get_meta(self, req: GetMeta, now: float) -> tuple[Decision, Effects]:
         """Start a get_meta: a reply, a sampler call to run, or None (wait for a wake-up).
 
-        ``req.ack`` is applied first. Raises :class:`InvalidRequestError` for a request
+        ``req.ack`` is applied first. Raises `InvalidRequestError` for a request
         that can never be served as asked.
         """
         fx = self.ack(req.ack, now) if req.ack else Effects()
@@ -173,7 +173,7 @@ class ControllerCore:
     def sampled(
         self, req: GetMeta, call: SampleCall, result: Any, now: float, *, strict: bool = True
     ) -> tuple[Decision, Effects]:
-        """Apply a sampler's answer: a reply, or None (see :meth:`Gets.sampled`)."""
+        """Apply a sampler's answer: a reply, or None (see `Gets.sampled`)."""
         return self.gets.sampled(req, call, result, now, strict=strict)
 
     def decide(
@@ -182,9 +182,9 @@ class ControllerCore:
         """A get_meta in one call: ``req.ack`` applied first (unless it looks ``again`` after a
         wake-up), plain samplers run, and with ``ahead`` the batches ``req.also`` asks for
         that can be decided now in ``reply.more``. Returns a reply, None (wait for a
-        wake-up) or an ``async`` sampler's call to await and hand to :meth:`resume`.
+        wake-up) or an ``async`` sampler's call to await and hand to `resume`.
 
-        Every effect goes to ``fx``, also when it raises (:class:`InvalidRequestError` for a
+        Every effect goes to ``fx``, also when it raises (`InvalidRequestError` for a
         request that can never be served as asked): apply them either way.
         """
         if req.ack and not again:
@@ -201,18 +201,18 @@ class ControllerCore:
         *,
         ahead: bool = True,
     ) -> Outcome:
-        """Go on with an ``async`` sampler's answer (see :meth:`decide`)."""
+        """Go on with an ``async`` sampler's answer (see `decide`)."""
         return self.gets.resume(req, awaiting, answer, now, fx, ahead=ahead)
 
     # ---- leases (see _leases) ----------------------------------------------------------------
 
     def ack(self, lease_ids: Sequence[int], now: float) -> Effects:
-        """Acknowledge leases and holds (see :meth:`GetLeases.ack`): idempotent."""
+        """Acknowledge leases and holds (see `GetLeases.ack`): idempotent."""
         return self.leases.ack(lease_ids, now)
 
     def cancel(self, req: GetMeta, reply: MetaReply) -> Effects:
         """The caller of ``req`` gave up before it saw ``reply``: undo the answer (see
-        :meth:`release`). A recorded batch keeps its rows for its key; a peek took nothing."""
+        `release`). A recorded batch keeps its rows for its key; a peek took nothing."""
         if req.mode != "fetch" or not reply.rows or record_key(req) is not None:
             return Effects()
         rows, incarnation, lease_id = reply.rows, reply.incarnation, reply.lease_id
@@ -226,7 +226,7 @@ class ControllerCore:
         incarnation: str | None = None,
         lease_id: int = 0,
     ) -> Effects:
-        """A cancelled fetch gives rows back (see :meth:`GetLeases.release`)."""
+        """A cancelled fetch gives rows back (see `GetLeases.release`)."""
         return self.leases.release(partition_id, task, rows, incarnation, lease_id)
 
     # ---- puts (see _put_leases) --------------------------------------------------------------
@@ -243,7 +243,7 @@ class ControllerCore:
         lease: bool = True,
         host: str = "",
     ) -> tuple[Placement, Effects]:
-        """Place a put; new rows wait under a put lease (see :meth:`PutLeases.begin`);
+        """Place a put; new rows wait under a put lease (see `PutLeases.begin`);
         ``host``: the producer's host id (new rows prefer a unit there)."""
         return self.puts.begin(
             partition_id, headers, n_rows, rows, keys, now, lease=lease, host=host
@@ -267,7 +267,7 @@ class ControllerCore:
         put_id: int = 0,
         incarnation: str | None = None,
     ) -> Effects:
-        """Make a put visible (see :meth:`PutLeases.commit`)."""
+        """Make a put visible (see `PutLeases.commit`)."""
         return self.puts.commit(partition_id, rows, fields, tags, versions, put_id, incarnation)
 
     # ---- clearing ----------------------------------------------------------------------------
@@ -338,7 +338,7 @@ class ControllerCore:
     # ---- storage units (see _liveness) -------------------------------------------------------
 
     def unit_down(self, unit: int, now: float) -> Effects:
-        """A unit missed its liveness deadline: suspend it (see :class:`UnitLiveness`)."""
+        """A unit missed its liveness deadline: suspend it (see `UnitLiveness`)."""
         return self.liveness.unit_down(unit, now)
 
     def unit_up(self, unit: int) -> Effects:

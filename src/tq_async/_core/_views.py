@@ -102,7 +102,7 @@ class RowVersions(Mapping[int, int]):
 
 
 class PlacedRows(Rows, Protocol):
-    """What :class:`RowHosts` reads of a partition: the rows and each row's unit."""
+    """What `RowHosts` reads of a partition: the rows and each row's unit."""
 
     @property
     def units(self) -> Sequence[int]: ...

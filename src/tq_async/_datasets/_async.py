@@ -9,7 +9,7 @@ consuming anything. Everything below leans on that:
   when a micro-batch is handed to the caller. A batch that was fetched ahead and never
   delivered (the caller left the ``async with``, was cancelled, or the process died) stays
   recorded; resuming from the position re-reads it by its ``batch_index``.
-* **Replay.** :meth:`AsyncStreamingDataset.reset` goes back to ``batch_index`` 0. The
+* **Replay.** `AsyncStreamingDataset.reset` goes back to ``batch_index`` 0. The
   ``replay_window`` highest batch indexes are kept in memory; older ones are re-read from
   storage by their ``batch_index`` (and are not cached again, so a replay pass never evicts
   what the next pass will find). Memory is bounded by ``replay_window + prefetch + 1``
@@ -33,7 +33,7 @@ consuming anything. Everything below leans on that:
 End of stream is explicit: the controller answers ``end_of_stream`` once the partition is
 sealed and every row has been consumed by the task. With ``stop_when_consumed=True`` the
 dataset also stops when every row the partition holds has been consumed by the task (see
-:class:`AsyncStreamingDataset` for how that is detected without polling for data).
+`AsyncStreamingDataset` for how that is detected without polling for data).
 """
 
 from __future__ import annotations
@@ -74,16 +74,16 @@ __all__ = [
     "default_fetch_batch_fn",
 ]
 
-#: One micro-batch: its data and the :class:`BatchMeta` of exactly the same rows.
+#: One micro-batch: its data and the `BatchMeta` of exactly the same rows.
 MicroBatch: TypeAlias = tuple[TensorDict, BatchMeta]
 
 #: ``async fetch_batch_fn(*, client, data_fields, batch_size, partition_id, task_name,
 #: sampling_config, batch_index, timeout) -> (TensorDict | None, BatchMeta)``; see
-#: :func:`default_fetch_batch_fn`.
+#: `default_fetch_batch_fn`.
 FetchBatchFn: TypeAlias = Callable[..., Awaitable[tuple[TensorDictBase | None, BatchMeta]]]
 
 #: ``process_batch_fn(td, meta, *, micro_batch_size) -> list[(TensorDict, BatchMeta)]``; see
-#: :func:`chunk_batch_fn`.
+#: `chunk_batch_fn`.
 ProcessBatchFn: TypeAlias = Callable[..., Sequence[MicroBatch]]
 
 #: 0 by default: storage keeps every batch, so a replay re-reads it at full speed, while
@@ -107,7 +107,7 @@ async def default_fetch_batch_fn(
     device: Any = None,
     **_: Any,
 ) -> tuple[TensorDict | None, BatchMeta]:
-    """Fetch one batch: :meth:`~tq_async.AsyncClient.get` under ``sampling_config``.
+    """Fetch one batch: `get` under ``sampling_config``.
 
     This is the default ``fetch_batch_fn``. A custom one receives the same keyword arguments
     (accept ``**kwargs`` to ignore those you do not need) and must keep its contract:
@@ -116,14 +116,14 @@ async def default_fetch_batch_fn(
       and ``tail`` when the dataset has them) to ``get`` or ``get_meta`` so the rows
       are recorded under the batch index and can be read again on replay or resume;
     * wait for rows rather than return an empty batch (``get_meta`` waits when ``timeout``
-      is None), and let :class:`~tq_async.TQTimeoutError` escape when ``timeout`` expires;
+      is None), and let `TQTimeoutError` escape when ``timeout`` expires;
     * return a batch of 0 rows that is not the end of the stream (with ``dp_size``, or a
       sampler built for several ranks) as ``(empty TensorDict, meta)``: this rank's share of
       a global batch is empty, and the dataset delivers it so the ranks stay in step;
     * at the end of the stream, return ``(None, meta)`` with ``meta.end_of_stream`` set.
 
     Args:
-        client: the dataset's connected :class:`~tq_async.AsyncClient`.
+        client: the dataset's connected `AsyncClient`.
         data_fields: fields to read.
         batch_size: rows per batch.
         partition_id: the partition to read.
@@ -268,7 +268,7 @@ class _Fetched:
 
 @dataclass(frozen=True)
 class BatchSlice:
-    """The rest of one batch, micro-batches from ``first_micro`` on (:meth:`next_batch`).
+    """The rest of one batch, micro-batches from ``first_micro`` on (`next_batch`).
 
     What the torch adapter's DataLoader workers hand the loader (it pickles: no slots).
     """
@@ -300,7 +300,7 @@ _INLINE_PICKLE_BYTES = 1 << 20
 
 
 def _unpacked_slice(batch_index: int, first_micro: int, buffer: Any, packed: Any) -> BatchSlice:
-    """A :class:`BatchSlice` from what :meth:`BatchSlice.__reduce__` packed."""
+    """A `BatchSlice` from what `BatchSlice.__reduce__` packed."""
     return BatchSlice(batch_index, first_micro, unpack(buffer, packed))
 
 
@@ -404,7 +404,7 @@ def _name(name: str, value: Any) -> str:
 class AsyncStreamingDataset:
     """Micro-batches of one task, streamed from a partition in ``batch_index`` order.
 
-    Use it as an async context manager and iterate inside::
+    Use it as an async context manager and iterate inside:
 
         ds = tq.AsyncStreamingDataset(address, data_fields=["input_ids"], batch_size=64,
                                       micro_batch_size=16, partition_id="train@0",
@@ -435,7 +435,7 @@ class AsyncStreamingDataset:
 
     Args:
         address: the controller's address (the dataset opens and closes its own client), or
-            a connected :class:`~tq_async.AsyncClient` (left open).
+            a connected `AsyncClient` (left open).
         data_fields: fields every row must have; they are read into each micro-batch.
         batch_size: rows per batch (one ``get_meta`` per batch).
         micro_batch_size: rows per micro-batch, passed to ``process_batch_fn``.
@@ -443,16 +443,16 @@ class AsyncStreamingDataset:
         task_name: the consuming task.
         dp_rank: the data-parallel rank; ranks sharing it get the same batches.
         prefetch: batches fetched ahead of the one being delivered (0: fetch on demand).
-        replay_window: batches kept in memory for :meth:`reset` (the highest batch
+        replay_window: batches kept in memory for `reset` (the highest batch
             indexes); older ones are re-read from storage.
         stop_when_consumed: also end the stream once the partition holds at least one row
             and the task has consumed every row it holds (the controller decides, and wakes
             waiting requests when another consumer of the task takes the last row). Without
             it the stream ends only when the partition is sealed and drained.
         sampling_config: extra sampler context; ``dp_rank`` and ``batch_index`` are added.
-        fetch_batch_fn: replaces :func:`default_fetch_batch_fn` (same keyword arguments,
+        fetch_batch_fn: replaces `default_fetch_batch_fn` (same keyword arguments,
             same contract); it may be ``async def``.
-        process_batch_fn: replaces :func:`chunk_batch_fn`:
+        process_batch_fn: replaces `chunk_batch_fn`:
             ``process_batch_fn(td, meta, micro_batch_size=...) -> list[(td, meta)]``. It must
             be deterministic (replay and resume re-run it on the same rows and skip the
             micro-batches already delivered).
@@ -476,8 +476,8 @@ class AsyncStreamingDataset:
 
     Iterating yields ``(TensorDict, BatchMeta)`` micro-batches; iterate from one task at a
     time. Errors of a fetch are raised by the iteration at the position they happened;
-    iterating again retries that batch. :meth:`reset`, :meth:`step` and
-    :meth:`load_state_dict` may be called between or during iterations, from the event
+    iterating again retries that batch. `reset`, `step` and
+    `load_state_dict` may be called between or during iterations, from the event
     loop's thread; a running ``async for`` continues from the new position. Treat delivered
     tensors as read-only: batches in the replay window are handed out again as they are.
 
@@ -561,7 +561,7 @@ class AsyncStreamingDataset:
 
     @property
     def partition_id(self) -> str:
-        """The partition being read (changed by :meth:`step`)."""
+        """The partition being read (changed by `step`)."""
         return self._partition_id
 
     @property
@@ -571,7 +571,7 @@ class AsyncStreamingDataset:
 
     @property
     def micro_batch_index(self) -> int:
-        """Micro-batches of :attr:`batch_index` already delivered."""
+        """Micro-batches of `batch_index` already delivered."""
         return self._next_micro
 
     @property
@@ -625,14 +625,14 @@ class AsyncStreamingDataset:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the position a :meth:`state_dict` recorded.
+        """Resume at the position a `state_dict` recorded.
 
         The batch at ``batch_index`` is re-read by its index (the same rows) and its first
         ``micro_batch_index`` micro-batches are skipped. The replay window is kept when the
         partition is unchanged.
 
         Args:
-            state: what :meth:`state_dict` returned (possibly in another process).
+            state: what `state_dict` returned (possibly in another process).
 
         Raises:
             InvalidRequestError: ``state`` is malformed or was saved for another task,
@@ -710,7 +710,7 @@ class AsyncStreamingDataset:
 
         A batch fetched ahead but not delivered stays recorded under its ``batch_index``; the
         position is where delivery stopped, so the next iteration (or a dataset resumed from
-        :meth:`state_dict`) re-reads it. Cancellation: the same, the undo is not interrupted.
+        `state_dict`) re-reads it. Cancellation: the same, the undo is not interrupted.
         """
         stack, self._stack = self._stack, None
         if stack is None:
@@ -737,7 +737,7 @@ class AsyncStreamingDataset:
 
         Raises:
             StopAsyncIteration: end of stream (sealed and drained, or everything consumed
-                with ``stop_when_consumed``); after :meth:`reset` or :meth:`step`, or once
+                with ``stop_when_consumed``); after `reset` or `step`, or once
                 more rows can arrive, iterating again continues.
             ClosedError: the dataset is not entered with ``async with``.
             TQError: fetching failed (iterating again retries the same batch).
@@ -766,11 +766,11 @@ class AsyncStreamingDataset:
         ``batch_index`` order whatever the number of micro-batches per batch.
 
         With ``wait=False`` a batch that cannot be decided at once is not waited for:
-        :class:`TQTimeoutError`, nothing consumed and the position unchanged (batches below
+        `TQTimeoutError`, nothing consumed and the position unchanged (batches below
         it that it decided stay recorded). With ``ahead=n`` the request that fetches the
         batch also takes up to ``n`` of the following ones that can be decided at once
-        (:meth:`~tq_async.AsyncClient.get_batches`); the next calls deliver them without
-        asking (a move, :meth:`reset` or :meth:`step`, drops them: they stay recorded and
+        (`get_batches`); the next calls deliver them without
+        asking (a move, `reset` or `step`, drops them: they stay recorded and
         are read again by their indexes). Both need ``prefetch=0`` and the default
         ``fetch_batch_fn``.
 
@@ -914,7 +914,7 @@ class AsyncStreamingDataset:
 
     @property
     def _fetches_onto_device(self) -> bool:
-        """Whether a fetch reads onto :attr:`device` itself (device to device from a unit's
+        """Whether a fetch reads onto `device` itself (device to device from a unit's
         device arena): with the default ``fetch_batch_fn`` (a custom one gets the arguments
         it always got) and no replay window (whose batches stay in host memory)."""
         return (

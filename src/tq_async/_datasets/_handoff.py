@@ -6,7 +6,7 @@ connection: half a millisecond and more per tensor on a VM, on both sides. A mic
 jagged fields is two tensors per field (values and offsets), so a verl-shaped batch (6 jagged
 fields, cut into 4 micro-batches: 7 MB) paid for 32 of them: 14 ms to pickle and unpickle one,
 against 5 ms in one buffer (``benchmarks/RESULTS.md``). Here every tensor of a
-:class:`~tq_async._datasets._async.BatchSlice` is copied into one buffer: bytes inside the pickle
+`BatchSlice` is copied into one buffer: bytes inside the pickle
 up to
 ``inline_bytes``, one shared-memory tensor beyond (one descriptor). The loader's side rebuilds
 the micro-batches as views of that buffer (writable; the worker lets go of it once sent; it
@@ -165,7 +165,7 @@ def pack(micro_batches: list[tuple[Any, Any]], inline_bytes: int) -> Packed | No
 
 
 def unpack(buffer: Any, packed: list[tuple[list[int], list[tuple[Any, ...]], Any]]) -> list[Any]:
-    """The micro-batches :func:`pack` described, as views of ``buffer`` (a ``bytearray`` or a
+    """The micro-batches `pack` described, as views of ``buffer`` (a ``bytearray`` or a
     ``uint8`` tensor, this process's own)."""
     flat = _bytes_tensor(buffer) if isinstance(buffer, bytearray) else buffer
 

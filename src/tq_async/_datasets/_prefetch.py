@@ -1,8 +1,8 @@
-"""The prefetcher of :class:`~tq_async.AsyncStreamingDataset`: batches read ahead, in order.
+"""The prefetcher of `AsyncStreamingDataset`: batches read ahead, in order.
 
 One background task (a *producer*), started in the dataset's task group, loads batches
 ``index, index + stride, ...`` into a bounded memory stream; the dataset takes them from the
-other end, one per call to :meth:`Prefetcher.next`. The prefetcher knows no client, partition
+other end, one per call to `Prefetcher.next`. The prefetcher knows no client, partition
 or tensor: it asks its owner where the position is (``position()``) and how to load a batch
 (``load(index, generation)``), so it is tested alone with plain objects
 (``tests/datasets/test_prefetch.py``).
@@ -14,7 +14,7 @@ Invariants:
 * batches come out in index order from the position; an item for another index (a move
   while it was on its way, or a hand-off lost to a cancellation) restarts the producer at
   the position, never delivers out of order;
-* a load that raises is handed over and raised by :meth:`Prefetcher.next` at the position it
+* a load that raises is handed over and raised by `Prefetcher.next` at the position it
   happened; the producer stops, and the next call starts a new one at the same index.
 """
 
@@ -90,7 +90,7 @@ class Prefetcher(Generic[T]):
         """The batch at the owner's position; None at the end of the stream.
 
         Starts a producer in ``tg`` at the position when none runs. If the owner moves while
-        this waits (:meth:`drop`), it carries on from the new position.
+        this waits (`drop`), it carries on from the new position.
 
         Raises:
             Exception: whatever ``load`` raised for the batch at the position (the producer

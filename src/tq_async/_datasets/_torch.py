@@ -1,14 +1,14 @@
 """PyTorch adapter: ``StreamingDataset`` (an ``IterableDataset``) and ``StreamingDataLoader``.
 
-There is one implementation, :class:`~tq_async.AsyncStreamingDataset`; this module drives it
-in the iterating thread itself, over the blocking :class:`~tq_async.Client` (its I/O in the
+There is one implementation, `AsyncStreamingDataset`; this module drives it
+in the iterating thread itself, over the blocking `Client` (its I/O in the
 calling thread): a private event loop, run only while a batch is asked for, hosts the
 dataset, and its client calls block that thread instead of suspending. No portal thread, no
 hand-off: nothing of tq_async runs in the background, so a process that forks (DataLoader
 workers) never forks in the middle of it. A ``StreamingDataset`` stores only its address and
 arguments: the loop, the client and its sockets are created inside whichever process iterates
 it, so it pickles for ``spawn`` workers and is safe to ``fork``. It fetches when asked
-(``prefetch`` applies to :class:`~tq_async.AsyncStreamingDataset`): DataLoader workers run
+(``prefetch`` applies to `AsyncStreamingDataset`): DataLoader workers run
 ahead of the consumer by the loader's ``prefetch_factor``.
 
 Ordering with ``num_workers=W``: worker ``w`` takes batch indexes ``w, w + W, ...`` and yields
@@ -22,7 +22,7 @@ the batch it waited for and its next ones that are ready at once (a worker never
 fill an item), within 1 MiB, since every item costs both processes a queue round trip and
 wake-ups. They come in one request (``next_batch(ahead=)``, ``get_batches``): the controller
 adds to the asked batch those it can decide at once; one that was not ready then is asked for
-again with ``timeout=0``. The :class:`StreamingDataLoader` keeps the batches it
+again with ``timeout=0``. The `StreamingDataLoader` keeps the batches it
 receives ahead of the next ``batch_index`` (at most an item per worker) and yields
 micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
 each fetch asks the controller to decide the lower indexes not decided yet first, in the
@@ -31,8 +31,8 @@ same request (``record_from``).
 State lives in the main process. The loader moves the dataset's position as it hands out each
 micro-batch; workers receive the position when they start (a DataLoader without persistent
 workers starts new ones for every ``iter(loader)``, forked or pickled from the dataset as it
-is at that moment). That is how :meth:`StreamingDataLoader.reset`, :meth:`~StreamingDataLoader.step`
-and :meth:`~StreamingDataLoader.load_state_dict` reach the workers, and why persistent workers
+is at that moment). That is how `StreamingDataLoader.reset`, `step`
+and `load_state_dict` reach the workers, and why persistent workers
 are refused.
 """
 
@@ -77,19 +77,19 @@ def _identity(item: Any) -> Any:
 
 
 class StreamingDataset(IterableDataset[MicroBatch]):
-    """A ``torch.utils.data.IterableDataset`` over :class:`~tq_async.AsyncStreamingDataset`.
+    """A ``torch.utils.data.IterableDataset`` over `AsyncStreamingDataset`.
 
     Iterating it directly yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index``
-    order. Read it through :class:`StreamingDataLoader`, which keeps the order with any number
+    order. Read it through `StreamingDataLoader`, which keeps the order with any number
     of workers and tracks the position; a plain ``DataLoader`` needs ``batch_size=None`` and
     an identity ``collate_fn`` (its default one cannot convert a ``BatchMeta``) and is refused
     with more than one worker.
 
-    The arguments are those of :class:`~tq_async.AsyncStreamingDataset`, except that
+    The arguments are those of `AsyncStreamingDataset`, except that
     ``address`` must be the controller's address (a string): each process that iterates the
     dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run in the
     iterating thread (``fetch_batch_fn`` is awaited and receives the blocking client's
-    :class:`~tq_async.AsyncClient`-shaped view: the same coroutine methods, which do their I/O
+    `AsyncClient`-shaped view: the same coroutine methods, which do their I/O
     without suspending), and must be importable module-level functions when DataLoader
     workers are spawned.
 
@@ -99,7 +99,7 @@ class StreamingDataset(IterableDataset[MicroBatch]):
     With ``dp_size`` every data-parallel rank gets the same number of batches, and a rank
     may get an **empty batch** (0 rows) at the tail: it comes as one micro-batch of 0 rows.
     Run your step anyway so collectives stay in step (see
-    :class:`~tq_async.AsyncStreamingDataset` for ``dp_size`` and ``tail``).
+    `AsyncStreamingDataset` for ``dp_size`` and ``tail``).
 
     ``device`` (e.g. ``"cuda:0"``) delivers tensors on that device, copied in the prefetching
     task; use it without DataLoader workers (CUDA does not survive a fork: with workers, pass
@@ -197,11 +197,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the next micro-batch, as a plain dict (see
-        :meth:`AsyncStreamingDataset.state_dict`)."""
+        `AsyncStreamingDataset.state_dict`)."""
         return dict(self._state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at a position :meth:`state_dict` recorded (takes effect on next iter).
+        """Resume at a position `state_dict` recorded (takes effect on next iter).
 
         Raises:
             InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
@@ -249,12 +249,12 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         return local
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield micro-batches (or, under :class:`StreamingDataLoader`, one item per batch).
+        """Yield micro-batches (or, under `StreamingDataLoader`, one item per batch).
 
         Raises:
             InvalidRequestError: iterated by a plain DataLoader with several workers, in
                 a DataLoader worker with a CUDA ``device``, or on a thread whose event loop is
-                running (async code uses :class:`~tq_async.AsyncStreamingDataset`).
+                running (async code uses `AsyncStreamingDataset`).
         """
         info = get_worker_info()
         device = self._kwargs["device"]
@@ -322,15 +322,15 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
 
 class StreamingDataLoader(DataLoader[MicroBatch]):
-    """A ``torch.utils.data.DataLoader`` for a :class:`StreamingDataset`.
+    """A ``torch.utils.data.DataLoader`` for a `StreamingDataset`.
 
     It yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
     ``num_workers`` (worker ``w`` of ``W`` fetches batches ``w, w + W, ...``), fork or spawn,
-    and forwards :meth:`reset`, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict`
+    and forwards `reset`, `step`, `state_dict` and `load_state_dict`
     to the dataset. The position advances as micro-batches are handed out, so
-    :meth:`state_dict` taken inside the loop resumes right after the last one received.
+    `state_dict` taken inside the loop resumes right after the last one received.
 
-    Calling :meth:`reset`, :meth:`step` or :meth:`load_state_dict` inside the loop makes the
+    Calling `reset`, `step` or `load_state_dict` inside the loop makes the
     running pass continue from the new position (its workers are replaced).
 
     A dataset built with ``dp_size`` gives every data-parallel rank the same number of
@@ -347,7 +347,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             ``prefetch_factor`` attribute, torch's, reads 1).
 
     Raises:
-        InvalidRequestError: ``dataset`` is not a :class:`StreamingDataset`, or an argument
+        InvalidRequestError: ``dataset`` is not a `StreamingDataset`, or an argument
             would break batching or ordering (``batch_size``, ``collate_fn``, ``sampler``,
             ``batch_sampler``, ``shuffle``, ``drop_last``, ``in_order=False``,
             ``persistent_workers=True``).
@@ -399,19 +399,19 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         self._stream = dataset
 
     def reset(self) -> None:
-        """Replay from ``batch_index`` 0 (see :meth:`StreamingDataset.reset`)."""
+        """Replay from ``batch_index`` 0 (see `StreamingDataset.reset`)."""
         self._stream.reset()
 
     def step(self, partition_id: str) -> None:
-        """Move to another partition (see :meth:`StreamingDataset.step`)."""
+        """Move to another partition (see `StreamingDataset.step`)."""
         self._stream.step(partition_id)
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of the next micro-batch (see :meth:`StreamingDataset.state_dict`)."""
+        """The position of the next micro-batch (see `StreamingDataset.state_dict`)."""
         return self._stream.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at a recorded position (see :meth:`StreamingDataset.load_state_dict`)."""
+        """Resume at a recorded position (see `StreamingDataset.load_state_dict`)."""
         self._stream.load_state_dict(state)
 
     def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
@@ -419,7 +419,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
         Raises:
             InvalidRequestError: iterated on a thread whose event loop is running (it would
-                block that loop): async code uses :class:`~tq_async.AsyncStreamingDataset`.
+                block that loop): async code uses `AsyncStreamingDataset`.
         """
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
@@ -524,7 +524,7 @@ def _slices(got: Any) -> list[BatchSlice]:
 
 
 class _AsyncFace:
-    """An :class:`~tq_async.AsyncClient`-shaped view of a blocking :class:`~tq_async.Client`:
+    """An `AsyncClient`-shaped view of a blocking `Client`:
     each coroutine method makes the blocking call (it never suspends). The dataset (and a
     ``fetch_batch_fn``) awaits it as it would the async client."""
 
@@ -547,12 +547,12 @@ class _AsyncFace:
 
 
 class _InThread:
-    """Hosts an :class:`AsyncStreamingDataset` (entered with ``async with``) on a private
-    event loop of the calling thread; :meth:`call` runs a coroutine there and returns its
-    result. The loop runs only inside :meth:`call`: between batches nothing runs.
+    """Hosts an `AsyncStreamingDataset` (entered with ``async with``) on a private
+    event loop of the calling thread; `call` runs a coroutine there and returns its
+    result. The loop runs only inside `call`: between batches nothing runs.
 
     The host task enters the dataset (its task group lives in that task) and waits until
-    :meth:`close`; each call runs as a task of its own (``prefetch=0``: the dataset starts
+    `close`; each call runs as a task of its own (``prefetch=0``: the dataset starts
     no task of its own), so a call costs one task, not a hand-off to the host and back."""
 
     def __init__(self, ads: AsyncStreamingDataset) -> None:

@@ -1,15 +1,15 @@
 """``background_cluster``: an embedded cluster for synchronous programs.
 
-:func:`~tq_async.local_cluster` runs the services as tasks of the caller's event loop, which a
+`local_cluster` runs the services as tasks of the caller's event loop, which a
 plain script, a torchrun rank or TransferQueue-style code (``tq.init()``) does not have. A
-:class:`BackgroundCluster` runs the same services on their own event loop in a daemon thread::
+`BackgroundCluster` runs the same services on their own event loop in a daemon thread:
 
     with tq.background_cluster(num_storage_units=2) as cluster:
         with tq.Client.connect(cluster.address) as client:
             client.put(td, partition_id="train@0")
 
 Other processes of the host connect to ``cluster.address`` too. Starting blocks until every
-service is bound (a bind error is raised in the caller); :meth:`BackgroundCluster.close` stops
+service is bound (a bind error is raised in the caller); `BackgroundCluster.close` stops
 the services and waits for the thread, at most ``close_timeout`` seconds.
 """
 
@@ -39,14 +39,14 @@ _Started = tuple[BlockingPortal, anyio.Event, LocalCluster]
 
 
 class BackgroundCluster:
-    """A :func:`~tq_async.local_cluster` running on its own event loop in a daemon thread.
+    """A `local_cluster` running on its own event loop in a daemon thread.
 
-    Create it with :func:`background_cluster`. Use it as a context manager, or call
-    :meth:`close` (idempotent; also run at interpreter exit).
+    Create it with `background_cluster`. Use it as a context manager, or call
+    `close` (idempotent; also run at interpreter exit).
 
     Attributes:
         address: the controller's endpoint; pass it to ``Client.connect`` or to processes.
-        cluster: the running :class:`~tq_async.LocalCluster` (its services live on the
+        cluster: the running `LocalCluster` (its services live on the
             background loop: inspect, do not call).
     """
 
@@ -98,7 +98,7 @@ class BackgroundCluster:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` was called."""
+        """True once `close` was called."""
         return self._closed
 
     def close(self) -> None:
@@ -147,19 +147,19 @@ def _single(exc: BaseException) -> BaseException:
 
 
 def background_cluster(**kwargs: Any) -> BackgroundCluster:
-    """Start a :func:`~tq_async.local_cluster` on a background thread, for synchronous code.
+    """Start a `local_cluster` on a background thread, for synchronous code.
 
-    Takes exactly the keyword arguments of :func:`~tq_async.local_cluster`
+    Takes exactly the keyword arguments of `local_cluster`
     (``num_storage_units``, ``sampler``, ``task_samplers``, ``capacity``, ...). Returns once
     every service is bound.
 
-    Example::
+    Example:
 
         with tq.background_cluster(num_storage_units=2) as cluster:
             with tq.Client.connect(cluster.address) as client: ...
 
     Returns:
-        A running :class:`BackgroundCluster`.
+        A running `BackgroundCluster`.
 
     Raises:
         BrokenError: an address could not be bound.

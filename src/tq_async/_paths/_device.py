@@ -9,7 +9,7 @@ travels. The cells stay owned by the unit, as shared-memory cells are, so the gu
 not change: a producer that exits after its put takes nothing with it, and a dead unit is
 a dead unit whatever memory its cells were in.
 
-Rules (the shared-memory ones of :mod:`tq_async._paths._shm`, for device memory):
+Rules (the shared-memory ones of `tq_async._paths._shm`, for device memory):
 
 * **Only the unit allocates.** One ``cuMemAlloc`` of ``gpu_cap`` bytes when the unit
   starts; the driver frees it with the unit's process (and every client's mapping of it
@@ -25,7 +25,7 @@ Rules (the shared-memory ones of :mod:`tq_async._paths._shm`, for device memory)
   is dropped: what a read returns is memory of the reader's own.
 
 The services never import torch: the unit talks to the CUDA driver (``libcuda``) through
-:mod:`ctypes`. The device work sits behind :class:`DeviceMemory`; :class:`HostMemory`
+`ctypes`. The device work sits behind `DeviceMemory`; `HostMemory`
 stands for it in tests without a GPU (``TQ_ASYNC_GPU_EMULATE=1`` in a unit's environment:
 the "device" arena is then host memory that clients map; for tests only).
 """
@@ -284,7 +284,7 @@ class HostMemory:
 
 
 class DeviceArena:
-    """The unit's device arena: one :class:`DeviceMemory` and a first-fit allocator.
+    """The unit's device arena: one `DeviceMemory` and a first-fit allocator.
 
     The first ``PAGE`` bytes hold the token clients verify. Regions are freed with their
     last reference (chunks, grants, read pins), as the shared-memory arena's are.
@@ -334,7 +334,7 @@ class DeviceArena:
 
 def open_device_arena(ordinal: int, cap: int) -> DeviceArena:
     """A device arena of ``cap`` bytes on GPU ``ordinal`` (host memory when the environment
-    says :data:`EMULATE_ENV`).
+    says `EMULATE_ENV`).
 
     Raises:
         DeviceError: no CUDA driver, no such GPU, or not enough device memory.

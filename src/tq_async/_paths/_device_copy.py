@@ -12,9 +12,9 @@ Lifetime rules: the caller's CUDA tensors must not be modified until ``put`` ret
 copies read them); tensors delivered on a device are allocated on the caller's current stream
 and complete before they are returned, so using them on that stream needs no synchronisation.
 
-The device work sits behind a small seam, :class:`Copier` (one per device), so that the
+The device work sits behind a small seam, `Copier` (one per device), so that the
 logic around it — which values move, jagged tensors and lists of tensors, mixed devices,
-rebuilding the batch — runs in tests without a GPU (:class:`HostCopier`).
+rebuilding the batch — runs in tests without a GPU (`HostCopier`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ _streams: dict[torch.device, Any] = {}
 
 
 class HostCopier:
-    """A :class:`Copier` between host tensors (tests run the device logic through it)."""
+    """A `Copier` between host tensors (tests run the device logic through it)."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
@@ -123,7 +123,7 @@ def on_device(t: torch.Tensor) -> bool:
     return t.device.type not in ("cpu", "meta")
 
 
-#: the seam: the copier for a device (tests give a :class:`HostCopier`)
+#: the seam: the copier for a device (tests give a `HostCopier`)
 make_copier: Callable[[torch.device], Copier] = _cuda_copier
 
 
@@ -151,7 +151,7 @@ async def to_device(td: TensorDict, device: torch.device | None) -> TensorDict:
 
 
 def to_device_now(td: TensorDict, device: torch.device | None) -> TensorDict:
-    """:func:`to_device` in the calling thread (the blocking client's)."""
+    """`to_device` in the calling thread (the blocking client's)."""
     if device is None or (device.type == "cpu" and make_copier is _cuda_copier):
         return td  # read columns are host memory of our own already (tests swap the copier)
     keys = [str(k) for k in td.keys()]  # noqa: SIM118 - a TensorDict's keys
@@ -213,7 +213,7 @@ def _device_of(value: Any) -> torch.device | None:
     return None
 
 
-#: which values a put leaves where they are (see :func:`to_host`)
+#: which values a put leaves where they are (see `to_host`)
 Keep = Callable[[Any], bool] | None
 
 
@@ -252,7 +252,7 @@ async def to_host(
 def to_host_now(
     data: TensorDictBase | Mapping[str, Any], keep: Keep = None
 ) -> TensorDictBase | Mapping[str, Any]:
-    """:func:`to_host` in the calling thread (the blocking client's)."""
+    """`to_host` in the calling thread (the blocking client's)."""
     items = _host_items(data, keep)
     if items is None:
         return data

@@ -5,10 +5,10 @@ between hosts travels through ZMQ as before (one warning per process says so).
 
 How it works (see ``docs/deployment.md``, "Data paths"):
 
-* **A unit registers its arena once.** The shared-memory arena of :mod:`tq_async._paths._shm` is
+* **A unit registers its arena once.** The shared-memory arena of `tq_async._paths._shm` is
 also
   what remote clients write into and read from. The unit creates its NIXL agent and registers
-  the whole arena on the first :class:`~tq_async._wire._protocol.NixlHello`, never per request, and
+  the whole arena on the first `NixlHello`, never per request, and
   keeps every page of it resident from then on: RDMA registrations pin pages, and a page given
   back to the OS (``MADV_REMOVE``) under a live registration would no longer be the one the
   network card writes.
@@ -17,7 +17,7 @@ also
   into it, then sends the ``StorePut`` naming the spans, exactly as a same-host client does
   with shared memory. A read asks for the cells as arena spans (pinned) and READs them.
 * **A bounded pool of registered client buffers.** Registration is costly, so a client process
-  has one agent and at most :data:`STAGING_SLOTS` buffers of :data:`STAGING_BYTES`, registered
+  has one agent and at most `STAGING_SLOTS` buffers of `STAGING_BYTES`, registered
   once each; a transfer larger than a buffer goes through it window by window. Bytes are
   copied between the caller's tensors and a staging buffer (a put copies; a read returns
   memory of the caller's own, as every other path does).
@@ -130,7 +130,7 @@ UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 
 
 def _ucx_defaults() -> None:
-    """Apply :data:`UCX_DEFAULTS` unless the environment sets any of them (then it decides)."""
+    """Apply `UCX_DEFAULTS` unless the environment sets any of them (then it decides)."""
     if not any(key in os.environ for key in UCX_DEFAULTS):
         os.environ.update(UCX_DEFAULTS)
 
@@ -295,8 +295,8 @@ class ClientAgent:
 
     Args:
         nixl: the loaded module.
-        slot_bytes: bytes of one staging buffer (default :data:`STAGING_BYTES`).
-        slots: most staging buffers (default :data:`STAGING_SLOTS`).
+        slot_bytes: bytes of one staging buffer (default `STAGING_BYTES`).
+        slots: most staging buffers (default `STAGING_SLOTS`).
     """
 
     def __init__(self, nixl: Any, slot_bytes: int | None = None, slots: int | None = None):
@@ -404,7 +404,7 @@ class ClientAgent:
         self, peer: str, remote_base: int, frames: Sequence[Any], deadline: float
     ) -> list[tuple[int, int]]:
         """Copy ``frames`` into the remote region at ``remote_base`` (aligned one after the
-        other, as :meth:`tq_async._paths._shm.ArenaMap.write` lays them out); their spans."""
+        other, as `tq_async._paths._shm.ArenaMap.write` lays them out); their spans."""
         views = [np.frombuffer(memoryview(f).cast("B"), dtype=np.uint8) for f in frames]
         spans: list[tuple[int, int]] = []
         pos = 0

@@ -5,7 +5,7 @@ at 4.4-4.9 GB/s as zmq frames over ``ipc://`` (two kernel copies and two I/O thr
 9-12 GB/s when the sender copies it once into memory the receiver owns and only a 50-byte
 message travels. So a client on the unit's host writes a put's column bytes once into the
 unit's **arena**, and copies a read's bytes once out of it into its own recycled buffers
-(:mod:`tq_async._wire._buffers`). Ownership stays what a socket gives: a put copies, a read
+(`tq_async._wire._buffers`). Ownership stays what a socket gives: a put copies, a read
 returns memory of your own.
 
 Rules (see ``docs/deployment.md``):

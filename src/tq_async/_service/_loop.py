@@ -1,13 +1,13 @@
 """The request loop both services share: decode, validate, dispatch by type, answer.
 
 A service (the controller, a storage unit) is a table of handlers, one small method per
-message type, built once. :meth:`Service.on_message` is the only place that decodes a
+message type, built once. `Service.on_message` is the only place that decodes a
 request, maps an exception to an error reply, and records the request's metrics. A handler
-returns the payload of its ``ok`` reply, a :class:`WithFrames` when data frames travel with
-it, or one of two markers: :data:`SENT` (it answered, or the message is one-way) and
-:data:`DEFERRED` (a task it started will answer and record the metrics).
+returns the payload of its ``ok`` reply, a `WithFrames` when data frames travel with
+it, or one of two markers: `SENT` (it answered, or the message is one-way) and
+`DEFERRED` (a task it started will answer and record the metrics).
 
-Which errors are the caller's fault is decided once (:data:`~tq_async._errors.CALLERS_FAULT`):
+Which errors are the caller's fault is decided once (`CALLERS_FAULT`):
 those are answered quietly; anything else is answered too, and logged with its traceback.
 """
 
@@ -59,7 +59,7 @@ Handler = Callable[[Incoming, Any], Any]
 
 
 class Service:
-    """The shared request loop; subclasses fill :attr:`handlers` and may override the hooks.
+    """The shared request loop; subclasses fill `handlers` and may override the hooks.
 
     Attributes:
         name: what the log calls this service (``"controller"``, ``"storage"``).

@@ -1,7 +1,7 @@
 """Prometheus metrics, opt-in, on a registry the application passes in.
 
 Nothing is registered at import time and the global registry is never touched: a service
-records metrics only when it was given a :class:`prometheus_client.CollectorRegistry`. Names
+records metrics only when it was given a `prometheus_client.CollectorRegistry`. Names
 follow the Prometheus naming guide (``_total`` only on counters, base units); partition ids are
 never label values (unbounded), task names and op names are.
 
@@ -32,7 +32,7 @@ tq_storage_locality_bytes_total    counter unit, direction (in | out), locality 
 tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
 tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
                                            transfers that went over the socket instead
-                                           (:func:`transfer_collector`)
+                                           (`transfer_collector`)
 =================================  ======  ===============================================
 """
 
@@ -242,7 +242,7 @@ def controller_collector(state: ControllerState, waiting: Callable[[], int]) -> 
 
 
 class UnitGauges(Protocol):
-    """What :func:`storage_collector` reads of a storage unit's state (``StorageState``)."""
+    """What `storage_collector` reads of a storage unit's state (``StorageState``)."""
 
     @property
     def resident_bytes(self) -> int: ...

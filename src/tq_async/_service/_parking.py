@@ -5,8 +5,8 @@ what it waits for (``(partition, task)`` for a get_meta, ``"room"`` for a put at
 capacity, ``"admission"`` for a rollout), and whoever changes that thing unparks the key. A
 parked task costs one future; nothing polls. Cancelling a parked task leaves nothing behind.
 
-To never miss a wake-up between looking and parking, take a :meth:`ParkingLot.ticket` before
-looking and await it after; or use :meth:`ParkingLot.until` for a plain condition.
+To never miss a wake-up between looking and parking, take a `ParkingLot.ticket` before
+looking and await it after; or use `ParkingLot.until` for a plain condition.
 """
 
 from __future__ import annotations

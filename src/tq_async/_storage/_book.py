@@ -3,10 +3,10 @@
 A unit lends regions of its shared-memory arena (and of its device arena) to its clients: a
 *grant* is a region a client writes one put into (the put consumes it), a *pin* the regions a
 read's reply points into (held until the client has copied them out and frees the pin).
-:class:`Book` records who holds what, and decides what goes back when a client frees its
+`Book` records who holds what, and decides what goes back when a client frees its
 grants and pins, exits (its pid is watched), or -- a NIXL client, which no pid tells about --
 stays silent past the claims' ttl. Each of those steps returns the regions to release
-(:class:`Released`); the unit releases them into its arenas. Nothing here touches an arena,
+(`Released`); the unit releases them into its arenas. Nothing here touches an arena,
 a socket or an event loop: like httpcore's pool (decide in ``_assign_requests_to_connections``,
 then do the I/O), the book decides and the server's parts act.
 """
@@ -59,7 +59,7 @@ class Book:
 
     Args:
         data_path: what the unit offers besides the socket (see
-            :class:`~tq_async._storage._server.StorageServer`); a unit whose NIXL agent
+            `StorageServer`); a unit whose NIXL agent
             fails to start offers ``"shm"`` from then on.
         claims: when NIXL clients' grants and pins were given (a new one by default).
 

@@ -6,8 +6,8 @@ message's frames (no copy, no re-serialisation). An index maps ``(partition, fie
 copy); other selections are gathered once into one buffer. A chunk is freed when its last row
 is cleared or overwritten.
 
-A put through the unit's shared-memory arena (:mod:`tq_async._paths._shm`) stores views of an
-arena region (freed with the last chunk); :meth:`StorageState.read_shm` answers a read with
+A put through the unit's shared-memory arena (`tq_async._paths._shm`) stores views of an
+arena region (freed with the last chunk); `StorageState.read_shm` answers a read with
 arena spans instead of frames. Bytes that leave through a socket are copied out of the arena
 first, since a region may be reused as soon as its rows are gone.
 """
@@ -99,7 +99,7 @@ class StorageState:
         #: random per process: the controller tells a resumed unit from a restarted one
         self.instance = secrets.token_hex(8)
         self.arena = arena
-        #: the unit's device arena, if any (see :mod:`tq_async._paths._device`; set by the server)
+        #: the unit's device arena, if any (see `tq_async._paths._device`; set by the server)
         self.device: DeviceArena | None = None
         #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
         self.nixl: UnitNixl | None = None
@@ -124,7 +124,7 @@ class StorageState:
             self._retired.popitem(last=False)
 
     def _check_incarnation(self, partition_id: str, incarnation: str | None) -> None:
-        """Raise :class:`RowsNotFound` when ``incarnation`` is not the one held."""
+        """Raise `RowsNotFound` when ``incarnation`` is not the one held."""
         if incarnation is None:
             return
         held = self._incarnation.get(partition_id)
@@ -347,7 +347,7 @@ class StorageState:
         max_bytes: int | None = None,
         incarnation: str | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
-        """:meth:`get`, as it travels: the reply's header and the columns' frames."""
+        """`get`, as it travels: the reply's header and the columns' frames."""
         headers, columns = self.get(
             partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
         )
@@ -370,13 +370,13 @@ class StorageState:
         *,
         device_ok: bool = False,
     ) -> tuple[StoredColumns, list[Region], list[Region]] | None:
-        """:meth:`get` as arena spans: views of regions where the cells already are, the
+        """`get` as arena spans: views of regions where the cells already are, the
         rest copied into a new region. Returns the reply, the regions to pin (each holding
         one more reference) and the device arena regions to pin (likewise), or None when
         the arena has no room (read by socket).
 
         With ``device_ok``, fields whose cells are in the device arena stay there: the reply
-        lists their spans in it (:attr:`StoredColumns.device_spans`), and they have no
+        lists their spans in it (`StoredColumns.device_spans`), and they have no
         frames.
         """
         arena = self.arena

@@ -1,12 +1,12 @@
 """A storage unit's device path: its device arena and the requests that use it.
 
 A client on the unit's host that puts tensors from a GPU can write them straight into the
-unit's device arena (:mod:`tq_async._paths._device`): after its shared-memory hello it says
-:class:`DeviceHello`, asks for a device grant (:class:`ShmAlloc` with ``device``), copies its
-columns device to device, and sends a :class:`StorePut` naming spans of the grant. Reads of
+unit's device arena (`tq_async._paths._device`): after its shared-memory hello it says
+`DeviceHello`, asks for a device grant (`ShmAlloc` with ``device``), copies its
+columns device to device, and sends a `StorePut` naming spans of the grant. Reads of
 those cells by such a client are answered with device spans, pinned with the read's
-shared-memory pin. The book (:class:`~tq_async._storage._book.Book`) keeps the grants and
-pins; :class:`DevicePath` does the arena's side.
+shared-memory pin. The book (`Book`) keeps the grants and
+pins; `DevicePath` does the arena's side.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A storage unit's NIXL path: its agent, with the shared-memory arena registered.
 
 Clients on other hosts (or any client, with ``data_path="nixl"``) read and write the unit's
-arena by RDMA through NIXL (:mod:`tq_async._paths._nixl`), with the same grants and pins as
-shared-memory clients (:mod:`tq_async._storage._shm_handlers`); a NIXL client has no pid the
-unit could watch, so its claims expire instead (see :class:`~tq_async._paths._nixl.Claims`).
+arena by RDMA through NIXL (`tq_async._paths._nixl`), with the same grants and pins as
+shared-memory clients (`tq_async._storage._shm_handlers`); a NIXL client has no pid the
+unit could watch, so its claims expire instead (see `Claims`).
 The agent is made once, on a worker thread (it takes ~0.5 s): when serving starts under
-``"nixl"``, or on the first :class:`NixlHello` under ``"auto"``; hellos that come meanwhile
+``"nixl"``, or on the first `NixlHello` under ``"auto"``; hellos that come meanwhile
 wait for it. When NIXL is missing or fails, the unit offers the socket and shared memory only.
 """
 
@@ -67,7 +67,7 @@ class NixlPath:
     async def hello_when_ready(
         self, peer: bytes, body: NixlHello, unit: int
     ) -> NixlHelloReply | None:
-        """:meth:`hello` once the agent is made (the first hello starts making it)."""
+        """`hello` once the agent is made (the first hello starts making it)."""
         await self.start()  # the first hello starts it, the others find it started
         assert self._ready is not None
         await self._ready.wait()

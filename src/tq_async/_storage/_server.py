@@ -2,17 +2,17 @@
 
 A unit is composed of parts, each tested or readable alone:
 
-- :class:`~tq_async._storage._cells.StorageState`: the cells (chunks of put columns and the
+- `StorageState`: the cells (chunks of put columns and the
   index that finds a row's cell), a plain class;
-- :class:`~tq_async._storage._book.Book`: who holds which of the unit's memory (same-host and
+- `Book`: who holds which of the unit's memory (same-host and
   NIXL clients, grants, read pins, NIXL claims), a plain class that decides what goes back;
 - the data paths beside the socket, each with its handlers:
-  :class:`~tq_async._storage._shm_handlers.ShmPath` (the shared-memory arena),
-  :class:`~tq_async._storage._nixl_handlers.NixlPath` (the NIXL agent) and
-  :class:`~tq_async._storage._device_handlers.DevicePath` (the device arena).
+  `ShmPath` (the shared-memory arena),
+  `NixlPath` (the NIXL agent) and
+  `DevicePath` (the device arena).
 
 The server opens and closes them, and dispatches each request (through
-:mod:`tq_async._service._loop`) to the part it concerns.
+`tq_async._service._loop`) to the part it concerns.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class StorageServer(Service):
     synchronous but the first NIXL hellos', which wait for the agent being made on a worker
     thread).
 
-    Its parts: ``state`` (:class:`StorageState`, the cells), ``book`` (:class:`Book`, who
+    Its parts: ``state`` (`StorageState`, the cells), ``book`` (`Book`, who
     holds which memory), ``shm_path``, ``nixl_path`` and ``device_path`` (the data paths
     beside the socket, each with its handlers).
 
@@ -77,7 +77,7 @@ class StorageServer(Service):
         allow_pickle: accept pickled columns.
         metrics: where to count requests and bytes.
         curve: CURVE keys (network transports).
-        shm_cap: bytes of shared memory for clients on this host (see :mod:`tq_async._paths._shm`);
+        shm_cap: bytes of shared memory for clients on this host (see `tq_async._paths._shm`);
             0 turns the shared-memory path off. At the cap, puts go over the socket.
         shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
         data_path: what this unit offers besides the socket: ``"auto"`` (shared memory to
@@ -85,9 +85,9 @@ class StorageServer(Service):
             (NIXL to every client; its arena is the one shared memory would use) or
             ``"zmq"`` (the socket only).
         device_cap: bytes of GPU memory for cells put from GPUs by clients on this host (see
-            :mod:`tq_async._paths._device`; 0: none). Needs shared memory (``shm_cap``) too.
+            `tq_async._paths._device`; 0: none). Needs shared memory (``shm_cap``) too.
         device_index: which GPU (its CUDA index as this process sees it) holds them.
-        host_id: this unit's host id (see :mod:`tq_async._transport._hosts`; None: found
+        host_id: this unit's host id (see `tq_async._transport._hosts`; None: found
             out: ``$TQ_HOST_ID``, the Ray node id, or the machine's).
     """
 
@@ -129,7 +129,7 @@ class StorageServer(Service):
 
     @property
     def host_id(self) -> str:
-        """This unit's host id (see :mod:`tq_async._transport._hosts`)."""
+        """This unit's host id (see `tq_async._transport._hosts`)."""
         return self.state.host
 
     def _moved(self, direction: str, client_host: str, frames: Sequence[Any]) -> None:
@@ -202,7 +202,7 @@ class StorageServer(Service):
         incarnation: str | None = None,
         host: str = "",
     ) -> None:
-        """A :class:`StorePut` from a controller in this process, without a message
+        """A `StorePut` from a controller in this process, without a message
         (``host``: the producer's host id)."""
         t0 = time.perf_counter()
         ok = False
@@ -222,7 +222,7 @@ class StorageServer(Service):
         max_bytes: int,
         host: str = "",
     ) -> tuple[StoredColumns, list[Any]] | None:
-        """A :class:`StoreGet` from a controller in this process, without a message; None
+        """A `StoreGet` from a controller in this process, without a message; None
         when the cells take more than ``max_bytes`` (nothing is copied then). ``host``: the
         reader's host id."""
         t0 = time.perf_counter()

@@ -1,15 +1,15 @@
 """A storage unit's shared-memory path: its arena and the requests that use it.
 
 Clients on the unit's host put and read through the unit's shared-memory arena
-(:mod:`tq_async._paths._shm`): a client says hello with its pid (watched: when the process
-exits, what it held goes back), asks for a grant (:class:`ShmAlloc`), writes its columns into
-the granted region and sends a :class:`StorePut` naming spans of it instead of frames; a read
-(:class:`StoreGet` with ``shm``) is answered with arena spans, pinned until the client frees
-the pin (:class:`ShmFree`). NIXL clients on other hosts use the same arena (registered with
-the unit's agent, :mod:`tq_async._storage._nixl_handlers`) and the same grants and pins.
+(`tq_async._paths._shm`): a client says hello with its pid (watched: when the process
+exits, what it held goes back), asks for a grant (`ShmAlloc`), writes its columns into
+the granted region and sends a `StorePut` naming spans of it instead of frames; a read
+(`StoreGet` with ``shm``) is answered with arena spans, pinned until the client frees
+the pin (`ShmFree`). NIXL clients on other hosts use the same arena (registered with
+the unit's agent, `tq_async._storage._nixl_handlers`) and the same grants and pins.
 
-Who holds which region is decided by the unit's :class:`~tq_async._storage._book.Book`;
-:class:`ShmPath` does the arena's side of it.
+Who holds which region is decided by the unit's `Book`;
+`ShmPath` does the arena's side of it.
 """
 
 from __future__ import annotations

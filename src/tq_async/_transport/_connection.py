@@ -1,20 +1,20 @@
 """The client connection's core, without I/O: what the asynchronous
-:class:`~tq_async._transport._dealer.DealerConnection` and the blocking
-:class:`~tq_async._transport._sync_dealer.BlockingConnection` share.
+`DealerConnection` and the blocking
+`BlockingConnection` share.
 
-A :class:`ConnectionCore` knows the wire and the bookkeeping of one connection and decides;
+A `ConnectionCore` knows the wire and the bookkeeping of one connection and decides;
 the shells around it own the sockets and the waiting (a future on the event loop, ``poll`` in
 the calling thread) and do what it says:
 
 * **framing**: a request is ``[header, *frames]`` with ``header = msgpack([rid, body])``; a
-  reply's header decodes to a :class:`~tq_async._wire._protocol.Reply`;
+  reply's header decodes to a `Reply`;
 * **request ids** and the **table of requests**: the messages in flight (re-sent after a
   reconnect), the requests whose caller waits, the replies that arrived for them, and the
   ``on_abandon`` handlers of requests nobody waits for any more;
 * **liveness**: what a socket monitor event means (connected, a CURVE refusal, a handshake
   dropped, a refused connection attempt), why the connection broke, why a request got no
-  reply, and the :class:`~tq_async.TQError` each of these becomes;
-* the busy poll's **back-off** (:class:`PollBackoff`).
+  reply, and the `TQError` each of these becomes;
+* the busy poll's **back-off** (`PollBackoff`).
 
 Model: httpcore's ``h11``-driven connection (decide in one pure place, then do the I/O).
 """
@@ -63,7 +63,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-#: Seconds a client's request polls a same-host connection for its reply (:class:`PollBackoff`).
+#: Seconds a client's request polls a same-host connection for its reply (`PollBackoff`).
 DEFAULT_BUSY_POLL = 1e-4
 #: the longest poll a client may ask for (longer would only burn CPU: a reply that takes
 #: longer is worth parking for)
@@ -71,7 +71,7 @@ MAX_BUSY_POLL = 0.01
 #: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
-#: the socket monitor events a connection follows (:meth:`ConnectionCore.on_monitor`)
+#: the socket monitor events a connection follows (`ConnectionCore.on_monitor`)
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED
     | zmq.EVENT_DISCONNECTED
@@ -129,7 +129,7 @@ class PollBackoff:
     Polling costs CPU for as long as it lasts, and finds nothing when the service has a
     reason to wait (a get_meta waiting for data): after a poll that caught nothing, the next
     1, 2, 4, ... 64 requests park at once; a caught reply resets that. Services never poll.
-    The shells do the polling (:class:`~tq_async._transport._dealer.BusyPoll`).
+    The shells do the polling (`BusyPoll`).
     """
 
     __slots__ = ("_backoff", "_skip", "budget", "caught_replies", "missed_replies")
@@ -159,7 +159,7 @@ class PollBackoff:
 
     def miss(self) -> None:
         """The poll spent its budget: the next requests park at once, twice as many as
-        after the previous miss (up to :attr:`MAX_SKIP`)."""
+        after the previous miss (up to `MAX_SKIP`)."""
         self.missed_replies += 1
         self._backoff = min(2 * self._backoff or 1, self.MAX_SKIP)
         self._skip = self._backoff
@@ -240,7 +240,7 @@ class ConnectionCore:
 
     def on_message(self, frames: list[Any]) -> int | None:
         """A message from the service: the id of the waiting request its reply is for (kept
-        in :attr:`arrived`), or None (an unreadable message, or a reply nobody waits for,
+        in `arrived`), or None (an unreadable message, or a reply nobody waits for,
         handed to the request's ``on_abandon``)."""
         try:
             reply = reply_decoder.decode(frames[0].buffer)
@@ -433,7 +433,7 @@ class ConnectionState:
 
     @property
     def refused_is_broken(self) -> bool:
-        """A refused connection attempt counts as broken (see :class:`ConnectionCore`)."""
+        """A refused connection attempt counts as broken (see `ConnectionCore`)."""
         return self._core.refused_is_broken
 
     @refused_is_broken.setter
@@ -533,7 +533,7 @@ def process_state(pid: int | None) -> str | None:
 
 
 def check_frames(frames: Sequence[Any], expected: int, what: str) -> None:
-    """Raise :class:`ProtocolError` if a message does not carry ``expected`` data frames."""
+    """Raise `ProtocolError` if a message does not carry ``expected`` data frames."""
     if len(frames) != expected:
         raise ProtocolError(f"{what} carries {len(frames)} data frames, expected {expected}")
 

@@ -1,8 +1,8 @@
 """The client's connection: one DEALER socket per service, any number of requests in flight.
 
-The asynchronous shell around :class:`~tq_async._transport._connection.ConnectionCore` (the
+The asynchronous shell around `ConnectionCore` (the
 framing, request ids, table of requests and liveness it shares with the blocking
-:class:`~tq_async._transport._sync_dealer.BlockingConnection`): each request awaits its own
+`BlockingConnection`): each request awaits its own
 future and replies may come in any order. A request with a deadline that has no reply after
 ``retry_after`` seconds reconnects (same identity) and is sent again: services deduplicate
 retried requests, so nothing runs twice. The connection follows the service's liveness
@@ -63,7 +63,7 @@ class BusyPoll(PollBackoff):
     A request on a same-host connection with nothing else in flight yields to the event loop
     once (other tasks run, and a fast reply is often there already), then reads its socket
     for up to ``budget`` seconds before it parks like any other; the back-off after polls
-    that caught nothing is :class:`~tq_async._transport._connection.PollBackoff`'s.
+    that caught nothing is `PollBackoff`'s.
     """
 
     __slots__ = ()
@@ -92,7 +92,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
 
     Each call awaits its own future; replies may come in any order. With ``busy_poll`` > 0, a
     request over a same-host Unix socket polls for its reply briefly before parking
-    (:class:`BusyPoll`).
+    (`BusyPoll`).
     """
 
     def __init__(
@@ -344,7 +344,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
     async def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed without one; every
         ``retry_after`` seconds without a reply it goes out again
-        (:func:`~tq_async._transport._connection.first_of`)."""
+        (`first_of`)."""
         loop = self._loop
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -410,7 +410,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
                 self._send(self._core.oneway(body))
 
     def send_best_effort(self, body: msgspec.Struct) -> bool:
-        """:meth:`send_oneway` for clean-up that must not replace the caller's outcome (an
+        """`send_oneway` for clean-up that must not replace the caller's outcome (an
         unpin after a read, a Cancel, a renewal): a broken connection is logged, not raised;
         the service frees what the message was about when it notices the client is gone.
 
@@ -427,7 +427,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
     @contextlib.contextmanager
     def transport_errors(self, what: str) -> Iterator[None]:
         """The one place where the transport's own failures (``zmq.ZMQError``, the Unix
-        socket's ``OSError``) become :class:`BrokenError` for every call of the client,
+        socket's ``OSError``) become `BrokenError` for every call of the client,
         requests and one-way messages alike."""
         try:
             yield
@@ -435,11 +435,11 @@ class DealerConnection(ConnectionState, DrainedSocket):
             raise self._broken(what, exc) from exc
 
     def _broken(self, what: str, exc: BaseException) -> BrokenError:
-        """The error of a send the transport refused (see :meth:`transport_errors`)."""
+        """The error of a send the transport refused (see `transport_errors`)."""
         return self._core.broken(what, exc)
 
     def close(self) -> None:
-        """Close the socket; requests still waiting fail with :class:`ClosedError`."""
+        """Close the socket; requests still waiting fail with `ClosedError`."""
         if self._closed:
             return
         self._unwatch()

@@ -1,6 +1,6 @@
 """Addresses and the process's ZMQ context: binding, same-host and loopback checks.
 
-Also :class:`LogThrottle`, which keeps a flood of malformed input from becoming a flood of
+Also `LogThrottle`, which keeps a flood of malformed input from becoming a flood of
 logs.
 """
 

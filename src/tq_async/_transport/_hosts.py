@@ -2,7 +2,7 @@
 
 Every unit and client carries a *host id*, a string equal for the processes of one machine
 and different across machines. The controller prefers placing a producer's rows on a unit of
-its host (see :mod:`tq_async._core._placement`), and units count the bytes they move for
+its host (see `tq_async._core._placement`), and units count the bytes they move for
 clients of their own host and of others. A host id is a preference, never a correctness
 input: an unknown or wrong one only makes data travel further.
 
@@ -43,7 +43,7 @@ LOCALITY_KEYS = ("in_same_host", "in_other_host", "out_same_host", "out_other_ho
 
 def resolve_host_id(explicit: str | None = None) -> str:
     """The host id of this process: ``explicit``, else ``$TQ_HOST_ID``, else the Ray node
-    id (when Ray is imported and connected), else :func:`machine_host_id`."""
+    id (when Ray is imported and connected), else `machine_host_id`."""
     if explicit:
         return explicit
     env = os.environ.get(ENV_HOST_ID)

@@ -4,10 +4,10 @@ PERF_NOTES measured ~46-50k req/s for a plain socket drained from ``loop.add_rea
 12-19k/s for ``zmq.asyncio``'s awaitable ``recv``/``send``: the futures and poller plumbing of
 zmq.asyncio is the cost. So both ends here use plain non-blocking sockets:
 
-* :class:`RouterEndpoint` (services): a ROUTER socket; each incoming message is handed to a
+* `RouterEndpoint` (services): a ROUTER socket; each incoming message is handed to a
   synchronous callback; replies are sent with ``NOBLOCK`` (the send queue is unbounded, so a
   send never blocks the loop).
-* :class:`DealerConnection` (clients): one long-lived DEALER socket per peer, multiplexing any
+* `DealerConnection` (clients): one long-lived DEALER socket per peer, multiplexing any
   number of in-flight requests by request id; each request awaits a plain future.
 
 ZMQ's FD is edge-triggered and a ``send`` may consume the edge of an incoming message, so the
@@ -21,7 +21,7 @@ it (a token) uses it instead: local_cluster measured about twice the get_meta ra
 than over TCP.
 
 **In-process shortcut**: a service endpoint also binds an ``inproc://`` twin for connections
-of its own process (:mod:`tq_async._transport._routes`).
+of its own process (`tq_async._transport._routes`).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class DrainedSocket:
         self._sock.close(linger=0)
 
     def _adopt_socket(self, sock: zmq.Socket[Any]) -> None:
-        """Start reading a replacement socket (after :meth:`_release_socket`)."""
+        """Start reading a replacement socket (after `_release_socket`)."""
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._edge_triggered = _edge_triggered(sock)
@@ -180,7 +180,7 @@ class RouterEndpoint(DrainedSocket):
         if self.address.startswith("tcp://0.0.0.0:"):
             self.address = self.address.replace("0.0.0.0", "127.0.0.1", 1)
         #: an abstract Unix socket twin of a TCP endpoint, for clients on this host
-        #: (see :func:`same_host_ipc`); None for other transports
+        #: (see `same_host_ipc`); None for other transports
         self.ipc_address: str | None = None
         self._unix: UnixListener | None = None
         if self.address.startswith("tcp://") and sys.platform == "linux" and twin:

@@ -1,7 +1,7 @@
 """In-process routes: a service endpoint's ``inproc://`` twin, and private copies of frames.
 
 A service endpoint also binds an ``inproc://`` endpoint and records it under its public
-address; a :class:`~tq_async._transport._dealer.DealerConnection` opened in the same process (same
+address; a `DealerConnection` opened in the same process (same
 ZMQ
 context, no CURVE) connects there instead. No I/O thread, no kernel copies, no cross-thread
 wake-ups: measured on this box, a one-row put after 10 ms idle went from ~0.96 to ~0.6-0.75 ms,
@@ -9,8 +9,8 @@ sequential get_meta from ~4-5k/s to ~10-11k/s and an 8.4 MB put from ~2.4 to ~5 
 (``benchmarks/RESULTS.md``). inproc hands message buffers over by reference, so to keep the
 semantics of a socket (the receiver owns what it got) an in-process connection copies its
 outgoing data frames, and the data frames it receives, into buffers of its own (recycled:
-see :mod:`tq_async._wire._buffers`). inproc has no connection events, so a closing endpoint tells
-its in-process connections itself (:meth:`RouteWatcher.peer_closed`).
+see `tq_async._wire._buffers`). inproc has no connection events, so a closing endpoint tells
+its in-process connections itself (`RouteWatcher.peer_closed`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ async def private_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
 
 
 def copy_frames(frames: Sequence[Any], *, incoming: bool) -> list[Any]:
-    """:func:`private_frames` in the calling thread (the blocking client's)."""
+    """`private_frames` in the calling thread (the blocking client's)."""
     return _copy_in(frames) if incoming else _copy_out(frames)
 
 

@@ -1,6 +1,6 @@
 """Optional CURVE encryption and authentication for every tq_async socket.
 
-Set-up (one keypair for the services of a deployment, one per client identity)::
+Set-up (one keypair for the services of a deployment, one per client identity):
 
     server_public, server_secret = tq.curve_keypair()
     client_public, client_secret = tq.curve_keypair()
@@ -17,7 +17,7 @@ of source control (files readable by the service user only, or a secret store). 
 traffic is still encrypted); otherwise a ZAP handler admits only the listed public keys (one
 handler per process: services of one process share the union of their allow-lists). A
 client with a wrong or missing key never completes the handshake: opening it fails with
-:class:`~tq_async.AuthenticationError` (a :class:`~tq_async.BrokenError`) saying which key
+`AuthenticationError` (a `BrokenError`) saying which key
 to check.
 """
 

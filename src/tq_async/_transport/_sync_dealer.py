@@ -1,11 +1,11 @@
-"""The blocking client's connection: the I/O shell under the generated :class:`tq_async.Client`.
+"""The blocking client's connection: the I/O shell under the generated `tq_async.Client`.
 
-The blocking shell around :class:`~tq_async._transport._connection.ConnectionCore`, which it
-shares with :class:`tq_async._transport._dealer.DealerConnection`: same wire, same semantics
+The blocking shell around `ConnectionCore`, which it
+shares with `tq_async._transport._dealer.DealerConnection`: same wire, same semantics
 (request ids,
 retries that reconnect under the same identity, keep-alive resends of waiting requests,
 ``Cancel`` for an abandoned request, ``on_abandon`` for a reply that came too late, the
-transport's failures as :class:`~tq_async.BrokenError`), but all I/O happens in the calling
+transport's failures as `BrokenError`), but all I/O happens in the calling
 thread: a request sends, then waits in ``poll`` on its socket (and, for ZMQ, the socket's
 monitor) until its reply, a failure or its deadline. No event loop, no thread hand-off: a
 round trip costs the two wake-ups of the wire itself.
@@ -13,12 +13,12 @@ round trip costs the two wake-ups of the wire itself.
 Rules a blocking connection enforces at once (never a hang):
 
 - **One thread at a time.** A request made while another thread's request is using the
-  same connection raises :class:`~tq_async.InvalidRequestError` naming the rule.
+  same connection raises `InvalidRequestError` naming the rule.
 - **Not on a running event loop.** A request from a thread whose event loop is running would
   stop that loop for the whole wait (and, on the loop that hosts ``local_cluster`` services,
-  deadlock them): refused at once, naming :class:`~tq_async.AsyncClient`.
+  deadlock them): refused at once, naming `AsyncClient`.
 - **Fork.** A connection opened in another process is never touched; the client above
-  re-creates its connections in the child (:meth:`ClientBase._check_process`).
+  re-creates its connections in the child (`ClientBase._check_process`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _WRITE_WAIT = 60.0
 
 
 class _BusyPoll(PollBackoff):
-    """:class:`~tq_async._transport._connection.PollBackoff` for a blocking wait: read the
+    """`PollBackoff` for a blocking wait: read the
     Unix socket for up to ``budget`` seconds before parking in ``poll``."""
 
     __slots__ = ()
@@ -320,7 +320,7 @@ class BlockingConnection(ConnectionState):
     ) -> tuple[msgspec.Raw, list[Any]]:
         """Send ``body`` (+ data frames) and wait, in this thread, for the reply.
 
-        Same contract as :meth:`tq_async._transport._dealer.DealerConnection.request`; an interrupt
+        Same contract as `tq_async._transport._dealer.DealerConnection.request`; an interrupt
         (``KeyboardInterrupt``) while waiting cancels the request on the service.
         """
         if not self._busy.acquire(blocking=False):
@@ -430,7 +430,7 @@ class BlockingConnection(ConnectionState):
             self._send(self._core.oneway(body))
 
     def send_best_effort(self, body: msgspec.Struct) -> bool:
-        """:meth:`send_oneway` whose failure is logged, not raised (clean-up messages)."""
+        """`send_oneway` whose failure is logged, not raised (clean-up messages)."""
         try:
             self.send_oneway(body)
         except (BrokenError, InvalidRequestError) as exc:
@@ -440,7 +440,7 @@ class BlockingConnection(ConnectionState):
 
     @contextlib.contextmanager
     def transport_errors(self, what: str) -> Iterator[None]:
-        """The transport's own failures become :class:`BrokenError`."""
+        """The transport's own failures become `BrokenError`."""
         try:
             yield
         except (zmq.ZMQError, OSError) as exc:

@@ -11,9 +11,9 @@ The wire: each message is ``u32 length`` + ``u32 n_frames`` + ``n_frames x u32 f
 identity, it stays the same across reconnects, so the service recognises retried requests.
 The address is an abstract socket (``uds://@name``: no file, gone with its process).
 
-:class:`UnixSocket` mimics the few ``zmq.Socket`` calls the reader in
-:mod:`tq_async._transport._router`
-and :mod:`tq_async._transport._dealer` make, so a connection reuses the request machinery unchanged.
+`UnixSocket` mimics the few ``zmq.Socket`` calls the reader in
+`tq_async._transport._router`
+and `tq_async._transport._dealer` make, so a connection reuses the request machinery unchanged.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class MessageStream:
         self.messages.append(frames)
 
     def write(self, frames: Sequence[Any], on_blocked: Callable[[], None]) -> None:
-        """Write one message; what does not fit now waits for :meth:`flush`."""
+        """Write one message; what does not fit now waits for `flush`."""
         parts = [memoryview(p).cast("B") for p in encode(frames)]
         if self._out:
             self._out.extend(parts)
@@ -336,7 +336,7 @@ class UnixSocket:
     def take_messages(self) -> list[list[Any]]:
         """Every whole message that arrived, in one read (a reader that takes them this way
         does not read the socket again to learn that nothing more waits: its FD is
-        level-triggered); the end of the stream calls ``on_eof`` as :meth:`getsockopt` does."""
+        level-triggered); the end of the stream calls ``on_eof`` as `getsockopt` does."""
         stream = self._stream
         stream.fill()
         messages = stream.messages

@@ -1,13 +1,13 @@
 """Recycled buffers for the copies an in-process (inproc) connection makes.
 
 inproc hands message buffers over by reference, so a client in the services' process copies
-what it puts and what it reads (see :mod:`tq_async._transport._routes`). Copies of several MiB into
+what it puts and what it reads (see `tq_async._transport._routes`). Copies of several MiB into
 freshly allocated memory are slow on the machines we measured: glibc gives freed multi-MiB
 blocks back to the OS, and every new block page-faults its way in at ~1.7 GB/s
 (``../shared/PERF_NOTES.md``). A put of an 8.4 MB batch took 5.5 ms that way against 1.3 ms
 into memory already touched.
 
-:class:`BufferPool` keeps freed copy buffers for reuse, bounded: at most ``max_idle_bytes``
+`BufferPool` keeps freed copy buffers for reuse, bounded: at most ``max_idle_bytes``
 wait in the pool, the rest is freed. A buffer returns to the pool when the last user of the
 memoryview handed out lets go (a weak-reference finalizer on the numpy view behind it), from
 whatever thread that happens in.
@@ -74,7 +74,7 @@ class BufferPool:
 
     def empty(self, nbytes: int) -> memoryview:
         """A writable buffer of ``nbytes`` (contents undefined) in pooled memory; it goes back
-        to the pool like a :meth:`copy`."""
+        to the pool like a `copy`."""
         size = size_class(nbytes)
         base = None
         with self._lock:

@@ -1,12 +1,12 @@
 """Tensors <-> columns: the user's edge of the wire format. Pure functions, no sockets.
 
-:mod:`tq_async._wire._columns` defines the columns (bytes, no torch) that travel and that storage
+`tq_async._wire._columns` defines the columns (bytes, no torch) that travel and that storage
 units keep; this module turns a batch (a ``TensorDict`` or a dict of tensors, jagged nested
 tensors and lists) into columns and columns back into a ``TensorDict``. Round trips are exact:
 dtype (bf16, f16, bool, uint8, fp8, ...), shape and layout are preserved; a dense column comes
 back dense, a jagged one jagged, a list as the same Python values. A field whose rows were
 put with different shapes comes back dense when the rows read share a shape and jagged when
-they differ in their first dimension (:func:`tq_async._wire._columns.join_columns`). Received
+they differ in their first dimension (`tq_async._wire._columns.join_columns`). Received
 tensor data is not copied: a tensor built here is a view of the message buffer (a read-only
 buffer is copied, since tensors are writable).
 """
@@ -268,9 +268,9 @@ def _column_from_value(
 def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidRequestError:
     """A field whose value is one value (``{"prompt": "hello"}``), not one value per row.
 
-    ``no_rows``: no other column gives the batch rows either (a :class:`SchemaError`, as for
+    ``no_rows``: no other column gives the batch rows either (a `SchemaError`, as for
     a 0-dim tensor); else the batch has rows and this column's type is the problem (an
-    :class:`UnsupportedTypeError`, as for any value that is not a column).
+    `UnsupportedTypeError`, as for any value that is not a column).
     """
     example = repr(value)
     one_row = f"; for one row put {{{name!r}: [{example}]}}" if len(example) <= 40 else ""
@@ -298,7 +298,7 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
 @dataclass(slots=True, eq=False)
 class DeviceColumn:
     """A dense column left on its device by a put (it moves device to device, see
-    :mod:`tq_async._client._async._device_links`), or read back onto one: ``tensor`` is ``[n,
+    `tq_async._client._async._device_links`), or read back onto one: ``tensor`` is ``[n,
     *shape]``
     (a put's: detached and contiguous, its bytes its values)."""
 
@@ -321,13 +321,13 @@ def columns_from_batch(
     """Split a batch into columns ready to send.
 
     Args:
-        data: a :class:`~tensordict.TensorDict` with ``batch_size=[n]``, or a mapping from
+        data: a `TensorDict` with ``batch_size=[n]``, or a mapping from
             field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
             travel as tensors, without a copy when writable; others as lists), a nested
             tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
             plain values.
         allow_pickle: whether values that msgpack cannot carry exactly may be pickled.
-        keep: which tensors stay where they are, as :class:`DeviceColumn` (dense tensors
+        keep: which tensors stay where they are, as `DeviceColumn` (dense tensors
             only; the caller moves them).
 
     Returns:

@@ -13,14 +13,14 @@ A batch is a set of *columns* (fields) over ``n`` rows. Each column has one of f
 ``pickle``
     any other Python objects, pickled per row; only where the deployment allows pickle.
 
-Below the user's edge (:mod:`tq_async._wire._codec`, which turns tensors into columns and back),
+Below the user's edge (`tq_async._wire._codec`, which turns tensors into columns and back),
 tensor data is kept as **bytes**: a dense column is a numpy ``uint8`` array ``[n, row_bytes]``,
 a jagged one ``uint8 [total, item_bytes]`` plus int64 offsets. Selecting, concatenating and
 reordering rows is then the same byte arithmetic for every dtype (bf16 and fp8 included, which
 numpy cannot name), and the services (controller, storage units) never import torch: a
 ``tq-async serve`` process starts in a fraction of a second and stays small.
 
-The :class:`ColumnHeader` (dtype, per-row shape, kind) is what the controller keeps as a
+The `ColumnHeader` (dtype, per-row shape, kind) is what the controller keeps as a
 field's schema and what a receiver needs to rebuild the column.
 """
 

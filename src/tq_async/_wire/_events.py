@@ -5,7 +5,7 @@ controller incarnation), and ``kind``, a short name (``"rows_added"``). Events c
 order the controller applied the changes, so replaying them on a model of the cluster (rows,
 fields produced, rows consumed per task) gives the cluster's state. A watcher that fell too
 far behind, or resumes from a position the controller no longer has (another controller
-incarnation, history gone), gets one :class:`Resync` carrying a :class:`ClusterSnapshot`
+incarnation, history gone), gets one `Resync` carrying a `ClusterSnapshot`
 instead of the missing events, then the events after it.
 
 The structs travel as msgpack (tagged by ``kind``) and print as JSON with
@@ -58,7 +58,7 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True):
 
 
 class PartitionSnapshot(msgspec.Struct, kw_only=True):
-    """One partition as a :class:`Resync` (or a restore) sees it: live rows only."""
+    """One partition as a `Resync` (or a restore) sees it: live rows only."""
 
     partition_id: str
     incarnation: str
@@ -113,7 +113,7 @@ class PartitionRestored(Event, tag="partition_restored"):
 
 
 class RowsAdded(Event, tag="rows_added"):
-    """New rows were placed (their fields follow with :class:`FieldsProduced`)."""
+    """New rows were placed (their fields follow with `FieldsProduced`)."""
 
     partition_id: str
     rows: list[int]
@@ -248,7 +248,7 @@ EVENT_KINDS: tuple[str, ...] = tuple(str(t.__struct_config__.tag) for t in AnyEv
 
 
 class WatchBatch(msgspec.Struct, array_like=True):
-    """The reply to a :class:`~tq_async._wire._protocol.WatchNext`: events after its
+    """The reply to a `WatchNext`: events after its
     ``since``, and where the next call continues (``cursor``)."""
 
     incarnation: str

@@ -72,7 +72,7 @@ def jagged_from_values(
     values: torch.Tensor, offsets: torch.Tensor, lo: int | None, hi: int | None
 ) -> torch.Tensor:
     """``torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=lo,
-    max_seqlen=hi)``, without torch's tracing notice (:class:`_NoFxTracingNotice`)."""
+    max_seqlen=hi)``, without torch's tracing notice (`_NoFxTracingNotice`)."""
     with _NoFxTracingNotice():
         return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=lo, max_seqlen=hi)
 

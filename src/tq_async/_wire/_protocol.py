@@ -1,9 +1,9 @@
 """Control messages: msgspec Structs encoded as msgpack, one tagged union per service.
 
 A request is a multipart message ``[header, *data_frames]``. ``header`` encodes a
-:class:`Request` envelope ``[rid, body]`` whose ``body`` is one of the structs below (tagged by
+`Request` envelope ``[rid, body]`` whose ``body`` is one of the structs below (tagged by
 class name). The reply is ``[reply_header, *data_frames]`` where ``reply_header`` is a
-:class:`Reply` ``[rid, ok, payload]``: on success ``payload`` is the op's result (msgpack), on
+`Reply` ``[rid, ok, payload]``: on success ``payload`` is the op's result (msgpack), on
 failure an ``[error_class_name, message]`` pair. ``rid`` is chosen by the client and unique per
 connection; replies may arrive in any order.
 """
@@ -95,8 +95,8 @@ class PutInline(_Msg):
 
     The controller allocates ``n_rows`` new rows (or looks up the existing ``rows``, which
     must sit on one unit), has the unit store the columns -- directly when the unit lives in
-    its process, else with a :class:`StorePut` -- and commits, as PutBegin + StorePut +
-    PutCommit would; the reply is the :class:`Placement`.
+    its process, else with a `StorePut` -- and commits, as PutBegin + StorePut +
+    PutCommit would; the reply is the `Placement`.
     """
 
     partition_id: str
@@ -367,7 +367,7 @@ class RestoreAbort(_Msg):
 
 
 class WatchNext(_Msg):
-    """The events after ``since`` (see :mod:`tq_async._wire._events`); the reply, a
+    """The events after ``since`` (see `tq_async._wire._events`); the reply, a
     ``WatchBatch``, comes once one matches, or empty after ``poll`` seconds.
 
     ``since`` None subscribes: the reply comes at once, empty, with the position to go on
@@ -436,7 +436,7 @@ class StorePut(_Msg):
     """Store ``columns`` (frames follow the header, in column order) for ``rows``.
 
     With ``shm``, the frames are not in the message: they are spans of a shared-memory grant
-    (see :mod:`tq_async._paths._shm`).
+    (see `tq_async._paths._shm`).
     """
 
     partition_id: str
@@ -493,7 +493,7 @@ class ShmHello(_Msg):
 
 class DeviceHello(_Msg):
     """A client that shares memory with the unit asks for its device arena (see
-    :mod:`tq_async._paths._device`; answered with :class:`DeviceHelloReply`, or None: no device
+    `tq_async._paths._device`; answered with `DeviceHelloReply`, or None: no device
     arena for this client)."""
 
     pid: int
@@ -501,7 +501,7 @@ class DeviceHello(_Msg):
 
 class ShmAlloc(_Msg):
     """Reserve ``nbytes`` of the arena (of the device arena, with ``device``) for a put
-    (answered with :class:`ShmGrant` or None when the arena is full: then the put goes
+    (answered with `ShmGrant` or None when the arena is full: then the put goes
     over the socket, or through host memory)."""
 
     nbytes: int
@@ -517,7 +517,7 @@ class ShmFree(_Msg):
 
 class NixlHello(_Msg):
     """A client on another host asks for the unit's NIXL agent and arena (see
-    :mod:`tq_async._paths._nixl`); answered with :class:`NixlHelloReply`, or None when the unit
+    `tq_async._paths._nixl`); answered with `NixlHelloReply`, or None when the unit
     offers no NIXL path (then the socket)."""
 
     agent: str
@@ -584,7 +584,7 @@ class HelloReply(msgspec.Struct, array_like=True):
     allow_pickle: bool
     capacity: int | None = None
     #: changes whenever a storage unit's address does: a client seeing a new value asks
-    #: for the units again (:class:`Hello`) before it dials one
+    #: for the units again (`Hello`) before it dials one
     units_epoch: int = 0
     #: the controller's same-host twin endpoint, and a token a client compares through it
     ipc: str | None = None
@@ -603,7 +603,7 @@ class Placement(msgspec.Struct, array_like=True):
     #: the partition's incarnation (a random id, new whenever the partition is created)
     incarnation: str | None = None
     #: changes whenever a storage unit's address does: a client seeing a new value asks
-    #: for the units again (:class:`Hello`) before it dials one
+    #: for the units again (`Hello`) before it dials one
     units_epoch: int = 0
     #: keyed puts: the fields every row of the put already has (besides the put's own)
     fields: list[str] | None = None
@@ -623,7 +623,7 @@ class MetaReply(msgspec.Struct, array_like=True):
     #: the partition's incarnation (None on an end-of-stream reply)
     incarnation: str | None = None
     #: changes whenever a storage unit's address does: a client seeing a new value asks
-    #: for the units again (:class:`Hello`) before it dials one
+    #: for the units again (`Hello`) before it dials one
     units_epoch: int = 0
     #: rows of a KV partition: each row's key (None without one); None when no row has one
     keys: list[str | None] | None = None
@@ -795,7 +795,7 @@ def decode_error_payload(payload: msgspec.Raw) -> tuple[str, str]:
 
 # ---- validation of numbers from the wire -----------------------------------------------------
 #
-# msgspec checks types; these check ranges. Every service calls :func:`validate` right after
+# msgspec checks types; these check ranges. Every service calls `validate` right after
 # decoding a request, and clients run the same checks before sending, so one caller's NaN can
 # never reach a timer heap or an ``array`` shared with other callers.
 
@@ -890,8 +890,8 @@ def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
 
 
 def check_also(also: Sequence[int], cfg: Mapping[str, Any] | None, mode: str) -> None:
-    """``also`` names at most :data:`MAX_ALSO` increasing batch indexes above the request's
-    own ``batch_index``, within :data:`MAX_RECORD_SPAN` of it, for a ``fetch``."""
+    """``also`` names at most `MAX_ALSO` increasing batch indexes above the request's
+    own ``batch_index``, within `MAX_RECORD_SPAN` of it, for a ``fetch``."""
     first = cfg.get("batch_index") if cfg else None
     if mode != "fetch" or first is None:
         raise InvalidRequestError(

@@ -1,6 +1,4 @@
-"""TransferQueue 0.1.11's top-level API, served by tq_async: migrate by changing one import.
-
-::
+"""TransferQueue 0.1.11's top-level API, served by tq_async: migrate by changing one import:
 
     import tq_async.compat as tq          # was: import transfer_queue as tq
 
@@ -16,21 +14,21 @@ Names, argument names and argument order follow TransferQueue 0.1.11 (``transfer
 ``StreamingDataset`` / ``StreamingDataLoader``, ``get_client`` / ``TransferQueueClient``,
 ``BatchMeta``, ``StorageKeyNotFoundError`` and the samplers.
 
-Rendezvous: :func:`init` attaches to the address in its config (``address`` or
+Rendezvous: `init` attaches to the address in its config (``address`` or
 ``controller.zmq_info``) or in the ``TQ_ADDRESS`` environment variable. When Ray is
 initialised, every process of the job finds the services by name as Ray actors
 (``TransferQueueController`` in namespace ``transfer_queue``, TransferQueue's names); a driver
-that finds none launches them with :func:`tq_async.ray.launch`, a Ray worker that finds none
-raises :class:`~tq_async.ClosedError`. Without Ray it starts a
-:func:`~tq_async.background_cluster` and publishes its address in ``TQ_ADDRESS``, so child
+that finds none launches them with `tq_async.ray.launch`, a Ray worker that finds none
+raises `ClosedError`. Without Ray it starts a
+`background_cluster` and publishes its address in ``TQ_ADDRESS``, so child
 processes that call ``init()`` attach to it. ``python -m tq_async.transfer_queue program.py``
 runs a TransferQueue program unchanged. Every remaining difference is listed, with its reason,
 in ``docs/migrating.md``.
 
 This module holds the process's lifecycle (``init`` / ``close``, the fork handling) and the KV
-functions; the rest lives in its parts: ``_client`` (:class:`TransferQueueClient`, the
+functions; the rest lives in its parts: ``_client`` (`TransferQueueClient`, the
 partitions' first global indexes), ``_columns`` (what is put and read, as plain columns),
-``_kv_meta`` (:class:`KVBatchMeta`), ``_batch_meta`` (:class:`BatchMeta`), ``_dataset`` (the
+``_kv_meta`` (`KVBatchMeta`), ``_batch_meta`` (`BatchMeta`), ``_dataset`` (the
 streaming dataset and loader) and ``_config`` (the config's shape).
 """
 
@@ -158,7 +156,7 @@ def _forget_parents_state() -> None:
 
 
 def _attached() -> TransferQueueClient | None:
-    """This process's compat client; None when :func:`init` was not called.
+    """This process's compat client; None when `init` was not called.
 
     A child forked from an initialised process (a DataLoader worker, a ``worker_init_fn``,
     a helper process) gets a client of its own for the parent's cluster on first use: the
@@ -289,7 +287,7 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
 
     Returns:
         The effective config; ``config.controller.zmq_info`` and ``config.address`` hold the
-        controller's address (give it to :class:`StreamingDataset`).
+        controller's address (give it to `StreamingDataset`).
 
     Raises:
         InvalidRequestError: an honoured key has a bad value.
@@ -442,7 +440,7 @@ def _stop_owned(cluster: BackgroundCluster | None, ray_cluster: Any) -> None:
 
 
 def close() -> None:
-    """Close this process's client and stop the cluster if :func:`init` started it here.
+    """Close this process's client and stop the cluster if `init` started it here.
 
     Idempotent. Processes that attached keep running against nothing once the owner closes:
     close them first.
@@ -487,7 +485,7 @@ def kv_put(
     ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a dict whose values are
     the key's row: a tensor (one row), a ``NonTensorStack`` / ``NonTensorData`` (the row holds
     its values, as in TransferQueue), or a plain value. ``data_parser`` runs here, on the
-    fields, before they travel (see :func:`kv_batch_put`).
+    fields, before they travel (see `kv_batch_put`).
 
     Raises:
         InvalidRequestError: neither ``fields`` nor ``tag`` is given.
@@ -643,7 +641,7 @@ def save_checkpoint(
 
     ``include_storage=False`` is ignored (cells live in memory: a checkpoint without them
     would lose data), as in TransferQueue with SimpleStorage. ``metadata`` (JSON values) is
-    stored with it; read it back with :func:`tq_async.checkpoint_metadata`.
+    stored with it; read it back with `tq_async.checkpoint_metadata`.
     """
     if not include_storage:
         _log.warning("include_storage=False is ignored: the cells are always saved")
@@ -654,7 +652,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> None:
-    """Restore a checkpoint written by :func:`save_checkpoint`.
+    """Restore a checkpoint written by `save_checkpoint`.
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_dir`` does not exist (a ``FileNotFoundError``,

@@ -1,6 +1,6 @@
-"""TransferQueue 0.1.11's ``BatchMeta`` for :mod:`tq_async.compat`: a mutable batch handle
+"""TransferQueue 0.1.11's ``BatchMeta`` for `tq_async.compat`: a mutable batch handle
 with a field schema, per-row partition ids and production status, over a
-:class:`tq_async.BatchMeta` (which is what the client sends)."""
+`tq_async.BatchMeta` (which is what the client sends)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def field_schema_of(data: TensorDictBase | Mapping[str, Any]) -> dict[str, dict[
 
 
 class _SampleView:
-    """One row of a :class:`BatchMeta`, read-only (``batch.samples[i]``)."""
+    """One row of a `BatchMeta`, read-only (``batch.samples[i]``)."""
 
     def __init__(self, batch: BatchMeta, index: int) -> None:
         self._batch = batch
@@ -189,7 +189,7 @@ class BatchMeta:
     def from_native(
         cls, meta: _meta.BatchMeta, base: int = 0, schema_loader: Any = None
     ) -> BatchMeta:
-        """The compat view of a :class:`tq_async.BatchMeta` whose partition's global indexes
+        """The compat view of a `tq_async.BatchMeta` whose partition's global indexes
         start at ``base``; ``schema_loader(partition_id)`` gives the field schema on demand."""
         n = len(meta)
         out = cls(
@@ -215,7 +215,7 @@ class BatchMeta:
         return out
 
     def to_native(self) -> _meta.BatchMeta:
-        """The :class:`tq_async.BatchMeta` the client sends.
+        """The `tq_async.BatchMeta` the client sends.
 
         Raises:
             InvalidRequestError: the batch was built by hand, or holds rows of several

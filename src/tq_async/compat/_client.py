@@ -1,5 +1,5 @@
-"""TransferQueue's client (:class:`TransferQueueClient`) over a blocking
-:class:`tq_async.Client` per thread, and the process-wide lookups it shares with the KV
+"""TransferQueue's client (`TransferQueueClient`) over a blocking
+`tq_async.Client` per thread, and the process-wide lookups it shares with the KV
 functions: this process's client, and each partition's first global index as seen through
 compat (from the registry partition, so that indexes are unique across partitions)."""
 
@@ -37,12 +37,12 @@ _lookups: list[Callable[[], TransferQueueClient | None]] = []
 
 
 def install_lookup(lookup: Callable[[], TransferQueueClient | None]) -> None:
-    """Make ``lookup`` what :func:`attached` answers (``tq_async.compat`` calls it once)."""
+    """Make ``lookup`` what `attached` answers (``tq_async.compat`` calls it once)."""
     _lookups[:] = [lookup]
 
 
 def attached() -> TransferQueueClient | None:
-    """This process's compat client; None when :func:`tq_async.compat.init` was not called."""
+    """This process's compat client; None when `tq_async.compat.init` was not called."""
     return _lookups[0]() if _lookups else None
 
 
@@ -50,7 +50,7 @@ def get_client() -> TransferQueueClient:
     """This process's client.
 
     Raises:
-        ClosedError: :func:`init` was not called (or :func:`close` was).
+        ClosedError: `init` was not called (or `close` was).
     """
     client = attached()
     if client is None:
@@ -155,7 +155,7 @@ def stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
 
 
 class _ThreadClients:
-    """Stands for one blocking :class:`tq_async.Client` per thread, each opened on the
+    """Stands for one blocking `tq_async.Client` per thread, each opened on the
     thread's first call (the first one at once, so a bad address fails here)."""
 
     def __init__(self, address: str) -> None:
@@ -190,9 +190,9 @@ class _ThreadClients:
 
 class TransferQueueClient:
     """TransferQueue's client, method for method (names and argument order), over a blocking
-    :class:`tq_async.Client`.
+    `tq_async.Client`.
 
-    Get the process's client with :func:`get_client` after :func:`init`. Each ``async_``
+    Get the process's client with `get_client` after `init`. Each ``async_``
     method runs its blocking twin on a worker thread.
 
     Args:
@@ -223,7 +223,7 @@ class TransferQueueClient:
 
     @property
     def client(self) -> _Client:
-        """The underlying blocking :class:`tq_async.Client` (every tq_async method): the
+        """The underlying blocking `tq_async.Client` (every tq_async method): the
         calling thread's own (a Client serves one thread at a time). Inside async code, a
         view of it whose calls may block the running loop, as TransferQueue's do."""
         if asyncio._get_running_loop() is not None:
@@ -390,14 +390,14 @@ class TransferQueueClient:
     # -- checkpoints --
 
     def save_controller_checkpoint(self, path: str) -> None:
-        """Not separable here: use :func:`save_checkpoint` (controller state and cells)."""
+        """Not separable here: use `save_checkpoint` (controller state and cells)."""
         raise InvalidRequestError(
             "tq_async checkpoints hold the controller state and the cells together: call "
             "tq_async.compat.save_checkpoint(checkpoint_dir) instead"
         )
 
     def load_controller_checkpoint(self, path: str) -> None:
-        """Not separable here: use :func:`load_checkpoint`."""
+        """Not separable here: use `load_checkpoint`."""
         raise InvalidRequestError(
             "call tq_async.compat.load_checkpoint(checkpoint_dir) instead (one checkpoint "
             "holds the controller state and the cells)"

@@ -1,5 +1,5 @@
 """What compat puts and reads, as plain columns: TensorDicts, dicts and numpy values turned
-into the columns a :class:`tq_async.Client` takes, columns ragged beyond their first dimension
+into the columns a `tq_async.Client` takes, columns ragged beyond their first dimension
 put and read row shape by row shape, and tensor columns cast to their partition's dtypes."""
 
 from __future__ import annotations

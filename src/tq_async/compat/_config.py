@@ -1,4 +1,4 @@
-"""TransferQueue's config shape: the keys :func:`tq_async.compat.init` honours, the config
+"""TransferQueue's config shape: the keys `tq_async.compat.init` honours, the config
 it returns (a nested dict with attribute access), and where a config names the cluster."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Config(dict[str, Any]):
 
 
 def as_config(value: Any) -> Any:
-    """``value`` with every mapping in it a :class:`Config`."""
+    """``value`` with every mapping in it a `Config`."""
     if isinstance(value, Mapping):
         return Config({str(k): as_config(v) for k, v in value.items()})
     return value

@@ -1,5 +1,5 @@
 """TransferQueue's ``StreamingDataset`` / ``StreamingDataLoader`` constructors over tq_async's,
-and its ``chunk_batch_fn``: micro-batches carry a compat :class:`BatchMeta`."""
+and its ``chunk_batch_fn``: micro-batches carry a compat `BatchMeta`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _compat_chunks(
     meta: _meta.BatchMeta,
     **kwargs: Any,
 ) -> Any:
-    """Hand ``process_batch_fn`` a compat :class:`BatchMeta` (TransferQueue's ``chunk``).
+    """Hand ``process_batch_fn`` a compat `BatchMeta` (TransferQueue's ``chunk``).
 
     It runs on the dataset's event loop: the partition's first global index (``base``) was
     looked up when the dataset was made, and nothing here may block on the cluster.
@@ -45,7 +45,7 @@ def chunk_batch_fn(
     td: TensorDictBase, batch_meta: BatchMeta, micro_batch_size: int = 1
 ) -> list[tuple[TensorDictBase, BatchMeta]]:
     """TransferQueue's ``transfer_queue.dataloader.streaming_dataset.chunk_batch_fn``: cut a
-    batch and its compat :class:`BatchMeta` into micro-batches of ``micro_batch_size`` rows
+    batch and its compat `BatchMeta` into micro-batches of ``micro_batch_size`` rows
     (the last may be short). Jagged and strided nested columns are cut like dense ones.
 
     Unlike TransferQueue's (whose metadata chunks are ``batch_meta.chunk(k)``: 10 rows by 4
@@ -85,7 +85,7 @@ def chunk_batch_fn(
 
 
 def _first_index_at(address: str, partition_id: str) -> int:
-    """:func:`first_index` for a cluster at ``address`` (through a short-lived client when this
+    """`first_index` for a cluster at ``address`` (through a short-lived client when this
     process's compat client is attached elsewhere, or not at all)."""
     client = attached()
     if client is not None and client.address == address:
@@ -96,10 +96,10 @@ def _first_index_at(address: str, partition_id: str) -> int:
 
 
 class StreamingDataset(_StreamingDataset):
-    """TransferQueue's ``StreamingDataset`` constructor over :class:`tq_async.StreamingDataset`.
+    """TransferQueue's ``StreamingDataset`` constructor over `tq_async.StreamingDataset`.
 
     Args:
-        config: the config :func:`init` returned (its ``address``); None: ``TQ_ADDRESS``.
+        config: the config `init` returned (its ``address``); None: ``TQ_ADDRESS``.
         batch_size: rows per batch.
         micro_batch_size: rows per micro-batch yielded.
         data_fields: the fields to read.
@@ -161,12 +161,12 @@ class StreamingDataset(_StreamingDataset):
 
 class StreamingDataLoader(_StreamingDataLoader):
     """TransferQueue's ``StreamingDataLoader`` constructor over
-    :class:`tq_async.StreamingDataLoader`.
+    `tq_async.StreamingDataLoader`.
 
     Yields ``(TensorDict, BatchMeta)`` micro-batches in ``batch_index`` order with any
     ``num_workers``. Workers start with the platform's default method, as torch's do
     (``fork`` on Linux), unless ``multiprocessing_context`` says otherwise: the client
-    :func:`init` opened runs no thread of its own, and a worker re-creates its connections.
+    `init` opened runs no thread of its own, and a worker re-creates its connections.
 
     Raises:
         InvalidRequestError: ``collate_fn`` is given or ``persistent_workers`` is True (the

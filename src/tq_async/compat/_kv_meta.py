@@ -134,7 +134,7 @@ class KVBatchMeta:
 
 
 def kv_meta_of(meta: _meta.BatchMeta, keys: Sequence[str]) -> KVBatchMeta:
-    """The :class:`KVBatchMeta` of ``keys``, whose rows ``meta`` holds."""
+    """The `KVBatchMeta` of ``keys``, whose rows ``meta`` holds."""
     tags = meta.tags or [{} for _ in keys]
     return KVBatchMeta(
         keys=list(keys),

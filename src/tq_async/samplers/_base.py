@@ -16,7 +16,7 @@ readiness event and calls again; it never polls on a timer. ``sample`` may be ``
 
 As in TransferQueue, the controller calls a sampler only once at least ``batch_size`` rows are
 ready (``batch_size * dp_size`` for a global batch) or the partition is final, unless the
-sampler's :attr:`~BaseSampler.short_ready_ok` is True (tq_async's own samplers: they are asked
+sampler's `short_ready_ok` is True (tq_async's own samplers: they are asked
 on every readiness event and decide themselves, e.g. whole GRPO groups out of order).
 
 The controller passes context as keyword arguments (a sampler whose ``sample`` does not take
@@ -41,8 +41,8 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
     batch) and serves repeats itself (a cache needs one read per entry, not one per replica).
 ``policy_version``, ``versions``, ``stale``
     the learner's announced policy version (-1: none), a read-only ``row -> version`` view
-    (-1: none; a row's oldest field version), and a :class:`~tq_async.samplers.StaleRows` sink
-    for reporting stale rows (see :class:`~tq_async.samplers.StalenessSampler`).
+    (-1: none; a row's oldest field version), and a `StaleRows` sink
+    for reporting stale rows (see `StalenessSampler`).
 """
 
 from __future__ import annotations
@@ -99,19 +99,19 @@ def check_context(batch_size: Any, kwargs: Mapping[str, Any], dp_size: Any = Non
 
 
 class BaseSampler(ABC):
-    """Base class of samplers; subclasses implement :meth:`sample` (abstract, as in
+    """Base class of samplers; subclasses implement `sample` (abstract, as in
     TransferQueue: ``BaseSampler()`` is a ``TypeError``).
 
-    Stateful samplers also override :meth:`clear_partition` (drop everything cached for a
-    partition), :meth:`state_dict` and :meth:`load_state_dict`.
+    Stateful samplers also override `clear_partition` (drop everything cached for a
+    partition), `state_dict` and `load_state_dict`.
 
     TransferQueue's sampler surface is here too, so its custom samplers run unchanged:
     ``self._states`` (a dict; by convention the cache
-    ``_states[partition_id][task_name][dp_rank][batch_index]``), :meth:`has_cached_result`,
-    :meth:`clear_cache` (the controller calls it when a partition is cleared),
-    :meth:`save_checkpoint` / :meth:`load_checkpoint` (their state goes into tq_async
-    checkpoints through the default :meth:`state_dict`), and calling the sampler forwards to
-    :meth:`sample`.
+    ``_states[partition_id][task_name][dp_rank][batch_index]``), `has_cached_result`,
+    `clear_cache` (the controller calls it when a partition is cleared),
+    `save_checkpoint` / `load_checkpoint` (their state goes into tq_async
+    checkpoints through the default `state_dict`), and calling the sampler forwards to
+    `sample`.
     """
 
     def __init__(self) -> None:
@@ -147,7 +147,7 @@ class BaseSampler(ABC):
 
     def clear_cache(self, partition_id: str) -> None:
         """Drop ``_states[partition_id]`` (the controller calls this when the partition is
-        cleared, after :meth:`clear_partition`)."""
+        cleared, after `clear_partition`)."""
         self._states.pop(partition_id, None)
 
     def save_checkpoint(self) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class BaseSampler(ABC):
         return {"_states": self._states}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`save_checkpoint` returned."""
+        """Restore what `save_checkpoint` returned."""
         self._states = dict(state.get("_states", {}))
 
     @abstractmethod
@@ -171,21 +171,21 @@ class BaseSampler(ABC):
         """Choose one global batch for ``dp_size`` ranks at once (collective-safe mode).
 
         The controller calls this when a request's ``sampling_config`` carries ``dp_size``
-        (or the sampler was built for several ranks, see :attr:`dp_size_hint`), once per
+        (or the sampler was built for several ranks, see `dp_size_hint`), once per
         ``batch_index``, and records every rank's share before any rank reads its own. It
         then applies the tail policy to shares of unequal length.
 
         Returns:
             ``(shares, consumed)`` with ``dp_size`` shares (``([], [])``: not enough yet), or
-            None (the default): the controller asks :meth:`sample` for ``batch_size *
+            None (the default): the controller asks `sample` for ``batch_size *
             dp_size`` rows and cuts them in order into ``dp_size`` shares, keeping runs of
-            :attr:`group_size` rows together.
+            `group_size` rows together.
         """
         return None
 
     @property
     def short_ready_ok(self) -> bool:
-        """False (the default, TransferQueue's contract): the controller calls :meth:`sample`
+        """False (the default, TransferQueue's contract): the controller calls `sample`
         only once ``batch_size`` rows are ready (``batch_size * dp_size`` for a global batch)
         or the partition is final. True: on every readiness event, with however many rows are
         ready (the sampler returns ``([], [])`` to wait). tq_async's own samplers are True; a
@@ -229,7 +229,7 @@ class BaseSampler(ABC):
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state, for checkpoints (msgpack-able values only).
 
-        By default, what :meth:`save_checkpoint` returns (when it holds anything).
+        By default, what `save_checkpoint` returns (when it holds anything).
 
         Raises:
             UnsupportedTypeError: that state holds values msgpack cannot carry.
@@ -248,7 +248,7 @@ class BaseSampler(ABC):
         return {"save_checkpoint": state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what `state_dict` returned."""
         if "save_checkpoint" in state:
             self.load_checkpoint(state["save_checkpoint"])
 

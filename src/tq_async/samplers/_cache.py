@@ -1,7 +1,7 @@
 """A bounded cache of row assignments that forgets each share after its last expected read.
 
-Shared by :class:`~tq_async.samplers.RankAwareSampler` and
-:class:`~tq_async.samplers.SeqlenBalancedSampler`. Keys are tuples that start with
+Shared by `RankAwareSampler` and
+`SeqlenBalancedSampler`. Keys are tuples that start with
 ``(partition_id, task_name, ...)``; each entry holds one or more *shares* (``slot -> rows``),
 each with a count of reads still expected. A share goes once its count reaches zero and the
 entry goes with its last share, so a cache read as often as promised empties itself.
@@ -113,7 +113,7 @@ class ShareCache:
         ]
 
     def load_state_dict(self, state: list[Any]) -> None:
-        """Replace the entries with those of :meth:`state_dict`."""
+        """Replace the entries with those of `state_dict`."""
         self._entries.clear()
         for key, shares in state:
             entry = _Entry()

@@ -48,7 +48,7 @@ class GRPOGroupNSampler(BaseSampler):
 
     A group never holds rows of two prompts: through the controller, a put (or
     ``set_tags``) that would give one ``group_key`` value more than ``n`` rows of a partition
-    is refused whole (:attr:`group_tag`), and a get whose group's value has more than ``n``
+    is refused whole (`group_tag`), and a get whose group's value has more than ``n``
     rows fails; called directly, more than ``n`` ready rows under one value raise
     ``ValueError``.
 

@@ -1,6 +1,6 @@
 """Balanced k-way partitioning of sequence lengths (Karmarkar-Karp, with a greedy safety net).
 
-Used by :class:`~tq_async.samplers.SeqlenBalancedSampler` to give every data-parallel rank a
+Used by `SeqlenBalancedSampler` to give every data-parallel rank a
 near-equal token count, and public because trainers want the same split for micro-batches
 (verl calls it ``get_seqlen_balanced_partitions``; the result here is identical in shape).
 """
@@ -68,7 +68,7 @@ def karmarkar_karp(seqlens: Sequence[int], k: int, equal_size: bool) -> list[lis
 def get_seqlen_balanced_partitions(
     seqlens: Sequence[int], k_partitions: int, equal_size: bool
 ) -> list[list[int]]:
-    """verl's name for :func:`karmarkar_karp`; same arguments, same result.
+    """verl's name for `karmarkar_karp`; same arguments, same result.
 
     Args:
         seqlens: non-negative length of every item.
@@ -76,10 +76,10 @@ def get_seqlen_balanced_partitions(
         equal_size: give every part the same number of items.
 
     Returns:
-        ``k_partitions`` non-empty, sorted lists of item indices (see :func:`karmarkar_karp`).
+        ``k_partitions`` non-empty, sorted lists of item indices (see `karmarkar_karp`).
 
     Raises:
-        ValueError: as :func:`karmarkar_karp`.
+        ValueError: as `karmarkar_karp`.
     """
     return karmarkar_karp(seqlens, k_partitions, equal_size)
 

@@ -66,7 +66,7 @@ class RankAwareSampler(WrappingSampler):
     ``dp_rank`` or ``batch_index`` go straight to ``inner``; an empty answer from ``inner``
     ("not enough yet") is not cached.
 
-    If ``inner.sample`` is ``async def``, :meth:`sample` returns an awaitable, and concurrent
+    If ``inner.sample`` is ``async def``, `sample` returns an awaitable, and concurrent
     requests for a key that is still being sampled wait for the first one instead of sampling
     again.
 
@@ -76,7 +76,7 @@ class RankAwareSampler(WrappingSampler):
     a warning, when more than ``max_entries`` are held.
 
     Args:
-        inner: the sampler that picks the rows (default :class:`SequentialSampler`).
+        inner: the sampler that picks the rows (default `SequentialSampler`).
         n_replicas: how many readers share each ``dp_rank`` (e.g. TP size x PP size).
         max_entries: the most keys kept at once.
 
@@ -234,10 +234,10 @@ class RankAwareSampler(WrappingSampler):
         return {"entries": self._cache.state_dict(), "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned.
+        """Restore what `state_dict` returned.
 
         Args:
-            state: a previous :meth:`state_dict`.
+            state: a previous `state_dict`.
         """
         self._cache.load_state_dict(list(state.get("entries", [])))
         self.inner.load_state_dict(dict(state.get("inner", {})))

@@ -22,8 +22,8 @@ class SeqlenBalancedSampler(BaseSampler):
 
     The first request for a ``(partition_id, task_name, batch_index)``, from whichever rank,
     takes ``batch_size * dp_size`` rows forming whole groups of ``n_samples_per_prompt`` rows
-    (grouped as by :class:`GRPOGroupNSampler`), sums each group's ``length_key`` tag and
-    splits the groups across the ranks with :func:`karmarkar_karp` (equal group counts per
+    (grouped as by `GRPOGroupNSampler`), sums each group's ``length_key`` tag and
+    splits the groups across the ranks with `karmarkar_karp` (equal group counts per
     rank). It returns the requesting rank's share and consumes **every** rank's share at once,
     so no row can reach another batch or rank; later requests for the batch by other ranks
     get ``(their_share, [])``. Within a share, groups are ordered by their smallest row, rows
@@ -46,7 +46,7 @@ class SeqlenBalancedSampler(BaseSampler):
         length_key: the tag holding a row's token count.
         n_replicas: how many readers share each ``dp_rank`` (e.g. TP size x PP size).
         max_entries: the most batches kept at once.
-        group_key: the tag naming a row's group (as in :class:`GRPOGroupNSampler`).
+        group_key: the tag naming a row's group (as in `GRPOGroupNSampler`).
         missing_length: the token count of a row without a ``length_key`` tag (1, as in
             TransferQueue); None makes such a row an error (a ``ValueError`` naming it).
         tail: what a final batch with fewer whole groups than ranks does: ``"error"``
@@ -331,10 +331,10 @@ class SeqlenBalancedSampler(BaseSampler):
         return {"entries": self._cache.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned.
+        """Restore what `state_dict` returned.
 
         Args:
-            state: a previous :meth:`state_dict`.
+            state: a previous `state_dict`.
         """
         self._cache.load_state_dict(list(state.get("entries", [])))
 

@@ -34,10 +34,10 @@ class StaleRows:
     time a sampler sees it while a request waits, nor in ``"peek"`` mode).
 
     Attributes:
-        dropped: rows reported by :meth:`drop`.
-        recycled: rows reported by :meth:`recycle`.
-        kept_rows: rows reported by :meth:`keep`.
-        kept: how many rows :meth:`keep` reported.
+        dropped: rows reported by `drop`.
+        recycled: rows reported by `recycle`.
+        kept_rows: rows reported by `keep`.
+        kept: how many rows `keep` reported.
     """
 
     __slots__ = ("dropped", "kept", "kept_rows", "recycled")
@@ -88,7 +88,7 @@ class StalenessSampler(WrappingSampler):
     Rows without a version are never stale. Cost: one pass over the ready rows per call.
 
     Args:
-        inner: the sampler choosing among fresh rows (:class:`SequentialSampler` by default).
+        inner: the sampler choosing among fresh rows (`SequentialSampler` by default).
         max_staleness: the largest allowed ``learner_version - row_version`` (>= 0).
         on_stale: ``"drop"``, ``"recycle"`` or ``"keep"``.
     """
@@ -151,7 +151,7 @@ class StalenessSampler(WrappingSampler):
         """``inner``'s global batch among fresh rows (None when ``inner`` has none).
 
         Stale rows are reported only when ``inner`` chooses here: when it returns None the
-        controller calls :meth:`sample`, which reports them itself.
+        controller calls `sample`, which reports them itself.
         """
         check_context(batch_size, kwargs, dp_size)
         learner = kwargs.get("policy_version")

@@ -1,12 +1,12 @@
 """The ``transfer_queue`` package (TransferQueue 0.1.11's layout) served by
-:mod:`tq_async.compat`, so that a TransferQueue program runs without editing a line::
+`tq_async.compat`, so that a TransferQueue program runs without editing a line:
 
     python -m tq_async.transfer_queue tutorial/02_kv_interface.py [args...]
 
 runs the script with ``import transfer_queue`` (and ``transfer_queue.metadata``,
 ``transfer_queue.sampler``, ``transfer_queue.dataloader``, ``transfer_queue.utils``,
 ``resources.files("transfer_queue") / "config.yaml"``) resolving here. The same from Python:
-:func:`install`. It refuses to shadow an installed TransferQueue unless told to.
+`install`. It refuses to shadow an installed TransferQueue unless told to.
 """
 
 from __future__ import annotations

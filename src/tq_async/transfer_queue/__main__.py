@@ -1,5 +1,5 @@
 """``python -m tq_async.transfer_queue SCRIPT [ARGS...]``: run a TransferQueue program
-unchanged, with ``import transfer_queue`` served by :mod:`tq_async.compat`."""
+unchanged, with ``import transfer_queue`` served by `tq_async.compat`."""
 
 from __future__ import annotations
 

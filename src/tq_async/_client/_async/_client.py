@@ -73,7 +73,7 @@ log = get_logger(__name__)
 class AsyncClient:
     """Talks to a tq_async controller and its storage units.
 
-    Use it as an async context manager::
+    Use it as an async context manager:
 
         async with tq.AsyncClient.connect(address) as client:
             meta = await client.put(td, partition_id="train@0")
@@ -81,16 +81,16 @@ class AsyncClient:
     Args:
         address: the controller's endpoint (``cluster.address``, or what ``tq-async serve``
             printed).
-        connect_timeout: seconds :meth:`open` waits for the controller's first answer (at
-            most ``request_timeout``) before it fails with :class:`~tq_async.TQTimeoutError`
+        connect_timeout: seconds `open` waits for the controller's first answer (at
+            most ``request_timeout``) before it fails with `TQTimeoutError`
             naming the address (a host that drops the connection attempts, or a peer that
             never answers; ZMQ alone would wait forever). A refused connection (nothing
-            listens at the address) fails at once with :class:`~tq_async.BrokenError`.
+            listens at the address) fails at once with `BrokenError`.
         request_timeout: seconds any single non-waiting request may take before it fails with
-            :class:`~tq_async.TQTimeoutError` (a dead service never hangs the caller).
+            `TQTimeoutError` (a dead service never hangs the caller).
         allow_pickle: let this client pickle values msgpack cannot carry. None follows the
             controller's setting.
-        curve: CURVE keys, when the services require them (see :class:`~tq_async.CurveClient`).
+        curve: CURVE keys, when the services require them (see `CurveClient`).
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
             so nothing runs twice. None disables retries. A same-host Unix-socket
@@ -98,10 +98,10 @@ class AsyncClient:
             silent service there is a busy one, waited for up to ``request_timeout``.
         inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
             unit (new rows always do) goes to the controller in one message, which stores
-            and commits it (:class:`~tq_async._wire._protocol.PutInline`): one round trip instead
+            and commits it (`PutInline`): one round trip instead
             of three, and the lowest put-to-consumer latency. Larger puts send their columns
             straight to the units. 0 disables it.
-        inline_get_bytes: :meth:`get` asks the controller to send the cells along with the
+        inline_get_bytes: `get` asks the controller to send the cells along with the
             batch's metadata when they sit in storage units of the controller's own process
             (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
             round trip instead of two. Otherwise it reads them from the units. 0 disables it.
@@ -138,7 +138,7 @@ class AsyncClient:
             request fails for it.
 
     A client belongs to the event loop (and process) that opened it. It *holds* its parts
-    and delegates to them: its links (:class:`~tq_async._client._async._base.Links`: the pooled
+    and delegates to them: its links (`Links`: the pooled
     connections, arenas and same-host twins), the put path, the read path and the other
     controller calls, each built on the links.
     """
@@ -196,7 +196,7 @@ class AsyncClient:
     def connect(cls, address: str, **options: Unpack[ClientOptions]) -> AsyncClient:
         """A client for ``address``; enter it with ``async with`` to open the connection.
 
-        ``options`` are the constructor's (:class:`~tq_async.ClientOptions`)."""
+        ``options`` are the constructor's (`ClientOptions`)."""
         return cls(address, **options)
 
     # unasync: async-only
@@ -261,7 +261,7 @@ class AsyncClient:
         return self
 
     async def aclose(self) -> None:
-        """Close every socket; calls still waiting fail with :class:`~tq_async.ClosedError`."""
+        """Close every socket; calls still waiting fail with `ClosedError`."""
         self._links.close()
 
     @property
@@ -295,7 +295,7 @@ class AsyncClient:
 
     @property
     def inline_get_bytes(self) -> int:
-        """The most bytes :meth:`get` asks the controller to send along (the option;
+        """The most bytes `get` asks the controller to send along (the option;
         settable)."""
         return self._gets.inline_get_bytes
 
@@ -333,7 +333,7 @@ class AsyncClient:
                 seconds for room (None: until room is made or the call is cancelled).
 
         Returns:
-            A :class:`BatchMeta` of the written rows.
+            A `BatchMeta` of the written rows.
 
         Raises:
             SchemaError: columns disagree on rows, or contradict the partition's schema.
@@ -356,7 +356,7 @@ class AsyncClient:
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
-        """:meth:`put`, but raise :class:`~tq_async.WouldBlock` instead of waiting for room."""
+        """`put`, but raise `WouldBlock` instead of waiting for room."""
         return await self._puts.put_nowait(
             data, partition_id, meta=meta, tags=tags, policy_version=policy_version
         )
@@ -401,17 +401,17 @@ class AsyncClient:
             mode: ``"fetch"`` or ``"peek"``.
             timeout: seconds to wait for rows; None waits until data arrives or the call is
                 cancelled; 0 answers only what can be answered at once (else
-                :class:`TQTimeoutError`, nothing consumed).
+                `TQTimeoutError`, nothing consumed).
             stop_when_consumed: also return end-of-stream (instead of waiting) once the
                 partition holds rows and the task has consumed all of them, sealed or not.
             lease: seconds the delivered rows stay leased to this caller. Unless
-                acknowledged in time (:meth:`ack`, or ``ack=`` on the next request), they
+                acknowledged in time (`ack`, or ``ack=`` on the next request), they
                 return to the task and are delivered again: at-least-once, and exactly-once
                 for consumers that acknowledge.
             ack: batches this request acknowledges (typically the previous one).
 
         Returns:
-            A :class:`BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
+            A `BatchMeta`; it is empty with ``end_of_stream=True`` when the partition is
             sealed and every row has been consumed by the task. With ``dp_size`` in
             ``sampling_config`` it may also be empty without ``end_of_stream``: this rank's
             share of the last global batch; run the step anyway so collectives stay in step.
@@ -452,7 +452,7 @@ class AsyncClient:
         A field whose rows were put with different shapes (a rollout padded per batch) comes
         back dense when the rows read share a shape, and as a jagged nested tensor when they
         differ in their first dimension. Rows that differ in a later dimension cannot form one
-        tensor: reading them together raises :class:`~tq_async.SchemaError`.
+        tensor: reading them together raises `SchemaError`.
 
         Args:
             meta: the rows to read.
@@ -498,13 +498,13 @@ class AsyncClient:
         nested: bool | Collection[str] = False,
         device: Any = None,
     ) -> tuple[TensorDict, BatchMeta]:
-        """``get_meta`` then ``get_data``: the rows' data and their :class:`BatchMeta`.
+        """``get_meta`` then ``get_data``: the rows' data and their `BatchMeta`.
 
         One round trip when the controller can send the cells along (they sit in storage
         units of its own process and take at most ``inline_get_bytes``); two otherwise. The
-        result is the same either way. ``nested`` and ``device`` are :meth:`get_data`'s. A
+        result is the same either way. ``nested`` and ``device`` are `get_data`'s. A
         batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
-        storage unit; its ``TensorDict(batch_size=[0])`` is :meth:`get_data`'s (an empty share
+        storage unit; its ``TensorDict(batch_size=[0])`` is `get_data`'s (an empty share
         carries every field with 0 rows).
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
@@ -542,11 +542,11 @@ class AsyncClient:
         nested: bool | Collection[str] = False,
         device: Any = None,
     ) -> list[tuple[TensorDict, BatchMeta]]:
-        """:meth:`get` of a batch under its ``batch_index``, and of later batches that can
+        """`get` of a batch under its ``batch_index``, and of later batches that can
         be decided at once, in one round trip.
 
         The first item is ``sampling_config["batch_index"]``'s batch, waited for as
-        :meth:`get` waits (``timeout``; it may be the end of the stream). Then come the
+        `get` waits (``timeout``; it may be the end of the stream). Then come the
         batches of ``also`` (increasing indexes above it, at most 64) in order, each only if
         the controller could decide it at once when it answered: the list stops before
         the first that could not, that would end the stream, or that needs an ``async``
@@ -632,8 +632,8 @@ class AsyncClient:
         ``batch_index``: use auto-clear for streams that are read once.
 
         A fetch by one of these tasks holds its rows until the consumer acknowledges them,
-        so they are never freed before they are read: :meth:`get` acknowledges after
-        reading; after :meth:`get_meta` + :meth:`get_data`, call :meth:`ack`.
+        so they are never freed before they are read: `get` acknowledges after
+        reading; after `get_meta` + `get_data`, call `ack`.
         """
         return await self._calls.register_tasks(tasks, partition_id)
 
@@ -725,14 +725,14 @@ class AsyncClient:
     async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically).
 
-        Tag values are :meth:`put`'s: tuples and sets come back as lists.
+        Tag values are `put`'s: tuples and sets come back as lists.
         """
         return await self._calls.set_tags(meta, tags)
 
     async def set_policy_version(self, version: int) -> None:
         """The learner announces its policy version (after each update).
 
-        Wakes producers waiting in :meth:`acquire_rollout` and lets samplers re-check rows
+        Wakes producers waiting in `acquire_rollout` and lets samplers re-check rows
         for staleness.
         """
         return await self._calls.set_policy_version(version)
@@ -745,7 +745,7 @@ class AsyncClient:
         Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
         while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
         reserves ``n`` slots, freed when the learner task consumes the rows (or by
-        :meth:`release_rollout`, or when unconsumed rows are cleared).
+        `release_rollout`, or when unconsumed rows are cleared).
 
         Raises:
             TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
@@ -763,7 +763,7 @@ class AsyncClient:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
 
         Each recycled row is handed out exactly once; read its prompt fields with
-        :meth:`get_data` and put the regenerated sample as a new row.
+        `get_data` and put the regenerated sample as a new row.
         """
         return await self._calls.take_recycled(max_rows)
 
@@ -783,7 +783,7 @@ class AsyncClient:
         New keys get new rows; existing keys are updated in place, field by field (fields
         not in ``fields`` keep their values). ``tags`` are merged into each key's tags
         atomically with the data becoming visible. With ``fields=None`` only the tags change
-        (missing keys are created). The returned :class:`BatchMeta` names every field the keys
+        (missing keys are created). The returned `BatchMeta` names every field the keys
         have (not only this call's) and carries the keys.
 
         Raises:
@@ -796,7 +796,7 @@ class AsyncClient:
     async def kv_retrieve_meta(
         self, keys: Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
-        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has.
+        """A `BatchMeta` of ``keys``' rows, naming the fields every key has.
 
         Args:
             keys: the keys, in the order the rows should have.
@@ -873,7 +873,7 @@ class AsyncClient:
         """Write partitions (all by default), their state, tags, keys and cells to ``path``.
 
         ``metadata`` (a dict of JSON values, e.g. ``{"step": 10}``) is stored with the
-        checkpoint; read it back with :func:`tq_async.checkpoint_metadata`.
+        checkpoint; read it back with `tq_async.checkpoint_metadata`.
 
         The directory is written under a temporary name and renamed into place, so ``path``
         holds either a whole checkpoint or what it held before. Take it while producers are
@@ -886,7 +886,7 @@ class AsyncClient:
         return await self._calls.save_checkpoint(path, partition_ids, metadata=metadata)
 
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids.
+        """Restore a checkpoint written by `save_checkpoint`; returns the partition ids.
 
         Works onto any number of storage units. Every file is verified before anything is
         loaded, and the restored partitions appear all at once or not at all.

@@ -141,7 +141,7 @@ def _inline_parts(
 def _batch_meta(
     got: MetaReply, partition_id: str, task_name: str, batch_index: int | None
 ) -> BatchMeta:
-    """The :class:`BatchMeta` of a get_meta reply."""
+    """The `BatchMeta` of a get_meta reply."""
     return BatchMeta(
         partition_id=partition_id,
         global_indexes=got.rows,
@@ -225,8 +225,8 @@ def _release_pin(conn: DealerConnection, reply: Reply) -> None:
 
 
 class GetPath:
-    """The read path of a client: :meth:`~tq_async.AsyncClient.get_meta`,
-    :meth:`~tq_async.AsyncClient.get_data`, :meth:`~tq_async.AsyncClient.get`, ``ack`` and
+    """The read path of a client: `get_meta`,
+    `get_data`, `get`, ``ack`` and
     ``release``, over the client's links."""
 
     def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
@@ -236,7 +236,7 @@ class GetPath:
     async def meta_call(
         self, query: MetaQuery, inline_bytes: int
     ) -> tuple[BatchMeta, MetaReply, list[Any]]:
-        """:meth:`~tq_async.AsyncClient.get_meta` of a checked ``query``, plus the raw reply
+        """`get_meta` of a checked ``query``, plus the raw reply
         and its frames (cells sent inline, up to ``inline_bytes``); the client's
         ``get_meta`` calls it directly (one coroutine less per call on the control plane's
         hottest path)."""
@@ -297,7 +297,7 @@ class GetPath:
     async def fetch_host_columns(
         self, meta: BatchMeta, names: list[str]
     ) -> tuple[list[ColumnHeader], list[Column]]:
-        """:meth:`fetch_columns` into host memory (what a checkpoint writes)."""
+        """`fetch_columns` into host memory (what a checkpoint writes)."""
         headers, columns = await self.fetch_columns(meta, names)
         host: list[Column] = []
         for c in columns:
@@ -311,7 +311,7 @@ class GetPath:
         """Columns ``names`` of ``meta``'s rows, in ``meta`` order, fetched from every unit.
 
         With ``device``, columns a unit on this host keeps in its device arena (of that kind
-        of device) come as :class:`DeviceColumn` on ``device``, copied device to device.
+        of device) come as `DeviceColumn` on ``device``, copied device to device.
         """
         by_unit = positions_by_unit(meta.units)
         parts: dict[int, tuple[list[ColumnHeader], list[Column | DeviceColumn]]] = {}
@@ -389,7 +389,7 @@ class GetPath:
 
     async def get(self, query: MetaQuery) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
-        :class:`BatchMeta`."""
+        `BatchMeta`."""
         meta, got, frames = await self.meta_call(query, self.inline_get_bytes)
         lease = query.lease
         try:
@@ -406,7 +406,7 @@ class GetPath:
         return td, meta
 
     async def get_batches(self, query: MetaQuery) -> list[tuple[TensorDict, BatchMeta]]:
-        """:meth:`get` of the batch the query's ``batch_index`` names, and of the batches its
+        """`get` of the batch the query's ``batch_index`` names, and of the batches its
         ``also`` names that can be decided at once, in one round trip."""
         meta, got, frames = await self.meta_call(query, self.inline_get_bytes)
         partition_id, task_name, lease = query.partition_id, query.task_name, query.lease

@@ -1,6 +1,6 @@
-"""A client's NIXL links to storage units on other hosts (see :mod:`tq_async._paths._nixl`).
+"""A client's NIXL links to storage units on other hosts (see `tq_async._paths._nixl`).
 
-:class:`NixlLinks` is held by a client: it says hello to each unit once (the unit's agent
+`NixlLinks` is held by a client: it says hello to each unit once (the unit's agent
 metadata and arena), and moves a put's or a read's bytes with one-sided WRITE/READ between
 the process's registered staging buffers and the unit's arena, on a worker thread. A transfer
 that fails gives its grant or pin back and returns ``False``/``None``: the caller sends the

@@ -2,15 +2,15 @@
 # do not edit; change the source and run `python scripts/unasync.py`.
 """The client's plumbing: its links to the controller and the storage units.
 
-A client *holds* its links as one object, :class:`Links`: it opens (on first use) and pools
+A client *holds* its links as one object, `Links`: it opens (on first use) and pools
 one connection to the controller and one per storage unit, follows units that move (a
 restarted unit answers at a new address; the controller's replies carry a
 ``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
 its verified twins), re-creates all of it in a forked child, and sends controller requests.
-:class:`tq_async.Client` checks its options and holds the links and three parts
-built on them, to which it delegates: the put path (:mod:`tq_async._client._sync._put`), the read
-path (:mod:`tq_async._client._sync._get`: get_meta, get_data, get) and the other controller calls
-(:mod:`tq_async._client._sync._calls`: status, staleness, KV, checkpoints). The helpers only one
+`tq_async.Client` checks its options and holds the links and three parts
+built on them, to which it delegates: the put path (`tq_async._client._sync._put`), the read
+path (`tq_async._client._sync._get`: get_meta, get_data, get) and the other controller calls
+(`tq_async._client._sync._calls`: status, staleness, KV, checkpoints). The helpers only one
 of them uses live next to it, and the few shared ones here are public (no private name
 crosses a client module).
 """
@@ -375,9 +375,9 @@ class Links:
 
     def _link(self, unit_id: int, conn: BlockingConnection) -> None:
         """Set up shared memory with the unit and move to its same-host twin, if it answers
-        in time; otherwise stay on the socket path (counted in :attr:`link_fallbacks`).
+        in time; otherwise stay on the socket path (counted in `link_fallbacks`).
 
-        A handshake waits at most :data:`SHM_HELLO_TIMEOUT`: a unit too busy to answer one
+        A handshake waits at most `SHM_HELLO_TIMEOUT`: a unit too busy to answer one
         within that is better used through the socket it already answers on than waited
         for, and nothing was consumed by a handshake that timed out.
         """

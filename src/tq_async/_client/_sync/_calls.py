@@ -279,7 +279,7 @@ class ControlCalls:
     def kv_retrieve_meta(
         self, keys: Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
-        """A :class:`BatchMeta` of ``keys``' rows, naming the fields every key has."""
+        """A `BatchMeta` of ``keys``' rows, naming the fields every key has."""
         key_list = _check_keys(keys)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
@@ -368,7 +368,7 @@ class ControlCalls:
         save_checkpoint(self._checkpoint_link(), os.fspath(path), partition_ids, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> list[str]:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns the partition ids."""
+        """Restore a checkpoint written by `save_checkpoint`; returns the partition ids."""
         return load_checkpoint(self._checkpoint_link(), os.fspath(path))
 
     def _checkpoint_link(self) -> ClientLink:

@@ -2,10 +2,10 @@
 # do not edit; change the source and run `python scripts/unasync.py`.
 """Checkpoints: the controller's state and every cell, in a directory written atomically.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory:
 
     manifest.json      format name and version, the size and sha256 of every other file,
-                       and the caller's ``metadata`` (JSON; :func:`checkpoint_metadata`)
+                       and the caller's ``metadata`` (JSON; `checkpoint_metadata`)
     state.msgpack      the controller snapshot (partitions, production, consumption, tags,
                        keys, recorded batches) and the sampler's state_dict
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
@@ -139,7 +139,7 @@ def save_checkpoint(
     partition_ids: Sequence[str] | None,
     metadata: Mapping[str, Any] | None = None,
 ) -> None:
-    """See :meth:`Client.save_checkpoint`."""
+    """See `Client.save_checkpoint`."""
     user_metadata = _user_metadata(metadata)
     ids = None if partition_ids is None else list(partition_ids)
     dump: StateDump = client.call(DumpState(ids), StateDump)
@@ -300,7 +300,7 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
 
 
 def load_checkpoint(client: ClientLink, path: str) -> list[str]:
-    """See :meth:`Client.load_checkpoint`."""
+    """See `Client.load_checkpoint`."""
     state, cells = run_sync_off_loop(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
     placement: dict[str, list[int]] = client.call(

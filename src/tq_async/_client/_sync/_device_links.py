@@ -1,8 +1,8 @@
 # Generated from src/tq_async/_client/_async/_device_links.py by scripts/unasync.py:
 # do not edit; change the source and run `python scripts/unasync.py`.
-"""A client's side of the storage units' device arenas (see :mod:`tq_async._paths._device`).
+"""A client's side of the storage units' device arenas (see `tq_async._paths._device`).
 
-:class:`DeviceLinks` is held by a client on the units' host: it asks each unit once for its
+`DeviceLinks` is held by a client on the units' host: it asks each unit once for its
 device arena (after the shared-memory handshake verified the unit is on this host), opens
 it (a CUDA IPC handle, once per unit), and moves a put's device columns into it and a
 read's out of it with device-to-device copies. The copies run on the caller's current
@@ -11,8 +11,8 @@ pin is dropped (reads); what a read returns is the caller's own memory on the de
 named, complete.
 
 A client uses the path when the column is a dense tensor on a GPU of at least
-:data:`DEVICE_MIN_BYTES` and the unit offers an arena; otherwise the column goes through
-host memory as before (pinned staging, :mod:`tq_async._paths._device_copy`), which is also what a
+`DEVICE_MIN_BYTES` and the unit offers an arena; otherwise the column goes through
+host memory as before (pinned staging, `tq_async._paths._device_copy`), which is also what a
 reader on another host, or one that asks for host tensors, gets from the unit.
 """
 
@@ -58,7 +58,7 @@ _grant_decoder = msgspec.msgpack.Decoder(ShmGrant | None)
 
 def keeps_on_device(t: Any) -> bool:
     """Whether a put may move column ``t`` device to device: a dense tensor on a GPU (on
-    the host too, in emulation: tests) of at least :data:`DEVICE_MIN_BYTES`."""
+    the host too, in emulation: tests) of at least `DEVICE_MIN_BYTES`."""
     if not isinstance(t, torch.Tensor):
         return False
     kind = t.device.type  # first: a host tensor (the common case) stops here

@@ -4,7 +4,7 @@
 
 A put is three steps — ask the controller for rows and placement, send each unit its slice
 (through the unit's shared memory on the same host), commit — or one message to the
-controller for a small put whose rows sit on one unit (:class:`PutInline`). The rows become
+controller for a small put whose rows sit on one unit (`PutInline`). The rows become
 visible to consumers only at the commit, with their tags.
 """
 
@@ -95,7 +95,7 @@ def _host(column: Column | DeviceColumn) -> TypeGuard[Column]:
 def _take_rows(
     column: Column | DeviceColumn, runs: Sequence[tuple[int, int]]
 ) -> Column | DeviceColumn:
-    """:func:`take_rows`, for device columns too (their rows joined on the device)."""
+    """`take_rows`, for device columns too (their rows joined on the device)."""
     if not isinstance(column, DeviceColumn):
         return take_rows(column, runs)
     t = column.tensor
@@ -119,8 +119,8 @@ class _Put:
 
 
 class PutPath:
-    """The put path of a client: :meth:`~tq_async.Client.put` and
-    :meth:`~tq_async.Client.put_nowait` (and the keyed puts of the KV calls), over the
+    """The put path of a client: `put` and
+    `put_nowait` (and the keyed puts of the KV calls), over the
     client's links."""
 
     def __init__(self, links: Links, *, inline_put_bytes: int) -> None:
@@ -157,7 +157,7 @@ class PutPath:
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
-        """:meth:`put`, but raise :class:`~tq_async.WouldBlock` instead of waiting for room."""
+        """`put`, but raise `WouldBlock` instead of waiting for room."""
         return self.write(
             data,
             partition_id,
@@ -247,7 +247,7 @@ class PutPath:
         )
 
     def _small(self, columns: list[Column | DeviceColumn]) -> bool:
-        """Whether a put's columns go in one message to the controller (:class:`PutInline`;
+        """Whether a put's columns go in one message to the controller (`PutInline`;
         device columns never do)."""
         size = 0
         for c in columns:

@@ -1,11 +1,11 @@
 # Generated from src/tq_async/_client/_async/_query.py by scripts/unasync.py:
 # do not edit; change the source and run `python scripts/unasync.py`.
-"""A read's arguments, checked once: :class:`MetaQuery`.
+"""A read's arguments, checked once: `MetaQuery`.
 
-:meth:`~tq_async.Client.get_meta`, :meth:`~tq_async.Client.get` and
-:meth:`~tq_async.Client.get_batches` keep their explicit signatures (for users and type
-checkers); each checks its arguments once with :func:`meta_query` and passes the query down
-the read path (:class:`~tq_async._client._sync._get.GetPath`), which reads them from it.
+`get_meta`, `get` and
+`get_batches` keep their explicit signatures (for users and type
+checkers); each checks its arguments once with `meta_query` and passes the query down
+the read path (`GetPath`), which reads them from it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
 
 
 class MetaQuery(NamedTuple):
-    """The checked arguments of one read (see :meth:`~tq_async.Client.get_meta`)."""
+    """The checked arguments of one read (see `get_meta`)."""
 
     fields: list[str]
     batch_size: int
@@ -97,7 +97,7 @@ def meta_query(
     nested: bool | Collection[str] = False,
     device: Any = None,
 ) -> MetaQuery:
-    """Check a read's arguments (before anything is sent) into a :class:`MetaQuery`.
+    """Check a read's arguments (before anything is sent) into a `MetaQuery`.
 
     Raises:
         InvalidRequestError: an argument is not what the read takes (the message names it).

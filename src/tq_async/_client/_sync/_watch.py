@@ -2,13 +2,13 @@
 # do not edit; change the source and run `python scripts/unasync.py`.
 """``client.watch()``: the controller's events as an iterator.
 
-A :class:`Watcher` long-polls the controller (:class:`~tq_async._wire._protocol.WatchNext`):
+A `Watcher` long-polls the controller (`WatchNext`):
 each request asks for the events after the last one it got and returns once some match, so
 nothing is pushed and nothing is held between requests. Breaking out of the loop or
 cancelling it leaves nothing behind: a request still waiting is cancelled on the controller.
-:attr:`Watcher.incarnation` and :attr:`Watcher.seq` say where it stands; a new watch with
+`Watcher.incarnation` and `Watcher.seq` say where it stands; a new watch with
 ``since=seq, incarnation=incarnation`` goes on from there, with no gap and no duplicate, or
-starts with one :class:`~tq_async._wire._events.Resync` when the controller cannot tell the
+starts with one `Resync` when the controller cannot tell the
 events in between.
 """
 
