@@ -74,6 +74,8 @@ async def local_cluster(
     deadlines: Deadlines | None = None,
     shm_cap: int = DEFAULT_SHM_CAP,
     data_path: str = "auto",
+    durability: str = "memory",
+    data_dir: str | None = None,
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -112,6 +114,11 @@ async def local_cluster(
             once written.
         data_path: what the storage units offer besides the socket (``"auto"``, ``"shm"``,
             ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+        durability: ``"memory"`` (default), ``"process"`` or ``"fsync"``: the controller
+            journals its state under ``data_dir`` (see :class:`~tq_async.Config` and
+            ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
+            after a restart of the whole process the rows' cells are gone).
+        data_dir: the controller's journal directory (for ``process`` / ``fsync``).
         config: the whole deployment as a :class:`~tq_async.Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -142,6 +149,8 @@ async def local_cluster(
         deadlines=deadlines,
         shm_cap=shm_cap,
         data_path=data_path,
+        durability=durability,
+        data_dir=data_dir,
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -208,7 +217,16 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     """Fold ``config`` (if any) into the explicit arguments, and check them."""
     options = {
         k: given[k]
-        for k in ("sampler", "task_samplers", "allow_pickle", "admission", "curve", "deadlines")
+        for k in (
+            "sampler",
+            "task_samplers",
+            "allow_pickle",
+            "admission",
+            "curve",
+            "deadlines",
+            "durability",
+            "data_dir",
+        )
     }
     auto_clear: list[str] = []
     if config is not None:
@@ -317,6 +335,8 @@ _CONFIG_COVERS: dict[str, Any] = {
     "deadlines": None,
     "shm_cap": DEFAULT_SHM_CAP,
     "data_path": "auto",
+    "durability": "memory",
+    "data_dir": None,
 }
 
 
