@@ -5,12 +5,12 @@ Pure: no files, no clock. The I/O shell (:mod:`tq_async._controller._journal`) w
 per group commit, and hands them back to :func:`recover` when a controller starts on the
 same ``data_dir``.
 
-A partition's record is its checkpoint dump (:meth:`Partition.dump`, the format
-``save_checkpoint`` uses) plus what a checkpoint leaves out because a restore starts afresh:
-the incarnation (old ``BatchMeta`` objects stay valid), the leases with the seconds they had
-left, the recorded batches' settled keys and past lease ids (a late ack still settles), and
-the uncommitted put leases. Recovery rebuilds partitions with :meth:`Partition.restore` (the
-checkpoint's own code) and gives leases back through
+A partition's record is its checkpoint dump (the format ``save_checkpoint`` uses, with the
+per-row integer arrays as bytes: :class:`RowsRecord`) plus what a checkpoint leaves out
+because a restore starts afresh: the incarnation (old ``BatchMeta`` objects stay valid), the
+leases with the seconds they had left, the recorded batches' settled keys and past lease ids
+(a late ack still settles), and the uncommitted put leases. Recovery rebuilds partitions
+with :meth:`Partition.restore` (the checkpoint's own code) and gives leases back through
 :meth:`~tq_async._core._leases.GetLeases.adopt` (the code that gives new ones); uncommitted
 puts are aborted through :meth:`ControllerCore.abort_puts`, expired leases expire through
 :meth:`ControllerCore.advance`, storage units that served rows are suspended until they come
@@ -21,12 +21,13 @@ transition after recovery is the core's.
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from .._wire._protocol import PartitionDump
+from .._wire._protocol import FieldDump, PartitionDump
 from ._effects import Effects
 from ._state import Lease, Partition, PutLease
 from ._transitions import ControllerCore
@@ -36,6 +37,7 @@ __all__ = [
     "ControllerRecord",
     "LeaseRecord",
     "PartitionRecord",
+    "RowsRecord",
     "controller_record",
     "decode_controller",
     "decode_partition",
@@ -58,10 +60,71 @@ class LeaseRecord(msgspec.Struct, array_like=True):
     left: float | None
 
 
+class RowsRecord(msgspec.Struct, array_like=True):
+    """A :class:`PartitionDump` with its per-row integer arrays as machine-order bytes (a
+    commit copies them instead of building lists of ints: about 15x faster at 1M rows)."""
+
+    partition_id: str
+    n_rows: int
+    alive: bytes
+    origin: bytes
+    units: bytes
+    tags: list[dict[str, Any] | None]
+    row_keys: list[str | None]
+    sealed: bool
+    fields: list[FieldDump]
+    consumed: dict[str, bytes]
+    deliveries: list[tuple[str, int, int, list[int]]]
+    row_version: bytes
+    field_versions: dict[str, bytes]
+
+    @classmethod
+    def of(cls, p: Partition) -> RowsRecord:
+        return cls(
+            partition_id=p.partition_id,
+            n_rows=p.n_rows,
+            alive=bytes(p.alive),
+            origin=p.origin.tobytes(),
+            units=p.units.tobytes(),
+            tags=list(p.tags),
+            row_keys=list(p.row_keys),
+            sealed=p.sealed,
+            fields=[FieldDump(f.header, bytes(f.produced)) for f in p.fields.values()],
+            consumed={t: bytes(c) for t, c in p.consumed.items()},
+            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in p.recorded.items()],
+            row_version=p.row_version.tobytes(),
+            field_versions={f: v.tobytes() for f, v in p.field_versions.items()},
+        )
+
+    def dump(self) -> PartitionDump:
+        """The checkpoint format, which :meth:`Partition.restore` reads."""
+        return PartitionDump(
+            partition_id=self.partition_id,
+            n_rows=self.n_rows,
+            alive=self.alive,
+            origin=_ints("q", self.origin),
+            units=_ints("i", self.units),
+            tags=self.tags,
+            row_keys=self.row_keys,
+            sealed=self.sealed,
+            fields=self.fields,
+            consumed=self.consumed,
+            deliveries=self.deliveries,
+            row_version=_ints("q", self.row_version),
+            field_versions={f: _ints("q", v) for f, v in self.field_versions.items()},
+        )
+
+
+def _ints(typecode: str, raw: bytes) -> list[int]:
+    a = array(typecode)
+    a.frombytes(raw)
+    return a.tolist()
+
+
 class PartitionRecord(msgspec.Struct, array_like=True):
     """Everything the controller knows of one partition, at wall-clock time ``wall``."""
 
-    dump: PartitionDump
+    rows: RowsRecord
     incarnation: str
     wall: float
     leases: list[LeaseRecord]
@@ -122,7 +185,7 @@ def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
         for lease in p.leases.values()
     ]
     return PartitionRecord(
-        dump=p.dump(),
+        rows=RowsRecord.of(p),
         incarnation=p.incarnation,
         wall=wall,
         leases=leases,
@@ -210,7 +273,8 @@ def _restart_ids(core: ControllerCore, next_id: int) -> None:
 
 def _recover_partition(core: ControllerCore, rec: PartitionRecord, now: float, wall: float) -> None:
     st = core.state
-    p = Partition.restore(rec.dump, rec.dump.units)
+    dump = rec.rows.dump()
+    p = Partition.restore(dump, dump.units)
     p.incarnation = rec.incarnation
     p.unavailable = st.unavailable
     p.groups.limits = st.group_limits
