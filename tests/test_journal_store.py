@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 import tq_async as tq
@@ -33,11 +34,17 @@ def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -
     store.write(b"c3", {"c": b"3" * 40000}, [])
     crashed = tmp_path / "crashed"  # the files as a crash in the middle of the last commit
     shutil.copytree(live, crashed)
+    shutil.copytree(live, tmp_path / "whole")
     store.close()
+    with structlog.testing.capture_logs() as logs:
+        assert JournalStore(tmp_path / "whole", "fsync").load()[0] == b"c3"
+    assert not logs  # a WAL of whole frames is no torn tail
     torn = crashed / "controller.db-wal"
     with torn.open("r+b") as f:
         f.truncate(size_before_last + (torn.stat().st_size - size_before_last) // 2)
-    ctl, parts = JournalStore(crashed, "fsync").load()
+    with structlog.testing.capture_logs() as logs:
+        ctl, parts = JournalStore(crashed, "fsync").load()
+    assert any("torn" in e["event"] for e in logs)
     assert ctl == b"c2"
     assert sorted(parts) == [b"1" * 4000, b"2" * 4000]
 

@@ -106,6 +106,7 @@ class JournalStore:
         self.data_dir = os.fspath(data_dir)
         _claim(self.data_dir)
         self.path = os.path.join(self.data_dir, _DB)
+        _check_wal_tail(self.path)
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
@@ -141,6 +142,31 @@ class JournalStore:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _check_wal_tail(path: str) -> None:
+    """Log a WAL that ends in a partial frame (a write torn by a crash).
+
+    SQLite drops it when the database opens (a frame's checksum, a commit's marker): only a
+    commit whose replies were never sent can be in it.
+    """
+    try:
+        with open(path, "rb") as db:
+            header = db.read(18)
+        wal_size = os.path.getsize(path + "-wal")
+    except OSError:
+        return  # a new journal, or no WAL left by the last run
+    if len(header) < 18 or wal_size == 0:
+        return
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if (wal_size - 32) % (24 + page):
+        log.warning(
+            "the journal's last write was torn by a crash: SQLite discards it (it held no "
+            "acknowledged change)",
+            wal=path + "-wal",
+            bytes=wal_size,
+        )
 
 
 def _claim(data_dir: str) -> None:
