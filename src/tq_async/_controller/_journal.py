@@ -104,6 +104,8 @@ class JournalStore:
 
     def __init__(self, data_dir: str | os.PathLike[str], durability: Durability) -> None:
         self.data_dir = os.fspath(data_dir)
+        #: commits wait for the disk (fsync): they run in a worker thread, not on the loop
+        self.slow = durability == "fsync"
         _claim(self.data_dir)
         self.path = os.path.join(self.data_dir, _DB)
         _check_wal_tail(self.path)
@@ -343,7 +345,10 @@ class Recorder:
         sends, self.held = self.held, []
         self.writing = True
         try:
-            await anyio.to_thread.run_sync(self.store.write, ctl, upserts, deletes)
+            if self.store.slow:
+                await anyio.to_thread.run_sync(self.store.write, ctl, upserts, deletes)
+            else:  # a commit without fsync only copies to the OS: cheaper than a thread hop
+                self.store.write(ctl, upserts, deletes)
         except (OSError, sqlite3.Error) as exc:
             # nothing written: mark it again, keep the replies for the next commit (a client
             # that retries meanwhile gets its reply from the cache, held the same way)
