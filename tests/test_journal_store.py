@@ -73,18 +73,19 @@ def test_config_toml_and_cli_carry_the_settings(tmp_path: Path) -> None:
         parser.parse_args(["serve", "--durability", "disk"])
 
 
-async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path) -> None:
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, level: str) -> None:
     """The controller's state comes back; the cells of its in-process units do not (they keep
     RAM only): their rows are reported lost, never handed out as if they were there."""
     async with (
-        tq.local_cluster(durability="process", data_dir=str(tmp_path)) as cluster,
+        tq.local_cluster(durability=level, data_dir=str(tmp_path)) as cluster,
         tq.AsyncClient.connect(cluster.address) as c,
     ):
         meta = await c.put({"x": torch.arange(4)}, "p")
         await c.seal("p")
         got = await c.get_meta(["x"], 2, "p", "t")
     async with (
-        tq.local_cluster(durability="process", data_dir=str(tmp_path)) as cluster,
+        tq.local_cluster(durability=level, data_dir=str(tmp_path)) as cluster,
         tq.AsyncClient.connect(cluster.address) as c,
     ):
         info = await c.partition_info("p")
