@@ -205,6 +205,7 @@ SHELL = [
     "_controller._calls",
     "_controller._queries",
     "_controller._watch",
+    "_controller._journal",
 ]
 #: how the shell's modules reach the state: the server, each part, the core they hold
 STATE_ROOTS = {"self.state", "self.shell.state", "self.core.state", "self.shell.core.state"}

@@ -79,6 +79,7 @@ from .._wire._protocol import (
 from ..samplers import BaseSampler
 from ._calls import ControlCalls
 from ._gets import GetPath
+from ._journal import Durability, JournalStore, Recorder, check_durability
 from ._puts import PutPath
 from ._queries import QUERIES
 from ._shell import Shell
@@ -107,6 +108,10 @@ class ControllerServer(Service):
         deadlines: the put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
         default_lease: seconds of the lease of a fetch that asks for none (None: no lease
             unless asked for).
+        durability: ``"memory"`` (default), or ``"process"`` / ``"fsync"``: the state is
+            journaled under ``data_dir`` and a controller started on it recovers (see
+            :mod:`tq_async._controller._journal` and ``docs/guarantees.md``).
+        data_dir: the journal's directory (an existing one: empty, or a controller's).
     """
 
     def __init__(
@@ -123,7 +128,10 @@ class ControllerServer(Service):
         local_units: Mapping[int, StorageServer] | None = None,
         deadlines: Deadlines | None = None,
         default_lease: float | None = None,
+        durability: Durability = "memory",
+        data_dir: str | None = None,
     ) -> None:
+        check_durability(durability, data_dir)
         super().__init__(metrics or Metrics(None, "controller"), controller_request_decoder)
         self.core = ControllerCore(
             state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
@@ -145,6 +153,11 @@ class ControllerServer(Service):
             waiting_warning_after=deadlines.waiting_warning_after,
         )
         self._calls = ControlCalls(self._shell, self._links)
+        #: the journal of a durable controller (None at durability "memory")
+        self.recorder: Recorder | None = None
+        if durability != "memory" and data_dir is not None:
+            store = JournalStore(data_dir, durability)
+            self.recorder = Recorder(store, self.core, self._links._unit_instance)
         self.handlers = self._handler_table()
 
     @property
@@ -221,8 +234,15 @@ class ControllerServer(Service):
         shell = self._shell
         async with anyio.create_task_group() as tg:
             shell.tg = tg
+            recorder = self.recorder
+            if recorder is not None:
+                local = {u: self.state.units[u] for u in self.local_units if u in self.state.units}
+                shell.apply(recorder.recover(shell.now(), local))
             endpoint = RouterEndpoint(bind, self.on_message, curve=self._links.curve, twin="uds")
             self._endpoint = shell.endpoint = endpoint
+            if recorder is not None:
+                shell.endpoint = recorder.wrap(endpoint)
+                tg.start_soon(recorder.run, shell.now)
             self._links.connect_all()
             try:
                 task_status.started(endpoint.address)
@@ -253,7 +273,7 @@ class ControllerServer(Service):
         table: dict[type, Handler] = {
             typ: partial(_query, self.core, answer) for typ, answer in QUERIES.items()
         }
-        table |= {
+        changes: dict[type, Handler] = {
             GetMeta: gets.on_get_meta,
             Cancel: gets.on_cancel,
             PutBegin: puts.on_put_begin,
@@ -282,7 +302,9 @@ class ControllerServer(Service):
             RegisterUnit: self._links.on_register_unit,
             WatchNext: self._shell.watch.on_watch_next,
         }
-        return table
+        if self.recorder is not None:
+            changes = {typ: self.recorder.noting(h) for typ, h in changes.items()}
+        return table | changes
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -27,11 +27,10 @@ from .._errors import ClosedError, TQTimeoutError
 from .._service._loop import Incoming
 from .._service._metrics import Metrics
 from .._service._parking import ParkingLot
-from .._transport._router import RouterEndpoint
 from .._wire._protocol import MetaReply, Placement, ok_reply
 from ._watch import WatchHub
 
-__all__ = ["FreeRows", "SendError", "Shell"]
+__all__ = ["FreeRows", "SendError", "Sends", "Shell"]
 
 #: replies remembered for deduplicating retried requests (about 1 KiB each)
 _REPLY_CACHE = 8192
@@ -40,6 +39,12 @@ _REPLY_CACHE = 8192
 SendError = Callable[[bytes, int, BaseException, str], None]
 #: ``(partition, rows by unit, incarnation)``: tell the storage units to free rows
 FreeRows = Callable[[str, Mapping[int, "list[int] | None"], "str | None"], None]
+
+
+class Sends(Protocol):
+    """Where replies go: the ROUTER socket (a durable controller's holds them until written)."""
+
+    def send(self, peer: bytes, frames: Sequence[Any]) -> None: ...
 
 
 class Shell:
@@ -61,7 +66,7 @@ class Shell:
         #: set while shutting down: units going away then are not "lost"
         self.stopping = False
         #: the ROUTER socket, while serving
-        self.endpoint: RouterEndpoint | None = None
+        self.endpoint: Sends | None = None
         self.tg: TaskGroup | None = None
         #: requests that are waiting, by (client identity, request id)
         self.pending: dict[tuple[bytes, int], anyio.CancelScope] = {}

@@ -95,20 +95,25 @@ class GetLeases:
     ) -> int:
         lease_id = next(self._ids)
         deadline = None if req.lease is None else now + req.lease
-        p.leases[lease_id] = Lease(lease_id, req.task_name, rows, key, deadline)
+        self.adopt(p, Lease(lease_id, req.task_name, rows, key, deadline))
+        self.state.events.lease(p.partition_id, req.task_name, lease_id, rows, req.lease)
+        return lease_id
+
+    def adopt(self, p: Partition, lease: Lease) -> None:
+        """Give ``lease`` (a new one, or one a recovering controller read from its journal)."""
+        lease_id, key, deadline = lease.lease_id, lease.key, lease.deadline
+        p.leases[lease_id] = lease
         self.home[lease_id] = p
         if key is not None:
             p.batch_leases[key] = lease_id
             p.lease_batch[lease_id] = key
             self.batch_home[lease_id] = p
         if deadline is not None:
-            p.open_leases[req.task_name] = p.open_leases.get(req.task_name, 0) + 1
+            p.open_leases[lease.task] = p.open_leases.get(lease.task, 0) + 1
             self._arm(deadline, "lease", lease_id)
         held = p.held
-        for r in rows:
+        for r in lease.rows:
             held[r] = held.get(r, 0) + 1
-        self.state.events.lease(p.partition_id, req.task_name, lease_id, rows, req.lease)
-        return lease_id
 
     def drop(self, p: Partition, lease: Lease, *, acked: bool = False) -> None:
         del p.leases[lease.lease_id]

@@ -146,6 +146,8 @@ _CONFIG_FLAGS = {
     "device_index": "device_index",
     "placement": "placement",
     "host_id": "host_id",
+    "durability": "durability",
+    "data_dir": "data_dir",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -305,6 +307,25 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
 
 
+def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
+        "--durability",
+        choices=["memory", "process", "fsync"],
+        default=argparse.SUPPRESS if in_role else "memory",
+        help="memory: nothing survives a crash (the default, fastest); process: the controller "
+        "acknowledges a change once it is in its journal's files (survives SIGKILL/OOM of the "
+        "controller); fsync: once it is on the disk (survives a machine crash). Storage units "
+        "keep cells in memory at every level for now: see docs/guarantees.md",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=argparse.SUPPRESS if in_role else None,
+        metavar="DIR",
+        help="the controller's journal directory for --durability process/fsync (an existing "
+        "directory: empty, or an earlier controller's, which is then recovered)",
+    )
+
+
 def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--capacity",
@@ -365,6 +386,7 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
         "(default: 30)",
     )
     _add_capacity(ctl, in_role=True)
+    _add_durability(ctl, in_role=True)
     _add_shm(unit, in_role=True)
     _add_deadlines(ctl, in_role=True)
     for role in (ctl, unit):
@@ -412,6 +434,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_shared(serve, in_role=False)
     _add_capacity(serve, in_role=False)
+    _add_durability(serve, in_role=False)
     _add_deadlines(serve, in_role=False)
     _add_shm(serve, in_role=False)
     serve.set_defaults(role=None)

@@ -77,6 +77,8 @@ async def local_cluster(
     data_path: str = "auto",
     placement: str = "auto",
     host_id: str | Sequence[str] | None = None,
+    durability: str = "memory",
+    data_dir: str | None = None,
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -121,6 +123,11 @@ async def local_cluster(
         host_id: the storage units' host id (default: ``$TQ_HOST_ID``, the Ray node id or
             the machine's), or one per unit: labels that make one machine look like
             several hosts (tests and benchmarks of locality).
+        durability: ``"memory"`` (default), ``"process"`` or ``"fsync"``: the controller
+            journals its state under ``data_dir`` (see :class:`~tq_async.Config` and
+            ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
+            after a restart of the whole process the rows' cells are gone).
+        data_dir: the controller's journal directory (for ``process`` / ``fsync``).
         config: the whole deployment as a :class:`~tq_async.Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -153,6 +160,8 @@ async def local_cluster(
         data_path=data_path,
         placement=placement,
         host_id=host_id,
+        durability=durability,
+        data_dir=data_dir,
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -222,7 +231,16 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     """Fold ``config`` (if any) into the explicit arguments, and check them."""
     options = {
         k: given[k]
-        for k in ("sampler", "task_samplers", "allow_pickle", "admission", "curve", "deadlines")
+        for k in (
+            "sampler",
+            "task_samplers",
+            "allow_pickle",
+            "admission",
+            "curve",
+            "deadlines",
+            "durability",
+            "data_dir",
+        )
     }
     auto_clear: list[str] = []
     if config is not None:
@@ -352,6 +370,8 @@ _CONFIG_COVERS: dict[str, Any] = {
     "data_path": "auto",
     "placement": "auto",
     "host_id": None,
+    "durability": "memory",
+    "data_dir": None,
 }
 
 

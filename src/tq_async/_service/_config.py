@@ -326,6 +326,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         task_samplers: samplers for particular tasks, by task name.
         admission: staleness and capacity bounds for ``acquire_rollout``.
         curve: CURVE key files: encrypt every socket, admit only the allowed clients.
+        durability: ``"memory"`` (default: today's speed, nothing survives a crash),
+            ``"process"`` (the controller acknowledges a change once it is in its journal's
+            files: survives SIGKILL or OOM of the controller) or ``"fsync"`` (once it is on
+            the disk: survives a machine crash). See ``docs/guarantees.md``.
+        data_dir: the controller's journal directory for ``process`` / ``fsync`` (an
+            existing directory, empty or an earlier controller's: a controller started on it
+            recovers). Storage units keep their cells in memory at every level for now.
     """
 
     num_storage_units: int = 2
@@ -351,8 +358,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     task_samplers: dict[str, SamplerSpec] = msgspec.field(default_factory=dict)
     admission: AdmissionSection | None = None
     curve: CurveSection | None = None
+    durability: Literal["memory", "process", "fsync"] = "memory"
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.durability != "memory" and self.data_dir is None:
+            raise ConfigError(
+                f"data_dir: durability {self.durability!r} keeps the controller's state in a "
+                'directory; give data_dir (e.g. data_dir = "/var/lib/tq-async/controller")'
+            )
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
         for name in ("device_cap", "device_index"):
@@ -459,6 +473,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "curve": self.load_curve(),
             "default_lease": self.default_lease,
             "deadlines": self.deadlines(),
+            "durability": self.durability,
+            "data_dir": self.data_dir,
         }
 
     def deadlines(self) -> Deadlines:

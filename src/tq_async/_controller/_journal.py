@@ -1,0 +1,403 @@
+"""A durable controller: its state in SQLite under ``data_dir``, replies held until written.
+
+At ``durability="process"`` or ``"fsync"`` the controller keeps, in ``data_dir/controller.db``
+(SQLite in WAL mode, from the standard library), the last record of every partition and of
+the controller itself (:mod:`tq_async._core._journal`). A request that changes a partition
+marks it; its reply is held until a group commit wrote every marked partition: many
+concurrent requests share one transaction (and, at ``fsync``, one fsync). So a put commit,
+an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
+operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
+disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
+way. A controller started on the same ``data_dir`` recovers through
+:func:`~tq_async._core._journal.recover`.
+
+A torn tail is SQLite's business: a transaction is in the database whole or not at all (the
+WAL's frames carry checksums; an incomplete commit is discarded when the database opens). A
+damaged database file is a clear error at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from .._core._journal import (
+    FORMAT,
+    controller_record,
+    decode_controller,
+    decode_partition,
+    encode,
+    partition_record,
+    recover,
+)
+from .._core._transitions import ControllerCore, Effects
+from .._errors import ConfigError, TQError
+from .._logging import get_logger
+from .._service._loop import Handler, Incoming
+from .._wire._protocol import (
+    Ack,
+    AcquireRollout,
+    GetMeta,
+    RegisterTasks,
+    RegisterUnit,
+    ReleaseRollout,
+    Reply,
+    RestoreCommit,
+    SetPolicyVersion,
+    TakeRecycled,
+)
+from ._shell import Sends
+
+__all__ = ["DURABILITY", "Durability", "JournalStore", "Recorder", "check_durability"]
+
+log = get_logger(__name__)
+
+Durability = Literal["memory", "process", "fsync"]
+DURABILITY: tuple[str, ...] = ("memory", "process", "fsync")
+
+#: the file naming what a data_dir belongs to (a controller, a storage unit)
+MARKER = "tq-async-data-dir.json"
+_DB = "controller.db"
+#: requests remembered between their arrival and their reply (older ones are forgotten:
+#: a request that never answers must not grow the table)
+_INFLIGHT = 65536
+#: requests that change the controller's own record, not a partition's
+_CONTROLLER_WIDE = (RegisterUnit, SetPolicyVersion, AcquireRollout, ReleaseRollout, TakeRecycled)
+
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def check_durability(durability: str, data_dir: str | os.PathLike[str] | None) -> None:
+    """Raise :class:`ConfigError` for a bad level, or a durable level without a data_dir."""
+    if durability not in DURABILITY:
+        raise ConfigError(
+            f"durability: expected one of {', '.join(DURABILITY)}, got {durability!r}"
+        )
+    if durability != "memory" and data_dir is None:
+        raise ConfigError(
+            f"data_dir: durability {durability!r} keeps the controller's state in a "
+            "directory; give data_dir (e.g. --data-dir /var/lib/tq-async/controller)"
+        )
+
+
+class JournalStore:
+    """The controller's records in SQLite (WAL) under ``data_dir``.
+
+    Args:
+        data_dir: an existing directory, empty or a controller's (see :data:`MARKER`).
+        durability: ``"process"`` (commit without fsync) or ``"fsync"``.
+
+    Raises:
+        ConfigError: a missing directory, one of a storage unit or holding other files, or a
+            journal of another format.
+        TQError: the database is damaged.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], durability: Durability) -> None:
+        self.data_dir = os.fspath(data_dir)
+        #: commits wait for the disk (fsync): they run in a worker thread, not on the loop
+        self.slow = durability == "fsync"
+        _claim(self.data_dir)
+        self.path = os.path.join(self.data_dir, _DB)
+        _check_wal_tail(self.path)
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'OFF'}")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB)")
+            db.execute("CREATE TABLE IF NOT EXISTS partitions (pid TEXT PRIMARY KEY, rec BLOB)")
+            db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise TQError(
+                f"the controller's journal {self.path} is damaged ({exc}); move the data_dir "
+                "away to start an empty controller, or restore it from a backup"
+            ) from exc
+        self.db = db
+
+    def load(self) -> tuple[bytes | None, list[bytes]]:
+        """The controller's record (None: a new journal) and every partition's."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'controller'").fetchone()
+        parts = [r[0] for r in self.db.execute("SELECT rec FROM partitions")]
+        return (row[0] if row else None), parts
+
+    def write(self, ctl: bytes, upserts: Mapping[str, bytes], deletes: Sequence[str]) -> None:
+        """One transaction: the controller's record, changed partitions, dropped ones."""
+        db = self.db
+        db.execute("BEGIN")
+        try:
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('controller', ?)", (ctl,))
+            db.executemany("INSERT OR REPLACE INTO partitions VALUES (?, ?)", upserts.items())
+            db.executemany("DELETE FROM partitions WHERE pid = ?", [(d,) for d in deletes])
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def _check_wal_tail(path: str) -> None:
+    """Log a WAL that ends in a partial frame (a write torn by a crash).
+
+    SQLite drops it when the database opens (a frame's checksum, a commit's marker): only a
+    commit whose replies were never sent can be in it.
+    """
+    try:
+        with open(path, "rb") as db:
+            header = db.read(18)
+        wal_size = os.path.getsize(path + "-wal")
+    except OSError:
+        return  # a new journal, or no WAL left by the last run
+    if len(header) < 18 or wal_size == 0:
+        return
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if (wal_size - 32) % (24 + page):
+        log.warning(
+            "the journal's last write was torn by a crash: SQLite discards it (it held no "
+            "acknowledged change)",
+            wal=path + "-wal",
+            bytes=wal_size,
+        )
+
+
+def _claim(data_dir: str) -> None:
+    """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
+    if not os.path.isdir(data_dir):
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is not a directory; create it (mkdir -p {data_dir}) for a "
+            "new controller, or pass the directory an earlier controller used"
+        )
+    marker = os.path.join(data_dir, MARKER)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            try:
+                kind = json.load(f)
+            except ValueError:
+                kind = {}
+        if kind.get("kind") != "controller":
+            raise ConfigError(
+                f"data_dir: {data_dir!r} belongs to a {kind.get('kind', 'unknown')!s} (see "
+                f"{MARKER}); give the controller its own directory"
+            )
+        if kind.get("format") != FORMAT:
+            raise ConfigError(
+                f"data_dir: {data_dir!r} holds a journal of format {kind.get('format')}, this "
+                f"version reads format {FORMAT}; move it away to start an empty controller"
+            )
+        return
+    if os.listdir(data_dir):
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
+            "an empty (or its own) directory"
+        )
+    with open(marker, "w") as f:
+        json.dump({"kind": "controller", "format": FORMAT}, f)
+
+
+class _HeldSends:
+    """The controller's endpoint, as the shell sees it: replies wait for the journal."""
+
+    def __init__(self, recorder: Recorder, endpoint: Sends) -> None:
+        self.recorder = recorder
+        self.endpoint = endpoint
+
+    def send(self, peer: bytes, frames: Sequence[Any]) -> None:
+        self.recorder.send(peer, frames)
+
+
+class Recorder:
+    """Marks what requests change, writes it in group commits, holds replies until then.
+
+    Args:
+        store: where the records go.
+        core: the controller's core.
+        instances: the remote storage units' instance tokens (the links keep them up to date;
+            recovery fills them in).
+    """
+
+    def __init__(self, store: JournalStore, core: ControllerCore, instances: dict[int, str]):
+        self.store = store
+        self.core = core
+        self.instances = instances
+        self.endpoint: Sends | None = None
+        #: partitions changed since the last commit
+        self.dirty: set[str] = set()
+        self.controller_dirty = False
+        #: the partitions a request noted on arrival, until its reply (a waiting get_meta
+        #: changes its partition when it is answered)
+        self.inflight: OrderedDict[tuple[bytes, int], tuple[str, ...]] = OrderedDict()
+        #: replies waiting for the commit that covers them
+        self.held: list[tuple[bytes, Sequence[Any]]] = []
+        self.writing = False
+        self.commits = 0
+        self._wake = asyncio.Event()
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def recover(self, now: float, local_units: Mapping[int, str]) -> Effects:
+        """Load the records into the (new, empty) core; nothing to do for a new journal."""
+        ctl_blob, part_blobs = self.store.load()
+        if ctl_blob is None:
+            return Effects()
+        ctl = decode_controller(ctl_blob)
+        parts = [decode_partition(b) for b in part_blobs]
+        self.instances.update(ctl.instances)
+        fx = recover(self.core, ctl, parts, now, time.time(), local_units)
+        log.info(
+            "controller recovered from its journal",
+            data_dir=self.store.data_dir,
+            partitions=len(parts),
+            rows=sum(p.n_alive for p in self.core.state.partitions.values()),
+            written_seconds_ago=round(max(0.0, time.time() - ctl.wall), 3),
+        )
+        self.controller_dirty = True
+        return fx
+
+    # ---- marking -----------------------------------------------------------------------------
+
+    def noting(self, handler: Handler) -> Handler:
+        """``handler``, marking what its request changes before it runs."""
+
+        def noted(msg: Incoming, body: Any) -> Any:
+            self.note(msg.peer, msg.rid, body)
+            return handler(msg, body)
+
+        return noted
+
+    def note(self, peer: bytes, rid: int, body: Any) -> None:
+        pids = tuple(_partitions_of(self.core, body))
+        self.dirty.update(pids)
+        if isinstance(body, _CONTROLLER_WIDE) or (
+            isinstance(body, RegisterTasks) and body.partition_id is None
+        ):
+            self.controller_dirty = True
+        if pids:
+            inflight = self.inflight
+            inflight[(peer, rid)] = pids
+            if len(inflight) > _INFLIGHT:
+                inflight.popitem(last=False)
+
+    def wrap(self, endpoint: Sends) -> _HeldSends:
+        """The endpoint the shell sends through while this recorder runs."""
+        self.endpoint = endpoint
+        return _HeldSends(self, endpoint)
+
+    def send(self, peer: bytes, frames: Sequence[Any]) -> None:
+        """Send a reply once everything it may show is written."""
+        if self.inflight:
+            rid = _reply_decoder.decode(frames[0]).rid
+            self.dirty.update(self.inflight.pop((peer, rid), ()))
+        if not (self.dirty or self.controller_dirty or self.writing or self.held):
+            if self.endpoint is not None:
+                self.endpoint.send(peer, frames)
+            return
+        self.held.append((peer, frames))
+        self._wake.set()
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    async def run(self, now: Callable[[], float]) -> None:
+        """Commit whenever something is marked or held (until cancelled)."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self.dirty or self.controller_dirty:
+                    await self.commit(now())
+                elif self.held:
+                    self._release(self.held)
+                    self.held = []
+        finally:
+            if self.dirty or self.controller_dirty:
+                self.write_now(now())  # a clean shutdown leaves nothing unwritten
+            self.store.close()
+
+    def _records(self, now: float) -> tuple[bytes, dict[str, bytes], list[str]]:
+        wall = time.time()
+        partitions = self.core.state.partitions
+        upserts: dict[str, bytes] = {}
+        deletes: list[str] = []
+        for pid in self.dirty:
+            p = partitions.get(pid)
+            if p is None:
+                deletes.append(pid)
+            else:
+                upserts[pid] = encode(partition_record(p, now, wall))
+        ctl = encode(controller_record(self.core, self.instances, wall))
+        self.dirty = set()
+        self.controller_dirty = False
+        return ctl, upserts, deletes
+
+    async def commit(self, now: float) -> None:
+        """Write every marked partition in one transaction, then send the replies it covers."""
+        ctl, upserts, deletes = self._records(now)
+        sends, self.held = self.held, []
+        self.writing = True
+        try:
+            if self.store.slow:
+                await anyio.to_thread.run_sync(self.store.write, ctl, upserts, deletes)
+            else:  # a commit without fsync only copies to the OS: cheaper than a thread hop
+                self.store.write(ctl, upserts, deletes)
+        except (OSError, sqlite3.Error) as exc:
+            # nothing written: mark it again, keep the replies for the next commit (a client
+            # that retries meanwhile gets its reply from the cache, held the same way)
+            self.dirty.update(upserts, deletes)
+            self.controller_dirty = True
+            self.held[:0] = sends
+            log.error(
+                "writing the controller's journal failed: replies wait until a later write "
+                "succeeds; free space on the data_dir's disk",
+                data_dir=self.store.data_dir,
+                error=str(exc),
+            )
+            return
+        finally:
+            self.writing = False
+        self.commits += 1
+        self._release(sends)
+        if self.held:
+            self._wake.set()
+
+    def write_now(self, now: float) -> None:
+        """Write synchronously (at shutdown, and in tests)."""
+        self.store.write(*self._records(now))
+
+    def _release(self, sends: Iterable[tuple[bytes, Sequence[Any]]]) -> None:
+        if self.endpoint is not None:
+            for peer, frames in sends:
+                self.endpoint.send(peer, frames)
+
+
+def _partitions_of(core: ControllerCore, body: Any) -> Iterable[str]:
+    """The partitions a request may change (read before it runs: an ack forgets its lease)."""
+    if isinstance(body, Ack):
+        return _lease_partitions(core, body.lease_ids)
+    if isinstance(body, GetMeta):
+        if body.ack:
+            return {body.partition_id, *_lease_partitions(core, body.ack)}
+        return (body.partition_id,)
+    if isinstance(body, RestoreCommit):
+        return body.partition_ids
+    pid = getattr(body, "partition_id", None)
+    return (pid,) if isinstance(pid, str) else ()
+
+
+def _lease_partitions(core: ControllerCore, lease_ids: Iterable[int]) -> set[str]:
+    leases = core.leases
+    out = set()
+    for lease_id in lease_ids:
+        p = leases.home.get(lease_id) or leases.batch_home.get(lease_id)
+        if p is not None:
+            out.add(p.partition_id)
+    return out

@@ -1,0 +1,136 @@
+"""A journaled controller killed with SIGKILL and restarted on its data_dir (issue 36).
+
+Real processes: ``tq-async serve controller --durability process --data-dir D`` and two
+``tq-async serve storage`` units that outlive it. A producer puts and a consumer fetches
+under leases and acknowledges while the controller is killed at a random moment; it is
+restarted on the same address and directory, the units come back to it (it reconnects to
+them and checks they are the processes it knew), and a client connects again. Then: every
+acknowledged put's rows read back bit-exactly (through the BatchMeta the put returned: the
+partition's incarnation is kept), no row the task acknowledged is delivered to it again,
+every other row is delivered, a recorded batch replays the same rows, and the seal, tags and
+KV keys are there.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_role
+
+KILLS = 3  # SIGKILLs per test run (the long chaos run is reported in benchmarks/RESULTS.md)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _controller(bind: str, data_dir: Path) -> Iterator[Any]:
+    args = ("controller", "--bind", bind, "--durability", "process", "--data-dir", str(data_dir))
+    with serve_role(*args) as (proc, _):
+        yield proc
+
+
+def _rows(n: int, start: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(start, start + n, dtype=torch.int64).reshape(n, 1).repeat(1, 16)}
+
+
+async def _work(
+    address: str, kill: threading.Timer, puts: list[tq.BatchMeta], acked: set[int]
+) -> None:
+    """Put and consume until the controller dies under the calls (recording what it
+    acknowledged)."""
+    async with tq.AsyncClient.connect(address, request_timeout=3) as c:
+        kill.start()
+        try:
+            while True:
+                start = sum(len(m) for m in puts) + 1000 * len(puts)
+                meta = await c.put(_rows(4, start), "p")
+                puts.append(meta)
+                got = await c.get_meta(["x"], 4, "p", "t", lease=2.0, timeout=1)
+                await c.get_data(got)
+                await c.ack(got)
+                acked.update(got.global_indexes)
+        except (tq.BrokenError, tq.TQTimeoutError):
+            return  # the controller is gone: what it acknowledged is recorded above
+
+
+async def _drain(c: tq.AsyncClient) -> list[int]:
+    """Everything the task is still owed, to the end of the stream (acknowledged)."""
+    delivered: list[int] = []
+    while True:
+        got = await c.get_meta(["x"], 4, "p", "t", lease=2.0, timeout=30)
+        if got.end_of_stream:
+            return delivered
+        await c.get_data(got)
+        delivered += got.global_indexes
+        await c.ack(got)
+
+
+async def test_sigkill_the_controller_and_restart_on_its_data_dir(tmp_path: Path) -> None:
+    rng = random.Random()
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    puts: list[tq.BatchMeta] = []
+    acked: set[int] = set()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        for unit in ("0", "1"):
+            args = ("storage", "--controller", bind, "--unit-id", unit)
+            stack.enter_context(serve_role(*args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.kv_put("k", "kv", {"x": torch.ones(1, 16, dtype=torch.int64)})
+            tagged = await c.put(_rows(2, 10_000), "tags")
+            await c.set_tags(tagged, [{"g": 1}, {"g": 2}])
+            await c.seal("tags")
+            await c.put(_rows(8, 20_000), "rec")
+            recorded = await c.get_meta(["x"], 4, "rec", "r", {"batch_index": 0}, lease=60.0)
+        for _ in range(KILLS):
+            kill = threading.Timer(rng.uniform(0.05, 0.6), ctl.send_signal, (signal.SIGKILL,))
+            await _work(bind, kill, puts, acked)
+            kill.join()
+            ctl.wait(timeout=10)
+            ctl = stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            for meta in puts:  # every acknowledged put, bit-exactly, through its own meta
+                got = (await c.get_data(meta))["x"]
+                assert torch.equal(got, got[:, :1].repeat(1, 16))
+            values = {int(v) for m in puts for v in (await c.get_data(m))["x"][:, 0]}
+            assert len(values) == sum(len(m) for m in puts)  # no row lost or mixed up
+            await c.seal("p")
+            again = await _drain(c)
+            assert not set(again) & acked  # an acknowledged row is never delivered again
+            put_rows = {r for m in puts for r in m.global_indexes}
+            assert put_rows <= acked | set(again)  # every other row is delivered
+            replay = await c.get_meta(["x"], 4, "rec", "r", {"batch_index": 0}, lease=60.0)
+            assert replay.global_indexes == recorded.global_indexes
+            assert (await c.partition_info("tags"))["sealed"]
+            assert await c.kv_list("kv") == {"kv": {"k": {}}}
+            tags = await c.get_meta(["x"], 2, "tags", "t", mode="peek")
+            assert sorted(t["g"] for t in tags.tags) == [1, 2]
+
+
+@pytest.mark.parametrize("what", ["missing", "foreign", "storage"])
+def test_a_bad_data_dir_is_refused_at_start(tmp_path: Path, what: str) -> None:
+    data_dir = tmp_path / "d"
+    if what != "missing":
+        data_dir.mkdir()
+    if what == "foreign":
+        (data_dir / "notes.txt").write_text("mine")
+    if what == "storage":
+        (data_dir / "tq-async-data-dir.json").write_text('{"kind": "storage", "format": 1}')
+    with pytest.raises(RuntimeError, match="exited"), _controller("tcp://127.0.0.1:0", data_dir):
+        pass

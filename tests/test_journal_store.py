@@ -1,0 +1,98 @@
+"""The durable controller's store and settings (issue 36), in one process: the data_dir checks,
+a damaged database, a torn WAL tail, a clean stop and start of a whole ``local_cluster`` on its
+data_dir, and the settings in Config, TOML and the CLI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+import tq_async as tq
+from tq_async._controller._journal import JournalStore, check_durability
+from tq_async._deploy._cli import _build_parser, config_from_args
+
+
+def test_a_damaged_database_is_a_clear_error(tmp_path: Path) -> None:
+    JournalStore(tmp_path, "process").close()
+    (tmp_path / "controller.db").write_bytes(b"not a database at all" * 100)
+    with pytest.raises(tq.TQError, match="damaged"):
+        JournalStore(tmp_path, "process")
+
+
+def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    store = JournalStore(live, "fsync")
+    store.write(b"c1", {"a": b"1" * 4000}, [])
+    store.write(b"c2", {"b": b"2" * 4000}, [])
+    wal = live / "controller.db-wal"
+    size_before_last = wal.stat().st_size
+    store.write(b"c3", {"c": b"3" * 40000}, [])
+    crashed = tmp_path / "crashed"  # the files as a crash in the middle of the last commit
+    shutil.copytree(live, crashed)
+    shutil.copytree(live, tmp_path / "whole")
+    store.close()
+    with structlog.testing.capture_logs() as logs:
+        assert JournalStore(tmp_path / "whole", "fsync").load()[0] == b"c3"
+    assert not logs  # a WAL of whole frames is no torn tail
+    torn = crashed / "controller.db-wal"
+    with torn.open("r+b") as f:
+        f.truncate(size_before_last + (torn.stat().st_size - size_before_last) // 2)
+    with structlog.testing.capture_logs() as logs:
+        ctl, parts = JournalStore(crashed, "fsync").load()
+    assert any("torn" in e["event"] for e in logs)
+    assert ctl == b"c2"
+    assert sorted(parts) == [b"1" * 4000, b"2" * 4000]
+
+
+@pytest.mark.parametrize(
+    ("level", "data_dir", "match"),
+    [("disk", "/tmp", "durability: expected one of"), ("process", None, "data_dir")],
+)
+def test_bad_settings_say_what_to_do(level: str, data_dir: str | None, match: str) -> None:
+    with pytest.raises(tq.ConfigError, match=match):
+        check_durability(level, data_dir)
+
+
+def test_config_toml_and_cli_carry_the_settings(tmp_path: Path) -> None:
+    with pytest.raises(tq.ConfigError, match="data_dir"):
+        tq.Config(durability="fsync")
+    cfg = tq.Config(durability="fsync", data_dir=str(tmp_path))
+    assert tq.Config.from_toml_string(cfg.to_toml()) == cfg
+    assert cfg.controller_options()["durability"] == "fsync"
+    argv = ["serve", "controller", "--durability", "process", "--data-dir", str(tmp_path)]
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    got = config_from_args(args, {"durability", "data_dir"})
+    assert (got.durability, got.data_dir) == ("process", str(tmp_path))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--durability", "disk"])
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, level: str) -> None:
+    """The controller's state comes back; the cells of its in-process units do not (they keep
+    RAM only): their rows are reported lost, never handed out as if they were there."""
+    async with (
+        tq.local_cluster(durability=level, data_dir=str(tmp_path)) as cluster,
+        tq.AsyncClient.connect(cluster.address) as c,
+    ):
+        meta = await c.put({"x": torch.arange(4)}, "p")
+        await c.seal("p")
+        got = await c.get_meta(["x"], 2, "p", "t")
+    async with (
+        tq.local_cluster(durability=level, data_dir=str(tmp_path)) as cluster,
+        tq.AsyncClient.connect(cluster.address) as c,
+    ):
+        info = await c.partition_info("p")
+        assert info["sealed"]
+        assert info["lost"] == 4
+        assert info["consumed"] == {"t": 0}  # consumed rows were lost with the rest
+        assert sorted((await c.lost_rows("p"))["rows"]["p"]) == meta.global_indexes
+        assert len(got) == 2
+        fresh = await c.put({"x": torch.arange(3)}, "q")  # the cluster works on
+        assert (await c.get_data(fresh))["x"].tolist() == [0, 1, 2]
