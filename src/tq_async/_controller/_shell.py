@@ -77,7 +77,7 @@ class Shell:
     @property
     def state(self) -> ControllerState:
         """The core's state, for reading: every change goes through a transition of
-        :attr:`core` (``tests/test_layering.py`` checks the controller's modules)."""
+        :attr:`core` (``tests/project/test_layering.py`` checks the controller's modules)."""
         return self.core.state
 
     # ---- effects -----------------------------------------------------------------------------

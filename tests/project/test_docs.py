@@ -33,7 +33,7 @@ import pytest
 
 import tq_async as tq
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "console", "toml"}
 NOT_RUN = re.compile(r"^\s*#\s*not run\b", re.IGNORECASE)
