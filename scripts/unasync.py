@@ -15,8 +15,8 @@ Usage::
     python scripts/unasync.py          # rewrite the twins
     python scripts/unasync.py --check  # fail (exit 1) if a twin is not what the source gives
 
-``tests/test_unasync.py`` runs the check: a change to the async client that is not carried
-to its twin fails CI.
+``tests/client/test_sync_parity.py`` runs the check: a change to the async client that is not
+carried to its twin fails CI.
 """
 
 from __future__ import annotations

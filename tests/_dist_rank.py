@@ -1,4 +1,5 @@
-"""One rank of ``tests/test_distributed.py``: read phases through tq_async, all_reduce each step.
+"""One rank of ``tests/programs/test_distributed.py``: read phases through tq_async, all_reduce
+each step.
 
 Run as ``python _dist_rank.py CONFIG_JSON OUT_JSON`` with ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` set. The rank joins one gloo process group, reused by

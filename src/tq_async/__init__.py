@@ -5,8 +5,8 @@ sample has and which task consumed it, samplers decide what each consumer gets, 
 consumers stream ready batches. See the README for a tour.
 
 Layers, lowest first, one folder each (a module imports its own layer and the ones below,
-never above; ``tests/test_layering.py`` checks it, and that no modules import each other in a
-circle):
+never above; ``tests/project/test_layering.py`` checks it, and that no modules import each other
+in a circle):
 
 1. **vocabulary**: errors (``_errors``), logging (``_logging``), the services' loop registry
    and portal (``_portal``), the clients' concurrency primitives (``_primitives``, blocking

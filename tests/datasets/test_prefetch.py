@@ -2,7 +2,7 @@
 
 The owner is a position (index, generation, stride) and a ``load`` that records what it was
 asked for; no client, partition or tensor. The dataset-level behaviour (exactly once, replay,
-resume) is in ``tests/test_dataset.py``.
+resume) is in ``tests/datasets/test_dataset.py``.
 """
 
 from __future__ import annotations

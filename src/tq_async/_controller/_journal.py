@@ -2,14 +2,14 @@
 
 At ``durability="process"`` or ``"fsync"`` the controller keeps, in ``data_dir/controller.db``
 (SQLite in WAL mode, from the standard library), the last record of every partition and of
-the controller itself (:mod:`tq_async._core._journal`). A request that changes a partition
+the controller itself (`tq_async._core._journal`). A request that changes a partition
 marks it; its reply is held until a group commit wrote every marked partition: many
 concurrent requests share one transaction (and, at ``fsync``, one fsync). So a put commit,
 an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
 operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
 disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
 way. A controller started on the same ``data_dir`` recovers through
-:func:`~tq_async._core._journal.recover`.
+`recover`.
 
 A torn tail is SQLite's business: a transaction is in the database whole or not at all (the
 WAL's frames carry checksums; an incomplete commit is discarded when the database opens). A
@@ -77,7 +77,7 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
 def check_durability(durability: str, data_dir: str | os.PathLike[str] | None) -> None:
-    """Raise :class:`ConfigError` for a bad level, or a durable level without a data_dir."""
+    """Raise `ConfigError` for a bad level, or a durable level without a data_dir."""
     if durability not in DURABILITY:
         raise ConfigError(
             f"durability: expected one of {', '.join(DURABILITY)}, got {durability!r}"
@@ -93,7 +93,7 @@ class JournalStore:
     """The controller's records in SQLite (WAL) under ``data_dir``.
 
     Args:
-        data_dir: an existing directory, empty or a controller's (see :data:`MARKER`).
+        data_dir: an existing directory, empty or a controller's (see `MARKER`).
         durability: ``"process"`` (commit without fsync) or ``"fsync"``.
 
     Raises:

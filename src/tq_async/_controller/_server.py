@@ -1,8 +1,8 @@
 """The controller service: a thin async shell around
-:class:`~tq_async._core._transitions.ControllerCore`.
+`ControllerCore`.
 
 The core decides (leases, holds, put leases, recorded and global batches, end-of-stream,
-admission, auto-clear, unit liveness) and returns :class:`~tq_async._core._transitions.Effects`;
+admission, auto-clear, unit liveness) and returns `Effects`;
 this shell
 decodes requests, sends replies, awaits ``async`` samplers, arms the core's one deadline
 timer, tells storage units to free rows, and wakes waiters.
@@ -12,15 +12,15 @@ get_meta whose sampler finds rows at once). Only requests that must wait become 
 get_meta with too few ready rows, an async sampler, a clear that tells the storage units.
 
 The server *holds* its parts, as the client does, and dispatches each request type to one
-of them through a table built once (:mod:`tq_async._service._loop` decodes, answers and maps
-errors): the plumbing they share, :class:`~tq_async._controller._shell.Shell` (effects, timer,
+of them through a table built once (`tq_async._service._loop` decodes, answers and maps
+errors): the plumbing they share, `Shell` (effects, timer,
 reply cache, waiting requests); the links to the storage units
-(:mod:`tq_async._controller._units`); the put path (:mod:`tq_async._controller._puts`); the get
-path (:mod:`tq_async._controller._gets`); the other calls (:mod:`tq_async._controller._calls`);
-and the read-only requests (:mod:`tq_async._controller._queries`).
+(`tq_async._controller._units`); the put path (`tq_async._controller._puts`); the get
+path (`tq_async._controller._gets`); the other calls (`tq_async._controller._calls`);
+and the read-only requests (`tq_async._controller._queries`).
 
-A waiting get_meta parks in the :class:`~tq_async._service._parking.ParkingLot` under
-``(partition, task)``; the core hands back :class:`~tq_async._core._state.Wakeup` events when
+A waiting get_meta parks in the `ParkingLot` under
+``(partition, task)``; the core hands back `Wakeup` events when
 production, consumption, sealing, clearing, an ack or an expiry changes what a task could
 receive, and only the matching keys are unparked.
 There is no polling: an idle waiter costs one future until data arrives.
@@ -90,11 +90,11 @@ __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 
 
 class ControllerServer(Service):
-    """Serves a :class:`ControllerCore` on a ROUTER socket.
+    """Serves a `ControllerCore` on a ROUTER socket.
 
     Args:
         state: the partitions (a new empty state by default).
-        sampler: decides what each get_meta receives (:class:`SequentialSampler` by default).
+        sampler: decides what each get_meta receives (`SequentialSampler` by default).
         task_samplers: samplers for particular tasks (e.g. ``{"update_actor":
             SeqlenBalancedSampler(...)}``); other tasks use ``sampler``.
         allow_pickle: told to clients; storage units enforce it.
@@ -103,14 +103,14 @@ class ControllerServer(Service):
         admission: bounds for ``acquire_rollout`` (staleness and capacity; none by default).
         curve: CURVE keys for this service's socket and its connections to the units.
         local_units: storage units running in this process (``local_cluster`` passes its
-            own): a small put sent whole to the controller (:class:`PutInline`) is stored in
+            own): a small put sent whole to the controller (`PutInline`) is stored in
             them directly, without a message.
-        deadlines: the put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
+        deadlines: the put-lease and unit-liveness deadlines (`Deadlines`).
         default_lease: seconds of the lease of a fetch that asks for none (None: no lease
             unless asked for).
         durability: ``"memory"`` (default), or ``"process"`` / ``"fsync"``: the state is
             journaled under ``data_dir`` and a controller started on it recovers (see
-            :mod:`tq_async._controller._journal` and ``docs/guarantees.md``).
+            `tq_async._controller._journal` and ``docs/guarantees.md``).
         data_dir: the journal's directory (an existing one: empty, or a controller's).
     """
 
@@ -163,7 +163,7 @@ class ControllerServer(Service):
     @property
     def state(self) -> ControllerState:
         """The core's state, for reading: every change goes through a transition of
-        :attr:`core` (``tests/test_layering.py`` checks the controller's modules)."""
+        `core` (``tests/project/test_layering.py`` checks the controller's modules)."""
         return self.core.state
 
     @property
@@ -268,7 +268,7 @@ class ControllerServer(Service):
         return self._shell.is_retry(peer, rid)
 
     def _handler_table(self) -> dict[type, Handler]:
-        """One handler per request type (the read-only ones answer from :data:`QUERIES`)."""
+        """One handler per request type (the read-only ones answer from `QUERIES`)."""
         puts, gets, calls = self._puts, self._gets, self._calls
         table: dict[type, Handler] = {
             typ: partial(_query, self.core, answer) for typ, answer in QUERIES.items()

@@ -1,9 +1,9 @@
 """The plumbing every part of the controller service shares.
 
-:class:`Shell` holds the core and what its parts use to act on the core's answers: applying
+`Shell` holds the core and what its parts use to act on the core's answers: applying
 the core's effects, the one deadline timer, the reply cache that answers retried requests,
 parking requests that must wait, and spawning tasks.
-:class:`~tq_async._controller._server.ControllerServer` builds one and hands it to each of its
+`ControllerServer` builds one and hands it to each of its
 parts (the links to the storage units, the put path, the get path, the other calls), as the
 client hands its ``Links`` to its paths.
 """
@@ -82,7 +82,7 @@ class Shell:
     @property
     def state(self) -> ControllerState:
         """The core's state, for reading: every change goes through a transition of
-        :attr:`core` (``tests/test_layering.py`` checks the controller's modules)."""
+        `core` (``tests/project/test_layering.py`` checks the controller's modules)."""
         return self.core.state
 
     # ---- effects -----------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class Shell:
     # ---- tasks -------------------------------------------------------------------------------
 
     def spawn_waiting(self, msg: Incoming, coro_fn: Any, *args: Any) -> None:
-        """Spawn a request that may wait (it runs :meth:`waiting_request`). It can be
+        """Spawn a request that may wait (it runs `waiting_request`). It can be
         cancelled from now on: a ``Cancel`` read before its task starts still finds it."""
         self.pending[(msg.peer, msg.rid)] = anyio.CancelScope()
         self.spawn(coro_fn, *args)
@@ -193,7 +193,7 @@ class Shell:
         """Run a request that may wait: ``work`` sends the reply.
 
         The request can be cancelled by the client (``Cancel``), fails with
-        :class:`TQTimeoutError` after ``timeout``, and answers any error; nothing it would
+        `TQTimeoutError` after ``timeout``, and answers any error; nothing it would
         have done happens after it ends.
         """
         # registered when the request was spawned (a Cancel may have come since)

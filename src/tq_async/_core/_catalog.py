@@ -5,7 +5,7 @@ registering auto-clear tasks, tags, the capacity decision of a put (``room_for``
 restores and handing out recycled rows. `ControllerCore`
 composes it
 as ``core.catalog``; the controller's shell calls these and only reads the state itself, so
-the property test (``tests/test_core_properties.py``) drives every state change without a
+the property test (``tests/core/test_core_properties.py``) drives every state change without a
 loop. No loop, no clock, no sockets.
 """
 

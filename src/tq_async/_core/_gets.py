@@ -8,7 +8,7 @@ for the shell to await and hand to `Gets.resume` — and collects every effect o
 request in one `Effects`, applied once by the shell. Plain
 samplers are run here; a batch below the asked one (``record_from``) is decided first.
 
-The steps, each usable alone (``tests/test_core.py`` drives them one by one): `Gets.look`
+The steps, each usable alone (``tests/core/test_core.py`` drives them one by one): `Gets.look`
 says which sampler call a request needs (or the recorded batch it re-reads), and
 `Gets.sampled` applies a sampler's answer: consumption, stale rows, the tail of a global
 batch, recorded batches and their leases (`tq_async._core._leases`), auto-clear and

@@ -1,20 +1,20 @@
 """The controller's journal records: what a durable controller writes, and how it recovers.
 
-Pure: no files, no clock. The I/O shell (:mod:`tq_async._controller._journal`) writes one
-:class:`PartitionRecord` per partition a request changed and one :class:`ControllerRecord`
-per group commit, and hands them back to :func:`recover` when a controller starts on the
+Pure: no files, no clock. The I/O shell (`tq_async._controller._journal`) writes one
+`PartitionRecord` per partition a request changed and one `ControllerRecord`
+per group commit, and hands them back to `recover` when a controller starts on the
 same ``data_dir``.
 
 A partition's record is its checkpoint dump (the format ``save_checkpoint`` uses, with the
-per-row integer arrays as bytes: :class:`RowsRecord`) plus what a checkpoint leaves out
+per-row integer arrays as bytes: `RowsRecord`) plus what a checkpoint leaves out
 because a restore starts afresh: the incarnation (old ``BatchMeta`` objects stay valid), the
 leases with the seconds they had left, the recorded batches' settled keys and past lease ids
 (a late ack still settles), and the uncommitted put leases. Recovery rebuilds partitions
-with :meth:`Partition.restore` (the checkpoint's own code) and gives leases back through
-:meth:`~tq_async._core._leases.GetLeases.adopt` (the code that gives new ones); uncommitted
-puts are aborted through :meth:`ControllerCore.abort_puts`, expired leases expire through
-:meth:`ControllerCore.advance`, storage units that served rows are suspended until they come
-back with their data (:meth:`ControllerCore.unit_down`). Nothing decides twice: every
+with `Partition.restore` (the checkpoint's own code) and gives leases back through
+`adopt` (the code that gives new ones); uncommitted
+puts are aborted through `ControllerCore.abort_puts`, expired leases expire through
+`ControllerCore.advance`, storage units that served rows are suspended until they come
+back with their data (`ControllerCore.unit_down`). Nothing decides twice: every
 transition after recovery is the core's.
 """
 
@@ -61,7 +61,7 @@ class LeaseRecord(msgspec.Struct, array_like=True):
 
 
 class RowsRecord(msgspec.Struct, array_like=True):
-    """A :class:`PartitionDump` with its per-row integer arrays as machine-order bytes (a
+    """A `PartitionDump` with its per-row integer arrays as machine-order bytes (a
     commit copies them instead of building lists of ints: about 15x faster at 1M rows)."""
 
     partition_id: str
@@ -97,7 +97,7 @@ class RowsRecord(msgspec.Struct, array_like=True):
         )
 
     def dump(self) -> PartitionDump:
-        """The checkpoint format, which :meth:`Partition.restore` reads."""
+        """The checkpoint format, which `Partition.restore` reads."""
         return PartitionDump(
             partition_id=self.partition_id,
             n_rows=self.n_rows,

@@ -3,7 +3,7 @@
 A **lease** keeps delivered rows consumed only once acknowledged before a deadline; a
 **hold** (a lease without one) keeps auto-clear away until acknowledged. A lease belongs to
 its recorded batch, not to the caller: replays share it and an ack from any reader settles it
-(see :mod:`tq_async._core._transitions` for the words). :class:`GetLeases` gives, takes over,
+(see `tq_async._core._transitions` for the words). `GetLeases` gives, takes over,
 acknowledges, expires and releases them, and frees the rows every auto-clear task consumed
 once nobody holds them. Plain bookkeeping over the partitions; deadlines go to the core's one
 heap through ``arm``.
@@ -211,7 +211,7 @@ class GetLeases:
         """A cancelled fetch gives rows back: ready again for ``task`` (unless recorded).
 
         This is the ``cancel`` transition of a fetch whose caller never saw its reply
-        (:meth:`cancel` for a request still waiting): its lease or hold (``lease_id``) is
+        (`cancel` for a request still waiting): its lease or hold (``lease_id``) is
         dropped, not acknowledged — an expiry must not give the rows back a second time,
         and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
         Rows of a recorded batch stay with the batch (its next reader gets them), and so

@@ -11,7 +11,7 @@ ahead for ``get_batches``, and returns a reply, a wait, or an ``async`` sampler'
 (`Awaiting`) that the shell awaits and hands to
 `ControllerCore.resume`. This is the shape of httpcore's connection pool: pure code
 changes state and hands back the I/O left to do, so each guarantee is tested without a loop
-(``tests/test_core.py``).
+(``tests/core/test_core.py``).
 
 The core composes its parts: the get path (``_gets``) with its leases (``_leases``), ready sets
 (``_ready``) and sampler calls (``_sampling``); put leases (``_put_leases``); the catalog

@@ -2,7 +2,7 @@
 
 ``tq-async serve`` runs a whole cluster (a controller and its storage units) in one process.
 To spread a cluster over hosts, run one controller and any number of storage units, each
-in its own process::
+in its own process:
 
     tq-async serve controller --bind tcp://10.0.0.1:5555
     tq-async serve storage --controller tcp://10.0.0.1:5555 --bind tcp://10.0.0.2:0 --unit-id 0

@@ -38,7 +38,7 @@ log = get_logger(__name__)
 
 @dataclass
 class LocalCluster:
-    """A running cluster: connect clients to :attr:`address`.
+    """A running cluster: connect clients to `address`.
 
     Attributes:
         address: the controller's endpoint.
@@ -89,7 +89,7 @@ async def local_cluster(
     Args:
         num_storage_units: how many storage units (rows of one put go to one unit; see
             ``placement``).
-        sampler: the controller's sampler (:class:`~tq_async.SequentialSampler` by default).
+        sampler: the controller's sampler (`SequentialSampler` by default).
         task_samplers: samplers for particular tasks, e.g. ``{"update_actor":
             tq.SeqlenBalancedSampler(dp_size=4)}``; other tasks use ``sampler``.
         host: the interface to bind with ``transport="tcp"``; loopback by default.
@@ -111,30 +111,30 @@ async def local_cluster(
             by auto-clear, see ``register_tasks``): unconsumed data is never evicted.
         capacity_scope: ``"partition"`` or ``"global"`` (see ``capacity``).
         deadlines: how long the controller waits for a producer's uncommitted put and for
-            a silent storage unit (:class:`~tq_async.Deadlines`).
+            a silent storage unit (`Deadlines`).
         shm_cap: bytes of shared memory per storage unit for clients in other processes of
             this host (0: off; at the cap, puts go over the socket). Pages are used only
             once written.
         data_path: what the storage units offer besides the socket (``"auto"``, ``"shm"``,
-            ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+            ``"nixl"``, ``"zmq"``; see `Config`).
         placement: which unit a put's new rows go to: ``"auto"`` (the default: ``"local"``
             while the units span more than one host), ``"local"`` (a unit on the producer's
-            host, the least-loaded there) or ``"round_robin"``; see :class:`~tq_async.Config`.
+            host, the least-loaded there) or ``"round_robin"``; see `Config`.
         host_id: the storage units' host id (default: ``$TQ_HOST_ID``, the Ray node id or
             the machine's), or one per unit: labels that make one machine look like
             several hosts (tests and benchmarks of locality).
         durability: ``"memory"`` (default), ``"process"`` or ``"fsync"``: the controller
-            journals its state under ``data_dir`` (see :class:`~tq_async.Config` and
+            journals its state under ``data_dir`` (see `Config` and
             ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
             after a restart of the whole process the rows' cells are gone).
         data_dir: the controller's journal directory (for ``process`` / ``fsync``).
-        config: the whole deployment as a :class:`~tq_async.Config` (e.g.
+        config: the whole deployment as a `Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
             be left at their defaults; ``transport`` and ``metrics_registry`` still apply.
 
     Yields:
-        A :class:`LocalCluster`.
+        A `LocalCluster`.
 
     Raises:
         BrokenError: an address could not be bound.

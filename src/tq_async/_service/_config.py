@@ -2,7 +2,7 @@
 
 The same object (or the same TOML file) configures ``local_cluster(config=...)``, ``tq-async
 serve --config FILE`` and ``tq_async.ray.launch(config=...)``, so a job reproduces the same
-samplers, admission and limits wherever its services run::
+samplers, admission and limits wherever its services run:
 
     num_storage_units = 2
     capacity = 4096
@@ -28,7 +28,7 @@ imported and called where the services run (in the Ray actor, in the ``tq-async 
 process), when they start.
 
 A bad configuration fails before anything starts, with one line that names the key:
-:class:`ConfigError`.
+`ConfigError`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class SamplerSpec:
     Args:
         factory: ``"module:callable"``, e.g. ``"tq_async:SeqlenBalancedSampler"`` or
             ``"my_pkg.samplers:make_sampler"`` (any callable that returns a sampler).
-        kwargs: keyword arguments; a value that is a :class:`SamplerSpec` (or a list of
+        kwargs: keyword arguments; a value that is a `SamplerSpec` (or a list of
             them) is built first, so ``StalenessSampler(SeqlenBalancedSampler(...))`` is
             ``SamplerSpec("tq_async:StalenessSampler", {"inner": SamplerSpec(...)})``.
     """
@@ -124,7 +124,7 @@ class SamplerSpec:
         return cls(factory, kwargs)
 
     def to_table(self) -> dict[str, Any]:
-        """The TOML table form (the inverse of :meth:`from_table`)."""
+        """The TOML table form (the inverse of `from_table`)."""
         return {"factory": self.factory, **{k: _tables(v) for k, v in self.kwargs.items()}}
 
     def build(self, key: str = "sampler") -> BaseSampler:
@@ -197,7 +197,7 @@ def _import(path: str, key: str) -> Any:
 
 
 class AdmissionSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``[admission]``: bounds enforced by ``acquire_rollout`` (see :class:`AdmissionConfig`).
+    """``[admission]``: bounds enforced by ``acquire_rollout`` (see `AdmissionConfig`).
 
     Attributes:
         max_staleness: a rollout of version ``v`` starts only while ``v - learner <= K``.
@@ -210,7 +210,7 @@ class AdmissionSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     learner_task: str | None = None
 
     def build(self) -> AdmissionConfig:
-        """The :class:`AdmissionConfig` (raises :class:`ConfigError` when inconsistent)."""
+        """The `AdmissionConfig` (raises `ConfigError` when inconsistent)."""
         try:
             return AdmissionConfig(self.max_staleness, self.capacity, self.learner_task)
         except TQError as exc:
@@ -231,7 +231,7 @@ class CurveSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     allow: list[str] = msgspec.field(default_factory=list)
 
     def load(self) -> CurveServer:
-        """Read the key files (raises :class:`ConfigError` naming the file)."""
+        """Read the key files (raises `ConfigError` naming the file)."""
         try:
             curve = load_curve(self.cert, self.allow or None)
         except TQError as exc:
@@ -296,7 +296,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             again. ``get`` (and so the streaming datasets) acknowledges after reading;
             callers of ``get_meta`` + ``get_data`` call ``ack``.
         put_lease: seconds a put's new rows stay reserved without a commit or a renewal
-            (a dead producer's are then reclaimed; see :class:`~tq_async.Deadlines`).
+            (a dead producer's are then reclaimed; see `Deadlines`).
         unit_suspend_after: seconds a silent storage unit has before it is suspended.
         unit_lost_after: seconds a suspended unit has to come back before its rows are
             declared lost.
@@ -417,7 +417,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @classmethod
     def from_toml_string(cls, text: str, *, source: str = "config") -> Config:
-        """Parse TOML text (see :meth:`from_toml`)."""
+        """Parse TOML text (see `from_toml`)."""
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -430,7 +430,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return clean
 
     def to_toml(self) -> str:
-        """The configuration as TOML text that :meth:`from_toml_string` reads back equal."""
+        """The configuration as TOML text that `from_toml_string` reads back equal."""
         return _dump_toml(self.to_dict())
 
     def replace(self, *, source: str = "config", **changes: Any) -> Config:
@@ -457,7 +457,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return sampler, tasks
 
     def controller_options(self) -> dict[str, Any]:
-        """Keyword arguments for the controller (:class:`~tq_async.lowlevel.ControllerServer`).
+        """Keyword arguments for the controller (`ControllerServer`).
 
         A new controller setting is one attribute above and one entry here.
 
@@ -478,7 +478,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         }
 
     def deadlines(self) -> Deadlines:
-        """The put-lease and unit-liveness deadlines (:class:`~tq_async.Deadlines`).
+        """The put-lease and unit-liveness deadlines (`Deadlines`).
 
         Raises:
             ConfigError: a deadline is not a positive number of seconds, or the unit is

@@ -2,7 +2,7 @@
 
 ``local_cluster`` runs every service in one event loop. Past one host, each service runs where
 its memory is (``tq-async serve controller`` / ``tq-async serve storage``, or a Ray actor from
-:mod:`tq_async.ray`), and the pieces find each other through the controller: a unit binds,
+`tq_async.ray`), and the pieces find each other through the controller: a unit binds,
 then announces ``(unit_id, address)`` with a ``RegisterUnit`` request, and clients learn the
 units from the controller (``Hello``), refreshing when they meet a unit id they do not know.
 So the server code is the same everywhere; only who starts it differs.
@@ -128,7 +128,7 @@ def advertised_address(
 
 
 def first_tq_error(exc: BaseException) -> TQError | None:
-    """The first :class:`TQError` in ``exc`` or in its exception groups (task groups wrap)."""
+    """The first `TQError` in ``exc`` or in its exception groups (task groups wrap)."""
     if isinstance(exc, TQError):
         return exc
     for inner in getattr(exc, "exceptions", ()):
@@ -243,17 +243,17 @@ async def serve_controller(
     Args:
         bind: the address to bind (``tcp://HOST:PORT``; port 0 picks a free one).
         advertise: the host to publish; required when ``bind`` is a wildcard.
-        sampler: the controller's sampler (:class:`~tq_async.SequentialSampler` by default).
+        sampler: the controller's sampler (`SequentialSampler` by default).
         allow_pickle: allow columns of arbitrary Python objects (trusted deployments only).
         metrics_registry: record metrics here (off by default).
         curve: CURVE keys: encrypt the socket, admit only allowed client keys; the storage
             units must use the same service keypair.
-        capacity: backpressure, as for :func:`~tq_async.local_cluster`: the most live rows
+        capacity: backpressure, as for `local_cluster`: the most live rows
             per partition (``capacity_scope="global"``: in all partitions together); a put
             that does not fit waits. None: unbounded.
         placement: where a put's new rows go: ``"auto"``, ``"local"`` or
-            ``"round_robin"`` (see :class:`~tq_async.Config`).
-        config: a :class:`~tq_async.Config` that supplies the controller's settings instead
+            ``"round_robin"`` (see `Config`).
+        config: a `Config` that supplies the controller's settings instead
             of the arguments above (samplers, admission, pickle, capacity, leases,
             auto-clear, CURVE files); an explicit ``curve`` still wins over its ``[curve]``.
 
@@ -322,7 +322,7 @@ async def serve_storage(
             and its registration.
         shm_cap: bytes of shared memory for clients on this host (0: off).
         data_path: what the unit offers besides the socket (``"auto"``, ``"shm"``,
-            ``"nixl"``, ``"zmq"``; see :class:`~tq_async.Config`).
+            ``"nixl"``, ``"zmq"``; see `Config`).
         device_cap: bytes of GPU memory for cells put from GPUs on this host (0: none).
         device_index: which GPU holds them.
         host_id: this unit's host id (default: ``$TQ_HOST_ID``, the Ray node id or the

@@ -18,7 +18,7 @@ the public docstrings live here.
 Two faces, one implementation. This module and its siblings (``_client_base``, ``_client_put``,
 ``_client_get``, ``_client_calls``, ``_client_nixl``, ``_checkpoint``) are the only source of
 the client's logic; ``scripts/unasync.py`` generates the blocking ``tq.Client`` from them
-(``_sync*.py``), as httpcore generates its sync twin, and ``tests/test_sync_parity.py`` fails
+(``_sync*.py``), as httpcore generates its sync twin, and ``tests/client/test_sync_parity.py`` fails
 when the generated modules are not current. What differs between the faces is the I/O and
 nothing else: the event-loop connection (``_dealer``) against one driven by the calling
 thread (``_sync_dealer``), and three concurrency helpers (``_primitives`` /

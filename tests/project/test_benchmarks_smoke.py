@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: the benchmark runs share one xdist worker (--dist loadgroup): each keeps the CPUs busy, and
 #: two at once on a 2-vCPU machine pass their subprocess deadlines

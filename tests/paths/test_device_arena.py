@@ -4,7 +4,7 @@ put dense GPU columns into it and read them out device to device.
 
 Without a GPU the arena is emulated (``TQ_ASYNC_GPU_EMULATE=1``: host memory a client maps,
 and dense CPU columns count as device columns), which runs the whole protocol — grants,
-spans, pins, releases on death, fallbacks — across real processes. ``tests/test_devices.py``
+spans, pins, releases on death, fallbacks — across real processes. ``tests/paths/test_devices.py``
 has the CUDA versions (marked ``gpu``).
 """
 

@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 import tq_async as tq
-from test_cli import service
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("async_grpo_example", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-example = load_example()
+from _example import EXAMPLE, example
+from _services import service
 
 
 def check_summary(s: dict[str, Any], rows: int, dp_size: int = 2) -> None:

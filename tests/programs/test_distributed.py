@@ -116,7 +116,7 @@ def _run_ranks(tmp: Path, config: dict[str, Any]) -> list[dict[str, Any]] | str:
     """
     config_path = tmp / "config.json"
     config_path.write_text(json.dumps(config))
-    script = Path(__file__).with_name("_dist_rank.py")
+    script = Path(__file__).resolve().parents[1] / "_dist_rank.py"
     port = _free_port()
     procs, logs = [], []
     for rank in range(WORLD):

@@ -20,81 +20,17 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
-SUBNET = "10.77.0"
-HOSTS = ("h1", "h2", "h3", "h4")
-
-
-class Lab:
-    """Network namespaces named ``<prefix>sw`` / ``<prefix>h1``... and their cleanup."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.created: list[str] = []
-
-    def ns(self, host: str) -> str:
-        return f"{self.prefix}{host}"
-
-    def ip(self, host: str) -> str:
-        return f"{SUBNET}.{HOSTS.index(host) + 1}"
-
-    def exec_prefix(self, host: str) -> list[str]:
-        return ["ip", "netns", "exec", self.ns(host)]
-
-    def _run(self, *argv: str) -> None:
-        subprocess.run(["ip", *argv], check=True, capture_output=True, text=True, timeout=30)
-
-    def build(self) -> None:
-        switch = self.ns("sw")
-        self._run("netns", "add", switch)
-        self.created.append(switch)
-        self._run("-n", switch, "link", "add", "br0", "type", "bridge")
-        self._run("-n", switch, "link", "set", "br0", "up")
-        for i, host in enumerate(HOSTS, start=1):
-            ns = self.ns(host)
-            self._run("netns", "add", ns)
-            self.created.append(ns)
-            # both ends are created inside namespaces: the host's own stack is never touched
-            self._run(
-                "-n", switch, "link", "add", f"v{i}", "type", "veth", "peer", "eth0", "netns", ns
-            )
-            self._run("-n", switch, "link", "set", f"v{i}", "master", "br0")
-            self._run("-n", switch, "link", "set", f"v{i}", "up")
-            self._run("-n", ns, "addr", "add", f"{self.ip(host)}/24", "dev", "eth0")
-            self._run("-n", ns, "link", "set", "eth0", "up")
-            self._run("-n", ns, "link", "set", "lo", "up")
-
-    def destroy(self) -> None:
-        for ns in reversed(self.created):
-            # Only processes this test started live in these namespaces; end any left over so
-            # the namespace really goes away.
-            pids = subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
-            ).stdout.split()
-            for pid in pids:
-                with suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), 9)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.created.clear()
-
-
-def _why_not() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "needs the `ip` command (iproute2)"
-    return None
+from _netns import Lab, script_env, why_not
 
 
 @pytest.fixture
 def lab() -> Iterator[Lab]:
-    reason = _why_not()
+    reason = why_not()
     if reason is not None:
         pytest.skip(reason)
     lab = Lab(f"tq{os.getpid() % 100000}")
@@ -125,7 +61,7 @@ def _certificates(tmp_path: Path) -> tuple[str, str, str]:
 
 
 def test_cluster_across_network_namespaces(lab: Lab, tmp_path: Path) -> None:
-    from test_cli import START_TIMEOUT, parse_unit, service
+    from _services import START_TIMEOUT, parse_unit, service
 
     service_cert, client_cert, allowed = _certificates(tmp_path)
     curve = ["--curve-cert", service_cert, "--curve-allow", allowed]
@@ -173,7 +109,7 @@ def test_cluster_across_network_namespaces(lab: Lab, tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=START_TIMEOUT + 30,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=script_env({**os.environ, "OMP_NUM_THREADS": "1"}),
         )
         assert client.returncode == 0, client.stderr
         assert client.stdout.strip().splitlines()[-1] == "OK 32 rows on units [0, 1]"

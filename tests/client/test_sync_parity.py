@@ -25,7 +25,7 @@ import tq_async as tq
 RENAMED = {"aclose": "close"}
 
 _spec = importlib.util.spec_from_file_location(
-    "unasync", pathlib.Path(__file__).parent.parent / "scripts" / "unasync.py"
+    "unasync", pathlib.Path(__file__).parents[2] / "scripts" / "unasync.py"
 )
 assert _spec is not None
 assert _spec.loader is not None

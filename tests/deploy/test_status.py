@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import tq_async as tq
-from test_cli import START_TIMEOUT, refused_port, service
+from _services import START_TIMEOUT, refused_port, service
 
 
 def _status(*argv: str) -> subprocess.CompletedProcess[str]:

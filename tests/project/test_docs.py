@@ -33,7 +33,7 @@ import pytest
 
 import tq_async as tq
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = {"python", "bash", "sh", "console", "toml"}
 NOT_RUN = re.compile(r"^\s*#\s*not run\b", re.IGNORECASE)
@@ -317,3 +317,35 @@ def test_the_files_the_docs_name_exist() -> None:
         if not _OTHERS_FILE.match(name) and not any((place / name).exists() for place in places)
     ]
     assert not missing, missing
+
+
+#: reStructuredText that the API reference's renderer (mkdocstrings, Markdown) shows raw
+RAW_MARKUP = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj):[`~\w]|\S::\s*$", re.M)
+
+
+def test_the_rendered_api_reference_shows_no_raw_sphinx_markup(tmp_path: Path) -> None:
+    """Docstrings are written in the style the renderer understands: a role such as
+    ``:meth:`open``` or a literal-block ``::`` would appear verbatim on the built site."""
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    done = subprocess.run(
+        [str(mkdocs), "build", "--quiet", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    raw = []
+    for page in sorted((tmp_path / "site").rglob("*.html")):
+        text = re.sub(r"<[^>]+>", "", page.read_text())  # what a reader sees
+        raw += [f"{page.name}: {m.group(0)!r}" for m in RAW_MARKUP.finditer(text)]
+    assert not raw, f"{len(raw)} raw markups, first: {raw[:10]}"
+
+
+def test_the_raw_markup_finder_finds_roles_and_literal_markers() -> None:
+    assert RAW_MARKUP.search("see :meth:`open` first")
+    assert RAW_MARKUP.search("see :class:~tq_async.Client (rendered)")
+    assert RAW_MARKUP.search("Usage::\n")
+    assert not RAW_MARKUP.search("see `open` first, a[::2], Usage:\n")

@@ -1,6 +1,6 @@
 """Promises at the client's edge: errors of a broken unit, empty shares, samplers called
-directly. (The blocking client on the services' loop: ``tests/test_cluster.py``;
-cancellation: ``tests/test_cancellation.py``.)"""
+directly. (The blocking client on the services' loop: ``tests/deploy/test_cluster.py``;
+cancellation: ``tests/faults/test_cancellation.py``.)"""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_the_locality_benchmark_reports_the_byte_split() -> None:
     """``python -m benchmarks.locality`` (label-only): local placement writes on the
     producer's host, round-robin across hosts; the shares' balance is the sampler's in both
     (the byte split of the reads is reported, not asserted: with few steps it is noise)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     argv = ["-m", "benchmarks.locality", "--hosts", "2", "--steps", "3"]
     proc = subprocess.run(

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from tensordict import TensorDict
 
 import tq_async as tq
-from test_controller import _Later
+from _samplers import Later
 from tq_async._client._async._get import GetPath
 from tq_async._wire._protocol import MAX_ALSO, GetMeta, validate
 
@@ -142,7 +142,7 @@ async def test_a_batch_that_fails_ahead_leaves_the_asked_one_and_fails_on_its_ow
 
 async def test_an_async_sampler_answers_the_asked_batch_and_nothing_is_taken_ahead() -> None:
     async with (
-        tq.local_cluster(num_storage_units=1, sampler=_Later()) as cluster,
+        tq.local_cluster(num_storage_units=1, sampler=Later()) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         await client.put(rows(12), partition_id="p")

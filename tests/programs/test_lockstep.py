@@ -1,6 +1,6 @@
 """DP ranks in lockstep (``dp_size`` in ``sampling_config``): two ranks in one process.
 
-The in-process twin of ``tests/test_distributed.py``: an embedded cluster, two DP ranks
+The in-process twin of ``tests/programs/test_distributed.py``: an embedded cluster, two DP ranks
 reading batch ``b`` together (concurrently) before either reads ``b + 1``, as ranks that
 all_reduce every step do. For every built-in sampler and tail policy, both ranks get the same
 number of batches and the end of the stream at the same ``batch_index``, a TP peer re-reading

@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
+from _samplers import Later
 
 
 def batch(n: int, start: int = 0) -> TensorDict:
@@ -340,18 +341,9 @@ async def test_a_zero_timeout_answers_now_or_times_out_at_once() -> None:
             await client.get_meta(["x"], 4, "p", "t", timeout=-1)
 
 
-class _Later(tq.BaseSampler):
-    """A sequential sampler that answers after a suspension (an ``async`` sampler)."""
-
-    async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
-        await anyio.lowlevel.checkpoint()
-        rows = list(ready_indexes)[:batch_size]
-        return (rows, rows) if len(rows) == batch_size else ([], [])
-
-
 async def test_a_zero_timeout_waits_for_an_async_sampler_answer_only() -> None:
     async with (
-        tq.local_cluster(num_storage_units=1, sampler=_Later()) as cluster,
+        tq.local_cluster(num_storage_units=1, sampler=Later()) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         await client.put(batch(2), partition_id="p")
@@ -367,7 +359,7 @@ async def test_a_zero_timeout_waits_for_an_async_sampler_answer_only() -> None:
 
 async def test_record_from_with_an_async_sampler_decides_lower_batches_in_one_call() -> None:
     async with (
-        tq.local_cluster(num_storage_units=1, sampler=_Later()) as cluster,
+        tq.local_cluster(num_storage_units=1, sampler=Later()) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         await client.put(batch(4), partition_id="p")

@@ -1,6 +1,6 @@
 """``tq_async._datasets._handoff``: micro-batches packed into one buffer (the DataLoader paths are
 in
-``tests/test_dataset.py`` and ``tests/test_torch_dataset.py``)."""
+``tests/datasets/test_dataset.py`` and ``tests/datasets/test_torch_dataset.py``)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from test_cli import service
+from _services import service
 from tq_async._logging import get_logger
 from tq_async._service._serve import warn_if_exposed
 

@@ -13,7 +13,7 @@ import tq_async as tq
 from _cluster_proc import serve_cluster
 from tq_async._deploy._cli import _build_parser, _given, config_from_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 FULL = """
 num_storage_units = 3
@@ -128,7 +128,7 @@ def test_missing_file() -> None:
 
 
 def test_the_example_config_is_the_examples_default_arguments() -> None:
-    from test_example_grpo import example
+    from _example import example
 
     shipped = tq.Config.from_toml(ROOT / "examples" / "grpo.toml")
     assert shipped == example.cluster_config(example.parse_args([]))
@@ -209,7 +209,7 @@ async def test_the_example_against_serve_config_matches_the_embedded_run(
     tmp_path: Path,
 ) -> None:
     """The issue's acceptance: balance within 0.05 of the embedded run, staleness bounded."""
-    from test_example_grpo import example
+    from _example import example
 
     # rank batches of 8 rows: enough for the balancing to show (with 2 rows there is little
     # to choose from); the default `tq-async serve` gives ~1.1 here and a staleness of 2

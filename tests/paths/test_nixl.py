@@ -505,15 +505,15 @@ async def test_a_bad_data_path_is_refused_before_anything_starts() -> None:
     assert tq.Config.from_toml_string('data_path = "nixl"').data_path == "nixl"
 
 
-# ---- two "hosts": network namespaces (as tests/test_multihost.py builds them) ----------------
+# ---- two "hosts": network namespaces (as tests/programs/test_multihost.py builds them) -----------
 
 
 @needs_nixl
 @pytest.mark.parametrize("tls", ["tcp", "default"])
 def test_nixl_between_network_namespaces(tmp_path: Path, tls: str) -> None:
-    from test_multihost import Lab, _why_not
+    from _netns import Lab, script_env, why_not
 
-    reason = _why_not()
+    reason = why_not()
     if reason is not None:
         pytest.skip(reason)
     lab = Lab(f"tqn{os.getpid() % 10000}")
@@ -555,7 +555,7 @@ def test_nixl_between_network_namespaces(tmp_path: Path, tls: str) -> None:
             capture_output=True,
             text=True,
             timeout=120,
-            env=env,
+            env=script_env(env),
         )
         assert client.returncode == 0, client.stderr
         assert client.stdout.strip().splitlines()[-1] == "OK nixl_puts=1 nixl_reads=1"
