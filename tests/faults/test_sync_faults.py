@@ -371,17 +371,9 @@ def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> Non
         cluster.close()
 
 
-_RETRY_RUNS_TWICE = pytest.mark.xfail(
-    reason="over TCP the put sometimes runs twice (6 rows for 4 after 4 reconnects), with the "
-    "connection before and after the shared core: probably a retry reaching the controller "
-    "while the first copy is still being stored (neither cached nor a waiting request)",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize(
     "same_host",
-    [pytest.param(False, marks=_RETRY_RUNS_TWICE, id="tcp"), pytest.param(True, id="unix-socket")],
+    [pytest.param(False, id="tcp"), pytest.param(True, id="unix-socket")],
 )
 def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
     served: tuple[str, subprocess.Popen[str]], same_host: bool

@@ -22,7 +22,7 @@ from tq_async._transport._connection import (
 from tq_async._transport._unix import Frame
 from tq_async._wire._protocol import Cancel, ListPartitions, Reply, encoder, error_reply
 
-_header = msgspec.msgpack.Decoder(tuple[int, Any])
+_header = msgspec.msgpack.Decoder(tuple[int, Any, bytes])
 
 
 def _frames(*parts: bytes) -> list[Frame]:
@@ -49,8 +49,9 @@ def test_a_request_is_its_header_then_its_frames_with_a_new_id_each() -> None:
     rid2, out2 = core.start(Cancel(7), ())
     assert rid2 == rid1 + 1
     assert out1[1:] == [b"a", b"b"]
-    rid, _body = _header.decode(out1[0])
+    rid, _body, client = _header.decode(out1[0])
     assert rid == rid1
+    assert client == core.identity
     assert _header.decode(out2[0])[0] == rid2
     assert core.inflight == {rid1: out1, rid2: out2}
     assert core.waiting == {rid1, rid2}
@@ -296,3 +297,18 @@ def test_heartbeats_notice_a_silent_peer_after_the_timeout() -> None:
     assert heartbeat_ms(None) == (2_000, 10_000)
     assert heartbeat_ms(1.0) == (250, 1_000)
     assert heartbeat_ms(0.1) == (50, 100)
+
+
+def test_a_request_names_its_client_so_a_handed_over_connection_is_still_recognised() -> None:
+    # a ZMQ ROUTER that hands a client's identity over to its new connection renames the old
+    # one: its unread messages come out under a made-up routing id; the header names the
+    # client again, so the service recognises a retry (and answers the live connection)
+    from tq_async._wire._protocol import ListPartitions, controller_request_decoder, salvage_rid
+
+    core = ConnectionCore("tcp://127.0.0.1:1")
+    rid, outgoing = core.start(ListPartitions(), [])
+    req = controller_request_decoder.decode(outgoing[0])
+    assert (req.rid, req.client) == (rid, core.identity)
+    assert salvage_rid(outgoing[0]) == rid
+    old_style = msgspec.msgpack.encode((7, ListPartitions()))  # a header without it decodes
+    assert controller_request_decoder.decode(old_style).client is None

@@ -118,6 +118,13 @@ class Service:
                 self.send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
             return
         rid, body = req.rid, req.body
+        if req.client is not None and len(peer) == 5 and not peer[0]:
+            # a routing id libzmq made up: the ROUTER handed this client's identity over to
+            # its new connection (a reconnect) and renamed the old one, whose unread
+            # messages come out under it. They are the client's: retries must be
+            # recognised (else a put resent after the reconnect runs twice) and answers
+            # must reach its live connection.
+            peer = req.client
         if self.is_retry(peer, rid):
             return
         msg = Incoming(peer, rid, frames, time.perf_counter() if self.metrics.enabled else 0.0)

@@ -229,14 +229,14 @@ class ConnectionCore:
             InvalidRequestError: ``body`` holds a value msgpack cannot carry.
         """
         rid = next(self._rids)
-        outgoing = [_encode_request(rid, body), *frames]
+        outgoing = [_encode_request(rid, body, self.identity), *frames]
         self.inflight[rid] = outgoing
         self.waiting.add(rid)
         return rid, outgoing
 
     def oneway(self, body: msgspec.Struct) -> list[Any]:
         """The message of a request whose reply nobody waits for (dropped on arrival)."""
-        return [encoder.encode((next(self._rids), body))]
+        return [encoder.encode((next(self._rids), body, self.identity))]
 
     def on_message(self, frames: list[Any]) -> int | None:
         """A message from the service: the id of the waiting request its reply is for (kept
@@ -543,11 +543,12 @@ def _again(exc: BaseException) -> BaseException:
     return type(exc)(*exc.args)
 
 
-def _encode_request(rid: int, body: msgspec.Struct) -> bytes:
-    """The request header; a value msgpack cannot carry is the caller's error, raised
-    before anything is sent (a safety net: the client checks arguments more precisely)."""
+def _encode_request(rid: int, body: msgspec.Struct, identity: bytes) -> bytes:
+    """The request header (``identity``: see ``ControllerRequest.client``); a value msgpack
+    cannot carry is the caller's error, raised before anything is sent (a safety net: the
+    client checks arguments more precisely)."""
     try:
-        return encoder.encode((rid, body))
+        return encoder.encode((rid, body, identity))
     except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
         raise InvalidRequestError(
             f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "

@@ -556,11 +556,15 @@ StorageBody = (
 class ControllerRequest(msgspec.Struct, array_like=True):
     rid: int
     body: ControllerBody
+    #: the sending connection's identity: a message a ZMQ ROUTER read from a handed-over
+    #: connection carries a routing id of its own, and this one names its client again
+    client: bytes | None = None
 
 
 class StorageRequest(msgspec.Struct, array_like=True):
     rid: int
     body: StorageBody
+    client: bytes | None = None
 
 
 class Reply(msgspec.Struct, array_like=True):
@@ -758,14 +762,14 @@ encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest, ext_hook=_ext_hook)
 storage_request_decoder = msgspec.msgpack.Decoder(StorageRequest)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
-_rid_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+_rid_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def salvage_rid(header: bytes | memoryview) -> int | None:
     """The request id of a message that failed to decode, if it can be read at all."""
     try:
-        rid, _ = _rid_decoder.decode(header)
-    except (msgspec.DecodeError, ValueError, TypeError):
+        rid = msgspec.msgpack.decode(_rid_decoder.decode(header)[0], type=int)
+    except (msgspec.DecodeError, ValueError, TypeError, IndexError):
         return None
     return rid
 
