@@ -20,17 +20,32 @@ rebuilding the batch — runs in tests without a GPU (`HostCopier`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
 from .._wire._nested import jagged_from_values
+from ._shm import ArenaMap
 
-__all__ = ["Copier", "HostCopier", "check_device", "to_device", "to_host"]
+__all__ = [
+    "Copier",
+    "DeviceFrame",
+    "HostCopier",
+    "check_device",
+    "copies_to",
+    "frame_nbytes",
+    "read_onto",
+    "stage_frames",
+    "stage_frames_now",
+    "to_device",
+    "to_host",
+    "write_frames",
+]
 
 
 class Copier(Protocol):
@@ -42,6 +57,11 @@ class Copier(Protocol):
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying ``t`` (on the host) to a new device tensor; return it (incomplete)."""
+        ...
+
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Start copying the bytes of ``t`` (contiguous, on the device) into host bytes
+        ``out`` (``uint8``, as many bytes; page-locked for full speed)."""
         ...
 
     def finish(self) -> None:
@@ -70,6 +90,10 @@ class _CudaCopier:
             host.copy_(t, non_blocking=True)
         return host
 
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            out.copy_(_as_bytes(t), non_blocking=True)
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
             return t  # there already (a fetch_batch_fn may deliver on the device)
@@ -90,6 +114,11 @@ class _CudaCopier:
         event.synchronize()
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t``, as a flat ``uint8`` view."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 #: one side stream per device, made on first use
 _streams: dict[torch.device, Any] = {}
 
@@ -105,6 +134,10 @@ class HostCopier:
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         self.copies += 1
         return t.detach().clone()
+
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        self.copies += 1
+        out.copy_(_as_bytes(t))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         self.copies += 1
@@ -279,4 +312,102 @@ def to_host_now(
         copier.finish()
     if isinstance(data, TensorDictBase):
         return TensorDict(out, batch_size=data.batch_size)
+    return out
+
+
+# ---- device -> a unit's shared memory (puts to a unit on this host) -------------------------
+
+
+class DeviceFrame:
+    """A put's frame still on its device: the bytes of ``tensor`` (dense, contiguous: a
+    `DeviceColumn`'s), copied by the device straight into a shared-memory grant."""
+
+    __slots__ = ("nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+
+def frame_nbytes(frame: Any) -> int:
+    """Bytes of a frame (a buffer or a `DeviceFrame`)."""
+    return frame.nbytes if isinstance(frame, DeviceFrame) else memoryview(frame).nbytes
+
+
+def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tuple[int, int]]:
+    """`ArenaMap.write`, with `DeviceFrame`s copied device to host straight into the arena:
+    the chunks the grant touches are page-locked first (once per chunk and process, see
+    `tq_async._paths._pinned`), the device copies start, the host frames are copied while
+    they run, and it returns once all are done. Blocks: call it on a worker thread."""
+    spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
+    moving = [
+        (f.tensor, offset + rel, n)
+        for f, (rel, n) in zip(frames, spans, strict=True)
+        if isinstance(f, DeviceFrame) and n and on_device(f.tensor)
+    ]
+    if moving:
+        end = offset + spans[-1][0] + spans[-1][1]
+        arena.pinned_chunks().ensure(offset, end - offset)
+    copiers: dict[torch.device, Copier] = {}
+    view = arena.view
+    for t, pos, n in moving:
+        copier = copiers.get(t.device)
+        if copier is None:
+            copier = copiers[t.device] = make_copier(t.device)
+        copier.to_host_into(t, torch.from_numpy(view[pos : pos + n]))
+    for f, (rel, n) in zip(frames, spans, strict=True):  # the CPU's part, meanwhile
+        if isinstance(f, DeviceFrame):
+            if on_device(f.tensor):
+                continue
+            f = _as_bytes(f.tensor).numpy()  # a host tensor (emulated devices: tests)
+        if n:
+            pos = offset + rel
+            view[pos : pos + n] = np.frombuffer(memoryview(f).cast("B"), dtype=np.uint8)
+    for copier in copiers.values():
+        copier.finish()
+    return spans
+
+
+async def stage_frames(frames: Sequence[Any]) -> list[Any]:
+    """``frames`` with every `DeviceFrame` copied to pinned host memory (a put that goes
+    by socket after all: the arena was full). The copies are waited for off the loop."""
+    if not any(isinstance(f, DeviceFrame) for f in frames):
+        return list(frames)
+    return await anyio.to_thread.run_sync(stage_frames_now, frames)
+
+
+def stage_frames_now(frames: Sequence[Any]) -> list[Any]:
+    """`stage_frames` in the calling thread (the blocking client's)."""
+    held = {str(i): f.tensor for i, f in enumerate(frames) if isinstance(f, DeviceFrame)}
+    if not held:
+        return list(frames)
+    moved = to_host_now(held)
+    return [
+        _as_bytes(moved[str(i)]).numpy().data if isinstance(f, DeviceFrame) else f
+        for i, f in enumerate(frames)
+    ]
+
+
+# ---- a unit's shared memory -> device (reads by a client on the unit's host) ---------------
+
+
+def copies_to(device: torch.device) -> bool:
+    """Whether reads onto ``device`` copy to it (not for the host, unless tests say so)."""
+    return device.type != "cpu" or make_copier is not _cuda_copier
+
+
+def read_onto(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], device: torch.device
+) -> list[torch.Tensor]:
+    """New ``uint8`` tensors on ``device`` holding the arena's ``spans`` (checked by the
+    caller), copied host to device straight out of page-locked chunks (registered on first
+    use); complete when it returns. Blocks: call it on a worker thread, while the unit
+    holds the spans pinned."""
+    pinned = arena.pinned_chunks()
+    for off, n in spans:
+        pinned.ensure(off, n)
+    copier = make_copier(device)
+    view = arena.view
+    out = [copier.to_device(torch.from_numpy(view[off : off + n])) for off, n in spans]
+    copier.finish()
     return out

@@ -500,6 +500,7 @@ class StorageState:
             **self._device_stats(),
             host=self.host,
             locality=dict(self.locality),
+            shm_locked_bytes=arena.locked_bytes(),
         )
 
     def _device_stats(self) -> dict[str, int]:

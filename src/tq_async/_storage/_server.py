@@ -303,7 +303,7 @@ class StorageServer(Service):
             raise InvalidRequestError(f"ShmAlloc nbytes must be > 0, got {body.nbytes}")
         if body.device:
             return self.device_path.alloc(msg.peer, pid, body.nbytes)
-        return self.shm_path.alloc(msg.peer, pid, body.nbytes)
+        return self.shm_path.alloc(msg.peer, pid, body.nbytes, pinned=body.pinned)
 
     def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> Any:
         if self._tg is None or self.nixl_path.answers_now():

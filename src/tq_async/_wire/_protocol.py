@@ -467,6 +467,9 @@ class StoreGet(_Msg):
     device: bool = False
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: (with ``shm``) the client copies the spans with its GPU driver from page-locked
+    #: memory: the chunks they touch stay resident (see tq_async._paths._pinned)
+    pinned: bool = False
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -506,13 +509,18 @@ class ShmAlloc(_Msg):
 
     nbytes: int
     device: bool = False
+    #: the client will copy into the grant with its GPU driver from page-locked memory:
+    #: the chunks it touches stay resident (see tq_async._paths._pinned)
+    pinned: bool = False
 
 
 class ShmFree(_Msg):
-    """Give back grants the client will not use, and read pins it is done with."""
+    """Give back grants the client will not use, and read pins it is done with; with
+    ``chunks``, the client no longer holds those arena chunks registered."""
 
     grants: list[int]
     pins: list[int]
+    chunks: list[int] = msgspec.field(default_factory=list)
 
 
 class NixlHello(_Msg):
@@ -724,6 +732,8 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: "out_other_host"}`` (a client that sent no host id counts as another host)
     host: str = ""
     locality: dict[str, int] = {}
+    #: shared memory clients hold page-locked with their GPU driver (kept resident)
+    shm_locked_bytes: int = 0
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

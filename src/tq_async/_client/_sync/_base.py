@@ -44,6 +44,7 @@ from ..._wire._codec import check_text
 from ..._wire._protocol import (
     Hello,
     HelloReply,
+    ShmFree,
     ShmHello,
     ShmHelloReply,
 )
@@ -160,13 +161,15 @@ class Links:
         if self.controller is not None:
             self.controller.close()
             self.controller = None
+        for unit_id, arena in self.arenas.items():
+            chunks = arena.close() if arena is not None else []
+            conn = self.units.get(unit_id)
+            if chunks and conn is not None:  # the unit may give their pages back now
+                conn.send_best_effort(ShmFree([], [], chunks))
+        self.arenas.clear()
         for conn in self.units.values():
             conn.close()
         self.units.clear()
-        for arena in self.arenas.values():
-            if arena is not None:
-                arena.close()
-        self.arenas.clear()
         if self.devices is not None:
             self.devices.close()
 
@@ -185,6 +188,7 @@ class Links:
             self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
         for arena in self.arenas.values():
             if arena is not None:
+                arena.pinned = None  # the parent's registrations: CUDA is not the child's
                 arena.close()  # the child's mapping only
         self.arenas.clear()
         self._refreshing = None

@@ -599,13 +599,15 @@ class Client:
             ``{unit_id: {"partitions", "rows", "resident_bytes", "shm_bytes",
             "shm_idle_bytes", "shm_cap", "shm_fallbacks", "shm_puts", "shm_reads",
             "nixl_puts", "nixl_reads", "nixl_registered_bytes", "device_bytes",
-            "device_cap", "device_puts", "device_reads", "device_fallbacks"}}``:
+            "device_cap", "device_puts", "device_reads", "device_fallbacks",
+            "shm_locked_bytes", ...}}``:
             cells held, shared memory in use, freed shared memory kept for reuse, the cap
             (0: no shared memory), and puts/reads over the socket because the arena was full
             and through shared memory (totals); puts and reads through NIXL and the memory
             registered with it; the device arena's bytes in use and cap (0: none), puts and
             reads through it, and the times cells went through host memory instead (a put
-            that did not fit, a read by a reader that wants host memory).
+            that did not fit, a read by a reader that wants host memory); shared memory
+            clients hold page-locked for their GPU copies (kept resident).
 
         Raises:
             TQTimeoutError: a unit did not answer within ``request_timeout``.
