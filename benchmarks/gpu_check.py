@@ -276,21 +276,30 @@ async def _rounds(
             await anyio.lowlevel.checkpoint()
             lags[phase[0]].append(time.perf_counter() - t0)
 
+    async def round_trip() -> tuple[float, float, Any]:
+        t0 = time.perf_counter()
+        meta = await client.put(cols, partition_id="gpu")
+        t1 = time.perf_counter()
+        phase[0] = "get" if phase[0] == "put" else phase[0]
+        td = await client.get_data(meta, device=device)
+        t2 = time.perf_counter()
+        await client.clear_samples(meta)
+        return t1 - t0, t2 - t1, td
+
+    # throughput: the loop otherwise idle, as in a job (a probe spinning on the loop takes
+    # the GIL from the copies' worker at every hand-off: it measures stalls, apart, below)
     puts, gets = [], []
+    for _ in range(rounds + 1):
+        put_s, get_s, td = await round_trip()
+        puts.append(put_s)
+        gets.append(get_s)
     sampler = _StallSampler()
     async with anyio.create_task_group() as tg:
         tg.start_soon(probe)
         tg.start_soon(sampler.beat)
-        for r in range(rounds + 1):
+        for r in range(4):
             phase[0] = "put" if r else "first round"
-            t0 = time.perf_counter()
-            meta = await client.put(cols, partition_id="gpu")
-            puts.append(time.perf_counter() - t0)
-            phase[0] = "get" if r else "first round"
-            t0 = time.perf_counter()
-            td = await client.get_data(meta, device=device)
-            gets.append(time.perf_counter() - t0)
-            await client.clear_samples(meta)
+            await round_trip()
         stop.set()
         sampler.stop()
     assert all(td[k].device.type == device and torch.equal(td[k], cols[k]) for k in cols)

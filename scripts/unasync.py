@@ -57,6 +57,8 @@ REPLACEMENTS = [
     (r"\bto_device\b", "to_device_now"),
     (r"\bto_host\b", "to_host_now"),
     (r"\bstage_frames\b", "stage_frames_now"),
+    (r"\bread_onto_async\b", "read_onto"),
+    (r"\bcopy_frames\b", "copy_frames_now"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\b__aiter__\b", "__iter__"),

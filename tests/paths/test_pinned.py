@@ -25,7 +25,7 @@ from tq_async._paths import _device_copy as _devices
 from tq_async._paths import _pinned
 from tq_async._paths._device import EMULATE_ENV
 from tq_async._paths._device_copy import DeviceFrame, HostCopier, write_frames
-from tq_async._paths._pinned import PIN_CHUNK, PinnedChunks, chunks_of
+from tq_async._paths._pinned import PIN_CHUNK, PinnedChunks, chunks_of, split_at_chunks
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage._book import Book
 
@@ -66,6 +66,16 @@ def test_chunks_of_a_span() -> None:
     assert list(chunks_of(PIN_CHUNK - 1, 2)) == [0, 1]
     assert list(chunks_of(PIN_CHUNK, PIN_CHUNK)) == [1]
     assert list(chunks_of(5, 0)) == []
+
+
+def test_a_span_is_cut_at_chunk_boundaries() -> None:
+    assert split_at_chunks(5, 10) == [(5, 10)]
+    assert split_at_chunks(PIN_CHUNK - 4, PIN_CHUNK + 8) == [
+        (PIN_CHUNK - 4, 4),
+        (PIN_CHUNK, PIN_CHUNK),
+        (2 * PIN_CHUNK, 4),
+    ]
+    assert split_at_chunks(PIN_CHUNK, 0) == []
 
 
 def test_each_chunk_is_registered_once_and_unregistered_at_close(registrar: _Registrar) -> None:
@@ -216,7 +226,7 @@ def test_device_frames_land_in_the_grant_with_host_frames_between(
         assert spans == ArenaMap.layout(offset, [8000, 77, 300])
         got = [bytes(arena.view[offset + o : offset + o + n]) for o, n in spans]
         assert got == [a.numpy().tobytes(), host.tobytes(), b.view(torch.int16).numpy().tobytes()]
-        assert seam[0].copies == 2  # the device's part; the host frame by the CPU
+        assert seam[0].copies == 3  # the device's part (a cut at the chunk boundary)
         assert sorted(registrar.registered) == [
             mapped.pinned_chunks().base + c * PIN_CHUNK for c in (0, 1)
         ]

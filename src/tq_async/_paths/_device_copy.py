@@ -30,6 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
 from .._wire._nested import jagged_from_values
+from ._pinned import split_at_chunks
 from ._shm import ArenaMap
 
 __all__ = [
@@ -38,8 +39,11 @@ __all__ = [
     "HostCopier",
     "check_device",
     "copies_to",
+    "copy_frames",
+    "copy_frames_now",
     "frame_nbytes",
     "read_onto",
+    "read_onto_async",
     "stage_frames",
     "stage_frames_now",
     "to_device",
@@ -62,6 +66,14 @@ class Copier(Protocol):
     def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
         """Start copying the bytes of ``t`` (contiguous, on the device) into host bytes
         ``out`` (``uint8``, as many bytes; page-locked for full speed)."""
+        ...
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        """A new ``uint8`` tensor of ``nbytes`` on the device (for `to_device_into`)."""
+        ...
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Start copying host bytes ``t`` (``uint8``) into device bytes ``out``."""
         ...
 
     def finish(self) -> None:
@@ -93,6 +105,14 @@ class _CudaCopier:
     def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             out.copy_(_as_bytes(t), non_blocking=True)
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        with torch.cuda.stream(self._caller):  # freed in order with the caller's work
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            out.copy_(t, non_blocking=True)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
@@ -138,6 +158,13 @@ class HostCopier:
     def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
         self.copies += 1
         out.copy_(_as_bytes(t))
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        self.copies += 1
+        out.copy_(t)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         self.copies += 1
@@ -334,28 +361,81 @@ def frame_nbytes(frame: Any) -> int:
     return frame.nbytes if isinstance(frame, DeviceFrame) else memoryview(frame).nbytes
 
 
-def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tuple[int, int]]:
-    """`ArenaMap.write`, with `DeviceFrame`s copied device to host straight into the arena:
-    the chunks the grant touches are page-locked first (once per chunk and process, see
-    `tq_async._paths._pinned`), the device copies start, the host frames are copied while
-    they run, and it returns once all are done. Blocks: call it on a worker thread."""
+async def copy_frames(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], loop_copy_bytes: int
+) -> list[tuple[int, int]]:
+    """`write_frames` without blocking the event loop, and with one hand-off to a worker
+    thread: when every chunk the grant touches is page-locked already, the device copies
+    (asynchronous then) are started here and only the wait for them (and the host frames'
+    copies, unless they are under ``loop_copy_bytes``) runs on a worker. Each hand-off of
+    the GIL between the loop's thread and a worker can cost up to the interpreter's switch
+    interval (5 ms) while the loop is busy, so a worker that started a dozen copies waited
+    for the GIL a dozen times (on an H200, with the loop busy: 60 ms a 256 MiB put)."""
     spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
-    moving = [
-        (f.tensor, offset + rel, n)
-        for f, (rel, n) in zip(frames, spans, strict=True)
-        if isinstance(f, DeviceFrame) and n and on_device(f.tensor)
-    ]
-    if moving:
-        end = offset + spans[-1][0] + spans[-1][1]
-        arena.pinned_chunks().ensure(offset, end - offset)
+    end = offset + (spans[-1][0] + spans[-1][1] if spans else 0)
+    pinned = arena.pinned_chunks()
+    if not pinned.covers(offset, end - offset):  # chunks to register first: all off the loop
+        return await anyio.to_thread.run_sync(write_frames, arena, offset, frames)
+    copiers = _start_device_copies(arena, offset, frames, spans)
+    host_bytes = sum(n for f, (_, n) in zip(frames, spans, strict=True) if _by_cpu(f))
+    host_on_loop = host_bytes < loop_copy_bytes
+
+    def rest() -> None:
+        _copy_host_frames(arena, offset, frames, spans)
+        for copier in copiers.values():
+            copier.finish()
+
+    if host_on_loop:
+        _copy_host_frames(arena, offset, frames, spans)
+        if copiers:
+            await anyio.to_thread.run_sync(_finish_all, list(copiers.values()))
+    else:
+        await anyio.to_thread.run_sync(rest)
+    return spans
+
+
+def copy_frames_now(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], loop_copy_bytes: int
+) -> list[tuple[int, int]]:
+    """`copy_frames` in the calling thread (the blocking client's): `write_frames`."""
+    return write_frames(arena, offset, frames)
+
+
+def _by_cpu(frame: Any) -> bool:
+    """Whether the CPU copies ``frame`` (not a frame its device copies)."""
+    return not (isinstance(frame, DeviceFrame) and on_device(frame.tensor))
+
+
+def _finish_all(copiers: list[Copier]) -> None:
+    for copier in copiers:
+        copier.finish()
+
+
+def _start_device_copies(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], spans: list[tuple[int, int]]
+) -> dict[torch.device, Copier]:
+    """Start the copies of the `DeviceFrame`s into their spans; the copiers to finish."""
     copiers: dict[torch.device, Copier] = {}
     view = arena.view
-    for t, pos, n in moving:
+    for f, (rel, n) in zip(frames, spans, strict=True):
+        if not (isinstance(f, DeviceFrame) and n and on_device(f.tensor)):
+            continue
+        t, pos = f.tensor, offset + rel
         copier = copiers.get(t.device)
         if copier is None:
             copier = copiers[t.device] = make_copier(t.device)
-        copier.to_host_into(t, torch.from_numpy(view[pos : pos + n]))
-    for f, (rel, n) in zip(frames, spans, strict=True):  # the CPU's part, meanwhile
+        src = _as_bytes(t)
+        for a, m in split_at_chunks(pos, n):  # one copy never spans two registrations
+            copier.to_host_into(src[a - pos : a - pos + m], torch.from_numpy(view[a : a + m]))
+    return copiers
+
+
+def _copy_host_frames(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], spans: list[tuple[int, int]]
+) -> None:
+    """Copy the frames the CPU copies (host frames; host tensors of emulated devices)."""
+    view = arena.view
+    for f, (rel, n) in zip(frames, spans, strict=True):
         if isinstance(f, DeviceFrame):
             if on_device(f.tensor):
                 continue
@@ -363,6 +443,19 @@ def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tu
         if n:
             pos = offset + rel
             view[pos : pos + n] = np.frombuffer(memoryview(f).cast("B"), dtype=np.uint8)
+
+
+def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tuple[int, int]]:
+    """`ArenaMap.write`, with `DeviceFrame`s copied device to host straight into the arena:
+    the chunks the grant touches are page-locked first (once per chunk and process, see
+    `tq_async._paths._pinned`), the device copies start, the host frames are copied while
+    they run, and it returns once all are done. Blocks: call it on a worker thread."""
+    spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
+    if any(isinstance(f, DeviceFrame) and on_device(f.tensor) for f in frames):
+        end = offset + spans[-1][0] + spans[-1][1]
+        arena.pinned_chunks().ensure(offset, end - offset)
+    copiers = _start_device_copies(arena, offset, frames, spans)
+    _copy_host_frames(arena, offset, frames, spans)  # the CPU's part, meanwhile
     for copier in copiers.values():
         copier.finish()
     return spans
@@ -396,6 +489,34 @@ def copies_to(device: torch.device) -> bool:
     return device.type != "cpu" or make_copier is not _cuda_copier
 
 
+async def read_onto_async(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], device: torch.device
+) -> list[torch.Tensor]:
+    """`read_onto` without blocking the event loop: when the spans' chunks are page-locked
+    already the copies (asynchronous then) start here and only their wait runs on a worker
+    (one hand-off of the GIL; see `copy_frames`)."""
+    pinned = arena.pinned_chunks()
+    if not all(pinned.covers(off, n) for off, n in spans):
+        return await anyio.to_thread.run_sync(read_onto, arena, spans, device)
+    copier = make_copier(device)
+    out = _start_reads(arena, spans, copier)
+    await anyio.to_thread.run_sync(copier.finish)
+    return out
+
+
+def _start_reads(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], copier: Copier
+) -> list[torch.Tensor]:
+    view = arena.view
+    out = []
+    for off, n in spans:
+        dst = copier.device_bytes(n)
+        for a, m in split_at_chunks(off, n):  # one copy never spans two registrations
+            copier.to_device_into(torch.from_numpy(view[a : a + m]), dst[a - off : a - off + m])
+        out.append(dst)
+    return out
+
+
 def read_onto(
     arena: ArenaMap, spans: Sequence[tuple[int, int]], device: torch.device
 ) -> list[torch.Tensor]:
@@ -407,7 +528,6 @@ def read_onto(
     for off, n in spans:
         pinned.ensure(off, n)
     copier = make_copier(device)
-    view = arena.view
-    out = [copier.to_device(torch.from_numpy(view[off : off + n])) for off, n in spans]
+    out = _start_reads(arena, spans, copier)
     copier.finish()
     return out

@@ -33,7 +33,15 @@ from typing import Protocol
 
 from .._logging import get_logger
 
-__all__ = ["PIN_CHUNK", "PIN_ENV", "PinnedChunks", "Registrar", "chunks_of", "pin_arena"]
+__all__ = [
+    "PIN_CHUNK",
+    "PIN_ENV",
+    "PinnedChunks",
+    "Registrar",
+    "chunks_of",
+    "pin_arena",
+    "split_at_chunks",
+]
 
 log = get_logger(__name__)
 
@@ -55,6 +63,18 @@ def chunks_of(offset: int, nbytes: int) -> range:
     if nbytes <= 0:
         return range(0)
     return range(offset // PIN_CHUNK, (offset + nbytes - 1) // PIN_CHUNK + 1)
+
+
+def split_at_chunks(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """``[offset, offset + nbytes)`` cut at chunk boundaries, as ``(offset, nbytes)``: the
+    driver copies to or from registered memory only within one registration."""
+    out = []
+    end = offset + nbytes
+    while offset < end:
+        stop = min(end, (offset // PIN_CHUNK + 1) * PIN_CHUNK)
+        out.append((offset, stop - offset))
+        offset = stop
+    return out
 
 
 class Registrar(Protocol):
@@ -136,6 +156,12 @@ class PinnedChunks:
                         chunk=c,
                     )
             return ok
+
+    def covers(self, offset: int, nbytes: int) -> bool:
+        """Whether every chunk of ``[offset, offset + nbytes)`` is registered already
+        (copies to and from them are then asynchronous: they may start on any thread)."""
+        registered = self.registered
+        return all(c in registered for c in chunks_of(offset, nbytes))
 
     def close(self) -> list[int]:
         """Unregister every chunk (before the mapping goes); the chunks that were."""

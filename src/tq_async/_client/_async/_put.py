@@ -27,10 +27,10 @@ from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._paths._device_copy import (
     DeviceFrame,
+    copy_frames,
     frame_nbytes,
     stage_frames,
     to_host,
-    write_frames,
 )
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
@@ -494,7 +494,7 @@ class PutPath:
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
             if on_device:
-                spans = await run_sync_off_loop(write_frames, arena, grant.offset, frames)
+                spans = await copy_frames(arena, grant.offset, frames, THREAD_COPY_BYTES)
             elif nbytes >= THREAD_COPY_BYTES:
                 spans = await run_sync_off_loop(arena.write, grant.offset, frames)
             else:

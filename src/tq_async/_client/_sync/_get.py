@@ -131,12 +131,20 @@ def _read_onto(
             arena.check(off, nbytes, "a shared-memory span")
         except ValueError as exc:
             raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
-    moved = run_sync_off_loop(read_onto, arena, [span for _, span, _ in direct], device)
+    moved = read_onto(arena, [span for _, span, _ in direct], device)
     on_device = {
         j: t.view(dtype).view((n, *stored.columns[j].shape))
         for (j, _, dtype), t in zip(direct, moved, strict=True)
     }
     return frames, on_device
+
+
+def _pinned_target(device: torch.device | None, arena: ArenaMap | None) -> torch.device | None:
+    """``device`` when a read onto it copies straight out of a same-host unit's
+    page-locked memory (see tq_async._paths._pinned), else None."""
+    if device is None or arena is None or not (pin_arena() and copies_to(device)):
+        return None
+    return device
 
 
 def _dense_dtype(header: ColumnHeader) -> torch.dtype | None:
@@ -388,10 +396,7 @@ class GetPath:
                 view = self._links.devices.link(unit, conn, self._links.request_timeout)
                 if view is not None and view.device.type != device.type:
                     view = None
-            # onto a GPU from a unit on this host: straight out of its page-locked memory
-            onto = device if device is not None and arena is not None else None
-            if onto is not None and not (pin_arena() and copies_to(onto)):
-                onto = None
+            onto = _pinned_target(device, arena)
             get = StoreGet(
                 meta.partition_id,
                 rows,
@@ -420,15 +425,7 @@ class GetPath:
                     if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
                     if arena is not None:
-                        if onto is not None:
-                            frames, on_device = _read_onto(arena, stored, onto)
-                        else:
-                            frames = _copy_spans(arena, stored.shm_spans)
-                        if stored.device_spans is not None:
-                            if view is None or device is None or self._links.devices is None:
-                                raise ProtocolError("an unexpected device arena reply")
-                            got_device = self._links.devices.read(view, stored, device)
-                            on_device = (on_device or {}) | got_device
+                        frames, on_device = self._read_arena(arena, stored, onto, view, device)
                     else:
                         assert nixl is not None
                         assert self._links.nixl is not None
@@ -451,6 +448,29 @@ class GetPath:
         else:
             run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
+
+    def _read_arena(
+        self,
+        arena: ArenaMap,
+        stored: StoredColumns,
+        onto: torch.device | None,
+        view: Any,
+        device: torch.device | None,
+    ) -> tuple[list[Any], dict[int, torch.Tensor] | None]:
+        """A same-host read's columns out of the unit's arena (onto ``onto`` straight out
+        of page-locked memory) and its device arena (``view``, onto ``device``)."""
+        assert stored.shm_spans is not None
+        on_device: dict[int, torch.Tensor] | None = None
+        if onto is not None:
+            frames, on_device = _read_onto(arena, stored, onto)
+        else:
+            frames = _copy_spans(arena, stored.shm_spans)
+        if stored.device_spans is not None:
+            if view is None or device is None or self._links.devices is None:
+                raise ProtocolError("an unexpected device arena reply")
+            got_device = self._links.devices.read(view, stored, device)
+            on_device = (on_device or {}) | got_device
+        return frames, on_device
 
     def get(self, query: MetaQuery) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their

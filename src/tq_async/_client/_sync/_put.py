@@ -29,10 +29,10 @@ from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._paths._device_copy import (
     DeviceFrame,
+    copy_frames_now,
     frame_nbytes,
     stage_frames_now,
     to_host_now,
-    write_frames,
 )
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
@@ -496,7 +496,7 @@ class PutPath:
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
             if on_device:
-                spans = run_sync_off_loop(write_frames, arena, grant.offset, frames)
+                spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
             elif nbytes >= THREAD_COPY_BYTES:
                 spans = run_sync_off_loop(arena.write, grant.offset, frames)
             else:
