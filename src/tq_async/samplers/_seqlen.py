@@ -192,14 +192,10 @@ class SeqlenBalancedSampler(BaseSampler):
         n_real = len(groups)
         lengths.extend([0] * (-n_real % dp_size))
         parts = karmarkar_karp(lengths, dp_size, equal_size=True)
-        located = (
-            row_hosts is not None
-            and rank_hosts is not None
-            and len(rank_hosts) == dp_size
-            and any(rank_hosts)
-        )
-        if located:
-            assert row_hosts is not None and rank_hosts is not None
+        located = False
+        if row_hosts is not None and rank_hosts is not None:
+            located = len(rank_hosts) == dp_size and any(rank_hosts)
+        if located and row_hosts is not None and rank_hosts is not None:
             where: list[dict[str, int]] = []
             for g, row_lengths in zip(groups, rows, strict=True):
                 tokens: dict[str, int] = {}
