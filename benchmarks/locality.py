@@ -93,9 +93,13 @@ async def rank_loop(
         unit_host = {u: s["host"] for u, s in (await client.storage_stats()).items()}
         for step in range(steps):
             t0 = time.perf_counter()
+            written = written_remote = 0
             for g, lengths in enumerate(step_lengths(seed, rank, step, groups, group)):
                 data, tags = group_data(lengths, width, (step * hosts + rank) * groups + g)
-                await client.put(data, partition_id="train", tags=tags)
+                put = await client.put(data, partition_id="train", tags=tags)
+                for n, u in zip(lengths, put.units, strict=True):
+                    written += n * (4 + 4 * width)
+                    written_remote += n * (4 + 4 * width) * (unit_host[u] != host)
             t1 = time.perf_counter()
             cfg = {"dp_size": hosts, "dp_rank": rank, "batch_index": step}
             meta = await client.get_meta(
@@ -117,6 +121,8 @@ async def rank_loop(
                     "tokens": sum(lengths),
                     "bytes": sum(row_bytes),
                     "remote_bytes": remote,
+                    "written_bytes": written,
+                    "written_remote_bytes": written_remote,
                     "put_s": t1 - t0,
                     "meta_s": t2 - t1,
                     "data_s": t3 - t2,
@@ -336,6 +342,11 @@ def summarise(
         "steps_measured": len(steps),
         "read_bytes": total,
         "cross_host_read_fraction": round(remote / max(total, 1), 4),
+        "cross_host_write_fraction": round(
+            sum(r["written_remote_bytes"] for r in kept)
+            / max(sum(r["written_bytes"] for r in kept), 1),
+            4,
+        ),
         "starved_ranks": sum(1 for r in kept if r["tokens"] == 0),
         "token_imbalance_mean": round(sum(imbalance) / len(imbalance), 4),
         "token_imbalance_max": round(max(imbalance), 4),

@@ -467,6 +467,9 @@ class StoreGet(_Msg):
     device: bool = False
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: the task that fetched the rows (``BatchMeta.task_name``; "": none), for the unit's
+    #: per-task byte counters
+    task: str = ""
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -724,6 +727,10 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: "out_other_host"}`` (a client that sent no host id counts as another host)
     host: str = ""
     locality: dict[str, int] = {}
+    #: locality by task: payload bytes read by each task's clients on the unit's host and
+    #: on others: ``{task: {"out_same_host": n, "out_other_host": n}}`` (reads that named a
+    #: task: ``get``/``get_data`` of a fetched batch)
+    task_locality: dict[str, dict[str, int]] = {}
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

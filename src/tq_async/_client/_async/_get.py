@@ -340,6 +340,7 @@ class GetPath:
                 shm=shm,
                 device=view is not None,
                 host=self._links.host_id,
+                task=meta.task_name or "",
             )
             on_device: dict[int, torch.Tensor] | None = None
             if not shm:
