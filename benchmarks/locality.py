@@ -6,7 +6,7 @@ jagged lengths (16..512 tokens: an int32 ``tokens`` row and a float32 ``hidden``
 ``--width`` values per token), one group per put, and every rank then reads its share of the
 step's global batch through ``SeqlenBalancedSampler(n_samples_per_prompt=group,
 dp_size=hosts)``. The same data (same seed) runs twice: ``placement="local"`` (rows on the
-producer's unit; the batch split by locality, `tq_async._core._balance`) and
+producer's unit; the batch split by locality, `tq_async.samplers._balance`) and
 ``placement="round_robin"`` (rows spread over units; the sampler's plain split). Step 0 is a
 warm-up (the controller learns each rank's host from its first request) and is left out.
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._core._balance import balance_by_host
 from .._errors import InvalidRequestError
 from .._logging import get_logger
+from ._balance import balance_by_host
 from ._base import BaseSampler, SampleResult, SharesResult, check_context
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
@@ -34,7 +34,7 @@ class SeqlenBalancedSampler(BaseSampler):
 
     **Locality.** When the controller says where rows live (``row_hosts``) and where each rank
     runs (``rank_hosts``, a global batch), the same groups are split by
-    `tq_async._core._balance.balance_by_host` instead: each host's groups go to that host's
+    `tq_async.samplers._balance.balance_by_host` instead: each host's groups go to that host's
     ranks first, and the residual imbalance is repaired by swapping the fewest, smallest
     groups across hosts, as long as no rank ends heavier than ``1 + locality_slack`` times
     the heaviest share of the unconstrained split (else that split is used, handed to ranks by

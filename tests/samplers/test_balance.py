@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from tq_async import SeqlenBalancedSampler
 from tq_async._core._assign import assign
-from tq_async._core._balance import balance_by_host, cross_tokens, part_loads
 from tq_async.samplers import karmarkar_karp
+from tq_async.samplers._balance import balance_by_host, cross_tokens, part_loads
 
 
 def _case(

@@ -18,7 +18,7 @@ made knowing where the groups live (`balance_by_host`):
    preferred, the one adding the fewest cross-host tokens first; otherwise the swap that
    lowers the pair's maximum most.
 4. **Whole parts** are finally handed to the ranks that find most of their tokens at home
-   (`tq_async._core._assign.assign`), which moves no token between parts.
+   (`tq_async.samplers._hungarian.assign`), which moves no token between parts.
 
 The bound is the unconstrained partition's (``reference``, Karmarkar-Karp's) heaviest part
 times ``1 + slack``. The reference handed to ranks by locality (what
@@ -30,14 +30,15 @@ tokens on a rank's host, the reference is returned untouched.
 
 Everything is a pure function of its arguments (no sets of strings iterated, every tie broken
 by index), so every replica of a controller decides the same split. No loop, no clock, no
-sockets.
+sockets. It lives with the samplers (the vocabulary layer) because `SeqlenBalancedSampler`
+calls it; the controller's core only passes it the hosts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ._assign import assign
+from ._hungarian import assign
 
 __all__ = ["PARTNERS", "balance_by_host", "cross_tokens", "part_loads"]
 
