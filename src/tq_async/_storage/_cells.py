@@ -106,6 +106,8 @@ class StorageState:
         #: locality: the unit's host id, and payload bytes moved by where the client runs
         self.host = ""
         self.locality = dict.fromkeys(LOCALITY_KEYS, 0)
+        #: the same for reads, by the task that read (``StoreGet.task``)
+        self.task_locality: dict[str, dict[str, int]] = {}
         # partition -> field -> row -> cell: ``serial << 32 | position`` of the row in the
         # chunk ``_chunks[serial]`` (a plain int: a tuple holding the chunk would be one more
         # object for the garbage collector to scan, per cell -- most of a 1M-row put)
@@ -482,6 +484,7 @@ class StorageState:
         if arena is None:
             reply = StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
             reply.host, reply.locality = self.host, dict(self.locality)
+            reply.task_locality = self._task_locality()
             return reply
         return StoreStatsReply(
             len(self._index),
@@ -501,7 +504,11 @@ class StorageState:
             host=self.host,
             locality=dict(self.locality),
             shm_locked_bytes=arena.locked_bytes(),
+            task_locality=self._task_locality(),
         )
+
+    def _task_locality(self) -> dict[str, dict[str, int]]:
+        return {task: dict(counts) for task, counts in sorted(self.task_locality.items())}
 
     def _device_stats(self) -> dict[str, int]:
         device = self.device

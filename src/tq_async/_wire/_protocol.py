@@ -470,6 +470,9 @@ class StoreGet(_Msg):
     #: (with ``shm``) the client copies the spans with its GPU driver from page-locked
     #: memory: the chunks they touch stay resident (see tq_async._paths._pinned)
     pinned: bool = False
+    #: the task that fetched the rows (``BatchMeta.task_name``; "": none), for the unit's
+    #: per-task byte counters
+    task: str = ""
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -734,6 +737,10 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     locality: dict[str, int] = {}
     #: shared memory clients hold page-locked with their GPU driver (kept resident)
     shm_locked_bytes: int = 0
+    #: locality by task: payload bytes read by each task's clients on the unit's host and
+    #: on others: ``{task: {"out_same_host": n, "out_other_host": n}}`` (reads that named a
+    #: task: ``get``/``get_data`` of a fetched batch)
+    task_locality: dict[str, dict[str, int]] = {}
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

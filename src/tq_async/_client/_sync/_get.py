@@ -406,6 +406,7 @@ class GetPath:
                 device=view is not None,
                 host=self._links.host_id,
                 pinned=onto is not None,
+                task=meta.task_name or "",
             )
             on_device: dict[int, torch.Tensor] | None = None
             if not shm:
