@@ -28,10 +28,10 @@ def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -
     live.mkdir()
     store = JournalStore(live, "fsync")
     store.write(b"c1", {"a": b"1" * 4000}, [])
-    store.write(b"c2", {"b": b"2" * 4000}, [])
+    store.write(b"c2", {"b": b"2" * 4000}, [], [("a", b"d" * 3000)])
     wal = live / "controller.db-wal"
     size_before_last = wal.stat().st_size
-    store.write(b"c3", {"c": b"3" * 40000}, [])
+    store.write(b"c3", {"c": b"3" * 40000}, [], [("a", b"e" * 30000), ("b", b"f" * 9000)])
     crashed = tmp_path / "crashed"  # the files as a crash in the middle of the last commit
     shutil.copytree(live, crashed)
     shutil.copytree(live, tmp_path / "whole")
@@ -41,12 +41,13 @@ def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -
     assert not logs  # a WAL of whole frames is no torn tail
     torn = crashed / "controller.db-wal"
     with torn.open("r+b") as f:
-        f.truncate(size_before_last + (torn.stat().st_size - size_before_last) // 2)
+        f.truncate(size_before_last + (24 + 4096) + 1000)  # in the second frame of 4 KiB pages
     with structlog.testing.capture_logs() as logs:
-        ctl, parts = JournalStore(crashed, "fsync").load()
+        ctl, snaps, deltas = JournalStore(crashed, "fsync").load()
     assert any("torn" in e["event"] for e in logs)
     assert ctl == b"c2"
-    assert sorted(parts) == [b"1" * 4000, b"2" * 4000]
+    assert snaps == {"a": b"1" * 4000, "b": b"2" * 4000}
+    assert deltas == {"a": [b"d" * 3000]}
 
 
 @pytest.mark.parametrize(
