@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -536,10 +536,12 @@ class Partition:
         p = cls(dump.partition_id)
         p.n_rows = n
         p.alive = bytearray(dump.alive)
-        p.n_alive = sum(p.alive)
+        alive = np.frombuffer(dump.alive, np.uint8)  # (numpy: a recovering controller's 1M rows)
+        p.n_alive = int(alive.sum(dtype=np.int64))
         p.origin = array("q", dump.origin)
         p.units = array("i", units)
-        p.unit_rows = dict(Counter(u for u, alive in zip(units, p.alive, strict=True) if alive))
+        placed, counts = np.unique(np.frombuffer(p.units, np.intc)[alive != 0], return_counts=True)
+        p.unit_rows = dict(zip(placed.tolist(), counts.tolist(), strict=True))
         p.tags = [dict(t) if t else None for t in dump.tags]
         p.row_keys = list(dump.row_keys)
         p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
@@ -549,7 +551,8 @@ class Partition:
             p.fields[fd.header.name].produced = bytearray(fd.produced)
         for task, mask in dump.consumed.items():
             p.consumed[task] = bytearray(mask)
-            p.consumed_count[task] = sum(a & b for a, b in zip(mask, p.alive, strict=True))
+            both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
+            p.consumed_count[task] = int(both.sum(dtype=np.int64))
         p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
         p.row_version = array("q", dump.row_version or itertools.repeat(-1, n))
         p.field_versions = {f: array("q", v) for f, v in dump.field_versions.items()}
