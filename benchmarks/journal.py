@@ -14,7 +14,7 @@ storage units, no cells. So the numbers are about the journal:
   ratio to ``memory``.
 * ``get_meta``: one consumer, sequential ``get_meta`` (16 rows, a 60 s lease, acknowledging
   the previous batch in the same request) on a partition of 100k rows at ``process``:
-  requests/s.
+  requests/s (for ``S`` seconds, or until the partition is consumed).
 * ``recovery``: a journal of 1M rows (9 partitions of 100k rows with tags, consumption and
   leases, and one of 100k KV keys), written in commits of 2,000 rows; then a new core on the
   same directory: seconds until it answers its first request (a ``get_meta`` peek).
@@ -168,7 +168,7 @@ async def get_meta_rate(level: str, seconds: float, base: str, n_rows: int = 100
     n = 0
     deadline = time.perf_counter() + seconds
     t0 = time.perf_counter()
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and (n + 2) * 16 < n_rows:  # (rows left to fetch)
         req = GetMeta("big", NAMES, 16, "train", None, lease=60.0, ack=lease or None)
         got = await ctl.request(peer, req, lambda req=req: _get_and_ack(ctl, req))
         lease = [got.lease_id]
