@@ -67,6 +67,14 @@ def test_extra_benchmarks_smoke() -> None:
     assert "dataset / raw" in done.stdout
 
 
+def test_journal_benchmark_smoke() -> None:
+    """The durable controller's journal benchmark (issue 36) runs at tiny sizes."""
+    done = _python("-m", "benchmarks.journal", "--smoke")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in ("ingest level=fsync", "get_meta rows=4,000", "recovery rows=40,000"):
+        assert line in done.stdout
+
+
 def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine probes quoted in RESULTS.md still run (tiny sizes)."""
     monkeypatch.syspath_prepend(str(REPO))  # also for the probe's spawned receiver
