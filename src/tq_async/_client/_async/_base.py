@@ -367,13 +367,15 @@ class Links:
         """The rejoin's Hello on a new connection to the controller's given address; the
         units and the same-host twin taken again. Returns the error the waiting calls raise
         if the controller lost its state."""
-        old = self.controller
-        assert old is not None
-        known_as = old.known_as
-        # every attempt dials anew: a refusal is then immediate (nothing listens yet) and
-        # a socket that broke is never waited on
-        old.close()
-        self.controller = conn = self.controller_connection(known_as, refused_is_broken=True)
+        conn = self.controller
+        assert conn is not None
+        known_as = conn.known_as
+        if conn.address != known_as or conn.connected is False:
+            # a same-host twin was the old process's; a broken socket is dialled anew, so
+            # that a refusal is immediate (nothing listens yet) and nothing waits on it.
+            # (A TCP link that is back is kept: requests sent since then are on it.)
+            conn.close()
+            self.controller = conn = self.controller_connection(known_as, refused_is_broken=True)
         self._must_rejoin = False
         try:
             payload, _ = await conn.request(Hello(host=self.host_id), timeout=self.request_timeout)
