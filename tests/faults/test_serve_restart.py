@@ -58,6 +58,12 @@ def _serve(bind: str) -> Iterator[subprocess.Popen[bytes]]:
         yield proc
 
 
+def _unit_arenas() -> set[str]:
+    """The inodes of the storage units' arenas this process maps (``memfd:tq-unit``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[4] for line in f if "memfd:tq-unit" in line}
+
+
 async def _fails_fast(call: Any) -> tq.TQError:
     t0 = time.monotonic()
     with pytest.raises(tq.BrokenError) as info:
@@ -77,6 +83,7 @@ async def test_a_client_rides_through_a_serve_restart_at_memory(
         async with tq.AsyncClient.connect(bind, same_host=same_host, request_timeout=10) as c:
             meta = await c.put(_rows(2, 0, width), "p")
             assert (await c.get_data(meta))["x"][:, 0].tolist() == [0, 1]
+            before = _unit_arenas()
             _kill(proc)
             await _fails_fast(lambda: c.put(_rows(2, 2, width), "q"))
             proc = stack.enter_context(_serve(bind))
@@ -92,6 +99,13 @@ async def test_a_client_rides_through_a_serve_restart_at_memory(
             got = await c.get_meta(["x"], 2, "q", "t", timeout=5)
             assert (await c.get_data(got))["x"][:, 0].tolist() == [6, 7]
             assert await c.list_partitions() == ["q"]
+            # the dead process's arena is unmapped (its memory freed); the new one mapped
+            after = _unit_arenas()
+            assert not before & after
+            assert len(after) <= 1
+            if not same_host:
+                assert not before
+                assert not after
 
 
 def test_a_blocking_client_rides_through_a_serve_restart_at_memory() -> None:

@@ -312,20 +312,24 @@ class Links:
         if epoch:
             self._epoch_seen = epoch
 
-    async def ctl(self) -> DealerConnection:
-        """The connection to the controller; after it broke, the controller found again
-        first (`_rejoin`).
+    def ctl(self) -> DealerConnection:
+        """The connection to the controller as it is (see `controller_link`)."""
+        self.check_process()
+        if self.controller is None:
+            raise ClosedError(
+                "the client is not connected; use `async with AsyncClient.connect(address)`"
+            )
+        return self.controller
+
+    async def controller_link(self) -> DealerConnection:
+        """The connection to the controller for a request; after it broke, the controller
+        found again first (`_rejoin`).
 
         Raises:
             BrokenError: the controller is still away (nothing listens at its address).
             StateLostError: it restarted without the state this client knew.
         """
-        self.check_process()
-        conn = self.controller
-        if conn is None:
-            raise ClosedError(
-                "the client is not connected; use `async with AsyncClient.connect(address)`"
-            )
+        conn = self.ctl()
         if self._must_rejoin or conn.connected is False:
             return await self._rejoin()
         return conn
@@ -347,7 +351,8 @@ class Links:
             await self._rejoining.wait()
             if self._rejoin_failure is not None:
                 raise _again(self._rejoin_failure)
-            return await self.ctl()  # (the rejoiner was cancelled: this call tries itself)
+            # (the rejoiner was cancelled: this call tries itself)
+            return await self.controller_link()
         self._rejoining = done = Event()
         self._rejoin_failure = None
         try:
@@ -361,7 +366,7 @@ class Links:
         if lost is not None:
             self._rejoin_failure = lost
             raise _again(lost)
-        return await self.ctl()
+        return await self.controller_link()
 
     async def _hello_again(self) -> StateLostError | None:
         """The rejoin's Hello on a new connection to the controller's given address; the
@@ -581,7 +586,7 @@ class Links:
         *,
         timeout: float | bool | None = True,
     ) -> Any:
-        conn = await self.ctl()
+        conn = await self.controller_link()
         payload, _ = await conn.request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )

@@ -218,7 +218,7 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        controller = await self._links.ctl()
+        controller = await self._links.controller_link()
         await controller.request(body, timeout=deadline, on_abandon=on_abandon)
 
     async def release_rollout(self, n: int) -> None:

@@ -284,7 +284,7 @@ class PutPath:
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
                 self._links.controller.send_best_effort(undo)
 
-        controller = await self._links.ctl()
+        controller = await self._links.controller_link()
         payload, _ = await controller.request(
             body,
             frames,
@@ -320,7 +320,7 @@ class PutPath:
                 if late.put_id:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        controller = await self._links.ctl()
+        controller = await self._links.controller_link()
         payload, _ = await controller.request(
             begin,
             timeout=self._links.request_timeout if deadline is True else deadline or None,

@@ -313,17 +313,21 @@ class Links:
             self._epoch_seen = epoch
 
     def ctl(self) -> BlockingConnection:
-        """The connection to the controller; after it broke, the controller found again
-        first (`_rejoin`).
+        """The connection to the controller as it is (see `controller_link`)."""
+        self.check_process()
+        if self.controller is None:
+            raise ClosedError("the client is not connected; use `with Client.connect(address)`")
+        return self.controller
+
+    def controller_link(self) -> BlockingConnection:
+        """The connection to the controller for a request; after it broke, the controller
+        found again first (`_rejoin`).
 
         Raises:
             BrokenError: the controller is still away (nothing listens at its address).
             StateLostError: it restarted without the state this client knew.
         """
-        self.check_process()
-        conn = self.controller
-        if conn is None:
-            raise ClosedError("the client is not connected; use `with Client.connect(address)`")
+        conn = self.ctl()
         if self._must_rejoin or conn.connected is False:
             return self._rejoin()
         return conn
@@ -345,7 +349,8 @@ class Links:
             self._rejoining.wait()
             if self._rejoin_failure is not None:
                 raise _again(self._rejoin_failure)
-            return self.ctl()  # (the rejoiner was cancelled: this call tries itself)
+            # (the rejoiner was cancelled: this call tries itself)
+            return self.controller_link()
         self._rejoining = done = Event()
         self._rejoin_failure = None
         try:
@@ -359,7 +364,7 @@ class Links:
         if lost is not None:
             self._rejoin_failure = lost
             raise _again(lost)
-        return self.ctl()
+        return self.controller_link()
 
     def _hello_again(self) -> StateLostError | None:
         """The rejoin's Hello on a new connection to the controller's given address; the
@@ -579,7 +584,7 @@ class Links:
         *,
         timeout: float | bool | None = True,
     ) -> Any:
-        conn = self.ctl()
+        conn = self.controller_link()
         payload, _ = conn.request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )

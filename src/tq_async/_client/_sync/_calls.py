@@ -220,7 +220,7 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        controller = self._links.ctl()
+        controller = self._links.controller_link()
         controller.request(body, timeout=deadline, on_abandon=on_abandon)
 
     def release_rollout(self, n: int) -> None:

@@ -286,7 +286,7 @@ class PutPath:
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
                 self._links.controller.send_best_effort(undo)
 
-        controller = self._links.ctl()
+        controller = self._links.controller_link()
         payload, _ = controller.request(
             body,
             frames,
@@ -322,7 +322,7 @@ class PutPath:
                 if late.put_id:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        controller = self._links.ctl()
+        controller = self._links.controller_link()
         payload, _ = controller.request(
             begin,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
