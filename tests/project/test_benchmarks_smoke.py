@@ -37,6 +37,31 @@ def _python(
     )
 
 
+@pytest.mark.timeout(240)
+def test_durability_benchmarks_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.durability`` (every level and the disk loop in one run) and the
+    suite at a durability level; journals in fresh directories under --data-dir, removed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    data_dir = tmp_path / "d"
+    out_json = tmp_path / "durability.json"
+    args = ("--smoke", "--data-dir", str(data_dir), "--mode", "embedded")
+    proc = _python("-m", "benchmarks.durability", *args, "--json", str(out_json), env=env)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    metrics = {r["metric"] for r in json.loads(out_json.read_text())["results"]}
+    for level in ("memory", "process", "fsync"):
+        assert f"W1 put dense, {level}" in metrics
+        assert f"small-row ingest, {level}" in metrics
+    assert {"disk write+fsync loop", "W1 put fsync/disk loop"} <= metrics
+    assert "MISS" not in proc.stdout  # tiny sizes are not judged
+    assert os.listdir(data_dir) == []
+    proc = _python(
+        "-m", "benchmarks", "--smoke", "--only", "W1", "--durability", "fsync",
+        "--data-dir", str(data_dir), env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert os.listdir(data_dir) == []
+
+
 @pytest.mark.timeout(180)
 def test_benchmarks_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "smoke.json"

@@ -102,6 +102,7 @@ def test_the_public_names_are_pinned() -> None:
         "SequentialSampler",
         "StaleRows",
         "StalenessSampler",
+        "StateLostError",
         "StreamingDataLoader",
         "StreamingDataset",
         "TQError",

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import os
+import secrets
 import sqlite3
 import time
 from collections import OrderedDict
@@ -180,6 +181,16 @@ class JournalStore:
             raise
         db.execute("COMMIT")
         self.seq = seq + len(deltas)
+
+    def lineage(self) -> bytes:
+        """A random id made once per journal: every controller that recovers this state
+        gives it to its clients (``HelloReply.state``), so they know the state is kept."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'lineage'").fetchone()
+        if row is not None:
+            return bytes(row[0])
+        made = secrets.token_bytes(16)
+        self.db.execute("INSERT INTO meta VALUES ('lineage', ?)", (made,))
+        return made
 
     def close(self) -> None:
         self.db.close()

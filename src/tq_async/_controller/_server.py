@@ -155,9 +155,13 @@ class ControllerServer(Service):
         self._calls = ControlCalls(self._shell, self._links)
         #: the journal of a durable controller (None at durability "memory")
         self.recorder: Recorder | None = None
+        #: the state lineage told to clients (`HelloReply.state`): the journal's, kept
+        #: across restarts; a memory controller's dies with it
+        self._lineage = self._instance
         if durability != "memory" and data_dir is not None:
             store = JournalStore(data_dir, durability)
             self.recorder = Recorder(store, self.core, self._links._unit_instance)
+            self._lineage = store.lineage()
         self.handlers = self._handler_table()
 
     @property
@@ -311,7 +315,13 @@ class ControllerServer(Service):
         infos = [UnitInfo(i, a, host=st.unit_hosts.get(i, "")) for i, a in sorted(st.units.items())]
         ipc = self._endpoint.ipc_address if self._endpoint is not None else None
         return HelloReply(
-            infos, self.allow_pickle, st.capacity, st.units_epoch, ipc, self._instance
+            infos,
+            self.allow_pickle,
+            st.capacity,
+            st.units_epoch,
+            ipc,
+            self._instance,
+            self._lineage,
         )
 
 

@@ -604,6 +604,10 @@ class HelloReply(msgspec.Struct, array_like=True):
     #: the controller's same-host twin endpoint, and a token a client compares through it
     ipc: str | None = None
     instance: bytes = b""
+    #: the controller's state lineage: the same after a restart that kept its state (a
+    #: durable controller recovered from its data_dir), new when the state was lost; a
+    #: client that sees it change raises StateLostError (empty: take ``instance``)
+    state: bytes = b""
 
 
 class Placement(msgspec.Struct, array_like=True):

@@ -218,7 +218,8 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        await self._links.ctl().request(body, timeout=deadline, on_abandon=on_abandon)
+        controller = await self._links.controller_link()
+        await controller.request(body, timeout=deadline, on_abandon=on_abandon)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""

@@ -316,7 +316,8 @@ class GetPath:
 
         timeout = query.timeout
         client_deadline = None if timeout is None else timeout + self._links.request_timeout
-        payload, frames = await self._links.ctl().request(
+        controller = await self._links.controller_link()
+        payload, frames = await controller.request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = decode(payload, MetaReply)

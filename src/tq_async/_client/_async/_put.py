@@ -291,7 +291,8 @@ class PutPath:
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
                 self._links.controller.send_best_effort(undo)
 
-        payload, _ = await self._links.ctl().request(
+        controller = await self._links.controller_link()
+        payload, _ = await controller.request(
             body,
             frames,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
@@ -326,7 +327,8 @@ class PutPath:
                 if late.put_id:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        payload, _ = await self._links.ctl().request(
+        controller = await self._links.controller_link()
+        payload, _ = await controller.request(
             begin,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,

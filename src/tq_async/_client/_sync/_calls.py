@@ -220,7 +220,8 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        self._links.ctl().request(body, timeout=deadline, on_abandon=on_abandon)
+        controller = self._links.controller_link()
+        controller.request(body, timeout=deadline, on_abandon=on_abandon)
 
     def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""

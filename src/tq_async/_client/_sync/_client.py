@@ -188,6 +188,7 @@ class Client:
             nixl=data_path == "nixl"
             or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
             nixl_forced=data_path == "nixl",
+            same_host=same_host,
         )
         self._links.host_id = resolve_host_id(host_id)
         self._puts = PutPath(self._links, inline_put_bytes=inline_put_bytes)
@@ -225,7 +226,7 @@ class Client:
         if self._links.controller is not None:
             return self
         # a refused first attempt means nothing listens there: fail now, not at the timeout
-        controller = self._links.controller = self._links.connection(
+        controller = self._links.controller = self._links.controller_connection(
             self.address, refused_is_broken=True
         )
         wait = min(self.connect_timeout, self.request_timeout)
