@@ -249,7 +249,15 @@ async def device_arena(
     try:
         async with tq.AsyncClient.connect(server.address) as client:
             out = await _rounds(client, cols, rounds, device)
+            before = (await client.storage_stats())[0]
+            for _ in range(rounds):  # readers that want host memory: the unit copies out
+                meta = await client.put(cols, partition_id="gpu")
+                await client.get_data(meta)
+                await client.clear_samples(meta)
             stats = (await client.storage_stats())[0]
+            moved = stats.get("device_out_bytes", 0) - before.get("device_out_bytes", 0)
+            took = stats.get("device_out_us", 0) - before.get("device_out_us", 0)
+            out["copy_out"] = moved / took / 1e3 if took else 0.0
     finally:
         await anyio.to_thread.run_sync(server.stop)
     return out | {"counters": {k: v for k, v in stats.items() if k.startswith("device_")}}
@@ -464,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoints over 1 ms"
         )
     print(f"device arena counters: {arena['counters']}")
+    print(
+        f"device arena, the unit's copy-out for host readers: {arena['copy_out']:.2f} GB/s = "
+        f"{arena['copy_out'] / d2h:.2f}x D2H"
+    )
     for count, where in arena["stall_stacks"]:
         print(f"  loop thread during stalls (device arena), {count} samples: {where}")
     small = per_call(cols, torch)

@@ -416,6 +416,8 @@ async def test_units_without_a_device_arena_take_host_memory(emulate: None) -> N
                 "device_puts": 0,
                 "device_reads": 0,
                 "device_fallbacks": 0,
+                "device_out_bytes": 0,
+                "device_out_us": 0,
             }
 
 

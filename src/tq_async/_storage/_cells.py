@@ -520,4 +520,6 @@ class StorageState:
             "device_puts": device.puts,
             "device_reads": device.reads,
             "device_fallbacks": device.fallbacks,
+            "device_out_bytes": device.out_bytes,
+            "device_out_us": int(device.out_seconds * 1e6),
         }

@@ -741,6 +741,10 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     locality: dict[str, int] = {}
     #: shared memory clients hold page-locked with their GPU driver (kept resident)
     shm_locked_bytes: int = 0
+    #: device arena cells copied out to host memory for readers that want it: bytes, and
+    #: the microseconds the copies took
+    device_out_bytes: int = 0
+    device_out_us: int = 0
     #: locality by task: payload bytes read by each task's clients on the unit's host and
     #: on others: ``{task: {"out_same_host": n, "out_other_host": n}}`` (reads that named a
     #: task: ``get``/``get_data`` of a fetched batch)
