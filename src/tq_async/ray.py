@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
-from ._service._config import Config
+from ._service._config import Config, device_indexes
 from ._service._serve import first_tq_error, serve_controller, serve_storage
 from ._transport._hosts import ENV_HOST_ID
 from ._transport._security import CurveServer
@@ -399,9 +399,16 @@ def launch(
             "register_timeout": max(1.0, min(30.0, deadline - time.monotonic())),
             **_unit_config(config),
         }
-        host_ids = _unit_host_ids(config, nodes, num_storage_units, options)
+        per_unit = [
+            {"host_id": host_id, "device_index": index}
+            for host_id, index in zip(
+                _unit_host_ids(config, nodes, num_storage_units, options),
+                device_indexes(0 if config is None else config.device_index, num_storage_units),
+                strict=True,
+            )
+        ]
         unit_addresses = _start_units(
-            dict(zip(unit_names, units, strict=True)), host, unit_options, host_ids, deadline
+            dict(zip(unit_names, units, strict=True)), host, unit_options, per_unit, deadline
         )
         cluster = RayCluster(name, namespace, str(address), unit_addresses, (*unit_names, name))
         _resolve(
@@ -458,14 +465,14 @@ def _start_units(
     units: Mapping[str, Any],
     host: str | None,
     options: Mapping[str, Any],
-    host_ids: Sequence[str | None],
+    per_unit: Sequence[Mapping[str, Any]],
     deadline: float,
 ) -> dict[int, str]:
     """Start a storage unit in each actor (``{actor name: actor}``, unit ids in order; unit
-    ``i`` on host ``host_ids[i]``); wait until every one serves. Returns ``{unit id:
-    address}``."""
+    ``i`` with ``per_unit[i]``: its host id and GPU index); wait until every one serves.
+    Returns ``{unit id: address}``."""
     for i, unit in enumerate(units.values()):
-        unit.run.remote("storage", host, {**options, "unit_id": i, "host_id": host_ids[i]})
+        unit.run.remote("storage", host, {**options, **per_unit[i], "unit_id": i})
     addresses: dict[int, str] = {}
     for unit_name, unit in units.items():
         unit_id, address = _resolve(unit.ready.remote(), deadline, f"storage unit {unit_name!r}")
@@ -482,7 +489,6 @@ def _unit_config(config: Config | None) -> dict[str, Any]:
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
-        "device_index": config.device_index,
     }
 
 
