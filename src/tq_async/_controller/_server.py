@@ -39,7 +39,7 @@ from anyio.abc import TaskStatus
 from .._core._state import ControllerState
 from .._core._transitions import AdmissionConfig, ControllerCore, Deadlines
 from .._errors import ClosedError
-from .._service._loop import Handler, Incoming, Service
+from .._service._loop import SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
 from .._storage._server import StorageServer
 from .._transport._router import RouterEndpoint
@@ -55,6 +55,7 @@ from .._wire._protocol import (
     Hello,
     HelloReply,
     KVClear,
+    KVList,
     KVTag,
     PutBegin,
     PutCommit,
@@ -75,6 +76,7 @@ from .._wire._protocol import (
     UnitInfo,
     WatchNext,
     controller_request_decoder,
+    ok_reply,
 )
 from ..samplers import BaseSampler
 from ._calls import ControlCalls
@@ -304,7 +306,16 @@ class ControllerServer(Service):
         }
         if self.recorder is not None:
             changes = {typ: self.recorder.noting(h) for typ, h in changes.items()}
-        return table | changes
+        return table | changes | {KVList: self._on_kv_list}
+
+    def _on_kv_list(self, msg: Incoming, body: KVList) -> Any:
+        """A listing skips the reply cache: it can weigh megabytes (8192 remembered ones, a
+        poll every 2 s, would hold gigabytes), and a retried read is simply answered again."""
+        payload = QUERIES[KVList](self.core, body)
+        endpoint = self._shell.endpoint
+        if endpoint is not None:
+            endpoint.send(msg.peer, [ok_reply(msg.rid, payload)])
+        return SENT
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state
