@@ -81,6 +81,7 @@ from ._service._config import SamplerSpec as SamplerSpec
 from ._transport._security import CurveClient as CurveClient
 from ._transport._security import CurveServer as CurveServer
 from ._transport._security import curve_keypair as curve_keypair
+from ._wire._listing import KVListing as KVListing
 from .samplers import BaseSampler as BaseSampler
 from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
@@ -179,6 +180,7 @@ __all__ = [
     "GRPOGroupNSampler",
     "InvalidRequestError",
     "KeyNotFound",
+    "KVListing",
     "LocalCluster",
     "PartitionNotFound",
     "ProtocolError",

@@ -90,6 +90,7 @@ def test_the_public_names_are_pinned() -> None:
         "DeviceError",
         "GRPOGroupNSampler",
         "InvalidRequestError",
+        "KVListing",
         "KeyNotFound",
         "LocalCluster",
         "PartitionNotFound",

@@ -58,12 +58,15 @@ __all__ = [
     "RecordKey",
     "Lease",
     "PutLease",
+    "KV_CHUNK_BITS",
 ]
 
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
 RecordKey = tuple[str, int, int]
 #: the events of a partition no state owns: never recorded
 _NO_EVENTS = Outbox()
+#: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
+KV_CHUNK_BITS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,9 @@ class Partition:
         self.row_keys: list[str | None] = []
         #: bumped when keys or tags change: a cached ``kv_list`` answer of an older one is stale
         self.kv_version = 0
+        #: the chunks of ``KV_CHUNK`` rows whose keys or tags changed since the ``kv_list``
+        #: cache last took them (`take_kv_dirty`): it re-encodes those only
+        self.kv_dirty: set[int] = set()
         #: rows lost with a storage unit: row -> unit
         self.lost: dict[int, int] = {}
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
@@ -305,6 +311,7 @@ class Partition:
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
         self.kv_version += 1
+        self.kv_dirty.add(row >> KV_CHUNK_BITS)
         current = self.tags[row]
         self.groups.merged(row, current, tags)
         if current is None:
@@ -452,6 +459,7 @@ class Partition:
                 rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
         self.kv_version += 1
+        self.kv_dirty.update({r >> KV_CHUNK_BITS for r in rows})
         self.events.rows_removed(self.partition_id, set(rows), reason)
         for unit, freed in by_unit.items():
             self.unit_rows[unit] -= len(freed)
@@ -484,6 +492,12 @@ class Partition:
             )
         return [self.keys[k] for k in keys]
 
+    def take_kv_dirty(self) -> set[int]:
+        """The chunks (row >> `KV_CHUNK_BITS`) whose keys or tags changed since the last call
+        (what ``kv_list``'s cache must encode again)."""
+        dirty, self.kv_dirty = self.kv_dirty, set()
+        return dirty
+
     def bind_keys(self, keys: Sequence[str], unit: int) -> tuple[list[int], list[int]]:
         """Rows for ``keys``: existing keys keep their row, new keys get new rows on ``unit``."""
         if len(set(keys)) != len(keys):
@@ -498,6 +512,7 @@ class Partition:
             for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
                 self.keys[key] = row
                 self.row_keys[row] = key
+                self.kv_dirty.add(row >> KV_CHUNK_BITS)
             self.kv_version += 1
         rows = [self.keys[k] for k in keys]
         return rows, [self.units[r] for r in rows]

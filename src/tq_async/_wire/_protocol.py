@@ -300,7 +300,25 @@ class KVTag(_Msg):
 
 
 class KVList(_Msg):
+    """Each partition's ``{key: tags}`` (every partition's when ``partition_id`` is None).
+
+    ``packed`` (clients of this release ask for it) answers each partition as one
+    `KVColumns`; else as a ``{key: tags}`` map, as before.
+    """
+
     partition_id: str | None = None
+    packed: bool = False
+
+
+class KVColumns(msgspec.Struct, array_like=True):
+    """One partition's ``kv_list`` answer as two columns left encoded: ``keys``, the msgpack
+    array of its ``n`` keys, and ``tags``, the msgpack array of their tags in the same order.
+    They travel as binary (the reply skips them in O(1) and the client keeps views into the
+    received frame); the client decodes each in one call when it is first read."""
+
+    n: int
+    keys: memoryview
+    tags: memoryview
 
 
 class KVClear(_Msg):
@@ -800,8 +818,12 @@ def salvage_rid(header: bytes | memoryview) -> int | None:
 
 
 def ok_reply(rid: int, payload: Any) -> bytes:
-    """Encode a success reply header."""
-    return encoder.encode(Reply(rid, True, msgspec.Raw(encoder.encode(payload))))
+    """Encode a success reply header.
+
+    One pass: the payload is encoded in place of ``Reply.payload`` (the same bytes as
+    encoding it apart and embedding it as ``Raw``, without a second copy of a big answer).
+    """
+    return encoder.encode(Reply(rid, True, payload))
 
 
 def error_reply(rid: int, exc: BaseException) -> bytes:
