@@ -98,6 +98,7 @@ def test_the_public_names_are_pinned() -> None:
         "RowsNotFound",
         "SamplerSpec",
         "SchemaError",
+        "StorageFullError",
         "SeqlenBalancedSampler",
         "SequentialSampler",
         "StaleRows",

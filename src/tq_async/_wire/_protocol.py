@@ -724,6 +724,13 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: "out_other_host"}`` (a client that sent no host id counts as another host)
     host: str = ""
     locality: dict[str, int] = {}
+    #: tiers: bytes of cells in host memory and their bound (0: none), bytes of live cells
+    #: in the unit's segment files, chunks spilled from memory and read back from disk
+    memory_bytes: int = 0
+    memory_cap: int = 0
+    disk_bytes: int = 0
+    spills: int = 0
+    disk_reads: int = 0
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,
