@@ -44,6 +44,9 @@ class RegisterUnit(_Msg):
     address: str
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: the unit's instance token ("": tell it by StoreStats); a unit restarted on its
+    #: data_dir comes back with the token it had, and its rows with it
+    instance: str = ""
 
 
 class PutBegin(_Msg):
