@@ -1,4 +1,4 @@
-"""A unit's cells on disk, as plain classes (issue 36): `SegmentStore` under `StorageState`.
+"""A unit's cells on disk (issue 36): `SegmentStore` under `StorageState`, as plain classes.
 
 No sockets, no loop: a durable state restarted on its directory has every cell back (from the
 index, without reading the data), a torn tail is dropped with a warning, damaged bytes are an
@@ -320,3 +320,48 @@ def _fresh(path: Path, seed: int | None) -> StorageState:
     if seed is not None:
         put(state, "p", [0, 1], seed)
     return state
+
+
+async def test_a_cluster_with_memory_cap_streams_a_partition_four_times_its_cap() -> None:
+    """Through real puts and gets (shared memory and socket): exact, memory bounded."""
+    import torch
+
+    cap = 1 << 20
+    async with tq.local_cluster(num_storage_units=1, memory_cap=cap) as cluster:
+        for data_path in ("auto", "zmq"):
+            async with tq.AsyncClient.connect(cluster.address, data_path=data_path) as client:
+                batches = [
+                    torch.randn(64, 1024, generator=torch.Generator().manual_seed(i))
+                    for i in range(16)
+                ]
+                metas = [await client.put({"x": b}, data_path) for b in batches]  # 4 MiB
+                unit = cluster.units[0].state
+                assert unit.memory_bytes <= cap
+                for meta, b in reversed(list(zip(metas, batches, strict=True))):
+                    assert torch.equal((await client.get_data(meta))["x"], b)
+                stats = (await client.storage_stats())[0]
+                assert stats["memory_bytes"] <= cap
+                assert stats["memory_cap"] == cap
+                assert stats["spills"] > 0
+                assert stats["disk_reads"] > 0
+                await client.clear_partition(data_path)
+        assert cluster.units[0].state.disk.live_bytes == 0  # type: ignore[union-attr]
+
+
+def test_memory_cap_in_config_toml_and_cli(tmp_path: Path) -> None:
+    from tq_async._deploy._cli import _build_parser, _given, config_from_args
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("memory_cap = 1000000\n")
+    assert tq.Config.from_toml(toml).memory_cap == 1_000_000
+    with pytest.raises(tq.ConfigError, match="memory_cap"):
+        tq.Config(memory_cap=-1)
+    argv = ["serve", "storage", "--controller", "tcp://127.0.0.1:1", "--memory-cap", "4096"]
+    argv += ["--durability", "process", "--data-dir", str(tmp_path)]
+    parser = _build_parser()
+    config = config_from_args(parser.parse_args(argv), _given(parser, argv))
+    assert (config.memory_cap, config.durability, config.data_dir) == (
+        4096,
+        "process",
+        str(tmp_path),
+    )
