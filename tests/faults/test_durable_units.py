@@ -10,17 +10,22 @@ unit holds, is refused at start with a message that says what to do.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
+from tq_async._controller._server import ControllerServer
+from tq_async._core._state import ControllerState
+from tq_async._storage._server import StorageServer
 
 _CAP = str(256 << 10)  # most cells of this test are on disk, not in memory
 
@@ -125,3 +130,48 @@ def test_a_unit_on_another_units_directory_is_refused(tmp_path: Path) -> None:
         (ctl_dir / "tq-async-data-dir.json").write_text('{"kind": "controller", "format": 1}')
         err = _refused(*_unit(address, "process", ctl_dir))
         assert "belongs to a controller" in err
+
+
+class _FullDisk:
+    """The unit's write seam: fails with ENOSPC while ``full`` (a full disk, without root)."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def __call__(self, fd: int, data: object) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_full_disk_fails_the_put_and_the_unit_keeps_serving(
+    tmp_path: Path, level: str
+) -> None:
+    """A durable unit in the controller's process (no fixed-size tmpfs here: mounting one
+    needs root, so the disk fills through the store's write seam)."""
+    unit = StorageServer(0, durability=level, data_dir=str(tmp_path))
+    full = _FullDisk()
+    assert unit.state.disk is not None
+    unit.state.disk._write = full  # the seam `SegmentStore(write=...)` takes
+    async with anyio.create_task_group() as tg:
+        addresses = {0: await tg.start(unit.serve, "tcp://127.0.0.1:0")}
+        controller = ControllerServer(ControllerState(addresses), local_units={0: unit})
+        address = await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            kept = [(await client.put(_batch(4, 1), "p"), _batch(4, 1))]
+            kept.append((await client.put({"k": torch.arange(3)}, "q"), {"k": torch.arange(3)}))
+            full.full = True
+            with pytest.raises(tq.StorageFullError, match="free space"):
+                await client.put(_batch(4, 2), "p")  # through the unit
+            with pytest.raises(tq.StorageFullError):
+                await client.put({"k": torch.arange(2)}, "q")  # in one message, inline
+            full.full = False  # space was freed
+            for meta, batch in kept:
+                assert _same(await client.get_data(meta), batch)
+            again = await client.put(_batch(2, 3), "p")
+            assert _same(await client.get_data(again), _batch(2, 3))
+        tg.cancel_scope.cancel()
+    restarted = StorageServer(-1, durability=level, data_dir=str(tmp_path))
+    assert restarted.unit_id == 0  # the directory knows its unit
+    assert restarted.state.stats().rows == 6 + 3  # p: 4 + 2 rows, q: 3; nothing of the failed

@@ -692,8 +692,7 @@ class StorageState:
             self._incarnation.pop(partition_id, None)
             return 0
         if self._durable and not self._replaying:
-            assert self.disk is not None
-            self.disk.log(
+            self._log_clear(
                 ClearRecord(partition_id, None if rows is None else list(rows), incarnation)
             )
         try:
@@ -706,6 +705,21 @@ class StorageState:
                 and self.disk.records > 2 * len(self._chunks) + _REWRITE_SLACK
             ):
                 self._rewrite_index()
+
+    def _log_clear(self, record: ClearRecord) -> None:
+        """Record a clear; on a full disk it is done anyway (clearing is how space comes
+        back): a restart may then find those cells again, which nothing refers to."""
+        assert self.disk is not None
+        try:
+            self.disk.log(record)
+        except TQError as exc:
+            log.warning(
+                "could not record a clear on disk; the cells are freed now, but a restart may "
+                "find them again (unreferenced: only their space is lost until their partition "
+                "is cleared again)",
+                partition=record.partition,
+                error=str(exc),
+            )
 
     def _clear(
         self, partition_id: str, stored: dict[str, dict[int, int]], rows: Sequence[int] | None
