@@ -85,10 +85,11 @@ async def spill_run(directory: Path, cap: int, total: int) -> dict[str, Any]:
         )
         for i in range(n_batches)
     ]
-    os.environ["TMPDIR"] = str(directory)  # the unit's scratch directory goes here
+    os.environ["TMPDIR"] = str(directory)  # the unit's scratch directory goes here (tcp:
+    # an ipc socket path under a long TMPDIR would not fit)
     tempfile.tempdir = None
     async with (
-        tq.local_cluster(num_storage_units=1, memory_cap=cap) as cluster,
+        tq.local_cluster(num_storage_units=1, memory_cap=cap, transport="tcp") as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         t0 = time.perf_counter()

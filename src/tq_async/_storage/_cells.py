@@ -433,31 +433,9 @@ class StorageState:
 
     def _rewrite_index(self) -> None:
         """Replace the disk's index by one record per live chunk (its dead rows as -1)."""
-        disk = self.disk
-        assert disk is not None
-        live: dict[int, tuple[str, array[int]]] = {}
-        for pid, fields in self._index.items():
-            for index in fields.values():
-                for row, cell in index.items():
-                    serial = cell >> _CELL_BITS
-                    entry = live.get(serial)
-                    if entry is None:
-                        chunk = self._chunks[serial]
-                        if chunk.extent is None:
-                            continue  # in the device arena: never on disk
-                        entry = live[serial] = (pid, array("q", [-1]) * chunk.n)
-                    entry[1][cell & _POSITION] = row
-        records: list[PutRecord | ClearRecord] = []
-        for serial, (pid, rows) in sorted(live.items()):
-            chunk = self._chunks[serial]
-            e = chunk.extent
-            assert e is not None
-            record = ChunkRecord(
-                chunk.header, rows.tobytes(), e.segment, e.offset, list(e.sizes), e.crc
-            )
-            records.append(PutRecord(pid, self._incarnation.get(pid), [record]))
+        assert self.disk is not None
         try:
-            disk.rewrite(records)
+            self.disk.rewrite(_live_records(self._index, self._chunks, self._incarnation))
         except OSError as exc:  # the old index stays: it is still right, only longer
             log.warning("could not rewrite a storage unit's index", error=str(exc))
 
@@ -794,3 +772,33 @@ class StorageState:
             "device_reads": device.reads,
             "device_fallbacks": device.fallbacks,
         }
+
+
+def _live_records(
+    stored: dict[str, dict[str, dict[int, int]]],
+    chunks: dict[int, _Chunk],
+    incarnations: dict[str, str],
+) -> list[PutRecord | ClearRecord]:
+    """One put record per live chunk on disk, in the order they were put; rows no longer
+    alive in it are -1 (a rewritten index replays to the same cells)."""
+    live: dict[int, tuple[str, array[int]]] = {}
+    for pid, fields in stored.items():
+        for index in fields.values():
+            for row, cell in index.items():
+                serial = cell >> _CELL_BITS
+                entry = live.get(serial)
+                if entry is None:
+                    if chunks[serial].extent is None:
+                        continue  # in the device arena: never on disk
+                    entry = live[serial] = (pid, array("q", [-1]) * chunks[serial].n)
+                entry[1][cell & _POSITION] = row
+    records: list[PutRecord | ClearRecord] = []
+    for serial, (pid, rows) in sorted(live.items()):
+        chunk = chunks[serial]
+        e = chunk.extent
+        assert e is not None
+        record = ChunkRecord(
+            chunk.header, rows.tobytes(), e.segment, e.offset, list(e.sizes), e.crc
+        )
+        records.append(PutRecord(pid, incarnations.get(pid), [record]))
+    return records

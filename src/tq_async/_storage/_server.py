@@ -170,7 +170,7 @@ class StorageServer(Service):
             )
         #: fsync level: puts waiting for the next group commit, and what wakes the committer
         self._sync = disk is not None and disk.sync
-        self._commit_waiters: list[Incoming] = []
+        self._commit_waiters: list[tuple[Incoming, str, Any]] = []
         self._commit_wake = anyio.Event()
         self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
@@ -318,13 +318,19 @@ class StorageServer(Service):
             try:
                 await anyio.to_thread.run_sync(disk.commit, commit)
             except TQError as exc:
-                for msg in waiters:
-                    self.send_error(msg.peer, msg.rid, exc, "StorePut")
-                    self.record("StorePut", False, msg.t0)
+                for msg, op, _ in waiters:
+                    self.send_error(msg.peer, msg.rid, exc, op)
+                    self.record(op, False, msg.t0)
                 continue
-            for msg in waiters:
-                self.send_ok(msg.peer, msg.rid, None)
-                self.record("StorePut", True, msg.t0)
+            for msg, op, reply in waiters:
+                self.send_ok(msg.peer, msg.rid, reply)
+                self.record(op, True, msg.t0)
+
+    def _after_commit(self, msg: Incoming, op: str, reply: Any) -> Any:
+        """``reply``, sent once the next group commit synced what the request wrote."""
+        self._commit_waiters.append((msg, op, reply))
+        self._commit_wake.set()
+        return DEFERRED
 
     # ---- a controller in this process ------------------------------------------------------
 
@@ -401,9 +407,7 @@ class StorageServer(Service):
                 data = self._store_put(msg, body, device)
         self._moved("in", body.host, data)
         if self._sync:  # answered once the next group commit synced it
-            self._commit_waiters.append(msg)
-            self._commit_wake.set()
-            return DEFERRED
+            return self._after_commit(msg, "StorePut", None)
         return None
 
     def _store_put(
@@ -434,10 +438,10 @@ class StorageServer(Service):
         self._moved("out", body.host, out)
         return WithFrames(stored, out)
 
-    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> int:
+    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> Any:
         freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
-        if self._sync:
-            self._commit_wake.set()  # the clear's record goes to disk with the next commit
+        if self._sync:  # an acknowledged clear survives too (its cells never come back)
+            return self._after_commit(msg, "StoreClear", freed)
         return freed
 
     def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
