@@ -36,6 +36,7 @@ import json
 import os
 import secrets
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,9 @@ class SegmentStore:
         self._closing: list[int] = []
         self._dead: list[int] = []
         self._rewrite: list[bytes] | None = None
+        #: held from `begin_commit` to the end of its `commit`: commits run one at a time, in
+        #: the order they were taken (the index's records stay in order)
+        self._commit_lock = threading.Lock()
         #: bytes of live chunks in the segment files
         self.live_bytes = 0
         self.bytes_written = 0
@@ -398,7 +402,11 @@ class SegmentStore:
         return bool(self._pending or self._closing or self._dead or self._rewrite is not None)
 
     def begin_commit(self) -> Commit:
-        """Take what the next commit writes (on the event loop; `commit` runs in a thread)."""
+        """Take what the next commit writes (on the event loop; `commit` runs in a thread).
+
+        Waits for a commit still running; every `begin_commit` must be followed by its
+        `commit` (which releases the next one)."""
+        self._commit_lock.acquire()
         commit = Commit([self._fd], self._pending, self._closing, self._dead, self._rewrite)
         self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
         return commit
@@ -410,6 +418,12 @@ class SegmentStore:
             StorageFullError: the disk is full.
             TQError: another I/O error.
         """
+        try:
+            self._commit(commit)
+        finally:
+            self._commit_lock.release()
+
+    def _commit(self, commit: Commit) -> None:
         try:
             for fd in [*commit.fds, *commit.closing]:
                 os.fsync(fd)
