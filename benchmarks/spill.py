@@ -10,7 +10,11 @@ Both sides in one run, on the same directory:
   the page cache the same way, and every batch is read back and compared exactly;
 - **tier** (in process, no sockets): `StorageState` puts of the same batches at each level
   (``memory``, ``process``: written to the OS, ``fsync``: one group commit per put), to show
-  what the disk tier itself costs.
+  what the disk tier itself costs;
+- **ingest** (``--ingest``): small rows (6 fields of 340 int64 tokens, 16 rows a put) from 64
+  concurrent producers into one storage unit at each level (a controller and a unit in this
+  process, the unit with a ``data_dir`` at ``process`` / ``fsync``), rows/s; at ``fsync``
+  the puts waiting share group commits.
 
 Reported: GB/s of each, and spill / disk ratios (issue 36 asks >= 0.5x for put and get), and
 the unit's bytes in memory against its cap. The page-cache drop makes the read side a disk
@@ -152,11 +156,51 @@ def tier_run(directory: Path, total: int) -> dict[str, float]:
     return out
 
 
+async def ingest_run(directory: Path, level: str, seconds: float) -> float:
+    """Rows/s that 64 producers put into one unit at ``level`` (16 rows of 6 fields a put)."""
+    import torch
+
+    import tq_async as tq
+    from tq_async._controller._server import ControllerServer
+    from tq_async._core._state import ControllerState
+    from tq_async._storage._server import StorageServer
+
+    d = directory / f"ingest-{level}"
+    d.mkdir()
+    data_dir = str(d) if level != "memory" else None
+    unit = StorageServer(0, durability=level, data_dir=data_dir)
+    batch = {f"f{i}": torch.randint(0, 50000, (16, 340)) for i in range(6)}
+    rows = 0
+    async with anyio.create_task_group() as tg:
+        addresses = {0: await tg.start(unit.serve, "tcp://127.0.0.1:0")}
+        controller = ControllerServer(ControllerState(addresses), local_units={0: unit})
+        address = await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        async with tq.AsyncClient.connect(address, inline_put_bytes=0) as client:
+            deadline = time.perf_counter() + seconds
+
+            async def producer(i: int) -> None:
+                nonlocal rows
+                while time.perf_counter() < deadline:
+                    await client.put(batch, f"p{i % 8}")
+                    rows += 16
+
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as producers:
+                for i in range(64):
+                    producers.start_soon(producer, i)
+            elapsed = time.perf_counter() - t0
+        tg.cancel_scope.cancel()
+    return rows / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap-mib", type=int, default=128, help="the unit's memory_cap")
     parser.add_argument("--dir", default=None, help="where the files go (default: $TMPDIR)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--ingest", type=float, default=0, metavar="SECONDS", help="also run the ingest test"
+    )
     args = parser.parse_args()
     cap = args.cap_mib << 20
     total = 4 * cap
@@ -165,16 +209,22 @@ def main() -> None:
         disk = disk_baseline(directory, total)
         spill = anyio.run(spill_run, directory, cap, total)
         tier = tier_run(directory, total)
+        ingest = {
+            level: anyio.run(ingest_run, directory, level, args.ingest)
+            for level in (("memory", "process", "fsync") if args.ingest else ())
+        }
     report = {
         "bytes": total,
         "disk": disk,
         "spill": spill,
         "tier_put_gbps": tier,
+        "ingest_rows_per_s": ingest,
         "ratios": {
             "spill_put_vs_disk_write": spill["put_gbps"] / disk["write"],
             "spill_get_vs_disk_read": spill["get_gbps"] / disk["read"],
             "process_vs_memory_put": tier["process"] / tier["memory"],
             "fsync_vs_disk_write_fsync": tier["fsync"] / disk["write_fsync"],
+            **{f"ingest_{k}_vs_memory": v / ingest["memory"] for k, v in ingest.items()},
         },
         "load_avg": os.getloadavg(),
         "cpus": os.cpu_count(),
@@ -197,6 +247,11 @@ def main() -> None:
         "tier (StorageState, in process): put "
         + ", ".join(f"{k} {v:.2f} GB/s" for k, v in tier.items())
     )
+    if ingest:
+        print(
+            "ingest (64 producers, 16 rows x 6 fields a put): "
+            + ", ".join(f"{k} {v:,.0f} rows/s" for k, v in ingest.items())
+        )
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
     print(f"load average {report['load_avg'][0]:.1f} on {report['cpus']} CPUs")
 

@@ -316,8 +316,9 @@ class StorageServer(Service):
             waiters, self._commit_waiters = self._commit_waiters, []
             commit = disk.begin_commit()
             try:
-                with anyio.CancelScope(shield=True):  # a commit taken is always run (see
-                    await anyio.to_thread.run_sync(disk.commit, commit)  # begin_commit)
+                # a commit taken must run (the next begin_commit waits for it)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(disk.commit, commit)
             except TQError as exc:
                 for msg, op, _ in waiters:
                     self.send_error(msg.peer, msg.rid, exc, op)
