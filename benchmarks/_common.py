@@ -5,10 +5,13 @@ from __future__ import annotations
 import gc
 import math
 import os
+import shutil
 import statistics
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -24,6 +27,7 @@ __all__ = [
     "rate_stats",
     "settle",
     "Cluster",
+    "durable_dir",
     "minor_faults",
     "open_cluster",
     "open_cluster_handle",
@@ -41,11 +45,17 @@ class Config:
         mode: ``"embedded"`` (cluster in this event loop) or ``"process"`` (``tq-async serve``
             in a subprocess; clients here, over loopback TCP).
         storage_units: storage units of the cluster.
+        durability: the cluster's ``durability`` (``memory``, ``process``, ``fsync``).
+        data_dir: where a durable cluster keeps its journal: each cluster a workload opens
+            gets a fresh directory under it (removed afterwards), so runs never recover
+            each other's state. Put it on the disk being measured.
     """
 
     smoke: bool = False
     mode: str = "embedded"
     storage_units: int = 2
+    durability: str = "memory"
+    data_dir: str | None = None
 
     def pick(self, full: Any, smoke: Any) -> Any:
         """``smoke`` in smoke mode, else ``full``."""
@@ -110,22 +120,48 @@ class Cluster:
     pid: int
 
 
+@contextmanager
+def durable_dir(cfg: Config) -> Iterator[str | None]:
+    """A fresh, empty directory under ``cfg.data_dir`` for one cluster (None at
+    ``memory``), removed afterwards."""
+    if cfg.durability == "memory":
+        yield None
+        return
+    if cfg.data_dir is None:
+        raise ValueError(f"durability {cfg.durability!r} needs --data-dir DIR")
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="tq-bench-", dir=cfg.data_dir)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @asynccontextmanager
 async def open_cluster_handle(cfg: Config) -> AsyncIterator[Cluster]:
-    """A running cluster for ``cfg.mode`` (embedded: served by this process)."""
-    if cfg.mode == "embedded":
-        import tq_async as tq
+    """A running cluster for ``cfg.mode`` (embedded: served by this process), at
+    ``cfg.durability``."""
+    with durable_dir(cfg) as data_dir:
+        if cfg.mode == "embedded":
+            import tq_async as tq
 
-        async with tq.local_cluster(num_storage_units=cfg.storage_units) as cluster:
-            yield Cluster(cluster.address, os.getpid())
-    elif cfg.mode == "process":
-        server = await anyio.to_thread.run_sync(ServeProcess, cfg.storage_units)
-        try:
-            yield Cluster(server.address, server.pid)
-        finally:
-            await anyio.to_thread.run_sync(server.stop)
-    else:
-        raise ValueError(f"unknown mode {cfg.mode!r}")
+            async with tq.local_cluster(
+                num_storage_units=cfg.storage_units,
+                durability=cfg.durability,  # type: ignore[arg-type]
+                data_dir=data_dir,
+            ) as cluster:
+                yield Cluster(cluster.address, os.getpid())
+        elif cfg.mode == "process":
+            args = ["--storage-units", str(cfg.storage_units)]
+            if data_dir is not None:
+                args += ["--durability", cfg.durability, "--data-dir", data_dir]
+            server = await anyio.to_thread.run_sync(partial(ServeProcess, role=args))
+            try:
+                yield Cluster(server.address, server.pid)
+            finally:
+                await anyio.to_thread.run_sync(server.stop)
+        else:
+            raise ValueError(f"unknown mode {cfg.mode!r}")
 
 
 @asynccontextmanager

@@ -198,6 +198,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--storage-units", type=int, default=2, help="storage units (default 2)")
     parser.add_argument(
+        "--durability",
+        default="memory",
+        choices=["memory", "process", "fsync"],
+        help="the clusters' durability (default memory); process and fsync need --data-dir",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="where durable clusters journal (a fresh subdirectory per cluster, removed after)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also run the workloads on TransferQueue 0.1.11 in its own venv and print the "
@@ -209,6 +221,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
     args.workloads = only or list(WORKLOADS)
+    if args.durability != "memory" and args.data_dir is None:
+        parser.error(f"--durability {args.durability} needs --data-dir DIR")
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     return args
@@ -235,7 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rep in range(args.repeat):
         run: list[dict[str, Any]] = []
         for mode in modes:
-            cfg = Config(smoke=args.smoke, mode=mode, storage_units=args.storage_units)
+            cfg = Config(
+                smoke=args.smoke,
+                mode=mode,
+                storage_units=args.storage_units,
+                durability=args.durability,
+                data_dir=args.data_dir,
+            )
             for name in args.workloads:
                 label = f"{name} [{mode}]" + (
                     f" run {rep + 1}/{args.repeat}" if args.repeat > 1 else ""
@@ -260,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r.setdefault("foreign_cpu_cores", round(foreign, 2))
                     r.setdefault("system", SYSTEM)
                     r.setdefault("mode", mode)
+                    r.setdefault("durability", args.durability)
                 run.extend(results)
                 print(
                     f"  done in {time.perf_counter() - t0:.1f} s; other processes used "

@@ -32,6 +32,7 @@ Targets (issue 26): ``to_host``/``to_device`` >= 0.7x the baseline; loop stall <
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -189,6 +190,8 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
     out["to_device"] = _gbps(nbytes, times)
     assert all(torch.equal(back[k], cols[k]) for k in cols)
 
+    from tq_async._paths._pinned import PIN_ENV
+
     from ._common import Config, open_cluster
 
     # the services in another process (`tq-async serve`): the loop-lag probe sees only the
@@ -198,6 +201,16 @@ async def _paths(torch: Any, cols: dict[str, Any], rounds: int) -> dict[str, Any
         tq.AsyncClient.connect(address) as client,
     ):
         out |= await _rounds(client, cols, rounds)
+        # the same, the way it was before issue 40 (GPU columns staged through pinned buffers
+        # of their own, then copied into shared memory by the CPU; reads the reverse)
+        os.environ[PIN_ENV] = "0"
+        try:
+            async with tq.AsyncClient.connect(address) as staged_client:
+                before = await _rounds(staged_client, cols, rounds)
+        finally:
+            del os.environ[PIN_ENV]
+        out["staged"] = before
+        out["locked_bytes"] = (await client.storage_stats())[0].get("shm_locked_bytes", 0)
 
         small = {k: t[: max(1, rows // 8)] for k, t in cols.items()}
         for _ in range(8):
@@ -236,7 +249,15 @@ async def device_arena(
     try:
         async with tq.AsyncClient.connect(server.address) as client:
             out = await _rounds(client, cols, rounds, device)
+            before = (await client.storage_stats())[0]
+            for _ in range(rounds):  # readers that want host memory: the unit copies out
+                meta = await client.put(cols, partition_id="gpu")
+                await client.get_data(meta)
+                await client.clear_samples(meta)
             stats = (await client.storage_stats())[0]
+            moved = stats.get("device_out_bytes", 0) - before.get("device_out_bytes", 0)
+            took = stats.get("device_out_us", 0) - before.get("device_out_us", 0)
+            out["copy_out"] = moved / took / 1e3 if took else 0.0
     finally:
         await anyio.to_thread.run_sync(server.stop)
     return out | {"counters": {k: v for k, v in stats.items() if k.startswith("device_")}}
@@ -263,28 +284,120 @@ async def _rounds(
             await anyio.lowlevel.checkpoint()
             lags[phase[0]].append(time.perf_counter() - t0)
 
+    async def round_trip() -> tuple[float, float, Any]:
+        t0 = time.perf_counter()
+        meta = await client.put(cols, partition_id="gpu")
+        t1 = time.perf_counter()
+        phase[0] = "get" if phase[0] == "put" else phase[0]
+        td = await client.get_data(meta, device=device)
+        t2 = time.perf_counter()
+        await client.clear_samples(meta)
+        return t1 - t0, t2 - t1, td
+
+    # throughput: the loop otherwise idle, as in a job (a probe spinning on the loop takes
+    # the GIL from the copies' worker at every hand-off: it measures stalls, apart, below)
     puts, gets = [], []
+    for _ in range(rounds + 1):
+        put_s, get_s, td = await round_trip()
+        puts.append(put_s)
+        gets.append(get_s)
+    sampler = _StallSampler()
     async with anyio.create_task_group() as tg:
         tg.start_soon(probe)
-        for r in range(rounds + 1):
+        tg.start_soon(sampler.beat)
+        for r in range(4):
             phase[0] = "put" if r else "first round"
-            t0 = time.perf_counter()
-            meta = await client.put(cols, partition_id="gpu")
-            puts.append(time.perf_counter() - t0)
-            phase[0] = "get" if r else "first round"
-            t0 = time.perf_counter()
-            td = await client.get_data(meta, device=device)
-            gets.append(time.perf_counter() - t0)
-            await client.clear_samples(meta)
+            await round_trip()
         stop.set()
+        sampler.stop()
     assert all(td[k].device.type == device and torch.equal(td[k], cols[k]) for k in cols)
     return {
         "put": _gbps(nbytes, puts[1:]),
         "get": _gbps(nbytes, gets[1:]),
+        "stall_stacks": sampler.report(),
         "stalls": {
             k: (max(v) * 1e3, sum(x > 1e-3 for x in v), len(v)) for k, v in lags.items() if v
         },
     }
+
+
+class _StallSampler:
+    """Where the event loop's thread is when it stalls: a thread looks every 0.2 ms at the
+    loop's heartbeat and, when it is over 1 ms old, records the loop thread's stack (its
+    innermost lines). A stall caused by another thread holding the GIL shows as the loop
+    thread waiting inside a call that needs it back."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.last = time.perf_counter()
+        self.loop_thread = threading.get_ident()
+        self.seen: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    async def beat(self) -> None:
+        import anyio
+
+        while not self._stop.is_set():
+            self.last = time.perf_counter()
+            await anyio.sleep(0.0001)
+
+    def _run(self) -> None:
+        import traceback
+
+        while not self._stop.wait(0.0002):
+            if time.perf_counter() - self.last > 0.001:
+                frame = sys._current_frames().get(self.loop_thread)
+                if frame is None:
+                    continue
+                lines = traceback.format_stack(frame, limit=4)
+                key = " | ".join(line.strip().splitlines()[0] for line in lines[-3:])
+                self.seen[key] = self.seen.get(key, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
+
+    def report(self) -> list[tuple[int, str]]:
+        return sorted(((n, k) for k, n in self.seen.items()), reverse=True)[:6]
+
+
+def per_call(client_cols: dict[str, Any], torch: Any) -> dict[str, float]:
+    """Microseconds a put and a ``get_data(device=)`` of one 1 MiB CUDA column take through a
+    unit's device arena (``tq-async serve --device-cap``), median of 50 after 5."""
+    import anyio
+
+    import tq_async as tq
+
+    from ._proc import ServeProcess
+
+    col = {"x": torch.randint(0, 1 << 30, (128, 1024), device="cuda")}  # 1 MiB
+
+    async def run(address: str) -> dict[str, float]:
+        async with tq.AsyncClient.connect(address) as client:
+            puts, gets = [], []
+            for i in range(55):
+                t0 = time.perf_counter()
+                meta = await client.put(col, partition_id="small")
+                t1 = time.perf_counter()
+                await client.get_data(meta, device="cuda")
+                t2 = time.perf_counter()
+                await client.clear_samples(meta)
+                if i >= 5:
+                    puts.append(t1 - t0)
+                    gets.append(t2 - t1)
+            return {
+                "put_us": statistics.median(puts) * 1e6,
+                "get_us": statistics.median(gets) * 1e6,
+            }
+
+    server = ServeProcess(role=["--storage-units", "1", "--device-cap", str(256 << 20)])
+    try:
+        return anyio.run(run, server.address)
+    finally:
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,13 +425,32 @@ def main(argv: list[str] | None = None) -> int:
     up, down = got["to_host"], got["to_device"]
     print(f"tq_async to_host (put staging): {up:.2f} GB/s = {up / d2h:.2f}x D2H")
     print(f"tq_async to_device (device= reads): {down:.2f} GB/s = {down / h2d:.2f}x H2D")
-    print(f"put of CUDA tensors (tq-async serve): {got['put']:.2f} GB/s")
-    print(f"get_data(device='cuda') (tq-async serve): {got['get']:.2f} GB/s")
-    for phase, (most, over, n) in got["stalls"].items():
-        print(
-            f"event-loop stalls, {phase}: max {most:.2f} ms, {over} of {n} checkpoints over 1 ms"
-            " (a stall includes this process being descheduled)"
-        )
+    staged = got["staged"]
+    print(
+        f"put of CUDA tensors (tq-async serve, page-locked shared memory): {got['put']:.2f} "
+        f"GB/s = {got['put'] / d2h:.2f}x D2H; staged as before: {staged['put']:.2f} GB/s"
+    )
+    both_ceiling = 1 / (1 / d2h + 1 / h2d)
+    host_both = 1 / (1 / got["put"] + 1 / got["get"])
+    staged_both = 1 / (1 / staged["put"] + 1 / staged["get"])
+    print(
+        f"get_data(device='cuda') (tq-async serve): {got['get']:.2f} GB/s = "
+        f"{got['get'] / h2d:.2f}x H2D; staged as before: {staged['get']:.2f} GB/s"
+    )
+    print(
+        f"put then get_data(device=) through host memory: {host_both:.2f} GB/s = "
+        f"{host_both / both_ceiling:.2f}x pinned D2H+H2D ({both_ceiling:.2f}); staged as "
+        f"before: {staged_both:.2f} GB/s = {staged_both / both_ceiling:.2f}x"
+    )
+    print(f"shared memory the client holds page-locked at the unit: {got['locked_bytes']} bytes")
+    for label, res in (("page-locked", got), ("staged", staged)):
+        for phase, (most, over, n) in res["stalls"].items():
+            print(
+                f"event-loop stalls ({label}), {phase}: max {most:.2f} ms, {over} of {n} "
+                "checkpoints over 1 ms (a stall includes this process being descheduled)"
+            )
+        for count, where in res["stall_stacks"]:
+            print(f"  loop thread during stalls ({label}), {count} samples: {where}")
     print(f"AsyncStreamingDataset(device='cuda'): {got['dataset_batches_per_s']:.0f} batches/s")
     ipc = ipc_between_processes(torch, "cuda", args.mib << 20, args.rounds)
     print(f"GPU -> GPU between processes, torch CUDA IPC (handle + D2D copy): {ipc:.2f} GB/s")
@@ -340,6 +472,17 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoints over 1 ms"
         )
     print(f"device arena counters: {arena['counters']}")
+    print(
+        f"device arena, the unit's copy-out for host readers: {arena['copy_out']:.2f} GB/s = "
+        f"{arena['copy_out'] / d2h:.2f}x D2H"
+    )
+    for count, where in arena["stall_stacks"]:
+        print(f"  loop thread during stalls (device arena), {count} samples: {where}")
+    small = per_call(cols, torch)
+    print(
+        f"device arena, one 1 MiB column: put {small['put_us']:.0f} us, "
+        f"get_data(device='cuda') {small['get_us']:.0f} us (median of 50; target <= 100 us)"
+    )
     got_nixl = nixl_vram(torch, args.mib << 20, args.rounds)
     if isinstance(got_nixl, str):
         print(f"NIXL with GPU memory (probe): could not run: {got_nixl}")

@@ -5,12 +5,23 @@
   put's own latency, embedded (``local_cluster``) and with ``tq-async serve``.
 * get_meta with watchers: sequential ``get_meta(batch_size=8)`` calls against ``tq-async
   serve``, with 0 and with 16 watchers attached (in another process, each taking every event).
-* kv_list of a partition with 100k live keys (tagged) through ``AsyncClient``, embedded.
+* kv_list of a partition with 100k live keys (tagged) through ``AsyncClient``, embedded and
+  against ``tq-async serve``, and through ``tq_async.compat`` (what verl calls): the call, the
+  call and reading every key's tags, and the call after one tag changed (the controller's
+  upkeep).
+* 1,000 events/s to each of 16 watchers (another process) for ``--seconds``: events each got,
+  drops (events a watcher never saw), Resyncs.
+
+The get_meta rounds alternate 0 and 16 watchers in one ``serve`` (the watchers' process
+attaches and detaches between rounds) and also report the CPU the controller and the watchers'
+process used per get_meta (``/proc/PID/stat``): on a shared box that figure is steadier than
+the rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -30,8 +41,8 @@ from ._common import median, percentile
 
 
 @contextmanager
-def serve() -> Iterator[str]:
-    """A ``tq-async serve`` process; its address."""
+def serve() -> Iterator[tuple[str, int]]:
+    """A ``tq-async serve`` process; its address and pid."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tq_async._deploy._cli", "serve"],
         stdout=subprocess.PIPE,
@@ -43,7 +54,7 @@ def serve() -> Iterator[str]:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("TQ_ADDRESS="):
-                yield line.split("=", 1)[1].strip()
+                yield line.split("=", 1)[1].strip(), proc.pid
                 break
     finally:
         proc.terminate()
@@ -90,21 +101,142 @@ async def put_to_event(address: str, n: int) -> dict[str, float]:
     }
 
 
-def _watchers(address: str, n: int, ready: Any) -> None:
+def _watchers(address: str, n: int, ready: Any, commands: Any = None) -> None:
+    """``n`` watchers taking every event; with ``commands``: "attach" / "detach" / "stop"
+    (each acknowledged on ``ready`` with the events and Resyncs seen so far)."""
+
     async def main() -> None:
+        seen = [0, 0]  # events, resyncs
         async with tq.AsyncClient.connect(address) as client:
 
-            async def one() -> None:
+            async def one(started: Any) -> None:
                 async with client.watch() as events:
-                    ready.put(1)
-                    async for _ in events:
-                        pass
+                    started()
+                    async for ev in events:
+                        seen[0] += 1
+                        seen[1] += ev.kind == "resync"
 
-            async with anyio.create_task_group() as tg:
-                for _ in range(n):
-                    tg.start_soon(one)
+            if commands is None:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(n):
+                        tg.start_soon(one, lambda: ready.put(1))
+                return
+            while True:
+                cmd = await anyio.to_thread.run_sync(commands.get)
+                if cmd == "stop":
+                    return
+                async with anyio.create_task_group() as tg:
+                    for _ in range(n):
+                        await tg.start(_started, one)
+                    ready.put(tuple(seen))
+                    while (await anyio.to_thread.run_sync(commands.get)) != "detach":
+                        ready.put(tuple(seen))
+                    tg.cancel_scope.cancel()
+                ready.put(tuple(seen))
 
     anyio.run(main)
+
+
+async def _started(one: Any, *, task_status: Any) -> None:
+    await one(lambda: task_status.started())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def get_meta_with_watchers(
+    serve_pid: int, address: str, calls: int, rounds: int, n_watchers: int
+) -> dict[str, Any]:
+    """Rounds of sequential get_meta alternating 0 and ``n_watchers`` watchers."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_watchers, args=(address, n_watchers, ready, commands))
+    proc.start()
+    rates: dict[int, list[float]] = {0: [], n_watchers: []}
+    cpu: dict[int, list[float]] = {0: [], n_watchers: []}
+    wcpu: list[float] = []
+    try:
+        for r in range(2 * rounds):
+            n = 0 if r % 2 == 0 else n_watchers
+            if n:
+                commands.put("attach")
+                ready.get(timeout=120)
+            c0, w0 = _cpu_seconds(serve_pid), _cpu_seconds(proc.pid)  # type: ignore[arg-type]
+            rate = anyio.run(get_meta_rate, address, calls, 1)
+            c1, w1 = _cpu_seconds(serve_pid), _cpu_seconds(proc.pid)  # type: ignore[arg-type]
+            rates[n].append(rate)
+            cpu[n].append((c1 - c0) / calls * 1e6)
+            if n:
+                wcpu.append((w1 - w0) / calls * 1e6)
+                commands.put("detach")
+                ready.get(timeout=120)
+        commands.put("stop")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+    return {
+        "get_meta_per_s_0_watchers": median(rates[0]),
+        f"get_meta_per_s_{n_watchers}_watchers": median(rates[n_watchers]),
+        "ratio": median(rates[n_watchers]) / median(rates[0]),
+        "rates_0": [round(x) for x in rates[0]],
+        f"rates_{n_watchers}": [round(x) for x in rates[n_watchers]],
+        "controller_cpu_us_per_get_meta_0": median(cpu[0]),
+        f"controller_cpu_us_per_get_meta_{n_watchers}": median(cpu[n_watchers]),
+        "watchers_process_cpu_us_per_get_meta": median(wcpu),
+    }
+
+
+async def events_to_watchers(
+    address: str, n_watchers: int, events_per_s: int, seconds: float
+) -> dict[str, Any]:
+    """One-row puts making ``events_per_s`` events/s (rows_added + fields_produced each) for
+    ``seconds``, watched by ``n_watchers`` watchers of another process."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_watchers, args=(address, n_watchers, ready, commands))
+    proc.start()
+    try:
+        commands.put("attach")
+        await anyio.to_thread.run_sync(lambda: ready.get(timeout=120))
+        async with tq.AsyncClient.connect(address) as client:
+            pid = f"e{perf_counter()}"
+            x = torch.zeros(1, 8)
+            await client.put({"x": x}, pid)  # partition_created before the clock starts
+            puts = int(events_per_s * seconds / 2)
+            t0 = perf_counter()
+            for i in range(puts):
+                await client.put({"x": x}, pid)
+                ahead = t0 + (i + 1) * 2 / events_per_s - perf_counter()
+                if ahead > 0:
+                    await anyio.sleep(ahead)  # pacing the producer, not synchronising
+            elapsed = perf_counter() - t0
+            expected = 3 + 2 * puts  # created + 2 for the first put, 2 per put
+            seen = (0, 0)
+            deadline = perf_counter() + 30
+            while seen[0] < n_watchers * expected and perf_counter() < deadline:
+                commands.put("count")
+                seen = await anyio.to_thread.run_sync(lambda: ready.get(timeout=60))
+                if seen[0] < n_watchers * expected:
+                    await anyio.sleep(0.05)
+        commands.put("detach")
+        await anyio.to_thread.run_sync(lambda: ready.get(timeout=60))
+        commands.put("stop")
+    finally:
+        await anyio.to_thread.run_sync(lambda: proc.join(timeout=30))
+        if proc.is_alive():
+            proc.terminate()
+    return {
+        "events_per_s_each": 2 * puts / elapsed,
+        "watchers": n_watchers,
+        "events_expected_each": expected,
+        "dropped": n_watchers * expected - seen[0],
+        "resyncs": seen[1],
+    }
 
 
 async def get_meta_rate(address: str, calls: int, rounds: int) -> float:
@@ -121,19 +253,66 @@ async def get_meta_rate(address: str, calls: int, rounds: int) -> float:
     return median(rates)
 
 
-async def kv_list_ms(n_keys: int, calls: int) -> float:
-    async with tq.local_cluster() as cluster, tq.AsyncClient.connect(cluster.address) as client:
-        for i in range(0, n_keys, 4096):
-            keys = [f"key-{k}" for k in range(i, min(n_keys, i + 4096))]
-            fields = {"x": torch.arange(len(keys))}
-            await client.kv_batch_put(keys, "kv", fields, tags=[{"v": 1}] * len(keys))
-        times = []
-        for _ in range(calls):
+async def _fill_kv(client: Any, n_keys: int) -> None:
+    for i in range(0, n_keys, 4096):
+        keys = [f"key-{k}" for k in range(i, min(n_keys, i + 4096))]
+        fields = {"x": torch.arange(len(keys))}
+        tags = [{"v": 1, "status": "finished"}] * len(keys)
+        await client.kv_batch_put(keys, "kv", fields, tags=tags)
+
+
+def _read_all(listing: Any) -> int:
+    """What verl's replay buffer does with a listing: every key's tags."""
+    return sum(1 for _, tag in listing.items() if tag.get("status") == "finished")
+
+
+async def kv_list_ms(address: str | None, n_keys: int, calls: int) -> dict[str, float]:
+    """Medians (ms) of kv_list, kv_list + reading every tag, kv_list after a tag changed."""
+    async with contextlib.AsyncExitStack() as stack:
+        if address is None:
+            address = (await stack.enter_async_context(tq.local_cluster())).address
+        client = await stack.enter_async_context(tq.AsyncClient.connect(address))
+        if "kv" not in await client.list_partitions():
+            await _fill_kv(client, n_keys)
+        call, read, changed = [], [], []
+        for i in range(calls):
             t0 = perf_counter()
             listing = await client.kv_list("kv")
-            times.append(perf_counter() - t0)
-        assert len(listing["kv"]) == n_keys
-    return median(times) * 1e3
+            call.append(perf_counter() - t0)
+            assert len(listing["kv"]) == n_keys
+            t0 = perf_counter()
+            assert _read_all((await client.kv_list("kv"))["kv"]) == n_keys
+            read.append(perf_counter() - t0)
+            await client.kv_put(f"key-{i}", "kv", None, {"status": "running"})
+            t0 = perf_counter()
+            await client.kv_list("kv")
+            changed.append(perf_counter() - t0)
+            await client.kv_put(f"key-{i}", "kv", None, {"status": "finished"})
+    return {
+        "call_ms": median(call) * 1e3,
+        "call_and_read_all_ms": median(read) * 1e3,
+        "call_after_a_change_ms": median(changed) * 1e3,
+    }
+
+
+def kv_list_compat_ms(address: str, n_keys: int, calls: int) -> dict[str, float]:
+    """The same through ``tq_async.compat.kv_list`` (the blocking face verl calls)."""
+    from tq_async import compat
+
+    compat.init({"address": address})
+    try:
+        call, read = [], []
+        for _ in range(calls):
+            t0 = perf_counter()
+            listing = compat.kv_list("kv")
+            call.append(perf_counter() - t0)
+            assert len(listing["kv"]) == n_keys
+            t0 = perf_counter()
+            assert _read_all(compat.kv_list("kv")["kv"]) == n_keys
+            read.append(perf_counter() - t0)
+    finally:
+        compat.close()
+    return {"call_ms": median(call) * 1e3, "call_and_read_all_ms": median(read) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,32 +321,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--watchers", type=int, default=16)
+    parser.add_argument("--events-per-s", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--only", default="latency,get_meta,kv,fanout", help="comma-separated parts to run"
+    )
     args = parser.parse_args(argv)
-    out: dict[str, Any] = {}
+    parts = set(args.only.split(","))
+    out: dict[str, Any] = {"load_average_before": os.getloadavg()}
 
     async def embedded() -> dict[str, float]:
         async with tq.local_cluster() as cluster:
             return await put_to_event(cluster.address, args.puts)
 
-    out["put_to_event_embedded"] = anyio.run(embedded)
-    with serve() as address:
-        out["put_to_event_serve"] = anyio.run(put_to_event, address, args.puts)
-    with serve() as address:
-        out["get_meta_per_s_0_watchers"] = anyio.run(
-            get_meta_rate, address, args.calls, args.rounds
-        )
-        ctx = multiprocessing.get_context("spawn")
-        ready = ctx.Queue()
-        proc = ctx.Process(target=_watchers, args=(address, 16, ready), daemon=True)
-        proc.start()
-        for _ in range(16):
-            ready.get(timeout=120)
-        out["get_meta_per_s_16_watchers"] = anyio.run(
-            get_meta_rate, address, args.calls, args.rounds
-        )
-        proc.terminate()
-        proc.join(timeout=30)
-    out["kv_list_100k_ms"] = anyio.run(kv_list_ms, args.keys, 20)
+    if "latency" in parts:
+        out["put_to_event_embedded"] = anyio.run(embedded)
+        with serve() as (address, _):
+            out["put_to_event_serve"] = anyio.run(put_to_event, address, args.puts)
+    if "get_meta" in parts:
+        with serve() as (address, pid):
+            out["get_meta_watchers"] = get_meta_with_watchers(
+                pid, address, args.calls, args.rounds, args.watchers
+            )
+    if "kv" in parts:
+        out["kv_list_100k_embedded"] = anyio.run(kv_list_ms, None, args.keys, 20)
+        with serve() as (address, _):
+            out["kv_list_100k_serve"] = anyio.run(kv_list_ms, address, args.keys, 20)
+            out["kv_list_100k_compat_serve"] = kv_list_compat_ms(address, args.keys, 20)
+    if "fanout" in parts:
+        with serve() as (address, _):
+            out["events_to_watchers"] = anyio.run(
+                events_to_watchers, address, args.watchers, args.events_per_s, args.seconds
+            )
+    out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=2))
     return 0
 

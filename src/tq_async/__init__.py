@@ -67,6 +67,7 @@ from ._errors import PartitionNotFound as PartitionNotFound
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RowsNotFound as RowsNotFound
 from ._errors import SchemaError as SchemaError
+from ._errors import StateLostError as StateLostError
 from ._errors import StorageFullError as StorageFullError
 from ._errors import TQError as TQError
 from ._errors import TQTimeoutError as TQTimeoutError
@@ -81,6 +82,7 @@ from ._service._config import SamplerSpec as SamplerSpec
 from ._transport._security import CurveClient as CurveClient
 from ._transport._security import CurveServer as CurveServer
 from ._transport._security import curve_keypair as curve_keypair
+from ._wire._listing import KVListing as KVListing
 from .samplers import BaseSampler as BaseSampler
 from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from .samplers import RankAwareSampler as RankAwareSampler
@@ -179,6 +181,7 @@ __all__ = [
     "GRPOGroupNSampler",
     "InvalidRequestError",
     "KeyNotFound",
+    "KVListing",
     "LocalCluster",
     "PartitionNotFound",
     "ProtocolError",
@@ -190,6 +193,7 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StaleRows",
+    "StateLostError",
     "StreamingDataLoader",
     "StreamingDataset",
     "StalenessSampler",

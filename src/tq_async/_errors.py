@@ -123,6 +123,17 @@ class AuthenticationError(BrokenError):
     """
 
 
+class StateLostError(BrokenError):
+    """The service restarted without the state it had: partitions, rows, consumption and KV
+    keys this client knew are gone (a controller at ``durability="memory"``, or one started
+    on a new ``data_dir``).
+
+    Raised by the calls made before the client learnt of the restart; the next calls go to
+    the new service. Put the data again (or load a checkpoint), and run the service with
+    ``--durability process --data-dir DIR`` where a restart must keep the state.
+    """
+
+
 class DeviceError(TQError):
     """A GPU could not be used: no CUDA driver, the device not visible to this process, or
     not enough device memory. Storage units then serve without a device arena (GPU columns go

@@ -50,8 +50,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
-from ._service._config import Config
+from ._service._config import Config, device_indexes
 from ._service._serve import first_tq_error, serve_controller, serve_storage
+from ._transport._hosts import ENV_HOST_ID
 from ._transport._security import CurveServer
 from .samplers import BaseSampler
 
@@ -350,6 +351,9 @@ def launch(
             files (read here, on the driver). ``sampler``, ``allow_pickle``, ``curve`` and
             ``num_storage_units`` must then be left at their defaults; the config's
             ``host``, ``bind`` and ``metrics_on`` do not apply (each actor binds its node).
+            Its ``host_id`` (a string, or one per unit) names the units' hosts; without it
+            each unit's host is ``"ray:<node id>"`` of its node, the id a client on that node
+            resolves by itself.
 
     Returns:
         A `RayCluster`; connect clients to its ``address``.
@@ -395,8 +399,16 @@ def launch(
             "register_timeout": max(1.0, min(30.0, deadline - time.monotonic())),
             **_unit_config(config),
         }
+        per_unit = [
+            {"host_id": host_id, "device_index": index}
+            for host_id, index in zip(
+                _unit_host_ids(config, nodes, num_storage_units, options),
+                device_indexes(0 if config is None else config.device_index, num_storage_units),
+                strict=True,
+            )
+        ]
         unit_addresses = _start_units(
-            dict(zip(unit_names, units, strict=True)), host, unit_options, deadline
+            dict(zip(unit_names, units, strict=True)), host, unit_options, per_unit, deadline
         )
         cluster = RayCluster(name, namespace, str(address), unit_addresses, (*unit_names, name))
         _resolve(
@@ -418,13 +430,49 @@ def _spawn(actor_name: str, node_id: str, options: Mapping[str, Any]) -> Any:
     ).remote()
 
 
+def _unit_host_ids(
+    config: Config | None,
+    nodes: Sequence[str],
+    num_storage_units: int,
+    actor_options: Mapping[str, Any],
+) -> list[str | None]:
+    """Each storage unit's host id (locality, see `tq_async._transport._hosts`):
+    ``config.host_id`` when set (a list: one per unit), else ``"ray:<node id>"`` of the node
+    unit ``i`` is placed on (``nodes[i % len(nodes)]``: the id clients on that node resolve
+    by themselves), unless the actors' ``runtime_env`` sets ``TQ_HOST_ID`` (None: the unit
+    reads it).
+
+    Raises:
+        ConfigError: ``config.host_id`` is a list of another length than the units.
+    """
+    given = None if config is None else config.host_id
+    if isinstance(given, list):
+        if len(given) != num_storage_units:
+            raise ConfigError(
+                f"host_id: {len(given)} host ids for {num_storage_units} storage units; give "
+                "one per unit, or one string for all"
+            )
+        return list(given)
+    if given:
+        return [given] * num_storage_units
+    env = (actor_options.get("runtime_env") or {}).get("env_vars") or {}
+    if ENV_HOST_ID in env:
+        return [None] * num_storage_units
+    return [f"ray:{nodes[i % len(nodes)]}" for i in range(num_storage_units)]
+
+
 def _start_units(
-    units: Mapping[str, Any], host: str | None, options: Mapping[str, Any], deadline: float
+    units: Mapping[str, Any],
+    host: str | None,
+    options: Mapping[str, Any],
+    per_unit: Sequence[Mapping[str, Any]],
+    deadline: float,
 ) -> dict[int, str]:
-    """Start a storage unit in each actor (``{actor name: actor}``, unit ids in order); wait
-    until every one serves. Returns ``{unit id: address}``."""
+    """Start a storage unit in each actor (``{actor name: actor}``, unit ids in order; unit
+    ``i`` with ``per_unit[i]``: its host id and GPU index); wait until every one serves.
+    Returns ``{unit id: address}``."""
     for i, unit in enumerate(units.values()):
-        unit.run.remote("storage", host, {**options, "unit_id": i})
+        unit.run.remote("storage", host, {**options, **per_unit[i], "unit_id": i})
     addresses: dict[int, str] = {}
     for unit_name, unit in units.items():
         unit_id, address = _resolve(unit.ready.remote(), deadline, f"storage unit {unit_name!r}")
@@ -441,7 +489,6 @@ def _unit_config(config: Config | None) -> dict[str, Any]:
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
-        "device_index": config.device_index,
     }
 
 

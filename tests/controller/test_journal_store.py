@@ -1,5 +1,6 @@
 """The durable controller's store and settings (issue 36), in one process: the data_dir checks,
-a damaged database, a torn WAL tail, a clean stop and start of a whole ``local_cluster`` on its
+a damaged database, a torn WAL tail, deltas and their compaction through SQLite, a clean stop
+and start of a whole ``local_cluster`` on its
 data_dir, and the settings in Config, TOML and the CLI."""
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import structlog
 import torch
 
 import tq_async as tq
-from tq_async._controller._journal import JournalStore, check_durability
+from tq_async._controller._journal import JournalStore, Recorder, check_durability
+from tq_async._core import _journal
+from tq_async._core._state import ControllerState
+from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._deploy._cli import _build_parser, config_from_args
+from tq_async._wire._columns import ColumnHeader
+from tq_async._wire._protocol import GetMeta, MetaReply
 
 
 def test_a_damaged_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -28,10 +34,10 @@ def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -
     live.mkdir()
     store = JournalStore(live, "fsync")
     store.write(b"c1", {"a": b"1" * 4000}, [])
-    store.write(b"c2", {"b": b"2" * 4000}, [])
+    store.write(b"c2", {"b": b"2" * 4000}, [], [("a", b"d" * 3000)])
     wal = live / "controller.db-wal"
     size_before_last = wal.stat().st_size
-    store.write(b"c3", {"c": b"3" * 40000}, [])
+    store.write(b"c3", {"c": b"3" * 40000}, [], [("a", b"e" * 30000), ("b", b"f" * 9000)])
     crashed = tmp_path / "crashed"  # the files as a crash in the middle of the last commit
     shutil.copytree(live, crashed)
     shutil.copytree(live, tmp_path / "whole")
@@ -41,12 +47,13 @@ def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -
     assert not logs  # a WAL of whole frames is no torn tail
     torn = crashed / "controller.db-wal"
     with torn.open("r+b") as f:
-        f.truncate(size_before_last + (torn.stat().st_size - size_before_last) // 2)
+        f.truncate(size_before_last + (24 + 4096) + 1000)  # in the second frame of 4 KiB pages
     with structlog.testing.capture_logs() as logs:
-        ctl, parts = JournalStore(crashed, "fsync").load()
+        ctl, snaps, deltas = JournalStore(crashed, "fsync").load()
     assert any("torn" in e["event"] for e in logs)
     assert ctl == b"c2"
-    assert sorted(parts) == [b"1" * 4000, b"2" * 4000]
+    assert snaps == {"a": b"1" * 4000, "b": b"2" * 4000}
+    assert deltas == {"a": [b"d" * 3000]}
 
 
 @pytest.mark.parametrize(
@@ -96,3 +103,43 @@ async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, l
         assert len(got) == 2
         fresh = await c.put({"x": torch.arange(3)}, "q")  # the cluster works on
         assert (await c.get_data(fresh))["x"].tolist() == [0, 1, 2]
+
+
+def test_recorder_commits_deltas_compacts_and_recovers_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many incremental commits through the Recorder and SQLite: deltas accumulate, a
+    snapshot replaces them, and a controller started on the directory is the live one."""
+    monkeypatch.setattr(_journal, "SNAPSHOT_EVERY", 20)
+    monkeypatch.setattr(_journal, "SNAPSHOT_SHARE", 1000.0)  # by count only
+    x = ColumnHeader("x", "dense", "int64", ())
+    core = ControllerCore(ControllerState({0: "tcp://u0", 1: "tcp://u1"}))
+    recorder = Recorder(JournalStore(tmp_path, "process"), core, {})
+    counts = []
+    for i in range(60):
+        placement, _ = core.put_begin("p", [x], 3, None, None, float(i))
+        core.put_commit("p", placement.rows, ["x"], [{"i": i}] * 3, None, placement.put_id)
+        req = GetMeta("p", ["x"], 2, "t", None, lease=100.0)
+        got, _ = core.get_meta(req, float(i))
+        while isinstance(got, SampleCall):
+            got, _ = core.sampled(req, got, got.run(), float(i))
+        assert isinstance(got, MetaReply)
+        if i % 3:
+            core.ack([got.lease_id], float(i))
+        recorder.dirty.add("p")
+        recorder.write_now(float(i))
+        counts.append(recorder.store.db.execute("SELECT count(*) FROM deltas").fetchone()[0])
+    assert max(counts) >= 10  # deltas accumulated ...
+    assert 0 in counts[1:]  # ... and a snapshot replaced them
+    live = core.state.partitions["p"]
+    recorder.store.close()
+    again = ControllerCore(ControllerState())
+    Recorder(JournalStore(tmp_path, "process"), again, {}).recover(59.0, {})
+    for unit in (0, 1):
+        again.unit_up(unit)
+    p = again.state.partitions["p"]
+    assert p.dump() == live.dump()
+    assert {i: lease.rows for i, lease in p.leases.items()} == {
+        i: lease.rows for i, lease in live.leases.items()
+    }
+    assert p.consumed_count == live.consumed_count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import socket
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._controller._watch import EventLog
+from tq_async._controller._watch import EventLog, Pacer
 from tq_async.events import EVENT_KINDS, Event, Resync
 
 # ---- a model of the cluster, built from events only ------------------------------------------
@@ -419,3 +420,55 @@ async def test_a_restarted_controller_breaks_the_watch_and_a_resume_resyncs() ->
             assert [p.partition_id for p in ev.snapshot.partitions] == ["q"]
     finally:
         await client.aclose()
+
+
+def test_the_pacer_answers_at_once_until_the_share_is_spent() -> None:
+    pacer = Pacer(share=0.05, burst=0.002)
+    assert pacer.delay(0.0) == 0.0  # a quiet controller: at once
+    pacer.charge(0.0, 0.001)
+    assert pacer.delay(0.0) == 0.0  # within the burst
+    pacer.charge(0.0, 0.002)  # 1 ms over
+    assert pacer.delay(0.0) == pytest.approx(0.001 / 0.05)
+    assert pacer.delay(0.01) == pytest.approx(0.01)  # refilled at 5 % of the clock
+    assert pacer.delay(0.02) == 0.0
+    assert pacer.delay(100.0) == 0.0
+    pacer.charge(100.0, 0.0025)  # the credit saved up is the burst, no more
+    assert pacer.delay(100.0) == pytest.approx(0.0005 / 0.05)
+    with pytest.raises(tq.InvalidRequestError):
+        Pacer(share=0.0)
+
+
+async def test_watchers_alike_share_one_answer_and_a_busy_controller_batches() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        got: list[list[Event]] = [[], [], []]
+        async with contextlib.AsyncExitStack() as stack:
+            watches = [await stack.enter_async_context(client.watch()) for _ in got]
+            async with anyio.create_task_group() as tg:
+                for w, out in zip(watches, got, strict=True):
+
+                    async def take(w: Any = w, out: list[Event] = out) -> None:
+                        out.extend(await _take(w, 2))
+
+                    tg.start_soon(take)
+                while len(hub.parked) < 3:
+                    await anyio.wait_all_tasks_blocked()
+                sent = hub.answers
+                await _put(client, "p", 1)  # partition_created, rows_added, fields_produced
+            # each watcher got its answer (one encoding for the three), nothing lost
+            assert hub.answers - sent >= 3
+            assert all([e.kind for e in out] == ["partition_created", "rows_added"] for out in got)
+
+        # spent: events wait for the pacer's delay and then go out together, in order
+        hub.pacer = Pacer(share=0.05, burst=0.0)
+        hub.pacer.charge(asyncio.get_running_loop().time(), 0.05)  # 1 s to wait
+        async with client.watch(kinds=["fields_produced"]) as w:
+            for _ in range(3):
+                await _put(client, "p", 1)
+            answers = hub.answers
+            events = await _take(w, 3)
+            assert [e.rows for e in events] == [[1], [2], [3]]  # type: ignore[attr-defined]
+            assert hub.answers - answers <= 2  # batched, not one answer per put

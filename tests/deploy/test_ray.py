@@ -215,3 +215,14 @@ def test_compat_init_attaches_to_a_launched_cluster(
     finally:
         compat.close()
         cluster.shutdown()
+
+
+def test_launch_gives_each_unit_its_host_id() -> None:
+    nodes = ["n1", "n2"]
+    assert tq_ray._unit_host_ids(None, nodes, 3, {}) == ["ray:n1", "ray:n2", "ray:n1"]
+    assert tq_ray._unit_host_ids(tq.Config(host_id="rack7"), nodes, 2, {}) == ["rack7"] * 2
+    assert tq_ray._unit_host_ids(tq.Config(host_id=["a", "b"]), nodes, 2, {}) == ["a", "b"]
+    env = {"runtime_env": {"env_vars": {"TQ_HOST_ID": "x"}}}
+    assert tq_ray._unit_host_ids(None, nodes, 2, env) == [None, None]
+    with pytest.raises(tq.ConfigError, match="one per unit"):
+        tq_ray._unit_host_ids(tq.Config(host_id=["a"]), nodes, 2, {})

@@ -8,10 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
+import pytest
 import torch
 
 import tq_async as tq
 from _services import START_TIMEOUT, refused_port, service
+from tq_async._controller import _server
+from tq_async._deploy._status import render
+from tq_async._wire._protocol import ClusterStatus
 
 
 def _status(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -42,6 +47,8 @@ async def test_status_shows_partitions_tasks_and_units(tmp_path: Path) -> None:
             assert "unit 0 [up]" in screen
             assert "unit 1 [up]" in screen
             assert "policy version: -1" in screen
+            assert "security: CURVE off" in screen
+            assert "connections asked in the last 60 s, 0 watches waiting" in screen
 
             done = _status(address, "--json")
             assert done.returncode == 0, done.stderr
@@ -51,7 +58,59 @@ async def test_status_shows_partitions_tasks_and_units(tmp_path: Path) -> None:
             assert (info["ready"], info["leased"]) == ({"t": 2}, {"t": 2})
             assert sum(u["rows"] for u in status["units"].values()) == 4
             assert {u["state"] for u in status["units"].values()} == {"up"}
+            # this test's client and the status command's connection, at least
+            assert status["clients"]["active"] >= 2
+            assert status["security"] == {
+                "curve": False,
+                "server_key": None,
+                "allowed_clients": None,
+            }
         assert svc.stop() == 0
+
+
+async def test_status_names_the_curve_keys_and_the_clients() -> None:
+    server_public, server_secret = tq.curve_keypair()
+    client_public, client_secret = tq.curve_keypair()
+    server = tq.CurveServer(server_public, server_secret, allowed_clients=[client_public])
+    async with tq.local_cluster(num_storage_units=1, curve=server) as cluster:
+        keys = tq.CurveClient(server_public, client_public, client_secret)
+        async with tq.AsyncClient.connect(cluster.address, curve=keys) as client:
+            await client.list_partitions()
+            async with client.watch() as w:
+
+                async def step() -> None:
+                    await w.__anext__()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    while not cluster.controller.watch.parked:
+                        await anyio.wait_all_tasks_blocked()
+                    status = cluster.controller._on_cluster_status(None, ClusterStatus())  # type: ignore[arg-type]
+                    tg.cancel_scope.cancel()
+    assert status["security"] == {
+        "curve": True,
+        "server_key": server_public.decode(),
+        "allowed_clients": 1,
+    }
+    assert status["clients"]["active"] >= 1
+    assert status["clients"]["watching"] == 1
+    screen = render({**status, "partitions": {}}, cluster.address)
+    assert (
+        f"security: CURVE on, server key {server_public.decode()}, lets in 1 client keys" in screen
+    )
+    assert "1 watches waiting" in screen
+
+
+def test_clients_seen_counts_a_window_and_forgets_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(_server.time, "monotonic", lambda: now[0])
+    seen = _server.ClientsSeen()
+    for i in range(3000):  # more than a prune's threshold
+        seen.seen(b"c%d" % i)
+    assert seen.active() == 3000
+    now[0] += _server.CLIENT_WINDOW + 1
+    seen.seen(b"late")
+    assert seen.active() == 1
 
 
 def test_status_watch_prints_again_when_the_cluster_changes(tmp_path: Path) -> None:

@@ -416,6 +416,8 @@ async def test_units_without_a_device_arena_take_host_memory(emulate: None) -> N
                 "device_puts": 0,
                 "device_reads": 0,
                 "device_fallbacks": 0,
+                "device_out_bytes": 0,
+                "device_out_us": 0,
             }
 
 
@@ -438,3 +440,84 @@ def test_bad_device_settings_are_refused() -> None:
         StorageServer(0, device_cap=-1)
     with pytest.raises(tq.ConfigError, match="device_index"):
         tq.Config(device_index=-1)
+
+
+# ---- one GPU per unit ------------------------------------------------------------------------
+
+
+def test_device_index_takes_one_gpu_per_unit() -> None:
+    assert tq.Config(device_index=[0, 1, 3]).device_index == [0, 1, 3]
+    with pytest.raises(tq.ConfigError, match="device_index"):
+        tq.Config(device_index=[0, -1])
+    with pytest.raises(tq.ConfigError, match="device_index"):
+        tq.Config(device_index=[])
+
+
+async def test_each_unit_of_a_cluster_holds_its_cells_on_its_own_gpu(emulate: None) -> None:
+    config = tq.Config(num_storage_units=3, device_cap=CAP, device_index=[2, 0, 1])
+    async with tq.local_cluster(config=config) as cluster:
+        arenas = [u.state.device for u in cluster.units]
+        assert all(a is not None for a in arenas)
+        assert [a.memory.device for a in arenas if a is not None] == [
+            b"host-emulation-2",
+            b"host-emulation-0",
+            b"host-emulation-1",
+        ]
+
+
+async def test_a_gpu_list_of_another_length_than_the_units_is_refused() -> None:
+    config = tq.Config(num_storage_units=2, device_cap=CAP, device_index=[0, 1, 2])
+    with pytest.raises(tq.ConfigError, match="3 GPU indexes for 2 storage units"):
+        async with tq.local_cluster(config=config):
+            pass
+
+
+def test_serve_takes_a_gpu_index_per_unit() -> None:
+    from tq_async._deploy._cli import _device_index_arg, _one_device_index
+
+    assert _device_index_arg("3") == 3
+    assert _device_index_arg("0,1,2") == [0, 1, 2]
+    assert _one_device_index([4]) == 4
+    with pytest.raises(tq.ConfigError, match="one GPU index"):
+        _one_device_index([0, 1])
+
+
+def test_copy_out_blocks_are_page_locked_once_and_reused_by_size() -> None:
+    import ctypes
+    import gc
+
+    from tq_async._paths._device import HostBlocks
+
+    class Driver:
+        def __init__(self) -> None:
+            self.buffers: dict[int, Any] = {}
+            self.freed: list[int] = []
+
+        def host_alloc(self, ordinal: int, nbytes: int) -> int:
+            buf = (ctypes.c_uint8 * nbytes)()
+            self.buffers[ctypes.addressof(buf)] = buf
+            return ctypes.addressof(buf)
+
+        def host_free(self, ordinal: int, ptr: int) -> None:
+            self.freed.append(ptr)
+
+    driver = Driver()
+    blocks = HostBlocks(driver, 0, idle_limit=2 << 20)  # type: ignore[arg-type]
+    a = blocks.array(3 << 19)  # 1.5 MiB: a 2 MiB block
+    a[:] = 7
+    first = a.ctypes.data
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert blocks.idle_bytes == 0  # a view keeps the block
+    del view
+    gc.collect()
+    assert blocks.idle_bytes == 2 << 20
+    b = blocks.array(2 << 20)
+    assert b.ctypes.data == first  # reused, not allocated again
+    assert len(driver.buffers) == 1
+    c = blocks.array(100)  # a 1 MiB block of its own
+    del b, c
+    gc.collect()
+    assert blocks.idle_bytes == 2 << 20  # the second went back to the driver
+    assert len(driver.freed) == 1

@@ -163,7 +163,7 @@ class GetPath:
             rows = reply.rows if len(by_unit) == 1 else [reply.rows[i] for i in positions]
             try:
                 got = self.links.local_units[unit_id].read_local(
-                    req.partition_id, rows, reply.fields, budget - size, req.host
+                    req.partition_id, rows, reply.fields, budget - size, req.host, req.task_name
                 )
             except TQError:
                 return None  # let the client's own read report it

@@ -1,10 +1,15 @@
 """A durable controller: its state in SQLite under ``data_dir``, replies held until written.
 
 At ``durability="process"`` or ``"fsync"`` the controller keeps, in ``data_dir/controller.db``
-(SQLite in WAL mode, from the standard library), the last record of every partition and of
-the controller itself (`tq_async._core._journal`). A request that changes a partition
-marks it; its reply is held until a group commit wrote every marked partition: many
-concurrent requests share one transaction (and, at ``fsync``, one fsync). So a put commit,
+(SQLite in WAL mode, from the standard library), a snapshot of every partition (table
+``partitions``), what changed in it since (table ``deltas``, one row per partition and commit,
+in order) and the controller's own record (table ``meta``); see `tq_async._core._journal`.
+A request that changes a partition marks it; its reply is held until a group commit wrote
+what changed in every marked partition: many concurrent requests share one transaction (and,
+at ``fsync``, one fsync). A commit writes a partition's delta (the rows it changed, the
+leases and batches it gave...), or, once its deltas outgrew a share of its snapshot, a new
+snapshot in their place: a commit costs what it changed, and recovery reads each partition's
+snapshot and a bounded tail of deltas. So a put commit,
 an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
 operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
 disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
@@ -19,8 +24,10 @@ damaged database file is a clear error at start.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import secrets
 import sqlite3
 import time
 from collections import OrderedDict
@@ -32,13 +39,17 @@ import msgspec
 
 from .._core._journal import (
     FORMAT,
+    READS,
+    Tracker,
     controller_record,
     decode_controller,
+    decode_delta,
     decode_partition,
     encode,
-    partition_record,
     recover,
+    replay,
 )
+from .._core._state import Partition
 from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
@@ -60,6 +71,9 @@ from ._shell import Sends
 __all__ = ["DURABILITY", "Durability", "JournalStore", "Recorder", "check_durability"]
 
 log = get_logger(__name__)
+
+#: one commit: the controller's record, snapshots, dropped partitions, deltas
+_Records = tuple[bytes, dict[str, bytes], list[str], list[tuple[str, bytes]]]
 
 Durability = Literal["memory", "process", "fsync"]
 DURABILITY: tuple[str, ...] = ("memory", "process", "fsync")
@@ -115,6 +129,10 @@ class JournalStore:
             db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'OFF'}")
             db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB)")
             db.execute("CREATE TABLE IF NOT EXISTS partitions (pid TEXT PRIMARY KEY, rec BLOB)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS deltas (pid TEXT, seq INTEGER, rec BLOB, "
+                "PRIMARY KEY (pid, seq)) WITHOUT ROWID"
+            )
             db.execute("PRAGMA quick_check").fetchall()
         except sqlite3.DatabaseError as exc:
             raise TQError(
@@ -122,25 +140,57 @@ class JournalStore:
                 "away to start an empty controller, or restore it from a backup"
             ) from exc
         self.db = db
+        _mark_format(self.data_dir)
+        #: the next delta's sequence number (deltas replay in this order)
+        self.seq = 1 + (db.execute("SELECT max(seq) FROM deltas").fetchone()[0] or 0)
 
-    def load(self) -> tuple[bytes | None, list[bytes]]:
-        """The controller's record (None: a new journal) and every partition's."""
+    def load(self) -> tuple[bytes | None, dict[str, bytes], dict[str, list[bytes]]]:
+        """The controller's record (None: a new journal), every partition's snapshot, and
+        each partition's deltas since, in order."""
         row = self.db.execute("SELECT value FROM meta WHERE key = 'controller'").fetchone()
-        parts = [r[0] for r in self.db.execute("SELECT rec FROM partitions")]
-        return (row[0] if row else None), parts
+        snaps: dict[str, bytes] = dict(self.db.execute("SELECT pid, rec FROM partitions"))
+        deltas: dict[str, list[bytes]] = {}
+        for pid, rec in self.db.execute("SELECT pid, rec FROM deltas ORDER BY pid, seq"):
+            deltas.setdefault(pid, []).append(rec)
+        return (row[0] if row else None), snaps, deltas
 
-    def write(self, ctl: bytes, upserts: Mapping[str, bytes], deletes: Sequence[str]) -> None:
-        """One transaction: the controller's record, changed partitions, dropped ones."""
+    def write(
+        self,
+        ctl: bytes,
+        snapshots: Mapping[str, bytes],
+        deletes: Sequence[str],
+        deltas: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """One transaction: the controller's record, new snapshots (each replaces the
+        partition's snapshot and deltas), dropped partitions, and deltas (in order)."""
         db = self.db
+        seq = self.seq
         db.execute("BEGIN")
         try:
             db.execute("INSERT OR REPLACE INTO meta VALUES ('controller', ?)", (ctl,))
-            db.executemany("INSERT OR REPLACE INTO partitions VALUES (?, ?)", upserts.items())
+            gone = [(pid,) for pid in itertools.chain(snapshots, deletes)]
+            db.executemany("DELETE FROM deltas WHERE pid = ?", gone)
+            db.executemany("INSERT OR REPLACE INTO partitions VALUES (?, ?)", snapshots.items())
             db.executemany("DELETE FROM partitions WHERE pid = ?", [(d,) for d in deletes])
+            db.executemany(
+                "INSERT INTO deltas VALUES (?, ?, ?)",
+                [(pid, seq + i, rec) for i, (pid, rec) in enumerate(deltas)],
+            )
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        self.seq = seq + len(deltas)
+
+    def lineage(self) -> bytes:
+        """A random id made once per journal: every controller that recovers this state
+        gives it to its clients (``HelloReply.state``), so they know the state is kept."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'lineage'").fetchone()
+        if row is not None:
+            return bytes(row[0])
+        made = secrets.token_bytes(16)
+        self.db.execute("INSERT INTO meta VALUES ('lineage', ?)", (made,))
+        return made
 
     def close(self) -> None:
         self.db.close()
@@ -190,10 +240,11 @@ def _claim(data_dir: str) -> None:
                 f"data_dir: {data_dir!r} belongs to a {kind.get('kind', 'unknown')!s} (see "
                 f"{MARKER}); give the controller its own directory"
             )
-        if kind.get("format") != FORMAT:
+        if kind.get("format") not in READS:
             raise ConfigError(
                 f"data_dir: {data_dir!r} holds a journal of format {kind.get('format')}, this "
-                f"version reads format {FORMAT}; move it away to start an empty controller"
+                f"version reads formats {', '.join(map(str, READS))}; move it away to start an "
+                "empty controller"
             )
         return
     if os.listdir(data_dir):
@@ -203,6 +254,17 @@ def _claim(data_dir: str) -> None:
         )
     with open(marker, "w") as f:
         json.dump({"kind": "controller", "format": FORMAT}, f)
+
+
+def _mark_format(data_dir: str) -> None:
+    """The journal is of `FORMAT` from now on (an older version must not read its deltas)."""
+    marker = os.path.join(data_dir, MARKER)
+    with open(marker) as f:
+        if json.load(f).get("format") == FORMAT:
+            return
+    with open(marker + ".tmp", "w") as f:
+        json.dump({"kind": "controller", "format": FORMAT}, f)
+    os.replace(marker + ".tmp", marker)
 
 
 class _HeldSends:
@@ -241,26 +303,58 @@ class Recorder:
         self.held: list[tuple[bytes, Sequence[Any]]] = []
         self.writing = False
         self.commits = 0
+        #: what the journal holds of each partition: a commit writes what changed since
+        self.tracker = Tracker()
         self._wake = asyncio.Event()
 
     # ---- recovery ----------------------------------------------------------------------------
 
     def recover(self, now: float, local_units: Mapping[int, str]) -> Effects:
         """Load the records into the (new, empty) core; nothing to do for a new journal."""
-        ctl_blob, part_blobs = self.store.load()
+        started = time.perf_counter()
+        ctl_blob, snaps, deltas = self.store.load()
         if ctl_blob is None:
             return Effects()
         ctl = decode_controller(ctl_blob)
-        parts = [decode_partition(b) for b in part_blobs]
+        orphans = sorted(set(deltas) - set(snaps))
+        if orphans:
+            raise TQError(
+                f"the controller's journal {self.store.path} is damaged (changes of partitions "
+                f"{orphans[:5]} without their snapshot); move the data_dir away to start an "
+                "empty controller, or restore it from a backup"
+            )
+        parts = []
+        sizes: dict[str, tuple[int, int, int]] = {}
+        for pid, blob in snaps.items():
+            tail = deltas.get(pid, [])
+            try:
+                parts.append(replay(decode_partition(blob), map(decode_delta, tail)))
+            except ValueError as exc:
+                raise TQError(
+                    f"the controller's journal {self.store.path} is damaged (partition {pid!r}: "
+                    f"{exc}); move the data_dir away to start an empty controller, or restore "
+                    "it from a backup"
+                ) from exc
+            sizes[pid] = (len(blob), sum(map(len, tail)), len(tail))
         self.instances.update(ctl.instances)
-        fx = recover(self.core, ctl, parts, now, time.time(), local_units)
+        tracker = self.tracker
+
+        def follow(p: Partition) -> None:
+            tracker.follow(p, *sizes[p.partition_id])
+
+        fx = recover(self.core, ctl, parts, now, time.time(), local_units, follow)
         log.info(
             "controller recovered from its journal",
             data_dir=self.store.data_dir,
             partitions=len(parts),
+            deltas=sum(map(len, deltas.values())),
             rows=sum(p.n_alive for p in self.core.state.partitions.values()),
             written_seconds_ago=round(max(0.0, time.time() - ctl.wall), 3),
+            seconds=round(time.perf_counter() - started, 3),
         )
+        # what recovery itself changed (leases run out, puts aborted, rows lost) is written
+        # with the first commit
+        self.dirty.update(sizes)
         self.controller_dirty = True
         return fx
 
@@ -323,36 +417,49 @@ class Recorder:
                 self.write_now(now())  # a clean shutdown leaves nothing unwritten
             self.store.close()
 
-    def _records(self, now: float) -> tuple[bytes, dict[str, bytes], list[str]]:
+    def _records(self, now: float) -> _Records:
         wall = time.time()
         partitions = self.core.state.partitions
-        upserts: dict[str, bytes] = {}
+        tracker = self.tracker
+        snapshots: dict[str, bytes] = {}
+        deltas: list[tuple[str, bytes]] = []
         deletes: list[str] = []
         for pid in self.dirty:
             p = partitions.get(pid)
             if p is None:
                 deletes.append(pid)
+                tracker.forget(pid)
+                continue
+            whole, blob = tracker.record(p, now, wall)
+            if whole:
+                snapshots[pid] = blob
             else:
-                upserts[pid] = encode(partition_record(p, now, wall))
+                deltas.append((pid, blob))
         ctl = encode(controller_record(self.core, self.instances, wall))
         self.dirty = set()
         self.controller_dirty = False
-        return ctl, upserts, deletes
+        return ctl, snapshots, deletes, deltas
 
     async def commit(self, now: float) -> None:
-        """Write every marked partition in one transaction, then send the replies it covers."""
-        ctl, upserts, deletes = self._records(now)
+        """Write what changed in every marked partition in one transaction, then send the
+        replies it covers."""
+        records = self._records(now)
         sends, self.held = self.held, []
         self.writing = True
         try:
             if self.store.slow:
-                await anyio.to_thread.run_sync(self.store.write, ctl, upserts, deletes)
+                await anyio.to_thread.run_sync(self.store.write, *records)
             else:  # a commit without fsync only copies to the OS: cheaper than a thread hop
-                self.store.write(ctl, upserts, deletes)
+                self.store.write(*records)
         except (OSError, sqlite3.Error) as exc:
-            # nothing written: mark it again, keep the replies for the next commit (a client
-            # that retries meanwhile gets its reply from the cache, held the same way)
-            self.dirty.update(upserts, deletes)
+            # nothing written: mark it again (each partition's next record is a snapshot),
+            # keep the replies for the next commit (a client that retries meanwhile gets
+            # its reply from the cache, held the same way)
+            _, snapshots, deletes, deltas = records
+            for pid in itertools.chain(snapshots, (pid for pid, _ in deltas)):
+                self.tracker.forget(pid)
+                self.dirty.add(pid)
+            self.dirty.update(deletes)
             self.controller_dirty = True
             self.held[:0] = sends
             log.error(

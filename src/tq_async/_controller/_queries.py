@@ -7,13 +7,14 @@ the reply's payload; `QUERIES` maps request types to them.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from .._core._state import Partition
+from .._core._state import KV_CHUNK_BITS, Partition
 from .._core._transitions import ControllerCore, meta_reply
 from .._errors import KeyNotFound
 from .._wire._columns import ColumnHeader
@@ -164,24 +165,110 @@ def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
 def kv_list(core: ControllerCore, body: KVList) -> dict[str, msgspec.Raw]:
     st = core.state
     pids = [body.partition_id] if body.partition_id is not None else list(st.partitions)
-    return {pid: _kv_listing(st.partition(pid)) for pid in pids}
+    return {pid: _kv_answer(st.partition(pid), body.packed) for pid in pids}
 
 
-#: each partition's encoded ``kv_list`` answer and the ``kv_version`` it was made at: a poll
-#: of an unchanged partition (verl's replay buffer asks every 2 s) costs a lookup
-_KV_LISTINGS: weakref.WeakKeyDictionary[Partition, tuple[int, msgspec.Raw]] = (
-    weakref.WeakKeyDictionary()
-)
+#: each partition's encoded ``kv_list`` answers, kept up to date (see `KVListingCache`)
+_KV_LISTINGS: weakref.WeakKeyDictionary[Partition, KVListingCache] = weakref.WeakKeyDictionary()
 
 
-def _kv_listing(p: Partition) -> msgspec.Raw:
-    cached = _KV_LISTINGS.get(p)
-    if cached is not None and cached[0] == p.kv_version:
-        return cached[1]
-    tags = p.tags
-    raw = msgspec.Raw(encoder.encode({k: tags[r] or {} for k, r in p.keys.items()}))
-    _KV_LISTINGS[p] = (p.kv_version, raw)
-    return raw
+class KVListingCache:
+    """One partition's ``kv_list`` answers, maintained rather than rebuilt.
+
+    The packed answer (`KVColumns`) is two msgpack arrays, keys and tags in row order (the
+    order keys were added: a new key gets a new row). They are kept as the encoded elements
+    of each chunk of ``1 << KV_CHUNK_BITS`` rows; a change re-encodes only the chunks the
+    core marked (`Partition.take_kv_dirty`), and an answer joins the chunks' bytes under one
+    array header. A poll of an unchanged partition (verl's replay buffer asks every 2 s)
+    reuses the whole answer; a poll after a few tags changed costs a chunk or two and a copy.
+    The map answer (for clients that do not ask for ``packed``) is rebuilt per ``kv_version``.
+    """
+
+    __slots__ = ("_built", "_counts", "_keys", "_tags", "map", "packed", "version")
+
+    def __init__(self) -> None:
+        #: the kv_version the answers below were made at
+        self.version = -1
+        self.packed: msgspec.Raw | None = None
+        self.map: msgspec.Raw | None = None
+        #: chunk -> its keys' encoded elements, their tags', and how many keys it has
+        self._keys: dict[int, bytes] = {}
+        self._tags: dict[int, bytes] = {}
+        self._counts: dict[int, int] = {}
+        self._built = False
+
+    def answer(self, p: Partition, packed: bool) -> msgspec.Raw:
+        if self.version != p.kv_version:
+            self.version, self.packed, self.map = p.kv_version, None, None
+        if not packed:
+            if self.map is None:
+                tags = p.tags
+                listing = {k: tags[r] or {} for k, r in p.keys.items()}
+                self.map = msgspec.Raw(encoder.encode(listing))
+            return self.map
+        if self.packed is None:
+            self.packed = self._pack(p)
+        return self.packed
+
+    def _pack(self, p: Partition) -> msgspec.Raw:
+        dirty = p.take_kv_dirty()
+        if not self._built:  # the first answer: every chunk
+            dirty = set(range((p.n_rows >> KV_CHUNK_BITS) + 1))
+            self._built = True
+        for chunk in dirty:
+            self._encode_chunk(p, chunk)
+        order = sorted(self._counts)
+        n = sum(self._counts.values())
+        head = _array_header(n)
+        keys = [head, *[self._keys[c] for c in order]]
+        tags = [head, *[self._tags[c] for c in order]]
+        # `KVColumns(n, keys, tags)` written in one join (encoding it would copy both again):
+        # a 3-array of n and two bin32
+        return msgspec.Raw(
+            b"".join([b"\x93", encoder.encode(n), _bin32(keys), *keys, _bin32(tags), *tags])
+        )
+
+    def _encode_chunk(self, p: Partition, chunk: int) -> None:
+        lo = chunk << KV_CHUNK_BITS
+        row_keys, tags = p.row_keys, p.tags
+        hi = min(lo + (1 << KV_CHUNK_BITS), p.n_rows)
+        rows = list(itertools.compress(range(lo, hi), row_keys[lo:hi]))
+        if not rows:
+            self._counts.pop(chunk, None)
+            self._keys.pop(chunk, None)
+            self._tags.pop(chunk, None)
+            return
+        self._counts[chunk] = len(rows)
+        self._keys[chunk] = _elements(encoder.encode([row_keys[r] for r in rows]))
+        self._tags[chunk] = _elements(encoder.encode([tags[r] or {} for r in rows]))
+
+
+def _array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements."""
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _bin32(parts: list[bytes]) -> bytes:
+    """The msgpack bin32 header of the bytes ``parts`` join to."""
+    return b"\xc6" + sum(map(len, parts)).to_bytes(4, "big")
+
+
+def _elements(encoded_array: bytes) -> bytes:
+    """The elements of an encoded msgpack array, without its header."""
+    first = encoded_array[0]
+    skip = 1 if first & 0xF0 == 0x90 else 3 if first == 0xDC else 5
+    return encoded_array[skip:]
+
+
+def _kv_answer(p: Partition, packed: bool) -> msgspec.Raw:
+    cache = _KV_LISTINGS.get(p)
+    if cache is None:
+        cache = _KV_LISTINGS[p] = KVListingCache()
+    return cache.answer(p, packed)
 
 
 def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:

@@ -29,6 +29,7 @@ There is no polling: an idle waiter costs one future until data arrives.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -39,7 +40,7 @@ from anyio.abc import TaskStatus
 from .._core._state import ControllerState
 from .._core._transitions import AdmissionConfig, ControllerCore, Deadlines
 from .._errors import ClosedError
-from .._service._loop import Handler, Incoming, Service
+from .._service._loop import SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
 from .._storage._server import StorageServer
 from .._transport._router import RouterEndpoint
@@ -51,10 +52,12 @@ from .._wire._protocol import (
     Cancel,
     ClearPartition,
     ClearSamples,
+    ClusterStatus,
     GetMeta,
     Hello,
     HelloReply,
     KVClear,
+    KVList,
     KVTag,
     PutBegin,
     PutCommit,
@@ -75,6 +78,7 @@ from .._wire._protocol import (
     UnitInfo,
     WatchNext,
     controller_request_decoder,
+    ok_reply,
 )
 from ..samplers import BaseSampler
 from ._calls import ControlCalls
@@ -140,6 +144,8 @@ class ControllerServer(Service):
         #: what a same-host client compares through the ipc twin (see _router)
         self._instance = secrets.token_bytes(16)
         deadlines = self.core.deadlines
+        #: who asked lately (``tq-async status``)
+        self._clients = ClientsSeen()
         self._shell = Shell(self.core, self.metrics, self.send_error)
         self._links = UnitLinks(
             self._shell, local_units or {}, curve, unit_timeout, deadlines.unit_suspend_after
@@ -155,9 +161,13 @@ class ControllerServer(Service):
         self._calls = ControlCalls(self._shell, self._links)
         #: the journal of a durable controller (None at durability "memory")
         self.recorder: Recorder | None = None
+        #: the state lineage told to clients (`HelloReply.state`): the journal's, kept
+        #: across restarts; a memory controller's dies with it
+        self._lineage = self._instance
         if durability != "memory" and data_dir is not None:
             store = JournalStore(data_dir, durability)
             self.recorder = Recorder(store, self.core, self._links._unit_instance)
+            self._lineage = store.lineage()
         self.handlers = self._handler_table()
 
     @property
@@ -304,15 +314,89 @@ class ControllerServer(Service):
         }
         if self.recorder is not None:
             changes = {typ: self.recorder.noting(h) for typ, h in changes.items()}
-        return table | changes
+        return table | changes | {KVList: self._on_kv_list, ClusterStatus: self._on_cluster_status}
+
+    def on_message(self, peer: bytes, frames: list[Any]) -> None:
+        """Note who asked (``tq-async status`` counts the clients), then handle it."""
+        self._clients.seen(peer)
+        super().on_message(peer, frames)
+
+    def _on_cluster_status(self, msg: Incoming, body: ClusterStatus) -> dict[str, Any]:
+        """The core's view, plus what only the service knows: its clients and its security."""
+        status: dict[str, Any] = QUERIES[ClusterStatus](self.core, body)
+        status["clients"] = {
+            "active": self._clients.active(),
+            "window_s": CLIENT_WINDOW,
+            "watching": len(self._shell.watch.parked),
+        }
+        curve = self._links.curve
+        status["security"] = {
+            "curve": curve is not None,
+            "server_key": None if curve is None else curve.public_key.decode(),
+            # None: any client with the server key (or CURVE off); else how many keys are let in
+            "allowed_clients": None
+            if curve is None or curve.allowed_clients is None
+            else len(curve.allowed_clients),
+        }
+        return status
+
+    def _on_kv_list(self, msg: Incoming, body: KVList) -> Any:
+        """A listing skips the reply cache: it can weigh megabytes (8192 remembered ones, a
+        poll every 2 s, would hold gigabytes), and a retried read is simply answered again."""
+        payload = QUERIES[KVList](self.core, body)
+        endpoint = self._shell.endpoint
+        if endpoint is not None:
+            endpoint.send(msg.peer, [ok_reply(msg.rid, payload)])
+        return SENT
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
         st = self.state
         infos = [UnitInfo(i, a, host=st.unit_hosts.get(i, "")) for i, a in sorted(st.units.items())]
         ipc = self._endpoint.ipc_address if self._endpoint is not None else None
         return HelloReply(
-            infos, self.allow_pickle, st.capacity, st.units_epoch, ipc, self._instance
+            infos,
+            self.allow_pickle,
+            st.capacity,
+            st.units_epoch,
+            ipc,
+            self._instance,
+            self._lineage,
         )
+
+
+#: ``tq-async status`` counts the clients that asked something in this many seconds
+CLIENT_WINDOW = 60.0
+
+
+class ClientsSeen:
+    """The connections the controller heard from lately: identity -> when it last asked.
+
+    ZMQ tells a ROUTER nothing when a peer goes, so "connected" is what can be known: the
+    identities that sent a request in the last `CLIENT_WINDOW` seconds (clients, storage
+    units registering, the status command itself). One dict store per request; pruned when
+    it doubles, so a churn of short-lived clients holds memory for the window only.
+    """
+
+    __slots__ = ("_last", "_prune_at")
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, float] = {}
+        self._prune_at = 1024
+
+    def seen(self, peer: bytes) -> None:
+        self._last[peer] = time.monotonic()
+        if len(self._last) > self._prune_at:
+            self._prune()
+
+    def active(self) -> int:
+        """How many identities asked something in the last `CLIENT_WINDOW` seconds."""
+        self._prune()
+        return len(self._last)
+
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - CLIENT_WINDOW
+        self._last = {p: t for p, t in self._last.items() if t >= cutoff}
+        self._prune_at = max(1024, 2 * len(self._last))
 
 
 def _query(core: ControllerCore, answer: Any, msg: Incoming, body: Any) -> Any:

@@ -8,32 +8,48 @@ that pass travel together).
 
 A watcher long-polls: each `WatchNext` asks for the events
 after ``since``; the controller answers at once when some match, else parks the request (an
-entry in `WatchHub.parked` and a timer: no task) until they do or ``poll`` seconds pass
-(an empty batch: ask again). Nothing is pushed, so a slow watcher costs the controller
-nothing: the ring overwrites, and a watcher that fell behind it (or more than its
-``max_lag``), or that counts in another controller incarnation, gets one
+entry in `WatchHub.parked`, its ``poll`` deadline kept by one timer for all: no task) until
+they do or ``poll`` seconds pass (an empty batch: ask again). Nothing is pushed, so a slow
+watcher costs the controller nothing: the ring overwrites, and a watcher that fell behind it
+(or more than its ``max_lag``), or that counts in another controller incarnation, gets one
 `Resync` with a snapshot instead of the missing events. A
 cancelled watch (the client's ``Cancel``) leaves nothing behind. Replies skip the retry
 cache: a retried ``WatchNext`` is simply answered again.
+
+What watchers cost the controller is bounded (`Pacer`): the CPU time spent answering them and
+taking their requests is measured (the thread's: time the process waited for a core under
+load is not theirs), and once it passes ``WATCH_SHARE`` of the controller's
+time the next answers wait, gathering every event of the wait. Watchers at the same
+position with the same filter (those answered together ask again together) share one
+answer, encoded once. The get_meta path never waits on a watcher: events are numbered into
+the ring as transitions apply (a list append), and answers go out after the current pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
+import time
 from typing import Any
+
+import msgspec
 
 from .._core._events import partition_snapshot
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError
 from .._service._loop import SENT, Incoming
 from .._wire._events import EVENT_KINDS, ClusterSnapshot, Event, Resync, WatchBatch
-from .._wire._protocol import WatchNext, ok_reply
+from .._wire._protocol import WatchNext, encoder, ok_reply
 
-__all__ = ["DEFAULT_HISTORY", "EventLog", "WatchHub", "cluster_snapshot"]
+__all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "WatchHub", "cluster_snapshot"]
 
 #: events the controller keeps for watchers that resume (``since=``) or lag
 DEFAULT_HISTORY = 65536
+#: the share of the controller's time its watchers may take (see `Pacer`)
+WATCH_SHARE = 0.05
+#: the watchers' time saved up while they are quiet: answers that go out at once
+WATCH_BURST = 0.002
 
 
 class EventLog:
@@ -69,78 +85,183 @@ class EventLog:
         return ev
 
 
+class Pacer:
+    """How much of the controller's time its watchers may take: a token bucket of seconds.
+
+    Time spent on watchers (answering them, taking their requests) is `charge`d; the bucket
+    refills at ``share`` seconds per second, up to ``burst``. While it holds credit, watchers
+    are answered at once; once spent, the next answer waits `delay` seconds, and every event
+    of that wait goes in it. So a quiet controller answers an event within the pass that made
+    it, and a busy one with many watchers answers each of them less often, with more events,
+    never spending more than ``share`` of its time on them. Pure: ``now`` is the caller's.
+    """
+
+    __slots__ = ("_at", "_credit", "burst", "share")
+
+    def __init__(self, share: float = WATCH_SHARE, burst: float = WATCH_BURST) -> None:
+        if not 0 < share <= 1 or burst < 0:
+            raise InvalidRequestError(
+                f"a watch share must be in (0, 1] and a burst >= 0, got {share} and {burst}"
+            )
+        self.share = share
+        self.burst = burst
+        self._credit = burst
+        self._at: float | None = None
+
+    def charge(self, now: float, seconds: float) -> None:
+        """``seconds`` were spent on watchers."""
+        self._refill(now)
+        self._credit -= seconds
+
+    def delay(self, now: float) -> float:
+        """Seconds until watchers may be answered again (0: now)."""
+        self._refill(now)
+        return 0.0 if self._credit > 0 else -self._credit / self.share
+
+    def _refill(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            self._credit = min(self.burst, self._credit + (now - self._at) * self.share)
+        self._at = now if self._at is None else max(self._at, now)
+
+
+class _Parked:
+    """A parked ``WatchNext``: what it asked, and when its ``poll`` is over."""
+
+    __slots__ = ("body", "deadline")
+
+    def __init__(self, body: WatchNext, deadline: float) -> None:
+        self.body = body
+        self.deadline = deadline
+
+
 class WatchHub:
     """The event log of a controller shell and the answers to its ``WatchNext`` requests.
 
-    ``shell`` is the `Shell` (untyped: it
-    imports this module).
+    ``shell`` is the `Shell` (untyped: it imports this module). Watchers that ask the same
+    (same position, same filter: those answered together come back together) share one
+    answer, encoded once. How often they are answered is the `Pacer`'s.
     """
 
-    def __init__(self, shell: Any, history: int = DEFAULT_HISTORY) -> None:
+    def __init__(
+        self,
+        shell: Any,
+        history: int = DEFAULT_HISTORY,
+        share: float = WATCH_SHARE,
+        burst: float = WATCH_BURST,
+    ) -> None:
         self.shell = shell
         self.log = EventLog(history)
-        #: parked requests, by (client identity, request id): what they asked, their poll timer
-        self.parked: dict[tuple[bytes, int], tuple[WatchNext, asyncio.TimerHandle]] = {}
-        self._flush_due = False
+        self.pacer = Pacer(share, burst)
+        #: parked requests, by (client identity, request id)
+        self.parked: dict[tuple[bytes, int], _Parked] = {}
+        #: the flush to come (None: none due)
+        self._flush_handle: asyncio.Handle | None = None
+        #: the one timer that ends polls, and when it fires
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = math.inf
+        #: answers sent (a batch shared by several watchers counts once per watcher)
+        self.answers = 0
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
         answered once the loop is done with what it is doing (events of many requests
-        handled in one pass share one answer)."""
+        handled in one pass share one answer), or later, as the `Pacer` says."""
         outbox = self.shell.state.events
         if outbox.items:  # (most calls: nothing recorded, nothing to allocate)
             self.log.append(outbox.take())
-            if self.parked and not self._flush_due:
-                self._flush_due = True
-                asyncio.get_running_loop().call_soon(self._flush)
+            if self.parked and self._flush_handle is None:
+                self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        wait = self.pacer.delay(loop.time())
+        if wait <= 0:
+            self._flush_handle = loop.call_soon(self._flush)
+        else:
+            self._flush_handle = loop.call_later(wait, self._flush)
 
     def _flush(self) -> None:
-        self._flush_due = False
+        self._flush_handle = None
+        loop = asyncio.get_running_loop()
+        if self.pacer.delay(loop.time()) > 0:  # requests taken since spent the credit
+            self._schedule_flush()
+            return
+        t0 = time.thread_time()
         self.drain()
-        for key, (body, timer) in list(self.parked.items()):
-            batch = self.answer(body)
-            if batch is not None:
+        groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
+        for key, parked in self.parked.items():
+            groups.setdefault(_position(parked.body), []).append(key)
+        for keys in groups.values():
+            first = self.parked[keys[0]].body
+            batch = self.answer(first)
+            if batch is None:  # nothing matched: all of them skip what did not
+                for key in keys[1:]:
+                    self.parked[key].body.since = first.since
+                continue
+            raw = msgspec.Raw(encoder.encode(batch))  # once for every watcher of the group
+            for key in keys:
                 del self.parked[key]
-                timer.cancel()
-                self._reply(*key, batch)
+                self._send(*key, raw)
+        self.pacer.charge(loop.time(), time.thread_time() - t0)
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
-        parked = self.parked.pop(key, None)
-        if parked is None:
-            return False
-        parked[1].cancel()
-        return True
+        return self.parked.pop(key, None) is not None
 
-    def _poll_over(self, key: tuple[bytes, int]) -> None:
-        parked = self.parked.pop(key, None)
-        if parked is not None and not self.shell.stopping:
-            body = parked[0]
+    def _park(self, key: tuple[bytes, int], body: WatchNext) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + body.poll
+        self.parked[key] = _Parked(body, deadline)  # a retry of a parked request replaces it
+        if deadline < self._sweep_at:
+            if self._sweep is not None:
+                self._sweep.cancel()
+            self._sweep_at = deadline
+            self._sweep = loop.call_at(deadline, self._end_polls)
+
+    def _end_polls(self) -> None:
+        """Answer the requests whose ``poll`` is over with an empty batch (ask again)."""
+        self._sweep, self._sweep_at = None, math.inf
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        over = [key for key, p in self.parked.items() if p.deadline <= now]
+        for key in over:
+            body = self.parked.pop(key).body
             assert body.since is not None
-            self._reply(*key, WatchBatch(self.log.incarnation, body.since, []))
+            if not self.shell.stopping:
+                self._send(*key, WatchBatch(self.log.incarnation, body.since, []))
+        if self.parked:
+            self._sweep_at = min(p.deadline for p in self.parked.values())
+            self._sweep = loop.call_at(self._sweep_at, self._end_polls)
 
     # ---- requests ----------------------------------------------------------------------------
 
     def on_watch_next(self, msg: Incoming, body: WatchNext) -> Any:
+        t0 = time.thread_time()
+        try:
+            return self._on_watch_next(msg, body)
+        finally:
+            self.pacer.charge(asyncio.get_running_loop().time(), time.thread_time() - t0)
+
+    def _on_watch_next(self, msg: Incoming, body: WatchNext) -> Any:
         shell = self.shell
         _check(shell.state, body)
         shell.state.events.start()  # recording from the first watch on
         self.drain()
         log = self.log
         if body.since is None:  # subscribe: where to go on from
-            self._reply(msg.peer, msg.rid, WatchBatch(log.incarnation, log.last, []))
+            self._send(msg.peer, msg.rid, WatchBatch(log.incarnation, log.last, []))
             return SENT
-        batch = self.answer(body)
-        if batch is not None:
-            self._reply(msg.peer, msg.rid, batch)
-            return SENT
-        # parked without a task: answered by _flush, _poll_over, or dropped by cancel
         key = (msg.peer, msg.rid)
-        timer = asyncio.get_running_loop().call_later(body.poll, self._poll_over, key)
-        old = self.parked.pop(key, None)
-        if old is not None:  # a retry of a parked request replaces it
-            old[1].cancel()
-        self.parked[key] = (body, timer)
+        if self.pacer.delay(asyncio.get_running_loop().time()) <= 0:
+            batch = self.answer(body)
+            if batch is not None:
+                self.parked.pop(key, None)
+                self._send(msg.peer, msg.rid, batch)
+                return SENT
+        # parked without a task: answered by _flush, _end_polls, or dropped by cancel
+        self._park(key, body)
+        if body.since != log.last and self._flush_handle is None:
+            self._schedule_flush()  # events wait for it (the pacer held this one back)
         return SENT
 
     def answer(self, body: WatchNext) -> WatchBatch | None:
@@ -194,10 +315,17 @@ class WatchHub:
             )
         return None
 
-    def _reply(self, peer: bytes, rid: int, batch: WatchBatch) -> None:
+    def _send(self, peer: bytes, rid: int, payload: Any) -> None:
+        self.answers += 1
         endpoint = self.shell.endpoint
         if endpoint is not None:
-            endpoint.send(peer, [ok_reply(rid, batch)])
+            endpoint.send(peer, [ok_reply(rid, payload)])
+
+
+def _position(body: WatchNext) -> tuple[Any, ...]:
+    """What a ``WatchNext``'s answer depends on: requests alike share one answer."""
+    kinds = None if body.kinds is None else tuple(body.kinds)
+    return (body.since, body.incarnation, body.partition_id, kinds, body.max_events, body.max_lag)
 
 
 def _check(state: ControllerState, body: WatchNext) -> None:

@@ -246,6 +246,7 @@ class Gets:
             "tail": self._tail(req, sampler),
             "row_hosts": RowHosts(p, self.state.unit_hosts),
             "rank_host": req.host,
+            "rank_hosts": self._rank_hosts(req, dp_size),
         }
         if cfg:
             # sampling_config entries also arrive as keywords (TransferQueue passes them so,
@@ -304,7 +305,8 @@ class Gets:
                 shares = [sampled]
             else:
                 shares, consumed = self._global_shares(req, call, result)
-                shares = self._by_host(req, p, shares)
+                located = call.shares and getattr(call.sampler, "locality_aware", False)
+                shares = shares if located else self._by_host(req, p, shares)
             final = call.final
             if call.stale and req.mode == "fetch":
                 self._apply_stale(req, p, call.stale, fx)
@@ -378,10 +380,20 @@ class Gets:
             shares = [s[:keep] for s in shares]
         return shares, consumed
 
+    def _rank_hosts(self, req: GetMeta, dp_size: int | None) -> list[str] | None:
+        """Each rank's host id for a global batch (``""``: not asked yet, or locality off with
+        ``placement = "round_robin"``); None for a single rank's request."""
+        if dp_size is None:
+            return None
+        if self.state.placer.mode == "round_robin":
+            return [""] * dp_size
+        return [self.rank_hosts.get((req.task_name, r), "") for r in range(dp_size)]
+
     def _by_host(self, req: GetMeta, p: Partition, shares: list[list[int]]) -> list[list[int]]:
         """The shares handed to the ranks that find most of them on their own host (see
-        `tq_async._core._assign`; the sampler's order when nothing is gained, or with
-        ``placement = "round_robin"``: locality off)."""
+        `tq_async._core._assign`; the sampler's order when nothing is gained, with
+        ``placement = "round_robin"`` (locality off), or when the sampler split the batch by
+        locality itself (`BaseSampler.locality_aware`))."""
         if self.state.placer.mode == "round_robin":
             return shares
         hosts = [self.rank_hosts.get((req.task_name, r), "") for r in range(len(shares))]

@@ -1,16 +1,24 @@
 """The controller's journal records: what a durable controller writes, and how it recovers.
 
-Pure: no files, no clock. The I/O shell (`tq_async._controller._journal`) writes one
-`PartitionRecord` per partition a request changed and one `ControllerRecord`
-per group commit, and hands them back to `recover` when a controller starts on the
-same ``data_dir``.
+Pure: no files, no clock. The I/O shell (`tq_async._controller._journal`) writes, for every
+partition a group commit covers, what changed since its last record (a `PartitionDelta`,
+built by a `Tracker`) and now and then the whole partition instead (a `PartitionRecord`, its
+snapshot: the first record of a partition, and whenever its deltas since the last snapshot
+grew past a share of it, so that recovery replays a bounded tail); with every commit, one
+`ControllerRecord`. A controller started on the same ``data_dir`` gets each partition's
+snapshot and deltas back, `replay` folds them into one `PartitionRecord`, and `recover`
+rebuilds the core from those.
 
-A partition's record is its checkpoint dump (the format ``save_checkpoint`` uses, with the
+A partition's snapshot is its checkpoint dump (the format ``save_checkpoint`` uses, with the
 per-row integer arrays as bytes: `RowsRecord`) plus what a checkpoint leaves out
 because a restore starts afresh: the incarnation (old ``BatchMeta`` objects stay valid), the
 leases with the seconds they had left, the recorded batches' settled keys and past lease ids
-(a late ack still settles), and the uncommitted put leases. Recovery rebuilds partitions
-with `Partition.restore` (the checkpoint's own code) and gives leases back through
+(a late ack still settles), the uncommitted put leases and the lost rows. A delta holds every
+per-row value of the rows that changed (the partition marks them: `Changes`) or are new,
+the leases given, renewed or ended, and the recorded batches, lease ids, settled keys, put
+leases and lost rows added since (those only grow between resets; a reset, or anything the
+tracker cannot follow, writes a snapshot instead). Recovery rebuilds partitions with
+`Partition.restore` (the checkpoint's own code) and gives leases back through
 `adopt` (the code that gives new ones); uncommitted
 puts are aborted through `ControllerCore.abort_puts`, expired leases expire through
 `ControllerCore.advance`, storage units that served rows are suspended until they come
@@ -22,32 +30,42 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
+from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
 from ._effects import Effects
-from ._state import Lease, Partition, PutLease
+from ._state import Changes, Lease, Partition, PutLease
 from ._transitions import ControllerCore
 
 __all__ = [
     "FORMAT",
+    "READS",
     "ControllerRecord",
     "LeaseRecord",
+    "PartitionDelta",
     "PartitionRecord",
+    "Tracker",
     "RowsRecord",
     "controller_record",
     "decode_controller",
+    "decode_delta",
     "decode_partition",
     "encode",
+    "encode_delta",
     "partition_record",
     "recover",
+    "replay",
 ]
 
-#: the journal's format version (a controller refuses a data_dir of another)
-FORMAT = 1
+#: the journal's format version (a controller refuses a data_dir of another it cannot read)
+FORMAT = 2
+#: the formats a controller reads (1: snapshots only, no deltas; it writes `FORMAT` from then)
+READS = (1, 2)
 
 
 class LeaseRecord(msgspec.Struct, array_like=True):
@@ -134,6 +152,8 @@ class PartitionRecord(msgspec.Struct, array_like=True):
     #: uncommitted puts: ``(put_id, rows)`` (aborted on recovery)
     puts: list[tuple[int, list[int]]]
     dropped: dict[str, int]
+    #: rows lost with a storage unit: ``(row, unit)`` (format 1 has none)
+    lost: list[tuple[int, int]] = []
 
 
 class ControllerRecord(msgspec.Struct, array_like=True):
@@ -171,19 +191,388 @@ def decode_controller(blob: bytes) -> ControllerRecord:
     return _controller_decoder.decode(blob)
 
 
+class PartitionDelta(msgspec.Struct, array_like=True):
+    """What changed in one partition since its previous record, at wall-clock ``wall``.
+
+    ``rows`` (int64, machine order) are the rows that changed or are new; every per-row
+    array below holds their values in that order (machine-order bytes, as in `RowsRecord`),
+    for every field and task the partition has.
+    """
+
+    wall: float
+    incarnation: str
+    n_rows: int
+    rows: bytes
+    alive: bytes
+    origin: bytes
+    units: bytes
+    row_version: bytes
+    produced: dict[str, bytes]
+    consumed: dict[str, bytes]
+    field_versions: dict[str, bytes]
+    tags: list[dict[str, Any] | None]
+    row_keys: list[str | None]
+    #: fields announced since (in order)
+    fields: list[ColumnHeader]
+    sealed: bool
+    #: leases given or renewed since, with the seconds they had left at ``wall``
+    leases: list[LeaseRecord]
+    #: leases acknowledged, expired or dropped since
+    ended: list[int]
+    lease_batch: list[tuple[int, str, int, int]]
+    recorded: list[tuple[str, int, int, list[int]]]
+    settled: list[tuple[str, int, int]]
+    puts: list[tuple[int, list[int]]]
+    puts_done: list[int]
+    #: the whole ``dropped`` counts, when they changed
+    dropped: dict[str, int] | None
+    lost: list[tuple[int, int]]
+
+
+_delta_decoder = msgspec.msgpack.Decoder(PartitionDelta)
+
+
+def decode_delta(blob: bytes) -> PartitionDelta:
+    return _delta_decoder.decode(blob)
+
+
+#: the numpy types of the per-row arrays (``array`` typecodes ``q`` and ``i``)
+_I64, _I32, _U8 = np.dtype(np.int64), np.dtype(np.intc), np.dtype(np.uint8)
+#: a partition's deltas since its snapshot are replayed at recovery: once they hold this many
+#: records, plus one per this many rows, or this many bytes plus a share of the snapshot's
+#: size, the next record is a snapshot again (its cost, paid once per that many commits)
+SNAPSHOT_EVERY = 256
+SNAPSHOT_ROWS_PER_DELTA = 100
+SNAPSHOT_BYTES = 1 << 16
+SNAPSHOT_SHARE = 0.5
+
+
+def _take(buf: Any, dtype: np.dtype[Any], idx: np.ndarray[Any, Any]) -> bytes:
+    out: bytes = np.frombuffer(buf, dtype)[idx].tobytes()
+    return out
+
+
+class _Seen:
+    """What the journal holds of one partition: enough to tell what changed since."""
+
+    __slots__ = (
+        "dropped",
+        "lease_batch",
+        "leases",
+        "log_bytes",
+        "log_count",
+        "lost",
+        "n_fields",
+        "n_lease_batch",
+        "n_lost",
+        "n_recorded",
+        "n_rows",
+        "partition",
+        "puts",
+        "recorded",
+        "settled",
+        "settled_set",
+        "snap_bytes",
+    )
+
+    def __init__(self, p: Partition, snap_bytes: int) -> None:
+        self.partition = p
+        self.snap_bytes = snap_bytes
+        self.log_bytes = 0
+        self.log_count = 0
+        self.mark(p)
+
+    def mark(self, p: Partition) -> None:
+        """``p`` as it is now is what the journal holds."""
+        self.n_rows = p.n_rows
+        self.n_fields = len(p.fields)
+        self.leases = {i: (lease, lease.deadline) for i, lease in p.leases.items()}
+        self.puts = set(p.put_leases)
+        # the containers that only grow between resets: followed by their length
+        self.recorded, self.n_recorded = p.recorded, len(p.recorded)
+        self.lease_batch, self.n_lease_batch = p.lease_batch, len(p.lease_batch)
+        self.lost, self.n_lost = p.lost, len(p.lost)
+        self.settled, self.settled_set = p.settled, set(p.settled)
+        self.dropped = dict(p.dropped)
+
+    def followable(self, p: Partition) -> bool:
+        """Whether a delta can say what changed (else: a snapshot)."""
+        ch = p.changes
+        return (
+            self.partition is p
+            and ch is not None
+            and not ch.whole
+            and p.recorded is self.recorded
+            and len(p.recorded) >= self.n_recorded
+            and p.lease_batch is self.lease_batch
+            and len(p.lease_batch) >= self.n_lease_batch
+            and p.lost is self.lost
+            and len(p.lost) >= self.n_lost
+            and p.settled is self.settled
+            and len(p.settled) >= len(self.settled_set)
+            and len(p.fields) >= self.n_fields
+            and self.log_count < SNAPSHOT_EVERY + p.n_rows // SNAPSHOT_ROWS_PER_DELTA
+            and self.log_bytes < SNAPSHOT_BYTES + self.snap_bytes * SNAPSHOT_SHARE
+        )
+
+
+class Tracker:
+    """Turns partitions into journal records: a delta of what changed since the partition's
+    last record when it can, a snapshot when it must.
+
+    A record is built when the shell is about to write it; the tracker then takes it as
+    written. If the write fails, `forget` the partitions it held (their next record is
+    a snapshot).
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[str, _Seen] = {}
+
+    def record(self, p: Partition, now: float, wall: float) -> tuple[bool, bytes]:
+        """``(is_snapshot, blob)``: the record of ``p`` to write now (``now``: the core's
+        clock, ``wall``: seconds since the epoch)."""
+        seen = self.seen.get(p.partition_id)
+        if seen is None or not seen.followable(p):
+            return True, self.snapshot(p, now, wall)
+        blob = encode_delta(self._delta(p, seen, now, wall))
+        seen.log_bytes += len(blob)
+        seen.log_count += 1
+        return False, blob
+
+    def snapshot(self, p: Partition, now: float, wall: float) -> bytes:
+        """``p`` whole; the tracker follows it from here."""
+        blob = encode(partition_record(p, now, wall))
+        self.follow(p, len(blob))
+        return blob
+
+    def follow(self, p: Partition, snap_bytes: int, log_bytes: int = 0, log_count: int = 0) -> None:
+        """``p`` as it is now is in the journal (a snapshot of ``snap_bytes`` and deltas since:
+        ``log_count`` records, ``log_bytes`` bytes); mark its changes from now on."""
+        seen = self.seen[p.partition_id] = _Seen(p, snap_bytes)
+        seen.log_bytes, seen.log_count = log_bytes, log_count
+        p.changes = Changes()
+
+    def forget(self, partition_id: str) -> None:
+        """The partition is gone, or its last record was not written."""
+        self.seen.pop(partition_id, None)
+
+    def _delta(self, p: Partition, seen: _Seen, now: float, wall: float) -> PartitionDelta:
+        ch = p.changes
+        assert ch is not None
+        changed = ch.rows
+        ch.rows = set()
+        if seen.n_rows < p.n_rows:
+            changed.update(range(seen.n_rows, p.n_rows))
+        idx = np.array(sorted(changed), dtype=_I64)
+        leases: list[LeaseRecord] = []
+        old = seen.leases
+        for lease_id, lease in p.leases.items():
+            was = old.get(lease_id)
+            if was is None or was[0] is not lease or was[1] != lease.deadline:
+                leases.append(_lease_record(lease, now))
+        ended = [lease_id for lease_id in old if lease_id not in p.leases]
+        puts = [(i, list(put.rows)) for i, put in p.put_leases.items() if i not in seen.puts]
+        puts_done = [i for i in seen.puts if i not in p.put_leases]
+        settled = p.settled - seen.settled_set if len(p.settled) != len(seen.settled_set) else ()
+        delta = PartitionDelta(
+            wall=wall,
+            incarnation=p.incarnation,
+            n_rows=p.n_rows,
+            rows=idx.tobytes(),
+            alive=_take(p.alive, _U8, idx),
+            origin=_take(p.origin, _I64, idx),
+            units=_take(p.units, _I32, idx),
+            row_version=_take(p.row_version, _I64, idx),
+            produced={name: _take(f.produced, _U8, idx) for name, f in p.fields.items()},
+            consumed={t: _take(c, _U8, idx) for t, c in p.consumed.items()},
+            field_versions={f: _take(v, _I64, idx) for f, v in p.field_versions.items()},
+            tags=[p.tags[r] for r in idx.tolist()],
+            row_keys=[p.row_keys[r] for r in idx.tolist()],
+            fields=[f.header for f in itertools.islice(p.fields.values(), seen.n_fields, None)],
+            sealed=p.sealed,
+            leases=leases,
+            ended=ended,
+            lease_batch=[
+                (i, t, d, b)
+                for i, (t, d, b) in itertools.islice(
+                    p.lease_batch.items(), seen.n_lease_batch, None
+                )
+            ],
+            recorded=[
+                (t, d, b, list(rows))
+                for (t, d, b), rows in itertools.islice(p.recorded.items(), seen.n_recorded, None)
+            ],
+            settled=sorted(settled),
+            puts=puts,
+            puts_done=puts_done,
+            dropped=dict(p.dropped) if p.dropped != seen.dropped else None,
+            lost=list(itertools.islice(p.lost.items(), seen.n_lost, None)),
+        )
+        seen.mark(p)
+        return delta
+
+
+def encode_delta(delta: PartitionDelta) -> bytes:
+    return _encoder.encode(delta)
+
+
+def _lease_record(lease: Lease, now: float) -> LeaseRecord:
+    left = None if lease.deadline is None else lease.deadline - now
+    return LeaseRecord(lease.lease_id, lease.task, list(lease.rows), lease.key, left)
+
+
+class _Image:
+    """A partition's record being replayed: its per-row arrays as growable raw bytes."""
+
+    def __init__(self, rec: PartitionRecord) -> None:
+        r = rec.rows
+        self.partition_id = r.partition_id
+        self.incarnation = rec.incarnation
+        self.wall = rec.wall
+        self.n = r.n_rows
+        self.alive = bytearray(r.alive)
+        self.origin = bytearray(r.origin)
+        self.units = bytearray(r.units)
+        self.row_version = bytearray(r.row_version)
+        self.headers = {f.header.name: f.header for f in r.fields}
+        self.produced = {f.header.name: bytearray(f.produced) for f in r.fields}
+        self.consumed = {t: bytearray(c) for t, c in r.consumed.items()}
+        self.field_versions = {f: bytearray(v) for f, v in r.field_versions.items()}
+        self.tags = list(r.tags)
+        self.row_keys = list(r.row_keys)
+        self.sealed = r.sealed
+        self.recorded = {(t, d, b): rows for t, d, b, rows in r.deliveries}
+        #: lease id -> (its record, the wall-clock time its ``left`` was measured at)
+        self.leases = {lr.lease_id: (lr, rec.wall) for lr in rec.leases}
+        self.lease_batch = {i: (t, d, b) for i, t, d, b in rec.lease_batch}
+        self.settled = {(t, d, b) for t, d, b in rec.settled}
+        self.puts = dict(rec.puts)
+        self.dropped = dict(rec.dropped)
+        self.lost = dict(rec.lost)
+
+    def apply(self, d: PartitionDelta) -> None:
+        if d.incarnation != self.incarnation:
+            raise ValueError(f"a delta of incarnation {d.incarnation} after {self.incarnation}")
+        grow, n = d.n_rows - self.n, d.n_rows
+        if grow < 0:
+            raise ValueError(f"a delta of {n} rows after {self.n}")
+        for h in d.fields:
+            self.headers[h.name] = h
+            self.produced.setdefault(h.name, bytearray(self.n))
+        for task in d.consumed:  # tasks (and versioned fields) new since
+            if task not in self.consumed:
+                self.consumed[task] = bytearray(self.n)
+        for name in d.field_versions:
+            if name not in self.field_versions:
+                self.field_versions[name] = bytearray(_fill(-1, self.n, 8))
+        idx = np.frombuffer(d.rows, _I64)
+        _put(self.alive, grow, 0, _U8, idx, d.alive)
+        _put(self.origin, grow, 0, _I64, idx, d.origin)
+        _put(self.units, grow, 0, _I32, idx, d.units)
+        _put(self.row_version, grow, -1, _I64, idx, d.row_version)
+        for name, buf in self.produced.items():
+            _put(buf, grow, 0, _U8, idx, d.produced.get(name))
+        for task, buf in self.consumed.items():
+            _put(buf, grow, 0, _U8, idx, d.consumed.get(task))
+        for name, buf in self.field_versions.items():
+            _put(buf, grow, -1, _I64, idx, d.field_versions.get(name))
+        self.tags.extend(itertools.repeat(None, grow))
+        self.row_keys.extend(itertools.repeat(None, grow))
+        for r, t, k in zip(idx.tolist(), d.tags, d.row_keys, strict=True):
+            self.tags[r] = t
+            self.row_keys[r] = k
+        self.n = n
+        self.sealed = d.sealed
+        for lease_id in d.ended:
+            self.leases.pop(lease_id, None)
+        for lr in d.leases:
+            self.leases[lr.lease_id] = (lr, d.wall)
+        self.lease_batch.update((i, (t, dp, b)) for i, t, dp, b in d.lease_batch)
+        self.recorded.update(((t, dp, b), rows) for t, dp, b, rows in d.recorded)
+        self.settled.update((t, dp, b) for t, dp, b in d.settled)
+        for put_id in d.puts_done:
+            self.puts.pop(put_id, None)
+        self.puts.update(d.puts)
+        if d.dropped is not None:
+            self.dropped = dict(d.dropped)
+        self.lost.update(d.lost)
+        self.wall = d.wall
+
+    def record(self) -> PartitionRecord:
+        wall = self.wall
+        return PartitionRecord(
+            rows=RowsRecord(
+                partition_id=self.partition_id,
+                n_rows=self.n,
+                alive=bytes(self.alive),
+                origin=bytes(self.origin),
+                units=bytes(self.units),
+                tags=self.tags,
+                row_keys=self.row_keys,
+                sealed=self.sealed,
+                fields=[FieldDump(h, bytes(self.produced[n])) for n, h in self.headers.items()],
+                consumed={t: bytes(c) for t, c in self.consumed.items()},
+                deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.recorded.items()],
+                row_version=bytes(self.row_version),
+                field_versions={f: bytes(v) for f, v in self.field_versions.items()},
+            ),
+            incarnation=self.incarnation,
+            wall=wall,
+            leases=[
+                lr
+                if lr.left is None or at == wall
+                else LeaseRecord(lr.lease_id, lr.task, lr.rows, lr.key, lr.left - (wall - at))
+                for lr, at in self.leases.values()
+            ],
+            lease_batch=[(i, t, d, b) for i, (t, d, b) in self.lease_batch.items()],
+            settled=sorted(self.settled),
+            puts=list(self.puts.items()),
+            dropped=self.dropped,
+            lost=list(self.lost.items()),
+        )
+
+
+def _fill(value: int, n: int, size: int) -> bytes:
+    return b"\xff" * (n * size) if value == -1 else bytes(n * size)
+
+
+def _put(
+    buf: bytearray,
+    grow: int,
+    fill: int,
+    dtype: np.dtype[Any],
+    idx: np.ndarray[Any, Any],
+    values: bytes | None,
+) -> None:
+    """Grow ``buf`` by ``grow`` items of ``fill``, then set the items ``idx`` to ``values``
+    (None: the array is new since the delta, its items stay ``fill``)."""
+    if grow:
+        buf.extend(_fill(fill, grow, dtype.itemsize))
+    if values is not None and len(idx):
+        view = np.frombuffer(buf, dtype)
+        view[idx] = np.frombuffer(values, dtype)
+        del view
+
+
+def replay(snapshot: PartitionRecord, deltas: Iterable[PartitionDelta]) -> PartitionRecord:
+    """``snapshot`` with ``deltas`` (written after it, in order) applied: one record.
+
+    Raises:
+        ValueError: a delta that does not follow the snapshot (another incarnation, fewer
+            rows).
+    """
+    image = None
+    for d in deltas:
+        if image is None:
+            image = _Image(snapshot)
+        image.apply(d)
+    return snapshot if image is None else image.record()
+
+
 def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
     """Record ``p`` as it is at ``now`` (the core's clock) and ``wall`` (seconds since the
     epoch: recovery subtracts the time the controller was down from the leases)."""
-    leases = [
-        LeaseRecord(
-            lease.lease_id,
-            lease.task,
-            list(lease.rows),
-            lease.key,
-            None if lease.deadline is None else lease.deadline - now,
-        )
-        for lease in p.leases.values()
-    ]
+    leases = [_lease_record(lease, now) for lease in p.leases.values()]
     return PartitionRecord(
         rows=RowsRecord.of(p),
         incarnation=p.incarnation,
@@ -193,6 +582,7 @@ def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
         settled=sorted(p.settled),
         puts=[(put.put_id, list(put.rows)) for put in p.put_leases.values()],
         dropped=dict(p.dropped),
+        lost=list(p.lost.items()),
     )
 
 
@@ -224,6 +614,7 @@ def recover(
     now: float,
     wall: float,
     local_units: Mapping[int, str],
+    follow: Callable[[Partition], None] | None = None,
 ) -> Effects:
     """Rebuild ``core`` (a new, empty one) from its records.
 
@@ -236,6 +627,8 @@ def recover(
         local_units: the storage units of this process (their cells died with the old one:
             what they held is lost); every other recorded unit is suspended until it comes
             back with its data or is declared lost.
+        follow: called with every partition once it is rebuilt as its record says, before
+            the transitions of recovery change it (a `Tracker` follows it from there).
     """
     st = core.state
     _restart_ids(core, ctl.next_id)
@@ -243,7 +636,9 @@ def recover(
     for pid, tasks in ctl.auto_clear:
         st.auto_clear.setdefault(pid, tuple(tasks))
     for rec in parts:
-        _recover_partition(core, rec, now, wall)
+        p = _recover_partition(core, rec, now, wall)
+        if follow is not None:
+            follow(p)
     fx = core.abort_puts([put_id for rec in parts for put_id, _ in rec.puts])
     default, by_task = core.sampler, core.task_samplers
     default.load_state_dict(ctl.sampler_state.get("default", {}))
@@ -271,7 +666,9 @@ def _restart_ids(core: ControllerCore, next_id: int) -> None:
     core._ids = core.puts._ids = core.leases._ids = ids
 
 
-def _recover_partition(core: ControllerCore, rec: PartitionRecord, now: float, wall: float) -> None:
+def _recover_partition(
+    core: ControllerCore, rec: PartitionRecord, now: float, wall: float
+) -> Partition:
     st = core.state
     dump = rec.rows.dump()
     p = Partition.restore(dump, dump.units)
@@ -280,6 +677,7 @@ def _recover_partition(core: ControllerCore, rec: PartitionRecord, now: float, w
     p.groups.limits = st.group_limits
     p.settled = {tuple(k) for k in rec.settled}  # type: ignore[misc]
     p.dropped = dict(rec.dropped)
+    p.lost = dict(rec.lost)
     st.partitions[p.partition_id] = p
     down = max(0.0, wall - rec.wall)
     for lr in rec.leases:
@@ -291,3 +689,4 @@ def _recover_partition(core: ControllerCore, rec: PartitionRecord, now: float, w
     for put_id, rows in rec.puts:
         p.put_leases[put_id] = PutLease(put_id, rows, now)
         core.puts.home[put_id] = p
+    return p

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,15 +54,19 @@ __all__ = [
     "ReadySet",
     "ReadyView",
     "Wakeup",
+    "Changes",
     "RecordKey",
     "Lease",
     "PutLease",
+    "KV_CHUNK_BITS",
 ]
 
 #: ``(task_name, dp_rank, batch_index)``: what a delivered batch is recorded under.
 RecordKey = tuple[str, int, int]
 #: the events of a partition no state owns: never recorded
 _NO_EVENTS = Outbox()
+#: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
+KV_CHUNK_BITS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,18 @@ class PutLease:
     put_id: int
     rows: list[int]
     deadline: float
+
+
+class Changes:
+    """What changed in a partition since the controller's journal last wrote it (see
+    `tq_async._core._journal`): the rows whose state changed (new rows are found by their
+    number), or ``whole`` (rewrite it all). Marking more than changed is harmless."""
+
+    __slots__ = ("rows", "whole")
+
+    def __init__(self) -> None:
+        self.rows: set[int] = set()
+        self.whole = False
 
 
 class _Field:
@@ -135,6 +151,9 @@ class Partition:
         self.row_keys: list[str | None] = []
         #: bumped when keys or tags change: a cached ``kv_list`` answer of an older one is stale
         self.kv_version = 0
+        #: the chunks of ``KV_CHUNK`` rows whose keys or tags changed since the ``kv_list``
+        #: cache last took them (`take_kv_dirty`): it re-encodes those only
+        self.kv_dirty: set[int] = set()
         #: rows lost with a storage unit: row -> unit
         self.lost: dict[int, int] = {}
         #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
@@ -163,6 +182,8 @@ class Partition:
         self.dropped: dict[str, int] = {}
         #: the rows sharing a value of a grouping tag (a prompt group), kept up to date
         self.groups = TagGroups(lambda: self.tags)
+        #: what changed since the journal last wrote this partition (None: no journal)
+        self.changes: Changes | None = None
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -242,6 +263,8 @@ class Partition:
         Returns the tasks that gained ready rows.
         """
         self.check_rows(rows)
+        if self.changes is not None:
+            self.changes.rows.update(rows)
         missing = [f for f in fields if f not in self.fields]
         if missing:
             raise SchemaError(f"fields {missing} were not announced by put_begin")
@@ -288,6 +311,7 @@ class Partition:
 
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
         self.kv_version += 1
+        self.kv_dirty.add(row >> KV_CHUNK_BITS)
         current = self.tags[row]
         self.groups.merged(row, current, tags)
         if current is None:
@@ -301,6 +325,8 @@ class Partition:
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(rows)} rows")
         self.check_rows(rows)
         self.groups.check(self.partition_id, rows, tags)
+        if self.changes is not None:
+            self.changes.rows.update(rows)
         for r, t in zip(rows, tags, strict=True):
             self._merge_tags(r, t)
 
@@ -350,6 +376,8 @@ class Partition:
                     f"row {r} of partition {self.partition_id!r} was already consumed by task "
                     f"{task!r}; a sampler must not consume a row twice"
                 )
+        if self.changes is not None:
+            self.changes.rows.update(rows)
         for r in rows:
             consumed[r] = 1
         self.consumed_count[task] += len(rows)
@@ -364,6 +392,8 @@ class Partition:
         if consumed is None:
             return False
         back = [r for r in rows if 0 <= r < self.n_rows and self.alive[r] and consumed[r]]
+        if self.changes is not None:
+            self.changes.rows.update(back)
         for r in back:
             consumed[r] = 0
         self.consumed_count[task] -= len(back)
@@ -379,6 +409,8 @@ class Partition:
         """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
         tasks = list(self.consumed) if task is None else [task]
         self.events.reset(self.partition_id, task)
+        if self.changes is not None:
+            self.changes.whole = True
         for t in tasks:
             if t in self.consumed:
                 self.consumed[t] = bytearray(self.n_rows)
@@ -407,6 +439,8 @@ class Partition:
         """Remove rows; return the rows to free on each storage unit (``reason``: for
         watchers)."""
         self.check_rows(rows)
+        if self.changes is not None:
+            self.changes.rows.update(rows)
         by_unit: dict[int, list[int]] = {}
         for r in set(rows):
             self.alive[r] = 0
@@ -425,6 +459,7 @@ class Partition:
                 rs.discard(r)
         self.n_alive -= sum(len(v) for v in by_unit.values())
         self.kv_version += 1
+        self.kv_dirty.update({r >> KV_CHUNK_BITS for r in rows})
         self.events.rows_removed(self.partition_id, set(rows), reason)
         for unit, freed in by_unit.items():
             self.unit_rows[unit] -= len(freed)
@@ -457,6 +492,12 @@ class Partition:
             )
         return [self.keys[k] for k in keys]
 
+    def take_kv_dirty(self) -> set[int]:
+        """The chunks (row >> `KV_CHUNK_BITS`) whose keys or tags changed since the last call
+        (what ``kv_list``'s cache must encode again)."""
+        dirty, self.kv_dirty = self.kv_dirty, set()
+        return dirty
+
     def bind_keys(self, keys: Sequence[str], unit: int) -> tuple[list[int], list[int]]:
         """Rows for ``keys``: existing keys keep their row, new keys get new rows on ``unit``."""
         if len(set(keys)) != len(keys):
@@ -471,6 +512,7 @@ class Partition:
             for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
                 self.keys[key] = row
                 self.row_keys[row] = key
+                self.kv_dirty.add(row >> KV_CHUNK_BITS)
             self.kv_version += 1
         rows = [self.keys[k] for k in keys]
         return rows, [self.units[r] for r in rows]
@@ -509,10 +551,12 @@ class Partition:
         p = cls(dump.partition_id)
         p.n_rows = n
         p.alive = bytearray(dump.alive)
-        p.n_alive = sum(p.alive)
+        alive = np.frombuffer(dump.alive, np.uint8)  # (numpy: a recovering controller's 1M rows)
+        p.n_alive = int(alive.sum(dtype=np.int64))
         p.origin = array("q", dump.origin)
         p.units = array("i", units)
-        p.unit_rows = dict(Counter(u for u, alive in zip(units, p.alive, strict=True) if alive))
+        placed, counts = np.unique(np.frombuffer(p.units, np.intc)[alive != 0], return_counts=True)
+        p.unit_rows = dict(zip(placed.tolist(), counts.tolist(), strict=True))
         p.tags = [dict(t) if t else None for t in dump.tags]
         p.row_keys = list(dump.row_keys)
         p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
@@ -522,7 +566,8 @@ class Partition:
             p.fields[fd.header.name].produced = bytearray(fd.produced)
         for task, mask in dump.consumed.items():
             p.consumed[task] = bytearray(mask)
-            p.consumed_count[task] = sum(a & b for a, b in zip(mask, p.alive, strict=True))
+            both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
+            p.consumed_count[task] = int(both.sum(dtype=np.int64))
         p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
         p.row_version = array("q", dump.row_version or itertools.repeat(-1, n))
         p.field_versions = {f: array("q", v) for f, v in dump.field_versions.items()}

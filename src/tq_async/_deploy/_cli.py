@@ -104,7 +104,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         shm_cap=config.shm_cap,
                         data_path=config.data_path,
                         device_cap=config.device_cap,
-                        device_index=config.device_index,
+                        device_index=_one_device_index(config.device_index),
                         host_id=_one_host_id(config.host_id),
                         durability=config.durability,
                         data_dir=config.data_dir,
@@ -126,6 +126,26 @@ def _one_host_id(host_id: str | list[str] | None) -> str | None:
     if isinstance(host_id, list):
         raise ConfigError("host_id: a storage unit alone takes one host id, not a list")
     return host_id
+
+
+def _one_device_index(device_index: int | list[int]) -> int:
+    """A unit's GPU index from ``Config.device_index`` (a list names one per unit)."""
+    if isinstance(device_index, list):
+        if len(device_index) != 1:
+            raise ConfigError("device_index: a storage unit alone takes one GPU index, not a list")
+        return device_index[0]
+    return device_index
+
+
+def _device_index_arg(text: str) -> int | list[int]:
+    """``--device-index``: ``N``, or ``N,M,...`` (one per storage unit)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a GPU index or a comma-separated list of them, got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
 
 
 _FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
@@ -297,10 +317,11 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
     parser.add_argument(
         "--device-index",
-        type=int,
+        type=_device_index_arg,
         default=argparse.SUPPRESS if in_role else 0,
-        metavar="N",
-        help="which GPU holds them (CUDA index; default: 0)",
+        metavar="N[,N...]",
+        help="which GPU holds them (CUDA index; default: 0); one per storage unit, "
+        "comma-separated, to give each unit of a multi-GPU host its own",
     )
     parser.add_argument(
         "--host-id",

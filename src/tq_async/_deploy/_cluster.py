@@ -21,7 +21,7 @@ from .._errors import ConfigError, InvalidRequestError
 from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
-from .._service._config import Config
+from .._service._config import Config, device_indexes
 from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
@@ -226,7 +226,7 @@ class _Plan:
     stop_metrics: Callable[[], None] | None = None
     #: GPU memory per unit for cells put from GPUs (Config.device_cap), and which GPU
     device_cap: int = 0
-    device_index: int = 0
+    device_indexes: list[int] = field(default_factory=list)
     #: where new rows go (Config.placement), and each unit's host id (None: found out)
     placement: str = "auto"
     host_ids: list[str | None] = field(default_factory=list)
@@ -292,8 +292,10 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         check_data_path(given["data_path"]),
         registry,
     )
+    plan.device_indexes = [0] * plan.num_storage_units
     if config is not None:
-        plan.device_cap, plan.device_index = config.device_cap, config.device_index
+        plan.device_cap = config.device_cap
+        plan.device_indexes = device_indexes(config.device_index, plan.num_storage_units)
     plan.placement = check_placement(given["placement"])
     plan.memory_cap = given["memory_cap"]
     plan.host_ids = _host_ids(given["host_id"], plan.num_storage_units)
@@ -324,7 +326,7 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             shm_cap=plan.shm_cap,
             data_path=plan.data_path,
             device_cap=plan.device_cap,
-            device_index=plan.device_index,
+            device_index=plan.device_indexes[i],
             host_id=plan.host_ids[i],
             memory_cap=plan.memory_cap,
         )

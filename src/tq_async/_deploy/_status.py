@@ -94,6 +94,20 @@ def render(status: dict[str, Any], address: str) -> str:
         if "error" in unit:
             line += f": not answering ({unit['error']})"
         lines.append(line)
+    clients = status.get("clients")
+    if clients is not None:
+        lines.append(
+            f"clients: {clients['active']} connections asked in the last "
+            f"{clients['window_s']:.0f} s, {clients['watching']} watches waiting"
+        )
+    security = status.get("security")
+    if security is not None:
+        if not security["curve"]:
+            lines.append("security: CURVE off (plain connections; any client on the network)")
+        else:
+            allowed = security["allowed_clients"]
+            who = "any client with the server key" if allowed is None else f"{allowed} client keys"
+            lines.append(f"security: CURVE on, server key {security['server_key']}, lets in {who}")
     adm = status["admission"]
     cap = status["capacity"]
     scope = status["capacity_scope"]

@@ -20,17 +20,36 @@ rebuilding the batch — runs in tests without a GPU (`HostCopier`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
 from .._wire._nested import jagged_from_values
+from ._pinned import split_at_chunks
+from ._shm import ArenaMap
 
-__all__ = ["Copier", "HostCopier", "check_device", "to_device", "to_host"]
+__all__ = [
+    "Copier",
+    "DeviceFrame",
+    "HostCopier",
+    "check_device",
+    "copies_to",
+    "copy_frames",
+    "copy_frames_now",
+    "frame_nbytes",
+    "read_onto",
+    "read_onto_async",
+    "stage_frames",
+    "stage_frames_now",
+    "to_device",
+    "to_host",
+    "write_frames",
+]
 
 
 class Copier(Protocol):
@@ -42,6 +61,19 @@ class Copier(Protocol):
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying ``t`` (on the host) to a new device tensor; return it (incomplete)."""
+        ...
+
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Start copying the bytes of ``t`` (contiguous, on the device) into host bytes
+        ``out`` (``uint8``, as many bytes; page-locked for full speed)."""
+        ...
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        """A new ``uint8`` tensor of ``nbytes`` on the device (for `to_device_into`)."""
+        ...
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Start copying host bytes ``t`` (``uint8``) into device bytes ``out``."""
         ...
 
     def finish(self) -> None:
@@ -70,6 +102,18 @@ class _CudaCopier:
             host.copy_(t, non_blocking=True)
         return host
 
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            out.copy_(_as_bytes(t), non_blocking=True)
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        with torch.cuda.stream(self._caller):  # freed in order with the caller's work
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            out.copy_(t, non_blocking=True)
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
             return t  # there already (a fetch_batch_fn may deliver on the device)
@@ -90,6 +134,11 @@ class _CudaCopier:
         event.synchronize()
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t``, as a flat ``uint8`` view."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 #: one side stream per device, made on first use
 _streams: dict[torch.device, Any] = {}
 
@@ -105,6 +154,17 @@ class HostCopier:
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         self.copies += 1
         return t.detach().clone()
+
+    def to_host_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        self.copies += 1
+        out.copy_(_as_bytes(t))
+
+    def device_bytes(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def to_device_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        self.copies += 1
+        out.copy_(t)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         self.copies += 1
@@ -279,4 +339,195 @@ def to_host_now(
         copier.finish()
     if isinstance(data, TensorDictBase):
         return TensorDict(out, batch_size=data.batch_size)
+    return out
+
+
+# ---- device -> a unit's shared memory (puts to a unit on this host) -------------------------
+
+
+class DeviceFrame:
+    """A put's frame still on its device: the bytes of ``tensor`` (dense, contiguous: a
+    `DeviceColumn`'s), copied by the device straight into a shared-memory grant."""
+
+    __slots__ = ("nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+
+def frame_nbytes(frame: Any) -> int:
+    """Bytes of a frame (a buffer or a `DeviceFrame`)."""
+    return frame.nbytes if isinstance(frame, DeviceFrame) else memoryview(frame).nbytes
+
+
+async def copy_frames(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], loop_copy_bytes: int
+) -> list[tuple[int, int]]:
+    """`write_frames` without blocking the event loop, and with one hand-off to a worker
+    thread: when every chunk the grant touches is page-locked already, the device copies
+    (asynchronous then) are started here and only the wait for them (and the host frames'
+    copies, unless they are under ``loop_copy_bytes``) runs on a worker. Each hand-off of
+    the GIL between the loop's thread and a worker can cost up to the interpreter's switch
+    interval (5 ms) while the loop is busy, so a worker that started a dozen copies waited
+    for the GIL a dozen times (on an H200, with the loop busy: 60 ms a 256 MiB put)."""
+    spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
+    end = offset + (spans[-1][0] + spans[-1][1] if spans else 0)
+    pinned = arena.pinned_chunks()
+    if not pinned.covers(offset, end - offset):  # chunks to register first: all off the loop
+        return await anyio.to_thread.run_sync(write_frames, arena, offset, frames)
+    copiers = _start_device_copies(arena, offset, frames, spans)
+    host_bytes = sum(n for f, (_, n) in zip(frames, spans, strict=True) if _by_cpu(f))
+    host_on_loop = host_bytes < loop_copy_bytes
+
+    def rest() -> None:
+        _copy_host_frames(arena, offset, frames, spans)
+        for copier in copiers.values():
+            copier.finish()
+
+    if host_on_loop:
+        _copy_host_frames(arena, offset, frames, spans)
+        if copiers:
+            await anyio.to_thread.run_sync(_finish_all, list(copiers.values()))
+    else:
+        await anyio.to_thread.run_sync(rest)
+    return spans
+
+
+def copy_frames_now(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], loop_copy_bytes: int
+) -> list[tuple[int, int]]:
+    """`copy_frames` in the calling thread (the blocking client's): `write_frames`."""
+    return write_frames(arena, offset, frames)
+
+
+def _by_cpu(frame: Any) -> bool:
+    """Whether the CPU copies ``frame`` (not a frame its device copies)."""
+    return not (isinstance(frame, DeviceFrame) and on_device(frame.tensor))
+
+
+def _finish_all(copiers: list[Copier]) -> None:
+    for copier in copiers:
+        copier.finish()
+
+
+def _start_device_copies(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], spans: list[tuple[int, int]]
+) -> dict[torch.device, Copier]:
+    """Start the copies of the `DeviceFrame`s into their spans; the copiers to finish."""
+    copiers: dict[torch.device, Copier] = {}
+    view = arena.view
+    for f, (rel, n) in zip(frames, spans, strict=True):
+        if not (isinstance(f, DeviceFrame) and n and on_device(f.tensor)):
+            continue
+        t, pos = f.tensor, offset + rel
+        copier = copiers.get(t.device)
+        if copier is None:
+            copier = copiers[t.device] = make_copier(t.device)
+        src = _as_bytes(t)
+        for a, m in split_at_chunks(pos, n):  # one copy never spans two registrations
+            copier.to_host_into(src[a - pos : a - pos + m], torch.from_numpy(view[a : a + m]))
+    return copiers
+
+
+def _copy_host_frames(
+    arena: ArenaMap, offset: int, frames: Sequence[Any], spans: list[tuple[int, int]]
+) -> None:
+    """Copy the frames the CPU copies (host frames; host tensors of emulated devices)."""
+    view = arena.view
+    for f, (rel, n) in zip(frames, spans, strict=True):
+        if isinstance(f, DeviceFrame):
+            if on_device(f.tensor):
+                continue
+            f = _as_bytes(f.tensor).numpy()  # a host tensor (emulated devices: tests)
+        if n:
+            pos = offset + rel
+            view[pos : pos + n] = np.frombuffer(memoryview(f).cast("B"), dtype=np.uint8)
+
+
+def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tuple[int, int]]:
+    """`ArenaMap.write`, with `DeviceFrame`s copied device to host straight into the arena:
+    the chunks the grant touches are page-locked first (once per chunk and process, see
+    `tq_async._paths._pinned`), the device copies start, the host frames are copied while
+    they run, and it returns once all are done. Blocks: call it on a worker thread."""
+    spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
+    if any(isinstance(f, DeviceFrame) and on_device(f.tensor) for f in frames):
+        end = offset + spans[-1][0] + spans[-1][1]
+        arena.pinned_chunks().ensure(offset, end - offset)
+    copiers = _start_device_copies(arena, offset, frames, spans)
+    _copy_host_frames(arena, offset, frames, spans)  # the CPU's part, meanwhile
+    for copier in copiers.values():
+        copier.finish()
+    return spans
+
+
+async def stage_frames(frames: Sequence[Any]) -> list[Any]:
+    """``frames`` with every `DeviceFrame` copied to pinned host memory (a put that goes
+    by socket after all: the arena was full). The copies are waited for off the loop."""
+    if not any(isinstance(f, DeviceFrame) for f in frames):
+        return list(frames)
+    return await anyio.to_thread.run_sync(stage_frames_now, frames)
+
+
+def stage_frames_now(frames: Sequence[Any]) -> list[Any]:
+    """`stage_frames` in the calling thread (the blocking client's)."""
+    held = {str(i): f.tensor for i, f in enumerate(frames) if isinstance(f, DeviceFrame)}
+    if not held:
+        return list(frames)
+    moved = to_host_now(held)
+    return [
+        _as_bytes(moved[str(i)]).numpy().data if isinstance(f, DeviceFrame) else f
+        for i, f in enumerate(frames)
+    ]
+
+
+# ---- a unit's shared memory -> device (reads by a client on the unit's host) ---------------
+
+
+def copies_to(device: torch.device) -> bool:
+    """Whether reads onto ``device`` copy to it (not for the host, unless tests say so)."""
+    return device.type != "cpu" or make_copier is not _cuda_copier
+
+
+async def read_onto_async(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], device: torch.device
+) -> list[torch.Tensor]:
+    """`read_onto` without blocking the event loop: when the spans' chunks are page-locked
+    already the copies (asynchronous then) start here and only their wait runs on a worker
+    (one hand-off of the GIL; see `copy_frames`)."""
+    pinned = arena.pinned_chunks()
+    if not all(pinned.covers(off, n) for off, n in spans):
+        return await anyio.to_thread.run_sync(read_onto, arena, spans, device)
+    copier = make_copier(device)
+    out = _start_reads(arena, spans, copier)
+    await anyio.to_thread.run_sync(copier.finish)
+    return out
+
+
+def _start_reads(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], copier: Copier
+) -> list[torch.Tensor]:
+    view = arena.view
+    out = []
+    for off, n in spans:
+        dst = copier.device_bytes(n)
+        for a, m in split_at_chunks(off, n):  # one copy never spans two registrations
+            copier.to_device_into(torch.from_numpy(view[a : a + m]), dst[a - off : a - off + m])
+        out.append(dst)
+    return out
+
+
+def read_onto(
+    arena: ArenaMap, spans: Sequence[tuple[int, int]], device: torch.device
+) -> list[torch.Tensor]:
+    """New ``uint8`` tensors on ``device`` holding the arena's ``spans`` (checked by the
+    caller), copied host to device straight out of page-locked chunks (registered on first
+    use); complete when it returns. Blocks: call it on a worker thread, while the unit
+    holds the spans pinned."""
+    pinned = arena.pinned_chunks()
+    for off, n in spans:
+        pinned.ensure(off, n)
+    copier = make_copier(device)
+    out = _start_reads(arena, spans, copier)
+    copier.finish()
     return out

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidRequestError
+from ._pinned import PIN_CHUNK, PinnedChunks, chunks_of
 
 __all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
 
@@ -87,6 +88,15 @@ class Extents:
                 return start
         return None
 
+    def within(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The free extents' parts inside ``[lo, hi)``, as ``(start, size)``."""
+        out = []
+        for start, size in zip(self._starts, self._sizes, strict=True):
+            a, b = max(start, lo), min(start + size, hi)
+            if a < b:
+                out.append((a, b - a))
+        return out
+
     def give(self, offset: int, size: int) -> None:
         """``[offset, offset + size)`` is free again."""
         i = bisect.bisect_left(self._starts, offset)
@@ -128,8 +138,12 @@ class Arena:
         self._extents = Extents(PAGE, self.cap - PAGE)
         # pages written since they were last given back (idle accounting)
         self._resident = np.zeros(self.cap // PAGE, dtype=np.bool_)
+        self._resident[0] = True  # the token's page: never free
         self.live_bytes = 0
         self.idle_bytes = 0
+        #: per chunk (`tq_async._paths._pinned`): how many clients hold it registered with
+        #: their GPU driver; pages of such a chunk are never given back
+        self._locked = np.zeros(-(-self.cap // PIN_CHUNK), dtype=np.int32)
         self.fallbacks = 0
         #: puts and reads served through the arena (totals)
         self.puts = 0
@@ -161,12 +175,67 @@ class Arena:
         if self.closed:
             return
         if self.idle_bytes + size > self.idle_limit:
-            # give the pages back: MADV_REMOVE frees shmem pages (the mapping stays)
-            self.mmap.madvise(mmap.MADV_REMOVE, offset, size)
-            self._resident[offset // PAGE : (offset + size) // PAGE] = False
+            self.idle_bytes += size - self._give_back(offset, size)
         else:
             self.idle_bytes += size
         self._extents.give(offset, size)
+
+    def _give_back(self, offset: int, size: int) -> int:
+        """Give the pages of ``[offset, offset + size)`` back to the kernel, except those of
+        locked chunks; the bytes given back (that were resident)."""
+        given = 0
+        for a, b in self._unlocked(offset, size):
+            # MADV_REMOVE frees shmem pages (the mapping stays)
+            self.mmap.madvise(mmap.MADV_REMOVE, a, b - a)
+            given += int(np.count_nonzero(self._resident[a // PAGE : b // PAGE])) * PAGE
+            self._resident[a // PAGE : b // PAGE] = False
+        return given
+
+    def _unlocked(self, offset: int, size: int) -> list[tuple[int, int]]:
+        """The parts of ``[offset, offset + size)`` outside locked chunks, merged."""
+        if not self._locked.any():
+            return [(offset, offset + size)]
+        out: list[tuple[int, int]] = []
+        end = offset + size
+        for c in chunks_of(offset, size):
+            if self._locked[c]:
+                continue
+            a, b = max(offset, c * PIN_CHUNK), min(end, (c + 1) * PIN_CHUNK)
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+    # ---- chunks clients page-lock (see tq_async._paths._pinned) ------------------------------
+
+    def lock_chunks(self, chunks: Iterable[int]) -> None:
+        """One more client holds ``chunks`` registered: their pages stay (all of them: the
+        client's registration makes every page of a chunk resident, counted idle if free)."""
+        for c in chunks:
+            if self._locked[c] == 0:
+                a, b = c * PIN_CHUNK // PAGE, min((c + 1) * PIN_CHUNK, self.cap) // PAGE
+                fresh = (b - a) - int(np.count_nonzero(self._resident[a:b]))
+                self._resident[a:b] = True
+                self.idle_bytes += fresh * PAGE
+            self._locked[c] += 1
+
+    def unlock_chunks(self, chunks: Iterable[int]) -> None:
+        """A client no longer holds ``chunks`` registered; idle pages beyond the limit in
+        those no client holds any more are given back."""
+        for c in chunks:
+            if self._locked[c] <= 0:
+                continue
+            self._locked[c] -= 1
+            if self._locked[c] == 0 and not self.closed and self.idle_bytes > self.idle_limit:
+                lo, hi = c * PIN_CHUNK, min((c + 1) * PIN_CHUNK, self.cap)
+                for start, n in self._extents.within(lo, hi):
+                    self.idle_bytes -= self._give_back(start, n)
+
+    def locked_bytes(self) -> int:
+        """Bytes of chunks some client holds registered."""
+        n = int(np.count_nonzero(self._locked))
+        return min(n * PIN_CHUNK, self.cap)
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -209,9 +278,17 @@ class ArenaMap:
             self.mmap = mmap.mmap(f.fileno(), size)
         self.size = size
         self.view = np.frombuffer(self.mmap, dtype=np.uint8)
+        #: the chunks registered with this process's GPU driver (made on first use)
+        self.pinned: PinnedChunks | None = None
         if self.view[:TOKEN_BYTES].tobytes() != token:
             self.close()
             raise ValueError("the arena's token differs from what the unit said")
+
+    def pinned_chunks(self) -> PinnedChunks:
+        """This mapping's registered chunks (see `tq_async._paths._pinned`)."""
+        if self.pinned is None:
+            self.pinned = PinnedChunks(int(self.view.ctypes.data), self.size)
+        return self.pinned
 
     def check(self, offset: int, nbytes: int, what: str) -> None:
         """Raise ValueError unless ``[offset, offset + nbytes)`` lies inside the arena."""
@@ -231,11 +308,26 @@ class ArenaMap:
             pos = offset + align(pos - offset + n)
         return spans
 
-    def close(self) -> None:
+    @staticmethod
+    def layout(offset: int, sizes: Iterable[int]) -> list[tuple[int, int]]:
+        """The spans `write` gives parts of ``sizes`` bytes (relative to ``offset``)."""
+        spans = []
+        rel = 0
+        for n in sizes:
+            spans.append((rel, n))
+            rel = align(rel + n)
+        return spans
+
+    def close(self) -> list[int]:
+        """Unregister its chunks (the driver first: then the pages), then unmap; the chunks
+        that were registered (to unlock at the unit)."""
+        pinned: PinnedChunks | None = getattr(self, "pinned", None)  # None: failed to open
+        chunks = pinned.close() if pinned is not None else []
         with contextlib.suppress(AttributeError):
             del self.view
         with contextlib.suppress(BufferError):
             self.mmap.close()
+        return chunks
 
 
 class Watcher:

@@ -54,7 +54,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - depends on the Python version
     import tomli as tomllib
 
-__all__ = ["AdmissionSection", "Config", "CurveSection", "SamplerSpec", "load_curve"]
+__all__ = [
+    "AdmissionSection",
+    "Config",
+    "CurveSection",
+    "SamplerSpec",
+    "device_indexes",
+    "load_curve",
+]
 
 
 class SamplerSpec:
@@ -312,7 +319,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             on the units' host (0: none, the default): such columns then move device to
             device (CUDA IPC) instead of through host memory; see ``docs/deployment.md``,
             "GPU to GPU on one host". Needs ``shm_cap`` > 0 and a GPU on the units' host.
-        device_index: which GPU holds them (its CUDA index as the units' process sees it).
+        device_index: which GPU holds them (its CUDA index as the units' process sees it);
+            a list gives each unit of a cluster its own (unit ``i`` on ``device_index[i]``:
+            one GPU per unit on a multi-GPU host).
         placement: which storage unit a put's new rows go to: ``"local"`` (a unit on the
             producer's host, the least-loaded there, unless that host holds more than 1.2x
             the mean; else the least-loaded unit), ``"round_robin"``, or ``"auto"`` (the
@@ -357,7 +366,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shm_cap: int = DEFAULT_SHM_CAP
     data_path: Literal["auto", "zmq", "shm", "nixl"] = "auto"
     device_cap: int = 0
-    device_index: int = 0
+    device_index: int | list[int] = 0
     placement: Literal["auto", "local", "round_robin"] = "auto"
     host_id: str | list[str] | None = None
     metrics_on: str | None = None
@@ -379,9 +388,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
-        for name in ("device_cap", "device_index"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.device_cap < 0:
+            raise ConfigError(f"device_cap: must be >= 0, got {self.device_cap}")
+        indexes = self.device_index if isinstance(self.device_index, list) else [self.device_index]
+        if not indexes or any(i < 0 for i in indexes):
+            raise ConfigError(
+                f"device_index: must be >= 0 (or a non-empty list of such), got {self.device_index}"
+            )
         if self.capacity is not None and self.capacity < 1:
             raise ConfigError(f"capacity: must be >= 1 rows or absent, got {self.capacity}")
         if self.default_lease is not None and self.default_lease <= 0:
@@ -622,3 +635,19 @@ def _toml_value(value: Any) -> str:
         items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
         return "{ " + items + " }"
     raise ConfigError(f"cannot write {type(value).__name__} values as TOML: {value!r}")
+
+
+def device_indexes(device_index: int | Sequence[int], n: int) -> list[int]:
+    """Each of ``n`` units' GPU index: one for all, or one per unit.
+
+    Raises:
+        ConfigError: a list whose length is not ``n``.
+    """
+    if isinstance(device_index, int):
+        return [device_index] * n
+    if len(device_index) != n:
+        raise ConfigError(
+            f"device_index: got {len(device_index)} GPU indexes for {n} storage units; give "
+            "one for all or one per unit"
+        )
+    return list(device_index)

@@ -5,35 +5,38 @@ records metrics only when it was given a `prometheus_client.CollectorRegistry`. 
 follow the Prometheus naming guide (``_total`` only on counters, base units); partition ids are
 never label values (unbounded), task names and op names are.
 
-=================================  ======  ===============================================
-name                               type    labels
-=================================  ======  ===============================================
-tq_requests_total                  counter service, op, outcome (ok | error)
-tq_request_duration_seconds        hist.   service, op
-tq_transfer_bytes_total            counter service, direction (in | out)
-tq_consumer_wait_seconds           hist.   (time a get_meta waited for rows)
-tq_rows_delivered_total            counter task, locality (same_host | other_host): rows
-                                           handed to consumers, by whether their unit is
-                                           on the consumer's host
-tq_stale_rows_total                counter policy (dropped | recycled | kept)
-tq_rows_ready                      gauge   task (rows ready and not consumed, all partitions)
-tq_rows_unconsumed                 gauge   task (rows alive and not consumed by the task)
-tq_partitions                      gauge   (partitions held by the controller)
-tq_storage_resident_bytes          gauge   unit (bytes of cells held by a storage unit)
-tq_storage_shm_bytes               gauge   unit (shared memory in use by a unit's cells/reads)
-tq_storage_shm_idle_bytes          gauge   unit (freed shared memory kept resident for reuse)
-tq_storage_shm_fallbacks_total     counter unit (puts/reads over the socket: arena full)
-tq_storage_nixl_puts_total         counter unit (puts whose bytes a client WROTE with NIXL)
-tq_storage_nixl_reads_total        counter unit (reads whose bytes a client READ with NIXL)
-tq_storage_nixl_registered_bytes   gauge   unit (bytes a unit registered with NIXL: its arena)
-tq_storage_locality_bytes_total    counter unit, direction (in | out), locality (same_host |
-                                           other_host): payload bytes a unit moved for
-                                           clients of its own host and of others
-tq_get_meta_waiting                gauge   (get_meta requests parked waiting for rows)
-tq_transfer_fallbacks_total        counter reason (error | timeout): a client process's NIXL
-                                           transfers that went over the socket instead
-                                           (`transfer_collector`)
-=================================  ======  ===============================================
+=====================================  ======  ===============================================
+name                                   type    labels
+=====================================  ======  ===============================================
+tq_requests_total                      counter service, op, outcome (ok | error)
+tq_request_duration_seconds            hist.   service, op
+tq_transfer_bytes_total                counter service, direction (in | out)
+tq_consumer_wait_seconds               hist.   (time a get_meta waited for rows)
+tq_rows_delivered_total                counter task, locality (same_host | other_host): rows
+                                               handed to consumers, by whether their unit is
+                                               on the consumer's host
+tq_stale_rows_total                    counter policy (dropped | recycled | kept)
+tq_rows_ready                          gauge   task (rows ready and not consumed, all partitions)
+tq_rows_unconsumed                     gauge   task (rows alive and not consumed by the task)
+tq_partitions                          gauge   (partitions held by the controller)
+tq_storage_resident_bytes              gauge   unit (bytes of cells held by a storage unit)
+tq_storage_shm_bytes                   gauge   unit (shared memory in use by a unit's cells/reads)
+tq_storage_shm_idle_bytes              gauge   unit (freed shared memory kept resident for reuse)
+tq_storage_shm_fallbacks_total         counter unit (puts/reads over the socket: arena full)
+tq_storage_nixl_puts_total             counter unit (puts whose bytes a client WROTE with NIXL)
+tq_storage_nixl_reads_total            counter unit (reads whose bytes a client READ with NIXL)
+tq_storage_nixl_registered_bytes       gauge   unit (bytes a unit registered with NIXL: its arena)
+tq_storage_locality_bytes_total        counter unit, direction (in | out), locality (same_host |
+                                               other_host): payload bytes a unit moved for
+                                               clients of its own host and of others
+tq_storage_task_locality_bytes_total   counter unit, task, locality (same_host | other_host):
+                                               payload bytes a unit served to each task's
+                                               readers on its own host and on others
+tq_get_meta_waiting                    gauge   (get_meta requests parked waiting for rows)
+tq_transfer_fallbacks_total            counter reason (error | timeout): a client process's NIXL
+                                               transfers that went over the socket instead
+                                               (`transfer_collector`)
+=====================================  ======  ===============================================
 """
 
 from __future__ import annotations
@@ -256,6 +259,9 @@ class UnitGauges(Protocol):
     @property
     def locality(self) -> dict[str, int]: ...
 
+    @property
+    def task_locality(self) -> dict[str, dict[str, int]]: ...
+
 
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
     """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
@@ -300,10 +306,19 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             "on the unit's host.",
             labels=["unit", "direction", "locality"],
         )
+        by_task = CounterMetricFamily(
+            "tq_storage_task_locality_bytes",
+            "Payload bytes a storage unit served to each task's readers, by whether the "
+            "reader was on the unit's host.",
+            labels=["unit", "task", "locality"],
+        )
         for unit_id, st in sorted(units.items()):
             for key, n in sorted(st.locality.items()):
                 direction, _, where = key.partition("_")
                 locality.add_metric([str(unit_id), direction, where], n)
+            for task, counts in sorted(getattr(st, "task_locality", {}).items()):
+                for key, n in sorted(counts.items()):
+                    by_task.add_metric([str(unit_id), task, key.partition("_")[2]], n)
             g.add_metric([str(unit_id)], st.resident_bytes)
             arena = st.arena
             if arena is not None:
@@ -315,7 +330,7 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
                 nixl_puts.add_metric([str(unit_id)], nixl.puts)
                 nixl_reads.add_metric([str(unit_id)], nixl.reads)
                 nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
-        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes, locality)
+        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes, locality, by_task)
 
     return _Collector(collect)
 

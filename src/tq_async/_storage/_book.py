@@ -52,6 +52,8 @@ class Released:
     shm: list[Region] = field(default_factory=list)
     device: list[Region] = field(default_factory=list)
     expired: list[tuple[str, int]] = field(default_factory=list)
+    #: arena chunks no longer held registered by the client (to unlock)
+    chunks: list[int] = field(default_factory=list)
 
 
 class Book:
@@ -70,6 +72,8 @@ class Book:
         device_grants: device arena grants by id (the ids are drawn from the same counter).
         pins: read pins by id.
         device_pins: the device arena regions a read pin holds, by the pin's id.
+        locked: the arena chunks each same-host client holds registered with its GPU
+            driver (see `tq_async._paths._pinned`), by socket identity.
     """
 
     def __init__(self, data_path: str = "auto", claims: Claims | None = None) -> None:
@@ -81,6 +85,7 @@ class Book:
         self.device_grants: dict[int, Grant] = {}
         self.pins: dict[int, Pin] = {}
         self.device_pins: dict[int, list[Region]] = {}
+        self.locked: dict[bytes, set[int]] = {}
 
     def pid(self, peer: bytes) -> int | None:
         """The pid of a same-host client, 0 for a NIXL client, None for one that set up
@@ -112,6 +117,13 @@ class Book:
             self.claims.note("pin", pin)
         return pin
 
+    def lock(self, peer: bytes, chunks: Iterable[int]) -> list[int]:
+        """``peer`` will hold ``chunks`` registered; those it did not hold yet (to lock)."""
+        held = self.locked.setdefault(peer, set())
+        new = [c for c in chunks if c not in held]
+        held.update(new)
+        return new
+
     def take_grant(self, peer: bytes, gid: int, *, device: bool = False) -> Region | None:
         """The region of ``peer``'s grant ``gid``, consumed by a put; None when the grant is
         unknown (never given, used, freed) or another client's (then it is kept)."""
@@ -124,9 +136,16 @@ class Book:
 
     # ---- giving back -------------------------------------------------------------------------
 
-    def free(self, peer: bytes, grants: Iterable[int], pins: Iterable[int]) -> Released:
-        """``peer`` gives back unused grants and read pins (others' ids are ignored)."""
+    def free(
+        self, peer: bytes, grants: Iterable[int], pins: Iterable[int], chunks: Iterable[int] = ()
+    ) -> Released:
+        """``peer`` gives back unused grants, read pins (others' ids are ignored) and the
+        registration of ``chunks``."""
         out = Released()
+        held = self.locked.get(peer)
+        if held is not None:
+            out.chunks = [c for c in chunks if c in held]
+            held.difference_update(out.chunks)
         for gid in grants:
             entry = self.grants.get(gid)
             if entry is not None and entry.peer == peer:
@@ -149,6 +168,7 @@ class Book:
         out = Released()
         for peer in [p for p, q in self.peers.items() if q == pid]:
             del self.peers[peer]
+            out.chunks.extend(self.locked.pop(peer, ()))
         for gid in [g for g, e in self.grants.items() if e.pid == pid]:
             out.shm.append(self.grants.pop(gid).region)
         for key in [k for k, e in self.pins.items() if e.pid == pid]:
@@ -185,3 +205,4 @@ class Book:
         self.device_grants.clear()
         self.pins.clear()
         self.device_pins.clear()
+        self.locked.clear()

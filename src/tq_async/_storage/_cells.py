@@ -165,6 +165,8 @@ class StorageState:
         #: locality: the unit's host id, and payload bytes moved by where the client runs
         self.host = ""
         self.locality = dict.fromkeys(LOCALITY_KEYS, 0)
+        #: the same for reads, by the task that read (``StoreGet.task``)
+        self.task_locality: dict[str, dict[str, int]] = {}
         # partition -> field -> row -> cell: ``serial << 32 | position`` of the row in the
         # chunk ``_chunks[serial]`` (a plain int: a tuple holding the chunk would be one more
         # object for the garbage collector to scan, per cell -- most of a 1M-row put)
@@ -730,8 +732,8 @@ class StorageState:
         if arena is None:
             reply = StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
             reply.host, reply.locality = self.host, dict(self.locality)
-            self._tier_stats(reply)
-            return reply
+            reply.task_locality = self._task_locality()
+            return self._tier_stats(reply)
         return self._tier_stats(
             StoreStatsReply(
                 len(self._index),
@@ -750,8 +752,13 @@ class StorageState:
                 **self._device_stats(),
                 host=self.host,
                 locality=dict(self.locality),
+                shm_locked_bytes=arena.locked_bytes(),
+                task_locality=self._task_locality(),
             )
         )
+
+    def _task_locality(self) -> dict[str, dict[str, int]]:
+        return {task: dict(counts) for task, counts in sorted(self.task_locality.items())}
 
     def _tier_stats(self, reply: StoreStatsReply) -> StoreStatsReply:
         reply.memory_bytes = self.memory_bytes
@@ -771,6 +778,8 @@ class StorageState:
             "device_puts": device.puts,
             "device_reads": device.reads,
             "device_fallbacks": device.fallbacks,
+            "device_out_bytes": device.out_bytes,
+            "device_out_us": int(device.out_seconds * 1e6),
         }
 
 

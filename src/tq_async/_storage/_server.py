@@ -243,14 +243,25 @@ class StorageServer(Service):
         """This unit's host id (see `tq_async._transport._hosts`)."""
         return self.state.host
 
-    def _moved(self, direction: str, client_host: str, frames: Sequence[Any]) -> None:
-        """Count payload bytes moved ``direction`` for a client on ``client_host``."""
+    def _moved(
+        self, direction: str, client_host: str, frames: Sequence[Any], task: str = ""
+    ) -> None:
+        """Count payload bytes moved ``direction`` for a client on ``client_host`` (reading
+        for ``task``, when it names one)."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        self._count(direction, client_host, nbytes)
+        self._count(direction, client_host, nbytes, task)
 
-    def _count(self, direction: str, client_host: str, nbytes: int) -> None:
+    def _count(self, direction: str, client_host: str, nbytes: int, task: str = "") -> None:
         key = locality_key(direction, self.state.host, client_host)
         self.state.locality[key] += nbytes
+        if task:
+            by_task = self.state.task_locality.get(task)
+            if by_task is None:
+                by_task = self.state.task_locality[task] = {
+                    f"{direction}_same_host": 0,
+                    f"{direction}_other_host": 0,
+                }
+            by_task[key] = by_task.get(key, 0) + nbytes
         if self.metrics.enabled:
             self.metrics.transfer(direction, nbytes)
 
@@ -367,10 +378,11 @@ class StorageServer(Service):
         fields: Sequence[str],
         max_bytes: int,
         host: str = "",
+        task: str = "",
     ) -> tuple[StoredColumns, list[Any]] | None:
         """A `StoreGet` from a controller in this process, without a message; None
         when the cells take more than ``max_bytes`` (nothing is copied then). ``host``: the
-        reader's host id."""
+        reader's host id; ``task``: the task it reads for."""
         t0 = time.perf_counter()
         ok = False
         try:
@@ -380,7 +392,7 @@ class StorageServer(Service):
             return None
         finally:
             if ok:
-                self._moved("out", host, frames)
+                self._moved("out", host, frames, task)
             if self.metrics.enabled:
                 self.metrics.request("StoreGet", ok, time.perf_counter() - t0)
         return stored, frames
@@ -432,12 +444,12 @@ class StorageServer(Service):
     def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
         shm = self.shm_path.read(msg.peer, body) if body.shm else None
         if shm is not None:
-            self._count("out", body.host, sum(n for _, n in shm.shm_spans or ()))
+            self._count("out", body.host, sum(n for _, n in shm.shm_spans or ()), body.task)
             return shm
         stored, out = self.state.read(
             body.partition_id, body.rows, body.fields, incarnation=body.incarnation
         )
-        self._moved("out", body.host, out)
+        self._moved("out", body.host, out, body.task)
         return WithFrames(stored, out)
 
     def _on_store_clear(self, msg: Incoming, body: StoreClear) -> Any:
@@ -455,7 +467,7 @@ class StorageServer(Service):
             raise InvalidRequestError(f"ShmAlloc nbytes must be > 0, got {body.nbytes}")
         if body.device:
             return self.device_path.alloc(msg.peer, pid, body.nbytes)
-        return self.shm_path.alloc(msg.peer, pid, body.nbytes)
+        return self.shm_path.alloc(msg.peer, pid, body.nbytes, pinned=body.pinned)
 
     def _on_nixl_hello(self, msg: Incoming, body: NixlHello) -> Any:
         if self._tg is None or self.nixl_path.answers_now():

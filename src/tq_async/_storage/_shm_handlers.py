@@ -22,6 +22,7 @@ import anyio
 
 from .._errors import InvalidRequestError, ProtocolError
 from .._logging import get_logger
+from .._paths._pinned import chunks_of
 from .._paths._shm import Arena, Region, Watcher
 from .._service._loop import SENT, Incoming
 from .._wire._columns import column_frame_count
@@ -118,19 +119,31 @@ class ShmPath:
         self._expire_claims()
         return pid
 
-    def alloc(self, peer: bytes, pid: int, nbytes: int) -> ShmGrant | None:
-        """A grant of ``nbytes`` (None: the arena is full; the client puts by socket)."""
+    def alloc(self, peer: bytes, pid: int, nbytes: int, *, pinned: bool = False) -> ShmGrant | None:
+        """A grant of ``nbytes`` (None: the arena is full; the client puts by socket); with
+        ``pinned`` its chunks stay resident for the client's registration."""
         arena = self.arena
         assert arena is not None
         region = arena.alloc(nbytes) if nbytes <= arena.cap else None
         if region is None:
             arena.fallbacks += 1
             return None
+        if pinned:
+            self._lock(peer, pid, [(region.offset, region.size)])
         return ShmGrant(self.book.grant(peer, pid, region), region.offset, region.size)
+
+    def _lock(self, peer: bytes, pid: int, spans: list[tuple[int, int]]) -> None:
+        """Before answering: the chunks of ``spans`` stay resident while ``peer`` holds them
+        registered (see tq_async._paths._pinned). Same-host clients only."""
+        arena = self.arena
+        if pid <= 0 or arena is None:
+            return
+        chunks = {c for off, n in spans for c in chunks_of(off, n)}
+        arena.lock_chunks(self.book.lock(peer, sorted(chunks)))
 
     def on_free(self, msg: Incoming, body: ShmFree) -> Any:
         if self.arena is not None:
-            self.give_back(self.book.free(msg.peer, body.grants, body.pins))
+            self.give_back(self.book.free(msg.peer, body.grants, body.pins, body.chunks))
         return SENT  # one-way
 
     def put(
@@ -175,6 +188,8 @@ class ShmPath:
             return None
         stored, regions, on_device = got
         stored.pin = self.book.pin(peer, pid, regions, on_device)
+        if body.pinned and stored.shm_spans:
+            self._lock(peer, pid, stored.shm_spans)
         if on_device:
             assert device is not None
             device.reads += 1
@@ -192,6 +207,8 @@ class ShmPath:
         if arena is not None:
             for region in released.shm:
                 arena.release(region)
+            if released.chunks:
+                arena.unlock_chunks(released.chunks)
         if device is not None:
             for region in released.device:
                 device.release(region)

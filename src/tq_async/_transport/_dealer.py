@@ -436,7 +436,12 @@ class DealerConnection(ConnectionState, DrainedSocket):
 
     def _broken(self, what: str, exc: BaseException) -> BrokenError:
         """The error of a send the transport refused (see `transport_errors`)."""
-        return self._core.broken(what, exc)
+        error = self._core.broken(what, exc)
+        if not self._edge_triggered and not self._closed:
+            # a Unix socket that fails a write is dead (EPIPE: the peer is gone): say so now
+            # rather than when its end is read
+            self._unix_eof()
+        return error
 
     def close(self) -> None:
         """Close the socket; requests still waiting fail with `ClosedError`."""

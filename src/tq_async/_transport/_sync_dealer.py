@@ -444,7 +444,13 @@ class BlockingConnection(ConnectionState):
         try:
             yield
         except (zmq.ZMQError, OSError) as exc:
-            raise self._core.broken(what, exc) from exc
+            error = self._core.broken(what, exc)
+            if self._stream is not None:
+                # a Unix socket that fails a write is dead (EPIPE: the peer is gone), and
+                # this connection reads nothing between calls: say so now, or every later
+                # call fails the same way instead of finding the service again
+                self._disconnected(closed_by_peer=True)
+            raise error from exc
 
     def close(self) -> None:
         """Close the socket (in the process that opened it; a forked child leaves it be)."""

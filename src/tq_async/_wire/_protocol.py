@@ -303,7 +303,25 @@ class KVTag(_Msg):
 
 
 class KVList(_Msg):
+    """Each partition's ``{key: tags}`` (every partition's when ``partition_id`` is None).
+
+    ``packed`` (clients of this release ask for it) answers each partition as one
+    `KVColumns`; else as a ``{key: tags}`` map, as before.
+    """
+
     partition_id: str | None = None
+    packed: bool = False
+
+
+class KVColumns(msgspec.Struct, array_like=True):
+    """One partition's ``kv_list`` answer as two columns left encoded: ``keys``, the msgpack
+    array of its ``n`` keys, and ``tags``, the msgpack array of their tags in the same order.
+    They travel as binary (the reply skips them in O(1) and the client keeps views into the
+    received frame); the client decodes each in one call when it is first read."""
+
+    n: int
+    keys: memoryview
+    tags: memoryview
 
 
 class KVClear(_Msg):
@@ -470,6 +488,12 @@ class StoreGet(_Msg):
     device: bool = False
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: (with ``shm``) the client copies the spans with its GPU driver from page-locked
+    #: memory: the chunks they touch stay resident (see tq_async._paths._pinned)
+    pinned: bool = False
+    #: the task that fetched the rows (``BatchMeta.task_name``; "": none), for the unit's
+    #: per-task byte counters
+    task: str = ""
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -509,13 +533,18 @@ class ShmAlloc(_Msg):
 
     nbytes: int
     device: bool = False
+    #: the client will copy into the grant with its GPU driver from page-locked memory:
+    #: the chunks it touches stay resident (see tq_async._paths._pinned)
+    pinned: bool = False
 
 
 class ShmFree(_Msg):
-    """Give back grants the client will not use, and read pins it is done with."""
+    """Give back grants the client will not use, and read pins it is done with; with
+    ``chunks``, the client no longer holds those arena chunks registered."""
 
     grants: list[int]
     pins: list[int]
+    chunks: list[int] = msgspec.field(default_factory=list)
 
 
 class NixlHello(_Msg):
@@ -596,6 +625,10 @@ class HelloReply(msgspec.Struct, array_like=True):
     #: the controller's same-host twin endpoint, and a token a client compares through it
     ipc: str | None = None
     instance: bytes = b""
+    #: the controller's state lineage: the same after a restart that kept its state (a
+    #: durable controller recovered from its data_dir), new when the state was lost; a
+    #: client that sees it change raises StateLostError (empty: take ``instance``)
+    state: bytes = b""
 
 
 class Placement(msgspec.Struct, array_like=True):
@@ -727,6 +760,16 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: "out_other_host"}`` (a client that sent no host id counts as another host)
     host: str = ""
     locality: dict[str, int] = {}
+    #: shared memory clients hold page-locked with their GPU driver (kept resident)
+    shm_locked_bytes: int = 0
+    #: device arena cells copied out to host memory for readers that want it: bytes, and
+    #: the microseconds the copies took
+    device_out_bytes: int = 0
+    device_out_us: int = 0
+    #: locality by task: payload bytes read by each task's clients on the unit's host and
+    #: on others: ``{task: {"out_same_host": n, "out_other_host": n}}`` (reads that named a
+    #: task: ``get``/``get_data`` of a fetched batch)
+    task_locality: dict[str, dict[str, int]] = {}
     #: tiers: bytes of cells in host memory and their bound (0: none), bytes of live cells
     #: in the unit's segment files, chunks spilled from memory and read back from disk
     memory_bytes: int = 0
@@ -785,8 +828,12 @@ def salvage_rid(header: bytes | memoryview) -> int | None:
 
 
 def ok_reply(rid: int, payload: Any) -> bytes:
-    """Encode a success reply header."""
-    return encoder.encode(Reply(rid, True, msgspec.Raw(encoder.encode(payload))))
+    """Encode a success reply header.
+
+    One pass: the payload is encoded in place of ``Reply.payload`` (the same bytes as
+    encoding it apart and embedding it as ``Raw``, without a second copy of a big answer).
+    """
+    return encoder.encode(Reply(rid, True, payload))
 
 
 def error_reply(rid: int, exc: BaseException) -> bytes:

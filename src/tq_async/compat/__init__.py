@@ -39,7 +39,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict, TensorDictBase
 
@@ -84,6 +84,9 @@ from ._dataset import StreamingDataset as StreamingDataset
 from ._dataset import chunk_batch_fn as chunk_batch_fn
 from ._kv_meta import KVBatchMeta as KVBatchMeta
 from ._kv_meta import kv_meta_of as _kv_meta_of
+
+if TYPE_CHECKING:
+    from .._wire._listing import KVListing
 
 __all__ = [
     "init",
@@ -593,9 +596,10 @@ def kv_batch_get_by_meta(
     return kv_batch_get(meta.keys, meta.partition_id, wanted)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+def kv_list(partition_id: str | None = None) -> dict[str, KVListing]:
     """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist yet,
-    as in TransferQueue), or for all when None."""
+    as in TransferQueue), or for all when None. Each ``{key: tags}`` is a
+    `tq_async.KVListing`, a dict decoded when first read (``dict(...)`` gives the plain one)."""
     try:
         listing = get_client().client.kv_list(partition_id)
     except PartitionNotFound:
@@ -612,7 +616,7 @@ def kv_clear(keys: str | Sequence[str], partition_id: str) -> None:
         client.kv_clear(key_list, partition_id)
     except (KeyNotFound, PartitionNotFound):
         try:
-            existing = client.kv_list(partition_id).get(partition_id, {})
+            existing: Mapping[str, Any] = client.kv_list(partition_id).get(partition_id, {})
         except PartitionNotFound:
             return
         present = [k for k in key_list if k in existing]

@@ -21,6 +21,7 @@ from .._client._sync._client import Client as _Client
 from .._errors import ClosedError, InvalidRequestError, PartitionNotFound
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._portal import tolerating_blocking
+from .._wire._listing import KVListing
 from ._batch_meta import GLOBAL_INDEX_STRIDE, BatchMeta
 from ._columns import parsed, plain_columns, put_ragged, put_retrying_dtypes, read
 
@@ -383,8 +384,9 @@ class TransferQueueClient:
         base = first_index(partition_id)
         return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
 
-    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        """``{partition_id: {key: tags}}`` for one partition or all."""
+    def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
+        """``{partition_id: {key: tags}}`` for one partition or all (each a
+        `tq_async.KVListing`, decoded when first read)."""
         return self._client.kv_list(partition_id)
 
     # -- checkpoints --

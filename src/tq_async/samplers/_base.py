@@ -43,6 +43,13 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
     the learner's announced policy version (-1: none), a read-only ``row -> version`` view
     (-1: none; a row's oldest field version), and a `StaleRows` sink
     for reporting stale rows (see `StalenessSampler`).
+``row_hosts``, ``rank_host``, ``rank_hosts``
+    locality (a preference, never needed for correctness): a read-only ``row -> host id``
+    view (the host of the unit holding the row; ``""``: unknown), the asking rank's host
+    id, and for a global batch each rank's host id in rank order (``""``: not known yet;
+    all ``""`` with ``placement="round_robin"``). A sampler that splits a global batch by
+    locality itself says so with `locality_aware`; otherwise the controller hands its
+    shares to ranks by host afterwards.
 """
 
 from __future__ import annotations
@@ -199,6 +206,14 @@ class BaseSampler(ABC):
         return 1
 
     @property
+    def locality_aware(self) -> bool:
+        """True when `sample_shares` already gives ``shares[r]`` to rank ``r`` by where rows
+        live (``row_hosts`` / ``rank_hosts``): the controller then keeps that order. False
+        (the default): the controller hands the shares to ranks by host itself
+        (`tq_async._core._assign`), which only permutes them."""
+        return False
+
+    @property
     def group_tag(self) -> tuple[str, int] | None:
         """``(tag, n)`` when the sampler groups rows by a tag: at most ``n`` rows of a
         partition share one value of ``tag`` (None, the default: tags group nothing).
@@ -270,6 +285,11 @@ class WrappingSampler(BaseSampler):
     def group_size(self) -> int:
         """``inner``'s."""
         return self.inner.group_size
+
+    @property
+    def locality_aware(self) -> bool:
+        """``inner``'s."""
+        return bool(getattr(self.inner, "locality_aware", False))
 
     @property
     def group_tag(self) -> tuple[str, int] | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
+from ._balance import balance_by_host
 from ._base import BaseSampler, SampleResult, SharesResult, check_context
 from ._cache import ShareCache, reads_needed
 from ._groups import check_group_size, complete_groups
@@ -31,6 +32,14 @@ class SeqlenBalancedSampler(BaseSampler):
     share holding the first group not in rank 0's, and so on, so the split depends only on
     which rows were taken, never on which rank asked first.
 
+    **Locality.** When the controller says where rows live (``row_hosts``) and where each rank
+    runs (``rank_hosts``, a global batch), the same groups are split by
+    `tq_async.samplers._balance.balance_by_host` instead: each host's groups go to that host's
+    ranks first, and the residual imbalance is repaired by swapping the fewest, smallest
+    groups across hosts, as long as no rank ends heavier than ``1 + locality_slack`` times
+    the heaviest share of the unconstrained split (else that split is used, handed to ranks by
+    locality). Which rows form the batch never depends on hosts, only which rank gets them.
+
     Until enough whole groups are ready the sampler waits (``([], [])``). Once the partition
     is final it uses all the whole groups left, if there are at least ``dp_size`` of them; the
     ranks' group counts then differ by at most one.
@@ -54,6 +63,9 @@ class SeqlenBalancedSampler(BaseSampler):
             delivered, with a warning, and every rank sees the end of the stream together,
             which keeps collectives in step) or ``"uneven"`` (some ranks get one group, the
             others the end of the stream).
+        locality_slack: how much heavier than the unconstrained split's heaviest share a
+            rank's tokens may get to keep rows on their host (0.05: 5 %; 0: locality only
+            where it costs no balance).
 
     Raises:
         ValueError: an argument is below 1, or ``tail`` is unknown.
@@ -69,7 +81,11 @@ class SeqlenBalancedSampler(BaseSampler):
         group_key: str = "uid",
         tail: str | None = None,
         missing_length: int | None = 1,
+        locality_slack: float = 0.05,
     ) -> None:
+        if not locality_slack >= 0:
+            raise InvalidRequestError(f"locality_slack must be >= 0, got {locality_slack!r}")
+        self.locality_slack = float(locality_slack)
         if tail not in (None, "error", "drop", "uneven"):
             raise InvalidRequestError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
         self._tail = tail
@@ -102,6 +118,11 @@ class SeqlenBalancedSampler(BaseSampler):
         return self.n_samples_per_prompt
 
     @property
+    def locality_aware(self) -> bool:
+        """True: a global batch is split by locality here (see the class docstring)."""
+        return True
+
+    @property
     def dp_size_hint(self) -> int | None:
         """``dp_size``: the controller decides every batch for all ranks at once."""
         return self.dp_size
@@ -124,7 +145,9 @@ class SeqlenBalancedSampler(BaseSampler):
             ready_indexes: ready rows in the order they became ready.
             batch_size: rows per rank; a multiple of ``n_samples_per_prompt``.
             dp_size: the number of ranks (the caller's ``dp_size``).
-            **kwargs: controller context: ``tags``, ``origin``, ``final`` are used.
+            **kwargs: controller context: ``tags``, ``origin``, ``final`` are used, and
+                ``row_hosts`` with ``rank_hosts`` (locality: ``shares[r]`` is then rank
+                ``r``'s, see the class docstring).
 
         Returns:
             ``(shares, every row of the batch)``, or ``([], [])`` while too few groups are
@@ -145,16 +168,50 @@ class SeqlenBalancedSampler(BaseSampler):
         )
         if not groups or (len(groups) < wanted and not kwargs.get("final")):
             return [], []
-        lengths = [self._group_length(g, tags) for g in groups]
+        shares, located = self._partition(
+            groups, dp_size, tags, kwargs.get("row_hosts"), kwargs.get("rank_hosts")
+        )
+        if not located:
+            shares.sort(key=lambda share: min(share, default=len(ready_indexes) + 1 << 62))
+        return shares, [r for g in groups for r in g]
+
+    def _partition(
+        self,
+        groups: list[list[int]],
+        dp_size: int,
+        tags: Mapping[int, Mapping[str, Any]] | None,
+        row_hosts: Mapping[int, str] | None,
+        rank_hosts: Sequence[str] | None,
+    ) -> tuple[list[list[int]], bool]:
+        """The groups split into ``dp_size`` token-balanced shares of rows, and whether
+        they were split by locality (then ``shares[r]`` is rank ``r``'s)."""
+        rows = [[self._row_length(r, tags) for r in g] for g in groups]
+        lengths = [sum(g) for g in rows]
+        # A short final batch may not divide evenly: pad with zero-length dummies so the
+        # equal-size split still applies, then drop them (group counts differ by at most 1).
         n_real = len(groups)
         lengths.extend([0] * (-n_real % dp_size))
         parts = karmarkar_karp(lengths, dp_size, equal_size=True)
+        located = False
+        if row_hosts is not None and rank_hosts is not None:
+            located = len(rank_hosts) == dp_size and any(rank_hosts)
+        if located and row_hosts is not None and rank_hosts is not None:
+            where: list[dict[str, int]] = []
+            for g, row_lengths in zip(groups, rows, strict=True):
+                tokens: dict[str, int] = {}
+                for r, n in zip(g, row_lengths, strict=True):
+                    host = row_hosts.get(r, "")
+                    tokens[host] = tokens.get(host, 0) + n
+                where.append(tokens)
+            where.extend({} for _ in range(len(lengths) - n_real))
+            parts = balance_by_host(
+                lengths, where, [str(h or "") for h in rank_hosts], parts, self.locality_slack
+            )
         shares = []
         for part in parts:
             chosen = sorted((groups[i] for i in part if i < n_real), key=min)
             shares.append([r for g in chosen for r in g])
-        shares.sort(key=lambda share: min(share, default=len(ready_indexes) + 1 << 62))
-        return shares, [r for g in groups for r in g]
+        return shares, located
 
     @property
     def cache_size(self) -> int:
@@ -193,7 +250,9 @@ class SeqlenBalancedSampler(BaseSampler):
             tags: ``row -> tags`` view; every sampled row needs a ``length_key`` tag.
             origin: ``row -> (first row of its put, offset in the put)``.
             final: no more rows can become ready: split the whole groups that are left.
-            **kwargs: other context; ``replays_served`` sets the read count.
+            **kwargs: other context; ``replays_served`` sets the read count; ``row_hosts``
+                (``row -> host id``) and ``rank_hosts`` (each rank's host id) split the
+                batch by locality (see the class docstring).
 
         Returns:
             ``(share, all_rows_of_the_batch)`` for the batch's first request,
@@ -228,7 +287,16 @@ class SeqlenBalancedSampler(BaseSampler):
                     "times; set n_replicas to the number of readers per rank"
                 )
             return share, []
-        shares = self._split(ready_indexes, batch_size, tags, origin, final, partition_id)
+        shares = self._split(
+            ready_indexes,
+            batch_size,
+            tags,
+            origin,
+            final,
+            partition_id,
+            kwargs.get("row_hosts"),
+            kwargs.get("rank_hosts"),
+        )
         if not shares:
             return [], []
         if len(shares) == 1 and self.dp_size > 1:  # a dropped tail: consumed, never delivered
@@ -247,6 +315,8 @@ class SeqlenBalancedSampler(BaseSampler):
         origin: Mapping[int, tuple[int, int]] | None,
         final: bool,
         partition_id: str,
+        row_hosts: Mapping[int, str] | None = None,
+        rank_hosts: Sequence[str] | None = None,
     ) -> list[list[int]]:
         n = self.n_samples_per_prompt
         check_group_size(n, batch_size)
@@ -276,33 +346,20 @@ class SeqlenBalancedSampler(BaseSampler):
                     "rank would get no rows; put a multiple of dp_size groups, clear the "
                     "leftover rows, or build the sampler with tail='drop' or 'uneven'"
                 )
-        lengths = [self._group_length(g, tags) for g in groups]
-        # A short final batch may not divide evenly: pad with zero-length dummies so the
-        # equal-size split still applies, then drop them (group counts differ by at most 1).
-        n_real = len(groups)
-        lengths.extend([0] * (-n_real % self.dp_size))
-        parts = karmarkar_karp(lengths, self.dp_size, equal_size=True)
-        shares: list[list[int]] = []
-        for part in parts:
-            chosen = sorted((groups[i] for i in part if i < n_real), key=min)
-            shares.append([r for g in chosen for r in g])
-        return shares
+        return self._partition(groups, self.dp_size, tags, row_hosts, rank_hosts)[0]
 
-    def _group_length(self, group: list[int], tags: Mapping[int, Mapping[str, Any]] | None) -> int:
-        total = 0
-        for row in group:
-            row_tags = None if tags is None else tags.get(row)
-            length = None if row_tags is None else row_tags.get(self.length_key)
-            if length is None:
-                length = self.missing_length
-            if length is None:
-                raise ValueError(
-                    f"row {row} has no {self.length_key!r} tag; put it with "
-                    f"tags=[{{{self.length_key!r}: <token count>}}, ...] (or set_tags) so "
-                    f"{type(self).__name__} can balance, or set length_key"
-                )
-            total += int(length)
-        return total
+    def _row_length(self, row: int, tags: Mapping[int, Mapping[str, Any]] | None) -> int:
+        row_tags = None if tags is None else tags.get(row)
+        length = None if row_tags is None else row_tags.get(self.length_key)
+        if length is None:
+            length = self.missing_length
+        if length is None:
+            raise ValueError(
+                f"row {row} has no {self.length_key!r} tag; put it with "
+                f"tags=[{{{self.length_key!r}: <token count>}}, ...] (or set_tags) so "
+                f"{type(self).__name__} can balance, or set length_key"
+            )
+        return int(length)
 
     def clear_partition(self, partition_id: str) -> None:
         """Forget every batch of ``partition_id``.

@@ -18,6 +18,7 @@ from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._primitives import run_each
 from ..._wire._codec import check_text, tags_for_wire
+from ..._wire._listing import KVListing
 from ..._wire._protocol import (
     AcquireRollout,
     CheckConsumption,
@@ -26,6 +27,7 @@ from ..._wire._protocol import (
     ClearSamples,
     ConsumptionStatus,
     KVClear,
+    KVColumns,
     KVKeys,
     KVList,
     KVLookup,
@@ -57,6 +59,10 @@ from ._get import GetPath
 from ._put import PutPath
 
 __all__ = ["ControlCalls"]
+
+#: a ``kv_list`` answer: each partition packed (`KVColumns`), or as a map from a controller
+#: that does not pack
+_KV_LISTING = dict[str, KVColumns | dict[str, dict[str, Any]]]
 
 log = get_logger(__name__)
 
@@ -218,7 +224,8 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        await self._links.ctl().request(body, timeout=deadline, on_abandon=on_abandon)
+        controller = await self._links.controller_link()
+        await controller.request(body, timeout=deadline, on_abandon=on_abandon)
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
@@ -341,12 +348,16 @@ class ControlCalls:
         )
         return await self._gets.get_data(meta)
 
-    async def kv_list(
-        self, partition_id: str | None = None
-    ) -> dict[str, dict[str, dict[str, Any]]]:
-        """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
-        listing = await self._links.call(KVList(partition_id), dict[str, dict[str, dict[str, Any]]])
-        return dict(listing)
+    async def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
+        """``{partition_id: {key: tags}}`` for one partition, or for all when None; each
+        partition's listing decoded when first read (see `KVListing`)."""
+        listing = await self._links.call(KVList(partition_id, packed=True), _KV_LISTING)
+        return {
+            pid: KVListing(n=got.n, keys=got.keys, tags=got.tags)
+            if isinstance(got, KVColumns)
+            else KVListing(got)  # a controller that does not pack
+            for pid, got in listing.items()
+        }
 
     async def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put)."""

@@ -51,6 +51,7 @@ from ..._service._serve import check_address
 from ..._transport._dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL
 from ..._transport._hosts import resolve_host_id
 from ..._transport._security import CurveClient
+from ..._wire._listing import KVListing
 from ..._wire._protocol import check_int, check_seconds
 from .._options import ClientOptions
 from ._base import Links
@@ -186,6 +187,7 @@ class AsyncClient:
             nixl=data_path == "nixl"
             or (data_path == "auto" and shared_memory and curve is None and rdma_present()),
             nixl_forced=data_path == "nixl",
+            same_host=same_host,
         )
         self._links.host_id = resolve_host_id(host_id)
         self._puts = PutPath(self._links, inline_put_bytes=inline_put_bytes)
@@ -235,7 +237,7 @@ class AsyncClient:
         if self._links.controller is not None:
             return self
         # a refused first attempt means nothing listens there: fail now, not at the timeout
-        controller = self._links.controller = self._links.connection(
+        controller = self._links.controller = self._links.controller_connection(
             self.address, refused_is_broken=True
         )
         wait = min(self.connect_timeout, self.request_timeout)
@@ -609,13 +611,15 @@ class AsyncClient:
             ``{unit_id: {"partitions", "rows", "resident_bytes", "shm_bytes",
             "shm_idle_bytes", "shm_cap", "shm_fallbacks", "shm_puts", "shm_reads",
             "nixl_puts", "nixl_reads", "nixl_registered_bytes", "device_bytes",
-            "device_cap", "device_puts", "device_reads", "device_fallbacks"}}``:
+            "device_cap", "device_puts", "device_reads", "device_fallbacks",
+            "shm_locked_bytes", ...}}``:
             cells held, shared memory in use, freed shared memory kept for reuse, the cap
             (0: no shared memory), and puts/reads over the socket because the arena was full
             and through shared memory (totals); puts and reads through NIXL and the memory
             registered with it; the device arena's bytes in use and cap (0: none), puts and
             reads through it, and the times cells went through host memory instead (a put
-            that did not fit, a read by a reader that wants host memory).
+            that did not fit, a read by a reader that wants host memory); shared memory
+            clients hold page-locked for their GPU copies (kept resident).
 
         Raises:
             TQTimeoutError: a unit did not answer within ``request_timeout``.
@@ -841,10 +845,18 @@ class AsyncClient:
         """
         return await self._calls.kv_batch_get(keys, partition_id, select_fields)
 
-    async def kv_list(
-        self, partition_id: str | None = None
-    ) -> dict[str, dict[str, dict[str, Any]]]:
-        """``{partition_id: {key: tags}}`` for one partition, or for all when None."""
+    async def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
+        """``{partition_id: {key: tags}}`` for one partition, or for all when None.
+
+        Each partition's ``{key: tags}`` is a `KVListing`: a mapping that behaves as the
+        dict, decoded when first read (``len()`` decodes nothing, iterating the keys only
+        the keys), so a listing of 100k keys arrives in a few milliseconds.
+
+        Raises:
+            PartitionNotFound: ``partition_id`` does not exist.
+
+        Cancellation: nothing changes (a read).
+        """
         return await self._calls.kv_list(partition_id)
 
     async def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:

@@ -54,6 +54,10 @@ _hello_decoder = msgspec.msgpack.Decoder(DeviceHelloReply | None)
 _grant_decoder = msgspec.msgpack.Decoder(ShmGrant | None)
 
 
+def _discard(_: object) -> None:
+    """Drop a value (what a closer returns that nobody needs)."""
+
+
 def keeps_on_device(t: Any) -> bool:
     """Whether a put may move column ``t`` device to device: a dense tensor on a GPU (on
     the host too, in emulation: tests) of at least `DEVICE_MIN_BYTES`."""
@@ -109,7 +113,7 @@ class DeviceView:
         elif hello.kind == "host":  # emulation: a memfd mapped as shared memory is
             pid, fd = hello.handle.decode().split(":")
             arena = ArenaMap(int(pid), int(fd), hello.size, hello.token)  # checks the token
-            self._close = arena.close
+            self._close = lambda: _discard(arena.close())
             self.tensor = torch.from_numpy(arena.view)
         else:
             raise ValueError(f"unknown device arena kind {hello.kind!r}")

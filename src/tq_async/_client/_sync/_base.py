@@ -31,6 +31,7 @@ from ..._errors import (
     ClosedError,
     InvalidRequestError,
     ProtocolError,
+    StateLostError,
     TQError,
     TQTimeoutError,
 )
@@ -44,6 +45,7 @@ from ..._wire._codec import check_text
 from ..._wire._protocol import (
     Hello,
     HelloReply,
+    ShmFree,
     ShmHello,
     ShmHelloReply,
 )
@@ -113,8 +115,11 @@ class Links:
         busy_poll: float,
         nixl: bool,
         nixl_forced: bool,
+        same_host: bool = True,
     ) -> None:
         self.address = address
+        #: talk to a same-host controller through its verified Unix-socket twin
+        self.same_host = same_host
         self.request_timeout = request_timeout
         self.curve = curve
         self.retry_after = retry_after
@@ -132,6 +137,13 @@ class Links:
         self._epoch_seen = 0
         self._refreshing: Event | None = None
         self._hello: HelloReply | None = None
+        #: the controller's state lineage (`HelloReply.state`) from its last Hello
+        self._lineage = b""
+        #: the connection to the controller broke since its last Hello: the next call finds
+        #: the controller again first (`_rejoin`), one rejoin at a time serving every caller
+        self._must_rejoin = False
+        self._rejoining: Event | None = None
+        self._rejoin_failure: TQError | None = None
         #: locality: this client's host id (sent with hellos, puts and reads), and each
         #: unit's as the controller lists it
         self.host_id = ""
@@ -160,13 +172,15 @@ class Links:
         if self.controller is not None:
             self.controller.close()
             self.controller = None
+        for unit_id, arena in self.arenas.items():
+            chunks = arena.close() if arena is not None else []
+            conn = self.units.get(unit_id)
+            if chunks and conn is not None:  # the unit may give their pages back now
+                conn.send_best_effort(ShmFree([], [], chunks))
+        self.arenas.clear()
         for conn in self.units.values():
             conn.close()
         self.units.clear()
-        for arena in self.arenas.values():
-            if arena is not None:
-                arena.close()
-        self.arenas.clear()
         if self.devices is not None:
             self.devices.close()
 
@@ -185,6 +199,7 @@ class Links:
             self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
         for arena in self.arenas.values():
             if arena is not None:
+                arena.pinned = None  # the parent's registrations: CUDA is not the child's
                 arena.close()  # the child's mapping only
         self.arenas.clear()
         self._refreshing = None
@@ -193,7 +208,7 @@ class Links:
         if old is not None:
             self._inherited.append(old)
             # the same address the parent used (its verified same-host twin, if any)
-            self.controller = self.connection(old.address, known_as=old.known_as)
+            self.controller = self.controller_connection(old.address, known_as=old.known_as)
 
     def connection(
         self,
@@ -216,6 +231,21 @@ class Links:
             known_as=known_as,
         )
 
+    def controller_connection(
+        self, address: str, *, refused_is_broken: bool = False, known_as: str | None = None
+    ) -> BlockingConnection:
+        """A connection to the controller; its break makes the next call find the
+        controller again (`_rejoin`)."""
+        return self.connection(
+            address,
+            refused_is_broken=refused_is_broken,
+            on_disconnect=self._controller_broke,
+            known_as=known_as,
+        )
+
+    def _controller_broke(self) -> None:
+        self._must_rejoin = True
+
     def prefer_ipc(self, hello: HelloReply) -> None:
         """Talk to the controller through its same-host ipc twin, once proven to be the same
         controller (its instance token); otherwise keep the given address."""
@@ -223,7 +253,7 @@ class Links:
             return
         assert hello.ipc is not None
         try:
-            conn = self.connection(hello.ipc, known_as=self.controller.known_as)
+            conn = self.controller_connection(hello.ipc, known_as=self.controller.known_as)
         except BrokenError as exc:  # its listen queue is full: TCP works
             self._link_fell_back(None, str(exc))
             return
@@ -258,6 +288,11 @@ class Links:
         finally:
             self._refreshing = None
             done.set()
+        self._lineage = self._lineage or _lineage(hello)
+        return self._adopt(hello)
+
+    def _adopt(self, hello: HelloReply) -> HelloReply:
+        """Take the units and settings a Hello reply lists."""
         self._hello = hello
         addresses = {u.unit_id: u.address for u in hello.units}
         for unit_id, conn in list(self.units.items()):
@@ -282,10 +317,108 @@ class Links:
             self._epoch_seen = epoch
 
     def ctl(self) -> BlockingConnection:
+        """The connection to the controller as it is (see `controller_link`)."""
         self.check_process()
         if self.controller is None:
             raise ClosedError("the client is not connected; use `with Client.connect(address)`")
         return self.controller
+
+    def controller_link(self) -> BlockingConnection:
+        """The connection to the controller for a request; after it broke, the controller
+        found again first (`_rejoin`).
+
+        Raises:
+            BrokenError: the controller is still away (nothing listens at its address).
+            StateLostError: it restarted without the state this client knew.
+        """
+        conn = self.ctl()
+        if self._must_rejoin or conn.connected is False:
+            return self._rejoin()
+        return conn
+
+    def _rejoin(self) -> BlockingConnection:
+        """Find the controller again after its connection broke (it restarted, paused or
+        the network failed), through the address the program gave: a same-host twin
+        belonged to the old process. Bounded by the request timeout; a refused connection
+        fails at once (nothing listens there yet). The calls that wait for the same rejoin
+        share its outcome.
+
+        Raises:
+            BrokenError: the controller did not answer (the client tries again on the next
+                call).
+            StateLostError: the controller answered with another state lineage: it lost
+                the state this client knew. The client now talks to the new one.
+        """
+        if self._rejoining is not None:
+            self._rejoining.wait()
+            if self._rejoin_failure is not None:
+                raise _again(self._rejoin_failure)
+            # (the rejoiner was cancelled: this call tries itself)
+            return self.controller_link()
+        self._rejoining = done = Event()
+        self._rejoin_failure = None
+        try:
+            lost = self._hello_again()
+        except TQError as exc:
+            self._rejoin_failure = exc
+            raise
+        finally:
+            self._rejoining = None
+            done.set()
+        if lost is not None:
+            self._rejoin_failure = lost
+            raise _again(lost)
+        return self.controller_link()
+
+    def _hello_again(self) -> StateLostError | None:
+        """The rejoin's Hello on a new connection to the controller's given address; the
+        units and the same-host twin taken again. Returns the error the waiting calls raise
+        if the controller lost its state."""
+        conn = self.controller
+        assert conn is not None
+        known_as = conn.known_as
+        if conn.address != known_as or conn.connected is False:
+            # a same-host twin was the old process's; a broken socket is dialled anew, so
+            # that a refusal is immediate (nothing listens yet) and nothing waits on it.
+            # (A TCP link that is back is kept: requests sent since then are on it.)
+            conn.close()
+            self.controller = conn = self.controller_connection(known_as, refused_is_broken=True)
+        self._must_rejoin = False
+        try:
+            payload, _ = conn.request(Hello(host=self.host_id), timeout=self.request_timeout)
+        except BaseException:
+            self._must_rejoin = True
+            raise
+        hello: HelloReply = decode(payload, HelloReply)
+        conn.refused_is_broken = False
+        lineage = _lineage(hello)
+        lost = bool(self._lineage) and bool(lineage) and lineage != self._lineage
+        log.info("found the controller again", address=known_as, state_lost=lost)
+        self._lineage = lineage or self._lineage
+        if lost:
+            self._forget_units()
+        self._adopt(hello)
+        if self.same_host:
+            self.prefer_ipc(hello)
+        if not lost:
+            return None
+        return StateLostError(
+            f"the service at {known_as} restarted without the state this client knew (at "
+            "durability 'memory' a restart loses it; so does a controller started on a new "
+            "data_dir): its partitions, rows, consumption and KV keys are gone, and this "
+            "call was not sent. The next calls go to the new service: put the data again "
+            "(or load a checkpoint), and run the service with --durability process "
+            "--data-dir DIR where a restart must keep its state"
+        )
+
+    def _forget_units(self) -> None:
+        """Drop every unit connection and arena: the units are the new service's."""
+        for unit_id, conn in list(self.units.items()):
+            del self.units[unit_id]
+            self._forget_arena(unit_id)
+            conn.close()
+        self._stands_for.clear()
+        self._relink_at.clear()
 
     def unit(self, unit_id: int) -> BlockingConnection:
         self.check_process()
@@ -455,10 +588,22 @@ class Links:
         *,
         timeout: float | bool | None = True,
     ) -> Any:
-        payload, _ = self.ctl().request(
+        conn = self.controller_link()
+        payload, _ = conn.request(
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return decode(payload, typ)
+
+
+def _lineage(hello: HelloReply) -> bytes:
+    """The controller's state lineage (an older controller gives only its instance)."""
+    return hello.state or hello.instance
+
+
+def _again(exc: TQError) -> TQError:
+    """A new error like ``exc``, for another caller (one raised again would carry the first
+    caller's traceback along)."""
+    return type(exc)(*exc.args)
 
 
 #: seconds a same-host handshake with a storage unit may take before the client uses the

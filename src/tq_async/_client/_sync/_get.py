@@ -24,7 +24,8 @@ from ..._errors import (
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
-from ..._paths._device_copy import check_device, to_device_now
+from ..._paths._device_copy import check_device, copies_to, read_onto, to_device_now
+from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
 from ..._sync_primitives import cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
@@ -34,8 +35,10 @@ from ..._wire._codec import (
     column_value,
     columns_from_batch,
     columns_to_tensordict,
+    torch_dtype,
 )
 from ..._wire._columns import (
+    DENSE,
     Column,
     ColumnHeader,
     column_frame_count,
@@ -93,6 +96,65 @@ def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
     if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
         return run_sync_off_loop(copy)
     return copy()
+
+
+def _read_onto(
+    arena: ArenaMap, stored: StoredColumns, device: torch.device
+) -> tuple[list[Any], dict[int, torch.Tensor]]:
+    """A same-host read onto ``device``: its dense columns copied host to device straight
+    out of the arena (page-locked), by position, and the other columns' frames copied
+    into buffers of our own (`_copy_spans`)."""
+    assert stored.shm_spans is not None
+    spans, n = stored.shm_spans, stored.n_rows
+    in_device_arena = stored.device_spans or []
+    host: list[tuple[int, int]] = []
+    direct: list[tuple[int, tuple[int, int], torch.dtype]] = []
+    pos = 0
+    for j, h in enumerate(stored.columns):
+        if j < len(in_device_arena) and in_device_arena[j]:
+            continue  # read device to device out of the unit's device arena
+        k = column_frame_count(h)
+        mine = spans[pos : pos + k]
+        pos += k
+        dtype = _dense_dtype(h)
+        if dtype is not None and len(mine) == 1 and mine[0][1] == n * h.item_bytes() > 0:
+            direct.append((j, mine[0], dtype))
+        else:
+            host.extend(mine)
+    if pos != len(spans):
+        raise ProtocolError("a storage reply names more shared-memory spans than its columns")
+    frames = _copy_spans(arena, host)
+    if not direct:
+        return frames, {}
+    for _, (off, nbytes), _ in direct:
+        try:
+            arena.check(off, nbytes, "a shared-memory span")
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
+    moved = read_onto(arena, [span for _, span, _ in direct], device)
+    on_device = {
+        j: t.view(dtype).view((n, *stored.columns[j].shape))
+        for (j, _, dtype), t in zip(direct, moved, strict=True)
+    }
+    return frames, on_device
+
+
+def _pinned_target(device: torch.device | None, arena: ArenaMap | None) -> torch.device | None:
+    """``device`` when a read onto it copies straight out of a same-host unit's
+    page-locked memory (see tq_async._paths._pinned), else None."""
+    if device is None or arena is None or not (pin_arena() and copies_to(device)):
+        return None
+    return device
+
+
+def _dense_dtype(header: ColumnHeader) -> torch.dtype | None:
+    """The torch dtype of a dense column (None: not dense, or no torch dtype)."""
+    if header.kind != DENSE or not header.dtype:
+        return None
+    try:
+        return torch_dtype(header.dtype)
+    except ProtocolError:
+        return None
 
 
 def _stored_columns(
@@ -256,7 +318,8 @@ class GetPath:
 
         timeout = query.timeout
         client_deadline = None if timeout is None else timeout + self._links.request_timeout
-        payload, frames = self._links.ctl().request(
+        controller = self._links.controller_link()
+        payload, frames = controller.request(
             req, timeout=client_deadline, on_abandon=on_abandon, cancel_undoes=True
         )
         got: MetaReply = decode(payload, MetaReply)
@@ -334,6 +397,7 @@ class GetPath:
                 view = self._links.devices.link(unit, conn, self._links.request_timeout)
                 if view is not None and view.device.type != device.type:
                     view = None
+            onto = _pinned_target(device, arena)
             get = StoreGet(
                 meta.partition_id,
                 rows,
@@ -342,6 +406,8 @@ class GetPath:
                 shm=shm,
                 device=view is not None,
                 host=self._links.host_id,
+                pinned=onto is not None,
+                task=meta.task_name or "",
             )
             on_device: dict[int, torch.Tensor] | None = None
             if not shm:
@@ -361,11 +427,7 @@ class GetPath:
                     if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
                     if arena is not None:
-                        frames = _copy_spans(arena, stored.shm_spans)
-                        if stored.device_spans is not None:
-                            if view is None or device is None or self._links.devices is None:
-                                raise ProtocolError("an unexpected device arena reply")
-                            on_device = self._links.devices.read(view, stored, device)
+                        frames, on_device = self._read_arena(arena, stored, onto, view, device)
                     else:
                         assert nixl is not None
                         assert self._links.nixl is not None
@@ -388,6 +450,29 @@ class GetPath:
         else:
             run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
+
+    def _read_arena(
+        self,
+        arena: ArenaMap,
+        stored: StoredColumns,
+        onto: torch.device | None,
+        view: Any,
+        device: torch.device | None,
+    ) -> tuple[list[Any], dict[int, torch.Tensor] | None]:
+        """A same-host read's columns out of the unit's arena (onto ``onto`` straight out
+        of page-locked memory) and its device arena (``view``, onto ``device``)."""
+        assert stored.shm_spans is not None
+        on_device: dict[int, torch.Tensor] | None = None
+        if onto is not None:
+            frames, on_device = _read_onto(arena, stored, onto)
+        else:
+            frames = _copy_spans(arena, stored.shm_spans)
+        if stored.device_spans is not None:
+            if view is None or device is None or self._links.devices is None:
+                raise ProtocolError("an unexpected device arena reply")
+            got_device = self._links.devices.read(view, stored, device)
+            on_device = (on_device or {}) | got_device
+        return frames, on_device
 
     def get(self, query: MetaQuery) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their

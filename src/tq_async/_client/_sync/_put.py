@@ -27,7 +27,14 @@ from ..._errors import (
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
-from ..._paths._device_copy import to_host_now
+from ..._paths._device_copy import (
+    DeviceFrame,
+    copy_frames_now,
+    frame_nbytes,
+    stage_frames_now,
+    to_host_now,
+)
+from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
 from ..._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
@@ -286,7 +293,8 @@ class PutPath:
                 undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
                 self._links.controller.send_best_effort(undo)
 
-        payload, _ = self._links.ctl().request(
+        controller = self._links.controller_link()
+        payload, _ = controller.request(
             body,
             frames,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
@@ -321,7 +329,8 @@ class PutPath:
                 if late.put_id:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
-        payload, _ = self._links.ctl().request(
+        controller = self._links.controller_link()
+        payload, _ = controller.request(
             begin,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
@@ -393,9 +402,9 @@ class PutPath:
                 partition_id, rows, headers, placement.incarnation, host=self._links.host_id
             )
             conn, arena = self._links.data_link(unit)
-            host = self._place_device_columns(unit, conn, arena, store, cols)
+            kept = self._place_device_columns(unit, conn, arena, store, cols)
             try:
-                send(unit, conn, arena, store, host)
+                send(unit, conn, arena, store, kept)
             except BaseException:
                 if store.device is not None:  # the unit ignores a grant it consumed
                     conn.send_best_effort(ShmFree([store.device.grant], []))
@@ -406,14 +415,20 @@ class PutPath:
             conn: BlockingConnection,
             arena: ArenaMap | None,
             store: StorePut,
-            host: list[tuple[ColumnHeader, Column]],
+            kept: list[tuple[ColumnHeader, Column | DeviceColumn]],
         ) -> None:
             frames: list[Any] = []
-            for h, c in host:
-                frames.extend(column_to_frames(h, c))
-            big = sum(memoryview(f).nbytes for f in frames) >= _SHM_MIN_BYTES
+            for h, c in kept:
+                if isinstance(c, DeviceColumn):  # copied by its device into the arena
+                    frames.append(DeviceFrame(c.tensor))
+                else:
+                    frames.extend(column_to_frames(h, c))
+            on_device = any(isinstance(f, DeviceFrame) for f in frames)
+            big = on_device or sum(frame_nbytes(f) for f in frames) >= _SHM_MIN_BYTES
             if big and arena is not None and self._store_shm(conn, arena, store, frames):
                 return
+            if on_device:  # the arena is full: through pinned host memory, by socket
+                frames = stage_frames_now(frames)
             if big and arena is None and self._links.nixl is not None:  # another host: NIXL
                 peer = self._links.nixl.link(unit, conn, self._links.request_timeout)
                 if peer is not None and self._links.nixl.put(
@@ -435,10 +450,11 @@ class PutPath:
         arena: ArenaMap | None,
         store: StorePut,
         cols: list[Column | DeviceColumn],
-    ) -> list[tuple[ColumnHeader, Column]]:
+    ) -> list[tuple[ColumnHeader, Column | DeviceColumn]]:
         """Move the device columns of a unit's slice into its device arena (described in
-        ``store.device``) when it has one, else to host memory; the columns left to send as
-        frames, with their headers."""
+        ``store.device``) when it has one; else, to a unit on this host, keep them for
+        their device to copy straight into its shared memory (`DeviceFrame`); else copy
+        them to host memory. The columns left to send, with their headers."""
         held = [(i, c.tensor) for i, c in enumerate(cols) if isinstance(c, DeviceColumn)]
         headers = store.columns
         if not held:
@@ -449,11 +465,13 @@ class PutPath:
             view = devices.link(unit, conn, timeout)
             if view is not None and devices.put(conn, view, store, held, timeout):
                 return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+        if arena is not None and pin_arena():
+            return list(zip(headers, cols, strict=True))
         # through host memory: pinned copies, waited for off the loop
         moved = to_host_now({str(i): t for i, t in held})
         _, _, host_cols = columns_from_batch(moved, allow_pickle=False)
         by_position = {i: c for (i, _), c in zip(held, host_cols, strict=True)}
-        out: list[tuple[ColumnHeader, Column]] = []
+        out: list[tuple[ColumnHeader, Column | DeviceColumn]] = []
         for i, (h, c) in enumerate(zip(headers, cols, strict=True)):
             column = by_position.get(i, c)
             assert _host(column)
@@ -463,9 +481,12 @@ class PutPath:
     def _store_shm(
         self, conn: BlockingConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
     ) -> bool:
-        """Put ``frames`` through the unit's arena; False if it is full (use the socket)."""
-        nbytes = sum(align(memoryview(f).nbytes) for f in frames)
-        payload, _ = conn.request(ShmAlloc(nbytes), timeout=self._links.request_timeout)
+        """Put ``frames`` through the unit's arena; False if it is full (use the socket).
+        `DeviceFrame`s are copied by their device, into page-locked chunks of the grant."""
+        nbytes = sum(align(frame_nbytes(f)) for f in frames)
+        on_device = any(isinstance(f, DeviceFrame) for f in frames)
+        ask = ShmAlloc(nbytes, pinned=on_device)
+        payload, _ = conn.request(ask, timeout=self._links.request_timeout)
         grant: ShmGrant | None = decode(payload, ShmGrant | None)
         if grant is None:
             return False
@@ -476,7 +497,9 @@ class PutPath:
                 raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
             if grant.size < nbytes:
                 raise ProtocolError("a shared-memory grant is smaller than asked for")
-            if nbytes >= THREAD_COPY_BYTES:
+            if on_device:
+                spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
+            elif nbytes >= THREAD_COPY_BYTES:
                 spans = run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)

@@ -1,0 +1,175 @@
+"""Clients ride through a restart of the service they talk to (issue 36, item 4).
+
+Real processes: ``tq-async serve`` (or its ``controller`` role) is killed with SIGKILL and
+started again at the same ``--bind``. A client made before the kill is kept, not re-created:
+
+* while nothing listens, its calls fail with `BrokenError` at once (no hang);
+* once the service is back, it finds it at the address the program gave (a same-host client
+  was on the old process's Unix socket and shared memory, which are gone);
+* at ``durability="memory"`` the new service lost everything: the first calls made before the
+  client learnt of it fail with `StateLostError` saying so (never a silent write into an
+  empty controller), and the next ones work;
+* at ``durability="process"`` the controller recovered its state on its ``--data-dir``: the
+  client simply continues (the same task keeps consuming the same partition, and gets none
+  of the rows it acknowledged before the kill again).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_role
+
+#: the longest a call may take to fail while nothing listens (no hang)
+_FAST = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def _rows(n: int, start: int, width: int = 16) -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(start, start + n, dtype=torch.int64).reshape(n, 1).repeat(1, width)}
+
+
+@contextmanager
+def _serve(bind: str) -> Iterator[subprocess.Popen[bytes]]:
+    with serve_role("--bind", bind, "--storage-units", "1") as (proc, address):
+        assert address == bind
+        yield proc
+
+
+def _unit_arenas() -> set[str]:
+    """The inodes of the storage units' arenas this process maps (``memfd:tq-unit``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[4] for line in f if "memfd:tq-unit" in line}
+
+
+async def _fails_fast(call: Any) -> tq.TQError:
+    t0 = time.monotonic()
+    with pytest.raises(tq.BrokenError) as info:
+        await call()
+    assert time.monotonic() - t0 < _FAST
+    return info.value
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "tcp"])
+@pytest.mark.parametrize("width", [16, 64 * 1024], ids=["inline", "units"])
+async def test_a_client_rides_through_a_serve_restart_at_memory(
+    same_host: bool, width: int
+) -> None:
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        proc = stack.enter_context(_serve(bind))
+        async with tq.AsyncClient.connect(bind, same_host=same_host, request_timeout=10) as c:
+            meta = await c.put(_rows(2, 0, width), "p")
+            assert (await c.get_data(meta))["x"][:, 0].tolist() == [0, 1]
+            before = _unit_arenas()
+            _kill(proc)
+            await _fails_fast(lambda: c.put(_rows(2, 2, width), "q"))
+            proc = stack.enter_context(_serve(bind))
+            # the first call learns that the service restarted without its state
+            lost = await _fails_fast(lambda: c.put(_rows(2, 4, width), "q"))
+            assert isinstance(lost, tq.StateLostError)
+            assert "restarted" in str(lost)
+            assert "memory" in str(lost)
+            assert bind in str(lost)
+            # then the client works against the new service, data path included
+            again = await c.put(_rows(2, 6, width), "q")
+            assert (await c.get_data(again))["x"][:, 0].tolist() == [6, 7]
+            got = await c.get_meta(["x"], 2, "q", "t", timeout=5)
+            assert (await c.get_data(got))["x"][:, 0].tolist() == [6, 7]
+            assert await c.list_partitions() == ["q"]
+            # the dead process's arena is unmapped (its memory freed); the new one mapped
+            after = _unit_arenas()
+            assert not before & after
+            assert len(after) <= 1
+            if not same_host:
+                assert not before
+                assert not after
+
+
+def test_a_blocking_client_rides_through_a_serve_restart_at_memory() -> None:
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        proc = stack.enter_context(_serve(bind))
+        with tq.Client.connect(bind, request_timeout=10) as c:
+            c.put(_rows(2, 0), "p")
+            _kill(proc)
+            t0 = time.monotonic()
+            with pytest.raises(tq.BrokenError):
+                c.put(_rows(2, 2), "q")
+            assert time.monotonic() - t0 < _FAST
+            proc = stack.enter_context(_serve(bind))
+            # the blocking client learns of the old socket's end on its first call after
+            # the restart (it reads nothing between calls): one call may fail with the
+            # plain BrokenError first
+            errors: list[type[BaseException]] = []
+            for _ in range(3):
+                try:
+                    c.put(_rows(2, 4), "q")
+                except tq.BrokenError as exc:
+                    errors.append(type(exc))
+                else:
+                    break
+            assert tq.StateLostError in errors
+            assert len(errors) <= 2
+            meta = c.put(_rows(2, 6), "q")
+            assert c.get_data(meta)["x"][:, 0].tolist() == [6, 7]
+
+
+@contextmanager
+def _controller(bind: str, data_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    args = ("controller", "--bind", bind, "--durability", "process", "--data-dir", str(data_dir))
+    with serve_role(*args) as (proc, _):
+        yield proc
+
+
+async def test_a_client_continues_after_a_durable_controller_restart(tmp_path: Path) -> None:
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        for unit in ("0", "1"):
+            args = ("storage", "--controller", bind, "--unit-id", unit)
+            stack.enter_context(serve_role(*args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            puts = [await c.put(_rows(4, 4 * i), "p") for i in range(4)]
+            first = await c.get_meta(["x"], 8, "p", "t", lease=60.0, timeout=5)
+            acked = (await c.get_data(first))["x"][:, 0].tolist()
+            await c.ack(first)
+            _kill(ctl)
+            await _fails_fast(lambda: c.get_meta(["x"], 4, "p", "t", timeout=5))
+            ctl = stack.enter_context(_controller(bind, tmp_path))
+            # the same client, no StateLostError: the controller kept its state
+            await c.seal("p")
+            rest: list[int] = []
+            while True:
+                got = await c.get_meta(["x"], 4, "p", "t", lease=60.0, timeout=30)
+                if got.end_of_stream:
+                    break
+                rest += (await c.get_data(got))["x"][:, 0].tolist()
+                await c.ack(got)
+            assert not set(rest) & set(acked)  # nothing acknowledged comes again
+            assert sorted(rest + acked) == list(range(16))
+            for i, meta in enumerate(puts):  # the puts' own metas still read
+                want = list(range(4 * i, 4 * i + 4))
+                assert (await c.get_data(meta))["x"][:, 0].tolist() == want
