@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import anyio
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
+from .._controller._journal import UNITS_DIR
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
@@ -317,6 +319,17 @@ def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
     """Start the units, then the controller that knows them; register the metrics."""
     options, registry = plan.options, plan.registry
+    durability, data_dir = options.get("durability", "memory"), options.get("data_dir")
+    unit_dirs: list[str | None] = [None] * plan.num_storage_units
+    if durability != "memory" and data_dir is not None:
+        # each unit's cells under the controller's directory: the whole cluster restarted on
+        # it comes back with its rows (units/unit-N: the same unit every time)
+        unit_dirs = [
+            os.path.join(data_dir, UNITS_DIR, f"unit-{i}") for i in range(plan.num_storage_units)
+        ]
+        for d in unit_dirs:
+            assert d is not None
+            os.makedirs(d, exist_ok=True)
     units = [
         StorageServer(
             i,
@@ -329,6 +342,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             device_index=plan.device_indexes[i],
             host_id=plan.host_ids[i],
             memory_cap=plan.memory_cap,
+            durability=durability if unit_dirs[i] is not None else "memory",
+            data_dir=unit_dirs[i],
         )
         for i in range(plan.num_storage_units)
     ]
