@@ -23,7 +23,7 @@ from .._errors import ConfigError, InvalidRequestError
 from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
-from .._service._config import Config, device_indexes
+from .._service._config import Config, device_indexes, per_unit
 from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
@@ -306,14 +306,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
 
 def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
     """Each unit's host id: one for all, or one per unit (None: each unit finds out)."""
-    if host_id is None or isinstance(host_id, str):
-        return [host_id] * n
-    if len(host_id) != n:
-        raise InvalidRequestError(
-            f"host_id: got {len(host_id)} host ids for {n} storage units; give one for all "
-            "or one per unit"
-        )
-    return list(host_id)
+    return per_unit("host_id", "host ids", host_id, n)
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
