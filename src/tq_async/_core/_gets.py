@@ -134,7 +134,7 @@ class Gets:
         sampler's call; a reply then looks ahead."""
         while isinstance(decision, SampleCall):
             result = decision.run()
-            if inspect.isawaitable(result):
+            if type(result) is not tuple and inspect.isawaitable(result):
                 return Awaiting(decision, result)
             decision, more = self.sampled(req, decision, result, now)
             fx.add(more)
