@@ -134,7 +134,7 @@ class Gets:
         sampler's call; a reply then looks ahead."""
         while isinstance(decision, SampleCall):
             result = decision.run()
-            if inspect.isawaitable(result):
+            if type(result) is not tuple and inspect.isawaitable(result):
                 return Awaiting(decision, result)
             decision, more = self.sampled(req, decision, result, now)
             fx.add(more)
@@ -316,7 +316,8 @@ class Gets:
             if call.stale.kept_rows and req.mode == "fetch":
                 self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
-                p.check_rows(consumed)
+                if consumed != delivered:  # (the same rows were checked just above)
+                    p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
                 count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)

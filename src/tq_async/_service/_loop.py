@@ -142,4 +142,5 @@ class Service:
                 self.send_ok(peer, rid, result.payload, result.frames)
             else:
                 self.send_ok(peer, rid, result)
-        self.record(type(body).__name__, True, msg.t0)
+        if self.metrics.enabled:
+            self.record(type(body).__name__, True, msg.t0)

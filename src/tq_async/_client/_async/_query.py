@@ -16,6 +16,7 @@ from ..._meta import BatchMeta
 from ..._paths._device_copy import check_device
 from ..._wire._codec import check_text
 from ..._wire._protocol import (
+    MAX_INT,
     GetMeta,
     check_also,
     check_int,
@@ -100,24 +101,29 @@ def meta_query(
     Raises:
         InvalidRequestError: an argument is not what the read takes (the message names it).
     """
-    as_nested = check_nested(nested)
-    target = check_device(device)
+    # (every get_meta runs this: a check whose argument is left at its default is skipped,
+    # the defaults being valid)
+    as_nested = nested if nested is False else check_nested(nested)
+    target = None if device is None else check_device(device)
     fields = check_fields(data_fields)
-    check_int("batch_size", batch_size, 1)
+    if type(batch_size) is not int or not 1 <= batch_size <= MAX_INT:
+        check_int("batch_size", batch_size, 1)
     if not isinstance(task_name, str) or not task_name:
         raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
     if not isinstance(partition_id, str) or not partition_id:
         raise InvalidRequestError(f"partition_id must be a non-empty string, got {partition_id!r}")
     check_text("task_name", task_name)
     check_text("partition_id", partition_id)
-    if mode not in ("fetch", "peek"):
+    if mode != "fetch" and mode != "peek":
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-    if isinstance(timeout, bool) or timeout != 0:  # 0: answer now or time out
+    if timeout is not None and (isinstance(timeout, bool) or timeout != 0):  # 0: answer now
         check_seconds("timeout", timeout)
-    check_seconds("lease", lease)
+    if lease is not None:
+        check_seconds("lease", lease)
     cfg = dict(sampling_config) if sampling_config else None
-    _check_dp_config(cfg)
-    check_sampling_config(cfg)
+    if cfg is not None:
+        _check_dp_config(cfg)
+        check_sampling_config(cfg)
     wanted = None if also is None else list(also)
     if wanted is not None:
         check_also(wanted, cfg, mode)
@@ -131,7 +137,7 @@ def meta_query(
         timeout,
         stop_when_consumed,
         lease,
-        lease_ids(ack),
+        None if ack is None else lease_ids(ack),
         wanted,
         as_nested,
         target,
