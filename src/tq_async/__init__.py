@@ -68,6 +68,7 @@ from ._errors import ProtocolError as ProtocolError
 from ._errors import RowsNotFound as RowsNotFound
 from ._errors import SchemaError as SchemaError
 from ._errors import StateLostError as StateLostError
+from ._errors import StorageFullError as StorageFullError
 from ._errors import TQError as TQError
 from ._errors import TQTimeoutError as TQTimeoutError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
@@ -188,6 +189,7 @@ __all__ = [
     "RowsNotFound",
     "SamplerSpec",
     "SchemaError",
+    "StorageFullError",
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StaleRows",

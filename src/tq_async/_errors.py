@@ -28,6 +28,7 @@ __all__ = [
     "ConfigError",
     "AuthenticationError",
     "DeviceError",
+    "StorageFullError",
     "error_from_wire",
     "CALLERS_FAULT",
 ]
@@ -138,6 +139,13 @@ class DeviceError(TQError):
     not enough device memory. Storage units then serve without a device arena (GPU columns go
     through host memory); check ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` on the units'
     host, or lower ``device_cap``.
+    """
+
+
+class StorageFullError(TQError):
+    """A storage unit's disk is full (``ENOSPC``) while it writes a put's cells to its
+    ``data_dir``: that put was not stored and nothing acknowledged before it is lost; the
+    unit keeps serving. Free space on the unit's disk (or clear partitions), then put again.
     """
 
 

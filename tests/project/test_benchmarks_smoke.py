@@ -201,3 +201,18 @@ def test_nixl_vs_zmq_smoke() -> None:
     assert "nixl puts/reads 7/7" in done.stdout  # 5 warm-up and 2 timed, all through NIXL
     assert "NIXL/ZMQ get" in done.stdout
     assert "best calls" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_spill_benchmark_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = _python(
+        "-m", "benchmarks.spill", "--cap-mib", "8", "--dir", str(tmp_path), "--json", env=env
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(proc.stdout.splitlines()[-1])
+    assert doc["spill"]["exact"]
+    assert doc["spill"]["spills"] > 0
+    assert doc["spill"]["disk_reads"] > 0
+    assert doc["spill"]["memory_bytes_after_get"] <= 8 << 20
+    assert {"write", "write_fsync", "read"} <= doc["disk"].keys()

@@ -104,6 +104,7 @@ def test_the_public_names_are_pinned() -> None:
         "StaleRows",
         "StalenessSampler",
         "StateLostError",
+        "StorageFullError",
         "StreamingDataLoader",
         "StreamingDataset",
         "TQError",

@@ -18,6 +18,7 @@ from .._core._state import ControllerState
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
+from .._storage._segments import DISK_INSTANCE
 from .._storage._server import StorageServer
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveServer
@@ -98,10 +99,15 @@ class UnitLinks:
                 (i for i, a in st.units.items() if a == body.address),
                 max([*st.units, *self._registering], default=-1) + 1,
             )
-            return self._register(unit_id, body.address, body.host)
+            return self._register(unit_id, body.address, body.host, body.instance)
         held = st.units.get(unit_id)
-        if held is None or held == body.address or unit_id in st.dead_units:
-            return self._register(unit_id, body.address, body.host)
+        if (
+            held is None
+            or held == body.address
+            or unit_id in st.dead_units
+            or self._returns(unit_id, body.instance)
+        ):
+            return self._register(unit_id, body.address, body.host, body.instance)
         if unit_id in self._registering:
             raise InvalidRequestError(
                 f"another storage unit is registering with id {unit_id} right now; give each "
@@ -111,12 +117,32 @@ class UnitLinks:
             raise _held(unit_id, held)
         self._registering.add(unit_id)
         self.shell.spawn(
-            self._register_if_gone, msg.peer, msg.rid, unit_id, body.address, held, body.host
+            self._register_if_gone,
+            msg.peer,
+            msg.rid,
+            unit_id,
+            body.address,
+            held,
+            body.host,
+            body.instance,
         )
         return DEFERRED
 
+    def _returns(self, unit_id: int, instance: str) -> bool:
+        """Whether a registration under ``unit_id`` with ``instance`` is the unit's own
+        process restarted on its data_dir (its cells outlived the old process): the same
+        durable instance token as the one the controller knew."""
+        return bool(instance) and self._unit_instance.get(unit_id) == instance
+
     async def _register_if_gone(
-        self, peer: bytes, rid: int, unit_id: int, address: str, held: str, host: str = ""
+        self,
+        peer: bytes,
+        rid: int,
+        unit_id: int,
+        address: str,
+        held: str,
+        host: str = "",
+        instance: str = "",
     ) -> None:
         """Register ``address`` under ``unit_id`` unless the unit holding it answers."""
         try:
@@ -131,16 +157,22 @@ class UnitLinks:
             if alive:
                 self.shell.send_error(peer, rid, _held(unit_id, held), "RegisterUnit")
             else:
-                self.shell.send_ok(peer, rid, self._register(unit_id, address, host))
+                self.shell.send_ok(peer, rid, self._register(unit_id, address, host, instance))
         finally:
             self._registering.discard(unit_id)
 
-    def _register(self, unit_id: int, address: str, host: str = "") -> int:
+    def _register(self, unit_id: int, address: str, host: str = "", instance: str = "") -> int:
         old = self.conns.pop(unit_id, None)
         if old is not None:
             old.close()
+        if self._returns(unit_id, instance):
+            log.info("storage unit came back with its cells", unit=unit_id, address=address)
+            self.shell.apply(self.core.unit_returned(unit_id, address, host))
+        else:
+            self.shell.apply(self.core.unit_registered(unit_id, address, host))
         self._unit_instance.pop(unit_id, None)
-        self.shell.apply(self.core.unit_registered(unit_id, address, host))
+        if instance:
+            self._unit_instance[unit_id] = instance
         self.conn(unit_id)
         return unit_id
 
@@ -170,7 +202,11 @@ class UnitLinks:
         shell.apply(shell.core.unit_down(unit_id, shell.now()))
 
     def _unit_refused(self, unit_id: int) -> None:
-        """Reconnecting to a suspended unit was refused: its process is gone, with its data."""
+        """Reconnecting to a suspended unit was refused: its process is gone, with its data
+        -- unless it keeps its cells on disk: then it stays suspended until it comes back
+        (re-registers with its instance token) or ``unit_lost_after`` runs out."""
+        if self._unit_instance.get(unit_id, "").startswith(DISK_INSTANCE):
+            return
         if not self.shell.stopping and unit_id in self.state.suspended:
             self.shell.apply(self.core.unit_lost(unit_id))
 

@@ -116,6 +116,18 @@ class UnitLiveness:
         st.dead_units.discard(unit)  # a restarted unit takes new rows again
         return fx
 
+    def unit_returned(self, unit: int, address: str, host: str = "") -> Effects:
+        """A unit process restarted on its data_dir with the cells its predecessor held
+        (the same instance token): its rows are handed out again, at its new address."""
+        st = self.state
+        if unit not in st.units or unit in st.dead_units:
+            return self.unit_registered(unit, address, host)  # lost meanwhile: rows gone
+        if st.units[unit] != address:
+            st.units_epoch += 1  # clients learn the new address from their next reply
+        st.units[unit] = address
+        st.unit_hosts[unit] = host
+        return self.unit_up(unit)
+
     def on_deadline(self, unit: int, deadline: float, fx: Effects) -> None:
         """A suspended unit's deadline passed: lose it, unless it resumed meanwhile."""
         if self.state.suspended.get(unit) == deadline:

@@ -353,3 +353,7 @@ class ControllerCore:
         """A unit process (re)started under ``unit`` on ``host``: what an earlier one held
         is gone."""
         return self.liveness.unit_registered(unit, address, host)
+
+    def unit_returned(self, unit: int, address: str, host: str = "") -> Effects:
+        """A unit restarted on its data_dir with its cells: its rows come back."""
+        return self.liveness.unit_returned(unit, address, host)

@@ -106,6 +106,9 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         device_cap=config.device_cap,
                         device_index=_one_device_index(config.device_index),
                         host_id=_one_host_id(config.host_id),
+                        durability=config.durability,
+                        data_dir=config.data_dir,
+                        memory_cap=config.memory_cap,
                     )
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
@@ -168,6 +171,7 @@ _CONFIG_FLAGS = {
     "host_id": "host_id",
     "durability": "durability",
     "data_dir": "data_dir",
+    "memory_cap": "memory_cap",
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -333,17 +337,31 @@ def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         "--durability",
         choices=["memory", "process", "fsync"],
         default=argparse.SUPPRESS if in_role else "memory",
-        help="memory: nothing survives a crash (the default, fastest); process: the controller "
-        "acknowledges a change once it is in its journal's files (survives SIGKILL/OOM of the "
-        "controller); fsync: once it is on the disk (survives a machine crash). Storage units "
-        "keep cells in memory at every level for now: see docs/guarantees.md",
+        help="memory: nothing survives a crash (the default, fastest); process: a change is "
+        "acknowledged once it is in the OS's files (survives SIGKILL/OOM of the service); "
+        "fsync: once it is on the disk (survives a machine crash). A `serve storage` unit "
+        "keeps its cells on disk too; an all-in-one serve's units keep them in memory: see "
+        "docs/guarantees.md",
     )
     parser.add_argument(
         "--data-dir",
         default=argparse.SUPPRESS if in_role else None,
         metavar="DIR",
-        help="the controller's journal directory for --durability process/fsync (an existing "
-        "directory: empty, or an earlier controller's, which is then recovered)",
+        help="for --durability process/fsync: the controller's journal directory, or a "
+        "`serve storage` unit's own directory (an existing directory: empty, or the one this "
+        "service used before, which is then recovered)",
+    )
+
+
+def _add_memory_cap(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+    parser.add_argument(
+        "--memory-cap",
+        type=int,
+        default=argparse.SUPPRESS if in_role else None,
+        metavar="BYTES",
+        help="most bytes of cells a storage unit keeps in memory; the least recently used "
+        "ones past it go to disk (--data-dir, or a temporary directory at --durability "
+        "memory) and are read back on demand (default: no bound)",
     )
 
 
@@ -408,6 +426,8 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
     )
     _add_capacity(ctl, in_role=True)
     _add_durability(ctl, in_role=True)
+    _add_durability(unit, in_role=True)
+    _add_memory_cap(unit, in_role=True)
     _add_shm(unit, in_role=True)
     _add_deadlines(ctl, in_role=True)
     for role in (ctl, unit):
@@ -456,6 +476,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_shared(serve, in_role=False)
     _add_capacity(serve, in_role=False)
     _add_durability(serve, in_role=False)
+    _add_memory_cap(serve, in_role=False)
     _add_deadlines(serve, in_role=False)
     _add_shm(serve, in_role=False)
     serve.set_defaults(role=None)

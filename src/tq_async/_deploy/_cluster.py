@@ -79,6 +79,7 @@ async def local_cluster(
     host_id: str | Sequence[str] | None = None,
     durability: str = "memory",
     data_dir: str | None = None,
+    memory_cap: int | None = None,
     config: Config | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Run a controller and ``num_storage_units`` storage units in this event loop.
@@ -128,6 +129,8 @@ async def local_cluster(
             ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
             after a restart of the whole process the rows' cells are gone).
         data_dir: the controller's journal directory (for ``process`` / ``fsync``).
+        memory_cap: most bytes of cells each storage unit keeps in memory; colder ones are
+            spilled to a temporary directory and read back on demand (None: no bound).
         config: the whole deployment as a `Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -162,16 +165,13 @@ async def local_cluster(
         host_id=host_id,
         durability=durability,
         data_dir=data_dir,
+        memory_cap=memory_cap,
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
     plan.sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
     controller_bind = plan.bind or plan.endpoint("controller")
-    if not is_loopback(controller_bind):
-        log.warning(
-            "binding a non-loopback interface: anyone who can reach it can read and write data",
-            address=controller_bind,
-        )
+    _warn_if_exposed(controller_bind)
     raised: list[BaseException] = []  # what the caller's block raised, if anything
     hosting = host_services()  # blocking clients on this loop's thread fail at once
     try:
@@ -199,6 +199,14 @@ async def local_cluster(
         raise raised[0]
 
 
+def _warn_if_exposed(bind: str) -> None:
+    if not is_loopback(bind):
+        log.warning(
+            "binding a non-loopback interface: anyone who can reach it can read and write data",
+            address=bind,
+        )
+
+
 @dataclass
 class _Plan:
     """``local_cluster``'s arguments once a Config is folded in, and what it started."""
@@ -222,6 +230,8 @@ class _Plan:
     #: where new rows go (Config.placement), and each unit's host id (None: found out)
     placement: str = "auto"
     host_ids: list[str | None] = field(default_factory=list)
+    #: bytes of cells each unit keeps in memory (Config.memory_cap; None: no bound)
+    memory_cap: int | None = None
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"
@@ -257,6 +267,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
             "data_path": config.data_path,
             "placement": config.placement,
             "host_id": config.host_id,
+            "memory_cap": config.memory_cap,
         }
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
@@ -286,6 +297,7 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         plan.device_cap = config.device_cap
         plan.device_indexes = device_indexes(config.device_index, plan.num_storage_units)
     plan.placement = check_placement(given["placement"])
+    plan.memory_cap = given["memory_cap"]
     plan.host_ids = _host_ids(given["host_id"], plan.num_storage_units)
     return plan
 
@@ -316,6 +328,7 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             device_cap=plan.device_cap,
             device_index=plan.device_indexes[i],
             host_id=plan.host_ids[i],
+            memory_cap=plan.memory_cap,
         )
         for i in range(plan.num_storage_units)
     ]
@@ -374,6 +387,7 @@ _CONFIG_COVERS: dict[str, Any] = {
     "host_id": None,
     "durability": "memory",
     "data_dir": None,
+    "memory_cap": None,
 }
 
 

@@ -341,7 +341,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             the disk: survives a machine crash). See ``docs/guarantees.md``.
         data_dir: the controller's journal directory for ``process`` / ``fsync`` (an
             existing directory, empty or an earlier controller's: a controller started on it
-            recovers). Storage units keep their cells in memory at every level for now.
+            recovers). For ``tq-async serve storage`` it is the unit's own directory: the unit
+            keeps its cells there too and a unit started on it comes back with them. The
+            units of an all-in-one cluster keep their cells in memory.
+        memory_cap: most bytes of cells a storage unit keeps in memory (None: no bound, the
+            default); the least recently used ones past it go to disk and are read back on
+            demand, at every durability level (at ``memory`` into a scratch directory under
+            ``data_dir``, or the system's temporary directory, removed when the unit stops).
+            See ``docs/deployment.md``, "Cells on disk".
     """
 
     num_storage_units: int = 2
@@ -369,6 +376,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve: CurveSection | None = None
     durability: Literal["memory", "process", "fsync"] = "memory"
     data_dir: str | None = None
+    memory_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.durability != "memory" and self.data_dir is None:
@@ -376,6 +384,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"data_dir: durability {self.durability!r} keeps the controller's state in a "
                 'directory; give data_dir (e.g. data_dir = "/var/lib/tq-async/controller")'
             )
+        if self.memory_cap is not None and self.memory_cap < 0:
+            raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
         if self.device_cap < 0:

@@ -173,6 +173,7 @@ async def register_unit(
     timeout: float = 30.0,
     curve: CurveClient | None = None,
     host: str = "",
+    instance: str = "",
 ) -> int:
     """Announce a storage unit to a controller; returns the unit's id.
 
@@ -184,6 +185,8 @@ async def register_unit(
             controller that starts within this time is found).
         curve: CURVE keys to reach a controller that requires them.
         host: the unit's host id (placement prefers units on a producer's host).
+        instance: the unit's instance token (a unit restarted on its data_dir sends the one
+            it had: its rows come back instead of being declared lost).
 
     Returns:
         The registered id (``unit_id``, or the one the controller chose).
@@ -197,7 +200,7 @@ async def register_unit(
     conn = DealerConnection(controller, curve=curve)
     try:
         payload, _ = await conn.request(
-            RegisterUnit(requested, address, host=host), timeout=timeout
+            RegisterUnit(requested, address, host=host, instance=instance), timeout=timeout
         )
     except TQTimeoutError:
         raise TQTimeoutError(
@@ -302,6 +305,9 @@ async def serve_storage(
     device_cap: int = 0,
     device_index: int = 0,
     host_id: str | None = None,
+    durability: str = "memory",
+    data_dir: str | None = None,
+    memory_cap: int | None = None,
     task_status: TaskStatus[tuple[int, str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one storage unit: bind, register with ``controller``, serve until cancelled.
@@ -327,11 +333,17 @@ async def serve_storage(
         device_index: which GPU holds them.
         host_id: this unit's host id (default: ``$TQ_HOST_ID``, the Ray node id or the
             machine's; see ``docs/deployment.md``, "Locality").
+        durability: ``"memory"`` (cells in memory only), ``"process"`` or ``"fsync"``: the
+            unit keeps its cells in segment files under ``data_dir`` too, and a unit started
+            again on that directory comes back with them (see ``docs/guarantees.md``).
+        data_dir: the unit's own directory (at ``memory``: where spilled cells go).
+        memory_cap: most bytes of cells in memory; colder ones go to disk (None: no bound).
 
     Raises:
         BrokenError: ``bind`` could not be bound.
         TQTimeoutError: the controller did not answer within ``register_timeout``.
         InvalidRequestError: the controller refused the registration.
+        ConfigError: a bad ``data_dir`` (missing, another unit's, in use).
     """
     if unit_id is not None and unit_id < 0:
         raise InvalidRequestError(f"unit_id must be >= 0, got {unit_id}")
@@ -347,17 +359,24 @@ async def serve_storage(
         device_cap=device_cap,
         device_index=device_index,
         host_id=host_id,
+        durability=durability,
+        data_dir=data_dir,
+        memory_cap=memory_cap,
     )
+    durable = durability != "memory"
     async with anyio.create_task_group() as tg:
         bound: str = await tg.start(unit.serve, bind)
         address = advertised_address(bound, bind, advertise, towards=controller)
-        unit.unit_id = await register_unit(
-            controller,
-            unit_id,
-            address,
-            timeout=register_timeout,
-            curve=curve.as_client() if curve is not None else None,
-            host=unit.host_id,
+        unit.registered(
+            await register_unit(
+                controller,
+                unit.unit_id if unit.unit_id >= 0 else None,
+                address,
+                timeout=register_timeout,
+                curve=curve.as_client() if curve is not None else None,
+                host=unit.host_id,
+                instance=unit.state.instance if durable else "",
+            )
         )
         if metrics_registry is not None:
             metrics_registry.register(storage_collector({unit.unit_id: unit.state}))

@@ -10,6 +10,16 @@ A put through the unit's shared-memory arena (`tq_async._paths._shm`) stores vie
 arena region (freed with the last chunk); `StorageState.read_shm` answers a read with
 arena spans instead of frames. Bytes that leave through a socket are copied out of the arena
 first, since a region may be reused as soon as its rows are gone.
+
+Tiers. A unit with a durable `SegmentStore` (``data_dir`` at durability
+``process`` / ``fsync``) writes each put's chunks to its segment files before the put is
+stored (so before it is acknowledged), and logs clears; a unit restarted on the directory
+gets its cells back with `StorageState.recover` (from the index: the chunks stay on disk until
+read). With ``memory_cap``, chunks in RAM past the cap leave it, least recently used first
+(spilled: to a scratch store at ``memory`` level, already on disk otherwise), and are read back
+when a get needs them. Eviction runs after a put or a read, never inside `StorageState.get`:
+a read's views (and the arena regions they pin) stay valid until it is answered. Cells in the
+device arena stay there (never written, never spilled).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import secrets
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from .._core._state import stale_incarnation
-from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
+from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError, TQError
+from .._logging import get_logger
 from .._paths._device import DeviceArena, DeviceCells
 from .._paths._nixl import UnitNixl
 from .._paths._shm import PAGE, Arena, Region, align
@@ -42,11 +54,16 @@ from .._wire._columns import (
     take_rows,
 )
 from .._wire._protocol import StoredColumns, StoreStatsReply
+from ._segments import ChunkRecord, ClearRecord, Extent, PutRecord, SegmentStore
 
 __all__ = ["OverBudget", "StorageState"]
 
+log = get_logger(__name__)
+
 #: cleared incarnations remembered per unit (a late put into one of them is refused)
 _RETIRED = 4096
+#: the index is rewritten once it holds this many records more than twice the live chunks
+_REWRITE_SLACK = 4096
 
 
 class OverBudget(Exception):
@@ -67,23 +84,36 @@ _POSITION = (1 << _CELL_BITS) - 1
 
 
 class _Chunk:
-    __slots__ = ("column", "device", "header", "live", "nbytes", "region")
+    __slots__ = ("column", "device", "extent", "header", "live", "n", "nbytes", "region")
 
     def __init__(
         self,
         header: ColumnHeader,
-        column: Column | DeviceCells,
+        column: Column | DeviceCells | None,
         region: Region | None,
         device: Region | None = None,
+        *,
+        extent: Extent | None = None,
+        n: int = 0,
     ) -> None:
         self.header = header
+        #: the cells in memory (None: only on disk, at ``extent``)
         self.column = column
-        self.live = len(column)
-        self.nbytes = column.nbytes if isinstance(column, DeviceCells) else column_nbytes(column)
+        self.n = n if column is None else len(column)
+        self.live = self.n
+        if column is None:
+            assert extent is not None
+            self.nbytes = extent.nbytes
+        else:
+            self.nbytes = (
+                column.nbytes if isinstance(column, DeviceCells) else column_nbytes(column)
+            )
         #: the arena region the column's views point into (None: message frames)
         self.region = region
         #: the device arena region the cells are in (``column`` is then DeviceCells)
         self.device = device
+        #: where the cells are on disk (None: in memory only)
+        self.extent = extent
 
 
 class StorageState:
@@ -92,13 +122,42 @@ class StorageState:
     Args:
         allow_pickle: accept pickled columns.
         arena: the unit's shared memory, if any (regions of chunks are released into it).
+        disk: where cells go on disk: a durable store (every put is written, clears are
+            logged, `recover` reads it back) or a scratch one (spilled cells only).
+        memory_cap: most bytes of cells kept in memory (None: no bound); needs ``disk``.
+        instance: the unit's instance token (default: a new random one; a durable unit's
+            comes from its directory, so that the controller knows its cells survived).
     """
 
-    def __init__(self, *, allow_pickle: bool = False, arena: Arena | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        arena: Arena | None = None,
+        disk: SegmentStore | None = None,
+        memory_cap: int | None = None,
+        instance: str | None = None,
+    ) -> None:
+        if memory_cap is not None and (memory_cap < 0 or disk is None):
+            raise InvalidRequestError(
+                f"memory_cap must be >= 0 and needs a disk to spill to, got {memory_cap}"
+            )
         self.allow_pickle = allow_pickle
         #: random per process: the controller tells a resumed unit from a restarted one
-        self.instance = secrets.token_hex(8)
+        self.instance = instance or secrets.token_hex(8)
         self.arena = arena
+        self.disk = disk
+        #: written on every put (a durable store), not only when spilled
+        self._durable = disk is not None and disk.durable
+        self.memory_cap = memory_cap
+        #: bytes of cells in memory (host memory: the arena or message frames, not a device)
+        self.memory_bytes = 0
+        #: chunks in memory that may leave it, least recently used first (with memory_cap)
+        self._lru: OrderedDict[int, _Chunk] = OrderedDict()
+        #: chunks spilled from memory, and chunks read back from disk
+        self.spills = 0
+        self.disk_reads = 0
+        self._replaying = False
         #: the unit's device arena, if any (see `tq_async._paths._device`; set by the server)
         self.device: DeviceArena | None = None
         #: the unit's NIXL agent with the arena registered (set by the server; None: no NIXL)
@@ -187,6 +246,7 @@ class StorageState:
         if expected != len(frames):
             raise ProtocolError(f"StorePut carries {len(frames)} frames, its header {expected}")
         chunks: list[_Chunk] = []
+        chunk_frames: list[Any] = []
         pos = 0
         for i, h in enumerate(headers):
             if h.kind == "pickle" and not self.allow_pickle:
@@ -203,7 +263,10 @@ class StorageState:
                 continue
             k = column_frame_count(h)
             chunks.append(_Chunk(h, column_from_frames(h, frames[pos : pos + k], n), region))
+            chunk_frames.append(frames[pos : pos + k])
             pos += k
+        if self._durable and not self._replaying and chunk_frames:
+            self._write(partition_id, incarnation, rows, chunks, chunk_frames)
         if region is not None:
             region.refs += sum(c.region is not None for c in chunks)
         if device is not None:
@@ -211,15 +274,57 @@ class StorageState:
         fields = self._index.setdefault(partition_id, {})
         for chunk in chunks:
             index = fields.setdefault(chunk.header.name, {})
-            self.resident_bytes += chunk.nbytes
-            serial = next(self._serials)
-            self._chunks[serial] = chunk
+            serial = self._add(chunk)
             # cells overwritten release their old chunk; the index is then updated in one C
             # loop (a Python loop over a 1M-row put took most of its time)
             for r in index.keys() & rows:
                 self._drop(index[r] >> _CELL_BITS)
             first = serial << _CELL_BITS
             index.update(zip(rows, range(first, first + n), strict=True))
+        self.evict()
+
+    def _write(
+        self,
+        partition_id: str,
+        incarnation: str | None,
+        rows: Sequence[int],
+        chunks: list[_Chunk],
+        chunk_frames: list[Any],
+    ) -> None:
+        """Write a put's host chunks to disk, data then index record (all or nothing).
+
+        Raises:
+            StorageFullError: the disk is full: nothing of this put is stored.
+        """
+        disk = self.disk
+        assert disk is not None
+        extents = disk.append(chunk_frames)
+        on_host = [c for c in chunks if c.device is None]
+        raw = array("q", rows).tobytes()
+        disk.log(
+            PutRecord(
+                partition_id,
+                incarnation,
+                [
+                    ChunkRecord(c.header, raw, e.segment, e.offset, list(e.sizes), e.crc)
+                    for c, e in zip(on_host, extents, strict=True)
+                ],
+            )
+        )
+        for c, e in zip(on_host, extents, strict=True):
+            c.extent = e
+            disk.ref(e)
+
+    def _add(self, chunk: _Chunk) -> int:
+        """Keep ``chunk``; its serial."""
+        serial = next(self._serials)
+        self._chunks[serial] = chunk
+        self.resident_bytes += chunk.nbytes
+        if chunk.column is not None and chunk.device is None:
+            self.memory_bytes += chunk.nbytes
+            if self.memory_cap is not None:
+                self._lru[serial] = chunk
+        return serial
 
     def _drop(self, serial: int) -> None:
         """One cell of chunk ``serial`` is gone (overwritten or cleared)."""
@@ -228,10 +333,113 @@ class StorageState:
         if chunk.live == 0:
             del self._chunks[serial]
             self.resident_bytes -= chunk.nbytes
+            if chunk.column is not None and chunk.device is None:
+                self.memory_bytes -= chunk.nbytes
+            self._lru.pop(serial, None)
             if chunk.region is not None and self.arena is not None:
                 self.arena.release(chunk.region)
             if chunk.device is not None and self.device is not None:
                 self.device.release(chunk.device)
+            if chunk.extent is not None and self.disk is not None:
+                self.disk.release(chunk.extent)
+
+    # ---- tiers -------------------------------------------------------------------------------
+
+    def evict(self) -> None:
+        """Move the least recently used chunks out of memory until it holds ``memory_cap``.
+
+        A chunk already on disk (durable store) just leaves memory; another is written to the
+        scratch store first (a failure leaves it in memory, with a warning).
+        """
+        cap = self.memory_cap
+        if cap is None or self.memory_bytes <= cap:
+            return
+        disk, lru = self.disk, self._lru
+        assert disk is not None
+        while self.memory_bytes > cap and lru:
+            serial, chunk = lru.popitem(last=False)
+            column = chunk.column
+            assert column is not None
+            assert not isinstance(column, DeviceCells)
+            if chunk.extent is None:
+                try:
+                    chunk.extent = disk.append([column_to_frames(chunk.header, column)])[0]
+                except TQError as exc:
+                    log.warning(
+                        "could not spill cells to disk: they stay in memory past memory_cap",
+                        error=str(exc),
+                    )
+                    lru[serial] = chunk
+                    lru.move_to_end(serial, last=False)
+                    return
+                disk.ref(chunk.extent)
+            chunk.column = None
+            if chunk.region is not None and self.arena is not None:
+                self.arena.release(chunk.region)
+            chunk.region = None
+            self.memory_bytes -= chunk.nbytes
+            self.spills += 1
+
+    def _load(self, serial: int, chunk: _Chunk) -> Column:
+        """Read a spilled chunk back into memory (it is the most recently used now)."""
+        assert chunk.extent is not None
+        assert self.disk is not None
+        column = column_from_frames(chunk.header, self.disk.read(chunk.extent), chunk.n)
+        chunk.column = column
+        self.memory_bytes += chunk.nbytes
+        self.disk_reads += 1
+        if self.memory_cap is not None:
+            self._lru[serial] = chunk
+        return column
+
+    def recover(self) -> int:
+        """Take back the cells of a durable store (from its index: the data stays on disk
+        until read); returns the chunks recovered."""
+        disk = self.disk
+        assert disk is not None
+        assert disk.durable
+        records = disk.load()
+        self._replaying = True
+        try:
+            for rec in records:
+                if isinstance(rec, ClearRecord):
+                    self.clear(rec.partition, rec.rows, incarnation=rec.incarnation)
+                else:
+                    self._restore(rec)
+        finally:
+            self._replaying = False
+        disk.collect()
+        return len(self._chunks)
+
+    def _restore(self, rec: PutRecord) -> None:
+        """Replay a put record: its chunks, on disk, take their rows (as `put` does)."""
+        self._adopt(rec.partition, rec.incarnation)
+        assert self.disk is not None
+        fields = self._index.setdefault(rec.partition, {})
+        for c in rec.chunks:
+            rows = array("q")
+            rows.frombytes(c.rows)
+            pairs = [(r, i) for i, r in enumerate(rows) if r >= 0]
+            if not pairs:
+                continue
+            chunk = _Chunk(c.header, None, None, extent=c.extent, n=len(rows))
+            chunk.live = len(pairs)
+            self.disk.ref(c.extent)
+            index = fields.setdefault(c.header.name, {})
+            first = self._add(chunk) << _CELL_BITS
+            for r in index.keys() & {r for r, _ in pairs}:
+                self._drop(index[r] >> _CELL_BITS)
+            index.update((r, first + i) for r, i in pairs)
+        if not fields:
+            del self._index[rec.partition]
+
+    def _rewrite_index(self) -> None:
+        """Replace the disk's index by one record per live chunk (its dead rows as -1)."""
+        assert self.disk is not None
+        try:
+            self.disk.rewrite(_live_records(self._index, self._chunks, self._incarnation))
+        except OSError as exc:  # the old index stays: it is still right, only longer
+            log.warning("could not rewrite a storage unit's index", error=str(exc))
 
     def get(
         self,
@@ -321,9 +529,14 @@ class StorageState:
         touched: list[_Chunk] | None,
     ) -> None:
         """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
-        chunk = self._chunks[start >> _CELL_BITS]
+        serial = start >> _CELL_BITS
+        chunk = self._chunks[serial]
         a = start & _POSITION
         column = chunk.column
+        if column is None:
+            column = self._load(serial, chunk)
+        elif self.memory_cap is not None and serial in self._lru:
+            self._lru.move_to_end(serial)
         if isinstance(column, DeviceCells):
             pieces.append(column.rows(a, a + end - start))
         else:
@@ -361,6 +574,7 @@ class StorageState:
         if arena is not None:
             # a region may be reused once its rows are gone: what leaves by socket is a copy
             frames = [bytes(f) if arena.offset_of(f) is not None else f for f in frames]
+        self.evict()
         return StoredColumns(len(rows), headers), frames
 
     def read_shm(
@@ -424,6 +638,7 @@ class StorageState:
             region.refs += 1
         if copy is not None:
             pinned.append(copy)
+        self.evict()  # the reply's regions are pinned: what leaves memory now is safe
         stored = StoredColumns(len(rows), headers, shm_spans=spans)
         on_device: list[Region] = []
         if any(device_spans):
@@ -456,6 +671,39 @@ class StorageState:
         if stored is None:
             self._incarnation.pop(partition_id, None)
             return 0
+        if self._durable and not self._replaying:
+            self._log_clear(
+                ClearRecord(partition_id, None if rows is None else list(rows), incarnation)
+            )
+        try:
+            return self._clear(partition_id, stored, rows)
+        finally:
+            if (
+                self._durable
+                and not self._replaying
+                and self.disk is not None
+                and self.disk.records > 2 * len(self._chunks) + _REWRITE_SLACK
+            ):
+                self._rewrite_index()
+
+    def _log_clear(self, record: ClearRecord) -> None:
+        """Record a clear; on a full disk it is done anyway (clearing is how space comes
+        back): a restart may then find those cells again, which nothing refers to."""
+        assert self.disk is not None
+        try:
+            self.disk.log(record)
+        except TQError as exc:
+            log.warning(
+                "could not record a clear on disk; the cells are freed now, but a restart may "
+                "find them again (unreferenced: only their space is lost until their partition "
+                "is cleared again)",
+                partition=record.partition,
+                error=str(exc),
+            )
+
+    def _clear(
+        self, partition_id: str, stored: dict[str, dict[int, int]], rows: Sequence[int] | None
+    ) -> int:
         if rows is None:
             self._incarnation.pop(partition_id, None)
             freed = max((len(ix) for ix in stored.values()), default=0)
@@ -485,30 +733,41 @@ class StorageState:
             reply = StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
             reply.host, reply.locality = self.host, dict(self.locality)
             reply.task_locality = self._task_locality()
+            self._tier_stats(reply)
             return reply
-        return StoreStatsReply(
-            len(self._index),
-            rows,
-            self.resident_bytes,
-            self.instance,
-            shm_bytes=arena.live_bytes,
-            shm_idle_bytes=arena.idle_bytes,
-            shm_cap=arena.cap,
-            shm_fallbacks=arena.fallbacks,
-            shm_puts=arena.puts,
-            shm_reads=arena.reads,
-            nixl_puts=self.nixl.puts if self.nixl is not None else 0,
-            nixl_reads=self.nixl.reads if self.nixl is not None else 0,
-            nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
-            **self._device_stats(),
-            host=self.host,
-            locality=dict(self.locality),
-            shm_locked_bytes=arena.locked_bytes(),
-            task_locality=self._task_locality(),
+        return self._tier_stats(
+            StoreStatsReply(
+                len(self._index),
+                rows,
+                self.resident_bytes,
+                self.instance,
+                shm_bytes=arena.live_bytes,
+                shm_idle_bytes=arena.idle_bytes,
+                shm_cap=arena.cap,
+                shm_fallbacks=arena.fallbacks,
+                shm_puts=arena.puts,
+                shm_reads=arena.reads,
+                nixl_puts=self.nixl.puts if self.nixl is not None else 0,
+                nixl_reads=self.nixl.reads if self.nixl is not None else 0,
+                nixl_registered_bytes=self.nixl.registered_bytes if self.nixl is not None else 0,
+                **self._device_stats(),
+                host=self.host,
+                locality=dict(self.locality),
+                shm_locked_bytes=arena.locked_bytes(),
+                task_locality=self._task_locality(),
+            )
         )
 
     def _task_locality(self) -> dict[str, dict[str, int]]:
         return {task: dict(counts) for task, counts in sorted(self.task_locality.items())}
+
+    def _tier_stats(self, reply: StoreStatsReply) -> StoreStatsReply:
+        reply.memory_bytes = self.memory_bytes
+        reply.memory_cap = self.memory_cap or 0
+        reply.spills, reply.disk_reads = self.spills, self.disk_reads
+        if self.disk is not None:
+            reply.disk_bytes = self.disk.live_bytes
+        return reply
 
     def _device_stats(self) -> dict[str, int]:
         device = self.device
@@ -523,3 +782,33 @@ class StorageState:
             "device_out_bytes": device.out_bytes,
             "device_out_us": int(device.out_seconds * 1e6),
         }
+
+
+def _live_records(
+    stored: dict[str, dict[str, dict[int, int]]],
+    chunks: dict[int, _Chunk],
+    incarnations: dict[str, str],
+) -> list[PutRecord | ClearRecord]:
+    """One put record per live chunk on disk, in the order they were put; rows no longer
+    alive in it are -1 (a rewritten index replays to the same cells)."""
+    live: dict[int, tuple[str, array[int]]] = {}
+    for pid, fields in stored.items():
+        for index in fields.values():
+            for row, cell in index.items():
+                serial = cell >> _CELL_BITS
+                entry = live.get(serial)
+                if entry is None:
+                    if chunks[serial].extent is None:
+                        continue  # in the device arena: never on disk
+                    entry = live[serial] = (pid, array("q", [-1]) * chunks[serial].n)
+                entry[1][cell & _POSITION] = row
+    records: list[PutRecord | ClearRecord] = []
+    for serial, (pid, rows) in sorted(live.items()):
+        chunk = chunks[serial]
+        e = chunk.extent
+        assert e is not None
+        record = ChunkRecord(
+            chunk.header, rows.tobytes(), e.segment, e.offset, list(e.sizes), e.crc
+        )
+        records.append(PutRecord(pid, incarnations.get(pid), [record]))
+    return records

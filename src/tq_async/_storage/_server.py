@@ -13,10 +13,20 @@ A unit is composed of parts, each tested or readable alone:
 
 The server opens and closes them, and dispatches each request (through
 `tq_async._service._loop`) to the part it concerns.
+
+Its cells' tiers (`tq_async._storage._segments`): at durability ``process`` / ``fsync`` the
+unit keeps its cells in segment files under its ``data_dir`` too (a put is answered once its
+bytes are in the OS's files; at ``fsync`` once a group commit, shared by every put waiting,
+synced them), and a unit started on the directory takes them back. With ``memory_cap``,
+cells past it leave memory (at ``memory`` level into a scratch directory, removed on close).
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +34,8 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from .._errors import ClosedError, InvalidRequestError
+from .._errors import ClosedError, ConfigError, InvalidRequestError, TQError
+from .._logging import get_logger
 from .._paths._nixl import Claims, UnitNixl, check_data_path
 from .._paths._shm import Arena, Region
 from .._service._loop import DEFERRED, SENT, Handler, Incoming, Service, WithFrames
@@ -53,9 +64,15 @@ from ._book import Book, Grant, Pin
 from ._cells import OverBudget, StorageState
 from ._device_handlers import DevicePath
 from ._nixl_handlers import NixlPath
+from ._segments import SegmentStore, claim_unit_dir, write_marker
 from ._shm_handlers import ShmPath
 
 __all__ = ["DEFAULT_SHM_CAP", "DEFAULT_SHM_IDLE", "StorageServer"]
+
+log = get_logger(__name__)
+
+#: the lock a running unit holds on its data_dir (a second process on it is refused)
+_LOCK = "tq-async-data-dir.lock"
 
 #: default shared-memory arena per unit (address space; pages are used only once written)
 DEFAULT_SHM_CAP = 1 << 30
@@ -89,6 +106,17 @@ class StorageServer(Service):
         device_index: which GPU (its CUDA index as this process sees it) holds them.
         host_id: this unit's host id (see `tq_async._transport._hosts`; None: found
             out: ``$TQ_HOST_ID``, the Ray node id, or the machine's).
+        durability: ``"memory"`` (cells in memory only), ``"process"`` (a put is answered
+            once its cells are in the files under ``data_dir``) or ``"fsync"`` (once they
+            are on the disk; group commit).
+        data_dir: the unit's own directory (durable levels: an existing one, empty or this
+            unit's, whose cells are taken back; ``memory``: where spill files go).
+        memory_cap: most bytes of cells kept in memory; the least recently used ones past
+            it go to disk and are read back on demand (None: no bound).
+
+    Raises:
+        ConfigError: a durable level without ``data_dir``, or a ``data_dir`` that is
+            missing, another unit's or the controller's, or in use by a running unit.
     """
 
     name = "storage"
@@ -106,7 +134,12 @@ class StorageServer(Service):
         device_cap: int = 0,
         device_index: int = 0,
         host_id: str | None = None,
+        durability: str = "memory",
+        data_dir: str | None = None,
+        memory_cap: int | None = None,
     ) -> None:
+        if memory_cap is not None and memory_cap < 0:
+            raise InvalidRequestError(f"memory_cap must be >= 0 bytes, got {memory_cap}")
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
@@ -117,7 +150,28 @@ class StorageServer(Service):
             )
         self.unit_id = unit_id
         self.curve = curve
-        self.state = StorageState(allow_pickle=allow_pickle)
+        self.data_dir = data_dir
+        self._lock_fd = -1
+        self._scratch: str | None = None
+        disk, instance = self._open_disk(durability, data_dir, memory_cap)
+        self.state = StorageState(
+            allow_pickle=allow_pickle, disk=disk, memory_cap=memory_cap, instance=instance
+        )
+        if disk is not None and disk.durable:
+            t0 = time.perf_counter()
+            chunks = self.state.recover()
+            log.info(
+                "storage unit took back its cells",
+                unit_id=self.unit_id,
+                data_dir=data_dir,
+                chunks=chunks,
+                bytes=disk.live_bytes,
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+        #: fsync level: puts waiting for the next group commit, and what wakes the committer
+        self._sync = disk is not None and disk.sync
+        self._commit_waiters: list[tuple[Incoming, str, Any]] = []
+        self._commit_wake = anyio.Event()
         self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
         self.shm_path = ShmPath(self.state, self.book, cap=shm_cap, idle_bytes=shm_idle_bytes)
@@ -126,6 +180,63 @@ class StorageServer(Service):
         super().__init__(metrics or Metrics(None, "storage"), storage_request_decoder)
         self.handlers = self._handler_table()
         self._tg: TaskGroup | None = None
+
+    def _open_disk(
+        self, durability: str, data_dir: str | None, memory_cap: int | None
+    ) -> tuple[SegmentStore | None, str | None]:
+        """The unit's store on disk (None: memory only) and its instance token."""
+        if durability not in ("memory", "process", "fsync"):
+            raise ConfigError(f"durability: expected memory, process or fsync, got {durability!r}")
+        if durability == "memory":
+            if memory_cap is None:
+                return None, None
+            # spilled cells are scratch: nothing is recovered at this level
+            self._scratch = tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
+            disk = SegmentStore(self._scratch, durable=False)
+            disk.load()
+            return disk, None
+        if data_dir is None:
+            raise ConfigError(
+                f"data_dir: a storage unit at durability {durability!r} keeps its cells in a "
+                "directory of its own; give it one (--data-dir /var/lib/tq-async/unit-0)"
+            )
+        held, instance = claim_unit_dir(data_dir, None if self.unit_id < 0 else self.unit_id)
+        if self.unit_id < 0 and held is not None:
+            self.unit_id = held  # the directory's unit comes back under its id
+        fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(
+                f"data_dir: {data_dir!r} is in use by another running storage unit; give each "
+                "unit its own directory (or stop the other one first)"
+            ) from None
+        self._lock_fd = fd
+        disk = SegmentStore(data_dir, durable=True, sync=durability == "fsync")
+        return disk, instance
+
+    def registered(self, unit_id: int) -> None:
+        """The controller gave this unit ``unit_id``: a durable unit's directory records it."""
+        self.unit_id = unit_id
+        if self._lock_fd >= 0 and self.data_dir is not None:
+            write_marker(self.data_dir, unit_id, self.state.instance)
+
+    def _close_disk(self) -> None:
+        disk = self.state.disk
+        if disk is None:
+            return
+        if disk.sync and disk.pending:
+            try:
+                disk.commit(disk.begin_commit())
+            except TQError as exc:
+                log.error("the last group commit failed at close", error=str(exc))
+        disk.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     @property
     def host_id(self) -> str:
@@ -190,6 +301,8 @@ class StorageServer(Service):
             await self.device_path.open()
             async with anyio.create_task_group() as tg:  # ends (NIXL set up) before the arena
                 self._tg = tg
+                if self._sync:
+                    tg.start_soon(self._group_commits)
                 if self.data_path == "nixl" and self.arena is not None:
                     await self.nixl_path.start()  # asked for: ready before the first client
                 task_status.started(self._endpoint.address)
@@ -201,6 +314,36 @@ class StorageServer(Service):
             self.nixl_path.close()  # deregistered before the arena is unmapped
             self.shm_path.close()
             self.book.reset()
+            self._close_disk()
+
+    async def _group_commits(self) -> None:
+        """fsync level: sync what puts wrote, then answer them; one fsync serves every put
+        that arrived while the previous one ran (group commit)."""
+        disk = self.state.disk
+        assert disk is not None
+        while True:
+            await self._commit_wake.wait()
+            self._commit_wake = anyio.Event()
+            waiters, self._commit_waiters = self._commit_waiters, []
+            commit = disk.begin_commit()
+            try:
+                # a commit taken must run (the next begin_commit waits for it)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(disk.commit, commit)
+            except TQError as exc:
+                for msg, op, _ in waiters:
+                    self.send_error(msg.peer, msg.rid, exc, op)
+                    self.record(op, False, msg.t0)
+                continue
+            for msg, op, reply in waiters:
+                self.send_ok(msg.peer, msg.rid, reply)
+                self.record(op, True, msg.t0)
+
+    def _after_commit(self, msg: Incoming, op: str, reply: Any) -> Any:
+        """``reply``, sent once the next group commit synced what the request wrote."""
+        self._commit_waiters.append((msg, op, reply))
+        self._commit_wake.set()
+        return DEFERRED
 
     # ---- a controller in this process ------------------------------------------------------
 
@@ -219,6 +362,9 @@ class StorageServer(Service):
         ok = False
         try:
             self.state.put(partition_id, rows, headers, frames, incarnation=incarnation)
+            disk = self.state.disk
+            if self._sync and disk is not None:  # a caller in this process: synced here
+                disk.commit(disk.begin_commit())
             ok = True
         finally:
             self._moved("in", host, frames)
@@ -267,13 +413,16 @@ class StorageServer(Service):
             Cancel: self._on_cancel,
         }
 
-    def _on_store_put(self, msg: Incoming, body: StorePut) -> None:
+    def _on_store_put(self, msg: Incoming, body: StorePut) -> Any:
         if body.device is None:
             data = self._store_put(msg, body, None)
         else:
             with self.device_path.put(msg.peer, body) as device:
                 data = self._store_put(msg, body, device)
         self._moved("in", body.host, data)
+        if self._sync:  # answered once the next group commit synced it
+            return self._after_commit(msg, "StorePut", None)
+        return None
 
     def _store_put(
         self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
@@ -303,8 +452,11 @@ class StorageServer(Service):
         self._moved("out", body.host, out, body.task)
         return WithFrames(stored, out)
 
-    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> int:
-        return self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
+    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> Any:
+        freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
+        if self._sync:  # an acknowledged clear survives too (its cells never come back)
+            return self._after_commit(msg, "StoreClear", freed)
+        return freed
 
     def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
         return self.state.stats()

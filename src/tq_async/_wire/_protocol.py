@@ -44,6 +44,9 @@ class RegisterUnit(_Msg):
     address: str
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: the unit's instance token ("": tell it by StoreStats); a unit restarted on its
+    #: data_dir comes back with the token it had, and its rows with it
+    instance: str = ""
 
 
 class PutBegin(_Msg):
@@ -767,6 +770,13 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     #: on others: ``{task: {"out_same_host": n, "out_other_host": n}}`` (reads that named a
     #: task: ``get``/``get_data`` of a fetched batch)
     task_locality: dict[str, dict[str, int]] = {}
+    #: tiers: bytes of cells in host memory and their bound (0: none), bytes of live cells
+    #: in the unit's segment files, chunks spilled from memory and read back from disk
+    memory_bytes: int = 0
+    memory_cap: int = 0
+    disk_bytes: int = 0
+    spills: int = 0
+    disk_reads: int = 0
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,

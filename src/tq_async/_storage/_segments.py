@@ -1,0 +1,599 @@
+"""A storage unit's cells on disk: append-only segment files and an index log.
+
+A plain class (`SegmentStore`) that owns the files under one directory; it knows chunks
+(one column of one put) by where their bytes are (`Extent`), never partitions or rows' meaning:
+the unit's cells (`tq_async._storage._cells`) decide what to write, keep and read back.
+
+Files:
+
+- ``seg-NNNNNNNN.dat``: append-only data, each chunk's frames back to back. A new segment is
+  started past ``segment_bytes``; a segment none of whose chunks is alive any more is deleted
+  (a cleared partition's space comes back).
+- ``index.log``: one record per put (its chunks: header, rows, extent, crc32 of the bytes) and
+  per clear, each ``[length u32][crc32 u32][msgpack]``. A unit restarted on its directory reads
+  this file only, never the data. When it holds many more records than live chunks it is
+  rewritten (one record per live chunk; written aside, then renamed over the old one).
+- ``tq-async-data-dir.json``: the marker saying which unit the directory belongs to, and its
+  instance token (`claim_unit_dir`).
+
+Order of writes: a put's data, then its index record. At ``process`` level both go to the
+operating system at once (``write()``, no fsync): a SIGKILL loses nothing written. At
+``fsync`` level index records wait in memory for the next group commit (`begin_commit` then
+`commit`, run off the event loop): the data segments are fsynced first, then the records are
+written and the index fsynced, so an index record on disk always names data on disk; every
+put waiting for that commit shares its two fsyncs.
+
+A torn tail (a record cut short or with a bad checksum at the end of the index, a chunk whose
+bytes lie past the end of its segment) can only hold writes nobody acknowledged: `load`
+drops it with a warning. A chunk's bytes are checked against its crc32 when read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .._errors import ConfigError, StorageFullError, TQError
+from .._logging import get_logger
+from .._wire._columns import ColumnHeader
+
+__all__ = [
+    "MARKER",
+    "ChunkRecord",
+    "ClearRecord",
+    "Commit",
+    "Extent",
+    "PutRecord",
+    "SegmentStore",
+    "claim_unit_dir",
+]
+
+log = get_logger(__name__)
+
+#: the file naming what a data_dir belongs to (the controller's journal uses the same name)
+MARKER = "tq-async-data-dir.json"
+#: the format of a unit's directory (a unit refuses another)
+FORMAT = 1
+#: a durable unit's instance token starts with this: its cells outlive its process
+DISK_INSTANCE = "disk-"
+_INDEX = "index.log"
+_RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where a chunk's bytes are: ``segment``, from ``offset``, frames of ``sizes`` bytes."""
+
+    segment: int
+    offset: int
+    sizes: tuple[int, ...]
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+class ChunkRecord(msgspec.Struct, array_like=True):
+    """One chunk of a put: its column header, rows (int64, machine order; -1: a position no
+    longer alive, in a rewritten index) and its extent."""
+
+    header: ColumnHeader
+    rows: bytes
+    segment: int
+    offset: int
+    sizes: list[int]
+    crc: int
+
+    @property
+    def extent(self) -> Extent:
+        return Extent(self.segment, self.offset, tuple(self.sizes), self.crc)
+
+
+class PutRecord(msgspec.Struct, array_like=True, tag=0):
+    """A put's chunks (all of them or none: one record)."""
+
+    partition: str
+    incarnation: str | None
+    chunks: list[ChunkRecord]
+
+
+class ClearRecord(msgspec.Struct, array_like=True, tag=1):
+    """A clear (``rows`` None: the whole partition)."""
+
+    partition: str
+    rows: list[int] | None
+    incarnation: str | None
+
+
+Record = PutRecord | ClearRecord
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def _frame(record: Record) -> bytes:
+    payload = _encoder.encode(record)
+    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass(slots=True)
+class Commit:
+    """What one group commit makes durable (taken on the event loop, written off it)."""
+
+    fds: list[int]
+    records: list[bytes]
+    #: file descriptors of full segments, closed once synced
+    closing: list[int] = field(default_factory=list)
+    #: dead segments, deleted once the index no longer needs them
+    dead: list[int] = field(default_factory=list)
+    #: the whole index, rewritten (None: ``records`` are appended)
+    rewrite: list[bytes] | None = None
+
+
+def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:
+    """Check ``directory`` is a new or this unit's; mark it; its unit id and instance token.
+
+    Args:
+        directory: an existing directory: empty (a new unit), or one a unit used before.
+        unit_id: the id the unit is started with (None: the controller assigns one, or the
+            directory's own id is used).
+
+    Returns:
+        The unit id the directory belongs to (None: not known yet) and its instance token.
+
+    Raises:
+        ConfigError: the directory is missing, another unit's or the controller's, not empty
+            and nobody's, or of another format.
+    """
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"data_dir: {directory!r} is not a directory; create it (mkdir -p {directory}) for "
+            "a new storage unit, or pass the directory this unit used before"
+        )
+    marker = os.path.join(directory, MARKER)
+    if not os.path.exists(marker):
+        if os.listdir(directory):
+            raise ConfigError(
+                f"data_dir: {directory!r} is not empty and is no storage unit's; give the unit "
+                "an empty (or its own) directory"
+            )
+        instance = DISK_INSTANCE + secrets.token_hex(8)
+        write_marker(directory, unit_id, instance)
+        return unit_id, instance
+    try:
+        with open(marker) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        mark = {}
+    if not isinstance(mark, dict) or mark.get("kind") != "storage":
+        kind = mark.get("kind", "unknown") if isinstance(mark, dict) else "unknown"
+        raise ConfigError(
+            f"data_dir: {directory!r} belongs to a {kind!s} (see {MARKER}); give each storage "
+            "unit its own directory"
+        )
+    if mark.get("format") != FORMAT:
+        raise ConfigError(
+            f"data_dir: {directory!r} holds cells of format {mark.get('format')}, this version "
+            f"reads format {FORMAT}; move it away to start an empty unit"
+        )
+    held = mark.get("unit_id")
+    if unit_id is not None and held is not None and held != unit_id:
+        raise ConfigError(
+            f"data_dir: {directory!r} belongs to storage unit {held}, not {unit_id}; start "
+            f"unit {held} on it (--unit-id {held}, or no --unit-id), or give unit {unit_id} "
+            "its own directory"
+        )
+    return (unit_id if unit_id is not None else held), str(mark["instance"])
+
+
+def write_marker(directory: str, unit_id: int | None, instance: str) -> None:
+    """Write the marker (aside, then renamed: a crash leaves the old one or the new one)."""
+    marker = os.path.join(directory, MARKER)
+    tmp = marker + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance}, f
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, marker)
+
+
+class SegmentStore:
+    """The segment files and index of one directory (see the module docstring).
+
+    Args:
+        directory: where the files are (claimed by the caller).
+        durable: write an index (a unit restarted on the directory finds its cells); False: a
+            scratch store for spilled cells, nothing to recover.
+        sync: fsync level: index records wait for `commit` (group commit).
+        segment_bytes: a new segment file is started past this size.
+        write: ``write(fd, buffer) -> bytes written`` (``os.write``; tests inject failures).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        durable: bool = True,
+        sync: bool = False,
+        segment_bytes: int = 64 << 20,
+        write: Callable[[int, Any], int] = os.write,
+    ) -> None:
+        self.directory = directory
+        self.durable = durable
+        self.sync = sync
+        self.segment_bytes = segment_bytes
+        self._write = write
+        #: live chunks per segment (a segment with none is deleted, the current one kept)
+        self._live: dict[int, int] = {}
+        self._readers: dict[int, int] = {}
+        self._segment = 0
+        self._fd = -1
+        self._size = 0
+        self._index_fd = -1
+        #: index records written (or waiting for the next commit) since the last rewrite
+        self.records = 0
+        #: fsync level: records and finished segments waiting for the next commit
+        self._pending: list[bytes] = []
+        self._closing: list[int] = []
+        self._dead: list[int] = []
+        self._rewrite: list[bytes] | None = None
+        #: held from `begin_commit` to the end of its `commit`: commits run one at a time, in
+        #: the order they were taken (the index's records stay in order)
+        self._commit_lock = threading.Lock()
+        #: bytes of live chunks in the segment files
+        self.live_bytes = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    # ---- opening -----------------------------------------------------------------------------
+
+    def load(self) -> list[PutRecord | ClearRecord]:
+        """Read the index (never the data): its records in order, the torn tail dropped.
+
+        Opens the files for writing: new data goes to a new segment.
+        """
+        records: list[PutRecord | ClearRecord] = []
+        sizes = self._segment_sizes()
+        path = os.path.join(self.directory, _INDEX)
+        good = 0
+        if self.durable and os.path.exists(path):
+            with open(path, "rb") as f:
+                data = f.read()
+            pos = 0
+            while pos + _RECORD.size <= len(data):
+                n, crc = _RECORD.unpack_from(data, pos)
+                payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
+                if len(payload) < n or zlib.crc32(payload) != crc:
+                    break
+                try:
+                    rec = _decoder.decode(payload)
+                except msgspec.DecodeError:
+                    break
+                pos += _RECORD.size + n
+                records.append(_whole(rec, sizes))
+                good = pos
+            if good < len(data):
+                log.warning(
+                    "discarded the torn tail of a storage unit's index (a write cut short by a "
+                    "crash: nothing in it was acknowledged)",
+                    index=path,
+                    kept_bytes=good,
+                    dropped_bytes=len(data) - good,
+                )
+                with open(path, "r+b") as f:
+                    f.truncate(good)
+        self.records = len(records)
+        self._segment = max(sizes, default=0)
+        if self.durable:
+            self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._roll()
+        return records
+
+    def _segment_sizes(self) -> dict[int, int]:
+        out = {}
+        for name in os.listdir(self.directory):
+            if name.startswith("seg-") and name.endswith(".dat"):
+                try:
+                    out[int(name[4:-4])] = os.path.getsize(os.path.join(self.directory, name))
+                except ValueError:
+                    continue
+        return out
+
+    def _path(self, segment: int) -> str:
+        return os.path.join(self.directory, f"seg-{segment:08d}.dat")
+
+    def _roll(self) -> None:
+        """Start the next segment file (the full one is closed, after its sync at fsync)."""
+        if self._fd >= 0:
+            if self.sync:
+                self._closing.append(self._fd)
+            else:
+                os.close(self._fd)
+            if not self._live.get(self._segment):
+                self._gone(self._segment)
+        self._segment += 1
+        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = 0
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    def append(self, chunks: Sequence[Sequence[Any]]) -> list[Extent]:
+        """Write the frames of ``chunks`` to the current segment (to the OS: no fsync).
+
+        All or nothing: after a failure the segment is cut back to where it was.
+
+        Raises:
+            StorageFullError: the disk is full (ENOSPC, EDQUOT).
+            TQError: another I/O error.
+        """
+        if self._size >= self.segment_bytes:
+            self._roll()
+        start = pos = self._size
+        extents = []
+        try:
+            for frames in chunks:
+                sizes = []
+                crc = 0
+                offset = pos
+                for frame in frames:
+                    view = memoryview(frame).cast("B")
+                    crc = zlib.crc32(view, crc)
+                    self._write_all(view)
+                    sizes.append(view.nbytes)
+                    pos += view.nbytes
+                extents.append(Extent(self._segment, offset, tuple(sizes), crc))
+        except OSError as exc:
+            self._cut(self._fd, start)
+            raise _io_error(exc, self.directory, "writing cells") from exc
+        self._size = pos
+        self.bytes_written += pos - start
+        return extents
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            done += self._write(self._fd, view[done:])
+
+    def _cut(self, fd: int, size: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:  # the index never names what is past ``size``: only waste
+            log.warning("could not cut back a failed write", error=str(exc), dir=self.directory)
+
+    def log(self, record: PutRecord | ClearRecord) -> None:
+        """Add ``record`` to the index: now (process level) or at the next commit (fsync).
+
+        Raises:
+            StorageFullError: the disk is full (the index is cut back: nothing half-written).
+        """
+        if not self.durable:
+            return
+        frame = _frame(record)
+        self.records += 1
+        if self.sync:
+            self._pending.append(frame)
+            return
+        size = os.lseek(self._index_fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            view = memoryview(frame)
+            while done < len(frame):
+                done += self._write(self._index_fd, view[done:])
+        except OSError as exc:
+            self._cut(self._index_fd, size)
+            raise _io_error(exc, self.directory, "writing the index") from exc
+
+    @property
+    def pending(self) -> bool:
+        """Whether a commit has something to do (fsync level)."""
+        return bool(self._pending or self._closing or self._dead or self._rewrite is not None)
+
+    def begin_commit(self) -> Commit:
+        """Take what the next commit writes (on the event loop; `commit` runs in a thread).
+
+        Waits for a commit still running; every `begin_commit` must be followed by its
+        `commit` (which releases the next one)."""
+        self._commit_lock.acquire()
+        commit = Commit([self._fd], self._pending, self._closing, self._dead, self._rewrite)
+        self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
+        return commit
+
+    def commit(self, commit: Commit) -> None:
+        """Make ``commit`` durable: data fsynced, then index records written and fsynced.
+
+        Raises:
+            StorageFullError: the disk is full.
+            TQError: another I/O error.
+        """
+        try:
+            self._commit(commit)
+        finally:
+            self._commit_lock.release()
+
+    def _commit(self, commit: Commit) -> None:
+        try:
+            for fd in [*commit.fds, *commit.closing]:
+                os.fsync(fd)
+            if commit.rewrite is not None:
+                self._replace_index(commit.rewrite)
+            elif commit.records:
+                size = os.lseek(self._index_fd, 0, os.SEEK_END)
+                blob = b"".join(commit.records)
+                try:
+                    view = memoryview(blob)
+                    done = 0
+                    while done < len(blob):
+                        done += self._write(self._index_fd, view[done:])
+                    os.fsync(self._index_fd)
+                except OSError:
+                    self._cut(self._index_fd, size)
+                    raise
+        except OSError as exc:
+            raise _io_error(exc, self.directory, "syncing cells") from exc
+        finally:
+            for fd in commit.closing:
+                os.close(fd)
+        for segment in commit.dead:
+            self._unlink(segment)
+
+    def rewrite(self, records: Sequence[PutRecord | ClearRecord]) -> None:
+        """Replace the index with ``records`` (one per live chunk: the old ones are dead)."""
+        frames = [_frame(r) for r in records]
+        if self.sync:
+            self._pending = []
+            self._rewrite = frames
+        else:
+            self._replace_index(frames)
+        self.records = len(frames)
+
+    def _replace_index(self, frames: list[bytes]) -> None:
+        path = os.path.join(self.directory, _INDEX)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            blob = memoryview(b"".join(frames))
+            done = 0
+            while done < len(blob):
+                done += self._write(fd, blob[done:])
+            if self.sync:
+                os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        if self.sync:
+            dfd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        old, self._index_fd = self._index_fd, os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.close(old)
+
+    # ---- chunks' lives -----------------------------------------------------------------------
+
+    def ref(self, extent: Extent) -> None:
+        """A chunk stored at ``extent`` is alive."""
+        self._live[extent.segment] = self._live.get(extent.segment, 0) + 1
+        self.live_bytes += extent.nbytes
+
+    def release(self, extent: Extent) -> None:
+        """The chunk at ``extent`` is dead; its segment goes when it held the last one."""
+        left = self._live[extent.segment] - 1
+        self.live_bytes -= extent.nbytes
+        if left:
+            self._live[extent.segment] = left
+            return
+        del self._live[extent.segment]
+        if extent.segment != self._segment:
+            self._gone(extent.segment)
+
+    def collect(self) -> None:
+        """Delete every segment no live chunk is in (after a restart's records are applied)."""
+        for segment in self._segment_sizes():
+            if segment != self._segment and segment not in self._live:
+                self._unlink(segment)
+
+    def _gone(self, segment: int) -> None:
+        if self.sync:
+            self._dead.append(segment)  # the index may still name it until the next commit
+        else:
+            self._unlink(segment)
+
+    def _unlink(self, segment: int) -> None:
+        fd = self._readers.pop(segment, None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(segment))
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def read(self, extent: Extent) -> list[memoryview]:
+        """The frames of the chunk at ``extent`` (one read; checked against its crc32).
+
+        Raises:
+            TQError: the bytes are damaged or cannot be read.
+        """
+        fd = self._readers.get(extent.segment)
+        try:
+            if fd is None:
+                fd = self._readers[extent.segment] = os.open(
+                    self._path(extent.segment), os.O_RDONLY
+                )
+            buf = bytearray(extent.nbytes)
+            view = memoryview(buf)
+            done = 0
+            while done < extent.nbytes:
+                got = os.preadv(fd, [view[done:]], extent.offset + done)
+                if got == 0:
+                    break
+                done += got
+        except OSError as exc:
+            raise _io_error(exc, self.directory, "reading cells back") from exc
+        if done < extent.nbytes or zlib.crc32(view) != extent.crc:
+            raise TQError(
+                f"cells in {self._path(extent.segment)} at offset {extent.offset} are damaged "
+                "(checksum mismatch): the disk lost them; these rows cannot be read, clear them "
+                "and put them again"
+            )
+        self.bytes_read += extent.nbytes
+        frames = []
+        pos = 0
+        for n in extent.sizes:
+            frames.append(view[pos : pos + n])
+            pos += n
+        return frames
+
+    def close(self) -> None:
+        """Close every file (a scratch store's directory is removed by its owner)."""
+        for fd in [self._fd, self._index_fd, *self._closing, *self._readers.values()]:
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._index_fd = -1
+        self._closing = []
+        self._readers.clear()
+
+
+def _whole(rec: PutRecord | ClearRecord, sizes: dict[int, int]) -> PutRecord | ClearRecord:
+    """``rec`` without chunks whose bytes are not (all) in their segment (a torn data tail)."""
+    if isinstance(rec, ClearRecord):
+        return rec
+    whole = [c for c in rec.chunks if c.offset + sum(c.sizes) <= sizes.get(c.segment, -1)]
+    if len(whole) < len(rec.chunks):
+        log.warning(
+            "discarded cells of a storage unit whose bytes are missing from their segment (a "
+            "write cut short by a crash, or a segment deleted by hand)",
+            partition=rec.partition,
+            chunks=len(rec.chunks) - len(whole),
+        )
+        rec.chunks = whole
+    return rec
+
+
+def _io_error(exc: OSError, directory: str, doing: str) -> TQError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(
+            f"the storage unit's disk is full ({doing} under {directory}): this request was not "
+            "stored, and nothing acknowledged before it is lost; free space on that disk (or "
+            "clear partitions you no longer need) and put again"
+        )
+    return TQError(
+        f"the storage unit could not use its data_dir {directory} ({doing}: {exc}); check the "
+        "disk, then put again"
+    )

@@ -1,0 +1,177 @@
+"""Storage units that keep their cells on disk, as real processes (issue 36, items 2, 4, 5).
+
+A ``tq-async serve storage --durability LEVEL --data-dir DIR`` unit is killed (SIGKILL) after
+acknowledged puts and started again on its directory (on a new port): it registers with the
+instance token of its directory, the controller resumes it instead of declaring its rows lost,
+and every acknowledged row reads back bit-exactly -- also through ``--memory-cap``, which
+keeps most cells on disk. A unit pointed at another unit's directory, or at one a running
+unit holds, is refused at start with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+import tq_async as tq
+from _cluster_proc import serve_role
+from tq_async._controller._server import ControllerServer
+from tq_async._core._state import ControllerState
+from tq_async._storage._server import StorageServer
+
+_CAP = str(256 << 10)  # most cells of this test are on disk, not in memory
+
+
+def _batch(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random bits (a dense float column with NaN payloads, an int column): a round trip
+    that is not bit-exact shows."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n, 2048), generator=g, dtype=torch.int32)
+    return {"f": bits.view(torch.float32), "i": torch.randint(0, 1 << 40, (n, 3), generator=g)}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return all(
+        torch.equal(
+            got[k].view(torch.int32) if k == "f" else got[k], v.view(torch.int32) if k == "f" else v
+        )
+        for k, v in want.items()
+    )
+
+
+def _unit(address: str, level: str, data_dir: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        "storage",
+        "--controller",
+        address,
+        "--unit-id",
+        "0",
+        "--durability",
+        level,
+        "--data-dir",
+        str(data_dir),
+        *extra,
+    )
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_unit_killed_after_acknowledged_puts_comes_back_with_every_row(
+    tmp_path: Path, level: str
+) -> None:
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = _unit(address, level, data_dir, "--memory-cap", _CAP)
+        with serve_role(*args, line="TQ_UNIT=") as (unit, before):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                acked = []
+                for i in range(12):  # 8 KiB rows: big puts go straight to the unit
+                    batch = _batch(1 + i % 5, i)
+                    acked.append((await client.put(batch, f"p{i % 3}"), batch))
+                cleared = await client.put(_batch(2, 99), "gone")
+                await client.clear_partition("gone")
+                unit.send_signal(signal.SIGKILL)  # right after the last acknowledgement
+                unit.wait(timeout=10)
+                with serve_role(*args, line="TQ_UNIT=") as (_, after):
+                    assert after.split()[0] == "0"
+                    assert after.split()[1] != before.split()[1]  # a new port
+                    for meta, batch in acked:
+                        assert _same(await client.get_data(meta), batch)
+                    lost = await client.lost_rows()
+                    assert lost["dead_units"] == []
+                    assert not any(lost["rows"].values())
+                    # consumers get every row too, and the unit takes new puts
+                    got = await client.get_meta(["f", "i"], 5, "p0", "t", timeout=5)
+                    assert len(got) == 5
+                    new = await client.put(_batch(3, 1000), "p0")
+                    assert _same(await client.get_data(new), _batch(3, 1000))
+                    with pytest.raises(tq.TQError):
+                        await client.get_data(cleared)
+                    stats = (await client.storage_stats())[0]
+                    assert stats["memory_bytes"] <= int(_CAP)
+                    assert stats["disk_reads"] > 0  # read back from its segment files
+
+
+def _refused(*argv: str) -> str:
+    """Start ``tq-async serve ARGV...`` expecting it to refuse; its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    assert done.returncode != 0
+    return done.stderr.decode()
+
+
+def test_a_unit_on_another_units_directory_is_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = _unit(address, "process", data_dir)
+        with serve_role(*args, line="TQ_UNIT="):
+            err = _refused(*args)  # the same directory, while its unit runs
+            assert "in use by another running storage unit" in err
+        other = list(args)
+        other[other.index("--unit-id") + 1] = "1"
+        err = _refused(*other)
+        assert "belongs to storage unit 0" in err
+        ctl_dir = tmp_path / "ctl"
+        ctl_dir.mkdir()
+        (ctl_dir / "tq-async-data-dir.json").write_text('{"kind": "controller", "format": 1}')
+        err = _refused(*_unit(address, "process", ctl_dir))
+        assert "belongs to a controller" in err
+
+
+class _FullDisk:
+    """The unit's write seam: fails with ENOSPC while ``full`` (a full disk, without root)."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def __call__(self, fd: int, data: object) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_full_disk_fails_the_put_and_the_unit_keeps_serving(
+    tmp_path: Path, level: str
+) -> None:
+    """A durable unit in the controller's process (no fixed-size tmpfs here: mounting one
+    needs root, so the disk fills through the store's write seam)."""
+    unit = StorageServer(0, durability=level, data_dir=str(tmp_path))
+    full = _FullDisk()
+    assert unit.state.disk is not None
+    unit.state.disk._write = full  # the seam `SegmentStore(write=...)` takes
+    async with anyio.create_task_group() as tg:
+        addresses = {0: await tg.start(unit.serve, "tcp://127.0.0.1:0")}
+        controller = ControllerServer(ControllerState(addresses), local_units={0: unit})
+        address = await tg.start(controller.serve, "tcp://127.0.0.1:0")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            kept = [(await client.put(_batch(4, 1), "p"), _batch(4, 1))]
+            kept.append((await client.put({"k": torch.arange(3)}, "q"), {"k": torch.arange(3)}))
+            full.full = True
+            with pytest.raises(tq.StorageFullError, match="free space"):
+                await client.put(_batch(4, 2), "p")  # through the unit
+            with pytest.raises(tq.StorageFullError):
+                await client.put({"k": torch.arange(2)}, "q")  # in one message, inline
+            full.full = False  # space was freed
+            for meta, batch in kept:
+                assert _same(await client.get_data(meta), batch)
+            again = await client.put(_batch(2, 3), "p")
+            assert _same(await client.get_data(again), _batch(2, 3))
+        tg.cancel_scope.cancel()
+    restarted = StorageServer(-1, durability=level, data_dir=str(tmp_path))
+    assert restarted.unit_id == 0  # the directory knows its unit
+    assert restarted.state.stats().rows == 6 + 3  # p: 4 + 2 rows, q: 3; nothing of the failed

@@ -1,0 +1,372 @@
+"""A unit's cells on disk (issue 36): `SegmentStore` under `StorageState`, as plain classes.
+
+No sockets, no loop: a durable state restarted on its directory has every cell back (from the
+index, without reading the data), a torn tail is dropped with a warning, damaged bytes are an
+error when read, ``memory_cap`` spills and reads back exactly, cleared space is reclaimed, and
+a full disk fails a put whole while everything stored before stays.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+
+import tq_async as tq
+from tq_async._storage import _cells
+from tq_async._storage._cells import StorageState
+from tq_async._storage._segments import MARKER, SegmentStore, claim_unit_dir
+from tq_async._wire._columns import ColumnHeader, JaggedColumn, column_to_frames
+
+DENSE = ColumnHeader("x", "dense", "int64", (4,))  # 32 bytes per row
+JAGGED = ColumnHeader("j", "jagged", "uint8", ())
+
+
+def frames_of(rows: list[int], seed: int) -> list[Any]:
+    """A dense and a jagged column for ``rows``, their values derived from ``seed``."""
+    dense = np.arange(seed, seed + 4 * len(rows), dtype=np.int64).reshape(len(rows), 4)
+    lengths = np.array([1 + (seed + r) % 7 for r in rows])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = ((np.arange(int(offsets[-1])) + seed) % 251).astype(np.uint8).reshape(-1, 1)
+    frames: list[Any] = [bytearray(dense.tobytes())]
+    frames += [bytearray(bytes(f)) for f in column_to_frames(JAGGED, JaggedColumn(values, offsets))]
+    return frames
+
+
+def put(state: StorageState, pid: str, rows: list[int], seed: int, inc: str = "i1") -> None:
+    state.put(pid, rows, [DENSE, JAGGED], frames_of(rows, seed), incarnation=inc)
+
+
+def cells(state: StorageState, pid: str, rows: list[int]) -> tuple[list[Any], list[bytes]]:
+    """Row by row: the dense row's values and the jagged row's bytes."""
+    _, (x, j) = state.get(pid, rows, ["x", "j"])
+    assert isinstance(j, JaggedColumn)
+    dense = x.data.view(np.int64).reshape(len(rows), 4).tolist()  # type: ignore[union-attr]
+    off = j.offsets
+    jag = [bytes(j.values[off[i] : off[i + 1]].tobytes()) for i in range(len(rows))]
+    return dense, jag
+
+
+def durable(path: Path, **kw: Any) -> StorageState:
+    claim_unit_dir(str(path), 0)
+    state = StorageState(disk=SegmentStore(str(path), **kw))
+    state.recover()
+    return state
+
+
+def test_a_durable_state_comes_back_from_its_index_without_reading_data(tmp_path: Path) -> None:
+    state = durable(tmp_path)
+    put(state, "p", [0, 1, 2, 3], 10)
+    put(state, "p", [2, 3, 4], 20)  # overwrites rows 2 and 3
+    put(state, "q", [0, 1], 30)
+    state.clear("p", [1])
+    put(state, "r", [5], 40)
+    state.clear("r", None)
+    expected = cells(state, "p", [0, 2, 3, 4]), cells(state, "q", [0, 1])
+    state.disk.close()  # type: ignore[union-attr]
+
+    again = StorageState(disk=SegmentStore(str(tmp_path)))
+    assert again.recover() > 0
+    assert again.disk is not None
+    assert again.disk.bytes_read == 0
+    assert again.memory_bytes == 0  # every chunk still on disk
+    assert (cells(again, "p", [0, 2, 3, 4]), cells(again, "q", [0, 1])) == expected
+    with pytest.raises(tq.RowsNotFound):
+        again.get("p", [1], ["x"])
+    with pytest.raises(tq.RowsNotFound):
+        again.get("r", [5], ["x"])
+    assert again.stats().rows == 4 + 2
+
+
+def test_a_torn_index_tail_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    state = durable(tmp_path)
+    put(state, "p", [0, 1], 1)
+    index = tmp_path / "index.log"
+    whole = index.stat().st_size
+    put(state, "p", [2, 3], 2)  # its record is torn below: it was never acknowledged
+    state.disk.close()  # type: ignore[union-attr]
+    with index.open("r+b") as f:
+        f.truncate(whole + (index.stat().st_size - whole) // 2)
+    with structlog.testing.capture_logs() as logs:
+        again = durable(tmp_path)
+    assert any("torn tail" in e["event"] and e["log_level"] == "warning" for e in logs)
+    assert index.stat().st_size == whole  # cut back: the next record follows a whole one
+    assert cells(again, "p", [0, 1]) == cells(_fresh(tmp_path / "model", 1), "p", [0, 1])
+    with pytest.raises(tq.RowsNotFound):
+        again.get("p", [2], ["x"])
+    put(again, "p", [2], 3)
+    again.disk.close()  # type: ignore[union-attr]
+    assert durable(tmp_path).stats().rows == 3
+
+
+def test_a_bad_checksum_at_the_end_of_the_index_is_a_torn_tail(tmp_path: Path) -> None:
+    state = durable(tmp_path)
+    put(state, "p", [0], 1)
+    put(state, "p", [1], 2)
+    state.disk.close()  # type: ignore[union-attr]
+    index = tmp_path / "index.log"
+    data = bytearray(index.read_bytes())
+    data[-1] ^= 0xFF
+    index.write_bytes(bytes(data))
+    with structlog.testing.capture_logs() as logs:
+        again = durable(tmp_path)
+    assert any("torn tail" in e["event"] for e in logs)
+    assert again.stats().rows == 1
+
+
+def test_a_chunk_whose_bytes_were_torn_from_its_segment_is_dropped(tmp_path: Path) -> None:
+    state = durable(tmp_path)
+    put(state, "p", [0, 1], 1)
+    put(state, "q", [0, 1], 2)
+    state.disk.close()  # type: ignore[union-attr]
+    (segment,) = tmp_path.glob("seg-*.dat")
+    with segment.open("r+b") as f:  # as if the index reached the disk and the data did not
+        f.truncate(segment.stat().st_size - 3)
+    with structlog.testing.capture_logs() as logs:
+        again = durable(tmp_path)
+    assert any("missing" in e["event"] for e in logs)
+    assert cells(again, "p", [0, 1]) == cells(_fresh(tmp_path / "model", 1), "p", [0, 1])
+    with pytest.raises(tq.RowsNotFound):
+        again.get("q", [0], ["j"])
+
+
+def test_damaged_bytes_are_an_error_when_read(tmp_path: Path) -> None:
+    state = durable(tmp_path)
+    put(state, "p", [0, 1], 1)
+    state.disk.close()  # type: ignore[union-attr]
+    (segment,) = tmp_path.glob("seg-*.dat")
+    data = bytearray(segment.read_bytes())
+    data[5] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    again = durable(tmp_path)
+    with pytest.raises(tq.TQError, match="damaged"):
+        again.get("p", [0], ["x"])
+
+
+@pytest.mark.parametrize("level", ["memory", "process", "fsync"])
+def test_a_partition_four_times_memory_cap_round_trips_exactly(tmp_path: Path, level: str) -> None:
+    cap = 64 << 10
+    if level == "memory":  # spill only: a scratch store
+        disk = SegmentStore(str(tmp_path), durable=False, segment_bytes=32 << 10)
+        disk.load()
+    else:
+        claim_unit_dir(str(tmp_path), 0)
+        disk = SegmentStore(str(tmp_path), sync=level == "fsync", segment_bytes=32 << 10)
+        disk.load()
+    state = StorageState(disk=disk, memory_cap=cap)
+    model = _fresh(tmp_path / "model", None)
+    rows_per_put = 64  # ~2.4 KiB dense + jagged per put... 4 x cap needs many
+    seed = 0
+    row = 0
+    while state.resident_bytes < 4 * cap:
+        rows = list(range(row, row + rows_per_put))
+        put(state, "p", rows, seed)
+        put(model, "p", rows, seed)
+        assert state.memory_bytes <= cap  # what stays in memory is bounded by the cap
+        seed, row = seed + 1, row + rows_per_put
+    if level == "fsync":
+        disk.commit(disk.begin_commit())
+    assert state.spills > 0
+    all_rows = list(range(row))
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # in order, then shuffled: every cell comes back exactly
+        assert cells(state, "p", all_rows) == cells(model, "p", all_rows)
+        state.evict()
+        assert state.memory_bytes <= cap
+        all_rows = rng.permutation(all_rows).tolist()
+    assert state.disk_reads > 0
+    stats = state.stats()
+    assert stats.memory_bytes <= cap
+    assert stats.memory_cap == cap
+    assert stats.disk_bytes > 0
+    state.clear("p", None)
+    assert state.memory_bytes == 0
+    assert state.resident_bytes == 0
+    assert disk.live_bytes == 0
+    if level == "fsync":  # dead segments go once the index that named them is synced
+        disk.commit(disk.begin_commit())
+    assert len(list(tmp_path.glob("seg-*.dat"))) == 1  # only the segment being written
+
+
+def test_cleared_space_is_reclaimed_and_the_index_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cells, "_REWRITE_SLACK", 8)
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), segment_bytes=4 << 10)
+    disk.load()
+    state = StorageState(disk=disk)
+    for i in range(40):
+        put(state, "old", list(range(i * 16, i * 16 + 16)), i)
+    put(state, "keep", [0, 1, 2], 99)
+    segments = len(list(tmp_path.glob("seg-*.dat")))
+    assert segments > 5
+    for i in range(40):  # row by row: many clear records, then the index is rewritten
+        state.clear("old", list(range(i * 16, i * 16 + 16)))
+    assert len(list(tmp_path.glob("seg-*.dat"))) <= 2  # fully dead segments are deleted
+    assert disk.records < 10  # rewritten: one record per live chunk
+    expected = cells(state, "keep", [0, 1, 2])
+    disk.close()
+    again = durable(tmp_path)
+    assert cells(again, "keep", [0, 1, 2]) == expected
+    assert again.stats().rows == 3
+
+
+class _FullDisk:
+    """A write seam: fails with ENOSPC while ``full`` (what a full disk does)."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def __call__(self, fd: int, data: Any) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)
+
+
+def test_a_full_disk_fails_the_put_whole_and_keeps_what_was_stored(tmp_path: Path) -> None:
+    writer = _FullDisk()
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), write=writer)
+    disk.load()
+    state = StorageState(disk=disk)
+    put(state, "p", [0, 1], 1)
+    before = cells(state, "p", [0, 1])
+    size = os.path.getsize(next(tmp_path.glob("seg-*.dat")))
+    writer.full = True
+    with pytest.raises(tq.StorageFullError, match="free space"):
+        put(state, "p", [1, 2], 2)  # would overwrite row 1: it must not
+    assert os.path.getsize(next(tmp_path.glob("seg-*.dat"))) == size  # cut back
+    assert cells(state, "p", [0, 1]) == before
+    with pytest.raises(tq.RowsNotFound):
+        state.get("p", [2], ["x"])
+    writer.full = False  # space was freed: the unit carries on
+    put(state, "p", [2], 3)
+    writer.full = True  # clearing still works on a full disk: it is how space comes back
+    with structlog.testing.capture_logs() as logs:
+        assert state.clear("other", None) == 0
+        put_ok = state.stats().rows
+        state.clear("p", [2])
+    assert any("could not record a clear" in e["event"] for e in logs)
+    assert state.stats().rows == put_ok - 1
+    disk.close()
+    again = durable(tmp_path)
+    assert cells(again, "p", [0, 1]) == before
+    assert again.stats().rows == 3  # the unrecorded clear's cells are found again
+
+
+def test_a_full_disk_while_spilling_keeps_the_cells_in_memory(tmp_path: Path) -> None:
+    writer = _FullDisk()
+    disk = SegmentStore(str(tmp_path), durable=False, write=writer)
+    disk.load()
+    state = StorageState(disk=disk, memory_cap=1)
+    writer.full = True
+    with structlog.testing.capture_logs() as logs:
+        put(state, "p", [0, 1], 1)
+    assert any("stay in memory" in e["event"] for e in logs)
+    assert state.memory_bytes > 1
+    assert state.spills == 0
+    writer.full = False
+    put(state, "p", [2], 2)
+    assert state.memory_bytes <= 1
+    assert state.spills == 4
+    assert cells(state, "p", [0, 1]) == cells(_fresh(tmp_path / "m", 1), "p", [0, 1])
+
+
+def test_fsync_level_index_records_wait_for_the_group_commit(tmp_path: Path) -> None:
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), sync=True)
+    disk.load()
+    state = StorageState(disk=disk)
+    put(state, "p", [0], 1)
+    put(state, "p", [1], 2)  # two puts, one commit
+    assert disk.pending
+    assert (tmp_path / "index.log").stat().st_size == 0  # a crash now: nothing was acked
+    disk.commit(disk.begin_commit())
+    assert not disk.pending
+    disk.close()
+    assert durable(tmp_path).stats().rows == 2
+
+
+def test_a_unit_directory_is_claimed_once(tmp_path: Path) -> None:
+    unit, instance = claim_unit_dir(str(tmp_path), None)
+    assert unit is None
+    assert instance.startswith("disk-")
+    assert claim_unit_dir(str(tmp_path), 3) == (3, instance)  # the same unit: same token
+    mark = json.loads((tmp_path / MARKER).read_text())
+    mark["unit_id"] = 3
+    (tmp_path / MARKER).write_text(json.dumps(mark))
+    assert claim_unit_dir(str(tmp_path), None) == (3, instance)
+    with pytest.raises(tq.ConfigError, match="belongs to storage unit 3"):
+        claim_unit_dir(str(tmp_path), 4)
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    (ctl / MARKER).write_text(json.dumps({"kind": "controller", "format": 1}))
+    with pytest.raises(tq.ConfigError, match="belongs to a controller"):
+        claim_unit_dir(str(ctl), 0)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(tq.ConfigError, match="not empty"):
+        claim_unit_dir(str(other), 0)
+    with pytest.raises(tq.ConfigError, match="not a directory"):
+        claim_unit_dir(str(tmp_path / "missing"), 0)
+
+
+def _fresh(path: Path, seed: int | None) -> StorageState:
+    """A state in memory only (with partition ``p`` rows 0, 1 put from ``seed``)."""
+    state = StorageState()
+    if seed is not None:
+        put(state, "p", [0, 1], seed)
+    return state
+
+
+async def test_a_cluster_with_memory_cap_streams_a_partition_four_times_its_cap() -> None:
+    """Through real puts and gets (shared memory and socket): exact, memory bounded."""
+    import torch
+
+    cap = 1 << 20
+    async with tq.local_cluster(num_storage_units=1, memory_cap=cap) as cluster:
+        for data_path in ("auto", "zmq"):
+            async with tq.AsyncClient.connect(cluster.address, data_path=data_path) as client:
+                batches = [
+                    torch.randn(64, 1024, generator=torch.Generator().manual_seed(i))
+                    for i in range(16)
+                ]
+                metas = [await client.put({"x": b}, data_path) for b in batches]  # 4 MiB
+                unit = cluster.units[0].state
+                assert unit.memory_bytes <= cap
+                for meta, b in reversed(list(zip(metas, batches, strict=True))):
+                    assert torch.equal((await client.get_data(meta))["x"], b)
+                stats = (await client.storage_stats())[0]
+                assert stats["memory_bytes"] <= cap
+                assert stats["memory_cap"] == cap
+                assert stats["spills"] > 0
+                assert stats["disk_reads"] > 0
+                await client.clear_partition(data_path)
+        assert cluster.units[0].state.disk.live_bytes == 0  # type: ignore[union-attr]
+
+
+def test_memory_cap_in_config_toml_and_cli(tmp_path: Path) -> None:
+    from tq_async._deploy._cli import _build_parser, _given, config_from_args
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("memory_cap = 1000000\n")
+    assert tq.Config.from_toml(toml).memory_cap == 1_000_000
+    with pytest.raises(tq.ConfigError, match="memory_cap"):
+        tq.Config(memory_cap=-1)
+    argv = ["serve", "storage", "--controller", "tcp://127.0.0.1:1", "--memory-cap", "4096"]
+    argv += ["--durability", "process", "--data-dir", str(tmp_path)]
+    parser = _build_parser()
+    config = config_from_args(parser.parse_args(argv), _given(parser, argv))
+    assert (config.memory_cap, config.durability, config.data_dir) == (
+        4096,
+        "process",
+        str(tmp_path),
+    )
