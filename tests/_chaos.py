@@ -119,9 +119,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _wait_line(proc: subprocess.Popen[bytes], prefix: bytes, sink: IO[bytes]) -> str:
+def _wait_line(
+    proc: subprocess.Popen[bytes], prefix: bytes, sink: IO[bytes]
+) -> tuple[str, threading.Thread]:
     """Wait (bounded) for the line starting with ``prefix``; then copy the rest of the
-    process's stdout to ``sink`` in a thread (the pipe never fills)."""
+    process's stdout to ``sink`` in a thread (the pipe never fills), which closes it at its
+    end."""
     from _cluster_proc import _read_address
 
     value = _read_address(proc, prefix)
@@ -129,12 +132,13 @@ def _wait_line(proc: subprocess.Popen[bytes], prefix: bytes, sink: IO[bytes]) ->
     out = proc.stdout
 
     def drain() -> None:
-        for line in out:
-            sink.write(line)
-            sink.flush()
+        with out:
+            for line in out:
+                sink.write(line)
 
-    threading.Thread(target=drain, daemon=True).start()
-    return value
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    return value, thread
 
 
 class Service:
@@ -145,6 +149,7 @@ class Service:
         self.name, self.argv, self.line = name, list(argv), line
         self.log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 (closed in close())
         self.proc: subprocess.Popen[bytes] | None = None
+        self.drain: threading.Thread | None = None
         self.starts = 0
 
     def spawn(self) -> None:
@@ -160,13 +165,25 @@ class Service:
 
     def ready(self) -> str:
         assert self.proc is not None
-        return _wait_line(self.proc, self.line, self.log)
+        value, self.drain = _wait_line(self.proc, self.line, self.log)
+        return value
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
+        self._reap()
+
+    def _reap(self) -> None:
+        """Wait for the dead process and the end of its output."""
+        proc = self.proc
+        if proc is None:
+            return
+        proc.wait(timeout=30)
+        if self.drain is not None:
+            self.drain.join(timeout=30)
+            self.drain = None
+        elif proc.stdout is not None:
+            proc.stdout.close()
 
     def close(self) -> None:
         proc = self.proc
@@ -176,7 +193,7 @@ class Service:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=10)
+        self._reap()
         self.log.close()
 
 
@@ -421,13 +438,14 @@ class Worker:
         self.done = 0  # records of calls that succeeded
         self.progress = progress
         self.log = open(logs / f"{role}.jsonl", "wb")  # noqa: SIM115 (closed in wait())
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "worker", ",".join(roles), *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(logs / f"{role}.stderr", "wb"),  # noqa: SIM115
-            env=_env(),
-        )
+        with open(logs / f"{role}.stderr", "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "worker", ",".join(roles), *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=_env(),
+            )
         self.up = threading.Event()
         self.reader = threading.Thread(target=self._collect, daemon=True)
         self.reader.start()
@@ -439,7 +457,11 @@ class Worker:
 
     def _collect(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        with self.proc.stdout:
+            self._records(self.proc.stdout)
+
+    def _records(self, lines: Iterable[bytes]) -> None:
+        for line in lines:
             self.log.write(line)
             if line.startswith(b"TQ_CHAOS_READY="):
                 self.up.set()
@@ -578,9 +600,7 @@ def run_chaos(
         anyio.run(check, cluster.address, [w.records for w in workers], report, lease)
     finally:
         for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait(timeout=10)
+            w.wait(0)  # (killed if still running)
         cluster.close()
     report.seconds = round(time.monotonic() - t0, 1)
     return report
@@ -612,6 +632,8 @@ async def check(
     report.worker_errors = [
         f"{r['role']}: {r['err']}: {r['msg']}" for r in records if r["t"] == "error"
     ]
+    for e in report.worker_errors:  # a call failed in a way a restart must not cause
+        bad.append(f"unexpected error: {e}")
     reads = [r for r in records if r["t"] == "read"]
     report.reads = len(reads)
     for r in reads:
