@@ -733,8 +733,7 @@ class StorageState:
             reply = StoreStatsReply(len(self._index), rows, self.resident_bytes, self.instance)
             reply.host, reply.locality = self.host, dict(self.locality)
             reply.task_locality = self._task_locality()
-            self._tier_stats(reply)
-            return reply
+            return self._tier_stats(reply)
         return self._tier_stats(
             StoreStatsReply(
                 len(self._index),

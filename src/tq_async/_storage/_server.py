@@ -23,12 +23,14 @@ cells past it leave memory (at ``memory`` level into a scratch directory, remove
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -172,6 +174,12 @@ class StorageServer(Service):
         self._sync = disk is not None and disk.sync
         self._commit_waiters: list[tuple[Incoming, str, Any]] = []
         self._commit_wake = anyio.Event()
+        #: the thread group commits run in: submitted without yielding to the loop, so a
+        #: commit of a put from this process (`store_local`, which waits for the one in
+        #: flight) never waits for a thread the loop has yet to start
+        self._committer = (
+            ThreadPoolExecutor(1, thread_name_prefix="tq-unit-fsync") if self._sync else None
+        )
         self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
         self.shm_path = ShmPath(self.state, self.book, cap=shm_cap, idle_bytes=shm_idle_bytes)
@@ -226,6 +234,8 @@ class StorageServer(Service):
         disk = self.state.disk
         if disk is None:
             return
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
         if disk.sync and disk.pending:
             try:
                 disk.commit(disk.begin_commit())
@@ -325,11 +335,12 @@ class StorageServer(Service):
             await self._commit_wake.wait()
             self._commit_wake = anyio.Event()
             waiters, self._commit_waiters = self._commit_waiters, []
-            commit = disk.begin_commit()
+            assert self._committer is not None
+            future = self._committer.submit(disk.commit, disk.begin_commit())
             try:
                 # a commit taken must run (the next begin_commit waits for it)
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(disk.commit, commit)
+                    await asyncio.wrap_future(future)
             except TQError as exc:
                 for msg, op, _ in waiters:
                     self.send_error(msg.peer, msg.rid, exc, op)
