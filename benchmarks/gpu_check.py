@@ -249,8 +249,10 @@ async def device_arena(
     try:
         async with tq.AsyncClient.connect(server.address) as client:
             out = await _rounds(client, cols, rounds, device)
-            before = (await client.storage_stats())[0]
-            for _ in range(rounds):  # readers that want host memory: the unit copies out
+            before: dict[str, Any] = {}
+            for r in range(rounds + 1):  # readers that want host memory: the unit copies out
+                if r == 1:  # after a first round (the unit's page-locked blocks made)
+                    before = (await client.storage_stats())[0]
                 meta = await client.put(cols, partition_id="gpu")
                 await client.get_data(meta)
                 await client.clear_samples(meta)
