@@ -566,13 +566,15 @@ def run_chaos(
         def made() -> int:  # calls that succeeded: acknowledged puts, reads
             return sum(w.done for w in workers)
 
-        for i in range(kills):
-            with progress:  # the workers got going again since the last restart
+        for i in range(kills + 1):
+            with progress:  # the workers got going (again, since the last restart)
                 before = made()
                 if not progress.wait_for(lambda b=before: made() >= b + 3, progress_timeout):
                     report.violations.append(
                         f"no progress within {progress_timeout}s after kill {i}"
                     )
+            if i == kills:
+                break
             threading.Event().wait(rng.uniform(0, gap))  # a random moment
             what = rng.choices(["controller", "unit", "all"], weights=[4, 4, 2])[0]
             victims = {

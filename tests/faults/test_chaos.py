@@ -15,7 +15,12 @@ import pytest
 
 from _chaos import run_chaos
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and loopback services")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="signals and loopback services"),
+    # seven processes that keep the CPUs busy, with deadlines on their progress: one worker
+    # with the benchmark runs (--dist loadgroup), not next to them on a 2-vCPU machine
+    pytest.mark.xdist_group("benchmarks"),
+]
 
 KILLS = 6
 
