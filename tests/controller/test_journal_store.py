@@ -82,8 +82,8 @@ def test_config_toml_and_cli_carry_the_settings(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("level", ["process", "fsync"])
 async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, level: str) -> None:
-    """The controller's state comes back; the cells of its in-process units do not (they keep
-    RAM only): their rows are reported lost, never handed out as if they were there."""
+    """The controller's state comes back, and its in-process units' cells with it (each unit
+    keeps them under ``data_dir/units/unit-N``): every row reads back, consumption resumes."""
     async with (
         tq.local_cluster(durability=level, data_dir=str(tmp_path)) as cluster,
         tq.AsyncClient.connect(cluster.address) as c,
@@ -97,10 +97,11 @@ async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, l
     ):
         info = await c.partition_info("p")
         assert info["sealed"]
-        assert info["lost"] == 4
-        assert info["consumed"] == {"t": 0}  # consumed rows were lost with the rest
-        assert sorted((await c.lost_rows("p"))["rows"]["p"]) == meta.global_indexes
-        assert len(got) == 2
+        assert info["lost"] == 0
+        assert info["consumed"] == {"t": 2}
+        assert (await c.get_data(meta))["x"].tolist() == [0, 1, 2, 3]
+        rest = await c.get_meta(["x"], 2, "p", "t")
+        assert sorted(rest.global_indexes + got.global_indexes) == sorted(meta.global_indexes)
         fresh = await c.put({"x": torch.arange(3)}, "q")  # the cluster works on
         assert (await c.get_data(fresh))["x"].tolist() == [0, 1, 2]
 

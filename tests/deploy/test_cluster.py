@@ -44,10 +44,11 @@ async def test_cancelling_the_block_still_cancels() -> None:
 
 
 async def test_a_blocking_client_on_the_services_loop_fails_at_once() -> None:
+    blocking = tq.Client  # imported first: the module's import (torch, tensordict) is no I/O
     async with tq.local_cluster(num_storage_units=1) as cluster:
         t0 = time.monotonic()
         with pytest.raises(tq.InvalidRequestError, match="would block the event loop") as info:
-            tq.Client.connect(cluster.address).open()
+            blocking.connect(cluster.address).open()
         assert "tq.AsyncClient.connect(address)" in str(info.value)
         assert "anyio.to_thread.run_sync" in str(info.value)
         assert time.monotonic() - t0 < 0.1  # known before any I/O

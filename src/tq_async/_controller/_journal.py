@@ -80,6 +80,9 @@ DURABILITY: tuple[str, ...] = ("memory", "process", "fsync")
 
 #: the file naming what a data_dir belongs to (a controller, a storage unit)
 MARKER = "tq-async-data-dir.json"
+#: where a cluster in one process (``local_cluster``, ``tq-async serve``) keeps its storage
+#: units' directories, inside the controller's (``units/unit-N``)
+UNITS_DIR = "units"
 _DB = "controller.db"
 #: requests remembered between their arrival and their reply (older ones are forgotten:
 #: a request that never answers must not grow the table)
@@ -247,7 +250,7 @@ def _claim(data_dir: str) -> None:
                 "empty controller"
             )
         return
-    if os.listdir(data_dir):
+    if [name for name in os.listdir(data_dir) if name != UNITS_DIR]:
         raise ConfigError(
             f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
             "an empty (or its own) directory"

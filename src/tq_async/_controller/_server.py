@@ -42,6 +42,7 @@ from .._core._transitions import AdmissionConfig, ControllerCore, Deadlines
 from .._errors import ClosedError
 from .._service._loop import SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
+from .._storage._segments import DISK_INSTANCE
 from .._storage._server import StorageServer
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer
@@ -216,6 +217,19 @@ class ControllerServer(Service):
     def waiting_warning_after(self, seconds: float) -> None:
         self._gets.waiting_warning_after = seconds
 
+    def _recover(self, recorder: Recorder) -> None:
+        """Rebuild the state from the journal. In-process units whose cells live in memory
+        lost them with the old process; those with cells on disk (``local_cluster`` at a
+        durable level) took them back: their rows are handed out again."""
+        units, shell = self.state.units, self._shell
+        local = self.local_units
+        kept = {u for u, unit in local.items() if unit.state.instance.startswith(DISK_INSTANCE)}
+        lost = {u: units[u] for u in self.local_units if u in units and u not in kept}
+        addresses = {u: units[u] for u in kept if u in units}
+        shell.apply(recorder.recover(shell.now(), lost))
+        for u, address in addresses.items():
+            shell.apply(self.core.unit_returned(u, address, self.local_units[u].host_id))
+
     @property
     def local_units(self) -> dict[int, StorageServer]:
         """The storage units running in this process."""
@@ -246,8 +260,7 @@ class ControllerServer(Service):
             shell.tg = tg
             recorder = self.recorder
             if recorder is not None:
-                local = {u: self.state.units[u] for u in self.local_units if u in self.state.units}
-                shell.apply(recorder.recover(shell.now(), local))
+                self._recover(recorder)
             endpoint = RouterEndpoint(bind, self.on_message, curve=self._links.curve, twin="uds")
             self._endpoint = shell.endpoint = endpoint
             if recorder is not None:

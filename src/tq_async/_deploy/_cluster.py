@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import anyio
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
+from .._controller._journal import UNITS_DIR
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
@@ -21,7 +23,7 @@ from .._errors import ConfigError, InvalidRequestError
 from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
-from .._service._config import Config, device_indexes
+from .._service._config import Config, device_indexes, per_unit
 from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
@@ -304,19 +306,23 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
 
 def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
     """Each unit's host id: one for all, or one per unit (None: each unit finds out)."""
-    if host_id is None or isinstance(host_id, str):
-        return [host_id] * n
-    if len(host_id) != n:
-        raise InvalidRequestError(
-            f"host_id: got {len(host_id)} host ids for {n} storage units; give one for all "
-            "or one per unit"
-        )
-    return list(host_id)
+    return per_unit("host_id", "host ids", host_id, n)
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
     """Start the units, then the controller that knows them; register the metrics."""
     options, registry = plan.options, plan.registry
+    durability, data_dir = options.get("durability", "memory"), options.get("data_dir")
+    unit_dirs: list[str | None] = [None] * plan.num_storage_units
+    if durability != "memory" and data_dir is not None:
+        # each unit's cells under the controller's directory: the whole cluster restarted on
+        # it comes back with its rows (units/unit-N: the same unit every time)
+        unit_dirs = [
+            os.path.join(data_dir, UNITS_DIR, f"unit-{i}") for i in range(plan.num_storage_units)
+        ]
+        for d in unit_dirs:
+            assert d is not None
+            os.makedirs(d, exist_ok=True)
     units = [
         StorageServer(
             i,
@@ -329,6 +335,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
             device_index=plan.device_indexes[i],
             host_id=plan.host_ids[i],
             memory_cap=plan.memory_cap,
+            durability=durability if unit_dirs[i] is not None else "memory",
+            data_dir=unit_dirs[i],
         )
         for i in range(plan.num_storage_units)
     ]

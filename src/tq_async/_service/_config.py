@@ -38,7 +38,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import zmq.auth
@@ -61,7 +61,10 @@ __all__ = [
     "SamplerSpec",
     "device_indexes",
     "load_curve",
+    "per_unit",
 ]
+
+T = TypeVar("T")
 
 
 class SamplerSpec:
@@ -637,17 +640,23 @@ def _toml_value(value: Any) -> str:
     raise ConfigError(f"cannot write {type(value).__name__} values as TOML: {value!r}")
 
 
-def device_indexes(device_index: int | Sequence[int], n: int) -> list[int]:
-    """Each of ``n`` units' GPU index: one for all, or one per unit.
+def per_unit(name: str, what: str, value: T | Sequence[T], n: int) -> list[T]:
+    """Setting ``name`` for each of ``n`` units: one ``value`` for all, or a list with one
+    per unit (``what`` they are, in the error: ``"host ids"``).
 
     Raises:
         ConfigError: a list whose length is not ``n``.
     """
-    if isinstance(device_index, int):
-        return [device_index] * n
-    if len(device_index) != n:
+    if not isinstance(value, list):
+        return [value] * n  # type: ignore[list-item]
+    if len(value) != n:
         raise ConfigError(
-            f"device_index: got {len(device_index)} GPU indexes for {n} storage units; give "
-            "one for all or one per unit"
+            f"{name}: got {len(value)} {what} for {n} storage units; give one for all or one "
+            "per unit"
         )
-    return list(device_index)
+    return list(value)
+
+
+def device_indexes(device_index: int | Sequence[int], n: int) -> list[int]:
+    """Each of ``n`` units' GPU index (see `per_unit`)."""
+    return per_unit("device_index", "GPU indexes", device_index, n)
