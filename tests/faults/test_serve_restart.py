@@ -173,3 +173,53 @@ async def test_a_client_continues_after_a_durable_controller_restart(tmp_path: P
             for i, meta in enumerate(puts):  # the puts' own metas still read
                 want = list(range(4 * i, 4 * i + 4))
                 assert (await c.get_data(meta))["x"][:, 0].tolist() == want
+
+
+async def test_concurrent_calls_fail_only_with_broken_error_across_restarts(
+    tmp_path: Path,
+) -> None:
+    """Many tasks on one same-host client while its durable controller is killed and
+    restarted: a call fails with `BrokenError` (or works), never `ClosedError`. (The rejoin
+    says Hello on a new TCP link, then moves to the controller's same-host twin and closes
+    the TCP link: calls of other tasks sent on it meanwhile failed with `ClosedError`; found
+    by the chaos test.)"""
+    import anyio
+
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    unexpected: list[BaseException] = []
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            answered = [0]
+            more = anyio.Event()
+
+            async def caller() -> None:
+                nonlocal more
+                while True:
+                    try:
+                        await c.list_partitions()
+                    except tq.BrokenError:
+                        await anyio.sleep(0.02)  # back off: nothing listens yet
+                        continue
+                    except Exception as exc:
+                        unexpected.append(exc)
+                    answered[0] += 1
+                    more.set()
+                    more = anyio.Event()
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(caller)
+                for _ in range(3):
+                    target = answered[0] + 16  # the callers are busy on the new link
+                    with anyio.fail_after(60):
+                        while answered[0] < target:
+                            await more.wait()
+                    _kill(ctl)
+                    ctl = stack.enter_context(_controller(bind, tmp_path))
+                target = answered[0] + 16
+                with anyio.fail_after(60):
+                    while answered[0] < target:
+                        await more.wait()
+                tg.cancel_scope.cancel()
+    assert not unexpected, [repr(e) for e in unexpected[:3]]

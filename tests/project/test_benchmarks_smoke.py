@@ -216,3 +216,18 @@ def test_spill_benchmark_smoke(tmp_path: Path) -> None:
     assert doc["spill"]["disk_reads"] > 0
     assert doc["spill"]["memory_bytes_after_get"] <= 8 << 20
     assert {"write", "write_fsync", "read"} <= doc["disk"].keys()
+
+
+@pytest.mark.timeout(180)
+def test_chaos_benchmark_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.chaos`` without kills (``tests/faults/test_chaos.py`` kills):
+    the cluster, the workers, the last restart, the drain and the checks, and its JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = tmp_path / "chaos.json"
+    args = ("--kills", "0", "--processes", "1", "--dir", str(tmp_path), "--json", str(out))
+    proc = _python("-m", "benchmarks.chaos", *args, env=env, timeout=170)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "violations: 0" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["violations"] == []
+    assert doc["rows_held"] == doc["rows_ok"] > 0

@@ -332,7 +332,9 @@ class Links:
             StateLostError: it restarted without the state this client knew.
         """
         conn = self.ctl()
-        if self._must_rejoin or conn.connected is False:
+        if self._must_rejoin or conn.connected is False or self._rejoining is not None:
+            # (while a rejoin runs, its connection is not the one it ends on: a request sent
+            # on it would fail with ClosedError when the same-host twin replaces it)
             return self._rejoin()
         return conn
 
