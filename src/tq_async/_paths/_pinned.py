@@ -4,7 +4,7 @@ A GPU copies to and from *page-locked* host memory at the speed of its copy engi
 H200: ~55 GB/s each way) and to or from ordinary (pageable) memory at a fraction of it
 (~14 GB/s into a warm shared-memory mapping, measured with ``.gpu``'s probe; see
 ``benchmarks/RESULTS.md``, issue 40). So a client putting CUDA tensors to a unit on its host
-registers the arena's pages with the CUDA driver (``cudaHostRegister``) and copies each
+registers the arena's pages with the CUDA driver (``cuMemHostRegister``) and copies each
 column device to host **straight into its grant**: no staging buffer, no second host copy.
 A read onto a GPU copies host to device straight out of the pinned spans the same way.
 
@@ -26,11 +26,13 @@ The driver sits behind a seam (`registrar`) so the bookkeeping runs in tests wit
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from .._errors import DeviceError
 from .._logging import get_logger
 
 __all__ = [
@@ -90,16 +92,39 @@ class Registrar(Protocol):
 
 
 class _CudaRegistrar:
-    def register(self, address: int, nbytes: int) -> bool:
+    """Through the CUDA driver by ``ctypes``, which lets go of the GIL while the driver
+    works: registering a cold chunk takes ~15 ms, and torch's ``cudart()`` binding held the
+    GIL (and so every thread's event loop) all that time (82 ms stalls on the H200 with three
+    chunks). Portable: every context of the process sees the pages as page-locked."""
+
+    def __init__(self) -> None:
         import torch
 
-        rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
-        return int(rc) == 0
+        from ._device import driver  # here: _device imports this module's neighbours
+
+        self._driver = driver()
+        self._ordinal = torch.cuda.current_device()
+
+    def register(self, address: int, nbytes: int) -> bool:
+        try:
+            self._driver.run(
+                self._ordinal,
+                "cuMemHostRegister",
+                ctypes.c_void_p(address),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_uint(_PORTABLE),
+            )
+        except DeviceError as exc:
+            log.debug("the CUDA driver refused to page-lock shared memory", error=str(exc))
+            return False
+        return True
 
     def unregister(self, address: int) -> None:
-        import torch
+        self._driver.run(self._ordinal, "cuMemHostUnregister", ctypes.c_void_p(address))
 
-        torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+
+#: CU_MEMHOSTREGISTER_PORTABLE
+_PORTABLE = 1
 
 
 #: the seam: how chunks are registered (tests record the calls instead)
@@ -135,10 +160,10 @@ class PinnedChunks:
                 if c in self.refused:
                     ok = False
                     continue
-                if self._registrar is None:
-                    self._registrar = registrar()
                 start = c * PIN_CHUNK
                 try:
+                    if self._registrar is None:
+                        self._registrar = registrar()
                     done = self._registrar.register(
                         self.base + start, min(PIN_CHUNK, self.size - start)
                     )
