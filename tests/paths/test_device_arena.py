@@ -25,7 +25,7 @@ import torch
 import tq_async as tq
 from _cluster_proc import serve_cluster
 from _shm_proc import device_alloc_then_die, device_read_then_stop
-from tq_async._paths import _device as _gpu
+from tq_async._paths import _cuda
 from tq_async._paths._device import EMULATE_ENV, DeviceArena, DeviceCells, HostMemory
 from tq_async._paths._shm import Arena
 from tq_async._storage._cells import OverBudget, StorageState
@@ -425,8 +425,8 @@ async def test_a_unit_without_a_gpu_serves_without_a_device_arena(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     monkeypatch.delenv(EMULATE_ENV, raising=False)
-    monkeypatch.setattr(_gpu, "_driver", None)
-    monkeypatch.setattr(_gpu, "_driver_error", "no usable CUDA driver in this process: test")
+    monkeypatch.setattr(_cuda, "_driver", None)
+    monkeypatch.setattr(_cuda, "_driver_error", "no usable CUDA driver in this process: test")
     server = StorageServer(0, device_cap=CAP)
     async with anyio.create_task_group() as tg:
         await tg.start(server.serve, f"ipc://{tmp_path}/unit")

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from .._errors import DeviceError
 from .._logging import get_logger
+from ._cuda import driver
 
 __all__ = [
     "PIN_CHUNK",
@@ -99,8 +100,6 @@ class _CudaRegistrar:
 
     def __init__(self) -> None:
         import torch
-
-        from ._device import driver  # here: _device imports this module's neighbours
 
         self._driver = driver()
         self._ordinal = torch.cuda.current_device()
