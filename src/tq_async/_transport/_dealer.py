@@ -241,8 +241,23 @@ class DealerConnection(ConnectionState, DrainedSocket):
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self._fail_pending(self._core.disconnected(why, closed_by_peer=closed_by_peer))
+        self._purge()
         if self._on_disconnect is not None:
             self._on_disconnect()
+
+    def _purge(self) -> None:
+        """Drop what the ZMQ socket still queues for the peer that went away: a request
+        just failed with `BrokenError` (sent after the peer died, before the monitor said
+        so) must never reach a service that comes back at the address (ZMQ would deliver
+        it on reconnecting: a put reported failed ran on the restarted service). A new
+        socket of the same identity replaces it; LINGER 0 discards the old one's queue."""
+        if self._closed or self._monitor is None or self._core.inproc:
+            return  # a Unix socket queues nothing; an in-process peer has no address
+        self._unwatch()
+        self._release_socket()
+        sock, monitor = self._open()  # (a TCP connect never fails here: it is dialled later)
+        self._adopt_socket(sock)
+        self._watch(monitor)
 
     def peer_closed(self) -> None:
         """The in-process endpoint closed (inproc reports no disconnect event); thread-safe."""

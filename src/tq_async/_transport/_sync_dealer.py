@@ -299,8 +299,17 @@ class BlockingConnection(ConnectionState):
 
     def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
         self._fail(self._core.disconnected(why, closed_by_peer=closed_by_peer))
+        self._purge()
         if self._on_disconnect is not None:
             self._on_disconnect()
+
+    def _purge(self) -> None:
+        """Drop what the ZMQ socket still queues for the peer that went away (see the
+        async `DealerConnection._purge`): a new socket of the same identity."""
+        if self._closed or self._sock is None or self._core.inproc:
+            return  # a Unix socket queues nothing; an in-process peer has no address
+        self._release()
+        self._open()  # (a TCP connect never fails here: it is dialled later)
 
     def _fail(self, exc: BaseException) -> None:
         if self._core.waiting and self._failure is None:
