@@ -304,3 +304,43 @@ async def test_a_request_that_could_not_be_sent_is_not_kept_for_a_resend() -> No
     finally:
         conn.close()
         listener.close()
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_a_request_failed_by_a_break_never_reaches_a_service_that_comes_back() -> None:
+    """ZMQ keeps what a DEALER sent while its peer was gone and delivers it once a peer is
+    back at the address: a request the client already failed with `BrokenError` would run
+    on the new service (seen: a put reported failed ran on a restarted `tq-async serve`).
+    The connection replaces its socket when the peer goes away, so the queue goes with it."""
+    address = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    back = asyncio.Event()
+    conn = DealerConnection(address, on_connect=back.set)  # nothing listens: sends queue
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        stale = asyncio.ensure_future(conn.request(ListPartitions(), [b"stale"], timeout=30))
+        await anyio.lowlevel.checkpoint()  # sent (queued in the socket)
+        conn._disconnected("the peer went away (test)")  # what the monitor reports
+        with pytest.raises(tq.BrokenError):
+            await stale
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)  # a service comes back at the address
+        with anyio.fail_after(10):
+            await back.wait()
+        fresh = asyncio.ensure_future(conn.request(ListPartitions(), [b"fresh"], timeout=30))
+        seen: list[list[bytes]] = []
+        while not any(b"fresh" in m for m in seen):  # (a best-effort Cancel may come first)
+            assert await anyio.to_thread.run_sync(router.poll, 10_000), "nothing arrived"
+            seen.append([bytes(f) for f in router.recv_multipart()])
+        assert not any(b"stale" in m for m in seen)
+        fresh.cancel()
+        with pytest.raises((asyncio.CancelledError, tq.TQError)):
+            await fresh
+    finally:
+        conn.close()
+        router.close(linger=0)
