@@ -458,13 +458,14 @@ class DealerConnection(ConnectionState, DrainedSocket):
             self._unix_eof()
         return error
 
-    def close(self) -> None:
-        """Close the socket; requests still waiting fail with `ClosedError`."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the socket; requests still waiting fail with ``error`` (default:
+        `ClosedError`; a connection replaced because it broke passes a `BrokenError`)."""
         if self._closed:
             return
         self._unwatch()
         self._close_socket()
-        self._fail_pending(ClosedError(f"the connection to {self.name} was closed"))
+        self._fail_pending(error or ClosedError(f"the connection to {self.name} was closed"))
 
 
 @types.coroutine

@@ -461,8 +461,10 @@ class BlockingConnection(ConnectionState):
                 self._disconnected(closed_by_peer=True)
             raise error from exc
 
-    def close(self) -> None:
-        """Close the socket (in the process that opened it; a forked child leaves it be)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the socket (in the process that opened it; a forked child leaves it be).
+        (``error``: what waiting requests would fail with; a blocking connection has none
+        waiting when another call closes it.)"""
         if self._closed:
             return
         self._closed = True

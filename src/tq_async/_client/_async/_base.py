@@ -385,7 +385,8 @@ class Links:
             # a same-host twin was the old process's; a broken socket is dialled anew, so
             # that a refusal is immediate (nothing listens yet) and nothing waits on it.
             # (A TCP link that is back is kept: requests sent since then are on it.)
-            conn.close()
+            # Requests still waiting on it broke with it: BrokenError, never ClosedError.
+            conn.close(BrokenError(f"the connection to {known_as} broke; retry"))
             self.controller = conn = self.controller_connection(known_as, refused_is_broken=True)
         self._must_rejoin = False
         try:
