@@ -62,3 +62,17 @@ def device_read_then_stop(unit_address: str, partition_id: str, rows: list[int])
         os.kill(os.getpid(), signal.SIGSTOP)
 
     asyncio.run(run())
+
+
+def pinned_alloc_then_die(unit_address: str, nbytes: int) -> None:
+    """Take a shared-memory grant a GPU will copy into (``pinned``: the unit keeps its chunks
+    resident for this process), then SIGKILL ourselves before the put."""
+
+    async def run() -> None:
+        conn = DealerConnection(unit_address)
+        await conn.request(ShmHello(os.getpid()), timeout=30)
+        payload, _ = await conn.request(ShmAlloc(nbytes, pinned=True), timeout=30)
+        msgspec.msgpack.decode(payload, type=ShmGrant)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(run())

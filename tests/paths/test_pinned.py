@@ -343,3 +343,41 @@ def test_the_blocking_client_puts_cuda_columns_through_page_locked_memory() -> N
         assert td["ids"].is_cuda
         _same(td.to("cpu"), want)
         assert sum(s["shm_locked_bytes"] for s in client.storage_stats().values()) > 0
+
+
+async def test_a_client_killed_holding_locked_chunks_releases_them(tmp_path: Any) -> None:
+    """A real client process takes a grant to copy into with its GPU (its chunks locked at
+    the unit) and is SIGKILLed: its pidfd fires, the grant and the locks go back."""
+    import multiprocessing
+
+    import anyio
+
+    from _shm_proc import pinned_alloc_then_die
+    from tq_async._storage._server import StorageServer
+
+    server = StorageServer(0, shm_cap=4 * PIN_CHUNK, shm_idle_bytes=0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve, f"ipc://{tmp_path}/unit")
+        arena = server.arena
+        assert arena is not None
+        locked: list[int] = []
+        lock = arena.lock_chunks
+
+        def recording(chunks: Any) -> None:
+            chunks = list(chunks)
+            locked.extend(chunks)
+            lock(chunks)
+
+        arena.lock_chunks = recording  # type: ignore[method-assign]
+        child = multiprocessing.get_context("spawn").Process(
+            target=pinned_alloc_then_die, args=(server.address, PIN_CHUNK + PAGE)
+        )
+        child.start()
+        await anyio.to_thread.run_sync(child.join, 60)
+        assert child.exitcode == -9
+        with anyio.fail_after(20):
+            while arena.live_bytes or arena.locked_bytes():  # until the pidfd fires
+                await server.shm_released.wait()
+        assert locked == [0, 1]  # the grant's two chunks were locked before the reply
+        assert arena.idle_bytes == 0  # nothing locked: the freed pages went back
+        tg.cancel_scope.cancel()
