@@ -175,3 +175,42 @@ async def test_a_full_disk_fails_the_put_and_the_unit_keeps_serving(
     restarted = StorageServer(-1, durability=level, data_dir=str(tmp_path))
     assert restarted.unit_id == 0  # the directory knows its unit
     assert restarted.state.stats().rows == 6 + 3  # p: 4 + 2 rows, q: 3; nothing of the failed
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_whole_serve_killed_after_acknowledged_puts_comes_back_with_every_row(
+    tmp_path: Path, level: str
+) -> None:
+    """All-in-one ``tq-async serve`` at a durable level (its units' cells under
+    ``data_dir/units/unit-N``): SIGKILLed after acknowledged puts, restarted on the same
+    ``--bind`` and ``--data-dir``, every row reads back bit-exactly and consumption goes on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bind = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    args = ("--bind", bind, "--storage-units", "2", "--durability", level)
+    args += ("--data-dir", str(tmp_path), "--memory-cap", _CAP)
+    batches = [_batch(16, seed) for seed in range(4)]
+    with serve_role(*args) as (proc, address):
+        async with tq.AsyncClient.connect(address) as c:
+            metas = [await c.put(b, "p") for b in batches]
+            await c.seal("p")
+            first = await c.get_meta(["f", "i"], 16, "p", "t")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert sorted(os.listdir(tmp_path / "units")) == ["unit-0", "unit-1"]
+    with serve_role(*args) as (_, address):
+        async with tq.AsyncClient.connect(address) as c:
+            for meta, want in zip(metas, batches, strict=True):
+                assert _same(await c.get_data(meta), want)
+            info = await c.partition_info("p")
+            assert info["lost"] == 0
+            rest = []
+            while True:
+                got = await c.get_meta(["f", "i"], 16, "p", "t", timeout=5)
+                if got.end_of_stream or not len(got):
+                    break
+                rest.extend(got.global_indexes)
+            everything = sorted(i for m in metas for i in m.global_indexes)
+            assert sorted(first.global_indexes + rest) == everything
