@@ -100,6 +100,44 @@ async def test_a_unit_killed_after_acknowledged_puts_comes_back_with_every_row(
                     assert stats["disk_reads"] > 0  # read back from its segment files
 
 
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_cells_put_through_shared_memory_survive_a_sigkill_in_the_arena_file(
+    tmp_path: Path, level: str
+) -> None:
+    """No ``--memory-cap``: the unit's arena is ``arena.dat`` in its directory, so a same-host
+    client's put is in the OS's files before the unit answers it, and is not copied again
+    into a segment; a SIGKILLed unit maps it again on restart, and frees nothing still live."""
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = _unit(address, level, data_dir)
+        with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                acked = []
+                for i in range(12):
+                    batch = _batch(10 + i % 5, i)  # >= 80 KiB: through shared memory
+                    acked.append((await client.put(batch, f"p{i % 3}"), batch))
+                await client.clear_partition("p2")  # its regions are free for new puts
+                acked = [(m, b) for m, b in acked if m.partition_id != "p2"]
+                stats = (await client.storage_stats())[0]
+                assert stats["shm_puts"] >= 12
+                unit.send_signal(signal.SIGKILL)  # right after the last acknowledgement
+                unit.wait(timeout=10)
+                segments = sum(f.stat().st_size for f in data_dir.glob("seg-*.dat"))
+                assert segments == 0  # every cell is in the arena file
+                assert (data_dir / "arena.dat").exists()
+                with serve_role(*args, line="TQ_UNIT=") as _:
+                    for meta, batch in acked:
+                        assert _same(await client.get_data(meta), batch)
+                    # new puts take free space only: the old rows stay as they were
+                    for i in range(8):
+                        await client.put(_batch(12, 100 + i), "p0")
+                    for meta, batch in acked:
+                        assert _same(await client.get_data(meta), batch)
+                    lost = await client.lost_rows()
+                    assert not any(lost["rows"].values())
+
+
 def _refused(*argv: str) -> str:
     """Start ``tq-async serve ARGV...`` expecting it to refuse; its stderr."""
     done = subprocess.run(

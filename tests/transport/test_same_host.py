@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -55,6 +56,55 @@ async def test_same_host_false_keeps_the_given_addresses(address: str) -> None:
         assert torch.equal(td["x"], torch.arange(40_000))
         assert all(c.address.startswith("tcp://") for c in client._links.units.values())
         await client.clear_partition("far")
+
+
+async def test_a_put_arriving_while_the_client_moves_to_a_unit_twin_is_not_caught(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new client's first put links the unit's arena and moves to its Unix twin (closing
+    the TCP connection); a put that arrives meanwhile must wait for the move, not send on
+    the connection about to close (ClosedError, seen in the ingest benchmark)."""
+    batch = {"x": torch.arange(32_768)}  # 128 KiB a unit: through shared memory
+    async with tq.AsyncClient.connect(address) as client:
+        links = client._links
+        at_gate, gate = anyio.Event(), anyio.Event()
+        connection = links.connection
+
+        def gated(target: str, **kw: Any) -> Any:
+            conn = connection(target, **kw)
+            if target.startswith("uds://") and kw.get("known_as"):  # a unit's twin
+                request = conn.request
+
+                async def hold_hello(body: Any, *a: Any, **k: Any) -> Any:
+                    if type(body).__name__ == "ShmHello" and not gate.is_set():
+                        at_gate.set()
+                        await gate.wait()
+                    return await request(body, *a, **k)
+
+                conn.request = hold_hello  # type: ignore[method-assign]
+            return conn
+
+        monkeypatch.setattr(links, "connection", gated)
+        got: list[Any] = []
+
+        async def second() -> None:
+            got.append(await links.data_link(0))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.put, batch, "moving")  # links, then waits at the gate
+            await at_gate.wait()
+            tg.start_soon(second)  # arrives during the move
+            await anyio.wait_all_tasks_blocked()
+            assert got == []  # it waits for the move: the TCP connection is about to close
+            tg.start_soon(client.put, batch, "moving")
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+        conn, arena = got[0]
+        assert conn.address.startswith("uds://@tq-")
+        assert arena is not None
+        assert all(c.address.startswith("uds://@tq-") for c in links.units.values())
+        assert (await client.partition_info("moving"))["rows"] == 2 * 32_768
+        await client.clear_partition("moving")
 
 
 def test_only_listed_abstract_sockets_count() -> None:

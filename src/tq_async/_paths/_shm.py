@@ -97,6 +97,23 @@ class Extents:
                 out.append((a, b - a))
         return out
 
+    def take_at(self, offset: int, size: int) -> bool:
+        """Take ``[offset, offset + size)`` if it is all free; whether it was."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return False
+        start, free = self._starts[i], self._sizes[i]
+        if offset + size > start + free:
+            return False
+        del self._starts[i], self._sizes[i]
+        if offset + size < start + free:
+            self._starts.insert(i, offset + size)
+            self._sizes.insert(i, start + free - offset - size)
+        if start < offset:
+            self._starts.insert(i, start)
+            self._sizes.insert(i, offset - start)
+        return True
+
     def give(self, offset: int, size: int) -> None:
         """``[offset, offset + size)`` is free again."""
         i = bisect.bisect_left(self._starts, offset)
@@ -111,21 +128,43 @@ class Extents:
 
 
 class Arena:
-    """The unit's side: one memfd mapping and a first-fit allocator over it.
+    """The unit's side: one shared mapping and a first-fit allocator over it.
 
     Args:
         cap: bytes of the arena (address space; pages are only used once written).
         idle_bytes: most bytes of freed, still-resident pages kept for reuse.
         name: shows in ``/proc/PID/maps`` (``memfd:NAME``).
+        path: a file to map instead of an anonymous memfd (a durable unit's arena, in its
+            ``data_dir``: what clients write into it is in the operating system's files at
+            once). An existing file keeps its contents (and its size, when larger than
+            ``cap``); regions holding recovered cells are taken back with `reserve`.
+        defer_frees: freed regions wait in `deferred` until the owner releases them with
+            `free_deferred` (``fsync`` level: a region is reused only once the record that
+            freed it is on the disk).
     """
 
-    def __init__(self, cap: int, *, idle_bytes: int = 256 << 20, name: str = "tq-unit") -> None:
+    def __init__(
+        self,
+        cap: int,
+        *,
+        idle_bytes: int = 256 << 20,
+        name: str = "tq-unit",
+        path: str | None = None,
+        defer_frees: bool = False,
+    ) -> None:
         if cap < 2 * PAGE:
             raise InvalidRequestError(f"shm_cap must be at least {2 * PAGE} bytes, got {cap}")
         self.cap = cap - cap % PAGE
         self.idle_limit = idle_bytes
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.path = path
+        if path is None:
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            held = os.fstat(self.fd).st_size
+            if held > self.cap:  # a durable arena made larger before: its cells stay reachable
+                self.cap = held - held % PAGE
             os.ftruncate(self.fd, self.cap)
             self.mmap = mmap.mmap(self.fd, self.cap)
         except BaseException:
@@ -145,6 +184,9 @@ class Arena:
         #: their GPU driver; pages of such a chunk are never given back
         self._locked = np.zeros(-(-self.cap // PIN_CHUNK), dtype=np.int32)
         self.fallbacks = 0
+        self.defer_frees = defer_frees
+        #: regions freed while ``defer_frees``: reusable after `free_deferred`
+        self.deferred: list[tuple[int, int]] = []
         #: puts and reads served through the arena (totals)
         self.puts = 0
         self.reads = 0
@@ -164,14 +206,40 @@ class Arena:
         self.live_bytes += size
         return Region(start, size)
 
+    def reserve(self, offset: int, size: int) -> Region:
+        """Take back ``[offset, offset + size)`` (page-aligned, free): a region of cells a
+        durable unit recovered from its arena file.
+
+        Raises:
+            ValueError: the range is not page-aligned, not inside the arena, or not free.
+        """
+        if offset % PAGE or size % PAGE or offset < PAGE or not self._extents.take_at(offset, size):
+            raise ValueError(f"arena range [{offset}, +{size}) cannot be reserved")
+        self._resident[offset // PAGE : (offset + size) // PAGE] = True
+        self.live_bytes += size
+        return Region(offset, size)
+
     def release(self, region: Region) -> None:
         """Drop one reference; the region is freed with the last."""
         region.refs -= 1
         if region.refs == 0:
             self._free(region.offset, region.size)
 
+    def free_deferred(self, freed: list[tuple[int, int]]) -> None:
+        """Free regions taken from `deferred` (their freeing is durable now)."""
+        for offset, size in freed:
+            self._reuse(offset, size)
+
     def _free(self, offset: int, size: int) -> None:
         self.live_bytes -= size
+        if self.closed:
+            return
+        if self.defer_frees:
+            self.deferred.append((offset, size))
+            return
+        self._reuse(offset, size)
+
+    def _reuse(self, offset: int, size: int) -> None:
         if self.closed:
             return
         if self.idle_bytes + size > self.idle_limit:
@@ -271,11 +339,15 @@ class ArenaMap:
         ValueError: the token does not match (not the arena the unit described).
     """
 
-    def __init__(self, pid: int, fd: int, size: int, token: bytes) -> None:
+    def __init__(
+        self, pid: int, fd: int, size: int, token: bytes, *, write_through: bool = False
+    ) -> None:
         with open(f"/proc/{pid}/fd/{fd}", "r+b", buffering=0) as f:
             if os.fstat(f.fileno()).st_size != size:
                 raise ValueError("the arena's size differs from what the unit said")
             self.mmap = mmap.mmap(f.fileno(), size)
+            #: `write` uses ``pwrite`` on this descriptor (see ShmHelloReply.write_through)
+            self.fd = os.dup(f.fileno()) if write_through else -1
         self.size = size
         self.view = np.frombuffer(self.mmap, dtype=np.uint8)
         #: the chunks registered with this process's GPU driver (made on first use)
@@ -303,7 +375,12 @@ class ArenaMap:
         for part in parts:
             src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
             n = src.nbytes
-            view[pos : pos + n] = src
+            if self.fd >= 0:
+                done = 0
+                while done < n:
+                    done += os.pwrite(self.fd, src[done:].data, pos + done)
+            else:
+                view[pos : pos + n] = src
             spans.append((pos - offset, n))
             pos = offset + align(pos - offset + n)
         return spans
@@ -327,6 +404,9 @@ class ArenaMap:
             del self.view
         with contextlib.suppress(BufferError):
             self.mmap.close()
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+            self.fd = -1
         return chunks
 
 

@@ -13,15 +13,24 @@ Files:
   per clear, each ``[length u32][crc32 u32][msgpack]``. A unit restarted on its directory reads
   this file only, never the data. When it holds many more records than live chunks it is
   rewritten (one record per live chunk; written aside, then renamed over the old one).
+- ``arena.dat``: the unit's shared-memory arena (`tq_async._paths._shm.Arena` on a file): cells
+  a same-host client put through shared memory are already in this file when the put
+  arrives, so they are not written again: their index record names where they are in it
+  (segment 0, `ARENA`, one offset per frame, no checksum). ``arena.boot`` says whether the
+  arena's cells are all on the disk (``fsync``) or only in the OS's page cache (``process``,
+  with the boot it was written in): after a machine crash the page cache is gone and the
+  ``process`` level's arena cells with it, so they are dropped with a warning, never read torn.
 - ``tq-async-data-dir.json``: the marker saying which unit the directory belongs to, and its
   instance token (`claim_unit_dir`).
 
 Order of writes: a put's data, then its index record. At ``process`` level both go to the
 operating system at once (``write()``, no fsync): a SIGKILL loses nothing written. At
 ``fsync`` level index records wait in memory for the next group commit (`begin_commit` then
-`commit`, run off the event loop): the data segments are fsynced first, then the records are
-written and the index fsynced, so an index record on disk always names data on disk; every
-put waiting for that commit shares its two fsyncs.
+`commit`, run off the event loop): the data segments (and the arena file) are fsynced first,
+then the records are written and the index fsynced, so an index record on disk always names
+data on disk; every put waiting for that commit shares its two fsyncs. (An arena region freed
+at ``fsync`` level is reused only after the commit of the record that freed it: see
+``defer_frees`` of `tq_async._paths._shm.Arena`.)
 
 A torn tail (a record cut short or with a bad checksum at the end of the index, a chunk whose
 bytes lie past the end of its segment) can only hold writes nobody acknowledged: `load`
@@ -49,6 +58,8 @@ from .._logging import get_logger
 from .._wire._columns import ColumnHeader
 
 __all__ = [
+    "ARENA",
+    "ARENA_FILE",
     "MARKER",
     "ChunkRecord",
     "ClearRecord",
@@ -68,21 +79,58 @@ FORMAT = 1
 #: a durable unit's instance token starts with this: its cells outlive its process
 DISK_INSTANCE = "disk-"
 _INDEX = "index.log"
+#: the segment number of cells in the unit's arena file (data segments start at 1)
+ARENA = 0
+ARENA_FILE = "arena.dat"
+_ARENA_BOOT = "arena.boot"
+#: the crc of a chunk that has none (cells in the arena file)
+NO_CRC = -1
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
 
 
 @dataclass(frozen=True, slots=True)
 class Extent:
-    """Where a chunk's bytes are: ``segment``, from ``offset``, frames of ``sizes`` bytes."""
+    """Where a chunk's bytes are: ``segment``, from ``offset``, frames of ``sizes`` bytes
+    back to back, or each at its own offset (``offsets``: cells in the arena file)."""
 
     segment: int
     offset: int
     sizes: tuple[int, ...]
     crc: int
+    offsets: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of each frame in its file."""
+        if self.offsets is not None:
+            return list(zip(self.offsets, self.sizes, strict=True))
+        out, pos = [], self.offset
+        for n in self.sizes:
+            out.append((pos, n))
+            pos += n
+        return out
+
+    @property
+    def end(self) -> int:
+        """Where the chunk's last byte ends in its file."""
+        return max(off + n for off, n in self.spans) if self.sizes else self.offset
+
+    def record(self, header: ColumnHeader, rows: bytes) -> ChunkRecord:
+        """The index record of a chunk stored here."""
+        offsets = None if self.offsets is None else list(self.offsets)
+        return ChunkRecord(
+            header, rows, self.segment, self.offset, list(self.sizes), self.crc, offsets
+        )
+
+
+def arena_extent(spans: Sequence[tuple[int, int]]) -> Extent:
+    """The extent of a chunk whose frames are at ``spans`` (offset, size) of the arena file."""
+    offsets = tuple(off for off, _ in spans)
+    return Extent(ARENA, offsets[0], tuple(n for _, n in spans), NO_CRC, offsets)
 
 
 class ChunkRecord(msgspec.Struct, array_like=True):
@@ -95,10 +143,13 @@ class ChunkRecord(msgspec.Struct, array_like=True):
     offset: int
     sizes: list[int]
     crc: int
+    #: each frame's offset (cells in the arena file); None: back to back from ``offset``
+    offsets: list[int] | None = None
 
     @property
     def extent(self) -> Extent:
-        return Extent(self.segment, self.offset, tuple(self.sizes), self.crc)
+        offsets = None if self.offsets is None else tuple(self.offsets)
+        return Extent(self.segment, self.offset, tuple(self.sizes), self.crc, offsets)
 
 
 class PutRecord(msgspec.Struct, array_like=True, tag=0):
@@ -253,6 +304,12 @@ class SegmentStore:
         #: held from `begin_commit` to the end of its `commit`: commits run one at a time, in
         #: the order they were taken (the index's records stay in order)
         self._commit_lock = threading.Lock()
+        #: the arena file (`use_arena`): fsynced with the segments, read for recovered cells
+        self.arena_path = os.path.join(directory, ARENA_FILE)
+        self._arena_fd = -1
+        #: `load` dropped chunks whose bytes are gone: the index must be rewritten before
+        #: new cells may take their place (the arena reuses space)
+        self.dropped = False
         #: bytes of live chunks in the segment files
         self.live_bytes = 0
         self.bytes_written = 0
@@ -267,6 +324,8 @@ class SegmentStore:
         """
         records: list[PutRecord | ClearRecord] = []
         sizes = self._segment_sizes()
+        if self.durable and ARENA in sizes and not self._arena_trusted():
+            del sizes[ARENA]  # its chunks are dropped by `_whole`, with a warning
         path = os.path.join(self.directory, _INDEX)
         good = 0
         if self.durable and os.path.exists(path):
@@ -283,7 +342,9 @@ class SegmentStore:
                 except msgspec.DecodeError:
                     break
                 pos += _RECORD.size + n
-                records.append(_whole(rec, sizes))
+                whole = _whole(rec, sizes)
+                self.dropped = self.dropped or whole is not rec
+                records.append(whole)
                 good = pos
             if good < len(data):
                 log.warning(
@@ -296,7 +357,7 @@ class SegmentStore:
                 with open(path, "r+b") as f:
                     f.truncate(good)
         self.records = len(records)
-        self._segment = max(sizes, default=0)
+        self._segment = max((n for n in sizes if n != ARENA), default=0)
         if self.durable:
             self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._roll()
@@ -304,6 +365,8 @@ class SegmentStore:
 
     def _segment_sizes(self) -> dict[int, int]:
         out = {}
+        with contextlib.suppress(FileNotFoundError):
+            out[ARENA] = os.path.getsize(self.arena_path)
         for name in os.listdir(self.directory):
             if name.startswith("seg-") and name.endswith(".dat"):
                 try:
@@ -313,7 +376,47 @@ class SegmentStore:
         return out
 
     def _path(self, segment: int) -> str:
+        if segment == ARENA:
+            return self.arena_path
         return os.path.join(self.directory, f"seg-{segment:08d}.dat")
+
+    # ---- the arena file ------------------------------------------------------------------------
+
+    def _arena_trusted(self) -> bool:
+        """Whether the arena file holds what its records say: synced at ``fsync`` level, or
+        written at ``process`` level in this boot (the page cache survived)."""
+        try:
+            with open(os.path.join(self.directory, _ARENA_BOOT)) as f:
+                mark = json.load(f)
+        except FileNotFoundError:
+            return True  # no arena cells were ever recorded
+        except (OSError, ValueError):
+            mark = {}
+        boot = _boot_id()
+        if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
+            return True
+        log.warning(
+            "the machine restarted since this storage unit's shared-memory cells were written "
+            "at durability 'process' (the page cache holding them is gone): they are dropped; "
+            "use durability 'fsync' to keep cells across a machine crash",
+            data_dir=self.directory,
+        )
+        return False
+
+    def use_arena(self) -> None:
+        """The unit's arena is the file `arena_path` from now on: say whether its cells are
+        synced (``fsync``: once what this boot wrote is synced) or only written in this boot."""
+        if self._arena_fd < 0:
+            self._arena_fd = os.open(self.arena_path, os.O_RDWR | os.O_CLOEXEC)
+        if self.sync:
+            os.fdatasync(self._arena_fd)
+        mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
+        path = os.path.join(self.directory, _ARENA_BOOT)
+        with open(path + ".tmp", "w") as f:
+            json.dump(mark, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
 
     def _roll(self) -> None:
         """Start the next segment file (the full one is closed, after its sync at fsync)."""
@@ -407,7 +510,8 @@ class SegmentStore:
         Waits for a commit still running; every `begin_commit` must be followed by its
         `commit` (which releases the next one)."""
         self._commit_lock.acquire()
-        commit = Commit([self._fd], self._pending, self._closing, self._dead, self._rewrite)
+        fds = [self._fd] if self._arena_fd < 0 else [self._fd, self._arena_fd]
+        commit = Commit(fds, self._pending, self._closing, self._dead, self._rewrite)
         self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
         return commit
 
@@ -500,13 +604,13 @@ class SegmentStore:
             self._live[extent.segment] = left
             return
         del self._live[extent.segment]
-        if extent.segment != self._segment:
+        if extent.segment not in (self._segment, ARENA):  # the arena's space is the arena's
             self._gone(extent.segment)
 
     def collect(self) -> None:
         """Delete every segment no live chunk is in (after a restart's records are applied)."""
         for segment in self._segment_sizes():
-            if segment != self._segment and segment not in self._live:
+            if segment not in (self._segment, ARENA) and segment not in self._live:
                 self._unlink(segment)
 
     def _gone(self, segment: int) -> None:
@@ -539,14 +643,19 @@ class SegmentStore:
             buf = bytearray(extent.nbytes)
             view = memoryview(buf)
             done = 0
-            while done < extent.nbytes:
-                got = os.preadv(fd, [view[done:]], extent.offset + done)
-                if got == 0:
-                    break
+            for offset, n in extent.spans:
+                got = 0
+                while got < n:
+                    k = os.preadv(fd, [view[done + got : done + n]], offset + got)
+                    if k == 0:
+                        break
+                    got += k
                 done += got
+                if got < n:
+                    break
         except OSError as exc:
             raise _io_error(exc, self.directory, "reading cells back") from exc
-        if done < extent.nbytes or zlib.crc32(view) != extent.crc:
+        if done < extent.nbytes or (extent.crc != NO_CRC and zlib.crc32(view) != extent.crc):
             raise TQError(
                 f"cells in {self._path(extent.segment)} at offset {extent.offset} are damaged "
                 "(checksum mismatch): the disk lost them; these rows cannot be read, clear them "
@@ -562,10 +671,11 @@ class SegmentStore:
 
     def close(self) -> None:
         """Close every file (a scratch store's directory is removed by its owner)."""
-        for fd in [self._fd, self._index_fd, *self._closing, *self._readers.values()]:
+        fds = [self._fd, self._index_fd, self._arena_fd, *self._closing, *self._readers.values()]
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._fd = self._index_fd = -1
+        self._fd = self._index_fd = self._arena_fd = -1
         self._closing = []
         self._readers.clear()
 
@@ -574,7 +684,7 @@ def _whole(rec: PutRecord | ClearRecord, sizes: dict[int, int]) -> PutRecord | C
     """``rec`` without chunks whose bytes are not (all) in their segment (a torn data tail)."""
     if isinstance(rec, ClearRecord):
         return rec
-    whole = [c for c in rec.chunks if c.offset + sum(c.sizes) <= sizes.get(c.segment, -1)]
+    whole = [c for c in rec.chunks if c.extent.end <= sizes.get(c.segment, -1)]
     if len(whole) < len(rec.chunks):
         log.warning(
             "discarded cells of a storage unit whose bytes are missing from their segment (a "
@@ -582,8 +692,17 @@ def _whole(rec: PutRecord | ClearRecord, sizes: dict[int, int]) -> PutRecord | C
             partition=rec.partition,
             chunks=len(rec.chunks) - len(whole),
         )
-        rec.chunks = whole
+        return PutRecord(rec.partition, rec.incarnation, whole)
     return rec
+
+
+def _boot_id() -> str:
+    """This boot of the machine (a page cache written in another boot is gone)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # unknown: never equal to a recorded boot, so never trusted unsynced
 
 
 def _io_error(exc: OSError, directory: str, doing: str) -> TQError:

@@ -66,7 +66,7 @@ from ._book import Book, Grant, Pin
 from ._cells import OverBudget, StorageState
 from ._device_handlers import DevicePath
 from ._nixl_handlers import NixlPath
-from ._segments import SegmentStore, claim_unit_dir, write_marker
+from ._segments import ARENA_FILE, Commit, SegmentStore, claim_unit_dir, write_marker
 from ._shm_handlers import ShmPath
 
 __all__ = ["DEFAULT_SHM_CAP", "DEFAULT_SHM_IDLE", "StorageServer"]
@@ -182,7 +182,20 @@ class StorageServer(Service):
         )
         self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
-        self.shm_path = ShmPath(self.state, self.book, cap=shm_cap, idle_bytes=shm_idle_bytes)
+        self.shm_path = ShmPath(
+            self.state,
+            self.book,
+            cap=shm_cap,
+            idle_bytes=shm_idle_bytes,
+            # a durable unit's arena is a file of its data_dir: what a same-host client puts
+            # through it is in the OS's files before the put arrives (memory_cap: a memfd,
+            # the cells are written to segments and may leave memory)
+            arena_file=(
+                os.path.join(data_dir, ARENA_FILE)
+                if data_dir is not None and disk is not None and disk.durable and memory_cap is None
+                else None
+            ),
+        )
         self.nixl_path = NixlPath(self.state, self.book, encrypted=curve is not None)
         self.device_path = DevicePath(self.state, self.book, cap=device_cap, index=device_index)
         super().__init__(metrics or Metrics(None, "storage"), storage_request_decoder)
@@ -224,6 +237,16 @@ class StorageServer(Service):
         disk = SegmentStore(data_dir, durable=True, sync=durability == "fsync")
         return disk, instance
 
+    def _commit_now(self, disk: SegmentStore) -> None:
+        """A group commit on this thread (a put from this process; the last one at close)."""
+        commit, freed = self._begin_commit(disk)
+        try:
+            disk.commit(commit)
+        except TQError as exc:
+            self._committed(freed, exc)
+            raise
+        self._committed(freed, None)
+
     def registered(self, unit_id: int) -> None:
         """The controller gave this unit ``unit_id``: a durable unit's directory records it."""
         self.unit_id = unit_id
@@ -238,7 +261,7 @@ class StorageServer(Service):
             self._committer.shutdown(wait=True)
         if disk.sync and disk.pending:
             try:
-                disk.commit(disk.begin_commit())
+                self._commit_now(disk)
             except TQError as exc:
                 log.error("the last group commit failed at close", error=str(exc))
         disk.close()
@@ -336,19 +359,47 @@ class StorageServer(Service):
             self._commit_wake = anyio.Event()
             waiters, self._commit_waiters = self._commit_waiters, []
             assert self._committer is not None
-            future = self._committer.submit(disk.commit, disk.begin_commit())
+            commit, freed = self._begin_commit(disk)
+            future = self._committer.submit(disk.commit, commit)
             try:
                 # a commit taken must run (the next begin_commit waits for it)
                 with anyio.CancelScope(shield=True):
                     await asyncio.wrap_future(future)
             except TQError as exc:
+                self._committed(freed, exc)
                 for msg, op, _ in waiters:
                     self.send_error(msg.peer, msg.rid, exc, op)
                     self.record(op, False, msg.t0)
                 continue
+            self._committed(freed, None)
             for msg, op, reply in waiters:
                 self.send_ok(msg.peer, msg.rid, reply)
                 self.record(op, True, msg.t0)
+
+    def _begin_commit(self, disk: SegmentStore) -> tuple[Commit, list[tuple[int, int]]]:
+        """The next group commit, and the arena regions it makes reusable: those freed by
+        records it writes (freed before it was taken)."""
+        arena = self.state.arena
+        freed: list[tuple[int, int]] = []
+        if arena is not None and arena.defer_frees:
+            freed, arena.deferred = arena.deferred, []
+        return disk.begin_commit(), freed
+
+    def _committed(self, freed: list[tuple[int, int]], error: TQError | None) -> None:
+        """After a group commit: regions whose freeing is on the disk are reused; after a
+        failed one they stay unused (a restart may find their old cells again)."""
+        arena = self.state.arena
+        if arena is None or not freed:
+            return
+        if error is None:
+            arena.free_deferred(freed)
+        else:
+            log.warning(
+                "shared memory freed by writes that could not be synced stays unused until "
+                "the unit restarts",
+                bytes=sum(n for _, n in freed),
+                error=str(error),
+            )
 
     def _after_commit(self, msg: Incoming, op: str, reply: Any) -> Any:
         """``reply``, sent once the next group commit synced what the request wrote."""
@@ -375,7 +426,7 @@ class StorageServer(Service):
             self.state.put(partition_id, rows, headers, frames, incarnation=incarnation)
             disk = self.state.disk
             if self._sync and disk is not None:  # a caller in this process: synced here
-                disk.commit(disk.begin_commit())
+                self._commit_now(disk)
             ok = True
         finally:
             self._moved("in", host, frames)

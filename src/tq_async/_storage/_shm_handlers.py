@@ -53,11 +53,21 @@ class ShmPath:
         idle_bytes: most bytes of freed pages kept resident for reuse.
     """
 
-    def __init__(self, state: StorageState, book: Book, *, cap: int, idle_bytes: int) -> None:
+    def __init__(
+        self,
+        state: StorageState,
+        book: Book,
+        *,
+        cap: int,
+        idle_bytes: int,
+        arena_file: str | None = None,
+    ) -> None:
         self.state = state
         self.book = book
         self.cap = cap
         self.idle_bytes = idle_bytes
+        #: a durable unit's arena is this file in its data_dir (None: an anonymous memfd)
+        self.arena_file = arena_file
         self._watcher: Watcher | None = None
         self._ipc: str | None = None
         #: set (and replaced) whenever shared memory is given back (tests wait on it)
@@ -75,8 +85,19 @@ class ShmPath:
             return
         if not self.cap or not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
             return
+        disk = self.state.disk
         try:
-            arena = Arena(self.cap, idle_bytes=self.idle_bytes, name=name)
+            if self.arena_file is None or disk is None:
+                arena = Arena(self.cap, idle_bytes=self.idle_bytes, name=name)
+            else:
+                arena = Arena(
+                    self.cap,
+                    idle_bytes=self.idle_bytes,
+                    path=self.arena_file,
+                    defer_frees=disk.sync,
+                )
+                disk.use_arena()
+                self.state.adopt_arena(arena)
         except OSError as exc:
             log.warning("no shared memory for same-host clients", error=str(exc))
             return
@@ -105,7 +126,9 @@ class ShmPath:
         except OSError:  # not visible from here: another host or PID namespace
             return None
         self.book.peers[msg.peer] = body.pid
-        return ShmHelloReply(os.getpid(), arena.fd, arena.cap, arena.token, self._ipc)
+        return ShmHelloReply(
+            os.getpid(), arena.fd, arena.cap, arena.token, self._ipc, arena.defer_frees
+        )
 
     def claimant(self, peer: bytes) -> int:
         """The pid of a client that may take grants and pins (0: a NIXL client); NIXL

@@ -466,7 +466,14 @@ class Links:
     def _unit_moved(self, unit_id: int, conn: BlockingConnection) -> bool:
         """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
         listed = self._stands_for.get(conn.address, conn.address)
-        if self.units.get(unit_id) is conn:  # nobody asked since this connection broke
+        current = self.units.get(unit_id)
+        if (
+            current is not None
+            and current is not conn
+            and self._stands_for.get(current.address) == listed
+        ):
+            return True  # ``conn`` was closed by the move to the unit's twin, which answers now
+        if current is conn:  # nobody asked since this connection broke
             self.refresh_units()
         if self.units.get(unit_id) is conn and listed != conn.address:
             # a same-host twin broke though the unit did not move: go back to its listed
@@ -529,13 +536,26 @@ class Links:
         arena = None
         if hello is not None:
             try:
-                arena = ArenaMap(hello.pid, hello.fd, hello.size, hello.token)
+                arena = ArenaMap(
+                    hello.pid, hello.fd, hello.size, hello.token, write_through=hello.write_through
+                )
             except (OSError, ValueError) as exc:  # another host, namespace or user
                 log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
-        self.arenas[unit_id] = arena
         if arena is None or hello is None:
+            self.arenas[unit_id] = arena
             return
         conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
+        try:
+            # the arena is known only once the move to the twin is over: until then other
+            # calls wait on the link lock instead of using ``conn``, which the move closes
+            self._move_to_twin(unit_id, conn, hello, wait)
+        finally:
+            self.arenas[unit_id] = arena
+
+    def _move_to_twin(
+        self, unit_id: int, conn: BlockingConnection, hello: ShmHelloReply, wait: float
+    ) -> None:
+        """Reach the verified unit through its same-host socket from now on, if it answers."""
         if not same_host_ipc(hello.ipc):
             return
         assert hello.ipc is not None

@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from ..._errors import (
     BrokenError,
+    ClosedError,
     InvalidRequestError,
     ProtocolError,
 )
@@ -417,9 +418,16 @@ class GetPath:
                 def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
                     _release_pin(conn, reply)
 
-                payload, frames = conn.request(
-                    get, timeout=self._links.request_timeout, on_abandon=on_abandon
-                )
+                try:
+                    payload, frames = conn.request(
+                        get, timeout=self._links.request_timeout, on_abandon=on_abandon
+                    )
+                except (BrokenError, ClosedError):
+                    # the unit went away (its memory with it): read through the socket path,
+                    # which follows a unit restarted on a new address (a durable unit's rows
+                    # are back there)
+                    get.shm = get.device = get.pinned = False
+                    payload, frames = self._links.unit_request(unit, get)
             stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
                 pin = stored.pin

@@ -1,0 +1,232 @@
+"""A durable unit's shared-memory arena is a file of its data_dir (issue 36), as plain classes.
+
+Cells a same-host client puts through the arena are in the operating system's files when the
+put arrives: the unit records where they are (no second copy into a segment), and a unit
+restarted on its directory maps them again (no read). At ``fsync`` level a region freed by a
+clear is reused only after the commit that recorded the clear; at ``process`` level cells
+written in an earlier boot of the machine (its page cache gone) are dropped, and forgotten.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+from test_segments import DENSE, JAGGED, cells, frames_of
+
+from tq_async._paths._shm import PAGE, Arena, ArenaMap
+from tq_async._storage import _segments
+from tq_async._storage._cells import StorageState
+from tq_async._storage._segments import ARENA, ARENA_FILE, PutRecord, SegmentStore, claim_unit_dir
+
+CAP = 256 * PAGE
+
+
+def open_unit(path: Path, *, sync: bool = False, arena: bool = True) -> StorageState:
+    """A durable unit's state on ``path`` as a restarted unit opens it: recover, then map the
+    arena file and adopt the recovered cells in it."""
+    claim_unit_dir(str(path), 0)
+    state = StorageState(disk=SegmentStore(str(path), sync=sync))
+    state.recover()
+    if arena:
+        assert state.disk is not None
+        mapped = Arena(CAP, idle_bytes=0, path=str(path / ARENA_FILE), defer_frees=sync)
+        state.disk.use_arena()
+        state.adopt_arena(mapped)
+    return state
+
+
+def arena_put(state: StorageState, pid: str, rows: list[int], seed: int) -> tuple[int, int]:
+    """What `ShmPath.put` does for a client: write the columns into a granted region, store
+    views of it, drop the grant's reference. The region's (offset, size)."""
+    arena = state.arena
+    assert arena is not None
+    parts = frames_of(rows, seed)
+    spans = ArenaMap.layout(0, [len(p) for p in parts])
+    region = arena.alloc(spans[-1][0] + spans[-1][1])
+    assert region is not None
+    views = []
+    for (off, n), part in zip(spans, parts, strict=True):
+        arena.view[region.offset + off : region.offset + off + n] = np.frombuffer(part, np.uint8)
+        views.append(arena.span(region.offset + off, n))
+    state.put(pid, rows, [DENSE, JAGGED], views, region, incarnation="i1")
+    arena.release(region)
+    return region.offset, region.size
+
+
+def commit(state: StorageState) -> None:
+    """The server's group commit: sync, then reuse the regions its records freed."""
+    arena, disk = state.arena, state.disk
+    assert arena is not None
+    assert disk is not None
+    freed, arena.deferred = arena.deferred, []
+    disk.commit(disk.begin_commit())
+    arena.free_deferred(freed)
+
+
+def close(state: StorageState) -> None:
+    assert state.disk is not None
+    state.disk.close()
+    if state.arena is not None:
+        state.arena.close()
+
+
+def arena_records(path: Path) -> list[Any]:
+    store = SegmentStore(str(path))
+    records = [r for r in store.load() if isinstance(r, PutRecord)]
+    store.close()
+    return [c for r in records for c in r.chunks]
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+def test_cells_put_through_the_arena_file_are_recorded_not_copied(
+    tmp_path: Path, level: str
+) -> None:
+    sync = level == "fsync"
+    state = open_unit(tmp_path, sync=sync)
+    arena_put(state, "p", [0, 1, 2, 3], 10)
+    arena_put(state, "p", [2, 3, 4], 20)  # overwrites rows 2 and 3
+    arena_put(state, "q", [0, 1], 30)
+    state.clear("p", [1])
+    if sync:
+        commit(state)
+    expected = cells(state, "p", [0, 2, 3, 4]), cells(state, "q", [0, 1])
+    assert state.disk is not None
+    assert state.disk.bytes_written == 0  # no segment holds a byte of them
+    assert {c.segment for c in arena_records(tmp_path)} == {ARENA}
+    close(state)
+
+    # a unit without shared memory (data_path zmq) reads them from the file
+    plain = open_unit(tmp_path, sync=sync, arena=False)
+    assert (cells(plain, "p", [0, 2, 3, 4]), cells(plain, "q", [0, 1])) == expected
+    close(plain)
+
+    again = open_unit(tmp_path, sync=sync)
+    assert again.disk is not None
+    assert again.arena is not None
+    assert again.disk.bytes_read == 0  # mapped again, not read
+    assert (cells(again, "p", [0, 2, 3, 4]), cells(again, "q", [0, 1])) == expected
+    # their regions are taken: new puts fill the rest of the arena without touching them
+    while again.arena.alloc(PAGE) is not None:
+        pass
+    assert (cells(again, "p", [0, 2, 3, 4]), cells(again, "q", [0, 1])) == expected
+    close(again)
+
+
+def test_fsync_level_reuses_a_cleared_region_only_after_its_commit(tmp_path: Path) -> None:
+    state = open_unit(tmp_path, sync=True)
+    arena = state.arena
+    assert arena is not None
+    offset, size = arena_put(state, "p", [0, 1], 1)
+    commit(state)
+    state.clear("p", None)  # its record waits for the next commit
+    assert arena.deferred == [(offset, size)]
+    taken = arena.alloc(size)
+    assert taken is not None
+    assert taken.offset != offset
+    arena.release(taken)
+    commit(state)
+    assert arena.deferred == []
+    again = arena.alloc(size)
+    assert again is not None
+    assert again.offset == offset
+    close(state)
+
+
+def test_a_region_freed_at_process_level_is_reused_at_once(tmp_path: Path) -> None:
+    state = open_unit(tmp_path)
+    arena = state.arena
+    assert arena is not None
+    offset, size = arena_put(state, "p", [0, 1], 1)
+    state.clear("p", None)  # recorded before its region is freed
+    assert arena.deferred == []
+    again = arena.alloc(size)
+    assert again is not None
+    assert again.offset == offset
+    close(state)
+
+
+def test_process_level_cells_of_another_boot_are_dropped_and_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-a")
+    state = open_unit(tmp_path)
+    arena_put(state, "p", [0, 1], 1)
+    state.put("q", [0], [DENSE, JAGGED], frames_of([0], 2), incarnation="i1")  # a socket put
+    close(state)
+
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-b")  # the machine restarted
+    with structlog.testing.capture_logs() as logs:
+        after = open_unit(tmp_path)
+    assert any("machine restarted" in e["event"] for e in logs)
+    assert after.stats().rows == 1  # the socket put's row: its segment was written
+    assert cells(after, "q", [0]) == cells(after, "q", [0])
+    arena_put(after, "r", [7], 3)  # may take the dropped cells' place
+    close(after)
+
+    # the index forgot the dropped cells: they never come back over the new ones
+    third = open_unit(tmp_path)
+    assert third.stats().rows == 2
+    assert cells(third, "r", [7])[0] == [[3, 4, 5, 6]]
+    close(third)
+
+
+def test_fsync_level_cells_survive_another_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-a")
+    state = open_unit(tmp_path, sync=True)
+    arena_put(state, "p", [0, 1], 1)
+    commit(state)
+    expected = cells(state, "p", [0, 1])
+    close(state)
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-b")
+    after = open_unit(tmp_path, sync=True)
+    assert cells(after, "p", [0, 1]) == expected
+    close(after)
+
+
+def test_a_larger_arena_file_keeps_its_size(tmp_path: Path) -> None:
+    """A unit restarted with a smaller shm_cap still reaches cells past the new cap."""
+    claim_unit_dir(str(tmp_path), 0)
+    state = StorageState(disk=SegmentStore(str(tmp_path)))
+    state.recover()
+    assert state.disk is not None
+    big = Arena(2 * CAP, idle_bytes=0, path=str(tmp_path / ARENA_FILE))
+    state.disk.use_arena()
+    state.adopt_arena(big)
+    filler = big.alloc(CAP)  # the next put lands past CAP
+    arena_put(state, "p", [0, 1], 5)
+    assert filler is not None
+    big.release(filler)
+    expected = cells(state, "p", [0, 1])
+    close(state)
+    again = open_unit(tmp_path)  # CAP < the file's size
+    assert again.arena is not None
+    assert again.arena.cap == 2 * CAP
+    assert cells(again, "p", [0, 1]) == expected
+    assert os.path.getsize(tmp_path / ARENA_FILE) == 2 * CAP
+    close(again)
+
+
+def test_a_client_writes_a_synced_arena_file_with_pwrite(tmp_path: Path) -> None:
+    """At ``fsync`` level the unit says ``write_through``: the client writes puts with
+    ``pwrite`` (the file's pages are clean after each commit and would fault if stored to
+    through the mapping); the unit sees the bytes through its mapping all the same."""
+    arena = Arena(CAP, idle_bytes=0, path=str(tmp_path / ARENA_FILE), defer_frees=True)
+    mapped = ArenaMap(os.getpid(), arena.fd, arena.cap, arena.token, write_through=True)
+    assert mapped.fd >= 0
+    region = arena.alloc(3 * PAGE)
+    assert region is not None
+    parts = [bytes(range(256)) * 10, b"tail"]
+    spans = mapped.write(region.offset, parts)
+    assert spans == ArenaMap.layout(0, [len(p) for p in parts])
+    for (off, n), part in zip(spans, parts, strict=True):
+        assert bytes(arena.span(region.offset + off, n)) == part
+    mapped.close()
+    assert mapped.fd == -1
+    arena.close()
