@@ -31,6 +31,9 @@ Needs the ``ray`` extra: ``pip install 'tq_async[ray]'``.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tq_async.ray needs Ray; install it with `pip install 'tq_async[ray]'`"
     ) from exc
 
+from ._controller._journal import unit_data_dir
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._service._config import Config, device_indexes
@@ -63,71 +67,175 @@ log = get_logger(__name__)
 #: ``placement`` keys understood in the mapping form.
 _PLACEMENT_KEYS = frozenset({"nodes", "resources"})
 
+#: the handles of the actors `launch` started in this process, by (namespace, name): Ray ends
+#: an actor (not detached) once its owner holds no handle to it, and the cluster must live
+#: until `RayCluster.shutdown` or the end of this process, through restarts of its actors
+_LAUNCHED: dict[tuple[str, str], list[Any]] = {}
+
+
+#: the file in a durable controller's ``data_dir`` where its actor keeps what a restart needs:
+#: the address it served at (a restarted controller binds that port again, so clients and
+#: units find it where they left it) and what `attach` returns
+RAY_STATE_FILE = "tq-async-ray.json"
+
 
 class _ServiceActor:
     """One tq_async service in a Ray actor's event loop (wrapped by ``ray.remote`` below).
 
-    ``run`` holds the service's task group for the actor's whole life, so the server is a
-    structured task of a method call, not a stray background task; ``ready`` reports its
-    address (or the error that stopped it) and ``stop`` ends ``run``.
+    The constructor gets everything the service needs and starts it, as a task of the actor's
+    event loop that holds the service's task group for the actor's whole life: Ray re-runs
+    only the constructor when it restarts an actor (``max_restarts``), never a method call, so
+    a restarted actor serves again by itself (on a Ray that runs an async actor's constructor
+    outside its loop, at the first call of any method instead). ``ready`` reports the address
+    (or the error that stopped the service) and ``stop`` ends it.
+
+    A storage unit asks the controller's actor for the controller's address (``controller``,
+    its handle), so a unit restarted later finds it too. With a durable level a unit keeps
+    its cells in ``unit_data_dir(data_dir, unit_id)`` and the controller its state file
+    (`RAY_STATE_FILE`) in its journal's ``data_dir``.
     """
 
-    def __init__(self) -> None:
-        # Created lazily: they must belong to the actor's event loop, which __init__ may not run
-        # in.
+    def __init__(
+        self,
+        role: str,
+        host: str | None,
+        options: dict[str, Any],
+        controller: Any = None,
+        data_dir: str | None = None,
+    ) -> None:
+        self._role, self._host, self._options = role, host, options
+        self._controller, self._data_dir = controller, data_dir
+        # Created by _start: they must belong to the actor's event loop.
         self._started: anyio.Event | None = None
         self._stop: anyio.Event | None = None
         self._unit_id: int | None = None
         self._address: str | None = None
         self._error: TQError | None = None
         self._description: dict[str, Any] = {}
-
-    def _events(self) -> tuple[anyio.Event, anyio.Event]:
-        if self._started is None or self._stop is None:
-            self._started, self._stop = anyio.Event(), anyio.Event()
-        return self._started, self._stop
-
-    async def run(self, role: str, host: str | None, options: dict[str, Any]) -> None:
-        """Serve ``role`` (``"controller"`` or ``"storage"``) until `stop`."""
-        started, stop = self._events()
-        node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call,unused-ignore]
-        bind = f"tcp://{host or node_ip}:0"
-        # A wildcard host listens everywhere but must publish something routable.
-        advertise = node_ip if host in ("0.0.0.0", "*") else None
+        self._task: asyncio.Task[None] | None = None
+        self._restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # the first method call starts it
+        self._start()
+
+    def _start(self) -> None:
+        if self._task is None:
+            self._started, self._stop = anyio.Event(), anyio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        """Serve the role until `stop`; record the error that stopped it, if any."""
+        assert self._started is not None
+        assert self._stop is not None
+        role = self._role
+        try:
+            node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call,unused-ignore]
+            bind = f"tcp://{self._host or node_ip}:{self._port()}"
+            # A wildcard host listens everywhere but must publish something routable.
+            advertise = node_ip if self._host in ("0.0.0.0", "*") else None
             async with anyio.create_task_group() as tg:
                 if role == "controller":
                     self._address = await tg.start(
-                        partial(serve_controller, bind, advertise=advertise, **options)
+                        partial(serve_controller, bind, advertise=advertise, **self._options)
                     )
+                    self._save_state()
                 else:
                     self._unit_id, self._address = await tg.start(
-                        partial(serve_storage, bind=bind, advertise=advertise, **options)
+                        partial(serve_storage, bind=bind, advertise=advertise, **await self._unit())
                     )
-                started.set()
-                await stop.wait()
+                self._started.set()
+                log.info(
+                    "tq_async service actor serving",
+                    role=role,
+                    unit_id=self._unit_id,
+                    address=self._address,
+                    restarted=self._restarted,
+                )
+                await self._stop.wait()
                 tg.cancel_scope.cancel()
-        except BaseException as exc:
+        except Exception as exc:
             self._error = first_tq_error(exc) or BrokenError(f"the {role} service failed: {exc}")
-            started.set()
-            raise
+            log.error(
+                "tq_async service actor stopped", role=role, error=str(self._error), exc_info=exc
+            )
+        finally:
+            self._started.set()
+
+    def _state_path(self) -> str | None:
+        """The controller's `RAY_STATE_FILE` (durable levels only)."""
+        if self._role != "controller" or self._data_dir is None:
+            return None
+        return os.path.join(self._data_dir, RAY_STATE_FILE)
+
+    def _port(self) -> int:
+        """The port to bind: any (0), but a restarted durable controller's former one."""
+        path = self._state_path()
+        if path is None or not self._restarted:
+            return 0
+        try:
+            state = _read_json(path)
+            self._description = dict(state.get("description") or {})
+            return int(str(state["address"]).rpartition(":")[2])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "a restarted controller actor does not know its former address; it binds a "
+                "new port, which clients and units do not know (launch the cluster again)",
+                path=path,
+                error=str(exc),
+            )
+            return 0
+
+    def _save_state(self) -> None:
+        path = self._state_path()
+        if path is not None:
+            _write_json(path, {"address": self._address, "description": self._description})
+
+    async def _unit(self) -> dict[str, Any]:
+        """``serve_storage``'s arguments: the controller's address, asked of its actor (it
+        answers once it serves), and the unit's directory (made here, on the unit's node)."""
+        _, controller = await self._controller.ready.remote()
+        options = {**self._options, "controller": controller}
+        if self._data_dir is not None:
+            options["data_dir"] = unit_data_dir(self._data_dir, options["unit_id"], create=True)
+        return options
 
     async def ready(self) -> tuple[int | None, str]:
         """Wait until the service serves; returns ``(unit_id, address)``."""
-        started, _ = self._events()
-        await started.wait()
+        self._start()
+        assert self._started is not None
+        await self._started.wait()
         if self._error is not None:
             raise self._error
         assert self._address is not None
         return self._unit_id, self._address
 
+    async def info(self) -> dict[str, Any]:
+        """The actor's process id, role, address (None until it serves) and whether Ray
+        restarted it."""
+        return {
+            "pid": os.getpid(),
+            "role": self._role,
+            "unit_id": self._unit_id,
+            "address": self._address,
+            "restarted": self._restarted,
+        }
+
     async def stop(self) -> None:
-        """End `run` (the service closes its socket)."""
-        self._events()[1].set()
+        """End the service (it closes its socket)."""
+        if self._task is None or self._started is None or self._stop is None:
+            return
+        self._stop.set()
+        if not self._started.is_set():  # still starting (a unit waiting for the controller)
+            self._task.cancel()
+        await asyncio.wait([self._task])
 
     async def set_description(self, description: dict[str, Any]) -> None:
-        """Record what `attach` returns (the controller actor holds it)."""
+        """Record what `attach` returns (the controller actor holds it; a durable one in its
+        state file too, for a restart)."""
         self._description = description
+        self._save_state()
 
     async def describe(self) -> dict[str, Any]:
         """What `set_description` recorded."""
@@ -137,6 +245,21 @@ class _ServiceActor:
         """TransferQueue's name for `describe` (its ``"address"`` is what
         ``tq_async.compat.StreamingDataset(config=...)`` reads)."""
         return self._description
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        loaded = json.load(f)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return loaded
+
+
+def _write_json(path: str, value: dict[str, Any]) -> None:
+    """Replace ``path`` with ``value`` whole (a crash leaves the old file or the new one)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
 
 
 _RemoteService = ray.remote(_ServiceActor)
@@ -178,6 +301,7 @@ class RayCluster:
             except ValueError:  # already gone
                 continue
         _stop_and_kill(actors, timeout)
+        _LAUNCHED.pop((self.namespace, self.name), None)
         log.info("tq_async cluster shut down", name=self.name, namespace=self.namespace)
 
 
@@ -353,7 +477,15 @@ def launch(
             ``host``, ``bind`` and ``metrics_on`` do not apply (each actor binds its node).
             Its ``host_id`` (a string, or one per unit) names the units' hosts; without it
             each unit's host is ``"ray:<node id>"`` of its node, the id a client on that node
-            resolves by itself.
+            resolves by itself. Its ``durability`` (``"process"`` / ``"fsync"``) and
+            ``data_dir`` make the cluster durable: ``data_dir`` is an absolute path on the
+            nodes themselves (a local disk of each), the controller's journal directory on
+            its node (it must exist there) and unit ``i``'s cells go to
+            ``data_dir/units/unit-i`` on unit ``i``'s node (made by the unit). Ray then
+            restarts a dead actor (``max_restarts=-1`` unless ``actor_options`` says
+            otherwise) on its node, where it finds its directory: a unit comes back with its
+            rows (on a new port; clients follow), the controller with its state on its former
+            address. Its ``memory_cap`` reaches the units.
 
     Returns:
         A `RayCluster`; connect clients to its ``address``.
@@ -361,6 +493,8 @@ def launch(
     Raises:
         InvalidRequestError: Ray is not initialised, no node matches ``placement``, or
             ``name`` is taken in ``namespace``.
+        ConfigError: ``config`` is bad, e.g. a relative ``data_dir``, or one that is
+            missing on the controller's node (raised when the controller starts).
         TQTimeoutError: the services did not start within ``timeout`` (nothing is left
             running).
         BrokenError: a service failed to start (nothing is left running).
@@ -373,43 +507,53 @@ def launch(
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
+    # With a durable level Ray restarts a dead actor (on its node: the affinity is hard), and
+    # the restarted service finds its directory; at memory a restart would find nothing.
+    data_dir = None if config is None or config.durability == "memory" else config.data_dir
+    if data_dir is not None and not os.path.isabs(data_dir):
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
+            "process's directory; give an absolute path, valid on the nodes the actors run on"
+        )
     options: dict[str, Any] = {
         "namespace": namespace,
         "num_cpus": num_cpus,
-        "max_restarts": 0,
+        "max_restarts": 0 if data_dir is None else -1,
         **(actor_options or {}),
     }
     if detached:
         options["lifetime"] = "detached"
     actors: list[Any] = []
     try:
-        # Every actor's process starts (and imports tq_async) at once; units are told the
-        # controller's address once it serves.
-        controller = _spawn(name, nodes[0], options)
+        # Every actor's process starts (and imports tq_async) at once; each unit asks the
+        # controller's actor for its address once it serves.
+        controller = _spawn(
+            name, nodes[0], options, ("controller", host, controller_options, None, data_dir)
+        )
         actors.append(controller)
-        unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
-        units = [_spawn(n, nodes[i % len(nodes)], options) for i, n in enumerate(unit_names)]
-        actors.extend(units)
-        controller.run.remote("controller", host, controller_options)
-        _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
         unit_options = {
-            "controller": address,
             "allow_pickle": allow_pickle,
             "curve": curve,
-            "register_timeout": max(1.0, min(30.0, deadline - time.monotonic())),
+            "register_timeout": max(1.0, min(30.0, timeout)),
             **_unit_config(config),
         }
-        per_unit = [
-            {"host_id": host_id, "device_index": index}
-            for host_id, index in zip(
-                _unit_host_ids(config, nodes, num_storage_units, options),
-                device_indexes(0 if config is None else config.device_index, num_storage_units),
-                strict=True,
-            )
-        ]
-        unit_addresses = _start_units(
-            dict(zip(unit_names, units, strict=True)), host, unit_options, per_unit, deadline
+        per_unit = zip(
+            _unit_host_ids(config, nodes, num_storage_units, options),
+            device_indexes(0 if config is None else config.device_index, num_storage_units),
+            strict=True,
         )
+        unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
+        for i, (host_id, index) in enumerate(per_unit):
+            args = {**unit_options, "host_id": host_id, "device_index": index, "unit_id": i}
+            spec = ("storage", host, args, controller, data_dir)
+            actors.append(_spawn(unit_names[i], nodes[i % len(nodes)], options, spec))
+        _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
+        unit_addresses: dict[int, str] = {}
+        for unit_name, unit in zip(unit_names, actors[1:], strict=True):
+            unit_id, unit_address = _resolve(
+                unit.ready.remote(), deadline, f"storage unit {unit_name!r}"
+            )
+            unit_addresses[int(unit_id)] = str(unit_address)
         cluster = RayCluster(name, namespace, str(address), unit_addresses, (*unit_names, name))
         _resolve(
             controller.set_description.remote(_describe(cluster)), deadline, f"controller {name!r}"
@@ -417,17 +561,30 @@ def launch(
     except BaseException:
         _stop_and_kill(actors, 10.0)
         raise
-    log.info("tq_async cluster launched", name=name, namespace=namespace, address=address)
+    _LAUNCHED[namespace, name] = actors
+    log.info(
+        "tq_async cluster launched",
+        name=name,
+        namespace=namespace,
+        address=address,
+        durability="memory" if config is None else config.durability,
+    )
     return cluster
 
 
-def _spawn(actor_name: str, node_id: str, options: Mapping[str, Any]) -> Any:
-    """A service actor (not yet running a service) on ``node_id``."""
+def _spawn(
+    actor_name: str,
+    node_id: str,
+    options: Mapping[str, Any],
+    spec: tuple[str, str | None, dict[str, Any], Any, str | None],
+) -> Any:
+    """A service actor on ``node_id`` that starts serving: ``spec`` is its constructor's
+    arguments (role, host, the service's options, the controller's actor, data_dir)."""
     return _RemoteService.options(
         name=actor_name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         **options,
-    ).remote()
+    ).remote(*spec)
 
 
 def _unit_host_ids(
@@ -461,34 +618,18 @@ def _unit_host_ids(
     return [f"ray:{nodes[i % len(nodes)]}" for i in range(num_storage_units)]
 
 
-def _start_units(
-    units: Mapping[str, Any],
-    host: str | None,
-    options: Mapping[str, Any],
-    per_unit: Sequence[Mapping[str, Any]],
-    deadline: float,
-) -> dict[int, str]:
-    """Start a storage unit in each actor (``{actor name: actor}``, unit ids in order; unit
-    ``i`` with ``per_unit[i]``: its host id and GPU index); wait until every one serves.
-    Returns ``{unit id: address}``."""
-    for i, unit in enumerate(units.values()):
-        unit.run.remote("storage", host, {**options, **per_unit[i], "unit_id": i})
-    addresses: dict[int, str] = {}
-    for unit_name, unit in units.items():
-        unit_id, address = _resolve(unit.ready.remote(), deadline, f"storage unit {unit_name!r}")
-        addresses[int(unit_id)] = str(address)
-    return addresses
-
-
 def _unit_config(config: Config | None) -> dict[str, Any]:
-    """What a storage unit takes from ``config`` (its data paths): shared memory, the data
-    path, the device arena."""
+    """What a storage unit takes from ``config``: its data paths (shared memory, the data
+    path, the device arena), its memory cap and its durability level (its directory is
+    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor)."""
     if config is None:
         return {}
     return {
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
+        "memory_cap": config.memory_cap,
+        "durability": config.durability,
     }
 
 

@@ -7,8 +7,13 @@ instance serves the whole module and the tests are few.
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,3 +231,168 @@ def test_launch_gives_each_unit_its_host_id() -> None:
     assert tq_ray._unit_host_ids(None, nodes, 2, env) == [None, None]
     with pytest.raises(tq.ConfigError, match="one per unit"):
         tq_ray._unit_host_ids(tq.Config(host_id=["a"]), nodes, 2, {})
+
+
+def _batch(n: int, seed: int) -> dict[str, Any]:
+    """Random bits (a float column with NaN payloads, an int column): a round trip that is
+    not bit-exact shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n, 512), generator=g, dtype=torch.int32)
+    return {"f": bits.view(torch.float32), "i": torch.randint(0, 1 << 40, (n, 3), generator=g)}
+
+
+def _same(got: Any, want: dict[str, Any]) -> bool:
+    import torch
+
+    return bool(torch.equal(got["f"].view(torch.int32), want["f"].view(torch.int32))) and bool(
+        torch.equal(got["i"], want["i"])
+    )
+
+
+def _restarted(actor: Any, old_pid: int, timeout: float = 90.0) -> dict[str, Any]:
+    """Wait until Ray has restarted ``actor`` (another process) and its service serves."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            ray.get(actor.ready.remote(), timeout=left)  # waits while Ray restarts it
+            info: dict[str, Any] = ray.get(actor.info.remote(), timeout=left)
+        except ray.exceptions.RayActorError:
+            continue  # the call reached the dying process, or Ray is restarting it
+        if info["pid"] != old_pid:
+            return info
+    pytest.fail(f"the actor was not restarted within {timeout} s")
+
+
+def _durable_launch(name: str, data_dir: Path, units: int) -> Any:
+    here = ray.get_runtime_context().get_node_id()
+    config = tq.Config(
+        num_storage_units=units,
+        placement="round_robin",
+        durability="process",
+        data_dir=str(data_dir),
+    )
+    return tq_ray.launch(
+        name=name,
+        namespace=NAMESPACE,
+        host="127.0.0.1",
+        placement=[here],
+        config=config,
+        timeout=90,
+    )
+
+
+def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
+    local_ray: None, tmp_path: Path
+) -> None:
+    import anyio
+
+    data_dir = tmp_path / "tq"
+    data_dir.mkdir()
+    cluster = _durable_launch("durable", data_dir, 2)
+    unit = ray.get_actor("durable.unit0", namespace=NAMESPACE)
+
+    async def run() -> list[tuple[Any, dict[str, Any]]]:
+        before = await anyio.to_thread.run_sync(lambda: ray.get(unit.info.remote(), timeout=30))
+        assert before["restarted"] is False
+        async with tq.AsyncClient.connect(cluster.address, request_timeout=10) as client:
+            acked = []
+            for i in range(12):
+                batch = _batch(1 + i % 4, i)
+                acked.append((await client.put(batch, "p"), batch))
+            total = sum(len(meta) for meta, _ in acked)
+            assert {u for meta, _ in acked for u in meta.units} == {0, 1}
+            first = await client.get_meta(["f", "i"], 6, "p", "learner", timeout=10)
+            consumed = list(first.global_indexes)
+            os.kill(before["pid"], signal.SIGKILL)  # right after the last acknowledgement
+            after = await anyio.to_thread.run_sync(partial(_restarted, unit, before["pid"]))
+            assert after["restarted"] is True
+            assert after["unit_id"] == 0
+            for meta, batch in acked:  # every acknowledged row, bit-exactly
+                assert _same(await client.get_data(meta), batch)
+            lost = await client.lost_rows()
+            assert lost["dead_units"] == []
+            assert not any(lost["rows"].values())
+            # the task keeps consuming where it was: every other row once, then new ones
+            while len(consumed) < total:
+                got = await client.get_meta(["f", "i"], 6, "p", "learner", timeout=10)
+                await client.get_data(got)
+                consumed += got.global_indexes
+            assert sorted(consumed) == sorted(i for m, _ in acked for i in m.global_indexes)
+            new = await client.put(_batch(4, 1000), "p")
+            assert _same(await client.get_data(new), _batch(4, 1000))
+            acked.append((new, _batch(4, 1000)))
+        return acked
+
+    async def read_back(address: str, acked: list[tuple[Any, dict[str, Any]]]) -> None:
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            for meta, batch in acked:
+                assert _same(await client.get_data(meta), batch)
+            assert not any((await client.lost_rows())["rows"].values())
+
+    try:
+        acked = anyio.run(run)
+        assert os.listdir(data_dir / "units" / "unit-0")  # its cells were in its directory
+    finally:
+        cluster.shutdown()
+    assert our_actors() == []
+    # the whole cluster launched again on its data_dir (same nodes) has every row
+    cluster = _durable_launch("durable", data_dir, 2)
+    try:
+        anyio.run(read_back, cluster.address, acked)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_durable_controller_killed_under_ray_comes_back_at_its_address(
+    local_ray: None, tmp_path: Path
+) -> None:
+    import anyio
+
+    relative = tq.Config(durability="process", data_dir="tq/data")
+    with pytest.raises(tq.ConfigError, match="absolute path"):
+        tq_ray.launch(name="rel", namespace=NAMESPACE, config=relative)
+    with pytest.raises(tq.ConfigError, match=r"controller 'nodir'.*not a directory"):
+        _durable_launch("nodir", tmp_path / "missing", 1)
+    assert our_actors() == []
+    data_dir = tmp_path / "tq"
+    data_dir.mkdir()
+    cluster = _durable_launch("durable-ctl", data_dir, 1)
+    controller = ray.get_actor("durable-ctl", namespace=NAMESPACE)
+
+    async def run() -> None:
+        before = await anyio.to_thread.run_sync(
+            lambda: ray.get(controller.info.remote(), timeout=30)
+        )
+        async with tq.AsyncClient.connect(cluster.address, request_timeout=10) as client:
+            acked = [(await client.put(_batch(4, i), "p"), _batch(4, i)) for i in range(4)]
+            first = await client.get_meta(["f", "i"], 6, "p", "learner", lease=60.0, timeout=10)
+            await client.ack(first)
+            os.kill(before["pid"], signal.SIGKILL)
+            after = await anyio.to_thread.run_sync(partial(_restarted, controller, before["pid"]))
+            assert after["address"] == cluster.address  # the same port: clients find it
+            # the same client carries on: nothing acknowledged is delivered again
+            await client.seal("p")
+            rest: list[int] = []
+            while True:
+                got = await client.get_meta(["f", "i"], 4, "p", "learner", lease=60.0, timeout=30)
+                if got.end_of_stream:
+                    break
+                await client.get_data(got)
+                rest += got.global_indexes
+                await client.ack(got)
+            assert not set(rest) & set(first.global_indexes)
+            everything = [i for meta, _ in acked for i in meta.global_indexes]
+            assert sorted(rest + list(first.global_indexes)) == sorted(everything)
+            for meta, batch in acked:
+                assert _same(await client.get_data(meta), batch)
+
+    try:
+        anyio.run(run)
+        attached = tq_ray.attach("durable-ctl", NAMESPACE)  # its description came back too
+        assert attached.address == cluster.address
+    finally:
+        cluster.shutdown()
+    assert our_actors() == []

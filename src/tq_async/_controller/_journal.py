@@ -68,7 +68,14 @@ from .._wire._protocol import (
 )
 from ._shell import Sends
 
-__all__ = ["DURABILITY", "Durability", "JournalStore", "Recorder", "check_durability"]
+__all__ = [
+    "DURABILITY",
+    "Durability",
+    "JournalStore",
+    "Recorder",
+    "check_durability",
+    "unit_data_dir",
+]
 
 log = get_logger(__name__)
 
@@ -80,8 +87,9 @@ DURABILITY: tuple[str, ...] = ("memory", "process", "fsync")
 
 #: the file naming what a data_dir belongs to (a controller, a storage unit)
 MARKER = "tq-async-data-dir.json"
-#: where a cluster in one process (``local_cluster``, ``tq-async serve``) keeps its storage
-#: units' directories, inside the controller's (``units/unit-N``)
+#: where a cluster started as a whole (``local_cluster``, ``tq-async serve``,
+#: ``tq_async.ray.launch``) keeps its storage units' directories, inside the controller's
+#: (``units/unit-N``)
 UNITS_DIR = "units"
 _DB = "controller.db"
 #: requests remembered between their arrival and their reply (older ones are forgotten:
@@ -222,6 +230,25 @@ def _check_wal_tail(path: str) -> None:
             wal=path + "-wal",
             bytes=wal_size,
         )
+
+
+def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
+    """Storage unit ``unit_id``'s directory in a cluster started as a whole on ``data_dir``
+    (the controller's): ``data_dir/units/unit-N``, the same unit every start, so the cluster
+    started again on ``data_dir`` finds each unit's cells.
+
+    Args:
+        data_dir: the controller's directory.
+        unit_id: the unit's id.
+        create: make the directory (and its parents) if it is missing.
+
+    Returns:
+        The unit's directory.
+    """
+    path = os.path.join(data_dir, UNITS_DIR, f"unit-{unit_id}")
+    if create:
+        os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _claim(data_dir: str) -> None:

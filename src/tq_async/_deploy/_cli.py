@@ -339,8 +339,8 @@ def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         default=argparse.SUPPRESS if in_role else "memory",
         help="memory: nothing survives a crash (the default, fastest); process: a change is "
         "acknowledged once it is in the OS's files (survives SIGKILL/OOM of the service); "
-        "fsync: once it is on the disk (survives a machine crash). A `serve storage` unit "
-        "keeps its cells on disk too; an all-in-one serve's units keep them in memory: see "
+        "fsync: once it is on the disk (survives a machine crash). Storage units keep their "
+        "cells on disk too (an all-in-one serve's under DIR/units/unit-N): see "
         "docs/guarantees.md",
     )
     parser.add_argument(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import anyio
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
-from .._controller._journal import UNITS_DIR
+from .._controller._journal import unit_data_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
@@ -317,12 +316,7 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
     if durability != "memory" and data_dir is not None:
         # each unit's cells under the controller's directory: the whole cluster restarted on
         # it comes back with its rows (units/unit-N: the same unit every time)
-        unit_dirs = [
-            os.path.join(data_dir, UNITS_DIR, f"unit-{i}") for i in range(plan.num_storage_units)
-        ]
-        for d in unit_dirs:
-            assert d is not None
-            os.makedirs(d, exist_ok=True)
+        unit_dirs = [unit_data_dir(data_dir, i, create=True) for i in range(plan.num_storage_units)]
     units = [
         StorageServer(
             i,

@@ -345,8 +345,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         data_dir: the controller's journal directory for ``process`` / ``fsync`` (an
             existing directory, empty or an earlier controller's: a controller started on it
             recovers). For ``tq-async serve storage`` it is the unit's own directory: the unit
-            keeps its cells there too and a unit started on it comes back with them. The
-            units of an all-in-one cluster keep their cells in memory.
+            keeps its cells there too and a unit started on it comes back with them. A cluster
+            started as a whole (``local_cluster``, ``tq-async serve``, ``tq_async.ray.launch``)
+            keeps unit N's cells in ``data_dir/units/unit-N``; for Ray it is an absolute path
+            on the actors' nodes.
         memory_cap: most bytes of cells a storage unit keeps in memory (None: no bound, the
             default); the least recently used ones past it go to disk and are read back on
             demand, at every durability level (at ``memory`` into a scratch directory under
