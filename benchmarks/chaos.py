@@ -2,7 +2,8 @@
 moments while producers put, a consumer acks under leases and a DP2 job reads recorded
 batches; restart on the same directories; then check every guarantee.
 
-``python -m benchmarks.chaos --kills 50 --seconds 300 --seed 1 [--json PATH] [--dir DIR]``
+``python -m benchmarks.chaos --kills 50 --seconds 300 --seed 1 [--durability process|fsync]
+[--memory-cap BYTES] [--json PATH] [--dir DIR]``
 runs the harness of ``tests/_chaos.py`` (see its docstring for the checks) and prints a
 summary: kills by target, rows, puts acknowledged / in doubt, consumer deliveries and acks,
 DP batches and replays, and the violations (there must be none; the exit status is 1 if
@@ -36,6 +37,12 @@ def main() -> int:
     parser.add_argument(
         "--processes", type=int, default=4, choices=[1, 2, 4], help="worker processes"
     )
+    parser.add_argument(
+        "--durability", default="process", choices=["process", "fsync"], help="every service's"
+    )
+    parser.add_argument(
+        "--memory-cap", type=int, default=None, help="the units' memory_cap, bytes (spill)"
+    )
     parser.add_argument("--dir", default=None, help="where the data_dirs go (default: $TMPDIR)")
     parser.add_argument("--keep", action="store_true", help="keep the data_dirs and logs")
     parser.add_argument("--json", default=None, help="also write the report to this file")
@@ -56,6 +63,8 @@ def main() -> int:
             producers=args.producers,
             processes=args.processes,
             say=say,
+            durability=args.durability,
+            memory_cap=args.memory_cap,
         )
     finally:
         if args.keep:

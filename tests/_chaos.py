@@ -200,7 +200,13 @@ class Service:
 class Cluster:
     """A durable controller and ``units`` durable storage units, all restartable."""
 
-    def __init__(self, root: Path, units: int = 2, durability: str = "process") -> None:
+    def __init__(
+        self,
+        root: Path,
+        units: int = 2,
+        durability: str = "process",
+        memory_cap: int | None = None,
+    ) -> None:
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.address = f"tcp://127.0.0.1:{free_port()}"
@@ -219,6 +225,7 @@ class Cluster:
                 *("--controller", self.address, "--unit-id", str(u)),
                 *("--bind", f"tcp://127.0.0.1:{free_port()}"),
                 *("--durability", durability, "--data-dir", str(unit_dir)),
+                *(() if memory_cap is None else ("--memory-cap", str(memory_cap))),
             )
             self.units.append(Service(f"unit{u}", argv, b"TQ_UNIT=", self.logs))
 
@@ -533,17 +540,20 @@ def run_chaos(
     progress_timeout: float = 60.0,
     drain_timeout: float = 120.0,
     say: Any = None,
+    durability: str = "process",
+    memory_cap: int | None = None,
 ) -> Report:
     """Run the cluster and the workers, kill ``kills`` times (about ``seconds`` in all),
     then drain and check. Every wait is bounded. The workers' roles run in ``processes``
     processes: 4 (producers, consumer, DP rank 0, DP rank 1 each in its own), 2 (producers
-    and consumer; the DP ranks) or 1."""
+    and consumer; the DP ranks) or 1. ``durability`` / ``memory_cap``: every service's level,
+    and the units' memory cap (cells past it are read back from their segments)."""
     import anyio
 
     rng = random.Random(seed)
     report = Report(seed=seed, kills={"controller": 0, "unit": 0, "all": 0})
     t0 = time.monotonic()
-    cluster = Cluster(root)
+    cluster = Cluster(root, durability=durability, memory_cap=memory_cap)
     progress = threading.Condition()
     workers: list[Worker] = []
     log = say or (lambda msg: None)

@@ -190,6 +190,8 @@ class Commit:
     dead: list[int] = field(default_factory=list)
     #: the whole index, rewritten (None: ``records`` are appended)
     rewrite: list[bytes] | None = None
+    #: sync the directory too (a segment file was created: its name must be on the disk)
+    sync_dir: bool = False
 
 
 def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:
@@ -307,6 +309,10 @@ class SegmentStore:
         #: the arena file (`use_arena`): fsynced with the segments, read for recovered cells
         self.arena_path = os.path.join(directory, ARENA_FILE)
         self._arena_fd = -1
+        #: the current segment has bytes the next commit must sync
+        self._unsynced = False
+        #: a file was created since the directory was last synced
+        self._new_file = False
         #: `load` dropped chunks whose bytes are gone: the index must be rewritten before
         #: new cells may take their place (the arena reuses space)
         self.dropped = False
@@ -410,6 +416,7 @@ class SegmentStore:
             self._arena_fd = os.open(self.arena_path, os.O_RDWR | os.O_CLOEXEC)
         if self.sync:
             os.fdatasync(self._arena_fd)
+            self._sync_dir()  # the arena file's name too
         mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
         path = os.path.join(self.directory, _ARENA_BOOT)
         with open(path + ".tmp", "w") as f:
@@ -430,6 +437,7 @@ class SegmentStore:
         self._segment += 1
         self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = 0
+        self._new_file = True  # its name reaches the disk with the directory's next sync
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -462,6 +470,7 @@ class SegmentStore:
             self._cut(self._fd, start)
             raise _io_error(exc, self.directory, "writing cells") from exc
         self._size = pos
+        self._unsynced = True
         self.bytes_written += pos - start
         return extents
 
@@ -510,8 +519,12 @@ class SegmentStore:
         Waits for a commit still running; every `begin_commit` must be followed by its
         `commit` (which releases the next one)."""
         self._commit_lock.acquire()
-        fds = [self._fd] if self._arena_fd < 0 else [self._fd, self._arena_fd]
+        fds = [self._fd] if self._unsynced else []
+        if self._arena_fd >= 0:
+            fds.append(self._arena_fd)
+        self._unsynced = False
         commit = Commit(fds, self._pending, self._closing, self._dead, self._rewrite)
+        commit.sync_dir, self._new_file = self._new_file, False
         self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
         return commit
 
@@ -529,8 +542,12 @@ class SegmentStore:
 
     def _commit(self, commit: Commit) -> None:
         try:
+            # fdatasync: the data and what reading it needs (the size), not the timestamps
+            # (fsync would commit the file system's journal for an mtime change on every put)
             for fd in [*commit.fds, *commit.closing]:
-                os.fsync(fd)
+                os.fdatasync(fd)
+            if commit.sync_dir:
+                self._sync_dir()
             if commit.rewrite is not None:
                 self._replace_index(commit.rewrite)
             elif commit.records:
@@ -541,7 +558,7 @@ class SegmentStore:
                     done = 0
                     while done < len(blob):
                         done += self._write(self._index_fd, view[done:])
-                    os.fsync(self._index_fd)
+                    os.fdatasync(self._index_fd)
                 except OSError:
                     self._cut(self._index_fd, size)
                     raise
@@ -581,13 +598,16 @@ class SegmentStore:
         os.close(fd)
         os.replace(tmp, path)
         if self.sync:
-            dfd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            self._sync_dir()
         old, self._index_fd = self._index_fd, os.open(path, os.O_WRONLY | os.O_APPEND)
         os.close(old)
+
+    def _sync_dir(self) -> None:
+        dfd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     # ---- chunks' lives -----------------------------------------------------------------------
 
