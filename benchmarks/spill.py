@@ -11,6 +11,9 @@ Both sides in one run, on the same directory:
 - **tier** (in process, no sockets): `StorageState` puts of the same batches at each level
   (``memory``, ``process``: written to the OS, ``fsync``: one group commit per put), to show
   what the disk tier itself costs;
+- **rss** (``--rss``): the same partition through a ``tq-async serve storage --memory-cap``
+  process: its RSS at start and its peak (``VmHWM``), the growth against the cap (issue 36:
+  RSS <= memory_cap + 10 %);
 - **ingest** (``--ingest``): small rows (6 fields of 340 int64 tokens, 16 rows a put) from 64
   concurrent producers into one storage unit at each level (a controller and a unit in this
   process, the unit with a ``data_dir`` at ``process`` / ``fsync``), rows/s; at ``fsync``
@@ -125,6 +128,70 @@ async def spill_run(directory: Path, cap: int, total: int) -> dict[str, Any]:
     }
 
 
+def _rss(pid: int) -> dict[str, int]:
+    """A process's resident set now and at its peak (bytes), from /proc."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+async def rss_run(directory: Path, cap: int, total: int) -> dict[str, Any]:
+    """The same partition through a ``tq-async serve storage --memory-cap`` process (its own
+    RSS, from /proc): the unit's resident memory at its start, and its peak while the
+    partition (4x the cap) is put and read back."""
+    import torch
+
+    import tq_async as tq
+
+    from ._proc import ServeProcess
+
+    unit_dir = directory / "rss-unit"
+    unit_dir.mkdir()
+    rows = 256
+    controller = ServeProcess(role=["controller"])
+    try:
+        unit = ServeProcess(
+            role=[
+                "storage",
+                *("--controller", controller.address, "--unit-id", "0"),
+                *("--memory-cap", str(cap), "--data-dir", str(unit_dir)),
+            ],
+            line="TQ_UNIT=",
+        )
+        try:
+            start = _rss(unit.pid)
+            async with tq.AsyncClient.connect(controller.address) as client:
+                metas = []
+                for i in range(total // _BLOCK):
+                    g = torch.Generator().manual_seed(i)
+                    b = torch.randint(0, 1 << 62, (rows, _BLOCK // rows // 8), generator=g)
+                    metas.append(await client.put({"x": b}, "big"))
+                exact = True
+                for i, meta in enumerate(metas):
+                    g = torch.Generator().manual_seed(i)
+                    b = torch.randint(0, 1 << 62, (rows, _BLOCK // rows // 8), generator=g)
+                    exact &= bool(torch.equal((await client.get_data(meta))["x"], b))
+                stats = (await client.storage_stats())[0]
+            end = _rss(unit.pid)
+        finally:
+            unit.stop()
+    finally:
+        controller.stop()
+    return {
+        "exact": exact,
+        "memory_cap": cap,
+        "rss_start": start["VmRSS"],
+        "rss_peak": end["VmHWM"],
+        "rss_growth_vs_cap": (end["VmHWM"] - start["VmRSS"]) / cap,
+        "memory_bytes": stats["memory_bytes"],
+        "shm_idle_bytes": stats["shm_idle_bytes"],
+    }
+
+
 def tier_run(directory: Path, total: int) -> dict[str, float]:
     """In-process puts of ``total`` bytes into `StorageState` at each level (GB/s)."""
     import numpy as np
@@ -201,6 +268,9 @@ def main() -> None:
     parser.add_argument(
         "--ingest", type=float, default=0, metavar="SECONDS", help="also run the ingest test"
     )
+    parser.add_argument(
+        "--rss", action="store_true", help="also measure a unit process's RSS against its cap"
+    )
     args = parser.parse_args()
     cap = args.cap_mib << 20
     total = 4 * cap
@@ -209,6 +279,7 @@ def main() -> None:
         disk = disk_baseline(directory, total)
         spill = anyio.run(spill_run, directory, cap, total)
         tier = tier_run(directory, total)
+        rss = anyio.run(rss_run, directory, cap, total) if args.rss else None
         ingest = {
             level: anyio.run(ingest_run, directory, level, args.ingest)
             for level in (("memory", "process", "fsync") if args.ingest else ())
@@ -218,6 +289,7 @@ def main() -> None:
         "disk": disk,
         "spill": spill,
         "tier_put_gbps": tier,
+        "rss": rss,
         "ingest_rows_per_s": ingest,
         "ratios": {
             "spill_put_vs_disk_write": spill["put_gbps"] / disk["write"],
@@ -251,6 +323,14 @@ def main() -> None:
         print(
             "ingest (64 producers, 16 rows x 6 fields a put): "
             + ", ".join(f"{k} {v:,.0f} rows/s" for k, v in ingest.items())
+        )
+    if rss is not None:
+        print(
+            f"unit process (memory_cap {args.cap_mib} MiB): RSS {rss['rss_start'] / 2**20:.0f} "
+            f"MiB at start, peak {rss['rss_peak'] / 2**20:.0f} MiB: grew by "
+            f"{rss['rss_growth_vs_cap']:.2f}x the cap (cells in memory "
+            f"{rss['memory_bytes'] / 2**20:.0f} MiB, idle shared memory "
+            f"{rss['shm_idle_bytes'] / 2**20:.0f} MiB), exact={rss['exact']}"
         )
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()))
     print(f"load average {report['load_avg'][0]:.1f} on {report['cpus']} CPUs")

@@ -370,3 +370,21 @@ def test_memory_cap_in_config_toml_and_cli(tmp_path: Path) -> None:
         "process",
         str(tmp_path),
     )
+
+
+def test_memory_cap_bounds_the_idle_shared_memory_too(tmp_path: Path) -> None:
+    """Freed arena pages a unit keeps for reuse count against its memory_cap (5 % of it, at
+    most the usual 256 MiB): a unit's RSS stays within the cap + 10 % (``benchmarks.spill
+    --rss``)."""
+    from tq_async._storage._server import DEFAULT_SHM_IDLE, StorageServer
+
+    capped = StorageServer(0, memory_cap=100 << 20, data_dir=str(tmp_path))
+    plain = StorageServer(1)
+    told = StorageServer(2, memory_cap=100 << 20, shm_idle_bytes=0, data_dir=str(tmp_path))
+    try:
+        assert capped.shm_path.idle_bytes == (100 << 20) // 20
+        assert plain.shm_path.idle_bytes == DEFAULT_SHM_IDLE
+        assert told.shm_path.idle_bytes == 0
+    finally:
+        for server in (capped, plain, told):
+            server._close_disk()

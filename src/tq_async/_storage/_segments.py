@@ -660,8 +660,7 @@ class SegmentStore:
                 fd = self._readers[extent.segment] = os.open(
                     self._path(extent.segment), os.O_RDONLY
                 )
-            buf = bytearray(extent.nbytes)
-            view = memoryview(buf)
+            view = memoryview(bytearray(extent.nbytes))
             done = 0
             for offset, n in extent.spans:
                 got = 0

@@ -98,7 +98,8 @@ class StorageServer(Service):
         curve: CURVE keys (network transports).
         shm_cap: bytes of shared memory for clients on this host (see `tq_async._paths._shm`);
             0 turns the shared-memory path off. At the cap, puts go over the socket.
-        shm_idle_bytes: most bytes of freed shared memory kept resident for reuse.
+        shm_idle_bytes: most bytes of freed shared memory kept resident for reuse (None:
+            256 MiB, or with ``memory_cap`` 5 % of it, at most 256 MiB: they count against it).
         data_path: what this unit offers besides the socket: ``"auto"`` (shared memory to
             clients on its host, NIXL to the others when installed), ``"shm"``, ``"nixl"``
             (NIXL to every client; its arena is the one shared memory would use) or
@@ -131,7 +132,7 @@ class StorageServer(Service):
         metrics: Metrics | None = None,
         curve: CurveServer | None = None,
         shm_cap: int = DEFAULT_SHM_CAP,
-        shm_idle_bytes: int = DEFAULT_SHM_IDLE,
+        shm_idle_bytes: int | None = None,
         data_path: str = "auto",
         device_cap: int = 0,
         device_index: int = 0,
@@ -142,6 +143,11 @@ class StorageServer(Service):
     ) -> None:
         if memory_cap is not None and memory_cap < 0:
             raise InvalidRequestError(f"memory_cap must be >= 0 bytes, got {memory_cap}")
+        if shm_idle_bytes is None:
+            # with memory_cap, the freed pages kept for reuse count against it: 5 % of it
+            shm_idle_bytes = (
+                DEFAULT_SHM_IDLE if memory_cap is None else min(DEFAULT_SHM_IDLE, memory_cap // 20)
+            )
         if shm_cap < 0 or shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
