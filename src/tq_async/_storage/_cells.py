@@ -415,7 +415,7 @@ class StorageState:
         assert disk is not None
         assert disk.durable
         records = disk.load()
-        self._replaying = True
+        self._replaying = disk.replaying = True  # until `collect`
         try:
             for rec in records:
                 if isinstance(rec, ClearRecord):

@@ -313,6 +313,8 @@ class SegmentStore:
         self._unsynced = False
         #: a file was created since the directory was last synced
         self._new_file = False
+        #: set by whoever replays `load`'s records until its `collect` (see `release`)
+        self.replaying = False
         #: `load` dropped chunks whose bytes are gone: the index must be rewritten before
         #: new cells may take their place (the arena reuses space)
         self.dropped = False
@@ -334,6 +336,8 @@ class SegmentStore:
             del sizes[ARENA]  # its chunks are dropped by `_whole`, with a warning
         path = os.path.join(self.directory, _INDEX)
         good = 0
+        # the highest segment a record names (its file may be gone: all its chunks dead)
+        named = 0
         if self.durable and os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
@@ -348,6 +352,8 @@ class SegmentStore:
                 except msgspec.DecodeError:
                     break
                 pos += _RECORD.size + n
+                if isinstance(rec, PutRecord):
+                    named = max(named, max((c.segment for c in rec.chunks), default=0))
                 whole = _whole(rec, sizes)
                 self.dropped = self.dropped or whole is not rec
                 records.append(whole)
@@ -363,7 +369,10 @@ class SegmentStore:
                 with open(path, "r+b") as f:
                     f.truncate(good)
         self.records = len(records)
-        self._segment = max((n for n in sizes if n != ARENA), default=0)
+        # never a number a record still names: a new file under a dead segment's name would
+        # take the dead chunks' records as its own on the next restart (and be deleted when
+        # they die again during the replay, live cells with it)
+        self._segment = max(named, max((n for n in sizes if n != ARENA), default=0))
         if self.durable:
             self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._roll()
@@ -624,11 +633,16 @@ class SegmentStore:
             self._live[extent.segment] = left
             return
         del self._live[extent.segment]
-        if extent.segment not in (self._segment, ARENA):  # the arena's space is the arena's
+        # the arena's space is the arena's; while a restart replays the index, a segment
+        # may hold no live chunk for a while and then take new ones (it was the current one
+        # then): `collect` deletes what is dead once the replay is over
+        if extent.segment not in (self._segment, ARENA) and not self.replaying:
             self._gone(extent.segment)
 
     def collect(self) -> None:
-        """Delete every segment no live chunk is in (after a restart's records are applied)."""
+        """Delete every segment no live chunk is in (after a restart's records are applied:
+        the replay `load` began is over)."""
+        self.replaying = False
         for segment in self._segment_sizes():
             if segment not in (self._segment, ARENA) and segment not in self._live:
                 self._unlink(segment)
