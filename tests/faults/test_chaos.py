@@ -26,7 +26,14 @@ KILLS = 6
 
 
 @pytest.mark.timeout(300)
-def test_chaos_sigkill_controller_units_or_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("durability", "memory_cap"),
+    [("process", None), ("fsync", 256 << 10)],
+    ids=["process", "fsync-spill"],  # spill: most cells are read back from the segments
+)
+def test_chaos_sigkill_controller_units_or_everything(
+    tmp_path: Path, durability: str, memory_cap: int | None
+) -> None:
     seed = int(os.environ.get("TQ_CHAOS_SEED", "0")) or int.from_bytes(os.urandom(2), "big")
     report = run_chaos(
         tmp_path,
@@ -37,6 +44,8 @@ def test_chaos_sigkill_controller_units_or_everything(tmp_path: Path) -> None:
         processes=1,  # the workers' roles share one process: the CI box has 2 cores
         progress_timeout=40.0,
         drain_timeout=60.0,
+        durability=durability,
+        memory_cap=memory_cap,
     )
     assert sum(report.kills.values()) == KILLS
     assert report.rows_ok > 0
