@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -105,6 +106,38 @@ def test_arena_allocates_frees_coalesces_and_bounds_idle_pages() -> None:
         assert arena.alloc(64 * PAGE) is None  # beyond the cap
         assert arena.view[b.offset] == 0  # MADV_REMOVE dropped b's pages
     finally:
+        arena.close()
+
+
+def test_an_arena_file_whose_file_system_cannot_punch_holes_keeps_its_pages(
+    tmp_path: Path,
+) -> None:
+    """A durable unit's arena is a file: giving pages back punches a hole in it, which some
+    file systems refuse (EOPNOTSUPP); the pages then stay resident, as idle ones would."""
+    arena = Arena(16 * PAGE, idle_bytes=0, path=str(tmp_path / "arena.dat"))
+    real = arena.mmap
+
+    class NoHoles:
+        def madvise(self, *args: Any) -> None:
+            raise OSError(95, "Operation not supported")
+
+        def close(self) -> None:
+            real.close()
+
+    try:
+        region = arena.alloc(3 * PAGE)
+        assert region is not None
+        arena.view[region.offset : region.offset + region.size] = 7
+        arena.mmap = NoHoles()  # type: ignore[assignment]
+        arena.release(region)  # idle_bytes=0: would give every page back
+        assert arena.idle_bytes == 3 * PAGE  # kept instead
+        assert arena.view[region.offset] == 7
+        again = arena.alloc(3 * PAGE)
+        assert again is not None
+        assert again.offset == region.offset
+        assert arena.idle_bytes == 0
+    finally:
+        arena.mmap = real
         arena.close()
 
 

@@ -253,8 +253,13 @@ class Arena:
         locked chunks; the bytes given back (that were resident)."""
         given = 0
         for a, b in self._unlocked(offset, size):
-            # MADV_REMOVE frees shmem pages (the mapping stays)
-            self.mmap.madvise(mmap.MADV_REMOVE, a, b - a)
+            # MADV_REMOVE frees shmem pages (the mapping stays); on an arena file it punches
+            # a hole (its disk space comes back), which some file systems cannot do: then
+            # the pages stay, as idle ones would
+            try:
+                self.mmap.madvise(mmap.MADV_REMOVE, a, b - a)
+            except OSError:
+                continue
             given += int(np.count_nonzero(self._resident[a // PAGE : b // PAGE])) * PAGE
             self._resident[a // PAGE : b // PAGE] = False
         return given
