@@ -338,6 +338,7 @@ class SegmentStore:
         good = 0
         # the highest segment a record names (its file may be gone: all its chunks dead)
         named = 0
+        missing = {"gone": 0, "short": 0}
         if self.durable and os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
@@ -354,7 +355,7 @@ class SegmentStore:
                 pos += _RECORD.size + n
                 if isinstance(rec, PutRecord):
                     named = max(named, max((c.segment for c in rec.chunks), default=0))
-                whole = _whole(rec, sizes)
+                whole = _whole(rec, sizes, missing)
                 self.dropped = self.dropped or whole is not rec
                 records.append(whole)
                 good = pos
@@ -368,6 +369,17 @@ class SegmentStore:
                 )
                 with open(path, "r+b") as f:
                     f.truncate(good)
+        if missing["gone"] or missing["short"]:
+            # one line: a segment of dead chunks is deleted while the records naming them stay
+            # until the index is rewritten (done after this load), so "gone" is usually those
+            log.warning(
+                "discarded cells of a storage unit whose bytes are missing from their segment "
+                "(segment gone: cells that died before it was deleted, or a segment deleted "
+                "by hand; cut short: a write a crash interrupted, never acknowledged)",
+                data_dir=self.directory,
+                segment_gone=missing["gone"],
+                cut_short=missing["short"],
+            )
         self.records = len(records)
         # never a number a record still names: a new file under a dead segment's name would
         # take the dead chunks' records as its own on the next restart (and be deleted when
@@ -713,18 +725,24 @@ class SegmentStore:
         self._readers.clear()
 
 
-def _whole(rec: PutRecord | ClearRecord, sizes: dict[int, int]) -> PutRecord | ClearRecord:
-    """``rec`` without chunks whose bytes are not (all) in their segment (a torn data tail)."""
+def _whole(
+    rec: PutRecord | ClearRecord, sizes: dict[int, int], missing: dict[str, int]
+) -> PutRecord | ClearRecord:
+    """``rec`` without chunks whose bytes are not (all) in their segment; ``missing`` counts
+    them: ``"gone"`` (the segment was deleted: its chunks died before, or by hand) and
+    ``"short"`` (a write cut short by a crash)."""
     if isinstance(rec, ClearRecord):
         return rec
-    whole = [c for c in rec.chunks if c.extent.end <= sizes.get(c.segment, -1)]
+    whole = []
+    for c in rec.chunks:
+        size = sizes.get(c.segment)
+        if size is None:
+            missing["gone"] += 1
+        elif c.extent.end > size:
+            missing["short"] += 1
+        else:
+            whole.append(c)
     if len(whole) < len(rec.chunks):
-        log.warning(
-            "discarded cells of a storage unit whose bytes are missing from their segment (a "
-            "write cut short by a crash, or a segment deleted by hand)",
-            partition=rec.partition,
-            chunks=len(rec.chunks) - len(whole),
-        )
         return PutRecord(rec.partition, rec.incarnation, whole)
     return rec
 
