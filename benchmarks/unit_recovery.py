@@ -32,7 +32,7 @@ _ROW = 8192  # bytes of one row: a chunk is 8 MiB, like a W1 batch
 def _fill(directory: Path, gb: float, through: str) -> int:
     """Write ``gb`` GB of cells into a unit's directory; the rows written."""
     from tq_async._paths._shm import Arena
-    from tq_async._storage._cells import StorageState
+    from tq_async._storage._cells import StorageState, adopt_arena
     from tq_async._storage._segments import ARENA_FILE, SegmentStore, claim_unit_dir
     from tq_async._wire._columns import ColumnHeader
 
@@ -50,7 +50,7 @@ def _fill(directory: Path, gb: float, through: str) -> int:
             path=str(directory / ARENA_FILE),
         )
         disk.use_arena()
-        state.adopt_arena(arena)
+        adopt_arena(state, arena)
     base = np.arange(_CHUNK_ROWS * _ROW, dtype=np.uint64).astype(np.uint8)
     for i in range(chunks):
         rows = list(range(i * _CHUNK_ROWS, (i + 1) * _CHUNK_ROWS))

@@ -507,14 +507,7 @@ def launch(
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
-    # With a durable level Ray restarts a dead actor (on its node: the affinity is hard), and
-    # the restarted service finds its directory; at memory a restart would find nothing.
-    data_dir = None if config is None or config.durability == "memory" else config.data_dir
-    if data_dir is not None and not os.path.isabs(data_dir):
-        raise ConfigError(
-            f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
-            "process's directory; give an absolute path, valid on the nodes the actors run on"
-        )
+    data_dir = _actor_data_dir(config)
     options: dict[str, Any] = {
         "namespace": namespace,
         "num_cpus": num_cpus,
@@ -570,6 +563,24 @@ def launch(
         durability="memory" if config is None else config.durability,
     )
     return cluster
+
+
+def _actor_data_dir(config: Config | None) -> str | None:
+    """The durable directory the actors use (None: memory level).
+
+    With a durable level Ray restarts a dead actor (on its node: the affinity is hard), and
+    the restarted service finds its directory; at memory a restart would find nothing.
+
+    Raises:
+        ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
+    """
+    data_dir = None if config is None or config.durability == "memory" else config.data_dir
+    if data_dir is not None and not os.path.isabs(data_dir):
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
+            "process's directory; give an absolute path, valid on the nodes the actors run on"
+        )
+    return data_dir
 
 
 def _spawn(

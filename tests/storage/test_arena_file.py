@@ -20,7 +20,7 @@ from test_segments import DENSE, JAGGED, cells, frames_of
 
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import _segments
-from tq_async._storage._cells import StorageState
+from tq_async._storage._cells import StorageState, adopt_arena
 from tq_async._storage._segments import ARENA, ARENA_FILE, PutRecord, SegmentStore, claim_unit_dir
 
 CAP = 256 * PAGE
@@ -36,7 +36,7 @@ def open_unit(path: Path, *, sync: bool = False, arena: bool = True) -> StorageS
         assert state.disk is not None
         mapped = Arena(CAP, idle_bytes=0, path=str(path / ARENA_FILE), defer_frees=sync)
         state.disk.use_arena()
-        state.adopt_arena(mapped)
+        adopt_arena(state, mapped)
     return state
 
 
@@ -198,7 +198,7 @@ def test_a_larger_arena_file_keeps_its_size(tmp_path: Path) -> None:
     assert state.disk is not None
     big = Arena(2 * CAP, idle_bytes=0, path=str(tmp_path / ARENA_FILE))
     state.disk.use_arena()
-    state.adopt_arena(big)
+    adopt_arena(state, big)
     filler = big.alloc(CAP)  # the next put lands past CAP
     arena_put(state, "p", [0, 1], 5)
     assert filler is not None

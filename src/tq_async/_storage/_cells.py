@@ -56,7 +56,7 @@ from .._wire._columns import (
 from .._wire._protocol import StoredColumns, StoreStatsReply
 from ._segments import ARENA, ClearRecord, Extent, PutRecord, SegmentStore, arena_extent
 
-__all__ = ["OverBudget", "StorageState"]
+__all__ = ["OverBudget", "StorageState", "adopt_arena"]
 
 log = get_logger(__name__)
 
@@ -301,7 +301,7 @@ class StorageState:
         on_host = [c for c in chunks if c.device is None]
         # cells a client wrote into the arena file are on disk already: only their place
         # is recorded; the others are appended to the segments
-        spans = [self._arena_spans(c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
+        spans = [_arena_spans(self.arena, c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
         written = iter(disk.append([f for f, s in zip(chunk_frames, spans, strict=True) if not s]))
         extents = [arena_extent(s) if s else next(written) for s in spans]
         raw = array("q", rows).tobytes()
@@ -315,21 +315,6 @@ class StorageState:
         for c, e in zip(on_host, extents, strict=True):
             c.extent = e
             disk.ref(e)
-
-    def _arena_spans(self, chunk: _Chunk, frames: Sequence[Any]) -> list[tuple[int, int]]:
-        """Where ``frames`` (of ``chunk``) are in the arena file; [] when they are not all
-        there (a memfd arena, or frames that came over a socket)."""
-        arena = self.arena
-        if arena is None or arena.path is None or chunk.region is None or not frames:
-            return []
-        spans = []
-        for frame in frames:
-            n = memoryview(frame).nbytes
-            offset = arena.offset_of(frame) if n else chunk.region.offset
-            if offset is None:
-                return []
-            spans.append((offset, n))
-        return spans
 
     def _add(self, chunk: _Chunk) -> int:
         """Keep ``chunk``; its serial."""
@@ -430,41 +415,6 @@ class StorageState:
             if disk.sync:
                 disk.commit(disk.begin_commit())
         return len(self._chunks)
-
-    def adopt_arena(self, arena: Arena) -> int:
-        """The unit's arena file is open: the recovered cells in it are views of it again
-        (zero copy, no read), their pages reserved; returns the regions reserved.
-
-        Cells of one put share a region; chunks whose pages overlap share one too (a
-        rewritten index lists each chunk alone)."""
-        self.arena = arena
-        spans: list[tuple[int, int, int]] = []
-        for serial, chunk in self._chunks.items():
-            e = chunk.extent
-            if e is not None and e.segment == ARENA and chunk.region is None:
-                lo = min((off for off, _ in e.spans), default=e.offset)
-                spans.append((lo - lo % PAGE, align(e.end, PAGE), serial))
-        spans.sort()
-        groups: list[tuple[int, int, list[int]]] = []
-        for lo, hi, serial in spans:
-            if groups and lo < groups[-1][1]:
-                a, b, members = groups[-1]
-                members.append(serial)
-                groups[-1] = (a, max(b, hi), members)
-            else:
-                groups.append((lo, hi, [serial]))
-        for lo, hi, members in groups:
-            region = arena.reserve(lo, hi - lo)
-            region.refs = len(members)
-            for serial in members:
-                chunk = self._chunks[serial]
-                chunk.region = region
-                if chunk.column is None:
-                    assert chunk.extent is not None
-                    views = [arena.span(off, n) for off, n in chunk.extent.spans]
-                    chunk.column = column_from_frames(chunk.header, views, chunk.n)
-                    self.memory_bytes += chunk.nbytes
-        return len(groups)
 
     def _restore(self, rec: PutRecord) -> None:
         """Replay a put record: its chunks, on disk, take their rows (as `put` does)."""
@@ -836,6 +786,59 @@ class StorageState:
             "device_out_bytes": device.out_bytes,
             "device_out_us": int(device.out_seconds * 1e6),
         }
+
+
+def adopt_arena(state: StorageState, arena: Arena) -> int:
+    """``state``'s arena file is open: the recovered cells in it are views of it again
+    (zero copy, no read), their pages reserved; returns the regions reserved.
+
+    Cells of one put share a region; chunks whose pages overlap share one too (a
+    rewritten index lists each chunk alone)."""
+    state.arena = arena
+    spans: list[tuple[int, int, int]] = []
+    for serial, chunk in state._chunks.items():
+        e = chunk.extent
+        if e is not None and e.segment == ARENA and chunk.region is None:
+            lo = min((off for off, _ in e.spans), default=e.offset)
+            spans.append((lo - lo % PAGE, align(e.end, PAGE), serial))
+    spans.sort()
+    groups: list[tuple[int, int, list[int]]] = []
+    for lo, hi, serial in spans:
+        if groups and lo < groups[-1][1]:
+            a, b, members = groups[-1]
+            members.append(serial)
+            groups[-1] = (a, max(b, hi), members)
+        else:
+            groups.append((lo, hi, [serial]))
+    for lo, hi, members in groups:
+        region = arena.reserve(lo, hi - lo)
+        region.refs = len(members)
+        for serial in members:
+            chunk = state._chunks[serial]
+            chunk.region = region
+            if chunk.column is None:
+                assert chunk.extent is not None
+                views = [arena.span(off, n) for off, n in chunk.extent.spans]
+                chunk.column = column_from_frames(chunk.header, views, chunk.n)
+                state.memory_bytes += chunk.nbytes
+    return len(groups)
+
+
+def _arena_spans(
+    arena: Arena | None, chunk: _Chunk, frames: Sequence[Any]
+) -> list[tuple[int, int]]:
+    """Where ``frames`` (of ``chunk``) are in the arena file; [] when they are not all
+    there (a memfd arena, or frames that came over a socket)."""
+    if arena is None or arena.path is None or chunk.region is None or not frames:
+        return []
+    spans = []
+    for frame in frames:
+        n = memoryview(frame).nbytes
+        offset = arena.offset_of(frame) if n else chunk.region.offset
+        if offset is None:
+            return []
+        spans.append((offset, n))
+    return spans
 
 
 def _live_records(

@@ -82,6 +82,17 @@ DEFAULT_SHM_CAP = 1 << 30
 DEFAULT_SHM_IDLE = 256 << 20
 
 
+def _arena_file(
+    data_dir: str | None, disk: SegmentStore | None, memory_cap: int | None
+) -> str | None:
+    """A durable unit's arena is a file of its data_dir: what a same-host client puts through
+    it is in the OS's files before the put arrives (with ``memory_cap`` it stays a memfd: the
+    cells are written to segments and may leave memory)."""
+    if data_dir is None or disk is None or not disk.durable or memory_cap is not None:
+        return None
+    return os.path.join(data_dir, ARENA_FILE)
+
+
 class StorageServer(Service):
     """Serves one unit's cells on a ROUTER socket, through its parts (every handler is
     synchronous but the first NIXL hellos', which wait for the agent being made on a worker
@@ -193,14 +204,7 @@ class StorageServer(Service):
             self.book,
             cap=shm_cap,
             idle_bytes=shm_idle_bytes,
-            # a durable unit's arena is a file of its data_dir: what a same-host client puts
-            # through it is in the OS's files before the put arrives (memory_cap: a memfd,
-            # the cells are written to segments and may leave memory)
-            arena_file=(
-                os.path.join(data_dir, ARENA_FILE)
-                if data_dir is not None and disk is not None and disk.durable and memory_cap is None
-                else None
-            ),
+            arena_file=_arena_file(data_dir, disk, memory_cap),
         )
         self.nixl_path = NixlPath(self.state, self.book, encrypted=curve is not None)
         self.device_path = DevicePath(self.state, self.book, cap=device_cap, index=device_index)

@@ -36,7 +36,7 @@ from .._wire._protocol import (
     StorePut,
 )
 from ._book import Book, Released
-from ._cells import StorageState
+from ._cells import StorageState, adopt_arena
 
 __all__ = ["ShmPath"]
 
@@ -97,7 +97,7 @@ class ShmPath:
                     defer_frees=disk.sync,
                 )
                 disk.use_arena()
-                self.state.adopt_arena(arena)
+                adopt_arena(self.state, arena)
         except OSError as exc:
             log.warning("no shared memory for same-host clients", error=str(exc))
             return

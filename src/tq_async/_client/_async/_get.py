@@ -409,23 +409,7 @@ class GetPath:
                 task=meta.task_name or "",
             )
             on_device: dict[int, torch.Tensor] | None = None
-            if not shm:
-                payload, frames = await self._links.unit_request(unit, get)
-            else:
-
-                def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
-                    _release_pin(conn, reply)
-
-                try:
-                    payload, frames = await conn.request(
-                        get, timeout=self._links.request_timeout, on_abandon=on_abandon
-                    )
-                except (BrokenError, ClosedError):
-                    # the unit went away (its memory with it): read through the socket path,
-                    # which follows a unit restarted on a new address (a durable unit's rows
-                    # are back there)
-                    get.shm = get.device = get.pinned = False
-                    payload, frames = await self._links.unit_request(unit, get)
+            payload, frames = await self._ask(unit, conn, get)
             stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
                 pin = stored.pin
@@ -458,6 +442,27 @@ class GetPath:
         else:
             await run_each(fetch, by_unit.items())
         return _merge_parts(len(meta), by_unit, parts)
+
+    async def _ask(
+        self, unit: int, conn: DealerConnection, get: StoreGet
+    ) -> tuple[msgspec.Raw, list[Any]]:
+        """A read's request to ``unit``: on the connection its shared memory (or NIXL) is
+        granted to when ``get.shm`` (a pin the call gives up on is released), else on the
+        socket path, which follows a unit restarted on a new address."""
+        if get.shm:
+
+            def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+                _release_pin(conn, reply)
+
+            try:
+                return await conn.request(
+                    get, timeout=self._links.request_timeout, on_abandon=on_abandon
+                )
+            except (BrokenError, ClosedError):
+                # the unit went away (its memory with it): through the socket path (a
+                # durable unit's rows are back at its new address)
+                get.shm = get.device = get.pinned = False
+        return await self._links.unit_request(unit, get)
 
     async def _read_arena(
         self,
