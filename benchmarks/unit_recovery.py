@@ -16,7 +16,6 @@ Example: ``python -m benchmarks.unit_recovery --gb 10 --dir /var/tmp``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -75,15 +74,11 @@ def _fill(directory: Path, gb: float, through: str) -> int:
 
 
 def _drop_cache(directory: Path) -> None:
-    for name in os.listdir(directory):
-        path = directory / name
+    from .spill import _drop_cache as drop
+
+    for path in directory.iterdir():
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop(path)
 
 
 def _start_unit(controller: str, directory: Path) -> tuple[Any, float]:
