@@ -409,13 +409,15 @@ def test_random_puts_clears_and_restarts_keep_every_cell(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, cap: int | None
 ) -> None:
     """Random overwrites, clears, reads (evicting past the cap) and restarts on small
-    segments with frequent index rewrites, against a model: every live row reads back as
-    last put, and no segment holding live cells is ever deleted. (A segment that held no
-    live chunk for a while during a restart's replay -- it was the current one when its
-    chunks were cleared, then took new ones -- was deleted with the new ones in it.)"""
+    segments with frequent index rewrites and compactions, against a model: every live row
+    reads back as last put, and no segment holding live cells is ever deleted. (A segment
+    that held no live chunk for a while during a restart's replay -- it was the current one
+    when its chunks were cleared, then took new ones -- was deleted with the new ones.)"""
     import random
 
     monkeypatch.setattr(_cells, "_REWRITE_SLACK", 8)
+    monkeypatch.setattr(_cells, "_COMPACT_SLACK", 0)  # compact whenever half is dead
+    monkeypatch.setattr(_cells, "_COMPACT_BUDGET", 4096)  # a few chunks at a time
     header = ColumnHeader("x", "dense", "int64", (64,))
     rng = random.Random(seed)
     claim_unit_dir(str(tmp_path), 0)
@@ -460,3 +462,44 @@ def test_random_puts_clears_and_restarts_keep_every_cell(
         _live_segments_exist(state)
     assert state.disk is not None
     state.disk.close()
+
+
+@pytest.mark.parametrize("level", ["memory", "process", "fsync"])
+def test_cleared_rows_space_comes_back_from_half_dead_segments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, level: str
+) -> None:
+    """Three puts of every four cleared leave every segment partly alive: once the files hold
+    much more than the live cells, the live chunks of mostly dead segments move to the
+    current one and the old files go; a restart finds every remaining row (the moved
+    chunks' records replay over their first ones). (A chunk goes whole: one live row keeps
+    its put's bytes.)"""
+    monkeypatch.setattr(_cells, "_COMPACT_SLACK", 8 << 10)
+    if level == "memory":  # spilled cells in a scratch store (memory_cap 0)
+        disk = SegmentStore(str(tmp_path), durable=False, segment_bytes=8 << 10)
+        disk.load()
+        state = StorageState(disk=disk, memory_cap=0)
+    else:
+        claim_unit_dir(str(tmp_path), 0)
+        disk = SegmentStore(str(tmp_path), sync=level == "fsync", segment_bytes=8 << 10)
+        state = StorageState(disk=disk)
+        state.recover()
+    for k in range(64):  # 64 puts of 64 rows (~3 KB a put): ~25 segments
+        put(state, "p", list(range(64 * k, 64 * k + 64)), k)
+        state.evict()
+    if level == "fsync":
+        disk.commit(disk.begin_commit())
+    full = disk.file_bytes
+    kept = [r for k in range(0, 64, 4) for r in range(64 * k, 64 * k + 64)]
+    expected = cells(state, "p", kept)
+    state.evict()
+    state.clear("p", sorted(set(range(64 * 64)) - set(kept)), incarnation="i1")
+    if level == "fsync":
+        disk.commit(disk.begin_commit())
+    assert disk.file_bytes <= 2 * disk.live_bytes + (8 << 10) + disk.segment_bytes
+    assert disk.file_bytes < full / 2
+    assert cells(state, "p", kept) == expected
+    if level != "memory":
+        disk.close()
+        again = durable(tmp_path, sync=level == "fsync")
+        assert cells(again, "p", kept) == expected
+        assert again.stats().rows == len(kept)

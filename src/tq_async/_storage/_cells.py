@@ -56,7 +56,7 @@ from .._wire._columns import (
 from .._wire._protocol import StoredColumns, StoreStatsReply
 from ._segments import ARENA, ClearRecord, Extent, PutRecord, SegmentStore, arena_extent
 
-__all__ = ["OverBudget", "StorageState", "adopt_arena"]
+__all__ = ["OverBudget", "StorageState", "adopt_arena", "compact"]
 
 log = get_logger(__name__)
 
@@ -64,6 +64,10 @@ log = get_logger(__name__)
 _RETIRED = 4096
 #: the index is rewritten once it holds this many records more than twice the live chunks
 _REWRITE_SLACK = 4096
+#: segments are compacted once their files hold this many bytes more than twice the live
+#: chunks', at most ``_COMPACT_BUDGET`` bytes moved by one clear (on the unit's event loop)
+_COMPACT_SLACK = 64 << 20
+_COMPACT_BUDGET = 64 << 20
 
 
 class OverBudget(Exception):
@@ -690,6 +694,8 @@ class StorageState:
                 and self.disk.records > 2 * len(self._chunks) + _REWRITE_SLACK
             ):
                 self._rewrite_index()
+            if not self._replaying:
+                compact(self)
 
     def _log_clear(self, record: ClearRecord) -> None:
         """Record a clear; on a full disk it is done anyway (clearing is how space comes
@@ -841,13 +847,52 @@ def _arena_spans(
     return spans
 
 
-def _live_records(
+def compact(state: StorageState, budget: int = _COMPACT_BUDGET) -> int:
+    """Once ``state``'s segment files hold much more than its live chunks (cleared rows'
+    space), move the live chunks of mostly dead segments to the current one, each with a put
+    record of its live rows (a replay applies it over the first one: the same cells), so the
+    old segments die and their files go; at most ``budget`` bytes. Returns the bytes moved.
+
+    At ``fsync`` the moved chunks' records wait for the next commit, and the old segments
+    are deleted only after it (`SegmentStore.release`)."""
+    disk = state.disk
+    if disk is None or disk.file_bytes <= 2 * disk.live_bytes + _COMPACT_SLACK:
+        return 0
+    targets = set(disk.sparse())
+    owners = _chunk_rows(state._index, state._chunks, targets)
+    moved = 0
+    for serial, (pid, rows) in sorted(owners.items()):
+        if moved >= budget:
+            break
+        chunk = state._chunks[serial]
+        old = chunk.extent
+        assert old is not None
+        try:
+            if chunk.column is not None and not isinstance(chunk.column, DeviceCells):
+                frames: list[Any] = list(column_to_frames(chunk.header, chunk.column))
+            else:
+                frames = disk.read(old)
+            (new,) = disk.append([frames])
+            if disk.durable:
+                record = new.record(chunk.header, rows.tobytes())
+                disk.log(PutRecord(pid, state._incarnation.get(pid), [record]))
+        except TQError as exc:  # a full disk: the old segments stay, nothing is lost
+            log.warning("could not compact a storage unit's segments", error=str(exc))
+            break
+        disk.ref(new)
+        chunk.extent = new
+        disk.release(old)
+        moved += old.nbytes
+    return moved
+
+
+def _chunk_rows(
     stored: dict[str, dict[str, dict[int, int]]],
     chunks: dict[int, _Chunk],
-    incarnations: dict[str, str],
-) -> list[PutRecord | ClearRecord]:
-    """One put record per live chunk on disk, in the order they were put; rows no longer
-    alive in it are -1 (a rewritten index replays to the same cells)."""
+    segments: set[int] | None = None,
+) -> dict[int, tuple[str, array[int]]]:
+    """Per live chunk on disk (in ``segments``, when given): its partition and the row at
+    each of its positions (-1: a position no longer alive)."""
     live: dict[int, tuple[str, array[int]]] = {}
     for pid, fields in stored.items():
         for index in fields.values():
@@ -855,10 +900,22 @@ def _live_records(
                 serial = cell >> _CELL_BITS
                 entry = live.get(serial)
                 if entry is None:
-                    if chunks[serial].extent is None:
-                        continue  # in the device arena: never on disk
+                    extent = chunks[serial].extent
+                    if extent is None or (segments is not None and extent.segment not in segments):
+                        continue  # in the device arena (never on disk), or not asked for
                     entry = live[serial] = (pid, array("q", [-1]) * chunks[serial].n)
                 entry[1][cell & _POSITION] = row
+    return live
+
+
+def _live_records(
+    stored: dict[str, dict[str, dict[int, int]]],
+    chunks: dict[int, _Chunk],
+    incarnations: dict[str, str],
+) -> list[PutRecord | ClearRecord]:
+    """One put record per live chunk on disk, in the order they were put; rows no longer
+    alive in it are -1 (a rewritten index replays to the same cells)."""
+    live = _chunk_rows(stored, chunks)
     records: list[PutRecord | ClearRecord] = []
     for serial, (pid, rows) in sorted(live.items()):
         chunk = chunks[serial]

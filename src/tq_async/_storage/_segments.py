@@ -320,6 +320,9 @@ class SegmentStore:
         self.dropped = False
         #: bytes of live chunks in the segment files
         self.live_bytes = 0
+        #: per data segment: its file's bytes, and the bytes of its live chunks
+        self.sizes: dict[int, int] = {}
+        self._live_bytes: dict[int, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -381,6 +384,7 @@ class SegmentStore:
                 cut_short=missing["short"],
             )
         self.records = len(records)
+        self.sizes = {n: size for n, size in sizes.items() if n != ARENA}
         # never a number a record still names: a new file under a dead segment's name would
         # take the dead chunks' records as its own on the next restart (and be deleted when
         # they die again during the replay, live cells with it)
@@ -457,7 +461,7 @@ class SegmentStore:
                 self._gone(self._segment)
         self._segment += 1
         self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = 0
+        self._size = self.sizes[self._segment] = 0
         self._new_file = True  # its name reaches the disk with the directory's next sync
 
     # ---- writing -----------------------------------------------------------------------------
@@ -490,7 +494,7 @@ class SegmentStore:
         except OSError as exc:
             self._cut(self._fd, start)
             raise _io_error(exc, self.directory, "writing cells") from exc
-        self._size = pos
+        self._size = self.sizes[self._segment] = pos
         self._unsynced = True
         self.bytes_written += pos - start
         return extents
@@ -635,12 +639,16 @@ class SegmentStore:
     def ref(self, extent: Extent) -> None:
         """A chunk stored at ``extent`` is alive."""
         self._live[extent.segment] = self._live.get(extent.segment, 0) + 1
+        self._live_bytes[extent.segment] = self._live_bytes.get(extent.segment, 0) + extent.nbytes
         self.live_bytes += extent.nbytes
 
     def release(self, extent: Extent) -> None:
         """The chunk at ``extent`` is dead; its segment goes when it held the last one."""
         left = self._live[extent.segment] - 1
         self.live_bytes -= extent.nbytes
+        self._live_bytes[extent.segment] -= extent.nbytes
+        if not left:
+            del self._live_bytes[extent.segment]
         if left:
             self._live[extent.segment] = left
             return
@@ -650,6 +658,21 @@ class SegmentStore:
         # then): `collect` deletes what is dead once the replay is over
         if extent.segment not in (self._segment, ARENA) and not self.replaying:
             self._gone(extent.segment)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the data segments' files (live chunks and dead ones)."""
+        return sum(self.sizes.values())
+
+    def sparse(self) -> list[int]:
+        """Finished segments less than half of whose bytes are live chunks', the emptiest
+        first (`tq_async._storage._cells.compact` moves their live chunks)."""
+        found = [
+            (self._live_bytes.get(n, 0), n)
+            for n, size in self.sizes.items()
+            if n != self._segment and 2 * self._live_bytes.get(n, 0) < size
+        ]
+        return [n for _, n in sorted(found)]
 
     def collect(self) -> None:
         """Delete every segment no live chunk is in (after a restart's records are applied:
@@ -666,6 +689,7 @@ class SegmentStore:
             self._unlink(segment)
 
     def _unlink(self, segment: int) -> None:
+        self.sizes.pop(segment, None)
         fd = self._readers.pop(segment, None)
         if fd is not None:
             os.close(fd)
