@@ -286,6 +286,7 @@ class StorageState:
             first = serial << _CELL_BITS
             index.update(zip(rows, range(first, first + n), strict=True))
         self.evict()
+        compact(self)  # overwritten cells leave dead chunks too
 
     def _write(
         self,

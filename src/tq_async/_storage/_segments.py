@@ -322,6 +322,7 @@ class SegmentStore:
         self.live_bytes = 0
         #: per data segment: its file's bytes, and the bytes of its live chunks
         self.sizes: dict[int, int] = {}
+        self._file_bytes = 0
         self._live_bytes: dict[int, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
@@ -385,6 +386,7 @@ class SegmentStore:
             )
         self.records = len(records)
         self.sizes = {n: size for n, size in sizes.items() if n != ARENA}
+        self._file_bytes = sum(self.sizes.values())
         # never a number a record still names: a new file under a dead segment's name would
         # take the dead chunks' records as its own on the next restart (and be deleted when
         # they die again during the replay, live cells with it)
@@ -495,6 +497,7 @@ class SegmentStore:
             self._cut(self._fd, start)
             raise _io_error(exc, self.directory, "writing cells") from exc
         self._size = self.sizes[self._segment] = pos
+        self._file_bytes += pos - start
         self._unsynced = True
         self.bytes_written += pos - start
         return extents
@@ -662,7 +665,7 @@ class SegmentStore:
     @property
     def file_bytes(self) -> int:
         """Bytes of the data segments' files (live chunks and dead ones)."""
-        return sum(self.sizes.values())
+        return self._file_bytes
 
     def sparse(self) -> list[int]:
         """Finished segments less than half of whose bytes are live chunks', the emptiest
@@ -689,7 +692,7 @@ class SegmentStore:
             self._unlink(segment)
 
     def _unlink(self, segment: int) -> None:
-        self.sizes.pop(segment, None)
+        self._file_bytes -= self.sizes.pop(segment, 0)
         fd = self._readers.pop(segment, None)
         if fd is not None:
             os.close(fd)
