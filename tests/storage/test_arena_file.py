@@ -20,7 +20,7 @@ from test_segments import DENSE, JAGGED, cells, frames_of
 
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import _segments
-from tq_async._storage._cells import StorageState, adopt_arena
+from tq_async._storage._cells import StorageState, adopt_arena, begin_commit, end_commit
 from tq_async._storage._segments import ARENA, ARENA_FILE, PutRecord, SegmentStore, claim_unit_dir
 
 CAP = 256 * PAGE
@@ -60,12 +60,10 @@ def arena_put(state: StorageState, pid: str, rows: list[int], seed: int) -> tupl
 
 def commit(state: StorageState) -> None:
     """The server's group commit: sync, then reuse the regions its records freed."""
-    arena, disk = state.arena, state.disk
-    assert arena is not None
-    assert disk is not None
-    freed, arena.deferred = arena.deferred, []
-    disk.commit(disk.begin_commit())
-    arena.free_deferred(freed)
+    assert state.disk is not None
+    done = begin_commit(state)
+    state.disk.commit(done)
+    end_commit(state, done)
 
 
 def close(state: StorageState) -> None:

@@ -54,9 +54,17 @@ from .._wire._columns import (
     take_rows,
 )
 from .._wire._protocol import StoredColumns, StoreStatsReply
-from ._segments import ARENA, ClearRecord, Extent, PutRecord, SegmentStore, arena_extent
+from ._segments import (
+    ARENA,
+    ClearRecord,
+    Commit,
+    Extent,
+    PutRecord,
+    SegmentStore,
+    arena_extent,
+)
 
-__all__ = ["OverBudget", "StorageState", "adopt_arena", "compact"]
+__all__ = ["OverBudget", "StorageState", "adopt_arena", "begin_commit", "compact", "end_commit"]
 
 log = get_logger(__name__)
 
@@ -793,6 +801,34 @@ class StorageState:
             "device_out_bytes": device.out_bytes,
             "device_out_us": int(device.out_seconds * 1e6),
         }
+
+
+def begin_commit(state: StorageState) -> Commit:
+    """``state``'s next group commit (``fsync`` level), with the arena regions freed since the
+    last one: their freeing is in its records, so they are reused only after it."""
+    assert state.disk is not None
+    commit = state.disk.begin_commit()
+    arena = state.arena
+    if arena is not None and arena.defer_frees:
+        commit.freed, arena.deferred = arena.deferred, []
+    return commit
+
+
+def end_commit(state: StorageState, commit: Commit, error: TQError | None = None) -> None:
+    """After ``commit`` ran: its freed regions are reused; after a failed one they stay
+    unused (a restart may find their old cells again)."""
+    arena = state.arena
+    if arena is None or not commit.freed:
+        return
+    if error is None:
+        arena.free_deferred(commit.freed)
+    else:
+        log.warning(
+            "shared memory freed by writes that could not be synced stays unused until the "
+            "unit restarts",
+            bytes=sum(n for _, n in commit.freed),
+            error=str(error),
+        )
 
 
 def adopt_arena(state: StorageState, arena: Arena) -> int:

@@ -192,6 +192,9 @@ class Commit:
     rewrite: list[bytes] | None = None
     #: sync the directory too (a segment file was created: its name must be on the disk)
     sync_dir: bool = False
+    #: arena regions freed by the records it writes: reusable once it is on the disk
+    #: (`tq_async._storage._cells.begin_commit` fills it, `end_commit` frees them)
+    freed: list[tuple[int, int]] = field(default_factory=list)
 
 
 def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:

@@ -63,10 +63,10 @@ from .._wire._protocol import (
     storage_request_decoder,
 )
 from ._book import Book, Grant, Pin
-from ._cells import OverBudget, StorageState
+from ._cells import OverBudget, StorageState, begin_commit, end_commit
 from ._device_handlers import DevicePath
 from ._nixl_handlers import NixlPath
-from ._segments import ARENA_FILE, Commit, SegmentStore, claim_unit_dir, write_marker
+from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
 from ._shm_handlers import ShmPath
 
 __all__ = ["DEFAULT_SHM_CAP", "DEFAULT_SHM_IDLE", "StorageServer"]
@@ -249,13 +249,13 @@ class StorageServer(Service):
 
     def _commit_now(self, disk: SegmentStore) -> None:
         """A group commit on this thread (a put from this process; the last one at close)."""
-        commit, freed = self._begin_commit(disk)
+        commit = begin_commit(self.state)
         try:
             disk.commit(commit)
         except TQError as exc:
-            self._committed(freed, exc)
+            end_commit(self.state, commit, exc)
             raise
-        self._committed(freed, None)
+        end_commit(self.state, commit)
 
     def registered(self, unit_id: int) -> None:
         """The controller gave this unit ``unit_id``: a durable unit's directory records it."""
@@ -369,47 +369,22 @@ class StorageServer(Service):
             self._commit_wake = anyio.Event()
             waiters, self._commit_waiters = self._commit_waiters, []
             assert self._committer is not None
-            commit, freed = self._begin_commit(disk)
+            commit = begin_commit(self.state)
             future = self._committer.submit(disk.commit, commit)
             try:
                 # a commit taken must run (the next begin_commit waits for it)
                 with anyio.CancelScope(shield=True):
                     await asyncio.wrap_future(future)
             except TQError as exc:
-                self._committed(freed, exc)
+                end_commit(self.state, commit, exc)
                 for msg, op, _ in waiters:
                     self.send_error(msg.peer, msg.rid, exc, op)
                     self.record(op, False, msg.t0)
                 continue
-            self._committed(freed, None)
+            end_commit(self.state, commit)
             for msg, op, reply in waiters:
                 self.send_ok(msg.peer, msg.rid, reply)
                 self.record(op, True, msg.t0)
-
-    def _begin_commit(self, disk: SegmentStore) -> tuple[Commit, list[tuple[int, int]]]:
-        """The next group commit, and the arena regions it makes reusable: those freed by
-        records it writes (freed before it was taken)."""
-        arena = self.state.arena
-        freed: list[tuple[int, int]] = []
-        if arena is not None and arena.defer_frees:
-            freed, arena.deferred = arena.deferred, []
-        return disk.begin_commit(), freed
-
-    def _committed(self, freed: list[tuple[int, int]], error: TQError | None) -> None:
-        """After a group commit: regions whose freeing is on the disk are reused; after a
-        failed one they stay unused (a restart may find their old cells again)."""
-        arena = self.state.arena
-        if arena is None or not freed:
-            return
-        if error is None:
-            arena.free_deferred(freed)
-        else:
-            log.warning(
-                "shared memory freed by writes that could not be synced stays unused until "
-                "the unit restarts",
-                bytes=sum(n for _, n in freed),
-                error=str(error),
-            )
 
     def _after_commit(self, msg: Incoming, op: str, reply: Any) -> Any:
         """``reply``, sent once the next group commit synced what the request wrote."""
