@@ -893,9 +893,18 @@ def compact(state: StorageState, budget: int = _COMPACT_BUDGET) -> int:
     At ``fsync`` the moved chunks' records wait for the next commit, and the old segments
     are deleted only after it (`SegmentStore.release`)."""
     disk = state.disk
-    if disk is None or disk.file_bytes <= 2 * disk.live_bytes + _COMPACT_SLACK:
+    if (
+        disk is None
+        or disk.file_bytes <= max(2 * disk.live_bytes, disk.compacted_at) + _COMPACT_SLACK
+    ):
         return 0
+    # a pass scans every cell once (which rows each chunk holds): the next one waits for
+    # another _COMPACT_SLACK written after it, however much this one could move (puts call
+    # this, so the scan is paid once per _COMPACT_SLACK bytes at most)
+    disk.compacted_at = disk.file_bytes
     targets = set(disk.sparse())
+    if not targets:
+        return 0
     owners = _chunk_rows(state._index, state._chunks, targets)
     moved = 0
     for serial, (pid, rows) in sorted(owners.items()):
@@ -920,6 +929,7 @@ def compact(state: StorageState, budget: int = _COMPACT_BUDGET) -> int:
         chunk.extent = new
         disk.release(old)
         moved += old.nbytes
+    disk.compacted_at = disk.file_bytes  # after the old files went (process level)
     return moved
 
 

@@ -326,6 +326,8 @@ class SegmentStore:
         #: per data segment: its file's bytes, and the bytes of its live chunks
         self.sizes: dict[int, int] = {}
         self._file_bytes = 0
+        #: `file_bytes` after the last compaction pass (`tq_async._storage._cells.compact`)
+        self.compacted_at = 0
         self._live_bytes: dict[int, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
