@@ -528,3 +528,22 @@ def test_overwritten_rows_space_comes_back_too(
     disk.close()
     again = durable(tmp_path)
     assert cells(again, "p", every) == expected
+
+
+def test_fsync_records_logged_after_an_index_rewrite_reach_the_disk(tmp_path: Path) -> None:
+    """At ``fsync`` an index rewrite waits for the next commit; a put recorded after it in the
+    same commit window was dropped by that commit (only the rewrite was written), so an
+    acknowledged put was gone after a restart (found by test_segment_kills: compaction logs
+    right after a clear's rewrite; under load any put can)."""
+    state = durable(tmp_path, sync=True)
+    disk = state.disk
+    assert disk is not None
+    put(state, "p", [0, 1], 1)
+    disk.commit(disk.begin_commit())
+    state._rewrite_index()  # as a clear does past _REWRITE_SLACK
+    put(state, "q", [5, 6], 2)  # recorded after it, before the commit
+    disk.commit(disk.begin_commit())
+    expected = cells(state, "p", [0, 1]), cells(state, "q", [5, 6])
+    disk.close()
+    again = durable(tmp_path, sync=True)
+    assert (cells(again, "p", [0, 1]), cells(again, "q", [5, 6])) == expected

@@ -582,7 +582,8 @@ class SegmentStore:
             if commit.sync_dir:
                 self._sync_dir()
             if commit.rewrite is not None:
-                self._replace_index(commit.rewrite)
+                # the rewrite holds every record before it; those logged since follow it
+                self._replace_index([*commit.rewrite, *commit.records])
             elif commit.records:
                 size = os.lseek(self._index_fd, 0, os.SEEK_END)
                 blob = b"".join(commit.records)
