@@ -6,6 +6,12 @@ A unit is composed of parts, each tested or readable alone:
   index that finds a row's cell), a plain class;
 - `Book`: who holds which of the unit's memory (same-host and
   NIXL clients, grants, read pins, NIXL claims), a plain class that decides what goes back;
+- `UnitDir`: the files of its cells (a durable unit's
+  directory, locked while it runs; a spilling unit's scratch directory);
+- `GroupCommits`: at durability ``fsync``, the requests
+  waiting for the next group commit and the task that makes it;
+- `CellCalls`: the requests on the cells (put,
+  get, clear, stats) and the count of the bytes they move by locality;
 - the data paths beside the socket, each with its handlers:
   `ShmPath` (the shared-memory arena),
   `NixlPath` (the NIXL agent) and
@@ -23,26 +29,19 @@ cells past it leave memory (at ``memory`` level into a scratch directory, remove
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from .._errors import ClosedError, ConfigError, InvalidRequestError, TQError
-from .._logging import get_logger
+from .._errors import ClosedError, InvalidRequestError
 from .._paths._nixl import Claims, UnitNixl, check_data_path
 from .._paths._shm import Arena, Region
-from .._service._loop import DEFERRED, SENT, Handler, Incoming, Service, WithFrames
+from .._service._loop import DEFERRED, SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
-from .._transport._hosts import locality_key, resolve_host_id
+from .._transport._hosts import resolve_host_id
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer
 from .._wire._columns import ColumnHeader
@@ -59,38 +58,23 @@ from .._wire._protocol import (
     StoreGet,
     StorePut,
     StoreStats,
-    StoreStatsReply,
     storage_request_decoder,
 )
 from ._book import Book, Grant, Pin
-from ._cells import OverBudget, StorageState, begin_commit, end_commit
+from ._cell_calls import CellCalls
+from ._cells import OverBudget, StorageState
+from ._commits import GroupCommits
 from ._device_handlers import DevicePath
 from ._nixl_handlers import NixlPath
-from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
 from ._shm_handlers import ShmPath
+from ._unit_dir import UnitDir
 
 __all__ = ["DEFAULT_SHM_CAP", "DEFAULT_SHM_IDLE", "StorageServer"]
-
-log = get_logger(__name__)
-
-#: the lock a running unit holds on its data_dir (a second process on it is refused)
-_LOCK = "tq-async-data-dir.lock"
 
 #: default shared-memory arena per unit (address space; pages are used only once written)
 DEFAULT_SHM_CAP = 1 << 30
 #: default bound on freed arena pages kept for reuse
 DEFAULT_SHM_IDLE = 256 << 20
-
-
-def _arena_file(
-    data_dir: str | None, disk: SegmentStore | None, memory_cap: int | None
-) -> str | None:
-    """A durable unit's arena is a file of its data_dir: what a same-host client puts through
-    it is in the OS's files before the put arrives (with ``memory_cap`` it stays a memfd: the
-    cells are written to segments and may leave memory)."""
-    if data_dir is None or disk is None or not disk.durable or memory_cap is not None:
-        return None
-    return os.path.join(data_dir, ARENA_FILE)
 
 
 class StorageServer(Service):
@@ -99,8 +83,10 @@ class StorageServer(Service):
     thread).
 
     Its parts: ``state`` (`StorageState`, the cells), ``book`` (`Book`, who
-    holds which memory), ``shm_path``, ``nixl_path`` and ``device_path`` (the data paths
-    beside the socket, each with its handlers).
+    holds which memory), ``unit_dir`` (`UnitDir`, the cells' files), ``commits``
+    (`GroupCommits`, at ``fsync``), ``cells`` (`CellCalls`, the requests on the cells),
+    ``shm_path``, ``nixl_path`` and ``device_path`` (the data paths beside the socket, each
+    with its handlers).
 
     Args:
         unit_id: this unit's id.
@@ -167,35 +153,22 @@ class StorageServer(Service):
             raise InvalidRequestError(
                 f"device_cap and device_index must be >= 0, got {device_cap} and {device_index}"
             )
-        self.unit_id = unit_id
         self.curve = curve
         self.data_dir = data_dir
-        self._lock_fd = -1
-        self._scratch: str | None = None
-        disk, instance = self._open_disk(durability, data_dir, memory_cap)
+        self.unit_dir = UnitDir(durability, data_dir, memory_cap, unit_id)
+        #: ``unit_id``, or (started with < 0) the directory's unit, back under its id
+        self.unit_id = self.unit_dir.unit_id
+        disk = self.unit_dir.store
         self.state = StorageState(
-            allow_pickle=allow_pickle, disk=disk, memory_cap=memory_cap, instance=instance
+            allow_pickle=allow_pickle,
+            disk=disk,
+            memory_cap=memory_cap,
+            instance=self.unit_dir.instance,
         )
-        if disk is not None and disk.durable:
-            t0 = time.perf_counter()
-            chunks = self.state.recover()
-            log.info(
-                "storage unit took back its cells",
-                unit_id=self.unit_id,
-                data_dir=data_dir,
-                chunks=chunks,
-                bytes=disk.live_bytes,
-                seconds=round(time.perf_counter() - t0, 3),
-            )
-        #: fsync level: puts waiting for the next group commit, and what wakes the committer
-        self._sync = disk is not None and disk.sync
-        self._commit_waiters: list[tuple[Incoming, str, Any]] = []
-        self._commit_wake = anyio.Event()
-        #: the thread group commits run in: submitted without yielding to the loop, so a
-        #: commit of a put from this process (`store_local`, which waits for the one in
-        #: flight) never waits for a thread the loop has yet to start
-        self._committer = (
-            ThreadPoolExecutor(1, thread_name_prefix="tq-unit-fsync") if self._sync else None
+        self.unit_dir.take_back(self.state)
+        #: fsync level: puts and clears answered once the next group commit synced them
+        self.commits = (
+            GroupCommits(self.state, disk, self) if disk is not None and disk.sync else None
         )
         self.state.host = resolve_host_id(host_id)
         self.book = Book(check_data_path(data_path))
@@ -204,109 +177,32 @@ class StorageServer(Service):
             self.book,
             cap=shm_cap,
             idle_bytes=shm_idle_bytes,
-            arena_file=_arena_file(data_dir, disk, memory_cap),
+            arena_file=self.unit_dir.arena_file,
         )
         self.nixl_path = NixlPath(self.state, self.book, encrypted=curve is not None)
         self.device_path = DevicePath(self.state, self.book, cap=device_cap, index=device_index)
         super().__init__(metrics or Metrics(None, "storage"), storage_request_decoder)
+        self.cells = CellCalls(
+            self.state, self.shm_path, self.device_path, self.commits, self.metrics
+        )
         self.handlers = self._handler_table()
         self._tg: TaskGroup | None = None
-
-    def _open_disk(
-        self, durability: str, data_dir: str | None, memory_cap: int | None
-    ) -> tuple[SegmentStore | None, str | None]:
-        """The unit's store on disk (None: memory only) and its instance token."""
-        if durability not in ("memory", "process", "fsync"):
-            raise ConfigError(f"durability: expected memory, process or fsync, got {durability!r}")
-        if durability == "memory":
-            if memory_cap is None:
-                return None, None
-            # spilled cells are scratch: nothing is recovered at this level
-            self._scratch = tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
-            disk = SegmentStore(self._scratch, durable=False)
-            disk.load()
-            return disk, None
-        if data_dir is None:
-            raise ConfigError(
-                f"data_dir: a storage unit at durability {durability!r} keeps its cells in a "
-                "directory of its own; give it one (--data-dir /var/lib/tq-async/unit-0)"
-            )
-        held, instance = claim_unit_dir(data_dir, None if self.unit_id < 0 else self.unit_id)
-        if self.unit_id < 0 and held is not None:
-            self.unit_id = held  # the directory's unit comes back under its id
-        fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise ConfigError(
-                f"data_dir: {data_dir!r} is in use by another running storage unit; give each "
-                "unit its own directory (or stop the other one first)"
-            ) from None
-        self._lock_fd = fd
-        disk = SegmentStore(data_dir, durable=True, sync=durability == "fsync")
-        return disk, instance
-
-    def _commit_now(self, disk: SegmentStore) -> None:
-        """A group commit on this thread (a put from this process; the last one at close)."""
-        commit = begin_commit(self.state)
-        try:
-            disk.commit(commit)
-        except TQError as exc:
-            end_commit(self.state, commit, exc)
-            raise
-        end_commit(self.state, commit)
 
     def registered(self, unit_id: int) -> None:
         """The controller gave this unit ``unit_id``: a durable unit's directory records it."""
         self.unit_id = unit_id
-        if self._lock_fd >= 0 and self.data_dir is not None:
-            write_marker(self.data_dir, unit_id, self.state.instance)
+        self.unit_dir.registered(unit_id, self.state.instance)
 
     def _close_disk(self) -> None:
-        disk = self.state.disk
-        if disk is None:
-            return
-        if self._committer is not None:
-            self._committer.shutdown(wait=True)
-        if disk.sync and disk.pending:
-            try:
-                self._commit_now(disk)
-            except TQError as exc:
-                log.error("the last group commit failed at close", error=str(exc))
-        disk.close()
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        """Make the last group commit, then close the cells' files."""
+        if self.commits is not None:
+            self.commits.close()
+        self.unit_dir.close()
 
     @property
     def host_id(self) -> str:
         """This unit's host id (see `tq_async._transport._hosts`)."""
         return self.state.host
-
-    def _moved(
-        self, direction: str, client_host: str, frames: Sequence[Any], task: str = ""
-    ) -> None:
-        """Count payload bytes moved ``direction`` for a client on ``client_host`` (reading
-        for ``task``, when it names one)."""
-        nbytes = sum(memoryview(f).nbytes for f in frames)
-        self._count(direction, client_host, nbytes, task)
-
-    def _count(self, direction: str, client_host: str, nbytes: int, task: str = "") -> None:
-        key = locality_key(direction, self.state.host, client_host)
-        self.state.locality[key] += nbytes
-        if task:
-            by_task = self.state.task_locality.get(task)
-            if by_task is None:
-                by_task = self.state.task_locality[task] = {
-                    f"{direction}_same_host": 0,
-                    f"{direction}_other_host": 0,
-                }
-            by_task[key] = by_task.get(key, 0) + nbytes
-        if self.metrics.enabled:
-            self.metrics.transfer(direction, nbytes)
 
     @property
     def arena(self) -> Arena | None:
@@ -344,8 +240,8 @@ class StorageServer(Service):
             await self.device_path.open()
             async with anyio.create_task_group() as tg:  # ends (NIXL set up) before the arena
                 self._tg = tg
-                if self._sync:
-                    tg.start_soon(self._group_commits)
+                if self.commits is not None:
+                    tg.start_soon(self.commits.run)
                 if self.data_path == "nixl" and self.arena is not None:
                     await self.nixl_path.start()  # asked for: ready before the first client
                 task_status.started(self._endpoint.address)
@@ -358,39 +254,6 @@ class StorageServer(Service):
             self.shm_path.close()
             self.book.reset()
             self._close_disk()
-
-    async def _group_commits(self) -> None:
-        """fsync level: sync what puts wrote, then answer them; one fsync serves every put
-        that arrived while the previous one ran (group commit)."""
-        disk = self.state.disk
-        assert disk is not None
-        while True:
-            await self._commit_wake.wait()
-            self._commit_wake = anyio.Event()
-            waiters, self._commit_waiters = self._commit_waiters, []
-            assert self._committer is not None
-            commit = begin_commit(self.state)
-            future = self._committer.submit(disk.commit, commit)
-            try:
-                # a commit taken must run (the next begin_commit waits for it)
-                with anyio.CancelScope(shield=True):
-                    await asyncio.wrap_future(future)
-            except TQError as exc:
-                end_commit(self.state, commit, exc)
-                for msg, op, _ in waiters:
-                    self.send_error(msg.peer, msg.rid, exc, op)
-                    self.record(op, False, msg.t0)
-                continue
-            end_commit(self.state, commit)
-            for msg, op, reply in waiters:
-                self.send_ok(msg.peer, msg.rid, reply)
-                self.record(op, True, msg.t0)
-
-    def _after_commit(self, msg: Incoming, op: str, reply: Any) -> Any:
-        """``reply``, sent once the next group commit synced what the request wrote."""
-        self._commit_waiters.append((msg, op, reply))
-        self._commit_wake.set()
-        return DEFERRED
 
     # ---- a controller in this process ------------------------------------------------------
 
@@ -409,12 +272,11 @@ class StorageServer(Service):
         ok = False
         try:
             self.state.put(partition_id, rows, headers, frames, incarnation=incarnation)
-            disk = self.state.disk
-            if self._sync and disk is not None:  # a caller in this process: synced here
-                self._commit_now(disk)
+            if self.commits is not None:  # a caller in this process: synced here
+                self.commits.now()
             ok = True
         finally:
-            self._moved("in", host, frames)
+            self.cells.moved("in", host, frames)
             if self.metrics.enabled:
                 self.metrics.request("StorePut", ok, time.perf_counter() - t0)
 
@@ -439,7 +301,7 @@ class StorageServer(Service):
             return None
         finally:
             if ok:
-                self._moved("out", host, frames, task)
+                self.cells.moved("out", host, frames, task)
             if self.metrics.enabled:
                 self.metrics.request("StoreGet", ok, time.perf_counter() - t0)
         return stored, frames
@@ -448,10 +310,10 @@ class StorageServer(Service):
 
     def _handler_table(self) -> dict[type, Handler]:
         return {
-            StorePut: self._on_store_put,
-            StoreGet: self._on_store_get,
-            StoreClear: self._on_store_clear,
-            StoreStats: self._on_store_stats,
+            StorePut: self.cells.on_store_put,
+            StoreGet: self.cells.on_store_get,
+            StoreClear: self.cells.on_store_clear,
+            StoreStats: self.cells.on_store_stats,
             ShmHello: self.shm_path.on_hello,
             DeviceHello: self.device_path.on_hello,
             ShmAlloc: self._on_shm_alloc,
@@ -459,54 +321,6 @@ class StorageServer(Service):
             NixlHello: self._on_nixl_hello,
             Cancel: self._on_cancel,
         }
-
-    def _on_store_put(self, msg: Incoming, body: StorePut) -> Any:
-        if body.device is None:
-            data = self._store_put(msg, body, None)
-        else:
-            with self.device_path.put(msg.peer, body) as device:
-                data = self._store_put(msg, body, device)
-        self._moved("in", body.host, data)
-        if self._sync:  # answered once the next group commit synced it
-            return self._after_commit(msg, "StorePut", None)
-        return None
-
-    def _store_put(
-        self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
-    ) -> list[Any]:
-        """Store a put's columns (frames, shared-memory spans or device cells); its frames."""
-        if body.shm is not None:
-            return self.shm_path.put(msg, body, device)
-        data: list[Any] = msg.frames[1:]
-        self.state.put(
-            body.partition_id,
-            body.rows,
-            body.columns,
-            data,
-            incarnation=body.incarnation,
-            device=device,
-        )
-        return data
-
-    def _on_store_get(self, msg: Incoming, body: StoreGet) -> Any:
-        shm = self.shm_path.read(msg.peer, body) if body.shm else None
-        if shm is not None:
-            self._count("out", body.host, sum(n for _, n in shm.shm_spans or ()), body.task)
-            return shm
-        stored, out = self.state.read(
-            body.partition_id, body.rows, body.fields, incarnation=body.incarnation
-        )
-        self._moved("out", body.host, out, body.task)
-        return WithFrames(stored, out)
-
-    def _on_store_clear(self, msg: Incoming, body: StoreClear) -> Any:
-        freed = self.state.clear(body.partition_id, body.rows, incarnation=body.incarnation)
-        if self._sync:  # an acknowledged clear survives too (its cells never come back)
-            return self._after_commit(msg, "StoreClear", freed)
-        return freed
-
-    def _on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
-        return self.state.stats()
 
     def _on_shm_alloc(self, msg: Incoming, body: ShmAlloc) -> ShmGrant | None:
         pid = self.shm_path.claimant(msg.peer)

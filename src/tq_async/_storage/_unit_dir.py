@@ -1,0 +1,143 @@
+"""A storage unit's directory: where the segment files of its cells live, one unit at a time.
+
+At durability ``process`` / ``fsync`` a unit keeps its cells in segment files under its own
+``data_dir`` (`tq_async._storage._segments`): the directory is claimed (an empty one, or this
+unit's: its cells are taken back), locked while the unit runs (a second process on it is
+refused), and records the unit's id once the controller gave one. At ``memory`` with a
+``memory_cap``, cells past the cap spill into a scratch directory, removed on close.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+
+from .._errors import ConfigError
+from .._logging import get_logger
+from ._cells import StorageState
+from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
+
+__all__ = ["UnitDir"]
+
+log = get_logger(__name__)
+
+#: the lock a running unit holds on its data_dir (a second process on it is refused)
+_LOCK = "tq-async-data-dir.lock"
+
+
+class UnitDir:
+    """The files of one unit's cells (none at ``memory`` without ``memory_cap``).
+
+    Args:
+        durability: ``"memory"``, ``"process"`` or ``"fsync"`` (see `StorageServer`).
+        data_dir: the unit's own directory (durable levels: an existing one, empty or this
+            unit's; ``memory``: where the scratch directory goes).
+        memory_cap: most bytes of cells kept in memory (None: no bound, nothing spills).
+        unit_id: the id the unit is started with (< 0: the directory's own id, if it has one).
+
+    Attributes:
+        store: the cells' segment files (None: cells in memory only).
+        instance: the token of a durable directory's cells (None: the cells are new each
+            start).
+        unit_id: the unit's id (``unit_id``, or the directory's own when started with < 0).
+
+    Raises:
+        ConfigError: an unknown level, a durable level without ``data_dir``, or a
+            ``data_dir`` that is missing, another unit's or the controller's, or in use by a
+            running unit.
+    """
+
+    def __init__(
+        self, durability: str, data_dir: str | None, memory_cap: int | None, unit_id: int
+    ) -> None:
+        if durability not in ("memory", "process", "fsync"):
+            raise ConfigError(f"durability: expected memory, process or fsync, got {durability!r}")
+        self.path = data_dir
+        self.memory_cap = memory_cap
+        self.unit_id = unit_id
+        self.store: SegmentStore | None = None
+        self.instance: str | None = None
+        self._lock_fd = -1
+        self._scratch: str | None = None
+        if durability == "memory":
+            if memory_cap is not None:
+                # spilled cells are scratch: nothing is recovered at this level
+                self._scratch = tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
+                self.store = SegmentStore(self._scratch, durable=False)
+                self.store.load()
+            return
+        if data_dir is None:
+            raise ConfigError(
+                f"data_dir: a storage unit at durability {durability!r} keeps its cells in a "
+                "directory of its own; give it one (--data-dir /var/lib/tq-async/unit-0)"
+            )
+        held, self.instance = claim_unit_dir(data_dir, None if unit_id < 0 else unit_id)
+        if unit_id < 0 and held is not None:
+            self.unit_id = held  # the directory's unit comes back under its id
+        self._lock_fd = _lock(data_dir)
+        self.store = SegmentStore(data_dir, durable=True, sync=durability == "fsync")
+
+    @property
+    def durable(self) -> bool:
+        """Whether the cells outlive the process (``process`` and ``fsync`` levels)."""
+        return self.store is not None and self.store.durable
+
+    @property
+    def arena_file(self) -> str | None:
+        """The file a durable unit's shared-memory arena is: what a same-host client puts
+        through it is in the OS's files before the put arrives (None: an anonymous memfd;
+        with ``memory_cap`` too: the cells are written to segments and may leave memory)."""
+        if self.path is None or not self.durable or self.memory_cap is not None:
+            return None
+        return os.path.join(self.path, ARENA_FILE)
+
+    def take_back(self, state: StorageState) -> None:
+        """A durable unit takes back the cells of its directory into ``state``."""
+        store = self.store
+        if store is None or not store.durable:
+            return
+        t0 = time.perf_counter()
+        chunks = state.recover()
+        log.info(
+            "storage unit took back its cells",
+            unit_id=self.unit_id,
+            data_dir=self.path,
+            chunks=chunks,
+            bytes=store.live_bytes,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+
+    def registered(self, unit_id: int, instance: str) -> None:
+        """The controller gave the unit ``unit_id``: a durable directory records it."""
+        self.unit_id = unit_id
+        if self._lock_fd >= 0 and self.path is not None:
+            write_marker(self.path, unit_id, instance)
+
+    def close(self) -> None:
+        """Close the segment files, remove the scratch directory, give the lock back (the
+        last group commit is made before: see `tq_async._storage._commits`)."""
+        if self.store is None:
+            return
+        self.store.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _lock(data_dir: str) -> int:
+    """Lock ``data_dir`` for this process; the lock's file descriptor (closing it unlocks)."""
+    fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is in use by another running storage unit; give each "
+            "unit its own directory (or stop the other one first)"
+        ) from None
+    return fd
