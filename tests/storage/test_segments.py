@@ -399,7 +399,7 @@ def _live_segments_exist(state: StorageState) -> None:
     for chunk in state.cells.chunks.values():
         if chunk.extent is not None:
             want[chunk.extent.segment] = want.get(chunk.extent.segment, 0) + 1
-    assert want == disk._live
+    assert want == disk.space.chunks
     for segment in want:
         assert os.path.exists(disk._path(segment)), f"segment {segment} holds live cells"
 
