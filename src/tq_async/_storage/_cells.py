@@ -127,6 +127,8 @@ class StorageState:
         self.memory_cap = memory_cap
         #: where each cell is, and the chunks' lives (see `CellIndex`)
         self.cells = CellIndex(lru=memory_cap is not None)
+        # the index's own dicts (never replaced), one attribute away in the read loop
+        self._chunks, self._lru = self.cells.chunks, self.cells.lru
         #: chunks spilled from memory, and chunks read back from disk
         self.spills = 0
         self.disk_reads = 0
@@ -379,14 +381,13 @@ class StorageState:
     ) -> None:
         """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
         serial = start >> CELL_BITS
-        cells = self.cells
-        chunk = cells.chunks[serial]
+        chunk = self._chunks[serial]
         a = start & POSITION
         column = chunk.column
         if column is None:
             column = self._load(serial, chunk)
-        elif cells.lru is not None and serial in cells.lru:
-            cells.lru.move_to_end(serial)
+        elif self._lru is not None and serial in self._lru:
+            self._lru.move_to_end(serial)
         if isinstance(column, DeviceCells):
             pieces.append(column.rows(a, a + end - start))
         else:
