@@ -21,6 +21,7 @@ import structlog
 import tq_async as tq
 from tq_async._storage import _cells
 from tq_async._storage._cells import StorageState
+from tq_async._storage._durable import rewrite_index
 from tq_async._storage._segments import MARKER, SegmentStore, claim_unit_dir
 from tq_async._wire._columns import ColumnHeader, JaggedColumn, column_to_frames
 
@@ -395,10 +396,10 @@ def _live_segments_exist(state: StorageState) -> None:
     disk = state.disk
     assert disk is not None
     want: dict[int, int] = {}
-    for chunk in state._chunks.values():
+    for chunk in state.cells.chunks.values():
         if chunk.extent is not None:
             want[chunk.extent.segment] = want.get(chunk.extent.segment, 0) + 1
-    assert want == disk._live
+    assert want == disk.space.chunks
     for segment in want:
         assert os.path.exists(disk._path(segment)), f"segment {segment} holds live cells"
 
@@ -540,7 +541,7 @@ def test_fsync_records_logged_after_an_index_rewrite_reach_the_disk(tmp_path: Pa
     assert disk is not None
     put(state, "p", [0, 1], 1)
     disk.commit(disk.begin_commit())
-    state._rewrite_index()  # as a clear does past _REWRITE_SLACK
+    rewrite_index(state)  # as a clear does past _REWRITE_SLACK
     put(state, "q", [5, 6], 2)  # recorded after it, before the commit
     disk.commit(disk.begin_commit())
     expected = cells(state, "p", [0, 1]), cells(state, "q", [5, 6])

@@ -77,5 +77,5 @@ def test_overwrites_and_clears_match_a_model_and_free_every_chunk() -> None:
     assert state.resident_bytes > 0
     state.clear("p", None)
     assert state.resident_bytes == 0
-    assert state._chunks == {}
+    assert state.cells.chunks == {}
     assert state.stats().rows == 0

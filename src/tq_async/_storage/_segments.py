@@ -56,6 +56,7 @@ import msgspec
 from .._errors import ConfigError, StorageFullError, TQError
 from .._logging import get_logger
 from .._wire._columns import ColumnHeader
+from ._segment_space import SegmentSpace
 
 __all__ = [
     "ARENA",
@@ -193,7 +194,7 @@ class Commit:
     #: sync the directory too (a segment file was created: its name must be on the disk)
     sync_dir: bool = False
     #: arena regions freed by the records it writes: reusable once it is on the disk
-    #: (`tq_async._storage._cells.begin_commit` fills it, `end_commit` frees them)
+    #: (`tq_async._storage._durable.begin_commit` fills it, `end_commit` frees them)
     freed: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -292,8 +293,9 @@ class SegmentStore:
         self.sync = sync
         self.segment_bytes = segment_bytes
         self._write = write
-        #: live chunks per segment (a segment with none is deleted, the current one kept)
-        self._live: dict[int, int] = {}
+        #: the files' bytes and the live chunks in each (a segment with none is deleted, the
+        #: current one kept)
+        self.space = SegmentSpace()
         self._readers: dict[int, int] = {}
         self._segment = 0
         self._fd = -1
@@ -321,14 +323,8 @@ class SegmentStore:
         #: `load` dropped chunks whose bytes are gone: the index must be rewritten before
         #: new cells may take their place (the arena reuses space)
         self.dropped = False
-        #: bytes of live chunks in the segment files
-        self.live_bytes = 0
-        #: per data segment: its file's bytes, and the bytes of its live chunks
-        self.sizes: dict[int, int] = {}
-        self._file_bytes = 0
-        #: `file_bytes` after the last compaction pass (`tq_async._storage._cells.compact`)
+        #: `file_bytes` after the last compaction pass (`tq_async._storage._durable.compact`)
         self.compacted_at = 0
-        self._live_bytes: dict[int, int] = {}
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -344,30 +340,13 @@ class SegmentStore:
         if self.durable and ARENA in sizes and not self._arena_trusted():
             del sizes[ARENA]  # its chunks are dropped by `_whole`, with a warning
         path = os.path.join(self.directory, _INDEX)
-        good = 0
         # the highest segment a record names (its file may be gone: all its chunks dead)
         named = 0
         missing = {"gone": 0, "short": 0}
         if self.durable and os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
-            pos = 0
-            while pos + _RECORD.size <= len(data):
-                n, crc = _RECORD.unpack_from(data, pos)
-                payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
-                if len(payload) < n or zlib.crc32(payload) != crc:
-                    break
-                try:
-                    rec = _decoder.decode(payload)
-                except msgspec.DecodeError:
-                    break
-                pos += _RECORD.size + n
-                if isinstance(rec, PutRecord):
-                    named = max(named, max((c.segment for c in rec.chunks), default=0))
-                whole = _whole(rec, sizes, missing)
-                self.dropped = self.dropped or whole is not rec
-                records.append(whole)
-                good = pos
+            records, good, named = _parse_index(data, sizes, missing)
             if good < len(data):
                 log.warning(
                     "discarded the torn tail of a storage unit's index (a write cut short by a "
@@ -379,6 +358,7 @@ class SegmentStore:
                 with open(path, "r+b") as f:
                     f.truncate(good)
         if missing["gone"] or missing["short"]:
+            self.dropped = True
             # one line: a segment of dead chunks is deleted while the records naming them stay
             # until the index is rewritten (done after this load), so "gone" is usually those
             log.warning(
@@ -390,8 +370,7 @@ class SegmentStore:
                 cut_short=missing["short"],
             )
         self.records = len(records)
-        self.sizes = {n: size for n, size in sizes.items() if n != ARENA}
-        self._file_bytes = sum(self.sizes.values())
+        self.space.found({n: size for n, size in sizes.items() if n != ARENA})
         # never a number a record still names: a new file under a dead segment's name would
         # take the dead chunks' records as its own on the next restart (and be deleted when
         # they die again during the replay, live cells with it)
@@ -464,11 +443,12 @@ class SegmentStore:
                 self._closing.append(self._fd)
             else:
                 os.close(self._fd)
-            if not self._live.get(self._segment):
+            if not self.space.chunks.get(self._segment):
                 self._gone(self._segment)
         self._segment += 1
         self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = self.sizes[self._segment] = 0
+        self._size = 0
+        self.space.grew(self._segment, 0)
         self._new_file = True  # its name reaches the disk with the directory's next sync
 
     # ---- writing -----------------------------------------------------------------------------
@@ -501,8 +481,8 @@ class SegmentStore:
         except OSError as exc:
             self._cut(self._fd, start)
             raise _io_error(exc, self.directory, "writing cells") from exc
-        self._size = self.sizes[self._segment] = pos
-        self._file_bytes += pos - start
+        self._size = pos
+        self.space.grew(self._segment, pos)
         self._unsynced = True
         self.bytes_written += pos - start
         return extents
@@ -647,21 +627,12 @@ class SegmentStore:
 
     def ref(self, extent: Extent) -> None:
         """A chunk stored at ``extent`` is alive."""
-        self._live[extent.segment] = self._live.get(extent.segment, 0) + 1
-        self._live_bytes[extent.segment] = self._live_bytes.get(extent.segment, 0) + extent.nbytes
-        self.live_bytes += extent.nbytes
+        self.space.ref(extent)
 
     def release(self, extent: Extent) -> None:
         """The chunk at ``extent`` is dead; its segment goes when it held the last one."""
-        left = self._live[extent.segment] - 1
-        self.live_bytes -= extent.nbytes
-        self._live_bytes[extent.segment] -= extent.nbytes
-        if not left:
-            del self._live_bytes[extent.segment]
-        if left:
-            self._live[extent.segment] = left
+        if not self.space.release(extent):
             return
-        del self._live[extent.segment]
         # the arena's space is the arena's; while a restart replays the index, a segment
         # may hold no live chunk for a while and then take new ones (it was the current one
         # then): `collect` deletes what is dead once the replay is over
@@ -669,26 +640,26 @@ class SegmentStore:
             self._gone(extent.segment)
 
     @property
+    def live_bytes(self) -> int:
+        """Bytes of live chunks in the segment files."""
+        return self.space.live_bytes
+
+    @property
     def file_bytes(self) -> int:
         """Bytes of the data segments' files (live chunks and dead ones)."""
-        return self._file_bytes
+        return self.space.file_bytes
 
     def sparse(self) -> list[int]:
         """Finished segments less than half of whose bytes are live chunks', the emptiest
-        first (`tq_async._storage._cells.compact` moves their live chunks)."""
-        found = [
-            (self._live_bytes.get(n, 0), n)
-            for n, size in self.sizes.items()
-            if n != self._segment and 2 * self._live_bytes.get(n, 0) < size
-        ]
-        return [n for _, n in sorted(found)]
+        first (`tq_async._storage._durable.compact` moves their live chunks)."""
+        return self.space.sparse(self._segment)
 
     def collect(self) -> None:
         """Delete every segment no live chunk is in (after a restart's records are applied:
         the replay `load` began is over)."""
         self.replaying = False
         for segment in self._segment_sizes():
-            if segment not in (self._segment, ARENA) and segment not in self._live:
+            if segment not in (self._segment, ARENA) and segment not in self.space.chunks:
                 self._unlink(segment)
 
     def _gone(self, segment: int) -> None:
@@ -698,7 +669,7 @@ class SegmentStore:
             self._unlink(segment)
 
     def _unlink(self, segment: int) -> None:
-        self._file_bytes -= self.sizes.pop(segment, 0)
+        self.space.gone(segment)
         fd = self._readers.pop(segment, None)
         if fd is not None:
             os.close(fd)
@@ -756,6 +727,31 @@ class SegmentStore:
         self._fd = self._index_fd = self._arena_fd = -1
         self._closing = []
         self._readers.clear()
+
+
+def _parse_index(
+    data: bytes, sizes: dict[int, int], missing: dict[str, int]
+) -> tuple[list[PutRecord | ClearRecord], int, int]:
+    """The records of an index file's bytes, up to a torn tail: each without the chunks whose
+    bytes are not in ``sizes`` (`_whole`: counted in ``missing``); the bytes they take, and
+    the highest segment a record names."""
+    records: list[PutRecord | ClearRecord] = []
+    pos = good = named = 0
+    while pos + _RECORD.size <= len(data):
+        n, crc = _RECORD.unpack_from(data, pos)
+        payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
+        if len(payload) < n or zlib.crc32(payload) != crc:
+            break
+        try:
+            rec = _decoder.decode(payload)
+        except msgspec.DecodeError:
+            break
+        pos += _RECORD.size + n
+        if isinstance(rec, PutRecord):
+            named = max(named, max((c.segment for c in rec.chunks), default=0))
+        records.append(_whole(rec, sizes, missing))
+        good = pos
+    return records, good, named
 
 
 def _whole(
