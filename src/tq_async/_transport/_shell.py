@@ -79,6 +79,11 @@ class ConnectionShell:
             refused_is_broken=refused_is_broken,
             retry_after=retry_after,
         )
+        self.address = address
+        #: the address the program gave, when ``address`` is its same-host twin
+        self.known_as = self._core.known_as
+        #: how messages name the peer: the program's address, then the socket used
+        self.name = self._core.name
         self._context = context or zmq_context()
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
@@ -117,21 +122,6 @@ class ConnectionShell:
         raise NotImplementedError
 
     # ---- the core's state, as the client sees it ---------------------------------------------
-
-    @property
-    def address(self) -> str:
-        """The address this connection dials."""
-        return self._core.address
-
-    @property
-    def known_as(self) -> str:
-        """The address the program gave (``address`` may be its same-host twin)."""
-        return self._core.known_as
-
-    @property
-    def name(self) -> str:
-        """How messages name the peer: the program's address, then the socket used."""
-        return self._core.name
 
     @property
     def connected(self) -> bool | None:
