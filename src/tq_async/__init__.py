@@ -20,7 +20,8 @@ in a circle):
    and returns effects; no loop, socket or clock.
 3. **transport**: moving frames, ``_transport/`` (addresses ``_endpoints``, the services'
    ROUTER ``_router``, the clients' connection core ``_connection`` (no I/O) under the DEALER
-   connection ``_dealer`` and the blocking client's ``_sync_dealer``, in-process ``_routes``,
+   connection ``_dealer`` and the blocking client's ``_sync_dealer``, with what both do alike
+   in ``_shell``, in-process ``_routes``,
    Unix sockets ``_unix``, CURVE ``_security``),
    and the data paths, ``_paths/`` (shared memory ``_shm``, NIXL ``_nixl``, device arenas
    ``_device`` and device copies ``_device_copy``).

@@ -11,7 +11,7 @@ import msgspec
 
 from ._errors import InvalidRequestError
 
-__all__ = ["BatchMeta"]
+__all__ = ["BatchMeta", "even_ranges"]
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,13 +142,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError(
                 f"chunk_into(n_chunks) needs a positive count, got {n_chunks!r}"
             )
-        base, extra = divmod(len(self), n_chunks)
-        pieces, start = [], 0
-        for i in range(n_chunks):
-            end = start + base + (1 if i < extra else 0)
-            pieces.append(self.select_rows(slice(start, end)))
-            start = end
-        return pieces
+        return [self.select_rows(slice(r.start, r.stop)) for r in even_ranges(len(self), n_chunks)]
 
     def chunk(self, size: int) -> list[BatchMeta]:
         """Deprecated: pieces of ``size`` rows; use `chunk_every` (the same) or
@@ -203,3 +197,15 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             extra_info=extra,
             keys=[k for m in metas for k in (m.keys or [None] * len(m))] if has_keys else [],
         )
+
+
+def even_ranges(n: int, pieces: int) -> list[range]:
+    """``range(n)`` cut into ``pieces`` consecutive ranges whose lengths differ by at most one,
+    the longer first (10 in 3: 4, 3, 3)."""
+    base, extra = divmod(n, pieces)
+    out, start = [], 0
+    for i in range(pieces):
+        end = start + base + (1 if i < extra else 0)
+        out.append(range(start, end))
+        start = end
+    return out

@@ -30,7 +30,7 @@ from _cluster_proc import _read_address, serve_cluster
 from _shm_proc import alloc_then_die
 from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
 from tq_async._errors import InvalidRequestError, ProtocolError
-from tq_async._paths._shm import PAGE, Arena, ArenaMap
+from tq_async._paths._shm import PAGE, Arena, ArenaMap, Extents
 from tq_async._storage._server import StorageServer
 from tq_async._transport._dealer import DealerConnection
 from tq_async._wire._columns import ColumnHeader
@@ -440,3 +440,14 @@ def test_dataloader_workers_read_through_shared_memory(address: str, context: st
         # every batch (2 MiB: too big to ride along with get_meta) came through shared memory
         assert anyio.run(reads) >= before + 4
         client.clear_partition(pid)
+
+
+def test_take_region_rounds_to_whole_pages_and_says_when_nothing_fits() -> None:
+    extents = Extents(PAGE, 3 * PAGE)
+    first = extents.take_region(0)
+    assert first is not None
+    assert (first.offset, first.size, first.refs) == (PAGE, PAGE, 1)
+    second = extents.take_region(PAGE + 1)
+    assert second is not None
+    assert (second.offset, second.size) == (2 * PAGE, 2 * PAGE)
+    assert extents.take_region(1) is None

@@ -312,3 +312,21 @@ def test_a_request_names_its_client_so_a_handed_over_connection_is_still_recogni
     assert salvage_rid(outgoing[0]) == rid
     old_style = msgspec.msgpack.encode((7, ListPartitions()))  # a header without it decodes
     assert controller_request_decoder.decode(old_style).client is None
+
+
+def test_a_request_waits_up_to_its_deadline_with_a_retry_every_retry_after() -> None:
+    core = ConnectionCore("tcp://h:1", retry_after=10.0)
+    assert core.next_wait(None, 5.0) == (10.0, False)  # no deadline: keep-alive resends
+    assert core.next_wait(100.0, 0.0) == (10.0, False)  # a retry before the deadline
+    assert core.next_wait(100.0, 95.0) == (5.0, True)  # the last attempt: up to the deadline
+    assert core.next_wait(100.0, 100.0) is None  # the deadline passed
+    core.retry_after = None
+    assert core.next_wait(None, 0.0) == (None, False)  # waits until it is answered
+    assert core.next_wait(100.0, 40.0) == (60.0, True)
+
+
+def test_a_same_host_twin_is_named_after_the_address_the_program_gave() -> None:
+    core = ConnectionCore("uds://@tq-1", known_as="tcp://h:1")
+    assert (core.known_as, core.name, core.unix) == ("tcp://h:1", "tcp://h:1 (uds://@tq-1)", True)
+    core = ConnectionCore("tcp://h:1")
+    assert (core.known_as, core.name, core.unix) == ("tcp://h:1", "tcp://h:1", False)

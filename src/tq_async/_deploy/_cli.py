@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
@@ -186,44 +187,54 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
-    """Options of ``serve`` that its roles take too.
+class _Options(Protocol):
+    """Where the ``_add_*`` functions add options: ``serve``'s parser, or a `_RoleOptions`."""
 
-    In a role's parser they default to SUPPRESS, so ``serve --bind X controller`` and
-    ``serve controller --bind X`` mean the same.
-    """
+    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action: ...
 
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if in_role else value
 
+class _RoleOptions:
+    """A ``serve`` role's parser as the ``_add_*`` functions see it: the options of ``serve``
+    they add there default to SUPPRESS, so ``serve --bind X controller`` and ``serve
+    controller --bind X`` mean the same (the role's parse keeps what ``serve``'s found)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._parser = parser
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action:
+        return self._parser.add_argument(*flags, **{**kwargs, "default": argparse.SUPPRESS})
+
+
+def _add_shared(parser: _Options) -> None:
+    """Options of ``serve`` that its roles take too."""
     parser.add_argument(
         "--config",
-        default=default(None),
+        default=None,
         metavar="FILE",
         help="read the deployment from this TOML file (samplers, admission, capacity, ...; "
         "see examples/grpo.toml); options given on the command line override it",
     )
     parser.add_argument(
         "--bind",
-        default=default(None),
+        default=None,
         metavar="tcp://HOST:PORT",
         help=f"the address to bind (default: {_DEFAULT_BIND}: a free port on loopback)",
     )
     parser.add_argument(
         "--metrics-on",
-        default=default(None),
+        default=None,
         metavar="HOST:PORT",
         help="serve Prometheus metrics over HTTP here (port 0: any free port; default: off)",
     )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
-        default=default(False),
+        default=False,
         help="accept pickled columns (pickle runs code on load: trusted deployments only)",
     )
     parser.add_argument(
         "--curve-cert",
-        default=default(None),
+        default=None,
         metavar="FILE",
         help="encrypt every socket with this CURVE secret certificate (NAME.key_secret from "
         "zmq.auth.create_certificates); every service of a cluster uses the same one "
@@ -232,7 +243,7 @@ def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--curve-allow",
         action="append",
-        default=default(None),
+        default=None,
         metavar="PATH",
         help="admit only clients whose public certificate is this file or in this directory "
         "(repeatable); without it any client that knows the public key gets in",
@@ -240,7 +251,7 @@ def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--log-level",
         type=_log_level,
-        default=default("INFO"),
+        default="INFO",
         metavar="LEVEL",
         help="lowest level logged on stderr: debug, info, warning, error or critical, in "
         "any case (default: info)",
@@ -248,13 +259,13 @@ def _add_shared(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--log-json",
         action="store_true",
-        default=default(False),
+        default=False,
         help="log one JSON object per line (default: coloured text on a terminal, plain "
         "text otherwise)",
     )
 
 
-def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+def _add_deadlines(parser: _Options) -> None:
     defaults = Deadlines()
     for flag, value, text in (
         (
@@ -285,17 +296,17 @@ def _add_deadlines(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
         parser.add_argument(
             flag,
             type=float,
-            default=argparse.SUPPRESS if in_role else value,
+            default=value,
             metavar="SECONDS",
             help=f"{text} (default: {value:g})",
         )
 
 
-def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+def _add_shm(parser: _Options) -> None:
     parser.add_argument(
         "--shm-cap",
         type=int,
-        default=argparse.SUPPRESS if in_role else DEFAULT_SHM_CAP,
+        default=DEFAULT_SHM_CAP,
         metavar="BYTES",
         help="shared memory per storage unit for clients on this host (0: off; at the cap "
         f"puts go over the socket; default: {DEFAULT_SHM_CAP})",
@@ -303,14 +314,14 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--data-path",
         choices=DATA_PATHS,
-        default=argparse.SUPPRESS if in_role else "auto",
+        default="auto",
         help="what storage units offer besides the socket: auto (shared memory on this host, "
         "NIXL to other hosts when installed), shm, nixl or zmq (default: auto)",
     )
     parser.add_argument(
         "--device-cap",
         type=int,
-        default=argparse.SUPPRESS if in_role else 0,
+        default=0,
         metavar="BYTES",
         help="GPU memory per storage unit for columns put from GPUs by clients on this host "
         "(moved device to device by CUDA IPC; 0: off, the default)",
@@ -318,25 +329,25 @@ def _add_shm(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--device-index",
         type=_device_index_arg,
-        default=argparse.SUPPRESS if in_role else 0,
+        default=0,
         metavar="N[,N...]",
         help="which GPU holds them (CUDA index; default: 0); one per storage unit, "
         "comma-separated, to give each unit of a multi-GPU host its own",
     )
     parser.add_argument(
         "--host-id",
-        default=argparse.SUPPRESS if in_role else None,
+        default=None,
         metavar="ID",
         help="the storage units' host id: units and clients with equal ids are on one host "
         "(default: $TQ_HOST_ID, the Ray node id, or this machine's boot id and host name)",
     )
 
 
-def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+def _add_durability(parser: _Options) -> None:
     parser.add_argument(
         "--durability",
         choices=["memory", "process", "fsync"],
-        default=argparse.SUPPRESS if in_role else "memory",
+        default="memory",
         help="memory: nothing survives a crash (the default, fastest); process: a change is "
         "acknowledged once it is in the OS's files (survives SIGKILL/OOM of the service); "
         "fsync: once it is on the disk (survives a machine crash). Storage units keep their "
@@ -345,7 +356,7 @@ def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
     parser.add_argument(
         "--data-dir",
-        default=argparse.SUPPRESS if in_role else None,
+        default=None,
         metavar="DIR",
         help="for --durability process/fsync: the controller's journal directory, or a "
         "`serve storage` unit's own directory (an existing directory: empty, or the one this "
@@ -353,11 +364,11 @@ def _add_durability(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
 
 
-def _add_memory_cap(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+def _add_memory_cap(parser: _Options) -> None:
     parser.add_argument(
         "--memory-cap",
         type=int,
-        default=argparse.SUPPRESS if in_role else None,
+        default=None,
         metavar="BYTES",
         help="most bytes of cells a storage unit keeps in memory; the least recently used "
         "ones past it go to disk (--data-dir, or a temporary directory at --durability "
@@ -365,11 +376,11 @@ def _add_memory_cap(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     )
 
 
-def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
+def _add_capacity(parser: _Options) -> None:
     parser.add_argument(
         "--capacity",
         type=int,
-        default=argparse.SUPPRESS if in_role else None,
+        default=None,
         metavar="ROWS",
         help="backpressure: the most live rows per partition (see --capacity-scope); a put "
         "that does not fit waits until rows are cleared (default: unbounded)",
@@ -377,14 +388,14 @@ def _add_capacity(parser: argparse.ArgumentParser, *, in_role: bool) -> None:
     parser.add_argument(
         "--capacity-scope",
         choices=["partition", "global"],
-        default=argparse.SUPPRESS if in_role else "partition",
+        default="partition",
         help="--capacity counts rows per partition or in all partitions together "
         "(default: partition)",
     )
     parser.add_argument(
         "--placement",
         choices=["auto", "local", "round_robin"],
-        default=argparse.SUPPRESS if in_role else "auto",
+        default="auto",
         help="where a put's rows go: local (a unit on the producer's host, least-loaded), "
         "round_robin, or auto (local while units span several hosts; default: auto)",
     )
@@ -424,12 +435,12 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
         help="give up if the controller does not answer the registration in this time "
         "(default: 30)",
     )
-    _add_capacity(ctl, in_role=True)
-    _add_durability(ctl, in_role=True)
-    _add_durability(unit, in_role=True)
-    _add_memory_cap(unit, in_role=True)
-    _add_shm(unit, in_role=True)
-    _add_deadlines(ctl, in_role=True)
+    _add_capacity(_RoleOptions(ctl))
+    _add_durability(_RoleOptions(ctl))
+    _add_durability(_RoleOptions(unit))
+    _add_memory_cap(_RoleOptions(unit))
+    _add_shm(_RoleOptions(unit))
+    _add_deadlines(_RoleOptions(ctl))
     for role in (ctl, unit):
         role.add_argument(
             "--advertise",
@@ -438,7 +449,7 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
             help="host name or IP that other hosts dial (needed with a 0.0.0.0 bind; a unit "
             "defaults to its IP on the route to the controller)",
         )
-        _add_shared(role, in_role=True)
+        _add_shared(_RoleOptions(role))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -473,12 +484,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="the interface the services bind (default: 127.0.0.1, loopback only)",
     )
-    _add_shared(serve, in_role=False)
-    _add_capacity(serve, in_role=False)
-    _add_durability(serve, in_role=False)
-    _add_memory_cap(serve, in_role=False)
-    _add_deadlines(serve, in_role=False)
-    _add_shm(serve, in_role=False)
+    _add_shared(serve)
+    _add_capacity(serve)
+    _add_durability(serve)
+    _add_memory_cap(serve)
+    _add_deadlines(serve)
+    _add_shm(serve)
     serve.set_defaults(role=None)
 
     _add_roles(serve)

@@ -234,12 +234,10 @@ class DeviceArena:
         self.closed = False
 
     def alloc(self, nbytes: int) -> Region | None:
-        size = align(max(nbytes, 1), PAGE)
-        start = self._extents.take(size)
-        if start is None:
-            return None
-        self.live_bytes += size
-        return Region(start, size)
+        region = self._extents.take_region(nbytes)
+        if region is not None:
+            self.live_bytes += region.size
+        return region
 
     def release(self, region: Region) -> None:
         region.refs -= 1

@@ -88,6 +88,13 @@ class Extents:
                 return start
         return None
 
+    def take_region(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes`` (whole pages; one for 0 bytes), now taken, or
+        None when no free extent is that large (what an arena's ``alloc`` hands out)."""
+        size = align(max(nbytes, 1), PAGE)
+        start = self.take(size)
+        return None if start is None else Region(start, size)
+
     def within(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The free extents' parts inside ``[lo, hi)``, as ``(start, size)``."""
         out = []
@@ -196,15 +203,14 @@ class Arena:
 
     def alloc(self, nbytes: int) -> Region | None:
         """A region of at least ``nbytes`` (page-rounded), or None when the arena is full."""
-        size = align(max(nbytes, 1), PAGE)
-        start = self._extents.take(size)
-        if start is None:
+        region = self._extents.take_region(nbytes)
+        if region is None:
             return None
-        a, b = start // PAGE, (start + size) // PAGE
+        a, b = region.offset // PAGE, (region.offset + region.size) // PAGE
         self.idle_bytes -= int(np.count_nonzero(self._resident[a:b])) * PAGE
         self._resident[a:b] = True
-        self.live_bytes += size
-        return Region(start, size)
+        self.live_bytes += region.size
+        return region
 
     def reserve(self, offset: int, size: int) -> Region:
         """Take back ``[offset, offset + size)`` (page-aligned, free): a region of cells a

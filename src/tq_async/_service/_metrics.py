@@ -263,43 +263,70 @@ class UnitGauges(Protocol):
     def task_locality(self) -> dict[str, dict[str, int]]: ...
 
 
+#: the ``tq_storage_*{unit}`` metrics of one value per unit: (kind, name, help, the part of
+#: the unit's `UnitGauges` that holds the value ("": the unit's own; a unit without that
+#: part reports nothing), the attribute of that part)
+_PER_UNIT: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, str, str], ...] = (
+    (
+        GaugeMetricFamily,
+        "tq_storage_resident_bytes",
+        "Bytes of cells held by a storage unit.",
+        "",
+        "resident_bytes",
+    ),
+    (
+        GaugeMetricFamily,
+        "tq_storage_shm_bytes",
+        "Shared memory in use by a storage unit (cells and reads in flight).",
+        "arena",
+        "live_bytes",
+    ),
+    (
+        GaugeMetricFamily,
+        "tq_storage_shm_idle_bytes",
+        "Freed shared memory a storage unit keeps resident for reuse (bounded).",
+        "arena",
+        "idle_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "tq_storage_shm_fallbacks",
+        "Same-host puts and reads that went over the socket because the arena was full.",
+        "arena",
+        "fallbacks",
+    ),
+    (
+        CounterMetricFamily,
+        "tq_storage_nixl_puts",
+        "Puts whose bytes a client wrote into a storage unit's arena with NIXL.",
+        "nixl",
+        "puts",
+    ),
+    (
+        CounterMetricFamily,
+        "tq_storage_nixl_reads",
+        "Reads whose bytes a client read out of a storage unit's arena with NIXL.",
+        "nixl",
+        "reads",
+    ),
+    (
+        GaugeMetricFamily,
+        "tq_storage_nixl_registered_bytes",
+        "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
+        "nixl",
+        "registered_bytes",
+    ),
+)
+
+
 def storage_collector(units: dict[int, UnitGauges]) -> Collector:
     """The ``tq_storage_*{unit}`` metrics of the given units, computed when scraped."""
 
     def collect() -> Iterator[Metric]:
-        g = GaugeMetricFamily(
-            "tq_storage_resident_bytes", "Bytes of cells held by a storage unit.", labels=["unit"]
-        )
-        shm = GaugeMetricFamily(
-            "tq_storage_shm_bytes",
-            "Shared memory in use by a storage unit (cells and reads in flight).",
-            labels=["unit"],
-        )
-        idle = GaugeMetricFamily(
-            "tq_storage_shm_idle_bytes",
-            "Freed shared memory a storage unit keeps resident for reuse (bounded).",
-            labels=["unit"],
-        )
-        fallbacks = CounterMetricFamily(
-            "tq_storage_shm_fallbacks",
-            "Same-host puts and reads that went over the socket because the arena was full.",
-            labels=["unit"],
-        )
-        nixl_puts = CounterMetricFamily(
-            "tq_storage_nixl_puts",
-            "Puts whose bytes a client wrote into a storage unit's arena with NIXL.",
-            labels=["unit"],
-        )
-        nixl_reads = CounterMetricFamily(
-            "tq_storage_nixl_reads",
-            "Reads whose bytes a client read out of a storage unit's arena with NIXL.",
-            labels=["unit"],
-        )
-        nixl_bytes = GaugeMetricFamily(
-            "tq_storage_nixl_registered_bytes",
-            "Bytes a storage unit registered with NIXL (its arena, once a NIXL client came).",
-            labels=["unit"],
-        )
+        per_unit = [
+            (kind(name, text, labels=["unit"]), part, attr)
+            for kind, name, text, part, attr in _PER_UNIT
+        ]
         locality = CounterMetricFamily(
             "tq_storage_locality_bytes",
             "Payload bytes a storage unit moved, by direction and by whether the client was "
@@ -319,18 +346,12 @@ def storage_collector(units: dict[int, UnitGauges]) -> Collector:
             for task, counts in sorted(getattr(st, "task_locality", {}).items()):
                 for key, n in sorted(counts.items()):
                     by_task.add_metric([str(unit_id), task, key.partition("_")[2]], n)
-            g.add_metric([str(unit_id)], st.resident_bytes)
-            arena = st.arena
-            if arena is not None:
-                shm.add_metric([str(unit_id)], arena.live_bytes)
-                idle.add_metric([str(unit_id)], arena.idle_bytes)
-                fallbacks.add_metric([str(unit_id)], arena.fallbacks)
-            nixl = st.nixl
-            if nixl is not None:
-                nixl_puts.add_metric([str(unit_id)], nixl.puts)
-                nixl_reads.add_metric([str(unit_id)], nixl.reads)
-                nixl_bytes.add_metric([str(unit_id)], nixl.registered_bytes)
-        yield from (g, shm, idle, fallbacks, nixl_puts, nixl_reads, nixl_bytes, locality, by_task)
+            for family, part, attr in per_unit:
+                holder = getattr(st, part) if part else st
+                if holder is not None:
+                    family.add_metric([str(unit_id)], getattr(holder, attr))
+        yield from (family for family, _, _ in per_unit)
+        yield from (locality, by_task)
 
     return _Collector(collect)
 

@@ -1,6 +1,6 @@
 """The client connection's core, without I/O: what the asynchronous
 `DealerConnection` and the blocking
-`BlockingConnection` share.
+`BlockingConnection` share (with the I/O both do alike, `ConnectionShell`).
 
 A `ConnectionCore` knows the wire and the bookkeeping of one connection and decides;
 the shells around it own the sockets and the waiting (a future on the event loop, ``poll`` in
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -48,7 +49,6 @@ __all__ = [
     "MAX_BUSY_POLL",
     "MONITOR_EVENTS",
     "ConnectionCore",
-    "ConnectionState",
     "Got",
     "Liveness",
     "PollBackoff",
@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+_clock = time.perf_counter
 
 #: Seconds a client's request polls a same-host connection for its reply (`PollBackoff`).
 DEFAULT_BUSY_POLL = 1e-4
@@ -129,7 +130,7 @@ class PollBackoff:
     Polling costs CPU for as long as it lasts, and finds nothing when the service has a
     reason to wait (a get_meta waiting for data): after a poll that caught nothing, the next
     1, 2, 4, ... 64 requests park at once; a caught reply resets that. Services never poll.
-    The shells do the polling (`BusyPoll`).
+    The shells decide when to poll (`poll`; the async shell's `BusyPoll` yields first).
     """
 
     __slots__ = ("_backoff", "_skip", "budget", "caught_replies", "missed_replies")
@@ -157,6 +158,26 @@ class PollBackoff:
         self.caught_replies += 1
         self._backoff = 0
 
+    def spin(self, done: Callable[[], bool], read: Callable[[], None]) -> bool:
+        """``read()`` until ``done()`` or until the budget is spent (a hit, or a miss).
+
+        Returns:
+            Whether ``done()`` came true (its reply, or the connection's failure, arrived).
+        """
+        end = _clock() + self.budget
+        while not done():
+            read()
+            if not done() and _clock() >= end:
+                self.miss()
+                return False
+        self.hit()
+        return True
+
+    def poll(self, done: Callable[[], bool], read: Callable[[], None]) -> bool:
+        """`spin`, unless backing off after polls that caught nothing (the blocking
+        shell's busy poll: it parks in ``poll`` afterwards)."""
+        return self.should_poll() and self.spin(done, read)
+
     def miss(self) -> None:
         """The poll spent its budget: the next requests park at once, twice as many as
         after the previous miss (up to `MAX_SKIP`)."""
@@ -177,13 +198,21 @@ class ConnectionCore:
         self,
         address: str,
         *,
+        known_as: str | None = None,
         curve: CurveClient | None = None,
         refused_is_broken: bool = False,
-        name: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         self.address = address
-        #: how messages name the peer (the program's address, then the socket used)
-        self.name = name or address
+        #: the address the program gave, when ``address`` is its same-host twin
+        self.known_as = known_as or address
+        #: how messages name the peer: the program's address, then the socket used
+        self.name = address if self.known_as == address else f"{self.known_as} ({address})"
+        #: a same-host Unix socket: it reports its end itself, and loses no reply without
+        #: ending (`first_of`)
+        self.unix = address.startswith("uds://")
+        #: seconds without a reply after which a request goes out again (`first_of`)
+        self.retry_after = retry_after
         self.curve = curve
         #: a refused connection attempt counts as broken (requests fail fast with
         #: BrokenError instead of waiting for a peer that is not there, e.g. a storage
@@ -296,6 +325,19 @@ class ConnectionCore:
         if on_abandon is not None and not cancel_undoes:
             self.orphans[rid] = on_abandon
         return True
+
+    def next_wait(self, deadline: float | None, now: float) -> tuple[float | None, bool] | None:
+        """How long a request's next attempt waits for its reply (None: no limit) and
+        whether it is its last (it waits up to ``deadline``: a silent one ends the request),
+        or None once ``deadline`` passed; an attempt that ends silent and not last is
+        followed by a retry (`first_of`).
+        """
+        retry_after = self.retry_after  # (first_of, inlined: this runs for every request)
+        if deadline is None:
+            return None if retry_after is not None and retry_after <= 0 else (retry_after, False)
+        remaining = deadline - now
+        wait = remaining if retry_after is None or retry_after > remaining else retry_after
+        return None if wait <= 0 else (wait, wait >= remaining)
 
     def forget_all(self) -> None:
         """The connection failed or closed: nothing in flight is re-sent, no late reply is
@@ -419,45 +461,6 @@ class ConnectionCore:
             )
         paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
         return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
-
-
-class ConnectionState:
-    """The core's state as a connection shows it to its client (a mixin of both shells)."""
-
-    _core: ConnectionCore
-
-    @property
-    def connected(self) -> bool | None:
-        """None until the first connection, False once broken (until it is back)."""
-        return self._core.connected
-
-    @property
-    def refused_is_broken(self) -> bool:
-        """A refused connection attempt counts as broken (see `ConnectionCore`)."""
-        return self._core.refused_is_broken
-
-    @refused_is_broken.setter
-    def refused_is_broken(self, value: bool) -> None:
-        self._core.refused_is_broken = value
-
-    @property
-    def reconnects(self) -> int:
-        """How many times the socket was replaced (after a request got no reply in time)."""
-        return self._core.reconnects
-
-    @property
-    def inproc(self) -> bool:
-        """Connected through the in-process twin of the service's endpoint."""
-        return self._core.inproc
-
-    @property
-    def peer_pid(self) -> int | None:
-        """The service's process, when known to be on this host (its shared-memory hello)."""
-        return self._core.peer_pid
-
-    @peer_pid.setter
-    def peer_pid(self, pid: int | None) -> None:
-        self._core.peer_pid = pid
 
 
 def first_of(remaining: float | None, retry_after: float | None) -> float | None:

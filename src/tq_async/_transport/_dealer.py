@@ -1,47 +1,39 @@
 """The client's connection: one DEALER socket per service, any number of requests in flight.
 
-The asynchronous shell around `ConnectionCore` (the
-framing, request ids, table of requests and liveness it shares with the blocking
-`BlockingConnection`): each request awaits its own
-future and replies may come in any order. A request with a deadline that has no reply after
-``retry_after`` seconds reconnects (same identity) and is sent again: services deduplicate
-retried requests, so nothing runs twice. The connection follows the service's liveness
-(ZMTP heartbeats, the socket monitor) and reports it through callbacks.
+The asynchronous shell around `ConnectionCore` (the framing, request ids, table of requests
+and liveness it shares with the blocking `BlockingConnection`, with what both shells do alike
+in `ConnectionShell`): each request awaits its own future and replies may come in any order.
+A request with a deadline that has no reply after ``retry_after`` seconds reconnects (same
+identity) and is sent again: services deduplicate retried requests, so nothing runs twice.
+The connection follows the service's liveness (ZMTP heartbeats, the socket monitor) and
+reports it through callbacks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import types
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
 import msgspec
 import zmq
-import zmq.utils.monitor
 
 from .._errors import BrokenError, ClosedError
 from .._logging import get_logger
-from .._wire._protocol import Cancel, Reply
+from .._wire._protocol import Reply
 from ._connection import (
     DEFAULT_BUSY_POLL,
     MAX_BUSY_POLL,
-    MONITOR_EVENTS,
-    ConnectionCore,
-    ConnectionState,
     Got,
     PollBackoff,
     check_frames,
-    first_of,
-    heartbeat_ms,
     process_state,
 )
-from ._endpoints import zmq_context
 from ._router import DrainedSocket
-from ._routes import local_route, private_frames
-from ._security import CurveClient
+from ._routes import private_frames
+from ._shell import ConnectionShell
 from ._unix import UnixSocket
 
 __all__ = [
@@ -54,7 +46,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-_clock = time.perf_counter
 
 
 class BusyPoll(PollBackoff):
@@ -77,104 +68,49 @@ class BusyPoll(PollBackoff):
         if not self.should_poll():
             return False
         await _yield()  # fairness: a call never completes without yielding
-        end = _clock() + self.budget
-        while not fut.done():
-            read()
-            if not fut.done() and _clock() >= end:
-                self.miss()
-                return False
-        self.hit()
-        return True
+        return self.spin(fut.done, read)
 
 
-class DealerConnection(ConnectionState, DrainedSocket):
+class DealerConnection(ConnectionShell, DrainedSocket):
     """One DEALER socket to one service, shared by every request of one client.
 
     Each call awaits its own future; replies may come in any order. With ``busy_poll`` > 0, a
     request over a same-host Unix socket polls for its reply briefly before parking
-    (`BusyPoll`).
+    (`BusyPoll`). Takes `ConnectionShell`'s arguments.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        context: zmq.Context[Any] | None = None,
-        curve: CurveClient | None = None,
-        on_disconnect: Callable[[], None] | None = None,
-        on_connect: Callable[[], None] | None = None,
-        on_refused: Callable[[], None] | None = None,
-        heartbeat_timeout: float | None = None,
-        retry_after: float | None = None,
-        refused_is_broken: bool = False,
-        busy_poll: float = 0.0,
-        known_as: str | None = None,
-    ) -> None:
-        self.address = address
-        #: the address the program gave, when ``address`` is its same-host twin
-        self.known_as = known_as or address
-        #: how messages name the peer: the program's address, then the socket used
-        self.name = address if self.known_as == address else f"{self.known_as} ({address})"
-        self.retry_after = retry_after
-        self._core = ConnectionCore(
-            address, curve=curve, refused_is_broken=refused_is_broken, name=self.name
-        )
-        self._context = context or zmq_context()
-        self._curve = curve
-        self._on_disconnect = on_disconnect
-        self._on_connect = on_connect
-        self._on_refused = on_refused
-        self._heartbeat = heartbeat_ms(heartbeat_timeout)
+    def _start(self, busy_poll: float) -> None:
         #: request id -> the future its waiting attempt awaits (a reply, or the failure)
         self._pending: dict[int, asyncio.Future[None]] = {}
-        #: the messages in flight (the core's table), re-sent after a reconnect
-        self._inflight = self._core.inflight
-        sock, monitor = self._open()
-        super().__init__(sock)
+        sock, monitor = self._connect()
+        DrainedSocket.__init__(self, sock)
         self._watch(monitor)
         #: only a Unix socket's reply can be read by polling (ZMQ's arrive through its I/O
         #: thread; an in-process service runs on this very loop)
-        unix = isinstance(sock, UnixSocket)
-        self._busy_poll = BusyPoll(busy_poll) if busy_poll > 0 and unix else None
+        self._busy_poll = BusyPoll(busy_poll) if busy_poll > 0 and self._core.unix else None
 
-    def _open(self) -> tuple[Any, zmq.Socket[Any] | None]:
+    def _connect(self) -> tuple[Any, zmq.Socket[Any] | None]:
         core = self._core
-        if self.address.startswith("uds://"):
+        if core.unix:
             try:
                 usock = UnixSocket(self.address, core.identity, self._unix_eof)
             except OSError as exc:
                 raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
             core.connected = True
             return usock, None
-        route = None if self._curve is not None else local_route(self.address, self._context)
-        core.inproc = route is not None
-        sock = self._context.socket(zmq.DEALER)
-        if self._curve is not None:
-            self._curve.apply(sock)
-        sock.setsockopt(zmq.IDENTITY, core.identity)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        # a peer whose host vanishes without closing the connection is noticed by heartbeats
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat[0])
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat[1])
-        # a closed connection is reported on this monitor socket (no polling); a refused
-        # connection attempt tells that nothing listens at the address (any more)
-        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
-        core.handshaken = route is not None
-        try:
-            if route is None:
-                sock.connect(self.address)
-            else:
-                sock.connect(route.inproc)
-                route.watchers.add(self)
-                core.connected = True  # inproc reports no connection events
-        except zmq.ZMQError as exc:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
+        sock, monitor, route = self._dealer_socket()
+        if route is not None:
+            route.watchers.add(self)
         return sock, monitor
+
+    def _open(self) -> None:
+        sock, monitor = self._connect()
+        self._adopt_socket(sock)
+        self._watch(monitor)
+
+    def _release(self) -> None:
+        self._unwatch()
+        self._release_socket()
 
     def _unix_eof(self) -> None:
         """The Unix socket's peer closed it: stop reading (the FD stays readable at EOF)."""
@@ -201,64 +137,6 @@ class DealerConnection(ConnectionState, DrainedSocket):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
 
-    def reconnect(self) -> None:
-        """Replace the socket (same identity) and resend every request still in flight.
-
-        Services deduplicate by (identity, request id), so a request that did arrive is
-        not executed twice: its cached reply is sent again.
-        """
-        if self._closed:
-            return
-        self._unwatch()
-        self._release_socket()
-        self._core.connected = None
-        sock, monitor = self._open()
-        self._core.reconnects += 1
-        self._adopt_socket(sock)
-        self._watch(monitor)
-        for frames in list(self._inflight.values()):
-            with contextlib.suppress(zmq.ZMQError, OSError):
-                self._send(frames)
-
-    def _drain_monitor(self) -> None:
-        if self._closed or self._monitor is None:
-            return
-        while True:
-            try:
-                msg = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:  # (zmq.Again: nothing more)
-                return
-            parsed = zmq.utils.monitor.parse_monitor_message(msg)
-            seen = self._core.on_monitor(parsed["event"], parsed["value"])
-            if seen.connected and self._on_connect is not None:
-                self._on_connect()
-            if seen.fail is not None:
-                self._fail_pending(seen.fail)
-            if seen.broken:
-                self._disconnected(seen.why)
-            if seen.refused and self._on_refused is not None:
-                self._on_refused()
-
-    def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
-        self._fail_pending(self._core.disconnected(why, closed_by_peer=closed_by_peer))
-        self._purge()
-        if self._on_disconnect is not None:
-            self._on_disconnect()
-
-    def _purge(self) -> None:
-        """Drop what the ZMQ socket still queues for the peer that went away: a request
-        just failed with `BrokenError` (sent after the peer died, before the monitor said
-        so) must never reach a service that comes back at the address (ZMQ would deliver
-        it on reconnecting: a put reported failed ran on the restarted service). A new
-        socket of the same identity replaces it; LINGER 0 discards the old one's queue."""
-        if self._closed or self._monitor is None or self._core.inproc:
-            return  # a Unix socket queues nothing; an in-process peer has no address
-        self._unwatch()
-        self._release_socket()
-        sock, monitor = self._open()  # (a TCP connect never fails here: it is dialled later)
-        self._adopt_socket(sock)
-        self._watch(monitor)
-
     def peer_closed(self) -> None:
         """The in-process endpoint closed (inproc reports no disconnect event); thread-safe."""
 
@@ -269,7 +147,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
         with contextlib.suppress(RuntimeError):  # the connection's loop is closed already
             self._loop.call_soon_threadsafe(on_loop)
 
-    def _fail_pending(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         self._core.forget_all()
         for fut in list(self._pending.values()):
             if not fut.done():
@@ -358,26 +236,16 @@ class DealerConnection(ConnectionState, DrainedSocket):
 
     async def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed without one; every
-        ``retry_after`` seconds without a reply it goes out again
-        (`first_of`)."""
-        loop = self._loop
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            remaining = None if deadline is None else deadline - loop.time()
-            wait = first_of(remaining, self.retry_after)
-            if wait is not None and wait <= 0:
-                return None
+        ``retry_after`` seconds without a reply it goes out again (`ConnectionShell._retry`)."""
+        clock = self._loop.time
+        deadline = None if timeout is None else clock() + timeout
+        while (step := self._core.next_wait(deadline, clock())) is not None:
+            wait, last = step
             got = await self._attempt(rid, wait)
-            if got is not None:
+            if got is not None or last:
                 return got
-            if remaining is not None and wait is not None and wait >= remaining:
-                return None
-            if deadline is None:
-                with contextlib.suppress(zmq.ZMQError, OSError):
-                    self._send(outgoing)
-            elif self._edge_triggered:  # ZMQ; a Unix socket loses no reply without ending
-                log.info("no reply yet: reconnecting and retrying", peer=self.name, rid=rid)
-                self.reconnect()
+            self._retry(rid, outgoing, deadline is None)
+        return None
 
     async def _attempt(self, rid: int, wait: float | None) -> Got | None:
         """Wait up to ``wait`` seconds (None: no limit) for ``rid``'s reply; None if none came.
@@ -405,15 +273,6 @@ class DealerConnection(ConnectionState, DrainedSocket):
                 timer.cancel()
         return arrived.pop(rid, None)
 
-    def _abandon(
-        self,
-        rid: int,
-        on_abandon: Callable[[Reply, list[zmq.Frame]], None] | None,
-        cancel_undoes: bool = False,
-    ) -> None:
-        if self._core.abandon(rid, on_abandon, cancel_undoes):
-            self.send_best_effort(Cancel(rid))
-
     def send_oneway(self, body: msgspec.Struct) -> None:
         """Send a request whose reply nobody waits for (it is dropped on arrival).
 
@@ -424,40 +283,6 @@ class DealerConnection(ConnectionState, DrainedSocket):
             with self.transport_errors(type(body).__name__):
                 self._send(self._core.oneway(body))
 
-    def send_best_effort(self, body: msgspec.Struct) -> bool:
-        """`send_oneway` for clean-up that must not replace the caller's outcome (an
-        unpin after a read, a Cancel, a renewal): a broken connection is logged, not raised;
-        the service frees what the message was about when it notices the client is gone.
-
-        Returns:
-            Whether the message was handed to the socket.
-        """
-        try:
-            self.send_oneway(body)
-        except BrokenError as exc:
-            log.debug("one-way message not sent", peer=self.name, error=str(exc))
-            return False
-        return not self._closed
-
-    @contextlib.contextmanager
-    def transport_errors(self, what: str) -> Iterator[None]:
-        """The one place where the transport's own failures (``zmq.ZMQError``, the Unix
-        socket's ``OSError``) become `BrokenError` for every call of the client,
-        requests and one-way messages alike."""
-        try:
-            yield
-        except (zmq.ZMQError, OSError) as exc:
-            raise self._broken(what, exc) from exc
-
-    def _broken(self, what: str, exc: BaseException) -> BrokenError:
-        """The error of a send the transport refused (see `transport_errors`)."""
-        error = self._core.broken(what, exc)
-        if not self._edge_triggered and not self._closed:
-            # a Unix socket that fails a write is dead (EPIPE: the peer is gone): say so now
-            # rather than when its end is read
-            self._unix_eof()
-        return error
-
     def close(self, error: BaseException | None = None) -> None:
         """Close the socket; requests still waiting fail with ``error`` (default:
         `ClosedError`; a connection replaced because it broke passes a `BrokenError`)."""
@@ -465,7 +290,7 @@ class DealerConnection(ConnectionState, DrainedSocket):
             return
         self._unwatch()
         self._close_socket()
-        self._fail_pending(error or ClosedError(f"the connection to {self.name} was closed"))
+        self._fail(error or ClosedError(f"the connection to {self.name} was closed"))
 
 
 @types.coroutine

@@ -1,7 +1,8 @@
 """The blocking client's connection: the I/O shell under the generated `tq_async.Client`.
 
 The blocking shell around `ConnectionCore`, which it
-shares with `tq_async._transport._dealer.DealerConnection`: same wire, same semantics
+shares with `tq_async._transport._dealer.DealerConnection` (with what both shells do alike
+in `ConnectionShell`): same wire, same semantics
 (request ids,
 retries that reconnect under the same identity, keep-alive resends of waiting requests,
 ``Cancel`` for an abandoned request, ``on_abandon`` for a reply that came too late, the
@@ -29,33 +30,26 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.utils.monitor
 
 from .._errors import BrokenError, InvalidRequestError
 from .._logging import get_logger
 from .._portal import check_blocking_allowed
 from .._sync_primitives import next_timer, run_due_timers
-from .._wire._protocol import Cancel, Reply
+from .._wire._protocol import Reply
 from ._connection import (
     DEFAULT_BUSY_POLL,
     MAX_BUSY_POLL,
-    MONITOR_EVENTS,
-    ConnectionCore,
-    ConnectionState,
     Got,
     PollBackoff,
     check_frames,
-    first_of,
-    heartbeat_ms,
 )
-from ._endpoints import zmq_context
-from ._routes import copy_frames, local_route
-from ._security import CurveClient
+from ._routes import copy_frames
+from ._shell import ConnectionShell
 from ._unix import HELLO, MessageStream, abstract_name
 
 __all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BlockingConnection", "check_frames"]
@@ -67,52 +61,11 @@ _POLLIN = int(zmq.POLLIN)
 _WRITE_WAIT = 60.0
 
 
-class _BusyPoll(PollBackoff):
-    """`PollBackoff` for a blocking wait: read the
-    Unix socket for up to ``budget`` seconds before parking in ``poll``."""
+class BlockingConnection(ConnectionShell):
+    """One socket to one service, driven by the calling thread (see the module docstring);
+    takes `ConnectionShell`'s arguments."""
 
-    __slots__ = ()
-
-    def caught(self, done: Callable[[], bool], read: Callable[[], None]) -> bool:
-        if not self.should_poll():
-            return False
-        end = time.perf_counter() + self.budget
-        while not done():
-            read()
-            if not done() and time.perf_counter() >= end:
-                self.miss()
-                return False
-        self.hit()
-        return True
-
-
-class BlockingConnection(ConnectionState):
-    """One socket to one service, driven by the calling thread (see the module docstring)."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        curve: CurveClient | None = None,
-        on_disconnect: Callable[[], None] | None = None,
-        retry_after: float | None = None,
-        refused_is_broken: bool = False,
-        busy_poll: float = 0.0,
-        known_as: str | None = None,
-    ) -> None:
-        self.address = address
-        #: the address the program gave, when ``address`` is its same-host twin
-        self.known_as = known_as or address
-        #: how messages name the peer: the program's address, then the socket used
-        self.name = address if self.known_as == address else f"{self.known_as} ({address})"
-        self.retry_after = retry_after
-        self._core = ConnectionCore(
-            address, curve=curve, refused_is_broken=refused_is_broken, name=self.name
-        )
-        self._curve = curve
-        self._on_disconnect = on_disconnect
-        #: the messages in flight (the core's table), re-sent after a reconnect
-        self._inflight = self._core.inflight
+    def _start(self, busy_poll: float) -> None:
         #: the failure of the connection while a request waits (raised by that request)
         self._failure: BaseException | None = None
         self._busy = threading.Lock()
@@ -120,62 +73,36 @@ class BlockingConnection(ConnectionState):
         self._closed = False
         self._stream: MessageStream | None = None
         self._sock: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
+        self._monitor = None
         self._wake_fd: int | None = None
         self._peer_gone = False
         #: the longest a write waits for room in a full Unix socket (the request's timeout)
         self._write_wait = _WRITE_WAIT
         self._open()
-        self._busy_poll: _BusyPoll | None = (
-            _BusyPoll(busy_poll) if busy_poll > 0 and self._stream is not None else None
-        )
+        self._busy_poll = PollBackoff(busy_poll) if busy_poll > 0 and self._core.unix else None
 
     # ---- sockets ---------------------------------------------------------------------------
 
     def _open(self) -> None:
         core = self._core
         self._poller = select.poll()
-        if self.address.startswith("uds://"):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if core.unix:
+            usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(abstract_name(self.address))
+                usock.connect(abstract_name(self.address))
             except OSError as exc:
-                sock.close()
+                usock.close()
                 raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
-            self._stream = MessageStream(sock)
+            self._stream = MessageStream(usock)
             self._write([HELLO, core.identity])
-            self._poller.register(sock.fileno(), select.POLLIN)
+            self._poller.register(usock.fileno(), select.POLLIN)
             core.connected = True
             return
-        context = zmq_context()
-        route = None if self._curve is not None else local_route(self.address, context)
-        core.inproc = route is not None
-        sock = context.socket(zmq.DEALER)
-        if self._curve is not None:
-            self._curve.apply(sock)
-        sock.setsockopt(zmq.IDENTITY, core.identity)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        heartbeat_ivl, heartbeat_timeout = heartbeat_ms(None)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout)
-        monitor = sock.get_monitor_socket(MONITOR_EVENTS)
-        core.handshaken = route is not None
-        try:
-            if route is None:
-                sock.connect(self.address)
-            else:
-                sock.connect(route.inproc)
-                if self._wake_fd is None:
-                    self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                route.watchers.add(self)
-                core.connected = True
-        except zmq.ZMQError as exc:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
+        sock, monitor, route = self._dealer_socket()
+        if route is not None:
+            if self._wake_fd is None:
+                self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            route.watchers.add(self)
         self._sock, self._monitor = sock, monitor
         self._zpoller = zmq.Poller()
         self._zpoller.register(sock, zmq.POLLIN)
@@ -194,18 +121,6 @@ class BlockingConnection(ConnectionState):
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._sock = self._monitor = None
-
-    def reconnect(self) -> None:
-        """Replace the socket (same identity) and resend every request still in flight."""
-        if self._closed:
-            return
-        self._release()
-        self._core.connected = None
-        self._open()
-        self._core.reconnects += 1
-        for frames in list(self._inflight.values()):
-            with contextlib.suppress(zmq.ZMQError, OSError):
-                self._send(frames)
 
     def peer_closed(self) -> None:
         """The in-process endpoint closed (any thread): wake a waiting request."""
@@ -251,7 +166,7 @@ class BlockingConnection(ConnectionState):
             while stream.messages:
                 self._on_frames(stream.messages.popleft())
             if stream.eof and self.connected is not False:
-                self._disconnected(closed_by_peer=True)
+                self._unix_eof()
             return
         sock = self._sock
         if sock is None:
@@ -281,40 +196,13 @@ class BlockingConnection(ConnectionState):
     def _on_frames(self, frames: list[Any]) -> None:
         self._core.on_message(frames)  # a reply for this thread's request waits in arrived
 
-    def _drain_monitor(self) -> None:
-        monitor = self._monitor
-        if monitor is None:
-            return
-        while True:
-            try:
-                msg = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            parsed = zmq.utils.monitor.parse_monitor_message(msg)
-            seen = self._core.on_monitor(parsed["event"], parsed["value"])
-            if seen.fail is not None:
-                self._fail(seen.fail)
-            if seen.broken:
-                self._disconnected(seen.why)
-
-    def _disconnected(self, why: str | None = None, *, closed_by_peer: bool = False) -> None:
-        self._fail(self._core.disconnected(why, closed_by_peer=closed_by_peer))
-        self._purge()
-        if self._on_disconnect is not None:
-            self._on_disconnect()
-
-    def _purge(self) -> None:
-        """Drop what the ZMQ socket still queues for the peer that went away (see the
-        async `DealerConnection._purge`): a new socket of the same identity."""
-        if self._closed or self._sock is None or self._core.inproc:
-            return  # a Unix socket queues nothing; an in-process peer has no address
-        self._release()
-        self._open()  # (a TCP connect never fails here: it is dialled later)
-
     def _fail(self, exc: BaseException) -> None:
         if self._core.waiting and self._failure is None:
             self._failure = exc
         self._core.forget_all()
+
+    def _unix_eof(self) -> None:
+        self._disconnected(closed_by_peer=True)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -378,24 +266,15 @@ class BlockingConnection(ConnectionState):
 
     def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed (retries as the async
-        connection does: over ZMQ, reconnect with a deadline; keep-alive resend without)."""
+        connection does: `ConnectionShell._retry`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            wait = first_of(remaining, self.retry_after)
-            if wait is not None and wait <= 0:
-                return None
+        while (step := self._core.next_wait(deadline, time.monotonic())) is not None:
+            wait, last = step
             got = self._attempt(rid, wait)
-            if got is not None:
+            if got is not None or last:
                 return got
-            if remaining is not None and wait is not None and wait >= remaining:
-                return None
-            if deadline is None:
-                with contextlib.suppress(zmq.ZMQError, OSError):
-                    self._send(outgoing)
-            elif self._stream is None:  # ZMQ; a Unix socket loses no reply without ending
-                log.info("no reply yet: reconnecting and retrying", peer=self.name, rid=rid)
-                self.reconnect()
+            self._retry(rid, outgoing, deadline is None)
+        return None
 
     def _attempt(self, rid: int, wait: float | None) -> Got | None:
         arrived = self._core.arrived
@@ -404,7 +283,7 @@ class BlockingConnection(ConnectionState):
             return rid in arrived or self._failure is not None
 
         if self._busy_poll is not None and not done():
-            self._busy_poll.caught(done, self._read)
+            self._busy_poll.poll(done, self._read)
         end = None if wait is None else time.monotonic() + wait
         while not done():
             left = None if end is None else end - time.monotonic()
@@ -420,15 +299,6 @@ class BlockingConnection(ConnectionState):
         assert self._failure is not None
         raise self._failure
 
-    def _abandon(
-        self,
-        rid: int,
-        on_abandon: Callable[[Reply, list[Any]], None] | None,
-        cancel_undoes: bool = False,
-    ) -> None:
-        if self._core.abandon(rid, on_abandon, cancel_undoes):
-            self.send_best_effort(Cancel(rid))
-
     def send_oneway(self, body: msgspec.Struct) -> None:
         """Send a request whose reply nobody waits for (dropped on arrival)."""
         if self._closed or self._core.pid != os.getpid():
@@ -437,29 +307,6 @@ class BlockingConnection(ConnectionState):
             raise self._shared_error()
         with self.transport_errors(type(body).__name__):
             self._send(self._core.oneway(body))
-
-    def send_best_effort(self, body: msgspec.Struct) -> bool:
-        """`send_oneway` whose failure is logged, not raised (clean-up messages)."""
-        try:
-            self.send_oneway(body)
-        except (BrokenError, InvalidRequestError) as exc:
-            log.debug("one-way message not sent", peer=self.name, error=str(exc))
-            return False
-        return not self._closed
-
-    @contextlib.contextmanager
-    def transport_errors(self, what: str) -> Iterator[None]:
-        """The transport's own failures become `BrokenError`."""
-        try:
-            yield
-        except (zmq.ZMQError, OSError) as exc:
-            error = self._core.broken(what, exc)
-            if self._stream is not None:
-                # a Unix socket that fails a write is dead (EPIPE: the peer is gone), and
-                # this connection reads nothing between calls: say so now, or every later
-                # call fails the same way instead of finding the service again
-                self._disconnected(closed_by_peer=True)
-            raise error from exc
 
     def close(self, error: BaseException | None = None) -> None:
         """Close the socket (in the process that opened it; a forked child leaves it be).

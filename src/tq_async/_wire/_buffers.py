@@ -58,23 +58,18 @@ class BufferPool:
         through the buffer protocol (a ``torch.frombuffer`` tensor, a ``zmq.Frame``) are gone.
         """
         src = memoryview(source).cast("B")
-        size = size_class(src.nbytes)
-        base = None
-        with self._lock:
-            stack = self._free.get(size)
-            if stack:
-                base = stack.pop()
-                self.idle_bytes -= size
-        if base is None:
-            base = np.empty(size, dtype=np.uint8)
-        view = base[: src.nbytes]
+        view = self._take(src.nbytes)
         view[:] = np.frombuffer(src, dtype=np.uint8)
-        weakref.finalize(view, self._release, base)
         return view.data
 
     def empty(self, nbytes: int) -> memoryview:
         """A writable buffer of ``nbytes`` (contents undefined) in pooled memory; it goes back
         to the pool like a `copy`."""
+        return self._take(nbytes).data
+
+    def _take(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """``nbytes`` of pooled memory (a buffer of their size class, reused when one is
+        idle), given back to the pool once the returned view and all built on it are gone."""
         size = size_class(nbytes)
         base = None
         with self._lock:
@@ -86,7 +81,7 @@ class BufferPool:
             base = np.empty(size, dtype=np.uint8)
         view = base[:nbytes]
         weakref.finalize(view, self._release, base)
-        return view.data
+        return view
 
     def _release(self, base: np.ndarray[Any, Any]) -> None:
         size = base.nbytes

@@ -18,32 +18,8 @@ from typing import Any
 
 import msgspec
 
-__all__ = [
-    "EVENT_KINDS",
-    "AnyEvent",
-    "ClusterSnapshot",
-    "ConsumptionReset",
-    "Event",
-    "FieldsProduced",
-    "LeaseAcked",
-    "LeaseExpired",
-    "LeaseGranted",
-    "PartitionCleared",
-    "PartitionCreated",
-    "PartitionRestored",
-    "PartitionSealed",
-    "PartitionSnapshot",
-    "Resync",
-    "RowsAdded",
-    "RowsConsumed",
-    "RowsReleased",
-    "RowsRemoved",
-    "TagsChanged",
-    "UnitBack",
-    "UnitLost",
-    "UnitSuspended",
-    "WatchBatch",
-]
+# No ``__all__`` here: the public names are listed once, by `tq_async.events`, which
+# re-exports every struct but `WatchBatch` (the reply of the wire's ``WatchNext``).
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True):

@@ -464,13 +464,7 @@ class BatchMeta:
         """``chunks`` pieces whose sizes differ by at most one (10 rows, 3 chunks: 4, 3, 3)."""
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise InvalidRequestError(f"chunks must be a positive int, got {chunks!r}")
-        base, extra = divmod(self.size, chunks)
-        out, start = [], 0
-        for i in range(chunks):
-            end = start + base + (1 if i < extra else 0)
-            out.append(self._take(range(start, end)))
-            start = end
-        return out
+        return [self._take(r) for r in _meta.even_ranges(self.size, chunks)]
 
     def chunk_by_partition(self) -> list[BatchMeta]:
         """One batch per partition, in order of first appearance."""

@@ -17,9 +17,35 @@ import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["check_group_size", "complete_groups"]
+from ._base import BaseSampler
+
+__all__ = ["GroupingSampler", "check_group_size", "complete_groups"]
 
 _MISSING: Any = object()
+
+
+class GroupingSampler(BaseSampler):
+    """A sampler that keeps the ``n_samples_per_prompt`` rows of one prompt together (its
+    groups found by `complete_groups`, its group tag ``group_key``); abstract, as
+    `BaseSampler`."""
+
+    n_samples_per_prompt: int
+    group_key: str
+
+    short_ready_ok = True
+    """True: asked on every readiness event, it waits (``([], [])``) by itself."""
+
+    @property
+    def group_tag(self) -> tuple[str, int] | None:
+        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
+        (every row is its own group: tags are not read)."""
+        n = self.n_samples_per_prompt
+        return (self.group_key, n) if n > 1 else None
+
+    @property
+    def group_size(self) -> int:
+        """``n_samples_per_prompt``: groups are never split across ranks."""
+        return self.n_samples_per_prompt
 
 
 def check_group_size(n: int, batch_size: int, *, what: str = "batch_size") -> None:

@@ -7,15 +7,15 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
-from ._base import BaseSampler, SampleResult, check_context
-from ._groups import check_group_size, complete_groups
+from ._base import SampleResult, check_context
+from ._groups import GroupingSampler, check_group_size, complete_groups
 
 __all__ = ["GRPOGroupNSampler"]
 
 log = get_logger(__name__)
 
 
-class GRPOGroupNSampler(BaseSampler):
+class GRPOGroupNSampler(GroupingSampler):
     """Hands out only whole groups of ``n_samples_per_prompt`` rows (one prompt's responses).
 
     A row's group is the group it was put with, never "any n consecutive row ids":
@@ -73,11 +73,6 @@ class GRPOGroupNSampler(BaseSampler):
             )
         self.n_samples_per_prompt = n_samples_per_prompt
         self.group_key = group_key
-
-    @property
-    def short_ready_ok(self) -> bool:
-        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
-        return True
 
     def sample(
         self,
@@ -159,18 +154,6 @@ class GRPOGroupNSampler(BaseSampler):
             **where,
         )
         return given, list(given)
-
-    @property
-    def group_tag(self) -> tuple[str, int] | None:
-        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
-        (every row is its own group: tags are not read)."""
-        n = self.n_samples_per_prompt
-        return (self.group_key, n) if n > 1 else None
-
-    @property
-    def group_size(self) -> int:
-        """``n_samples_per_prompt``: groups are never split across ranks."""
-        return self.n_samples_per_prompt
 
     def __repr__(self) -> str:
         return (

@@ -8,9 +8,9 @@ from typing import Any
 from .._errors import InvalidRequestError
 from .._logging import get_logger
 from ._balance import balance_by_host
-from ._base import BaseSampler, SampleResult, SharesResult, check_context
+from ._base import SampleResult, SharesResult, check_context
 from ._cache import ShareCache, reads_needed
-from ._groups import check_group_size, complete_groups
+from ._groups import GroupingSampler, check_group_size, complete_groups
 from ._kk import karmarkar_karp
 
 __all__ = ["SeqlenBalancedSampler"]
@@ -18,7 +18,7 @@ __all__ = ["SeqlenBalancedSampler"]
 log = get_logger(__name__)
 
 
-class SeqlenBalancedSampler(BaseSampler):
+class SeqlenBalancedSampler(GroupingSampler):
     """Splits each batch across ``dp_size`` ranks so every rank gets a near-equal token count.
 
     The first request for a ``(partition_id, task_name, batch_index)``, from whichever rank,
@@ -104,18 +104,6 @@ class SeqlenBalancedSampler(BaseSampler):
         self.group_key = group_key
         self.missing_length = missing_length
         self._cache = ShareCache(max_entries, type(self).__name__)
-
-    @property
-    def group_tag(self) -> tuple[str, int] | None:
-        """``(group_key, n_samples_per_prompt)``; None when ``n_samples_per_prompt`` is 1
-        (every row is its own group: tags are not read)."""
-        n = self.n_samples_per_prompt
-        return (self.group_key, n) if n > 1 else None
-
-    @property
-    def group_size(self) -> int:
-        """``n_samples_per_prompt``: groups are never split across ranks."""
-        return self.n_samples_per_prompt
 
     @property
     def locality_aware(self) -> bool:
@@ -217,11 +205,6 @@ class SeqlenBalancedSampler(BaseSampler):
     def cache_size(self) -> int:
         """Number of batches with at least one share not yet fully read."""
         return len(self._cache)
-
-    @property
-    def short_ready_ok(self) -> bool:
-        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
-        return True
 
     def sample(
         self,

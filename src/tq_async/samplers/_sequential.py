@@ -17,10 +17,8 @@ class SequentialSampler(BaseSampler):
     final (sealed and fully produced) it returns the short remainder.
     """
 
-    @property
-    def short_ready_ok(self) -> bool:
-        """True: asked on every readiness event, it waits (``([], [])``) by itself."""
-        return True
+    short_ready_ok = True
+    """True: asked on every readiness event, it waits (``([], [])``) by itself."""
 
     def sample(
         self,
