@@ -71,6 +71,8 @@ def write_put(
     spans = [_arena_spans(unit.arena, c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
     written = iter(disk.append([f for f, s in zip(chunk_frames, spans, strict=True) if not s]))
     extents = [arena_extent(s) if s else next(written) for s in spans]
+    if any(spans):
+        disk.arena_written()
     raw = array("q", rows).tobytes()
     disk.log(
         PutRecord(
