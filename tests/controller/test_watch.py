@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._controller._watch import EventLog, Pacer
+from tq_async._controller._watch import EventLog, Pacer, RequestCost
+from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, RequestStats
 from tq_async.events import EVENT_KINDS, Event, Resync
 
 # ---- a model of the cluster, built from events only ------------------------------------------
@@ -198,7 +199,8 @@ async def _replay(history: int | None, seed: int) -> Model:
                 async def watcher() -> None:
                     async for ev in events:
                         model.apply(ev)
-                        if ev.kind == "partition_sealed" and ev.partition_id == "end":  # type: ignore[attr-defined]
+                        # the seal of "end" comes as its event, or in a Resync's snapshot
+                        if model.parts.get("end", {}).get("sealed"):
                             return
 
                 tg.start_soon(watcher)
@@ -472,3 +474,32 @@ async def test_watchers_alike_share_one_answer_and_a_busy_controller_batches() -
             events = await _take(w, 3)
             assert [e.rows for e in events] == [[1], [2], [3]]  # type: ignore[attr-defined]
             assert hub.answers - answers <= 2  # batched, not one answer per put
+
+
+def test_a_request_is_priced_beyond_its_handler() -> None:
+    """`RequestCost`: the process's CPU per request less what the sampled handlers took,
+    over windows long enough in requests and in time."""
+    stats = RequestStats()
+    cost = RequestCost()
+    assert cost.update(0.0, 1.0, stats) == 0.0  # the first call only starts a window
+    stats.requests, stats.sampled, stats.handler_seconds = 100, 3, 0.000_03
+    assert cost.update(1.0, 1.1, stats) == 0.0  # too few requests for a window
+    stats.requests, stats.sampled, stats.handler_seconds = 1000, 31, 0.000_31
+    assert cost.update(0.01, 1.1, stats) == 0.0  # too short a window
+    # 1000 requests took 0.1 s of CPU, 100 us each, of which a handler took 10 us
+    assert cost.update(1.0, 1.1, stats) == pytest.approx(90e-6)
+    stats.requests, stats.sampled, stats.handler_seconds = 2000, 62, 0.062
+    assert cost.update(2.0, 1.2, stats) == 0.0  # handlers heavier than the average: no less
+
+
+async def test_the_services_count_requests_and_time_a_sample_of_handlers() -> None:
+    before = REQUESTS.requests, REQUESTS.sampled
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for _ in range(SAMPLE_EVERY * 2):
+            await client.list_partitions()
+    assert REQUESTS.requests - before[0] >= SAMPLE_EVERY * 2
+    assert REQUESTS.sampled - before[1] >= 2
+    assert REQUESTS.handler_seconds > 0

@@ -18,11 +18,14 @@ cache: a retried ``WatchNext`` is simply answered again.
 
 What watchers cost the controller is bounded (`Pacer`): the CPU time spent answering them and
 taking their requests is measured (the thread's: time the process waited for a core under
-load is not theirs), and once it passes ``WATCH_SHARE`` of the controller's
-time the next answers wait, gathering every event of the wait. Watchers at the same
-position with the same filter (those answered together ask again together) share one
-answer, encoded once. The get_meta path never waits on a watcher: events are numbered into
-the ring as transitions apply (a list append), and answers go out after the current pass.
+load is not theirs), plus what reading, decoding and dispatching each request costs beyond
+its handler (`RequestCost`: that happens before the handler's clock starts, and was most of
+a watcher's real cost); once the charges pass ``WATCH_SHARE`` of the controller's time the
+next answers wait, gathering every event of the wait. A request is answered after the loop's
+current pass, so watchers asking in the same pass at the same position with the same filter
+(those answered together ask again together) share one answer, encoded once. The get_meta
+path never waits on a watcher: events are numbered into the ring as transitions apply (a
+list append), and answers go out after the current pass.
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ import msgspec
 from .._core._events import partition_snapshot
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError
-from .._service._loop import SENT, Incoming
+from .._service._loop import REQUESTS, SENT, Incoming, RequestStats
 from .._wire._events import EVENT_KINDS, ClusterSnapshot, Event, Resync, WatchBatch
 from .._wire._protocol import WatchNext, encoder, ok_reply
 
-__all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "WatchHub", "cluster_snapshot"]
+__all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "RequestCost", "WatchHub", "cluster_snapshot"]
 
 #: events the controller keeps for watchers that resume (``since=``) or lag
 DEFAULT_HISTORY = 65536
@@ -50,6 +53,10 @@ DEFAULT_HISTORY = 65536
 WATCH_SHARE = 0.05
 #: the watchers' time saved up while they are quiet: answers that go out at once
 WATCH_BURST = 0.002
+#: `RequestCost` averages over windows of at least this many requests ...
+COST_WINDOW_REQUESTS = 256
+#: ... and this many seconds of the clock
+COST_WINDOW_SECONDS = 0.05
 
 
 class EventLog:
@@ -124,6 +131,40 @@ class Pacer:
         self._at = now if self._at is None else max(self._at, now)
 
 
+class RequestCost:
+    """What reading, decoding and dispatching a request costs this process, in CPU seconds.
+
+    A watcher's request costs more than its handler: the socket read, the decoding and the
+    dispatch happen before the handler's clock starts, and on a small machine they were most
+    of a watcher's real cost. They are about the same for every request, so they are
+    estimated from all of them (`RequestStats`): the loop thread's CPU time per request, less
+    what the sampled handlers took, over windows of at least `COST_WINDOW_REQUESTS` requests
+    and `COST_WINDOW_SECONDS`. Pure: the caller passes the clock and the figures.
+    """
+
+    __slots__ = ("_at", "_last", "seconds")
+
+    def __init__(self) -> None:
+        #: the latest window's estimate (0: no window yet)
+        self.seconds = 0.0
+        self._at: float | None = None
+        self._last = (0.0, 0, 0, 0.0)
+
+    def update(self, now: float, cpu: float, stats: RequestStats) -> float:
+        """The estimate, taking a new window when the last one is long enough."""
+        figures = (cpu, stats.requests, stats.sampled, stats.handler_seconds)
+        if self._at is None:
+            self._at, self._last = now, figures
+            return self.seconds
+        cpu0, requests0, sampled0, handlers0 = self._last
+        n, sampled = stats.requests - requests0, stats.sampled - sampled0
+        if n >= COST_WINDOW_REQUESTS and sampled and now - self._at >= COST_WINDOW_SECONDS:
+            handler = (stats.handler_seconds - handlers0) / sampled
+            self.seconds = max(0.0, (cpu - cpu0) / n - handler)
+            self._at, self._last = now, figures
+        return self.seconds
+
+
 class _Parked:
     """A parked ``WatchNext``: what it asked, and when its ``poll`` is over."""
 
@@ -161,6 +202,8 @@ class WatchHub:
         self._sweep_at = math.inf
         #: answers sent (a batch shared by several watchers counts once per watcher)
         self.answers = 0
+        #: what a request costs beyond its handler
+        self.cost = RequestCost()
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
@@ -191,6 +234,7 @@ class WatchHub:
         groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
         for key, parked in self.parked.items():
             groups.setdefault(_position(parked.body), []).append(key)
+        sent = False
         for keys in groups.values():
             first = self.parked[keys[0]].body
             batch = self.answer(first)
@@ -199,10 +243,14 @@ class WatchHub:
                     self.parked[key].body.since = first.since
                 continue
             raw = msgspec.Raw(encoder.encode(batch))  # once for every watcher of the group
+            sent = True
             for key in keys:
                 del self.parked[key]
                 self._send(*key, raw)
-        self.pacer.charge(loop.time(), time.thread_time() - t0)
+        spent = time.thread_time() - t0
+        if not sent:  # a pass for nothing costs what taking a request does: filtered
+            spent += self.cost.seconds  # watchers must not buy one after every request
+        self.pacer.charge(loop.time(), spent)
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
@@ -240,7 +288,9 @@ class WatchHub:
         try:
             return self._on_watch_next(msg, body)
         finally:
-            self.pacer.charge(asyncio.get_running_loop().time(), time.thread_time() - t0)
+            now = asyncio.get_running_loop().time()
+            spent = time.thread_time() - t0
+            self.pacer.charge(now, spent + self.cost.update(now, time.thread_time(), REQUESTS))
 
     def _on_watch_next(self, msg: Incoming, body: WatchNext) -> Any:
         shell = self.shell
@@ -251,17 +301,11 @@ class WatchHub:
         if body.since is None:  # subscribe: where to go on from
             self._send(msg.peer, msg.rid, WatchBatch(log.incarnation, log.last, []))
             return SENT
-        key = (msg.peer, msg.rid)
-        if self.pacer.delay(asyncio.get_running_loop().time()) <= 0:
-            batch = self.answer(body)
-            if batch is not None:
-                self.parked.pop(key, None)
-                self._send(msg.peer, msg.rid, batch)
-                return SENT
-        # parked without a task: answered by _flush, _end_polls, or dropped by cancel
-        self._park(key, body)
+        # parked without a task: answered by _flush (after this pass: the watchers asking in
+        # it share one answer; later if the pacer says so), _end_polls, or dropped by cancel
+        self._park((msg.peer, msg.rid), body)
         if body.since != log.last and self._flush_handle is None:
-            self._schedule_flush()  # events wait for it (the pacer held this one back)
+            self._schedule_flush()
         return SENT
 
     def answer(self, body: WatchNext) -> WatchBatch | None:
