@@ -53,10 +53,11 @@ from ..._wire._protocol import (
     check_int,
     check_seconds,
 )
-from ._base import Links, as_int, check_fields, decode
+from ._base import Links, as_int, check_fields
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
+from ._replies import decode
 
 __all__ = ["ControlCalls"]
 

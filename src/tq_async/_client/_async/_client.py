@@ -278,7 +278,7 @@ class AsyncClient:
     @property
     def link_fallbacks(self) -> int:
         """Same-host switches that did not happen (see the class docstring)."""
-        return self._links.link_fallbacks
+        return self._links.same_host_units.fallbacks
 
     @property
     def allow_pickle(self) -> bool:

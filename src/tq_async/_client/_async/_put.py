@@ -63,8 +63,9 @@ from ..._wire._protocol import (
     check_ints,
     check_seconds,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int, decode
+from ._base import THREAD_COPY_BYTES, Links, as_int
 from ._device_links import keeps_on_device
+from ._replies import decode
 
 __all__ = ["PutPath"]
 
