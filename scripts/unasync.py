@@ -44,6 +44,8 @@ FILES = {
         "_checkpoint",
         "_watch",
         "_query",
+        "_replies",
+        "_same_host",
     )
 }
 

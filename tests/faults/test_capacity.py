@@ -17,7 +17,7 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
-from tq_async._client._async import _base as _client_base
+from tq_async._client._async import _same_host
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"), reason="Linux only"
@@ -104,7 +104,7 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket(
     links to it for its first read: the client reads over the socket it already has once the
     unit resumes (counted in ``link_fallbacks``) instead of failing with a timeout, and
     tries the handshake again later (here: at once)."""
-    monkeypatch.setattr(_client_base, "RELINK_AFTER", 0.0)
+    monkeypatch.setattr(_same_host, "RELINK_AFTER", 0.0)
     data = torch.arange(4 * 256, dtype=torch.int64).view(4, 256)
     with serve_role("--storage-units", "1") as (proc, address):
         # request_timeout above the handshake's 5 s but below the pause: before the fix the

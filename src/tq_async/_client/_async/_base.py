@@ -3,8 +3,10 @@
 A client *holds* its links as one object, `Links`: it opens (on first use) and pools
 one connection to the controller and one per storage unit, follows units that move (a
 restarted unit answers at a new address; the controller's replies carry a
-``units_epoch``), negotiates the same-host path (Unix sockets and the unit's shared memory,
-its verified twins), re-creates all of it in a forked child, and sends controller requests.
+``units_epoch``), finds the controller again after its connection broke, holds the same-host
+path to the units as a part of its own (`SameHostUnits`: each unit's shared memory and
+verified Unix-socket twin), re-creates all of it in a forked child, and sends controller
+requests.
 `tq_async.AsyncClient` checks its options and holds the links and three parts
 built on them, to which it delegates: the put path (`tq_async._client._async._put`), the read
 path (`tq_async._client._async._get`: get_meta, get_data, get) and the other controller calls
@@ -17,9 +19,8 @@ from __future__ import annotations
 
 import operator
 import os
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import zmq
@@ -35,39 +36,21 @@ from ..._errors import (
 )
 from ..._logging import get_logger
 from ..._paths._shm import ArenaMap
-from ..._primitives import Event, Lock
+from ..._primitives import Event
 from ..._transport._dealer import DealerConnection
 from ..._transport._endpoints import same_host_ipc
 from ..._transport._security import CurveClient
 from ..._wire._codec import check_text
-from ..._wire._protocol import (
-    Hello,
-    HelloReply,
-    ShmFree,
-    ShmHello,
-    ShmHelloReply,
-)
+from ..._wire._protocol import Hello, HelloReply
 from ._device_links import DeviceLinks
 from ._nixl_links import NixlLinks
+from ._replies import decode
+from ._same_host import SameHostUnits
 
 __all__ = ["Links"]
 
 
 log = get_logger(__name__)
-
-T = TypeVar("T")
-_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
-
-
-def decode(payload: msgspec.Raw, typ: type[T] | Any) -> T:
-    dec = _decoders.get(typ)
-    if dec is None:
-        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
-    try:
-        return dec.decode(payload)  # type: ignore[no-any-return]
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"unexpected reply payload: {exc}") from exc
-
 
 #: field lists already checked (a consumer asks for the same few lists on every call)
 _checked_fields: dict[tuple[str, ...], None] = {}
@@ -146,19 +129,18 @@ class Links:
         #: unit's as the controller lists it
         self.host_id = ""
         self.unit_hosts: dict[int, str] = {}
-        #: connection address -> the address the controller lists for its unit (differs
-        #: for a verified same-host twin, which is not a move)
-        self._stands_for: dict[str, str] = {}
         self.nixl = NixlLinks(forced=nixl_forced) if nixl else None
         #: the device arenas of units on this host (GPU columns device to device)
         self.devices = DeviceLinks() if shared_memory else None
+        #: the units' arenas mapped here and their verified same-host twins
+        self.same_host_units = SameHostUnits(
+            self.units,
+            request_timeout=request_timeout,
+            dial=lambda address, **kw: self.connection(address, **kw),
+            forget=lambda unit_id: self._forget_arena(unit_id),
+        )
         #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
-        self.arenas: dict[int, ArenaMap | None] = {}
-        self._link_locks: dict[int, Lock] = {}
-        #: same-host handshakes that did not complete in time (the socket path is used)
-        self.link_fallbacks = 0
-        #: unit id -> when to try the handshake again after one timed out
-        self._relink_at: dict[int, float] = {}
+        self.arenas = self.same_host_units.arenas
         #: the process that opened the connections (a forked child opens its own)
         self._pid = os.getpid()
         #: a forked child's copies of its parent's connections: never used, closed or freed
@@ -170,12 +152,7 @@ class Links:
         if self.controller is not None:
             self.controller.close()
             self.controller = None
-        for unit_id, arena in self.arenas.items():
-            chunks = arena.close() if arena is not None else []
-            conn = self.units.get(unit_id)
-            if chunks and conn is not None:  # the unit may give their pages back now
-                conn.send_best_effort(ShmFree([], [], chunks))
-        self.arenas.clear()
+        self.same_host_units.close()
         for conn in self.units.values():
             conn.close()
         self.units.clear()
@@ -191,15 +168,9 @@ class Links:
         old, self.controller = self.controller, None
         self._inherited.extend(self.units.values())
         self.units.clear()
-        self._stands_for.clear()
-        self._link_locks.clear()  # a lock held by another thread at the fork stays held
         if self.devices is not None:
             self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
-        for arena in self.arenas.values():
-            if arena is not None:
-                arena.pinned = None  # the parent's registrations: CUDA is not the child's
-                arena.close()  # the child's mapping only
-        self.arenas.clear()
+        self.same_host_units.after_fork()
         self._refreshing = None
         if self.nixl is not None:
             self.nixl = NixlLinks(forced=self.nixl.forced)
@@ -253,17 +224,17 @@ class Links:
         try:
             conn = self.controller_connection(hello.ipc, known_as=self.controller.known_as)
         except BrokenError as exc:  # its listen queue is full: TCP works
-            self._link_fell_back(None, str(exc))
+            self.same_host_units.fell_back(None, str(exc))
             return
         try:
-            wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
+            wait = self.same_host_units.hello_timeout
             payload, _ = await conn.request(Hello(host=self.host_id), timeout=wait)
             again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
             # refused (the controller is out of descriptors) or too busy: TCP answered
             conn.close()
-            self._link_fell_back(None, str(exc))
+            self.same_host_units.fell_back(None, str(exc))
             return
         except BaseException:
             conn.close()
@@ -296,7 +267,7 @@ class Links:
         self._hello = hello
         addresses = {u.unit_id: u.address for u in hello.units}
         for unit_id, conn in list(self.units.items()):
-            if self._stands_for.get(conn.address, conn.address) != addresses.get(unit_id):
+            if self.same_host_units.listed(conn.address) != addresses.get(unit_id):
                 log.info(
                     "storage unit moved", unit=unit_id, old=conn.address, new=addresses.get(unit_id)
                 )
@@ -422,8 +393,7 @@ class Links:
             del self.units[unit_id]
             self._forget_arena(unit_id)
             conn.close()
-        self._stands_for.clear()
-        self._relink_at.clear()
+        self.same_host_units.forget_all()
 
     async def unit(self, unit_id: int) -> DealerConnection:
         self.check_process()
@@ -467,12 +437,12 @@ class Links:
 
     async def _unit_moved(self, unit_id: int, conn: DealerConnection) -> bool:
         """Whether the controller now knows ``unit_id`` at another address than ``conn``'s."""
-        listed = self._stands_for.get(conn.address, conn.address)
+        listed = self.same_host_units.listed(conn.address)
         current = self.units.get(unit_id)
         if (
             current is not None
             and current is not conn
-            and self._stands_for.get(current.address) == listed
+            and self.same_host_units.twin_of(current.address) == listed
         ):
             return True  # ``conn`` was closed by the move to the unit's twin, which answers now
         if current is conn:  # nobody asked since this connection broke
@@ -489,9 +459,7 @@ class Links:
     def _forget_arena(self, unit_id: int) -> None:
         """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
         a dead unit's memory is freed once nobody maps it)."""
-        arena = self.arenas.pop(unit_id, None)
-        if arena is not None:
-            arena.close()
+        self.same_host_units.forget(unit_id)
         if self.nixl is not None:
             self.nixl.forget(unit_id)
         if self.devices is not None:
@@ -503,108 +471,10 @@ class Links:
         conn = await self.unit(unit_id)
         if not self.shared_memory or conn.inproc:
             return conn, None  # in-process connections copy once already
-        if unit_id in self.arenas:
-            arena = self.arenas[unit_id]
-            if arena is not None or not self._relink_due(unit_id):
-                return conn, arena
-        lock = self._link_locks.setdefault(unit_id, Lock())
-        async with lock:
-            if unit_id not in self.arenas:
-                try:
-                    await self._link(unit_id, conn)
-                except (BrokenError, ClosedError):
-                    # the unit went away: the socket path (and its retry at the unit's new
-                    # address, _unit_request) decides what happens; link again next time
-                    return conn, None
-        return self.units.get(unit_id, conn), self.arenas.get(unit_id)
-
-    async def _link(self, unit_id: int, conn: DealerConnection) -> None:
-        """Set up shared memory with the unit and move to its same-host twin, if it answers
-        in time; otherwise stay on the socket path (counted in `link_fallbacks`).
-
-        A handshake waits at most `SHM_HELLO_TIMEOUT`: a unit too busy to answer one
-        within that is better used through the socket it already answers on than waited
-        for, and nothing was consumed by a handshake that timed out.
-        """
-        wait = min(self.request_timeout, SHM_HELLO_TIMEOUT)
-        try:
-            payload, _ = await conn.request(ShmHello(os.getpid()), timeout=wait)
-        except TQTimeoutError:
-            self._link_fell_back(unit_id, "the unit did not answer the handshake in time")
-            self.arenas[unit_id] = None
-            self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
-            return
-        hello: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
-        arena = None
-        if hello is not None:
-            try:
-                arena = ArenaMap(
-                    hello.pid, hello.fd, hello.size, hello.token, write_through=hello.write_through
-                )
-            except (OSError, ValueError) as exc:  # another host, namespace or user
-                log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
-        if arena is None or hello is None:
-            self.arenas[unit_id] = arena
-            return
-        conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
-        try:
-            # the arena is known only once the move to the twin is over: until then other
-            # calls wait on the link lock instead of using ``conn``, which the move closes
-            await self._move_to_twin(unit_id, conn, hello, wait)
-        finally:
-            self.arenas[unit_id] = arena
-
-    async def _move_to_twin(
-        self, unit_id: int, conn: DealerConnection, hello: ShmHelloReply, wait: float
-    ) -> None:
-        """Reach the verified unit through its same-host socket from now on, if it answers."""
-        if not same_host_ipc(hello.ipc):
-            return
-        assert hello.ipc is not None
-        try:
-            ipc = self.connection(
-                hello.ipc, on_disconnect=lambda: self._forget_arena(unit_id), known_as=conn.address
-            )
-        except BrokenError as exc:  # its listen queue is full: the socket we have will do
-            self._link_fell_back(unit_id, str(exc))
-            return
-        ipc.peer_pid = hello.pid
-        try:
-            # says hello for this connection too (shared memory is granted per connection)
-            payload, _ = await ipc.request(ShmHello(os.getpid()), timeout=wait)
-            again: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
-        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
-            ipc.close()  # the arena stays: granted to the connection that said hello first
-            self._link_fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
-            return
-        except BaseException:
-            ipc.close()
-            raise
-        if again is None or again.token != hello.token or self.units.get(unit_id) is not conn:
-            ipc.close()
-            return
-        self.units[unit_id] = ipc
-        self._stands_for[ipc.address] = conn.address
-        conn.close()
-
-    def _relink_due(self, unit_id: int) -> bool:
-        """Whether a unit whose handshake timed out is to be asked again (then: forgotten)."""
-        due = self._relink_at.get(unit_id)
-        if due is None or time.monotonic() < due:
-            return False
-        del self._relink_at[unit_id]
-        del self.arenas[unit_id]
-        return True
-
-    def _link_fell_back(self, unit_id: int | None, why: str) -> None:
-        """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
-        self.link_fallbacks += 1
-        log.warning(
-            "a same-host handshake fell back to the socket path",
-            unit="controller" if unit_id is None else unit_id,
-            reason=why,
-            fallbacks=self.link_fallbacks,
-        )
+        arena = self.arenas.get(unit_id)
+        if arena is not None or self.same_host_units.settled(unit_id):
+            return conn, arena
+        return await self.same_host_units.link(unit_id, conn)
 
     async def call(
         self,
@@ -629,13 +499,6 @@ def _again(exc: TQError) -> TQError:
     """A new error like ``exc``, for another caller (one raised again would carry the first
     caller's traceback along)."""
     return type(exc)(*exc.args)
-
-
-#: seconds a same-host handshake with a storage unit may take before the client uses the
-#: socket path instead (it never fails a request for it)
-SHM_HELLO_TIMEOUT = 5.0
-#: seconds after a handshake timed out before the client tries it again (on its next data call)
-RELINK_AFTER = 30.0
 
 
 def as_int(value: Any) -> Any:

@@ -278,7 +278,7 @@ class AsyncClient:
     @property
     def link_fallbacks(self) -> int:
         """Same-host switches that did not happen (see the class docstring)."""
-        return self._links.link_fallbacks
+        return self._links.same_host_units.fallbacks
 
     @property
     def allow_pickle(self) -> bool:
@@ -345,7 +345,7 @@ class AsyncClient:
         Cancellation: new rows that were allocated but not committed are cleared (best
         effort); nothing half-written ever becomes visible.
         """
-        return await self._puts.put(
+        return await self._puts.write(
             data, partition_id, meta=meta, tags=tags, policy_version=policy_version, timeout=timeout
         )
 
@@ -359,8 +359,8 @@ class AsyncClient:
         policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         """`put`, but raise `WouldBlock` instead of waiting for room."""
-        return await self._puts.put_nowait(
-            data, partition_id, meta=meta, tags=tags, policy_version=policy_version
+        return await self._puts.write(
+            data, partition_id, meta=meta, tags=tags, policy_version=policy_version, nowait=True
         )
 
     async def get_meta(

@@ -57,8 +57,9 @@ from ..._wire._protocol import (
     StoredColumns,
     StoreGet,
 )
-from ._base import THREAD_COPY_BYTES, Links, decode
+from ._base import THREAD_COPY_BYTES, Links
 from ._query import MetaQuery, check_nested, lease_ids
+from ._replies import decode
 
 __all__ = ["GetPath"]
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
-
-import msgspec
+from typing import Any
 
 from ..._errors import BrokenError, ClosedError, ProtocolError
 from ..._logging import get_logger
@@ -27,9 +25,9 @@ from ..._wire._protocol import (
     ShmAlloc,
     ShmFrames,
     ShmFree,
-    ShmGrant,
     StorePut,
 )
+from ._replies import ask_grant, decode
 
 __all__ = ["NixlLinks", "NixlPeer"]
 
@@ -50,18 +48,6 @@ class NixlPeer:
             raise ProtocolError(
                 f"{what} [{offset}, +{nbytes}) lies outside the unit's arena; its reply is corrupt"
             )
-
-
-_hello_decoder = msgspec.msgpack.Decoder(NixlHelloReply | None)
-_grant_decoder = msgspec.msgpack.Decoder(ShmGrant | None)
-T = TypeVar("T")
-
-
-def _decode(decoder: msgspec.msgpack.Decoder[T], payload: msgspec.Raw) -> T:
-    try:
-        return decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"unexpected reply payload: {exc}") from exc
 
 
 def _count(exc: TransferFailed) -> None:
@@ -98,7 +84,7 @@ class NixlLinks:
                     payload, _ = await conn.request(NixlHello(agent.agent.name), timeout=timeout)
                 except (BrokenError, ClosedError):
                     return None  # the socket path decides what a gone unit means
-                hello = _decode(_hello_decoder, payload)
+                hello: NixlHelloReply | None = decode(payload, NixlHelloReply | None)
                 if hello is not None:
                     name = await run_sync_off_loop(agent.add_remote, hello.metadata)
                     peer = NixlPeer(agent, name, hello.base, hello.size)
@@ -123,14 +109,10 @@ class NixlLinks:
         """WRITE ``frames`` into a grant of the unit's arena, then send ``body`` naming them.
         False: no room, or the transfer failed (nothing was stored; use the socket)."""
         nbytes = sum(align(memoryview(f).nbytes) for f in frames)
-        payload, _ = await conn.request(ShmAlloc(nbytes), timeout=timeout)
-        grant = _decode(_grant_decoder, payload)
+        grant = await ask_grant(conn, ShmAlloc(nbytes), timeout, peer, "a NIXL grant")
         if grant is None:
             return False
         try:
-            peer.check(grant.offset, grant.size, "a NIXL grant")
-            if grant.size < nbytes:
-                raise ProtocolError("a NIXL grant is smaller than asked for")
             deadline = time.monotonic() + timeout
             try:
                 spans = await run_sync_off_loop(

@@ -55,10 +55,11 @@ from ..._wire._protocol import (
     check_int,
     check_seconds,
 )
-from ._base import Links, as_int, check_fields, decode
+from ._base import Links, as_int, check_fields
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
+from ._replies import decode
 
 __all__ = ["ControlCalls"]
 
@@ -268,19 +269,7 @@ class ControlCalls:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
             if len(tags) != len(key_list):
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
-            tag_dicts = [dict(t) if t else {} for t in tags]
-            placement: Placement = self._links.call(
-                KVTag(partition_id, key_list, tag_dicts), Placement
-            )
-            return BatchMeta(
-                partition_id=partition_id,
-                global_indexes=placement.rows,
-                field_names=placement.fields or [],
-                units=placement.units,
-                incarnation=placement.incarnation,
-                tags=tag_dicts,
-                keys=list[str | None](key_list),
-            )
+            return self._tag_keys(partition_id, key_list, [dict(t) if t else {} for t in tags])
         return self._puts.write(fields, partition_id, meta=None, tags=tags, keys=key_list)
 
     def kv_retrieve_meta(
@@ -290,19 +279,7 @@ class ControlCalls:
         key_list = _check_keys(keys)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
-        got: MetaReply = self._links.call(
-            KVLookup(partition_id, key_list, None, available=True), MetaReply
-        )
-        self._links.note_epoch(got.units_epoch)
-        return BatchMeta(
-            partition_id=partition_id,
-            global_indexes=got.rows,
-            field_names=got.fields,
-            units=got.units,
-            tags=got.tags,
-            incarnation=got.incarnation,
-            keys=list[str | None](key_list),
-        )
+        return self._look_up(KVLookup(partition_id, key_list, None, available=True))
 
     def kv_put(
         self,
@@ -315,18 +292,30 @@ class ControlCalls:
         if fields is None:
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
-            body = KVTag(partition_id, _check_keys([key]), [tags_for_wire([tag])[0] or {}])
-            placement: Placement = self._links.call(body, Placement)
-            return BatchMeta(
-                partition_id=partition_id,
-                global_indexes=placement.rows,
-                field_names=placement.fields or [],
-                units=placement.units,
-                incarnation=placement.incarnation,
-                tags=[dict(tag)],
-                keys=[key],
-            )
+            keys = _check_keys([key])
+            wire_tag = tags_for_wire([tag])[0] or {}
+            return self._tag_keys(partition_id, keys, [wire_tag], [dict(tag)])
         return self.kv_batch_put([key], partition_id, _one_row(fields), [tag])
+
+    def _tag_keys(
+        self,
+        partition_id: str,
+        keys: list[str],
+        tags: list[dict[str, Any]],
+        as_given: list[dict[str, Any]] | None = None,
+    ) -> BatchMeta:
+        """Merge ``tags`` into the keys' tags (missing keys are created), no fields written:
+        the keys' `BatchMeta`, carrying the tags ``as_given`` (default: ``tags``)."""
+        placement: Placement = self._links.call(KVTag(partition_id, keys, tags), Placement)
+        return BatchMeta(
+            partition_id=partition_id,
+            global_indexes=placement.rows,
+            field_names=placement.fields or [],
+            units=placement.units,
+            incarnation=placement.incarnation,
+            tags=tags if as_given is None else as_given,
+            keys=list[str | None](keys),
+        )
 
     def kv_batch_get(
         self,
@@ -336,19 +325,23 @@ class ControlCalls:
     ) -> TensorDict:
         """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected)."""
         fields = None if select_fields is None else check_fields(select_fields)
-        body = KVLookup(partition_id, _check_keys(keys), fields)
+        meta = self._look_up(KVLookup(partition_id, _check_keys(keys), fields))
+        return self._gets.get_data(meta)
+
+    def _look_up(self, body: KVLookup) -> BatchMeta:
+        """The `BatchMeta` of the rows of ``body.keys``, in their order (naming the fields the
+        lookup asked for)."""
         got: MetaReply = self._links.call(body, MetaReply)
         self._links.note_epoch(got.units_epoch)
-        meta = BatchMeta(
-            partition_id=partition_id,
+        return BatchMeta(
+            partition_id=body.partition_id,
             global_indexes=got.rows,
             field_names=got.fields,
             units=got.units,
             tags=got.tags,
             incarnation=got.incarnation,
-            keys=list(keys),
+            keys=list[str | None](body.keys),
         )
-        return self._gets.get_data(meta)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
         """``{partition_id: {key: tags}}`` for one partition, or for all when None; each

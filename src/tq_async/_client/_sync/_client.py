@@ -268,7 +268,7 @@ class Client:
     @property
     def link_fallbacks(self) -> int:
         """Same-host switches that did not happen (see the class docstring)."""
-        return self._links.link_fallbacks
+        return self._links.same_host_units.fallbacks
 
     @property
     def allow_pickle(self) -> bool:
@@ -335,7 +335,7 @@ class Client:
         Cancellation: new rows that were allocated but not committed are cleared (best
         effort); nothing half-written ever becomes visible.
         """
-        return self._puts.put(
+        return self._puts.write(
             data, partition_id, meta=meta, tags=tags, policy_version=policy_version, timeout=timeout
         )
 
@@ -349,8 +349,8 @@ class Client:
         policy_version: int | Sequence[int] | None = None,
     ) -> BatchMeta:
         """`put`, but raise `WouldBlock` instead of waiting for room."""
-        return self._puts.put_nowait(
-            data, partition_id, meta=meta, tags=tags, policy_version=policy_version
+        return self._puts.write(
+            data, partition_id, meta=meta, tags=tags, policy_version=policy_version, nowait=True
         )
 
     def get_meta(

@@ -23,7 +23,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import torch
 
 from ..._errors import BrokenError, ClosedError, DeviceError, ProtocolError
@@ -40,10 +39,10 @@ from ..._wire._protocol import (
     DeviceHelloReply,
     ShmAlloc,
     ShmFree,
-    ShmGrant,
     StoredColumns,
     StorePut,
 )
+from ._replies import ask_grant, decode
 
 __all__ = ["DEVICE_MIN_BYTES", "DeviceLinks", "DeviceView", "keeps_on_device"]
 
@@ -51,9 +50,6 @@ log = get_logger(__name__)
 
 #: device columns smaller than this go through host memory (a grant's round trip costs more)
 DEVICE_MIN_BYTES = 64 << 10
-
-_hello_decoder = msgspec.msgpack.Decoder(DeviceHelloReply | None)
-_grant_decoder = msgspec.msgpack.Decoder(ShmGrant | None)
 
 
 def _discard(_: object) -> None:
@@ -172,10 +168,7 @@ class DeviceLinks:
                 payload, _ = conn.request(DeviceHello(os.getpid()), timeout=timeout)
             except (BrokenError, ClosedError):
                 return None  # the socket path decides what a gone unit means
-            try:
-                hello = _hello_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ProtocolError(f"unexpected reply payload: {exc}") from exc
+            hello: DeviceHelloReply | None = decode(payload, DeviceHelloReply | None)
             view = None
             if hello is not None:
                 try:
@@ -218,17 +211,11 @@ class DeviceLinks:
         # the codec made them plain (DeviceColumn): their bytes are their values
         flats = [(i, t.view(-1).view(torch.uint8)) for i, t in columns]
         nbytes = sum(align(f.numel(), DEVICE_ALIGN) for _, f in flats)
-        payload, _ = conn.request(ShmAlloc(nbytes, device=True), timeout=timeout)
-        try:
-            grant = _grant_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(f"unexpected reply payload: {exc}") from exc
+        ask = ShmAlloc(nbytes, device=True)
+        grant = ask_grant(conn, ask, timeout, view, "a device arena grant")
         if grant is None:
             return False
         try:
-            view.check(grant.offset, grant.size, "a device arena grant")
-            if grant.size < nbytes:
-                raise ProtocolError("a device arena grant is smaller than asked for")
             spans: list[tuple[int, int]] = []
             pos = 0
             for _, flat in flats:

@@ -21,7 +21,6 @@ from tensordict import TensorDictBase
 
 from ..._errors import (
     InvalidRequestError,
-    ProtocolError,
     RowsNotFound,
     SchemaError,
 )
@@ -60,13 +59,13 @@ from ..._wire._protocol import (
     ShmAlloc,
     ShmFrames,
     ShmFree,
-    ShmGrant,
     StorePut,
     check_ints,
     check_seconds,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int, decode
+from ._base import THREAD_COPY_BYTES, Links, as_int
 from ._device_links import keeps_on_device
+from ._replies import ask_grant, decode
 
 __all__ = ["PutPath"]
 
@@ -126,54 +125,12 @@ class _Put:
 
 
 class PutPath:
-    """The put path of a client: `put` and
-    `put_nowait` (and the keyed puts of the KV calls), over the
-    client's links."""
+    """The put path of a client: `put` and `put_nowait` (and the keyed puts of the KV
+    calls) through `write`, over the client's links."""
 
     def __init__(self, links: Links, *, inline_put_bytes: int) -> None:
         self._links = links
         self.inline_put_bytes = inline_put_bytes
-
-    def put(
-        self,
-        data: TensorDictBase | Mapping[str, Any],
-        partition_id: str | None = None,
-        *,
-        meta: BatchMeta | None = None,
-        tags: Sequence[Mapping[str, Any] | None] | None = None,
-        policy_version: int | Sequence[int] | None = None,
-        timeout: float | None = None,
-    ) -> BatchMeta:
-        """Write a batch: new rows of ``partition_id``, or new fields of the rows in ``meta``."""
-        return self.write(
-            data,
-            partition_id,
-            meta=meta,
-            tags=tags,
-            keys=None,
-            policy_version=policy_version,
-            timeout=timeout,
-        )
-
-    def put_nowait(
-        self,
-        data: TensorDictBase | Mapping[str, Any],
-        partition_id: str | None = None,
-        *,
-        meta: BatchMeta | None = None,
-        tags: Sequence[Mapping[str, Any] | None] | None = None,
-        policy_version: int | Sequence[int] | None = None,
-    ) -> BatchMeta:
-        """`put`, but raise `WouldBlock` instead of waiting for room."""
-        return self.write(
-            data,
-            partition_id,
-            meta=meta,
-            tags=tags,
-            keys=None,
-            policy_version=policy_version,
-            nowait=True,
-        )
 
     def write(
         self,
@@ -182,11 +139,14 @@ class PutPath:
         *,
         meta: BatchMeta | None,
         tags: Sequence[Mapping[str, Any] | None] | None,
-        keys: Sequence[str] | None,
+        keys: Sequence[str] | None = None,
         policy_version: int | Sequence[int] | None = None,
         timeout: float | None = None,
         nowait: bool = False,
     ) -> BatchMeta:
+        """Write a batch: `put` (new rows of ``partition_id``, or new fields of the rows in
+        ``meta``), `put_nowait` (``nowait``: `WouldBlock` instead of waiting for room), or a
+        keyed put of the KV calls (``keys``)."""
         if meta is not None:
             if partition_id is not None and partition_id != meta.partition_id:
                 raise InvalidRequestError(
@@ -486,17 +446,11 @@ class PutPath:
         nbytes = sum(align(frame_nbytes(f)) for f in frames)
         on_device = any(isinstance(f, DeviceFrame) for f in frames)
         ask = ShmAlloc(nbytes, pinned=on_device)
-        payload, _ = conn.request(ask, timeout=self._links.request_timeout)
-        grant: ShmGrant | None = decode(payload, ShmGrant | None)
+        timeout = self._links.request_timeout
+        grant = ask_grant(conn, ask, timeout, arena, "a shared-memory grant")
         if grant is None:
             return False
         try:
-            try:
-                arena.check(grant.offset, grant.size, "a shared-memory grant")
-            except ValueError as exc:
-                raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
-            if grant.size < nbytes:
-                raise ProtocolError("a shared-memory grant is smaller than asked for")
             if on_device:
                 spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
             elif nbytes >= THREAD_COPY_BYTES:
@@ -504,7 +458,7 @@ class PutPath:
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
-            conn.request(body, timeout=self._links.request_timeout)
+            conn.request(body, timeout=timeout)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
             conn.send_best_effort(ShmFree([grant.grant], []))

@@ -1,0 +1,226 @@
+# Generated from src/tq_async/_client/_async/_same_host.py by scripts/unasync.py:
+# do not edit; change the source and run `python scripts/unasync.py`.
+"""The same-host path to the storage units: `SameHostUnits`, a part of the client's links.
+
+A unit on this host is proven so once (`ShmHello`: the client must map the arena the unit
+names and read the token the unit wrote into it); from then on the client copies column bytes
+straight into and out of that arena, and talks to the unit through its Unix-socket twin. This
+part keeps what that proof established (each unit's arena, which connection address stands for
+which listed one) and what happens when it does not complete in time (the socket path, asked
+again `RELINK_AFTER` later, counted in `fallbacks`). The links it serves own the connections:
+it reads their pool (``units``) and moves a unit's entry to its verified twin.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ..._errors import BrokenError, ClosedError, TQTimeoutError
+from ..._logging import get_logger
+from ..._paths._shm import ArenaMap
+from ..._sync_primitives import Lock
+from ..._transport._endpoints import same_host_ipc
+from ..._transport._sync_dealer import BlockingConnection
+from ..._wire._protocol import ShmFree, ShmHello, ShmHelloReply
+from ._replies import decode
+
+__all__ = ["RELINK_AFTER", "SHM_HELLO_TIMEOUT", "SameHostUnits"]
+
+log = get_logger(__name__)
+
+#: seconds a same-host handshake with a storage unit may take before the client uses the
+#: socket path instead (it never fails a request for it)
+SHM_HELLO_TIMEOUT = 5.0
+#: seconds after a handshake timed out before the client tries it again (on its next data call)
+RELINK_AFTER = 30.0
+
+
+class SameHostUnits:
+    """The units' arenas mapped here, their verified same-host twins, and the handshakes that
+    fell back to the socket path.
+
+    ``units`` is the links' pool of unit connections (unit id -> connection, the same dict);
+    ``dial(address, on_disconnect=..., known_as=...)`` opens a connection as the links do;
+    ``forget(unit_id)`` is what a broken twin connection calls (the links forget the unit's
+    arena and device links)."""
+
+    def __init__(
+        self,
+        units: dict[int, BlockingConnection],
+        *,
+        request_timeout: float,
+        dial: Callable[..., BlockingConnection],
+        forget: Callable[[int], None],
+    ) -> None:
+        self._units = units
+        self._request_timeout = request_timeout
+        self._dial = dial
+        self._forget = forget
+        #: unit id -> its verified arena mapping (None: that unit is reached by socket only)
+        self.arenas: dict[int, ArenaMap | None] = {}
+        #: same-host handshakes that did not complete in time (the socket path is used)
+        self.fallbacks = 0
+        #: connection address -> the address the controller lists for its unit (differs
+        #: for a verified same-host twin, which is not a move)
+        self._stands_for: dict[str, str] = {}
+        self._locks: dict[int, Lock] = {}
+        #: unit id -> when to try the handshake again after one timed out
+        self._relink_at: dict[int, float] = {}
+
+    @property
+    def hello_timeout(self) -> float:
+        """How long a same-host handshake may take (`SHM_HELLO_TIMEOUT`, at most the
+        request timeout)."""
+        return min(self._request_timeout, SHM_HELLO_TIMEOUT)
+
+    def listed(self, address: str) -> str:
+        """The address the controller lists for the unit reached at ``address``."""
+        return self._stands_for.get(address, address)
+
+    def twin_of(self, address: str) -> str | None:
+        """The listed address whose verified twin ``address`` is (None: not a twin)."""
+        return self._stands_for.get(address)
+
+    def settled(self, unit_id: int) -> bool:
+        """Whether a unit without an arena here stays on the socket path for now: its
+        handshake found no shared memory, or timed out not long ago (`RELINK_AFTER`; after
+        that the unit is forgotten here, to be asked again)."""
+        if unit_id not in self.arenas:
+            return False
+        due = self._relink_at.get(unit_id)
+        if due is None or time.monotonic() < due:
+            return True
+        del self._relink_at[unit_id]
+        del self.arenas[unit_id]
+        return False
+
+    def link(
+        self, unit_id: int, conn: BlockingConnection
+    ) -> tuple[BlockingConnection, ArenaMap | None]:
+        """The unit's handshake, once (concurrent callers wait for it); returns the unit's
+        connection as it then is (its twin, if it moved) and its arena."""
+        lock = self._locks.setdefault(unit_id, Lock())
+        with lock:
+            if unit_id not in self.arenas:
+                try:
+                    self._handshake(unit_id, conn)
+                except (BrokenError, ClosedError):
+                    # the unit went away: the socket path (and its retry at the unit's new
+                    # address, `Links.unit_request`) decides what happens; link again next time
+                    return conn, None
+        return self._units.get(unit_id, conn), self.arenas.get(unit_id)
+
+    def _handshake(self, unit_id: int, conn: BlockingConnection) -> None:
+        """Set up shared memory with the unit and move to its same-host twin, if it answers
+        in time; otherwise stay on the socket path (counted in `fallbacks`).
+
+        A handshake waits at most `SHM_HELLO_TIMEOUT`: a unit too busy to answer one
+        within that is better used through the socket it already answers on than waited
+        for, and nothing was consumed by a handshake that timed out.
+        """
+        wait = self.hello_timeout
+        try:
+            payload, _ = conn.request(ShmHello(os.getpid()), timeout=wait)
+        except TQTimeoutError:
+            self.fell_back(unit_id, "the unit did not answer the handshake in time")
+            self.arenas[unit_id] = None
+            self._relink_at[unit_id] = time.monotonic() + RELINK_AFTER  # a busy spell passes
+            return
+        hello: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
+        arena = None
+        if hello is not None:
+            try:
+                arena = ArenaMap(
+                    hello.pid, hello.fd, hello.size, hello.token, write_through=hello.write_through
+                )
+            except (OSError, ValueError) as exc:  # another host, namespace or user
+                log.debug("no shared memory with this unit", unit=unit_id, error=str(exc))
+        if arena is None or hello is None:
+            self.arenas[unit_id] = arena
+            return
+        conn.peer_pid = hello.pid  # verified on this host: a broken link can say more
+        try:
+            # the arena is known only once the move to the twin is over: until then other
+            # calls wait on the link lock instead of using ``conn``, which the move closes
+            self._move_to_twin(unit_id, conn, hello, wait)
+        finally:
+            self.arenas[unit_id] = arena
+
+    def _move_to_twin(
+        self, unit_id: int, conn: BlockingConnection, hello: ShmHelloReply, wait: float
+    ) -> None:
+        """Reach the verified unit through its same-host socket from now on, if it answers."""
+        if not same_host_ipc(hello.ipc):
+            return
+        assert hello.ipc is not None
+        try:
+            ipc = self._dial(
+                hello.ipc, on_disconnect=lambda: self._forget(unit_id), known_as=conn.address
+            )
+        except BrokenError as exc:  # its listen queue is full: the socket we have will do
+            self.fell_back(unit_id, str(exc))
+            return
+        ipc.peer_pid = hello.pid
+        try:
+            # says hello for this connection too (shared memory is granted per connection)
+            payload, _ = ipc.request(ShmHello(os.getpid()), timeout=wait)
+            again: ShmHelloReply | None = decode(payload, ShmHelloReply | None)
+        except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
+            ipc.close()  # the arena stays: granted to the connection that said hello first
+            self.fell_back(unit_id, f"the unit's same-host socket failed: {exc}")
+            return
+        except BaseException:
+            ipc.close()
+            raise
+        if again is None or again.token != hello.token or self._units.get(unit_id) is not conn:
+            ipc.close()
+            return
+        self._units[unit_id] = ipc
+        self._stands_for[ipc.address] = conn.address
+        conn.close()
+
+    def fell_back(self, unit_id: int | None, why: str) -> None:
+        """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
+        self.fallbacks += 1
+        log.warning(
+            "a same-host handshake fell back to the socket path",
+            unit="controller" if unit_id is None else unit_id,
+            reason=why,
+            fallbacks=self.fallbacks,
+        )
+
+    def forget(self, unit_id: int) -> None:
+        """Unmap the unit's arena (its connection broke or it moved)."""
+        arena = self.arenas.pop(unit_id, None)
+        if arena is not None:
+            arena.close()
+
+    def forget_all(self) -> None:
+        """The twins and handshake retries of every unit (the units are a new service's)."""
+        self._stands_for.clear()
+        self._relink_at.clear()
+
+    def close(self) -> None:
+        """Unmap every arena; each unit may give the pages this client held back at once."""
+        for unit_id, arena in self.arenas.items():
+            chunks = arena.close() if arena is not None else []
+            conn = self._units.get(unit_id)
+            if chunks and conn is not None:
+                conn.send_best_effort(ShmFree([], [], chunks))
+        self.arenas.clear()
+
+    def after_fork(self) -> None:
+        """In a forked child: drop the parent's mappings and twins (unmapped here only; the
+        parent keeps its own), and the link locks (one held by another thread at the fork
+        stays held)."""
+        self._stands_for.clear()
+        self._locks.clear()
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.pinned = None  # the parent's registrations: CUDA is not the child's
+                arena.close()  # the child's mapping only
+        self.arenas.clear()
