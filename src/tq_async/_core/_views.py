@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from ._groups import TagGroups
+from ._versions import PolicyVersions
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -26,7 +27,7 @@ class Rows(Protocol):
     @property
     def origin(self) -> Sequence[int]: ...
     @property
-    def row_version(self) -> Sequence[int]: ...
+    def versions(self) -> PolicyVersions: ...
     @property
     def groups(self) -> TagGroups: ...
 
@@ -92,7 +93,7 @@ class RowVersions(Mapping[int, int]):
     def __getitem__(self, row: int) -> int:
         if not 0 <= row < self._p.n_rows:
             raise KeyError(row)
-        return self._p.row_version[row]
+        return self._p.versions.rows[row]
 
     def __iter__(self) -> Iterator[int]:
         return (r for r in range(self._p.n_rows) if self._p.alive[r])
