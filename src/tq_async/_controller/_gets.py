@@ -25,7 +25,7 @@ from .._core._state import ControllerState
 from .._core._transitions import Awaiting, Effects, Outcome, record_key
 from .._errors import TQError, TQTimeoutError
 from .._logging import get_logger
-from .._service._loop import DEFERRED, SENT, Incoming
+from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._transport._hosts import same_host
 from .._wire._columns import positions_by_unit
 from .._wire._protocol import Cancel, GetMeta, MetaReply, StoredColumns, ok_reply
@@ -79,6 +79,10 @@ class GetPath:
     def state(self) -> ControllerState:
         """The core's state, for reading."""
         return self.shell.state
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {GetMeta: self.on_get_meta, Cancel: self.on_cancel}
 
     def on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         key = (msg.peer, body.target)
