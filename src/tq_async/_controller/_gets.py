@@ -80,10 +80,6 @@ class GetPath:
         """The core's state, for reading."""
         return self.shell.state
 
-    def handlers(self) -> dict[type, Handler]:
-        """The request types this part handles, and their handlers."""
-        return {GetMeta: self.on_get_meta, Cancel: self.on_cancel}
-
     def on_cancel(self, msg: Incoming, body: Cancel) -> Any:
         key = (msg.peer, body.target)
         if self.shell.watch.cancel(key):
@@ -344,6 +340,10 @@ class GetPath:
             f"fewer than {req.batch_size} ready rows within {req.timeout} s; nothing was "
             "consumed"
         )
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {GetMeta: self.on_get_meta, Cancel: self.on_cancel}
 
 
 class _QuietWatch:

@@ -44,16 +44,6 @@ class PutPath:
         """The core's state, for reading."""
         return self.shell.state
 
-    def handlers(self) -> dict[type, Handler]:
-        """The request types this part handles, and their handlers."""
-        return {
-            PutBegin: self.on_put_begin,
-            PutCommit: self.on_put_commit,
-            PutInline: self.on_put_inline,
-            RenewPut: self.on_renew_put,
-            AbortPut: self.on_abort_put,
-        }
-
     def on_put_begin(self, msg: Incoming, body: PutBegin) -> Any:
         _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
@@ -246,6 +236,16 @@ class PutPath:
             ),
             work,
         )
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {
+            PutBegin: self.on_put_begin,
+            PutCommit: self.on_put_commit,
+            PutInline: self.on_put_inline,
+            RenewPut: self.on_renew_put,
+            AbortPut: self.on_abort_put,
+        }
 
 
 @dataclass(frozen=True, slots=True)
