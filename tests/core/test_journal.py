@@ -178,3 +178,15 @@ def test_admission_and_policy_version_survive() -> None:
     again = reborn(core, 0.0, 0.0)
     assert again.state.learner_version == 3
     assert again.state.auto_clear["p"] == ("a", "b")
+
+
+def test_a_recovered_partition_records_its_changes_for_watchers() -> None:
+    core = new_core()
+    put(core, 4)
+    again = reborn(core, 0.0, 1.0)
+    again.state.events.start()
+    got = get(again, fetch(2), now=1.0)
+    again.clear_rows("p", [3])
+    kinds = [(type(e).__name__, sorted(getattr(e, "rows", []))) for e in again.state.events.take()]
+    assert ("RowsConsumed", sorted(got.rows)) in kinds
+    assert ("RowsRemoved", [3]) in kinds

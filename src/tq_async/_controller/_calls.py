@@ -12,7 +12,7 @@ from typing import Any
 from .._core._state import ControllerState
 from .._core._transitions import Effects, meta_reply
 from .._errors import InvalidRequestError
-from .._service._loop import DEFERRED, Incoming
+from .._service._loop import DEFERRED, Handler, Incoming
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -175,3 +175,25 @@ class ControlCalls:
             RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
             for pid, rows in out.items()
         ]
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {
+            Ack: self.on_ack,
+            Release: self.on_release,
+            Seal: self.on_seal,
+            ResetConsumption: self.on_reset_consumption,
+            ClearSamples: self.on_clear_samples,
+            ClearPartition: self.on_clear_partition,
+            SetTags: self.on_set_tags,
+            KVTag: self.on_kv_tag,
+            KVClear: self.on_kv_clear,
+            RestoreBegin: self.on_restore_begin,
+            RestoreCommit: self.on_restore_commit,
+            RestoreAbort: self.on_restore_abort,
+            RegisterTasks: self.on_register_tasks,
+            SetPolicyVersion: self.on_set_policy_version,
+            AcquireRollout: self.on_acquire_rollout,
+            ReleaseRollout: self.on_release_rollout,
+            TakeRecycled: self.on_take_recycled,
+        }

@@ -25,7 +25,7 @@ from .._core._state import ControllerState
 from .._core._transitions import Awaiting, Effects, Outcome, record_key
 from .._errors import TQError, TQTimeoutError
 from .._logging import get_logger
-from .._service._loop import DEFERRED, SENT, Incoming
+from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._transport._hosts import same_host
 from .._wire._columns import positions_by_unit
 from .._wire._protocol import Cancel, GetMeta, MetaReply, StoredColumns, ok_reply
@@ -340,6 +340,10 @@ class GetPath:
             f"fewer than {req.batch_size} ready rows within {req.timeout} s; nothing was "
             "consumed"
         )
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {GetMeta: self.on_get_meta, Cancel: self.on_cancel}
 
 
 class _QuietWatch:

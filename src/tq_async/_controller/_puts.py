@@ -15,7 +15,7 @@ from typing import Any
 from .._core._state import ControllerState, Partition
 from .._core._transitions import Effects
 from .._errors import InvalidRequestError, RowsNotFound
-from .._service._loop import DEFERRED, SENT, Incoming
+from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._wire._protocol import (
     AbortPut,
     Placement,
@@ -236,6 +236,16 @@ class PutPath:
             ),
             work,
         )
+
+    def handlers(self) -> dict[type, Handler]:
+        """The request types this part handles, and their handlers."""
+        return {
+            PutBegin: self.on_put_begin,
+            PutCommit: self.on_put_commit,
+            PutInline: self.on_put_inline,
+            RenewPut: self.on_renew_put,
+            AbortPut: self.on_abort_put,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,13 +42,10 @@ __all__ = ["QUERIES"]
 
 
 def check_production(core: ControllerCore, body: CheckProduction) -> bool:
-    # before the first put, or after a clear, the answer is "not yet" (not an error): a
-    # readiness loop may start before the producers do
-    p = core.state.partitions.get(body.partition_id)
-    if p is None:
+    asked = _checked_rows(core, body.partition_id, body.rows)
+    if asked is None:
         return False
-    rows = body.rows if body.rows is not None else _alive_rows(p)
-    p.check_rows(rows)
+    p, rows = asked
     return (
         bool(rows)
         and all(f in p.fields for f in body.data_fields)
@@ -57,13 +54,26 @@ def check_production(core: ControllerCore, body: CheckProduction) -> bool:
 
 
 def check_consumption(core: ControllerCore, body: CheckConsumption) -> bool:
-    p = core.state.partitions.get(body.partition_id)
-    if p is None:
+    asked = _checked_rows(core, body.partition_id, body.rows)
+    if asked is None:
         return False
-    rows = body.rows if body.rows is not None else _alive_rows(p)
-    p.check_rows(rows)
+    p, rows = asked
     consumed = p.consumed.get(body.task_name)
     return bool(rows) and consumed is not None and all(consumed[r] for r in rows)
+
+
+def _checked_rows(
+    core: ControllerCore, partition_id: str, rows: list[int] | None
+) -> tuple[Partition, list[int]] | None:
+    """The partition a check asks about and its rows (None: every live row), checked to
+    exist. None before the first put, or after a clear: the answer is "not yet" (not an
+    error), as a readiness loop may start before the producers do."""
+    p = core.state.partitions.get(partition_id)
+    if p is None:
+        return None
+    rows = rows if rows is not None else _alive_rows(p)
+    p.check_rows(rows)
+    return p, rows
 
 
 def production_status(core: ControllerCore, body: ProductionStatus) -> dict[str, Any]:

@@ -41,7 +41,7 @@ class Admission:
             for r in set(rows)
             if 0 <= r < p.n_rows
             and p.alive[r]
-            and p.row_version[r] >= 0
+            and p.versions.rows[r] >= 0
             and not (consumed and consumed[r])
         )
         return self.free_slots(freed)
@@ -50,7 +50,7 @@ class Admission:
         """The learner consumed ``rows``: their slots go back; True if any was outstanding."""
         if self.config.learner_task != task:
             return False
-        return self.free_slots(sum(1 for r in rows if p.row_version[r] >= 0))
+        return self.free_slots(sum(1 for r in rows if p.versions.rows[r] >= 0))
 
     def free_slots(self, n: int) -> bool:
         """Give back ``n`` admission slots; True if any was outstanding."""

@@ -534,7 +534,7 @@ def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRepl
     """The reply naming ``rows`` of ``p`` (their units, tags and versions)."""
     tags = p.tags
     versions = {
-        f: [fv[r] for r in rows] for f in fields if (fv := p.field_versions.get(f)) is not None
+        f: [fv[r] for r in rows] for f in fields if (fv := p.versions.fields.get(f)) is not None
     }
     return MetaReply(
         rows,

@@ -39,7 +39,7 @@ import numpy as np
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
 from ._effects import Effects
-from ._state import Changes, Lease, Partition, PutLease
+from ._state import Changes, Lease, Partition, PutLease, dump_rows
 from ._transitions import ControllerCore
 
 __all__ = [
@@ -98,21 +98,7 @@ class RowsRecord(msgspec.Struct, array_like=True):
 
     @classmethod
     def of(cls, p: Partition) -> RowsRecord:
-        return cls(
-            partition_id=p.partition_id,
-            n_rows=p.n_rows,
-            alive=bytes(p.alive),
-            origin=p.origin.tobytes(),
-            units=p.units.tobytes(),
-            tags=list(p.tags),
-            row_keys=list(p.row_keys),
-            sealed=p.sealed,
-            fields=[FieldDump(f.header, bytes(f.produced)) for f in p.fields.values()],
-            consumed={t: bytes(c) for t, c in p.consumed.items()},
-            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in p.recorded.items()],
-            row_version=p.row_version.tobytes(),
-            field_versions={f: v.tobytes() for f, v in p.field_versions.items()},
-        )
+        return dump_rows(p, cls, array.tobytes)
 
     def dump(self) -> PartitionDump:
         """The checkpoint format, which `Partition.restore` reads."""
@@ -382,10 +368,10 @@ class Tracker:
             alive=_take(p.alive, _U8, idx),
             origin=_take(p.origin, _I64, idx),
             units=_take(p.units, _I32, idx),
-            row_version=_take(p.row_version, _I64, idx),
+            row_version=_take(p.versions.rows, _I64, idx),
             produced={name: _take(f.produced, _U8, idx) for name, f in p.fields.items()},
             consumed={t: _take(c, _U8, idx) for t, c in p.consumed.items()},
-            field_versions={f: _take(v, _I64, idx) for f, v in p.field_versions.items()},
+            field_versions={f: _take(v, _I64, idx) for f, v in p.versions.fields.items()},
             tags=[p.tags[r] for r in idx.tolist()],
             row_keys=[p.row_keys[r] for r in idx.tolist()],
             fields=[f.header for f in itertools.islice(p.fields.values(), seen.n_fields, None)],
@@ -671,10 +657,8 @@ def _recover_partition(
 ) -> Partition:
     st = core.state
     dump = rec.rows.dump()
-    p = Partition.restore(dump, dump.units)
+    p = st.bind(Partition.restore(dump, dump.units))
     p.incarnation = rec.incarnation
-    p.unavailable = st.unavailable
-    p.groups.limits = st.group_limits
     p.settled = {tuple(k) for k in rec.settled}  # type: ignore[misc]
     p.dropped = dict(rec.dropped)
     p.lost = dict(rec.lost)

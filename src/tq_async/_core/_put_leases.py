@@ -132,7 +132,9 @@ class PutLeases:
             del self.home[put_id]
         else:
             gained = p.commit(rows, fields, tags, versions)
-        self.state.events.produced(partition_id, rows, fields, tags)
+        events = self.state.events
+        if events.on:  # (a put's hot path: no call while nobody watches)
+            events.produced(partition_id, rows, fields, tags)
         return Effects(wakeups=[Wakeup(partition_id, t) for t in gained])
 
     def undo(self, partition_id: str, rows: Sequence[int], incarnation: str) -> Effects:

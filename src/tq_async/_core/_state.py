@@ -12,6 +12,8 @@ Layout of one partition (``n`` rows allocated so far, ids ``0..n-1``, never reus
 * ``consumed[task][row]`` (bytearray per task): 1 once the task took the row;
 * ``tags[row]``, ``origin[row]`` (first row of the put that allocated it) and ``units[row]``
   (the storage unit that holds the row's cells; placement is recorded, never recomputed).
+* ``versions``: which policy version produced each cell, per field and per row
+  (`tq_async._core._versions`).
 
 The arrays grow geometrically (``bytearray``/``array`` amortised appends). A per-(task, fields)
 **ready set** (`tq_async._core._ready`: rows in the order they became ready) is built
@@ -25,9 +27,9 @@ import itertools
 import secrets
 from array import array
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -46,6 +48,7 @@ from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
+from ._versions import PolicyVersions
 
 __all__ = [
     "ControllerState",
@@ -67,6 +70,7 @@ RecordKey = tuple[str, int, int]
 _NO_EVENTS = Outbox()
 #: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
 KV_CHUNK_BITS = 12
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +160,8 @@ class Partition:
         self.kv_dirty: set[int] = set()
         #: rows lost with a storage unit: row -> unit
         self.lost: dict[int, int] = {}
-        #: policy versions: per field that ever carried one, and per row the oldest (-1: none)
-        self.field_versions: dict[str, array[int]] = {}
-        self.row_version = array("q")
+        #: which policy produced each cell: per field that carried a version, per row the oldest
+        self.versions = PolicyVersions()
         #: storage units whose rows are not handed out now (suspended: neither ready nor
         #: lost); shared with the owning `ControllerState`
         self.unavailable: set[int] = set()
@@ -220,9 +223,7 @@ class Partition:
         self.unit_rows[unit] = self.unit_rows.get(unit, 0) + n
         self.tags.extend(itertools.repeat(None, n))
         self.row_keys.extend(itertools.repeat(None, n))
-        self.row_version.extend(itertools.repeat(-1, n))
-        for fv in self.field_versions.values():
-            fv.extend(itertools.repeat(-1, n))
+        self.versions.grow(n)
         for f in self.fields.values():
             f.produced.extend(bytes(n))
         for c in self.consumed.values():
@@ -273,19 +274,7 @@ class Partition:
         if tags is not None and self.groups.limits:
             self.groups.check(self.partition_id, rows, tags)
         if versions is not None:
-            if len(versions) != len(rows) or any(v < 0 for v in versions):
-                raise InvalidRequestError(
-                    f"policy_version needs one non-negative int per row ({len(rows)} rows)"
-                )
-            for name in fields:
-                fv = self.field_versions.get(name)
-                if fv is None:
-                    fv = self.field_versions[name] = array("q", itertools.repeat(-1, self.n_rows))
-                for r, v in zip(rows, versions, strict=True):
-                    fv[r] = v
-            rv = self.row_version
-            for r, v in zip(rows, versions, strict=True):
-                rv[r] = v if rv[r] < 0 else min(rv[r], v)
+            self.versions.record(rows, fields, versions)
         for name in fields:
             produced = self.fields[name].produced
             for r in rows:
@@ -521,21 +510,7 @@ class Partition:
 
     def dump(self) -> PartitionDump:
         """Everything but the cells, as plain msgpack-able values."""
-        return PartitionDump(
-            partition_id=self.partition_id,
-            n_rows=self.n_rows,
-            alive=bytes(self.alive),
-            origin=list(self.origin),
-            units=list(self.units),
-            tags=list(self.tags),
-            row_keys=list(self.row_keys),
-            sealed=self.sealed,
-            fields=[FieldDump(f.header, bytes(f.produced)) for f in self.fields.values()],
-            consumed={t: bytes(c) for t, c in self.consumed.items()},
-            deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.recorded.items()],
-            row_version=list(self.row_version),
-            field_versions={f: list(v) for f, v in self.field_versions.items()},
-        )
+        return dump_rows(self, PartitionDump, array.tolist)
 
     @classmethod
     def restore(cls, dump: PartitionDump, units: Sequence[int]) -> Partition:
@@ -569,8 +544,7 @@ class Partition:
             both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
             p.consumed_count[task] = int(both.sum(dtype=np.int64))
         p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
-        p.row_version = array("q", dump.row_version or itertools.repeat(-1, n))
-        p.field_versions = {f: array("q", v) for f, v in dump.field_versions.items()}
+        p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
         return p
 
     # ---- status ------------------------------------------------------------------------------
@@ -586,6 +560,27 @@ class Partition:
         if c is None:
             return bytes(self.n_rows)
         return bytes(c)
+
+
+def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]], Any]) -> T:
+    """The fields of ``p``'s checkpoint dump (`PartitionDump`'s), handed to ``make``; its
+    per-row integer arrays as ``ints`` makes them: ``array.tolist`` for a checkpoint,
+    ``array.tobytes`` for the journal's records (`tq_async._core._journal.RowsRecord`)."""
+    return make(
+        partition_id=p.partition_id,
+        n_rows=p.n_rows,
+        alive=bytes(p.alive),
+        origin=ints(p.origin),
+        units=ints(p.units),
+        tags=list(p.tags),
+        row_keys=list(p.row_keys),
+        sealed=p.sealed,
+        fields=[FieldDump(f.header, bytes(f.produced)) for f in p.fields.values()],
+        consumed={t: bytes(c) for t, c in p.consumed.items()},
+        deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in p.recorded.items()],
+        row_version=ints(p.versions.rows),
+        field_versions={f: ints(v) for f, v in p.versions.fields.items()},
+    )
 
 
 class ControllerState:
@@ -689,17 +684,17 @@ class ControllerState:
             per_unit = -(-len(live) // len(ids)) if live else 1
             for i, r in enumerate(live):  # contiguous blocks, one per unit
                 units[r] = ids[min(i // per_unit, len(ids) - 1)]
-            staged.append(Partition.restore(d, units))
+            staged.append(self.bind(Partition.restore(d, units)))
         for p in staged:
-            p.unavailable = self.unavailable
-            p.groups.limits = self.group_limits
-            p.events = self.events
             self.restoring[p.partition_id] = p
         return staged
 
     def new_partition(self, partition_id: str) -> Partition:
         """A new empty partition bound to this state (not registered until the caller does)."""
-        p = Partition(partition_id)
+        return self.bind(Partition(partition_id))
+
+    def bind(self, p: Partition) -> Partition:
+        """``p`` shares this state's suspended units, prompt-group limits and event outbox."""
         p.unavailable = self.unavailable
         p.groups.limits = self.group_limits
         p.events = self.events

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ._groups import TagGroups
+from ._versions import PolicyVersions
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+V = TypeVar("V")
 
 
 class Rows(Protocol):
@@ -26,30 +28,36 @@ class Rows(Protocol):
     @property
     def origin(self) -> Sequence[int]: ...
     @property
-    def row_version(self) -> Sequence[int]: ...
+    def versions(self) -> PolicyVersions: ...
     @property
     def groups(self) -> TagGroups: ...
 
 
-class RowTags(Mapping[int, Mapping[str, Any]]):
-    """Read-only ``row -> tags`` view of a partition (rows without tags map to ``{}``)."""
+class _LiveRows(Mapping[int, V]):
+    """A read-only mapping over the live rows of a partition."""
 
     __slots__ = ("_p",)
 
     def __init__(self, partition: Rows) -> None:
         self._p = partition
 
-    def __getitem__(self, row: int) -> Mapping[str, Any]:
-        if not 0 <= row < self._p.n_rows:
-            raise KeyError(row)
-        tags = self._p.tags[row]
-        return MappingProxyType(tags) if tags else _EMPTY
-
     def __iter__(self) -> Iterator[int]:
         return (r for r in range(self._p.n_rows) if self._p.alive[r])
 
     def __len__(self) -> int:
         return self._p.n_alive
+
+
+class RowTags(_LiveRows[Mapping[str, Any]]):
+    """Read-only ``row -> tags`` view of a partition (rows without tags map to ``{}``)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, row: int) -> Mapping[str, Any]:
+        if not 0 <= row < self._p.n_rows:
+            raise KeyError(row)
+        tags = self._p.tags[row]
+        return MappingProxyType(tags) if tags else _EMPTY
 
     def tagged(self, tag: str, value: Any) -> Set[int]:
         """The live rows of the partition whose ``tag`` is ``value`` (ready or not).
@@ -60,13 +68,10 @@ class RowTags(Mapping[int, Mapping[str, Any]]):
         return self._p.groups.rows(tag, value)
 
 
-class RowOrigin(Mapping[int, tuple[int, int]]):
+class RowOrigin(_LiveRows[tuple[int, int]]):
     """Read-only ``row -> (first row of the put that created it, offset within that put)``."""
 
-    __slots__ = ("_p",)
-
-    def __init__(self, partition: Rows) -> None:
-        self._p = partition
+    __slots__ = ()
 
     def __getitem__(self, row: int) -> tuple[int, int]:
         if not 0 <= row < self._p.n_rows:
@@ -74,31 +79,16 @@ class RowOrigin(Mapping[int, tuple[int, int]]):
         first = self._p.origin[row]
         return first, row - first
 
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
 
-    def __len__(self) -> int:
-        return self._p.n_alive
-
-
-class RowVersions(Mapping[int, int]):
+class RowVersions(_LiveRows[int]):
     """Read-only ``row -> policy version`` view (the row's oldest field version; -1: none)."""
 
-    __slots__ = ("_p",)
-
-    def __init__(self, partition: Rows) -> None:
-        self._p = partition
+    __slots__ = ()
 
     def __getitem__(self, row: int) -> int:
         if not 0 <= row < self._p.n_rows:
             raise KeyError(row)
-        return self._p.row_version[row]
-
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
-
-    def __len__(self) -> int:
-        return self._p.n_alive
+        return self._p.versions.rows[row]
 
 
 class PlacedRows(Rows, Protocol):
@@ -108,11 +98,12 @@ class PlacedRows(Rows, Protocol):
     def units(self) -> Sequence[int]: ...
 
 
-class RowHosts(Mapping[int, str]):
+class RowHosts(_LiveRows[str]):
     """Read-only ``row -> host id`` view: the host of the unit holding the row (``""``:
     unknown). Locality: a sampler may prefer rows on the asking rank's host (``rank_host``)."""
 
-    __slots__ = ("_hosts", "_p")
+    __slots__ = ("_hosts",)
+    _p: PlacedRows
 
     def __init__(self, partition: PlacedRows, hosts: Mapping[int, str]) -> None:
         self._p = partition
@@ -122,9 +113,3 @@ class RowHosts(Mapping[int, str]):
         if not 0 <= row < self._p.n_rows:
             raise KeyError(row)
         return self._hosts.get(self._p.units[row], "")
-
-    def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
-
-    def __len__(self) -> int:
-        return self._p.n_alive
