@@ -8,7 +8,9 @@ and ``TYPE_CHECKING`` imports alike: each is an edge).
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
+import tokenize
 
 import tq_async
 
@@ -44,6 +46,12 @@ LAYERS: dict[str, list[str]] = {
 
 MAX_CLASS_LINES = 600
 MAX_FUNCTION_LINES = 80
+#: issue 35's limits, in code lines (no blank lines, comments or docstrings)
+MAX_MODULE_CODE_LINES = 600
+MAX_CLASS_CODE_LINES = 350
+MAX_SERVER_CODE_LINES = 250
+#: the services' servers: dispatch and lifecycle, holding their parts
+SERVERS = ["_controller._server.ControllerServer", "_storage._server.StorageServer"]
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -193,6 +201,60 @@ def test_no_class_or_function_is_too_long() -> None:
             if is_function and _code_lines(node) > MAX_FUNCTION_LINES:
                 too_long.append(f"def {name}.{node.name}: {_code_lines(node)} lines")
     assert too_long == []
+
+
+def _counted_lines(text: str, tree: ast.Module) -> set[int]:
+    """The lines of a module that hold code: not blank, not only a comment, not a docstring
+    (issue 35 counts sizes this way)."""
+    doc: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                doc.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    skip |= {tokenize.ENCODING, tokenize.ENDMARKER}
+    code: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in skip:
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    return code - doc
+
+
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """Code lines per module and per class (``module.Class``)."""
+    modules: dict[str, int] = {}
+    classes: dict[str, int] = {}
+    for name, path in _modules().items():
+        text = path.read_text()
+        tree = ast.parse(text)
+        lines = _counted_lines(text, tree)
+        modules[name] = len(lines)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                span = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                classes[f"{name}.{node.name}"] = len(lines.intersection(span))
+    return modules, classes
+
+
+def test_no_module_or_class_outgrows_the_house() -> None:
+    """Issue 35's limits, in code lines (no blank lines, comments or docstrings): a module
+    <= 600, a class <= 350, the two servers (dispatch and lifecycle, holding their parts)
+    < 250."""
+    modules, classes = _sizes()
+    too_big = [f"module {m}: {n}" for m, n in modules.items() if n > MAX_MODULE_CODE_LINES]
+    too_big += [f"class {c}: {n}" for c, n in classes.items() if n > MAX_CLASS_CODE_LINES]
+    too_big += [f"server {c}: {classes[c]}" for c in SERVERS if classes[c] >= MAX_SERVER_CODE_LINES]
+    assert too_big == [], "split along a real seam (a part the class holds): " + str(too_big)
+
+
+def test_the_size_count_skips_docstrings_comments_and_blank_lines() -> None:
+    text = 'class A:\n    """Doc\n    string."""\n\n    # a comment\n    x = 1  # code\n'
+    assert len(_counted_lines(text, ast.parse(text))) == 2  # "class A:" and "x = 1"
 
 
 #: the controller's I/O shell: it reads the state, every change is a transition of the core
