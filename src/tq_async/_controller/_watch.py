@@ -202,8 +202,10 @@ class WatchHub:
         self._sweep_at = math.inf
         #: answers sent (a batch shared by several watchers counts once per watcher)
         self.answers = 0
-        #: what a request costs beyond its handler
+        #: what a request costs beyond its handler, and whether watchers pay it (not when the
+        #: program's own code shares the loop: `local_cluster`)
         self.cost = RequestCost()
+        self.price_requests = True
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
@@ -248,8 +250,10 @@ class WatchHub:
                 del self.parked[key]
                 self._send(*key, raw)
         spent = time.thread_time() - t0
-        if not sent:  # a pass for nothing costs what taking a request does: filtered
-            spent += self.cost.seconds  # watchers must not buy one after every request
+        if not sent and self.price_requests:
+            # a pass for nothing costs what taking a request does: filtered watchers must
+            # not buy one after every request
+            spent += self.cost.seconds
         self.pacer.charge(loop.time(), spent)
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
@@ -290,7 +294,9 @@ class WatchHub:
         finally:
             now = asyncio.get_running_loop().time()
             spent = time.thread_time() - t0
-            self.pacer.charge(now, spent + self.cost.update(now, time.thread_time(), REQUESTS))
+            if self.price_requests:
+                spent += self.cost.update(now, time.thread_time(), REQUESTS)
+            self.pacer.charge(now, spent)
 
     def _on_watch_next(self, msg: Incoming, body: WatchNext) -> Any:
         shell = self.shell

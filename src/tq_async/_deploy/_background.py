@@ -85,6 +85,7 @@ class BackgroundCluster:
             async with BlockingPortal() as portal:
                 stop = anyio.Event()
                 async with local_cluster(**kwargs) as cluster:
+                    cluster.controller.watch.price_requests = True  # a loop of services only
                     ready.put((portal, stop, cluster))
                     await stop.wait()
 

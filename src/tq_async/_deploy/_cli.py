@@ -49,6 +49,7 @@ async def _serve(config: Config) -> None:
     # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with local_cluster(transport="tcp", config=config) as cluster:
+            cluster.controller.watch.price_requests = True  # this loop runs only services
             # The one line a launcher parses; flushed so a parent reading our stdout sees it.
             print(f"TQ_ADDRESS={cluster.address}", flush=True)
             if cluster.metrics_url:

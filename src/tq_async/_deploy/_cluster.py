@@ -349,6 +349,11 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
         metrics=Metrics(registry, "controller"),
         local_units={u.unit_id: u for u in units},
     )
+    # the program's own code may run on this loop: then the loop's CPU time per request says
+    # nothing of what taking a request costs, and watchers are charged their handlers' time
+    # only (`tq-async serve` and `background_cluster`, whose loops run nothing else, turn
+    # the price back on)
+    controller.watch.price_requests = False
     address = await tg.start(controller.serve, controller_bind)
     cluster = LocalCluster(address, controller, units)
     if registry is not None:
