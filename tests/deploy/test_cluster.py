@@ -3,6 +3,7 @@ the loop that runs the services fail at once instead of deadlocking."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import anyio
@@ -125,3 +126,15 @@ async def test_iterating_a_streaming_dataset_inside_any_running_loop_fails_at_on
 
         assert await anyio.to_thread.run_sync(read) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert "Task was destroyed" not in caplog.text
+
+
+async def test_a_taken_port_is_a_broken_error_not_an_exception_group() -> None:
+    """A service that cannot start raises its own error, as the caller's block's errors do
+    (it came out wrapped in the task group's ExceptionGroup)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(tq.BrokenError, match="Address already in use"):
+            async with tq.local_cluster(num_storage_units=1, bind=f"tcp://127.0.0.1:{port}"):
+                pass

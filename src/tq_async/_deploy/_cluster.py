@@ -24,6 +24,7 @@ from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
 from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from .._service._serve import first_tq_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
@@ -187,8 +188,14 @@ async def local_cluster(
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The task group wraps what the caller's block raised: hand it back as itself, so
-        # that `except ValueError` around `async with local_cluster()` works.
-        if not raised or not _only(group, raised[0]):
+        # that `except ValueError` around `async with local_cluster()` works. A service that
+        # could not start (a taken port: BrokenError) comes out as itself too.
+        if not raised:
+            failed = first_tq_error(group)
+            if failed is not None and _only(group, failed):
+                raise failed from None
+            raise
+        if not _only(group, raised[0]):
             raise
     finally:
         stop_hosting(hosting)
