@@ -7,7 +7,6 @@ last commit; a put from this process is synced on its own thread.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from test_segments import FullDisk
 
 import tq_async as tq
 from tq_async._service._loop import DEFERRED, Incoming
@@ -50,19 +50,7 @@ class _Answers:
             self.done.set()
 
 
-class _Disk:
-    """The store's write seam: fails with ENOSPC while ``full``."""
-
-    def __init__(self) -> None:
-        self.full = False
-
-    def __call__(self, fd: int, data: Any) -> int:
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return os.write(fd, data)
-
-
-def _state(path: Path, write: _Disk | None = None) -> tuple[StorageState, SegmentStore]:
+def _state(path: Path, write: FullDisk | None = None) -> tuple[StorageState, SegmentStore]:
     claim_unit_dir(str(path), 0)
     disk = SegmentStore(str(path), sync=True, write=write or os.write)
     state = StorageState(disk=disk)
@@ -114,7 +102,7 @@ async def test_one_commit_answers_every_request_that_waited(tmp_path: Path) -> N
 
 
 async def test_a_failed_commit_answers_each_waiter_with_its_error(tmp_path: Path) -> None:
-    write = _Disk()
+    write = FullDisk()
     state, disk = _state(tmp_path, write)
     answers = _Answers(expect=2)
     commits = GroupCommits(state, disk, answers)
@@ -150,7 +138,7 @@ def test_close_makes_the_last_commit_and_now_commits_on_this_thread(tmp_path: Pa
 
 
 def test_now_raises_what_the_commit_raised(tmp_path: Path) -> None:
-    write = _Disk()
+    write = FullDisk()
     state, disk = _state(tmp_path, write)
     commits = GroupCommits(state, disk, _Answers(expect=0))
     _put(state, [0])

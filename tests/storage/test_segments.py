@@ -219,7 +219,7 @@ def test_cleared_space_is_reclaimed_and_the_index_rewritten(
     assert again.stats().rows == 3
 
 
-class _FullDisk:
+class FullDisk:
     """A write seam: fails with ENOSPC while ``full`` (what a full disk does)."""
 
     def __init__(self) -> None:
@@ -232,7 +232,7 @@ class _FullDisk:
 
 
 def test_a_full_disk_fails_the_put_whole_and_keeps_what_was_stored(tmp_path: Path) -> None:
-    writer = _FullDisk()
+    writer = FullDisk()
     claim_unit_dir(str(tmp_path), 0)
     disk = SegmentStore(str(tmp_path), write=writer)
     disk.load()
@@ -263,7 +263,7 @@ def test_a_full_disk_fails_the_put_whole_and_keeps_what_was_stored(tmp_path: Pat
 
 
 def test_a_full_disk_while_spilling_keeps_the_cells_in_memory(tmp_path: Path) -> None:
-    writer = _FullDisk()
+    writer = FullDisk()
     disk = SegmentStore(str(tmp_path), durable=False, write=writer)
     disk.load()
     state = StorageState(disk=disk, memory_cap=1)
