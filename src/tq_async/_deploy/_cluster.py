@@ -187,16 +187,7 @@ async def local_cluster(
             finally:
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        # The task group wraps what the caller's block raised: hand it back as itself, so
-        # that `except ValueError` around `async with local_cluster()` works. A service that
-        # could not start (a taken port: BrokenError) comes out as itself too.
-        if not raised:
-            failed = first_tq_error(group)
-            if failed is not None and _only(group, failed):
-                raise failed from None
-            raise
-        if not _only(group, raised[0]):
-            raise
+        _unwrap(group, raised)
     finally:
         stop_hosting(hosting)
         if plan.stop_metrics is not None:
@@ -372,6 +363,24 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
                 registry, host_part or "127.0.0.1", int(port_part or 0)
             )
     return cluster
+
+
+def _unwrap(group: BaseExceptionGroup[BaseException], raised: list[BaseException]) -> None:
+    """What `local_cluster`'s task group raised, as the caller should see it.
+
+    The task group wraps what the caller's block raised: it is handed back as itself (the
+    caller raises it after the cleanup: returns), so that ``except ValueError`` around ``async
+    with local_cluster()`` works. A service that could not start (a taken port:
+    `BrokenError`) comes out as itself too; anything else stays grouped.
+    """
+    if raised:
+        if _only(group, raised[0]):
+            return
+        raise group
+    failed = first_tq_error(group)
+    if failed is not None and _only(group, failed):
+        raise failed from None
+    raise group
 
 
 def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
