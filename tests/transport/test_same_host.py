@@ -272,3 +272,37 @@ async def test_a_paused_service_times_a_polling_request_out_and_serves_after() -
                 proc.send_signal(signal.SIGCONT)
             assert client._links.controller._busy_poll.missed_replies >= 1
             assert await client.list_partitions() == []
+
+
+async def test_a_request_waiting_when_the_controller_moves_to_its_twin_breaks_retryably(
+    address: str,
+) -> None:
+    """Moving the controller's connection to its same-host twin (at connect, and when the
+    client finds a restarted controller again) closes the old connection: a request still
+    waiting on it fails with BrokenError, which says "retry" (a chaos run caught ClosedError,
+    the error of a client closed by its own program)."""
+    async with tq.AsyncClient.connect(address, same_host=False) as client:
+        links = client._links
+        old = links.controller
+        assert old is not None
+        assert old.address == address
+        hello = await links.refresh_units()
+        failed: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def wait() -> None:
+                try:
+                    await client.get_meta(["x"], 4, "never", "t", timeout=30)
+                except tq.TQError as exc:
+                    failed.append(exc)
+
+            tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()  # its GetMeta went out on the TCP link
+            await links.prefer_ipc(hello)
+        assert links.controller is not old
+        assert links.controller is not None
+        assert links.controller.address.startswith("uds://@tq-")
+        [exc] = failed
+        assert isinstance(exc, BrokenError), repr(exc)
+        assert "retry" in str(exc)
+        assert await client.list_partitions() is not None  # the twin answers

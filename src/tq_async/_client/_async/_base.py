@@ -242,7 +242,14 @@ class Links:
         if not ok:
             conn.close()
             return
-        self.controller.close()
+        # requests still waiting on the old link may have been taken or not: they break,
+        # retryably (ClosedError is for a client its own program closed)
+        self.controller.close(
+            BrokenError(
+                f"the connection to {self.controller.known_as} was replaced by its same-host "
+                "twin while this request waited; retry"
+            )
+        )
         self.controller = conn
 
     async def refresh_units(self, timeout: float | bool = True) -> HelloReply:
