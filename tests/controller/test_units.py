@@ -1,0 +1,42 @@
+"""The controller's links to its storage units (`tq_async._controller._units.UnitLinks`)."""
+
+from __future__ import annotations
+
+import anyio
+import zmq
+
+import tq_async as tq
+from tq_async._controller._server import ControllerServer
+from tq_async._core._state import ControllerState
+from tq_async._wire._protocol import StoreStats
+
+
+async def test_a_request_waiting_on_a_unit_that_registers_again_breaks_retryably() -> None:
+    """A unit that restarts registers again and the controller replaces its link: what the
+    controller forwarded on the old link (a client's one-message put, a clear) fails with
+    a BrokenError, which travels to the client as "retry" (the chaos test caught a
+    ClosedError there, the error of a client its own program closed)."""
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers: the unit is going away
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        server = ControllerServer(ControllerState({0: f"tcp://127.0.0.1:{port}"}))
+        links = server._links
+        failed: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def forwarded() -> None:
+                try:
+                    await links.conn(0).request(StoreStats(), timeout=30)
+                except tq.TQError as exc:
+                    failed.append(exc)
+
+            tg.start_soon(forwarded)
+            await anyio.wait_all_tasks_blocked()
+            links._register(0, "tcp://127.0.0.1:1", "", "")  # the restarted unit, elsewhere
+        [exc] = failed
+        assert isinstance(exc, tq.BrokenError), repr(exc)
+        assert "retry" in str(exc)
+        links.close()
+    finally:
+        silent.close(linger=0)
