@@ -44,6 +44,9 @@ class Conn:
     def close(self) -> None:
         self.closed = True
 
+    def retire(self, why: str) -> None:  # replaced: closed, its waiting requests broken
+        self.close()
+
     def send_best_effort(self, body: Any) -> None:
         self.sent.append(body)
 

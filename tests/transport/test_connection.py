@@ -8,6 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import zmq
@@ -19,6 +20,7 @@ from tq_async._transport._connection import (
     first_of,
     heartbeat_ms,
 )
+from tq_async._transport._dealer import DealerConnection
 from tq_async._transport._unix import Frame
 from tq_async._wire._protocol import Cancel, ListPartitions, Reply, encoder, error_reply
 
@@ -330,3 +332,39 @@ def test_a_same_host_twin_is_named_after_the_address_the_program_gave() -> None:
     assert (core.known_as, core.name, core.unix) == ("tcp://h:1", "tcp://h:1 (uds://@tq-1)", True)
     core = ConnectionCore("tcp://h:1")
     assert (core.known_as, core.name, core.unix) == ("tcp://h:1", "tcp://h:1", False)
+
+
+async def test_a_retired_connection_breaks_its_waiting_requests_retryably() -> None:
+    """A connection its owner replaced (a same-host twin, a unit that moved or registered
+    again) fails what still waits on it with BrokenError, "retry"; `close()` by the program
+    keeps ClosedError."""
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for end, expected in [("retire", tq.BrokenError), ("close", tq.ClosedError)]:
+            conn = DealerConnection(f"tcp://127.0.0.1:{port}")
+            failed: list[BaseException] = []
+            async with anyio.create_task_group() as tg:
+
+                async def wait(
+                    conn: DealerConnection = conn, failed: list[BaseException] = failed
+                ) -> None:
+                    try:
+                        await conn.request(ListPartitions(), timeout=30)
+                    except tq.TQError as error:
+                        failed.append(error)
+
+                tg.start_soon(wait)
+                await anyio.wait_all_tasks_blocked()
+                if end == "retire":
+                    conn.retire("by a test")
+                else:
+                    conn.close()
+            [exc] = failed
+            assert type(exc) is expected, repr(exc)
+            if end == "retire":
+                assert "replaced (by a test)" in str(exc)
+                assert "retry" in str(exc)
+    finally:
+        silent.close(linger=0)

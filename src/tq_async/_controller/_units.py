@@ -15,7 +15,7 @@ import anyio
 import msgspec
 
 from .._core._state import ControllerState
-from .._errors import BrokenError, InvalidRequestError, TQError
+from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
 from .._storage._segments import DISK_INSTANCE
@@ -163,15 +163,8 @@ class UnitLinks:
 
     def _register(self, unit_id: int, address: str, host: str = "", instance: str = "") -> int:
         old = self.conns.pop(unit_id, None)
-        if old is not None:
-            # what was forwarded on it (a one-message put, a clear) breaks, retryably: the
-            # client's error is its caller's (ClosedError would say the client was closed)
-            old.close(
-                BrokenError(
-                    f"storage unit {unit_id} registered again (it restarted) while this "
-                    "request to it waited; retry"
-                )
-            )
+        if old is not None:  # what was forwarded on it (a one-message put, a clear) breaks
+            old.retire(f"storage unit {unit_id} registered again: it restarted")
         if self._returns(unit_id, instance):
             log.info("storage unit came back with its cells", unit=unit_id, address=address)
             self.shell.apply(self.core.unit_returned(unit_id, address, host))

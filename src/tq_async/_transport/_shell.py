@@ -101,6 +101,8 @@ class ConnectionShell:
 
         def send_oneway(self, body: msgspec.Struct) -> None: ...
 
+        def close(self, error: BaseException | None = None) -> None: ...
+
     def _start(self, busy_poll: float) -> None:
         """Open the socket and set up the shell's own state (the end of ``__init__``)."""
         raise NotImplementedError
@@ -269,6 +271,17 @@ class ConnectionShell:
     ) -> None:
         if self._core.abandon(rid, on_abandon, cancel_undoes):
             self.send_best_effort(Cancel(rid))
+
+    def retire(self, why: str) -> None:
+        """Close a connection its owner replaced (``why``: by what): the requests still
+        waiting on it may have been taken or not, so they break with a `BrokenError` that
+        says to retry (`ClosedError` is for a client its own program closed)."""
+        self.close(
+            BrokenError(
+                f"the connection to {self.name} was replaced ({why}) while this request "
+                "waited; retry"
+            )
+        )
 
     def send_best_effort(self, body: msgspec.Struct) -> bool:
         """`send_oneway` for clean-up that must not replace the caller's outcome (an

@@ -244,14 +244,7 @@ class Links:
         if not ok:
             conn.close()
             return
-        # requests still waiting on the old link may have been taken or not: they break,
-        # retryably (ClosedError is for a client its own program closed)
-        self.controller.close(
-            BrokenError(
-                f"the connection to {self.controller.known_as} was replaced by its same-host "
-                "twin while this request waited; retry"
-            )
-        )
+        self.controller.retire("by the controller's same-host twin")
         self.controller = conn
 
     def refresh_units(self, timeout: float | bool = True) -> HelloReply:
@@ -280,7 +273,7 @@ class Links:
                 )
                 del self.units[unit_id]
                 self._forget_arena(unit_id)
-                conn.close()
+                conn.retire("the storage unit moved")
         self.unit_addresses = addresses
         self.unit_hosts = {u.unit_id: u.host for u in hello.units}
         self._units_epoch = self._epoch_seen = hello.units_epoch
@@ -397,7 +390,7 @@ class Links:
         for unit_id, conn in list(self.units.items()):
             del self.units[unit_id]
             self._forget_arena(unit_id)
-            conn.close()
+            conn.retire("the service restarted without its state")
         self.same_host_units.forget_all()
 
     def unit(self, unit_id: int) -> BlockingConnection:
@@ -457,7 +450,7 @@ class Links:
             # address (the twin is verified again on the next data link)
             del self.units[unit_id]
             self._forget_arena(unit_id)
-            conn.close()
+            conn.retire("the unit's listed address, its same-host twin broke")
             return True
         return self.unit_addresses.get(unit_id) not in (None, listed)
 

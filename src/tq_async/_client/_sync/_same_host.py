@@ -181,7 +181,7 @@ class SameHostUnits:
             return
         self._units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
-        conn.close()
+        conn.retire("by the unit's same-host twin")
 
     def fell_back(self, unit_id: int | None, why: str) -> None:
         """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
