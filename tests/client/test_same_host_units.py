@@ -13,7 +13,7 @@ from tq_async._client._async._same_host import SameHostUnits
 from tq_async._client._sync import _same_host as _blocking_same_host
 from tq_async._client._sync._same_host import SameHostUnits as BlockingSameHostUnits
 from tq_async._errors import BrokenError, TQTimeoutError
-from tq_async._wire._protocol import ShmFree, ShmHello, ShmHelloReply
+from tq_async._wire._protocol import ShmFree, ShmGrant, ShmHello, ShmHelloReply
 
 TOKEN = b"t" * 16
 TWIN = "uds://@tq-unit-twin"
@@ -67,6 +67,10 @@ class Arena:
     def close(self) -> list[int]:
         self.closed = True
         return [3]  # page-locked chunks the unit may give back
+
+    def check(self, offset: int, nbytes: int, what: str) -> None:
+        if offset < 4096 or offset + nbytes > 1 << 20:
+            raise ValueError(f"{what} lies outside the arena")
 
 
 @pytest.fixture(autouse=True)
@@ -225,6 +229,39 @@ async def test_close_and_fork_unmap_the_arenas() -> None:
     assert isinstance(arena, Arena)
     assert arena.closed
     assert 0 not in part.arenas
+
+
+async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_otherwise() -> None:
+    conn, other = Conn("tcp://10.0.0.1:5000"), Conn("tcp://10.0.0.1:5001")
+    part, _ = _part({}, {})
+    arena: Any = Arena(1, 7, 1 << 20, TOKEN)
+    spare = ShmGrant(11, 8192, 65536)
+    part.keep_spare(0, cast(Any, conn), arena, spare)
+    assert part.spare_bytes() == 65536
+    assert part.take_spare(0, cast(Any, conn), 65536) == spare  # taken: one put uses it
+    assert part.take_spare(0, cast(Any, conn), 1) is None
+    part.keep_spare(0, cast(Any, conn), arena, spare)
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(12, 8192, 4096))  # one is enough
+    assert conn.sent == [ShmFree([12], [])]
+    assert part.take_spare(0, cast(Any, conn), 65537) is None  # too small: goes back
+    assert conn.sent[-1] == ShmFree([11], [])
+    part.keep_spare(0, cast(Any, conn), arena, spare)
+    assert part.take_spare(0, cast(Any, other), 4096) is None  # lent on another connection
+    assert conn.sent[-1] == ShmFree([11], [])
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(13, 0, 4096))  # outside: corrupt
+    assert conn.sent[-1] == ShmFree([13], [])
+    assert part.spare_bytes() == 0
+    part.keep_spare(0, cast(Any, conn), arena, spare)
+    part.forget(0)  # the unit's connection broke or it moved
+    assert conn.sent[-1] == ShmFree([11], [])
+    part.keep_spare(1, cast(Any, conn), arena, ShmGrant(14, 8192, 4096))
+    part.close()
+    assert conn.sent[-1] == ShmFree([14], [])
+    sent = len(conn.sent)
+    part.keep_spare(1, cast(Any, conn), arena, ShmGrant(15, 8192, 4096))
+    part.after_fork()  # the parent's spare: the child neither uses nor frees it
+    assert part.spare_bytes() == 0
+    assert len(conn.sent) == sent
 
 
 def test_the_blocking_twin_links_in_the_calling_thread() -> None:

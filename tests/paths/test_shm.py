@@ -109,6 +109,28 @@ def test_arena_allocates_frees_coalesces_and_bounds_idle_pages() -> None:
         arena.close()
 
 
+def test_trim_frees_the_tail_of_a_region_past_what_a_put_used() -> None:
+    arena = Arena(64 * PAGE, idle_bytes=64 * PAGE)
+    try:
+        region = arena.alloc(8 * PAGE)
+        assert region is not None
+        arena.trim(region, 2 * PAGE + 1)  # page-rounded: three pages stay
+        assert (region.offset, region.size) == (PAGE, 3 * PAGE)
+        assert arena.live_bytes == 3 * PAGE
+        tail = arena.alloc(5 * PAGE)  # the tail is free again, right after the region
+        assert tail is not None
+        assert tail.offset == 4 * PAGE
+        arena.trim(tail, 0)  # a region keeps at least a page
+        assert tail.size == PAGE
+        arena.trim(tail, 9 * PAGE)  # nothing past its end to free
+        assert tail.size == PAGE
+        arena.release(region)
+        arena.release(tail)
+        assert arena.live_bytes == 0
+    finally:
+        arena.close()
+
+
 def test_an_arena_file_whose_file_system_cannot_punch_holes_keeps_its_pages(
     tmp_path: Path,
 ) -> None:
@@ -193,9 +215,46 @@ async def test_round_trip_is_exact_over_shared_memory(address: str) -> None:
         assert sum(s.shm_bytes for s in stats) > 0
         await client.clear_partition("shm-rt")
         stats = await _unit_stats(client)
-        # cleared rows give their regions back (reads pinned nothing: they were released)
-        assert all(s.shm_bytes == 0 for s in stats)
+        # cleared rows give their regions back (reads pinned nothing: they were released);
+        # what stays is the grant each unit lent this client ahead of its next put
+        assert sum(s.shm_bytes for s in stats) == client._links.same_host_units.spare_bytes()
         assert all(s.shm_idle_bytes <= 256 << 20 for s in stats)
+
+
+async def test_a_put_takes_the_grant_its_unit_lent_with_the_last_answer(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[tuple[str, int]] = []
+    request = DealerConnection.request
+
+    async def counted(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append((type(body).__name__, getattr(body, "spare", 0)))
+        return await request(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(DealerConnection, "request", counted)
+    one = {"ids": torch.randint(0, 1 << 30, (64, 512))}  # 256 KiB a put, every time
+    async with tq.AsyncClient.connect(address) as client:
+        metas = []
+        for i in range(6):
+            batch = {"ids": one["ids"] + i}
+            metas.append((await client.put(batch, partition_id="shm-spare"), batch))
+        puts = [spare for name, spare in asked if name == "StorePut"]
+        units = {u for meta, _ in metas for u in meta.units}
+        assert len(puts) == 6
+        assert all(spare >= 64 * 512 * 8 for spare in puts)  # each asks for the next grant
+        # only each unit's first put asked for a grant: the others took the one lent ahead
+        assert [name for name, _ in asked].count("ShmAlloc") == len(units)
+        for meta, batch in metas:
+            assert torch.equal((await client.get_data(meta))["ids"], batch["ids"])
+        await client.clear_partition("shm-spare")
+        held = client._links.same_host_units.spare_bytes()
+        assert held >= len(units) * 64 * 512 * 8
+        # the cleared rows gave their regions back; each unit still lends this client one
+        assert sum(s.shm_bytes for s in await _unit_stats(client)) == held
+    async with tq.AsyncClient.connect(address) as other:  # a closed client gave them back
+        with anyio.fail_after(10):
+            while sum(s.shm_bytes for s in await _unit_stats(other)) != 0:
+                pass  # ShmFree is one-way: each stats request is a round trip later
 
 
 async def test_reads_return_memory_of_our_own(address: str) -> None:

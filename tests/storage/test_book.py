@@ -153,3 +153,27 @@ def test_reset_forgets_everyone_and_everything() -> None:
     assert book.pins == {}
     assert book.device_pins == {}
     assert book.data_path == "shm"  # what the unit offers outlives its clients
+
+
+def test_spare_grants_are_counted_until_used_freed_or_their_client_exits() -> None:
+    book = _book()
+    s1, s2, s3 = Region(0, 4096), Region(4096, 8192), Region(12288, 4096)
+    g1 = book.lend_spare(A, 101, s1)
+    g2 = book.lend_spare(A, 101, s2)
+    book.lend_spare(B, 202, s3)
+    plain = book.grant(A, 101, Region(16384, 4096))
+    assert book.spare_bytes == 16384
+    assert book.take_grant(B, g1) is None  # a spare is its client's, like any grant
+    assert book.spare_bytes == 16384
+    assert book.take_grant(A, g1) is s1  # used by a put
+    assert book.spare_bytes == 12288
+    assert book.take_grant(A, plain) is not None  # a plain grant is no spare
+    assert book.spare_bytes == 12288
+    assert book.free(A, [g2], []).shm == [s2]  # given back
+    assert book.spare_bytes == 4096
+    assert book.exited(202).shm == [s3]  # its client exited
+    assert book.spare_bytes == 0
+    assert book.spares == {}
+    book.lend_spare(A, 101, Region(0, 4096))
+    book.reset()
+    assert (book.spares, book.spare_bytes) == ({}, 0)

@@ -123,6 +123,37 @@ async def test_a_failed_commit_answers_each_waiter_with_its_error(tmp_path: Path
     disk.close()
 
 
+async def test_a_failed_commit_undoes_what_a_reply_would_have_lent(tmp_path: Path) -> None:
+    write = FullDisk()
+    state, disk = _state(tmp_path, write)
+    answers = _Answers(expect=2)
+    commits = GroupCommits(state, disk, answers)
+    undone: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(commits.run)
+        _put(state, [0])
+        write.full = True
+        commits.after(Incoming(b"a", 1, [], 0.0), "StorePut", "lent", lambda: undone.append("a"))
+        commits.after(Incoming(b"b", 2, [], 0.0), "StorePut", None)
+        await answers.done.wait()
+        tg.cancel_scope.cancel()
+    assert undone == ["a"]  # the reply was never sent: what it lent went back
+    assert all(isinstance(exc, tq.StorageFullError) for _, exc in answers.sent)
+    write.full = False
+    undone.clear()
+    answers = commits.answers = _Answers(expect=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(commits.run)
+        _put(state, [1])
+        commits.after(Incoming(b"a", 3, [], 0.0), "StorePut", "lent", lambda: undone.append("a"))
+        await answers.done.wait()
+        tg.cancel_scope.cancel()
+    assert answers.sent == [(3, "lent")]  # sent: nothing undone
+    assert undone == []
+    commits.close()
+    disk.close()
+
+
 def test_close_makes_the_last_commit_and_now_commits_on_this_thread(tmp_path: Path) -> None:
     state, disk = _state(tmp_path)
     commits = GroupCommits(state, disk, _Answers(expect=0))

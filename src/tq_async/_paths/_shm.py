@@ -225,6 +225,14 @@ class Arena:
         self.live_bytes += size
         return Region(offset, size)
 
+    def trim(self, region: Region, nbytes: int) -> None:
+        """Free the tail of ``region`` past its first ``nbytes`` (page-rounded, at least a
+        page): a grant lent ahead of a put turned out larger than the put."""
+        keep = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        if keep < region.size:
+            self._free(region.offset + keep, region.size - keep)
+            region.size = keep
+
     def release(self, region: Region) -> None:
         """Drop one reference; the region is freed with the last."""
         region.refs -= 1

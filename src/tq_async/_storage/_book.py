@@ -74,6 +74,8 @@ class Book:
         device_pins: the device arena regions a read pin holds, by the pin's id.
         locked: the arena chunks each same-host client holds registered with its GPU
             driver (see `tq_async._paths._pinned`), by socket identity.
+        spares: the size of each grant lent ahead of a client's next put (`lend_spare`),
+            by id; ``spare_bytes`` their sum.
     """
 
     def __init__(self, data_path: str = "auto", claims: Claims | None = None) -> None:
@@ -86,6 +88,8 @@ class Book:
         self.pins: dict[int, Pin] = {}
         self.device_pins: dict[int, list[Region]] = {}
         self.locked: dict[bytes, set[int]] = {}
+        self.spares: dict[int, int] = {}
+        self.spare_bytes = 0
 
     def pid(self, peer: bytes) -> int | None:
         """The pid of a same-host client, 0 for a NIXL client, None for one that set up
@@ -104,6 +108,17 @@ class Book:
         if pid == 0 and not device:
             self.claims.note("grant", gid)
         return gid
+
+    def lend_spare(self, peer: bytes, pid: int, region: Region) -> int:
+        """Lend ``region`` ahead of ``peer``'s next put, with the answer to this one (a
+        grant like any other, counted in ``spare_bytes`` until used or given back)."""
+        gid = self.grant(peer, pid, region)
+        self.spares[gid] = region.size
+        self.spare_bytes += region.size
+        return gid
+
+    def _unspare(self, gid: int) -> None:
+        self.spare_bytes -= self.spares.pop(gid, 0)
 
     def pin(
         self, peer: bytes, pid: int, regions: list[Region], device: Sequence[Region] = ()
@@ -132,6 +147,7 @@ class Book:
         if entry is None or entry.peer != peer:
             return None
         del grants[gid]
+        self._unspare(gid)
         return entry.region
 
     # ---- giving back -------------------------------------------------------------------------
@@ -150,6 +166,7 @@ class Book:
             entry = self.grants.get(gid)
             if entry is not None and entry.peer == peer:
                 del self.grants[gid]
+                self._unspare(gid)
                 out.shm.append(entry.region)
             entry = self.device_grants.get(gid)
             if entry is not None and entry.peer == peer:
@@ -171,6 +188,7 @@ class Book:
             out.chunks.extend(self.locked.pop(peer, ()))
         for gid in [g for g, e in self.grants.items() if e.pid == pid]:
             out.shm.append(self.grants.pop(gid).region)
+            self._unspare(gid)
         for key in [k for k, e in self.pins.items() if e.pid == pid]:
             out.shm.extend(self.pins.pop(key).regions)
             out.device.extend(self.device_pins.pop(key, []))
@@ -206,3 +224,5 @@ class Book:
         self.pins.clear()
         self.device_pins.clear()
         self.locked.clear()
+        self.spares.clear()
+        self.spare_bytes = 0

@@ -58,9 +58,15 @@ class CellCalls:
             with self.device_path.put(msg.peer, body) as device:
                 data = self._store_put(msg, body, device)
         self.moved("in", body.host, data)
+        # a same-host client's next put may skip asking for its grant: lend it now
+        spare = self.shm_path.lend(msg.peer, body.spare) if body.spare > 0 else None
         if self.commits is not None:  # answered once the next group commit synced it
-            return self.commits.after(msg, "StorePut", None)
-        return None
+            if spare is None:
+                return self.commits.after(msg, "StorePut", None)
+            return self.commits.after(
+                msg, "StorePut", spare, lambda: self.shm_path.unlend(msg.peer, spare)
+            )
+        return spare
 
     def _store_put(
         self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None

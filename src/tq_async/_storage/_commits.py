@@ -11,7 +11,7 @@ synced on its caller's thread (`GroupCommits.now`), as is the last commit at clo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -51,17 +51,20 @@ class GroupCommits:
         self.state = state
         self.disk = disk
         self.answers = answers
-        self._waiters: list[tuple[Incoming, str, Any]] = []
+        self._waiters: list[tuple[Incoming, str, Any, Callable[[], None] | None]] = []
         self._wake = anyio.Event()
         #: the thread commits run in: submitted without yielding to the loop, so a commit
         #: of a put from this process (`now`, which waits for the one in flight) never
         #: waits for a thread the loop has yet to start
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tq-unit-fsync")
 
-    def after(self, msg: Incoming, op: str, reply: Any) -> Any:
+    def after(
+        self, msg: Incoming, op: str, reply: Any, undo: Callable[[], None] | None = None
+    ) -> Any:
         """``reply``, sent once the next group commit synced what the request wrote (the
-        handler returns what this returns: `DEFERRED`)."""
-        self._waiters.append((msg, op, reply))
+        handler returns what this returns: `DEFERRED`); ``undo`` runs instead when the
+        commit fails (the request gets the error: what ``reply`` lent goes back)."""
+        self._waiters.append((msg, op, reply, undo))
         self._wake.set()
         return DEFERRED
 
@@ -91,12 +94,14 @@ class GroupCommits:
                     await asyncio.wrap_future(future)
             except TQError as exc:
                 end_commit(self.state, commit, exc)
-                for msg, op, _ in waiters:
+                for msg, op, _, undo in waiters:
+                    if undo is not None:
+                        undo()
                     answers.send_error(msg.peer, msg.rid, exc, op)
                     answers.record(op, False, msg.t0)
                 continue
             end_commit(self.state, commit)
-            for msg, op, reply in waiters:
+            for msg, op, reply, _ in waiters:
                 answers.send_ok(msg.peer, msg.rid, reply)
                 answers.record(op, True, msg.t0)
 

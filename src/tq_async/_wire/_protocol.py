@@ -470,6 +470,9 @@ class StorePut(_Msg):
     device: DeviceFrames | None = None
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: a same-host client asks for a grant of this many bytes for its next put, lent with
+    #: the answer (a `ShmGrant`, or None when the unit keeps its arena for others)
+    spare: int = 0
 
 
 class StoreGet(_Msg):

@@ -57,6 +57,7 @@ from ..._wire._protocol import (
     ShmAlloc,
     ShmFrames,
     ShmFree,
+    ShmGrant,
     StorePut,
     check_ints,
     check_seconds,
@@ -383,7 +384,11 @@ class PutPath:
                     frames.extend(column_to_frames(h, c))
             on_device = any(isinstance(f, DeviceFrame) for f in frames)
             big = on_device or sum(frame_nbytes(f) for f in frames) >= _SHM_MIN_BYTES
-            if big and arena is not None and await self._store_shm(conn, arena, store, frames):
+            if (
+                big
+                and arena is not None
+                and await self._store_shm(unit, conn, arena, store, frames)
+            ):
                 return
             if on_device:  # the arena is full: through pinned host memory, by socket
                 frames = await stage_frames(frames)
@@ -437,17 +442,38 @@ class PutPath:
         return out
 
     async def _store_shm(
-        self, conn: DealerConnection, arena: ArenaMap, body: StorePut, frames: list[Any]
+        self,
+        unit: int,
+        conn: DealerConnection,
+        arena: ArenaMap,
+        body: StorePut,
+        frames: list[Any],
     ) -> bool:
         """Put ``frames`` through the unit's arena; False if it is full (use the socket).
-        `DeviceFrame`s are copied by their device, into page-locked chunks of the grant."""
+        `DeviceFrame`s are copied by their device, into page-locked chunks of the grant.
+
+        The grant is the one the unit lent with the answer to the last put, when it is big
+        enough; each put asks for the next one (a put without ``ShmAlloc``: three round trips).
+        """
         nbytes = sum(align(frame_nbytes(f)) for f in frames)
         on_device = any(isinstance(f, DeviceFrame) for f in frames)
-        ask = ShmAlloc(nbytes, pinned=on_device)
         timeout = self._links.request_timeout
-        grant = await ask_grant(conn, ask, timeout, arena, "a shared-memory grant")
+        units = self._links.same_host_units
+        grant = None if on_device else units.take_spare(unit, conn, nbytes)
         if grant is None:
-            return False
+            ask = ShmAlloc(nbytes, pinned=on_device)
+            grant = await ask_grant(conn, ask, timeout, arena, "a shared-memory grant")
+            if grant is None:
+                return False
+        if not on_device:  # a next put as large (a smaller one: the unit frees the tail)
+            body.spare = nbytes
+
+        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
+            if reply.ok:  # answered after the caller gave up: give back what it lent
+                late: ShmGrant | None = decode(reply.payload, ShmGrant | None)
+                if late is not None:
+                    conn.send_best_effort(ShmFree([late.grant], []))
+
         try:
             if on_device:
                 spans = await copy_frames(arena, grant.offset, frames, THREAD_COPY_BYTES)
@@ -456,9 +482,12 @@ class PutPath:
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
-            await conn.request(body, timeout=timeout)
+            payload, _ = await conn.request(body, timeout=timeout, on_abandon=on_abandon)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
             conn.send_best_effort(ShmFree([grant.grant], []))
             raise
+        spare: ShmGrant | None = decode(payload, ShmGrant | None)
+        if spare is not None:
+            units.keep_spare(unit, conn, arena, spare)
         return True

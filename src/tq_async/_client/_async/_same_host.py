@@ -23,7 +23,7 @@ from ..._paths._shm import ArenaMap
 from ..._primitives import Lock
 from ..._transport._dealer import DealerConnection
 from ..._transport._endpoints import same_host_ipc
-from ..._wire._protocol import ShmFree, ShmHello, ShmHelloReply
+from ..._wire._protocol import ShmFree, ShmGrant, ShmHello, ShmHelloReply
 from ._replies import decode
 
 __all__ = ["RELINK_AFTER", "SHM_HELLO_TIMEOUT", "SameHostUnits"]
@@ -68,6 +68,9 @@ class SameHostUnits:
         self._locks: dict[int, Lock] = {}
         #: unit id -> when to try the handshake again after one timed out
         self._relink_at: dict[int, float] = {}
+        #: unit id -> a grant it lent ahead of this client's next put (`StorePut.spare`),
+        #: with the connection it belongs to
+        self._spares: dict[int, tuple[DealerConnection, ShmGrant]] = {}
 
     @property
     def hello_timeout(self) -> float:
@@ -191,8 +194,45 @@ class SameHostUnits:
             fallbacks=self.fallbacks,
         )
 
+    def take_spare(self, unit_id: int, conn: DealerConnection, nbytes: int) -> ShmGrant | None:
+        """The grant ``unit_id`` lent ahead on ``conn`` if it holds ``nbytes`` (taken: one
+        put uses it); one too small, or lent on another connection, goes back."""
+        held = self._spares.pop(unit_id, None)
+        if held is None:
+            return None
+        if held[0] is conn and held[1].size >= nbytes:
+            return held[1]
+        held[0].send_best_effort(ShmFree([held[1].grant], []))
+        return None
+
+    def keep_spare(
+        self, unit_id: int, conn: DealerConnection, arena: ArenaMap, spare: ShmGrant
+    ) -> None:
+        """Hold ``spare`` (lent with a put's answer) for the next put to ``unit_id``; one
+        already held, or a spare outside the arena (a corrupt reply), goes back."""
+        try:
+            arena.check(spare.offset, spare.size, "a spare grant")
+        except ValueError as exc:
+            log.warning("a storage unit lent a grant outside its arena", error=str(exc))
+            conn.send_best_effort(ShmFree([spare.grant], []))
+            return
+        if unit_id in self._spares:
+            conn.send_best_effort(ShmFree([spare.grant], []))
+        else:
+            self._spares[unit_id] = (conn, spare)
+
+    def spare_bytes(self) -> int:
+        """Bytes of the grants this client holds lent ahead of its next puts."""
+        return sum(grant.size for _, grant in self._spares.values())
+
+    def _drop_spare(self, unit_id: int) -> None:
+        held = self._spares.pop(unit_id, None)
+        if held is not None:
+            held[0].send_best_effort(ShmFree([held[1].grant], []))
+
     def forget(self, unit_id: int) -> None:
         """Unmap the unit's arena (its connection broke or it moved)."""
+        self._drop_spare(unit_id)
         arena = self.arenas.pop(unit_id, None)
         if arena is not None:
             arena.close()
@@ -204,6 +244,8 @@ class SameHostUnits:
 
     def close(self) -> None:
         """Unmap every arena; each unit may give the pages this client held back at once."""
+        for unit_id in list(self._spares):
+            self._drop_spare(unit_id)
         for unit_id, arena in self.arenas.items():
             chunks = arena.close() if arena is not None else []
             conn = self._units.get(unit_id)
@@ -217,6 +259,7 @@ class SameHostUnits:
         stays held)."""
         self._stands_for.clear()
         self._locks.clear()
+        self._spares.clear()  # the parent's: it writes into them, never the child
         for arena in self.arenas.values():
             if arena is not None:
                 arena.pinned = None  # the parent's registrations: CUDA is not the child's

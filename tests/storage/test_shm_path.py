@@ -1,0 +1,52 @@
+"""`ShmPath.lend` alone: when a unit lends a same-host client the grant of its next put.
+
+A spare is lent only to a same-host client (a pid the unit watches), only while spares hold at
+most an eighth of the arena and the arena is less than half full; one whose answer failed
+goes back (`unlend`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tq_async._paths._shm import PAGE, Arena
+from tq_async._storage._book import Book
+from tq_async._storage._cells import StorageState
+from tq_async._storage._shm_handlers import SPARE_SHARE, ShmPath
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
+
+CLIENT, REMOTE, STRANGER = b"client", b"nixl-client", b"stranger"
+
+
+def test_spares_go_to_same_host_clients_within_their_share_of_a_roomy_arena() -> None:
+    state = StorageState()
+    book = Book()
+    book.peers[CLIENT] = 4321
+    book.nixl_peers.add(REMOTE)
+    path = ShmPath(state, book, cap=64 * PAGE, idle_bytes=64 * PAGE)
+    state.arena = arena = Arena(64 * PAGE, idle_bytes=64 * PAGE)
+    try:
+        share = arena.cap // SPARE_SHARE
+        assert path.lend(STRANGER, PAGE) is None  # not a client of the shared memory
+        assert path.lend(REMOTE, PAGE) is None  # NIXL: grants are claims with a ttl
+        first = path.lend(CLIENT, share // 2)
+        assert first is not None
+        assert first.size == share // 2
+        assert book.spare_bytes == share // 2
+        assert path.lend(CLIENT, share // 2 + PAGE) is None  # beyond the spares' share
+        second = path.lend(CLIENT, share // 2)
+        assert second is not None
+        assert book.spare_bytes == share
+        path.unlend(CLIENT, second)  # its answer failed: back in the arena
+        assert book.spare_bytes == share // 2
+        assert arena.live_bytes == share // 2
+        cells = arena.alloc(arena.cap // 2 - arena.live_bytes)  # the arena half full
+        assert cells is not None
+        assert path.lend(CLIENT, PAGE) is None  # the room is for puts that ask
+        arena.release(cells)
+        assert path.lend(CLIENT, PAGE) is not None
+    finally:
+        arena.close()
