@@ -259,9 +259,25 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
     assert conn.sent[-1] == ShmFree([14], [])
     sent = len(conn.sent)
     part.keep_spare(1, cast(Any, conn), arena, ShmGrant(15, 8192, 4096))
+    assert part.ask_spare(2)  # asked on a put's way out
     part.after_fork()  # the parent's spare: the child neither uses nor frees it
     assert part.spare_bytes() == 0
     assert len(conn.sent) == sent
+    assert part.ask_spare(2)  # nor waits for the parent's answer
+
+
+def test_one_put_at_a_time_asks_a_unit_for_a_spare() -> None:
+    conn = Conn("tcp://10.0.0.1:5000")
+    part, _ = _part({}, {})
+    arena: Any = Arena(1, 7, 1 << 20, TOKEN)
+    assert part.ask_spare(0)
+    assert not part.ask_spare(0)  # concurrent puts: the one in flight asks for them all
+    assert part.ask_spare(1)  # each unit its own
+    part.asked(0)
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(11, 8192, 4096))
+    assert not part.ask_spare(0)  # one is held
+    assert part.take_spare(0, cast(Any, conn), 4096) is not None
+    assert part.ask_spare(0)
 
 
 def test_the_blocking_twin_links_in_the_calling_thread() -> None:

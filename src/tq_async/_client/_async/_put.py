@@ -465,7 +465,8 @@ class PutPath:
             grant = await ask_grant(conn, ask, timeout, arena, "a shared-memory grant")
             if grant is None:
                 return False
-        if not on_device:  # a next put as large (a smaller one: the unit frees the tail)
+        asking = not on_device and units.ask_spare(unit)
+        if asking:  # a next put as large (a smaller one: the unit frees the tail)
             body.spare = nbytes
 
         def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
@@ -487,6 +488,9 @@ class PutPath:
             # the unit ignores a grant it consumed already (a put that reached it)
             conn.send_best_effort(ShmFree([grant.grant], []))
             raise
+        finally:
+            if asking:
+                units.asked(unit)
         spare: ShmGrant | None = decode(payload, ShmGrant | None)
         if spare is not None:
             units.keep_spare(unit, conn, arena, spare)

@@ -73,6 +73,8 @@ class SameHostUnits:
         #: unit id -> a grant it lent ahead of this client's next put (`StorePut.spare`),
         #: with the connection it belongs to
         self._spares: dict[int, tuple[BlockingConnection, ShmGrant]] = {}
+        #: units a put in flight asks for a spare (one at a time: concurrent puts share it)
+        self._asking: set[int] = set()
 
     @property
     def hello_timeout(self) -> float:
@@ -207,6 +209,18 @@ class SameHostUnits:
         held[0].send_best_effort(ShmFree([held[1].grant], []))
         return None
 
+    def ask_spare(self, unit_id: int) -> bool:
+        """Whether a put to ``unit_id`` should ask for a spare (none held or asked for; it
+        is marked asked until `asked`)."""
+        if unit_id in self._spares or unit_id in self._asking:
+            return False
+        self._asking.add(unit_id)
+        return True
+
+    def asked(self, unit_id: int) -> None:
+        """The put that asked for a spare of ``unit_id`` has its answer (or failed)."""
+        self._asking.discard(unit_id)
+
     def keep_spare(
         self, unit_id: int, conn: BlockingConnection, arena: ArenaMap, spare: ShmGrant
     ) -> None:
@@ -262,6 +276,7 @@ class SameHostUnits:
         self._stands_for.clear()
         self._locks.clear()
         self._spares.clear()  # the parent's: it writes into them, never the child
+        self._asking.clear()
         for arena in self.arenas.values():
             if arena is not None:
                 arena.pinned = None  # the parent's registrations: CUDA is not the child's
