@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 import structlog
 import torch
@@ -19,7 +21,7 @@ from tq_async._core._state import ControllerState
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._deploy._cli import _build_parser, config_from_args
 from tq_async._wire._columns import ColumnHeader
-from tq_async._wire._protocol import GetMeta, MetaReply
+from tq_async._wire._protocol import GetMeta, MetaReply, PutBegin, Reply
 
 
 def test_a_damaged_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -144,3 +146,89 @@ def test_recorder_commits_deltas_compacts_and_recovers_exactly(
         i: lease.rows for i, lease in live.leases.items()
     }
     assert p.consumed_count == live.consumed_count
+
+
+class _Sent:
+    """The controller's endpoint: the request ids of the replies it sent, in order."""
+
+    def __init__(self) -> None:
+        self.rids: list[int] = []
+
+    def send(self, peer: bytes, frames: list[bytes]) -> None:
+        self.rids.append(msgspec.msgpack.decode(frames[0], type=Reply).rid)
+
+
+def _reply(rid: int) -> list[bytes]:
+    return [msgspec.msgpack.encode(Reply(rid, True, msgspec.Raw(msgspec.msgpack.encode(None))))]
+
+
+def test_a_placement_of_reserved_rows_is_answered_before_its_commit(tmp_path: Path) -> None:
+    """A PutBegin of new rows goes out at once when a written record of its partition
+    reserved them; a new partition's, one beyond the reservation, a keyed put's, or one
+    during a commit that reserves less wait for the commit as every reply does."""
+    x = ColumnHeader("x", "dense", "int64", ())
+    core = ControllerCore(ControllerState({0: "tcp://u0"}))
+    recorder = Recorder(JournalStore(tmp_path, "process"), core, {})
+    sent = _Sent()
+    recorder.wrap(sent)  # type: ignore[arg-type]
+
+    def begin(rid: int, n: int, keys: list[str] | None = None) -> Any:
+        body = PutBegin("p", [x], n_rows=n, keys=keys)
+        recorder.note(b"peer", rid, body)
+        placement, _ = core.put_begin("p", [x], n, None, keys, 0.0)
+        recorder.send(b"peer", _reply(rid))
+        return placement
+
+    first = begin(1, 4)  # the partition is new: its creation must be written first
+    assert sent.rids == []
+    recorder.write_now(0.0)
+    recorder._release(recorder.held)
+    recorder.held = []
+    assert sent.rids == [1]
+    assert recorder.durable["p"][1] == 4 + _journal.RESERVE_MIN  # a put is open
+    begin(2, 8)  # reserved: out at once, though its allocation is not written yet
+    assert sent.rids == [1, 2]
+    begin(3, 2, keys=["a", "b"])  # keyed: its keys map to rows only once written
+    assert sent.rids == [1, 2]
+    begin(4, _journal.RESERVE_MIN)  # beyond the reservation
+    assert sent.rids == [1, 2]
+    recorder.write_now(0.0)
+    recorder._release(recorder.held)
+    recorder.held = []
+    assert sent.rids == [1, 2, 3, 4]
+    core.put_commit("p", first.rows, ["x"], None, None, first.put_id)
+    for put_id in list(core.state.partitions["p"].put_leases):
+        core.abort_puts([put_id])
+    recorder.dirty.add("p")
+    recorder._records(0.0)  # a commit in flight whose record reserves nothing ahead
+    begin(5, 1)
+    assert sent.rids == [1, 2, 3, 4]  # its rows are beyond what that record reserves
+    recorder._written()
+    assert recorder.durable["p"][1] == core.state.partitions["p"].n_rows - 1
+    recorder.store.close()
+
+
+def test_a_controller_that_crashed_after_an_early_placement_never_places_its_rows_again(
+    tmp_path: Path,
+) -> None:
+    x = ColumnHeader("x", "dense", "int64", ())
+    core = ControllerCore(ControllerState({0: "tcp://u0"}))
+    recorder = Recorder(JournalStore(tmp_path, "process"), core, {})
+    sent = _Sent()
+    recorder.wrap(sent)  # type: ignore[arg-type]
+    opened, _ = core.put_begin("p", [x], 4, None, None, 0.0)
+    recorder.dirty.add("p")
+    recorder.write_now(0.0)  # written with a put open: rows reserved ahead
+    recorder.note(b"peer", 7, PutBegin("p", [x], n_rows=16))
+    early, _ = core.put_begin("p", [x], 16, None, None, 0.0)
+    recorder.send(b"peer", _reply(7))
+    assert sent.rids == [7]  # answered; the controller dies before writing it
+    recorder.store.close()
+    again = ControllerCore(ControllerState())
+    Recorder(JournalStore(tmp_path, "process"), again, {}).recover(1.0, {})
+    again.unit_up(0)
+    later, _ = again.put_begin("p", [x], 32, None, None, 1.0)
+    # a late StorePut of the early placement cannot overwrite the cells of a later put
+    assert set(later.rows).isdisjoint(early.rows)
+    assert set(later.rows).isdisjoint(opened.rows)
+    assert again.state.partitions["p"].n_alive == 32  # the open put was aborted

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tq_async._core._journal import (
+    RESERVE_MIN,
     controller_record,
     decode_controller,
     decode_partition,
@@ -155,6 +156,28 @@ def test_an_uncommitted_put_is_aborted_and_units_wait_to_come_back() -> None:
     again.unit_up(0)
     again.unit_up(1)
     assert sorted(get(again, fetch(2), now=1.0).rows) == [0, 1]
+
+
+def test_rows_reserved_while_puts_are_open_are_skipped_by_recovery() -> None:
+    core = new_core()
+    put(core, 2)
+    idle = partition_record(core.state.partitions["p"], 0.0, 1000.0)
+    assert idle.reserved == 2  # no put open: nothing ahead, recovery skips nothing
+    open_put, _ = core.put_begin("p", [X], 3, None, None, 0.0)  # placed, never committed
+    rec = partition_record(core.state.partitions["p"], 0.0, 1000.0)
+    assert rec.reserved == 5 + RESERVE_MIN  # ids up to here may be placed before the next
+    again = reborn(core, 0.0, 1.0)
+    p = again.state.partitions["p"]
+    assert p.n_rows == rec.reserved  # the reserved ids are dead rows, never given again
+    assert p.n_alive == 2
+    assert not any(p.alive[2:])
+    assert put(again, 4) == list(range(rec.reserved, rec.reserved + 4))
+    assert set(open_put.rows).isdisjoint(put(again, 8))
+    assert sorted(get(again, fetch(14), now=1.0).rows) == [
+        0,
+        1,
+        *range(rec.reserved, rec.reserved + 12),
+    ]
 
 
 def test_units_of_the_recovering_process_lost_their_cells() -> None:

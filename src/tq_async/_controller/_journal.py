@@ -13,8 +13,10 @@ snapshot and a bounded tail of deltas. So a put commit,
 an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
 operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
 disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
-way. A controller started on the same ``data_dir`` recovers through
-`recover`.
+way. One reply goes at once: the placement of a put of new rows in a partition whose last
+written record reserved their ids (`tq_async._core._journal.row_reservation`); its rows are
+written with its commit, and a controller that crashed before recovers past them. A
+controller started on the same ``data_dir`` recovers through `recover`.
 
 A torn tail is SQLite's business: a transaction is in the database whole or not at all (the
 WAL's frames carry checksums; an incomplete commit is discarded when the database opens). A
@@ -48,6 +50,7 @@ from .._core._journal import (
     encode,
     recover,
     replay,
+    row_reservation,
 )
 from .._core._state import Partition
 from .._core._transitions import ControllerCore, Effects
@@ -58,6 +61,7 @@ from .._wire._protocol import (
     Ack,
     AcquireRollout,
     GetMeta,
+    PutBegin,
     RegisterTasks,
     RegisterUnit,
     ReleaseRollout,
@@ -335,6 +339,12 @@ class Recorder:
         self.commits = 0
         #: what the journal holds of each partition: a commit writes what changed since
         self.tracker = Tracker()
+        #: per partition, the incarnation and row reservation its last written record holds,
+        #: and those of the record the commit in flight writes
+        self.durable: dict[str, tuple[str, int]] = {}
+        self.pending: dict[str, tuple[str, int]] = {}
+        #: PutBegins of new rows (answered at once if their rows are reserved), by request
+        self.early: OrderedDict[tuple[bytes, int], str] = OrderedDict()
         self._wake = asyncio.Event()
 
     # ---- recovery ----------------------------------------------------------------------------
@@ -402,6 +412,10 @@ class Recorder:
     def note(self, peer: bytes, rid: int, body: Any) -> None:
         pids = tuple(_partitions_of(self.core, body))
         self.dirty.update(pids)
+        if type(body) is PutBegin and body.n_rows and body.rows is None and body.keys is None:
+            self.early[(peer, rid)] = body.partition_id
+            if len(self.early) > _INFLIGHT:
+                self.early.popitem(last=False)
         if isinstance(body, _CONTROLLER_WIDE) or (
             isinstance(body, RegisterTasks) and body.partition_id is None
         ):
@@ -418,16 +432,35 @@ class Recorder:
         return _HeldSends(self, endpoint)
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> None:
-        """Send a reply once everything it may show is written."""
-        if self.inflight:
+        """Send a reply once everything it may show is written (a placement of reserved rows:
+        at once)."""
+        early = None
+        if self.inflight or self.early:
             rid = _reply_decoder.decode(frames[0]).rid
             self.dirty.update(self.inflight.pop((peer, rid), ()))
-        if not (self.dirty or self.controller_dirty or self.writing or self.held):
+            early = self.early.pop((peer, rid), None)
+        if (early is not None and self._reserved(early)) or not (
+            self.dirty or self.controller_dirty or self.writing or self.held
+        ):
             if self.endpoint is not None:
                 self.endpoint.send(peer, frames)
             return
         self.held.append((peer, frames))
         self._wake.set()
+
+    def _reserved(self, partition_id: str) -> bool:
+        """Whether every row of the partition is reserved by its last written record, and by
+        the one being written (which may reserve less)."""
+        p = self.core.state.partitions.get(partition_id)
+        if p is None:
+            return False
+        limit = p.n_rows
+        for records in (self.durable, self.pending):
+            inc, reserved = records.get(partition_id, (p.incarnation, limit))
+            if inc != p.incarnation:
+                return False
+            limit = min(limit, reserved)
+        return partition_id in self.durable and p.n_rows <= limit
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -454,12 +487,15 @@ class Recorder:
         snapshots: dict[str, bytes] = {}
         deltas: list[tuple[str, bytes]] = []
         deletes: list[str] = []
+        pending = self.pending = {}
         for pid in self.dirty:
             p = partitions.get(pid)
             if p is None:
                 deletes.append(pid)
                 tracker.forget(pid)
+                pending[pid] = ("", 0)
                 continue
+            pending[pid] = (p.incarnation, row_reservation(p))
             whole, blob = tracker.record(p, now, wall)
             if whole:
                 snapshots[pid] = blob
@@ -492,6 +528,7 @@ class Recorder:
             self.dirty.update(deletes)
             self.controller_dirty = True
             self.held[:0] = sends
+            self.pending = {}
             log.error(
                 "writing the controller's journal failed: replies wait until a later write "
                 "succeeds; free space on the data_dir's disk",
@@ -501,6 +538,7 @@ class Recorder:
             return
         finally:
             self.writing = False
+        self._written()
         self.commits += 1
         self._release(sends)
         if self.held:
@@ -509,6 +547,16 @@ class Recorder:
     def write_now(self, now: float) -> None:
         """Write synchronously (at shutdown, and in tests)."""
         self.store.write(*self._records(now))
+        self._written()
+
+    def _written(self) -> None:
+        """The records of the last commit are written: their reservations hold."""
+        for pid, (inc, reserved) in self.pending.items():
+            if inc:
+                self.durable[pid] = (inc, reserved)
+            else:
+                self.durable.pop(pid, None)
+        self.pending = {}
 
     def _release(self, sends: Iterable[tuple[bytes, Sequence[Any]]]) -> None:
         if self.endpoint is not None:

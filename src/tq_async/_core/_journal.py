@@ -58,6 +58,8 @@ __all__ = [
     "encode",
     "encode_delta",
     "partition_record",
+    "row_reservation",
+    "skip_reserved",
     "recover",
     "replay",
 ]
@@ -140,6 +142,8 @@ class PartitionRecord(msgspec.Struct, array_like=True):
     dropped: dict[str, int]
     #: rows lost with a storage unit: ``(row, unit)`` (format 1 has none)
     lost: list[tuple[int, int]] = []
+    #: row ids below this may have been handed out (see `row_reservation`; 0: none)
+    reserved: int = 0
 
 
 class ControllerRecord(msgspec.Struct, array_like=True):
@@ -213,6 +217,7 @@ class PartitionDelta(msgspec.Struct, array_like=True):
     #: the whole ``dropped`` counts, when they changed
     dropped: dict[str, int] | None
     lost: list[tuple[int, int]]
+    reserved: int = 0
 
 
 _delta_decoder = msgspec.msgpack.Decoder(PartitionDelta)
@@ -231,6 +236,8 @@ SNAPSHOT_EVERY = 256
 SNAPSHOT_ROWS_PER_DELTA = 100
 SNAPSHOT_BYTES = 1 << 16
 SNAPSHOT_SHARE = 0.5
+#: the fewest rows a record reserves ahead (`row_reservation`)
+RESERVE_MIN = 1024
 
 
 def _take(buf: Any, dtype: np.dtype[Any], idx: np.ndarray[Any, Any]) -> bytes:
@@ -393,6 +400,7 @@ class Tracker:
             puts_done=puts_done,
             dropped=dict(p.dropped) if p.dropped != seen.dropped else None,
             lost=list(itertools.islice(p.lost.items(), seen.n_lost, None)),
+            reserved=row_reservation(p),
         )
         seen.mark(p)
         return delta
@@ -435,6 +443,7 @@ class _Image:
         self.puts = dict(rec.puts)
         self.dropped = dict(rec.dropped)
         self.lost = dict(rec.lost)
+        self.reserved = rec.reserved
 
     def apply(self, d: PartitionDelta) -> None:
         if d.incarnation != self.incarnation:
@@ -482,7 +491,24 @@ class _Image:
         if d.dropped is not None:
             self.dropped = dict(d.dropped)
         self.lost.update(d.lost)
+        self.reserved = d.reserved  # the last record's (see `row_reservation`)
         self.wall = d.wall
+
+    def skip_reserved(self) -> None:
+        """Rows up to the reservation, never written: dead (their ids are not given again)."""
+        grow = self.reserved - self.n
+        if grow <= 0:
+            return
+        for buf in (self.alive, *self.produced.values(), *self.consumed.values()):
+            buf.extend(bytes(grow))
+        self.origin.extend(_fill(0, grow, 8))
+        self.units.extend(_fill(0, grow, 4))
+        self.row_version.extend(_fill(-1, grow, 8))
+        for buf in self.field_versions.values():
+            buf.extend(_fill(-1, grow, 8))
+        self.tags.extend(itertools.repeat(None, grow))
+        self.row_keys.extend(itertools.repeat(None, grow))
+        self.n = self.reserved
 
     def record(self) -> PartitionRecord:
         wall = self.wall
@@ -515,6 +541,7 @@ class _Image:
             puts=list(self.puts.items()),
             dropped=self.dropped,
             lost=list(self.lost.items()),
+            reserved=self.reserved,
         )
 
 
@@ -555,6 +582,16 @@ def replay(snapshot: PartitionRecord, deltas: Iterable[PartitionDelta]) -> Parti
     return snapshot if image is None else image.record()
 
 
+def skip_reserved(rec: PartitionRecord) -> PartitionRecord:
+    """``rec`` with its rows up to its reservation (`row_reservation`): those never written
+    are dead, so a recovered partition never gives their ids to another put."""
+    if rec.reserved <= rec.rows.n_rows:
+        return rec
+    image = _Image(rec)
+    image.skip_reserved()
+    return image.record()
+
+
 def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
     """Record ``p`` as it is at ``now`` (the core's clock) and ``wall`` (seconds since the
     epoch: recovery subtracts the time the controller was down from the leases)."""
@@ -569,7 +606,22 @@ def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
         puts=[(put.put_id, list(put.rows)) for put in p.put_leases.values()],
         dropped=dict(p.dropped),
         lost=list(p.lost.items()),
+        reserved=row_reservation(p),
     )
+
+
+def row_reservation(p: Partition) -> int:
+    """The row ids a record of ``p`` reserves: those below may be handed out before the next
+    record is written (a put's placement is answered before its commit when its rows are
+    reserved by a record on disk, `tq_async._controller._journal`). A controller recovering
+    the record skips to it (`skip_reserved`), so a placement it answered but never wrote is
+    never given to another put: a late write of that put cannot overwrite another's cells.
+
+    While puts are open, a quarter of the rows ahead (at least `RESERVE_MIN`); a partition
+    with none reserves nothing ahead, so recovering it skips nothing."""
+    if not p.put_leases:
+        return p.n_rows
+    return p.n_rows + max(RESERVE_MIN, p.n_rows // 4)
 
 
 def controller_record(
@@ -622,7 +674,7 @@ def recover(
     for pid, tasks in ctl.auto_clear:
         st.auto_clear.setdefault(pid, tuple(tasks))
     for rec in parts:
-        p = _recover_partition(core, rec, now, wall)
+        p = _recover_partition(core, skip_reserved(rec), now, wall)
         if follow is not None:
             follow(p)
     fx = core.abort_puts([put_id for rec in parts for put_id, _ in rec.puts])
