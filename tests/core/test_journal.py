@@ -9,6 +9,7 @@ from typing import Any
 
 from tq_async._core._journal import (
     RESERVE_MIN,
+    Tracker,
     controller_record,
     decode_controller,
     decode_partition,
@@ -178,6 +179,22 @@ def test_rows_reserved_while_puts_are_open_are_skipped_by_recovery() -> None:
         1,
         *range(rec.reserved, rec.reserved + 12),
     ]
+
+
+def test_a_record_reserves_ahead_while_rows_are_added_and_nothing_once_idle() -> None:
+    core = new_core()
+    tracker = Tracker()
+    p = core.state.partitions
+    put(core, 3)  # committed: no put open, but rows were added since the last record
+    tracker.record(p["p"], 0.0, 1000.0)
+    assert tracker.reserved == 3 + RESERVE_MIN  # a one-at-a-time producer's next placement
+    put(core, 2000)
+    tracker.record(p["p"], 0.0, 1000.0)
+    assert tracker.reserved == 2003 + 2 * 2000  # twice what was added since
+    tracker.record(p["p"], 0.0, 1000.0)  # added none, but the record before did
+    assert tracker.reserved == 2003 + 2 * 2000
+    tracker.record(p["p"], 0.0, 1000.0)
+    assert tracker.reserved == 2003  # idle for two records: a restart skips nothing
 
 
 def test_units_of_the_recovering_process_lost_their_cells() -> None:

@@ -50,7 +50,6 @@ from .._core._journal import (
     encode,
     recover,
     replay,
-    row_reservation,
 )
 from .._core._state import Partition
 from .._core._transitions import ControllerCore, Effects
@@ -495,8 +494,8 @@ class Recorder:
                 tracker.forget(pid)
                 pending[pid] = ("", 0)
                 continue
-            pending[pid] = (p.incarnation, row_reservation(p))
             whole, blob = tracker.record(p, now, wall)
+            pending[pid] = (p.incarnation, tracker.reserved)
             if whole:
                 snapshots[pid] = blob
             else:

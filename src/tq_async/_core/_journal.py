@@ -249,6 +249,7 @@ class _Seen:
     """What the journal holds of one partition: enough to tell what changed since."""
 
     __slots__ = (
+        "added",
         "dropped",
         "lease_batch",
         "leases",
@@ -271,6 +272,8 @@ class _Seen:
     def __init__(self, p: Partition, snap_bytes: int) -> None:
         self.partition = p
         self.snap_bytes = snap_bytes
+        #: rows the last record added (`row_reservation` looks two records back)
+        self.added = 0
         self.log_bytes = 0
         self.log_count = 0
         self.mark(p)
@@ -320,21 +323,31 @@ class Tracker:
 
     def __init__(self) -> None:
         self.seen: dict[str, _Seen] = {}
+        #: the row reservation of the last record built (`row_reservation`)
+        self.reserved = 0
 
     def record(self, p: Partition, now: float, wall: float) -> tuple[bool, bytes]:
         """``(is_snapshot, blob)``: the record of ``p`` to write now (``now``: the core's
         clock, ``wall``: seconds since the epoch)."""
         seen = self.seen.get(p.partition_id)
+        added = p.n_rows - (0 if seen is None else seen.n_rows)
+        # rows added by this record or the one before: a producer placing its next rows
+        # after the record of its last commit (which added none) still finds them reserved
+        self.reserved = row_reservation(p, max(added, 0 if seen is None else seen.added))
         if seen is None or not seen.followable(p):
-            return True, self.snapshot(p, now, wall)
+            blob = self.snapshot(p, now, wall, self.reserved)
+            self.seen[p.partition_id].added = added
+            return True, blob
         blob = encode_delta(self._delta(p, seen, now, wall))
         seen.log_bytes += len(blob)
         seen.log_count += 1
+        seen.added = added
         return False, blob
 
-    def snapshot(self, p: Partition, now: float, wall: float) -> bytes:
-        """``p`` whole; the tracker follows it from here."""
-        blob = encode(partition_record(p, now, wall))
+    def snapshot(self, p: Partition, now: float, wall: float, reserved: int = 0) -> bytes:
+        """``p`` whole (reserving row ids up to ``reserved``); the tracker follows it from
+        here."""
+        blob = encode(partition_record(p, now, wall, reserved))
         self.follow(p, len(blob))
         return blob
 
@@ -400,7 +413,7 @@ class Tracker:
             puts_done=puts_done,
             dropped=dict(p.dropped) if p.dropped != seen.dropped else None,
             lost=list(itertools.islice(p.lost.items(), seen.n_lost, None)),
-            reserved=row_reservation(p),
+            reserved=self.reserved,
         )
         seen.mark(p)
         return delta
@@ -592,9 +605,10 @@ def skip_reserved(rec: PartitionRecord) -> PartitionRecord:
     return image.record()
 
 
-def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
+def partition_record(p: Partition, now: float, wall: float, reserved: int = 0) -> PartitionRecord:
     """Record ``p`` as it is at ``now`` (the core's clock) and ``wall`` (seconds since the
-    epoch: recovery subtracts the time the controller was down from the leases)."""
+    epoch: recovery subtracts the time the controller was down from the leases), reserving
+    row ids up to ``reserved`` (at least its rows'; see `row_reservation`)."""
     leases = [_lease_record(lease, now) for lease in p.leases.values()]
     return PartitionRecord(
         rows=RowsRecord.of(p),
@@ -606,22 +620,25 @@ def partition_record(p: Partition, now: float, wall: float) -> PartitionRecord:
         puts=[(put.put_id, list(put.rows)) for put in p.put_leases.values()],
         dropped=dict(p.dropped),
         lost=list(p.lost.items()),
-        reserved=row_reservation(p),
+        reserved=max(reserved, row_reservation(p, 0)),
     )
 
 
-def row_reservation(p: Partition) -> int:
+def row_reservation(p: Partition, added: int) -> int:
     """The row ids a record of ``p`` reserves: those below may be handed out before the next
     record is written (a put's placement is answered before its commit when its rows are
     reserved by a record on disk, `tq_async._controller._journal`). A controller recovering
     the record skips to it (`skip_reserved`), so a placement it answered but never wrote is
     never given to another put: a late write of that put cannot overwrite another's cells.
 
-    While puts are open, a quarter of the rows ahead (at least `RESERVE_MIN`); a partition
-    with none reserves nothing ahead, so recovering it skips nothing."""
-    if not p.put_leases:
+    While puts are open, or rows were added lately (``added``: by this record or the one
+    before, `Tracker.record`; a producer that puts one batch at a time has none open when its
+    commit is written), twice the rows added (what the next commit's wait will see placed),
+    at least `RESERVE_MIN`; a partition idle for two records reserves nothing ahead, so
+    recovering it skips nothing."""
+    if not (p.put_leases or added):
         return p.n_rows
-    return p.n_rows + max(RESERVE_MIN, p.n_rows // 4)
+    return p.n_rows + max(RESERVE_MIN, 2 * added)
 
 
 def controller_record(
