@@ -236,3 +236,9 @@ def test_a_controller_that_crashed_after_an_early_placement_never_places_its_row
     assert set(later.rows).isdisjoint(early.rows)
     assert set(later.rows).isdisjoint(opened.rows)
     assert again.state.partitions["p"].n_alive == 32  # the open put was aborted
+    # nor can its late PutCommit take another put's id (it would commit rows never written
+    # and end that put's lease): ids go on past any the old controller handed out
+    assert later.put_id > early.put_id
+    with pytest.raises(tq.RowsNotFound):
+        again.put_commit("p", early.rows, ["x"], None, None, early.put_id)
+    again.put_commit("p", later.rows, ["x"], None, None, later.put_id)

@@ -8,6 +8,7 @@ goes back (`unlend`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -48,5 +49,20 @@ def test_spares_go_to_same_host_clients_within_their_share_of_a_roomy_arena() ->
         assert path.lend(CLIENT, PAGE) is None  # the room is for puts that ask
         arena.release(cells)
         assert path.lend(CLIENT, PAGE) is not None
+    finally:
+        arena.close()
+
+
+def test_a_durable_units_arena_file_lends_no_spares(tmp_path: Path) -> None:
+    """A unit restarted on its arena file may give a region to another put while a client
+    that missed the restart still holds it: a stale spare would write over that put."""
+    state = StorageState()
+    book = Book()
+    book.peers[CLIENT] = 4321
+    path = ShmPath(state, book, cap=64 * PAGE, idle_bytes=64 * PAGE)
+    state.arena = arena = Arena(64 * PAGE, idle_bytes=64 * PAGE, path=str(tmp_path / "arena"))
+    try:
+        assert path.lend(CLIENT, PAGE) is None
+        assert book.spare_bytes == 0
     finally:
         arena.close()

@@ -238,6 +238,9 @@ SNAPSHOT_BYTES = 1 << 16
 SNAPSHOT_SHARE = 0.5
 #: the fewest rows a record reserves ahead (`row_reservation`)
 RESERVE_MIN = 1024
+#: lease and put ids a recovered controller skips past the last record's next id (more
+#: than a controller hands out between two commits)
+ID_GAP = 1 << 24
 
 
 def _take(buf: Any, dtype: np.dtype[Any], idx: np.ndarray[Any, Any]) -> bytes:
@@ -686,7 +689,9 @@ def recover(
             the transitions of recovery change it (a `Tracker` follows it from there).
     """
     st = core.state
-    _restart_ids(core, ctl.next_id)
+    # a placement answered before its commit (`row_reservation`) carries a put id the last
+    # record may not count: ids go on far past it, never given twice
+    _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     for pid, tasks in ctl.auto_clear:
         st.auto_clear.setdefault(pid, tuple(tasks))
