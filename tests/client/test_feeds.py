@@ -12,8 +12,20 @@ def _batch(cursor: int, incarnation: str = "i") -> WatchBatch:
     return WatchBatch(incarnation, cursor, [])
 
 
-async def test_the_first_asks_and_the_answer_is_kept_for_that_position() -> None:
-    feed = Feed()
+class _Watcher:
+    pass
+
+
+def _feed(watchers: int = 2, kept: int = 64) -> tuple[Feed, list[_Watcher]]:
+    feed = Feed(kept)
+    holders = [_Watcher() for _ in range(watchers)]
+    for w in holders:
+        feed.join(w)
+    return feed, holders
+
+
+async def test_the_first_asks_and_the_answer_is_kept_for_the_others() -> None:
+    feed, _holders = _feed(3)
     assert feed.answer(("i", 0)) is None
     assert feed.in_flight(("i", 0)) is None
     done = feed.lead(("i", 0))
@@ -24,12 +36,14 @@ async def test_the_first_asks_and_the_answer_is_kept_for_that_position() -> None
     assert done.is_set()
     assert feed.in_flight(("i", 0)) is None
     assert feed.answer(("i", 0)) is answer
+    assert feed.answer(("i", 0)) is answer  # the leader took it: kept for the other two
+    assert feed.answer(("i", 0)) is None
     assert feed.answer(("i", 3)) is None
     assert feed.answer((None, 0)) is None
 
 
 async def test_a_failure_or_an_empty_poll_is_not_kept() -> None:
-    feed = Feed()
+    feed, _holders = _feed()
     done = feed.lead(("i", 5))
     feed.landed(("i", 5), done, None)  # failed or cancelled: the next one asks itself
     assert done.is_set()
@@ -44,19 +58,33 @@ async def test_a_failure_or_an_empty_poll_is_not_kept() -> None:
 
 
 async def test_the_oldest_answers_are_dropped() -> None:
-    feed = Feed(kept=3)
+    feed, _holders = _feed(kept=3)
     for c in range(5):
         feed.landed(("i", c), feed.lead(("i", c)), _batch(c + 1))
     assert [feed.answer(("i", c)) is not None for c in range(5)] == [False, False, True, True, True]
 
 
 async def test_a_watcher_past_its_max_lag_is_left_to_the_controller() -> None:
-    feed = Feed()
+    feed, _holders = _feed()
     for c in range(10):
         feed.landed(("i", c), feed.lead(("i", c)), _batch(c + 1))
     assert feed.answer(("i", 2), max_lag=8) is not None  # 8 behind the newest answer (10)
     assert feed.answer(("i", 1), max_lag=8) is None  # 9 behind: the controller says Resync
     assert feed.answer(("i", 1)) is not None
+
+
+async def test_a_lone_watcher_or_one_closed_keeps_nothing() -> None:
+    feed, holders = _feed(1)
+    feed.landed(("i", 0), feed.lead(("i", 0)), _batch(1))
+    assert feed.answer(("i", 0)) is None
+    other = _Watcher()
+    feed.join(other)
+    feed.landed(("i", 1), feed.lead(("i", 1)), _batch(2))
+    feed.leave(other)
+    feed.landed(("i", 2), feed.lead(("i", 2)), _batch(3))
+    assert feed.answer(("i", 1)) is not None
+    assert feed.answer(("i", 2)) is None
+    assert holders
 
 
 async def test_after_a_fork_nobody_waits_on_the_parents_requests() -> None:

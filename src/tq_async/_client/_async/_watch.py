@@ -81,6 +81,7 @@ class Watcher:
         filter_key = (partition_id, kinds_key, max_lag, self._body.poll, self._body.max_events)
         #: shared with the client's other watchers of this filter
         self._feed = links.feeds.feed(filter_key)
+        self._feed.join(self)
         self._events: deque[AnyEvent] = deque()
         self._closed = False
         #: the controller incarnation the position counts in (None: not subscribed yet)
@@ -121,6 +122,7 @@ class Watcher:
         """Stop: the iteration ends (nothing waits on the controller between steps)."""
         self._closed = True
         self._events.clear()
+        self._feed.leave(self)
 
     async def _next_batch(self) -> None:
         body = self._body

@@ -5,8 +5,10 @@
 A watcher long-polls the controller for the events after its position (``WatchNext``). Sixteen
 watchers of one client with the same filter, standing at the same position, would each park a
 request and decode the same answer: a `Feed` (one per filter, per client) lets the first of
-them ask (the *leader*) while the others wait for its answer, and keeps the last answers, by
-the position they answer, for the watchers that come to that position later.
+them ask (the *leader*) while the others wait for its answer, and keeps each answer, by the
+position it answers, until every other watcher of the feed took it (at most the last
+`KEPT_ANSWERS`): for the watchers that come to that position later. A lone watcher keeps
+nothing (answers held longer than needed make every garbage collection walk them).
 
 Nothing else changes: an answer is what the controller would have told any watcher at that
 position (each still sees every event after its own position once, in order, or a
@@ -36,26 +38,43 @@ class Feed:
     """The recent answers and the requests in flight of the watchers of one client that share
     a filter. No I/O: the watcher asks, the feed tells who asks and keeps what came back."""
 
-    __slots__ = ("__weakref__", "_answers", "_flight", "_newest", "kept")
+    __slots__ = ("__weakref__", "_answers", "_flight", "_newest", "_watchers", "kept")
 
     def __init__(self, kept: int = KEPT_ANSWERS) -> None:
         self.kept = kept
-        #: position -> the answer to a request from there (insertion order: oldest first)
-        self._answers: dict[Position, WatchBatch] = {}
+        #: the watchers of this feed (a watcher left by ``break`` goes with the collector)
+        self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: position -> the answer to a request from there and how many watchers have yet to
+        #: take it (insertion order: oldest first)
+        self._answers: dict[Position, _Kept] = {}
         #: position -> set when the request from there in flight ended (answered or not)
         self._flight: dict[Position, Event] = {}
         #: the furthest cursor an answer reached, by incarnation
         self._newest: tuple[str, int] | None = None
 
+    def join(self, watcher: Any) -> None:
+        """``watcher`` takes its answers from this feed."""
+        self._watchers.add(watcher)
+
+    def leave(self, watcher: Any) -> None:
+        """``watcher`` was closed: answers are no longer kept for it."""
+        self._watchers.discard(watcher)
+
     def answer(self, position: Position, max_lag: int | None = None) -> WatchBatch | None:
-        """The kept answer to a request from ``position`` (None: none kept, or the watcher is
-        more than ``max_lag`` events behind the newest answer: the controller decides)."""
-        batch = self._answers.get(position)
-        if batch is None or max_lag is None or self._newest is None:
-            return batch
-        incarnation, cursor = self._newest
-        if batch.incarnation == incarnation and cursor - position[1] > max_lag:
+        """The kept answer to a request from ``position``, taken by the caller (None: none
+        kept, or the watcher is more than ``max_lag`` events behind the newest answer: the
+        controller decides)."""
+        kept = self._answers.get(position)
+        if kept is None:
             return None
+        batch = kept.batch
+        if max_lag is not None and self._newest is not None:
+            incarnation, cursor = self._newest
+            if batch.incarnation == incarnation and cursor - position[1] > max_lag:
+                return None
+        kept.waiting -= 1
+        if kept.waiting <= 0:
+            del self._answers[position]
         return batch
 
     def in_flight(self, position: Position) -> Event | None:
@@ -78,18 +97,31 @@ class Feed:
         done.set()
 
     def _keep(self, position: Position, batch: WatchBatch) -> None:
-        answers = self._answers
-        answers.pop(position, None)
-        answers[position] = batch
-        while len(answers) > self.kept:
-            del answers[next(iter(answers))]
         newest = self._newest
         if newest is None or newest[0] != batch.incarnation or newest[1] < batch.cursor:
             self._newest = (batch.incarnation, batch.cursor)
+        waiting = len(self._watchers) - 1  # (the caller took it)
+        if waiting <= 0:
+            return
+        answers = self._answers
+        answers.pop(position, None)
+        answers[position] = _Kept(batch, waiting)
+        while len(answers) > self.kept:
+            del answers[next(iter(answers))]
 
     def after_fork(self) -> None:
         """In a forked child: the parent's requests in flight are not this process's."""
         self._flight = {}
+
+
+class _Kept:
+    """An answer kept for the watchers that have yet to take it."""
+
+    __slots__ = ("batch", "waiting")
+
+    def __init__(self, batch: WatchBatch, waiting: int) -> None:
+        self.batch = batch
+        self.waiting = waiting
 
 
 class Feeds:
