@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 from typing import Any
 
 import anyio
@@ -220,3 +221,40 @@ def _take_now(events: Any, n: int) -> list[Event]:
         if len(out) == n:
             break
     return out
+
+
+def test_a_forked_child_waits_on_no_request_of_the_parent() -> None:
+    ctx = mp.get_context("fork")
+
+    async def main() -> None:
+        async with tq.local_cluster(num_storage_units=1) as cluster:
+            queue = ctx.Queue()
+
+            def parent() -> int:
+                with (
+                    tq.Client.connect(cluster.address) as client,
+                    client.watch() as a,
+                    client.watch() as b,
+                ):
+                    client.put({"x": torch.arange(2)}, partition_id="p")
+                    assert a.incarnation is not None
+                    assert a.seq is not None
+                    # the parent's request from here is in flight as the child starts
+                    a._feed.lead((a.incarnation, a.seq))
+
+                    def child() -> None:
+                        queue.put([ev.seq for ev in _take_now(b, 3)])
+
+                    proc = ctx.Process(target=child)
+                    proc.start()
+                    proc.join(30)
+                    if proc.exitcode is None:  # it waits on the parent's request
+                        proc.kill()
+                        proc.join()
+                        return -1
+                    return proc.exitcode
+
+            assert await anyio.to_thread.run_sync(parent) == 0
+            assert await anyio.to_thread.run_sync(queue.get, True, 10) == [1, 2, 3]
+
+    anyio.run(main)
