@@ -75,10 +75,12 @@ async def test_a_watcher_past_its_max_lag_is_left_to_the_controller() -> None:
 
 async def test_a_lone_watcher_or_one_closed_keeps_nothing() -> None:
     feed, holders = _feed(1)
+    assert feed.alone
     feed.landed(("i", 0), feed.lead(("i", 0)), _batch(1))
     assert feed.answer(("i", 0)) is None
     other = _Watcher()
     feed.join(other)
+    assert not feed.alone
     feed.landed(("i", 1), feed.lead(("i", 1)), _batch(2))
     feed.leave(other)
     feed.landed(("i", 2), feed.lead(("i", 2)), _batch(3))

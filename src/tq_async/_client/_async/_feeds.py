@@ -54,6 +54,11 @@ class Feed:
         """``watcher`` takes its answers from this feed."""
         self._watchers.add(watcher)
 
+    @property
+    def alone(self) -> bool:
+        """Whether one watcher (or none) takes its answers from this feed: nothing to share."""
+        return len(self._watchers) <= 1
+
     def leave(self, watcher: Any) -> None:
         """``watcher`` was closed: answers are no longer kept for it."""
         self._watchers.discard(watcher)

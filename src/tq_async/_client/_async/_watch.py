@@ -126,11 +126,11 @@ class Watcher:
 
     async def _next_batch(self) -> None:
         body = self._body
-        if body.since is None:  # subscribing: where this watcher stands is its own
+        feed = self._feed
+        if body.since is None or feed.alone:  # subscribing, or nobody to share with
             batch = await self._ask()
         else:
             self._links.check_process()  # (a forked child waits on no request of the parent)
-            feed = self._feed
             position = (body.incarnation, body.since)
             while True:
                 answer = feed.answer(position, body.max_lag)
