@@ -4,7 +4,9 @@
   takes each ``fields_produced`` event. Latency from the put's call to the event, against the
   put's own latency, embedded (``local_cluster``) and with ``tq-async serve``.
 * get_meta with watchers: sequential ``get_meta(batch_size=8)`` calls against ``tq-async
-  serve``, with 0 and with 16 watchers attached (in another process, each taking every event).
+  serve``, with 0 and with 16 watchers attached (in another process, each taking every event;
+  ``--watcher-clients K`` spreads them over K clients: watchers of one client with the same
+  filter share one request, so K=16 is the unshared case).
 * kv_list of a partition with 100k live keys (tagged) through ``AsyncClient``, embedded and
   against ``tq-async serve``, and through ``tq_async.compat`` (what verl calls): the call, the
   call and reading every key's tags, and the call after one tag changed (the controller's
@@ -101,15 +103,25 @@ async def put_to_event(address: str, n: int) -> dict[str, float]:
     }
 
 
-def _watchers(address: str, n: int, ready: Any, commands: Any = None) -> None:
-    """``n`` watchers taking every event; with ``commands``: "attach" / "detach" / "stop"
-    (each acknowledged on ``ready`` with the events and Resyncs seen so far)."""
+def _watchers(address: str, n: int, ready: Any, commands: Any = None, n_clients: int = 1) -> None:
+    """``n`` watchers taking every event, spread over ``n_clients`` clients (watchers of one
+    client share their requests; of different clients, not); with ``commands``: "attach" /
+    "detach" / "stop" (each acknowledged on ``ready`` with the events and Resyncs seen so
+    far)."""
 
     async def main() -> None:
         seen = [0, 0]  # events, resyncs
-        async with tq.AsyncClient.connect(address) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(tq.AsyncClient.connect(address))
+                for _ in range(n_clients)
+            ]
+            count = 0
 
             async def one(started: Any) -> None:
+                nonlocal count
+                client = clients[count % n_clients]
+                count += 1
                 async with client.watch() as events:
                     started()
                     async for ev in events:
@@ -149,12 +161,18 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def get_meta_with_watchers(
-    serve_pid: int, address: str, calls: int, rounds: int, n_watchers: int
+    serve_pid: int,
+    address: str,
+    calls: int,
+    rounds: int,
+    n_watchers: int,
+    n_clients: int = 1,
 ) -> dict[str, Any]:
-    """Rounds of sequential get_meta alternating 0 and ``n_watchers`` watchers."""
+    """Rounds of sequential get_meta alternating 0 and ``n_watchers`` watchers (of
+    ``n_clients`` clients)."""
     ctx = multiprocessing.get_context("spawn")
     ready, commands = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_watchers, args=(address, n_watchers, ready, commands))
+    proc = ctx.Process(target=_watchers, args=(address, n_watchers, ready, commands, n_clients))
     proc.start()
     rates: dict[int, list[float]] = {0: [], n_watchers: []}
     cpu: dict[int, list[float]] = {0: [], n_watchers: []}
@@ -180,6 +198,7 @@ def get_meta_with_watchers(
         if proc.is_alive():
             proc.terminate()
     return {
+        "watcher_clients": n_clients,
         "get_meta_per_s_0_watchers": median(rates[0]),
         f"get_meta_per_s_{n_watchers}_watchers": median(rates[n_watchers]),
         "ratio": median(rates[n_watchers]) / median(rates[0]),
@@ -322,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--watchers", type=int, default=16)
+    parser.add_argument(
+        "--watcher-clients",
+        type=int,
+        default=1,
+        help="spread the watchers over this many clients (1: all share one client's requests)",
+    )
     parser.add_argument("--events-per-s", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument(
@@ -342,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if "get_meta" in parts:
         with serve() as (address, pid):
             out["get_meta_watchers"] = get_meta_with_watchers(
-                pid, address, args.calls, args.rounds, args.watchers
+                pid, address, args.calls, args.rounds, args.watchers, args.watcher_clients
             )
     if "kv" in parts:
         out["kv_list_100k_embedded"] = anyio.run(kv_list_ms, None, args.keys, 20)

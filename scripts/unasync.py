@@ -43,6 +43,7 @@ FILES = {
         "_client",
         "_checkpoint",
         "_watch",
+        "_feeds",
         "_query",
         "_replies",
         "_same_host",

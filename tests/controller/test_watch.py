@@ -464,7 +464,13 @@ async def test_watchers_alike_share_one_answer_and_a_busy_controller_batches() -
         hub = cluster.controller.watch
         got: list[list[Event]] = [[], [], []]
         async with contextlib.AsyncExitStack() as stack:
-            watches = [await stack.enter_async_context(client.watch()) for _ in got]
+            # three clients: watchers of one client share one request before it gets here
+            # (tests/client/test_watch_feeds.py)
+            clients = [
+                await stack.enter_async_context(tq.AsyncClient.connect(cluster.address))
+                for _ in got
+            ]
+            watches = [await stack.enter_async_context(c.watch()) for c in clients]
             async with anyio.create_task_group() as tg:
                 for w, out in zip(watches, got, strict=True):
 

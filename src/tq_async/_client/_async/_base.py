@@ -43,6 +43,7 @@ from ..._transport._security import CurveClient
 from ..._wire._codec import check_text
 from ..._wire._protocol import Hello, HelloReply
 from ._device_links import DeviceLinks
+from ._feeds import Feeds
 from ._nixl_links import NixlLinks
 from ._replies import decode
 from ._same_host import SameHostUnits
@@ -146,6 +147,8 @@ class Links:
         #: a forked child's copies of its parent's connections: never used, closed or freed
         #: (they are the parent's sockets)
         self._inherited: list[DealerConnection] = []
+        #: the watchers' shared requests and answers, by filter (`tq_async._client._async._feeds`)
+        self.feeds = Feeds()
 
     def close(self) -> None:
         """Close every connection; calls still waiting fail with ClosedError."""
@@ -171,6 +174,7 @@ class Links:
         if self.devices is not None:
             self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
         self.same_host_units.after_fork()
+        self.feeds.after_fork()
         self._refreshing = None
         if self.nixl is not None:
             self.nixl = NixlLinks(forced=self.nixl.forced)

@@ -10,6 +10,10 @@ cancelling it leaves nothing behind: a request still waiting is cancelled on the
 ``since=seq, incarnation=incarnation`` goes on from there, with no gap and no duplicate, or
 starts with one `Resync` when the controller cannot tell the
 events in between.
+
+Watchers of one client with the same filter share their requests (`Feed`): those at the same
+position wait for one answer, and one that comes later to a position the others passed takes
+the answer they got, with no request.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..._wire._codec import check_text
 from ..._wire._events import EVENT_KINDS, AnyEvent, WatchBatch
 from ..._wire._protocol import WatchNext, check_int, check_seconds
 from ._base import Links, as_int
+from ._feeds import Feed, Position
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -74,6 +79,11 @@ class Watcher:
             max_lag=max_lag,
             poll=float(check_seconds("poll", poll, optional=False) or 30.0),
         )
+        kinds_key = None if kinds is None else tuple(kinds)
+        filter_key = (partition_id, kinds_key, max_lag, self._body.poll, self._body.max_events)
+        #: shared with the client's other watchers of this filter
+        self._feed = links.feeds.feed(filter_key)
+        self._feed.join(self)
         self._events: deque[AnyEvent] = deque()
         self._closed = False
         #: the controller incarnation the position counts in (None: not subscribed yet)
@@ -114,11 +124,46 @@ class Watcher:
         """Stop: the iteration ends (nothing waits on the controller between steps)."""
         self._closed = True
         self._events.clear()
+        self._feed.leave(self)
 
     def _next_batch(self) -> None:
         body = self._body
+        feed = self._feed
+        if body.since is None or feed.alone:  # subscribing, or nobody to share with
+            batch = self._ask()
+        else:
+            self._links.check_process()  # (a forked child waits on no request of the parent)
+            position = (body.incarnation, body.since)
+            while True:
+                answer = feed.answer(position, body.max_lag)
+                if answer is not None:
+                    batch = answer
+                    break
+                flight = feed.in_flight(position)
+                if flight is None:
+                    batch = self._lead(feed, position)
+                    break
+                flight.wait()  # then the answer it brought, or this one asks
+        self._take(batch)
+
+    def _lead(self, feed: Feed, position: Position) -> WatchBatch:
+        """Ask for the watchers at ``position``; they share the answer, never a failure."""
+        done = feed.lead(position)
+        batch = None
+        try:
+            batch = self._ask()
+        finally:
+            feed.landed(position, done, batch)
+        return batch
+
+    def _ask(self) -> WatchBatch:
+        body = self._body
         wait = body.poll + self._links.request_timeout
         batch: WatchBatch = self._links.call(body, WatchBatch, timeout=wait)
+        return batch
+
+    def _take(self, batch: WatchBatch) -> None:
+        body = self._body
         if body.since is None:
             self.seq = batch.cursor
         body.since, body.incarnation = batch.cursor, batch.incarnation
