@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 import tq_async as tq
 from _cluster_proc import serve_cluster
 from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._checks import (
+    validate,
+)
 from tq_async._wire._codec import tags_for_wire
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import (
@@ -38,7 +41,6 @@ from tq_async._wire._protocol import (
     StateDump,
     StorePut,
     TakeRecycled,
-    validate,
 )
 
 NAN, INF = math.nan, math.inf

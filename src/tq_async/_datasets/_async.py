@@ -59,8 +59,11 @@ from .._errors import (
 )
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
+from .._wire._checks import (
+    MAX_ALSO,
+    check_int,
+)
 from .._wire._nested import RowWindows, tensordict_of
-from .._wire._protocol import MAX_ALSO, check_int
 from ._handoff import pack, unpack
 from ._prefetch import Prefetcher
 

@@ -19,6 +19,10 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._sync_primitives import run_each
+from ..._wire._checks import (
+    check_int,
+    check_seconds,
+)
 from ..._wire._codec import check_text, tags_for_wire
 from ..._wire._listing import KVListing
 from ..._wire._protocol import (
@@ -52,8 +56,6 @@ from ..._wire._protocol import (
     StoreStats,
     StoreStatsReply,
     TakeRecycled,
-    check_int,
-    check_seconds,
 )
 from ._base import Links, as_int, check_fields
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint

@@ -37,6 +37,10 @@ from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
 from ..._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
+from ..._wire._checks import (
+    check_ints,
+    check_seconds,
+)
 from ..._wire._codec import DeviceColumn, check_text, columns_from_batch, tags_for_wire
 from ..._wire._columns import (
     Column,
@@ -61,8 +65,6 @@ from ..._wire._protocol import (
     ShmFree,
     ShmGrant,
     StorePut,
-    check_ints,
-    check_seconds,
 )
 from ._base import THREAD_COPY_BYTES, Links, as_int
 from ._device_links import keeps_on_device
