@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import tq_async as tq
+from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
-from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, RequestStats
+from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
+from tq_async._wire._protocol import WatchNext
 from tq_async.events import EVENT_KINDS, Event, Resync
 
 # ---- a model of the cluster, built from events only ------------------------------------------
@@ -496,6 +498,67 @@ async def test_watchers_alike_share_one_answer_and_a_busy_controller_batches() -
             events = await _take(w, 3)
             assert [e.rows for e in events] == [[1], [2], [3]]  # type: ignore[attr-defined]
             assert hub.answers - answers <= 2  # batched, not one answer per put
+
+
+class _Charges(Pacer):
+    """A pacer that records what it is charged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charged: list[float] = []
+
+    def charge(self, now: float, seconds: float) -> None:
+        self.charged.append(seconds)
+        super().charge(now, seconds)
+
+
+async def test_a_request_shared_by_a_clients_watchers_is_charged_as_theirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pacer paces watchers: one request asking for eight is charged as eight (else a
+    shared round would be answered eight times as often, each waking all eight)."""
+    ticks = iter(range(1000))
+
+    class _Clock:
+        @staticmethod
+        def thread_time() -> float:
+            return next(ticks) * 1e-5  # every handler takes 10 us
+
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        hub = cluster.controller.watch
+        hub.price_requests = False
+        hub.pacer = pacer = _Charges()
+        monkeypatch.setattr(_watch, "time", _Clock)
+        since = hub.log.last
+        for rid, watchers in enumerate((1, 8)):
+            body = WatchNext(since, hub.log.incarnation, watchers=watchers)
+            hub.on_watch_next(Incoming(b"peer", rid, [], 0.0), body)
+            assert hub.cancel((b"peer", rid))
+        assert pacer.charged == [pytest.approx(1e-5), pytest.approx(8e-5)]
+
+
+async def test_watchers_of_one_client_ask_for_all_of_them() -> None:
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        async with contextlib.AsyncExitStack() as stack:
+            watches = [await stack.enter_async_context(client.watch()) for _ in range(4)]
+            async with anyio.create_task_group() as tg:
+                for w in watches:
+                    tg.start_soon(_take, w, 1)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                assert [p.body.watchers for p in hub.parked.values()] == [4]
+                await _put(client, "p", 1)
+        # a lone watcher asks for itself
+        async with client.watch() as alone, anyio.create_task_group() as tg:
+            tg.start_soon(_take, alone, 1)
+            while not hub.parked:
+                await anyio.wait_all_tasks_blocked()
+            assert [p.body.watchers for p in hub.parked.values()] == [1]
+            await _put(client, "p", 1)
 
 
 def test_a_request_is_priced_beyond_its_handler() -> None:

@@ -41,6 +41,7 @@ from tq_async._wire._protocol import (
     StateDump,
     StorePut,
     TakeRecycled,
+    WatchNext,
 )
 
 NAN, INF = math.nan, math.inf
@@ -117,6 +118,8 @@ BAD_REQUESTS: list[tuple[msgspec.Struct, str]] = [
         ),
         "row_version",
     ),
+    (WatchNext(0, watchers=0), "watchers"),
+    (WatchNext(0, watchers=(1 << 16) + 1), "watchers"),
 ]
 
 

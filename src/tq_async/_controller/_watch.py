@@ -296,7 +296,8 @@ class WatchHub:
             spent = time.thread_time() - t0
             if self.price_requests:
                 spent += self.cost.update(now, time.thread_time(), REQUESTS)
-            self.pacer.charge(now, spent)
+            # a request a client's watchers share counts as theirs: the pacer paces watchers
+            self.pacer.charge(now, spent * body.watchers)
 
     def _on_watch_next(self, msg: Incoming, body: WatchNext) -> Any:
         shell = self.shell

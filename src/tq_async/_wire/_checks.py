@@ -30,6 +30,7 @@ from ._protocol import (
 )
 
 __all__ = [
+    "MAX_WATCHERS",
     "MAX_ALSO",
     "MAX_INT",
     "MAX_PUT_ROWS",
@@ -44,6 +45,8 @@ __all__ = [
     "validate",
 ]
 
+#: the most watchers one shared watch request may ask for
+MAX_WATCHERS = 1 << 16
 #: the largest int the services keep (rows, versions and counts live in int64 arrays)
 MAX_INT = 2**63 - 1
 #: the most rows one put may allocate
@@ -240,6 +243,7 @@ def _watch_next(b: WatchNext) -> None:
     if b.max_lag is not None:
         check_int("max_lag", b.max_lag, 1)
     check_seconds("poll", b.poll, optional=False)
+    check_int("watchers", b.watchers, 1, MAX_WATCHERS)
 
 
 _CHECKS: dict[type[Any], Callable[[Any], object]] = {

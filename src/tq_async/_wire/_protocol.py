@@ -401,6 +401,8 @@ class WatchNext(_Msg):
     #: the most events this watcher may fall behind before it gets a ``Resync`` instead
     max_lag: int | None = None
     poll: float = 30.0
+    #: the watchers of the client this request asks for (they share its answer)
+    watchers: int = 1
 
 
 ControllerBody = (

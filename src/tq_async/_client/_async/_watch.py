@@ -134,6 +134,7 @@ class Watcher:
         body = self._body
         feed = self._feed
         if body.since is None or feed.alone:  # subscribing, or nobody to share with
+            body.watchers = 1
             batch = await self._ask()
         else:
             self._links.check_process()  # (a forked child waits on no request of the parent)
@@ -153,6 +154,9 @@ class Watcher:
     async def _lead(self, feed: Feed, position: Position) -> WatchBatch:
         """Ask for the watchers at ``position``; they share the answer, never a failure."""
         done = feed.lead(position)
+        # the controller paces its watchers, not their requests: one asking for all is
+        # charged as all of them (answered as often as each would be, at a fraction of the cost)
+        self._body.watchers = feed.watchers
         batch = None
         try:
             batch = await self._ask()

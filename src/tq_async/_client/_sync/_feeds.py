@@ -57,6 +57,11 @@ class Feed:
         self._watchers.add(watcher)
 
     @property
+    def watchers(self) -> int:
+        """How many watchers take their answers from this feed."""
+        return len(self._watchers)
+
+    @property
     def alone(self) -> bool:
         """Whether one watcher (or none) takes its answers from this feed: nothing to share."""
         return len(self._watchers) <= 1
