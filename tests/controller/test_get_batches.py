@@ -21,13 +21,8 @@ from tensordict import TensorDict
 import tq_async as tq
 from _samplers import Later
 from tq_async._client._async._get import GetPath
-from tq_async._wire._checks import (
-    MAX_ALSO,
-    validate,
-)
-from tq_async._wire._protocol import (
-    GetMeta,
-)
+from tq_async._wire._checks import MAX_ALSO, validate
+from tq_async._wire._protocol import GetMeta
 
 
 def rows(n: int, start: int = 0) -> TensorDict:

@@ -640,9 +640,7 @@ def test_a_batch_asked_for_with_also_is_the_same_fetch_answered_now_or_not() -> 
 
 
 def test_record_from_is_checked() -> None:
-    from tq_async._wire._checks import (
-        check_sampling_config,
-    )
+    from tq_async._wire._checks import check_sampling_config
 
     with pytest.raises(InvalidRequestError, match="record_from'\\] needs 'batch_index'"):
         check_sampling_config({"record_from": 0})

@@ -22,9 +22,7 @@ from hypothesis import strategies as st
 import tq_async as tq
 from _cluster_proc import serve_cluster
 from tq_async._transport._dealer import DealerConnection
-from tq_async._wire._checks import (
-    validate,
-)
+from tq_async._wire._checks import validate
 from tq_async._wire._codec import tags_for_wire
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import (

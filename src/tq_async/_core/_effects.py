@@ -13,9 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from .._errors import InvalidRequestError
-from .._wire._checks import (
-    check_int,
-)
+from .._wire._checks import check_int
 from ._state import Wakeup
 
 __all__ = ["AdmissionConfig", "Deadlines", "Effects"]

@@ -59,10 +59,7 @@ from .._errors import (
 )
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
-from .._wire._checks import (
-    MAX_ALSO,
-    check_int,
-)
+from .._wire._checks import MAX_ALSO, check_int
 from .._wire._nested import RowWindows, tensordict_of
 from ._handoff import pack, unpack
 from ._prefetch import Prefetcher

@@ -24,14 +24,8 @@ from .._errors import CALLERS_FAULT, ProtocolError
 from .._logging import get_logger
 from .._transport._endpoints import LogThrottle
 from .._transport._router import RouterEndpoint
-from .._wire._checks import (
-    validate,
-)
-from .._wire._protocol import (
-    error_reply,
-    ok_reply,
-    salvage_rid,
-)
+from .._wire._checks import validate
+from .._wire._protocol import error_reply, ok_reply, salvage_rid
 from ._metrics import Metrics
 
 __all__ = ["DEFERRED", "REQUESTS", "SENT", "Incoming", "RequestStats", "Service", "WithFrames"]

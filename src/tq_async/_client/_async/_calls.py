@@ -17,10 +17,7 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._meta import BatchMeta
 from ..._primitives import run_each
-from ..._wire._checks import (
-    check_int,
-    check_seconds,
-)
+from ..._wire._checks import check_int, check_seconds
 from ..._wire._codec import check_text, tags_for_wire
 from ..._wire._listing import KVListing
 from ..._wire._protocol import (

@@ -14,17 +14,9 @@ from typing import Any, NamedTuple
 from ..._errors import InvalidRequestError
 from ..._meta import BatchMeta
 from ..._paths._device_copy import check_device
-from ..._wire._checks import (
-    MAX_INT,
-    check_also,
-    check_int,
-    check_sampling_config,
-    check_seconds,
-)
+from ..._wire._checks import MAX_INT, check_also, check_int, check_sampling_config, check_seconds
 from ..._wire._codec import check_text
-from ..._wire._protocol import (
-    GetMeta,
-)
+from ..._wire._protocol import GetMeta
 from ._base import check_fields
 
 __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]

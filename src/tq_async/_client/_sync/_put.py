@@ -37,10 +37,7 @@ from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
 from ..._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
-from ..._wire._checks import (
-    check_ints,
-    check_seconds,
-)
+from ..._wire._checks import check_ints, check_seconds
 from ..._wire._codec import DeviceColumn, check_text, columns_from_batch, tags_for_wire
 from ..._wire._columns import (
     Column,

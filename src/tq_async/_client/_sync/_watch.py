@@ -24,15 +24,10 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from ..._errors import InvalidRequestError
-from ..._wire._checks import (
-    check_int,
-    check_seconds,
-)
+from ..._wire._checks import check_int, check_seconds
 from ..._wire._codec import check_text
 from ..._wire._events import EVENT_KINDS, AnyEvent, WatchBatch
-from ..._wire._protocol import (
-    WatchNext,
-)
+from ..._wire._protocol import WatchNext
 from ._base import Links, as_int
 from ._feeds import Feed, Position
 
