@@ -13,13 +13,12 @@ rank whose stream ended joins the step collective of the ranks that still have o
 run the same number of collectives, so the process group stays usable for the next phase)
 instead of hanging. Anything else that blocks (a fetch that never returns) is bounded by
 ``faulthandler.dump_traceback_later(exit=True)``: the rank prints every thread's stack and
-exits, and the parent reports it; its DataLoader workers print theirs shortly before.
+exits, and the parent reports it.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import functools
 import json
 import os
 import sys
@@ -92,14 +91,7 @@ def _flag(have: bool) -> torch.Tensor:
     return torch.tensor([1 if have else 0], dtype=torch.int64)
 
 
-def _dump_stacks_after(seconds: float, _worker_id: int) -> None:
-    """A DataLoader worker's ``worker_init_fn``: print its stacks if it runs ``seconds``."""
-    faulthandler.dump_traceback_later(seconds, exit=False)
-
-
-def _run_loader(
-    phase: dict[str, Any], address: str, dp_rank: int, run: _Phase, phase_timeout: float
-) -> None:
+def _run_loader(phase: dict[str, Any], address: str, dp_rank: int, run: _Phase) -> None:
     workers = phase["num_workers"]
     ds = tq.StreamingDataset(
         address,
@@ -113,14 +105,7 @@ def _run_loader(
         tail=phase["tail"],
     )
     loader = tq.StreamingDataLoader(
-        ds,
-        num_workers=workers,
-        multiprocessing_context="fork" if workers else None,
-        # a worker still running near the phase's limit prints its stacks too (the rank's
-        # own dump cannot show where its workers wait; faulthandler's timer dies in a fork)
-        worker_init_fn=functools.partial(_dump_stacks_after, phase_timeout - 2)
-        if workers
-        else None,
+        ds, num_workers=workers, multiprocessing_context="fork" if workers else None
     )
     items: Iterator[Any] = iter(loader)
     try:
@@ -187,7 +172,7 @@ def main() -> None:
         if phase["mode"] == "async":
             anyio.run(_run_async, phase, config["address"], dp_rank, run)
         else:
-            _run_loader(phase, config["address"], dp_rank, run, config["phase_timeout"])
+            _run_loader(phase, config["address"], dp_rank, run)
         faulthandler.cancel_dump_traceback_later()
         results[phase["name"]] = {**run.result(), "seconds": round(time.monotonic() - t0, 3)}
     dist.barrier()
