@@ -131,14 +131,17 @@ def test_ctrl_c_during_a_blocking_get_meta_cancels_it_on_the_service(
 
 
 def _run_script(script: str, address: str) -> subprocess.CompletedProcess[str]:
-    """``script`` in a fresh interpreter, given the cluster's address (bounded in time)."""
-    return subprocess.run(
-        [sys.executable, "-c", script, address],
+    """``script`` in a fresh interpreter, given the cluster's address (bounded in time: one
+    still running after 50 s prints every thread's stack, which the failure shows)."""
+    watchdog = "import faulthandler; faulthandler.dump_traceback_later(50, exit=True)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", watchdog + script, address],
         capture_output=True,
         text=True,
         timeout=60,
-        check=True,
     )
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
 
 
 _CTRL_C_LOADER = """
