@@ -607,7 +607,8 @@ def run_chaos(
         anyio.run(_seal, cluster.address)
         for w in workers:
             if not w.wait(drain_timeout):
-                report.violations.append(f"{w.role} did not reach end-of-stream (hung)")
+                why = anyio.run(_owed, cluster.address)
+                report.violations.append(f"{w.role} did not reach end-of-stream (hung): {why}")
         log("drained; checking")
         anyio.run(check, cluster.address, [w.records for w in workers], report, lease)
     finally:
@@ -616,6 +617,14 @@ def run_chaos(
         cluster.close()
     report.seconds = round(time.monotonic() - t0, 1)
     return report
+
+
+async def _owed(address: str) -> str:
+    """What the sealed partition still owes each task (why a drain hangs)."""
+    import tq_async as tq
+
+    async with tq.AsyncClient.connect(address, request_timeout=10) as c:
+        return repr(await c.partition_info(PARTITION))  # rows; per task consumed, ready, leased
 
 
 async def _seal(address: str) -> None:

@@ -22,6 +22,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -130,6 +131,54 @@ async def test_sigkill_the_controller_and_restart_on_its_data_dir(tmp_path: Path
             assert await c.kv_list("kv") == {"kv": {"k": {}}}
             tags = await c.get_meta(["x"], 2, "tags", "t", mode="peek")
             assert sorted(t["g"] for t in tags.tags) == [1, 2]
+
+
+async def test_a_controller_killed_while_a_small_put_travels_leaves_no_row_behind(
+    tmp_path: Path,
+) -> None:
+    """A small put is one `PutInline`: the controller places its rows, then forwards the
+    cells to their unit and waits. A journal record written while it waits holds the placed
+    rows; the controller is SIGKILLed before the unit answers. Restarted, it must not keep
+    rows that no put will ever produce: a sealed partition would never end (found by the
+    50-kill chaos run: the consumer and the DP ranks waited forever after the last restart,
+    four rows alive with no field and no put lease)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        unit, _ = stack.enter_context(
+            serve_role("storage", "--controller", bind, "--unit-id", "0", line="TQ_UNIT=")
+        )
+        async with tq.AsyncClient.connect(bind, request_timeout=5) as c:
+            first = await c.put(_rows(2, 0), "p")
+            unit.send_signal(signal.SIGSTOP)  # the unit takes the cells but never answers
+            failed: list[Exception] = []
+
+            async def stuck() -> None:
+                try:
+                    await c.put(_rows(2, 100), "p")  # placed, then waits for the unit
+                except (tq.BrokenError, tq.TQTimeoutError) as exc:
+                    failed.append(exc)
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stuck)
+                    with anyio.fail_after(30):
+                        # each answer waits for the journal record of what it shows: the
+                        # reply that counts the placed rows comes after a record of them
+                        while (await c.partition_info("p"))["rows"] != 4:
+                            pass
+                    ctl.send_signal(signal.SIGKILL)
+                    ctl.wait(timeout=10)
+            finally:
+                unit.send_signal(signal.SIGCONT)
+            assert failed  # the put was never acknowledged
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await c.partition_info("p"))["rows"] == 2  # the put in flight: aborted
+            await c.seal("p")
+            got = await c.get_meta(["x"], 2, "p", "t", timeout=10)
+            assert got.global_indexes == first.global_indexes
+            assert (await c.get_meta(["x"], 2, "p", "t", timeout=10)).end_of_stream
 
 
 @pytest.mark.parametrize("what", ["missing", "foreign", "storage"])

@@ -257,6 +257,39 @@ async def test_a_put_takes_the_grant_its_unit_lent_with_the_last_answer(
                 pass  # ShmFree is one-way: each stats request is a round trip later
 
 
+async def test_a_spare_lent_to_a_put_whose_caller_gave_up_goes_back(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The StorePut reached the unit (which lends the next grant with its answer), but the
+    caller was cancelled before the answer came: the late answer's spare is freed at once,
+    not held for a client that never learnt of it until that client closes."""
+    request = DealerConnection.request
+    scope = anyio.CancelScope()
+    store_puts: list[int] = []
+
+    async def cancel_at_store_put(self: DealerConnection, body: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(body, StorePut):
+            store_puts.append(body.spare)
+            scope.cancel()  # takes effect at the request's first wait: after it was sent
+        return await request(self, body, *a, **k)
+
+    async with tq.AsyncClient.connect(address) as client:
+        monkeypatch.setattr(DealerConnection, "request", cancel_at_store_put)
+        with scope:
+            await client.put(_batch(), partition_id="shm-late-spare")
+        monkeypatch.setattr(DealerConnection, "request", request)
+        assert scope.cancelled_caught
+        assert len(store_puts) == 1
+        assert store_puts[0] > 0  # the put asked its unit for the next grant
+        assert client._links.same_host_units.spare_bytes() == 0
+        with anyio.fail_after(10):
+            # the put's own region and the late spare both go back (ShmFree is one-way:
+            # each stats request is a round trip later)
+            while sum(s.shm_bytes for s in await _unit_stats(client)) != 0:
+                pass
+        assert client._links.same_host_units.spare_bytes() == 0
+
+
 async def test_reads_return_memory_of_our_own(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
         want = _batch(32)

@@ -118,11 +118,20 @@ class PutPath:
                     self._inline_undo(body, placed)
                     raise
                 return SENT
+            self._hold(body, placed)
         frames = msg.frames[1:]
         self.shell.spawn_waiting(
             msg, self._put_inline_task, msg.peer, msg.rid, body, frames, n_new, placed, msg.t0
         )
         return DEFERRED
+
+    def _hold(self, body: PutInline, placed: _Placed) -> None:
+        """New rows of a put that waits for its unit: under a put lease while it waits (a
+        journal written meanwhile records a put to abort, not rows nobody will write)."""
+        new = placed.rows if body.rows is None else []
+        if new:
+            placed.put_id = self.core.puts.hold(placed.partition, new, self.shell.now())
+            self.shell.rearm()  # (its lapse)
 
     def _inline_place(self, body: PutInline) -> _Placed:
         placement, fx = self.core.put_begin(
@@ -147,7 +156,13 @@ class PutPath:
         fields = [h.name for h in body.columns]
         incarnation = placed.partition.incarnation  # not cleared while storing
         fx = self.core.put_commit(
-            body.partition_id, placed.rows, fields, body.tags, body.versions, 0, incarnation
+            body.partition_id,
+            placed.rows,
+            fields,
+            body.tags,
+            body.versions,
+            placed.put_id,
+            incarnation,
         )
         fx.add(placed.effects)
         self.shell.send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
@@ -157,7 +172,10 @@ class PutPath:
         """A one-message put failed after its rows were placed: drop new rows again."""
         if body.rows is not None:
             return  # existing rows: their new cells were never marked produced
-        fx = self.core.puts.undo(body.partition_id, placed.rows, placed.partition.incarnation)
+        if placed.put_id:
+            fx = self.core.abort_puts([placed.put_id])
+        else:
+            fx = self.core.puts.undo(body.partition_id, placed.rows, placed.partition.incarnation)
         self.shell.apply(fx)
 
     async def _put_inline_task(
@@ -179,6 +197,8 @@ class PutPath:
                 placed = self._inline_place(body)
             unit_id = placed.units[0]
             local = self.links.local_units.get(unit_id)
+            if local is None and not placed.put_id:
+                self._hold(body, placed)
             try:
                 if local is not None:
                     local.store_local(
@@ -248,7 +268,7 @@ class PutPath:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Placed:
     """Where a one-message put goes (all rows on one unit), and the effects it owes."""
 
@@ -256,6 +276,8 @@ class _Placed:
     rows: list[int]
     units: list[int]
     effects: Effects
+    #: the put lease of its new rows while it waits for a unit (0: none)
+    put_id: int = 0
 
 
 def _check_incarnation(st: ControllerState, partition_id: str, incarnation: str | None) -> None:

@@ -86,14 +86,19 @@ class PutLeases:
         if lease and rows is None:
             new = [r for r in got if r >= first_new]
             if new:
-                p = self.state.partitions[partition_id]
-                put_id = next(self._ids)
-                p.put_leases[put_id] = PutLease(put_id, new, now + self.put_lease)
-                self.home[put_id] = p
-                self._arm(now + self.put_lease, "put", put_id)
-                placement.put_id = put_id
+                placement.put_id = self.hold(p, new, now)
                 placement.put_lease = self.put_lease
         return placement, Effects(wakeups=wakeups)
+
+    def hold(self, p: Partition, rows: Sequence[int], now: float) -> int:
+        """Put new ``rows`` of ``p`` under a put lease (its id): until the put commits, a
+        lapse or an abort reclaims them, and a journal records them as a put to abort when
+        it recovers (a controller that dies meanwhile leaves no row nobody will write)."""
+        put_id = next(self._ids)
+        p.put_leases[put_id] = PutLease(put_id, list(rows), now + self.put_lease)
+        self.home[put_id] = p
+        self._arm(now + self.put_lease, "put", put_id)
+        return put_id
 
     def renew(self, put_ids: Sequence[int], now: float) -> None:
         """The producer is alive and still writing: push the put leases' deadlines."""
