@@ -197,11 +197,17 @@ def get_meta_with_watchers(
         proc.join(timeout=30)
         if proc.is_alive():
             proc.terminate()
+    pairs = [w / z for z, w in zip(rates[0], rates[n_watchers], strict=True)]
     return {
         "watcher_clients": n_clients,
         "get_meta_per_s_0_watchers": median(rates[0]),
         f"get_meta_per_s_{n_watchers}_watchers": median(rates[n_watchers]),
         "ratio": median(rates[n_watchers]) / median(rates[0]),
+        # each round with watchers against the round without just before it: the VM's speed
+        # drifts over seconds (one run's 0-watcher rounds: 3.4k-9k calls/s), far more than
+        # between two rounds in a row
+        "ratio_of_pairs": median(pairs),
+        "pair_ratios": [round(x, 3) for x in pairs],
         "rates_0": [round(x) for x in rates[0]],
         f"rates_{n_watchers}": [round(x) for x in rates[n_watchers]],
         "controller_cpu_us_per_get_meta_0": median(cpu[0]),
