@@ -412,7 +412,11 @@ async def _worker(args: Any) -> None:
     stop = threading.Event()
 
     def wait_stdin() -> None:
-        sys.stdin.buffer.read()  # the harness closes our stdin: stop
+        # the harness closes our stdin: stop. (os.read, not sys.stdin: a daemon thread
+        # blocked in a buffered read holds its lock, and a worker ending without the harness
+        # closing stdin died at interpreter shutdown with "could not acquire lock")
+        while os.read(0, 4096):
+            pass
         stop.set()
 
     threading.Thread(target=wait_stdin, daemon=True).start()

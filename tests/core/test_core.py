@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tq_async import (
@@ -19,6 +20,7 @@ from tq_async import (
     SequentialSampler,
     StalenessSampler,
 )
+from tq_async._core._liveness import orphan_cells
 from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import (
     ControllerCore,
@@ -29,7 +31,7 @@ from tq_async._core._transitions import (
     split_even,
 )
 from tq_async._wire._columns import ColumnHeader
-from tq_async._wire._protocol import GetMeta, MetaReply
+from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, StoreClear
 from tq_async.samplers import BaseSampler
 
 X = ColumnHeader("x", "dense", "int64", ())
@@ -730,3 +732,34 @@ def test_a_uid_with_too_many_rows_fails_the_first_get_that_sees_it() -> None:
     with pytest.raises(InvalidRequestError, match=r"uid=0.*rows \[0, 1, 2, 3, 4, 5, 6, 7\]"):
         get(core, req(4))
     assert core.state.partition("p").consumed_count.get("t", 0) == 0
+
+
+def _held(pid: str, incarnation: str, rows: Sequence[int]) -> HeldRows:
+    return HeldRows(pid, incarnation, np.asarray(rows, "<i8").tobytes())
+
+
+def test_a_returning_units_cells_of_dropped_rows_are_the_orphans() -> None:
+    """`orphan_cells`: what a unit back with its cells holds that the controller dropped
+    meanwhile (cleared rows, an aborted put, a partition gone or made again); live rows,
+    an open put's rows and unknown incarnations are kept."""
+    core = new_core(n_units=1)
+    put(core, 6)
+    inc = core.state.partition("p").incarnation
+    core.clear_rows("p", [1, 2])
+    opened, _ = core.put_begin("p", [X], 2, None, None, 0.0)  # rows 6, 7: not committed
+    put(core, 2, pid="q")
+    old_q = core.state.partition("q").incarnation
+    core.clear_partition("q")
+    put(core, 1, pid="q")  # made again: another incarnation
+    held = [
+        _held("p", inc, [0, 1, 2, 3, 6, 7, 99]),
+        _held("q", old_q, [0, 1]),
+        _held("gone", "abc", [0]),
+        _held("unknown", "", [0]),
+    ]
+    assert orphan_cells(core.state, held) == [
+        StoreClear("p", [1, 2], inc),
+        StoreClear("q", None, old_q),
+        StoreClear("gone", None, "abc"),
+    ]
+    assert opened.rows == [6, 7]

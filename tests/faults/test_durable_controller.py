@@ -184,6 +184,56 @@ async def test_a_controller_killed_while_a_small_put_travels_leaves_no_row_behin
             assert (await c.get_meta(["x"], 2, "p", "t", timeout=10)).end_of_stream
 
 
+async def test_cells_of_rows_cleared_while_their_unit_was_gone_are_freed_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    """A clear reaches the controller (journaled) while the rows' unit is dead, and the
+    controller is killed before it could tell the unit. The unit restarts on its data_dir
+    with every cell, the controller on its journal: when the unit comes back, the controller
+    lists what it holds and frees the cells of rows it no longer has (before: they stayed on
+    the unit's disk until the partition was cleared whole)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    ctl_dir, unit_dir = tmp_path / "ctl", tmp_path / "u0"
+    ctl_dir.mkdir()
+    unit_dir.mkdir()
+    unit_args = ("storage", "--controller", bind, "--unit-id", "0", "--bind")
+    unit_args += (f"tcp://127.0.0.1:{_free_port()}", "--durability", "process")
+    unit_args += ("--data-dir", str(unit_dir))
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, ctl_dir))
+        unit, _ = stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=5) as c:
+            meta = await c.put(_rows(4, 0), "p")
+            unit.send_signal(signal.SIGKILL)
+            unit.wait(timeout=10)
+            half = meta.select_rows([0, 1])
+            failed: list[Exception] = []
+
+            async def clear() -> None:
+                try:
+                    await c.clear_samples(half)  # the controller drops the rows, the unit is gone
+                except tq.TQError as exc:
+                    failed.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(clear)
+                with anyio.fail_after(30):
+                    while (await c.partition_info("p"))["rows"] != 2:
+                        pass  # this reply comes after the journal record of the clear
+                ctl.send_signal(signal.SIGKILL)
+                ctl.wait(timeout=10)
+            assert failed  # never confirmed: the unit could not free its cells
+        ctl = stack.enter_context(_controller(bind, ctl_dir))
+        stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await c.partition_info("p"))["rows"] == 2
+            with anyio.fail_after(30):
+                while (await c.storage_stats())[0]["rows"] != 2:
+                    pass  # the unit re-registers, then is told: each stats call a round trip
+            got = await c.get_data(meta.select_rows([2, 3]))
+            assert torch.equal(got["x"], _rows(2, 2)["x"])
+
+
 @pytest.mark.parametrize("what", ["missing", "foreign", "storage"])
 def test_a_bad_data_dir_is_refused_at_start(tmp_path: Path, what: str) -> None:
     data_dir = tmp_path / "d"

@@ -56,3 +56,14 @@ def test_puts_gets_and_clears_over_the_socket_count_their_bytes_by_locality() ->
     assert stats.rows == 3
     assert calls.on_store_clear(Incoming(b"peer", 4, [], 0.0), StoreClear("p", [0], "i")) == 1
     assert calls.state.stats().rows == 2
+
+
+def test_stats_list_the_rows_held_only_when_asked() -> None:
+    calls = _calls()
+    values = np.arange(6, dtype=np.int64).reshape(3, 2)
+    put = StorePut("p", [5, 2, 9], [DENSE], incarnation="i", host="here")
+    calls.on_store_put(Incoming(b"peer", 1, [b"header", bytearray(values.tobytes())], 0.0), put)
+    assert calls.on_store_stats(Incoming(b"peer", 2, [], 0.0), StoreStats()).held == []
+    held = calls.on_store_stats(Incoming(b"peer", 3, [], 0.0), StoreStats(rows=True)).held
+    assert [(h.partition_id, h.incarnation) for h in held] == [("p", "i")]
+    assert np.frombuffer(held[0].rows, "<i8").tolist() == [2, 5, 9]

@@ -70,6 +70,15 @@ def test_clearing_rows_counts_the_rows_freed_and_the_dead_chunks() -> None:
     assert cells.resident_bytes == cells.memory_bytes == 0
 
 
+def test_the_rows_held_are_those_with_a_cell_of_any_field() -> None:
+    cells = CellIndex()
+    cells.store("p", [4, 0], [chunk(X, 2)])
+    cells.store("p", [9], [chunk(Y, 1)])  # another field only
+    cells.store("q", [1, 2], [chunk(X, 2)])
+    cells.clear("q", [1, 2])
+    assert cells.held_rows() == {"p": [0, 4, 9]}
+
+
 def test_clearing_a_partition_nothing_of_which_is_here_is_none() -> None:
     cells = CellIndex()
     assert cells.clear("p", None) is None  # nothing to record

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from .._core._liveness import orphan_cells
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
@@ -165,7 +166,8 @@ class UnitLinks:
         old = self.conns.pop(unit_id, None)
         if old is not None:  # what was forwarded on it (a one-message put, a clear) breaks
             old.retire(f"storage unit {unit_id} registered again: it restarted")
-        if self._returns(unit_id, instance):
+        returns = self._returns(unit_id, instance)
+        if returns:
             log.info("storage unit came back with its cells", unit=unit_id, address=address)
             self.shell.apply(self.core.unit_returned(unit_id, address, host))
         else:
@@ -174,6 +176,8 @@ class UnitLinks:
         if instance:
             self._unit_instance[unit_id] = instance
         self.conn(unit_id)
+        if returns and self.shell.tg is not None:
+            self.shell.spawn(self._free_orphans, unit_id)
         return unit_id
 
     # ---- liveness ----------------------------------------------------------------------------
@@ -232,8 +236,38 @@ class UnitLinks:
             return
         if known == instance:
             self.shell.apply(self.core.unit_up(unit_id))
+            await self._free_orphans(unit_id)
         else:  # another process answers at the unit's address: what it held is gone
             self.shell.apply(self.core.unit_lost(unit_id))
+
+    async def _free_orphans(self, unit_id: int) -> None:
+        """A unit back with its cells: free those of rows the controller dropped while it
+        could not tell the unit (its clears were lost with the connection, or with the
+        controller's own restart), by listing what the unit holds (`orphan_cells`)."""
+        conn = self.conns.get(unit_id)
+        if conn is None:
+            return
+        try:
+            payload, _ = await conn.request(StoreStats(rows=True), timeout=self.unit_timeout)
+        except TQError:
+            return  # away again: the next return tries again
+        if self.conns.get(unit_id) is not conn:
+            return
+        held = msgspec.msgpack.decode(payload, type=StoreStatsReply).held
+        clears = orphan_cells(self.state, held)
+        try:
+            for clear in clears:
+                await conn.request(clear, timeout=self.unit_timeout)
+        except TQError as exc:
+            log.warning("freeing what a storage unit held for dropped rows failed", error=str(exc))
+            return
+        if clears:
+            log.info(
+                "freed the cells a storage unit held of rows the controller dropped",
+                unit=unit_id,
+                partitions=len(clears),
+                rows=sum(len(c.rows) if c.rows is not None else 0 for c in clears),
+            )
 
     # ---- freeing rows ------------------------------------------------------------------------
 

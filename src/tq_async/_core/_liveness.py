@@ -9,14 +9,17 @@ deadline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from .._logging import get_logger
 from .._wire._events import UnitBack, UnitLost, UnitSuspended
+from .._wire._protocol import HeldRows, StoreClear
 from ._effects import Effects
 from ._state import ControllerState, Wakeup
 
-__all__ = ["UnitLiveness"]
+__all__ = ["UnitLiveness", "orphan_cells"]
 
 log = get_logger(__name__)
 
@@ -132,3 +135,31 @@ class UnitLiveness:
         """A suspended unit's deadline passed: lose it, unless it resumed meanwhile."""
         if self.state.suspended.get(unit) == deadline:
             fx.add(self.unit_lost(unit))
+
+
+def orphan_cells(state: ControllerState, held: Sequence[HeldRows]) -> list[StoreClear]:
+    """What a unit that came back holds and the controller no longer has, as the clears
+    that free it: cells of rows the controller dropped while it could not tell the unit (a
+    clear or an aborted put while the unit was away, or before the controller's restart),
+    and of partition incarnations it no longer has.
+
+    Kept: cells of live rows (an uncommitted put's too: its rows are alive), of rows past
+    the partition's end (none should be; not this function's to judge), and of an
+    unknown incarnation. Each clear names its incarnation, so a partition created again
+    since frees nothing of its own.
+    """
+    out: list[StoreClear] = []
+    for h in held:
+        if not h.incarnation:
+            continue
+        p = state.partitions.get(h.partition_id)
+        if p is None or p.incarnation != h.incarnation:
+            out.append(StoreClear(h.partition_id, None, h.incarnation))
+            continue
+        rows = np.frombuffer(h.rows, "<i8")
+        rows = rows[(rows >= 0) & (rows < p.n_rows)]
+        alive = np.frombuffer(p.alive, np.uint8, count=p.n_rows)
+        dead = rows[alive[rows] == 0]
+        if len(dead):
+            out.append(StoreClear(h.partition_id, dead.tolist(), h.incarnation))
+    return out

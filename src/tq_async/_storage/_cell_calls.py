@@ -13,11 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .._paths._shm import Region
 from .._service._loop import Incoming, WithFrames
 from .._service._metrics import Metrics
 from .._transport._hosts import locality_key
-from .._wire._protocol import StoreClear, StoreGet, StorePut, StoreStats, StoreStatsReply
+from .._wire._protocol import (
+    HeldRows,
+    StoreClear,
+    StoreGet,
+    StorePut,
+    StoreStats,
+    StoreStatsReply,
+)
 from ._cells import StorageState
 from ._commits import GroupCommits
 from ._device_handlers import DevicePath
@@ -104,7 +113,14 @@ class CellCalls:
         return freed
 
     def on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
-        return self.state.stats()
+        reply = self.state.stats()
+        if body.rows:
+            cells = self.state.cells
+            reply.held = [
+                HeldRows(pid, cells.incarnations.get(pid, ""), np.asarray(rows, "<i8").tobytes())
+                for pid, rows in cells.held_rows().items()
+            ]
+        return reply
 
     # ---- locality ----------------------------------------------------------------------------
 

@@ -247,6 +247,17 @@ class CellIndex:
             max((len(ix) for ix in fields.values()), default=0) for fields in self.index.values()
         )
 
+    def held_rows(self) -> dict[str, list[int]]:
+        """The rows of each partition with a cell here (any field), sorted."""
+        held: dict[str, list[int]] = {}
+        for pid, fields in self.index.items():
+            rows: set[int] = set()
+            for index in fields.values():
+                rows.update(index)
+            if rows:
+                held[pid] = sorted(rows)
+        return held
+
     def chunk_rows(self, segments: set[int] | None = None) -> dict[int, tuple[str, array[int]]]:
         """Per live chunk on disk (in ``segments``, when given): its partition and the row at
         each of its positions (-1: a position no longer alive)."""

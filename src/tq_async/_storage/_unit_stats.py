@@ -6,7 +6,7 @@ memory arena, the NIXL agent, the device arena, the disk, the locality counts) i
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from .._paths._device import DeviceArena
 from .._paths._nixl import UnitNixl
@@ -78,7 +78,17 @@ def _tier_stats(unit: Counted, reply: StoreStatsReply) -> StoreStatsReply:
     return reply
 
 
-def _device_stats(device: DeviceArena | None) -> dict[str, int]:
+class _DeviceStats(TypedDict, total=False):
+    device_bytes: int
+    device_cap: int
+    device_puts: int
+    device_reads: int
+    device_fallbacks: int
+    device_out_bytes: int
+    device_out_us: int
+
+
+def _device_stats(device: DeviceArena | None) -> _DeviceStats:
     if device is None:
         return {}
     return {

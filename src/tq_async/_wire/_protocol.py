@@ -568,7 +568,19 @@ class StoreClear(_Msg):
 
 
 class StoreStats(_Msg):
-    pass
+    #: also list the rows the unit holds (`StoreStatsReply.held`): what a controller
+    #: checks against its own rows when the unit comes back to it
+    rows: bool = False
+
+
+class HeldRows(msgspec.Struct, array_like=True):
+    """The rows a storage unit holds cells of in one partition."""
+
+    partition_id: str
+    #: the partition incarnation the cells belong to ("": not known)
+    incarnation: str
+    #: the rows, as native int64 (sorted)
+    rows: bytes
 
 
 StorageBody = (
@@ -784,6 +796,8 @@ class StoreStatsReply(msgspec.Struct, array_like=True):
     disk_bytes: int = 0
     spills: int = 0
     disk_reads: int = 0
+    #: with ``StoreStats(rows=True)``: the rows held, per partition
+    held: list[HeldRows] = []
 
 
 #: msgpack extension code of a numeric numpy array (a sampler's ``sampling_config`` entry,
