@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -63,6 +63,9 @@ __all__ = [
     "recover",
     "replay",
 ]
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: the journal's format version (a controller refuses a data_dir of another it cannot read)
 FORMAT = 2
@@ -264,11 +267,11 @@ class _Seen:
         "n_lost",
         "n_recorded",
         "n_rows",
+        "n_settled",
         "partition",
         "puts",
         "recorded",
         "settled",
-        "settled_set",
         "snap_bytes",
     )
 
@@ -291,7 +294,7 @@ class _Seen:
         self.recorded, self.n_recorded = p.recorded, len(p.recorded)
         self.lease_batch, self.n_lease_batch = p.lease_batch, len(p.lease_batch)
         self.lost, self.n_lost = p.lost, len(p.lost)
-        self.settled, self.settled_set = p.settled, set(p.settled)
+        self.settled, self.n_settled = p.settled, len(p.settled)
         self.dropped = dict(p.dropped)
 
     def followable(self, p: Partition) -> bool:
@@ -308,7 +311,7 @@ class _Seen:
             and p.lost is self.lost
             and len(p.lost) >= self.n_lost
             and p.settled is self.settled
-            and len(p.settled) >= len(self.settled_set)
+            and len(p.settled) >= self.n_settled
             and len(p.fields) >= self.n_fields
             and self.log_count < SNAPSHOT_EVERY + p.n_rows // SNAPSHOT_ROWS_PER_DELTA
             and self.log_bytes < SNAPSHOT_BYTES + self.snap_bytes * SNAPSHOT_SHARE
@@ -382,7 +385,7 @@ class Tracker:
         ended = [lease_id for lease_id in old if lease_id not in p.leases]
         puts = [(i, list(put.rows)) for i, put in p.put_leases.items() if i not in seen.puts]
         puts_done = [i for i in seen.puts if i not in p.put_leases]
-        settled = p.settled - seen.settled_set if len(p.settled) != len(seen.settled_set) else ()
+        settled, ch.settled = set(ch.settled), []
         delta = PartitionDelta(
             wall=wall,
             incarnation=p.incarnation,
@@ -402,24 +405,32 @@ class Tracker:
             leases=leases,
             ended=ended,
             lease_batch=[
-                (i, t, d, b)
-                for i, (t, d, b) in itertools.islice(
-                    p.lease_batch.items(), seen.n_lease_batch, None
-                )
+                (i, t, d, b) for i, (t, d, b) in _appended(p.lease_batch, seen.n_lease_batch)
             ],
             recorded=[
-                (t, d, b, list(rows))
-                for (t, d, b), rows in itertools.islice(p.recorded.items(), seen.n_recorded, None)
+                (t, d, b, list(rows)) for (t, d, b), rows in _appended(p.recorded, seen.n_recorded)
             ],
             settled=sorted(settled),
             puts=puts,
             puts_done=puts_done,
             dropped=dict(p.dropped) if p.dropped != seen.dropped else None,
-            lost=list(itertools.islice(p.lost.items(), seen.n_lost, None)),
+            lost=_appended(p.lost, seen.n_lost),
             reserved=self.reserved,
         )
         seen.mark(p)
         return delta
+
+
+def _appended(d: dict[K, V], n_before: int) -> list[tuple[K, V]]:
+    """The items added to ``d`` after its first ``n_before`` (it only grew since), from its
+    end: the cost is the new items', not the history's (a partition's recorded batches and
+    their leases grow for the whole run)."""
+    new = len(d) - n_before
+    if new <= 0:
+        return []
+    tail = list(itertools.islice(reversed(d.items()), new))
+    tail.reverse()
+    return tail
 
 
 def encode_delta(delta: PartitionDelta) -> bytes:

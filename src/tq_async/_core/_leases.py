@@ -148,7 +148,7 @@ class GetLeases:
             lease = p.leases[lease_id]
             self.drop(p, lease, acked=True)
             if lease.key is not None:
-                p.settled.add(lease.key)
+                _settle(p, lease.key)
             if lease.deadline is not None:
                 fx.wakeups.append(Wakeup(p.partition_id, lease.task))  # end-of-stream may be due
             self.auto_clear(p, lease.rows, fx)
@@ -169,7 +169,7 @@ class GetLeases:
         live = p.batch_leases.get(key)
         if live is not None:
             return self.ack([live], 0.0)  # the batch's current lease, settled for everyone
-        p.settled.add(key)
+        _settle(p, key)
         fx = Effects()
         self.auto_clear(p, p.recorded[key], fx)
         return fx
@@ -240,3 +240,11 @@ class GetLeases:
         if done:
             fx.room = True
             fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done, "auto_clear"))))
+
+
+def _settle(p: Partition, key: tuple[str, int, int]) -> None:
+    """A recorded batch is settled (acknowledged): never replayed again; the journal's next
+    delta names it (`Changes.settled`)."""
+    p.settled.add(key)
+    if p.changes is not None:
+        p.changes.settled.append(key)

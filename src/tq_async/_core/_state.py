@@ -112,10 +112,11 @@ class Changes:
     `tq_async._core._journal`): the rows whose state changed (new rows are found by their
     number), or ``whole`` (rewrite it all). Marking more than changed is harmless."""
 
-    __slots__ = ("rows", "whole")
+    __slots__ = ("rows", "settled", "whole")
 
     def __init__(self) -> None:
         self.rows: set[int] = set()
+        self.settled: list[tuple[str, int, int]] = []  # batches settled (`settle`)
         self.whole = False
 
 
