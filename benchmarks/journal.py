@@ -15,6 +15,9 @@ storage units, no cells. So the numbers are about the journal:
 * ``get_meta``: one consumer, sequential ``get_meta`` (16 rows, a 60 s lease, acknowledging
   the previous batch in the same request) on a partition of 100k rows at ``process``:
   requests/s (for ``S`` seconds, or until the partition is consumed).
+* ``history``: what one journal delta costs a partition whose DP job recorded and settled
+  ``N`` batches (``--batches``; each record is built after one more batch): it must not grow
+  with them (a run's recorded batches and their leases stay for the whole run).
 * ``recovery``: a journal of 1M rows (9 partitions of 100k rows with tags, consumption and
   leases, and one of 100k KV keys), written in commits of 2,000 rows; then a new core on the
   same directory: seconds until it answers its first request (a ``get_meta`` peek).
@@ -40,6 +43,8 @@ from typing import Any
 import msgspec
 
 from tq_async._controller._journal import JournalStore, Recorder
+from tq_async._core._effects import Effects
+from tq_async._core._journal import Tracker
 from tq_async._core._state import ControllerState
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._wire._columns import ColumnHeader
@@ -235,6 +240,37 @@ async def recovery(base: str, scale: int = 100_000) -> tuple[float, float, float
     return written, first, recovered
 
 
+def delta_with_history(batches: int, samples: int = 100) -> float:
+    """Median seconds to build one journal delta of a partition with ``batches`` recorded,
+    settled DP batches (each delta after one more batch)."""
+    core = ControllerCore(ControllerState({0: "tcp://u0"}))
+    x = ColumnHeader("x", "dense", "int64", ())
+    placement, _ = core.put_begin("p", [x], 4 * (batches + samples), None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+    p = core.state.partitions["p"]
+    tracker = Tracker()
+    tracker.record(p, 0.0, 0.0)
+
+    def batch(k: int) -> None:
+        req = GetMeta("p", ["x"], 4, "dp", {"batch_index": k}, lease=60.0)
+        got = core.decide(req, 0.0, Effects())
+        assert isinstance(got, MetaReply)
+        core.ack([got.lease_id], 0.0)
+
+    for k in range(batches):
+        batch(k)
+        if k % 500 == 0:  # (a delta now and then, as commits would: snapshots when it grew)
+            tracker.record(p, 0.0, 0.0)
+    tracker.record(p, 0.0, 0.0)
+    times = []
+    for k in range(batches, batches + samples):
+        batch(k)
+        t0 = time.perf_counter()
+        tracker.record(p, 0.0, 0.0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 async def main_async(args: argparse.Namespace, base: str) -> None:
     only = set(args.only.split(","))
     if "ingest" in only:
@@ -258,6 +294,9 @@ async def main_async(args: argparse.Namespace, base: str) -> None:
             f"get_meta rows={args.scale:,} level=process requests/s={statistics.median(got):,.0f} "
             f"runs={[round(r) for r in got]}"
         )
+    if "history" in only:
+        for n in (args.batches // 20, args.batches):
+            print(f"history batches={n:,} delta_us={delta_with_history(n) * 1e6:.0f}")
     if "recovery" in only:
         written, first, recovered = await recovery(base, args.scale)
         print(
@@ -269,15 +308,16 @@ async def main_async(args: argparse.Namespace, base: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="ingest,get_meta,recovery")
+    parser.add_argument("--only", default="ingest,get_meta,history,recovery")
     parser.add_argument("--seconds", type=float, default=3.0, help="per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs per level (medians)")
     parser.add_argument("--dir", default=None, help="where the journals go (default: here)")
     parser.add_argument("--scale", type=int, default=100_000, help="rows of a big partition")
+    parser.add_argument("--batches", type=int, default=20_000, help="DP batches (history)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes")
     args = parser.parse_args()
     if args.smoke:
-        args.seconds, args.rounds, args.scale = 0.2, 1, 4_000
+        args.seconds, args.rounds, args.scale, args.batches = 0.2, 1, 4_000, 400
     asyncio.run(main_async(args, args.dir or os.path.dirname(os.path.abspath(__file__))))
 
 

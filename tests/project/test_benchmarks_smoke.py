@@ -96,7 +96,12 @@ def test_journal_benchmark_smoke() -> None:
     """The durable controller's journal benchmark (issue 36) runs at tiny sizes."""
     done = _python("-m", "benchmarks.journal", "--smoke")
     assert done.returncode == 0, done.stderr[-2000:]
-    for line in ("ingest level=fsync", "get_meta rows=4,000", "recovery rows=40,000"):
+    for line in (
+        "ingest level=fsync",
+        "get_meta rows=4,000",
+        "history batches=400",
+        "recovery rows=40,000",
+    ):
         assert line in done.stdout
 
 
