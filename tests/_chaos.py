@@ -34,7 +34,9 @@ it to end-of-stream, and `check` compares the records with what the cluster hold
 6. a recorded batch replays identically: every read of ``(dp_rank, batch_index)`` -- retries
    during the run and a replay after the last restart -- has the rows of the first; no row
    is in two batches;
-7. no row is lost (``lost_rows``), and the workers finished (nothing hung).
+7. no row is lost (``lost_rows``), and the workers finished (nothing hung);
+8. no cell without a row: once the units came back for the last time, they hold cells of the
+   partition's live rows only (what the controller dropped while they were away is freed).
 
 `run_chaos` returns a `Report` (violations must be empty); ``python -m benchmarks.chaos``
 runs it long and prints the numbers.
@@ -638,10 +640,15 @@ async def _seal(address: str) -> None:
         await c.seal(PARTITION, create=True)
 
 
+async def _cells_held(c: Any) -> int:
+    return sum(s["rows"] for s in (await c.storage_stats()).values())
+
+
 async def check(
     address: str, logs: list[list[dict[str, Any]]], report: Report, lease: float
 ) -> None:
     """Compare the workers' records with what the cluster holds; fill ``report``."""
+    import anyio
     import msgspec
 
     import tq_async as tq
@@ -676,6 +683,15 @@ async def check(
                 bad.append(f"torn cell in the audit: row {meta.global_indexes[i]}")
             held.update(zip(meta.global_indexes, (int(k) for k in td["key"]), strict=True))
         report.rows_held = len(held)
+        # 8. no cell without a row: units that came back were told what the controller
+        # dropped while they were away (their last return: the final restart)
+        live = (await c.partition_info(PARTITION))["rows"]
+        with anyio.move_on_after(30):
+            while await _cells_held(c) != live:
+                pass  # each stats call is a round trip: the units' frees are one-way ahead
+        cells = await _cells_held(c)
+        if cells != live:
+            bad.append(f"the units hold cells of {cells} rows for the partition's {live}")
         # 1. every acknowledged put, through its own meta, bit-exactly
         for r in ok:
             meta = msgspec.json.decode(r["meta"], type=tq.BatchMeta)

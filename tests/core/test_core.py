@@ -740,26 +740,32 @@ def _held(pid: str, incarnation: str, rows: Sequence[int]) -> HeldRows:
 
 def test_a_returning_units_cells_of_dropped_rows_are_the_orphans() -> None:
     """`orphan_cells`: what a unit back with its cells holds that the controller dropped
-    meanwhile (cleared rows, an aborted put, a partition gone or made again); live rows,
-    an open put's rows and unknown incarnations are kept."""
-    core = new_core(n_units=1)
-    put(core, 6)
-    inc = core.state.partition("p").incarnation
-    core.clear_rows("p", [1, 2])
+    meanwhile (cleared rows, rows placed on another unit, a partition gone or made again);
+    its own live rows, an open put's rows, rows past the end and unknown incarnations are
+    kept."""
+    core = new_core(n_units=2)
+    put(core, 6)  # rows 0-5 on one unit
     opened, _ = core.put_begin("p", [X], 2, None, None, 0.0)  # rows 6, 7: not committed
+    p = core.state.partition("p")
+    a, b = p.units[0], p.units[6]
+    assert a != b  # (placement alternates the units)
+    assert set(p.units[:6]) == {a}
+    assert set(p.units[6:8]) == {b}
+    inc = p.incarnation
+    core.clear_rows("p", [1, 2])
     put(core, 2, pid="q")
     old_q = core.state.partition("q").incarnation
     core.clear_partition("q")
     put(core, 1, pid="q")  # made again: another incarnation
     held = [
-        _held("p", inc, [0, 1, 2, 3, 6, 7, 99]),
+        _held("p", inc, [0, 1, 2, 3, 4, 5, 6, 7, 99]),
         _held("q", old_q, [0, 1]),
         _held("gone", "abc", [0]),
         _held("unknown", "", [0]),
     ]
-    assert orphan_cells(core.state, held) == [
-        StoreClear("p", [1, 2], inc),
-        StoreClear("q", None, old_q),
-        StoreClear("gone", None, "abc"),
-    ]
+    gone = [StoreClear("q", None, old_q), StoreClear("gone", None, "abc")]
+    # unit a: its dead rows and the open put's (placed on b); its live rows stay
+    assert orphan_cells(core.state, a, held) == [StoreClear("p", [1, 2, 6, 7], inc), *gone]
+    # unit b: every row of a; the open put's rows, its own, stay
+    assert orphan_cells(core.state, b, held) == [StoreClear("p", [0, 1, 2, 3, 4, 5], inc), *gone]
     assert opened.rows == [6, 7]

@@ -254,7 +254,7 @@ class UnitLinks:
         if self.conns.get(unit_id) is not conn:
             return
         held = msgspec.msgpack.decode(payload, type=StoreStatsReply).held
-        clears = orphan_cells(self.state, held)
+        clears = orphan_cells(self.state, unit_id, held)
         try:
             for clear in clears:
                 await conn.request(clear, timeout=self.unit_timeout)

@@ -137,14 +137,18 @@ class UnitLiveness:
             fx.add(self.unit_lost(unit))
 
 
-def orphan_cells(state: ControllerState, held: Sequence[HeldRows]) -> list[StoreClear]:
-    """What a unit that came back holds and the controller no longer has, as the clears
-    that free it: cells of rows the controller dropped while it could not tell the unit (a
-    clear or an aborted put while the unit was away, or before the controller's restart),
-    and of partition incarnations it no longer has.
+def orphan_cells(
+    state: ControllerState, unit: int, held: Sequence[HeldRows]
+) -> list[StoreClear]:
+    """What ``unit``, back with its cells, holds and the controller no longer has, as the
+    clears that free it: cells of rows the controller dropped while it could not tell the
+    unit (a clear or an aborted put while the unit was away, or before the controller's
+    restart), of rows placed on another unit (a put whose placement the controller lost
+    with its restart, placed again elsewhere: rows never change units), and of partition
+    incarnations it no longer has.
 
-    Kept: cells of live rows (an uncommitted put's too: its rows are alive), of rows past
-    the partition's end (none should be; not this function's to judge), and of an
+    Kept: cells of this unit's live rows (an uncommitted put's too: its rows are alive), of
+    rows past the partition's end (a put may place them on this unit any moment), and of an
     unknown incarnation. Each clear names its incarnation, so a partition created again
     since frees nothing of its own.
     """
@@ -159,7 +163,8 @@ def orphan_cells(state: ControllerState, held: Sequence[HeldRows]) -> list[Store
         rows = np.frombuffer(h.rows, "<i8")
         rows = rows[(rows >= 0) & (rows < p.n_rows)]
         alive = np.frombuffer(p.alive, np.uint8, count=p.n_rows)
-        dead = rows[alive[rows] == 0]
-        if len(dead):
-            out.append(StoreClear(h.partition_id, dead.tolist(), h.incarnation))
+        units = np.frombuffer(p.units, np.int32, count=p.n_rows)
+        stale = rows[(alive[rows] == 0) | (units[rows] != unit)]
+        if len(stale):
+            out.append(StoreClear(h.partition_id, stale.tolist(), h.incarnation))
     return out
