@@ -137,9 +137,7 @@ class UnitLiveness:
             fx.add(self.unit_lost(unit))
 
 
-def orphan_cells(
-    state: ControllerState, unit: int, held: Sequence[HeldRows]
-) -> list[StoreClear]:
+def orphan_cells(state: ControllerState, unit: int, held: Sequence[HeldRows]) -> list[StoreClear]:
     """What ``unit``, back with its cells, holds and the controller no longer has, as the
     clears that free it: cells of rows the controller dropped while it could not tell the
     unit (a clear or an aborted put while the unit was away, or before the controller's
