@@ -255,19 +255,15 @@ class UnitLinks:
             return
         held = msgspec.msgpack.decode(payload, type=StoreStatsReply).held
         clears = orphan_cells(self.state, unit_id, held)
-        try:
-            for clear in clears:
-                await conn.request(clear, timeout=self.unit_timeout)
-        except TQError as exc:
-            log.warning("freeing what a storage unit held for dropped rows failed", error=str(exc))
-            return
         if clears:
             log.info(
-                "freed the cells a storage unit held of rows the controller dropped",
+                "freeing the cells a storage unit held of rows the controller dropped",
                 unit=unit_id,
                 partitions=len(clears),
                 rows=sum(len(c.rows) if c.rows is not None else 0 for c in clears),
             )
+        for c in clears:  # (a failure is logged there; the next return tries again)
+            await self.clear_units(None, 0, c.partition_id, {unit_id: c.rows}, c.incarnation)
 
     # ---- freeing rows ------------------------------------------------------------------------
 

@@ -579,7 +579,7 @@ class HeldRows(msgspec.Struct, array_like=True):
     partition_id: str
     #: the partition incarnation the cells belong to ("": not known)
     incarnation: str
-    #: the rows, as native int64 (sorted)
+    #: the rows, as little-endian int64 (sorted)
     rows: bytes
 
 
