@@ -92,3 +92,44 @@ def test_effects_are_collected_when_the_sampler_raises() -> None:
     with pytest.raises(InvalidRequestError, match="Broken raised ValueError"):
         core.decide(GetMeta("p", ["x"], 4, "bad", None, ack=[got.lease_id]), 1.0, fx)
     assert Wakeup("p", "t") in fx.wakeups  # the ack happened: the shell applies it anyway
+
+
+def test_the_default_sampler_gets_no_row_views_and_a_subclass_reading_them_does() -> None:
+    """The built-in `SequentialSampler.sample` reads no views: the core builds none for it
+    (and trusts its prefix of the ready rows); a subclass with a ``sample`` (or
+    ``sample_shares``) of its own may read them, and gets them all."""
+    seen: list[dict[str, Any]] = []
+
+    class Reading(SequentialSampler):
+        def sample(self, ready: Any, batch_size: int, *a: Any, **kw: Any) -> Any:
+            seen.append(kw)
+            return super().sample(ready, batch_size, *a, **kw)
+
+    class Shares(SequentialSampler):
+        def sample_shares(self, *a: Any, **kw: Any) -> Any:
+            seen.append(kw)
+            return None
+
+    class Renamed(SequentialSampler):  # the built-in sample, nothing else of its own
+        pass
+
+    for sampler, trusted in [
+        (SequentialSampler(), True),
+        (Renamed(), True),
+        (Reading(), False),
+        (Shares(), False),
+    ]:
+        core = new_core(sampler)
+        put(core, 8)
+        call = core.gets.look(batch(0), 0.0)
+        assert call is not None
+        assert not isinstance(call, MetaReply)
+        assert call.trusted is trusted
+        names = {"tags", "origin", "versions", "stale", "row_hosts"}
+        assert (names <= call.ctx.keys()) is not trusted, type(sampler).__name__
+        assert (call.stale is None) is trusted
+        reply = core.decide(batch(0), 0.0, Effects())
+        assert isinstance(reply, MetaReply)
+        assert reply.rows == [0, 1, 2, 3]
+    assert seen, "Reading.sample was called"
+    assert {"tags", "origin", "versions", "stale", "row_hosts"} <= seen[0].keys()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tq_async import InvalidRequestError, PartitionNotFound, RowsNotFound, SchemaError
-from tq_async._core._state import ControllerState, ReadyView, Wakeup
+from tq_async._core._ready import ReadyView
+from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._views import RowOrigin, RowTags
 from tq_async._wire._columns import ColumnHeader
 
@@ -199,7 +200,7 @@ def test_ready_rows_behaves_like_an_ordered_dict() -> None:
     """Random adds/removes against the insertion-ordered dict the array-backed set replaces."""
     import random
 
-    from tq_async._core._state import ReadyRows
+    from tq_async._core._ready import ReadyRows
 
     rng = random.Random(7)
     model: dict[int, None] = dict.fromkeys([3, 1, 2])

@@ -26,7 +26,7 @@ import msgspec
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._wire._protocol import GetMeta, MetaReply
-from ..samplers import BaseSampler, StaleRows
+from ..samplers import BaseSampler, SequentialSampler, StaleRows
 from ._admission import Admission
 from ._assign import local_shares
 from ._effects import Effects
@@ -89,6 +89,8 @@ class Gets:
             id(smp): (getattr(smp, "dp_size_hint", None), getattr(smp, "tail_policy", None))
             for smp in self.samplers()
         }
+        #: built-in samplers given no row views, whose answers are not checked again
+        self._trusted = {id(smp) for smp in self.samplers() if _trusted(smp)}
         #: number of sampler invocations (tests use it to prove waiting is event-driven)
         self.sampler_calls = 0
         #: locality: ``(task, dp_rank)`` -> the host id its last request came from
@@ -196,11 +198,10 @@ class Gets:
 
     def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
         """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
-        rs = p.ready_set(req.task_name, req.data_fields)
-        final = p.is_final(req.task_name, rs)
-        if not final and too_few(self.sampler_for(req.task_name), req, len(rs.rows), dp_size):
+        ready, final = p.offer(req.task_name, req.data_fields)
+        if not final and too_few(self.sampler_for(req.task_name), req, ready, dp_size):
             return None
-        return self._call(req, p, ReadyView(rs.rows), final, dp_size)
+        return self._call(req, p, ready, final, dp_size)
 
     def _dp_size(self, req: GetMeta) -> int | None:
         cfg = req.sampling_config
@@ -236,28 +237,28 @@ class Gets:
             "dp_rank": None if dp_size is not None else cfg.get("dp_rank"),
             "batch_index": cfg.get("batch_index"),
             "sampling_config": cfg,
-            "tags": RowTags(p),
-            "origin": RowOrigin(p),
             "final": final,
             "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
             "policy_version": self.state.learner_version,
-            "versions": RowVersions(p),
-            "stale": StaleRows(),
             "tail": self._tail(req, sampler),
-            "row_hosts": RowHosts(p, self.state.unit_hosts),
             "rank_host": req.host,
             "rank_hosts": self._rank_hosts(req, dp_size),
         }
+        trusted = id(sampler) in self._trusted
+        stale = None
+        if not trusted:  # the views, for a sampler that may read them
+            stale = StaleRows()
+            ctx["tags"], ctx["origin"], ctx["versions"] = RowTags(p), RowOrigin(p), RowVersions(p)
+            ctx["stale"], ctx["row_hosts"] = stale, RowHosts(p, self.state.unit_hosts)
         if cfg:
             # sampling_config entries also arrive as keywords (TransferQueue passes them so,
             # e.g. priority_scores); the controller's own context wins on a name clash
             ctx = {str(k): v for k, v in cfg.items()} | ctx
-        stale = ctx["stale"]
         accepted = self._kwargs.get(id(sampler))
         if accepted is not None:
             ctx = {k: v for k, v in ctx.items() if k in accepted}
         self.sampler_calls += 1
-        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size)
+        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size, trusted)
 
     def _tail(self, req: GetMeta, sampler: BaseSampler) -> str:
         cfg = req.sampling_config
@@ -312,8 +313,9 @@ class Gets:
                 self._apply_stale(req, p, call.stale, fx)
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
-            check_sampled(req, p, delivered)
-            if call.stale.kept_rows and req.mode == "fetch":
+            if not call.trusted:
+                check_sampled(req, p, delivered)
+            if call.stale and call.stale.kept_rows and req.mode == "fetch":
                 self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
                 if consumed != delivered:  # (the same rows were checked just above)
@@ -464,6 +466,16 @@ class Gets:
             self.rollouts.count_stale(kind, len(valid), fx)
             if kind == "recycled":
                 st.recycled.extend((p.partition_id, r) for r in valid)
+
+
+def _trusted(sampler: BaseSampler) -> bool:
+    """``sampler`` answers with the built-in `SequentialSampler.sample`: it reads no row
+    views and no ``stale``, and answers a prefix of the ready rows it is given."""
+    cls = type(sampler)
+    return (
+        getattr(cls, "sample", None) is SequentialSampler.sample
+        and getattr(cls, "sample_shares", None) is BaseSampler.sample_shares
+    )
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Generator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +52,12 @@ class SampleCall:
     batch_size: int
     ctx: dict[str, Any]
     final: bool
-    stale: StaleRows
+    #: what the sampler marks stale (None: it is given no ``stale``, see ``trusted``)
+    stale: StaleRows | None
     dp_size: int | None = None
+    #: a built-in sampler that reads no row views, marks nothing stale and answers rows of
+    #: ``ready`` (so its answer is not checked against the partition again)
+    trusted: bool = False
     #: the recorded batch the answer goes to (None: not recorded)
     key: RecordKey | None = None
     #: the sampler answered through ``sample_shares``
@@ -133,12 +137,12 @@ def group_limits(samplers: Sequence[BaseSampler]) -> dict[str, int]:
     return limits
 
 
-def too_few(sampler: Any, req: GetMeta, ready: int, dp_size: int | None) -> bool:
+def too_few(sampler: Any, req: GetMeta, ready: Sized, dp_size: int | None) -> bool:
     """Whether a sampler is not asked yet (the partition not final): as in TransferQueue, one
     without `short_ready_ok` is called only once the request's rows are
     ready (``batch_size * dp_size`` for a global batch) or it holds this rank's answer already
     (``has_cached_result``)."""
-    if getattr(sampler, "short_ready_ok", False) or ready >= req.batch_size * (dp_size or 1):
+    if getattr(sampler, "short_ready_ok", False) or len(ready) >= req.batch_size * (dp_size or 1):
         return False
     has = getattr(sampler, "has_cached_result", None)
     try:

@@ -53,9 +53,6 @@ from ._versions import PolicyVersions
 __all__ = [
     "ControllerState",
     "Partition",
-    "ReadyRows",
-    "ReadySet",
-    "ReadyView",
     "Wakeup",
     "Changes",
     "RecordKey",
@@ -410,18 +407,21 @@ class Partition:
             for dk in [k for k in self.recorded if k[0] == t]:
                 del self.recorded[dk]
 
-    def pending(self, task: str, rs: ReadySet) -> int:
-        """Rows alive, not consumed by ``task`` and not (yet) ready for ``rs``."""
-        return self.n_alive - self.consumed_count.get(task, 0) - len(rs.rows)
+    def offer(self, task: str, fields: Sequence[str]) -> tuple[ReadyView, bool]:
+        """What a sampler of ``task`` asking for ``fields`` is offered: a view of the ready
+        rows, and whether no more can come (`is_final`)."""
+        rs = self.ready_set(task, fields)
+        return ReadyView(rs.rows), self.is_final(task, rs)
 
     def is_final(self, task: str, rs: ReadySet) -> bool:
         """No more rows can reach ``task`` through ``rs``.
 
         Sealed; every alive row consumed or ready (none still being produced, none on a
-        suspended unit, none under a live put lease); and no lease of the task open (its rows
-        could still come back).
+        suspended unit, none under a live put lease: none pending); and no lease of the task
+        open (its rows could still come back).
         """
-        return self.sealed and self.pending(task, rs) == 0 and not self.open_leases.get(task)
+        pending = self.n_alive - self.consumed_count.get(task, 0) - len(rs.rows)
+        return self.sealed and pending == 0 and not self.open_leases.get(task)
 
     # ---- clearing ----------------------------------------------------------------------------
 

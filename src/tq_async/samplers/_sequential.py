@@ -14,7 +14,9 @@ class SequentialSampler(BaseSampler):
     """First-ready, first-served: the ``batch_size`` rows that became ready earliest.
 
     Waits (returns ``([], [])``) until ``batch_size`` rows are ready; once the partition is
-    final (sealed and fully produced) it returns the short remainder.
+    final (sealed and fully produced) it returns the short remainder. It reads none of the
+    row views (``tags``, ``origin``, ...), so the controller builds none for it; a subclass
+    with a ``sample`` or ``sample_shares`` of its own is given every one.
     """
 
     short_ready_ok = True
