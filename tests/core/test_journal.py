@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tq_async._core._admission import ADMITTED_TOKENS
 from tq_async._core._journal import (
     RESERVE_MIN,
     Tracker,
@@ -218,6 +219,33 @@ def test_admission_and_policy_version_survive() -> None:
     again = reborn(core, 0.0, 0.0)
     assert again.state.learner_version == 3
     assert again.state.auto_clear["p"] == ("a", "b")
+
+
+def test_an_admission_asked_again_by_its_token_is_counted_once_across_a_restart() -> None:
+    """An admission's reply lost with the controller: the client asks again with the same
+    token, and the recovered controller admits it without taking its slots twice."""
+    core = new_core()
+    assert core.acquire(0, 3, token=11)
+    assert core.acquire(0, 3, token=11)  # the same admission, asked again
+    assert core.state.outstanding == 3
+    again = reborn(core, 0.0, 0.0)
+    assert again.state.outstanding == 3
+    assert again.acquire(0, 3, token=11)
+    assert again.state.outstanding == 3
+    assert again.acquire(0, 3, token=12)  # another admission
+    assert again.acquire(0, 2, token=11)  # another row count: not the same admission
+    assert again.acquire(0, 3)  # no token: always a new one
+    assert again.state.outstanding == 11
+
+
+def test_only_the_latest_admission_tokens_are_remembered() -> None:
+    core = new_core()
+    for token in range(1, ADMITTED_TOKENS + 2):
+        assert core.acquire(0, 1, token=token)
+    assert len(core.state.admitted) == ADMITTED_TOKENS
+    assert 1 not in core.state.admitted  # the oldest went first
+    assert core.acquire(0, 1, token=2)  # still known: not counted again
+    assert core.state.outstanding == ADMITTED_TOKENS + 1
 
 
 def test_a_recovered_partition_records_its_changes_for_watchers() -> None:

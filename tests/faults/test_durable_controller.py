@@ -245,3 +245,54 @@ def test_a_bad_data_dir_is_refused_at_start(tmp_path: Path, what: str) -> None:
         (data_dir / "tq-async-data-dir.json").write_text('{"kind": "storage", "format": 1}')
     with pytest.raises(RuntimeError, match="exited"), _controller("tcp://127.0.0.1:0", data_dir):
         pass
+
+
+async def test_an_admission_whose_reply_died_with_the_controller_is_not_taken_twice(
+    tmp_path: Path,
+) -> None:
+    """``acquire_rollout`` is admitted and journaled, and the controller is SIGKILLed before
+    its reply reaches the client (the reply is held back here, then the kill makes its loss
+    real). The client sees `BrokenError` and asks again, as a rollout worker does: the
+    restarted controller must count that admission once (before: twice, and with an
+    admission ``capacity`` each such loss shrank it for the rest of the run)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    ctl = None
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=5) as c:
+            await c.acquire_rollout(0, 2)  # an admission that got its reply
+            conn = c._links.controller
+            assert conn is not None
+            read, held = conn._on_frames, anyio.Event()
+
+            def hold(frames: list[Any]) -> None:  # the next reply never reaches the call
+                conn._on_frames = read  # type: ignore[method-assign]
+                held.set()
+
+            conn._on_frames = hold  # type: ignore[method-assign]
+            failed: list[Exception] = []
+
+            async def admit() -> None:
+                try:
+                    await c.acquire_rollout(0, 3)
+                except tq.BrokenError as exc:
+                    failed.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(admit)
+                with anyio.fail_after(30):
+                    await held.wait()  # the reply was sent: its admission is journaled
+                ctl.send_signal(signal.SIGKILL)
+                ctl.wait(timeout=10)
+            assert failed  # the caller does not know whether it was admitted
+            ctl = stack.enter_context(_controller(bind, tmp_path))
+            with anyio.fail_after(30):
+                while True:  # the worker asks again until the controller is back
+                    try:
+                        await c.acquire_rollout(0, 3)
+                        break
+                    except tq.BrokenError:
+                        pass
+            assert (await c.staleness_status())["outstanding"] == 5  # 2 + 3, not 2 + 3 + 3
+            await c.acquire_rollout(0, 3)  # a new admission is one, as before
+            assert (await c.staleness_status())["outstanding"] == 8

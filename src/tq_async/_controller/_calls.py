@@ -129,7 +129,7 @@ class ControlCalls:
         self.shell.apply(self.core.set_policy_version(body.version))
 
     def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
-        if self.core.acquire(body.policy_version, body.n):
+        if self.core.acquire(body.policy_version, body.n, body.token):
             return None
         self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
@@ -149,7 +149,7 @@ class ControlCalls:
     ) -> None:
         async def work() -> None:
             await self.shell.lot.until(
-                "admission", lambda: self.core.acquire(body.policy_version, body.n)
+                "admission", lambda: self.core.acquire(body.policy_version, body.n, body.token)
             )
             self.shell.send_ok(peer, rid, None)
 

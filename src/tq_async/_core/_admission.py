@@ -18,9 +18,14 @@ from ..samplers import StaleRows
 from ._effects import AdmissionConfig, Effects
 from ._state import ControllerState, Partition, Wakeup
 
-__all__ = ["Admission"]
+__all__ = ["ADMITTED_TOKENS", "Admission"]
 
 log = get_logger(__name__)
+
+#: admissions remembered by token (`ControllerState.admitted`, journaled with the controller's
+#: own state): a client asks again within seconds of losing a reply, while at most a few
+#: admissions per producer happen in between
+ADMITTED_TOKENS = 256
 
 
 class Admission:
@@ -68,8 +73,14 @@ class Admission:
             return False
         return cfg.capacity is None or st.outstanding + n <= cfg.capacity
 
-    def acquire(self, version: int, n: int) -> bool:
-        """Admit a rollout if it fits now (True), else leave everything as it is."""
+    def acquire(self, version: int, n: int, token: int = 0) -> bool:
+        """Admit a rollout if it fits now (True), else leave everything as it is.
+
+        A ``token`` admitted before (one of the last `ADMITTED_TOKENS`, with as many rows) is
+        admitted again without taking slots: its client asks again because the first reply
+        was lost (the controller died after recording it)."""
+        if token and self.state.admitted.get(token) == n:
+            return True
         if version < 0 or n < 1:
             raise InvalidRequestError("acquire_rollout needs policy_version >= 0 and n >= 1")
         cap = self.config.capacity
@@ -81,6 +92,11 @@ class Admission:
         if not self.admissible(version, n):
             return False
         self.state.outstanding += n
+        if token:
+            admitted = self.state.admitted
+            admitted[token] = n
+            if len(admitted) > ADMITTED_TOKENS:
+                del admitted[next(iter(admitted))]
         return True
 
     def set_policy_version(self, version: int) -> Effects:

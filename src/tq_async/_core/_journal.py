@@ -165,6 +165,8 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     #: ``register_tasks`` settings: ``(partition_id or None, tasks)``
     auto_clear: list[tuple[str | None, list[str]]]
     sampler_state: dict[str, Any]
+    #: the latest admissions' tokens -> rows (`ControllerState.admitted`)
+    admitted: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -673,6 +675,7 @@ def controller_record(
         outstanding=st.outstanding,
         auto_clear=[(pid, list(tasks)) for pid, tasks in st.auto_clear.items()],
         sampler_state=sampler_state,
+        admitted=dict(st.admitted),
     )
 
 
@@ -704,6 +707,7 @@ def recover(
     # record may not count: ids go on far past it, never given twice
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
+    st.admitted = dict(ctl.admitted)
     for pid, tasks in ctl.auto_clear:
         st.auto_clear.setdefault(pid, tuple(tasks))
     for rec in parts:

@@ -614,6 +614,9 @@ class ControllerState:
         self.learner_version = -1
         #: admitted rollouts not yet consumed by the learner (see AdmissionConfig)
         self.outstanding = 0
+        #: the latest admissions' tokens -> rows: a client asking again with one (its reply
+        #: was lost) is admitted without taking the slots twice (`Admission.acquire`)
+        self.admitted: dict[int, int] = {}
         #: stale rows whose prompts must be regenerated: (partition_id, row), taken once
         self.recycled: deque[tuple[str, int]] = deque()
         #: how many stale rows each policy handled

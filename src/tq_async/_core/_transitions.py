@@ -327,9 +327,9 @@ class ControllerCore:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
         return self.rollouts.admissible(version, n)
 
-    def acquire(self, version: int, n: int) -> bool:
+    def acquire(self, version: int, n: int, token: int = 0) -> bool:
         """Admit a rollout if it fits now (True), else leave everything as it is."""
-        return self.rollouts.acquire(version, n)
+        return self.rollouts.acquire(version, n, token)
 
     def set_policy_version(self, version: int) -> Effects:
         """The learner moved: rollouts may start, and rows may have gone stale."""

@@ -234,6 +234,7 @@ def _acquire(b: AcquireRollout) -> None:
     check_int("policy_version", b.policy_version)
     check_int("n", b.n, 1)
     check_seconds("timeout", b.timeout)
+    check_int("token", b.token, 0)
 
 
 def _watch_next(b: WatchNext) -> None:

@@ -140,6 +140,9 @@ class AcquireRollout(_Msg):
     policy_version: int
     n: int = 1
     timeout: float | None = None
+    #: the client's name for this admission (0: none): asked again with the same token after
+    #: its reply was lost, it is admitted once
+    token: int = 0
 
 
 class ReleaseRollout(_Msg):

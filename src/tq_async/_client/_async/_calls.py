@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ..._errors import (
+    BrokenError,
     InvalidRequestError,
     SchemaError,
 )
@@ -111,6 +113,10 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
     }
 
 
+#: ``(policy_version, n)`` pairs with admissions in doubt a client remembers (`ControlCalls`)
+_UNSETTLED = 64
+
+
 class ControlCalls:
     """Status, tags, staleness, KV and checkpoints of a client, over its links; the KV calls
     write through its put path and read through its get path."""
@@ -119,6 +125,10 @@ class ControlCalls:
         self._links = links
         self._puts = puts
         self._gets = gets
+        #: ``(policy_version, n)`` -> tokens of admissions whose reply never came (the
+        #: controller died or the link broke): the next such acquire asks with one of them,
+        #: so an admission recorded before the loss is not taken twice
+        self._unsettled: dict[tuple[int, int], list[int]] = {}
 
     async def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away."""
@@ -211,12 +221,16 @@ class ControlCalls:
     async def acquire_rollout(
         self, policy_version: int, n: int = 1, *, timeout: float | None = None
     ) -> None:
-        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start."""
-        body = AcquireRollout(
-            check_int("policy_version", as_int(policy_version)),
-            check_int("n", as_int(n), 1),
-            check_seconds("timeout", timeout),
-        )
+        """Wait until a rollout of ``policy_version`` producing ``n`` rows may start.
+
+        Asked again after a `BrokenError` (the reply may have been lost with the
+        controller), it names the lost admission, which the controller counts once."""
+        key = (check_int("policy_version", as_int(policy_version)), check_int("n", as_int(n), 1))
+        unsettled = self._unsettled.pop(key, None)
+        token = unsettled.pop() if unsettled else secrets.randbits(62) + 1
+        if unsettled:
+            self._unsettled[key] = unsettled
+        body = AcquireRollout(*key, check_seconds("timeout", timeout), token)
         deadline = None if timeout is None else timeout + self._links.request_timeout
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
@@ -224,8 +238,14 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
-        controller = await self._links.controller_link()
-        await controller.request(body, timeout=deadline, on_abandon=on_abandon)
+        try:
+            controller = await self._links.controller_link()
+            await controller.request(body, timeout=deadline, on_abandon=on_abandon)
+        except BrokenError:
+            self._unsettled.setdefault(key, []).append(token)
+            if len(self._unsettled) > _UNSETTLED:  # versions never asked for again
+                del self._unsettled[next(iter(self._unsettled))]
+            raise
 
     async def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""

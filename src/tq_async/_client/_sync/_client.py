@@ -744,6 +744,9 @@ class Client:
         Raises:
             TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
             InvalidRequestError: ``n`` can never fit the capacity.
+            BrokenError: the controller went away; it may have admitted the rollout before
+                (a durable controller remembers). Ask again with the same arguments: the
+                client names the admission in doubt, and the controller counts it once.
 
         Cancellation: the waiting request is dropped; nothing is reserved.
         """
