@@ -108,6 +108,25 @@ async def test_cancel_after_reply_was_sent_releases_the_rows() -> None:
         assert sorted(meta.global_indexes) == [0, 1, 2, 3]
 
 
+async def test_a_cancelled_fetch_goes_back_though_another_task_recorded_its_rows() -> None:
+    """A DP job (task "learner") records its batches; an evaluator (task "eval") fetches the
+    same rows and its caller gives up after the reply was sent: the rows are ready for
+    "eval" again (before: the learner's record of them kept them, and "eval" never saw them)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(4), partition_id="p")
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        recorded = await client.get_meta(["x"], 4, "p", "learner", cfg)
+        assert recorded.global_indexes == [0, 1, 2, 3]
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # cancelled before the reply can be read
+            await client.get_meta(["x"], 4, "p", "eval")
+        meta = await client.get_meta(["x"], 4, "p", "eval", timeout=5)
+        assert sorted(meta.global_indexes) == [0, 1, 2, 3]
+
+
 async def test_two_tasks_consume_the_same_rows_independently() -> None:
     async with (
         tq.local_cluster(num_storage_units=2) as cluster,

@@ -525,6 +525,26 @@ def test_a_cancelled_fetch_gives_rows_back_and_drops_its_lease(lease: float | No
     assert get(core, req(1), now=100.0) is None
 
 
+def test_a_released_batch_goes_back_whatever_other_tasks_recorded() -> None:
+    """Rows a task released are ready for it again even when another task's recorded batch
+    holds them (before: any task's recorded batch kept them, and the releasing task never
+    got them again); a batch recorded by the task itself keeps its rows for its key."""
+    core = new_core()
+    put(core, 4)
+    recorded = get(core, req(4, task="u", batch_index=0, dp_rank=0))
+    assert rows_of(recorded) == [0, 1, 2, 3]
+    reply = get(core, req(4))
+    assert rows_of(reply) == [0, 1, 2, 3]
+    core.release("p", "t", reply.rows)
+    assert rows_of(get(core, req(4))) == [0, 1, 2, 3]
+    put(core, 4)
+    own = get(core, req(4, batch_index=0, dp_rank=0))
+    assert rows_of(own) == [4, 5, 6, 7]
+    core.release("p", "t", own.rows)  # recorded: stays with batch 0
+    assert get(core, req(1)) is None
+    assert rows_of(get(core, req(4, batch_index=0, dp_rank=0))) == [4, 5, 6, 7]
+
+
 def test_an_aborted_put_reclaims_its_rows_at_once() -> None:
     core = new_core()
     placement, _ = core.put_begin("p", [X], 3, None, None, 0.0)

@@ -225,7 +225,8 @@ class GetLeases:
             self.drop(p, lease)
             if lease.deadline is not None:
                 fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
-        recorded = {r for batch in p.recorded.values() for r in batch} if p.recorded else ()
+        # (only ``task``'s batches: another task's record of a row is no claim on it here)
+        recorded = {r for (t, _, _), batch in p.recorded.items() if t == task for r in batch}
         back = [r for r in rows if r not in recorded]
         if back and p.release(task, back):
             fx.wakeups.append(Wakeup(partition_id, task))
