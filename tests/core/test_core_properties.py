@@ -1,7 +1,8 @@
 """Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death /
 cancellation (a fetch whose reply its caller never saw, a put abandoned after its placement) /
-tags / seal, checked against a model of the guarantees (docs/guarantees.md). Loop-free:
-ControllerCore, every transition the controller's shell calls."""
+tags / seal, by consumers of two tasks over the same rows, checked against a model of the
+guarantees (docs/guarantees.md). Loop-free: ControllerCore, every transition the
+controller's shell calls."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from tq_async._wire._protocol import GetMeta, MetaReply
 
 X = ColumnHeader("x", "dense", "int64", ())
 LEASE = 5.0
+#: the task of each consumer: two of task "t", one of task "u" (the same rows, each task
+#: consuming every one of them on its own)
+TASKS = ("t", "t", "u")
 
 
 @dataclass
@@ -44,10 +48,11 @@ class Model:
         #: ids of the rows committed (an aborted put's ids are never visible)
         self.committed: list[int] = []
         self.sealed = False
-        self.acked: Counter[int] = Counter()
+        #: per task: how many times each row was acknowledged
+        self.acked: dict[str, Counter[int]] = {t: Counter() for t in TASKS}
         #: rows a recorded batch (rank, index) resolved to, the first time
         self.recorded: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.consumers = [Consumer() for _ in range(3)]
+        self.consumers = [Consumer() for _ in TASKS]
         self.settled: set[tuple[int, int]] = set()
 
     def get(self, request: GetMeta) -> MetaReply | None:
@@ -77,24 +82,24 @@ class Model:
         """A fetch answered but its caller cancelled before it saw the reply: the client
         gives the rows back (``release`` with the fetch's lease); a recorded batch keeps
         them for the next reader of its key."""
-        who = self.consumers[c]
+        who, task = self.consumers[c], TASKS[c]
         if not who.alive or (keyed and who.redo):
             return
         cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
-        reply = self.get(GetMeta("p", ["x"], n, "t", cfg, lease=LEASE if lease else None))
+        reply = self.get(GetMeta("p", ["x"], n, task, cfg, lease=LEASE if lease else None))
         if reply is None or reply.end_of_stream:
             return
         for r in reply.rows:
-            assert self.acked[r] == 0, f"acknowledged row {r} delivered again"
+            assert self.acked[task][r] == 0, f"acknowledged row {r} delivered again"
         if keyed:
             key = (c, who.next_batch)
             assert self.recorded.setdefault(key, tuple(reply.rows)) == tuple(reply.rows)
             who.redo = True
             return
-        self.core.release("p", "t", reply.rows, reply.incarnation, reply.lease_id)
+        self.core.release("p", task, reply.rows, reply.incarnation, reply.lease_id)
         p = self.core.state.partition("p")
         assert reply.lease_id not in p.leases, "a cancelled fetch kept its lease"
-        consumed = p.consumed.get("t")
+        consumed = p.consumed.get(task)
         assert consumed is not None
         assert not any(consumed[r] for r in reply.rows), "a cancelled fetch consumed rows"
 
@@ -109,19 +114,19 @@ class Model:
         self.core.catalog.seal("p", create=True)
 
     def read(self, c: int, keyed: bool, n: int) -> None:
-        who = self.consumers[c]
+        who, task = self.consumers[c], TASKS[c]
         if not who.alive:
             return
         cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
-        reply = self.get(GetMeta("p", ["x"], n, "t", cfg, lease=LEASE))
+        reply = self.get(GetMeta("p", ["x"], n, task, cfg, lease=LEASE))
         if reply is None:
             return
         if reply.end_of_stream:
-            self.check_end()
+            self.check_end(task)
             return
         rows = tuple(reply.rows)
         for r in rows:
-            assert self.acked[r] == 0, f"acknowledged row {r} delivered again"
+            assert self.acked[task][r] == 0, f"acknowledged row {r} delivered again"
         if keyed:
             key = (c, who.next_batch)
             assert self.recorded.setdefault(key, rows) == rows
@@ -136,14 +141,14 @@ class Model:
         if not who.alive:
             return
         for index, (rows, lease_id) in who.open.items():
-            self.settle(rows, lease_id, (c, index))
+            self.settle(TASKS[c], rows, lease_id, (c, index))
         for lease_id, rows in who.loose.items():
-            self.settle(rows, lease_id)
+            self.settle(TASKS[c], rows, lease_id)
         who.open.clear()
         who.loose.clear()
 
     def settle(
-        self, rows: tuple[int, ...], lease_id: int, key: tuple[int, int] | None = None
+        self, task: str, rows: tuple[int, ...], lease_id: int, key: tuple[int, int] | None = None
     ) -> None:
         """Acknowledge; count the rows once if the ack must take effect.
 
@@ -156,11 +161,11 @@ class Model:
         if key is not None:
             if key not in self.settled:
                 self.settled.add(key)
-                self.acked.update(rows)
+                self.acked[task].update(rows)
             p = self.core.state.partition("p")
-            assert ("t", *key) in p.settled
+            assert (task, *key) in p.settled
         elif live:
-            self.acked.update(rows)
+            self.acked[task].update(rows)
 
     def kill(self, c: int) -> None:
         self.consumers[c].alive = False
@@ -171,22 +176,21 @@ class Model:
         replays = sorted(who.open)
         self.consumers[c] = Consumer(next_batch=who.next_batch, redo=who.redo)
         for index in replays:
-            reply = self.get(
-                GetMeta("p", ["x"], 1, "t", {"dp_rank": c, "batch_index": index}, lease=LEASE)
-            )
+            cfg = {"dp_rank": c, "batch_index": index}
+            reply = self.get(GetMeta("p", ["x"], 1, TASKS[c], cfg, lease=LEASE))
             assert reply is not None
             assert tuple(reply.rows) == self.recorded[(c, index)]  # the same rows, always
-            self.settle(tuple(reply.rows), reply.lease_id, (c, index))
+            self.settle(TASKS[c], tuple(reply.rows), reply.lease_id, (c, index))
 
     def advance(self, dt: float) -> None:
         self.now += dt
         self.core.advance(self.now)
 
-    def check_end(self) -> None:
+    def check_end(self, task: str) -> None:
         p = self.core.state.partition("p")
         assert self.sealed, "end of stream before seal"
-        assert not p.open_leases, "end of stream while a lease is open"
-        assert p.consumed_count.get("t", 0) == p.n_alive, "end of stream with rows unread"
+        assert not p.open_leases.get(task), "end of stream while a lease is open"
+        assert p.consumed_count.get(task, 0) == p.n_alive, "end of stream with rows unread"
 
     def finish(self) -> None:
         """Seal, let every lease run out, restart the dead, and read to the end."""
@@ -200,16 +204,18 @@ class Model:
             if self.consumers[c].redo:  # the cancelled batch, read again under its key
                 self.read(c, True, 1)
                 self.ack(c)
-        for _ in range(len(self.committed) + 2):
-            reply = self.get(GetMeta("p", ["x"], 4, "t", None, lease=LEASE))
-            assert reply is not None, "the end of stream never came"
-            if reply.end_of_stream:
-                self.check_end()
-                break
-            self.settle(tuple(reply.rows), reply.lease_id)
-        else:
-            raise AssertionError("the stream did not end")
-        assert sorted(self.acked.elements()) == sorted(self.committed), "lost or duplicated"
+        for task in sorted(set(TASKS)):
+            for _ in range(len(self.committed) + 2):
+                reply = self.get(GetMeta("p", ["x"], 4, task, None, lease=LEASE))
+                assert reply is not None, f"the end of stream never came for {task}"
+                if reply.end_of_stream:
+                    self.check_end(task)
+                    break
+                self.settle(task, tuple(reply.rows), reply.lease_id)
+            else:
+                raise AssertionError(f"the stream did not end for {task}")
+            acked = sorted(self.acked[task].elements())
+            assert acked == sorted(self.committed), f"lost or duplicated for {task}"
 
 
 ops = st.one_of(
@@ -228,7 +234,7 @@ ops = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, max_size=40))
 def test_random_interleavings_keep_the_guarantees(program: list[tuple[object, ...]]) -> None:
     m = Model()
