@@ -105,6 +105,17 @@ def test_journal_benchmark_smoke() -> None:
         assert line in done.stdout
 
 
+def test_the_get_meta_walk_stays_short() -> None:
+    """`python -m benchmarks.walk` runs, and the controller's get_meta walk keeps what issue 35
+    asked for: at most half the calls into the partition state of the flat tree (15 from the
+    core, 2 from the sampler) and no more module crossings than it had (35)."""
+    done = _python("-m", "benchmarks.walk")
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout[done.stdout.index("\n{") :])
+    assert figures["into_state"] <= 17 // 2, figures
+    assert figures["crossings"] <= 35, figures
+
+
 def test_probes_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine probes quoted in RESULTS.md still run (tiny sizes)."""
     monkeypatch.syspath_prepend(str(REPO))  # also for the probe's spawned receiver
