@@ -313,6 +313,51 @@ def test_clear_partition_drops_leases_and_holds() -> None:
     assert core.state.partition("p").held == {}
 
 
+def test_auto_clear_keeps_the_rows_of_a_recorded_batch_waiting_for_its_reader() -> None:
+    """A DP rank of task "u" reads batch 0 under a lease and dies; the lease expires and the
+    batch waits for its next reader. Task "t" acknowledges the same rows: both auto-clear
+    tasks consumed them, but the batch still owes them to "u" (before: they were freed, and
+    the restarted rank's replay named rows whose cells were gone). Once the replay is
+    acknowledged, they go."""
+    core = new_core()
+    core.catalog.register_tasks("p", ["t", "u"])
+    put(core, 4)
+    first = get(core, req(4, "u", lease=5.0, batch_index=0, dp_rank=0))
+    assert rows_of(first) == [0, 1, 2, 3]
+    core.advance(10.0)  # the rank is gone: its lease expires
+    other = get(core, req(4, lease=5.0), now=10.0)
+    assert other is not None
+    assert core.ack([other.lease_id], 10.0).free == []  # "u"'s batch still needs them
+    p = core.state.partition("p")
+    assert all(p.alive[r] for r in range(4))
+    replay = get(core, req(4, "u", lease=5.0, batch_index=0, dp_rank=0), now=11.0)
+    assert rows_of(replay) == [0, 1, 2, 3]
+    freed = core.ack([replay.lease_id], 11.0).free
+    assert freed
+    assert sorted(r for _, _, by_unit in freed for rows in by_unit.values() for r in rows) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert not any(p.alive[r] for r in range(4))
+    assert p.held == {}
+
+
+def test_a_late_ack_of_a_waiting_batch_lets_auto_clear_free_its_rows() -> None:
+    core = new_core()
+    core.catalog.register_tasks("p", ["t", "u"])
+    put(core, 2)
+    first = get(core, req(2, "u", lease=5.0, batch_index=0, dp_rank=0))
+    assert first is not None
+    core.advance(10.0)
+    other = get(core, req(2, lease=5.0), now=10.0)
+    assert other is not None
+    core.ack([other.lease_id], 10.0)
+    assert core.ack([first.lease_id], 10.0).free  # the expired lease's ack settles the batch
+    assert core.state.partition("p").held == {}
+
+
 # ---- 10. DP ranks in lockstep ---------------------------------------------------------------
 
 

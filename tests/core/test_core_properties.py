@@ -39,11 +39,15 @@ class Consumer:
 class Model:
     """Drives a ControllerCore and checks every answer against the guarantees."""
 
-    def __init__(self) -> None:
+    def __init__(self, auto_clear: bool = False) -> None:
         self.core = ControllerCore(
             ControllerState({0: "inproc://u0", 1: "inproc://u1"}),
             deadlines=Deadlines(put_lease=LEASE),
         )
+        #: rows are freed once both tasks consumed them and nothing holds them
+        self.auto_clear = auto_clear
+        if auto_clear:
+            self.core.catalog.register_tasks("p", sorted(set(TASKS)))
         self.now = 0.0
         #: ids of the rows committed (an aborted put's ids are never visible)
         self.committed: list[int] = []
@@ -59,6 +63,10 @@ class Model:
         decision, _ = self.core.get_meta(request, self.now)
         while isinstance(decision, SampleCall):
             decision, _ = self.core.sampled(request, decision, decision.run(), self.now)
+        if isinstance(decision, MetaReply) and decision.rows:
+            p = self.core.state.partition("p")
+            dead = [r for r in decision.rows if not p.alive[r]]
+            assert not dead, f"rows {dead} delivered after auto-clear freed them"
         return decision
 
     def put(self, n: int) -> None:
@@ -216,6 +224,10 @@ class Model:
                 raise AssertionError(f"the stream did not end for {task}")
             acked = sorted(self.acked[task].elements())
             assert acked == sorted(self.committed), f"lost or duplicated for {task}"
+        if self.auto_clear:  # every row consumed by both tasks and acknowledged: all freed
+            p = self.core.state.partition("p")
+            assert p.n_alive == 0, f"{p.n_alive} rows never auto-cleared"
+            assert not p.held, "holds left"
 
 
 ops = st.one_of(
@@ -235,9 +247,11 @@ ops = st.one_of(
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(ops, max_size=40))
-def test_random_interleavings_keep_the_guarantees(program: list[tuple[object, ...]]) -> None:
-    m = Model()
+@given(st.lists(ops, max_size=40), st.booleans())
+def test_random_interleavings_keep_the_guarantees(
+    program: list[tuple[object, ...]], auto_clear: bool
+) -> None:
+    m = Model(auto_clear)
     for op, *args in program:
         if op == "seal":
             m.seal()

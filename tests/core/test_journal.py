@@ -238,6 +238,24 @@ def test_an_admission_asked_again_by_its_token_is_counted_once_across_a_restart(
     assert again.state.outstanding == 11
 
 
+def test_a_batch_waiting_for_its_reader_still_holds_its_rows_after_a_restart() -> None:
+    """Auto-clear tasks "t" and "u"; "u"'s batch 0 lost its lease (its rank died), then the
+    controller restarted: the recovered batch still holds its rows, so "t" acknowledging them
+    frees nothing until "u"'s replay is acknowledged."""
+    core = new_core()
+    core.catalog.register_tasks("p", ["t", "u"])
+    put(core, 4)
+    get(core, GetMeta("p", ["x"], 4, "u", {"dp_rank": 0, "batch_index": 0}, lease=5.0))
+    core.advance(10.0)
+    again = reborn(core, 10.0, 10.0)
+    other = get(again, fetch(4, lease=5.0), 10.0)
+    assert again.ack([other.lease_id], 10.0).free == []
+    replay = get(again, GetMeta("p", ["x"], 4, "u", {"dp_rank": 0, "batch_index": 0}, lease=5.0))
+    assert replay.rows == [0, 1, 2, 3]
+    assert again.ack([replay.lease_id], 10.0).free
+    assert again.state.partition("p").held == {}
+
+
 def test_only_the_latest_admission_tokens_are_remembered() -> None:
     core = new_core()
     for token in range(1, ADMITTED_TOKENS + 2):

@@ -189,6 +189,51 @@ async def test_restarted_consumer_replays_its_batch_and_its_ack_settles_it() -> 
             assert sorted(rest + acked) == list(range(16))
 
 
+RANK = """
+    import asyncio, json, sys
+    import tq_async as tq
+
+    async def main(address, task):
+        async with tq.AsyncClient.connect(address) as c:
+            cfg = {"dp_rank": 0, "batch_index": 0}
+            m = await c.get_meta(["x"], 8, "p", task, cfg, lease=1.0)
+            print("GOT " + json.dumps(m.global_indexes), flush=True)
+            await asyncio.Event().wait()  # the test kills us here
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_auto_clear_keeps_a_killed_ranks_batch_for_its_replay() -> None:
+    """Auto-clear over tasks "train" and "eval". A "train" rank reads batch 0 under a lease
+    and is SIGKILLed; the lease runs out and the batch waits for its next reader. "eval"
+    reads and acknowledges the same rows: both tasks consumed them, but the batch still owes
+    them to "train" (before: auto-clear freed them, and the restarted rank's replay named
+    rows whose cells were gone). The replay reads them; its ack frees them."""
+    server, address = serve()
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.register_tasks(["train", "eval"], "p")
+            await c.put({"x": torch.arange(8)}, "p")
+            rank = child(RANK, address, "train")
+            with running(rank):
+                got = json.loads(rank.line("GOT ").split("GOT ", 1)[1])
+                rank.kill()
+            with anyio.fail_after(_DEADLINE):  # the dead rank's lease runs out
+                while (await c.partition_info("p"))["leased"].get("train"):
+                    pass  # (each round trip waits for the controller)
+            evaluated, _ = await c.get(["x"], 8, "p", "eval")  # read and acknowledged
+            assert sorted(evaluated["x"].tolist()) == list(range(8))
+            cfg = {"dp_rank": 0, "batch_index": 0}
+            replay = await c.get_meta(["x"], 8, "p", "train", cfg, lease=30.0)
+            assert replay.global_indexes == got
+            assert (await c.get_data(replay))["x"].tolist() == got  # row i holds i
+            await c.ack(replay)
+            with anyio.fail_after(_DEADLINE):  # settled: auto-clear frees them now
+                while (await c.partition_info("p"))["rows"]:
+                    pass
+
+
 SERVICES = """
     import anyio, sys
     import tq_async as tq

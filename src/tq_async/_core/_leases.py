@@ -65,6 +65,8 @@ class GetLeases:
             if task is None or lease.task == task:
                 self.drop(p, lease)
         p.settled = {k for k in p.settled if task is not None and k[0] != task}
+        for key in [k for k in p.batch_holds if task is None or k[0] == task]:
+            _unhold(p, p.batch_holds.pop(key))
         for lease_id, key in list(p.lease_batch.items()):
             if task is None or key[0] == task:
                 del p.lease_batch[lease_id]
@@ -125,13 +127,7 @@ class GetLeases:
             p.open_leases[lease.task] -= 1
             if not p.open_leases[lease.task]:
                 del p.open_leases[lease.task]
-        held = p.held
-        for r in lease.rows:
-            n = held.get(r, 0) - 1
-            if n > 0:
-                held[r] = n
-            else:
-                held.pop(r, None)
+        _unhold(p, lease.rows)
 
     def ack(self, lease_ids: Sequence[int], now: float) -> Effects:
         """Acknowledge leases and holds: their rows stay consumed for good.
@@ -183,7 +179,9 @@ class GetLeases:
             return  # renewed (a stale heap entry)
         self.drop(p, lease)
         if lease.key is not None:
-            # the rows stay recorded and consumed: the next reader of the batch gets them
+            # the rows stay recorded and consumed: the next reader of the batch gets them,
+            # and auto-clear leaves them to it
+            self.hold_batch(p, lease.key)
             log.info(
                 "lease expired: the batch waits for its next reader",
                 partition=p.partition_id,
@@ -232,6 +230,20 @@ class GetLeases:
             fx.wakeups.append(Wakeup(partition_id, task))
         return fx
 
+    def hold_batch(self, p: Partition, key: RecordKey) -> None:
+        """Recorded batch ``key``, unsettled and without a lease, holds its rows until it is
+        settled (acknowledged by its next reader): auto-clear must not free rows it owes.
+        Only for an auto-clear task (the rows of others are never its concern)."""
+        rows = p.recorded.get(key)
+        if rows is None or key in p.settled or key in p.batch_holds:
+            return
+        if not self.state.auto_clears(p, key[0]):
+            return
+        p.batch_holds[key] = rows
+        held = p.held
+        for r in rows:
+            held[r] = held.get(r, 0) + 1
+
     def auto_clear(self, p: Partition, rows: Sequence[int], fx: Effects) -> None:
         """Free rows every auto-clear task consumed, unless a consumer still holds them."""
         if not self.state.auto_clear or self.state.partitions.get(p.partition_id) is not p:
@@ -244,8 +256,22 @@ class GetLeases:
 
 
 def _settle(p: Partition, key: tuple[str, int, int]) -> None:
-    """A recorded batch is settled (acknowledged): never replayed again; the journal's next
-    delta names it (`Changes.settled`)."""
+    """A recorded batch is settled (acknowledged): never replayed again, its rows no longer
+    held for it; the journal's next delta names it (`Changes.settled`)."""
     p.settled.add(key)
+    rows = p.batch_holds.pop(key, None)
+    if rows is not None:
+        _unhold(p, rows)
     if p.changes is not None:
         p.changes.settled.append(key)
+
+
+def _unhold(p: Partition, rows: Sequence[int]) -> None:
+    """One holder less for each of ``rows``."""
+    held = p.held
+    for r in rows:
+        n = held.get(r, 0) - 1
+        if n > 0:
+            held[r] = n
+        else:
+            held.pop(r, None)

@@ -169,8 +169,11 @@ class Partition:
         self.leases: dict[int, Lease] = {}
         #: leases with a deadline per task: end-of-stream waits while any is open
         self.open_leases: dict[str, int] = {}
-        #: rows under a lease or hold -> number of holders (auto-clear leaves them alone)
+        #: rows under a lease, a hold or a waiting batch -> holders (auto-clear leaves them)
         self.held: dict[int, int] = {}
+        #: recorded batches of an auto-clear task whose lease ran out: they hold their rows
+        #: for the batch's next reader until settled
+        self.batch_holds: dict[RecordKey, tuple[int, ...]] = {}
         #: the live lease of each recorded batch (a lease belongs to the batch)
         self.batch_leases: dict[RecordKey, int] = {}
         #: recorded batches acknowledged for good: replays carry no new lease
