@@ -1,8 +1,9 @@
 """Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death /
 cancellation (a fetch whose reply its caller never saw, a put abandoned after its placement) /
-tags / seal, by consumers of two tasks over the same rows, checked against a model of the
-guarantees (docs/guarantees.md). Loop-free: ControllerCore, every transition the
-controller's shell calls."""
+tags / seal / a controller restarted from its journal, by consumers of two tasks over the same
+rows (with and without auto-clear), checked against a model of the guarantees
+(docs/guarantees.md). Loop-free: ControllerCore, every transition the controller's shell
+calls."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tq_async._core._journal import (
+    controller_record,
+    decode_controller,
+    decode_partition,
+    encode,
+    partition_record,
+    recover,
+)
 from tq_async._core._state import ControllerState
 from tq_async._core._transitions import ControllerCore, Deadlines, SampleCall
 from tq_async._wire._columns import ColumnHeader
@@ -175,6 +184,25 @@ class Model:
         elif live:
             self.acked[task].update(rows)
 
+    def crash(self) -> None:
+        """The controller is killed and restarted on its journal. Every answer waits for the
+        record of what it shows, so the record is taken now; the units come back."""
+        core, wall = self.core, 1000.0 + self.now
+        parts = [partition_record(p, self.now, wall) for p in core.state.partitions.values()]
+        ctl = controller_record(core, {0: "i0", 1: "i1"}, wall)
+        again = ControllerCore(ControllerState(), deadlines=Deadlines(put_lease=LEASE))
+        recover(
+            again,
+            decode_controller(encode(ctl)),
+            [decode_partition(encode(rec)) for rec in parts],
+            self.now,
+            wall,
+            {},
+        )
+        for unit in (0, 1):
+            again.unit_up(unit)
+        self.core = again
+
     def kill(self, c: int) -> None:
         self.consumers[c].alive = False
 
@@ -243,6 +271,7 @@ ops = st.one_of(
     ),
     st.tuples(st.just("abort_put"), st.integers(1, 4)),
     st.tuples(st.just("tag"), st.integers(0, 30)),
+    st.tuples(st.just("crash")),
 )
 
 
@@ -255,6 +284,8 @@ def test_random_interleavings_keep_the_guarantees(
     for op, *args in program:
         if op == "seal":
             m.seal()
+        elif op == "crash":
+            m.crash()
         elif op == "cancel":
             m.cancel(*args)  # type: ignore[arg-type]
         elif op == "abort_put":
