@@ -344,6 +344,28 @@ def test_auto_clear_keeps_the_rows_of_a_recorded_batch_waiting_for_its_reader() 
     assert p.held == {}
 
 
+def test_auto_clear_keeps_the_shares_of_ranks_that_have_not_read_their_global_batch() -> None:
+    """Rank 0 of a DP job (task "u", dp_size 2) decides global batch 0: rank 1's share is
+    recorded for it. Task "t" acknowledges the same rows before rank 1 asks: rank 1's share
+    must still be there for it (before: auto-clear freed it, and rank 1 got rows whose cells
+    were gone)."""
+    core = new_core()
+    core.catalog.register_tasks("p", ["t", "u"])
+    put(core, 8)
+    rank0 = get(core, req(4, "u", lease=5.0, batch_index=0, dp_rank=0, dp_size=2))
+    assert rows_of(rank0) == [0, 1, 2, 3]
+    other = get(core, req(8, lease=5.0))
+    assert other is not None
+    assert core.ack([other.lease_id], 0.0).free == []
+    rank1 = get(core, req(4, "u", lease=5.0, batch_index=0, dp_rank=1, dp_size=2))
+    p = core.state.partition("p")
+    assert rows_of(rank1) == [4, 5, 6, 7]
+    assert all(p.alive[r] for r in rank1.rows)
+    core.ack([rank0.lease_id, rank1.lease_id], 0.0)
+    assert p.n_alive == 0
+    assert p.held == {}
+
+
 def test_a_late_ack_of_a_waiting_batch_lets_auto_clear_free_its_rows() -> None:
     core = new_core()
     core.catalog.register_tasks("p", ["t", "u"])

@@ -234,6 +234,33 @@ async def test_auto_clear_keeps_a_killed_ranks_batch_for_its_replay() -> None:
                     pass
 
 
+async def test_auto_clear_keeps_a_global_batchs_share_for_the_rank_that_reads_it_last() -> None:
+    """DP rank 0 of task "train" (dp_size 2) decides global batch 0, recording rank 1's share;
+    "eval" reads and acknowledges every row before rank 1 asks. Rank 1 still reads its share
+    (before: auto-clear had freed it: `RowsNotFound`)."""
+    server, address = serve()
+    with running(server):
+        async with (
+            tq.AsyncClient.connect(address) as c,
+            tq.AsyncClient.connect(address) as rank1,
+        ):
+            await c.register_tasks(["train", "eval"], "p")
+            await c.put({"x": torch.arange(8)}, "p")
+            cfg = {"dp_rank": 0, "batch_index": 0, "dp_size": 2}
+            first = await c.get_meta(["x"], 4, "p", "train", cfg, lease=30.0)
+            evaluated, _ = await c.get(["x"], 8, "p", "eval")  # read and acknowledged
+            assert sorted(evaluated["x"].tolist()) == list(range(8))
+            cfg1 = cfg | {"dp_rank": 1}
+            second = await rank1.get_meta(["x"], 4, "p", "train", cfg1, lease=30.0)
+            assert sorted(first.global_indexes + second.global_indexes) == list(range(8))
+            assert (await rank1.get_data(second))["x"].tolist() == second.global_indexes
+            await c.ack(first)
+            await rank1.ack(second)
+            with anyio.fail_after(_DEADLINE):  # both settled: auto-clear frees every row
+                while (await c.partition_info("p"))["rows"]:
+                    pass
+
+
 SERVICES = """
     import anyio, sys
     import tq_async as tq

@@ -344,6 +344,9 @@ class Gets:
         else:
             for r, share in enumerate(shares):
                 p.recorded[(task, r, index)] = tuple(share)
+            for r in range(len(shares)):  # the other ranks' shares wait for them
+                if r != key[1]:
+                    self.leases.hold_batch(p, (task, r, index))
         recorded = self._recorded(req, p, key, now)
         assert recorded is not None
         return recorded, fx

@@ -231,7 +231,8 @@ class GetLeases:
         return fx
 
     def hold_batch(self, p: Partition, key: RecordKey) -> None:
-        """Recorded batch ``key``, unsettled and without a lease, holds its rows until it is
+        """Recorded batch ``key``, unsettled and without a lease (its lease ran out, or a
+        rank's share of a global batch it has not read yet), holds its rows until it is
         settled (acknowledged by its next reader): auto-clear must not free rows it owes.
         Only for an auto-clear task (the rows of others are never its concern)."""
         rows = p.recorded.get(key)
