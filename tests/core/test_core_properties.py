@@ -123,6 +123,8 @@ class Model:
     def tag(self, row: int) -> None:
         if row < len(self.committed):
             r = self.committed[row]
+            if not self.core.state.partition("p").alive[r]:
+                return  # auto-cleared: tagging it is refused (RowsNotFound), as it should be
             self.core.catalog.set_tags("p", [r], [{"seen": row}])
             assert self.core.state.partition("p").tags[r] == {"seen": row}
 
