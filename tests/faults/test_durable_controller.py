@@ -296,3 +296,43 @@ async def test_an_admission_whose_reply_died_with_the_controller_is_not_taken_tw
             assert (await c.staleness_status())["outstanding"] == 5  # 2 + 3, not 2 + 3 + 3
             await c.acquire_rollout(0, 3)  # a new admission is one, as before
             assert (await c.staleness_status())["outstanding"] == 8
+
+
+async def test_a_batch_waiting_for_its_reader_keeps_its_rows_from_auto_clear_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Auto-clear over "train" and "eval". A "train" rank's lease on batch 0 runs out (it
+    died), then the durable controller is SIGKILLed and restarted on its journal. "eval"
+    then reads and acknowledges the rows: the recovered batch must still hold them for the
+    rank's replay (before: the restarted controller freed them)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    ctl_dir = tmp_path / "ctl"
+    ctl_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, ctl_dir))
+        stack.enter_context(
+            serve_role("storage", "--controller", bind, "--unit-id", "0", line="TQ_UNIT=")
+        )
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.register_tasks(["train", "eval"], "p")
+            await c.put(_rows(8, 0), "p")
+            first = await c.get_meta(["x"], 8, "p", "train", cfg, lease=1.0)  # never acked
+            with anyio.fail_after(30):  # the rank is gone: its lease runs out
+                while (await c.partition_info("p"))["leased"].get("train"):
+                    pass
+            # a change after the expiry: the partition's last record has the batch, no lease
+            await c.set_tags(first, [{"seen": 1}] * 8)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        ctl = stack.enter_context(_controller(bind, ctl_dir))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            evaluated, _ = await c.get(["x"], 8, "p", "eval")  # read and acknowledged
+            assert len(evaluated) == 8
+            replay = await c.get_meta(["x"], 8, "p", "train", cfg, lease=30.0)
+            assert replay.global_indexes == first.global_indexes
+            assert torch.equal((await c.get_data(replay))["x"], _rows(8, 0)["x"])
+            await c.ack(replay)
+            with anyio.fail_after(30):  # settled: auto-clear frees the rows now
+                while (await c.partition_info("p"))["rows"]:
+                    pass
