@@ -28,9 +28,13 @@ from tq_async._wire._protocol import GetMeta, MetaReply
 
 X = ColumnHeader("x", "dense", "int64", ())
 LEASE = 5.0
-#: the task of each consumer: two of task "t", one of task "u" (the same rows, each task
-#: consuming every one of them on its own)
-TASKS = ("t", "t", "u")
+#: the task of each consumer: two of task "t", one of task "u", two of task "g" (the same
+#: rows, each task consuming every one of them on its own)
+TASKS = ("t", "t", "u", "g", "g")
+#: consumers 3 and 4 are ranks 0 and 1 of a DP job of task "g": they read global batches
+#: (``dp_size`` 2, `DP_BS` rows a rank) and must end at the same step
+RANKS = {3: 0, 4: 1}
+DP_BS = 2
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Consumer:
     loose: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: a recorded batch it fetched but never saw (cancelled): read that key again
     redo: bool = False
+    #: a DP rank: the batch index its end of stream came at
+    eos: int | None = None
 
 
 class Model:
@@ -63,10 +69,30 @@ class Model:
         self.sealed = False
         #: per task: how many times each row was acknowledged
         self.acked: dict[str, Counter[int]] = {t: Counter() for t in TASKS}
-        #: rows a recorded batch (rank, index) resolved to, the first time
-        self.recorded: dict[tuple[int, int], tuple[int, ...]] = {}
+        #: rows a recorded batch (task, rank, index) resolved to, the first time
+        self.recorded: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self.consumers = [Consumer() for _ in TASKS]
-        self.settled: set[tuple[int, int]] = set()
+        self.settled: set[tuple[str, int, int]] = set()
+
+    def request(self, c: int, keyed: bool, n: int, index: int, lease: float | None) -> GetMeta:
+        """Consumer ``c``'s fetch: a DP rank's is always its share of global batch ``index``."""
+        if c in RANKS:
+            cfg = {"dp_rank": RANKS[c], "batch_index": index, "dp_size": len(RANKS)}
+            return GetMeta("p", ["x"], DP_BS, TASKS[c], cfg, lease=lease)
+        cfg = {"dp_rank": c, "batch_index": index} if keyed else None
+        return GetMeta("p", ["x"], n, TASKS[c], cfg, lease=lease)
+
+    @staticmethod
+    def key(c: int, index: int) -> tuple[str, int, int]:
+        return (TASKS[c], RANKS.get(c, c), index)
+
+    def record(self, c: int, index: int, rows: tuple[int, ...]) -> None:
+        """A recorded batch read: always the same rows; a global batch's shares disjoint."""
+        assert self.recorded.setdefault(self.key(c, index), rows) == rows
+        if c in RANKS:
+            shares = [self.recorded.get(("g", r, index)) for r in RANKS.values()]
+            known = [set(share) for share in shares if share is not None]
+            assert sum(map(len, known)) == len(set().union(*known)), "shares overlap"
 
     def get(self, request: GetMeta) -> MetaReply | None:
         decision, _ = self.core.get_meta(request, self.now)
@@ -100,17 +126,16 @@ class Model:
         gives the rows back (``release`` with the fetch's lease); a recorded batch keeps
         them for the next reader of its key."""
         who, task = self.consumers[c], TASKS[c]
+        keyed = keyed or c in RANKS
         if not who.alive or (keyed and who.redo):
             return
-        cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
-        reply = self.get(GetMeta("p", ["x"], n, task, cfg, lease=LEASE if lease else None))
+        reply = self.get(self.request(c, keyed, n, who.next_batch, LEASE if lease else None))
         if reply is None or reply.end_of_stream:
             return
         for r in reply.rows:
             assert self.acked[task][r] == 0, f"acknowledged row {r} delivered again"
         if keyed:
-            key = (c, who.next_batch)
-            assert self.recorded.setdefault(key, tuple(reply.rows)) == tuple(reply.rows)
+            self.record(c, who.next_batch, tuple(reply.rows))
             who.redo = True
             return
         self.core.release("p", task, reply.rows, reply.incarnation, reply.lease_id)
@@ -134,22 +159,25 @@ class Model:
 
     def read(self, c: int, keyed: bool, n: int) -> None:
         who, task = self.consumers[c], TASKS[c]
+        keyed = keyed or c in RANKS
         if not who.alive:
             return
-        cfg = {"dp_rank": c, "batch_index": who.next_batch} if keyed else None
-        reply = self.get(GetMeta("p", ["x"], n, task, cfg, lease=LEASE))
+        reply = self.get(self.request(c, keyed, n, who.next_batch, LEASE))
         if reply is None:
             return
         if reply.end_of_stream:
             self.check_end(task)
+            if c in RANKS:
+                assert who.eos in (None, who.next_batch), "a DP rank's end moved"
+                who.eos = who.next_batch
             return
         rows = tuple(reply.rows)
         for r in rows:
             assert self.acked[task][r] == 0, f"acknowledged row {r} delivered again"
         if keyed:
-            key = (c, who.next_batch)
-            assert self.recorded.setdefault(key, rows) == rows
-            who.open[who.next_batch] = (rows, reply.lease_id)
+            self.record(c, who.next_batch, rows)
+            if rows:  # (a rank's empty share of an uneven last batch has nothing to ack)
+                who.open[who.next_batch] = (rows, reply.lease_id)
             who.next_batch += 1
             who.redo = False
         else:
@@ -160,14 +188,18 @@ class Model:
         if not who.alive:
             return
         for index, (rows, lease_id) in who.open.items():
-            self.settle(TASKS[c], rows, lease_id, (c, index))
+            self.settle(TASKS[c], rows, lease_id, self.key(c, index))
         for lease_id, rows in who.loose.items():
             self.settle(TASKS[c], rows, lease_id)
         who.open.clear()
         who.loose.clear()
 
     def settle(
-        self, task: str, rows: tuple[int, ...], lease_id: int, key: tuple[int, int] | None = None
+        self,
+        task: str,
+        rows: tuple[int, ...],
+        lease_id: int,
+        key: tuple[str, int, int] | None = None,
     ) -> None:
         """Acknowledge; count the rows once if the ack must take effect.
 
@@ -182,7 +214,7 @@ class Model:
                 self.settled.add(key)
                 self.acked[task].update(rows)
             p = self.core.state.partition("p")
-            assert (task, *key) in p.settled
+            assert key in p.settled
         elif live:
             self.acked[task].update(rows)
 
@@ -214,11 +246,10 @@ class Model:
         replays = sorted(who.open)
         self.consumers[c] = Consumer(next_batch=who.next_batch, redo=who.redo)
         for index in replays:
-            cfg = {"dp_rank": c, "batch_index": index}
-            reply = self.get(GetMeta("p", ["x"], 1, TASKS[c], cfg, lease=LEASE))
+            reply = self.get(self.request(c, True, 1, index, LEASE))
             assert reply is not None
-            assert tuple(reply.rows) == self.recorded[(c, index)]  # the same rows, always
-            self.settle(TASKS[c], tuple(reply.rows), reply.lease_id, (c, index))
+            assert tuple(reply.rows) == self.recorded[self.key(c, index)]  # the same rows
+            self.settle(TASKS[c], tuple(reply.rows), reply.lease_id, self.key(c, index))
 
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -229,6 +260,15 @@ class Model:
         assert self.sealed, "end of stream before seal"
         assert not p.open_leases.get(task), "end of stream while a lease is open"
         assert p.consumed_count.get(task, 0) == p.n_alive, "end of stream with rows unread"
+
+    def drain_rank(self, c: int) -> None:
+        """DP rank ``c`` reads its global batches to the end, acknowledging each."""
+        for _ in range(len(self.committed) + 3):
+            if self.consumers[c].eos is not None:
+                return
+            self.read(c, True, DP_BS)
+            self.ack(c)
+        raise AssertionError(f"DP rank {RANKS[c]}'s stream did not end")
 
     def finish(self) -> None:
         """Seal, let every lease run out, restart the dead, and read to the end."""
@@ -242,7 +282,10 @@ class Model:
             if self.consumers[c].redo:  # the cancelled batch, read again under its key
                 self.read(c, True, 1)
                 self.ack(c)
-        for task in sorted(set(TASKS)):
+        # rank 0 runs ahead to its end (deciding every global batch, so rank 1's shares
+        # are recorded for it), the other tasks finish, then rank 1 catches up
+        self.drain_rank(3)
+        for task in sorted(set(TASKS) - {"g"}):
             for _ in range(len(self.committed) + 2):
                 reply = self.get(GetMeta("p", ["x"], 4, task, None, lease=LEASE))
                 assert reply is not None, f"the end of stream never came for {task}"
@@ -254,6 +297,11 @@ class Model:
                 raise AssertionError(f"the stream did not end for {task}")
             acked = sorted(self.acked[task].elements())
             assert acked == sorted(self.committed), f"lost or duplicated for {task}"
+        self.drain_rank(4)
+        ends = {self.consumers[c].eos for c in RANKS}
+        assert len(ends) == 1, f"DP ranks ended at different steps: {ends}"
+        acked = sorted(self.acked["g"].elements())
+        assert acked == sorted(self.committed), "lost or duplicated for the DP job"
         if self.auto_clear:  # every row consumed by both tasks and acknowledged: all freed
             p = self.core.state.partition("p")
             assert p.n_alive == 0, f"{p.n_alive} rows never auto-cleared"
@@ -262,14 +310,18 @@ class Model:
 
 ops = st.one_of(
     st.tuples(st.just("put"), st.integers(1, 6)),
-    st.tuples(st.just("read"), st.integers(0, 2), st.booleans(), st.integers(1, 5)),
-    st.tuples(st.just("ack"), st.integers(0, 2)),
-    st.tuples(st.just("kill"), st.integers(0, 2)),
-    st.tuples(st.just("restart"), st.integers(0, 2)),
+    st.tuples(st.just("read"), st.integers(0, len(TASKS) - 1), st.booleans(), st.integers(1, 5)),
+    st.tuples(st.just("ack"), st.integers(0, len(TASKS) - 1)),
+    st.tuples(st.just("kill"), st.integers(0, len(TASKS) - 1)),
+    st.tuples(st.just("restart"), st.integers(0, len(TASKS) - 1)),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 2.0, LEASE + 1])),
     st.tuples(st.just("seal")),
     st.tuples(
-        st.just("cancel"), st.integers(0, 2), st.booleans(), st.integers(1, 5), st.booleans()
+        st.just("cancel"),
+        st.integers(0, len(TASKS) - 1),
+        st.booleans(),
+        st.integers(1, 5),
+        st.booleans(),
     ),
     st.tuples(st.just("abort_put"), st.integers(1, 4)),
     st.tuples(st.just("tag"), st.integers(0, 30)),
