@@ -237,6 +237,35 @@ class Model:
             again.unit_up(unit)
         self.core = again
 
+    def reset(self, which: int) -> None:
+        """A new epoch for one task (``reset_consumption``): its consumption, recorded
+        batches and leases are forgotten, and its consumers start again from batch 0; every
+        live row is owed to it once more. (Not with auto-clear: rows freed before the reset
+        are gone for good, which the model does not follow.)"""
+        if self.auto_clear or "p" not in self.core.state.partitions:
+            return
+        task = sorted(set(TASKS))[which % len(set(TASKS))]
+        stale = [
+            lease_id
+            for c, t in enumerate(TASKS)
+            if t == task
+            for lease_id in [
+                *(lid for _, lid in self.consumers[c].open.values()),
+                *self.consumers[c].loose,
+            ]
+        ]
+        self.core.reset_consumption("p", task)
+        self.core.ack(stale, self.now)  # a consumer of the old epoch acks late: ignored
+        self.acked[task] = Counter()
+        self.recorded = {k: v for k, v in self.recorded.items() if k[0] != task}
+        self.settled = {k for k in self.settled if k[0] != task}
+        for c, t in enumerate(TASKS):
+            if t == task:
+                self.consumers[c] = Consumer(alive=self.consumers[c].alive)
+        p = self.core.state.partition("p")
+        assert not p.consumed_count.get(task), "a reset task still counts consumed rows"
+        assert not any(lease.task == task for lease in p.leases.values()), "a lease survived"
+
     def kill(self, c: int) -> None:
         self.consumers[c].alive = False
 
@@ -326,6 +355,7 @@ ops = st.one_of(
     st.tuples(st.just("abort_put"), st.integers(1, 4)),
     st.tuples(st.just("tag"), st.integers(0, 30)),
     st.tuples(st.just("crash")),
+    st.tuples(st.just("reset"), st.integers(0, 2)),
 )
 
 
@@ -340,6 +370,8 @@ def test_random_interleavings_keep_the_guarantees(
             m.seal()
         elif op == "crash":
             m.crash()
+        elif op == "reset":
+            m.reset(*args)  # type: ignore[arg-type]
         elif op == "cancel":
             m.cancel(*args)  # type: ignore[arg-type]
         elif op == "abort_put":
