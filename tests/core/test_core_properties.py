@@ -28,6 +28,8 @@ from tq_async._wire._protocol import GetMeta, MetaReply
 
 X = ColumnHeader("x", "dense", "int64", ())
 LEASE = 5.0
+#: a silent unit is never declared lost here (its rows would be gone: another model)
+DEADLINES = Deadlines(put_lease=LEASE, unit_lost_after=1e9)
 #: the task of each consumer: two of task "t", one of task "u", two of task "g" (the same
 #: rows, each task consuming every one of them on its own)
 TASKS = ("t", "t", "u", "g", "g")
@@ -56,9 +58,10 @@ class Model:
 
     def __init__(self, auto_clear: bool = False) -> None:
         self.core = ControllerCore(
-            ControllerState({0: "inproc://u0", 1: "inproc://u1"}),
-            deadlines=Deadlines(put_lease=LEASE),
+            ControllerState({0: "inproc://u0", 1: "inproc://u1"}), deadlines=DEADLINES
         )
+        #: storage units suspended now (silent: their rows wait, neither handed out nor lost)
+        self.down: set[int] = set()
         #: rows are freed once both tasks consumed them and nothing holds them
         self.auto_clear = auto_clear
         if auto_clear:
@@ -224,7 +227,7 @@ class Model:
         core, wall = self.core, 1000.0 + self.now
         parts = [partition_record(p, self.now, wall) for p in core.state.partitions.values()]
         ctl = controller_record(core, {0: "i0", 1: "i1"}, wall)
-        again = ControllerCore(ControllerState(), deadlines=Deadlines(put_lease=LEASE))
+        again = ControllerCore(ControllerState(), deadlines=DEADLINES)
         recover(
             again,
             decode_controller(encode(ctl)),
@@ -233,9 +236,22 @@ class Model:
             wall,
             {},
         )
-        for unit in (0, 1):
-            again.unit_up(unit)
+        for unit in (0, 1):  # (a unit still silent stays suspended)
+            if unit not in self.down:
+                again.unit_up(unit)
         self.core = again
+
+    def suspend(self, unit: int) -> None:
+        """A storage unit goes silent (at most one at a time: puts need a unit)."""
+        if not self.down:
+            self.down.add(unit)
+            self.core.unit_down(unit, self.now)
+
+    def resume(self, unit: int) -> None:
+        """A silent unit answers again, with its cells."""
+        if unit in self.down:
+            self.down.discard(unit)
+            self.core.unit_up(unit)
 
     def reset(self, which: int) -> None:
         """A new epoch for one task (``reset_consumption``): its consumption, recorded
@@ -301,6 +317,8 @@ class Model:
 
     def finish(self) -> None:
         """Seal, let every lease run out, restart the dead, and read to the end."""
+        for unit in sorted(self.down):
+            self.resume(unit)
         self.seal()
         self.advance(2 * LEASE)
         for c in range(len(self.consumers)):
@@ -356,6 +374,8 @@ ops = st.one_of(
     st.tuples(st.just("tag"), st.integers(0, 30)),
     st.tuples(st.just("crash")),
     st.tuples(st.just("reset"), st.integers(0, 2)),
+    st.tuples(st.just("suspend"), st.integers(0, 1)),
+    st.tuples(st.just("resume"), st.integers(0, 1)),
 )
 
 
@@ -372,6 +392,10 @@ def test_random_interleavings_keep_the_guarantees(
             m.crash()
         elif op == "reset":
             m.reset(*args)  # type: ignore[arg-type]
+        elif op == "suspend":
+            m.suspend(*args)  # type: ignore[arg-type]
+        elif op == "resume":
+            m.resume(*args)  # type: ignore[arg-type]
         elif op == "cancel":
             m.cancel(*args)  # type: ignore[arg-type]
         elif op == "abort_put":
