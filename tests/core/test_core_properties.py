@@ -186,6 +186,32 @@ class Model:
         else:
             who.loose[reply.lease_id] = rows
 
+    def read_ahead(self, c: int, n: int) -> None:
+        """A keyed read asking for the next two batches too (``also``: a DataLoader's
+        prefetch): each batch decided ahead is recorded, under a lease of its own."""
+        who, task = self.consumers[c], TASKS[c]
+        if not who.alive:
+            return
+        req = self.request(c, True, n, who.next_batch, LEASE)
+        req.also = [who.next_batch + 1, who.next_batch + 2]
+        reply = self.get(req)
+        if reply is None:
+            return
+        for one in [reply, *(reply.more or [])]:
+            if one.end_of_stream:
+                self.check_end(task)
+                if c in RANKS:
+                    who.eos = who.next_batch
+                return
+            rows = tuple(one.rows)
+            for r in rows:
+                assert self.acked[task][r] == 0, f"acknowledged row {r} delivered again"
+            self.record(c, who.next_batch, rows)
+            if rows:
+                who.open[who.next_batch] = (rows, one.lease_id)
+            who.next_batch += 1
+            who.redo = False
+
     def ack(self, c: int) -> None:
         who = self.consumers[c]
         if not who.alive:
@@ -374,6 +400,7 @@ ops = st.one_of(
     st.tuples(st.just("tag"), st.integers(0, 30)),
     st.tuples(st.just("crash")),
     st.tuples(st.just("reset"), st.integers(0, 2)),
+    st.tuples(st.just("read_ahead"), st.integers(0, len(TASKS) - 1), st.integers(1, 3)),
     st.tuples(st.just("suspend"), st.integers(0, 1)),
     st.tuples(st.just("resume"), st.integers(0, 1)),
 )
@@ -392,6 +419,8 @@ def test_random_interleavings_keep_the_guarantees(
             m.crash()
         elif op == "reset":
             m.reset(*args)  # type: ignore[arg-type]
+        elif op == "read_ahead":
+            m.read_ahead(*args)  # type: ignore[arg-type]
         elif op == "suspend":
             m.suspend(*args)  # type: ignore[arg-type]
         elif op == "resume":
