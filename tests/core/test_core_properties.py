@@ -1,9 +1,11 @@
 """Random interleavings of put / get_meta(lease) / ack / expiry / replay / consumer death /
 cancellation (a fetch whose reply its caller never saw, a put abandoned after its placement) /
-tags / seal / a controller restarted from its journal, by consumers of two tasks over the same
-rows (with and without auto-clear), checked against a model of the guarantees
-(docs/guarantees.md). Loop-free: ControllerCore, every transition the controller's shell
-calls."""
+tags / seal / clears / epoch resets / reads ahead (``also=``) / storage units going silent and
+coming back / a controller restarted from its journal, by the consumers of three tasks over
+the same rows: "t" (the default sampler), "u" (whole prompt groups, `GRPOGroupNSampler`) and
+"g" (a DP job of two ranks reading global batches), with and without auto-clear; checked
+against a model of the guarantees (docs/guarantees.md). Loop-free: ControllerCore, every
+transition the controller's shell calls."""
 
 from __future__ import annotations
 
@@ -25,11 +27,21 @@ from tq_async._core._state import ControllerState
 from tq_async._core._transitions import ControllerCore, Deadlines, SampleCall
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import GetMeta, MetaReply
+from tq_async.samplers import GRPOGroupNSampler
 
 X = ColumnHeader("x", "dense", "int64", ())
 LEASE = 5.0
 #: a silent unit is never declared lost here (its rows would be gone: another model)
 DEADLINES = Deadlines(put_lease=LEASE, unit_lost_after=1e9)
+#: task "u" reads whole prompt groups of this many rows (`GRPOGroupNSampler`): each run of
+#: GROUP rows of a put is a group
+GROUP = 2
+
+
+def new_core(state: ControllerState) -> ControllerCore:
+    return ControllerCore(state, task_samplers={"u": GRPOGroupNSampler(GROUP)}, deadlines=DEADLINES)
+
+
 #: the task of each consumer: two of task "t", one of task "u", two of task "g" (the same
 #: rows, each task consuming every one of them on its own)
 TASKS = ("t", "t", "u", "g", "g")
@@ -57,9 +69,7 @@ class Model:
     """Drives a ControllerCore and checks every answer against the guarantees."""
 
     def __init__(self, auto_clear: bool = False) -> None:
-        self.core = ControllerCore(
-            ControllerState({0: "inproc://u0", 1: "inproc://u1"}), deadlines=DEADLINES
-        )
+        self.core = new_core(ControllerState({0: "inproc://u0", 1: "inproc://u1"}))
         #: storage units suspended now (silent: their rows wait, neither handed out nor lost)
         self.down: set[int] = set()
         #: rows are freed once both tasks consumed them and nothing holds them
@@ -78,6 +88,9 @@ class Model:
         self.recorded: dict[tuple[str, int, int], tuple[int, ...]] = {}
         self.consumers = [Consumer() for _ in TASKS]
         self.settled: set[tuple[str, int, int]] = set()
+        #: each committed row's prompt group for task "u" (its put, offset // GROUP)
+        self.group: dict[int, tuple[int, int]] = {}
+        self.puts = 0
 
     def request(self, c: int, keyed: bool, n: int, index: int, lease: float | None) -> GetMeta:
         """Consumer ``c``'s fetch: a DP rank's is always its share of global batch ``index``."""
@@ -85,6 +98,8 @@ class Model:
             cfg = {"dp_rank": RANKS[c], "batch_index": index, "dp_size": len(RANKS)}
             return GetMeta("p", ["x"], DP_BS, TASKS[c], cfg, lease=lease)
         cfg = {"dp_rank": c, "batch_index": index} if keyed else None
+        if TASKS[c] == "u":  # whole groups: a multiple of the group size
+            n = GROUP * max(1, n // GROUP)
         return GetMeta("p", ["x"], n, TASKS[c], cfg, lease=lease)
 
     @staticmethod
@@ -106,6 +121,11 @@ class Model:
         if isinstance(decision, MetaReply) and decision.rows:
             p = self.core.state.partition("p")
             dead = [r for r in decision.rows if not p.alive[r] and r not in self.cleared]
+            if request.task_name == "u" and not self.sealed:  # GRPO: only whole groups
+                groups = Counter(self.group[r] for r in decision.rows)
+                sizes = Counter(self.group.values())
+                split = [g for g, k in groups.items() if k != sizes[g]]
+                assert not split, f"groups {split} delivered split before the end"
             assert not dead, f"rows {dead} delivered after auto-clear freed them"
         return decision
 
@@ -115,6 +135,9 @@ class Model:
         placement, _ = self.core.put_begin("p", [X], n, None, None, self.now)
         self.core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
         self.committed += placement.rows
+        self.puts += 1
+        for offset, r in enumerate(placement.rows):
+            self.group[r] = (self.puts, offset // GROUP)
 
     def abort_put(self, n: int) -> None:
         """A put whose caller gave up after its placement: its rows are never visible."""
@@ -255,7 +278,7 @@ class Model:
         core, wall = self.core, 1000.0 + self.now
         parts = [partition_record(p, self.now, wall) for p in core.state.partitions.values()]
         ctl = controller_record(core, {0: "i0", 1: "i1"}, wall)
-        again = ControllerCore(ControllerState(), deadlines=DEADLINES)
+        again = new_core(ControllerState())
         recover(
             again,
             decode_controller(encode(ctl)),
