@@ -96,6 +96,8 @@ class ConnectionShell:
     # ---- what a shell supplies ---------------------------------------------------------------
 
     if TYPE_CHECKING:  # (declared only: `DrainedSocket` supplies ``_send`` to the async shell)
+        #: the socket the shell owns (each shell sets it)
+        _sock: Any
 
         def _send(self, frames: Sequence[Any]) -> None: ...
 
@@ -258,6 +260,12 @@ class ConnectionShell:
         socket of the same identity replaces it; LINGER 0 discards the old one's queue."""
         if self._closed or self._core.unix or self._core.inproc:
             return  # a Unix socket queues nothing; an in-process peer has no address
+        # disconnecting first tells the socket's I/O thread at once to drop the queue and
+        # stop dialling; a close alone goes through ZMQ's reaper thread, and while a loaded
+        # machine left that thread waiting, the old dialler reached a service back at the
+        # address and delivered the queue (tests/transport/test_transport.py)
+        with contextlib.suppress(zmq.ZMQError, AttributeError):  # (a socket closed already)
+            self._sock.disconnect(self._core.address)
         self._release()
         self._open()  # (a TCP connect never fails here: it is dialled later)
 
