@@ -113,9 +113,7 @@ class GetLeases:
         if deadline is not None:
             p.open_leases[lease.task] = p.open_leases.get(lease.task, 0) + 1
             self._arm(deadline, "lease", lease_id)
-        held = p.held
-        for r in lease.rows:
-            held[r] = held.get(r, 0) + 1
+        _hold(p, lease.rows)
 
     def drop(self, p: Partition, lease: Lease, *, acked: bool = False) -> None:
         del p.leases[lease.lease_id]
@@ -241,9 +239,7 @@ class GetLeases:
         if not self.state.auto_clears(p, key[0]):
             return
         p.batch_holds[key] = rows
-        held = p.held
-        for r in rows:
-            held[r] = held.get(r, 0) + 1
+        _hold(p, rows)
 
     def auto_clear(self, p: Partition, rows: Sequence[int], fx: Effects) -> None:
         """Free rows every auto-clear task consumed, unless a consumer still holds them."""
@@ -265,6 +261,13 @@ def _settle(p: Partition, key: tuple[str, int, int]) -> None:
         _unhold(p, rows)
     if p.changes is not None:
         p.changes.settled.append(key)
+
+
+def _hold(p: Partition, rows: Sequence[int]) -> None:
+    """One holder more for each of ``rows``."""
+    held = p.held
+    for r in rows:
+        held[r] = held.get(r, 0) + 1
 
 
 def _unhold(p: Partition, rows: Sequence[int]) -> None:
