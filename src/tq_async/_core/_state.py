@@ -171,8 +171,8 @@ class Partition:
         self.open_leases: dict[str, int] = {}
         #: rows under a lease, a hold or a waiting batch -> holders (auto-clear leaves them)
         self.held: dict[int, int] = {}
-        #: recorded batches of an auto-clear task whose lease ran out: they hold their rows
-        #: for the batch's next reader until settled
+        #: recorded batches of an auto-clear task without a lease (it ran out, or a rank has
+        #: not read its share of a global batch yet): they hold their rows until settled
         self.batch_holds: dict[RecordKey, tuple[int, ...]] = {}
         #: the live lease of each recorded batch (a lease belongs to the batch)
         self.batch_leases: dict[RecordKey, int] = {}
