@@ -638,7 +638,8 @@ class AsyncClient:
         A fetch by one of these tasks holds its rows until the consumer acknowledges them,
         so they are never freed before they are read: `get` acknowledges after
         reading; after `get_meta` + `get_data`, call `ack`. A recorded batch whose lease ran
-        out (its reader died) keeps holding its rows for its next reader until acknowledged.
+        out (its reader died), and a DP rank's share of a global batch it has not read yet,
+        keep holding their rows for their reader until acknowledged.
         """
         return await self._calls.register_tasks(tasks, partition_id)
 
