@@ -500,6 +500,97 @@ async def test_watchers_alike_share_one_answer_and_a_busy_controller_batches() -
             assert hub.answers - answers <= 2  # batched, not one answer per put
 
 
+async def test_events_no_parked_watcher_wants_cost_no_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass that answers nobody costs what taking a request does: events no parked
+    watcher's filter takes schedule none (a producer's puts under a watcher of seals)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        await _put(client, "p", 1)
+        passes = []
+        flush = hub._flush
+
+        def counted() -> None:
+            passes.append(hub.log.last)
+            flush()
+
+        monkeypatch.setattr(hub, "_flush", counted)
+        async with client.watch(kinds=["partition_sealed"]) as w:
+            async with anyio.create_task_group() as tg:
+                got: list[Event] = []
+
+                async def take() -> None:
+                    got.extend(await _take(w, 1))
+
+                tg.start_soon(take)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                for _ in range(5):
+                    await _put(client, "p", 1)  # rows_added, fields_produced: unwanted
+                assert passes == []
+                await client.seal("p")
+            assert [e.kind for e in got] == ["partition_sealed"]
+            assert len(passes) == 1
+
+
+@pytest.mark.parametrize("bound", ["history", "max_lag"])
+async def test_events_nobody_wants_never_make_a_filtered_watcher_resync(bound: str) -> None:
+    """Unwanted events pass no parked position by (no pass for them), yet a filtered watcher
+    never falls out of the ring or past its ``max_lag`` for events it did not want."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        await _put(client, "p", 1)
+        if bound == "history":
+            hub.log = EventLog(64)  # (no watcher yet: nobody counts in the old one)
+        max_lag = 20 if bound == "max_lag" else None
+        async with client.watch(kinds=["partition_sealed"], max_lag=max_lag) as w:
+            async with anyio.create_task_group() as tg:
+                got: list[Event] = []
+
+                async def take() -> None:
+                    got.extend(await _take(w, 1))
+
+                tg.start_soon(take)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                for _ in range(100):  # 200 unwanted events: 3 rings, 10 max_lags
+                    await _put(client, "p", 1)
+                await client.seal("p")
+            assert [e.kind for e in got] == ["partition_sealed"]
+
+
+async def test_a_request_is_priced_without_the_hubs_own_passes() -> None:
+    """`RequestCost` estimates what a request costs beyond its handler from the loop's CPU;
+    the hub's passes (charged as they happen) are not counted in it a second time."""
+
+    class _Seen(RequestCost):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cpu: list[float] = []
+
+        def update(self, now: float, cpu: float, stats: RequestStats) -> float:
+            self.cpu.append(cpu)
+            return super().update(now, cpu, stats)
+
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        hub = cluster.controller.watch
+        hub.price_requests = True
+        hub.cost = seen = _Seen()
+        hub.own_seconds = 1000.0
+        body = WatchNext(hub.log.last, hub.log.incarnation)
+        hub.on_watch_next(Incoming(b"peer", 1, [], 0.0), body)
+        assert hub.cancel((b"peer", 1))
+        assert len(seen.cpu) == 1
+        assert seen.cpu[0] < 0  # the thread's CPU less the hub's own (1000 s of it)
+
+
 class _Charges(Pacer):
     """A pacer that records what it is charged."""
 

@@ -23,7 +23,10 @@ its handler (`RequestCost`: that happens before the handler's clock starts, and 
 a watcher's real cost); once the charges pass ``WATCH_SHARE`` of the controller's time the
 next answers wait, gathering every event of the wait. A request is answered after the loop's
 current pass, so watchers asking in the same pass at the same position with the same filter
-(those answered together ask again together) share one answer, encoded once. The get_meta
+(those answered together ask again together) share one answer, encoded once. Events no parked
+request's filter takes make no pass at all (`_Interest`: a pass that answers nobody costs
+what a request does); the parked positions move past them with the next pass, which comes
+before the ring or a ``max_lag`` would be outrun by them. The get_meta
 path never waits on a watcher: events are numbered into the ring as transitions apply (a
 list append), and answers go out after the current pass.
 """
@@ -34,6 +37,7 @@ import asyncio
 import math
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -49,8 +53,10 @@ __all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "RequestCost", "WatchHub", "c
 
 #: events the controller keeps for watchers that resume (``since=``) or lag
 DEFAULT_HISTORY = 65536
-#: the share of the controller's time its watchers may take (see `Pacer`)
-WATCH_SHARE = 0.05
+#: the share of the controller's time its watchers may take (see `Pacer`); at 0.05 a lone
+#: watcher of a busy `serve` waited ~1.5 ms for the pacer (put -> event p99 2.8-3.9 ms), at
+#: 0.08 its p99 is 2.0-2.1 ms, and 16 watchers cost W2 no more (RESULTS.md, fourteenth session)
+WATCH_SHARE = 0.08
 #: the watchers' time saved up while they are quiet: answers that go out at once
 WATCH_BURST = 0.002
 #: `RequestCost` averages over windows of at least this many requests ...
@@ -206,6 +212,13 @@ class WatchHub:
         #: program's own code shares the loop: `local_cluster`)
         self.cost = RequestCost()
         self.price_requests = True
+        #: the loop thread's CPU seconds spent answering watchers outside request handlers
+        #: (`_flush`): not part of what a request costs (`RequestCost`)
+        self.own_seconds = 0.0
+        #: the parked requests' filters (`_Interest`; None: to be worked out again)
+        self._interest: _Interest | None = None
+        #: events numbered since the last flush that no parked request wanted
+        self._unwanted = 0
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
@@ -213,9 +226,29 @@ class WatchHub:
         handled in one pass share one answer), or later, as the `Pacer` says."""
         outbox = self.shell.state.events
         if outbox.items:  # (most calls: nothing recorded, nothing to allocate)
-            self.log.append(outbox.take())
+            events = outbox.take()
+            self.log.append(events)
             if self.parked and self._flush_handle is None:
-                self._schedule_flush()
+                if self._wanted(events):
+                    self._schedule_flush()
+                else:
+                    # nobody waits for these: no pass (it would cost what a request does),
+                    # unless so many went by that the parked positions must move on past them
+                    # before the ring forgets them (a Resync for events nobody wanted)
+                    self._unwanted += len(events)
+                    if self._unwanted > self._interested().lag:
+                        self._schedule_flush()
+
+    def _wanted(self, events: list[Event]) -> bool:
+        """Whether a parked request's filter takes one of ``events``."""
+        return self._interested().takes(events)
+
+    def _interested(self) -> _Interest:
+        interest = self._interest
+        if interest is None:
+            bodies = [p.body for p in self.parked.values()]
+            interest = self._interest = _Interest(bodies, self.log.history // 4)
+        return interest
 
     def _schedule_flush(self) -> None:
         loop = asyncio.get_running_loop()
@@ -233,6 +266,8 @@ class WatchHub:
             return
         t0 = time.thread_time()
         self.drain()
+        self._unwanted = 0
+        self._interest = None
         groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
         for key, parked in self.parked.items():
             groups.setdefault(_position(parked.body), []).append(key)
@@ -250,6 +285,7 @@ class WatchHub:
                 del self.parked[key]
                 self._send(*key, raw)
         spent = time.thread_time() - t0
+        self.own_seconds += spent
         if not sent and self.price_requests:
             # a pass for nothing costs what taking a request does: filtered watchers must
             # not buy one after every request
@@ -258,12 +294,14 @@ class WatchHub:
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
+        self._interest = None
         return self.parked.pop(key, None) is not None
 
     def _park(self, key: tuple[bytes, int], body: WatchNext) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.poll
         self.parked[key] = _Parked(body, deadline)  # a retry of a parked request replaces it
+        self._interest = None
         if deadline < self._sweep_at:
             if self._sweep is not None:
                 self._sweep.cancel()
@@ -276,6 +314,7 @@ class WatchHub:
         loop = asyncio.get_running_loop()
         now = loop.time()
         over = [key for key, p in self.parked.items() if p.deadline <= now]
+        self._interest = None
         for key in over:
             body = self.parked.pop(key).body
             assert body.since is not None
@@ -295,7 +334,9 @@ class WatchHub:
             now = asyncio.get_running_loop().time()
             spent = time.thread_time() - t0
             if self.price_requests:
-                spent += self.cost.update(now, time.thread_time(), REQUESTS)
+                # (the loop's CPU less this hub's own passes: they are charged as they happen)
+                cpu = time.thread_time() - self.own_seconds
+                spent += self.cost.update(now, cpu, REQUESTS)
             # a request a client's watchers share counts as theirs: the pacer paces watchers
             self.pacer.charge(now, spent * body.watchers)
 
@@ -371,6 +412,40 @@ class WatchHub:
         endpoint = self.shell.endpoint
         if endpoint is not None:
             endpoint.send(peer, [ok_reply(rid, payload)])
+
+
+class _Interest:
+    """The filters of the parked requests: which events one of them takes, and how many
+    events none takes may go by before their positions must move on (``lag``: a quarter of
+    the ring, and half the smallest ``max_lag``, so neither is reached for events nobody
+    wanted)."""
+
+    __slots__ = ("everything", "filters", "lag")
+
+    def __init__(self, bodies: Iterable[WatchNext], lag: int) -> None:
+        filters: dict[tuple[Any, ...], tuple[frozenset[str] | None, str | None]] = {}
+        self.everything = False
+        for body in bodies:
+            if body.max_lag is not None:
+                lag = min(lag, body.max_lag // 2)
+            if body.kinds is None and body.partition_id is None:
+                self.everything = True
+            kinds = None if body.kinds is None else frozenset(body.kinds)
+            filters[(kinds, body.partition_id)] = (kinds, body.partition_id)
+        self.filters = list(filters.values())
+        self.lag = lag
+
+    def takes(self, events: list[Event]) -> bool:
+        if self.everything:
+            return True
+        for ev in events:
+            kind = ev.kind
+            for kinds, pid in self.filters:
+                if (kinds is None or kind in kinds) and (
+                    pid is None or getattr(ev, "partition_id", pid) == pid
+                ):
+                    return True
+        return False
 
 
 def _position(body: WatchNext) -> tuple[Any, ...]:
