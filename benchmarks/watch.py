@@ -16,8 +16,8 @@
 
 The get_meta rounds alternate 0 and 16 watchers in one ``serve`` (the watchers' process
 attaches and detaches between rounds) and also report the CPU the controller and the watchers'
-process used per get_meta (``/proc/PID/stat``): on a shared box that figure is steadier than
-the rate.
+process used per get_meta (``/proc/PID/task/*/schedstat``, in nanoseconds): on a shared box
+that figure is steadier than the rate.
 """
 
 from __future__ import annotations
@@ -154,7 +154,18 @@ async def _started(one: Any, *, task_status: Any) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
+    """CPU seconds of process ``pid``'s threads so far: the scheduler's nanosecond count
+    (``/proc/PID/task/*/schedstat``) where the kernel keeps one, else user + system time
+    in clock ticks (10 ms: a 2,000-call round's figure would move in 5 us steps)."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except OSError:
+        total = 0
+    if total:
+        return total / 1e9
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
