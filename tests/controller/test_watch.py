@@ -17,7 +17,7 @@ from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
 from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
 from tq_async._wire._protocol import WatchNext
-from tq_async.events import EVENT_KINDS, Event, Resync
+from tq_async.events import EVENT_KINDS, Event, PartitionSealed, Resync
 
 # ---- a model of the cluster, built from events only ------------------------------------------
 
@@ -626,6 +626,33 @@ async def test_a_request_shared_by_a_clients_watchers_is_charged_as_theirs(
             hub.on_watch_next(Incoming(b"peer", rid, [], 0.0), body)
             assert hub.cancel((b"peer", rid))
         assert pacer.charged == [pytest.approx(1e-5), pytest.approx(8e-5)]
+
+
+async def test_an_answer_to_a_shared_request_is_charged_as_its_watchers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its answer wakes every watcher of the request, as its asking stood for them all: a
+    shared round is charged as that many lone watchers' rounds, so the watchers of one client
+    are answered no more often than one of them would be."""
+    ticks = iter(range(1000))
+
+    class _Clock:
+        @staticmethod
+        def thread_time() -> float:
+            return next(ticks) * 1e-5  # every handler and every pass takes 10 us
+
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        hub = cluster.controller.watch
+        hub.price_requests = False
+        monkeypatch.setattr(_watch, "time", _Clock)
+        for rid, watchers in enumerate((1, 8)):
+            hub.pacer = pacer = _Charges()
+            body = WatchNext(hub.log.last, hub.log.incarnation, watchers=watchers)
+            hub.on_watch_next(Incoming(b"peer", rid, [], 0.0), body)
+            hub.log.append([PartitionSealed(partition_id=f"p{rid}")])
+            hub._flush()
+            assert not hub.parked  # answered
+            assert pacer.charged == [pytest.approx(watchers * 1e-5)] * 2
 
 
 async def test_watchers_of_one_client_ask_for_all_of_them() -> None:

@@ -20,7 +20,8 @@ What watchers cost the controller is bounded (`Pacer`): the CPU time spent answe
 taking their requests is measured (the thread's: time the process waited for a core under
 load is not theirs), plus what reading, decoding and dispatching each request costs beyond
 its handler (`RequestCost`: that happens before the handler's clock starts, and was most of
-a watcher's real cost); once the charges pass ``WATCH_SHARE`` of the controller's time the
+a watcher's real cost; a request, and its answer, shared by several watchers of one client
+count as theirs); once the charges pass ``WATCH_SHARE`` of the controller's time the
 next answers wait, gathering every event of the wait. A request is answered after the loop's
 current pass, so watchers asking in the same pass at the same position with the same filter
 (those answered together ask again together) share one answer, encoded once. Events no parked
@@ -55,7 +56,7 @@ __all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "RequestCost", "WatchHub", "c
 DEFAULT_HISTORY = 65536
 #: the share of the controller's time its watchers may take (see `Pacer`); at 0.05 a lone
 #: watcher of a busy `serve` waited ~1.5 ms for the pacer (put -> event p99 2.8-3.9 ms), at
-#: 0.08 its p99 is 2.0-2.1 ms, and 16 watchers cost W2 no more (RESULTS.md, fourteenth session)
+#: 0.08 its p99 is 1.5-2.2 ms (RESULTS.md, fourteenth session)
 WATCH_SHARE = 0.08
 #: the watchers' time saved up while they are quiet: answers that go out at once
 WATCH_BURST = 0.002
@@ -271,7 +272,7 @@ class WatchHub:
         groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
         for key, parked in self.parked.items():
             groups.setdefault(_position(parked.body), []).append(key)
-        sent = False
+        sent = watchers = 0
         for keys in groups.values():
             first = self.parked[keys[0]].body
             batch = self.answer(first)
@@ -280,9 +281,9 @@ class WatchHub:
                     self.parked[key].body.since = first.since
                 continue
             raw = msgspec.Raw(encoder.encode(batch))  # once for every watcher of the group
-            sent = True
             for key in keys:
-                del self.parked[key]
+                watchers += self.parked.pop(key).body.watchers
+                sent += 1
                 self._send(*key, raw)
         spent = time.thread_time() - t0
         self.own_seconds += spent
@@ -290,7 +291,9 @@ class WatchHub:
             # a pass for nothing costs what taking a request does: filtered watchers must
             # not buy one after every request
             spent += self.cost.seconds
-        self.pacer.charge(loop.time(), spent)
+        # an answer to a request shared by a client's watchers counts as theirs, as the
+        # request did (each of them takes every event of it)
+        self.pacer.charge(loop.time(), spent * (watchers / sent if sent else 1))
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
