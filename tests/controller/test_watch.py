@@ -520,21 +520,31 @@ async def test_events_no_parked_watcher_wants_cost_no_pass(
 
         monkeypatch.setattr(hub, "_flush", counted)
         async with client.watch(kinds=["partition_sealed"]) as w:
-            async with anyio.create_task_group() as tg:
-                got: list[Event] = []
-
-                async def take() -> None:
-                    got.extend(await _take(w, 1))
-
-                tg.start_soon(take)
-                while not hub.parked:
-                    await anyio.wait_all_tasks_blocked()
-                for _ in range(5):
-                    await _put(client, "p", 1)  # rows_added, fields_produced: unwanted
-                assert passes == []
-                await client.seal("p")
+            # 5 puts: rows_added, fields_produced, unwanted
+            got = await _seal_after_puts(client, hub, w, 5, lambda: passes == [])
             assert [e.kind for e in got] == ["partition_sealed"]
             assert len(passes) == 1
+
+
+async def _seal_after_puts(
+    client: tq.AsyncClient, hub: Any, watch: Any, puts: int, check: Any = lambda: True
+) -> list[Event]:
+    """One-row puts into "p" while ``watch`` (of seals) waits, then ``check()`` must hold
+    and "p" is sealed: what the watch got."""
+    got: list[Event] = []
+    async with anyio.create_task_group() as tg:
+
+        async def take() -> None:
+            got.extend(await _take(watch, 1))
+
+        tg.start_soon(take)
+        while not hub.parked:
+            await anyio.wait_all_tasks_blocked()
+        for _ in range(puts):
+            await _put(client, "p", 1)
+        assert check()
+        await client.seal("p")
+    return got
 
 
 @pytest.mark.parametrize("bound", ["history", "max_lag"])
@@ -551,18 +561,7 @@ async def test_events_nobody_wants_never_make_a_filtered_watcher_resync(bound: s
             hub.log = EventLog(64)  # (no watcher yet: nobody counts in the old one)
         max_lag = 20 if bound == "max_lag" else None
         async with client.watch(kinds=["partition_sealed"], max_lag=max_lag) as w:
-            async with anyio.create_task_group() as tg:
-                got: list[Event] = []
-
-                async def take() -> None:
-                    got.extend(await _take(w, 1))
-
-                tg.start_soon(take)
-                while not hub.parked:
-                    await anyio.wait_all_tasks_blocked()
-                for _ in range(100):  # 200 unwanted events: 3 rings, 10 max_lags
-                    await _put(client, "p", 1)
-                await client.seal("p")
+            got = await _seal_after_puts(client, hub, w, 100)  # 200 unwanted events: 3 rings
             assert [e.kind for e in got] == ["partition_sealed"]
 
 
