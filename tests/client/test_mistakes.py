@@ -345,3 +345,21 @@ async def test_curve_keys_against_services_without_curve_say_so() -> None:
         with pytest.raises(tq.AuthenticationError, match="does not use CURVE encryption"):
             async with client:
                 pass
+
+
+async def test_register_tasks_with_its_arguments_swapped_or_one_name_says_so() -> None:
+    """``register_tasks("actor")`` would have been five one-letter tasks, and the two
+    arguments swapped a ProtocolError from the controller's decoder; both are named here."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await put_rows(client)
+        with pytest.raises(tq.InvalidRequestError, match=r"\['actor'\]"):
+            await client.register_tasks("actor", "p")
+        with pytest.raises(tq.InvalidRequestError, match="partition_id"):
+            await client.register_tasks("p", ["actor"])  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="task names"):
+            await client.register_tasks([1, 2], "p")  # type: ignore[list-item]
+        await client.register_tasks(("actor", "critic"), "p")  # any sequence of names
+        await client.register_tasks([], "p")  # off

@@ -151,7 +151,20 @@ class ControlCalls:
 
     def register_tasks(self, tasks: Sequence[str], partition_id: str | None = None) -> None:
         """Auto-clear: free each row once every task in ``tasks`` has consumed it."""
-        self._links.call(RegisterTasks(list(tasks), partition_id), None)
+        if partition_id is not None and not isinstance(partition_id, str):
+            raise InvalidRequestError(
+                f"register_tasks(tasks, partition_id): partition_id must be a string or None, "
+                f"got {partition_id!r} (are the two arguments swapped?)"
+            )
+        if isinstance(tasks, str):  # (else "actor" would be five one-letter tasks)
+            raise InvalidRequestError(
+                f"register_tasks takes a list of task names, got the string {tasks!r}: "
+                f"pass [{tasks!r}]"
+            )
+        names = list(tasks)
+        if not all(isinstance(t, str) for t in names):
+            raise InvalidRequestError(f"register_tasks takes task names (strings), got {names!r}")
+        self._links.call(RegisterTasks(names, partition_id), None)
 
     def seal(self, partition_id: str, *, create: bool = False) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""
