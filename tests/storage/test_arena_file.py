@@ -40,9 +40,12 @@ def open_unit(path: Path, *, sync: bool = False, arena: bool = True) -> StorageS
     return state
 
 
-def arena_put(state: StorageState, pid: str, rows: list[int], seed: int) -> tuple[int, int]:
+def arena_put(
+    state: StorageState, pid: str, rows: list[int], seed: int, *, named: bool = True
+) -> tuple[int, int]:
     """What `ShmPath.put` does for a client: write the columns into a granted region, store
-    views of it, drop the grant's reference. The region's (offset, size)."""
+    views of it naming where they are (``named``: else the unit works it out from the
+    views), drop the grant's reference. The region's (offset, size)."""
     arena = state.arena
     assert arena is not None
     parts = frames_of(rows, seed)
@@ -53,7 +56,8 @@ def arena_put(state: StorageState, pid: str, rows: list[int], seed: int) -> tupl
     for (off, n), part in zip(spans, parts, strict=True):
         arena.view[region.offset + off : region.offset + off + n] = np.frombuffer(part, np.uint8)
         views.append(arena.span(region.offset + off, n))
-    state.put(pid, rows, [DENSE, JAGGED], views, region, incarnation="i1")
+    named_spans = [(region.offset + off, n) for off, n in spans] if named else None
+    state.put(pid, rows, [DENSE, JAGGED], views, region, incarnation="i1", spans=named_spans)
     arena.release(region)
     return region.offset, region.size
 
@@ -80,15 +84,16 @@ def arena_records(path: Path) -> list[Any]:
     return [c for r in records for c in r.chunks]
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["spans named", "spans worked out"])
 @pytest.mark.parametrize("level", ["process", "fsync"])
 def test_cells_put_through_the_arena_file_are_recorded_not_copied(
-    tmp_path: Path, level: str
+    tmp_path: Path, level: str, named: bool
 ) -> None:
     sync = level == "fsync"
     state = open_unit(tmp_path, sync=sync)
-    arena_put(state, "p", [0, 1, 2, 3], 10)
-    arena_put(state, "p", [2, 3, 4], 20)  # overwrites rows 2 and 3
-    arena_put(state, "q", [0, 1], 30)
+    arena_put(state, "p", [0, 1, 2, 3], 10, named=named)
+    arena_put(state, "p", [2, 3, 4], 20, named=named)  # overwrites rows 2 and 3
+    arena_put(state, "q", [0, 1], 30, named=named)
     state.clear("p", [1])
     if sync:
         commit(state)
@@ -113,6 +118,24 @@ def test_cells_put_through_the_arena_file_are_recorded_not_copied(
         pass
     assert (cells(again, "p", [0, 2, 3, 4]), cells(again, "q", [0, 1])) == expected
     close(again)
+
+
+def test_the_spans_a_put_names_are_recorded_as_those_worked_out_from_its_views(
+    tmp_path: Path,
+) -> None:
+    """A shared-memory put names where its frames are (`ShmPath.put`), sparing the unit the
+    work of finding them from the views: the records are the same either way."""
+    records = []
+    for named in (True, False):
+        path = tmp_path / str(named)
+        path.mkdir()
+        state = open_unit(path)
+        arena_put(state, "p", [0, 1, 2, 3], 10, named=named)
+        arena_put(state, "p", [5], 20, named=named)
+        close(state)
+        records.append(arena_records(path))
+    assert records[0] == records[1]
+    assert len(records[0]) == 4  # two puts of two columns
 
 
 def test_fsync_level_reuses_a_cleared_region_only_after_its_commit(tmp_path: Path) -> None:

@@ -170,11 +170,14 @@ class StorageState:
         *,
         incarnation: str | None = None,
         device: tuple[Region, dict[int, int]] | None = None,
+        spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Store columns for ``rows`` (frames in header order). All-or-nothing.
 
         ``region``: the arena region ``frames`` are views of; each stored chunk takes a
-        reference (the caller keeps its own). ``device``: a device arena region and, by
+        reference (the caller keeps its own). ``spans``: where in the arena each frame is
+        (offset, size), when the caller knows (a durable unit records them instead of
+        working them out from the frames). ``device``: a device arena region and, by
         header position, where in it a column's cells are (those columns have no frames);
         each of their chunks takes a reference of it.
 
@@ -193,6 +196,7 @@ class StorageState:
             raise ProtocolError(f"StorePut carries {len(frames)} frames, its header {expected}")
         chunks: list[Chunk] = []
         chunk_frames: list[Any] = []
+        chunk_spans: list[Sequence[tuple[int, int]]] | None = None if spans is None else []
         pos = 0
         for i, h in enumerate(headers):
             if h.kind == "pickle" and not self.allow_pickle:
@@ -210,9 +214,12 @@ class StorageState:
             k = column_frame_count(h)
             chunks.append(Chunk(h, column_from_frames(h, frames[pos : pos + k], n), region))
             chunk_frames.append(frames[pos : pos + k])
+            if chunk_spans is not None:
+                assert spans is not None
+                chunk_spans.append(spans[pos : pos + k])
             pos += k
         if self._durable and chunk_frames:
-            write_put(self, partition_id, incarnation, rows, chunks, chunk_frames)
+            write_put(self, partition_id, incarnation, rows, chunks, chunk_frames, chunk_spans)
         if region is not None:
             region.refs += sum(c.region is not None for c in chunks)
         if device is not None:

@@ -22,7 +22,7 @@ from .._paths._device import DeviceCells
 from .._paths._shm import PAGE, Arena, align
 from .._wire._columns import column_from_frames, column_to_frames
 from ._cell_index import CellIndex, Chunk
-from ._segments import ARENA, ClearRecord, Commit, PutRecord, SegmentStore, arena_extent
+from ._segments import ARENA, ClearRecord, Commit, PutRecord, SegmentStore, arena_chunk
 
 __all__ = [
     "Unit",
@@ -57,8 +57,12 @@ def write_put(
     rows: Sequence[int],
     chunks: list[Chunk],
     chunk_frames: list[Any],
+    chunk_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> None:
     """Write a put's host chunks to disk, data then index record (all or nothing).
+
+    ``chunk_spans``: where each chunk's frames are in the arena, when the caller knows
+    (a shared-memory put names them); else they are worked out from the frames.
 
     Raises:
         StorageFullError: the disk is full: nothing of this put is stored.
@@ -68,19 +72,30 @@ def write_put(
     on_host = [c for c in chunks if c.device is None]
     # cells a client wrote into the arena file are on disk already: only their place
     # is recorded; the others are appended to the segments
-    spans = [_arena_spans(unit.arena, c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
+    arena = unit.arena
+    if chunk_spans is None:
+        spans = [_arena_spans(arena, c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
+    elif arena is None or arena.path is None:  # (a memfd arena: not on disk)
+        spans = [[] for _ in on_host]
+    else:
+        spans = [
+            list(s) if c.region is not None and s else []
+            for c, s in zip(on_host, chunk_spans, strict=True)
+        ]
     written = iter(disk.append([f for f, s in zip(chunk_frames, spans, strict=True) if not s]))
-    extents = [arena_extent(s) if s else next(written) for s in spans]
+    raw = array("q", rows).tobytes()
+    extents, records = [], []
+    for c, s in zip(on_host, spans, strict=True):
+        if s:
+            e, record = arena_chunk(c.header, raw, s)
+        else:
+            e = next(written)
+            record = e.record(c.header, raw)
+        extents.append(e)
+        records.append(record)
     if any(spans):
         disk.arena_written()
-    raw = array("q", rows).tobytes()
-    disk.log(
-        PutRecord(
-            partition_id,
-            incarnation,
-            [e.record(c.header, raw) for c, e in zip(on_host, extents, strict=True)],
-        )
-    )
+    disk.log(PutRecord(partition_id, incarnation, records))
     for c, e in zip(on_host, extents, strict=True):
         c.extent = e
         disk.ref(e)

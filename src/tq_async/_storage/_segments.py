@@ -89,10 +89,12 @@ NO_CRC = -1
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
 
 
-@dataclass(frozen=True, slots=True)
-class Extent:
+class Extent(msgspec.Struct, frozen=True):
     """Where a chunk's bytes are: ``segment``, from ``offset``, frames of ``sizes`` bytes
-    back to back, or each at its own offset (``offsets``: cells in the arena file)."""
+    back to back, or each at its own offset (``offsets``: cells in the arena file).
+
+    (A struct: made for every chunk of every durable put, where a frozen dataclass's
+    ``__init__`` cost 8x as much.)"""
 
     segment: int
     offset: int
@@ -128,10 +130,15 @@ class Extent:
         )
 
 
-def arena_extent(spans: Sequence[tuple[int, int]]) -> Extent:
-    """The extent of a chunk whose frames are at ``spans`` (offset, size) of the arena file."""
-    offsets = tuple(off for off, _ in spans)
-    return Extent(ARENA, offsets[0], tuple(n for _, n in spans), NO_CRC, offsets)
+def arena_chunk(
+    header: ColumnHeader, rows: bytes, spans: Sequence[tuple[int, int]]
+) -> tuple[Extent, ChunkRecord]:
+    """The extent and the index record of a chunk of ``rows`` whose frames are at ``spans``
+    (offset, size) of the arena file."""
+    offsets = [off for off, _ in spans]
+    sizes = [n for _, n in spans]
+    extent = Extent(ARENA, offsets[0], tuple(sizes), NO_CRC, tuple(offsets))
+    return extent, ChunkRecord(header, rows, ARENA, offsets[0], sizes, NO_CRC, offsets)
 
 
 class ChunkRecord(msgspec.Struct, array_like=True):
