@@ -68,6 +68,7 @@ from ._errors import PartitionNotFound as PartitionNotFound
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RowsNotFound as RowsNotFound
 from ._errors import SchemaError as SchemaError
+from ._errors import SessionLostError as SessionLostError
 from ._errors import StateLostError as StateLostError
 from ._errors import StorageFullError as StorageFullError
 from ._errors import TQError as TQError
@@ -195,6 +196,7 @@ __all__ = [
     "SequentialSampler",
     "StaleRows",
     "StateLostError",
+    "SessionLostError",
     "StreamingDataLoader",
     "StreamingDataset",
     "StalenessSampler",

@@ -27,6 +27,7 @@ __all__ = [
     "WouldBlock",
     "ConfigError",
     "AuthenticationError",
+    "SessionLostError",
     "DeviceError",
     "StorageFullError",
     "error_from_wire",
@@ -123,6 +124,16 @@ class AuthenticationError(BrokenError):
     """
 
 
+class SessionLostError(BrokenError):
+    """A storage unit has no shared-memory session with this connection: it restarted (at
+    the same address, so the connection rode through) since the client set one up, or the
+    connection was replaced. Nothing of the request was done.
+
+    The client sets the session up again and retries the call once by itself; this reaches
+    a caller only if that fails too (then retry the call, as after any `BrokenError`).
+    """
+
+
 class StateLostError(BrokenError):
     """The service restarted without the state it had: partitions, rows, consumption and KV
     keys this client knew are gone (a controller at ``durability="memory"``, or one started
@@ -165,6 +176,7 @@ CALLERS_FAULT: tuple[type[TQError], ...] = (
     WouldBlock,
     ProtocolError,
     TQTimeoutError,
+    SessionLostError,  # (expected after a restart: the client sets the session up again)
 )
 
 

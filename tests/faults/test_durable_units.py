@@ -138,6 +138,48 @@ async def test_cells_put_through_shared_memory_survive_a_sigkill_in_the_arena_fi
                     assert not any(lost["rows"].values())
 
 
+@pytest.mark.parametrize("level", ["memory", "process"])
+async def test_a_unit_restarted_under_a_connection_that_rode_through_sets_shared_memory_up_again(
+    tmp_path: Path, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit restarted at the same address while a same-host client keeps its connection
+    (ZMQ reconnects by itself) has no shared-memory session with it. Found by a chaos run:
+    the put failed with `InvalidRequestError` ("not set up shared memory"). The unit now
+    answers `SessionLostError`, and the client sets the session up again and carries on.
+    Here the client is held on the unit's TCP address (no same-host twin socket, whose end
+    it notices at once) and misses the disconnect (what a quick reconnect allows)."""
+    from _chaos import free_port
+    from tq_async._client._async import _same_host
+
+    monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = (*_unit(address, level, data_dir), "--bind", f"tcp://127.0.0.1:{free_port()}")
+        if level == "memory":
+            args = args[: args.index("--data-dir")] + args[args.index("--data-dir") + 2 :]
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            before = _batch(12, 1)
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                meta = await client.put(before, "p")
+                assert (await client.storage_stats())[0]["shm_puts"] == 1
+                conn = client._links.units[0]
+                conn._on_disconnect = None  # (the disconnect goes unnoticed: see above)
+                back = anyio.Event()
+                conn._on_connect = back.set
+                unit.send_signal(signal.SIGKILL)
+                unit.wait(timeout=10)
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                with anyio.fail_after(30):
+                    await back.wait()  # ZMQ reconnected to the new unit
+                after = _batch(12, 2)
+                meta2 = await client.put(after, "p")  # through a new session
+                assert client._links.units[0] is conn  # the same connection, rode through
+                assert _same(await client.get_data(meta2), after)
+                if level == "process":  # the cells of before the restart are back
+                    assert _same(await client.get_data(meta), before)
+
+
 def _refused(*argv: str) -> str:
     """Start ``tq-async serve ARGV...`` expecting it to refuse; its stderr."""
     done = subprocess.run(

@@ -101,6 +101,7 @@ def test_the_public_names_are_pinned() -> None:
         "SchemaError",
         "SeqlenBalancedSampler",
         "SequentialSampler",
+        "SessionLostError",
         "StaleRows",
         "StalenessSampler",
         "StateLostError",

@@ -66,3 +66,37 @@ def test_a_durable_units_arena_file_lends_no_spares(tmp_path: Path) -> None:
         assert book.spare_bytes == 0
     finally:
         arena.close()
+
+
+def test_a_connection_without_a_session_is_told_it_lost_it() -> None:
+    """A unit answers a shared-memory call from a connection it holds no session of (it
+    restarted under the connection) with `SessionLostError`, a `BrokenError`: nothing was
+    done, and the client sets the session up again. A unit with no shared memory at all
+    still says to use the socket."""
+    from tq_async import BrokenError, InvalidRequestError
+    from tq_async._errors import SessionLostError
+    from tq_async._service._loop import Incoming
+    from tq_async._wire._columns import ColumnHeader
+    from tq_async._wire._protocol import ShmFrames, StorePut
+
+    state = StorageState()
+    book = Book()
+    book.peers[CLIENT] = 4321
+    path = ShmPath(state, book, cap=64 * PAGE, idle_bytes=64 * PAGE)
+    state.arena = arena = Arena(64 * PAGE, idle_bytes=64 * PAGE)
+    try:
+        assert path.claimant(CLIENT) == 4321
+        with pytest.raises(SessionLostError, match="restarted"):
+            path.claimant(STRANGER)
+        assert issubclass(SessionLostError, BrokenError)
+        header = ColumnHeader("x", "dense", "int64", (2,))
+        put = StorePut("p", [0], [header], shm=ShmFrames(7, [(0, 16)]))
+        with pytest.raises(SessionLostError):  # a grant of the unit's earlier boot
+            path.put(Incoming(STRANGER, 1, [b""], 0.0), put, None)
+        with pytest.raises(InvalidRequestError, match="unknown"):  # never given to it
+            path.put(Incoming(CLIENT, 2, [b""], 0.0), put, None)
+    finally:
+        arena.close()
+    state.arena = None  # (closed: a unit without shared memory)
+    with pytest.raises(InvalidRequestError, match="no shared memory"):
+        path.claimant(CLIENT)

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from .._errors import InvalidRequestError, ProtocolError
+from .._errors import InvalidRequestError, ProtocolError, SessionLostError
 from .._logging import get_logger
 from .._paths._pinned import chunks_of
 from .._paths._shm import Arena, Region, Watcher
@@ -45,6 +45,13 @@ from ._cells import StorageState, adopt_arena
 __all__ = ["ShmPath"]
 
 log = get_logger(__name__)
+
+#: what a unit answers a shared-memory call from a connection it holds no session of
+_NO_SESSION = (
+    "this storage unit has no shared-memory session with this connection (it restarted "
+    "since the client set one up, or the connection was replaced); nothing was done: the "
+    "client sets the session up again"
+)
 
 #: spare grants (lent ahead of a put) hold at most 1/SPARE_SHARE of the arena
 SPARE_SHARE = 8
@@ -141,10 +148,12 @@ class ShmPath:
         """The pid of a client that may take grants and pins (0: a NIXL client); NIXL
         claims held too long are taken back on the way."""
         pid = self.book.pid(peer)
-        if pid is None or (pid > 0 and self.arena is None):
+        if pid is None:
+            raise SessionLostError(_NO_SESSION)
+        if pid > 0 and self.arena is None:
             raise InvalidRequestError(
-                "this client has not set up shared memory with this unit (ShmHello first); "
-                "use the socket path"
+                "this unit has no shared memory (a memory-capped or device-only unit); use "
+                "the socket path"
             )
         self._expire_claims()
         return pid
@@ -278,6 +287,8 @@ class ShmPath:
         """The frames a shared-memory put names, checked against its grant (consumed)."""
         assert body.shm is not None
         arena = self.arena
+        if self.book.pid(peer) is None:  # (a grant of an earlier boot of this unit, maybe)
+            raise SessionLostError(_NO_SESSION)
         region = self.book.take_grant(peer, body.shm.grant) if arena is not None else None
         if arena is None or region is None:
             raise InvalidRequestError(

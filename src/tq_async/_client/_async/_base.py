@@ -460,6 +460,12 @@ class Links:
             return True
         return self.unit_addresses.get(unit_id) not in (None, listed)
 
+    def session_lost(self, unit_id: int) -> None:
+        """The unit answered a data call with `SessionLostError` (it restarted under the
+        connection): forget its arena here; the next `data_link` sets shared memory up
+        again."""
+        self._forget_arena(unit_id)
+
     def _forget_arena(self, unit_id: int) -> None:
         """The unit's connection broke: unmap its arena (a restarted unit has a new one, and
         a dead unit's memory is freed once nobody maps it)."""

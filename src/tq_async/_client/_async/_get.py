@@ -20,6 +20,7 @@ from ..._errors import (
     ClosedError,
     InvalidRequestError,
     ProtocolError,
+    SessionLostError,
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
@@ -410,7 +411,16 @@ class GetPath:
                 task=meta.task_name or "",
             )
             on_device: dict[int, torch.Tensor] | None = None
-            payload, frames = await self._ask(unit, conn, get)
+            try:
+                payload, frames = await self._ask(unit, conn, get)
+            except SessionLostError:
+                if not get.shm:
+                    raise
+                # the unit restarted under this connection: read through its socket this
+                # time (the next data call sets shared memory up again)
+                self._links.session_lost(unit)
+                get.shm = get.device = get.pinned = False
+                payload, frames = await self._links.unit_request(unit, get)
             stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
                 pin = stored.pin

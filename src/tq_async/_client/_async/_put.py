@@ -21,6 +21,7 @@ from ..._errors import (
     InvalidRequestError,
     RowsNotFound,
     SchemaError,
+    SessionLostError,
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
@@ -362,7 +363,17 @@ class PutPath:
             conn, arena = await self._links.data_link(unit)
             kept = await self._place_device_columns(unit, conn, arena, store, cols)
             try:
-                await send(unit, conn, arena, store, kept)
+                try:
+                    await send(unit, conn, arena, store, kept)
+                except SessionLostError:
+                    if store.device is not None:
+                        raise
+                    # the unit restarted under this connection: nothing was stored; set
+                    # its shared memory up again and send once more
+                    store.shm, store.spare = None, 0
+                    self._links.session_lost(unit)
+                    conn, arena = await self._links.data_link(unit)
+                    await send(unit, conn, arena, store, kept)
             except BaseException:
                 if store.device is not None:  # the unit ignores a grant it consumed
                     conn.send_best_effort(ShmFree([store.device.grant], []))

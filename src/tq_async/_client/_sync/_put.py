@@ -23,6 +23,7 @@ from ..._errors import (
     InvalidRequestError,
     RowsNotFound,
     SchemaError,
+    SessionLostError,
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
@@ -364,7 +365,17 @@ class PutPath:
             conn, arena = self._links.data_link(unit)
             kept = self._place_device_columns(unit, conn, arena, store, cols)
             try:
-                send(unit, conn, arena, store, kept)
+                try:
+                    send(unit, conn, arena, store, kept)
+                except SessionLostError:
+                    if store.device is not None:
+                        raise
+                    # the unit restarted under this connection: nothing was stored; set
+                    # its shared memory up again and send once more
+                    store.shm, store.spare = None, 0
+                    self._links.session_lost(unit)
+                    conn, arena = self._links.data_link(unit)
+                    send(unit, conn, arena, store, kept)
             except BaseException:
                 if store.device is not None:  # the unit ignores a grant it consumed
                     conn.send_best_effort(ShmFree([store.device.grant], []))
