@@ -48,9 +48,9 @@ log = get_logger(__name__)
 
 #: what a unit answers a shared-memory call from a connection it holds no session of
 _NO_SESSION = (
-    "this storage unit has no shared-memory session with this connection (it restarted "
-    "since the client set one up, or the connection was replaced); nothing was done: the "
-    "client sets the session up again"
+    "this storage unit has no shared-memory session with this connection (none was set up "
+    "with ShmHello, or the unit restarted since, or the connection was replaced); nothing "
+    "was done: the client sets the session up again"
 )
 
 #: spare grants (lent ahead of a put) hold at most 1/SPARE_SHARE of the arena
