@@ -565,6 +565,57 @@ async def test_events_nobody_wants_never_make_a_filtered_watcher_resync(bound: s
             assert [e.kind for e in got] == ["partition_sealed"]
 
 
+async def test_the_parked_filters_are_counted_as_requests_park_and_go() -> None:
+    """The hub keeps the parked requests' filters as counts (checking an event against them
+    must not walk thousands of parked requests): parking, a retry replacing a parked
+    request, an answer, a cancel and the end of a poll keep them equal to the parked ones."""
+    from tq_async.events import PartitionSealed
+
+    def counted(hub: Any) -> tuple[int, dict[Any, int]]:
+        everything, filters = 0, {}
+        for p in hub.parked.values():
+            b = p.body
+            if b.kinds is None and b.partition_id is None:
+                everything += 1
+            else:
+                key = (None if b.kinds is None else frozenset(b.kinds), b.partition_id)
+                filters[key] = filters.get(key, 0) + 1
+        return everything, filters
+
+    def check(hub: Any) -> None:
+        assert (hub._interest.everything, dict(hub._interest.filters)) == counted(hub)
+
+    async with tq.local_cluster(num_storage_units=1) as cluster:
+        hub = cluster.controller.watch
+        hub.price_requests = False
+        last, inc = hub.log.last, hub.log.incarnation
+        bodies = [
+            WatchNext(last, inc),
+            WatchNext(last, inc, kinds=["partition_sealed"]),
+            WatchNext(last, inc, kinds=["rows_added"], max_lag=40),
+            WatchNext(last, inc, partition_id="q"),
+        ]
+        for rid, body in enumerate(bodies):
+            hub.on_watch_next(Incoming(b"peer", rid, [], 0.0), body)
+            check(hub)
+        assert hub._interest.lag(1000) == 20
+        hub.on_watch_next(Incoming(b"peer", 1, [], 0.0), WatchNext(last, inc))  # a retry
+        check(hub)
+        assert hub.cancel((b"peer", 2))
+        check(hub)
+        assert hub._interest.lag(1000) == 1000
+        hub.log.append([PartitionSealed(partition_id="p")])
+        hub._flush()  # answers the unfiltered ones; "q" is not "p": it stays
+        check(hub)
+        assert list(hub.parked) == [(b"peer", 3)]
+        hub.parked[(b"peer", 3)].deadline = 0.0  # its poll is over: the sweep answers it
+        hub._end_polls()
+        assert not hub.parked
+        check(hub)
+        assert hub._interest.everything == 0
+        assert not hub._interest.filters
+
+
 async def test_a_request_is_priced_without_the_hubs_own_passes() -> None:
     """`RequestCost` estimates what a request costs beyond its handler from the loop's CPU;
     the hub's passes (charged as they happen) are not counted in it a second time."""

@@ -38,7 +38,7 @@ import asyncio
 import math
 import secrets
 import time
-from collections.abc import Iterable
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -216,8 +216,8 @@ class WatchHub:
         #: the loop thread's CPU seconds spent answering watchers outside request handlers
         #: (`_flush`): not part of what a request costs (`RequestCost`)
         self.own_seconds = 0.0
-        #: the parked requests' filters (`_Interest`; None: to be worked out again)
-        self._interest: _Interest | None = None
+        #: the parked requests' filters, counted as they park and go (`_Interest`)
+        self._interest = _Interest()
         #: events numbered since the last flush that no parked request wanted
         self._unwanted = 0
 
@@ -237,19 +237,19 @@ class WatchHub:
                     # unless so many went by that the parked positions must move on past them
                     # before the ring forgets them (a Resync for events nobody wanted)
                     self._unwanted += len(events)
-                    if self._unwanted > self._interested().lag:
+                    if self._unwanted > self._interest.lag(self.log.history // 4):
                         self._schedule_flush()
 
     def _wanted(self, events: list[Event]) -> bool:
         """Whether a parked request's filter takes one of ``events``."""
-        return self._interested().takes(events)
+        return self._interest.takes(events)
 
-    def _interested(self) -> _Interest:
-        interest = self._interest
-        if interest is None:
-            bodies = [p.body for p in self.parked.values()]
-            interest = self._interest = _Interest(bodies, self.log.history // 4)
-        return interest
+    def _unpark(self, key: tuple[bytes, int]) -> _Parked | None:
+        """Take a parked request out (None: none under ``key``)."""
+        parked = self.parked.pop(key, None)
+        if parked is not None:
+            self._interest.remove(parked.body)
+        return parked
 
     def _schedule_flush(self) -> None:
         loop = asyncio.get_running_loop()
@@ -268,7 +268,6 @@ class WatchHub:
         t0 = time.thread_time()
         self.drain()
         self._unwanted = 0
-        self._interest = None
         groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
         for key, parked in self.parked.items():
             groups.setdefault(_position(parked.body), []).append(key)
@@ -282,7 +281,9 @@ class WatchHub:
                 continue
             raw = msgspec.Raw(encoder.encode(batch))  # once for every watcher of the group
             for key in keys:
-                watchers += self.parked.pop(key).body.watchers
+                gone = self._unpark(key)
+                assert gone is not None
+                watchers += gone.body.watchers
                 sent += 1
                 self._send(*key, raw)
         spent = time.thread_time() - t0
@@ -297,14 +298,14 @@ class WatchHub:
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
-        self._interest = None
-        return self.parked.pop(key, None) is not None
+        return self._unpark(key) is not None
 
     def _park(self, key: tuple[bytes, int], body: WatchNext) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + body.poll
-        self.parked[key] = _Parked(body, deadline)  # a retry of a parked request replaces it
-        self._interest = None
+        self._unpark(key)  # a retry of a parked request replaces it
+        self.parked[key] = _Parked(body, deadline)
+        self._interest.add(body)
         if deadline < self._sweep_at:
             if self._sweep is not None:
                 self._sweep.cancel()
@@ -317,9 +318,10 @@ class WatchHub:
         loop = asyncio.get_running_loop()
         now = loop.time()
         over = [key for key, p in self.parked.items() if p.deadline <= now]
-        self._interest = None
         for key in over:
-            body = self.parked.pop(key).body
+            parked = self._unpark(key)
+            assert parked is not None
+            body = parked.body
             assert body.since is not None
             if not self.shell.stopping:
                 self._send(*key, WatchBatch(self.log.incarnation, body.since, []))
@@ -418,25 +420,37 @@ class WatchHub:
 
 
 class _Interest:
-    """The filters of the parked requests: which events one of them takes, and how many
-    events none takes may go by before their positions must move on (``lag``: a quarter of
-    the ring, and half the smallest ``max_lag``, so neither is reached for events nobody
-    wanted)."""
+    """The filters of the parked requests, counted as requests park and go: which events one
+    of them takes, and how many events none takes may go by before their positions must
+    move on (`lag`: a quarter of the ring, and half the smallest ``max_lag``, so neither is
+    reached for events nobody wanted). O(1) to keep; a check walks the distinct filters."""
 
-    __slots__ = ("everything", "filters", "lag")
+    __slots__ = ("everything", "filters", "lags")
 
-    def __init__(self, bodies: Iterable[WatchNext], lag: int) -> None:
-        filters: dict[tuple[Any, ...], tuple[frozenset[str] | None, str | None]] = {}
-        self.everything = False
-        for body in bodies:
-            if body.max_lag is not None:
-                lag = min(lag, body.max_lag // 2)
-            if body.kinds is None and body.partition_id is None:
-                self.everything = True
-            kinds = None if body.kinds is None else frozenset(body.kinds)
-            filters[(kinds, body.partition_id)] = (kinds, body.partition_id)
-        self.filters = list(filters.values())
-        self.lag = lag
+    def __init__(self) -> None:
+        #: parked requests with no filter (they take every event)
+        self.everything = 0
+        self.filters: Counter[tuple[frozenset[str] | None, str | None]] = Counter()
+        self.lags: Counter[int] = Counter()
+
+    def add(self, body: WatchNext) -> None:
+        if body.kinds is None and body.partition_id is None:
+            self.everything += 1
+        else:
+            self.filters[_filter(body)] += 1
+        if body.max_lag is not None:
+            self.lags[body.max_lag] += 1
+
+    def remove(self, body: WatchNext) -> None:
+        if body.kinds is None and body.partition_id is None:
+            self.everything -= 1
+        else:
+            _drop(self.filters, _filter(body))
+        if body.max_lag is not None:
+            _drop(self.lags, body.max_lag)
+
+    def lag(self, ring: int) -> int:
+        return min(ring, *(lag // 2 for lag in self.lags)) if self.lags else ring
 
     def takes(self, events: list[Event]) -> bool:
         if self.everything:
@@ -449,6 +463,16 @@ class _Interest:
                 ):
                     return True
         return False
+
+
+def _filter(body: WatchNext) -> tuple[frozenset[str] | None, str | None]:
+    return (None if body.kinds is None else frozenset(body.kinds), body.partition_id)
+
+
+def _drop(counts: Counter[Any], key: Any) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
 
 
 def _position(body: WatchNext) -> tuple[Any, ...]:
