@@ -152,8 +152,8 @@ class ShmPath:
             raise SessionLostError(_NO_SESSION)
         if pid > 0 and self.arena is None:
             raise InvalidRequestError(
-                "this unit has no shared memory (a memory-capped or device-only unit); use "
-                "the socket path"
+                "this unit has no shared memory (its data path is zmq, the system offers "
+                "none, or it is closing); use the socket path"
             )
         self._expire_claims()
         return pid
