@@ -230,7 +230,7 @@ class WatchHub:
             events = outbox.take()
             self.log.append(events)
             if self.parked and self._flush_handle is None:
-                if self._wanted(events):
+                if self._interest.takes(events):
                     self._schedule_flush()
                 else:
                     # nobody waits for these: no pass (it would cost what a request does),
@@ -239,10 +239,6 @@ class WatchHub:
                     self._unwanted += len(events)
                     if self._unwanted > self._interest.lag(self.log.history // 4):
                         self._schedule_flush()
-
-    def _wanted(self, events: list[Event]) -> bool:
-        """Whether a parked request's filter takes one of ``events``."""
-        return self._interest.takes(events)
 
     def _unpark(self, key: tuple[bytes, int]) -> _Parked | None:
         """Take a parked request out (None: none under ``key``)."""
@@ -453,6 +449,7 @@ class _Interest:
         return min(ring, *(lag // 2 for lag in self.lags)) if self.lags else ring
 
     def takes(self, events: list[Event]) -> bool:
+        """Whether a parked request's filter takes one of ``events``."""
         if self.everything:
             return True
         for ev in events:

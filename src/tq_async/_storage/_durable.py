@@ -72,16 +72,11 @@ def write_put(
     on_host = [c for c in chunks if c.device is None]
     # cells a client wrote into the arena file are on disk already: only their place
     # is recorded; the others are appended to the segments
-    arena = unit.arena
-    if chunk_spans is None:
-        spans = [_arena_spans(arena, c, f) for c, f in zip(on_host, chunk_frames, strict=True)]
-    elif arena is None or arena.path is None:  # (a memfd arena: not on disk)
-        spans = [[] for _ in on_host]
-    else:
-        spans = [
-            list(s) if c.region is not None and s else []
-            for c, s in zip(on_host, chunk_spans, strict=True)
-        ]
+    known = chunk_spans if chunk_spans is not None else [None] * len(on_host)
+    spans = [
+        _arena_spans(unit.arena, c, f, k)
+        for c, f, k in zip(on_host, chunk_frames, known, strict=True)
+    ]
     written = iter(disk.append([f for f, s in zip(chunk_frames, spans, strict=True) if not s]))
     raw = array("q", rows).tobytes()
     extents, records = [], []
@@ -218,11 +213,20 @@ def adopt_arena(unit: Unit, arena: Arena) -> int:
     return len(groups)
 
 
-def _arena_spans(arena: Arena | None, chunk: Chunk, frames: Sequence[Any]) -> list[tuple[int, int]]:
+def _arena_spans(
+    arena: Arena | None,
+    chunk: Chunk,
+    frames: Sequence[Any],
+    known: Sequence[tuple[int, int]] | None = None,
+) -> list[tuple[int, int]]:
     """Where ``frames`` (of ``chunk``) are in the arena file; [] when they are not all
-    there (a memfd arena, or frames that came over a socket)."""
+    there (a memfd arena, or frames that came over a socket). ``known``: the (offset,
+    size) of each frame in the arena, as the put named them (else worked out from the
+    frames, ~4 us a frame). A frame of no bytes is placed at its region's start."""
     if arena is None or arena.path is None or chunk.region is None or not frames:
         return []
+    if known is not None:
+        return [(off if n else chunk.region.offset, n) for off, n in known]
     spans = []
     for frame in frames:
         n = memoryview(frame).nbytes

@@ -229,9 +229,7 @@ class ShmPath:
                 region,
                 incarnation=body.incarnation,
                 device=device,
-                # (a frame of no bytes is placed at its region's start, as a durable unit
-                # records it)
-                spans=[(region.offset + off if n else region.offset, n) for off, n in spans],
+                spans=[(region.offset + off, n) for off, n in spans],
             )
             if self.state.nixl is not None and msg.peer in self.book.nixl_peers:
                 self.state.nixl.puts += 1
