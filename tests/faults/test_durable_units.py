@@ -180,6 +180,74 @@ async def test_a_unit_restarted_under_a_connection_that_rode_through_sets_shared
                     assert _same(await client.get_data(meta), before)
 
 
+@pytest.mark.parametrize("noticed", [True, False], ids=["noticed", "rode_through"])
+async def test_a_copy_held_up_past_a_unit_restart_never_lands_in_the_new_boots_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, noticed: bool
+) -> None:
+    """A durable unit's arena is its file ``arena.dat``, and a client's mapping of it
+    outlives the unit's process: a client that took a grant, then stalled past a SIGKILL and
+    a restart of the unit (a GC pause, a stopped process), copied into a region the new boot
+    may have lent to another put already, and overwrote its acknowledged cells. The client
+    now checks the arena's token (which every boot writes anew) before it copies: the stale
+    put is sent again through a new session, and the other put reads back as it was.
+
+    ``noticed``: the client saw the unit's same-host socket end (its mapping is closed under
+    the put: it failed with an `AttributeError` before); ``rode_through``: it is on the
+    unit's TCP address and misses the disconnect, so its mapping stays open (the copy
+    overwrote the other put's cells before)."""
+    from _chaos import free_port
+    from tq_async._client._async import _put, _same_host
+
+    if not noticed:
+        monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+
+    granted, resume = anyio.Event(), anyio.Event()
+    offsets: list[int] = []
+    ask_grant = _put.ask_grant
+
+    async def stalled_after_the_first_grant(*args: object) -> object:
+        grant = await ask_grant(*args)  # type: ignore[arg-type]
+        assert grant is not None
+        offsets.append(grant.offset)
+        if len(offsets) == 1:  # the stale client's: held up between its grant and its copy
+            granted.set()
+            await resume.wait()
+        return grant
+
+    monkeypatch.setattr(_put, "ask_grant", stalled_after_the_first_grant)
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    stale_batch, fresh_batch = _batch(12, 1), _batch(12, 2)  # same size: the same region
+    with serve_role("controller") as (_, address):
+        args = (*_unit(address, "process", data_dir), "--bind", f"tcp://127.0.0.1:{free_port()}")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as stale:
+            results: dict[str, tq.BatchMeta] = {}
+            stored = anyio.Event()
+
+            async def stale_put() -> None:
+                results["stale"] = await stale.put(stale_batch, "p")
+                stored.set()
+
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stale_put)
+                    with anyio.fail_after(30):
+                        await granted.wait()
+                    if not noticed:
+                        stale._links.units[0]._on_disconnect = None
+                    unit.send_signal(signal.SIGKILL)
+                    unit.wait(timeout=10)
+                    with serve_role(*args, line="TQ_UNIT=") as _:
+                        async with tq.AsyncClient.connect(address, request_timeout=10) as fresh:
+                            fresh_meta = await fresh.put(fresh_batch, "p")
+                            assert offsets[1] == offsets[0]  # lent again by the new boot
+                            resume.set()  # the stale client copies now
+                            with anyio.fail_after(30):
+                                await stored.wait()
+                            assert _same(await fresh.get_data(fresh_meta), fresh_batch)
+                            assert _same(await fresh.get_data(results["stale"]), stale_batch)
+
+
 def _refused(*argv: str) -> str:
     """Start ``tq-async serve ARGV...`` expecting it to refuse; its stderr."""
     done = subprocess.run(

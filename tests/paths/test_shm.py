@@ -193,6 +193,31 @@ def test_a_client_verifies_the_token() -> None:
         arena.close()
 
 
+def test_a_mapping_of_an_arena_file_writes_nothing_once_another_boot_opened_it(
+    tmp_path: Path,
+) -> None:
+    """A durable unit's arena is a file: a client's mapping outlives the unit's process,
+    and the next boot's arena is the same file, with a new token."""
+    path = str(tmp_path / "arena.dat")
+    first = Arena(16 * PAGE, path=path)
+    mapped = ArenaMap(os.getpid(), first.fd, first.cap, first.token)
+    try:
+        assert mapped.write(PAGE, [b"a" * 100]) == [(0, 100)]
+        first.close()  # the unit is gone; the next boot opens its file
+        second = Arena(16 * PAGE, path=path)
+        try:
+            second.view[2 * PAGE : 3 * PAGE] = 7  # cells the new boot's puts wrote
+            with pytest.raises(tq.SessionLostError, match="restarted"):
+                mapped.write(2 * PAGE, [b"b" * PAGE])
+            assert (second.view[2 * PAGE : 3 * PAGE] == 7).all()  # nothing was written
+        finally:
+            second.close()
+    finally:
+        mapped.close()
+    with pytest.raises(tq.SessionLostError):  # a closed mapping says the same
+        mapped.write(PAGE, [b"c"])
+
+
 # ---- through a tq-async serve process ------------------------------------------------------
 
 

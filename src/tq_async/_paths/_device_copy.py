@@ -449,7 +449,12 @@ def write_frames(arena: ArenaMap, offset: int, frames: Sequence[Any]) -> list[tu
     """`ArenaMap.write`, with `DeviceFrame`s copied device to host straight into the arena:
     the chunks the grant touches are page-locked first (once per chunk and process, see
     `tq_async._paths._pinned`), the device copies start, the host frames are copied while
-    they run, and it returns once all are done. Blocks: call it on a worker thread."""
+    they run, and it returns once all are done. Blocks: call it on a worker thread.
+
+    Raises:
+        SessionLostError: the unit restarted since the grant (`ArenaMap.check_boot`).
+    """
+    arena.check_boot()
     spans = arena.layout(offset, [frame_nbytes(f) for f in frames])
     if any(isinstance(f, DeviceFrame) and on_device(f.tensor) for f in frames):
         end = offset + spans[-1][0] + spans[-1][1]

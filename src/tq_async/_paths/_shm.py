@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidRequestError
+from .._errors import InvalidRequestError, SessionLostError
 from ._pinned import PIN_CHUNK, PinnedChunks, chunks_of
 
 __all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
@@ -368,6 +368,7 @@ class ArenaMap:
             #: `write` uses ``pwrite`` on this descriptor (see ShmHelloReply.write_through)
             self.fd = os.dup(f.fileno()) if write_through else -1
         self.size = size
+        self.token = token
         self.view = np.frombuffer(self.mmap, dtype=np.uint8)
         #: the chunks registered with this process's GPU driver (made on first use)
         self.pinned: PinnedChunks | None = None
@@ -386,11 +387,33 @@ class ArenaMap:
         if not (offset >= PAGE and nbytes >= 0 and offset + nbytes <= self.size):
             raise ValueError(f"{what} [{offset}, +{nbytes}) lies outside the arena")
 
+    def check_boot(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The mapping's bytes, once sure the unit that lent a grant in them still runs: a
+        durable unit's arena is a file, which a client's mapping outlives, and every boot
+        writes a new token into it (the regions an earlier boot lent may be another put's
+        now). Call it right before copying into a grant.
+
+        Raises:
+            SessionLostError: the unit restarted, or this mapping was closed (the client saw
+                the unit go): nothing was written; set shared memory up again.
+        """
+        view: np.ndarray[Any, np.dtype[np.uint8]] | None = getattr(self, "view", None)
+        if view is None or view[:TOKEN_BYTES].tobytes() != self.token:
+            raise SessionLostError(
+                "the storage unit restarted since this client mapped its shared memory (the "
+                "grant was the old boot's): nothing was written; send the put again"
+            )
+        return view
+
     def write(self, offset: int, parts: Iterable[Any]) -> list[tuple[int, int]]:
-        """Copy ``parts`` (buffers) one after another from ``offset``; their spans."""
+        """Copy ``parts`` (buffers) one after another from ``offset``; their spans.
+
+        Raises:
+            SessionLostError: the unit restarted since the grant (`check_boot`).
+        """
         spans = []
         pos = offset
-        view = self.view
+        view = self.check_boot()
         for part in parts:
             src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
             n = src.nbytes
