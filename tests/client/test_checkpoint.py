@@ -210,3 +210,41 @@ async def test_sampler_state_is_checkpointed(tmp_path: Path) -> None:
     ):
         await client.load_checkpoint(ckpt)
         assert restored.calls == 1
+
+
+async def test_an_auto_clear_jobs_waiting_batches_keep_their_rows_across_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Auto-clear over "train" and "eval"; rank 0 of "train" (dp_size 2) read global batch 0,
+    recording rank 1's share, when the checkpoint was taken. Restored, "eval" reads and
+    acknowledges every row: the batches still owe them to "train" (before: the restored
+    batches held nothing, auto-clear freed all eight rows and rank 1 got `RowsNotFound`).
+    Both ranks read their shares, and acknowledging them frees every row."""
+    ckpt = tmp_path / "ckpt"
+    cfg = {"dp_rank": 0, "batch_index": 0, "dp_size": 2}
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["train", "eval"], "p")
+        await client.put({"x": torch.arange(8)}, "p")
+        first = await client.get_meta(["x"], 4, "p", "train", cfg, lease=30.0)
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["train", "eval"], "p")
+        await client.load_checkpoint(ckpt)
+        evaluated, _ = await client.get(["x"], 8, "p", "eval")  # read and acknowledged
+        assert sorted(evaluated["x"].tolist()) == list(range(8))
+        shares = [
+            await client.get_meta(["x"], 4, "p", "train", cfg | {"dp_rank": rank}, lease=30.0)
+            for rank in (0, 1)
+        ]
+        assert shares[0].global_indexes == first.global_indexes  # the same batch again
+        for share in shares:
+            assert (await client.get_data(share))["x"].tolist() == share.global_indexes
+        for share in shares:
+            await client.ack(share)
+        assert (await client.partition_info("p"))["rows"] == 0

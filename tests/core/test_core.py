@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ from tq_async._core._transitions import (
     split_even,
 )
 from tq_async._wire._columns import ColumnHeader
-from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, StoreClear
+from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, PartitionDump, StoreClear
 from tq_async.samplers import BaseSampler
 
 X = ColumnHeader("x", "dense", "int64", ())
@@ -362,6 +363,46 @@ def test_auto_clear_keeps_the_shares_of_ranks_that_have_not_read_their_global_ba
     assert rows_of(rank1) == [4, 5, 6, 7]
     assert all(p.alive[r] for r in rank1.rows)
     core.ack([rank0.lease_id, rank1.lease_id], 0.0)
+    assert p.n_alive == 0
+    assert p.held == {}
+
+
+def test_a_restored_checkpoints_recorded_batches_hold_their_rows_for_their_readers() -> None:
+    """A checkpoint taken while rank 0 of a DP job (auto-clear task "u", dp_size 2) had read
+    global batch 0 and rank 1 had not: restored, the recorded batches wait for their
+    readers (a checkpoint has no leases), so task "t" acknowledging every row frees none of
+    them; each rank then reads its share again, and acknowledging it frees the rows.
+    Before, the restored batches held nothing: "t"'s acknowledgement freed all eight rows,
+    and the ranks were given rows whose cells were gone. A batch acknowledged before the
+    checkpoint (auto-clear task "v"'s) stays settled: it holds nothing (else no row would
+    ever be freed)."""
+    core = new_core()
+    core.catalog.register_tasks("p", ["t", "u", "v"])
+    put(core, 8)
+    rank0 = get(core, req(4, "u", lease=5.0, batch_index=0, dp_rank=0, dp_size=2))
+    assert rows_of(rank0) == [0, 1, 2, 3]
+    done = get(core, req(8, "v", lease=5.0, batch_index=0, dp_rank=0))
+    assert done is not None
+    core.ack([done.lease_id], 0.0)
+    dumps = [core.state.partition("p").dump()]
+    assert dumps[0].settled == [("v", 0, 0)]
+    dumps = msgspec.msgpack.decode(msgspec.msgpack.encode(dumps), type=list[PartitionDump])
+
+    again = new_core()
+    again.catalog.register_tasks("p", ["t", "u", "v"])
+    again.catalog.restore_begin(dumps)
+    again.catalog.restore_commit(["p"], None, (again.sampler, again.task_samplers))
+    p = again.state.partition("p")
+    other = get(again, req(8, lease=5.0))
+    assert rows_of(other) == list(range(8))
+    assert again.ack([other.lease_id], 0.0).free == []  # "u"'s batches still need them
+    assert all(p.alive[r] for r in range(8))
+    shares = [
+        get(again, req(4, "u", lease=5.0, batch_index=0, dp_rank=rank, dp_size=2))
+        for rank in (0, 1)
+    ]
+    assert [rows_of(s) for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert again.ack([s.lease_id for s in shares if s is not None], 0.0).free
     assert p.n_alive == 0
     assert p.held == {}
 

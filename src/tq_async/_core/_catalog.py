@@ -19,6 +19,7 @@ from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
 from ._effects import Effects
 from ._events import partition_snapshot
+from ._leases import GetLeases
 from ._put_leases import PutLeases
 from ._state import ControllerState, Wakeup
 
@@ -31,11 +32,14 @@ class Catalog:
     Args:
         state: the controller's state.
         puts: the core's put leases (a KV tag creates its missing keys through them).
+        leases: the core's get leases (a restored partition's recorded batches hold their
+            rows through them).
     """
 
-    def __init__(self, state: ControllerState, puts: PutLeases) -> None:
+    def __init__(self, state: ControllerState, puts: PutLeases, leases: GetLeases) -> None:
         self.state = state
         self._puts = puts
+        self._leases = leases
 
     def seal(self, partition_id: str, *, create: bool = False) -> Effects:
         """No more new rows in ``partition_id``: drained readers get end-of-stream.
@@ -146,6 +150,8 @@ class Catalog:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
         for pid in partition_ids:
             st.partitions[pid] = st.restoring.pop(pid)
+            # (a checkpoint has no leases: every recorded batch waits for its next reader)
+            self._leases.hold_waiting(st.partitions[pid])
             if st.events.on:
                 snap = partition_snapshot(st.partitions[pid])
                 st.events.add(PartitionRestored(partition_id=pid, snapshot=snap))

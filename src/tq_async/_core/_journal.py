@@ -759,9 +759,7 @@ def _recover_partition(
     for lease_id, t, d, b in rec.lease_batch:
         p.lease_batch[lease_id] = (t, d, b)
         core.leases.batch_home[lease_id] = p
-    for key in p.recorded:  # batches waiting for their next reader hold their rows again
-        if key not in p.batch_leases:
-            core.leases.hold_batch(p, key)
+    core.leases.hold_waiting(p)
     for put_id, rows in rec.puts:
         p.put_leases[put_id] = PutLease(put_id, rows, now)
         core.puts.home[put_id] = p

@@ -241,6 +241,13 @@ class GetLeases:
         p.batch_holds[key] = rows
         _hold(p, rows)
 
+    def hold_waiting(self, p: Partition) -> None:
+        """``p`` was rebuilt (a restart, a checkpoint restored): its recorded batches with no
+        lease, waiting for their next reader, hold their rows again (`hold_batch`)."""
+        for key in p.recorded:
+            if key not in p.batch_leases:
+                self.hold_batch(p, key)
+
     def auto_clear(self, p: Partition, rows: Sequence[int], fx: Effects) -> None:
         """Free rows every auto-clear task consumed, unless a consumer still holds them."""
         if not self.state.auto_clear or self.state.partitions.get(p.partition_id) is not p:

@@ -29,6 +29,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -514,7 +515,7 @@ class Partition:
 
     def dump(self) -> PartitionDump:
         """Everything but the cells, as plain msgpack-able values."""
-        return dump_rows(self, PartitionDump, array.tolist)
+        return dump_rows(self, partial(PartitionDump, settled=sorted(self.settled)), array.tolist)
 
     @classmethod
     def restore(cls, dump: PartitionDump, units: Sequence[int]) -> Partition:
@@ -548,6 +549,7 @@ class Partition:
             both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
             p.consumed_count[task] = int(both.sum(dtype=np.int64))
         p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
+        p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
         p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
         return p
 

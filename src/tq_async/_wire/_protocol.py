@@ -360,6 +360,9 @@ class PartitionDump(msgspec.Struct, array_like=True):
     deliveries: list[tuple[str, int, int, list[int]]]
     row_version: list[int] = []
     field_versions: dict[str, list[int]] = {}
+    #: the recorded batches acknowledged already, ``(task, dp_rank, batch_index)``: never
+    #: replayed, holding no rows (a checkpoint written before this field had none)
+    settled: list[tuple[str, int, int]] = []
 
 
 class StateDump(msgspec.Struct, array_like=True):
