@@ -315,6 +315,36 @@ async def test_a_spare_lent_to_a_put_whose_caller_gave_up_goes_back(
         assert client._links.same_host_units.spare_bytes() == 0
 
 
+async def test_a_grant_answered_to_a_put_whose_caller_gave_up_goes_back(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put's `ShmAlloc` reached the unit, but the caller was cancelled before the grant
+    came back: the late grant is freed at once (before, it stayed with the unit until the
+    client closed: a region lost for each such cancel)."""
+    request = DealerConnection.request
+    scope = anyio.CancelScope()
+    asked: list[int] = []
+
+    async def cancel_at_shm_alloc(self: DealerConnection, body: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(body, ShmAlloc):
+            asked.append(body.nbytes)
+            scope.cancel()  # takes effect at the request's first wait: after it was sent
+        return await request(self, body, *a, **k)
+
+    async with tq.AsyncClient.connect(address) as client:
+        monkeypatch.setattr(DealerConnection, "request", cancel_at_shm_alloc)
+        with scope:
+            await client.put(_batch(), partition_id="shm-late-grant")
+        monkeypatch.setattr(DealerConnection, "request", request)
+        assert scope.cancelled_caught
+        assert len(asked) == 1
+        with anyio.fail_after(10):  # (ShmFree is one-way: each stats request is a round trip later)
+            while sum(s.shm_bytes for s in await _unit_stats(client)) != 0:
+                pass
+        want = _batch()
+        assert torch.equal((await client.get_data(await client.put(want, "p")))["ids"], want["ids"])
+
+
 async def test_reads_return_memory_of_our_own(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
         want = _batch(32)

@@ -5,13 +5,14 @@ reply every data path checks the same way: a unit's grant of arena space (`ask_g
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from ..._errors import ProtocolError
 from ..._transport._sync_dealer import BlockingConnection
-from ..._wire._protocol import ShmAlloc, ShmFree, ShmGrant
+from ..._wire._protocol import Reply, ShmAlloc, ShmFree, ShmGrant
 
 __all__ = ["Region", "ask_grant", "decode"]
 
@@ -50,8 +51,18 @@ def ask_grant(
 
     Raises:
         ProtocolError: the grant does not (the unit's reply is corrupt); it is given back.
+
+    Cancelled (or timed out) after the unit granted, the late grant is given back too.
     """
-    payload, _ = conn.request(ask, timeout=timeout)
+
+    def on_abandon(reply: Reply, _frames: list[Any]) -> None:
+        if reply.ok:  # granted after the caller gave up: nobody will use it
+            with contextlib.suppress(ProtocolError):
+                late: ShmGrant | None = decode(reply.payload, ShmGrant | None)
+                if late is not None:
+                    conn.send_best_effort(ShmFree([late.grant], []))
+
+    payload, _ = conn.request(ask, timeout=timeout, on_abandon=on_abandon)
     grant: ShmGrant | None = decode(payload, ShmGrant | None)
     if grant is None:
         return None
