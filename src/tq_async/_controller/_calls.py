@@ -119,9 +119,9 @@ class ControlCalls:
         self.shell.apply(fx)
 
     def on_restore_abort(self, msg: Incoming, body: RestoreAbort) -> None:
-        everywhere = self.core.catalog.restore_abort(body.partition_ids)
-        for pid in body.partition_ids:
-            self.shell.spawn(self.links.clear_units, None, msg.rid, pid, everywhere)
+        everywhere: dict[int, list[int] | None] = dict.fromkeys(self.core.state.units)
+        for pid, incarnation in self.core.catalog.restore_abort(body.partition_ids).items():
+            self.shell.spawn(self.links.clear_units, None, msg.rid, pid, everywhere, incarnation)
 
     # ---- admission ---------------------------------------------------------------------------
 

@@ -162,11 +162,16 @@ class Catalog:
                 smp.load_state_dict(sampler_state.get(f"task:{t}", {}))
         return Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
 
-    def restore_abort(self, partition_ids: Sequence[str]) -> dict[int, list[int] | None]:
-        """Drop staged partitions; the units to clear them on (every unit, all rows)."""
+    def restore_abort(self, partition_ids: Sequence[str]) -> dict[str, str]:
+        """Drop the staged partitions among ``partition_ids``; the incarnation of each one
+        dropped (the units free that incarnation's cells only: a live partition of the same
+        name, or one that is not being restored, is never touched)."""
+        dropped = {}
         for pid in partition_ids:
-            self.state.restoring.pop(pid, None)
-        return dict.fromkeys(self.state.units)
+            p = self.state.restoring.pop(pid, None)
+            if p is not None:
+                dropped[pid] = p.incarnation
+        return dropped
 
     # ---- stale rows --------------------------------------------------------------------------
 

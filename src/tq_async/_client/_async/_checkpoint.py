@@ -303,9 +303,15 @@ async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
     """See `AsyncClient.load_checkpoint`."""
     state, cells = await run_sync_off_loop(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
-    placement: dict[str, list[int]] = await client.call(
-        RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
-    )
+    try:
+        placement: dict[str, list[int]] = await client.call(
+            RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
+        )
+    except InvalidRequestError:  # refused: nothing staged (another load's staging is kept)
+        raise
+    except BaseException:  # given up on, maybe after the controller staged them
+        await _abort_restore(client, ids)
+        raise
     try:
         for head, column in cells:
             units = placement[head.partition_id]
@@ -322,7 +328,13 @@ async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
                 )
         await client.call(RestoreCommit(ids, state.sampler_state or None), None)
     except BaseException:
-        with cleanup_scope(5), contextlib.suppress(Exception):
-            await client.call(RestoreAbort(ids), None)
+        await _abort_restore(client, ids)
         raise
     return ids
+
+
+async def _abort_restore(client: ClientLink, ids: list[str]) -> None:
+    """Drop what the controller staged of ``ids`` and their cells (only partitions it is
+    restoring: a live one of the same name is left alone), within a few seconds."""
+    with cleanup_scope(5), contextlib.suppress(Exception):
+        await client.call(RestoreAbort(ids), None)
