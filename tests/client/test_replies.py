@@ -3,6 +3,7 @@ path checks the same way (`ask_grant`), against a stand-in unit connection."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -11,19 +12,27 @@ import pytest
 from tq_async._client._async._replies import ask_grant, decode
 from tq_async._client._sync._replies import ask_grant as ask_grant_now
 from tq_async._errors import ProtocolError
-from tq_async._wire._protocol import ShmAlloc, ShmFree, ShmGrant
+from tq_async._wire._protocol import Reply, ShmAlloc, ShmFree, ShmGrant
 
 
 class Unit:
-    """Answers every request with ``answer``; records the one-way messages."""
+    """Answers every request with ``answer``; records the one-way messages, and what a
+    late reply would be handed to (``on_abandon``)."""
 
     def __init__(self, answer: Any) -> None:
         self.answer = answer
         self.asked: list[tuple[Any, float | None]] = []
         self.sent: list[Any] = []
+        self.on_abandon: Callable[[Reply, list[Any]], None] | None = None
 
-    async def request(self, body: Any, timeout: float | None = None) -> tuple[bytes, list[Any]]:
+    async def request(
+        self,
+        body: Any,
+        timeout: float | None = None,
+        on_abandon: Callable[[Reply, list[Any]], None] | None = None,
+    ) -> tuple[bytes, list[Any]]:
         self.asked.append((body, timeout))
+        self.on_abandon = on_abandon
         return msgspec.msgpack.encode(self.answer), []
 
     def send_best_effort(self, body: Any) -> bool:
@@ -32,8 +41,14 @@ class Unit:
 
 
 class BlockingUnit(Unit):
-    def request(self, body: Any, timeout: float | None = None) -> tuple[bytes, list[Any]]:  # type: ignore[override]
+    def request(  # type: ignore[override]
+        self,
+        body: Any,
+        timeout: float | None = None,
+        on_abandon: Callable[[Reply, list[Any]], None] | None = None,
+    ) -> tuple[bytes, list[Any]]:
         self.asked.append((body, timeout))
+        self.on_abandon = on_abandon
         return msgspec.msgpack.encode(self.answer), []
 
 
@@ -89,6 +104,26 @@ async def test_a_grant_smaller_than_asked_is_given_back() -> None:
     with pytest.raises(ProtocolError, match="a test grant is smaller than asked for"):
         await _ask(unit, Region(1 << 20))
     assert unit.sent == [ShmFree([5], [])]
+
+
+async def test_a_grant_that_comes_after_the_caller_gave_up_is_given_back() -> None:
+    """The connection hands a reply that came after its caller was cancelled (or timed out)
+    to ``on_abandon``: a grant in it goes back; an error, no room, or a corrupt payload
+    frees nothing."""
+    unit = Unit(None)
+    await _ask(unit, Region(1 << 20))
+    late = unit.on_abandon
+    assert late is not None
+
+    def reply(ok: bool, payload: Any) -> Reply:
+        return Reply(1, ok, msgspec.Raw(msgspec.msgpack.encode(payload)))
+
+    late(reply(True, ShmGrant(9, 4096, 4096)), [])
+    assert unit.sent == [ShmFree([9], [])]
+    late(reply(True, None), [])
+    late(reply(False, ["InvalidRequestError", "no"]), [])
+    late(reply(True, "corrupt"), [])
+    assert unit.sent == [ShmFree([9], [])]
 
 
 def test_the_blocking_twin_asks_in_the_calling_thread() -> None:
