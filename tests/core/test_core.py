@@ -21,6 +21,7 @@ from tq_async import (
     SequentialSampler,
     StalenessSampler,
 )
+from tq_async._core._dumps import partition_dump
 from tq_async._core._liveness import orphan_cells
 from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import (
@@ -384,7 +385,7 @@ def test_a_restored_checkpoints_recorded_batches_hold_their_rows_for_their_reade
     done = get(core, req(8, "v", lease=5.0, batch_index=0, dp_rank=0))
     assert done is not None
     core.ack([done.lease_id], 0.0)
-    dumps = [core.state.partition("p").dump()]
+    dumps = [partition_dump(core.state.partition("p"))]
     assert dumps[0].settled == [("v", 0, 0)]
     dumps = msgspec.msgpack.decode(msgspec.msgpack.encode(dumps), type=list[PartitionDump])
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from .._core._dumps import partition_dump
 from .._core._state import KV_CHUNK_BITS, Partition
 from .._core._transitions import ControllerCore, meta_reply
 from .._errors import KeyNotFound
@@ -297,7 +298,7 @@ def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
 def dump_state(core: ControllerCore, body: DumpState) -> StateDump:
     st = core.state
     ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
-    dumps = [st.partition(pid).dump() for pid in ids]
+    dumps = [partition_dump(st.partition(pid)) for pid in ids]
     sampler_state = {"default": core.sampler.state_dict()}
     sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
     return StateDump(dumps, sampler_state)

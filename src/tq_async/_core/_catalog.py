@@ -17,6 +17,7 @@ from typing import Any
 from .._errors import InvalidRequestError, WouldBlock
 from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
+from ._dumps import restore_partition
 from ._effects import Effects
 from ._events import partition_snapshot
 from ._leases import GetLeases
@@ -127,8 +128,30 @@ class Catalog:
     # ---- checkpoints -------------------------------------------------------------------------
 
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> dict[str, list[int]]:
-        """Stage partitions of a checkpoint; each one's units (where its cells must go)."""
-        staged = self.state.restore_begin(dumps)
+        """Stage partitions of a checkpoint, invisible until `restore_commit`, their alive
+        rows spread over the units in contiguous blocks; each one's units (where its cells
+        must go)."""
+        st = self.state
+        if not st.units:
+            raise InvalidRequestError("the controller has no storage units to restore onto")
+        clash = [d.partition_id for d in dumps if d.partition_id in st.partitions]
+        clash += [d.partition_id for d in dumps if d.partition_id in st.restoring]
+        if clash:
+            raise InvalidRequestError(
+                f"partitions {clash} already exist (or are being restored); clear them before "
+                "loading a checkpoint that holds them"
+            )
+        staged = []
+        ids = sorted(st.units)
+        for d in dumps:
+            live = [r for r in range(d.n_rows) if d.alive[r]]
+            units = [ids[0]] * d.n_rows
+            per_unit = -(-len(live) // len(ids)) if live else 1
+            for i, r in enumerate(live):  # contiguous blocks, one per unit
+                units[r] = ids[min(i // per_unit, len(ids) - 1)]
+            staged.append(st.bind(restore_partition(d, units)))
+        for p in staged:
+            st.restoring[p.partition_id] = p
         return {p.partition_id: list(p.units) for p in staged}
 
     def restore_commit(

@@ -18,7 +18,7 @@ per-row value of the rows that changed (the partition marks them: `Changes`) or 
 the leases given, renewed or ended, and the recorded batches, lease ids, settled keys, put
 leases and lost rows added since (those only grow between resets; a reset, or anything the
 tracker cannot follow, writes a snapshot instead). Recovery rebuilds partitions with
-`Partition.restore` (the checkpoint's own code) and gives leases back through
+`restore_partition` (the checkpoint's own code) and gives leases back through
 `adopt` (the code that gives new ones); uncommitted
 puts are aborted through `ControllerCore.abort_puts`, expired leases expire through
 `ControllerCore.advance`, storage units that served rows are suspended until they come
@@ -38,8 +38,9 @@ import numpy as np
 
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
+from ._dumps import dump_rows, restore_partition
 from ._effects import Effects
-from ._state import Changes, Lease, Partition, PutLease, dump_rows
+from ._state import Changes, Lease, Partition, PutLease
 from ._transitions import ControllerCore
 
 __all__ = [
@@ -106,7 +107,7 @@ class RowsRecord(msgspec.Struct, array_like=True):
         return dump_rows(p, cls, array.tobytes)
 
     def dump(self) -> PartitionDump:
-        """The checkpoint format, which `Partition.restore` reads."""
+        """The checkpoint format, which `restore_partition` reads."""
         return PartitionDump(
             partition_id=self.partition_id,
             n_rows=self.n_rows,
@@ -746,7 +747,7 @@ def _recover_partition(
 ) -> Partition:
     st = core.state
     dump = rec.rows.dump()
-    p = st.bind(Partition.restore(dump, dump.units))
+    p = st.bind(restore_partition(dump, dump.units))
     p.incarnation = rec.incarnation
     p.settled = {tuple(k) for k in rec.settled}  # type: ignore[misc]
     p.dropped = dict(rec.dropped)

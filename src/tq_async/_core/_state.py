@@ -27,10 +27,9 @@ import itertools
 import secrets
 from array import array
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +43,6 @@ from .._errors import (
 )
 from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
-from .._wire._protocol import FieldDump, PartitionDump
 from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
@@ -68,7 +66,6 @@ RecordKey = tuple[str, int, int]
 _NO_EVENTS = Outbox()
 #: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
 KV_CHUNK_BITS = 12
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +115,9 @@ class Changes:
         self.whole = False
 
 
-class _Field:
+class FieldState:
+    """One field of a partition: its header, and which rows hold a cell of it."""
+
     __slots__ = ("header", "produced")
 
     def __init__(self, header: ColumnHeader, n_rows: int) -> None:
@@ -142,7 +141,7 @@ class Partition:
         #: live rows per storage unit (the load placement balances)
         self.unit_rows: dict[int, int] = {}
         self.tags: list[dict[str, Any] | None] = []
-        self.fields: dict[str, _Field] = {}
+        self.fields: dict[str, FieldState] = {}
         self.consumed: dict[str, bytearray] = {}
         self.consumed_count: dict[str, int] = {}
         self.ready: dict[tuple[str, FieldsKey], ReadySet] = {}
@@ -212,7 +211,7 @@ class Partition:
     def add_fields(self, headers: Sequence[ColumnHeader]) -> None:
         for h in headers:
             if h.name not in self.fields:
-                self.fields[h.name] = _Field(h, self.n_rows)
+                self.fields[h.name] = FieldState(h, self.n_rows)
 
     def allocate(self, n: int, unit: int) -> range:
         """Allocate ``n`` new rows on ``unit``; they exist but nothing is produced yet."""
@@ -511,48 +510,6 @@ class Partition:
         rows = [self.keys[k] for k in keys]
         return rows, [self.units[r] for r in rows]
 
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    def dump(self) -> PartitionDump:
-        """Everything but the cells, as plain msgpack-able values."""
-        return dump_rows(self, partial(PartitionDump, settled=sorted(self.settled)), array.tolist)
-
-    @classmethod
-    def restore(cls, dump: PartitionDump, units: Sequence[int]) -> Partition:
-        """Rebuild a partition from `dump`, its rows placed on ``units`` (one per row)."""
-        n = dump.n_rows
-        arrays = [dump.alive, dump.origin, dump.tags, dump.row_keys, units]
-        arrays += [f.produced for f in dump.fields] + list(dump.consumed.values())
-        if any(len(a) != n for a in arrays):
-            raise InvalidRequestError(
-                f"checkpoint of partition {dump.partition_id!r} is inconsistent: per-row arrays "
-                f"do not all have {n} rows"
-            )
-        p = cls(dump.partition_id)
-        p.n_rows = n
-        p.alive = bytearray(dump.alive)
-        alive = np.frombuffer(dump.alive, np.uint8)  # (numpy: a recovering controller's 1M rows)
-        p.n_alive = int(alive.sum(dtype=np.int64))
-        p.origin = array("q", dump.origin)
-        p.units = array("i", units)
-        placed, counts = np.unique(np.frombuffer(p.units, np.intc)[alive != 0], return_counts=True)
-        p.unit_rows = dict(zip(placed.tolist(), counts.tolist(), strict=True))
-        p.tags = [dict(t) if t else None for t in dump.tags]
-        p.row_keys = list(dump.row_keys)
-        p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
-        p.sealed = dump.sealed
-        for fd in dump.fields:
-            p.fields[fd.header.name] = _Field(fd.header, 0)
-            p.fields[fd.header.name].produced = bytearray(fd.produced)
-        for task, mask in dump.consumed.items():
-            p.consumed[task] = bytearray(mask)
-            both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
-            p.consumed_count[task] = int(both.sum(dtype=np.int64))
-        p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
-        p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
-        p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
-        return p
-
     # ---- status ------------------------------------------------------------------------------
 
     def production_mask(self, name: str) -> bytes:
@@ -566,27 +523,6 @@ class Partition:
         if c is None:
             return bytes(self.n_rows)
         return bytes(c)
-
-
-def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]], Any]) -> T:
-    """The fields of ``p``'s checkpoint dump (`PartitionDump`'s), handed to ``make``; its
-    per-row integer arrays as ``ints`` makes them: ``array.tolist`` for a checkpoint,
-    ``array.tobytes`` for the journal's records (`tq_async._core._journal.RowsRecord`)."""
-    return make(
-        partition_id=p.partition_id,
-        n_rows=p.n_rows,
-        alive=bytes(p.alive),
-        origin=ints(p.origin),
-        units=ints(p.units),
-        tags=list(p.tags),
-        row_keys=list(p.row_keys),
-        sealed=p.sealed,
-        fields=[FieldDump(f.header, bytes(f.produced)) for f in p.fields.values()],
-        consumed={t: bytes(c) for t, c in p.consumed.items()},
-        deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in p.recorded.items()],
-        row_version=ints(p.versions.rows),
-        field_versions={f: ints(v) for f, v in p.versions.fields.items()},
-    )
 
 
 class ControllerState:
@@ -673,30 +609,6 @@ class ControllerState:
         if any(a is None for a in arrays):
             return []
         return [r for r in dict.fromkeys(rows) if p.alive[r] and all(a[r] for a in arrays if a)]
-
-    def restore_begin(self, dumps: Sequence[PartitionDump]) -> list[Partition]:
-        """Stage partitions from a checkpoint; their alive rows are spread over the units."""
-        if not self.units:
-            raise InvalidRequestError("the controller has no storage units to restore onto")
-        clash = [d.partition_id for d in dumps if d.partition_id in self.partitions]
-        clash += [d.partition_id for d in dumps if d.partition_id in self.restoring]
-        if clash:
-            raise InvalidRequestError(
-                f"partitions {clash} already exist (or are being restored); clear them before "
-                "loading a checkpoint that holds them"
-            )
-        staged = []
-        ids = sorted(self.units)
-        for d in dumps:
-            live = [r for r in range(d.n_rows) if d.alive[r]]
-            units = [ids[0]] * d.n_rows
-            per_unit = -(-len(live) // len(ids)) if live else 1
-            for i, r in enumerate(live):  # contiguous blocks, one per unit
-                units[r] = ids[min(i // per_unit, len(ids) - 1)]
-            staged.append(self.bind(Partition.restore(d, units)))
-        for p in staged:
-            self.restoring[p.partition_id] = p
-        return staged
 
     def new_partition(self, partition_id: str) -> Partition:
         """A new empty partition bound to this state (not registered until the caller does)."""
