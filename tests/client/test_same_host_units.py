@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from tq_async._client._async import _same_host
-from tq_async._client._async._same_host import SameHostUnits
+from tq_async._client._async._same_host import SPARES_PER_UNIT, SameHostUnits
 from tq_async._client._sync import _same_host as _blocking_same_host
 from tq_async._client._sync._same_host import SameHostUnits as BlockingSameHostUnits
 from tq_async._errors import BrokenError, TQTimeoutError
@@ -241,19 +241,27 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
     assert part.take_spare(0, cast(Any, conn), 65536) == spare  # taken: one put uses it
     assert part.take_spare(0, cast(Any, conn), 1) is None
     part.keep_spare(0, cast(Any, conn), arena, spare)
-    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(12, 8192, 4096))  # one is enough
-    assert conn.sent == [ShmFree([12], [])]
-    assert part.take_spare(0, cast(Any, conn), 65537) is None  # too small: goes back
-    assert conn.sent[-1] == ShmFree([11], [])
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(12, 8192, 4096))
+    assert conn.sent == []  # both held: concurrent puts take one each
+    assert part.take_spare(0, cast(Any, conn), 4096) == spare  # the first that holds it
     part.keep_spare(0, cast(Any, conn), arena, spare)
+    assert part.take_spare(0, cast(Any, conn), 65537) is None  # all too small:
+    assert conn.sent[-1] == ShmFree([12], [])  # the smallest goes back (puts grew)
+    assert part.spare_bytes() == 65536
     assert part.take_spare(0, cast(Any, other), 4096) is None  # lent on another connection
     assert conn.sent[-1] == ShmFree([11], [])
     part.keep_spare(0, cast(Any, conn), arena, ShmGrant(13, 0, 4096))  # outside: corrupt
     assert conn.sent[-1] == ShmFree([13], [])
     assert part.spare_bytes() == 0
-    part.keep_spare(0, cast(Any, conn), arena, spare)
-    part.forget(0)  # the unit's connection broke or it moved
-    assert conn.sent[-1] == ShmFree([11], [])
+    for grant in range(20, 20 + SPARES_PER_UNIT + 1):  # one past the limit goes back
+        part.keep_spare(0, cast(Any, conn), arena, ShmGrant(grant, 8192, 4096))
+    assert conn.sent[-1] == ShmFree([20 + SPARES_PER_UNIT], [])
+    assert part.spare_bytes() == SPARES_PER_UNIT * 4096
+    part.forget(0)  # the unit's connection broke or it moved: every one goes back
+    assert conn.sent[-SPARES_PER_UNIT:] == [
+        ShmFree([g], []) for g in range(20, 20 + SPARES_PER_UNIT)
+    ]
+    assert part.spare_bytes() == 0
     part.keep_spare(1, cast(Any, conn), arena, ShmGrant(14, 8192, 4096))
     part.close()
     assert conn.sent[-1] == ShmFree([14], [])
@@ -266,17 +274,20 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
     assert part.ask_spare(2)  # nor waits for the parent's answer
 
 
-def test_one_put_at_a_time_asks_a_unit_for_a_spare() -> None:
+def test_puts_in_flight_ask_a_unit_for_spares_up_to_the_limit() -> None:
     conn = Conn("tcp://10.0.0.1:5000")
     part, _ = _part({}, {})
     arena: Any = Arena(1, 7, 1 << 20, TOKEN)
-    assert part.ask_spare(0)
-    assert not part.ask_spare(0)  # concurrent puts: the one in flight asks for them all
+    assert all(part.ask_spare(0) for _ in range(SPARES_PER_UNIT))  # concurrent puts
+    assert not part.ask_spare(0)  # as many asked as may be held
     assert part.ask_spare(1)  # each unit its own
     part.asked(0)
     part.keep_spare(0, cast(Any, conn), arena, ShmGrant(11, 8192, 4096))
-    assert not part.ask_spare(0)  # one is held
+    assert not part.ask_spare(0)  # held and asked for together
     assert part.take_spare(0, cast(Any, conn), 4096) is not None
+    assert part.ask_spare(0)
+    for _ in range(SPARES_PER_UNIT):
+        part.asked(0)
     assert part.ask_spare(0)
 
 

@@ -248,6 +248,47 @@ async def test_a_copy_held_up_past_a_unit_restart_never_lands_in_the_new_boots_c
                             assert _same(await fresh.get_data(results["stale"]), stale_batch)
 
 
+async def test_a_spare_held_across_a_unit_restart_never_lands_in_the_new_boots_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable unit lends a same-host client the grant of its next put (a spare) with
+    each answer. The unit is SIGKILLed and restarted on its arena file while the client
+    rides the restart through on its connection, still holding that spare; the new boot
+    takes the first put's region back and lends the spare's to another client's put. The
+    stale client's next put takes its spare, sees the arena's new token, and goes through a
+    new session instead: the other put's cells read back as they were."""
+    from _chaos import free_port
+    from tq_async._client._async import _same_host
+
+    monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = (*_unit(address, "process", data_dir), "--bind", f"tcp://127.0.0.1:{free_port()}")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as stale:
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                first_batch = _batch(12, 1)
+                first = await stale.put(first_batch, "p")
+                assert stale._links.same_host_units.spare_bytes() > 0  # lent ahead
+                conn = stale._links.units[0]
+                conn._on_disconnect = None  # (rides the restart through)
+                back = anyio.Event()
+                conn._on_connect = back.set
+                unit.send_signal(signal.SIGKILL)
+                unit.wait(timeout=10)
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                with anyio.fail_after(30):
+                    await back.wait()
+                async with tq.AsyncClient.connect(address, request_timeout=10) as fresh:
+                    fresh_batch = _batch(12, 2)
+                    fresh_meta = await fresh.put(fresh_batch, "q")
+                    stale_batch = _batch(12, 3)
+                    stale_meta = await stale.put(stale_batch, "q")  # its spare is stale
+                    assert _same(await fresh.get_data(fresh_meta), fresh_batch)
+                    assert _same(await fresh.get_data(stale_meta), stale_batch)
+                    assert _same(await fresh.get_data(first), first_batch)  # recovered
+
+
 def _refused(*argv: str) -> str:
     """Start ``tq-async serve ARGV...`` expecting it to refuse; its stderr."""
     done = subprocess.run(

@@ -53,17 +53,18 @@ def test_spares_go_to_same_host_clients_within_their_share_of_a_roomy_arena() ->
         arena.close()
 
 
-def test_a_durable_units_arena_file_lends_no_spares(tmp_path: Path) -> None:
-    """A unit restarted on its arena file may give a region to another put while a client
-    that missed the restart still holds it: a stale spare would write over that put."""
+def test_a_durable_units_arena_file_lends_spares_too(tmp_path: Path) -> None:
+    """A unit restarted on its arena file may lend a region to another put while a client
+    that missed the restart still holds it as a spare; the client checks the arena's token
+    before it copies (`tests/faults/test_durable_units.py`), so the file lends them too."""
     state = StorageState()
     book = Book()
     book.peers[CLIENT] = 4321
     path = ShmPath(state, book, cap=64 * PAGE, idle_bytes=64 * PAGE)
     state.arena = arena = Arena(64 * PAGE, idle_bytes=64 * PAGE, path=str(tmp_path / "arena"))
     try:
-        assert path.lend(CLIENT, PAGE) is None
-        assert book.spare_bytes == 0
+        assert path.lend(CLIENT, PAGE) is not None
+        assert book.spare_bytes == PAGE
     finally:
         arena.close()
 

@@ -7,8 +7,7 @@ the granted region and sends a `StorePut` naming spans of it instead of frames; 
 (`StoreGet` with ``shm``) is answered with arena spans, pinned until the client frees
 the pin (`ShmFree`). With a put's answer the unit may lend the grant for the client's
 next put (`StorePut.spare`: one round trip less per put), while spares hold at most an
-eighth of the arena and the arena is less than half full (not from a durable unit's arena
-file, which a restarted unit reuses). NIXL clients on other hosts use
+eighth of the arena and the arena is less than half full. NIXL clients on other hosts use
 the same arena (registered with the unit's agent, `tq_async._storage._nixl_handlers`) and
 the same grants and pins.
 
@@ -173,12 +172,14 @@ class ShmPath:
 
     def lend(self, peer: bytes, nbytes: int) -> ShmGrant | None:
         """A grant of ``nbytes`` lent ahead of same-host ``peer``'s next put; None when
-        spares would hold more than their share of the arena or it is half full, and for an
-        arena file (durable units)."""
+        spares would hold more than their share of the arena or it is half full.
+
+        (A durable unit's arena file outlives its process, and a unit restarted on it may
+        lend a region to another put while a client that missed the restart still holds it
+        as a spare: the client checks the arena's token before it copies, which every boot
+        writes anew, `tq_async._paths._shm.ArenaMap.check_boot`.)"""
         arena, pid = self.arena, self.book.pid(peer)
-        if arena is None or not pid or pid < 0 or arena.path is not None:
-            # an arena file outlives this process: a unit restarted on it may give a region
-            # to another put while a client that missed the restart still holds it as spare
+        if arena is None or not pid or pid < 0:
             return None
         if (
             self.book.spare_bytes + nbytes > arena.cap // SPARE_SHARE

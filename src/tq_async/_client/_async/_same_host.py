@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import zmq
@@ -26,7 +27,7 @@ from ..._transport._endpoints import same_host_ipc
 from ..._wire._protocol import ShmFree, ShmGrant, ShmHello, ShmHelloReply
 from ._replies import decode
 
-__all__ = ["RELINK_AFTER", "SHM_HELLO_TIMEOUT", "SameHostUnits"]
+__all__ = ["RELINK_AFTER", "SHM_HELLO_TIMEOUT", "SPARES_PER_UNIT", "SameHostUnits"]
 
 log = get_logger(__name__)
 
@@ -35,6 +36,9 @@ log = get_logger(__name__)
 SHM_HELLO_TIMEOUT = 5.0
 #: seconds after a handshake timed out before the client tries it again (on its next data call)
 RELINK_AFTER = 30.0
+#: grants a client holds (and asks for) lent ahead by one unit: concurrent puts each take
+#: one instead of asking for a grant first (the unit bounds what all spares hold)
+SPARES_PER_UNIT = 32
 
 
 class SameHostUnits:
@@ -68,11 +72,12 @@ class SameHostUnits:
         self._locks: dict[int, Lock] = {}
         #: unit id -> when to try the handshake again after one timed out
         self._relink_at: dict[int, float] = {}
-        #: unit id -> a grant it lent ahead of this client's next put (`StorePut.spare`),
-        #: with the connection it belongs to
-        self._spares: dict[int, tuple[DealerConnection, ShmGrant]] = {}
-        #: units a put in flight asks for a spare (one at a time: concurrent puts share it)
-        self._asking: set[int] = set()
+        #: unit id -> grants it lent ahead of this client's next puts (`StorePut.spare`),
+        #: each with the connection it belongs to: at most `SPARES_PER_UNIT`, held and
+        #: asked for together (concurrent puts each take one)
+        self._spares: dict[int, list[tuple[DealerConnection, ShmGrant]]] = {}
+        #: unit id -> puts in flight that ask it for a spare
+        self._asking: Counter[int] = Counter()
 
     @property
     def hello_timeout(self) -> float:
@@ -197,52 +202,64 @@ class SameHostUnits:
         )
 
     def take_spare(self, unit_id: int, conn: DealerConnection, nbytes: int) -> ShmGrant | None:
-        """The grant ``unit_id`` lent ahead on ``conn`` if it holds ``nbytes`` (taken: one
-        put uses it); one too small, or lent on another connection, goes back."""
-        held = self._spares.pop(unit_id, None)
-        if held is None:
+        """A grant ``unit_id`` lent ahead on ``conn`` that holds ``nbytes`` (taken: one put
+        uses it); held ones lent on another connection go back."""
+        held = self._spares.get(unit_id)
+        if not held:
             return None
-        if held[0] is conn and held[1].size >= nbytes:
-            return held[1]
-        held[0].send_best_effort(ShmFree([held[1].grant], []))
-        return None
+        taken = None
+        keep = []
+        for owner, grant in held:
+            if owner is not conn:
+                owner.send_best_effort(ShmFree([grant.grant], []))
+            elif taken is None and grant.size >= nbytes:
+                taken = grant
+            else:
+                keep.append((owner, grant))
+        if taken is None and keep:  # all too small: the smallest goes (puts grew)
+            owner, grant = keep.pop(min(range(len(keep)), key=lambda i: keep[i][1].size))
+            owner.send_best_effort(ShmFree([grant.grant], []))
+        self._spares[unit_id] = keep
+        return taken
 
     def ask_spare(self, unit_id: int) -> bool:
-        """Whether a put to ``unit_id`` should ask for a spare (none held or asked for; it
-        is marked asked until `asked`)."""
-        if unit_id in self._spares or unit_id in self._asking:
+        """Whether a put to ``unit_id`` should ask for a spare (fewer than `SPARES_PER_UNIT`
+        held and asked for; it counts as asked until `asked`)."""
+        if len(self._spares.get(unit_id, ())) + self._asking[unit_id] >= SPARES_PER_UNIT:
             return False
-        self._asking.add(unit_id)
+        self._asking[unit_id] += 1
         return True
 
     def asked(self, unit_id: int) -> None:
-        """The put that asked for a spare of ``unit_id`` has its answer (or failed)."""
-        self._asking.discard(unit_id)
+        """A put that asked ``unit_id`` for a spare has its answer (or failed)."""
+        self._asking[unit_id] -= 1
+        if self._asking[unit_id] <= 0:
+            del self._asking[unit_id]
 
     def keep_spare(
         self, unit_id: int, conn: DealerConnection, arena: ArenaMap, spare: ShmGrant
     ) -> None:
-        """Hold ``spare`` (lent with a put's answer) for the next put to ``unit_id``; one
-        already held, or a spare outside the arena (a corrupt reply), goes back."""
+        """Hold ``spare`` (lent with a put's answer) for a next put to ``unit_id``; one past
+        `SPARES_PER_UNIT`, or outside the arena (a corrupt reply), goes back."""
         try:
             arena.check(spare.offset, spare.size, "a spare grant")
         except ValueError as exc:
             log.warning("a storage unit lent a grant outside its arena", error=str(exc))
             conn.send_best_effort(ShmFree([spare.grant], []))
             return
-        if unit_id in self._spares:
+        held = self._spares.setdefault(unit_id, [])
+        if len(held) >= SPARES_PER_UNIT:
             conn.send_best_effort(ShmFree([spare.grant], []))
         else:
-            self._spares[unit_id] = (conn, spare)
+            held.append((conn, spare))
 
     def spare_bytes(self) -> int:
         """Bytes of the grants this client holds lent ahead of its next puts."""
-        return sum(grant.size for _, grant in self._spares.values())
+        return sum(grant.size for held in self._spares.values() for _, grant in held)
 
     def _drop_spare(self, unit_id: int) -> None:
-        held = self._spares.pop(unit_id, None)
-        if held is not None:
-            held[0].send_best_effort(ShmFree([held[1].grant], []))
+        for owner, grant in self._spares.pop(unit_id, ()):
+            owner.send_best_effort(ShmFree([grant.grant], []))
 
     def forget(self, unit_id: int) -> None:
         """Unmap the unit's arena (its connection broke or it moved)."""
