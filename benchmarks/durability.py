@@ -16,6 +16,11 @@ you want to measure):
 Targets (issue 36): ``process`` W1 put >= 0.8x ``memory``; ``fsync`` W1 put >= 0.7x the disk
 loop; small-row ingest >= 10,000 rows/s at ``process`` and ``fsync`` and >= 0.8x ``memory``.
 
+``--breakdown`` runs the small-row ingest once more at each level and reports where its time
+went: CPU a row of the client and of ``tq-async serve`` (the scheduler's counts), the
+machine's CPU a row by state within the rounds (``/proc/stat``), and the mean time of each of
+a put's requests in the client (``PutBegin``, ``ShmAlloc``, ``StorePut``, ``PutCommit``).
+
 ``--profile PATH`` also runs the small-row ingest at ``--profile-level`` in this process
 (embedded cluster) under cProfile and writes the stats (``python -m pstats PATH``).
 
@@ -26,20 +31,23 @@ used meanwhile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
 import pstats
 import sys
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import anyio
 
 from ._common import Config, median, open_cluster_handle, result, settle
-from ._proc import CpuMeter, machine_info
+from ._proc import CPU_STATES, CpuMeter, cpu_seconds, machine_info, machine_ticks
 from ._runner import format_table
 from .w1_data_plane import _make_batch
 
@@ -122,8 +130,99 @@ def _disk_loop(cfg: Config) -> list[float]:
     return rates
 
 
-async def _ingest(cfg: Config, rounds: int | None = None) -> list[float]:
-    """Rows/s of each round of the small-row ingest (64 producers on one client)."""
+class Breakdown:
+    """Where the small-row ingest's time goes (``--breakdown``), summed over its rounds: the
+    CPU of the client and of the cluster's process (`cpu_seconds`), the machine's clock
+    ticks by state (`machine_ticks`), and the time each request type took in the client
+    (`DealerConnection.request` timed while `timing`: ~1 us a request)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.client = self.serve = 0.0
+        self.ticks = [0] * len(CPU_STATES)
+        self.requests: dict[str, list[float]] = defaultdict(list)
+        self._start: tuple[float, float, list[int]] | None = None
+
+    def begin(self, serve_pid: int) -> None:
+        self._start = (cpu_seconds(os.getpid()), self._served(serve_pid), machine_ticks())
+
+    def end(self, serve_pid: int, rows: int) -> None:
+        assert self._start is not None
+        client, serve, ticks = self._start
+        self.client += cpu_seconds(os.getpid()) - client
+        self.serve += self._served(serve_pid) - serve
+        self.ticks = [t + b - a for t, a, b in zip(self.ticks, ticks, machine_ticks(), strict=True)]
+        self.rows += rows
+
+    @staticmethod
+    def _served(pid: int) -> float:
+        """The cluster's process's CPU (0 when it is this one: ``--mode embedded``)."""
+        return 0.0 if pid == os.getpid() else cpu_seconds(pid)
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        from tq_async._transport._dealer import DealerConnection
+
+        request = DealerConnection.request
+        spent = self.requests
+
+        async def timed(conn: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await request(conn, body, *args, **kwargs)
+            finally:
+                spent[type(body).__name__].append(time.perf_counter() - t0)
+
+        DealerConnection.request = timed  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            DealerConnection.request = request  # type: ignore[method-assign]
+
+    def results(self, level: str) -> list[dict[str, Any]]:
+        """Rows of the benchmark's table: CPU a row, and a put's requests."""
+        us_row = 1e6 / max(self.rows, 1)
+        tick_us = us_row / os.sysconf("SC_CLK_TCK")
+        states = {n: t * tick_us for n, t in zip(CPU_STATES, self.ticks, strict=True) if t}
+        busy = sum(v for n, v in states.items() if n not in ("idle", "iowait"))
+        waits = {n: sum(v) / len(v) * 1e3 for n, v in self.requests.items() if v}
+        puts = len(self.requests.get("PutBegin", ())) or 1
+        asked = len(self.requests.get("ShmAlloc", ()))
+        return [
+            result(
+                WORKLOAD,
+                f"small-row ingest {level}: CPU a row, client + serve",
+                (self.client + self.serve) * us_row,
+                "us/row",
+                note=f"client {self.client * us_row:.1f}, serve {self.serve * us_row:.1f}",
+            ),
+            result(
+                WORKLOAD,
+                f"small-row ingest {level}: the machine's CPU a row, in rounds",
+                busy,
+                "us/row",
+                note=", ".join(f"{n} {v:.1f}" for n, v in states.items()),
+            ),
+            result(
+                WORKLOAD,
+                f"small-row ingest {level}: a put's requests (mean)",
+                sum(waits.get(n, 0.0) for n in ("PutBegin", "ShmAlloc", "StorePut", "PutCommit")),
+                "ms",
+                note=", ".join(f"{n} {v:.2f}" for n, v in waits.items() if n in _PUT_STEPS)
+                + f"; ShmAlloc asked by {asked} of {puts} puts",
+            ),
+        ]
+
+
+#: the requests of a put through shared memory, in order
+_PUT_STEPS = ("PutBegin", "ShmAlloc", "StorePut", "PutCommit")
+
+
+async def _ingest(
+    cfg: Config, rounds: int | None = None, breakdown: Breakdown | None = None
+) -> list[float]:
+    """Rows/s of each round of the small-row ingest (64 producers on one client); with
+    ``breakdown``, where its time went too (the requests timed: slower)."""
     import tq_async as tq
 
     puts_each = cfg.pick(16, 2)  # per producer per round: 64 x 16 x 16 = 16,384 rows
@@ -145,12 +244,18 @@ async def _ingest(cfg: Config, rounds: int | None = None) -> list[float]:
         await client.clear_partition("warm")
         for r in range(rounds):
             settle()
+            if breakdown is not None:
+                breakdown.begin(cluster.pid)
             t0 = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for k in range(PRODUCERS):
-                    tg.start_soon(producer, k, f"ingest-{r}")
+            with breakdown.timing() if breakdown is not None else contextlib.nullcontext():
+                async with anyio.create_task_group() as tg:
+                    for k in range(PRODUCERS):
+                        tg.start_soon(producer, k, f"ingest-{r}")
             dt = time.perf_counter() - t0
-            rates.append(PRODUCERS * puts_each * ROWS_PER_PUT / dt)
+            rows = PRODUCERS * puts_each * ROWS_PER_PUT
+            if breakdown is not None:
+                breakdown.end(cluster.pid, rows)
+            rates.append(rows / dt)
             await client.clear_partition(f"ingest-{r}")
     return rates
 
@@ -159,8 +264,9 @@ def _level(cfg: Config, level: str) -> Config:
     return replace(cfg, durability=level)
 
 
-def run(cfg: Config) -> list[dict[str, Any]]:
-    """Every measurement of the module docstring, with the ratios the targets judge."""
+def run(cfg: Config, breakdown: bool = False) -> list[dict[str, Any]]:
+    """Every measurement of the module docstring, with the ratios the targets judge; with
+    ``breakdown``, the small-row ingest once more at each level, where its time went."""
     put: dict[str, list[float]] = {}
     ingest: dict[str, list[float]] = {}
     for level in LEVELS:
@@ -238,6 +344,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 **judged,
             )
         )
+    if breakdown:
+        for level in LEVELS:
+            print(f"  small-row ingest at {level}, timed ...", flush=True)
+            parts = Breakdown()
+            anyio.run(_ingest, _level(cfg, level), None, parts)
+            out += parts.results(level)
     return out
 
 
@@ -273,6 +385,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--storage-units", type=int, default=2, help="storage units (default 2)")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="the small-row ingest once more at each level: CPU a row (client, serve, the "
+        "machine by state) and a put's requests (mean ms)",
+    )
     parser.add_argument("--profile", default=None, metavar="PATH", help="cProfile stats file")
     parser.add_argument("--profile-level", default="process", choices=LEVELS)
     return parser.parse_args(argv)
@@ -294,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     meter = CpuMeter()
     t0 = time.perf_counter()
-    results = run(cfg)
+    results = run(cfg, breakdown=args.breakdown)
     foreign = meter.foreign_cores()
     for r in results:
         r.setdefault("system", "tq_async")

@@ -40,6 +40,7 @@ import torch
 import tq_async as tq
 
 from ._common import median, percentile
+from ._proc import cpu_seconds
 
 
 @contextmanager
@@ -153,24 +154,6 @@ async def _started(one: Any, *, task_status: Any) -> None:
     await one(lambda: task_status.started())
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid``'s threads so far: the scheduler's nanosecond count
-    (``/proc/PID/task/*/schedstat``) where the kernel keeps one, else user + system time
-    in clock ticks (10 ms: a 2,000-call round's figure would move in 5 us steps)."""
-    total = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    except OSError:
-        total = 0
-    if total:
-        return total / 1e9
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def get_meta_with_watchers(
     serve_pid: int,
     address: str,
@@ -194,9 +177,9 @@ def get_meta_with_watchers(
             if n:
                 commands.put("attach")
                 ready.get(timeout=120)
-            c0, w0 = _cpu_seconds(serve_pid), _cpu_seconds(proc.pid)  # type: ignore[arg-type]
+            c0, w0 = cpu_seconds(serve_pid), cpu_seconds(proc.pid)  # type: ignore[arg-type]
             rate = anyio.run(get_meta_rate, address, calls, 1)
-            c1, w1 = _cpu_seconds(serve_pid), _cpu_seconds(proc.pid)  # type: ignore[arg-type]
+            c1, w1 = cpu_seconds(serve_pid), cpu_seconds(proc.pid)  # type: ignore[arg-type]
             rates[n].append(rate)
             cpu[n].append((c1 - c0) / calls * 1e6)
             if n:

@@ -44,13 +44,18 @@ def test_durability_benchmarks_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     data_dir = tmp_path / "d"
     out_json = tmp_path / "durability.json"
-    args = ("--smoke", "--data-dir", str(data_dir), "--mode", "embedded")
+    args = ("--smoke", "--data-dir", str(data_dir), "--mode", "embedded", "--breakdown")
     proc = _python("-m", "benchmarks.durability", *args, "--json", str(out_json), env=env)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    metrics = {r["metric"] for r in json.loads(out_json.read_text())["results"]}
+    results = {r["metric"]: r for r in json.loads(out_json.read_text())["results"]}
+    metrics = set(results)
     for level in ("memory", "process", "fsync"):
         assert f"W1 put dense, {level}" in metrics
         assert f"small-row ingest, {level}" in metrics
+        requests = results[f"small-row ingest {level}: a put's requests (mean)"]
+        assert "PutBegin" in requests["note"]
+        assert "PutCommit" in requests["note"]
+        assert results[f"small-row ingest {level}: CPU a row, client + serve"]["value"] > 0
     assert {"disk write+fsync loop", "W1 put fsync/disk loop"} <= metrics
     assert "MISS" not in proc.stdout  # tiny sizes are not judged
     assert os.listdir(data_dir) == []
