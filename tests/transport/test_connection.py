@@ -186,6 +186,24 @@ def test_monitor_events_connect_refuse_and_break() -> None:
     assert core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).refused
 
 
+def test_a_send_refused_after_the_service_refused_the_handshake_says_why() -> None:
+    """A request sent while the service refuses this client's CURVE key can fail at the send
+    itself (ZMQ has no pipe to the service: EAGAIN) rather than wait: its error is the
+    refusal, not "Resource temporarily unavailable" (found by a loaded CI run of
+    `test_refused_curve_keys_are_an_authentication_failure`). Once handshaken, a failed
+    send is only broken."""
+    core = ConnectionCore("tcp://h:1")
+    core.handshaken = False
+    core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 0)
+    error = core.broken("Hello", zmq.Again())
+    assert isinstance(error, tq.AuthenticationError)
+    assert "rejected this client's CURVE key" in str(error)
+    core.on_monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
+    error = core.broken("Hello", zmq.Again())
+    assert not isinstance(error, tq.AuthenticationError)
+    assert "Hello to tcp://h:1 failed" in str(error)
+
+
 def test_a_refused_first_attempt_is_only_broken_when_asked() -> None:
     core = ConnectionCore("tcp://h:1")
     seen = core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0)

@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import zmq
@@ -431,7 +431,11 @@ class ConnectionCore:
 
     def broken(self, what: str, exc: BaseException) -> BrokenError:
         """The error of a send the transport refused (``zmq.ZMQError``, the Unix socket's
-        ``OSError``), for every call of the client, requests and one-way messages alike."""
+        ``OSError``), for every call of the client, requests and one-way messages alike:
+        the service's refusal of this client's handshake when that is why (ZMQ has no pipe
+        to a service that refused it: the send fails with EAGAIN)."""
+        if self.refusal is not None and not self.handshaken:
+            return cast(BrokenError, _again(self.refusal))
         return BrokenError(
             f"{what} to {self.name} failed: {exc} ({self.why_broken()}); retry once it is back"
         )

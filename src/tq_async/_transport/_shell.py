@@ -318,7 +318,10 @@ class ConnectionShell:
             raise self._broken(what, exc) from exc
 
     def _broken(self, what: str, exc: BaseException) -> BrokenError:
-        """The error of a send the transport refused (see `transport_errors`)."""
+        """The error of a send the transport refused (see `transport_errors`); what the
+        monitor reported meanwhile is taken first (a refused handshake is why ZMQ had no
+        pipe to send on, and is reported before the pipe goes)."""
+        self._drain_monitor()
         error = self._core.broken(what, exc)
         if self._core.unix and not self._closed:
             # a Unix socket that fails a write is dead (EPIPE: the peer is gone): say so now
