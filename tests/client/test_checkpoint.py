@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from tensordict import TensorDict
 
 import tq_async as tq
+from _requests import cancelled_at
 
 
 def sample_batch() -> TensorDict:
@@ -102,13 +102,12 @@ async def test_existing_partition_blocks_restore_and_changes_nothing(tmp_path: P
 
 
 async def test_a_load_cancelled_while_the_controller_stages_it_leaves_nothing_staged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """The caller gave up while the controller was staging the checkpoint's partitions
     (`RestoreBegin` answered after the cancel): the staged partitions are dropped, so the
     same load goes through next time (before, they stayed staged, and every later load
     said "already exist (or are being restored)" until the controller restarted)."""
-    from tq_async._transport._dealer import DealerConnection
     from tq_async._wire._protocol import RestoreBegin
 
     ckpt = tmp_path / "ckpt"
@@ -118,27 +117,14 @@ async def test_a_load_cancelled_while_the_controller_stages_it_leaves_nothing_st
     ):
         await fill(client)
         await client.save_checkpoint(ckpt)
-    request = DealerConnection.request
-    scope = anyio.CancelScope()
-
-    async def cancel_at_restore_begin(self: DealerConnection, body: Any, *a: Any, **k: Any) -> Any:
-        if isinstance(body, RestoreBegin):
-            scope.cancel()  # takes effect at the request's first wait: after it was sent
-        return await request(self, body, *a, **k)
-
-    async with (
-        tq.local_cluster(num_storage_units=1) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
-    ):
-        monkeypatch.setattr(DealerConnection, "request", cancel_at_restore_begin)
-        with scope:
+        await client.clear_partition("p")
+        await client.clear_partition("kv")
+        with cancelled_at(RestoreBegin) as (scope, _), scope:
             await client.load_checkpoint(ckpt)
-        monkeypatch.setattr(DealerConnection, "request", request)
         assert scope.cancelled_caught
         assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
-        assert (await client.get_data(await client.get_meta(["ids"], 2, "p", "ref")))[
-            "ids"
-        ].shape == (2, 3)
+        meta = await client.get_meta(["ids"], 2, "p", "ref")
+        assert (await client.get_data(meta))["ids"].shape == (2, 3)
 
 
 async def test_aborting_a_restore_never_touches_a_live_partition_of_the_same_name(

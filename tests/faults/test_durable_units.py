@@ -164,11 +164,7 @@ async def test_a_unit_restarted_under_a_connection_that_rode_through_sets_shared
                 meta = await client.put(before, "p")
                 assert (await client.storage_stats())[0]["shm_puts"] == 1
                 conn = client._links.units[0]
-                conn._on_disconnect = None  # (the disconnect goes unnoticed: see above)
-                back = anyio.Event()
-                conn._on_connect = back.set
-                unit.send_signal(signal.SIGKILL)
-                unit.wait(timeout=10)
+                back = _kill_unnoticed(client, unit)
             with serve_role(*args, line="TQ_UNIT=") as _:
                 with anyio.fail_after(30):
                     await back.wait()  # ZMQ reconnected to the new unit
@@ -270,12 +266,7 @@ async def test_a_spare_held_across_a_unit_restart_never_lands_in_the_new_boots_c
                 first_batch = _batch(12, 1)
                 first = await stale.put(first_batch, "p")
                 assert stale._links.same_host_units.spare_bytes() > 0  # lent ahead
-                conn = stale._links.units[0]
-                conn._on_disconnect = None  # (rides the restart through)
-                back = anyio.Event()
-                conn._on_connect = back.set
-                unit.send_signal(signal.SIGKILL)
-                unit.wait(timeout=10)
+                back = _kill_unnoticed(stale, unit)
             with serve_role(*args, line="TQ_UNIT=") as _:
                 with anyio.fail_after(30):
                     await back.wait()
@@ -287,6 +278,19 @@ async def test_a_spare_held_across_a_unit_restart_never_lands_in_the_new_boots_c
                     assert _same(await fresh.get_data(fresh_meta), fresh_batch)
                     assert _same(await fresh.get_data(stale_meta), stale_batch)
                     assert _same(await fresh.get_data(first), first_batch)  # recovered
+
+
+def _kill_unnoticed(client: tq.AsyncClient, unit: subprocess.Popen[bytes]) -> anyio.Event:
+    """SIGKILL ``unit`` while ``client``'s connection to it misses the disconnect (what a
+    quick reconnect allows: the connection rides the restart through); the event is set
+    once ZMQ has reconnected it, to the next unit at the address."""
+    conn = client._links.units[0]
+    conn._on_disconnect = None
+    back = anyio.Event()
+    conn._on_connect = back.set
+    unit.send_signal(signal.SIGKILL)
+    unit.wait(timeout=10)
+    return back
 
 
 def _refused(*argv: str) -> str:

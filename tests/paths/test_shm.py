@@ -27,6 +27,7 @@ import zmq
 
 import tq_async as tq
 from _cluster_proc import _read_address, serve_cluster
+from _requests import cancelled_at
 from _shm_proc import alloc_then_die
 from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
 from tq_async._errors import InvalidRequestError, ProtocolError
@@ -282,30 +283,16 @@ async def test_a_put_takes_the_grant_its_unit_lent_with_the_last_answer(
                 pass  # ShmFree is one-way: each stats request is a round trip later
 
 
-async def test_a_spare_lent_to_a_put_whose_caller_gave_up_goes_back(
-    address: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_spare_lent_to_a_put_whose_caller_gave_up_goes_back(address: str) -> None:
     """The StorePut reached the unit (which lends the next grant with its answer), but the
     caller was cancelled before the answer came: the late answer's spare is freed at once,
     not held for a client that never learnt of it until that client closes."""
-    request = DealerConnection.request
-    scope = anyio.CancelScope()
-    store_puts: list[int] = []
-
-    async def cancel_at_store_put(self: DealerConnection, body: Any, *a: Any, **k: Any) -> Any:
-        if isinstance(body, StorePut):
-            store_puts.append(body.spare)
-            scope.cancel()  # takes effect at the request's first wait: after it was sent
-        return await request(self, body, *a, **k)
-
     async with tq.AsyncClient.connect(address) as client:
-        monkeypatch.setattr(DealerConnection, "request", cancel_at_store_put)
-        with scope:
+        with cancelled_at(StorePut) as (scope, store_puts), scope:
             await client.put(_batch(), partition_id="shm-late-spare")
-        monkeypatch.setattr(DealerConnection, "request", request)
         assert scope.cancelled_caught
         assert len(store_puts) == 1
-        assert store_puts[0] > 0  # the put asked its unit for the next grant
+        assert store_puts[0].spare > 0  # the put asked its unit for the next grant
         assert client._links.same_host_units.spare_bytes() == 0
         with anyio.fail_after(10):
             # the put's own region and the late spare both go back (ShmFree is one-way:
@@ -315,27 +302,13 @@ async def test_a_spare_lent_to_a_put_whose_caller_gave_up_goes_back(
         assert client._links.same_host_units.spare_bytes() == 0
 
 
-async def test_a_grant_answered_to_a_put_whose_caller_gave_up_goes_back(
-    address: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_grant_answered_to_a_put_whose_caller_gave_up_goes_back(address: str) -> None:
     """The put's `ShmAlloc` reached the unit, but the caller was cancelled before the grant
     came back: the late grant is freed at once (before, it stayed with the unit until the
     client closed: a region lost for each such cancel)."""
-    request = DealerConnection.request
-    scope = anyio.CancelScope()
-    asked: list[int] = []
-
-    async def cancel_at_shm_alloc(self: DealerConnection, body: Any, *a: Any, **k: Any) -> Any:
-        if isinstance(body, ShmAlloc):
-            asked.append(body.nbytes)
-            scope.cancel()  # takes effect at the request's first wait: after it was sent
-        return await request(self, body, *a, **k)
-
     async with tq.AsyncClient.connect(address) as client:
-        monkeypatch.setattr(DealerConnection, "request", cancel_at_shm_alloc)
-        with scope:
+        with cancelled_at(ShmAlloc) as (scope, asked), scope:
             await client.put(_batch(), partition_id="shm-late-grant")
-        monkeypatch.setattr(DealerConnection, "request", request)
         assert scope.cancelled_caught
         assert len(asked) == 1
         with anyio.fail_after(10):  # (ShmFree is one-way: each stats request is a round trip later)
