@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from tensordict import TensorDict
@@ -125,6 +126,36 @@ async def test_a_load_cancelled_while_the_controller_stages_it_leaves_nothing_st
         assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
         meta = await client.get_meta(["ids"], 2, "p", "ref")
         assert (await client.get_data(meta))["ids"].shape == (2, 3)
+
+
+async def test_a_load_given_up_on_while_it_stores_cells_leaves_no_cell_behind(
+    tmp_path: Path,
+) -> None:
+    """Cancelled once some cells of the checkpoint reached a unit: the restore is aborted,
+    the staged partitions go, and the units free the cells stored for them (the abort frees
+    the staged incarnation's cells only, and those it stored are that one's)."""
+    from tq_async._wire._protocol import StorePut
+
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await fill(client)
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with cancelled_at(StorePut) as (scope, stored), scope:
+            await client.load_checkpoint(ckpt)
+        assert scope.cancelled_caught
+        assert len(stored) == 1
+        assert await client.list_partitions() == []
+        with anyio.fail_after(10):  # the units' clears are sent, not awaited
+            while any(u.state.resident_bytes for u in cluster.units):
+                await client.storage_stats()  # (a round trip to every unit)
+        assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
 
 
 async def test_aborting_a_restore_never_touches_a_live_partition_of_the_same_name(
