@@ -127,7 +127,9 @@ class AuthenticationError(BrokenError):
 class SessionLostError(BrokenError):
     """A storage unit has no shared-memory session with this connection: it restarted (at
     the same address, so the connection rode through) since the client set one up, or the
-    connection was replaced. Nothing of the request was done.
+    connection was replaced; or the client found, right before copying into a grant, that
+    the unit's arena is another boot's (a durable unit's arena file outlives its process).
+    Nothing of the request was done.
 
     The client sets the session up again and retries the call once by itself; this reaches
     a caller only if that fails too (then retry the call, as after any `BrokenError`).
