@@ -275,6 +275,44 @@ SERVICES = """
 """
 
 
+async def test_a_checkpoint_taken_mid_batch_restores_its_waiting_shares_after_a_sigkill(
+    tmp_path: Any,
+) -> None:
+    """A DP job (auto-clear over "train" and "eval"; "train" at dp_size 2) checkpoints after
+    rank 0 read global batch 0, recording rank 1's share; the service is SIGKILLed and a new
+    one restores the checkpoint. "eval" reads and acknowledges every row first: both ranks
+    still read their shares (rank 0 the same rows again), bit-exact, and acknowledging them
+    frees every row (before: the restored batches held nothing, "eval"'s ack freed the rows
+    and the ranks got `RowsNotFound`)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = {"dp_rank": 0, "batch_index": 0, "dp_size": 2}
+    server, address = serve("--storage-units", "1")
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.register_tasks(["train", "eval"], "p")
+            await c.put({"x": torch.arange(8)}, "p")
+            first = await c.get_meta(["x"], 4, "p", "train", cfg, lease=30.0)
+            await c.save_checkpoint(ckpt)
+        server.kill()
+    server, address = serve("--storage-units", "1")
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.register_tasks(["train", "eval"], "p")
+            await c.load_checkpoint(ckpt)
+            evaluated, _ = await c.get(["x"], 8, "p", "eval")  # read and acknowledged
+            assert sorted(evaluated["x"].tolist()) == list(range(8))
+            shares = [
+                await c.get_meta(["x"], 4, "p", "train", cfg | {"dp_rank": r}, lease=30.0)
+                for r in (0, 1)
+            ]
+            assert shares[0].global_indexes == first.global_indexes
+            assert sorted(shares[0].global_indexes + shares[1].global_indexes) == list(range(8))
+            for share in shares:
+                assert (await c.get_data(share))["x"].tolist() == share.global_indexes
+                await c.ack(share)
+            assert (await c.partition_info("p"))["rows"] == 0
+
+
 async def test_seqlen_shares_expire_back_to_their_batch_only() -> None:
     services = child(SERVICES)
     address = services.line("TQ_ADDRESS=").split("=", 1)[1]
