@@ -112,3 +112,29 @@ async def test_kv_batch_get_names_the_first_key_lacking_a_field() -> None:
             await client.kv_batch_get(["k7", "k8"], "p", ["a", "zz"])
         meta = await client.kv_retrieve_meta(keys[150:250], "p")  # the fields all keys have
         assert meta.field_names == ["a"]
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+async def test_tag_only_kv_puts_take_numpy_and_torch_scalars_like_every_put(
+    transport: str,
+) -> None:
+    """Tags come from the user's data: numpy and torch scalars travel as Python numbers, and
+    a value that cannot travel is a `TQError` naming it, for `kv_batch_put` without fields
+    as for `kv_put` and a put (before, `kv_batch_put` sent its tags unconverted: over a
+    socket a torch scalar raised msgspec's `NotImplementedError`)."""
+    import numpy as np
+
+    kw: dict[str, str] = {} if transport == "inproc" else {"transport": "tcp"}
+    async with (
+        tq.local_cluster(num_storage_units=1, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        given = [{"score": np.float32(1.5)}, {"n": np.int64(3), "t": torch.tensor(2.0)}]
+        meta = await client.kv_batch_put(["a", "b"], "kv", None, given)
+        assert meta.tags == given  # as given, like a put's
+        listed = (await client.kv_list("kv"))["kv"]
+        assert listed == {"a": {"score": 1.5}, "b": {"n": 3, "t": 2.0}}
+        assert type(listed["b"]["n"]) is int
+        with pytest.raises(tq.UnsupportedTypeError, match="object"):
+            await client.kv_batch_put(["c"], "kv", None, [{"bad": object()}])
+        assert set((await client.kv_list("kv"))["kv"]) == {"a", "b"}

@@ -299,8 +299,9 @@ class ControlCalls:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
             if len(tags) != len(key_list):
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
+            wire = [t or {} for t in tags_for_wire(tags)]
             return await self._tag_keys(
-                partition_id, key_list, [dict(t) if t else {} for t in tags]
+                partition_id, key_list, wire, [dict(t) if t else {} for t in tags]
             )
         return await self._puts.write(fields, partition_id, meta=None, tags=tags, keys=key_list)
 

@@ -301,7 +301,10 @@ class ControlCalls:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
             if len(tags) != len(key_list):
                 raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
-            return self._tag_keys(partition_id, key_list, [dict(t) if t else {} for t in tags])
+            wire = [t or {} for t in tags_for_wire(tags)]
+            return self._tag_keys(
+                partition_id, key_list, wire, [dict(t) if t else {} for t in tags]
+            )
         return self._puts.write(fields, partition_id, meta=None, tags=tags, keys=key_list)
 
     def kv_retrieve_meta(
