@@ -240,10 +240,13 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
     assert part.spare_bytes() == 65536
     assert part.take_spare(0, cast(Any, conn), 65536) == spare  # taken: one put uses it
     assert part.take_spare(0, cast(Any, conn), 1) is None
+    small = ShmGrant(12, 8192, 4096)
     part.keep_spare(0, cast(Any, conn), arena, spare)
-    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(12, 8192, 4096))
+    part.keep_spare(0, cast(Any, conn), arena, small)
     assert conn.sent == []  # both held: concurrent puts take one each
-    assert part.take_spare(0, cast(Any, conn), 4096) == spare  # the first that holds it
+    assert part.take_spare(0, cast(Any, conn), 4096) == small  # the last lent, if it holds it
+    assert part.take_spare(0, cast(Any, conn), 65536) == spare  # else one that does
+    part.keep_spare(0, cast(Any, conn), arena, small)
     part.keep_spare(0, cast(Any, conn), arena, spare)
     assert part.take_spare(0, cast(Any, conn), 65537) is None  # all too small:
     assert conn.sent[-1] == ShmFree([12], [])  # the smallest goes back (puts grew)

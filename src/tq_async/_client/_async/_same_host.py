@@ -207,6 +207,10 @@ class SameHostUnits:
         held = self._spares.get(unit_id)
         if not held:
             return None
+        owner, grant = held[-1]  # (the common case: the last one lent fits; O(1))
+        if owner is conn and grant.size >= nbytes:
+            held.pop()
+            return grant
         taken = None
         keep = []
         for owner, grant in held:
