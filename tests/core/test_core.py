@@ -654,6 +654,42 @@ def test_a_released_batch_goes_back_whatever_other_tasks_recorded() -> None:
     assert rows_of(get(core, req(4, batch_index=0, dp_rank=0))) == [4, 5, 6, 7]
 
 
+def test_a_release_looks_at_its_own_rows_not_the_tasks_whole_history() -> None:
+    """Which released rows stay with a recorded batch is told from the rows themselves (a
+    mask per task, kept as batches are recorded): a release never walks every batch the task
+    ever recorded (before: it built the set of all their rows, O(the run's history), on
+    each release). The answers are the same; also after a reset and a checkpoint restore."""
+
+    class Watched(dict):  # type: ignore[type-arg]
+        walks = 0
+
+        def items(self) -> Any:
+            Watched.walks += 1
+            return super().items()
+
+    core = new_core()
+    put(core, 64)
+    for b in range(8):  # a history of recorded batches
+        rows_of(get(core, req(4, batch_index=b, dp_rank=0)))
+    p = core.state.partition("p")
+    p.recorded = Watched(p.recorded)
+    plain = get(core, req(4))
+    assert rows_of(plain) == [32, 33, 34, 35]
+    core.release("p", "t", [*plain.rows, 0, 1])  # 0 and 1 are batch 0's: they stay
+    assert Watched.walks == 0
+    rest = rows_of(get(core, req(32)))
+    assert sorted(rest) == list(range(32, 64))  # 32-35 back, 0 and 1 not
+    assert rows_of(get(core, req(4, batch_index=0, dp_rank=0))) == [0, 1, 2, 3]
+    again = new_core()
+    again.catalog.restore_begin([partition_dump(p)])
+    again.catalog.restore_commit(["p"], None, (again.sampler, again.task_samplers))
+    again.release("p", "t", [4, 5])  # batch 1's, in the restored partition too
+    assert rows_of(get(again, req(4, batch_index=1, dp_rank=0))) == [4, 5, 6, 7]
+    core.state.partition("p").reset_consumption("t")  # no batches: every row goes back
+    core.release("p", "t", [8])
+    assert p.recorded_rows.get("t") is None
+
+
 def test_an_aborted_put_reclaims_its_rows_at_once() -> None:
     core = new_core()
     placement, _ = core.put_begin("p", [X], 3, None, None, 0.0)

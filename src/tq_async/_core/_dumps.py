@@ -86,6 +86,8 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
         both = np.bitwise_and(np.frombuffer(mask, np.uint8), alive)
         p.consumed_count[task] = int(both.sum(dtype=np.int64))
     p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
+    for (t, _, _), rows in p.recorded.items():
+        p.mark_recorded(t, rows)
     p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
     p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
     return p

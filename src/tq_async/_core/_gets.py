@@ -341,9 +341,11 @@ class Gets:
         task, _, index = key
         if call.dp_size is None:
             p.recorded[key] = tuple(shares[0])
+            p.mark_recorded(task, shares[0])
         else:
             for r, share in enumerate(shares):
                 p.recorded[(task, r, index)] = tuple(share)
+                p.mark_recorded(task, share)
             for r in range(len(shares)):  # the other ranks' shares wait for them
                 if r != key[1]:
                     self.leases.hold_batch(p, (task, r, index))

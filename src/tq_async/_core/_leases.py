@@ -72,6 +72,9 @@ class GetLeases:
                 del p.lease_batch[lease_id]
                 self.batch_home.pop(lease_id, None)
         p.recorded = {k: v for k, v in p.recorded.items() if task is not None and k[0] != task}
+        p.recorded_rows = {
+            t: m for t, m in p.recorded_rows.items() if task is not None and t != task
+        }
 
     def take_over(self, p: Partition, lease_id: int, req: GetMeta, now: float) -> None:
         """A new reader of a recorded batch takes its lease over: a lease asked for pushes
@@ -222,8 +225,8 @@ class GetLeases:
             if lease.deadline is not None:
                 fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
         # (only ``task``'s batches: another task's record of a row is no claim on it here)
-        recorded = {r for (t, _, _), batch in p.recorded.items() if t == task for r in batch}
-        back = [r for r in rows if r not in recorded]
+        mask = p.recorded_rows.get(task)
+        back = [r for r in rows if mask is None or r >= len(mask) or not mask[r]]
         if back and p.release(task, back):
             fx.wakeups.append(Wakeup(partition_id, task))
         return fx

@@ -148,6 +148,8 @@ class Partition:
         self.sealed = False
         #: the recorded batches: ``(task, dp_rank, batch_index)`` -> the rows delivered
         self.recorded: dict[RecordKey, tuple[int, ...]] = {}
+        #: per task, 1 for each row in one of its recorded batches (`mark_recorded`)
+        self.recorded_rows: dict[str, bytearray] = {}
         #: KV API: user key -> row, and each row's key (None for rows put without a key)
         self.keys: dict[str, int] = {}
         self.row_keys: list[str | None] = []
@@ -409,6 +411,18 @@ class Partition:
                 del self.ready[key]
             for dk in [k for k in self.recorded if k[0] == t]:
                 del self.recorded[dk]
+            self.recorded_rows.pop(t, None)
+
+    def mark_recorded(self, task: str, rows: Sequence[int]) -> None:
+        """``rows`` are in a recorded batch of ``task`` (`recorded_rows`: a release tells
+        which of its rows stay with a batch from them, not from every batch recorded)."""
+        mask = self.recorded_rows.get(task)
+        if mask is None:
+            mask = self.recorded_rows[task] = bytearray(self.n_rows)
+        elif len(mask) < self.n_rows:
+            mask.extend(bytes(self.n_rows - len(mask)))
+        for r in rows:
+            mask[r] = 1
 
     def offer(self, task: str, fields: Sequence[str]) -> tuple[ReadyView, bool]:
         """What a sampler of ``task`` asking for ``fields`` is offered: a view of the ready
