@@ -43,6 +43,18 @@ async def fill(client: tq.AsyncClient) -> tq.BatchMeta:
     return meta
 
 
+async def saved(tmp_path: Path, units: int = 1) -> Path:
+    """A checkpoint of `fill`'s partitions, saved from a cluster of ``units`` units (gone)."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=units) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await fill(client)
+        await client.save_checkpoint(ckpt)
+    return ckpt
+
+
 @pytest.mark.parametrize(("units_before", "units_after"), [(2, 2), (2, 3), (3, 1)])
 async def test_round_trip_onto_a_different_number_of_units(
     tmp_path: Path, units_before: int, units_after: int
@@ -136,13 +148,7 @@ async def test_a_load_given_up_on_while_it_stores_cells_leaves_no_cell_behind(
     the staged incarnation's cells only, and those it stored are that one's)."""
     from tq_async._wire._protocol import StorePut
 
-    ckpt = tmp_path / "ckpt"
-    async with (
-        tq.local_cluster(num_storage_units=2) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
-    ):
-        await fill(client)
-        await client.save_checkpoint(ckpt)
+    ckpt = await saved(tmp_path, units=2)
     async with (
         tq.local_cluster(num_storage_units=2) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
@@ -177,13 +183,7 @@ async def test_aborting_a_restore_never_touches_a_live_partition_of_the_same_nam
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest", "version"])
 async def test_corrupt_or_partial_checkpoint_is_refused(tmp_path: Path, damage: str) -> None:
-    ckpt = tmp_path / "ckpt"
-    async with (
-        tq.local_cluster(num_storage_units=1) as cluster,
-        tq.AsyncClient.connect(cluster.address) as client,
-    ):
-        await fill(client)
-        await client.save_checkpoint(ckpt)
+    ckpt = await saved(tmp_path)
     cells = sorted(ckpt.glob("cells-*.bin"))[0]
     if damage == "flip":
         data = bytearray(cells.read_bytes())
