@@ -3,7 +3,7 @@ moments while producers put, a consumer acks under leases and a DP2 job reads re
 batches; restart on the same directories; then check every guarantee.
 
 ``python -m benchmarks.chaos --kills 50 --seconds 300 --seed 1 [--durability process|fsync]
-[--memory-cap BYTES] [--json PATH] [--dir DIR]``
+[--memory-cap BYTES] [--pauses N [--max-pause S]] [--worker-kills N] [--json PATH] [--dir DIR]``
 runs the harness of ``tests/_chaos.py`` (see its docstring for the checks) and prints a
 summary: kills by target, rows, puts acknowledged / in doubt, consumer deliveries and acks,
 DP batches and replays, and the violations (there must be none; the exit status is 1 if
@@ -43,6 +43,15 @@ def main() -> int:
     parser.add_argument(
         "--memory-cap", type=int, default=None, help="the units' memory_cap, bytes (spill)"
     )
+    parser.add_argument(
+        "--pauses", type=int, default=0, help="SIGSTOPs of a service or worker between kills"
+    )
+    parser.add_argument(
+        "--max-pause", type=float, default=2.0, help="the longest pause, seconds (default: 2)"
+    )
+    parser.add_argument(
+        "--worker-kills", type=int, default=0, help="SIGKILLs of a worker, started again"
+    )
     parser.add_argument("--dir", default=None, help="where the data_dirs go (default: $TMPDIR)")
     parser.add_argument("--keep", action="store_true", help="keep the data_dirs and logs")
     parser.add_argument("--json", default=None, help="also write the report to this file")
@@ -65,6 +74,9 @@ def main() -> int:
             say=say,
             durability=args.durability,
             memory_cap=args.memory_cap,
+            pauses=args.pauses,
+            max_pause=args.max_pause,
+            worker_kills=args.worker_kills,
         )
     finally:
         if args.keep:

@@ -19,14 +19,18 @@ a line on stdout, written only after the call it reports returned:
 
 A killer sends SIGKILL at random moments (seeded) to the controller, one unit or all three,
 waits for them to die, starts them again on the same directories and addresses, and waits
-for the workers to make progress before the next kill. Then producers stop, everything is
+for the workers to make progress before the next kill. Between the kills it can also pause
+(SIGSTOP, then SIGCONT) the controller, a unit or a worker, and SIGKILL a worker and start
+it again (its producers go on with new keys, its DP ranks at the last batch they recorded;
+a put its producer died in is in doubt, like a failed one). Then producers stop, everything is
 killed and restarted once more, the partition is sealed, the consumer and the DP ranks drain
 it to end-of-stream, and `check` compares the records with what the cluster holds:
 
 1. every acknowledged put's rows read back bit-exactly through the put's own BatchMeta, and
    sit in the partition under their recorded row ids;
-2. a ``maybe`` put is in the partition whole or not at all; every row belongs to a put that
-   began, and no key is in two rows (a put committed twice);
+2. a ``maybe`` put (failed, or cut short by its producer's death) is in the partition whole
+   or not at all; every row belongs to a put that began, and no key is in two rows (a put
+   committed twice);
 3. no torn cell: every read, by every worker and by the final audit, matches its key;
 4. no row is delivered to the consumer after an acknowledgement of it counted;
 5. every row of the partition is delivered to the consumer (the rows nobody acknowledged come
@@ -170,6 +174,11 @@ class Service:
         value, self.drain = _wait_line(self.proc, self.line, self.log)
         return value
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -289,11 +298,15 @@ async def _failed(exc: BaseException, out: _Out, role: str) -> None:
     await anyio.sleep(_BACKOFF)
 
 
-async def _producer(c: Any, out: _Out, stop: threading.Event, index: int, seed: int) -> None:
+async def _producer(
+    c: Any, out: _Out, stop: threading.Event, index: int, seed: int, gen: int
+) -> None:
+    """Puts until ``stop``; ``gen``: how many times the worker was started before (a
+    restarted producer's keys are new ones)."""
     import anyio
 
-    rng = random.Random(seed * 1000 + index)
-    key = (index + 1) << 40
+    rng = random.Random(seed * 1000 + index + 7919 * gen)
+    key = (index + 1 + 64 * gen) << 40
     while not stop.is_set():
         n = rng.randint(1, 24)
         k0, key = key, key + n
@@ -361,8 +374,9 @@ async def _consumer(c: Any, out: _Out, lease: float) -> None:
         out(t="ack", rows=rows, state=state)
 
 
-async def _dp_rank(c: Any, out: _Out, rank: int, lease: float) -> None:
-    k = 0
+async def _dp_rank(c: Any, out: _Out, rank: int, lease: float, k: int) -> None:
+    """Reads recorded batches from ``batch_index`` ``k`` on (a restarted rank goes on at the
+    last batch it recorded: a replay)."""
     while True:
         cfg = {"dp_size": 2, "dp_rank": rank, "batch_index": k}
         try:
@@ -397,12 +411,13 @@ async def _role(
         if role == "producer":
             async with anyio.create_task_group() as tg:
                 for i in range(args.count):
-                    tg.start_soon(_producer, c, out, stop, i, args.seed)
+                    tg.start_soon(_producer, c, out, stop, i, args.seed, args.gen)
             out(t="stopped", role=role)
         elif role == "consumer":
             await _consumer(c, out, args.lease)
         else:
-            await _dp_rank(c, out, int(role.removeprefix("dp")), args.lease)
+            rank = int(role.removeprefix("dp"))
+            await _dp_rank(c, out, rank, args.lease, args.dp_start[rank])
 
 
 async def _worker(args: Any) -> None:
@@ -440,27 +455,43 @@ async def _worker(args: Any) -> None:
 
 
 class Worker:
-    """A worker process; its records are collected by a thread as they are printed."""
+    """A worker process; its records are collected by a thread as they are printed. It can
+    be SIGKILLed and started again (`restart`): its roles go on where its records say."""
 
     def __init__(
         self, roles: Sequence[str], argv: Sequence[str], logs: Path, progress: threading.Condition
     ):
         self.roles = list(roles)
         self.role = role = "+".join(roles)
+        self.argv = list(argv)
+        self.logs = logs
         self.records: list[dict[str, Any]] = []
         self.done = 0  # records of calls that succeeded
         self.progress = progress
-        self.log = open(logs / f"{role}.jsonl", "wb")  # noqa: SIM115 (closed in wait())
-        with open(logs / f"{role}.stderr", "wb") as stderr:
+        self.starts = 0
+        self.log = open(logs / f"{role}.jsonl", "ab")  # noqa: SIM115 (closed in wait())
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # a restart goes on: new keys for its producers, each DP rank at its last batch
+        last = [0, 0]
+        for r in self.records:
+            if r["t"] == "batch":
+                last[r["rank"]] = max(last[r["rank"]], r["k"])
+        extra = ["--gen", str(self.starts), "--dp-start", *map(str, last)]
+        with open(self.logs / f"{self.role}.stderr", "ab") as stderr:
+            stderr.write(f"--- start {self.starts}\n".encode())
+            stderr.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, __file__, "worker", ",".join(roles), *argv],
+                [sys.executable, __file__, "worker", ",".join(self.roles), *self.argv, *extra],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 env=_env(),
             )
+        self.starts += 1
         self.up = threading.Event()
-        self.reader = threading.Thread(target=self._collect, daemon=True)
+        self.reader = threading.Thread(target=self._collect, args=(self.proc,), daemon=True)
         self.reader.start()
 
     def ready(self) -> None:
@@ -468,10 +499,20 @@ class Worker:
         if not self.up.wait(_START_TIMEOUT) or self.proc.poll() is not None:
             raise RuntimeError(f"worker {self.role} did not start (see its .stderr log)")
 
-    def _collect(self) -> None:
-        assert self.proc.stdout is not None
-        with self.proc.stdout:
-            self._records(self.proc.stdout)
+    def restart(self) -> None:
+        """SIGKILL the worker (its calls in flight die with it) and start it again."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.reader.join(timeout=30)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self._spawn()
+        self.ready()
+
+    def _collect(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            self._records(proc.stdout)
 
     def _records(self, lines: Iterable[bytes]) -> None:
         for line in lines:
@@ -479,7 +520,10 @@ class Worker:
             if line.startswith(b"TQ_CHAOS_READY="):
                 self.up.set()
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:  # the last line of a killed worker, cut short
+                continue
             with self.progress:
                 self.records.append(record)
                 if record["t"] == "read" or record.get("state") == "ok":
@@ -506,7 +550,8 @@ class Worker:
             done = False
         self.reader.join(timeout=10)
         self.stop()
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
         return done
 
 
@@ -517,6 +562,10 @@ class Worker:
 class Report:
     seed: int
     kills: dict[str, int] = field(default_factory=dict)
+    #: SIGSTOPs (each followed by a SIGCONT), by target
+    pauses: dict[str, int] = field(default_factory=dict)
+    #: worker processes SIGKILLed and started again
+    worker_kills: int = 0
     seconds: float = 0.0
     puts_ok: int = 0
     puts_maybe: int = 0
@@ -548,16 +597,26 @@ def run_chaos(
     say: Any = None,
     durability: str = "process",
     memory_cap: int | None = None,
+    pauses: int = 0,
+    max_pause: float = 2.0,
+    worker_kills: int = 0,
 ) -> Report:
     """Run the cluster and the workers, kill ``kills`` times (about ``seconds`` in all),
     then drain and check. Every wait is bounded. The workers' roles run in ``processes``
     processes: 4 (producers, consumer, DP rank 0, DP rank 1 each in its own), 2 (producers
     and consumer; the DP ranks) or 1. ``durability`` / ``memory_cap``: every service's level,
-    and the units' memory cap (cells past it are read back from their segments)."""
+    and the units' memory cap (cells past it are read back from their segments).
+
+    Between the kills, in a seeded order: ``pauses`` SIGSTOPs of the controller, a unit or
+    a worker process for up to ``max_pause`` seconds each (then SIGCONT; a worker paused
+    past its lease acknowledges late, a service past a client's ``request_timeout`` fails
+    its calls), and ``worker_kills`` SIGKILLs of a worker process, started again at once
+    (its producers with new keys, its DP ranks at the last batch they recorded)."""
     import anyio
 
     rng = random.Random(seed)
     report = Report(seed=seed, kills={"controller": 0, "unit": 0, "all": 0})
+    report.pauses = {"controller": 0, "unit": 0, "worker": 0}
     t0 = time.monotonic()
     cluster = Cluster(root, durability=durability, memory_cap=memory_cap)
     progress = threading.Condition()
@@ -577,21 +636,42 @@ def run_chaos(
         for w in workers:
             w.ready()
         log("workers up")
-        gap = 2 * seconds / max(kills, 1)
+        events = ["kill"] * kills + ["pause"] * pauses + ["worker"] * worker_kills
+        if pauses or worker_kills:
+            rng.shuffle(events)  # (kills alone: the order of earlier runs' seeds)
+        gap = 2 * seconds / max(len(events), 1)
 
         def made() -> int:  # calls that succeeded: acknowledged puts, reads
             return sum(w.done for w in workers)
 
-        for i in range(kills + 1):
+        for i in range(len(events) + 1):
             with progress:  # the workers got going (again, since the last restart)
                 before = made()
                 if not progress.wait_for(lambda b=before: made() >= b + 3, progress_timeout):
                     report.violations.append(
-                        f"no progress within {progress_timeout}s after kill {i}"
+                        f"no progress within {progress_timeout}s after event {i}"
                     )
-            if i == kills:
+            if i == len(events):
                 break
             threading.Event().wait(rng.uniform(0, gap))  # a random moment
+            if events[i] == "pause":
+                what = rng.choice(["controller", "unit", "worker"])
+                pid = {
+                    "controller": lambda: cluster.controller.pid,
+                    "unit": lambda: rng.choice(cluster.units).pid,
+                    "worker": lambda: rng.choice(workers).proc.pid,
+                }[what]()
+                seconds_paused = rng.uniform(0.05, max_pause)
+                report.pauses[what] += 1
+                log(f"event {i + 1}/{len(events)}: pause {what} for {seconds_paused:.2f}s")
+                _pause(pid, seconds_paused)
+                continue
+            if events[i] == "worker":
+                worker = rng.choice(workers)
+                report.worker_kills += 1
+                log(f"event {i + 1}/{len(events)}: kill worker {worker.role}")
+                worker.restart()
+                continue
             what = rng.choices(["controller", "unit", "all"], weights=[4, 4, 2])[0]
             victims = {
                 "controller": [cluster.controller],
@@ -599,7 +679,7 @@ def run_chaos(
                 "all": cluster.services,
             }[what]
             report.kills[what] += 1
-            log(f"kill {i + 1}/{kills}: {', '.join(s.name for s in victims)}")
+            log(f"event {i + 1}/{len(events)}: kill {', '.join(s.name for s in victims)}")
             cluster.kill(victims)
             cluster.start(victims)
         producer = workers[0]
@@ -623,6 +703,15 @@ def run_chaos(
         cluster.close()
     report.seconds = round(time.monotonic() - t0, 1)
     return report
+
+
+def _pause(pid: int, seconds: float) -> None:
+    """SIGSTOP ``pid`` for ``seconds``, then SIGCONT."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        threading.Event().wait(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 async def _owed(address: str) -> str:
@@ -659,6 +748,9 @@ async def check(
     begun = {r["k0"]: r["n"] for r in puts if r["state"] == "begin"}
     ok = [r for r in puts if r["state"] == "ok"]
     maybe = [r for r in puts if r["state"] == "maybe"]
+    # a put whose producer was killed before its call returned: in doubt, like a failed one
+    ended = {r["k0"] for r in ok} | {r["k0"] for r in maybe}
+    maybe += [r for r in puts if r["state"] == "begin" and r["k0"] not in ended]
     report.puts_ok, report.puts_maybe = len(ok), len(maybe)
     report.rows_ok = sum(r["n"] for r in ok)
     report.worker_errors = [
@@ -792,6 +884,10 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lease", type=float, default=10.0)
     parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--gen", type=int, default=0, help="earlier starts of this worker")
+    parser.add_argument(
+        "--dp-start", type=int, nargs=2, default=[0, 0], help="each DP rank's first batch_index"
+    )
     args = parser.parse_args(argv)
     anyio.run(_worker, args)
 
