@@ -40,7 +40,9 @@ it to end-of-stream, and `check` compares the records with what the cluster hold
    is in two batches;
 7. no row is lost (``lost_rows``), and the workers finished (nothing hung);
 8. no cell without a row: once the units came back for the last time, they hold cells of the
-   partition's live rows only (what the controller dropped while they were away is freed).
+   partition's live rows only (what the controller dropped while they were away is freed);
+9. the DP ranks stay in step: both reach end-of-stream at the same ``batch_index``, each with
+   a share of every batch before it.
 
 `run_chaos` returns a `Report` (violations must be empty); ``python -m benchmarks.chaos``
 runs it long and prints the numbers.
@@ -847,6 +849,17 @@ async def check(
         missing_dp = sorted(set(held) - set(owner))
         if missing_dp:
             bad.append(f"rows in no DP batch: {missing_dp[:20]} ({len(missing_dp)})")
+        # 9. the DP ranks in lockstep: both reach end-of-stream at the same batch_index, each
+        # with its share of every batch before it
+        ends = {r["rank"]: r["k"] for r in records if r["t"] == "eos" and r["role"] == "dp"}
+        if sorted(ends) != [0, 1] or ends[0] != ends[1]:
+            bad.append(f"the DP ranks ended at batch_index {ends} (not in step)")
+        else:
+            for rank in (0, 1):
+                have = sorted(k for r, k in first if r == rank)
+                if have != list(range(ends[rank])):
+                    gaps = sorted(set(range(ends[rank])) - set(have))[:20]
+                    bad.append(f"DP rank {rank} has no share of batches {gaps}")
     # 4. and 5. the consumer: no delivery after a counted ack; every row delivered
     acked_at: dict[int, int] = {}
     delivered: set[int] = set()
