@@ -336,3 +336,44 @@ async def test_a_batch_waiting_for_its_reader_keeps_its_rows_from_auto_clear_acr
             with anyio.fail_after(30):  # settled: auto-clear frees the rows now
                 while (await c.partition_info("p"))["rows"]:
                     pass
+
+
+@contextmanager
+def _serve(bind: str, data_dir: Path, *args: str) -> Iterator[Any]:
+    """``tq-async serve`` (a controller and one unit in one process) on ``data_dir``."""
+    argv = ("--bind", bind, "--storage-units", "1", "--durability", "process")
+    with serve_role(*argv, "--data-dir", str(data_dir), *args) as (proc, _):
+        yield proc
+
+
+async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: Path) -> None:
+    """The learner's `StalenessSampler` recycles three stale rows: they are consumed and
+    queued for ``take_recycled`` (each exactly once). The controller is SIGKILLed and
+    restarted on its journal: the queue must come back with it (before: it was empty, the
+    rows consumed, so their prompts were never regenerated)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
+        'max_staleness = 0\non_stale = "recycle"\n'
+    )
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p", policy_version=[0, 0, 0, 1])
+            await c.set_policy_version(1)  # rows 0-2 are one version too old
+            fresh = await c.get_meta(["x"], 1, "p", "learner", timeout=10)
+            assert fresh.global_indexes == [3]
+            before = await c.staleness_status()
+            assert before["recycled_pending"] == 3
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert await c.staleness_status() == before
+            taken = await c.take_recycled()
+            assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+            assert torch.equal((await c.get_data(taken[0]))["x"], _rows(3, 0)["x"])
+            assert await c.take_recycled() == []  # exactly once

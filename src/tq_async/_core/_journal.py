@@ -151,7 +151,8 @@ class PartitionRecord(msgspec.Struct, array_like=True):
 
 
 class ControllerRecord(msgspec.Struct, array_like=True):
-    """The controller's own state (units, admission, samplers), written with every commit."""
+    """The controller's own state (units, admission, stale rows, samplers), written with
+    every commit."""
 
     format: int
     wall: float
@@ -168,6 +169,10 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     sampler_state: dict[str, Any]
     #: the latest admissions' tokens -> rows (`ControllerState.admitted`)
     admitted: dict[int, int] = msgspec.field(default_factory=dict)
+    #: stale rows queued for ``take_recycled``, oldest first: ``(partition_id, row)``
+    recycled: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    #: how many stale rows each policy handled (`ControllerState.stale_counts`)
+    stale_counts: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -677,6 +682,8 @@ def controller_record(
         auto_clear=[(pid, list(tasks)) for pid, tasks in st.auto_clear.items()],
         sampler_state=sampler_state,
         admitted=dict(st.admitted),
+        recycled=list(st.recycled),
+        stale_counts=dict(st.stale_counts),
     )
 
 
@@ -709,6 +716,8 @@ def recover(
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
+    st.recycled.extend((pid, row) for pid, row in ctl.recycled)
+    st.stale_counts.update(ctl.stale_counts)
     for pid, tasks in ctl.auto_clear:
         st.auto_clear.setdefault(pid, tuple(tasks))
     for rec in parts:
