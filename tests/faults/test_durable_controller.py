@@ -28,6 +28,8 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
+from _requests import cancelled_at
+from tq_async._wire._protocol import GetMeta
 
 KILLS = 3  # SIGKILLs per test run (the long chaos run is reported in benchmarks/RESULTS.md)
 
@@ -377,3 +379,51 @@ async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: P
             assert [m.global_indexes for m in taken] == [[0, 1, 2]]
             assert torch.equal((await c.get_data(taken[0]))["x"], _rows(3, 0)["x"])
             assert await c.take_recycled() == []  # exactly once
+
+
+async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A fetch's caller is cancelled right after the request went out, and its `Cancel`
+    crosses the answer on the wire: the controller answered (and journaled the rows as
+    consumed), then the Cancel gives the rows back to the task. The controller is SIGKILLed
+    (nothing else touched the partition) and restarted on its journal: the task must still
+    get those rows (before: the give-back was never journaled, so the restarted controller
+    had them consumed by the task and delivered to nobody: they never came again)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p")
+            conn = c._links.controller
+            assert conn is not None
+            read, send = conn._on_frames, conn.send_best_effort
+            answered, cancels = anyio.Event(), []
+
+            def lose(frames: list[Any]) -> None:  # the answer crosses the Cancel: lost
+                conn._on_frames = read  # type: ignore[method-assign]
+                answered.set()
+
+            conn._on_frames = lose  # type: ignore[method-assign]
+            conn.send_best_effort = cancels.append  # type: ignore[assignment,method-assign]
+            try:
+                with cancelled_at(GetMeta) as (scope, sent), scope:
+                    await c.get_meta(["x"], 2, "p", "t")
+                assert scope.cancelled_caught
+                assert len(sent) == 1
+                with anyio.fail_after(30):
+                    await answered.wait()  # answered, so journaled as consumed
+            finally:
+                conn.send_best_effort = send  # type: ignore[method-assign]
+            assert len(cancels) == 1
+            send(cancels[0])
+            # the next call on the connection is answered after the Cancel was handled
+            assert (await c.partition_info("p"))["consumed"] == {"t": 0}
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await c.partition_info("p"))["consumed"] == {"t": 0}
+            await c.seal("p")
+            got = await c.get_meta(["x"], 4, "p", "t", timeout=10)
+            assert got.global_indexes == [0, 1, 2, 3]

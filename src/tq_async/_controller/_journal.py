@@ -59,6 +59,7 @@ from .._service._loop import Handler, Incoming
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
+    Cancel,
     GetMeta,
     PutBegin,
     RegisterTasks,
@@ -69,6 +70,7 @@ from .._wire._protocol import (
     SetPolicyVersion,
     TakeRecycled,
 )
+from ._gets import FETCHES_REMEMBERED
 from ._shell import Sends
 
 __all__ = [
@@ -344,6 +346,9 @@ class Recorder:
         self.pending: dict[str, tuple[str, int]] = {}
         #: PutBegins of new rows (answered at once if their rows are reserved), by request
         self.early: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        #: the partition of each recent fetch, by request: a `Cancel` that comes after its
+        #: answer gives the rows back (`tq_async._controller._gets`), a change to write
+        self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
         self._wake = asyncio.Event()
 
     # ---- recovery ----------------------------------------------------------------------------
@@ -409,8 +414,16 @@ class Recorder:
         return noted
 
     def note(self, peer: bytes, rid: int, body: Any) -> None:
+        if type(body) is Cancel:
+            self._cancel(peer, body.target)
+            return
         pids = tuple(_partitions_of(self.core, body))
         self.dirty.update(pids)
+        if type(body) is GetMeta and body.mode == "fetch":
+            fetches = self.fetches
+            fetches[(peer, rid)] = body.partition_id
+            if len(fetches) > FETCHES_REMEMBERED:
+                fetches.popitem(last=False)
         if type(body) is PutBegin and body.n_rows and body.rows is None and body.keys is None:
             self.early[(peer, rid)] = body.partition_id
             if len(self.early) > _INFLIGHT:
@@ -424,6 +437,14 @@ class Recorder:
             inflight[(peer, rid)] = pids
             if len(inflight) > _INFLIGHT:
                 inflight.popitem(last=False)
+
+    def _cancel(self, peer: bytes, rid: int) -> None:
+        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task. It
+        has no reply to hold, so the commit that writes that is started here."""
+        pid = self.fetches.pop((peer, rid), None)
+        if pid is not None:
+            self.dirty.add(pid)
+            self._wake.set()
 
     def wrap(self, endpoint: Sends) -> _HeldSends:
         """The endpoint the shell sends through while this recorder runs."""
