@@ -427,3 +427,31 @@ async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_rest
             await c.seal("p")
             got = await c.get_meta(["x"], 4, "p", "t", timeout=10)
             assert got.global_indexes == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("tasks", [["b"], []], ids=["changed", "off"])
+async def test_auto_clear_set_by_register_tasks_survives_a_restart_with_the_same_config(
+    tmp_path: Path, tasks: list[str]
+) -> None:
+    """The configuration makes "a" the auto-clear task; the program changes that with an
+    acknowledged ``register_tasks`` (to "b", or off). The controller is SIGKILLed and
+    restarted on its journal with the same configuration: the program's setting must hold
+    (before: the configuration's came back, silently undoing it)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text('auto_clear_tasks = ["a"]\n')
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.register_tasks(tasks)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(2, 0), "p")
+            got, _ = await c.get(["x"], 2, "p", tasks[0] if tasks else "a")  # read and acked
+            assert len(got) == 2
+            # cleared by "b"'s auto-clear; kept with auto-clear off
+            assert (await c.partition_info("p"))["rows"] == (0 if tasks else 2)

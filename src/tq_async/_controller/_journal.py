@@ -346,6 +346,8 @@ class Recorder:
         self.pending: dict[str, tuple[str, int]] = {}
         #: PutBegins of new rows (answered at once if their rows are reserved), by request
         self.early: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        #: the auto-clear settings this controller starts with (its configuration's)
+        self.auto_clear_start = dict(core.state.auto_clear)
         #: the partition of each recent fetch, by request: a `Cancel` that comes after its
         #: answer gives the rows back (`tq_async._controller._gets`), a change to write
         self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
@@ -521,7 +523,7 @@ class Recorder:
                 snapshots[pid] = blob
             else:
                 deltas.append((pid, blob))
-        ctl = encode(controller_record(self.core, self.instances, wall))
+        ctl = encode(controller_record(self.core, self.instances, wall, self.auto_clear_start))
         self.dirty = set()
         self.controller_dirty = False
         return ctl, snapshots, deletes, deltas
