@@ -169,8 +169,9 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     sampler_state: dict[str, Any]
     #: the latest admissions' tokens -> rows (`ControllerState.admitted`)
     admitted: dict[int, int] = msgspec.field(default_factory=dict)
-    #: stale rows queued for ``take_recycled``, oldest first: ``(partition_id, row)``
-    recycled: list[tuple[str, int]] = msgspec.field(default_factory=list)
+    #: stale rows queued for ``take_recycled``, oldest first: ``(partition_id,
+    #: incarnation, row)``
+    recycled: list[tuple[str, str, int]] = msgspec.field(default_factory=list)
     #: how many stale rows each policy handled (`ControllerState.stale_counts`)
     stale_counts: dict[str, int] = msgspec.field(default_factory=dict)
     #: the auto-clear settings the controller started with (its configuration's; None: not
@@ -726,7 +727,7 @@ def recover(
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
-    st.recycled.extend((pid, row) for pid, row in ctl.recycled)
+    st.recycled.extend((pid, inc, row) for pid, inc, row in ctl.recycled)
     st.stale_counts.update(ctl.stale_counts)
     _recover_auto_clear(st.auto_clear, ctl)
     for rec in parts:
