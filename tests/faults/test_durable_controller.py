@@ -455,3 +455,48 @@ async def test_auto_clear_set_by_register_tasks_survives_a_restart_with_the_same
             assert len(got) == 2
             # cleared by "b"'s auto-clear; kept with auto-clear off
             assert (await c.partition_info("p"))["rows"] == (0 if tasks else 2)
+
+
+async def test_rows_lost_with_a_unit_stay_lost_when_the_controller_restarts(
+    tmp_path: Path,
+) -> None:
+    """A ``--data-dir`` unit is SIGKILLed and stays away past ``unit_lost_after``: the
+    controller declares it lost and ``lost_rows()`` names its rows (a program regenerates
+    them). Then the controller is SIGKILLed, and both restart on their directories: the rows
+    must stay lost (before: the loss, made by a deadline rather than a request, was never
+    journaled; the restarted controller resumed the unit and handed the rows out again,
+    next to their regenerated copies)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    ctl_dir, unit_dir = tmp_path / "ctl", tmp_path / "u0"
+    ctl_dir.mkdir()
+    unit_dir.mkdir()
+    ctl_args = ("--unit-suspend-after", "0.5", "--unit-lost-after", "1")
+    ctl_args += ("controller", "--bind", bind, "--durability", "process")
+    ctl_args += ("--data-dir", str(ctl_dir))
+    unit_args = ("storage", "--controller", bind, "--unit-id", "0", "--bind")
+    unit_args += (f"tcp://127.0.0.1:{_free_port()}", "--durability", "process")
+    unit_args += ("--data-dir", str(unit_dir))
+    with ExitStack() as stack:
+        ctl, _ = stack.enter_context(serve_role(*ctl_args))
+        unit, _ = stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            meta = await c.put(_rows(2, 0), "p")
+            unit.send_signal(signal.SIGKILL)
+            unit.wait(timeout=10)
+            with anyio.fail_after(30):
+                while not (await c.lost_rows())["rows"].get("p"):
+                    pass  # suspended, then lost after unit_lost_after (no event to wait on)
+            lost = await c.lost_rows()
+            assert lost["rows"] == {"p": [0, 1]}
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(serve_role(*ctl_args))
+        stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            with anyio.fail_after(30):
+                while (await c.lost_rows())["suspended_units"]:
+                    pass  # until the unit came back (and its rows were decided)
+            assert (await c.lost_rows())["rows"] == {"p": [0, 1]}
+            assert (await c.partition_info("p"))["rows"] == 0
+            with pytest.raises(tq.RowsNotFound):
+                await c.get_data(meta)

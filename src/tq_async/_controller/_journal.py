@@ -13,10 +13,12 @@ snapshot and a bounded tail of deltas. So a put commit,
 an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
 operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
 disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
-way. One reply goes at once: the placement of a put of new rows in a partition whose last
-written record reserved their ids (`tq_async._core._journal.row_reservation`); its rows are
-written with its commit, and a controller that crashed before recovers past them. A
-controller started on the same ``data_dir`` recovers through `recover`.
+way, and so does every reply after a change no request asked for (a storage unit lost at its
+deadline, a lease run out: `Recorder.unasked`). One reply goes at once: the placement of a
+put of new rows in a partition whose last written record reserved their ids
+(`tq_async._core._journal.row_reservation`); its rows are written with its commit, and a
+controller that crashed before recovers past them. A controller started on the same
+``data_dir`` recovers through `recover`.
 
 A torn tail is SQLite's business: a transaction is in the database whole or not at all (the
 WAL's frames carry checksums; an incomplete commit is discarded when the database opens). A
@@ -446,6 +448,15 @@ class Recorder:
         pid = self.fetches.pop((peer, rid), None)
         if pid is not None:
             self.dirty.add(pid)
+            self._wake.set()
+
+    def unasked(self, fx: Effects) -> None:
+        """A transition no request asked for (a deadline, a storage unit's link) changed the
+        partitions ``fx`` wakes (rows lost with a unit, leases run out): write them now, and
+        hold every reply until then."""
+        pids = {w.partition_id for w in fx.wakeups}
+        if pids:
+            self.dirty.update(pids)
             self._wake.set()
 
     def wrap(self, endpoint: Sends) -> _HeldSends:

@@ -144,6 +144,7 @@ class ControllerServer(Service):
         if durability != "memory" and data_dir is not None:
             store = JournalStore(data_dir, durability)
             self.recorder = Recorder(store, self.core, self._links._unit_instance)
+            self._shell.unasked = self.recorder.unasked
             self._lineage = store.lineage()
         self.handlers = self._handler_table()
 
