@@ -500,3 +500,26 @@ async def test_rows_lost_with_a_unit_stay_lost_when_the_controller_restarts(
             assert (await c.partition_info("p"))["rows"] == 0
             with pytest.raises(tq.RowsNotFound):
                 await c.get_data(meta)
+
+
+async def test_units_keep_their_hosts_across_a_controller_restart(tmp_path: Path) -> None:
+    """Two storage units on two hosts (``--host-id``): a producer on the second host puts
+    its rows there. The controller is SIGKILLed and restarted on its journal; the units,
+    alive all along, are reconnected to (they do not register again): their hosts must be
+    known still (before: they were forgotten, so placement went round robin across hosts
+    and every client was told no unit is on its host)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        for unit, host in (("0", "host-a"), ("1", "host-b")):
+            args = ("--host-id", host, "storage", "--controller", bind, "--unit-id", unit)
+            stack.enter_context(serve_role(*args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10, host_id="host-b") as c:
+            placed = [(await c.put(_rows(2, 2 * i), "p")).units for i in range(2)]
+            assert placed == [[1, 1], [1, 1]]  # the producer's host
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10, host_id="host-b") as c:
+            assert c._links.unit_hosts == {0: "host-a", 1: "host-b"}
+            assert (await c.put(_rows(2, 4), "p")).units == [1, 1]

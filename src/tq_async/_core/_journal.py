@@ -177,6 +177,9 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     #: the auto-clear settings the controller started with (its configuration's; None: not
     #: recorded): what ``register_tasks`` changed since is told from them (`recover`)
     auto_clear_start: list[tuple[str | None, list[str]]] | None = None
+    #: each unit's host id (placement and locality; a unit that is not restarted does not
+    #: register again to tell it)
+    unit_hosts: dict[int, str] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -695,6 +698,7 @@ def controller_record(
         auto_clear_start=None
         if auto_clear_start is None
         else [(pid, list(tasks)) for pid, tasks in auto_clear_start.items()],
+        unit_hosts=dict(st.unit_hosts),
     )
 
 
@@ -743,6 +747,7 @@ def recover(
         if unit in local_units or unit in ctl.dead_units:
             continue
         st.units[unit] = address
+        st.unit_hosts.setdefault(unit, ctl.unit_hosts.get(unit, ""))
         fx.add(core.unit_down(unit, now))
     for unit in ctl.dead_units:
         st.units.setdefault(unit, ctl.units[unit])
