@@ -29,6 +29,7 @@ import torch
 import tq_async as tq
 from _cluster_proc import serve_role
 from _requests import cancelled_at
+from _services import service
 from tq_async._wire._protocol import GetMeta
 
 KILLS = 3  # SIGKILLs per test run (the long chaos run is reported in benchmarks/RESULTS.md)
@@ -523,3 +524,21 @@ async def test_units_keep_their_hosts_across_a_controller_restart(tmp_path: Path
         async with tq.AsyncClient.connect(bind, request_timeout=10, host_id="host-b") as c:
             assert c._links.unit_hosts == {0: "host-a", 1: "host-b"}
             assert (await c.put(_rows(2, 4), "p")).units == [1, 1]
+
+
+def test_a_journal_is_not_ignored_by_a_controller_started_at_memory(tmp_path: Path) -> None:
+    """A durable controller's directory given to a controller started without
+    ``--durability`` (the default, ``memory``): it must refuse to start, saying so (before:
+    it started empty, silently ignoring the journal, which a later durable start would
+    recover as it was before that run)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with _controller(bind, data_dir) as ctl:
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+    args = ("controller", "--bind", bind, "--data-dir", str(data_dir))
+    with service(args, tmp_path / "stderr.txt") as svc, pytest.raises(RuntimeError) as info:
+        svc.wait_line("TQ_ADDRESS=")
+    assert "holds a controller's journal" in str(info.value)
+    assert "--durability process" in str(info.value)

@@ -81,6 +81,7 @@ __all__ = [
     "JournalStore",
     "Recorder",
     "check_durability",
+    "check_no_journal",
     "unit_data_dir",
 ]
 
@@ -118,6 +119,24 @@ def check_durability(durability: str, data_dir: str | os.PathLike[str] | None) -
         raise ConfigError(
             f"data_dir: durability {durability!r} keeps the controller's state in a "
             "directory; give data_dir (e.g. --data-dir /var/lib/tq-async/controller)"
+        )
+
+
+def check_no_journal(data_dir: str | os.PathLike[str]) -> None:
+    """Raise `ConfigError` if ``data_dir``, given to a controller at ``memory``, holds a
+    journal: it would start empty, and a later durable start would recover the journal as it
+    was before this run."""
+    try:
+        with open(os.path.join(data_dir, MARKER)) as f:
+            kind = json.load(f)
+    except (OSError, ValueError):
+        return  # no marker: no journal
+    if isinstance(kind, dict) and kind.get("kind") == "controller":
+        raise ConfigError(
+            f"data_dir: {os.fspath(data_dir)!r} holds a controller's journal, but durability is "
+            "'memory' (the default), which keeps nothing: start with the durability it was "
+            "written at (--durability process or fsync) to recover its state, or move the "
+            "directory away to start empty"
         )
 
 
