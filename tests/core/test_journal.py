@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tq_async._core._admission import ADMITTED_TOKENS
 from tq_async._core._dumps import partition_dump
 from tq_async._core._journal import (
@@ -220,6 +222,34 @@ def test_admission_and_policy_version_survive() -> None:
     again = reborn(core, 0.0, 0.0)
     assert again.state.learner_version == 3
     assert again.state.auto_clear["p"] == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("at_run_time", "configured_again", "recovered"),
+    [
+        ({None: ("b",)}, {None: ("a",)}, {None: ("b",)}),  # register_tasks(["b"]) holds
+        ({}, {None: ("a",)}, {}),  # register_tasks([]): stays off
+        ({None: ("a",)}, {None: ("c",)}, {None: ("c",)}),  # unchanged: the new configuration
+        ({None: ("a",)}, {}, {}),  # unchanged: the configuration dropped it
+        ({None: ("a",), "p": ("b",)}, {None: ("a",)}, {None: ("a",), "p": ("b",)}),
+    ],
+)
+def test_auto_clear_set_at_run_time_wins_over_the_configuration_it_started_with(
+    at_run_time: dict[str | None, tuple[str, ...]],
+    configured_again: dict[str | None, tuple[str, ...]],
+    recovered: dict[str | None, tuple[str, ...]],
+) -> None:
+    """Started with ``auto_clear_tasks = ["a"]``; ``register_tasks`` made it ``at_run_time``;
+    restarted with ``configured_again``: what the program changed holds, what it did not
+    follows the configuration."""
+    core = new_core()
+    start = {None: ("a",)}
+    core.state.auto_clear = dict(at_run_time)
+    ctl = decode_controller(encode(controller_record(core, {}, 1000.0, start)))
+    again = ControllerCore(ControllerState())
+    again.state.auto_clear = dict(configured_again)
+    recover(again, ctl, [], 0.0, 1000.0, {})
+    assert again.state.auto_clear == recovered
 
 
 def test_an_admission_asked_again_by_its_token_is_counted_once_across_a_restart() -> None:

@@ -28,6 +28,9 @@ import torch
 
 import tq_async as tq
 from _cluster_proc import serve_role
+from _requests import cancelled_at
+from _services import service
+from tq_async._wire._protocol import GetMeta
 
 KILLS = 3  # SIGKILLs per test run (the long chaos run is reported in benchmarks/RESULTS.md)
 
@@ -336,3 +339,206 @@ async def test_a_batch_waiting_for_its_reader_keeps_its_rows_from_auto_clear_acr
             with anyio.fail_after(30):  # settled: auto-clear frees the rows now
                 while (await c.partition_info("p"))["rows"]:
                     pass
+
+
+@contextmanager
+def _serve(bind: str, data_dir: Path, *args: str) -> Iterator[Any]:
+    """``tq-async serve`` (a controller and one unit in one process) on ``data_dir``."""
+    argv = ("--bind", bind, "--storage-units", "1", "--durability", "process")
+    with serve_role(*argv, "--data-dir", str(data_dir), *args) as (proc, _):
+        yield proc
+
+
+async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: Path) -> None:
+    """The learner's `StalenessSampler` recycles three stale rows: they are consumed and
+    queued for ``take_recycled`` (each exactly once). The controller is SIGKILLed and
+    restarted on its journal: the queue must come back with it (before: it was empty, the
+    rows consumed, so their prompts were never regenerated)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
+        'max_staleness = 0\non_stale = "recycle"\n'
+    )
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p", policy_version=[0, 0, 0, 1])
+            await c.set_policy_version(1)  # rows 0-2 are one version too old
+            fresh = await c.get_meta(["x"], 1, "p", "learner", timeout=10)
+            assert fresh.global_indexes == [3]
+            before = await c.staleness_status()
+            assert before["recycled_pending"] == 3
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert await c.staleness_status() == before
+            taken = await c.take_recycled()
+            assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+            assert torch.equal((await c.get_data(taken[0]))["x"], _rows(3, 0)["x"])
+            assert await c.take_recycled() == []  # exactly once
+
+
+async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A fetch's caller is cancelled right after the request went out, and its `Cancel`
+    crosses the answer on the wire: the controller answered (and journaled the rows as
+    consumed), then the Cancel gives the rows back to the task. The controller is SIGKILLed
+    (nothing else touched the partition) and restarted on its journal: the task must still
+    get those rows (before: the give-back was never journaled, so the restarted controller
+    had them consumed by the task and delivered to nobody: they never came again)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p")
+            conn = c._links.controller
+            assert conn is not None
+            read, send = conn._on_frames, conn.send_best_effort
+            answered, cancels = anyio.Event(), []
+
+            def lose(frames: list[Any]) -> None:  # the answer crosses the Cancel: lost
+                conn._on_frames = read  # type: ignore[method-assign]
+                answered.set()
+
+            conn._on_frames = lose  # type: ignore[method-assign]
+            conn.send_best_effort = cancels.append  # type: ignore[assignment,method-assign]
+            try:
+                with cancelled_at(GetMeta) as (scope, sent), scope:
+                    await c.get_meta(["x"], 2, "p", "t")
+                assert scope.cancelled_caught
+                assert len(sent) == 1
+                with anyio.fail_after(30):
+                    await answered.wait()  # answered, so journaled as consumed
+            finally:
+                conn.send_best_effort = send  # type: ignore[method-assign]
+            assert len(cancels) == 1
+            send(cancels[0])
+            # the next call on the connection is answered after the Cancel was handled
+            assert (await c.partition_info("p"))["consumed"] == {"t": 0}
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await c.partition_info("p"))["consumed"] == {"t": 0}
+            await c.seal("p")
+            got = await c.get_meta(["x"], 4, "p", "t", timeout=10)
+            assert got.global_indexes == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("tasks", [["b"], []], ids=["changed", "off"])
+async def test_auto_clear_set_by_register_tasks_survives_a_restart_with_the_same_config(
+    tmp_path: Path, tasks: list[str]
+) -> None:
+    """The configuration makes "a" the auto-clear task; the program changes that with an
+    acknowledged ``register_tasks`` (to "b", or off). The controller is SIGKILLed and
+    restarted on its journal with the same configuration: the program's setting must hold
+    (before: the configuration's came back, silently undoing it)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text('auto_clear_tasks = ["a"]\n')
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.register_tasks(tasks)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(2, 0), "p")
+            got, _ = await c.get(["x"], 2, "p", tasks[0] if tasks else "a")  # read and acked
+            assert len(got) == 2
+            # cleared by "b"'s auto-clear; kept with auto-clear off
+            assert (await c.partition_info("p"))["rows"] == (0 if tasks else 2)
+
+
+async def test_rows_lost_with_a_unit_stay_lost_when_the_controller_restarts(
+    tmp_path: Path,
+) -> None:
+    """A ``--data-dir`` unit is SIGKILLed and stays away past ``unit_lost_after``: the
+    controller declares it lost and ``lost_rows()`` names its rows (a program regenerates
+    them). Then the controller is SIGKILLed, and both restart on their directories: the rows
+    must stay lost (before: the loss, made by a deadline rather than a request, was never
+    journaled; the restarted controller resumed the unit and handed the rows out again,
+    next to their regenerated copies)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    ctl_dir, unit_dir = tmp_path / "ctl", tmp_path / "u0"
+    ctl_dir.mkdir()
+    unit_dir.mkdir()
+    ctl_args = ("--unit-suspend-after", "0.5", "--unit-lost-after", "1")
+    ctl_args += ("controller", "--bind", bind, "--durability", "process")
+    ctl_args += ("--data-dir", str(ctl_dir))
+    unit_args = ("storage", "--controller", bind, "--unit-id", "0", "--bind")
+    unit_args += (f"tcp://127.0.0.1:{_free_port()}", "--durability", "process")
+    unit_args += ("--data-dir", str(unit_dir))
+    with ExitStack() as stack:
+        ctl, _ = stack.enter_context(serve_role(*ctl_args))
+        unit, _ = stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            meta = await c.put(_rows(2, 0), "p")
+            unit.send_signal(signal.SIGKILL)
+            unit.wait(timeout=10)
+            with anyio.fail_after(30):
+                while not (await c.lost_rows())["rows"].get("p"):
+                    pass  # suspended, then lost after unit_lost_after (no event to wait on)
+            lost = await c.lost_rows()
+            assert lost["rows"] == {"p": [0, 1]}
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(serve_role(*ctl_args))
+        stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            with anyio.fail_after(30):
+                while (await c.lost_rows())["suspended_units"]:
+                    pass  # until the unit came back (and its rows were decided)
+            assert (await c.lost_rows())["rows"] == {"p": [0, 1]}
+            assert (await c.partition_info("p"))["rows"] == 0
+            with pytest.raises(tq.RowsNotFound):
+                await c.get_data(meta)
+
+
+async def test_units_keep_their_hosts_across_a_controller_restart(tmp_path: Path) -> None:
+    """Two storage units on two hosts (``--host-id``): a producer on the second host puts
+    its rows there. The controller is SIGKILLed and restarted on its journal; the units,
+    alive all along, are reconnected to (they do not register again): their hosts must be
+    known still (before: they were forgotten, so placement went round robin across hosts
+    and every client was told no unit is on its host)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        for unit, host in (("0", "host-a"), ("1", "host-b")):
+            args = ("--host-id", host, "storage", "--controller", bind, "--unit-id", unit)
+            stack.enter_context(serve_role(*args, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10, host_id="host-b") as c:
+            placed = [(await c.put(_rows(2, 2 * i), "p")).units for i in range(2)]
+            assert placed == [[1, 1], [1, 1]]  # the producer's host
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10, host_id="host-b") as c:
+            assert c._links.unit_hosts == {0: "host-a", 1: "host-b"}
+            assert (await c.put(_rows(2, 4), "p")).units == [1, 1]
+
+
+def test_a_journal_is_not_ignored_by_a_controller_started_at_memory(tmp_path: Path) -> None:
+    """A durable controller's directory given to a controller started without
+    ``--durability`` (the default, ``memory``): it must refuse to start, saying so (before:
+    it started empty, silently ignoring the journal, which a later durable start would
+    recover as it was before that run)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with _controller(bind, data_dir) as ctl:
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+    args = ("controller", "--bind", bind, "--data-dir", str(data_dir))
+    with service(args, tmp_path / "stderr.txt") as svc, pytest.raises(RuntimeError) as info:
+        svc.wait_line("TQ_ADDRESS=")
+    assert "holds a controller's journal" in str(info.value)
+    assert "--durability process" in str(info.value)

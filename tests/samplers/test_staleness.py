@@ -119,6 +119,27 @@ async def test_recycled_prompts_are_handed_out_exactly_once() -> None:
         assert status["recycled_pending"] == 0
 
 
+async def test_recycled_rows_of_a_partition_made_again_are_not_handed_out() -> None:
+    """Rows recycled, then their partition cleared and made again under its name: the
+    queued rows are gone with it (before: ``take_recycled`` failed with an IndexError, or
+    handed out rows of the new partition that were never stale)."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        await client.get_meta(["prompt"], 2, "p", "learn")
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        await client.clear_partition("p")
+        await client.put({"prompt": torch.arange(1)}, "p", policy_version=1)  # fewer rows
+        await client.put({"prompt": torch.arange(4)}, "p", policy_version=1)  # and more
+        assert await client.take_recycled() == []
+        assert (await client.staleness_status())["recycled_pending"] == 0
+
+
 async def test_waiting_consumer_drops_rows_that_go_stale() -> None:
     """A learner update must not leave stale rows blocking capacity forever."""
     sampler = tq.StalenessSampler(max_staleness=0, on_stale="drop")

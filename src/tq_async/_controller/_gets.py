@@ -36,7 +36,7 @@ __all__ = ["GetPath"]
 
 #: answered fetches a late Cancel can still undo: a client cancels within a round trip of
 #: the answer, so this only needs to outlast the fetches answered meanwhile (~100 B each)
-_FETCHES_REMEMBERED = 16384
+FETCHES_REMEMBERED = 16384
 
 log = get_logger(__name__)
 
@@ -145,7 +145,7 @@ class GetPath:
         """What a Cancel of this answered fetch undoes (the last ``_REPLY_CACHE`` fetches)."""
         fetched = self._fetched
         fetched[(peer, rid)] = _undo_of(req, reply)
-        if len(fetched) > _FETCHES_REMEMBERED:
+        if len(fetched) > FETCHES_REMEMBERED:
             fetched.popitem(last=False)
 
     def _read_inline(

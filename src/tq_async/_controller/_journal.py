@@ -13,10 +13,12 @@ snapshot and a bounded tail of deltas. So a put commit,
 an ack, a clear, a seal, a tag or a KV change is acknowledged only once it is in the
 operating system's files (``process``: survives SIGKILL or OOM of the controller) or on the
 disk (``fsync``: survives a machine crash). A retried request's cached reply waits the same
-way. One reply goes at once: the placement of a put of new rows in a partition whose last
-written record reserved their ids (`tq_async._core._journal.row_reservation`); its rows are
-written with its commit, and a controller that crashed before recovers past them. A
-controller started on the same ``data_dir`` recovers through `recover`.
+way, and so does every reply after a change no request asked for (a storage unit lost at its
+deadline, a lease run out: `Recorder.unasked`). One reply goes at once: the placement of a
+put of new rows in a partition whose last written record reserved their ids
+(`tq_async._core._journal.row_reservation`); its rows are written with its commit, and a
+controller that crashed before recovers past them. A controller started on the same
+``data_dir`` recovers through `recover`.
 
 A torn tail is SQLite's business: a transaction is in the database whole or not at all (the
 WAL's frames carry checksums; an incomplete commit is discarded when the database opens). A
@@ -59,6 +61,7 @@ from .._service._loop import Handler, Incoming
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
+    Cancel,
     GetMeta,
     PutBegin,
     RegisterTasks,
@@ -69,6 +72,7 @@ from .._wire._protocol import (
     SetPolicyVersion,
     TakeRecycled,
 )
+from ._gets import FETCHES_REMEMBERED
 from ._shell import Sends
 
 __all__ = [
@@ -77,6 +81,7 @@ __all__ = [
     "JournalStore",
     "Recorder",
     "check_durability",
+    "check_no_journal",
     "unit_data_dir",
 ]
 
@@ -114,6 +119,24 @@ def check_durability(durability: str, data_dir: str | os.PathLike[str] | None) -
         raise ConfigError(
             f"data_dir: durability {durability!r} keeps the controller's state in a "
             "directory; give data_dir (e.g. --data-dir /var/lib/tq-async/controller)"
+        )
+
+
+def check_no_journal(data_dir: str | os.PathLike[str]) -> None:
+    """Raise `ConfigError` if ``data_dir``, given to a controller at ``memory``, holds a
+    journal: it would start empty, and a later durable start would recover the journal as it
+    was before this run."""
+    try:
+        with open(os.path.join(data_dir, MARKER)) as f:
+            kind = json.load(f)
+    except (OSError, ValueError):
+        return  # no marker: no journal
+    if isinstance(kind, dict) and kind.get("kind") == "controller":
+        raise ConfigError(
+            f"data_dir: {os.fspath(data_dir)!r} holds a controller's journal, but durability is "
+            "'memory' (the default), which keeps nothing: start with the durability it was "
+            "written at (--durability process or fsync) to recover its state, or move the "
+            "directory away to start empty"
         )
 
 
@@ -344,6 +367,11 @@ class Recorder:
         self.pending: dict[str, tuple[str, int]] = {}
         #: PutBegins of new rows (answered at once if their rows are reserved), by request
         self.early: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        #: the auto-clear settings this controller starts with (its configuration's)
+        self.auto_clear_start = dict(core.state.auto_clear)
+        #: the partition of each recent fetch, by request: a `Cancel` that comes after its
+        #: answer gives the rows back (`tq_async._controller._gets`), a change to write
+        self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
         self._wake = asyncio.Event()
 
     # ---- recovery ----------------------------------------------------------------------------
@@ -409,8 +437,16 @@ class Recorder:
         return noted
 
     def note(self, peer: bytes, rid: int, body: Any) -> None:
+        if type(body) is Cancel:
+            self._cancel(peer, body.target)
+            return
         pids = tuple(_partitions_of(self.core, body))
         self.dirty.update(pids)
+        if type(body) is GetMeta and body.mode == "fetch":
+            fetches = self.fetches
+            fetches[(peer, rid)] = body.partition_id
+            if len(fetches) > FETCHES_REMEMBERED:
+                fetches.popitem(last=False)
         if type(body) is PutBegin and body.n_rows and body.rows is None and body.keys is None:
             self.early[(peer, rid)] = body.partition_id
             if len(self.early) > _INFLIGHT:
@@ -424,6 +460,23 @@ class Recorder:
             inflight[(peer, rid)] = pids
             if len(inflight) > _INFLIGHT:
                 inflight.popitem(last=False)
+
+    def _cancel(self, peer: bytes, rid: int) -> None:
+        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task. It
+        has no reply to hold, so the commit that writes that is started here."""
+        pid = self.fetches.pop((peer, rid), None)
+        if pid is not None:
+            self.dirty.add(pid)
+            self._wake.set()
+
+    def unasked(self, fx: Effects) -> None:
+        """A transition no request asked for (a deadline, a storage unit's link) changed the
+        partitions ``fx`` wakes (rows lost with a unit, leases run out): write them now, and
+        hold every reply until then."""
+        pids = {w.partition_id for w in fx.wakeups}
+        if pids:
+            self.dirty.update(pids)
+            self._wake.set()
 
     def wrap(self, endpoint: Sends) -> _HeldSends:
         """The endpoint the shell sends through while this recorder runs."""
@@ -500,7 +553,7 @@ class Recorder:
                 snapshots[pid] = blob
             else:
                 deltas.append((pid, blob))
-        ctl = encode(controller_record(self.core, self.instances, wall))
+        ctl = encode(controller_record(self.core, self.instances, wall, self.auto_clear_start))
         self.dirty = set()
         self.controller_dirty = False
         return ctl, snapshots, deletes, deltas

@@ -60,7 +60,7 @@ from .._wire._protocol import (
 from ..samplers import BaseSampler
 from ._calls import ControlCalls
 from ._gets import GetPath
-from ._journal import Durability, JournalStore, Recorder, check_durability
+from ._journal import Durability, JournalStore, Recorder, check_durability, check_no_journal
 from ._puts import PutPath
 from ._queries import QUERIES
 from ._shell import Shell
@@ -113,6 +113,8 @@ class ControllerServer(Service):
         data_dir: str | None = None,
     ) -> None:
         check_durability(durability, data_dir)
+        if durability == "memory" and data_dir is not None:
+            check_no_journal(data_dir)
         super().__init__(metrics or Metrics(None, "controller"), controller_request_decoder)
         self.core = ControllerCore(
             state, sampler, task_samplers=task_samplers, admission=admission, deadlines=deadlines
@@ -144,6 +146,7 @@ class ControllerServer(Service):
         if durability != "memory" and data_dir is not None:
             store = JournalStore(data_dir, durability)
             self.recorder = Recorder(store, self.core, self._links._unit_instance)
+            self._shell.unasked = self.recorder.unasked
             self._lineage = store.lineage()
         self.handlers = self._handler_table()
 

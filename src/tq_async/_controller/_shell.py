@@ -76,6 +76,9 @@ class Shell:
         self.free_rows: FreeRows = _nowhere
         #: the event log and its watchers (``client.watch()``)
         self.watch = WatchHub(self)
+        #: told of what a transition no request asked for changed (`apply_unasked`): a
+        #: durable controller's journal writes it (None: no journal)
+        self.unasked: Callable[[Effects], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
@@ -104,6 +107,14 @@ class Shell:
             self.lot.unpark("admission")
         self.rearm()
 
+    def apply_unasked(self, fx: Effects) -> None:
+        """`apply` what a transition no request asked for left to do (a deadline passed, a
+        storage unit's link came or went): the journal, if any, writes what it changed
+        (rows lost with a unit stay lost across a restart)."""
+        if self.unasked is not None:
+            self.unasked(fx)
+        self.apply(fx)
+
     def _notify(self, wakeups: Sequence[Wakeup]) -> None:
         """Wake the get_metas the wake-ups concern (a whole partition when no task is named)."""
         for w in wakeups:
@@ -126,7 +137,7 @@ class Shell:
 
     def _on_deadline(self) -> None:
         self._timer, self._timer_at = None, None
-        self.apply(self.core.advance(self.now()))
+        self.apply_unasked(self.core.advance(self.now()))
 
     def stop(self) -> None:
         """Shutting down: no timer fires any more, units going away are not "lost"."""

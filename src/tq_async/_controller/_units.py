@@ -169,9 +169,9 @@ class UnitLinks:
         returns = self._returns(unit_id, instance)
         if returns:
             log.info("storage unit came back with its cells", unit=unit_id, address=address)
-            self.shell.apply(self.core.unit_returned(unit_id, address, host))
+            self.shell.apply_unasked(self.core.unit_returned(unit_id, address, host))
         else:
-            self.shell.apply(self.core.unit_registered(unit_id, address, host))
+            self.shell.apply_unasked(self.core.unit_registered(unit_id, address, host))
         self._unit_instance.pop(unit_id, None)
         if instance:
             self._unit_instance[unit_id] = instance
@@ -201,9 +201,9 @@ class UnitLinks:
         shell = self.shell
         if shell.stopping or unit_id in self.local_units:
             if not shell.stopping:  # a unit of this process only goes away when it stops
-                shell.apply(shell.core.unit_lost(unit_id))
+                shell.apply_unasked(shell.core.unit_lost(unit_id))
             return
-        shell.apply(shell.core.unit_down(unit_id, shell.now()))
+        shell.apply_unasked(shell.core.unit_down(unit_id, shell.now()))
 
     def _unit_refused(self, unit_id: int) -> None:
         """Reconnecting to a suspended unit was refused: its process is gone, with its data
@@ -212,7 +212,7 @@ class UnitLinks:
         if self._unit_instance.get(unit_id, "").startswith(DISK_INSTANCE):
             return
         if not self.shell.stopping and unit_id in self.state.suspended:
-            self.shell.apply(self.core.unit_lost(unit_id))
+            self.shell.apply_unasked(self.core.unit_lost(unit_id))
 
     def _unit_connected(self, unit_id: int) -> None:
         """A (re)connection to a unit: learn its instance, or check it is the one we had."""
@@ -235,10 +235,10 @@ class UnitLinks:
         if unit_id not in self.state.suspended:
             return
         if known == instance:
-            self.shell.apply(self.core.unit_up(unit_id))
+            self.shell.apply_unasked(self.core.unit_up(unit_id))
             await self._free_orphans(unit_id)
         else:  # another process answers at the unit's address: what it held is gone
-            self.shell.apply(self.core.unit_lost(unit_id))
+            self.shell.apply_unasked(self.core.unit_lost(unit_id))
 
     async def _free_orphans(self, unit_id: int) -> None:
         """A unit back with its cells: free those of rows the controller dropped while it

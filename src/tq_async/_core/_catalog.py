@@ -204,10 +204,10 @@ class Catalog:
         taken = 0
         st = self.state
         while st.recycled and taken < max_rows:
-            pid, row = st.recycled.popleft()
+            pid, incarnation, row = st.recycled.popleft()
             p = st.partitions.get(pid)
-            if p is None or not p.alive[row]:
-                continue  # its partition was cleared: nothing left to regenerate from
+            if p is None or p.incarnation != incarnation or not p.alive[row]:
+                continue  # cleared, or its partition was: nothing left to regenerate from
             out.setdefault(pid, []).append(row)
             taken += 1
         return out

@@ -470,7 +470,7 @@ class Gets:
             self._after_consume(req.task_name, p, valid, (), fx)
             self.rollouts.count_stale(kind, len(valid), fx)
             if kind == "recycled":
-                st.recycled.extend((p.partition_id, r) for r in valid)
+                st.recycled.extend((p.partition_id, p.incarnation, r) for r in valid)
 
 
 def _trusted(sampler: BaseSampler) -> bool:

@@ -151,7 +151,8 @@ class PartitionRecord(msgspec.Struct, array_like=True):
 
 
 class ControllerRecord(msgspec.Struct, array_like=True):
-    """The controller's own state (units, admission, samplers), written with every commit."""
+    """The controller's own state (units, admission, stale rows, samplers), written with
+    every commit."""
 
     format: int
     wall: float
@@ -168,6 +169,17 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     sampler_state: dict[str, Any]
     #: the latest admissions' tokens -> rows (`ControllerState.admitted`)
     admitted: dict[int, int] = msgspec.field(default_factory=dict)
+    #: stale rows queued for ``take_recycled``, oldest first: ``(partition_id,
+    #: incarnation, row)``
+    recycled: list[tuple[str, str, int]] = msgspec.field(default_factory=list)
+    #: how many stale rows each policy handled (`ControllerState.stale_counts`)
+    stale_counts: dict[str, int] = msgspec.field(default_factory=dict)
+    #: the auto-clear settings the controller started with (its configuration's; None: not
+    #: recorded): what ``register_tasks`` changed since is told from them (`recover`)
+    auto_clear_start: list[tuple[str | None, list[str]]] | None = None
+    #: each unit's host id (placement and locality; a unit that is not restarted does not
+    #: register again to tell it)
+    unit_hosts: dict[int, str] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -659,9 +671,13 @@ def row_reservation(p: Partition, added: int) -> int:
 
 
 def controller_record(
-    core: ControllerCore, instances: Mapping[int, str], wall: float
+    core: ControllerCore,
+    instances: Mapping[int, str],
+    wall: float,
+    auto_clear_start: Mapping[str | None, Sequence[str]] | None = None,
 ) -> ControllerRecord:
-    """Record the controller's own state (``instances``: the remote units' tokens)."""
+    """Record the controller's own state (``instances``: the remote units' tokens;
+    ``auto_clear_start``: the auto-clear settings it started with)."""
     st = core.state
     sampler_state = {"default": core.sampler.state_dict()}
     sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
@@ -677,6 +693,12 @@ def controller_record(
         auto_clear=[(pid, list(tasks)) for pid, tasks in st.auto_clear.items()],
         sampler_state=sampler_state,
         admitted=dict(st.admitted),
+        recycled=list(st.recycled),
+        stale_counts=dict(st.stale_counts),
+        auto_clear_start=None
+        if auto_clear_start is None
+        else [(pid, list(tasks)) for pid, tasks in auto_clear_start.items()],
+        unit_hosts=dict(st.unit_hosts),
     )
 
 
@@ -709,8 +731,9 @@ def recover(
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
-    for pid, tasks in ctl.auto_clear:
-        st.auto_clear.setdefault(pid, tuple(tasks))
+    st.recycled.extend((pid, inc, row) for pid, inc, row in ctl.recycled)
+    st.stale_counts.update(ctl.stale_counts)
+    _recover_auto_clear(st.auto_clear, ctl)
     for rec in parts:
         p = _recover_partition(core, skip_reserved(rec), now, wall)
         if follow is not None:
@@ -724,6 +747,7 @@ def recover(
         if unit in local_units or unit in ctl.dead_units:
             continue
         st.units[unit] = address
+        st.unit_hosts.setdefault(unit, ctl.unit_hosts.get(unit, ""))
         fx.add(core.unit_down(unit, now))
     for unit in ctl.dead_units:
         st.units.setdefault(unit, ctl.units[unit])
@@ -734,6 +758,25 @@ def recover(
             fx.add(core.unit_registered(unit, address))  # its rows died with the old process
     fx.add(core.advance(now))  # leases whose time ran out while the controller was down
     return fx
+
+
+def _recover_auto_clear(settings: dict[str | None, tuple[str, ...]], ctl: ControllerRecord) -> None:
+    """Merge the recorded auto-clear settings into ``settings`` (the configuration's, at this
+    start): one that ``register_tasks`` changed since the recorded controller started is kept
+    (or stays off); the others follow the configuration, which may have changed since."""
+    recorded = {pid: tuple(tasks) for pid, tasks in ctl.auto_clear}
+    if ctl.auto_clear_start is None:  # a record of an older version: the configuration wins
+        for pid, tasks in recorded.items():
+            settings.setdefault(pid, tasks)
+        return
+    start = {pid: tuple(tasks) for pid, tasks in ctl.auto_clear_start}
+    for pid in recorded.keys() | start.keys():
+        if recorded.get(pid) == start.get(pid):
+            continue  # not changed at run time
+        if pid in recorded:
+            settings[pid] = recorded[pid]
+        else:
+            settings.pop(pid, None)
 
 
 def _restart_ids(core: ControllerCore, next_id: int) -> None:

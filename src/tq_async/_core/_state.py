@@ -572,8 +572,9 @@ class ControllerState:
         #: the latest admissions' tokens -> rows: a client asking again with one (its reply
         #: was lost) is admitted without taking the slots twice (`Admission.acquire`)
         self.admitted: dict[int, int] = {}
-        #: stale rows whose prompts must be regenerated: (partition_id, row), taken once
-        self.recycled: deque[tuple[str, int]] = deque()
+        #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
+        #: taken once
+        self.recycled: deque[tuple[str, str, int]] = deque()
         #: how many stale rows each policy handled
         self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
         #: backpressure: the most live rows per partition (or in all, when capacity_global)
