@@ -65,7 +65,7 @@ class UnitDir:
         if durability == "memory":
             if memory_cap is not None:
                 # spilled cells are scratch: nothing is recovered at this level
-                self._scratch = tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
+                self._scratch = _scratch_dir(data_dir)
                 self.store = SegmentStore(self._scratch, durable=False)
                 self.store.load()
             return
@@ -127,6 +127,28 @@ class UnitDir:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _scratch_dir(data_dir: str | None) -> str:
+    """A new scratch directory for spilled cells under ``data_dir`` (None: the system's
+    temporary directory).
+
+    Raises:
+        ConfigError: ``data_dir`` is missing, or no directory can be made in it.
+    """
+    try:
+        return tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
+    except OSError as exc:
+        where = tempfile.gettempdir() if data_dir is None else data_dir
+        if not os.path.isdir(where):
+            raise ConfigError(
+                f"data_dir: {where!r} is not a directory; create it (mkdir -p {where}) for the "
+                "cells a storage unit spills past memory_cap, or pass another one"
+            ) from exc
+        raise ConfigError(
+            f"data_dir: cannot make a directory for spilled cells under {where!r} "
+            f"({exc.strerror}); give memory_cap a writable data_dir"
+        ) from exc
 
 
 def _lock(data_dir: str) -> int:
