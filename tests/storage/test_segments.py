@@ -548,3 +548,56 @@ def test_fsync_records_logged_after_an_index_rewrite_reach_the_disk(tmp_path: Pa
     disk.close()
     again = durable(tmp_path, sync=True)
     assert (cells(again, "p", [0, 1]), cells(again, "q", [5, 6])) == expected
+
+
+@pytest.mark.parametrize("level", ["memory", "process"])
+def test_a_hot_field_does_not_hold_its_puts_evicted_fields_in_shared_memory(
+    tmp_path: Path, level: str
+) -> None:
+    """The columns of a put through shared memory are views of one arena region. Reading
+    one field (a small hot one) keeps its chunk in memory while the put's big fields leave
+    it: the region -- the big fields' bytes with it -- stayed taken as long as the small
+    chunk lived, so the unit held ~4x its ``memory_cap`` of shared memory while
+    ``memory_bytes`` said it was under the cap."""
+    from tq_async._paths._shm import Arena, align
+
+    big = ColumnHeader("big", "dense", "float32", (1024,))  # 256 KiB per put
+    small = ColumnHeader("small", "dense", "int64", ())  # 512 bytes per put
+    cap = 1 << 20
+    arena = Arena(64 << 20, idle_bytes=0)
+    if level == "memory":
+        disk = SegmentStore(str(tmp_path), durable=False)
+        disk.load()
+    else:
+        claim_unit_dir(str(tmp_path), 0)
+        disk = SegmentStore(str(tmp_path))
+        disk.load()
+    state = StorageState(arena=arena, disk=disk, memory_cap=cap)
+    rows = list(range(64))
+    values = {}
+    try:
+        for k in range(16):  # 4 MiB: four times the cap
+            x = np.random.default_rng(k).random((64, 1024), dtype=np.float32)
+            ids = np.arange(64, dtype=np.int64) + 1000 * k
+            values[k] = x, ids
+            region = arena.alloc(align(x.nbytes) + ids.nbytes)  # as a client's grant
+            assert region is not None
+            spans = [(region.offset, x.nbytes), (region.offset + align(x.nbytes), ids.nbytes)]
+            frames = []
+            for (off, n), a in zip(spans, (x, ids), strict=True):
+                arena.view[off : off + n] = np.frombuffer(a.tobytes(), np.uint8)
+                frames.append(arena.span(off, n))
+            state.put(f"p{k}", rows, [big, small], frames, region, spans=spans)
+            arena.release(region)  # the put's own reference (`ShmPath.put`)
+            for j in range(k + 1):  # the small field is read all the time
+                state.read(f"p{j}", rows, ["small"])
+            assert state.memory_bytes <= cap
+            assert arena.live_bytes <= 1.1 * cap, (k, arena.live_bytes)  # deployment.md
+        for k, (x, ids) in values.items():  # every cell reads back exactly
+            _, (gx, gids) = state.get(f"p{k}", rows, ["big", "small"])
+            assert bytes(gx.data) == x.tobytes()  # type: ignore[union-attr]
+            assert bytes(gids.data) == ids.tobytes()  # type: ignore[union-attr]
+        state.clear("p0", None)
+    finally:
+        disk.close()
+        arena.close()

@@ -221,7 +221,11 @@ class StorageState:
         if self._durable and chunk_frames:
             write_put(self, partition_id, incarnation, rows, chunks, chunk_frames, chunk_spans)
         if region is not None:
-            region.refs += sum(c.region is not None for c in chunks)
+            shared = [c for c in chunks if c.region is not None]
+            region.refs += len(shared)
+            if self.memory_cap is not None and len(shared) > 1:
+                for c in shared:
+                    c.siblings = shared
         if device is not None:
             device[0].refs += len(on_device)
         cells = self.cells
@@ -238,6 +242,7 @@ class StorageState:
         for chunk in self.cells.dead:
             if chunk.region is not None and arena is not None:
                 arena.release(chunk.region)
+            chunk.region = None
             if chunk.device is not None and device is not None:
                 device.release(chunk.device)
             if chunk.extent is not None and disk is not None:
@@ -258,6 +263,8 @@ class StorageState:
         disk, lru = self.disk, cells.lru
         assert disk is not None
         assert lru is not None
+        # arena regions shared with chunks of the same put (`Chunk.siblings`) that may stay
+        shared: list[tuple[Sequence[Chunk], Region]] = []
         while cells.memory_bytes > cap and lru:
             serial, chunk = lru.popitem(last=False)
             column = chunk.column
@@ -273,14 +280,36 @@ class StorageState:
                     )
                     lru[serial] = chunk
                     lru.move_to_end(serial, last=False)
-                    return
+                    break
                 disk.ref(chunk.extent)
             chunk.column = None
             if chunk.region is not None and self.arena is not None:
                 self.arena.release(chunk.region)
-            chunk.region = None
+                if chunk.siblings:
+                    shared.append((chunk.siblings, chunk.region))
+            chunk.region, chunk.siblings = None, ()
             cells.memory_bytes -= chunk.nbytes
             self.spills += 1
+        for siblings, region in shared:
+            self._unshare(siblings, region)
+
+    def _unshare(self, siblings: Sequence[Chunk], region: Region) -> None:
+        """A chunk of a put left memory: those of ``siblings`` (its put's) still there get
+        copies of their own, so that its arena ``region`` goes now -- a hot field of a put
+        would otherwise keep the region, its cold fields' bytes with it, in memory past
+        ``memory_cap`` (which counts chunks, not the regions they hold). (After an eviction
+        pass: siblings that left memory in it are not copied.)"""
+        arena = self.arena
+        assert arena is not None
+        for other in siblings:
+            column = other.column
+            if other.region is not region or column is None:
+                continue
+            assert not isinstance(column, DeviceCells)
+            frames = [bytes(memoryview(f)) for f in column_to_frames(other.header, column)]
+            other.column = column_from_frames(other.header, frames, other.n)
+            other.region, other.siblings = None, ()
+            arena.release(region)
 
     def _load(self, serial: int, chunk: Chunk) -> Column:
         """Read a spilled chunk back into memory (it is the most recently used now)."""
