@@ -601,3 +601,32 @@ def test_a_hot_field_does_not_hold_its_puts_evicted_fields_in_shared_memory(
     finally:
         disk.close()
         arena.close()
+
+
+def test_an_fsync_commit_thread_leaves_the_segment_space_to_the_loop(tmp_path: Path) -> None:
+    """At ``fsync`` a group commit runs on a thread of its own (`GroupCommits`) while the
+    unit's loop goes on with puts, which grow the space's counters, and compactions, which
+    iterate its segments. The thread deleted the dead segments from the space itself,
+    racing with them: an update of ``file_bytes`` lost, or a put failing with "dictionary
+    changed size during iteration" after its cells were stored. The loop forgets them when
+    it takes the commit; the thread only removes their files."""
+    import threading
+
+    state = durable(tmp_path, sync=True, segment_bytes=4 << 10)
+    disk = state.disk
+    assert disk is not None
+    for k in range(8):
+        put(state, "old", list(range(16 * k, 16 * k + 16)), k)
+    disk.commit(disk.begin_commit())
+    state.clear("old", None)  # its segments die: deleted by the next commit
+    commit = disk.begin_commit()
+    assert commit.dead
+    space = disk.space
+    before = dict(space.sizes), space.file_bytes, dict(space.chunks)
+    thread = threading.Thread(target=disk.commit, args=(commit,))
+    thread.start()
+    thread.join(timeout=10)
+    assert (dict(space.sizes), space.file_bytes, dict(space.chunks)) == before
+    assert disk.file_bytes == sum(f.stat().st_size for f in tmp_path.glob("seg-*.dat"))
+    assert len(list(tmp_path.glob("seg-*.dat"))) == 1  # the files are gone all the same
+    disk.close()

@@ -194,7 +194,8 @@ class Commit:
     records: list[bytes]
     #: file descriptors of full segments, closed once synced
     closing: list[int] = field(default_factory=list)
-    #: dead segments, deleted once the index no longer needs them
+    #: dead segments, deleted once the index no longer needs them (already forgotten by the
+    #: store's space when the commit is taken: its thread only removes their files)
     dead: list[int] = field(default_factory=list)
     #: the whole index, rewritten (None: ``records`` are appended)
     rewrite: list[bytes] | None = None
@@ -553,6 +554,10 @@ class SegmentStore:
         commit = Commit(fds, self._pending, self._closing, self._dead, self._rewrite)
         commit.sync_dir, self._new_file = self._new_file, False
         self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
+        # forgotten here, on the loop: the commit's thread only removes their files (the
+        # loop's puts and compactions use the space meanwhile)
+        for segment in commit.dead:
+            self._forget(segment)
         return commit
 
     def commit(self, commit: Commit) -> None:
@@ -596,7 +601,7 @@ class SegmentStore:
             for fd in commit.closing:
                 os.close(fd)
         for segment in commit.dead:
-            self._unlink(segment)
+            self._remove(segment)
 
     def rewrite(self, records: Sequence[PutRecord | ClearRecord]) -> None:
         """Replace the index with ``records`` (one per live chunk: the old ones are dead)."""
@@ -683,10 +688,17 @@ class SegmentStore:
             self._unlink(segment)
 
     def _unlink(self, segment: int) -> None:
+        self._forget(segment)
+        self._remove(segment)
+
+    def _forget(self, segment: int) -> None:
+        """``segment`` is no data segment any more (its file goes: `_remove`)."""
         self.space.gone(segment)
         fd = self._readers.pop(segment, None)
         if fd is not None:
             os.close(fd)
+
+    def _remove(self, segment: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(segment))
 
