@@ -630,3 +630,33 @@ def test_an_fsync_commit_thread_leaves_the_segment_space_to_the_loop(tmp_path: P
     assert disk.file_bytes == sum(f.stat().st_size for f in tmp_path.glob("seg-*.dat"))
     assert len(list(tmp_path.glob("seg-*.dat"))) == 1  # the files are gone all the same
     disk.close()
+
+
+def test_a_read_that_fails_leaves_memory_within_the_cap(tmp_path: Path) -> None:
+    """A read takes its spilled cells back into memory, and they leave it again once it is
+    answered. A read that failed -- over the inline budget a controller in the unit's process
+    gives it (`StorageServer.read_local`, on every ``get_meta`` asking for inline cells), or
+    naming a row not stored -- left them all in memory past ``memory_cap`` until the unit's
+    next put or read. (An inline read now reads nothing from disk: the client that asked
+    reads the cells from the unit then, one disk read, not two.)"""
+    disk = SegmentStore(str(tmp_path), durable=False)
+    disk.load()
+    cap = 4 << 10
+    state = StorageState(disk=disk, memory_cap=cap)
+    model = _fresh(tmp_path, None)
+    for k in range(16):  # ~2.5 KiB a put: most of it on disk
+        put(state, "p", list(range(64 * k, 64 * k + 64)), k)
+        put(model, "p", list(range(64 * k, 64 * k + 64)), k)
+    assert state.memory_bytes <= cap
+    every = list(range(64 * 16))
+    with pytest.raises(_cells.OverBudget):
+        state.read("p", every, ["x", "j"], max_bytes=1 << 10)
+    assert state.memory_bytes <= cap
+    with pytest.raises(_cells.OverBudget):  # even within budget: the client reads them
+        state.read("p", every, ["x", "j"], max_bytes=1 << 30)
+    assert state.disk_reads == 0  # an inline read reads nothing back from disk
+    with pytest.raises(tq.RowsNotFound):
+        state.read("p", [*every, 99999], ["x"])
+    assert state.memory_bytes <= cap
+    assert cells(state, "p", every) == cells(model, "p", every)
+    disk.close()

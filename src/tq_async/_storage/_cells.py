@@ -349,9 +349,11 @@ class StorageState:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
                 not checked) was cleared, its id maybe reused since.
             OverBudget: the cells take more than ``max_bytes`` (checked on the views, before
-                anything is copied together).
+                anything is copied together), or some are on disk only (a read limited in
+                bytes is an inline one: it reads nothing back from disk).
         """
         budget = max_bytes
+        from_disk = max_bytes is None
         self.cells.check(partition_id, incarnation)
         stored = self.cells.index.get(partition_id)
         if stored is None:
@@ -380,10 +382,10 @@ class StorageState:
                     end += 1
                     continue
                 if start >= 0:
-                    self._take(start, end, pieces, piece_headers, touched)
+                    self._take(start, end, pieces, piece_headers, touched, from_disk)
                 start, end = cell, cell + 1
             if start >= 0:
-                self._take(start, end, pieces, piece_headers, touched)
+                self._take(start, end, pieces, piece_headers, touched, from_disk)
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             on_device = [p for p in pieces if isinstance(p, DeviceCells)]
@@ -407,6 +409,33 @@ class StorageState:
             columns.append(column)
         return headers, columns
 
+    def _get_or_evict(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        *,
+        max_bytes: int | None = None,
+        incarnation: str | None = None,
+        touched: list[Chunk] | None = None,
+        device_ok: bool = False,
+    ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
+        """`get`; when it fails, what it read back from disk leaves memory again (nothing
+        holds a view of it: no reply follows to evict after)."""
+        try:
+            return self.get(
+                partition_id,
+                rows,
+                fields,
+                max_bytes=max_bytes,
+                incarnation=incarnation,
+                touched=touched,
+                device_ok=device_ok,
+            )
+        except BaseException:
+            self.evict()
+            raise
+
     def _take(
         self,
         start: int,
@@ -414,13 +443,17 @@ class StorageState:
         pieces: list[Column | DeviceCells],
         headers: list[ColumnHeader],
         touched: list[Chunk] | None,
+        from_disk: bool = True,
     ) -> None:
-        """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
+        """Append the cells ``[start, end)`` (one chunk's) to ``pieces`` (``from_disk``:
+        read back from disk if they are there only; else `OverBudget`)."""
         serial = start >> CELL_BITS
         chunk = self._chunks[serial]
         a = start & POSITION
         column = chunk.column
         if column is None:
+            if not from_disk:
+                raise OverBudget("cells on disk are not sent inline")
             column = self._load(serial, chunk)
         elif self._lru is not None and serial in self._lru:
             self._lru.move_to_end(serial)
@@ -450,7 +483,7 @@ class StorageState:
         incarnation: str | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
         """`get`, as it travels: the reply's header and the columns' frames."""
-        headers, columns = self.get(
+        headers, columns = self._get_or_evict(
             partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
         )
         frames: list[Any] = []
@@ -485,7 +518,7 @@ class StorageState:
         arena = self.arena
         assert arena is not None
         touched: list[Chunk] = []
-        headers, columns = self.get(
+        headers, columns = self._get_or_evict(
             partition_id,
             rows,
             fields,
