@@ -660,3 +660,25 @@ def test_a_read_that_fails_leaves_memory_within_the_cap(tmp_path: Path) -> None:
     assert state.memory_bytes <= cap
     assert cells(state, "p", every) == cells(model, "p", every)
     disk.close()
+
+
+def test_reading_back_from_many_segments_keeps_few_files_open(tmp_path: Path) -> None:
+    """Cells read back from disk kept one open file per segment they were read from, for
+    as long as the segment lived: a unit spilling a partition much larger than its memory
+    (1 TiB is 16k segments of 64 MiB) ran out of file descriptors ("Too many open files",
+    reported as a disk problem), and so did its clients' connections."""
+    disk = SegmentStore(str(tmp_path), durable=False, segment_bytes=4 << 10)
+    disk.load()
+    state = StorageState(disk=disk, memory_cap=0)
+    model = _fresh(tmp_path, None)
+    for k in range(300):  # ~2.5 KiB a put: ~150 segments
+        put(state, "p", list(range(64 * k, 64 * k + 64)), k)
+        put(model, "p", list(range(64 * k, 64 * k + 64)), k)
+    assert len(list(tmp_path.glob("seg-*.dat"))) > 100
+    before = len(os.listdir("/proc/self/fd"))
+    for k in range(300):
+        rows = list(range(64 * k, 64 * k + 64))
+        assert cells(state, "p", rows) == cells(model, "p", rows)
+        state.evict()
+    assert len(os.listdir("/proc/self/fd")) - before <= 64
+    disk.close()

@@ -47,6 +47,7 @@ import secrets
 import struct
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,8 @@ _ARENA_BOOT = "arena.boot"
 #: the crc of a chunk that has none (cells in the arena file)
 NO_CRC = -1
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
+#: most segment files a store keeps open for reading (the least recently read is closed)
+_READERS = 32
 
 
 class Extent(msgspec.Struct, frozen=True):
@@ -304,7 +307,9 @@ class SegmentStore:
         #: the files' bytes and the live chunks in each (a segment with none is deleted, the
         #: current one kept)
         self.space = SegmentSpace()
-        self._readers: dict[int, int] = {}
+        #: files open for reading, by segment, the least recently read first (at most
+        #: ``_READERS``: a unit may spill to thousands of segments)
+        self._readers: OrderedDict[int, int] = OrderedDict()
         self._segment = 0
         self._fd = -1
         self._size = 0
@@ -710,12 +715,15 @@ class SegmentStore:
         Raises:
             TQError: the bytes are damaged or cannot be read.
         """
-        fd = self._readers.get(extent.segment)
+        readers = self._readers
+        fd = readers.get(extent.segment)
         try:
             if fd is None:
-                fd = self._readers[extent.segment] = os.open(
-                    self._path(extent.segment), os.O_RDONLY
-                )
+                fd = readers[extent.segment] = os.open(self._path(extent.segment), os.O_RDONLY)
+                if len(readers) > _READERS:
+                    os.close(readers.popitem(last=False)[1])
+            else:
+                readers.move_to_end(extent.segment)
             view = memoryview(bytearray(extent.nbytes))
             done = 0
             for offset, n in extent.spans:
