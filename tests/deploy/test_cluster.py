@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -138,3 +139,33 @@ async def test_a_taken_port_is_a_broken_error_not_an_exception_group() -> None:
         with pytest.raises(tq.BrokenError, match="Address already in use"):
             async with tq.local_cluster(num_storage_units=1, bind=f"tcp://127.0.0.1:{port}"):
                 pass
+
+
+async def test_spilled_cells_go_under_data_dir_at_durability_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Config.memory_cap`` (and deployment.md): at ``memory``, cells past the cap spill into
+    a scratch directory under ``data_dir``, or the system's temporary directory without one.
+    A cluster started as a whole (``local_cluster``, ``tq-async serve``) spilled into the
+    temporary directory even with a ``data_dir`` -- often a small tmpfs, in RAM -- however
+    fast and large the disk the user pointed ``data_dir`` at."""
+    import tempfile
+
+    data_dir, tmp = tmp_path / "data", tmp_path / "tmp"
+    data_dir.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    config = tq.Config(num_storage_units=2, memory_cap=64 << 10, data_dir=str(data_dir))
+    async with (
+        tq.local_cluster(config=config, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        x = torch.randn(64, 1024)  # 256 KiB: past the cap
+        meta = await client.put({"x": x}, "p")
+        assert torch.equal((await client.get_data(meta))["x"], x)
+        assert sum(u.state.spills for u in cluster.units) > 0
+        spills = sorted(p.name for p in data_dir.iterdir())
+        assert len(spills) == 2  # one scratch directory per unit
+        assert all(name.startswith("tq-unit-spill-") for name in spills)
+        assert not list(tmp.glob("tq-unit-spill-*"))
+    assert list(data_dir.iterdir()) == []  # removed when the units stopped

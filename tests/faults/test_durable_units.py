@@ -407,3 +407,33 @@ async def test_a_whole_serve_killed_after_acknowledged_puts_comes_back_with_ever
                 rest.extend(got.global_indexes)
             everything = sorted(i for m in metas for i in m.global_indexes)
             assert sorted(first.global_indexes + rest) == everything
+
+
+async def test_a_killed_units_spill_directory_goes_when_the_next_unit_starts(
+    tmp_path: Path,
+) -> None:
+    """At ``memory`` with ``--memory-cap``, spilled cells go to a scratch directory under
+    ``--data-dir`` that the unit removes when it stops; a SIGKILLed (OOM-killed) unit cannot,
+    so the next unit started there removes it: a unit killed again and again must not fill
+    the disk with the spilled cells of its former lives. A running unit's is left alone."""
+    data_dir = tmp_path / "spill"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--memory-cap", str(64 << 10))
+        with serve_role(*args, "--data-dir", str(data_dir), line="TQ_UNIT=") as (unit, _):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                for i in range(4):
+                    await client.put(_batch(4, i), "p")  # 32 KiB each: past the cap
+                assert (await client.storage_stats())[0]["spills"] > 0
+            (killed,) = data_dir.iterdir()
+            assert any(killed.glob("seg-*.dat"))
+            unit.send_signal(signal.SIGKILL)
+            unit.wait(timeout=10)
+        assert killed.exists()
+        with (
+            serve_role(*args, "--data-dir", str(data_dir), line="TQ_UNIT="),
+            serve_role(*args, "--data-dir", str(data_dir), line="TQ_UNIT="),
+        ):
+            assert not killed.exists()
+            assert len(list(data_dir.iterdir())) == 2  # the two running units' own
+        assert list(data_dir.iterdir()) == []  # stopped (SIGTERM): each removed its own

@@ -548,3 +548,137 @@ def test_fsync_records_logged_after_an_index_rewrite_reach_the_disk(tmp_path: Pa
     disk.close()
     again = durable(tmp_path, sync=True)
     assert (cells(again, "p", [0, 1]), cells(again, "q", [5, 6])) == expected
+
+
+@pytest.mark.parametrize("level", ["memory", "process"])
+def test_a_hot_field_does_not_hold_its_puts_evicted_fields_in_shared_memory(
+    tmp_path: Path, level: str
+) -> None:
+    """The columns of a put through shared memory are views of one arena region. Reading
+    one field (a small hot one) keeps its chunk in memory while the put's big fields leave
+    it: the region -- the big fields' bytes with it -- stayed taken as long as the small
+    chunk lived, so the unit held ~4x its ``memory_cap`` of shared memory while
+    ``memory_bytes`` said it was under the cap."""
+    from tq_async._paths._shm import Arena, align
+
+    big = ColumnHeader("big", "dense", "float32", (1024,))  # 256 KiB per put
+    small = ColumnHeader("small", "dense", "int64", ())  # 512 bytes per put
+    cap = 1 << 20
+    arena = Arena(64 << 20, idle_bytes=0)
+    if level == "memory":
+        disk = SegmentStore(str(tmp_path), durable=False)
+        disk.load()
+    else:
+        claim_unit_dir(str(tmp_path), 0)
+        disk = SegmentStore(str(tmp_path))
+        disk.load()
+    state = StorageState(arena=arena, disk=disk, memory_cap=cap)
+    rows = list(range(64))
+    values = {}
+    try:
+        for k in range(16):  # 4 MiB: four times the cap
+            x = np.random.default_rng(k).random((64, 1024), dtype=np.float32)
+            ids = np.arange(64, dtype=np.int64) + 1000 * k
+            values[k] = x, ids
+            region = arena.alloc(align(x.nbytes) + ids.nbytes)  # as a client's grant
+            assert region is not None
+            spans = [(region.offset, x.nbytes), (region.offset + align(x.nbytes), ids.nbytes)]
+            frames = []
+            for (off, n), a in zip(spans, (x, ids), strict=True):
+                arena.view[off : off + n] = np.frombuffer(a.tobytes(), np.uint8)
+                frames.append(arena.span(off, n))
+            state.put(f"p{k}", rows, [big, small], frames, region, spans=spans)
+            arena.release(region)  # the put's own reference (`ShmPath.put`)
+            for j in range(k + 1):  # the small field is read all the time
+                state.read(f"p{j}", rows, ["small"])
+            assert state.memory_bytes <= cap
+            assert arena.live_bytes <= 1.1 * cap, (k, arena.live_bytes)  # deployment.md
+        for k, (x, ids) in values.items():  # every cell reads back exactly
+            _, (gx, gids) = state.get(f"p{k}", rows, ["big", "small"])
+            assert bytes(gx.data) == x.tobytes()  # type: ignore[union-attr]
+            assert bytes(gids.data) == ids.tobytes()  # type: ignore[union-attr]
+        state.clear("p0", None)
+    finally:
+        disk.close()
+        arena.close()
+
+
+def test_an_fsync_commit_thread_leaves_the_segment_space_to_the_loop(tmp_path: Path) -> None:
+    """At ``fsync`` a group commit runs on a thread of its own (`GroupCommits`) while the
+    unit's loop goes on with puts, which grow the space's counters, and compactions, which
+    iterate its segments. The thread deleted the dead segments from the space itself,
+    racing with them: an update of ``file_bytes`` lost, or a put failing with "dictionary
+    changed size during iteration" after its cells were stored. The loop forgets them when
+    it takes the commit; the thread only removes their files."""
+    import threading
+
+    state = durable(tmp_path, sync=True, segment_bytes=4 << 10)
+    disk = state.disk
+    assert disk is not None
+    for k in range(8):
+        put(state, "old", list(range(16 * k, 16 * k + 16)), k)
+    disk.commit(disk.begin_commit())
+    state.clear("old", None)  # its segments die: deleted by the next commit
+    commit = disk.begin_commit()
+    assert commit.dead
+    space = disk.space
+    before = dict(space.sizes), space.file_bytes, dict(space.chunks)
+    thread = threading.Thread(target=disk.commit, args=(commit,))
+    thread.start()
+    thread.join(timeout=10)
+    assert (dict(space.sizes), space.file_bytes, dict(space.chunks)) == before
+    assert disk.file_bytes == sum(f.stat().st_size for f in tmp_path.glob("seg-*.dat"))
+    assert len(list(tmp_path.glob("seg-*.dat"))) == 1  # the files are gone all the same
+    disk.close()
+
+
+def test_a_read_that_fails_leaves_memory_within_the_cap(tmp_path: Path) -> None:
+    """A read takes its spilled cells back into memory, and they leave it again once it is
+    answered. A read that failed -- over the inline budget a controller in the unit's process
+    gives it (`StorageServer.read_local`, on every ``get_meta`` asking for inline cells), or
+    naming a row not stored -- left them all in memory past ``memory_cap`` until the unit's
+    next put or read. (An inline read now reads nothing from disk: the client that asked
+    reads the cells from the unit then, one disk read, not two.)"""
+    disk = SegmentStore(str(tmp_path), durable=False)
+    disk.load()
+    cap = 4 << 10
+    state = StorageState(disk=disk, memory_cap=cap)
+    model = _fresh(tmp_path, None)
+    for k in range(16):  # ~2.5 KiB a put: most of it on disk
+        put(state, "p", list(range(64 * k, 64 * k + 64)), k)
+        put(model, "p", list(range(64 * k, 64 * k + 64)), k)
+    assert state.memory_bytes <= cap
+    every = list(range(64 * 16))
+    with pytest.raises(_cells.OverBudget):
+        state.read("p", every, ["x", "j"], max_bytes=1 << 10)
+    assert state.memory_bytes <= cap
+    with pytest.raises(_cells.OverBudget):  # even within budget: the client reads them
+        state.read("p", every, ["x", "j"], max_bytes=1 << 30)
+    assert state.disk_reads == 0  # an inline read reads nothing back from disk
+    with pytest.raises(tq.RowsNotFound):
+        state.read("p", [*every, 99999], ["x"])
+    assert state.memory_bytes <= cap
+    assert cells(state, "p", every) == cells(model, "p", every)
+    disk.close()
+
+
+def test_reading_back_from_many_segments_keeps_few_files_open(tmp_path: Path) -> None:
+    """Cells read back from disk kept one open file per segment they were read from, for
+    as long as the segment lived: a unit spilling a partition much larger than its memory
+    (1 TiB is 16k segments of 64 MiB) ran out of file descriptors ("Too many open files",
+    reported as a disk problem), and so did its clients' connections."""
+    disk = SegmentStore(str(tmp_path), durable=False, segment_bytes=4 << 10)
+    disk.load()
+    state = StorageState(disk=disk, memory_cap=0)
+    model = _fresh(tmp_path, None)
+    for k in range(300):  # ~2.5 KiB a put: ~150 segments
+        put(state, "p", list(range(64 * k, 64 * k + 64)), k)
+        put(model, "p", list(range(64 * k, 64 * k + 64)), k)
+    assert len(list(tmp_path.glob("seg-*.dat"))) > 100
+    before = len(os.listdir("/proc/self/fd"))
+    for k in range(300):
+        rows = list(range(64 * k, 64 * k + 64))
+        assert cells(state, "p", rows) == cells(model, "p", rows)
+        state.evict()
+    assert len(os.listdir("/proc/self/fd")) - before <= 64
+    disk.close()

@@ -98,3 +98,14 @@ def test_wrong_levels_and_missing_directories_are_refused(tmp_path: Path) -> Non
         UnitDir("disk", str(tmp_path), None, 0)
     with pytest.raises(tq.ConfigError, match="give it one"):
         UnitDir("fsync", None, None, 0)
+
+
+def test_a_missing_spill_directory_is_a_config_error(tmp_path: Path) -> None:
+    """At ``memory`` with a cap, ``data_dir`` is where the scratch directory goes: a missing
+    one is refused with the message a durable level gives (it was a bare FileNotFoundError,
+    a traceback out of ``tq-async serve storage``)."""
+    with pytest.raises(tq.ConfigError, match="is not a directory; create it"):
+        UnitDir("memory", str(tmp_path / "missing"), 1 << 20, 0)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(tq.ConfigError, match="is not a directory; create it"):
+        UnitDir("memory", str(tmp_path / "file"), 1 << 20, 0)

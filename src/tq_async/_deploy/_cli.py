@@ -372,8 +372,9 @@ def _add_memory_cap(parser: _Options) -> None:
         default=None,
         metavar="BYTES",
         help="most bytes of cells a storage unit keeps in memory; the least recently used "
-        "ones past it go to disk (--data-dir, or a temporary directory at --durability "
-        "memory) and are read back on demand (default: no bound)",
+        "ones past it go to disk (--data-dir; at --durability memory a scratch directory "
+        "under it, or under the system's temporary directory without one) and are read "
+        "back on demand (default: no bound)",
     )
 
 

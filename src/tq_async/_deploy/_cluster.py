@@ -130,9 +130,11 @@ async def local_cluster(
             journals its state under ``data_dir`` (see `Config` and
             ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
             after a restart of the whole process the rows' cells are gone).
-        data_dir: the controller's journal directory (for ``process`` / ``fsync``).
+        data_dir: the controller's journal directory (for ``process`` / ``fsync``; at ``memory``
+            with ``memory_cap``, where the units spill).
         memory_cap: most bytes of cells each storage unit keeps in memory; colder ones are
-            spilled to a temporary directory and read back on demand (None: no bound).
+            spilled and read back on demand (None: no bound): at ``memory`` into a scratch
+            directory under ``data_dir``, or the system's temporary directory without one.
         config: the whole deployment as a `Config` (e.g.
             ``tq.Config.from_toml("grpo.toml")``), the same one ``tq-async serve --config``
             and ``tq_async.ray.launch(config=...)`` take. The arguments it covers must then
@@ -315,6 +317,10 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
         # each unit's cells under the controller's directory: the whole cluster restarted on
         # it comes back with its rows (units/unit-N: the same unit every time)
         unit_dirs = [unit_data_dir(data_dir, i, create=True) for i in range(plan.num_storage_units)]
+    elif data_dir is not None and plan.memory_cap is not None:
+        # cells past the cap spill into a scratch directory of each unit's there (removed
+        # when it stops), not into the system's temporary directory
+        unit_dirs = [data_dir] * plan.num_storage_units
     units = [
         StorageServer(
             i,

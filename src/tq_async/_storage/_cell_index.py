@@ -37,7 +37,17 @@ _RETIRED = 4096
 class Chunk:
     """One column of one put: its cells in memory, in the device arena, or on disk only."""
 
-    __slots__ = ("column", "device", "extent", "header", "live", "n", "nbytes", "region")
+    __slots__ = (
+        "column",
+        "device",
+        "extent",
+        "header",
+        "live",
+        "n",
+        "nbytes",
+        "region",
+        "siblings",
+    )
 
     def __init__(
         self,
@@ -67,6 +77,9 @@ class Chunk:
         self.device = device
         #: where the cells are on disk (None: in memory only)
         self.extent = extent
+        #: the chunks of its put whose columns are views of ``region`` too (this one with
+        #: them; set where chunks may leave memory: see `StorageState.evict`)
+        self.siblings: Sequence[Chunk] = ()
 
 
 class CellIndex:

@@ -221,7 +221,11 @@ class StorageState:
         if self._durable and chunk_frames:
             write_put(self, partition_id, incarnation, rows, chunks, chunk_frames, chunk_spans)
         if region is not None:
-            region.refs += sum(c.region is not None for c in chunks)
+            shared = [c for c in chunks if c.region is not None]
+            region.refs += len(shared)
+            if self.memory_cap is not None and len(shared) > 1:
+                for c in shared:
+                    c.siblings = shared
         if device is not None:
             device[0].refs += len(on_device)
         cells = self.cells
@@ -238,6 +242,7 @@ class StorageState:
         for chunk in self.cells.dead:
             if chunk.region is not None and arena is not None:
                 arena.release(chunk.region)
+            chunk.region = None
             if chunk.device is not None and device is not None:
                 device.release(chunk.device)
             if chunk.extent is not None and disk is not None:
@@ -258,6 +263,8 @@ class StorageState:
         disk, lru = self.disk, cells.lru
         assert disk is not None
         assert lru is not None
+        # arena regions shared with chunks of the same put (`Chunk.siblings`) that may stay
+        shared: list[tuple[Sequence[Chunk], Region]] = []
         while cells.memory_bytes > cap and lru:
             serial, chunk = lru.popitem(last=False)
             column = chunk.column
@@ -273,14 +280,36 @@ class StorageState:
                     )
                     lru[serial] = chunk
                     lru.move_to_end(serial, last=False)
-                    return
+                    break
                 disk.ref(chunk.extent)
             chunk.column = None
             if chunk.region is not None and self.arena is not None:
                 self.arena.release(chunk.region)
-            chunk.region = None
+                if chunk.siblings:
+                    shared.append((chunk.siblings, chunk.region))
+            chunk.region, chunk.siblings = None, ()
             cells.memory_bytes -= chunk.nbytes
             self.spills += 1
+        for siblings, region in shared:
+            self._unshare(siblings, region)
+
+    def _unshare(self, siblings: Sequence[Chunk], region: Region) -> None:
+        """A chunk of a put left memory: those of ``siblings`` (its put's) still there get
+        copies of their own, so that its arena ``region`` goes now -- a hot field of a put
+        would otherwise keep the region, its cold fields' bytes with it, in memory past
+        ``memory_cap`` (which counts chunks, not the regions they hold). (After an eviction
+        pass: siblings that left memory in it are not copied.)"""
+        arena = self.arena
+        assert arena is not None
+        for other in siblings:
+            column = other.column
+            if other.region is not region or column is None:
+                continue
+            assert not isinstance(column, DeviceCells)
+            frames = [bytes(memoryview(f)) for f in column_to_frames(other.header, column)]
+            other.column = column_from_frames(other.header, frames, other.n)
+            other.region, other.siblings = None, ()
+            arena.release(region)
 
     def _load(self, serial: int, chunk: Chunk) -> Column:
         """Read a spilled chunk back into memory (it is the most recently used now)."""
@@ -320,9 +349,11 @@ class StorageState:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
                 not checked) was cleared, its id maybe reused since.
             OverBudget: the cells take more than ``max_bytes`` (checked on the views, before
-                anything is copied together).
+                anything is copied together), or some are on disk only (a read limited in
+                bytes is an inline one: it reads nothing back from disk).
         """
         budget = max_bytes
+        from_disk = max_bytes is None
         self.cells.check(partition_id, incarnation)
         stored = self.cells.index.get(partition_id)
         if stored is None:
@@ -351,10 +382,10 @@ class StorageState:
                     end += 1
                     continue
                 if start >= 0:
-                    self._take(start, end, pieces, piece_headers, touched)
+                    self._take(start, end, pieces, piece_headers, touched, from_disk)
                 start, end = cell, cell + 1
             if start >= 0:
-                self._take(start, end, pieces, piece_headers, touched)
+                self._take(start, end, pieces, piece_headers, touched, from_disk)
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
             on_device = [p for p in pieces if isinstance(p, DeviceCells)]
@@ -378,6 +409,33 @@ class StorageState:
             columns.append(column)
         return headers, columns
 
+    def _get_or_evict(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        fields: Sequence[str],
+        *,
+        max_bytes: int | None = None,
+        incarnation: str | None = None,
+        touched: list[Chunk] | None = None,
+        device_ok: bool = False,
+    ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
+        """`get`; when it fails, what it read back from disk leaves memory again (nothing
+        holds a view of it: no reply follows to evict after)."""
+        try:
+            return self.get(
+                partition_id,
+                rows,
+                fields,
+                max_bytes=max_bytes,
+                incarnation=incarnation,
+                touched=touched,
+                device_ok=device_ok,
+            )
+        except BaseException:
+            self.evict()
+            raise
+
     def _take(
         self,
         start: int,
@@ -385,13 +443,17 @@ class StorageState:
         pieces: list[Column | DeviceCells],
         headers: list[ColumnHeader],
         touched: list[Chunk] | None,
+        from_disk: bool = True,
     ) -> None:
-        """Append the cells ``[start, end)`` (one chunk's) to ``pieces``."""
+        """Append the cells ``[start, end)`` (one chunk's) to ``pieces`` (``from_disk``:
+        read back from disk if they are there only; else `OverBudget`)."""
         serial = start >> CELL_BITS
         chunk = self._chunks[serial]
         a = start & POSITION
         column = chunk.column
         if column is None:
+            if not from_disk:
+                raise OverBudget("cells on disk are not sent inline")
             column = self._load(serial, chunk)
         elif self._lru is not None and serial in self._lru:
             self._lru.move_to_end(serial)
@@ -421,7 +483,7 @@ class StorageState:
         incarnation: str | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
         """`get`, as it travels: the reply's header and the columns' frames."""
-        headers, columns = self.get(
+        headers, columns = self._get_or_evict(
             partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
         )
         frames: list[Any] = []
@@ -456,7 +518,7 @@ class StorageState:
         arena = self.arena
         assert arena is not None
         touched: list[Chunk] = []
-        headers, columns = self.get(
+        headers, columns = self._get_or_evict(
             partition_id,
             rows,
             fields,

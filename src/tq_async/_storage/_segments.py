@@ -47,6 +47,7 @@ import secrets
 import struct
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,8 @@ _ARENA_BOOT = "arena.boot"
 #: the crc of a chunk that has none (cells in the arena file)
 NO_CRC = -1
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
+#: most segment files a store keeps open for reading (the least recently read is closed)
+_READERS = 32
 
 
 class Extent(msgspec.Struct, frozen=True):
@@ -194,7 +197,8 @@ class Commit:
     records: list[bytes]
     #: file descriptors of full segments, closed once synced
     closing: list[int] = field(default_factory=list)
-    #: dead segments, deleted once the index no longer needs them
+    #: dead segments, deleted once the index no longer needs them (already forgotten by the
+    #: store's space when the commit is taken: its thread only removes their files)
     dead: list[int] = field(default_factory=list)
     #: the whole index, rewritten (None: ``records`` are appended)
     rewrite: list[bytes] | None = None
@@ -303,7 +307,9 @@ class SegmentStore:
         #: the files' bytes and the live chunks in each (a segment with none is deleted, the
         #: current one kept)
         self.space = SegmentSpace()
-        self._readers: dict[int, int] = {}
+        #: files open for reading, by segment, the least recently read first (at most
+        #: ``_READERS``: a unit may spill to thousands of segments)
+        self._readers: OrderedDict[int, int] = OrderedDict()
         self._segment = 0
         self._fd = -1
         self._size = 0
@@ -553,6 +559,10 @@ class SegmentStore:
         commit = Commit(fds, self._pending, self._closing, self._dead, self._rewrite)
         commit.sync_dir, self._new_file = self._new_file, False
         self._pending, self._closing, self._dead, self._rewrite = [], [], [], None
+        # forgotten here, on the loop: the commit's thread only removes their files (the
+        # loop's puts and compactions use the space meanwhile)
+        for segment in commit.dead:
+            self._forget(segment)
         return commit
 
     def commit(self, commit: Commit) -> None:
@@ -596,7 +606,7 @@ class SegmentStore:
             for fd in commit.closing:
                 os.close(fd)
         for segment in commit.dead:
-            self._unlink(segment)
+            self._remove(segment)
 
     def rewrite(self, records: Sequence[PutRecord | ClearRecord]) -> None:
         """Replace the index with ``records`` (one per live chunk: the old ones are dead)."""
@@ -683,10 +693,17 @@ class SegmentStore:
             self._unlink(segment)
 
     def _unlink(self, segment: int) -> None:
+        self._forget(segment)
+        self._remove(segment)
+
+    def _forget(self, segment: int) -> None:
+        """``segment`` is no data segment any more (its file goes: `_remove`)."""
         self.space.gone(segment)
         fd = self._readers.pop(segment, None)
         if fd is not None:
             os.close(fd)
+
+    def _remove(self, segment: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(segment))
 
@@ -698,12 +715,15 @@ class SegmentStore:
         Raises:
             TQError: the bytes are damaged or cannot be read.
         """
-        fd = self._readers.get(extent.segment)
+        readers = self._readers
+        fd = readers.get(extent.segment)
         try:
             if fd is None:
-                fd = self._readers[extent.segment] = os.open(
-                    self._path(extent.segment), os.O_RDONLY
-                )
+                fd = readers[extent.segment] = os.open(self._path(extent.segment), os.O_RDONLY)
+                if len(readers) > _READERS:
+                    os.close(readers.popitem(last=False)[1])
+            else:
+                readers.move_to_end(extent.segment)
             view = memoryview(bytearray(extent.nbytes))
             done = 0
             for offset, n in extent.spans:

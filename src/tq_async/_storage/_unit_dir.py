@@ -4,7 +4,9 @@ At durability ``process`` / ``fsync`` a unit keeps its cells in segment files un
 ``data_dir`` (`tq_async._storage._segments`): the directory is claimed (an empty one, or this
 unit's: its cells are taken back), locked while the unit runs (a second process on it is
 refused), and records the unit's id once the controller gave one. At ``memory`` with a
-``memory_cap``, cells past the cap spill into a scratch directory, removed on close.
+``memory_cap``, cells past the cap spill into a scratch directory, removed on close; it is
+locked while its unit runs, so that the next unit started beside it removes one a killed unit
+(SIGKILL, OOM) left behind.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ log = get_logger(__name__)
 
 #: the lock a running unit holds on its data_dir (a second process on it is refused)
 _LOCK = "tq-async-data-dir.lock"
+#: scratch directories for spilled cells (at ``memory``) are named so, under ``data_dir``
+_SCRATCH = "tq-unit-spill-"
+#: the lock a running unit holds in its scratch directory (one taken by nobody: a dead unit's)
+_SCRATCH_LOCK = "tq-unit-spill.lock"
 
 
 class UnitDir:
@@ -62,10 +68,12 @@ class UnitDir:
         self.instance: str | None = None
         self._lock_fd = -1
         self._scratch: str | None = None
+        #: the scratch directory's lock (held while the unit runs)
+        self._scratch_fd = -1
         if durability == "memory":
             if memory_cap is not None:
                 # spilled cells are scratch: nothing is recovered at this level
-                self._scratch = tempfile.mkdtemp(prefix="tq-unit-spill-", dir=data_dir)
+                self._scratch, self._scratch_fd = _scratch_dir(data_dir)
                 self.store = SegmentStore(self._scratch, durable=False)
                 self.store.load()
             return
@@ -124,9 +132,72 @@ class UnitDir:
         self.store.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
+            os.close(self._scratch_fd)  # removed first: no sweep finds it unlocked
+            self._scratch, self._scratch_fd = None, -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _scratch_dir(data_dir: str | None) -> tuple[str, int]:
+    """A new scratch directory for spilled cells under ``data_dir`` (None: the system's
+    temporary directory), locked while the unit runs: its path and the lock's file descriptor
+    (closing it unlocks). Those there that no running unit holds go first (`_sweep`).
+
+    Raises:
+        ConfigError: ``data_dir`` is missing, or no directory can be made in it.
+    """
+    parent = tempfile.gettempdir() if data_dir is None else data_dir
+    try:
+        _sweep(parent)
+        # made under a name sweeps skip, locked, then renamed: a sweep never sees it unlocked
+        staging = tempfile.mkdtemp(prefix="." + _SCRATCH, dir=parent)
+        path = os.path.join(parent, os.path.basename(staging)[1:])
+        try:
+            fd = os.open(os.path.join(staging, _SCRATCH_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.rename(staging, path)
+            except OSError:
+                os.close(fd)
+                raise
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except OSError as exc:
+        if not os.path.isdir(parent):
+            raise ConfigError(
+                f"data_dir: {parent!r} is not a directory; create it (mkdir -p {parent}) for the "
+                "cells a storage unit spills past memory_cap, or pass another one"
+            ) from exc
+        raise ConfigError(
+            f"data_dir: cannot make a directory for spilled cells under {parent!r} "
+            f"({exc.strerror}); give memory_cap a writable data_dir"
+        ) from exc
+    return path, fd
+
+
+def _sweep(parent: str) -> None:
+    """Remove the scratch directories under ``parent`` whose unit is gone without removing
+    its own (SIGKILL, OOM: nobody holds their lock). One without a lock (made by an older
+    version) or not ours to open is left alone."""
+    for name in os.listdir(parent):
+        if not name.startswith(_SCRATCH):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            fd = os.open(os.path.join(path, _SCRATCH_LOCK), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its unit runs
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed the spilled cells a storage unit left when it was killed", path=path)
+        finally:
+            os.close(fd)
 
 
 def _lock(data_dir: str) -> int:
