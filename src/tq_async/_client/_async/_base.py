@@ -460,10 +460,13 @@ class Links:
             return True
         return self.unit_addresses.get(unit_id) not in (None, listed)
 
-    def session_lost(self, unit_id: int) -> None:
-        """The unit answered a data call with `SessionLostError` (it restarted under the
-        connection): forget its arena here; the next `data_link` sets shared memory up
-        again."""
+    def session_lost(self, unit_id: int, arena: ArenaMap | None = None) -> None:
+        """The unit answered a data call made with ``arena`` with `SessionLostError` (it
+        restarted under the connection): forget its arena here; the next `data_link` sets
+        shared memory up again. A call whose arena another call replaced already (it set
+        the new session up) forgets nothing: it takes the new one."""
+        if arena is not None and self.arenas.get(unit_id) is not arena:
+            return
         self._forget_arena(unit_id)
 
     def _forget_arena(self, unit_id: int) -> None:

@@ -371,7 +371,7 @@ class PutPath:
                     # the unit restarted under this connection: nothing was stored; set
                     # its shared memory up again and send once more
                     store.shm, store.spare = None, 0
-                    self._links.session_lost(unit)
+                    self._links.session_lost(unit, arena)
                     conn, arena = await self._links.data_link(unit)
                     await send(unit, conn, arena, store, kept)
             except BaseException:
@@ -493,6 +493,13 @@ class PutPath:
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
+            if units.arenas.get(unit) is not arena:
+                # another call found the unit restarted and set shared memory up again while
+                # this one copied: the grant is the old boot's (nothing is sent)
+                raise SessionLostError(
+                    "the storage unit restarted while this put copied into its shared memory; "
+                    "nothing was stored: set shared memory up again and send the put again"
+                )
             payload, _ = await conn.request(body, timeout=timeout, on_abandon=on_abandon)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)

@@ -420,7 +420,7 @@ class GetPath:
                     raise
                 # the unit restarted under this connection: read through its socket this
                 # time (the next data call sets shared memory up again)
-                self._links.session_lost(unit)
+                self._links.session_lost(unit, arena)
                 get.shm = get.device = get.pinned = False
                 payload, frames = self._links.unit_request(unit, get)
             stored: StoredColumns = decode(payload, StoredColumns)
