@@ -244,7 +244,14 @@ class SameHostUnits:
         self, unit_id: int, conn: DealerConnection, arena: ArenaMap, spare: ShmGrant
     ) -> None:
         """Hold ``spare`` (lent with a put's answer) for a next put to ``unit_id``; one past
-        `SPARES_PER_UNIT`, or outside the arena (a corrupt reply), goes back."""
+        `SPARES_PER_UNIT`, outside the arena (a corrupt reply), or lent in an arena this
+        client forgot since (the unit's connection broke while the answer waited for the
+        put to go on), goes back."""
+        if self.arenas.get(unit_id) is not arena:
+            # its offset means nothing in the arena the unit has now (maybe restarted at the
+            # same address, the connection back, and the region lent to another put)
+            conn.send_best_effort(ShmFree([spare.grant], []))
+            return
         try:
             arena.check(spare.offset, spare.size, "a spare grant")
         except ValueError as exc:
