@@ -62,6 +62,7 @@ from ..._wire._protocol import (
     ShmFrames,
     ShmFree,
     ShmGrant,
+    StoreClear,
     StorePut,
 )
 from ._base import THREAD_COPY_BYTES, Links, as_int
@@ -300,8 +301,9 @@ class PutPath:
         self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
+        sent: list[tuple[BlockingConnection, StorePut]] = []
         try:
-            self._store(partition_id, placement, headers, put.columns)
+            self._store(partition_id, placement, headers, put.columns, sent)
             commit = PutCommit(
                 partition_id,
                 placement.rows,
@@ -317,6 +319,12 @@ class PutPath:
                 # new rows not committed are reclaimed at once (a keyed put's too)
                 self._links.controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
+                # the clear the controller sends a unit travels on another connection than
+                # the put's columns, which may still be on their way (megabytes through the
+                # socket): the unit would store them after it, for rows nobody has. A clear
+                # sent after them on their own connection frees them.
+                for conn, store in sent:
+                    conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
                 with cleanup_scope(5):
                     try:
                         undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
@@ -349,7 +357,10 @@ class PutPath:
         placement: Placement,
         headers: list[ColumnHeader],
         columns: list[Column | DeviceColumn],
+        sent: list[tuple[BlockingConnection, StorePut]],
     ) -> None:
+        """Send each unit its slice of the put; ``sent`` gets each `StorePut` as it goes
+        out, with its connection."""
         by_unit = positions_by_unit(placement.units)
 
         def store_one(unit: int, positions: list[int]) -> None:
@@ -366,6 +377,7 @@ class PutPath:
             kept = self._place_device_columns(unit, conn, arena, store, cols)
             try:
                 try:
+                    sent.append((conn, store))
                     send(unit, conn, arena, store, kept)
                 except SessionLostError:
                     if store.device is not None:
@@ -375,6 +387,7 @@ class PutPath:
                     store.shm, store.spare = None, 0
                     self._links.session_lost(unit, arena)
                     conn, arena = self._links.data_link(unit)
+                    sent.append((conn, store))
                     send(unit, conn, arena, store, kept)
             except BaseException:
                 if store.device is not None:  # the unit ignores a grant it consumed
