@@ -318,18 +318,15 @@ async def test_a_grant_answered_to_a_put_whose_caller_gave_up_goes_back(address:
         assert torch.equal((await client.get_data(await client.put(want, "p")))["ids"], want["ids"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a grant, spare or read pin a unit answers after its client closed stays lent until "
-    "the client's process exits: nothing tells the unit (see the report of hunt3)",
-)
 async def test_a_spare_answered_after_its_client_closed_goes_back() -> None:
     """A program closes its client while a put is in flight (a task group torn down by
     another task's error): the unit lends the put's answer a spare, which nobody reads. The
     unit holds that region for the client's process until the process exits, however long
     it runs on, though the client is closed and its partition cleared ("a client gives its
     spares back when it closes", docs/deployment.md). Grants and read pins answered after the
-    close stay the same way: a program that closes clients under load loses arena space."""
+    close stayed the same way: a program that closes clients under load lost arena space.
+    A closing client now tells each unit, after its calls in flight on that connection:
+    everything lent to it goes back."""
     with serve_cluster(storage_units=1) as address:
         client = await tq.AsyncClient.connect(address).__aenter__()
         try:

@@ -430,7 +430,8 @@ class GetPath:
                     if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
                     if arena is not None:
-                        frames, on_device = self._read_arena(arena, stored, onto, view, device)
+                        with self._links.same_host_units.copying(unit):
+                            frames, on_device = self._read_arena(arena, stored, onto, view, device)
                     else:
                         assert nixl is not None
                         assert self._links.nixl is not None

@@ -447,8 +447,11 @@ class PutPath:
         if arena is not None and devices is not None:
             timeout = self._links.request_timeout
             view = devices.link(unit, conn, timeout)
-            if view is not None and devices.put(conn, view, store, held, timeout):
-                return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+            if view is not None:
+                with self._links.same_host_units.copying(unit):
+                    put = devices.put(conn, view, store, held, timeout)
+                if put:
+                    return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
         if arena is not None and pin_arena():
             return list(zip(headers, cols, strict=True))
         # through host memory: pinned copies, waited for off the loop
@@ -498,9 +501,11 @@ class PutPath:
 
         try:
             if on_device:
-                spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
+                with units.copying(unit):
+                    spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
             elif nbytes >= THREAD_COPY_BYTES:
-                spans = run_sync_off_loop(arena.write, grant.offset, frames)
+                with units.copying(unit):
+                    spans = run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
