@@ -216,7 +216,13 @@ async def test_close_and_fork_unmap_the_arenas() -> None:
     part.close()
     assert arena.closed
     assert part.arenas == {}
-    assert tcp.sent == [ShmFree([], [], [3])]  # the unit may give those pages back now
+    # the unit may give those pages back now, and all it lent this connection (also with
+    # answers to calls in flight, which nobody will read)
+    assert tcp.sent == [ShmFree([], [], [3], closing=True)]
+    _, arena = await _link(part, tcp)
+    with part.copying(0):  # a copy off the loop may still use what the unit lent: kept
+        part.close()
+    assert tcp.sent[-1] == ShmFree([], [], [3])
     _, arena = await _link(part, tcp)
     assert isinstance(arena, Arena)
     part.after_fork()
@@ -235,6 +241,7 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
     conn, other = Conn("tcp://10.0.0.1:5000"), Conn("tcp://10.0.0.1:5001")
     part, _ = _part({}, {})
     arena: Any = Arena(1, 7, 1 << 20, TOKEN)
+    part.arenas[0] = part.arenas[1] = arena  # the units' arena, mapped here
     spare = ShmGrant(11, 8192, 65536)
     part.keep_spare(0, cast(Any, conn), arena, spare)
     assert part.spare_bytes() == 65536
@@ -265,10 +272,16 @@ async def test_a_spare_grant_serves_one_put_on_its_connection_and_goes_back_othe
         ShmFree([g], []) for g in range(20, 20 + SPARES_PER_UNIT)
     ]
     assert part.spare_bytes() == 0
+    # lent with an answer that came as the connection broke: its arena is forgotten (a
+    # unit restarted at the address may have lent its region to another put): it goes back
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(16, 8192, 4096))
+    assert conn.sent[-1] == ShmFree([16], [])
+    assert part.spare_bytes() == 0
     part.keep_spare(1, cast(Any, conn), arena, ShmGrant(14, 8192, 4096))
     part.close()
     assert conn.sent[-1] == ShmFree([14], [])
     sent = len(conn.sent)
+    part.arenas[1] = arena  # mapped again
     part.keep_spare(1, cast(Any, conn), arena, ShmGrant(15, 8192, 4096))
     assert part.ask_spare(2)  # asked on a put's way out
     part.after_fork()  # the parent's spare: the child neither uses nor frees it
@@ -281,6 +294,7 @@ def test_puts_in_flight_ask_a_unit_for_spares_up_to_the_limit() -> None:
     conn = Conn("tcp://10.0.0.1:5000")
     part, _ = _part({}, {})
     arena: Any = Arena(1, 7, 1 << 20, TOKEN)
+    part.arenas[0] = arena
     assert all(part.ask_spare(0) for _ in range(SPARES_PER_UNIT))  # concurrent puts
     assert not part.ask_spare(0)  # as many asked as may be held
     assert part.ask_spare(1)  # each unit its own

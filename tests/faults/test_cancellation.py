@@ -331,3 +331,26 @@ async def test_get_batches_cancelled_keeps_every_batch_it_decided_and_takes_noth
         # 0, 2 and 4 came together, 1 and 3 were decided between: all recorded
         assert [await rows(i) for i in range(5)] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
         assert await drain(client, "p") == [10, 11]  # nothing else was taken, nothing lost
+
+
+@pytest.mark.parametrize("mode", ["tcp", "unix"])
+async def test_a_put_cancelled_after_its_columns_went_out_leaves_no_cells(mode: str) -> None:
+    """A put over the socket (no shared memory) cancelled right after its `StorePut` went
+    out: the client aborts the put at the controller, which tells the unit to clear the
+    rows; that clear travelled on another connection and reached the unit before the put's
+    columns (megabytes, still on their way), so the unit stored them afterwards for rows
+    nobody has: its memory held them until the whole partition was cleared. The client now
+    also sends the unit a clear on the put's own connection, after the columns."""
+    from _requests import cancelled_at
+    from tq_async._wire._protocol import StorePut
+
+    async with client_in(mode, shared_memory=False) as client:
+        await fill(client, "p")
+        big = TensorDict({"x": torch.zeros(64, 1 << 16)}, batch_size=[64])  # 16 MiB
+        with cancelled_at(StorePut) as (scope, sent), scope:
+            await client.put(big, partition_id="q")
+        assert scope.cancelled_caught
+        assert len(sent) == 1
+        with anyio.fail_after(10):  # (each stats request is a round trip later)
+            while sum(s["rows"] for s in (await client.storage_stats()).values()) != 8:
+                pass

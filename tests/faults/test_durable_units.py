@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -278,6 +279,133 @@ async def test_a_spare_held_across_a_unit_restart_never_lands_in_the_new_boots_c
                     assert _same(await fresh.get_data(fresh_meta), fresh_batch)
                     assert _same(await fresh.get_data(stale_meta), stale_batch)
                     assert _same(await fresh.get_data(first), first_batch)  # recovered
+
+
+async def test_a_grant_of_the_last_boot_never_takes_a_grant_of_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grant ids were a per-process counter from 1, so a restarted unit lent the same ids
+    again. A same-host client that rode a restart through on its connection (here: the
+    unit's TCP address) took its spare of the old boot for a put whose copy was slow
+    (another thread); meanwhile another put of the client set shared memory up again on
+    that connection and was lent the next spare, of the same id. The slow put then named
+    the old id, and the new boot took the other put's spare for it: the put was acknowledged
+    with the bytes of a region it never wrote (zeros), and the other put's next one failed
+    ("grant unknown"). Now every boot lends ids of its own, and a put whose arena another
+    call replaced while it copied goes through the new session."""
+    from _chaos import free_port
+    from tq_async._client._async import _put, _same_host
+
+    monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+    copied, resume = anyio.Event(), anyio.Event()
+    copies: list[int] = []
+    off_loop = _put.run_sync_off_loop
+
+    async def slow_first_copy(fn: Any, *args: Any) -> Any:
+        out = await off_loop(fn, *args)
+        copies.append(1)
+        if len(copies) == 1:  # the slow put: copied, its StorePut not sent yet
+            copied.set()
+            await resume.wait()
+        return out
+
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        args += ("--bind", f"tcp://127.0.0.1:{free_port()}")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                await client.put(_batch(12, 1), "p")
+                assert client._links.same_host_units.spare_bytes() > 0  # lent ahead
+                back = _kill_unnoticed(client, unit)
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                with anyio.fail_after(30):
+                    await back.wait()  # ZMQ reconnected to the new unit
+                monkeypatch.setattr(_put, "THREAD_COPY_BYTES", 0)  # every copy off the loop
+                monkeypatch.setattr(_put, "run_sync_off_loop", slow_first_copy)
+                slow_batch, other_batch = _batch(12, 2), _batch(12, 3)
+                results: dict[str, tq.BatchMeta] = {}
+
+                async def slow_put() -> None:
+                    results["slow"] = await client.put(slow_batch, "q")
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(slow_put)  # takes the old boot's spare
+                    with anyio.fail_after(30):
+                        await copied.wait()
+                        other = await client.put(other_batch, "q")  # a new session
+                    resume.set()
+                assert _same(await client.get_data(other), other_batch)
+                assert _same(await client.get_data(results["slow"]), slow_batch)
+                again = _batch(12, 4)  # takes the spare the other put was lent
+                assert _same(await client.get_data(await client.put(again, "q")), again)
+
+
+async def test_a_spare_answered_just_before_the_unit_died_is_never_used_in_the_next_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put's answer (with the spare its unit lent for the next put) arrived, but the
+    client saw the unit's connection break before the put went on: it forgot the unit's
+    arena and spares, then kept that spare anyway. Once the unit was back (restarted at its
+    address, the connection reconnected), the next put took the spare and copied into the
+    new boot's arena at its offset, which the new boot had lent to another client's put:
+    that put's acknowledged cells were overwritten (and the stale put failed, "grant
+    unknown"). Found by a chaos run (puts in flight while a unit is SIGKILLed and
+    restarted). A spare of an arena forgotten meanwhile now goes back instead."""
+    from _chaos import free_port
+    from tq_async._client._async import _same_host
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._wire._protocol import StorePut
+
+    monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    request = DealerConnection.request
+    killed: list[subprocess.Popen[bytes]] = []
+
+    async def dies_after_answering(self: DealerConnection, body: Any, *a: Any, **kw: Any) -> Any:
+        reply = await request(self, body, *a, **kw)
+        if isinstance(body, StorePut) and killed:  # answered: the unit dies now, and the
+            unit = killed.pop()  # client sees its connection break before the put goes on
+            broke = anyio.Event()
+            forget = self._on_disconnect
+            assert forget is not None
+
+            def noticed() -> None:
+                forget()
+                broke.set()
+
+            self._on_disconnect = noticed
+            unit.send_signal(signal.SIGKILL)
+            unit.wait(timeout=10)
+            with anyio.fail_after(20):
+                await broke.wait()
+            self._on_disconnect = forget
+        return reply
+
+    with serve_role("controller") as (_, address):
+        args = (*_unit(address, "process", data_dir), "--bind", f"tcp://127.0.0.1:{free_port()}")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as stale:
+            acked = []
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                acked.append((await stale.put(_batch(12, 1), "p"), _batch(12, 1)))
+                monkeypatch.setattr(DealerConnection, "request", dies_after_answering)
+                killed.append(unit)
+                acked.append((await stale.put(_batch(12, 2), "p"), _batch(12, 2)))
+                monkeypatch.setattr(DealerConnection, "request", request)
+            back = anyio.Event()
+            stale._links.units[0]._on_connect = back.set
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                with anyio.fail_after(30):
+                    await back.wait()  # ZMQ reconnected the stale client to the new unit
+                async with tq.AsyncClient.connect(address, request_timeout=10) as fresh:
+                    fresh_batch = _batch(12, 3)  # lent the first free region of the new boot
+                    fresh_meta = await fresh.put(fresh_batch, "q")
+                    stale_batch = _batch(12, 4)
+                    stale_meta = await stale.put(stale_batch, "q")
+                    assert _same(await fresh.get_data(fresh_meta), fresh_batch)
+                    assert _same(await fresh.get_data(stale_meta), stale_batch)
+                    for meta, batch in acked:  # recovered
+                        assert _same(await fresh.get_data(meta), batch)
 
 
 def _kill_unnoticed(client: tq.AsyncClient, unit: subprocess.Popen[bytes]) -> anyio.Event:

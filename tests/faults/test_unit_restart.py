@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,38 @@ async def test_a_unit_registering_under_an_unnoticed_dead_id_takes_over() -> Non
                         await client.put(_x(64, 2.0), meta=old)
                     new = await client.put(_x(64, 3.0), "p")
                     assert (await client.get_data(new))["x"][0, 0].item() == 3.0
+
+
+async def test_a_unit_back_at_its_address_is_reached_by_the_next_call(tmp_path: Path) -> None:
+    """A durable unit SIGKILLed and restarted on its address and directory: while it was
+    away, a read through the unit's address was refused ("nothing listens"), and the client
+    kept that connection, which ZMQ dials again only every ``RECONNECT_IVL``. The calls made
+    once the unit was back failed at once ("nothing listens at ..."), until ZMQ's next
+    attempt. A broken unit connection is now dialled anew by the next call, as the
+    controller's is: the first call after the unit is back reaches it."""
+    import zmq
+
+    from _chaos import free_port
+
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    ctx = zmq.Context.instance()
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        args += ("--bind", f"tcp://127.0.0.1:{free_port()}")
+        args += ("--durability", "process", "--data-dir", str(data_dir))
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                meta = await client.put(_x(64, 1.0), "p")
+                unit.send_signal(signal.SIGKILL)
+                unit.wait(timeout=10)
+            # ZMQ's next attempt on a refused connection is far off (100 ms by default: a
+            # loaded machine or a quick caller meets that window)
+            ctx.setsockopt(zmq.RECONNECT_IVL, 60_000)
+            try:
+                with pytest.raises(tq.BrokenError):
+                    await client.get_data(meta)  # nothing listens there now
+                with serve_role(*args, line="TQ_UNIT=") as _:
+                    assert (await client.get_data(meta))["x"][0, 0].item() == 1.0
+            finally:
+                ctx.setsockopt(zmq.RECONNECT_IVL, 100)

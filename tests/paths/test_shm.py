@@ -318,6 +318,38 @@ async def test_a_grant_answered_to_a_put_whose_caller_gave_up_goes_back(address:
         assert torch.equal((await client.get_data(await client.put(want, "p")))["ids"], want["ids"])
 
 
+async def test_a_spare_answered_after_its_client_closed_goes_back() -> None:
+    """A program closes its client while a put is in flight (a task group torn down by
+    another task's error): the unit lends the put's answer a spare, which nobody reads. The
+    unit holds that region for the client's process until the process exits, however long
+    it runs on, though the client is closed and its partition cleared ("a client gives its
+    spares back when it closes", docs/deployment.md). Grants and read pins answered after the
+    close stayed the same way: a program that closes clients under load lost arena space.
+    A closing client now tells each unit, after its calls in flight on that connection:
+    everything lent to it goes back."""
+    with serve_cluster(storage_units=1) as address:
+        client = await tq.AsyncClient.connect(address).__aenter__()
+        try:
+            await client.put(_batch(), partition_id="closed")  # same-host: a spare lent
+            conn = client._links.units[0]
+            read = conn._on_frames
+
+            def closed_before_the_answer(frames: list[Any]) -> None:
+                conn._on_frames = read  # type: ignore[method-assign]
+                client._links.close()  # the program closed the client; the answer is unread
+
+            conn._on_frames = closed_before_the_answer  # type: ignore[method-assign]
+            with pytest.raises(tq.ClosedError):
+                await client.put(_batch(), partition_id="closed")  # takes the spare, asks one
+        finally:
+            await client.__aexit__(None, None, None)
+        async with tq.AsyncClient.connect(address, shared_memory=False) as other:
+            await other.clear_partition("closed")
+            with anyio.fail_after(5):
+                while sum(s.shm_bytes for s in await _unit_stats(other)) != 0:
+                    pass  # (ShmFree is one-way: each stats request is a round trip later)
+
+
 async def test_reads_return_memory_of_our_own(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
         want = _batch(32)

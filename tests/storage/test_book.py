@@ -99,6 +99,30 @@ def test_an_exited_client_is_forgotten_and_all_it_held_goes_back() -> None:
     assert book.exited(101).shm == []  # nothing twice
 
 
+def test_a_closed_client_is_forgotten_and_all_its_connection_held_goes_back() -> None:
+    """A client that closes (its process lives on) gives back everything its connection
+    holds, also what was lent with answers it will never read; another connection of its
+    process keeps its own."""
+    book = _book()
+    again = b"client-a-again"
+    book.peers[again] = 101  # two sockets of one process
+    ga, gd, pa, pd = Region(0, 4096), Region(0, 4096), Region(8192, 4096), Region(4096, 4096)
+    book.lend_spare(A, 101, ga)
+    book.grant(A, 101, gd, device=True)
+    book.pin(A, 101, [pa], [pd])
+    book.lock(A, [0, 1])
+    kept = book.grant(again, 101, Region(4096, 4096))
+    out = book.closed(A)
+    assert sorted(r.offset for r in out.shm) == [0, 8192]
+    assert sorted(r.offset for r in out.device) == [0, 4096]
+    assert sorted(out.chunks) == [0, 1]
+    assert book.peers == {B: 202, again: 101}
+    assert list(book.grants) == [kept]
+    assert book.spare_bytes == 0
+    assert book.pins == book.device_pins == book.device_grants == {}
+    assert book.closed(A).shm == []  # nothing twice
+
+
 def test_nixl_claims_held_past_the_ttl_are_taken_back() -> None:
     now = [0.0]
     book = _book(now)

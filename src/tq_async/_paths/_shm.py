@@ -489,9 +489,12 @@ class Watcher:
             self.unwatch(pid)
 
 
-_ids = itertools.count(1)
+#: random first id: a unit restarted under a client that rode the restart through (its
+#: connection reconnected by itself) never lends again the ids of its last boot, which the
+#: client may still name (a late put or ShmFree would take another put's grant or pin)
+_ids = itertools.count(1 + secrets.randbelow(1 << 60))
 
 
 def next_id() -> int:
-    """A process-unique id for grants and pins."""
+    """A process-unique id for grants and pins (not one an earlier run of the unit gave)."""
     return next(_ids)

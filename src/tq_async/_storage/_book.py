@@ -13,7 +13,7 @@ then do the I/O), the book decides and the server's parts act.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -182,17 +182,29 @@ class Book:
 
     def exited(self, pid: int) -> Released:
         """Process ``pid`` is gone: it is forgotten, and all it held goes back."""
-        out = Released()
-        for peer in [p for p, q in self.peers.items() if q == pid]:
+        peers = [p for p, q in self.peers.items() if q == pid]
+        for peer in peers:
             del self.peers[peer]
+        return self._release(lambda e: e.pid == pid, peers)
+
+    def closed(self, peer: bytes) -> Released:
+        """``peer`` closed its client (its process lives on): it is forgotten, and all it
+        held goes back, also what it was lent with answers it will never read."""
+        self.peers.pop(peer, None)
+        return self._release(lambda e: e.peer == peer, [peer])
+
+    def _release(self, held: Callable[[Grant | Pin], bool], peers: list[bytes]) -> Released:
+        """Everything ``held`` says is one client's, and the chunks ``peers`` locked."""
+        out = Released()
+        for peer in peers:
             out.chunks.extend(self.locked.pop(peer, ()))
-        for gid in [g for g, e in self.grants.items() if e.pid == pid]:
+        for gid in [g for g, e in self.grants.items() if held(e)]:
             out.shm.append(self.grants.pop(gid).region)
             self._unspare(gid)
-        for key in [k for k, e in self.pins.items() if e.pid == pid]:
+        for key in [k for k, e in self.pins.items() if held(e)]:
             out.shm.extend(self.pins.pop(key).regions)
             out.device.extend(self.device_pins.pop(key, []))
-        for gid in [g for g, e in self.device_grants.items() if e.pid == pid]:
+        for gid in [g for g, e in self.device_grants.items() if held(e)]:
             out.device.append(self.device_grants.pop(gid).region)
         return out
 

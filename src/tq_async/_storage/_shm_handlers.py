@@ -207,6 +207,8 @@ class ShmPath:
     def on_free(self, msg: Incoming, body: ShmFree) -> Any:
         if self.arena is not None:
             self.give_back(self.book.free(msg.peer, body.grants, body.pins, body.chunks))
+            if body.closing:
+                self.give_back(self.book.closed(msg.peer))
         return SENT  # one-way
 
     def put(

@@ -549,11 +549,14 @@ class ShmAlloc(_Msg):
 
 class ShmFree(_Msg):
     """Give back grants the client will not use, and read pins it is done with; with
-    ``chunks``, the client no longer holds those arena chunks registered."""
+    ``chunks``, the client no longer holds those arena chunks registered; with ``closing``,
+    the client closes: everything the unit lent this connection goes back (also what it
+    lent with answers the client will never read) and its session ends."""
 
     grants: list[int]
     pins: list[int]
     chunks: list[int] = msgspec.field(default_factory=list)
+    closing: bool = False
 
 
 class NixlHello(_Msg):

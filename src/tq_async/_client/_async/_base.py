@@ -37,6 +37,7 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._paths._shm import ArenaMap
 from ..._primitives import Event
+from ..._transport._connection import process_state
 from ..._transport._dealer import DealerConnection
 from ..._transport._endpoints import same_host_ipc
 from ..._transport._security import CurveClient
@@ -404,6 +405,15 @@ class Links:
         if self._epoch_seen != self._units_epoch:
             await self.refresh_units()
         conn = self.units.get(unit_id)
+        if conn is not None and conn.connected is False and process_state(conn.peer_pid) is None:
+            # broken, its process gone (or on another host): the unit is away, or back at
+            # its address while ZMQ waits to dial again. Dialled anew, as the controller's
+            # is: a refusal is immediate while nothing listens, and the first call once the
+            # unit is back reaches it. (A paused unit's connection stays: it says so.)
+            del self.units[unit_id]
+            self._forget_arena(unit_id)
+            conn.retire("broken: dialled anew")
+            conn = None
         if conn is None:
             if unit_id not in self.unit_addresses:
                 await self.refresh_units()
@@ -460,10 +470,13 @@ class Links:
             return True
         return self.unit_addresses.get(unit_id) not in (None, listed)
 
-    def session_lost(self, unit_id: int) -> None:
-        """The unit answered a data call with `SessionLostError` (it restarted under the
-        connection): forget its arena here; the next `data_link` sets shared memory up
-        again."""
+    def session_lost(self, unit_id: int, arena: ArenaMap | None = None) -> None:
+        """The unit answered a data call made with ``arena`` with `SessionLostError` (it
+        restarted under the connection): forget its arena here; the next `data_link` sets
+        shared memory up again. A call whose arena another call replaced already (it set
+        the new session up) forgets nothing: it takes the new one."""
+        if arena is not None and self.arenas.get(unit_id) is not arena:
+            return
         self._forget_arena(unit_id)
 
     def _forget_arena(self, unit_id: int) -> None:

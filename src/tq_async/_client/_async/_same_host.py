@@ -11,10 +11,11 @@ it reads their pool (``units``) and moves a unit's entry to its verified twin.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -78,6 +79,8 @@ class SameHostUnits:
         self._spares: dict[int, list[tuple[DealerConnection, ShmGrant]]] = {}
         #: unit id -> puts in flight that ask it for a spare
         self._asking: Counter[int] = Counter()
+        #: unit id -> copies into or out of its memory under way off the loop (`copying`)
+        self._copying: Counter[int] = Counter()
 
     @property
     def hello_timeout(self) -> float:
@@ -244,7 +247,14 @@ class SameHostUnits:
         self, unit_id: int, conn: DealerConnection, arena: ArenaMap, spare: ShmGrant
     ) -> None:
         """Hold ``spare`` (lent with a put's answer) for a next put to ``unit_id``; one past
-        `SPARES_PER_UNIT`, or outside the arena (a corrupt reply), goes back."""
+        `SPARES_PER_UNIT`, outside the arena (a corrupt reply), or lent in an arena this
+        client forgot since (the unit's connection broke while the answer waited for the
+        put to go on), goes back."""
+        if self.arenas.get(unit_id) is not arena:
+            # its offset means nothing in the arena the unit has now (maybe restarted at the
+            # same address, the connection back, and the region lent to another put)
+            conn.send_best_effort(ShmFree([spare.grant], []))
+            return
         try:
             arena.check(spare.offset, spare.size, "a spare grant")
         except ValueError as exc:
@@ -256,6 +266,18 @@ class SameHostUnits:
             conn.send_best_effort(ShmFree([spare.grant], []))
         else:
             held.append((conn, spare))
+
+    @contextlib.contextmanager
+    def copying(self, unit_id: int) -> Iterator[None]:
+        """A copy into or out of ``unit_id``'s memory (its arena, its device arena) that may
+        run while this client closes (a worker thread, a device): see `close`."""
+        self._copying[unit_id] += 1
+        try:
+            yield
+        finally:
+            self._copying[unit_id] -= 1
+            if self._copying[unit_id] <= 0:
+                del self._copying[unit_id]
 
     def spare_bytes(self) -> int:
         """Bytes of the grants this client holds lent ahead of its next puts."""
@@ -278,14 +300,22 @@ class SameHostUnits:
         self._relink_at.clear()
 
     def close(self) -> None:
-        """Unmap every arena; each unit may give the pages this client held back at once."""
+        """Unmap every arena; each unit may give the pages this client held back at once,
+        and everything it lent this client: also what it lent with the answers to calls in
+        flight, which nobody will read (sent after those calls on their connection, so the
+        unit reads it after them). Not while a copy of this client may still use the
+        memory the unit lent it (`copying`): that stays lent until this process exits."""
         for unit_id in list(self._spares):
             self._drop_spare(unit_id)
-        for unit_id, arena in self.arenas.items():
+        # (a send on a broken connection may forget its unit's arena: a copy of the items)
+        for unit_id, arena in list(self.arenas.items()):
             chunks = arena.close() if arena is not None else []
             conn = self._units.get(unit_id)
-            if chunks and conn is not None:
-                conn.send_best_effort(ShmFree([], [], chunks))
+            if conn is None or arena is None:
+                continue
+            closing = not self._copying[unit_id]
+            if chunks or closing:
+                conn.send_best_effort(ShmFree([], [], chunks, closing=closing))
         self.arenas.clear()
 
     def after_fork(self) -> None:
@@ -296,6 +326,7 @@ class SameHostUnits:
         self._locks.clear()
         self._spares.clear()  # the parent's: it writes into them, never the child
         self._asking.clear()
+        self._copying.clear()  # the parent's threads: not in the child
         for arena in self.arenas.values():
             if arena is not None:
                 arena.pinned = None  # the parent's registrations: CUDA is not the child's

@@ -420,7 +420,7 @@ class GetPath:
                     raise
                 # the unit restarted under this connection: read through its socket this
                 # time (the next data call sets shared memory up again)
-                self._links.session_lost(unit)
+                self._links.session_lost(unit, arena)
                 get.shm = get.device = get.pinned = False
                 payload, frames = self._links.unit_request(unit, get)
             stored: StoredColumns = decode(payload, StoredColumns)
@@ -430,7 +430,8 @@ class GetPath:
                     if not shm or frames:
                         raise ProtocolError("an unexpected shared-memory reply")
                     if arena is not None:
-                        frames, on_device = self._read_arena(arena, stored, onto, view, device)
+                        with self._links.same_host_units.copying(unit):
+                            frames, on_device = self._read_arena(arena, stored, onto, view, device)
                     else:
                         assert nixl is not None
                         assert self._links.nixl is not None

@@ -62,6 +62,7 @@ from ..._wire._protocol import (
     ShmFrames,
     ShmFree,
     ShmGrant,
+    StoreClear,
     StorePut,
 )
 from ._base import THREAD_COPY_BYTES, Links, as_int
@@ -300,8 +301,9 @@ class PutPath:
         self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
+        sent: list[tuple[BlockingConnection, StorePut]] = []
         try:
-            self._store(partition_id, placement, headers, put.columns)
+            self._store(partition_id, placement, headers, put.columns, sent)
             commit = PutCommit(
                 partition_id,
                 placement.rows,
@@ -317,6 +319,12 @@ class PutPath:
                 # new rows not committed are reclaimed at once (a keyed put's too)
                 self._links.controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
+                # the clear the controller sends a unit travels on another connection than
+                # the put's columns, which may still be on their way (megabytes through the
+                # socket): the unit would store them after it, for rows nobody has. A clear
+                # sent after them on their own connection frees them.
+                for conn, store in sent:
+                    conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
                 with cleanup_scope(5):
                     try:
                         undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
@@ -349,7 +357,10 @@ class PutPath:
         placement: Placement,
         headers: list[ColumnHeader],
         columns: list[Column | DeviceColumn],
+        sent: list[tuple[BlockingConnection, StorePut]],
     ) -> None:
+        """Send each unit its slice of the put; ``sent`` gets each `StorePut` as it goes
+        out, with its connection."""
         by_unit = positions_by_unit(placement.units)
 
         def store_one(unit: int, positions: list[int]) -> None:
@@ -366,6 +377,7 @@ class PutPath:
             kept = self._place_device_columns(unit, conn, arena, store, cols)
             try:
                 try:
+                    sent.append((conn, store))
                     send(unit, conn, arena, store, kept)
                 except SessionLostError:
                     if store.device is not None:
@@ -373,8 +385,9 @@ class PutPath:
                     # the unit restarted under this connection: nothing was stored; set
                     # its shared memory up again and send once more
                     store.shm, store.spare = None, 0
-                    self._links.session_lost(unit)
+                    self._links.session_lost(unit, arena)
                     conn, arena = self._links.data_link(unit)
+                    sent.append((conn, store))
                     send(unit, conn, arena, store, kept)
             except BaseException:
                 if store.device is not None:  # the unit ignores a grant it consumed
@@ -434,8 +447,11 @@ class PutPath:
         if arena is not None and devices is not None:
             timeout = self._links.request_timeout
             view = devices.link(unit, conn, timeout)
-            if view is not None and devices.put(conn, view, store, held, timeout):
-                return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
+            if view is not None:
+                with self._links.same_host_units.copying(unit):
+                    put = devices.put(conn, view, store, held, timeout)
+                if put:
+                    return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
         if arena is not None and pin_arena():
             return list(zip(headers, cols, strict=True))
         # through host memory: pinned copies, waited for off the loop
@@ -485,12 +501,21 @@ class PutPath:
 
         try:
             if on_device:
-                spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
+                with units.copying(unit):
+                    spans = copy_frames_now(arena, grant.offset, frames, THREAD_COPY_BYTES)
             elif nbytes >= THREAD_COPY_BYTES:
-                spans = run_sync_off_loop(arena.write, grant.offset, frames)
+                with units.copying(unit):
+                    spans = run_sync_off_loop(arena.write, grant.offset, frames)
             else:
                 spans = arena.write(grant.offset, frames)
             body.shm = ShmFrames(grant.grant, spans)
+            if units.arenas.get(unit) is not arena:
+                # another call found the unit restarted and set shared memory up again while
+                # this one copied: the grant is the old boot's (nothing is sent)
+                raise SessionLostError(
+                    "the storage unit restarted while this put copied into its shared memory; "
+                    "nothing was stored: set shared memory up again and send the put again"
+                )
             payload, _ = conn.request(body, timeout=timeout, on_abandon=on_abandon)
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
