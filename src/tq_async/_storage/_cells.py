@@ -17,8 +17,8 @@ stored (so before it is acknowledged), and logs clears; a unit restarted on the 
 gets its cells back with `StorageState.recover` (from the index: the chunks stay on disk until
 read). The disk's side of this is `tq_async._storage._durable`. With ``memory_cap``, chunks
 in RAM past the cap leave it, least recently used first (spilled: to a scratch store at
-``memory`` level, already on disk otherwise), and are read back when a get needs them.
-Eviction runs after a put or a read, never inside `StorageState.get`: a read's views (and the
+``memory`` level, already on disk otherwise), and are read back when a get needs them
+(`tq_async._storage._tiers`). Eviction runs after a put or a read, never inside `StorageState.get`: a read's views (and the
 arena regions they pin) stay valid until it is answered. Cells in the device arena stay there
 (never written, never spilled).
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError, TQError
+from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from .._logging import get_logger
 from .._paths._device import DeviceArena, DeviceCells
 from .._paths._nixl import UnitNixl
@@ -63,6 +63,7 @@ from ._durable import (
     write_put,
 )
 from ._segments import ClearRecord, SegmentStore
+from ._tiers import evict, load
 from ._unit_stats import unit_stats
 
 __all__ = ["OverBudget", "StorageState", "adopt_arena", "begin_commit", "end_commit"]
@@ -252,76 +253,13 @@ class StorageState:
     # ---- tiers -------------------------------------------------------------------------------
 
     def evict(self) -> None:
-        """Move the least recently used chunks out of memory until it holds ``memory_cap``.
-
-        A chunk already on disk (durable store) just leaves memory; another is written to the
-        scratch store first (a failure leaves it in memory, with a warning).
-        """
-        cap, cells = self.memory_cap, self.cells
-        if cap is None or cells.memory_bytes <= cap:
-            return
-        disk, lru = self.disk, cells.lru
-        assert disk is not None
-        assert lru is not None
-        # arena regions shared with chunks of the same put (`Chunk.siblings`) that may stay
-        shared: list[tuple[Sequence[Chunk], Region]] = []
-        while cells.memory_bytes > cap and lru:
-            serial, chunk = lru.popitem(last=False)
-            column = chunk.column
-            assert column is not None
-            assert not isinstance(column, DeviceCells)
-            if chunk.extent is None:
-                try:
-                    chunk.extent = disk.append([column_to_frames(chunk.header, column)])[0]
-                except TQError as exc:
-                    log.warning(
-                        "could not spill cells to disk: they stay in memory past memory_cap",
-                        error=str(exc),
-                    )
-                    lru[serial] = chunk
-                    lru.move_to_end(serial, last=False)
-                    break
-                disk.ref(chunk.extent)
-            chunk.column = None
-            if chunk.region is not None and self.arena is not None:
-                self.arena.release(chunk.region)
-                if chunk.siblings:
-                    shared.append((chunk.siblings, chunk.region))
-            chunk.region, chunk.siblings = None, ()
-            cells.memory_bytes -= chunk.nbytes
-            self.spills += 1
-        for siblings, region in shared:
-            self._unshare(siblings, region)
-
-    def _unshare(self, siblings: Sequence[Chunk], region: Region) -> None:
-        """A chunk of a put left memory: those of ``siblings`` (its put's) still there get
-        copies of their own, so that its arena ``region`` goes now -- a hot field of a put
-        would otherwise keep the region, its cold fields' bytes with it, in memory past
-        ``memory_cap`` (which counts chunks, not the regions they hold). (After an eviction
-        pass: siblings that left memory in it are not copied.)"""
-        arena = self.arena
-        assert arena is not None
-        for other in siblings:
-            column = other.column
-            if other.region is not region or column is None:
-                continue
-            assert not isinstance(column, DeviceCells)
-            frames = [bytes(memoryview(f)) for f in column_to_frames(other.header, column)]
-            other.column = column_from_frames(other.header, frames, other.n)
-            other.region, other.siblings = None, ()
-            arena.release(region)
+        """Move the least recently used chunks out of memory until it holds ``memory_cap``
+        (`tq_async._storage._tiers.evict`)."""
+        evict(self)
 
     def _load(self, serial: int, chunk: Chunk) -> Column:
         """Read a spilled chunk back into memory (it is the most recently used now)."""
-        assert chunk.extent is not None
-        assert self.disk is not None
-        column = column_from_frames(chunk.header, self.disk.read(chunk.extent), chunk.n)
-        chunk.column = column
-        self.cells.memory_bytes += chunk.nbytes
-        self.disk_reads += 1
-        if self.cells.lru is not None:
-            self.cells.lru[serial] = chunk
-        return column
+        return load(self, serial, chunk)
 
     def recover(self) -> int:
         """Take back the cells of a durable store (from its index: the data stays on disk

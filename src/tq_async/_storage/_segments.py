@@ -307,9 +307,8 @@ class SegmentStore:
         #: the files' bytes and the live chunks in each (a segment with none is deleted, the
         #: current one kept)
         self.space = SegmentSpace()
-        #: files open for reading, by segment, the least recently read first (at most
-        #: ``_READERS``: a unit may spill to thousands of segments)
-        self._readers: OrderedDict[int, int] = OrderedDict()
+        #: files open for reading
+        self._readers = _Readers(self._path)
         self._segment = 0
         self._fd = -1
         self._size = 0
@@ -699,9 +698,7 @@ class SegmentStore:
     def _forget(self, segment: int) -> None:
         """``segment`` is no data segment any more (its file goes: `_remove`)."""
         self.space.gone(segment)
-        fd = self._readers.pop(segment, None)
-        if fd is not None:
-            os.close(fd)
+        self._readers.forget(segment)
 
     def _remove(self, segment: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -715,15 +712,8 @@ class SegmentStore:
         Raises:
             TQError: the bytes are damaged or cannot be read.
         """
-        readers = self._readers
-        fd = readers.get(extent.segment)
         try:
-            if fd is None:
-                fd = readers[extent.segment] = os.open(self._path(extent.segment), os.O_RDONLY)
-                if len(readers) > _READERS:
-                    os.close(readers.popitem(last=False)[1])
-            else:
-                readers.move_to_end(extent.segment)
+            fd = self._readers.open(extent.segment)
             view = memoryview(bytearray(extent.nbytes))
             done = 0
             for offset, n in extent.spans:
@@ -754,13 +744,44 @@ class SegmentStore:
 
     def close(self) -> None:
         """Close every file (a scratch store's directory is removed by its owner)."""
-        fds = [self._fd, self._index_fd, self._arena_fd, *self._closing, *self._readers.values()]
-        for fd in fds:
+        for fd in [self._fd, self._index_fd, self._arena_fd, *self._closing]:
             if fd >= 0:
                 os.close(fd)
         self._fd = self._index_fd = self._arena_fd = -1
         self._closing = []
-        self._readers.clear()
+        self._readers.close()
+
+
+class _Readers:
+    """Segment files open for reading, the least recently read first: at most ``_READERS``
+    (a unit may spill to thousands of segments). ``path``: a segment's file."""
+
+    def __init__(self, path: Callable[[int], str]) -> None:
+        self._path = path
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def open(self, segment: int) -> int:
+        """A descriptor of ``segment``'s file (raises OSError)."""
+        fds = self._fds
+        fd = fds.get(segment)
+        if fd is None:
+            fd = fds[segment] = os.open(self._path(segment), os.O_RDONLY)
+            if len(fds) > _READERS:
+                os.close(fds.popitem(last=False)[1])
+        else:
+            fds.move_to_end(segment)
+        return fd
+
+    def forget(self, segment: int) -> None:
+        """``segment``'s file goes: close it, if open."""
+        fd = self._fds.pop(segment, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _parse_index(
