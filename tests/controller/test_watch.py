@@ -21,7 +21,15 @@ from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
 from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
 from tq_async._wire._protocol import WatchNext
-from tq_async.events import EVENT_KINDS, Event, PartitionSealed, Resync
+from tq_async.events import (
+    EVENT_KINDS,
+    Event,
+    PartitionSealed,
+    Resync,
+    UnitBack,
+    UnitLost,
+    UnitSuspended,
+)
 
 # ---- a model of the cluster, built from events only ------------------------------------------
 
@@ -512,6 +520,41 @@ async def test_a_watcher_at_its_start_gets_a_resync_from_a_restarted_durable_ser
             info = await client.partition_info("p")
             assert (part.partition_id, len(part.rows)) == ("p", info["rows"]) == ("p", 4)
             assert part.fields == {"x": part.rows}
+
+
+async def test_a_unit_restarted_under_its_id_is_told_up_again() -> None:
+    """A storage unit SIGKILLed and started again under its ``--unit-id`` (its rows lost, as
+    documented) takes new rows again: the events say so (``unit_lost``, then ``unit_back``),
+    so replaying them gives the units' states a Resync's snapshot and ``tq-async status``
+    show, not a unit lost for good."""
+    with serve_role("controller") as (_, address), ExitStack() as stack:
+        args = ("storage", "--controller", address, "--unit-id")
+        unit0, _ = stack.enter_context(serve_role(*args, "0", line="TQ_UNIT="))
+        stack.enter_context(serve_role(*args, "1", line="TQ_UNIT="))
+        async with (
+            tq.AsyncClient.connect(address, request_timeout=10) as client,
+            client.watch() as watch,
+        ):
+            for _ in range(4):  # rows on both units
+                await _put(client, "p", 4)
+            unit0.send_signal(signal.SIGKILL)
+            unit0.wait(timeout=10)
+            stack.enter_context(serve_role(*args, "0", line="TQ_UNIT="))  # (registered)
+            await client.seal("marker", create=True)  # after the registration, in order
+            told: dict[int, list[str]] = {}
+            with anyio.fail_after(10):
+                async for ev in watch:
+                    if isinstance(ev, (UnitSuspended, UnitBack, UnitLost)):
+                        told.setdefault(ev.unit, []).append(ev.kind)
+                    if isinstance(ev, PartitionSealed) and ev.partition_id == "marker":
+                        break
+            [snap] = await _take(client.watch(since=0, incarnation="another"), 1)
+            assert isinstance(snap, Resync)
+            assert snap.snapshot.units == {0: "up", 1: "up"}
+            assert "unit_lost" in told[0]  # its rows are gone
+            replayed = {u: {"unit_back": "up"}.get(k[-1], "down") for u, k in told.items()}
+            assert replayed == {0: "up"}, f"the events told unit 0: {told[0]}"
+            assert (await client.partition_info("p"))["lost"] > 0
 
 
 def test_the_pacer_answers_at_once_until_the_share_is_spent() -> None:
