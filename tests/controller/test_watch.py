@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import socket
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,11 +16,20 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import serve_role
 from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
 from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
 from tq_async._wire._protocol import WatchNext
-from tq_async.events import EVENT_KINDS, Event, PartitionSealed, Resync
+from tq_async.events import (
+    EVENT_KINDS,
+    Event,
+    PartitionSealed,
+    Resync,
+    UnitBack,
+    UnitLost,
+    UnitSuspended,
+)
 
 # ---- a model of the cluster, built from events only ------------------------------------------
 
@@ -295,6 +307,31 @@ async def test_another_incarnation_or_lost_history_gives_one_resync() -> None:
         assert w.incarnation == log.incarnation
 
 
+async def test_another_incarnation_at_the_last_number_resyncs_also_when_paced() -> None:
+    """A position of another incarnation that happens to equal this controller's last event
+    number (a restarted controller counts from 0 again) gets its Resync at once, and from the
+    poll's end when the pacer holds the answers back: never an empty answer, which would move
+    the watcher into this incarnation with nothing told."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        async with client.watch():  # starts the event log
+            await _put(client, n=3)
+        other = "0123456789abcdef"
+        with anyio.fail_after(5):
+            [ev] = await _take(client.watch(since=hub.log.last, incarnation=other, poll=0.2), 1)
+        assert isinstance(ev, Resync)
+        assert "another controller incarnation" in ev.reason
+        hub.pacer = Pacer(share=0.001, burst=0.0)  # spent for a minute: no flush before the poll
+        hub.pacer.charge(asyncio.get_running_loop().time(), 0.06)
+        with anyio.fail_after(5):
+            [ev] = await _take(client.watch(since=hub.log.last, incarnation=other, poll=0.2), 1)
+        assert isinstance(ev, Resync)
+        assert [p.partition_id for p in ev.snapshot.partitions] == ["p"]
+
+
 async def test_a_watcher_that_falls_behind_its_bound_gets_a_resync() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,
@@ -440,6 +477,84 @@ async def _restart_at_the_same_bind() -> bool:
     finally:
         await client.aclose()
     return True
+
+
+async def test_a_watcher_at_its_start_gets_a_resync_from_a_restarted_durable_serve(
+    tmp_path: Path,
+) -> None:
+    """A watcher that subscribed (position 0) and read nothing while ``tq-async serve`` at
+    ``durability="process"`` was SIGKILLed and restarted on its data_dir: the new controller
+    numbers from 0 too, but its position is of the old incarnation. It gets a Resync with
+    the recovered state at once, never an empty answer that moves it into the new numbering
+    past the rows it never heard of (found by the watch hunt: it waited out its poll, then
+    took the new run's events as if nothing came before)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bind = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    argv = ("--bind", bind, "--storage-units", "1", "--durability", "process")
+    argv += ("--data-dir", str(tmp_path))
+    with ExitStack() as stack:
+        proc, _ = stack.enter_context(serve_role(*argv))
+        async with (
+            tq.AsyncClient.connect(bind, request_timeout=10) as client,
+            client.watch(poll=0.2) as watch,
+        ):
+            old = watch.incarnation
+            assert watch.seq == 0
+            await _put(client, "p", 4)  # the watcher reads none of it before the kill
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            stack.enter_context(serve_role(*argv))
+            ev = None
+            with anyio.move_on_after(5):  # (a bound: the Resync comes at once)
+                try:
+                    ev = await watch.__anext__()
+                except tq.BrokenError:  # the client learns of the restart on this call
+                    ev = await watch.__anext__()
+            assert isinstance(ev, Resync), (
+                f"no Resync but {ev}; the watcher moved from {old}:0 to "
+                f"{watch.incarnation}:{watch.seq} with nothing told"
+            )
+            assert watch.incarnation != old
+            [part] = ev.snapshot.partitions
+            info = await client.partition_info("p")
+            assert (part.partition_id, len(part.rows)) == ("p", info["rows"]) == ("p", 4)
+            assert part.fields == {"x": part.rows}
+
+
+async def test_a_unit_restarted_under_its_id_is_told_up_again() -> None:
+    """A storage unit SIGKILLed and started again under its ``--unit-id`` (its rows lost, as
+    documented) takes new rows again: the events say so (``unit_lost``, then ``unit_back``),
+    so replaying them gives the units' states a Resync's snapshot and ``tq-async status``
+    show, not a unit lost for good."""
+    with serve_role("controller") as (_, address), ExitStack() as stack:
+        args = ("storage", "--controller", address, "--unit-id")
+        unit0, _ = stack.enter_context(serve_role(*args, "0", line="TQ_UNIT="))
+        stack.enter_context(serve_role(*args, "1", line="TQ_UNIT="))
+        async with (
+            tq.AsyncClient.connect(address, request_timeout=10) as client,
+            client.watch() as watch,
+        ):
+            for _ in range(4):  # rows on both units
+                await _put(client, "p", 4)
+            unit0.send_signal(signal.SIGKILL)
+            unit0.wait(timeout=10)
+            stack.enter_context(serve_role(*args, "0", line="TQ_UNIT="))  # (registered)
+            await client.seal("marker", create=True)  # after the registration, in order
+            told: dict[int, list[str]] = {}
+            with anyio.fail_after(10):
+                async for ev in watch:
+                    if isinstance(ev, (UnitSuspended, UnitBack, UnitLost)):
+                        told.setdefault(ev.unit, []).append(ev.kind)
+                    if isinstance(ev, PartitionSealed) and ev.partition_id == "marker":
+                        break
+            [snap] = await _take(client.watch(since=0, incarnation="another"), 1)
+            assert isinstance(snap, Resync)
+            assert snap.snapshot.units == {0: "up", 1: "up"}
+            assert "unit_lost" in told[0]  # its rows are gone
+            replayed = {u: {"unit_back": "up"}.get(k[-1], "down") for u, k in told.items()}
+            assert replayed == {0: "up"}, f"the events told unit 0: {told[0]}"
+            assert (await client.partition_info("p"))["lost"] > 0
 
 
 def test_the_pacer_answers_at_once_until_the_share_is_spent() -> None:

@@ -139,3 +139,32 @@ def test_status_of_nothing_fails_clearly() -> None:
         done = _status(f"tcp://127.0.0.1:{port}")
     assert done.returncode == 1
     assert "tq-async: error:" in done.stderr
+
+
+def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:
+    """A cluster that uses CURVE: ``--curve-cert`` (the services' secret certificate, as
+    ``serve`` takes it) lets the command in, also past an allow-list, and the screen says
+    CURVE is on (the command could not connect to such a cluster at all)."""
+    import zmq.auth
+
+    public, secret = zmq.auth.create_certificates(tmp_path, "service")
+    (tmp_path / "clients").mkdir()
+    zmq.auth.create_certificates(tmp_path / "clients", "c1")
+    argv = ["--curve-cert", secret, "--curve-allow", str(tmp_path / "clients")]
+    with service(argv, tmp_path / "serve.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        done = _status(address, "--json", "--curve-cert", secret)
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        server_key = zmq.auth.load_certificate(public)[0].decode()
+        assert status["security"] == {
+            "curve": True,
+            "server_key": server_key,
+            "allowed_clients": 1,
+        }
+        assert {u["state"] for u in status["units"].values()} == {"up"}
+        assert all("error" not in u and u["rows"] == 0 for u in status["units"].values())
+        assert "security: CURVE on" in _status(address, "--curve-cert", secret).stdout
+        done = _status(address)  # (what the refusal says is the transport's)
+        assert (done.returncode, done.stdout) == (1, "")
+        assert svc.stop() == 0

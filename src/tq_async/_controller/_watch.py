@@ -320,7 +320,11 @@ class WatchHub:
             body = parked.body
             assert body.since is not None
             if not self.shell.stopping:
-                self._send(*key, WatchBatch(self.log.incarnation, body.since, []))
+                # an empty batch moves the watcher into this incarnation: one whose position
+                # is of another (its flush not yet due) gets its Resync instead
+                lost = self._lost(body) is not None
+                empty = WatchBatch(self.log.incarnation, body.since, [])
+                self._send(*key, self.answer(body) if lost else empty)
         if self.parked:
             self._sweep_at = min(p.deadline for p in self.parked.values())
             self._sweep = loop.call_at(self._sweep_at, self._end_polls)
@@ -353,7 +357,10 @@ class WatchHub:
         # parked without a task: answered by _flush (after this pass: the watchers asking in
         # it share one answer; later if the pacer says so), _end_polls, or dropped by cancel
         self._park((msg.peer, msg.rid), body)
-        if body.since != log.last and self._flush_handle is None:
+        # (a position of another incarnation is answered too, even at our last number: a
+        # restarted controller counts from 0 again, and its Resync is due at once)
+        due = body.since != log.last or body.incarnation not in (None, log.incarnation)
+        if due and self._flush_handle is None:
             self._schedule_flush()
         return SENT
 

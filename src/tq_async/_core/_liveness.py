@@ -116,7 +116,10 @@ class UnitLiveness:
             st.units_epoch += 1  # clients learn the new address from their next reply
         st.units[unit] = address
         st.unit_hosts[unit] = host
-        st.dead_units.discard(unit)  # a restarted unit takes new rows again
+        if unit in st.dead_units:  # a restarted unit takes new rows again
+            st.dead_units.discard(unit)
+            if st.events.on:  # (watchers saw it lost: it is up, without its old rows)
+                st.events.add(UnitBack(unit=unit))
         return fx
 
     def unit_returned(self, unit: int, address: str, host: str = "") -> Effects:

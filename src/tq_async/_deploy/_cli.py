@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from .._core._transitions import Deadlines
-from .._errors import ConfigError, TQError
+from .._errors import AuthenticationError, ConfigError, TQError
 from .._logging import configure_logging, get_logger
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
@@ -512,6 +512,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--watch", action="store_true", help="print again whenever the cluster changes (Ctrl-C)"
     )
     status.add_argument(
+        "--curve-cert",
+        default=None,
+        metavar="FILE",
+        help="for a cluster that uses CURVE: the services' secret certificate (the file "
+        "`serve --curve-cert` was given); the command connects with the services' keys",
+    )
+    status.add_argument(
         "--screens",
         type=int,
         default=None,
@@ -621,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     try:
+        keys = load_curve(args.curve_cert, None)
         anyio.run(
             partial(
                 run_status,
@@ -628,12 +636,16 @@ def _status(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 watch=args.watch,
                 screens=args.screens,
+                curve=None if keys is None else keys.as_client(),
             )
         )
     except KeyboardInterrupt:
         return 0
     except TQError as exc:
-        print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
+        hint = ""
+        if isinstance(exc, AuthenticationError) and args.curve_cert is None:
+            hint = " (tq-async status: give the services' secret certificate, --curve-cert FILE)"
+        print(f"tq-async: error: {exc}{hint}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -16,6 +16,7 @@ import msgspec
 
 from .._errors import TQError
 from .._transport._dealer import DealerConnection
+from .._transport._security import CurveClient
 from .._wire._events import WatchBatch
 from .._wire._protocol import (
     ClusterStatus,
@@ -37,8 +38,9 @@ async def _ask(conn: DealerConnection, body: msgspec.Struct, typ: Any) -> Any:
     return msgspec.msgpack.decode(payload, type=typ)
 
 
-async def cluster_status(ctl: DealerConnection) -> dict[str, Any]:
-    """Everything ``tq-async status`` shows, as one JSON-able dict."""
+async def cluster_status(ctl: DealerConnection, curve: CurveClient | None = None) -> dict[str, Any]:
+    """Everything ``tq-async status`` shows, as one JSON-able dict (``curve``: the keys the
+    storage units are reached with)."""
     out: dict[str, Any] = await _ask(ctl, ClusterStatus(), dict[str, Any])
     ids: list[str] = await _ask(ctl, ListPartitions(), list[str])
     partitions = {}
@@ -53,7 +55,7 @@ async def cluster_status(ctl: DealerConnection) -> dict[str, Any]:
         units[str(unit_id)] = unit
         if unit["state"] != "up":
             continue
-        conn = DealerConnection(unit["address"], refused_is_broken=True)
+        conn = DealerConnection(unit["address"], curve=curve, refused_is_broken=True)
         try:
             stats = await _ask(conn, StoreStats(), StoreStatsReply)
             unit.update(msgspec.structs.asdict(stats))
@@ -135,10 +137,12 @@ async def run_status(
     watch: bool = False,
     screens: int | None = None,
     out: TextIO = sys.stdout,
+    curve: CurveClient | None = None,
 ) -> None:
     """Print the status once, or (``watch``) again after every batch of events, until
-    cancelled or ``screens`` screens were printed."""
-    ctl = DealerConnection(address, refused_is_broken=True)
+    cancelled or ``screens`` screens were printed (``curve``: the keys of a cluster that
+    uses CURVE)."""
+    ctl = DealerConnection(address, curve=curve, refused_is_broken=True)
     try:
         body = WatchNext(poll=5.0)
         shown = 0
@@ -146,7 +150,7 @@ async def run_status(
             if watch and body.since is None:
                 batch = await _ask(ctl, body, WatchBatch)  # subscribe before the first look
                 body.since, body.incarnation = batch.cursor, batch.incarnation
-            status = await cluster_status(ctl)
+            status = await cluster_status(ctl, curve)
             if as_json:
                 out.write(msgspec.json.encode(status).decode() + "\n")
             else:

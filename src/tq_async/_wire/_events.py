@@ -177,7 +177,8 @@ class UnitSuspended(Event, tag="unit_suspended"):
 
 
 class UnitBack(Event, tag="unit_back"):
-    """A suspended storage unit came back with its data."""
+    """A suspended storage unit came back with its data, or (after `UnitLost`) a unit
+    restarted under its id takes new rows: its old rows stay lost."""
 
     unit: int
 
