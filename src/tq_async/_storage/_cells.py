@@ -18,9 +18,9 @@ gets its cells back with `StorageState.recover` (from the index: the chunks stay
 read). The disk's side of this is `tq_async._storage._durable`. With ``memory_cap``, chunks
 in RAM past the cap leave it, least recently used first (spilled: to a scratch store at
 ``memory`` level, already on disk otherwise), and are read back when a get needs them
-(`tq_async._storage._tiers`). Eviction runs after a put or a read, never inside `StorageState.get`: a read's views (and the
-arena regions they pin) stay valid until it is answered. Cells in the device arena stay there
-(never written, never spilled).
+(`tq_async._storage._tiers`). Eviction runs after a put or a read, never inside
+`StorageState.get`: a read's views (and the arena regions they pin) stay valid until it is
+answered. Cells in the device arena stay there (never written, never spilled).
 """
 
 from __future__ import annotations
