@@ -354,3 +354,39 @@ async def test_a_put_cancelled_after_its_columns_went_out_leaves_no_cells(mode: 
         with anyio.fail_after(10):  # (each stats request is a round trip later)
             while sum(s["rows"] for s in (await client.storage_stats()).values()) != 8:
                 pass
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+async def test_a_client_closed_while_its_get_meta_waits_leaves_the_rows_to_the_task(
+    transport: str,
+) -> None:
+    """A client closed while one of its get_metas waits at the controller (its caller gets
+    `ClosedError`): before, the socket closed with nothing said, the request stayed parked,
+    and the task's next rows were taken by it and delivered to nobody. The connection now
+    sends the `Cancel` a cancelled call sends."""
+    kw: dict[str, str] = {} if transport == "inproc" else {"transport": "tcp"}
+    async with (
+        tq.local_cluster(num_storage_units=1, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        doomed = await tq.AsyncClient.connect(cluster.address).__aenter__()
+        failed: list[BaseException] = []
+
+        async def wait() -> None:
+            try:
+                await doomed.get_meta(["i"], 2, "p", "t")
+            except tq.ClosedError as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            with anyio.fail_after(10):  # (no event tells a request parked: the count does)
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            await doomed.aclose()
+        assert len(failed) == 1
+        with anyio.fail_after(10):  # the Cancel came on the closed client's connection
+            while cluster.controller.waiting:
+                await anyio.lowlevel.checkpoint()
+        await fill(client, "p", 2)
+        assert await drain(client, "p") == [0, 1]

@@ -22,7 +22,7 @@ import zmq
 
 from .._errors import BrokenError, ClosedError
 from .._logging import get_logger
-from .._wire._protocol import Reply
+from .._wire._protocol import Cancel, Reply
 from ._connection import (
     DEFAULT_BUSY_POLL,
     MAX_BUSY_POLL,
@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+#: how long ZMQ's I/O thread may go on sending the ``Cancel``s of a connection closed with
+#: requests waiting (in the background; to a peer that is gone they are dropped after it)
+CANCEL_LINGER_MS = 1000
 
 
 class BusyPoll(PollBackoff):
@@ -285,11 +289,22 @@ class DealerConnection(ConnectionShell, DrainedSocket):
 
     def close(self, error: BaseException | None = None) -> None:
         """Close the socket; requests still waiting fail with ``error`` (default:
-        `ClosedError`; a connection replaced because it broke passes a `BrokenError`)."""
+        `ClosedError`; a connection replaced because it broke passes a `BrokenError`).
+
+        Closed by its program (no ``error``), the connection first sends a ``Cancel`` for
+        each request still waiting, as a cancelled call does: a get_meta parked at the
+        controller would otherwise take the task's next rows for nobody.
+        """
         if self._closed:
             return
+        cancels = 0
+        if error is None:
+            core = self._core
+            for rid in [rid for rid in core.waiting if rid not in core.arrived]:
+                cancels += self.send_best_effort(Cancel(rid))
         self._unwatch()
-        self._close_socket()
+        # (the Cancels are queued: ZMQ's I/O thread sends them after the close)
+        self._close_socket(CANCEL_LINGER_MS if cancels else 0)
         self._fail(error or ClosedError(f"the connection to {self.name} was closed"))
 
 

@@ -166,16 +166,18 @@ class DrainedSocket:
         if events & _POLLIN:
             self._schedule_drain()
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger: int = 0) -> None:
+        """Close for good; ``linger``: ms ZMQ's I/O thread may still spend sending what is
+        queued (in the background: nothing waits for it)."""
         if self._closed:
             return
         self._closed = True
-        self._release_socket()
+        self._release_socket(linger)
 
-    def _release_socket(self) -> None:
+    def _release_socket(self, linger: int = 0) -> None:
         with contextlib.suppress(RuntimeError, ValueError):  # the loop may be closed already
             self._loop.remove_reader(self._fd)
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger)
 
     def _adopt_socket(self, sock: zmq.Socket[Any]) -> None:
         """Start reading a replacement socket (after `_release_socket`)."""
