@@ -97,7 +97,7 @@ class RowsAdded(Event, tag="rows_added"):
 
 
 class RowsRemoved(Event, tag="rows_removed"):
-    """Rows are gone: ``reason`` is "clear", "auto_clear", "put_lapsed" or "lost"."""
+    """Rows are gone: ``reason`` is "clear" (a lapsed put's rows too), "auto_clear" or "lost"."""
 
     partition_id: str
     rows: list[int]
