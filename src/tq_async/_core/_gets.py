@@ -190,6 +190,8 @@ class Gets:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded
+            if dp_size is not None and self._ended(p, key):
+                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
             earlier = _first_undecided(req, p, key)
             if earlier is not None:
                 # record_from: batches below this one are decided first, lowest first
@@ -331,6 +333,11 @@ class Gets:
             if consumed:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             if final or (req.stop_when_consumed and all_consumed(p, req.task_name)):
+                if key is not None and call.dp_size is not None and call.dp_size > 1 and not final:
+                    # rows may come before the other ranks ask this index: they end here too
+                    # (a rank that stepped on alone would wait in its all_reduce for ever)
+                    owed = set(range(call.dp_size)) - {key[1]}
+                    self.state.dp_ends[(p.partition_id, p.incarnation, key[0], key[2])] = owed
                 return MetaReply([], [], [], list(req.data_fields), end_of_stream=True), fx
             return None, fx
         if key is None:
@@ -407,6 +414,22 @@ class Gets:
         hosts = [self.rank_hosts.get((req.task_name, r), "") for r in range(len(shares))]
         unit_hosts, units = self.state.unit_hosts, p.units
         return local_shares(shares, hosts, lambda row: unit_hosts.get(units[row], ""))
+
+    def _ended(self, p: Partition, key: RecordKey) -> bool:
+        """Whether another DP rank got a stop_when_consumed end of stream at this global
+        batch (this rank is told once; then the index is decided anew, for a next round)."""
+        ends = self.state.dp_ends
+        if not ends:
+            return False
+        task, rank, index = key
+        end = (p.partition_id, p.incarnation, task, index)
+        owed = ends.get(end)
+        if owed is None or rank not in owed:
+            return False
+        owed.discard(rank)
+        if not owed:
+            del ends[end]
+        return True
 
     def _holding(self, req: GetMeta, p: Partition) -> bool:
         """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""

@@ -180,6 +180,9 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     #: each unit's host id (placement and locality; a unit that is not restarted does not
     #: register again to tell it)
     unit_hosts: dict[int, str] = msgspec.field(default_factory=dict)
+    #: DP ranks still to be told a stop_when_consumed end of stream: ``(partition_id,
+    #: incarnation, task, batch_index, ranks)`` (`ControllerState.dp_ends`)
+    dp_ends: list[tuple[str, str, str, int, list[int]]] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -699,6 +702,7 @@ def controller_record(
         if auto_clear_start is None
         else [(pid, list(tasks)) for pid, tasks in auto_clear_start.items()],
         unit_hosts=dict(st.unit_hosts),
+        dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
     )
 
 
@@ -733,6 +737,7 @@ def recover(
     st.admitted = dict(ctl.admitted)
     st.recycled.extend((pid, inc, row) for pid, inc, row in ctl.recycled)
     st.stale_counts.update(ctl.stale_counts)
+    st.dp_ends = {(pid, inc, task, i): set(ranks) for pid, inc, task, i, ranks in ctl.dp_ends}
     _recover_auto_clear(st.auto_clear, ctl)
     for rec in parts:
         p = _recover_partition(core, skip_reserved(rec), now, wall)

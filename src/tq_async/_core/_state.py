@@ -577,6 +577,10 @@ class ControllerState:
         self.recycled: deque[tuple[str, str, int]] = deque()
         #: how many stale rows each policy handled
         self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
+        #: a stop_when_consumed end of stream one DP rank got at a global batch index (more
+        #: rows may come before its peers ask the same index): ``(partition_id, incarnation,
+        #: task, batch_index)`` -> the ranks still to be told (`Gets.look`)
+        self.dp_ends: dict[tuple[str, str, str, int], set[int]] = {}
         #: backpressure: the most live rows per partition (or in all, when capacity_global)
         self.capacity: int | None = None
         self.capacity_global = False

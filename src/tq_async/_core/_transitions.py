@@ -296,6 +296,7 @@ class ControllerCore:
             p, [r for rows in by_unit.values() for r in rows]
         )
         st.drop_partition(partition_id)
+        self._forget_ends(partition_id, None)
         self.leases.forget(p)
         for put_id in p.put_leases:
             self.puts.home.pop(put_id, None)
@@ -313,9 +314,18 @@ class ControllerCore:
         p = self.state.partition(partition_id)
         self.leases.reset(p, task)
         p.reset_consumption(task)
+        self._forget_ends(partition_id, task)
         for smp in self.samplers():
             smp.reset_partition(partition_id, task)
         return Effects(wakeups=[Wakeup(partition_id, task)])
+
+    def _forget_ends(self, partition_id: str, task: str | None) -> None:
+        """Drop the DP ends of stream owed to ``task``'s ranks (every task's if None) in the
+        partition (`ControllerState.dp_ends`)."""
+        ends = self.state.dp_ends
+        if ends:
+            for end in [e for e in ends if e[0] == partition_id and task in (None, e[2])]:
+                del ends[end]
 
     # ---- admission (see _admission) ----------------------------------------------------------
 
