@@ -57,6 +57,7 @@ from .._errors import (
     InvalidRequestError,
     TQError,
 )
+from .._logging import get_logger
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
 from .._wire._checks import MAX_ALSO, check_int
@@ -73,6 +74,8 @@ __all__ = [
     "chunk_batch_fn",
     "default_fetch_batch_fn",
 ]
+
+log = get_logger(__name__)
 
 #: One micro-batch: its data and the `BatchMeta` of exactly the same rows.
 MicroBatch: TypeAlias = tuple[TensorDict, BatchMeta]
@@ -92,6 +95,10 @@ ProcessBatchFn: TypeAlias = Callable[..., Sequence[MicroBatch]]
 #: with 0, 0.51x with 8; `python -m benchmarks.extra`).
 _DEFAULT_REPLAY_WINDOW = 0
 
+#: seconds `AsyncStreamingDataset.__aexit__` gives the acknowledgement of the batches it
+#: delivered (auto-clear holds), shielded from cancellation
+_ACK_ON_EXIT_S = 5.0
+
 
 async def default_fetch_batch_fn(
     *,
@@ -105,6 +112,8 @@ async def default_fetch_batch_fn(
     timeout: float | None = None,
     stop_when_consumed: bool = False,
     device: Any = None,
+    keep_hold: bool = False,
+    ack: Sequence[BatchMeta] | None = None,
     **_: Any,
 ) -> tuple[TensorDict | None, BatchMeta]:
     """Fetch one batch: `get` under ``sampling_config``.
@@ -137,6 +146,11 @@ async def default_fetch_batch_fn(
         device: read the tensors onto this device (``get(..., device=)``: columns in a
             device arena of a unit on this host move device to device). The dataset passes
             it to this default function only, when it has a ``device`` and no replay window.
+        keep_hold: pass to ``get``: an auto-clear task's rows stay held once read. The
+            dataset passes it to this default function only, and acknowledges each batch
+            once it is delivered (a batch read ahead and never delivered keeps its rows for
+            the next reader of its ``batch_index``).
+        ack: pass to ``get``: batches delivered since the last fetch, acknowledged with it.
 
     Returns:
         ``(data, meta)`` (with ``dp_size``, possibly 0 rows of both); ``(None, meta)`` with
@@ -159,6 +173,8 @@ async def default_fetch_batch_fn(
         timeout=timeout,
         stop_when_consumed=stop_when_consumed,
         device=device,
+        keep_hold=keep_hold,
+        ack=ack,
     )
     if meta.end_of_stream:
         return None, meta
@@ -550,6 +566,9 @@ class AsyncStreamingDataset:
         self._taken: dict[int, tuple[TensorDictBase, BatchMeta]] = {}
         #: the batch whose micro-batches are being delivered
         self._current: _Fetched | None = None
+        #: delivered batches whose auto-clear hold the dataset still has to acknowledge (the
+        #: default fetch keeps the holds: a batch read ahead is acknowledged once delivered)
+        self._unacked: list[BatchMeta] = []
 
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
@@ -720,6 +739,13 @@ class AsyncStreamingDataset:
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
         try:
+            with anyio.move_on_after(_ACK_ON_EXIT_S, shield=True):
+                await self._ack_delivered()
+        except TQError as exc:  # the body's outcome stands; the rows stay held
+            log.warning(
+                "could not acknowledge the batches delivered", error=repr(exc), **self.state_dict()
+            )
+        try:
             # The body's exception is the caller's, not the task group's: passing it on
             # would come back wrapped in an ExceptionGroup. It propagates unchanged.
             await stack.aclose()
@@ -797,6 +823,8 @@ class AsyncStreamingDataset:
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
         if delivered >= len(cur.micro_batches):
+            if cur.meta.lease_id and self._fetch_fn is default_fetch_batch_fn:
+                self._unacked.append(cur.meta)  # with the next fetch, or at the end
             self._next_index = cur.batch_index + self._stride
             self._next_micro = 0
             self._current = None
@@ -813,8 +841,12 @@ class AsyncStreamingDataset:
                 "client and the prefetching task)"
             )
         if self.prefetch == 0:
-            return await self._load(self._next_index, self._generation, timeout, ahead)
-        return await self._prefetcher.next(self._tg)
+            fetched = await self._load(self._next_index, self._generation, timeout, ahead)
+        else:
+            fetched = await self._prefetcher.next(self._tg)
+        if fetched is None:
+            await self._ack_delivered()
+        return fetched
 
     def _position(self) -> tuple[int, int, int]:
         """``(batch_index, generation, stride)`` of the position, for the prefetcher."""
@@ -899,8 +931,8 @@ class AsyncStreamingDataset:
         """The default fetch of ``config``'s batch, with the batches of ``also`` that can be
         decided at once, in one request."""
         assert self._client is not None
-        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
-        return await self._client.get_batches(
+        extra = self._default_fetch_extras()
+        got = await self._client.get_batches(
             list(self.data_fields),
             self.batch_size,
             self._partition_id,
@@ -911,6 +943,8 @@ class AsyncStreamingDataset:
             stop_when_consumed=self.stop_when_consumed,
             **extra,
         )
+        self._acked(extra.get("ack"))
+        return got
 
     @property
     def _fetches_onto_device(self) -> bool:
@@ -923,9 +957,35 @@ class AsyncStreamingDataset:
             and not self.replay_window
         )
 
+    def _default_fetch_extras(self) -> dict[str, Any]:
+        """The arguments only the default fetch gets: the device it reads onto, and the
+        auto-clear holds it keeps (a batch is acknowledged once delivered, with the next
+        fetch: a batch read ahead and never delivered keeps its rows for its next reader)."""
+        if self._fetch_fn is not default_fetch_batch_fn:
+            return {}
+        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
+        extra["keep_hold"] = True
+        if self._unacked:
+            extra["ack"] = list(self._unacked)
+        return extra
+
+    def _acked(self, metas: list[BatchMeta] | None) -> None:
+        """``metas`` were acknowledged: forget them."""
+        if metas:
+            done = {id(m) for m in metas}
+            self._unacked = [m for m in self._unacked if id(m) not in done]
+
+    async def _ack_delivered(self) -> None:
+        """Acknowledge the delivered batches not acknowledged yet (at the end of the stream,
+        and on leaving: no fetch follows to carry them)."""
+        if self._unacked and self._client is not None:
+            metas = list(self._unacked)
+            await self._client.ack(metas)
+            self._acked(metas)
+
     async def _call_fetch(self, index: int, config: dict[str, Any], timeout: float | None) -> Any:
         assert self._client is not None
-        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
+        extra = self._default_fetch_extras()
         result: Any = self._fetch_fn(
             client=self._client,
             data_fields=list(self.data_fields),
@@ -940,6 +1000,7 @@ class AsyncStreamingDataset:
         )
         if inspect.isawaitable(result):
             result = await result
+        self._acked(extra.get("ack"))
         return result
 
     def _checked(self, got: Any, index: int) -> tuple[TensorDictBase, BatchMeta] | None:
