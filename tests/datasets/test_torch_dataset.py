@@ -245,6 +245,42 @@ def test_loader_resumes_mid_batch_with_workers(address: str, client: tq.Client) 
     _check_stream(taken + rest)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_auto_clear_task_resumes_a_loader_left_mid_batch_with_every_row(
+    address: str, client: tq.Client, num_workers: int
+) -> None:
+    """Auto-clear frees a row once the task acknowledged it. A loader left in the middle of
+    batch 1 (its workers had fetched batches ahead) resumes at that micro-batch and delivers
+    every row: only the batches delivered whole were acknowledged (before: every batch was
+    acknowledged as a worker read it, and the resumed loader got RowsNotFound)."""
+    pid = f"auto-clear-{num_workers}"
+    client.register_tasks(["train"], pid)
+    client.put({"x": torch.arange(32)}, partition_id=pid)
+    client.seal(pid)
+
+    def loader() -> StreamingDataLoader:
+        ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+        if not num_workers:
+            return StreamingDataLoader(ds)
+        return StreamingDataLoader(ds, num_workers=num_workers, multiprocessing_context="fork")
+
+    first = loader()
+    got: list[int] = []
+    for td, _ in first:
+        got += td["x"].tolist()
+        if len(got) == 6:  # batch 0, then half of batch 1
+            break
+    state = first.state_dict()
+    del first  # its workers stop
+    assert (state["batch_index"], state["micro_batch_index"]) == (1, 1)
+    assert client.partition_info(pid)["rows"] == 28  # batch 0 was delivered, then freed
+    again = loader()
+    again.load_state_dict(state)
+    got += [r for td, _ in again for r in td["x"].tolist()]
+    assert got == list(range(32))
+    assert client.partition_info(pid)["rows"] == 0  # every row delivered, then freed
+
+
 def test_state_dict_resumes_in_a_new_process(address: str, client: tq.Client) -> None:
     _put(client, "newproc")
     ds = _dataset(address, "newproc", "train")

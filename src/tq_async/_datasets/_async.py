@@ -287,16 +287,19 @@ class BatchSlice:
     """The rest of one batch, micro-batches from ``first_micro`` on (`next_batch`).
 
     What the torch adapter's DataLoader workers hand the loader (it pickles: no slots).
+    ``hold``: the batch's auto-clear hold (a `BatchMeta` of no rows naming its lease), which
+    whoever delivers the last micro-batch acknowledges; None when there is none.
     """
 
     batch_index: int
     first_micro: int
     micro_batches: list[MicroBatch]
+    hold: BatchMeta | None = None
 
     def pin_memory(self) -> BatchSlice:
         """Pinned copies of the data (a DataLoader with ``pin_memory=True`` calls this)."""
         pinned = [(td.pin_memory(), meta) for td, meta in self.micro_batches]
-        return BatchSlice(self.batch_index, self.first_micro, pinned)
+        return BatchSlice(self.batch_index, self.first_micro, pinned, self.hold)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # From a DataLoader worker to the loader: torch would move every tensor to shared
@@ -306,8 +309,9 @@ class BatchSlice:
         # shared-memory tensor beyond (tq_async._datasets._handoff).
         packed = pack(self.micro_batches, _INLINE_PICKLE_BYTES)
         if packed is None:
-            return (BatchSlice, (self.batch_index, self.first_micro, self.micro_batches))
-        return (_unpacked_slice, (self.batch_index, self.first_micro, *packed))
+            args = (self.batch_index, self.first_micro, self.micro_batches, self.hold)
+            return (BatchSlice, args)
+        return (_unpacked_slice, (self.batch_index, self.first_micro, *packed, self.hold))
 
 
 #: a BatchSlice whose tensors take at most this many bytes pickles them as bytes (see
@@ -315,9 +319,11 @@ class BatchSlice:
 _INLINE_PICKLE_BYTES = 1 << 20
 
 
-def _unpacked_slice(batch_index: int, first_micro: int, buffer: Any, packed: Any) -> BatchSlice:
+def _unpacked_slice(
+    batch_index: int, first_micro: int, buffer: Any, packed: Any, hold: BatchMeta | None = None
+) -> BatchSlice:
     """A `BatchSlice` from what `BatchSlice.__reduce__` packed."""
-    return BatchSlice(batch_index, first_micro, unpack(buffer, packed))
+    return BatchSlice(batch_index, first_micro, unpack(buffer, packed), hold)
 
 
 def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
@@ -569,6 +575,9 @@ class AsyncStreamingDataset:
         #: delivered batches whose auto-clear hold the dataset still has to acknowledge (the
         #: default fetch keeps the holds: a batch read ahead is acknowledged once delivered)
         self._unacked: list[BatchMeta] = []
+        #: False: what `next_batch` returns is not delivered yet; its reader acknowledges it
+        #: (`acknowledge_delivered`, or the torch adapter's loader in the main process)
+        self._ack_on_delivery = True
 
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
@@ -818,13 +827,39 @@ class AsyncStreamingDataset:
                 return None
         first = self._next_micro
         self._deliver(cur, len(cur.micro_batches))
-        return BatchSlice(cur.batch_index, first, cur.micro_batches[first:])
+        hold = None
+        if not self._ack_on_delivery and self._keeps_holds and cur.meta.lease_id:
+            # the caller acknowledges it once it delivered the last micro-batch
+            hold = BatchMeta(
+                partition_id=cur.meta.partition_id,
+                global_indexes=[],
+                field_names=[],
+                units=[],
+                lease_id=cur.meta.lease_id,
+            )
+        return BatchSlice(cur.batch_index, first, cur.micro_batches[first:], hold)
+
+    def acknowledge_delivered(self, meta: BatchMeta) -> None:
+        """Every row of ``meta``'s batch reached the caller: its auto-clear hold is
+        acknowledged with the next fetch (or at the end of the stream, or on leaving).
+
+        For the torch adapter, which delivers what `next_batch` returned itself (its
+        `BatchSlice.hold`).
+        """
+        if meta.lease_id and self._keeps_holds:
+            self._unacked.append(meta)
+
+    @property
+    def _keeps_holds(self) -> bool:
+        """Whether a fetch leaves an auto-clear task's hold for the dataset to acknowledge
+        (the default fetch; a custom one acknowledges as it reads)."""
+        return self._fetch_fn is default_fetch_batch_fn
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
         if delivered >= len(cur.micro_batches):
-            if cur.meta.lease_id and self._fetch_fn is default_fetch_batch_fn:
-                self._unacked.append(cur.meta)  # with the next fetch, or at the end
+            if self._ack_on_delivery:
+                self.acknowledge_delivered(cur.meta)
             self._next_index = cur.batch_index + self._stride
             self._next_micro = 0
             self._current = None
@@ -961,7 +996,7 @@ class AsyncStreamingDataset:
         """The arguments only the default fetch gets: the device it reads onto, and the
         auto-clear holds it keeps (a batch is acknowledged once delivered, with the next
         fetch: a batch read ahead and never delivered keeps its rows for its next reader)."""
-        if self._fetch_fn is not default_fetch_batch_fn:
+        if not self._keeps_holds:
             return {}
         extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
         extra["keep_hold"] = True

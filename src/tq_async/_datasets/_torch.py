@@ -33,7 +33,10 @@ micro-batch; workers receive the position when they start (a DataLoader without 
 workers starts new ones for every ``iter(loader)``, forked or pickled from the dataset as it
 is at that moment). That is how `StreamingDataLoader.reset`, `step`
 and `load_state_dict` reach the workers, and why persistent workers
-are refused.
+are refused. An auto-clear task's batches are acknowledged where they are delivered too: the
+workers keep their holds, and the loader acknowledges each batch once it handed out its last
+micro-batch (over a client of its own), so a batch fetched ahead and never delivered keeps
+its rows for the next reader of its ``batch_index``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .._client._sync._client import Client
 from .._errors import ClosedError, InvalidRequestError, TQError
 from .._logging import get_logger
+from .._meta import BatchMeta
 from .._portal import allow_blocking, check_blocking_allowed
 from ._async import (
     AsyncStreamingDataset,
@@ -274,6 +278,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         ads = self._local_dataset()
         ads.load_state_dict(self._state)
         ads.set_worker(worker_id, num_workers)
+        # a batch is delivered when its last micro-batch is handed out here, or, under a
+        # StreamingDataLoader, in the main process (which acknowledges it there)
+        ads._ack_on_delivery = False
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
@@ -307,11 +314,15 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 generation = self._generation
                 for i, micro_batch in enumerate(item.micro_batches):
                     self._delivered(item, i + 1)
+                    if i + 1 == len(item.micro_batches) and item.hold is not None:
+                        ads.acknowledge_delivered(item.hold)
                     yield micro_batch
                     if self._generation != generation:
                         break  # reset/step while iterating: continue from the new position
                 if not item.micro_batches:
                     self._delivered(item, 0)
+                    if item.hold is not None:
+                        ads.acknowledge_delivered(item.hold)
                 if self._generation != generation:
                     ads.load_state_dict(self._state)
         except BaseException:
@@ -423,6 +434,14 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         """
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
+        acks = _Acks(ds._kwargs["address"])
+        try:
+            yield from self._passes(ds, acks)
+        finally:
+            acks.close()
+
+    def _passes(self, ds: StreamingDataset, acks: _Acks) -> Iterator[MicroBatch]:
+        """`__iter__`: a DataLoader pass, and a new one each time the position moves."""
         while True:
             generation = ds._generation
             moved = False
@@ -438,12 +457,16 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                     while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
                         for i, micro_batch in enumerate(item.micro_batches):
                             ds._delivered(item, i + 1)
+                            if i + 1 == len(item.micro_batches):
+                                acks.delivered(item.hold)
                             yield micro_batch
                             if ds._generation != generation:
                                 moved = True
                                 break
                         if not item.micro_batches:
                             ds._delivered(item, 0)
+                            acks.delivered(item.hold)
+                    acks.send()  # before waiting for the workers' next hand-off
                     if moved:
                         break
                 if waiting and not moved:
@@ -457,6 +480,56 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             if not moved:
                 return
             log.debug("position moved during a pass; restarting workers", **ds.state_dict())
+
+
+class _Acks:
+    """The auto-clear holds of the batches a `StreamingDataLoader` delivered, acknowledged
+    from the main process over a client of its own (opened when there is one to send).
+
+    The workers keep the holds of what they fetch: a batch a worker handed over that the
+    loader never delivered (it was left, or the process died) keeps its rows for the next
+    reader of its ``batch_index``, as with `AsyncStreamingDataset`.
+    """
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._client: Client | None = None
+        self._pending: list[BatchMeta] = []
+
+    def delivered(self, hold: BatchMeta | None) -> None:
+        """Every micro-batch of the batch whose `BatchSlice.hold` is ``hold`` was handed
+        out."""
+        if hold is not None:
+            self._pending.append(hold)
+
+    def send(self) -> None:
+        """Acknowledge what was delivered (best effort: the rows stay held on failure)."""
+        if not self._pending:
+            return
+        metas, self._pending = self._pending, []
+        try:
+            if self._client is None:
+                self._client = Client(self._address, request_timeout=_ACK_TIMEOUT_S).open()
+            self._client.ack(metas)
+        except TQError as exc:
+            log.warning(
+                "could not acknowledge the batches the loader delivered; their rows stay "
+                "held until the partition is cleared",
+                batches=[m.batch_index for m in metas],
+                error=repr(exc),
+            )
+
+    def close(self) -> None:
+        try:
+            self.send()
+        finally:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+#: seconds a StreamingDataLoader waits for the acknowledgement of the batches it delivered
+_ACK_TIMEOUT_S = 10.0
 
 
 #: a DataLoader worker hands the loader up to prefetch_factor of its batches at once, the
