@@ -57,12 +57,13 @@ from .._errors import (
     InvalidRequestError,
     TQError,
 )
-from .._logging import get_logger
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
 from .._wire._checks import MAX_ALSO, check_int
 from .._wire._nested import RowWindows, tensordict_of
+from ._args import check_args, checked_name, parse_state, positive_int
 from ._handoff import pack, unpack
+from ._holds import Holds, hold_of
 from ._prefetch import Prefetcher
 
 __all__ = [
@@ -74,8 +75,6 @@ __all__ = [
     "chunk_batch_fn",
     "default_fetch_batch_fn",
 ]
-
-log = get_logger(__name__)
 
 #: One micro-batch: its data and the `BatchMeta` of exactly the same rows.
 MicroBatch: TypeAlias = tuple[TensorDict, BatchMeta]
@@ -94,10 +93,6 @@ ProcessBatchFn: TypeAlias = Callable[..., Sequence[MicroBatch]]
 #: then pays first-touch page faults (measured on the W1 batch: 0.84x raw get throughput
 #: with 0, 0.51x with 8; `python -m benchmarks.extra`).
 _DEFAULT_REPLAY_WINDOW = 0
-
-#: seconds `AsyncStreamingDataset.__aexit__` gives the acknowledgement of the batches it
-#: delivered (auto-clear holds), shielded from cancellation
-_ACK_ON_EXIT_S = 5.0
 
 
 async def default_fetch_batch_fn(
@@ -326,101 +321,28 @@ def _unpacked_slice(
     return BatchSlice(batch_index, first_micro, unpack(buffer, packed), hold)
 
 
-def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
-    low = 0 if zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "a non-negative" if zero else "a positive"
-        raise InvalidRequestError(f"{name} must be {kind} integer, got {value!r}")
-    return value
-
-
-_TAILS = ("uneven", "drop", "error")
-
-
-def _check_args(
-    address: Any,
-    data_fields: Any,
-    dp_rank: Any,
-    sampling_config: Mapping[str, Any] | None,
-    dp_size: int | None,
-    tail: str | None,
-    fetch_batch_fn: Any,
-    process_batch_fn: Any,
-) -> tuple[dict[str, Any], int | None, str | None]:
-    """The dataset's arguments that need more than a type check: ``(sampling_config,
-    dp_size, tail)`` once checked."""
-    # (the torch adapter passes a blocking client's async-shaped view: anything with get_meta)
-    if not isinstance(address, str) and not callable(getattr(address, "get_meta", None)):
-        raise InvalidRequestError(
-            f"address must be the controller's address or an AsyncClient, got "
-            f"{type(address).__name__}"
-        )
-    if isinstance(address, str):
-        _name("address", address)
-    if isinstance(data_fields, str) or not isinstance(data_fields, Sequence):
-        raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {data_fields!r}; "
-            f"write data_fields=[{data_fields!r}]"
-        )
-    if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
-        raise InvalidRequestError(
-            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
-        )
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
-    config = dict(sampling_config or {})
-    if "batch_index" in config:
-        raise InvalidRequestError(
-            "sampling_config must not set 'batch_index': the dataset sets it for every "
-            "batch; use reset(), step() or load_state_dict() to move"
-        )
-    if config.get("dp_rank", dp_rank) != dp_rank:
-        raise InvalidRequestError(
-            f"sampling_config sets dp_rank={config['dp_rank']!r} but dp_rank={dp_rank!r}; "
-            "pass the rank only as dp_rank"
-        )
-    dp_size, tail = _check_dp(dp_rank, dp_size, tail)
-    for key, value in (("dp_size", dp_size), ("tail", tail)):
-        if key in config and config[key] != value:
+def _micro_batches(
+    td: TensorDictBase, meta: BatchMeta, process_fn: ProcessBatchFn, micro_batch_size: int
+) -> list[MicroBatch]:
+    """A fetched batch cut by ``process_fn`` (an empty one: one micro-batch of 0 rows)."""
+    if meta.is_empty:
+        # exactly one micro-batch, whatever process_batch_fn would make of 0 rows: the
+        # step count must not depend on which rank got the empty share
+        if td.batch_size[:1] != (0,):
             raise InvalidRequestError(
-                f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
-                f"{value!r}; pass it only as the dataset's {key}= argument"
+                f"fetch_batch_fn returned {td.batch_size[0] if td.batch_size else 'no'} "
+                "rows of data for a BatchMeta of 0 rows; data and metadata must name "
+                "the same rows"
             )
-    for hook_name, hook in (
-        ("fetch_batch_fn", fetch_batch_fn),
-        ("process_batch_fn", process_batch_fn),
-    ):
-        if hook is not None and not callable(hook):
-            raise InvalidRequestError(f"{hook_name} must be callable, got {hook!r}")
-    return config, dp_size, tail
-
-
-def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str | None]:
-    """Validate ``dp_size`` and ``tail`` (and ``dp_rank`` against ``dp_size``)."""
-    dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
-    if tail is not None and tail not in _TAILS:
-        raise InvalidRequestError(
-            f"tail must be one of {', '.join(map(repr, _TAILS))} or None, got {tail!r}"
-        )
-    if dp_size is None:
-        if tail is not None:
+        return [(td, meta)]
+    parts = list(process_fn(td, meta, micro_batch_size=micro_batch_size))
+    for part in parts:
+        if not (isinstance(part, tuple) and len(part) == 2):
             raise InvalidRequestError(
-                f"tail={tail!r} needs dp_size: the tail policy shares the last global batch "
-                "among dp_size ranks; pass dp_size= as well"
+                "process_batch_fn must return a list of (TensorDict, BatchMeta) pairs, "
+                f"got an item of type {type(part).__name__}"
             )
-        return None, tail
-    dp_size = _positive_int("dp_size", dp_size)
-    if dp_rank >= dp_size:
-        raise InvalidRequestError(
-            f"dp_rank {dp_rank} is out of range for dp_size={dp_size}; ranks are 0..{dp_size - 1}"
-        )
-    return dp_size, tail
-
-
-def _name(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
-    return value
+    return parts
 
 
 class AsyncStreamingDataset:
@@ -529,7 +451,7 @@ class AsyncStreamingDataset:
         device: Any = None,
     ) -> None:
         self.device = check_device(device)
-        config, dp_size, tail = _check_args(
+        config, dp_size, tail = check_args(
             address,
             data_fields,
             dp_rank,
@@ -542,15 +464,15 @@ class AsyncStreamingDataset:
         self._address = address
         self._request_timeout = request_timeout
         self.data_fields: list[str] = list(data_fields)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
-        self._partition_id = _name("partition_id", partition_id)
-        self.task_name = _name("task_name", task_name)
-        self.dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
+        self._partition_id = checked_name("partition_id", partition_id)
+        self.task_name = checked_name("task_name", task_name)
+        self.dp_rank = positive_int("dp_rank", dp_rank, zero=True)
         self.dp_size = dp_size
         self.tail = tail
-        self.prefetch = _positive_int("prefetch", prefetch, zero=True)
-        self.replay_window = _positive_int("replay_window", replay_window, zero=True)
+        self.prefetch = positive_int("prefetch", prefetch, zero=True)
+        self.replay_window = positive_int("replay_window", replay_window, zero=True)
         self.stop_when_consumed = bool(stop_when_consumed)
         self.sampling_config = config
         self._fetch_fn: FetchBatchFn = fetch_batch_fn or default_fetch_batch_fn
@@ -572,9 +494,9 @@ class AsyncStreamingDataset:
         self._taken: dict[int, tuple[TensorDictBase, BatchMeta]] = {}
         #: the batch whose micro-batches are being delivered
         self._current: _Fetched | None = None
-        #: delivered batches whose auto-clear hold the dataset still has to acknowledge (the
-        #: default fetch keeps the holds: a batch read ahead is acknowledged once delivered)
-        self._unacked: list[BatchMeta] = []
+        #: auto-clear holds of delivered batches, to acknowledge (the default fetch keeps
+        #: them: a batch read ahead is acknowledged once delivered)
+        self._holds = Holds()
         #: False: what `next_batch` returns is not delivered yet; its reader acknowledges it
         #: (`acknowledge_delivered`, or the torch adapter's loader in the main process)
         self._ack_on_delivery = True
@@ -632,7 +554,7 @@ class AsyncStreamingDataset:
         Raises:
             InvalidRequestError: ``partition_id`` is not a non-empty string.
         """
-        self._move(_name("partition_id", partition_id), self._offset, 0)
+        self._move(checked_name("partition_id", partition_id), self._offset, 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the dataset is: a plain dict (msgpack- and JSON-able) for checkpoints.
@@ -747,13 +669,7 @@ class AsyncStreamingDataset:
         self._current = None
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
-        try:
-            with anyio.move_on_after(_ACK_ON_EXIT_S, shield=True):
-                await self._ack_delivered()
-        except TQError as exc:  # the body's outcome stands; the rows stay held
-            log.warning(
-                "could not acknowledge the batches delivered", error=repr(exc), **self.state_dict()
-            )
+        await self._holds.flush_on_leaving(self._client, **self.state_dict())
         try:
             # The body's exception is the caller's, not the task group's: passing it on
             # would come back wrapped in an ExceptionGroup. It propagates unchanged.
@@ -827,16 +743,8 @@ class AsyncStreamingDataset:
                 return None
         first = self._next_micro
         self._deliver(cur, len(cur.micro_batches))
-        hold = None
-        if not self._ack_on_delivery and self._keeps_holds and cur.meta.lease_id:
-            # the caller acknowledges it once it delivered the last micro-batch
-            hold = BatchMeta(
-                partition_id=cur.meta.partition_id,
-                global_indexes=[],
-                field_names=[],
-                units=[],
-                lease_id=cur.meta.lease_id,
-            )
+        # (without _ack_on_delivery its caller acknowledges it, having delivered it all)
+        hold = None if self._ack_on_delivery or not self._keeps_holds else hold_of(cur.meta)
         return BatchSlice(cur.batch_index, first, cur.micro_batches[first:], hold)
 
     def acknowledge_delivered(self, meta: BatchMeta) -> None:
@@ -846,8 +754,8 @@ class AsyncStreamingDataset:
         For the torch adapter, which delivers what `next_batch` returned itself (its
         `BatchSlice.hold`).
         """
-        if meta.lease_id and self._keeps_holds:
-            self._unacked.append(meta)
+        if self._keeps_holds:
+            self._holds.delivered(meta)
 
     @property
     def _keeps_holds(self) -> bool:
@@ -880,7 +788,7 @@ class AsyncStreamingDataset:
         else:
             fetched = await self._prefetcher.next(self._tg)
         if fetched is None:
-            await self._ack_delivered()
+            await self._holds.flush(self._client)
         return fetched
 
     def _position(self) -> tuple[int, int, int]:
@@ -912,7 +820,8 @@ class AsyncStreamingDataset:
         if not moved:
             # on the device here, in the prefetching task: overlapped with the caller's work
             td = await to_device(td, self.device)
-        return _Fetched(index, td, meta, self._split(td, meta))
+        micro = _micro_batches(td, meta, self._process_fn, self.micro_batch_size)
+        return _Fetched(index, td, meta, micro)
 
     def _remember(self, index: int, batch: tuple[TensorDictBase, BatchMeta]) -> None:
         """Keep the ``replay_window`` highest batch indexes.
@@ -978,7 +887,7 @@ class AsyncStreamingDataset:
             stop_when_consumed=self.stop_when_consumed,
             **extra,
         )
-        self._acked(extra.get("ack"))
+        self._holds.sent(extra)
         return got
 
     @property
@@ -998,25 +907,10 @@ class AsyncStreamingDataset:
         fetch: a batch read ahead and never delivered keeps its rows for its next reader)."""
         if not self._keeps_holds:
             return {}
-        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
-        extra["keep_hold"] = True
-        if self._unacked:
-            extra["ack"] = list(self._unacked)
+        extra = self._holds.fetch_args()
+        if self._fetches_onto_device:
+            extra["device"] = self.device
         return extra
-
-    def _acked(self, metas: list[BatchMeta] | None) -> None:
-        """``metas`` were acknowledged: forget them."""
-        if metas:
-            done = {id(m) for m in metas}
-            self._unacked = [m for m in self._unacked if id(m) not in done]
-
-    async def _ack_delivered(self) -> None:
-        """Acknowledge the delivered batches not acknowledged yet (at the end of the stream,
-        and on leaving: no fetch follows to carry them)."""
-        if self._unacked and self._client is not None:
-            metas = list(self._unacked)
-            await self._client.ack(metas)
-            self._acked(metas)
 
     async def _call_fetch(self, index: int, config: dict[str, Any], timeout: float | None) -> Any:
         assert self._client is not None
@@ -1035,7 +929,7 @@ class AsyncStreamingDataset:
         )
         if inspect.isawaitable(result):
             result = await result
-        self._acked(extra.get("ack"))
+        self._holds.sent(extra)
         return result
 
     def _checked(self, got: Any, index: int) -> tuple[TensorDictBase, BatchMeta] | None:
@@ -1061,60 +955,3 @@ class AsyncStreamingDataset:
                 f"fetch_batch_fn must return a TensorDict as data, got {type(td).__name__}"
             )
         return td, meta
-
-    def _split(self, td: TensorDictBase, meta: BatchMeta) -> list[MicroBatch]:
-        if meta.is_empty:
-            # exactly one micro-batch, whatever process_batch_fn would make of 0 rows: the
-            # step count must not depend on which rank got the empty share
-            if td.batch_size[:1] != (0,):
-                raise InvalidRequestError(
-                    f"fetch_batch_fn returned {td.batch_size[0] if td.batch_size else 'no'} "
-                    "rows of data for a BatchMeta of 0 rows; data and metadata must name "
-                    "the same rows"
-                )
-            return [(td, meta)]
-        parts = list(self._process_fn(td, meta, micro_batch_size=self.micro_batch_size))
-        for part in parts:
-            if not (isinstance(part, tuple) and len(part) == 2):
-                raise InvalidRequestError(
-                    "process_batch_fn must return a list of (TensorDict, BatchMeta) pairs, "
-                    f"got an item of type {type(part).__name__}"
-                )
-        return parts
-
-
-def parse_state(
-    state: Mapping[str, Any], task_name: str, dp_rank: int, dp_size: int | None = None
-) -> tuple[str, int, int]:
-    """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``.
-
-    A state without ``dp_size`` (saved before it existed) resumes under any ``dp_size``.
-    """
-    if not isinstance(state, Mapping):
-        raise InvalidRequestError(
-            f"load_state_dict needs the dict state_dict() returned, got {type(state).__name__}"
-        )
-    if state.get("version") != 1:
-        raise InvalidRequestError(
-            f"unknown dataset state version {state.get('version')!r}; it was not saved by "
-            "this version's state_dict()"
-        )
-    if state.get("task_name") != task_name or state.get("dp_rank") != dp_rank:
-        raise InvalidRequestError(
-            f"the state was saved by task {state.get('task_name')!r} dp_rank "
-            f"{state.get('dp_rank')!r}, but this dataset reads task {task_name!r} dp_rank "
-            f"{dp_rank}; build the dataset with the same task_name and dp_rank to resume"
-        )
-    if state.get("dp_size", dp_size) != dp_size:
-        raise InvalidRequestError(
-            f"the state was saved with dp_size={state.get('dp_size')!r}, but this dataset has "
-            f"dp_size={dp_size!r}; the recorded global batches were shared among that many "
-            "ranks, so resume with the same dp_size"
-        )
-    try:
-        partition_id = _name("partition_id", state["partition_id"])
-        index = _positive_int("batch_index", state["batch_index"], zero=True)
-        micro = _positive_int("micro_batch_index", state["micro_batch_index"], zero=True)
-    except KeyError as exc:
-        raise InvalidRequestError(f"the dataset state lacks {exc}; pass state_dict()") from None
-    return partition_id, index, micro

@@ -54,16 +54,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .._client._sync._client import Client
 from .._errors import ClosedError, InvalidRequestError, TQError
 from .._logging import get_logger
-from .._meta import BatchMeta
 from .._portal import allow_blocking, check_blocking_allowed
+from ._args import parse_state
 from ._async import (
     AsyncStreamingDataset,
     BatchSlice,
     FetchBatchFn,
     MicroBatch,
     ProcessBatchFn,
-    parse_state,
 )
+from ._holds import LoaderAcks
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
@@ -434,13 +434,13 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         """
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
-        acks = _Acks(ds._kwargs["address"])
+        acks = LoaderAcks(ds._kwargs["address"])
         try:
             yield from self._passes(ds, acks)
         finally:
             acks.close()
 
-    def _passes(self, ds: StreamingDataset, acks: _Acks) -> Iterator[MicroBatch]:
+    def _passes(self, ds: StreamingDataset, acks: LoaderAcks) -> Iterator[MicroBatch]:
         """`__iter__`: a DataLoader pass, and a new one each time the position moves."""
         while True:
             generation = ds._generation
@@ -480,56 +480,6 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             if not moved:
                 return
             log.debug("position moved during a pass; restarting workers", **ds.state_dict())
-
-
-class _Acks:
-    """The auto-clear holds of the batches a `StreamingDataLoader` delivered, acknowledged
-    from the main process over a client of its own (opened when there is one to send).
-
-    The workers keep the holds of what they fetch: a batch a worker handed over that the
-    loader never delivered (it was left, or the process died) keeps its rows for the next
-    reader of its ``batch_index``, as with `AsyncStreamingDataset`.
-    """
-
-    def __init__(self, address: str) -> None:
-        self._address = address
-        self._client: Client | None = None
-        self._pending: list[BatchMeta] = []
-
-    def delivered(self, hold: BatchMeta | None) -> None:
-        """Every micro-batch of the batch whose `BatchSlice.hold` is ``hold`` was handed
-        out."""
-        if hold is not None:
-            self._pending.append(hold)
-
-    def send(self) -> None:
-        """Acknowledge what was delivered (best effort: the rows stay held on failure)."""
-        if not self._pending:
-            return
-        metas, self._pending = self._pending, []
-        try:
-            if self._client is None:
-                self._client = Client(self._address, request_timeout=_ACK_TIMEOUT_S).open()
-            self._client.ack(metas)
-        except TQError as exc:
-            log.warning(
-                "could not acknowledge the batches the loader delivered; their rows stay "
-                "held until the partition is cleared",
-                batches=[m.batch_index for m in metas],
-                error=repr(exc),
-            )
-
-    def close(self) -> None:
-        try:
-            self.send()
-        finally:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
-#: seconds a StreamingDataLoader waits for the acknowledgement of the batches it delivered
-_ACK_TIMEOUT_S = 10.0
 
 
 #: a DataLoader worker hands the loader up to prefetch_factor of its batches at once, the
