@@ -509,8 +509,7 @@ class GetPath:
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
                     await self.release(meta)
-            else:
-                self._end_hold(meta, query)  # drop the hold
+            # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
         return td, meta
@@ -526,16 +525,13 @@ class GetPath:
             answers.append((_batch_meta(follower, partition_id, task_name, index), follower))
         out: list[tuple[TensorDict, BatchMeta]] = []
         pos = 0
-        try:
-            for m, g in answers:
-                k = _inline_frame_count(g)
-                out.append((await self._read(m, g, frames[pos : pos + k], as_nested, target), m))
-                pos += k
-                self._end_hold(m, query)
-        except BaseException:
-            for m, _ in answers[len(out) :]:
-                self._end_hold(m, query)  # the batches stay recorded under their indexes
-            raise
+        # (if a read fails or is cancelled, the batches not read stay recorded under their
+        # indexes, each with its rows and its hold: their next readers take them over)
+        for m, g in answers:
+            k = _inline_frame_count(g)
+            out.append((await self._read(m, g, frames[pos : pos + k], as_nested, target), m))
+            pos += k
+            self._end_hold(m, query)
         if pos != len(frames):
             raise ProtocolError("a get_meta reply carried extra frames")
         return out
