@@ -59,7 +59,7 @@ from .._errors import (
 )
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
-from .._wire._checks import MAX_ALSO, check_int
+from .._wire._checks import MAX_ALSO, check_int, check_seconds
 from .._wire._nested import RowWindows, tensordict_of
 from ._args import check_args, checked_name, parse_state, positive_int
 from ._handoff import pack, unpack
@@ -710,7 +710,7 @@ class AsyncStreamingDataset:
                 raise StopAsyncIteration
             self._current = fetched
 
-    async def next_batch(self, *, wait: bool = True, ahead: int = 0) -> BatchSlice | None:
+    async def next_batch(self, *, wait: bool | float = True, ahead: int = 0) -> BatchSlice | None:
         """The undelivered rest of the next batch, as a whole; None at the end of the stream.
 
         Delivering a whole batch per call keeps a DataLoader's round-robin over workers in
@@ -718,33 +718,35 @@ class AsyncStreamingDataset:
 
         With ``wait=False`` a batch that cannot be decided at once is not waited for:
         `TQTimeoutError`, nothing consumed and the position unchanged (batches below
-        it that it decided stay recorded). With ``ahead=n`` the request that fetches the
-        batch also takes up to ``n`` of the following ones that can be decided at once
-        (`get_batches`); the next calls deliver them without
-        asking (a move, `reset` or `step`, drops them: they stay recorded and
+        it that it decided stay recorded); ``wait=seconds`` waits that long at most. With
+        ``ahead=n`` the request that fetches the batch also takes up to ``n`` of the
+        following ones that can be decided at once (`get_batches`); the next calls deliver
+        them without asking (a move, `reset` or `step`, drops them: they stay recorded and
         are read again by their indexes). Both need ``prefetch=0`` and the default
         ``fetch_batch_fn``.
 
         Raises:
-            InvalidRequestError: ``wait=False`` or ``ahead`` with ``prefetch`` or a custom
-                fetch; ``ahead`` not an int in 0..64.
-            TQTimeoutError: ``wait=False`` and the batch is not ready.
+            InvalidRequestError: ``wait`` other than True, or ``ahead``, with ``prefetch`` or
+                a custom fetch; ``ahead`` not an int in 0..64; ``wait`` not a bool or
+                positive seconds.
+            TQTimeoutError: ``wait`` is not True and the batch is not ready in time.
         """
-        if (not wait or ahead) and (self.prefetch or self._fetch_fn is not default_fetch_batch_fn):
+        if (wait is not True or ahead) and (self.prefetch or not self._default_fetch):
             raise InvalidRequestError(
-                "next_batch(wait=False) and next_batch(ahead=) need prefetch=0 and the "
-                "default fetch_batch_fn (a custom one may not honour timeout=0)"
+                "next_batch(wait=False or seconds) and next_batch(ahead=) need prefetch=0 and "
+                "the default fetch_batch_fn (a custom one may not honour its timeout)"
             )
         check_int("ahead", ahead, 0, MAX_ALSO)
+        timeout = None if wait is True else 0 if wait is False else check_seconds("wait", wait)
         cur = self._current
         if cur is None:
-            cur = await self._next_fetched(None if wait else 0, ahead)
+            cur = await self._next_fetched(timeout, ahead)
             if cur is None:
                 return None
         first = self._next_micro
         self._deliver(cur, len(cur.micro_batches))
         # (without _ack_on_delivery its caller acknowledges it, having delivered it all)
-        hold = None if self._ack_on_delivery or not self._keeps_holds else hold_of(cur.meta)
+        hold = None if self._ack_on_delivery or not self._default_fetch else hold_of(cur.meta)
         return BatchSlice(cur.batch_index, first, cur.micro_batches[first:], hold)
 
     def acknowledge_delivered(self, meta: BatchMeta) -> None:
@@ -754,13 +756,14 @@ class AsyncStreamingDataset:
         For the torch adapter, which delivers what `next_batch` returned itself (its
         `BatchSlice.hold`).
         """
-        if self._keeps_holds:
+        if self._default_fetch:
             self._holds.delivered(meta)
 
     @property
-    def _keeps_holds(self) -> bool:
-        """Whether a fetch leaves an auto-clear task's hold for the dataset to acknowledge
-        (the default fetch; a custom one acknowledges as it reads)."""
+    def _default_fetch(self) -> bool:
+        """Whether the fetch is `default_fetch_batch_fn`: it honours ``timeout=0``, and
+        leaves an auto-clear task's holds for the dataset to acknowledge (a custom one
+        acknowledges as it reads)."""
         return self._fetch_fn is default_fetch_batch_fn
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
@@ -905,7 +908,7 @@ class AsyncStreamingDataset:
         """The arguments only the default fetch gets: the device it reads onto, and the
         auto-clear holds it keeps (a batch is acknowledged once delivered, with the next
         fetch: a batch read ahead and never delivered keeps its rows for its next reader)."""
-        if not self._keeps_holds:
+        if not self._default_fetch:
             return {}
         extra = self._holds.fetch_args()
         if self._fetches_onto_device:

@@ -52,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._client._sync._client import Client
-from .._errors import ClosedError, InvalidRequestError, TQError
+from .._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
 from .._logging import get_logger
 from .._portal import allow_blocking, check_blocking_allowed
 from ._args import parse_state
@@ -297,9 +297,13 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         )
         # the hand-off's batches come in one request when they are ready at once
         ahead = self._handoff_batches - 1 if grouped else 0
+        # a DataLoader worker waits for rows in slices, and stops once the loader's process
+        # is gone (blocked until rows come, it would outlive it, its request waiting)
+        in_worker = get_worker_info() is not None and self._kwargs["fetch_batch_fn"] is None
+        loader = os.getppid() if in_worker else None
         try:
             while True:
-                item: BatchSlice | None = host.call(lambda: ads.next_batch(ahead=ahead))
+                item = _next_batch(host, ads, ahead, loader)
                 if item is None:
                     return
                 if grouped:
@@ -501,6 +505,27 @@ class _Group(list[BatchSlice]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Group, (list(self),))
+
+
+#: seconds a DataLoader worker waits for a batch before it checks that the loader's process
+#: is still there (torch's workers check every 5 s too: ``MP_STATUS_CHECK_INTERVAL``)
+_LOADER_CHECK_S = 5.0
+
+
+def _next_batch(
+    host: _InThread, ads: AsyncStreamingDataset, ahead: int, loader: int | None
+) -> BatchSlice | None:
+    """The next batch (`AsyncStreamingDataset.next_batch`); None at the end of the stream,
+    or, in a DataLoader worker (``loader``: the loader's pid), once the loader is gone."""
+    if loader is None:
+        return host.call(lambda: ads.next_batch(ahead=ahead))
+    while True:
+        try:
+            return host.call(lambda: ads.next_batch(wait=_LOADER_CHECK_S, ahead=ahead))
+        except TQTimeoutError:  # nothing taken; the position is unchanged
+            if os.getppid() != loader:
+                log.info("the DataLoader's process is gone: this worker stops", loader=loader)
+                return None
 
 
 def _ready_group(
