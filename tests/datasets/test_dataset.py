@@ -413,6 +413,41 @@ async def test_leaving_mid_stream_keeps_prefetched_batches_readable() -> None:
         )
 
 
+async def test_auto_clear_keeps_the_batches_read_ahead_until_they_are_delivered() -> None:
+    # auto-clear frees a row once the task acknowledged it; the prefetcher's reads must not
+    # acknowledge batches the caller never received (before: they were freed on arrival and a
+    # resume from the position got RowsNotFound for rows nobody had seen)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["train"])
+        await client.put(_rows(12), partition_id="p")
+        await client.seal("p")
+        args = (["x", "jag", "s"], 3, 3, "p", "train")
+        first = AsyncStreamingDataset(cluster.address, *args, prefetch=2)
+        async with first:
+            with anyio.fail_after(DEADLINE):
+                taken = [await anext(first)]
+                # the prefetcher reads batches 1 and 2 ahead (each round trip waits for the
+                # controller)
+                while (await client.partition_info("p"))["ready"]["train"] > 3:
+                    pass
+        state = first.state_dict()
+        assert (state["batch_index"], state["micro_batch_index"]) == (1, 0)
+        # only the delivered batch was freed
+        assert (await client.partition_info("p"))["rows"] == 9
+        second = AsyncStreamingDataset(cluster.address, *args, prefetch=2)
+        second.load_state_dict(state)
+        async with second:
+            rest = await _drain(second)
+        assert [r for _, rows in _ids(taken + rest) for r in rows] == list(range(12))
+        for td, meta in rest:
+            _check_aligned(td, meta)
+        # every row was delivered, then freed
+        assert (await client.partition_info("p"))["rows"] == 0
+
+
 async def test_cancelled_fetch_on_demand_loses_nothing() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -6,9 +6,18 @@ subprocess (one per module; every test uses its own partitions).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
+import os
 import pickle
+import select
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -243,6 +252,42 @@ def test_loader_resumes_mid_batch_with_workers(address: str, client: tq.Client) 
     rest = _read(again)
     assert rest[0] == (2, [11])
     _check_stream(taken + rest)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_auto_clear_task_resumes_a_loader_left_mid_batch_with_every_row(
+    address: str, client: tq.Client, num_workers: int
+) -> None:
+    """Auto-clear frees a row once the task acknowledged it. A loader left in the middle of
+    batch 1 (its workers had fetched batches ahead) resumes at that micro-batch and delivers
+    every row: only the batches delivered whole were acknowledged (before: every batch was
+    acknowledged as a worker read it, and the resumed loader got RowsNotFound)."""
+    pid = f"auto-clear-{num_workers}"
+    client.register_tasks(["train"], pid)
+    client.put({"x": torch.arange(32)}, partition_id=pid)
+    client.seal(pid)
+
+    def loader() -> StreamingDataLoader:
+        ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+        if not num_workers:
+            return StreamingDataLoader(ds)
+        return StreamingDataLoader(ds, num_workers=num_workers, multiprocessing_context="fork")
+
+    first = loader()
+    got: list[int] = []
+    for td, _ in first:
+        got += td["x"].tolist()
+        if len(got) == 6:  # batch 0, then half of batch 1
+            break
+    state = first.state_dict()
+    del first  # its workers stop
+    assert (state["batch_index"], state["micro_batch_index"]) == (1, 1)
+    assert client.partition_info(pid)["rows"] == 28  # batch 0 was delivered, then freed
+    again = loader()
+    again.load_state_dict(state)
+    got += [r for td, _ in again for r in td["x"].tolist()]
+    assert got == list(range(32))
+    assert client.partition_info(pid)["rows"] == 0  # every row delivered, then freed
 
 
 def test_state_dict_resumes_in_a_new_process(address: str, client: tq.Client) -> None:
@@ -558,3 +603,78 @@ def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_
         got.append((meta.batch_index, rows))
     assert [b for b, _ in got] == [0, 1, 2]
     assert sorted(r for _, rows in got for r in rows) == list(range(n))
+
+
+ORPHANED_LOADER = """
+    import os, sys
+    from tq_async._client._sync._client import Client
+    from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
+
+    fetch = Client.get_batches
+
+    def announced(self, *args, **kwargs):
+        print("FETCHING", os.getpid(), flush=True)  # in a worker: it waits for rows now
+        return fetch(self, *args, **kwargs)
+
+    Client.get_batches = announced
+    ds = StreamingDataset(sys.argv[1], ["x"], 4, 4, sys.argv[2], "train")
+    for _ in StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork"):
+        pass
+"""
+
+
+def _lines(proc: subprocess.Popen[str], prefix: str, n: int, timeout: float) -> list[str]:
+    """The next ``n`` stdout lines of ``proc`` that start with ``prefix`` (bounded wait)."""
+    assert proc.stdout is not None
+    got: list[str] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(got) < n:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{len(got)} of {n} {prefix!r} lines within {timeout} s")
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the loader exited with {proc.wait(timeout=10)}")
+            if line.startswith(prefix):
+                got.append(line[len(prefix) :].strip())
+    return got
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (not our child) ends within ``timeout`` (waits on its pidfd)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds (Linux)")
+def test_loader_workers_waiting_for_rows_stop_when_the_loader_is_killed(address: str) -> None:
+    """A loader SIGKILLed while its workers wait for rows that do not come: the workers stop
+    within torch's check interval (before: blocked in their fetch, they outlived it until
+    rows came, or until the services went away)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(ORPHANED_LOADER), address, "orphaned"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    workers: list[int] = []
+    try:
+        workers = sorted({int(pid) for pid in _lines(proc, "FETCHING ", 2, 60)})
+        proc.kill()
+        proc.wait(timeout=10)
+        assert all(_exited(pid, 15) for pid in workers), "a worker outlived its loader"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

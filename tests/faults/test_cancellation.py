@@ -21,7 +21,9 @@ from tensordict import TensorDict
 
 import tq_async as tq
 from _cluster_proc import serve_cluster
+from _requests import cancelled_at
 from tq_async._transport._dealer import DealerConnection
+from tq_async._wire._protocol import StoreGet
 
 MODES = ["embedded", "tcp", "unix"]
 
@@ -390,3 +392,26 @@ async def test_a_client_closed_while_its_get_meta_waits_leaves_the_rows_to_the_t
                 await anyio.lowlevel.checkpoint()
         await fill(client, "p", 2)
         assert await drain(client, "p") == [0, 1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_recorded_get_cancelled_while_its_cells_are_read_keeps_its_rows_held(
+    mode: str,
+) -> None:
+    """An auto-clear task's ``get`` of a recorded batch, cancelled once its rows were decided
+    and their read went out to the unit: the batch keeps its rows (auto-clear does not free
+    them), and the next read of the same batch_index gets them (before: the cancelled read
+    acknowledged its hold, auto-clear freed the rows, and the replay got `RowsNotFound`)."""
+    async with client_in(mode, inline_get_bytes=0) as client:
+        await client.register_tasks(["t"], "p")
+        await fill(client, "p")
+        config = {"batch_index": 0, "dp_rank": 0}
+        with cancelled_at(StoreGet) as (scope, sent), scope:
+            await client.get(["i"], 4, "p", "t", config)
+        assert scope.cancelled_caught
+        assert sent
+        # (each round trip on the connection comes after what the cancelled call sent)
+        assert (await client.partition_info("p"))["rows"] == 8
+        td, meta = await client.get(["i"], 4, "p", "t", config)
+        assert td["i"].tolist() == meta.global_indexes == [0, 1, 2, 3]
+        assert (await client.partition_info("p"))["rows"] == 4  # read, acknowledged, freed

@@ -482,3 +482,58 @@ async def test_a_hold_never_acknowledged_does_not_outlive_clear_partition() -> N
             assert td["x"].tolist() == [10, 11, 12, 13]
             # the new rows are auto-cleared: the old hold (same row ids) is gone
             assert (await c.partition_info("p"))["rows"] == 0
+
+
+PREFETCHING_RANK = """
+    import anyio, json, sys
+    import tq_async as tq
+
+    async def main(address):
+        async with tq.AsyncClient.connect(address) as c:
+            ds = tq.AsyncStreamingDataset(c, ["x"], 3, 3, "p", "train", dp_rank=0, dp_size=2,
+                                          prefetch=2)
+            async with ds:
+                td, meta = await anext(ds)
+                print("GOT " + json.dumps(td["x"].tolist()), flush=True)
+                # the prefetcher reads global batches 1 and 2 ahead (each round trip waits
+                # for the controller)
+                while (await c.partition_info("p"))["ready"]["train"] > 6:
+                    pass
+                print("STATE " + json.dumps(ds.state_dict()), flush=True)
+                await anyio.sleep_forever()  # the test kills us here
+
+    anyio.run(main, sys.argv[1])
+"""
+
+
+async def test_a_dp_rank_killed_with_batches_read_ahead_resumes_them_under_auto_clear() -> None:
+    """Auto-clear over "train"; DP rank 0 (dp_size 2) takes one batch while its prefetcher
+    reads two more, and is SIGKILLed. Resumed from its state, it reads those two (before: its
+    reads had acknowledged them, auto-clear freed them, and the resume got `RowsNotFound`);
+    rank 1 reads its shares meanwhile, and both ranks end at the same batch_index with every
+    row delivered once."""
+    server, address = serve("--storage-units", "1")
+    with running(server):
+        async with tq.AsyncClient.connect(address) as c:
+            await c.register_tasks(["train"], "p")
+            await c.put({"x": torch.arange(24)}, "p")  # 4 global batches of 2 x 3 rows
+            await c.seal("p")
+            rank0 = child(PREFETCHING_RANK, address)
+            with running(rank0):
+                got = rank0.json("GOT ")
+                state = rank0.json("STATE ")
+                rank0.kill()
+            assert state["batch_index"] == 1
+            ends = []
+            for rank in (1, 0):
+                ds = tq.AsyncStreamingDataset(
+                    c, ["x"], 3, 3, "p", "train", dp_rank=rank, dp_size=2, prefetch=2
+                )
+                if rank == 0:
+                    ds.load_state_dict(state)
+                async with ds:
+                    with anyio.fail_after(_DEADLINE):
+                        got += [r async for td, _ in ds for r in td["x"].tolist()]
+                    ends.append(ds.batch_index)
+            assert ends == [4, 4]
+            assert sorted(got) == list(range(24))

@@ -59,9 +59,11 @@ from .._errors import (
 )
 from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
-from .._wire._checks import MAX_ALSO, check_int
+from .._wire._checks import MAX_ALSO, check_int, check_seconds
 from .._wire._nested import RowWindows, tensordict_of
+from ._args import check_args, checked_name, parse_state, positive_int
 from ._handoff import pack, unpack
+from ._holds import Holds, hold_of
 from ._prefetch import Prefetcher
 
 __all__ = [
@@ -105,6 +107,8 @@ async def default_fetch_batch_fn(
     timeout: float | None = None,
     stop_when_consumed: bool = False,
     device: Any = None,
+    keep_hold: bool = False,
+    ack: Sequence[BatchMeta] | None = None,
     **_: Any,
 ) -> tuple[TensorDict | None, BatchMeta]:
     """Fetch one batch: `get` under ``sampling_config``.
@@ -137,6 +141,11 @@ async def default_fetch_batch_fn(
         device: read the tensors onto this device (``get(..., device=)``: columns in a
             device arena of a unit on this host move device to device). The dataset passes
             it to this default function only, when it has a ``device`` and no replay window.
+        keep_hold: pass to ``get``: an auto-clear task's rows stay held once read. The
+            dataset passes it to this default function only, and acknowledges each batch
+            once it is delivered (a batch read ahead and never delivered keeps its rows for
+            the next reader of its ``batch_index``).
+        ack: pass to ``get``: batches delivered since the last fetch, acknowledged with it.
 
     Returns:
         ``(data, meta)`` (with ``dp_size``, possibly 0 rows of both); ``(None, meta)`` with
@@ -159,6 +168,8 @@ async def default_fetch_batch_fn(
         timeout=timeout,
         stop_when_consumed=stop_when_consumed,
         device=device,
+        keep_hold=keep_hold,
+        ack=ack,
     )
     if meta.end_of_stream:
         return None, meta
@@ -271,16 +282,19 @@ class BatchSlice:
     """The rest of one batch, micro-batches from ``first_micro`` on (`next_batch`).
 
     What the torch adapter's DataLoader workers hand the loader (it pickles: no slots).
+    ``hold``: the batch's auto-clear hold (a `BatchMeta` of no rows naming its lease), which
+    whoever delivers the last micro-batch acknowledges; None when there is none.
     """
 
     batch_index: int
     first_micro: int
     micro_batches: list[MicroBatch]
+    hold: BatchMeta | None = None
 
     def pin_memory(self) -> BatchSlice:
         """Pinned copies of the data (a DataLoader with ``pin_memory=True`` calls this)."""
         pinned = [(td.pin_memory(), meta) for td, meta in self.micro_batches]
-        return BatchSlice(self.batch_index, self.first_micro, pinned)
+        return BatchSlice(self.batch_index, self.first_micro, pinned, self.hold)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # From a DataLoader worker to the loader: torch would move every tensor to shared
@@ -290,8 +304,9 @@ class BatchSlice:
         # shared-memory tensor beyond (tq_async._datasets._handoff).
         packed = pack(self.micro_batches, _INLINE_PICKLE_BYTES)
         if packed is None:
-            return (BatchSlice, (self.batch_index, self.first_micro, self.micro_batches))
-        return (_unpacked_slice, (self.batch_index, self.first_micro, *packed))
+            args = (self.batch_index, self.first_micro, self.micro_batches, self.hold)
+            return (BatchSlice, args)
+        return (_unpacked_slice, (self.batch_index, self.first_micro, *packed, self.hold))
 
 
 #: a BatchSlice whose tensors take at most this many bytes pickles them as bytes (see
@@ -299,106 +314,35 @@ class BatchSlice:
 _INLINE_PICKLE_BYTES = 1 << 20
 
 
-def _unpacked_slice(batch_index: int, first_micro: int, buffer: Any, packed: Any) -> BatchSlice:
+def _unpacked_slice(
+    batch_index: int, first_micro: int, buffer: Any, packed: Any, hold: BatchMeta | None = None
+) -> BatchSlice:
     """A `BatchSlice` from what `BatchSlice.__reduce__` packed."""
-    return BatchSlice(batch_index, first_micro, unpack(buffer, packed))
+    return BatchSlice(batch_index, first_micro, unpack(buffer, packed), hold)
 
 
-def _positive_int(name: str, value: Any, *, zero: bool = False) -> int:
-    low = 0 if zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "a non-negative" if zero else "a positive"
-        raise InvalidRequestError(f"{name} must be {kind} integer, got {value!r}")
-    return value
-
-
-_TAILS = ("uneven", "drop", "error")
-
-
-def _check_args(
-    address: Any,
-    data_fields: Any,
-    dp_rank: Any,
-    sampling_config: Mapping[str, Any] | None,
-    dp_size: int | None,
-    tail: str | None,
-    fetch_batch_fn: Any,
-    process_batch_fn: Any,
-) -> tuple[dict[str, Any], int | None, str | None]:
-    """The dataset's arguments that need more than a type check: ``(sampling_config,
-    dp_size, tail)`` once checked."""
-    # (the torch adapter passes a blocking client's async-shaped view: anything with get_meta)
-    if not isinstance(address, str) and not callable(getattr(address, "get_meta", None)):
-        raise InvalidRequestError(
-            f"address must be the controller's address or an AsyncClient, got "
-            f"{type(address).__name__}"
-        )
-    if isinstance(address, str):
-        _name("address", address)
-    if isinstance(data_fields, str) or not isinstance(data_fields, Sequence):
-        raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {data_fields!r}; "
-            f"write data_fields=[{data_fields!r}]"
-        )
-    if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
-        raise InvalidRequestError(
-            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
-        )
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
-    config = dict(sampling_config or {})
-    if "batch_index" in config:
-        raise InvalidRequestError(
-            "sampling_config must not set 'batch_index': the dataset sets it for every "
-            "batch; use reset(), step() or load_state_dict() to move"
-        )
-    if config.get("dp_rank", dp_rank) != dp_rank:
-        raise InvalidRequestError(
-            f"sampling_config sets dp_rank={config['dp_rank']!r} but dp_rank={dp_rank!r}; "
-            "pass the rank only as dp_rank"
-        )
-    dp_size, tail = _check_dp(dp_rank, dp_size, tail)
-    for key, value in (("dp_size", dp_size), ("tail", tail)):
-        if key in config and config[key] != value:
+def _micro_batches(
+    td: TensorDictBase, meta: BatchMeta, process_fn: ProcessBatchFn, micro_batch_size: int
+) -> list[MicroBatch]:
+    """A fetched batch cut by ``process_fn`` (an empty one: one micro-batch of 0 rows)."""
+    if meta.is_empty:
+        # exactly one micro-batch, whatever process_batch_fn would make of 0 rows: the
+        # step count must not depend on which rank got the empty share
+        if td.batch_size[:1] != (0,):
             raise InvalidRequestError(
-                f"sampling_config sets {key}={config[key]!r} but the dataset's {key} is "
-                f"{value!r}; pass it only as the dataset's {key}= argument"
+                f"fetch_batch_fn returned {td.batch_size[0] if td.batch_size else 'no'} "
+                "rows of data for a BatchMeta of 0 rows; data and metadata must name "
+                "the same rows"
             )
-    for hook_name, hook in (
-        ("fetch_batch_fn", fetch_batch_fn),
-        ("process_batch_fn", process_batch_fn),
-    ):
-        if hook is not None and not callable(hook):
-            raise InvalidRequestError(f"{hook_name} must be callable, got {hook!r}")
-    return config, dp_size, tail
-
-
-def _check_dp(dp_rank: Any, dp_size: Any, tail: Any) -> tuple[int | None, str | None]:
-    """Validate ``dp_size`` and ``tail`` (and ``dp_rank`` against ``dp_size``)."""
-    dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
-    if tail is not None and tail not in _TAILS:
-        raise InvalidRequestError(
-            f"tail must be one of {', '.join(map(repr, _TAILS))} or None, got {tail!r}"
-        )
-    if dp_size is None:
-        if tail is not None:
+        return [(td, meta)]
+    parts = list(process_fn(td, meta, micro_batch_size=micro_batch_size))
+    for part in parts:
+        if not (isinstance(part, tuple) and len(part) == 2):
             raise InvalidRequestError(
-                f"tail={tail!r} needs dp_size: the tail policy shares the last global batch "
-                "among dp_size ranks; pass dp_size= as well"
+                "process_batch_fn must return a list of (TensorDict, BatchMeta) pairs, "
+                f"got an item of type {type(part).__name__}"
             )
-        return None, tail
-    dp_size = _positive_int("dp_size", dp_size)
-    if dp_rank >= dp_size:
-        raise InvalidRequestError(
-            f"dp_rank {dp_rank} is out of range for dp_size={dp_size}; ranks are 0..{dp_size - 1}"
-        )
-    return dp_size, tail
-
-
-def _name(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
-    return value
+    return parts
 
 
 class AsyncStreamingDataset:
@@ -507,7 +451,7 @@ class AsyncStreamingDataset:
         device: Any = None,
     ) -> None:
         self.device = check_device(device)
-        config, dp_size, tail = _check_args(
+        config, dp_size, tail = check_args(
             address,
             data_fields,
             dp_rank,
@@ -520,15 +464,15 @@ class AsyncStreamingDataset:
         self._address = address
         self._request_timeout = request_timeout
         self.data_fields: list[str] = list(data_fields)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
-        self._partition_id = _name("partition_id", partition_id)
-        self.task_name = _name("task_name", task_name)
-        self.dp_rank = _positive_int("dp_rank", dp_rank, zero=True)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
+        self._partition_id = checked_name("partition_id", partition_id)
+        self.task_name = checked_name("task_name", task_name)
+        self.dp_rank = positive_int("dp_rank", dp_rank, zero=True)
         self.dp_size = dp_size
         self.tail = tail
-        self.prefetch = _positive_int("prefetch", prefetch, zero=True)
-        self.replay_window = _positive_int("replay_window", replay_window, zero=True)
+        self.prefetch = positive_int("prefetch", prefetch, zero=True)
+        self.replay_window = positive_int("replay_window", replay_window, zero=True)
         self.stop_when_consumed = bool(stop_when_consumed)
         self.sampling_config = config
         self._fetch_fn: FetchBatchFn = fetch_batch_fn or default_fetch_batch_fn
@@ -550,6 +494,12 @@ class AsyncStreamingDataset:
         self._taken: dict[int, tuple[TensorDictBase, BatchMeta]] = {}
         #: the batch whose micro-batches are being delivered
         self._current: _Fetched | None = None
+        #: auto-clear holds of delivered batches, to acknowledge (the default fetch keeps
+        #: them: a batch read ahead is acknowledged once delivered)
+        self._holds = Holds()
+        #: False: what `next_batch` returns is not delivered yet; its reader acknowledges it
+        #: (`acknowledge_delivered`, or the torch adapter's loader in the main process)
+        self._ack_on_delivery = True
 
         self._stack: AsyncExitStack | None = None
         self._tg: TaskGroup | None = None
@@ -604,7 +554,7 @@ class AsyncStreamingDataset:
         Raises:
             InvalidRequestError: ``partition_id`` is not a non-empty string.
         """
-        self._move(_name("partition_id", partition_id), self._offset, 0)
+        self._move(checked_name("partition_id", partition_id), self._offset, 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the dataset is: a plain dict (msgpack- and JSON-able) for checkpoints.
@@ -719,6 +669,7 @@ class AsyncStreamingDataset:
         self._current = None
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
+        await self._holds.flush_on_leaving(self._client, **self.state_dict())
         try:
             # The body's exception is the caller's, not the task group's: passing it on
             # would come back wrapped in an ExceptionGroup. It propagates unchanged.
@@ -759,7 +710,7 @@ class AsyncStreamingDataset:
                 raise StopAsyncIteration
             self._current = fetched
 
-    async def next_batch(self, *, wait: bool = True, ahead: int = 0) -> BatchSlice | None:
+    async def next_batch(self, *, wait: bool | float = True, ahead: int = 0) -> BatchSlice | None:
         """The undelivered rest of the next batch, as a whole; None at the end of the stream.
 
         Delivering a whole batch per call keeps a DataLoader's round-robin over workers in
@@ -767,36 +718,59 @@ class AsyncStreamingDataset:
 
         With ``wait=False`` a batch that cannot be decided at once is not waited for:
         `TQTimeoutError`, nothing consumed and the position unchanged (batches below
-        it that it decided stay recorded). With ``ahead=n`` the request that fetches the
-        batch also takes up to ``n`` of the following ones that can be decided at once
-        (`get_batches`); the next calls deliver them without
-        asking (a move, `reset` or `step`, drops them: they stay recorded and
+        it that it decided stay recorded); ``wait=seconds`` waits that long at most. With
+        ``ahead=n`` the request that fetches the batch also takes up to ``n`` of the
+        following ones that can be decided at once (`get_batches`); the next calls deliver
+        them without asking (a move, `reset` or `step`, drops them: they stay recorded and
         are read again by their indexes). Both need ``prefetch=0`` and the default
         ``fetch_batch_fn``.
 
         Raises:
-            InvalidRequestError: ``wait=False`` or ``ahead`` with ``prefetch`` or a custom
-                fetch; ``ahead`` not an int in 0..64.
-            TQTimeoutError: ``wait=False`` and the batch is not ready.
+            InvalidRequestError: ``wait`` other than True, or ``ahead``, with ``prefetch`` or
+                a custom fetch; ``ahead`` not an int in 0..64; ``wait`` not a bool or
+                positive seconds.
+            TQTimeoutError: ``wait`` is not True and the batch is not ready in time.
         """
-        if (not wait or ahead) and (self.prefetch or self._fetch_fn is not default_fetch_batch_fn):
+        if (wait is not True or ahead) and (self.prefetch or not self._default_fetch):
             raise InvalidRequestError(
-                "next_batch(wait=False) and next_batch(ahead=) need prefetch=0 and the "
-                "default fetch_batch_fn (a custom one may not honour timeout=0)"
+                "next_batch(wait=False or seconds) and next_batch(ahead=) need prefetch=0 and "
+                "the default fetch_batch_fn (a custom one may not honour its timeout)"
             )
         check_int("ahead", ahead, 0, MAX_ALSO)
+        timeout = None if wait is True else 0 if wait is False else check_seconds("wait", wait)
         cur = self._current
         if cur is None:
-            cur = await self._next_fetched(None if wait else 0, ahead)
+            cur = await self._next_fetched(timeout, ahead)
             if cur is None:
                 return None
         first = self._next_micro
         self._deliver(cur, len(cur.micro_batches))
-        return BatchSlice(cur.batch_index, first, cur.micro_batches[first:])
+        # (without _ack_on_delivery its caller acknowledges it, having delivered it all)
+        hold = None if self._ack_on_delivery or not self._default_fetch else hold_of(cur.meta)
+        return BatchSlice(cur.batch_index, first, cur.micro_batches[first:], hold)
+
+    def acknowledge_delivered(self, meta: BatchMeta) -> None:
+        """Every row of ``meta``'s batch reached the caller: its auto-clear hold is
+        acknowledged with the next fetch (or at the end of the stream, or on leaving).
+
+        For the torch adapter, which delivers what `next_batch` returned itself (its
+        `BatchSlice.hold`).
+        """
+        if self._default_fetch:
+            self._holds.delivered(meta)
+
+    @property
+    def _default_fetch(self) -> bool:
+        """Whether the fetch is `default_fetch_batch_fn`: it honours ``timeout=0``, and
+        leaves an auto-clear task's holds for the dataset to acknowledge (a custom one
+        acknowledges as it reads)."""
+        return self._fetch_fn is default_fetch_batch_fn
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
         if delivered >= len(cur.micro_batches):
+            if self._ack_on_delivery:
+                self.acknowledge_delivered(cur.meta)
             self._next_index = cur.batch_index + self._stride
             self._next_micro = 0
             self._current = None
@@ -813,8 +787,12 @@ class AsyncStreamingDataset:
                 "client and the prefetching task)"
             )
         if self.prefetch == 0:
-            return await self._load(self._next_index, self._generation, timeout, ahead)
-        return await self._prefetcher.next(self._tg)
+            fetched = await self._load(self._next_index, self._generation, timeout, ahead)
+        else:
+            fetched = await self._prefetcher.next(self._tg)
+        if fetched is None:
+            await self._holds.flush(self._client)
+        return fetched
 
     def _position(self) -> tuple[int, int, int]:
         """``(batch_index, generation, stride)`` of the position, for the prefetcher."""
@@ -845,7 +823,8 @@ class AsyncStreamingDataset:
         if not moved:
             # on the device here, in the prefetching task: overlapped with the caller's work
             td = await to_device(td, self.device)
-        return _Fetched(index, td, meta, self._split(td, meta))
+        micro = _micro_batches(td, meta, self._process_fn, self.micro_batch_size)
+        return _Fetched(index, td, meta, micro)
 
     def _remember(self, index: int, batch: tuple[TensorDictBase, BatchMeta]) -> None:
         """Keep the ``replay_window`` highest batch indexes.
@@ -899,8 +878,8 @@ class AsyncStreamingDataset:
         """The default fetch of ``config``'s batch, with the batches of ``also`` that can be
         decided at once, in one request."""
         assert self._client is not None
-        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
-        return await self._client.get_batches(
+        extra = self._default_fetch_extras()
+        got = await self._client.get_batches(
             list(self.data_fields),
             self.batch_size,
             self._partition_id,
@@ -911,6 +890,8 @@ class AsyncStreamingDataset:
             stop_when_consumed=self.stop_when_consumed,
             **extra,
         )
+        self._holds.sent(extra)
+        return got
 
     @property
     def _fetches_onto_device(self) -> bool:
@@ -923,9 +904,20 @@ class AsyncStreamingDataset:
             and not self.replay_window
         )
 
+    def _default_fetch_extras(self) -> dict[str, Any]:
+        """The arguments only the default fetch gets: the device it reads onto, and the
+        auto-clear holds it keeps (a batch is acknowledged once delivered, with the next
+        fetch: a batch read ahead and never delivered keeps its rows for its next reader)."""
+        if not self._default_fetch:
+            return {}
+        extra = self._holds.fetch_args()
+        if self._fetches_onto_device:
+            extra["device"] = self.device
+        return extra
+
     async def _call_fetch(self, index: int, config: dict[str, Any], timeout: float | None) -> Any:
         assert self._client is not None
-        extra: dict[str, Any] = {"device": self.device} if self._fetches_onto_device else {}
+        extra = self._default_fetch_extras()
         result: Any = self._fetch_fn(
             client=self._client,
             data_fields=list(self.data_fields),
@@ -940,6 +932,7 @@ class AsyncStreamingDataset:
         )
         if inspect.isawaitable(result):
             result = await result
+        self._holds.sent(extra)
         return result
 
     def _checked(self, got: Any, index: int) -> tuple[TensorDictBase, BatchMeta] | None:
@@ -965,60 +958,3 @@ class AsyncStreamingDataset:
                 f"fetch_batch_fn must return a TensorDict as data, got {type(td).__name__}"
             )
         return td, meta
-
-    def _split(self, td: TensorDictBase, meta: BatchMeta) -> list[MicroBatch]:
-        if meta.is_empty:
-            # exactly one micro-batch, whatever process_batch_fn would make of 0 rows: the
-            # step count must not depend on which rank got the empty share
-            if td.batch_size[:1] != (0,):
-                raise InvalidRequestError(
-                    f"fetch_batch_fn returned {td.batch_size[0] if td.batch_size else 'no'} "
-                    "rows of data for a BatchMeta of 0 rows; data and metadata must name "
-                    "the same rows"
-                )
-            return [(td, meta)]
-        parts = list(self._process_fn(td, meta, micro_batch_size=self.micro_batch_size))
-        for part in parts:
-            if not (isinstance(part, tuple) and len(part) == 2):
-                raise InvalidRequestError(
-                    "process_batch_fn must return a list of (TensorDict, BatchMeta) pairs, "
-                    f"got an item of type {type(part).__name__}"
-                )
-        return parts
-
-
-def parse_state(
-    state: Mapping[str, Any], task_name: str, dp_rank: int, dp_size: int | None = None
-) -> tuple[str, int, int]:
-    """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``.
-
-    A state without ``dp_size`` (saved before it existed) resumes under any ``dp_size``.
-    """
-    if not isinstance(state, Mapping):
-        raise InvalidRequestError(
-            f"load_state_dict needs the dict state_dict() returned, got {type(state).__name__}"
-        )
-    if state.get("version") != 1:
-        raise InvalidRequestError(
-            f"unknown dataset state version {state.get('version')!r}; it was not saved by "
-            "this version's state_dict()"
-        )
-    if state.get("task_name") != task_name or state.get("dp_rank") != dp_rank:
-        raise InvalidRequestError(
-            f"the state was saved by task {state.get('task_name')!r} dp_rank "
-            f"{state.get('dp_rank')!r}, but this dataset reads task {task_name!r} dp_rank "
-            f"{dp_rank}; build the dataset with the same task_name and dp_rank to resume"
-        )
-    if state.get("dp_size", dp_size) != dp_size:
-        raise InvalidRequestError(
-            f"the state was saved with dp_size={state.get('dp_size')!r}, but this dataset has "
-            f"dp_size={dp_size!r}; the recorded global batches were shared among that many "
-            "ranks, so resume with the same dp_size"
-        )
-    try:
-        partition_id = _name("partition_id", state["partition_id"])
-        index = _positive_int("batch_index", state["batch_index"], zero=True)
-        micro = _positive_int("micro_batch_index", state["micro_batch_index"], zero=True)
-    except KeyError as exc:
-        raise InvalidRequestError(f"the dataset state lacks {exc}; pass state_dict()") from None
-    return partition_id, index, micro

@@ -33,7 +33,10 @@ micro-batch; workers receive the position when they start (a DataLoader without 
 workers starts new ones for every ``iter(loader)``, forked or pickled from the dataset as it
 is at that moment). That is how `StreamingDataLoader.reset`, `step`
 and `load_state_dict` reach the workers, and why persistent workers
-are refused.
+are refused. An auto-clear task's batches are acknowledged where they are delivered too: the
+workers keep their holds, and the loader acknowledges each batch once it handed out its last
+micro-batch (over a client of its own), so a batch fetched ahead and never delivered keeps
+its rows for the next reader of its ``batch_index``.
 """
 
 from __future__ import annotations
@@ -49,17 +52,18 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._client._sync._client import Client
-from .._errors import ClosedError, InvalidRequestError, TQError
+from .._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
 from .._logging import get_logger
 from .._portal import allow_blocking, check_blocking_allowed
+from ._args import parse_state
 from ._async import (
     AsyncStreamingDataset,
     BatchSlice,
     FetchBatchFn,
     MicroBatch,
     ProcessBatchFn,
-    parse_state,
 )
+from ._holds import LoaderAcks
 
 __all__ = ["StreamingDataset", "StreamingDataLoader"]
 
@@ -274,6 +278,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         ads = self._local_dataset()
         ads.load_state_dict(self._state)
         ads.set_worker(worker_id, num_workers)
+        # a batch is delivered when its last micro-batch is handed out here, or, under a
+        # StreamingDataLoader, in the main process (which acknowledges it there)
+        ads._ack_on_delivery = False
         return self._run(ads)
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
@@ -290,9 +297,13 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         )
         # the hand-off's batches come in one request when they are ready at once
         ahead = self._handoff_batches - 1 if grouped else 0
+        # a DataLoader worker waits for rows in slices, and stops once the loader's process
+        # is gone (blocked until rows come, it would outlive it, its request waiting)
+        in_worker = get_worker_info() is not None and self._kwargs["fetch_batch_fn"] is None
+        loader = os.getppid() if in_worker else None
         try:
             while True:
-                item: BatchSlice | None = host.call(lambda: ads.next_batch(ahead=ahead))
+                item = _next_batch(host, ads, ahead, loader)
                 if item is None:
                     return
                 if grouped:
@@ -307,11 +318,15 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 generation = self._generation
                 for i, micro_batch in enumerate(item.micro_batches):
                     self._delivered(item, i + 1)
+                    if i + 1 == len(item.micro_batches) and item.hold is not None:
+                        ads.acknowledge_delivered(item.hold)
                     yield micro_batch
                     if self._generation != generation:
                         break  # reset/step while iterating: continue from the new position
                 if not item.micro_batches:
                     self._delivered(item, 0)
+                    if item.hold is not None:
+                        ads.acknowledge_delivered(item.hold)
                 if self._generation != generation:
                     ads.load_state_dict(self._state)
         except BaseException:
@@ -423,6 +438,14 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         """
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
+        acks = LoaderAcks(ds._kwargs["address"])
+        try:
+            yield from self._passes(ds, acks)
+        finally:
+            acks.close()
+
+    def _passes(self, ds: StreamingDataset, acks: LoaderAcks) -> Iterator[MicroBatch]:
+        """`__iter__`: a DataLoader pass, and a new one each time the position moves."""
         while True:
             generation = ds._generation
             moved = False
@@ -438,12 +461,16 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                     while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
                         for i, micro_batch in enumerate(item.micro_batches):
                             ds._delivered(item, i + 1)
+                            if i + 1 == len(item.micro_batches):
+                                acks.delivered(item.hold)
                             yield micro_batch
                             if ds._generation != generation:
                                 moved = True
                                 break
                         if not item.micro_batches:
                             ds._delivered(item, 0)
+                            acks.delivered(item.hold)
+                    acks.send()  # before waiting for the workers' next hand-off
                     if moved:
                         break
                 if waiting and not moved:
@@ -478,6 +505,27 @@ class _Group(list[BatchSlice]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Group, (list(self),))
+
+
+#: seconds a DataLoader worker waits for a batch before it checks that the loader's process
+#: is still there (torch's workers check every 5 s too: ``MP_STATUS_CHECK_INTERVAL``)
+_LOADER_CHECK_S = 5.0
+
+
+def _next_batch(
+    host: _InThread, ads: AsyncStreamingDataset, ahead: int, loader: int | None
+) -> BatchSlice | None:
+    """The next batch (`AsyncStreamingDataset.next_batch`); None at the end of the stream,
+    or, in a DataLoader worker (``loader``: the loader's pid), once the loader is gone."""
+    if loader is None:
+        return host.call(lambda: ads.next_batch(ahead=ahead))
+    while True:
+        try:
+            return host.call(lambda: ads.next_batch(wait=_LOADER_CHECK_S, ahead=ahead))
+        except TQTimeoutError:  # nothing taken; the position is unchanged
+            if os.getppid() != loader:
+                log.info("the DataLoader's process is gone: this worker stops", loader=loader)
+                return None
 
 
 def _ready_group(

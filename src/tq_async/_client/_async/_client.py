@@ -499,6 +499,7 @@ class AsyncClient:
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
         nested: bool | Collection[str] = False,
         device: Any = None,
+        keep_hold: bool = False,
     ) -> tuple[TensorDict, BatchMeta]:
         """``get_meta`` then ``get_data``: the rows' data and their `BatchMeta`.
 
@@ -508,6 +509,10 @@ class AsyncClient:
         batch of 0 rows (end of stream, or with ``dp_size`` a rank's empty share) asks no
         storage unit; its ``TensorDict(batch_size=[0])`` is `get_data`'s (an empty share
         carries every field with 0 rows).
+
+        An auto-clear task's rows are acknowledged once read, so auto-clear may free them;
+        with ``keep_hold=True`` they are not: acknowledge them (`ack`, or ``ack=`` on a
+        later read) once they are processed, e.g. after a batch read ahead is handed on.
 
         Cancellation: if the data was not delivered, fetched rows are released back to the
         task (unless recorded under a ``batch_index``, which stays replayable).
@@ -525,6 +530,7 @@ class AsyncClient:
             ack=ack,
             nested=nested,
             device=device,
+            keep_hold=keep_hold,
         )
         return await self._gets.get(query)
 
@@ -543,6 +549,7 @@ class AsyncClient:
         ack: BatchMeta | Sequence[BatchMeta] | None = None,
         nested: bool | Collection[str] = False,
         device: Any = None,
+        keep_hold: bool = False,
     ) -> list[tuple[TensorDict, BatchMeta]]:
         """`get` of a batch under its ``batch_index``, and of later batches that can
         be decided at once, in one round trip.
@@ -557,6 +564,7 @@ class AsyncClient:
         rows), so a batch you do not get now is fetched again by its index, nothing lost.
         Readers sharing an index space (DataLoader workers) fetch several of their batches
         this way.
+        ``keep_hold`` is `get`'s.
 
         Raises:
             InvalidRequestError: ``also`` is not increasing above ``batch_index``, or the
@@ -579,6 +587,7 @@ class AsyncClient:
             ack=ack,
             nested=nested,
             device=device,
+            keep_hold=keep_hold,
         )
         return await self._gets.get_batches(query)
 

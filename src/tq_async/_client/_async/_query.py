@@ -42,6 +42,9 @@ class MetaQuery(NamedTuple):
     #: ``get_data``'s ``nested`` and ``device``, checked
     nested: bool | frozenset[str] = False
     device: Any = None
+    #: ``get``: leave an auto-clear task's hold on the rows once they are read (the caller
+    #: acknowledges them later)
+    keep_hold: bool = False
 
     @property
     def batch_index(self) -> Any:
@@ -89,6 +92,7 @@ def meta_query(
     also: Sequence[int] | None = None,
     nested: bool | Collection[str] = False,
     device: Any = None,
+    keep_hold: bool = False,
 ) -> MetaQuery:
     """Check a read's arguments (before anything is sent) into a `MetaQuery`.
 
@@ -135,6 +139,7 @@ def meta_query(
         wanted,
         as_nested,
         target,
+        bool(keep_hold),
     )
 
 

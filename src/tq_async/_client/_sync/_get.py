@@ -501,7 +501,6 @@ class GetPath:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
         `BatchMeta`."""
         meta, got, frames = self.meta_call(query, self.inline_get_bytes)
-        lease = query.lease
         try:
             td = self._read(meta, got, frames, query.nested, query.device)
         except BaseException:
@@ -509,33 +508,29 @@ class GetPath:
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
                     self.release(meta)
-            else:
-                self._end_hold(meta, lease)  # drop the hold
+            # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
-        self._end_hold(meta, lease)  # an auto-clear hold: the data is read, rows may go
+        self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
         return td, meta
 
     def get_batches(self, query: MetaQuery) -> list[tuple[TensorDict, BatchMeta]]:
         """`get` of the batch the query's ``batch_index`` names, and of the batches its
         ``also`` names that can be decided at once, in one round trip."""
         meta, got, frames = self.meta_call(query, self.inline_get_bytes)
-        partition_id, task_name, lease = query.partition_id, query.task_name, query.lease
+        partition_id, task_name = query.partition_id, query.task_name
         as_nested, target = query.nested, query.device
         answers = [(meta, got)]
         for index, follower in zip(query.also or (), got.more or (), strict=False):
             answers.append((_batch_meta(follower, partition_id, task_name, index), follower))
         out: list[tuple[TensorDict, BatchMeta]] = []
         pos = 0
-        try:
-            for m, g in answers:
-                k = _inline_frame_count(g)
-                out.append((self._read(m, g, frames[pos : pos + k], as_nested, target), m))
-                pos += k
-                self._end_hold(m, lease)
-        except BaseException:
-            for m, _ in answers[len(out) :]:
-                self._end_hold(m, lease)  # the batches stay recorded under their indexes
-            raise
+        # (if a read fails or is cancelled, the batches not read stay recorded under their
+        # indexes, each with its rows and its hold: their next readers take them over)
+        for m, g in answers:
+            k = _inline_frame_count(g)
+            out.append((self._read(m, g, frames[pos : pos + k], as_nested, target), m))
+            pos += k
+            self._end_hold(m, query)
         if pos != len(frames):
             raise ProtocolError("a get_meta reply carried extra frames")
         return out
@@ -557,9 +552,12 @@ class GetPath:
             return to_device_now(td, target)
         return self.get_data(meta, nested=as_nested, device=target)
 
-    def _end_hold(self, meta: BatchMeta, lease: float | None) -> None:
-        """Drop the auto-clear hold a fetch without ``lease`` put on its rows."""
-        if lease is None and meta.lease_id and self._links.controller is not None:
+    def _end_hold(self, meta: BatchMeta, query: MetaQuery) -> None:
+        """Drop the auto-clear hold a fetch without ``lease`` put on its rows (unless the
+        caller keeps it, to acknowledge the rows itself)."""
+        if query.lease is not None or query.keep_hold:
+            return
+        if meta.lease_id and self._links.controller is not None:
             self._links.controller.send_best_effort(Ack([meta.lease_id]))
 
     def ack(self, metas: BatchMeta | Sequence[BatchMeta]) -> None:
