@@ -381,12 +381,11 @@ async def test_a_sampler_built_for_dp_ranks_gives_datasets_empty_shares_too() ->
         assert sorted(r for s in steps for b in s for r in b) == list(range(n))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a stop_when_consumed end of stream is not recorded under its global batch: a "
-    "rank asking the same batch_index after more rows came gets a batch (controller core)",
-)
 async def test_stop_when_consumed_ends_every_rank_at_the_same_batch_index() -> None:
+    """The end of stream one rank got at a global batch index (every row consumed, the
+    partition not sealed) is told to every rank at that index, even once more rows came
+    (`ControllerState.dp_ends`, journaled): a rank that stepped on alone would wait in its
+    all_reduce for ever."""
     # rank 0 reaches the end (every row consumed, not sealed) at batch 1; rows arrive before
     # rank 1 asks for batch 1: rank 1 must end there too, or it steps alone and its
     # all_reduce waits for rank 0 forever

@@ -190,7 +190,7 @@ class Gets:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded
-            if dp_size is not None and self._ended(p, key):
+            if dp_size is not None and told_end(self.state.dp_ends, p, key):
                 return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
             earlier = _first_undecided(req, p, key)
             if earlier is not None:
@@ -415,22 +415,6 @@ class Gets:
         unit_hosts, units = self.state.unit_hosts, p.units
         return local_shares(shares, hosts, lambda row: unit_hosts.get(units[row], ""))
 
-    def _ended(self, p: Partition, key: RecordKey) -> bool:
-        """Whether another DP rank got a stop_when_consumed end of stream at this global
-        batch (this rank is told once; then the index is decided anew, for a next round)."""
-        ends = self.state.dp_ends
-        if not ends:
-            return False
-        task, rank, index = key
-        end = (p.partition_id, p.incarnation, task, index)
-        owed = ends.get(end)
-        if owed is None or rank not in owed:
-            return False
-        owed.discard(rank)
-        if not owed:
-            del ends[end]
-        return True
-
     def _holding(self, req: GetMeta, p: Partition) -> bool:
         """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""
         return req.lease is not None or self.state.auto_clears(p, req.task_name)
@@ -546,6 +530,23 @@ def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | No
             assert cfg is not None
             return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
     return None
+
+
+def told_end(ends: dict[tuple[str, str, str, int], set[int]], p: Partition, key: RecordKey) -> bool:
+    """Whether another DP rank got a stop_when_consumed end of stream at this global batch
+    (`ControllerState.dp_ends`): this rank is told once, then the index is decided anew
+    (for a next round)."""
+    if not ends:
+        return False
+    task, rank, index = key
+    end = (p.partition_id, p.incarnation, task, index)
+    owed = ends.get(end)
+    if owed is None or rank not in owed:
+        return False
+    owed.discard(rank)
+    if not owed:
+        del ends[end]
+    return True
 
 
 def record_key(req: GetMeta) -> RecordKey | None:

@@ -205,6 +205,31 @@ class Links:
             known_as=known_as,
         )
 
+    async def open(self, wait: float, same_host: bool) -> None:
+        """Connect to the controller (if not yet) and learn the units within ``wait``
+        seconds; with ``same_host``, move to the services' same-host links (see
+        `AsyncClient.open`, which raises what this raises)."""
+        if self.controller is not None:
+            return
+        # a refused first attempt means nothing listens there: fail now, not at the timeout
+        controller = self.controller = self.controller_connection(
+            self.address, refused_is_broken=True
+        )
+        try:
+            try:
+                hello = await self.refresh_units(timeout=wait)
+            except TQTimeoutError:
+                raise _unanswered(self.address, wait) from None
+            # from now on a refusal is a restarting controller: requests wait for it
+            controller.refused_is_broken = False
+            if same_host:
+                await self.prefer_ipc(hello)
+        except BaseException:
+            if self.controller is not None:
+                self.controller.close()
+                self.controller = None
+            raise
+
     def controller_connection(
         self, address: str, *, refused_is_broken: bool = False, known_as: str | None = None
     ) -> DealerConnection:
@@ -538,3 +563,12 @@ def as_int(value: Any) -> Any:
 
 #: copies at least this big run on a worker thread (as in the in-process path)
 THREAD_COPY_BYTES = 16 << 20
+
+
+def _unanswered(address: str, wait: float) -> TQTimeoutError:
+    """The error of a first contact nothing answered within ``wait`` seconds."""
+    return TQTimeoutError(
+        f"nothing answered at {address} within {wait:g} s (connect_timeout); check the "
+        "address (the TQ_ADDRESS=... line `tq-async serve` prints), that the services run, "
+        "and that this host can reach them"
+    )

@@ -42,7 +42,6 @@ from tensordict import TensorDict, TensorDictBase
 
 from ..._errors import (
     InvalidRequestError,
-    TQTimeoutError,
 )
 from ..._logging import get_logger
 from ..._meta import BatchMeta
@@ -234,32 +233,7 @@ class AsyncClient:
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
         """
-        if self._links.controller is not None:
-            return self
-        # a refused first attempt means nothing listens there: fail now, not at the timeout
-        controller = self._links.controller = self._links.controller_connection(
-            self.address, refused_is_broken=True
-        )
-        wait = min(self.connect_timeout, self.request_timeout)
-        try:
-            try:
-                hello = await self._links.refresh_units(timeout=wait)
-            except TQTimeoutError:
-                raise TQTimeoutError(
-                    f"nothing answered at {self.address} within {wait:g} s (connect_timeout); "
-                    "check the address (the TQ_ADDRESS=... line "
-                    "`tq-async serve` prints), that the services run, and that this host can "
-                    "reach them"
-                ) from None
-            # from now on a refusal is a restarting controller: requests wait for it
-            controller.refused_is_broken = False
-            if self.same_host:
-                await self._links.prefer_ipc(hello)
-        except BaseException:
-            if self._links.controller is not None:
-                self._links.controller.close()
-                self._links.controller = None
-            raise
+        await self._links.open(min(self.connect_timeout, self.request_timeout), self.same_host)
         return self
 
     async def aclose(self) -> None:
