@@ -542,3 +542,36 @@ def test_a_journal_is_not_ignored_by_a_controller_started_at_memory(tmp_path: Pa
         svc.wait_line("TQ_ADDRESS=")
     assert "holds a controller's journal" in str(info.value)
     assert "--durability process" in str(info.value)
+
+
+async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_restart(tmp_path: Path) -> None:
+    """DP rank 0 reaches a stop_when_consumed end of stream at batch 1 (every row consumed,
+    the partition not sealed); rows come, the controller is SIGKILLed and restarted on its
+    journal before rank 1 asks batch 1: rank 1 must end there too (`ControllerState.dp_ends`
+    is journaled), and once told, the index is decided anew for a next round."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+
+    def cfg(rank: int, index: int) -> dict[str, int]:
+        return {"dp_size": 2, "dp_rank": rank, "batch_index": index}
+
+    async def fetch(c: tq.AsyncClient, rank: int, index: int) -> tq.BatchMeta:
+        return await c.get_meta(
+            ["x"], 2, "p", "t", cfg(rank, index), stop_when_consumed=True, timeout=10
+        )
+
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p")
+            assert (await fetch(c, 0, 0)).global_indexes == [0, 1]
+            assert (await fetch(c, 1, 0)).global_indexes == [2, 3]
+            assert (await fetch(c, 0, 1)).end_of_stream
+            await c.put(_rows(4, 4), "p")  # more rows before rank 1 asks batch 1
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await fetch(c, 1, 1)).end_of_stream  # in step with rank 0
+            # a next round at the same index gets the new rows, both ranks alike
+            assert (await fetch(c, 0, 1)).global_indexes == [4, 5]
+            assert (await fetch(c, 1, 1)).global_indexes == [6, 7]
