@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tq_async as tq
+from _requests import cancelled_at
+from tq_async._wire._protocol import GetMeta
 
 
 def test_staleness_sampler_as_a_pure_function() -> None:
@@ -276,3 +278,35 @@ async def test_drop_counts_each_row_once_in_status_and_metrics() -> None:
         assert len(got) == 2
         assert (await client.staleness_status())["dropped"] == 3
     assert registry.get_sample_value("tq_stale_rows_total", {"policy": "dropped"}) == 3
+
+
+async def test_rows_given_back_to_the_learner_take_their_slots_again() -> None:
+    """Rows the learner fetched, then gave back (`release`, a fetch cancelled after its reply
+    went out), are admitted and not consumed again: their slots count until the learner
+    consumes them for good. Before, the slots freed at the fetch stayed free, the capacity
+    admitted rows beyond it, and the second consumption freed the same rows' slots again."""
+    admission = tq.AdmissionConfig(capacity=4, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 4)
+        await client.put({"x": torch.zeros(4)}, "p", policy_version=0)
+        meta = await client.get_meta(["x"], 4, "p", "learn")
+        assert (await client.staleness_status())["outstanding"] == 0
+        await client.release(meta)  # back to the learner, unconsumed
+        assert (await client.staleness_status())["outstanding"] == 4
+        with pytest.raises(tq.TQTimeoutError):
+            await client.acquire_rollout(0, 1, timeout=0.05)
+        with cancelled_at(GetMeta) as (scope, sent), scope:
+            await client.get_meta(["x"], 4, "p", "learn")
+        assert scope.cancelled_caught
+        assert sent
+        assert (await client.staleness_status())["outstanding"] == 4
+        assert (await client.partition_info("p"))["consumed"]["learn"] == 0
+        await client.get_meta(["x"], 2, "p", "learn")
+        await client.acquire_rollout(0, 2, timeout=5)  # the 2 slots consumed, no more
+        assert (await client.staleness_status())["outstanding"] == 4
+        with pytest.raises(tq.TQTimeoutError):
+            await client.acquire_rollout(0, 1, timeout=0.05)
+        assert cluster.controller.waiting == 0

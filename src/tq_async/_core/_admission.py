@@ -57,6 +57,13 @@ class Admission:
             return False
         return self.free_slots(sum(1 for r in rows if p.versions.rows[r] >= 0))
 
+    def learner_released(self, task: str, p: Partition, rows: Sequence[int]) -> None:
+        """The learner gave ``rows`` back unconsumed (a release, a lease that expired): they
+        take again the slots their consumption freed (`learner_consumed`), or consuming
+        them again would free them twice."""
+        if self.config.learner_task == task:
+            self.state.outstanding += sum(1 for r in rows if p.versions.rows[r] >= 0)
+
     def free_slots(self, n: int) -> bool:
         """Give back ``n`` admission slots; True if any was outstanding."""
         if n <= 0:

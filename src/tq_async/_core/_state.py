@@ -378,11 +378,11 @@ class Partition:
             if t == task:
                 rs.discard_all(rows)
 
-    def release(self, task: str, rows: Sequence[int]) -> bool:
-        """Undo ``consume`` for rows still alive; True if any row became ready again."""
+    def release(self, task: str, rows: Sequence[int]) -> list[int]:
+        """Undo ``consume`` for rows still alive; the rows that became ready again."""
         consumed = self.consumed.get(task)
         if consumed is None:
-            return False
+            return []
         back = [r for r in rows if 0 <= r < self.n_rows and self.alive[r] and consumed[r]]
         if self.changes is not None:
             self.changes.rows.update(back)
@@ -395,7 +395,7 @@ class Partition:
                 for r in back:
                     if self.is_produced(r, key) and self.available(r):
                         rs.rows[r] = None
-        return bool(back)
+        return back
 
     def reset_consumption(self, task: str | None) -> None:
         """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""

@@ -101,11 +101,11 @@ class ControllerCore:
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
         self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
+        self.rollouts = Admission(self.state, self.admission)
         #: get-side leases and holds
-        self.leases = GetLeases(self.state, self._ids, self._arm)
+        self.leases = GetLeases(self.state, self._ids, self._arm, self.rollouts)
         #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
         self.catalog = Catalog(self.state, self.puts, self.leases)
-        self.rollouts = Admission(self.state, self.admission)
         self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
         #: what each get_meta comes to
         self.gets = Gets(self.state, self.leases, self.rollouts, self.sampler, self.task_samplers)
