@@ -310,3 +310,32 @@ async def test_rows_given_back_to_the_learner_take_their_slots_again() -> None:
         with pytest.raises(tq.TQTimeoutError):
             await client.acquire_rollout(0, 1, timeout=0.05)
         assert cluster.controller.waiting == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="auto-clear frees recycled rows before take_recycled; the fix needs a contract "
+    "for when taken rows are freed (a hold the producer acknowledges?)",
+)
+async def test_recycled_rows_outlive_auto_clear_until_taken() -> None:
+    """With the learner auto-clearing, rows recycled as stale are consumed undelivered: they
+    must stay until a producer took them (`take_recycled`) and read their prompts. Now
+    auto-clear frees them at once: `take_recycled` hands out nothing, the prompts are lost,
+    while the status counts them recycled and still pending."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learn"])
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        fresh = await client.get_meta(["prompt"], 2, "p", "learn")
+        assert fresh.global_indexes == [3, 4]
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        prompts = await client.get_data(taken[0].select_fields(["prompt"]))
+        assert prompts["prompt"].tolist() == [0, 1, 2]
+        assert await client.take_recycled() == []  # exactly once
