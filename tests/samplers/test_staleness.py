@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tq_async as tq
 from _requests import cancelled_at
-from tq_async._wire._protocol import GetMeta
+from tq_async._wire._protocol import GetMeta, PutCommit, PutInline
 
 
 def test_staleness_sampler_as_a_pure_function() -> None:
@@ -339,3 +339,39 @@ async def test_recycled_rows_outlive_auto_clear_until_taken() -> None:
         prompts = await client.get_data(taken[0].select_fields(["prompt"]))
         assert prompts["prompt"].tolist() == [0, 1, 2]
         assert await client.take_recycled() == []  # exactly once
+
+
+@pytest.mark.parametrize(
+    ("inline", "last"),
+    [(65536, PutInline), (0, PutCommit)],
+    ids=["one-message put", "three-step put"],
+)
+async def test_a_put_cancelled_after_it_landed_leaves_its_admission(
+    inline: int, last: type
+) -> None:
+    """A producer's put of an admitted rollout is cancelled right after its last request went
+    out: the put lands and the client undoes it (nothing was written). Its admission must stay
+    as it was, as for a put cancelled earlier: the producer puts again or gives the slots back
+    with `release_rollout`. Before, the undo's clear freed the slots (the rows were
+    unconsumed), so the producer's `release_rollout` freed them twice and the capacity let
+    more rows in than it holds."""
+    admission = tq.AdmissionConfig(capacity=2, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
+    ):
+        await client.acquire_rollout(0, 2)
+        with cancelled_at(last) as (scope, sent), scope:
+            await client.put({"x": torch.zeros(2)}, "p", policy_version=0)
+        assert scope.cancelled_caught
+        assert sent
+        with anyio.fail_after(10):  # the undo is one-way: each round trip comes after it
+            while (await client.partition_info("p"))["rows"]:
+                pass
+        assert (await client.staleness_status())["outstanding"] == 2
+        with pytest.raises(tq.TQTimeoutError):
+            await client.acquire_rollout(0, 1, timeout=0.05)
+        await client.put({"x": torch.zeros(2)}, "p", policy_version=0)  # put again
+        await client.get_meta(["x"], 2, "p", "learn")
+        assert (await client.staleness_status())["outstanding"] == 0
+        assert cluster.controller.waiting == 0

@@ -76,7 +76,7 @@ class ControlCalls:
     # ---- clears, tags, KV --------------------------------------------------------------------
 
     def on_clear_samples(self, msg: Incoming, body: ClearSamples) -> Any:
-        fx = self.core.clear_rows(body.partition_id, body.rows, body.incarnation)
+        fx = self.core.clear_rows(body.partition_id, body.rows, body.incarnation, undo=body.undo)
         return self._clear_then_reply(msg, fx)
 
     def on_clear_partition(self, msg: Incoming, body: ClearPartition) -> Any:

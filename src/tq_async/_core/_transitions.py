@@ -273,16 +273,25 @@ class ControllerCore:
     # ---- clearing ----------------------------------------------------------------------------
 
     def clear_rows(
-        self, partition_id: str, rows: Sequence[int], incarnation: str | None = None
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        incarnation: str | None = None,
+        *,
+        undo: bool = False,
     ) -> Effects:
-        """Remove rows (clear_samples, kv_clear, an undone put)."""
+        """Remove rows (clear_samples, kv_clear, an undone put).
+
+        Unconsumed rows give their admission slots back, except the rows of a put its
+        caller gave up on (``undo``): its producer still holds them, to put again or to
+        release, whether the put was undone before or after it committed."""
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
-        return self._clear(p, rows)
+        return self._clear(p, rows, admission=not undo)
 
-    def _clear(self, p: Partition, rows: Sequence[int]) -> Effects:
+    def _clear(self, p: Partition, rows: Sequence[int], *, admission: bool = True) -> Effects:
         fx = Effects(room=True, wakeups=[Wakeup(p.partition_id)])
-        fx.admission = self.rollouts.free_unconsumed(p, rows)
+        fx.admission = admission and self.rollouts.free_unconsumed(p, rows)
         fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(rows))))
         return fx
 

@@ -226,6 +226,9 @@ class ClearSamples(_Msg):
     rows: list[int]
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: the rows of a put its caller gave up on: admission stays as it is (the producer puts
+    #: again or calls ``release_rollout``), as for a put undone before it committed
+    undo: bool = False
 
 
 class ClearPartition(_Msg):
