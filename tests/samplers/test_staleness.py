@@ -375,3 +375,28 @@ async def test_a_put_cancelled_after_it_landed_leaves_its_admission(
         await client.get_meta(["x"], 2, "p", "learn")
         assert (await client.staleness_status())["outstanding"] == 0
         assert cluster.controller.waiting == 0
+
+
+async def test_rows_the_learner_consumes_again_after_a_reset_free_their_slots_once() -> None:
+    """`reset_consumption` of the learner makes its rows unconsumed again: they hold their
+    admission slots until consumed again, so consuming them twice frees their slots once.
+    Before, the replay freed the slots of rollouts admitted since, and the capacity let
+    more rows in than it holds."""
+    admission = tq.AdmissionConfig(capacity=4, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 4)
+        await client.put({"x": torch.zeros(4)}, "p", policy_version=0)
+        await client.get_meta(["x"], 4, "p", "learn")
+        await client.reset_consumption("p", "learn")  # replay "p"
+        assert (await client.staleness_status())["outstanding"] == 4
+        await client.get_meta(["x"], 4, "p", "learn")
+        assert (await client.staleness_status())["outstanding"] == 0
+        await client.acquire_rollout(0, 4, timeout=5)
+        await client.reset_consumption("p")  # every task: the learner's too
+        assert (await client.staleness_status())["outstanding"] == 8
+        await client.clear_partition("p")  # unconsumed again: their slots go back once
+        assert (await client.staleness_status())["outstanding"] == 4
+        assert cluster.controller.waiting == 0

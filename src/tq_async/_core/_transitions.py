@@ -322,6 +322,7 @@ class ControllerCore:
         """Forget what ``task`` (every task if None) consumed, its recorded batches and leases."""
         p = self.state.partition(partition_id)
         self.leases.reset(p, task)
+        self.rollouts.learner_reset(p, task)
         p.reset_consumption(task)
         self._forget_ends(partition_id, task)
         for smp in self.samplers():
