@@ -474,11 +474,15 @@ class Partition:
 
     def lose_unit(self, unit: int) -> list[int]:
         """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
-        rows = [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
+        rows = self.rows_on(unit)
         if rows:
             self.clear_rows(rows, "lost")
             self.lost.update(dict.fromkeys(rows, unit))
         return rows
+
+    def rows_on(self, unit: int) -> list[int]:
+        """The live rows whose cells ``unit`` holds."""
+        return [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
 
     def live_rows_by_unit(self) -> dict[int, list[int]]:
         by_unit: dict[int, list[int]] = {}

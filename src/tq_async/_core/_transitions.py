@@ -106,7 +106,7 @@ class ControllerCore:
         self.leases = GetLeases(self.state, self._ids, self._arm, self.rollouts)
         #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
         self.catalog = Catalog(self.state, self.puts, self.leases)
-        self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
+        self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm, self.rollouts)
         #: what each get_meta comes to
         self.gets = Gets(self.state, self.leases, self.rollouts, self.sampler, self.task_samplers)
         #: the samplers' prompt groups: a put never overfills one (see BaseSampler.group_tag)
