@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tq_async as tq
 from _requests import cancelled_at
-from tq_async._wire._protocol import GetMeta, PutCommit, PutInline
+from tq_async._wire._protocol import GetMeta, PutCommit, PutInline, TakeRecycled
 
 
 def test_staleness_sampler_as_a_pure_function() -> None:
@@ -399,4 +399,32 @@ async def test_rows_the_learner_consumes_again_after_a_reset_free_their_slots_on
         assert (await client.staleness_status())["outstanding"] == 8
         await client.clear_partition("p")  # unconsumed again: their slots go back once
         assert (await client.staleness_status())["outstanding"] == 4
+        assert cluster.controller.waiting == 0
+
+
+async def test_a_take_recycled_cancelled_after_it_went_out_loses_no_prompt() -> None:
+    """A producer's `take_recycled` is cancelled right after it went out: the controller
+    hands the rows out to a caller that is gone. They must go back to the queue for the next
+    `take_recycled` (before: they were handed out to nobody, and their prompts never
+    regenerated)."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        await client.get_meta(["prompt"], 2, "p", "learn")
+        with cancelled_at(TakeRecycled) as (scope, sent), scope:
+            await client.take_recycled()
+        assert scope.cancelled_caught
+        assert sent
+        with anyio.fail_after(10):  # the rows come back once the abandoned reply arrived
+            while not (taken := await client.take_recycled()):
+                pass
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert await client.take_recycled() == []  # exactly once
+        status = await client.staleness_status()
+        assert (status["recycled"], status["recycled_pending"]) == (3, 0)
         assert cluster.controller.waiting == 0

@@ -211,3 +211,14 @@ class Catalog:
             out.setdefault(pid, []).append(row)
             taken += 1
         return out
+
+    def return_recycled(
+        self, partition_id: str, incarnation: str | None, rows: Sequence[int]
+    ) -> None:
+        """Recycled rows handed out to a caller that had given up: first in the queue again
+        (`take_recycled` skips them if they are gone meanwhile)."""
+        p = self.state.partitions.get(partition_id)
+        if p is None or p.incarnation != incarnation:
+            return  # cleared, or its partition was: nothing left to regenerate from
+        back = [r for r in rows if 0 <= r < p.n_rows]
+        self.state.recycled.extendleft((partition_id, p.incarnation, r) for r in reversed(back))

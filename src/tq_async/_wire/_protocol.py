@@ -157,6 +157,15 @@ class TakeRecycled(_Msg):
     max_rows: int
 
 
+class ReturnRecycled(_Msg):
+    """Recycled rows a `TakeRecycled` handed out to a caller that had given up (cancelled,
+    timed out): queued again, first, for the next `TakeRecycled` (one-way)."""
+
+    partition_id: str
+    incarnation: str | None
+    rows: list[int]
+
+
 class StalenessStatus(_Msg):
     pass
 
@@ -453,6 +462,7 @@ ControllerBody = (
     | AcquireRollout
     | ReleaseRollout
     | TakeRecycled
+    | ReturnRecycled
     | StalenessStatus
     | WatchNext
     | ClusterStatus

@@ -757,6 +757,9 @@ class AsyncClient:
 
         Each recycled row is handed out exactly once; read its prompt fields with
         `get_data` and put the regenerated sample as a new row.
+
+        Cancellation: rows handed out to a call cancelled (or timed out) before it returned
+        are queued again for the next `take_recycled`.
         """
         return await self._calls.take_recycled(max_rows)
 
