@@ -428,3 +428,23 @@ async def test_a_take_recycled_cancelled_after_it_went_out_loses_no_prompt() -> 
         status = await client.staleness_status()
         assert (status["recycled"], status["recycled_pending"]) == (3, 0)
         assert cluster.controller.waiting == 0
+
+
+async def test_rows_auto_cleared_before_the_learner_consumed_them_free_their_slots() -> None:
+    """Auto-clear runs for other tasks than the learner (here "reward" only): rows it frees
+    unconsumed by the learner never reach it, and give their admission slots back as rows
+    cleared by hand do. Before, the slots stayed taken for good and producers waited
+    forever."""
+    admission = tq.AdmissionConfig(capacity=2, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["reward"])
+        await client.acquire_rollout(0, 2)
+        await client.put({"x": torch.zeros(2)}, "p", policy_version=0)
+        await client.ack(await client.get_meta(["x"], 2, "p", "reward"))
+        assert (await client.partition_info("p"))["rows"] == 0  # auto-cleared
+        assert (await client.staleness_status())["outstanding"] == 0
+        await client.acquire_rollout(0, 2, timeout=5)
+        assert cluster.controller.waiting == 0

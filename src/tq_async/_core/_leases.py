@@ -272,6 +272,9 @@ class GetLeases:
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             fx.room = True
+            # rows the learner never consumed (it is not an auto-clear task) never reach it
+            if self.rollouts.free_unconsumed(p, done):
+                fx.admission = True
             fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done, "auto_clear"))))
 
 
