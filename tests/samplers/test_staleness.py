@@ -448,3 +448,26 @@ async def test_rows_auto_cleared_before_the_learner_consumed_them_free_their_slo
         assert (await client.staleness_status())["outstanding"] == 0
         await client.acquire_rollout(0, 2, timeout=5)
         assert cluster.controller.waiting == 0
+
+
+async def test_recycled_pending_counts_only_rows_take_recycled_would_hand_out() -> None:
+    """``recycled_pending`` is what the next `take_recycled` can hand out: a recycled row
+    cleared (or its partition) before it was taken is no longer pending. Before, the status
+    counted it until a `take_recycled` came by and found nothing."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        first = await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.put({"prompt": torch.arange(2)}, "q", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        for pid in ("p", "q"):
+            await client.get_meta(["prompt"], 1, pid, "learn", stop_when_consumed=True)
+        assert (await client.staleness_status())["recycled_pending"] == 5
+        await client.clear_samples(first.select_rows([0]))
+        await client.clear_partition("q")
+        assert (await client.staleness_status())["recycled_pending"] == 2
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[1, 2]]
+        assert (await client.staleness_status())["recycled_pending"] == 0
