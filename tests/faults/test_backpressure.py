@@ -119,3 +119,32 @@ async def test_auto_clear_with_the_streaming_dataset() -> None:
             got = [len(td) async for td, _ in ds]
         assert got == [2, 2, 2]
         assert (await client.partition_info("p"))["rows"] == 0  # every row read, then freed
+
+
+async def test_a_keyed_put_waiting_for_room_counts_its_new_keys_again_when_woken() -> None:
+    """A keyed put waits for room for its one new key; meanwhile its other key is cleared,
+    so it now makes two rows. Woken by that clear (room for one), it must wait on for room
+    for two: before, it counted the one row it needed when it arrived and went past the
+    capacity."""
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_batch_put(["a", "b"], "p", rows(2))
+        done: list[tq.BatchMeta] = []
+
+        async def producer() -> None:
+            done.append(await client.kv_batch_put(["a", "c"], "p", rows(2)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(producer)
+            with anyio.fail_after(5):
+                while cluster.controller.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            await client.kv_clear(["a"], "p")  # room for one row; the put needs two now
+            assert (await client.partition_info("p"))["rows"] == 1
+            assert cluster.controller.waiting == 1
+            assert not done
+            await client.kv_clear(["b"], "p")
+        assert done[0].keys == ["a", "c"]
+        assert (await client.partition_info("p"))["rows"] == 2

@@ -575,3 +575,42 @@ async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_restart(tmp_path: Pa
             # a next round at the same index gets the new rows, both ranks alike
             assert (await fetch(c, 0, 1)).global_indexes == [4, 5]
             assert (await fetch(c, 1, 1)).global_indexes == [6, 7]
+
+
+async def test_an_admitted_rollout_fetched_under_a_lease_that_lapses_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The learner fetches an admitted rollout under a lease and dies with the controller
+    (SIGKILL); the controller restarts on its journal and the lease lapses: the rows go
+    back to the learner and hold their admission slots again, so consuming them again frees
+    them once (before: they stayed free, and the capacity admitted rows beyond it)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text('[admission]\ncapacity = 4\nlearner_task = "learn"\n')
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    args = ("controller", "--bind", bind, "--durability", "process", "--data-dir", str(data_dir))
+    ctl: Any = None
+    with ExitStack() as stack:
+        ctl, _ = stack.enter_context(serve_role(*args, "--config", str(config)))
+        stack.enter_context(serve_role("storage", "--controller", bind, line="TQ_UNIT="))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.acquire_rollout(0, 4)
+            await c.put(_rows(4, 0), "p", policy_version=0)
+            await c.get_meta(["x"], 4, "p", "learn", lease=0.5)
+            assert (await c.staleness_status())["outstanding"] == 0
+            ctl.send_signal(signal.SIGKILL)
+            ctl.wait(timeout=10)
+            ctl, _ = stack.enter_context(serve_role(*args, "--config", str(config)))
+            with anyio.fail_after(10):  # the lease runs out (no event tells a client)
+                while True:
+                    try:
+                        if (await c.staleness_status())["outstanding"] == 4:
+                            break
+                    except tq.BrokenError:
+                        pass  # the old controller's connection
+            with pytest.raises(tq.TQTimeoutError):
+                await c.acquire_rollout(0, 1, timeout=0.05)
+            again = await c.get_meta(["x"], 4, "p", "learn", timeout=10)
+            assert again.global_indexes == [0, 1, 2, 3]
+            assert (await c.staleness_status())["outstanding"] == 0

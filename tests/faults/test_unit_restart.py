@@ -147,3 +147,26 @@ async def test_a_unit_back_at_its_address_is_reached_by_the_next_call(tmp_path: 
                     assert (await client.get_data(meta))["x"][0, 0].item() == 1.0
             finally:
                 ctx.setsockopt(zmq.RECONNECT_IVL, 100)
+
+
+async def test_rows_lost_with_a_unit_give_their_admission_slots_back(tmp_path: Path) -> None:
+    """Unconsumed rows lost with a storage unit will never reach the learner: like cleared
+    rows, they give their admission slots back. Before, each loss shrank the admission
+    capacity for the rest of the run (producers waited forever once it was gone)."""
+    config = tmp_path / "tq.toml"
+    config.write_text('[admission]\ncapacity = 4\nlearner_task = "learn"\n')
+    with serve_role("controller", "--config", str(config)) as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                await client.acquire_rollout(0, 4)
+                meta = await client.put(_x(4, 1.0), "p", policy_version=0)
+                await client.get_meta(["x"], 1, "p", "learn")  # consumed: its slot is back
+                assert (await client.staleness_status())["outstanding"] == 3
+                unit.send_signal(signal.SIGKILL)
+                unit.wait(timeout=10)
+                with serve_role(*args, line="TQ_UNIT=") as _:
+                    lost = await client.lost_rows("p")
+                    assert lost["rows"]["p"] == meta.global_indexes
+                    assert (await client.staleness_status())["outstanding"] == 0
+                    await client.acquire_rollout(0, 4, timeout=5)

@@ -29,6 +29,7 @@ from .._wire._protocol import (
     RestoreAbort,
     RestoreBegin,
     RestoreCommit,
+    ReturnRecycled,
     Seal,
     SetPolicyVersion,
     SetTags,
@@ -76,7 +77,7 @@ class ControlCalls:
     # ---- clears, tags, KV --------------------------------------------------------------------
 
     def on_clear_samples(self, msg: Incoming, body: ClearSamples) -> Any:
-        fx = self.core.clear_rows(body.partition_id, body.rows, body.incarnation)
+        fx = self.core.clear_rows(body.partition_id, body.rows, body.incarnation, undo=body.undo)
         return self._clear_then_reply(msg, fx)
 
     def on_clear_partition(self, msg: Incoming, body: ClearPartition) -> Any:
@@ -144,6 +145,9 @@ class ControlCalls:
             raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
         return self._take_recycled(body.max_rows)
 
+    def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
+        self.core.catalog.return_recycled(body.partition_id, body.incarnation, body.rows)
+
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
     ) -> None:
@@ -196,4 +200,5 @@ class ControlCalls:
             AcquireRollout: self.on_acquire_rollout,
             ReleaseRollout: self.on_release_rollout,
             TakeRecycled: self.on_take_recycled,
+            ReturnRecycled: self.on_return_recycled,
         }

@@ -69,6 +69,7 @@ from .._wire._protocol import (
     ReleaseRollout,
     Reply,
     RestoreCommit,
+    ReturnRecycled,
     SetPolicyVersion,
     TakeRecycled,
 )
@@ -104,7 +105,14 @@ _DB = "controller.db"
 #: a request that never answers must not grow the table)
 _INFLIGHT = 65536
 #: requests that change the controller's own record, not a partition's
-_CONTROLLER_WIDE = (RegisterUnit, SetPolicyVersion, AcquireRollout, ReleaseRollout, TakeRecycled)
+_CONTROLLER_WIDE = (
+    RegisterUnit,
+    SetPolicyVersion,
+    AcquireRollout,
+    ReleaseRollout,
+    TakeRecycled,
+    ReturnRecycled,
+)
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 

@@ -48,9 +48,7 @@ class PutPath:
         _check_incarnation(self.state, body.partition_id, body.incarnation)
         n_new = self.state.new_rows_needed(body.partition_id, body.n_rows, body.rows, body.keys)
         if not self._room_for(body.partition_id, n_new, body.nowait):
-            self.shell.spawn_waiting(
-                msg, self._put_begin_waiting, msg.peer, msg.rid, body, n_new, msg.t0
-            )
+            self.shell.spawn_waiting(msg, self._put_begin_waiting, msg.peer, msg.rid, body, msg.t0)
             return DEFERRED
         self._put_begin(msg.peer, msg.rid, body)
         return SENT
@@ -235,13 +233,15 @@ class PutPath:
 
         await self.shell.waiting_request(peer, rid, "PutInline", t0, body.timeout, timed_out, work)
 
-    async def _put_begin_waiting(
-        self, peer: bytes, rid: int, body: PutBegin, n_new: int, t0: float
-    ) -> None:
+    async def _put_begin_waiting(self, peer: bytes, rid: int, body: PutBegin, t0: float) -> None:
+        def room() -> bool:
+            # a keyed put's new keys are counted again: keys cleared meanwhile are new now
+            pid = body.partition_id
+            n_new = self.state.new_rows_needed(pid, body.n_rows, body.rows, body.keys)
+            return self._room_for(pid, n_new, False)
+
         async def work() -> None:
-            await self.shell.lot.until(
-                "room", lambda: self.state.has_room(body.partition_id, n_new)
-            )
+            await self.shell.lot.until("room", room)
             self._put_begin(peer, rid, body)
 
         await self.shell.waiting_request(

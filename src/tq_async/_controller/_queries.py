@@ -138,7 +138,7 @@ def cluster_status(core: ControllerCore, body: ClusterStatus) -> dict[str, Any]:
             "outstanding": st.outstanding,
         },
         "stale": dict(st.stale_counts),
-        "recycled_pending": len(st.recycled),
+        "recycled_pending": core.catalog.recycled_pending(),
     }
 
 
@@ -309,7 +309,7 @@ def staleness_status(core: ControllerCore, body: StalenessStatus) -> dict[str, i
     return {
         "learner_version": st.learner_version,
         "outstanding": st.outstanding,
-        "recycled_pending": len(st.recycled),
+        "recycled_pending": core.catalog.recycled_pending(),
         **st.stale_counts,
     }
 

@@ -57,6 +57,24 @@ class Admission:
             return False
         return self.free_slots(sum(1 for r in rows if p.versions.rows[r] >= 0))
 
+    def learner_released(self, task: str, p: Partition, rows: Sequence[int]) -> None:
+        """The learner gave ``rows`` back unconsumed (a release, a lease that expired): they
+        take again the slots their consumption freed (`learner_consumed`), or consuming
+        them again would free them twice."""
+        if self.config.learner_task == task:
+            self.state.outstanding += sum(1 for r in rows if p.versions.rows[r] >= 0)
+
+    def learner_reset(self, p: Partition, task: str | None) -> None:
+        """``task``'s consumption of ``p`` is about to be forgotten (every task's if None):
+        the learner's rows are unconsumed again and take their slots back (`learner_released`)."""
+        learner = self.config.learner_task
+        if learner is None or task not in (None, learner):
+            return
+        consumed = p.consumed.get(learner)
+        if consumed is not None:
+            rows = [r for r in range(p.n_rows) if consumed[r] and p.alive[r]]
+            self.learner_released(learner, p, rows)
+
     def free_slots(self, n: int) -> bool:
         """Give back ``n`` admission slots; True if any was outstanding."""
         if n <= 0:

@@ -205,9 +205,28 @@ class Catalog:
         st = self.state
         while st.recycled and taken < max_rows:
             pid, incarnation, row = st.recycled.popleft()
-            p = st.partitions.get(pid)
-            if p is None or p.incarnation != incarnation or not p.alive[row]:
+            if not self._recyclable(pid, incarnation, row):
                 continue  # cleared, or its partition was: nothing left to regenerate from
             out.setdefault(pid, []).append(row)
             taken += 1
         return out
+
+    def recycled_pending(self) -> int:
+        """How many rows the next `take_recycled` calls can hand out (not those cleared
+        meanwhile, which they skip)."""
+        return sum(1 for entry in self.state.recycled if self._recyclable(*entry))
+
+    def _recyclable(self, partition_id: str, incarnation: str, row: int) -> bool:
+        p = self.state.partitions.get(partition_id)
+        return p is not None and p.incarnation == incarnation and bool(p.alive[row])
+
+    def return_recycled(
+        self, partition_id: str, incarnation: str | None, rows: Sequence[int]
+    ) -> None:
+        """Recycled rows handed out to a caller that had given up: first in the queue again
+        (`take_recycled` skips them if they are gone meanwhile)."""
+        p = self.state.partitions.get(partition_id)
+        if p is None or p.incarnation != incarnation:
+            return  # cleared, or its partition was: nothing left to regenerate from
+        back = [r for r in rows if 0 <= r < p.n_rows]
+        self.state.recycled.extendleft((partition_id, p.incarnation, r) for r in reversed(back))

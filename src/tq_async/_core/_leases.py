@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from .._logging import get_logger
 from .._wire._protocol import GetMeta
+from ._admission import Admission
 from ._effects import Effects
 from ._state import ControllerState, Lease, Partition, RecordKey, Wakeup
 
@@ -31,6 +32,7 @@ class GetLeases:
         state: the partitions.
         ids: the core's id counter (lease ids are unique among put ids too).
         arm: ``arm(deadline, "lease", lease_id)`` puts a deadline on the core's heap.
+        rollouts: admission, whose slots rows given back to the learner take again.
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class GetLeases:
         state: ControllerState,
         ids: itertools.count[int],
         arm: Callable[[float, str, int], None],
+        rollouts: Admission,
     ) -> None:
         self.state = state
+        self.rollouts = rollouts
         self._ids = ids
         self._arm = arm
         #: lease id -> the partition holding it (gone with the partition)
@@ -190,7 +194,7 @@ class GetLeases:
                 batch=lease.key,
                 rows=len(lease.rows),
             )
-        elif p.release(lease.task, lease.rows):
+        elif self._release(p, lease.task, lease.rows):
             log.info(
                 "lease expired: rows go back to the task",
                 partition=p.partition_id,
@@ -227,9 +231,18 @@ class GetLeases:
         # (only ``task``'s batches: another task's record of a row is no claim on it here)
         mask = p.recorded_rows.get(task)
         back = [r for r in rows if mask is None or r >= len(mask) or not mask[r]]
-        if back and p.release(task, back):
+        if back and self._release(p, task, back):
             fx.wakeups.append(Wakeup(partition_id, task))
         return fx
+
+    def _release(self, p: Partition, task: str, rows: Sequence[int]) -> bool:
+        """Undo the consumption of ``rows`` by ``task``; True if any row became ready again.
+
+        Rows the learner gives back are admitted and unconsumed again: they take back the
+        admission slots their consumption freed, or consuming them again frees them twice."""
+        back = p.release(task, rows)
+        self.rollouts.learner_released(task, p, back)
+        return bool(back)
 
     def hold_batch(self, p: Partition, key: RecordKey) -> None:
         """Recorded batch ``key``, unsettled and without a lease (its lease ran out, or a
@@ -259,6 +272,9 @@ class GetLeases:
         done = [r for r in self.state.auto_clear_done(p, rows) if r not in held]
         if done:
             fx.room = True
+            # rows the learner never consumed (it is not an auto-clear task) never reach it
+            if self.rollouts.free_unconsumed(p, done):
+                fx.admission = True
             fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(done, "auto_clear"))))
 
 

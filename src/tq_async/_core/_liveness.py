@@ -16,6 +16,7 @@ import numpy as np
 from .._logging import get_logger
 from .._wire._events import UnitBack, UnitLost, UnitSuspended
 from .._wire._protocol import HeldRows, StoreClear
+from ._admission import Admission
 from ._effects import Effects
 from ._state import ControllerState, Wakeup
 
@@ -31,6 +32,8 @@ class UnitLiveness:
         state: the controller's state.
         lost_after: seconds a suspended unit has to come back.
         arm: ``arm(deadline, "unit", unit)`` schedules `on_deadline`.
+        rollouts: admission, to which lost rows the learner never consumed give their
+            slots back.
     """
 
     def __init__(
@@ -38,8 +41,10 @@ class UnitLiveness:
         state: ControllerState,
         lost_after: float,
         arm: Callable[[float, str, int], None],
+        rollouts: Admission,
     ) -> None:
         self.state = state
+        self.rollouts = rollouts
         self.unit_lost_after = lost_after
         self._arm = arm
 
@@ -95,6 +100,9 @@ class UnitLiveness:
         fx = Effects(room=True)
         lost = {}
         for pid, p in st.partitions.items():
+            # they never reach the learner: their slots go back, as cleared rows' do
+            if self.rollouts.free_unconsumed(p, p.rows_on(unit)):
+                fx.admission = True
             rows = p.lose_unit(unit)
             if rows:
                 lost[pid] = len(rows)

@@ -378,11 +378,11 @@ class Partition:
             if t == task:
                 rs.discard_all(rows)
 
-    def release(self, task: str, rows: Sequence[int]) -> bool:
-        """Undo ``consume`` for rows still alive; True if any row became ready again."""
+    def release(self, task: str, rows: Sequence[int]) -> list[int]:
+        """Undo ``consume`` for rows still alive; the rows that became ready again."""
         consumed = self.consumed.get(task)
         if consumed is None:
-            return False
+            return []
         back = [r for r in rows if 0 <= r < self.n_rows and self.alive[r] and consumed[r]]
         if self.changes is not None:
             self.changes.rows.update(back)
@@ -395,7 +395,7 @@ class Partition:
                 for r in back:
                     if self.is_produced(r, key) and self.available(r):
                         rs.rows[r] = None
-        return bool(back)
+        return back
 
     def reset_consumption(self, task: str | None) -> None:
         """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
@@ -474,11 +474,15 @@ class Partition:
 
     def lose_unit(self, unit: int) -> list[int]:
         """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
-        rows = [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
+        rows = self.rows_on(unit)
         if rows:
             self.clear_rows(rows, "lost")
             self.lost.update(dict.fromkeys(rows, unit))
         return rows
+
+    def rows_on(self, unit: int) -> list[int]:
+        """The live rows whose cells ``unit`` holds."""
+        return [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
 
     def live_rows_by_unit(self) -> dict[int, list[int]]:
         by_unit: dict[int, list[int]] = {}

@@ -101,12 +101,12 @@ class ControllerCore:
         #: (deadline, seq, kind, id); stale entries are skipped when popped
         self._timers: list[tuple[float, int, str, int]] = []
         self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
+        self.rollouts = Admission(self.state, self.admission)
         #: get-side leases and holds
-        self.leases = GetLeases(self.state, self._ids, self._arm)
+        self.leases = GetLeases(self.state, self._ids, self._arm, self.rollouts)
         #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
         self.catalog = Catalog(self.state, self.puts, self.leases)
-        self.rollouts = Admission(self.state, self.admission)
-        self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm)
+        self.liveness = UnitLiveness(self.state, self.unit_lost_after, self._arm, self.rollouts)
         #: what each get_meta comes to
         self.gets = Gets(self.state, self.leases, self.rollouts, self.sampler, self.task_samplers)
         #: the samplers' prompt groups: a put never overfills one (see BaseSampler.group_tag)
@@ -273,16 +273,25 @@ class ControllerCore:
     # ---- clearing ----------------------------------------------------------------------------
 
     def clear_rows(
-        self, partition_id: str, rows: Sequence[int], incarnation: str | None = None
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        incarnation: str | None = None,
+        *,
+        undo: bool = False,
     ) -> Effects:
-        """Remove rows (clear_samples, kv_clear, an undone put)."""
+        """Remove rows (clear_samples, kv_clear, an undone put).
+
+        Unconsumed rows give their admission slots back, except the rows of a put its
+        caller gave up on (``undo``): its producer still holds them, to put again or to
+        release, whether the put was undone before or after it committed."""
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
-        return self._clear(p, rows)
+        return self._clear(p, rows, admission=not undo)
 
-    def _clear(self, p: Partition, rows: Sequence[int]) -> Effects:
+    def _clear(self, p: Partition, rows: Sequence[int], *, admission: bool = True) -> Effects:
         fx = Effects(room=True, wakeups=[Wakeup(p.partition_id)])
-        fx.admission = self.rollouts.free_unconsumed(p, rows)
+        fx.admission = admission and self.rollouts.free_unconsumed(p, rows)
         fx.free.append((p.partition_id, p.incarnation, dict(p.clear_rows(rows))))
         return fx
 
@@ -313,6 +322,7 @@ class ControllerCore:
         """Forget what ``task`` (every task if None) consumed, its recorded batches and leases."""
         p = self.state.partition(partition_id)
         self.leases.reset(p, task)
+        self.rollouts.learner_reset(p, task)
         p.reset_consumption(task)
         self._forget_ends(partition_id, task)
         for smp in self.samplers():

@@ -157,6 +157,15 @@ class TakeRecycled(_Msg):
     max_rows: int
 
 
+class ReturnRecycled(_Msg):
+    """Recycled rows a `TakeRecycled` handed out to a caller that had given up (cancelled,
+    timed out): queued again, first, for the next `TakeRecycled` (one-way)."""
+
+    partition_id: str
+    incarnation: str | None
+    rows: list[int]
+
+
 class StalenessStatus(_Msg):
     pass
 
@@ -226,6 +235,9 @@ class ClearSamples(_Msg):
     rows: list[int]
     #: the partition incarnation of ``rows`` (from a BatchMeta; None: not checked)
     incarnation: str | None = None
+    #: the rows of a put its caller gave up on: admission stays as it is (the producer puts
+    #: again or calls ``release_rollout``), as for a put undone before it committed
+    undo: bool = False
 
 
 class ClearPartition(_Msg):
@@ -450,6 +462,7 @@ ControllerBody = (
     | AcquireRollout
     | ReleaseRollout
     | TakeRecycled
+    | ReturnRecycled
     | StalenessStatus
     | WatchNext
     | ClusterStatus

@@ -48,6 +48,7 @@ from ..._wire._protocol import (
     ReleaseRollout,
     Reply,
     ResetConsumption,
+    ReturnRecycled,
     Seal,
     SetPolicyVersion,
     SetTags,
@@ -269,7 +270,20 @@ class ControlCalls:
     def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition."""
         body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
-        got = self._links.call(body, list[RecycledRows])
+
+        def on_abandon(reply: Reply, _frames: list[Any]) -> None:
+            # handed out, but the caller gave up before it knew: queue them again
+            if reply.ok and self._links.controller is not None:
+                taken: list[RecycledRows] = decode(reply.payload, list[RecycledRows])
+                for r in taken:
+                    back = ReturnRecycled(r.partition_id, r.meta.incarnation, r.meta.rows)
+                    self._links.controller.send_best_effort(back)
+
+        controller = self._links.controller_link()
+        payload, _ = controller.request(
+            body, timeout=self._links.request_timeout, on_abandon=on_abandon
+        )
+        got: list[RecycledRows] = decode(payload, list[RecycledRows])
         return [
             BatchMeta(
                 partition_id=r.partition_id,

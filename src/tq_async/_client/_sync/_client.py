@@ -724,7 +724,8 @@ class Client:
         Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
         while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
         reserves ``n`` slots, freed when the learner task consumes the rows (or by
-        `release_rollout`, or when unconsumed rows are cleared).
+        `release_rollout`, or when unconsumed rows are cleared). A `put` that fails or is
+        cancelled frees none, wherever it stopped: put again, or `release_rollout`.
 
         Raises:
             TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
@@ -746,6 +747,9 @@ class Client:
 
         Each recycled row is handed out exactly once; read its prompt fields with
         `get_data` and put the regenerated sample as a new row.
+
+        Cancellation: rows handed out to a call cancelled (or timed out) before it returned
+        are queued again for the next `take_recycled`.
         """
         return self._calls.take_recycled(max_rows)
 

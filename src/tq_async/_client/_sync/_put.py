@@ -252,7 +252,7 @@ class PutPath:
             # a failed three-step put does
             if reply.ok and meta is None and self._links.controller is not None:
                 late: Placement = decode(reply.payload, Placement)
-                undo = ClearSamples(put.partition_id, late.rows, late.incarnation)
+                undo = ClearSamples(put.partition_id, late.rows, late.incarnation, undo=True)
                 self._links.controller.send_best_effort(undo)
 
         controller = self._links.controller_link()
@@ -327,7 +327,9 @@ class PutPath:
                     conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
                 with cleanup_scope(5):
                     try:
-                        undo = ClearSamples(partition_id, placement.rows, placement.incarnation)
+                        undo = ClearSamples(
+                            partition_id, placement.rows, placement.incarnation, undo=True
+                        )
                         self._links.call(undo, None)
                     except RowsNotFound:
                         pass  # already gone (e.g. lost with their storage unit)
