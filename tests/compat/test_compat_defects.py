@@ -173,3 +173,19 @@ def test_rows_ragged_in_two_dimensions() -> None:
     rows = client.get_data(meta)["img"].unbind()
     assert [tuple(t.shape) for t in rows] == [(3, 2, 2), (3, 4, 4), (3, 2, 2)]
     assert torch.equal(rows[1], torch.zeros(3, 4, 4))
+
+
+def test_kv_keys_from_a_numpy_array() -> None:
+    # uids kept in a numpy array (np.str_ elements, which are str): keys like any other
+    tq.init()
+    uids = np.array(["u0", "u1"])
+    fields = TensorDict({"x": torch.tensor([[1], [2]])}, batch_size=2)
+    tq.kv_batch_put(keys=list(uids), partition_id="p", fields=fields, tags=[{"s": 1}] * 2)
+    tq.kv_put(key=uids[0], partition_id="p", tag={"s": 2})
+    got = tq.kv_batch_get(keys=list(uids), partition_id="p")["x"]
+    assert got.to_padded_tensor(0).tolist() == [[1], [2]]
+    assert tq.kv_list("p") == {"p": {"u0": {"s": 2}, "u1": {"s": 1}}}
+    meta = tq.get_client().kv_retrieve_meta(keys=list(uids), partition_id="p")
+    assert tq.get_client().kv_retrieve_keys(meta.global_indexes, partition_id="p") == ["u0", "u1"]
+    tq.kv_clear(keys=list(uids), partition_id="p")
+    assert tq.kv_list("p") == {"p": {}}
