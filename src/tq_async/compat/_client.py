@@ -81,8 +81,9 @@ def as_list(value: str | Sequence[str], name: str) -> list[str]:
 #: the partition where compat numbers the partitions it has seen (one key per partition), so
 #: that global indexes seen through compat are unique across partitions
 REGISTRY = "__tq_async_compat__"
-#: ``(address, partition id) -> the partition's first global index``, per process
-first_indexes: dict[tuple[str, str], int] = {}
+#: ``(address, the service's state lineage, partition id) -> the partition's first global
+#: index``, per process (a service restarted without its state numbers its partitions anew)
+first_indexes: dict[tuple[str, bytes, str], int] = {}
 
 
 def first_index(partition_id: str) -> int:
@@ -93,10 +94,13 @@ def first_index(partition_id: str) -> int:
     client = attached()
     if client is None or partition_id == REGISTRY:
         return 0
-    key = (client.address, partition_id)
-    base = first_indexes.get(key)
+    native = client.client
+    base = first_indexes.get((client.address, native.state_lineage, partition_id))
     if base is None:
-        got = client.client.kv_retrieve_meta([partition_id], REGISTRY, create=True)
+        got = native.kv_retrieve_meta([partition_id], REGISTRY, create=True)
+        # (keyed by the lineage the registry answered under: a restart found by this
+        # lookup gives the new service's numbering)
+        key = (client.address, native.state_lineage, partition_id)
         base = first_indexes[key] = got.global_indexes[0] * GLOBAL_INDEX_STRIDE
     return base
 
