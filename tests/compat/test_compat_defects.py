@@ -189,3 +189,23 @@ def test_kv_keys_from_a_numpy_array() -> None:
     assert tq.get_client().kv_retrieve_keys(meta.global_indexes, partition_id="p") == ["u0", "u1"]
     tq.kv_clear(keys=list(uids), partition_id="p")
     assert tq.kv_list("p") == {"p": {}}
+
+
+def test_kv_retrieve_keys_of_indexes_of_another_partition_says_so() -> None:
+    tq.init()
+    client = tq.get_client()
+    fields = TensorDict({"x": torch.tensor([[1], [2]])}, batch_size=2)
+    first = tq.kv_batch_put(keys=["a", "b"], partition_id="first", fields=fields)
+    tq.kv_batch_put(keys=["c", "d"], partition_id="second", fields=fields)
+    ours = client.kv_retrieve_meta(keys=first.keys, partition_id="first").global_indexes
+    theirs = client.kv_retrieve_meta(keys=["c", "d"], partition_id="second").global_indexes
+    assert client.kv_retrieve_keys(theirs, partition_id="second") == ["c", "d"]
+    # numpy ints (indexes kept in an array) are ints
+    assert client.kv_retrieve_keys(np.array(theirs), partition_id="second") == ["c", "d"]
+    assert client.kv_retrieve_keys(np.int64(theirs[1]), partition_id="second") == ["d"]
+    # the message names the indexes given, never the partition's row numbers they became
+    for wrong, pid in ((ours, "second"), (theirs, "first")):
+        with pytest.raises(tq_async.RowsNotFound) as info:
+            client.kv_retrieve_keys(wrong, partition_id=pid)
+        assert str(wrong) in str(info.value)
+        assert f"partition {pid!r}" in str(info.value)

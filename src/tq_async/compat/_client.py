@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from typing import Any, TypeVar, cast
 
 import anyio
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
 from .._client._sync._client import Client as _Client
-from .._errors import ClosedError, InvalidRequestError, PartitionNotFound
+from .._errors import ClosedError, InvalidRequestError, PartitionNotFound, RowsNotFound
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._portal import tolerating_blocking
 from .._wire._listing import KVListing
@@ -383,10 +385,30 @@ class TransferQueueClient:
         return _compat_meta(got)
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
-        """The key of each row in ``global_indexes``."""
-        rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        """The key of each row in ``global_indexes`` (ints, numpy's included).
+
+        Raises:
+            RowsNotFound: an index is not a row of ``partition_id`` (of another partition,
+                or cleared).
+        """
+        given: Any = global_indexes
+        if not isinstance(given, (Sequence, np.ndarray, torch.Tensor)) or isinstance(given, str):
+            given = [given]
+        try:
+            indexes = [operator.index(g) for g in given]
+        except TypeError:
+            raise InvalidRequestError(
+                f"global_indexes must be an int or a list of ints, got {global_indexes!r}"
+            ) from None
         base = first_index(partition_id)
-        return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
+        outside = [g for g in indexes if not base <= g < base + GLOBAL_INDEX_STRIDE]
+        if outside:
+            raise RowsNotFound(
+                f"global indexes {outside[:8]} are not rows of partition {partition_id!r} (its "
+                f"global indexes start at {base}); pass the global_indexes of a BatchMeta of "
+                "that partition"
+            )
+        return self._client.kv_retrieve_keys([g - base for g in indexes], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
         """``{partition_id: {key: tags}}`` for one partition or all (each a
