@@ -3,9 +3,11 @@ threads) and several trainer threads share one ``TransferQueueClient``."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import anyio
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -51,3 +53,17 @@ def test_trainer_threads_share_the_process_client() -> None:
         t.join(60)
     assert not errors
     assert out == [list(range(8))] * 80
+
+
+async def test_an_async_get_meta_that_timed_out_takes_no_rows() -> None:
+    # verl-style: a waiting async_get_meta given up on (asyncio.wait_for's timeout cancels
+    # it while its request waits at the service) consumes nothing: rows put afterwards stay
+    # for the task's next read (docs/guarantees.md, "Cancellation")
+    tq.init()
+    client = tq.get_client()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(client.async_get_meta(["x"], 2, "p", task_name="t"), 0.2)
+    await client.async_put(TensorDict({"x": torch.arange(2)}, batch_size=2), partition_id="p")
+    got = await asyncio.wait_for(client.async_get_meta(["x"], 2, "p", task_name="t"), 10)
+    assert sorted(got.global_indexes) == [0, 1]
+    assert (await client.async_get_data(got))["x"].tolist() == [0, 1]

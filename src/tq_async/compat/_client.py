@@ -34,6 +34,11 @@ _R = TypeVar("_R")
 #: retry loop most of its empty rounds).
 POLLING_WAIT = 0.05
 
+#: How long one wait of an ``async_get_meta`` lasts before its worker thread looks whether
+#: the caller was cancelled (and waits again if not): the longest a cancelled caller's
+#: thread stays busy
+ASYNC_WAIT_SLICE = 1.0
+
 #: this process's client lookup: ``tq_async.compat`` (which owns the init/close lifecycle and
 #: the fork handling) installs it when it is imported
 _lookups: list[Callable[[], TransferQueueClient | None]] = []
@@ -161,6 +166,29 @@ def stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
     return out
 
 
+def _fetch_mode(mode: str, task_name: str | None) -> tuple[str, str]:
+    """``(tq_async's mode, task_name)`` for TransferQueue's ``get_meta`` arguments.
+
+    Raises:
+        InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
+    """
+    if not task_name:
+        raise InvalidRequestError(
+            "get_meta needs a task_name (the consumer whose consumption is tracked)"
+        )
+    if mode not in ("fetch", "force_fetch"):
+        raise InvalidRequestError(
+            f"mode must be 'fetch' or 'force_fetch', got {mode!r} ('insert' is internal to "
+            "TransferQueue: put() allocates rows here)"
+        )
+    return ("fetch" if mode == "fetch" else "peek"), task_name
+
+
+def _empty(partition_id: str) -> _meta.BatchMeta:
+    """The empty batch a ``get_meta`` in ``polling_mode`` answers with too few rows."""
+    return _meta.BatchMeta(partition_id=partition_id, global_indexes=[], field_names=[], units=[])
+
+
 class _ThreadClients:
     """Stands for one blocking `tq_async.Client` per thread, each opened on the
     thread's first call (the first one at once, so a bad address fails here)."""
@@ -255,27 +283,79 @@ class TransferQueueClient:
         Raises:
             InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
         """
-        if not task_name:
-            raise InvalidRequestError(
-                "get_meta needs a task_name (the consumer whose consumption is tracked)"
-            )
-        if mode not in ("fetch", "force_fetch"):
-            raise InvalidRequestError(
-                f"mode must be 'fetch' or 'force_fetch', got {mode!r} ('insert' is internal to "
-                "TransferQueue: put() allocates rows here)"
-            )
-        ours = "fetch" if mode == "fetch" else "peek"
+        ours, task = _fetch_mode(mode, task_name)
         timeout = POLLING_WAIT if self.polling_mode else None
+        meta = self._fetch(data_fields, batch_size, partition_id, task, sampling_config, ours,
+                           timeout)  # fmt: skip
+        return _compat_meta(_empty(partition_id) if meta is None else meta)
+
+    async def async_get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Awaitable form of ``get_meta``. A caller cancelled while it waits (a timeout of
+        ``asyncio.wait_for``) takes no rows: the wait runs on a worker thread in slices of
+        ``ASYNC_WAIT_SLICE`` seconds, and rows found after the cancellation go back to the
+        task."""
+        ours, task = _fetch_mode(mode, task_name)
+        lock = threading.Lock()
+        state: dict[str, Any] = {"stop": False, "got": None}
+
+        def wait() -> _meta.BatchMeta | None:
+            while True:
+                slice_ = ASYNC_WAIT_SLICE if not self.polling_mode else POLLING_WAIT
+                meta = self._fetch(data_fields, batch_size, partition_id, task,
+                                   sampling_config, ours, slice_)  # fmt: skip
+                with lock:
+                    if state["stop"]:
+                        if meta is not None:
+                            self._give_back(meta, ours)
+                        return None
+                    if meta is not None or self.polling_mode:
+                        state["got"] = meta
+                        return meta
+
         try:
-            meta = self._client.get_meta(
+            got = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+        except BaseException:
+            with lock:  # the thread gives back what it finds from now on
+                state["stop"] = True
+                late: _meta.BatchMeta | None = state["got"]
+            if late is not None:  # found just as the caller gave up: nobody will see it
+                self._give_back(late, ours)
+            raise
+        return _compat_meta(_empty(partition_id) if got is None else got)
+
+    def _fetch(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+        mode: str,
+        timeout: float | None,
+    ) -> _meta.BatchMeta | None:
+        """The native ``get_meta``; None when ``timeout`` passed first (nothing consumed)."""
+        try:
+            return self._client.get_meta(
                 data_fields, batch_size, partition_id, task_name, sampling_config,
-                mode=ours, timeout=timeout,
+                mode=mode, timeout=timeout,
             )  # fmt: skip
         except _TQTimeoutError:
-            meta = _meta.BatchMeta(
-                partition_id=partition_id, global_indexes=[], field_names=[], units=[]
-            )
-        return _compat_meta(meta)
+            return None
+
+    def _give_back(self, meta: _meta.BatchMeta, mode: str) -> None:
+        """Return a fetch's rows to its task, as tq_async does for a cancelled fetch (a look
+        takes none; a recorded batch, under a ``batch_index``, keeps its rows for its next
+        reader)."""
+        if mode == "fetch" and meta.batch_index is None and len(meta):
+            self._client.release(meta)
 
     def put(
         self,
@@ -441,7 +521,6 @@ class TransferQueueClient:
         """Close the connection."""
         self._client.close()
 
-    async_get_meta = to_thread(get_meta)
     async_put = to_thread(put)
     async_get_data = to_thread(get_data)
     async_set_custom_meta = to_thread(set_custom_meta)
