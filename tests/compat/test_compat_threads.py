@@ -4,13 +4,16 @@ threads) and several trainer threads share one ``TransferQueueClient``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 
 import anyio
 import pytest
 import torch
 from tensordict import TensorDict
 
+import tq_async
 import tq_async.compat as tq
 
 
@@ -67,3 +70,36 @@ async def test_an_async_get_meta_that_timed_out_takes_no_rows() -> None:
     got = await asyncio.wait_for(client.async_get_meta(["x"], 2, "p", task_name="t"), 10)
     assert sorted(got.global_indexes) == [0, 1]
     assert (await client.async_get_data(got))["x"].tolist() == [0, 1]
+
+
+async def test_an_async_put_given_up_on_leaves_no_rows() -> None:
+    # the caller times out while its put is on the way (held in data_parser, which runs
+    # on the put's worker thread): the rows it went on to write are reclaimed, as a cancelled
+    # put's are (docs/guarantees.md, "Cancellation"), so a retry writes them once
+    tq.init()
+    client = tq.get_client()
+    entered, go = threading.Event(), threading.Event()
+
+    def held(columns: dict[str, object]) -> dict[str, object]:
+        entered.set()
+        go.wait(10)
+        return columns
+
+    data = TensorDict({"x": torch.arange(3)}, batch_size=3)
+    put = client.async_put(data, partition_id="p", data_parser=held)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(put, 0.2)
+    assert entered.is_set()
+    go.set()  # the put goes on after its caller gave up
+    deadline = time.monotonic() + 10
+    info: dict[str, object] = {}
+    while time.monotonic() < deadline:  # no event tells when a worker thread's put ends
+        with contextlib.suppress(tq_async.PartitionNotFound):
+            info = client.client.partition_info("p")
+        if info.get("allocated") == 3 and not info.get("uncommitted_puts") and not info["rows"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (info.get("allocated"), info.get("rows")) == (3, 0)
+    again = await client.async_put(data, partition_id="p")  # the retry
+    assert client.get_production_status(["x"], "p")[1].tolist() == [0, 0, 0, 1, 1, 1]
+    assert (await client.async_get_data(again))["x"].tolist() == [0, 1, 2]

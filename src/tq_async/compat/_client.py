@@ -189,6 +189,40 @@ def _empty(partition_id: str) -> _meta.BatchMeta:
     return _meta.BatchMeta(partition_id=partition_id, global_indexes=[], field_names=[], units=[])
 
 
+async def _undone_if_cancelled(
+    work: Callable[[Callable[[], bool]], _R], undo: Callable[[_R], object]
+) -> _R:
+    """``work(stopped)`` on a worker thread. When the caller is cancelled first (a timeout of
+    ``asyncio.wait_for``), the thread is left to end on its own (``stopped()`` turns True)
+    and ``undo`` runs on what it returns, since nobody will see it: as tq_async's own client
+    undoes what the reply of a cancelled request granted."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"stop": False, "got": None}
+
+    def stopped() -> bool:
+        return bool(state["stop"])
+
+    def run() -> _R:
+        got = work(stopped)
+        with lock:
+            if state["stop"]:  # (what it returns goes nowhere)
+                if got is not None:
+                    undo(got)
+            else:
+                state["got"] = got
+        return got
+
+    try:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except BaseException:
+        with lock:  # from now on the thread undoes what it ends with
+            state["stop"] = True
+            late = state["got"]
+        if late is not None:  # it ended just as the caller gave up
+            undo(late)
+        raise
+
+
 class _ThreadClients:
     """Stands for one blocking `tq_async.Client` per thread, each opened on the
     thread's first call (the first one at once, so a bad address fails here)."""
@@ -303,33 +337,18 @@ class TransferQueueClient:
         ``ASYNC_WAIT_SLICE`` seconds, and rows found after the cancellation go back to the
         task."""
         ours, task = _fetch_mode(mode, task_name)
-        lock = threading.Lock()
-        state: dict[str, Any] = {"stop": False, "got": None}
 
-        def wait() -> _meta.BatchMeta | None:
+        def wait(stopped: Callable[[], bool]) -> tuple[_meta.BatchMeta | None, BatchMeta]:
             while True:
                 slice_ = ASYNC_WAIT_SLICE if not self.polling_mode else POLLING_WAIT
                 meta = self._fetch(data_fields, batch_size, partition_id, task,
                                    sampling_config, ours, slice_)  # fmt: skip
-                with lock:
-                    if state["stop"]:
-                        if meta is not None:
-                            self._give_back(meta, ours)
-                        return None
-                    if meta is not None or self.polling_mode:
-                        state["got"] = meta
-                        return meta
+                if meta is not None or self.polling_mode or stopped():
+                    # (the compat view here too: it may ask the registry, off the loop)
+                    return meta, _compat_meta(_empty(partition_id) if meta is None else meta)
 
-        try:
-            got = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
-        except BaseException:
-            with lock:  # the thread gives back what it finds from now on
-                state["stop"] = True
-                late: _meta.BatchMeta | None = state["got"]
-            if late is not None:  # found just as the caller gave up: nobody will see it
-                self._give_back(late, ours)
-            raise
-        return _compat_meta(_empty(partition_id) if got is None else got)
+        got = await _undone_if_cancelled(wait, lambda got: self._give_back(got[0], ours))
+        return got[1]
 
     def _fetch(
         self,
@@ -350,11 +369,11 @@ class TransferQueueClient:
         except _TQTimeoutError:
             return None
 
-    def _give_back(self, meta: _meta.BatchMeta, mode: str) -> None:
+    def _give_back(self, meta: _meta.BatchMeta | None, mode: str) -> None:
         """Return a fetch's rows to its task, as tq_async does for a cancelled fetch (a look
         takes none; a recorded batch, under a ``batch_index``, keeps its rows for its next
         reader)."""
-        if mode == "fetch" and meta.batch_index is None and len(meta):
+        if meta is not None and mode == "fetch" and meta.batch_index is None and len(meta):
             self._client.release(meta)
 
     def put(
@@ -386,6 +405,25 @@ class TransferQueueClient:
         if isinstance(metadata, BatchMeta) and metadata.size == out.size:
             out.extra_info.update(metadata.extra_info)
         return out
+
+    async def async_put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        metadata: BatchMeta | _meta.BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Awaitable form of ``put`` (on a worker thread). A caller cancelled before it
+        returns leaves no new rows: those the put goes on to write are cleared (fields
+        written into ``metadata``'s rows stay)."""
+
+        def undo(meta: BatchMeta) -> None:
+            if metadata is None:
+                self._client.clear_samples(meta.to_native())
+
+        return await _undone_if_cancelled(
+            lambda _: self.put(data, metadata, partition_id, data_parser), undo
+        )
 
     def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
         """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
@@ -521,7 +559,6 @@ class TransferQueueClient:
         """Close the connection."""
         self._client.close()
 
-    async_put = to_thread(put)
     async_get_data = to_thread(get_data)
     async_set_custom_meta = to_thread(set_custom_meta)
     async_clear_partition = to_thread(clear_partition)
