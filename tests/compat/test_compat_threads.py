@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 
@@ -103,3 +104,29 @@ async def test_an_async_put_given_up_on_leaves_no_rows() -> None:
     again = await client.async_put(data, partition_id="p")  # the retry
     assert client.get_production_status(["x"], "p")[1].tolist() == [0, 0, 0, 1, 1, 1]
     assert (await client.async_get_data(again))["x"].tolist() == [0, 1, 2]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_threads_that_ended_leave_no_connections_open() -> None:
+    # a thread per request (a web handler, a pool made per step) calling the KV API: the
+    # connection each thread opened goes with it, so a long run never runs out of files
+    tq.init()
+    tq.kv_put(key="k", partition_id="p", fields={"x": torch.ones(2)})
+
+    def read() -> None:
+        assert tq.kv_batch_get(keys=["k"], partition_id="p")["x"].values().tolist() == [1, 1]
+
+    first = threading.Thread(target=read)  # one ended thread's connection, as a baseline
+    first.start()
+    first.join()
+    before = _open_fds()
+    for _ in range(30):
+        thread = threading.Thread(target=read)
+        thread.start()
+        thread.join()
+    read()
+    assert _open_fds() <= before + 16  # one connection's sockets (8 each) when they leaked

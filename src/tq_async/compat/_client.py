@@ -225,12 +225,13 @@ async def _undone_if_cancelled(
 
 class _ThreadClients:
     """Stands for one blocking `tq_async.Client` per thread, each opened on the
-    thread's first call (the first one at once, so a bad address fails here)."""
+    thread's first call (the first one at once, so a bad address fails here); the clients
+    of threads that ended are closed when another thread opens its own."""
 
     def __init__(self, address: str) -> None:
         self._address = address
         self._local = threading.local()
-        self._all: list[_Client] = []
+        self._all: list[tuple[threading.Thread, _Client]] = []
         self._all_lock = threading.Lock()
         tolerating_blocking(self.current)()
 
@@ -239,7 +240,11 @@ class _ThreadClients:
         if client is None:
             client = self._local.client = _Client.connect(self._address).open()
             with self._all_lock:
-                self._all.append(client)
+                ended = [c for t, c in self._all if not t.is_alive()]
+                self._all = [(t, c) for t, c in self._all if t.is_alive()]
+                self._all.append((threading.current_thread(), client))
+            for old in ended:  # (no thread uses them any more)
+                old.close()
         return client
 
     def __getattr__(self, name: str) -> Any:
@@ -253,7 +258,7 @@ class _ThreadClients:
     def close(self) -> None:
         with self._all_lock:
             clients, self._all = self._all, []
-        for client in clients:
+        for _, client in clients:
             client.close()
 
 
