@@ -6,6 +6,7 @@ jagged fields read back jagged)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -209,3 +210,15 @@ def test_kv_retrieve_keys_of_indexes_of_another_partition_says_so() -> None:
             client.kv_retrieve_keys(wrong, partition_id=pid)
         assert str(wrong) in str(info.value)
         assert f"partition {pid!r}" in str(info.value)
+
+
+def test_an_address_that_is_not_a_string_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a port number where the address goes never starts a private cluster silently: the
+    # program would run apart from the cluster its other processes attach to
+    for wrong in (5555, ["tcp://127.0.0.1:5555"]):
+        with pytest.raises(tq_async.InvalidRequestError, match="address"):
+            tq.init({"address": wrong})
+        assert "TQ_ADDRESS" not in os.environ  # nothing was started
+    # TransferQueue's own zmq_info (an object, not an address string) is left for the rest
+    config = tq.init({"controller": {"zmq_info": object()}})
+    assert config.address == os.environ["TQ_ADDRESS"]
