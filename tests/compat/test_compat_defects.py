@@ -222,3 +222,16 @@ def test_an_address_that_is_not_a_string_is_refused(monkeypatch: pytest.MonkeyPa
     # TransferQueue's own zmq_info (an object, not an address string) is left for the rest
     config = tq.init({"controller": {"zmq_info": object()}})
     assert config.address == os.environ["TQ_ADDRESS"]
+
+
+def test_kv_list_shows_the_empty_key() -> None:
+    # "" is a key like any other: put, read, and listed (a listing drives what is read back)
+    tq.init()
+    tq.kv_put(key="", partition_id="p", fields={"x": torch.tensor([1])}, tag={"n": 0})
+    tq.kv_put(key="b", partition_id="p", fields={"x": torch.tensor([2])}, tag={"n": 1})
+    assert tq.kv_list("p") == {"p": {"": {"n": 0}, "b": {"n": 1}}}
+    assert tq.kv_batch_get(keys=[""], partition_id="p")["x"].values().tolist() == [1]
+    tq.kv_clear(keys=["b"], partition_id="p")
+    assert tq.kv_list() == {"p": {"": {"n": 0}}}
+    tq.kv_clear(keys=[""], partition_id="p")
+    assert tq.kv_list("p") == {"p": {}}
