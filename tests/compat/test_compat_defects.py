@@ -6,6 +6,7 @@ jagged fields read back jagged)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -173,3 +174,64 @@ def test_rows_ragged_in_two_dimensions() -> None:
     rows = client.get_data(meta)["img"].unbind()
     assert [tuple(t.shape) for t in rows] == [(3, 2, 2), (3, 4, 4), (3, 2, 2)]
     assert torch.equal(rows[1], torch.zeros(3, 4, 4))
+
+
+def test_kv_keys_from_a_numpy_array() -> None:
+    # uids kept in a numpy array (np.str_ elements, which are str): keys like any other
+    tq.init()
+    uids = np.array(["u0", "u1"])
+    fields = TensorDict({"x": torch.tensor([[1], [2]])}, batch_size=2)
+    tq.kv_batch_put(keys=list(uids), partition_id="p", fields=fields, tags=[{"s": 1}] * 2)
+    tq.kv_put(key=uids[0], partition_id="p", tag={"s": 2})
+    got = tq.kv_batch_get(keys=list(uids), partition_id="p")["x"]
+    assert got.to_padded_tensor(0).tolist() == [[1], [2]]
+    assert tq.kv_list("p") == {"p": {"u0": {"s": 2}, "u1": {"s": 1}}}
+    meta = tq.get_client().kv_retrieve_meta(keys=list(uids), partition_id="p")
+    assert tq.get_client().kv_retrieve_keys(meta.global_indexes, partition_id="p") == ["u0", "u1"]
+    tq.kv_clear(keys=list(uids), partition_id="p")
+    assert tq.kv_list("p") == {"p": {}}
+
+
+def test_kv_retrieve_keys_of_indexes_of_another_partition_says_so() -> None:
+    tq.init()
+    client = tq.get_client()
+    fields = TensorDict({"x": torch.tensor([[1], [2]])}, batch_size=2)
+    first = tq.kv_batch_put(keys=["a", "b"], partition_id="first", fields=fields)
+    tq.kv_batch_put(keys=["c", "d"], partition_id="second", fields=fields)
+    ours = client.kv_retrieve_meta(keys=first.keys, partition_id="first").global_indexes
+    theirs = client.kv_retrieve_meta(keys=["c", "d"], partition_id="second").global_indexes
+    assert client.kv_retrieve_keys(theirs, partition_id="second") == ["c", "d"]
+    # numpy ints (indexes kept in an array) are ints
+    assert client.kv_retrieve_keys(np.array(theirs), partition_id="second") == ["c", "d"]
+    assert client.kv_retrieve_keys(np.int64(theirs[1]), partition_id="second") == ["d"]
+    # the message names the indexes given, never the partition's row numbers they became
+    for wrong, pid in ((ours, "second"), (theirs, "first")):
+        with pytest.raises(tq_async.RowsNotFound) as info:
+            client.kv_retrieve_keys(wrong, partition_id=pid)
+        assert str(wrong) in str(info.value)
+        assert f"partition {pid!r}" in str(info.value)
+
+
+def test_an_address_that_is_not_a_string_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a port number where the address goes never starts a private cluster silently: the
+    # program would run apart from the cluster its other processes attach to
+    for wrong in (5555, ["tcp://127.0.0.1:5555"]):
+        with pytest.raises(tq_async.InvalidRequestError, match="address"):
+            tq.init({"address": wrong})
+        assert "TQ_ADDRESS" not in os.environ  # nothing was started
+    # TransferQueue's own zmq_info (an object, not an address string) is left for the rest
+    config = tq.init({"controller": {"zmq_info": object()}})
+    assert config.address == os.environ["TQ_ADDRESS"]
+
+
+def test_kv_list_shows_the_empty_key() -> None:
+    # "" is a key like any other: put, read, and listed (a listing drives what is read back)
+    tq.init()
+    tq.kv_put(key="", partition_id="p", fields={"x": torch.tensor([1])}, tag={"n": 0})
+    tq.kv_put(key="b", partition_id="p", fields={"x": torch.tensor([2])}, tag={"n": 1})
+    assert tq.kv_list("p") == {"p": {"": {"n": 0}, "b": {"n": 1}}}
+    assert tq.kv_batch_get(keys=[""], partition_id="p")["x"].values().tolist() == [1]
+    tq.kv_clear(keys=["b"], partition_id="p")
+    assert tq.kv_list() == {"p": {"": {"n": 0}}}
+    tq.kv_clear(keys=[""], partition_id="p")
+    assert tq.kv_list("p") == {"p": {}}

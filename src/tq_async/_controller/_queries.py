@@ -8,6 +8,7 @@ the reply's payload; `QUERIES` maps request types to them.
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -243,7 +244,9 @@ class KVListingCache:
         lo = chunk << KV_CHUNK_BITS
         row_keys, tags = p.row_keys, p.tags
         hi = min(lo + (1 << KV_CHUNK_BITS), p.n_rows)
-        rows = list(itertools.compress(range(lo, hi), row_keys[lo:hi]))
+        # (rows with a key: `None` is none, the key "" one like any other)
+        has_key = map(operator.is_not, row_keys[lo:hi], itertools.repeat(None))
+        rows = list(itertools.compress(range(lo, hi), has_key))
         if not rows:
             self._counts.pop(chunk, None)
             self._keys.pop(chunk, None)

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from typing import Any, TypeVar, cast
 
 import anyio
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
 from .._client._sync._client import Client as _Client
-from .._errors import ClosedError, InvalidRequestError, PartitionNotFound
+from .._errors import ClosedError, InvalidRequestError, PartitionNotFound, RowsNotFound
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._portal import tolerating_blocking
 from .._wire._listing import KVListing
@@ -31,6 +33,11 @@ _R = TypeVar("_R")
 #: empty batch (TransferQueue answers at once; a short event-driven wait spares the caller's
 #: retry loop most of its empty rounds).
 POLLING_WAIT = 0.05
+
+#: How long one wait of an ``async_get_meta`` lasts before its worker thread looks whether
+#: the caller was cancelled (and waits again if not): the longest a cancelled caller's
+#: thread stays busy
+ASYNC_WAIT_SLICE = 1.0
 
 #: this process's client lookup: ``tq_async.compat`` (which owns the init/close lifecycle and
 #: the fork handling) installs it when it is imported
@@ -81,8 +88,9 @@ def as_list(value: str | Sequence[str], name: str) -> list[str]:
 #: the partition where compat numbers the partitions it has seen (one key per partition), so
 #: that global indexes seen through compat are unique across partitions
 REGISTRY = "__tq_async_compat__"
-#: ``(address, partition id) -> the partition's first global index``, per process
-first_indexes: dict[tuple[str, str], int] = {}
+#: ``(address, the service's state lineage, partition id) -> the partition's first global
+#: index``, per process (a service restarted without its state numbers its partitions anew)
+first_indexes: dict[tuple[str, bytes, str], int] = {}
 
 
 def first_index(partition_id: str) -> int:
@@ -93,10 +101,13 @@ def first_index(partition_id: str) -> int:
     client = attached()
     if client is None or partition_id == REGISTRY:
         return 0
-    key = (client.address, partition_id)
-    base = first_indexes.get(key)
+    native = client.client
+    base = first_indexes.get((client.address, native.state_lineage, partition_id))
     if base is None:
-        got = client.client.kv_retrieve_meta([partition_id], REGISTRY, create=True)
+        got = native.kv_retrieve_meta([partition_id], REGISTRY, create=True)
+        # (keyed by the lineage the registry answered under: a restart found by this
+        # lookup gives the new service's numbering)
+        key = (client.address, native.state_lineage, partition_id)
         base = first_indexes[key] = got.global_indexes[0] * GLOBAL_INDEX_STRIDE
     return base
 
@@ -155,14 +166,72 @@ def stored_dtypes(partition_id: str) -> dict[str, torch.dtype]:
     return out
 
 
+def _fetch_mode(mode: str, task_name: str | None) -> tuple[str, str]:
+    """``(tq_async's mode, task_name)`` for TransferQueue's ``get_meta`` arguments.
+
+    Raises:
+        InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
+    """
+    if not task_name:
+        raise InvalidRequestError(
+            "get_meta needs a task_name (the consumer whose consumption is tracked)"
+        )
+    if mode not in ("fetch", "force_fetch"):
+        raise InvalidRequestError(
+            f"mode must be 'fetch' or 'force_fetch', got {mode!r} ('insert' is internal to "
+            "TransferQueue: put() allocates rows here)"
+        )
+    return ("fetch" if mode == "fetch" else "peek"), task_name
+
+
+def _empty(partition_id: str) -> _meta.BatchMeta:
+    """The empty batch a ``get_meta`` in ``polling_mode`` answers with too few rows."""
+    return _meta.BatchMeta(partition_id=partition_id, global_indexes=[], field_names=[], units=[])
+
+
+async def _undone_if_cancelled(
+    work: Callable[[Callable[[], bool]], _R], undo: Callable[[_R], object]
+) -> _R:
+    """``work(stopped)`` on a worker thread. When the caller is cancelled first (a timeout of
+    ``asyncio.wait_for``), the thread is left to end on its own (``stopped()`` turns True)
+    and ``undo`` runs on what it returns, since nobody will see it: as tq_async's own client
+    undoes what the reply of a cancelled request granted."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"stop": False, "got": None}
+
+    def stopped() -> bool:
+        return bool(state["stop"])
+
+    def run() -> _R:
+        got = work(stopped)
+        with lock:
+            if state["stop"]:  # (what it returns goes nowhere)
+                if got is not None:
+                    undo(got)
+            else:
+                state["got"] = got
+        return got
+
+    try:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except BaseException:
+        with lock:  # from now on the thread undoes what it ends with
+            state["stop"] = True
+            late = state["got"]
+        if late is not None:  # it ended just as the caller gave up
+            undo(late)
+        raise
+
+
 class _ThreadClients:
     """Stands for one blocking `tq_async.Client` per thread, each opened on the
-    thread's first call (the first one at once, so a bad address fails here)."""
+    thread's first call (the first one at once, so a bad address fails here); the clients
+    of threads that ended are closed when another thread opens its own."""
 
     def __init__(self, address: str) -> None:
         self._address = address
         self._local = threading.local()
-        self._all: list[_Client] = []
+        self._all: list[tuple[threading.Thread, _Client]] = []
         self._all_lock = threading.Lock()
         tolerating_blocking(self.current)()
 
@@ -171,7 +240,11 @@ class _ThreadClients:
         if client is None:
             client = self._local.client = _Client.connect(self._address).open()
             with self._all_lock:
-                self._all.append(client)
+                ended = [c for t, c in self._all if not t.is_alive()]
+                self._all = [(t, c) for t, c in self._all if t.is_alive()]
+                self._all.append((threading.current_thread(), client))
+            for old in ended:  # (no thread uses them any more)
+                old.close()
         return client
 
     def __getattr__(self, name: str) -> Any:
@@ -185,7 +258,7 @@ class _ThreadClients:
     def close(self) -> None:
         with self._all_lock:
             clients, self._all = self._all, []
-        for client in clients:
+        for _, client in clients:
             client.close()
 
 
@@ -249,27 +322,64 @@ class TransferQueueClient:
         Raises:
             InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
         """
-        if not task_name:
-            raise InvalidRequestError(
-                "get_meta needs a task_name (the consumer whose consumption is tracked)"
-            )
-        if mode not in ("fetch", "force_fetch"):
-            raise InvalidRequestError(
-                f"mode must be 'fetch' or 'force_fetch', got {mode!r} ('insert' is internal to "
-                "TransferQueue: put() allocates rows here)"
-            )
-        ours = "fetch" if mode == "fetch" else "peek"
+        ours, task = _fetch_mode(mode, task_name)
         timeout = POLLING_WAIT if self.polling_mode else None
+        meta = self._fetch(data_fields, batch_size, partition_id, task, sampling_config, ours,
+                           timeout)  # fmt: skip
+        return _compat_meta(_empty(partition_id) if meta is None else meta)
+
+    async def async_get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Awaitable form of ``get_meta``. A caller cancelled while it waits (a timeout of
+        ``asyncio.wait_for``) takes no rows: the wait runs on a worker thread in slices of
+        ``ASYNC_WAIT_SLICE`` seconds, and rows found after the cancellation go back to the
+        task."""
+        ours, task = _fetch_mode(mode, task_name)
+
+        def wait(stopped: Callable[[], bool]) -> tuple[_meta.BatchMeta | None, BatchMeta]:
+            while True:
+                slice_ = ASYNC_WAIT_SLICE if not self.polling_mode else POLLING_WAIT
+                meta = self._fetch(data_fields, batch_size, partition_id, task,
+                                   sampling_config, ours, slice_)  # fmt: skip
+                if meta is not None or self.polling_mode or stopped():
+                    # (the compat view here too: it may ask the registry, off the loop)
+                    return meta, _compat_meta(_empty(partition_id) if meta is None else meta)
+
+        got = await _undone_if_cancelled(wait, lambda got: self._give_back(got[0], ours))
+        return got[1]
+
+    def _fetch(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+        mode: str,
+        timeout: float | None,
+    ) -> _meta.BatchMeta | None:
+        """The native ``get_meta``; None when ``timeout`` passed first (nothing consumed)."""
         try:
-            meta = self._client.get_meta(
+            return self._client.get_meta(
                 data_fields, batch_size, partition_id, task_name, sampling_config,
-                mode=ours, timeout=timeout,
+                mode=mode, timeout=timeout,
             )  # fmt: skip
         except _TQTimeoutError:
-            meta = _meta.BatchMeta(
-                partition_id=partition_id, global_indexes=[], field_names=[], units=[]
-            )
-        return _compat_meta(meta)
+            return None
+
+    def _give_back(self, meta: _meta.BatchMeta | None, mode: str) -> None:
+        """Return a fetch's rows to its task, as tq_async does for a cancelled fetch (a look
+        takes none; a recorded batch, under a ``batch_index``, keeps its rows for its next
+        reader)."""
+        if meta is not None and mode == "fetch" and meta.batch_index is None and len(meta):
+            self._client.release(meta)
 
     def put(
         self,
@@ -300,6 +410,25 @@ class TransferQueueClient:
         if isinstance(metadata, BatchMeta) and metadata.size == out.size:
             out.extra_info.update(metadata.extra_info)
         return out
+
+    async def async_put(
+        self,
+        data: TensorDictBase | Mapping[str, Any],
+        metadata: BatchMeta | _meta.BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Awaitable form of ``put`` (on a worker thread). A caller cancelled before it
+        returns leaves no new rows: those the put goes on to write are cleared (fields
+        written into ``metadata``'s rows stay)."""
+
+        def undo(meta: BatchMeta) -> None:
+            if metadata is None:
+                self._client.clear_samples(meta.to_native())
+
+        return await _undone_if_cancelled(
+            lambda _: self.put(data, metadata, partition_id, data_parser), undo
+        )
 
     def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
         """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
@@ -379,10 +508,30 @@ class TransferQueueClient:
         return _compat_meta(got)
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
-        """The key of each row in ``global_indexes``."""
-        rows = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        """The key of each row in ``global_indexes`` (ints, numpy's included).
+
+        Raises:
+            RowsNotFound: an index is not a row of ``partition_id`` (of another partition,
+                or cleared).
+        """
+        given: Any = global_indexes
+        if not isinstance(given, (Sequence, np.ndarray, torch.Tensor)) or isinstance(given, str):
+            given = [given]
+        try:
+            indexes = [operator.index(g) for g in given]
+        except TypeError:
+            raise InvalidRequestError(
+                f"global_indexes must be an int or a list of ints, got {global_indexes!r}"
+            ) from None
         base = first_index(partition_id)
-        return self._client.kv_retrieve_keys([r - base for r in rows], partition_id)
+        outside = [g for g in indexes if not base <= g < base + GLOBAL_INDEX_STRIDE]
+        if outside:
+            raise RowsNotFound(
+                f"global indexes {outside[:8]} are not rows of partition {partition_id!r} (its "
+                f"global indexes start at {base}); pass the global_indexes of a BatchMeta of "
+                "that partition"
+            )
+        return self._client.kv_retrieve_keys([g - base for g in indexes], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
         """``{partition_id: {key: tags}}`` for one partition or all (each a
@@ -415,8 +564,6 @@ class TransferQueueClient:
         """Close the connection."""
         self._client.close()
 
-    async_get_meta = to_thread(get_meta)
-    async_put = to_thread(put)
     async_get_data = to_thread(get_data)
     async_set_custom_meta = to_thread(set_custom_meta)
     async_clear_partition = to_thread(clear_partition)

@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .._errors import InvalidRequestError
+
 #: config keys ``init`` honours (dotted paths); any other key is ignored with a warning
 HONOURED = frozenset(
     {
@@ -58,7 +60,18 @@ def flatten(conf: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def address_in(flat: Mapping[str, Any]) -> str | None:
-    """The cluster's address in a flattened config, else ``TQ_ADDRESS`` (None: neither)."""
+    """The cluster's address in a flattened config, else ``TQ_ADDRESS`` (None: neither).
+
+    Raises:
+        InvalidRequestError: ``address`` is set to something else than a string
+            (``controller.zmq_info`` may hold TransferQueue's own object: skipped).
+    """
+    address = flat.get("address")
+    if address is not None and not isinstance(address, str):
+        raise InvalidRequestError(
+            "address must be the cluster's address, a string such as 'tcp://10.0.0.1:5555' "
+            f"(the TQ_ADDRESS=... line tq-async serve prints), got {address!r}"
+        )
     for key in ("address", "controller.zmq_info"):
         value = flat.get(key)
         if isinstance(value, str) and value:

@@ -250,6 +250,12 @@ class AsyncClient:
         return self._links.host_id
 
     @property
+    def state_lineage(self) -> bytes:
+        """The controller's state lineage as this client last saw it: a service restarted
+        without its state gives a new one (the call that finds it raises `StateLostError`)."""
+        return self._links.lineage
+
+    @property
     def link_fallbacks(self) -> int:
         """Same-host switches that did not happen (see the class docstring)."""
         return self._links.same_host_units.fallbacks

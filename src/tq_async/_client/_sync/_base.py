@@ -312,6 +312,11 @@ class Links:
             self.allow_pickle = hello.allow_pickle
         return hello
 
+    @property
+    def lineage(self) -> bytes:
+        """The controller's state lineage from its last Hello (``b""`` before the first)."""
+        return self._lineage
+
     def note_epoch(self, epoch: int) -> None:
         """A reply's units epoch: a new one makes the next unit call ask for the units."""
         if epoch:

@@ -82,7 +82,8 @@ def _check_keys(keys: Any) -> list[str]:
     except UnicodeEncodeError:
         for k in keys:
             check_text("key", k)  # names the first key that cannot travel
-    return list(keys)
+    # a str subclass (numpy's str_, of keys kept in an array) travels as the plain str
+    return [k if type(k) is str else str.__str__(k) for k in keys]
 
 
 def _check_rows(rows: Any, name: str) -> list[int]:
