@@ -59,6 +59,13 @@ log = get_logger(__name__)
 Outcome = MetaReply | Awaiting | None
 
 
+class _Again:
+    """An ``async`` sampler's answer no longer fits the state: look again at once."""
+
+
+AGAIN = _Again()
+
+
 class Gets:
     """What every get_meta comes to (see the module docstring).
 
@@ -260,7 +267,9 @@ class Gets:
         if accepted is not None:
             ctx = {k: v for k, v in ctx.items() if k in accepted}
         self.sampler_calls += 1
-        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size, trusted)
+        return SampleCall(
+            p, sampler, ready, req.batch_size, ctx, final, stale, dp_size, trusted, moves=p.moves
+        )
 
     def _tail(self, req: GetMeta, sampler: BaseSampler) -> str:
         cfg = req.sampling_config
@@ -275,28 +284,31 @@ class Gets:
         """Apply a sampler's answer: a reply, or None (nothing yet: wait).
 
         With ``strict=False`` (the answer of an async sampler, computed while the state
-        could move) an answer that no longer fits is dropped and None returned, so the
-        shell samples again.
+        could move) an answer that no longer fits because rows were consumed or removed
+        meanwhile is dropped and the request samples again at once (what `look` says
+        now); an answer that did not fit when it was asked for raises, as a plain
+        sampler's does.
 
         The answer for a batch below the asked one (``record_from``) records that batch and
         comes to what `look` says next: the next such batch's sampler call, or the
         asked batch's; its end of stream is the asked batch's too.
         """
         earlier = call.earlier
-        if earlier is None:
-            return self._apply_sample(req, call, result, now, strict)
-        decision, fx = self._apply_sample(earlier, call, result, now, strict)
-        if isinstance(decision, MetaReply) and not decision.end_of_stream:
+        decision, fx = self._apply_sample(earlier or req, call, result, now, strict)
+        if decision is AGAIN or (
+            earlier is not None and isinstance(decision, MetaReply) and not decision.end_of_stream
+        ):
             return self.look(req, now), fx
+        assert not isinstance(decision, _Again)
         return decision, fx
 
     def _apply_sample(
         self, req: GetMeta, call: SampleCall, result: Any, now: float, strict: bool
-    ) -> tuple[Decision, Effects]:
+    ) -> tuple[Decision | _Again, Effects]:
         fx = Effects()
         p = call.partition
         if self.state.partitions.get(req.partition_id) is not p:
-            return None, fx  # cleared while an async sampler ran
+            return AGAIN, fx  # cleared while an async sampler ran
         key = call.key
         if key is not None:
             recorded = self._recorded(req, p, key, now)
@@ -326,9 +338,9 @@ class Gets:
                 count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)
         except TQError:
-            if strict:
-                raise
-            return None, fx  # the state moved while an async sampler ran: sample again
+            if strict or p.moves == call.moves:
+                raise  # (an async sampler's answer that was wrong when it was asked for)
+            return AGAIN, fx  # the state moved while an async sampler ran: sample again
         if not delivered:
             if consumed:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
