@@ -189,10 +189,12 @@ class Gets:
         key = record_key(req)
         if req.host and key is not None:  # a rank that moves host is followed
             self.rank_hosts[(req.task_name, key[1])] = req.host
-        if dp_size is not None and key is None:
-            raise InvalidRequestError(
-                "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
-            )
+        if dp_size is not None:
+            if key is None:
+                raise InvalidRequestError(
+                    "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
+                )
+            check_rank_batch(req, self.sampler_for(req.task_name), dp_size)
         if key is not None:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
@@ -500,6 +502,19 @@ def _trusted(sampler: BaseSampler) -> bool:
         getattr(cls, "sample", None) is SequentialSampler.sample
         and getattr(cls, "sample_shares", None) is BaseSampler.sample_shares
     )
+
+
+def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
+    """A rank's ``batch_size`` holds whole groups of the sampler's `group_size`: else
+    every global batch, not only the last, would split unevenly over the ranks (and
+    ``tail="drop"`` would drop whole groups at every step)."""
+    group = int(getattr(sampler, "group_size", 1))
+    if group > 1 and req.batch_size % group:
+        raise InvalidRequestError(
+            f"batch_size ({req.batch_size}) must be a multiple of n_samples_per_prompt "
+            f"({group}) with dp_size={dp_size}: each rank's batch holds whole prompt groups; "
+            f"ask for a multiple of {group} rows per rank"
+        )
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
