@@ -161,3 +161,60 @@ async def test_a_reused_grpo_uid_is_refused_at_the_put(inline_put_bytes: int) ->
         second = await client.get_meta(["x"], 4, "p", "learner", timeout=5)
         assert [t["uid"] for t in first.tags + second.tags] == [0] * 4 + [1] * 4
         assert sorted(first.global_indexes + second.global_indexes) == [0, 1, 2, 3, 5, 6, 7, 8]
+
+
+class _TwoRanks(tq.BaseSampler):
+    """A TransferQueue-style custom sampler: the first call for a batch splits it between DP
+    ranks 0 and 1, caches both shares in ``_states`` (TransferQueue's convention, read by
+    ``has_cached_result`` and dropped by ``clear_cache``) and consumes all its rows."""
+
+    def sample(  # type: ignore[override]
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        *args: object,
+        partition_id: str,
+        task_name: str,
+        dp_rank: int,
+        batch_index: int,
+        **kwargs: object,
+    ) -> tuple[list[int], list[int]]:
+        by_rank = self._states.setdefault(partition_id, {}).setdefault(task_name, {})
+        cached = by_rank.get(dp_rank, {}).get(batch_index)
+        if cached is not None:
+            return cached, []
+        rows = list(ready_indexes[: 2 * batch_size])
+        for rank in (0, 1):
+            share = rows[rank * batch_size : (rank + 1) * batch_size]
+            by_rank.setdefault(rank, {})[batch_index] = share
+        return by_rank[dp_rank][batch_index], rows
+
+
+@pytest.mark.parametrize("wrap", ["bare", "staleness", "rank_aware"])
+async def test_a_wrapped_custom_sampler_keeps_its_transferqueue_cache_hooks(wrap: str) -> None:
+    """Wrapped (`StalenessSampler`, `RankAwareSampler`), a custom sampler's
+    ``has_cached_result`` still lets rank 1 read the share rank 0's call cached for it (no
+    wait for rows that were all consumed), and ``clear_partition`` still drops its
+    ``_states`` (``clear_cache``): the partition's next incarnation is sampled afresh, not
+    answered with the old rows unconsumed."""
+    inner = _TwoRanks()
+    sampler = {
+        "bare": lambda: inner,
+        "staleness": lambda: tq.StalenessSampler(inner, max_staleness=1),
+        "rank_aware": lambda: tq.RankAwareSampler(inner),
+    }[wrap]()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for round_ in range(2):
+            await client.put({"x": torch.arange(8)}, partition_id="p")
+            with anyio.fail_after(10):
+                got = [
+                    (await client.get_meta(["x"], 4, "p", "t", {"dp_rank": r, "batch_index": 0}))
+                    for r in (0, 1)
+                ]
+            assert [m.global_indexes for m in got] == [[0, 1, 2, 3], [4, 5, 6, 7]], round_
+            assert int((await client.consumption_status("p", "t")).sum()) == 8, round_
+            await client.clear_partition("p")
+        assert not inner._states

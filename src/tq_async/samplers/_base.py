@@ -276,6 +276,23 @@ class WrappingSampler(BaseSampler):
 
     inner: BaseSampler
 
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
+    ) -> bool:
+        """True when this sampler's ``_states`` or ``inner``'s holds the answer (a
+        TransferQueue-style ``inner`` caching the shares of other ranks)."""
+        if super().has_cached_result(partition_id, task_name, sampling_config):
+            return True
+        has = getattr(self.inner, "has_cached_result", None)
+        return bool(has is not None and has(partition_id, task_name, sampling_config))
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Drop ``_states[partition_id]``, here and in ``inner``."""
+        super().clear_cache(partition_id)
+        clear = getattr(self.inner, "clear_cache", None)
+        if clear is not None:
+            clear(partition_id)
+
     @property
     def short_ready_ok(self) -> bool:
         """``inner``'s: it is what sees the ready rows."""
