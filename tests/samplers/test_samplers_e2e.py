@@ -218,3 +218,33 @@ async def test_a_wrapped_custom_sampler_keeps_its_transferqueue_cache_hooks(wrap
             assert int((await client.consumption_status("p", "t")).sum()) == 8, round_
             await client.clear_partition("p")
         assert not inner._states
+
+
+class _BrokenHooks(tq.SequentialSampler):
+    """A custom sampler whose clear and reset hooks raise."""
+
+    def clear_partition(self, partition_id: str) -> None:
+        raise RuntimeError("clear hook broken")
+
+    def reset_partition(self, partition_id: str, task_name: str | None) -> None:
+        raise RuntimeError("reset hook broken")
+
+
+async def test_a_sampler_hook_that_raises_changes_nothing() -> None:
+    """A sampler whose ``clear_partition`` (``reset_partition``) raises fails the
+    clear (the reset) with an error naming the sampler and the hook, and nothing happened:
+    not a partition gone from the controller while its rows stay on the storage unit for
+    ever, or consumption reset without waking the consumers waiting for its rows."""
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_BrokenHooks()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, partition_id="p")
+        assert (await client.get_meta(["x"], 8, "p", "t")).global_indexes == list(range(8))
+        with pytest.raises(tq.TQError, match=r"_BrokenHooks.*clear_partition.*nothing"):
+            await client.clear_partition("p")
+        assert (await client.partition_info("p"))["rows"] == 8
+        assert [s["rows"] for s in (await client.storage_stats()).values()] == [8]
+        with pytest.raises(tq.TQError, match=r"_BrokenHooks.*reset_partition.*nothing"):
+            await client.reset_consumption("p", "t")
+        assert int((await client.consumption_status("p", "t")).sum()) == 8
