@@ -463,3 +463,35 @@ async def test_async_sampler_answering_rows_that_do_not_exist_fails_at_once() ->
             await client.get_meta(["x"], 1, "p", "t")
         info = await client.partition_info("p")
         assert info["consumed"].get("t", 0) == 0
+
+
+async def test_async_sampler_request_sees_a_seal_that_came_before_it_started_waiting() -> None:
+    """A get_meta whose ``async`` sampler call was started when the request came in, and a
+    seal handled right after (before the request's task took its place in the wait): the
+    request looks again once the answer ("not enough yet") is in, sees the partition final
+    and gets its short last batch, instead of waiting for a wake-up that already went."""
+
+    class FinalOnly(tq.BaseSampler):
+        short_ready_ok = True
+
+        async def sample(self, ready_indexes, batch_size, *args, final=False, **kwargs):  # type: ignore[no-untyped-def,override]
+            await anyio.lowlevel.checkpoint()
+            rows = list(ready_indexes)[:batch_size]
+            return (rows, rows) if len(rows) == batch_size or final else ([], [])
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=FinalOnly()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(4), partition_id="p")
+        got: list[list[int]] = []
+
+        async def consume() -> None:
+            got.append((await client.get_meta(["x"], 8, "p", "t")).global_indexes)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await anyio.lowlevel.checkpoint()  # the get_meta goes out first
+                await client.seal("p")
+        assert got == [[0, 1, 2, 3]]
