@@ -434,11 +434,15 @@ class Gets:
         return req.lease is not None or self.state.auto_clears(p, req.task_name)
 
     def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
-        """The recorded batch ``key``, with its lease; None if it was never decided."""
+        """The recorded batch ``key``, with its lease; None if it was never decided. Rows
+        lost with a storage unit since are left out (never handed out again)."""
         rows = p.recorded.get(key)
         if rows is None:
             return None
-        reply = meta_reply(p, list(rows), req.data_fields)
+        lost = p.lost
+        reply = meta_reply(
+            p, [r for r in rows if r not in lost] if lost else list(rows), req.data_fields
+        )
         if req.mode != "fetch" or not rows:
             return reply
         lease_id = p.batch_leases.get(key)
