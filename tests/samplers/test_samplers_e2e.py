@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import anyio
 import pytest
@@ -248,3 +249,39 @@ async def test_a_sampler_hook_that_raises_changes_nothing() -> None:
         with pytest.raises(tq.TQError, match=r"_BrokenHooks.*reset_partition.*nothing"):
             await client.reset_consumption("p", "t")
         assert int((await client.consumption_status("p", "t")).sum()) == 8
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tq.RankAwareSampler(n_replicas=2),
+        lambda: tq.SeqlenBalancedSampler(dp_size=2, n_replicas=2),
+    ],
+    ids=["rank_aware", "seqlen"],
+)
+async def test_a_peek_with_a_dp_rank_leaves_caching_samplers_as_they_were(make: Any) -> None:
+    """``mode="peek"`` consumes nothing, so it must not be remembered as handed out: a
+    peek of a rank's batch, repeated, shows the same rows (no "already read" error), the
+    fetch that follows consumes what it delivers (a cached peek answered it with nothing
+    consumed, so the next batch got the same rows again), and no cache entry is left."""
+    sampler = make()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        tags = [{"total_lengths": i + 1} for i in range(8)]
+        await client.put({"x": torch.arange(8)}, partition_id="p", tags=tags)
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        peeks = [
+            (await client.get_meta(["x"], 2, "p", "t", cfg, mode="peek")).global_indexes
+            for _ in range(3)
+        ]
+        assert peeks[0] == peeks[1] == peeks[2]
+        assert len(peeks[0]) == 2
+        first = (await client.get_meta(["x"], 2, "p", "t", cfg)).global_indexes
+        assert first == peeks[0]
+        status = await client.consumption_status("p", "t")
+        assert all(status[r] for r in first)
+        second = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 1})
+        assert not set(second.global_indexes) & set(first)
+        assert sampler.cache_size == 0

@@ -250,6 +250,7 @@ class Gets:
             "sampling_config": cfg,
             "final": final,
             "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+            "peek": req.mode != "fetch",
             "policy_version": self.state.learner_version,
             "tail": self._tail(req, sampler),
             "rank_host": req.host,

@@ -39,6 +39,10 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 ``replays_served``
     True when the controller records this batch under its ``batch_index`` (a recorded
     batch) and serves repeats itself (a cache needs one read per entry, not one per replica).
+``peek``
+    True for ``get_meta(mode="peek")``: nothing is consumed or handed out, so a sampler
+    that remembers its answers (a cache of shares) neither stores this one nor counts it as
+    a read.
 ``policy_version``, ``versions``, ``stale``
     the learner's announced policy version (-1: none), a read-only ``row -> version`` view
     (-1: none; a row's oldest field version), and a `StaleRows` sink
