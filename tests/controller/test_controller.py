@@ -396,3 +396,102 @@ async def test_record_from_with_an_async_sampler_decides_lower_batches_in_one_ca
         for b, rows in enumerate([[0, 1], [2, 3]]):
             meta = await client.get_meta(["x"], 2, "p", "t", {"batch_index": b, "dp_rank": 0})
             assert meta.global_indexes == rows
+
+
+class _Gated(tq.BaseSampler):
+    """An ``async`` sampler whose calls all answer once ``calls`` of them have started: two
+    concurrent requests choose the same rows, and the second answer no longer fits."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+        self.started = 0
+        self.gate: anyio.Event | None = None
+
+    async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        rows = list(ready_indexes)[:batch_size]
+        if len(rows) < batch_size:
+            return [], []
+        if self.gate is None:
+            self.gate = anyio.Event()
+        self.started += 1
+        if self.started >= self.calls:
+            self.gate.set()
+        await self.gate.wait()
+        return rows, rows
+
+
+async def test_async_sampler_answer_dropped_for_a_moved_state_samples_again_at_once() -> None:
+    """Two consumers' ``async`` sampler calls choose the same rows; the first answer is
+    applied, the second no longer fits (its rows were consumed meanwhile) and is dropped:
+    the second request samples again at once and gets the other ready rows, instead of
+    waiting for a put that never comes."""
+    sampler = _Gated(calls=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(8), partition_id="p")
+        await client.seal("p")
+        got: list[list[int]] = []
+
+        async def consume() -> None:
+            got.append((await client.get_meta(["x"], 4, "p", "t")).global_indexes)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                tg.start_soon(consume)
+        assert sorted(got) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+async def test_async_sampler_answering_rows_that_do_not_exist_fails_at_once() -> None:
+    """An ``async`` sampler's wrong answer (a row never put), with nothing changing while it
+    ran, fails the request with a clear error naming the row, as a plain sampler's does,
+    instead of waiting (for ever without a timeout) for a change that would not help."""
+
+    class Wrong(tq.BaseSampler):
+        async def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            await anyio.lowlevel.checkpoint()
+            return [999], [999]
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=Wrong()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(4), partition_id="p")
+        with anyio.fail_after(10), pytest.raises(tq.TQError, match="row 999 does not exist"):
+            await client.get_meta(["x"], 1, "p", "t")
+        info = await client.partition_info("p")
+        assert info["consumed"].get("t", 0) == 0
+
+
+async def test_async_sampler_request_sees_a_seal_that_came_before_it_started_waiting() -> None:
+    """A get_meta whose ``async`` sampler call was started when the request came in, and a
+    seal handled right after (before the request's task took its place in the wait): the
+    request looks again once the answer ("not enough yet") is in, sees the partition final
+    and gets its short last batch, instead of waiting for a wake-up that already went."""
+
+    class FinalOnly(tq.BaseSampler):
+        short_ready_ok = True
+
+        async def sample(self, ready_indexes, batch_size, *args, final=False, **kwargs):  # type: ignore[no-untyped-def,override]
+            await anyio.lowlevel.checkpoint()
+            rows = list(ready_indexes)[:batch_size]
+            return (rows, rows) if len(rows) == batch_size or final else ([], [])
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=FinalOnly()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(batch(4), partition_id="p")
+        got: list[list[int]] = []
+
+        async def consume() -> None:
+            got.append((await client.get_meta(["x"], 8, "p", "t")).global_indexes)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await anyio.lowlevel.checkpoint()  # the get_meta goes out first
+                await client.seal("p")
+        assert got == [[0, 1, 2, 3]]

@@ -241,3 +241,35 @@ async def test_lost_reply_of_a_call_with_a_deadline_reconnects() -> None:
             assert client._links.ctl().reconnects >= 1
             assert meta.global_indexes == [4, 5]  # one allocation, not two
             assert (await client.partition_info("p"))["allocated"] == 6
+
+
+async def test_a_recorded_share_never_hands_out_rows_lost_with_a_unit() -> None:
+    """Rank 0 reads global batch 0 (its share on unit 0; rank 1's share, on unit 1, is
+    recorded for rank 1). Unit 1's process is SIGKILLed: its rows are lost. Rank 1 then reads
+    batch 0: it gets its share without the lost rows (here an empty batch, still in step with
+    rank 0), never rows whose read can only fail."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=5) as client,
+        ):
+            await client.put({"x": torch.arange(4)}, "p")  # unit 0
+            doomed = await client.put({"x": torch.arange(4, 8)}, "p")  # unit 1
+            assert set(doomed.units) == {1}
+
+            def cfg(rank: int) -> dict[str, int]:
+                return {"dp_rank": rank, "batch_index": 0, "dp_size": 2}
+
+            first = await client.get_meta(["x"], 4, "p", "t", cfg(0))
+            assert len(first) == 4
+            other = sorted(set(range(8)) - set(first.global_indexes))
+            os.kill(proc.pid, signal.SIGKILL)
+            await until(lambda: 1 in controller.state.dead_units)
+            lost = set((await client.lost_rows("p"))["rows"]["p"])
+            assert lost == {4, 5, 6, 7}
+            second = await client.get_meta(["x"], 4, "p", "t", cfg(1))
+            assert not second.end_of_stream
+            assert second.global_indexes == [r for r in other if r not in lost]
+            with anyio.fail_after(10):
+                td = await client.get_data(second)
+            assert td["x"].tolist() == second.global_indexes

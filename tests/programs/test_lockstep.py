@@ -227,6 +227,27 @@ async def test_grpo_rows_that_cannot_complete_a_group_follow_the_tail_policy() -
                 assert await _dropped(client, "t") == 18 - len(delivered) > 0
 
 
+@pytest.mark.parametrize("tail", ["uneven", "drop"])
+async def test_a_per_rank_batch_that_splits_a_group_is_refused(tail: str) -> None:
+    """GRPO groups of 4 and 2 rows per rank: every global batch (4 rows, one group) would
+    go 4/0 to the ranks, and ``drop`` would consume a whole group undelivered at every step,
+    not only at the tail. The request is refused naming the fix (as
+    `SeqlenBalancedSampler` refuses it), and nothing is consumed."""
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=tq.GRPOGroupNSampler(4)) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _fill(client, 4 * 4, 4)
+        cfg = {"dp_rank": 0, "batch_index": 0, "dp_size": DP, "tail": tail}
+        with (
+            anyio.fail_after(DEADLINE),
+            pytest.raises(tq.InvalidRequestError, match="multiple of n_samples_per_prompt"),
+        ):
+            await client.get_meta(["x"], 2, "p", "t", cfg)
+        assert int((await client.consumption_status("p", "t")).sum()) == 0
+        assert not await _dropped(client, "t")
+
+
 # ---- the datasets in lockstep --------------------------------------------------------------
 
 

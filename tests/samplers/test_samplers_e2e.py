@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import anyio
 import pytest
@@ -161,3 +162,126 @@ async def test_a_reused_grpo_uid_is_refused_at_the_put(inline_put_bytes: int) ->
         second = await client.get_meta(["x"], 4, "p", "learner", timeout=5)
         assert [t["uid"] for t in first.tags + second.tags] == [0] * 4 + [1] * 4
         assert sorted(first.global_indexes + second.global_indexes) == [0, 1, 2, 3, 5, 6, 7, 8]
+
+
+class _TwoRanks(tq.BaseSampler):
+    """A TransferQueue-style custom sampler: the first call for a batch splits it between DP
+    ranks 0 and 1, caches both shares in ``_states`` (TransferQueue's convention, read by
+    ``has_cached_result`` and dropped by ``clear_cache``) and consumes all its rows."""
+
+    def sample(  # type: ignore[override]
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        *args: object,
+        partition_id: str,
+        task_name: str,
+        dp_rank: int,
+        batch_index: int,
+        **kwargs: object,
+    ) -> tuple[list[int], list[int]]:
+        by_rank = self._states.setdefault(partition_id, {}).setdefault(task_name, {})
+        cached = by_rank.get(dp_rank, {}).get(batch_index)
+        if cached is not None:
+            return cached, []
+        rows = list(ready_indexes[: 2 * batch_size])
+        for rank in (0, 1):
+            share = rows[rank * batch_size : (rank + 1) * batch_size]
+            by_rank.setdefault(rank, {})[batch_index] = share
+        return by_rank[dp_rank][batch_index], rows
+
+
+@pytest.mark.parametrize("wrap", ["bare", "staleness", "rank_aware"])
+async def test_a_wrapped_custom_sampler_keeps_its_transferqueue_cache_hooks(wrap: str) -> None:
+    """Wrapped (`StalenessSampler`, `RankAwareSampler`), a custom sampler's
+    ``has_cached_result`` still lets rank 1 read the share rank 0's call cached for it (no
+    wait for rows that were all consumed), and ``clear_partition`` still drops its
+    ``_states`` (``clear_cache``): the partition's next incarnation is sampled afresh, not
+    answered with the old rows unconsumed."""
+    inner = _TwoRanks()
+    sampler = {
+        "bare": lambda: inner,
+        "staleness": lambda: tq.StalenessSampler(inner, max_staleness=1),
+        "rank_aware": lambda: tq.RankAwareSampler(inner),
+    }[wrap]()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for round_ in range(2):
+            await client.put({"x": torch.arange(8)}, partition_id="p")
+            with anyio.fail_after(10):
+                got = [
+                    (await client.get_meta(["x"], 4, "p", "t", {"dp_rank": r, "batch_index": 0}))
+                    for r in (0, 1)
+                ]
+            assert [m.global_indexes for m in got] == [[0, 1, 2, 3], [4, 5, 6, 7]], round_
+            assert int((await client.consumption_status("p", "t")).sum()) == 8, round_
+            await client.clear_partition("p")
+        assert not inner._states
+
+
+class _BrokenHooks(tq.SequentialSampler):
+    """A custom sampler whose clear and reset hooks raise."""
+
+    def clear_partition(self, partition_id: str) -> None:
+        raise RuntimeError("clear hook broken")
+
+    def reset_partition(self, partition_id: str, task_name: str | None) -> None:
+        raise RuntimeError("reset hook broken")
+
+
+async def test_a_sampler_hook_that_raises_changes_nothing() -> None:
+    """A sampler whose ``clear_partition`` (``reset_partition``) raises fails the
+    clear (the reset) with an error naming the sampler and the hook, and nothing happened:
+    not a partition gone from the controller while its rows stay on the storage unit for
+    ever, or consumption reset without waking the consumers waiting for its rows."""
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_BrokenHooks()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, partition_id="p")
+        assert (await client.get_meta(["x"], 8, "p", "t")).global_indexes == list(range(8))
+        with pytest.raises(tq.TQError, match=r"_BrokenHooks.*clear_partition.*nothing"):
+            await client.clear_partition("p")
+        assert (await client.partition_info("p"))["rows"] == 8
+        assert [s["rows"] for s in (await client.storage_stats()).values()] == [8]
+        with pytest.raises(tq.TQError, match=r"_BrokenHooks.*reset_partition.*nothing"):
+            await client.reset_consumption("p", "t")
+        assert int((await client.consumption_status("p", "t")).sum()) == 8
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tq.RankAwareSampler(n_replicas=2),
+        lambda: tq.SeqlenBalancedSampler(dp_size=2, n_replicas=2),
+    ],
+    ids=["rank_aware", "seqlen"],
+)
+async def test_a_peek_with_a_dp_rank_leaves_caching_samplers_as_they_were(make: Any) -> None:
+    """``mode="peek"`` consumes nothing, so it must not be remembered as handed out: a
+    peek of a rank's batch, repeated, shows the same rows (no "already read" error), the
+    fetch that follows consumes what it delivers (a cached peek answered it with nothing
+    consumed, so the next batch got the same rows again), and no cache entry is left."""
+    sampler = make()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        tags = [{"total_lengths": i + 1} for i in range(8)]
+        await client.put({"x": torch.arange(8)}, partition_id="p", tags=tags)
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        peeks = [
+            (await client.get_meta(["x"], 2, "p", "t", cfg, mode="peek")).global_indexes
+            for _ in range(3)
+        ]
+        assert peeks[0] == peeks[1] == peeks[2]
+        assert len(peeks[0]) == 2
+        first = (await client.get_meta(["x"], 2, "p", "t", cfg)).global_indexes
+        assert first == peeks[0]
+        status = await client.consumption_status("p", "t")
+        assert all(status[r] for r in first)
+        second = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 1})
+        assert not set(second.global_indexes) & set(first)
+        assert sampler.cache_size == 0

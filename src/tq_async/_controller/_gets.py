@@ -302,6 +302,7 @@ class GetPath:
 
         async def work() -> None:
             awaiting = first
+            # woken since the request was decided, before this task took a ticket: look again
             look = self.shell.lot.generation != generation
             while True:
                 # a ticket before looking, so a wake-up between the two is never missed
@@ -310,7 +311,7 @@ class GetPath:
                     if awaiting is not None:  # the first call's async sampler
                         decision, awaiting = awaiting, None
                     elif look:
-                        decision = self._decide(peer, rid, req, None, None)
+                        decision, look = self._decide(peer, rid, req, None, None), False
                     while isinstance(decision, Awaiting):
                         answer = await decision.answer
                         decision = self._decide(peer, rid, req, decision, answer)
@@ -320,7 +321,7 @@ class GetPath:
                         return
                     if req.timeout == 0:  # a sampler's answer was awaited, rows are not
                         raise TimeoutError
-                    if not fut.done():
+                    if not fut.done() and not look:  # (a wake-up the first answer missed)
                         await fut
                 look = True  # something changed: look again
 

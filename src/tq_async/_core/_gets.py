@@ -59,6 +59,13 @@ log = get_logger(__name__)
 Outcome = MetaReply | Awaiting | None
 
 
+class _Again:
+    """An ``async`` sampler's answer no longer fits the state: look again at once."""
+
+
+AGAIN = _Again()
+
+
 class Gets:
     """What every get_meta comes to (see the module docstring).
 
@@ -182,10 +189,12 @@ class Gets:
         key = record_key(req)
         if req.host and key is not None:  # a rank that moves host is followed
             self.rank_hosts[(req.task_name, key[1])] = req.host
-        if dp_size is not None and key is None:
-            raise InvalidRequestError(
-                "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
-            )
+        if dp_size is not None:
+            if key is None:
+                raise InvalidRequestError(
+                    "a global batch (dp_size) needs sampling_config with dp_rank and batch_index"
+                )
+            check_rank_batch(req, self.sampler_for(req.task_name), dp_size)
         if key is not None:
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
@@ -241,6 +250,7 @@ class Gets:
             "sampling_config": cfg,
             "final": final,
             "replays_served": req.mode == "fetch" and cfg.get("batch_index") is not None,
+            "peek": req.mode != "fetch",
             "policy_version": self.state.learner_version,
             "tail": self._tail(req, sampler),
             "rank_host": req.host,
@@ -260,7 +270,9 @@ class Gets:
         if accepted is not None:
             ctx = {k: v for k, v in ctx.items() if k in accepted}
         self.sampler_calls += 1
-        return SampleCall(p, sampler, ready, req.batch_size, ctx, final, stale, dp_size, trusted)
+        return SampleCall(
+            p, sampler, ready, req.batch_size, ctx, final, stale, dp_size, trusted, moves=p.moves
+        )
 
     def _tail(self, req: GetMeta, sampler: BaseSampler) -> str:
         cfg = req.sampling_config
@@ -275,28 +287,31 @@ class Gets:
         """Apply a sampler's answer: a reply, or None (nothing yet: wait).
 
         With ``strict=False`` (the answer of an async sampler, computed while the state
-        could move) an answer that no longer fits is dropped and None returned, so the
-        shell samples again.
+        could move) an answer that no longer fits because rows were consumed or removed
+        meanwhile is dropped and the request samples again at once (what `look` says
+        now); an answer that did not fit when it was asked for raises, as a plain
+        sampler's does.
 
         The answer for a batch below the asked one (``record_from``) records that batch and
         comes to what `look` says next: the next such batch's sampler call, or the
         asked batch's; its end of stream is the asked batch's too.
         """
         earlier = call.earlier
-        if earlier is None:
-            return self._apply_sample(req, call, result, now, strict)
-        decision, fx = self._apply_sample(earlier, call, result, now, strict)
-        if isinstance(decision, MetaReply) and not decision.end_of_stream:
+        decision, fx = self._apply_sample(earlier or req, call, result, now, strict)
+        if decision is AGAIN or (
+            earlier is not None and isinstance(decision, MetaReply) and not decision.end_of_stream
+        ):
             return self.look(req, now), fx
+        assert not isinstance(decision, _Again)
         return decision, fx
 
     def _apply_sample(
         self, req: GetMeta, call: SampleCall, result: Any, now: float, strict: bool
-    ) -> tuple[Decision, Effects]:
+    ) -> tuple[Decision | _Again, Effects]:
         fx = Effects()
         p = call.partition
         if self.state.partitions.get(req.partition_id) is not p:
-            return None, fx  # cleared while an async sampler ran
+            return AGAIN, fx  # cleared while an async sampler ran
         key = call.key
         if key is not None:
             recorded = self._recorded(req, p, key, now)
@@ -326,9 +341,9 @@ class Gets:
                 count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)
         except TQError:
-            if strict:
-                raise
-            return None, fx  # the state moved while an async sampler ran: sample again
+            if strict or p.moves == call.moves:
+                raise  # (an async sampler's answer that was wrong when it was asked for)
+            return AGAIN, fx  # the state moved while an async sampler ran: sample again
         if not delivered:
             if consumed:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
@@ -420,11 +435,15 @@ class Gets:
         return req.lease is not None or self.state.auto_clears(p, req.task_name)
 
     def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
-        """The recorded batch ``key``, with its lease; None if it was never decided."""
+        """The recorded batch ``key``, with its lease; None if it was never decided. Rows
+        lost with a storage unit since are left out (never handed out again)."""
         rows = p.recorded.get(key)
         if rows is None:
             return None
-        reply = meta_reply(p, list(rows), req.data_fields)
+        lost = p.lost
+        reply = meta_reply(
+            p, [r for r in rows if r not in lost] if lost else list(rows), req.data_fields
+        )
         if req.mode != "fetch" or not rows:
             return reply
         lease_id = p.batch_leases.get(key)
@@ -488,6 +507,19 @@ def _trusted(sampler: BaseSampler) -> bool:
         getattr(cls, "sample", None) is SequentialSampler.sample
         and getattr(cls, "sample_shares", None) is BaseSampler.sample_shares
     )
+
+
+def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
+    """A rank's ``batch_size`` holds whole groups of the sampler's `group_size`: else
+    every global batch, not only the last, would split unevenly over the ranks (and
+    ``tail="drop"`` would drop whole groups at every step)."""
+    group = int(getattr(sampler, "group_size", 1))
+    if group > 1 and req.batch_size % group:
+        raise InvalidRequestError(
+            f"batch_size ({req.batch_size}) must be a multiple of n_samples_per_prompt "
+            f"({group}) with dp_size={dp_size}: each rank's batch holds whole prompt groups; "
+            f"ask for a multiple of {group} rows per rank"
+        )
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:

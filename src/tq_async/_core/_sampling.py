@@ -64,6 +64,8 @@ class SampleCall:
     shares: bool = False
     #: a batch below the asked one, decided first (``record_from``): this request for it
     earlier: GetMeta | None = None
+    #: the partition's `Partition.moves` when the call was made
+    moves: int = 0
 
     def run(self) -> Any:
         """Call the sampler: its answer, or an awaitable of it.

@@ -190,6 +190,10 @@ class Partition:
         self.groups = TagGroups(lambda: self.tags)
         #: what changed since the journal last wrote this partition (None: no journal)
         self.changes: Changes | None = None
+        #: bumped by each change that can make a sampler's answer stop fitting (rows
+        #: consumed or removed): an ``async`` sampler's rejected answer tells by it whether
+        #: the state moved while it ran (sample again) or the answer is wrong (an error)
+        self.moves = 0
 
     # ---- schema and allocation ---------------------------------------------------------------
 
@@ -370,6 +374,7 @@ class Partition:
                 )
         if self.changes is not None:
             self.changes.rows.update(rows)
+        self.moves += 1
         for r in rows:
             consumed[r] = 1
         self.consumed_count[task] += len(rows)
@@ -448,6 +453,7 @@ class Partition:
         self.check_rows(rows)
         if self.changes is not None:
             self.changes.rows.update(rows)
+        self.moves += 1
         by_unit: dict[int, list[int]] = {}
         for r in set(rows):
             self.alive[r] = 0

@@ -41,6 +41,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import InvalidRequestError
 from .._wire._protocol import GetMeta, MetaReply, Placement
 from ..samplers import BaseSampler, SequentialSampler
 from ._admission import Admission
@@ -296,9 +297,13 @@ class ControllerCore:
         return fx
 
     def clear_partition(self, partition_id: str) -> Effects:
-        """Drop a partition with its leases, holds, put leases and sampler caches."""
+        """Drop a partition with its leases, holds, put leases and sampler caches (the
+        samplers' hooks first: one that raises leaves everything as it was)."""
         st = self.state
         p = st.partition(partition_id)
+        for smp in self.samplers():
+            _hook(smp, "clear_partition", partition_id)
+            _hook(smp, "clear_cache", partition_id)  # TransferQueue's, as its controller calls it
         by_unit = p.live_rows_by_unit()
         fx = Effects(room=True, wakeups=[Wakeup(partition_id)])
         fx.admission = self.rollouts.free_unconsumed(
@@ -309,24 +314,20 @@ class ControllerCore:
         self.leases.forget(p)
         for put_id in p.put_leases:
             self.puts.home.pop(put_id, None)
-        for smp in self.samplers():
-            smp.clear_partition(partition_id)
-            clear_cache = getattr(smp, "clear_cache", None)
-            if clear_cache is not None:
-                clear_cache(partition_id)  # TransferQueue's hook, as its controller calls it
         whole: dict[int, list[int] | None] = {u: None for u in st.units}
         fx.free.append((partition_id, p.incarnation, whole | dict.fromkeys(by_unit)))
         return fx
 
     def reset_consumption(self, partition_id: str, task: str | None) -> Effects:
-        """Forget what ``task`` (every task if None) consumed, its recorded batches and leases."""
+        """Forget what ``task`` (every task if None) consumed, its recorded batches and leases
+        (the samplers' hooks first: one that raises leaves everything as it was)."""
         p = self.state.partition(partition_id)
+        for smp in self.samplers():
+            _hook(smp, "reset_partition", partition_id, task)
         self.leases.reset(p, task)
         self.rollouts.learner_reset(p, task)
         p.reset_consumption(task)
         self._forget_ends(partition_id, task)
-        for smp in self.samplers():
-            smp.reset_partition(partition_id, task)
         return Effects(wakeups=[Wakeup(partition_id, task)])
 
     def _forget_ends(self, partition_id: str, task: str | None) -> None:
@@ -377,3 +378,18 @@ class ControllerCore:
     def unit_returned(self, unit: int, address: str, host: str = "") -> Effects:
         """A unit restarted on its data_dir with its cells: its rows come back."""
         return self.liveness.unit_returned(unit, address, host)
+
+
+def _hook(sampler: BaseSampler, name: str, *args: Any) -> None:
+    """Call ``sampler``'s hook ``name`` (if it has one), before anything changes: what it
+    raises fails the call, naming the sampler and the hook."""
+    hook = getattr(sampler, name, None)
+    if hook is None:
+        return
+    try:
+        hook(*args)
+    except Exception as exc:
+        raise InvalidRequestError(
+            f"sampler {type(sampler).__name__} raised {type(exc).__name__} in {name}: {exc}; "
+            "nothing was cleared or reset: fix the sampler's hook and ask again"
+        ) from None

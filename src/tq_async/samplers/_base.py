@@ -39,6 +39,10 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 ``replays_served``
     True when the controller records this batch under its ``batch_index`` (a recorded
     batch) and serves repeats itself (a cache needs one read per entry, not one per replica).
+``peek``
+    True for ``get_meta(mode="peek")``: nothing is consumed or handed out, so a sampler
+    that remembers its answers (a cache of shares) neither stores this one nor counts it as
+    a read.
 ``policy_version``, ``versions``, ``stale``
     the learner's announced policy version (-1: none), a read-only ``row -> version`` view
     (-1: none; a row's oldest field version), and a `StaleRows` sink
@@ -275,6 +279,23 @@ class WrappingSampler(BaseSampler):
     """A sampler around an ``inner`` one: the traits the controller reads are ``inner``'s."""
 
     inner: BaseSampler
+
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: Mapping[str, Any] | None = None
+    ) -> bool:
+        """True when this sampler's ``_states`` or ``inner``'s holds the answer (a
+        TransferQueue-style ``inner`` caching the shares of other ranks)."""
+        if super().has_cached_result(partition_id, task_name, sampling_config):
+            return True
+        has = getattr(self.inner, "has_cached_result", None)
+        return bool(has is not None and has(partition_id, task_name, sampling_config))
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Drop ``_states[partition_id]``, here and in ``inner``."""
+        super().clear_cache(partition_id)
+        clear = getattr(self.inner, "clear_cache", None)
+        if clear is not None:
+            clear(partition_id)
 
     @property
     def short_ready_ok(self) -> bool:

@@ -80,6 +80,12 @@ class ShareCache:
                 "n_replicas / dp_size match the readers",
             )
 
+    def peek(self, key: Key, slot: int) -> list[int] | None:
+        """The share ``slot`` of ``key`` without counting a read, or None if there is none."""
+        entry = self._entries.get(key)
+        rows = None if entry is None else entry.shares.get(slot)
+        return None if rows is None else list(rows)
+
     def read(self, key: Key, slot: int) -> list[int] | None:
         """The share ``slot`` of ``key`` (counting one read), or None if there is none."""
         entry = self._entries.get(key)

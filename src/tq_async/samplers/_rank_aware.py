@@ -140,6 +140,11 @@ class RankAwareSampler(WrappingSampler):
             dp_rank,
             batch_index,
         )
+        if kwargs.get("peek"):  # nothing is handed out: neither counted nor cached
+            cached = self._cache.peek(key, 0)
+            if cached is not None:
+                return cached, []
+            return self.inner.sample(ready_indexes, batch_size, *args, **self._inner_kwargs(kwargs))
         cached = self._cache.read(key, 0)
         if cached is not None:
             return cached, []

@@ -261,6 +261,8 @@ class SeqlenBalancedSampler(GroupingSampler):
             )
         check_context(batch_size, {"dp_rank": dp_rank, "batch_index": batch_index}, self.dp_size)
         key = (partition_id, task_name, batch_index)
+        if kwargs.get("peek"):  # nothing is handed out: neither counted nor cached
+            return self._peek(key, dp_rank, ready_indexes, batch_size, tags, origin, final, kwargs)
         if key in self._cache:
             share = self._cache.read(key, dp_rank)
             if share is None:
@@ -289,6 +291,35 @@ class SeqlenBalancedSampler(GroupingSampler):
         left[dp_rank] -= 1
         self._cache.add(key, dict(enumerate(shares)), left)
         return list(shares[dp_rank]), [r for share in shares for r in share]
+
+    def _peek(
+        self,
+        key: tuple[str, str, int],
+        dp_rank: int,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        tags: Mapping[int, Mapping[str, Any]] | None,
+        origin: Mapping[int, tuple[int, int]] | None,
+        final: bool,
+        kwargs: Mapping[str, Any],
+    ) -> SampleResult:
+        """What `sample` would hand ``dp_rank`` now, remembering nothing (a peek)."""
+        if key in self._cache:
+            share = self._cache.peek(key, dp_rank)
+            return (share, []) if share is not None else ([], [])
+        shares = self._split(
+            ready_indexes,
+            batch_size,
+            tags,
+            origin,
+            final,
+            key[0],
+            kwargs.get("row_hosts"),
+            kwargs.get("rank_hosts"),
+        )
+        if len(shares) != self.dp_size:
+            return [], []
+        return list(shares[dp_rank]), []
 
     def _split(
         self,
