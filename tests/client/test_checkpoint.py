@@ -323,3 +323,35 @@ async def test_an_auto_clear_jobs_waiting_batches_keep_their_rows_across_a_check
         for share in shares:
             await client.ack(share)
         assert (await client.partition_info("p"))["rows"] == 0
+
+
+async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_checkpoint(tmp_path: Path) -> None:
+    """DP rank 0 reached a stop_when_consumed end of stream at batch 1 (every row consumed,
+    the partition not sealed) and more rows came before rank 1 asked batch 1, when the
+    checkpoint was taken. Restored, rank 1 must end at batch 1 too (`ControllerState.dp_ends`
+    is in the checkpoint), or it steps on alone and its all_reduce waits for ever; once told,
+    the index is decided anew for a next round."""
+    ckpt = tmp_path / "ckpt"
+
+    async def fetch(c: tq.AsyncClient, rank: int, index: int) -> tq.BatchMeta:
+        cfg = {"dp_size": 2, "dp_rank": rank, "batch_index": index}
+        return await c.get_meta(["x"], 2, "p", "t", cfg, stop_when_consumed=True, timeout=10)
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        assert (await fetch(client, 0, 0)).global_indexes == [0, 1]
+        assert (await fetch(client, 1, 0)).global_indexes == [2, 3]
+        assert (await fetch(client, 0, 1)).end_of_stream
+        await client.put({"x": torch.arange(4, 8)}, "p")  # more rows before rank 1 asks
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await fetch(client, 1, 1)).end_of_stream  # in step with rank 0
+        assert (await fetch(client, 0, 1)).global_indexes == [4, 5]
+        assert (await fetch(client, 1, 1)).global_indexes == [6, 7]

@@ -150,8 +150,9 @@ class Catalog:
             for i, r in enumerate(live):  # contiguous blocks, one per unit
                 units[r] = ids[min(i // per_unit, len(ids) - 1)]
             staged.append(st.bind(restore_partition(d, units)))
-        for p in staged:
+        for p, d in zip(staged, dumps, strict=True):
             st.restoring[p.partition_id] = p
+            st.restoring_ends[p.partition_id] = d.dp_ends
         return {p.partition_id: list(p.units) for p in staged}
 
     def restore_commit(
@@ -172,11 +173,13 @@ class Catalog:
         if missing:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
         for pid in partition_ids:
-            st.partitions[pid] = st.restoring.pop(pid)
+            p = st.partitions[pid] = st.restoring.pop(pid)
+            for task, index, ranks in st.restoring_ends.pop(pid, ()):
+                st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
-            self._leases.hold_waiting(st.partitions[pid])
+            self._leases.hold_waiting(p)
             if st.events.on:
-                snap = partition_snapshot(st.partitions[pid])
+                snap = partition_snapshot(p)
                 st.events.add(PartitionRestored(partition_id=pid, snapshot=snap))
         if sampler_state:
             default, by_task = samplers
@@ -192,6 +195,7 @@ class Catalog:
         dropped = {}
         for pid in partition_ids:
             p = self.state.restoring.pop(pid, None)
+            self.state.restoring_ends.pop(pid, None)
             if p is not None:
                 dropped[pid] = p.incarnation
         return dropped

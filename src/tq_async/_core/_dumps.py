@@ -9,7 +9,7 @@ or a durable controller's journal, whose records hold the same form: `dump_rows`
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -25,9 +25,18 @@ __all__ = ["dump_rows", "partition_dump", "restore_partition"]
 T = TypeVar("T")
 
 
-def partition_dump(p: Partition) -> PartitionDump:
-    """Everything of ``p`` but the cells, as plain msgpack-able values."""
-    return dump_rows(p, partial(PartitionDump, settled=sorted(p.settled)), array.tolist)
+def partition_dump(
+    p: Partition, dp_ends: Mapping[tuple[str, str, str, int], set[int]] | None = None
+) -> PartitionDump:
+    """Everything of ``p`` but the cells, as plain msgpack-able values; ``dp_ends``: the
+    controller's (`ControllerState.dp_ends`), whose entries of ``p`` are kept."""
+    ends = [
+        (task, index, sorted(ranks))
+        for (pid, inc, task, index), ranks in (dp_ends or {}).items()
+        if pid == p.partition_id and inc == p.incarnation
+    ]
+    make = partial(PartitionDump, settled=sorted(p.settled), dp_ends=ends)
+    return dump_rows(p, make, array.tolist)
 
 
 def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]], Any]) -> T:
