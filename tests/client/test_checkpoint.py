@@ -355,3 +355,34 @@ async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_checkpoint(tmp_path:
         assert (await fetch(client, 1, 1)).end_of_stream  # in step with rank 0
         assert (await fetch(client, 0, 1)).global_indexes == [4, 5]
         assert (await fetch(client, 1, 1)).global_indexes == [6, 7]
+
+
+async def test_rows_under_an_open_lease_are_not_lost_by_a_checkpoint(tmp_path: Path) -> None:
+    """A consumer held rows 0 and 1 under a lease, not acknowledged, when the checkpoint was
+    taken. The checkpoint holds no leases, so nobody can acknowledge them after the restore
+    and no expiry gives them back: they must be ready for the task again, as the lease's
+    expiry would have made them (before: consumed for good, the task never got them). Rows
+    fetched without a lease, and an acknowledged lease's, stay consumed."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        leased = await client.get_meta(["x"], 2, "p", "t", lease=30.0)
+        acked = await client.get_meta(["x"], 2, "p", "t", lease=30.0)
+        await client.ack(acked)
+        held = await client.get_meta(["x"], 2, "p", "t")  # no lease: never given back
+        assert (leased.global_indexes, acked.global_indexes) == ([0, 1], [2, 3])
+        assert held.global_indexes == [4, 5]
+        await client.seal("p")
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["consumed"] == {"t": 4}
+        rest = await client.get_meta(["x"], 8, "p", "t", timeout=10)
+        assert sorted(rest.global_indexes) == [0, 1, 6, 7]
+        assert (await client.get_data(rest))["x"].tolist() == rest.global_indexes

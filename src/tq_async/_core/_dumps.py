@@ -29,14 +29,28 @@ def partition_dump(
     p: Partition, dp_ends: Mapping[tuple[str, str, str, int], set[int]] | None = None
 ) -> PartitionDump:
     """Everything of ``p`` but the cells, as plain msgpack-able values; ``dp_ends``: the
-    controller's (`ControllerState.dp_ends`), whose entries of ``p`` are kept."""
+    controller's (`ControllerState.dp_ends`), whose entries of ``p`` are kept.
+
+    A dump holds no leases: the rows of an open lease outside a recorded batch are not
+    consumed in it, as its expiry would leave them (nobody can acknowledge it after a
+    restore); a recorded batch keeps its rows, for its next reader."""
     ends = [
         (task, index, sorted(ranks))
         for (pid, inc, task, index), ranks in (dp_ends or {}).items()
         if pid == p.partition_id and inc == p.incarnation
     ]
     make = partial(PartitionDump, settled=sorted(p.settled), dp_ends=ends)
-    return dump_rows(p, make, array.tolist)
+    dump = dump_rows(p, make, array.tolist)
+    given_back: dict[str, bytearray] = {}
+    for lease in p.leases.values():
+        if lease.key is None and lease.deadline is not None:
+            mask = given_back.get(lease.task)
+            if mask is None:
+                mask = given_back[lease.task] = bytearray(dump.consumed[lease.task])
+            for r in lease.rows:
+                mask[r] = 0
+    dump.consumed.update((task, bytes(mask)) for task, mask in given_back.items())
+    return dump
 
 
 def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]], Any]) -> T:
