@@ -386,3 +386,34 @@ async def test_rows_under_an_open_lease_are_not_lost_by_a_checkpoint(tmp_path: P
         rest = await client.get_meta(["x"], 8, "p", "t", timeout=10)
         assert sorted(rest.global_indexes) == [0, 1, 6, 7]
         assert (await client.get_data(rest))["x"].tolist() == rest.global_indexes
+
+
+async def test_recycled_prompts_are_still_handed_out_after_a_checkpoint(tmp_path: Path) -> None:
+    """The learner's `StalenessSampler` recycled three stale rows (consumed, queued for
+    ``take_recycled``) when the checkpoint was taken. Restored, the queue must come back
+    with the partition, each row handed out once (before: it was empty and the rows
+    consumed, so their prompts were never regenerated)."""
+    ckpt = tmp_path / "ckpt"
+
+    def sampler() -> tq.StalenessSampler:
+        return tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p", policy_version=[0, 0, 0, 1])
+        await client.set_policy_version(1)  # rows 0-2 are one version too old
+        assert (await client.get_meta(["x"], 1, "p", "learner")).global_indexes == [3]
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=2, sampler=sampler()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
+        assert await client.take_recycled() == []  # exactly once

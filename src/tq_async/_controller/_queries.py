@@ -298,7 +298,7 @@ def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
 def dump_state(core: ControllerCore, body: DumpState) -> StateDump:
     st = core.state
     ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
-    dumps = [partition_dump(st.partition(pid), st.dp_ends) for pid in ids]
+    dumps = [partition_dump(st.partition(pid), st) for pid in ids]
     sampler_state = {"default": core.sampler.state_dict()}
     sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
     return StateDump(dumps, sampler_state)

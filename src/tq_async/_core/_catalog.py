@@ -152,7 +152,7 @@ class Catalog:
             staged.append(st.bind(restore_partition(d, units)))
         for p, d in zip(staged, dumps, strict=True):
             st.restoring[p.partition_id] = p
-            st.restoring_ends[p.partition_id] = d.dp_ends
+            st.restoring_owed[p.partition_id] = (d.dp_ends, d.recycled)
         return {p.partition_id: list(p.units) for p in staged}
 
     def restore_commit(
@@ -174,8 +174,10 @@ class Catalog:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
         for pid in partition_ids:
             p = st.partitions[pid] = st.restoring.pop(pid)
-            for task, index, ranks in st.restoring_ends.pop(pid, ()):
+            ends, recycled = st.restoring_owed.pop(pid, ([], []))
+            for task, index, ranks in ends:
                 st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
+            st.recycled.extend((pid, p.incarnation, r) for r in recycled if p.alive[r])
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
             self._leases.hold_waiting(p)
             if st.events.on:
@@ -195,7 +197,7 @@ class Catalog:
         dropped = {}
         for pid in partition_ids:
             p = self.state.restoring.pop(pid, None)
-            self.state.restoring_ends.pop(pid, None)
+            self.state.restoring_owed.pop(pid, None)
             if p is not None:
                 dropped[pid] = p.incarnation
         return dropped

@@ -9,7 +9,7 @@ or a durable controller's journal, whose records hold the same form: `dump_rows`
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from .._errors import InvalidRequestError
 from .._wire._protocol import FieldDump, PartitionDump
-from ._state import FieldState, Partition
+from ._state import ControllerState, FieldState, Partition
 from ._versions import PolicyVersions
 
 __all__ = ["dump_rows", "partition_dump", "restore_partition"]
@@ -25,21 +25,22 @@ __all__ = ["dump_rows", "partition_dump", "restore_partition"]
 T = TypeVar("T")
 
 
-def partition_dump(
-    p: Partition, dp_ends: Mapping[tuple[str, str, str, int], set[int]] | None = None
-) -> PartitionDump:
-    """Everything of ``p`` but the cells, as plain msgpack-able values; ``dp_ends``: the
-    controller's (`ControllerState.dp_ends`), whose entries of ``p`` are kept.
+def partition_dump(p: Partition, st: ControllerState | None = None) -> PartitionDump:
+    """Everything of ``p`` but the cells, as plain msgpack-able values, with what the
+    controller's state ``st`` owes its readers (DP ends of stream, recycled rows).
 
     A dump holds no leases: the rows of an open lease outside a recorded batch are not
     consumed in it, as its expiry would leave them (nobody can acknowledge it after a
     restore); a recorded batch keeps its rows, for its next reader."""
-    ends = [
-        (task, index, sorted(ranks))
-        for (pid, inc, task, index), ranks in (dp_ends or {}).items()
-        if pid == p.partition_id and inc == p.incarnation
-    ]
-    make = partial(PartitionDump, settled=sorted(p.settled), dp_ends=ends)
+    pid, inc = p.partition_id, p.incarnation
+    ends = [] if st is None else st.dp_ends.items()
+    recycled = [] if st is None else st.recycled
+    make = partial(
+        PartitionDump,
+        settled=sorted(p.settled),
+        dp_ends=[(e[2], e[3], sorted(ranks)) for e, ranks in ends if e[:2] == (pid, inc)],
+        recycled=[r for i, e, r in recycled if (i, e) == (pid, inc) and p.alive[r]],
+    )
     dump = dump_rows(p, make, array.tolist)
     given_back: dict[str, bytearray] = {}
     for lease in p.leases.values():

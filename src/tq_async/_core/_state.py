@@ -555,9 +555,9 @@ class ControllerState:
         self.placer = Placer()
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
-        #: the DP ends of stream of the partitions being restored, ``(task, batch_index,
-        #: ranks)``: `dp_ends` once committed
-        self.restoring_ends: dict[str, list[tuple[str, int, list[int]]]] = {}
+        #: what the partitions being restored owe their readers, `dp_ends` and `recycled`
+        #: once committed: ``(task, batch_index, ranks)`` and rows
+        self.restoring_owed: dict[str, tuple[list[tuple[str, int, list[int]]], list[int]]] = {}
         #: storage units declared lost: their rows are lost, new rows avoid them
         self.dead_units: set[int] = set()
         #: storage units that missed their liveness deadline -> when they are declared lost;

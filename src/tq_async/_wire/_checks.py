@@ -189,6 +189,7 @@ def _restore(b: RestoreBegin) -> None:
         for _, index, ranks in d.dp_ends:
             check_int("the batch_index of a DP end of stream", index)
             check_ints("the DP ranks of an end of stream", ranks)
+        check_ints("the recycled rows", d.recycled, 0, d.n_rows - 1)
 
 
 def _get_meta(b: GetMeta) -> None:

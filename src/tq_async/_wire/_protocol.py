@@ -366,6 +366,8 @@ class PartitionDump(msgspec.Struct, array_like=True):
     #: the DP ranks owed a stop_when_consumed end of stream, ``(task, batch_index, ranks)``
     #: (`ControllerState.dp_ends`; a checkpoint written before this field had none)
     dp_ends: list[tuple[str, int, list[int]]] = []
+    #: its stale rows queued for ``take_recycled``, oldest first (`ControllerState.recycled`)
+    recycled: list[int] = []
 
 
 class StateDump(msgspec.Struct, array_like=True):
