@@ -17,6 +17,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -432,6 +433,41 @@ async def test_a_paused_unit_is_suspended_then_resumes_with_its_rows() -> None:
             assert second[0]["x"].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]  # data intact
             assert (await c.get_meta(["x"], 8, "p", "t")).end_of_stream
             assert (await c.lost_rows("p"))["rows"] == {"p": []}
+
+
+async def test_a_checkpoint_saved_while_a_unit_is_suspended_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """Unit 1 is paused (SIGSTOP) and suspended when a checkpoint is saved: its rows' cells
+    cannot be read, so the save is refused at once with a `CheckpointError` that names the
+    unit and says to save again (before: it waited the whole request timeout for the unit,
+    then said it "cannot write" the checkpoint). Nothing is left at the path; once the unit
+    resumed, the same save goes through."""
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "120") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address, request_timeout=20) as c:
+            for i in range(2):  # units 0, 1
+                await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p")
+            units[1].proc.send_signal(signal.SIGSTOP)
+            controller.line("storage unit suspended", err=True)
+            ckpt = tmp_path / "ckpt"
+            with (
+                anyio.fail_after(10),
+                pytest.raises(tq.CheckpointError, match=r"unit 1, suspended"),
+            ):
+                await c.save_checkpoint(ckpt)
+            assert os.listdir(tmp_path) == []  # nothing at the path, no temporary left
+            units[1].proc.send_signal(signal.SIGCONT)
+            controller.line("storage unit resumed", err=True)
+            with anyio.fail_after(_DEADLINE):
+                await c.save_checkpoint(ckpt)
+        assert sorted(json.loads((ckpt / "manifest.json").read_text())["files"]) == [
+            "cells-0-0.bin",
+            "state.msgpack",
+        ]
 
 
 async def test_a_unit_paused_past_the_second_deadline_is_lost() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from ..._errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from ..._errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, TQError
 from ..._meta import BatchMeta
 from ..._sync_primitives import cleanup_scope, run_sync_off_loop
 from ..._wire._columns import (
@@ -175,6 +175,8 @@ def save_checkpoint(
         }
         run_sync_off_loop(add, "manifest.json", [json.dumps(manifest, indent=1).encode()])
         _swap_into_place(tmp, path)
+    except TQError:
+        raise  # (a TQTimeoutError is an OSError too: it is not the disk's)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
     finally:

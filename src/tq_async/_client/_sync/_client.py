@@ -870,7 +870,8 @@ class Client:
         paused: the controller state is a consistent snapshot, cells are read right after it.
 
         Raises:
-            CheckpointError: ``path`` cannot be written.
+            CheckpointError: ``path`` cannot be written, or a storage unit holding rows of
+                the partitions is suspended (save again once it resumed).
             InvalidRequestError: ``metadata`` is not a dict of JSON values.
         """
         return self._calls.save_checkpoint(path, partition_ids, metadata=metadata)
