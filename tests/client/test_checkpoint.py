@@ -417,3 +417,43 @@ async def test_recycled_prompts_are_still_handed_out_after_a_checkpoint(tmp_path
         assert [m.global_indexes for m in taken] == [[0, 1, 2]]
         assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
         assert await client.take_recycled() == []  # exactly once
+
+
+async def test_a_partition_named_twice_is_saved_once(tmp_path: Path) -> None:
+    """``save_checkpoint(path, ["p", "p"])`` writes ``p`` once, and loads back (before: the
+    checkpoint held it twice, and every load of it failed with "TQError: KeyError: p"); a
+    checkpoint that holds a partition twice is refused as inconsistent, loading nothing."""
+    import hashlib
+
+    import msgspec
+
+    from tq_async._wire._protocol import StateDump
+
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        await client.put({"x": torch.arange(8, 12)}, "p")
+        await client.save_checkpoint(ckpt, ["p", "p"])
+        await client.clear_partition("p")
+        assert await client.load_checkpoint(ckpt) == ["p"]
+        meta = await client.get_meta(["x"], 12, "p", "t")
+        assert (await client.get_data(meta))["x"].tolist() == list(range(12))
+        await client.clear_partition("p")
+        # a checkpoint holding "p" twice (as the old save_checkpoint wrote it)
+        state_path = ckpt / "state.msgpack"
+        state = msgspec.msgpack.decode(state_path.read_bytes(), type=StateDump)
+        state.partitions *= 2
+        blob = msgspec.msgpack.encode(state)
+        state_path.write_bytes(blob)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["files"]["state.msgpack"] = {
+            "bytes": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(tq.CheckpointError, match="twice"):
+            await client.load_checkpoint(ckpt)
+        assert await client.list_partitions() == []

@@ -134,6 +134,9 @@ class Catalog:
         st = self.state
         if not st.units:
             raise InvalidRequestError("the controller has no storage units to restore onto")
+        named = [d.partition_id for d in dumps]
+        if len(set(named)) != len(named):
+            raise InvalidRequestError(f"a restore names a partition twice: {sorted(named)}")
         clash = [d.partition_id for d in dumps if d.partition_id in st.partitions]
         clash += [d.partition_id for d in dumps if d.partition_id in st.restoring]
         if clash:

@@ -22,6 +22,7 @@ import os
 import shutil
 import struct
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,7 @@ async def save_checkpoint(
 ) -> None:
     """See `AsyncClient.save_checkpoint`."""
     user_metadata = _user_metadata(metadata)
-    ids = None if partition_ids is None else list(partition_ids)
+    ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
     dump: StateDump = await client.call(DumpState(ids), StateDump)
     tmp = _tmp_name(path)
     try:
@@ -287,6 +288,12 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
         state = msgspec.msgpack.decode(blobs.pop("state.msgpack"), type=StateDump)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"state.msgpack of {path!r} is unreadable: {exc}") from exc
+    counts = Counter(pd.partition_id for pd in state.partitions)
+    twice = sorted(pid for pid, n in counts.items() if n > 1)
+    if twice:
+        raise CheckpointError(
+            f"{path!r} holds partitions {twice} twice: the checkpoint is inconsistent"
+        )
     cells = [_decode_cells(name, data) for name, data in sorted(blobs.items())]
     known = {
         (pd.partition_id, fd.header.name): fd.header for pd in state.partitions for fd in pd.fields
