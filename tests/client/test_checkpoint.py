@@ -457,3 +457,19 @@ async def test_a_partition_named_twice_is_saved_once(tmp_path: Path) -> None:
         with pytest.raises(tq.CheckpointError, match="twice"):
             await client.load_checkpoint(ckpt)
         assert await client.list_partitions() == []
+
+
+async def test_a_partition_id_passed_as_a_string_is_refused_clearly(tmp_path: Path) -> None:
+    """``save_checkpoint(path, "train")`` (a string where a list of partition ids goes) says
+    to pass a list (before: "partition 't' does not exist", one letter of the id), and
+    writes nothing."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "train")
+        with pytest.raises(tq.InvalidRequestError, match=r"pass \['train'\]"):
+            await client.save_checkpoint(tmp_path / "ckpt", "train")
+        assert os.listdir(tmp_path) == []
+        await client.save_checkpoint(tmp_path / "ckpt", ["train"])
+        assert (tmp_path / "ckpt" / "manifest.json").is_file()

@@ -142,6 +142,11 @@ def save_checkpoint(
 ) -> None:
     """See `Client.save_checkpoint`."""
     user_metadata = _user_metadata(metadata)
+    if isinstance(partition_ids, str):  # (else "train" would be five one-letter partitions)
+        raise InvalidRequestError(
+            f"save_checkpoint takes a list of partition ids, got the string {partition_ids!r}: "
+            f"pass [{partition_ids!r}]"
+        )
     ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
     dump: StateDump = client.call(DumpState(ids), StateDump)
     tmp = _tmp_name(path)
