@@ -473,3 +473,31 @@ async def test_a_partition_id_passed_as_a_string_is_refused_clearly(tmp_path: Pa
         assert os.listdir(tmp_path) == []
         await client.save_checkpoint(tmp_path / "ckpt", ["train"])
         assert (tmp_path / "ckpt" / "manifest.json").is_file()
+
+
+async def test_rows_held_at_a_checkpoint_are_auto_cleared_once_restored(tmp_path: Path) -> None:
+    """Under auto-clear, task "t" (the only one) fetched four of six rows, a hold not yet
+    acknowledged, when the checkpoint was taken. Restored, nobody can acknowledge that hold:
+    the rows every auto-clear task consumed are freed (before: they stayed for ever, taking
+    capacity, since only an ack frees them)."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.put({"x": torch.arange(6)}, "p")
+        held = await client.get_meta(["x"], 4, "p", "t")
+        assert held.lease_id  # a hold
+        assert (await client.partition_info("p"))["rows"] == 6
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["rows"] == 2
+        _, rest = await client.get(["x"], 2, "p", "t")
+        assert rest.global_indexes == [4, 5]
+        assert (await client.partition_info("p"))["rows"] == 0

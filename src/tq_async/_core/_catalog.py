@@ -175,6 +175,7 @@ class Catalog:
         missing = [pid for pid in partition_ids if pid not in st.restoring]
         if missing:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
+        fx = Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
         for pid in partition_ids:
             p = st.partitions[pid] = st.restoring.pop(pid)
             ends, recycled = st.restoring_owed.pop(pid, ([], []))
@@ -186,12 +187,16 @@ class Catalog:
             if st.events.on:
                 snap = partition_snapshot(p)
                 st.events.add(PartitionRestored(partition_id=pid, snapshot=snap))
+            # nor holds: rows every auto-clear task consumed and no recorded batch waits for
+            # are freed (no ack will ever come for them)
+            if st.auto_clear:
+                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
         if sampler_state:
             default, by_task = samplers
             default.load_state_dict(sampler_state.get("default", {}))
             for t, smp in by_task.items():
                 smp.load_state_dict(sampler_state.get(f"task:{t}", {}))
-        return Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
+        return fx
 
     def restore_abort(self, partition_ids: Sequence[str]) -> dict[str, str]:
         """Drop the staged partitions among ``partition_ids``; the incarnation of each one
