@@ -470,6 +470,40 @@ async def test_a_checkpoint_saved_while_a_unit_is_suspended_is_refused_at_once(
         ]
 
 
+async def test_rows_lost_with_a_unit_are_still_reported_after_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Unit 1 is SIGKILLed and declared lost with rows 4-7 before a checkpoint is taken.
+    Restored, `lost_rows` and ``partition_info`` still report them, and reading one says it
+    was lost (before: the checkpoint forgot them: nothing reported, "does not exist")."""
+    ckpt = tmp_path / "ckpt"
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "2") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address) as c:
+            metas = [await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p") for i in range(2)]
+            assert metas[1].units == [1] * 4
+            units[1].kill()
+            controller.line("storage unit lost", err=True)
+            assert (await c.lost_rows("p"))["rows"] == {"p": [4, 5, 6, 7]}
+            await c.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.lost_rows("p"))["rows"] == {"p": [4, 5, 6, 7]}
+        info = await client.partition_info("p")
+        assert (info["rows"], info["lost"]) == (4, 4)
+        peek = await client.get_meta(["x"], 4, "p", "t", mode="peek", timeout=10)
+        assert peek.global_indexes == [0, 1, 2, 3]
+        row_4 = tq.BatchMeta(partition_id="p", global_indexes=[4], field_names=["x"], units=[0])
+        with pytest.raises(tq.RowsNotFound, match="lost with storage unit 1"):
+            await client.set_tags(row_4, [{"a": 1}])
+
+
 async def test_a_unit_paused_past_the_second_deadline_is_lost() -> None:
     with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "2") as (
         address,

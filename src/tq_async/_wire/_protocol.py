@@ -368,6 +368,8 @@ class PartitionDump(msgspec.Struct, array_like=True):
     dp_ends: list[tuple[str, int, list[int]]] = []
     #: its stale rows queued for ``take_recycled``, oldest first (`ControllerState.recycled`)
     recycled: list[int] = []
+    #: its rows lost with a storage unit, ``(row, unit)`` (the unit's id where it was lost)
+    lost: list[tuple[int, int]] = []
 
 
 class StateDump(msgspec.Struct, array_like=True):
