@@ -504,6 +504,39 @@ async def test_rows_lost_with_a_unit_are_still_reported_after_a_checkpoint(
             await client.set_tags(row_4, [{"a": 1}])
 
 
+@pytest.mark.parametrize("unit_state", ["lost", "suspended"])
+async def test_a_checkpoint_loads_onto_the_units_that_are_up(
+    tmp_path: Path, unit_state: str
+) -> None:
+    """Unit 1 of two is lost (SIGKILLed) or suspended (SIGSTOPped) when a checkpoint is
+    loaded: its rows go to unit 0, as a put's would, and the load goes through (before: half
+    of them were placed on unit 1, and the load failed, or waited the request timeout)."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        await client.save_checkpoint(ckpt)
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "120") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address, request_timeout=20) as c:
+            if unit_state == "lost":
+                units[1].kill()
+                controller.line("storage unit lost", err=True)
+            else:
+                units[1].proc.send_signal(signal.SIGSTOP)
+                controller.line("storage unit suspended", err=True)
+            with anyio.fail_after(10):
+                assert await c.load_checkpoint(ckpt) == ["p"]
+                meta = await c.get_meta(["x"], 8, "p", "t", timeout=5)
+                assert meta.units == [0] * 8
+                assert (await c.get_data(meta))["x"].tolist() == list(range(8))
+
+
 async def test_a_unit_paused_past_the_second_deadline_is_lost() -> None:
     with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "2") as (
         address,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._errors import InvalidRequestError, WouldBlock
+from .._errors import BrokenError, InvalidRequestError, WouldBlock
 from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
 from ._dumps import restore_partition
@@ -129,8 +129,8 @@ class Catalog:
 
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> dict[str, list[int]]:
         """Stage partitions of a checkpoint, invisible until `restore_commit`, their alive
-        rows spread over the units in contiguous blocks; each one's units (where its cells
-        must go)."""
+        rows spread over the live units (neither lost nor suspended) in contiguous blocks;
+        each one's units (where its cells must go)."""
         st = self.state
         if not st.units:
             raise InvalidRequestError("the controller has no storage units to restore onto")
@@ -144,8 +144,13 @@ class Catalog:
                 f"partitions {clash} already exist (or are being restored); clear them before "
                 "loading a checkpoint that holds them"
             )
+        ids = st.live_units()
+        if not ids:
+            raise BrokenError(
+                f"every storage unit ({sorted(st.units)}) is down or suspended; restart them "
+                "(they register again) before loading a checkpoint"
+            )
         staged = []
-        ids = sorted(st.units)
         for d in dumps:
             live = [r for r in range(d.n_rows) if d.alive[r]]
             units = [ids[0]] * d.n_rows
