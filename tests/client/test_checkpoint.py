@@ -501,3 +501,45 @@ async def test_rows_held_at_a_checkpoint_are_auto_cleared_once_restored(tmp_path
         _, rest = await client.get(["x"], 2, "p", "t")
         assert rest.global_indexes == [4, 5]
         assert (await client.partition_info("p"))["rows"] == 0
+
+
+async def test_rows_freed_while_a_checkpoint_reads_cells_do_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Consumers go on while a checkpoint is saved (only producers pause): under auto-clear
+    an acknowledgement frees rows 0 and 1 after the controller's snapshot named them, before
+    their cells are read. The save takes a new snapshot and goes through, holding rows 2
+    and 3 (before: it failed with "row 0 of field 'x' ... is not stored")."""
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._wire._protocol import StoreGet
+
+    ckpt = tmp_path / "ckpt"
+    request = DealerConnection.request
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address) as consumer,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.put({"x": torch.arange(4)}, "p")
+        meta = await consumer.get_meta(["x"], 2, "p", "t")
+        acked: list[int] = []
+
+        async def acking(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(body, StoreGet) and not acked:
+                acked.append(1)
+                await consumer.ack(meta)  # auto-clear frees rows 0 and 1 now
+            return await request(self, body, *args, **kwargs)
+
+        monkeypatch.setattr(DealerConnection, "request", acking)
+        await client.save_checkpoint(ckpt)
+        monkeypatch.setattr(DealerConnection, "request", request)
+        assert acked
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        rest = await client.get_meta(["x"], 2, "p", "t", timeout=10)
+        assert rest.global_indexes == [2, 3]
+        assert (await client.get_data(rest))["x"].tolist() == [2, 3]

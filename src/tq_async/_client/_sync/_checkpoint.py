@@ -31,7 +31,13 @@ from typing import Any
 
 import msgspec
 
-from ..._errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError, TQError
+from ..._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidRequestError,
+    RowsNotFound,
+    TQError,
+)
 from ..._meta import BatchMeta
 from ..._sync_primitives import cleanup_scope, run_sync_off_loop
 from ..._wire._columns import (
@@ -64,6 +70,8 @@ __all__ = [
 FORMAT = "tq_async-checkpoint"
 FORMAT_VERSION = 1
 _MAGIC = b"TQCELLS1"
+#: how many snapshots a save takes when rows are freed before their cells are read
+_SNAPSHOT_TRIES = 3
 
 
 class _CellsHeader(msgspec.Struct, array_like=True):
@@ -148,38 +156,29 @@ def save_checkpoint(
             f"pass [{partition_ids!r}]"
         )
     ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
-    dump: StateDump = client.call(DumpState(ids), StateDump)
     tmp = _tmp_name(path)
     try:
-        os.makedirs(tmp)
-        files: dict[str, dict[str, Any]] = {}
-
-        def add(name: str, chunks: Sequence[Any]) -> None:
-            size, digest = _write(os.path.join(tmp, name), chunks)
-            files[name] = {"bytes": size, "sha256": digest}
-
-        run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
-        for pi, pd in enumerate(dump.partitions):
-            for fi, fd in enumerate(pd.fields):
-                rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
-                if not rows:
-                    continue
-                meta = BatchMeta(
-                    partition_id=pd.partition_id,
-                    global_indexes=rows,
-                    field_names=[fd.header.name],
-                    units=[pd.units[r] for r in rows],
-                )
-                headers, columns = client.fetch_columns(meta, [fd.header.name])
-                chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
-                run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+        for tries_left in reversed(range(_SNAPSHOT_TRIES)):
+            dump: StateDump = client.call(DumpState(ids), StateDump)
+            try:
+                files = _write_snapshot(client, tmp, dump)
+                break
+            except RowsNotFound as exc:  # freed after the snapshot (auto-clear, a clear)
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not tries_left:
+                    raise CheckpointError(
+                        f"rows were freed while checkpoint {path!r} read their cells, "
+                        f"{_SNAPSHOT_TRIES} times in a row ({exc}); pause the consumers that "
+                        "free rows (acknowledgements under auto-clear, clears) and save again"
+                    ) from exc
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "files": files,
             "metadata": user_metadata,
         }
-        run_sync_off_loop(add, "manifest.json", [json.dumps(manifest, indent=1).encode()])
+        data = [json.dumps(manifest, indent=1).encode()]
+        run_sync_off_loop(_write, os.path.join(tmp, "manifest.json"), data)
         _swap_into_place(tmp, path)
     except TQError:
         raise  # (a TQTimeoutError is an OSError too: it is not the disk's)
@@ -187,6 +186,38 @@ def save_checkpoint(
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_snapshot(client: ClientLink, tmp: str, dump: StateDump) -> dict[str, dict[str, Any]]:
+    """Write ``dump`` and the cells it names into the new directory ``tmp``; the size and
+    sha256 of each file.
+
+    Raises:
+        RowsNotFound: rows of ``dump`` were freed before their cells were read.
+    """
+    os.makedirs(tmp)
+    files: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, chunks: Sequence[Any]) -> None:
+        size, digest = _write(os.path.join(tmp, name), chunks)
+        files[name] = {"bytes": size, "sha256": digest}
+
+    run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
+    for pi, pd in enumerate(dump.partitions):
+        for fi, fd in enumerate(pd.fields):
+            rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
+            if not rows:
+                continue
+            meta = BatchMeta(
+                partition_id=pd.partition_id,
+                global_indexes=rows,
+                field_names=[fd.header.name],
+                units=[pd.units[r] for r in rows],
+            )
+            headers, columns = client.fetch_columns(meta, [fd.header.name])
+            chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
+            run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+    return files
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
