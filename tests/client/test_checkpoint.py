@@ -543,3 +543,27 @@ async def test_rows_freed_while_a_checkpoint_reads_cells_do_not_fail_the_save(
         rest = await client.get_meta(["x"], 2, "p", "t", timeout=10)
         assert rest.global_indexes == [2, 3]
         assert (await client.get_data(rest))["x"].tolist() == [2, 3]
+
+
+async def test_a_dropped_tail_is_still_counted_after_a_checkpoint(tmp_path: Path) -> None:
+    """``partition_info``'s ``dropped`` (rows a task consumed without their being delivered,
+    an uneven tail dropped) survives a checkpoint, as it survives a durable controller's
+    restart (before: the restored partition said none were dropped)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = {"dp_size": 2, "dp_rank": 0, "tail": "drop"}
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(5)}, "p")
+        await client.seal("p")
+        assert len(await client.get_meta(["x"], 2, "p", "t", cfg | {"batch_index": 0})) == 2
+        assert (await client.get_meta(["x"], 2, "p", "t", cfg | {"batch_index": 1})).end_of_stream
+        assert (await client.partition_info("p"))["dropped"] == {"t": 1}
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["dropped"] == {"t": 1}

@@ -41,6 +41,7 @@ def partition_dump(p: Partition, st: ControllerState | None = None) -> Partition
         dp_ends=[(e[2], e[3], sorted(ranks)) for e, ranks in ends if e[:2] == (pid, inc)],
         recycled=[r for i, e, r in recycled if (i, e) == (pid, inc) and p.alive[r]],
         lost=sorted(p.lost.items()),
+        dropped=dict(p.dropped),
     )
     dump = dump_rows(p, make, array.tolist)
     given_back: dict[str, bytearray] = {}
@@ -116,4 +117,5 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
     p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
     p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
     p.lost = {r: unit for r, unit in dump.lost if 0 <= r < n and not p.alive[r]}
+    p.dropped = dict(dump.dropped)
     return p

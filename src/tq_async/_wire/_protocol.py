@@ -370,6 +370,8 @@ class PartitionDump(msgspec.Struct, array_like=True):
     recycled: list[int] = []
     #: its rows lost with a storage unit, ``(row, unit)`` (the unit's id where it was lost)
     lost: list[tuple[int, int]] = []
+    #: rows each task consumed without their being delivered (a dropped tail), counted
+    dropped: dict[str, int] = {}
 
 
 class StateDump(msgspec.Struct, array_like=True):
