@@ -567,3 +567,27 @@ async def test_a_dropped_tail_is_still_counted_after_a_checkpoint(tmp_path: Path
     ):
         await client.load_checkpoint(ckpt)
         assert (await client.partition_info("p"))["dropped"] == {"t": 1}
+
+
+async def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """``save_checkpoint`` replaces an older checkpoint (or an empty directory) at ``path``,
+    never a file or a directory of other things: it refuses, and they stay as they were
+    (before: they were replaced and deleted, a file leaving a stray ``.old`` behind)."""
+    a_file, a_dir, empty = tmp_path / "file", tmp_path / "dir", tmp_path / "empty"
+    a_file.write_text("mine")
+    a_dir.mkdir()
+    (a_dir / "notes.txt").write_text("mine too")
+    empty.mkdir()
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, partition_id="a")
+        for path in (a_file, a_dir):
+            with pytest.raises(tq.CheckpointError, match="not a tq_async checkpoint"):
+                await client.save_checkpoint(path)
+        await client.save_checkpoint(empty)
+    assert a_file.read_text() == "mine"
+    assert (a_dir / "notes.txt").read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["dir", "empty", "file"]
+    assert tq.checkpoint_metadata(empty) == {}

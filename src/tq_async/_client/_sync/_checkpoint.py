@@ -156,6 +156,11 @@ def save_checkpoint(
             f"pass [{partition_ids!r}]"
         )
     ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
+    if not run_sync_off_loop(_replaceable, path):
+        raise CheckpointError(
+            f"{path!r} exists and is not a tq_async checkpoint: save_checkpoint replaces only "
+            "an older checkpoint (or an empty directory); pass a new path, or move it away"
+        )
     tmp = _tmp_name(path)
     try:
         for tries_left in reversed(range(_SNAPSHOT_TRIES)):
@@ -261,6 +266,23 @@ def _tmp_name(path: str) -> str:
     """A sibling of ``path`` (same filesystem, so the final rename is atomic)."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     return os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def _replaceable(path: str) -> bool:
+    """Whether a save may put a checkpoint at ``path``: nothing there, an empty directory, or
+    a checkpoint (whose manifest says so)."""
+    if not os.path.lexists(path):
+        return True
+    if not os.path.isdir(path):
+        return False
+    try:
+        if not os.listdir(path):
+            return True
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def _swap_into_place(tmp: str, path: str) -> None:
