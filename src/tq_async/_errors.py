@@ -179,6 +179,7 @@ CALLERS_FAULT: tuple[type[TQError], ...] = (
     ProtocolError,
     TQTimeoutError,
     SessionLostError,  # (expected after a restart: the client sets the session up again)
+    CheckpointError,  # (a checkpoint that cannot be taken now: the message says why)
 )
 
 

@@ -323,3 +323,271 @@ async def test_an_auto_clear_jobs_waiting_batches_keep_their_rows_across_a_check
         for share in shares:
             await client.ack(share)
         assert (await client.partition_info("p"))["rows"] == 0
+
+
+async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_checkpoint(tmp_path: Path) -> None:
+    """DP rank 0 reached a stop_when_consumed end of stream at batch 1 (every row consumed,
+    the partition not sealed) and more rows came before rank 1 asked batch 1, when the
+    checkpoint was taken. Restored, rank 1 must end at batch 1 too (`ControllerState.dp_ends`
+    is in the checkpoint), or it steps on alone and its all_reduce waits for ever; once told,
+    the index is decided anew for a next round."""
+    ckpt = tmp_path / "ckpt"
+
+    async def fetch(c: tq.AsyncClient, rank: int, index: int) -> tq.BatchMeta:
+        cfg = {"dp_size": 2, "dp_rank": rank, "batch_index": index}
+        return await c.get_meta(["x"], 2, "p", "t", cfg, stop_when_consumed=True, timeout=10)
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        assert (await fetch(client, 0, 0)).global_indexes == [0, 1]
+        assert (await fetch(client, 1, 0)).global_indexes == [2, 3]
+        assert (await fetch(client, 0, 1)).end_of_stream
+        await client.put({"x": torch.arange(4, 8)}, "p")  # more rows before rank 1 asks
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await fetch(client, 1, 1)).end_of_stream  # in step with rank 0
+        assert (await fetch(client, 0, 1)).global_indexes == [4, 5]
+        assert (await fetch(client, 1, 1)).global_indexes == [6, 7]
+
+
+async def test_rows_under_an_open_lease_are_not_lost_by_a_checkpoint(tmp_path: Path) -> None:
+    """A consumer held rows 0 and 1 under a lease, not acknowledged, when the checkpoint was
+    taken. The checkpoint holds no leases, so nobody can acknowledge them after the restore
+    and no expiry gives them back: they must be ready for the task again, as the lease's
+    expiry would have made them (before: consumed for good, the task never got them). Rows
+    fetched without a lease, and an acknowledged lease's, stay consumed."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        leased = await client.get_meta(["x"], 2, "p", "t", lease=30.0)
+        acked = await client.get_meta(["x"], 2, "p", "t", lease=30.0)
+        await client.ack(acked)
+        held = await client.get_meta(["x"], 2, "p", "t")  # no lease: never given back
+        assert (leased.global_indexes, acked.global_indexes) == ([0, 1], [2, 3])
+        assert held.global_indexes == [4, 5]
+        await client.seal("p")
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["consumed"] == {"t": 4}
+        rest = await client.get_meta(["x"], 8, "p", "t", timeout=10)
+        assert sorted(rest.global_indexes) == [0, 1, 6, 7]
+        assert (await client.get_data(rest))["x"].tolist() == rest.global_indexes
+
+
+async def test_recycled_prompts_are_still_handed_out_after_a_checkpoint(tmp_path: Path) -> None:
+    """The learner's `StalenessSampler` recycled three stale rows (consumed, queued for
+    ``take_recycled``) when the checkpoint was taken. Restored, the queue must come back
+    with the partition, each row handed out once (before: it was empty and the rows
+    consumed, so their prompts were never regenerated)."""
+    ckpt = tmp_path / "ckpt"
+
+    def sampler() -> tq.StalenessSampler:
+        return tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p", policy_version=[0, 0, 0, 1])
+        await client.set_policy_version(1)  # rows 0-2 are one version too old
+        assert (await client.get_meta(["x"], 1, "p", "learner")).global_indexes == [3]
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=2, sampler=sampler()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
+        assert await client.take_recycled() == []  # exactly once
+
+
+async def test_a_partition_named_twice_is_saved_once(tmp_path: Path) -> None:
+    """``save_checkpoint(path, ["p", "p"])`` writes ``p`` once, and loads back (before: the
+    checkpoint held it twice, and every load of it failed with "TQError: KeyError: p"); a
+    checkpoint that holds a partition twice is refused as inconsistent, loading nothing."""
+    import hashlib
+
+    import msgspec
+
+    from tq_async._wire._protocol import StateDump
+
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        await client.put({"x": torch.arange(8, 12)}, "p")
+        await client.save_checkpoint(ckpt, ["p", "p"])
+        await client.clear_partition("p")
+        assert await client.load_checkpoint(ckpt) == ["p"]
+        meta = await client.get_meta(["x"], 12, "p", "t")
+        assert (await client.get_data(meta))["x"].tolist() == list(range(12))
+        await client.clear_partition("p")
+        # a checkpoint holding "p" twice (as the old save_checkpoint wrote it)
+        state_path = ckpt / "state.msgpack"
+        state = msgspec.msgpack.decode(state_path.read_bytes(), type=StateDump)
+        state.partitions *= 2
+        blob = msgspec.msgpack.encode(state)
+        state_path.write_bytes(blob)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["files"]["state.msgpack"] = {
+            "bytes": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(tq.CheckpointError, match="twice"):
+            await client.load_checkpoint(ckpt)
+        assert await client.list_partitions() == []
+
+
+async def test_a_partition_id_passed_as_a_string_is_refused_clearly(tmp_path: Path) -> None:
+    """``save_checkpoint(path, "train")`` (a string where a list of partition ids goes) says
+    to pass a list (before: "partition 't' does not exist", one letter of the id), and
+    writes nothing."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "train")
+        with pytest.raises(tq.InvalidRequestError, match=r"pass \['train'\]"):
+            await client.save_checkpoint(tmp_path / "ckpt", "train")
+        assert os.listdir(tmp_path) == []
+        await client.save_checkpoint(tmp_path / "ckpt", ["train"])
+        assert (tmp_path / "ckpt" / "manifest.json").is_file()
+
+
+async def test_rows_held_at_a_checkpoint_are_auto_cleared_once_restored(tmp_path: Path) -> None:
+    """Under auto-clear, task "t" (the only one) fetched four of six rows, a hold not yet
+    acknowledged, when the checkpoint was taken. Restored, nobody can acknowledge that hold:
+    the rows every auto-clear task consumed are freed (before: they stayed for ever, taking
+    capacity, since only an ack frees them)."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.put({"x": torch.arange(6)}, "p")
+        held = await client.get_meta(["x"], 4, "p", "t")
+        assert held.lease_id  # a hold
+        assert (await client.partition_info("p"))["rows"] == 6
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["rows"] == 2
+        _, rest = await client.get(["x"], 2, "p", "t")
+        assert rest.global_indexes == [4, 5]
+        assert (await client.partition_info("p"))["rows"] == 0
+
+
+async def test_rows_freed_while_a_checkpoint_reads_cells_do_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Consumers go on while a checkpoint is saved (only producers pause): under auto-clear
+    an acknowledgement frees rows 0 and 1 after the controller's snapshot named them, before
+    their cells are read. The save takes a new snapshot and goes through, holding rows 2
+    and 3 (before: it failed with "row 0 of field 'x' ... is not stored")."""
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._wire._protocol import StoreGet
+
+    ckpt = tmp_path / "ckpt"
+    request = DealerConnection.request
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+        tq.AsyncClient.connect(cluster.address) as consumer,
+    ):
+        await client.register_tasks(["t"], "p")
+        await client.put({"x": torch.arange(4)}, "p")
+        meta = await consumer.get_meta(["x"], 2, "p", "t")
+        acked: list[int] = []
+
+        async def acking(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(body, StoreGet) and not acked:
+                acked.append(1)
+                await consumer.ack(meta)  # auto-clear frees rows 0 and 1 now
+            return await request(self, body, *args, **kwargs)
+
+        monkeypatch.setattr(DealerConnection, "request", acking)
+        await client.save_checkpoint(ckpt)
+        monkeypatch.setattr(DealerConnection, "request", request)
+        assert acked
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        rest = await client.get_meta(["x"], 2, "p", "t", timeout=10)
+        assert rest.global_indexes == [2, 3]
+        assert (await client.get_data(rest))["x"].tolist() == [2, 3]
+
+
+async def test_a_dropped_tail_is_still_counted_after_a_checkpoint(tmp_path: Path) -> None:
+    """``partition_info``'s ``dropped`` (rows a task consumed without their being delivered,
+    an uneven tail dropped) survives a checkpoint, as it survives a durable controller's
+    restart (before: the restored partition said none were dropped)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = {"dp_size": 2, "dp_rank": 0, "tail": "drop"}
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(5)}, "p")
+        await client.seal("p")
+        assert len(await client.get_meta(["x"], 2, "p", "t", cfg | {"batch_index": 0})) == 2
+        assert (await client.get_meta(["x"], 2, "p", "t", cfg | {"batch_index": 1})).end_of_stream
+        assert (await client.partition_info("p"))["dropped"] == {"t": 1}
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["dropped"] == {"t": 1}
+
+
+async def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """``save_checkpoint`` replaces an older checkpoint (or an empty directory) at ``path``,
+    never a file or a directory of other things: it refuses, and they stay as they were
+    (before: they were replaced and deleted, a file leaving a stray ``.old`` behind)."""
+    a_file, a_dir, empty = tmp_path / "file", tmp_path / "dir", tmp_path / "empty"
+    a_file.write_text("mine")
+    a_dir.mkdir()
+    (a_dir / "notes.txt").write_text("mine too")
+    empty.mkdir()
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, partition_id="a")
+        for path in (a_file, a_dir):
+            with pytest.raises(tq.CheckpointError, match="not a tq_async checkpoint"):
+                await client.save_checkpoint(path)
+        await client.save_checkpoint(empty)
+    assert a_file.read_text() == "mine"
+    assert (a_dir / "notes.txt").read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["dir", "empty", "file"]
+    assert tq.checkpoint_metadata(empty) == {}

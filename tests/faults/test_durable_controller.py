@@ -614,3 +614,45 @@ async def test_an_admitted_rollout_fetched_under_a_lease_that_lapses_across_a_re
             again = await c.get_meta(["x"], 4, "p", "learn", timeout=10)
             assert again.global_indexes == [0, 1, 2, 3]
             assert (await c.staleness_status())["outstanding"] == 0
+
+
+async def test_what_a_loaded_checkpoint_owes_its_readers_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint holding a DP end of stream owed to rank 1 and three rows queued for
+    ``take_recycled`` is loaded into a durable controller, which is SIGKILLed and restarted
+    on its journal: rank 1 still ends at batch 1, and the queue is handed out once."""
+    ckpt = tmp_path / "ckpt"
+
+    def fetch(c: tq.AsyncClient, rank: int, index: int) -> Any:
+        cfg = {"dp_size": 2, "dp_rank": rank, "batch_index": index}
+        return c.get_meta(["x"], 2, "p", "t", cfg, stop_when_consumed=True, timeout=10)
+
+    recycle = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": recycle}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as c,
+    ):
+        await c.put(_rows(4, 0), "p")
+        assert (await fetch(c, 0, 0)).global_indexes == [0, 1]
+        assert (await fetch(c, 1, 0)).global_indexes == [2, 3]
+        assert (await fetch(c, 0, 1)).end_of_stream
+        await c.put(_rows(4, 4), "p")
+        await c.put(_rows(4, 0), "q", policy_version=[0, 0, 0, 1])
+        await c.set_policy_version(1)
+        assert (await c.get_meta(["x"], 1, "q", "learner")).global_indexes == [3]
+        await c.save_checkpoint(ckpt)
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert sorted(await c.load_checkpoint(ckpt)) == ["p", "q"]
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        stack.enter_context(_serve(bind, data_dir))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            assert (await fetch(c, 1, 1)).end_of_stream  # in step with rank 0
+            assert [m.global_indexes for m in await c.take_recycled()] == [[0, 1, 2]]
+            assert await c.take_recycled() == []

@@ -17,6 +17,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -432,6 +433,108 @@ async def test_a_paused_unit_is_suspended_then_resumes_with_its_rows() -> None:
             assert second[0]["x"].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]  # data intact
             assert (await c.get_meta(["x"], 8, "p", "t")).end_of_stream
             assert (await c.lost_rows("p"))["rows"] == {"p": []}
+
+
+async def test_a_checkpoint_saved_while_a_unit_is_suspended_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """Unit 1 is paused (SIGSTOP) and suspended when a checkpoint is saved: its rows' cells
+    cannot be read, so the save is refused at once with a `CheckpointError` that names the
+    unit and says to save again (before: it waited the whole request timeout for the unit,
+    then said it "cannot write" the checkpoint). Nothing is left at the path; once the unit
+    resumed, the same save goes through."""
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "120") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address, request_timeout=20) as c:
+            for i in range(2):  # units 0, 1
+                await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p")
+            units[1].proc.send_signal(signal.SIGSTOP)
+            controller.line("storage unit suspended", err=True)
+            ckpt = tmp_path / "ckpt"
+            with (
+                anyio.fail_after(10),
+                pytest.raises(tq.CheckpointError, match=r"unit 1, suspended"),
+            ):
+                await c.save_checkpoint(ckpt)
+            assert os.listdir(tmp_path) == []  # nothing at the path, no temporary left
+            units[1].proc.send_signal(signal.SIGCONT)
+            controller.line("storage unit resumed", err=True)
+            with anyio.fail_after(_DEADLINE):
+                await c.save_checkpoint(ckpt)
+        assert sorted(json.loads((ckpt / "manifest.json").read_text())["files"]) == [
+            "cells-0-0.bin",
+            "state.msgpack",
+        ]
+
+
+async def test_rows_lost_with_a_unit_are_still_reported_after_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Unit 1 is SIGKILLed and declared lost with rows 4-7 before a checkpoint is taken.
+    Restored, `lost_rows` and ``partition_info`` still report them, and reading one says it
+    was lost (before: the checkpoint forgot them: nothing reported, "does not exist")."""
+    ckpt = tmp_path / "ckpt"
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "2") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address) as c:
+            metas = [await c.put({"x": torch.arange(i * 4, i * 4 + 4)}, "p") for i in range(2)]
+            assert metas[1].units == [1] * 4
+            units[1].kill()
+            controller.line("storage unit lost", err=True)
+            assert (await c.lost_rows("p"))["rows"] == {"p": [4, 5, 6, 7]}
+            await c.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        assert (await client.lost_rows("p"))["rows"] == {"p": [4, 5, 6, 7]}
+        info = await client.partition_info("p")
+        assert (info["rows"], info["lost"]) == (4, 4)
+        peek = await client.get_meta(["x"], 4, "p", "t", mode="peek", timeout=10)
+        assert peek.global_indexes == [0, 1, 2, 3]
+        row_4 = tq.BatchMeta(partition_id="p", global_indexes=[4], field_names=["x"], units=[0])
+        with pytest.raises(tq.RowsNotFound, match="lost with storage unit 1"):
+            await client.set_tags(row_4, [{"a": 1}])
+
+
+@pytest.mark.parametrize("unit_state", ["lost", "suspended"])
+async def test_a_checkpoint_loads_onto_the_units_that_are_up(
+    tmp_path: Path, unit_state: str
+) -> None:
+    """Unit 1 of two is lost (SIGKILLed) or suspended (SIGSTOPped) when a checkpoint is
+    loaded: its rows go to unit 0, as a put's would, and the load goes through (before: half
+    of them were placed on unit 1, and the load failed, or waited the request timeout)."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, "p")
+        await client.save_checkpoint(ckpt)
+    with split_cluster("--unit-suspend-after", "1", "--unit-lost-after", "120") as (
+        address,
+        controller,
+        units,
+    ):
+        async with tq.AsyncClient.connect(address, request_timeout=20) as c:
+            if unit_state == "lost":
+                units[1].kill()
+                controller.line("storage unit lost", err=True)
+            else:
+                units[1].proc.send_signal(signal.SIGSTOP)
+                controller.line("storage unit suspended", err=True)
+            with anyio.fail_after(10):
+                assert await c.load_checkpoint(ckpt) == ["p"]
+                meta = await c.get_meta(["x"], 8, "p", "t", timeout=5)
+                assert meta.units == [0] * 8
+                assert (await c.get_data(meta))["x"].tolist() == list(range(8))
 
 
 async def test_a_unit_paused_past_the_second_deadline_is_lost() -> None:

@@ -18,7 +18,7 @@ import msgspec
 from .._core._dumps import partition_dump
 from .._core._state import KV_CHUNK_BITS, Partition
 from .._core._transitions import ControllerCore, meta_reply
-from .._errors import KeyNotFound
+from .._errors import CheckpointError, KeyNotFound
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import (
     CheckConsumption,
@@ -301,7 +301,16 @@ def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
 def dump_state(core: ControllerCore, body: DumpState) -> StateDump:
     st = core.state
     ids = body.partition_ids if body.partition_ids is not None else list(st.partitions)
-    dumps = [partition_dump(st.partition(pid)) for pid in ids]
+    parts = [st.partition(pid) for pid in ids]
+    for p in parts:
+        away = sorted(u for u in st.suspended if p.unit_rows.get(u))
+        if away:
+            raise CheckpointError(
+                f"partition {p.partition_id!r} has rows on storage unit {away[0]}, suspended "
+                f"(suspended units: {away}): their cells cannot be read now; save the "
+                "checkpoint again once the unit resumed (or was declared lost)"
+            )
+    dumps = [partition_dump(p, st) for p in parts]
     sampler_state = {"default": core.sampler.state_dict()}
     sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
     return StateDump(dumps, sampler_state)

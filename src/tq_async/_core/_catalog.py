@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._errors import InvalidRequestError, WouldBlock
+from .._errors import BrokenError, InvalidRequestError, WouldBlock
 from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
 from ._dumps import restore_partition
@@ -129,11 +129,14 @@ class Catalog:
 
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> dict[str, list[int]]:
         """Stage partitions of a checkpoint, invisible until `restore_commit`, their alive
-        rows spread over the units in contiguous blocks; each one's units (where its cells
-        must go)."""
+        rows spread over the live units (neither lost nor suspended) in contiguous blocks;
+        each one's units (where its cells must go)."""
         st = self.state
         if not st.units:
             raise InvalidRequestError("the controller has no storage units to restore onto")
+        named = [d.partition_id for d in dumps]
+        if len(set(named)) != len(named):
+            raise InvalidRequestError(f"a restore names a partition twice: {sorted(named)}")
         clash = [d.partition_id for d in dumps if d.partition_id in st.partitions]
         clash += [d.partition_id for d in dumps if d.partition_id in st.restoring]
         if clash:
@@ -141,8 +144,13 @@ class Catalog:
                 f"partitions {clash} already exist (or are being restored); clear them before "
                 "loading a checkpoint that holds them"
             )
+        ids = st.live_units()
+        if not ids:
+            raise BrokenError(
+                f"every storage unit ({sorted(st.units)}) is down or suspended; restart them "
+                "(they register again) before loading a checkpoint"
+            )
         staged = []
-        ids = sorted(st.units)
         for d in dumps:
             live = [r for r in range(d.n_rows) if d.alive[r]]
             units = [ids[0]] * d.n_rows
@@ -150,8 +158,9 @@ class Catalog:
             for i, r in enumerate(live):  # contiguous blocks, one per unit
                 units[r] = ids[min(i // per_unit, len(ids) - 1)]
             staged.append(st.bind(restore_partition(d, units)))
-        for p in staged:
+        for p, d in zip(staged, dumps, strict=True):
             st.restoring[p.partition_id] = p
+            st.restoring_owed[p.partition_id] = (d.dp_ends, d.recycled)
         return {p.partition_id: list(p.units) for p in staged}
 
     def restore_commit(
@@ -171,19 +180,28 @@ class Catalog:
         missing = [pid for pid in partition_ids if pid not in st.restoring]
         if missing:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
+        fx = Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
         for pid in partition_ids:
-            st.partitions[pid] = st.restoring.pop(pid)
+            p = st.partitions[pid] = st.restoring.pop(pid)
+            ends, recycled = st.restoring_owed.pop(pid, ([], []))
+            for task, index, ranks in ends:
+                st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
+            st.recycled.extend((pid, p.incarnation, r) for r in recycled if p.alive[r])
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
-            self._leases.hold_waiting(st.partitions[pid])
+            self._leases.hold_waiting(p)
             if st.events.on:
-                snap = partition_snapshot(st.partitions[pid])
+                snap = partition_snapshot(p)
                 st.events.add(PartitionRestored(partition_id=pid, snapshot=snap))
+            # nor holds: rows every auto-clear task consumed and no recorded batch waits for
+            # are freed (no ack will ever come for them)
+            if st.auto_clear:
+                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
         if sampler_state:
             default, by_task = samplers
             default.load_state_dict(sampler_state.get("default", {}))
             for t, smp in by_task.items():
                 smp.load_state_dict(sampler_state.get(f"task:{t}", {}))
-        return Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
+        return fx
 
     def restore_abort(self, partition_ids: Sequence[str]) -> dict[str, str]:
         """Drop the staged partitions among ``partition_ids``; the incarnation of each one
@@ -192,6 +210,7 @@ class Catalog:
         dropped = {}
         for pid in partition_ids:
             p = self.state.restoring.pop(pid, None)
+            self.state.restoring_owed.pop(pid, None)
             if p is not None:
                 dropped[pid] = p.incarnation
         return dropped

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._errors import InvalidRequestError
 from .._wire._protocol import FieldDump, PartitionDump
-from ._state import FieldState, Partition
+from ._state import ControllerState, FieldState, Partition
 from ._versions import PolicyVersions
 
 __all__ = ["dump_rows", "partition_dump", "restore_partition"]
@@ -25,9 +25,35 @@ __all__ = ["dump_rows", "partition_dump", "restore_partition"]
 T = TypeVar("T")
 
 
-def partition_dump(p: Partition) -> PartitionDump:
-    """Everything of ``p`` but the cells, as plain msgpack-able values."""
-    return dump_rows(p, partial(PartitionDump, settled=sorted(p.settled)), array.tolist)
+def partition_dump(p: Partition, st: ControllerState | None = None) -> PartitionDump:
+    """Everything of ``p`` but the cells, as plain msgpack-able values, with what the
+    controller's state ``st`` owes its readers (DP ends of stream, recycled rows).
+
+    A dump holds no leases: the rows of an open lease outside a recorded batch are not
+    consumed in it, as its expiry would leave them (nobody can acknowledge it after a
+    restore); a recorded batch keeps its rows, for its next reader."""
+    pid, inc = p.partition_id, p.incarnation
+    ends = [] if st is None else st.dp_ends.items()
+    recycled = [] if st is None else st.recycled
+    make = partial(
+        PartitionDump,
+        settled=sorted(p.settled),
+        dp_ends=[(e[2], e[3], sorted(ranks)) for e, ranks in ends if e[:2] == (pid, inc)],
+        recycled=[r for i, e, r in recycled if (i, e) == (pid, inc) and p.alive[r]],
+        lost=sorted(p.lost.items()),
+        dropped=dict(p.dropped),
+    )
+    dump = dump_rows(p, make, array.tolist)
+    given_back: dict[str, bytearray] = {}
+    for lease in p.leases.values():
+        if lease.key is None and lease.deadline is not None:
+            mask = given_back.get(lease.task)
+            if mask is None:
+                mask = given_back[lease.task] = bytearray(dump.consumed[lease.task])
+            for r in lease.rows:
+                mask[r] = 0
+    dump.consumed.update((task, bytes(mask)) for task, mask in given_back.items())
+    return dump
 
 
 def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]], Any]) -> T:
@@ -90,4 +116,6 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
         p.mark_recorded(t, rows)
     p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
     p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
+    p.lost = {r: unit for r, unit in dump.lost if 0 <= r < n and not p.alive[r]}
+    p.dropped = dict(dump.dropped)
     return p

@@ -565,6 +565,9 @@ class ControllerState:
         self.placer = Placer()
         #: partitions being restored from a checkpoint: invisible until committed
         self.restoring: dict[str, Partition] = {}
+        #: what the partitions being restored owe their readers, `dp_ends` and `recycled`
+        #: once committed: ``(task, batch_index, ranks)`` and rows
+        self.restoring_owed: dict[str, tuple[list[tuple[str, int, list[int]]], list[int]]] = {}
         #: storage units declared lost: their rows are lost, new rows avoid them
         self.dead_units: set[int] = set()
         #: storage units that missed their liveness deadline -> when they are declared lost;
@@ -693,6 +696,10 @@ class ControllerState:
                 loads[unit] = loads.get(unit, 0) + n
         return loads
 
+    def live_units(self) -> list[int]:
+        """The units that may take rows (neither lost nor suspended), in id order."""
+        return sorted(u for u in self.units if u not in self.dead_units and u not in self.suspended)
+
     def pick_unit(self, host: str = "", n_rows: int = 0) -> int:
         """The unit for a put of ``n_rows`` new rows from a producer on ``host`` (see
         `Placer`)."""
@@ -701,7 +708,7 @@ class ControllerState:
                 "the controller has no storage units; start at least one (local_cluster "
                 "num_storage_units >= 1, or `tq-async serve storage`)"
             )
-        ids = sorted(u for u in self.units if u not in self.dead_units and u not in self.suspended)
+        ids = self.live_units()
         if not ids:
             raise BrokenError(
                 f"every storage unit ({sorted(self.units)}) is down or suspended; restart "

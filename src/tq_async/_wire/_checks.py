@@ -187,6 +187,10 @@ def _restore(b: RestoreBegin) -> None:
         for name, versions in d.field_versions.items():
             check_ints(f"the versions of field {name!r}", versions, -1)
         check_headers([f.header for f in d.fields])
+        for _, index, ranks in d.dp_ends:
+            check_int("the batch_index of a DP end of stream", index)
+            check_ints("the DP ranks of an end of stream", ranks)
+        check_ints("the recycled rows", d.recycled, 0, d.n_rows - 1)
 
 
 def _get_meta(b: GetMeta) -> None:

@@ -375,6 +375,15 @@ class PartitionDump(msgspec.Struct, array_like=True):
     #: the recorded batches acknowledged already, ``(task, dp_rank, batch_index)``: never
     #: replayed, holding no rows (a checkpoint written before this field had none)
     settled: list[tuple[str, int, int]] = []
+    #: the DP ranks owed a stop_when_consumed end of stream, ``(task, batch_index, ranks)``
+    #: (`ControllerState.dp_ends`; a checkpoint written before this field had none)
+    dp_ends: list[tuple[str, int, list[int]]] = []
+    #: its stale rows queued for ``take_recycled``, oldest first (`ControllerState.recycled`)
+    recycled: list[int] = []
+    #: its rows lost with a storage unit, ``(row, unit)`` (the unit's id where it was lost)
+    lost: list[tuple[int, int]] = []
+    #: rows each task consumed without their being delivered (a dropped tail), counted
+    dropped: dict[str, int] = {}
 
 
 class StateDump(msgspec.Struct, array_like=True):

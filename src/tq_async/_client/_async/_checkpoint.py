@@ -22,13 +22,20 @@ import os
 import shutil
 import struct
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from ..._errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from ..._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidRequestError,
+    RowsNotFound,
+    TQError,
+)
 from ..._meta import BatchMeta
 from ..._primitives import cleanup_scope, run_sync_off_loop
 from ..._wire._columns import (
@@ -61,6 +68,8 @@ __all__ = [
 FORMAT = "tq_async-checkpoint"
 FORMAT_VERSION = 1
 _MAGIC = b"TQCELLS1"
+#: how many snapshots a save takes when rows are freed before their cells are read
+_SNAPSHOT_TRIES = 3
 
 
 class _CellsHeader(msgspec.Struct, array_like=True):
@@ -141,44 +150,81 @@ async def save_checkpoint(
 ) -> None:
     """See `AsyncClient.save_checkpoint`."""
     user_metadata = _user_metadata(metadata)
-    ids = None if partition_ids is None else list(partition_ids)
-    dump: StateDump = await client.call(DumpState(ids), StateDump)
+    if isinstance(partition_ids, str):  # (else "train" would be five one-letter partitions)
+        raise InvalidRequestError(
+            f"save_checkpoint takes a list of partition ids, got the string {partition_ids!r}: "
+            f"pass [{partition_ids!r}]"
+        )
+    ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
+    if not await run_sync_off_loop(_replaceable, path):
+        raise CheckpointError(
+            f"{path!r} exists and is not a tq_async checkpoint: save_checkpoint replaces only "
+            "an older checkpoint (or an empty directory); pass a new path, or move it away"
+        )
     tmp = _tmp_name(path)
     try:
-        os.makedirs(tmp)
-        files: dict[str, dict[str, Any]] = {}
-
-        def add(name: str, chunks: Sequence[Any]) -> None:
-            size, digest = _write(os.path.join(tmp, name), chunks)
-            files[name] = {"bytes": size, "sha256": digest}
-
-        await run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
-        for pi, pd in enumerate(dump.partitions):
-            for fi, fd in enumerate(pd.fields):
-                rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
-                if not rows:
-                    continue
-                meta = BatchMeta(
-                    partition_id=pd.partition_id,
-                    global_indexes=rows,
-                    field_names=[fd.header.name],
-                    units=[pd.units[r] for r in rows],
-                )
-                headers, columns = await client.fetch_columns(meta, [fd.header.name])
-                chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
-                await run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+        for tries_left in reversed(range(_SNAPSHOT_TRIES)):
+            dump: StateDump = await client.call(DumpState(ids), StateDump)
+            try:
+                files = await _write_snapshot(client, tmp, dump)
+                break
+            except RowsNotFound as exc:  # freed after the snapshot (auto-clear, a clear)
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not tries_left:
+                    raise CheckpointError(
+                        f"rows were freed while checkpoint {path!r} read their cells, "
+                        f"{_SNAPSHOT_TRIES} times in a row ({exc}); pause the consumers that "
+                        "free rows (acknowledgements under auto-clear, clears) and save again"
+                    ) from exc
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "files": files,
             "metadata": user_metadata,
         }
-        await run_sync_off_loop(add, "manifest.json", [json.dumps(manifest, indent=1).encode()])
+        data = [json.dumps(manifest, indent=1).encode()]
+        await run_sync_off_loop(_write, os.path.join(tmp, "manifest.json"), data)
         _swap_into_place(tmp, path)
+    except TQError:
+        raise  # (a TQTimeoutError is an OSError too: it is not the disk's)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _write_snapshot(
+    client: ClientLink, tmp: str, dump: StateDump
+) -> dict[str, dict[str, Any]]:
+    """Write ``dump`` and the cells it names into the new directory ``tmp``; the size and
+    sha256 of each file.
+
+    Raises:
+        RowsNotFound: rows of ``dump`` were freed before their cells were read.
+    """
+    os.makedirs(tmp)
+    files: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, chunks: Sequence[Any]) -> None:
+        size, digest = _write(os.path.join(tmp, name), chunks)
+        files[name] = {"bytes": size, "sha256": digest}
+
+    await run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
+    for pi, pd in enumerate(dump.partitions):
+        for fi, fd in enumerate(pd.fields):
+            rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
+            if not rows:
+                continue
+            meta = BatchMeta(
+                partition_id=pd.partition_id,
+                global_indexes=rows,
+                field_names=[fd.header.name],
+                units=[pd.units[r] for r in rows],
+            )
+            headers, columns = await client.fetch_columns(meta, [fd.header.name])
+            chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
+            await run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+    return files
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -222,6 +268,23 @@ def _tmp_name(path: str) -> str:
     """A sibling of ``path`` (same filesystem, so the final rename is atomic)."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     return os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def _replaceable(path: str) -> bool:
+    """Whether a save may put a checkpoint at ``path``: nothing there, an empty directory, or
+    a checkpoint (whose manifest says so)."""
+    if not os.path.lexists(path):
+        return True
+    if not os.path.isdir(path):
+        return False
+    try:
+        if not os.listdir(path):
+            return True
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def _swap_into_place(tmp: str, path: str) -> None:
@@ -285,6 +348,12 @@ def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Colum
         state = msgspec.msgpack.decode(blobs.pop("state.msgpack"), type=StateDump)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"state.msgpack of {path!r} is unreadable: {exc}") from exc
+    counts = Counter(pd.partition_id for pd in state.partitions)
+    twice = sorted(pid for pid, n in counts.items() if n > 1)
+    if twice:
+        raise CheckpointError(
+            f"{path!r} holds partitions {twice} twice: the checkpoint is inconsistent"
+        )
     cells = [_decode_cells(name, data) for name, data in sorted(blobs.items())]
     known = {
         (pd.partition_id, fd.header.name): fd.header for pd in state.partitions for fd in pd.fields

@@ -876,11 +876,16 @@ class Client:
         checkpoint; read it back with `tq_async.checkpoint_metadata`.
 
         The directory is written under a temporary name and renamed into place, so ``path``
-        holds either a whole checkpoint or what it held before. Take it while producers are
-        paused: the controller state is a consistent snapshot, cells are read right after it.
+        holds either a whole checkpoint or what it held before: an older checkpoint (or an
+        empty directory); anything else there is never replaced. Take it while producers are
+        paused: the controller state is a consistent snapshot, cells are read right after it
+        (rows freed in between, by consumers under auto-clear, make it take a new snapshot).
 
         Raises:
-            CheckpointError: ``path`` cannot be written.
+            CheckpointError: ``path`` cannot be written (or holds what is not a checkpoint),
+                a storage unit holding rows of the partitions is suspended (save again once it
+                resumed), or rows were freed while their cells were read, in every one of a
+                few snapshots.
             InvalidRequestError: ``metadata`` is not a dict of JSON values.
         """
         return self._calls.save_checkpoint(path, partition_ids, metadata=metadata)
