@@ -656,3 +656,48 @@ async def test_what_a_loaded_checkpoint_owes_its_readers_survives_a_restart(
             assert (await fetch(c, 1, 1)).end_of_stream  # in step with rank 0
             assert [m.global_indexes for m in await c.take_recycled()] == [[0, 1, 2]]
             assert await c.take_recycled() == []
+
+
+async def test_a_put_whose_commit_reply_died_with_the_controller_keeps_its_cells(
+    tmp_path: Path,
+) -> None:
+    """A put's `PutCommit` is journaled, then the controller is SIGKILLed before its reply
+    reaches the client: the put fails with `BrokenError` and its commit is in doubt (the
+    rows may be there: whole, or absent). The client's undo cannot reach the controller, so
+    the rows stay committed: their cells must stay on the unit too (before: the client told
+    the unit to clear them whatever the controller's answer, and the restarted controller
+    had rows whose cells were gone -- `RowsNotFound`, found by the chaos run)."""
+    from tq_async._client._async._base import Links
+    from tq_async._wire._protocol import PutCommit
+
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_controller(bind, tmp_path))
+        stack.enter_context(
+            serve_role("storage", "--controller", bind, "--unit-id", "0", line="TQ_UNIT=")
+        )
+        call = Links.call
+
+        async def reply_lost(self: Links, body: Any, *args: Any, **kwargs: Any) -> Any:
+            got = await call(self, body, *args, **kwargs)
+            if isinstance(body, PutCommit):  # committed: the controller dies before replying
+                ctl.send_signal(signal.SIGKILL)
+                ctl.wait(timeout=10)
+                raise tq.BrokenError("the controller went away (its reply with it)")
+            return got
+
+        # (no inline put: the rows go to the unit, and the commit is a request of its own)
+        async with tq.AsyncClient.connect(bind, request_timeout=5, inline_put_bytes=0) as c:
+            await c.put(_rows(2, 0), "p")  # (the unit and its connection are up)
+            Links.call = reply_lost  # type: ignore[method-assign]
+            try:
+                with pytest.raises(tq.BrokenError):
+                    await c.put(_rows(2, 100), "p")
+            finally:
+                Links.call = call  # type: ignore[method-assign]
+        stack.enter_context(_controller(bind, tmp_path))
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            meta = await c.get_meta(["x"], 4, "p", "audit", timeout=10)
+            assert len(meta) == 4  # the put in doubt was committed: whole
+            got = (await c.get_data(meta))["x"][:, 0].tolist()
+            assert sorted(got) == [0, 1, 100, 101]

@@ -317,22 +317,29 @@ class PutPath:
                 # new rows not committed are reclaimed at once (a keyed put's too)
                 self._links.controller.send_best_effort(AbortPut([placement.put_id]))
             if meta is None and keys is None:
-                # the clear the controller sends a unit travels on another connection than
-                # the put's columns, which may still be on their way (megabytes through the
-                # socket): the unit would store them after it, for rows nobody has. A clear
-                # sent after them on their own connection frees them.
-                for conn, store in sent:
-                    conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
+                gone = False
                 with cleanup_scope(5):
                     try:
                         undo = ClearSamples(
                             partition_id, placement.rows, placement.incarnation, undo=True
                         )
                         await self._links.call(undo, None)
+                        gone = True
                     except RowsNotFound:
-                        pass  # already gone (e.g. lost with their storage unit)
+                        gone = True  # already gone (e.g. lost with their storage unit)
                     except Exception as exc:  # the original error matters more
                         log.warning("could not clear rows of a failed put", error=str(exc))
+                if gone:
+                    # the clear the controller sends a unit travels on another connection
+                    # than the put's columns, which may still be on their way (megabytes
+                    # through the socket): the unit would store them after it, for rows
+                    # nobody has. A clear sent after them on their own connection frees
+                    # them -- only once the controller has no such rows: a commit whose
+                    # reply was lost may have been journaled, and its cells must stay
+                    for conn, store in sent:
+                        conn.send_best_effort(
+                            StoreClear(partition_id, store.rows, store.incarnation)
+                        )
             raise
         finally:
             if renewal is not None:
