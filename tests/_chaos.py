@@ -55,7 +55,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -67,6 +66,8 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+
+from _cluster_proc import free_port
 
 PARTITION = "p"
 FIELDS = ["key", "x", "f"]
@@ -114,13 +115,6 @@ def torn(td: Any) -> list[int]:
 
 
 # -- services -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _env() -> dict[str, str]:

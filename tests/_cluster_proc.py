@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,20 @@ from contextlib import contextmanager
 from typing import Any
 
 _START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (for a service that must come back at the same address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def sigkill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` and wait for it to be gone."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 @contextmanager

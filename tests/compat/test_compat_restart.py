@@ -3,28 +3,12 @@
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-
 import torch
 from tensordict import TensorDict
 
 import tq_async
 import tq_async.compat as tq
-from _cluster_proc import serve_role
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+from _cluster_proc import free_port, serve_role, sigkill
 
 
 def _put(keys: list[str], partition_id: str) -> tq.BatchMeta:
@@ -34,12 +18,12 @@ def _put(keys: list[str], partition_id: str) -> tq.BatchMeta:
 
 
 def test_global_indexes_stay_unique_after_a_restart_that_lost_the_state() -> None:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with serve_role("--bind", bind, "--storage-units", "1") as (proc, _):
         tq.init({"address": bind})
         _put(["a0"], "a")
         _put(["b0"], "b")
-        _kill(proc)
+        sigkill(proc)
     with serve_role("--bind", bind, "--storage-units", "1"):
         # the calls made before the client learnt of the restart fail, saying so
         lost: list[type[BaseException]] = []

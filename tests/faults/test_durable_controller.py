@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,19 +26,12 @@ import pytest
 import torch
 
 import tq_async as tq
-from _cluster_proc import serve_role
+from _cluster_proc import free_port, serve_role
 from _requests import cancelled_at
 from _services import service
 from tq_async._wire._protocol import GetMeta
 
 KILLS = 3  # SIGKILLs per test run (the long chaos run is reported in benchmarks/RESULTS.md)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -94,7 +86,7 @@ async def _drain(c: tq.AsyncClient) -> list[int]:
 
 async def test_sigkill_the_controller_and_restart_on_its_data_dir(tmp_path: Path) -> None:
     rng = random.Random()
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     puts: list[tq.BatchMeta] = []
     acked: set[int] = set()
     in_doubt: set[int] = set()  # rows of acks that failed (committed or not)
@@ -145,7 +137,7 @@ async def test_a_controller_killed_while_a_small_put_travels_leaves_no_row_behin
     rows that no put will ever produce: a sealed partition would never end (found by the
     50-kill chaos run: the consumer and the DP ranks waited forever after the last restart,
     four rows alive with no field and no put lease)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
         unit, _ = stack.enter_context(
@@ -195,12 +187,12 @@ async def test_cells_of_rows_cleared_while_their_unit_was_gone_are_freed_when_it
     with every cell, the controller on its journal: when the unit comes back, the controller
     lists what it holds and frees the cells of rows it no longer has (before: they stayed on
     the unit's disk until the partition was cleared whole)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     ctl_dir, unit_dir = tmp_path / "ctl", tmp_path / "u0"
     ctl_dir.mkdir()
     unit_dir.mkdir()
     unit_args = ("storage", "--controller", bind, "--unit-id", "0", "--bind")
-    unit_args += (f"tcp://127.0.0.1:{_free_port()}", "--durability", "process")
+    unit_args += (f"tcp://127.0.0.1:{free_port()}", "--durability", "process")
     unit_args += ("--data-dir", str(unit_dir))
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, ctl_dir))
@@ -258,7 +250,7 @@ async def test_an_admission_whose_reply_died_with_the_controller_is_not_taken_tw
     real). The client sees `BrokenError` and asks again, as a rollout worker does: the
     restarted controller must count that admission once (before: twice, and with an
     admission ``capacity`` each such loss shrank it for the rest of the run)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     ctl = None
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
@@ -308,7 +300,7 @@ async def test_a_batch_waiting_for_its_reader_keeps_its_rows_from_auto_clear_acr
     died), then the durable controller is SIGKILLed and restarted on its journal. "eval"
     then reads and acknowledges the rows: the recovered batch must still hold them for the
     rank's replay (before: the restarted controller freed them)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     ctl_dir = tmp_path / "ctl"
     ctl_dir.mkdir()
     with ExitStack() as stack:
@@ -354,7 +346,7 @@ async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: P
     queued for ``take_recycled`` (each exactly once). The controller is SIGKILLed and
     restarted on its journal: the queue must come back with it (before: it was empty, the
     rows consumed, so their prompts were never regenerated)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "tq.toml"
     config.write_text(
         '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
@@ -391,7 +383,7 @@ async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_rest
     (nothing else touched the partition) and restarted on its journal: the task must still
     get those rows (before: the give-back was never journaled, so the restarted controller
     had them consumed by the task and delivered to nobody: they never came again)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         ctl = stack.enter_context(_serve(bind, tmp_path))
         async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
@@ -438,7 +430,7 @@ async def test_auto_clear_set_by_register_tasks_survives_a_restart_with_the_same
     acknowledged ``register_tasks`` (to "b", or off). The controller is SIGKILLed and
     restarted on its journal with the same configuration: the program's setting must hold
     (before: the configuration's came back, silently undoing it)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "tq.toml"
     config.write_text('auto_clear_tasks = ["a"]\n')
     data_dir = tmp_path / "data"
@@ -467,7 +459,7 @@ async def test_rows_lost_with_a_unit_stay_lost_when_the_controller_restarts(
     must stay lost (before: the loss, made by a deadline rather than a request, was never
     journaled; the restarted controller resumed the unit and handed the rows out again,
     next to their regenerated copies)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     ctl_dir, unit_dir = tmp_path / "ctl", tmp_path / "u0"
     ctl_dir.mkdir()
     unit_dir.mkdir()
@@ -475,7 +467,7 @@ async def test_rows_lost_with_a_unit_stay_lost_when_the_controller_restarts(
     ctl_args += ("controller", "--bind", bind, "--durability", "process")
     ctl_args += ("--data-dir", str(ctl_dir))
     unit_args = ("storage", "--controller", bind, "--unit-id", "0", "--bind")
-    unit_args += (f"tcp://127.0.0.1:{_free_port()}", "--durability", "process")
+    unit_args += (f"tcp://127.0.0.1:{free_port()}", "--durability", "process")
     unit_args += ("--data-dir", str(unit_dir))
     with ExitStack() as stack:
         ctl, _ = stack.enter_context(serve_role(*ctl_args))
@@ -509,7 +501,7 @@ async def test_units_keep_their_hosts_across_a_controller_restart(tmp_path: Path
     alive all along, are reconnected to (they do not register again): their hosts must be
     known still (before: they were forgotten, so placement went round robin across hosts
     and every client was told no unit is on its host)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
         for unit, host in (("0", "host-a"), ("1", "host-b")):
@@ -531,7 +523,7 @@ def test_a_journal_is_not_ignored_by_a_controller_started_at_memory(tmp_path: Pa
     ``--durability`` (the default, ``memory``): it must refuse to start, saying so (before:
     it started empty, silently ignoring the journal, which a later durable start would
     recover as it was before that run)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     with _controller(bind, data_dir) as ctl:
@@ -549,7 +541,7 @@ async def test_a_dp_end_of_stream_owed_to_a_rank_survives_a_restart(tmp_path: Pa
     the partition not sealed); rows come, the controller is SIGKILLed and restarted on its
     journal before rank 1 asks batch 1: rank 1 must end there too (`ControllerState.dp_ends`
     is journaled), and once told, the index is decided anew for a next round."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
 
     def cfg(rank: int, index: int) -> dict[str, int]:
         return {"dp_size": 2, "dp_rank": rank, "batch_index": index}
@@ -584,7 +576,7 @@ async def test_an_admitted_rollout_fetched_under_a_lease_that_lapses_across_a_re
     (SIGKILL); the controller restarts on its journal and the lease lapses: the rows go
     back to the learner and hold their admission slots again, so consuming them again frees
     them once (before: they stayed free, and the capacity admitted rows beyond it)."""
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "tq.toml"
     config.write_text('[admission]\ncapacity = 4\nlearner_task = "learn"\n')
     data_dir = tmp_path / "data"
@@ -642,7 +634,7 @@ async def test_what_a_loaded_checkpoint_owes_its_readers_survives_a_restart(
         await c.set_policy_version(1)
         assert (await c.get_meta(["x"], 1, "q", "learner")).global_indexes == [3]
         await c.save_checkpoint(ckpt)
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     with ExitStack() as stack:
@@ -670,7 +662,7 @@ async def test_a_put_whose_commit_reply_died_with_the_controller_keeps_its_cells
     from tq_async._client._async._base import Links
     from tq_async._wire._protocol import PutCommit
 
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
         stack.enter_context(

@@ -16,8 +16,6 @@ started again at the same ``--bind``. A client made before the kill is kept, not
 
 from __future__ import annotations
 
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,22 +27,10 @@ import pytest
 import torch
 
 import tq_async as tq
-from _cluster_proc import serve_role
+from _cluster_proc import free_port, serve_role, sigkill
 
 #: the longest a call may take to fail while nothing listens (no hang)
 _FAST = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
 
 
 def _rows(n: int, start: int, width: int = 16) -> dict[str, torch.Tensor]:
@@ -77,7 +63,7 @@ async def _fails_fast(call: Any) -> tq.TQError:
 async def test_a_client_rides_through_a_serve_restart_at_memory(
     same_host: bool, width: int
 ) -> None:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     # arenas of other tests' embedded units this worker process may still map (a unit's
     # arena is unmapped once the last view of its cells is gone: up to the GC)
     others = _unit_arenas()
@@ -87,7 +73,7 @@ async def test_a_client_rides_through_a_serve_restart_at_memory(
             meta = await c.put(_rows(2, 0, width), "p")
             assert (await c.get_data(meta))["x"][:, 0].tolist() == [0, 1]
             before = _unit_arenas() - others
-            _kill(proc)
+            sigkill(proc)
             await _fails_fast(lambda: c.put(_rows(2, 2, width), "q"))
             proc = stack.enter_context(_serve(bind))
             # the first call learns that the service restarted without its state
@@ -112,12 +98,12 @@ async def test_a_client_rides_through_a_serve_restart_at_memory(
 
 
 def test_a_blocking_client_rides_through_a_serve_restart_at_memory() -> None:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         proc = stack.enter_context(_serve(bind))
         with tq.Client.connect(bind, request_timeout=10) as c:
             c.put(_rows(2, 0), "p")
-            _kill(proc)
+            sigkill(proc)
             t0 = time.monotonic()
             with pytest.raises(tq.BrokenError):
                 c.put(_rows(2, 2), "q")
@@ -148,7 +134,7 @@ def _controller(bind: str, data_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 async def test_a_client_continues_after_a_durable_controller_restart(tmp_path: Path) -> None:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
         for unit in ("0", "1"):
@@ -159,7 +145,7 @@ async def test_a_client_continues_after_a_durable_controller_restart(tmp_path: P
             first = await c.get_meta(["x"], 8, "p", "t", lease=60.0, timeout=5)
             acked = (await c.get_data(first))["x"][:, 0].tolist()
             await c.ack(first)
-            _kill(ctl)
+            sigkill(ctl)
             await _fails_fast(lambda: c.get_meta(["x"], 4, "p", "t", timeout=5))
             ctl = stack.enter_context(_controller(bind, tmp_path))
             # the same client, no StateLostError: the controller kept its state
@@ -188,7 +174,7 @@ async def test_concurrent_calls_fail_only_with_broken_error_across_restarts(
     by the chaos test.)"""
     import anyio
 
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     unexpected: list[BaseException] = []
     with ExitStack() as stack:
         ctl = stack.enter_context(_controller(bind, tmp_path))
@@ -218,7 +204,7 @@ async def test_concurrent_calls_fail_only_with_broken_error_across_restarts(
                     with anyio.fail_after(60):
                         while answered[0] < target:
                             await more.wait()
-                    _kill(ctl)
+                    sigkill(ctl)
                     ctl = stack.enter_context(_controller(bind, tmp_path))
                 target = answered[0] + 16
                 with anyio.fail_after(60):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import free_port
 from tq_async._portal import get_portal
 
 DP, TP = 2, 2
@@ -101,13 +101,6 @@ def _fill(client: tq.Client, partition_id: str, group: int, groups: int) -> int:
     return n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _run_ranks(tmp: Path, config: dict[str, Any]) -> list[dict[str, Any]] | str:
     """Start the ranks, wait (bounded) for all; their results, or a failure naming the rank.
 
@@ -117,7 +110,7 @@ def _run_ranks(tmp: Path, config: dict[str, Any]) -> list[dict[str, Any]] | str:
     config_path = tmp / "config.json"
     config_path.write_text(json.dumps(config))
     script = Path(__file__).resolve().parents[1] / "_dist_rank.py"
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(WORLD):
         env = {
