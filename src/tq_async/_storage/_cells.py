@@ -25,9 +25,10 @@ answered. Cells in the device arena stay there (never written, never spilled).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -347,29 +348,13 @@ class StorageState:
             columns.append(column)
         return headers, columns
 
-    def _get_or_evict(
-        self,
-        partition_id: str,
-        rows: Sequence[int],
-        fields: Sequence[str],
-        *,
-        max_bytes: int | None = None,
-        incarnation: str | None = None,
-        touched: list[Chunk] | None = None,
-        device_ok: bool = False,
-    ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
-        """`get`; when it fails, what it read back from disk leaves memory again (nothing
-        holds a view of it: no reply follows to evict after)."""
+    @contextlib.contextmanager
+    def _evicting_on_failure(self) -> Iterator[None]:
+        """Around a `get` whose reply is built here: when it fails, what it read back from
+        disk leaves memory again (nothing holds a view of it: no reply follows to evict
+        after)."""
         try:
-            return self.get(
-                partition_id,
-                rows,
-                fields,
-                max_bytes=max_bytes,
-                incarnation=incarnation,
-                touched=touched,
-                device_ok=device_ok,
-            )
+            yield
         except BaseException:
             self.evict()
             raise
@@ -421,9 +406,10 @@ class StorageState:
         incarnation: str | None = None,
     ) -> tuple[StoredColumns, list[Any]]:
         """`get`, as it travels: the reply's header and the columns' frames."""
-        headers, columns = self._get_or_evict(
-            partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
-        )
+        with self._evicting_on_failure():
+            headers, columns = self.get(
+                partition_id, rows, fields, max_bytes=max_bytes, incarnation=incarnation
+            )
         frames: list[Any] = []
         for h, c in zip(headers, columns, strict=True):
             assert not isinstance(c, list)  # device_ok=False: host columns only
@@ -456,14 +442,15 @@ class StorageState:
         arena = self.arena
         assert arena is not None
         touched: list[Chunk] = []
-        headers, columns = self._get_or_evict(
-            partition_id,
-            rows,
-            fields,
-            touched=touched,
-            incarnation=incarnation,
-            device_ok=device_ok,
-        )
+        with self._evicting_on_failure():
+            headers, columns = self.get(
+                partition_id,
+                rows,
+                fields,
+                touched=touched,
+                incarnation=incarnation,
+                device_ok=device_ok,
+            )
         frames: list[Any] = []
         device_spans: list[list[tuple[int, int]]] = []
         for h, c in zip(headers, columns, strict=True):
