@@ -419,6 +419,40 @@ async def test_recycled_prompts_are_still_handed_out_after_a_checkpoint(tmp_path
         assert await client.take_recycled() == []  # exactly once
 
 
+async def test_recycled_rows_restored_under_auto_clear_stay_until_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """As above, with the learner auto-clearing on both sides: the rows queued for
+    ``take_recycled`` are consumed by every auto-clear task, yet restoring must not free
+    them (before: the restore freed them at once, so the queue named rows that were gone);
+    they stay held until taken and acknowledged."""
+    ckpt = tmp_path / "ckpt"
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learner"])
+        await client.put({"x": torch.arange(4)}, "p", policy_version=[0, 0, 0, 1])
+        await client.set_policy_version(1)  # rows 0-2 are one version too old
+        await client.ack(await client.get_meta(["x"], 1, "p", "learner"))
+        assert (await client.partition_info("p"))["rows"] == 3
+        await client.save_checkpoint(ckpt)
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learner"])
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["rows"] == 3
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
+        await client.ack(taken)
+        assert (await client.partition_info("p"))["rows"] == 0
+
+
 async def test_a_partition_named_twice_is_saved_once(tmp_path: Path) -> None:
     """``save_checkpoint(path, ["p", "p"])`` writes ``p`` once, and loads back (before: the
     checkpoint held it twice, and every load of it failed with "TQError: KeyError: p"); a

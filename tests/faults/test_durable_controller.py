@@ -374,6 +374,50 @@ async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: P
             assert await c.take_recycled() == []  # exactly once
 
 
+async def test_recycled_rows_stay_held_under_auto_clear_across_restarts(tmp_path: Path) -> None:
+    """The learner auto-clears and recycles stale rows: queued rows, and rows taken but not
+    yet acknowledged, are held -- across a SIGKILL and restart of the controller too (the
+    holds are rebuilt from the journal's queue and leases): the prompts are there to read
+    after each restart, and the taker's ack frees them."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        'auto_clear_tasks = ["learner"]\n'
+        '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
+        'max_staleness = 0\non_stale = "recycle"\n'
+    )
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        procs = [stack.enter_context(_serve(bind, data_dir, "--config", str(config)))]
+
+        def restart() -> None:
+            procs[-1].send_signal(signal.SIGKILL)
+            procs[-1].wait(timeout=10)
+            procs.append(stack.enter_context(_serve(bind, data_dir, "--config", str(config))))
+
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p", policy_version=[0, 0, 0, 1])
+            await c.set_policy_version(1)  # rows 0-2 are one version too old
+            await c.ack(await c.get_meta(["x"], 1, "p", "learner", timeout=10))
+            assert (await c.partition_info("p"))["rows"] == 3  # row 3 read and freed
+        restart()
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            taken = await c.take_recycled(max_rows=2)
+            assert [m.global_indexes for m in taken] == [[0, 1]]
+        restart()
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            info = await c.partition_info("p")
+            assert (info["rows"], info["leased"]) == (3, {"take_recycled": 2})
+            assert torch.equal((await c.get_data(taken[0]))["x"], _rows(2, 0)["x"])
+            await c.ack(taken)  # the ack of a hold given before the restart frees its rows
+            assert (await c.partition_info("p"))["rows"] == 1
+            last = await c.take_recycled()
+            assert [m.global_indexes for m in last] == [[2]]
+            await c.ack(last)
+            assert (await c.partition_info("p"))["rows"] == 0
+
+
 async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_restart(
     tmp_path: Path,
 ) -> None:

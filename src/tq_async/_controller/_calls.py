@@ -146,7 +146,9 @@ class ControlCalls:
         return self._take_recycled(body.max_rows)
 
     def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
-        self.core.catalog.return_recycled(body.partition_id, body.incarnation, body.rows)
+        self.core.catalog.return_recycled(
+            body.partition_id, body.incarnation, body.rows, body.lease_id
+        )
 
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
@@ -175,10 +177,12 @@ class ControlCalls:
     def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
         out = self.core.catalog.take_recycled(max_rows)
         st = self.state
-        return [
-            RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
-            for pid, rows in out.items()
-        ]
+        taken = []
+        for pid, (rows, lease_id) in out.items():
+            reply = meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields))
+            reply.lease_id = lease_id
+            taken.append(RecycledRows(pid, reply))
+        return taken
 
     def handlers(self) -> dict[type, Handler]:
         """The request types this part handles, and their handlers."""

@@ -440,7 +440,14 @@ class Recorder:
 
         def noted(msg: Incoming, body: Any) -> Any:
             self.note(msg.peer, msg.rid, body)
-            return handler(msg, body)
+            out = handler(msg, body)
+            if type(body) is TakeRecycled and out:
+                # the partitions it took rows of hold them for its caller now (known only
+                # once it ran): written before the reply goes
+                pids = tuple(r.partition_id for r in out)
+                self.dirty.update(pids)
+                self.inflight[(msg.peer, msg.rid)] = pids
+            return out
 
         return noted
 

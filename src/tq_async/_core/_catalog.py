@@ -22,7 +22,7 @@ from ._effects import Effects
 from ._events import partition_snapshot
 from ._leases import GetLeases
 from ._put_leases import PutLeases
-from ._state import ControllerState, Wakeup
+from ._state import ControllerState, Partition, Wakeup
 
 __all__ = ["Catalog"]
 
@@ -186,7 +186,9 @@ class Catalog:
             ends, recycled = st.restoring_owed.pop(pid, ([], []))
             for task, index, ranks in ends:
                 st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
-            st.recycled.extend((pid, p.incarnation, r) for r in recycled if p.alive[r])
+            queued = [r for r in recycled if p.alive[r]]
+            st.recycled.extend((pid, p.incarnation, r) for r in queued)
+            self._leases.hold_recycled(p, queued)
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
             self._leases.hold_waiting(p)
             if st.events.on:
@@ -217,18 +219,27 @@ class Catalog:
 
     # ---- stale rows --------------------------------------------------------------------------
 
-    def take_recycled(self, max_rows: int) -> dict[str, list[int]]:
-        """Hand out up to ``max_rows`` recycled rows (each once), by partition."""
-        out: dict[str, list[int]] = {}
-        taken = 0
+    def take_recycled(self, max_rows: int) -> dict[str, tuple[list[int], int]]:
+        """Hand out up to ``max_rows`` recycled rows (each once), by partition, each
+        partition's with the id of the hold its caller acknowledges once it read their
+        prompts (`GetLeases.hold_taken`; 0: none, no task of the partition auto-clears)."""
+        taken: dict[str, list[int]] = {}
+        n = 0
         st = self.state
-        while st.recycled and taken < max_rows:
+        while st.recycled and n < max_rows:
             pid, incarnation, row = st.recycled.popleft()
-            if not self._recyclable(pid, incarnation, row):
-                continue  # cleared, or its partition was: nothing left to regenerate from
-            out.setdefault(pid, []).append(row)
-            taken += 1
-        return out
+            p = st.partitions.get(pid)
+            if p is None or p.incarnation != incarnation:
+                continue  # its partition was cleared: nothing left to regenerate from
+            self._leases.unhold_recycled(p, (row,))
+            if not p.alive[row]:
+                continue  # cleared meanwhile
+            taken.setdefault(pid, []).append(row)
+            n += 1
+        return {
+            pid: (rows, self._leases.hold_taken(st.partitions[pid], rows))
+            for pid, rows in taken.items()
+        }
 
     def recycled_pending(self) -> int:
         """How many rows the next `take_recycled` calls can hand out (not those cleared
@@ -240,12 +251,26 @@ class Catalog:
         return p is not None and p.incarnation == incarnation and bool(p.alive[row])
 
     def return_recycled(
-        self, partition_id: str, incarnation: str | None, rows: Sequence[int]
+        self, partition_id: str, incarnation: str | None, rows: Sequence[int], lease_id: int = 0
     ) -> None:
         """Recycled rows handed out to a caller that had given up: first in the queue again
-        (`take_recycled` skips them if they are gone meanwhile)."""
+        (`take_recycled` skips them if they are gone meanwhile), held there instead of by
+        the caller's hold ``lease_id``."""
         p = self.state.partitions.get(partition_id)
         if p is None or p.incarnation != incarnation:
             return  # cleared, or its partition was: nothing left to regenerate from
         back = [r for r in rows if 0 <= r < p.n_rows]
         self.state.recycled.extendleft((partition_id, p.incarnation, r) for r in reversed(back))
+        self._leases.hold_recycled(p, back)
+        if lease_id:
+            self._leases.drop_taken(p, lease_id)
+
+    def hold_recycled(self, p: Partition) -> None:
+        """``p`` was rebuilt (a restart, a checkpoint restored): its rows queued for
+        `take_recycled` are held again (`GetLeases.hold_recycled`)."""
+        rows = [
+            r
+            for pid, inc, r in self.state.recycled
+            if (pid, inc) == (p.partition_id, p.incarnation)
+        ]
+        self._leases.hold_recycled(p, rows)

@@ -493,10 +493,12 @@ class Gets:
             if not valid:
                 continue
             p.consume(req.task_name, valid)
+            if kind == "recycled":
+                # queued, and held there: auto-clear must leave them to `take_recycled`
+                st.recycled.extend((p.partition_id, p.incarnation, r) for r in valid)
+                self.leases.hold_recycled(p, valid)
             self._after_consume(req.task_name, p, valid, (), fx)
             self.rollouts.count_stale(kind, len(valid), fx)
-            if kind == "recycled":
-                st.recycled.extend((p.partition_id, p.incarnation, r) for r in valid)
 
 
 def _trusted(sampler: BaseSampler) -> bool:

@@ -741,6 +741,7 @@ def recover(
     _recover_auto_clear(st.auto_clear, ctl)
     for rec in parts:
         p = _recover_partition(core, skip_reserved(rec), now, wall)
+        core.catalog.hold_recycled(p)
         if follow is not None:
             follow(p)
     fx = core.abort_puts([put_id for rec in parts for put_id, _ in rec.puts])

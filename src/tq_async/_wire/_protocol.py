@@ -164,6 +164,8 @@ class ReturnRecycled(_Msg):
     partition_id: str
     incarnation: str | None
     rows: list[int]
+    #: the hold the handed-out rows had (`RecycledRows`' ``meta.lease_id``; 0: none)
+    lease_id: int = 0
 
 
 class StalenessStatus(_Msg):

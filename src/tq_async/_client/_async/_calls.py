@@ -275,7 +275,9 @@ class ControlCalls:
             if reply.ok and self._links.controller is not None:
                 taken: list[RecycledRows] = decode(reply.payload, list[RecycledRows])
                 for r in taken:
-                    back = ReturnRecycled(r.partition_id, r.meta.incarnation, r.meta.rows)
+                    back = ReturnRecycled(
+                        r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id
+                    )
                     self._links.controller.send_best_effort(back)
 
         controller = await self._links.controller_link()
@@ -291,6 +293,7 @@ class ControlCalls:
                 units=r.meta.units,
                 tags=r.meta.tags,
                 policy_versions=r.meta.versions,
+                lease_id=r.meta.lease_id,
                 incarnation=r.meta.incarnation,
             )
             for r in got

@@ -762,7 +762,10 @@ class AsyncClient:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
 
         Each recycled row is handed out exactly once; read its prompt fields with
-        `get_data` and put the regenerated sample as a new row.
+        `get_data`, put the regenerated sample as a new row, and `ack` the BatchMeta. Where
+        the partition auto-clears (`register_tasks`), recycled rows are held, as a fetch's
+        rows are: kept until taken, then until acknowledged (``meta.lease_id``), so their
+        prompts are never freed before they are read; without auto-clear the ack is a no-op.
 
         Cancellation: rows handed out to a call cancelled (or timed out) before it returned
         are queued again for the next `take_recycled`.
