@@ -143,11 +143,11 @@ class ControlCalls:
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
             raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
-        return self._take_recycled(body.max_rows)
+        return self._take_recycled(body.max_rows, body.token)
 
     def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
         self.core.catalog.return_recycled(
-            body.partition_id, body.incarnation, body.rows, body.lease_id
+            body.partition_id, body.incarnation, body.rows, body.lease_id, body.token
         )
 
     async def _acquire_waiting(
@@ -174,8 +174,8 @@ class ControlCalls:
             work,
         )
 
-    def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
-        out = self.core.catalog.take_recycled(max_rows)
+    def _take_recycled(self, max_rows: int, token: int = 0) -> list[RecycledRows]:
+        out = self.core.catalog.take_recycled(max_rows, token)
         st = self.state
         taken = []
         for pid, (rows, lease_id) in out.items():

@@ -24,7 +24,11 @@ from ._leases import GetLeases
 from ._put_leases import PutLeases
 from ._state import ControllerState, Partition, Wakeup
 
-__all__ = ["Catalog"]
+__all__ = ["TAKEN_TOKENS", "Catalog"]
+
+#: takes of recycled rows remembered by token (`ControllerState.taken`, journaled with the
+#: controller's own state): a client asks again within seconds of losing a reply
+TAKEN_TOKENS = 64
 
 
 class Catalog:
@@ -219,13 +223,19 @@ class Catalog:
 
     # ---- stale rows --------------------------------------------------------------------------
 
-    def take_recycled(self, max_rows: int) -> dict[str, tuple[list[int], int]]:
+    def take_recycled(self, max_rows: int, token: int = 0) -> dict[str, tuple[list[int], int]]:
         """Hand out up to ``max_rows`` recycled rows (each once), by partition, each
         partition's with the id of the hold its caller acknowledges once it read their
-        prompts (`GetLeases.hold_taken`; 0: none, no task of the partition auto-clears)."""
+        prompts (`GetLeases.hold_taken`; 0: none, no task of the partition auto-clears).
+
+        A ``token`` this answered before (one of the last `TAKEN_TOKENS`) gets the same
+        rows again, those still there: its client asks again because the first reply was
+        lost (with the controller)."""
+        st = self.state
+        if token and (before := st.taken.get(token)) is not None:
+            return self._taken_again(before)
         taken: dict[str, list[int]] = {}
         n = 0
-        st = self.state
         while st.recycled and n < max_rows:
             pid, incarnation, row = st.recycled.popleft()
             p = st.partitions.get(pid)
@@ -236,10 +246,31 @@ class Catalog:
                 continue  # cleared meanwhile
             taken.setdefault(pid, []).append(row)
             n += 1
-        return {
+        out = {
             pid: (rows, self._leases.hold_taken(st.partitions[pid], rows))
             for pid, rows in taken.items()
         }
+        if token and out:
+            parts = st.partitions
+            st.taken[token] = [(pid, parts[pid].incarnation, r, i) for pid, (r, i) in out.items()]
+            if len(st.taken) > TAKEN_TOKENS:
+                del st.taken[next(iter(st.taken))]
+        return out
+
+    def _taken_again(
+        self, before: list[tuple[str, str, list[int], int]]
+    ) -> dict[str, tuple[list[int], int]]:
+        """What a take handed out before, of the rows still there (and their hold, if its
+        caller still has it)."""
+        out = {}
+        for pid, incarnation, rows, lease_id in before:
+            p = self.state.partitions.get(pid)
+            if p is None or p.incarnation != incarnation:
+                continue
+            alive = [r for r in rows if p.alive[r]]
+            if alive:
+                out[pid] = (alive, lease_id if lease_id in p.leases else 0)
+        return out
 
     def recycled_pending(self) -> int:
         """How many rows the next `take_recycled` calls can hand out (not those cleared
@@ -251,11 +282,17 @@ class Catalog:
         return p is not None and p.incarnation == incarnation and bool(p.alive[row])
 
     def return_recycled(
-        self, partition_id: str, incarnation: str | None, rows: Sequence[int], lease_id: int = 0
+        self,
+        partition_id: str,
+        incarnation: str | None,
+        rows: Sequence[int],
+        lease_id: int = 0,
+        token: int = 0,
     ) -> None:
         """Recycled rows handed out to a caller that had given up: first in the queue again
         (`take_recycled` skips them if they are gone meanwhile), held there instead of by
-        the caller's hold ``lease_id``."""
+        the caller's hold ``lease_id``; the take's ``token`` no longer names them."""
+        self.state.taken.pop(token, None)
         p = self.state.partitions.get(partition_id)
         if p is None or p.incarnation != incarnation:
             return  # cleared, or its partition was: nothing left to regenerate from

@@ -183,6 +183,8 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     #: DP ranks still to be told a stop_when_consumed end of stream: ``(partition_id,
     #: incarnation, task, batch_index, ranks)`` (`ControllerState.dp_ends`)
     dp_ends: list[tuple[str, str, str, int, list[int]]] = msgspec.field(default_factory=list)
+    #: the latest takes of recycled rows by token (`ControllerState.taken`)
+    taken: dict[int, list[tuple[str, str, list[int], int]]] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -703,6 +705,7 @@ def controller_record(
         else [(pid, list(tasks)) for pid, tasks in auto_clear_start.items()],
         unit_hosts=dict(st.unit_hosts),
         dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
+        taken=dict(st.taken),
     )
 
 
@@ -736,6 +739,7 @@ def recover(
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
     st.recycled.extend((pid, inc, row) for pid, inc, row in ctl.recycled)
+    st.taken = dict(ctl.taken)
     st.stale_counts.update(ctl.stale_counts)
     st.dp_ends = {(pid, inc, task, i): set(ranks) for pid, inc, task, i, ranks in ctl.dp_ends}
     _recover_auto_clear(st.auto_clear, ctl)

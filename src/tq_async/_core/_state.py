@@ -588,6 +588,10 @@ class ControllerState:
         #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
         #: taken once
         self.recycled: deque[tuple[str, str, int]] = deque()
+        #: the latest takes' tokens -> what each handed out, ``(partition_id, incarnation,
+        #: rows, hold lease id)`` per partition: a client asking again with one (its reply
+        #: was lost) gets the same rows (`Catalog.take_recycled`)
+        self.taken: dict[int, list[tuple[str, str, list[int], int]]] = {}
         #: how many stale rows each policy handled
         self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
         #: a stop_when_consumed end of stream one DP rank got at a global batch index (more

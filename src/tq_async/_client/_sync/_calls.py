@@ -133,6 +133,8 @@ class ControlCalls:
         #: controller died or the link broke): the next such acquire asks with one of them,
         #: so an admission recorded before the loss is not taken twice
         self._unsettled: dict[tuple[int, int], list[int]] = {}
+        #: the same for `take_recycled`: ``max_rows`` -> tokens of takes in doubt
+        self._unsettled_takes: dict[int, list[int]] = {}
 
     def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away."""
@@ -269,8 +271,16 @@ class ControlCalls:
         self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
 
     def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
-        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition."""
-        body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
+        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
+
+        Asked again after a `BrokenError` (the reply may have been lost with the
+        controller), it names the lost take, and the controller hands out the same rows."""
+        n = check_int("max_rows", as_int(max_rows), 1)
+        unsettled = self._unsettled_takes.pop(n, None)
+        token = unsettled.pop() if unsettled else secrets.randbits(62) + 1
+        if unsettled:
+            self._unsettled_takes[n] = unsettled
+        body = TakeRecycled(n, token)
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # handed out, but the caller gave up before it knew: queue them again
@@ -278,14 +288,20 @@ class ControlCalls:
                 taken: list[RecycledRows] = decode(reply.payload, list[RecycledRows])
                 for r in taken:
                     back = ReturnRecycled(
-                        r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id
+                        r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id, token
                     )
                     self._links.controller.send_best_effort(back)
 
-        controller = self._links.controller_link()
-        payload, _ = controller.request(
-            body, timeout=self._links.request_timeout, on_abandon=on_abandon
-        )
+        try:
+            controller = self._links.controller_link()
+            payload, _ = controller.request(
+                body, timeout=self._links.request_timeout, on_abandon=on_abandon
+            )
+        except BrokenError:
+            self._unsettled_takes.setdefault(n, []).append(token)
+            if len(self._unsettled_takes) > _UNSETTLED:  # sizes never asked for again
+                del self._unsettled_takes[next(iter(self._unsettled_takes))]
+            raise
         got: list[RecycledRows] = decode(payload, list[RecycledRows])
         return [
             BatchMeta(

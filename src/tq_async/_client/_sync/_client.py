@@ -757,6 +757,12 @@ class Client:
         rows are: kept until taken, then until acknowledged (``meta.lease_id``), so their
         prompts are never freed before they are read; without auto-clear the ack is a no-op.
 
+        Raises:
+            BrokenError: the controller went away while it answered (the rows may have been
+                handed out: a durable controller remembers). Ask again with the same
+                ``max_rows``: the client names the take in doubt, and the controller hands
+                out the same rows (those still there), never losing them.
+
         Cancellation: rows handed out to a call cancelled (or timed out) before it returned
         are queued again for the next `take_recycled`.
         """
