@@ -524,3 +524,23 @@ async def test_recycled_pending_counts_only_rows_take_recycled_would_hand_out() 
         taken = await client.take_recycled()
         assert [m.global_indexes for m in taken] == [[1, 2]]
         assert (await client.staleness_status())["recycled_pending"] == 0
+
+
+async def test_an_admission_that_times_out_says_what_frees_slots() -> None:
+    """A producer acquires slots and puts its rollout without ``policy_version``: the
+    learner's consumption frees none (only admitted rollouts, rows that carry a version, do),
+    so the next acquire waits for good. Its timeout must say how slots are freed, naming the
+    learner task and ``policy_version=`` (before: only the counts, and the producer was left
+    to guess)."""
+    admission = tq.AdmissionConfig(capacity=2, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 2)
+        await client.put({"x": torch.zeros(2)}, "p")  # no policy_version: not a rollout
+        await client.get_meta(["x"], 2, "p", "learn")
+        assert (await client.staleness_status())["outstanding"] == 2
+        with pytest.raises(tq.TQTimeoutError, match=r"'learn'.*policy_version=.*release_rollout"):
+            await client.acquire_rollout(0, 1, timeout=0.2)
+        assert cluster.controller.waiting == 0

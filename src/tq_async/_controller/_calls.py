@@ -169,7 +169,9 @@ class ControlCalls:
             lambda: (
                 f"rollout of policy version {body.policy_version} not admitted within "
                 f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
-                "outstanding); nothing was reserved"
+                "outstanding); nothing was reserved. Slots free as the learner task "
+                f"({self.core.rollouts.config.learner_task!r}) consumes rows put with "
+                "policy_version= (rows put without one free none), or by release_rollout"
             ),
             work,
         )

@@ -730,7 +730,9 @@ class Client:
         Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
         while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
         reserves ``n`` slots, freed when the learner task consumes the rows (or by
-        `release_rollout`, or when unconsumed rows are cleared). A `put` that fails or is
+        `release_rollout`, or when unconsumed rows are cleared). Put the rows with
+        ``policy_version=``: only rows that carry one are admitted rollouts and free a slot
+        (rows put without one, e.g. prompts, free none). A `put` that fails or is
         cancelled frees none, wherever it stopped: put again, or `release_rollout`.
 
         Raises:
