@@ -289,11 +289,21 @@ class RayCluster:
         """Stop and kill this cluster's actors (and no others); data in it is lost.
 
         Any handle can do it, including one from `attach`. Calling it again, or after
-        the actors are gone, does nothing.
+        the actors are gone, does nothing; so does calling it once ``ray.shutdown()`` ended
+        this process's Ray session (which ended the actors launched from it; a detached
+        cluster lives on: ``ray.init(address=...)`` and shut it down then).
 
         Args:
             timeout: seconds to wait for the actors to stop gracefully and then to be gone.
         """
+        if not ray.is_initialized():  # never start a session (Ray's calls would) to stop one
+            _LAUNCHED.pop((self.namespace, self.name), None)
+            log.info(
+                "tq_async cluster not shut down: Ray is not initialised in this process",
+                name=self.name,
+                namespace=self.namespace,
+            )
+            return
         actors = []
         for actor_name in self._actor_names:
             try:

@@ -109,6 +109,15 @@ def test_needs_ray_init() -> None:
         tq_ray.launch(1)
 
 
+def test_shutdown_after_ray_shutdown_does_not_start_ray() -> None:
+    # second in the module, Ray not started: as after `ray.shutdown()` in a driver that still
+    # holds its cluster (the actors ended with the session); shutdown must not start a new one
+    assert not ray.is_initialized()
+    cluster = tq_ray.RayCluster("gone", NAMESPACE, "tcp://127.0.0.1:1", {}, ("gone.unit0", "gone"))
+    cluster.shutdown(timeout=5)
+    assert not ray.is_initialized()
+
+
 def test_launch_stream_attach_shutdown(local_ray: None) -> None:
     here = ray.get_runtime_context().get_node_id()
     cluster = tq_ray.launch(
