@@ -600,12 +600,22 @@ def _spawn(
     spec: tuple[str, str | None, dict[str, Any], Any, str | None],
 ) -> Any:
     """A service actor on ``node_id`` that starts serving: ``spec`` is its constructor's
-    arguments (role, host, the service's options, the controller's actor, data_dir)."""
-    return _RemoteService.options(
-        name=actor_name,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **options,
-    ).remote(*spec)
+    arguments (role, host, the service's options, the controller's actor, data_dir).
+
+    Raises:
+        InvalidRequestError: ``actor_name`` was taken since `_check_name_free` (another
+            driver launched a cluster of that name meanwhile).
+    """
+    try:
+        return _RemoteService.options(
+            name=actor_name,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            **options,
+        ).remote(*spec)
+    except ValueError as exc:  # Ray's ActorAlreadyExistsError is one
+        if _taken(actor_name, options["namespace"]):
+            raise _name_taken_error(actor_name, options["namespace"]) from exc
+        raise
 
 
 def _unit_host_ids(
@@ -685,15 +695,24 @@ def _fold_config(
 
 
 def _check_name_free(name: str, namespace: str) -> None:
+    if _taken(name, namespace):
+        raise _name_taken_error(name, namespace)
+
+
+def _taken(name: str, namespace: str) -> bool:
+    """Whether an actor of that name is alive in ``namespace``."""
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
-        pass
-    else:
-        raise InvalidRequestError(
-            f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
-            "attach() to it, shut it down, or launch with another name"
-        )
+        return False
+    return True
+
+
+def _name_taken_error(name: str, namespace: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
+        "attach() to it, shut it down, or launch with another name"
+    )
 
 
 def _describe(cluster: RayCluster) -> dict[str, Any]:

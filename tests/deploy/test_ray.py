@@ -118,7 +118,7 @@ def test_shutdown_after_ray_shutdown_does_not_start_ray() -> None:
     assert not ray.is_initialized()
 
 
-def test_launch_stream_attach_shutdown(local_ray: None) -> None:
+def test_launch_stream_attach_shutdown(local_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
     here = ray.get_runtime_context().get_node_id()
     cluster = tq_ray.launch(
         2, name="rl", namespace=NAMESPACE, host="127.0.0.1", placement=[here], timeout=90
@@ -149,6 +149,14 @@ def test_launch_stream_attach_shutdown(local_ray: None) -> None:
 
         with pytest.raises(tq.InvalidRequestError, match="already runs"):
             tq_ray.launch(1, name="rl", namespace=NAMESPACE)
+        # another driver took the name between launch's look-up and its actors' creation (two
+        # drivers' compat.init() at once): the same error, and the running cluster untouched
+        monkeypatch.setattr(tq_ray, "_check_name_free", lambda name, namespace: None)
+        with pytest.raises(tq.InvalidRequestError, match="already runs"):
+            tq_ray.launch(1, name="rl", namespace=NAMESPACE)
+        assert {a["name"] for a in our_actors()} == {"rl", "rl.unit0", "rl.unit1"}
+        with tq.Client.connect(cluster.address) as client:
+            assert "train@0" in client.list_partitions()
     finally:
         cluster.shutdown()
     assert our_actors() == []
