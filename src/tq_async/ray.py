@@ -383,7 +383,9 @@ def select_nodes(placement: str | Sequence[str] | Mapping[str, Any] | None) -> l
             )
         wanted = placement.get("nodes")
         resources = placement.get("resources") or {}
-        if not isinstance(resources, Mapping):
+        if not isinstance(resources, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in resources.values()
+        ):
             raise InvalidRequestError(
                 f"placement['resources'] must map resource names to amounts, got {resources!r}"
             )
@@ -501,8 +503,9 @@ def launch(
         A `RayCluster`; connect clients to its ``address``.
 
     Raises:
-        InvalidRequestError: Ray is not initialised, no node matches ``placement``, or
-            ``name`` is taken in ``namespace``.
+        InvalidRequestError: Ray is not initialised, no node matches ``placement``,
+            ``name`` is taken in ``namespace``, or an argument is malformed (an empty
+            ``name``, a ``num_storage_units`` that is not an int >= 1, ...).
         ConfigError: ``config`` is bad, e.g. a relative ``data_dir``, or one that is
             missing on the controller's node (raised when the controller starts).
         TQTimeoutError: the services did not start within ``timeout`` (nothing is left
@@ -512,8 +515,7 @@ def launch(
     num_storage_units, allow_pickle, curve, controller_options = _fold_config(
         config, num_storage_units, sampler, allow_pickle, curve
     )
-    if num_storage_units < 1:
-        raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
+    _check_arguments(name, namespace, num_storage_units)
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
@@ -573,6 +575,18 @@ def launch(
         durability="memory" if config is None else config.durability,
     )
     return cluster
+
+
+def _check_arguments(name: Any, namespace: Any, num_storage_units: Any) -> None:
+    """Refuse what Ray would refuse with its own errors, or take for no name at all."""
+    for what, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(
+                f"{what} must be a non-empty string (the Ray actors' {what}), got {value!r}"
+            )
+    units = num_storage_units
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
 
 
 def _actor_data_dir(config: Config | None) -> str | None:

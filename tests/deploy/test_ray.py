@@ -172,6 +172,18 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
         tq_ray.launch(1, namespace=NAMESPACE, placement={"gpus": 1})
     with pytest.raises(tq.InvalidRequestError, match="no tq_async cluster named 'nope'"):
         tq_ray.attach("nope", NAMESPACE)
+    # malformed arguments: refused before any actor starts, saying what to give (not Ray's or
+    # Python's own errors, nor a controller launched without a name, which attach cannot find)
+    for bad, says in [
+        ({"name": ""}, "name must be a non-empty string"),
+        ({"name": None}, "name must be a non-empty string"),
+        ({"namespace": ""}, "namespace must be a non-empty string"),
+        ({"num_storage_units": 2.0}, "num_storage_units must be an int >= 1"),
+        ({"num_storage_units": "2"}, "num_storage_units must be an int >= 1"),
+        ({"placement": {"resources": {"CPU": "1"}}}, "must map resource names to amounts"),
+    ]:
+        with pytest.raises(tq.InvalidRequestError, match=says):
+            tq_ray.launch(**{"namespace": NAMESPACE, "host": "127.0.0.1", **bad})
     assert our_actors() == []
     # a service that cannot start: the error names it, and nothing is left running (binding an
     # address this host does not have fails at once, without sending anything)
