@@ -497,7 +497,8 @@ def launch(
             restarts a dead actor (``max_restarts=-1`` unless ``actor_options`` says
             otherwise) on its node, where it finds its directory: a unit comes back with its
             rows (on a new port; clients follow), the controller with its state on its former
-            address. Its ``memory_cap`` reaches the units.
+            address. Its ``memory_cap`` reaches the units (at ``memory`` they spill under
+            ``data_dir`` when it is given, an absolute path on their nodes).
 
     Returns:
         A `RayCluster`; connect clients to its ``address``.
@@ -599,7 +600,16 @@ def _actor_data_dir(config: Config | None) -> str | None:
         ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
     """
     data_dir = None if config is None or config.durability == "memory" else config.data_dir
-    if data_dir is not None and not os.path.isabs(data_dir):
+    return None if data_dir is None else _on_the_nodes(data_dir)
+
+
+def _on_the_nodes(data_dir: str) -> str:
+    """``data_dir``, a path the actors open on their nodes: it must be absolute.
+
+    Raises:
+        ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
+    """
+    if not os.path.isabs(data_dir):
         raise ConfigError(
             f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
             "process's directory; give an absolute path, valid on the nodes the actors run on"
@@ -666,16 +676,21 @@ def _unit_host_ids(
 def _unit_config(config: Config | None) -> dict[str, Any]:
     """What a storage unit takes from ``config``: its data paths (shared memory, the data
     path, the device arena), its memory cap and its durability level (its directory is
-    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor)."""
+    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor; at ``memory`` with
+    a ``memory_cap``, ``data_dir`` is where its spill files go, as in ``local_cluster``)."""
     if config is None:
         return {}
-    return {
+    options: dict[str, Any] = {
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
         "memory_cap": config.memory_cap,
         "durability": config.durability,
     }
+    spills = config.durability == "memory" and config.memory_cap is not None
+    if spills and config.data_dir is not None:
+        options["data_dir"] = _on_the_nodes(config.data_dir)  # not the node's $TMPDIR
+    return options
 
 
 def _fold_config(

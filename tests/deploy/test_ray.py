@@ -195,8 +195,9 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
     assert cpu_nodes == [ray.get_runtime_context().get_node_id()]
 
 
-def test_launch_with_a_config(local_ray: None) -> None:
+def test_launch_with_a_config(local_ray: None, tmp_path: Path) -> None:
     import anyio
+    import torch
 
     here = ray.get_runtime_context().get_node_id()
     bad = tq.Config(task_samplers={"learner": tq.SamplerSpec("tq_async:NoSuchSampler")})
@@ -211,6 +212,10 @@ def test_launch_with_a_config(local_ray: None) -> None:
         shm_cap=8 << 20,  # reaches the units (as data_path and device_cap do)
         admission=tq.AdmissionSection(max_staleness=0),
         task_samplers={"learner": tq.SamplerSpec("tq_async:GRPOGroupNSampler", {"n": 2})},
+        # at memory, cells past the cap spill under data_dir (a path on the unit's node), not
+        # into the node's temporary directory (often a small tmpfs, in RAM)
+        memory_cap=64 << 10,
+        data_dir=str(tmp_path),
     )
     with pytest.raises(tq.ConfigError, match="unexpected keyword argument 'n'"):
         tq_ray.launch(name="cfg", namespace=NAMESPACE, placement=[here], config=config)
@@ -226,10 +231,15 @@ def test_launch_with_a_config(local_ray: None) -> None:
                 await client.acquire_rollout(0, 1)  # version 0 - learner 0 <= 0: admitted
                 with pytest.raises(tq.TQTimeoutError):
                     await client.acquire_rollout(1, 1, timeout=0.2)  # one version ahead
+                x = torch.randn(64, 1024)  # 256 KiB: past the cap
+                meta = await client.put({"x": x}, "p")
+                assert torch.equal((await client.get_data(meta))["x"], x)
                 (stats,) = (await client.storage_stats()).values()
                 assert stats["shm_cap"] == 8 << 20
+                assert stats["spills"] > 0
 
         anyio.run(check_admission)
+        assert [p.name[:14] for p in tmp_path.iterdir()] == ["tq-unit-spill-"]
     finally:
         cluster.shutdown()
 
