@@ -289,11 +289,21 @@ class RayCluster:
         """Stop and kill this cluster's actors (and no others); data in it is lost.
 
         Any handle can do it, including one from `attach`. Calling it again, or after
-        the actors are gone, does nothing.
+        the actors are gone, does nothing; so does calling it once ``ray.shutdown()`` ended
+        this process's Ray session (which ended the actors launched from it; a detached
+        cluster lives on: ``ray.init(address=...)`` and shut it down then).
 
         Args:
             timeout: seconds to wait for the actors to stop gracefully and then to be gone.
         """
+        if not ray.is_initialized():  # never start a session (Ray's calls would) to stop one
+            _LAUNCHED.pop((self.namespace, self.name), None)
+            log.info(
+                "tq_async cluster not shut down: Ray is not initialised in this process",
+                name=self.name,
+                namespace=self.namespace,
+            )
+            return
         actors = []
         for actor_name in self._actor_names:
             try:
@@ -373,7 +383,9 @@ def select_nodes(placement: str | Sequence[str] | Mapping[str, Any] | None) -> l
             )
         wanted = placement.get("nodes")
         resources = placement.get("resources") or {}
-        if not isinstance(resources, Mapping):
+        if not isinstance(resources, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in resources.values()
+        ):
             raise InvalidRequestError(
                 f"placement['resources'] must map resource names to amounts, got {resources!r}"
             )
@@ -485,14 +497,16 @@ def launch(
             restarts a dead actor (``max_restarts=-1`` unless ``actor_options`` says
             otherwise) on its node, where it finds its directory: a unit comes back with its
             rows (on a new port; clients follow), the controller with its state on its former
-            address. Its ``memory_cap`` reaches the units.
+            address. Its ``memory_cap`` reaches the units (at ``memory`` they spill under
+            ``data_dir`` when it is given, an absolute path on their nodes).
 
     Returns:
         A `RayCluster`; connect clients to its ``address``.
 
     Raises:
-        InvalidRequestError: Ray is not initialised, no node matches ``placement``, or
-            ``name`` is taken in ``namespace``.
+        InvalidRequestError: Ray is not initialised, no node matches ``placement``,
+            ``name`` is taken in ``namespace``, or an argument is malformed (an empty
+            ``name``, a ``num_storage_units`` that is not an int >= 1, ...).
         ConfigError: ``config`` is bad, e.g. a relative ``data_dir``, or one that is
             missing on the controller's node (raised when the controller starts).
         TQTimeoutError: the services did not start within ``timeout`` (nothing is left
@@ -502,8 +516,7 @@ def launch(
     num_storage_units, allow_pickle, curve, controller_options = _fold_config(
         config, num_storage_units, sampler, allow_pickle, curve
     )
-    if num_storage_units < 1:
-        raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
+    _check_arguments(name, namespace, num_storage_units)
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
@@ -565,6 +578,18 @@ def launch(
     return cluster
 
 
+def _check_arguments(name: Any, namespace: Any, num_storage_units: Any) -> None:
+    """Refuse what Ray would refuse with its own errors, or take for no name at all."""
+    for what, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(
+                f"{what} must be a non-empty string (the Ray actors' {what}), got {value!r}"
+            )
+    units = num_storage_units
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
+
+
 def _actor_data_dir(config: Config | None) -> str | None:
     """The durable directory the actors use (None: memory level).
 
@@ -575,7 +600,16 @@ def _actor_data_dir(config: Config | None) -> str | None:
         ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
     """
     data_dir = None if config is None or config.durability == "memory" else config.data_dir
-    if data_dir is not None and not os.path.isabs(data_dir):
+    return None if data_dir is None else _on_the_nodes(data_dir)
+
+
+def _on_the_nodes(data_dir: str) -> str:
+    """``data_dir``, a path the actors open on their nodes: it must be absolute.
+
+    Raises:
+        ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
+    """
+    if not os.path.isabs(data_dir):
         raise ConfigError(
             f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
             "process's directory; give an absolute path, valid on the nodes the actors run on"
@@ -590,12 +624,22 @@ def _spawn(
     spec: tuple[str, str | None, dict[str, Any], Any, str | None],
 ) -> Any:
     """A service actor on ``node_id`` that starts serving: ``spec`` is its constructor's
-    arguments (role, host, the service's options, the controller's actor, data_dir)."""
-    return _RemoteService.options(
-        name=actor_name,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **options,
-    ).remote(*spec)
+    arguments (role, host, the service's options, the controller's actor, data_dir).
+
+    Raises:
+        InvalidRequestError: ``actor_name`` was taken since `_check_name_free` (another
+            driver launched a cluster of that name meanwhile).
+    """
+    try:
+        return _RemoteService.options(
+            name=actor_name,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            **options,
+        ).remote(*spec)
+    except ValueError as exc:  # Ray's ActorAlreadyExistsError is one
+        if _taken(actor_name, options["namespace"]):
+            raise _name_taken_error(actor_name, options["namespace"]) from exc
+        raise
 
 
 def _unit_host_ids(
@@ -632,16 +676,21 @@ def _unit_host_ids(
 def _unit_config(config: Config | None) -> dict[str, Any]:
     """What a storage unit takes from ``config``: its data paths (shared memory, the data
     path, the device arena), its memory cap and its durability level (its directory is
-    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor)."""
+    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor; at ``memory`` with
+    a ``memory_cap``, ``data_dir`` is where its spill files go, as in ``local_cluster``)."""
     if config is None:
         return {}
-    return {
+    options: dict[str, Any] = {
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
         "memory_cap": config.memory_cap,
         "durability": config.durability,
     }
+    spills = config.durability == "memory" and config.memory_cap is not None
+    if spills and config.data_dir is not None:
+        options["data_dir"] = _on_the_nodes(config.data_dir)  # not the node's $TMPDIR
+    return options
 
 
 def _fold_config(
@@ -675,15 +724,24 @@ def _fold_config(
 
 
 def _check_name_free(name: str, namespace: str) -> None:
+    if _taken(name, namespace):
+        raise _name_taken_error(name, namespace)
+
+
+def _taken(name: str, namespace: str) -> bool:
+    """Whether an actor of that name is alive in ``namespace``."""
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
-        pass
-    else:
-        raise InvalidRequestError(
-            f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
-            "attach() to it, shut it down, or launch with another name"
-        )
+        return False
+    return True
+
+
+def _name_taken_error(name: str, namespace: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
+        "attach() to it, shut it down, or launch with another name"
+    )
 
 
 def _describe(cluster: RayCluster) -> dict[str, Any]:
