@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -21,7 +22,13 @@ from _services import START_TIMEOUT, Service, parse_unit, refused_port, service
 from tq_async._controller._server import ControllerServer
 from tq_async._deploy._cli import _build_parser, load_curve
 from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
-from tq_async._service._serve import advertised_address, register_unit, warn_if_exposed
+from tq_async._service._serve import (
+    advertised_address,
+    first_tq_error,
+    register_unit,
+    serve_controller,
+    warn_if_exposed,
+)
 
 # ---- processes ------------------------------------------------------------------------------
 
@@ -252,6 +259,29 @@ async def test_controller_assigns_unit_ids() -> None:
         tg.cancel_scope.cancel()
     if not supported:
         pytest.skip("this controller does not assign unit ids yet (RegisterUnit unit_id=-1)")
+
+
+async def test_a_controller_data_dir_is_used_by_one_controller_at_a_time(tmp_path: Path) -> None:
+    """Two controllers on one journal (`serve controller --data-dir D` started twice) each
+    wrote their own state into it and then recovered a mix of both; the second is refused,
+    as a storage unit's directory in use is, and the directory is given back on stop."""
+    config = tq.Config(durability="process", data_dir=str(tmp_path))
+    serve = partial(serve_controller, "tcp://127.0.0.1:0", config=config)
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve)
+        with anyio.fail_after(10), pytest.raises(tq.ConfigError, match="in use by another"):
+            await serve()  # it served (until the timeout)
+        tg.cancel_scope.cancel()
+    failed: BaseException | None = None
+    with refused_port() as taken:  # a port taken: it cannot bind
+        try:
+            await serve_controller(f"tcp://127.0.0.1:{taken}", config=config)
+        except BaseException as exc:  # a task group's ExceptionGroup
+            failed = first_tq_error(exc)
+    assert isinstance(failed, tq.BrokenError)
+    async with anyio.create_task_group() as tg:  # both stopped: free again
+        await tg.start(serve)
+        tg.cancel_scope.cancel()
 
 
 def test_load_curve(tmp_path: Path) -> None:

@@ -169,3 +169,26 @@ async def test_spilled_cells_go_under_data_dir_at_durability_memory(
         assert all(name.startswith("tq-unit-spill-") for name in spills)
         assert not list(tmp.glob("tq-unit-spill-*"))
     assert list(data_dir.iterdir()) == []  # removed when the units stopped
+
+
+async def test_a_relative_data_dir_survives_a_change_of_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative ``data_dir`` names the directory it named at start: the program changing
+    its working directory afterwards made the units look for their spilled cells (and remove
+    their scratch directories) under the new one -- acknowledged rows became unreadable."""
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    async with (
+        tq.local_cluster(num_storage_units=1, data_dir="data", memory_cap=64 << 10) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        xs = [torch.full((64, 256), float(i)) for i in range(4)]  # 64 KiB each: they spill
+        metas = [await client.put({"x": x}, "p") for x in xs]
+        assert cluster.units[0].state.spills > 0
+        for meta, x in zip(metas, xs, strict=True):
+            assert torch.equal((await client.get_data(meta))["x"], x)
+    assert list((tmp_path / "run" / "data").iterdir()) == []  # the scratch directory went
+    assert list((tmp_path / "elsewhere").iterdir()) == []

@@ -28,6 +28,7 @@ damaged database file is a clear error at start.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import json
 import os
@@ -101,6 +102,8 @@ MARKER = "tq-async-data-dir.json"
 #: (``units/unit-N``)
 UNITS_DIR = "units"
 _DB = "controller.db"
+#: the lock a running controller holds on its data_dir (a second controller on it is refused)
+_LOCK = "tq-async-data-dir.lock"
 #: requests remembered between their arrival and their reply (older ones are forgotten:
 #: a request that never answers must not grow the table)
 _INFLIGHT = 65536
@@ -166,6 +169,7 @@ class JournalStore:
         #: commits wait for the disk (fsync): they run in a worker thread, not on the loop
         self.slow = durability == "fsync"
         _claim(self.data_dir)
+        self._lock_fd = _lock(self.data_dir)
         self.path = os.path.join(self.data_dir, _DB)
         _check_wal_tail(self.path)
         try:
@@ -180,6 +184,7 @@ class JournalStore:
             )
             db.execute("PRAGMA quick_check").fetchall()
         except sqlite3.DatabaseError as exc:
+            self._unlock()
             raise TQError(
                 f"the controller's journal {self.path} is damaged ({exc}); move the data_dir "
                 "away to start an empty controller, or restore it from a backup"
@@ -239,6 +244,12 @@ class JournalStore:
 
     def close(self) -> None:
         self.db.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 def _check_wal_tail(path: str) -> None:
@@ -318,6 +329,21 @@ def _claim(data_dir: str) -> None:
         )
     with open(marker, "w") as f:
         json.dump({"kind": "controller", "format": FORMAT}, f)
+
+
+def _lock(data_dir: str) -> int:
+    """Lock ``data_dir`` for this controller; the lock's file descriptor (closing it, or the
+    process ending, unlocks)."""
+    fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is in use by another running controller; stop it first "
+            "(or give this controller its own directory)"
+        ) from None
+    return fd
 
 
 def _mark_format(data_dir: str) -> None:
