@@ -344,3 +344,28 @@ def test_no_rows_read_as_jagged() -> None:
     assert td["x"].is_nested
     assert td["x"]._max_seqlen == 0
     assert td.batch_size == (0,)
+
+
+class _Text(str):
+    pass
+
+
+#: values msgpack cannot give back as they are, anywhere in a row: (value, what the error says)
+UNPLAIN_VALUES = [
+    (_Text("a"), r"a value of type _Text"),  # msgpack refuses str subclasses
+    ("\ud800", r"a str that is not valid UTF-8 \(surrogates not allowed at position 0\)"),
+    ({"ok": ["x", "y\udc80"]}, r"a str that is not valid UTF-8 \(.* at position 1\)"),
+    ({"\ud800": 1}, r"a str that is not valid UTF-8"),
+    ({2**70: 1}, r"an int that does not fit 64 bits"),
+    ({(1, 2): 3}, r"a dict key of type tuple"),
+]
+
+
+@pytest.mark.parametrize(("value", "why"), UNPLAIN_VALUES, ids=range(len(UNPLAIN_VALUES)))
+def test_a_value_msgpack_cannot_carry_is_refused_or_pickled(value: object, why: str) -> None:
+    # each once escaped as a raw TypeError, UnicodeEncodeError or OverflowError when the
+    # column was encoded: the walk accepted str subclasses, surrogates and any int key
+    data = {"v": [value, "plain"]}
+    with pytest.raises(UnsupportedTypeError, match=r"field 'v' holds " + why + ".*allow_pickle"):
+        roundtrip(data)
+    assert roundtrip(data, allow_pickle=True)["v"].tolist() == [value, "plain"]

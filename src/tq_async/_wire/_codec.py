@@ -83,32 +83,60 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ProtocolError(f"unknown dtype {name!r} in a column header") from None
 
 
-def _plain_value_ok(value: Any, depth: int = 0) -> bool:
-    """True when msgpack carries ``value`` and gives back an equal value of the same type."""
-    if isinstance(value, np.generic):  # np.float64 is a float, but msgpack refuses it
-        return False
-    if value is None or isinstance(value, (str, bool, int, float, bytes)):
-        return not isinstance(value, int) or -(2**63) <= value < 2**64
+#: scalars msgpack gives back as they are (exact types: a subclass, e.g. ``np.float64`` or a
+#: ``str`` subclass, would come back as its base type, or not travel at all)
+_PLAIN_SCALARS = frozenset({bool, float, bytes, type(None)})
+#: dict keys msgpack gives back as they are
+_PLAIN_KEYS = frozenset({str, int, bool})
+
+
+def _not_plain(value: Any, depth: int = 0) -> str | None:
+    """None when msgpack carries ``value`` and gives back an equal value of the same type;
+    else what stops it (for the error: the value at fault, wherever it is nested)."""
+    kind = type(value)
+    if kind is str:
+        return None if value.isascii() else _not_utf8(value)
+    if kind is int:
+        return None if -(2**63) <= value < 2**64 else f"an int that does not fit 64 bits ({value})"
+    if kind in _PLAIN_SCALARS:
+        return None
     if depth > 32:
-        return False
-    if type(value) is list:
-        return all(_plain_value_ok(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return all(
-            isinstance(k, (str, int)) and _plain_value_ok(v, depth + 1) for k, v in value.items()
-        )
-    return False
+        return "values nested more than 32 deep"
+    if kind is list:
+        for v in value:
+            why = _not_plain(v, depth + 1)
+            if why is not None:
+                return why
+        return None
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) not in _PLAIN_KEYS:
+                return f"a dict key of type {type(k).__name__}"
+            why = _not_plain(k, depth + 1) or _not_plain(v, depth + 1)
+            if why is not None:
+                return why
+        return None
+    return f"a value of type {kind.__name__}"
+
+
+def _not_utf8(value: str) -> str | None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a str that is not valid UTF-8 ({exc.reason} at position {exc.start})"
+    return None
 
 
 def _object_column(name: str, values: list[Any], allow_pickle: bool) -> tuple[ColumnHeader, Column]:
     for v in values:
-        if not _plain_value_ok(v):
+        why = _not_plain(v)
+        if why is not None:
             if not allow_pickle:
                 raise UnsupportedTypeError(
-                    f"field {name!r} holds a value of type {type(v).__name__}, which travels "
-                    "only with pickle; convert it to str/int/float/bool/None/bytes/list/dict, "
-                    "or start the services and client with allow_pickle=True (pickle runs "
-                    "code on load: only in trusted deployments)"
+                    f"field {name!r} holds {why}, which travels only with pickle; convert it "
+                    "to str/int/float/bool/None/bytes/list/dict, or start the services and "
+                    "client with allow_pickle=True (pickle runs code on load: only in trusted "
+                    "deployments)"
                 )
             pickled = [pickle.dumps(x, protocol=5) for x in values]
             return ColumnHeader(name, PICKLE), ListColumn(pickled)
