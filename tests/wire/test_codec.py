@@ -73,6 +73,24 @@ def test_non_contiguous_and_0d_rows() -> None:
     assert out["scalar"].shape == (4,)
 
 
+def test_numpy_views_of_every_layout_roundtrip() -> None:
+    # a reversed view has negative strides, which torch.from_numpy refuses (a raw ValueError)
+    base = np.arange(24, dtype=np.int32).reshape(4, 6)
+    arrays = {
+        "reversed": base[::-1],
+        "reversed_cols": base[:, ::-2],
+        "strided": base[:, ::2],
+        "transposed": base.T[:4],
+        "big_endian": base.astype(">i4")[::-1],
+    }
+    out = roundtrip(arrays)
+    for name, a in arrays.items():
+        assert out[name].dtype == torch.int32
+        assert out[name].tolist() == a.tolist(), name
+    rows = {"r": [base[0, ::-1], base[1, :2][::-1]]}  # a list of arrays: jagged
+    assert [t.tolist() for t in roundtrip(rows)["r"].unbind()] == [a.tolist() for a in rows["r"]]
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16, torch.bool], ids=str)
 def test_jagged_roundtrip_stays_jagged(dtype: torch.dtype) -> None:
     rows = [make_tensor(dtype, (n, 3)) for n in (1, 4, 0, 7)]

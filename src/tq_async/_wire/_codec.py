@@ -255,6 +255,8 @@ def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[
         array = array.copy()
     try:
         return torch.from_numpy(array)
+    except ValueError:  # negative strides (a reversed view), which a tensor cannot have
+        return torch.from_numpy(array.copy())
     except TypeError:
         raise UnsupportedTypeError(
             f"field {field!r} is a numpy array of dtype {array.dtype}, which tq_async cannot "
