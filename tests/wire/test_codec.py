@@ -111,6 +111,19 @@ def test_list_of_tensors_becomes_jagged() -> None:
     assert [t.tolist() for t in out["r"].unbind()] == [r.tolist() for r in rows]
 
 
+def test_a_list_of_tensors_that_are_not_dense_is_refused() -> None:
+    # a list of sparse rows failed with torch's raw "unsupported memory format" RuntimeError
+    sparse = torch.eye(2).to_sparse()
+    nested = torch.nested.nested_tensor([torch.ones(2)], layout=torch.jagged)
+    for rows, what in (
+        ([torch.ones(2, 2), sparse], "row 1 is of layout torch.sparse_coo"),
+        ([sparse, sparse], "row 0 is of layout torch.sparse_coo"),
+        ([nested, nested], "row 0 is a nested tensor"),
+    ):
+        with pytest.raises(UnsupportedTypeError, match=rf"field 'r' is a list of tensors.*{what}"):
+            columns_from_batch({"r": rows})
+
+
 def test_plain_values_roundtrip() -> None:
     values = ["a", 1, 2.5, True, None, b"\x00\xff", [1, "x"], {"k": [1, 2], "j": None}]
     out = roundtrip({"v": values})

@@ -229,7 +229,13 @@ def _list_of_tensors_column(
     if n == 0:
         raise SchemaError(f"field {name!r} is an empty list of tensors")
     first = tensors[0]
-    for t in tensors:
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided or t.is_nested:
+            raise UnsupportedTypeError(
+                f"field {name!r} is a list of tensors whose row {i} is "
+                f"{'a nested tensor' if t.is_nested else f'of layout {t.layout}'}; the rows of "
+                "a list are dense tensors (t.to_dense()), which form one jagged column"
+            )
         if t.dim() == 0 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             raise SchemaError(
                 f"field {name!r} is a list of tensors that cannot form one jagged column: "
