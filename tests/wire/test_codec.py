@@ -124,6 +124,14 @@ def test_a_list_of_tensors_that_are_not_dense_is_refused() -> None:
             columns_from_batch({"r": rows})
 
 
+def test_a_list_of_scalar_tensors_says_to_stack_them() -> None:
+    # the error said the rows differ: "row 0 is torch.int64(), another row is torch.int64()"
+    for rows in ([torch.tensor(1), torch.tensor(2)], [np.array(1.0), np.array(2.0)]):
+        with pytest.raises(SchemaError, match=r"field 'r'.*row 0 is 0-dim.*torch.stack\(rows\)"):
+            columns_from_batch({"r": rows, "x": torch.zeros(2)})
+    assert roundtrip({"r": torch.stack([torch.tensor(1), torch.tensor(2)])})["r"].tolist() == [1, 2]
+
+
 def test_plain_values_roundtrip() -> None:
     values = ["a", 1, 2.5, True, None, b"\x00\xff", [1, "x"], {"k": [1, 2], "j": None}]
     out = roundtrip({"v": values})

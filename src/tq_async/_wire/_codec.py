@@ -236,7 +236,13 @@ def _list_of_tensors_column(
                 f"{'a nested tensor' if t.is_nested else f'of layout {t.layout}'}; the rows of "
                 "a list are dense tensors (t.to_dense()), which form one jagged column"
             )
-        if t.dim() == 0 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+        if t.dim() == 0:
+            raise SchemaError(
+                f"field {name!r} is a list of tensors whose row {i} is 0-dim (one scalar); a "
+                "list of tensors forms a jagged column, whose rows have a dimension: for one "
+                "scalar a row put torch.stack(rows), a column [n]"
+            )
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             raise SchemaError(
                 f"field {name!r} is a list of tensors that cannot form one jagged column: "
                 "every row needs the same dtype and the same shape after its first dimension "
