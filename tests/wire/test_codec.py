@@ -171,6 +171,16 @@ def test_empty_and_wrong_inputs_raise() -> None:
         columns_from_batch(TensorDict({"a": TensorDict({"b": torch.zeros(2)}, [2])}, [2]))
 
 
+def test_a_scalar_beside_a_column_is_named() -> None:
+    # a 0-dim array first made the batch "have no rows" although 'x' has 2; a 0-dim tensor
+    # first was said to leave the batch without rows, and to be put as t.reshape(1)
+    for scalar in (np.array(3.0), torch.tensor(3.0)):
+        with pytest.raises(SchemaError, match=r"field 'z' has shape \(\) but the batch has 2 rows"):
+            columns_from_batch({"z": scalar, "x": torch.zeros(2)})
+    with pytest.raises(SchemaError, match=r"field 'z' is a 0-dim numpy array.*reshape\(1\)"):
+        columns_from_batch({"z": np.array(3.0)})
+
+
 def test_dense_receive_is_zero_copy() -> None:
     buf = bytearray(torch.arange(6, dtype=torch.int64).numpy().tobytes())
     header = ColumnHeader("x", "dense", "int64", (3,))

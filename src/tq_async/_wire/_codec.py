@@ -326,13 +326,15 @@ def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidReq
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
+    """The rows of the first column (a 0-dim tensor or array is one value, not a column)."""
     for value in data.values():
         if isinstance(value, np.ndarray):
-            return int(value.shape[0]) if value.ndim > 0 else -1
-        if isinstance(value, torch.Tensor):
-            # size(0), not shape[0]: a strided nested tensor has no shape
-            return int(value.size(0)) if value.dim() > 0 else -1
-        if isinstance(value, (list, tuple, NonTensorStack)):
+            if value.ndim > 0:
+                return int(value.shape[0])
+        elif isinstance(value, torch.Tensor):
+            if value.dim() > 0:  # size(0), not shape[0]: a strided nested tensor has no shape
+                return int(value.size(0))
+        elif isinstance(value, (list, tuple, NonTensorStack)):
             return len(value)
     return -1
 
@@ -397,9 +399,10 @@ def columns_from_batch(
     if n <= 0:
         if isinstance(data, Mapping):
             for name, value in data.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+                    kind = "tensor" if isinstance(value, torch.Tensor) else "numpy array"
                     raise SchemaError(
-                        f"field {name!r} is a 0-dim tensor (one scalar), so the batch has no "
+                        f"field {name!r} is a 0-dim {kind} (one scalar), so the batch has no "
                         "rows; a column needs one row per sample: put "
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
