@@ -171,6 +171,18 @@ def test_empty_and_wrong_inputs_raise() -> None:
         columns_from_batch(TensorDict({"a": TensorDict({"b": torch.zeros(2)}, [2])}, [2]))
 
 
+def test_a_masked_array_with_masked_values_is_refused() -> None:
+    # its mask was dropped: the masked cells travelled as the data under them
+    masked = np.ma.masked_array([1, 2, 3], mask=[0, 1, 0])
+    for data in ({"m": masked}, {"m": [masked, masked[:1]]}):
+        with pytest.raises(UnsupportedTypeError, match=r"field 'm' is a numpy masked array.*fill"):
+            columns_from_batch(data)
+    assert roundtrip({"m": masked.filled(-1)})["m"].tolist() == [1, -1, 3]
+    assert roundtrip({"m": np.ma.masked_array([1, 2], mask=[0, 0])})["m"].tolist() == [1, 2]
+    strings = roundtrip({"s": np.ma.masked_array(["a", "b"], mask=[0, 1])})["s"]
+    assert strings.tolist() == ["a", None]  # a masked value of a list column is None
+
+
 def test_a_scalar_beside_a_column_is_named() -> None:
     # a 0-dim array first made the batch "have no rows" although 'x' has 2; a 0-dim tensor
     # first was said to leave the batch without rows, and to be put as t.reshape(1)

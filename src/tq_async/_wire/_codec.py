@@ -260,7 +260,13 @@ def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[
     """A numpy column as a tensor (a view when torch can share its memory), or as a list
     of Python values when its dtype is not numeric (strings, objects)."""
     if array.dtype.kind not in "biufc":
-        return list(array.tolist()) if array.ndim else [array.item()]
+        return list(array.tolist()) if array.ndim else [array.item()]  # masked: None
+    if type(array) is not np.ndarray and np.ma.is_masked(array):
+        raise UnsupportedTypeError(
+            f"field {field!r} is a numpy masked array with masked values: a tensor has no mask, "
+            "so they would travel as whatever data lies under them; send a.filled(value), and "
+            "the mask as a field of its own (np.ma.getmaskarray(a)) if readers need it"
+        )
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     if not array.flags.writeable:  # torch tensors are writable: never alias a read-only buffer
