@@ -388,3 +388,20 @@ def test_a_client_opened_in_an_earlier_asyncio_run_says_so() -> None:
                 asyncio.run(client.list_partitions())
         finally:
             asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://h:9 "])
+async def test_an_address_zmq_cannot_parse_is_the_callers_error(address: str) -> None:
+    # not BrokenError: that one says "retry once it is back", and a retry fails the same way
+    with pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"):
+        async with tq.AsyncClient.connect(address):
+            pass
+
+    def blocking() -> None:
+        with (
+            pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"),
+            tq.Client.connect(address),
+        ):
+            pass
+
+    await anyio.to_thread.run_sync(blocking)
