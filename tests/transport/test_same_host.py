@@ -306,3 +306,32 @@ async def test_a_request_waiting_when_the_controller_moves_to_its_twin_breaks_re
         assert isinstance(exc, BrokenError), repr(exc)
         assert "retry" in str(exc)
         assert await client.list_partitions() is not None  # the twin answers
+
+
+async def test_a_message_over_256_mib_crosses_a_unix_socket_whole() -> None:
+    """ZMQ carries a message of any size; the Unix-socket twin took one over 256 MiB for a
+    malformed frame and dropped the connection (a read of a large batch through a unit's twin,
+    its cells not in shared memory, broke and went again over TCP)."""
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._transport._router import RouterEndpoint
+    from tq_async._wire._protocol import ListPartitions, ok_reply, salvage_rid
+
+    def echo(peer: bytes, frames: list[Any]) -> None:
+        rid = salvage_rid(frames[0].buffer)
+        assert rid is not None
+        endpoint.send(peer, [ok_reply(rid, None), *frames[1:]])
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", echo, twin="uds")
+    assert endpoint.ipc_address is not None
+    conn = DealerConnection(endpoint.ipc_address)
+    try:
+        big = bytearray((256 << 20) + 1)
+        big[-1] = 7
+        with anyio.fail_after(60):
+            _, frames = await conn.request(ListPartitions(), [big], timeout=60)
+        assert len(frames) == 1
+        assert memoryview(frames[0]).nbytes == len(big)
+        assert memoryview(frames[0])[-1] == 7
+    finally:
+        conn.close()
+        endpoint.close()

@@ -354,3 +354,54 @@ async def test_a_request_failed_by_a_break_never_reaches_a_service_that_comes_ba
     finally:
         conn.close()
         router.close(linger=0)
+
+
+@pytest.mark.parametrize("busy_poll", [0.0, 0.05])
+async def test_a_connection_used_from_another_event_loop_says_so(busy_poll: float) -> None:
+    """A connection reads its socket from the loop that opened it: a request from another
+    loop (another thread, or a later ``asyncio.run``) got asyncio's RuntimeError, or, while
+    it polled for its reply, read the socket from two threads at once."""
+    address, listener = _silent_listener()
+    conn = DealerConnection(address, busy_poll=busy_poll)
+    try:
+
+        def elsewhere() -> None:
+            with pytest.raises(tq.InvalidRequestError, match="another event loop"):
+                asyncio.run(conn.request(ListPartitions(), timeout=5))
+
+        await anyio.to_thread.run_sync(elsewhere)
+        assert not conn._core.waiting  # nothing was sent
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_a_client_opened_in_an_earlier_asyncio_run_says_so() -> None:
+    with tq.background_cluster(num_storage_units=1) as cluster:
+
+        async def opened() -> tq.AsyncClient:
+            return await tq.AsyncClient.connect(cluster.address).open()
+
+        client = asyncio.run(opened())
+        try:
+            with pytest.raises(tq.InvalidRequestError, match="another event loop"):
+                asyncio.run(client.list_partitions())
+        finally:
+            asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://h:9 "])
+async def test_an_address_zmq_cannot_parse_is_the_callers_error(address: str) -> None:
+    # not BrokenError: that one says "retry once it is back", and a retry fails the same way
+    with pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"):
+        async with tq.AsyncClient.connect(address):
+            pass
+
+    def blocking() -> None:
+        with (
+            pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"),
+            tq.Client.connect(address),
+        ):
+            pass
+
+    await anyio.to_thread.run_sync(blocking)

@@ -20,7 +20,7 @@ from typing import Any, cast
 import msgspec
 import zmq
 
-from .._errors import BrokenError, ClosedError
+from .._errors import BrokenError, ClosedError, InvalidRequestError
 from .._logging import get_logger
 from .._wire._protocol import Cancel, Reply
 from ._connection import (
@@ -237,6 +237,15 @@ class DealerConnection(ConnectionShell, DrainedSocket):
     def _check_usable(self) -> None:
         """Raise if a request cannot be sent on this connection at all."""
         self._core.check_usable(self._closed)
+        if asyncio.get_running_loop() is not self._loop:
+            # its socket is read by the loop that opened it (another thread's, or one an
+            # earlier ``asyncio.run`` closed): a request here would never see its reply
+            raise InvalidRequestError(
+                f"this connection to {self.name} was opened on another event loop: an "
+                "AsyncClient belongs to the event loop that opened it; open one on this loop "
+                "(`async with tq.AsyncClient.connect(address)`), or give each thread its own "
+                "tq.Client"
+            )
 
     async def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed without one; every

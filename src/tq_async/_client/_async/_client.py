@@ -232,6 +232,7 @@ class AsyncClient:
             BrokenError: nothing listens at the address (the connection was refused), or
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
+            InvalidRequestError: the address is malformed (e.g. ``tcp://HOST`` without a port).
         """
         await self._links.open(min(self.connect_timeout, self.request_timeout), self.same_host)
         return self

@@ -222,6 +222,7 @@ class Client:
             BrokenError: nothing listens at the address (the connection was refused), or
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
+            InvalidRequestError: the address is malformed (e.g. ``tcp://HOST`` without a port).
         """
         self._links.open(min(self.connect_timeout, self.request_timeout), self.same_host)
         return self
