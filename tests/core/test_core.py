@@ -634,6 +634,27 @@ def test_a_cancelled_fetch_gives_rows_back_and_drops_its_lease(lease: float | No
     assert get(core, req(1), now=100.0) is None
 
 
+def test_a_release_after_its_lease_ran_out_takes_nothing_from_the_next_reader() -> None:
+    """A fetch whose lease expired before its caller gave the rows back (a `get` whose read
+    outlasted the lease, a late Cancel): the expiry gave them back already, and another
+    consumer may hold them now. The release gives nothing back (before: it took them from
+    that consumer's open lease, and a third consumer got them though it acknowledged)."""
+    core = new_core()
+    put(core, 4)
+    first = get(core, req(4, lease=1.0))
+    assert rows_of(first) == [0, 1, 2, 3]
+    core.advance(1.0)  # the lease runs out: the rows go back to the task
+    second = get(core, req(4, lease=10.0), now=1.0)
+    assert rows_of(second) == [0, 1, 2, 3]
+    assert first is not None
+    assert second is not None
+    core.release("p", "t", first.rows, first.incarnation, first.lease_id)
+    assert get(core, req(1, lease=10.0), now=1.5) is None  # still the second reader's
+    core.ack([second.lease_id], 2.0)
+    core.release("p", "t", second.rows, second.incarnation, second.lease_id)  # acked: final
+    assert get(core, req(1), now=2.0) is None
+
+
 def test_a_released_batch_goes_back_whatever_other_tasks_recorded() -> None:
     """Rows a task released are ready for it again even when another task's recorded batch
     holds them (before: any task's recorded batch kept them, and the releasing task never
