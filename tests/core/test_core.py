@@ -537,6 +537,25 @@ def test_bad_dp_size_and_tail_are_refused() -> None:
         get(core, req(2, dp_size=2))
 
 
+def test_a_global_batch_is_never_decided_again_over_its_recorded_shares() -> None:
+    """Batch 0 decided for dp_size 2, then asked for by a rank of dp_size 3 (or a batch
+    recorded without dp_size, then asked for with it): refused, nothing consumed (before:
+    decided again over the recorded shares, so rank 0's replay got other rows and rank 1's
+    first share was consumed and never delivered)."""
+    core = new_sealed(12)
+    rank0 = rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2)))
+    consumed = core.state.partition("p").consumed_count["t"]
+    with pytest.raises(InvalidRequestError, match="decided for dp_rank 0 but not for dp_rank 2"):
+        get(core, req(2, batch_index=0, dp_rank=2, dp_size=3))
+    assert core.state.partition("p").consumed_count["t"] == consumed
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2))) == rank0
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=1, dp_size=2))) == [2, 3]
+    plain = rows_of(get(core, req(2, batch_index=1)))  # rank 0, no dp_size
+    with pytest.raises(InvalidRequestError, match="or without dp_size"):
+        get(core, req(2, batch_index=1, dp_rank=1, dp_size=2))
+    assert rows_of(get(core, req(2, batch_index=1))) == plain
+
+
 def test_split_even_keeps_groups_together() -> None:
     assert split_even(list(range(8)), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert split_even(list(range(12)), 2, 4) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]

@@ -209,6 +209,8 @@ class Gets:
 
     def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
         """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
+        if dp_size is not None:
+            check_undecided(req, p, dp_size)
         ready, final = p.offer(req.task_name, req.data_fields)
         if not final and too_few(self.sampler_for(req.task_name), req, ready, dp_size):
             return None
@@ -322,6 +324,7 @@ class Gets:
                 sampled, consumed = check_result(result)
                 shares = [sampled]
             else:
+                check_undecided(req, p, call.dp_size)  # (an async sampler: the state moved)
                 shares, consumed = self._global_shares(req, call, result)
                 located = call.shares and getattr(call.sampler, "locality_aware", False)
                 shares = shares if located else self._by_host(req, p, shares)
@@ -520,6 +523,25 @@ def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
             f"({group}) with dp_size={dp_size}: each rank's batch holds whole prompt groups; "
             f"ask for a multiple of {group} rows per rank"
         )
+
+
+def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
+    """No rank's share of the global batch ``req`` would decide is recorded: a batch
+    decided with another ``dp_size`` (or without one) would be decided again over it, its
+    ranks' recorded rows replaced (a replay getting other rows, a share never delivered)."""
+    key = record_key(req)
+    assert key is not None
+    task, rank, index = key
+    recorded = p.recorded
+    for r in range(dp_size):
+        if r != rank and (task, r, index) in recorded:
+            raise InvalidRequestError(
+                f"batch_index {index} of task {task!r} in partition {p.partition_id!r} was "
+                f"decided for dp_rank {r} but not for dp_rank {rank}: it was decided with a "
+                f"smaller dp_size than {dp_size}, or without dp_size; every rank of a task asks "
+                "for a batch with the dp_size it was decided with (a restarted job too), or "
+                "reset the task's consumption (reset_consumption) to decide anew"
+            )
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
