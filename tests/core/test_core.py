@@ -118,6 +118,25 @@ def test_an_ack_lets_end_of_stream_through_and_wakes_the_task() -> None:
     assert is_end(get(core, req(4), now=1.0))
 
 
+def test_stop_when_consumed_waits_for_an_open_lease_too() -> None:
+    """A consumer that dies holding a lease on the last rows keeps a stop_when_consumed
+    stream from ending, as it keeps a sealed one (before: the others ended at once, and
+    the rows its expiry gave back were processed by nobody)."""
+    core = new_core()
+    put(core, 4)
+    dead = get(core, req(4, lease=1.0))
+    assert rows_of(dead) == [0, 1, 2, 3]
+    waiting = msgspec.structs.replace(req(4, lease=1.0), stop_when_consumed=True)
+    assert get(core, waiting, now=0.5) is None  # the dead consumer's rows may come back
+    fx = core.advance(1.0)
+    assert Wakeup("p", "t") in fx.wakeups
+    again = get(core, waiting, now=1.0)
+    assert rows_of(again) == [0, 1, 2, 3]
+    assert again is not None
+    acked = msgspec.structs.replace(waiting, ack=[again.lease_id])
+    assert is_end(get(core, acked, now=1.5))
+
+
 def test_holds_do_not_block_end_of_stream() -> None:
     core = new_core()
     core.state.auto_clear["p"] = ("t",)

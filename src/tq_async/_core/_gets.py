@@ -621,8 +621,12 @@ def follower(req: GetMeta, index: int, after: int) -> GetMeta:
 
 
 def all_consumed(p: Partition, task: str) -> bool:
-    """The partition holds rows and ``task`` consumed every one of them."""
-    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+    """The partition holds rows and ``task`` consumed every one of them for good: no lease
+    of the task is open (its rows come back if it runs out), as for an end of stream after
+    a seal."""
+    return (
+        p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive and not p.open_leases.get(task)
+    )
 
 
 def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
