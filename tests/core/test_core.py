@@ -32,6 +32,7 @@ from tq_async._core._transitions import (
     follower,
     split_even,
 )
+from tq_async._wire._checks import validate
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, PartitionDump, StoreClear
 from tq_async.samplers import BaseSampler
@@ -554,6 +555,20 @@ def test_bad_dp_size_and_tail_are_refused() -> None:
         get(core, req(2, dp_rank=0, batch_index=0, dp_size=2, tail="pad"))
     with pytest.raises(InvalidRequestError, match="needs sampling_config with dp_rank"):
         get(core, req(2, dp_size=2))
+
+
+@pytest.mark.timeout(20)
+def test_a_huge_dp_size_is_refused_at_once() -> None:
+    """Deciding a global batch costs the controller time and memory in ``dp_size``: one
+    request with dp_size 10**9 stalled it for hours (every other client with it). Refused
+    at the wire, and by the core, naming the bound."""
+    core = new_sealed(4)
+    huge = req(2, batch_index=0, dp_rank=0, dp_size=10**9)
+    with pytest.raises(InvalidRequestError, match=r"dp_size.*\[1, 65536\]"):
+        validate(huge)
+    with pytest.raises(InvalidRequestError, match=r"dp_size must be an int in \[1, 65536\]"):
+        get(core, huge)
+    assert core.state.partition("p").consumed_count.get("t", 0) == 0
 
 
 def test_a_global_batch_is_never_decided_again_over_its_recorded_shares() -> None:

@@ -25,6 +25,7 @@ import msgspec
 
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
+from .._wire._checks import MAX_DP_SIZE
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, SequentialSampler, StaleRows
 from ._admission import Admission
@@ -227,14 +228,7 @@ class Gets:
                 return None
         if req.mode != "fetch":
             return None
-        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-            raise InvalidRequestError(f"sampling_config dp_size must be an int >= 1: {dp_size!r}")
-        rank = cfg.get("dp_rank") or 0
-        if not isinstance(rank, int) or not 0 <= rank < dp_size:
-            raise InvalidRequestError(
-                f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
-            )
-        return dp_size
+        return checked_dp_size(dp_size, cfg.get("dp_rank") or 0)
 
     def _call(
         self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
@@ -510,6 +504,20 @@ def _trusted(sampler: BaseSampler) -> bool:
         getattr(cls, "sample", None) is SequentialSampler.sample
         and getattr(cls, "sample_shares", None) is BaseSampler.sample_shares
     )
+
+
+def checked_dp_size(dp_size: Any, rank: Any) -> int:
+    """The ``dp_size`` of a global batch (the request's, or its sampler's hint), checked
+    with the asking ``rank``: deciding one costs time and memory in ``dp_size``."""
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size <= MAX_DP_SIZE:
+        raise InvalidRequestError(
+            f"sampling_config dp_size must be an int in [1, {MAX_DP_SIZE}]: {dp_size!r}"
+        )
+    if not isinstance(rank, int) or not 0 <= rank < dp_size:
+        raise InvalidRequestError(
+            f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
+        )
+    return dp_size
 
 
 def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
