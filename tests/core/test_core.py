@@ -32,6 +32,7 @@ from tq_async._core._transitions import (
     follower,
     split_even,
 )
+from tq_async._wire._checks import validate
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, PartitionDump, StoreClear
 from tq_async.samplers import BaseSampler
@@ -116,6 +117,25 @@ def test_an_ack_lets_end_of_stream_through_and_wakes_the_task() -> None:
     fx = core.ack([got.lease_id], 1.0)
     assert Wakeup("p", "t") in fx.wakeups
     assert is_end(get(core, req(4), now=1.0))
+
+
+def test_stop_when_consumed_waits_for_an_open_lease_too() -> None:
+    """A consumer that dies holding a lease on the last rows keeps a stop_when_consumed
+    stream from ending, as it keeps a sealed one (before: the others ended at once, and
+    the rows its expiry gave back were processed by nobody)."""
+    core = new_core()
+    put(core, 4)
+    dead = get(core, req(4, lease=1.0))
+    assert rows_of(dead) == [0, 1, 2, 3]
+    waiting = msgspec.structs.replace(req(4, lease=1.0), stop_when_consumed=True)
+    assert get(core, waiting, now=0.5) is None  # the dead consumer's rows may come back
+    fx = core.advance(1.0)
+    assert Wakeup("p", "t") in fx.wakeups
+    again = get(core, waiting, now=1.0)
+    assert rows_of(again) == [0, 1, 2, 3]
+    assert again is not None
+    acked = msgspec.structs.replace(waiting, ack=[again.lease_id])
+    assert is_end(get(core, acked, now=1.5))
 
 
 def test_holds_do_not_block_end_of_stream() -> None:
@@ -537,6 +557,39 @@ def test_bad_dp_size_and_tail_are_refused() -> None:
         get(core, req(2, dp_size=2))
 
 
+@pytest.mark.timeout(20)
+def test_a_huge_dp_size_is_refused_at_once() -> None:
+    """Deciding a global batch costs the controller time and memory in ``dp_size``: one
+    request with dp_size 10**9 stalled it for hours (every other client with it). Refused
+    at the wire, and by the core, naming the bound."""
+    core = new_sealed(4)
+    huge = req(2, batch_index=0, dp_rank=0, dp_size=10**9)
+    with pytest.raises(InvalidRequestError, match=r"dp_size.*\[1, 65536\]"):
+        validate(huge)
+    with pytest.raises(InvalidRequestError, match=r"dp_size must be an int in \[1, 65536\]"):
+        get(core, huge)
+    assert core.state.partition("p").consumed_count.get("t", 0) == 0
+
+
+def test_a_global_batch_is_never_decided_again_over_its_recorded_shares() -> None:
+    """Batch 0 decided for dp_size 2, then asked for by a rank of dp_size 3 (or a batch
+    recorded without dp_size, then asked for with it): refused, nothing consumed (before:
+    decided again over the recorded shares, so rank 0's replay got other rows and rank 1's
+    first share was consumed and never delivered)."""
+    core = new_sealed(12)
+    rank0 = rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2)))
+    consumed = core.state.partition("p").consumed_count["t"]
+    with pytest.raises(InvalidRequestError, match="decided for dp_rank 0 but not for dp_rank 2"):
+        get(core, req(2, batch_index=0, dp_rank=2, dp_size=3))
+    assert core.state.partition("p").consumed_count["t"] == consumed
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2))) == rank0
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=1, dp_size=2))) == [2, 3]
+    plain = rows_of(get(core, req(2, batch_index=1)))  # rank 0, no dp_size
+    with pytest.raises(InvalidRequestError, match="or without dp_size"):
+        get(core, req(2, batch_index=1, dp_rank=1, dp_size=2))
+    assert rows_of(get(core, req(2, batch_index=1))) == plain
+
+
 def test_split_even_keeps_groups_together() -> None:
     assert split_even(list(range(8)), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert split_even(list(range(12)), 2, 4) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
@@ -632,6 +685,27 @@ def test_a_cancelled_fetch_gives_rows_back_and_drops_its_lease(lease: float | No
     # the first lease's deadline passes: nothing is given back a second time
     core.advance(100.0)
     assert get(core, req(1), now=100.0) is None
+
+
+def test_a_release_after_its_lease_ran_out_takes_nothing_from_the_next_reader() -> None:
+    """A fetch whose lease expired before its caller gave the rows back (a `get` whose read
+    outlasted the lease, a late Cancel): the expiry gave them back already, and another
+    consumer may hold them now. The release gives nothing back (before: it took them from
+    that consumer's open lease, and a third consumer got them though it acknowledged)."""
+    core = new_core()
+    put(core, 4)
+    first = get(core, req(4, lease=1.0))
+    assert rows_of(first) == [0, 1, 2, 3]
+    core.advance(1.0)  # the lease runs out: the rows go back to the task
+    second = get(core, req(4, lease=10.0), now=1.0)
+    assert rows_of(second) == [0, 1, 2, 3]
+    assert first is not None
+    assert second is not None
+    core.release("p", "t", first.rows, first.incarnation, first.lease_id)
+    assert get(core, req(1, lease=10.0), now=1.5) is None  # still the second reader's
+    core.ack([second.lease_id], 2.0)
+    core.release("p", "t", second.rows, second.incarnation, second.lease_id)  # acked: final
+    assert get(core, req(1), now=2.0) is None
 
 
 def test_a_released_batch_goes_back_whatever_other_tasks_recorded() -> None:

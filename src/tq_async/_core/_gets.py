@@ -25,6 +25,7 @@ import msgspec
 
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
+from .._wire._checks import MAX_DP_SIZE
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, SequentialSampler, StaleRows
 from ._admission import Admission
@@ -209,6 +210,8 @@ class Gets:
 
     def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
         """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
+        if dp_size is not None:
+            check_undecided(req, p, dp_size)
         ready, final = p.offer(req.task_name, req.data_fields)
         if not final and too_few(self.sampler_for(req.task_name), req, ready, dp_size):
             return None
@@ -225,14 +228,7 @@ class Gets:
                 return None
         if req.mode != "fetch":
             return None
-        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-            raise InvalidRequestError(f"sampling_config dp_size must be an int >= 1: {dp_size!r}")
-        rank = cfg.get("dp_rank") or 0
-        if not isinstance(rank, int) or not 0 <= rank < dp_size:
-            raise InvalidRequestError(
-                f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
-            )
-        return dp_size
+        return checked_dp_size(dp_size, cfg.get("dp_rank") or 0)
 
     def _call(
         self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
@@ -322,6 +318,7 @@ class Gets:
                 sampled, consumed = check_result(result)
                 shares = [sampled]
             else:
+                check_undecided(req, p, call.dp_size)  # (an async sampler: the state moved)
                 shares, consumed = self._global_shares(req, call, result)
                 located = call.shares and getattr(call.sampler, "locality_aware", False)
                 shares = shares if located else self._by_host(req, p, shares)
@@ -511,6 +508,20 @@ def _trusted(sampler: BaseSampler) -> bool:
     )
 
 
+def checked_dp_size(dp_size: Any, rank: Any) -> int:
+    """The ``dp_size`` of a global batch (the request's, or its sampler's hint), checked
+    with the asking ``rank``: deciding one costs time and memory in ``dp_size``."""
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size <= MAX_DP_SIZE:
+        raise InvalidRequestError(
+            f"sampling_config dp_size must be an int in [1, {MAX_DP_SIZE}]: {dp_size!r}"
+        )
+    if not isinstance(rank, int) or not 0 <= rank < dp_size:
+        raise InvalidRequestError(
+            f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
+        )
+    return dp_size
+
+
 def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
     """A rank's ``batch_size`` holds whole groups of the sampler's `group_size`: else
     every global batch, not only the last, would split unevenly over the ranks (and
@@ -522,6 +533,25 @@ def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
             f"({group}) with dp_size={dp_size}: each rank's batch holds whole prompt groups; "
             f"ask for a multiple of {group} rows per rank"
         )
+
+
+def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
+    """No rank's share of the global batch ``req`` would decide is recorded: a batch
+    decided with another ``dp_size`` (or without one) would be decided again over it, its
+    ranks' recorded rows replaced (a replay getting other rows, a share never delivered)."""
+    key = record_key(req)
+    assert key is not None
+    task, rank, index = key
+    recorded = p.recorded
+    for r in range(dp_size):
+        if r != rank and (task, r, index) in recorded:
+            raise InvalidRequestError(
+                f"batch_index {index} of task {task!r} in partition {p.partition_id!r} was "
+                f"decided for dp_rank {r} but not for dp_rank {rank}: it was decided with a "
+                f"smaller dp_size than {dp_size}, or without dp_size; every rank of a task asks "
+                "for a batch with the dp_size it was decided with (a restarted job too), or "
+                "reset the task's consumption (reset_consumption) to decide anew"
+            )
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
@@ -601,8 +631,12 @@ def follower(req: GetMeta, index: int, after: int) -> GetMeta:
 
 
 def all_consumed(p: Partition, task: str) -> bool:
-    """The partition holds rows and ``task`` consumed every one of them."""
-    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+    """The partition holds rows and ``task`` consumed every one of them for good: no lease
+    of the task is open (its rows come back if it runs out), as for an end of stream after
+    a seal."""
+    return (
+        p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive and not p.open_leases.get(task)
+    )
 
 
 def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:

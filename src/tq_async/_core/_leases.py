@@ -222,12 +222,15 @@ class GetLeases:
         dropped, not acknowledged — an expiry must not give the rows back a second time,
         and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
         Rows of a recorded batch stay with the batch (its next reader gets them), and so
-        does its lease.
+        does its lease. A lease that ended gives nothing back: it expired (its rows went
+        back then, and another consumer may hold them now) or was acknowledged.
         """
         fx = Effects()
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
         lease = p.leases.get(lease_id) if lease_id else None
+        if lease_id and lease is None:
+            return fx
         if lease is not None and lease.key is None and lease.task == task:
             self.drop(p, lease)
             if lease.deadline is not None:
