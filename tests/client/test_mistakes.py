@@ -143,6 +143,16 @@ async def test_a_silent_peer_fails_within_the_connect_timeout() -> None:
         assert client.request_timeout == 60.0  # separate from the connect timeout
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "5", 0, -1])
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
+def test_a_connect_timeout_that_is_not_seconds_is_refused_at_once(cls: Any, bad: Any) -> None:
+    """``connect_timeout`` is checked as ``request_timeout`` is: NaN passed (and with a
+    silent peer `open` then waited for ever: ``min(nan, request_timeout)`` is NaN), so did
+    infinity and True, and a string failed with a bare TypeError."""
+    with pytest.raises(tq.InvalidRequestError, match="connect_timeout"):
+        cls("tcp://127.0.0.1:9", connect_timeout=bad)
+
+
 async def open_once(connect: Any, address: str) -> None:
     if connect == tq.Client.connect:
 
