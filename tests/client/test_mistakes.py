@@ -48,6 +48,29 @@ async def test_a_typo_in_a_field_name_says_which_field_no_row_has(
         assert warning.tq_event["task"] == "learner"  # type: ignore[attr-defined]
 
 
+async def test_get_data_checks_its_fields_as_get_meta_checks_data_fields() -> None:
+    """``get_data(meta, "input_ids")`` (one name, not a list) read the fields 'i', 'n', ...
+    and failed with `RowsNotFound` for field 'i'; a name that is not a string reached the
+    unit and came back as a `ProtocolError` ("malformed request"). Both are refused before
+    anything is sent, naming the argument, as `get_meta` refuses its ``data_fields``."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        data = TensorDict({"input_ids": torch.zeros(2, 3), "reward": torch.ones(2)}, [2])
+        meta = await client.put(data, partition_id="p")
+        with pytest.raises(tq.InvalidRequestError, match=r"write fields=\['input_ids'\]"):
+            await client.get_data(meta, "input_ids")
+        for bad in ([1], ["reward", None], [""], b"reward"):
+            with pytest.raises(tq.InvalidRequestError, match="fields"):
+                await client.get_data(meta, bad)  # type: ignore[arg-type]
+        # what worked still works: any sequence of names, none at all, a name twice
+        assert list((await client.get_data(meta, ("reward",))).keys()) == ["reward"]
+        assert (await client.get_data(meta, [])).batch_size == torch.Size([2])
+        td = await client.get_data(meta, ["reward", "input_ids", "reward"])
+        assert sorted(td.keys()) == ["input_ids", "reward"]
+
+
 async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,
