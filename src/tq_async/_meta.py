@@ -11,7 +11,7 @@ import msgspec
 
 from ._errors import InvalidRequestError
 
-__all__ = ["BatchMeta", "even_ranges"]
+__all__ = ["BatchMeta", "check_meta", "even_ranges"]
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +197,31 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             extra_info=extra,
             keys=[k for m in metas for k in (m.keys or [None] * len(m))] if has_keys else [],
         )
+
+
+def check_meta(meta: Any, call: str) -> BatchMeta:
+    """``meta``, when it is a `BatchMeta`.
+
+    Raises:
+        InvalidRequestError: it is not, naming ``call`` (and, for a ``tq_async.compat``
+            BatchMeta, its ``to_native()``).
+    """
+    if isinstance(meta, BatchMeta):
+        return meta
+    kind = type(meta)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    hint = (
+        ": convert a tq_async.compat BatchMeta with meta.to_native()"
+        if callable(getattr(meta, "to_native", None))
+        else ""
+    )
+    raise InvalidRequestError(
+        f"{call} takes a tq_async.BatchMeta (what put, get_meta and get return), got {name}{hint}"
+    )
 
 
 def even_ranges(n: int, pieces: int) -> list[range]:

@@ -71,6 +71,42 @@ async def test_get_data_checks_its_fields_as_get_meta_checks_data_fields() -> No
         assert sorted(td.keys()) == ["input_ids", "reward"]
 
 
+async def test_a_meta_that_is_not_a_batch_meta_is_refused_naming_the_call() -> None:
+    """Every call that takes a `BatchMeta` says so when it gets something else -- a
+    ``tq_async.compat`` BatchMeta (a migration half done), a dict, a list, None -- instead
+    of failing with ``AttributeError`` (or, for ``ack``, ignoring it)."""
+    from tq_async.compat import BatchMeta as CompatMeta
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put(TensorDict({"x": torch.ones(2)}, [2]), partition_id="p")
+        compat = CompatMeta.from_native(meta)
+        calls: dict[str, Any] = {
+            "get_data": lambda m: client.get_data(m),
+            "put": lambda m: client.put(TensorDict({"y": torch.ones(2)}, [2]), meta=m),
+            "put_nowait": lambda m: client.put_nowait({"y": torch.ones(2)}, meta=m),
+            "clear_samples": lambda m: client.clear_samples(m),
+            "set_tags": lambda m: client.set_tags(m, [{}, {}]),
+            "release": lambda m: client.release(m),
+            "ack": lambda m: client.ack(m),
+            "ack=": lambda m: client.get_meta(["x"], 1, "p", "t", mode="peek", ack=m),
+        }
+        for bad in (compat, {"x": 1}, [compat], 3):
+            for name, call in calls.items():
+                with pytest.raises(tq.InvalidRequestError, match="BatchMeta") as info:
+                    await call(bad)
+                said = name.rstrip("=").removesuffix("_nowait")
+                assert str(info.value).startswith(f"{said} takes a tq_async.BatchMeta")
+                if bad is compat:
+                    assert "to_native()" in str(info.value)
+        for name in ("get_data", "clear_samples", "set_tags", "release"):
+            with pytest.raises(tq.InvalidRequestError, match=f"{name} takes a"):
+                await calls[name](None)
+        assert (await client.partition_info("p"))["rows"] == 2  # nothing was done
+
+
 async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -25,7 +25,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device, copies_to, read_onto, to_device_now
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
@@ -349,6 +349,7 @@ class GetPath:
         device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
+        meta = check_meta(meta, "get_data")
         names = list(meta.field_names) if fields is None else _read_fields(fields)
         as_nested = check_nested(nested)
         target = check_device(device)
@@ -579,6 +580,7 @@ class GetPath:
 
     def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
         body = Release(
