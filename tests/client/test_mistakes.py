@@ -107,6 +107,22 @@ async def test_a_meta_that_is_not_a_batch_meta_is_refused_naming_the_call() -> N
         assert (await client.partition_info("p"))["rows"] == 2  # nothing was done
 
 
+async def test_a_sampling_config_that_is_not_a_dict_of_names_is_refused() -> None:
+    """A ``sampling_config`` that is no mapping failed with a bare ``TypeError`` /
+    ``ValueError`` (``dict()`` of it), and one with a key that is not a string reached the
+    controller and came back as a `ProtocolError` (logged there as a malformed request)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await put_rows(client)
+        for bad in ([1], "dp_rank", [("dp_rank", 0)], {0: "dp_rank"}):
+            with pytest.raises(tq.InvalidRequestError, match="sampling_config"):
+                await client.get_meta(["reward"], 1, "p", "t", bad, timeout=0)  # type: ignore[arg-type]
+        meta = await client.get_meta(["reward"], 2, "p", "t", timeout=0)
+        assert meta.global_indexes == [0, 1]  # nothing was consumed by the refused calls
+
+
 async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -120,7 +120,7 @@ def meta_query(
         check_seconds("timeout", timeout)
     if lease is not None:
         check_seconds("lease", lease)
-    cfg = dict(sampling_config) if sampling_config else None
+    cfg = None if sampling_config is None else _config(sampling_config)
     if cfg is not None:
         _check_dp_config(cfg)
         check_sampling_config(cfg)
@@ -162,6 +162,22 @@ def lease_ids(metas: Any) -> list[int] | None:
 
 
 _TAILS = ("uneven", "drop", "error")
+
+
+def _config(sampling_config: Any) -> dict[str, Any] | None:
+    """A copy of a ``sampling_config`` (None when empty), checked to be a dict of names."""
+    if not isinstance(sampling_config, Mapping):
+        raise InvalidRequestError(
+            f"sampling_config must be a dict, e.g. {{'dp_rank': 0, 'batch_index': 3}}, got "
+            f"{type(sampling_config).__name__} {sampling_config!r:.80}"
+        )
+    for key in sampling_config:
+        if not isinstance(key, str):
+            raise InvalidRequestError(
+                f"sampling_config's keys are names (strings), got {key!r} of type "
+                f"{type(key).__name__}"
+            )
+    return dict(sampling_config) or None
 
 
 def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:
