@@ -17,7 +17,7 @@ from ..._errors import (
     SchemaError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._primitives import run_each
 from ..._wire._checks import check_int, check_seconds
 from ..._wire._codec import check_text, tags_for_wire
@@ -178,6 +178,7 @@ class ControlCalls:
 
     async def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
+        meta = check_meta(meta, "clear_samples")
         body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
         await self._links.call(body, None)
 
@@ -225,6 +226,7 @@ class ControlCalls:
 
     async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        meta = check_meta(meta, "set_tags")
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]

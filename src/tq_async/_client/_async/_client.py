@@ -952,10 +952,9 @@ def _checked(
     """The client's connection options checked (a clear error for each bad one): the data
     path and the busy poll as the client keeps them."""
     check_seconds("request_timeout", request_timeout, optional=False)
+    check_seconds("connect_timeout", connect_timeout, optional=False)
     check_seconds("retry_after", retry_after)
     check_address(address)
-    if connect_timeout <= 0:
-        raise InvalidRequestError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
     return check_data_path(data_path), _check_busy_poll(busy_poll)
 
 

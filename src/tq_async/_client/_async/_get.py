@@ -23,7 +23,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device, copies_to, read_onto_async, to_device
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
@@ -58,7 +58,7 @@ from ..._wire._protocol import (
     StoredColumns,
     StoreGet,
 )
-from ._base import THREAD_COPY_BYTES, Links
+from ._base import THREAD_COPY_BYTES, Links, check_fields
 from ._query import MetaQuery, check_nested, lease_ids
 from ._replies import decode
 
@@ -279,6 +279,17 @@ def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
     return host
 
 
+def _read_fields(fields: Any) -> list[str]:
+    """`get_data`'s ``fields``, checked: names (any sequence of them; an empty one reads
+    no column)."""
+    if not isinstance(fields, (str, bytes, list, tuple)):
+        with contextlib.suppress(TypeError):  # (not iterable: check_fields names it)
+            fields = list(fields)
+    if type(fields) in (list, tuple) and not fields:
+        return []
+    return check_fields(fields, "fields")
+
+
 def _release_pin(conn: DealerConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -336,7 +347,8 @@ class GetPath:
         device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
-        names = list(fields) if fields is not None else list(meta.field_names)
+        meta = check_meta(meta, "get_data")
+        names = list(meta.field_names) if fields is None else _read_fields(fields)
         as_nested = check_nested(nested)
         target = check_device(device)
         n = len(meta)
@@ -572,6 +584,7 @@ class GetPath:
 
     async def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
         body = Release(

@@ -19,7 +19,7 @@ from ..._errors import (
     SchemaError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._sync_primitives import run_each
 from ..._wire._checks import check_int, check_seconds
 from ..._wire._codec import check_text, tags_for_wire
@@ -180,6 +180,7 @@ class ControlCalls:
 
     def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
+        meta = check_meta(meta, "clear_samples")
         body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
         self._links.call(body, None)
 
@@ -227,6 +228,7 @@ class ControlCalls:
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
+        meta = check_meta(meta, "set_tags")
         if len(tags) != len(meta):
             raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
         wire_tags = [t or {} for t in tags_for_wire(tags)]

@@ -25,7 +25,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device, copies_to, read_onto, to_device_now
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
@@ -60,7 +60,7 @@ from ..._wire._protocol import (
     StoredColumns,
     StoreGet,
 )
-from ._base import THREAD_COPY_BYTES, Links
+from ._base import THREAD_COPY_BYTES, Links, check_fields
 from ._query import MetaQuery, check_nested, lease_ids
 from ._replies import decode
 
@@ -281,6 +281,17 @@ def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
     return host
 
 
+def _read_fields(fields: Any) -> list[str]:
+    """`get_data`'s ``fields``, checked: names (any sequence of them; an empty one reads
+    no column)."""
+    if not isinstance(fields, (str, bytes, list, tuple)):
+        with contextlib.suppress(TypeError):  # (not iterable: check_fields names it)
+            fields = list(fields)
+    if type(fields) in (list, tuple) and not fields:
+        return []
+    return check_fields(fields, "fields")
+
+
 def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -338,7 +349,8 @@ class GetPath:
         device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
-        names = list(fields) if fields is not None else list(meta.field_names)
+        meta = check_meta(meta, "get_data")
+        names = list(meta.field_names) if fields is None else _read_fields(fields)
         as_nested = check_nested(nested)
         target = check_device(device)
         n = len(meta)
@@ -568,6 +580,7 @@ class GetPath:
 
     def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
         body = Release(

@@ -26,7 +26,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import (
     DeviceFrame,
     copy_frames_now,
@@ -150,6 +150,7 @@ class PutPath:
         ``meta``), `put_nowait` (``nowait``: `WouldBlock` instead of waiting for room), or a
         keyed put of the KV calls (``keys``)."""
         if meta is not None:
+            meta = check_meta(meta, "put")
             if partition_id is not None and partition_id != meta.partition_id:
                 raise InvalidRequestError(
                     f"partition_id {partition_id!r} contradicts meta.partition_id "
