@@ -403,8 +403,13 @@ class Partition:
         return back
 
     def reset_consumption(self, task: str | None) -> None:
-        """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
+        """Forget what ``task`` (every task if None) consumed (its count of rows dropped
+        undelivered too); its ready sets are rebuilt."""
         tasks = list(self.consumed) if task is None else [task]
+        if task is None:
+            self.dropped.clear()
+        else:
+            self.dropped.pop(task, None)
         self.events.reset(self.partition_id, task)
         if self.changes is not None:
             self.changes.whole = True
