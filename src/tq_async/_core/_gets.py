@@ -38,6 +38,7 @@ from ._sampling import (
     Decision,
     SampleCall,
     accepted_kwargs,
+    apply_tail,
     check_result,
     check_shares,
     split_even,
@@ -325,18 +326,20 @@ class Gets:
                 shares, consumed = self._global_shares(req, call, result)
                 located = call.shares and getattr(call.sampler, "locality_aware", False)
                 shares = shares if located else self._by_host(req, p, shares)
-            final = call.final
-            if call.stale and req.mode == "fetch":
-                self._apply_stale(req, p, call.stale, fx)
-                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
             if not call.trusted:
                 check_sampled(req, p, delivered)
+            if req.mode == "fetch" and consumed and consumed != delivered:
+                p.check_rows(consumed)  # (delivered rows were checked just above)
+            final = call.final
+            if call.stale and req.mode == "fetch":  # the answer holds: stale rows go now
+                if consumed:
+                    p.check_consume(req.task_name, consumed)
+                self._apply_stale(req, p, call.stale, consumed, fx)
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             if call.stale and call.stale.kept_rows and req.mode == "fetch":
                 self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
-                if consumed != delivered:  # (the same rows were checked just above)
-                    p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
                 count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)
@@ -386,29 +389,10 @@ class Gets:
         else:
             sampled, consumed = check_result(result)
             shares = split_even(sampled, dp_size, group)
-        lengths = {len(s) for s in shares}
-        if len(lengths) <= 1:
+        if len({len(s) for s in shares}) <= 1:
             return shares, consumed
         tail = str(call.ctx.get("tail") or self._tail(req, call.sampler))
-        if tail == "error":
-            raise InvalidRequestError(
-                f"the last global batch of partition {req.partition_id!r} for task "
-                f"{req.task_name!r} has {sum(map(len, shares))} rows, which do not split evenly "
-                f"over dp_size={dp_size} (shares of {sorted(lengths)} rows); put a multiple of "
-                "dp_size x batch_size rows, or ask with tail='uneven' or 'drop'"
-            )
-        if tail == "drop":
-            keep = min(lengths)
-            dropped = sum(len(s) - keep for s in shares)
-            log.warning(
-                "dropping the uneven tail of a global batch",
-                partition=req.partition_id,
-                task=req.task_name,
-                rows=dropped,
-                dp_size=dp_size,
-            )
-            shares = [s[:keep] for s in shares]
-        return shares, consumed
+        return apply_tail(req, shares, tail), consumed
 
     def _rank_hosts(self, req: GetMeta, dp_size: int | None) -> list[str] | None:
         """Each rank's host id for a global batch (``""``: not asked yet, or locality off with
@@ -477,18 +461,25 @@ class Gets:
             rows = [r for r in rows if r not in given]
         self.leases.auto_clear(p, rows, fx)
 
-    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
-        """Consume the rows a sampler found stale; queue recycled prompts; count."""
-        consumed = p.consumed.get(req.task_name)
+    def _apply_stale(
+        self, req: GetMeta, p: Partition, stale: StaleRows, taken: Sequence[int], fx: Effects
+    ) -> None:
+        """Consume the rows a sampler found stale (but those its answer consumes itself,
+        ``taken``); queue recycled prompts; count."""
+        answer = set(taken)
         st = self.state
         self.rollouts.count_stale(
             "kept", stale.kept - len(stale.kept_rows), fx
         )  # counts without rows
         for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
+            consumed = p.consumed.get(req.task_name)  # (a row both dropped and recycled: once)
             valid = [
                 r
                 for r in dict.fromkeys(rows)
-                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
+                if 0 <= r < p.n_rows
+                and p.alive[r]
+                and not (consumed and consumed[r])
+                and r not in answer
             ]
             if not valid:
                 continue
