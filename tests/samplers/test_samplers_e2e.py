@@ -308,3 +308,33 @@ async def test_a_peek_with_a_dp_rank_leaves_caching_samplers_as_they_were(make: 
         second = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 1})
         assert not set(second.global_indexes) & set(first)
         assert sampler.cache_size == 0
+
+
+@pytest.mark.parametrize("tail", [None, "uneven", "drop"])
+async def test_a_peek_of_a_short_final_seqlen_batch_follows_the_fetch_tail(
+    tail: str | None,
+) -> None:
+    """`SeqlenBalancedSampler` built without a ``tail`` follows the caller's policy
+    (``"uneven"`` by default) for a fetch; a peek of the same batch followed the sampler's
+    own fallback instead (``"error"``: the peek of a final batch with fewer groups than
+    ranks failed with a ``ValueError`` the fetch never raises). A peek shows what the fetch
+    then hands out."""
+    sampler = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(1)}, "p", tags=[{"total_lengths": 3}])
+        await client.seal("p")
+        asked = {"tail": tail, "dp_size": 2} if tail else {}
+        cfgs = [{"batch_index": 0, "dp_rank": r} | asked for r in (0, 1)]
+        peeks = [
+            (await client.get_meta(["x"], 2, "p", "learner", cfg, mode="peek")).global_indexes
+            for cfg in cfgs
+        ]
+        got = [(await client.get_meta(["x"], 2, "p", "learner", cfg)) for cfg in cfgs]
+        assert peeks == [m.global_indexes for m in got]
+        if tail == "drop":
+            assert all(m.end_of_stream for m in got)
+        else:
+            assert [m.global_indexes for m in got] == [[0], []]
