@@ -197,6 +197,8 @@ class Gets:
                 )
             check_rank_batch(req, self.sampler_for(req.task_name), dp_size)
         if key is not None:
+            if p.unavailable and on_suspended(p, key):
+                return None  # its rows are neither handed out nor lost: wait for their unit
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded
@@ -315,6 +317,8 @@ class Gets:
             return AGAIN, fx  # cleared while an async sampler ran
         key = call.key
         if key is not None:
+            if p.unavailable and on_suspended(p, key):
+                return None, fx  # a replica decided the batch meanwhile, on a suspended unit
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded, fx  # a replica decided the batch meanwhile
@@ -553,6 +557,13 @@ def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | No
             assert cfg is not None
             return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
     return None
+
+
+def on_suspended(p: Partition, key: RecordKey) -> bool:
+    """Whether the recorded batch ``key`` holds rows of a suspended unit: neither handed out
+    nor lost, it waits for the unit to come back (or be lost: then it goes without them)."""
+    rows = p.recorded.get(key)
+    return rows is not None and not all(map(p.available, rows))
 
 
 def told_end(ends: dict[tuple[str, str, str, int], set[int]], p: Partition, key: RecordKey) -> bool:
