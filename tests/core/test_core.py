@@ -300,6 +300,27 @@ def test_a_unit_suspended_too_long_is_lost() -> None:
     assert is_end(get(core, req(8), now=60.0))  # lost rows no longer hold it back
 
 
+@pytest.mark.parametrize("back", ["up", "lost"])
+def test_a_recorded_batch_on_a_suspended_unit_waits_for_it(back: str) -> None:
+    """Rank 0 of a DP job decides global batch 0: rank 1's share is recorded, on unit 1. Unit
+    1 is then suspended: its rows are "neither handed out nor lost", so rank 1's request for
+    its share (a replay of rank 0's too) waits (before: it got rows of a unit that does not
+    answer, and its read hung). When the unit comes back (the waiters are woken) rank 1 gets
+    its share; when it is lost, its share without the lost rows."""
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
+    put(core, 4)  # unit 0
+    put(core, 4)  # unit 1
+    rank0 = req(4, batch_index=0, dp_rank=0, dp_size=2)
+    rank1 = req(4, batch_index=0, dp_rank=1, dp_size=2)
+    assert rows_of(get(core, rank0)) == [0, 1, 2, 3]
+    core.unit_down(1, now=0.0)
+    assert get(core, rank1) is None
+    assert rows_of(get(core, rank0)) == [0, 1, 2, 3]  # unit 0 serves: its replay goes on
+    fx = core.unit_up(1) if back == "up" else core.advance(60.0)
+    assert Wakeup("p") in fx.wakeups
+    assert rows_of(get(core, rank1, now=60.0)) == ([4, 5, 6, 7] if back == "up" else [])
+
+
 def test_a_restarted_unit_loses_what_it_held() -> None:
     core = new_core()
     put(core, 4)

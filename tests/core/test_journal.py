@@ -21,7 +21,7 @@ from tq_async._core._journal import (
     partition_record,
     recover,
 )
-from tq_async._core._state import ControllerState
+from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import GetMeta, MetaReply
@@ -161,6 +161,21 @@ def test_an_uncommitted_put_is_aborted_and_units_wait_to_come_back() -> None:
     again.unit_up(0)
     again.unit_up(1)
     assert sorted(get(again, fetch(2), now=1.0).rows) == [0, 1]
+
+
+def test_a_replay_after_a_restart_waits_for_its_unit_and_is_woken_when_it_is_back() -> None:
+    """A recorded batch replayed after a restart, before its unit answered with its data (it
+    is suspended until then): the replay waits, and the unit's return wakes it (before: no
+    wake-up came, as the recovered partition had built no ready set yet, so the replay waited
+    until its timeout)."""
+    core = new_core()
+    put(core, 4)
+    first = get(core, fetch(4, batch_index=0))
+    again = reborn(core, 1.0, 2.0, up=False)
+    decision, _ = again.get_meta(fetch(4, batch_index=0), 2.0)
+    assert decision is None  # its rows are neither handed out nor lost: it waits
+    assert Wakeup("p") in again.unit_up(first.units[0]).wakeups
+    assert get(again, fetch(4, batch_index=0), now=2.0).rows == first.rows
 
 
 def test_rows_reserved_while_puts_are_open_are_skipped_by_recovery() -> None:

@@ -141,6 +141,29 @@ async def test_dropped_tail_ends_every_rank_together() -> None:
         assert await client.check_consumption_status("p", "learner")
 
 
+@pytest.mark.parametrize("task", ["learner", None])
+async def test_dropped_count_starts_over_with_a_reset(task: str | None) -> None:
+    """``partition_info()["dropped"]`` counts the rows a task consumed undelivered: a
+    ``reset_consumption`` forgets that consumption, so the count starts over with it (before,
+    every replay of the partition added its dropped tail again: 1, 2, 3 ... for one row)."""
+    sampler = tq.SeqlenBalancedSampler(dp_size=2, tail="drop")
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(5)}, "p", tags=[{"total_lengths": 3}] * 5)
+        await client.seal("p")
+        for epoch in range(3):
+            for b in range(2):
+                for r in (0, 1):
+                    cfg = {"dp_rank": r, "batch_index": b}
+                    await client.get_meta(["x"], 2, "p", "learner", cfg, timeout=5)
+            info = await client.partition_info("p")
+            assert (info["consumed"], info["dropped"]) == ({"learner": 5}, {"learner": 1}), epoch
+            await client.reset_consumption("p", task)
+            assert (await client.partition_info("p"))["dropped"] == {}, epoch
+
+
 @pytest.mark.parametrize("inline_put_bytes", [65536, 0])  # one message, or three steps
 async def test_a_reused_grpo_uid_is_refused_at_the_put(inline_put_bytes: int) -> None:
     """Two prompts under one uid: the put that gives it a 5th row fails, nothing mixes."""
@@ -285,3 +308,33 @@ async def test_a_peek_with_a_dp_rank_leaves_caching_samplers_as_they_were(make: 
         second = await client.get_meta(["x"], 2, "p", "t", {"dp_rank": 0, "batch_index": 1})
         assert not set(second.global_indexes) & set(first)
         assert sampler.cache_size == 0
+
+
+@pytest.mark.parametrize("tail", [None, "uneven", "drop"])
+async def test_a_peek_of_a_short_final_seqlen_batch_follows_the_fetch_tail(
+    tail: str | None,
+) -> None:
+    """`SeqlenBalancedSampler` built without a ``tail`` follows the caller's policy
+    (``"uneven"`` by default) for a fetch; a peek of the same batch followed the sampler's
+    own fallback instead (``"error"``: the peek of a final batch with fewer groups than
+    ranks failed with a ``ValueError`` the fetch never raises). A peek shows what the fetch
+    then hands out."""
+    sampler = tq.SeqlenBalancedSampler(dp_size=2)
+    async with (
+        tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(1)}, "p", tags=[{"total_lengths": 3}])
+        await client.seal("p")
+        asked = {"tail": tail, "dp_size": 2} if tail else {}
+        cfgs = [{"batch_index": 0, "dp_rank": r} | asked for r in (0, 1)]
+        peeks = [
+            (await client.get_meta(["x"], 2, "p", "learner", cfg, mode="peek")).global_indexes
+            for cfg in cfgs
+        ]
+        got = [(await client.get_meta(["x"], 2, "p", "learner", cfg)) for cfg in cfgs]
+        assert peeks == [m.global_indexes for m in got]
+        if tail == "drop":
+            assert all(m.end_of_stream for m in got)
+        else:
+            assert [m.global_indexes for m in got] == [[0], []]

@@ -544,3 +544,52 @@ async def test_an_admission_that_times_out_says_what_frees_slots() -> None:
         with pytest.raises(tq.TQTimeoutError, match=r"'learn'.*policy_version=.*release_rollout"):
             await client.acquire_rollout(0, 1, timeout=0.2)
         assert cluster.controller.waiting == 0
+
+
+class _WrongOnce(tq.SequentialSampler):
+    """Answers ``wrong`` the first time, then the first ready rows."""
+
+    def __init__(self, wrong: tuple[list[int], list[int]]) -> None:
+        super().__init__()
+        self.wrong: tuple[list[int], list[int]] | None = wrong
+
+    def sample(self, ready: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        if self.wrong is not None:
+            wrong, self.wrong = self.wrong, None
+            return wrong
+        return super().sample(ready, batch_size, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "error"),
+    [(([999], [999]), "row 999"), (([3, 3], [3, 3]), "same row twice")],
+    ids=["missing_row", "consumed_twice"],
+)
+@pytest.mark.parametrize("on_stale", ["drop", "recycle"])
+async def test_a_failed_answer_consumes_none_of_the_stale_rows_it_reported(
+    on_stale: str, wrong: tuple[list[int], list[int]], error: str
+) -> None:
+    """A sampler that reported stale rows, then answered rows the controller refuses: the
+    request fails and nothing happened -- no stale row consumed, counted or queued for
+    regeneration. Before, the stale rows were consumed anyway (with none of what follows a
+    consumption: not counted, not recycled, their admission slots kept). The next request
+    drops (recycles) them once."""
+    sampler = tq.StalenessSampler(_WrongOnce(wrong), max_staleness=0, on_stale=on_stale)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # rows 0..2 are now one version too old
+        await client.put({"x": torch.arange(2)}, "p", policy_version=1)
+        with pytest.raises(tq.TQError, match=error):
+            await client.get_meta(["x"], 2, "p", "t")
+        assert not (await client.consumption_status("p", "t")).any()
+        status = await client.staleness_status()
+        assert (status["dropped"], status["recycled"], status["recycled_pending"]) == (0, 0, 0)
+        got = await client.get_meta(["x"], 2, "p", "t", timeout=5)
+        assert got.global_indexes == [3, 4]
+        assert (await client.consumption_status("p", "t")).all()
+        status = await client.staleness_status()
+        assert status["dropped" if on_stale == "drop" else "recycled"] == 3
+        assert status["recycled_pending"] == (3 if on_stale == "recycle" else 0)

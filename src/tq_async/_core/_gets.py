@@ -39,6 +39,7 @@ from ._sampling import (
     Decision,
     SampleCall,
     accepted_kwargs,
+    apply_tail,
     check_result,
     check_shares,
     split_even,
@@ -197,6 +198,8 @@ class Gets:
                 )
             check_rank_batch(req, self.sampler_for(req.task_name), dp_size)
         if key is not None:
+            if p.unavailable and on_suspended(p, key):
+                return None  # its rows are neither handed out nor lost: wait for their unit
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded
@@ -310,6 +313,8 @@ class Gets:
             return AGAIN, fx  # cleared while an async sampler ran
         key = call.key
         if key is not None:
+            if p.unavailable and on_suspended(p, key):
+                return None, fx  # a replica decided the batch meanwhile, on a suspended unit
             recorded = self._recorded(req, p, key, now)
             if recorded is not None:
                 return recorded, fx  # a replica decided the batch meanwhile
@@ -322,18 +327,20 @@ class Gets:
                 shares, consumed = self._global_shares(req, call, result)
                 located = call.shares and getattr(call.sampler, "locality_aware", False)
                 shares = shares if located else self._by_host(req, p, shares)
-            final = call.final
-            if call.stale and req.mode == "fetch":
-                self._apply_stale(req, p, call.stale, fx)
-                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             delivered = [r for share in shares for r in share]
             if not call.trusted:
                 check_sampled(req, p, delivered)
+            if req.mode == "fetch" and consumed and consumed != delivered:
+                p.check_rows(consumed)  # (delivered rows were checked just above)
+            final = call.final
+            if call.stale and req.mode == "fetch":  # the answer holds: stale rows go now
+                if consumed:
+                    p.check_consume(req.task_name, consumed)
+                self._apply_stale(req, p, call.stale, consumed, fx)
+                final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             if call.stale and call.stale.kept_rows and req.mode == "fetch":
                 self.rollouts.count_kept(req, call.stale, delivered, fx)
             if req.mode == "fetch" and consumed:
-                if consumed != delivered:  # (the same rows were checked just above)
-                    p.check_rows(consumed)
                 p.consume(req.task_name, consumed)
                 count_dropped(req, p, consumed, delivered)
                 self._after_consume(req.task_name, p, consumed, delivered, fx)
@@ -383,29 +390,10 @@ class Gets:
         else:
             sampled, consumed = check_result(result)
             shares = split_even(sampled, dp_size, group)
-        lengths = {len(s) for s in shares}
-        if len(lengths) <= 1:
+        if len({len(s) for s in shares}) <= 1:
             return shares, consumed
         tail = str(call.ctx.get("tail") or self._tail(req, call.sampler))
-        if tail == "error":
-            raise InvalidRequestError(
-                f"the last global batch of partition {req.partition_id!r} for task "
-                f"{req.task_name!r} has {sum(map(len, shares))} rows, which do not split evenly "
-                f"over dp_size={dp_size} (shares of {sorted(lengths)} rows); put a multiple of "
-                "dp_size x batch_size rows, or ask with tail='uneven' or 'drop'"
-            )
-        if tail == "drop":
-            keep = min(lengths)
-            dropped = sum(len(s) - keep for s in shares)
-            log.warning(
-                "dropping the uneven tail of a global batch",
-                partition=req.partition_id,
-                task=req.task_name,
-                rows=dropped,
-                dp_size=dp_size,
-            )
-            shares = [s[:keep] for s in shares]
-        return shares, consumed
+        return apply_tail(req, shares, tail), consumed
 
     def _rank_hosts(self, req: GetMeta, dp_size: int | None) -> list[str] | None:
         """Each rank's host id for a global batch (``""``: not asked yet, or locality off with
@@ -474,18 +462,25 @@ class Gets:
             rows = [r for r in rows if r not in given]
         self.leases.auto_clear(p, rows, fx)
 
-    def _apply_stale(self, req: GetMeta, p: Partition, stale: StaleRows, fx: Effects) -> None:
-        """Consume the rows a sampler found stale; queue recycled prompts; count."""
-        consumed = p.consumed.get(req.task_name)
+    def _apply_stale(
+        self, req: GetMeta, p: Partition, stale: StaleRows, taken: Sequence[int], fx: Effects
+    ) -> None:
+        """Consume the rows a sampler found stale (but those its answer consumes itself,
+        ``taken``); queue recycled prompts; count."""
+        answer = set(taken)
         st = self.state
         self.rollouts.count_stale(
             "kept", stale.kept - len(stale.kept_rows), fx
         )  # counts without rows
         for kind, rows in (("dropped", stale.dropped), ("recycled", stale.recycled)):
+            consumed = p.consumed.get(req.task_name)  # (a row both dropped and recycled: once)
             valid = [
                 r
                 for r in dict.fromkeys(rows)
-                if 0 <= r < p.n_rows and p.alive[r] and not (consumed and consumed[r])
+                if 0 <= r < p.n_rows
+                and p.alive[r]
+                and not (consumed and consumed[r])
+                and r not in answer
             ]
             if not valid:
                 continue
@@ -594,6 +589,13 @@ def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | No
             assert cfg is not None
             return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
     return None
+
+
+def on_suspended(p: Partition, key: RecordKey) -> bool:
+    """Whether the recorded batch ``key`` holds rows of a suspended unit: neither handed out
+    nor lost, it waits for the unit to come back (or be lost: then it goes without them)."""
+    rows = p.recorded.get(key)
+    return rows is not None and not all(map(p.available, rows))
 
 
 def told_end(ends: dict[tuple[str, str, str, int], set[int]], p: Partition, key: RecordKey) -> bool:

@@ -83,7 +83,7 @@ class UnitLiveness:
             st.events.add(UnitBack(unit=unit))
         fx = Effects()
         for pid, p in st.partitions.items():
-            if p.ready and unit in set(p.units):
+            if unit in set(p.units):  # (a recorded batch of its rows may wait, see _gets)
                 p.ready.clear()  # rebuilt on next use, with the unit's rows
                 fx.wakeups.append(Wakeup(pid))
         log.info("storage unit resumed", unit=unit)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidRequestError, TQError
+from .._logging import get_logger
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, StaleRows
 from ._ready import ReadyView
@@ -27,12 +28,15 @@ __all__ = [
     "Decision",
     "SampleCall",
     "accepted_kwargs",
+    "apply_tail",
     "check_result",
     "check_shares",
     "sampler_error",
     "split_even",
 ]
 
+
+log = get_logger(__name__)
 
 #: what a final global batch that cannot be split evenly does (see `SampleCall`)
 TAILS = ("uneven", "drop", "error")
@@ -237,3 +241,28 @@ def split_even(rows: Sequence[int], dp_size: int, group: int = 1) -> list[list[i
         shares.append(list(rows[start : start + size]))
         start += size
     return shares
+
+
+def apply_tail(req: GetMeta, shares: list[list[int]], tail: str) -> list[list[int]]:
+    """The shares of a global batch that do not split evenly, after the ``tail`` policy:
+    as they are (``"uneven"``), cut to the shortest (``"drop"``, with a warning; the rows
+    cut stay consumed), or `InvalidRequestError` (``"error"``)."""
+    lengths = {len(s) for s in shares}
+    if tail == "error":
+        raise InvalidRequestError(
+            f"the last global batch of partition {req.partition_id!r} for task "
+            f"{req.task_name!r} has {sum(map(len, shares))} rows, which do not split evenly "
+            f"over dp_size={len(shares)} (shares of {sorted(lengths)} rows); put a multiple of "
+            "dp_size x batch_size rows, or ask with tail='uneven' or 'drop'"
+        )
+    if tail != "drop":
+        return shares
+    keep = min(lengths)
+    log.warning(
+        "dropping the uneven tail of a global batch",
+        partition=req.partition_id,
+        task=req.task_name,
+        rows=sum(len(s) - keep for s in shares),
+        dp_size=len(shares),
+    )
+    return [s[:keep] for s in shares]

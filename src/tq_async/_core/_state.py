@@ -360,6 +360,21 @@ class Partition:
 
     def consume(self, task: str, rows: Sequence[int]) -> None:
         """Mark ``rows`` consumed by ``task`` (they leave every ready set of the task)."""
+        consumed = self.check_consume(task, rows)
+        if self.changes is not None:
+            self.changes.rows.update(rows)
+        self.moves += 1
+        for r in rows:
+            consumed[r] = 1
+        self.consumed_count[task] += len(rows)
+        self.events.consumed(self.partition_id, task, rows)
+        for (t, _), rs in self.ready.items():
+            if t == task:
+                rs.discard_all(rows)
+
+    def check_consume(self, task: str, rows: Sequence[int]) -> bytearray:
+        """Raise `InvalidRequestError` unless ``task`` may consume ``rows`` (each once, none
+        consumed already); the task's consumption array."""
         consumed = self._task_array(task)
         if len(rows) > 1 and len(set(rows)) != len(rows):
             raise InvalidRequestError(
@@ -372,16 +387,7 @@ class Partition:
                     f"row {r} of partition {self.partition_id!r} was already consumed by task "
                     f"{task!r}; a sampler must not consume a row twice"
                 )
-        if self.changes is not None:
-            self.changes.rows.update(rows)
-        self.moves += 1
-        for r in rows:
-            consumed[r] = 1
-        self.consumed_count[task] += len(rows)
-        self.events.consumed(self.partition_id, task, rows)
-        for (t, _), rs in self.ready.items():
-            if t == task:
-                rs.discard_all(rows)
+        return consumed
 
     def release(self, task: str, rows: Sequence[int]) -> list[int]:
         """Undo ``consume`` for rows still alive; the rows that became ready again."""
@@ -403,8 +409,13 @@ class Partition:
         return back
 
     def reset_consumption(self, task: str | None) -> None:
-        """Forget what ``task`` (every task if None) consumed; its ready sets are rebuilt."""
+        """Forget what ``task`` (every task if None) consumed (its count of rows dropped
+        undelivered too); its ready sets are rebuilt."""
         tasks = list(self.consumed) if task is None else [task]
+        if task is None:
+            self.dropped.clear()
+        else:
+            self.dropped.pop(task, None)
         self.events.reset(self.partition_id, task)
         if self.changes is not None:
             self.changes.whole = True

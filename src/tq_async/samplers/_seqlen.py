@@ -59,10 +59,13 @@ class SeqlenBalancedSampler(GroupingSampler):
         missing_length: the token count of a row without a ``length_key`` tag (1, as in
             TransferQueue); None makes such a row an error (a ``ValueError`` naming it).
         tail: what a final batch with fewer whole groups than ranks does: ``"error"``
-            (a ``ValueError``, the default), ``"drop"`` (its rows are consumed without being
-            delivered, with a warning, and every rank sees the end of the stream together,
-            which keeps collectives in step) or ``"uneven"`` (some ranks get one group, the
-            others the end of the stream).
+            (a ``ValueError``), ``"drop"`` (its rows are consumed without being delivered,
+            with a warning, and every rank sees the end of the stream together, which keeps
+            collectives in step) or ``"uneven"`` (some ranks get one group, the others an
+            empty batch). None (the default): the caller's policy, as for every sampler
+            (``sampling_config["tail"]``, ``"uneven"`` unless asked otherwise; see "DP ranks
+            in lockstep" in ``docs/guarantees.md``); called directly without a ``tail``
+            keyword, ``"error"``.
         locality_slack: how much heavier than the unconstrained split's heaviest share a
             rank's tokens may get to keep rows on their host (0.05: 5 %; 0: locality only
             where it costs no balance).
@@ -89,6 +92,7 @@ class SeqlenBalancedSampler(GroupingSampler):
         if tail not in (None, "error", "drop", "uneven"):
             raise InvalidRequestError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
         self._tail = tail
+        #: the policy of a direct call without a ``tail`` keyword
         self.tail = tail or "error"
         for name, value in (
             ("n_samples_per_prompt", n_samples_per_prompt),
@@ -233,7 +237,8 @@ class SeqlenBalancedSampler(GroupingSampler):
             tags: ``row -> tags`` view; every sampled row needs a ``length_key`` tag.
             origin: ``row -> (first row of its put, offset in the put)``.
             final: no more rows can become ready: split the whole groups that are left.
-            **kwargs: other context; ``replays_served`` sets the read count; ``row_hosts``
+            **kwargs: other context; ``tail`` is the caller's policy (used unless the
+                sampler was built with one); ``replays_served`` sets the read count; ``row_hosts``
                 (``row -> host id``) and ``rank_hosts`` (each rank's host id) split the
                 batch by locality (see the class docstring).
 
@@ -245,7 +250,7 @@ class SeqlenBalancedSampler(GroupingSampler):
             ValueError: ``dp_rank`` or ``batch_index`` missing or out of range, bad
                 ``batch_size``, a row without a ``length_key`` tag, a rank reading its share
                 more than ``n_replicas`` times, or a final batch with fewer whole groups
-                than ranks.
+                than ranks under the ``"error"`` tail.
         """
         if dp_rank is None or batch_index is None:
             raise InvalidRequestError(
@@ -261,8 +266,11 @@ class SeqlenBalancedSampler(GroupingSampler):
             )
         check_context(batch_size, {"dp_rank": dp_rank, "batch_index": batch_index}, self.dp_size)
         key = (partition_id, task_name, batch_index)
+        tail = self._tail or kwargs.get("tail") or self.tail
         if kwargs.get("peek"):  # nothing is handed out: neither counted nor cached
-            return self._peek(key, dp_rank, ready_indexes, batch_size, tags, origin, final, kwargs)
+            return self._peek(
+                key, dp_rank, ready_indexes, batch_size, tags, origin, final, tail, kwargs
+            )
         if key in self._cache:
             share = self._cache.read(key, dp_rank)
             if share is None:
@@ -279,6 +287,7 @@ class SeqlenBalancedSampler(GroupingSampler):
             origin,
             final,
             partition_id,
+            tail,
             kwargs.get("row_hosts"),
             kwargs.get("rank_hosts"),
         )
@@ -301,6 +310,7 @@ class SeqlenBalancedSampler(GroupingSampler):
         tags: Mapping[int, Mapping[str, Any]] | None,
         origin: Mapping[int, tuple[int, int]] | None,
         final: bool,
+        tail: str,
         kwargs: Mapping[str, Any],
     ) -> SampleResult:
         """What `sample` would hand ``dp_rank`` now, remembering nothing (a peek)."""
@@ -314,6 +324,7 @@ class SeqlenBalancedSampler(GroupingSampler):
             origin,
             final,
             key[0],
+            tail,
             kwargs.get("row_hosts"),
             kwargs.get("rank_hosts"),
         )
@@ -329,6 +340,7 @@ class SeqlenBalancedSampler(GroupingSampler):
         origin: Mapping[int, tuple[int, int]] | None,
         final: bool,
         partition_id: str,
+        tail: str,
         row_hosts: Mapping[int, str] | None = None,
         rank_hosts: Sequence[str] | None = None,
     ) -> list[list[int]]:
@@ -343,7 +355,7 @@ class SeqlenBalancedSampler(GroupingSampler):
         if not groups:
             return []
         if len(groups) < self.dp_size:
-            if self.tail == "drop":
+            if tail == "drop":
                 rows = sorted(r for g in groups for r in g)
                 log.warning(
                     "dropping a final batch smaller than dp_size",
@@ -353,7 +365,7 @@ class SeqlenBalancedSampler(GroupingSampler):
                     dp_size=self.dp_size,
                 )
                 return [rows]
-            if self.tail == "error":
+            if tail == "error":
                 raise ValueError(
                     f"partition {partition_id!r} is final with only {len(groups)} whole "
                     f"group(s) of {n} row(s) left, fewer than dp_size={self.dp_size}, so some "
