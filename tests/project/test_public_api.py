@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -166,3 +168,11 @@ def test_an_unknown_error_kind_becomes_a_tq_error_naming_it() -> None:
     err = error_from_wire("MysteryError", "boom")
     assert type(err) is tq_async.TQError
     assert str(err) == "MysteryError: boom"
+
+
+def test_the_api_reference_page_shows_every_public_name() -> None:
+    """docs/api.md promises "every public name, from its docstring": each of
+    ``tq_async.__all__`` has its ``::: tq_async.NAME`` entry there."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    shown = set(re.findall(r"^::: tq_async\.(\w+)\s*$", page, re.MULTILINE))
+    assert sorted(set(tq_async.__all__) - shown) == []
