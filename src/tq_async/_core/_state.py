@@ -66,6 +66,9 @@ RecordKey = tuple[str, int, int]
 _NO_EVENTS = Outbox()
 #: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
 KV_CHUNK_BITS = 12
+#: the prefix of the partitions tq_async keeps for its own bookkeeping (``tq_async.compat``'s
+#: numbering of partitions): their rows are not the program's, so no capacity counts them
+INTERNAL_PARTITION_PREFIX = "__tq_async"
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,8 +623,14 @@ class ControllerState:
         """Whether ``n_new`` more live rows fit the capacity."""
         if self.capacity is None or n_new == 0:
             return True
+        if partition_id.startswith(INTERNAL_PARTITION_PREFIX):
+            return True
         if self.capacity_global:
-            live = sum(p.n_alive for p in self.partitions.values())
+            live = sum(
+                p.n_alive
+                for pid, p in self.partitions.items()
+                if not pid.startswith(INTERNAL_PARTITION_PREFIX)
+            )
         else:
             p = self.partitions.get(partition_id)
             live = p.n_alive if p is not None else 0
