@@ -636,6 +636,13 @@ class ControllerState:
             live = p.n_alive if p is not None else 0
         return live + n_new <= self.capacity
 
+    def at_capacity(self, partition_id: str) -> str:
+        """What is full when a put into ``partition_id`` finds no room, for messages: the
+        partition, or every partition together (``capacity_scope="global"``)."""
+        if self.capacity_global:
+            return f"all partitions together are at their capacity of {self.capacity} rows"
+        return f"partition {partition_id!r} is at its capacity of {self.capacity} rows"
+
     def auto_clears(self, p: Partition, task: str) -> bool:
         """Whether ``task`` is one of the auto-clear tasks of ``p``."""
         tasks = self.auto_clear.get(p.partition_id, self.auto_clear.get(None))
