@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pickle
 import re
@@ -48,6 +49,26 @@ def test_public_methods_are_documented() -> None:
             if name.startswith("_") or not callable(member):
                 continue
             assert inspect.getdoc(member), f"{cls.__name__}.{name} has no docstring"
+
+
+@pytest.mark.parametrize("module", [tq_async, tq_async.compat], ids=lambda m: m.__name__)
+def test_public_records_document_every_field(module: object) -> None:
+    """The API reference shows a record's fields from its docstring's ``Attributes``: one
+    left out there is invisible to readers (``LocalCluster.metrics_url``, the CURVE keys)."""
+    undocumented = {}
+    for name in module.__all__:  # type: ignore[attr-defined]
+        cls = getattr(module, name)
+        if dataclasses.is_dataclass(cls):
+            fields = [f.name for f in dataclasses.fields(cls)]
+        elif inspect.isclass(cls) and issubclass(cls, msgspec.Struct):
+            fields = list(cls.__struct_fields__)
+        else:
+            continue
+        doc = inspect.getdoc(cls) or ""
+        missing = [f for f in fields if not f.startswith("_") and not re.search(rf"\b{f}\b", doc)]
+        if missing:
+            undocumented[name] = missing
+    assert undocumented == {}
 
 
 def test_errors_share_one_root_and_pickle() -> None:

@@ -46,6 +46,8 @@ class LocalCluster:
         address: the controller's endpoint.
         controller: the controller service (its ``state`` is inspectable in tests).
         units: the storage unit services.
+        metrics_url: where the Prometheus metrics are served (``serve_metrics_on``; None
+            when they are not).
     """
 
     address: str
