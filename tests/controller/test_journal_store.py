@@ -5,6 +5,7 @@ data_dir, and the settings in Config, TOML and the CLI."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,15 @@ async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, l
         assert sorted(rest.global_indexes + got.global_indexes) == sorted(meta.global_indexes)
         fresh = await c.put({"x": torch.arange(3)}, "q")  # the cluster works on
         assert (await c.get_data(fresh))["x"].tolist() == [0, 1, 2]
+
+
+def test_local_clusters_docstring_says_its_units_keep_their_cells_too() -> None:
+    """What the test above shows is what ``local_cluster``'s reference says (it said the
+    units keep cells in memory only, so that a restart lost them)."""
+    doc = inspect.getdoc(tq.local_cluster) or ""
+    durability = doc[doc.index("durability:") : doc.index("data_dir:")]
+    assert "data_dir/units/unit-N" in durability
+    assert "gone" not in durability
 
 
 def test_recorder_commits_deltas_compacts_and_recovers_exactly(

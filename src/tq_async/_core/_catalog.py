@@ -124,8 +124,8 @@ class Catalog:
             )
         if nowait:
             raise WouldBlock(
-                f"partition {partition_id!r} is at its capacity of {st.capacity} "
-                "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
+                f"{st.at_capacity(partition_id)}; wait with put(), or free rows (clear, or "
+                "auto-clear tasks)"
             )
         return False
 

@@ -66,6 +66,9 @@ RecordKey = tuple[str, int, int]
 _NO_EVENTS = Outbox()
 #: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
 KV_CHUNK_BITS = 12
+#: the prefix of the partitions tq_async keeps for its own bookkeeping (``tq_async.compat``'s
+#: numbering of partitions): their rows are not the program's, so no capacity counts them
+INTERNAL_PARTITION_PREFIX = "__tq_async"
 
 
 @dataclass(frozen=True, slots=True)
@@ -635,12 +638,25 @@ class ControllerState:
         """Whether ``n_new`` more live rows fit the capacity."""
         if self.capacity is None or n_new == 0:
             return True
+        if partition_id.startswith(INTERNAL_PARTITION_PREFIX):
+            return True
         if self.capacity_global:
-            live = sum(p.n_alive for p in self.partitions.values())
+            live = sum(
+                p.n_alive
+                for pid, p in self.partitions.items()
+                if not pid.startswith(INTERNAL_PARTITION_PREFIX)
+            )
         else:
             p = self.partitions.get(partition_id)
             live = p.n_alive if p is not None else 0
         return live + n_new <= self.capacity
+
+    def at_capacity(self, partition_id: str) -> str:
+        """What is full when a put into ``partition_id`` finds no room, for messages: the
+        partition, or every partition together (``capacity_scope="global"``)."""
+        if self.capacity_global:
+            return f"all partitions together are at their capacity of {self.capacity} rows"
+        return f"partition {partition_id!r} is at its capacity of {self.capacity} rows"
 
     def auto_clears(self, p: Partition, task: str) -> bool:
         """Whether ``task`` is one of the auto-clear tasks of ``p``."""

@@ -46,6 +46,8 @@ class LocalCluster:
         address: the controller's endpoint.
         controller: the controller service (its ``state`` is inspectable in tests).
         units: the storage unit services.
+        metrics_url: where the Prometheus metrics are served (``serve_metrics_on``; None
+            when they are not).
     """
 
     address: str
@@ -127,11 +129,12 @@ async def local_cluster(
             the machine's), or one per unit: labels that make one machine look like
             several hosts (tests and benchmarks of locality).
         durability: ``"memory"`` (default), ``"process"`` or ``"fsync"``: the controller
-            journals its state under ``data_dir`` (see `Config` and
-            ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
-            after a restart of the whole process the rows' cells are gone).
-        data_dir: the controller's journal directory (for ``process`` / ``fsync``; at ``memory``
-            with ``memory_cap``, where the units spill).
+            journals its state under ``data_dir`` and unit N keeps its cells under
+            ``data_dir/units/unit-N``, so the cluster started again on ``data_dir`` comes
+            back with its rows (see `Config` and ``docs/guarantees.md``).
+        data_dir: the controller's journal directory, holding the units' directories (for
+            ``process`` / ``fsync``; at ``memory`` with ``memory_cap``, where the units
+            spill).
         memory_cap: most bytes of cells each storage unit keeps in memory; colder ones are
             spilled and read back on demand (None: no bound): at ``memory`` into a scratch
             directory under ``data_dir``, or the system's temporary directory without one.
