@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
+from ._recycled import RecycledQueue
 from ._versions import PolicyVersions
 
 __all__ = [
@@ -601,7 +601,7 @@ class ControllerState:
         self.admitted: dict[int, int] = {}
         #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
         #: taken once
-        self.recycled: deque[tuple[str, str, int]] = deque()
+        self.recycled = RecycledQueue()
         #: the latest takes' tokens -> what each handed out, ``(partition_id, incarnation,
         #: rows, hold lease id)`` per partition: a client asking again with one (its reply
         #: was lost) gets the same rows (`Catalog.take_recycled`)
