@@ -164,6 +164,29 @@ async def test_a_load_given_up_on_while_it_stores_cells_leaves_no_cell_behind(
         assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
 
 
+async def test_a_load_cancelled_while_it_commits_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled once `RestoreCommit` went out: the controller commits, and the client's
+    abort then finds nothing staged. The load is whole (every row readable), as the
+    docstring says for a cancellation during the commit, never half of it."""
+    from tq_async._wire._protocol import RestoreCommit
+
+    ckpt = await saved(tmp_path, units=2)
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with cancelled_at(RestoreCommit) as (scope, sent), scope:
+            await client.load_checkpoint(ckpt)
+        assert scope.cancelled_caught
+        assert sent
+        assert sorted(await client.list_partitions()) == ["kv", "p"]
+        meta = await client.get_meta(["ids"], 4, "p", "ref")  # (`fill`'s "ref" read 0, 1)
+        assert sorted(meta.global_indexes) == [2, 3, 4, 5]
+        every = torch.cat([sample_batch()["ids"], torch.arange(6).reshape(2, 3)])
+        assert torch.equal((await client.get_data(meta))["ids"], every[meta.global_indexes])
+        assert cluster.controller.waiting == 0
+
+
 async def test_aborting_a_restore_never_touches_a_live_partition_of_the_same_name(
     tmp_path: Path,
 ) -> None:

@@ -912,6 +912,10 @@ class Client:
             CheckpointError: the checkpoint is missing, corrupt, partial or of another format
                 version (nothing was loaded).
             InvalidRequestError: a partition of the checkpoint already exists.
+
+        Cancellation: before the last step (the commit) went out, nothing is loaded (the
+        staged partitions and their cells are dropped); once it went out, the load
+        completes (all of it): `list_partitions` tells which.
         """
         return self._calls.load_checkpoint(path)
 
