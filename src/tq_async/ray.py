@@ -90,7 +90,9 @@ class _ServiceActor:
     (or the error that stopped the service) and ``stop`` ends it.
 
     A storage unit asks the controller's actor for the controller's address (``controller``,
-    its handle), so a unit restarted later finds it too. With a durable level a unit keeps
+    the actor's name and namespace), so a unit restarted later finds it too: by name, as a
+    handle among a restartable actor's arguments is an object Ray may lose before a restart
+    (ray-project/ray#53727; Ray logs an error for it). With a durable level a unit keeps
     its cells in ``unit_data_dir(data_dir, unit_id)`` and the controller its state file
     (`RAY_STATE_FILE`) in its journal's ``data_dir``.
     """
@@ -100,7 +102,7 @@ class _ServiceActor:
         role: str,
         host: str | None,
         options: dict[str, Any],
-        controller: Any = None,
+        controller: tuple[str, str] | None = None,
         data_dir: str | None = None,
     ) -> None:
         self._role, self._host, self._options = role, host, options
@@ -195,7 +197,9 @@ class _ServiceActor:
     async def _unit(self) -> dict[str, Any]:
         """``serve_storage``'s arguments: the controller's address, asked of its actor (it
         answers once it serves), and the unit's directory (made here, on the unit's node)."""
-        _, controller = await self._controller.ready.remote()
+        assert self._controller is not None
+        name, namespace = self._controller
+        _, controller = await ray.get_actor(name, namespace=namespace).ready.remote()
         options = {**self._options, "controller": controller}
         if self._data_dir is not None:
             options["data_dir"] = unit_data_dir(self._data_dir, options["unit_id"], create=True)
@@ -551,7 +555,7 @@ def launch(
         unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
         for i, (host_id, index) in enumerate(per_unit):
             args = {**unit_options, "host_id": host_id, "device_index": index, "unit_id": i}
-            spec = ("storage", host, args, controller, data_dir)
+            spec = ("storage", host, args, (name, namespace), data_dir)
             actors.append(_spawn(unit_names[i], nodes[i % len(nodes)], options, spec))
         _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
         unit_addresses: dict[int, str] = {}
@@ -621,10 +625,11 @@ def _spawn(
     actor_name: str,
     node_id: str,
     options: Mapping[str, Any],
-    spec: tuple[str, str | None, dict[str, Any], Any, str | None],
+    spec: tuple[str, str | None, dict[str, Any], tuple[str, str] | None, str | None],
 ) -> Any:
     """A service actor on ``node_id`` that starts serving: ``spec`` is its constructor's
-    arguments (role, host, the service's options, the controller's actor, data_dir).
+    arguments (role, host, the service's options, the controller actor's name and namespace,
+    data_dir).
 
     Raises:
         InvalidRequestError: ``actor_name`` was taken since `_check_name_free` (another
