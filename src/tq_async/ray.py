@@ -147,6 +147,8 @@ class _ServiceActor:
                     self._unit_id, self._address = await tg.start(
                         partial(serve_storage, bind=bind, advertise=advertise, **await self._unit())
                     )
+                    if self._restarted:  # on a new port: what attach returns follows
+                        await self._tell_controller(self._unit_id, self._address)
                 self._started.set()
                 log.info(
                     "tq_async service actor serving",
@@ -194,12 +196,22 @@ class _ServiceActor:
         if path is not None:
             _write_json(path, {"address": self._address, "description": self._description})
 
+    def _controller_actor(self) -> Any:
+        assert self._controller is not None
+        name, namespace = self._controller
+        return ray.get_actor(name, namespace=namespace)
+
+    async def _tell_controller(self, unit_id: int, address: str) -> None:
+        """Have the controller's actor record a restarted unit's new address."""
+        try:
+            await self._controller_actor().unit_moved.remote(unit_id, address)
+        except (ValueError, ray.exceptions.RayError) as exc:  # gone: nothing to tell
+            log.warning("cannot record a unit's new address", unit_id=unit_id, error=str(exc))
+
     async def _unit(self) -> dict[str, Any]:
         """``serve_storage``'s arguments: the controller's address, asked of its actor (it
         answers once it serves), and the unit's directory (made here, on the unit's node)."""
-        assert self._controller is not None
-        name, namespace = self._controller
-        _, controller = await ray.get_actor(name, namespace=namespace).ready.remote()
+        _, controller = await self._controller_actor().ready.remote()
         options = {**self._options, "controller": controller}
         if self._data_dir is not None:
             options["data_dir"] = unit_data_dir(self._data_dir, options["unit_id"], create=True)
@@ -241,6 +253,13 @@ class _ServiceActor:
         self._description = description
         self._save_state()
 
+    async def unit_moved(self, unit_id: int, address: str) -> None:
+        """Record a storage unit's address after Ray restarted it (on a new port)."""
+        units = self._description.get("units")
+        if units is not None:
+            units[str(unit_id)] = address
+            self._save_state()
+
     async def describe(self) -> dict[str, Any]:
         """What `set_description` recorded."""
         return self._description
@@ -280,7 +299,8 @@ class RayCluster:
         name: the controller actor's name; units are named ``f"{name}.unit{i}"``.
         namespace: the Ray namespace of the actors.
         address: the controller's endpoint: ``AsyncClient.connect(cluster.address)``.
-        unit_addresses: each storage unit's endpoint, by unit id.
+        unit_addresses: each storage unit's endpoint, by unit id, when this handle was made
+            (a unit Ray restarted serves on a new port: `attach` gives the current ones).
     """
 
     name: str

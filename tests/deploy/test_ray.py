@@ -349,6 +349,9 @@ def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
             after = await anyio.to_thread.run_sync(partial(_restarted, unit, before["pid"]))
             assert after["restarted"] is True
             assert after["unit_id"] == 0
+            # attach gives its new address (it binds a new port), not the one it died at
+            attached = await anyio.to_thread.run_sync(tq_ray.attach, "durable", NAMESPACE)
+            assert attached.unit_addresses[0] == after["address"] != cluster.unit_addresses[0]
             for meta, batch in acked:  # every acknowledged row, bit-exactly
                 assert _same(await client.get_data(meta), batch)
             lost = await client.lost_rows()
