@@ -64,6 +64,14 @@ __all__ = ["RayCluster", "attach", "launch", "select_nodes"]
 
 log = get_logger(__name__)
 
+#: actor options `launch` sets itself, and what to pass it instead
+_LAUNCH_SETS = {
+    "name": "name=",
+    "namespace": "namespace=",
+    "scheduling_strategy": "placement=",
+    "get_if_exists": "nothing: launch refuses a name taken; attach() to that cluster",
+}
+
 #: ``placement`` keys understood in the mapping form.
 _PLACEMENT_KEYS = frozenset({"nodes", "resources"})
 
@@ -502,7 +510,9 @@ def launch(
             must call `RayCluster.shutdown`. Otherwise they die with this driver.
         num_cpus: CPUs each actor reserves in Ray's scheduler (0: they never keep training
             tasks from being scheduled).
-        actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``).
+        actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``);
+            not ``name``, ``namespace`` or ``scheduling_strategy``, which launch sets from
+            ``name``, ``namespace`` and ``placement``.
         timeout: seconds to wait for all services to serve.
         config: the deployment as a `Config` (the same one
             ``local_cluster(config=...)`` and ``tq-async serve --config`` take): storage
@@ -540,7 +550,7 @@ def launch(
     num_storage_units, allow_pickle, curve, controller_options = _fold_config(
         config, num_storage_units, sampler, allow_pickle, curve
     )
-    _check_arguments(name, namespace, num_storage_units)
+    _check_arguments(name, namespace, num_storage_units, actor_options or {})
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
@@ -602,8 +612,12 @@ def launch(
     return cluster
 
 
-def _check_arguments(name: Any, namespace: Any, num_storage_units: Any) -> None:
-    """Refuse what Ray would refuse with its own errors, or take for no name at all."""
+def _check_arguments(
+    name: Any, namespace: Any, num_storage_units: Any, actor_options: Mapping[str, Any]
+) -> None:
+    """Refuse what Ray would refuse with its own errors, or take for no name at all, and
+    actor options that would override what launch sets (actors in another namespace than
+    the cluster's would escape `RayCluster.shutdown` and `attach`)."""
     for what, value in (("name", name), ("namespace", namespace)):
         if not isinstance(value, str) or not value:
             raise InvalidRequestError(
@@ -612,6 +626,11 @@ def _check_arguments(name: Any, namespace: Any, num_storage_units: Any) -> None:
     units = num_storage_units
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
+    for key, instead in _LAUNCH_SETS.items():
+        if key in actor_options:
+            raise InvalidRequestError(
+                f"actor_options[{key!r}] is launch's to set; pass {instead} (or drop it)"
+            )
 
 
 def _actor_data_dir(config: Config | None) -> str | None:

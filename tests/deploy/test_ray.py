@@ -181,6 +181,16 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
         ({"num_storage_units": 2.0}, "num_storage_units must be an int >= 1"),
         ({"num_storage_units": "2"}, "num_storage_units must be an int >= 1"),
         ({"placement": {"resources": {"CPU": "1"}}}, "must map resource names to amounts"),
+        # what launch sets itself: actors in another namespace would escape shutdown/attach
+        (
+            {"actor_options": {"namespace": "elsewhere"}},
+            r"actor_options\['namespace'\].*namespace=",
+        ),
+        ({"actor_options": {"name": "x"}}, r"actor_options\['name'\].*name="),
+        (
+            {"actor_options": {"scheduling_strategy": "SPREAD"}},
+            r"\['scheduling_strategy'\].*placement=",
+        ),
     ]:
         with pytest.raises(tq.InvalidRequestError, match=says):
             tq_ray.launch(**{"namespace": NAMESPACE, "host": "127.0.0.1", **bad})
