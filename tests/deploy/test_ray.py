@@ -181,6 +181,16 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
         ({"num_storage_units": 2.0}, "num_storage_units must be an int >= 1"),
         ({"num_storage_units": "2"}, "num_storage_units must be an int >= 1"),
         ({"placement": {"resources": {"CPU": "1"}}}, "must map resource names to amounts"),
+        # what launch sets itself: actors in another namespace would escape shutdown/attach
+        (
+            {"actor_options": {"namespace": "elsewhere"}},
+            r"actor_options\['namespace'\].*namespace=",
+        ),
+        ({"actor_options": {"name": "x"}}, r"actor_options\['name'\].*name="),
+        (
+            {"actor_options": {"scheduling_strategy": "SPREAD"}},
+            r"\['scheduling_strategy'\].*placement=",
+        ),
     ]:
         with pytest.raises(tq.InvalidRequestError, match=says):
             tq_ray.launch(**{"namespace": NAMESPACE, "host": "127.0.0.1", **bad})
@@ -349,6 +359,9 @@ def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
             after = await anyio.to_thread.run_sync(partial(_restarted, unit, before["pid"]))
             assert after["restarted"] is True
             assert after["unit_id"] == 0
+            # attach gives its new address (it binds a new port), not the one it died at
+            attached = await anyio.to_thread.run_sync(tq_ray.attach, "durable", NAMESPACE)
+            assert attached.unit_addresses[0] == after["address"] != cluster.unit_addresses[0]
             for meta, batch in acked:  # every acknowledged row, bit-exactly
                 assert _same(await client.get_data(meta), batch)
             lost = await client.lost_rows()
@@ -386,7 +399,7 @@ def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
 
 
 def test_a_durable_controller_killed_under_ray_comes_back_at_its_address(
-    local_ray: None, tmp_path: Path
+    local_ray: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     import anyio
 
@@ -400,6 +413,9 @@ def test_a_durable_controller_killed_under_ray_comes_back_at_its_address(
     data_dir.mkdir()
     cluster = _durable_launch("durable-ctl", data_dir, 1)
     controller = ray.get_actor("durable-ctl", namespace=NAMESPACE)
+    # no constructor argument of a restartable actor is an object Ray may lose (an actor
+    # handle is one: Ray logs an error, "the actor restart will fail", ray-project/ray#53727)
+    assert "constructor arguments in the object store" not in capfd.readouterr().err
 
     async def run() -> None:
         before = await anyio.to_thread.run_sync(
