@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
-from .._controller._journal import unit_data_dir
+from .._controller._journal import check_controller_dir, unit_data_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
@@ -315,7 +315,9 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
     unit_dirs: list[str | None] = [None] * plan.num_storage_units
     if durability != "memory" and data_dir is not None:
         # each unit's cells under the controller's directory: the whole cluster restarted on
-        # it comes back with its rows (units/unit-N: the same unit every time)
+        # it comes back with its rows (units/unit-N: the same unit every time); checked first,
+        # so that a missing or foreign one gets no units/ made in it
+        check_controller_dir(data_dir)
         unit_dirs = [unit_data_dir(data_dir, i, create=True) for i in range(plan.num_storage_units)]
     elif data_dir is not None and plan.memory_cap is not None:
         # cells past the cap spill into a scratch directory of each unit's there (removed
