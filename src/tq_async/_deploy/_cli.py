@@ -32,7 +32,7 @@ from .._logging import configure_logging, get_logger
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
-from .._service._metrics import serve_metrics
+from .._service._metrics import metrics_address, serve_metrics
 from .._service._serve import first_tq_error, raise_fd_limit, serve_controller, serve_storage
 from .._storage._server import DEFAULT_SHM_CAP
 from ._cluster import local_cluster
@@ -115,8 +115,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                 )
                 print(f"TQ_UNIT={unit_id} {address}", flush=True)
             if registry is not None and config.metrics_on is not None:
-                host, _, port = config.metrics_on.rpartition(":")
-                url, stop_metrics = serve_metrics(registry, host or "127.0.0.1", int(port or 0))
+                url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
                 print(f"TQ_METRICS_URL={url}", flush=True)
     finally:
         if stop_metrics is not None:

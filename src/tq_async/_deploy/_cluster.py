@@ -23,7 +23,13 @@ from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
-from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
+from .._service._metrics import (
+    Metrics,
+    controller_collector,
+    metrics_address,
+    serve_metrics,
+    storage_collector,
+)
 from .._service._serve import first_tq_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
@@ -278,8 +284,10 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
             f"num_storage_units must be >= 1, got {given['num_storage_units']}"
         )
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
-    if given["serve_metrics_on"] is not None and registry is None:
-        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+    if given["serve_metrics_on"] is not None:
+        if registry is None:
+            raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+        metrics_address(given["serve_metrics_on"], "serve_metrics_on")
     plan = _Plan(
         options,
         given["num_storage_units"],
@@ -366,9 +374,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
         registry.register(controller_collector(controller.state, lambda: controller.waiting))
         registry.register(storage_collector({u.unit_id: u.state for u in units}))
         if plan.serve_metrics_on is not None:
-            host_part, _, port_part = plan.serve_metrics_on.rpartition(":")
             cluster.metrics_url, plan.stop_metrics = serve_metrics(
-                registry, host_part or "127.0.0.1", int(port_part or 0)
+                registry, *metrics_address(plan.serve_metrics_on)
             )
     return cluster
 
