@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -130,3 +131,39 @@ def test_serve_refuses_a_bad_metrics_address_as_a_bad_flag() -> None:
         "tq-async: error: command line: metrics_on: expected HOST:PORT (a port from 0 to "
         "65535; 0: any free port), got 'h:abc'"
     ]
+
+
+async def test_a_taken_metrics_port_is_a_broken_error() -> None:
+    """A metrics port another process holds came out of ``local_cluster`` as an OSError in
+    an ExceptionGroup (a bind of the services' own ports is a `BrokenError` saying so)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(tq.BrokenError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            async with tq.local_cluster(
+                metrics_registry=CollectorRegistry(), serve_metrics_on=f"127.0.0.1:{port}"
+            ):
+                pass
+
+
+def test_serve_controller_with_a_taken_metrics_port_fails_in_one_line() -> None:
+    """``tq-async serve controller --metrics-on`` a taken port printed ``TQ_ADDRESS=`` (a
+    launcher takes the service for started), then died with a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "controller", "--metrics-on", f"127.0.0.1:{port}"]
+        done = subprocess.run(
+            [sys.executable, "-m", "tq_async._deploy._cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tq-async: error: cannot serve metrics on 127.0.0.1:{port}: ")
+    assert "Traceback" not in done.stderr

@@ -90,7 +90,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         config=config,
                     )
                 )
-                print(f"TQ_ADDRESS={address}", flush=True)
+                lines = [f"TQ_ADDRESS={address}"]
             else:
                 unit_id, address = await tg.start(
                     partial(
@@ -113,10 +113,12 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         memory_cap=config.memory_cap,
                     )
                 )
-                print(f"TQ_UNIT={unit_id} {address}", flush=True)
+                lines = [f"TQ_UNIT={unit_id} {address}"]
             if registry is not None and config.metrics_on is not None:
                 url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
-                print(f"TQ_METRICS_URL={url}", flush=True)
+                lines.append(f"TQ_METRICS_URL={url}")
+            # printed once everything serves: a launcher takes the first line for "started"
+            print("\n".join(lines), flush=True)
     finally:
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)

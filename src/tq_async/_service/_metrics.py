@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .._errors import InvalidRequestError
+from .._errors import BrokenError, InvalidRequestError
 from .._paths._nixl import fallbacks as nixl_fallbacks
 
 if TYPE_CHECKING:
@@ -394,8 +394,18 @@ def metrics_address(address: str, key: str = "metrics_on") -> tuple[str, int]:
 def serve_metrics(
     registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[str, Callable[[], None]]:
-    """Serve ``registry`` over HTTP (a daemon thread). Returns ``(url, stop)``."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Serve ``registry`` over HTTP (a daemon thread). Returns ``(url, stop)``.
+
+    Raises:
+        BrokenError: ``host:port`` could not be bound (taken, or no such interface).
+    """
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise BrokenError(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+            "address (metrics_on, --metrics-on)"
+        ) from exc
     url = f"http://{host}:{server.server_port}/metrics"
 
     def stop() -> None:
