@@ -394,6 +394,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
+        if self.shm_cap < 0:
+            raise ConfigError(
+                f"shm_cap: must be >= 0 bytes (0: no shared memory), got {self.shm_cap}"
+            )
         if self.device_cap < 0:
             raise ConfigError(f"device_cap: must be >= 0, got {self.device_cap}")
         indexes = self.device_index if isinstance(self.device_index, list) else [self.device_index]
