@@ -30,7 +30,7 @@ from .._service._metrics import (
     serve_metrics,
     storage_collector,
 )
-from .._service._serve import first_tq_error
+from .._service._serve import first_tq_error, only_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
@@ -389,20 +389,13 @@ def _unwrap(group: BaseExceptionGroup[BaseException], raised: list[BaseException
     `BrokenError`) comes out as itself too; anything else stays grouped.
     """
     if raised:
-        if _only(group, raised[0]):
+        if only_error(group, raised[0]):
             return
         raise group
     failed = first_tq_error(group)
-    if failed is not None and _only(group, failed):
+    if failed is not None and only_error(group, failed):
         raise failed from None
     raise group
-
-
-def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
-    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
-    cancelled = anyio.get_cancelled_exc_class()
-    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
-    return rest is None
 
 
 #: local_cluster's arguments that a Config also sets, with their defaults
