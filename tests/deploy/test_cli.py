@@ -195,6 +195,19 @@ def test_storage_needs_a_controller(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--controller" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan"])
+def test_a_register_timeout_that_is_no_time_is_a_bad_flag(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--register-timeout 0`` (or -1) started the unit, which then gave up at once: "did
+    not answer within -1.0 s ... raise the registration timeout"; nan never gave up."""
+    with pytest.raises(SystemExit) as info:
+        parse("serve", "storage", "--controller", "tcp://h:1", "--register-timeout", seconds)
+    assert info.value.code == 2
+    assert "--register-timeout: expected a number of seconds > 0" in capsys.readouterr().err
+    assert parse("serve", "storage", "--controller", "tcp://h:1").register_timeout == 30.0
+
+
 # ---- addresses, warnings, registration (in process) -----------------------------------------
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -149,6 +150,17 @@ def _device_index_arg(text: str) -> int | list[int]:
             f"expected a GPU index or a comma-separated list of them, got {text!r}"
         ) from None
     return values[0] if len(values) == 1 else values
+
+
+def _seconds_arg(text: str) -> float:
+    """A flag's number of seconds: > 0 (``inf``: no limit)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:  # also nan
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return seconds
 
 
 _FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
@@ -432,7 +444,7 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
     )
     unit.add_argument(
         "--register-timeout",
-        type=float,
+        type=_seconds_arg,
         default=30.0,
         metavar="SECONDS",
         help="give up if the controller does not answer the registration in this time "
