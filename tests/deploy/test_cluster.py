@@ -192,3 +192,28 @@ async def test_a_relative_data_dir_survives_a_change_of_working_directory(
             assert torch.equal((await client.get_data(meta))["x"], x)
     assert list((tmp_path / "run" / "data").iterdir()) == []  # the scratch directory went
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("what", ["missing", "a file", "foreign"])
+async def test_a_bad_durable_data_dir_is_refused_before_anything_is_written(
+    tmp_path: Path, what: str
+) -> None:
+    """deployment.md: a missing directory, or one holding other files, is refused at start
+    (a typo never starts an empty controller silently). A cluster started as a whole made
+    the units' directories first: it created a missing ``data_dir`` and started empty in it,
+    failed on a file with a traceback (NotADirectoryError), and left ``units/`` with a GiB
+    arena file each in a directory of someone else's before the controller refused it."""
+    data_dir = tmp_path / "d"
+    if what == "a file":
+        data_dir.write_text("mine")
+    elif what == "foreign":
+        data_dir.mkdir()
+        (data_dir / "notes.txt").write_text("mine")
+    config = tq.Config(num_storage_units=1, durability="process", data_dir=str(data_dir))
+    with pytest.raises(tq.ConfigError, match=r"data_dir: .*(not a directory|not empty)"):
+        async with tq.local_cluster(config=config):
+            pass
+    if what == "missing":
+        assert not data_dir.exists()
+    elif what == "foreign":
+        assert [p.name for p in data_dir.iterdir()] == ["notes.txt"]

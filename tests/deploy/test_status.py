@@ -15,7 +15,7 @@ import torch
 import tq_async as tq
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
-from tq_async._deploy._status import render
+from tq_async._deploy._status import render, run_status
 from tq_async._wire._protocol import ClusterStatus
 
 
@@ -139,6 +139,13 @@ def test_status_of_nothing_fails_clearly() -> None:
         done = _status(f"tcp://127.0.0.1:{port}")
     assert done.returncode == 1
     assert "tq-async: error:" in done.stderr
+
+
+async def test_status_of_an_address_without_its_scheme_says_what_to_type() -> None:
+    """``tq-async status 127.0.0.1:5555`` failed with ZMQ's "cannot connect ...: Invalid
+    argument"; ``serve storage --controller`` says what was meant, and so does status."""
+    with pytest.raises(tq.InvalidRequestError, match=r"did you mean 'tcp://127\.0\.0\.1:5555'"):
+        await run_status("127.0.0.1:5555")
 
 
 def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:

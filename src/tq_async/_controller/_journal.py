@@ -82,6 +82,7 @@ __all__ = [
     "Durability",
     "JournalStore",
     "Recorder",
+    "check_controller_dir",
     "check_durability",
     "check_no_journal",
     "unit_data_dir",
@@ -298,6 +299,22 @@ def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
 
 def _claim(data_dir: str) -> None:
     """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
+    if check_controller_dir(data_dir):
+        return
+    with open(os.path.join(data_dir, MARKER), "w") as f:
+        json.dump({"kind": "controller", "format": FORMAT}, f)
+
+
+def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``data_dir`` holds a controller's journal (True) or is empty (False).
+
+    A cluster started as a whole checks this before it makes its units' directories in it.
+
+    Raises:
+        ConfigError: a missing directory (or a file), one of a storage unit or holding other
+            files, or a journal of another format.
+    """
+    data_dir = os.fspath(data_dir)
     if not os.path.isdir(data_dir):
         raise ConfigError(
             f"data_dir: {data_dir!r} is not a directory; create it (mkdir -p {data_dir}) for a "
@@ -321,14 +338,13 @@ def _claim(data_dir: str) -> None:
                 f"version reads formats {', '.join(map(str, READS))}; move it away to start an "
                 "empty controller"
             )
-        return
+        return True
     if [name for name in os.listdir(data_dir) if name != UNITS_DIR]:
         raise ConfigError(
             f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
             "an empty (or its own) directory"
         )
-    with open(marker, "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
+    return False
 
 
 def _lock(data_dir: str) -> int:

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import msgspec
 
 from .._errors import TQError
+from .._service._serve import check_address
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveClient
 from .._wire._events import WatchBatch
@@ -141,7 +142,12 @@ async def run_status(
 ) -> None:
     """Print the status once, or (``watch``) again after every batch of events, until
     cancelled or ``screens`` screens were printed (``curve``: the keys of a cluster that
-    uses CURVE)."""
+    uses CURVE).
+
+    Raises:
+        InvalidRequestError: ``address`` is no ZMQ address (e.g. no ``tcp://``).
+    """
+    check_address(address)
     ctl = DealerConnection(address, curve=curve, refused_is_broken=True)
     try:
         body = WatchNext(poll=5.0)
