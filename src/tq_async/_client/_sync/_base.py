@@ -60,7 +60,8 @@ log = get_logger(__name__)
 _checked_fields: dict[tuple[str, ...], None] = {}
 
 
-def check_fields(data_fields: Any) -> list[str]:
+def check_fields(data_fields: Any, what: str = "data_fields") -> list[str]:
+    """``data_fields`` (the argument ``what``) as a non-empty list of field names."""
     if type(data_fields) is list or type(data_fields) is tuple:
         try:
             if tuple(data_fields) in _checked_fields:
@@ -69,12 +70,12 @@ def check_fields(data_fields: Any) -> list[str]:
             pass
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {type(data_fields).__name__} "
-            f"{data_fields!r}; write data_fields=[{data_fields!r}]"
+            f"{what} must be a list of field names, got {type(data_fields).__name__} "
+            f"{data_fields!r}; write {what}=[{data_fields!r}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(
-            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+            f"{what} must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
     for f in data_fields:
         check_text("field name", f)

@@ -60,7 +60,7 @@ from ..._wire._protocol import (
     StoredColumns,
     StoreGet,
 )
-from ._base import THREAD_COPY_BYTES, Links
+from ._base import THREAD_COPY_BYTES, Links, check_fields
 from ._query import MetaQuery, check_nested, lease_ids
 from ._replies import decode
 
@@ -281,6 +281,12 @@ def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
     return host
 
 
+def _field_names(fields: Any) -> list[str]:
+    """get_data's ``fields``: field names (none: no columns); a str is not a list of them."""
+    names = fields if isinstance(fields, str) else list(fields)
+    return check_fields(names, "fields") if names or isinstance(names, str) else []
+
+
 def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -338,7 +344,7 @@ class GetPath:
         device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
-        names = list(fields) if fields is not None else list(meta.field_names)
+        names = list(meta.field_names) if fields is None else _field_names(fields)
         as_nested = check_nested(nested)
         target = check_device(device)
         n = len(meta)
