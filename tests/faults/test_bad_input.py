@@ -30,6 +30,24 @@ async def test_client_side_argument_errors() -> None:
         assert await client.list_partitions() == []
 
 
+async def test_get_data_fields_are_a_list_of_names() -> None:
+    # a str was read letter by letter ("xy": fields x and y, silently); a non-str name
+    # reached the unit, which logged a malformed request and answered a ProtocolError
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.ones(2), "y": torch.zeros(2)}, "p")
+        for bad in ("xy", "x", ""):
+            with pytest.raises(tq.InvalidRequestError, match=rf"write fields=\[{bad!r}\]"):
+                await client.get_data(meta, bad)
+        for bad_list in ([1], ["x", ""], [None]):
+            with pytest.raises(tq.InvalidRequestError, match="fields must be a non-empty list"):
+                await client.get_data(meta, bad_list)  # type: ignore[list-item]
+        assert list((await client.get_data(meta, ("y",))).keys()) == ["y"]
+        assert list((await client.get_data(meta, [])).keys()) == []
+
+
 async def test_a_bare_value_as_a_column_says_what_a_column_is() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

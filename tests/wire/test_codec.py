@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
 
 from tq_async import ProtocolError, SchemaError, UnsupportedTypeError
 from tq_async._wire import _nested
@@ -130,6 +130,21 @@ def test_a_list_of_scalar_tensors_says_to_stack_them() -> None:
         with pytest.raises(SchemaError, match=r"field 'r'.*row 0 is 0-dim.*torch.stack\(rows\)"):
             columns_from_batch({"r": rows, "x": torch.zeros(2)})
     assert roundtrip({"r": torch.stack([torch.tensor(1), torch.tensor(2)])})["r"].tolist() == [1, 2]
+
+
+def test_a_lazy_stack_of_rows_of_different_lengths_becomes_jagged() -> None:
+    # tensordict's way to hold rows of different lengths: the put failed with tensordict's
+    # raw "Failed to stack tensors" RuntimeError
+    rows = [TensorDict({"r": torch.arange(k), "s": f"row{k}"}) for k in (2, 3, 1)]
+    out = roundtrip(LazyStackedTensorDict.lazy_stack(rows))
+    assert out["r"].is_nested
+    assert [t.tolist() for t in out["r"].unbind()] == [[0, 1], [0, 1, 2], [0]]
+    assert out.get("s").tolist() == ["row2", "row3", "row1"]
+    same = LazyStackedTensorDict.lazy_stack([TensorDict({"r": torch.arange(2)})] * 2)
+    assert roundtrip(same)["r"].tolist() == [[0, 1], [0, 1]]  # one shape: dense
+    wider = LazyStackedTensorDict.lazy_stack([TensorDict({"r": torch.zeros(1, k)}) for k in (1, 2)])
+    with pytest.raises(SchemaError, match="field 'r' is a list of tensors"):
+        columns_from_batch(wider)
 
 
 def test_plain_values_roundtrip() -> None:

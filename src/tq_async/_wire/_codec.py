@@ -21,7 +21,13 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+)
 
 from .._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 from ._columns import (
@@ -371,7 +377,8 @@ def columns_from_batch(
     """Split a batch into columns ready to send.
 
     Args:
-        data: a `TensorDict` with ``batch_size=[n]``, or a mapping from
+        data: a `TensorDict` with ``batch_size=[n]`` (a lazy stack of rows whose tensors
+            differ in length gives jagged columns), or a mapping from
             field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
             travel as tensors, without a copy when writable; others as lists), a nested
             tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
@@ -394,7 +401,7 @@ def columns_from_batch(
                 "batch dimension (rows), e.g. batch_size=[n]"
             )
         n = int(data.batch_size[0])
-        items: Iterable[tuple[str, Any]] = ((k, data.get(k)) for k in data.keys())  # noqa: SIM118
+        items: Iterable[tuple[str, Any]] = ((k, _field_of(data, k)) for k in data.keys())  # noqa: SIM118
     elif isinstance(data, Mapping):
         n = _batch_size_of(data)
         items = data.items()
@@ -433,6 +440,17 @@ def columns_from_batch(
     if not headers:
         raise SchemaError("the batch has no fields; put at least one column")
     return n, headers, columns
+
+
+def _field_of(data: TensorDictBase, key: str) -> Any:
+    """A TensorDict's field; of a lazy stack whose rows differ in shape, the rows as a list
+    of tensors (one jagged column), which ``get`` cannot stack."""
+    try:
+        return data.get(key)
+    except RuntimeError:
+        if not isinstance(data, LazyStackedTensorDict):
+            raise
+        return data.get(key, as_list=True)  # type: ignore[call-overload]
 
 
 def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, DeviceColumn]:

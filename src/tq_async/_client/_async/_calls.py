@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -109,10 +110,17 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
             f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
             "; use kv_batch_put for several keys"
         )
-    return {
-        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
-        for name, value in fields.items()
-    }
+    return {name: _one_cell(value) for name, value in fields.items()}
+
+
+def _one_cell(value: Any) -> Any:
+    """One key's value of a field as a column of one row: a tensor or numpy array gets a
+    leading dimension (dense, as a batch of one), anything else is the list's one value."""
+    if isinstance(value, torch.Tensor):
+        return value.unsqueeze(0)
+    if isinstance(value, np.ndarray):
+        return value[np.newaxis]
+    return [value]
 
 
 #: ``(policy_version, n)`` pairs with admissions in doubt a client remembers (`ControlCalls`)
