@@ -449,6 +449,11 @@ class ConnectionCore:
         to a service that refused it: the send fails with EAGAIN)."""
         if self.refusal is not None and not self.handshaken:
             return cast(BrokenError, _again(self.refusal))
+        if getattr(exc, "errno", None) == zmq.EMSGSIZE:  # too big for a same-host socket
+            return BrokenError(
+                f"{what} to {self.name} failed: {exc}; this connection ends, and one to the "
+                "service's TCP address carries it"
+            )
         return BrokenError(
             f"{what} to {self.name} failed: {exc} ({self.why_broken()}); retry once it is back"
         )
