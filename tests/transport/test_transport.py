@@ -405,3 +405,22 @@ async def test_an_address_zmq_cannot_parse_is_the_callers_error(address: str) ->
             pass
 
     await anyio.to_thread.run_sync(blocking)
+
+
+async def test_a_forked_child_dials_the_given_address_when_the_twin_is_full() -> None:
+    """A forked child re-dials the controller at the address its parent used, its same-host
+    twin: with that twin's listen queue full the dial failed and left the child's client
+    without a controller connection (ClosedError "not connected" on every call after)."""
+    address, listener = _silent_listener()
+    listener.listen(0)
+    client = tq.AsyncClient.connect("tcp://127.0.0.1:9")
+    links = client._links
+    parent = links.controller = links.controller_connection(address, known_as=client.address)
+    try:  # (the parent's connection fills the queue)
+        links._pid = -1  # as in a child forked from the process that opened the client
+        conn = links.ctl()
+        assert conn.address == client.address
+    finally:
+        parent.close()
+        links.close()
+        listener.close()
