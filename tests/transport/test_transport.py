@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import uuid
 
 import anyio
@@ -424,3 +425,41 @@ async def test_a_forked_child_dials_the_given_address_when_the_twin_is_full() ->
         parent.close()
         links.close()
         listener.close()
+
+
+def test_a_blocking_connection_to_a_full_unix_listen_queue_fails_at_once() -> None:
+    """A Unix socket's blocking connect waits while the listener's queue is full (a paused
+    or swamped service): the blocking client hung there, unbounded; the async one fails with
+    EAGAIN at once, and a same-host switch falls back to the socket it has."""
+    address, listener = _silent_listener()
+    listener.listen(0)
+    queued = []
+    try:
+        while True:  # fill the queue
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(abstract_name(address))
+            except BlockingIOError:
+                sock.close()
+                break
+            queued.append(sock)
+        outcome: list[BaseException | None] = []
+
+        def connect() -> None:
+            try:
+                BlockingConnection(address).close()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the connect waited for room in the listen queue"
+        assert isinstance(outcome[0], tq.BrokenError)
+        assert "listen queue is full" in str(outcome[0])
+    finally:
+        listener.close()  # (wakes a connect that waits)
+        for sock in queued:
+            sock.close()
