@@ -335,3 +335,35 @@ async def test_a_message_over_256_mib_crosses_a_unix_socket_whole() -> None:
     finally:
         conn.close()
         endpoint.close()
+
+
+async def test_a_message_past_4_gib_fails_clearly_on_a_unix_socket() -> None:
+    """The Unix socket's wire says a message's size in 32 bits: a bigger one raised
+    struct.error from the client's request, and a reply that big was dropped by the service
+    (its client waited out its timeout). Either way the connection now ends with a
+    `BrokenError` at once (a client's unit request goes again over TCP, which has no limit)."""
+    import mmap
+
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._transport._router import RouterEndpoint
+    from tq_async._wire._protocol import ListPartitions, ok_reply, salvage_rid
+
+    huge = mmap.mmap(-1, 1 << 32)  # address space only: never written, never sent
+
+    def reply_huge(peer: bytes, frames: list[Any]) -> None:
+        rid = salvage_rid(frames[0].buffer)
+        assert rid is not None
+        endpoint.send(peer, [ok_reply(rid, None), huge])
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", reply_huge, twin="uds")
+    assert endpoint.ipc_address is not None
+    conns = [DealerConnection(endpoint.ipc_address) for _ in range(2)]
+    try:
+        with pytest.raises(BrokenError, match="4 GiB"):
+            await conns[0].request(ListPartitions(), [huge], timeout=30)
+        with anyio.fail_after(20), pytest.raises(BrokenError):
+            await conns[1].request(ListPartitions(), timeout=30)
+    finally:
+        for conn in conns:
+            conn.close()
+        endpoint.close()

@@ -88,8 +88,17 @@ class BlockingConnection(ConnectionShell):
         self._poller = select.poll()
         if core.unix:
             usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # non-blocking, as the async connection's: a blocking connect waits, unbounded,
+            # while the listener's queue is full; EAGAIN then, and the caller keeps the
+            # socket it has (a same-host switch falls back)
+            usock.setblocking(False)
             try:
                 usock.connect(abstract_name(self.address))
+            except BlockingIOError as exc:
+                usock.close()
+                raise BrokenError(
+                    f"cannot connect to {self.name!r}: the service's listen queue is full"
+                ) from exc
             except OSError as exc:
                 usock.close()
                 raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc

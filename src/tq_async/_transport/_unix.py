@@ -130,7 +130,14 @@ def encode(frames: Sequence[Any]) -> list[Any]:
     """Buffers to write for one message (no copy of the frames)."""
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
-    head = struct.pack(f"<II{len(sizes)}I", 4 + 4 * len(sizes) + sum(sizes), len(sizes), *sizes)
+    size = 4 + 4 * len(sizes) + sum(sizes)
+    if size > MAX_MESSAGE:  # (the wire says it in 32 bits; ZMQ's has no such limit)
+        raise zmq.ZMQError(
+            zmq.EMSGSIZE,
+            f"a message of {size} bytes is over the same-host socket's limit "
+            f"({MAX_MESSAGE} bytes, 4 GiB)",
+        )
+    head = struct.pack(f"<II{len(sizes)}I", size, len(sizes), *sizes)
     return [head, *views]
 
 
@@ -467,7 +474,15 @@ class UnixListener:
         peer = self._peers.get(identity)
         if peer is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, "no such peer")
-        peer.send(frames)
+        try:
+            peer.send(frames)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EMSGSIZE:
+                # a reply this socket cannot carry: the client learns now (its connection
+                # ends) rather than at its timeout, and may ask again over TCP
+                log.warning("dropped a client: its reply is too big for its socket", error=str(exc))
+                peer.close()
+            raise
 
     def close(self) -> None:
         if self._spare is not None:

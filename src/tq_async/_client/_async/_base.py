@@ -182,8 +182,7 @@ class Links:
             self.nixl = NixlLinks(forced=self.nixl.forced)
         if old is not None:
             self._inherited.append(old)
-            # the same address the parent used (its verified same-host twin, if any)
-            self.controller = self.controller_connection(old.address, known_as=old.known_as)
+            self.controller = _redial(self, old)
 
     def connection(
         self,
@@ -542,6 +541,16 @@ class Links:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return decode(payload, typ)
+
+
+def _redial(links: Links, old: DealerConnection) -> DealerConnection:
+    """A forked child's connection to the controller, at the address its parent used (its
+    verified same-host twin, if any), or the address the program gave when that twin's
+    listen queue is full."""
+    try:
+        return links.controller_connection(old.address, known_as=old.known_as)
+    except BrokenError:
+        return links.controller_connection(old.known_as)
 
 
 def _lineage(hello: HelloReply) -> bytes:
