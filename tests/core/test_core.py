@@ -428,6 +428,28 @@ def test_a_restored_checkpoints_recorded_batches_hold_their_rows_for_their_reade
     assert p.held == {}
 
 
+def test_a_partition_being_restored_is_not_created_by_a_put_meanwhile() -> None:
+    """A put (or a seal with create=True) into a partition a checkpoint load has staged but
+    not committed yet is refused (before: it created the partition, and the load's commit
+    replaced it: the put's acknowledged rows vanished, and the load's cells, sent to the
+    units without an incarnation, overwrote the put's)."""
+    core = new_core()
+    put(core, 4)
+    dump = partition_dump(core.state.partition("p"))
+    again = new_core()
+    again.catalog.restore_begin([dump])
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        put(again, 3)
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        again.catalog.seal("p", create=True)
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        again.catalog.kv_tag("p", ["k"], [{"a": 1}], 0.0)
+    assert "p" not in again.state.partitions
+    again.catalog.restore_commit(["p"], None, (again.sampler, again.task_samplers))
+    assert again.state.partition("p").n_alive == 4
+    assert put(again, 3) == [4, 5, 6]  # loaded: puts go on as usual
+
+
 def test_a_late_ack_of_a_waiting_batch_lets_auto_clear_free_its_rows() -> None:
     core = new_core()
     core.catalog.register_tasks("p", ["t", "u"])
