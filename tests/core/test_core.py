@@ -22,6 +22,7 @@ from tq_async import (
     StalenessSampler,
 )
 from tq_async._core._dumps import partition_dump
+from tq_async._core._effects import AdmissionConfig
 from tq_async._core._liveness import orphan_cells
 from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import (
@@ -784,6 +785,20 @@ def test_a_release_looks_at_its_own_rows_not_the_tasks_whole_history() -> None:
     core.state.partition("p").reset_consumption("t")  # no batches: every row goes back
     core.release("p", "t", [8])
     assert p.recorded_rows.get("t") is None
+
+
+def test_a_refused_clear_gives_back_no_admission_slot() -> None:
+    """A clear naming a row that is gone (cleared, lost) fails whole: the live rows it named
+    keep their admission slots (before: their slots were freed though they stayed, and the
+    learner consuming them freed them a second time, admitting past the capacity)."""
+    core = new_core(admission=AdmissionConfig(capacity=10, learner_task="learn"))
+    assert core.acquire(0, 4)
+    placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, [0] * 4, placement.put_id)
+    with pytest.raises(RowsNotFound):
+        core.clear_rows("p", [0, 99])
+    assert core.state.partition("p").n_alive == 4
+    assert core.state.outstanding == 4
 
 
 def test_an_aborted_put_reclaims_its_rows_at_once() -> None:
