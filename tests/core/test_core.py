@@ -139,6 +139,38 @@ def test_stop_when_consumed_waits_for_an_open_lease_too() -> None:
     assert is_end(get(core, acked, now=1.5))
 
 
+class BatchOnly(BaseSampler):
+    """A TransferQueue-style sampler (no ``short_ready_ok``): asked only once a whole batch
+    is ready, or the partition is final."""
+
+    def sample(self, ready_indexes: Sequence[int], batch_size: int, **_: Any) -> Any:
+        rows = list(ready_indexes)[:batch_size]
+        return rows, rows
+
+
+def test_stop_when_consumed_ends_the_stream_of_a_sampler_not_asked_yet() -> None:
+    """A task that consumed every row asks with stop_when_consumed: its stream ends, also
+    with a sampler that is asked only once a whole batch is ready (before: that sampler was
+    never asked, so the end never came and the request waited for ever); DP ranks too."""
+    core = new_core(BatchOnly())
+    put(core, 4)
+    assert rows_of(get(core, req(4))) == [0, 1, 2, 3]
+    assert is_end(get(core, msgspec.structs.replace(req(4), stop_when_consumed=True)))
+    assert get(core, req(4)) is None  # without it: waits for more rows, as before
+    put(core, 4, pid="q")
+    ranks = [req(2, pid="q", batch_index=0, dp_rank=r, dp_size=2) for r in (0, 1)]
+    assert [rows_of(get(core, r)) for r in ranks] == [[0, 1], [2, 3]]
+    ranks = [
+        msgspec.structs.replace(
+            req(2, pid="q", batch_index=1, dp_rank=r, dp_size=2), stop_when_consumed=True
+        )
+        for r in (0, 1)
+    ]
+    assert is_end(get(core, ranks[0]))
+    put(core, 4, pid="q")  # rows come before rank 1 asks: it ends at the same step
+    assert is_end(get(core, ranks[1]))
+
+
 def test_holds_do_not_block_end_of_stream() -> None:
     core = new_core()
     core.state.auto_clear["p"] = ("t",)
