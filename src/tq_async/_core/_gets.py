@@ -551,7 +551,8 @@ def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
-    """The sampler's rows exist and have the request's fields."""
+    """The sampler's rows exist, have the request's fields and are not on a suspended
+    storage unit."""
     p.check_rows(delivered)
     # rows of the ready set have every field by construction: check only the others
     ready = p.ready_set(req.task_name, req.data_fields).rows
@@ -559,6 +560,12 @@ def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
         if not p.is_produced(r, req.data_fields):
             raise InvalidRequestError(
                 f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+            )
+        if not p.available(r):
+            raise InvalidRequestError(
+                f"the sampler returned row {r}, which is on storage unit {p.units[r]}, "
+                "suspended: its rows are not handed out until it comes back; sample from "
+                "the ready rows (ready_indexes)"
             )
 
 
