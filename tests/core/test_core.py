@@ -461,6 +461,35 @@ def test_a_restored_checkpoints_recorded_batches_hold_their_rows_for_their_reade
     assert p.held == {}
 
 
+def test_registering_auto_clear_frees_the_rows_every_task_consumed_already() -> None:
+    """Auto-clear registered once the tasks consumed rows (consumers that started first):
+    those rows are freed at once, as later ones are when consumed (before: nothing touched
+    them again, and they stayed until the partition was cleared). Rows still held (a lease)
+    and a recorded batch waiting for its reader keep theirs."""
+    core = new_core()
+    put(core, 4)
+    put(core, 4, pid="q")
+    put(core, 4, pid="own")
+    assert rows_of(get(core, req(2))) == [0, 1]
+    leased = get(core, req(1, lease=5.0))
+    waiting = get(core, req(1, lease=1.0, batch_index=0))
+    assert rows_of(waiting) == [3]
+    core.advance(1.0)  # its lease ran out: the batch waits for its next reader
+    assert rows_of(get(core, req(4, pid="q"))) == [0, 1, 2, 3]
+    assert rows_of(get(core, req(4, pid="own"))) == [0, 1, 2, 3]
+    core.catalog.register_tasks("own", ["other"])  # its own setting: not the default's
+    fx = core.catalog.register_tasks("p", ["t"])
+    assert fx.room
+    p = core.state.partition("p")
+    assert [p.alive[r] for r in range(4)] == [0, 0, 1, 1]  # leased, waiting: kept
+    core.catalog.register_tasks(None, ["t"])  # every partition without its own setting
+    assert core.state.partition("q").n_alive == 0
+    assert core.state.partition("own").n_alive == 4
+    assert leased is not None
+    core.ack([leased.lease_id], 2.0)
+    assert p.alive[2] == 0
+
+
 def test_a_partition_being_restored_is_not_created_by_a_put_meanwhile() -> None:
     """A put (or a seal with create=True) into a partition a checkpoint load has staged but
     not committed yet is refused (before: it created the partition, and the load's commit
