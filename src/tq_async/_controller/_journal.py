@@ -683,6 +683,8 @@ def _partitions_of(core: ControllerCore, body: Any) -> Iterable[str]:
         return (body.partition_id,)
     if isinstance(body, RestoreCommit):
         return body.partition_ids
+    if isinstance(body, RegisterTasks) and body.partition_id is None:
+        return list(core.state.partitions)  # (it frees rows every task consumed already)
     pid = getattr(body, "partition_id", None)
     return (pid,) if isinstance(pid, str) else ()
 

@@ -65,13 +65,21 @@ class Catalog:
         return fx
 
     def register_tasks(self, partition_id: str | None, tasks: Sequence[str]) -> Effects:
-        """Auto-clear rows of ``partition_id`` (every partition: None) once ``tasks`` all
-        consumed them; no tasks: auto-clear off."""
-        if tasks:
-            self.state.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
-        else:
-            self.state.auto_clear.pop(partition_id, None)
-        return Effects()
+        """Auto-clear rows of ``partition_id`` (every partition without its own setting:
+        None) once ``tasks`` all consumed them; no tasks: auto-clear off. Rows they all
+        consumed already are freed now (unless held, as any consumed row)."""
+        st = self.state
+        fx = Effects()
+        if not tasks:
+            st.auto_clear.pop(partition_id, None)
+            return fx
+        st.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
+        for pid, p in st.partitions.items():
+            if pid == partition_id or (partition_id is None and pid not in st.auto_clear):
+                # (a recorded batch waiting for its reader holds its rows first)
+                self._leases.hold_waiting(p)
+                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
+        return fx
 
     def set_tags(
         self,

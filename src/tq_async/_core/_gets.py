@@ -211,12 +211,15 @@ class Gets:
                 return _keyed(self._sample(earlier, p, dp_size), record_key(earlier), earlier)
         return _keyed(self._sample(req, p, dp_size), key, None)
 
-    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
-        """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
+    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> Decision:
+        """The sampler call for ``req`` on the rows ready for it now, None (wait), or the
+        end of a ``stop_when_consumed`` stream (a sampler not asked yet is not asked)."""
         if dp_size is not None:
             check_undecided(req, p, dp_size)
         ready, final = p.offer(req.task_name, req.data_fields)
         if not final and too_few(self.sampler_for(req.task_name), req, ready, dp_size):
+            if req.stop_when_consumed and all_consumed(p, req.task_name):
+                return end_of_stream(self.state.dp_ends, req, p, record_key(req), dp_size, final)
             return None
         return self._call(req, p, ready, final, dp_size)
 
@@ -352,12 +355,7 @@ class Gets:
             if consumed:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             if final or (req.stop_when_consumed and all_consumed(p, req.task_name)):
-                if key is not None and call.dp_size is not None and call.dp_size > 1 and not final:
-                    # rows may come before the other ranks ask this index: they end here too
-                    # (a rank that stepped on alone would wait in its all_reduce for ever)
-                    owed = set(range(call.dp_size)) - {key[1]}
-                    self.state.dp_ends[(p.partition_id, p.incarnation, key[0], key[2])] = owed
-                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True), fx
+                return end_of_stream(self.state.dp_ends, req, p, key, call.dp_size, final), fx
             return None, fx
         if key is None:
             reply = meta_reply(p, shares[0], req.data_fields)
@@ -550,7 +548,8 @@ def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
 
 
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
-    """The sampler's rows exist and have the request's fields."""
+    """The sampler's rows exist, have the request's fields and are not on a suspended
+    storage unit."""
     p.check_rows(delivered)
     # rows of the ready set have every field by construction: check only the others
     ready = p.ready_set(req.task_name, req.data_fields).rows
@@ -558,6 +557,12 @@ def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
         if not p.is_produced(r, req.data_fields):
             raise InvalidRequestError(
                 f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+            )
+        if not p.available(r):
+            raise InvalidRequestError(
+                f"the sampler returned row {r}, which is on storage unit {p.units[r]}, "
+                "suspended: its rows are not handed out until it comes back; sample from "
+                "the ready rows (ready_indexes)"
             )
 
 
@@ -658,10 +663,25 @@ def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRepl
     )
 
 
-def _keyed(
-    call: SampleCall | None, key: RecordKey | None, earlier: GetMeta | None
-) -> SampleCall | None:
+def _keyed(call: Decision, key: RecordKey | None, earlier: GetMeta | None) -> Decision:
     """``call`` marked with the recorded batch its answer goes to (and the earlier request)."""
-    if call is not None:
+    if isinstance(call, SampleCall):
         call.key, call.earlier = key, earlier
     return call
+
+
+def end_of_stream(
+    ends: dict[tuple[str, str, str, int], set[int]],
+    req: GetMeta,
+    p: Partition,
+    key: RecordKey | None,
+    dp_size: int | None,
+    final: bool,
+) -> MetaReply:
+    """The end of ``req``'s stream; a ``stop_when_consumed`` one (not ``final``) of a global
+    batch is owed to the other ranks at that index too (`ControllerState.dp_ends`): rows may
+    come before they ask it, and a rank that stepped on alone would wait in its all_reduce
+    for ever."""
+    if key is not None and dp_size is not None and dp_size > 1 and not final:
+        ends[(p.partition_id, p.incarnation, key[0], key[2])] = set(range(dp_size)) - {key[1]}
+    return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)

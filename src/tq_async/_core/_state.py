@@ -706,9 +706,21 @@ class ControllerState:
                 "or pass create=True to create it empty and sealed"
             )
         if p is None:
+            self.check_not_restoring(partition_id)
             p = self.partitions[partition_id] = self.new_partition(partition_id)
         p.sealed = True
         return [Wakeup(partition_id)]
+
+    def check_not_restoring(self, partition_id: str) -> None:
+        """Raise `InvalidRequestError` if a checkpoint load staged ``partition_id``: one
+        created meanwhile would be replaced by the load's commit (its rows gone)."""
+        if partition_id in self.restoring:
+            raise InvalidRequestError(
+                f"partition {partition_id!r} is being restored from a checkpoint "
+                "(load_checkpoint): a put or a seal cannot create it meanwhile; write to it "
+                "once the load returned (it holds the checkpoint's rows then), or use another "
+                "partition"
+            )
 
     def partition(self, partition_id: str) -> Partition:
         p = self.partitions.get(partition_id)
@@ -779,6 +791,7 @@ class ControllerState:
         p = self.partitions.get(partition_id)
         fresh = p is None
         if p is None:
+            self.check_not_restoring(partition_id)
             p = self.new_partition(partition_id)
         p.check_schema(headers)
         if keys is None and p.sealed:
