@@ -415,3 +415,46 @@ async def test_a_recorded_get_cancelled_while_its_cells_are_read_keeps_its_rows_
         td, meta = await client.get(["i"], 4, "p", "t", config)
         assert td["i"].tolist() == meta.global_indexes == [0, 1, 2, 3]
         assert (await client.partition_info("p"))["rows"] == 4  # read, acknowledged, freed
+
+
+@pytest.mark.parametrize("same_host", [False, True])
+async def test_a_get_cancelled_while_its_cells_are_read_stays_cancelled_when_the_give_back_fails(
+    same_host: bool,
+) -> None:
+    """A ``get`` cancelled while its cells are read gives its rows back (a best-effort
+    clean-up); when that fails -- here the controller was SIGKILLed meanwhile, so the
+    `Release` finds nothing listening -- the caller is still cancelled. Before, the clean-up's
+    `BrokenError` replaced the cancellation: a ``move_on_after`` around the get raised
+    instead of moving on (and a blocking get's Ctrl-C became a `BrokenError`)."""
+    from _cluster_proc import serve_role, sigkill
+
+    request = DealerConnection.request
+    scope = anyio.CancelScope()
+    with (
+        serve_role("controller") as (controller_proc, address),
+        serve_role("storage", "--controller", address, line="TQ_UNIT="),
+    ):
+        async with tq.AsyncClient.connect(
+            address, inline_get_bytes=0, same_host=same_host, request_timeout=10
+        ) as client:
+            await fill(client, "p")
+            ctl = controller(client)
+
+            async def kill_then_cancel(
+                self: DealerConnection, body: Any, *args: Any, **kwargs: Any
+            ) -> Any:
+                if isinstance(body, StoreGet):  # the rows were handed out: now read
+                    sigkill(controller_proc)
+                    with anyio.fail_after(10):
+                        while ctl.connected is not False:
+                            await anyio.sleep(0.01)
+                    scope.cancel()
+                return await request(self, body, *args, **kwargs)
+
+            DealerConnection.request = kill_then_cancel  # type: ignore[method-assign]
+            try:
+                with scope:
+                    await client.get(["i"], 4, "p", "t")
+            finally:
+                DealerConnection.request = request  # type: ignore[method-assign]
+            assert scope.cancelled_caught
