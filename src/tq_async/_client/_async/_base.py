@@ -152,10 +152,11 @@ class Links:
         #: the watchers' shared requests and answers, by filter (`tq_async._client._async._feeds`)
         self.feeds = Feeds()
 
-    def close(self) -> None:
-        """Close every connection; calls still waiting fail with ClosedError."""
+    def close(self, farewell: Sequence[msgspec.Struct] = ()) -> None:
+        """Close every connection; calls still waiting fail with ClosedError. ``farewell``:
+        one-way messages the controller gets last (the aborts of the puts in flight)."""
         if self.controller is not None:
-            self.controller.close()
+            self.controller.close(farewell=farewell)
             self.controller = None
         self.same_host_units.close()
         for conn in self.units.values():

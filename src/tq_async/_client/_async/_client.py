@@ -237,8 +237,9 @@ class AsyncClient:
         return self
 
     async def aclose(self) -> None:
-        """Close every socket; calls still waiting fail with `ClosedError`."""
-        self._links.close()
+        """Close every socket; calls still waiting fail with `ClosedError` (the puts among
+        them are aborted)."""
+        self._links.close(self._puts.farewell())
 
     @property
     def closed(self) -> bool:
