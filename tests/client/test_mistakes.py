@@ -228,6 +228,18 @@ def test_a_connect_timeout_that_is_not_seconds_is_refused_at_once(cls: Any, bad:
         cls("tcp://127.0.0.1:9", connect_timeout=bad)
 
 
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
+def test_a_host_id_or_curve_of_the_wrong_type_is_refused_at_once(cls: Any) -> None:
+    """``host_id=3`` reached the controller with the first Hello and came back as a
+    `ProtocolError` (a "malformed request" logged by the service); ``curve`` that is not a
+    `CurveClient` failed with ``AttributeError``. Both are refused when the client is made."""
+    with pytest.raises(tq.InvalidRequestError, match="host_id"):
+        cls("tcp://127.0.0.1:9", host_id=3)
+    with pytest.raises(tq.InvalidRequestError, match="curve"):
+        cls("tcp://127.0.0.1:9", curve="server-public-key")
+    assert cls("tcp://127.0.0.1:9", host_id="rack-2/node-7").host_id == "rack-2/node-7"
+
+
 async def open_once(connect: Any, address: str) -> None:
     if connect == tq.Client.connect:
 
