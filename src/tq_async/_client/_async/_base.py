@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -80,6 +80,23 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
+
+
+def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
+    """``tags``, checked to be one dict (or None) for each of ``n`` rows (or keys: ``of``).
+
+    Raises:
+        InvalidRequestError: it is no sequence (one dict, a generator, None), or not ``n``
+            long.
+    """
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Sequence):
+        hint = f": the same tags on every row are [tags] * {n}" if isinstance(tags, Mapping) else ""
+        raise InvalidRequestError(
+            f"tags must be a list of one dict per row (or None), got {type(tags).__name__}{hint}"
+        )
+    if len(tags) != n:
+        raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} {of}")
+    return tags
 
 
 class Links:

@@ -66,7 +66,7 @@ from ..._wire._protocol import (
     StoreClear,
     StorePut,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int
+from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
 from ._replies import ask_grant, decode
 
@@ -219,9 +219,7 @@ class PutPath:
             raise SchemaError(f"the batch has {n} rows but {len(keys)} keys; they must match")
         tag_list: list[dict[str, Any] | None] | None = None
         if tags is not None:
-            if len(tags) != n:
-                raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
-            tag_list = tags_for_wire(tags)
+            tag_list = tags_for_wire(tag_rows(tags, n))
         versions = _check_versions(policy_version, n)
         check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
