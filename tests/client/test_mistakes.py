@@ -123,6 +123,28 @@ async def test_a_sampling_config_that_is_not_a_dict_of_names_is_refused() -> Non
         assert meta.global_indexes == [0, 1]  # nothing was consumed by the refused calls
 
 
+async def test_tags_that_are_not_a_list_of_one_dict_per_row_are_refused() -> None:
+    """``tags`` given as one dict (meant for every row), as a generator or as None where a
+    list is needed failed with a bare ``TypeError`` (``len()`` of it) or, for a dict of as
+    many keys as rows, with an error about its first key. Each says what tags are."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        data = TensorDict({"x": torch.ones(1)}, [1])
+        meta = await client.put(data, partition_id="p")
+        for bad in ({"uid": 1}, ({"uid": i} for i in range(1)), "uid"):
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.put(data, partition_id="p", tags=bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.set_tags(meta, bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.kv_batch_put(["k"], "kv", None, bad)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+            await client.set_tags(meta, None)  # type: ignore[arg-type]
+        assert (await client.partition_info("p"))["rows"] == 1  # nothing was written
+
+
 async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,
@@ -226,6 +248,18 @@ def test_a_connect_timeout_that_is_not_seconds_is_refused_at_once(cls: Any, bad:
     infinity and True, and a string failed with a bare TypeError."""
     with pytest.raises(tq.InvalidRequestError, match="connect_timeout"):
         cls("tcp://127.0.0.1:9", connect_timeout=bad)
+
+
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
+def test_a_host_id_or_curve_of_the_wrong_type_is_refused_at_once(cls: Any) -> None:
+    """``host_id=3`` reached the controller with the first Hello and came back as a
+    `ProtocolError` (a "malformed request" logged by the service); ``curve`` that is not a
+    `CurveClient` failed with ``AttributeError``. Both are refused when the client is made."""
+    with pytest.raises(tq.InvalidRequestError, match="host_id"):
+        cls("tcp://127.0.0.1:9", host_id=3)
+    with pytest.raises(tq.InvalidRequestError, match="curve"):
+        cls("tcp://127.0.0.1:9", curve="server-public-key")
+    assert cls("tcp://127.0.0.1:9", host_id="rack-2/node-7").host_id == "rack-2/node-7"
 
 
 async def open_once(connect: Any, address: str) -> None:

@@ -296,13 +296,16 @@ class DealerConnection(ConnectionShell, DrainedSocket):
             with self.transport_errors(type(body).__name__):
                 self._send(self._core.oneway(body))
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(
+        self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+    ) -> None:
         """Close the socket; requests still waiting fail with ``error`` (default:
         `ClosedError`; a connection replaced because it broke passes a `BrokenError`).
 
         Closed by its program (no ``error``), the connection first sends a ``Cancel`` for
         each request still waiting, as a cancelled call does: a get_meta parked at the
-        controller would otherwise take the task's next rows for nobody.
+        controller would otherwise take the task's next rows for nobody. ``farewell``: one-way
+        messages sent last (best effort), e.g. the aborts of a closing client's open puts.
         """
         if self._closed:
             return
@@ -311,6 +314,8 @@ class DealerConnection(ConnectionShell, DrainedSocket):
             core = self._core
             for rid in [rid for rid in core.waiting if rid not in core.arrived]:
                 cancels += self.send_best_effort(Cancel(rid))
+        for body in farewell:
+            cancels += self.send_best_effort(body)
         self._unwatch()
         # (the Cancels are queued: ZMQ's I/O thread sends them after the close)
         self._close_socket(CANCEL_LINGER_MS if cancels else 0)

@@ -103,7 +103,9 @@ class ConnectionShell:
 
         def send_oneway(self, body: msgspec.Struct) -> None: ...
 
-        def close(self, error: BaseException | None = None) -> None: ...
+        def close(
+            self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+        ) -> None: ...
 
     def _start(self, busy_poll: float) -> None:
         """Open the socket and set up the shell's own state (the end of ``__init__``)."""

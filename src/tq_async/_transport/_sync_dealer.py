@@ -57,6 +57,8 @@ __all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BlockingConnection", "check_fr
 log = get_logger(__name__)
 
 _POLLIN = int(zmq.POLLIN)
+#: ms ZMQ may spend sending a closing connection's farewell messages (in the background)
+CLOSE_LINGER_MS = 1000
 #: a write to a service that reads nothing (paused) fails after this long without a timeout
 _WRITE_WAIT = 60.0
 
@@ -119,7 +121,7 @@ class BlockingConnection(ConnectionShell):
         if self._wake_fd is not None:
             self._zpoller.register(self._wake_fd, zmq.POLLIN)
 
-    def _release(self) -> None:
+    def _release(self, linger: int = 0) -> None:
         if self._stream is not None:
             self._stream.sock.close()
             self._stream = None
@@ -128,7 +130,7 @@ class BlockingConnection(ConnectionShell):
                 self._sock.disable_monitor()
             assert self._monitor is not None
             self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger)
             self._sock = self._monitor = None
 
     def peer_closed(self) -> None:
@@ -317,15 +319,21 @@ class BlockingConnection(ConnectionShell):
         with self.transport_errors(type(body).__name__):
             self._send(self._core.oneway(body))
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(
+        self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+    ) -> None:
         """Close the socket (in the process that opened it; a forked child leaves it be).
         (``error``: what waiting requests would fail with; a blocking connection has none
-        waiting when another call closes it.)"""
+        waiting when another call closes it. ``farewell``: one-way messages sent last, best
+        effort.)"""
         if self._closed:
             return
+        if self._core.pid == os.getpid():
+            for body in farewell:
+                self.send_best_effort(body)
         self._closed = True
         if self._core.pid == os.getpid():
-            self._release()
+            self._release(linger=CLOSE_LINGER_MS if farewell else 0)
             if self._wake_fd is not None:
                 os.close(self._wake_fd)
                 self._wake_fd = None

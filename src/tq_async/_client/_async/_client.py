@@ -51,6 +51,7 @@ from ..._transport._dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL
 from ..._transport._hosts import resolve_host_id
 from ..._transport._security import CurveClient
 from ..._wire._checks import check_int, check_seconds
+from ..._wire._codec import check_text
 from ..._wire._listing import KVListing
 from .._options import ClientOptions
 from ._base import Links
@@ -164,6 +165,7 @@ class AsyncClient:
             address, request_timeout, connect_timeout, retry_after, busy_poll, data_path
         )
         _check_inline(inline_put_bytes, inline_get_bytes)
+        _check_identity(host_id, curve)
         self.connect_timeout = connect_timeout
         self.address = address
         self.request_timeout = request_timeout
@@ -238,8 +240,9 @@ class AsyncClient:
         return self
 
     async def aclose(self) -> None:
-        """Close every socket; calls still waiting fail with `ClosedError`."""
-        self._links.close()
+        """Close every socket; calls still waiting fail with `ClosedError` (the puts among
+        them are aborted)."""
+        self._links.close(self._puts.farewell())
 
     @property
     def closed(self) -> bool:
@@ -965,3 +968,20 @@ def _checked(
 def _check_inline(inline_put_bytes: int, inline_get_bytes: int) -> None:
     check_int("inline_put_bytes", inline_put_bytes)
     check_int("inline_get_bytes", inline_get_bytes)
+
+
+def _check_identity(host_id: Any, curve: Any) -> None:
+    """``host_id`` (a string, or None) and ``curve`` (a `CurveClient`, or None), checked
+    before anything is sent (a wrong type reached the services, or failed deep inside)."""
+    if host_id is not None:
+        if not isinstance(host_id, str):
+            raise InvalidRequestError(
+                f"host_id must be a string (or None: this host's), got "
+                f"{type(host_id).__name__} {host_id!r}"
+            )
+        check_text("host_id", host_id)
+    if curve is not None and not isinstance(curve, CurveClient):
+        raise InvalidRequestError(
+            f"curve must be a tq.CurveClient (the server's public key and this client's "
+            f"key pair; see tq.curve_keypair), got {type(curve).__name__}"
+        )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -82,6 +82,23 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
+
+
+def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
+    """``tags``, checked to be one dict (or None) for each of ``n`` rows (or keys: ``of``).
+
+    Raises:
+        InvalidRequestError: it is no sequence (one dict, a generator, None), or not ``n``
+            long.
+    """
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Sequence):
+        hint = f": the same tags on every row are [tags] * {n}" if isinstance(tags, Mapping) else ""
+        raise InvalidRequestError(
+            f"tags must be a list of one dict per row (or None), got {type(tags).__name__}{hint}"
+        )
+    if len(tags) != n:
+        raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} {of}")
+    return tags
 
 
 class Links:
@@ -154,10 +171,11 @@ class Links:
         #: the watchers' shared requests and answers, by filter (`tq_async._client._sync._feeds`)
         self.feeds = Feeds()
 
-    def close(self) -> None:
-        """Close every connection; calls still waiting fail with ClosedError."""
+    def close(self, farewell: Sequence[msgspec.Struct] = ()) -> None:
+        """Close every connection; calls still waiting fail with ClosedError. ``farewell``:
+        one-way messages the controller gets last (the aborts of the puts in flight)."""
         if self.controller is not None:
-            self.controller.close()
+            self.controller.close(farewell=farewell)
             self.controller = None
         self.same_host_units.close()
         for conn in self.units.values():

@@ -58,7 +58,7 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
-from ._base import Links, as_int, check_fields
+from ._base import Links, as_int, check_fields, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
@@ -237,9 +237,7 @@ class ControlCalls:
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
         meta = check_meta(meta, "set_tags")
-        if len(tags) != len(meta):
-            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
-        wire_tags = [t or {} for t in tags_for_wire(tags)]
+        wire_tags = [t or {} for t in tags_for_wire(tag_rows(tags, len(meta)))]
         body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
         self._links.call(body, None)
 
@@ -343,9 +341,7 @@ class ControlCalls:
         if fields is None:
             if tags is None:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
-            if len(tags) != len(key_list):
-                raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
-            wire = [t or {} for t in tags_for_wire(tags)]
+            wire = [t or {} for t in tags_for_wire(tag_rows(tags, len(key_list), "keys"))]
             return self._tag_keys(
                 partition_id, key_list, wire, [dict(t) if t else {} for t in tags]
             )

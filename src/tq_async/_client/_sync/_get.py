@@ -519,7 +519,10 @@ class GetPath:
             if query.mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
-                    self.release(meta)
+                    try:
+                        self.release(meta)
+                    except Exception as exc:  # the read's own outcome matters more
+                        log.warning("could not give back the rows of a failed get", error=str(exc))
             # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
