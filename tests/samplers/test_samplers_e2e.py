@@ -90,6 +90,32 @@ async def test_grpo_groups_never_span_prompts_through_the_controller() -> None:
         assert second.global_indexes == [4, 5, 6, 7]
 
 
+@pytest.mark.parametrize("tail", ["drop", "error"])
+async def test_a_pooled_grpo_consumer_can_drop_or_refuse_incomplete_groups(tail: str) -> None:
+    """The GRPO sampler's partial-group warning said "pass sampling_config={'tail': 'drop'}",
+    which the client refuses without ``dp_size`` (a pooled consumer has none): a learner
+    that needs whole groups in every batch had no way to say so. The sampler takes its own
+    ``tail`` (as `SeqlenBalancedSampler` does), which a pooled request follows."""
+    sampler = tq.GRPOGroupNSampler(4, tail=tail)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        tags = [{"uid": 0}] * 4 + [{"uid": 1}] * 2  # uid 1 never completes
+        await client.put({"x": torch.arange(6)}, "p", tags=tags)
+        await client.seal("p")
+        assert (await client.get_meta(["x"], 4, "p", "t")).global_indexes == [0, 1, 2, 3]
+        if tail == "drop":
+            assert (await client.get_meta(["x"], 4, "p", "t", timeout=5)).end_of_stream
+            assert (await client.partition_info("p"))["dropped"] == {"t": 2}
+        else:
+            with pytest.raises(tq.InvalidRequestError, match="groups of fewer than"):
+                await client.get_meta(["x"], 4, "p", "t", timeout=5)
+            assert (await client.partition_info("p"))["consumed"] == {"t": 4}
+    with pytest.raises(tq.InvalidRequestError, match="tail must be"):
+        tq.GRPOGroupNSampler(4, tail="pad")
+
+
 async def test_rank_aware_sampler_through_controller_cache_stays_bounded() -> None:
     sampler = tq.RankAwareSampler(tq.GRPOGroupNSampler(2), n_replicas=2)
     async with (
