@@ -364,3 +364,37 @@ async def test_a_peek_of_a_short_final_seqlen_batch_follows_the_fetch_tail(
             assert all(m.end_of_stream for m in got)
         else:
             assert [m.global_indexes for m in got] == [[0], []]
+
+
+class _Answers(tq.BaseSampler):
+    """A custom sampler answering ``rows`` (sampled and consumed) whatever is ready."""
+
+    short_ready_ok = True
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        return list(self.rows), list(self.rows)
+
+
+@pytest.mark.parametrize("row", [999, 0], ids=["never_put", "cleared"])
+async def test_a_sampler_answering_a_row_that_does_not_exist_is_named(row: int) -> None:
+    """A custom sampler that answers a row that does not exist (never put, or cleared): the
+    error says the sampler did it and what a sampler must answer. Before, it was the
+    `RowsNotFound` of a caller's bad `BatchMeta` ("use the BatchMeta a put or get_meta
+    returned"): advice for a mistake the caller of get_meta never made."""
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_Answers([row])) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.arange(4)}, "p")
+        await client.clear_samples(meta.select_rows([0]))
+        with pytest.raises(tq.InvalidRequestError) as err:
+            await client.get_meta(["x"], 1, "p", "t", timeout=5)
+        message = str(err.value)
+        assert f"sampler _Answers answered row {row}: row {row} does not exist" in message
+        assert "ready_indexes" in message, message
+        assert "BatchMeta" not in message, message
+        assert not (await client.consumption_status("p", "t")).any()
