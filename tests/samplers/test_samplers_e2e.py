@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _samplers import Later
 
 N, DP, REPLICAS, PER_RANK, BATCHES = 4, 4, 2, 8, 4
 GROUPS = DP * PER_RANK // N * BATCHES  # 32 prompt groups of N rows
@@ -398,3 +399,23 @@ async def test_a_sampler_answering_a_row_that_does_not_exist_is_named(row: int) 
         assert "ready_indexes" in message, message
         assert "BatchMeta" not in message, message
         assert not (await client.consumption_status("p", "t")).any()
+
+
+async def test_a_rank_aware_batch_asked_ahead_of_an_async_inner_is_decided_later() -> None:
+    """``get_batches(also=...)`` asks for later batches only when they can be decided at
+    once; an ``async`` sampler's call is dropped unawaited. `RankAwareSampler` over an
+    ``async`` inner had marked that batch in flight when the call was made, and the mark
+    stayed: the later request for the batch waited for ever on a first call that never ran.
+    It samples the batch itself."""
+    sampler = tq.RankAwareSampler(Later())
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(12)}, partition_id="p")
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        got = await client.get_batches(["x"], 4, "p", "t", cfg, also=[1])
+        assert [list(m.global_indexes) for _, m in got] == [[0, 1, 2, 3]]
+        with anyio.fail_after(10):
+            later = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": 1})
+        assert later.global_indexes == [4, 5, 6, 7]
