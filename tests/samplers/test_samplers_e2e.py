@@ -419,3 +419,52 @@ async def test_a_rank_aware_batch_asked_ahead_of_an_async_inner_is_decided_later
         with anyio.fail_after(10):
             later = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": 1})
         assert later.global_indexes == [4, 5, 6, 7]
+
+
+class _Unstorable(tq.SequentialSampler):
+    """A custom sampler whose state, from its second batch on, holds what no checkpoint (and
+    no journal) can store; its first batch leaves a state that can be stored."""
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        rows, consumed = super().sample(ready_indexes, batch_size, *args, **kwargs)
+        if rows:
+            seen = self._states.setdefault("batches", [])
+            seen.append(list(rows))
+            if len(seen) > 1:
+                self._states["rng"] = object()
+        return rows, consumed
+
+
+async def test_a_sampler_state_that_cannot_be_stored_does_not_stop_a_durable_controller(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A durable controller writes the samplers' ``state_dict()`` with every commit. A custom
+    sampler whose state could no longer be stored made the commit raise: the journal's task
+    died and the controller with it, every client cut off. The commit writes the sampler's
+    last state that could be stored, with an error naming the sampler, and goes on; a
+    restart on the directory resumes from it."""
+    async with (
+        tq.local_cluster(
+            num_storage_units=1,
+            sampler=_Unstorable(),
+            durability="process",
+            data_dir=str(tmp_path),
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+    ):
+        await client.put({"x": torch.arange(6)}, "p")
+        with anyio.fail_after(20):
+            for _ in range(3):
+                await client.get_meta(["x"], 2, "p", "t")
+        assert (await client.partition_info("p"))["consumed"] == {"t": 6}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("_Unstorable" in m and "state" in m for m in errors), errors
+    restarted = _Unstorable()
+    async with (
+        tq.local_cluster(
+            num_storage_units=1, sampler=restarted, durability="process", data_dir=str(tmp_path)
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert (await client.partition_info("p"))["consumed"] == {"t": 6}
+        assert restarted._states == {"batches": [[0, 1]]}  # the last state that could be stored
