@@ -271,6 +271,32 @@ async def test_a_wrapped_custom_sampler_keeps_its_transferqueue_cache_hooks(wrap
         assert not inner._states
 
 
+@pytest.mark.parametrize("task", ["t", None])
+async def test_a_reset_forgets_the_shares_a_transferqueue_sampler_cached(task: str | None) -> None:
+    """A TransferQueue-style sampler caches each rank's share in
+    ``_states[partition_id][task_name]`` (the documented convention). ``reset_consumption``
+    starts a new epoch: the cached shares of the old one must go with it, as a clear drops
+    them. Before, the new epoch was answered from the cache with nothing consumed
+    (``(share, [])``): every row stayed unconsumed, so the epoch handed the same rows out
+    again batch after batch and never ended."""
+    inner = _TwoRanks()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=inner) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, partition_id="p")
+        for epoch in range(2):
+            with anyio.fail_after(10):
+                got = [
+                    (await client.get_meta(["x"], 4, "p", "t", {"dp_rank": r, "batch_index": 0}))
+                    for r in (0, 1)
+                ]
+            assert [m.global_indexes for m in got] == [[0, 1, 2, 3], [4, 5, 6, 7]], epoch
+            assert int((await client.consumption_status("p", "t")).sum()) == 8, epoch
+            await client.reset_consumption("p", task)
+            assert not inner._states.get("p", {}).get("t"), epoch
+
+
 class _BrokenHooks(tq.SequentialSampler):
     """A custom sampler whose clear and reset hooks raise."""
 
