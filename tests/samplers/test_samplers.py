@@ -473,6 +473,20 @@ def test_seqlen_missing_length_tag_names_row_and_key() -> None:
         )
 
 
+@pytest.mark.parametrize("bad", ["many", [3, 4], {"n": 3}, -5])
+def test_seqlen_a_length_that_is_no_token_count_names_row_and_key(bad: Any) -> None:
+    """A ``total_lengths`` tag that is not a token count (a word, a list, a negative number)
+    is refused naming the row, the tag and its value. Before, a word or a list failed with
+    Python's bare ``int()`` message ("invalid literal for int() ...") naming neither, and a
+    negative count was balanced as if a row could weigh less than nothing."""
+    tags = lengths_tags({0: 1, 1: 2, 2: 3, 3: 4})
+    tags[2] = {"total_lengths": bad}
+    s = SeqlenBalancedSampler(dp_size=2)
+    with pytest.raises(ValueError, match=r"row 2 has total_lengths=.*not a token count"):
+        s.sample([0, 1, 2, 3], 2, **ctx(0, 0, tags=tags))
+    assert s.cache_size == 0
+
+
 def test_seqlen_a_row_without_a_length_counts_one_by_default() -> None:
     """TransferQueue's SeqlenBalancedSampler reads a missing ``total_lengths`` as 1."""
     tags = {0: {"total_lengths": 3}, 1: {}, 2: {}, 3: {}}  # 3 | 1 + 1 + 1: rows 0 vs 1-3

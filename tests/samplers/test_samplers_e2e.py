@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _samplers import Later
 
 N, DP, REPLICAS, PER_RANK, BATCHES = 4, 4, 2, 8, 4
 GROUPS = DP * PER_RANK // N * BATCHES  # 32 prompt groups of N rows
@@ -88,6 +89,32 @@ async def test_grpo_groups_never_span_prompts_through_the_controller() -> None:
         second = await client.get_meta(["x"], 4, "p", "t")
         assert first.global_indexes == [0, 1, 2, 3]
         assert second.global_indexes == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("tail", ["drop", "error"])
+async def test_a_pooled_grpo_consumer_can_drop_or_refuse_incomplete_groups(tail: str) -> None:
+    """The GRPO sampler's partial-group warning said "pass sampling_config={'tail': 'drop'}",
+    which the client refuses without ``dp_size`` (a pooled consumer has none): a learner
+    that needs whole groups in every batch had no way to say so. The sampler takes its own
+    ``tail`` (as `SeqlenBalancedSampler` does), which a pooled request follows."""
+    sampler = tq.GRPOGroupNSampler(4, tail=tail)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        tags = [{"uid": 0}] * 4 + [{"uid": 1}] * 2  # uid 1 never completes
+        await client.put({"x": torch.arange(6)}, "p", tags=tags)
+        await client.seal("p")
+        assert (await client.get_meta(["x"], 4, "p", "t")).global_indexes == [0, 1, 2, 3]
+        if tail == "drop":
+            assert (await client.get_meta(["x"], 4, "p", "t", timeout=5)).end_of_stream
+            assert (await client.partition_info("p"))["dropped"] == {"t": 2}
+        else:
+            with pytest.raises(tq.InvalidRequestError, match="groups of fewer than"):
+                await client.get_meta(["x"], 4, "p", "t", timeout=5)
+            assert (await client.partition_info("p"))["consumed"] == {"t": 4}
+    with pytest.raises(tq.InvalidRequestError, match="tail must be"):
+        tq.GRPOGroupNSampler(4, tail="pad")
 
 
 async def test_rank_aware_sampler_through_controller_cache_stays_bounded() -> None:
@@ -244,6 +271,32 @@ async def test_a_wrapped_custom_sampler_keeps_its_transferqueue_cache_hooks(wrap
         assert not inner._states
 
 
+@pytest.mark.parametrize("task", ["t", None])
+async def test_a_reset_forgets_the_shares_a_transferqueue_sampler_cached(task: str | None) -> None:
+    """A TransferQueue-style sampler caches each rank's share in
+    ``_states[partition_id][task_name]`` (the documented convention). ``reset_consumption``
+    starts a new epoch: the cached shares of the old one must go with it, as a clear drops
+    them. Before, the new epoch was answered from the cache with nothing consumed
+    (``(share, [])``): every row stayed unconsumed, so the epoch handed the same rows out
+    again batch after batch and never ended."""
+    inner = _TwoRanks()
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=inner) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, partition_id="p")
+        for epoch in range(2):
+            with anyio.fail_after(10):
+                got = [
+                    (await client.get_meta(["x"], 4, "p", "t", {"dp_rank": r, "batch_index": 0}))
+                    for r in (0, 1)
+                ]
+            assert [m.global_indexes for m in got] == [[0, 1, 2, 3], [4, 5, 6, 7]], epoch
+            assert int((await client.consumption_status("p", "t")).sum()) == 8, epoch
+            await client.reset_consumption("p", task)
+            assert not inner._states.get("p", {}).get("t"), epoch
+
+
 class _BrokenHooks(tq.SequentialSampler):
     """A custom sampler whose clear and reset hooks raise."""
 
@@ -338,3 +391,106 @@ async def test_a_peek_of_a_short_final_seqlen_batch_follows_the_fetch_tail(
             assert all(m.end_of_stream for m in got)
         else:
             assert [m.global_indexes for m in got] == [[0], []]
+
+
+class _Answers(tq.BaseSampler):
+    """A custom sampler answering ``rows`` (sampled and consumed) whatever is ready."""
+
+    short_ready_ok = True
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        return list(self.rows), list(self.rows)
+
+
+@pytest.mark.parametrize("row", [999, 0], ids=["never_put", "cleared"])
+async def test_a_sampler_answering_a_row_that_does_not_exist_is_named(row: int) -> None:
+    """A custom sampler that answers a row that does not exist (never put, or cleared): the
+    error says the sampler did it and what a sampler must answer. Before, it was the
+    `RowsNotFound` of a caller's bad `BatchMeta` ("use the BatchMeta a put or get_meta
+    returned"): advice for a mistake the caller of get_meta never made."""
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_Answers([row])) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.arange(4)}, "p")
+        await client.clear_samples(meta.select_rows([0]))
+        with pytest.raises(tq.InvalidRequestError) as err:
+            await client.get_meta(["x"], 1, "p", "t", timeout=5)
+        message = str(err.value)
+        assert f"sampler _Answers answered row {row}: row {row} does not exist" in message
+        assert "ready_indexes" in message, message
+        assert "BatchMeta" not in message, message
+        assert not (await client.consumption_status("p", "t")).any()
+
+
+async def test_a_rank_aware_batch_asked_ahead_of_an_async_inner_is_decided_later() -> None:
+    """``get_batches(also=...)`` asks for later batches only when they can be decided at
+    once; an ``async`` sampler's call is dropped unawaited. `RankAwareSampler` over an
+    ``async`` inner had marked that batch in flight when the call was made, and the mark
+    stayed: the later request for the batch waited for ever on a first call that never ran.
+    It samples the batch itself."""
+    sampler = tq.RankAwareSampler(Later())
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(12)}, partition_id="p")
+        cfg = {"dp_rank": 0, "batch_index": 0}
+        got = await client.get_batches(["x"], 4, "p", "t", cfg, also=[1])
+        assert [list(m.global_indexes) for _, m in got] == [[0, 1, 2, 3]]
+        with anyio.fail_after(10):
+            later = await client.get_meta(["x"], 4, "p", "t", {"dp_rank": 0, "batch_index": 1})
+        assert later.global_indexes == [4, 5, 6, 7]
+
+
+class _Unstorable(tq.SequentialSampler):
+    """A custom sampler whose state, from its second batch on, holds what no checkpoint (and
+    no journal) can store; its first batch leaves a state that can be stored."""
+
+    def sample(self, ready_indexes: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        rows, consumed = super().sample(ready_indexes, batch_size, *args, **kwargs)
+        if rows:
+            seen = self._states.setdefault("batches", [])
+            seen.append(list(rows))
+            if len(seen) > 1:
+                self._states["rng"] = object()
+        return rows, consumed
+
+
+async def test_a_sampler_state_that_cannot_be_stored_does_not_stop_a_durable_controller(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A durable controller writes the samplers' ``state_dict()`` with every commit. A custom
+    sampler whose state could no longer be stored made the commit raise: the journal's task
+    died and the controller with it, every client cut off. The commit writes the sampler's
+    last state that could be stored, with an error naming the sampler, and goes on; a
+    restart on the directory resumes from it."""
+    async with (
+        tq.local_cluster(
+            num_storage_units=1,
+            sampler=_Unstorable(),
+            durability="process",
+            data_dir=str(tmp_path),
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+    ):
+        await client.put({"x": torch.arange(6)}, "p")
+        with anyio.fail_after(20):
+            for _ in range(3):
+                await client.get_meta(["x"], 2, "p", "t")
+        assert (await client.partition_info("p"))["consumed"] == {"t": 6}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("_Unstorable" in m and "state" in m for m in errors), errors
+    restarted = _Unstorable()
+    async with (
+        tq.local_cluster(
+            num_storage_units=1, sampler=restarted, durability="process", data_dir=str(tmp_path)
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert (await client.partition_info("p"))["consumed"] == {"t": 6}
+        assert restarted._states == {"batches": [[0, 1]]}  # the last state that could be stored

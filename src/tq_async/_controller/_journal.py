@@ -51,6 +51,7 @@ from .._core._journal import (
     decode_delta,
     decode_partition,
     encode,
+    named_samplers,
     recover,
     replay,
 )
@@ -384,6 +385,43 @@ class _HeldSends:
         self.recorder.send(peer, frames)
 
 
+class SamplerStates:
+    """The samplers' states for each controller record. A sampler whose ``state_dict()``
+    raises, or holds what msgpack cannot carry (a custom sampler's), keeps the last state of
+    it that could be written, with an error (once until it can be written again): one
+    sampler's state must not stop the journal, which every reply of the controller waits
+    on."""
+
+    def __init__(self) -> None:
+        #: each sampler's last state that could be written, encoded (a copy: a sampler may
+        #: change the objects its ``state_dict()`` returned)
+        self.last: dict[str, bytes] = {}
+        self.failing: set[str] = set()
+
+    def __call__(self, core: ControllerCore) -> dict[str, Any]:
+        states: dict[str, Any] = {}
+        for name, smp in named_samplers(core):
+            try:
+                state = smp.state_dict()
+                self.last[name] = msgspec.msgpack.encode(state)
+            except Exception as exc:
+                if name not in self.failing:
+                    self.failing.add(name)
+                    log.error(
+                        f"sampler {type(smp).__name__}: its state cannot be written to the "
+                        f"controller's journal ({exc}); the journal keeps its last state that "
+                        "could (a restart resumes the sampler from there): make its "
+                        "state_dict() / save_checkpoint() return plain values",
+                        sampler=name,
+                    )
+                last = self.last.get(name)
+                state = {} if last is None else msgspec.msgpack.decode(last)
+            else:
+                self.failing.discard(name)
+            states[name] = state
+        return states
+
+
 class Recorder:
     """Marks what requests change, writes it in group commits, holds replies until then.
 
@@ -422,6 +460,7 @@ class Recorder:
         #: the partition of each recent fetch, by request: a `Cancel` that comes after its
         #: answer gives the rows back (`tq_async._controller._gets`), a change to write
         self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        self.sampler_states = SamplerStates()
         self._wake = asyncio.Event()
 
     # ---- recovery ----------------------------------------------------------------------------
@@ -454,6 +493,9 @@ class Recorder:
                 ) from exc
             sizes[pid] = (len(blob), sum(map(len, tail)), len(tail))
         self.instances.update(ctl.instances)
+        self.sampler_states.last = {
+            n: msgspec.msgpack.encode(s) for n, s in ctl.sampler_state.items()
+        }
         tracker = self.tracker
 
         def follow(p: Partition) -> None:
@@ -610,7 +652,10 @@ class Recorder:
                 snapshots[pid] = blob
             else:
                 deltas.append((pid, blob))
-        ctl = encode(controller_record(self.core, self.instances, wall, self.auto_clear_start))
+        samplers = self.sampler_states(self.core)
+        ctl = encode(
+            controller_record(self.core, self.instances, wall, self.auto_clear_start, samplers)
+        )
         self.dirty = set()
         self.controller_dirty = False
         return ctl, snapshots, deletes, deltas

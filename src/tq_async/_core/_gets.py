@@ -332,9 +332,9 @@ class Gets:
                 shares = shares if located else self._by_host(req, p, shares)
             delivered = [r for share in shares for r in share]
             if not call.trusted:
-                check_sampled(req, p, delivered)
+                check_sampled(req, p, delivered, call.sampler)
             if req.mode == "fetch" and consumed and consumed != delivered:
-                p.check_rows(consumed)  # (delivered rows were checked just above)
+                check_answered(p, consumed, call.sampler)  # (delivered: checked above)
             final = call.final
             if call.stale and req.mode == "fetch":  # the answer holds: stale rows go now
                 if consumed:
@@ -547,16 +547,17 @@ def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
             )
 
 
-def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
+def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int], sampler: Any) -> None:
     """The sampler's rows exist, have the request's fields and are not on a suspended
     storage unit."""
-    p.check_rows(delivered)
+    check_answered(p, delivered, sampler)
     # rows of the ready set have every field by construction: check only the others
     ready = p.ready_set(req.task_name, req.data_fields).rows
     for r in ready.missing(delivered):
         if not p.is_produced(r, req.data_fields):
             raise InvalidRequestError(
-                f"the sampler returned row {r}, which lacks some of {req.data_fields}"
+                f"sampler {type(sampler).__name__} returned row {r}, which lacks some of "
+                f"{req.data_fields}; a sampler answers rows of the ready_indexes it is given"
             )
         if not p.available(r):
             raise InvalidRequestError(
@@ -564,6 +565,17 @@ def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int]) -> None:
                 "suspended: its rows are not handed out until it comes back; sample from "
                 "the ready rows (ready_indexes)"
             )
+
+
+def check_answered(p: Partition, rows: Sequence[int], sampler: Any) -> None:
+    """Every row a sampler answered exists and is alive (as `Partition.check_rows`, but
+    the error names the sampler: the caller of get_meta named no row)."""
+    r = p.first_missing(rows)
+    if r is not None:
+        raise InvalidRequestError(
+            f"sampler {type(sampler).__name__} answered row {r}: {p.why_missing(r)}; a "
+            "sampler answers rows of the ready_indexes it is given"
+        )
 
 
 def count_dropped(

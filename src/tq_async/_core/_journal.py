@@ -58,6 +58,7 @@ __all__ = [
     "decode_partition",
     "encode",
     "encode_delta",
+    "named_samplers",
     "partition_record",
     "row_reservation",
     "skip_reserved",
@@ -680,12 +681,14 @@ def controller_record(
     instances: Mapping[int, str],
     wall: float,
     auto_clear_start: Mapping[str | None, Sequence[str]] | None = None,
+    sampler_state: dict[str, Any] | None = None,
 ) -> ControllerRecord:
     """Record the controller's own state (``instances``: the remote units' tokens;
-    ``auto_clear_start``: the auto-clear settings it started with)."""
+    ``auto_clear_start``: the auto-clear settings it started with; ``sampler_state``: the
+    samplers' states by name, else each one's ``state_dict()``)."""
     st = core.state
-    sampler_state = {"default": core.sampler.state_dict()}
-    sampler_state |= {f"task:{t}": smp.state_dict() for t, smp in core.task_samplers.items()}
+    if sampler_state is None:
+        sampler_state = {name: smp.state_dict() for name, smp in named_samplers(core)}
     return ControllerRecord(
         format=FORMAT,
         wall=wall,
@@ -707,6 +710,14 @@ def controller_record(
         dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
         taken=dict(st.taken),
     )
+
+
+def named_samplers(core: ControllerCore) -> list[tuple[str, Any]]:
+    """The samplers under the names their states have in a record (``"default"``,
+    ``"task:<name>"``)."""
+    return [("default", core.sampler)] + [
+        (f"task:{t}", smp) for t, smp in core.task_samplers.items()
+    ]
 
 
 def recover(

@@ -247,18 +247,33 @@ class Partition:
 
     def check_rows(self, rows: Sequence[int]) -> None:
         """Raise `RowsNotFound` unless every row exists and is alive."""
+        r = self.first_missing(rows)
+        if r is not None:
+            if r in self.lost:
+                raise RowsNotFound(f"{self.why_missing(r)}; lost_rows() lists every lost row")
+            raise RowsNotFound(
+                f"{self.why_missing(r)}; use the BatchMeta a put or get_meta returned"
+            )
+
+    def first_missing(self, rows: Sequence[int]) -> int | None:
+        """The first of ``rows`` that does not exist or is not alive (None: none)."""
         n, alive = self.n_rows, self.alive
         for r in rows:
             if not (0 <= r < n and alive[r]):
-                if r in self.lost:
-                    raise RowsNotFound(
-                        f"row {r} of partition {self.partition_id!r} was lost with storage unit "
-                        f"{self.lost[r]}; lost_rows() lists every lost row"
-                    )
-                raise RowsNotFound(
-                    f"row {r} does not exist in partition {self.partition_id!r} (never "
-                    "allocated, or cleared); use the BatchMeta a put or get_meta returned"
-                )
+                return r
+        return None
+
+    def why_missing(self, r: int) -> str:
+        """Why row ``r`` (not alive) cannot be handed out."""
+        if r in self.lost:
+            return (
+                f"row {r} of partition {self.partition_id!r} was lost with storage unit "
+                f"{self.lost[r]}"
+            )
+        return (
+            f"row {r} does not exist in partition {self.partition_id!r} (never allocated, "
+            "or cleared)"
+        )
 
     # ---- production --------------------------------------------------------------------------
 

@@ -119,7 +119,8 @@ class BaseSampler(ABC):
     TransferQueue's sampler surface is here too, so its custom samplers run unchanged:
     ``self._states`` (a dict; by convention the cache
     ``_states[partition_id][task_name][dp_rank][batch_index]``), `has_cached_result`,
-    `clear_cache` (the controller calls it when a partition is cleared),
+    `clear_cache` (the controller calls it when a partition is cleared; `reset_partition`
+    drops a task's entries when its consumption is reset),
     `save_checkpoint` / `load_checkpoint` (their state goes into tq_async
     checkpoints through the default `state_dict`), and calling the sampler forwards to
     `sample`.
@@ -242,8 +243,14 @@ class BaseSampler(ABC):
         return None
 
     def reset_partition(self, partition_id: str, task_name: str | None) -> None:
-        """Forget cached assignments after ``reset_consumption`` (all tasks when None)."""
-        return None
+        """Forget cached assignments after ``reset_consumption`` (all tasks when None): by
+        default ``_states[partition_id][task_name]`` (``_states[partition_id]`` when None),
+        the TransferQueue cache of a new epoch's batches."""
+        by_task = self._states.get(partition_id)
+        if task_name is None:
+            self._states.pop(partition_id, None)
+        elif isinstance(by_task, dict):
+            by_task.pop(task_name, None)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state, for checkpoints (msgpack-able values only).

@@ -34,8 +34,10 @@ class GRPOGroupNSampler(GroupingSampler):
     Once the partition is final (sealed, every put committed), a request gets the complete
     groups there are (a short batch, still of whole groups). Rows of groups that can never
     complete (fewer than ``n`` rows put under a ``uid``, or a put of a number of rows that
-    is not a multiple of ``n``) come last, and the ``tail`` policy (``sampling_config=
-    {"tail": ...}``) decides what happens to them:
+    is not a multiple of ``n``) come last, and the ``tail`` policy decides what happens to
+    them: the sampler's own ``tail`` (what a pooled request follows), or a global batch's
+    ``sampling_config={"dp_size": ..., "tail": ...}`` (see "DP ranks in lockstep" in
+    ``docs/guarantees.md``):
 
     * ``"uneven"`` (the default): they are delivered, up to ``batch_size`` rows per request,
       as a **partial group** (rows of several incomplete groups may share that batch), with
@@ -60,19 +62,31 @@ class GRPOGroupNSampler(GroupingSampler):
         n_samples_per_prompt: rows per group (the rollout ``n``); at least 1 (the default,
             as in TransferQueue: every row is its own group).
         group_key: the tag that names a row's group.
+        tail: ``"uneven"``, ``"drop"`` or ``"error"`` (see above); None (the default): the
+            request's (``"uneven"`` unless a global batch asks otherwise).
 
     Raises:
-        InvalidRequestError: ``n_samples_per_prompt < 1``.
+        InvalidRequestError: ``n_samples_per_prompt < 1``, or ``tail`` is unknown.
     """
 
-    def __init__(self, n_samples_per_prompt: int = 1, group_key: str = "uid") -> None:
+    def __init__(
+        self, n_samples_per_prompt: int = 1, group_key: str = "uid", tail: str | None = None
+    ) -> None:
         if n_samples_per_prompt < 1:
             raise InvalidRequestError(
                 f"n_samples_per_prompt must be >= 1 (rows per prompt group), "
                 f"got {n_samples_per_prompt}"
             )
+        if tail not in (None, "uneven", "drop", "error"):
+            raise InvalidRequestError(f"tail must be 'uneven', 'drop' or 'error', got {tail!r}")
         self.n_samples_per_prompt = n_samples_per_prompt
         self.group_key = group_key
+        self.tail = tail
+
+    @property
+    def tail_policy(self) -> str | None:
+        """``tail`` as given (None: the request's, ``"uneven"`` by default)."""
+        return self.tail
 
     def sample(
         self,
@@ -82,7 +96,7 @@ class GRPOGroupNSampler(GroupingSampler):
         tags: Mapping[int, Mapping[str, Any]] | None = None,
         origin: Mapping[int, tuple[int, int]] | None = None,
         final: bool = False,
-        tail: str = "uneven",
+        tail: str | None = None,
         **kwargs: Any,
     ) -> SampleResult:
         """Pick the first ``batch_size // n`` complete groups; see the class docstring.
@@ -97,7 +111,9 @@ class GRPOGroupNSampler(GroupingSampler):
             tail: once final with only rows of incomplete groups left: ``"uneven"``
                 delivers them as a partial group (a warning; nothing is lost), ``"drop"``
                 consumes them undelivered (a warning; counted in the partition's status),
-                ``"error"`` raises.
+                ``"error"`` raises; None: the sampler's own ``tail``, else ``"uneven"`` (the
+                controller passes the request's policy, which is the sampler's unless a
+                global batch asks for another).
             **kwargs: other context from the controller (ignored).
 
         Returns:
@@ -117,7 +133,8 @@ class GRPOGroupNSampler(GroupingSampler):
             ready_indexes, n, wanted, tags=tags, origin=origin, group_key=self.group_key
         )
         if not groups and final and len(ready_indexes) > 0:
-            return self._partial_tail(ready_indexes, batch_size, tail, kwargs)
+            policy = tail or self.tail or "uneven"
+            return self._partial_tail(ready_indexes, batch_size, policy, kwargs)
         if not groups or (len(groups) < wanted and not final):
             return [], []
         rows = [r for g in groups for r in g]
@@ -144,19 +161,21 @@ class GRPOGroupNSampler(GroupingSampler):
             raise ValueError(
                 f"the partition is final and {len(rows)} ready row(s) belong to groups of fewer "
                 f"than n_samples_per_prompt={self.n_samples_per_prompt} rows; put whole "
-                "groups, or ask with tail='uneven' (deliver them) or 'drop'"
+                "groups, or build the sampler with tail='uneven' (deliver them) or 'drop'"
             )
         given = rows[:batch_size]
         log.warning(
             f"{head}; delivering them as a partial group of {len(given)} rows (tail='uneven', "
-            "the default); pass sampling_config={'tail': 'drop'} to drop them or 'error' to "
-            "fail instead",
+            f"the default); build the sampler with GRPOGroupNSampler({n}, tail='drop') to drop "
+            "them or tail='error' to fail instead (a global batch with dp_size may also pass "
+            "sampling_config={'tail': 'drop'})",
             **where,
         )
         return given, list(given)
 
     def __repr__(self) -> str:
+        tail = "" if self.tail is None else f", tail={self.tail!r}"
         return (
             f"{type(self).__name__}(n_samples_per_prompt={self.n_samples_per_prompt}, "
-            f"group_key={self.group_key!r})"
+            f"group_key={self.group_key!r}{tail})"
         )

@@ -8,7 +8,7 @@ inner sampler and the others get a copy of its answer.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
@@ -32,13 +32,29 @@ _Key = tuple[str, str, int, int]
 class _Flight:
     """A first request whose async inner call is still running."""
 
-    __slots__ = ("epoch", "finished", "sampled", "waiters")
+    __slots__ = ("epoch", "finished", "pending", "runner", "sampled", "waiters")
 
-    def __init__(self, epoch: int) -> None:
+    def __init__(self, epoch: int, pending: Awaitable[SampleResult]) -> None:
         self.epoch = epoch
         self.finished = False
         self.sampled: list[int] = []
         self.waiters: list[anyio.Event] = []
+        #: the inner call, and the coroutine awaiting it (what `sample` returned)
+        self.pending = pending
+        self.runner: Coroutine[Any, Any, SampleResult] | None = None
+
+    def abandoned(self) -> bool:
+        """The coroutine `sample` returned was closed before it ran (e.g. the controller
+        dropped a batch asked for ahead): it will never finish, so the inner call is closed
+        too and the key is free again."""
+        runner = self.runner
+        if self.finished or runner is None:
+            return False
+        if inspect.getcoroutinestate(runner) != inspect.CORO_CLOSED:
+            return False
+        if inspect.iscoroutine(self.pending):
+            self.pending.close()
+        return True
 
 
 def kwargs_filter(fn: Callable[..., Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -116,7 +132,8 @@ class RankAwareSampler(WrappingSampler):
         """Answer from the cache, or ask ``inner`` and cache; see the class docstring.
 
         Cancelling the awaitable (async ``inner`` only) caches nothing; waiting readers of the
-        same key then ask ``inner`` themselves.
+        same key then ask ``inner`` themselves. Closed unawaited (``close()``), it closes
+        ``inner``'s call, and the next request for the key asks ``inner`` again.
 
         Args:
             ready_indexes: ready rows in the order they became ready.
@@ -149,13 +166,17 @@ class RankAwareSampler(WrappingSampler):
         if cached is not None:
             return cached, []
         flight = self._in_flight.get(key)
+        if flight is not None and flight.abandoned():
+            del self._in_flight[key]
+            flight = None
         if flight is not None:
             return self._wait_and_sample(flight, key, ready_indexes, batch_size, args, kwargs)
         result = self.inner.sample(ready_indexes, batch_size, *args, **self._inner_kwargs(kwargs))
         reads = reads_needed(self.n_replicas, kwargs)
         if inspect.isawaitable(result):
-            flight = self._in_flight[key] = _Flight(self._epoch)
-            return self._finish(key, flight, result, reads)
+            flight = self._in_flight[key] = _Flight(self._epoch, result)
+            runner = flight.runner = self._finish(key, flight, result, reads)
+            return runner
         return self._store(key, result, reads, self._epoch)
 
     async def _finish(
@@ -217,6 +238,7 @@ class RankAwareSampler(WrappingSampler):
         """
         self._epoch += 1
         self._cache.clear(partition_id)
+        self._forget_abandoned()
         self.inner.clear_partition(partition_id)
 
     def reset_partition(self, partition_id: str, task_name: str | None) -> None:
@@ -228,7 +250,13 @@ class RankAwareSampler(WrappingSampler):
         """
         self._epoch += 1
         self._cache.clear(partition_id, task_name)
+        self._forget_abandoned()
         self.inner.reset_partition(partition_id, task_name)
+
+    def _forget_abandoned(self) -> None:
+        """Drop the in-flight marks of calls that will never run (see `_Flight.abandoned`)."""
+        for key in [k for k, f in self._in_flight.items() if f.abandoned()]:
+            del self._in_flight[key]
 
     def state_dict(self) -> dict[str, Any]:
         """The cached keys and rows plus ``inner``'s state (msgpack-able).

@@ -385,7 +385,16 @@ class SeqlenBalancedSampler(GroupingSampler):
                 f"tags=[{{{self.length_key!r}: <token count>}}, ...] (or set_tags) so "
                 f"{type(self).__name__} can balance, or set length_key"
             )
-        return int(length)
+        try:
+            count = int(length)
+        except (TypeError, ValueError):
+            count = -1
+        if count < 0:
+            raise ValueError(
+                f"row {row} has {self.length_key}={length!r}, which is not a token count; "
+                f"tag each row with an int >= 0 (set_tags fixes a row's tags)"
+            )
+        return count
 
     def clear_partition(self, partition_id: str) -> None:
         """Forget every batch of ``partition_id``.
