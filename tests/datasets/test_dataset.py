@@ -1041,3 +1041,13 @@ def test_the_constructors_arguments_are_readable_as_attributes(cls: type) -> Non
         k: v for k, v in given.items() if k != "sampling_config"
     }
     assert got["sampling_config"]["temperature"] == 1
+
+
+@pytest.mark.parametrize("cls", [AsyncStreamingDataset, tq.StreamingDataset])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "60"])
+def test_a_bad_request_timeout_is_refused_when_the_dataset_is_built(cls: type, bad: Any) -> None:
+    """ "Raises: InvalidRequestError: an argument is invalid" holds for ``request_timeout``
+    too: it was only checked by the client the dataset opens, at the first batch (in a
+    DataLoader worker, far from the line that built the dataset)."""
+    with pytest.raises(tq.InvalidRequestError, match="request_timeout"):
+        cls("tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t", request_timeout=bad)

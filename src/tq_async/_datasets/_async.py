@@ -462,6 +462,7 @@ class AsyncStreamingDataset:
             process_batch_fn,
         )
         self.address = address
+        check_seconds("request_timeout", request_timeout, optional=False)
         self.request_timeout = request_timeout
         self.data_fields: list[str] = list(data_fields)
         self.batch_size = positive_int("batch_size", batch_size)
