@@ -86,41 +86,43 @@ class AsyncClient:
             most ``request_timeout``) before it fails with `TQTimeoutError`
             naming the address (a host that drops the connection attempts, or a peer that
             never answers; ZMQ alone would wait forever). A refused connection (nothing
-            listens at the address) fails at once with `BrokenError`.
+            listens at the address) fails at once with `BrokenError`. Default: 10.
         request_timeout: seconds any single non-waiting request may take before it fails with
-            `TQTimeoutError` (a dead service never hangs the caller).
-        allow_pickle: let this client pickle values msgpack cannot carry. None follows the
-            controller's setting.
-        curve: CURVE keys, when the services require them (see `CurveClient`).
+            `TQTimeoutError` (a dead service never hangs the caller). Default: 60.
+        allow_pickle: let this client pickle values msgpack cannot carry. None (the
+            default) follows the controller's setting.
+        curve: CURVE keys, when the services require them (see `CurveClient`; default:
+            None, plain connections).
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
-            so nothing runs twice. None disables retries. A same-host Unix-socket
+            so nothing runs twice (default: 10). None disables retries. A same-host Unix-socket
             connection is not retried: it loses nothing without reporting its end, so a
             silent service there is a busy one, waited for up to ``request_timeout``.
         inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
             unit (new rows always do) goes to the controller in one message, which stores
             and commits it (`PutInline`): one round trip instead
             of three, and the lowest put-to-consumer latency. Larger puts send their columns
-            straight to the units. 0 disables it.
+            straight to the units. 0 disables it. Default: 65536 (64 KiB).
         inline_get_bytes: `get` asks the controller to send the cells along with the
             batch's metadata when they sit in storage units of the controller's own process
             (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
             round trip instead of two. Otherwise it reads them from the units. 0 disables it.
+            Default: 1048576 (1 MiB).
         shared_memory: with a storage unit on this host (verified: the client must read a
             token the unit wrote into its shared memory), puts of at least 64 KiB copy their
             column bytes straight into the unit's memory and reads copy out of it, instead of
-            sending them through a socket (see ``docs/deployment.md``). False always uses
-            the socket.
+            sending them through a socket (see ``docs/deployment.md``; the default, True).
+            False always uses the socket.
         same_host: False treats every service as remote: no shared memory (whatever
-            ``shared_memory`` says) and the addresses exactly as given.
+            ``shared_memory`` says) and the addresses exactly as given (default: True).
         busy_poll: seconds a request to a service on this host (over its Unix socket) with
             no other request in flight reads its socket for the reply before it parks in the
             event loop: waking a parked process costs 25-30 us on a VM, which this saves, at
             the price of up to this much CPU per request. After a poll that caught nothing
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
-            0 turns it off.
-        data_path: how column bytes travel to and from the storage units: ``"auto"``
-            (shared memory with a unit on this host; NIXL with one on another host when both
+            0 turns it off. Default: 1e-4 (100 us).
+        data_path: how column bytes travel to and from the storage units: ``"auto"`` (the
+            default: shared memory with a unit on this host; NIXL with one on another host when both
             have it, this host has RDMA hardware and this client does not use CURVE; the
             socket otherwise), ``"shm"`` (no
             NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
