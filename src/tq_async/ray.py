@@ -318,7 +318,9 @@ class RayCluster:
     _actor_names: tuple[str, ...] = field(default=(), repr=False)
 
     def shutdown(self, *, timeout: float = 30.0) -> None:
-        """Stop and kill this cluster's actors (and no others); data in it is lost.
+        """Stop and kill this cluster's actors (and no others); the data in it is lost, but at
+        ``process`` / ``fsync``, where a cluster launched again on its ``data_dir`` comes back
+        with its rows.
 
         Any handle can do it, including one from `attach`. Calling it again, or after
         the actors are gone, does nothing; so does calling it once ``ray.shutdown()`` ended
