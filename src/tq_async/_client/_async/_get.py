@@ -344,7 +344,7 @@ class GetPath:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
         names = list(meta.field_names) if fields is None else _field_names(fields)
         as_nested = check_nested(nested)
-        target = check_device(device)
+        target = check_device(device, here=True)
         n = len(meta)
         if n == 0 or not names:
             return await to_device(await self._empty(meta, names, as_nested), target)
