@@ -352,7 +352,7 @@ class GetPath:
         meta = check_meta(meta, "get_data")
         names = list(meta.field_names) if fields is None else _read_fields(fields)
         as_nested = check_nested(nested)
-        target = check_device(device)
+        target = check_device(device, here=True)
         n = len(meta)
         if n == 0 or not names:
             return to_device_now(self._empty(meta, names, as_nested), target)

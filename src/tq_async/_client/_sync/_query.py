@@ -104,7 +104,7 @@ def meta_query(
     # (every get_meta runs this: a check whose argument is left at its default is skipped,
     # the defaults being valid)
     as_nested = nested if nested is False else check_nested(nested)
-    target = None if device is None else check_device(device)
+    target = None if device is None else check_device(device, here=True)
     fields = check_fields(data_fields)
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_INT:
         check_int("batch_size", batch_size, 1)
