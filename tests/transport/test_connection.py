@@ -393,3 +393,15 @@ async def test_a_retired_connection_breaks_its_waiting_requests_retryably() -> N
                 assert "retry" in str(exc)
     finally:
         silent.close(linger=0)
+
+
+def test_a_refused_first_attempt_at_a_host_name_may_be_a_name_that_does_not_resolve() -> None:
+    # ZMQ reports a name that does not resolve as a refused attempt: "the connection was
+    # refused" alone sent the user looking for a service on a host that does not exist
+    named = ConnectionCore("tcp://no-such-host.invalid:5555", refused_is_broken=True)
+    assert "does not resolve" in str(named.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).why)
+    for literal in ("tcp://127.0.0.1:9", "tcp://[::1]:9", "ipc:///tmp/x"):
+        core = ConnectionCore(literal, refused_is_broken=True)
+        why = str(core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).why)
+        assert "was refused" in why
+        assert "resolve" not in why

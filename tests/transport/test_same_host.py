@@ -367,3 +367,45 @@ async def test_a_message_past_4_gib_fails_clearly_on_a_unix_socket() -> None:
         for conn in conns:
             conn.close()
         endpoint.close()
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_closing_a_blocking_client_from_another_thread_fails_its_waiting_call(
+    address: str, same_host: bool
+) -> None:
+    """A blocking call waits in ``poll`` on its sockets; a ``close()`` from another thread
+    released them under it: the call then failed with AttributeError or ZMQError, and only
+    once its own timeout passed (a call without one hung). It fails with ClosedError, and
+    its get_meta takes no rows for nobody."""
+    import threading
+
+    partition = f"closed-{same_host}"
+    client = tq.Client.connect(address, same_host=same_host).open()
+    conn = client._links.controller
+    assert conn is not None
+    parked = threading.Event()
+    park = conn._park
+
+    def parking(seconds: float | None) -> None:
+        parked.set()
+        park(seconds)
+
+    conn._park = parking  # type: ignore[method-assign]
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.get_meta(["x"], 2, partition, "t", timeout=60)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    assert parked.wait(30)
+    client.close()
+    thread.join(10)
+    assert not thread.is_alive(), "the waiting call did not see the close"
+    assert isinstance(outcome[0], tq.ClosedError), outcome
+    with tq.Client.connect(address) as other:
+        other.put({"x": torch.arange(2)}, partition_id=partition)
+        assert other.get_meta(["x"], 2, partition, "t", timeout=30).size == 2

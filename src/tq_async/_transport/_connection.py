@@ -21,6 +21,7 @@ Model: httpcore's ``h11``-driven connection (decide in one pure place, then do t
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import time
@@ -389,10 +390,14 @@ class ConnectionCore:
         elif self.connected is not False:
             # the first connection attempt was refused: nothing listens there
             if self.refused_is_broken:
+                # (ZMQ reports a host name that does not resolve the same way)
+                how = "was refused"
+                if not _literal_host(self.address):
+                    how += ", or the host name does not resolve"
                 return Liveness(
                     broken=True,
                     why=(
-                        f"nothing listens at {self.name} (the connection was refused); "
+                        f"nothing listens at {self.name} (the connection {how}); "
                         "check the address and that the service runs there"
                     ),
                 )
@@ -483,6 +488,20 @@ class ConnectionCore:
             )
         paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
         return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
+
+
+def _literal_host(address: str) -> bool:
+    """Whether ``address`` names its host by IP address (or has no host: ipc, inproc)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def first_of(remaining: float | None, retry_after: float | None) -> float | None:
