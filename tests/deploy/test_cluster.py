@@ -169,3 +169,12 @@ async def test_spilled_cells_go_under_data_dir_at_durability_memory(
         assert all(name.startswith("tq-unit-spill-") for name in spills)
         assert not list(tmp.glob("tq-unit-spill-*"))
     assert list(data_dir.iterdir()) == []  # removed when the units stopped
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, True, None])
+async def test_a_number_of_units_that_is_not_an_int_is_an_invalid_request(bad: object) -> None:
+    """Every error derives from TQError and names the argument (it was a TypeError from a
+    comparison, or a bool taken as one unit)."""
+    with pytest.raises(tq.InvalidRequestError, match="num_storage_units"):
+        async with tq.local_cluster(num_storage_units=bad):  # type: ignore[arg-type]
+            pass
