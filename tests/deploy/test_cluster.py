@@ -217,3 +217,12 @@ async def test_a_bad_durable_data_dir_is_refused_before_anything_is_written(
         assert not data_dir.exists()
     elif what == "foreign":
         assert [p.name for p in data_dir.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, True, None])
+async def test_a_number_of_units_that_is_not_an_int_is_an_invalid_request(bad: object) -> None:
+    """Every error derives from TQError and names the argument (it was a TypeError from a
+    comparison, or a bool taken as one unit)."""
+    with pytest.raises(tq.InvalidRequestError, match="num_storage_units"):
+        async with tq.local_cluster(num_storage_units=bad):  # type: ignore[arg-type]
+            pass

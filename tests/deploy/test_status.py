@@ -101,6 +101,20 @@ async def test_status_names_the_curve_keys_and_the_clients() -> None:
     assert "1 watches waiting" in screen
 
 
+@pytest.mark.parametrize(
+    ("scope", "line"),
+    [
+        ("partition", "capacity: 8 rows per partition"),
+        ("global", "capacity: 8 rows in all partitions together"),
+    ],
+)
+async def test_status_says_what_the_capacity_counts(scope: str, line: str) -> None:
+    """A global capacity read "8 rows per global"."""
+    async with tq.local_cluster(num_storage_units=1, capacity=8, capacity_scope=scope) as cluster:
+        status = cluster.controller._on_cluster_status(None, ClusterStatus())  # type: ignore[arg-type]
+    assert line in render({**status, "partitions": {}}, cluster.address).splitlines()
+
+
 def test_clients_seen_counts_a_window_and_forgets_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(_server.time, "monotonic", lambda: now[0])

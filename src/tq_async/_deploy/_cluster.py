@@ -282,10 +282,9 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
             registry = CollectorRegistry()
-    if given["num_storage_units"] < 1:
-        raise InvalidRequestError(
-            f"num_storage_units must be >= 1, got {given['num_storage_units']}"
-        )
+    units = given["num_storage_units"]
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
     if given["serve_metrics_on"] is not None:
         if registry is None:

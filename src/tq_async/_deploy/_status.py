@@ -113,9 +113,11 @@ def render(status: dict[str, Any], address: str) -> str:
             lines.append(f"security: CURVE on, server key {security['server_key']}, lets in {who}")
     adm = status["admission"]
     cap = status["capacity"]
-    scope = status["capacity_scope"]
+    scope = (
+        "in all partitions together" if status["capacity_scope"] == "global" else "per partition"
+    )
     lines += [
-        f"capacity: {'none' if cap is None else f'{cap} rows per {scope}'}",
+        f"capacity: {'none' if cap is None else f'{cap} rows {scope}'}",
         f"policy version: {status['policy_version']}, admission: max_staleness "
         f"{adm['max_staleness']}, capacity {adm['capacity']}, outstanding {adm['outstanding']}",
         f"stale rows: {status['stale']}, recycled pending {status['recycled_pending']}",
