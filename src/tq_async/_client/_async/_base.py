@@ -17,6 +17,10 @@ crosses a client module).
 
 from __future__ import annotations
 
+# unasync: async-only
+import asyncio
+
+# unasync: end
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -186,6 +190,9 @@ class Links:
         """In a child forked from the process that opened this client, start over with
         connections of the child's own, on first use; the parent's are left untouched."""
         if self._pid == os.getpid():
+            # unasync: async-only
+            _on_its_loop(self.controller)
+            # unasync: end
             return
         self._pid = os.getpid()
         old, self.controller = self.controller, None
@@ -569,6 +576,22 @@ def _redial(links: Links, old: DealerConnection) -> DealerConnection:
         return links.controller_connection(old.address, known_as=old.known_as)
     except BrokenError:
         return links.controller_connection(old.known_as)
+
+
+# unasync: async-only
+def _on_its_loop(conn: DealerConnection | None) -> None:
+    """Raise unless ``conn`` (the client's controller connection) belongs to the running
+    event loop: a client's sockets are read by the loop that opened them."""
+    if conn is not None and conn._loop is not asyncio.get_running_loop():
+        raise InvalidRequestError(
+            "this AsyncClient is used on another event loop than the one that opened it (a "
+            "client belongs to the event loop that opened it: its sockets are that loop's); "
+            "open a client on each loop (`async with tq.AsyncClient.connect(address)` inside "
+            "it), or use the blocking tq.Client"
+        )
+
+
+# unasync: end
 
 
 def _lineage(hello: HelloReply) -> bytes:

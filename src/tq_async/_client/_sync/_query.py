@@ -10,6 +10,7 @@ the read path (`GetPath`), which reads them from it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -117,7 +118,7 @@ def meta_query(
     if mode != "fetch" and mode != "peek":
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
     if timeout is not None and (isinstance(timeout, bool) or timeout != 0):  # 0: answer now
-        check_seconds("timeout", timeout)
+        _check_timeout(timeout)
     if lease is not None:
         check_seconds("lease", lease)
     cfg = None if sampling_config is None else _config(sampling_config)
@@ -143,6 +144,18 @@ def meta_query(
         target,
         bool(keep_hold),
     )
+
+
+def _check_timeout(timeout: Any) -> None:
+    """A read's ``timeout`` other than None and 0: positive, finite seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        check_seconds("timeout", timeout)  # (raises, naming the type)
+    if not math.isfinite(timeout) or timeout < 0:
+        raise InvalidRequestError(
+            f"timeout must be finite seconds >= 0 or None, got {timeout!r}; pass e.g. "
+            "timeout=30, timeout=0 to answer only what is ready now, or timeout=None to wait "
+            "without a deadline"
+        )
 
 
 def lease_ids(metas: Any) -> list[int] | None:
