@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,16 @@ def test_serve_help_shows_the_role_as_optional() -> None:
     assert usage.endswith("[ROLE] ...")  # `tq-async serve` alone runs every service
     assert "roles (optional)" in text
     assert "(default: 30)" in " ".join(text.split())  # --waiting-warning-after
+
+
+def test_the_deployment_guide_names_every_option_of_serve() -> None:
+    """`docs/deployment.md`'s "Options:" paragraph of `tq-async serve` names each of its
+    options (before, it left out seven of them; `--help` had them)."""
+    text = run("serve", "--help").stdout
+    usage = text.split("\n\n")[0]
+    options = set(re.findall(r"\[(--[a-z-]+)", usage))
+    assert len(options) > 20
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
+    paragraph = guide.split("Options: ", 1)[1].split("\n\n", 1)[0]
+    missing = sorted(o for o in options if f"`{o}" not in paragraph and o != "--help")
+    assert not missing, missing
