@@ -8,6 +8,8 @@ import itertools
 import random
 from typing import Any
 
+import pytest
+
 from tq_async import GRPOGroupNSampler, SeqlenBalancedSampler
 from tq_async._core._assign import EXACT_UP_TO, assign, local_shares
 from tq_async._core._placement import Placer
@@ -124,6 +126,28 @@ def test_beyond_the_exact_size_the_greedy_assignment_is_a_permutation_that_gains
     perm = assign(weights)
     assert sorted(perm) == list(range(n))
     assert _value(weights, perm) >= _value(weights, list(range(n)))
+
+
+@pytest.mark.timeout(20)
+def test_thousands_of_ranks_get_their_hosts_shares_without_a_square_of_weights() -> None:
+    """Beyond the exact size, the shares go by host without building the ``dp_size x
+    dp_size`` weights (4,096 ranks took the controller 40 s a global batch, blocking every
+    other request): odd share ``s`` lives on rank ``s - 1``'s host (a rank per host) and
+    goes there; the others (hosts unknown) take the ranks left, each share once."""
+    n = 4096
+    hosts = [f"h{r}" for r in range(n)]
+    shares = [[8 * s + i for i in range(8)] for s in range(n)]
+
+    def row_host(row: int) -> str:
+        share = row // 8
+        return hosts[share - 1] if share % 2 else ""
+
+    placed = local_shares(shares, hosts, row_host)
+    assert sorted(map(tuple, placed)) == sorted(map(tuple, shares))
+    for s in range(1, n, 2):
+        assert placed[s - 1] == shares[s], s
+    identity = [[8 * s + i for i in range(8)] for s in range(n)]
+    assert local_shares(identity, hosts, lambda row: hosts[row // 8]) == identity  # kept
 
 
 def test_round_robin_placement_turns_the_share_assignment_off() -> None:
