@@ -123,6 +123,15 @@ def test_a_bad_config_fails_with_one_line_naming_the_key(toml: str, message: str
     assert "\n" not in str(info.value)
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """TOML is UTF-8: a file in another encoding failed with a UnicodeDecodeError traceback
+    (``tq-async serve --config``: status 1), not the one line naming the file."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('host_id = "Gießen"\n'.encode("latin-1"))
+    with pytest.raises(tq.ConfigError, match=r"latin1\.toml: not valid TOML: not UTF-8"):
+        tq.Config.from_toml(path)
+
+
 def test_missing_file() -> None:
     with pytest.raises(tq.ConfigError, match=r"cannot read config file 'nope\.toml'"):
         tq.Config.from_toml("nope.toml")

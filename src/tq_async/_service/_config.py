@@ -449,6 +449,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: not valid TOML: not UTF-8 ({exc.reason} at byte {exc.start}); save "
+                "the file as UTF-8"
+            ) from exc
         return cls.from_dict(data, source=str(path))
 
     @classmethod
