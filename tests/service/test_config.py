@@ -132,6 +132,22 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
         tq.Config.from_toml(path)
 
 
+async def test_a_capacity_past_what_the_wire_carries_is_refused() -> None:
+    """``capacity = 99999999999999999999999`` was taken; the controller then could not encode
+    its Hello reply (msgpack ints end at 2**64), so every client timed out connecting
+    ("nothing answered ... within 5 s") while the services ran."""
+    with pytest.raises(tq.ConfigError, match=r"^capacity: must be from 1 to 9223372036854775807"):
+        tq.Config(capacity=2**63)
+    with pytest.raises(tq.InvalidRequestError, match="capacity must be from 1 to"):
+        async with tq.local_cluster(num_storage_units=1, capacity=10**23):
+            pass
+    async with (
+        tq.local_cluster(config=tq.Config(num_storage_units=1, capacity=2**63 - 1)) as cluster,
+        tq.AsyncClient.connect(cluster.address, connect_timeout=10) as client,
+    ):
+        assert await client.list_partitions() == []
+
+
 def test_missing_file() -> None:
     with pytest.raises(tq.ConfigError, match=r"cannot read config file 'nope\.toml'"):
         tq.Config.from_toml("nope.toml")

@@ -405,8 +405,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"device_index: must be >= 0 (or a non-empty list of such), got {self.device_index}"
             )
-        if self.capacity is not None and self.capacity < 1:
-            raise ConfigError(f"capacity: must be >= 1 rows or absent, got {self.capacity}")
+        if self.capacity is not None and not 1 <= self.capacity < 2**63:
+            raise ConfigError(
+                f"capacity: must be from 1 to {2**63 - 1} rows, or absent, got {self.capacity}"
+            )
         if self.default_lease is not None and self.default_lease <= 0:
             raise ConfigError(f"default_lease: must be > 0 seconds, got {self.default_lease}")
         if self.metrics_on is not None:
