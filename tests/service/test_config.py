@@ -148,6 +148,17 @@ async def test_a_capacity_past_what_the_wire_carries_is_refused() -> None:
         assert await client.list_partitions() == []
 
 
+@pytest.mark.parametrize("name", ["memory_cap", "shm_cap", "device_cap"])
+def test_a_byte_size_past_what_the_wire_carries_is_refused(name: str) -> None:
+    """``memory_cap = 10**20`` was taken, and the unit could then not encode its stats:
+    ``storage_stats()`` and ``tq-async status`` timed out; ``shm_cap = 10**20`` failed the
+    start in an ExceptionGroup."""
+    with pytest.raises(
+        tq.ConfigError, match=rf"^x\.toml: {name}: must be at most 9223372036854775807"
+    ):
+        tq.Config.from_toml_string(f"{name} = {10**20}", source="x.toml")
+
+
 def test_missing_file() -> None:
     with pytest.raises(tq.ConfigError, match=r"cannot read config file 'nope\.toml'"):
         tq.Config.from_toml("nope.toml")

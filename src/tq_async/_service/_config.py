@@ -394,6 +394,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
+        for name in ("shm_cap", "device_cap", "memory_cap"):  # int64s on the wire (stats)
+            if (getattr(self, name) or 0) >= 2**63:
+                raise ConfigError(
+                    f"{name}: must be at most {2**63 - 1} bytes, got {getattr(self, name)}"
+                )
         if self.shm_cap < 0:
             raise ConfigError(
                 f"shm_cap: must be >= 0 bytes (0: no shared memory), got {self.shm_cap}"
