@@ -208,6 +208,18 @@ def test_a_register_timeout_that_is_no_time_is_a_bad_flag(
     assert parse("serve", "storage", "--controller", "tcp://h:1").register_timeout == 30.0
 
 
+@pytest.mark.parametrize("screens", ["0", "-2"])
+def test_status_screens_below_one_is_a_bad_flag(
+    screens: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``status --watch --screens 0`` ("stop after N screens") printed one screen."""
+    with pytest.raises(SystemExit) as info:
+        parse("status", "tcp://h:1", "--watch", "--screens", screens)
+    assert info.value.code == 2
+    assert "--screens: expected a number of screens >= 1" in capsys.readouterr().err
+    assert parse("status", "tcp://h:1", "--watch", "--screens", "1").screens == 1
+
+
 # ---- addresses, warnings, registration (in process) -----------------------------------------
 
 

@@ -123,6 +123,42 @@ def test_a_bad_config_fails_with_one_line_naming_the_key(toml: str, message: str
     assert "\n" not in str(info.value)
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """TOML is UTF-8: a file in another encoding failed with a UnicodeDecodeError traceback
+    (``tq-async serve --config``: status 1), not the one line naming the file."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('host_id = "Gießen"\n'.encode("latin-1"))
+    with pytest.raises(tq.ConfigError, match=r"latin1\.toml: not valid TOML: not UTF-8"):
+        tq.Config.from_toml(path)
+
+
+async def test_a_capacity_past_what_the_wire_carries_is_refused() -> None:
+    """``capacity = 99999999999999999999999`` was taken; the controller then could not encode
+    its Hello reply (msgpack ints end at 2**64), so every client timed out connecting
+    ("nothing answered ... within 5 s") while the services ran."""
+    with pytest.raises(tq.ConfigError, match=r"^capacity: must be from 1 to 9223372036854775807"):
+        tq.Config(capacity=2**63)
+    with pytest.raises(tq.InvalidRequestError, match="capacity must be from 1 to"):
+        async with tq.local_cluster(num_storage_units=1, capacity=10**23):
+            pass
+    async with (
+        tq.local_cluster(config=tq.Config(num_storage_units=1, capacity=2**63 - 1)) as cluster,
+        tq.AsyncClient.connect(cluster.address, connect_timeout=10) as client,
+    ):
+        assert await client.list_partitions() == []
+
+
+@pytest.mark.parametrize("name", ["memory_cap", "shm_cap", "device_cap"])
+def test_a_byte_size_past_what_the_wire_carries_is_refused(name: str) -> None:
+    """``memory_cap = 10**20`` was taken, and the unit could then not encode its stats:
+    ``storage_stats()`` and ``tq-async status`` timed out; ``shm_cap = 10**20`` failed the
+    start in an ExceptionGroup."""
+    with pytest.raises(
+        tq.ConfigError, match=rf"^x\.toml: {name}: must be at most 9223372036854775807"
+    ):
+        tq.Config.from_toml_string(f"{name} = {10**20}", source="x.toml")
+
+
 def test_missing_file() -> None:
     with pytest.raises(tq.ConfigError, match=r"cannot read config file 'nope\.toml'"):
         tq.Config.from_toml("nope.toml")

@@ -838,9 +838,11 @@ def stale_incarnation(partition_id: str) -> str:
 def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
     """Validate a capacity setting; ``(capacity, capacity is global)``."""
     if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-    ):
-        raise InvalidRequestError(f"capacity must be >= 1 or None, got {capacity!r}")
+        isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**63
+    ):  # an int64: the controller's replies carry it
+        raise InvalidRequestError(
+            f"capacity must be from 1 to {2**63 - 1} rows, or None, got {capacity!r}"
+        )
     if scope not in ("partition", "global"):
         raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")
     return capacity, scope == "global"

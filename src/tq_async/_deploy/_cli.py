@@ -163,6 +163,17 @@ def _seconds_arg(text: str) -> float:
     return seconds
 
 
+def _screens_arg(text: str) -> int:
+    """``status --screens``: a count >= 1."""
+    try:
+        screens = int(text)
+    except ValueError:
+        screens = 0
+    if screens < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of screens >= 1, got {text!r}")
+    return screens
+
+
 _FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
 
 #: ``serve`` options that a Config also sets: flag dest -> Config attribute
@@ -533,7 +544,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--screens",
-        type=int,
+        type=_screens_arg,
         default=None,
         metavar="N",
         help="with --watch: stop after N screens (default: until interrupted)",

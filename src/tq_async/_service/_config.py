@@ -394,6 +394,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
+        for name in ("shm_cap", "device_cap", "memory_cap"):  # int64s on the wire (stats)
+            if (getattr(self, name) or 0) >= 2**63:
+                raise ConfigError(
+                    f"{name}: must be at most {2**63 - 1} bytes, got {getattr(self, name)}"
+                )
         if self.shm_cap < 0:
             raise ConfigError(
                 f"shm_cap: must be >= 0 bytes (0: no shared memory), got {self.shm_cap}"
@@ -405,8 +410,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"device_index: must be >= 0 (or a non-empty list of such), got {self.device_index}"
             )
-        if self.capacity is not None and self.capacity < 1:
-            raise ConfigError(f"capacity: must be >= 1 rows or absent, got {self.capacity}")
+        if self.capacity is not None and not 1 <= self.capacity < 2**63:
+            raise ConfigError(
+                f"capacity: must be from 1 to {2**63 - 1} rows, or absent, got {self.capacity}"
+            )
         if self.default_lease is not None and self.default_lease <= 0:
             raise ConfigError(f"default_lease: must be > 0 seconds, got {self.default_lease}")
         if self.metrics_on is not None:
@@ -449,6 +456,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: not valid TOML: not UTF-8 ({exc.reason} at byte {exc.start}); save "
+                "the file as UTF-8"
+            ) from exc
         return cls.from_dict(data, source=str(path))
 
     @classmethod
