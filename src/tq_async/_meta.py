@@ -165,12 +165,26 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def concat(cls, metas: Sequence[BatchMeta]) -> BatchMeta:
-        """Rows of several batches of one partition, one after another."""
+        """Rows of several batches of one partition, one after another.
+
+        Batches fetched under different leases are refused: a BatchMeta carries one lease,
+        so acknowledging the result would leave the others open (their rows delivered
+        again); acknowledge such batches together, ``client.ack([a, b])``.
+        """
         if not metas:
             raise InvalidRequestError("concat needs at least one BatchMeta")
         first = metas[0]
         if any(m.partition_id != first.partition_id for m in metas):
             raise InvalidRequestError("concat needs batches of one partition")
+        leases = sorted({m.lease_id for m in metas if m.lease_id})
+        if len(leases) > 1:
+            raise InvalidRequestError(
+                f"concat got batches fetched under {len(leases)} leases (lease_id "
+                f"{', '.join(map(str, leases))}): a BatchMeta carries one, so acknowledging "
+                "the result would leave the others open and their rows would be delivered "
+                "again; acknowledge the batches together (client.ack([a, b])) and read each "
+                "with get_data"
+            )
         incarnations = {m.incarnation for m in metas if m.incarnation is not None}
         if len(incarnations) > 1:
             raise InvalidRequestError(
@@ -192,6 +206,7 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
                 extra[k] = v
         return msgspec.structs.replace(
             first,
+            lease_id=leases[0] if leases else 0,
             global_indexes=[r for m in metas for r in m.global_indexes],
             units=[u for m in metas for u in m.units],
             tags=[t for m in metas for t in (m.tags or [{}] * len(m))] if has_tags else [],

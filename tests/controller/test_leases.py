@@ -102,3 +102,26 @@ async def test_partition_info_counts_only_leased_rows_that_still_exist() -> None
         await client.clear_samples(meta.select_rows([2]))
         assert (await client.partition_info("p"))["leased"] == {}
         assert cluster.controller.waiting == 0
+
+
+async def test_batches_under_different_leases_are_not_concatenated_into_one_ack() -> None:
+    """`BatchMeta.concat` of two batches fetched under two leases: before, the result kept
+    the first lease only, and `ack` of it left the second open -- its rows were delivered
+    again after the expiry (at-least-once where the consumer acknowledged everything). Such
+    a concat is refused now; pieces of one lease (`chunk_into`) still join, keeping it, and
+    the two batches acknowledged together stay consumed."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        a = await client.get_meta(["x"], 2, "p", "t", lease=0.5)
+        b = await client.get_meta(["x"], 2, "p", "t", lease=0.5)
+        with pytest.raises(tq.InvalidRequestError, match=r"client\.ack\(\[a, b\]\)"):
+            tq.BatchMeta.concat([a, b])
+        joined = tq.BatchMeta.concat(a.chunk_into(2))
+        assert (joined.lease_id, joined.global_indexes) == (a.lease_id, a.global_indexes)
+        await client.ack([a, b])
+        with pytest.raises(tq.TQTimeoutError):  # nothing comes back past the leases' time
+            await client.get_meta(["x"], 1, "p", "t", timeout=1.0)
+        assert cluster.controller.waiting == 0
