@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import msgspec
 
 from ._errors import InvalidRequestError
 
-__all__ = ["BatchMeta", "even_ranges"]
+__all__ = ["BatchMeta", "check_meta", "even_ranges"]
 
 
 class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,9 +68,15 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
         # Own copies: a caller mutating its lists (or a selection's tags) must not change
         # this batch behind its back.
         own = msgspec.structs.force_setattr
-        own(self, "global_indexes", list(self.global_indexes))
-        own(self, "field_names", list(self.field_names))
-        own(self, "units", list(self.units))
+        own(self, "global_indexes", _ints("global_indexes", self.global_indexes))
+        names: Any = self.field_names
+        if isinstance(names, str):  # (else read letter by letter)
+            raise InvalidRequestError(
+                f"BatchMeta's field_names is a list of names, got the string {names!r}: "
+                f"write field_names=[{names!r}]"
+            )
+        own(self, "field_names", list(names))
+        own(self, "units", _ints("units", self.units))
         own(self, "tags", [dict(t) for t in self.tags])
         own(self, "policy_versions", {f: list(v) for f, v in self.policy_versions.items()})
         own(self, "extra_info", copy.deepcopy(self.extra_info) if self.extra_info else {})
@@ -197,6 +204,50 @@ class BatchMeta(msgspec.Struct, frozen=True, kw_only=True):
             extra_info=extra,
             keys=[k for m in metas for k in (m.keys or [None] * len(m))] if has_keys else [],
         )
+
+
+def _ints(name: str, values: Any) -> list[int]:
+    """A copy of ``values`` as a list of ints: a list as it is (the wire's, ours), a tensor
+    or an array (a hand-built BatchMeta's) by its items.
+
+    Raises:
+        InvalidRequestError: an item is no integer (naming ``name``).
+    """
+    if type(values) is list:
+        return list(values)
+    if hasattr(values, "tolist"):  # a tensor or an array: Python numbers
+        values = values.tolist()
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise InvalidRequestError(
+            f"BatchMeta's {name} must hold integers, got {values!r:.80}"
+        ) from None
+
+
+def check_meta(meta: Any, call: str) -> BatchMeta:
+    """``meta``, when it is a `BatchMeta`.
+
+    Raises:
+        InvalidRequestError: it is not, naming ``call`` (and, for a ``tq_async.compat``
+            BatchMeta, its ``to_native()``).
+    """
+    if isinstance(meta, BatchMeta):
+        return meta
+    kind = type(meta)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    hint = (
+        ": convert a tq_async.compat BatchMeta with meta.to_native()"
+        if callable(getattr(meta, "to_native", None))
+        else ""
+    )
+    raise InvalidRequestError(
+        f"{call} takes a tq_async.BatchMeta (what put, get_meta and get return), got {name}{hint}"
+    )
 
 
 def even_ranges(n: int, pieces: int) -> list[range]:

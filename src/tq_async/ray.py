@@ -64,6 +64,14 @@ __all__ = ["RayCluster", "attach", "launch", "select_nodes"]
 
 log = get_logger(__name__)
 
+#: actor options `launch` sets itself, and what to pass it instead
+_LAUNCH_SETS = {
+    "name": "name=",
+    "namespace": "namespace=",
+    "scheduling_strategy": "placement=",
+    "get_if_exists": "nothing: launch refuses a name taken; attach() to that cluster",
+}
+
 #: ``placement`` keys understood in the mapping form.
 _PLACEMENT_KEYS = frozenset({"nodes", "resources"})
 
@@ -90,7 +98,9 @@ class _ServiceActor:
     (or the error that stopped the service) and ``stop`` ends it.
 
     A storage unit asks the controller's actor for the controller's address (``controller``,
-    its handle), so a unit restarted later finds it too. With a durable level a unit keeps
+    the actor's name and namespace), so a unit restarted later finds it too: by name, as a
+    handle among a restartable actor's arguments is an object Ray may lose before a restart
+    (ray-project/ray#53727; Ray logs an error for it). With a durable level a unit keeps
     its cells in ``unit_data_dir(data_dir, unit_id)`` and the controller its state file
     (`RAY_STATE_FILE`) in its journal's ``data_dir``.
     """
@@ -100,7 +110,7 @@ class _ServiceActor:
         role: str,
         host: str | None,
         options: dict[str, Any],
-        controller: Any = None,
+        controller: tuple[str, str] | None = None,
         data_dir: str | None = None,
     ) -> None:
         self._role, self._host, self._options = role, host, options
@@ -145,6 +155,8 @@ class _ServiceActor:
                     self._unit_id, self._address = await tg.start(
                         partial(serve_storage, bind=bind, advertise=advertise, **await self._unit())
                     )
+                    if self._restarted:  # on a new port: what attach returns follows
+                        await self._tell_controller(self._unit_id, self._address)
                 self._started.set()
                 log.info(
                     "tq_async service actor serving",
@@ -192,10 +204,22 @@ class _ServiceActor:
         if path is not None:
             _write_json(path, {"address": self._address, "description": self._description})
 
+    def _controller_actor(self) -> Any:
+        assert self._controller is not None
+        name, namespace = self._controller
+        return ray.get_actor(name, namespace=namespace)
+
+    async def _tell_controller(self, unit_id: int, address: str) -> None:
+        """Have the controller's actor record a restarted unit's new address."""
+        try:
+            await self._controller_actor().unit_moved.remote(unit_id, address)
+        except (ValueError, ray.exceptions.RayError) as exc:  # gone: nothing to tell
+            log.warning("cannot record a unit's new address", unit_id=unit_id, error=str(exc))
+
     async def _unit(self) -> dict[str, Any]:
         """``serve_storage``'s arguments: the controller's address, asked of its actor (it
         answers once it serves), and the unit's directory (made here, on the unit's node)."""
-        _, controller = await self._controller.ready.remote()
+        _, controller = await self._controller_actor().ready.remote()
         options = {**self._options, "controller": controller}
         if self._data_dir is not None:
             options["data_dir"] = unit_data_dir(self._data_dir, options["unit_id"], create=True)
@@ -237,6 +261,13 @@ class _ServiceActor:
         self._description = description
         self._save_state()
 
+    async def unit_moved(self, unit_id: int, address: str) -> None:
+        """Record a storage unit's address after Ray restarted it (on a new port)."""
+        units = self._description.get("units")
+        if units is not None:
+            units[str(unit_id)] = address
+            self._save_state()
+
     async def describe(self) -> dict[str, Any]:
         """What `set_description` recorded."""
         return self._description
@@ -276,7 +307,8 @@ class RayCluster:
         name: the controller actor's name; units are named ``f"{name}.unit{i}"``.
         namespace: the Ray namespace of the actors.
         address: the controller's endpoint: ``AsyncClient.connect(cluster.address)``.
-        unit_addresses: each storage unit's endpoint, by unit id.
+        unit_addresses: each storage unit's endpoint, by unit id, when this handle was made
+            (a unit Ray restarted serves on a new port: `attach` gives the current ones).
     """
 
     name: str
@@ -286,14 +318,26 @@ class RayCluster:
     _actor_names: tuple[str, ...] = field(default=(), repr=False)
 
     def shutdown(self, *, timeout: float = 30.0) -> None:
-        """Stop and kill this cluster's actors (and no others); data in it is lost.
+        """Stop and kill this cluster's actors (and no others); the data in it is lost, but at
+        ``process`` / ``fsync``, where a cluster launched again on its ``data_dir`` comes back
+        with its rows.
 
         Any handle can do it, including one from `attach`. Calling it again, or after
-        the actors are gone, does nothing.
+        the actors are gone, does nothing; so does calling it once ``ray.shutdown()`` ended
+        this process's Ray session (which ended the actors launched from it; a detached
+        cluster lives on: ``ray.init(address=...)`` and shut it down then).
 
         Args:
             timeout: seconds to wait for the actors to stop gracefully and then to be gone.
         """
+        if not ray.is_initialized():  # never start a session (Ray's calls would) to stop one
+            _LAUNCHED.pop((self.namespace, self.name), None)
+            log.info(
+                "tq_async cluster not shut down: Ray is not initialised in this process",
+                name=self.name,
+                namespace=self.namespace,
+            )
+            return
         actors = []
         for actor_name in self._actor_names:
             try:
@@ -373,7 +417,9 @@ def select_nodes(placement: str | Sequence[str] | Mapping[str, Any] | None) -> l
             )
         wanted = placement.get("nodes")
         resources = placement.get("resources") or {}
-        if not isinstance(resources, Mapping):
+        if not isinstance(resources, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in resources.values()
+        ):
             raise InvalidRequestError(
                 f"placement['resources'] must map resource names to amounts, got {resources!r}"
             )
@@ -466,7 +512,9 @@ def launch(
             must call `RayCluster.shutdown`. Otherwise they die with this driver.
         num_cpus: CPUs each actor reserves in Ray's scheduler (0: they never keep training
             tasks from being scheduled).
-        actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``).
+        actor_options: extra ``.options(...)`` for every actor (e.g. ``runtime_env``);
+            not ``name``, ``namespace`` or ``scheduling_strategy``, which launch sets from
+            ``name``, ``namespace`` and ``placement``.
         timeout: seconds to wait for all services to serve.
         config: the deployment as a `Config` (the same one
             ``local_cluster(config=...)`` and ``tq-async serve --config`` take): storage
@@ -485,14 +533,16 @@ def launch(
             restarts a dead actor (``max_restarts=-1`` unless ``actor_options`` says
             otherwise) on its node, where it finds its directory: a unit comes back with its
             rows (on a new port; clients follow), the controller with its state on its former
-            address. Its ``memory_cap`` reaches the units.
+            address. Its ``memory_cap`` reaches the units (at ``memory`` they spill under
+            ``data_dir`` when it is given, an absolute path on their nodes).
 
     Returns:
         A `RayCluster`; connect clients to its ``address``.
 
     Raises:
-        InvalidRequestError: Ray is not initialised, no node matches ``placement``, or
-            ``name`` is taken in ``namespace``.
+        InvalidRequestError: Ray is not initialised, no node matches ``placement``,
+            ``name`` is taken in ``namespace``, or an argument is malformed (an empty
+            ``name``, a ``num_storage_units`` that is not an int >= 1, ...).
         ConfigError: ``config`` is bad, e.g. a relative ``data_dir``, or one that is
             missing on the controller's node (raised when the controller starts).
         TQTimeoutError: the services did not start within ``timeout`` (nothing is left
@@ -502,8 +552,7 @@ def launch(
     num_storage_units, allow_pickle, curve, controller_options = _fold_config(
         config, num_storage_units, sampler, allow_pickle, curve
     )
-    if num_storage_units < 1:
-        raise InvalidRequestError(f"num_storage_units must be >= 1, got {num_storage_units}")
+    _check_arguments(name, namespace, num_storage_units, actor_options or {})
     nodes = select_nodes(placement)
     _check_name_free(name, namespace)
     deadline = time.monotonic() + timeout
@@ -538,7 +587,7 @@ def launch(
         unit_names = [_unit_actor_name(name, i) for i in range(num_storage_units)]
         for i, (host_id, index) in enumerate(per_unit):
             args = {**unit_options, "host_id": host_id, "device_index": index, "unit_id": i}
-            spec = ("storage", host, args, controller, data_dir)
+            spec = ("storage", host, args, (name, namespace), data_dir)
             actors.append(_spawn(unit_names[i], nodes[i % len(nodes)], options, spec))
         _, address = _resolve(controller.ready.remote(), deadline, f"controller {name!r}")
         unit_addresses: dict[int, str] = {}
@@ -565,6 +614,27 @@ def launch(
     return cluster
 
 
+def _check_arguments(
+    name: Any, namespace: Any, num_storage_units: Any, actor_options: Mapping[str, Any]
+) -> None:
+    """Refuse what Ray would refuse with its own errors, or take for no name at all, and
+    actor options that would override what launch sets (actors in another namespace than
+    the cluster's would escape `RayCluster.shutdown` and `attach`)."""
+    for what, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(
+                f"{what} must be a non-empty string (the Ray actors' {what}), got {value!r}"
+            )
+    units = num_storage_units
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
+    for key, instead in _LAUNCH_SETS.items():
+        if key in actor_options:
+            raise InvalidRequestError(
+                f"actor_options[{key!r}] is launch's to set; pass {instead} (or drop it)"
+            )
+
+
 def _actor_data_dir(config: Config | None) -> str | None:
     """The durable directory the actors use (None: memory level).
 
@@ -575,7 +645,16 @@ def _actor_data_dir(config: Config | None) -> str | None:
         ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
     """
     data_dir = None if config is None or config.durability == "memory" else config.data_dir
-    if data_dir is not None and not os.path.isabs(data_dir):
+    return None if data_dir is None else _on_the_nodes(data_dir)
+
+
+def _on_the_nodes(data_dir: str) -> str:
+    """``data_dir``, a path the actors open on their nodes: it must be absolute.
+
+    Raises:
+        ConfigError: a relative ``data_dir`` (the actors do not run in this directory).
+    """
+    if not os.path.isabs(data_dir):
         raise ConfigError(
             f"data_dir: {data_dir!r} is relative, and Ray's actors do not run in this "
             "process's directory; give an absolute path, valid on the nodes the actors run on"
@@ -587,15 +666,26 @@ def _spawn(
     actor_name: str,
     node_id: str,
     options: Mapping[str, Any],
-    spec: tuple[str, str | None, dict[str, Any], Any, str | None],
+    spec: tuple[str, str | None, dict[str, Any], tuple[str, str] | None, str | None],
 ) -> Any:
     """A service actor on ``node_id`` that starts serving: ``spec`` is its constructor's
-    arguments (role, host, the service's options, the controller's actor, data_dir)."""
-    return _RemoteService.options(
-        name=actor_name,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        **options,
-    ).remote(*spec)
+    arguments (role, host, the service's options, the controller actor's name and namespace,
+    data_dir).
+
+    Raises:
+        InvalidRequestError: ``actor_name`` was taken since `_check_name_free` (another
+            driver launched a cluster of that name meanwhile).
+    """
+    try:
+        return _RemoteService.options(
+            name=actor_name,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            **options,
+        ).remote(*spec)
+    except ValueError as exc:  # Ray's ActorAlreadyExistsError is one
+        if _taken(actor_name, options["namespace"]):
+            raise _name_taken_error(actor_name, options["namespace"]) from exc
+        raise
 
 
 def _unit_host_ids(
@@ -632,16 +722,21 @@ def _unit_host_ids(
 def _unit_config(config: Config | None) -> dict[str, Any]:
     """What a storage unit takes from ``config``: its data paths (shared memory, the data
     path, the device arena), its memory cap and its durability level (its directory is
-    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor)."""
+    ``unit_data_dir(config.data_dir, unit_id)``, made by the unit's actor; at ``memory`` with
+    a ``memory_cap``, ``data_dir`` is where its spill files go, as in ``local_cluster``)."""
     if config is None:
         return {}
-    return {
+    options: dict[str, Any] = {
         "shm_cap": config.shm_cap,
         "data_path": config.data_path,
         "device_cap": config.device_cap,
         "memory_cap": config.memory_cap,
         "durability": config.durability,
     }
+    spills = config.durability == "memory" and config.memory_cap is not None
+    if spills and config.data_dir is not None:
+        options["data_dir"] = _on_the_nodes(config.data_dir)  # not the node's $TMPDIR
+    return options
 
 
 def _fold_config(
@@ -675,15 +770,24 @@ def _fold_config(
 
 
 def _check_name_free(name: str, namespace: str) -> None:
+    if _taken(name, namespace):
+        raise _name_taken_error(name, namespace)
+
+
+def _taken(name: str, namespace: str) -> bool:
+    """Whether an actor of that name is alive in ``namespace``."""
     try:
         ray.get_actor(name, namespace=namespace)
     except ValueError:
-        pass
-    else:
-        raise InvalidRequestError(
-            f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
-            "attach() to it, shut it down, or launch with another name"
-        )
+        return False
+    return True
+
+
+def _name_taken_error(name: str, namespace: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"a tq_async cluster named {name!r} already runs in Ray namespace {namespace!r}; "
+        "attach() to it, shut it down, or launch with another name"
+    )
 
 
 def _describe(cluster: RayCluster) -> dict[str, Any]:

@@ -164,6 +164,29 @@ async def test_a_load_given_up_on_while_it_stores_cells_leaves_no_cell_behind(
         assert sorted(await client.load_checkpoint(ckpt)) == ["kv", "p"]
 
 
+async def test_a_load_cancelled_while_it_commits_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled once `RestoreCommit` went out: the controller commits, and the client's
+    abort then finds nothing staged. The load is whole (every row readable), as the
+    docstring says for a cancellation during the commit, never half of it."""
+    from tq_async._wire._protocol import RestoreCommit
+
+    ckpt = await saved(tmp_path, units=2)
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with cancelled_at(RestoreCommit) as (scope, sent), scope:
+            await client.load_checkpoint(ckpt)
+        assert scope.cancelled_caught
+        assert sent
+        assert sorted(await client.list_partitions()) == ["kv", "p"]
+        meta = await client.get_meta(["ids"], 4, "p", "ref")  # (`fill`'s "ref" read 0, 1)
+        assert sorted(meta.global_indexes) == [2, 3, 4, 5]
+        every = torch.cat([sample_batch()["ids"], torch.arange(6).reshape(2, 3)])
+        assert torch.equal((await client.get_data(meta))["ids"], every[meta.global_indexes])
+        assert cluster.controller.waiting == 0
+
+
 async def test_aborting_a_restore_never_touches_a_live_partition_of_the_same_name(
     tmp_path: Path,
 ) -> None:
@@ -417,6 +440,40 @@ async def test_recycled_prompts_are_still_handed_out_after_a_checkpoint(tmp_path
         assert [m.global_indexes for m in taken] == [[0, 1, 2]]
         assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
         assert await client.take_recycled() == []  # exactly once
+
+
+async def test_recycled_rows_restored_under_auto_clear_stay_until_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """As above, with the learner auto-clearing on both sides: the rows queued for
+    ``take_recycled`` are consumed by every auto-clear task, yet restoring must not free
+    them (before: the restore freed them at once, so the queue named rows that were gone);
+    they stay held until taken and acknowledged."""
+    ckpt = tmp_path / "ckpt"
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learner"])
+        await client.put({"x": torch.arange(4)}, "p", policy_version=[0, 0, 0, 1])
+        await client.set_policy_version(1)  # rows 0-2 are one version too old
+        await client.ack(await client.get_meta(["x"], 1, "p", "learner"))
+        assert (await client.partition_info("p"))["rows"] == 3
+        await client.save_checkpoint(ckpt)
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learner"])
+        await client.load_checkpoint(ckpt)
+        assert (await client.partition_info("p"))["rows"] == 3
+        taken = await client.take_recycled()
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert (await client.get_data(taken[0]))["x"].tolist() == [0, 1, 2]
+        await client.ack(taken)
+        assert (await client.partition_info("p"))["rows"] == 0
 
 
 async def test_a_partition_named_twice_is_saved_once(tmp_path: Path) -> None:

@@ -209,3 +209,35 @@ async def test_a_read_from_several_units_raises_one_tq_error_not_a_group() -> No
         await client.clear_samples(b)
         with pytest.raises(tq.RowsNotFound):
             await client.get_data(meta)
+
+
+def test_a_client_used_on_another_event_loop_says_so() -> None:
+    """An `AsyncClient` belongs to the event loop that opened it (its sockets are that
+    loop's). Used on another one -- ``asyncio.run`` once to open it and once per call, as
+    a notebook does -- its calls failed with ``RuntimeError: Event loop is closed`` (or,
+    with the first loop still running in another thread, with a future "attached to a
+    different loop"); some even worked. Each call now says what the rule is."""
+    with tq.background_cluster(num_storage_units=1) as cluster:
+        client = tq.AsyncClient.connect(cluster.address)
+
+        async def first() -> tq.BatchMeta:
+            await client.open()
+            return await client.put(TensorDict({"x": torch.ones(2)}, [2]), partition_id="p")
+
+        meta = anyio.run(first)
+        calls = [
+            lambda: client.put(TensorDict({"x": torch.ones(2)}, [2]), partition_id="p"),
+            lambda: client.get_data(meta),
+            lambda: client.get_meta(["x"], 1, "p", "t", timeout=0),
+            lambda: client.list_partitions(),
+        ]
+        for call in calls:
+
+            async def again(call: Any = call) -> None:
+                await call()
+
+            with pytest.raises(tq.InvalidRequestError, match="event loop that opened it"):
+                anyio.run(again)
+        anyio.run(client.aclose)  # closing is fine anywhere
+        anyio.run(first)  # and a closed client opens on the loop it is opened on
+        anyio.run(client.aclose)

@@ -106,3 +106,29 @@ def test_keys_follow_rows() -> None:
         tq.BatchMeta(
             partition_id="p", global_indexes=[1], field_names=[], units=[0], keys=["a", "b"]
         )
+
+
+def test_a_batch_meta_built_from_tensors_or_arrays_holds_ints() -> None:
+    """Row ids and units kept in a tensor or an array (``torch.arange(n)``, ``np.nonzero``)
+    are what a hand-built BatchMeta is most often given: it kept the tensor's items, which
+    no request can carry (`get_data` failed with msgspec's ``NotImplementedError``). They
+    become ints; what is no row id, and one field name given as a string (read letter by
+    letter), is an `InvalidRequestError` at once."""
+    import numpy as np
+    import torch
+
+    m = tq.BatchMeta(
+        partition_id="p", global_indexes=torch.arange(3), field_names=("f",),
+        units=np.zeros(3, dtype=np.int64),
+    )  # fmt: skip
+    assert m.global_indexes == [0, 1, 2]
+    assert m.units == [0, 0, 0]
+    assert all(type(v) is int for v in [*m.global_indexes, *m.units])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m), type=tq.BatchMeta) == m
+    assert tq.BatchMeta(
+        partition_id="p", global_indexes=range(2), field_names=[], units=(1, 1)
+    ).units == [1, 1]
+    for bad in ({"global_indexes": torch.tensor([0.5])}, {"units": ("0",)}, {"field_names": "f"}):
+        args: dict[str, object] = {"global_indexes": [0], "field_names": ["f"], "units": [0]}
+        with pytest.raises(tq.InvalidRequestError, match=next(iter(bad))):
+            tq.BatchMeta(partition_id="p", **{**args, **bad})  # type: ignore[arg-type]

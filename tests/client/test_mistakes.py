@@ -48,6 +48,103 @@ async def test_a_typo_in_a_field_name_says_which_field_no_row_has(
         assert warning.tq_event["task"] == "learner"  # type: ignore[attr-defined]
 
 
+async def test_get_data_checks_its_fields_as_get_meta_checks_data_fields() -> None:
+    """``get_data(meta, "input_ids")`` (one name, not a list) read the fields 'i', 'n', ...
+    and failed with `RowsNotFound` for field 'i'; a name that is not a string reached the
+    unit and came back as a `ProtocolError` ("malformed request"). Both are refused before
+    anything is sent, naming the argument, as `get_meta` refuses its ``data_fields``."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        data = TensorDict({"input_ids": torch.zeros(2, 3), "reward": torch.ones(2)}, [2])
+        meta = await client.put(data, partition_id="p")
+        with pytest.raises(tq.InvalidRequestError, match=r"write fields=\['input_ids'\]"):
+            await client.get_data(meta, "input_ids")
+        for bad in ([1], ["reward", None], [""], b"reward"):
+            with pytest.raises(tq.InvalidRequestError, match="fields"):
+                await client.get_data(meta, bad)  # type: ignore[arg-type]
+        # what worked still works: any sequence of names, none at all, a name twice
+        assert list((await client.get_data(meta, ("reward",))).keys()) == ["reward"]
+        assert (await client.get_data(meta, [])).batch_size == torch.Size([2])
+        td = await client.get_data(meta, ["reward", "input_ids", "reward"])
+        assert sorted(td.keys()) == ["input_ids", "reward"]
+
+
+async def test_a_meta_that_is_not_a_batch_meta_is_refused_naming_the_call() -> None:
+    """Every call that takes a `BatchMeta` says so when it gets something else -- a
+    ``tq_async.compat`` BatchMeta (a migration half done), a dict, a list, None -- instead
+    of failing with ``AttributeError`` (or, for ``ack``, ignoring it)."""
+    from tq_async.compat import BatchMeta as CompatMeta
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put(TensorDict({"x": torch.ones(2)}, [2]), partition_id="p")
+        compat = CompatMeta.from_native(meta)
+        calls: dict[str, Any] = {
+            "get_data": lambda m: client.get_data(m),
+            "put": lambda m: client.put(TensorDict({"y": torch.ones(2)}, [2]), meta=m),
+            "put_nowait": lambda m: client.put_nowait({"y": torch.ones(2)}, meta=m),
+            "clear_samples": lambda m: client.clear_samples(m),
+            "set_tags": lambda m: client.set_tags(m, [{}, {}]),
+            "release": lambda m: client.release(m),
+            "ack": lambda m: client.ack(m),
+            "ack=": lambda m: client.get_meta(["x"], 1, "p", "t", mode="peek", ack=m),
+        }
+        for bad in (compat, {"x": 1}, [compat], 3):
+            for name, call in calls.items():
+                with pytest.raises(tq.InvalidRequestError, match="BatchMeta") as info:
+                    await call(bad)
+                said = name.rstrip("=").removesuffix("_nowait")
+                assert str(info.value).startswith(f"{said} takes a tq_async.BatchMeta")
+                if bad is compat:
+                    assert "to_native()" in str(info.value)
+        for name in ("get_data", "clear_samples", "set_tags", "release"):
+            with pytest.raises(tq.InvalidRequestError, match=f"{name} takes a"):
+                await calls[name](None)
+        assert (await client.partition_info("p"))["rows"] == 2  # nothing was done
+
+
+async def test_a_sampling_config_that_is_not_a_dict_of_names_is_refused() -> None:
+    """A ``sampling_config`` that is no mapping failed with a bare ``TypeError`` /
+    ``ValueError`` (``dict()`` of it), and one with a key that is not a string reached the
+    controller and came back as a `ProtocolError` (logged there as a malformed request)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await put_rows(client)
+        for bad in ([1], "dp_rank", [("dp_rank", 0)], {0: "dp_rank"}):
+            with pytest.raises(tq.InvalidRequestError, match="sampling_config"):
+                await client.get_meta(["reward"], 1, "p", "t", bad, timeout=0)  # type: ignore[arg-type]
+        meta = await client.get_meta(["reward"], 2, "p", "t", timeout=0)
+        assert meta.global_indexes == [0, 1]  # nothing was consumed by the refused calls
+
+
+async def test_tags_that_are_not_a_list_of_one_dict_per_row_are_refused() -> None:
+    """``tags`` given as one dict (meant for every row), as a generator or as None where a
+    list is needed failed with a bare ``TypeError`` (``len()`` of it) or, for a dict of as
+    many keys as rows, with an error about its first key. Each says what tags are."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        data = TensorDict({"x": torch.ones(1)}, [1])
+        meta = await client.put(data, partition_id="p")
+        for bad in ({"uid": 1}, ({"uid": i} for i in range(1)), "uid"):
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.put(data, partition_id="p", tags=bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.set_tags(meta, bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+                await client.kv_batch_put(["k"], "kv", None, bad)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="one dict per row"):
+            await client.set_tags(meta, None)  # type: ignore[arg-type]
+        assert (await client.partition_info("p"))["rows"] == 1  # nothing was written
+
+
 async def test_waiting_on_a_partition_that_does_not_exist_says_so() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,
@@ -141,6 +238,28 @@ async def test_a_silent_peer_fails_within_the_connect_timeout() -> None:
                 pass
         assert time.monotonic() - t0 < 5
         assert client.request_timeout == 60.0  # separate from the connect timeout
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "5", 0, -1])
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
+def test_a_connect_timeout_that_is_not_seconds_is_refused_at_once(cls: Any, bad: Any) -> None:
+    """``connect_timeout`` is checked as ``request_timeout`` is: NaN passed (and with a
+    silent peer `open` then waited for ever: ``min(nan, request_timeout)`` is NaN), so did
+    infinity and True, and a string failed with a bare TypeError."""
+    with pytest.raises(tq.InvalidRequestError, match="connect_timeout"):
+        cls("tcp://127.0.0.1:9", connect_timeout=bad)
+
+
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
+def test_a_host_id_or_curve_of_the_wrong_type_is_refused_at_once(cls: Any) -> None:
+    """``host_id=3`` reached the controller with the first Hello and came back as a
+    `ProtocolError` (a "malformed request" logged by the service); ``curve`` that is not a
+    `CurveClient` failed with ``AttributeError``. Both are refused when the client is made."""
+    with pytest.raises(tq.InvalidRequestError, match="host_id"):
+        cls("tcp://127.0.0.1:9", host_id=3)
+    with pytest.raises(tq.InvalidRequestError, match="curve"):
+        cls("tcp://127.0.0.1:9", curve="server-public-key")
+    assert cls("tcp://127.0.0.1:9", host_id="rack-2/node-7").host_id == "rack-2/node-7"
 
 
 async def open_once(connect: Any, address: str) -> None:

@@ -88,6 +88,17 @@ def test_a_timeout_of_zero_answers_at_once() -> None:
     assert meta_query(["x"], 1, "p", "t", timeout=0).timeout == 0
 
 
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf")])
+def test_a_bad_read_timeout_says_that_zero_answers_at_once(bad: float) -> None:
+    """A read's ``timeout`` takes 0 (answer only what is ready now); its error said
+    "timeout must be positive", which contradicts that."""
+    for check in (meta_query, blocking_meta_query):
+        with pytest.raises(tq.InvalidRequestError) as info:
+            check(["x"], 1, "p", "t", timeout=bad)
+        assert "must be positive" not in str(info.value)
+        assert "timeout=0" in str(info.value)
+
+
 def test_only_leased_batches_are_acknowledged() -> None:
     assert lease_ids(None) is None
     assert lease_ids(_meta(0)) is None

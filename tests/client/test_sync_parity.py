@@ -101,6 +101,17 @@ def test_the_connection_options_are_one_typed_object(cls: type) -> None:
     assert connect_hints[kwargs.name] == typing.Unpack[tq.ClientOptions]
 
 
+@pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client], ids=lambda c: c.__name__)
+def test_the_clients_docstring_gives_each_options_default(cls: type) -> None:
+    """`ClientOptions` sends readers to "the client's docstring" for "each one's meaning and
+    default": every option's entry there says its default."""
+    doc = inspect.getdoc(cls) or ""
+    args = doc[doc.index("Args:") : doc.index("Attributes:")]
+    entries = dict(re.findall(r"^    (\w+): (.*?)(?=^    \w+: |\Z)", args, re.M | re.S))
+    options = typing.get_type_hints(tq.ClientOptions)
+    assert [n for n in options if "default" not in entries.get(n, "").lower()] == []
+
+
 def test_the_blocking_client_is_the_async_clients_code_not_a_wrapper() -> None:
     # one source of truth: the twin's classes are generated, not a portal around AsyncClient
     client = tq.Client("tcp://127.0.0.1:1")

@@ -165,6 +165,19 @@ def test_metrics_endpoint_and_capacity() -> None:
         client.put_nowait({"x": torch.arange(1)}, partition_id="q")
 
 
+def test_total_storage_size_holds_that_many_rows_of_the_programs_own() -> None:
+    """compat numbers the partitions it sees in a partition of its own: its rows are not the
+    program's, so they must not take the room of ``total_storage_size`` (a put of the last
+    rows that fit waited for ever)."""
+    tq.init({"backend": {"SimpleStorage": {"total_storage_size": 4}}})
+    tq.get_client().put(TensorDict({"x": torch.arange(2)}, batch_size=2), partition_id="p")
+    tq.kv_put(key="k", partition_id="q", fields={"x": torch.tensor([2])})
+    client = tq.get_client().client
+    client.put_nowait({"x": torch.arange(1)}, partition_id="p")  # the 4th row: it fits
+    with pytest.raises(tq_async.WouldBlock):
+        client.put_nowait({"x": torch.arange(1)}, partition_id="p")
+
+
 def test_checkpoint_round_trip(tmp_path: Path) -> None:
     tq.init()
     tq.kv_batch_put(

@@ -5,6 +5,7 @@ in the shape of TransferQueue's ``tutorial/basic.ipynb`` and ``recipe/simple_use
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -125,6 +126,61 @@ def test_notebook_cells_in_order_through_the_alias(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "NOTEBOOK DONE" in done.stdout
     assert "INFO - MAIN - a recipe logs like this" in done.stderr  # as TransferQueue's helper
+
+
+def _notebook(*cells: str) -> str:
+    """A Jupyter notebook (nbformat 4, as ``tutorial/basic.ipynb`` is) of markdown and code
+    cells; each code cell's source is a list of lines, with an output stored as Jupyter
+    leaves it."""
+    out = [{"cell_type": "markdown", "metadata": {}, "source": ["# a tutorial\n"]}]
+    for source in cells:
+        lines = textwrap.dedent(source).strip().splitlines(keepends=True)
+        out.append(
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "metadata": {"scrolled": False},
+                "outputs": [{"name": "stdout", "output_type": "stream", "text": ["old\n"]}],
+                "source": lines,
+            }
+        )
+    meta = {"kernelspec": {"name": "python3", "display_name": "Python 3"}}
+    return json.dumps({"cells": out, "metadata": meta, "nbformat": 4, "nbformat_minor": 5})
+
+
+def test_a_notebook_runs_its_code_cells_in_order_through_the_alias(tmp_path: Path) -> None:
+    """docs/migrating.md: ``tutorial/basic.ipynb`` runs with ``python -m
+    tq_async.transfer_queue`` (a notebook file was run as a Python file: a JSON document
+    that failed on its ``null``, or that ran nothing and exited 0)."""
+    notebook = tmp_path / "basic.ipynb"
+    notebook.write_text(
+        _notebook(
+            "import torch\nimport transfer_queue as tq\n\ntq.init()\n",
+            """
+            tq.kv_put(key="k", partition_id="train", fields={"x": torch.tensor([1, 2])})
+            print("CELL 2", sorted(tq.kv_list("train")["train"]))
+            """,
+            "x = tq.kv_batch_get(keys='k', partition_id='train')['x']  # jagged, as in TQ\n"
+            "print('CELL 3', [row.tolist() for row in x.unbind()])\n"
+            "tq.close()",
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async.transfer_queue", str(notebook)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["CELL 2 ['k']", "CELL 3 [[1, 2]]"]
+
+
+def test_a_missing_program_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async.transfer_queue", str(tmp_path / "nope.py")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "nope.py" in done.stderr
 
 
 def test_the_alias_never_shadows_an_installed_transfer_queue(

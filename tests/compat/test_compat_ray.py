@@ -62,6 +62,23 @@ def test_ray_init_first_never_splits_the_job() -> None:
         assert "TQ_ADDRESS" not in os.environ
         named = ray.util.list_named_actors(all_namespaces=True)
         assert not [a for a in named if a["namespace"] == tq.RAY_NAMESPACE]
+
+        # Ray shut down and started again in this driver (its actors ended with the session):
+        # init() launches the services again in the new session, not the dead cluster's client
+        stale = tq.init()
+        ray.shutdown()
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        config = tq.init()
+        assert config.address != stale.address
+        assert os.environ["TQ_ADDRESS"] == config.address
+        assert _producer(7) == config.address
+        meta = tq.get_client().get_meta(
+            data_fields=["meta_idx"], batch_size=3, partition_id="train", task_name="t"
+        )
+        assert sorted(int(v) for v in tq.get_client().get_data(meta)["meta_idx"]) == [700, 701, 702]
+        tq.close()
+        named = ray.util.list_named_actors(all_namespaces=True)
+        assert not [a for a in named if a["namespace"] == tq.RAY_NAMESPACE]
     finally:
         tq.close()
         ray.shutdown()

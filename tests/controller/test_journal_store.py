@@ -5,6 +5,7 @@ data_dir, and the settings in Config, TOML and the CLI."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from tq_async._core._state import ControllerState
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._deploy._cli import _build_parser, config_from_args
 from tq_async._wire._columns import ColumnHeader
-from tq_async._wire._protocol import GetMeta, MetaReply, PutBegin, Reply
+from tq_async._wire._protocol import GetMeta, MetaReply, PutBegin, RegisterTasks, Reply
 
 
 def test_a_damaged_database_is_a_clear_error(tmp_path: Path) -> None:
@@ -107,6 +108,15 @@ async def test_a_whole_local_cluster_restarted_on_its_data_dir(tmp_path: Path, l
         assert sorted(rest.global_indexes + got.global_indexes) == sorted(meta.global_indexes)
         fresh = await c.put({"x": torch.arange(3)}, "q")  # the cluster works on
         assert (await c.get_data(fresh))["x"].tolist() == [0, 1, 2]
+
+
+def test_local_clusters_docstring_says_its_units_keep_their_cells_too() -> None:
+    """What the test above shows is what ``local_cluster``'s reference says (it said the
+    units keep cells in memory only, so that a restart lost them)."""
+    doc = inspect.getdoc(tq.local_cluster) or ""
+    durability = doc[doc.index("durability:") : doc.index("data_dir:")]
+    assert "data_dir/units/unit-N" in durability
+    assert "gone" not in durability
 
 
 def test_recorder_commits_deltas_compacts_and_recovers_exactly(
@@ -242,3 +252,32 @@ def test_a_controller_that_crashed_after_an_early_placement_never_places_its_row
     with pytest.raises(tq.RowsNotFound):
         again.put_commit("p", early.rows, ["x"], None, None, early.put_id)
     again.put_commit("p", later.rows, ["x"], None, None, later.put_id)
+
+
+def test_rows_auto_clear_frees_when_registered_for_every_partition_are_written(
+    tmp_path: Path,
+) -> None:
+    """``register_tasks(None, ...)`` frees, in every partition without its own setting, the
+    rows its tasks consumed already: the journal writes each of them, so a controller
+    started on the directory does not bring back rows whose cells the units freed."""
+    x = ColumnHeader("x", "dense", "int64", ())
+    core = ControllerCore(ControllerState({0: "tcp://u0"}))
+    recorder = Recorder(JournalStore(tmp_path, "process"), core, {})
+    for pid in ("p", "q"):
+        placement, _ = core.put_begin(pid, [x], 2, None, None, 0.0)
+        core.put_commit(pid, placement.rows, ["x"], None, None, placement.put_id)
+        req = GetMeta(pid, ["x"], 2, "t", None)
+        got, _ = core.get_meta(req, 0.0)
+        while isinstance(got, SampleCall):
+            got, _ = core.sampled(req, got, got.run(), 0.0)
+        recorder.dirty.add(pid)
+    recorder.write_now(0.0)
+    body = RegisterTasks(["t"], None)
+    recorder.note(b"peer", 1, body)
+    fx = core.catalog.register_tasks(body.partition_id, body.tasks)
+    assert [pid for pid, _, _ in fx.free] == ["p", "q"]
+    recorder.write_now(1.0)
+    recorder.store.close()
+    again = ControllerCore(ControllerState())
+    Recorder(JournalStore(tmp_path, "process"), again, {}).recover(1.0, {})
+    assert [again.state.partitions[pid].n_alive for pid in ("p", "q")] == [0, 0]

@@ -82,3 +82,23 @@ async def test_unacknowledged_lease_expires_and_exactly_once_for_ackers() -> Non
         assert set(lost.global_indexes) <= set(acked)
         with pytest.raises(tq.InvalidRequestError, match="lease"):
             await client.get_meta(["x"], 1, "p", "t", lease=0)
+
+
+async def test_partition_info_counts_only_leased_rows_that_still_exist() -> None:
+    """`partition_info()["leased"]` (and `tq-async status`) counts the rows a task holds
+    under lease: rows cleared while leased are no longer there to hold. Before, an open
+    lease counted every row it was given, so the status showed leased rows the partition
+    did not have (3 leased of 1 row)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, "p")
+        meta = await client.get_meta(["x"], 3, "p", "t", lease=60)
+        assert (await client.partition_info("p"))["leased"] == {"t": 3}
+        await client.clear_samples(meta.select_rows([0, 1]))
+        info = await client.partition_info("p")
+        assert (info["rows"], info["leased"]) == (1, {"t": 1})
+        await client.clear_samples(meta.select_rows([2]))
+        assert (await client.partition_info("p"))["leased"] == {}
+        assert cluster.controller.waiting == 0

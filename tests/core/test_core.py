@@ -22,6 +22,7 @@ from tq_async import (
     StalenessSampler,
 )
 from tq_async._core._dumps import partition_dump
+from tq_async._core._effects import AdmissionConfig
 from tq_async._core._liveness import orphan_cells
 from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import (
@@ -32,6 +33,7 @@ from tq_async._core._transitions import (
     follower,
     split_even,
 )
+from tq_async._wire._checks import validate
 from tq_async._wire._columns import ColumnHeader
 from tq_async._wire._protocol import GetMeta, HeldRows, MetaReply, PartitionDump, StoreClear
 from tq_async.samplers import BaseSampler
@@ -116,6 +118,57 @@ def test_an_ack_lets_end_of_stream_through_and_wakes_the_task() -> None:
     fx = core.ack([got.lease_id], 1.0)
     assert Wakeup("p", "t") in fx.wakeups
     assert is_end(get(core, req(4), now=1.0))
+
+
+def test_stop_when_consumed_waits_for_an_open_lease_too() -> None:
+    """A consumer that dies holding a lease on the last rows keeps a stop_when_consumed
+    stream from ending, as it keeps a sealed one (before: the others ended at once, and
+    the rows its expiry gave back were processed by nobody)."""
+    core = new_core()
+    put(core, 4)
+    dead = get(core, req(4, lease=1.0))
+    assert rows_of(dead) == [0, 1, 2, 3]
+    waiting = msgspec.structs.replace(req(4, lease=1.0), stop_when_consumed=True)
+    assert get(core, waiting, now=0.5) is None  # the dead consumer's rows may come back
+    fx = core.advance(1.0)
+    assert Wakeup("p", "t") in fx.wakeups
+    again = get(core, waiting, now=1.0)
+    assert rows_of(again) == [0, 1, 2, 3]
+    assert again is not None
+    acked = msgspec.structs.replace(waiting, ack=[again.lease_id])
+    assert is_end(get(core, acked, now=1.5))
+
+
+class BatchOnly(BaseSampler):
+    """A TransferQueue-style sampler (no ``short_ready_ok``): asked only once a whole batch
+    is ready, or the partition is final."""
+
+    def sample(self, ready_indexes: Sequence[int], batch_size: int, **_: Any) -> Any:
+        rows = list(ready_indexes)[:batch_size]
+        return rows, rows
+
+
+def test_stop_when_consumed_ends_the_stream_of_a_sampler_not_asked_yet() -> None:
+    """A task that consumed every row asks with stop_when_consumed: its stream ends, also
+    with a sampler that is asked only once a whole batch is ready (before: that sampler was
+    never asked, so the end never came and the request waited for ever); DP ranks too."""
+    core = new_core(BatchOnly())
+    put(core, 4)
+    assert rows_of(get(core, req(4))) == [0, 1, 2, 3]
+    assert is_end(get(core, msgspec.structs.replace(req(4), stop_when_consumed=True)))
+    assert get(core, req(4)) is None  # without it: waits for more rows, as before
+    put(core, 4, pid="q")
+    ranks = [req(2, pid="q", batch_index=0, dp_rank=r, dp_size=2) for r in (0, 1)]
+    assert [rows_of(get(core, r)) for r in ranks] == [[0, 1], [2, 3]]
+    ranks = [
+        msgspec.structs.replace(
+            req(2, pid="q", batch_index=1, dp_rank=r, dp_size=2), stop_when_consumed=True
+        )
+        for r in (0, 1)
+    ]
+    assert is_end(get(core, ranks[0]))
+    put(core, 4, pid="q")  # rows come before rank 1 asks: it ends at the same step
+    assert is_end(get(core, ranks[1]))
 
 
 def test_holds_do_not_block_end_of_stream() -> None:
@@ -455,6 +508,57 @@ def test_a_restored_checkpoints_recorded_batches_hold_their_rows_for_their_reade
     assert p.held == {}
 
 
+def test_registering_auto_clear_frees_the_rows_every_task_consumed_already() -> None:
+    """Auto-clear registered once the tasks consumed rows (consumers that started first):
+    those rows are freed at once, as later ones are when consumed (before: nothing touched
+    them again, and they stayed until the partition was cleared). Rows still held (a lease)
+    and a recorded batch waiting for its reader keep theirs."""
+    core = new_core()
+    put(core, 4)
+    put(core, 4, pid="q")
+    put(core, 4, pid="own")
+    assert rows_of(get(core, req(2))) == [0, 1]
+    leased = get(core, req(1, lease=5.0))
+    waiting = get(core, req(1, lease=1.0, batch_index=0))
+    assert rows_of(waiting) == [3]
+    core.advance(1.0)  # its lease ran out: the batch waits for its next reader
+    assert rows_of(get(core, req(4, pid="q"))) == [0, 1, 2, 3]
+    assert rows_of(get(core, req(4, pid="own"))) == [0, 1, 2, 3]
+    core.catalog.register_tasks("own", ["other"])  # its own setting: not the default's
+    fx = core.catalog.register_tasks("p", ["t"])
+    assert fx.room
+    p = core.state.partition("p")
+    assert [p.alive[r] for r in range(4)] == [0, 0, 1, 1]  # leased, waiting: kept
+    core.catalog.register_tasks(None, ["t"])  # every partition without its own setting
+    assert core.state.partition("q").n_alive == 0
+    assert core.state.partition("own").n_alive == 4
+    assert leased is not None
+    core.ack([leased.lease_id], 2.0)
+    assert p.alive[2] == 0
+
+
+def test_a_partition_being_restored_is_not_created_by_a_put_meanwhile() -> None:
+    """A put (or a seal with create=True) into a partition a checkpoint load has staged but
+    not committed yet is refused (before: it created the partition, and the load's commit
+    replaced it: the put's acknowledged rows vanished, and the load's cells, sent to the
+    units without an incarnation, overwrote the put's)."""
+    core = new_core()
+    put(core, 4)
+    dump = partition_dump(core.state.partition("p"))
+    again = new_core()
+    again.catalog.restore_begin([dump])
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        put(again, 3)
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        again.catalog.seal("p", create=True)
+    with pytest.raises(InvalidRequestError, match="being restored from a checkpoint"):
+        again.catalog.kv_tag("p", ["k"], [{"a": 1}], 0.0)
+    assert "p" not in again.state.partitions
+    again.catalog.restore_commit(["p"], None, (again.sampler, again.task_samplers))
+    assert again.state.partition("p").n_alive == 4
+    assert put(again, 3) == [4, 5, 6]  # loaded: puts go on as usual
+
+
 def test_a_late_ack_of_a_waiting_batch_lets_auto_clear_free_its_rows() -> None:
     core = new_core()
     core.catalog.register_tasks("p", ["t", "u"])
@@ -584,6 +688,39 @@ def test_bad_dp_size_and_tail_are_refused() -> None:
         get(core, req(2, dp_size=2))
 
 
+@pytest.mark.timeout(20)
+def test_a_huge_dp_size_is_refused_at_once() -> None:
+    """Deciding a global batch costs the controller time and memory in ``dp_size``: one
+    request with dp_size 10**9 stalled it for hours (every other client with it). Refused
+    at the wire, and by the core, naming the bound."""
+    core = new_sealed(4)
+    huge = req(2, batch_index=0, dp_rank=0, dp_size=10**9)
+    with pytest.raises(InvalidRequestError, match=r"dp_size.*\[1, 65536\]"):
+        validate(huge)
+    with pytest.raises(InvalidRequestError, match=r"dp_size must be an int in \[1, 65536\]"):
+        get(core, huge)
+    assert core.state.partition("p").consumed_count.get("t", 0) == 0
+
+
+def test_a_global_batch_is_never_decided_again_over_its_recorded_shares() -> None:
+    """Batch 0 decided for dp_size 2, then asked for by a rank of dp_size 3 (or a batch
+    recorded without dp_size, then asked for with it): refused, nothing consumed (before:
+    decided again over the recorded shares, so rank 0's replay got other rows and rank 1's
+    first share was consumed and never delivered)."""
+    core = new_sealed(12)
+    rank0 = rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2)))
+    consumed = core.state.partition("p").consumed_count["t"]
+    with pytest.raises(InvalidRequestError, match="decided for dp_rank 0 but not for dp_rank 2"):
+        get(core, req(2, batch_index=0, dp_rank=2, dp_size=3))
+    assert core.state.partition("p").consumed_count["t"] == consumed
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=0, dp_size=2))) == rank0
+    assert rows_of(get(core, req(2, batch_index=0, dp_rank=1, dp_size=2))) == [2, 3]
+    plain = rows_of(get(core, req(2, batch_index=1)))  # rank 0, no dp_size
+    with pytest.raises(InvalidRequestError, match="or without dp_size"):
+        get(core, req(2, batch_index=1, dp_rank=1, dp_size=2))
+    assert rows_of(get(core, req(2, batch_index=1))) == plain
+
+
 def test_split_even_keeps_groups_together() -> None:
     assert split_even(list(range(8)), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert split_even(list(range(12)), 2, 4) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
@@ -681,6 +818,27 @@ def test_a_cancelled_fetch_gives_rows_back_and_drops_its_lease(lease: float | No
     assert get(core, req(1), now=100.0) is None
 
 
+def test_a_release_after_its_lease_ran_out_takes_nothing_from_the_next_reader() -> None:
+    """A fetch whose lease expired before its caller gave the rows back (a `get` whose read
+    outlasted the lease, a late Cancel): the expiry gave them back already, and another
+    consumer may hold them now. The release gives nothing back (before: it took them from
+    that consumer's open lease, and a third consumer got them though it acknowledged)."""
+    core = new_core()
+    put(core, 4)
+    first = get(core, req(4, lease=1.0))
+    assert rows_of(first) == [0, 1, 2, 3]
+    core.advance(1.0)  # the lease runs out: the rows go back to the task
+    second = get(core, req(4, lease=10.0), now=1.0)
+    assert rows_of(second) == [0, 1, 2, 3]
+    assert first is not None
+    assert second is not None
+    core.release("p", "t", first.rows, first.incarnation, first.lease_id)
+    assert get(core, req(1, lease=10.0), now=1.5) is None  # still the second reader's
+    core.ack([second.lease_id], 2.0)
+    core.release("p", "t", second.rows, second.incarnation, second.lease_id)  # acked: final
+    assert get(core, req(1), now=2.0) is None
+
+
 def test_a_released_batch_goes_back_whatever_other_tasks_recorded() -> None:
     """Rows a task released are ready for it again even when another task's recorded batch
     holds them (before: any task's recorded batch kept them, and the releasing task never
@@ -735,6 +893,20 @@ def test_a_release_looks_at_its_own_rows_not_the_tasks_whole_history() -> None:
     core.state.partition("p").reset_consumption("t")  # no batches: every row goes back
     core.release("p", "t", [8])
     assert p.recorded_rows.get("t") is None
+
+
+def test_a_refused_clear_gives_back_no_admission_slot() -> None:
+    """A clear naming a row that is gone (cleared, lost) fails whole: the live rows it named
+    keep their admission slots (before: their slots were freed though they stayed, and the
+    learner consuming them freed them a second time, admitting past the capacity)."""
+    core = new_core(admission=AdmissionConfig(capacity=10, learner_task="learn"))
+    assert core.acquire(0, 4)
+    placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, [0] * 4, placement.put_id)
+    with pytest.raises(RowsNotFound):
+        core.clear_rows("p", [0, 99])
+    assert core.state.partition("p").n_alive == 4
+    assert core.state.outstanding == 4
 
 
 def test_an_aborted_put_reclaims_its_rows_at_once() -> None:

@@ -133,3 +133,56 @@ def test_the_default_sampler_gets_no_row_views_and_a_subclass_reading_them_does(
         assert reply.rows == [0, 1, 2, 3]
     assert seen, "Reading.sample was called"
     assert {"tags", "origin", "versions", "stale", "row_hosts"} <= seen[0].keys()
+
+
+class Eager(SequentialSampler):
+    """An ``async`` answer computed when asked (the state may move before it is awaited)."""
+
+    def sample(self, ready: Any, batch_size: int, *a: Any, **kw: Any) -> Any:  # type: ignore[override]
+        rows = list(ready)[:batch_size]
+
+        async def later() -> Any:
+            return rows, rows
+
+        return later()
+
+
+def settle(core: ControllerCore, req: GetMeta, outcome: Any) -> Any:
+    """Await ``async`` answers and resume until a reply or a wait."""
+
+    async def answer(pending: Awaiting) -> Any:
+        return await pending.answer
+
+    while isinstance(outcome, Awaiting):
+        outcome = core.resume(req, outcome, asyncio.run(answer(outcome)), 0.0, Effects())
+    return outcome
+
+
+def test_an_async_answer_naming_rows_of_a_unit_suspended_meanwhile_is_not_delivered() -> None:
+    """A storage unit goes silent while an ``async`` sampler runs: the rows of its answer on
+    that unit are not handed out (a suspended unit's rows are neither handed out nor lost);
+    the request samples again, and gets them once the unit is back (before: delivered, and
+    the consumer's read of them failed or hung). A plain sampler naming such a row fails."""
+    core = new_core(Eager())
+    put(core, 4)
+    req = GetMeta("p", ["x"], 4, "t", None)
+    pending = core.decide(req, 0.0, Effects())
+    assert isinstance(pending, Awaiting)
+    core.unit_down(0, 0.0)
+    assert settle(core, req, pending) is None  # waits for the unit
+    core.unit_up(0)
+    reply = settle(core, req, core.decide(req, 0.0, Effects()))
+    assert isinstance(reply, MetaReply)
+    assert reply.rows == [0, 1, 2, 3]
+
+    class Stubborn(BaseSampler):
+        short_ready_ok = True  # asked on every look
+
+        def sample(self, ready: Any, batch_size: int, **kw: Any) -> Any:
+            return [0], [0]
+
+    core = new_core(Stubborn())
+    put(core, 1)
+    core.unit_down(0, 0.0)
+    with pytest.raises(InvalidRequestError, match="suspended"):
+        core.decide(req, 0.0, Effects())

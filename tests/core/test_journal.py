@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from tq_async import CheckpointError, SequentialSampler
@@ -22,6 +23,7 @@ from tq_async._core._journal import (
     partition_record,
     recover,
 )
+from tq_async._core._recycled import RecycledQueue
 from tq_async._core._state import ControllerState, Wakeup
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._wire._columns import ColumnHeader
@@ -342,3 +344,23 @@ def test_a_recovered_partition_records_its_changes_for_watchers() -> None:
     kinds = [(type(e).__name__, sorted(getattr(e, "rows", []))) for e in again.state.events.take()]
     assert ("RowsConsumed", sorted(got.rows)) in kinds
     assert ("RowsRemoved", [3]) in kinds
+
+
+def test_the_recycled_queue_is_encoded_again_only_after_it_changed() -> None:
+    """The controller's record is written with every commit; its queue of recycled rows is
+    encoded once per change (a 100,000-row queue took 17 ms to encode, at every commit), and
+    reads back as the list of entries records of earlier versions wrote."""
+    q = RecycledQueue()
+    assert msgspec.msgpack.decode(q.encoded()) == []
+    q.extend([("p", "i", 0), ("p", "i", 1)])
+    first = q.encoded()
+    assert q.encoded() is first  # unchanged: the same bytes, not encoded again
+    q.extendleft([("q", "j", 5)])
+    assert q.popleft() == ("q", "j", 5)
+    again = q.encoded()
+    assert again is not first
+    assert bytes(again) == bytes(first)  # the same entries, the same bytes
+    old_style = msgspec.msgpack.encode([["p", "i", 0], ["p", "i", 1]])  # a list, as before
+    copy = RecycledQueue()
+    copy.load(old_style)
+    assert list(copy) == list(q) == [("p", "i", 0), ("p", "i", 1)]

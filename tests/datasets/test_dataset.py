@@ -1006,3 +1006,48 @@ def test_other_batch_slices_take_torchs_path_unchanged(kind: str) -> None:
     _same(a, b)
     assert meta == want
     assert b.names == a.names
+
+
+async def _my_fetch(**kwargs: Any) -> Any:
+    return await default_fetch_batch_fn(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [AsyncStreamingDataset, tq.StreamingDataset])
+def test_the_constructors_arguments_are_readable_as_attributes(cls: type) -> None:
+    """AsyncStreamingDataset's docstring promises it (and StreamingDataset takes the same
+    arguments): ``address``, ``request_timeout`` and the two functions were private."""
+    given: dict[str, Any] = {
+        "address": "tcp://127.0.0.1:1",
+        "data_fields": ["x", "y"],
+        "batch_size": 8,
+        "micro_batch_size": 2,
+        "partition_id": "train@3",
+        "task_name": "learner",
+        "dp_rank": 1,
+        "prefetch": 3,
+        "replay_window": 2,
+        "stop_when_consumed": True,
+        "sampling_config": {"temperature": 1},
+        "fetch_batch_fn": _my_fetch,
+        "process_batch_fn": chunk_batch_fn,
+        "request_timeout": 7.0,
+        "dp_size": 2,
+        "tail": "drop",
+        "device": None,
+    }
+    ds = cls(**given)
+    got = {name: getattr(ds, name, "<missing>") for name in given}
+    assert {k: v for k, v in got.items() if k != "sampling_config"} == {
+        k: v for k, v in given.items() if k != "sampling_config"
+    }
+    assert got["sampling_config"]["temperature"] == 1
+
+
+@pytest.mark.parametrize("cls", [AsyncStreamingDataset, tq.StreamingDataset])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "60"])
+def test_a_bad_request_timeout_is_refused_when_the_dataset_is_built(cls: type, bad: Any) -> None:
+    """ "Raises: InvalidRequestError: an argument is invalid" holds for ``request_timeout``
+    too: it was only checked by the client the dataset opens, at the first batch (in a
+    DataLoader worker, far from the line that built the dataset)."""
+    with pytest.raises(tq.InvalidRequestError, match="request_timeout"):
+        cls("tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t", request_timeout=bad)

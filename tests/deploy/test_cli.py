@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -21,7 +22,13 @@ from _services import START_TIMEOUT, Service, parse_unit, refused_port, service
 from tq_async._controller._server import ControllerServer
 from tq_async._deploy._cli import _build_parser, load_curve
 from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
-from tq_async._service._serve import advertised_address, register_unit, warn_if_exposed
+from tq_async._service._serve import (
+    advertised_address,
+    register_unit,
+    serve_controller,
+    serve_storage,
+    warn_if_exposed,
+)
 
 # ---- processes ------------------------------------------------------------------------------
 
@@ -188,6 +195,19 @@ def test_storage_needs_a_controller(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--controller" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan"])
+def test_a_register_timeout_that_is_no_time_is_a_bad_flag(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--register-timeout 0`` (or -1) started the unit, which then gave up at once: "did
+    not answer within -1.0 s ... raise the registration timeout"; nan never gave up."""
+    with pytest.raises(SystemExit) as info:
+        parse("serve", "storage", "--controller", "tcp://h:1", "--register-timeout", seconds)
+    assert info.value.code == 2
+    assert "--register-timeout: expected a number of seconds > 0" in capsys.readouterr().err
+    assert parse("serve", "storage", "--controller", "tcp://h:1").register_timeout == 30.0
+
+
 # ---- addresses, warnings, registration (in process) -----------------------------------------
 
 
@@ -223,6 +243,18 @@ async def test_register_unit_times_out_with_the_controller_address() -> None:
             await register_unit(controller, 0, "tcp://127.0.0.1:1", timeout=0.2)
 
 
+async def test_a_service_that_cannot_start_raises_its_own_error() -> None:
+    """`serve_controller` / `serve_storage` (tq_async.lowlevel) document BrokenError for a
+    bind that fails and TQTimeoutError for a registration nobody answers; both came out in
+    an ExceptionGroup, which ``except tq.BrokenError`` does not catch (``local_cluster``
+    hands them out as themselves)."""
+    with refused_port() as taken:
+        with pytest.raises(tq.BrokenError, match="cannot bind"):
+            await serve_controller(f"tcp://127.0.0.1:{taken}")
+        with pytest.raises(tq.TQTimeoutError, match="did not answer"):
+            await serve_storage(f"tcp://127.0.0.1:{taken}", register_timeout=0.2)
+
+
 async def test_registered_units_are_announced_to_clients() -> None:
     controller = ControllerServer()
     async with anyio.create_task_group() as tg:
@@ -252,6 +284,24 @@ async def test_controller_assigns_unit_ids() -> None:
         tg.cancel_scope.cancel()
     if not supported:
         pytest.skip("this controller does not assign unit ids yet (RegisterUnit unit_id=-1)")
+
+
+async def test_a_controller_data_dir_is_used_by_one_controller_at_a_time(tmp_path: Path) -> None:
+    """Two controllers on one journal (`serve controller --data-dir D` started twice) each
+    wrote their own state into it and then recovered a mix of both; the second is refused,
+    as a storage unit's directory in use is, and the directory is given back on stop."""
+    config = tq.Config(durability="process", data_dir=str(tmp_path))
+    serve = partial(serve_controller, "tcp://127.0.0.1:0", config=config)
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve)
+        with anyio.fail_after(10), pytest.raises(tq.ConfigError, match="in use by another"):
+            await serve()  # it served (until the timeout)
+        tg.cancel_scope.cancel()
+    with refused_port() as taken, pytest.raises(tq.BrokenError):  # a port taken
+        await serve_controller(f"tcp://127.0.0.1:{taken}", config=config)
+    async with anyio.create_task_group() as tg:  # both stopped: free again
+        await tg.start(serve)
+        tg.cancel_scope.cancel()
 
 
 def test_load_curve(tmp_path: Path) -> None:

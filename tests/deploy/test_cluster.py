@@ -169,3 +169,60 @@ async def test_spilled_cells_go_under_data_dir_at_durability_memory(
         assert all(name.startswith("tq-unit-spill-") for name in spills)
         assert not list(tmp.glob("tq-unit-spill-*"))
     assert list(data_dir.iterdir()) == []  # removed when the units stopped
+
+
+async def test_a_relative_data_dir_survives_a_change_of_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative ``data_dir`` names the directory it named at start: the program changing
+    its working directory afterwards made the units look for their spilled cells (and remove
+    their scratch directories) under the new one -- acknowledged rows became unreadable."""
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    async with (
+        tq.local_cluster(num_storage_units=1, data_dir="data", memory_cap=64 << 10) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        xs = [torch.full((64, 256), float(i)) for i in range(4)]  # 64 KiB each: they spill
+        metas = [await client.put({"x": x}, "p") for x in xs]
+        assert cluster.units[0].state.spills > 0
+        for meta, x in zip(metas, xs, strict=True):
+            assert torch.equal((await client.get_data(meta))["x"], x)
+    assert list((tmp_path / "run" / "data").iterdir()) == []  # the scratch directory went
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("what", ["missing", "a file", "foreign"])
+async def test_a_bad_durable_data_dir_is_refused_before_anything_is_written(
+    tmp_path: Path, what: str
+) -> None:
+    """deployment.md: a missing directory, or one holding other files, is refused at start
+    (a typo never starts an empty controller silently). A cluster started as a whole made
+    the units' directories first: it created a missing ``data_dir`` and started empty in it,
+    failed on a file with a traceback (NotADirectoryError), and left ``units/`` with a GiB
+    arena file each in a directory of someone else's before the controller refused it."""
+    data_dir = tmp_path / "d"
+    if what == "a file":
+        data_dir.write_text("mine")
+    elif what == "foreign":
+        data_dir.mkdir()
+        (data_dir / "notes.txt").write_text("mine")
+    config = tq.Config(num_storage_units=1, durability="process", data_dir=str(data_dir))
+    with pytest.raises(tq.ConfigError, match=r"data_dir: .*(not a directory|not empty)"):
+        async with tq.local_cluster(config=config):
+            pass
+    if what == "missing":
+        assert not data_dir.exists()
+    elif what == "foreign":
+        assert [p.name for p in data_dir.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, True, None])
+async def test_a_number_of_units_that_is_not_an_int_is_an_invalid_request(bad: object) -> None:
+    """Every error derives from TQError and names the argument (it was a TypeError from a
+    comparison, or a bool taken as one unit)."""
+    with pytest.raises(tq.InvalidRequestError, match="num_storage_units"):
+        async with tq.local_cluster(num_storage_units=bad):  # type: ignore[arg-type]
+            pass

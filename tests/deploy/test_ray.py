@@ -109,7 +109,16 @@ def test_needs_ray_init() -> None:
         tq_ray.launch(1)
 
 
-def test_launch_stream_attach_shutdown(local_ray: None) -> None:
+def test_shutdown_after_ray_shutdown_does_not_start_ray() -> None:
+    # second in the module, Ray not started: as after `ray.shutdown()` in a driver that still
+    # holds its cluster (the actors ended with the session); shutdown must not start a new one
+    assert not ray.is_initialized()
+    cluster = tq_ray.RayCluster("gone", NAMESPACE, "tcp://127.0.0.1:1", {}, ("gone.unit0", "gone"))
+    cluster.shutdown(timeout=5)
+    assert not ray.is_initialized()
+
+
+def test_launch_stream_attach_shutdown(local_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
     here = ray.get_runtime_context().get_node_id()
     cluster = tq_ray.launch(
         2, name="rl", namespace=NAMESPACE, host="127.0.0.1", placement=[here], timeout=90
@@ -140,6 +149,14 @@ def test_launch_stream_attach_shutdown(local_ray: None) -> None:
 
         with pytest.raises(tq.InvalidRequestError, match="already runs"):
             tq_ray.launch(1, name="rl", namespace=NAMESPACE)
+        # another driver took the name between launch's look-up and its actors' creation (two
+        # drivers' compat.init() at once): the same error, and the running cluster untouched
+        monkeypatch.setattr(tq_ray, "_check_name_free", lambda name, namespace: None)
+        with pytest.raises(tq.InvalidRequestError, match="already runs"):
+            tq_ray.launch(1, name="rl", namespace=NAMESPACE)
+        assert {a["name"] for a in our_actors()} == {"rl", "rl.unit0", "rl.unit1"}
+        with tq.Client.connect(cluster.address) as client:
+            assert "train@0" in client.list_partitions()
     finally:
         cluster.shutdown()
     assert our_actors() == []
@@ -155,6 +172,28 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
         tq_ray.launch(1, namespace=NAMESPACE, placement={"gpus": 1})
     with pytest.raises(tq.InvalidRequestError, match="no tq_async cluster named 'nope'"):
         tq_ray.attach("nope", NAMESPACE)
+    # malformed arguments: refused before any actor starts, saying what to give (not Ray's or
+    # Python's own errors, nor a controller launched without a name, which attach cannot find)
+    for bad, says in [
+        ({"name": ""}, "name must be a non-empty string"),
+        ({"name": None}, "name must be a non-empty string"),
+        ({"namespace": ""}, "namespace must be a non-empty string"),
+        ({"num_storage_units": 2.0}, "num_storage_units must be an int >= 1"),
+        ({"num_storage_units": "2"}, "num_storage_units must be an int >= 1"),
+        ({"placement": {"resources": {"CPU": "1"}}}, "must map resource names to amounts"),
+        # what launch sets itself: actors in another namespace would escape shutdown/attach
+        (
+            {"actor_options": {"namespace": "elsewhere"}},
+            r"actor_options\['namespace'\].*namespace=",
+        ),
+        ({"actor_options": {"name": "x"}}, r"actor_options\['name'\].*name="),
+        (
+            {"actor_options": {"scheduling_strategy": "SPREAD"}},
+            r"\['scheduling_strategy'\].*placement=",
+        ),
+    ]:
+        with pytest.raises(tq.InvalidRequestError, match=says):
+            tq_ray.launch(**{"namespace": NAMESPACE, "host": "127.0.0.1", **bad})
     assert our_actors() == []
     # a service that cannot start: the error names it, and nothing is left running (binding an
     # address this host does not have fails at once, without sending anything)
@@ -166,8 +205,9 @@ def test_placement_and_attach_fail_clearly(local_ray: None) -> None:
     assert cpu_nodes == [ray.get_runtime_context().get_node_id()]
 
 
-def test_launch_with_a_config(local_ray: None) -> None:
+def test_launch_with_a_config(local_ray: None, tmp_path: Path) -> None:
     import anyio
+    import torch
 
     here = ray.get_runtime_context().get_node_id()
     bad = tq.Config(task_samplers={"learner": tq.SamplerSpec("tq_async:NoSuchSampler")})
@@ -182,6 +222,10 @@ def test_launch_with_a_config(local_ray: None) -> None:
         shm_cap=8 << 20,  # reaches the units (as data_path and device_cap do)
         admission=tq.AdmissionSection(max_staleness=0),
         task_samplers={"learner": tq.SamplerSpec("tq_async:GRPOGroupNSampler", {"n": 2})},
+        # at memory, cells past the cap spill under data_dir (a path on the unit's node), not
+        # into the node's temporary directory (often a small tmpfs, in RAM)
+        memory_cap=64 << 10,
+        data_dir=str(tmp_path),
     )
     with pytest.raises(tq.ConfigError, match="unexpected keyword argument 'n'"):
         tq_ray.launch(name="cfg", namespace=NAMESPACE, placement=[here], config=config)
@@ -197,10 +241,15 @@ def test_launch_with_a_config(local_ray: None) -> None:
                 await client.acquire_rollout(0, 1)  # version 0 - learner 0 <= 0: admitted
                 with pytest.raises(tq.TQTimeoutError):
                     await client.acquire_rollout(1, 1, timeout=0.2)  # one version ahead
+                x = torch.randn(64, 1024)  # 256 KiB: past the cap
+                meta = await client.put({"x": x}, "p")
+                assert torch.equal((await client.get_data(meta))["x"], x)
                 (stats,) = (await client.storage_stats()).values()
                 assert stats["shm_cap"] == 8 << 20
+                assert stats["spills"] > 0
 
         anyio.run(check_admission)
+        assert [p.name[:14] for p in tmp_path.iterdir()] == ["tq-unit-spill-"]
     finally:
         cluster.shutdown()
 
@@ -310,6 +359,9 @@ def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
             after = await anyio.to_thread.run_sync(partial(_restarted, unit, before["pid"]))
             assert after["restarted"] is True
             assert after["unit_id"] == 0
+            # attach gives its new address (it binds a new port), not the one it died at
+            attached = await anyio.to_thread.run_sync(tq_ray.attach, "durable", NAMESPACE)
+            assert attached.unit_addresses[0] == after["address"] != cluster.unit_addresses[0]
             for meta, batch in acked:  # every acknowledged row, bit-exactly
                 assert _same(await client.get_data(meta), batch)
             lost = await client.lost_rows()
@@ -347,7 +399,7 @@ def test_a_durable_unit_killed_under_ray_comes_back_with_every_row(
 
 
 def test_a_durable_controller_killed_under_ray_comes_back_at_its_address(
-    local_ray: None, tmp_path: Path
+    local_ray: None, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     import anyio
 
@@ -361,6 +413,9 @@ def test_a_durable_controller_killed_under_ray_comes_back_at_its_address(
     data_dir.mkdir()
     cluster = _durable_launch("durable-ctl", data_dir, 1)
     controller = ray.get_actor("durable-ctl", namespace=NAMESPACE)
+    # no constructor argument of a restartable actor is an object Ray may lose (an actor
+    # handle is one: Ray logs an error, "the actor restart will fail", ray-project/ray#53727)
+    assert "constructor arguments in the object store" not in capfd.readouterr().err
 
     async def run() -> None:
         before = await anyio.to_thread.run_sync(

@@ -15,7 +15,7 @@ import torch
 import tq_async as tq
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
-from tq_async._deploy._status import render
+from tq_async._deploy._status import render, run_status
 from tq_async._wire._protocol import ClusterStatus
 
 
@@ -101,6 +101,20 @@ async def test_status_names_the_curve_keys_and_the_clients() -> None:
     assert "1 watches waiting" in screen
 
 
+@pytest.mark.parametrize(
+    ("scope", "line"),
+    [
+        ("partition", "capacity: 8 rows per partition"),
+        ("global", "capacity: 8 rows in all partitions together"),
+    ],
+)
+async def test_status_says_what_the_capacity_counts(scope: str, line: str) -> None:
+    """A global capacity read "8 rows per global"."""
+    async with tq.local_cluster(num_storage_units=1, capacity=8, capacity_scope=scope) as cluster:
+        status = cluster.controller._on_cluster_status(None, ClusterStatus())  # type: ignore[arg-type]
+    assert line in render({**status, "partitions": {}}, cluster.address).splitlines()
+
+
 def test_clients_seen_counts_a_window_and_forgets_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(_server.time, "monotonic", lambda: now[0])
@@ -139,6 +153,13 @@ def test_status_of_nothing_fails_clearly() -> None:
         done = _status(f"tcp://127.0.0.1:{port}")
     assert done.returncode == 1
     assert "tq-async: error:" in done.stderr
+
+
+async def test_status_of_an_address_without_its_scheme_says_what_to_type() -> None:
+    """``tq-async status 127.0.0.1:5555`` failed with ZMQ's "cannot connect ...: Invalid
+    argument"; ``serve storage --controller`` says what was meant, and so does status."""
+    with pytest.raises(tq.InvalidRequestError, match=r"did you mean 'tcp://127\.0\.0\.1:5555'"):
+        await run_status("127.0.0.1:5555")
 
 
 def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:

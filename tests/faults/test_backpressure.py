@@ -148,3 +148,23 @@ async def test_a_keyed_put_waiting_for_room_counts_its_new_keys_again_when_woken
             await client.kv_clear(["b"], "p")
         assert done[0].keys == ["a", "c"]
         assert (await client.partition_info("p"))["rows"] == 2
+
+
+async def test_a_full_global_capacity_is_reported_as_all_partitions_not_the_empty_one(
+    inline: int,
+) -> None:
+    """With ``capacity_scope="global"`` the rows that fill the capacity may all be in other
+    partitions: the errors say so instead of calling the (empty) partition put to full."""
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=4, capacity_scope="global") as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_put_bytes=inline) as client,
+    ):
+        await client.put(rows(4), "p")
+        with pytest.raises(tq.WouldBlock) as nowait:
+            await client.put_nowait(rows(1), "q")
+        with pytest.raises(tq.TQTimeoutError) as waited:
+            await client.put(rows(1), "q", timeout=0.05)
+    for exc in (nowait.value, waited.value):
+        assert "all partitions together" in str(exc)
+        assert "capacity of 4 rows" in str(exc)
+        assert "partition 'q'" not in str(exc)

@@ -30,6 +30,42 @@ async def test_client_side_argument_errors() -> None:
         assert await client.list_partitions() == []
 
 
+async def test_get_data_fields_are_a_list_of_names() -> None:
+    # a str was read letter by letter ("xy": fields x and y, silently); a non-str name
+    # reached the unit, which logged a malformed request and answered a ProtocolError
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.ones(2), "y": torch.zeros(2)}, "p")
+        for bad in ("xy", "x", ""):
+            with pytest.raises(tq.InvalidRequestError, match=rf"write fields=\[{bad!r}\]"):
+                await client.get_data(meta, bad)
+        for bad_list in ([1], ["x", ""], [None]):
+            with pytest.raises(tq.InvalidRequestError, match="fields must be a non-empty list"):
+                await client.get_data(meta, bad_list)  # type: ignore[list-item]
+        assert list((await client.get_data(meta, ("y",))).keys()) == ["y"]
+        assert list((await client.get_data(meta, [])).keys()) == []
+
+
+async def test_a_device_that_cannot_receive_a_read_is_refused_before_anything_is_read() -> None:
+    # device="meta" (or "cuda" on a torch without CUDA) failed with torch's raw
+    # AssertionError "Torch not compiled with CUDA enabled", after the rows were read
+    bad = ["meta", "xpu"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"])
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.ones(2)}, "p")
+        for device in bad:
+            with pytest.raises(tq.InvalidRequestError, match=rf"device '{device}' cannot receive"):
+                await client.get_data(meta, device=device)
+            with pytest.raises(tq.InvalidRequestError, match=rf"device '{device}' cannot receive"):
+                await client.get(["x"], 2, "p", "t", device=device)
+        td, _ = await client.get(["x"], 2, "p", "t", timeout=5, device="cpu")  # rows still there
+        assert td["x"].tolist() == [1.0, 1.0]
+
+
 async def test_a_bare_value_as_a_column_says_what_a_column_is() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -415,3 +415,81 @@ async def test_a_recorded_get_cancelled_while_its_cells_are_read_keeps_its_rows_
         td, meta = await client.get(["i"], 4, "p", "t", config)
         assert td["i"].tolist() == meta.global_indexes == [0, 1, 2, 3]
         assert (await client.partition_info("p"))["rows"] == 4  # read, acknowledged, freed
+
+
+@pytest.mark.parametrize("same_host", [False, True])
+async def test_a_get_cancelled_while_its_cells_are_read_stays_cancelled_when_the_give_back_fails(
+    same_host: bool,
+) -> None:
+    """A ``get`` cancelled while its cells are read gives its rows back (a best-effort
+    clean-up); when that fails -- here the controller was SIGKILLed meanwhile, so the
+    `Release` finds nothing listening -- the caller is still cancelled. Before, the clean-up's
+    `BrokenError` replaced the cancellation: a ``move_on_after`` around the get raised
+    instead of moving on (and a blocking get's Ctrl-C became a `BrokenError`)."""
+    from _cluster_proc import serve_role, sigkill
+
+    request = DealerConnection.request
+    scope = anyio.CancelScope()
+    with (
+        serve_role("controller") as (controller_proc, address),
+        serve_role("storage", "--controller", address, line="TQ_UNIT="),
+    ):
+        async with tq.AsyncClient.connect(
+            address, inline_get_bytes=0, same_host=same_host, request_timeout=10
+        ) as client:
+            await fill(client, "p")
+            ctl = controller(client)
+
+            async def kill_then_cancel(
+                self: DealerConnection, body: Any, *args: Any, **kwargs: Any
+            ) -> Any:
+                if isinstance(body, StoreGet):  # the rows were handed out: now read
+                    sigkill(controller_proc)
+                    with anyio.fail_after(10):
+                        while ctl.connected is not False:
+                            await anyio.sleep(0.01)
+                    scope.cancel()
+                return await request(self, body, *args, **kwargs)
+
+            DealerConnection.request = kill_then_cancel  # type: ignore[method-assign]
+            try:
+                with scope:
+                    await client.get(["i"], 4, "p", "t")
+            finally:
+                DealerConnection.request = request  # type: ignore[method-assign]
+            assert scope.cancelled_caught
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_closed_while_its_put_stores_leaves_no_put_open(mode: str) -> None:
+    """A client closed (by another task) while one of its puts sends its columns to the
+    unit: the put fails with `ClosedError`, and its placed rows are aborted as the client
+    closes. Before, nothing told the controller (the put's own clean-up found the client
+    closed), so the rows stayed under their put lease: a sealed partition's end-of-stream
+    waited the lease out (60 s)."""
+    from tq_async._wire._protocol import StorePut
+
+    async with client_in(mode) as client:
+        address = client.address
+        doomed = await tq.AsyncClient.connect(
+            address, inline_put_bytes=0, same_host=mode == "unix", busy_poll=0
+        ).open()
+        request = DealerConnection.request
+
+        async def close_then_send(
+            self: DealerConnection, body: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if isinstance(body, StorePut):
+                await doomed.aclose()
+            return await request(self, body, *args, **kwargs)
+
+        DealerConnection.request = close_then_send  # type: ignore[method-assign]
+        try:
+            with pytest.raises(tq.ClosedError):
+                await doomed.put(TensorDict({"i": torch.arange(4) + 100}, [4]), partition_id="p")
+        finally:
+            DealerConnection.request = request  # type: ignore[method-assign]
+        await fill(client, "p", 2)
+        with anyio.fail_after(20):  # not the 60 s put lease
+            assert sorted(await drain(client, "p")) == [0, 1]
+        assert (await client.partition_info("p"))["uncommitted_puts"] == 0

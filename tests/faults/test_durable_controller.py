@@ -374,6 +374,111 @@ async def test_recycled_prompts_are_still_handed_out_after_a_restart(tmp_path: P
             assert await c.take_recycled() == []  # exactly once
 
 
+async def test_recycled_rows_stay_held_under_auto_clear_across_restarts(tmp_path: Path) -> None:
+    """The learner auto-clears and recycles stale rows: queued rows, and rows taken but not
+    yet acknowledged, are held -- across a SIGKILL and restart of the controller too (the
+    holds are rebuilt from the journal's queue and leases): the prompts are there to read
+    after each restart, and the taker's ack frees them."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        'auto_clear_tasks = ["learner"]\n'
+        '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
+        'max_staleness = 0\non_stale = "recycle"\n'
+    )
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        procs = [stack.enter_context(_serve(bind, data_dir, "--config", str(config)))]
+
+        def restart() -> None:
+            procs[-1].send_signal(signal.SIGKILL)
+            procs[-1].wait(timeout=10)
+            procs.append(stack.enter_context(_serve(bind, data_dir, "--config", str(config))))
+
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            await c.put(_rows(4, 0), "p", policy_version=[0, 0, 0, 1])
+            await c.set_policy_version(1)  # rows 0-2 are one version too old
+            await c.ack(await c.get_meta(["x"], 1, "p", "learner", timeout=10))
+            assert (await c.partition_info("p"))["rows"] == 3  # row 3 read and freed
+        restart()
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            taken = await c.take_recycled(max_rows=2)
+            assert [m.global_indexes for m in taken] == [[0, 1]]
+        restart()
+        async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
+            info = await c.partition_info("p")
+            assert (info["rows"], info["leased"]) == (3, {"take_recycled": 2})
+            assert torch.equal((await c.get_data(taken[0]))["x"], _rows(2, 0)["x"])
+            await c.ack(taken)  # the ack of a hold given before the restart frees its rows
+            assert (await c.partition_info("p"))["rows"] == 1
+            last = await c.take_recycled()
+            assert [m.global_indexes for m in last] == [[2]]
+            await c.ack(last)
+            assert (await c.partition_info("p"))["rows"] == 0
+
+
+async def test_a_take_recycled_whose_reply_died_with_the_controller_loses_no_prompt(
+    tmp_path: Path,
+) -> None:
+    """`take_recycled` hands out recycled rows and is journaled, and the controller is
+    SIGKILLed before its reply reaches the client (the reply is held back here, then the
+    kill makes its loss real). The client sees `BrokenError` and asks again, as a rollout
+    worker does: the restarted controller must hand out the same rows (before: they had left
+    the queue for a reply nobody saw, and their prompts were never regenerated)."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        '[task_samplers.learner]\nfactory = "tq_async:StalenessSampler"\n'
+        'max_staleness = 0\non_stale = "recycle"\n'
+    )
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with ExitStack() as stack:
+        ctl = stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+        async with tq.AsyncClient.connect(bind, request_timeout=5) as c:
+            await c.put(_rows(4, 0), "p", policy_version=[0, 0, 0, 1])
+            await c.set_policy_version(1)  # rows 0-2 are one version too old
+            assert (await c.get_meta(["x"], 1, "p", "learner", timeout=10)).global_indexes == [3]
+            conn = c._links.controller
+            assert conn is not None
+            read, held = conn._on_frames, anyio.Event()
+
+            def hold(frames: list[Any]) -> None:  # the next reply never reaches the call
+                conn._on_frames = read  # type: ignore[method-assign]
+                held.set()
+
+            conn._on_frames = hold  # type: ignore[method-assign]
+            failed: list[Exception] = []
+
+            async def take() -> None:
+                try:
+                    await c.take_recycled(max_rows=2)
+                except tq.BrokenError as exc:
+                    failed.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take)
+                with anyio.fail_after(30):
+                    await held.wait()  # the reply was sent: its take is journaled
+                ctl.send_signal(signal.SIGKILL)
+                ctl.wait(timeout=10)
+            assert failed  # the caller does not know what it took
+            stack.enter_context(_serve(bind, data_dir, "--config", str(config)))
+            with anyio.fail_after(30):
+                while True:  # the worker asks again until the controller is back
+                    try:
+                        taken = await c.take_recycled(max_rows=2)
+                        break
+                    except tq.BrokenError:
+                        pass
+            assert [m.global_indexes for m in taken] == [[0, 1]]
+            assert torch.equal((await c.get_data(taken[0]))["x"], _rows(2, 0)["x"])
+            rest = await c.take_recycled(max_rows=2)  # a new take is one, as before
+            assert [m.global_indexes for m in rest] == [[2]]
+            assert await c.take_recycled() == []
+
+
 async def test_rows_of_a_fetch_cancelled_after_its_answer_come_back_after_a_restart(
     tmp_path: Path,
 ) -> None:

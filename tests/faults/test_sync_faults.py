@@ -164,10 +164,10 @@ loader = tq.StreamingDataLoader(ds)
 def interrupt():
     while ds._local is None:
         time.sleep(0.001)
-    conn = ds._local._address.client._links.controller
+    conn = ds._local.address.client._links.controller
     while conn is None or not conn._busy.locked():
         time.sleep(0.001)
-        conn = ds._local._address.client._links.controller
+        conn = ds._local.address.client._links.controller
     time.sleep(0.05)  # the request is on the service (sent before the lock is seen)
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=interrupt, daemon=True).start()

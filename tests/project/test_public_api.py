@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pickle
+import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -46,6 +49,26 @@ def test_public_methods_are_documented() -> None:
             if name.startswith("_") or not callable(member):
                 continue
             assert inspect.getdoc(member), f"{cls.__name__}.{name} has no docstring"
+
+
+@pytest.mark.parametrize("module", [tq_async, tq_async.compat], ids=lambda m: m.__name__)
+def test_public_records_document_every_field(module: object) -> None:
+    """The API reference shows a record's fields from its docstring's ``Attributes``: one
+    left out there is invisible to readers (``LocalCluster.metrics_url``, the CURVE keys)."""
+    undocumented = {}
+    for name in module.__all__:  # type: ignore[attr-defined]
+        cls = getattr(module, name)
+        if dataclasses.is_dataclass(cls):
+            fields = [f.name for f in dataclasses.fields(cls)]
+        elif inspect.isclass(cls) and issubclass(cls, msgspec.Struct):
+            fields = list(cls.__struct_fields__)
+        else:
+            continue
+        doc = inspect.getdoc(cls) or ""
+        missing = [f for f in fields if not f.startswith("_") and not re.search(rf"\b{f}\b", doc)]
+        if missing:
+            undocumented[name] = missing
+    assert undocumented == {}
 
 
 def test_errors_share_one_root_and_pickle() -> None:
@@ -166,3 +189,11 @@ def test_an_unknown_error_kind_becomes_a_tq_error_naming_it() -> None:
     err = error_from_wire("MysteryError", "boom")
     assert type(err) is tq_async.TQError
     assert str(err) == "MysteryError: boom"
+
+
+def test_the_api_reference_page_shows_every_public_name() -> None:
+    """docs/api.md promises "every public name, from its docstring": each of
+    ``tq_async.__all__`` has its ``::: tq_async.NAME`` entry there."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    shown = set(re.findall(r"^::: tq_async\.(\w+)\s*$", page, re.MULTILINE))
+    assert sorted(set(tq_async.__all__) - shown) == []

@@ -4,6 +4,7 @@ constraints.txt), and torch always goes first, exactly 2.13.0."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -96,3 +97,13 @@ def test_the_constraints_pin_the_cpu_torch_and_the_project_only_has_lower_bounds
     for requirement in project["dependencies"]:
         assert "==" not in requirement, requirement
         assert ">=" in requirement, requirement
+
+
+def test_the_readme_names_the_extras_scripts_check_installs() -> None:
+    """README's quick start says what ``./scripts/check`` installs: every extra it passes."""
+    script = (REPO / "scripts" / "check").read_text()
+    (extras,) = re.findall(r'^install_into_venv "([\w,]+)"$', script, re.MULTILINE)
+    (line,) = [
+        x for x in (REPO / "README.md").read_text().splitlines() if x.startswith("./scripts/check ")
+    ]
+    assert [e for e in extras.split(",") if not re.search(rf"\b{e}\b", line)] == []

@@ -312,16 +312,11 @@ async def test_rows_given_back_to_the_learner_take_their_slots_again() -> None:
         assert cluster.controller.waiting == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="auto-clear frees recycled rows before take_recycled; the fix needs a contract "
-    "for when taken rows are freed (a hold the producer acknowledges?)",
-)
-async def test_recycled_rows_outlive_auto_clear_until_taken() -> None:
+async def test_recycled_rows_outlive_auto_clear_until_taken_and_acknowledged() -> None:
     """With the learner auto-clearing, rows recycled as stale are consumed undelivered: they
-    must stay until a producer took them (`take_recycled`) and read their prompts. Now
-    auto-clear frees them at once: `take_recycled` hands out nothing, the prompts are lost,
-    while the status counts them recycled and still pending."""
+    must stay until a producer took them (`take_recycled`), read their prompts and
+    acknowledged the BatchMeta. Before, auto-clear freed them at once: `take_recycled` handed
+    out nothing, the prompts were lost, while the status counted them recycled and pending."""
     sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
     async with (
         tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
@@ -336,9 +331,67 @@ async def test_recycled_rows_outlive_auto_clear_until_taken() -> None:
         assert (await client.staleness_status())["recycled_pending"] == 3
         taken = await client.take_recycled()
         assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        assert taken[0].lease_id  # held for its taker
+        info = await client.partition_info("p")
+        assert info["rows"] == 5
+        assert info["leased"] == {"learn": 2, "take_recycled": 3}
         prompts = await client.get_data(taken[0].select_fields(["prompt"]))
         assert prompts["prompt"].tolist() == [0, 1, 2]
         assert await client.take_recycled() == []  # exactly once
+        await client.ack(taken)  # read: auto-clear frees them now
+        assert (await client.partition_info("p"))["rows"] == 2
+        await client.ack(fresh)
+        assert (await client.partition_info("p"))["rows"] == 0
+        assert cluster.controller.waiting == 0
+
+
+async def test_recycled_rows_without_auto_clear_carry_no_hold() -> None:
+    """Without auto-clear nothing frees recycled rows but a clear: `take_recycled` gives
+    them no hold (``lease_id`` 0, as a fetch's), and acknowledging is harmless."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"prompt": torch.arange(2)}, "p", policy_version=0)
+        await client.set_policy_version(1)
+        await client.get_meta(["prompt"], 1, "p", "learn", stop_when_consumed=True)
+        taken = await client.take_recycled()
+        assert [(m.global_indexes, m.lease_id) for m in taken] == [([0, 1], 0)]
+        await client.ack(taken)
+        info = await client.partition_info("p")
+        assert (info["rows"], info["leased"]) == (2, {})
+        assert cluster.controller.waiting == 0
+
+
+async def test_a_take_recycled_cancelled_under_auto_clear_keeps_the_rows_held() -> None:
+    """A `take_recycled` cancelled after it went out, with the learner auto-clearing: the
+    rows go back to the queue, still held there (its caller's hold is dropped, not
+    acknowledged: auto-clear must not free prompts nobody read), and the next taker gets
+    them."""
+    sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["learn"])
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)
+        await client.get_meta(["prompt"], 1, "p", "learn", stop_when_consumed=True)
+        with cancelled_at(TakeRecycled) as (scope, sent), scope:
+            await client.take_recycled()
+        assert scope.cancelled_caught
+        assert sent
+        with anyio.fail_after(10):  # the rows come back once the abandoned reply arrived
+            while not (taken := await client.take_recycled()):
+                pass
+        assert [m.global_indexes for m in taken] == [[0, 1, 2]]
+        info = await client.partition_info("p")
+        assert (info["rows"], info["leased"]) == (3, {"take_recycled": 3})
+        assert (await client.get_data(taken[0]))["prompt"].tolist() == [0, 1, 2]
+        await client.ack(taken)
+        assert (await client.partition_info("p"))["rows"] == 0
+        assert cluster.controller.waiting == 0
 
 
 @pytest.mark.parametrize(
@@ -471,6 +524,26 @@ async def test_recycled_pending_counts_only_rows_take_recycled_would_hand_out() 
         taken = await client.take_recycled()
         assert [m.global_indexes for m in taken] == [[1, 2]]
         assert (await client.staleness_status())["recycled_pending"] == 0
+
+
+async def test_an_admission_that_times_out_says_what_frees_slots() -> None:
+    """A producer acquires slots and puts its rollout without ``policy_version``: the
+    learner's consumption frees none (only admitted rollouts, rows that carry a version, do),
+    so the next acquire waits for good. Its timeout must say how slots are freed, naming the
+    learner task and ``policy_version=`` (before: only the counts, and the producer was left
+    to guess)."""
+    admission = tq.AdmissionConfig(capacity=2, learner_task="learn")
+    async with (
+        tq.local_cluster(num_storage_units=1, admission=admission) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.acquire_rollout(0, 2)
+        await client.put({"x": torch.zeros(2)}, "p")  # no policy_version: not a rollout
+        await client.get_meta(["x"], 2, "p", "learn")
+        assert (await client.staleness_status())["outstanding"] == 2
+        with pytest.raises(tq.TQTimeoutError, match=r"'learn'.*policy_version=.*release_rollout"):
+            await client.acquire_rollout(0, 1, timeout=0.2)
+        assert cluster.controller.waiting == 0
 
 
 class _WrongOnce(tq.SequentialSampler):

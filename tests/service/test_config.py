@@ -89,6 +89,7 @@ def test_a_factory_of_your_own() -> None:
         ("samplr = 1", "samplr: unknown key"),
         ('capacity = "x"', "capacity: expected int"),
         ("num_storage_units = 0", "num_storage_units: must be >= 1"),
+        ("shm_cap = -1", "shm_cap: must be >= 0 bytes (0: no shared memory), got -1"),
         ('capacity_scope = "cluster"', "capacity_scope: invalid enum value 'cluster'"),
         ("[admission]\nmax_stalenes = 1", "admission.max_stalenes: unknown key"),
         ("[admission]\ncapacity = 3", "admission: capacity must be >= 1 and needs learner_task"),
@@ -154,6 +155,14 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     role = parse_config("serve", "controller", "--config", str(path), "--allow-pickle")
     assert role.allow_pickle
     assert role.capacity == 10
+
+
+def test_a_negative_shm_cap_is_a_bad_flag() -> None:
+    """``--shm-cap -1`` passed as a configuration and failed the started services (status 1)
+    with "shm_cap and shm_idle_bytes must be >= 0", naming a setting the user never gave."""
+    for argv in (("serve",), ("serve", "storage", "--controller", "tcp://127.0.0.1:1")):
+        with pytest.raises(tq.ConfigError, match=r"^command line: shm_cap: must be >= 0"):
+            parse_config(*argv, "--shm-cap", "-1")
 
 
 async def test_local_cluster_applies_the_config() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import urllib.request
 
 import anyio
@@ -99,3 +102,68 @@ def test_configure_logging_is_opt_in(capsys: pytest.CaptureFixture[str]) -> None
             tq.configure_logging("LOUD")
     finally:
         structlog.reset_defaults()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:abc", "127.0.0.1:99999", "127.0.0.1:-1"])
+async def test_a_bad_metrics_address_is_a_clear_error_before_anything_starts(address: str) -> None:
+    """``metrics_on`` / ``serve_metrics_on`` with a port that is no port passed validation
+    and ended in a traceback (ValueError, OverflowError) once the services had started."""
+    with pytest.raises(tq.ConfigError, match=r"^metrics_on: expected HOST:PORT"):
+        tq.Config(metrics_on=address)
+    with pytest.raises(tq.InvalidRequestError, match="serve_metrics_on: expected HOST:PORT"):
+        async with tq.local_cluster(metrics_registry=CollectorRegistry(), serve_metrics_on=address):
+            pass
+
+
+def test_serve_refuses_a_bad_metrics_address_as_a_bad_flag() -> None:
+    """deployment.md: status 2 and one line for a bad command line (it was a traceback and
+    status 1, after the services had started)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--metrics-on", "h:abc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "tq-async: error: command line: metrics_on: expected HOST:PORT (a port from 0 to "
+        "65535; 0: any free port), got 'h:abc'"
+    ]
+
+
+async def test_a_taken_metrics_port_is_a_broken_error() -> None:
+    """A metrics port another process holds came out of ``local_cluster`` as an OSError in
+    an ExceptionGroup (a bind of the services' own ports is a `BrokenError` saying so)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(tq.BrokenError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            async with tq.local_cluster(
+                metrics_registry=CollectorRegistry(), serve_metrics_on=f"127.0.0.1:{port}"
+            ):
+                pass
+
+
+def test_serve_controller_with_a_taken_metrics_port_fails_in_one_line() -> None:
+    """``tq-async serve controller --metrics-on`` a taken port printed ``TQ_ADDRESS=`` (a
+    launcher takes the service for started), then died with a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "controller", "--metrics-on", f"127.0.0.1:{port}"]
+        done = subprocess.run(
+            [sys.executable, "-m", "tq_async._deploy._cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tq-async: error: cannot serve metrics on 127.0.0.1:{port}: ")
+    assert "Traceback" not in done.stderr

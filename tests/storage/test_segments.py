@@ -354,6 +354,23 @@ async def test_a_cluster_with_memory_cap_streams_a_partition_four_times_its_cap(
         assert cluster.units[0].state.disk.live_bytes == 0  # type: ignore[union-attr]
 
 
+async def test_memory_cap_bounds_text_columns_too() -> None:
+    """A list column's strings count against the cap (they counted 0 bytes: never spilled)."""
+    cap = 256 << 10
+    async with (
+        tq.local_cluster(num_storage_units=1, memory_cap=cap) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        batches = [[f"{i}:{r}:" + "t" * 1024 for r in range(64)] for i in range(16)]  # 1 MiB
+        metas = [await client.put({"text": b}, "p") for b in batches]
+        assert cluster.units[0].state.memory_bytes <= cap
+        for meta, b in reversed(list(zip(metas, batches, strict=True))):
+            assert (await client.get_data(meta)).get("text").tolist() == b
+        stats = (await client.storage_stats())[0]
+        assert stats["memory_bytes"] <= cap
+        assert stats["spills"] > 0
+
+
 def test_memory_cap_in_config_toml_and_cli(tmp_path: Path) -> None:
     from tq_async._deploy._cli import _build_parser, _given, config_from_args
 

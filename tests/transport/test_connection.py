@@ -16,6 +16,7 @@ import zmq
 import tq_async as tq
 from tq_async._transport._connection import (
     ConnectionCore,
+    Liveness,
     PollBackoff,
     first_of,
     heartbeat_ms,
@@ -212,8 +213,14 @@ def test_a_refused_first_attempt_is_only_broken_when_asked() -> None:
 
 
 def test_a_drop_during_the_handshake_is_not_a_tq_async_service() -> None:
-    core = ConnectionCore("tcp://h:1")
+    core = ConnectionCore("tcp://h:1", refused_is_broken=True)
     core.handshaken = False
+    assert core.on_monitor(zmq.EVENT_CONNECTED, 0).connected
+    # the first bare drop may be a CURVE service that did not say so yet: ZMQ dials again
+    # (its retry is not a refusal), and a second bare drop is a peer that is no service
+    assert core.on_monitor(zmq.EVENT_DISCONNECTED, 0) == Liveness()
+    assert core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0) == Liveness()
+    assert core.on_monitor(zmq.EVENT_CONNECTED, 0).connected
     seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
     assert seen.broken
     assert isinstance(seen.fail, tq.BrokenError)
@@ -386,3 +393,15 @@ async def test_a_retired_connection_breaks_its_waiting_requests_retryably() -> N
                 assert "retry" in str(exc)
     finally:
         silent.close(linger=0)
+
+
+def test_a_refused_first_attempt_at_a_host_name_may_be_a_name_that_does_not_resolve() -> None:
+    # ZMQ reports a name that does not resolve as a refused attempt: "the connection was
+    # refused" alone sent the user looking for a service on a host that does not exist
+    named = ConnectionCore("tcp://no-such-host.invalid:5555", refused_is_broken=True)
+    assert "does not resolve" in str(named.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).why)
+    for literal in ("tcp://127.0.0.1:9", "tcp://[::1]:9", "ipc:///tmp/x"):
+        core = ConnectionCore(literal, refused_is_broken=True)
+        why = str(core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0).why)
+        assert "was refused" in why
+        assert "resolve" not in why

@@ -306,3 +306,106 @@ async def test_a_request_waiting_when_the_controller_moves_to_its_twin_breaks_re
         assert isinstance(exc, BrokenError), repr(exc)
         assert "retry" in str(exc)
         assert await client.list_partitions() is not None  # the twin answers
+
+
+async def test_a_message_over_256_mib_crosses_a_unix_socket_whole() -> None:
+    """ZMQ carries a message of any size; the Unix-socket twin took one over 256 MiB for a
+    malformed frame and dropped the connection (a read of a large batch through a unit's twin,
+    its cells not in shared memory, broke and went again over TCP)."""
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._transport._router import RouterEndpoint
+    from tq_async._wire._protocol import ListPartitions, ok_reply, salvage_rid
+
+    def echo(peer: bytes, frames: list[Any]) -> None:
+        rid = salvage_rid(frames[0].buffer)
+        assert rid is not None
+        endpoint.send(peer, [ok_reply(rid, None), *frames[1:]])
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", echo, twin="uds")
+    assert endpoint.ipc_address is not None
+    conn = DealerConnection(endpoint.ipc_address)
+    try:
+        big = bytearray((256 << 20) + 1)
+        big[-1] = 7
+        with anyio.fail_after(60):
+            _, frames = await conn.request(ListPartitions(), [big], timeout=60)
+        assert len(frames) == 1
+        assert memoryview(frames[0]).nbytes == len(big)
+        assert memoryview(frames[0])[-1] == 7
+    finally:
+        conn.close()
+        endpoint.close()
+
+
+async def test_a_message_past_4_gib_fails_clearly_on_a_unix_socket() -> None:
+    """The Unix socket's wire says a message's size in 32 bits: a bigger one raised
+    struct.error from the client's request, and a reply that big was dropped by the service
+    (its client waited out its timeout). Either way the connection now ends with a
+    `BrokenError` at once (a client's unit request goes again over TCP, which has no limit)."""
+    import mmap
+
+    from tq_async._transport._dealer import DealerConnection
+    from tq_async._transport._router import RouterEndpoint
+    from tq_async._wire._protocol import ListPartitions, ok_reply, salvage_rid
+
+    huge = mmap.mmap(-1, 1 << 32)  # address space only: never written, never sent
+
+    def reply_huge(peer: bytes, frames: list[Any]) -> None:
+        rid = salvage_rid(frames[0].buffer)
+        assert rid is not None
+        endpoint.send(peer, [ok_reply(rid, None), huge])
+
+    endpoint = RouterEndpoint("tcp://127.0.0.1:0", reply_huge, twin="uds")
+    assert endpoint.ipc_address is not None
+    conns = [DealerConnection(endpoint.ipc_address) for _ in range(2)]
+    try:
+        with pytest.raises(BrokenError, match="4 GiB"):
+            await conns[0].request(ListPartitions(), [huge], timeout=30)
+        with anyio.fail_after(20), pytest.raises(BrokenError):
+            await conns[1].request(ListPartitions(), timeout=30)
+    finally:
+        for conn in conns:
+            conn.close()
+        endpoint.close()
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_closing_a_blocking_client_from_another_thread_fails_its_waiting_call(
+    address: str, same_host: bool
+) -> None:
+    """A blocking call waits in ``poll`` on its sockets; a ``close()`` from another thread
+    released them under it: the call then failed with AttributeError or ZMQError, and only
+    once its own timeout passed (a call without one hung). It fails with ClosedError, and
+    its get_meta takes no rows for nobody."""
+    import threading
+
+    partition = f"closed-{same_host}"
+    client = tq.Client.connect(address, same_host=same_host).open()
+    conn = client._links.controller
+    assert conn is not None
+    parked = threading.Event()
+    park = conn._park
+
+    def parking(seconds: float | None) -> None:
+        parked.set()
+        park(seconds)
+
+    conn._park = parking  # type: ignore[method-assign]
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.get_meta(["x"], 2, partition, "t", timeout=60)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    assert parked.wait(30)
+    client.close()
+    thread.join(10)
+    assert not thread.is_alive(), "the waiting call did not see the close"
+    assert isinstance(outcome[0], tq.ClosedError), outcome
+    with tq.Client.connect(address) as other:
+        other.put({"x": torch.arange(2)}, partition_id=partition)
+        assert other.get_meta(["x"], 2, partition, "t", timeout=30).size == 2

@@ -67,3 +67,16 @@ async def test_binds_loopback_by_default_and_warns_on_public(
         pass
     # a warning of the tq_async._deploy._cluster logger (the application's logging shows it)
     assert [r.levelname for r in caplog.records if "non-loopback" in r.getMessage()] == ["WARNING"]
+
+
+async def test_a_client_without_keys_is_told_to_bring_them_over_ipc_too() -> None:
+    """Over ipc (local_cluster's default transport) a CURVE service drops a client without
+    keys before it announced its mechanism: the client saw a bare drop and was told that what
+    listens there "is not a tq_async service" (a BrokenError), not to bring CURVE keys."""
+    server_public, server_secret = tq.curve_keypair()
+    server = tq.CurveServer(server_public, server_secret)
+    async with tq.local_cluster(num_storage_units=1, curve=server) as cluster:
+        assert cluster.address.startswith("ipc://")
+        with pytest.raises(tq.AuthenticationError, match=r"curve=tq\.CurveClient"):
+            async with tq.AsyncClient.connect(cluster.address, connect_timeout=10):
+                pass

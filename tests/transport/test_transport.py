@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import uuid
 
 import anyio
@@ -354,3 +355,111 @@ async def test_a_request_failed_by_a_break_never_reaches_a_service_that_comes_ba
     finally:
         conn.close()
         router.close(linger=0)
+
+
+@pytest.mark.parametrize("busy_poll", [0.0, 0.05])
+async def test_a_connection_used_from_another_event_loop_says_so(busy_poll: float) -> None:
+    """A connection reads its socket from the loop that opened it: a request from another
+    loop (another thread, or a later ``asyncio.run``) got asyncio's RuntimeError, or, while
+    it polled for its reply, read the socket from two threads at once."""
+    address, listener = _silent_listener()
+    conn = DealerConnection(address, busy_poll=busy_poll)
+    try:
+
+        def elsewhere() -> None:
+            with pytest.raises(tq.InvalidRequestError, match="another event loop"):
+                asyncio.run(conn.request(ListPartitions(), timeout=5))
+
+        await anyio.to_thread.run_sync(elsewhere)
+        assert not conn._core.waiting  # nothing was sent
+    finally:
+        conn.close()
+        listener.close()
+
+
+def test_a_client_opened_in_an_earlier_asyncio_run_says_so() -> None:
+    with tq.background_cluster(num_storage_units=1) as cluster:
+
+        async def opened() -> tq.AsyncClient:
+            return await tq.AsyncClient.connect(cluster.address).open()
+
+        client = asyncio.run(opened())
+        try:
+            with pytest.raises(tq.InvalidRequestError, match="another event loop"):
+                asyncio.run(client.list_partitions())
+        finally:
+            asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://h:9 "])
+async def test_an_address_zmq_cannot_parse_is_the_callers_error(address: str) -> None:
+    # not BrokenError: that one says "retry once it is back", and a retry fails the same way
+    with pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"):
+        async with tq.AsyncClient.connect(address):
+            pass
+
+    def blocking() -> None:
+        with (
+            pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"),
+            tq.Client.connect(address),
+        ):
+            pass
+
+    await anyio.to_thread.run_sync(blocking)
+
+
+async def test_a_forked_child_dials_the_given_address_when_the_twin_is_full() -> None:
+    """A forked child re-dials the controller at the address its parent used, its same-host
+    twin: with that twin's listen queue full the dial failed and left the child's client
+    without a controller connection (ClosedError "not connected" on every call after)."""
+    address, listener = _silent_listener()
+    listener.listen(0)
+    client = tq.AsyncClient.connect("tcp://127.0.0.1:9")
+    links = client._links
+    parent = links.controller = links.controller_connection(address, known_as=client.address)
+    try:  # (the parent's connection fills the queue)
+        links._pid = -1  # as in a child forked from the process that opened the client
+        conn = links.ctl()
+        assert conn.address == client.address
+    finally:
+        parent.close()
+        links.close()
+        listener.close()
+
+
+def test_a_blocking_connection_to_a_full_unix_listen_queue_fails_at_once() -> None:
+    """A Unix socket's blocking connect waits while the listener's queue is full (a paused
+    or swamped service): the blocking client hung there, unbounded; the async one fails with
+    EAGAIN at once, and a same-host switch falls back to the socket it has."""
+    address, listener = _silent_listener()
+    listener.listen(0)
+    queued = []
+    try:
+        while True:  # fill the queue
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(abstract_name(address))
+            except BlockingIOError:
+                sock.close()
+                break
+            queued.append(sock)
+        outcome: list[BaseException | None] = []
+
+        def connect() -> None:
+            try:
+                BlockingConnection(address).close()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the connect waited for room in the listen queue"
+        assert isinstance(outcome[0], tq.BrokenError)
+        assert "listen queue is full" in str(outcome[0])
+    finally:
+        listener.close()  # (wakes a connect that waits)
+        for sock in queued:
+            sock.close()

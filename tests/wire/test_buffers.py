@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -77,3 +78,30 @@ def test_a_copy_carries_any_tensor(dtype: torch.dtype) -> None:
     copy = pool.copy(raw)
     back = torch.frombuffer(copy, dtype=torch.uint8).view(dtype)
     assert torch.equal(back, t)
+
+
+class _Cycle:
+    """An object in a reference cycle: freed only by the garbage collector."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.me = self
+        self.view = view
+
+
+def test_a_collection_while_the_pool_holds_its_lock_does_not_hang() -> None:
+    # the collector runs at an allocation of any thread, also one made while the pool holds
+    # its lock (a release allocates under it): a pooled view it frees then (one a reference
+    # cycle held, as a TensorDict may) is released from inside the pool's critical section.
+    # The pool's lock was not reentrant: that thread (an event loop) hung for ever
+    pool = BufferPool()
+    _Cycle(pool.copy(bytes(100_000)))
+    done = threading.Event()
+
+    def collect_while_locked() -> None:
+        with pool._lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_while_locked, daemon=True).start()
+    assert done.wait(10), "a release from within the pool's lock deadlocked"
+    assert pool.idle_bytes == size_class(100_000)

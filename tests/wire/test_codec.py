@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
 
 from tq_async import ProtocolError, SchemaError, UnsupportedTypeError
 from tq_async._wire import _nested
@@ -73,6 +73,24 @@ def test_non_contiguous_and_0d_rows() -> None:
     assert out["scalar"].shape == (4,)
 
 
+def test_numpy_views_of_every_layout_roundtrip() -> None:
+    # a reversed view has negative strides, which torch.from_numpy refuses (a raw ValueError)
+    base = np.arange(24, dtype=np.int32).reshape(4, 6)
+    arrays = {
+        "reversed": base[::-1],
+        "reversed_cols": base[:, ::-2],
+        "strided": base[:, ::2],
+        "transposed": base.T[:4],
+        "big_endian": base.astype(">i4")[::-1],
+    }
+    out = roundtrip(arrays)
+    for name, a in arrays.items():
+        assert out[name].dtype == torch.int32
+        assert out[name].tolist() == a.tolist(), name
+    rows = {"r": [base[0, ::-1], base[1, :2][::-1]]}  # a list of arrays: jagged
+    assert [t.tolist() for t in roundtrip(rows)["r"].unbind()] == [a.tolist() for a in rows["r"]]
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16, torch.bool], ids=str)
 def test_jagged_roundtrip_stays_jagged(dtype: torch.dtype) -> None:
     rows = [make_tensor(dtype, (n, 3)) for n in (1, 4, 0, 7)]
@@ -91,6 +109,42 @@ def test_list_of_tensors_becomes_jagged() -> None:
     out = roundtrip({"r": rows})
     assert out["r"].is_nested
     assert [t.tolist() for t in out["r"].unbind()] == [r.tolist() for r in rows]
+
+
+def test_a_list_of_tensors_that_are_not_dense_is_refused() -> None:
+    # a list of sparse rows failed with torch's raw "unsupported memory format" RuntimeError
+    sparse = torch.eye(2).to_sparse()
+    nested = torch.nested.nested_tensor([torch.ones(2)], layout=torch.jagged)
+    for rows, what in (
+        ([torch.ones(2, 2), sparse], "row 1 is of layout torch.sparse_coo"),
+        ([sparse, sparse], "row 0 is of layout torch.sparse_coo"),
+        ([nested, nested], "row 0 is a nested tensor"),
+    ):
+        with pytest.raises(UnsupportedTypeError, match=rf"field 'r' is a list of tensors.*{what}"):
+            columns_from_batch({"r": rows})
+
+
+def test_a_list_of_scalar_tensors_says_to_stack_them() -> None:
+    # the error said the rows differ: "row 0 is torch.int64(), another row is torch.int64()"
+    for rows in ([torch.tensor(1), torch.tensor(2)], [np.array(1.0), np.array(2.0)]):
+        with pytest.raises(SchemaError, match=r"field 'r'.*row 0 is 0-dim.*torch.stack\(rows\)"):
+            columns_from_batch({"r": rows, "x": torch.zeros(2)})
+    assert roundtrip({"r": torch.stack([torch.tensor(1), torch.tensor(2)])})["r"].tolist() == [1, 2]
+
+
+def test_a_lazy_stack_of_rows_of_different_lengths_becomes_jagged() -> None:
+    # tensordict's way to hold rows of different lengths: the put failed with tensordict's
+    # raw "Failed to stack tensors" RuntimeError
+    rows = [TensorDict({"r": torch.arange(k), "s": f"row{k}"}) for k in (2, 3, 1)]
+    out = roundtrip(LazyStackedTensorDict.lazy_stack(rows))
+    assert out["r"].is_nested
+    assert [t.tolist() for t in out["r"].unbind()] == [[0, 1], [0, 1, 2], [0]]
+    assert out.get("s").tolist() == ["row2", "row3", "row1"]
+    same = LazyStackedTensorDict.lazy_stack([TensorDict({"r": torch.arange(2)})] * 2)
+    assert roundtrip(same)["r"].tolist() == [[0, 1], [0, 1]]  # one shape: dense
+    wider = LazyStackedTensorDict.lazy_stack([TensorDict({"r": torch.zeros(1, k)}) for k in (1, 2)])
+    with pytest.raises(SchemaError, match="field 'r' is a list of tensors"):
+        columns_from_batch(wider)
 
 
 def test_plain_values_roundtrip() -> None:
@@ -130,6 +184,28 @@ def test_empty_and_wrong_inputs_raise() -> None:
         columns_from_batch([1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(SchemaError, match="flatten"):
         columns_from_batch(TensorDict({"a": TensorDict({"b": torch.zeros(2)}, [2])}, [2]))
+
+
+def test_a_masked_array_with_masked_values_is_refused() -> None:
+    # its mask was dropped: the masked cells travelled as the data under them
+    masked = np.ma.masked_array([1, 2, 3], mask=[0, 1, 0])
+    for data in ({"m": masked}, {"m": [masked, masked[:1]]}):
+        with pytest.raises(UnsupportedTypeError, match=r"field 'm' is a numpy masked array.*fill"):
+            columns_from_batch(data)
+    assert roundtrip({"m": masked.filled(-1)})["m"].tolist() == [1, -1, 3]
+    assert roundtrip({"m": np.ma.masked_array([1, 2], mask=[0, 0])})["m"].tolist() == [1, 2]
+    strings = roundtrip({"s": np.ma.masked_array(["a", "b"], mask=[0, 1])})["s"]
+    assert strings.tolist() == ["a", None]  # a masked value of a list column is None
+
+
+def test_a_scalar_beside_a_column_is_named() -> None:
+    # a 0-dim array first made the batch "have no rows" although 'x' has 2; a 0-dim tensor
+    # first was said to leave the batch without rows, and to be put as t.reshape(1)
+    for scalar in (np.array(3.0), torch.tensor(3.0)):
+        with pytest.raises(SchemaError, match=r"field 'z' has shape \(\) but the batch has 2 rows"):
+            columns_from_batch({"z": scalar, "x": torch.zeros(2)})
+    with pytest.raises(SchemaError, match=r"field 'z' is a 0-dim numpy array.*reshape\(1\)"):
+        columns_from_batch({"z": np.array(3.0)})
 
 
 def test_dense_receive_is_zero_copy() -> None:
@@ -344,3 +420,28 @@ def test_no_rows_read_as_jagged() -> None:
     assert td["x"].is_nested
     assert td["x"]._max_seqlen == 0
     assert td.batch_size == (0,)
+
+
+class _Text(str):
+    pass
+
+
+#: values msgpack cannot give back as they are, anywhere in a row: (value, what the error says)
+UNPLAIN_VALUES = [
+    (_Text("a"), r"a value of type _Text"),  # msgpack refuses str subclasses
+    ("\ud800", r"a str that is not valid UTF-8 \(surrogates not allowed at position 0\)"),
+    ({"ok": ["x", "y\udc80"]}, r"a str that is not valid UTF-8 \(.* at position 1\)"),
+    ({"\ud800": 1}, r"a str that is not valid UTF-8"),
+    ({2**70: 1}, r"an int that does not fit 64 bits"),
+    ({(1, 2): 3}, r"a dict key of type tuple"),
+]
+
+
+@pytest.mark.parametrize(("value", "why"), UNPLAIN_VALUES, ids=range(len(UNPLAIN_VALUES)))
+def test_a_value_msgpack_cannot_carry_is_refused_or_pickled(value: object, why: str) -> None:
+    # each once escaped as a raw TypeError, UnicodeEncodeError or OverflowError when the
+    # column was encoded: the walk accepted str subclasses, surrogates and any int key
+    data = {"v": [value, "plain"]}
+    with pytest.raises(UnsupportedTypeError, match=r"field 'v' holds " + why + ".*allow_pickle"):
+        roundtrip(data)
+    assert roundtrip(data, allow_pickle=True)["v"].tolist() == [value, "plain"]

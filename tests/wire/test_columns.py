@@ -14,6 +14,7 @@ from tq_async._wire._columns import (
     JaggedColumn,
     ListColumn,
     column_from_frames,
+    column_nbytes,
     column_to_frames,
     concat_columns,
     reorder_column,
@@ -118,3 +119,12 @@ def test_concat_and_reorder() -> None:
     )
     assert isinstance(dense, DenseColumn)
     assert dense.data[:, 0].tolist() == [0, 1, 1]
+
+
+def test_a_list_column_counts_its_strings_and_containers() -> None:
+    # strings counted 0 bytes: memory_cap never spilled them, and a put (or a get) of
+    # megabytes of text went through the controller as an inline message
+    values = ["x" * 1000, b"y" * 500, {"k": "z" * 300}, ["w" * 200], 7, None]
+    encoded = len(column_to_frames(ColumnHeader("v", "object"), ListColumn(values))[0])
+    assert abs(column_nbytes(ListColumn(values)) - encoded) < 32  # about what travels
+    assert column_nbytes(ListColumn([])) == 0

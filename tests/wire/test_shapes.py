@@ -84,6 +84,21 @@ async def test_kv_put_per_key_lengths() -> None:
         assert _lengths((await client.kv_batch_get(["k0", "k2"], "p"))["response"]) == [6, 4]
 
 
+async def test_kv_put_of_a_numpy_value_is_a_row_as_a_tensor_is() -> None:
+    # a numpy value became a list of one array: a jagged row (a 0-dim one failed), where
+    # the same value as a tensor is a dense row
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_put("k", "p", {"x": np.arange(3), "s": np.array(2.5), "t": np.array("hi")})
+        got = await client.kv_batch_get(["k"], "p")
+        assert not got["x"].is_nested
+        assert got["x"].tolist() == [[0, 1, 2]]
+        assert got["s"].tolist() == [2.5]
+        assert got.get("t").tolist() == ["hi"]
+
+
 async def test_dense_and_jagged_puts_mix() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -143,10 +143,12 @@ class ControlCalls:
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
             raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
-        return self._take_recycled(body.max_rows)
+        return self._take_recycled(body.max_rows, body.token)
 
     def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
-        self.core.catalog.return_recycled(body.partition_id, body.incarnation, body.rows)
+        self.core.catalog.return_recycled(
+            body.partition_id, body.incarnation, body.rows, body.lease_id, body.token
+        )
 
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
@@ -167,18 +169,22 @@ class ControlCalls:
             lambda: (
                 f"rollout of policy version {body.policy_version} not admitted within "
                 f"{body.timeout} s (learner at {st.learner_version}, {st.outstanding} rows "
-                "outstanding); nothing was reserved"
+                "outstanding); nothing was reserved. Slots free as the learner task "
+                f"({self.core.rollouts.config.learner_task!r}) consumes rows put with "
+                "policy_version= (rows put without one free none), or by release_rollout"
             ),
             work,
         )
 
-    def _take_recycled(self, max_rows: int) -> list[RecycledRows]:
-        out = self.core.catalog.take_recycled(max_rows)
+    def _take_recycled(self, max_rows: int, token: int = 0) -> list[RecycledRows]:
+        out = self.core.catalog.take_recycled(max_rows, token)
         st = self.state
-        return [
-            RecycledRows(pid, meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields)))
-            for pid, rows in out.items()
-        ]
+        taken = []
+        for pid, (rows, lease_id) in out.items():
+            reply = meta_reply(st.partitions[pid], rows, list(st.partitions[pid].fields))
+            reply.lease_id = lease_id
+            taken.append(RecycledRows(pid, reply))
+        return taken
 
     def handlers(self) -> dict[type, Handler]:
         """The request types this part handles, and their handlers."""

@@ -28,6 +28,7 @@ damaged database file is a clear error at start.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import json
 import os
@@ -82,6 +83,7 @@ __all__ = [
     "Durability",
     "JournalStore",
     "Recorder",
+    "check_controller_dir",
     "check_durability",
     "check_no_journal",
     "unit_data_dir",
@@ -102,6 +104,8 @@ MARKER = "tq-async-data-dir.json"
 #: (``units/unit-N``)
 UNITS_DIR = "units"
 _DB = "controller.db"
+#: the lock a running controller holds on its data_dir (a second controller on it is refused)
+_LOCK = "tq-async-data-dir.lock"
 #: requests remembered between their arrival and their reply (older ones are forgotten:
 #: a request that never answers must not grow the table)
 _INFLIGHT = 65536
@@ -167,6 +171,7 @@ class JournalStore:
         #: commits wait for the disk (fsync): they run in a worker thread, not on the loop
         self.slow = durability == "fsync"
         _claim(self.data_dir)
+        self._lock_fd = _lock(self.data_dir)
         self.path = os.path.join(self.data_dir, _DB)
         _check_wal_tail(self.path)
         try:
@@ -181,6 +186,7 @@ class JournalStore:
             )
             db.execute("PRAGMA quick_check").fetchall()
         except sqlite3.DatabaseError as exc:
+            self._unlock()
             raise TQError(
                 f"the controller's journal {self.path} is damaged ({exc}); move the data_dir "
                 "away to start an empty controller, or restore it from a backup"
@@ -240,6 +246,12 @@ class JournalStore:
 
     def close(self) -> None:
         self.db.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 def _check_wal_tail(path: str) -> None:
@@ -288,6 +300,22 @@ def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
 
 def _claim(data_dir: str) -> None:
     """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
+    if check_controller_dir(data_dir):
+        return
+    with open(os.path.join(data_dir, MARKER), "w") as f:
+        json.dump({"kind": "controller", "format": FORMAT}, f)
+
+
+def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``data_dir`` holds a controller's journal (True) or is empty (False).
+
+    A cluster started as a whole checks this before it makes its units' directories in it.
+
+    Raises:
+        ConfigError: a missing directory (or a file), one of a storage unit or holding other
+            files, or a journal of another format.
+    """
+    data_dir = os.fspath(data_dir)
     if not os.path.isdir(data_dir):
         raise ConfigError(
             f"data_dir: {data_dir!r} is not a directory; create it (mkdir -p {data_dir}) for a "
@@ -311,14 +339,28 @@ def _claim(data_dir: str) -> None:
                 f"version reads formats {', '.join(map(str, READS))}; move it away to start an "
                 "empty controller"
             )
-        return
+        return True
     if [name for name in os.listdir(data_dir) if name != UNITS_DIR]:
         raise ConfigError(
             f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
             "an empty (or its own) directory"
         )
-    with open(marker, "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
+    return False
+
+
+def _lock(data_dir: str) -> int:
+    """Lock ``data_dir`` for this controller; the lock's file descriptor (closing it, or the
+    process ending, unlocks)."""
+    fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is in use by another running controller; stop it first "
+            "(or give this controller its own directory)"
+        ) from None
+    return fd
 
 
 def _mark_format(data_dir: str) -> None:
@@ -482,7 +524,14 @@ class Recorder:
 
         def noted(msg: Incoming, body: Any) -> Any:
             self.note(msg.peer, msg.rid, body)
-            return handler(msg, body)
+            out = handler(msg, body)
+            if type(body) is TakeRecycled and out:
+                # the partitions it took rows of hold them for its caller now (known only
+                # once it ran): written before the reply goes
+                pids = tuple(r.partition_id for r in out)
+                self.dirty.update(pids)
+                self.inflight[(msg.peer, msg.rid)] = pids
+            return out
 
         return noted
 
@@ -679,6 +728,8 @@ def _partitions_of(core: ControllerCore, body: Any) -> Iterable[str]:
         return (body.partition_id,)
     if isinstance(body, RestoreCommit):
         return body.partition_ids
+    if isinstance(body, RegisterTasks) and body.partition_id is None:
+        return list(core.state.partitions)  # (it frees rows every task consumed already)
     pid = getattr(body, "partition_id", None)
     return (pid,) if isinstance(pid, str) else ()
 

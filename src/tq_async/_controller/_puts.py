@@ -226,8 +226,8 @@ class PutPath:
         def timed_out() -> str:
             if placed is None:
                 return (
-                    f"partition {body.partition_id!r} stayed at its capacity of "
-                    f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+                    f"{self.state.at_capacity(body.partition_id)} (still after "
+                    f"{body.timeout} s); nothing was written"
                 )
             return f"the put did not complete within {body.timeout} s; nothing was written"
 
@@ -251,8 +251,8 @@ class PutPath:
             t0,
             body.timeout,
             lambda: (
-                f"partition {body.partition_id!r} stayed at its capacity of "
-                f"{self.state.capacity} rows for {body.timeout} s; nothing was written"
+                f"{self.state.at_capacity(body.partition_id)} (still after {body.timeout} s); "
+                "nothing was written"
             ),
             work,
         )

@@ -111,8 +111,11 @@ def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
     for (task, _), rs in p.ready.items():
         ready[task] = max(ready.get(task, 0), len(rs.rows))
     leased: dict[str, int] = {}
+    alive = p.alive
     for lease in p.leases.values():
-        leased[lease.task] = leased.get(lease.task, 0) + len(lease.rows)
+        n = sum(1 for r in lease.rows if alive[r])  # (rows cleared meanwhile are not held)
+        if n:
+            leased[lease.task] = leased.get(lease.task, 0) + n
     return info | {"ready": ready, "leased": leased}
 
 

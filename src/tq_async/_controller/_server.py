@@ -238,9 +238,16 @@ class ControllerServer(Service):
         async with anyio.create_task_group() as tg:
             shell.tg = tg
             recorder = self.recorder
-            if recorder is not None:
-                self._recover(recorder)
-            endpoint = RouterEndpoint(bind, self.on_message, curve=self._links.curve, twin="uds")
+            try:
+                if recorder is not None:
+                    self._recover(recorder)
+                endpoint = RouterEndpoint(
+                    bind, self.on_message, curve=self._links.curve, twin="uds"
+                )
+            except BaseException:
+                if recorder is not None:
+                    recorder.store.close()  # give the data_dir back (its run never starts)
+                raise
             self._endpoint = shell.endpoint = endpoint
             if recorder is not None:
                 shell.endpoint = recorder.wrap(endpoint)

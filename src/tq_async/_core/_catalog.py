@@ -23,9 +23,13 @@ from ._events import partition_snapshot
 from ._leases import GetLeases
 from ._put_leases import PutLeases
 from ._sampling import load_states
-from ._state import ControllerState, Wakeup
+from ._state import ControllerState, Partition, Wakeup
 
-__all__ = ["Catalog"]
+__all__ = ["TAKEN_TOKENS", "Catalog"]
+
+#: takes of recycled rows remembered by token (`ControllerState.taken`, journaled with the
+#: controller's own state): a client asks again within seconds of losing a reply
+TAKEN_TOKENS = 64
 
 
 class Catalog:
@@ -62,13 +66,21 @@ class Catalog:
         return fx
 
     def register_tasks(self, partition_id: str | None, tasks: Sequence[str]) -> Effects:
-        """Auto-clear rows of ``partition_id`` (every partition: None) once ``tasks`` all
-        consumed them; no tasks: auto-clear off."""
-        if tasks:
-            self.state.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
-        else:
-            self.state.auto_clear.pop(partition_id, None)
-        return Effects()
+        """Auto-clear rows of ``partition_id`` (every partition without its own setting:
+        None) once ``tasks`` all consumed them; no tasks: auto-clear off. Rows they all
+        consumed already are freed now (unless held, as any consumed row)."""
+        st = self.state
+        fx = Effects()
+        if not tasks:
+            st.auto_clear.pop(partition_id, None)
+            return fx
+        st.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
+        for pid, p in st.partitions.items():
+            if pid == partition_id or (partition_id is None and pid not in st.auto_clear):
+                # (a recorded batch waiting for its reader holds its rows first)
+                self._leases.hold_waiting(p)
+                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
+        return fx
 
     def set_tags(
         self,
@@ -121,8 +133,8 @@ class Catalog:
             )
         if nowait:
             raise WouldBlock(
-                f"partition {partition_id!r} is at its capacity of {st.capacity} "
-                "rows; wait with put(), or free rows (clear, or auto-clear tasks)"
+                f"{st.at_capacity(partition_id)}; wait with put(), or free rows (clear, or "
+                "auto-clear tasks)"
             )
         return False
 
@@ -197,7 +209,9 @@ class Catalog:
             ends, recycled = st.restoring_owed.pop(pid, ([], []))
             for task, index, ranks in ends:
                 st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
-            st.recycled.extend((pid, p.incarnation, r) for r in recycled if p.alive[r])
+            queued = [r for r in recycled if p.alive[r]]
+            st.recycled.extend((pid, p.incarnation, r) for r in queued)
+            self._leases.hold_recycled(p, queued)
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
             self._leases.hold_waiting(p)
             if st.events.on:
@@ -223,17 +237,53 @@ class Catalog:
 
     # ---- stale rows --------------------------------------------------------------------------
 
-    def take_recycled(self, max_rows: int) -> dict[str, list[int]]:
-        """Hand out up to ``max_rows`` recycled rows (each once), by partition."""
-        out: dict[str, list[int]] = {}
-        taken = 0
+    def take_recycled(self, max_rows: int, token: int = 0) -> dict[str, tuple[list[int], int]]:
+        """Hand out up to ``max_rows`` recycled rows (each once), by partition, each
+        partition's with the id of the hold its caller acknowledges once it read their
+        prompts (`GetLeases.hold_taken`; 0: none, no task of the partition auto-clears).
+
+        A ``token`` this answered before (one of the last `TAKEN_TOKENS`) gets the same
+        rows again, those still there: its client asks again because the first reply was
+        lost (with the controller)."""
         st = self.state
-        while st.recycled and taken < max_rows:
+        if token and (before := st.taken.get(token)) is not None:
+            return self._taken_again(before)
+        taken: dict[str, list[int]] = {}
+        n = 0
+        while st.recycled and n < max_rows:
             pid, incarnation, row = st.recycled.popleft()
-            if not self._recyclable(pid, incarnation, row):
-                continue  # cleared, or its partition was: nothing left to regenerate from
-            out.setdefault(pid, []).append(row)
-            taken += 1
+            p = st.partitions.get(pid)
+            if p is None or p.incarnation != incarnation:
+                continue  # its partition was cleared: nothing left to regenerate from
+            self._leases.unhold_recycled(p, (row,))
+            if not p.alive[row]:
+                continue  # cleared meanwhile
+            taken.setdefault(pid, []).append(row)
+            n += 1
+        out = {
+            pid: (rows, self._leases.hold_taken(st.partitions[pid], rows))
+            for pid, rows in taken.items()
+        }
+        if token and out:
+            parts = st.partitions
+            st.taken[token] = [(pid, parts[pid].incarnation, r, i) for pid, (r, i) in out.items()]
+            if len(st.taken) > TAKEN_TOKENS:
+                del st.taken[next(iter(st.taken))]
+        return out
+
+    def _taken_again(
+        self, before: list[tuple[str, str, list[int], int]]
+    ) -> dict[str, tuple[list[int], int]]:
+        """What a take handed out before, of the rows still there (and their hold, if its
+        caller still has it)."""
+        out = {}
+        for pid, incarnation, rows, lease_id in before:
+            p = self.state.partitions.get(pid)
+            if p is None or p.incarnation != incarnation:
+                continue
+            alive = [r for r in rows if p.alive[r]]
+            if alive:
+                out[pid] = (alive, lease_id if lease_id in p.leases else 0)
         return out
 
     def recycled_pending(self) -> int:
@@ -246,12 +296,32 @@ class Catalog:
         return p is not None and p.incarnation == incarnation and bool(p.alive[row])
 
     def return_recycled(
-        self, partition_id: str, incarnation: str | None, rows: Sequence[int]
+        self,
+        partition_id: str,
+        incarnation: str | None,
+        rows: Sequence[int],
+        lease_id: int = 0,
+        token: int = 0,
     ) -> None:
         """Recycled rows handed out to a caller that had given up: first in the queue again
-        (`take_recycled` skips them if they are gone meanwhile)."""
+        (`take_recycled` skips them if they are gone meanwhile), held there instead of by
+        the caller's hold ``lease_id``; the take's ``token`` no longer names them."""
+        self.state.taken.pop(token, None)
         p = self.state.partitions.get(partition_id)
         if p is None or p.incarnation != incarnation:
             return  # cleared, or its partition was: nothing left to regenerate from
         back = [r for r in rows if 0 <= r < p.n_rows]
         self.state.recycled.extendleft((partition_id, p.incarnation, r) for r in reversed(back))
+        self._leases.hold_recycled(p, back)
+        if lease_id:
+            self._leases.drop_taken(p, lease_id)
+
+    def hold_recycled(self, p: Partition) -> None:
+        """``p`` was rebuilt (a restart, a checkpoint restored): its rows queued for
+        `take_recycled` are held again (`GetLeases.hold_recycled`)."""
+        rows = [
+            r
+            for pid, inc, r in self.state.recycled
+            if (pid, inc) == (p.partition_id, p.incarnation)
+        ]
+        self._leases.hold_recycled(p, rows)

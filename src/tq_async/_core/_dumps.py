@@ -9,7 +9,7 @@ or a durable controller's journal, whose records hold the same form: `dump_rows`
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -34,7 +34,7 @@ def partition_dump(p: Partition, st: ControllerState | None = None) -> Partition
     restore); a recorded batch keeps its rows, for its next reader."""
     pid, inc = p.partition_id, p.incarnation
     ends = [] if st is None else st.dp_ends.items()
-    recycled = [] if st is None else st.recycled
+    recycled: Iterable[tuple[str, str, int]] = () if st is None else st.recycled
     make = partial(
         PartitionDump,
         settled=sorted(p.settled),

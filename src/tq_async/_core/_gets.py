@@ -25,6 +25,7 @@ import msgspec
 
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
+from .._wire._checks import MAX_DP_SIZE
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, SequentialSampler, StaleRows
 from ._admission import Admission
@@ -210,10 +211,15 @@ class Gets:
                 return _keyed(self._sample(earlier, p, dp_size), record_key(earlier), earlier)
         return _keyed(self._sample(req, p, dp_size), key, None)
 
-    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> SampleCall | None:
-        """The sampler call for ``req`` on the rows ready for it now, or None (wait)."""
+    def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> Decision:
+        """The sampler call for ``req`` on the rows ready for it now, None (wait), or the
+        end of a ``stop_when_consumed`` stream (a sampler not asked yet is not asked)."""
+        if dp_size is not None:
+            check_undecided(req, p, dp_size)
         ready, final = p.offer(req.task_name, req.data_fields)
         if not final and too_few(self.sampler_for(req.task_name), req, ready, dp_size):
+            if req.stop_when_consumed and all_consumed(p, req.task_name):
+                return end_of_stream(self.state.dp_ends, req, p, record_key(req), dp_size, final)
             return None
         return self._call(req, p, ready, final, dp_size)
 
@@ -228,14 +234,7 @@ class Gets:
                 return None
         if req.mode != "fetch":
             return None
-        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-            raise InvalidRequestError(f"sampling_config dp_size must be an int >= 1: {dp_size!r}")
-        rank = cfg.get("dp_rank") or 0
-        if not isinstance(rank, int) or not 0 <= rank < dp_size:
-            raise InvalidRequestError(
-                f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
-            )
-        return dp_size
+        return checked_dp_size(dp_size, cfg.get("dp_rank") or 0)
 
     def _call(
         self, req: GetMeta, p: Partition, ready: ReadyView, final: bool, dp_size: int | None
@@ -327,6 +326,7 @@ class Gets:
                 sampled, consumed = check_result(result)
                 shares = [sampled]
             else:
+                check_undecided(req, p, call.dp_size)  # (an async sampler: the state moved)
                 shares, consumed = self._global_shares(req, call, result)
                 located = call.shares and getattr(call.sampler, "locality_aware", False)
                 shares = shares if located else self._by_host(req, p, shares)
@@ -355,12 +355,7 @@ class Gets:
             if consumed:
                 final = p.is_final(req.task_name, p.ready_set(req.task_name, req.data_fields))
             if final or (req.stop_when_consumed and all_consumed(p, req.task_name)):
-                if key is not None and call.dp_size is not None and call.dp_size > 1 and not final:
-                    # rows may come before the other ranks ask this index: they end here too
-                    # (a rank that stepped on alone would wait in its all_reduce for ever)
-                    owed = set(range(call.dp_size)) - {key[1]}
-                    self.state.dp_ends[(p.partition_id, p.incarnation, key[0], key[2])] = owed
-                return MetaReply([], [], [], list(req.data_fields), end_of_stream=True), fx
+                return end_of_stream(self.state.dp_ends, req, p, key, call.dp_size, final), fx
             return None, fx
         if key is None:
             reply = meta_reply(p, shares[0], req.data_fields)
@@ -488,10 +483,12 @@ class Gets:
             if not valid:
                 continue
             p.consume(req.task_name, valid)
+            if kind == "recycled":
+                # queued, and held there: auto-clear must leave them to `take_recycled`
+                st.recycled.extend((p.partition_id, p.incarnation, r) for r in valid)
+                self.leases.hold_recycled(p, valid)
             self._after_consume(req.task_name, p, valid, (), fx)
             self.rollouts.count_stale(kind, len(valid), fx)
-            if kind == "recycled":
-                st.recycled.extend((p.partition_id, p.incarnation, r) for r in valid)
 
 
 def _trusted(sampler: BaseSampler) -> bool:
@@ -502,6 +499,20 @@ def _trusted(sampler: BaseSampler) -> bool:
         getattr(cls, "sample", None) is SequentialSampler.sample
         and getattr(cls, "sample_shares", None) is BaseSampler.sample_shares
     )
+
+
+def checked_dp_size(dp_size: Any, rank: Any) -> int:
+    """The ``dp_size`` of a global batch (the request's, or its sampler's hint), checked
+    with the asking ``rank``: deciding one costs time and memory in ``dp_size``."""
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size <= MAX_DP_SIZE:
+        raise InvalidRequestError(
+            f"sampling_config dp_size must be an int in [1, {MAX_DP_SIZE}]: {dp_size!r}"
+        )
+    if not isinstance(rank, int) or not 0 <= rank < dp_size:
+        raise InvalidRequestError(
+            f"sampling_config dp_rank {rank!r} is out of range for dp_size={dp_size}"
+        )
+    return dp_size
 
 
 def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
@@ -517,8 +528,28 @@ def check_rank_batch(req: GetMeta, sampler: BaseSampler, dp_size: int) -> None:
         )
 
 
+def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
+    """No rank's share of the global batch ``req`` would decide is recorded: a batch
+    decided with another ``dp_size`` (or without one) would be decided again over it, its
+    ranks' recorded rows replaced (a replay getting other rows, a share never delivered)."""
+    key = record_key(req)
+    assert key is not None
+    task, rank, index = key
+    recorded = p.recorded
+    for r in range(dp_size):
+        if r != rank and (task, r, index) in recorded:
+            raise InvalidRequestError(
+                f"batch_index {index} of task {task!r} in partition {p.partition_id!r} was "
+                f"decided for dp_rank {r} but not for dp_rank {rank}: it was decided with a "
+                f"smaller dp_size than {dp_size}, or without dp_size; every rank of a task asks "
+                "for a batch with the dp_size it was decided with (a restarted job too), or "
+                "reset the task's consumption (reset_consumption) to decide anew"
+            )
+
+
 def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int], sampler: Any) -> None:
-    """The sampler's rows exist and have the request's fields."""
+    """The sampler's rows exist, have the request's fields and are not on a suspended
+    storage unit."""
     check_answered(p, delivered, sampler)
     # rows of the ready set have every field by construction: check only the others
     ready = p.ready_set(req.task_name, req.data_fields).rows
@@ -527,6 +558,12 @@ def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int], sampler:
             raise InvalidRequestError(
                 f"sampler {type(sampler).__name__} returned row {r}, which lacks some of "
                 f"{req.data_fields}; a sampler answers rows of the ready_indexes it is given"
+            )
+        if not p.available(r):
+            raise InvalidRequestError(
+                f"the sampler returned row {r}, which is on storage unit {p.units[r]}, "
+                "suspended: its rows are not handed out until it comes back; sample from "
+                "the ready rows (ready_indexes)"
             )
 
 
@@ -613,8 +650,12 @@ def follower(req: GetMeta, index: int, after: int) -> GetMeta:
 
 
 def all_consumed(p: Partition, task: str) -> bool:
-    """The partition holds rows and ``task`` consumed every one of them."""
-    return p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive
+    """The partition holds rows and ``task`` consumed every one of them for good: no lease
+    of the task is open (its rows come back if it runs out), as for an end of stream after
+    a seal."""
+    return (
+        p.n_alive > 0 and p.consumed_count.get(task, 0) >= p.n_alive and not p.open_leases.get(task)
+    )
 
 
 def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
@@ -634,10 +675,25 @@ def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaRepl
     )
 
 
-def _keyed(
-    call: SampleCall | None, key: RecordKey | None, earlier: GetMeta | None
-) -> SampleCall | None:
+def _keyed(call: Decision, key: RecordKey | None, earlier: GetMeta | None) -> Decision:
     """``call`` marked with the recorded batch its answer goes to (and the earlier request)."""
-    if call is not None:
+    if isinstance(call, SampleCall):
         call.key, call.earlier = key, earlier
     return call
+
+
+def end_of_stream(
+    ends: dict[tuple[str, str, str, int], set[int]],
+    req: GetMeta,
+    p: Partition,
+    key: RecordKey | None,
+    dp_size: int | None,
+    final: bool,
+) -> MetaReply:
+    """The end of ``req``'s stream; a ``stop_when_consumed`` one (not ``final``) of a global
+    batch is owed to the other ranks at that index too (`ControllerState.dp_ends`): rows may
+    come before they ask it, and a rank that stepped on alone would wait in its all_reduce
+    for ever."""
+    if key is not None and dp_size is not None and dp_size > 1 and not final:
+        ends[(p.partition_id, p.incarnation, key[0], key[2])] = set(range(dp_size)) - {key[1]}
+    return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)

@@ -171,9 +171,9 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     sampler_state: dict[str, Any]
     #: the latest admissions' tokens -> rows (`ControllerState.admitted`)
     admitted: dict[int, int] = msgspec.field(default_factory=dict)
-    #: stale rows queued for ``take_recycled``, oldest first: ``(partition_id,
-    #: incarnation, row)``
-    recycled: list[tuple[str, str, int]] = msgspec.field(default_factory=list)
+    #: stale rows queued for ``take_recycled``, oldest first: a list of ``(partition_id,
+    #: incarnation, row)``, kept encoded between changes (`RecycledQueue.encoded`)
+    recycled: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"\x90"))
     #: how many stale rows each policy handled (`ControllerState.stale_counts`)
     stale_counts: dict[str, int] = msgspec.field(default_factory=dict)
     #: the auto-clear settings the controller started with (its configuration's; None: not
@@ -185,6 +185,8 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     #: DP ranks still to be told a stop_when_consumed end of stream: ``(partition_id,
     #: incarnation, task, batch_index, ranks)`` (`ControllerState.dp_ends`)
     dp_ends: list[tuple[str, str, str, int, list[int]]] = msgspec.field(default_factory=list)
+    #: the latest takes of recycled rows by token (`ControllerState.taken`)
+    taken: dict[int, list[tuple[str, str, list[int], int]]] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -700,13 +702,14 @@ def controller_record(
         auto_clear=[(pid, list(tasks)) for pid, tasks in st.auto_clear.items()],
         sampler_state=sampler_state,
         admitted=dict(st.admitted),
-        recycled=list(st.recycled),
+        recycled=st.recycled.encoded(),
         stale_counts=dict(st.stale_counts),
         auto_clear_start=None
         if auto_clear_start is None
         else [(pid, list(tasks)) for pid, tasks in auto_clear_start.items()],
         unit_hosts=dict(st.unit_hosts),
         dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
+        taken=dict(st.taken),
     )
 
 
@@ -747,12 +750,14 @@ def recover(
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
-    st.recycled.extend((pid, inc, row) for pid, inc, row in ctl.recycled)
+    st.recycled.load(ctl.recycled)
+    st.taken = dict(ctl.taken)
     st.stale_counts.update(ctl.stale_counts)
     st.dp_ends = {(pid, inc, task, i): set(ranks) for pid, inc, task, i, ranks in ctl.dp_ends}
     _recover_auto_clear(st.auto_clear, ctl)
     for rec in parts:
         p = _recover_partition(core, skip_reserved(rec), now, wall)
+        core.catalog.hold_recycled(p)
         if follow is not None:
             follow(p)
     fx = core.abort_puts([put_id for rec in parts for put_id, _ in rec.puts])

@@ -20,7 +20,11 @@ from ._admission import Admission
 from ._effects import Effects
 from ._state import ControllerState, Lease, Partition, RecordKey, Wakeup
 
-__all__ = ["GetLeases"]
+__all__ = ["RECYCLED_HOLDER", "GetLeases"]
+
+#: the task name on the hold of rows a `take_recycled` handed out (acknowledged by its caller
+#: once their prompts are read: auto-clear may free them then)
+RECYCLED_HOLDER = "take_recycled"
 
 log = get_logger(__name__)
 
@@ -218,12 +222,15 @@ class GetLeases:
         dropped, not acknowledged — an expiry must not give the rows back a second time,
         and a hold's rows are not auto-cleared — and its rows are ready for ``task`` again.
         Rows of a recorded batch stay with the batch (its next reader gets them), and so
-        does its lease.
+        does its lease. A lease that ended gives nothing back: it expired (its rows went
+        back then, and another consumer may hold them now) or was acknowledged.
         """
         fx = Effects()
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
         lease = p.leases.get(lease_id) if lease_id else None
+        if lease_id and lease is None:
+            return fx
         if lease is not None and lease.key is None and lease.task == task:
             self.drop(p, lease)
             if lease.deadline is not None:
@@ -256,6 +263,33 @@ class GetLeases:
             return
         p.batch_holds[key] = rows
         _hold(p, rows)
+
+    def hold_recycled(self, p: Partition, rows: Sequence[int]) -> None:
+        """``rows`` of ``p`` are queued for `take_recycled`: auto-clear keeps them until they
+        are taken and acknowledged (their prompts must be read). One hold per queue entry,
+        given up by `take_recycled` for the hold of its caller (`hold_taken`)."""
+        _hold(p, rows)
+
+    def unhold_recycled(self, p: Partition, rows: Sequence[int]) -> None:
+        """``rows`` of ``p`` left the `take_recycled` queue (`hold_recycled`)."""
+        _unhold(p, rows)
+
+    def hold_taken(self, p: Partition, rows: Sequence[int]) -> int:
+        """The hold of a `take_recycled` caller on ``rows``, acknowledged as a lease (its
+        id); 0 when no task of ``p`` auto-clears (nothing would free them)."""
+        if not self.state.auto_clear.get(p.partition_id, self.state.auto_clear.get(None)):
+            return 0
+        lease_id = next(self._ids)
+        self.adopt(p, Lease(lease_id, RECYCLED_HOLDER, tuple(rows), None, None))
+        self.state.events.lease(p.partition_id, RECYCLED_HOLDER, lease_id, rows, None)
+        return lease_id
+
+    def drop_taken(self, p: Partition, lease_id: int) -> None:
+        """A `take_recycled` caller gave up before it saw its rows: its hold goes (not
+        acknowledged; the rows are queued again, held there)."""
+        lease = p.leases.get(lease_id)
+        if lease is not None and lease.task == RECYCLED_HOLDER:
+            self.drop(p, lease)
 
     def hold_waiting(self, p: Partition) -> None:
         """``p`` was rebuilt (a restart, a checkpoint restored): its recorded batches with no

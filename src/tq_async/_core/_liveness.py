@@ -62,8 +62,11 @@ class UnitLiveness:
         self._arm(st.suspended[unit], "unit", unit)
         for p in st.partitions.values():
             for rs in p.ready.values():
-                for r in [r for r in rs.rows if p.units[r] == unit]:
+                away = [r for r in rs.rows if p.units[r] == unit]
+                for r in away:
                     rs.discard(r)
+                if away:
+                    p.moves += 1  # an async sampler's answer naming them samples again
         if st.events.on:
             st.events.add(UnitSuspended(unit=unit))
         log.warning(

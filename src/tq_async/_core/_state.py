@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import secrets
 from array import array
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
+from ._recycled import RecycledQueue
 from ._versions import PolicyVersions
 
 __all__ = [
@@ -66,6 +66,9 @@ RecordKey = tuple[str, int, int]
 _NO_EVENTS = Outbox()
 #: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
 KV_CHUNK_BITS = 12
+#: the prefix of the partitions tq_async keeps for its own bookkeeping (``tq_async.compat``'s
+#: numbering of partitions): their rows are not the program's, so no capacity counts them
+INTERNAL_PARTITION_PREFIX = "__tq_async"
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,7 +618,11 @@ class ControllerState:
         self.admitted: dict[int, int] = {}
         #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
         #: taken once
-        self.recycled: deque[tuple[str, str, int]] = deque()
+        self.recycled = RecycledQueue()
+        #: the latest takes' tokens -> what each handed out, ``(partition_id, incarnation,
+        #: rows, hold lease id)`` per partition: a client asking again with one (its reply
+        #: was lost) gets the same rows (`Catalog.take_recycled`)
+        self.taken: dict[int, list[tuple[str, str, list[int], int]]] = {}
         #: how many stale rows each policy handled
         self.stale_counts = {"dropped": 0, "recycled": 0, "kept": 0}
         #: a stop_when_consumed end of stream one DP rank got at a global batch index (more
@@ -648,12 +655,25 @@ class ControllerState:
         """Whether ``n_new`` more live rows fit the capacity."""
         if self.capacity is None or n_new == 0:
             return True
+        if partition_id.startswith(INTERNAL_PARTITION_PREFIX):
+            return True
         if self.capacity_global:
-            live = sum(p.n_alive for p in self.partitions.values())
+            live = sum(
+                p.n_alive
+                for pid, p in self.partitions.items()
+                if not pid.startswith(INTERNAL_PARTITION_PREFIX)
+            )
         else:
             p = self.partitions.get(partition_id)
             live = p.n_alive if p is not None else 0
         return live + n_new <= self.capacity
+
+    def at_capacity(self, partition_id: str) -> str:
+        """What is full when a put into ``partition_id`` finds no room, for messages: the
+        partition, or every partition together (``capacity_scope="global"``)."""
+        if self.capacity_global:
+            return f"all partitions together are at their capacity of {self.capacity} rows"
+        return f"partition {partition_id!r} is at its capacity of {self.capacity} rows"
 
     def auto_clears(self, p: Partition, task: str) -> bool:
         """Whether ``task`` is one of the auto-clear tasks of ``p``."""
@@ -703,9 +723,21 @@ class ControllerState:
                 "or pass create=True to create it empty and sealed"
             )
         if p is None:
+            self.check_not_restoring(partition_id)
             p = self.partitions[partition_id] = self.new_partition(partition_id)
         p.sealed = True
         return [Wakeup(partition_id)]
+
+    def check_not_restoring(self, partition_id: str) -> None:
+        """Raise `InvalidRequestError` if a checkpoint load staged ``partition_id``: one
+        created meanwhile would be replaced by the load's commit (its rows gone)."""
+        if partition_id in self.restoring:
+            raise InvalidRequestError(
+                f"partition {partition_id!r} is being restored from a checkpoint "
+                "(load_checkpoint): a put or a seal cannot create it meanwhile; write to it "
+                "once the load returned (it holds the checkpoint's rows then), or use another "
+                "partition"
+            )
 
     def partition(self, partition_id: str) -> Partition:
         p = self.partitions.get(partition_id)
@@ -776,6 +808,7 @@ class ControllerState:
         p = self.partitions.get(partition_id)
         fresh = p is None
         if p is None:
+            self.check_not_restoring(partition_id)
             p = self.new_partition(partition_id)
         p.check_schema(headers)
         if keys is None and p.sealed:

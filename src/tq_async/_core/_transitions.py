@@ -288,6 +288,7 @@ class ControllerCore:
         release, whether the put was undone before or after it committed."""
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
+        p.check_rows(rows)  # (before any slot is given back: a refused clear changes nothing)
         return self._clear(p, rows, admission=not undo)
 
     def _clear(self, p: Partition, rows: Sequence[int], *, admission: bool = True) -> Effects:

@@ -461,8 +461,9 @@ class AsyncStreamingDataset:
             fetch_batch_fn,
             process_batch_fn,
         )
-        self._address = address
-        self._request_timeout = request_timeout
+        self.address = address
+        check_seconds("request_timeout", request_timeout, optional=False)
+        self.request_timeout = request_timeout
         self.data_fields: list[str] = list(data_fields)
         self.batch_size = positive_int("batch_size", batch_size)
         self.micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
@@ -475,8 +476,8 @@ class AsyncStreamingDataset:
         self.replay_window = positive_int("replay_window", replay_window, zero=True)
         self.stop_when_consumed = bool(stop_when_consumed)
         self.sampling_config = config
-        self._fetch_fn: FetchBatchFn = fetch_batch_fn or default_fetch_batch_fn
-        self._process_fn: ProcessBatchFn = process_batch_fn or chunk_batch_fn
+        self.fetch_batch_fn: FetchBatchFn = fetch_batch_fn or default_fetch_batch_fn
+        self.process_batch_fn: ProcessBatchFn = process_batch_fn or chunk_batch_fn
 
         # Position: the next micro-batch to deliver. Only delivery moves it forward.
         self._next_index = 0
@@ -636,16 +637,16 @@ class AsyncStreamingDataset:
                 "this AsyncStreamingDataset is already entered; one `async with` at a time"
             )
         async with AsyncExitStack() as stack:
-            if isinstance(self._address, str):
-                client = AsyncClient(self._address, request_timeout=self._request_timeout)
+            if isinstance(self.address, str):
+                client = AsyncClient(self.address, request_timeout=self.request_timeout)
                 self._client = await stack.enter_async_context(client)
             else:
-                if self._address.closed:
+                if self.address.closed:
                     raise ClosedError(
                         "the AsyncClient given to the dataset is not connected; enter it with "
                         "`async with` before the dataset"
                     )
-                self._client = self._address
+                self._client = self.address
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack.pop_all()
         return self
@@ -764,7 +765,7 @@ class AsyncStreamingDataset:
         """Whether the fetch is `default_fetch_batch_fn`: it honours ``timeout=0``, and
         leaves an auto-clear task's holds for the dataset to acknowledge (a custom one
         acknowledges as it reads)."""
-        return self._fetch_fn is default_fetch_batch_fn
+        return self.fetch_batch_fn is default_fetch_batch_fn
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
@@ -823,7 +824,7 @@ class AsyncStreamingDataset:
         if not moved:
             # on the device here, in the prefetching task: overlapped with the caller's work
             td = await to_device(td, self.device)
-        micro = _micro_batches(td, meta, self._process_fn, self.micro_batch_size)
+        micro = _micro_batches(td, meta, self.process_batch_fn, self.micro_batch_size)
         return _Fetched(index, td, meta, micro)
 
     def _remember(self, index: int, batch: tuple[TensorDictBase, BatchMeta]) -> None:
@@ -849,7 +850,7 @@ class AsyncStreamingDataset:
             config["dp_size"] = self.dp_size
         if self.tail is not None:
             config["tail"] = self.tail
-        if self._stride > 1 and self._fetch_fn is default_fetch_batch_fn:
+        if self._stride > 1 and self.fetch_batch_fn is default_fetch_batch_fn:
             # Several DataLoader workers share the index space. The controller records the
             # other workers' indexes below ours first, in the same call (``record_from``), so
             # the recorded indexes of (task, dp_rank) stay a gap-free prefix: otherwise, at
@@ -899,7 +900,7 @@ class AsyncStreamingDataset:
         device arena): with the default ``fetch_batch_fn`` (a custom one gets the arguments
         it always got) and no replay window (whose batches stay in host memory)."""
         return (
-            self._fetch_fn is default_fetch_batch_fn
+            self.fetch_batch_fn is default_fetch_batch_fn
             and self.device is not None
             and not self.replay_window
         )
@@ -918,7 +919,7 @@ class AsyncStreamingDataset:
     async def _call_fetch(self, index: int, config: dict[str, Any], timeout: float | None) -> Any:
         assert self._client is not None
         extra = self._default_fetch_extras()
-        result: Any = self._fetch_fn(
+        result: Any = self.fetch_batch_fn(
             client=self._client,
             data_fields=list(self.data_fields),
             batch_size=self.batch_size,

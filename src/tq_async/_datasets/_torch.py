@@ -91,11 +91,11 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
     The arguments are those of `AsyncStreamingDataset`, except that
     ``address`` must be the controller's address (a string): each process that iterates the
-    dataset opens its own client. ``fetch_batch_fn`` and ``process_batch_fn`` run in the
-    iterating thread (``fetch_batch_fn`` is awaited and receives the blocking client's
-    `AsyncClient`-shaped view: the same coroutine methods, which do their I/O
-    without suspending), and must be importable module-level functions when DataLoader
-    workers are spawned.
+    dataset opens its own client. They are readable as attributes of the same names, as
+    there. ``fetch_batch_fn`` and ``process_batch_fn`` run in the iterating thread
+    (``fetch_batch_fn`` is awaited and receives the blocking client's `AsyncClient`-shaped
+    view: the same coroutine methods, which do their I/O without suspending), and must be
+    importable module-level functions when DataLoader workers are spawned.
 
     In the process that iterates without workers, the replay window survives between passes;
     DataLoader workers are new processes every pass, so their replays re-read from storage.
@@ -161,6 +161,15 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         }
         # Validates every argument (opens nothing: the client is created on entry).
         probe = AsyncStreamingDataset(**self._kwargs)
+        # the arguments, readable under their names as on the async dataset
+        self.address, self.data_fields = address, probe.data_fields
+        self.batch_size, self.micro_batch_size = probe.batch_size, probe.micro_batch_size
+        self.task_name, self.dp_rank, self.dp_size = probe.task_name, probe.dp_rank, probe.dp_size
+        self.prefetch, self.replay_window = probe.prefetch, probe.replay_window
+        self.stop_when_consumed = probe.stop_when_consumed
+        self.sampling_config = probe.sampling_config
+        self.fetch_batch_fn, self.process_batch_fn = probe.fetch_batch_fn, probe.process_batch_fn
+        self.request_timeout, self.tail, self.device = request_timeout, probe.tail, probe.device
         self._state: dict[str, Any] = probe.state_dict()
         #: bumped by reset/step/load_state_dict (a running loader pass restarts its workers)
         self._generation = 0
@@ -604,7 +613,7 @@ class _InThread:
     no task of its own), so a call costs one task, not a hand-off to the host and back."""
 
     def __init__(self, ads: AsyncStreamingDataset) -> None:
-        face = ads._address
+        face = ads.address
         assert isinstance(face, _AsyncFace)
         self._client = face.client
         self._client.open()

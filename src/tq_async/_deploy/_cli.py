@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from .._logging import configure_logging, get_logger
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
-from .._service._metrics import serve_metrics
+from .._service._metrics import metrics_address, serve_metrics
 from .._service._serve import first_tq_error, raise_fd_limit, serve_controller, serve_storage
 from .._storage._server import DEFAULT_SHM_CAP
 from ._cluster import local_cluster
@@ -90,7 +91,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         config=config,
                     )
                 )
-                print(f"TQ_ADDRESS={address}", flush=True)
+                lines = [f"TQ_ADDRESS={address}"]
             else:
                 unit_id, address = await tg.start(
                     partial(
@@ -113,11 +114,12 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                         memory_cap=config.memory_cap,
                     )
                 )
-                print(f"TQ_UNIT={unit_id} {address}", flush=True)
+                lines = [f"TQ_UNIT={unit_id} {address}"]
             if registry is not None and config.metrics_on is not None:
-                host, _, port = config.metrics_on.rpartition(":")
-                url, stop_metrics = serve_metrics(registry, host or "127.0.0.1", int(port or 0))
-                print(f"TQ_METRICS_URL={url}", flush=True)
+                url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
+                lines.append(f"TQ_METRICS_URL={url}")
+            # printed once everything serves: a launcher takes the first line for "started"
+            print("\n".join(lines), flush=True)
     finally:
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)
@@ -148,6 +150,17 @@ def _device_index_arg(text: str) -> int | list[int]:
             f"expected a GPU index or a comma-separated list of them, got {text!r}"
         ) from None
     return values[0] if len(values) == 1 else values
+
+
+def _seconds_arg(text: str) -> float:
+    """A flag's number of seconds: > 0 (``inf``: no limit)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:  # also nan
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return seconds
 
 
 _FORMATTER = partial(argparse.HelpFormatter, max_help_position=32)
@@ -431,7 +444,7 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
     )
     unit.add_argument(
         "--register-timeout",
-        type=float,
+        type=_seconds_arg,
         default=30.0,
         metavar="SECONDS",
         help="give up if the controller does not answer the registration in this time "

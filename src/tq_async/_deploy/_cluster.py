@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry
 
-from .._controller._journal import unit_data_dir
+from .._controller._journal import check_controller_dir, unit_data_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
@@ -23,8 +23,14 @@ from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
-from .._service._metrics import Metrics, controller_collector, serve_metrics, storage_collector
-from .._service._serve import first_tq_error
+from .._service._metrics import (
+    Metrics,
+    controller_collector,
+    metrics_address,
+    serve_metrics,
+    storage_collector,
+)
+from .._service._serve import first_tq_error, only_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
@@ -46,6 +52,8 @@ class LocalCluster:
         address: the controller's endpoint.
         controller: the controller service (its ``state`` is inspectable in tests).
         units: the storage unit services.
+        metrics_url: where the Prometheus metrics are served (``serve_metrics_on``; None
+            when they are not).
     """
 
     address: str
@@ -127,11 +135,12 @@ async def local_cluster(
             the machine's), or one per unit: labels that make one machine look like
             several hosts (tests and benchmarks of locality).
         durability: ``"memory"`` (default), ``"process"`` or ``"fsync"``: the controller
-            journals its state under ``data_dir`` (see `Config` and
-            ``docs/guarantees.md``; this cluster's storage units keep cells in memory, so
-            after a restart of the whole process the rows' cells are gone).
-        data_dir: the controller's journal directory (for ``process`` / ``fsync``; at ``memory``
-            with ``memory_cap``, where the units spill).
+            journals its state under ``data_dir`` and unit N keeps its cells under
+            ``data_dir/units/unit-N``, so the cluster started again on ``data_dir`` comes
+            back with its rows (see `Config` and ``docs/guarantees.md``).
+        data_dir: the controller's journal directory, holding the units' directories (for
+            ``process`` / ``fsync``; at ``memory`` with ``memory_cap``, where the units
+            spill).
         memory_cap: most bytes of cells each storage unit keeps in memory; colder ones are
             spilled and read back on demand (None: no bound): at ``memory`` into a scratch
             directory under ``data_dir``, or the system's temporary directory without one.
@@ -273,13 +282,14 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
             registry = CollectorRegistry()
-    if given["num_storage_units"] < 1:
-        raise InvalidRequestError(
-            f"num_storage_units must be >= 1, got {given['num_storage_units']}"
-        )
+    units = given["num_storage_units"]
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
-    if given["serve_metrics_on"] is not None and registry is None:
-        raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+    if given["serve_metrics_on"] is not None:
+        if registry is None:
+            raise InvalidRequestError("serve_metrics_on needs a metrics_registry")
+        metrics_address(given["serve_metrics_on"], "serve_metrics_on")
     plan = _Plan(
         options,
         given["num_storage_units"],
@@ -315,7 +325,9 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
     unit_dirs: list[str | None] = [None] * plan.num_storage_units
     if durability != "memory" and data_dir is not None:
         # each unit's cells under the controller's directory: the whole cluster restarted on
-        # it comes back with its rows (units/unit-N: the same unit every time)
+        # it comes back with its rows (units/unit-N: the same unit every time); checked first,
+        # so that a missing or foreign one gets no units/ made in it
+        check_controller_dir(data_dir)
         unit_dirs = [unit_data_dir(data_dir, i, create=True) for i in range(plan.num_storage_units)]
     elif data_dir is not None and plan.memory_cap is not None:
         # cells past the cap spill into a scratch directory of each unit's there (removed
@@ -364,9 +376,8 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
         registry.register(controller_collector(controller.state, lambda: controller.waiting))
         registry.register(storage_collector({u.unit_id: u.state for u in units}))
         if plan.serve_metrics_on is not None:
-            host_part, _, port_part = plan.serve_metrics_on.rpartition(":")
             cluster.metrics_url, plan.stop_metrics = serve_metrics(
-                registry, host_part or "127.0.0.1", int(port_part or 0)
+                registry, *metrics_address(plan.serve_metrics_on)
             )
     return cluster
 
@@ -380,20 +391,13 @@ def _unwrap(group: BaseExceptionGroup[BaseException], raised: list[BaseException
     `BrokenError`) comes out as itself too; anything else stays grouped.
     """
     if raised:
-        if _only(group, raised[0]):
+        if only_error(group, raised[0]):
             return
         raise group
     failed = first_tq_error(group)
-    if failed is not None and _only(group, failed):
+    if failed is not None and only_error(group, failed):
         raise failed from None
     raise group
-
-
-def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
-    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
-    cancelled = anyio.get_cancelled_exc_class()
-    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
-    return rest is None
 
 
 #: local_cluster's arguments that a Config also sets, with their defaults

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import msgspec
 
 from .._errors import TQError
+from .._service._serve import check_address
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveClient
 from .._wire._events import WatchBatch
@@ -112,9 +113,11 @@ def render(status: dict[str, Any], address: str) -> str:
             lines.append(f"security: CURVE on, server key {security['server_key']}, lets in {who}")
     adm = status["admission"]
     cap = status["capacity"]
-    scope = status["capacity_scope"]
+    scope = (
+        "in all partitions together" if status["capacity_scope"] == "global" else "per partition"
+    )
     lines += [
-        f"capacity: {'none' if cap is None else f'{cap} rows per {scope}'}",
+        f"capacity: {'none' if cap is None else f'{cap} rows {scope}'}",
         f"policy version: {status['policy_version']}, admission: max_staleness "
         f"{adm['max_staleness']}, capacity {adm['capacity']}, outstanding {adm['outstanding']}",
         f"stale rows: {status['stale']}, recycled pending {status['recycled_pending']}",
@@ -141,7 +144,12 @@ async def run_status(
 ) -> None:
     """Print the status once, or (``watch``) again after every batch of events, until
     cancelled or ``screens`` screens were printed (``curve``: the keys of a cluster that
-    uses CURVE)."""
+    uses CURVE).
+
+    Raises:
+        InvalidRequestError: ``address`` is no ZMQ address (e.g. no ``tcp://``).
+    """
+    check_address(address)
     ctl = DealerConnection(address, curve=curve, refused_is_broken=True)
     try:
         body = WatchNext(poll=5.0)

@@ -187,16 +187,26 @@ def on_device(t: torch.Tensor) -> bool:
 make_copier: Callable[[torch.device], Copier] = _cuda_copier
 
 
-def check_device(device: Any) -> torch.device | None:
-    """``device`` as a ``torch.device`` (None: leave tensors where they are)."""
+def check_device(device: Any, *, here: bool = False) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None: leave tensors where they are); with ``here``,
+    one this process can deliver a read onto (the host, or a CUDA device it sees)."""
     if device is None:
         return None
     try:
-        return torch.device(device)
+        target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidRequestError(
             f"device must be a torch device or its name (e.g. 'cuda:0'), got {device!r}"
         ) from exc
+    if not here or target.type == "cpu" or make_copier is not _cuda_copier:  # (tests: any)
+        return target
+    if target.type != "cuda" or not torch.cuda.is_available():
+        why = "" if target.type != "cuda" else ", and this torch sees none (no CUDA)"
+        raise InvalidRequestError(
+            f"device {str(target)!r} cannot receive the data: tq_async delivers it to the host "
+            f"(None or 'cpu') or onto a CUDA device{why}"
+        )
+    return target
 
 
 # ---- host -> device (reads) ----------------------------------------------------------------

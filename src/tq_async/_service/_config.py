@@ -48,6 +48,7 @@ from .._errors import ConfigError, InvalidRequestError, TQError
 from .._storage._server import DEFAULT_SHM_CAP
 from .._transport._security import CurveServer
 from ..samplers import BaseSampler
+from ._metrics import metrics_address
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -393,6 +394,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"memory_cap: must be >= 0 bytes or absent, got {self.memory_cap}")
         if self.num_storage_units < 1:
             raise ConfigError(f"num_storage_units: must be >= 1, got {self.num_storage_units}")
+        if self.shm_cap < 0:
+            raise ConfigError(
+                f"shm_cap: must be >= 0 bytes (0: no shared memory), got {self.shm_cap}"
+            )
         if self.device_cap < 0:
             raise ConfigError(f"device_cap: must be >= 0, got {self.device_cap}")
         indexes = self.device_index if isinstance(self.device_index, list) else [self.device_index]
@@ -404,8 +409,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"capacity: must be >= 1 rows or absent, got {self.capacity}")
         if self.default_lease is not None and self.default_lease <= 0:
             raise ConfigError(f"default_lease: must be > 0 seconds, got {self.default_lease}")
-        if self.metrics_on is not None and ":" not in self.metrics_on:
-            raise ConfigError(f"metrics_on: expected HOST:PORT, got {self.metrics_on!r}")
+        if self.metrics_on is not None:
+            try:
+                metrics_address(self.metrics_on)
+            except InvalidRequestError as exc:
+                raise ConfigError(str(exc)) from None
 
     # ---- loading and saving ------------------------------------------------------------------
 

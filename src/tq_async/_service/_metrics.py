@@ -50,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .._errors import BrokenError, InvalidRequestError
 from .._paths._nixl import fallbacks as nixl_fallbacks
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Metrics",
+    "metrics_address",
     "serve_metrics",
     "controller_collector",
     "storage_collector",
@@ -374,11 +376,36 @@ def transfer_collector() -> Collector:
     return _Collector(collect)
 
 
+def metrics_address(address: str, key: str = "metrics_on") -> tuple[str, int]:
+    """``"HOST:PORT"`` (``metrics_on``) as ``(host, port)``: no host is loopback, no port 0.
+
+    Raises:
+        InvalidRequestError: no ``:``, or a port that is not a number from 0 to 65535 (the
+            message starts with ``key``).
+    """
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if sep and (port == "" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
+        return host or "127.0.0.1", int(port or 0)
+    raise InvalidRequestError(
+        f"{key}: expected HOST:PORT (a port from 0 to 65535; 0: any free port), got {address!r}"
+    )
+
+
 def serve_metrics(
     registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[str, Callable[[], None]]:
-    """Serve ``registry`` over HTTP (a daemon thread). Returns ``(url, stop)``."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Serve ``registry`` over HTTP (a daemon thread). Returns ``(url, stop)``.
+
+    Raises:
+        BrokenError: ``host:port`` could not be bound (taken, or no such interface).
+    """
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise BrokenError(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+            "address (metrics_on, --metrics-on)"
+        ) from exc
     url = f"http://{host}:{server.server_port}/metrics"
 
     def stop() -> None:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import resource
 import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -36,6 +39,9 @@ from .._wire._protocol import RegisterUnit
 from ..samplers import BaseSampler
 from ._config import Config
 from ._metrics import Metrics, controller_collector, storage_collector
+
+if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
     "advertised_address",
@@ -136,6 +142,26 @@ def first_tq_error(exc: BaseException) -> TQError | None:
         if found is not None:
             return found
     return None
+
+
+def only_error(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
+    """Whether ``group`` holds nothing but ``exc`` (and the cancellations it caused)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    _, rest = group.split(lambda e: e is exc or isinstance(e, cancelled))
+    return rest is None
+
+
+@contextmanager
+def raised_as_itself() -> Iterator[None]:
+    """Around a service's task group: the `TQError` that stopped it (a bind that failed, a
+    registration nobody answered) comes out as itself, not in an ExceptionGroup."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        failed = first_tq_error(group)
+        if failed is not None and only_error(group, failed):
+            raise failed from None
+        raise
 
 
 def warn_if_exposed(bind: str, role: str, curve: CurveServer | None = None) -> None:
@@ -279,15 +305,16 @@ async def serve_controller(
     state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
     state.placer = Placer(placement)
     controller = ControllerServer(state, **options, metrics=Metrics(metrics_registry, "controller"))
-    async with anyio.create_task_group() as tg:
-        bound: str = await tg.start(controller.serve, bind)
-        address = advertised_address(bound, bind, advertise)
-        if metrics_registry is not None:
-            metrics_registry.register(
-                controller_collector(controller.state, lambda: controller.waiting)
-            )
-        log.info("controller serving", address=address)
-        task_status.started(address)
+    with raised_as_itself():
+        async with anyio.create_task_group() as tg:
+            bound: str = await tg.start(controller.serve, bind)
+            address = advertised_address(bound, bind, advertise)
+            if metrics_registry is not None:
+                metrics_registry.register(
+                    controller_collector(controller.state, lambda: controller.waiting)
+                )
+            log.info("controller serving", address=address)
+            task_status.started(address)
 
 
 async def serve_storage(
@@ -364,26 +391,30 @@ async def serve_storage(
         memory_cap=memory_cap,
     )
     durable = durability != "memory"
-    async with anyio.create_task_group() as tg:
-        bound: str = await tg.start(unit.serve, bind)
-        address = advertised_address(bound, bind, advertise, towards=controller)
-        unit.registered(
-            await register_unit(
-                controller,
-                unit.unit_id if unit.unit_id >= 0 else None,
-                address,
-                timeout=register_timeout,
-                curve=curve.as_client() if curve is not None else None,
-                host=unit.host_id,
-                instance=unit.state.instance if durable else "",
+    with raised_as_itself():
+        async with anyio.create_task_group() as tg:
+            bound: str = await tg.start(unit.serve, bind)
+            address = advertised_address(bound, bind, advertise, towards=controller)
+            unit.registered(
+                await register_unit(
+                    controller,
+                    unit.unit_id if unit.unit_id >= 0 else None,
+                    address,
+                    timeout=register_timeout,
+                    curve=curve.as_client() if curve is not None else None,
+                    host=unit.host_id,
+                    instance=unit.state.instance if durable else "",
+                )
             )
-        )
-        if metrics_registry is not None:
-            metrics_registry.register(storage_collector({unit.unit_id: unit.state}))
-        log.info(
-            "storage unit serving", unit_id=unit.unit_id, address=address, controller=controller
-        )
-        task_status.started((unit.unit_id, address))
+            if metrics_registry is not None:
+                metrics_registry.register(storage_collector({unit.unit_id: unit.state}))
+            log.info(
+                "storage unit serving",
+                unit_id=unit.unit_id,
+                address=address,
+                controller=controller,
+            )
+            task_status.started((unit.unit_id, address))
 
 
 #: descriptors a serving process keeps besides its clients' (listeners, arenas, log files)

@@ -61,6 +61,8 @@ class UnitDir:
     ) -> None:
         if durability not in ("memory", "process", "fsync"):
             raise ConfigError(f"durability: expected memory, process or fsync, got {durability!r}")
+        # absolute now: the process may change its working directory while the unit runs
+        data_dir = None if data_dir is None else os.path.abspath(data_dir)
         self.path = data_dir
         self.memory_cap = memory_cap
         self.unit_id = unit_id

@@ -21,6 +21,7 @@ Model: httpcore's ``h11``-driven connection (decide in one pure place, then do t
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import time
@@ -248,6 +249,8 @@ class ConnectionCore:
         self.orphans: dict[int, Callable[[Reply, list[Any]], None]] = {}
         self._rids = itertools.count(1)
         self._retries = 0
+        #: a handshake was dropped bare and ZMQ dials again (see `on_monitor`)
+        self._redialled = False
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -356,6 +359,7 @@ class ConnectionCore:
         if event == _HANDSHAKE_SUCCEEDED:
             self.handshaken = True
             self.refusal = None
+            self._redialled = False
         elif event == _HANDSHAKE_FAILED_AUTH:
             self.refusal = rejected(self.name, self.curve, "rejected this client's CURVE key")
             return Liveness(fail=self.refusal)
@@ -369,17 +373,31 @@ class ConnectionCore:
                 return Liveness(broken=True)
             # dropped during the handshake: not an outage
             if self.refusal is None:
+                if self.curve is None and not self._redialled:
+                    # a CURVE service that read this client's greeting before it sent its
+                    # own mechanism drops it bare (over ipc, always): ZMQ dials again, and
+                    # that attempt tells (EVENT_HANDSHAKE_FAILED_PROTOCOL); a peer that
+                    # does not speak ZMTP drops that one bare too
+                    self._redialled = True
+                    self._retries = -1  # (the retry libzmq reports as it schedules it)
+                    return _NOTHING
                 self.refusal = dropped_handshake(self.name, self.curve)
             return Liveness(fail=self.refusal, broken=True)
         elif event != _CONNECT_RETRIED:
             pass
+        elif self._retries < 0:
+            self._retries = 0  # the redial after a handshake dropped bare
         elif self.connected is not False:
             # the first connection attempt was refused: nothing listens there
             if self.refused_is_broken:
+                # (ZMQ reports a host name that does not resolve the same way)
+                how = "was refused"
+                if not _literal_host(self.address):
+                    how += ", or the host name does not resolve"
                 return Liveness(
                     broken=True,
                     why=(
-                        f"nothing listens at {self.name} (the connection was refused); "
+                        f"nothing listens at {self.name} (the connection {how}); "
                         "check the address and that the service runs there"
                     ),
                 )
@@ -436,6 +454,11 @@ class ConnectionCore:
         to a service that refused it: the send fails with EAGAIN)."""
         if self.refusal is not None and not self.handshaken:
             return cast(BrokenError, _again(self.refusal))
+        if getattr(exc, "errno", None) == zmq.EMSGSIZE:  # too big for a same-host socket
+            return BrokenError(
+                f"{what} to {self.name} failed: {exc}; this connection ends, and one to the "
+                "service's TCP address carries it"
+            )
         return BrokenError(
             f"{what} to {self.name} failed: {exc} ({self.why_broken()}); retry once it is back"
         )
@@ -465,6 +488,20 @@ class ConnectionCore:
             )
         paused = " and is paused (SIGSTOP)" if state in ("T", "t") else ""
         return f"the service is not answering: its process {self.peer_pid} still exists{paused}"
+
+
+def _literal_host(address: str) -> bool:
+    """Whether ``address`` names its host by IP address (or has no host: ipc, inproc)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def first_of(remaining: float | None, retry_after: float | None) -> float | None:

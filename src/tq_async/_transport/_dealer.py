@@ -20,7 +20,7 @@ from typing import Any, cast
 import msgspec
 import zmq
 
-from .._errors import BrokenError, ClosedError
+from .._errors import BrokenError, ClosedError, InvalidRequestError
 from .._logging import get_logger
 from .._wire._protocol import Cancel, Reply
 from ._connection import (
@@ -237,6 +237,15 @@ class DealerConnection(ConnectionShell, DrainedSocket):
     def _check_usable(self) -> None:
         """Raise if a request cannot be sent on this connection at all."""
         self._core.check_usable(self._closed)
+        if asyncio.get_running_loop() is not self._loop:
+            # its socket is read by the loop that opened it (another thread's, or one an
+            # earlier ``asyncio.run`` closed): a request here would never see its reply
+            raise InvalidRequestError(
+                f"this connection to {self.name} was opened on another event loop: an "
+                "AsyncClient belongs to the event loop that opened it; open one on this loop "
+                "(`async with tq.AsyncClient.connect(address)`), or give each thread its own "
+                "tq.Client"
+            )
 
     async def _reply_to(self, rid: int, outgoing: list[Any], timeout: float | None) -> Got | None:
         """The reply to ``rid``, or None once ``timeout`` passed without one; every
@@ -287,13 +296,16 @@ class DealerConnection(ConnectionShell, DrainedSocket):
             with self.transport_errors(type(body).__name__):
                 self._send(self._core.oneway(body))
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(
+        self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+    ) -> None:
         """Close the socket; requests still waiting fail with ``error`` (default:
         `ClosedError`; a connection replaced because it broke passes a `BrokenError`).
 
         Closed by its program (no ``error``), the connection first sends a ``Cancel`` for
         each request still waiting, as a cancelled call does: a get_meta parked at the
-        controller would otherwise take the task's next rows for nobody.
+        controller would otherwise take the task's next rows for nobody. ``farewell``: one-way
+        messages sent last (best effort), e.g. the aborts of a closing client's open puts.
         """
         if self._closed:
             return
@@ -302,6 +314,8 @@ class DealerConnection(ConnectionShell, DrainedSocket):
             core = self._core
             for rid in [rid for rid in core.waiting if rid not in core.arrived]:
                 cancels += self.send_best_effort(Cancel(rid))
+        for body in farewell:
+            cancels += self.send_best_effort(body)
         self._unwatch()
         # (the Cancels are queued: ZMQ's I/O thread sends them after the close)
         self._close_socket(CANCEL_LINGER_MS if cancels else 0)

@@ -61,7 +61,13 @@ def _key(value: bytes | str, what: str) -> bytes:
 
 @dataclass(frozen=True)
 class CurveClient:
-    """What a client (or the controller, towards the units) needs to reach CURVE services."""
+    """What a client (or the controller, towards the units) needs to reach CURVE services.
+
+    Attributes:
+        server_public_key: the services' public key (40-character Z85 text).
+        public_key: this client's public key; with an allow-list it must be on it.
+        secret_key: this client's secret key.
+    """
 
     server_public_key: bytes
     public_key: bytes
@@ -81,7 +87,15 @@ class CurveClient:
 
 @dataclass(frozen=True)
 class CurveServer:
-    """A service keypair and, optionally, the client public keys allowed in."""
+    """A service keypair and, optionally, the client public keys allowed in.
+
+    Attributes:
+        public_key: the services' public key (40-character Z85 text), which clients pass
+            as ``server_public_key``; every service of a cluster uses the same keypair.
+        secret_key: the services' secret key.
+        allowed_clients: the public keys of the clients let in (None: any client that
+            knows ``public_key``; the traffic is still encrypted).
+    """
 
     public_key: bytes
     secret_key: bytes

@@ -103,7 +103,9 @@ class ConnectionShell:
 
         def send_oneway(self, body: msgspec.Struct) -> None: ...
 
-        def close(self, error: BaseException | None = None) -> None: ...
+        def close(
+            self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+        ) -> None: ...
 
     def _start(self, busy_poll: float) -> None:
         """Open the socket and set up the shell's own state (the end of ``__init__``)."""
@@ -167,6 +169,7 @@ class ConnectionShell:
         goes through (None: over the address); the shell registers with that route.
 
         Raises:
+            InvalidRequestError: ZMQ cannot parse the address.
             BrokenError: the socket cannot connect.
         """
         core = self._core
@@ -193,6 +196,11 @@ class ConnectionShell:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
+            if exc.errno == zmq.EINVAL:  # malformed: a retry fails the same way
+                raise InvalidRequestError(
+                    f"cannot connect to {self.name!r}: {exc}; write the address as "
+                    "tcp://HOST:PORT (the TQ_ADDRESS=... line `tq-async serve` prints)"
+                ) from exc
             raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
         if route is not None:
             core.connected = True  # inproc reports no connection events

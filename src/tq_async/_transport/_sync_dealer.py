@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .._errors import BrokenError, InvalidRequestError
+from .._errors import BrokenError, ClosedError, InvalidRequestError
 from .._logging import get_logger
 from .._portal import check_blocking_allowed
 from .._sync_primitives import next_timer, run_due_timers
@@ -57,8 +57,14 @@ __all__ = ["DEFAULT_BUSY_POLL", "MAX_BUSY_POLL", "BlockingConnection", "check_fr
 log = get_logger(__name__)
 
 _POLLIN = int(zmq.POLLIN)
+#: ms ZMQ may spend sending a closing connection's farewell messages, or the ``Cancel`` of a
+#: request whose connection another thread closed (in the background)
+CLOSE_LINGER_MS = 1000
 #: a write to a service that reads nothing (paused) fails after this long without a timeout
 _WRITE_WAIT = 60.0
+#: the longest a request parks before it looks again whether another thread closed its
+#: connection (sockets are not thread-safe: the closing thread leaves them to the request)
+_PARK_SLICE = 1.0
 
 
 class BlockingConnection(ConnectionShell):
@@ -69,8 +75,13 @@ class BlockingConnection(ConnectionShell):
         #: the failure of the connection while a request waits (raised by that request)
         self._failure: BaseException | None = None
         self._busy = threading.Lock()
+        #: guards ``_owner`` and ``_closed``: a close from another thread while a request
+        #: runs leaves the sockets to that request, which releases them (`_shut`)
+        self._state = threading.Lock()
         self._owner: int | None = None
         self._closed = False
+        self._released = False
+        self._farewell: list[msgspec.Struct] = []
         self._stream: MessageStream | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._monitor = None
@@ -88,8 +99,17 @@ class BlockingConnection(ConnectionShell):
         self._poller = select.poll()
         if core.unix:
             usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # non-blocking, as the async connection's: a blocking connect waits, unbounded,
+            # while the listener's queue is full; EAGAIN then, and the caller keeps the
+            # socket it has (a same-host switch falls back)
+            usock.setblocking(False)
             try:
                 usock.connect(abstract_name(self.address))
+            except BlockingIOError as exc:
+                usock.close()
+                raise BrokenError(
+                    f"cannot connect to {self.name!r}: the service's listen queue is full"
+                ) from exc
             except OSError as exc:
                 usock.close()
                 raise BrokenError(f"cannot connect to {self.name!r}: {exc}") from exc
@@ -110,7 +130,7 @@ class BlockingConnection(ConnectionShell):
         if self._wake_fd is not None:
             self._zpoller.register(self._wake_fd, zmq.POLLIN)
 
-    def _release(self) -> None:
+    def _release(self, linger: int = 0) -> None:
         if self._stream is not None:
             self._stream.sock.close()
             self._stream = None
@@ -119,7 +139,7 @@ class BlockingConnection(ConnectionShell):
                 self._sock.disable_monitor()
             assert self._monitor is not None
             self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger)
             self._sock = self._monitor = None
 
     def peer_closed(self) -> None:
@@ -182,12 +202,15 @@ class BlockingConnection(ConnectionShell):
             self._disconnected()
 
     def _park(self, seconds: float | None) -> None:
-        """Block until something arrives (or ``seconds`` pass), then read it."""
-        ms = -1 if seconds is None else max(0, int(seconds * 1000 + 0.999))
+        """Block until something arrives (or ``seconds`` pass, at most `_PARK_SLICE`), then
+        read it."""
+        if seconds is None or seconds > _PARK_SLICE:
+            seconds = _PARK_SLICE
+        ms = max(0, int(seconds * 1000 + 0.999))
         if self._stream is not None:
             self._poller.poll(ms)
         else:
-            events = dict(self._zpoller.poll(None if ms < 0 else ms))
+            events = dict(self._zpoller.poll(ms))
             if self._wake_fd is not None and self._wake_fd in events:
                 with contextlib.suppress(OSError):
                     os.eventfd_read(self._wake_fd)
@@ -222,7 +245,8 @@ class BlockingConnection(ConnectionShell):
         """
         if not self._busy.acquire(blocking=False):
             raise self._shared_error()
-        self._owner = threading.get_ident()
+        with self._state:
+            self._owner = threading.get_ident()
         try:
             check_blocking_allowed(f"a blocking tq.Client request ({type(body).__name__})")
             self._check_open()
@@ -248,7 +272,11 @@ class BlockingConnection(ConnectionShell):
                 raise
             return core.finish(rid, got)
         finally:
-            self._owner = None
+            with self._state:
+                self._owner = None
+                closed = self._closed
+            if closed:  # (by another thread while this request ran: its Cancel may be queued)
+                self._shut(CLOSE_LINGER_MS)
             self._busy.release()
 
     def _shared_error(self) -> InvalidRequestError:
@@ -280,7 +308,7 @@ class BlockingConnection(ConnectionShell):
         arrived = self._core.arrived
 
         def done() -> bool:
-            return rid in arrived or self._failure is not None
+            return rid in arrived or self._failure is not None or self._closed
 
         if self._busy_poll is not None and not done():
             self._busy_poll.poll(done, self._read)
@@ -296,27 +324,48 @@ class BlockingConnection(ConnectionShell):
             run_due_timers()
         if rid in arrived:
             return arrived.pop(rid)
+        if self._closed:  # by another thread
+            raise ClosedError(f"the connection to {self.name} was closed")
         assert self._failure is not None
         raise self._failure
 
     def send_oneway(self, body: msgspec.Struct) -> None:
         """Send a request whose reply nobody waits for (dropped on arrival)."""
-        if self._closed or self._core.pid != os.getpid():
-            return
+        if self._released or self._core.pid != os.getpid():
+            return  # (closed by another thread, a request's Cancel still goes out)
         if self._owner not in (None, threading.get_ident()):
             raise self._shared_error()
         with self.transport_errors(type(body).__name__):
             self._send(self._core.oneway(body))
 
-    def close(self, error: BaseException | None = None) -> None:
-        """Close the socket (in the process that opened it; a forked child leaves it be).
-        (``error``: what waiting requests would fail with; a blocking connection has none
-        waiting when another call closes it.)"""
-        if self._closed:
+    def close(
+        self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
+    ) -> None:
+        """Close the socket (in the process that opened it; a forked child leaves it be);
+        ``farewell``: one-way messages sent last, best effort. Called from another thread
+        while a request waits, it leaves the sockets to that request, which fails with
+        `ClosedError` within `_PARK_SLICE`, sends the service its ``Cancel`` and the
+        farewell, and releases them (``error`` is not used: see `retire`'s callers).
+        """
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._farewell = list(farewell)
+            if self._owner not in (None, threading.get_ident()):
+                return
+        self._shut()
+
+    def _shut(self, linger: int = 0) -> None:
+        """Release the sockets of a closed connection (once), its farewell sent first."""
+        if self._released:
             return
-        self._closed = True
         if self._core.pid == os.getpid():
-            self._release()
+            for body in self._farewell:
+                self.send_best_effort(body)
+        self._released = True
+        if self._core.pid == os.getpid():
+            self._release(CLOSE_LINGER_MS if self._farewell else linger)
             if self._wake_fd is not None:
                 os.close(self._wake_fd)
                 self._wake_fd = None

@@ -46,8 +46,12 @@ log = get_logger(__name__)
 HELLO = b"TQU1"
 _U32 = struct.Struct("<I")
 _POLLIN = int(zmq.POLLIN)  # a plain int: the reader's ``events & POLLIN`` stays cheap
-#: a message larger than this is refused (the connection is dropped)
-MAX_MESSAGE = 256 << 20
+#: the largest message the wire's ``u32 length`` can say (ZMQ carries any size: so does this,
+#: but for what a u32 holds)
+MAX_MESSAGE = 0xFFFFFFFF
+#: a client's first message (its hello) larger than this is refused (the connection is
+#: dropped): garbage from something that is no tq_async client costs no big buffer
+HELLO_MAX = 1024
 #: read size for small messages; a larger message's body is received into its own buffer
 _CHUNK = 1 << 16
 #: a Unix socket's kernel buffer limits (bytes queued per direction before a writer waits).
@@ -126,7 +130,14 @@ def encode(frames: Sequence[Any]) -> list[Any]:
     """Buffers to write for one message (no copy of the frames)."""
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
-    head = struct.pack(f"<II{len(sizes)}I", 4 + 4 * len(sizes) + sum(sizes), len(sizes), *sizes)
+    size = 4 + 4 * len(sizes) + sum(sizes)
+    if size > MAX_MESSAGE:  # (the wire says it in 32 bits; ZMQ's has no such limit)
+        raise zmq.ZMQError(
+            zmq.EMSGSIZE,
+            f"a message of {size} bytes is over the same-host socket's limit "
+            f"({MAX_MESSAGE} bytes, 4 GiB)",
+        )
+    head = struct.pack(f"<II{len(sizes)}I", size, len(sizes), *sizes)
     return [head, *views]
 
 
@@ -138,9 +149,9 @@ class MessageStream:
     without joining them; what the socket does not take at once waits as views.
     """
 
-    __slots__ = ("_big", "_got", "_in", "_out", "eof", "messages", "sock")
+    __slots__ = ("_big", "_got", "_in", "_out", "eof", "limit", "messages", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, first_limit: int = MAX_MESSAGE) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
@@ -151,6 +162,8 @@ class MessageStream:
         self._out: deque[memoryview] = deque()  # not written yet (the socket was full)
         self.messages: deque[list[Any]] = deque()
         self.eof = False
+        #: the largest message taken (``first_limit`` until the first one arrived)
+        self.limit = first_limit
 
     def fill(self) -> None:
         """Read what the socket has and split it into messages."""
@@ -186,7 +199,7 @@ class MessageStream:
         pos = 0
         while len(buf) - pos >= 4 and not self.eof:
             (size,) = _U32.unpack_from(buf, pos)
-            if size > MAX_MESSAGE or size < 4:
+            if size > self.limit or size < 4:
                 log.warning("dropped a connection that sent a malformed frame", size=size)
                 self.eof = True
                 break
@@ -211,6 +224,7 @@ class MessageStream:
             self.eof = True
             return
         self.messages.append(frames)
+        self.limit = MAX_MESSAGE
 
     def write(self, frames: Sequence[Any], on_blocked: Callable[[], None]) -> None:
         """Write one message; what does not fit now waits for `flush`."""
@@ -460,7 +474,15 @@ class UnixListener:
         peer = self._peers.get(identity)
         if peer is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, "no such peer")
-        peer.send(frames)
+        try:
+            peer.send(frames)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EMSGSIZE:
+                # a reply this socket cannot carry: the client learns now (its connection
+                # ends) rather than at its timeout, and may ask again over TCP
+                log.warning("dropped a client: its reply is too big for its socket", error=str(exc))
+                peer.close()
+            raise
 
     def close(self) -> None:
         if self._spare is not None:
@@ -479,7 +501,7 @@ class UnixListener:
 class _Peer:
     def __init__(self, listener: UnixListener, sock: socket.socket) -> None:
         self._listener = listener
-        self._stream = MessageStream(sock)
+        self._stream = MessageStream(sock, first_limit=HELLO_MAX)
         self._fd = sock.fileno()
         self.identity: bytes | None = None
         self._writing = False

@@ -46,7 +46,10 @@ class BufferPool:
 
     def __init__(self, max_idle_bytes: int = 256 << 20) -> None:
         self.max_idle_bytes = max_idle_bytes
-        self._lock = threading.Lock()
+        #: reentrant: the garbage collector may run at an allocation made under it (a release
+        #: allocates) and free a pooled view held by a reference cycle, whose finalizer
+        #: releases it from within this thread's critical section
+        self._lock = threading.RLock()
         self._free: dict[int, list[np.ndarray[Any, Any]]] = {}
         #: bytes waiting in the pool
         self.idle_bytes = 0
@@ -105,7 +108,7 @@ def _after_fork() -> None:
     # A thread of the parent (services on a background loop, a copy on a worker thread) may
     # have held the lock at the fork: in the child it would stay held forever, and the first
     # copy (or the release of an inherited buffer at garbage collection) would hang.
-    buffer_pool._lock = threading.Lock()
+    buffer_pool._lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -33,6 +33,7 @@ from ._protocol import (
 __all__ = [
     "MAX_WATCHERS",
     "MAX_ALSO",
+    "MAX_DP_SIZE",
     "MAX_INT",
     "MAX_PUT_ROWS",
     "MAX_RECORD_SPAN",
@@ -112,6 +113,10 @@ MAX_RECORD_SPAN = 1 << 16
 #: the most batches one get_meta asks for besides its own (``also``)
 MAX_ALSO = 64
 
+#: the most DP ranks one global batch is decided for (each decision costs the controller
+#: time and memory in ``dp_size``: one client's huge value would stall every other)
+MAX_DP_SIZE = 1 << 16
+
 
 def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
     """``dp_rank``, ``batch_index`` and ``record_from`` of a sampling config, when set, are
@@ -121,7 +126,8 @@ def check_sampling_config(cfg: Mapping[str, Any] | None) -> None:
     for key, lo in (("dp_rank", 0), ("batch_index", 0), ("dp_size", 1), ("record_from", 0)):
         v = cfg.get(key)
         if v is not None:
-            check_int(f"sampling_config[{key!r}]", v, lo)
+            hi = MAX_DP_SIZE if key == "dp_size" else MAX_INT
+            check_int(f"sampling_config[{key!r}]", v, lo, hi)
     record_from = cfg.get("record_from")
     if record_from is not None:
         index = cfg.get("batch_index")

@@ -21,7 +21,13 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+)
 
 from .._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 from ._columns import (
@@ -83,32 +89,60 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ProtocolError(f"unknown dtype {name!r} in a column header") from None
 
 
-def _plain_value_ok(value: Any, depth: int = 0) -> bool:
-    """True when msgpack carries ``value`` and gives back an equal value of the same type."""
-    if isinstance(value, np.generic):  # np.float64 is a float, but msgpack refuses it
-        return False
-    if value is None or isinstance(value, (str, bool, int, float, bytes)):
-        return not isinstance(value, int) or -(2**63) <= value < 2**64
+#: scalars msgpack gives back as they are (exact types: a subclass, e.g. ``np.float64`` or a
+#: ``str`` subclass, would come back as its base type, or not travel at all)
+_PLAIN_SCALARS = frozenset({bool, float, bytes, type(None)})
+#: dict keys msgpack gives back as they are
+_PLAIN_KEYS = frozenset({str, int, bool})
+
+
+def _not_plain(value: Any, depth: int = 0) -> str | None:
+    """None when msgpack carries ``value`` and gives back an equal value of the same type;
+    else what stops it (for the error: the value at fault, wherever it is nested)."""
+    kind = type(value)
+    if kind is str:
+        return None if value.isascii() else _not_utf8(value)
+    if kind is int:
+        return None if -(2**63) <= value < 2**64 else f"an int that does not fit 64 bits ({value})"
+    if kind in _PLAIN_SCALARS:
+        return None
     if depth > 32:
-        return False
-    if type(value) is list:
-        return all(_plain_value_ok(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return all(
-            isinstance(k, (str, int)) and _plain_value_ok(v, depth + 1) for k, v in value.items()
-        )
-    return False
+        return "values nested more than 32 deep"
+    if kind is list:
+        for v in value:
+            why = _not_plain(v, depth + 1)
+            if why is not None:
+                return why
+        return None
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) not in _PLAIN_KEYS:
+                return f"a dict key of type {type(k).__name__}"
+            why = _not_plain(k, depth + 1) or _not_plain(v, depth + 1)
+            if why is not None:
+                return why
+        return None
+    return f"a value of type {kind.__name__}"
+
+
+def _not_utf8(value: str) -> str | None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a str that is not valid UTF-8 ({exc.reason} at position {exc.start})"
+    return None
 
 
 def _object_column(name: str, values: list[Any], allow_pickle: bool) -> tuple[ColumnHeader, Column]:
     for v in values:
-        if not _plain_value_ok(v):
+        why = _not_plain(v)
+        if why is not None:
             if not allow_pickle:
                 raise UnsupportedTypeError(
-                    f"field {name!r} holds a value of type {type(v).__name__}, which travels "
-                    "only with pickle; convert it to str/int/float/bool/None/bytes/list/dict, "
-                    "or start the services and client with allow_pickle=True (pickle runs "
-                    "code on load: only in trusted deployments)"
+                    f"field {name!r} holds {why}, which travels only with pickle; convert it "
+                    "to str/int/float/bool/None/bytes/list/dict, or start the services and "
+                    "client with allow_pickle=True (pickle runs code on load: only in trusted "
+                    "deployments)"
                 )
             pickled = [pickle.dumps(x, protocol=5) for x in values]
             return ColumnHeader(name, PICKLE), ListColumn(pickled)
@@ -201,8 +235,20 @@ def _list_of_tensors_column(
     if n == 0:
         raise SchemaError(f"field {name!r} is an empty list of tensors")
     first = tensors[0]
-    for t in tensors:
-        if t.dim() == 0 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided or t.is_nested:
+            raise UnsupportedTypeError(
+                f"field {name!r} is a list of tensors whose row {i} is "
+                f"{'a nested tensor' if t.is_nested else f'of layout {t.layout}'}; the rows of "
+                "a list are dense tensors (t.to_dense()), which form one jagged column"
+            )
+        if t.dim() == 0:
+            raise SchemaError(
+                f"field {name!r} is a list of tensors whose row {i} is 0-dim (one scalar); a "
+                "list of tensors forms a jagged column, whose rows have a dimension: for one "
+                "scalar a row put torch.stack(rows), a column [n]"
+            )
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             raise SchemaError(
                 f"field {name!r} is a list of tensors that cannot form one jagged column: "
                 "every row needs the same dtype and the same shape after its first dimension "
@@ -220,13 +266,21 @@ def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[
     """A numpy column as a tensor (a view when torch can share its memory), or as a list
     of Python values when its dtype is not numeric (strings, objects)."""
     if array.dtype.kind not in "biufc":
-        return list(array.tolist()) if array.ndim else [array.item()]
+        return list(array.tolist()) if array.ndim else [array.item()]  # masked: None
+    if type(array) is not np.ndarray and np.ma.is_masked(array):
+        raise UnsupportedTypeError(
+            f"field {field!r} is a numpy masked array with masked values: a tensor has no mask, "
+            "so they would travel as whatever data lies under them; send a.filled(value), and "
+            "the mask as a field of its own (np.ma.getmaskarray(a)) if readers need it"
+        )
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
     if not array.flags.writeable:  # torch tensors are writable: never alias a read-only buffer
         array = array.copy()
     try:
         return torch.from_numpy(array)
+    except ValueError:  # negative strides (a reversed view), which a tensor cannot have
+        return torch.from_numpy(array.copy())
     except TypeError:
         raise UnsupportedTypeError(
             f"field {field!r} is a numpy array of dtype {array.dtype}, which tq_async cannot "
@@ -284,13 +338,15 @@ def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidReq
 
 
 def _batch_size_of(data: Mapping[str, Any]) -> int:
+    """The rows of the first column (a 0-dim tensor or array is one value, not a column)."""
     for value in data.values():
         if isinstance(value, np.ndarray):
-            return int(value.shape[0]) if value.ndim > 0 else -1
-        if isinstance(value, torch.Tensor):
-            # size(0), not shape[0]: a strided nested tensor has no shape
-            return int(value.size(0)) if value.dim() > 0 else -1
-        if isinstance(value, (list, tuple, NonTensorStack)):
+            if value.ndim > 0:
+                return int(value.shape[0])
+        elif isinstance(value, torch.Tensor):
+            if value.dim() > 0:  # size(0), not shape[0]: a strided nested tensor has no shape
+                return int(value.size(0))
+        elif isinstance(value, (list, tuple, NonTensorStack)):
             return len(value)
     return -1
 
@@ -321,7 +377,8 @@ def columns_from_batch(
     """Split a batch into columns ready to send.
 
     Args:
-        data: a `TensorDict` with ``batch_size=[n]``, or a mapping from
+        data: a `TensorDict` with ``batch_size=[n]`` (a lazy stack of rows whose tensors
+            differ in length gives jagged columns), or a mapping from
             field name to a tensor ``[n, ...]``, a numpy array ``[n, ...]`` (numeric arrays
             travel as tensors, without a copy when writable; others as lists), a nested
             tensor, a list of ``n`` tensors or arrays (becomes jagged) or a list of ``n``
@@ -344,7 +401,7 @@ def columns_from_batch(
                 "batch dimension (rows), e.g. batch_size=[n]"
             )
         n = int(data.batch_size[0])
-        items: Iterable[tuple[str, Any]] = ((k, data.get(k)) for k in data.keys())  # noqa: SIM118
+        items: Iterable[tuple[str, Any]] = ((k, _field_of(data, k)) for k in data.keys())  # noqa: SIM118
     elif isinstance(data, Mapping):
         n = _batch_size_of(data)
         items = data.items()
@@ -355,9 +412,10 @@ def columns_from_batch(
     if n <= 0:
         if isinstance(data, Mapping):
             for name, value in data.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+                    kind = "tensor" if isinstance(value, torch.Tensor) else "numpy array"
                     raise SchemaError(
-                        f"field {name!r} is a 0-dim tensor (one scalar), so the batch has no "
+                        f"field {name!r} is a 0-dim {kind} (one scalar), so the batch has no "
                         "rows; a column needs one row per sample: put "
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
@@ -382,6 +440,17 @@ def columns_from_batch(
     if not headers:
         raise SchemaError("the batch has no fields; put at least one column")
     return n, headers, columns
+
+
+def _field_of(data: TensorDictBase, key: str) -> Any:
+    """A TensorDict's field; of a lazy stack whose rows differ in shape, the rows as a list
+    of tensors (one jagged column), which ``get`` cannot stack."""
+    try:
+        return data.get(key)
+    except RuntimeError:
+        if not isinstance(data, LazyStackedTensorDict):
+            raise
+        return data.get(key, as_list=True)  # type: ignore[call-overload]
 
 
 def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, DeviceColumn]:

@@ -282,15 +282,26 @@ def column_from_frames(header: ColumnHeader, frames: Sequence[Frame], n: int) ->
 
 
 def column_nbytes(column: Column) -> int:
-    """Bytes of a column's rows as they travel (tensor data; lists count their bytes values,
-    if any). A jagged column counts only the span of values its offsets select."""
+    """Bytes of a column's rows as they travel. A jagged column counts only the span of
+    values its offsets select; a list column its str and bytes values by their length (a
+    pickle column's rows are bytes), its lists and dicts as msgpack encodes them, and 9 bytes
+    for any other value (a number, a bool, None)."""
     if isinstance(column, DenseColumn):
         return int(column.data.nbytes)
     if isinstance(column, JaggedColumn):
         offsets = column.offsets
         span = int(offsets[-1]) - int(offsets[0])
         return span * int(column.values.shape[1]) + int(offsets.nbytes)
-    return sum(len(v) for v in column.values if isinstance(v, bytes))
+    size = 0
+    for v in column.values:
+        kind = type(v)
+        if kind is str or kind is bytes:
+            size += len(v)
+        elif kind is list or kind is dict:
+            size += len(_msgpack_encoder.encode(v))
+        else:
+            size += 9
+    return size
 
 
 # --------------------------------------------------------------------------------------------

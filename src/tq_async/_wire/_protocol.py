@@ -152,9 +152,13 @@ class ReleaseRollout(_Msg):
 
 
 class TakeRecycled(_Msg):
-    """Take up to ``max_rows`` stale rows whose prompts must be regenerated (each once)."""
+    """Take up to ``max_rows`` stale rows whose prompts must be regenerated (each once).
+
+    ``token`` names the take (0: none): one asked again with a token the controller
+    answered before (its reply was lost with the controller) gets the same rows again."""
 
     max_rows: int
+    token: int = 0
 
 
 class ReturnRecycled(_Msg):
@@ -164,6 +168,10 @@ class ReturnRecycled(_Msg):
     partition_id: str
     incarnation: str | None
     rows: list[int]
+    #: the hold the handed-out rows had (`RecycledRows`' ``meta.lease_id``; 0: none)
+    lease_id: int = 0
+    #: the `TakeRecycled` token that took them (0: none): forgotten, the rows are queued
+    token: int = 0
 
 
 class StalenessStatus(_Msg):

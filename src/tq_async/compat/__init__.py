@@ -209,6 +209,16 @@ def _ray() -> Any:
     return ray
 
 
+def _ray_session() -> tuple[str, str] | None:
+    """This process's Ray session (its node and job), None when Ray is not initialised: a
+    session ended by ``ray.shutdown()`` ended the actors compat launched or found in it."""
+    ray = _ray()
+    if ray is None:
+        return None
+    context = ray.get_runtime_context()
+    return str(context.get_node_id()), str(context.get_job_id())
+
+
 def _in_ray_worker(ray: Any) -> bool:
     """True in a Ray task or actor (False in a driver)."""
     worker = getattr(ray.get_runtime_context(), "worker", None)
@@ -271,7 +281,9 @@ def _ray_cluster(flat: Mapping[str, Any]) -> tuple[Any, bool]:
 
 
 def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
-    """Attach this process to a cluster, starting one if there is none; idempotent.
+    """Attach this process to a cluster, starting one if there is none; idempotent (until a
+    ``ray.shutdown()`` ends the Ray session whose services it found or launched: the next
+    call attaches again, in the session Ray runs then).
 
     Where it attaches: the config's address or ``TQ_ADDRESS``; with Ray initialised, the
     job's services found by name (launched here when this is the driver and there are none;
@@ -301,6 +313,8 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     with _lock:
         if _state.get("pid") not in (None, os.getpid()):
             _forget_parents_state()  # inherited through fork: this process needs its own
+        if "client" in _state and _state.get("ray_session") not in (None, _ray_session()):
+            _close()  # found in a Ray session since shut down: its services went with it
         if "client" in _state:
             return _state["config"]  # type: ignore[no-any-return]
         flat = _flatten(conf) if conf is not None else {}
@@ -422,6 +436,7 @@ def _locate(flat: Mapping[str, Any]) -> tuple[str, BackgroundCluster | None, Any
         # for the processes this one starts (close() takes it back)
         os.environ["TQ_ADDRESS"] = ray_cluster.address
         _state["published"] = ray_cluster.address
+        _state["ray_session"] = _ray_session()  # its services live as long as the session
         return ray_cluster.address, None, ray_cluster if launched else None, where
     cluster = _start_cluster(flat)
     os.environ["TQ_ADDRESS"] = cluster.address
@@ -435,10 +450,13 @@ def _stop(cluster: BackgroundCluster) -> None:
     os.environ.pop("TQ_METRICS_ENDPOINT", None)
 
 
-def _stop_owned(cluster: BackgroundCluster | None, ray_cluster: Any) -> None:
+def _stop_owned(
+    cluster: BackgroundCluster | None, ray_cluster: Any, session: tuple[str, str] | None = None
+) -> None:
     if cluster is not None:
         _stop(cluster)
-    if ray_cluster is not None and _ray() is not None:
+    # launched in this Ray session (a later session may run others of the same name)
+    if ray_cluster is not None and session in (None, _ray_session()):
         ray_cluster.shutdown()
 
 
@@ -449,20 +467,26 @@ def close() -> None:
     close them first.
     """
     with _lock:
-        client: TransferQueueClient | None = _state.pop("client", None)
-        cluster: BackgroundCluster | None = _state.pop("cluster", None)
-        ray_cluster = _state.pop("ray_cluster", None)
-        published = _state.pop("published", None)
-        pid = _state.pop("pid", None)
-        _state.clear()
-        _first_indexes.clear()
-        if published is not None and os.environ.get("TQ_ADDRESS") == published:
-            del os.environ["TQ_ADDRESS"]
-        if pid != os.getpid():
-            return  # inherited through fork: the parent owns both
-        if client is not None:
-            client.close()
-        _stop_owned(cluster, ray_cluster)
+        _close()
+
+
+def _close() -> None:
+    """`close` (``_lock`` held)."""
+    client: TransferQueueClient | None = _state.pop("client", None)
+    cluster: BackgroundCluster | None = _state.pop("cluster", None)
+    ray_cluster = _state.pop("ray_cluster", None)
+    session = _state.pop("ray_session", None)
+    published = _state.pop("published", None)
+    pid = _state.pop("pid", None)
+    _state.clear()
+    _first_indexes.clear()
+    if published is not None and os.environ.get("TQ_ADDRESS") == published:
+        del os.environ["TQ_ADDRESS"]
+    if pid != os.getpid():
+        return  # inherited through fork: the parent owns both
+    if client is not None:
+        client.close()
+    _stop_owned(cluster, ray_cluster, session)
 
 
 def get_metrics_endpoint() -> str | None:

@@ -20,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
 from .._client._sync._client import Client as _Client
+from .._core._state import INTERNAL_PARTITION_PREFIX
 from .._errors import ClosedError, InvalidRequestError, PartitionNotFound, RowsNotFound
 from .._errors import TQTimeoutError as _TQTimeoutError
 from .._portal import tolerating_blocking
@@ -86,8 +87,9 @@ def as_list(value: str | Sequence[str], name: str) -> list[str]:
 
 
 #: the partition where compat numbers the partitions it has seen (one key per partition), so
-#: that global indexes seen through compat are unique across partitions
-REGISTRY = "__tq_async_compat__"
+#: that global indexes seen through compat are unique across partitions; an internal one (no
+#: capacity counts its rows: ``total_storage_size`` is the program's rows)
+REGISTRY = f"{INTERNAL_PARTITION_PREFIX}_compat__"
 #: ``(address, the service's state lineage, partition id) -> the partition's first global
 #: index``, per process (a service restarted without its state numbers its partitions anew)
 first_indexes: dict[tuple[str, bytes, str], int] = {}

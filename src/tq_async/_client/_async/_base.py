@@ -17,9 +17,13 @@ crosses a client module).
 
 from __future__ import annotations
 
+# unasync: async-only
+import asyncio
+
+# unasync: end
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -58,7 +62,8 @@ log = get_logger(__name__)
 _checked_fields: dict[tuple[str, ...], None] = {}
 
 
-def check_fields(data_fields: Any) -> list[str]:
+def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
+    """``data_fields`` as a list of field names (``name``: the argument, for the errors)."""
     if type(data_fields) is list or type(data_fields) is tuple:
         try:
             if tuple(data_fields) in _checked_fields:
@@ -67,18 +72,35 @@ def check_fields(data_fields: Any) -> list[str]:
             pass
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {type(data_fields).__name__} "
-            f"{data_fields!r}; write data_fields=[{data_fields!r}]"
+            f"{name} must be a list of field names, got {type(data_fields).__name__} "
+            f"{data_fields!r}; write {name}=[{data_fields!r}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(
-            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+            f"{name} must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
     for f in data_fields:
         check_text("field name", f)
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
+
+
+def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
+    """``tags``, checked to be one dict (or None) for each of ``n`` rows (or keys: ``of``).
+
+    Raises:
+        InvalidRequestError: it is no sequence (one dict, a generator, None), or not ``n``
+            long.
+    """
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Sequence):
+        hint = f": the same tags on every row are [tags] * {n}" if isinstance(tags, Mapping) else ""
+        raise InvalidRequestError(
+            f"tags must be a list of one dict per row (or None), got {type(tags).__name__}{hint}"
+        )
+    if len(tags) != n:
+        raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} {of}")
+    return tags
 
 
 class Links:
@@ -151,10 +173,11 @@ class Links:
         #: the watchers' shared requests and answers, by filter (`tq_async._client._async._feeds`)
         self.feeds = Feeds()
 
-    def close(self) -> None:
-        """Close every connection; calls still waiting fail with ClosedError."""
+    def close(self, farewell: Sequence[msgspec.Struct] = ()) -> None:
+        """Close every connection; calls still waiting fail with ClosedError. ``farewell``:
+        one-way messages the controller gets last (the aborts of the puts in flight)."""
         if self.controller is not None:
-            self.controller.close()
+            self.controller.close(farewell=farewell)
             self.controller = None
         self.same_host_units.close()
         for conn in self.units.values():
@@ -167,6 +190,9 @@ class Links:
         """In a child forked from the process that opened this client, start over with
         connections of the child's own, on first use; the parent's are left untouched."""
         if self._pid == os.getpid():
+            # unasync: async-only
+            _on_its_loop(self.controller)
+            # unasync: end
             return
         self._pid = os.getpid()
         old, self.controller = self.controller, None
@@ -181,8 +207,7 @@ class Links:
             self.nixl = NixlLinks(forced=self.nixl.forced)
         if old is not None:
             self._inherited.append(old)
-            # the same address the parent used (its verified same-host twin, if any)
-            self.controller = self.controller_connection(old.address, known_as=old.known_as)
+            self.controller = _redial(self, old)
 
     def connection(
         self,
@@ -541,6 +566,32 @@ class Links:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return decode(payload, typ)
+
+
+def _redial(links: Links, old: DealerConnection) -> DealerConnection:
+    """A forked child's connection to the controller, at the address its parent used (its
+    verified same-host twin, if any), or the address the program gave when that twin's
+    listen queue is full."""
+    try:
+        return links.controller_connection(old.address, known_as=old.known_as)
+    except BrokenError:
+        return links.controller_connection(old.known_as)
+
+
+# unasync: async-only
+def _on_its_loop(conn: DealerConnection | None) -> None:
+    """Raise unless ``conn`` (the client's controller connection) belongs to the running
+    event loop: a client's sockets are read by the loop that opened them."""
+    if conn is not None and conn._loop is not asyncio.get_running_loop():
+        raise InvalidRequestError(
+            "this AsyncClient is used on another event loop than the one that opened it (a "
+            "client belongs to the event loop that opened it: its sockets are that loop's); "
+            "open a client on each loop (`async with tq.AsyncClient.connect(address)` inside "
+            "it), or use the blocking tq.Client"
+        )
+
+
+# unasync: end
 
 
 def _lineage(hello: HelloReply) -> bytes:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -17,7 +18,7 @@ from ..._errors import (
     SchemaError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._primitives import run_each
 from ..._wire._checks import check_int, check_seconds
 from ..._wire._codec import check_text, tags_for_wire
@@ -55,7 +56,7 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
-from ._base import Links, as_int, check_fields
+from ._base import Links, as_int, check_fields, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
@@ -109,10 +110,17 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
             f"kv_put takes one key's fields (batch size [] or [1]), got {list(fields.batch_size)}"
             "; use kv_batch_put for several keys"
         )
-    return {
-        name: value.unsqueeze(0) if isinstance(value, torch.Tensor) else [value]
-        for name, value in fields.items()
-    }
+    return {name: _one_cell(value) for name, value in fields.items()}
+
+
+def _one_cell(value: Any) -> Any:
+    """One key's value of a field as a column of one row: a tensor or numpy array gets a
+    leading dimension (dense, as a batch of one), anything else is the list's one value."""
+    if isinstance(value, torch.Tensor):
+        return value.unsqueeze(0)
+    if isinstance(value, np.ndarray):
+        return value[np.newaxis]
+    return [value]
 
 
 #: ``(policy_version, n)`` pairs with admissions in doubt a client remembers (`ControlCalls`)
@@ -131,6 +139,8 @@ class ControlCalls:
         #: controller died or the link broke): the next such acquire asks with one of them,
         #: so an admission recorded before the loss is not taken twice
         self._unsettled: dict[tuple[int, int], list[int]] = {}
+        #: the same for `take_recycled`: ``max_rows`` -> tokens of takes in doubt
+        self._unsettled_takes: dict[int, list[int]] = {}
 
     async def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away."""
@@ -176,6 +186,7 @@ class ControlCalls:
 
     async def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
+        meta = check_meta(meta, "clear_samples")
         body = ClearSamples(meta.partition_id, list(meta.global_indexes), meta.incarnation)
         await self._links.call(body, None)
 
@@ -223,9 +234,8 @@ class ControlCalls:
 
     async def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
-        if len(tags) != len(meta):
-            raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(meta)} rows")
-        wire_tags = [t or {} for t in tags_for_wire(tags)]
+        meta = check_meta(meta, "set_tags")
+        wire_tags = [t or {} for t in tags_for_wire(tag_rows(tags, len(meta)))]
         body = SetTags(meta.partition_id, list(meta.global_indexes), wire_tags, meta.incarnation)
         await self._links.call(body, None)
 
@@ -267,21 +277,37 @@ class ControlCalls:
         await self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
 
     async def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
-        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition."""
-        body = TakeRecycled(check_int("max_rows", as_int(max_rows), 1))
+        """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
+
+        Asked again after a `BrokenError` (the reply may have been lost with the
+        controller), it names the lost take, and the controller hands out the same rows."""
+        n = check_int("max_rows", as_int(max_rows), 1)
+        unsettled = self._unsettled_takes.pop(n, None)
+        token = unsettled.pop() if unsettled else secrets.randbits(62) + 1
+        if unsettled:
+            self._unsettled_takes[n] = unsettled
+        body = TakeRecycled(n, token)
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # handed out, but the caller gave up before it knew: queue them again
             if reply.ok and self._links.controller is not None:
                 taken: list[RecycledRows] = decode(reply.payload, list[RecycledRows])
                 for r in taken:
-                    back = ReturnRecycled(r.partition_id, r.meta.incarnation, r.meta.rows)
+                    back = ReturnRecycled(
+                        r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id, token
+                    )
                     self._links.controller.send_best_effort(back)
 
-        controller = await self._links.controller_link()
-        payload, _ = await controller.request(
-            body, timeout=self._links.request_timeout, on_abandon=on_abandon
-        )
+        try:
+            controller = await self._links.controller_link()
+            payload, _ = await controller.request(
+                body, timeout=self._links.request_timeout, on_abandon=on_abandon
+            )
+        except BrokenError:
+            self._unsettled_takes.setdefault(n, []).append(token)
+            if len(self._unsettled_takes) > _UNSETTLED:  # sizes never asked for again
+                del self._unsettled_takes[next(iter(self._unsettled_takes))]
+            raise
         got: list[RecycledRows] = decode(payload, list[RecycledRows])
         return [
             BatchMeta(
@@ -291,6 +317,7 @@ class ControlCalls:
                 units=r.meta.units,
                 tags=r.meta.tags,
                 policy_versions=r.meta.versions,
+                lease_id=r.meta.lease_id,
                 incarnation=r.meta.incarnation,
             )
             for r in got
@@ -312,9 +339,7 @@ class ControlCalls:
         if fields is None:
             if tags is None:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
-            if len(tags) != len(key_list):
-                raise InvalidRequestError(f"got {len(tags)} tag dicts for {len(key_list)} keys")
-            wire = [t or {} for t in tags_for_wire(tags)]
+            wire = [t or {} for t in tags_for_wire(tag_rows(tags, len(key_list), "keys"))]
             return await self._tag_keys(
                 partition_id, key_list, wire, [dict(t) if t else {} for t in tags]
             )

@@ -8,11 +8,12 @@ the read path (`GetPath`), which reads them from it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..._errors import InvalidRequestError
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device
 from ..._wire._checks import MAX_INT, check_also, check_int, check_sampling_config, check_seconds
 from ..._wire._codec import check_text
@@ -102,7 +103,7 @@ def meta_query(
     # (every get_meta runs this: a check whose argument is left at its default is skipped,
     # the defaults being valid)
     as_nested = nested if nested is False else check_nested(nested)
-    target = None if device is None else check_device(device)
+    target = None if device is None else check_device(device, here=True)
     fields = check_fields(data_fields)
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_INT:
         check_int("batch_size", batch_size, 1)
@@ -115,10 +116,10 @@ def meta_query(
     if mode != "fetch" and mode != "peek":
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
     if timeout is not None and (isinstance(timeout, bool) or timeout != 0):  # 0: answer now
-        check_seconds("timeout", timeout)
+        _check_timeout(timeout)
     if lease is not None:
         check_seconds("lease", lease)
-    cfg = dict(sampling_config) if sampling_config else None
+    cfg = None if sampling_config is None else _config(sampling_config)
     if cfg is not None:
         _check_dp_config(cfg)
         check_sampling_config(cfg)
@@ -143,15 +144,51 @@ def meta_query(
     )
 
 
-def lease_ids(metas: BatchMeta | Sequence[BatchMeta] | None) -> list[int] | None:
-    """The lease ids of the leased batches among ``metas`` (None when there are none)."""
+def _check_timeout(timeout: Any) -> None:
+    """A read's ``timeout`` other than None and 0: positive, finite seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        check_seconds("timeout", timeout)  # (raises, naming the type)
+    if not math.isfinite(timeout) or timeout < 0:
+        raise InvalidRequestError(
+            f"timeout must be finite seconds >= 0 or None, got {timeout!r}; pass e.g. "
+            "timeout=30, timeout=0 to answer only what is ready now, or timeout=None to wait "
+            "without a deadline"
+        )
+
+
+def lease_ids(metas: Any) -> list[int] | None:
+    """The lease ids of the leased batches among ``metas`` (a `BatchMeta` or a sequence of
+    them; None when there are none).
+
+    Raises:
+        InvalidRequestError: ``metas`` is neither (the message names what it is).
+    """
     if metas is None:
         return None
-    items = [metas] if isinstance(metas, BatchMeta) else list(metas)
-    return [m.lease_id for m in items if m.lease_id] or None
+    if isinstance(metas, BatchMeta):
+        return [metas.lease_id] if metas.lease_id else None
+    if isinstance(metas, (str, bytes)) or not isinstance(metas, Sequence):
+        check_meta(metas, "ack")  # (raises, naming what it got)
+    return [m.lease_id for m in metas if check_meta(m, "ack").lease_id] or None
 
 
 _TAILS = ("uneven", "drop", "error")
+
+
+def _config(sampling_config: Any) -> dict[str, Any] | None:
+    """A copy of a ``sampling_config`` (None when empty), checked to be a dict of names."""
+    if not isinstance(sampling_config, Mapping):
+        raise InvalidRequestError(
+            f"sampling_config must be a dict, e.g. {{'dp_rank': 0, 'batch_index': 3}}, got "
+            f"{type(sampling_config).__name__} {sampling_config!r:.80}"
+        )
+    for key in sampling_config:
+        if not isinstance(key, str):
+            raise InvalidRequestError(
+                f"sampling_config's keys are names (strings), got {key!r} of type "
+                f"{type(key).__name__}"
+            )
+    return dict(sampling_config) or None
 
 
 def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -60,7 +60,8 @@ log = get_logger(__name__)
 _checked_fields: dict[tuple[str, ...], None] = {}
 
 
-def check_fields(data_fields: Any) -> list[str]:
+def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
+    """``data_fields`` as a list of field names (``name``: the argument, for the errors)."""
     if type(data_fields) is list or type(data_fields) is tuple:
         try:
             if tuple(data_fields) in _checked_fields:
@@ -69,18 +70,35 @@ def check_fields(data_fields: Any) -> list[str]:
             pass
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
         raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {type(data_fields).__name__} "
-            f"{data_fields!r}; write data_fields=[{data_fields!r}]"
+            f"{name} must be a list of field names, got {type(data_fields).__name__} "
+            f"{data_fields!r}; write {name}=[{data_fields!r}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(
-            f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
+            f"{name} must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
     for f in data_fields:
         check_text("field name", f)
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
+
+
+def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
+    """``tags``, checked to be one dict (or None) for each of ``n`` rows (or keys: ``of``).
+
+    Raises:
+        InvalidRequestError: it is no sequence (one dict, a generator, None), or not ``n``
+            long.
+    """
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Sequence):
+        hint = f": the same tags on every row are [tags] * {n}" if isinstance(tags, Mapping) else ""
+        raise InvalidRequestError(
+            f"tags must be a list of one dict per row (or None), got {type(tags).__name__}{hint}"
+        )
+    if len(tags) != n:
+        raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} {of}")
+    return tags
 
 
 class Links:
@@ -153,10 +171,11 @@ class Links:
         #: the watchers' shared requests and answers, by filter (`tq_async._client._sync._feeds`)
         self.feeds = Feeds()
 
-    def close(self) -> None:
-        """Close every connection; calls still waiting fail with ClosedError."""
+    def close(self, farewell: Sequence[msgspec.Struct] = ()) -> None:
+        """Close every connection; calls still waiting fail with ClosedError. ``farewell``:
+        one-way messages the controller gets last (the aborts of the puts in flight)."""
         if self.controller is not None:
-            self.controller.close()
+            self.controller.close(farewell=farewell)
             self.controller = None
         self.same_host_units.close()
         for conn in self.units.values():
@@ -183,8 +202,7 @@ class Links:
             self.nixl = NixlLinks(forced=self.nixl.forced)
         if old is not None:
             self._inherited.append(old)
-            # the same address the parent used (its verified same-host twin, if any)
-            self.controller = self.controller_connection(old.address, known_as=old.known_as)
+            self.controller = _redial(self, old)
 
     def connection(
         self,
@@ -539,6 +557,16 @@ class Links:
             body, timeout=self.request_timeout if timeout is True else timeout or None
         )
         return decode(payload, typ)
+
+
+def _redial(links: Links, old: BlockingConnection) -> BlockingConnection:
+    """A forked child's connection to the controller, at the address its parent used (its
+    verified same-host twin, if any), or the address the program gave when that twin's
+    listen queue is full."""
+    try:
+        return links.controller_connection(old.address, known_as=old.known_as)
+    except BrokenError:
+        return links.controller_connection(old.known_as)
 
 
 def _lineage(hello: HelloReply) -> bytes:

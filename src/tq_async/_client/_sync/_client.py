@@ -53,6 +53,7 @@ from ..._transport._hosts import resolve_host_id
 from ..._transport._security import CurveClient
 from ..._transport._sync_dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL
 from ..._wire._checks import check_int, check_seconds
+from ..._wire._codec import check_text
 from ..._wire._listing import KVListing
 from .._options import ClientOptions
 from ._base import Links
@@ -87,41 +88,43 @@ class Client:
             most ``request_timeout``) before it fails with `TQTimeoutError`
             naming the address (a host that drops the connection attempts, or a peer that
             never answers; ZMQ alone would wait forever). A refused connection (nothing
-            listens at the address) fails at once with `BrokenError`.
+            listens at the address) fails at once with `BrokenError`. Default: 10.
         request_timeout: seconds any single non-waiting request may take before it fails with
-            `TQTimeoutError` (a dead service never hangs the caller).
-        allow_pickle: let this client pickle values msgpack cannot carry. None follows the
-            controller's setting.
-        curve: CURVE keys, when the services require them (see `CurveClient`).
+            `TQTimeoutError` (a dead service never hangs the caller). Default: 60.
+        allow_pickle: let this client pickle values msgpack cannot carry. None (the
+            default) follows the controller's setting.
+        curve: CURVE keys, when the services require them (see `CurveClient`; default:
+            None, plain connections).
         retry_after: when a request with a deadline has no reply after this many seconds,
             reconnect (same identity) and resend it; services deduplicate retried requests,
-            so nothing runs twice. None disables retries. A same-host Unix-socket
+            so nothing runs twice (default: 10). None disables retries. A same-host Unix-socket
             connection is not retried: it loses nothing without reporting its end, so a
             silent service there is a busy one, waited for up to ``request_timeout``.
         inline_put_bytes: a put of at most this many bytes whose rows sit on one storage
             unit (new rows always do) goes to the controller in one message, which stores
             and commits it (`PutInline`): one round trip instead
             of three, and the lowest put-to-consumer latency. Larger puts send their columns
-            straight to the units. 0 disables it.
+            straight to the units. 0 disables it. Default: 65536 (64 KiB).
         inline_get_bytes: `get` asks the controller to send the cells along with the
             batch's metadata when they sit in storage units of the controller's own process
             (``local_cluster``, ``tq-async serve``) and take at most this many bytes: one
             round trip instead of two. Otherwise it reads them from the units. 0 disables it.
+            Default: 1048576 (1 MiB).
         shared_memory: with a storage unit on this host (verified: the client must read a
             token the unit wrote into its shared memory), puts of at least 64 KiB copy their
             column bytes straight into the unit's memory and reads copy out of it, instead of
-            sending them through a socket (see ``docs/deployment.md``). False always uses
-            the socket.
+            sending them through a socket (see ``docs/deployment.md``; the default, True).
+            False always uses the socket.
         same_host: False treats every service as remote: no shared memory (whatever
-            ``shared_memory`` says) and the addresses exactly as given.
+            ``shared_memory`` says) and the addresses exactly as given (default: True).
         busy_poll: seconds a request to a service on this host (over its Unix socket) with
             no other request in flight reads its socket for the reply before it parks in the
             event loop: waking a parked process costs 25-30 us on a VM, which this saves, at
             the price of up to this much CPU per request. After a poll that caught nothing
             (the service was waiting for data) the next 1, 2, ... 64 requests park at once.
-            0 turns it off.
-        data_path: how column bytes travel to and from the storage units: ``"auto"``
-            (shared memory with a unit on this host; NIXL with one on another host when both
+            0 turns it off. Default: 1e-4 (100 us).
+        data_path: how column bytes travel to and from the storage units: ``"auto"`` (the
+            default: shared memory with a unit on this host; NIXL with one on another host when both
             have it, this host has RDMA hardware and this client does not use CURVE; the
             socket otherwise), ``"shm"`` (no
             NIXL), ``"nixl"`` (NIXL with every unit that offers it, this host's too) or
@@ -166,6 +169,7 @@ class Client:
             address, request_timeout, connect_timeout, retry_after, busy_poll, data_path
         )
         _check_inline(inline_put_bytes, inline_get_bytes)
+        _check_identity(host_id, curve)
         self.connect_timeout = connect_timeout
         self.address = address
         self.request_timeout = request_timeout
@@ -222,13 +226,15 @@ class Client:
             BrokenError: nothing listens at the address (the connection was refused), or
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
+            InvalidRequestError: the address is malformed (e.g. ``tcp://HOST`` without a port).
         """
         self._links.open(min(self.connect_timeout, self.request_timeout), self.same_host)
         return self
 
     def close(self) -> None:
-        """Close every socket; calls still waiting fail with `ClosedError`."""
-        self._links.close()
+        """Close every socket; calls still waiting fail with `ClosedError` (the puts among
+        them are aborted)."""
+        self._links.close(self._puts.farewell())
 
     @property
     def closed(self) -> bool:
@@ -730,7 +736,9 @@ class Client:
         Waits (event-driven) while ``policy_version - learner_version > max_staleness`` or
         while ``n`` more rows would exceed the capacity (see ``AdmissionConfig``); then
         reserves ``n`` slots, freed when the learner task consumes the rows (or by
-        `release_rollout`, or when unconsumed rows are cleared). A `put` that fails or is
+        `release_rollout`, or when unconsumed rows are cleared). Put the rows with
+        ``policy_version=``: only rows that carry one are admitted rollouts and free a slot
+        (rows put without one, e.g. prompts, free none). A `put` that fails or is
         cancelled frees none, wherever it stopped: put again, or `release_rollout`.
 
         Raises:
@@ -752,7 +760,16 @@ class Client:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
 
         Each recycled row is handed out exactly once; read its prompt fields with
-        `get_data` and put the regenerated sample as a new row.
+        `get_data`, put the regenerated sample as a new row, and `ack` the BatchMeta. Where
+        the partition auto-clears (`register_tasks`), recycled rows are held, as a fetch's
+        rows are: kept until taken, then until acknowledged (``meta.lease_id``), so their
+        prompts are never freed before they are read; without auto-clear the ack is a no-op.
+
+        Raises:
+            BrokenError: the controller went away while it answered (the rows may have been
+                handed out: a durable controller remembers). Ask again with the same
+                ``max_rows``: the client names the take in doubt, and the controller hands
+                out the same rows (those still there), never losing them.
 
         Cancellation: rows handed out to a call cancelled (or timed out) before it returned
         are queued again for the next `take_recycled`.
@@ -900,6 +917,10 @@ class Client:
             CheckpointError: the checkpoint is missing, corrupt, partial or of another format
                 version (nothing was loaded).
             InvalidRequestError: a partition of the checkpoint already exists.
+
+        Cancellation: before the last step (the commit) went out, nothing is loaded (the
+        staged partitions and their cells are dropped); once it went out, the load
+        completes (all of it): `list_partitions` tells which.
         """
         return self._calls.load_checkpoint(path)
 
@@ -930,13 +951,29 @@ def _checked(
     """The client's connection options checked (a clear error for each bad one): the data
     path and the busy poll as the client keeps them."""
     check_seconds("request_timeout", request_timeout, optional=False)
+    check_seconds("connect_timeout", connect_timeout, optional=False)
     check_seconds("retry_after", retry_after)
     check_address(address)
-    if connect_timeout <= 0:
-        raise InvalidRequestError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
     return check_data_path(data_path), _check_busy_poll(busy_poll)
 
 
 def _check_inline(inline_put_bytes: int, inline_get_bytes: int) -> None:
     check_int("inline_put_bytes", inline_put_bytes)
     check_int("inline_get_bytes", inline_get_bytes)
+
+
+def _check_identity(host_id: Any, curve: Any) -> None:
+    """``host_id`` (a string, or None) and ``curve`` (a `CurveClient`, or None), checked
+    before anything is sent (a wrong type reached the services, or failed deep inside)."""
+    if host_id is not None:
+        if not isinstance(host_id, str):
+            raise InvalidRequestError(
+                f"host_id must be a string (or None: this host's), got "
+                f"{type(host_id).__name__} {host_id!r}"
+            )
+        check_text("host_id", host_id)
+    if curve is not None and not isinstance(curve, CurveClient):
+        raise InvalidRequestError(
+            f"curve must be a tq.CurveClient (the server's public key and this client's "
+            f"key pair; see tq.curve_keypair), got {type(curve).__name__}"
+        )

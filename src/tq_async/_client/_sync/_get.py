@@ -25,7 +25,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device, copies_to, read_onto, to_device_now
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
@@ -60,7 +60,7 @@ from ..._wire._protocol import (
     StoredColumns,
     StoreGet,
 )
-from ._base import THREAD_COPY_BYTES, Links
+from ._base import THREAD_COPY_BYTES, Links, check_fields
 from ._query import MetaQuery, check_nested, lease_ids
 from ._replies import decode
 
@@ -281,6 +281,17 @@ def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
     return host
 
 
+def _read_fields(fields: Any) -> list[str]:
+    """`get_data`'s ``fields``, checked: names (any sequence of them; an empty one reads
+    no column)."""
+    if not isinstance(fields, (str, bytes, list, tuple)):
+        with contextlib.suppress(TypeError):  # (not iterable: check_fields names it)
+            fields = list(fields)
+    if type(fields) in (list, tuple) and not fields:
+        return []
+    return check_fields(fields, "fields")
+
+
 def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -338,9 +349,10 @@ class GetPath:
         device: Any = None,
     ) -> TensorDict:
         """Read the cells of ``meta``'s rows (``fields`` defaults to ``meta.field_names``)."""
-        names = list(fields) if fields is not None else list(meta.field_names)
+        meta = check_meta(meta, "get_data")
+        names = list(meta.field_names) if fields is None else _read_fields(fields)
         as_nested = check_nested(nested)
-        target = check_device(device)
+        target = check_device(device, here=True)
         n = len(meta)
         if n == 0 or not names:
             return to_device_now(self._empty(meta, names, as_nested), target)
@@ -507,7 +519,10 @@ class GetPath:
             if query.mode == "fetch" and meta.batch_index is None and len(meta):
                 # the rows go back, and their lease or hold is dropped with them
                 with cleanup_scope(5):
-                    self.release(meta)
+                    try:
+                        self.release(meta)
+                    except Exception as exc:  # the read's own outcome matters more
+                        log.warning("could not give back the rows of a failed get", error=str(exc))
             # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
@@ -568,6 +583,7 @@ class GetPath:
 
     def release(self, meta: BatchMeta) -> None:
         """Give rows a task fetched back to it: they become ready again for ``meta.task_name``."""
+        meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
         body = Release(

@@ -10,6 +10,7 @@ visible to consumers only at the commit, with their tags.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -26,7 +27,7 @@ from ..._errors import (
     SessionLostError,
 )
 from ..._logging import get_logger
-from ..._meta import BatchMeta
+from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import (
     DeviceFrame,
     copy_frames_now,
@@ -65,7 +66,7 @@ from ..._wire._protocol import (
     StoreClear,
     StorePut,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int
+from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
 from ._replies import ask_grant, decode
 
@@ -126,6 +127,40 @@ class _Put:
     versions: list[int] | None
 
 
+def _undo(
+    links: Links, put: _Put, placement: Placement, sent: list[tuple[BlockingConnection, StorePut]]
+) -> None:
+    """Reclaim what a three-step put that failed (or was cancelled) after its placement
+    holds: its put lease, its new rows and the cells it sent (best effort: the put's own
+    error is what its caller gets)."""
+    controller = links.controller
+    if controller is None:
+        return  # closed meanwhile: the close aborted the put (`PutPath.farewell`)
+    if placement.put_id:
+        # new rows not committed are reclaimed at once (a keyed put's too)
+        controller.send_best_effort(AbortPut([placement.put_id]))
+    if put.meta is not None or put.keys is not None:
+        return
+    partition_id, gone = put.partition_id, False
+    with cleanup_scope(5):
+        try:
+            undo = ClearSamples(partition_id, placement.rows, placement.incarnation, undo=True)
+            links.call(undo, None)
+            gone = True
+        except RowsNotFound:
+            gone = True  # already gone (e.g. lost with their storage unit)
+        except Exception as exc:  # the original error matters more
+            log.warning("could not clear rows of a failed put", error=str(exc))
+    if gone:
+        # the clear the controller sends a unit travels on another connection than the
+        # put's columns, which may still be on their way (megabytes through the socket):
+        # the unit would store them after it, for rows nobody has. A clear sent after them
+        # on their own connection frees them -- only once the controller has no such rows:
+        # a commit whose reply was lost may have been journaled, and its cells must stay
+        for conn, store in sent:
+            conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
+
+
 class PutPath:
     """The put path of a client: `put` and `put_nowait` (and the keyed puts of the KV
     calls) through `write`, over the client's links."""
@@ -133,6 +168,17 @@ class PutPath:
     def __init__(self, links: Links, *, inline_put_bytes: int) -> None:
         self._links = links
         self.inline_put_bytes = inline_put_bytes
+        #: put id -> the process that placed it, for puts not yet committed or aborted
+        self._open: dict[int, int] = {}
+
+    def farewell(self) -> list[AbortPut]:
+        """What a client closing while puts of this process are in flight sends last: their
+        aborts (they fail with ClosedError; their rows are reclaimed at once, not when the
+        put lease lapses)."""
+        pid = os.getpid()
+        mine = sorted(put_id for put_id, owner in self._open.items() if owner == pid)
+        self._open.clear()
+        return [AbortPut(mine)] if mine else []
 
     def write(
         self,
@@ -150,6 +196,7 @@ class PutPath:
         ``meta``), `put_nowait` (``nowait``: `WouldBlock` instead of waiting for room), or a
         keyed put of the KV calls (``keys``)."""
         if meta is not None:
+            meta = check_meta(meta, "put")
             if partition_id is not None and partition_id != meta.partition_id:
                 raise InvalidRequestError(
                     f"partition_id {partition_id!r} contradicts meta.partition_id "
@@ -172,9 +219,7 @@ class PutPath:
             raise SchemaError(f"the batch has {n} rows but {len(keys)} keys; they must match")
         tag_list: list[dict[str, Any] | None] | None = None
         if tags is not None:
-            if len(tags) != n:
-                raise InvalidRequestError(f"got {len(tags)} tag dicts for {n} rows")
-            tag_list = tags_for_wire(tags)
+            tag_list = tags_for_wire(tag_rows(tags, n))
         versions = _check_versions(policy_version, n)
         check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
@@ -302,6 +347,8 @@ class PutPath:
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
         sent: list[tuple[BlockingConnection, StorePut]] = []
+        if placement.put_id:
+            self._open[placement.put_id] = os.getpid()
         try:
             self._store(partition_id, placement, headers, put.columns, sent)
             commit = PutCommit(
@@ -315,35 +362,10 @@ class PutPath:
             )
             self._links.call(commit, None)
         except BaseException:
-            if placement.put_id and self._links.controller is not None:
-                # new rows not committed are reclaimed at once (a keyed put's too)
-                self._links.controller.send_best_effort(AbortPut([placement.put_id]))
-            if meta is None and keys is None:
-                gone = False
-                with cleanup_scope(5):
-                    try:
-                        undo = ClearSamples(
-                            partition_id, placement.rows, placement.incarnation, undo=True
-                        )
-                        self._links.call(undo, None)
-                        gone = True
-                    except RowsNotFound:
-                        gone = True  # already gone (e.g. lost with their storage unit)
-                    except Exception as exc:  # the original error matters more
-                        log.warning("could not clear rows of a failed put", error=str(exc))
-                if gone:
-                    # the clear the controller sends a unit travels on another connection
-                    # than the put's columns, which may still be on their way (megabytes
-                    # through the socket): the unit would store them after it, for rows
-                    # nobody has. A clear sent after them on their own connection frees
-                    # them -- only once the controller has no such rows: a commit whose
-                    # reply was lost may have been journaled, and its cells must stay
-                    for conn, store in sent:
-                        conn.send_best_effort(
-                            StoreClear(partition_id, store.rows, store.incarnation)
-                        )
+            _undo(self._links, put, placement, sent)
             raise
         finally:
+            self._open.pop(placement.put_id, None)
             if renewal is not None:
                 renewal.cancel()
         return placement
