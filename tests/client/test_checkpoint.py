@@ -648,3 +648,40 @@ async def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> N
     assert (a_dir / "notes.txt").read_text() == "mine too"
     assert sorted(os.listdir(tmp_path)) == ["dir", "empty", "file"]
     assert tq.checkpoint_metadata(empty) == {}
+
+
+class _Counts(tq.SequentialSampler):
+    """Counts its batches in ``_states`` (what a checkpoint saves)."""
+
+    def sample(self, ready: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        self._states["n"] = self._states.get("n", 0) + 1
+        return super().sample(ready, batch_size, *args, **kwargs)
+
+
+class _CannotLoad(tq.SequentialSampler):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise KeyError("rng")
+
+
+async def test_a_sampler_that_cannot_load_the_saved_state_restores_nothing(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint loaded by a controller whose sampler cannot read the saved state: a
+    `CheckpointError` naming the sampler and what to do, and no partition restored. Before,
+    the sampler's bare ``KeyError`` came back after the partitions had been made live, the
+    sampler's state half loaded."""
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_Counts()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await fill(client)
+        await client.get_meta(["ids"], 2, "p", "ref")
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=_CannotLoad()) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.CheckpointError, match=r"sampler _CannotLoad.*KeyError.*restored"):
+            await client.load_checkpoint(ckpt)
+        assert await client.list_partitions() == []

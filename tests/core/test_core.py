@@ -354,6 +354,32 @@ def test_a_recorded_batch_on_a_suspended_unit_waits_for_it(back: str) -> None:
     assert rows_of(get(core, rank1, now=60.0)) == ([4, 5, 6, 7] if back == "up" else [])
 
 
+class _Twice(SequentialSampler):
+    """Answers the first ready row twice (a with-replacement draw), consuming it once."""
+
+    def sample(self, ready: Any, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+        rows = list(ready)[:1]
+        return (rows * 2, rows) if rows else ([], [])
+
+
+def test_a_lease_on_a_row_answered_twice_gives_it_back_once() -> None:
+    """A sampler answered one row twice in a batch and consumed it once; the batch's lease ran
+    out. The row goes back to the task once: before, each copy was released, and the task's
+    consumed count went below zero (-1), so "every row consumed" (end of stream with
+    ``stop_when_consumed``, ``partition_info``) was off by one for ever."""
+    core = new_core(_Twice())
+    put(core, 2)
+    assert rows_of(get(core, req(2, lease=5.0))) == [0, 0]
+    core.advance(10.0)  # the lease ran out
+    p = core.state.partition("p")
+    assert p.consumed_count["t"] == 0
+    again = [rows_of(get(core, req(2), now=10.0)) for _ in range(2)]
+    assert sorted(again) == [[0, 0], [1, 1]]
+    assert p.consumed_count["t"] == 2
+    drained = GetMeta("p", ["x"], 2, "t", None, stop_when_consumed=True)
+    assert is_end(get(core, drained, now=10.0))  # every row consumed: the stream ends
+
+
 def test_a_restarted_unit_loses_what_it_held() -> None:
     core = new_core()
     put(core, 4)

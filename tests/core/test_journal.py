@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from tq_async import CheckpointError, SequentialSampler
 from tq_async._core._admission import ADMITTED_TOKENS
 from tq_async._core._dumps import partition_dump
 from tq_async._core._journal import (
@@ -178,6 +179,25 @@ def test_a_replay_after_a_restart_waits_for_its_unit_and_is_woken_when_it_is_bac
     assert decision is None  # its rows are neither handed out nor lost: it waits
     assert Wakeup("p") in again.unit_up(first.units[0]).wakeups
     assert get(again, fetch(4, batch_index=0), now=2.0).rows == first.rows
+
+
+class _CannotLoad(SequentialSampler):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise KeyError("rng")
+
+
+def test_a_sampler_that_cannot_load_its_state_is_a_clear_error_at_start() -> None:
+    """A controller restarted with a sampler whose ``load_state_dict`` raises (another
+    sampler than the one that wrote the journal): a `CheckpointError` naming the sampler and
+    what to do, not the sampler's bare ``KeyError('rng')``."""
+    core = new_core()
+    put(core, 2)
+    ctl = decode_controller(encode(controller_record(core, {}, 1000.0)))
+    parts = [decode_partition(encode(partition_record(p, 0.0, 1000.0))) for p in _parts(core)]
+    again = ControllerCore(ControllerState(), _CannotLoad())
+    expected = r"sampler _CannotLoad \(default\).*KeyError.*data_dir"
+    with pytest.raises(CheckpointError, match=expected):
+        recover(again, ctl, parts, 1.0, 1001.0, {})
 
 
 def test_rows_reserved_while_puts_are_open_are_skipped_by_recovery() -> None:

@@ -363,16 +363,19 @@ async def test_a_peek_with_a_dp_rank_leaves_caching_samplers_as_they_were(make: 
         assert sampler.cache_size == 0
 
 
-@pytest.mark.parametrize("tail", [None, "uneven", "drop"])
+@pytest.mark.parametrize(
+    ("built", "tail"),
+    [(None, None), (None, "uneven"), (None, "drop"), ("error", "uneven"), ("error", "drop")],
+)
 async def test_a_peek_of_a_short_final_seqlen_batch_follows_the_fetch_tail(
-    tail: str | None,
+    tail: str | None, built: str | None
 ) -> None:
     """`SeqlenBalancedSampler` built without a ``tail`` follows the caller's policy
     (``"uneven"`` by default) for a fetch; a peek of the same batch followed the sampler's
     own fallback instead (``"error"``: the peek of a final batch with fewer groups than
     ranks failed with a ``ValueError`` the fetch never raises). A peek shows what the fetch
-    then hands out."""
-    sampler = tq.SeqlenBalancedSampler(dp_size=2)
+    then hands out, and the request's ``tail`` wins over the sampler's own in both."""
+    sampler = tq.SeqlenBalancedSampler(dp_size=2, tail=built)
     async with (
         tq.local_cluster(num_storage_units=1, task_samplers={"learner": sampler}) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,

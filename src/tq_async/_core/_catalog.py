@@ -22,6 +22,7 @@ from ._effects import Effects
 from ._events import partition_snapshot
 from ._leases import GetLeases
 from ._put_leases import PutLeases
+from ._sampling import load_states
 from ._state import ControllerState, Partition, Wakeup
 
 __all__ = ["TAKEN_TOKENS", "Catalog"]
@@ -192,6 +193,16 @@ class Catalog:
         missing = [pid for pid in partition_ids if pid not in st.restoring]
         if missing:
             raise InvalidRequestError(f"partitions {missing} are not being restored")
+        if sampler_state:  # first: a sampler that cannot load its state restores nothing
+            default, by_task = samplers
+            named = [("default", default)] + [(f"task:{t}", s) for t, s in by_task.items()]
+            load_states(
+                named,
+                sampler_state,
+                "the checkpoint",
+                "load it with the samplers that saved it (or make load_state_dict read that "
+                "state); no partition was restored",
+            )
         fx = Effects(wakeups=[Wakeup(pid) for pid in partition_ids])
         for pid in partition_ids:
             p = st.partitions[pid] = st.restoring.pop(pid)
@@ -210,11 +221,6 @@ class Catalog:
             # are freed (no ack will ever come for them)
             if st.auto_clear:
                 self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
-        if sampler_state:
-            default, by_task = samplers
-            default.load_state_dict(sampler_state.get("default", {}))
-            for t, smp in by_task.items():
-                smp.load_state_dict(sampler_state.get(f"task:{t}", {}))
         return fx
 
     def restore_abort(self, partition_ids: Sequence[str]) -> dict[str, str]:

@@ -40,6 +40,7 @@ from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
 from ._dumps import dump_rows, restore_partition
 from ._effects import Effects
+from ._sampling import load_states
 from ._state import Changes, Lease, Partition, PutLease
 from ._transitions import ControllerCore
 
@@ -760,10 +761,13 @@ def recover(
         if follow is not None:
             follow(p)
     fx = core.abort_puts([put_id for rec in parts for put_id, _ in rec.puts])
-    default, by_task = core.sampler, core.task_samplers
-    default.load_state_dict(ctl.sampler_state.get("default", {}))
-    for t, smp in by_task.items():
-        smp.load_state_dict(ctl.sampler_state.get(f"task:{t}", {}))
+    load_states(
+        named_samplers(core),
+        ctl.sampler_state,
+        "the controller's journal",
+        "start the controller with the samplers that wrote it (or make load_state_dict read "
+        "that state), or move the data_dir away to start an empty controller",
+    )
     for unit, address in ctl.units.items():
         if unit in local_units or unit in ctl.dead_units:
             continue

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Generator, Sequence, Sized
+from collections.abc import Awaitable, Generator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import InvalidRequestError, TQError
+from .._errors import CheckpointError, InvalidRequestError, TQError
 from .._logging import get_logger
 from .._wire._protocol import GetMeta, MetaReply
 from ..samplers import BaseSampler, StaleRows
@@ -29,6 +29,7 @@ __all__ = [
     "SampleCall",
     "accepted_kwargs",
     "apply_tail",
+    "load_states",
     "check_result",
     "check_shares",
     "sampler_error",
@@ -266,3 +267,19 @@ def apply_tail(req: GetMeta, shares: list[list[int]], tail: str) -> list[list[in
         dp_size=len(shares),
     )
     return [s[:keep] for s in shares]
+
+
+def load_states(
+    samplers: Sequence[tuple[str, Any]], states: Mapping[str, Any], source: str, fix: str
+) -> None:
+    """``load_state_dict`` each ``(name, sampler)`` with ``states[name]`` (``{}``: none);
+    what a sampler raises is a `CheckpointError` naming it, the state's ``source`` and
+    what to do (``fix``), not the sampler's bare exception."""
+    for name, smp in samplers:
+        try:
+            smp.load_state_dict(states.get(name, {}))
+        except Exception as exc:
+            raise CheckpointError(
+                f"sampler {type(smp).__name__} ({name}) could not load its state from "
+                f"{source} ({type(exc).__name__}: {exc}); {fix}"
+            ) from None

@@ -408,11 +408,13 @@ class Partition:
         return consumed
 
     def release(self, task: str, rows: Sequence[int]) -> list[int]:
-        """Undo ``consume`` for rows still alive; the rows that became ready again."""
+        """Undo ``consume`` for rows still alive; the rows that became ready again (each
+        once: a batch may name a row twice, as a with-replacement sampler answers)."""
         consumed = self.consumed.get(task)
         if consumed is None:
             return []
-        back = [r for r in rows if 0 <= r < self.n_rows and self.alive[r] and consumed[r]]
+        n, alive = self.n_rows, self.alive
+        back = [r for r in dict.fromkeys(rows) if 0 <= r < n and alive[r] and consumed[r]]
         if self.changes is not None:
             self.changes.rows.update(back)
         for r in back:

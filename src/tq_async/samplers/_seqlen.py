@@ -62,10 +62,10 @@ class SeqlenBalancedSampler(GroupingSampler):
             (a ``ValueError``), ``"drop"`` (its rows are consumed without being delivered,
             with a warning, and every rank sees the end of the stream together, which keeps
             collectives in step) or ``"uneven"`` (some ranks get one group, the others an
-            empty batch). None (the default): the caller's policy, as for every sampler
-            (``sampling_config["tail"]``, ``"uneven"`` unless asked otherwise; see "DP ranks
-            in lockstep" in ``docs/guarantees.md``); called directly without a ``tail``
-            keyword, ``"error"``.
+            empty batch); a request's ``sampling_config["tail"]`` wins over it, as for
+            every sampler (see "DP ranks in lockstep" in ``docs/guarantees.md``). None (the
+            default): the request's, ``"uneven"`` unless it asks otherwise; called directly
+            without a ``tail`` keyword, ``"error"``.
         locality_slack: how much heavier than the unconstrained split's heaviest share a
             rank's tokens may get to keep rows on their host (0.05: 5 %; 0: locality only
             where it costs no balance).
@@ -237,8 +237,8 @@ class SeqlenBalancedSampler(GroupingSampler):
             tags: ``row -> tags`` view; every sampled row needs a ``length_key`` tag.
             origin: ``row -> (first row of its put, offset in the put)``.
             final: no more rows can become ready: split the whole groups that are left.
-            **kwargs: other context; ``tail`` is the caller's policy (used unless the
-                sampler was built with one); ``replays_served`` sets the read count; ``row_hosts``
+            **kwargs: other context; ``tail`` is the request's policy (over the sampler's
+                own, as for a fetch); ``replays_served`` sets the read count; ``row_hosts``
                 (``row -> host id``) and ``rank_hosts`` (each rank's host id) split the
                 batch by locality (see the class docstring).
 
@@ -266,7 +266,7 @@ class SeqlenBalancedSampler(GroupingSampler):
             )
         check_context(batch_size, {"dp_rank": dp_rank, "batch_index": batch_index}, self.dp_size)
         key = (partition_id, task_name, batch_index)
-        tail = self._tail or kwargs.get("tail") or self.tail
+        tail = kwargs.get("tail") or self._tail or self.tail  # the request's wins, as in a fetch
         if kwargs.get("peek"):  # nothing is handed out: neither counted nor cached
             return self._peek(
                 key, dp_rank, ready_indexes, batch_size, tags, origin, final, tail, kwargs
