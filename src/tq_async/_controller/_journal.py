@@ -28,7 +28,6 @@ damaged database file is a clear error at start.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import itertools
 import json
 import os
@@ -60,6 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
+from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -171,7 +171,7 @@ class JournalStore:
         #: commits wait for the disk (fsync): they run in a worker thread, not on the loop
         self.slow = durability == "fsync"
         _claim(self.data_dir)
-        self._lock_fd = _lock(self.data_dir)
+        self._lock_fd = lock_dir(self.data_dir, _LOCK, "controller")
         self.path = os.path.join(self.data_dir, _DB)
         _check_wal_tail(self.path)
         try:
@@ -346,21 +346,6 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
             "an empty (or its own) directory"
         )
     return False
-
-
-def _lock(data_dir: str) -> int:
-    """Lock ``data_dir`` for this controller; the lock's file descriptor (closing it, or the
-    process ending, unlocks)."""
-    fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(
-            f"data_dir: {data_dir!r} is in use by another running controller; stop it first "
-            "(or give this controller its own directory)"
-        ) from None
-    return fd
 
 
 def _mark_format(data_dir: str) -> None:

@@ -22,7 +22,7 @@ from .._logging import get_logger
 from ._cells import StorageState
 from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
 
-__all__ = ["UnitDir"]
+__all__ = ["UnitDir", "lock_dir"]
 
 log = get_logger(__name__)
 
@@ -87,7 +87,7 @@ class UnitDir:
         held, self.instance = claim_unit_dir(data_dir, None if unit_id < 0 else unit_id)
         if unit_id < 0 and held is not None:
             self.unit_id = held  # the directory's unit comes back under its id
-        self._lock_fd = _lock(data_dir)
+        self._lock_fd = lock_dir(data_dir, _LOCK, "storage unit")
         self.store = SegmentStore(data_dir, durable=True, sync=durability == "fsync")
 
     @property
@@ -202,15 +202,17 @@ def _sweep(parent: str) -> None:
             os.close(fd)
 
 
-def _lock(data_dir: str) -> int:
-    """Lock ``data_dir`` for this process; the lock's file descriptor (closing it unlocks)."""
-    fd = os.open(os.path.join(data_dir, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
+    """Lock ``data_dir`` (through its file ``lock_name``) for this process, used as ``user``
+    (a storage unit, a controller): its file descriptor (closing it, or the process ending,
+    unlocks). Held by another running process: `ConfigError`."""
+    fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         raise ConfigError(
-            f"data_dir: {data_dir!r} is in use by another running storage unit; give each "
-            "unit its own directory (or stop the other one first)"
+            f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
+            "its own directory (or stop the other one first)"
         ) from None
     return fd
