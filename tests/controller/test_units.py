@@ -6,6 +6,7 @@ import anyio
 import zmq
 
 import tq_async as tq
+from _cluster_proc import free_port, serve_role
 from tq_async._controller._server import ControllerServer
 from tq_async._core._state import ControllerState
 from tq_async._wire._protocol import StoreStats
@@ -40,3 +41,26 @@ async def test_a_request_waiting_on_a_unit_that_registers_again_breaks_retryably
         links.close()
     finally:
         silent.close(linger=0)
+
+
+async def test_a_unit_the_controller_can_never_reach_is_declared_lost() -> None:
+    """A unit registers, but the controller's first connection to it is refused (here its
+    advertised address is one where nothing listens; in a cluster, a unit SIGKILLed right
+    after it registered, before the controller's link was up). Before, the controller was
+    never told: the unit stayed "up" for good, and puts placed rows on it that failed. Now
+    the refusal suspends it and, its process being gone (or unreachable), declares it lost
+    at once, as a unit refused after a disconnect is."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    with (
+        serve_role("controller", "--bind", address),
+        serve_role("storage", "--controller", address, "--advertise", "127.0.0.2", line="TQ_UNIT="),
+    ):
+        async with (
+            tq.AsyncClient.connect(address, request_timeout=10) as client,
+            client.watch(kinds=["unit_lost"]) as events,  # subscribed: nothing after is missed
+        ):
+            with anyio.fail_after(30):
+                if not (await client.lost_rows())["dead_units"]:
+                    assert (await events.__anext__()).unit == 0
+            assert (await client.lost_rows())["dead_units"] == [0]

@@ -210,6 +210,10 @@ def test_a_refused_first_attempt_is_only_broken_when_asked() -> None:
     seen = core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0)
     assert not seen.broken
     assert core.connected is None
+    # ... but it is a refusal, for an owner that watches them (the controller's link to a
+    # unit that died right after it registered: before, it was never told, and the unit
+    # stayed "up" for good)
+    assert seen.refused
 
 
 def test_a_drop_during_the_handshake_is_not_a_tq_async_service() -> None:

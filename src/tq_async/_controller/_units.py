@@ -209,10 +209,17 @@ class UnitLinks:
         """Reconnecting to a suspended unit was refused: its process is gone, with its data
         -- unless it keeps its cells on disk: then it stays suspended until it comes back
         (re-registers with its instance token) or ``unit_lost_after`` runs out."""
+        shell = self.shell
+        if shell.stopping or unit_id in self.local_units or unit_id not in self.state.units:
+            return
+        if unit_id not in self.state.suspended:
+            # refused before the link was ever up: the unit died right after registering
+            # (no disconnect to suspend it on); before, it stayed "up" for good
+            shell.apply_unasked(self.core.unit_down(unit_id, shell.now()))
         if self._unit_instance.get(unit_id, "").startswith(DISK_INSTANCE):
             return
-        if not self.shell.stopping and unit_id in self.state.suspended:
-            self.shell.apply_unasked(self.core.unit_lost(unit_id))
+        if unit_id in self.state.suspended:
+            shell.apply_unasked(self.core.unit_lost(unit_id))
 
     def _unit_connected(self, unit_id: int) -> None:
         """A (re)connection to a unit: learn its instance, or check it is the one we had."""

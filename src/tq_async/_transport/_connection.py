@@ -401,6 +401,9 @@ class ConnectionCore:
                         "check the address and that the service runs there"
                     ),
                 )
+            # (an owner watching refusals learns it: a service that died before this
+            # connection was ever up is gone as much as one that died after)
+            return Liveness(refused=True)
         else:
             # libzmq reports one retry when it schedules the reconnection after a
             # disconnect; a second one means a connection attempt failed: nothing

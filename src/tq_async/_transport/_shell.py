@@ -46,7 +46,8 @@ class ConnectionShell:
         curve: CURVE keys (None: no encryption).
         on_disconnect: called when the connection breaks.
         on_connect: called when it is (re-)established.
-        on_refused: called when a connection attempt after a disconnect was refused.
+        on_refused: called when a connection attempt was refused (after a disconnect, or
+            before the connection was ever up).
         heartbeat_timeout: seconds of silence after which ZMTP heartbeats drop the peer.
         retry_after: seconds without a reply after which a request goes out again.
         refused_is_broken: a refused connection attempt counts as broken.
