@@ -329,7 +329,11 @@ class AsyncClient:
             TQTimeoutError: no room within ``timeout`` (nothing was written).
 
         Cancellation: new rows that were allocated but not committed are cleared (best
-        effort); nothing half-written ever becomes visible.
+        effort); new rows and new fields become visible only at the commit, so nothing
+        half-written of them is ever seen. Overwriting a field the rows already have is not
+        atomic: each unit replaces its cells as they arrive, so an overwrite cancelled (or
+        failed) midway may leave some rows with the new values and some with the old; put
+        again to finish it.
         """
         return await self._puts.write(
             data, partition_id, meta=meta, tags=tags, policy_version=policy_version, timeout=timeout
