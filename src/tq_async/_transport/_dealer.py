@@ -237,6 +237,10 @@ class DealerConnection(ConnectionShell, DrainedSocket):
     def _check_usable(self) -> None:
         """Raise if a request cannot be sent on this connection at all."""
         self._core.check_usable(self._closed)
+        self.check_loop()
+
+    def check_loop(self) -> None:
+        """Raise `InvalidRequestError` unless the running event loop is this connection's."""
         if asyncio.get_running_loop() is not self._loop:
             # its socket is read by the loop that opened it (another thread's, or one an
             # earlier ``asyncio.run`` closed): a request here would never see its reply

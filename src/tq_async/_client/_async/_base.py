@@ -18,8 +18,6 @@ crosses a client module).
 from __future__ import annotations
 
 # unasync: async-only
-import asyncio
-
 # unasync: end
 import operator
 import os
@@ -581,14 +579,10 @@ def _redial(links: Links, old: DealerConnection) -> DealerConnection:
 # unasync: async-only
 def _on_its_loop(conn: DealerConnection | None) -> None:
     """Raise unless ``conn`` (the client's controller connection) belongs to the running
-    event loop: a client's sockets are read by the loop that opened them."""
-    if conn is not None and conn._loop is not asyncio.get_running_loop():
-        raise InvalidRequestError(
-            "this AsyncClient is used on another event loop than the one that opened it (a "
-            "client belongs to the event loop that opened it: its sockets are that loop's); "
-            "open a client on each loop (`async with tq.AsyncClient.connect(address)` inside "
-            "it), or use the blocking tq.Client"
-        )
+    event loop: a client's sockets are read by the loop that opened them (checked here too,
+    as some calls reach no request of that connection)."""
+    if conn is not None:
+        conn.check_loop()
 
 
 # unasync: end
