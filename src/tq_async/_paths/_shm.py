@@ -57,14 +57,18 @@ def align(n: int, to: int = ALIGN) -> int:
 
 
 class Region:
-    """``[offset, offset + size)`` of the arena, freed when its last reference goes."""
+    """``[offset, offset + size)`` of the arena, freed when its last reference goes.
 
-    __slots__ = ("offset", "refs", "size")
+    ``recorded``: it holds cells a durable unit's index names (what an arena's
+    ``defer_frees`` waits for); a read's copy, a grant never used, hold none."""
+
+    __slots__ = ("offset", "recorded", "refs", "size")
 
     def __init__(self, offset: int, size: int) -> None:
         self.offset = offset
         self.size = size
         self.refs = 1
+        self.recorded = False
 
 
 class Extents:
@@ -145,9 +149,10 @@ class Arena:
             ``data_dir``: what clients write into it is in the operating system's files at
             once). An existing file keeps its contents (and its size, when larger than
             ``cap``); regions holding recovered cells are taken back with `reserve`.
-        defer_frees: freed regions wait in `deferred` until the owner releases them with
-            `free_deferred` (``fsync`` level: a region is reused only once the record that
-            freed it is on the disk).
+        defer_frees: freed regions that held recorded cells (`Region.recorded`) wait in
+            `deferred` until the owner releases them with `free_deferred` (``fsync`` level:
+            such a region is reused only once the record that freed it is on the disk;
+            others, which no record names, are reused at once).
     """
 
     def __init__(
@@ -223,7 +228,9 @@ class Arena:
             raise ValueError(f"arena range [{offset}, +{size}) cannot be reserved")
         self._resident[offset // PAGE : (offset + size) // PAGE] = True
         self.live_bytes += size
-        return Region(offset, size)
+        region = Region(offset, size)
+        region.recorded = True
+        return region
 
     def trim(self, region: Region, nbytes: int) -> None:
         """Free the tail of ``region`` past its first ``nbytes`` (page-rounded, at least a
@@ -237,18 +244,18 @@ class Arena:
         """Drop one reference; the region is freed with the last."""
         region.refs -= 1
         if region.refs == 0:
-            self._free(region.offset, region.size)
+            self._free(region.offset, region.size, deferred=region.recorded)
 
     def free_deferred(self, freed: list[tuple[int, int]]) -> None:
         """Free regions taken from `deferred` (their freeing is durable now)."""
         for offset, size in freed:
             self._reuse(offset, size)
 
-    def _free(self, offset: int, size: int) -> None:
+    def _free(self, offset: int, size: int, *, deferred: bool = False) -> None:
         self.live_bytes -= size
         if self.closed:
             return
-        if self.defer_frees:
+        if deferred and self.defer_frees:
             self.deferred.append((offset, size))
             return
         self._reuse(offset, size)
