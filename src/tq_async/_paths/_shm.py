@@ -327,9 +327,11 @@ class Arena:
                     self.idle_bytes -= self._give_back(start, n)
 
     def locked_bytes(self) -> int:
-        """Bytes of chunks some client holds registered."""
-        n = int(np.count_nonzero(self._locked))
-        return min(n * PIN_CHUNK, self.cap)
+        """Bytes of chunks some client holds registered (the last chunk may be short)."""
+        n = int(np.count_nonzero(self._locked)) * PIN_CHUNK
+        if self._locked[-1]:
+            n -= len(self._locked) * PIN_CHUNK - self.cap
+        return n
 
     # ---- views -------------------------------------------------------------------------------
 
