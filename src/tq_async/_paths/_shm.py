@@ -49,6 +49,8 @@ PAGE = 4096
 TOKEN_BYTES = 16
 #: spans inside a region start on this boundary (numpy/torch views of them stay aligned)
 ALIGN = 64
+#: a client copying into a grant checks the unit's boot again after this many bytes
+_CHECKED_BYTES = 64 << 20
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -417,24 +419,42 @@ class ArenaMap:
     def write(self, offset: int, parts: Iterable[Any]) -> list[tuple[int, int]]:
         """Copy ``parts`` (buffers) one after another from ``offset``; their spans.
 
+        The unit's boot is checked before each `_CHECKED_BYTES` copied: a durable unit
+        restarted during a long copy may lend the rest of the grant to another put.
+
         Raises:
-            SessionLostError: the unit restarted since the grant (`check_boot`).
+            SessionLostError: the unit restarted since the grant (`check_boot`); what was
+                copied before it is nobody's cells.
         """
         spans = []
         pos = offset
         view = self.check_boot()
+        since = 0  # bytes copied since the last check
         for part in parts:
             src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
             n = src.nbytes
-            if self.fd >= 0:
-                done = 0
-                while done < n:
-                    done += os.pwrite(self.fd, src[done:].data, pos + done)
-            else:
-                view[pos : pos + n] = src
+            a = 0
+            while a < n:
+                if since >= _CHECKED_BYTES:
+                    view, since = self.check_boot(), 0
+                b = min(n, a + _CHECKED_BYTES - since)
+                since += b - a
+                if self.fd >= 0:
+                    while a < b:
+                        a += self._pwrite(src[a:b], pos + a)
+                else:
+                    view[pos + a : pos + b] = src[a:b]
+                    a = b
             spans.append((pos - offset, n))
             pos = offset + align(pos - offset + n)
         return spans
+
+    def _pwrite(self, src: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
+        try:
+            return os.pwrite(self.fd, src.data, at)
+        except OSError:
+            self.check_boot()  # closed meanwhile (the client saw the unit go): said so
+            raise
 
     @staticmethod
     def layout(offset: int, sizes: Iterable[int]) -> list[tuple[int, int]]:
