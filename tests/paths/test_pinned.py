@@ -158,6 +158,23 @@ def test_the_pages_of_a_locked_chunk_are_never_given_back() -> None:
         arena.close()
 
 
+def test_locked_bytes_counts_the_arena_bytes_of_a_last_chunk_cut_short() -> None:
+    """An arena whose cap is no multiple of the chunk size ends in a short chunk: locking it
+    keeps its own pages resident, not a whole chunk's (``shm_locked_bytes`` said a whole
+    chunk's, up to 32 MiB more than the arena holds there)."""
+    arena = Arena(PIN_CHUNK + 4 * PAGE, idle_bytes=0)
+    try:
+        arena.lock_chunks([1])
+        assert arena.idle_bytes == 4 * PAGE  # what the registration makes resident
+        assert arena.locked_bytes() == 4 * PAGE
+        arena.lock_chunks([0])
+        assert arena.locked_bytes() == arena.cap
+        arena.unlock_chunks([1])
+        assert arena.locked_bytes() == PIN_CHUNK
+    finally:
+        arena.close()
+
+
 def test_two_clients_locking_a_chunk_keep_it_until_both_unlock() -> None:
     arena = Arena(2 * PIN_CHUNK, idle_bytes=0)
     try:

@@ -31,6 +31,7 @@ from _requests import cancelled_at
 from _shm_proc import alloc_then_die
 from tq_async._datasets._torch import StreamingDataLoader, StreamingDataset
 from tq_async._errors import InvalidRequestError, ProtocolError
+from tq_async._paths import _shm
 from tq_async._paths._shm import PAGE, Arena, ArenaMap, Extents
 from tq_async._storage._server import StorageServer
 from tq_async._transport._dealer import DealerConnection
@@ -217,6 +218,62 @@ def test_a_mapping_of_an_arena_file_writes_nothing_once_another_boot_opened_it(
         mapped.close()
     with pytest.raises(tq.SessionLostError):  # a closed mapping says the same
         mapped.write(PAGE, [b"c"])
+
+
+@pytest.mark.parametrize("write_through", [False, True], ids=["mapping", "pwrite"])
+def test_a_copy_the_unit_restarted_under_stops_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_through: bool
+) -> None:
+    """A big put's copy takes seconds: a durable unit that restarts meanwhile may lend the
+    same offsets of its file to another put, whose cells the rest of the copy would then
+    overwrite (the token was checked only before the copy began). The copy checks it again
+    before each slice, and stops."""
+    monkeypatch.setattr(_shm, "_CHECKED_BYTES", 2 * PAGE)
+    path = str(tmp_path / "arena.dat")
+    first = Arena(16 * PAGE, path=path)
+    mapped = ArenaMap(os.getpid(), first.fd, first.cap, first.token, write_through=write_through)
+    boots: list[Arena] = []
+
+    def parts() -> Iterator[bytes]:
+        yield b"a" * (2 * PAGE)
+        first.close()  # the unit is gone; the next boot opens its file and lends its pages
+        boots.append(Arena(16 * PAGE, path=path))
+        boots[0].view[3 * PAGE : 9 * PAGE] = 7  # another put's cells
+        yield b"b" * (4 * PAGE)
+
+    try:
+        with pytest.raises(tq.SessionLostError, match="restarted"):
+            mapped.write(PAGE, parts())
+        assert (boots[0].view[3 * PAGE : 9 * PAGE] == 7).all()  # nothing was written over them
+        # and within one part: the unit restarts while a slice is copied; the next slice
+        # finds the new token (the check before each slice is where a restart is seen)
+        boots[0].close()
+        boots.append(Arena(16 * PAGE, path=path))
+        again = ArenaMap(
+            os.getpid(), boots[1].fd, boots[1].cap, boots[1].token, write_through=write_through
+        )
+        check = ArenaMap.check_boot
+        checks = []
+
+        def restarted_during_the_first_slice(self: ArenaMap) -> Any:
+            checks.append(self)
+            if len(checks) == 2:  # (the copy's first, then one per slice copied)
+                boots[1].close()
+                boots.append(Arena(16 * PAGE, path=path))
+                boots[2].view[PAGE : 9 * PAGE] = 7
+            return check(self)
+
+        monkeypatch.setattr(ArenaMap, "check_boot", restarted_during_the_first_slice)
+        try:
+            with pytest.raises(tq.SessionLostError, match="restarted"):
+                again.write(PAGE, [b"c" * (8 * PAGE)])
+        finally:
+            again.close()
+        assert (boots[2].view[3 * PAGE : 9 * PAGE] == 7).all()  # past the first slice
+    finally:
+        mapped.close()
+        for arena in boots:
+            arena.close()
 
 
 # ---- through a tq-async serve process ------------------------------------------------------

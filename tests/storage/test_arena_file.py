@@ -158,6 +158,36 @@ def test_fsync_level_reuses_a_cleared_region_only_after_its_commit(tmp_path: Pat
     close(state)
 
 
+def test_fsync_level_reuses_at_once_a_region_no_record_names(tmp_path: Path) -> None:
+    """A read's copy, a grant never used and the tail of a spare trimmed off a put hold no
+    recorded cell: nothing waits for a commit to reuse them. (They waited for the next
+    put's or clear's commit: a same-host reader at ``fsync`` with no put going on filled
+    the arena with its copies, each read after that going over the socket, their pages
+    counted nowhere in ``storage_stats``.)"""
+    state = open_unit(tmp_path, sync=True)
+    arena = state.arena
+    assert arena is not None
+    arena_put(state, "p", [0, 1], 1)
+    arena_put(state, "p", [2], 2)
+    commit(state)
+    live = arena.live_bytes
+    for _ in range(3 * CAP // PAGE):  # more reads than the arena could hold copies of
+        got = state.read_shm("p", [0, 1, 2], ["x", "j"], "i1")  # two puts: copied together
+        assert got is not None
+        _, pinned, _ = got
+        for region in pinned:
+            arena.release(region)
+        grant = arena.alloc(2 * PAGE)  # a grant given back unused
+        assert grant is not None
+        arena.trim(grant, PAGE)  # (a spare larger than the put it carried)
+        arena.release(grant)
+    assert arena.deferred == []
+    assert arena.live_bytes == live
+    state.clear("p", None)  # the cells' regions: only after the clear's commit
+    assert len(arena.deferred) == 2
+    close(state)
+
+
 def test_a_region_freed_at_process_level_is_reused_at_once(tmp_path: Path) -> None:
     state = open_unit(tmp_path)
     arena = state.arena

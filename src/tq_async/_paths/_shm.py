@@ -49,6 +49,8 @@ PAGE = 4096
 TOKEN_BYTES = 16
 #: spans inside a region start on this boundary (numpy/torch views of them stay aligned)
 ALIGN = 64
+#: a client copying into a grant checks the unit's boot again after this many bytes
+_CHECKED_BYTES = 64 << 20
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -57,14 +59,18 @@ def align(n: int, to: int = ALIGN) -> int:
 
 
 class Region:
-    """``[offset, offset + size)`` of the arena, freed when its last reference goes."""
+    """``[offset, offset + size)`` of the arena, freed when its last reference goes.
 
-    __slots__ = ("offset", "refs", "size")
+    ``recorded``: it holds cells a durable unit's index names (what an arena's
+    ``defer_frees`` waits for); a read's copy, a grant never used, hold none."""
+
+    __slots__ = ("offset", "recorded", "refs", "size")
 
     def __init__(self, offset: int, size: int) -> None:
         self.offset = offset
         self.size = size
         self.refs = 1
+        self.recorded = False
 
 
 class Extents:
@@ -145,9 +151,10 @@ class Arena:
             ``data_dir``: what clients write into it is in the operating system's files at
             once). An existing file keeps its contents (and its size, when larger than
             ``cap``); regions holding recovered cells are taken back with `reserve`.
-        defer_frees: freed regions wait in `deferred` until the owner releases them with
-            `free_deferred` (``fsync`` level: a region is reused only once the record that
-            freed it is on the disk).
+        defer_frees: freed regions that held recorded cells (`Region.recorded`) wait in
+            `deferred` until the owner releases them with `free_deferred` (``fsync`` level:
+            such a region is reused only once the record that freed it is on the disk;
+            others, which no record names, are reused at once).
     """
 
     def __init__(
@@ -223,7 +230,9 @@ class Arena:
             raise ValueError(f"arena range [{offset}, +{size}) cannot be reserved")
         self._resident[offset // PAGE : (offset + size) // PAGE] = True
         self.live_bytes += size
-        return Region(offset, size)
+        region = Region(offset, size)
+        region.recorded = True
+        return region
 
     def trim(self, region: Region, nbytes: int) -> None:
         """Free the tail of ``region`` past its first ``nbytes`` (page-rounded, at least a
@@ -237,18 +246,18 @@ class Arena:
         """Drop one reference; the region is freed with the last."""
         region.refs -= 1
         if region.refs == 0:
-            self._free(region.offset, region.size)
+            self._free(region.offset, region.size, deferred=region.recorded)
 
     def free_deferred(self, freed: list[tuple[int, int]]) -> None:
         """Free regions taken from `deferred` (their freeing is durable now)."""
         for offset, size in freed:
             self._reuse(offset, size)
 
-    def _free(self, offset: int, size: int) -> None:
+    def _free(self, offset: int, size: int, *, deferred: bool = False) -> None:
         self.live_bytes -= size
         if self.closed:
             return
-        if self.defer_frees:
+        if deferred and self.defer_frees:
             self.deferred.append((offset, size))
             return
         self._reuse(offset, size)
@@ -320,9 +329,11 @@ class Arena:
                     self.idle_bytes -= self._give_back(start, n)
 
     def locked_bytes(self) -> int:
-        """Bytes of chunks some client holds registered."""
-        n = int(np.count_nonzero(self._locked))
-        return min(n * PIN_CHUNK, self.cap)
+        """Bytes of chunks some client holds registered (the last chunk may be short)."""
+        n = int(np.count_nonzero(self._locked)) * PIN_CHUNK
+        if self._locked[-1]:
+            n -= len(self._locked) * PIN_CHUNK - self.cap
+        return n
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -408,24 +419,42 @@ class ArenaMap:
     def write(self, offset: int, parts: Iterable[Any]) -> list[tuple[int, int]]:
         """Copy ``parts`` (buffers) one after another from ``offset``; their spans.
 
+        The unit's boot is checked before each `_CHECKED_BYTES` copied: a durable unit
+        restarted during a long copy may lend the rest of the grant to another put.
+
         Raises:
-            SessionLostError: the unit restarted since the grant (`check_boot`).
+            SessionLostError: the unit restarted since the grant (`check_boot`); what was
+                copied before it is nobody's cells.
         """
         spans = []
         pos = offset
         view = self.check_boot()
+        since = 0  # bytes copied since the last check
         for part in parts:
             src = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
             n = src.nbytes
-            if self.fd >= 0:
-                done = 0
-                while done < n:
-                    done += os.pwrite(self.fd, src[done:].data, pos + done)
-            else:
-                view[pos : pos + n] = src
+            a = 0
+            while a < n:
+                if since >= _CHECKED_BYTES:
+                    view, since = self.check_boot(), 0
+                b = min(n, a + _CHECKED_BYTES - since)
+                since += b - a
+                if self.fd >= 0:
+                    while a < b:
+                        a += self._pwrite(src[a:b], pos + a)
+                else:
+                    view[pos + a : pos + b] = src[a:b]
+                    a = b
             spans.append((pos - offset, n))
             pos = offset + align(pos - offset + n)
         return spans
+
+    def _pwrite(self, src: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
+        try:
+            return os.pwrite(self.fd, src.data, at)
+        except OSError:
+            self.check_boot()  # closed meanwhile (the client saw the unit go): said so
+            raise
 
     @staticmethod
     def layout(offset: int, sizes: Iterable[int]) -> list[tuple[int, int]]:

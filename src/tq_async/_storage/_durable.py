@@ -91,9 +91,11 @@ def write_put(
     if any(spans):
         disk.arena_written()
     disk.log(PutRecord(partition_id, incarnation, records))
-    for c, e in zip(on_host, extents, strict=True):
+    for c, e, s in zip(on_host, extents, spans, strict=True):
         c.extent = e
         disk.ref(e)
+        if s and c.region is not None:  # its freeing waits for a commit (``defer_frees``)
+            c.region.recorded = True
 
 
 def log_clear(disk: SegmentStore, record: ClearRecord) -> None:
