@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import structlog
 
 from tq_async import (
     GRPOGroupNSampler,
@@ -278,6 +279,23 @@ def test_a_lapsed_put_lease_reclaims_rows_and_frees_capacity() -> None:
     assert core.state.has_room("p", 8)
     with pytest.raises(RowsNotFound, match="put lease"):
         core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+
+
+def test_an_aborted_put_is_not_logged_as_a_lapsed_put_lease() -> None:
+    """A put its client gave up (cancelled, timed out: `AbortPut`) is reclaimed at once.
+    That logged the warning of a dead producer ("put lease lapsed"), once per cancelled put
+    of a trainer's timeout loop; only a lease that really lapses warns now."""
+    core = new_core(deadlines=Deadlines(put_lease=5.0))
+    aborted, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.put_begin("p", [X], 4, None, None, 0.0)  # its producer dies
+    with structlog.testing.capture_logs() as logs:
+        fx = core.abort_puts([aborted.put_id])
+        assert fx.free  # reclaimed at once
+        assert not [e for e in logs if e["log_level"] == "warning"]
+        core.advance(5.0)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "put lease lapsed: reclaiming the rows of an uncommitted put"
+    ]
 
 
 def test_a_renewed_put_lease_keeps_a_slow_producers_rows() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -493,3 +493,49 @@ async def test_a_client_closed_while_its_put_stores_leaves_no_put_open(mode: str
         with anyio.fail_after(20):  # not the 60 s put lease
             assert sorted(await drain(client, "p")) == [0, 1]
         assert (await client.partition_info("p"))["uncommitted_puts"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_calls_cancelled_while_they_wait_leave_no_undo_behind(
+    mode: str, tmp_path: Any
+) -> None:
+    """An ``acquire_rollout`` waiting for admission and a put waiting for room, each
+    cancelled while it waits at the controller (a trainer's timeout loop): the client keeps
+    an undo for each in case its reply was already on its way. The controller dropped them
+    and never answered, so the client kept them as long as the connection lived (one per
+    cancelled call: memory without bound). The controller now answers a request its client
+    cancelled, and the client forgets its undo."""
+    config = tmp_path / "tq.toml"
+    config.write_text("capacity = 2\n[admission]\nmax_staleness = 0\n")
+    small = TensorDict({"i": torch.arange(2)}, batch_size=[2])
+    big = TensorDict({"x": torch.zeros(2, 1 << 15)}, batch_size=[2])  # three steps
+    async with AsyncExitStack() as stack:
+        if mode == "embedded":
+            cluster = await stack.enter_async_context(
+                tq.local_cluster(
+                    num_storage_units=1,
+                    capacity=2,
+                    admission=tq.AdmissionConfig(max_staleness=0),
+                )
+            )
+            address = cluster.address
+        else:
+            address = stack.enter_context(serve_cluster(1, ["--config", str(config)]))
+        client = await stack.enter_async_context(
+            tq.AsyncClient.connect(address, same_host=mode == "unix")
+        )
+        await client.put(small, partition_id="p")  # the partition is full
+        conn = controller(client)
+        for _ in range(10):
+            for call in (
+                lambda: client.acquire_rollout(5, 1),  # the learner is at -1: it waits
+                lambda: client.put(small, partition_id="p"),
+                lambda: client.put(big, partition_id="p"),
+            ):
+                with anyio.move_on_after(0.01) as scope:
+                    await call()
+                assert scope.cancelled_caught
+        with anyio.fail_after(10):  # (each round trip comes after the Cancels it follows)
+            while conn._core.orphans:
+                await client.staleness_status()
+        assert (await client.partition_info("p"))["rows"] == 2

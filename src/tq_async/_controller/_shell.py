@@ -23,11 +23,11 @@ from anyio.abc import TaskGroup
 
 from .._core._state import ControllerState, Wakeup
 from .._core._transitions import ControllerCore, Effects
-from .._errors import ClosedError, TQTimeoutError
+from .._errors import ClosedError, TQError, TQTimeoutError
 from .._service._loop import Incoming
 from .._service._metrics import Metrics
 from .._service._parking import ParkingLot
-from .._wire._protocol import MetaReply, Placement, ok_reply
+from .._wire._protocol import MetaReply, Placement, error_reply, ok_reply
 from ._watch import WatchHub
 
 __all__ = ["FreeRows", "SendError", "Sends", "Shell"]
@@ -205,7 +205,9 @@ class Shell:
 
         The request can be cancelled by the client (``Cancel``), fails with
         `TQTimeoutError` after ``timeout``, and answers any error; nothing it would
-        have done happens after it ends.
+        have done happens after it ends. One its client cancelled is answered with an error
+        nobody waits for: the client drops the undo it keeps in case the reply was already
+        on its way (without an answer, it would keep it for as long as the connection lives).
         """
         # registered when the request was spawned (a Cancel may have come since)
         scope = self.pending.setdefault((peer, rid), anyio.CancelScope())
@@ -222,6 +224,8 @@ class Shell:
             self.pending.pop((peer, rid), None)
             if self.metrics.enabled:
                 self.metrics.request(op, ok, time.perf_counter() - t0)
+        if scope.cancel_called and (peer, rid) not in self.replies:
+            self.send(peer, rid, error_reply(rid, TQError(f"{op} cancelled by its client")))
 
 
 def _nowhere(partition_id: str, by_unit: Mapping[int, list[int] | None], inc: str | None) -> None:

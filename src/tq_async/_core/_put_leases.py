@@ -161,7 +161,8 @@ class PutLeases:
         for put_id in put_ids:
             p = self.home.get(put_id)
             if p is not None:
-                self.lapse(put_id, p.put_leases[put_id].deadline, fx)
+                rows = self._reclaim(p, put_id, fx)
+                log.debug("put aborted: its rows reclaimed", partition=p.partition_id, rows=rows)
         return fx
 
     def lapse(self, put_id: int, deadline: float, fx: Effects) -> None:
@@ -169,18 +170,23 @@ class PutLeases:
         p = self.home.get(put_id)
         if p is None or p.put_leases[put_id].deadline != deadline:
             return
+        rows = self._reclaim(p, put_id, fx)
+        log.warning(
+            "put lease lapsed: reclaiming the rows of an uncommitted put",
+            partition=p.partition_id,
+            rows=rows,
+        )
+
+    def _reclaim(self, p: Partition, put_id: int, fx: Effects) -> int:
+        """Drop put ``put_id`` of ``p`` and clear its new rows; how many there were."""
         put = p.put_leases.pop(put_id)
         del self.home[put_id]
         # a row with any cell produced was committed (by a client that sent no put id)
         fields = [f.produced for f in p.fields.values()]
         rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
-        log.warning(
-            "put lease lapsed: reclaiming the rows of an uncommitted put",
-            partition=p.partition_id,
-            rows=len(rows),
-        )
         if rows:
             fx.add(self._clear(p, rows))
+        return len(rows)
 
 
 def _placed_events(
