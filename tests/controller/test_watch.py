@@ -393,6 +393,28 @@ async def test_cancelling_or_breaking_a_watch_leaves_nothing_behind() -> None:
         assert (len(ctl.watch.parked), ctl.waiting) == (0, 0)
 
 
+async def test_an_idle_watch_whose_request_is_retried_still_ends_its_poll() -> None:
+    """A client resends a request silent for ``retry_after`` (10 s by default, under the
+    default poll of 30 s): the resend must not start the poll again, or an idle watcher is
+    never answered and fails with TQTimeoutError after poll + request_timeout."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, retry_after=0.05, request_timeout=2) as client,
+    ):
+        hub = cluster.controller.watch
+        async with anyio.create_task_group() as tg:
+
+            async def idle_watch() -> None:
+                async with client.watch(poll=0.4) as w:
+                    await _take(w, 1)  # nothing comes: its polls end empty, asked again
+
+            tg.start_soon(idle_watch)
+            with anyio.fail_after(30):
+                while hub.answers < 3:  # the subscription, then two polls ended empty
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+
 async def test_bad_input_names_what_is_known() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

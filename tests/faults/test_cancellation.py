@@ -10,6 +10,8 @@ Then it checks that the rows come back (at most once, exactly once after a drain
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from _cluster_proc import serve_cluster
+from _cluster_proc import serve_cluster, sigkill
 from _requests import cancelled_at
 from tq_async._transport._dealer import DealerConnection
 from tq_async._wire._protocol import StoreGet
@@ -390,6 +392,48 @@ async def test_a_client_closed_while_its_get_meta_waits_leaves_the_rows_to_the_t
         with anyio.fail_after(10):  # the Cancel came on the closed client's connection
             while cluster.controller.waiting:
                 await anyio.lowlevel.checkpoint()
+        await fill(client, "p", 2)
+        assert await drain(client, "p") == [0, 1]
+
+
+#: a client process whose get_meta and watch wait at the controller until it is SIGKILLed
+_WAITING_CLIENT = """
+import asyncio, sys
+import tq_async as tq
+
+async def main():
+    async with tq.AsyncClient.connect(sys.argv[1]) as client:
+        async def watch():
+            async for _ in client.watch():
+                pass
+        await asyncio.gather(client.get_meta(["i"], 2, "p", "t"), watch())
+
+asyncio.run(main())
+"""
+
+
+async def test_a_client_killed_while_its_requests_wait_leaves_nothing_parked() -> None:
+    """A same-host client SIGKILLed while its get_meta and its watch wait at the controller:
+    its Unix socket ends, but the requests stayed parked for good (one more per killed
+    consumer), and the get_meta, woken by the next put, took the task's rows for nobody.
+    The end of its connection now ends its waiting requests as a Cancel does."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        ctl = cluster.controller
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, killed with a deadline
+            [sys.executable, "-c", _WAITING_CLIENT, cluster.address]
+        )
+        try:
+            with anyio.fail_after(60):  # (a process to start; the counts tell it parked)
+                while ctl.waiting < 1 or not ctl.watch.parked:
+                    await anyio.sleep(0.05)
+        finally:
+            sigkill(proc)
+        with anyio.fail_after(10):  # its Unix socket's end is read by the controller's loop
+            while ctl.waiting or ctl.watch.parked:
+                await anyio.sleep(0.01)
         await fill(client, "p", 2)
         assert await drain(client, "p") == [0, 1]
 

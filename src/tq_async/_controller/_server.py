@@ -242,7 +242,11 @@ class ControllerServer(Service):
                 if recorder is not None:
                     self._recover(recorder)
                 endpoint = RouterEndpoint(
-                    bind, self.on_message, curve=self._links.curve, twin="uds"
+                    bind,
+                    self.on_message,
+                    curve=self._links.curve,
+                    twin="uds",
+                    on_gone=shell.peer_gone,
                 )
             except BaseException:
                 if recorder is not None:

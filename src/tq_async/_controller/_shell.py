@@ -145,6 +145,15 @@ class Shell:
         if self._timer is not None:
             self._timer.cancel()
 
+    def peer_gone(self, peer: bytes) -> None:
+        """A same-host client's connection ended (its process exited or was killed): its
+        requests still waiting end as if it had cancelled them (it never reads a reply, and
+        a get_meta woken later would take the task's rows for nobody)."""
+        for key in [k for k in self.pending if k[0] == peer]:
+            self.pending[key].cancel()
+        for key in [k for k in self.watch.parked if k[0] == peer]:
+            self.watch.cancel(key)
+
     # ---- tasks -------------------------------------------------------------------------------
 
     def spawn_waiting(self, msg: Incoming, coro_fn: Any, *args: Any) -> None:

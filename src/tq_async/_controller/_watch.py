@@ -298,8 +298,11 @@ class WatchHub:
 
     def _park(self, key: tuple[bytes, int], body: WatchNext) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + body.poll
-        self._unpark(key)  # a retry of a parked request replaces it
+        # a retry of a parked request (a client resends one silent for retry_after, which
+        # may be shorter than the poll) replaces it, but its poll ends when the first one's
+        # would: restarted at every resend, an idle watcher would never be answered
+        retried = self._unpark(key)
+        deadline = loop.time() + body.poll if retried is None else retried.deadline
         self.parked[key] = _Parked(body, deadline)
         self._interest.add(body)
         if deadline < self._sweep_at:

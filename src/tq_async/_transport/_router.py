@@ -189,7 +189,11 @@ class DrainedSocket:
 
 
 class RouterEndpoint(DrainedSocket):
-    """A bound ROUTER socket; ``on_message(peer, frames)`` runs for each request."""
+    """A bound ROUTER socket; ``on_message(peer, frames)`` runs for each request.
+
+    ``on_gone(peer)`` runs when a client of the same-host Unix socket twin is gone (see
+    `UnixListener`); ZMQ tells a ROUTER nothing of the kind.
+    """
 
     def __init__(
         self,
@@ -199,6 +203,7 @@ class RouterEndpoint(DrainedSocket):
         context: zmq.Context[Any] | None = None,
         curve: CurveServer | None = None,
         twin: str | None = "ipc",
+        on_gone: Callable[[bytes], None] | None = None,
     ) -> None:
         sock = (context or zmq_context()).socket(zmq.ROUTER)
         if curve is not None:
@@ -230,7 +235,7 @@ class RouterEndpoint(DrainedSocket):
             try:
                 if twin == "uds" and curve is None:  # a Unix socket has no CURVE: ipc then
                     self._unix = UnixListener(
-                        name, asyncio.get_running_loop(), self._on_unix_message
+                        name, asyncio.get_running_loop(), self._on_unix_message, on_gone
                     )
                     self.ipc_address = self._unix.address
                 else:

@@ -389,14 +389,23 @@ class UnixListener:
         name: the abstract socket name (without the leading ``@``).
         loop: the service's event loop.
         on_message: ``on_message(identity, frames)`` for every request.
+        on_gone: ``on_gone(identity)`` when a client's connection ends (its process exited or
+            was killed, or it closed it; not when another connection took its identity
+            over, nor when the listener closes): its requests still waiting failed on its
+            side, so nobody will read their replies.
     """
 
     def __init__(
-        self, name: str, loop: Any, on_message: Callable[[bytes, list[Any]], None]
+        self,
+        name: str,
+        loop: Any,
+        on_message: Callable[[bytes, list[Any]], None],
+        on_gone: Callable[[bytes], None] | None = None,
     ) -> None:
         self.address = f"uds://@{name}"
         self._loop = loop
         self._on_message = on_message
+        self._on_gone = on_gone
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind("\0" + name)
@@ -485,6 +494,7 @@ class UnixListener:
             raise
 
     def close(self) -> None:
+        self._on_gone = None  # the service is going: its own clients are not gone
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
@@ -546,6 +556,8 @@ class _Peer:
         listener._all.discard(self)
         if self.identity is not None and listener._peers.get(self.identity) is self:
             del listener._peers[self.identity]
+            if listener._on_gone is not None:
+                listener._on_gone(self.identity)
         with contextlib.suppress(Exception):
             listener._loop.remove_reader(self._fd)
         if self._writing:
