@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -120,3 +122,26 @@ def test_closed_client_raises_closed_error() -> None:
     with pytest.raises(tq.ClosedError, match="not connected"):
         client.list_partitions()
     assert os.getpid() > 0
+
+
+@pytest.mark.parametrize("cls", [tq.Client, tq.AsyncClient])
+def test_pickling_a_client_says_to_send_its_address(cls: type) -> None:
+    """Ray and multiprocessing pickle what they ship: a client (its sockets are this
+    process's) is refused with a TQError saying what to do, not pyzmq's TypeError."""
+    client = cls("tcp://127.0.0.1:5555")
+    for ship in (pickle.dumps, copy.copy, copy.deepcopy):
+        with pytest.raises(tq.InvalidRequestError, match="cannot be pickled") as err:
+            ship(client)
+        assert "tcp://127.0.0.1:5555" in str(err.value)
+        assert f"tq.{cls.__name__}.connect(address)" in str(err.value)
+
+
+def test_pickling_an_open_client_says_to_send_its_address() -> None:
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+    ):
+        client.put({"x": torch.arange(2)}, partition_id="p")
+        with pytest.raises(tq.InvalidRequestError, match="cannot be pickled"):
+            pickle.dumps(client)
+        assert len(client.get_meta(["x"], 2, "p", "t")) == 2  # the client goes on

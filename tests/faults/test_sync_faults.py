@@ -365,6 +365,46 @@ def test_the_blocking_client_follows_a_unit_restarted_on_a_new_port() -> None:
                     client.get_data(on_1)
 
 
+def _reading(client: tq.Client) -> bool:
+    """A call of ``client`` is waiting on its storage unit's connection."""
+    conn = client._links.units.get(0)
+    return conn is not None and conn._busy.locked()
+
+
+def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at_once() -> None:
+    """A get waiting for a (paused) same-host unit's cells, its client closed by another
+    thread: the read's fall-back to the unit's socket dialled the unit again on the closed
+    client and waited there for the whole request timeout (TQTimeoutError after 60 s, a
+    connection left open). It fails with ClosedError and opens nothing."""
+    from _cluster_proc import serve_role
+
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+            client = tq.Client.connect(address, inline_get_bytes=0).open()
+            client.put({"x": torch.arange(4)}, partition_id="p")
+            outcome: list[BaseException] = []
+
+            def read() -> None:
+                try:
+                    client.get(["x"], 4, "p", "t")
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            unit.send_signal(signal.SIGSTOP)
+            try:
+                reader = threading.Thread(target=read, daemon=True)
+                reader.start()
+                _until(lambda: _reading(client), "the get to read from the unit")
+                client.close()
+                reader.join(30)
+                assert not reader.is_alive(), "the get did not see the close"
+            finally:
+                unit.send_signal(signal.SIGCONT)
+            assert isinstance(outcome[0], tq.ClosedError), outcome
+            assert client._links.units == {}
+
+
 def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:
     # inproc has no disconnect events: the closing endpoint wakes the blocked thread itself
     cluster = tq.background_cluster(num_storage_units=1)

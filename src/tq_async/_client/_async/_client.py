@@ -204,6 +204,15 @@ class AsyncClient:
         ``options`` are the constructor's (`ClientOptions`)."""
         return cls(address, **options)
 
+    def __reduce__(self) -> NoReturn:
+        # Ray and multiprocessing pickle what they ship: the sockets are this process's
+        name = type(self).__name__
+        raise InvalidRequestError(
+            f"a tq.{name} cannot be pickled (its connections are this process's): send its "
+            f"address ({self.address!r}) and open a client in the other process with "
+            f"tq.{name}.connect(address)"
+        )
+
     # unasync: async-only
     def __await__(self) -> Generator[Any, None, NoReturn]:
         # `client = await AsyncClient.connect(...)` is a natural guess: say what works

@@ -37,7 +37,7 @@ import os
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -205,6 +205,15 @@ class Client:
 
         ``options`` are the constructor's (`ClientOptions`)."""
         return cls(address, **options)
+
+    def __reduce__(self) -> NoReturn:
+        # Ray and multiprocessing pickle what they ship: the sockets are this process's
+        name = type(self).__name__
+        raise InvalidRequestError(
+            f"a tq.{name} cannot be pickled (its connections are this process's): send its "
+            f"address ({self.address!r}) and open a client in the other process with "
+            f"tq.{name}.connect(address)"
+        )
 
     def __enter__(self) -> Client:
         self.open()
