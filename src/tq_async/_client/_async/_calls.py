@@ -86,11 +86,14 @@ def _check_keys(keys: Any) -> list[str]:
 
 
 def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (np.ndarray, torch.Tensor)):  # row ids kept in an array
+        rows = rows.tolist()
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+    ids = [as_int(r) for r in rows]  # numpy's ints too
+    if not all(type(r) is int and r >= 0 for r in ids):
         raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
-    return [int(r) for r in rows]
+    return ids
 
 
 def _mask(raw: bytes) -> torch.Tensor:

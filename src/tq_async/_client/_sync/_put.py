@@ -221,7 +221,7 @@ class PutPath:
         if tags is not None:
             tag_list = tags_for_wire(tag_rows(tags, n))
         versions = _check_versions(policy_version, n)
-        check_seconds("timeout", timeout)
+        timeout = check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._links.capacity is not None and not nowait:
