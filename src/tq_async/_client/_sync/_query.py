@@ -25,9 +25,8 @@ from ..._wire._checks import (
     check_sampling_config,
     check_seconds,
 )
-from ..._wire._codec import check_text
 from ..._wire._protocol import GetMeta
-from ._base import as_int, check_fields
+from ._base import as_int, check_fields, check_id
 
 __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
 
@@ -116,12 +115,8 @@ def meta_query(
     fields = check_fields(data_fields)
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_INT:
         batch_size = check_int("batch_size", batch_size, 1)
-    if not isinstance(task_name, str) or not task_name:
-        raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
-    if not isinstance(partition_id, str) or not partition_id:
-        raise InvalidRequestError(f"partition_id must be a non-empty string, got {partition_id!r}")
-    check_text("task_name", task_name)
-    check_text("partition_id", partition_id)
+    task_name = check_id("task_name", task_name)
+    partition_id = check_id("partition_id", partition_id)
     if mode != "fetch" and mode != "peek":
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
     if timeout is not None:
