@@ -292,3 +292,25 @@ async def test_an_id_of_the_wrong_type_is_refused_naming_the_argument(
         assert type(meta.partition_id) is str
         await client.seal(np.str_("p"))
         assert await client.list_partitions() == ["kv", "p"]
+
+
+async def test_status_calls_check_their_row_ids() -> None:
+    """``check_production_status`` / ``check_consumption_status`` sent their
+    ``global_indexes`` unchecked: a tensor of row ids failed with msgspec's
+    NotImplementedError, a string ("01") or a float reached the controller's decoder (a
+    ProtocolError it logged). Row ids are checked as kv_retrieve_keys checks them: a list,
+    an array or a tensor of non-negative ints."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.ones(2)}, "p")
+        rows = meta.global_indexes
+        for given in (rows, torch.tensor(rows), np.array(rows), tuple(rows)):
+            assert await client.check_production_status("p", ["x"], given)  # type: ignore[arg-type]
+            assert not await client.check_consumption_status("p", "t", given)  # type: ignore[arg-type]
+        for bad in ("01", [0.0], ["0"], [True], [-1], torch.ones(2)):
+            with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
+                await client.check_production_status("p", ["x"], bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
+                await client.check_consumption_status("p", "t", bad)  # type: ignore[arg-type]

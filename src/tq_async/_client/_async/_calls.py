@@ -217,7 +217,7 @@ class ControlCalls:
         """True when every given row (all rows if None) has every field in ``data_fields``."""
         partition_id = check_id("partition_id", partition_id)
         fields = check_fields(data_fields)
-        rows = list(global_indexes) if global_indexes is not None else None
+        rows = None if global_indexes is None else _check_rows(global_indexes, "global_indexes")
         return bool(await self._links.call(CheckProduction(partition_id, fields, rows), bool))
 
     async def check_consumption_status(
@@ -226,7 +226,7 @@ class ControlCalls:
         """True when ``task_name`` has consumed every given row (all rows if None)."""
         partition_id = check_id("partition_id", partition_id)
         task_name = check_id("task_name", task_name)
-        rows = list(global_indexes) if global_indexes is not None else None
+        rows = None if global_indexes is None else _check_rows(global_indexes, "global_indexes")
         return bool(await self._links.call(CheckConsumption(partition_id, task_name, rows), bool))
 
     async def production_status(
