@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -482,3 +483,50 @@ async def test_register_tasks_with_its_arguments_swapped_or_one_name_says_so() -
             await client.register_tasks([1, 2], "p")  # type: ignore[list-item]
         await client.register_tasks(("actor", "critic"), "p")  # any sequence of names
         await client.register_tasks([], "p")  # off
+
+
+async def test_numpy_scalars_work_where_ints_and_seconds_are_expected() -> None:
+    """Configs and arrays hand out numpy scalars: ``np.int64(2)`` as a batch size or a
+    rank, ``np.float32(5.0)`` as a timeout. They were refused ("batch_size must be an int,
+    got int64", "timeout must be a number of seconds, got float32") where an int or a
+    float works; they are taken as the ints and floats they are (bools stay refused)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(
+            cluster.address,
+            request_timeout=np.float32(30.0),
+            connect_timeout=np.int64(10),
+            retry_after=np.float64(5.0),
+            busy_poll=np.float32(0.0),
+            inline_put_bytes=np.int64(1024),
+        ) as client,
+    ):
+        assert type(client.request_timeout) is float
+        assert type(client.inline_put_bytes) is int
+        meta = await client.put({"x": torch.arange(8.0)}, "p", timeout=np.float32(5.0))
+        got = await client.get_meta(
+            ["x"], np.int64(2), "p", "t", timeout=np.float32(5.0), lease=np.int64(30)
+        )
+        assert got.global_indexes == [0, 1]
+        config = {"dp_rank": np.int64(1), "dp_size": np.int64(2), "batch_index": np.int64(0)}
+        td, ranked = await client.get(["x"], np.int32(2), "p", "ranks", config, timeout=5)
+        assert len(ranked) == 2
+        assert td.batch_size == torch.Size([2])
+        first = {**config, "dp_rank": np.int64(0)}
+        batches = await client.get_batches(
+            ["x"], 1, "p", "ahead", first, also=[np.int64(1)], timeout=5
+        )
+        assert [m.batch_index for _, m in batches] == [0, 1]
+        keyed = await client.kv_batch_put(["a", "b"], "kv", {"x": torch.ones(2)})
+        rows = np.array(keyed.global_indexes)
+        assert await client.kv_retrieve_keys(rows, "kv") == ["a", "b"]
+        assert await client.kv_retrieve_keys(list(rows), "kv") == ["a", "b"]
+        assert await client.check_production_status("p", ["x"], list(rows))
+        await client.acquire_rollout(np.int64(0), np.int64(1), timeout=np.float32(5.0))
+        await client.release_rollout(np.int64(1))
+        for bad in (np.bool_(True), True, np.float64(2.0), "2"):
+            with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+                await client.get_meta(["x"], bad, "p", "t")  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="timeout"):
+            await client.get_meta(["x"], 1, "p", "t", timeout=np.float32("nan"))
+        assert len(meta) == 8

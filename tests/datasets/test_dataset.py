@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -1051,3 +1052,41 @@ def test_a_bad_request_timeout_is_refused_when_the_dataset_is_built(cls: type, b
     DataLoader worker, far from the line that built the dataset)."""
     with pytest.raises(tq.InvalidRequestError, match="request_timeout"):
         cls("tcp://127.0.0.1:1", ["x"], 4, 2, "p", "t", request_timeout=bad)
+
+
+async def test_numpy_ints_and_floats_are_taken_as_arguments() -> None:
+    """A training config hands out numpy scalars (``np.int64(4)`` for a batch size, a rank
+    from an array, ``np.float32`` seconds); the dataset refused them ("batch_size must be a
+    positive integer, got np.int64(4)"), and ``chunk_batch_fn`` too. They are taken as
+    the ints and floats they are, so ``state_dict()`` stays plain (JSON-able)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(8)}, partition_id="p")
+        await client.seal("p")
+        ds = AsyncStreamingDataset(
+            client,
+            ["x"],
+            np.int64(4),
+            np.int32(2),
+            "p",
+            "train",
+            dp_rank=np.int64(0),
+            prefetch=np.int64(1),
+            replay_window=np.int64(2),
+            dp_size=np.int64(1),
+            request_timeout=np.float32(30.0),
+        )
+        assert (ds.batch_size, ds.micro_batch_size, ds.dp_size) == (4, 2, 1)
+        assert type(ds.request_timeout) is float
+        json.dumps(ds.state_dict())
+        async with ds:
+            got = await _drain(ds)
+        assert [list(m.global_indexes) for _, m in got] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        json.dumps(ds.state_dict())
+        td, meta = got[0]
+        assert len(chunk_batch_fn(td, meta, np.int64(1))) == 2
+    for bad in (np.float64(4.0), np.bool_(True), "4"):
+        with pytest.raises(tq.InvalidRequestError, match="batch_size"):
+            AsyncStreamingDataset("tcp://127.0.0.1:1", ["x"], bad, 2, "p", "t")

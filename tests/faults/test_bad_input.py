@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -228,3 +231,86 @@ async def test_truncated_data_frames_are_rejected() -> None:
         )
         assert bad is not None
         assert b"InvalidRequestError" in bad[0]
+
+
+async def test_an_id_of_the_wrong_type_is_refused_naming_the_argument(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A partition id or task name that is no string (an int, None) reached the
+    controller's decoder in most calls: a ProtocolError "malformed request: Expected `str`,
+    got `int` - at `$[1][1]`", logged by the controller as a malformed request; ``watch(3)``
+    failed with AttributeError, and numpy's ``str_`` (ids kept in an array) with msgspec's
+    NotImplementedError. Each is refused here naming the argument; a ``str_`` is its str."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.ones(2)}, np.str_("p"))
+        await client.kv_put("k", "kv", {"x": torch.ones(1)})
+        calls = {
+            "seal": lambda pid: client.seal(pid),
+            "reset_consumption": lambda pid: client.reset_consumption(pid),
+            "clear_partition": lambda pid: client.clear_partition(pid),
+            "partition_info": lambda pid: client.partition_info(pid),
+            "lost_rows": lambda pid: client.lost_rows(pid),
+            "production_status": lambda pid: client.production_status(pid),
+            "consumption_status": lambda pid: client.consumption_status(pid, "t"),
+            "check_production_status": lambda pid: client.check_production_status(pid, ["x"]),
+            "check_consumption_status": lambda pid: client.check_consumption_status(pid, "t"),
+            "kv_list": lambda pid: client.kv_list(pid),
+            "kv_put": lambda pid: client.kv_put("k", pid, tag={"a": 1}),
+            "kv_batch_get": lambda pid: client.kv_batch_get(["k"], pid),
+            "kv_retrieve_meta": lambda pid: client.kv_retrieve_meta(["k"], pid),
+            "kv_retrieve_keys": lambda pid: client.kv_retrieve_keys([0], pid),
+            "kv_clear": lambda pid: client.kv_clear(["k"], pid),
+            "register_tasks": lambda pid: client.register_tasks(["t"], pid),
+            "save_checkpoint": lambda pid: client.save_checkpoint("/nonexistent/ck", [pid]),
+        }
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            for name, call in calls.items():
+                for bad in (
+                    [3, ""] if name in ("lost_rows", "kv_list", "register_tasks") else [3, None, ""]
+                ):
+                    with pytest.raises(tq.InvalidRequestError, match="partition_id") as info:
+                        await call(bad)
+                    assert "malformed" not in str(info.value), name
+            for bad_task in (3, None, ""):
+                with pytest.raises(tq.InvalidRequestError, match="task_name"):
+                    await client.consumption_status("p", bad_task)  # type: ignore[arg-type]
+                with pytest.raises(tq.InvalidRequestError, match="task_name"):
+                    await client.check_consumption_status("p", bad_task)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="task_name"):
+                await client.reset_consumption("p", 3)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="task names"):
+                await client.register_tasks([""], "p")
+            with pytest.raises(tq.InvalidRequestError, match="partition_id"):
+                client.watch(3)  # type: ignore[arg-type]
+        assert not [r for r in caplog.records if "malformed" in r.getMessage()]
+        # numpy's str_ is the str it holds
+        assert (await client.partition_info(np.str_("p")))["rows"] == 2
+        meta = await client.get_meta(["x"], 2, np.str_("p"), np.str_("t"), timeout=5)
+        assert type(meta.partition_id) is str
+        await client.seal(np.str_("p"))
+        assert await client.list_partitions() == ["kv", "p"]
+
+
+async def test_status_calls_check_their_row_ids() -> None:
+    """``check_production_status`` / ``check_consumption_status`` sent their
+    ``global_indexes`` unchecked: a tensor of row ids failed with msgspec's
+    NotImplementedError, a string ("01") or a float reached the controller's decoder (a
+    ProtocolError it logged). Row ids are checked as kv_retrieve_keys checks them: a list,
+    an array or a tensor of non-negative ints."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.ones(2)}, "p")
+        rows = meta.global_indexes
+        for given in (rows, torch.tensor(rows), np.array(rows), tuple(rows)):
+            assert await client.check_production_status("p", ["x"], given)  # type: ignore[arg-type]
+            assert not await client.check_consumption_status("p", "t", given)  # type: ignore[arg-type]
+        for bad in ("01", [0.0], ["0"], [True], [-1], torch.ones(2)):
+            with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
+                await client.check_production_status("p", ["x"], bad)  # type: ignore[arg-type]
+            with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
+                await client.check_consumption_status("p", "t", bad)  # type: ignore[arg-type]

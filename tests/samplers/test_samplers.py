@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -370,6 +371,53 @@ def test_rank_aware_rejects_bad_arguments() -> None:
         RankAwareSampler(n_replicas=0)
     with pytest.raises(ValueError, match="max_entries must be >= 1"):
         RankAwareSampler(max_entries=0)
+
+
+def test_sampler_arguments_are_checked_and_numpy_ints_taken() -> None:
+    """The samplers' constructors compared their counts with ``< 1`` only: a float
+    (``n_samples_per_prompt=2.5``: groups of 2.5 rows), a bool or a count past int64 was
+    taken, a string or None failed with a bare TypeError ("'<' not supported"), a key that
+    is no string matched no tag (every row its own group), and an ``inner`` that is no
+    sampler (or its class) failed with AttributeError. Each is refused naming the argument;
+    numpy's ints (configs hold them) are taken as the ints they are."""
+    counts: list[tuple[Any, str]] = [
+        (lambda v: GRPOGroupNSampler(v), "n_samples_per_prompt"),
+        (lambda v: RankAwareSampler(n_replicas=v), "n_replicas"),
+        (lambda v: RankAwareSampler(max_entries=v), "max_entries"),
+        (lambda v: SeqlenBalancedSampler(n_samples_per_prompt=v), "n_samples_per_prompt"),
+        (lambda v: SeqlenBalancedSampler(dp_size=v), "dp_size"),
+        (lambda v: SeqlenBalancedSampler(n_replicas=v), "n_replicas"),
+        (lambda v: SeqlenBalancedSampler(max_entries=v), "max_entries"),
+        (lambda v: SeqlenBalancedSampler(missing_length=v), "missing_length"),
+        (lambda v: tq.StalenessSampler(max_staleness=v), "max_staleness"),
+    ]
+    for make, name in counts:
+        for bad in (2.5, "2", None, True, 2**70):
+            if bad is None and name == "missing_length":
+                continue  # None: a row without a length is an error
+            with pytest.raises(tq.InvalidRequestError, match=name):
+                make(bad)
+        taken = getattr(make(np.int64(2)), name, 2)  # (max_entries is no attribute)
+        assert type(taken) is int
+        assert taken == 2
+    assert GRPOGroupNSampler(np.int64(4)).group_tag == ("uid", 4)
+    assert SeqlenBalancedSampler(dp_size=np.int32(4)).dp_size_hint == 4
+    with pytest.raises(tq.InvalidRequestError, match="dp_size must be at most 65536"):
+        SeqlenBalancedSampler(dp_size=1 << 20)
+    for bad_key in (3, None, b"uid"):
+        with pytest.raises(tq.InvalidRequestError, match="group_key must name a tag"):
+            GRPOGroupNSampler(2, group_key=bad_key)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="length_key must name a tag"):
+            SeqlenBalancedSampler(length_key=bad_key)  # type: ignore[arg-type]
+    for bad_slack in ("0.1", None, float("nan"), -0.5):
+        with pytest.raises(tq.InvalidRequestError, match="locality_slack"):
+            SeqlenBalancedSampler(locality_slack=bad_slack)  # type: ignore[arg-type]
+    assert SeqlenBalancedSampler(locality_slack=np.float32(0.25)).locality_slack == 0.25
+    for wrapper in (RankAwareSampler, tq.StalenessSampler):
+        with pytest.raises(tq.InvalidRequestError, match=r"pass SequentialSampler\(\)"):
+            wrapper(SequentialSampler)  # type: ignore[arg-type]
+        with pytest.raises(tq.InvalidRequestError, match="takes a sampler instance"):
+            wrapper("sequential")  # type: ignore[arg-type]
 
 
 # ---- SeqlenBalancedSampler -----------------------------------------------------------------

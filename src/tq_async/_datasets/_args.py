@@ -4,6 +4,7 @@ too)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,11 +14,23 @@ __all__ = ["check_args", "checked_name", "parse_state", "positive_int"]
 
 
 def positive_int(name: str, value: Any, *, zero: bool = False) -> int:
+    """``value`` as a plain int >= 1 (>= 0 with ``zero``); numpy's ints are taken (configs
+    hold them)."""
     low = 0 if zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    n = value if type(value) is int else as_int(value)
+    if type(n) is not int or n < low:
         kind = "a non-negative" if zero else "a positive"
         raise InvalidRequestError(f"{name} must be {kind} integer, got {value!r}")
-    return value
+    return n
+
+
+def as_int(value: Any) -> Any:
+    """An integral number (numpy's, a one-element integer tensor) as an int; anything else
+    (a bool too) unchanged."""
+    try:
+        return value if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return value
 
 
 _TAILS = ("uneven", "drop", "error")
@@ -52,8 +65,7 @@ def check_args(
         raise InvalidRequestError(
             f"data_fields must be a non-empty list of non-empty strings, got {data_fields!r}"
         )
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise InvalidRequestError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
+    dp_rank = positive_int("dp_rank", dp_rank, zero=True)
     config = dict(sampling_config or {})
     if "batch_index" in config:
         raise InvalidRequestError(

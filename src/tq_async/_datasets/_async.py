@@ -200,12 +200,7 @@ def chunk_batch_fn(
         InvalidRequestError: ``micro_batch_size`` is not positive, or ``td`` and ``meta``
             disagree on the number of rows.
     """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise InvalidRequestError(
-            f"micro_batch_size must be a positive integer, got {micro_batch_size!r}"
-        )
-    if micro_batch_size <= 0:
-        raise InvalidRequestError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
     n = len(meta)
     rows = td.batch_size[0] if len(td.batch_size) else None
     if rows != n:
@@ -462,8 +457,7 @@ class AsyncStreamingDataset:
             process_batch_fn,
         )
         self.address = address
-        check_seconds("request_timeout", request_timeout, optional=False)
-        self.request_timeout = request_timeout
+        self.request_timeout = check_seconds("request_timeout", request_timeout, optional=False)
         self.data_fields: list[str] = list(data_fields)
         self.batch_size = positive_int("batch_size", batch_size)
         self.micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
@@ -737,7 +731,7 @@ class AsyncStreamingDataset:
                 "next_batch(wait=False or seconds) and next_batch(ahead=) need prefetch=0 and "
                 "the default fetch_batch_fn (a custom one may not honour its timeout)"
             )
-        check_int("ahead", ahead, 0, MAX_ALSO)
+        ahead = check_int("ahead", ahead, 0, MAX_ALSO)
         timeout = None if wait is True else 0 if wait is False else check_seconds("wait", wait)
         cur = self._current
         if cur is None:

@@ -169,7 +169,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         self.stop_when_consumed = probe.stop_when_consumed
         self.sampling_config = probe.sampling_config
         self.fetch_batch_fn, self.process_batch_fn = probe.fetch_batch_fn, probe.process_batch_fn
-        self.request_timeout, self.tail, self.device = request_timeout, probe.tail, probe.device
+        self.request_timeout, self.tail = probe.request_timeout, probe.tail
+        self.device = probe.device
         self._state: dict[str, Any] = probe.state_dict()
         #: bumped by reset/step/load_state_dict (a running loader pass restarts its workers)
         self._generation = 0

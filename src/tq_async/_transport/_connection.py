@@ -596,7 +596,7 @@ def _encode_request(rid: int, body: msgspec.Struct, identity: bytes) -> bytes:
     client checks arguments more precisely)."""
     try:
         return encoder.encode((rid, body, identity))
-    except (TypeError, OverflowError, UnicodeEncodeError, ValueError) as exc:
+    except (TypeError, OverflowError, UnicodeEncodeError, ValueError, NotImplementedError) as exc:
         raise InvalidRequestError(
             f"{type(body).__name__} cannot be sent: {exc}; pass ids as valid UTF-8 text, "
             "ints within 64 bits and plain values (None, bool, int, float, str, bytes, "

@@ -8,8 +8,10 @@ caller's NaN can never reach a timer heap or an ``array`` shared with other call
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from .._errors import InvalidRequestError
 from ._columns import ITEM_SIZES, KINDS, ColumnHeader
@@ -38,6 +40,8 @@ __all__ = [
     "MAX_PUT_ROWS",
     "MAX_RECORD_SPAN",
     "MAX_UNIT_ID",
+    "as_int",
+    "as_seconds",
     "check_also",
     "check_headers",
     "check_int",
@@ -58,8 +62,13 @@ MAX_UNIT_ID = 2**31 - 1
 _INF = math.inf
 
 
+@overload
+def check_seconds(name: str, value: Any, *, optional: Literal[False]) -> float: ...
+@overload
+def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | None: ...
 def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | None:
-    """``value`` as positive finite seconds (or None when ``optional``).
+    """``value`` as positive finite seconds (or None when ``optional``), a float: any real
+    number is taken (numpy's ``float32`` and ``int64`` too, as configs hold them).
 
     Raises:
         InvalidRequestError: naming ``name``, for NaN, infinities, zero, negatives and
@@ -67,32 +76,55 @@ def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | No
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(
-            f"{name} must be a number of seconds{' or None' if optional else ''}, "
-            f"got {type(value).__name__} {value!r}"
-        )
-    if not math.isfinite(value) or value <= 0:
+    seconds = as_seconds(name, value, optional)
+    if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidRequestError(
             f"{name} must be positive, finite seconds{' or None' if optional else ''}, got "
             f"{value!r}; pass e.g. {name}=30"
             + (f" (or {name}=None to wait without a deadline)" if optional else "")
         )
-    return float(value)
+    return seconds
 
 
 def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:
-    """``value`` as an int in ``[lo, hi]``.
+    """``value`` as a plain int in ``[lo, hi]`` (an integral scalar, such as numpy's
+    ``int64``, as its int: see `as_int`).
 
     Raises:
         InvalidRequestError: naming ``name``, for non-ints (bools included) and values out
             of range.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if not lo <= value <= hi:
-        raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi}], got {value}")
-    return value
+    n: int = value if type(value) is int else as_int(name, value)
+    if not lo <= n <= hi:
+        raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi}], got {n}")
+    return n
+
+
+def as_int(name: str, value: Any) -> int:
+    """``value`` as a plain int: an int, or an integral scalar (numpy's ``int64``, a
+    one-element integer tensor), as configs and arrays hold them.
+
+    Raises:
+        InvalidRequestError: naming ``name``, for bools and anything not integral.
+    """
+    if not isinstance(value, bool) and "bool" not in str(getattr(value, "dtype", "")):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def as_seconds(name: str, value: Any, optional: bool = True) -> float:
+    """``value`` as a float: any real number but a bool (numpy's too)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(
+            f"{name} must be a number of seconds{' or None' if optional else ''}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return float(value)
 
 
 def check_ints(name: str, values: Sequence[Any] | None, lo: int = 0, hi: int = MAX_INT) -> None:

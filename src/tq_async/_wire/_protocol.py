@@ -846,7 +846,10 @@ _ndarray_header = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], bytes])
 
 
 def _enc_hook(obj: Any) -> Any:
-    """Numeric numpy arrays travel as an extension type, numpy scalars as Python scalars."""
+    """Numeric numpy arrays travel as an extension type, numpy scalars as Python scalars
+    (a ``str`` subclass, numpy's ``str_`` among them, as the plain ``str``)."""
+    if isinstance(obj, str):
+        return str.__str__(obj)
     import numpy as np  # here: most messages never need it
 
     if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":

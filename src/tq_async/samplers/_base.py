@@ -58,6 +58,8 @@ The controller passes context as keyword arguments (a sampler whose ``sample`` d
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
@@ -65,8 +67,19 @@ from typing import Any
 import msgspec
 
 from .._errors import InvalidRequestError, UnsupportedTypeError
+from .._wire._checks import MAX_INT, as_int
 
-__all__ = ["BaseSampler", "SampleResult", "SharesResult", "WrappingSampler", "check_context"]
+__all__ = [
+    "BaseSampler",
+    "SampleResult",
+    "SharesResult",
+    "WrappingSampler",
+    "check_context",
+    "inner_sampler",
+    "int_arg",
+    "share_arg",
+    "tag_name",
+]
 
 SampleResult = tuple[list[int], list[int]]
 #: ``(shares, consumed)``: one list of rows per DP rank, and the rows to mark consumed
@@ -333,3 +346,51 @@ class WrappingSampler(BaseSampler):
     def tail_policy(self) -> str | None:
         """``inner``'s."""
         return self.inner.tail_policy
+
+
+def int_arg(name: str, value: Any, lo: int = 1, hi: int = MAX_INT, why: str = "") -> int:
+    """A sampler's int argument ``name`` (numpy's ints too, as configs hold them) in
+    ``[lo, hi]``, as a plain int; ``why`` says what it counts, for the error.
+
+    Raises:
+        InvalidRequestError: naming ``name``, for a float, a string, None, a bool or a value
+            out of range (each was taken, or failed later with a bare TypeError).
+    """
+    n = value if type(value) is int else as_int(name, value)
+    if n < lo:
+        raise InvalidRequestError(f"{name} must be >= {lo}{why}, got {n}")
+    if n > hi:
+        raise InvalidRequestError(f"{name} must be at most {hi}{why}, got {n}")
+    return n
+
+
+def share_arg(name: str, value: Any) -> float:
+    """A sampler's fraction argument ``name`` (numpy's floats too): a real number >= 0."""
+    share = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool) or not share >= 0:
+        raise InvalidRequestError(f"{name} must be a number >= 0 (0.05: 5 %), got {value!r}")
+    return share
+
+
+def tag_name(name: str, value: Any) -> str:
+    """A sampler's tag name argument (``group_key``, ``length_key``): a string."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"{name} must name a tag (a string), got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def inner_sampler(owner: str, inner: Any) -> BaseSampler | None:
+    """A wrapping sampler's ``inner`` (None: the default): a sampler instance."""
+    if inner is None or isinstance(inner, BaseSampler):
+        return inner
+    if isinstance(inner, type) and issubclass(inner, BaseSampler):
+        raise InvalidRequestError(
+            f"{owner}(inner=...) takes a sampler instance, got the class {inner.__name__}: "
+            f"pass {inner.__name__}()"
+        )
+    raise InvalidRequestError(
+        f"{owner}(inner=...) takes a sampler instance (a BaseSampler, e.g. "
+        f"tq.SequentialSampler()), got {type(inner).__name__} {inner!r:.80}"
+    )

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
-from ._base import SampleResult, check_context
+from ._base import SampleResult, check_context, int_arg, tag_name
 from ._groups import GroupingSampler, check_group_size, complete_groups
 
 __all__ = ["GRPOGroupNSampler"]
@@ -66,21 +66,18 @@ class GRPOGroupNSampler(GroupingSampler):
             request's (``"uneven"`` unless a global batch asks otherwise).
 
     Raises:
-        InvalidRequestError: ``n_samples_per_prompt < 1``, or ``tail`` is unknown.
+        InvalidRequestError: ``n_samples_per_prompt`` is no int (numpy's ints are taken) or
+            below 1, ``group_key`` no string, or ``tail`` is unknown.
     """
 
     def __init__(
         self, n_samples_per_prompt: int = 1, group_key: str = "uid", tail: str | None = None
     ) -> None:
-        if n_samples_per_prompt < 1:
-            raise InvalidRequestError(
-                f"n_samples_per_prompt must be >= 1 (rows per prompt group), "
-                f"got {n_samples_per_prompt}"
-            )
+        n = int_arg("n_samples_per_prompt", n_samples_per_prompt, why=" (rows per prompt group)")
         if tail not in (None, "uneven", "drop", "error"):
             raise InvalidRequestError(f"tail must be 'uneven', 'drop' or 'error', got {tail!r}")
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.group_key = group_key
+        self.n_samples_per_prompt = n
+        self.group_key = tag_name("group_key", group_key)
         self.tail = tail
 
     @property

@@ -13,13 +13,14 @@ from typing import Any
 
 import anyio
 
-from .._errors import InvalidRequestError
 from ._base import (
     BaseSampler,
     SampleResult,
     SharesResult,
     WrappingSampler,
     check_context,
+    inner_sampler,
+    int_arg,
 )
 from ._cache import ShareCache, reads_needed
 from ._sequential import SequentialSampler
@@ -97,7 +98,8 @@ class RankAwareSampler(WrappingSampler):
         max_entries: the most keys kept at once.
 
     Raises:
-        ValueError: ``n_replicas < 1`` or ``max_entries < 1``.
+        InvalidRequestError: (a ValueError) ``n_replicas`` or ``max_entries`` is no int
+            (numpy's ints are taken) or below 1, or ``inner`` is no sampler instance.
     """
 
     def __init__(
@@ -106,14 +108,12 @@ class RankAwareSampler(WrappingSampler):
         n_replicas: int = 1,
         max_entries: int = 65536,
     ) -> None:
-        if n_replicas < 1:
-            raise InvalidRequestError(
-                f"n_replicas must be >= 1 (readers per dp_rank, e.g. tp_size * pp_size), "
-                f"got {n_replicas}"
-            )
+        self.n_replicas = int_arg(
+            "n_replicas", n_replicas, why=" (readers per dp_rank, e.g. tp_size * pp_size)"
+        )
+        inner = inner_sampler(type(self).__name__, inner)
         self.inner: BaseSampler = SequentialSampler() if inner is None else inner
-        self.n_replicas = n_replicas
-        self._cache = ShareCache(max_entries, type(self).__name__)
+        self._cache = ShareCache(int_arg("max_entries", max_entries), type(self).__name__)
         self._inner_kwargs = kwargs_filter(self.inner.sample)
         # Keys whose first (async) inner call is still running, so others wait instead of
         # sampling the same rows again.

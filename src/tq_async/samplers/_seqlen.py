@@ -7,8 +7,9 @@ from typing import Any
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
+from .._wire._checks import MAX_DP_SIZE
 from ._balance import balance_by_host
-from ._base import SampleResult, SharesResult, check_context
+from ._base import SampleResult, SharesResult, check_context, int_arg, share_arg, tag_name
 from ._cache import ShareCache, reads_needed
 from ._groups import GroupingSampler, check_group_size, complete_groups
 from ._kk import karmarkar_karp
@@ -71,7 +72,9 @@ class SeqlenBalancedSampler(GroupingSampler):
             where it costs no balance).
 
     Raises:
-        ValueError: an argument is below 1, or ``tail`` is unknown.
+        InvalidRequestError: (a ValueError) a count that is no int (numpy's ints are taken)
+            or is below 1 (``missing_length``: 0), a key that is no string, or ``tail`` is
+            unknown.
     """
 
     def __init__(
@@ -86,28 +89,21 @@ class SeqlenBalancedSampler(GroupingSampler):
         missing_length: int | None = 1,
         locality_slack: float = 0.05,
     ) -> None:
-        if not locality_slack >= 0:
-            raise InvalidRequestError(f"locality_slack must be >= 0, got {locality_slack!r}")
-        self.locality_slack = float(locality_slack)
+        self.locality_slack = share_arg("locality_slack", locality_slack)
         if tail not in (None, "error", "drop", "uneven"):
             raise InvalidRequestError(f"tail must be 'error', 'drop' or 'uneven', got {tail!r}")
         self._tail = tail
         #: the policy of a direct call without a ``tail`` keyword
         self.tail = tail or "error"
-        for name, value in (
-            ("n_samples_per_prompt", n_samples_per_prompt),
-            ("dp_size", dp_size),
-            ("n_replicas", n_replicas),
-        ):
-            if value < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {value}")
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.dp_size = dp_size
-        self.length_key = length_key
-        self.n_replicas = n_replicas
-        self.group_key = group_key
-        self.missing_length = missing_length
-        self._cache = ShareCache(max_entries, type(self).__name__)
+        self.n_samples_per_prompt = int_arg("n_samples_per_prompt", n_samples_per_prompt)
+        self.dp_size = int_arg("dp_size", dp_size, hi=MAX_DP_SIZE)
+        self.length_key = tag_name("length_key", length_key)
+        self.n_replicas = int_arg("n_replicas", n_replicas)
+        self.group_key = tag_name("group_key", group_key)
+        self.missing_length = (
+            None if missing_length is None else int_arg("missing_length", missing_length, 0)
+        )
+        self._cache = ShareCache(int_arg("max_entries", max_entries), type(self).__name__)
 
     @property
     def locality_aware(self) -> bool:

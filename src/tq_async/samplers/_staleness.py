@@ -14,6 +14,8 @@ from ._base import (
     SharesResult,
     WrappingSampler,
     check_context,
+    inner_sampler,
+    int_arg,
 )
 from ._sequential import SequentialSampler
 
@@ -99,10 +101,10 @@ class StalenessSampler(WrappingSampler):
         max_staleness: int = 0,
         on_stale: str = "drop",
     ) -> None:
-        if max_staleness < 0:
-            raise InvalidRequestError(f"max_staleness must be >= 0, got {max_staleness}")
+        max_staleness = int_arg("max_staleness", max_staleness, 0)
         if on_stale not in _POLICIES:
             raise InvalidRequestError(f"on_stale must be one of {_POLICIES}, got {on_stale!r}")
+        inner = inner_sampler(type(self).__name__, inner)
         self.inner = inner if inner is not None else SequentialSampler()
         self.max_staleness = max_staleness
         self.on_stale = on_stale

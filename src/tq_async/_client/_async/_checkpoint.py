@@ -56,6 +56,7 @@ from ..._wire._protocol import (
     StorePut,
     encoder,
 )
+from ._base import check_id
 
 __all__ = [
     "FORMAT",
@@ -155,7 +156,11 @@ async def save_checkpoint(
             f"save_checkpoint takes a list of partition ids, got the string {partition_ids!r}: "
             f"pass [{partition_ids!r}]"
         )
-    ids = None if partition_ids is None else list(dict.fromkeys(partition_ids))
+    ids = (
+        None
+        if partition_ids is None
+        else list(dict.fromkeys(check_id("partition_id", p) for p in partition_ids))
+    )
     if not await run_sync_off_loop(_replaceable, path):
         raise CheckpointError(
             f"{path!r} exists and is not a tq_async checkpoint: save_checkpoint replaces only "

@@ -31,6 +31,7 @@ doubling the code the two faces must agree on.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Collection, Generator, Mapping, Sequence
@@ -163,10 +164,12 @@ class AsyncClient:
         data_path: str = "auto",
         host_id: str | None = None,
     ) -> None:
-        self.data_path, self.busy_poll = _checked(
-            address, request_timeout, connect_timeout, retry_after, busy_poll, data_path
-        )
-        _check_inline(inline_put_bytes, inline_get_bytes)
+        request_timeout = check_seconds("request_timeout", request_timeout, optional=False)
+        connect_timeout = check_seconds("connect_timeout", connect_timeout, optional=False)
+        retry_after = check_seconds("retry_after", retry_after)
+        self.data_path, self.busy_poll = _checked(address, busy_poll, data_path)
+        inline_put_bytes = check_int("inline_put_bytes", inline_put_bytes)
+        inline_get_bytes = check_int("inline_get_bytes", inline_get_bytes)
         _check_identity(host_id, curve)
         self.connect_timeout = connect_timeout
         self.address = address
@@ -950,39 +953,20 @@ class AsyncClient:
 
 def _check_busy_poll(value: Any) -> float:
     """``busy_poll`` as seconds in ``[0, MAX_BUSY_POLL]``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_BUSY_POLL
-    ):
+    seconds = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool) or not 0 <= seconds <= MAX_BUSY_POLL:
         raise InvalidRequestError(
             f"busy_poll must be seconds from 0 (off) to {MAX_BUSY_POLL}, got {value!r}; the "
             f"default ({DEFAULT_BUSY_POLL}) catches a same-host reply without parking"
         )
-    return float(value)
+    return seconds
 
 
-def _checked(
-    address: str,
-    request_timeout: float,
-    connect_timeout: float,
-    retry_after: float | None,
-    busy_poll: float,
-    data_path: str,
-) -> tuple[str, float]:
-    """The client's connection options checked (a clear error for each bad one): the data
-    path and the busy poll as the client keeps them."""
-    check_seconds("request_timeout", request_timeout, optional=False)
-    check_seconds("connect_timeout", connect_timeout, optional=False)
-    check_seconds("retry_after", retry_after)
+def _checked(address: str, busy_poll: float, data_path: str) -> tuple[str, float]:
+    """The client's address, data path and busy poll checked (a clear error for each bad
+    one): the data path and the busy poll as the client keeps them."""
     check_address(address)
     return check_data_path(data_path), _check_busy_poll(busy_poll)
-
-
-def _check_inline(inline_put_bytes: int, inline_get_bytes: int) -> None:
-    check_int("inline_put_bytes", inline_put_bytes)
-    check_int("inline_get_bytes", inline_get_bytes)
 
 
 def _check_identity(host_id: Any, curve: Any) -> None:

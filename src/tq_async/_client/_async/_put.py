@@ -38,7 +38,7 @@ from ..._paths._shm import ArenaMap, align
 from ..._primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._dealer import DealerConnection
 from ..._wire._checks import check_ints, check_seconds
-from ..._wire._codec import DeviceColumn, check_text, columns_from_batch, tags_for_wire
+from ..._wire._codec import DeviceColumn, columns_from_batch, tags_for_wire
 from ..._wire._columns import (
     Column,
     ColumnHeader,
@@ -64,7 +64,7 @@ from ..._wire._protocol import (
     StoreClear,
     StorePut,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
+from ._base import THREAD_COPY_BYTES, Links, as_int, check_id, tag_rows
 from ._device_links import keeps_on_device
 from ._replies import ask_grant, decode
 
@@ -203,7 +203,7 @@ class PutPath:
             partition_id = meta.partition_id
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidRequestError("put needs a partition_id (a non-empty string) or a meta")
-        check_text("partition_id", partition_id)
+        partition_id = check_id("partition_id", partition_id)
         # big dense GPU columns may move device to device (to a unit on this host with a
         # device arena); the other CUDA columns: pinned copies, waited for off the loop
         keep = keeps_on_device if self._links.devices is not None else None
@@ -219,7 +219,7 @@ class PutPath:
         if tags is not None:
             tag_list = tags_for_wire(tag_rows(tags, n))
         versions = _check_versions(policy_version, n)
-        check_seconds("timeout", timeout)
+        timeout = check_seconds("timeout", timeout)
         # a put may wait for capacity: the deadline is the caller's timeout plus the usual one
         deadline: float | bool | None = True
         if self._links.capacity is not None and not nowait:

@@ -84,6 +84,21 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
     return list(data_fields)
 
 
+def check_id(what: str, value: Any) -> str:
+    """``value`` as an id (``what``: a partition id, a task name): a non-empty string that
+    travels as UTF-8 (a ``str`` subclass, such as numpy's ``str_``, as the plain ``str``).
+
+    Raises:
+        InvalidRequestError: naming ``what``, for anything else (a wrong type reached the
+            controller's decoder: a ProtocolError it logged as a malformed request).
+    """
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
+        )
+    return check_text(what, value if type(value) is str else str.__str__(value))
+
+
 def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
     """``tags``, checked to be one dict (or None) for each of ``n`` rows (or keys: ``of``).
 

@@ -58,7 +58,7 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
-from ._base import Links, as_int, check_fields, tag_rows
+from ._base import Links, as_int, check_fields, check_id, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
@@ -88,11 +88,19 @@ def _check_keys(keys: Any) -> list[str]:
 
 
 def _check_rows(rows: Any, name: str) -> list[int]:
+    if isinstance(rows, (np.ndarray, torch.Tensor)):  # row ids kept in an array
+        rows = rows.tolist()
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+    ids = [as_int(r) for r in rows]  # numpy's ints too
+    if not all(type(r) is int and r >= 0 for r in ids):
         raise InvalidRequestError(f"{name} must hold non-negative ints, got {list(rows)[:8]!r}")
-    return [int(r) for r in rows]
+    return ids
+
+
+def _optional_id(partition_id: Any) -> str | None:
+    """An optional ``partition_id`` (None: all partitions), checked."""
+    return None if partition_id is None else check_id("partition_id", partition_id)
 
 
 def _mask(raw: bytes) -> torch.Tensor:
@@ -146,7 +154,8 @@ class ControlCalls:
 
     def lost_rows(self, partition_id: str | None = None) -> dict[str, Any]:
         """Rows lost with storage units that went away."""
-        return dict(self._links.call(LostRows(partition_id), dict[str, Any]))
+        body = LostRows(_optional_id(partition_id))
+        return dict(self._links.call(body, dict[str, Any]))
 
     def storage_stats(self) -> dict[int, dict[str, Any]]:
         """What each storage unit holds, asked of every unit in parallel."""
@@ -174,17 +183,22 @@ class ControlCalls:
                 f"pass [{tasks!r}]"
             )
         names = list(tasks)
-        if not all(isinstance(t, str) for t in names):
-            raise InvalidRequestError(f"register_tasks takes task names (strings), got {names!r}")
-        self._links.call(RegisterTasks(names, partition_id), None)
+        if not all(isinstance(t, str) and t for t in names):
+            raise InvalidRequestError(
+                f"register_tasks takes task names (non-empty strings), got {names!r}"
+            )
+        body = RegisterTasks([check_id("task name", t) for t in names], _optional_id(partition_id))
+        self._links.call(body, None)
 
     def seal(self, partition_id: str, *, create: bool = False) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""
-        self._links.call(Seal(partition_id, create), None)
+        self._links.call(Seal(check_id("partition_id", partition_id), create), None)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""
-        self._links.call(ResetConsumption(partition_id, task_name), None)
+        partition_id = check_id("partition_id", partition_id)
+        task = None if task_name is None else check_id("task_name", task_name)
+        self._links.call(ResetConsumption(partition_id, task), None)
 
     def clear_samples(self, meta: BatchMeta) -> None:
         """Remove ``meta``'s rows from the partition and free their storage."""
@@ -194,7 +208,7 @@ class ControlCalls:
 
     def clear_partition(self, partition_id: str) -> None:
         """Remove the partition with all its rows, state and sampler caches; free storage."""
-        self._links.call(ClearPartition(partition_id), None)
+        self._links.call(ClearPartition(check_id("partition_id", partition_id)), None)
 
     def check_production_status(
         self,
@@ -203,28 +217,35 @@ class ControlCalls:
         global_indexes: Sequence[int] | None = None,
     ) -> bool:
         """True when every given row (all rows if None) has every field in ``data_fields``."""
+        partition_id = check_id("partition_id", partition_id)
         fields = check_fields(data_fields)
-        rows = list(global_indexes) if global_indexes is not None else None
+        rows = None if global_indexes is None else _check_rows(global_indexes, "global_indexes")
         return bool(self._links.call(CheckProduction(partition_id, fields, rows), bool))
 
     def check_consumption_status(
         self, partition_id: str, task_name: str, global_indexes: Sequence[int] | None = None
     ) -> bool:
         """True when ``task_name`` has consumed every given row (all rows if None)."""
-        rows = list(global_indexes) if global_indexes is not None else None
+        partition_id = check_id("partition_id", partition_id)
+        task_name = check_id("task_name", task_name)
+        rows = None if global_indexes is None else _check_rows(global_indexes, "global_indexes")
         return bool(self._links.call(CheckConsumption(partition_id, task_name, rows), bool))
 
     def production_status(
         self, partition_id: str, data_fields: Sequence[str] | None = None
     ) -> dict[str, torch.Tensor]:
         """Per field, a bool tensor over row ids: is the cell produced (cleared rows: False)."""
+        partition_id = check_id("partition_id", partition_id)
         fields = None if data_fields is None else check_fields(data_fields)
         masks = self._links.call(ProductionStatus(partition_id, fields), dict[str, bytes])
         return {k: _mask(v) for k, v in masks.items()}
 
     def consumption_status(self, partition_id: str, task_name: str) -> torch.Tensor:
         """A bool tensor over row ids: has ``task_name`` consumed the row."""
-        return _mask(self._links.call(ConsumptionStatus(partition_id, task_name), bytes))
+        body = ConsumptionStatus(
+            check_id("partition_id", partition_id), check_id("task_name", task_name)
+        )
+        return _mask(self._links.call(body, bytes))
 
     def list_partitions(self) -> list[str]:
         """Ids of every partition the controller knows."""
@@ -232,7 +253,8 @@ class ControlCalls:
 
     def partition_info(self, partition_id: str) -> dict[str, Any]:
         """Row counts, schema, sealed flag and per-task consumed counts of a partition."""
-        return dict(self._links.call(PartitionInfo(partition_id), dict[str, Any]))
+        body = PartitionInfo(check_id("partition_id", partition_id))
+        return dict(self._links.call(body, dict[str, Any]))
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any]]) -> None:
         """Merge ``tags[i]`` into the tags of row ``meta.global_indexes[i]`` (atomically)."""
@@ -338,6 +360,7 @@ class ControlCalls:
     ) -> BatchMeta:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
         key_list = _check_keys(keys)
+        partition_id = check_id("partition_id", partition_id)
         if fields is None:
             if tags is None:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
@@ -352,6 +375,7 @@ class ControlCalls:
     ) -> BatchMeta:
         """A `BatchMeta` of ``keys``' rows, naming the fields every key has."""
         key_list = _check_keys(keys)
+        partition_id = check_id("partition_id", partition_id)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
         return self._look_up(KVLookup(partition_id, key_list, None, available=True))
@@ -364,6 +388,7 @@ class ControlCalls:
         tag: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
+        partition_id = check_id("partition_id", partition_id)
         if fields is None:
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
@@ -399,6 +424,7 @@ class ControlCalls:
         select_fields: Sequence[str] | None = None,
     ) -> TensorDict:
         """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected)."""
+        partition_id = check_id("partition_id", partition_id)
         fields = None if select_fields is None else check_fields(select_fields)
         meta = self._look_up(KVLookup(partition_id, _check_keys(keys), fields))
         return self._gets.get_data(meta)
@@ -421,7 +447,8 @@ class ControlCalls:
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
         """``{partition_id: {key: tags}}`` for one partition, or for all when None; each
         partition's listing decoded when first read (see `KVListing`)."""
-        listing = self._links.call(KVList(partition_id, packed=True), _KV_LISTING)
+        body = KVList(_optional_id(partition_id), packed=True)
+        listing = self._links.call(body, _KV_LISTING)
         return {
             pid: KVListing(n=got.n, keys=got.keys, tags=got.tags)
             if isinstance(got, KVColumns)
@@ -432,11 +459,13 @@ class ControlCalls:
     def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put)."""
         rows = _check_rows(global_indexes, "global_indexes")
-        return list(self._links.call(KVKeys(partition_id, rows), list[str]))
+        body = KVKeys(check_id("partition_id", partition_id), rows)
+        return list(self._links.call(body, list[str]))
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Remove ``keys`` and free their storage; a missing key fails the whole call."""
-        self._links.call(KVClear(partition_id, _check_keys(keys)), None)
+        body = KVClear(check_id("partition_id", partition_id), _check_keys(keys))
+        self._links.call(body, None)
 
     def save_checkpoint(
         self,

@@ -17,10 +17,16 @@ from typing import Any, NamedTuple
 from ..._errors import InvalidRequestError
 from ..._meta import BatchMeta, check_meta
 from ..._paths._device_copy import check_device
-from ..._wire._checks import MAX_INT, check_also, check_int, check_sampling_config, check_seconds
-from ..._wire._codec import check_text
+from ..._wire._checks import (
+    MAX_INT,
+    as_seconds,
+    check_also,
+    check_int,
+    check_sampling_config,
+    check_seconds,
+)
 from ..._wire._protocol import GetMeta
-from ._base import check_fields
+from ._base import as_int, check_fields, check_id
 
 __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
 
@@ -108,24 +114,20 @@ def meta_query(
     target = None if device is None else check_device(device, here=True)
     fields = check_fields(data_fields)
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_INT:
-        check_int("batch_size", batch_size, 1)
-    if not isinstance(task_name, str) or not task_name:
-        raise InvalidRequestError(f"task_name must be a non-empty string, got {task_name!r}")
-    if not isinstance(partition_id, str) or not partition_id:
-        raise InvalidRequestError(f"partition_id must be a non-empty string, got {partition_id!r}")
-    check_text("task_name", task_name)
-    check_text("partition_id", partition_id)
+        batch_size = check_int("batch_size", batch_size, 1)
+    task_name = check_id("task_name", task_name)
+    partition_id = check_id("partition_id", partition_id)
     if mode != "fetch" and mode != "peek":
         raise InvalidRequestError(f"mode must be 'fetch' or 'peek', got {mode!r}")
-    if timeout is not None and (isinstance(timeout, bool) or timeout != 0):  # 0: answer now
-        _check_timeout(timeout)
+    if timeout is not None:
+        timeout = _check_timeout(timeout)
     if lease is not None:
-        check_seconds("lease", lease)
+        lease = check_seconds("lease", lease)
     cfg = None if sampling_config is None else _config(sampling_config)
     if cfg is not None:
         _check_dp_config(cfg)
         check_sampling_config(cfg)
-    wanted = None if also is None else list(also)
+    wanted = None if also is None else [as_int(j) for j in also]
     if wanted is not None:
         check_also(wanted, cfg, mode)
     return MetaQuery(
@@ -146,16 +148,17 @@ def meta_query(
     )
 
 
-def _check_timeout(timeout: Any) -> None:
-    """A read's ``timeout`` other than None and 0: positive, finite seconds."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        check_seconds("timeout", timeout)  # (raises, naming the type)
-    if not math.isfinite(timeout) or timeout < 0:
+def _check_timeout(timeout: Any) -> float:
+    """A read's ``timeout`` other than None: finite seconds >= 0 (0: answer what is ready
+    now), as a float."""
+    seconds = as_seconds("timeout", timeout)
+    if not math.isfinite(seconds) or seconds < 0:
         raise InvalidRequestError(
             f"timeout must be finite seconds >= 0 or None, got {timeout!r}; pass e.g. "
             "timeout=30, timeout=0 to answer only what is ready now, or timeout=None to wait "
             "without a deadline"
         )
+    return seconds
 
 
 def lease_ids(metas: Any) -> list[int] | None:
@@ -175,6 +178,8 @@ def lease_ids(metas: Any) -> list[int] | None:
 
 
 _TAILS = ("uneven", "drop", "error")
+#: the ``sampling_config`` entries that are ints
+_INT_KEYS = ("dp_rank", "dp_size", "batch_index", "record_from")
 
 
 def _config(sampling_config: Any) -> dict[str, Any] | None:
@@ -190,7 +195,12 @@ def _config(sampling_config: Any) -> dict[str, Any] | None:
                 f"sampling_config's keys are names (strings), got {key!r} of type "
                 f"{type(key).__name__}"
             )
-    return dict(sampling_config) or None
+    cfg = dict(sampling_config)
+    for key in _INT_KEYS:  # numpy's ints (a rank from a config) as the ints they are
+        value = cfg.get(key)
+        if value is not None and type(value) is not int:
+            cfg[key] = as_int(value)
+    return cfg or None
 
 
 def _check_dp_config(cfg: Mapping[str, Any] | None) -> None:

@@ -25,10 +25,9 @@ from types import TracebackType
 
 from ..._errors import InvalidRequestError
 from ..._wire._checks import check_int, check_seconds
-from ..._wire._codec import check_text
 from ..._wire._events import EVENT_KINDS, AnyEvent, WatchBatch
 from ..._wire._protocol import WatchNext
-from ._base import Links, as_int
+from ._base import Links, as_int, check_id
 from ._feeds import Feed, Position
 
 if sys.version_info >= (3, 11):
@@ -58,7 +57,7 @@ class Watcher:
         poll: float,
     ) -> None:
         if partition_id is not None:
-            check_text("partition_id", partition_id)
+            partition_id = check_id("partition_id", partition_id)
         if kinds is not None:
             if isinstance(kinds, str):
                 kinds = [kinds]
