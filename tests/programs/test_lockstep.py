@@ -227,6 +227,40 @@ async def test_grpo_rows_that_cannot_complete_a_group_follow_the_tail_policy() -
                 assert await _dropped(client, "t") == 18 - len(delivered) > 0
 
 
+@pytest.mark.parametrize("tail", ["uneven", "drop", "error"])
+async def test_seqlen_rows_that_cannot_complete_a_group_follow_the_tail_policy(tail: str) -> None:
+    """`SeqlenBalancedSampler` ended the stream over the rows of an incomplete group (not
+    consumed, not counted as dropped: lost without a trace); they follow the tail policy as
+    `GRPOGroupNSampler`'s do."""
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=4, dp_size=DP)
+    async with (
+        tq.local_cluster(num_storage_units=1, sampler=sampler) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(16)}, partition_id="p", tags=_tags(range(16), 4))
+        await client.put(
+            {"x": torch.tensor([16, 17])}, partition_id="p", tags=[{"uid": "late"}] * 2
+        )
+        await client.seal("p")
+        if tail == "error":
+            for rank in range(DP):  # the whole groups go first: one global batch
+                await client.get_meta(["x"], PER_RANK, "p", "t", _config(rank, 0, tail))
+            with anyio.fail_after(DEADLINE), pytest.raises(tq.InvalidRequestError, match="fewer"):
+                await client.get_meta(["x"], PER_RANK, "p", "t", _config(0, 1, tail))
+            assert int((await client.consumption_status("p", "t")).sum()) == 16
+            return
+        got = await _lockstep(client, tail)
+        delivered = _delivered(got)
+        assert len(delivered) == len(set(delivered))
+        if tail == "uneven":
+            assert sorted(delivered) == list(range(18))
+            assert [16, 17] in [list(m.global_indexes) for metas in got for m in metas]
+        else:
+            assert sorted(delivered) == list(range(16))
+            assert await _dropped(client, "t") == 2
+        assert int((await client.consumption_status("p", "t")).sum()) == 18
+
+
 @pytest.mark.parametrize("tail", ["uneven", "drop"])
 async def test_a_per_rank_batch_that_splits_a_group_is_refused(tail: str) -> None:
     """GRPO groups of 4 and 2 rows per rank: every global batch (4 rows, one group) would

@@ -19,7 +19,7 @@ from typing import Any
 
 from ._base import BaseSampler
 
-__all__ = ["GroupingSampler", "check_group_size", "complete_groups"]
+__all__ = ["GroupingSampler", "check_group_size", "complete_groups", "rows_by_group"]
 
 _MISSING: Any = object()
 
@@ -144,6 +144,23 @@ def complete_groups(
                 break
     _check_whole(done, n, tags, group_key)
     return [rows for _, rows in sorted(done.values(), key=lambda e: e[0])]
+
+
+def rows_by_group(
+    rows: Iterable[int],
+    n: int,
+    *,
+    tags: Mapping[int, Mapping[str, Any]] | None = None,
+    origin: Mapping[int, tuple[int, int]] | None = None,
+    group_key: str = "uid",
+) -> list[list[int]]:
+    """``rows`` grouped by their group (found as by `complete_groups`, whole or not), in
+    order of each group's first row, rows of a group in their order."""
+    key_of = _key_function(n, tags, origin, group_key)
+    groups: dict[Hashable, list[int]] = {}
+    for row in rows:
+        groups.setdefault(key_of(row), []).append(row)
+    return list(groups.values())
 
 
 def _check_whole(

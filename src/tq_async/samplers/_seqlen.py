@@ -11,7 +11,7 @@ from .._wire._checks import MAX_DP_SIZE
 from ._balance import balance_by_host
 from ._base import SampleResult, SharesResult, check_context, int_arg, share_arg, tag_name
 from ._cache import ShareCache, reads_needed
-from ._groups import GroupingSampler, check_group_size, complete_groups
+from ._groups import GroupingSampler, check_group_size, complete_groups, rows_by_group
 from ._kk import karmarkar_karp
 
 __all__ = ["SeqlenBalancedSampler"]
@@ -43,7 +43,11 @@ class SeqlenBalancedSampler(GroupingSampler):
 
     Until enough whole groups are ready the sampler waits (``([], [])``). Once the partition
     is final it uses all the whole groups left, if there are at least ``dp_size`` of them; the
-    ranks' group counts then differ by at most one.
+    ranks' group counts then differ by at most one. Rows of groups that can never complete
+    (fewer than ``n_samples_per_prompt`` rows, the partition final) come last and follow the
+    ``tail`` policy as `GRPOGroupNSampler`'s do: delivered as partial groups, each on one
+    rank, up to ``batch_size`` rows per rank (``"uneven"``, a warning), consumed
+    undelivered (``"drop"``, a warning and a count) or a ``ValueError`` (``"error"``).
 
     A rank's share is forgotten after ``n_replicas`` reads (after one read when the
     controller passes ``replays_served=True``), a batch when all its shares are, and
@@ -154,6 +158,10 @@ class SeqlenBalancedSampler(GroupingSampler):
             origin=kwargs.get("origin"),
             group_key=self.group_key,
         )
+        if not groups and kwargs.get("final") and len(ready_indexes):
+            tail = kwargs.get("tail") or self._tail or self.tail
+            where = (kwargs.get("partition_id", ""), tags, kwargs.get("origin"))
+            return self._leftovers(ready_indexes, batch_size, dp_size, tail, *where)
         if not groups or (len(groups) < wanted and not kwargs.get("final")):
             return [], []
         shares, located = self._partition(
@@ -276,7 +284,7 @@ class SeqlenBalancedSampler(GroupingSampler):
                     "times; set n_replicas to the number of readers per rank"
                 )
             return share, []
-        shares = self._split(
+        shares, consumed = self._split(
             ready_indexes,
             batch_size,
             tags,
@@ -287,15 +295,13 @@ class SeqlenBalancedSampler(GroupingSampler):
             kwargs.get("row_hosts"),
             kwargs.get("rank_hosts"),
         )
-        if not shares:
-            return [], []
-        if len(shares) == 1 and self.dp_size > 1:  # a dropped tail: consumed, never delivered
-            return [], shares[0]
+        if not shares:  # nothing yet, or a dropped tail: consumed, never delivered
+            return [], consumed
         reads = reads_needed(self.n_replicas, kwargs)
         left = {rank: reads for rank in range(self.dp_size)}
         left[dp_rank] -= 1
         self._cache.add(key, dict(enumerate(shares)), left)
-        return list(shares[dp_rank]), [r for share in shares for r in share]
+        return list(shares[dp_rank]), consumed
 
     def _peek(
         self,
@@ -313,7 +319,7 @@ class SeqlenBalancedSampler(GroupingSampler):
         if key in self._cache:
             share = self._cache.peek(key, dp_rank)
             return (share, []) if share is not None else ([], [])
-        shares = self._split(
+        shares, _ = self._split(
             ready_indexes,
             batch_size,
             tags,
@@ -339,17 +345,21 @@ class SeqlenBalancedSampler(GroupingSampler):
         tail: str,
         row_hosts: Mapping[int, str] | None = None,
         rank_hosts: Sequence[str] | None = None,
-    ) -> list[list[int]]:
+    ) -> SharesResult:
+        """``(shares, consumed)`` of the batch (``([], rows)``: rows dropped undelivered)."""
         n = self.n_samples_per_prompt
         check_group_size(n, batch_size)
         wanted = batch_size * self.dp_size // n
         groups = complete_groups(
             ready_indexes, n, wanted, tags=tags, origin=origin, group_key=self.group_key
         )
+        if not groups and final and len(ready_indexes):
+            where = (partition_id, tags, origin)
+            return self._leftovers(ready_indexes, batch_size, self.dp_size, tail, *where)
         if len(groups) < wanted and not final:
-            return []
+            return [], []
         if not groups:
-            return []
+            return [], []
         if len(groups) < self.dp_size:
             if tail == "drop":
                 rows = sorted(r for g in groups for r in g)
@@ -360,7 +370,7 @@ class SeqlenBalancedSampler(GroupingSampler):
                     rows=len(rows),
                     dp_size=self.dp_size,
                 )
-                return [rows]
+                return [], rows
             if tail == "error":
                 raise ValueError(
                     f"partition {partition_id!r} is final with only {len(groups)} whole "
@@ -368,7 +378,50 @@ class SeqlenBalancedSampler(GroupingSampler):
                     "rank would get no rows; put a multiple of dp_size groups, clear the "
                     "leftover rows, or build the sampler with tail='drop' or 'uneven'"
                 )
-        return self._partition(groups, self.dp_size, tags, row_hosts, rank_hosts)[0]
+        shares = self._partition(groups, self.dp_size, tags, row_hosts, rank_hosts)[0]
+        return shares, [r for share in shares for r in share]
+
+    def _leftovers(
+        self,
+        ready_indexes: Sequence[int],
+        batch_size: int,
+        dp_size: int,
+        tail: str,
+        partition_id: str,
+        tags: Mapping[int, Mapping[str, Any]] | None,
+        origin: Mapping[int, tuple[int, int]] | None,
+    ) -> SharesResult:
+        """The partition is final and only rows of groups that can never complete are
+        ready: the ``tail`` policy, as `GRPOGroupNSampler` follows it (``"uneven"``: up
+        to ``batch_size`` rows per rank, each group's rows on one rank, with a warning)."""
+        n = self.n_samples_per_prompt
+        rows = list(ready_indexes)
+        head = (
+            f"{type(self).__name__}: partition {partition_id!r} is final and {len(rows)} "
+            f"ready row(s) belong to prompt groups of fewer than {n} rows, which can never "
+            "complete"
+        )
+        if tail == "error":
+            raise ValueError(
+                f"{head}; put whole groups, or build the sampler with tail='uneven' (deliver "
+                "them) or 'drop'"
+            )
+        if tail == "drop":
+            log.warning(f"{head}; dropping them undelivered (tail='drop')", rows=len(rows))
+            return [], rows
+        shares: list[list[int]] = [[] for _ in range(dp_size)]
+        groups = rows_by_group(rows, n, tags=tags, origin=origin, group_key=self.group_key)
+        for group in groups:
+            share = min(shares, key=len)
+            if len(share) + len(group) > batch_size:
+                break
+            share.extend(group)
+        given = [r for share in shares for r in share]
+        log.warning(
+            f"{head}; delivering {len(given)} of them as partial groups (tail='uneven')",
+            rows=len(given),
+        )
+        return shares, given
 
     def _row_length(self, row: int, tags: Mapping[int, Mapping[str, Any]] | None) -> int:
         row_tags = None if tags is None else tags.get(row)
