@@ -138,3 +138,28 @@ async def test_tag_only_kv_puts_take_numpy_and_torch_scalars_like_every_put(
         with pytest.raises(tq.UnsupportedTypeError, match="object"):
             await client.kv_batch_put(["c"], "kv", None, [{"bad": object()}])
         assert set((await client.kv_list("kv"))["kv"]) == {"a", "b"}
+
+
+async def test_a_tag_acknowledged_on_a_key_survives_the_put_that_created_it_giving_up() -> None:
+    """A key a producer's kv_put is creating exists from its placement: a tag another client
+    merges into it meanwhile is acknowledged, and stays when that put is given up (its
+    producer cancelled, failed or died) -- before, the put's abort reclaimed the row with
+    the key and the acknowledged tag."""
+    from _requests import paused_at
+    from tq_async._wire._protocol import StorePut
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as a,
+        tq.AsyncClient.connect(cluster.address) as b,
+    ):
+        with paused_at(StorePut) as paused:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.kv_put, "k", "p", {"x": torch.ones(4)})
+                await paused.reached(1)  # placed: the key exists, its cells not sent
+                await b.kv_put("k", "p", tag={"seen": True})
+                tg.cancel_scope.cancel()  # the producer gives up: its put is aborted
+        assert set(await a.kv_list("p")) == {"p"}  # (after the abort, on a's connection)
+        listing = (await b.kv_list("p"))["p"]
+        assert dict(listing) == {"k": {"seen": True}}
+        assert (await b.kv_retrieve_meta(["k"], "p")).field_names == []

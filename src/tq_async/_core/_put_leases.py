@@ -171,9 +171,13 @@ class PutLeases:
             return
         put = p.put_leases.pop(put_id)
         del self.home[put_id]
-        # a row with any cell produced was committed (by a client that sent no put id)
+        # a row with any cell produced was committed (by a client that sent no put id), and
+        # one with tags was tagged by another call (a kv tag of the key this put created)
         fields = [f.produced for f in p.fields.values()]
-        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
+        tags = p.tags
+        rows = [
+            r for r in put.rows if p.alive[r] and tags[r] is None and not any(f[r] for f in fields)
+        ]
         log.warning(
             "put lease lapsed: reclaiming the rows of an uncommitted put",
             partition=p.partition_id,
