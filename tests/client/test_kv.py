@@ -163,3 +163,36 @@ async def test_a_tag_acknowledged_on_a_key_survives_the_put_that_created_it_givi
         listing = (await b.kv_list("p"))["p"]
         assert dict(listing) == {"k": {"seen": True}}
         assert (await b.kv_retrieve_meta(["k"], "p")).field_names == []
+
+
+async def test_a_kv_put_of_a_key_another_put_is_creating_outlives_that_put_giving_up() -> None:
+    """Two producers write fields of one new key at once (a rollout its response, a reward
+    worker its score): the second binds the key the first placed. The first then gives up
+    (cancelled, failed, dead) before the second commits: the second's put still lands --
+    before, the first one's abort reclaimed the row under it and it failed with
+    RowsNotFound."""
+    from _requests import paused_at
+    from tq_async._wire._protocol import StorePut
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as a,
+        tq.AsyncClient.connect(cluster.address) as b,
+    ):
+        with paused_at(StorePut) as paused:
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def first() -> None:
+                    with scope:
+                        await a.kv_put("k", "p", {"x": torch.ones(4)})
+
+                tg.start_soon(first)
+                await paused.reached(1)  # placed: the key exists, its cells not sent
+                tg.start_soon(b.kv_put, "k", "p", {"y": torch.full((2,), 7.0)})
+                await paused.reached(2)
+                scope.cancel()  # the first producer gives up: its put is aborted
+                await a.kv_list("p")  # (after the abort, on a's connection)
+                paused.go()
+        assert (await b.kv_retrieve_meta(["k"], "p")).field_names == ["y"]
+        assert (await b.kv_batch_get(["k"], "p", ["y"]))["y"].tolist() == [[7.0, 7.0]]
