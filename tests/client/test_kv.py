@@ -196,3 +196,27 @@ async def test_a_kv_put_of_a_key_another_put_is_creating_outlives_that_put_givin
                 paused.go()
         assert (await b.kv_retrieve_meta(["k"], "p")).field_names == ["y"]
         assert (await b.kv_batch_get(["k"], "p", ["y"]))["y"].tolist() == [[7.0, 7.0]]
+
+
+async def test_keys_created_by_tags_alone_count_toward_the_capacity() -> None:
+    """A tag-only kv_put / kv_batch_put and kv_retrieve_meta(create=True) create rows: at the
+    capacity they wait for room as a put does (more keys than the capacity: refused at once)
+    -- before, they created keys past it, and every later put waited."""
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.InvalidRequestError, match="never fit the capacity of 2"):
+            await client.kv_batch_put(["a", "b", "c"], "p", None, [{}] * 3)
+        with pytest.raises(tq.InvalidRequestError, match="never fit the capacity of 2"):
+            await client.kv_retrieve_meta(["a", "b", "c"], "p", create=True)
+        await client.kv_batch_put(["a", "b"], "p", None, [{"i": 0}, {"i": 1}])
+        await client.kv_put("a", "p", tag={"j": 0})  # existing keys: no room needed
+        with anyio.move_on_after(0.5) as waited:
+            await client.kv_put("c", "p", tag={"i": 2})  # waits for room
+        assert waited.cancelled_caught
+        assert set((await client.kv_list("p"))["p"]) == {"a", "b"}  # nothing created
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.kv_retrieve_meta, ["c"], "p", True)
+            await client.kv_clear(["a"], "p")  # room: the waiting call goes on
+        assert dict((await client.kv_list("p"))["p"]) == {"b": {"i": 1}, "c": {}}

@@ -379,7 +379,10 @@ class ControlCalls:
     ) -> BatchMeta:
         """Merge ``tags`` into the keys' tags (missing keys are created), no fields written:
         the keys' `BatchMeta`, carrying the tags ``as_given`` (default: ``tags``)."""
-        placement: Placement = await self._links.call(KVTag(partition_id, keys, tags), Placement)
+        # new keys are new rows: at the capacity they wait for room, as a put does
+        wait = True if self._links.capacity is None else None  # (True: the usual deadline)
+        body = KVTag(partition_id, keys, tags)
+        placement: Placement = await self._links.call(body, Placement, timeout=wait)
         return BatchMeta(
             partition_id=partition_id,
             global_indexes=placement.rows,

@@ -796,7 +796,8 @@ class Client:
         New keys get new rows; existing keys are updated in place, field by field (fields
         not in ``fields`` keep their values). ``tags`` are merged into each key's tags
         atomically with the data becoming visible. With ``fields=None`` only the tags change
-        (missing keys are created). The returned `BatchMeta` names every field the keys
+        (missing keys are created; new keys are new rows: at the capacity they wait for room,
+        as a put does). The returned `BatchMeta` names every field the keys
         have (not only this call's) and carries the keys.
 
         Raises:
@@ -814,7 +815,8 @@ class Client:
         Args:
             keys: the keys, in the order the rows should have.
             partition_id: their partition.
-            create: create missing keys (rows without fields) instead of failing.
+            create: create missing keys (rows without fields) instead of failing (at the
+                capacity, they wait for room as a put's new rows do).
 
         Raises:
             KeyNotFound: a key is missing (and ``create`` is False).
@@ -836,7 +838,8 @@ class Client:
 
         ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a mapping from field
         name to the key's value (a tensor is one dense row; other values travel as msgpack).
-        With ``fields=None`` only the tags change (the key is created if missing).
+        With ``fields=None`` only the tags change (the key is created if missing; at the
+        capacity, a new key waits for room as a put does).
         """
         return self._calls.kv_put(key, partition_id, fields, tag)
 
