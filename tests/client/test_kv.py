@@ -220,3 +220,25 @@ async def test_keys_created_by_tags_alone_count_toward_the_capacity() -> None:
             tg.start_soon(client.kv_retrieve_meta, ["c"], "p", True)
             await client.kv_clear(["a"], "p")  # room: the waiting call goes on
         assert dict((await client.kv_list("p"))["p"]) == {"b": {"i": 1}, "c": {}}
+
+
+async def test_kv_put_of_a_numpy_scalar_is_a_row_as_a_0_dim_array_is() -> None:
+    """A numpy scalar (``np.float32(x)``, what ``arr[i]`` and ``np.mean`` give) is one dense
+    row of its dtype, as ``np.array(x)`` and ``torch.tensor(x)`` are -- before, it failed
+    with UnsupportedTypeError (it travels only with pickle)."""
+    import numpy as np
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        fields = {"r": np.float32(1.5), "n": np.int64(3), "ok": np.bool_(True), "s": np.str_("a")}
+        await client.kv_put("a", "p", fields)
+        await client.kv_put("b", "p", {"r": torch.tensor(2.5), "n": np.array(4)})
+        got = await client.kv_batch_get(["a", "b"], "p", ["r", "n"])
+        assert got["r"].dtype == torch.float32
+        assert got["r"].tolist() == [1.5, 2.5]
+        assert got["n"].tolist() == [3, 4]
+        got = await client.kv_batch_get(["a"], "p", ["ok", "s"])
+        assert got["ok"].tolist() == [True]
+        assert got.get("s").tolist() == ["a"]

@@ -116,12 +116,13 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
 
 
 def _one_cell(value: Any) -> Any:
-    """One key's value of a field as a column of one row: a tensor or numpy array gets a
-    leading dimension (dense, as a batch of one), anything else is the list's one value."""
+    """One key's value of a field as a column of one row: a tensor, numpy array or numpy
+    scalar gets a leading dimension (dense, as a batch of one), anything else is the list's
+    one value."""
     if isinstance(value, torch.Tensor):
         return value.unsqueeze(0)
-    if isinstance(value, np.ndarray):
-        return value[np.newaxis]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)[np.newaxis]
     return [value]
 
 

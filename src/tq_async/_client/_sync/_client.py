@@ -837,7 +837,8 @@ class Client:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags.
 
         ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a mapping from field
-        name to the key's value (a tensor is one dense row; other values travel as msgpack).
+        name to the key's value (a tensor, numpy array or numpy scalar is one dense row; other
+        values travel as msgpack).
         With ``fields=None`` only the tags change (the key is created if missing; at the
         capacity, a new key waits for room as a put does).
         """
