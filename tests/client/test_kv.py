@@ -242,3 +242,22 @@ async def test_kv_put_of_a_numpy_scalar_is_a_row_as_a_0_dim_array_is() -> None:
         got = await client.kv_batch_get(["a"], "p", ["ok", "s"])
         assert got["ok"].tolist() == [True]
         assert got.get("s").tolist() == ["a"]
+
+
+async def test_kv_puts_of_no_fields_only_tag_or_say_what_they_need() -> None:
+    """Fields without a single field (``{}``, an empty TensorDict) are no fields: with tags
+    the call only merges them, without it says it needs fields or tags -- before, it failed
+    with 'the batch has no rows; put at least one row' for keys that are rows."""
+    from tensordict import TensorDict
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_put("a", "p", {}, tag={"x": 1})
+        await client.kv_batch_put(["a", "b"], "p", TensorDict({}, [2]), [{"y": 2}, {"y": 3}])
+        assert dict((await client.kv_list("p"))["p"]) == {"a": {"x": 1, "y": 2}, "b": {"y": 3}}
+        with pytest.raises(tq.InvalidRequestError, match="needs fields, a tag, or both"):
+            await client.kv_put("a", "p", {})
+        with pytest.raises(tq.InvalidRequestError, match="needs fields, tags, or both"):
+            await client.kv_batch_put(["a"], "p", TensorDict({}, []))

@@ -113,6 +113,12 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
     return {name: _one_cell(value) for name, value in fields.items()}
 
 
+def _no_fields(fields: TensorDictBase | Mapping[str, Any]) -> bool:
+    """Whether a KV call's ``fields`` hold no field (``{}``, an empty TensorDict): it writes
+    tags only."""
+    return fields.is_empty() if isinstance(fields, TensorDictBase) else not fields
+
+
 def _one_cell(value: Any) -> Any:
     """One key's value of a field as a column of one row: a tensor, numpy array or numpy
     scalar gets a leading dimension (dense, as a batch of one), anything else is the list's
@@ -337,7 +343,7 @@ class ControlCalls:
     ) -> BatchMeta:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
         key_list = _check_keys(keys)
-        if fields is None:
+        if fields is None or _no_fields(fields):
             if tags is None:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
             wire = [t or {} for t in tags_for_wire(tag_rows(tags, len(key_list), "keys"))]
@@ -363,7 +369,7 @@ class ControlCalls:
         tag: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
-        if fields is None:
+        if fields is None or _no_fields(fields):
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
             keys = _check_keys([key])
