@@ -138,3 +138,126 @@ async def test_tag_only_kv_puts_take_numpy_and_torch_scalars_like_every_put(
         with pytest.raises(tq.UnsupportedTypeError, match="object"):
             await client.kv_batch_put(["c"], "kv", None, [{"bad": object()}])
         assert set((await client.kv_list("kv"))["kv"]) == {"a", "b"}
+
+
+async def test_a_tag_acknowledged_on_a_key_survives_the_put_that_created_it_giving_up() -> None:
+    """A key a producer's kv_put is creating exists from its placement: a tag another client
+    merges into it meanwhile is acknowledged, and stays when that put is given up (its
+    producer cancelled, failed or died) -- before, the put's abort reclaimed the row with
+    the key and the acknowledged tag."""
+    from _requests import paused_at
+    from tq_async._wire._protocol import StorePut
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as a,
+        tq.AsyncClient.connect(cluster.address) as b,
+    ):
+        with paused_at(StorePut) as paused:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.kv_put, "k", "p", {"x": torch.ones(4)})
+                await paused.reached(1)  # placed: the key exists, its cells not sent
+                await b.kv_put("k", "p", tag={"seen": True})
+                tg.cancel_scope.cancel()  # the producer gives up: its put is aborted
+        assert set(await a.kv_list("p")) == {"p"}  # (after the abort, on a's connection)
+        listing = (await b.kv_list("p"))["p"]
+        assert dict(listing) == {"k": {"seen": True}}
+        assert (await b.kv_retrieve_meta(["k"], "p")).field_names == []
+
+
+async def test_a_kv_put_of_a_key_another_put_is_creating_outlives_that_put_giving_up() -> None:
+    """Two producers write fields of one new key at once (a rollout its response, a reward
+    worker its score): the second binds the key the first placed. The first then gives up
+    (cancelled, failed, dead) before the second commits: the second's put still lands --
+    before, the first one's abort reclaimed the row under it and it failed with
+    RowsNotFound."""
+    from _requests import paused_at
+    from tq_async._wire._protocol import StorePut
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as a,
+        tq.AsyncClient.connect(cluster.address) as b,
+    ):
+        with paused_at(StorePut) as paused:
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def first() -> None:
+                    with scope:
+                        await a.kv_put("k", "p", {"x": torch.ones(4)})
+
+                tg.start_soon(first)
+                await paused.reached(1)  # placed: the key exists, its cells not sent
+                tg.start_soon(b.kv_put, "k", "p", {"y": torch.full((2,), 7.0)})
+                await paused.reached(2)
+                scope.cancel()  # the first producer gives up: its put is aborted
+                await a.kv_list("p")  # (after the abort, on a's connection)
+                paused.go()
+        assert (await b.kv_retrieve_meta(["k"], "p")).field_names == ["y"]
+        assert (await b.kv_batch_get(["k"], "p", ["y"]))["y"].tolist() == [[7.0, 7.0]]
+
+
+async def test_keys_created_by_tags_alone_count_toward_the_capacity() -> None:
+    """A tag-only kv_put / kv_batch_put and kv_retrieve_meta(create=True) create rows: at the
+    capacity they wait for room as a put does (more keys than the capacity: refused at once)
+    -- before, they created keys past it, and every later put waited."""
+    async with (
+        tq.local_cluster(num_storage_units=1, capacity=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        with pytest.raises(tq.InvalidRequestError, match="never fit the capacity of 2"):
+            await client.kv_batch_put(["a", "b", "c"], "p", None, [{}] * 3)
+        with pytest.raises(tq.InvalidRequestError, match="never fit the capacity of 2"):
+            await client.kv_retrieve_meta(["a", "b", "c"], "p", create=True)
+        await client.kv_batch_put(["a", "b"], "p", None, [{"i": 0}, {"i": 1}])
+        await client.kv_put("a", "p", tag={"j": 0})  # existing keys: no room needed
+        with anyio.move_on_after(0.5) as waited:
+            await client.kv_put("c", "p", tag={"i": 2})  # waits for room
+        assert waited.cancelled_caught
+        assert set((await client.kv_list("p"))["p"]) == {"a", "b"}  # nothing created
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.kv_retrieve_meta, ["c"], "p", True)
+            await client.kv_clear(["a"], "p")  # room: the waiting call goes on
+        assert dict((await client.kv_list("p"))["p"]) == {"b": {"i": 1}, "c": {}}
+
+
+async def test_kv_put_of_a_numpy_scalar_is_a_row_as_a_0_dim_array_is() -> None:
+    """A numpy scalar (``np.float32(x)``, what ``arr[i]`` and ``np.mean`` give) is one dense
+    row of its dtype, as ``np.array(x)`` and ``torch.tensor(x)`` are -- before, it failed
+    with UnsupportedTypeError (it travels only with pickle)."""
+    import numpy as np
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        fields = {"r": np.float32(1.5), "n": np.int64(3), "ok": np.bool_(True), "s": np.str_("a")}
+        await client.kv_put("a", "p", fields)
+        await client.kv_put("b", "p", {"r": torch.tensor(2.5), "n": np.array(4)})
+        got = await client.kv_batch_get(["a", "b"], "p", ["r", "n"])
+        assert got["r"].dtype == torch.float32
+        assert got["r"].tolist() == [1.5, 2.5]
+        assert got["n"].tolist() == [3, 4]
+        got = await client.kv_batch_get(["a"], "p", ["ok", "s"])
+        assert got["ok"].tolist() == [True]
+        assert got.get("s").tolist() == ["a"]
+
+
+async def test_kv_puts_of_no_fields_only_tag_or_say_what_they_need() -> None:
+    """Fields without a single field (``{}``, an empty TensorDict) are no fields: with tags
+    the call only merges them, without it says it needs fields or tags -- before, it failed
+    with 'the batch has no rows; put at least one row' for keys that are rows."""
+    from tensordict import TensorDict
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_put("a", "p", {}, tag={"x": 1})
+        await client.kv_batch_put(["a", "b"], "p", TensorDict({}, [2]), [{"y": 2}, {"y": 3}])
+        assert dict((await client.kv_list("p"))["p"]) == {"a": {"x": 1, "y": 2}, "b": {"y": 3}}
+        with pytest.raises(tq.InvalidRequestError, match="needs fields, a tag, or both"):
+            await client.kv_put("a", "p", {})
+        with pytest.raises(tq.InvalidRequestError, match="needs fields, tags, or both"):
+            await client.kv_batch_put(["a"], "p", TensorDict({}, []))

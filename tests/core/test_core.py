@@ -1107,6 +1107,25 @@ def test_kv_tags_giving_one_uid_more_than_n_rows_create_no_key() -> None:
     core.catalog.kv_tag("p", ["a", "b"], [{"uid": 7}] * 2, 0.0)  # the same rows again: fine
 
 
+def test_a_key_two_open_puts_create_is_reclaimed_only_when_both_gave_up() -> None:
+    """Two keyed puts of one new key: each holds its row under its put lease, so either one
+    giving up leaves the key to the other, and only both giving up reclaim it."""
+    core = new_core()
+    first, _ = core.put_begin("p", [X], 0, None, ["k", "j"], 0.0)
+    second, _ = core.put_begin("p", [X], 0, None, ["k"], 0.0)
+    assert second.rows == first.rows[:1]
+    assert second.put_id  # (the second holds the key too)
+    core.abort_puts([first.put_id])
+    p = core.state.partition("p")
+    assert p.keys == {"k": 0}  # "j" (the first's alone) reclaimed, "k" left to the second
+    core.put_commit("p", second.rows, ["x"], None, None, second.put_id, second.incarnation)
+    assert p.fields["x"].produced[0]
+    third, _ = core.put_begin("p", [X], 0, None, ["m"], 0.0)
+    fourth, _ = core.put_begin("p", [X], 0, None, ["m"], 0.0)
+    core.abort_puts([third.put_id, fourth.put_id])
+    assert "m" not in p.keys
+
+
 def test_uid_reuse_is_allowed_without_a_grouping_sampler() -> None:
     core = new_core()  # sequential: tags do not group rows
     put(core, 6, tags=[{"uid": 0}] * 6)

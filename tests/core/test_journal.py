@@ -364,3 +364,15 @@ def test_the_recycled_queue_is_encoded_again_only_after_it_changed() -> None:
     copy = RecycledQueue()
     copy.load(old_style)
     assert list(copy) == list(q) == [("p", "i", 0), ("p", "i", 1)]
+
+
+def test_a_key_tagged_while_the_put_creating_it_was_open_survives_its_abort() -> None:
+    """A kv tag (here an empty one: kv_retrieve_meta(create=True)) of a key whose creating
+    put was still open is acknowledged: recovery aborts the put, not the key."""
+    core = new_core()
+    core.put_begin("kv", [X], 0, None, ["k", "j"], 0.0)  # never committed
+    core.catalog.kv_tag("kv", ["k"], [{}], 0.0)
+    again = reborn(core, 0.0, 1.0)
+    p = again.state.partitions["kv"]
+    assert p.keys == {"k": 0}
+    assert p.tags[0] == {}

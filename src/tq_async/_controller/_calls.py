@@ -101,12 +101,33 @@ class ControlCalls:
         fx = self.core.catalog.set_tags(body.partition_id, body.rows, body.tags, body.incarnation)
         self.shell.apply(fx)
 
-    def on_kv_tag(self, msg: Incoming, body: KVTag) -> Placement:
+    def on_kv_tag(self, msg: Incoming, body: KVTag) -> Any:
+        if not self._room_for_keys(body):  # its new keys are new rows: they wait for room
+            self.shell.spawn_waiting(msg, self._kv_tag_waiting, msg.peer, msg.rid, body, msg.t0)
+            return DEFERRED
+        return self._kv_tag(body)
+
+    def _kv_tag(self, body: KVTag) -> Placement:
         placement, fx = self.core.catalog.kv_tag(
             body.partition_id, body.keys, body.tags, self.shell.now()
         )
         self.shell.apply(fx)
         return placement
+
+    def _room_for_keys(self, body: KVTag) -> bool:
+        n_new = self.state.new_rows_needed(body.partition_id, 0, None, body.keys)
+        return self.core.catalog.room_for(body.partition_id, n_new, False)
+
+    async def _kv_tag_waiting(self, peer: bytes, rid: int, body: KVTag, t0: float) -> None:
+        async def work() -> None:
+            # (its new keys are counted again when woken: keys cleared meanwhile are new now)
+            await self.shell.lot.until("room", lambda: self._room_for_keys(body))
+            self.shell.send_ok(peer, rid, self._kv_tag(body))
+
+        def why() -> str:  # (no timeout: it waits until room, or its caller cancels)
+            return f"{self.state.at_capacity(body.partition_id)}; no key was created"
+
+        await self.shell.waiting_request(peer, rid, "KVTag", t0, None, why, work)
 
     # ---- checkpoints -------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
     p.units = array("i", units)
     placed, counts = np.unique(np.frombuffer(p.units, np.intc)[alive != 0], return_counts=True)
     p.unit_rows = dict(zip(placed.tolist(), counts.tolist(), strict=True))
-    p.tags = [dict(t) if t else None for t in dump.tags]
+    p.tags = [None if t is None else dict(t) for t in dump.tags]  # ({}: tagged, kept)
     p.row_keys = list(dump.row_keys)
     p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
     p.sealed = dump.sealed

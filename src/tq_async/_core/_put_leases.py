@@ -85,6 +85,8 @@ class PutLeases:
             placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
         if lease and rows is None:
             new = [r for r in got if r >= first_new]
+            if keys is not None and p.put_leases:
+                new += _being_created(p, got, first_new)
             if new:
                 placement.put_id = self.hold(p, new, now)
                 placement.put_lease = self.put_lease
@@ -181,12 +183,33 @@ class PutLeases:
         """Drop put ``put_id`` of ``p`` and clear its new rows; how many there were."""
         put = p.put_leases.pop(put_id)
         del self.home[put_id]
-        # a row with any cell produced was committed (by a client that sent no put id)
+        # a row with any cell produced was committed (by a client that sent no put id), and
+        # one with tags was tagged by another call (a kv tag of the key this put created)
         fields = [f.produced for f in p.fields.values()]
-        rows = [r for r in put.rows if p.alive[r] and not any(f[r] for f in fields)]
+        tags = p.tags
+        rows = [
+            r for r in put.rows if p.alive[r] and tags[r] is None and not any(f[r] for f in fields)
+        ]
+        if rows and p.put_leases and any(p.row_keys[r] is not None for r in rows):
+            # a key another open put binds too is left to it (see `_being_created`)
+            others = {r for other in p.put_leases.values() for r in other.rows}
+            rows = [r for r in rows if r not in others]
         if rows:
             fx.add(self._clear(p, rows))
         return len(rows)
+
+
+def _being_created(p: Partition, rows: Sequence[int], first_new: int) -> list[int]:
+    """Of the existing ``rows`` a keyed put binds, those another open put is still creating
+    (no cell produced, no tag): this put holds them under its own put lease too, so the
+    other one's giving up leaves them to this one (and this one's, to the other)."""
+    fields = [f.produced for f in p.fields.values()]
+    tags = p.tags
+    bare = [r for r in rows if r < first_new and tags[r] is None and not any(f[r] for f in fields)]
+    if not bare:
+        return []
+    open_rows = {r for put in p.put_leases.values() for r in put.rows}
+    return [r for r in bare if r in open_rows]
 
 
 def _placed_events(

@@ -121,13 +121,20 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
     return {name: _one_cell(value) for name, value in fields.items()}
 
 
+def _no_fields(fields: TensorDictBase | Mapping[str, Any]) -> bool:
+    """Whether a KV call's ``fields`` hold no field (``{}``, an empty TensorDict): it writes
+    tags only."""
+    return fields.is_empty() if isinstance(fields, TensorDictBase) else not fields
+
+
 def _one_cell(value: Any) -> Any:
-    """One key's value of a field as a column of one row: a tensor or numpy array gets a
-    leading dimension (dense, as a batch of one), anything else is the list's one value."""
+    """One key's value of a field as a column of one row: a tensor, numpy array or numpy
+    scalar gets a leading dimension (dense, as a batch of one), anything else is the list's
+    one value."""
     if isinstance(value, torch.Tensor):
         return value.unsqueeze(0)
-    if isinstance(value, np.ndarray):
-        return value[np.newaxis]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)[np.newaxis]
     return [value]
 
 
@@ -359,7 +366,7 @@ class ControlCalls:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
         key_list = _check_keys(keys)
         partition_id = check_id("partition_id", partition_id)
-        if fields is None:
+        if fields is None or _no_fields(fields):
             if tags is None:
                 raise InvalidRequestError("kv_batch_put needs fields, tags, or both")
             wire = [t or {} for t in tags_for_wire(tag_rows(tags, len(key_list), "keys"))]
@@ -387,7 +394,7 @@ class ControlCalls:
     ) -> BatchMeta:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
         partition_id = check_id("partition_id", partition_id)
-        if fields is None:
+        if fields is None or _no_fields(fields):
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
             keys = _check_keys([key])
@@ -404,7 +411,10 @@ class ControlCalls:
     ) -> BatchMeta:
         """Merge ``tags`` into the keys' tags (missing keys are created), no fields written:
         the keys' `BatchMeta`, carrying the tags ``as_given`` (default: ``tags``)."""
-        placement: Placement = await self._links.call(KVTag(partition_id, keys, tags), Placement)
+        # new keys are new rows: at the capacity they wait for room, as a put does
+        wait = True if self._links.capacity is None else None  # (True: the usual deadline)
+        body = KVTag(partition_id, keys, tags)
+        placement: Placement = await self._links.call(body, Placement, timeout=wait)
         return BatchMeta(
             partition_id=partition_id,
             global_indexes=placement.rows,

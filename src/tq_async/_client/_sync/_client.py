@@ -807,9 +807,10 @@ class Client:
 
         New keys get new rows; existing keys are updated in place, field by field (fields
         not in ``fields`` keep their values). ``tags`` are merged into each key's tags
-        atomically with the data becoming visible. With ``fields=None`` only the tags change
-        (missing keys are created). The returned `BatchMeta` names every field the keys
-        have (not only this call's) and carries the keys.
+        atomically with the data becoming visible. With ``fields=None`` (or fields holding no
+        field) only the tags change (missing keys are created; new keys are new rows: at the
+        capacity they wait for room, as a put does). The returned `BatchMeta` names every
+        field the keys have (not only this call's) and carries the keys.
 
         Raises:
             SchemaError: ``fields`` has a different number of rows than ``keys``.
@@ -826,7 +827,8 @@ class Client:
         Args:
             keys: the keys, in the order the rows should have.
             partition_id: their partition.
-            create: create missing keys (rows without fields) instead of failing.
+            create: create missing keys (rows without fields) instead of failing (at the
+                capacity, they wait for room as a put's new rows do).
 
         Raises:
             KeyNotFound: a key is missing (and ``create`` is False).
@@ -847,8 +849,9 @@ class Client:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags.
 
         ``fields`` is a ``TensorDict`` of batch size ``[]`` or ``[1]``, or a mapping from field
-        name to the key's value (a tensor is one dense row; other values travel as msgpack).
-        With ``fields=None`` only the tags change (the key is created if missing).
+        name to the key's value (a tensor, numpy array or numpy scalar is one dense row; other
+        values travel as msgpack). With ``fields=None`` (or ``{}``) only the tags change (the
+        key is created if missing; at the capacity, a new key waits for room as a put does).
         """
         return self._calls.kv_put(key, partition_id, fields, tag)
 
