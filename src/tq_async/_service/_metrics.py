@@ -41,6 +41,7 @@ tq_transfer_fallbacks_total            counter reason (error | timeout): a clien
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Metrics",
     "metrics_address",
+    "register",
     "serve_metrics",
     "controller_collector",
     "storage_collector",
@@ -200,6 +202,19 @@ def _shared(registry: CollectorRegistry, name: str, make: Callable[[], Any]) -> 
         if name not in metrics:
             metrics[name] = make()
         return metrics[name]
+
+
+def register(registry: CollectorRegistry, collector: Collector) -> Callable[[], None]:
+    """Register ``collector`` in ``registry``; returns what unregisters it, called when its
+    service stops (a registry kept for a later cluster would otherwise show the stopped
+    cluster's gauges beside the new one's, each family twice)."""
+    registry.register(collector)
+
+    def unregister() -> None:
+        with contextlib.suppress(KeyError):  # (already gone)
+            registry.unregister(collector)
+
+    return unregister
 
 
 class _Collector(Collector):
