@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import tq_async as tq
 from _services import START_TIMEOUT, refused_port, service
@@ -189,3 +191,29 @@ def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:
         done = _status(address)  # (what the refusal says is the transport's)
         assert (done.returncode, done.stdout) == (1, "")
         assert svc.stop() == 0
+
+
+async def test_ready_counts_rows_after_a_reset_and_a_restart(tmp_path: Path) -> None:
+    """A task's ready sets are dropped by a reset_consumption, a unit's return and a
+    controller restart (rebuilt at its next request): status and ``tq_rows_ready`` said
+    "ready 0" (or nothing) for rows ready all along."""
+    registry = CollectorRegistry()
+    kw: dict[str, Any] = {"num_storage_units": 2, "durability": "process", "data_dir": tmp_path}
+    async with (
+        tq.local_cluster(metrics_registry=registry, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(6)}, "p")
+        await client.get_meta(["x"], 2, "p", "t", lease=60)
+        assert (await client.partition_info("p"))["ready"] == {"t": 4}
+        await client.reset_consumption("p", "t")
+        assert (await client.partition_info("p"))["ready"] == {"t": 6}
+        assert registry.get_sample_value("tq_rows_ready", {"task": "t"}) == 6
+        await client.get_meta(["x"], 2, "p", "t", lease=60)
+    async with (
+        tq.local_cluster(metrics_registry=registry, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        info = await client.partition_info("p")
+        assert (info["consumed"], info["ready"], info["leased"]) == ({"t": 2}, {"t": 4}, {"t": 2})
+        assert registry.get_sample_value("tq_rows_ready", {"task": "t"}) == 4

@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .._core._figures import ready_counts
 from .._errors import BrokenError, InvalidRequestError
 from .._paths._nixl import fallbacks as nixl_fallbacks
 
@@ -238,10 +239,7 @@ def controller_collector(state: ControllerState, waiting: Callable[[], int]) -> 
         ready_by_task: dict[str, int] = {}
         unconsumed_by_task: dict[str, int] = {}
         for p in list(state.partitions.values()):
-            best: dict[str, int] = {}
-            for (task, _), rs in list(p.ready.items()):
-                best[task] = max(best.get(task, 0), len(rs.rows))
-            for task, n in best.items():
+            for task, n in ready_counts(p).items():
                 ready_by_task[task] = ready_by_task.get(task, 0) + n
             for task, count in list(p.consumed_count.items()):
                 unconsumed_by_task[task] = unconsumed_by_task.get(task, 0) + p.n_alive - count
