@@ -15,6 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import tq_async as tq
+from _cluster_proc import free_port, sigkill
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
 from tq_async._deploy._status import render, run_status
@@ -217,3 +218,33 @@ async def test_ready_counts_rows_after_a_reset_and_a_restart(tmp_path: Path) -> 
         info = await client.partition_info("p")
         assert (info["consumed"], info["ready"], info["leased"]) == ({"t": 2}, {"t": 4}, {"t": 2})
         assert registry.get_sample_value("tq_rows_ready", {"task": "t"}) == 4
+
+
+def test_status_watch_rides_through_a_controller_restart(tmp_path: Path) -> None:
+    """``status --watch`` exited 1 when the controller it watched restarted (SIGKILLed and
+    started again on its address and data_dir); it says so on stderr, then prints again."""
+    argv = ["--bind", f"tcp://127.0.0.1:{free_port()}", "--durability", "process"]
+    (tmp_path / "data").mkdir()
+    argv += ["--data-dir", str(tmp_path / "data")]
+    with service(argv, tmp_path / "serve1.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        with tq.Client.connect(address) as client:
+            client.put({"x": torch.arange(3)}, "p")
+        watch = ["status", address, "--json", "--watch", "--screens", "2"]
+        with subprocess.Popen(
+            [sys.executable, "-m", "tq_async._deploy._cli", *watch],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as watcher:
+            assert watcher.stdout is not None
+            assert watcher.stderr is not None
+            assert json.loads(watcher.stdout.readline())["partitions"]["p"]["rows"] == 3
+            sigkill(svc.proc)  # type: ignore[arg-type]
+            assert "watching again once it answers" in watcher.stderr.readline()
+            with service(argv, tmp_path / "serve2.err") as again:
+                assert again.wait_line("TQ_ADDRESS=") == address
+                second = json.loads(watcher.stdout.readline())
+                assert second["partitions"]["p"]["rows"] == 3
+                assert watcher.wait(timeout=START_TIMEOUT) == 0
+                assert again.stop() == 0
