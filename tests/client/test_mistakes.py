@@ -13,9 +13,11 @@ from typing import Any
 import anyio
 import pytest
 import torch
+import zmq
 from tensordict import TensorDict
 
 import tq_async as tq
+from tq_async._deploy._status import run_status
 
 
 async def put_rows(client: tq.AsyncClient) -> None:
@@ -482,3 +484,27 @@ async def test_register_tasks_with_its_arguments_swapped_or_one_name_says_so() -
             await client.register_tasks([1, 2], "p")  # type: ignore[list-item]
         await client.register_tasks(("actor", "critic"), "p")  # any sequence of names
         await client.register_tasks([], "p")  # off
+
+
+async def test_a_storage_units_address_for_the_controllers_says_which_to_give(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client (or ``tq-async status``) given a storage unit's address (the ``TQ_UNIT=``
+    line) instead of the controller's failed with "malformed request: Invalid value 'Hello'
+    - at `$[1][0]`"; the unit now says whose address it is and which to give. The
+    controller logged its own malformed requests as a "service"'s."""
+    async with tq.local_cluster(num_storage_units=1, transport="tcp") as cluster:
+        unit_address = cluster.units[0].address
+        with pytest.raises(tq.ProtocolError) as info:
+            async with tq.AsyncClient.connect(unit_address, request_timeout=10):
+                pass
+        assert str(info.value) == (
+            "this address is a storage unit's, and Hello is a request for the controller: "
+            "give the controller's address (tq-async serve prints the controller's as "
+            "TQ_ADDRESS=..., a storage unit's as TQ_UNIT=<id> ...)"
+        )
+        with pytest.raises(tq.ProtocolError, match="give the controller's address"):
+            await run_status(unit_address)
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            cluster.controller.on_message(b"peer", [zmq.Frame(b"\x93\x01\x92\xa3Bad\x00\xc0")])
+        assert "malformed controller request" in caplog.text
