@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import tq_async as tq
 from _cluster_proc import free_port, sigkill
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
+from tq_async._deploy import _status as status_module
 from tq_async._deploy._status import render, run_status
 from tq_async._wire._protocol import ClusterStatus
 
@@ -248,3 +250,21 @@ def test_status_watch_rides_through_a_controller_restart(tmp_path: Path) -> None
                 assert second["partitions"]["p"]["rows"] == 3
                 assert watcher.wait(timeout=START_TIMEOUT) == 0
                 assert again.stop() == 0
+
+
+async def test_status_of_a_silent_address_says_what_to_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener that never answers (no tq_async service, a stopped one) ended in "... or
+    raise the timeout": the command has no timeout to raise. It says what to check."""
+    monkeypatch.setattr(status_module, "_TIMEOUT", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(tq.TQTimeoutError) as info:
+            await run_status(address)
+    assert str(info.value) == (
+        f"the controller at {address} did not answer within 0.5 s: check that it runs at that "
+        "address (the TQ_ADDRESS= line of tq-async serve) and is not stopped"
+    )

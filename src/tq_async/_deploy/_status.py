@@ -37,8 +37,19 @@ _TIMEOUT = 10.0
 _RETRY_AFTER = 1.0
 
 
-async def _ask(conn: DealerConnection, body: msgspec.Struct, typ: Any) -> Any:
-    payload, _ = await conn.request(body, timeout=_TIMEOUT)
+async def _ask(
+    conn: DealerConnection, body: msgspec.Struct, typ: Any, unit: int | None = None
+) -> Any:
+    """The reply to ``body`` from the controller (or storage unit ``unit``)."""
+    try:
+        payload, _ = await conn.request(body, timeout=_TIMEOUT)
+    except TQTimeoutError as exc:  # (its advice to raise the timeout is no option here)
+        who = "the controller" if unit is None else f"storage unit {unit}"
+        where = " (the TQ_ADDRESS= line of tq-async serve)" if unit is None else ""
+        raise TQTimeoutError(
+            f"{who} at {conn.name} did not answer within {_TIMEOUT:g} s: check that it runs "
+            f"at that address{where} and is not stopped"
+        ) from exc
     return msgspec.msgpack.decode(payload, type=typ)
 
 
@@ -61,7 +72,7 @@ async def cluster_status(ctl: DealerConnection, curve: CurveClient | None = None
             continue
         conn = DealerConnection(unit["address"], curve=curve, refused_is_broken=True)
         try:
-            stats = await _ask(conn, StoreStats(), StoreStatsReply)
+            stats = await _ask(conn, StoreStats(), StoreStatsReply, unit_id)
             unit.update(msgspec.structs.asdict(stats))
         except TQError as exc:
             unit["error"] = str(exc)
