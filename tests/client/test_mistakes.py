@@ -14,9 +14,11 @@ import anyio
 import numpy as np
 import pytest
 import torch
+import zmq
 from tensordict import TensorDict
 
 import tq_async as tq
+from tq_async._deploy._status import run_status
 
 
 async def put_rows(client: tq.AsyncClient) -> None:
@@ -530,3 +532,27 @@ async def test_numpy_scalars_work_where_ints_and_seconds_are_expected() -> None:
         with pytest.raises(tq.InvalidRequestError, match="timeout"):
             await client.get_meta(["x"], 1, "p", "t", timeout=np.float32("nan"))
         assert len(meta) == 8
+
+
+async def test_a_storage_units_address_for_the_controllers_says_which_to_give(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client (or ``tq-async status``) given a storage unit's address (the ``TQ_UNIT=``
+    line) instead of the controller's failed with "malformed request: Invalid value 'Hello'
+    - at `$[1][0]`"; the unit now says whose address it is and which to give. The
+    controller logged its own malformed requests as a "service"'s."""
+    async with tq.local_cluster(num_storage_units=1, transport="tcp") as cluster:
+        unit_address = cluster.units[0].address
+        with pytest.raises(tq.ProtocolError) as info:
+            async with tq.AsyncClient.connect(unit_address, request_timeout=10):
+                pass
+        assert str(info.value) == (
+            "this address is a storage unit's, and Hello is a request for the controller: "
+            "give the controller's address (tq-async serve prints the controller's as "
+            "TQ_ADDRESS=..., a storage unit's as TQ_UNIT=<id> ...)"
+        )
+        with pytest.raises(tq.ProtocolError, match="give the controller's address"):
+            await run_status(unit_address)
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            cluster.controller.on_message(b"peer", [zmq.Frame(b"\x93\x01\x92\xa3Bad\x00\xc0")])
+        assert "malformed controller request" in caplog.text

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import tq_async as tq
+from _cluster_proc import free_port, sigkill
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
+from tq_async._deploy import _status as status_module
 from tq_async._deploy._status import render, run_status
 from tq_async._wire._protocol import ClusterStatus
 
@@ -189,3 +194,77 @@ def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:
         done = _status(address)  # (what the refusal says is the transport's)
         assert (done.returncode, done.stdout) == (1, "")
         assert svc.stop() == 0
+
+
+async def test_ready_counts_rows_after_a_reset_and_a_restart(tmp_path: Path) -> None:
+    """A task's ready sets are dropped by a reset_consumption, a unit's return and a
+    controller restart (rebuilt at its next request): status and ``tq_rows_ready`` said
+    "ready 0" (or nothing) for rows ready all along."""
+    registry = CollectorRegistry()
+    kw: dict[str, Any] = {"num_storage_units": 2, "durability": "process", "data_dir": tmp_path}
+    async with (
+        tq.local_cluster(metrics_registry=registry, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(6)}, "p")
+        await client.get_meta(["x"], 2, "p", "t", lease=60)
+        assert (await client.partition_info("p"))["ready"] == {"t": 4}
+        await client.reset_consumption("p", "t")
+        assert (await client.partition_info("p"))["ready"] == {"t": 6}
+        assert registry.get_sample_value("tq_rows_ready", {"task": "t"}) == 6
+        await client.get_meta(["x"], 2, "p", "t", lease=60)
+    async with (
+        tq.local_cluster(metrics_registry=registry, **kw) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        info = await client.partition_info("p")
+        assert (info["consumed"], info["ready"], info["leased"]) == ({"t": 2}, {"t": 4}, {"t": 2})
+        assert registry.get_sample_value("tq_rows_ready", {"task": "t"}) == 4
+
+
+def test_status_watch_rides_through_a_controller_restart(tmp_path: Path) -> None:
+    """``status --watch`` exited 1 when the controller it watched restarted (SIGKILLed and
+    started again on its address and data_dir); it says so on stderr, then prints again."""
+    argv = ["--bind", f"tcp://127.0.0.1:{free_port()}", "--durability", "process"]
+    (tmp_path / "data").mkdir()
+    argv += ["--data-dir", str(tmp_path / "data")]
+    with service(argv, tmp_path / "serve1.err") as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        with tq.Client.connect(address) as client:
+            client.put({"x": torch.arange(3)}, "p")
+        watch = ["status", address, "--json", "--watch", "--screens", "2"]
+        with subprocess.Popen(
+            [sys.executable, "-m", "tq_async._deploy._cli", *watch],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as watcher:
+            assert watcher.stdout is not None
+            assert watcher.stderr is not None
+            assert json.loads(watcher.stdout.readline())["partitions"]["p"]["rows"] == 3
+            sigkill(svc.proc)  # type: ignore[arg-type]
+            assert "watching again once it answers" in watcher.stderr.readline()
+            with service(argv, tmp_path / "serve2.err") as again:
+                assert again.wait_line("TQ_ADDRESS=") == address
+                second = json.loads(watcher.stdout.readline())
+                assert second["partitions"]["p"]["rows"] == 3
+                assert watcher.wait(timeout=START_TIMEOUT) == 0
+                assert again.stop() == 0
+
+
+async def test_status_of_a_silent_address_says_what_to_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener that never answers (no tq_async service, a stopped one) ended in "... or
+    raise the timeout": the command has no timeout to raise. It says what to check."""
+    monkeypatch.setattr(status_module, "_TIMEOUT", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(tq.TQTimeoutError) as info:
+            await run_status(address)
+    assert str(info.value) == (
+        f"the controller at {address} did not answer within 0.5 s: check that it runs at that "
+        "address (the TQ_ADDRESS= line of tq-async serve) and is not stopped"
+    )

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from functools import partial
 
 import anyio
 import prometheus_client
@@ -15,6 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import tq_async as tq
+from tq_async.lowlevel import serve_controller, serve_storage
 
 
 def scrape(url: str) -> str:
@@ -167,3 +169,37 @@ def test_serve_controller_with_a_taken_metrics_port_fails_in_one_line() -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"tq-async: error: cannot serve metrics on 127.0.0.1:{port}: ")
     assert "Traceback" not in done.stderr
+
+
+async def test_a_registry_kept_for_the_next_cluster_shows_that_cluster_only() -> None:
+    """A cluster's gauges stayed in the registry after it stopped: a second cluster on the
+    same registry (a program restarting its cluster) was scraped with both clusters' gauges,
+    each family twice (a second TYPE line Prometheus refuses), the first the stopped one's."""
+    registry = CollectorRegistry()
+    for rows in (3, 5):
+        async with (
+            tq.local_cluster(num_storage_units=1, metrics_registry=registry) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            await client.put({"x": torch.zeros(rows)}, partition_id="p")
+            await client.get_meta(["x"], 1, "p", "t")
+            text = prometheus_client.generate_latest(registry).decode()
+            types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+            assert len(types) == len(set(types))
+            assert registry.get_sample_value("tq_rows_unconsumed", {"task": "t"}) == rows - 1
+    assert registry.get_sample_value("tq_partitions") is None  # gone with its cluster
+    delivered = {"task": "t", "locality": "same_host"}
+    assert registry.get_sample_value("tq_rows_delivered_total", delivered) == 2  # counters stay
+
+
+async def test_a_registry_kept_after_serve_controller_and_storage_stop() -> None:
+    """`serve_controller` / `serve_storage` left their gauges in the registry too."""
+    registry = CollectorRegistry()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(partial(serve_controller, metrics_registry=registry))
+        await tg.start(partial(serve_storage, address, metrics_registry=registry))
+        assert registry.get_sample_value("tq_partitions") == 0
+        assert registry.get_sample_value("tq_storage_resident_bytes", {"unit": "0"}) == 0
+        tg.cancel_scope.cancel()
+    assert registry.get_sample_value("tq_partitions") is None
+    assert registry.get_sample_value("tq_storage_resident_bytes", {"unit": "0"}) is None

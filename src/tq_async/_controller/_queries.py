@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from .._core._dumps import partition_dump
+from .._core._figures import ready_counts
 from .._core._state import KV_CHUNK_BITS, Partition
 from .._core._transitions import ControllerCore, meta_reply
 from .._errors import CheckpointError, KeyNotFound
@@ -106,10 +107,8 @@ def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
         "open_leases": dict(p.open_leases),
         "uncommitted_puts": len(p.put_leases),
     }
-    # per task: rows ready now (its largest maintained ready set: no scan) and rows leased
-    ready: dict[str, int] = {}
-    for (task, _), rs in p.ready.items():
-        ready[task] = max(ready.get(task, 0), len(rs.rows))
+    # per task: rows ready now and rows leased
+    ready = ready_counts(p)
     leased: dict[str, int] = {}
     alive = p.alive
     for lease in p.leases.values():

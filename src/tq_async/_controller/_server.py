@@ -95,6 +95,8 @@ class ControllerServer(Service):
         data_dir: the journal's directory (an existing one: empty, or a controller's).
     """
 
+    name = "controller"
+
     def __init__(
         self,
         state: ControllerState | None = None,

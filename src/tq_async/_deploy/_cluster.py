@@ -27,6 +27,7 @@ from .._service._metrics import (
     Metrics,
     controller_collector,
     metrics_address,
+    register,
     serve_metrics,
     storage_collector,
 )
@@ -203,6 +204,8 @@ async def local_cluster(
         stop_hosting(hosting)
         if plan.stop_metrics is not None:
             await anyio.to_thread.run_sync(plan.stop_metrics)
+        for unregister in plan.unregister:  # (a registry kept for a later cluster)
+            unregister()
         if plan.sockdir is not None:
             shutil.rmtree(plan.sockdir, ignore_errors=True)
     if raised:
@@ -234,6 +237,8 @@ class _Plan:
     registry: CollectorRegistry | None
     sockdir: str | None = None
     stop_metrics: Callable[[], None] | None = None
+    #: what takes the cluster's gauges out of the registry again
+    unregister: list[Callable[[], None]] = field(default_factory=list)
     #: GPU memory per unit for cells put from GPUs (Config.device_cap), and which GPU
     device_cap: int = 0
     device_indexes: list[int] = field(default_factory=list)
@@ -373,8 +378,10 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
     address = await tg.start(controller.serve, controller_bind)
     cluster = LocalCluster(address, controller, units)
     if registry is not None:
-        registry.register(controller_collector(controller.state, lambda: controller.waiting))
-        registry.register(storage_collector({u.unit_id: u.state for u in units}))
+        plan.unregister += [
+            register(registry, controller_collector(controller.state, lambda: controller.waiting)),
+            register(registry, storage_collector({u.unit_id: u.state for u in units})),
+        ]
         if plan.serve_metrics_on is not None:
             cluster.metrics_url, plan.stop_metrics = serve_metrics(
                 registry, *metrics_address(plan.serve_metrics_on)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+import anyio
 import msgspec
 
-from .._errors import TQError
+from .._errors import AuthenticationError, BrokenError, TQError, TQTimeoutError
 from .._service._serve import check_address
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveClient
@@ -32,10 +33,23 @@ __all__ = ["cluster_status", "render", "run_status"]
 
 #: seconds each request may take
 _TIMEOUT = 10.0
+#: seconds a watch waits before it asks again a controller that did not answer
+_RETRY_AFTER = 1.0
 
 
-async def _ask(conn: DealerConnection, body: msgspec.Struct, typ: Any) -> Any:
-    payload, _ = await conn.request(body, timeout=_TIMEOUT)
+async def _ask(
+    conn: DealerConnection, body: msgspec.Struct, typ: Any, unit: int | None = None
+) -> Any:
+    """The reply to ``body`` from the controller (or storage unit ``unit``)."""
+    try:
+        payload, _ = await conn.request(body, timeout=_TIMEOUT)
+    except TQTimeoutError as exc:  # (its advice to raise the timeout is no option here)
+        who = "the controller" if unit is None else f"storage unit {unit}"
+        where = " (the TQ_ADDRESS= line of tq-async serve)" if unit is None else ""
+        raise TQTimeoutError(
+            f"{who} at {conn.name} did not answer within {_TIMEOUT:g} s: check that it runs "
+            f"at that address{where} and is not stopped"
+        ) from exc
     return msgspec.msgpack.decode(payload, type=typ)
 
 
@@ -58,7 +72,7 @@ async def cluster_status(ctl: DealerConnection, curve: CurveClient | None = None
             continue
         conn = DealerConnection(unit["address"], curve=curve, refused_is_broken=True)
         try:
-            stats = await _ask(conn, StoreStats(), StoreStatsReply)
+            stats = await _ask(conn, StoreStats(), StoreStatsReply, unit_id)
             unit.update(msgspec.structs.asdict(stats))
         except TQError as exc:
             unit["error"] = str(exc)
@@ -144,34 +158,44 @@ async def run_status(
 ) -> None:
     """Print the status once, or (``watch``) again after every batch of events, until
     cancelled or ``screens`` screens were printed (``curve``: the keys of a cluster that
-    uses CURVE).
+    uses CURVE). Once a watch printed its first screen, it rides through the controller's
+    restarts and outages: it says so on stderr and prints again once the controller answers.
 
     Raises:
         InvalidRequestError: ``address`` is no ZMQ address (e.g. no ``tcp://``).
+        BrokenError: the controller does not answer (before a watch's first screen).
     """
     check_address(address)
-    ctl = DealerConnection(address, curve=curve, refused_is_broken=True)
-    try:
-        body = WatchNext(poll=5.0)
-        shown = 0
-        while True:
-            if watch and body.since is None:
-                batch = await _ask(ctl, body, WatchBatch)  # subscribe before the first look
-                body.since, body.incarnation = batch.cursor, batch.incarnation
-            status = await cluster_status(ctl, curve)
-            if as_json:
-                out.write(msgspec.json.encode(status).decode() + "\n")
-            else:
-                clear = "\x1b[2J\x1b[H" if watch and out.isatty() else ""
-                out.write(clear + render(status, address) + "\n")
-            out.flush()
-            shown += 1
-            if not watch or (screens is not None and shown >= screens):
-                return
-            while True:  # until something happened
-                batch = await _ask(ctl, body, WatchBatch)
-                body.since, body.incarnation = batch.cursor, batch.incarnation
-                if batch.events:
-                    break
-    finally:
-        ctl.close()
+    shown, down = 0, False
+    while True:
+        ctl = DealerConnection(address, curve=curve, refused_is_broken=True)
+        try:
+            body = WatchNext(poll=5.0)
+            while True:
+                if watch and body.since is None:
+                    batch = await _ask(ctl, body, WatchBatch)  # subscribe before the first look
+                    body.since, body.incarnation = batch.cursor, batch.incarnation
+                status = await cluster_status(ctl, curve)
+                if as_json:
+                    out.write(msgspec.json.encode(status).decode() + "\n")
+                else:
+                    clear = "\x1b[2J\x1b[H" if watch and out.isatty() else ""
+                    out.write(clear + render(status, address) + "\n")
+                out.flush()
+                shown, down = shown + 1, False
+                if not watch or (screens is not None and shown >= screens):
+                    return
+                while True:  # until something happened
+                    batch = await _ask(ctl, body, WatchBatch)
+                    body.since, body.incarnation = batch.cursor, batch.incarnation
+                    if batch.events:
+                        break
+        except (BrokenError, TQTimeoutError) as exc:
+            if not (watch and shown) or isinstance(exc, AuthenticationError):
+                raise
+            if not down:
+                print(f"tq-async status: {exc}; watching again once it answers", file=sys.stderr)
+                down = True
+            await anyio.sleep(_RETRY_AFTER)
+        finally:
+            ctl.close()

@@ -25,7 +25,7 @@ from .._logging import get_logger
 from .._transport._endpoints import LogThrottle
 from .._transport._router import RouterEndpoint
 from .._wire._checks import validate
-from .._wire._protocol import error_reply, ok_reply, salvage_rid
+from .._wire._protocol import error_reply, misdirected, ok_reply, salvage_rid
 from ._metrics import Metrics
 
 __all__ = ["DEFERRED", "REQUESTS", "SENT", "Incoming", "RequestStats", "Service", "WithFrames"]
@@ -134,9 +134,10 @@ class Service:
             req = self._decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             rid = salvage_rid(header)
-            self._malformed.warning(f"malformed {self.name} request", error=str(exc), rid=rid)
+            why = misdirected(header, self.name) or f"malformed request: {exc}"
+            self._malformed.warning(f"malformed {self.name} request", error=why, rid=rid)
             if rid is not None:
-                self.send_error(peer, rid, ProtocolError(f"malformed request: {exc}"), "?")
+                self.send_error(peer, rid, ProtocolError(why), "?")
             return
         rid, body = req.rid, req.body
         if req.client is not None and len(peer) == 5 and not peer[0]:

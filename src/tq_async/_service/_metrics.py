@@ -41,6 +41,7 @@ tq_transfer_fallbacks_total            counter reason (error | timeout): a clien
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .._core._figures import ready_counts
 from .._errors import BrokenError, InvalidRequestError
 from .._paths._nixl import fallbacks as nixl_fallbacks
 
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Metrics",
     "metrics_address",
+    "register",
     "serve_metrics",
     "controller_collector",
     "storage_collector",
@@ -202,6 +205,19 @@ def _shared(registry: CollectorRegistry, name: str, make: Callable[[], Any]) -> 
         return metrics[name]
 
 
+def register(registry: CollectorRegistry, collector: Collector) -> Callable[[], None]:
+    """Register ``collector`` in ``registry``; returns what unregisters it, called when its
+    service stops (a registry kept for a later cluster would otherwise show the stopped
+    cluster's gauges beside the new one's, each family twice)."""
+    registry.register(collector)
+
+    def unregister() -> None:
+        with contextlib.suppress(KeyError):  # (already gone)
+            registry.unregister(collector)
+
+    return unregister
+
+
 class _Collector(Collector):
     def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
         self._collect = collect
@@ -223,10 +239,7 @@ def controller_collector(state: ControllerState, waiting: Callable[[], int]) -> 
         ready_by_task: dict[str, int] = {}
         unconsumed_by_task: dict[str, int] = {}
         for p in list(state.partitions.values()):
-            best: dict[str, int] = {}
-            for (task, _), rs in list(p.ready.items()):
-                best[task] = max(best.get(task, 0), len(rs.rows))
-            for task, n in best.items():
+            for task, n in ready_counts(p).items():
                 ready_by_task[task] = ready_by_task.get(task, 0) + n
             for task, count in list(p.consumed_count.items()):
                 unconsumed_by_task[task] = unconsumed_by_task.get(task, 0) + p.n_alive - count

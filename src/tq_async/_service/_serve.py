@@ -18,7 +18,7 @@ import resource
 import socket
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import anyio
@@ -38,7 +38,7 @@ from .._transport._security import CurveClient, CurveServer
 from .._wire._protocol import RegisterUnit
 from ..samplers import BaseSampler
 from ._config import Config
-from ._metrics import Metrics, controller_collector, storage_collector
+from ._metrics import Metrics, controller_collector, register, storage_collector
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
@@ -305,14 +305,13 @@ async def serve_controller(
     state.capacity, state.capacity_global = check_capacity(capacity, capacity_scope)
     state.placer = Placer(placement)
     controller = ControllerServer(state, **options, metrics=Metrics(metrics_registry, "controller"))
-    with raised_as_itself():
+    with raised_as_itself(), ExitStack() as collectors:  # (unregistered once it stops)
         async with anyio.create_task_group() as tg:
             bound: str = await tg.start(controller.serve, bind)
             address = advertised_address(bound, bind, advertise)
             if metrics_registry is not None:
-                metrics_registry.register(
-                    controller_collector(controller.state, lambda: controller.waiting)
-                )
+                gauges = controller_collector(controller.state, lambda: controller.waiting)
+                collectors.callback(register(metrics_registry, gauges))
             log.info("controller serving", address=address)
             task_status.started(address)
 
@@ -391,7 +390,7 @@ async def serve_storage(
         memory_cap=memory_cap,
     )
     durable = durability != "memory"
-    with raised_as_itself():
+    with raised_as_itself(), ExitStack() as collectors:  # (unregistered once it stops)
         async with anyio.create_task_group() as tg:
             bound: str = await tg.start(unit.serve, bind)
             address = advertised_address(bound, bind, advertise, towards=controller)
@@ -407,7 +406,8 @@ async def serve_storage(
                 )
             )
             if metrics_registry is not None:
-                metrics_registry.register(storage_collector({unit.unit_id: unit.state}))
+                gauges = storage_collector({unit.unit_id: unit.state})
+                collectors.callback(register(metrics_registry, gauges))
             log.info(
                 "storage unit serving",
                 unit_id=unit.unit_id,

@@ -10,7 +10,7 @@ connection; replies may arrive in any order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -879,6 +879,33 @@ controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest, ext_hook
 storage_request_decoder = msgspec.msgpack.Decoder(StorageRequest)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 _rid_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+#: the request kinds (a body's tag: its class name) each service takes
+_KINDS = {
+    "controller": {kind.__name__ for kind in get_args(ControllerBody)},
+    "storage": {kind.__name__ for kind in get_args(StorageBody)},
+}
+
+
+def misdirected(header: bytes | memoryview, service: str) -> str | None:
+    """What to tell the sender of a request that ``service`` (``"controller"``,
+    ``"storage"``) cannot decode because it is the other service's: a client given a storage
+    unit's address for the controller's (or the reverse). None: not such a request."""
+    try:
+        body = msgspec.msgpack.decode(_rid_decoder.decode(header)[1], type=list[msgspec.Raw])
+        kind = msgspec.msgpack.decode(body[0], type=str)
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+        return None
+    owner = next((name for name, kinds in _KINDS.items() if kind in kinds), None)
+    if owner is None or kind in _KINDS.get(service, ()):
+        return None
+    unit = "a storage unit's" if service == "storage" else "the controller's"
+    return (
+        f"this address is {unit}, and {kind} is a request for the {owner}: give the "
+        f"{owner}'s address (tq-async serve prints the controller's as TQ_ADDRESS=..., a "
+        "storage unit's as TQ_UNIT=<id> ...)"
+    )
 
 
 def salvage_rid(header: bytes | memoryview) -> int | None:
