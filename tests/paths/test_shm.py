@@ -26,6 +26,7 @@ import torch
 import zmq
 
 import tq_async as tq
+import tq_async._client._async._get as client_get
 from _cluster_proc import _read_address, serve_cluster
 from _requests import cancelled_at
 from _shm_proc import alloc_then_die
@@ -274,6 +275,81 @@ def test_a_copy_the_unit_restarted_under_stops_writing(
         mapped.close()
         for arena in boots:
             arena.close()
+
+
+async def test_a_read_the_unit_restarted_under_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read's copy out of a durable unit's arena file: a unit that restarted meanwhile may
+    have lent the read's regions to another put, whose cells the copy then took for the
+    read's. The copy checks the unit's token once done (it took them silently)."""
+    path = str(tmp_path / "arena.dat")
+    first = Arena(64 * PAGE, path=path)
+    mapped = ArenaMap(os.getpid(), first.fd, first.cap, first.token)
+    first.view[PAGE : 33 * PAGE] = 1  # the read's cells
+    boots: list[Arena] = []
+    real = client_get.buffer_pool
+
+    class Restarting:
+        def copy(self, source: Any) -> memoryview:
+            if not boots:  # the unit restarts while the first span is copied
+                first.close()
+                boots.append(Arena(64 * PAGE, path=path))
+                boots[0].view[17 * PAGE : 33 * PAGE] = 2  # another put's cells
+            return real.copy(source)
+
+    monkeypatch.setattr(client_get, "buffer_pool", Restarting())
+    spans = [(PAGE, 16 * PAGE), (17 * PAGE, 16 * PAGE)]
+    try:
+        with pytest.raises(tq.SessionLostError, match="restarted"):
+            await client_get._copy_spans(mapped, spans)
+        monkeypatch.setattr(client_get, "buffer_pool", real)
+        again = ArenaMap(os.getpid(), boots[0].fd, boots[0].cap, boots[0].token)
+        try:  # the same boot all along: taken
+            got = await client_get._copy_spans(again, spans)
+            assert [bytes(f)[:1] for f in got] == [b"\x01", b"\x02"]
+        finally:
+            again.close()
+    finally:
+        mapped.close()
+        for arena in boots:
+            arena.close()
+
+
+async def test_a_read_of_a_durable_unit_restarted_under_its_copy_goes_by_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client reads such a read again through the unit's socket, as it does a read the
+    unit answers with SessionLostError (`docs/guarantees.md`); here the token the client
+    maps changes during the copy, as a restart's would."""
+    data_dir = tmp_path / "unit"
+    data_dir.mkdir()
+    with serve_cluster(1, ["--durability", "process", "--data-dir", str(data_dir)]) as address:
+        async with tq.AsyncClient.connect(address) as client:
+            want = _batch()
+            meta = await client.put(want, partition_id="restart-read")
+            (arena,) = [a for a in client._links.arenas.values() if a is not None]
+            copy = client_get._copy_spans
+            copies: list[Any] = []
+
+            async def restarted_under(mapped: ArenaMap, spans: Any) -> list[Any]:
+                copies.append(spans)
+                token = mapped.view[:16].copy()
+                mapped.view[:16] = 0  # (a new boot's token)
+                try:
+                    return await copy(mapped, spans)
+                finally:
+                    mapped.view[:16] = token
+
+            monkeypatch.setattr(client_get, "_copy_spans", restarted_under)
+            before = sum(s.shm_reads for s in await _unit_stats(client))
+            _check(await client.get_data(meta), want)
+            assert len(copies) == 1
+            assert arena not in client._links.arenas.values()  # set up again next time
+            monkeypatch.setattr(client_get, "_copy_spans", copy)
+            _check(await client.get_data(meta), want)
+            assert sum(s.shm_reads for s in await _unit_stats(client)) == before + 2
+            await client.clear_partition("restart-read")
 
 
 # ---- through a tq-async serve process ------------------------------------------------------

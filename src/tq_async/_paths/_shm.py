@@ -416,6 +416,17 @@ class ArenaMap:
             )
         return view
 
+    def check_copied(self, view: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        """After a read was copied out of ``view`` (this mapping's bytes, taken before the
+        copy): raise SessionLostError if the unit restarted meanwhile. A durable unit's next
+        boot may have lent the read's regions to another put while the copy ran, so what it
+        copied may be that put's cells (a restart before the copy began is caught too)."""
+        if view[:TOKEN_BYTES].tobytes() != self.token:
+            raise SessionLostError(
+                "the storage unit restarted while this client copied a read out of its shared "
+                "memory (the copy may hold another put's cells): read again"
+            )
+
     def write(self, offset: int, parts: Iterable[Any]) -> list[tuple[int, int]]:
         """Copy ``parts`` (buffers) one after another from ``offset``; their spans.
 

@@ -87,7 +87,7 @@ def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
         ) from None
 
     def copy() -> list[Any]:
-        return [
+        frames = [
             b""
             if n == 0
             else buffer_pool.copy(view[off : off + n])
@@ -95,6 +95,8 @@ def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list[Any]:
             else bytearray(view[off : off + n])
             for off, n in spans
         ]
+        arena.check_copied(view)
+        return frames
 
     if sum(n for _, n in spans) >= THREAD_COPY_BYTES:
         return run_sync_off_loop(copy)
@@ -437,27 +439,12 @@ class GetPath:
                 payload, frames = self._links.unit_request(unit, get)
             stored: StoredColumns = decode(payload, StoredColumns)
             if stored.shm_spans is not None:
-                pin = stored.pin
-                try:
-                    if not shm or frames:
-                        raise ProtocolError("an unexpected shared-memory reply")
-                    if arena is not None:
-                        with self._links.same_host_units.copying(unit):
-                            frames, on_device = self._read_arena(arena, stored, onto, view, device)
-                    else:
-                        assert nixl is not None
-                        assert self._links.nixl is not None
-                        got = self._links.nixl.read(
-                            unit, nixl, stored.shm_spans, self._links.request_timeout
-                        )
-                        if got is None:  # the transfer failed: read through the socket
-                            get.shm = False
-                            payload, frames = self._links.unit_request(unit, get)
-                            stored = decode(payload, StoredColumns)
-                        else:
-                            frames = got
-                finally:
-                    conn.send_best_effort(ShmFree([], [pin]))
+                if not shm or frames:
+                    conn.send_best_effort(ShmFree([], [stored.pin]))
+                    raise ProtocolError("an unexpected shared-memory reply")
+                stored, frames, on_device = self._copy_out(
+                    unit, conn, get, stored, arena, nixl, (onto, view, device)
+                )
             parts[unit] = _stored_columns(stored, frames, len(rows), on_device)
 
         if len(by_unit) == 1:
@@ -485,6 +472,44 @@ class GetPath:
                 # durable unit's rows are back at its new address)
                 get.shm = get.device = get.pinned = False
         return self._links.unit_request(unit, get)
+
+    def _copy_out(
+        self,
+        unit: int,
+        conn: BlockingConnection,
+        get: StoreGet,
+        stored: StoredColumns,
+        arena: ArenaMap | None,
+        nixl: Any,
+        targets: tuple[torch.device | None, Any, torch.device | None],
+    ) -> tuple[StoredColumns, list[Any], dict[int, torch.Tensor] | None]:
+        """A shared-memory (or NIXL) reply's columns, copied out of the unit's memory (its
+        pin freed after); read through the socket instead when the NIXL transfer failed, or
+        when a durable unit restarted under the copy (the next data call sets shared memory
+        up again). ``targets``: `_read_arena`'s ``onto``, ``view`` and ``device``."""
+        assert stored.shm_spans is not None
+        try:
+            if arena is not None:
+                try:
+                    with self._links.same_host_units.copying(unit):
+                        frames, on_device = self._read_arena(arena, stored, *targets)
+                    return stored, frames, on_device
+                except SessionLostError:
+                    self._links.session_lost(unit, arena)
+                    get.device = get.pinned = False
+            else:
+                assert nixl is not None
+                assert self._links.nixl is not None
+                got = self._links.nixl.read(
+                    unit, nixl, stored.shm_spans, self._links.request_timeout
+                )
+                if got is not None:
+                    return stored, got, None
+        finally:
+            conn.send_best_effort(ShmFree([], [stored.pin]))
+        get.shm = False
+        payload, frames = self._links.unit_request(unit, get)
+        return decode(payload, StoredColumns), frames, None
 
     def _read_arena(
         self,
