@@ -539,3 +539,37 @@ async def test_calls_cancelled_while_they_wait_leave_no_undo_behind(
             while conn._core.orphans:
                 await client.staleness_status()
         assert (await client.partition_info("p"))["rows"] == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lease", [None, 30.0])
+async def test_a_client_closed_while_its_get_reads_gives_the_rows_back(
+    mode: str, lease: float | None
+) -> None:
+    """A client closed (by another task) while one of its ``get``s reads the cells of the
+    rows it fetched: the get fails with `ClosedError`, and its rows go back to the task as
+    the client closes, as a cancelled get's do. Before, the get's give-back found the client
+    closed (a warning): without a lease the rows stayed consumed, delivered to nobody; with
+    one, end-of-stream waited for the lease to run out."""
+    async with client_in(mode) as client:
+        await fill(client, "p")
+        doomed = await tq.AsyncClient.connect(
+            client.address, inline_get_bytes=0, same_host=mode == "unix"
+        ).open()
+        request = DealerConnection.request
+
+        async def close_then_send(
+            self: DealerConnection, body: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if isinstance(body, StoreGet):  # the rows were handed out: now read
+                await doomed.aclose()
+            return await request(self, body, *args, **kwargs)
+
+        DealerConnection.request = close_then_send  # type: ignore[method-assign]
+        try:
+            with pytest.raises(tq.ClosedError):
+                await doomed.get(["i"], 4, "p", "t", lease=lease)
+        finally:
+            DealerConnection.request = request  # type: ignore[method-assign]
+        with anyio.fail_after(20):  # not the 30 s lease
+            assert sorted(await drain(client, "p")) == list(range(8))
