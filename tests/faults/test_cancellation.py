@@ -573,3 +573,38 @@ async def test_a_client_closed_while_its_get_reads_gives_the_rows_back(
             DealerConnection.request = request  # type: ignore[method-assign]
         with anyio.fail_after(20):  # not the 30 s lease
             assert sorted(await drain(client, "p")) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_acquire_rollout_given_up_as_its_client_closes_reserves_nothing(
+    mode: str, tmp_path: Any
+) -> None:
+    """A rollout worker's ``acquire_rollout`` cancelled right after it went out, then its
+    client closed (the worker stops): the controller admitted it, and its reply reached a
+    closed client, whose undo (`ReleaseRollout` on the late reply) never ran. Its slots
+    stayed reserved for good: a few such stops filled the capacity and every producer
+    waited for ever. The controller now gives an admitted rollout's slots back on its
+    ``Cancel``, as it gives a fetch's rows back."""
+    config = tmp_path / "tq.toml"
+    config.write_text('[admission]\ncapacity = 8\nlearner_task = "learner"\n')
+    async with AsyncExitStack() as stack:
+        if mode == "embedded":
+            admission = tq.AdmissionConfig(capacity=8, learner_task="learner")
+            cluster = await stack.enter_async_context(
+                tq.local_cluster(num_storage_units=1, admission=admission)
+            )
+            address = cluster.address
+        else:
+            address = stack.enter_context(serve_cluster(1, ["--config", str(config)]))
+        client = await stack.enter_async_context(tq.AsyncClient.connect(address))
+        for _ in range(5):  # more than the capacity holds
+            worker = await tq.AsyncClient.connect(address, same_host=mode == "unix").open()
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # takes effect at its first wait: after it went out
+                await worker.acquire_rollout(0, 2)
+            await worker.aclose()
+        with anyio.fail_after(10):  # (the closed clients' messages come on other connections)
+            while (await client.staleness_status())["outstanding"]:
+                pass
+        with anyio.fail_after(10):
+            await client.acquire_rollout(0, 8)  # the whole capacity is free

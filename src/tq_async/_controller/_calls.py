@@ -12,7 +12,7 @@ from typing import Any
 from .._core._state import ControllerState
 from .._core._transitions import Effects, meta_reply
 from .._errors import InvalidRequestError
-from .._service._loop import DEFERRED, Handler, Incoming
+from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -131,7 +131,8 @@ class ControlCalls:
 
     def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
         if self.core.acquire(body.policy_version, body.n, body.token):
-            return None
+            self.shell.admit(msg.peer, msg.rid, body.n)
+            return SENT
         self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
 
@@ -157,7 +158,7 @@ class ControlCalls:
             await self.shell.lot.until(
                 "admission", lambda: self.core.acquire(body.policy_version, body.n, body.token)
             )
-            self.shell.send_ok(peer, rid, None)
+            self.shell.admit(peer, rid, body.n)
 
         st = self.state
         await self.shell.waiting_request(

@@ -443,6 +443,9 @@ class Recorder:
         #: the partition of each recent fetch, by request: a `Cancel` that comes after its
         #: answer gives the rows back (`tq_async._controller._gets`), a change to write
         self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        #: recent acquire_rollouts, by request: a `Cancel` after an admission gives its
+        #: slots back, a change to write
+        self.acquires: OrderedDict[tuple[bytes, int], bool] = OrderedDict()
         self.sampler_states = SamplerStates()
         self._wake = asyncio.Event()
 
@@ -529,6 +532,11 @@ class Recorder:
             fetches[(peer, rid)] = body.partition_id
             if len(fetches) > FETCHES_REMEMBERED:
                 fetches.popitem(last=False)
+        elif type(body) is AcquireRollout:
+            acquires = self.acquires
+            acquires[(peer, rid)] = True
+            if len(acquires) > FETCHES_REMEMBERED:
+                acquires.popitem(last=False)
         if type(body) is PutBegin and body.n_rows and body.rows is None and body.keys is None:
             self.early[(peer, rid)] = body.partition_id
             if len(self.early) > _INFLIGHT:
@@ -544,11 +552,15 @@ class Recorder:
                 inflight.popitem(last=False)
 
     def _cancel(self, peer: bytes, rid: int) -> None:
-        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task. It
-        has no reply to hold, so the commit that writes that is started here."""
+        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task (of an
+        admitted rollout: its slots). It has no reply to hold, so the commit that writes that
+        is started here."""
         pid = self.fetches.pop((peer, rid), None)
         if pid is not None:
             self.dirty.add(pid)
+            self._wake.set()
+        if self.acquires.pop((peer, rid), False):  # an admission it may give back
+            self.controller_dirty = True
             self._wake.set()
 
     def unasked(self, fx: Effects) -> None:

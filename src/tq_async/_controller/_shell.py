@@ -72,6 +72,9 @@ class Shell:
         self.pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         #: recent replies by (client identity, request id), for retried requests
         self.replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        #: recent admitted rollouts by (client identity, request id) -> their slots, which a
+        #: late ``Cancel`` gives back (its caller gave up before the reply reached it)
+        self.admitted: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         #: what frees rows on the storage units (the links to them, once built)
         self.free_rows: FreeRows = _nowhere
         #: the event log and its watchers (``client.watch()``)
@@ -188,6 +191,15 @@ class Shell:
         replies[(peer, rid)] = header
         if len(replies) > _REPLY_CACHE:
             replies.popitem(last=False)
+
+    def admit(self, peer: bytes, rid: int, n: int) -> None:
+        """Answer ``rid``, an admitted rollout of ``n`` rows, and remember it for a late
+        ``Cancel`` (the last ``_REPLY_CACHE``: a client cancels within a round trip)."""
+        admitted = self.admitted
+        admitted[(peer, rid)] = n
+        if len(admitted) > _REPLY_CACHE:
+            admitted.popitem(last=False)
+        self.send_ok(peer, rid, None)
 
     # ---- waiting -----------------------------------------------------------------------------
 

@@ -262,12 +262,14 @@ class ControlCalls:
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # admitted, but the caller gave up before it knew: free the slots it reserved
+            # (a reply still on its way when it gave up is undone by the controller on the
+            # call's Cancel, even if this client closes meanwhile)
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
         try:
             controller = self._links.controller_link()
-            controller.request(body, timeout=deadline, on_abandon=on_abandon)
+            controller.request(body, timeout=deadline, on_abandon=on_abandon, cancel_undoes=True)
         except BrokenError:
             self._unsettled.setdefault(key, []).append(token)
             if len(self._unsettled) > _UNSETTLED:  # versions never asked for again
