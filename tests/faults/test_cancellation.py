@@ -608,3 +608,43 @@ async def test_an_acquire_rollout_given_up_as_its_client_closes_reserves_nothing
                 pass
         with anyio.fail_after(10):
             await client.acquire_rollout(0, 8)  # the whole capacity is free
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_take_recycled_given_up_as_its_client_closes_loses_no_prompt(
+    mode: str, tmp_path: Any
+) -> None:
+    """A ``take_recycled`` cancelled right after it went out, then its client closed: the
+    controller handed the stale rows out, and its reply reached a closed client, whose undo
+    (queueing them again on the late reply) never ran. The prompts were lost for good. The
+    controller now queues them again on the call's ``Cancel``."""
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        '[sampler]\nfactory = "tq_async:StalenessSampler"\nmax_staleness = 0\n'
+        'on_stale = "recycle"\n'
+    )
+    async with AsyncExitStack() as stack:
+        if mode == "embedded":
+            sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+            cluster = await stack.enter_async_context(
+                tq.local_cluster(num_storage_units=1, sampler=sampler)
+            )
+            address = cluster.address
+        else:
+            address = stack.enter_context(serve_cluster(1, ["--config", str(config)]))
+        client = await stack.enter_async_context(tq.AsyncClient.connect(address))
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        await client.get_meta(["prompt"], 2, "p", "learn")  # finds the 3 stale rows
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        worker = await tq.AsyncClient.connect(address, same_host=mode == "unix").open()
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # takes effect at its first wait: after it went out
+            await worker.take_recycled()
+        await worker.aclose()
+        with anyio.fail_after(10):  # (the closed client's Cancel came on another connection)
+            while (await client.staleness_status())["recycled_pending"] != 3:
+                pass
+        (taken,) = await client.take_recycled()
+        assert sorted(taken.global_indexes) == [0, 1, 2]

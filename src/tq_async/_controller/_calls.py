@@ -144,7 +144,18 @@ class ControlCalls:
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
             raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
-        return self._take_recycled(body.max_rows, body.token)
+        taken = self._take_recycled(body.max_rows, body.token)
+        if taken:
+            back = [
+                (r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id) for r in taken
+            ]
+
+            def undo() -> None:  # (what the client's ReturnRecycled would do)
+                for pid, incarnation, rows, lease_id in back:
+                    self.core.catalog.return_recycled(pid, incarnation, rows, lease_id, body.token)
+
+            self.shell.undo_on_cancel(msg.peer, msg.rid, undo)
+        return taken
 
     def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
         self.core.catalog.return_recycled(

@@ -446,6 +446,8 @@ class Recorder:
         #: recent acquire_rollouts, by request: a `Cancel` after an admission gives its
         #: slots back, a change to write
         self.acquires: OrderedDict[tuple[bytes, int], bool] = OrderedDict()
+        #: the partitions of each recent take_recycled that took rows, by request (the same)
+        self.takes: OrderedDict[tuple[bytes, int], tuple[str, ...]] = OrderedDict()
         self.sampler_states = SamplerStates()
         self._wake = asyncio.Event()
 
@@ -513,10 +515,14 @@ class Recorder:
             out = handler(msg, body)
             if type(body) is TakeRecycled and out:
                 # the partitions it took rows of hold them for its caller now (known only
-                # once it ran): written before the reply goes
+                # once it ran): written before the reply goes (and again if a Cancel gives
+                # them back)
                 pids = tuple(r.partition_id for r in out)
                 self.dirty.update(pids)
                 self.inflight[(msg.peer, msg.rid)] = pids
+                self.takes[(msg.peer, msg.rid)] = pids
+                if len(self.takes) > FETCHES_REMEMBERED:
+                    self.takes.popitem(last=False)
             return out
 
         return noted
@@ -553,13 +559,18 @@ class Recorder:
 
     def _cancel(self, peer: bytes, rid: int) -> None:
         """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task (of an
-        admitted rollout: its slots). It has no reply to hold, so the commit that writes that
-        is started here."""
+        admitted rollout: its slots; of a take_recycled: its rows). It has no reply to hold,
+        so the commit that writes that is started here."""
         pid = self.fetches.pop((peer, rid), None)
         if pid is not None:
             self.dirty.add(pid)
             self._wake.set()
         if self.acquires.pop((peer, rid), False):  # an admission it may give back
+            self.controller_dirty = True
+            self._wake.set()
+        taken = self.takes.pop((peer, rid), ())  # recycled rows it gives back
+        if taken:
+            self.dirty.update(taken)
             self.controller_dirty = True
             self._wake.set()
 
