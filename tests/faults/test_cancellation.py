@@ -648,3 +648,27 @@ async def test_a_take_recycled_given_up_as_its_client_closes_loses_no_prompt(
                 pass
         (taken,) = await client.take_recycled()
         assert sorted(taken.global_indexes) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["inline", "three_steps"])
+async def test_a_put_given_up_as_its_client_closes_leaves_nothing(mode: str, how: str) -> None:
+    """A put cancelled right after its first message went out, then its client closed (a
+    producer stopping): the controller stored and committed a one-message put (its rows
+    visible, though its caller saw it cancelled: a retry put them twice) or placed a
+    three-step one (its rows under the put lease: end-of-stream waited 60 s), and the reply
+    reached a closed client, whose undo never ran. The controller now undoes a put on its
+    ``Cancel``."""
+    async with client_in(mode) as client:
+        inline = 65536 if how == "inline" else 0
+        producer = await tq.AsyncClient.connect(
+            client.address, same_host=mode == "unix", inline_put_bytes=inline
+        ).open()
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # takes effect at its first wait: after it went out
+            await producer.put(TensorDict({"i": torch.arange(4) + 100}, [4]), partition_id="p")
+        await producer.aclose()
+        await fill(client, "p", 2)
+        with anyio.fail_after(20):  # not the 60 s put lease
+            assert sorted(await drain(client, "p")) == [0, 1]
+        assert (await client.partition_info("p"))["uncommitted_puts"] == 0

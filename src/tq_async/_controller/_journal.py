@@ -66,6 +66,7 @@ from .._wire._protocol import (
     Cancel,
     GetMeta,
     PutBegin,
+    PutInline,
     RegisterTasks,
     RegisterUnit,
     ReleaseRollout,
@@ -446,7 +447,8 @@ class Recorder:
         #: recent acquire_rollouts, by request: a `Cancel` after an admission gives its
         #: slots back, a change to write
         self.acquires: OrderedDict[tuple[bytes, int], bool] = OrderedDict()
-        #: the partitions of each recent take_recycled that took rows, by request (the same)
+        #: the partitions of each recent take_recycled that took rows, put and one-message
+        #: put, by request: a `Cancel` after its answer undoes it, a change to write
         self.takes: OrderedDict[tuple[bytes, int], tuple[str, ...]] = OrderedDict()
         self.sampler_states = SamplerStates()
         self._wake = asyncio.Event()
@@ -520,9 +522,7 @@ class Recorder:
                 pids = tuple(r.partition_id for r in out)
                 self.dirty.update(pids)
                 self.inflight[(msg.peer, msg.rid)] = pids
-                self.takes[(msg.peer, msg.rid)] = pids
-                if len(self.takes) > FETCHES_REMEMBERED:
-                    self.takes.popitem(last=False)
+                self._undoable(msg.peer, msg.rid, pids)
             return out
 
         return noted
@@ -556,10 +556,20 @@ class Recorder:
             inflight[(peer, rid)] = pids
             if len(inflight) > _INFLIGHT:
                 inflight.popitem(last=False)
+            if type(body) is PutBegin or type(body) is PutInline:  # (a Cancel undoes them)
+                self._undoable(peer, rid, pids)
+
+    def _undoable(self, peer: bytes, rid: int, pids: tuple[str, ...]) -> None:
+        """A request a late Cancel may undo, changing ``pids`` (see `takes`)."""
+        takes = self.takes
+        takes[(peer, rid)] = pids
+        if len(takes) > FETCHES_REMEMBERED:
+            takes.popitem(last=False)
 
     def _cancel(self, peer: bytes, rid: int) -> None:
         """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task (of an
-        admitted rollout: its slots; of a take_recycled: its rows). It has no reply to hold,
+        admitted rollout: its slots; of a take_recycled: its rows; of a put: its new rows). It
+        has no reply to hold,
         so the commit that writes that is started here."""
         pid = self.fetches.pop((peer, rid), None)
         if pid is not None:
@@ -568,7 +578,7 @@ class Recorder:
         if self.acquires.pop((peer, rid), False):  # an admission it may give back
             self.controller_dirty = True
             self._wake.set()
-        taken = self.takes.pop((peer, rid), ())  # recycled rows it gives back
+        taken = self.takes.pop((peer, rid), ())  # recycled rows, a placed or stored put
         if taken:
             self.dirty.update(taken)
             self.controller_dirty = True
