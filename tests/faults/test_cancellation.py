@@ -583,3 +583,136 @@ async def test_calls_cancelled_while_they_wait_leave_no_undo_behind(
             while conn._core.orphans:
                 await client.staleness_status()
         assert (await client.partition_info("p"))["rows"] == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lease", [None, 30.0])
+async def test_a_client_closed_while_its_get_reads_gives_the_rows_back(
+    mode: str, lease: float | None
+) -> None:
+    """A client closed (by another task) while one of its ``get``s reads the cells of the
+    rows it fetched: the get fails with `ClosedError`, and its rows go back to the task as
+    the client closes, as a cancelled get's do. Before, the get's give-back found the client
+    closed (a warning): without a lease the rows stayed consumed, delivered to nobody; with
+    one, end-of-stream waited for the lease to run out."""
+    async with client_in(mode) as client:
+        await fill(client, "p")
+        doomed = await tq.AsyncClient.connect(
+            client.address, inline_get_bytes=0, same_host=mode == "unix"
+        ).open()
+        request = DealerConnection.request
+
+        async def close_then_send(
+            self: DealerConnection, body: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if isinstance(body, StoreGet):  # the rows were handed out: now read
+                await doomed.aclose()
+            return await request(self, body, *args, **kwargs)
+
+        DealerConnection.request = close_then_send  # type: ignore[method-assign]
+        try:
+            with pytest.raises(tq.ClosedError):
+                await doomed.get(["i"], 4, "p", "t", lease=lease)
+        finally:
+            DealerConnection.request = request  # type: ignore[method-assign]
+        with anyio.fail_after(20):  # not the 30 s lease
+            assert sorted(await drain(client, "p")) == list(range(8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_acquire_rollout_given_up_as_its_client_closes_reserves_nothing(
+    mode: str, tmp_path: Any
+) -> None:
+    """A rollout worker's ``acquire_rollout`` cancelled right after it went out, then its
+    client closed (the worker stops): the controller admitted it, and its reply reached a
+    closed client, whose undo (`ReleaseRollout` on the late reply) never ran. Its slots
+    stayed reserved for good: a few such stops filled the capacity and every producer
+    waited for ever. The controller now gives an admitted rollout's slots back on its
+    ``Cancel``, as it gives a fetch's rows back."""
+    config = tmp_path / "tq.toml"
+    config.write_text('[admission]\ncapacity = 8\nlearner_task = "learner"\n')
+    async with AsyncExitStack() as stack:
+        if mode == "embedded":
+            admission = tq.AdmissionConfig(capacity=8, learner_task="learner")
+            cluster = await stack.enter_async_context(
+                tq.local_cluster(num_storage_units=1, admission=admission)
+            )
+            address = cluster.address
+        else:
+            address = stack.enter_context(serve_cluster(1, ["--config", str(config)]))
+        client = await stack.enter_async_context(tq.AsyncClient.connect(address))
+        for _ in range(5):  # more than the capacity holds
+            worker = await tq.AsyncClient.connect(address, same_host=mode == "unix").open()
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # takes effect at its first wait: after it went out
+                await worker.acquire_rollout(0, 2)
+            await worker.aclose()
+        with anyio.fail_after(10):  # (the closed clients' messages come on other connections)
+            while (await client.staleness_status())["outstanding"]:
+                pass
+        with anyio.fail_after(10):
+            await client.acquire_rollout(0, 8)  # the whole capacity is free
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_take_recycled_given_up_as_its_client_closes_loses_no_prompt(
+    mode: str, tmp_path: Any
+) -> None:
+    """A ``take_recycled`` cancelled right after it went out, then its client closed: the
+    controller handed the stale rows out, and its reply reached a closed client, whose undo
+    (queueing them again on the late reply) never ran. The prompts were lost for good. The
+    controller now queues them again on the call's ``Cancel``."""
+    config = tmp_path / "tq.toml"
+    config.write_text(
+        '[sampler]\nfactory = "tq_async:StalenessSampler"\nmax_staleness = 0\n'
+        'on_stale = "recycle"\n'
+    )
+    async with AsyncExitStack() as stack:
+        if mode == "embedded":
+            sampler = tq.StalenessSampler(max_staleness=0, on_stale="recycle")
+            cluster = await stack.enter_async_context(
+                tq.local_cluster(num_storage_units=1, sampler=sampler)
+            )
+            address = cluster.address
+        else:
+            address = stack.enter_context(serve_cluster(1, ["--config", str(config)]))
+        client = await stack.enter_async_context(tq.AsyncClient.connect(address))
+        await client.put({"prompt": torch.arange(3)}, "p", policy_version=0)
+        await client.set_policy_version(1)  # every row is now one version too old
+        await client.put({"prompt": torch.arange(3, 5)}, "p", policy_version=1)
+        await client.get_meta(["prompt"], 2, "p", "learn")  # finds the 3 stale rows
+        assert (await client.staleness_status())["recycled_pending"] == 3
+        worker = await tq.AsyncClient.connect(address, same_host=mode == "unix").open()
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # takes effect at its first wait: after it went out
+            await worker.take_recycled()
+        await worker.aclose()
+        with anyio.fail_after(10):  # (the closed client's Cancel came on another connection)
+            while (await client.staleness_status())["recycled_pending"] != 3:
+                pass
+        (taken,) = await client.take_recycled()
+        assert sorted(taken.global_indexes) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["inline", "three_steps"])
+async def test_a_put_given_up_as_its_client_closes_leaves_nothing(mode: str, how: str) -> None:
+    """A put cancelled right after its first message went out, then its client closed (a
+    producer stopping): the controller stored and committed a one-message put (its rows
+    visible, though its caller saw it cancelled: a retry put them twice) or placed a
+    three-step one (its rows under the put lease: end-of-stream waited 60 s), and the reply
+    reached a closed client, whose undo never ran. The controller now undoes a put on its
+    ``Cancel``."""
+    async with client_in(mode) as client:
+        inline = 65536 if how == "inline" else 0
+        producer = await tq.AsyncClient.connect(
+            client.address, same_host=mode == "unix", inline_put_bytes=inline
+        ).open()
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # takes effect at its first wait: after it went out
+            await producer.put(TensorDict({"i": torch.arange(4) + 100}, [4]), partition_id="p")
+        await producer.aclose()
+        await fill(client, "p", 2)
+        with anyio.fail_after(20):  # not the 60 s put lease
+            assert sorted(await drain(client, "p")) == [0, 1]
+        assert (await client.partition_info("p"))["uncommitted_puts"] == 0

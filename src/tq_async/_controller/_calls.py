@@ -12,7 +12,7 @@ from typing import Any
 from .._core._state import ControllerState
 from .._core._transitions import Effects, meta_reply
 from .._errors import InvalidRequestError
-from .._service._loop import DEFERRED, Handler, Incoming
+from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -152,7 +152,8 @@ class ControlCalls:
 
     def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
         if self.core.acquire(body.policy_version, body.n, body.token):
-            return None
+            self.shell.admit(msg.peer, msg.rid, body.n)
+            return SENT
         self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
 
@@ -164,7 +165,18 @@ class ControlCalls:
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
             raise InvalidRequestError(f"max_rows must be >= 1, got {body.max_rows}")
-        return self._take_recycled(body.max_rows, body.token)
+        taken = self._take_recycled(body.max_rows, body.token)
+        if taken:
+            back = [
+                (r.partition_id, r.meta.incarnation, r.meta.rows, r.meta.lease_id) for r in taken
+            ]
+
+            def undo() -> None:  # (what the client's ReturnRecycled would do)
+                for pid, incarnation, rows, lease_id in back:
+                    self.core.catalog.return_recycled(pid, incarnation, rows, lease_id, body.token)
+
+            self.shell.undo_on_cancel(msg.peer, msg.rid, undo)
+        return taken
 
     def on_return_recycled(self, msg: Incoming, body: ReturnRecycled) -> None:
         self.core.catalog.return_recycled(
@@ -178,7 +190,7 @@ class ControlCalls:
             await self.shell.lot.until(
                 "admission", lambda: self.core.acquire(body.policy_version, body.n, body.token)
             )
-            self.shell.send_ok(peer, rid, None)
+            self.shell.admit(peer, rid, body.n)
 
         st = self.state
         await self.shell.waiting_request(

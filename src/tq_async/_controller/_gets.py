@@ -94,6 +94,11 @@ class GetPath:
             # back now, before any later request of that client is served (a client-side
             # Release after the late reply arrived could come after its end-of-stream)
             self.shell.apply(self.core.release(*undo))
+        late = self.shell.undos.pop(key, None)
+        if late is not None:
+            # an admitted rollout, recycled rows taken, whose caller gave up (its client may
+            # be closing: a reply arriving then would undo nothing): undone now
+            late()
         return SENT
 
     def send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:

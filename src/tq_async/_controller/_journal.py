@@ -66,6 +66,7 @@ from .._wire._protocol import (
     Cancel,
     GetMeta,
     PutBegin,
+    PutInline,
     RegisterTasks,
     RegisterUnit,
     ReleaseRollout,
@@ -443,6 +444,12 @@ class Recorder:
         #: the partition of each recent fetch, by request: a `Cancel` that comes after its
         #: answer gives the rows back (`tq_async._controller._gets`), a change to write
         self.fetches: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+        #: recent acquire_rollouts, by request: a `Cancel` after an admission gives its
+        #: slots back, a change to write
+        self.acquires: OrderedDict[tuple[bytes, int], bool] = OrderedDict()
+        #: the partitions of each recent take_recycled that took rows, put and one-message
+        #: put, by request: a `Cancel` after its answer undoes it, a change to write
+        self.takes: OrderedDict[tuple[bytes, int], tuple[str, ...]] = OrderedDict()
         self.sampler_states = SamplerStates()
         self._wake = asyncio.Event()
 
@@ -510,10 +517,12 @@ class Recorder:
             out = handler(msg, body)
             if type(body) is TakeRecycled and out:
                 # the partitions it took rows of hold them for its caller now (known only
-                # once it ran): written before the reply goes
+                # once it ran): written before the reply goes (and again if a Cancel gives
+                # them back)
                 pids = tuple(r.partition_id for r in out)
                 self.dirty.update(pids)
                 self.inflight[(msg.peer, msg.rid)] = pids
+                self._undoable(msg.peer, msg.rid, pids)
             return out
 
         return noted
@@ -529,6 +538,11 @@ class Recorder:
             fetches[(peer, rid)] = body.partition_id
             if len(fetches) > FETCHES_REMEMBERED:
                 fetches.popitem(last=False)
+        elif type(body) is AcquireRollout:
+            acquires = self.acquires
+            acquires[(peer, rid)] = True
+            if len(acquires) > FETCHES_REMEMBERED:
+                acquires.popitem(last=False)
         if type(body) is PutBegin and body.n_rows and body.rows is None and body.keys is None:
             self.early[(peer, rid)] = body.partition_id
             if len(self.early) > _INFLIGHT:
@@ -542,13 +556,32 @@ class Recorder:
             inflight[(peer, rid)] = pids
             if len(inflight) > _INFLIGHT:
                 inflight.popitem(last=False)
+            if type(body) is PutBegin or type(body) is PutInline:  # (a Cancel undoes them)
+                self._undoable(peer, rid, pids)
+
+    def _undoable(self, peer: bytes, rid: int, pids: tuple[str, ...]) -> None:
+        """A request a late Cancel may undo, changing ``pids`` (see `takes`)."""
+        takes = self.takes
+        takes[(peer, rid)] = pids
+        if len(takes) > FETCHES_REMEMBERED:
+            takes.popitem(last=False)
 
     def _cancel(self, peer: bytes, rid: int) -> None:
-        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task. It
-        has no reply to hold, so the commit that writes that is started here."""
+        """A Cancel of fetch ``rid``: once answered, it gives the rows back to the task (of an
+        admitted rollout: its slots; of a take_recycled: its rows; of a put: its new rows). It
+        has no reply to hold,
+        so the commit that writes that is started here."""
         pid = self.fetches.pop((peer, rid), None)
         if pid is not None:
             self.dirty.add(pid)
+            self._wake.set()
+        if self.acquires.pop((peer, rid), False):  # an admission it may give back
+            self.controller_dirty = True
+            self._wake.set()
+        taken = self.takes.pop((peer, rid), ())  # recycled rows, a placed or stored put
+        if taken:
+            self.dirty.update(taken)
+            self.controller_dirty = True
             self._wake.set()
 
     def unasked(self, fx: Effects) -> None:

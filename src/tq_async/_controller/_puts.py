@@ -9,12 +9,13 @@ otherwise a task waits for room and/or forwards the columns to the unit.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 from .._core._state import ControllerState, Partition
 from .._core._transitions import Effects
-from .._errors import InvalidRequestError, RowsNotFound
+from .._errors import InvalidRequestError, RowsNotFound, TQError
 from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._wire._protocol import (
     AbortPut,
@@ -82,6 +83,11 @@ class PutPath:
             self.shell.now(),
             host=body.host,
         )
+        if placement.put_id:  # a late Cancel (its caller gave up) aborts it at once
+            put_ids = [placement.put_id]
+            self.shell.undo_on_cancel(
+                peer, rid, lambda: self.shell.apply(self.core.abort_puts(put_ids))
+            )
         self.shell.send_ok(peer, rid, placement)
         self.shell.apply(fx)
 
@@ -163,6 +169,14 @@ class PutPath:
             incarnation,
         )
         fx.add(placed.effects)
+        if body.rows is None:  # new rows: a late Cancel (its caller gave up) drops them
+            pid, rows = body.partition_id, placed.rows
+
+            def undo() -> None:  # (the client's clear of an undone put: admission kept)
+                with contextlib.suppress(TQError):  # gone already (a clear, a lost unit)
+                    self.shell.apply(self.core.clear_rows(pid, rows, incarnation, undo=True))
+
+            self.shell.undo_on_cancel(peer, rid, undo)
         self.shell.send_ok(peer, rid, Placement(placed.rows, placed.units, incarnation=incarnation))
         self.shell.apply(fx)
 

@@ -72,6 +72,10 @@ class Shell:
         self.pending: dict[tuple[bytes, int], anyio.CancelScope] = {}
         #: recent replies by (client identity, request id), for retried requests
         self.replies: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        #: recent answers a late ``Cancel`` undoes (its caller gave up before the reply
+        #: reached it: an admitted rollout, recycled rows taken), by (client identity,
+        #: request id); the last ``_REPLY_CACHE``: a client cancels within a round trip
+        self.undos: OrderedDict[tuple[bytes, int], Callable[[], None]] = OrderedDict()
         #: what frees rows on the storage units (the links to them, once built)
         self.free_rows: FreeRows = _nowhere
         #: the event log and its watchers (``client.watch()``)
@@ -197,6 +201,20 @@ class Shell:
         replies[(peer, rid)] = header
         if len(replies) > _REPLY_CACHE:
             replies.popitem(last=False)
+
+    def undo_on_cancel(self, peer: bytes, rid: int, undo: Callable[[], None]) -> None:
+        """What a late ``Cancel`` of the answered request ``rid`` does (see `undos`)."""
+        undos = self.undos
+        undos[(peer, rid)] = undo
+        if len(undos) > _REPLY_CACHE:
+            undos.popitem(last=False)
+
+    def admit(self, peer: bytes, rid: int, n: int) -> None:
+        """Answer ``rid``, an admitted rollout of ``n`` rows; its late ``Cancel`` gives the
+        slots back."""
+        core = self.core
+        self.undo_on_cancel(peer, rid, lambda: self.apply(Effects(admission=core.free_slots(n))))
+        self.send_ok(peer, rid, None)
 
     # ---- waiting -----------------------------------------------------------------------------
 

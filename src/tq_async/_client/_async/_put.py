@@ -304,6 +304,7 @@ class PutPath:
             frames,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
+            cancel_undoes=True,  # (a reply still on its way: the controller clears the rows)
         )
         placement: Placement = decode(payload, Placement)
         self._links.note_epoch(placement.units_epoch)
@@ -339,6 +340,7 @@ class PutPath:
             begin,
             timeout=self._links.request_timeout if deadline is True else deadline or None,
             on_abandon=on_abandon,
+            cancel_undoes=True,  # (a reply still on its way: the controller aborts the put)
         )
         placement: Placement = decode(payload, Placement)
         self._links.note_epoch(placement.units_epoch)

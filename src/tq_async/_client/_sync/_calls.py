@@ -291,12 +291,14 @@ class ControlCalls:
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
             # admitted, but the caller gave up before it knew: free the slots it reserved
+            # (a reply still on its way when it gave up is undone by the controller on the
+            # call's Cancel, even if this client closes meanwhile)
             if reply.ok and self._links.controller is not None:
                 self._links.controller.send_best_effort(ReleaseRollout(body.n))
 
         try:
             controller = self._links.controller_link()
-            controller.request(body, timeout=deadline, on_abandon=on_abandon)
+            controller.request(body, timeout=deadline, on_abandon=on_abandon, cancel_undoes=True)
         except BrokenError:
             self._unsettled.setdefault(key, []).append(token)
             if len(self._unsettled) > _UNSETTLED:  # versions never asked for again
@@ -320,7 +322,9 @@ class ControlCalls:
         body = TakeRecycled(n, token)
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
-            # handed out, but the caller gave up before it knew: queue them again
+            # handed out, but the caller gave up before it knew: queue them again (a reply
+            # still on its way when it gave up is undone by the controller on the call's
+            # Cancel, even if this client closes meanwhile)
             if reply.ok and self._links.controller is not None:
                 taken: list[RecycledRows] = decode(reply.payload, list[RecycledRows])
                 for r in taken:
@@ -332,7 +336,10 @@ class ControlCalls:
         try:
             controller = self._links.controller_link()
             payload, _ = controller.request(
-                body, timeout=self._links.request_timeout, on_abandon=on_abandon
+                body,
+                timeout=self._links.request_timeout,
+                on_abandon=on_abandon,
+                cancel_undoes=True,
             )
         except BrokenError:
             self._unsettled_takes.setdefault(n, []).append(token)

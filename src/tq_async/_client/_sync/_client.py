@@ -245,8 +245,8 @@ class Client:
 
     def close(self) -> None:
         """Close every socket; calls still waiting fail with `ClosedError` (the puts among
-        them are aborted)."""
-        self._links.close(self._puts.farewell())
+        them are aborted, the rows of the gets among them go back to their task)."""
+        self._links.close([*self._puts.farewell(), *self._gets.farewell()])
 
     @property
     def closed(self) -> bool:

@@ -9,6 +9,7 @@ trip); otherwise the cells come from each unit, through its shared memory on the
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -294,6 +295,17 @@ def _read_fields(fields: Any) -> list[str]:
     return check_fields(fields, "fields")
 
 
+def _release_of(meta: BatchMeta) -> Release:
+    """The `Release` that gives the rows of ``meta`` (fetched by a task) back to the task."""
+    return Release(
+        meta.partition_id,
+        meta.task_name or "",
+        meta.global_indexes,
+        meta.incarnation,
+        meta.lease_id or 0,
+    )
+
+
 def _release_pin(conn: BlockingConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -312,6 +324,18 @@ class GetPath:
     def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
         self._links = links
         self.inline_get_bytes = inline_get_bytes
+        #: the gets reading the cells of rows they fetched: id of the call's meta -> (the
+        #: process that fetched them, the `Release` that gives them back)
+        self._reading: dict[int, tuple[int, Release]] = {}
+
+    def farewell(self) -> list[Release]:
+        """What a client closing while gets of this process read their cells sends last:
+        their rows go back to the task (the gets fail with ClosedError), as a cancelled
+        get's do; the get's own give-back would find the client closed."""
+        pid = os.getpid()
+        mine = [body for owner, body in self._reading.values() if owner == pid]
+        self._reading.clear()
+        return mine
 
     def meta_call(
         self, query: MetaQuery, inline_bytes: int
@@ -538,18 +562,26 @@ class GetPath:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
         `BatchMeta`."""
         meta, got, frames = self.meta_call(query, self.inline_get_bytes)
+        # (a recorded batch keeps its rows and its hold if the read fails: its next reader
+        # takes them over)
+        undo = query.mode == "fetch" and meta.batch_index is None and len(meta) > 0
+        if undo:
+            self._reading[id(meta)] = (os.getpid(), _release_of(meta))
         try:
             td = self._read(meta, got, frames, query.nested, query.device)
         except BaseException:
-            if query.mode == "fetch" and meta.batch_index is None and len(meta):
-                # the rows go back, and their lease or hold is dropped with them
+            # the rows go back, and their lease or hold is dropped with them (unless a
+            # closing client sent that already)
+            if undo and self._reading.pop(id(meta), None) is not None:
                 with cleanup_scope(5):
                     try:
                         self.release(meta)
                     except Exception as exc:  # the read's own outcome matters more
                         log.warning("could not give back the rows of a failed get", error=str(exc))
-            # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
+        finally:
+            if undo:
+                self._reading.pop(id(meta), None)
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
         return td, meta
 
@@ -611,11 +643,4 @@ class GetPath:
         meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        body = Release(
-            meta.partition_id,
-            meta.task_name,
-            meta.global_indexes,
-            meta.incarnation,
-            meta.lease_id or 0,
-        )
-        self._links.call(body, None)
+        self._links.call(_release_of(meta), None)
