@@ -3,8 +3,11 @@ the loop that runs the services fail at once instead of deadlocking."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
+import weakref
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -226,3 +229,33 @@ async def test_a_number_of_units_that_is_not_an_int_is_an_invalid_request(bad: o
     with pytest.raises(tq.InvalidRequestError, match="num_storage_units"):
         async with tq.local_cluster(num_storage_units=bad):  # type: ignore[arg-type]
             pass
+
+
+async def test_a_stopped_cluster_is_not_kept_alive_by_its_timers() -> None:
+    """A local_cluster stopped while a watch was parked and a get_meta waited on a field no
+    row has: the controller's loop timers (the watch's end of poll, the waiting warnings)
+    stayed armed after the stop and kept the controller, its units and their cells alive
+    until they fired (the poll's 30 s, or any poll a watcher asked for). They end with it."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, partition_id="p")
+        ctl = cluster.controller
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                async for _ in client.watch(poll=3600):
+                    pass
+
+            tg.start_soon(watch)
+            tg.start_soon(partial(client.get_meta, ["y"], 2, "p", "t"))  # no field y: waits
+            with anyio.fail_after(10):  # (no event tells a request parked: the counts do)
+                while not ctl.watch.parked or ctl.waiting < 1:
+                    await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        alive = [weakref.ref(ctl), weakref.ref(cluster.units[0])]
+        del ctl
+    del cluster
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]

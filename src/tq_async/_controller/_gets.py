@@ -13,7 +13,6 @@ seals).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Collection
@@ -209,7 +208,7 @@ class GetPath:
         )
         self._warn_if_typo(req)
         if _why_waiting(self.state, req) is not None:  # a typo would wait silently forever
-            asyncio.get_running_loop().call_later(
+            self.shell.call_later(
                 self.waiting_warning_after, self._warn_if_still_waiting, msg.peer, msg.rid, req
             )
         elif (req.partition_id, req.task_name) not in self._quiet:
@@ -220,7 +219,7 @@ class GetPath:
     def _watch_quiet(self, watch: _QuietWatch) -> None:
         key = (watch.req.partition_id, watch.req.task_name)
         self._quiet[key] = watch
-        asyncio.get_running_loop().call_later(self.waiting_warning_after, self._check_quiet, key)
+        self.shell.call_later(self.waiting_warning_after, self._check_quiet, key)
 
     def _check_quiet(self, key: tuple[str, str]) -> None:
         """Warn once if the task still waits on an unsealed partition that made no progress."""

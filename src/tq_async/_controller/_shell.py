@@ -85,6 +85,8 @@ class Shell:
         self.unasked: Callable[[Effects], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        #: the timers of `call_later` still to fire
+        self._later: set[asyncio.TimerHandle] = set()
 
     @property
     def state(self) -> ControllerState:
@@ -148,6 +150,24 @@ class Shell:
         self.stopping = True
         if self._timer is not None:
             self._timer.cancel()
+        # (an armed timer keeps what it calls alive: the stopped controller, its units' cells)
+        for handle in self._later:
+            handle.cancel()
+        self._later.clear()
+        self.watch.close()
+
+    def call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> None:
+        """Run ``callback(*args)`` in ``delay`` seconds, unless the controller stops first."""
+        if self.stopping:
+            return
+        later = self._later
+
+        def fire() -> None:
+            later.discard(handle)
+            callback(*args)
+
+        handle = asyncio.get_running_loop().call_later(delay, fire)
+        later.add(handle)
 
     def peer_gone(self, peer: bytes) -> None:
         """A same-host client's connection ended (its process exited or was killed): its

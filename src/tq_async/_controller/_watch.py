@@ -292,6 +292,14 @@ class WatchHub:
         # request did (each of them takes every event of it)
         self.pacer.charge(loop.time(), spent * (watchers / sent if sent else 1))
 
+    def close(self) -> None:
+        """The controller stopped: its timers go (each keeps the hub, and the controller
+        with it, alive until it fires)."""
+        for handle in (self._flush_handle, self._sweep):
+            if handle is not None:
+                handle.cancel()
+        self._flush_handle, self._sweep, self._sweep_at = None, None, math.inf
+
     def cancel(self, key: tuple[bytes, int]) -> bool:
         """The client gave up a parked request (its ``Cancel``): True if it was one."""
         return self._unpark(key) is not None
