@@ -3,6 +3,7 @@ Ctrl-C, and ``fork`` (a forked child's client re-creates its connections; never 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -371,17 +372,19 @@ def _reading(client: tq.Client) -> bool:
     return conn is not None and conn._busy.locked()
 
 
-def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at_once() -> None:
-    """A get waiting for a (paused) same-host unit's cells, its client closed by another
-    thread: the read's fall-back to the unit's socket dialled the unit again on the closed
-    client and waited there for the whole request timeout (TQTimeoutError after 60 s, a
-    connection left open). It fails with ClosedError and opens nothing."""
+@contextlib.contextmanager
+def _closed_under_a_read(
+    same_host: bool,
+) -> Iterator[tuple[list[BaseException], tq.Client, str]]:
+    """A get waiting for a paused storage unit's cells while another thread closes its
+    client; yields what the get raised, the closed client and the cluster's address (the
+    unit resumed)."""
     from _cluster_proc import serve_role
 
     with serve_role("controller") as (_, address):
         args = ("storage", "--controller", address, "--unit-id", "0")
         with serve_role(*args, line="TQ_UNIT=") as (unit, _):
-            client = tq.Client.connect(address, inline_get_bytes=0).open()
+            client = tq.Client.connect(address, inline_get_bytes=0, same_host=same_host).open()
             client.put({"x": torch.arange(4)}, partition_id="p")
             outcome: list[BaseException] = []
 
@@ -401,8 +404,29 @@ def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at
                 assert not reader.is_alive(), "the get did not see the close"
             finally:
                 unit.send_signal(signal.SIGCONT)
-            assert isinstance(outcome[0], tq.ClosedError), outcome
-            assert client._links.units == {}
+            yield outcome, client, address
+
+
+def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at_once() -> None:
+    """A get waiting for a (paused) same-host unit's cells, its client closed by another
+    thread: the read's fall-back to the unit's socket dialled the unit again on the closed
+    client and waited there for the whole request timeout (TQTimeoutError after 60 s, a
+    connection left open). It fails with ClosedError and opens nothing."""
+    with _closed_under_a_read(same_host=True) as (outcome, client, _):
+        assert isinstance(outcome[0], tq.ClosedError), outcome
+        assert client._links.units == {}
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["unix-socket", "tcp"])
+def test_a_get_whose_client_closes_while_it_reads_gives_its_rows_back(same_host: bool) -> None:
+    """The get's rows were taken when its client closed under its read: its give-back, a
+    request on the closed client, failed ('could not give back the rows'), and the rows
+    stayed consumed for nobody. The close gives them back (as it aborts the puts in flight)."""
+    with _closed_under_a_read(same_host) as (outcome, _, address):
+        assert isinstance(outcome[0], tq.ClosedError), outcome
+        with tq.Client.connect(address) as other:
+            again = other.get_meta(["x"], 4, "p", "t", timeout=30)
+            assert sorted(again.global_indexes) == [0, 1, 2, 3]
 
 
 def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:

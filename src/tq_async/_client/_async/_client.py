@@ -252,8 +252,8 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with `ClosedError` (the puts among
-        them are aborted)."""
-        self._links.close(self._puts.farewell())
+        them are aborted, and the gets give back the rows they were reading)."""
+        self._links.close([*self._puts.farewell(), *self._gets.farewell()])
 
     @property
     def closed(self) -> bool:

@@ -9,6 +9,7 @@ trip); otherwise the cells come from each unit, through its shared memory on the
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -310,6 +311,16 @@ class GetPath:
     def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
         self._links = links
         self.inline_get_bytes = inline_get_bytes
+        #: id of its BatchMeta -> (the BatchMeta, its process), for the gets whose rows were
+        #: taken and whose cells are being read
+        self._reading: dict[int, tuple[BatchMeta, int]] = {}
+
+    def farewell(self) -> list[Release]:
+        """What a client closing while gets of this process read their cells sends last: their
+        rows, given back (those gets fail with ClosedError; nobody else gets the rows)."""
+        pid = os.getpid()
+        taken, self._reading = self._reading, {}  # (one swap: a reading thread pops after)
+        return [_give_back(meta) for meta, owner in taken.values() if owner == pid]
 
     def meta_call(
         self, query: MetaQuery, inline_bytes: int
@@ -513,18 +524,26 @@ class GetPath:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
         `BatchMeta`."""
         meta, got, frames = self.meta_call(query, self.inline_get_bytes)
+        # (a recorded batch keeps its rows and its hold: its next reader takes them over)
+        undo = query.mode == "fetch" and meta.batch_index is None and len(meta) > 0
+        if undo:
+            self._reading[id(meta)] = (meta, os.getpid())
         try:
             td = self._read(meta, got, frames, query.nested, query.device)
         except BaseException:
-            if query.mode == "fetch" and meta.batch_index is None and len(meta):
-                # the rows go back, and their lease or hold is dropped with them
+            # the rows go back, and their lease or hold is dropped with them (unless the
+            # client closed meanwhile: its farewell gave them back)
+            if undo and self._reading.pop(id(meta), None) is not None:
                 with cleanup_scope(5):
                     try:
                         self.release(meta)
                     except Exception as exc:  # the read's own outcome matters more
                         log.warning("could not give back the rows of a failed get", error=str(exc))
-            # (a recorded batch keeps its rows and its hold: its next reader takes them over)
             raise
+        if undo and self._reading.pop(id(meta), None) is None:
+            raise ClosedError(
+                "the client was closed while this get read its rows: they were given back"
+            )
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
         return td, meta
 
@@ -586,11 +605,17 @@ class GetPath:
         meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        body = Release(
-            meta.partition_id,
-            meta.task_name,
-            meta.global_indexes,
-            meta.incarnation,
-            meta.lease_id or 0,
-        )
-        self._links.call(body, None)
+        self._links.call(_give_back(meta), None)
+
+
+def _give_back(meta: BatchMeta) -> Release:
+    """The request that gives the rows of ``meta`` (fetched, not recorded) back to its task,
+    dropping their lease or hold."""
+    assert meta.task_name is not None
+    return Release(
+        meta.partition_id,
+        meta.task_name,
+        meta.global_indexes,
+        meta.incarnation,
+        meta.lease_id or 0,
+    )
