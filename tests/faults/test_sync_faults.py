@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -258,6 +259,59 @@ def test_a_lock_another_thread_held_at_fork_does_not_hang_the_child() -> None:
         if proc.exitcode is None:
             os.kill(proc.pid, signal.SIGKILL)
     assert proc.exitcode == 0
+
+
+def _list_in_child(client: tq.Client, queue: Any) -> None:
+    try:
+        client.list_partitions()
+        queue.put("answered")
+    except tq.TQError as exc:
+        queue.put(type(exc).__name__)
+
+
+def test_a_child_forked_while_a_thread_finds_the_controller_again_does_not_hang() -> None:
+    """A thread of the parent was finding a restarted controller again (its rejoin waiting for
+    an answer) when a DataLoader worker forked: the child's first call waited for the
+    parent's rejoin to end, which never happens in the child (a hang). It finds the
+    controller itself."""
+    from _cluster_proc import free_port
+
+    port = free_port()
+    serve = [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--storage-units", "1"]
+    proc = subprocess.Popen(
+        [*serve, "--bind", f"tcp://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    address = proc.stdout.readline().strip().split("=", 1)[1]
+    proc.stdout.close()
+    client = tq.Client.connect(address, request_timeout=10, same_host=False).open()
+    client.list_partitions()
+    proc.kill()
+    proc.wait(10)
+    with socket.socket() as silent:  # the controller's address accepts, nothing answers
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
+        silent.listen(16)
+
+        def call() -> None:
+            for _ in range(3):  # the first may find the connection broken
+                with contextlib.suppress(tq.TQError):
+                    client.list_partitions()
+
+        threading.Thread(target=call, daemon=True).start()
+        _until(lambda: client._links._rejoining is not None, "the rejoin", 30)
+        queue = _FORK.Queue()
+        child = _FORK.Process(target=_list_in_child, args=(client, queue))
+        child.start()
+        try:
+            assert queue.get(timeout=60) == "TQTimeoutError"  # its own rejoin: no answer
+        finally:
+            child.join(10)
+            if child.exitcode is None:
+                child.kill()
+            client.close()
 
 
 # ---- a forked 4-rank x 2-worker DataLoader, every rank holding an open client ---------------
