@@ -483,6 +483,31 @@ def test_a_get_whose_client_closes_while_it_reads_gives_its_rows_back(same_host:
             assert sorted(again.global_indexes) == [0, 1, 2, 3]
 
 
+def test_a_close_under_a_same_host_reads_copy_fails_it_with_closed_error(
+    served: tuple[str, subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client closed (by another thread) right as a get copied its cells out of the
+    unit's shared memory: the get failed with BrokenError, 'retry once it is back', though
+    nothing broke and a retry on the closed client cannot work. It fails with ClosedError."""
+    from tq_async._client._sync import _get
+
+    address, _ = served
+    client = tq.Client.connect(address, inline_get_bytes=0).open()
+    client.put({"y": torch.ones(64, 1024)}, partition_id="p")  # 256 KiB: shared memory
+    read_arena = _get.GetPath._read_arena
+
+    def closed_first(self: Any, *args: Any) -> Any:
+        client.close()  # (as another thread's close at this instant)
+        return read_arena(self, *args)
+
+    monkeypatch.setattr(_get.GetPath, "_read_arena", closed_first)
+    with pytest.raises(tq.ClosedError):
+        client.get(["y"], 64, "p", "t")
+    monkeypatch.undo()
+    with tq.Client.connect(address) as other:  # and the close gave the rows back
+        assert len(other.get_meta(["y"], 64, "p", "t", timeout=30)) == 64
+
+
 def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:
     # inproc has no disconnect events: the closing endpoint wakes the blocked thread itself
     cluster = tq.background_cluster(num_storage_units=1)

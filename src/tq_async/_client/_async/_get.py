@@ -511,10 +511,14 @@ class GetPath:
         of page-locked memory) and its device arena (``view``, onto ``device``)."""
         assert stored.shm_spans is not None
         on_device: dict[int, torch.Tensor] | None = None
-        if onto is not None:
-            frames, on_device = await _read_onto(arena, stored, onto)
-        else:
-            frames = await _copy_spans(arena, stored.shm_spans)
+        try:
+            if onto is not None:
+                frames, on_device = await _read_onto(arena, stored, onto)
+            else:
+                frames = await _copy_spans(arena, stored.shm_spans)
+        except BrokenError:  # the arena was unmapped: by the client's close? (ClosedError)
+            self._links.ctl()
+            raise
         if stored.device_spans is not None:
             if view is None or device is None or self._links.devices is None:
                 raise ProtocolError("an unexpected device arena reply")
