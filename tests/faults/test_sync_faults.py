@@ -3,9 +3,11 @@ Ctrl-C, and ``fork`` (a forked child's client re-creates its connections; never 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -259,6 +261,59 @@ def test_a_lock_another_thread_held_at_fork_does_not_hang_the_child() -> None:
     assert proc.exitcode == 0
 
 
+def _list_in_child(client: tq.Client, queue: Any) -> None:
+    try:
+        client.list_partitions()
+        queue.put("answered")
+    except tq.TQError as exc:
+        queue.put(type(exc).__name__)
+
+
+def test_a_child_forked_while_a_thread_finds_the_controller_again_does_not_hang() -> None:
+    """A thread of the parent was finding a restarted controller again (its rejoin waiting for
+    an answer) when a DataLoader worker forked: the child's first call waited for the
+    parent's rejoin to end, which never happens in the child (a hang). It finds the
+    controller itself."""
+    from _cluster_proc import free_port
+
+    port = free_port()
+    serve = [sys.executable, "-m", "tq_async._deploy._cli", "serve", "--storage-units", "1"]
+    proc = subprocess.Popen(
+        [*serve, "--bind", f"tcp://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    address = proc.stdout.readline().strip().split("=", 1)[1]
+    proc.stdout.close()
+    client = tq.Client.connect(address, request_timeout=10, same_host=False).open()
+    client.list_partitions()
+    proc.kill()
+    proc.wait(10)
+    with socket.socket() as silent:  # the controller's address accepts, nothing answers
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
+        silent.listen(16)
+
+        def call() -> None:
+            for _ in range(3):  # the first may find the connection broken
+                with contextlib.suppress(tq.TQError):
+                    client.list_partitions()
+
+        threading.Thread(target=call, daemon=True).start()
+        _until(lambda: client._links._rejoining is not None, "the rejoin", 30)
+        queue = _FORK.Queue()
+        child = _FORK.Process(target=_list_in_child, args=(client, queue))
+        child.start()
+        try:
+            assert queue.get(timeout=60) == "TQTimeoutError"  # its own rejoin: no answer
+        finally:
+            child.join(10)
+            if child.exitcode is None:
+                child.kill()
+            client.close()
+
+
 # ---- a forked 4-rank x 2-worker DataLoader, every rank holding an open client ---------------
 
 _RANKS, _WORKERS, _ROWS = 4, 2, 16
@@ -371,17 +426,19 @@ def _reading(client: tq.Client) -> bool:
     return conn is not None and conn._busy.locked()
 
 
-def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at_once() -> None:
-    """A get waiting for a (paused) same-host unit's cells, its client closed by another
-    thread: the read's fall-back to the unit's socket dialled the unit again on the closed
-    client and waited there for the whole request timeout (TQTimeoutError after 60 s, a
-    connection left open). It fails with ClosedError and opens nothing."""
+@contextlib.contextmanager
+def _closed_under_a_read(
+    same_host: bool,
+) -> Iterator[tuple[list[BaseException], tq.Client, str]]:
+    """A get waiting for a paused storage unit's cells while another thread closes its
+    client; yields what the get raised, the closed client and the cluster's address (the
+    unit resumed)."""
     from _cluster_proc import serve_role
 
     with serve_role("controller") as (_, address):
         args = ("storage", "--controller", address, "--unit-id", "0")
         with serve_role(*args, line="TQ_UNIT=") as (unit, _):
-            client = tq.Client.connect(address, inline_get_bytes=0).open()
+            client = tq.Client.connect(address, inline_get_bytes=0, same_host=same_host).open()
             client.put({"x": torch.arange(4)}, partition_id="p")
             outcome: list[BaseException] = []
 
@@ -401,8 +458,54 @@ def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at
                 assert not reader.is_alive(), "the get did not see the close"
             finally:
                 unit.send_signal(signal.SIGCONT)
-            assert isinstance(outcome[0], tq.ClosedError), outcome
-            assert client._links.units == {}
+            yield outcome, client, address
+
+
+def test_closing_the_client_under_a_get_reading_from_a_same_host_unit_ends_it_at_once() -> None:
+    """A get waiting for a (paused) same-host unit's cells, its client closed by another
+    thread: the read's fall-back to the unit's socket dialled the unit again on the closed
+    client and waited there for the whole request timeout (TQTimeoutError after 60 s, a
+    connection left open). It fails with ClosedError and opens nothing."""
+    with _closed_under_a_read(same_host=True) as (outcome, client, _):
+        assert isinstance(outcome[0], tq.ClosedError), outcome
+        assert client._links.units == {}
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["unix-socket", "tcp"])
+def test_a_get_whose_client_closes_while_it_reads_gives_its_rows_back(same_host: bool) -> None:
+    """The get's rows were taken when its client closed under its read: its give-back, a
+    request on the closed client, failed ('could not give back the rows'), and the rows
+    stayed consumed for nobody. The close gives them back (as it aborts the puts in flight)."""
+    with _closed_under_a_read(same_host) as (outcome, _, address):
+        assert isinstance(outcome[0], tq.ClosedError), outcome
+        with tq.Client.connect(address) as other:
+            again = other.get_meta(["x"], 4, "p", "t", timeout=30)
+            assert sorted(again.global_indexes) == [0, 1, 2, 3]
+
+
+def test_a_close_under_a_same_host_reads_copy_fails_it_with_closed_error(
+    served: tuple[str, subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client closed (by another thread) right as a get copied its cells out of the
+    unit's shared memory: the get failed with BrokenError, 'retry once it is back', though
+    nothing broke and a retry on the closed client cannot work. It fails with ClosedError."""
+    from tq_async._client._sync import _get
+
+    address, _ = served
+    client = tq.Client.connect(address, inline_get_bytes=0).open()
+    client.put({"y": torch.ones(64, 1024)}, partition_id="p")  # 256 KiB: shared memory
+    read_arena = _get.GetPath._read_arena
+
+    def closed_first(self: Any, *args: Any) -> Any:
+        client.close()  # (as another thread's close at this instant)
+        return read_arena(self, *args)
+
+    monkeypatch.setattr(_get.GetPath, "_read_arena", closed_first)
+    with pytest.raises(tq.ClosedError):
+        client.get(["y"], 64, "p", "t")
+    monkeypatch.undo()
+    with tq.Client.connect(address) as other:  # and the close gave the rows back
+        assert len(other.get_meta(["y"], 64, "p", "t", timeout=30)) == 64
 
 
 def test_services_closed_under_a_waiting_in_process_call_end_it_at_once() -> None:

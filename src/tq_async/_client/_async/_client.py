@@ -255,7 +255,7 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close every socket; calls still waiting fail with `ClosedError` (the puts among
-        them are aborted, the rows of the gets among them go back to their task)."""
+        them are aborted, and the gets give back the rows they were reading)."""
         self._links.close([*self._puts.farewell(), *self._gets.farewell()])
 
     @property

@@ -293,17 +293,6 @@ def _read_fields(fields: Any) -> list[str]:
     return check_fields(fields, "fields")
 
 
-def _release_of(meta: BatchMeta) -> Release:
-    """The `Release` that gives the rows of ``meta`` (fetched by a task) back to the task."""
-    return Release(
-        meta.partition_id,
-        meta.task_name or "",
-        meta.global_indexes,
-        meta.incarnation,
-        meta.lease_id or 0,
-    )
-
-
 def _release_pin(conn: DealerConnection, reply: Reply) -> None:
     """Unpin a shared-memory read whose caller gave up before copying it."""
     if not reply.ok:
@@ -322,18 +311,16 @@ class GetPath:
     def __init__(self, links: Links, *, inline_get_bytes: int) -> None:
         self._links = links
         self.inline_get_bytes = inline_get_bytes
-        #: the gets reading the cells of rows they fetched: id of the call's meta -> (the
-        #: process that fetched them, the `Release` that gives them back)
-        self._reading: dict[int, tuple[int, Release]] = {}
+        #: id of its BatchMeta -> (the BatchMeta, its process), for the gets whose rows were
+        #: taken and whose cells are being read
+        self._reading: dict[int, tuple[BatchMeta, int]] = {}
 
     def farewell(self) -> list[Release]:
-        """What a client closing while gets of this process read their cells sends last:
-        their rows go back to the task (the gets fail with ClosedError), as a cancelled
-        get's do; the get's own give-back would find the client closed."""
+        """What a client closing while gets of this process read their cells sends last: their
+        rows, given back (those gets fail with ClosedError; nobody else gets the rows)."""
         pid = os.getpid()
-        mine = [body for owner, body in self._reading.values() if owner == pid]
-        self._reading.clear()
-        return mine
+        taken, self._reading = self._reading, {}  # (one swap: a reading thread pops after)
+        return [_give_back(meta) for meta, owner in taken.values() if owner == pid]
 
     async def meta_call(
         self, query: MetaQuery, inline_bytes: int
@@ -547,10 +534,14 @@ class GetPath:
         of page-locked memory) and its device arena (``view``, onto ``device``)."""
         assert stored.shm_spans is not None
         on_device: dict[int, torch.Tensor] | None = None
-        if onto is not None:
-            frames, on_device = await _read_onto(arena, stored, onto)
-        else:
-            frames = await _copy_spans(arena, stored.shm_spans)
+        try:
+            if onto is not None:
+                frames, on_device = await _read_onto(arena, stored, onto)
+            else:
+                frames = await _copy_spans(arena, stored.shm_spans)
+        except BrokenError:  # the arena was unmapped: by the client's close? (ClosedError)
+            self._links.ctl()
+            raise
         if stored.device_spans is not None:
             if view is None or device is None or self._links.devices is None:
                 raise ProtocolError("an unexpected device arena reply")
@@ -562,16 +553,15 @@ class GetPath:
         """``get_meta`` then ``get_data`` of a checked ``query``: the rows' data and their
         `BatchMeta`."""
         meta, got, frames = await self.meta_call(query, self.inline_get_bytes)
-        # (a recorded batch keeps its rows and its hold if the read fails: its next reader
-        # takes them over)
+        # (a recorded batch keeps its rows and its hold: its next reader takes them over)
         undo = query.mode == "fetch" and meta.batch_index is None and len(meta) > 0
         if undo:
-            self._reading[id(meta)] = (os.getpid(), _release_of(meta))
+            self._reading[id(meta)] = (meta, os.getpid())
         try:
             td = await self._read(meta, got, frames, query.nested, query.device)
         except BaseException:
-            # the rows go back, and their lease or hold is dropped with them (unless a
-            # closing client sent that already)
+            # the rows go back, and their lease or hold is dropped with them (unless the
+            # client closed meanwhile: its farewell gave them back)
             if undo and self._reading.pop(id(meta), None) is not None:
                 with cleanup_scope(5):
                     try:
@@ -579,9 +569,10 @@ class GetPath:
                     except Exception as exc:  # the read's own outcome matters more
                         log.warning("could not give back the rows of a failed get", error=str(exc))
             raise
-        finally:
-            if undo:
-                self._reading.pop(id(meta), None)
+        if undo and self._reading.pop(id(meta), None) is None:
+            raise ClosedError(
+                "the client was closed while this get read its rows: they were given back"
+            )
         self._end_hold(meta, query)  # an auto-clear hold: the data is read, rows may go
         return td, meta
 
@@ -645,4 +636,17 @@ class GetPath:
         meta = check_meta(meta, "release")
         if meta.task_name is None:
             raise InvalidRequestError("release needs a BatchMeta returned by get_meta")
-        await self._links.call(_release_of(meta), None)
+        await self._links.call(_give_back(meta), None)
+
+
+def _give_back(meta: BatchMeta) -> Release:
+    """The request that gives the rows of ``meta`` (fetched, not recorded) back to its task,
+    dropping their lease or hold."""
+    assert meta.task_name is not None
+    return Release(
+        meta.partition_id,
+        meta.task_name,
+        meta.global_indexes,
+        meta.incarnation,
+        meta.lease_id or 0,
+    )

@@ -212,7 +212,8 @@ class Links:
             self.devices.drop_all()  # CUDA does not survive a fork: the parent's views
         self.same_host_units.after_fork()
         self.feeds.after_fork()
-        self._refreshing = None
+        # (a Hello or a rejoin another thread of the parent was waiting for ends only there)
+        self._refreshing = self._rejoining = None
         if self.nixl is not None:
             self.nixl = NixlLinks(forced=self.nixl.forced)
         if old is not None:
