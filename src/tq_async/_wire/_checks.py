@@ -44,10 +44,12 @@ __all__ = [
     "as_seconds",
     "check_also",
     "check_headers",
+    "check_id",
     "check_int",
     "check_ints",
     "check_sampling_config",
     "check_seconds",
+    "check_text",
     "validate",
 ]
 
@@ -84,6 +86,38 @@ def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | No
             + (f" (or {name}=None to wait without a deadline)" if optional else "")
         )
     return seconds
+
+
+def check_text(what: str, value: str) -> str:
+    """``value`` if it can travel as UTF-8 (msgpack strings are UTF-8).
+
+    Raises:
+        InvalidRequestError: naming ``what``, e.g. for a lone surrogate (``'\\ud800'``, what
+            ``os.fsdecode`` makes of undecodable bytes).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position "
+            f"{exc.start}); ids travel as UTF-8: remove or replace that character"
+        ) from None
+    return value
+
+
+def check_id(what: str, value: Any) -> str:
+    """``value`` as an id (``what``: a partition id, a task name): a non-empty string that
+    travels as UTF-8 (a ``str`` subclass, such as numpy's ``str_``, as the plain ``str``).
+
+    Raises:
+        InvalidRequestError: naming ``what``, for anything else (a wrong type reached the
+            controller's decoder: a ProtocolError it logged as a malformed request).
+    """
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
+        )
+    return check_text(what, value if type(value) is str else str.__str__(value))
 
 
 def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:

@@ -43,7 +43,7 @@ from ..._transport._connection import process_state
 from ..._transport._dealer import DealerConnection
 from ..._transport._endpoints import same_host_ipc
 from ..._transport._security import CurveClient
-from ..._wire._codec import check_text
+from ..._wire._checks import check_text
 from ..._wire._protocol import Hello, HelloReply
 from ._device_links import DeviceLinks
 from ._feeds import Feeds
@@ -82,21 +82,6 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
-
-
-def check_id(what: str, value: Any) -> str:
-    """``value`` as an id (``what``: a partition id, a task name): a non-empty string that
-    travels as UTF-8 (a ``str`` subclass, such as numpy's ``str_``, as the plain ``str``).
-
-    Raises:
-        InvalidRequestError: naming ``what``, for anything else (a wrong type reached the
-            controller's decoder: a ProtocolError it logged as a malformed request).
-    """
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(
-            f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
-        )
-    return check_text(what, value if type(value) is str else str.__str__(value))
 
 
 def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:

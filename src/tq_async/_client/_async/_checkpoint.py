@@ -38,6 +38,7 @@ from ..._errors import (
 )
 from ..._meta import BatchMeta
 from ..._primitives import cleanup_scope, run_sync_off_loop
+from ..._wire._checks import check_id
 from ..._wire._columns import (
     Column,
     ColumnHeader,
@@ -56,7 +57,6 @@ from ..._wire._protocol import (
     StorePut,
     encoder,
 )
-from ._base import check_id
 
 __all__ = [
     "FORMAT",

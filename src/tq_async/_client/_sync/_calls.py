@@ -22,8 +22,8 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._meta import BatchMeta, check_meta
 from ..._sync_primitives import run_each
-from ..._wire._checks import check_int, check_seconds
-from ..._wire._codec import check_text, tags_for_wire
+from ..._wire._checks import check_id, check_int, check_seconds, check_text
+from ..._wire._codec import tags_for_wire
 from ..._wire._listing import KVListing
 from ..._wire._protocol import (
     AcquireRollout,
@@ -58,7 +58,7 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
-from ._base import Links, as_int, check_fields, check_id, tag_rows
+from ._base import Links, as_int, check_fields, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath

@@ -21,12 +21,13 @@ from ..._wire._checks import (
     MAX_INT,
     as_seconds,
     check_also,
+    check_id,
     check_int,
     check_sampling_config,
     check_seconds,
 )
 from ..._wire._protocol import GetMeta
-from ._base import as_int, check_fields, check_id
+from ._base import as_int, check_fields
 
 __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
 
