@@ -314,3 +314,24 @@ async def test_status_calls_check_their_row_ids() -> None:
                 await client.check_production_status("p", ["x"], bad)  # type: ignore[arg-type]
             with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
                 await client.check_consumption_status("p", "t", bad)  # type: ignore[arg-type]
+
+
+async def test_a_host_id_that_is_no_string_is_refused_before_a_unit_announces_it() -> None:
+    """``local_cluster(host_id=3)`` (or a ``StorageServer``'s) started: the unit announced
+    the int as its host, and every client's hello then failed to decode ("unexpected reply
+    payload: Expected `str`, got `int`"): no client could use the cluster. It is refused
+    before anything starts, naming host_id."""
+    from tq_async.lowlevel import StorageServer
+
+    for bad in (3, ["a", 3], b"rack7"):
+        with pytest.raises(tq.InvalidRequestError, match="host_id must be a string"):
+            async with tq.local_cluster(num_storage_units=2, host_id=bad):  # type: ignore[arg-type]
+                pass
+    with pytest.raises(tq.InvalidRequestError, match="host_id must be a string"):
+        StorageServer(0, host_id=3)  # type: ignore[arg-type]
+    async with (
+        tq.local_cluster(num_storage_units=2, host_id=["a", "b"]) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.ones(2)}, "p")
+        assert (await client.partition_info("p"))["rows"] == 2

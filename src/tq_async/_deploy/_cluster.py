@@ -313,9 +313,16 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     return plan
 
 
-def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
+def _host_ids(host_id: Any, n: int) -> list[str | None]:
     """Each unit's host id: one for all, or one per unit (None: each unit finds out)."""
-    return per_unit("host_id", "host ids", host_id, n)
+    ids: list[Any] = per_unit("host_id", "host ids", host_id, n)
+    for one in ids:
+        if one is not None and not isinstance(one, str):
+            raise InvalidRequestError(
+                f"host_id must be a string, a list of one per storage unit, or None (each "
+                f"unit's host), got {type(one).__name__} {one!r}"
+            )
+    return ids
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:
