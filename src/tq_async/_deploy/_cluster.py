@@ -34,6 +34,7 @@ from .._service._serve import first_tq_error, only_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
+from .._wire._checks import integral
 from ..samplers import BaseSampler
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
@@ -283,6 +284,8 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         if config.metrics_on is not None and registry is None:
             registry = CollectorRegistry()
     units = given["num_storage_units"]
+    if type(units) is not int and not isinstance(units, bool):
+        units = given["num_storage_units"] = integral(units)  # numpy's ints
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])

@@ -50,6 +50,7 @@ __all__ = [
     "check_sampling_config",
     "check_seconds",
     "check_text",
+    "integral",
     "validate",
 ]
 
@@ -147,6 +148,17 @@ def as_int(name: str, value: Any) -> int:
         except TypeError:
             pass
     raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def integral(value: Any) -> Any:
+    """An integral number (numpy's ``int64``, a one-element integer tensor) as a plain int;
+    anything else, a bool too, unchanged (the range check that follows names it)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def as_seconds(name: str, value: Any, optional: bool = True) -> float:
