@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -335,3 +336,21 @@ async def test_a_host_id_that_is_no_string_is_refused_before_a_unit_announces_it
     ):
         await client.put({"x": torch.ones(2)}, "p")
         assert (await client.partition_info("p"))["rows"] == 2
+
+
+async def test_a_sampler_that_is_no_sampler_is_refused_naming_the_argument() -> None:
+    """``local_cluster(sampler="grpo")``, a sampler's class instead of an instance, or
+    ``task_samplers`` that is no dict of task names to samplers failed deep in the
+    controller's start: an AttributeError ('str' object has no attribute 'sample') in an
+    ExceptionGroup (a task name that is no string was taken). Each is refused naming it."""
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"sampler": "grpo"}, "sampler must be a sampler"),
+        ({"sampler": tq.SequentialSampler}, r"pass SequentialSampler\(\)"),
+        ({"task_samplers": [tq.SequentialSampler()]}, "task_samplers must be a dict"),
+        ({"task_samplers": {"learner": "grpo"}}, r"task_samplers\['learner'\] must be a sampler"),
+        ({"task_samplers": {3: tq.SequentialSampler()}}, "keys are task names"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(tq.InvalidRequestError, match=message):
+            async with tq.local_cluster(num_storage_units=1, **kwargs):
+                pass
