@@ -354,3 +354,32 @@ async def test_a_sampler_that_is_no_sampler_is_refused_naming_the_argument() -> 
         with pytest.raises(tq.InvalidRequestError, match=message):
             async with tq.local_cluster(num_storage_units=1, **kwargs):
                 pass
+
+
+async def test_flags_and_task_lists_of_the_wrong_type_are_refused_naming_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``stop_when_consumed="no"`` and ``seal(..., create="yes")`` reached the controller's
+    decoder (a ProtocolError "malformed request: Expected `bool`", logged there), and
+    ``register_tasks(None)`` failed with a bare TypeError ('NoneType' object is not
+    iterable). Each is refused naming the argument; numpy's bools are bools."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.ones(2)}, "p")
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            for bad in ("no", 1, None):
+                with pytest.raises(tq.InvalidRequestError, match="stop_when_consumed must be"):
+                    await client.get_meta(["x"], 1, "p", "t", timeout=0, stop_when_consumed=bad)
+                with pytest.raises(tq.InvalidRequestError, match="create must be True or False"):
+                    await client.seal("q", create=bad)  # type: ignore[arg-type]
+            for tasks in (None, 3):
+                with pytest.raises(tq.InvalidRequestError, match="takes a list of task names"):
+                    await client.register_tasks(tasks, "p")  # type: ignore[arg-type]
+        assert not [r for r in caplog.records if "malformed" in r.getMessage()]
+        await client.seal("q", create=np.bool_(True))
+        await client.seal("p")
+        got = await client.get_meta(["x"], 2, "p", "t", timeout=5, stop_when_consumed=np.True_)
+        assert len(got) == 2
+        assert sorted(await client.list_partitions()) == ["p", "q"]

@@ -43,6 +43,7 @@ __all__ = [
     "as_int",
     "as_seconds",
     "check_also",
+    "check_flag",
     "check_headers",
     "check_id",
     "check_int",
@@ -119,6 +120,22 @@ def check_id(what: str, value: Any) -> str:
             f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
         )
     return check_text(what, value if type(value) is str else str.__str__(value))
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: True or False (numpy's ``bool_`` too).
+
+    Raises:
+        InvalidRequestError: naming ``name``, for anything else (a string such as "no" is
+            no flag; it reached the services' decoder as a malformed request).
+    """
+    if type(value) is bool:
+        return value
+    if type(value).__name__ == "bool" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise InvalidRequestError(
+        f"{name} must be True or False, got {type(value).__name__} {value!r:.80}"
+    )
 
 
 def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -22,7 +22,7 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._meta import BatchMeta, check_meta
 from ..._sync_primitives import run_each
-from ..._wire._checks import check_id, check_int, check_seconds, check_text
+from ..._wire._checks import check_flag, check_id, check_int, check_seconds, check_text
 from ..._wire._codec import tags_for_wire
 from ..._wire._listing import KVListing
 from ..._wire._protocol import (
@@ -182,6 +182,11 @@ class ControlCalls:
                 f"register_tasks takes a list of task names, got the string {tasks!r}: "
                 f"pass [{tasks!r}]"
             )
+        if isinstance(tasks, (bytes, Mapping)) or not isinstance(tasks, Iterable):
+            raise InvalidRequestError(
+                f"register_tasks takes a list of task names (an empty list turns auto-clear "
+                f"off), got {type(tasks).__name__} {tasks!r:.80}"
+            )
         names = list(tasks)
         if not all(isinstance(t, str) and t for t in names):
             raise InvalidRequestError(
@@ -192,7 +197,8 @@ class ControlCalls:
 
     def seal(self, partition_id: str, *, create: bool = False) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""
-        self._links.call(Seal(check_id("partition_id", partition_id), create), None)
+        body = Seal(check_id("partition_id", partition_id), check_flag("create", create))
+        self._links.call(body, None)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""

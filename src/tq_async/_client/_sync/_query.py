@@ -21,6 +21,7 @@ from ..._wire._checks import (
     MAX_INT,
     as_seconds,
     check_also,
+    check_flag,
     check_id,
     check_int,
     check_sampling_config,
@@ -139,7 +140,9 @@ def meta_query(
         cfg,
         mode,
         timeout,
-        stop_when_consumed,
+        stop_when_consumed
+        if stop_when_consumed is False
+        else check_flag("stop_when_consumed", stop_when_consumed),
         lease,
         None if ack is None else lease_ids(ack),
         wanted,
