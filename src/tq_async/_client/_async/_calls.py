@@ -72,6 +72,8 @@ log = get_logger(__name__)
 
 
 def _check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, np.ndarray) and keys.ndim == 1:  # keys kept in an array
+        keys = keys.tolist()
     if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
         raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
     if not keys or not all(isinstance(k, str) for k in keys):

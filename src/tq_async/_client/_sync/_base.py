@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
 from ..._errors import (
@@ -68,10 +69,13 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
                 return list(data_fields)
         except TypeError:  # an unhashable entry: the checks below name it
             pass
+    if isinstance(data_fields, np.ndarray) and data_fields.ndim == 1:  # names in an array
+        data_fields = data_fields.tolist()
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
+        hint = repr(data_fields) if isinstance(data_fields, str) else "'input_ids', ..."
         raise InvalidRequestError(
             f"{name} must be a list of field names, got {type(data_fields).__name__} "
-            f"{data_fields!r}; write {name}=[{data_fields!r}]"
+            f"{data_fields!r:.80}; write {name}=[{hint}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(
