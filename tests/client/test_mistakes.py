@@ -556,3 +556,26 @@ async def test_a_storage_units_address_for_the_controllers_says_which_to_give(
         with caplog.at_level(logging.WARNING, logger="tq_async"):
             cluster.controller.on_message(b"peer", [zmq.Frame(b"\x93\x01\x92\xa3Bad\x00\xc0")])
         assert "malformed controller request" in caplog.text
+
+
+async def test_names_kept_in_a_numpy_array_are_taken_as_a_list() -> None:
+    """Field names and keys kept in a numpy array (``np.array(["x"])``, keys from a
+    dataframe column) were refused, the error advising ``data_fields=[array(['x'],
+    dtype='<U1')]``. A 1-D array is taken as the list of its names; anything else that is
+    not a list is refused with an example of one."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        meta = await client.put({"x": torch.arange(2.0)}, "p")
+        got = await client.get_meta(np.array(["x"]), 2, "p", "t", timeout=5)
+        assert got.field_names == ["x"]
+        td = await client.get_data(meta, np.array(["x"]))
+        assert td["x"].tolist() == [0.0, 1.0]
+        keys = np.array(["a", "b"])
+        await client.kv_batch_put(keys, "kv", {"x": torch.ones(2)})
+        assert (await client.kv_batch_get(keys, "kv")).batch_size == torch.Size([2])
+        assert await client.kv_retrieve_keys([0, 1], "kv") == ["a", "b"]
+        with pytest.raises(tq.InvalidRequestError) as info:
+            await client.get_meta({"x"}, 1, "p", "t")  # type: ignore[arg-type]
+        assert "write data_fields=['input_ids', ...]" in str(info.value)

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -147,6 +148,29 @@ def test_init_config_validation_and_ignored_keys() -> None:
     with pytest.raises(tq_async.InvalidRequestError, match="num_data_storage_units"):
         tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 0}}})
     assert "TQ_ADDRESS" not in os.environ
+
+
+def test_init_takes_numpy_ints_as_a_config_holds_them() -> None:
+    """A config built from arrays (or numpy's YAML loaders) holds ``np.int64``:
+    ``num_data_storage_units=np.int64(2)`` was refused ("must be an int >= 1, got
+    np.int64(2)"), and ``total_storage_size`` too (the capacity check). Both are taken."""
+    tq.init(
+        {
+            "backend": {
+                "SimpleStorage": {
+                    "num_data_storage_units": np.int64(2),
+                    "total_storage_size": np.int64(8),
+                }
+            }
+        }
+    )
+    try:
+        client = tq.get_client()
+        client.put(data=TensorDict({"x": torch.ones(2)}, [2]), partition_id="p")
+        meta = client.get_meta(data_fields=["x"], batch_size=2, partition_id="p", task_name="t")
+        assert meta.size == 2
+    finally:
+        tq.close()
 
 
 def test_metrics_endpoint_and_capacity() -> None:

@@ -85,6 +85,11 @@ async def test_save_checkpoint_stores_user_metadata(tmp_path: Path) -> None:
         path = tmp_path / "ckpt"
         await client.save_checkpoint(path, metadata={"step": 10, "time": 1.5})
         assert tq.checkpoint_metadata(path) == {"step": 10, "time": 1.5}
+        # numpy's scalars (a step counter kept in an array) were "not JSON serializable"
+        numpy_path = tmp_path / "numpy"
+        counters = {"step": np.int64(11), "loss": np.float32(0.5), "flags": [np.bool_(True)]}
+        await client.save_checkpoint(numpy_path, metadata=counters)
+        assert tq.checkpoint_metadata(numpy_path) == {"step": 11, "loss": 0.5, "flags": [True]}
         await client.save_checkpoint(tmp_path / "bare")
         assert tq.checkpoint_metadata(tmp_path / "bare") == {}
         with pytest.raises(tq.InvalidRequestError, match="metadata"):

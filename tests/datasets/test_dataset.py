@@ -1090,3 +1090,14 @@ async def test_numpy_ints_and_floats_are_taken_as_arguments() -> None:
     for bad in (np.float64(4.0), np.bool_(True), "4"):
         with pytest.raises(tq.InvalidRequestError, match="batch_size"):
             AsyncStreamingDataset("tcp://127.0.0.1:1", ["x"], bad, 2, "p", "t")
+
+
+def test_field_names_in_a_numpy_array_are_taken_as_a_list() -> None:
+    """``data_fields=np.array(["x", "y"])`` was refused, the error advising
+    ``data_fields=[array(['x', 'y'], dtype='<U1')]``; a 1-D array is its list of names, and
+    other non-lists get an example of a list."""
+    ds = AsyncStreamingDataset("tcp://127.0.0.1:1", np.array(["x", "y"]), 4, 2, "p", "t")
+    assert ds.data_fields == ["x", "y"]
+    with pytest.raises(tq.InvalidRequestError) as info:
+        AsyncStreamingDataset("tcp://127.0.0.1:1", {"x"}, 4, 2, "p", "t")  # type: ignore[arg-type]
+    assert "write data_fields=['input_ids', ...]" in str(info.value)

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -259,3 +260,34 @@ async def test_a_stopped_cluster_is_not_kept_alive_by_its_timers() -> None:
     del cluster
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
+
+
+async def test_numpy_scalars_are_taken_as_the_counts_and_seconds_they_are() -> None:
+    """``local_cluster(num_storage_units=np.int64(2), capacity=np.int64(10))`` was refused
+    ("must be an int >= 1, got np.int64(2)"), and so were ``tq.Deadlines`` /
+    ``tq.AdmissionConfig`` of numpy's scalars; a ``shm_cap`` given as a float (``1e6``) or
+    a string failed inside the started unit with a TypeError wrapped in an ExceptionGroup.
+    numpy's scalars are taken as Python's; a ``shm_cap`` that is no int is refused naming it."""
+    deadlines = tq.Deadlines(put_lease=np.float32(30.0), unit_suspend_after=np.int64(10))
+    assert type(deadlines.put_lease) is float
+    admission = tq.AdmissionConfig(max_staleness=np.int64(1))
+    assert type(admission.max_staleness) is int
+    async with (
+        tq.local_cluster(
+            num_storage_units=np.int64(2),
+            capacity=np.int64(10),
+            shm_cap=np.int64(1 << 20),
+            deadlines=deadlines,
+            admission=admission,
+        ) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert len(cluster.units) == 2
+        await client.put({"x": torch.ones(2)}, "p")
+        assert (await client.partition_info("p"))["rows"] == 2
+    for bad in (1e6, "1M"):
+        with pytest.raises(tq.InvalidRequestError, match="shm_cap must be an int"):
+            async with tq.local_cluster(num_storage_units=1, shm_cap=bad):  # type: ignore[arg-type]
+                pass
+    with pytest.raises(tq.InvalidRequestError, match="put_lease must be a positive number"):
+        tq.Deadlines(put_lease=np.float32("nan"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -314,3 +315,71 @@ async def test_status_calls_check_their_row_ids() -> None:
                 await client.check_production_status("p", ["x"], bad)  # type: ignore[arg-type]
             with pytest.raises(tq.InvalidRequestError, match="global_indexes"):
                 await client.check_consumption_status("p", "t", bad)  # type: ignore[arg-type]
+
+
+async def test_a_host_id_that_is_no_string_is_refused_before_a_unit_announces_it() -> None:
+    """``local_cluster(host_id=3)`` (or a ``StorageServer``'s) started: the unit announced
+    the int as its host, and every client's hello then failed to decode ("unexpected reply
+    payload: Expected `str`, got `int`"): no client could use the cluster. It is refused
+    before anything starts, naming host_id."""
+    from tq_async.lowlevel import StorageServer
+
+    for bad in (3, ["a", 3], b"rack7"):
+        with pytest.raises(tq.InvalidRequestError, match="host_id must be a string"):
+            async with tq.local_cluster(num_storage_units=2, host_id=bad):  # type: ignore[arg-type]
+                pass
+    with pytest.raises(tq.InvalidRequestError, match="host_id must be a string"):
+        StorageServer(0, host_id=3)  # type: ignore[arg-type]
+    async with (
+        tq.local_cluster(num_storage_units=2, host_id=["a", "b"]) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.ones(2)}, "p")
+        assert (await client.partition_info("p"))["rows"] == 2
+
+
+async def test_a_sampler_that_is_no_sampler_is_refused_naming_the_argument() -> None:
+    """``local_cluster(sampler="grpo")``, a sampler's class instead of an instance, or
+    ``task_samplers`` that is no dict of task names to samplers failed deep in the
+    controller's start: an AttributeError ('str' object has no attribute 'sample') in an
+    ExceptionGroup (a task name that is no string was taken). Each is refused naming it."""
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"sampler": "grpo"}, "sampler must be a sampler"),
+        ({"sampler": tq.SequentialSampler}, r"pass SequentialSampler\(\)"),
+        ({"task_samplers": [tq.SequentialSampler()]}, "task_samplers must be a dict"),
+        ({"task_samplers": {"learner": "grpo"}}, r"task_samplers\['learner'\] must be a sampler"),
+        ({"task_samplers": {3: tq.SequentialSampler()}}, "keys are task names"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(tq.InvalidRequestError, match=message):
+            async with tq.local_cluster(num_storage_units=1, **kwargs):
+                pass
+
+
+async def test_flags_and_task_lists_of_the_wrong_type_are_refused_naming_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``stop_when_consumed="no"`` and ``seal(..., create="yes")`` reached the controller's
+    decoder (a ProtocolError "malformed request: Expected `bool`", logged there), and
+    ``register_tasks(None)`` failed with a bare TypeError ('NoneType' object is not
+    iterable). Each is refused naming the argument; numpy's bools are bools."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.ones(2)}, "p")
+        with caplog.at_level(logging.WARNING, logger="tq_async"):
+            for bad in ("no", 1, None):
+                with pytest.raises(tq.InvalidRequestError, match="stop_when_consumed must be"):
+                    await client.get_meta(["x"], 1, "p", "t", timeout=0, stop_when_consumed=bad)
+                with pytest.raises(tq.InvalidRequestError, match="create must be True or False"):
+                    await client.seal("q", create=bad)  # type: ignore[arg-type]
+            for tasks in (None, 3):
+                with pytest.raises(tq.InvalidRequestError, match="takes a list of task names"):
+                    await client.register_tasks(tasks, "p")  # type: ignore[arg-type]
+        assert not [r for r in caplog.records if "malformed" in r.getMessage()]
+        await client.seal("q", create=np.bool_(True))
+        await client.seal("p")
+        got = await client.get_meta(["x"], 2, "p", "t", timeout=5, stop_when_consumed=np.True_)
+        assert len(got) == 2
+        assert sorted(await client.list_partitions()) == ["p", "q"]

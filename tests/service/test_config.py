@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tq_async as tq
@@ -286,3 +287,49 @@ async def test_serve_controller_takes_the_config_too(tmp_path: Path) -> None:
 def test_a_sampler_spec_checks_its_import_path_at_once() -> None:
     with pytest.raises(tq.ConfigError, match='expected "module:callable"'):
         tq.SamplerSpec("tq_async.SequentialSampler")
+
+
+def test_a_config_built_in_python_is_checked_as_a_toml_file_is(tmp_path: Path) -> None:
+    """msgspec checks types only when it decodes: ``tq.Config(...)`` built in Python took
+    ``num_storage_units=2.0``, ``capacity=True``, ``auto_clear_tasks="learner"`` (five
+    one-letter tasks), ``host_id=3`` as they came, failed late with AttributeError for
+    ``sampler="grpo"`` or a sampler object, and refused numpy's scalars in the deadlines
+    ("put_lease must be a positive number of seconds: np.float32(5.0)"). A NaN or infinite
+    ``default_lease`` (TOML has ``nan`` and ``inf``) was taken too, and every fetch got a
+    lease of NaN seconds. Each attribute is checked as its TOML key is; numpy's scalars and
+    paths count as the plain values they hold."""
+    config = tq.Config(
+        num_storage_units=np.int64(2),
+        capacity=np.int64(10),
+        put_lease=np.float32(5.0),
+        default_lease=np.float64(30.0),
+        device_index=[np.int64(0)],
+        durability="process",
+        data_dir=tmp_path,
+    )
+    assert (config.num_storage_units, config.capacity, config.data_dir) == (2, 10, str(tmp_path))
+    assert type(config.put_lease) is float
+    assert config.deadlines().put_lease == 5.0
+    assert tq.Config.from_toml_string(config.to_toml()) == config
+    for attribute, value, message in [
+        ("num_storage_units", 2.0, "num_storage_units: expected int, got float"),
+        ("capacity", True, "capacity: expected int | null, got bool"),
+        ("auto_clear_tasks", "learner", "auto_clear_tasks: expected array, got str"),
+        ("auto_clear_tasks", [""], "auto_clear_tasks: task names must be non-empty"),
+        ("host_id", 3, "host_id: expected str | array | null, got int"),
+        ("placement", "nearest", "placement: invalid enum value 'nearest'"),
+        ("sampler", "grpo", "sampler: expected a table"),
+        ("sampler", tq.SequentialSampler(), "a sampler object goes to local_cluster(sampler="),
+        ("task_samplers", {3: {"factory": "tq_async:SequentialSampler"}}, "a key is a task"),
+        ("default_lease", float("nan"), "default_lease: must be > 0 seconds and finite"),
+        ("default_lease", float("inf"), "default_lease: must be > 0 seconds and finite"),
+    ]:
+        with pytest.raises(tq.ConfigError) as info:
+            tq.Config(**{attribute: value})
+        assert message in str(info.value), (attribute, value, str(info.value))
+    for toml in ("default_lease = nan", "default_lease = inf"):
+        with pytest.raises(tq.ConfigError, match="default_lease: must be > 0 seconds"):
+            tq.Config.from_toml_string(toml)
+    # a table given as a dict is read as the TOML table
+    spec = tq.Config(sampler={"factory": "tq_async:GRPOGroupNSampler", "n_samples_per_prompt": 2})
+    assert isinstance(spec.build_samplers()[0], tq.GRPOGroupNSampler)

@@ -300,7 +300,11 @@ async def test_bad_values_raise_tq_errors_before_anything_is_sent() -> None:
                 tq.InvalidRequestError,
                 "batch_size",
             ),
-            (lambda: client.seal("p\ud800"), tq.InvalidRequestError, "Seal cannot be sent"),
+            (  # (named as get_meta names it; was the encoder's "Seal cannot be sent")
+                lambda: client.seal("p\ud800"),
+                tq.InvalidRequestError,
+                r"partition_id 'p\\ud800' is not valid UTF-8",
+            ),
         ]
         for make, kind, match in cases:
             with pytest.raises(kind, match=match):

@@ -10,6 +10,7 @@ shell to do; `AdmissionConfig` and `Deadlines` configure them.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .._errors import InvalidRequestError
@@ -37,10 +38,13 @@ class AdmissionConfig:
     learner_task: str | None = None
 
     def __post_init__(self) -> None:
+        # (numpy's ints, as configs hold them, kept as the ints they are)
         if self.max_staleness is not None:
-            check_int("max_staleness", self.max_staleness)
+            object.__setattr__(
+                self, "max_staleness", check_int("max_staleness", self.max_staleness)
+            )
         if self.capacity is not None:
-            check_int("capacity", self.capacity, 1)
+            object.__setattr__(self, "capacity", check_int("capacity", self.capacity, 1))
         if self.capacity is not None and self.learner_task is None:
             raise InvalidRequestError(
                 "capacity must be >= 1 and needs learner_task (whose consumption frees slots)"
@@ -79,10 +83,10 @@ class Deadlines:
         names = ("put_lease", "unit_suspend_after", "unit_lost_after", "waiting_warning_after")
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, bool) or not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            ):
+            seconds = float(value) if isinstance(value, numbers.Real) else math.nan
+            if isinstance(value, bool) or not 0 < seconds < math.inf:
                 raise InvalidRequestError(f"{name} must be a positive number of seconds: {value!r}")
+            object.__setattr__(self, name, seconds)  # (numpy's floats as floats)
         if self.unit_lost_after < self.unit_suspend_after:
             raise InvalidRequestError(
                 "unit_lost_after must be at least unit_suspend_after (a unit is suspended "

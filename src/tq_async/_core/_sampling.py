@@ -31,7 +31,9 @@ __all__ = [
     "apply_tail",
     "load_states",
     "check_result",
+    "check_sampler",
     "check_shares",
+    "check_task_samplers",
     "sampler_error",
     "split_even",
 ]
@@ -114,6 +116,42 @@ class Awaiting:
 
     call: SampleCall
     answer: Awaitable[Any]
+
+
+def check_sampler(sampler: Any, what: str = "sampler") -> BaseSampler:
+    """``sampler`` if it is a sampler: an object with a ``sample`` method (a
+    `BaseSampler`), not its class, not a name.
+
+    Raises:
+        InvalidRequestError: naming ``what`` (it failed deep in the controller's start, an
+            AttributeError in an ExceptionGroup).
+    """
+    if isinstance(sampler, type):
+        raise InvalidRequestError(
+            f"{what} must be a sampler instance, got the class {sampler.__name__}: pass "
+            f"{sampler.__name__}()"
+        )
+    if not callable(getattr(sampler, "sample", None)):
+        raise InvalidRequestError(
+            f"{what} must be a sampler (a tq.BaseSampler such as tq.GRPOGroupNSampler(8)), "
+            f"got {type(sampler).__name__} {sampler!r:.80}"
+        )
+    return sampler  # type: ignore[no-any-return]
+
+
+def check_task_samplers(task_samplers: Any) -> dict[str, BaseSampler]:
+    """``task_samplers`` as a dict of task names to samplers (see `check_sampler`)."""
+    if not isinstance(task_samplers, Mapping):
+        raise InvalidRequestError(
+            f"task_samplers must be a dict of task names to samplers, e.g. {{'learner': "
+            f"tq.GRPOGroupNSampler(8)}}, got {type(task_samplers).__name__}"
+        )
+    for task in task_samplers:
+        if not isinstance(task, str) or not task:
+            raise InvalidRequestError(
+                f"task_samplers' keys are task names (non-empty strings), got {task!r}"
+            )
+    return {t: check_sampler(s, f"task_samplers[{t!r}]") for t, s in task_samplers.items()}
 
 
 def accepted_kwargs(sampler: Any) -> frozenset[str] | None:

@@ -40,6 +40,7 @@ from .._errors import (
     RowsNotFound,
     SchemaError,
 )
+from .._wire._checks import integral
 from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
 from ._events import Outbox
@@ -838,7 +839,10 @@ def stale_incarnation(partition_id: str) -> str:
 
 
 def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
-    """Validate a capacity setting; ``(capacity, capacity is global)``."""
+    """Validate a capacity setting; ``(capacity, capacity is global)`` (numpy's ints taken
+    as ints)."""
+    if capacity is not None and type(capacity) is not int and not isinstance(capacity, bool):
+        capacity = integral(capacity)
     if capacity is not None and (
         isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**63
     ):  # an int64: the controller's replies carry it

@@ -51,7 +51,16 @@ from ._gets import Gets, Outcome, follower, meta_reply, record_key
 from ._leases import GetLeases
 from ._liveness import UnitLiveness
 from ._put_leases import PutLeases
-from ._sampling import TAILS, Awaiting, Decision, SampleCall, group_limits, split_even
+from ._sampling import (
+    TAILS,
+    Awaiting,
+    Decision,
+    SampleCall,
+    check_sampler,
+    check_task_samplers,
+    group_limits,
+    split_even,
+)
 from ._state import ControllerState, Partition, Wakeup
 
 __all__ = [
@@ -95,8 +104,10 @@ class ControllerCore:
         self.put_lease = self.deadlines.put_lease
         self.unit_lost_after = self.deadlines.unit_lost_after
         self.state = state or ControllerState()
-        self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
-        self.task_samplers: dict[str, BaseSampler] = dict(task_samplers or {})
+        self.sampler: BaseSampler = (
+            SequentialSampler() if sampler is None else check_sampler(sampler)
+        )
+        self.task_samplers = check_task_samplers({} if task_samplers is None else task_samplers)
         self.admission = admission or AdmissionConfig()
         self._ids = itertools.count(1)
         #: (deadline, seq, kind, id); stale entries are skipped when popped

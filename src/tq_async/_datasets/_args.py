@@ -57,9 +57,10 @@ def check_args(
     if isinstance(address, str):
         checked_name("address", address)
     if isinstance(data_fields, str) or not isinstance(data_fields, Sequence):
+        hint = repr(data_fields) if isinstance(data_fields, str) else "'input_ids', ..."
         raise InvalidRequestError(
-            f"data_fields must be a list of field names, got {data_fields!r}; "
-            f"write data_fields=[{data_fields!r}]"
+            f"data_fields must be a list of field names, got {data_fields!r:.80}; "
+            f"write data_fields=[{hint}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(

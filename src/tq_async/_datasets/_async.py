@@ -47,6 +47,7 @@ from types import TracebackType
 from typing import Any, TypeAlias
 
 import anyio
+import numpy as np
 import torch
 from anyio.abc import TaskGroup
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
@@ -446,6 +447,9 @@ class AsyncStreamingDataset:
         device: Any = None,
     ) -> None:
         self.device = check_device(device)
+        given: Any = data_fields
+        if isinstance(given, np.ndarray) and given.ndim == 1:  # names kept in an array
+            data_fields = given.tolist()
         config, dp_size, tail = check_args(
             address,
             data_fields,

@@ -35,6 +35,7 @@ from .._service._serve import first_tq_error, only_error
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
+from .._wire._checks import integral
 from ..samplers import BaseSampler
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
@@ -288,6 +289,8 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         if config.metrics_on is not None and registry is None:
             registry = CollectorRegistry()
     units = given["num_storage_units"]
+    if type(units) is not int and not isinstance(units, bool):
+        units = given["num_storage_units"] = integral(units)  # numpy's ints
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(f"num_storage_units must be an int >= 1, got {units!r}")
     capacity, capacity_global = check_capacity(given["capacity"], given["capacity_scope"])
@@ -318,9 +321,16 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
     return plan
 
 
-def _host_ids(host_id: str | Sequence[str] | None, n: int) -> list[str | None]:
+def _host_ids(host_id: Any, n: int) -> list[str | None]:
     """Each unit's host id: one for all, or one per unit (None: each unit finds out)."""
-    return per_unit("host_id", "host ids", host_id, n)
+    ids: list[Any] = per_unit("host_id", "host ids", host_id, n)
+    for one in ids:
+        if one is not None and not isinstance(one, str):
+            raise InvalidRequestError(
+                f"host_id must be a string, a list of one per storage unit, or None (each "
+                f"unit's host), got {type(one).__name__} {one!r}"
+            )
+    return ids
 
 
 async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalCluster:

@@ -34,6 +34,7 @@ A bad configuration fails before anything starts, with one line that names the k
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
+import numpy as np
 import zmq.auth
 
 from .._core._transitions import AdmissionConfig, Deadlines
@@ -114,7 +116,7 @@ class SamplerSpec:
         if not isinstance(table, Mapping):
             raise ConfigError(
                 f'{key}: expected a table with a factory = "module:callable" key, '
-                f"got {type(table).__name__}"
+                f"got {type(table).__name__}{_sampler_hint(table)}"
             )
         factory = table.get("factory")
         if factory is None:
@@ -162,6 +164,19 @@ class SamplerSpec:
                 "(an object with a sample() method, e.g. a tq_async.BaseSampler)"
             )
         return sampler  # type: ignore[no-any-return]
+
+
+def _sampler_hint(given: Any) -> str:
+    """What to write instead of a sampler object (or class) where a spec is expected."""
+    if isinstance(given, BaseSampler) or (
+        isinstance(given, type) and issubclass(given, BaseSampler)
+    ):
+        return (
+            " (a Config says how to build a sampler, e.g. SamplerSpec("
+            "'tq_async:GRPOGroupNSampler', {'n_samples_per_prompt': 4}); a sampler object "
+            "goes to local_cluster(sampler=...))"
+        )
+    return ""
 
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -385,6 +400,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     memory_cap: int | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.durability != "memory" and self.data_dir is None:
             raise ConfigError(
                 f"data_dir: durability {self.durability!r} keeps the controller's state in a "
@@ -414,8 +430,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"capacity: must be from 1 to {2**63 - 1} rows, or absent, got {self.capacity}"
             )
-        if self.default_lease is not None and self.default_lease <= 0:
-            raise ConfigError(f"default_lease: must be > 0 seconds, got {self.default_lease}")
+        if self.default_lease is not None and not 0 < self.default_lease < math.inf:
+            raise ConfigError(
+                f"default_lease: must be > 0 seconds and finite (or absent: no lease), got "
+                f"{self.default_lease}"
+            )
+        if not all(self.auto_clear_tasks):
+            raise ConfigError(
+                f"auto_clear_tasks: task names must be non-empty, got {self.auto_clear_tasks}"
+            )
         if self.metrics_on is not None:
             try:
                 metrics_address(self.metrics_on)
@@ -545,6 +568,42 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def load_curve(self) -> CurveServer | None:
         """The CURVE keys of ``[curve]`` (None without it)."""
         return self.curve.load() if self.curve is not None else None
+
+
+def _check_types(config: Config) -> None:
+    """Check (and set) each attribute of ``config`` as its TOML key is checked: msgspec checks
+    types only when it decodes, so ``Config(num_storage_units=2.0)``, ``capacity=True`` or
+    ``auto_clear_tasks="learner"`` built in Python were taken as they came. numpy's scalars
+    (configs are built from arrays) count as Python's, paths (``os.PathLike``) as strings.
+
+    Raises:
+        ConfigError: naming the attribute and what it takes.
+    """
+    for field in msgspec.structs.fields(config):
+        value = getattr(config, field.name)
+        try:
+            checked = msgspec.convert(_plain(value), field.type, strict=True, dec_hook=_decode_spec)
+        except msgspec.ValidationError as exc:
+            text, _, at = str(exc).partition(" - at `")
+            if at.startswith("key` in"):  # (task_samplers' keys)
+                raise ConfigError(
+                    f"{field.name}: a key is a task name, {text.lower()}".replace("`", "")
+                ) from None
+            text += f" - at `$.{field.name}{at[1:] if at else '`'}"
+            raise ConfigError(_describe(msgspec.ValidationError(text))) from None
+        if checked is not value:
+            setattr(config, field.name, checked)
+
+
+def _plain(value: Any) -> Any:
+    """numpy's scalars as Python's, paths as strings, in lists too (see `_check_types`)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def _with_specs(data: Any) -> Any:

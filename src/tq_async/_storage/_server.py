@@ -44,6 +44,7 @@ from .._service._metrics import Metrics
 from .._transport._hosts import resolve_host_id
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer
+from .._wire._checks import check_int
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import (
     Cancel,
@@ -145,7 +146,8 @@ class StorageServer(Service):
             shm_idle_bytes = (
                 DEFAULT_SHM_IDLE if memory_cap is None else min(DEFAULT_SHM_IDLE, memory_cap // 20)
             )
-        if shm_cap < 0 or shm_idle_bytes < 0:
+        shm_cap = check_int("shm_cap", shm_cap, 0)
+        if shm_idle_bytes < 0:
             raise InvalidRequestError(
                 f"shm_cap and shm_idle_bytes must be >= 0, got {shm_cap} and {shm_idle_bytes}"
             )

@@ -23,6 +23,8 @@ import os
 import socket
 import sys
 
+from .._errors import InvalidRequestError
+
 __all__ = [
     "ENV_HOST_ID",
     "LOCALITY_KEYS",
@@ -43,7 +45,17 @@ LOCALITY_KEYS = ("in_same_host", "in_other_host", "out_same_host", "out_other_ho
 
 def resolve_host_id(explicit: str | None = None) -> str:
     """The host id of this process: ``explicit``, else ``$TQ_HOST_ID``, else the Ray node
-    id (when Ray is imported and connected), else `machine_host_id`."""
+    id (when Ray is imported and connected), else `machine_host_id`.
+
+    Raises:
+        InvalidRequestError: ``explicit`` is neither a string nor None (a storage unit
+            announced it as it came: every client's hello then failed to decode).
+    """
+    if explicit is not None and not isinstance(explicit, str):
+        raise InvalidRequestError(
+            f"host_id must be a string (or None: this host's), got {type(explicit).__name__} "
+            f"{explicit!r}"
+        )
     if explicit:
         return explicit
     env = os.environ.get(ENV_HOST_ID)

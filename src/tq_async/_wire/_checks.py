@@ -43,11 +43,15 @@ __all__ = [
     "as_int",
     "as_seconds",
     "check_also",
+    "check_flag",
     "check_headers",
+    "check_id",
     "check_int",
     "check_ints",
     "check_sampling_config",
     "check_seconds",
+    "check_text",
+    "integral",
     "validate",
 ]
 
@@ -86,6 +90,54 @@ def check_seconds(name: str, value: Any, *, optional: bool = True) -> float | No
     return seconds
 
 
+def check_text(what: str, value: str) -> str:
+    """``value`` if it can travel as UTF-8 (msgpack strings are UTF-8).
+
+    Raises:
+        InvalidRequestError: naming ``what``, e.g. for a lone surrogate (``'\\ud800'``, what
+            ``os.fsdecode`` makes of undecodable bytes).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position "
+            f"{exc.start}); ids travel as UTF-8: remove or replace that character"
+        ) from None
+    return value
+
+
+def check_id(what: str, value: Any) -> str:
+    """``value`` as an id (``what``: a partition id, a task name): a non-empty string that
+    travels as UTF-8 (a ``str`` subclass, such as numpy's ``str_``, as the plain ``str``).
+
+    Raises:
+        InvalidRequestError: naming ``what``, for anything else (a wrong type reached the
+            controller's decoder: a ProtocolError it logged as a malformed request).
+    """
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
+        )
+    return check_text(what, value if type(value) is str else str.__str__(value))
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: True or False (numpy's ``bool_`` too).
+
+    Raises:
+        InvalidRequestError: naming ``name``, for anything else (a string such as "no" is
+            no flag; it reached the services' decoder as a malformed request).
+    """
+    if type(value) is bool:
+        return value
+    if type(value).__name__ == "bool" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise InvalidRequestError(
+        f"{name} must be True or False, got {type(value).__name__} {value!r:.80}"
+    )
+
+
 def check_int(name: str, value: Any, lo: int = 0, hi: int = MAX_INT) -> int:
     """``value`` as a plain int in ``[lo, hi]`` (an integral scalar, such as numpy's
     ``int64``, as its int: see `as_int`).
@@ -113,6 +165,17 @@ def as_int(name: str, value: Any) -> int:
         except TypeError:
             pass
     raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def integral(value: Any) -> Any:
+    """An integral number (numpy's ``int64``, a one-element integer tensor) as a plain int;
+    anything else, a bool too, unchanged (the range check that follows names it)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def as_seconds(name: str, value: Any, optional: bool = True) -> float:

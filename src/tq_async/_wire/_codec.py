@@ -30,6 +30,7 @@ from tensordict import (
 )
 
 from .._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
+from ._checks import check_text
 from ._columns import (
     DENSE,
     ITEM_SIZES,
@@ -45,7 +46,6 @@ from ._columns import (
 from ._nested import Ragged, jagged_tensor, tensordict_of
 
 __all__ = [
-    "check_text",
     "columns_from_batch",
     "DeviceColumn",
     "columns_to_tensordict",
@@ -461,23 +461,6 @@ def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Devi
         )
     header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
     return header, DeviceColumn(_plain(t))
-
-
-def check_text(what: str, value: str) -> str:
-    """``value`` if it can travel as UTF-8 (msgpack strings are UTF-8).
-
-    Raises:
-        InvalidRequestError: naming ``what``, e.g. for a lone surrogate (``'\\ud800'``, what
-            ``os.fsdecode`` makes of undecodable bytes).
-    """
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(
-            f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position "
-            f"{exc.start}); ids travel as UTF-8: remove or replace that character"
-        ) from None
-    return value
 
 
 #: tag values msgpack carries as they are

@@ -53,6 +53,7 @@ from .._errors import (
 from .._errors import SchemaError as SchemaError
 from .._errors import UnsupportedTypeError as UnsupportedTypeError
 from .._logging import get_logger
+from .._wire._checks import integral
 from ..samplers import BaseSampler as BaseSampler
 from ..samplers import GRPOGroupNSampler as GRPOGroupNSampler
 from ..samplers import RankAwareSampler as RankAwareSampler
@@ -383,7 +384,7 @@ def init(conf: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
 
 def _cluster_options(flat: Mapping[str, Any]) -> dict[str, Any]:
     """The settings of a cluster ``init`` starts: storage units, sampler, pickle."""
-    units = flat.get("backend.SimpleStorage.num_data_storage_units", 2)
+    units = integral(flat.get("backend.SimpleStorage.num_data_storage_units", 2))  # numpy's
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
         raise InvalidRequestError(
             f"backend.SimpleStorage.num_data_storage_units must be an int >= 1, got {units!r}"

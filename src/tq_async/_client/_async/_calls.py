@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -20,8 +20,8 @@ from ..._errors import (
 from ..._logging import get_logger
 from ..._meta import BatchMeta, check_meta
 from ..._primitives import run_each
-from ..._wire._checks import check_int, check_seconds
-from ..._wire._codec import check_text, tags_for_wire
+from ..._wire._checks import check_flag, check_id, check_int, check_seconds, check_text
+from ..._wire._codec import tags_for_wire
 from ..._wire._listing import KVListing
 from ..._wire._protocol import (
     AcquireRollout,
@@ -56,7 +56,7 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
-from ._base import Links, as_int, check_fields, check_id, tag_rows
+from ._base import Links, as_int, check_fields, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
@@ -72,6 +72,8 @@ log = get_logger(__name__)
 
 
 def _check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, np.ndarray) and keys.ndim == 1:  # keys kept in an array
+        keys = keys.tolist()
     if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
         raise InvalidRequestError(f"keys must be a list of strings, got {type(keys).__name__}")
     if not keys or not all(isinstance(k, str) for k in keys):
@@ -187,6 +189,11 @@ class ControlCalls:
                 f"register_tasks takes a list of task names, got the string {tasks!r}: "
                 f"pass [{tasks!r}]"
             )
+        if isinstance(tasks, (bytes, Mapping)) or not isinstance(tasks, Iterable):
+            raise InvalidRequestError(
+                f"register_tasks takes a list of task names (an empty list turns auto-clear "
+                f"off), got {type(tasks).__name__} {tasks!r:.80}"
+            )
         names = list(tasks)
         if not all(isinstance(t, str) and t for t in names):
             raise InvalidRequestError(
@@ -197,7 +204,8 @@ class ControlCalls:
 
     async def seal(self, partition_id: str, *, create: bool = False) -> None:
         """No more rows will be added: drained consumers then see end-of-stream."""
-        await self._links.call(Seal(check_id("partition_id", partition_id), create), None)
+        body = Seal(check_id("partition_id", partition_id), check_flag("create", create))
+        await self._links.call(body, None)
 
     async def reset_consumption(self, partition_id: str, task_name: str | None = None) -> None:
         """Make every row of the partition ready again for ``task_name`` (all tasks if None)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ..._errors import (
     CheckpointError,
@@ -38,6 +39,7 @@ from ..._errors import (
 )
 from ..._meta import BatchMeta
 from ..._primitives import cleanup_scope, run_sync_off_loop
+from ..._wire._checks import check_id
 from ..._wire._columns import (
     Column,
     ColumnHeader,
@@ -56,7 +58,6 @@ from ..._wire._protocol import (
     StorePut,
     encoder,
 )
-from ._base import check_id
 
 __all__ = [
     "FORMAT",
@@ -240,11 +241,18 @@ def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             f"metadata must be a dict of JSON values, got {type(metadata).__name__}"
         )
     try:
-        return dict(json.loads(json.dumps(dict(metadata))))
+        return dict(json.loads(json.dumps(dict(metadata), default=_numpy_scalar)))
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(
             f"metadata must hold JSON values only (str, int, float, bool, None, list, dict): {exc}"
         ) from None
+
+
+def _numpy_scalar(value: Any) -> Any:
+    """A numpy scalar in metadata (``np.int64(100)`` of a step counter) as Python's."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from ..._errors import InvalidRequestError
-from ..._wire._checks import check_int, check_seconds
+from ..._wire._checks import check_id, check_int, check_seconds
 from ..._wire._events import EVENT_KINDS, AnyEvent, WatchBatch
 from ..._wire._protocol import WatchNext
-from ._base import Links, as_int, check_id
+from ._base import Links, as_int
 from ._feeds import Feed, Position
 
 if sys.version_info >= (3, 11):

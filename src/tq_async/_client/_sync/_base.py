@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
 from ..._errors import (
@@ -43,7 +44,7 @@ from ..._transport._connection import process_state
 from ..._transport._endpoints import same_host_ipc
 from ..._transport._security import CurveClient
 from ..._transport._sync_dealer import BlockingConnection
-from ..._wire._codec import check_text
+from ..._wire._checks import check_text
 from ..._wire._protocol import Hello, HelloReply
 from ._device_links import DeviceLinks
 from ._feeds import Feeds
@@ -68,10 +69,13 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
                 return list(data_fields)
         except TypeError:  # an unhashable entry: the checks below name it
             pass
+    if isinstance(data_fields, np.ndarray) and data_fields.ndim == 1:  # names in an array
+        data_fields = data_fields.tolist()
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
+        hint = repr(data_fields) if isinstance(data_fields, str) else "'input_ids', ..."
         raise InvalidRequestError(
             f"{name} must be a list of field names, got {type(data_fields).__name__} "
-            f"{data_fields!r}; write {name}=[{data_fields!r}]"
+            f"{data_fields!r:.80}; write {name}=[{hint}]"
         )
     if not data_fields or not all(isinstance(f, str) and f for f in data_fields):
         raise InvalidRequestError(
@@ -82,21 +86,6 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
     if len(_checked_fields) < 1024:
         _checked_fields[tuple(data_fields)] = None
     return list(data_fields)
-
-
-def check_id(what: str, value: Any) -> str:
-    """``value`` as an id (``what``: a partition id, a task name): a non-empty string that
-    travels as UTF-8 (a ``str`` subclass, such as numpy's ``str_``, as the plain ``str``).
-
-    Raises:
-        InvalidRequestError: naming ``what``, for anything else (a wrong type reached the
-            controller's decoder: a ProtocolError it logged as a malformed request).
-    """
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(
-            f"{what} must be a non-empty string, got {type(value).__name__} {value!r:.80}"
-        )
-    return check_text(what, value if type(value) is str else str.__str__(value))
 
 
 def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:

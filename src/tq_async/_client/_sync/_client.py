@@ -53,8 +53,7 @@ from ..._service._serve import check_address
 from ..._transport._hosts import resolve_host_id
 from ..._transport._security import CurveClient
 from ..._transport._sync_dealer import DEFAULT_BUSY_POLL, MAX_BUSY_POLL
-from ..._wire._checks import check_int, check_seconds
-from ..._wire._codec import check_text
+from ..._wire._checks import check_int, check_seconds, check_text
 from ..._wire._listing import KVListing
 from .._options import ClientOptions
 from ._base import Links

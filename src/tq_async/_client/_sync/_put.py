@@ -39,7 +39,7 @@ from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
 from ..._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
-from ..._wire._checks import check_ints, check_seconds
+from ..._wire._checks import check_id, check_ints, check_seconds
 from ..._wire._codec import DeviceColumn, columns_from_batch, tags_for_wire
 from ..._wire._columns import (
     Column,
@@ -66,7 +66,7 @@ from ..._wire._protocol import (
     StoreClear,
     StorePut,
 )
-from ._base import THREAD_COPY_BYTES, Links, as_int, check_id, tag_rows
+from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
 from ._replies import ask_grant, decode
 

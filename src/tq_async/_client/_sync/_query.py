@@ -21,12 +21,14 @@ from ..._wire._checks import (
     MAX_INT,
     as_seconds,
     check_also,
+    check_flag,
+    check_id,
     check_int,
     check_sampling_config,
     check_seconds,
 )
 from ..._wire._protocol import GetMeta
-from ._base import as_int, check_fields, check_id
+from ._base import as_int, check_fields
 
 __all__ = ["MetaQuery", "check_nested", "lease_ids", "meta_query"]
 
@@ -138,7 +140,9 @@ def meta_query(
         cfg,
         mode,
         timeout,
-        stop_when_consumed,
+        stop_when_consumed
+        if stop_when_consumed is False
+        else check_flag("stop_when_consumed", stop_when_consumed),
         lease,
         None if ack is None else lease_ids(ack),
         wanted,
