@@ -373,6 +373,34 @@ async def test_state_dict_resumes_mid_batch_exactly_once() -> None:
         _check_aligned(td, meta)
 
 
+async def test_resuming_mid_batch_with_another_micro_batch_size_is_refused() -> None:
+    """A state saved after 3 micro-batches of 2 rows, resumed with micro-batches of 4: the
+    position's micro-batch 3 is past the batch's 2, so the rest of the batch (rows 6 and 7)
+    was skipped without a word (with 1 of 4 it would have skipped rows 2 and 3). Mid-batch,
+    the micro-batch size must be the one the state was saved with; at a batch boundary any."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put(_rows(16), partition_id="p")
+        await client.seal("p")
+        first = AsyncStreamingDataset(client, ["x"], 8, 2, "p", "train")
+        async with first:
+            with anyio.fail_after(DEADLINE):
+                taken = [await anext(first) for _ in range(3)]
+            state = first.state_dict()
+        assert (state["batch_index"], state["micro_batch_index"]) == (0, 3)
+        second = AsyncStreamingDataset(client, ["x"], 8, 4, "p", "train")
+        with pytest.raises(tq.InvalidRequestError, match="micro_batch_size"):
+            second.load_state_dict(state)
+        second.load_state_dict({**state, "batch_index": 1, "micro_batch_index": 0})
+        first.load_state_dict(state)  # the same size resumes
+        async with first:
+            rest = await _drain(first)
+    everything = [r for _, rows in _ids(taken + rest) for r in rows]
+    assert everything == list(range(16))
+
+
 async def test_leaving_mid_stream_keeps_prefetched_batches_readable() -> None:
     async with (
         tq.local_cluster(num_storage_units=2) as cluster,

@@ -474,3 +474,73 @@ async def test_stop_when_consumed_ends_every_rank_at_the_same_batch_index() -> N
                     if len(ends) == 1:  # the producer puts more rows in between
                         await client.put({"x": torch.arange(DP * PER_RANK)}, partition_id="p")
         assert ends[0] == ends[1], f"rank 0 ended at batch {ends[0]}, rank 1 at {ends[1]}"
+
+
+async def _swc(
+    client: tq.AsyncClient, rank: int, b: int, *, record_from: int | None = None
+) -> tq.BatchMeta:
+    """Rank ``rank``'s stop_when_consumed fetch of global batch ``b`` (of ``PER_RANK`` rows)."""
+    cfg: dict[str, Any] = {"dp_rank": rank, "batch_index": b, "dp_size": DP}
+    if record_from is not None:
+        cfg["record_from"] = record_from
+    with anyio.fail_after(DEADLINE):
+        return await client.get_meta(["x"], PER_RANK, "p", "t", cfg, stop_when_consumed=True)
+
+
+async def test_an_end_met_by_a_batch_asked_ahead_is_told_to_the_rank_too() -> None:
+    """A DataLoader worker asks for its next batches with its own (``get_batches(also=)``);
+    one that came to the end of a ``stop_when_consumed`` stream is not handed over, but the
+    end was owed to the other ranks only: the rank's own fetch of that index, once rows
+    came, was decided anew, and it stepped on alone (its all_reduce waits for ever)."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _fill(client, DP * PER_RANK, 1, seal=False)
+        cfg = {"dp_rank": 0, "batch_index": 0, "dp_size": DP}
+        got = await client.get_batches(
+            ["x"], PER_RANK, "p", "t", cfg, also=[1], stop_when_consumed=True
+        )
+        assert [len(meta) for _, meta in got] == [PER_RANK]  # batch 1 would end the stream
+        assert len(await _swc(client, 1, 0)) == PER_RANK
+        assert (await _swc(client, 1, 1)).end_of_stream  # rank 1 ends at batch 1
+        await client.put({"x": torch.arange(DP * PER_RANK)}, partition_id="p")
+        assert (await _swc(client, 0, 1)).end_of_stream, "rank 0 stepped on alone at batch 1"
+
+
+async def test_an_end_met_deciding_a_lower_batch_first_is_told_to_its_reader() -> None:
+    """``record_from`` (DataLoader worker 1 asking batch 3 decides worker 0's batch 2
+    first): an end of stream met at batch 2 is the reply to batch 3; worker 0's own fetch
+    of batch 2, once rows came, was decided anew while rank 1 had ended there."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _fill(client, 2 * DP * PER_RANK, 1, seal=False)
+        for b in range(2):
+            for rank in range(DP):
+                assert len(await _swc(client, rank, b)) == PER_RANK
+        assert (await _swc(client, 0, 3, record_from=2)).end_of_stream  # worker 1, at 2
+        assert (await _swc(client, 1, 2)).end_of_stream  # rank 1 ends at batch 2
+        await client.put({"x": torch.arange(DP * PER_RANK)}, partition_id="p")
+        assert (await _swc(client, 0, 2, record_from=2)).end_of_stream, (
+            "rank 0's worker 0 stepped on alone at batch 2"
+        )
+
+
+async def test_an_end_owed_at_a_lower_batch_is_not_decided_anew_by_record_from() -> None:
+    """Rank 1 ended at batch 2 (owed to rank 0 there), rows came; rank 0's worker 1
+    asking batch 3 decided batch 2 anew first (``record_from``): rank 0 got rows at
+    batch 2, where rank 1 had ended."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await _fill(client, 2 * DP * PER_RANK, 1, seal=False)
+        for b in range(2):
+            for rank in range(DP):
+                assert len(await _swc(client, rank, b)) == PER_RANK
+        assert (await _swc(client, 1, 2)).end_of_stream  # rank 1 ends at batch 2
+        await client.put({"x": torch.arange(DP * PER_RANK)}, partition_id="p")
+        assert (await _swc(client, 0, 3, record_from=2)).end_of_stream  # worker 1
+        assert (await _swc(client, 0, 2, record_from=2)).end_of_stream  # worker 0

@@ -162,8 +162,10 @@ class Gets:
         if first.end_of_stream or req.also is None:
             return out
         after = int((req.sampling_config or {})["batch_index"])  # checked: also needs it
+        ends = self.state.dp_ends
         for index in req.also:
             sub = follower(req, index, after)
+            owed = ends_now(ends, req)
             try:
                 decision = self._settle(sub, self.look(sub, now), now, fx, False)
             except Exception as exc:  # raised again when that batch is asked for itself
@@ -175,6 +177,7 @@ class Gets:
                     close()
                 break
             if not isinstance(decision, MetaReply) or decision.end_of_stream:
+                restore_ends(ends, owed)  # an end met here reaches no reader: none was told
                 break
             out.append(decision)
             after = index
@@ -208,7 +211,14 @@ class Gets:
             earlier = _first_undecided(req, p, key)
             if earlier is not None:
                 # record_from: batches below this one are decided first, lowest first
-                return _keyed(self._sample(earlier, p, dp_size), record_key(earlier), earlier)
+                below = record_key(earlier)
+                if dp_size is not None and owes_end(self.state.dp_ends, p, below):
+                    # the rank's stream ends there: its reader of that batch is told it
+                    return MetaReply([], [], [], list(req.data_fields), end_of_stream=True)
+                decision = self._sample(earlier, p, dp_size)
+                if isinstance(decision, MetaReply):  # the end, met at the lower batch
+                    owe_end(self.state.dp_ends, p, below, dp_size)
+                return _keyed(decision, below, earlier)
         return _keyed(self._sample(req, p, dp_size), key, None)
 
     def _sample(self, req: GetMeta, p: Partition, dp_size: int | None) -> Decision:
@@ -304,6 +314,9 @@ class Gets:
             earlier is not None and isinstance(decision, MetaReply) and not decision.end_of_stream
         ):
             return self.look(req, now), fx
+        if earlier is not None and isinstance(decision, MetaReply):
+            # the end, met at the lower batch: its own reader is told it too
+            owe_end(self.state.dp_ends, call.partition, call.key, call.dp_size)
         assert not isinstance(decision, _Again)
         return decision, fx
 
@@ -630,6 +643,50 @@ def told_end(ends: dict[tuple[str, str, str, int], set[int]], p: Partition, key:
     if not owed:
         del ends[end]
     return True
+
+
+def ends_now(
+    ends: dict[tuple[str, str, str, int], set[int]], req: GetMeta
+) -> dict[tuple[str, str, str, int], set[int]] | None:
+    """A copy of the DP ends of stream owed (`ControllerState.dp_ends`) before a batch
+    asked for ahead (``also=``) is decided, when it may change them (None: it cannot)."""
+    return {e: set(ranks) for e, ranks in ends.items()} if req.stop_when_consumed or ends else None
+
+
+def restore_ends(
+    ends: dict[tuple[str, str, str, int], set[int]],
+    owed: dict[tuple[str, str, str, int], set[int]] | None,
+) -> None:
+    """Put back the ends owed before a batch asked for ahead met the end of the stream: that
+    reply is not handed over, so no rank was told it (nor told what it was owed)."""
+    if owed is not None and ends != owed:
+        ends.clear()
+        ends.update(owed)
+
+
+def owes_end(
+    ends: dict[tuple[str, str, str, int], set[int]], p: Partition, key: RecordKey | None
+) -> bool:
+    """Whether the rank of ``key`` is owed an end of stream at its batch (`told_end`,
+    which tells it, is for the reader of that batch)."""
+    if not ends or key is None:
+        return False
+    task, rank, index = key
+    return rank in ends.get((p.partition_id, p.incarnation, task, index), ())
+
+
+def owe_end(
+    ends: dict[tuple[str, str, str, int], set[int]],
+    p: Partition,
+    key: RecordKey | None,
+    dp_size: int | None,
+) -> None:
+    """The end of stream met at ``key``'s global batch went to a reader of another batch
+    of the rank (``record_from``): the reader of ``key`` is owed it too, as the other ranks
+    are, so it does not decide that batch anew once rows come."""
+    if key is not None and dp_size is not None and dp_size > 1:
+        task, rank, index = key
+        ends.setdefault((p.partition_id, p.incarnation, task, index), set()).add(rank)
 
 
 def record_key(req: GetMeta) -> RecordKey | None:

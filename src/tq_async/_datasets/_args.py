@@ -123,11 +123,16 @@ def checked_name(name: str, value: Any) -> str:
 
 
 def parse_state(
-    state: Mapping[str, Any], task_name: str, dp_rank: int, dp_size: int | None = None
+    state: Mapping[str, Any],
+    task_name: str,
+    dp_rank: int,
+    dp_size: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> tuple[str, int, int]:
     """Validate a ``state_dict``; return ``(partition_id, batch_index, micro_batch_index)``.
 
-    A state without ``dp_size`` (saved before it existed) resumes under any ``dp_size``.
+    A state without ``dp_size`` (saved before it existed) resumes under any ``dp_size``;
+    one without ``micro_batch_size``, under any micro-batch size.
     """
     if not isinstance(state, Mapping):
         raise InvalidRequestError(
@@ -156,4 +161,13 @@ def parse_state(
         micro = positive_int("micro_batch_index", state["micro_batch_index"], zero=True)
     except KeyError as exc:
         raise InvalidRequestError(f"the dataset state lacks {exc}; pass state_dict()") from None
+    saved = state.get("micro_batch_size", micro_batch_size)
+    if micro and saved != micro_batch_size:
+        raise InvalidRequestError(
+            f"the state was saved after {micro} micro-batches of batch {index} with "
+            f"micro_batch_size={saved!r}, but this dataset has micro_batch_size="
+            f"{micro_batch_size!r}: its micro-batches would cut the batch elsewhere (rows "
+            "skipped or delivered twice); resume with the same micro_batch_size, or from a "
+            "state saved at a batch boundary (micro_batch_index 0)"
+        )
     return partition_id, index, micro

@@ -560,8 +560,8 @@ class AsyncStreamingDataset:
 
         Returns:
             ``{"version", "partition_id", "task_name", "dp_rank", "dp_size", "batch_index",
-            "micro_batch_index"}``: the next micro-batch to deliver (an empty batch counts
-            as one micro-batch).
+            "micro_batch_index", "micro_batch_size"}``: the next micro-batch to deliver (an
+            empty batch counts as one micro-batch).
         """
         return {
             "version": 1,
@@ -571,6 +571,7 @@ class AsyncStreamingDataset:
             "dp_size": self.dp_size,
             "batch_index": self._next_index,
             "micro_batch_index": self._next_micro,
+            "micro_batch_size": self.micro_batch_size,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -585,9 +586,11 @@ class AsyncStreamingDataset:
 
         Raises:
             InvalidRequestError: ``state`` is malformed or was saved for another task,
-                ``dp_rank`` (whose recorded batches are different rows) or ``dp_size``.
+                ``dp_rank`` (whose recorded batches are different rows) or ``dp_size``, or
+                mid-batch with another ``micro_batch_size``.
         """
-        partition_id, index, micro = parse_state(state, self.task_name, self.dp_rank, self.dp_size)
+        mine = (self.task_name, self.dp_rank, self.dp_size, self.micro_batch_size)
+        partition_id, index, micro = parse_state(state, *mine)
         self._move(partition_id, index, micro)
 
     def _move(self, partition_id: str, index: int, micro: int) -> None:

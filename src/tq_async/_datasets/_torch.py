@@ -218,10 +218,12 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         """Resume at a position `state_dict` recorded (takes effect on next iter).
 
         Raises:
-            InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank.
+            InvalidRequestError: ``state`` is malformed or belongs to another task/dp_rank,
+                or was saved mid-batch with another ``micro_batch_size``.
         """
+        kw = self._kwargs
         partition_id, index, micro = parse_state(
-            state, self._kwargs["task_name"], self._kwargs["dp_rank"], self._kwargs["dp_size"]
+            state, kw["task_name"], kw["dp_rank"], kw["dp_size"], kw["micro_batch_size"]
         )
         self._set_position(partition_id, index, micro)
 
