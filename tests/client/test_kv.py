@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -261,3 +263,30 @@ async def test_kv_puts_of_no_fields_only_tag_or_say_what_they_need() -> None:
             await client.kv_put("a", "p", {})
         with pytest.raises(tq.InvalidRequestError, match="needs fields, tags, or both"):
             await client.kv_batch_put(["a"], "p", TensorDict({}, []))
+
+
+@pytest.mark.parametrize("bad", ["", 3, None, b"p"])
+async def test_kv_calls_check_the_partition_id_before_sending(bad: object) -> None:
+    """A partition id that is no non-empty string is an InvalidRequestError naming it, as
+    for put and get_meta -- before, the KV calls sent it: a ProtocolError the controller
+    logged as a malformed request, and a tag-only kv_put created a partition ''."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        pid: Any = bad
+        calls = [
+            lambda: client.kv_put("a", pid, tag={"x": 1}),
+            lambda: client.kv_put("a", pid, {"x": torch.zeros(1)}),
+            lambda: client.kv_batch_put(["a"], pid, None, [{"x": 1}]),
+            lambda: client.kv_batch_get(["a"], pid),
+            lambda: client.kv_retrieve_meta(["a"], pid, create=True),
+            lambda: client.kv_retrieve_keys([0], pid),
+            lambda: client.kv_clear(["a"], pid),
+        ]
+        if bad is not None:
+            calls.append(lambda: client.kv_list(pid))
+        for call in calls:
+            with pytest.raises(tq.InvalidRequestError, match="partition_id"):
+                await call()
+        assert await client.list_partitions() == []

@@ -87,6 +87,13 @@ def _check_keys(keys: Any) -> list[str]:
     return [k if type(k) is str else str.__str__(k) for k in keys]
 
 
+def _check_partition(partition_id: Any) -> None:
+    """A KV call's partition id: a non-empty string that travels (as put's and get_meta's)."""
+    if not isinstance(partition_id, str) or not partition_id:
+        raise InvalidRequestError(f"partition_id must be a non-empty string, got {partition_id!r}")
+    check_text("partition_id", partition_id)
+
+
 def _check_rows(rows: Any, name: str) -> list[int]:
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise InvalidRequestError(f"{name} must be a list of row ids, got {type(rows).__name__}")
@@ -344,6 +351,7 @@ class ControlCalls:
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Write ``fields`` for ``keys`` (row ``i`` of ``fields`` belongs to ``keys[i]``)."""
+        _check_partition(partition_id)
         key_list = _check_keys(keys)
         if fields is None or _no_fields(fields):
             if tags is None:
@@ -358,6 +366,7 @@ class ControlCalls:
         self, keys: Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
         """A `BatchMeta` of ``keys``' rows, naming the fields every key has."""
+        _check_partition(partition_id)
         key_list = _check_keys(keys)
         if create:
             return self.kv_batch_put(key_list, partition_id, None, [{}] * len(key_list))
@@ -371,6 +380,7 @@ class ControlCalls:
         tag: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
         """Write one key's ``fields`` and/or merge ``tag`` into its tags."""
+        _check_partition(partition_id)
         if fields is None or _no_fields(fields):
             if tag is None:
                 raise InvalidRequestError("kv_put needs fields, a tag, or both")
@@ -409,6 +419,7 @@ class ControlCalls:
         select_fields: Sequence[str] | None = None,
     ) -> TensorDict:
         """The fields of ``keys``, row ``i`` for ``keys[i]`` (every field when not selected)."""
+        _check_partition(partition_id)
         fields = None if select_fields is None else check_fields(select_fields)
         meta = self._look_up(KVLookup(partition_id, _check_keys(keys), fields))
         return self._gets.get_data(meta)
@@ -431,6 +442,8 @@ class ControlCalls:
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
         """``{partition_id: {key: tags}}`` for one partition, or for all when None; each
         partition's listing decoded when first read (see `KVListing`)."""
+        if partition_id is not None:
+            _check_partition(partition_id)
         listing = self._links.call(KVList(partition_id, packed=True), _KV_LISTING)
         return {
             pid: KVListing(n=got.n, keys=got.keys, tags=got.tags)
@@ -441,11 +454,13 @@ class ControlCalls:
 
     def kv_retrieve_keys(self, global_indexes: Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes`` (rows written with kv_put / kv_batch_put)."""
+        _check_partition(partition_id)
         rows = _check_rows(global_indexes, "global_indexes")
         return list(self._links.call(KVKeys(partition_id, rows), list[str]))
 
     def kv_clear(self, keys: Sequence[str], partition_id: str) -> None:
         """Remove ``keys`` and free their storage; a missing key fails the whole call."""
+        _check_partition(partition_id)
         self._links.call(KVClear(partition_id, _check_keys(keys)), None)
 
     def save_checkpoint(
