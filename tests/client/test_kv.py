@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -261,3 +263,61 @@ async def test_kv_puts_of_no_fields_only_tag_or_say_what_they_need() -> None:
             await client.kv_put("a", "p", {})
         with pytest.raises(tq.InvalidRequestError, match="needs fields, tags, or both"):
             await client.kv_batch_put(["a"], "p", TensorDict({}, []))
+
+
+@pytest.mark.parametrize("bad", ["", 3, None, b"p"])
+async def test_kv_calls_check_the_partition_id_before_sending(bad: object) -> None:
+    """A partition id that is no non-empty string is an InvalidRequestError naming it, as
+    for put and get_meta -- before, the KV calls sent it: a ProtocolError the controller
+    logged as a malformed request, and a tag-only kv_put created a partition ''."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        pid: Any = bad
+        calls = [
+            lambda: client.kv_put("a", pid, tag={"x": 1}),
+            lambda: client.kv_put("a", pid, {"x": torch.zeros(1)}),
+            lambda: client.kv_batch_put(["a"], pid, None, [{"x": 1}]),
+            lambda: client.kv_batch_get(["a"], pid),
+            lambda: client.kv_retrieve_meta(["a"], pid, create=True),
+            lambda: client.kv_retrieve_keys([0], pid),
+            lambda: client.kv_clear(["a"], pid),
+        ]
+        if bad is not None:
+            calls.append(lambda: client.kv_list(pid))
+        for call in calls:
+            with pytest.raises(tq.InvalidRequestError, match="partition_id"):
+                await call()
+        assert await client.list_partitions() == []
+
+
+async def test_a_kv_put_whose_key_is_cleared_while_it_writes_says_so() -> None:
+    """A key removed (kv_clear, a clear, auto-clear) while a kv_put wrote it: the put fails
+    with RowsNotFound saying the row was removed meanwhile and to put again -- before, it
+    advised to 'use the BatchMeta a put or get_meta returned', which a kv_put has none of."""
+    from _requests import paused_at
+    from tq_async._wire._protocol import StorePut
+
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.kv_put("k", "p", {"x": torch.zeros(4)})
+        with paused_at(StorePut) as paused:
+            async with anyio.create_task_group() as tg:
+
+                async def clear() -> None:
+                    await paused.reached(1)
+                    await client.kv_clear(["k"], "p")
+                    paused.go()
+
+                tg.start_soon(clear)
+                with pytest.raises(tq.RowsNotFound) as caught:
+                    await client.kv_put("k", "p", {"x": torch.ones(4)})
+        message = str(caught.value)
+        assert "removed" in message
+        assert "put again" in message
+        assert "BatchMeta" not in message
+        await client.kv_put("k", "p", {"x": torch.ones(4)})  # the key is new again
+        assert (await client.kv_batch_get(["k"], "p"))["x"].tolist() == [[1.0] * 4]

@@ -716,3 +716,25 @@ async def test_a_put_given_up_as_its_client_closes_leaves_nothing(mode: str, how
         with anyio.fail_after(20):  # not the 60 s put lease
             assert sorted(await drain(client, "p")) == [0, 1]
         assert (await client.partition_info("p"))["uncommitted_puts"] == 0
+
+
+@pytest.mark.parametrize("mode", ["tcp", "unix"])
+async def test_a_kv_put_cancelled_after_its_columns_went_out_leaves_no_cells(mode: str) -> None:
+    """The same for a keyed put of new keys: its abort reclaims the new rows, whose clear
+    overtook the columns, so the unit kept them for keys nobody has. The client asks which
+    rows the abort reclaimed (not those another put or a tag binds meanwhile) and clears
+    those on the put's own connection, after the columns."""
+    from _requests import cancelled_at
+    from tq_async._wire._protocol import StorePut
+
+    async with client_in(mode, shared_memory=False) as client:
+        await fill(client, "p")
+        big = TensorDict({"x": torch.zeros(64, 1 << 16)}, batch_size=[64])  # 16 MiB
+        with cancelled_at(StorePut) as (scope, sent), scope:
+            await client.kv_batch_put([f"k{i}" for i in range(64)], "q", big)
+        assert scope.cancelled_caught
+        assert len(sent) == 1
+        assert (await client.kv_list("q"))["q"] == {}
+        with anyio.fail_after(10):  # (each stats request is a round trip later)
+            while sum(s["rows"] for s in (await client.storage_stats()).values()) != 8:
+                pass

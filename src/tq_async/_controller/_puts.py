@@ -66,8 +66,12 @@ class PutPath:
         )
         self.shell.apply(fx)
 
-    def on_abort_put(self, msg: Incoming, body: AbortPut) -> None:
-        self.shell.apply(self.core.abort_puts(body.put_ids))
+    def on_abort_put(self, msg: Incoming, body: AbortPut) -> list[int]:
+        fx = self.core.abort_puts(body.put_ids)
+        # the rows reclaimed (a keyed put's caller frees their cells it sent)
+        rows = sorted(r for _, _, by_unit in fx.free for rs in by_unit.values() for r in rs or ())
+        self.shell.apply(fx)
+        return rows
 
     def on_renew_put(self, msg: Incoming, body: RenewPut) -> None:
         self.core.renew_puts(body.put_ids, self.shell.now())

@@ -127,18 +127,27 @@ class PutLeases:
         """
         p = self.state.partition(partition_id)
         p.check_incarnation(incarnation)
-        if put_id:
-            if self.home.get(put_id) is not p:
-                raise RowsNotFound(
-                    f"the put into partition {partition_id!r} was not committed within its "
-                    f"put lease ({self.put_lease} s without a renewal), so its rows were "
-                    "reclaimed; put the batch again"
-                )
+        if put_id and self.home.get(put_id) is not p:
+            raise RowsNotFound(
+                f"the put into partition {partition_id!r} was not committed within its "
+                f"put lease ({self.put_lease} s without a renewal), so its rows were "
+                "reclaimed; put the batch again"
+            )
+        try:
             gained = p.commit(rows, fields, tags, versions)
+        except RowsNotFound:
+            gone = p.first_missing(rows)
+            if gone is None or gone in p.lost:
+                raise
+            # its rows existed when it was placed: removed since (a clear, kv_clear, auto-clear)
+            raise RowsNotFound(
+                f"row {gone} of partition {partition_id!r} was removed (a clear, kv_clear or "
+                "auto-clear) while this put wrote it; nothing was committed: put again (a "
+                "removed key is a new key then)"
+            ) from None
+        if put_id:
             del p.put_leases[put_id]
             del self.home[put_id]
-        else:
-            gained = p.commit(rows, fields, tags, versions)
         events = self.state.events
         if events.on:  # (a put's hot path: no call while nobody watches)
             events.produced(partition_id, rows, fields, tags)

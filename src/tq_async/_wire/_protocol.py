@@ -86,7 +86,8 @@ class RenewPut(_Msg):
 
 class AbortPut(_Msg):
     """The producer gave up these puts before committing them (cancelled, failed): their
-    new rows are reclaimed now, as when a put lease lapses (fire and forget)."""
+    new rows are reclaimed now, as when a put lease lapses. Answered with the rows
+    reclaimed (a keyed put's caller frees the cells it sent of those); usually sent one-way."""
 
     put_ids: list[int]
 

@@ -134,12 +134,20 @@ async def _undo(
     controller = links.controller
     if controller is None:
         return  # closed meanwhile: the close aborted the put (`PutPath.farewell`)
-    if placement.put_id:
-        # new rows not committed are reclaimed at once (a keyed put's too)
-        controller.send_best_effort(AbortPut([placement.put_id]))
-    if put.meta is not None or put.keys is not None:
+    partition_id = put.partition_id
+    if put.keys is not None:
+        if placement.put_id:
+            # its new keys' rows are reclaimed at once, those no other call binds meanwhile
+            # (another put of the key, a tag): their cells are freed as below
+            reclaimed = await _abort_keyed(links, placement.put_id)
+            _free_sent(partition_id, sent, reclaimed)
         return
-    partition_id, gone = put.partition_id, False
+    if placement.put_id:
+        # new rows not committed are reclaimed at once
+        controller.send_best_effort(AbortPut([placement.put_id]))
+    if put.meta is not None:
+        return
+    gone = False
     with cleanup_scope(5):
         try:
             undo = ClearSamples(partition_id, placement.rows, placement.incarnation, undo=True)
@@ -150,13 +158,34 @@ async def _undo(
         except Exception as exc:  # the original error matters more
             log.warning("could not clear rows of a failed put", error=str(exc))
     if gone:
-        # the clear the controller sends a unit travels on another connection than the
-        # put's columns, which may still be on their way (megabytes through the socket):
-        # the unit would store them after it, for rows nobody has. A clear sent after them
-        # on their own connection frees them -- only once the controller has no such rows:
-        # a commit whose reply was lost may have been journaled, and its cells must stay
-        for conn, store in sent:
-            conn.send_best_effort(StoreClear(partition_id, store.rows, store.incarnation))
+        _free_sent(partition_id, sent, None)
+
+
+def _free_sent(
+    partition_id: str, sent: list[tuple[DealerConnection, StorePut]], rows: set[int] | None
+) -> None:
+    """Free the cells a failed put sent, of ``rows`` (None: all), which the controller no
+    longer has.
+
+    The clear the controller sends a unit travels on another connection than the put's
+    columns, which may still be on their way (megabytes through the socket): the unit would
+    store them after it, for rows nobody has. A clear sent after them on their own
+    connection frees them -- only once the controller has no such rows: a commit whose
+    reply was lost may have been journaled, and its cells must stay."""
+    for conn, store in sent:
+        mine = store.rows if rows is None else [r for r in store.rows if r in rows]
+        if mine:
+            conn.send_best_effort(StoreClear(partition_id, mine, store.incarnation))
+
+
+async def _abort_keyed(links: Links, put_id: int) -> set[int]:
+    """Abort a keyed put: the rows the controller reclaimed (none if it could not say)."""
+    with cleanup_scope(5):
+        try:
+            return set(await links.call(AbortPut([put_id]), list[int]))
+        except Exception as exc:  # the original error matters more
+            log.warning("could not abort a failed keyed put", error=str(exc))
+    return set()
 
 
 class PutPath:
