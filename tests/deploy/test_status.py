@@ -300,3 +300,21 @@ async def test_status_json_gives_every_unit_the_same_keys() -> None:
     assert (up["rows"], up["error"]) == (0, None)
     assert (lost["rows"], lost["resident_bytes"], lost["error"]) == (None, None, None)
     assert "unit 1 [lost] tcp://127.0.0.2:" in render(status, address)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["127.0.0.1:5555"], "did you mean 'tcp://127.0.0.1:5555'"),
+        (["tcp://127.0.0.1:5555", "--curve-cert", "/nonexistent"], "cannot read CURVE"),
+    ],
+)
+def test_status_of_a_bad_command_line_exits_2(argv: list[str], said: str) -> None:
+    """An address without its scheme or a certificate that cannot be read is a bad command
+    line (status 2, as ``serve`` exits for one); status exited 1, as for a cluster that
+    could not be reached."""
+    done = _status(*argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("tq-async: error: ")
+    assert said in line
