@@ -355,3 +355,25 @@ def test_services_never_import_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_a_cluster_on_every_interface_warns_as_its_services_would(allowed: bool) -> None:
+    """``local_cluster`` / ``tq-async serve`` on a non-loopback host warned "anyone who can
+    reach it can read and write data" with CURVE keys and an allow-list too (untrue), and
+    without any said nothing of what to do. It warns as ``serve controller`` does: nothing
+    with an allow-list, the fix otherwise."""
+    public, secret = tq.curve_keypair()
+    clients = [tq.curve_keypair()[0]] if allowed else None
+    curve = tq.CurveServer(public, secret, allowed_clients=clients)
+    with structlog.testing.capture_logs() as logs:
+        async with tq.local_cluster(1, host="0.0.0.0", curve=curve, transport="tcp"):
+            pass
+        async with tq.local_cluster(1, host="0.0.0.0", transport="tcp"):
+            pass
+    warnings = [e["event"] for e in logs if e["log_level"] == "warning"]
+    exposed = "binding a non-loopback interface: anyone who can reach it can read and write data"
+    assert [w for w in warnings if w.startswith(exposed)] == [
+        f"{exposed}; bind 127.0.0.1, keep the network private, or use CURVE keys"
+    ]
+    assert any("without an allow-list" in w for w in warnings) is not allowed
