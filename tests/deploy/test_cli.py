@@ -20,7 +20,7 @@ from tensordict import TensorDict
 import tq_async as tq
 from _services import START_TIMEOUT, Service, parse_unit, refused_port, service
 from tq_async._controller._server import ControllerServer
-from tq_async._deploy._cli import _build_parser, load_curve
+from tq_async._deploy._cli import _build_parser, load_curve, main
 from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
 from tq_async._service._serve import (
     advertised_address,
@@ -218,6 +218,14 @@ def test_status_screens_below_one_is_a_bad_flag(
     assert info.value.code == 2
     assert "--screens: expected a number of screens >= 1" in capsys.readouterr().err
     assert parse("status", "tcp://h:1", "--watch", "--screens", "1").screens == 1
+
+
+def test_status_screens_without_watch_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``status ADDRESS --screens 3`` (no ``--watch``) printed one screen and said nothing."""
+    with pytest.raises(SystemExit) as info:
+        main(["status", "tcp://127.0.0.1:1", "--screens", "3"])
+    assert info.value.code == 2
+    assert "--screens applies to --watch" in capsys.readouterr().err
 
 
 # ---- addresses, warnings, registration (in process) -----------------------------------------

@@ -623,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.command == "status" and args.screens is not None and not args.watch:
+        parser.error("--screens applies to --watch (status prints one screen without it)")
     # This process is ours: move the objects its imports leave behind out of the collector's
     # reach, so full collections do not walk them while serving. (It mattered most while the
     # services imported torch, ~300k objects: worst put 262 ms -> 9 ms; they no longer do.)
