@@ -5,6 +5,7 @@ Each defect of the exactly-once issue has a test here; time is a number the test
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -334,6 +335,21 @@ def test_a_suspended_unit_resumes_with_its_rows() -> None:
     assert rows_of(get(core, req(4))) == [4, 5, 6, 7]
     assert is_end(get(core, req(4)))
     assert core.state.partition("p").lost == {}
+
+
+def test_a_units_suspension_and_return_are_logged_with_its_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning "storage unit suspended" (and "resumed") named the unit's id only, where
+    "storage unit lost" gives its address too: an operator of a multi-host cluster had to
+    look the id up."""
+    core = new_core(deadlines=Deadlines(unit_lost_after=60.0))
+    with caplog.at_level(logging.INFO, logger="tq_async"):
+        core.unit_down(1, now=0.0)
+        core.unit_up(1)
+    told = {r.tq_event["event"].split(":")[0]: r.tq_event for r in caplog.records}  # type: ignore[attr-defined]
+    assert told["storage unit suspended"]["address"] == "inproc://u1"
+    assert told["storage unit resumed"]["address"] == "inproc://u1"
 
 
 def test_a_unit_suspended_too_long_is_lost() -> None:

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 import tq_async as tq
 from _services import START_TIMEOUT, Service, parse_unit, refused_port, service
 from tq_async._controller._server import ControllerServer
-from tq_async._deploy._cli import _build_parser, load_curve
+from tq_async._deploy._cli import _build_parser, load_curve, main
 from tq_async._errors import InvalidRequestError, ProtocolError, TQTimeoutError
 from tq_async._service._serve import (
     advertised_address,
@@ -220,6 +220,14 @@ def test_status_screens_below_one_is_a_bad_flag(
     assert parse("status", "tcp://h:1", "--watch", "--screens", "1").screens == 1
 
 
+def test_status_screens_without_watch_is_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``status ADDRESS --screens 3`` (no ``--watch``) printed one screen and said nothing."""
+    with pytest.raises(SystemExit) as info:
+        main(["status", "tcp://127.0.0.1:1", "--screens", "3"])
+    assert info.value.code == 2
+    assert "--screens applies to --watch" in capsys.readouterr().err
+
+
 # ---- addresses, warnings, registration (in process) -----------------------------------------
 
 
@@ -355,3 +363,25 @@ def test_services_never_import_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_a_cluster_on_every_interface_warns_as_its_services_would(allowed: bool) -> None:
+    """``local_cluster`` / ``tq-async serve`` on a non-loopback host warned "anyone who can
+    reach it can read and write data" with CURVE keys and an allow-list too (untrue), and
+    without any said nothing of what to do. It warns as ``serve controller`` does: nothing
+    with an allow-list, the fix otherwise."""
+    public, secret = tq.curve_keypair()
+    clients = [tq.curve_keypair()[0]] if allowed else None
+    curve = tq.CurveServer(public, secret, allowed_clients=clients)
+    with structlog.testing.capture_logs() as logs:
+        async with tq.local_cluster(1, host="0.0.0.0", curve=curve, transport="tcp"):
+            pass
+        async with tq.local_cluster(1, host="0.0.0.0", transport="tcp"):
+            pass
+    warnings = [e["event"] for e in logs if e["log_level"] == "warning"]
+    exposed = "binding a non-loopback interface: anyone who can reach it can read and write data"
+    assert [w for w in warnings if w.startswith(exposed)] == [
+        f"{exposed}; bind 127.0.0.1, keep the network private, or use CURVE keys"
+    ]
+    assert any("without an allow-list" in w for w in warnings) is not allowed

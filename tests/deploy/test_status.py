@@ -16,11 +16,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import tq_async as tq
-from _cluster_proc import free_port, sigkill
+from _cluster_proc import free_port, serve_role, sigkill
 from _services import START_TIMEOUT, refused_port, service
 from tq_async._controller import _server
 from tq_async._deploy import _status as status_module
-from tq_async._deploy._status import render, run_status
+from tq_async._deploy._status import cluster_status, render, run_status
+from tq_async._transport._dealer import DealerConnection
 from tq_async._wire._protocol import ClusterStatus
 
 
@@ -189,7 +190,7 @@ def test_status_of_a_curve_cluster_with_its_certificate(tmp_path: Path) -> None:
             "allowed_clients": 1,
         }
         assert {u["state"] for u in status["units"].values()} == {"up"}
-        assert all("error" not in u and u["rows"] == 0 for u in status["units"].values())
+        assert all(u["error"] is None and u["rows"] == 0 for u in status["units"].values())
         assert "security: CURVE on" in _status(address, "--curve-cert", secret).stdout
         done = _status(address)  # (what the refusal says is the transport's)
         assert (done.returncode, done.stdout) == (1, "")
@@ -268,3 +269,52 @@ async def test_status_of_a_silent_address_says_what_to_check(
         f"the controller at {address} did not answer within 0.5 s: check that it runs at that "
         "address (the TQ_ADDRESS= line of tq-async serve) and is not stopped"
     )
+
+
+async def test_status_json_gives_every_unit_the_same_keys() -> None:
+    """``--json`` changed shape with a unit's state: an up unit had its figures, a lost or
+    suspended one only its address and state, one not answering an ``error`` besides. Every
+    unit has the same keys now (null where unknown)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    unit = ("storage", "--controller", address, "--unit-id")
+    with (
+        serve_role("controller", "--bind", address),
+        serve_role(*unit, "0", line="TQ_UNIT="),
+        serve_role(*unit, "1", "--advertise", "127.0.0.2", line="TQ_UNIT="),  # never reached
+    ):
+        async with (
+            tq.AsyncClient.connect(address, request_timeout=10) as client,
+            client.watch(kinds=["unit_lost"]) as events,  # subscribed: nothing after is missed
+        ):
+            with anyio.fail_after(30):
+                if not (await client.lost_rows())["dead_units"]:
+                    assert (await events.__anext__()).unit == 1
+        ctl = DealerConnection(address, refused_is_broken=True)
+        try:
+            status = await cluster_status(ctl)
+        finally:
+            ctl.close()
+    up, lost = status["units"]["0"], status["units"]["1"]
+    assert (up["state"], lost["state"]) == ("up", "lost")
+    assert set(up) == set(lost)
+    assert (up["rows"], up["error"]) == (0, None)
+    assert (lost["rows"], lost["resident_bytes"], lost["error"]) == (None, None, None)
+    assert "unit 1 [lost] tcp://127.0.0.2:" in render(status, address)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["127.0.0.1:5555"], "did you mean 'tcp://127.0.0.1:5555'"),
+        (["tcp://127.0.0.1:5555", "--curve-cert", "/nonexistent"], "cannot read CURVE"),
+    ],
+)
+def test_status_of_a_bad_command_line_exits_2(argv: list[str], said: str) -> None:
+    """An address without its scheme or a certificate that cannot be read is a bad command
+    line (status 2, as ``serve`` exits for one); status exited 1, as for a cluster that
+    could not be reached."""
+    done = _status(*argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("tq-async: error: ")
+    assert said in line

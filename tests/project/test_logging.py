@@ -287,3 +287,20 @@ def test_serve_colours_its_logs_on_a_terminal() -> None:
     text = b"".join(chunks).decode()
     assert "serving" in text
     assert "\x1b[" in text  # coloured
+
+
+async def test_the_units_of_one_process_name_themselves_in_their_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The units of one process (``tq-async serve``, ``local_cluster``) logged the same line
+    each, with nothing to tell which unit said it (here: a device arena without shared
+    memory). Their lines carry ``unit=N``; the program's own lines do not."""
+    config = tq.Config(num_storage_units=2, shm_cap=0, device_cap=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="tq_async"):
+        async with tq.local_cluster(config=config):
+            get_logger("tq_async.test").warning("the program's own line")
+    told = [r for r in caplog.records if r.getMessage().startswith("no device arena")]
+    assert sorted(r.tq_event["unit"] for r in told) == [0, 1]  # type: ignore[attr-defined]
+    assert all(r.getMessage().endswith(f"unit={r.tq_event['unit']}") for r in told)  # type: ignore[attr-defined]
+    [own] = [r for r in caplog.records if r.getMessage() == "the program's own line"]
+    assert "unit" not in own.tq_event  # type: ignore[attr-defined]

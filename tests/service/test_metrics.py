@@ -203,3 +203,21 @@ async def test_a_registry_kept_after_serve_controller_and_storage_stop() -> None
         tg.cancel_scope.cancel()
     assert registry.get_sample_value("tq_partitions") is None
     assert registry.get_sample_value("tq_storage_resident_bytes", {"unit": "0"}) is None
+
+
+@pytest.mark.parametrize("address", ["[::1]:0", "::1:0"])
+async def test_metrics_on_an_ipv6_host(address: str) -> None:
+    """``[::1]:9100`` (how an IPv6 host and a port are written) failed: "cannot serve
+    metrics on [::1]:0: Name or service not known"; ``::1:9100`` served, but the URL printed
+    (``TQ_METRICS_URL=``) was ``http://::1:9100/metrics``, which no client parses."""
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+    registry = CollectorRegistry()
+    async with tq.local_cluster(metrics_registry=registry, serve_metrics_on=address) as cluster:
+        url = cluster.metrics_url
+        assert url is not None
+        assert url.startswith("http://[::1]:")
+        assert "tq_partitions 0.0" in await anyio.to_thread.run_sync(scrape, url)

@@ -72,6 +72,7 @@ class UnitLiveness:
         log.warning(
             "storage unit suspended: its rows wait until it comes back or is declared lost",
             unit=unit,
+            address=st.units.get(unit),
             lost_after=self.unit_lost_after,
         )
         return Effects()
@@ -89,7 +90,7 @@ class UnitLiveness:
             if unit in set(p.units):  # (a recorded batch of its rows may wait, see _gets)
                 p.ready.clear()  # rebuilt on next use, with the unit's rows
                 fx.wakeups.append(Wakeup(pid))
-        log.info("storage unit resumed", unit=unit)
+        log.info("storage unit resumed", unit=unit, address=st.units.get(unit))
         return fx
 
     def unit_lost(self, unit: int) -> Effects:

@@ -28,13 +28,19 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from .._core._transitions import Deadlines
-from .._errors import AuthenticationError, ConfigError, TQError
+from .._errors import AuthenticationError, ConfigError, InvalidRequestError, TQError
 from .._logging import configure_logging, get_logger
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
 from .._service._metrics import metrics_address, serve_metrics
-from .._service._serve import first_tq_error, raise_fd_limit, serve_controller, serve_storage
+from .._service._serve import (
+    check_address,
+    first_tq_error,
+    raise_fd_limit,
+    serve_controller,
+    serve_storage,
+)
 from .._storage._server import DEFAULT_SHM_CAP
 from ._cluster import local_cluster
 from ._status import run_status
@@ -609,12 +615,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (``sys.argv[1:]`` by default).
 
     Returns:
-        The exit status: 0 after a clean stop, 1 when a service could not start, 2 for a
-        bad command line or configuration.
+        The exit status: 0 after a clean stop (or the status shown), 1 when a service could
+        not start (or ``status`` could not get the cluster's), 2 for a bad command line or
+        configuration (for ``status`` too: an address without its scheme, a certificate
+        that cannot be read).
     """
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.command == "status" and args.screens is not None and not args.watch:
+        parser.error("--screens applies to --watch (status prints one screen without it)")
     # This process is ours: move the objects its imports leave behind out of the collector's
     # reach, so full collections do not walk them while serving. (It mattered most while the
     # services imported torch, ~300k objects: worst put 262 ms -> 9 ms; they no longer do.)
@@ -651,8 +661,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    try:
+    try:  # a bad command line: status 2, as for serve
         keys = load_curve(args.curve_cert, None)
+        check_address(args.address)
+    except InvalidRequestError as exc:
+        print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
         anyio.run(
             partial(
                 run_status,

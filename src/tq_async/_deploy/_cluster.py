@@ -19,7 +19,6 @@ from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._placement import Placer, check_placement
 from .._core._state import ControllerState, check_capacity
 from .._errors import ConfigError, InvalidRequestError
-from .._logging import get_logger
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
@@ -31,9 +30,8 @@ from .._service._metrics import (
     serve_metrics,
     storage_collector,
 )
-from .._service._serve import first_tq_error, only_error
+from .._service._serve import first_tq_error, only_error, warn_if_exposed
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
-from .._transport._endpoints import is_loopback
 from .._transport._security import CurveServer
 from .._wire._checks import integral
 from ..samplers import BaseSampler
@@ -42,8 +40,6 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python versi
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["LocalCluster", "local_cluster"]
-
-log = get_logger(__name__)
 
 
 @dataclass
@@ -186,7 +182,7 @@ async def local_cluster(
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
     plan.sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
     controller_bind = plan.bind or plan.endpoint("controller")
-    _warn_if_exposed(controller_bind)
+    warn_if_exposed(controller_bind, "cluster", plan.options["curve"])
     raised: list[BaseException] = []  # what the caller's block raised, if anything
     hosting = host_services()  # blocking clients on this loop's thread fail at once
     try:
@@ -211,14 +207,6 @@ async def local_cluster(
             shutil.rmtree(plan.sockdir, ignore_errors=True)
     if raised:
         raise raised[0]
-
-
-def _warn_if_exposed(bind: str) -> None:
-    if not is_loopback(bind):
-        log.warning(
-            "binding a non-loopback interface: anyone who can reach it can read and write data",
-            address=bind,
-        )
 
 
 @dataclass

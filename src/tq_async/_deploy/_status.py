@@ -31,6 +31,9 @@ from .._wire._protocol import (
 
 __all__ = ["cluster_status", "render", "run_status"]
 
+#: a unit's figures before (or without) its answer
+_UNKNOWN: dict[str, Any] = dict.fromkeys(f.name for f in msgspec.structs.fields(StoreStatsReply))
+
 #: seconds each request may take
 _TIMEOUT = 10.0
 #: seconds a watch waits before it asks again a controller that did not answer
@@ -66,8 +69,9 @@ async def cluster_status(ctl: DealerConnection, curve: CurveClient | None = None
             continue  # cleared meanwhile
     out["partitions"] = partitions
     units: dict[str, dict[str, Any]] = {}
-    for unit_id, unit in out["units"].items():
-        units[str(unit_id)] = unit
+    for unit_id, listed in out["units"].items():
+        # the same keys in every state: None where unknown (not up, or not answering)
+        units[str(unit_id)] = unit = {**listed, **_UNKNOWN, "error": None}
         if unit["state"] != "up":
             continue
         conn = DealerConnection(unit["address"], curve=curve, refused_is_broken=True)
@@ -103,12 +107,12 @@ def render(status: dict[str, Any], address: str) -> str:
     lines.append(f"storage units ({len(status['units'])}):")
     for unit_id, unit in sorted(status["units"].items(), key=lambda kv: int(kv[0])):
         line = f"  unit {unit_id} [{unit['state']}] {unit['address']}"
-        if "rows" in unit:
+        if unit.get("rows") is not None:
             line += (
                 f": {unit['rows']} rows, {_size(unit['resident_bytes'])}, shared memory "
                 f"{_size(unit['shm_bytes'])} of {_size(unit['shm_cap'])}"
             )
-        if "error" in unit:
+        if unit.get("error") is not None:
             line += f": not answering ({unit['error']})"
         lines.append(line)
     clients = status.get("clients")

@@ -390,7 +390,8 @@ def transfer_collector() -> Collector:
 
 
 def metrics_address(address: str, key: str = "metrics_on") -> tuple[str, int]:
-    """``"HOST:PORT"`` (``metrics_on``) as ``(host, port)``: no host is loopback, no port 0.
+    """``"HOST:PORT"`` (``metrics_on``) as ``(host, port)``: no host is loopback, no port 0;
+    an IPv6 host in brackets (``[::1]:9100``) comes without them.
 
     Raises:
         InvalidRequestError: no ``:``, or a port that is not a number from 0 to 65535 (the
@@ -398,6 +399,8 @@ def metrics_address(address: str, key: str = "metrics_on") -> tuple[str, int]:
     """
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if sep and (port == "" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
         return host or "127.0.0.1", int(port or 0)
     raise InvalidRequestError(
         f"{key}: expected HOST:PORT (a port from 0 to 65535; 0: any free port), got {address!r}"
@@ -419,7 +422,7 @@ def serve_metrics(
             f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
             "address (metrics_on, --metrics-on)"
         ) from exc
-    url = f"http://{host}:{server.server_port}/metrics"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}/metrics"
 
     def stop() -> None:
         server.shutdown()

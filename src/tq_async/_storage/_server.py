@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from .._errors import ClosedError, InvalidRequestError
@@ -236,6 +237,12 @@ class StorageServer(Service):
         task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Bind, report the address through ``task_status``, serve until cancelled."""
+        # its log lines name it (units of one process told apart)
+        named = {"unit": self.unit_id} if self.unit_id >= 0 else {}
+        with structlog.contextvars.bound_contextvars(**named):
+            await self._serve(bind, task_status)
+
+    async def _serve(self, bind: str, task_status: TaskStatus[str]) -> None:
         self._endpoint = RouterEndpoint(bind, self.on_message, curve=self.curve, twin="uds")
         try:
             self.shm_path.open(f"tq-unit-{self.unit_id}", self._endpoint.ipc_address)
