@@ -438,6 +438,72 @@ async def test_a_client_killed_while_its_requests_wait_leaves_nothing_parked() -
         assert await drain(client, "p") == [0, 1]
 
 
+#: a client process whose get_meta waits at the controller over ZMQ (TCP) until SIGKILLed
+_WAITING_ZMQ_CLIENT = """
+import asyncio, sys
+import tq_async as tq
+
+async def main():
+    async with tq.AsyncClient.connect(sys.argv[1], same_host=False, retry_after=0.2) as client:
+        await client.get_meta(["i"], 2, "p", "t")
+
+asyncio.run(main())
+"""
+
+
+async def test_a_zmq_client_killed_while_its_get_meta_waits_leaves_the_rows_to_the_task() -> None:
+    """A client over TCP SIGKILLed while its get_meta waits: ZMQ tells the controller
+    nothing, and the request stayed parked for good; the next put woke it and the task's
+    rows went to nobody. A waiting request is resent every ``retry_after`` (its client said
+    how often in its Hello): one not resent for a few periods now ends as a Cancel does."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        ctl = cluster.controller
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, killed with a deadline
+            [sys.executable, "-c", _WAITING_ZMQ_CLIENT, cluster.address]
+        )
+        try:
+            with anyio.fail_after(60):  # (a process to start; the count tells it parked)
+                while ctl.waiting < 1:
+                    await anyio.sleep(0.05)
+        finally:
+            sigkill(proc)
+        with anyio.fail_after(10):  # three missed resends of 0.2 s end it
+            while ctl.waiting:
+                await anyio.sleep(0.01)
+        await fill(client, "p", 2)
+        assert await drain(client, "p") == [0, 1]
+
+
+async def test_a_live_zmq_client_whose_get_meta_waits_long_keeps_it() -> None:
+    """The other side: a live client's waiting get_meta, resent every ``retry_after``,
+    stays parked across many periods and gets the rows of the next put."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as producer,
+        tq.AsyncClient.connect(cluster.address, same_host=False, retry_after=0.05) as consumer,
+    ):
+        ctl = cluster.controller
+        waiter = asyncio.ensure_future(consumer.get_meta(["i"], 2, "p", "t"))
+        try:
+            with anyio.fail_after(30):
+                while ctl.waiting < 1:
+                    await anyio.sleep(0.01)
+                heard = ctl._shell._heard  # the resends' stamps
+                first = heard[next(iter(heard))]
+                while heard and heard[next(iter(heard))] < first + 0.5:  # ten periods
+                    await anyio.sleep(0.01)
+            assert ctl.waiting == 1
+            await fill(producer, "p", 2)
+            with anyio.fail_after(30):
+                meta = await waiter
+        finally:
+            waiter.cancel()
+        assert sorted(meta.global_indexes) == [0, 1]
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_recorded_get_cancelled_while_its_cells_are_read_keeps_its_rows_held(
     mode: str,

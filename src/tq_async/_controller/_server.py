@@ -333,6 +333,7 @@ class ControllerServer(Service):
         return SENT
 
     def _on_hello(self, msg: Incoming, body: Hello) -> HelloReply:
+        self._shell.resends_every(msg.peer, body.refresh)
         st = self.state
         infos = [UnitInfo(i, a, host=st.unit_hosts.get(i, "")) for i, a in sorted(st.units.items())]
         ipc = self._endpoint.ipc_address if self._endpoint is not None else None

@@ -24,6 +24,7 @@ from anyio.abc import TaskGroup
 from .._core._state import ControllerState, Wakeup
 from .._core._transitions import ControllerCore, Effects
 from .._errors import ClosedError, TQError, TQTimeoutError
+from .._logging import get_logger
 from .._service._loop import Incoming
 from .._service._metrics import Metrics
 from .._service._parking import ParkingLot
@@ -32,8 +33,16 @@ from ._watch import WatchHub
 
 __all__ = ["FreeRows", "SendError", "Sends", "Shell"]
 
+log = get_logger(__name__)
+
 #: replies remembered for deduplicating retried requests (about 1 KiB each)
 _REPLY_CACHE = 8192
+#: clients whose resend period (`Hello.refresh`) is remembered (the oldest are forgotten:
+#: their waiting requests are then never taken for a dead client's)
+_REFRESH_CACHE = 16384
+#: a waiting request of a ZMQ client not resent for this many of its resend periods is its
+#: dead client's (it resends one every ``retry_after``: a live client misses no 3 in a row)
+_MISSED_REFRESHES = 3
 
 #: ``(peer, rid, exception, op)``: answer a request with an error (the service's own)
 SendError = Callable[[bytes, int, BaseException, str], None]
@@ -87,6 +96,14 @@ class Shell:
         self._timer_at: float | None = None
         #: the timers of `call_later` still to fire
         self._later: set[asyncio.TimerHandle] = set()
+        #: a ZMQ client's resend period by identity (`Hello.refresh`), and when each of its
+        #: waiting requests was last heard of: one not resent in time is a dead client's
+        self._refresh: OrderedDict[bytes, float] = OrderedDict()
+        self._heard: dict[tuple[bytes, int], float] = {}
+        #: waiting requests ended as their client's (`_sweep`): answered with nothing
+        self._dropped: set[tuple[bytes, int]] = set()
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._sweep_at = float("inf")
 
     @property
     def state(self) -> ControllerState:
@@ -155,6 +172,8 @@ class Shell:
             handle.cancel()
         self._later.clear()
         self.watch.close()
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
 
     def call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> None:
         """Run ``callback(*args)`` in ``delay`` seconds, unless the controller stops first."""
@@ -178,12 +197,66 @@ class Shell:
         for key in [k for k in self.watch.parked if k[0] == peer]:
             self.watch.cancel(key)
 
+    def resends_every(self, peer: bytes, refresh: float | None) -> None:
+        """A client said (`Hello.refresh`) it resends a request still waiting every
+        ``refresh`` seconds (None: it does not, e.g. over a Unix socket, whose end is told)."""
+        self._refresh.pop(peer, None)
+        if refresh is not None and refresh > 0:
+            self._refresh[peer] = refresh
+            if len(self._refresh) > _REFRESH_CACHE:
+                self._refresh.popitem(last=False)
+
+    def _heard_of(self, key: tuple[bytes, int]) -> None:
+        """A waiting request of a client that resends was sent (again) now."""
+        refresh = self._refresh.get(key[0])
+        if refresh is None:
+            return
+        now = self.now()
+        self._heard[key] = now
+        self._arm_sweep(now + refresh * _MISSED_REFRESHES)
+
+    def _arm_sweep(self, at: float) -> None:
+        """One timer for all the waiting requests that must be resent (none: no timer)."""
+        if at >= self._sweep_at or self.stopping:
+            return
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+        self._sweep_at = at
+        self._sweep_timer = asyncio.get_running_loop().call_at(at, self._sweep)
+
+    def _sweep(self) -> None:
+        """End the waiting requests their client stopped resending (it was killed: ZMQ
+        tells nothing) as a ``Cancel`` would, with no answer: a client alive after all
+        (a loop blocked that long) resends it, and it runs again."""
+        self._sweep_timer, self._sweep_at = None, float("inf")
+        now, refresh = self.now(), self._refresh
+        due = float("inf")
+        for key, heard in list(self._heard.items()):
+            period = refresh.get(key[0])
+            if period is None:  # forgotten (`_REFRESH_CACHE`): never taken for dead
+                del self._heard[key]
+                continue
+            end = heard + period * _MISSED_REFRESHES
+            if end > now:
+                due = min(due, end)
+                continue
+            scope = self.pending.get(key)
+            if scope is not None:
+                log.info("a waiting request was not resent: its client is gone", rid=key[1])
+                self._dropped.add(key)
+                scope.cancel()
+        if due != float("inf"):
+            self._arm_sweep(due)
+
     # ---- tasks -------------------------------------------------------------------------------
 
     def spawn_waiting(self, msg: Incoming, coro_fn: Any, *args: Any) -> None:
         """Spawn a request that may wait (it runs `waiting_request`). It can be
         cancelled from now on: a ``Cancel`` read before its task starts still finds it."""
-        self.pending[(msg.peer, msg.rid)] = anyio.CancelScope()
+        key = (msg.peer, msg.rid)
+        self.pending[key] = anyio.CancelScope()
+        if self._refresh:
+            self._heard_of(key)
         self.spawn(coro_fn, *args)
 
     def spawn(self, coro_fn: Any, *args: Any) -> None:
@@ -202,7 +275,11 @@ class Shell:
             if self.endpoint is not None:
                 self.endpoint.send(peer, [cached])
             return True
-        return (peer, rid) in self.pending  # its reply will reach the retry
+        if (peer, rid) not in self.pending:
+            return False
+        if (peer, rid) in self._heard:  # its client is alive: it resends it
+            self._heard_of((peer, rid))
+        return True  # its reply will reach the retry
 
     def send(self, peer: bytes, rid: int, header: bytes, frames: Sequence[Any] = ()) -> None:
         """Send a reply and remember it: a retried request gets it again, not re-executed."""
@@ -269,8 +346,12 @@ class Shell:
             self.send_error(peer, rid, exc, op)
         finally:
             self.pending.pop((peer, rid), None)
+            self._heard.pop((peer, rid), None)
             if self.metrics.enabled:
                 self.metrics.request(op, ok, time.perf_counter() - t0)
+        if (peer, rid) in self._dropped:  # its client is gone (or resends it: it runs again)
+            self._dropped.discard((peer, rid))
+            return
         if scope.cancel_called and (peer, rid) not in self.replies:
             self.send(peer, rid, error_reply(rid, TQError(f"{op} cancelled by its client")))
 

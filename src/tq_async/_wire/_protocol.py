@@ -30,6 +30,10 @@ class Hello(_Msg):
 
     #: locality: the sender's host id (see tq_async._transport._hosts; "": unknown)
     host: str = ""
+    #: seconds after which this connection resends a request still waiting (its
+    #: ``retry_after`` over ZMQ; None: it does not): the controller ends a waiting request
+    #: not resent for a few of them, its client being gone
+    refresh: float | None = None
 
 
 class RegisterUnit(_Msg):

@@ -286,7 +286,7 @@ class Links:
             return
         try:
             wait = self.same_host_units.hello_timeout
-            payload, _ = await conn.request(Hello(host=self.host_id), timeout=wait)
+            payload, _ = await conn.request(_hello(self, conn), timeout=wait)
             again: HelloReply = decode(payload, HelloReply)
             ok = again.instance == hello.instance
         except (TQTimeoutError, BrokenError, zmq.ZMQError) as exc:  # EPIPE: ZMQError
@@ -312,7 +312,7 @@ class Links:
         self._refreshing = done = Event()
         try:
             hello: HelloReply = await self.call(
-                Hello(host=self.host_id), HelloReply, timeout=timeout
+                _hello(self, self.controller), HelloReply, timeout=timeout
             )
         finally:
             self._refreshing = None
@@ -424,7 +424,7 @@ class Links:
             self.controller = conn = self.controller_connection(known_as, refused_is_broken=True)
         self._must_rejoin = False
         try:
-            payload, _ = await conn.request(Hello(host=self.host_id), timeout=self.request_timeout)
+            payload, _ = await conn.request(_hello(self, conn), timeout=self.request_timeout)
         except BaseException:
             self._must_rejoin = True
             raise
@@ -627,3 +627,13 @@ def _unanswered(address: str, wait: float) -> TQTimeoutError:
         "address (the TQ_ADDRESS=... line `tq-async serve` prints), that the services run, "
         "and that this host can reach them"
     )
+
+
+def _hello(links: Links, conn: DealerConnection | None) -> Hello:
+    """A ``Hello`` to send on ``conn``: over ZMQ it says how often a waiting request is
+    resent, so that the controller can tell one whose client was killed (a Unix socket's
+    end is told: none)."""
+    retry_after = links.retry_after
+    zmq_link = conn is not None and not conn.address.startswith("uds://")
+    refresh = retry_after if zmq_link and retry_after is not None and retry_after > 0 else None
+    return Hello(host=links.host_id, refresh=refresh)
