@@ -8,6 +8,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._errors import InvalidRequestError
 
 __all__ = ["check_args", "checked_name", "parse_state", "positive_int"]
@@ -34,6 +36,14 @@ def as_int(value: Any) -> Any:
 
 
 _TAILS = ("uneven", "drop", "error")
+
+
+def field_list(data_fields: Any) -> Any:
+    """``data_fields`` kept in a 1-D numpy array, as the list of its names (anything else as
+    given: `check_args` checks it)."""
+    if isinstance(data_fields, np.ndarray) and data_fields.ndim == 1:
+        return data_fields.tolist()
+    return data_fields
 
 
 def check_args(

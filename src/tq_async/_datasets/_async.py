@@ -47,7 +47,6 @@ from types import TracebackType
 from typing import Any, TypeAlias
 
 import anyio
-import numpy as np
 import torch
 from anyio.abc import TaskGroup
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
@@ -62,7 +61,7 @@ from .._meta import BatchMeta
 from .._paths._device_copy import check_device, to_device
 from .._wire._checks import MAX_ALSO, check_int, check_seconds
 from .._wire._nested import RowWindows, tensordict_of
-from ._args import check_args, checked_name, parse_state, positive_int
+from ._args import check_args, checked_name, field_list, parse_state, positive_int
 from ._handoff import pack, unpack
 from ._holds import Holds, hold_of
 from ._prefetch import Prefetcher
@@ -447,9 +446,7 @@ class AsyncStreamingDataset:
         device: Any = None,
     ) -> None:
         self.device = check_device(device)
-        given: Any = data_fields
-        if isinstance(given, np.ndarray) and given.ndim == 1:  # names kept in an array
-            data_fields = given.tolist()
+        data_fields = field_list(data_fields)
         config, dp_size, tail = check_args(
             address,
             data_fields,
