@@ -55,16 +55,18 @@ async def test_rows_go_to_the_producers_host_and_bytes_are_counted_by_locality()
         meta_a = await on_a.put(big, partition_id="q")
         assert (await on_a.storage_stats())[0]["rows"] == 64
         assert len(meta_a) == 64
-    text = "\n".join(f"{s.name}{s.labels} {s.value}" for m in registry.collect() for s in m.samples)
-    assert "tq_storage_locality_bytes_total" in text
-    samples = {
-        (s.labels["unit"], s.labels["direction"], s.labels["locality"]): s.value
-        for m in registry.collect()
-        if m.name == "tq_storage_locality_bytes"
-        for s in m.samples
-    }
-    assert samples[("1", "in", "same_host")] == written
-    assert samples[("1", "out", "other_host")] == 64 * 1024 * 4
+        text = "\n".join(
+            f"{s.name}{s.labels} {s.value}" for m in registry.collect() for s in m.samples
+        )
+        assert "tq_storage_locality_bytes_total" in text
+        samples = {
+            (s.labels["unit"], s.labels["direction"], s.labels["locality"]): s.value
+            for m in registry.collect()
+            if m.name == "tq_storage_locality_bytes"
+            for s in m.samples
+        }
+        assert samples[("1", "in", "same_host")] == written
+        assert samples[("1", "out", "other_host")] == 64 * 1024 * 4
 
 
 async def test_rows_delivered_per_task_are_counted_by_locality() -> None:
@@ -219,14 +221,14 @@ async def test_bytes_read_are_counted_per_task_by_locality() -> None:
             "far": {"out_same_host": 0, "out_other_host": 2 * 2 * 4},
             "near": {"out_same_host": 4 * 2 * 4, "out_other_host": 0},
         }
-    samples = {
-        (s.labels["unit"], s.labels["task"], s.labels["locality"]): s.value
-        for m in registry.collect()
-        if m.name == "tq_storage_task_locality_bytes"
-        for s in m.samples
-    }
-    assert samples[("1", "near", "same_host")] == 32
-    assert samples[("1", "far", "other_host")] == 16
+        samples = {
+            (s.labels["unit"], s.labels["task"], s.labels["locality"]): s.value
+            for m in registry.collect()
+            if m.name == "tq_storage_task_locality_bytes"
+            for s in m.samples
+        }
+        assert samples[("1", "near", "same_host")] == 32
+        assert samples[("1", "far", "other_host")] == 16
 
 
 async def test_a_global_batch_is_split_by_host_with_groups_whole_and_balance_kept() -> None:
