@@ -109,7 +109,9 @@ async def local_cluster(
         allow_pickle: allow columns of arbitrary Python objects (pickle runs code on load:
             trusted deployments only).
         metrics_registry: a ``prometheus_client.CollectorRegistry`` to record metrics in
-            (off by default; the global registry is never used).
+            (off by default; the global registry is never used). The figures read from
+            the cluster's state (rows, partitions, the units' bytes and locality) leave it
+            when the cluster stops; the request counters stay.
         serve_metrics_on: ``"host:port"`` to serve the registry over HTTP (port 0: any
             free port; see ``cluster.metrics_url``). Needs ``metrics_registry``.
         admission: staleness and capacity bounds enforced by ``acquire_rollout``.
