@@ -44,7 +44,8 @@ class Conn:
     def close(self) -> None:
         self.closed = True
 
-    def retire(self, why: str) -> None:  # replaced: closed, its waiting requests broken
+    def retire(self, why: str, *, farewell: Any = ()) -> None:  # replaced: closed, its
+        self.sent.extend(farewell)  # waiting requests broken, the farewell sent last
         self.close()
 
     def send_best_effort(self, body: Any) -> None:
@@ -132,6 +133,19 @@ async def test_a_verified_unit_is_reached_through_its_twin_with_its_arena_mapped
     # a handshake waits at most SHM_HELLO_TIMEOUT, or the request timeout when shorter
     assert tcp.asked == [_same_host.SHM_HELLO_TIMEOUT]
     assert _part({}, {}, request_timeout=1.0)[0].hello_timeout == 1.0
+
+
+async def test_the_connection_a_twin_replaced_tells_the_unit_to_forget_its_session() -> None:
+    """The unit keeps a shared-memory session per connection (`Book.peers`): the one the
+    twin replaced says it closes, or the unit kept it until this process exited."""
+    tcp = Conn("tcp://10.0.0.1:5000", _hello())
+    twin = Conn(TWIN, _hello())
+    part, _ = _part({0: tcp}, {TWIN: twin})
+    conn, _ = await _link(part, tcp)
+    assert conn is twin
+    assert tcp.closed
+    assert tcp.sent == [ShmFree([], [], closing=True)]
+    assert twin.sent == []
 
 
 async def test_a_twin_that_answers_another_token_is_not_used() -> None:

@@ -5,10 +5,12 @@ admission and ids. Pure: no files, no loop; time is a number the test chooses.""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 import pytest
+import structlog
 
 from tq_async import CheckpointError, SequentialSampler
 from tq_async._core._admission import ADMITTED_TOKENS
@@ -164,6 +166,28 @@ def test_an_uncommitted_put_is_aborted_and_units_wait_to_come_back() -> None:
     again.unit_up(0)
     again.unit_up(1)
     assert sorted(get(again, fetch(2), now=1.0).rows) == [0, 1]
+
+
+def test_units_awaited_after_a_restart_are_not_reported_as_a_fault(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A recovered controller waits for its units to come back with their data: a clean
+    restart, not a unit that went silent, so it logs no "storage unit suspended" warning."""
+    core = new_core()
+    put(core, 2)
+    caplog.set_level(logging.INFO, logger="tq_async")
+    with structlog.testing.capture_logs() as logs:
+        again = reborn(core, 0.0, 1.0, up=False)
+    assert set(again.state.suspended) == {0, 1}
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+    assert sorted(e["unit"] for e in logs if "awaited" in e["event"]) == [0, 1]
+    with structlog.testing.capture_logs() as logs:
+        again.unit_down(0, 2.0)  # (already suspended: nothing new)
+        again.unit_up(0)
+        again.unit_down(0, 3.0)  # silent once it was back: that is a fault
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "storage unit suspended: its rows wait until it comes back or is declared lost"
+    ]
 
 
 def test_a_replay_after_a_restart_waits_for_its_unit_and_is_woken_when_it_is_back() -> None:

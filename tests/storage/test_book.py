@@ -123,6 +123,15 @@ def test_a_closed_client_is_forgotten_and_all_its_connection_held_goes_back() ->
     assert book.closed(A).shm == []  # nothing twice
 
 
+def test_a_closed_nixl_client_is_forgotten() -> None:
+    """A NIXL client (no pid tells the unit it exited) that closes is forgotten too."""
+    book = _book()
+    book.nixl_peers.add(b"remote")
+    book.closed(b"remote")
+    assert book.nixl_peers == set()
+    assert book.pid(b"remote") is None
+
+
 def test_nixl_claims_held_past_the_ttl_are_taken_back() -> None:
     now = [0.0]
     book = _book(now)

@@ -137,6 +137,52 @@ def test_a_chunk_whose_bytes_were_torn_from_its_segment_is_dropped(tmp_path: Pat
         again.get("q", [0], ["j"])
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_restarts_after_a_clear_warn_of_no_missing_cells(tmp_path: Path, sync: bool) -> None:
+    """A segment whose chunks were all cleared is deleted by the start that replays the
+    clear: the index is rewritten with it, so a later start finds no record naming a deleted
+    segment and warns of no "missing" cells (none were)."""
+    state = durable(tmp_path, sync=sync)
+    put(state, "p", [0, 1], 1)
+    state.clear("p", None)
+    state.disk.close()  # type: ignore[union-attr]
+    for _ in range(2):
+        with structlog.testing.capture_logs() as logs:
+            again = durable(tmp_path, sync=sync)
+        assert not [e for e in logs if e["log_level"] == "warning"], logs
+        assert again.stats().rows == 0
+        again.disk.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_segment_deleted_once_its_cells_died_is_no_loss_but_one_deleted_by_hand_is(
+    tmp_path: Path, sync: bool
+) -> None:
+    """A running unit deletes a segment once its cells died (cleared, overwritten); the
+    index still names them until it is rewritten, and the next start says nothing of them.
+    A segment deleted by hand lost live cells: that is still a warning."""
+    state = durable(tmp_path, sync=sync, segment_bytes=64)
+    put(state, "p", [0, 1], 1)
+    put(state, "q", [0, 1], 2)  # (a segment each)
+    put(state, "q", [0, 1], 3)  # q's first segment: overwritten
+    state.clear("p", None)
+    state.disk.commit(state.disk.begin_commit())  # type: ignore[union-attr]
+    state.disk.close()  # type: ignore[union-attr]
+    with structlog.testing.capture_logs() as logs:
+        again = durable(tmp_path, sync=sync, segment_bytes=64)
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+    assert again.stats().rows == 2
+    put(again, "r", [0], 4)
+    again.disk.close()  # type: ignore[union-attr]
+    for segment in sorted(tmp_path.glob("seg-*.dat"))[:-1]:  # all but r's, the newest
+        segment.unlink()
+    with structlog.testing.capture_logs() as logs:
+        durable(tmp_path, sync=sync, segment_bytes=64)
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert "missing" in warning["event"]
+    assert warning["segment_gone"] == 4  # q's live cells: two rows, both columns
+
+
 def test_damaged_bytes_are_an_error_when_read(tmp_path: Path) -> None:
     state = durable(tmp_path)
     put(state, "p", [0, 1], 1)

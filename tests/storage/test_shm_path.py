@@ -7,6 +7,7 @@ goes back (`unlend`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -101,3 +102,42 @@ def test_a_connection_without_a_session_is_told_it_lost_it() -> None:
     state.arena = None  # (closed: a unit without shared memory)
     with pytest.raises(InvalidRequestError, match="no shared memory"):
         path.claimant(CLIENT)
+
+
+def test_an_arena_the_disk_cannot_use_is_closed_not_leaked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable unit whose data_dir refuses the arena file (`use_arena` raises `OSError`)
+    runs without shared memory, and the arena it had made is closed: no file descriptor or
+    mapping stays behind."""
+    from tq_async._storage._segments import ARENA_FILE, SegmentStore, claim_unit_dir
+
+    claim_unit_dir(str(tmp_path), 0)
+    state = StorageState(disk=SegmentStore(str(tmp_path), sync=False))
+    state.recover()
+    path = ShmPath(
+        state, Book(), cap=64 * PAGE, idle_bytes=0, arena_file=str(tmp_path / ARENA_FILE)
+    )
+
+    def refuse() -> None:
+        raise OSError(28, "No space left on device")
+
+    assert state.disk is not None
+    monkeypatch.setattr(state.disk, "use_arena", refuse)
+    arena_file = str(tmp_path / ARENA_FILE)
+    try:
+        path.open("unit", None)
+        assert state.arena is None  # runs without shared memory
+        assert _fds_on(arena_file) == 0
+    finally:
+        path.close()
+        state.disk.close()
+
+
+def _fds_on(file: str) -> int:
+    """How many of this process's file descriptors are open on ``file``."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own, closed by now)
+            held += os.readlink(f"/proc/self/fd/{fd}") == file
+    return held

@@ -773,7 +773,7 @@ def recover(
             continue
         st.units[unit] = address
         st.unit_hosts.setdefault(unit, ctl.unit_hosts.get(unit, ""))
-        fx.add(core.unit_down(unit, now))
+        fx.add(core.unit_down(unit, now, recovered=True))
     for unit in ctl.dead_units:
         st.units.setdefault(unit, ctl.units[unit])
         fx.add(core.unit_lost(unit))

@@ -48,11 +48,12 @@ class UnitLiveness:
         self.unit_lost_after = lost_after
         self._arm = arm
 
-    def unit_down(self, unit: int, now: float) -> Effects:
+    def unit_down(self, unit: int, now: float, *, recovered: bool = False) -> Effects:
         """A unit missed its liveness deadline: suspend it (rows neither handed out nor lost).
 
         End-of-stream waits for its rows and new puts avoid it. It resumes with
         `unit_up`; `unit_lost` (or ``unit_lost_after`` seconds) loses its rows.
+        ``recovered``: a controller restarted from its journal awaits the unit (no fault).
         """
         st = self.state
         if unit in st.dead_units or unit in st.suspended or unit not in st.units:
@@ -69,12 +70,21 @@ class UnitLiveness:
                     p.moves += 1  # an async sampler's answer naming them samples again
         if st.events.on:
             st.events.add(UnitSuspended(unit=unit))
-        log.warning(
-            "storage unit suspended: its rows wait until it comes back or is declared lost",
-            unit=unit,
-            address=st.units.get(unit),
-            lost_after=self.unit_lost_after,
-        )
+        if recovered:
+            log.info(
+                "storage unit awaited after the controller's restart: its rows wait until it "
+                "comes back or is declared lost",
+                unit=unit,
+                address=st.units.get(unit),
+                lost_after=self.unit_lost_after,
+            )
+        else:
+            log.warning(
+                "storage unit suspended: its rows wait until it comes back or is declared lost",
+                unit=unit,
+                address=st.units.get(unit),
+                lost_after=self.unit_lost_after,
+            )
         return Effects()
 
     def unit_up(self, unit: int) -> Effects:

@@ -370,9 +370,10 @@ class ControllerCore:
 
     # ---- storage units (see _liveness) -------------------------------------------------------
 
-    def unit_down(self, unit: int, now: float) -> Effects:
-        """A unit missed its liveness deadline: suspend it (see `UnitLiveness`)."""
-        return self.liveness.unit_down(unit, now)
+    def unit_down(self, unit: int, now: float, *, recovered: bool = False) -> Effects:
+        """A unit missed its liveness deadline, or a recovered controller awaits it: suspend
+        it (see `UnitLiveness`)."""
+        return self.liveness.unit_down(unit, now, recovered=recovered)
 
     def unit_up(self, unit: int) -> Effects:
         """A suspended unit came back with its data: its rows are handed out again."""

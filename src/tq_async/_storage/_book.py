@@ -191,6 +191,7 @@ class Book:
         """``peer`` closed its client (its process lives on): it is forgotten, and all it
         held goes back, also what it was lent with answers it will never read."""
         self.peers.pop(peer, None)
+        self.nixl_peers.discard(peer)
         return self._release(lambda e: e.peer == peer, [peer])
 
     def _release(self, held: Callable[[Grant | Pin], bool], peers: list[bytes]) -> Released:

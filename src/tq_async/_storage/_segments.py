@@ -57,6 +57,7 @@ import msgspec
 from .._errors import ConfigError, StorageFullError, TQError
 from .._logging import get_logger
 from .._wire._columns import ColumnHeader
+from ._gone_cells import GoneCells
 from ._segment_space import SegmentSpace
 
 __all__ = [
@@ -338,6 +339,8 @@ class SegmentStore:
         #: `load` dropped chunks whose bytes are gone: the index must be rewritten before
         #: new cells may take their place (the arena reuses space)
         self.dropped = False
+        #: the data segments the loaded index names (until `collect`)
+        self._named: set[int] = set()
         #: `file_bytes` after the last compaction pass (`tq_async._storage._durable.compact`)
         self.compacted_at = 0
         self.bytes_written = 0
@@ -357,7 +360,7 @@ class SegmentStore:
         path = os.path.join(self.directory, _INDEX)
         # the highest segment a record names (its file may be gone: all its chunks dead)
         named = 0
-        missing = {"gone": 0, "short": 0}
+        missing = {"gone": 0, "short": 0, "lost": 0}
         if self.durable and os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
@@ -373,18 +376,20 @@ class SegmentStore:
                 with open(path, "r+b") as f:
                     f.truncate(good)
         if missing["gone"] or missing["short"]:
-            self.dropped = True
-            # one line: a segment of dead chunks is deleted while the records naming them stay
-            # until the index is rewritten (done after this load), so "gone" is usually those
+            self.dropped = True  # the index is rewritten without them (after this load)
+        # a segment of dead chunks is deleted while the records naming them stay until the
+        # index is rewritten: only cells no later record cleared or overwrote were lost
+        if missing["lost"] or missing["short"]:
             log.warning(
                 "discarded cells of a storage unit whose bytes are missing from their segment "
                 "(segment gone: cells that died before it was deleted, or a segment deleted "
                 "by hand; cut short: a write a crash interrupted, never acknowledged)",
                 data_dir=self.directory,
-                segment_gone=missing["gone"],
+                segment_gone=missing["lost"],
                 cut_short=missing["short"],
             )
         self.records = len(records)
+        self._named = {c.segment for r in records if isinstance(r, PutRecord) for c in r.chunks}
         self.space.found({n: size for n, size in sizes.items() if n != ARENA})
         # never a number a record still names: a new file under a dead segment's name would
         # take the dead chunks' records as its own on the next restart (and be deleted when
@@ -684,6 +689,10 @@ class SegmentStore:
         for segment in self._segment_sizes():
             if segment not in (self._segment, ARENA) and segment not in self.space.chunks:
                 self._unlink(segment)
+                # its records go with the index's rewrite: a later start would take the cells
+                # they name (all dead) for cells missing from their segment
+                self.dropped |= segment in self._named
+        self._named = set()
 
     def _gone(self, segment: int) -> None:
         if self.sync:
@@ -792,6 +801,7 @@ def _parse_index(
     the highest segment a record names."""
     records: list[PutRecord | ClearRecord] = []
     pos = good = named = 0
+    gone = GoneCells()
     while pos + _RECORD.size <= len(data):
         n, crc = _RECORD.unpack_from(data, pos)
         payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
@@ -804,8 +814,15 @@ def _parse_index(
         pos += _RECORD.size + n
         if isinstance(rec, PutRecord):
             named = max(named, max((c.segment for c in rec.chunks), default=0))
-        records.append(_whole(rec, sizes, missing))
+        whole = _whole(rec, sizes, missing)
+        if isinstance(rec, ClearRecord):
+            gone.cleared(rec.partition, rec.rows)
+        else:
+            assert isinstance(whole, PutRecord)
+            gone.put(rec.partition, rec.incarnation, rec.chunks, whole.chunks)
+        records.append(whole)
         good = pos
+    missing["lost"] = gone.count()
     return records, good, named
 
 

@@ -109,8 +109,12 @@ class ShmPath:
                     path=self.arena_file,
                     defer_frees=disk.sync,
                 )
-                disk.use_arena()
-                adopt_arena(self.state, arena)
+                try:
+                    disk.use_arena()
+                    adopt_arena(self.state, arena)
+                except BaseException:
+                    arena.close()
+                    raise
         except OSError as exc:
             log.warning("no shared memory for same-host clients", error=str(exc))
             return

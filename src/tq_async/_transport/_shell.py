@@ -289,15 +289,17 @@ class ConnectionShell:
         if self._core.abandon(rid, on_abandon, cancel_undoes):
             self.send_best_effort(Cancel(rid))
 
-    def retire(self, why: str) -> None:
+    def retire(self, why: str, *, farewell: Sequence[msgspec.Struct] = ()) -> None:
         """Close a connection its owner replaced (``why``: by what): the requests still
         waiting on it may have been taken or not, so they break with a `BrokenError` that
-        says to retry (`ClosedError` is for a client its own program closed)."""
+        says to retry (`ClosedError` is for a client its own program closed). ``farewell``:
+        one-way messages sent last (best effort), as `close` sends them."""
         self.close(
             BrokenError(
                 f"the connection to {self.name} was replaced ({why}) while this request "
                 "waited; retry"
-            )
+            ),
+            farewell=farewell,
         )
 
     def send_best_effort(self, body: msgspec.Struct) -> bool:

@@ -192,7 +192,8 @@ class SameHostUnits:
             return
         self._units[unit_id] = ipc
         self._stands_for[ipc.address] = conn.address
-        conn.retire("by the unit's same-host twin")
+        # the unit forgets the session of the connection replaced (else kept until we exit)
+        conn.retire("by the unit's same-host twin", farewell=[ShmFree([], [], closing=True)])
 
     def fell_back(self, unit_id: int | None, why: str) -> None:
         """Count a same-host switch that did not happen (``unit_id`` None: the controller's)."""
