@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -159,6 +160,18 @@ def test_workers_hand_over_ready_batches_together_in_order(address: str, client:
         timeout=60,
     )
     assert hand_offs(big_loader) == [[0], [1]]
+
+
+def test_a_numpy_prefetch_factor_is_taken_as_its_int(address: str) -> None:
+    """``prefetch_factor=np.int64(3)`` (a config's value) was not recognised as a count: the
+    loader skipped its hand-offs and passed the numpy value on to torch's read-ahead."""
+    ds = StreamingDataset(address, ["x"], 4, 4, "np-prefetch", "train")
+    loader = StreamingDataLoader(
+        ds, num_workers=2, multiprocessing_context="fork", prefetch_factor=np.int64(3)
+    )
+    assert ds._handoff_batches == 3
+    assert type(ds._handoff_batches) is int
+    assert loader.prefetch_factor == 1  # one hand-off a worker at a time, as for an int
 
 
 def test_a_loader_takes_no_more_rows_ahead_than_torchs_read_ahead(

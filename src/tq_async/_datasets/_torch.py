@@ -55,6 +55,7 @@ from .._client._sync._client import Client
 from .._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
 from .._logging import get_logger
 from .._portal import allow_blocking, check_blocking_allowed
+from .._wire._checks import integral
 from ._args import parse_state
 from ._async import (
     AsyncStreamingDataset,
@@ -407,7 +408,7 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                 "started for every pass"
             )
         dataset._whole_batches = True
-        prefetch = kwargs.get("prefetch_factor")
+        prefetch = integral(kwargs.get("prefetch_factor"))  # numpy's ints too (configs)
         if num_workers > 0 and (prefetch is None or _positive(prefetch)):
             # A worker fetches prefetch_factor batches ahead, as with any DataLoader, and hands
             # them over together: torch is asked for one item per worker at a time, each of
