@@ -27,13 +27,13 @@ def ready_counts(p: Partition) -> dict[str, int]:
     if not unset:
         return counts
     have = [bytes(p.alive), *(bytes(f.produced) for f in list(p.fields.values()))]
-    unavailable, units = list(p.unavailable), np.array(p.units, dtype=np.int32)
-    n = min(len(units), *map(len, have), *(len(c) for _, c in unset))  # (rows added meanwhile)
+    unavailable = list(p.unavailable)
+    n = min(len(p.units), *map(len, have), *(len(c) for _, c in unset))  # (rows added meanwhile)
     mask = np.ones(n, dtype=np.bool_)
     for flags in have:
         mask &= np.frombuffer(flags, dtype=np.bool_, count=n)
-    if unavailable:  # rows of suspended units are not ready
-        mask &= ~np.isin(units[:n], unavailable)
+    if unavailable:  # rows of suspended units are not ready (their units copied only then)
+        mask &= ~np.isin(np.array(p.units[:n], dtype=np.int32), unavailable)
     for task, consumed in unset:
         counts[task] = int(np.count_nonzero(mask & ~np.frombuffer(consumed, np.bool_, count=n)))
     return counts
