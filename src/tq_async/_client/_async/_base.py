@@ -19,7 +19,6 @@ from __future__ import annotations
 
 # unasync: async-only
 # unasync: end
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,7 +43,7 @@ from ..._transport._connection import process_state
 from ..._transport._dealer import DealerConnection
 from ..._transport._endpoints import same_host_ipc
 from ..._transport._security import CurveClient
-from ..._wire._checks import check_text
+from ..._wire._checks import check_text, integral
 from ..._wire._protocol import Hello, HelloReply
 from ._device_links import DeviceLinks
 from ._feeds import Feeds
@@ -604,16 +603,8 @@ def _again(exc: TQError) -> TQError:
     return type(exc)(*exc.args)
 
 
-def as_int(value: Any) -> Any:
-    """Integral numbers (numpy and torch scalars too) as an int; anything else unchanged
-    (the range check that follows names it)."""
-    if isinstance(value, (bool, int)):
-        return value
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        return value
-    return as_int
+#: integral numbers (numpy's and torch's scalars too) as an int, anything else unchanged
+as_int = integral
 
 
 #: copies at least this big run on a worker thread (as in the in-process path)
