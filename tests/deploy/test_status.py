@@ -306,6 +306,7 @@ async def test_status_json_gives_every_unit_the_same_keys() -> None:
     ("argv", "said"),
     [
         (["127.0.0.1:5555"], "did you mean 'tcp://127.0.0.1:5555'"),
+        (["tcp://127.0.0.1:70000"], "needs a port from 1 to 65535"),  # was "nothing listens"
         (["tcp://127.0.0.1:5555", "--curve-cert", "/nonexistent"], "cannot read CURVE"),
     ],
 )
@@ -318,3 +319,41 @@ def test_status_of_a_bad_command_line_exits_2(argv: list[str], said: str) -> Non
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("tq-async: error: ")
     assert said in line
+
+
+async def test_status_asks_every_unit_and_partition_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Status asked the units one after another: a stopped unit not yet declared suspended
+    cost a screen its whole timeout, and each more such unit as much again. Every unit's
+    (and partition's) question is out before any answer is awaited now: here each answer
+    waits until all the questions of its kind are in flight (asked in turn: never)."""
+    real = status_module._ask
+    waiting: dict[str, int] = {"StoreStats": 0, "PartitionInfo": 0}
+    everyone = {kind: anyio.Event() for kind in waiting}
+
+    async def ask_when_all_asked(conn: Any, body: Any, typ: Any, unit: int | None = None) -> Any:
+        kind = type(body).__name__
+        if kind in waiting:
+            waiting[kind] += 1
+            if waiting[kind] == 3:
+                everyone[kind].set()
+            await everyone[kind].wait()
+        return await real(conn, body, typ, unit)
+
+    monkeypatch.setattr(status_module, "_ask", ask_when_all_asked)
+    async with (
+        tq.local_cluster(num_storage_units=3) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for pid in ("a", "b", "c"):
+            await client.put({"x": torch.arange(3)}, pid)
+        ctl = DealerConnection(cluster.address, refused_is_broken=True)
+        try:
+            with anyio.fail_after(30):
+                status = await cluster_status(ctl)
+        finally:
+            ctl.close()
+    assert sorted(status["partitions"]) == ["a", "b", "c"]
+    assert [u["error"] for u in status["units"].values()] == [None] * 3
+    assert sum(u["rows"] for u in status["units"].values()) == 9

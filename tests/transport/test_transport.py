@@ -391,7 +391,9 @@ def test_a_client_opened_in_an_earlier_asyncio_run_says_so() -> None:
             asyncio.run(client.aclose())
 
 
-@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://h:9 "])
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://h:9 ", "tcp://127.0.0.1:70000"]
+)
 async def test_an_address_zmq_cannot_parse_is_the_callers_error(address: str) -> None:
     # not BrokenError: that one says "retry once it is back", and a retry fails the same way
     with pytest.raises(tq.InvalidRequestError, match=r"tcp://HOST:PORT"):

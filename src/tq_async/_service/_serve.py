@@ -459,13 +459,17 @@ def check_address(address: str) -> None:
     """Raise a clear error for an address ZMQ cannot connect to (before anything is sent).
 
     Raises:
-        InvalidRequestError: not a string, or no ``tcp://`` / ``ipc://`` / ``inproc://``
-            scheme (with a hint at the likely fix).
+        InvalidRequestError: not a string, no ``tcp://`` / ``ipc://`` / ``inproc://``
+            scheme (with a hint at the likely fix), or a ``tcp://`` address without a port
+            from 1 to 65535 (ZMQ takes 70000 and waits for ever: "nothing listens").
     """
     if not isinstance(address, str):
         raise InvalidRequestError(
             f"address must be a string like 'tcp://127.0.0.1:5555', got {type(address).__name__}"
         )
+    if address.startswith("tcp://"):
+        _check_port(address)
+        return
     if address.startswith(_SCHEMES):
         return
     if "://" in address:
@@ -476,4 +480,15 @@ def check_address(address: str) -> None:
     raise InvalidRequestError(
         f"address {address!r} has no scheme; did you mean 'tcp://{address}'? (the "
         "TQ_ADDRESS=... line `tq-async serve` prints is the whole address)"
+    )
+
+
+def _check_port(address: str) -> None:
+    """``tcp://HOST:PORT`` with PORT a number from 1 to 65535 (IPv6 hosts in brackets)."""
+    _, colon, port = address[len("tcp://") :].rpartition(":")
+    if colon and port.isdigit() and 0 < int(port) <= 65535:
+        return
+    raise InvalidRequestError(
+        f"address {address!r} needs a port from 1 to 65535 after the host: write it as "
+        "tcp://HOST:PORT (the TQ_ADDRESS=... line `tq-async serve` prints)"
     )
