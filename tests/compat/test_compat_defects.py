@@ -235,3 +235,22 @@ def test_kv_list_shows_the_empty_key() -> None:
     assert tq.kv_list() == {"p": {"": {"n": 0}}}
     tq.kv_clear(keys=[""], partition_id="p")
     assert tq.kv_list("p") == {"p": {}}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        np.arange(6, dtype=np.int32)[::-1],  # a reversed view (negative strides)
+        np.arange(6, dtype=">i4"),  # big-endian (read from a file, another machine's)
+    ],
+    ids=["reversed", "big-endian"],
+)
+def test_a_numpy_row_of_kv_put_travels_as_a_numpy_column_does(row: np.ndarray) -> None:
+    """README: numpy arrays go in as tensors. A key's row of ``kv_put`` that torch cannot
+    view (a reversed view, a non-native byte order) failed with numpy's ValueError, not a
+    TQError; it is put as its values, as the same array in ``kv_batch_put`` is."""
+    tq.init()
+    tq.kv_put(key="a", partition_id="p", fields={"x": row})
+    got = tq.kv_batch_get(keys=["a"], partition_id="p")["x"]
+    assert got.dtype == torch.int32
+    assert got.values().tolist() == row.tolist()

@@ -18,6 +18,7 @@ from .. import _meta
 from .._client._sync._client import Client
 from .._errors import InvalidRequestError, SchemaError
 from .._logging import get_logger
+from .._wire._codec import from_numpy
 
 _log = get_logger(__name__)
 _R = TypeVar("_R")
@@ -89,7 +90,7 @@ def one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
     row: dict[str, Any] = {}
     for name, value in fields.items():
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-            value = torch.from_numpy(value)
+            value = from_numpy(value, name)  # (a tensor: its byte order and strides resolved)
         if isinstance(value, torch.Tensor) and not value.is_nested:
             row[name] = value.unsqueeze(0)
         elif isinstance(value, NonTensorStack):
