@@ -254,3 +254,16 @@ def test_a_numpy_row_of_kv_put_travels_as_a_numpy_column_does(row: np.ndarray) -
     got = tq.kv_batch_get(keys=["a"], partition_id="p")["x"]
     assert got.dtype == torch.int32
     assert got.values().tolist() == row.tolist()
+
+
+def test_a_numpy_column_of_another_dtype_is_cast_as_a_tensor_is() -> None:
+    """migrating.md: a put with another dtype is cast to the field's dtype in the partition.
+    A numpy column (rewards as ``np.float64`` after a first put of ``np.float32``) was
+    refused with a SchemaError where the same column as a tensor was cast."""
+    tq.init()
+    tq.kv_batch_put(keys=["a"], partition_id="p", fields={"r": np.array([0.5], np.float32)})
+    tq.kv_batch_put(keys=["b", "c"], partition_id="p", fields={"r": np.array([1.5, 2.5])})
+    tq.kv_put(key="d", partition_id="p", fields={"r": np.array(3.5)})
+    got = tq.kv_batch_get(keys=["a", "b", "c", "d"], partition_id="p")["r"]
+    assert got.dtype == torch.float32
+    assert got.tolist() == [0.5, 1.5, 2.5, 3.5]

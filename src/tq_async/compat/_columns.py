@@ -124,6 +124,8 @@ def _cast_to_partition(partition_id: str, fields: Any, stored: dict[str, torch.d
     changed = []
     for name, value in _columns_of(fields).items():
         dtype = stored.get(name)
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and dtype is not None:
+            value = from_numpy(value, name)  # numpy arrays go in as tensors: cast as they are
         if isinstance(value, torch.Tensor) and dtype is not None and value.dtype != dtype:
             if not torch.can_cast(value.dtype, dtype):
                 _log.warning(
