@@ -685,3 +685,29 @@ async def test_a_sampler_that_cannot_load_the_saved_state_restores_nothing(
         with pytest.raises(tq.CheckpointError, match=r"sampler _CannotLoad.*KeyError.*restored"):
             await client.load_checkpoint(ckpt)
         assert await client.list_partitions() == []
+
+
+async def test_rows_that_differ_in_more_than_their_first_dimension_are_saved(
+    tmp_path: Path,
+) -> None:
+    """README: a field's rows may change shape from put to put (images of different heights
+    and widths); only reading them together is refused. A checkpoint read each field's rows
+    together: its save failed with that SchemaError, so a partition holding such rows could
+    not be checkpointed at all. It saves them, and each put's rows read back as they were."""
+    ckpt = tmp_path / "ckpt"
+    images = [torch.randn(2, 3, 4), torch.randn(3, 5, 2), torch.randn(1, 3, 4)]
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for img in images:
+            await client.put({"img": img}, partition_id="p")
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert await client.load_checkpoint(ckpt) == ["p"]
+        for img in images:  # rows in order, one put's at a time
+            meta = await client.get_meta(["img"], len(img), "p", "t")
+            assert torch.equal((await client.get_data(meta))["img"], img)

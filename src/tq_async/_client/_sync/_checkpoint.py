@@ -10,6 +10,8 @@ Layout of a checkpoint directory:
                        keys, recorded batches) and the sampler's state_dict
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
                        frame sizes) then the column's wire frames, exactly as the codec sends them
+                       (``cells-<p>-<f>-<k>.bin`` too where the field's rows differ in more than
+                       their first dimension: one file per part of rows that form one column)
 
 Row placement is not saved: a restore spreads rows over whatever storage units exist. No
 pickle is involved in reading a checkpoint (pickled columns stay opaque bytes).
@@ -37,6 +39,7 @@ from ..._errors import (
     CheckpointNotFoundError,
     InvalidRequestError,
     RowsNotFound,
+    SchemaError,
     TQError,
 )
 from ..._meta import BatchMeta
@@ -225,10 +228,29 @@ def _write_snapshot(client: ClientLink, tmp: str, dump: StateDump) -> dict[str, 
                 field_names=[fd.header.name],
                 units=[pd.units[r] for r in rows],
             )
-            headers, columns = client.fetch_columns(meta, [fd.header.name])
-            chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
-            run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+            parts = _fetch_cells(client, meta, fd.header.name)
+            for k, (part, header, column) in enumerate(parts):
+                chunks = _encode_cells(pd.partition_id, part, header, column)
+                name = f"cells-{pi}-{fi}-{k}.bin" if k else f"cells-{pi}-{fi}.bin"
+                run_sync_off_loop(add, name, chunks)
     return files
+
+
+def _fetch_cells(
+    client: ClientLink, meta: BatchMeta, name: str
+) -> list[tuple[list[int], ColumnHeader, Column]]:
+    """Field ``name`` of ``meta``'s rows as ``(rows, header, column)`` parts: one, unless
+    the rows differ in more than their first dimension (put with different shapes: they
+    cannot form one column); then as many as it takes, each of rows of one shape."""
+    try:
+        headers, columns = client.fetch_columns(meta, [name])
+    except SchemaError:
+        if len(meta) < 2:
+            raise
+        half = len(meta) // 2
+        first = _fetch_cells(client, meta.select_rows(slice(None, half)), name)
+        return first + _fetch_cells(client, meta.select_rows(slice(half, None)), name)
+    return [(list(meta.global_indexes), headers[0], columns[0])]
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
