@@ -267,3 +267,34 @@ def test_a_numpy_column_of_another_dtype_is_cast_as_a_tensor_is() -> None:
     got = tq.kv_batch_get(keys=["a", "b", "c", "d"], partition_id="p")["r"]
     assert got.dtype == torch.float32
     assert got.tolist() == [0.5, 1.5, 2.5, 3.5]
+
+
+def test_jagged_rows_of_another_dtype_are_cast_as_dense_ones_are() -> None:
+    """migrating.md: a put with another dtype is cast to the field's dtype in the partition.
+    Only a dense column was: per-key rows of different lengths (a list of tensors or of
+    arrays, and rows ragged in two dimensions, which go in puts of their own) of another
+    dtype were refused with a SchemaError."""
+    tq.init()
+    ones = [torch.ones(2), torch.ones(3)]
+    tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"x": ones})
+    tq.kv_batch_put(keys=["c", "d"], partition_id="p", fields={"x": [r.double() for r in ones]})
+    tq.kv_batch_put(keys=["e", "f"], partition_id="p", fields={"x": [np.ones(1), np.ones(4)]})
+    got = tq.kv_batch_get(keys=["a", "c", "d", "e", "f"], partition_id="p")["x"]
+    assert got.dtype == torch.float32
+    assert [len(r) for r in got.unbind()] == [2, 2, 3, 1, 4]
+    # rows that differ in a later dimension too (each shape in a put of its own)
+    images = {"i": torch.arange(2), "img": [torch.ones(2, 3), torch.ones(4, 2)]}
+    tq.kv_batch_put(keys=["a", "b"], partition_id="q", fields=images)
+    images = {"i": torch.arange(2), "img": [torch.ones(2, 5).half(), torch.ones(1, 1).half()]}
+    tq.kv_batch_put(keys=["c", "d"], partition_id="q", fields=images)
+    got = tq.kv_batch_get(keys=["a", "b", "c", "d"], partition_id="q")["img"]
+    assert [(r.dtype, tuple(r.shape)) for r in got.unbind()] == [
+        (torch.float32, (2, 3)), (torch.float32, (4, 2)),
+        (torch.float32, (2, 5)), (torch.float32, (1, 1)),
+    ]  # fmt: skip
+    # the same through the client's put of new rows
+    client = tq.get_client()
+    images = {"i": torch.arange(2), "img": [torch.ones(3, 2).double(), torch.ones(1, 4).double()]}
+    client.put(data=images, partition_id="q")
+    meta = client.get_meta(data_fields=["img"], batch_size=6, partition_id="q", task_name="t")
+    assert client.get_data(meta)["img"].dtype == torch.float32
