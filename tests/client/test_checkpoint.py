@@ -685,3 +685,62 @@ async def test_a_sampler_that_cannot_load_the_saved_state_restores_nothing(
         with pytest.raises(tq.CheckpointError, match=r"sampler _CannotLoad.*KeyError.*restored"):
             await client.load_checkpoint(ckpt)
         assert await client.list_partitions() == []
+
+
+async def test_rows_that_differ_in_more_than_their_first_dimension_are_saved(
+    tmp_path: Path,
+) -> None:
+    """README: a field's rows may change shape from put to put (images of different heights
+    and widths); only reading them together is refused. A checkpoint read each field's rows
+    together: its save failed with that SchemaError, so a partition holding such rows could
+    not be checkpointed at all. It saves them, and each put's rows read back as they were."""
+    ckpt = tmp_path / "ckpt"
+    images = [torch.randn(2, 3, 4), torch.randn(3, 5, 2), torch.randn(1, 3, 4)]
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        for img in images:
+            await client.put({"img": img}, partition_id="p")
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert await client.load_checkpoint(ckpt) == ["p"]
+        for img in images:  # rows in order, one put's at a time
+            meta = await client.get_meta(["img"], len(img), "p", "t")
+            assert torch.equal((await client.get_data(meta))["img"], img)
+
+
+async def test_dense_rows_padded_per_put_come_back_dense_after_a_restore(tmp_path: Path) -> None:
+    """A field padded per put (rollouts of 3 then 5 tokens) reads back dense, one put's rows
+    at a time. A checkpoint read the field's rows together, as one jagged column, and
+    restored them so: after a restore the same reads returned nested tensors."""
+    ckpt = tmp_path / "ckpt"
+    ids = [torch.arange(12).reshape(4, 3), torch.arange(10).reshape(2, 5)]
+    scores = [torch.ones(2, 2), torch.zeros(2, 1)]  # put into rows [0, 2] and [1, 3] later
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        first = await client.put({"ids": ids[0]}, partition_id="p")
+        await client.put({"ids": ids[1]}, partition_id="p")
+        await client.put({"score": scores[0]}, meta=first.select_rows([0, 2]))
+        await client.put({"score": scores[1]}, meta=first.select_rows([1, 3]))
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.load_checkpoint(ckpt)
+        for want in ids:
+            meta = await client.get_meta(["ids"], len(want), "p", "t")
+            got = (await client.get_data(meta))["ids"]
+            assert not got.is_nested
+            assert torch.equal(got, want)
+        meta = await client.get_meta(["score"], 4, "p", "scores")
+        for rows, want in zip(([0, 2], [1, 3]), scores, strict=True):
+            got = (await client.get_data(meta.select_rows(rows)))["score"]
+            assert not got.is_nested
+            assert torch.equal(got, want)

@@ -235,3 +235,66 @@ def test_kv_list_shows_the_empty_key() -> None:
     assert tq.kv_list() == {"p": {"": {"n": 0}}}
     tq.kv_clear(keys=[""], partition_id="p")
     assert tq.kv_list("p") == {"p": {}}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        np.arange(6, dtype=np.int32)[::-1],  # a reversed view (negative strides)
+        np.arange(6, dtype=">i4"),  # big-endian (read from a file, another machine's)
+    ],
+    ids=["reversed", "big-endian"],
+)
+def test_a_numpy_row_of_kv_put_travels_as_a_numpy_column_does(row: np.ndarray) -> None:
+    """README: numpy arrays go in as tensors. A key's row of ``kv_put`` that torch cannot
+    view (a reversed view, a non-native byte order) failed with numpy's ValueError, not a
+    TQError; it is put as its values, as the same array in ``kv_batch_put`` is."""
+    tq.init()
+    tq.kv_put(key="a", partition_id="p", fields={"x": row})
+    got = tq.kv_batch_get(keys=["a"], partition_id="p")["x"]
+    assert got.dtype == torch.int32
+    assert got.values().tolist() == row.tolist()
+
+
+def test_a_numpy_column_of_another_dtype_is_cast_as_a_tensor_is() -> None:
+    """migrating.md: a put with another dtype is cast to the field's dtype in the partition.
+    A numpy column (rewards as ``np.float64`` after a first put of ``np.float32``) was
+    refused with a SchemaError where the same column as a tensor was cast."""
+    tq.init()
+    tq.kv_batch_put(keys=["a"], partition_id="p", fields={"r": np.array([0.5], np.float32)})
+    tq.kv_batch_put(keys=["b", "c"], partition_id="p", fields={"r": np.array([1.5, 2.5])})
+    tq.kv_put(key="d", partition_id="p", fields={"r": np.array(3.5)})
+    got = tq.kv_batch_get(keys=["a", "b", "c", "d"], partition_id="p")["r"]
+    assert got.dtype == torch.float32
+    assert got.tolist() == [0.5, 1.5, 2.5, 3.5]
+
+
+def test_jagged_rows_of_another_dtype_are_cast_as_dense_ones_are() -> None:
+    """migrating.md: a put with another dtype is cast to the field's dtype in the partition.
+    Only a dense column was: per-key rows of different lengths (a list of tensors or of
+    arrays, and rows ragged in two dimensions, which go in puts of their own) of another
+    dtype were refused with a SchemaError."""
+    tq.init()
+    ones = [torch.ones(2), torch.ones(3)]
+    tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"x": ones})
+    tq.kv_batch_put(keys=["c", "d"], partition_id="p", fields={"x": [r.double() for r in ones]})
+    tq.kv_batch_put(keys=["e", "f"], partition_id="p", fields={"x": [np.ones(1), np.ones(4)]})
+    got = tq.kv_batch_get(keys=["a", "c", "d", "e", "f"], partition_id="p")["x"]
+    assert got.dtype == torch.float32
+    assert [len(r) for r in got.unbind()] == [2, 2, 3, 1, 4]
+    # rows that differ in a later dimension too (each shape in a put of its own)
+    images = {"i": torch.arange(2), "img": [torch.ones(2, 3), torch.ones(4, 2)]}
+    tq.kv_batch_put(keys=["a", "b"], partition_id="q", fields=images)
+    images = {"i": torch.arange(2), "img": [torch.ones(2, 5).half(), torch.ones(1, 1).half()]}
+    tq.kv_batch_put(keys=["c", "d"], partition_id="q", fields=images)
+    got = tq.kv_batch_get(keys=["a", "b", "c", "d"], partition_id="q")["img"]
+    assert [(r.dtype, tuple(r.shape)) for r in got.unbind()] == [
+        (torch.float32, (2, 3)), (torch.float32, (4, 2)),
+        (torch.float32, (2, 5)), (torch.float32, (1, 1)),
+    ]  # fmt: skip
+    # the same through the client's put of new rows
+    client = tq.get_client()
+    images = {"i": torch.arange(2), "img": [torch.ones(3, 2).double(), torch.ones(1, 4).double()]}
+    client.put(data=images, partition_id="q")
+    meta = client.get_meta(data_fields=["img"], batch_size=6, partition_id="q", task_name="t")
+    assert client.get_data(meta)["img"].dtype == torch.float32

@@ -50,6 +50,7 @@ __all__ = [
     "DeviceColumn",
     "columns_to_tensordict",
     "column_value",
+    "from_numpy",
     "tags_for_wire",
     "torch_dtype",
 ]
@@ -262,7 +263,7 @@ def _list_of_tensors_column(
     return _jagged(name, values, offsets)
 
 
-def _from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[Any]:
+def from_numpy(array: np.ndarray[Any, Any], field: str) -> torch.Tensor | list[Any]:
     """A numpy column as a tensor (a view when torch can share its memory), or as a list
     of Python values when its dtype is not numeric (strings, objects)."""
     if array.dtype.kind not in "biufc":
@@ -292,7 +293,7 @@ def _column_from_value(
     name: str, value: Any, n: int, allow_pickle: bool
 ) -> tuple[ColumnHeader, Column]:
     if isinstance(value, np.ndarray):
-        value = _from_numpy(value, name)
+        value = from_numpy(value, name)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, n)
     if isinstance(value, NonTensorStack):
@@ -313,7 +314,7 @@ def _column_from_value(
             "have the batch size"
         )
     if values and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
-        tensors = [v if isinstance(v, torch.Tensor) else _from_numpy(v, name) for v in values]
+        tensors = [v if isinstance(v, torch.Tensor) else from_numpy(v, name) for v in values]
         if all(isinstance(t, torch.Tensor) for t in tensors):
             return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)

@@ -567,7 +567,12 @@ def kv_batch_put(
                 lambda g: client.kv_batch_put(key_list, partition_id, g, tags),
                 _stored_dtypes,
             ),
-            lambda _, rows, f: client.kv_batch_put([key_list[i] for i in rows], partition_id, f),
+            lambda _, rows, f: _put_retrying_dtypes(
+                partition_id,
+                f,
+                lambda g: client.kv_batch_put([key_list[i] for i in rows], partition_id, g),
+                _stored_dtypes,
+            ),
         )
     return _kv_meta_of(meta, key_list)
 

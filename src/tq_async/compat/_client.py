@@ -406,7 +406,12 @@ class TransferQueueClient:
                 lambda e: self._client.put(e, pid if native is None else None, meta=native),
                 stored_dtypes,
             ),
-            lambda m, rows, d: self._client.put(d, None, meta=m.select_rows(rows)),
+            lambda m, rows, d: put_retrying_dtypes(
+                pid,
+                d,
+                lambda e: self._client.put(e, None, meta=m.select_rows(rows)),
+                stored_dtypes,
+            ),
         )
         out = _compat_meta(meta)
         if isinstance(metadata, BatchMeta) and metadata.size == out.size:

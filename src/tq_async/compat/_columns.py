@@ -18,6 +18,7 @@ from .. import _meta
 from .._client._sync._client import Client
 from .._errors import InvalidRequestError, SchemaError
 from .._logging import get_logger
+from .._wire._codec import from_numpy
 
 _log = get_logger(__name__)
 _R = TypeVar("_R")
@@ -89,7 +90,7 @@ def one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
     row: dict[str, Any] = {}
     for name, value in fields.items():
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-            value = torch.from_numpy(value)
+            value = from_numpy(value, name)  # (a tensor: its byte order and strides resolved)
         if isinstance(value, torch.Tensor) and not value.is_nested:
             row[name] = value.unsqueeze(0)
         elif isinstance(value, NonTensorStack):
@@ -117,26 +118,45 @@ def parsed(fields: Any, data_parser: Callable[[Any], Any] | None) -> Any:
 
 
 def _cast_to_partition(partition_id: str, fields: Any, stored: dict[str, torch.dtype]) -> Any:
-    """``fields`` with each tensor column cast to the dtype its field has in the partition
-    (``stored``; None when no column needs it)."""
+    """``fields`` with each tensor column (dense, jagged, or a list of rows) cast to the dtype
+    its field has in the partition (``stored``; None when no column needs it)."""
     out: dict[str, Any] = {}
     changed = []
     for name, value in _columns_of(fields).items():
         dtype = stored.get(name)
-        if isinstance(value, torch.Tensor) and dtype is not None and value.dtype != dtype:
-            if not torch.can_cast(value.dtype, dtype):
+        rows = _tensor_rows(name, value)
+        if dtype is not None and rows is not None and any(r.dtype != dtype for r in rows):
+            first = next(r.dtype for r in rows if r.dtype != dtype)
+            if not torch.can_cast(first, dtype):
                 _log.warning(
                     "a field's dtype changed between puts: the rows are cast to the field's "
                     "first dtype, which may lose precision",
                     partition_id=partition_id,
                     field=name,
-                    put=str(value.dtype),
+                    put=str(first),
                     field_dtype=str(dtype),
                 )
-            value = value.to(dtype)
+            cast = [r.to(dtype) for r in rows]
+            value = cast if isinstance(value, (list, tuple)) else cast[0]
             changed.append(name)
         out[name] = value
     return out if changed else None
+
+
+def _tensor_rows(name: str, value: Any) -> list[torch.Tensor] | None:
+    """A tensor column as ``[tensor]``, a list of tensor rows as its rows (numpy arrays as
+    tensors, as they go in); None for any other column."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        return None
+    rows = []
+    for v in values:
+        if isinstance(v, np.ndarray) and v.dtype.kind in "biufc":
+            v = from_numpy(v, name)
+        if not isinstance(v, torch.Tensor):
+            return None
+        rows.append(v)
+    return rows
 
 
 def _ragged_rows(value: Any) -> list[torch.Tensor] | None:

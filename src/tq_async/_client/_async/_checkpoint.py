@@ -8,6 +8,8 @@ Layout of a checkpoint directory:
                        keys, recorded batches) and the sampler's state_dict
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
                        frame sizes) then the column's wire frames, exactly as the codec sends them
+                       (``cells-<p>-<f>-<k>.bin`` too where a field's rows were put with
+                       different shapes: one file per part of rows that read back as put)
 
 Row placement is not saved: a restore spreads rows over whatever storage units exist. No
 pickle is involved in reading a checkpoint (pickled columns stay opaque bytes).
@@ -35,6 +37,7 @@ from ..._errors import (
     CheckpointNotFoundError,
     InvalidRequestError,
     RowsNotFound,
+    SchemaError,
     TQError,
 )
 from ..._meta import BatchMeta
@@ -227,10 +230,42 @@ async def _write_snapshot(
                 field_names=[fd.header.name],
                 units=[pd.units[r] for r in rows],
             )
-            headers, columns = await client.fetch_columns(meta, [fd.header.name])
-            chunks = _encode_cells(pd.partition_id, rows, headers[0], columns[0])
-            await run_sync_off_loop(add, f"cells-{pi}-{fi}.bin", chunks)
+            origins = [pd.origin[r] for r in rows]
+            parts = await _fetch_cells(client, meta, fd.header, origins)
+            for k, (part, header, column) in enumerate(parts):
+                chunks = _encode_cells(pd.partition_id, part, header, column)
+                name = f"cells-{pi}-{fi}-{k}.bin" if k else f"cells-{pi}-{fi}.bin"
+                await run_sync_off_loop(add, name, chunks)
     return files
+
+
+async def _fetch_cells(
+    client: ClientLink, meta: BatchMeta, schema: ColumnHeader, origins: list[int] | None
+) -> list[tuple[list[int], ColumnHeader, Column]]:
+    """Field ``schema.name`` of ``meta``'s rows as ``(rows, header, column)`` parts, each of
+    rows that read back as they were put: one part, unless the rows of a dense field were
+    put with different shapes (read together, they come back as one jagged column, or
+    cannot form one column at all). Those are read again in parts, by the put that made
+    their rows (``origins``, each row's), then in halves, until each reads back dense or is
+    one row."""
+    try:
+        headers, columns = await client.fetch_columns(meta, [schema.name])
+    except SchemaError:
+        if len(meta) < 2:
+            raise
+    else:
+        if headers[0].kind == schema.kind or len(meta) < 2:
+            return [(list(meta.global_indexes), headers[0], columns[0])]
+    groups: dict[int, list[int]] = {}
+    for pos, origin in enumerate(origins or ()):
+        groups.setdefault(origin, []).append(pos)
+    if len(groups) < 2:
+        half = len(meta) // 2
+        groups = {0: list(range(half)), 1: list(range(half, len(meta)))}
+    parts = []
+    for positions in groups.values():
+        parts += await _fetch_cells(client, meta.select_rows(positions), schema, None)
+    return parts
 
 
 def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
