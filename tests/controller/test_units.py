@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import torch
 import zmq
 
 import tq_async as tq
@@ -64,3 +65,19 @@ async def test_a_unit_the_controller_can_never_reach_is_declared_lost() -> None:
                 if not (await client.lost_rows())["dead_units"]:
                     assert (await events.__anext__()).unit == 0
             assert (await client.lost_rows())["dead_units"] == [0]
+
+
+async def test_a_unit_suspend_after_of_months_is_taken() -> None:
+    """``unit_suspend_after`` is any positive finite number of seconds; the controller's
+    links to its units carry it as ZMTP's heartbeat timeout, in milliseconds, which zmq keeps
+    in a C int. Before, 3e6 s (35 days) overflowed it: the controller's first link raised
+    OverflowError and the cluster never started. Now the heartbeat waits as long as zmq can
+    (24.8 days)."""
+    deadlines = tq.Deadlines(unit_suspend_after=3e6, unit_lost_after=1e12)
+    async with (
+        tq.local_cluster(2, deadlines=deadlines) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(4)}, "p")
+        got, _ = await client.get(["x"], 4, "p", "t", timeout=30)
+        assert got["x"].tolist() == [0, 1, 2, 3]

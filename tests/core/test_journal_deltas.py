@@ -264,3 +264,29 @@ def test_deltas_that_outgrow_their_snapshot_become_a_snapshot() -> None:
     assert normal(journal.record("p")) == normal(
         partition_record(core.state.partitions["p"], 0.0, WALL)
     )
+
+
+def test_a_wall_clock_stepped_back_between_records_does_not_lengthen_a_lease() -> None:
+    """A lease's seconds left are aged, at replay, by the wall-clock time between its record
+    and the partition's last one. An NTP step back (here one hour) between them made that
+    negative: the lease came back after a restart with an hour more than it was given."""
+    core = ControllerCore(ControllerState(dict(UNITS)))
+    placement, _ = core.put_begin("p", [X], 4, None, None, 0.0)
+    core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+    tracker = Tracker()
+    whole, snap = tracker.record(core.state.partitions["p"], 0.0, 10_000.0)
+    assert whole
+    leased = get(core, GetMeta("p", ["x"], 2, "t", None, lease=10.0), 0.0)
+    assert leased is not None
+    _, with_lease = tracker.record(core.state.partitions["p"], 1.0, 10_001.0)
+    get(core, GetMeta("p", ["x"], 1, "u", None), 2.0)  # another change, after the step back
+    _, later = tracker.record(core.state.partitions["p"], 2.0, 10_002.0 - 3600.0)
+    rec = replay(decode_partition(snap), [decode_delta(with_lease), decode_delta(later)])
+    (lease,) = rec.leases
+    assert lease.left is not None
+    assert lease.left <= 9.0  # 9 s left when recorded; never more
+    again = ControllerCore(ControllerState())
+    recover(again, controller_record(core, {}, rec.wall), [rec], 50.0, rec.wall, {})
+    (back,) = again.state.partitions["p"].leases.values()
+    assert back.deadline is not None
+    assert back.deadline <= 59.0

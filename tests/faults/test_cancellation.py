@@ -10,6 +10,7 @@ Then it checks that the rows come back (at most once, exactly once after a drain
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -502,6 +503,41 @@ async def test_a_live_zmq_client_whose_get_meta_waits_long_keeps_it() -> None:
         finally:
             waiter.cancel()
         assert sorted(meta.global_indexes) == [0, 1]
+
+
+async def test_a_waiting_get_meta_run_again_when_resent_keeps_what_was_left_of_its_timeout() -> (
+    None
+):
+    """A waiting request not resent for three of its client's periods is ended as a dead
+    client's; a live client resends it and it runs again (a controller paused or busy that
+    long, or a tiny ``retry_after``, which did so again and again). Its ``timeout`` then
+    started over: a get_meta with ``timeout=0.5`` waited on past it (for up to
+    ``request_timeout`` more with ``retry_after=0.003``) and took rows put long after. Now
+    it runs again with what was left of its timeout: here nothing."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as producer,
+        tq.AsyncClient.connect(cluster.address, same_host=False, retry_after=1.0) as consumer,
+    ):
+        shell = cluster.controller._shell
+        waiter = asyncio.ensure_future(consumer.get_meta(["i"], 2, "p", "t", timeout=0.5))
+        try:
+            with anyio.fail_after(30):
+                while not shell._heard:
+                    await anyio.sleep(0.01)
+                (key,) = shell._heard
+                shell._heard[key] = -math.inf  # not heard of for ages (the controller paused)
+                shell._sweep()  # ended as a dead client's request, unanswered
+                while key in shell.pending:
+                    await anyio.sleep(0.01)
+                while key not in shell.pending and not waiter.done():  # resent after 1 s
+                    await anyio.sleep(0.01)
+                if not waiter.done():  # running again
+                    await fill(producer, "p", 2)
+                with pytest.raises(tq.TQTimeoutError):
+                    await waiter
+        finally:
+            waiter.cancel()
 
 
 @pytest.mark.parametrize("mode", MODES)

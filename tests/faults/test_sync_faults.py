@@ -563,3 +563,40 @@ def test_a_paused_controller_is_retried_and_answers_once_it_resumes(
         assert sorted(td["x"].tolist()) == [0, 1, 2, 3]  # each put once
         with pytest.raises(tq.TQTimeoutError):  # and nothing more is there
             client.get_meta(["x"], 1, "p", "t", timeout=0.2)
+
+
+def test_a_write_to_a_paused_controller_waits_under_a_timeout_of_years(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    # a put too big for the Unix socket's buffer waits, in the calling thread, for room
+    # until its timeout: ``request_timeout=1e12`` went to ``select`` as it was and raised
+    # OverflowError (not a TQError) at once; now the write waits out the pause
+    address, proc = served
+    tags = [{"k": "x" * 1000}] * 4000  # 4 MB of tags: one PutInline the socket cannot hold
+    with tq.Client.connect(address, request_timeout=1e12) as client:
+        conn = client._links.controller
+        assert conn is not None
+        assert conn.address.startswith("uds://")
+        stream = conn._stream
+        assert stream is not None
+        proc.send_signal(signal.SIGSTOP)
+        failed: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                client.put({"x": torch.arange(4000)}, partition_id="p", tags=tags)
+            except BaseException as exc:
+                failed.append(exc)
+
+        putter = threading.Thread(target=put)
+        putter.start()
+        try:
+            _until(lambda: stream.blocked or not putter.is_alive(), "the write to block")
+            assert not failed, repr(failed)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            putter.join(60)
+        assert not putter.is_alive()
+        assert not failed, repr(failed)
+        meta = client.get_meta(["x"], 4000, "p", "t", timeout=10)
+        assert meta.size == 4000

@@ -330,6 +330,15 @@ def test_heartbeats_notice_a_silent_peer_after_the_timeout() -> None:
     assert heartbeat_ms(0.1) == (50, 100)
 
 
+def test_heartbeat_timeouts_stay_within_what_zmq_takes() -> None:
+    # zmq keeps the timeout in a C int (ms): a longer one raised OverflowError when the
+    # controller linked to its units; and 0 ms turns ZMTP's timeout off (a unit silent for
+    # good was never suspended), so a tiny timeout is 1 ms, not 0
+    assert heartbeat_ms(3e6) == (2_000, 2**31 - 1)
+    assert heartbeat_ms(1e300) == (2_000, 2**31 - 1)
+    assert heartbeat_ms(1e-9) == (50, 1)
+
+
 def test_a_request_names_its_client_so_a_handed_over_connection_is_still_recognised() -> None:
     # a ZMQ ROUTER that hands a client's identity over to its new connection renames the old
     # one: its unread messages come out under a made-up routing id; the header names the

@@ -102,6 +102,10 @@ class Shell:
         self._heard: dict[tuple[bytes, int], float] = {}
         #: waiting requests ended as their client's (`_sweep`): answered with nothing
         self._dropped: set[tuple[bytes, int]] = set()
+        #: when the ``timeout`` of each waiting request of a client that resends ends: one
+        #: `_sweep` ended runs again when resent, with what is left of it (the last
+        #: ``_REPLY_CACHE``)
+        self._ends: OrderedDict[tuple[bytes, int], float] = OrderedDict()
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._sweep_at = float("inf")
 
@@ -214,6 +218,16 @@ class Shell:
         now = self.now()
         self._heard[key] = now
         self._arm_sweep(now + refresh * _MISSED_REFRESHES)
+
+    def _time_left(self, key: tuple[bytes, int], timeout: float) -> float:
+        """What is left of the ``timeout`` of a client's waiting request that resends it:
+        counted from its first run (`_sweep` may end it, and its resend runs it again)."""
+        now = self.now()
+        ends = self._ends
+        end = ends.setdefault(key, now + timeout)
+        if len(ends) > _REPLY_CACHE:
+            ends.popitem(last=False)
+        return max(end - now, 1e-6)  # (0 would be no timeout at all)
 
     def _arm_sweep(self, at: float) -> None:
         """One timer for all the waiting requests that must be resent (none: no timer)."""
@@ -335,6 +349,8 @@ class Shell:
         """
         # registered when the request was spawned (a Cancel may have come since)
         scope = self.pending.setdefault((peer, rid), anyio.CancelScope())
+        if timeout and (peer, rid) in self._heard:
+            timeout = self._time_left((peer, rid), timeout)
         ok = False
         try:
             with scope, anyio.fail_after(timeout) if timeout else nullcontext():
@@ -347,6 +363,8 @@ class Shell:
         finally:
             self.pending.pop((peer, rid), None)
             self._heard.pop((peer, rid), None)
+            if self._ends and (peer, rid) not in self._dropped:
+                self._ends.pop((peer, rid), None)
             if self.metrics.enabled:
                 self.metrics.request(op, ok, time.perf_counter() - t0)
         if (peer, rid) in self._dropped:  # its client is gone (or resends it: it runs again)

@@ -582,7 +582,10 @@ class _Image:
             leases=[
                 lr
                 if lr.left is None or at == wall
-                else LeaseRecord(lr.lease_id, lr.task, lr.rows, lr.key, lr.left - (wall - at))
+                # (a wall clock stepped back between the records ages it by nothing)
+                else LeaseRecord(
+                    lr.lease_id, lr.task, lr.rows, lr.key, lr.left - max(0.0, wall - at)
+                )
                 for lr, at in self.leases.values()
             ],
             lease_batch=[(i, t, d, b) for i, (t, d, b) in self.lease_batch.items()],

@@ -73,6 +73,8 @@ MAX_BUSY_POLL = 0.01
 #: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
+#: zmq keeps socket options in a C int: the longest heartbeat timeout it takes (24.8 days)
+_MAX_HEARTBEAT_TIMEOUT_MS = 2**31 - 1
 #: the socket monitor events a connection follows (`ConnectionCore.on_monitor`)
 MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED
@@ -96,8 +98,12 @@ Got = tuple[Reply, list[Any]]
 
 def heartbeat_ms(timeout: float | None) -> tuple[int, int]:
     """ZMTP heartbeat interval and timeout (ms) for a connection: a peer whose host vanishes
-    without closing the connection is noticed after ``timeout`` seconds (default 10)."""
-    timeout_ms = _HEARTBEAT_TIMEOUT_MS if timeout is None else int(timeout * 1000)
+    without closing the connection is noticed after ``timeout`` seconds (default 10): at
+    least 1 ms (0 would turn ZMTP's timeout off), at most what zmq takes (24.8 days)."""
+    if timeout is None:
+        timeout_ms = _HEARTBEAT_TIMEOUT_MS
+    else:
+        timeout_ms = max(1, min(int(timeout * 1000), _MAX_HEARTBEAT_TIMEOUT_MS))
     return min(_HEARTBEAT_IVL_MS, max(timeout_ms // 4, 50)), timeout_ms
 
 

@@ -163,7 +163,8 @@ class BlockingConnection(ConnectionShell):
                 raise zmq.ZMQError(
                     zmq.EAGAIN, f"the service read nothing for {self._write_wait:g} s"
                 )
-            select.select([], [stream.sock], [], left)
+            # (in slices: ``select`` takes no timeout of years, e.g. ``request_timeout=1e12``)
+            select.select([], [stream.sock], [], min(left, _PARK_SLICE))
             stream.flush()
         if stream.eof:
             raise zmq.ZMQError(zmq.EHOSTUNREACH, "the connection is closed")
