@@ -301,10 +301,8 @@ def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
 
 def _claim(data_dir: str) -> None:
     """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
-    if check_controller_dir(data_dir):
-        return
-    with open(os.path.join(data_dir, MARKER), "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
+    if not check_controller_dir(data_dir):
+        _write_marker(data_dir)
 
 
 def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
@@ -341,7 +339,8 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
                 "empty controller"
             )
         return True
-    if [name for name in os.listdir(data_dir) if name != UNITS_DIR]:
+    # (a marker written aside when its controller was killed: nothing else was written yet)
+    if [name for name in os.listdir(data_dir) if name not in (UNITS_DIR, MARKER + ".tmp")]:
         raise ConfigError(
             f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
             "an empty (or its own) directory"
@@ -351,10 +350,16 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
 
 def _mark_format(data_dir: str) -> None:
     """The journal is of `FORMAT` from now on (an older version must not read its deltas)."""
-    marker = os.path.join(data_dir, MARKER)
-    with open(marker) as f:
+    with open(os.path.join(data_dir, MARKER)) as f:
         if json.load(f).get("format") == FORMAT:
             return
+    _write_marker(data_dir)
+
+
+def _write_marker(data_dir: str) -> None:
+    """Mark ``data_dir`` a controller's of `FORMAT` (written aside, then renamed: a crash
+    leaves the old marker or the new one, never a torn one)."""
+    marker = os.path.join(data_dir, MARKER)
     with open(marker + ".tmp", "w") as f:
         json.dump({"kind": "controller", "format": FORMAT}, f)
     os.replace(marker + ".tmp", marker)

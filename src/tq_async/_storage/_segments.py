@@ -232,7 +232,8 @@ def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str
         )
     marker = os.path.join(directory, MARKER)
     if not os.path.exists(marker):
-        if os.listdir(directory):
+        # (a marker written aside when its unit was killed: nothing else was written yet)
+        if [name for name in os.listdir(directory) if name != MARKER + ".tmp"]:
             raise ConfigError(
                 f"data_dir: {directory!r} is not empty and is no storage unit's; give the unit "
                 "an empty (or its own) directory"
