@@ -59,6 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
+from .._storage._segments import unwritable
 from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,
@@ -162,8 +163,8 @@ class JournalStore:
         durability: ``"process"`` (commit without fsync) or ``"fsync"``.
 
     Raises:
-        ConfigError: a missing directory, one of a storage unit or holding other files, or a
-            journal of another format.
+        ConfigError: a missing directory, one it cannot write in, one of a storage unit or
+            holding other files, or a journal of another format.
         TQError: the database is damaged.
     """
 
@@ -302,7 +303,10 @@ def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
 def _claim(data_dir: str) -> None:
     """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
     if not check_controller_dir(data_dir):
-        _write_marker(data_dir)
+        try:
+            _write_marker(data_dir)
+        except OSError as exc:
+            raise unwritable(data_dir, "controller", exc) from exc
 
 
 def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:

@@ -71,6 +71,7 @@ __all__ = [
     "PutRecord",
     "SegmentStore",
     "claim_unit_dir",
+    "unwritable",
 ]
 
 log = get_logger(__name__)
@@ -223,7 +224,7 @@ def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str
 
     Raises:
         ConfigError: the directory is missing, another unit's or the controller's, not empty
-            and nobody's, or of another format.
+            and nobody's, of another format, or new and not writable.
     """
     if not os.path.isdir(directory):
         raise ConfigError(
@@ -239,7 +240,10 @@ def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str
                 "an empty (or its own) directory"
             )
         instance = DISK_INSTANCE + secrets.token_hex(8)
-        write_marker(directory, unit_id, instance)
+        try:
+            write_marker(directory, unit_id, instance)
+        except OSError as exc:
+            raise unwritable(directory, "storage unit", exc) from exc
         return unit_id, instance
     try:
         with open(marker) as f:
@@ -265,6 +269,16 @@ def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str
             "its own directory"
         )
     return (unit_id if unit_id is not None else held), str(mark["instance"])
+
+
+def unwritable(directory: str, user: str, exc: OSError) -> ConfigError:
+    """The error of a data_dir that ``user`` (a storage unit, a controller) cannot write in at
+    start (a read-only mount, a full disk, another owner's)."""
+    return ConfigError(
+        f"data_dir: cannot write in {directory!r} ({exc.strerror or exc}); a durable {user} "
+        "keeps its state there: make it writable (mounted read-write, owned by this user) with "
+        "free space on its disk, or give another directory"
+    )
 
 
 def write_marker(directory: str, unit_id: int | None, instance: str) -> None:
