@@ -165,7 +165,7 @@ class JournalStore:
     Raises:
         ConfigError: a missing directory, one it cannot write in, one of a storage unit or
             holding other files, or a journal of another format.
-        TQError: the database is damaged.
+        TQError: the database is damaged, or cannot be read (a full disk, an I/O error).
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], durability: Durability) -> None:
@@ -187,6 +187,13 @@ class JournalStore:
                 "PRIMARY KEY (pid, seq)) WITHOUT ROWID"
             )
             db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.OperationalError as exc:  # the disk's (full, an I/O error), not the file's
+            self._unlock()
+            raise TQError(
+                f"the controller could not open its journal {self.path} ({exc}); free space on "
+                "the data_dir's disk and check that disk (and its files' permissions), then "
+                "start the controller again (nothing in the journal is lost)"
+            ) from exc
         except sqlite3.DatabaseError as exc:
             self._unlock()
             raise TQError(
