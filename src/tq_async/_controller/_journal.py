@@ -59,7 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
-from .._storage._segments import unwritable
+from .._storage._dir_marker import unwritable
 from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,

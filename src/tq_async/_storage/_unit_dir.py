@@ -20,7 +20,8 @@ import time
 from .._errors import ConfigError
 from .._logging import get_logger
 from ._cells import StorageState
-from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, unwritable, write_marker
+from ._dir_marker import claim_unit_dir, unwritable, write_marker
+from ._segments import ARENA_FILE, SegmentStore
 
 __all__ = ["UnitDir", "lock_dir"]
 
