@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +250,46 @@ async def test_save_replaces_atomically(tmp_path: Path) -> None:
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         assert sorted(await client.load_checkpoint(ckpt)) == ["a", "b"]
+
+
+_SWAP_KILLED = """
+import os, shutil, signal, sys
+from tq_async._client._async import _checkpoint
+path = sys.argv[1]
+tmp = _checkpoint._tmp_name(path)
+shutil.copytree(path, tmp)  # the new checkpoint, whole: the swap starts once it is
+renames = []
+def rename(src, dst):
+    renames.append(src)
+    if len(renames) == 2:  # the old one is moved away, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.replace(src, dst)
+os.rename = rename
+_checkpoint._swap_into_place(tmp, path)
+"""
+
+
+async def test_a_save_killed_while_it_swaps_the_old_checkpoint_out_leaves_one_in_place(
+    tmp_path: Path,
+) -> None:
+    """Between the save's two renames (the old checkpoint aside, the new one into place)
+    ``path`` holds nothing; the next load, read or save of it finishes the swap."""
+    ckpt = await saved(tmp_path)
+    for read in (tq.checkpoint_metadata, "load", "save"):
+        proc = await anyio.run_process([sys.executable, "-c", _SWAP_KILLED, str(ckpt)], check=False)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+        assert not ckpt.exists()
+        async with (
+            tq.local_cluster(num_storage_units=1) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            if read == "load":
+                assert await client.load_checkpoint(ckpt) == ["p", "kv"]
+            elif read == "save":
+                await client.save_checkpoint(ckpt)  # (not "exists and is not a checkpoint")
+            else:
+                assert tq.checkpoint_metadata(ckpt) == {}
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the old one dropped
 
 
 async def test_global_batch_shares_survive_a_checkpoint(tmp_path: Path) -> None:

@@ -259,6 +259,7 @@ def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: ``path`` is not a readable tq_async checkpoint.
     """
+    _finish_swap(os.fspath(path))
     manifest_path = os.path.join(os.fspath(path), "manifest.json")
     try:
         with open(manifest_path, "rb") as f:
@@ -277,13 +278,36 @@ def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _tmp_name(path: str) -> str:
     """A sibling of ``path`` (same filesystem, so the final rename is atomic)."""
+    return _tmp_prefix(path) + uuid.uuid4().hex[:8]
+
+
+def _tmp_prefix(path: str) -> str:
     parent = os.path.dirname(os.path.abspath(path)) or "."
-    return os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent, f".{os.path.basename(path)}.tmp-")
+
+
+def _finish_swap(path: str) -> None:
+    """A save killed between the two renames of `_swap_into_place` left nothing at ``path``,
+    the checkpoint it held at ``<tmp>.old`` and the new one, whole, at ``<tmp>``: put the new
+    one in place (the old one where the new one is gone) and drop the old one."""
+    if os.path.lexists(path):
+        return
+    prefix = _tmp_prefix(path)
+    parent, start = os.path.split(prefix)
+    with contextlib.suppress(OSError):  # (else ``path`` reads as missing)
+        for name in sorted(os.listdir(parent)):
+            if name.startswith(start) and name.endswith(".old"):
+                old = os.path.join(parent, name)
+                new = old[: -len(".old")]
+                os.rename(new if os.path.isdir(new) else old, path)
+                shutil.rmtree(old, ignore_errors=True)
+                return
 
 
 def _replaceable(path: str) -> bool:
     """Whether a save may put a checkpoint at ``path``: nothing there, an empty directory, or
     a checkpoint (whose manifest says so)."""
+    _finish_swap(path)
     if not os.path.lexists(path):
         return True
     if not os.path.isdir(path):
@@ -314,6 +338,7 @@ def _swap_into_place(tmp: str, path: str) -> None:
 
 
 def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Column]]]:
+    _finish_swap(path)
     manifest_path = os.path.join(path, "manifest.json")
     try:
         with open(manifest_path, "rb") as f:
