@@ -292,6 +292,70 @@ async def test_a_save_killed_while_it_swaps_the_old_checkpoint_out_leaves_one_in
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the old one dropped
 
 
+_SAVE_KILLED = """
+import os, signal, sys
+import anyio, torch
+import tq_async as tq
+from tq_async._client._async import _checkpoint
+path, step = sys.argv[1], sys.argv[2]
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+if step == "write":  # while it writes the cells, once state.msgpack is written
+    write = _checkpoint._write
+    _checkpoint._write = lambda name, chunks: (
+        write(name, chunks) if name.endswith("state.msgpack") else kill()
+    )
+else:  # once the new checkpoint is in place, before the old one is removed
+    _checkpoint.shutil.rmtree = kill
+async def main():
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, partition_id="again")
+        await client.save_checkpoint(path)
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("step", ["write", "rmtree"])
+async def test_what_a_save_killed_midway_left_beside_the_checkpoint_goes_with_the_next_save(
+    tmp_path: Path, step: str
+) -> None:
+    """A save killed while it wrote leaves its temporary directory (a partial copy of every
+    cell); one killed before it removed the older checkpoint leaves that: the next save of
+    the path removes them."""
+    ckpt = await saved(tmp_path)
+    proc = await anyio.run_process(
+        [sys.executable, "-c", _SAVE_KILLED, str(ckpt), step], check=False
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert len(os.listdir(tmp_path)) == 2  # the checkpoint and what the save left
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.save_checkpoint(ckpt)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_save_still_running_keeps_its_temporary_directory(tmp_path: Path) -> None:
+    """What `_sweep` removes beside a checkpoint: the temporary directory of a save that
+    ended (its lock given back), not that of one still running."""
+    from tq_async._client._async import _checkpoint
+
+    path = str(tmp_path / "ckpt")
+    ended = _checkpoint._tmp_name(path)
+    os.close(_checkpoint._make_locked(ended))
+    running = _checkpoint._tmp_name(path)
+    lock = _checkpoint._make_locked(running)
+    try:
+        _checkpoint._sweep(path)
+        assert os.listdir(tmp_path) == [os.path.basename(running)]
+    finally:
+        os.close(lock)
+
+
 async def test_global_batch_shares_survive_a_checkpoint(tmp_path: Path) -> None:
     # The controller records every rank's share of a global batch when the first rank asks;
     # the record is part of the checkpoint, so rank 1 reads its share after the restore.
