@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +250,110 @@ async def test_save_replaces_atomically(tmp_path: Path) -> None:
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         assert sorted(await client.load_checkpoint(ckpt)) == ["a", "b"]
+
+
+_SWAP_KILLED = """
+import os, shutil, signal, sys
+from tq_async._client._async import _checkpoint
+path = sys.argv[1]
+tmp = _checkpoint._tmp_name(path)
+shutil.copytree(path, tmp)  # the new checkpoint, whole: the swap starts once it is
+renames = []
+def rename(src, dst):
+    renames.append(src)
+    if len(renames) == 2:  # the old one is moved away, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.replace(src, dst)
+os.rename = rename
+_checkpoint._swap_into_place(tmp, path)
+"""
+
+
+async def test_a_save_killed_while_it_swaps_the_old_checkpoint_out_leaves_one_in_place(
+    tmp_path: Path,
+) -> None:
+    """Between the save's two renames (the old checkpoint aside, the new one into place)
+    ``path`` holds nothing; the next load, read or save of it finishes the swap."""
+    ckpt = await saved(tmp_path)
+    for read in (tq.checkpoint_metadata, "load", "save"):
+        proc = await anyio.run_process([sys.executable, "-c", _SWAP_KILLED, str(ckpt)], check=False)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+        assert not ckpt.exists()
+        async with (
+            tq.local_cluster(num_storage_units=1) as cluster,
+            tq.AsyncClient.connect(cluster.address) as client,
+        ):
+            if read == "load":
+                assert await client.load_checkpoint(ckpt) == ["p", "kv"]
+            elif read == "save":
+                await client.save_checkpoint(ckpt)  # (not "exists and is not a checkpoint")
+            else:
+                assert tq.checkpoint_metadata(ckpt) == {}
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the old one dropped
+
+
+_SAVE_KILLED = """
+import os, signal, sys
+import anyio, torch
+import tq_async as tq
+from tq_async._client._async import _checkpoint
+path, step = sys.argv[1], sys.argv[2]
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+if step == "write":  # while it writes the cells, once state.msgpack is written
+    write = _checkpoint._write
+    _checkpoint._write = lambda name, chunks: (
+        write(name, chunks) if name.endswith("state.msgpack") else kill()
+    )
+else:  # once the new checkpoint is in place, before the old one is removed
+    _checkpoint.shutil.rmtree = kill
+async def main():
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"x": torch.arange(3)}, partition_id="again")
+        await client.save_checkpoint(path)
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("step", ["write", "rmtree"])
+async def test_what_a_save_killed_midway_left_beside_the_checkpoint_goes_with_the_next_save(
+    tmp_path: Path, step: str
+) -> None:
+    """A save killed while it wrote leaves its temporary directory (a partial copy of every
+    cell); one killed before it removed the older checkpoint leaves that: the next save of
+    the path removes them."""
+    ckpt = await saved(tmp_path)
+    proc = await anyio.run_process(
+        [sys.executable, "-c", _SAVE_KILLED, str(ckpt), step], check=False
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert len(os.listdir(tmp_path)) == 2  # the checkpoint and what the save left
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.save_checkpoint(ckpt)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_save_still_running_keeps_its_temporary_directory(tmp_path: Path) -> None:
+    """What `_sweep` removes beside a checkpoint: the temporary directory of a save that
+    ended (its lock given back), not that of one still running."""
+    from tq_async._client._async import _checkpoint
+
+    path = str(tmp_path / "ckpt")
+    ended = _checkpoint._tmp_name(path)
+    os.close(_checkpoint._make_locked(ended))
+    running = _checkpoint._tmp_name(path)
+    lock = _checkpoint._make_locked(running)
+    try:
+        _checkpoint._sweep(path)
+        assert os.listdir(tmp_path) == [os.path.basename(running)]
+    finally:
+        os.close(lock)
 
 
 async def test_global_batch_shares_survive_a_checkpoint(tmp_path: Path) -> None:

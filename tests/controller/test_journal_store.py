@@ -33,6 +33,18 @@ def test_a_damaged_database_is_a_clear_error(tmp_path: Path) -> None:
         JournalStore(tmp_path, "process")
 
 
+def test_a_journal_the_disk_cannot_open_is_no_damaged_journal(tmp_path: Path) -> None:
+    """SQLite failing for the disk's sake (full, an I/O error; here its WAL file cannot be
+    opened) says so: the journal is whole, moving the data_dir away would be the wrong cure."""
+    JournalStore(tmp_path, "process").close()
+    (tmp_path / "controller.db-wal").mkdir()
+    with pytest.raises(tq.TQError, match="could not open its journal") as info:
+        JournalStore(tmp_path, "process")
+    assert "damaged" not in str(info.value)
+    (tmp_path / "controller.db-wal").rmdir()
+    JournalStore(tmp_path, "process").close()  # the lock went back with the error
+
+
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()

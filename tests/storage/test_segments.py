@@ -106,6 +106,21 @@ def test_a_torn_index_tail_is_dropped_with_a_warning(tmp_path: Path) -> None:
     assert durable(tmp_path).stats().rows == 3
 
 
+def test_segments_without_their_index_are_a_clear_error_not_an_empty_unit(
+    tmp_path: Path,
+) -> None:
+    """An index deleted by hand (no crash removes it): the segments' cells cannot be found,
+    and a unit that started empty, deleting them, would come back under its old instance
+    token, taken for the unit that holds its rows."""
+    state = durable(tmp_path)
+    put(state, "p", [0, 1], 1)
+    state.disk.close()  # type: ignore[union-attr]
+    (tmp_path / "index.log").unlink()
+    with pytest.raises(tq.TQError, match=r"index .* is missing, but 1 segment files"):
+        durable(tmp_path)
+    assert [p.stat().st_size > 0 for p in tmp_path.glob("seg-*.dat")] == [True]  # kept
+
+
 def test_a_bad_checksum_at_the_end_of_the_index_is_a_torn_tail(tmp_path: Path) -> None:
     state = durable(tmp_path)
     put(state, "p", [0], 1)

@@ -8,13 +8,16 @@ that close removes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import tq_async as tq
+from tq_async._controller._journal import JournalStore
 from tq_async._storage._cells import StorageState
 from tq_async._storage._segments import ARENA_FILE, MARKER
 from tq_async._storage._unit_dir import UnitDir
@@ -109,3 +112,42 @@ def test_a_missing_spill_directory_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(tq.ConfigError, match="is not a directory; create it"):
         UnitDir("memory", str(tmp_path / "file"), 1 << 20, 0)
+
+
+@pytest.mark.parametrize("errno_", [errno.EROFS, errno.ENOSPC])
+@pytest.mark.parametrize("used", [False, True], ids=["new", "used"])
+@pytest.mark.parametrize("who", ["unit", "controller"])
+def test_a_data_dir_it_cannot_write_in_is_a_config_error_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, who: str, used: bool, errno_: int
+) -> None:
+    """A read-only mount or a full disk: a `ConfigError` naming the directory and what to do
+    (not an ``OSError`` from deep inside the start)."""
+
+    def start() -> None:
+        if who == "unit":
+            UnitDir("process", str(tmp_path), None, 0).close()
+        else:
+            JournalStore(str(tmp_path), "process").close()
+
+    if used:
+        start()
+    real_open, real_os_open = open, os.open
+
+    def refused(path: Any) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno_, os.strerror(errno_), str(path))
+
+    def fake_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if set(mode) & set("wax+"):
+            refused(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    def fake_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refused(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+    with pytest.raises(tq.ConfigError, match=r"cannot write in .*make it writable"):
+        start()

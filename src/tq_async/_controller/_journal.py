@@ -59,6 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
+from .._storage._dir_marker import unwritable
 from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,
@@ -162,9 +163,9 @@ class JournalStore:
         durability: ``"process"`` (commit without fsync) or ``"fsync"``.
 
     Raises:
-        ConfigError: a missing directory, one of a storage unit or holding other files, or a
-            journal of another format.
-        TQError: the database is damaged.
+        ConfigError: a missing directory, one it cannot write in, one of a storage unit or
+            holding other files, or a journal of another format.
+        TQError: the database is damaged, or cannot be read (a full disk, an I/O error).
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], durability: Durability) -> None:
@@ -186,6 +187,13 @@ class JournalStore:
                 "PRIMARY KEY (pid, seq)) WITHOUT ROWID"
             )
             db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.OperationalError as exc:  # the disk's (full, an I/O error), not the file's
+            self._unlock()
+            raise TQError(
+                f"the controller could not open its journal {self.path} ({exc}); free space on "
+                "the data_dir's disk and check that disk (and its files' permissions), then "
+                "start the controller again (nothing in the journal is lost)"
+            ) from exc
         except sqlite3.DatabaseError as exc:
             self._unlock()
             raise TQError(
@@ -301,10 +309,11 @@ def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
 
 def _claim(data_dir: str) -> None:
     """Check ``data_dir`` is an existing, empty or controller's directory; mark it ours."""
-    if check_controller_dir(data_dir):
-        return
-    with open(os.path.join(data_dir, MARKER), "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
+    if not check_controller_dir(data_dir):
+        try:
+            _write_marker(data_dir)
+        except OSError as exc:
+            raise unwritable(data_dir, "controller", exc) from exc
 
 
 def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
@@ -341,7 +350,8 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
                 "empty controller"
             )
         return True
-    if [name for name in os.listdir(data_dir) if name != UNITS_DIR]:
+    # (a marker written aside when its controller was killed: nothing else was written yet)
+    if [name for name in os.listdir(data_dir) if name not in (UNITS_DIR, MARKER + ".tmp")]:
         raise ConfigError(
             f"data_dir: {data_dir!r} is not empty and is no controller's; give the controller "
             "an empty (or its own) directory"
@@ -351,10 +361,16 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
 
 def _mark_format(data_dir: str) -> None:
     """The journal is of `FORMAT` from now on (an older version must not read its deltas)."""
-    marker = os.path.join(data_dir, MARKER)
-    with open(marker) as f:
+    with open(os.path.join(data_dir, MARKER)) as f:
         if json.load(f).get("format") == FORMAT:
             return
+    _write_marker(data_dir)
+
+
+def _write_marker(data_dir: str) -> None:
+    """Mark ``data_dir`` a controller's of `FORMAT` (written aside, then renamed: a crash
+    leaves the old marker or the new one, never a torn one)."""
+    marker = os.path.join(data_dir, MARKER)
     with open(marker + ".tmp", "w") as f:
         json.dump({"kind": "controller", "format": FORMAT}, f)
     os.replace(marker + ".tmp", marker)

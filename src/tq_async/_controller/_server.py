@@ -42,7 +42,7 @@ from .._core._transitions import AdmissionConfig, ControllerCore, Deadlines
 from .._errors import ClosedError
 from .._service._loop import SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
-from .._storage._segments import DISK_INSTANCE
+from .._storage._dir_marker import DISK_INSTANCE
 from .._storage._server import StorageServer
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer

@@ -19,7 +19,7 @@ from .._core._state import ControllerState
 from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
-from .._storage._segments import DISK_INSTANCE
+from .._storage._dir_marker import DISK_INSTANCE
 from .._storage._server import StorageServer
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveServer

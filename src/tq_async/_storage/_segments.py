@@ -43,7 +43,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import struct
 import threading
 import zlib
@@ -54,9 +53,10 @@ from typing import Any
 
 import msgspec
 
-from .._errors import ConfigError, StorageFullError, TQError
+from .._errors import StorageFullError, TQError
 from .._logging import get_logger
 from .._wire._columns import ColumnHeader
+from ._dir_marker import MARKER, claim_unit_dir
 from ._gone_cells import GoneCells
 from ._segment_space import SegmentSpace
 
@@ -75,12 +75,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-#: the file naming what a data_dir belongs to (the controller's journal uses the same name)
-MARKER = "tq-async-data-dir.json"
-#: the format of a unit's directory (a unit refuses another)
-FORMAT = 1
-#: a durable unit's instance token starts with this: its cells outlive its process
-DISK_INSTANCE = "disk-"
 _INDEX = "index.log"
 #: the segment number of cells in the unit's arena file (data segments start at 1)
 ARENA = 0
@@ -210,75 +204,6 @@ class Commit:
     freed: list[tuple[int, int]] = field(default_factory=list)
 
 
-def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:
-    """Check ``directory`` is a new or this unit's; mark it; its unit id and instance token.
-
-    Args:
-        directory: an existing directory: empty (a new unit), or one a unit used before.
-        unit_id: the id the unit is started with (None: the controller assigns one, or the
-            directory's own id is used).
-
-    Returns:
-        The unit id the directory belongs to (None: not known yet) and its instance token.
-
-    Raises:
-        ConfigError: the directory is missing, another unit's or the controller's, not empty
-            and nobody's, or of another format.
-    """
-    if not os.path.isdir(directory):
-        raise ConfigError(
-            f"data_dir: {directory!r} is not a directory; create it (mkdir -p {directory}) for "
-            "a new storage unit, or pass the directory this unit used before"
-        )
-    marker = os.path.join(directory, MARKER)
-    if not os.path.exists(marker):
-        if os.listdir(directory):
-            raise ConfigError(
-                f"data_dir: {directory!r} is not empty and is no storage unit's; give the unit "
-                "an empty (or its own) directory"
-            )
-        instance = DISK_INSTANCE + secrets.token_hex(8)
-        write_marker(directory, unit_id, instance)
-        return unit_id, instance
-    try:
-        with open(marker) as f:
-            mark = json.load(f)
-    except (OSError, ValueError):
-        mark = {}
-    if not isinstance(mark, dict) or mark.get("kind") != "storage":
-        kind = mark.get("kind", "unknown") if isinstance(mark, dict) else "unknown"
-        raise ConfigError(
-            f"data_dir: {directory!r} belongs to a {kind!s} (see {MARKER}); give each storage "
-            "unit its own directory"
-        )
-    if mark.get("format") != FORMAT:
-        raise ConfigError(
-            f"data_dir: {directory!r} holds cells of format {mark.get('format')}, this version "
-            f"reads format {FORMAT}; move it away to start an empty unit"
-        )
-    held = mark.get("unit_id")
-    if unit_id is not None and held is not None and held != unit_id:
-        raise ConfigError(
-            f"data_dir: {directory!r} belongs to storage unit {held}, not {unit_id}; start "
-            f"unit {held} on it (--unit-id {held}, or no --unit-id), or give unit {unit_id} "
-            "its own directory"
-        )
-    return (unit_id if unit_id is not None else held), str(mark["instance"])
-
-
-def write_marker(directory: str, unit_id: int | None, instance: str) -> None:
-    """Write the marker (aside, then renamed: a crash leaves the old one or the new one)."""
-    marker = os.path.join(directory, MARKER)
-    tmp = marker + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(
-            {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance}, f
-        )
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
-
-
 class SegmentStore:
     """The segment files and index of one directory (see the module docstring).
 
@@ -361,7 +286,8 @@ class SegmentStore:
         # the highest segment a record names (its file may be gone: all its chunks dead)
         named = 0
         missing = {"gone": 0, "short": 0, "lost": 0}
-        if self.durable and os.path.exists(path):
+        new_index = self.durable and _new_index(path, sizes)
+        if self.durable and not new_index:
             with open(path, "rb") as f:
                 data = f.read()
             records, good, named = _parse_index(data, sizes, missing)
@@ -397,6 +323,8 @@ class SegmentStore:
         self._segment = max(named, max((n for n in sizes if n != ARENA), default=0))
         if self.durable:
             self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            if new_index and self.sync:
+                self._sync_dir()  # its name is on the disk before any segment's
         self._roll()
         return records
 
@@ -846,6 +774,24 @@ def _whole(
     if len(whole) < len(rec.chunks):
         return PutRecord(rec.partition, rec.incarnation, whole)
     return rec
+
+
+def _new_index(index: str, sizes: dict[int, int]) -> bool:
+    """Whether ``index`` is missing: a new store's. `TQError` if segment files (of ``sizes``)
+    hold bytes (an index is made before the first segment and only ever replaced by a rename,
+    no crash removes it): without it their cells cannot be found, and a unit starting empty
+    would be taken for the one that holds them."""
+    if os.path.exists(index):
+        return False
+    held = sorted(n for n, size in sizes.items() if n != ARENA and size)
+    if held:
+        raise TQError(
+            f"the storage unit's index {index} is missing, but {len(held)} segment files in "
+            f"{os.path.dirname(index)} hold cells it would name (seg-{held[0]:08d}.dat...): "
+            "restore index.log from a backup, or move the data_dir away to start an empty unit "
+            "(the controller then counts the rows it held lost)"
+        )
+    return True
 
 
 def _boot_id() -> str:

@@ -20,7 +20,8 @@ import time
 from .._errors import ConfigError
 from .._logging import get_logger
 from ._cells import StorageState
-from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
+from ._dir_marker import claim_unit_dir, unwritable, write_marker
+from ._segments import ARENA_FILE, SegmentStore
 
 __all__ = ["UnitDir", "lock_dir"]
 
@@ -205,8 +206,11 @@ def _sweep(parent: str) -> None:
 def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
     """Lock ``data_dir`` (through its file ``lock_name``) for this process, used as ``user``
     (a storage unit, a controller): its file descriptor (closing it, or the process ending,
-    unlocks). Held by another running process: `ConfigError`."""
-    fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
+    unlocks). Held by another running process, or not writable: `ConfigError`."""
+    try:
+        fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise unwritable(data_dir, user, exc) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

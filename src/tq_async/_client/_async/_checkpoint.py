@@ -18,6 +18,7 @@ pickle is involved in reading a checkpoint (pickled columns stay opaque bytes).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -171,14 +172,17 @@ async def save_checkpoint(
             "an older checkpoint (or an empty directory); pass a new path, or move it away"
         )
     tmp = _tmp_name(path)
+    lock = -1
     try:
+        lock = await run_sync_off_loop(_make_locked, tmp)
         for tries_left in reversed(range(_SNAPSHOT_TRIES)):
             dump: StateDump = await client.call(DumpState(ids), StateDump)
             try:
                 files = await _write_snapshot(client, tmp, dump)
                 break
             except RowsNotFound as exc:  # freed after the snapshot (auto-clear, a clear)
-                shutil.rmtree(tmp, ignore_errors=True)
+                for name in os.listdir(tmp):
+                    os.unlink(os.path.join(tmp, name))
                 if not tries_left:
                     raise CheckpointError(
                         f"rows were freed while checkpoint {path!r} read their cells, "
@@ -200,18 +204,19 @@ async def save_checkpoint(
         raise CheckpointError(f"cannot write checkpoint {path!r}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if lock >= 0:
+            os.close(lock)  # removed first: no sweep finds it unlocked
 
 
 async def _write_snapshot(
     client: ClientLink, tmp: str, dump: StateDump
 ) -> dict[str, dict[str, Any]]:
-    """Write ``dump`` and the cells it names into the new directory ``tmp``; the size and
+    """Write ``dump`` and the cells it names into the empty directory ``tmp``; the size and
     sha256 of each file.
 
     Raises:
         RowsNotFound: rows of ``dump`` were freed before their cells were read.
     """
-    os.makedirs(tmp)
     files: dict[str, dict[str, Any]] = {}
 
     def add(name: str, chunks: Sequence[Any]) -> None:
@@ -296,6 +301,7 @@ def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: ``path`` is not a readable tq_async checkpoint.
     """
+    _finish_swap(os.fspath(path))
     manifest_path = os.path.join(os.fspath(path), "manifest.json")
     try:
         with open(manifest_path, "rb") as f:
@@ -314,13 +320,74 @@ def checkpoint_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _tmp_name(path: str) -> str:
     """A sibling of ``path`` (same filesystem, so the final rename is atomic)."""
+    return _tmp_prefix(path) + uuid.uuid4().hex[:8]
+
+
+def _tmp_prefix(path: str) -> str:
     parent = os.path.dirname(os.path.abspath(path)) or "."
-    return os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent, f".{os.path.basename(path)}.tmp-")
+
+
+def _finish_swap(path: str) -> None:
+    """A save killed between the two renames of `_swap_into_place` left nothing at ``path``,
+    the checkpoint it held at ``<tmp>.old`` and the new one, whole, at ``<tmp>``: put the new
+    one in place (the old one where the new one is gone) and drop the old one."""
+    if os.path.lexists(path):
+        return
+    prefix = _tmp_prefix(path)
+    parent, start = os.path.split(prefix)
+    with contextlib.suppress(OSError):  # (else ``path`` reads as missing)
+        for name in sorted(os.listdir(parent)):
+            if name.startswith(start) and name.endswith(".old"):
+                old = os.path.join(parent, name)
+                new = old[: -len(".old")]
+                os.rename(new if os.path.isdir(new) else old, path)
+                shutil.rmtree(old, ignore_errors=True)
+                return
+
+
+def _make_locked(tmp: str) -> int:
+    """Make a save's temporary directory ``tmp``, locked while the save runs (closing the
+    descriptor it returns unlocks): `_sweep` leaves it alone."""
+    os.makedirs(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new: nobody else holds it)
+    return fd
+
+
+def _sweep(path: str) -> None:
+    """Remove what killed saves of ``path`` left beside it: temporary directories no running
+    save holds (killed while writing), older checkpoints a new one replaced (killed before
+    removing them)."""
+    parent, start = os.path.split(_tmp_prefix(path))
+    for name in os.listdir(parent):
+        if not name.startswith(start):
+            continue
+        held = os.path.join(parent, name)
+        if name.endswith(".old"):
+            if os.path.lexists(path):  # (else `_finish_swap` did not find it whole)
+                shutil.rmtree(held, ignore_errors=True)
+            continue
+        try:
+            fd = os.open(held, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its save runs
+        else:
+            shutil.rmtree(held, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _replaceable(path: str) -> bool:
     """Whether a save may put a checkpoint at ``path``: nothing there, an empty directory, or
-    a checkpoint (whose manifest says so)."""
+    a checkpoint (whose manifest says so). What killed saves of it left is put right first."""
+    _finish_swap(path)
+    with contextlib.suppress(OSError):
+        _sweep(path)
     if not os.path.lexists(path):
         return True
     if not os.path.isdir(path):
@@ -351,6 +418,7 @@ def _swap_into_place(tmp: str, path: str) -> None:
 
 
 def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Column]]]:
+    _finish_swap(path)
     manifest_path = os.path.join(path, "manifest.json")
     try:
         with open(manifest_path, "rb") as f:

@@ -922,9 +922,12 @@ class AsyncClient:
 
         The directory is written under a temporary name and renamed into place, so ``path``
         holds either a whole checkpoint or what it held before: an older checkpoint (or an
-        empty directory); anything else there is never replaced. Take it while producers are
-        paused: the controller state is a consistent snapshot, cells are read right after it
-        (rows freed in between, by consumers under auto-clear, make it take a new snapshot).
+        empty directory); anything else there is never replaced. (A save killed between moving
+        the older one aside and the new one into place leaves nothing at ``path`` until the
+        next save, load or `tq_async.checkpoint_metadata` of it puts the new one there.) Take
+        it while producers are paused: the controller state is a consistent snapshot, cells
+        are read right after it (rows freed in between, by consumers under auto-clear, make it
+        take a new snapshot).
 
         Raises:
             CheckpointError: ``path`` cannot be written (or holds what is not a checkpoint),
