@@ -44,9 +44,10 @@ async def _step(tmp_path: Path) -> None:
     assert [d["responses"].offsets().tolist() for d in datas] == [[0, 3, 6], [0, 5, 7]]
     padded = datas[0]["responses"].to_padded_tensor(0)
     assert padded.shape == (2, 3)  # rows of one length are still jagged
-    # a worker writes old log-probs back through the chunk's metadata
+    # a worker writes old log-probs back through the chunk's metadata (its own copy, which
+    # Ray handed it: the put adds the field to that copy, as in TransferQueue)
     out = TensorDict({"old_log_probs": torch.zeros(2, 1)}, batch_size=2)
-    written = await client.async_put(data=out, metadata=chunks[1])
+    written = await client.async_put(data=out, metadata=chunks[1].copy())
     assert written.extra_info["global_step"] == 1
     joined = tq.BatchMeta.concat(chunks)
     assert joined.global_indexes == meta.global_indexes

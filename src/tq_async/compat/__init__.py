@@ -591,10 +591,14 @@ def kv_batch_get(
 
     Raises:
         StorageKeyNotFoundError: a key is missing.
+        InvalidRequestError: the keys share no field (one has none written yet): a
+            ``ValueError``, as in TransferQueue.
     """
     key_list = _as_list(keys, "keys")
     client = get_client().client
     meta = client.kv_retrieve_meta(key_list, partition_id)
+    if not meta.field_names:
+        raise _no_common_field(client, meta.global_indexes, key_list, partition_id)
     present = sorted(meta.field_names)  # TransferQueue's order
     if select_fields is not None:
         wanted = _as_list(select_fields, "select_fields")
@@ -602,6 +606,24 @@ def kv_batch_get(
     if not present:
         return TensorDict({}, batch_size=[len(key_list)])
     return _read(client, meta, present)
+
+
+def _no_common_field(
+    client: Any, rows: Sequence[int], keys: list[str], partition_id: str
+) -> InvalidRequestError:
+    """The error of a read of keys that share no field, naming those with none written."""
+    masks = client.production_status(partition_id).values()
+    written = {r for m in masks for r in m.nonzero().flatten().tolist()}
+    bare = [k for k, r in zip(keys, rows, strict=True) if r not in written]
+    if bare:
+        return InvalidRequestError(
+            f"keys {bare[:8]} of partition {partition_id!r} have no field written yet (only "
+            "tags): put their fields before reading them"
+        )
+    return InvalidRequestError(
+        f"keys {keys[:8]} of partition {partition_id!r} have no field in common: read them "
+        "in groups that share the fields to read"
+    )
 
 
 def kv_batch_get_by_meta(

@@ -434,6 +434,18 @@ class BatchMeta:
             self.production_status[:] = 1
         return self
 
+    def took_put(self, written: BatchMeta) -> BatchMeta:
+        """This batch, in place, after a put into its rows wrote ``written``'s fields (as
+        TransferQueue's ``put`` updates the metadata it is given); returns it."""
+        new = [n for n in written.field_names if n not in self.field_names]
+        if self._schema is None:
+            self._names += new
+        else:
+            self._schema.update({n: copy.deepcopy(written.field_schema[n]) for n in new})
+            self._names = list(self._schema)
+        self.production_status[:] = 1
+        return self
+
     def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
         """The same rows with only ``field_names`` (fields it does not have are skipped)."""
         names = [field_names] if isinstance(field_names, str) else list(field_names)

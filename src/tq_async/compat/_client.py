@@ -394,6 +394,8 @@ class TransferQueueClient:
 
         ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
         with another dtype than it has in the partition is cast to the partition's dtype.
+        A compat ``metadata`` is returned itself, with the fields written added (as in
+        TransferQueue).
         """
         data = parsed(plain_columns(data), data_parser)
         native = None if metadata is None else _native(metadata)
@@ -415,7 +417,7 @@ class TransferQueueClient:
         )
         out = _compat_meta(meta)
         if isinstance(metadata, BatchMeta) and metadata.size == out.size:
-            out.extra_info.update(metadata.extra_info)
+            return metadata.took_put(out)  # TransferQueue's put adds the fields to metadata
         return out
 
     async def async_put(

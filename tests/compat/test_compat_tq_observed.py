@@ -1,0 +1,57 @@
+"""What TransferQueue 0.1.11 does, observed by running the same calls on it (``pip install
+transferqueue==0.1.11``, Ray with 4 CPUs) and on ``tq_async.compat``: each test names the
+TransferQueue call that showed the behaviour it asserts. None needs TransferQueue installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_async
+import tq_async.compat as tq
+
+
+def test_put_into_a_batch_adds_the_fields_to_that_batch() -> None:
+    # TransferQueue: client.put(data, metadata=meta) returns meta itself, with the new field
+    # (its put ends with metadata.add_fields(data)): get_data(meta) then reads it too
+    tq.init()
+    client = tq.get_client()
+    client.put(data=TensorDict({"prompt": torch.arange(4).view(2, 2)}, batch_size=2),
+               partition_id="p")  # fmt: skip
+    meta = client.get_meta(data_fields=["prompt"], batch_size=2, partition_id="p", task_name="g")
+    meta.extra_info["step"] = 3
+    written = client.put(data=TensorDict({"resp": torch.ones(2, 3)}, batch_size=2), metadata=meta)
+    assert written is meta
+    assert meta.field_names == ["prompt", "resp"]
+    assert meta.is_ready
+    assert meta.extra_info == {"step": 3}
+    assert sorted(client.get_data(meta).keys()) == ["prompt", "resp"]
+    assert meta.field_schema["resp"]["dtype"] == torch.float32
+    # a batch whose schema was read before the put learns the new field's schema too
+    again = client.get_meta(data_fields=["prompt"], batch_size=2, partition_id="p", task_name="h")
+    assert again.field_schema["prompt"]["dtype"] == torch.int64
+    client.put(data=TensorDict({"score": torch.zeros(2)}, batch_size=2), metadata=again)
+    assert again.field_names == ["prompt", "score"]
+    assert again.field_schema["score"]["dtype"] == torch.float32
+
+
+def test_kv_batch_get_of_keys_that_share_no_field_raises_a_value_error() -> None:
+    # TransferQueue: kv_batch_get of a key put with a tag only, or of keys sharing no field,
+    # raises ValueError("Some fields are not ready in all the requested keys!") (with or
+    # without select_fields); keys that share a field give it
+    tq.init()
+    tq.kv_put(key="a", partition_id="p", fields={"x": torch.tensor([1])})
+    tq.kv_put(key="b", partition_id="p", fields={"y": torch.tensor([2])})
+    tq.kv_put(key="c", partition_id="p", tag={"state": "queued"})
+    for keys, select in ((["c"], None), (["a", "c"], None), (["a", "b"], None), (["a", "c"], "x")):
+        with pytest.raises(ValueError, match="no field") as info:
+            tq.kv_batch_get(keys=keys, partition_id="p", select_fields=select)
+        assert isinstance(info.value, tq_async.TQError)
+        assert "'c'" in str(info.value) or keys == ["a", "b"]
+    meta = tq.kv_batch_put(keys=["c"], partition_id="p", tags=[{"state": "queued"}])
+    with pytest.raises(ValueError, match="no field"):
+        tq.kv_batch_get_by_meta(meta)
+    tq.kv_put(key="c", partition_id="p", fields={"x": torch.tensor([3])})
+    got = tq.kv_batch_get(keys=["a", "c"], partition_id="p")
+    assert got["x"].values().tolist() == [1, 3]
