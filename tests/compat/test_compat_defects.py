@@ -176,6 +176,19 @@ def test_rows_ragged_in_two_dimensions() -> None:
     assert torch.equal(rows[1], torch.zeros(3, 4, 4))
 
 
+@pytest.mark.parametrize("name", ["it's", "a\tb"])
+def test_rows_ragged_in_two_dimensions_of_any_field_name(name: str) -> None:
+    """A field name that Python's repr quotes otherwise (an apostrophe, a tab): compat's
+    row-by-row read of such a field did not recognise it in the SchemaError it parsed, and
+    raised that error instead of reading the rows."""
+    tq.init()
+    client = tq.get_client()
+    images = [torch.ones(2, 3), torch.zeros(4, 2)]
+    meta = client.put(data={"uid": torch.arange(2), name: images}, partition_id="p")
+    rows = client.get_data(meta)[name].unbind()
+    assert [tuple(t.shape) for t in rows] == [(2, 3), (4, 2)]
+
+
 def test_kv_keys_from_a_numpy_array() -> None:
     # uids kept in a numpy array (np.str_ elements, which are str): keys like any other
     tq.init()
