@@ -4,7 +4,6 @@ put and read row shape by row shape, and tensor columns cast to their partition'
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -226,7 +225,8 @@ def put_ragged(
     return msgspec.structs.replace(meta, field_names=list(dict.fromkeys(names)))
 
 
-_RAGGED_FIELD = re.compile(r"rows of field '([^']+)' differ in more than their first dimension")
+#: the SchemaError of a field's rows that cannot form one column (its name as repr writes it)
+_RAGGED_FIELD = "rows of field {!r} differ in more than their first dimension"
 
 
 def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None) -> TensorDict:
@@ -237,10 +237,10 @@ def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None)
     try:
         return client.get_data(meta, names, nested=True)
     except SchemaError as exc:
-        found = _RAGGED_FIELD.search(str(exc))
-        if found is None or found.group(1) not in names:
+        message = str(exc)
+        ragged = next((f for f in names if _RAGGED_FIELD.format(f) in message), None)
+        if ragged is None:
             raise
-        ragged = found.group(1)
     rest = [f for f in names if f != ragged]
     td = read(client, meta, rest) if rest else TensorDict({}, batch_size=[len(meta)])
     rows = [client.get_data(meta.select_rows([i]), [ragged])[ragged][0] for i in range(len(meta))]
