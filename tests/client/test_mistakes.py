@@ -579,3 +579,22 @@ async def test_names_kept_in_a_numpy_array_are_taken_as_a_list() -> None:
         with pytest.raises(tq.InvalidRequestError) as info:
             await client.get_meta({"x"}, 1, "p", "t")  # type: ignore[arg-type]
         assert "write data_fields=['input_ids', ...]" in str(info.value)
+
+
+async def test_a_field_named_twice_is_read_once_and_listed_once() -> None:
+    """``get(["b", "a", "b"], ...)`` returned a BatchMeta whose ``field_names`` named b
+    twice while its data had b once (and a later ``get_data(meta)`` asked for it twice):
+    each name counts once now, in the order first given, for every call taking fields."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"a": torch.arange(2), "b": torch.arange(2) + 5}, "p")
+        td, meta = await client.get(["b", "a", "b"], 2, "p", "t")
+        assert meta.field_names == ["b", "a"]
+        assert sorted(td.keys()) == ["a", "b"]
+        assert td["b"].tolist() == [5, 6]
+        peek = await client.get_meta(("a", "a"), 2, "p", "u", mode="peek")
+        assert peek.field_names == ["a"]
+        data = await client.get_data(meta, fields=["a", "a"])
+        assert list(data.keys()) == ["a"]

@@ -56,18 +56,21 @@ __all__ = ["Links"]
 
 log = get_logger(__name__)
 
-#: field lists already checked (a consumer asks for the same few lists on every call)
-_checked_fields: dict[tuple[str, ...], None] = {}
+#: field lists already checked, each to its names once each (a consumer asks for the same
+#: few lists on every call)
+_checked_fields: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
-    """``data_fields`` as a list of field names (``name``: the argument, for the errors)."""
+    """``data_fields`` as a list of field names, each once, in their first order (``name``:
+    the argument, for the errors)."""
     if type(data_fields) is list or type(data_fields) is tuple:
         try:
-            if tuple(data_fields) in _checked_fields:
-                return list(data_fields)
+            known = _checked_fields.get(tuple(data_fields))
         except TypeError:  # an unhashable entry: the checks below name it
-            pass
+            known = None
+        if known is not None:
+            return list(known)
     if isinstance(data_fields, np.ndarray) and data_fields.ndim == 1:  # names in an array
         data_fields = data_fields.tolist()
     if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
@@ -82,9 +85,10 @@ def check_fields(data_fields: Any, name: str = "data_fields") -> list[str]:
         )
     for f in data_fields:
         check_text("field name", f)
+    once = tuple(dict.fromkeys(data_fields))  # ["b", "a", "b"]: the data has b once too
     if len(_checked_fields) < 1024:
-        _checked_fields[tuple(data_fields)] = None
-    return list(data_fields)
+        _checked_fields[tuple(data_fields)] = once
+    return list(once)
 
 
 def tag_rows(tags: Any, n: int, of: str = "rows") -> Sequence[Any]:
