@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,35 @@ def test_a_journal_the_disk_cannot_open_is_no_damaged_journal(tmp_path: Path) ->
     assert "damaged" not in str(info.value)
     (tmp_path / "controller.db-wal").rmdir()
     JournalStore(tmp_path, "process").close()  # the lock went back with the error
+
+
+class _FullDisk:
+    """A journal's connection whose next ``executemany`` fails as SQLite does on a full disk:
+    the transaction rolled back by SQLite itself, then the error."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+    def executemany(self, *args: Any) -> Any:
+        self.db.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+def test_a_write_the_disk_refused_fails_with_the_disks_error(tmp_path: Path) -> None:
+    """Not "cannot rollback - no transaction is active" (which the controller's log showed
+    instead of the full disk), and the journal takes the next write."""
+    store = JournalStore(tmp_path, "process")
+    real = store.db
+    store.db = _FullDisk(real)  # type: ignore[assignment]
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        store.write(b"ctl", {"p": b"snap"}, [])
+    store.db = real
+    store.write(b"ctl", {"p": b"snap"}, [])
+    assert store.load()[1] == {"p": b"snap"}
+    store.close()
 
 
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:

@@ -238,7 +238,8 @@ class JournalStore:
                 [(pid, seq + i, rec) for i, (pid, rec) in enumerate(deltas)],
             )
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # (SQLite rolls back itself on a full disk, an I/O error)
+                db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         self.seq = seq + len(deltas)
