@@ -11,6 +11,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import structlog
@@ -73,6 +74,25 @@ def test_a_write_the_disk_refused_fails_with_the_disks_error(tmp_path: Path) -> 
     store.write(b"ctl", {"p": b"snap"}, [])
     assert store.load()[1] == {"p": b"snap"}
     store.close()
+
+
+async def test_a_last_write_that_fails_at_shutdown_gives_the_data_dir_back(
+    tmp_path: Path,
+) -> None:
+    """A full disk at shutdown: an error in the log, and the data_dir unlocked (a controller
+    started again in this process is not refused as "in use by another running controller")."""
+    recorder = Recorder(JournalStore(tmp_path, "process"), ControllerCore(ControllerState()), {})
+    recorder.controller_dirty = True  # the last write has something to do
+
+    def full(*args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    recorder.store.write = full  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs, anyio.CancelScope() as scope:
+        scope.cancel()  # (stopped at its first wait)
+        await recorder.run(lambda: 0.0)
+    assert any("last journal write" in e["event"] for e in logs)
+    JournalStore(tmp_path, "process").close()
 
 
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:

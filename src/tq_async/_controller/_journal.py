@@ -660,9 +660,18 @@ class Recorder:
                     self._release(self.held)
                     self.held = []
         finally:
-            if self.dirty or self.controller_dirty:
-                self.write_now(now())  # a clean shutdown leaves nothing unwritten
-            self.store.close()
+            try:
+                if self.dirty or self.controller_dirty:
+                    self.write_now(now())  # a clean shutdown leaves nothing unwritten
+            except (OSError, sqlite3.Error) as exc:  # (its held replies were never sent)
+                log.error(
+                    "the controller's last journal write at shutdown failed: what it held was "
+                    "never acknowledged; free space on the data_dir's disk",
+                    data_dir=self.store.data_dir,
+                    error=str(exc),
+                )
+            finally:
+                self.store.close()
 
     def _records(self, now: float) -> _Records:
         wall = time.time()
