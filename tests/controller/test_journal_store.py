@@ -95,6 +95,13 @@ async def test_a_last_write_that_fails_at_shutdown_gives_the_data_dir_back(
     JournalStore(tmp_path, "process").close()
 
 
+@pytest.mark.parametrize("marker", ["[1]", '"controller"', "null"])
+def test_a_marker_of_json_but_no_object_is_a_config_error(tmp_path: Path, marker: str) -> None:
+    (tmp_path / "tq-async-data-dir.json").write_text(marker)
+    with pytest.raises(tq.ConfigError, match="belongs to a unknown"):
+        JournalStore(tmp_path, "process")
+
+
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()

@@ -339,6 +339,8 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
                 kind = json.load(f)
             except ValueError:
                 kind = {}
+        if not isinstance(kind, dict):  # (JSON, but no marker's)
+            kind = {}
         if kind.get("kind") != "controller":
             raise ConfigError(
                 f"data_dir: {data_dir!r} belongs to a {kind.get('kind', 'unknown')!s} (see "
