@@ -6,6 +6,7 @@ data_dir, and the settings in Config, TOML and the CLI."""
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -100,6 +101,23 @@ def test_a_marker_of_json_but_no_object_is_a_config_error(tmp_path: Path, marker
     (tmp_path / "tq-async-data-dir.json").write_text(marker)
     with pytest.raises(tq.ConfigError, match="belongs to a unknown"):
         JournalStore(tmp_path, "process")
+
+
+def test_a_new_journals_marker_is_on_the_disk_before_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synced aside, renamed, the directory synced: a machine crash never leaves a journal
+    in a directory without its marker (refused at the next start as "no controller's")."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    JournalStore(tmp_path, "process").close()
+    assert synced[:2] == [str(tmp_path / "tq-async-data-dir.json.tmp"), str(tmp_path)]
 
 
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:

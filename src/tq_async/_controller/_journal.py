@@ -59,7 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
-from .._storage._dir_marker import unwritable
+from .._storage._dir_marker import put_marker, unwritable
 from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,
@@ -371,12 +371,9 @@ def _mark_format(data_dir: str) -> None:
 
 
 def _write_marker(data_dir: str) -> None:
-    """Mark ``data_dir`` a controller's of `FORMAT` (written aside, then renamed: a crash
-    leaves the old marker or the new one, never a torn one)."""
-    marker = os.path.join(data_dir, MARKER)
-    with open(marker + ".tmp", "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
-    os.replace(marker + ".tmp", marker)
+    """Mark ``data_dir`` a controller's of `FORMAT` (a crash leaves the old marker or the new
+    one, never a torn one: `put_marker`)."""
+    put_marker(data_dir, {"kind": "controller", "format": FORMAT})
 
 
 class _HeldSends:
