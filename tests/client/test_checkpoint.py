@@ -356,6 +356,30 @@ def test_a_save_still_running_keeps_its_temporary_directory(tmp_path: Path) -> N
         os.close(lock)
 
 
+@pytest.mark.parametrize("again", [False, True], ids=["new", "replacing"])
+async def test_a_saved_checkpoint_has_its_names_on_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, again: bool
+) -> None:
+    """Each file is synced, then the directory holding their names, then the one holding
+    the rename into place: a save that returned survives a machine crash (a rename not
+    synced may be undone by one, the files' names too)."""
+    if again:
+        await saved(tmp_path)
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    ckpt = await saved(tmp_path)
+    *files, written, renamed = synced
+    assert renamed == str(tmp_path)
+    assert {os.path.dirname(p) for p in files} == {written}  # (the temporary name)
+    assert {os.path.basename(p) for p in files} == set(os.listdir(ckpt))
+
+
 async def test_global_batch_shares_survive_a_checkpoint(tmp_path: Path) -> None:
     # The controller records every rank's share of a global batch when the first rank asks;
     # the record is part of the checkpoint, so rank 1 reads its share after the restore.

@@ -6,10 +6,13 @@ data_dir, and the settings in Config, TOML and the CLI."""
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import structlog
@@ -43,6 +46,78 @@ def test_a_journal_the_disk_cannot_open_is_no_damaged_journal(tmp_path: Path) ->
     assert "damaged" not in str(info.value)
     (tmp_path / "controller.db-wal").rmdir()
     JournalStore(tmp_path, "process").close()  # the lock went back with the error
+
+
+class _FullDisk:
+    """A journal's connection whose next ``executemany`` fails as SQLite does on a full disk:
+    the transaction rolled back by SQLite itself, then the error."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+    def executemany(self, *args: Any) -> Any:
+        self.db.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+def test_a_write_the_disk_refused_fails_with_the_disks_error(tmp_path: Path) -> None:
+    """Not "cannot rollback - no transaction is active" (which the controller's log showed
+    instead of the full disk), and the journal takes the next write."""
+    store = JournalStore(tmp_path, "process")
+    real = store.db
+    store.db = _FullDisk(real)  # type: ignore[assignment]
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        store.write(b"ctl", {"p": b"snap"}, [])
+    store.db = real
+    store.write(b"ctl", {"p": b"snap"}, [])
+    assert store.load()[1] == {"p": b"snap"}
+    store.close()
+
+
+async def test_a_last_write_that_fails_at_shutdown_gives_the_data_dir_back(
+    tmp_path: Path,
+) -> None:
+    """A full disk at shutdown: an error in the log, and the data_dir unlocked (a controller
+    started again in this process is not refused as "in use by another running controller")."""
+    recorder = Recorder(JournalStore(tmp_path, "process"), ControllerCore(ControllerState()), {})
+    recorder.controller_dirty = True  # the last write has something to do
+
+    def full(*args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    recorder.store.write = full  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs, anyio.CancelScope() as scope:
+        scope.cancel()  # (stopped at its first wait)
+        await recorder.run(lambda: 0.0)
+    assert any("last journal write" in e["event"] for e in logs)
+    JournalStore(tmp_path, "process").close()
+
+
+@pytest.mark.parametrize("marker", ["[1]", '"controller"', "null"])
+def test_a_marker_of_json_but_no_object_is_a_config_error(tmp_path: Path, marker: str) -> None:
+    (tmp_path / "tq-async-data-dir.json").write_text(marker)
+    with pytest.raises(tq.ConfigError, match="belongs to a unknown"):
+        JournalStore(tmp_path, "process")
+
+
+def test_a_new_journals_marker_is_on_the_disk_before_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synced aside, renamed, the directory synced: a machine crash never leaves a journal
+    in a directory without its marker (refused at the next start as "no controller's")."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    JournalStore(tmp_path, "process").close()
+    assert synced[:2] == [str(tmp_path / "tq-async-data-dir.json.tmp"), str(tmp_path)]
 
 
 def test_a_torn_wal_tail_loses_only_the_last_unfinished_commit(tmp_path: Path) -> None:

@@ -241,6 +241,25 @@ def test_fsync_level_cells_survive_another_boot(
     close(after)
 
 
+def test_the_arena_files_mark_is_on_the_disk_before_any_cell_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``process`` level: ``arena.boot`` (cells written in this boot only) is synced, renamed
+    into place and the directory synced; a machine crash that lost its name would leave no
+    mark, and an arena file without one is trusted (its lost cells read back unchecked)."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    close(open_unit(tmp_path))
+    mark = synced.index(str(tmp_path / "arena.boot.tmp"))
+    assert str(tmp_path) in synced[mark + 1 :]
+
+
 def test_a_larger_arena_file_keeps_its_size(tmp_path: Path) -> None:
     """A unit restarted with a smaller shm_cap still reaches cells past the new cap."""
     claim_unit_dir(str(tmp_path), 0)

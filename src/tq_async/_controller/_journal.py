@@ -59,7 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
-from .._storage._dir_marker import unwritable
+from .._storage._dir_marker import put_marker, unwritable
 from .._storage._unit_dir import lock_dir
 from .._wire._protocol import (
     Ack,
@@ -238,7 +238,8 @@ class JournalStore:
                 [(pid, seq + i, rec) for i, (pid, rec) in enumerate(deltas)],
             )
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # (SQLite rolls back itself on a full disk, an I/O error)
+                db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         self.seq = seq + len(deltas)
@@ -338,6 +339,8 @@ def check_controller_dir(data_dir: str | os.PathLike[str]) -> bool:
                 kind = json.load(f)
             except ValueError:
                 kind = {}
+        if not isinstance(kind, dict):  # (JSON, but no marker's)
+            kind = {}
         if kind.get("kind") != "controller":
             raise ConfigError(
                 f"data_dir: {data_dir!r} belongs to a {kind.get('kind', 'unknown')!s} (see "
@@ -368,12 +371,9 @@ def _mark_format(data_dir: str) -> None:
 
 
 def _write_marker(data_dir: str) -> None:
-    """Mark ``data_dir`` a controller's of `FORMAT` (written aside, then renamed: a crash
-    leaves the old marker or the new one, never a torn one)."""
-    marker = os.path.join(data_dir, MARKER)
-    with open(marker + ".tmp", "w") as f:
-        json.dump({"kind": "controller", "format": FORMAT}, f)
-    os.replace(marker + ".tmp", marker)
+    """Mark ``data_dir`` a controller's of `FORMAT` (a crash leaves the old marker or the new
+    one, never a torn one: `put_marker`)."""
+    put_marker(data_dir, {"kind": "controller", "format": FORMAT})
 
 
 class _HeldSends:
@@ -659,9 +659,18 @@ class Recorder:
                     self._release(self.held)
                     self.held = []
         finally:
-            if self.dirty or self.controller_dirty:
-                self.write_now(now())  # a clean shutdown leaves nothing unwritten
-            self.store.close()
+            try:
+                if self.dirty or self.controller_dirty:
+                    self.write_now(now())  # a clean shutdown leaves nothing unwritten
+            except (OSError, sqlite3.Error) as exc:  # (its held replies were never sent)
+                log.error(
+                    "the controller's last journal write at shutdown failed: what it held was "
+                    "never acknowledged; free space on the data_dir's disk",
+                    data_dir=self.store.data_dir,
+                    error=str(exc),
+                )
+            finally:
+                self.store.close()
 
     def _records(self, now: float) -> _Records:
         wall = time.time()

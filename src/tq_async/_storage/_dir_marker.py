@@ -11,10 +11,19 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from typing import Any
 
 from .._errors import ConfigError
 
-__all__ = ["DISK_INSTANCE", "FORMAT", "MARKER", "claim_unit_dir", "unwritable", "write_marker"]
+__all__ = [
+    "DISK_INSTANCE",
+    "FORMAT",
+    "MARKER",
+    "claim_unit_dir",
+    "put_marker",
+    "unwritable",
+    "write_marker",
+]
 
 #: the file naming what a data_dir belongs to (the controller's journal uses the same name)
 MARKER = "tq-async-data-dir.json"
@@ -95,13 +104,25 @@ def unwritable(directory: str, user: str, exc: OSError) -> ConfigError:
 
 
 def write_marker(directory: str, unit_id: int | None, instance: str) -> None:
-    """Write the marker (aside, then renamed: a crash leaves the old one or the new one)."""
+    """Write the unit's marker (see `put_marker`)."""
+    put_marker(
+        directory,
+        {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance},
+    )
+
+
+def put_marker(directory: str, mark: dict[str, Any]) -> None:
+    """Write ``mark`` as ``directory``'s marker: aside, synced, then renamed, the directory
+    synced (a crash, of the process or the machine, leaves the old one or the new one)."""
     marker = os.path.join(directory, MARKER)
     tmp = marker + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(
-            {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance}, f
-        )
+        json.dump(mark, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, marker)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -375,7 +375,6 @@ class SegmentStore:
             self._arena_fd = os.open(self.arena_path, os.O_RDWR | os.O_CLOEXEC)
         if self.sync:
             os.fdatasync(self._arena_fd)
-            self._sync_dir()  # the arena file's name too
         mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
         path = os.path.join(self.directory, _ARENA_BOOT)
         with open(path + ".tmp", "w") as f:
@@ -383,6 +382,7 @@ class SegmentStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
         """Start the next segment file (the full one is closed, after its sync at fsync)."""
