@@ -18,7 +18,7 @@ import tq_async._client._async._get as client_get
 from _cluster_proc import serve_role
 from _requests import paused_at
 from tq_async._transport._dealer import DealerConnection
-from tq_async._wire._protocol import PutCommit, ShmFree, StorePut
+from tq_async._wire._protocol import PutCommit, ShmFree, StoreGet, StorePut
 
 
 async def until(predicate: Any, seconds: float = 10) -> None:
@@ -286,3 +286,38 @@ async def test_a_put_whose_partition_is_cleared_under_it_says_to_put_again(
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         held = {u: s["rows"] for u, s in (await client.storage_stats()).items()}
         assert held == {0: 1 if again else 0}
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["cleared", "cleared-and-re-created"])
+async def test_a_get_whose_partition_is_cleared_while_it_reads_fails_without_a_warning(
+    again: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``get`` whose partition another task cleared after its rows were fetched, before
+    their cells were read: it fails with `RowsNotFound`, and its give-back of the rows (gone
+    with their partition) warned "could not give back the rows of a failed get" each time,
+    though nothing was left to give back. It warns nothing now."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_get_bytes=0) as client,
+    ):
+        await client.put({"i": torch.arange(2)}, partition_id="p")
+        with paused_at(StoreGet) as paused, caplog.at_level(logging.WARNING, logger="tq_async"):
+            async with anyio.create_task_group() as tg:
+                outcome: list[BaseException] = []
+
+                async def get() -> None:
+                    try:
+                        await client.get(["i"], 2, "p", "t")
+                    except tq.TQError as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(get)
+                await paused.reached(1)
+                await client.clear_partition("p")
+                if again:
+                    await client.put({"i": torch.arange(1)}, partition_id="p")
+                paused.go()
+        assert [type(e) for e in outcome] == [tq.RowsNotFound]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        if again:  # the new partition's row is the task's, untouched
+            assert len(await client.get_meta(["i"], 1, "p", "t", timeout=5)) == 1
