@@ -4,6 +4,7 @@ cancellation: ``tests/faults/test_cancellation.py``.)"""
 
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any
 
@@ -15,8 +16,9 @@ from tensordict import TensorDict
 import tq_async as tq
 import tq_async._client._async._get as client_get
 from _cluster_proc import serve_role
+from _requests import paused_at
 from tq_async._transport._dealer import DealerConnection
-from tq_async._wire._protocol import ShmFree
+from tq_async._wire._protocol import PutCommit, ShmFree, StoreGet, StorePut
 
 
 async def until(predicate: Any, seconds: float = 10) -> None:
@@ -241,3 +243,81 @@ def test_a_client_used_on_another_event_loop_says_so() -> None:
         anyio.run(client.aclose)  # closing is fine anywhere
         anyio.run(first)  # and a closed client opens on the loop it is opened on
         anyio.run(client.aclose)
+
+
+@pytest.mark.parametrize("at", [StorePut, PutCommit], ids=["store", "commit"])
+@pytest.mark.parametrize("again", [False, True], ids=["cleared", "cleared-and-re-created"])
+async def test_a_put_whose_partition_is_cleared_under_it_says_to_put_again(
+    at: type, again: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A put of new rows (no BatchMeta) whose partition another task cleared between its
+    placement and its commit: it failed with "... since this BatchMeta was made ... fetch a
+    new BatchMeta with get_meta" (it has none) or "does not exist (never put to ...)", and
+    its clean-up warned "could not clear rows of a failed put". The error says the partition
+    was cleared while the put wrote: put again; nothing is kept, nothing warns."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"i": torch.arange(2)}, partition_id="p")
+        big = {"x": torch.zeros(2, 1 << 15)}  # (placed, stored, then committed)
+        with paused_at(at) as paused, caplog.at_level(logging.WARNING, logger="tq_async"):
+            async with anyio.create_task_group() as tg:
+                outcome: list[BaseException] = []
+
+                async def put() -> None:
+                    try:
+                        await client.put(big, partition_id="p")
+                    except tq.TQError as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(put)
+                await paused.reached(1)
+                await client.clear_partition("p")
+                if again:
+                    await client.put({"i": torch.arange(1)}, partition_id="p")
+                paused.go()
+        (error,) = outcome
+        assert isinstance(error, (tq.RowsNotFound, tq.PartitionNotFound))
+        message = str(error)
+        assert "cleared (clear_partition) while this put wrote" in message
+        assert "put again" in message
+        assert "BatchMeta" not in message
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        held = {u: s["rows"] for u, s in (await client.storage_stats()).items()}
+        assert held == {0: 1 if again else 0}
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["cleared", "cleared-and-re-created"])
+async def test_a_get_whose_partition_is_cleared_while_it_reads_fails_without_a_warning(
+    again: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``get`` whose partition another task cleared after its rows were fetched, before
+    their cells were read: it fails with `RowsNotFound`, and its give-back of the rows (gone
+    with their partition) warned "could not give back the rows of a failed get" each time,
+    though nothing was left to give back. It warns nothing now."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_get_bytes=0) as client,
+    ):
+        await client.put({"i": torch.arange(2)}, partition_id="p")
+        with paused_at(StoreGet) as paused, caplog.at_level(logging.WARNING, logger="tq_async"):
+            async with anyio.create_task_group() as tg:
+                outcome: list[BaseException] = []
+
+                async def get() -> None:
+                    try:
+                        await client.get(["i"], 2, "p", "t")
+                    except tq.TQError as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(get)
+                await paused.reached(1)
+                await client.clear_partition("p")
+                if again:
+                    await client.put({"i": torch.arange(1)}, partition_id="p")
+                paused.go()
+        assert [type(e) for e in outcome] == [tq.RowsNotFound]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        if again:  # the new partition's row is the task's, untouched
+            assert len(await client.get_meta(["i"], 1, "p", "t", timeout=5)) == 1

@@ -600,3 +600,45 @@ def test_a_write_to_a_paused_controller_waits_under_a_timeout_of_years(
         assert not failed, repr(failed)
         meta = client.get_meta(["x"], 4000, "p", "t", timeout=10)
         assert meta.size == 4000
+
+
+def test_a_gets_hold_ended_while_another_thread_waits_on_the_controller_is_acknowledged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads of one blocking Client, each call on its own: an auto-clear ``get`` ends
+    its hold with a one-way ``Ack`` while the other thread's ``get_meta`` waits on the
+    controller connection. The Ack was dropped (logged at debug: "in use by another
+    thread"), neither call failed, and the rows stayed held for good: auto-clear never freed
+    them. The thread that holds the connection sends it."""
+    from tq_async._client._sync import _get
+
+    with (
+        tq.background_cluster(num_storage_units=1) as cluster,
+        tq.Client.connect(cluster.address) as client,
+        tq.Client.connect(cluster.address) as other,
+    ):
+        client.register_tasks(["t"], "p")
+        client.put({"i": torch.arange(2)}, partition_id="p")
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(client.get_meta(["x"], 1, "q", "t", timeout=30)),
+            daemon=True,
+        )
+        read = _get.GetPath._read
+
+        def then_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            td = read(self, *args, **kwargs)
+            waiter.start()  # the other thread takes the controller connection, and waits
+            _until(lambda: _waiting(client), "the other thread's get_meta to wait")
+            return td
+
+        monkeypatch.setattr(_get.GetPath, "_read", then_wait)
+        td, _ = client.get(["i"], 2, "p", "t")
+        monkeypatch.undo()
+        assert td["i"].tolist() == [0, 1]
+        other.put({"x": torch.ones(1)}, partition_id="q")
+        waiter.join(30)
+        assert len(got[0]) == 1
+        info = client.partition_info("p")
+        assert info["leased"] == {}
+        assert info["rows"] == 0  # acknowledged: auto-clear freed them

@@ -13,13 +13,13 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import RowsNotFound
+from .._errors import PartitionNotFound, RowsNotFound
 from .._logging import get_logger
 from .._wire._events import PartitionCreated
 from .._wire._protocol import Placement
 from ._effects import Effects
 from ._events import Outbox
-from ._state import ControllerState, Partition, PutLease, Wakeup
+from ._state import ControllerState, Partition, PutLease, Wakeup, cleared_under_put
 
 __all__ = ["PutLeases"]
 
@@ -125,8 +125,13 @@ class PutLeases:
 
         ``incarnation`` (from a BatchMeta or the placement) must be the partition's own.
         """
-        p = self.state.partition(partition_id)
-        p.check_incarnation(incarnation)
+        p = self.state.partitions.get(partition_id)
+        if p is None or (incarnation is not None and incarnation != p.incarnation):
+            if put_id:  # its rows were placed in the partition: cleared since
+                error = PartitionNotFound if p is None else RowsNotFound
+                raise error(cleared_under_put(partition_id))
+            p = self.state.partition(partition_id)
+            p.check_incarnation(incarnation)
         if put_id and self.home.get(put_id) is not p:
             raise RowsNotFound(
                 f"the put into partition {partition_id!r} was not committed within its "

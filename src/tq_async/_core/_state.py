@@ -838,6 +838,15 @@ def stale_incarnation(partition_id: str) -> str:
     )
 
 
+def cleared_under_put(partition_id: str) -> str:
+    """The message for a put whose new rows' partition was cleared between their placement
+    and its commit (its caller has no BatchMeta to fetch again)."""
+    return (
+        f"partition {partition_id!r} was cleared (clear_partition) while this put wrote its "
+        "rows: nothing of it was kept; put again (into the partition as it is now)"
+    )
+
+
 def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
     """Validate a capacity setting; ``(capacity, capacity is global)`` (numpy's ints taken
     as ints)."""

@@ -14,7 +14,9 @@ round trip costs the two wake-ups of the wire itself.
 Rules a blocking connection enforces at once (never a hang):
 
 - **One thread at a time.** A request made while another thread's request is using the
-  same connection raises `InvalidRequestError` naming the rule.
+  same connection raises `InvalidRequestError` naming the rule. A one-way message (the
+  clean-up of a call that returned: an ``Ack``, an unpin) sent meanwhile is left to that
+  thread, which sends it while it waits and before it lets go of the connection.
 - **Not on a running event loop.** A request from a thread whose event loop is running would
   stop that loop for the whole wait (and, on the loop that hosts ``local_cluster`` services,
   deadlock them): refused at once, naming `AsyncClient`.
@@ -79,6 +81,9 @@ class BlockingConnection(ConnectionShell):
         #: runs leaves the sockets to that request, which releases them (`_shut`)
         self._state = threading.Lock()
         self._owner: int | None = None
+        #: one-way messages of threads that found the connection in use (guarded by
+        #: ``_state``): the thread that holds it sends them (`_send_deferred`)
+        self._deferred: list[list[Any]] = []
         self._closed = False
         self._released = False
         self._farewell: list[msgspec.Struct] = []
@@ -273,12 +278,7 @@ class BlockingConnection(ConnectionShell):
                 raise
             return core.finish(rid, got)
         finally:
-            with self._state:
-                self._owner = None
-                closed = self._closed
-            if closed:  # (by another thread while this request ran: its Cancel may be queued)
-                self._shut(CLOSE_LINGER_MS)
-            self._busy.release()
+            self._let_go()
 
     def _shared_error(self) -> InvalidRequestError:
         return InvalidRequestError(
@@ -323,6 +323,8 @@ class BlockingConnection(ConnectionShell):
                 left = timer
             self._park(left)
             run_due_timers()
+            if self._deferred:  # another thread's clean-up, not left waiting on this request
+                self._send_deferred()
         if rid in arrived:
             return arrived.pop(rid)
         if self._closed:  # by another thread
@@ -331,13 +333,73 @@ class BlockingConnection(ConnectionShell):
         raise self._failure
 
     def send_oneway(self, body: msgspec.Struct) -> None:
-        """Send a request whose reply nobody waits for (dropped on arrival)."""
+        """Send a request whose reply nobody waits for (dropped on arrival); while another
+        thread uses the connection, that thread sends it (see the module docstring)."""
         if self._released or self._core.pid != os.getpid():
             return  # (closed by another thread, a request's Cancel still goes out)
-        if self._owner not in (None, threading.get_ident()):
-            raise self._shared_error()
-        with self.transport_errors(type(body).__name__):
-            self._send(self._core.oneway(body))
+        frames = self._core.oneway(body)
+        if self._owner == threading.get_ident():  # (within this thread's own request)
+            with self.transport_errors(type(body).__name__):
+                self._send(frames)
+            return
+        if not self._busy.acquire(blocking=False):
+            with self._state:
+                self._deferred.append(frames)
+            self._take_over()  # (the other thread may have let go meanwhile: sent here)
+            return
+        with self._state:
+            self._owner = threading.get_ident()
+        try:
+            with self.transport_errors(type(body).__name__):
+                self._send(frames)
+        finally:
+            self._let_go()
+
+    def _send_quietly(self, messages: Sequence[list[Any]]) -> None:
+        """Send one-way messages, best effort (their senders were told so), from the thread
+        that holds the connection."""
+        for frames in messages:
+            try:
+                self._send(frames)
+            except (zmq.ZMQError, OSError) as exc:
+                log.debug("one-way message not sent", peer=self.name, error=str(exc))
+
+    def _send_deferred(self) -> None:
+        """Send the one-way messages other threads left to this one (it holds the connection)."""
+        with self._state:
+            messages, self._deferred = self._deferred, []
+        self._send_quietly(messages)
+
+    def _let_go(self) -> None:
+        """Release the connection this thread holds (``_busy``), once the one-way messages
+        other threads left to it are sent; a close by another thread meanwhile is carried
+        out here. Looks again after the release: a message left, or a close made, just
+        before it is seen to by this thread, unless another holds the connection by then
+        (and sees to it itself)."""
+        while True:
+            if self._deferred:
+                self._send_deferred()
+            with self._state:
+                closed = self._closed
+                if not closed:
+                    self._owner = None
+            if closed:  # (by another thread while this request ran: its Cancel may be queued)
+                self._shut(CLOSE_LINGER_MS)
+                with self._state:
+                    self._owner = None
+            self._busy.release()
+            left = self._deferred or (self._closed and not self._released)
+            if not left or not self._busy.acquire(blocking=False):
+                return
+            with self._state:
+                self._owner = threading.get_ident()
+
+    def _take_over(self) -> None:
+        """Send the messages left to the thread holding the connection, if none holds it."""
+        if self._busy.acquire(blocking=False):
+            with self._state:
+                self._owner = threading.get_ident()
+            self._let_go()
 
     def close(
         self, error: BaseException | None = None, *, farewell: Sequence[msgspec.Struct] = ()
@@ -348,25 +410,36 @@ class BlockingConnection(ConnectionShell):
         `ClosedError` within `_PARK_SLICE`, sends the service its ``Cancel`` and the
         farewell, and releases them (``error`` is not used: see `retire`'s callers).
         """
+        me = threading.get_ident()
         with self._state:
             if self._closed:
                 return
             self._closed = True
             self._farewell = list(farewell)
-            if self._owner not in (None, threading.get_ident()):
+            if self._owner not in (None, me):
                 return
-        self._shut()
+        if self._owner == me:
+            self._shut()
+        elif self._busy.acquire(blocking=False):
+            try:
+                self._shut()
+            finally:
+                self._busy.release()
+        # (else another thread took the connection just now: it shuts it as it lets go)
 
     def _shut(self, linger: int = 0) -> None:
-        """Release the sockets of a closed connection (once), its farewell sent first."""
+        """Release the sockets of a closed connection (once), the one-way messages left to
+        it and its farewell sent first (by the thread that holds it)."""
         if self._released:
             return
+        with self._state:
+            messages, self._deferred = self._deferred, []
+        messages += [self._core.oneway(body) for body in self._farewell]
         if self._core.pid == os.getpid():
-            for body in self._farewell:
-                self.send_best_effort(body)
+            self._send_quietly(messages)
         self._released = True
         if self._core.pid == os.getpid():
-            self._release(CLOSE_LINGER_MS if self._farewell else linger)
+            self._release(CLOSE_LINGER_MS if messages else linger)
             if self._wake_fd is not None:
                 os.close(self._wake_fd)
                 self._wake_fd = None

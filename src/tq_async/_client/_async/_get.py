@@ -20,7 +20,9 @@ from ..._errors import (
     BrokenError,
     ClosedError,
     InvalidRequestError,
+    PartitionNotFound,
     ProtocolError,
+    RowsNotFound,
     SessionLostError,
 )
 from ..._logging import get_logger
@@ -566,6 +568,8 @@ class GetPath:
                 with cleanup_scope(5):
                     try:
                         await self.release(meta)
+                    except (RowsNotFound, PartitionNotFound):
+                        pass  # gone with their partition (cleared): nothing to give back
                     except Exception as exc:  # the read's own outcome matters more
                         log.warning("could not give back the rows of a failed get", error=str(exc))
             raise

@@ -18,8 +18,10 @@ import torch
 import zmq
 from tensordict import TensorDictBase
 
+from ..._core._state import cleared_under_put
 from ..._errors import (
     InvalidRequestError,
+    PartitionNotFound,
     RowsNotFound,
     SchemaError,
     SessionLostError,
@@ -153,8 +155,8 @@ async def _undo(
             undo = ClearSamples(partition_id, placement.rows, placement.incarnation, undo=True)
             await links.call(undo, None)
             gone = True
-        except RowsNotFound:
-            gone = True  # already gone (e.g. lost with their storage unit)
+        except (RowsNotFound, PartitionNotFound):
+            gone = True  # already gone (e.g. lost with their storage unit, or cleared)
         except Exception as exc:  # the original error matters more
             log.warning("could not clear rows of a failed put", error=str(exc))
     if gone:
@@ -379,7 +381,13 @@ class PutPath:
         if placement.put_id:
             self._open[placement.put_id] = os.getpid()
         try:
-            await self._store(partition_id, placement, headers, put.columns, sent)
+            try:
+                await self._store(partition_id, placement, headers, put.columns, sent)
+            except RowsNotFound as exc:
+                if meta is not None:
+                    raise
+                # a unit refuses the cells of a partition incarnation cleared meanwhile
+                raise RowsNotFound(cleared_under_put(partition_id)) from exc
             commit = PutCommit(
                 partition_id,
                 placement.rows,
