@@ -145,6 +145,33 @@ async def test_a_taken_port_is_a_broken_error_not_an_exception_group() -> None:
                 pass
 
 
+async def test_an_ipc_path_a_service_listens_on_is_refused_and_a_stale_one_is_taken(
+    tmp_path: Path,
+) -> None:
+    """ZMQ binds an ``ipc://`` path by replacing the file there: a second cluster bound at a
+    live one's path took it over silently (new clients reached the newcomer, the first one
+    served no one). It is refused now, as a taken TCP port is; the file a killed service
+    left (nothing listens) is still taken."""
+    path = tmp_path / "ctl"
+    bind = f"ipc://{path}"
+    async with tq.local_cluster(num_storage_units=1, bind=bind) as cluster:
+        inode = path.stat().st_ino
+        with pytest.raises(tq.BrokenError, match="a service listens there"):
+            async with tq.local_cluster(num_storage_units=1, bind=bind):
+                pass
+        assert path.stat().st_ino == inode  # the first one's socket, still
+        async with tq.AsyncClient.connect(cluster.address, request_timeout=10) as client:
+            await client.put({"x": torch.arange(2)}, "p")
+    with socket.socket(socket.AF_UNIX) as stale:  # a socket file nothing listens on
+        path.unlink(missing_ok=True)
+        stale.bind(str(path))
+    async with (
+        tq.local_cluster(num_storage_units=1, bind=bind) as cluster,
+        tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+    ):
+        assert await client.list_partitions() == []
+
+
 async def test_spilled_cells_go_under_data_dir_at_durability_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

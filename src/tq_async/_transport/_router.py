@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -188,6 +190,27 @@ class DrainedSocket:
         self._schedule_drain()
 
 
+def _refuse_a_live_path(bind: str) -> None:
+    """ZMQ binds an ``ipc://`` path by replacing the file there, a running service's too
+    (which then serves no new client): refuse a path something listens on, as a taken TCP
+    port is refused. A file nothing listens on (its process was killed) is replaced.
+
+    Raises:
+        zmq.ZMQError: EADDRINUSE, a service listens at ``bind``.
+    """
+    if not bind.startswith("ipc://") or bind.startswith(("ipc://@", "ipc://*")):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a listener with a full accept queue says EAGAIN
+        try:
+            probe.connect(bind[len("ipc://") :])
+        except BlockingIOError:
+            pass
+        except OSError:  # nothing there, or nothing listening
+            return
+    raise zmq.ZMQError(errno.EADDRINUSE, "a service listens there")
+
+
 class RouterEndpoint(DrainedSocket):
     """A bound ROUTER socket; ``on_message(peer, frames)`` runs for each request.
 
@@ -219,6 +242,7 @@ class RouterEndpoint(DrainedSocket):
         # deadline); the kernel caps this at net.core.somaxconn
         sock.setsockopt(zmq.BACKLOG, BACKLOG)
         try:
+            _refuse_a_live_path(bind)
             sock.bind(normalize_bind(bind))
         except zmq.ZMQError as exc:
             sock.close(linger=0)
