@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gc
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import weakref
 from functools import partial
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import _read_address, sigkill
 
 
 async def test_an_exception_in_the_block_propagates_as_itself() -> None:
@@ -170,6 +174,49 @@ async def test_an_ipc_path_a_service_listens_on_is_refused_and_a_stale_one_is_ta
         tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
     ):
         assert await client.list_partitions() == []
+
+
+#: a program with an ipc cluster it never leaves (killed while it runs)
+_IPC_CLUSTER = """
+import anyio, tq_async as tq
+async def main():
+    async with tq.local_cluster(num_storage_units=1, transport="ipc") as cluster:
+        print("TQ_ADDRESS=" + cluster.address, flush=True)
+        await anyio.sleep_forever()
+anyio.run(main)
+"""
+
+
+def _killed_ipc_cluster() -> Path:
+    """Run `_IPC_CLUSTER`, SIGKILL it once it serves: its sockets' directory."""
+    proc = subprocess.Popen([sys.executable, "-c", _IPC_CLUSTER], stdout=subprocess.PIPE)
+    try:
+        return Path(_read_address(proc)[len("ipc://") :]).parent
+    finally:
+        sigkill(proc)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+async def test_the_socket_directory_of_a_killed_ipc_cluster_goes_when_the_next_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``local_cluster(transport="ipc")`` keeps its sockets in a ``tq-*`` directory of the
+    system's temporary directory, removed when it stops. A SIGKILLed (OOM-killed) program
+    cannot: the next ipc cluster started on the host removes it (they piled up in /tmp
+    forever). A running cluster's is left alone."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # this test's, the child's too
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    killed = _killed_ipc_cluster()
+    assert killed.is_dir()  # nobody removed it
+    async with tq.local_cluster(num_storage_units=1, transport="ipc") as first:
+        assert not killed.exists()
+        mine = Path(first.address[len("ipc://") :]).parent
+        async with tq.local_cluster(num_storage_units=1, transport="ipc") as second:
+            assert mine.is_dir()  # a running cluster's is left alone
+            async with tq.AsyncClient.connect(second.address, request_timeout=10) as client:
+                await client.put({"x": torch.arange(2)}, "p")
+    assert not mine.exists()
 
 
 async def test_spilled_cells_go_under_data_dir_at_durability_memory(
