@@ -17,9 +17,10 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import tq_async as tq
-from _cluster_proc import _read_address, sigkill
+from _cluster_proc import _read_address, free_port, sigkill
 
 
 async def test_an_exception_in_the_block_propagates_as_itself() -> None:
@@ -217,6 +218,28 @@ async def test_the_socket_directory_of_a_killed_ipc_cluster_goes_when_the_next_s
             async with tq.AsyncClient.connect(second.address, request_timeout=10) as client:
                 await client.put({"x": torch.arange(2)}, "p")
     assert not mine.exists()
+
+
+async def test_a_cancelled_cluster_still_stops_its_metrics_server() -> None:
+    """A cluster whose block is cancelled (Ctrl-C in ``asyncio.run``, a timeout around it)
+    stops as one that is left: its metrics server's thread was started in a scope already
+    cancelled, so it was never stopped (its port stayed taken, its gauges in the registry),
+    and nothing after it ran (the ipc sockets' directory stayed)."""
+    registry = CollectorRegistry()
+    on = f"127.0.0.1:{free_port()}"
+    with anyio.CancelScope() as scope:
+        async with tq.local_cluster(
+            num_storage_units=1, metrics_registry=registry, serve_metrics_on=on
+        ) as cluster:
+            sockdir = Path(cluster.address[len("ipc://") :]).parent
+            scope.cancel()
+            await anyio.sleep_forever()
+    assert not sockdir.exists()
+    # the same port at once, with the same registry
+    async with tq.local_cluster(
+        num_storage_units=1, metrics_registry=registry, serve_metrics_on=on
+    ) as cluster:
+        assert cluster.metrics_url == f"http://{on}/metrics"
 
 
 async def test_spilled_cells_go_under_data_dir_at_durability_memory(

@@ -207,8 +207,9 @@ async def local_cluster(
         _unwrap(group, raised)
     finally:
         stop_hosting(hosting)
-        if plan.stop_metrics is not None:
-            await anyio.to_thread.run_sync(plan.stop_metrics)
+        if plan.stop_metrics is not None:  # (shielded: a cancelled block stops it too)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(plan.stop_metrics)
         for unregister in plan.unregister:  # (a registry kept for a later cluster)
             unregister()
         plan.remove_sockdir()
