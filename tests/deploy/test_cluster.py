@@ -4,6 +4,8 @@ the loop that runs the services fail at once instead of deadlocking."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 import weakref
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -240,6 +243,48 @@ async def test_a_cancelled_cluster_still_stops_its_metrics_server() -> None:
         num_storage_units=1, metrics_registry=registry, serve_metrics_on=on
     ) as cluster:
         assert cluster.metrics_url == f"http://{on}/metrics"
+
+
+def _wait_for_a_byte(fd: int) -> None:
+    os.read(fd, 1)
+
+
+# Python >= 3.12 warns about fork() with threads running (the cluster's); the child only waits
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_forked_child_keeps_neither_the_address_nor_the_data_dir(tmp_path: Path) -> None:
+    """A child forked while a cluster runs (a DataLoader worker, a pool of rollout workers)
+    got copies of its services' sockets and of the data_dir's locks, and kept them after the
+    cluster stopped: clients connected to a socket nobody served (and waited for their
+    timeout), the cluster started again at its address could not bind it, nor lock its
+    data_dir ("in use by another running storage unit"). The child closes its copies."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    options: dict[str, Any] = {"bind": bind, "durability": "process", "data_dir": str(tmp_path)}
+    read, write = os.pipe()
+    child = multiprocessing.get_context("fork").Process(target=_wait_for_a_byte, args=(read,))
+    try:
+        async with (
+            tq.local_cluster(num_storage_units=1, **options) as cluster,
+            tq.AsyncClient.connect(cluster.address, same_host=False) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")
+            child.start()  # while a client is connected, too
+        assert child.is_alive()
+        with pytest.raises(tq.BrokenError, match="nothing listens"):
+            async with tq.AsyncClient.connect(bind, same_host=False, connect_timeout=30):
+                pass
+        async with (
+            tq.local_cluster(num_storage_units=1, **options) as cluster,
+            tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+        ):
+            td, _ = await client.get(["x"], 2, "p", "t", timeout=10)
+            assert td["x"].tolist() == [0, 1]
+    finally:
+        os.write(write, b"x")
+        if child.pid is not None:
+            await anyio.to_thread.run_sync(child.join, 30)
+        os.close(read)
+        os.close(write)
+    assert child.exitcode == 0
 
 
 async def test_spilled_cells_go_under_data_dir_at_durability_memory(

@@ -60,6 +60,7 @@ from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
 from .._storage._unit_dir import lock_dir
+from .._transport._inherited import release
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -251,7 +252,7 @@ class JournalStore:
 
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release(self._lock_fd)
             self._lock_fd = -1
 
 

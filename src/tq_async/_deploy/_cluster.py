@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from .._service._metrics import (
 from .._service._serve import first_tq_error, only_error, warn_if_exposed
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._storage._unit_dir import locked_dir
+from .._transport._inherited import release
 from .._transport._security import CurveServer
 from .._wire._checks import integral
 from ..samplers import BaseSampler
@@ -257,7 +257,7 @@ class _Plan:
     def remove_sockdir(self) -> None:
         if self.sockdir is not None:
             shutil.rmtree(self.sockdir, ignore_errors=True)
-            os.close(self.sockdir_lock)  # removed first: no sweep finds it unlocked
+            release(self.sockdir_lock)  # removed first: no sweep finds it unlocked
             self.sockdir, self.sockdir_lock = None, -1
 
     def endpoint(self, name: str) -> str:

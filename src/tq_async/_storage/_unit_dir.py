@@ -19,6 +19,7 @@ import time
 
 from .._errors import ConfigError
 from .._logging import get_logger
+from .._transport._inherited import close_in_children, release
 from ._cells import StorageState
 from ._segments import ARENA_FILE, SegmentStore, claim_unit_dir, write_marker
 
@@ -134,10 +135,10 @@ class UnitDir:
         self.store.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
-            os.close(self._scratch_fd)  # removed first: no sweep finds it unlocked
+            release(self._scratch_fd)  # removed first: no sweep finds it unlocked
             self._scratch, self._scratch_fd = None, -1
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release(self._lock_fd)
             self._lock_fd = -1
 
 
@@ -188,7 +189,7 @@ def locked_dir(parent: str, prefix: str, lock_name: str, what: str) -> tuple[str
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return path, fd
+    return path, close_in_children(fd)  # a forked child's copy would keep it locked
 
 
 def sweep(parent: str, prefix: str, lock_name: str, what: str) -> None:
@@ -227,4 +228,4 @@ def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
             f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
             "its own directory (or stop the other one first)"
         ) from None
-    return fd
+    return close_in_children(fd)  # a forked child's copy would keep it locked

@@ -43,6 +43,7 @@ from .._errors import (
 )
 from .._logging import get_logger
 from ._endpoints import normalize_bind, zmq_context
+from ._inherited import serving, stopped_serving
 from ._routes import LocalRoute, local_routes, local_routes_lock
 from ._security import CurveServer
 from ._unix import BACKLOG, UnixListener
@@ -248,6 +249,8 @@ class RouterEndpoint(DrainedSocket):
             sock.close(linger=0)
             raise BrokenError(f"cannot bind {bind!r}: {exc}; choose another address") from exc
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: what a forked child closes of this endpoint (see `tq_async._transport._inherited`)
+        self._served = [self.address]
         if self.address.startswith("tcp://0.0.0.0:"):
             self.address = self.address.replace("0.0.0.0", "127.0.0.1", 1)
         #: an abstract Unix socket twin of a TCP endpoint, for clients on this host
@@ -265,6 +268,7 @@ class RouterEndpoint(DrainedSocket):
                 else:
                     sock.bind(f"ipc://@{name}")
                     self.ipc_address = f"ipc://@{name}"
+                    self._served.append(self.ipc_address)
             except (zmq.ZMQError, OSError) as exc:  # not fatal: same-host clients use TCP
                 log.debug("no same-host twin for a tcp endpoint", error=str(exc))
         self._route: LocalRoute | None = None
@@ -275,6 +279,8 @@ class RouterEndpoint(DrainedSocket):
                 local_routes[self.address] = route
             self._route = route
         self._on_message = on_message
+        for address in self._served:
+            serving(address)
         super().__init__(sock)
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
@@ -303,6 +309,9 @@ class RouterEndpoint(DrainedSocket):
         if self._unix is not None:
             self._unix.close()
             self._unix = None
+        for address in self._served:
+            stopped_serving(address)
+        self._served = []
         route, self._route = self._route, None
         if route is not None:
             with local_routes_lock:

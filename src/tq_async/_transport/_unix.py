@@ -38,6 +38,7 @@ import zmq
 
 from .._logging import get_logger
 from ._endpoints import LogThrottle
+from ._inherited import serving, stopped_serving
 
 __all__ = ["HELLO", "MessageStream", "UnixListener", "UnixSocket", "abstract_name"]
 
@@ -414,6 +415,7 @@ class UnixListener:
             self._sock.close()
             raise
         self._sock.setblocking(False)
+        serving(self.address)  # a forked child closes its copies of the socket and clients
         self._peers: dict[bytes, _Peer] = {}
         self._all: set[_Peer] = set()
         self._accepted = 0  # since the last heap trim
@@ -503,6 +505,8 @@ class UnixListener:
             self._trim = None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._sock.fileno())
+        if self._sock.fileno() >= 0:
+            stopped_serving(self.address)
         self._sock.close()
         for peer in list(self._all):
             peer.close()
