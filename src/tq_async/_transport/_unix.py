@@ -142,6 +142,11 @@ def encode(frames: Sequence[Any]) -> list[Any]:
     return [head, *views]
 
 
+#: a peer that is gone fails the write (EPIPE) without SIGPIPE, which kills a process that
+#: does not ignore it (Python does; a program may set it back to its default)
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
 class MessageStream:
     """Non-blocking message I/O on a connected stream socket.
 
@@ -234,7 +239,7 @@ class MessageStream:
             self._out.extend(parts)
             return
         try:
-            sent = self.sock.sendmsg(parts)
+            sent = self.sock.sendmsg(parts, (), _NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
@@ -258,7 +263,7 @@ class MessageStream:
         out = self._out
         while out:
             try:
-                sent = self.sock.sendmsg(list(itertools.islice(out, 64)))
+                sent = self.sock.sendmsg(list(itertools.islice(out, 64)), (), _NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:
