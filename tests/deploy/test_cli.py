@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import selectors
 import signal
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
+from _cluster_proc import free_port
 from _services import START_TIMEOUT, Service, parse_unit, refused_port, service
 from tq_async._controller._server import ControllerServer
 from tq_async._deploy._cli import _build_parser, load_curve, main
@@ -145,6 +149,52 @@ def test_wildcard_controller_needs_advertise(tmp_path: Path) -> None:
         err = ctl.stderr()
     assert code == 1
     assert "--advertise HOST" in err
+
+
+def _logged(proc: subprocess.Popen[bytes], text: bytes) -> bytes:
+    """What ``proc`` logged on stderr up to the first line that holds ``text`` (bounded)."""
+    assert proc.stderr is not None
+    seen = b""
+    deadline = time.monotonic() + START_TIMEOUT
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while text not in seen.rpartition(b"\n")[0]:
+            left = deadline - time.monotonic()
+            assert left > 0, seen.decode()
+            if sel.select(timeout=left):
+                chunk = os.read(proc.stderr.fileno(), 65536)
+                assert chunk, f"exited with {proc.wait(timeout=10)}: {seen.decode()}"
+                seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize("role", [[], ["controller"]], ids=["serve", "controller"])
+def test_a_launcher_that_closed_stdout_does_not_stop_the_service(role: list[str]) -> None:
+    """A launcher may close its end of the service's stdout once it has read the lines it
+    wanted, or before (it went away): printing them failed with BrokenPipeError and the
+    service died with a traceback, status 1. It serves on, and SIGTERM stops it cleanly."""
+    read, write = os.pipe()
+    os.close(read)  # before the service prints anything
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    argv = [*role, "--bind", bind, "--metrics-on", "127.0.0.1:0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
+        stdout=write,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write)
+    try:
+        _logged(proc, b"stdout is closed")  # said, as a warning, once it serves
+        with tq.Client.connect(bind, request_timeout=START_TIMEOUT) as client:
+            assert client.list_partitions() == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=START_TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stderr is not None
+        proc.stderr.close()
 
 
 # ---- argument parsing -----------------------------------------------------------------------

@@ -4,18 +4,26 @@ the loop that runs the services fail at once instead of deadlocking."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import weakref
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import tq_async as tq
+from _cluster_proc import _read_address, free_port, sigkill
 
 
 async def test_an_exception_in_the_block_propagates_as_itself() -> None:
@@ -143,6 +151,140 @@ async def test_a_taken_port_is_a_broken_error_not_an_exception_group() -> None:
         with pytest.raises(tq.BrokenError, match="Address already in use"):
             async with tq.local_cluster(num_storage_units=1, bind=f"tcp://127.0.0.1:{port}"):
                 pass
+
+
+async def test_an_ipc_path_a_service_listens_on_is_refused_and_a_stale_one_is_taken(
+    tmp_path: Path,
+) -> None:
+    """ZMQ binds an ``ipc://`` path by replacing the file there: a second cluster bound at a
+    live one's path took it over silently (new clients reached the newcomer, the first one
+    served no one). It is refused now, as a taken TCP port is; the file a killed service
+    left (nothing listens) is still taken."""
+    path = tmp_path / "ctl"
+    bind = f"ipc://{path}"
+    async with tq.local_cluster(num_storage_units=1, bind=bind) as cluster:
+        inode = path.stat().st_ino
+        with pytest.raises(tq.BrokenError, match="a service listens there"):
+            async with tq.local_cluster(num_storage_units=1, bind=bind):
+                pass
+        assert path.stat().st_ino == inode  # the first one's socket, still
+        async with tq.AsyncClient.connect(cluster.address, request_timeout=10) as client:
+            await client.put({"x": torch.arange(2)}, "p")
+    with socket.socket(socket.AF_UNIX) as stale:  # a socket file nothing listens on
+        path.unlink(missing_ok=True)
+        stale.bind(str(path))
+    async with (
+        tq.local_cluster(num_storage_units=1, bind=bind) as cluster,
+        tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+    ):
+        assert await client.list_partitions() == []
+
+
+#: a program with an ipc cluster it never leaves (killed while it runs)
+_IPC_CLUSTER = """
+import anyio, tq_async as tq
+async def main():
+    async with tq.local_cluster(num_storage_units=1, transport="ipc") as cluster:
+        print("TQ_ADDRESS=" + cluster.address, flush=True)
+        await anyio.sleep_forever()
+anyio.run(main)
+"""
+
+
+def _killed_ipc_cluster() -> Path:
+    """Run `_IPC_CLUSTER`, SIGKILL it once it serves: its sockets' directory."""
+    proc = subprocess.Popen([sys.executable, "-c", _IPC_CLUSTER], stdout=subprocess.PIPE)
+    try:
+        return Path(_read_address(proc)[len("ipc://") :]).parent
+    finally:
+        sigkill(proc)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+async def test_the_socket_directory_of_a_killed_ipc_cluster_goes_when_the_next_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``local_cluster(transport="ipc")`` keeps its sockets in a ``tq-*`` directory of the
+    system's temporary directory, removed when it stops. A SIGKILLed (OOM-killed) program
+    cannot: the next ipc cluster started on the host removes it (they piled up in /tmp
+    forever). A running cluster's is left alone."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # this test's, the child's too
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    killed = _killed_ipc_cluster()
+    assert killed.is_dir()  # nobody removed it
+    async with tq.local_cluster(num_storage_units=1, transport="ipc") as first:
+        assert not killed.exists()
+        mine = Path(first.address[len("ipc://") :]).parent
+        async with tq.local_cluster(num_storage_units=1, transport="ipc") as second:
+            assert mine.is_dir()  # a running cluster's is left alone
+            async with tq.AsyncClient.connect(second.address, request_timeout=10) as client:
+                await client.put({"x": torch.arange(2)}, "p")
+    assert not mine.exists()
+
+
+async def test_a_cancelled_cluster_still_stops_its_metrics_server() -> None:
+    """A cluster whose block is cancelled (Ctrl-C in ``asyncio.run``, a timeout around it)
+    stops as one that is left: its metrics server's thread was started in a scope already
+    cancelled, so it was never stopped (its port stayed taken, its gauges in the registry),
+    and nothing after it ran (the ipc sockets' directory stayed)."""
+    registry = CollectorRegistry()
+    on = f"127.0.0.1:{free_port()}"
+    with anyio.CancelScope() as scope:
+        async with tq.local_cluster(
+            num_storage_units=1, metrics_registry=registry, serve_metrics_on=on
+        ) as cluster:
+            sockdir = Path(cluster.address[len("ipc://") :]).parent
+            scope.cancel()
+            await anyio.sleep_forever()
+    assert not sockdir.exists()
+    # the same port at once, with the same registry
+    async with tq.local_cluster(
+        num_storage_units=1, metrics_registry=registry, serve_metrics_on=on
+    ) as cluster:
+        assert cluster.metrics_url == f"http://{on}/metrics"
+
+
+def _wait_for_a_byte(fd: int) -> None:
+    os.read(fd, 1)
+
+
+# Python >= 3.12 warns about fork() with threads running (the cluster's); the child only waits
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_forked_child_keeps_neither_the_address_nor_the_data_dir(tmp_path: Path) -> None:
+    """A child forked while a cluster runs (a DataLoader worker, a pool of rollout workers)
+    got copies of its services' sockets and of the data_dir's locks, and kept them after the
+    cluster stopped: clients connected to a socket nobody served (and waited for their
+    timeout), the cluster started again at its address could not bind it, nor lock its
+    data_dir ("in use by another running storage unit"). The child closes its copies."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    options: dict[str, Any] = {"bind": bind, "durability": "process", "data_dir": str(tmp_path)}
+    read, write = os.pipe()
+    child = multiprocessing.get_context("fork").Process(target=_wait_for_a_byte, args=(read,))
+    try:
+        async with (
+            tq.local_cluster(num_storage_units=1, **options) as cluster,
+            tq.AsyncClient.connect(cluster.address, same_host=False) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")
+            child.start()  # while a client is connected, too
+        assert child.is_alive()
+        with pytest.raises(tq.BrokenError, match="nothing listens"):
+            async with tq.AsyncClient.connect(bind, same_host=False, connect_timeout=30):
+                pass
+        async with (
+            tq.local_cluster(num_storage_units=1, **options) as cluster,
+            tq.AsyncClient.connect(cluster.address, request_timeout=10) as client,
+        ):
+            td, _ = await client.get(["x"], 2, "p", "t", timeout=10)
+            assert td["x"].tolist() == [0, 1]
+    finally:
+        os.write(write, b"x")
+        if child.pid is not None:
+            await anyio.to_thread.run_sync(child.join, 30)
+        os.close(read)
+        os.close(write)
+    assert child.exitcode == 0
 
 
 async def test_spilled_cells_go_under_data_dir_at_durability_memory(

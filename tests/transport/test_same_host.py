@@ -409,3 +409,41 @@ def test_closing_a_blocking_client_from_another_thread_fails_its_waiting_call(
     with tq.Client.connect(address) as other:
         other.put({"x": torch.arange(2)}, partition_id=partition)
         assert other.get_meta(["x"], 2, partition, "t", timeout=30).size == 2
+
+
+#: a program that set SIGPIPE back to its default (CLIs do, to die quietly in a `| head`)
+#: writes to Unix-socket peers that are gone: a reply to a killed client, a request to a
+#: killed service; both the first write and the flush of what did not fit
+_SIGPIPE_DEFAULT = """
+import signal, socket, zmq
+from tq_async._transport._unix import MessageStream
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+mine, theirs = socket.socketpair()
+theirs.close()
+try:
+    MessageStream(mine).write([b"reply"], lambda: None)
+except zmq.ZMQError as exc:
+    print("write:", exc)
+mine, theirs = socket.socketpair()
+stream = MessageStream(mine)
+stream.write([bytes(64 << 20)], lambda: None)  # more than the socket takes at once
+assert stream.blocked
+theirs.close()
+print("flush:", stream.flush(), stream.eof)
+"""
+
+
+def test_a_write_to_a_peer_that_is_gone_fails_where_sigpipe_would_kill() -> None:
+    """Writes to a Unix socket whose peer is gone raised SIGPIPE: in a process where it is
+    not ignored (Python ignores it, a program may restore it) it killed the process, a
+    service or a client, instead of failing the one connection."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGPIPE_DEFAULT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)  # -13: killed by SIGPIPE
+    assert "write: the peer went away" in done.stdout
+    assert "flush: True True" in done.stdout

@@ -61,6 +61,7 @@ from .._logging import get_logger
 from .._service._loop import Handler, Incoming
 from .._storage._dir_marker import put_marker, unwritable
 from .._storage._unit_dir import lock_dir
+from .._transport._inherited import release
 from .._wire._protocol import (
     Ack,
     AcquireRollout,
@@ -260,7 +261,7 @@ class JournalStore:
 
     def _unlock(self) -> None:
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release(self._lock_fd)
             self._lock_fd = -1
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -57,14 +58,28 @@ async def _serve(config: Config) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with local_cluster(transport="tcp", config=config) as cluster:
             cluster.controller.watch.price_requests = True  # this loop runs only services
-            # The one line a launcher parses; flushed so a parent reading our stdout sees it.
-            print(f"TQ_ADDRESS={cluster.address}", flush=True)
+            # The line a launcher parses (one write, flushed: a parent reading stdout sees it)
+            lines = [f"TQ_ADDRESS={cluster.address}"]
             if cluster.metrics_url:
-                print(f"TQ_METRICS_URL={cluster.metrics_url}", flush=True)
+                lines.append(f"TQ_METRICS_URL={cluster.metrics_url}")
+            _announce(lines)
             log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
             async for signum in signals:
                 log.info("stopping", signal=signal.Signals(signum).name)
                 break
+
+
+def _announce(lines: Sequence[str]) -> None:
+    """Print the lines a launcher parses on stdout, in one write. A launcher that closed its
+    end (it read what it wanted, or went away) does not stop the service: that is logged,
+    and stdout goes to /dev/null (nothing else is printed there)."""
+    try:
+        print("\n".join(lines), flush=True)
+    except OSError as exc:  # BrokenPipeError (SIGPIPE is ignored), EIO
+        log.warning("stdout is closed: the service serves on", lines=lines, error=str(exc))
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the unflushed lines go there at exit
+        os.close(devnull)
 
 
 async def _cancel_on_signal(
@@ -125,7 +140,7 @@ async def _serve_role(args: argparse.Namespace, config: Config) -> None:
                 url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
                 lines.append(f"TQ_METRICS_URL={url}")
             # printed once everything serves: a launcher takes the first line for "started"
-            print("\n".join(lines), flush=True)
+            _announce(lines)
     finally:
         if stop_metrics is not None:
             await anyio.to_thread.run_sync(stop_metrics)

@@ -32,6 +32,8 @@ from .._service._metrics import (
 )
 from .._service._serve import first_tq_error, only_error, warn_if_exposed
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
+from .._storage._unit_dir import locked_dir
+from .._transport._inherited import release
 from .._transport._security import CurveServer
 from .._wire._checks import integral
 from ..samplers import BaseSampler
@@ -40,6 +42,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python versi
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["LocalCluster", "local_cluster"]
+
+#: the lock an ipc cluster holds in its sockets' directory (one nobody holds: a killed one's)
+_SOCKDIR_LOCK = "tq-local-cluster.lock"
 
 
 @dataclass
@@ -182,7 +187,8 @@ async def local_cluster(
     )
     if transport not in ("ipc", "tcp"):
         raise InvalidRequestError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-    plan.sockdir = tempfile.mkdtemp(prefix="tq-") if transport == "ipc" else None
+    if transport == "ipc":
+        plan.make_sockdir()
     controller_bind = plan.bind or plan.endpoint("controller")
     warn_if_exposed(controller_bind, "cluster", plan.options["curve"])
     raised: list[BaseException] = []  # what the caller's block raised, if anything
@@ -201,12 +207,12 @@ async def local_cluster(
         _unwrap(group, raised)
     finally:
         stop_hosting(hosting)
-        if plan.stop_metrics is not None:
-            await anyio.to_thread.run_sync(plan.stop_metrics)
+        if plan.stop_metrics is not None:  # (shielded: a cancelled block stops it too)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(plan.stop_metrics)
         for unregister in plan.unregister:  # (a registry kept for a later cluster)
             unregister()
-        if plan.sockdir is not None:
-            shutil.rmtree(plan.sockdir, ignore_errors=True)
+        plan.remove_sockdir()
     if raised:
         raise raised[0]
 
@@ -226,7 +232,9 @@ class _Plan:
     shm_cap: int
     data_path: str
     registry: CollectorRegistry | None
+    #: the ipc sockets' directory, and its lock (held while the cluster runs)
     sockdir: str | None = None
+    sockdir_lock: int = -1
     stop_metrics: Callable[[], None] | None = None
     #: what takes the cluster's gauges out of the registry again
     unregister: list[Callable[[], None]] = field(default_factory=list)
@@ -238,6 +246,19 @@ class _Plan:
     host_ids: list[str | None] = field(default_factory=list)
     #: bytes of cells each unit keeps in memory (Config.memory_cap; None: no bound)
     memory_cap: int | None = None
+
+    def make_sockdir(self) -> None:
+        """Make the directory of the ipc sockets, locked while the cluster runs (those of
+        killed clusters there, which nobody holds, are removed first)."""
+        self.sockdir, self.sockdir_lock = locked_dir(
+            tempfile.gettempdir(), "tq-", _SOCKDIR_LOCK, "the sockets of a local_cluster"
+        )
+
+    def remove_sockdir(self) -> None:
+        if self.sockdir is not None:
+            shutil.rmtree(self.sockdir, ignore_errors=True)
+            release(self.sockdir_lock)  # removed first: no sweep finds it unlocked
+            self.sockdir, self.sockdir_lock = None, -1
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.sockdir}/{name}" if self.sockdir else f"tcp://{self.host}:0"

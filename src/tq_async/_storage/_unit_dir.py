@@ -19,11 +19,12 @@ import time
 
 from .._errors import ConfigError
 from .._logging import get_logger
+from .._transport._inherited import close_in_children, release
 from ._cells import StorageState
 from ._dir_marker import claim_unit_dir, unwritable, write_marker
 from ._segments import ARENA_FILE, SegmentStore
 
-__all__ = ["UnitDir", "lock_dir"]
+__all__ = ["UnitDir", "lock_dir", "locked_dir", "sweep"]
 
 log = get_logger(__name__)
 
@@ -135,38 +136,24 @@ class UnitDir:
         self.store.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
-            os.close(self._scratch_fd)  # removed first: no sweep finds it unlocked
+            release(self._scratch_fd)  # removed first: no sweep finds it unlocked
             self._scratch, self._scratch_fd = None, -1
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release(self._lock_fd)
             self._lock_fd = -1
 
 
 def _scratch_dir(data_dir: str | None) -> tuple[str, int]:
     """A new scratch directory for spilled cells under ``data_dir`` (None: the system's
     temporary directory), locked while the unit runs: its path and the lock's file descriptor
-    (closing it unlocks). Those there that no running unit holds go first (`_sweep`).
+    (closing it unlocks). Those there that no running unit holds go first (`sweep`).
 
     Raises:
         ConfigError: ``data_dir`` is missing, or no directory can be made in it.
     """
     parent = tempfile.gettempdir() if data_dir is None else data_dir
     try:
-        _sweep(parent)
-        # made under a name sweeps skip, locked, then renamed: a sweep never sees it unlocked
-        staging = tempfile.mkdtemp(prefix="." + _SCRATCH, dir=parent)
-        path = os.path.join(parent, os.path.basename(staging)[1:])
-        try:
-            fd = os.open(os.path.join(staging, _SCRATCH_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.rename(staging, path)
-            except OSError:
-                os.close(fd)
-                raise
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        return locked_dir(parent, _SCRATCH, _SCRATCH_LOCK, "the spilled cells a storage unit")
     except OSError as exc:
         if not os.path.isdir(parent):
             raise ConfigError(
@@ -177,28 +164,54 @@ def _scratch_dir(data_dir: str | None) -> tuple[str, int]:
             f"data_dir: cannot make a directory for spilled cells under {parent!r} "
             f"({exc.strerror}); give memory_cap a writable data_dir"
         ) from exc
-    return path, fd
 
 
-def _sweep(parent: str) -> None:
-    """Remove the scratch directories under ``parent`` whose unit is gone without removing
-    its own (SIGKILL, OOM: nobody holds their lock). One without a lock (made by an older
-    version) or not ours to open is left alone."""
+def locked_dir(parent: str, prefix: str, lock_name: str, what: str) -> tuple[str, int]:
+    """A new directory ``parent/prefix...`` whose file ``lock_name`` is locked while this
+    process uses it: its path and the lock's file descriptor (closing it unlocks; remove the
+    directory first). Those there that nobody holds go first: `sweep` (``what``: whose they
+    are, for its log line).
+
+    Raises:
+        OSError: no directory could be made in ``parent``.
+    """
+    sweep(parent, prefix, lock_name, what)
+    # made under a name sweeps skip, locked, then renamed: a sweep never sees it unlocked
+    staging = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
+    path = os.path.join(parent, os.path.basename(staging)[1:])
+    try:
+        fd = os.open(os.path.join(staging, lock_name), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(staging, path)
+        except OSError:
+            os.close(fd)
+            raise
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path, close_in_children(fd)  # a forked child's copy would keep it locked
+
+
+def sweep(parent: str, prefix: str, lock_name: str, what: str) -> None:
+    """Remove the directories ``parent/prefix...`` of `locked_dir` whose process is gone
+    without removing its own (SIGKILL, OOM: nobody holds their lock). One without a lock
+    (made by an older version, or not by `locked_dir`) or not ours to open is left alone."""
     for name in os.listdir(parent):
-        if not name.startswith(_SCRATCH):
+        if not name.startswith(prefix):
             continue
         path = os.path.join(parent, name)
         try:
-            fd = os.open(os.path.join(path, _SCRATCH_LOCK), os.O_RDWR)
+            fd = os.open(os.path.join(path, lock_name), os.O_RDWR)
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue  # its unit runs
+            continue  # its process runs
         else:
             shutil.rmtree(path, ignore_errors=True)
-            log.info("removed the spilled cells a storage unit left when it was killed", path=path)
+            log.info(f"removed {what} left when it was killed", path=path)
         finally:
             os.close(fd)
 
@@ -219,4 +232,4 @@ def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
             f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
             "its own directory (or stop the other one first)"
         ) from None
-    return fd
+    return close_in_children(fd)  # a forked child's copy would keep it locked

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -41,6 +43,7 @@ from .._errors import (
 )
 from .._logging import get_logger
 from ._endpoints import normalize_bind, zmq_context
+from ._inherited import serving, stopped_serving
 from ._routes import LocalRoute, local_routes, local_routes_lock
 from ._security import CurveServer
 from ._unix import BACKLOG, UnixListener
@@ -188,6 +191,27 @@ class DrainedSocket:
         self._schedule_drain()
 
 
+def _refuse_a_live_path(bind: str) -> None:
+    """ZMQ binds an ``ipc://`` path by replacing the file there, a running service's too
+    (which then serves no new client): refuse a path something listens on, as a taken TCP
+    port is refused. A file nothing listens on (its process was killed) is replaced.
+
+    Raises:
+        zmq.ZMQError: EADDRINUSE, a service listens at ``bind``.
+    """
+    if not bind.startswith("ipc://") or bind.startswith(("ipc://@", "ipc://*")):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a listener with a full accept queue says EAGAIN
+        try:
+            probe.connect(bind[len("ipc://") :])
+        except BlockingIOError:
+            pass
+        except OSError:  # nothing there, or nothing listening
+            return
+    raise zmq.ZMQError(errno.EADDRINUSE, "a service listens there")
+
+
 class RouterEndpoint(DrainedSocket):
     """A bound ROUTER socket; ``on_message(peer, frames)`` runs for each request.
 
@@ -219,11 +243,14 @@ class RouterEndpoint(DrainedSocket):
         # deadline); the kernel caps this at net.core.somaxconn
         sock.setsockopt(zmq.BACKLOG, BACKLOG)
         try:
+            _refuse_a_live_path(bind)
             sock.bind(normalize_bind(bind))
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise BrokenError(f"cannot bind {bind!r}: {exc}; choose another address") from exc
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: what a forked child closes of this endpoint (see `tq_async._transport._inherited`)
+        self._served = [self.address]
         if self.address.startswith("tcp://0.0.0.0:"):
             self.address = self.address.replace("0.0.0.0", "127.0.0.1", 1)
         #: an abstract Unix socket twin of a TCP endpoint, for clients on this host
@@ -241,6 +268,7 @@ class RouterEndpoint(DrainedSocket):
                 else:
                     sock.bind(f"ipc://@{name}")
                     self.ipc_address = f"ipc://@{name}"
+                    self._served.append(self.ipc_address)
             except (zmq.ZMQError, OSError) as exc:  # not fatal: same-host clients use TCP
                 log.debug("no same-host twin for a tcp endpoint", error=str(exc))
         self._route: LocalRoute | None = None
@@ -251,6 +279,8 @@ class RouterEndpoint(DrainedSocket):
                 local_routes[self.address] = route
             self._route = route
         self._on_message = on_message
+        for address in self._served:
+            serving(address)
         super().__init__(sock)
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
@@ -279,6 +309,9 @@ class RouterEndpoint(DrainedSocket):
         if self._unix is not None:
             self._unix.close()
             self._unix = None
+        for address in self._served:
+            stopped_serving(address)
+        self._served = []
         route, self._route = self._route, None
         if route is not None:
             with local_routes_lock:

@@ -38,6 +38,7 @@ import zmq
 
 from .._logging import get_logger
 from ._endpoints import LogThrottle
+from ._inherited import serving, stopped_serving
 
 __all__ = ["HELLO", "MessageStream", "UnixListener", "UnixSocket", "abstract_name"]
 
@@ -141,6 +142,11 @@ def encode(frames: Sequence[Any]) -> list[Any]:
     return [head, *views]
 
 
+#: a peer that is gone fails the write (EPIPE) without SIGPIPE, which kills a process that
+#: does not ignore it (Python does; a program may set it back to its default)
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
 class MessageStream:
     """Non-blocking message I/O on a connected stream socket.
 
@@ -233,7 +239,7 @@ class MessageStream:
             self._out.extend(parts)
             return
         try:
-            sent = self.sock.sendmsg(parts)
+            sent = self.sock.sendmsg(parts, (), _NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
@@ -257,7 +263,7 @@ class MessageStream:
         out = self._out
         while out:
             try:
-                sent = self.sock.sendmsg(list(itertools.islice(out, 64)))
+                sent = self.sock.sendmsg(list(itertools.islice(out, 64)), (), _NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:
@@ -414,6 +420,7 @@ class UnixListener:
             self._sock.close()
             raise
         self._sock.setblocking(False)
+        serving(self.address)  # a forked child closes its copies of the socket and clients
         self._peers: dict[bytes, _Peer] = {}
         self._all: set[_Peer] = set()
         self._accepted = 0  # since the last heap trim
@@ -503,6 +510,8 @@ class UnixListener:
             self._trim = None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._sock.fileno())
+        if self._sock.fileno() >= 0:
+            stopped_serving(self.address)
         self._sock.close()
         for peer in list(self._all):
             peer.close()
