@@ -691,3 +691,32 @@ def test_loader_workers_waiting_for_rows_stop_when_the_loader_is_killed(address:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("reader", ["dataset", "loader-0", "loader-2"])
+def test_a_new_pass_ends_the_one_still_alive_and_no_row_comes_twice(
+    address: str, client: tq.Client, reader: str
+) -> None:
+    """``iter()`` again while an older iterator is alive (kept in a variable, a loop left by an
+    exception): both moved one shared position, so the older one delivered the newer one's
+    batches again (rows twice to one task) or failed with "a bug: please report it". The
+    newer pass ends the older one and goes on from the position; the older one says so."""
+    pid = f"two-passes-{reader}"
+    client.put({"x": torch.arange(24)}, partition_id=pid)
+    client.seal(pid)
+    ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+    if reader == "dataset":
+        stream: Iterable[Any] = ds
+    else:
+        workers = int(reader[-1])
+        stream = StreamingDataLoader(
+            ds, num_workers=workers, multiprocessing_context="fork" if workers else None
+        )
+    first = iter(stream)
+    got = [next(first) for _ in range(3)]
+    second = iter(stream)
+    got += list(second)
+    with pytest.raises(tq.InvalidRequestError, match="newer one"):
+        next(first)
+    assert [r for _, meta in got for r in meta.global_indexes] == list(range(24))
+    assert [td["x"].tolist() for td, _ in got] == [[r, r + 1] for r in range(0, 24, 2)]

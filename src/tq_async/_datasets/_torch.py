@@ -45,8 +45,9 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -181,6 +182,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         self._handoff_batches = 1
         self._local: AsyncStreamingDataset | None = None
         self._local_pid: int | None = None
+        #: the pass over the position (this dataset's own iteration, or its loader's)
+        self._pass: weakref.ref[_Pass[Any]] | None = None
 
     # ---- state (main process) ----------------------------------------------------------------
 
@@ -248,7 +251,18 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         state = self.__dict__.copy()
         state["_local"] = None
         state["_local_pid"] = None
+        state["_pass"] = None
         return state
+
+    def _new_pass(self, start: Callable[[], Iterator[R]]) -> _Pass[R]:
+        """A pass over the position, started by ``start``; the one before, if still alive,
+        ends first: both would move the one position, delivering batches twice."""
+        before = self._pass() if self._pass is not None else None
+        if before is not None:
+            before.end()  # its workers or its client stop now
+        current = _Pass(start())
+        self._pass = weakref.ref(current)
+        return current
 
     # ---- iteration ---------------------------------------------------------------------------
 
@@ -288,13 +302,19 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 "tq_async.StreamingDataLoader (it keeps batches in order and tracks the "
                 "position); a plain DataLoader would interleave micro-batches"
             )
+        if self._whole_batches:  # part of the StreamingDataLoader's pass
+            return self._run(self._started(worker_id, num_workers))
+        return self._new_pass(lambda: self._run(self._started(worker_id, num_workers)))
+
+    def _started(self, worker_id: int, num_workers: int) -> AsyncStreamingDataset:
+        """This process's dataset, at the position, reading worker ``worker_id``'s batches."""
         ads = self._local_dataset()
         ads.load_state_dict(self._state)
         ads.set_worker(worker_id, num_workers)
         # a batch is delivered when its last micro-batch is handed out here, or, under a
         # StreamingDataLoader, in the main process (which acknowledges it there)
         ads._ack_on_delivery = False
-        return self._run(ads)
+        return ads
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader", _ASYNC_DATASET)
@@ -445,10 +465,17 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
     def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
         """Yield micro-batches in ``batch_index`` order until the stream ends.
 
+        One pass at a time: a new iterator ends the one before (its workers stop), which then
+        raises `InvalidRequestError`; the new one goes on from the position.
+
         Raises:
             InvalidRequestError: iterated on a thread whose event loop is running (it would
                 block that loop): async code uses `AsyncStreamingDataset`.
         """
+        return self._stream._new_pass(self._iterate)
+
+    def _iterate(self) -> Iterator[MicroBatch]:
+        """`__iter__`'s pass."""
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
         acks = LoaderAcks(ds._kwargs["address"])
@@ -582,6 +609,38 @@ def _slices(got: Any) -> list[BatchSlice]:
                 "its dataset must be the StreamingDataset it was built with"
             )
     return items
+
+
+class _Pass(Generic[R]):
+    """One pass over a `StreamingDataset`'s position: the dataset's own iteration or its
+    loader's. A newer pass ends it (`end`): its generator is closed (workers, client), and
+    iterating it again raises."""
+
+    def __init__(self, items: Iterator[R]) -> None:
+        self._items = items
+        self._ended = False
+
+    def __iter__(self) -> _Pass[R]:
+        return self
+
+    def __next__(self) -> R:
+        if self._ended:
+            raise InvalidRequestError(
+                "this iteration of the StreamingDataset / StreamingDataLoader ended when a "
+                "newer one started (iter() again while it was alive): they share one "
+                "position, so one pass at a time; go on with the newer iterator"
+            )
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop the pass now (as closing its generator)."""
+        if isinstance(self._items, Generator):
+            self._items.close()
+
+    def end(self) -> None:
+        """A newer pass started: stop this one, and refuse to go on."""
+        self._ended = True
+        self.close()
 
 
 class _AsyncFace:
