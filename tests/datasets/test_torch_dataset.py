@@ -135,17 +135,23 @@ def test_workers_hand_over_ready_batches_together_in_order(address: str, client:
             ds, num_workers=2, multiprocessing_context="fork", timeout=60, **kwargs
         )
 
-    def hand_offs(lo: StreamingDataLoader) -> list[list[int]]:
-        return [[b.batch_index for b in got] for got in DataLoader.__iter__(lo)]
+    def hand_offs(lo: StreamingDataLoader) -> list[list[int | str]]:
+        # a worker's last hand-off says where its stream ended ("end N")
+        return [
+            [b.batch_index for b in got] + ([] if got.end is None else [f"end {got.end}"])
+            for got in DataLoader.__iter__(lo)
+        ]
 
     # sealed: everything is ready, so a hand-off holds prefetch_factor batches (2 by default)
     default = loader()
     pairs = [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
-    assert hand_offs(default) == pairs
+    assert hand_offs(default) == [*pairs, ["end 16"], ["end 17"]]
     assert default.prefetch_factor == 1  # torch's: one hand-off a worker at a time
     assert hand_offs(loader(prefetch_factor=8)) == [
         [0, 2, 4, 6, 8, 10, 12, 14],
         [1, 3, 5, 7, 9, 11, 13, 15],
+        ["end 16"],
+        ["end 17"],
     ]
     got = [(meta.batch_index, td["x"].tolist()) for td, meta in loader()]
     assert got == [(b, list(range(4 * b, 4 * b + 4))) for b in range(16)]
@@ -159,7 +165,7 @@ def test_workers_hand_over_ready_batches_together_in_order(address: str, client:
         multiprocessing_context="fork",
         timeout=60,
     )
-    assert hand_offs(big_loader) == [[0], [1]]
+    assert hand_offs(big_loader) == [[0], [1], ["end 2"], ["end 3"]]
 
 
 def test_a_numpy_prefetch_factor_is_taken_as_its_int(address: str) -> None:
@@ -720,3 +726,56 @@ def test_a_new_pass_ends_the_one_still_alive_and_no_row_comes_twice(
         next(first)
     assert [r for _, meta in got for r in meta.global_indexes] == list(range(24))
     assert [td["x"].tolist() for td, _ in got] == [[r, r + 1] for r in range(0, 24, 2)]
+
+
+def test_a_workers_end_of_stream_ends_the_pass_when_rows_come_for_another_worker(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop_when_consumed, rows arriving: worker 1 meets the end at batch 1, then rows come and
+    worker 0 goes on (its batch 2, deciding batch 1 first for nobody). The loader waited for
+    batch 1 while it kept worker 0's batches (unbounded as long as rows came), then failed
+    with "a bug: please report it". Now the pass ends at the first end a worker met, the later
+    batches stay recorded, and the next pass reads them: every row once, in order."""
+    from threading import Thread
+
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "end-then-rows"
+    ctx = multiprocessing.get_context("fork")
+    ended, rows_in = ctx.Event(), ctx.Event()
+    next_batch = td_mod._next_batch
+
+    def paced(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 0 and ads.batch_index == 2:
+            assert rows_in.wait(60), "the rows did not come"
+        got = next_batch(host, ads, ahead, loader)
+        if got is None and info is not None and info.id == 1:
+            ended.set()
+        return got
+
+    def put_after_the_end() -> None:
+        if ended.wait(60):
+            with tq.Client.connect(address) as c:
+                c.put({"x": torch.arange(4, 12)}, partition_id=pid)
+        rows_in.set()
+
+    monkeypatch.setattr(td_mod, "_next_batch", paced)
+    with tq.Client.connect(address) as c:
+        c.put({"x": torch.arange(4)}, partition_id=pid)
+    ds = StreamingDataset(address, ["x"], 4, 4, pid, "train", stop_when_consumed=True)
+    loader = StreamingDataLoader(
+        ds, num_workers=2, multiprocessing_context="fork", prefetch_factor=1, timeout=60
+    )
+    putter = Thread(target=put_after_the_end)
+    putter.start()
+    try:
+        first = [meta.batch_index for _, meta in loader]
+    finally:
+        rows_in.set()
+        ended.set()
+        putter.join(timeout=60)
+    assert first == [0]
+    assert ds.batch_index == 1
+    got = [td["x"].tolist() for td, _ in loader]
+    assert got == [[4, 5, 6, 7], [8, 9, 10, 11]]

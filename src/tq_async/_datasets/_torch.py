@@ -338,11 +338,13 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             while True:
                 item = _next_batch(host, ads, ahead, loader)
                 if item is None:
+                    if self._whole_batches:  # the loader ends its pass at the first such end
+                        yield _Group(end=ads.batch_index)
                     return
                 if grouped:
                     group = _ready_group(host, ads, item, self._handoff_batches)
                     yield group
-                    if group.ended:
+                    if group.end is not None:
                         return
                     continue
                 if self._whole_batches:
@@ -494,10 +496,16 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             # batches by batch_index, until every lower one has come: a worker's hand-off
             # holds several of its batches (w, w + W, ...), the others' come in between
             waiting: dict[int, BatchSlice] = {}
+            # the lowest batch index at which a worker's stream ended: the pass ends there
+            # (another worker may go on once rows come, deciding that batch for nobody; its
+            # later batches stay recorded and the next pass reads them)
+            end: int | None = None
             try:
                 for got in items:
                     for handed in _slices(got):
                         waiting[handed.batch_index] = handed
+                    if isinstance(got, _Group) and got.end is not None:
+                        end = got.end if end is None else min(end, got.end)
                     while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
                         for i, micro_batch in enumerate(item.micro_batches):
                             ds._delivered(item, i + 1)
@@ -511,14 +519,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                             ds._delivered(item, 0)
                             acks.delivered(item.hold)
                     acks.send()  # before waiting for the workers' next hand-off
-                    if moved:
+                    if moved or ds.batch_index == end:
                         break
-                if waiting and not moved:
-                    raise InvalidRequestError(
-                        f"the StreamingDataLoader's workers ended without batch "
-                        f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
-                        "report it"
-                    )
+                else:
+                    if waiting:
+                        raise InvalidRequestError(
+                            f"the StreamingDataLoader's workers ended without batch "
+                            f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
+                            "report it"
+                        )
             finally:
                 del items  # shuts the workers down now, not at garbage collection
             if not moved:
@@ -538,13 +547,15 @@ def _positive(value: Any) -> bool:
 
 
 class _Group(list[BatchSlice]):
-    """Batches of one worker handed over at once, in its order; ``ended``: its stream ended
-    after them (not pickled: only the worker reads it)."""
+    """Batches of one worker handed over at once, in its order; ``end``: the batch index at
+    which its stream ended after them (None: it goes on)."""
 
-    ended = False
+    def __init__(self, batches: Sequence[BatchSlice] = (), end: int | None = None) -> None:
+        super().__init__(batches)
+        self.end = end
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Group, (list(self),))
+        return (_Group, (list(self), self.end))
 
 
 #: seconds a DataLoader worker waits for a batch before it checks that the loader's process
@@ -586,7 +597,7 @@ def _ready_group(
             # waits for it, or fails again after these batches are delivered
             break
         if item is None:
-            group.ended = True
+            group.end = ads.batch_index
             break
         group.append(item)
         size += _slice_bytes(item)
