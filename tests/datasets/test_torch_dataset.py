@@ -390,6 +390,18 @@ def test_plain_dataloader_with_workers_is_refused(address: str, client: tq.Clien
         next(iter(plain))
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_a_prefetch_factor_that_is_not_a_positive_count_is_refused_when_built(
+    address: str, bad: Any
+) -> None:
+    """The loader reads ``prefetch_factor`` itself (its hand-offs' size): a value that is not
+    a positive count was passed on to torch as it was, and failed only at the first batch
+    (0: an AssertionError, 1.5: a TypeError) or was taken as 1 (True)."""
+    ds = StreamingDataset(address, ["x"], 4, 4, "bad-prefetch", "train")
+    with pytest.raises(tq.InvalidRequestError, match="prefetch_factor"):
+        StreamingDataLoader(ds, num_workers=2, prefetch_factor=bad)
+
+
 def test_loader_refuses_arguments_that_break_order(address: str) -> None:
     ds = _dataset(address, "any", "train")
     with pytest.raises(tq.InvalidRequestError, match="batch_size"):

@@ -400,7 +400,8 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         InvalidRequestError: ``dataset`` is not a `StreamingDataset`, or an argument
             would break batching or ordering (``batch_size``, ``collate_fn``, ``sampler``,
             ``batch_sampler``, ``shuffle``, ``drop_last``, ``in_order=False``,
-            ``persistent_workers=True``).
+            ``persistent_workers=True``, a ``prefetch_factor`` that is not a positive
+            integer).
     """
 
     def __init__(self, dataset: StreamingDataset, num_workers: int = 0, **kwargs: Any) -> None:
@@ -429,9 +430,14 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                 "the position (reset/step/load_state_dict) when they start, so they must be "
                 "started for every pass"
             )
-        dataset._whole_batches = True
         prefetch = integral(kwargs.get("prefetch_factor"))  # numpy's ints too (configs)
-        if num_workers > 0 and (prefetch is None or _positive(prefetch)):
+        if num_workers > 0 and prefetch is not None and not _positive(prefetch):
+            raise InvalidRequestError(
+                "prefetch_factor must be a positive integer (the batches each worker fetches "
+                f"ahead), or None for 2; got {kwargs['prefetch_factor']!r}"
+            )
+        dataset._whole_batches = True
+        if num_workers > 0:
             # A worker fetches prefetch_factor batches ahead, as with any DataLoader, and hands
             # them over together: torch is asked for one item per worker at a time, each of
             # up to prefetch_factor batches (the rows a loader takes ahead of its consumer
