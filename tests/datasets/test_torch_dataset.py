@@ -402,6 +402,17 @@ def test_a_prefetch_factor_that_is_not_a_positive_count_is_refused_when_built(
         StreamingDataLoader(ds, num_workers=2, prefetch_factor=bad)
 
 
+def test_len_of_a_loader_says_why_it_has_none(address: str) -> None:
+    """``len(loader)`` (a schedule's total steps, a progress bar) failed with torch's "object
+    of type 'StreamingDataset' has no len()", saying neither why nor what to do. It is still
+    a TypeError (progress bars and trainers catch it: unknown length), and a TQError that
+    says so."""
+    loader = StreamingDataLoader(StreamingDataset(address, ["x"], 4, 4, "no-len", "train"))
+    with pytest.raises(tq.TQError, match="sealed") as info:
+        len(loader)
+    assert isinstance(info.value, TypeError)
+
+
 def test_loader_refuses_arguments_that_break_order(address: str) -> None:
     ds = _dataset(address, "any", "train")
     with pytest.raises(tq.InvalidRequestError, match="batch_size"):

@@ -53,7 +53,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._client._sync._client import Client
-from .._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
+from .._errors import (
+    ClosedError,
+    InvalidRequestError,
+    TQError,
+    TQTimeoutError,
+    UnsupportedTypeError,
+)
 from .._logging import get_logger
 from .._portal import allow_blocking, check_blocking_allowed
 from .._wire._checks import integral
@@ -453,6 +459,19 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             **kwargs,
         )
         self._stream = dataset
+
+    def __len__(self) -> int:
+        """Not known: the stream has as many batches as rows come.
+
+        Raises:
+            UnsupportedTypeError: always (a `TypeError`, as ``len()`` of any object without
+                a length: progress bars and trainers take it as "unknown").
+        """
+        raise UnsupportedTypeError(
+            "a StreamingDataLoader has no len(): it streams until the partition is sealed "
+            "and drained (or consumed, with stop_when_consumed), so its number of batches "
+            "is not known ahead; count the steps as they come (or set your own max_steps)"
+        )
 
     def reset(self) -> None:
         """Replay from ``batch_index`` 0 (see `StreamingDataset.reset`)."""
