@@ -591,6 +591,42 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
     assert client.partition_info(pid)["consumed"]["train"] == 64
 
 
+def test_the_same_loader_iterated_again_after_a_worker_died_reads_every_row_once(
+    address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loader's docstring promises of a worker that dies (SIGKILL, OOM): the pass
+    ends with torch's RuntimeError, and iterating the same loader again re-reads what the
+    dead worker fetched, by batch_index: every row once, in order."""
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "killed-then-again"
+    client.put({"x": torch.arange(32)}, partition_id=pid)
+    client.seal(pid)
+    parent, marker = os.getpid(), tmp_path / "killed"
+    next_batch = td_mod._next_batch
+
+    def dying(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        got = next_batch(host, ads, ahead, loader)
+        if got is not None and got.batch_index >= 3:
+            _die_once_in_a_worker(parent, marker)
+        return got
+
+    monkeypatch.setattr(td_mod, "_next_batch", dying)
+    ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+    loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=10)
+    got: list[int] = []
+
+    def drain() -> None:
+        for td, _ in loader:
+            got.extend(td["x"].tolist())
+
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        drain()
+    assert marker.exists()
+    drain()
+    assert got == list(range(32))
+
+
 def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_every_row(
     address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -393,6 +393,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
     batches with any ``num_workers``; a rank may receive a micro-batch of 0 rows (its empty
     share of the last global batch): run the step anyway so collectives stay in step.
 
+    A worker that dies (SIGKILL, out of memory) ends the pass with torch's ``RuntimeError``
+    ("DataLoader worker ... exited unexpectedly"). Nothing it fetched is lost: its batches
+    are recorded under their ``batch_index`` (an auto-clear task's keep their rows held) and
+    the position is where delivery stopped, so iterating the loader again, or a loader
+    resumed from `state_dict` in a new process, reads them, every row once.
+
+    One pass at a time: a new iterator ends the one before (its workers stop), which then
+    raises `InvalidRequestError`; the new one goes on from the position.
+
     Args:
         dataset: the stream.
         num_workers: worker processes (0: fetch in this process, in the iterating thread).
@@ -491,9 +500,6 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
     def __iter__(self) -> Iterator[MicroBatch]:  # type: ignore[override]
         """Yield micro-batches in ``batch_index`` order until the stream ends.
-
-        One pass at a time: a new iterator ends the one before (its workers stop), which then
-        raises `InvalidRequestError`; the new one goes on from the position.
 
         Raises:
             InvalidRequestError: iterated on a thread whose event loop is running (it would
