@@ -787,6 +787,43 @@ def test_a_new_pass_ends_the_one_still_alive_and_no_row_comes_twice(
     assert [td["x"].tolist() for td, _ in got] == [[r, r + 1] for r in range(0, 24, 2)]
 
 
+def test_a_new_pass_while_another_thread_is_inside_the_first_is_refused_clearly(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``iter()`` while another thread is inside the first pass's ``next()`` (waiting for
+    rows): ending that pass failed with Python's "generator already executing"; now
+    InvalidRequestError says why, and the first pass goes on."""
+    from threading import Event, Thread
+
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "pass-in-a-thread"
+    fetching = Event()
+    next_batch = td_mod._next_batch
+
+    def announced(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        fetching.set()
+        return next_batch(host, ads, ahead, loader)
+
+    monkeypatch.setattr(td_mod, "_next_batch", announced)
+    loader = StreamingDataLoader(StreamingDataset(address, ["x"], 4, 4, pid, "train"))
+    got: list[list[int]] = []
+    first = iter(loader)
+    reader = Thread(target=lambda: got.extend(td["x"].tolist() for td, _ in first))
+    reader.start()
+    try:
+        assert fetching.wait(60)
+        with pytest.raises(tq.InvalidRequestError, match="another thread"):
+            iter(loader)
+    finally:
+        with tq.Client.connect(address) as c:
+            c.put({"x": torch.arange(4)}, partition_id=pid)
+            c.seal(pid)
+        reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert got == [[0, 1, 2, 3]]
+
+
 def test_a_workers_end_of_stream_ends_the_pass_when_rows_come_for_another_worker(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

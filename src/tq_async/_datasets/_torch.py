@@ -290,8 +290,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
         Raises:
             InvalidRequestError: iterated by a plain DataLoader with several workers, in
-                a DataLoader worker with a CUDA ``device``, or on a thread whose event loop is
-                running (async code uses `AsyncStreamingDataset`).
+                a DataLoader worker with a CUDA ``device``, on a thread whose event loop is
+                running (async code uses `AsyncStreamingDataset`), or while another thread
+                is inside a pass over it (one pass at a time: a new one ends the one before).
         """
         info = get_worker_info()
         device = self._kwargs["device"]
@@ -503,7 +504,8 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
         Raises:
             InvalidRequestError: iterated on a thread whose event loop is running (it would
-                block that loop): async code uses `AsyncStreamingDataset`.
+                block that loop): async code uses `AsyncStreamingDataset`; or while another
+                thread is inside a pass over the same dataset.
         """
         return self._stream._new_pass(self._iterate)
 
@@ -680,7 +682,17 @@ class _Pass(Generic[R]):
             self._items.close()
 
     def end(self) -> None:
-        """A newer pass started: stop this one, and refuse to go on."""
+        """A newer pass started: stop this one, and refuse to go on.
+
+        Raises:
+            InvalidRequestError: another thread is inside this pass (it goes on).
+        """
+        if getattr(self._items, "gi_running", False):
+            raise InvalidRequestError(
+                "another thread is iterating this StreamingDataset / StreamingDataLoader: "
+                "they share one position, so one pass at a time; let that pass finish (or "
+                "break out of it) before starting another"
+            )
         self._ended = True
         self.close()
 
