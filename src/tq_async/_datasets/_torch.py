@@ -26,7 +26,10 @@ again with ``timeout=0``. The `StreamingDataLoader` keeps the batches it
 receives ahead of the next ``batch_index`` (at most an item per worker) and yields
 micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
 each fetch asks the controller to decide the lower indexes not decided yet first, in the
-same request (``record_from``).
+same request (``record_from``). A worker's last item says where its stream ended, and the
+pass ends at the lowest such index: with ``stop_when_consumed``, rows that came after one
+worker met the end may let another go on, deciding the batch the first never sent; those
+batches stay recorded and the next pass reads them.
 
 State lives in the main process. The loader moves the dataset's position as it hands out each
 micro-batch; workers receive the position when they start (a DataLoader without persistent
