@@ -135,17 +135,23 @@ def test_workers_hand_over_ready_batches_together_in_order(address: str, client:
             ds, num_workers=2, multiprocessing_context="fork", timeout=60, **kwargs
         )
 
-    def hand_offs(lo: StreamingDataLoader) -> list[list[int]]:
-        return [[b.batch_index for b in got] for got in DataLoader.__iter__(lo)]
+    def hand_offs(lo: StreamingDataLoader) -> list[list[int | str]]:
+        # a worker's last hand-off says where its stream ended ("end N")
+        return [
+            [b.batch_index for b in got] + ([] if got.end is None else [f"end {got.end}"])
+            for got in DataLoader.__iter__(lo)
+        ]
 
     # sealed: everything is ready, so a hand-off holds prefetch_factor batches (2 by default)
     default = loader()
     pairs = [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
-    assert hand_offs(default) == pairs
+    assert hand_offs(default) == [*pairs, ["end 16"], ["end 17"]]
     assert default.prefetch_factor == 1  # torch's: one hand-off a worker at a time
     assert hand_offs(loader(prefetch_factor=8)) == [
         [0, 2, 4, 6, 8, 10, 12, 14],
         [1, 3, 5, 7, 9, 11, 13, 15],
+        ["end 16"],
+        ["end 17"],
     ]
     got = [(meta.batch_index, td["x"].tolist()) for td, meta in loader()]
     assert got == [(b, list(range(4 * b, 4 * b + 4))) for b in range(16)]
@@ -159,7 +165,7 @@ def test_workers_hand_over_ready_batches_together_in_order(address: str, client:
         multiprocessing_context="fork",
         timeout=60,
     )
-    assert hand_offs(big_loader) == [[0], [1]]
+    assert hand_offs(big_loader) == [[0], [1], ["end 2"], ["end 3"]]
 
 
 def test_a_numpy_prefetch_factor_is_taken_as_its_int(address: str) -> None:
@@ -384,6 +390,29 @@ def test_plain_dataloader_with_workers_is_refused(address: str, client: tq.Clien
         next(iter(plain))
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_a_prefetch_factor_that_is_not_a_positive_count_is_refused_when_built(
+    address: str, bad: Any
+) -> None:
+    """The loader reads ``prefetch_factor`` itself (its hand-offs' size): a value that is not
+    a positive count was passed on to torch as it was, and failed only at the first batch
+    (0: an AssertionError, 1.5: a TypeError) or was taken as 1 (True)."""
+    ds = StreamingDataset(address, ["x"], 4, 4, "bad-prefetch", "train")
+    with pytest.raises(tq.InvalidRequestError, match="prefetch_factor"):
+        StreamingDataLoader(ds, num_workers=2, prefetch_factor=bad)
+
+
+def test_len_of_a_loader_says_why_it_has_none(address: str) -> None:
+    """``len(loader)`` (a schedule's total steps, a progress bar) failed with torch's "object
+    of type 'StreamingDataset' has no len()", saying neither why nor what to do. It is still
+    a TypeError (progress bars and trainers catch it: unknown length), and a TQError that
+    says so."""
+    loader = StreamingDataLoader(StreamingDataset(address, ["x"], 4, 4, "no-len", "train"))
+    with pytest.raises(tq.TQError, match="sealed") as info:
+        len(loader)
+    assert isinstance(info.value, TypeError)
+
+
 def test_loader_refuses_arguments_that_break_order(address: str) -> None:
     ds = _dataset(address, "any", "train")
     with pytest.raises(tq.InvalidRequestError, match="batch_size"):
@@ -562,6 +591,42 @@ def test_a_worker_killed_holding_a_hand_off_of_several_batches_loses_none(
     assert client.partition_info(pid)["consumed"]["train"] == 64
 
 
+def test_the_same_loader_iterated_again_after_a_worker_died_reads_every_row_once(
+    address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loader's docstring promises of a worker that dies (SIGKILL, OOM): the pass
+    ends with torch's RuntimeError, and iterating the same loader again re-reads what the
+    dead worker fetched, by batch_index: every row once, in order."""
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "killed-then-again"
+    client.put({"x": torch.arange(32)}, partition_id=pid)
+    client.seal(pid)
+    parent, marker = os.getpid(), tmp_path / "killed"
+    next_batch = td_mod._next_batch
+
+    def dying(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        got = next_batch(host, ads, ahead, loader)
+        if got is not None and got.batch_index >= 3:
+            _die_once_in_a_worker(parent, marker)
+        return got
+
+    monkeypatch.setattr(td_mod, "_next_batch", dying)
+    ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+    loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=10)
+    got: list[int] = []
+
+    def drain() -> None:
+        for td, _ in loader:
+            got.extend(td["x"].tolist())
+
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        drain()
+    assert marker.exists()
+    drain()
+    assert got == list(range(32))
+
+
 def test_a_worker_killed_while_handing_over_fails_the_loader_and_a_resume_reads_every_row(
     address: str, client: tq.Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -691,3 +756,122 @@ def test_loader_workers_waiting_for_rows_stop_when_the_loader_is_killed(address:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("reader", ["dataset", "loader-0", "loader-2"])
+def test_a_new_pass_ends_the_one_still_alive_and_no_row_comes_twice(
+    address: str, client: tq.Client, reader: str
+) -> None:
+    """``iter()`` again while an older iterator is alive (kept in a variable, a loop left by an
+    exception): both moved one shared position, so the older one delivered the newer one's
+    batches again (rows twice to one task) or failed with "a bug: please report it". The
+    newer pass ends the older one and goes on from the position; the older one says so."""
+    pid = f"two-passes-{reader}"
+    client.put({"x": torch.arange(24)}, partition_id=pid)
+    client.seal(pid)
+    ds = StreamingDataset(address, ["x"], 4, 2, pid, "train")
+    if reader == "dataset":
+        stream: Iterable[Any] = ds
+    else:
+        workers = int(reader[-1])
+        stream = StreamingDataLoader(
+            ds, num_workers=workers, multiprocessing_context="fork" if workers else None
+        )
+    first = iter(stream)
+    got = [next(first) for _ in range(3)]
+    second = iter(stream)
+    got += list(second)
+    with pytest.raises(tq.InvalidRequestError, match="newer one"):
+        next(first)
+    assert [r for _, meta in got for r in meta.global_indexes] == list(range(24))
+    assert [td["x"].tolist() for td, _ in got] == [[r, r + 1] for r in range(0, 24, 2)]
+
+
+def test_a_new_pass_while_another_thread_is_inside_the_first_is_refused_clearly(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``iter()`` while another thread is inside the first pass's ``next()`` (waiting for
+    rows): ending that pass failed with Python's "generator already executing"; now
+    InvalidRequestError says why, and the first pass goes on."""
+    from threading import Event, Thread
+
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "pass-in-a-thread"
+    fetching = Event()
+    next_batch = td_mod._next_batch
+
+    def announced(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        fetching.set()
+        return next_batch(host, ads, ahead, loader)
+
+    monkeypatch.setattr(td_mod, "_next_batch", announced)
+    loader = StreamingDataLoader(StreamingDataset(address, ["x"], 4, 4, pid, "train"))
+    got: list[list[int]] = []
+    first = iter(loader)
+    reader = Thread(target=lambda: got.extend(td["x"].tolist() for td, _ in first))
+    reader.start()
+    try:
+        assert fetching.wait(60)
+        with pytest.raises(tq.InvalidRequestError, match="another thread"):
+            iter(loader)
+    finally:
+        with tq.Client.connect(address) as c:
+            c.put({"x": torch.arange(4)}, partition_id=pid)
+            c.seal(pid)
+        reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert got == [[0, 1, 2, 3]]
+
+
+def test_a_workers_end_of_stream_ends_the_pass_when_rows_come_for_another_worker(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop_when_consumed, rows arriving: worker 1 meets the end at batch 1, then rows come and
+    worker 0 goes on (its batch 2, deciding batch 1 first for nobody). The loader waited for
+    batch 1 while it kept worker 0's batches (unbounded as long as rows came), then failed
+    with "a bug: please report it". Now the pass ends at the first end a worker met, the later
+    batches stay recorded, and the next pass reads them: every row once, in order."""
+    from threading import Thread
+
+    from tq_async._datasets import _torch as td_mod
+
+    pid = "end-then-rows"
+    ctx = multiprocessing.get_context("fork")
+    ended, rows_in = ctx.Event(), ctx.Event()
+    next_batch = td_mod._next_batch
+
+    def paced(host: Any, ads: Any, ahead: int, loader: Any) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 0 and ads.batch_index == 2:
+            assert rows_in.wait(60), "the rows did not come"
+        got = next_batch(host, ads, ahead, loader)
+        if got is None and info is not None and info.id == 1:
+            ended.set()
+        return got
+
+    def put_after_the_end() -> None:
+        if ended.wait(60):
+            with tq.Client.connect(address) as c:
+                c.put({"x": torch.arange(4, 12)}, partition_id=pid)
+        rows_in.set()
+
+    monkeypatch.setattr(td_mod, "_next_batch", paced)
+    with tq.Client.connect(address) as c:
+        c.put({"x": torch.arange(4)}, partition_id=pid)
+    ds = StreamingDataset(address, ["x"], 4, 4, pid, "train", stop_when_consumed=True)
+    loader = StreamingDataLoader(
+        ds, num_workers=2, multiprocessing_context="fork", prefetch_factor=1, timeout=60
+    )
+    putter = Thread(target=put_after_the_end)
+    putter.start()
+    try:
+        first = [meta.batch_index for _, meta in loader]
+    finally:
+        rows_in.set()
+        ended.set()
+        putter.join(timeout=60)
+    assert first == [0]
+    assert ds.batch_index == 1
+    got = [td["x"].tolist() for td, _ in loader]
+    assert got == [[4, 5, 6, 7], [8, 9, 10, 11]]

@@ -26,7 +26,10 @@ again with ``timeout=0``. The `StreamingDataLoader` keeps the batches it
 receives ahead of the next ``batch_index`` (at most an item per worker) and yields
 micro-batches strictly in ``batch_index`` order. Workers share one index space without gaps:
 each fetch asks the controller to decide the lower indexes not decided yet first, in the
-same request (``record_from``).
+same request (``record_from``). A worker's last item says where its stream ended, and the
+pass ends at the lowest such index: with ``stop_when_consumed``, rows that came after one
+worker met the end may let another go on, deciding the batch the first never sent; those
+batches stay recorded and the next pass reads them.
 
 State lives in the main process. The loader moves the dataset's position as it hands out each
 micro-batch; workers receive the position when they start (a DataLoader without persistent
@@ -45,14 +48,21 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._client._sync._client import Client
-from .._errors import ClosedError, InvalidRequestError, TQError, TQTimeoutError
+from .._errors import (
+    ClosedError,
+    InvalidRequestError,
+    TQError,
+    TQTimeoutError,
+    UnsupportedTypeError,
+)
 from .._logging import get_logger
 from .._portal import allow_blocking, check_blocking_allowed
 from .._wire._checks import integral
@@ -181,6 +191,8 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         self._handoff_batches = 1
         self._local: AsyncStreamingDataset | None = None
         self._local_pid: int | None = None
+        #: the pass over the position (this dataset's own iteration, or its loader's)
+        self._pass: weakref.ref[_Pass[Any]] | None = None
 
     # ---- state (main process) ----------------------------------------------------------------
 
@@ -248,7 +260,18 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         state = self.__dict__.copy()
         state["_local"] = None
         state["_local_pid"] = None
+        state["_pass"] = None
         return state
+
+    def _new_pass(self, start: Callable[[], Iterator[R]]) -> _Pass[R]:
+        """A pass over the position, started by ``start``; the one before, if still alive,
+        ends first: both would move the one position, delivering batches twice."""
+        before = self._pass() if self._pass is not None else None
+        if before is not None:
+            before.end()  # its workers or its client stop now
+        current = _Pass(start())
+        self._pass = weakref.ref(current)
+        return current
 
     # ---- iteration ---------------------------------------------------------------------------
 
@@ -270,8 +293,9 @@ class StreamingDataset(IterableDataset[MicroBatch]):
 
         Raises:
             InvalidRequestError: iterated by a plain DataLoader with several workers, in
-                a DataLoader worker with a CUDA ``device``, or on a thread whose event loop is
-                running (async code uses `AsyncStreamingDataset`).
+                a DataLoader worker with a CUDA ``device``, on a thread whose event loop is
+                running (async code uses `AsyncStreamingDataset`), or while another thread
+                is inside a pass over it (one pass at a time: a new one ends the one before).
         """
         info = get_worker_info()
         device = self._kwargs["device"]
@@ -288,13 +312,19 @@ class StreamingDataset(IterableDataset[MicroBatch]):
                 "tq_async.StreamingDataLoader (it keeps batches in order and tracks the "
                 "position); a plain DataLoader would interleave micro-batches"
             )
+        if self._whole_batches:  # part of the StreamingDataLoader's pass
+            return self._run(self._started(worker_id, num_workers))
+        return self._new_pass(lambda: self._run(self._started(worker_id, num_workers)))
+
+    def _started(self, worker_id: int, num_workers: int) -> AsyncStreamingDataset:
+        """This process's dataset, at the position, reading worker ``worker_id``'s batches."""
         ads = self._local_dataset()
         ads.load_state_dict(self._state)
         ads.set_worker(worker_id, num_workers)
         # a batch is delivered when its last micro-batch is handed out here, or, under a
         # StreamingDataLoader, in the main process (which acknowledges it there)
         ads._ack_on_delivery = False
-        return self._run(ads)
+        return ads
 
     def _run(self, ads: AsyncStreamingDataset) -> Iterator[Any]:
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader", _ASYNC_DATASET)
@@ -318,11 +348,13 @@ class StreamingDataset(IterableDataset[MicroBatch]):
             while True:
                 item = _next_batch(host, ads, ahead, loader)
                 if item is None:
+                    if self._whole_batches:  # the loader ends its pass at the first such end
+                        yield _Group(end=ads.batch_index)
                     return
                 if grouped:
                     group = _ready_group(host, ads, item, self._handoff_batches)
                     yield group
-                    if group.ended:
+                    if group.end is not None:
                         return
                     continue
                 if self._whole_batches:
@@ -365,6 +397,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
     batches with any ``num_workers``; a rank may receive a micro-batch of 0 rows (its empty
     share of the last global batch): run the step anyway so collectives stay in step.
 
+    A worker that dies (SIGKILL, out of memory) ends the pass with torch's ``RuntimeError``
+    ("DataLoader worker ... exited unexpectedly"). Nothing it fetched is lost: its batches
+    are recorded under their ``batch_index`` (an auto-clear task's keep their rows held) and
+    the position is where delivery stopped, so iterating the loader again, or a loader
+    resumed from `state_dict` in a new process, reads them, every row once.
+
+    One pass at a time: a new iterator ends the one before (its workers stop), which then
+    raises `InvalidRequestError`; the new one goes on from the position.
+
     Args:
         dataset: the stream.
         num_workers: worker processes (0: fetch in this process, in the iterating thread).
@@ -378,7 +419,8 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
         InvalidRequestError: ``dataset`` is not a `StreamingDataset`, or an argument
             would break batching or ordering (``batch_size``, ``collate_fn``, ``sampler``,
             ``batch_sampler``, ``shuffle``, ``drop_last``, ``in_order=False``,
-            ``persistent_workers=True``).
+            ``persistent_workers=True``, a ``prefetch_factor`` that is not a positive
+            integer).
     """
 
     def __init__(self, dataset: StreamingDataset, num_workers: int = 0, **kwargs: Any) -> None:
@@ -407,9 +449,14 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                 "the position (reset/step/load_state_dict) when they start, so they must be "
                 "started for every pass"
             )
-        dataset._whole_batches = True
         prefetch = integral(kwargs.get("prefetch_factor"))  # numpy's ints too (configs)
-        if num_workers > 0 and (prefetch is None or _positive(prefetch)):
+        if num_workers > 0 and prefetch is not None and not _positive(prefetch):
+            raise InvalidRequestError(
+                "prefetch_factor must be a positive integer (the batches each worker fetches "
+                f"ahead), or None for 2; got {kwargs['prefetch_factor']!r}"
+            )
+        dataset._whole_batches = True
+        if num_workers > 0:
             # A worker fetches prefetch_factor batches ahead, as with any DataLoader, and hands
             # them over together: torch is asked for one item per worker at a time, each of
             # up to prefetch_factor batches (the rows a loader takes ahead of its consumer
@@ -425,6 +472,19 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             **kwargs,
         )
         self._stream = dataset
+
+    def __len__(self) -> int:
+        """Not known: the stream has as many batches as rows come.
+
+        Raises:
+            UnsupportedTypeError: always (a `TypeError`, as ``len()`` of any object without
+                a length: progress bars and trainers take it as "unknown").
+        """
+        raise UnsupportedTypeError(
+            "a StreamingDataLoader has no len(): it streams until the partition is sealed "
+            "and drained (or consumed, with stop_when_consumed), so its number of batches "
+            "is not known ahead; count the steps as they come (or set your own max_steps)"
+        )
 
     def reset(self) -> None:
         """Replay from ``batch_index`` 0 (see `StreamingDataset.reset`)."""
@@ -447,8 +507,13 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
 
         Raises:
             InvalidRequestError: iterated on a thread whose event loop is running (it would
-                block that loop): async code uses `AsyncStreamingDataset`.
+                block that loop): async code uses `AsyncStreamingDataset`; or while another
+                thread is inside a pass over the same dataset.
         """
+        return self._stream._new_pass(self._iterate)
+
+    def _iterate(self) -> Iterator[MicroBatch]:
+        """`__iter__`'s pass."""
         check_blocking_allowed("iterating a StreamingDataLoader", _ASYNC_DATASET)
         ds = self._stream
         acks = LoaderAcks(ds._kwargs["address"])
@@ -467,10 +532,16 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
             # batches by batch_index, until every lower one has come: a worker's hand-off
             # holds several of its batches (w, w + W, ...), the others' come in between
             waiting: dict[int, BatchSlice] = {}
+            # the lowest batch index at which a worker's stream ended: the pass ends there
+            # (another worker may go on once rows come, deciding that batch for nobody; its
+            # later batches stay recorded and the next pass reads them)
+            end: int | None = None
             try:
                 for got in items:
                     for handed in _slices(got):
                         waiting[handed.batch_index] = handed
+                    if isinstance(got, _Group) and got.end is not None:
+                        end = got.end if end is None else min(end, got.end)
                     while not moved and (item := waiting.pop(ds.batch_index, None)) is not None:
                         for i, micro_batch in enumerate(item.micro_batches):
                             ds._delivered(item, i + 1)
@@ -484,14 +555,15 @@ class StreamingDataLoader(DataLoader[MicroBatch]):
                             ds._delivered(item, 0)
                             acks.delivered(item.hold)
                     acks.send()  # before waiting for the workers' next hand-off
-                    if moved:
+                    if moved or ds.batch_index == end:
                         break
-                if waiting and not moved:
-                    raise InvalidRequestError(
-                        f"the StreamingDataLoader's workers ended without batch "
-                        f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
-                        "report it"
-                    )
+                else:
+                    if waiting:
+                        raise InvalidRequestError(
+                            f"the StreamingDataLoader's workers ended without batch "
+                            f"{ds.batch_index} but delivered {sorted(waiting)}; a bug: please "
+                            "report it"
+                        )
             finally:
                 del items  # shuts the workers down now, not at garbage collection
             if not moved:
@@ -511,13 +583,15 @@ def _positive(value: Any) -> bool:
 
 
 class _Group(list[BatchSlice]):
-    """Batches of one worker handed over at once, in its order; ``ended``: its stream ended
-    after them (not pickled: only the worker reads it)."""
+    """Batches of one worker handed over at once, in its order; ``end``: the batch index at
+    which its stream ended after them (None: it goes on)."""
 
-    ended = False
+    def __init__(self, batches: Sequence[BatchSlice] = (), end: int | None = None) -> None:
+        super().__init__(batches)
+        self.end = end
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Group, (list(self),))
+        return (_Group, (list(self), self.end))
 
 
 #: seconds a DataLoader worker waits for a batch before it checks that the loader's process
@@ -559,7 +633,7 @@ def _ready_group(
             # waits for it, or fails again after these batches are delivered
             break
         if item is None:
-            group.ended = True
+            group.end = ads.batch_index
             break
         group.append(item)
         size += _slice_bytes(item)
@@ -582,6 +656,48 @@ def _slices(got: Any) -> list[BatchSlice]:
                 "its dataset must be the StreamingDataset it was built with"
             )
     return items
+
+
+class _Pass(Generic[R]):
+    """One pass over a `StreamingDataset`'s position: the dataset's own iteration or its
+    loader's. A newer pass ends it (`end`): its generator is closed (workers, client), and
+    iterating it again raises."""
+
+    def __init__(self, items: Iterator[R]) -> None:
+        self._items = items
+        self._ended = False
+
+    def __iter__(self) -> _Pass[R]:
+        return self
+
+    def __next__(self) -> R:
+        if self._ended:
+            raise InvalidRequestError(
+                "this iteration of the StreamingDataset / StreamingDataLoader ended when a "
+                "newer one started (iter() again while it was alive): they share one "
+                "position, so one pass at a time; go on with the newer iterator"
+            )
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop the pass now (as closing its generator)."""
+        if isinstance(self._items, Generator):
+            self._items.close()
+
+    def end(self) -> None:
+        """A newer pass started: stop this one, and refuse to go on.
+
+        Raises:
+            InvalidRequestError: another thread is inside this pass (it goes on).
+        """
+        if getattr(self._items, "gi_running", False):
+            raise InvalidRequestError(
+                "another thread is iterating this StreamingDataset / StreamingDataLoader: "
+                "they share one position, so one pass at a time; let that pass finish (or "
+                "break out of it) before starting another"
+            )
+        self._ended = True
+        self.close()
 
 
 class _AsyncFace:
