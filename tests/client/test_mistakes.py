@@ -243,6 +243,27 @@ async def test_a_silent_peer_fails_within_the_connect_timeout() -> None:
         assert client.request_timeout == 60.0  # separate from the connect timeout
 
 
+async def test_a_silent_peer_given_up_after_a_shorter_request_timeout_names_it() -> None:
+    """`open` waits for the first answer ``min(connect_timeout, request_timeout)``: given up
+    after a ``request_timeout`` of 0.3 s, the error named ``connect_timeout`` (10 s, never
+    changed) as the limit to raise."""
+    with socket.socket() as listener:  # accepts (the kernel does) but never speaks ZMTP
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        why = r"within 0\.3 s \(request_timeout, shorter than connect_timeout\)"
+        with pytest.raises(tq.TQTimeoutError, match=why):
+            async with tq.AsyncClient.connect(address, request_timeout=0.3):
+                pass
+        with pytest.raises(tq.TQTimeoutError, match=why):
+            await anyio.to_thread.run_sync(
+                lambda: tq.Client.connect(address, request_timeout=0.3).open()
+            )
+        with pytest.raises(tq.TQTimeoutError, match=r"within 0\.3 s \(connect_timeout\)"):
+            async with tq.AsyncClient.connect(address, connect_timeout=0.3, request_timeout=0.3):
+                pass
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "5", 0, -1])
 @pytest.mark.parametrize("cls", [tq.AsyncClient, tq.Client])
 def test_a_connect_timeout_that_is_not_seconds_is_refused_at_once(cls: Any, bad: Any) -> None:

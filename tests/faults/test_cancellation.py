@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -23,10 +24,10 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from _cluster_proc import serve_cluster, sigkill
+from _cluster_proc import serve_cluster, serve_role, sigkill
 from _requests import cancelled_at
 from tq_async._transport._dealer import DealerConnection
-from tq_async._wire._protocol import StoreGet
+from tq_async._wire._protocol import Cancel, StoreGet, encoder
 
 MODES = ["embedded", "tcp", "unix"]
 
@@ -503,6 +504,51 @@ async def test_a_live_zmq_client_whose_get_meta_waits_long_keeps_it() -> None:
         finally:
             waiter.cancel()
         assert sorted(meta.global_indexes) == [0, 1]
+
+
+async def test_get_metas_given_up_on_a_paused_controller_over_tcp_take_no_rows() -> None:
+    """The controller is paused (SIGSTOP) while a TCP client's get_metas give up: each
+    reconnects every ``retry_after`` and resends, then sends its ``Cancel`` on its last
+    connection. Once resumed, the controller reads those connections in any order: a
+    ``Cancel`` read before its request found nothing to cancel and was dropped, then the
+    request ran and its rows went to a caller long gone (2 of 8 rows never came back). Now
+    a request whose ``Cancel`` came first is not run."""
+    with serve_role("--storage-units", "1") as (proc, address):
+        async with (
+            tq.AsyncClient.connect(address) as producer,
+            tq.AsyncClient.connect(
+                address, same_host=False, retry_after=0.3, request_timeout=1
+            ) as consumer,
+        ):
+            await fill(producer, "p", 8)
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                for timeout in (0, 0.2, 0, 0.2):
+                    with pytest.raises(tq.TQTimeoutError):
+                        await consumer.get_meta(["i"], 2, "p", "t", timeout=timeout)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert sorted(await drain(producer, "p")) == list(range(8))
+
+
+async def test_a_request_whose_cancel_came_first_is_not_run() -> None:
+    """A ZMQ client that reconnected has messages on several connections, which the
+    controller reads in any order: a request's ``Cancel`` may come before the request. The
+    Cancel found nothing and was dropped, then the request ran for a caller long gone. Now
+    the request is answered as cancelled, and nothing is consumed."""
+    async with (
+        tq.local_cluster(num_storage_units=1, transport="tcp") as cluster,
+        tq.AsyncClient.connect(cluster.address) as producer,
+        tq.AsyncClient.connect(cluster.address, same_host=False) as consumer,
+    ):
+        await fill(producer, "p", 4)
+        conn = controller(consumer)
+        core = conn._core
+        own = next(core._rids)  # the Cancel's own request id; the get_meta's is the next
+        conn._send([encoder.encode((own, Cancel(own + 1), core.identity))])
+        with pytest.raises(tq.TQError, match="cancelled by its client"):
+            await consumer.get_meta(["i"], 2, "p", "t", timeout=0)
+        assert sorted(await drain(producer, "p")) == [0, 1, 2, 3]
 
 
 async def test_a_waiting_get_meta_run_again_when_resent_keeps_what_was_left_of_its_timeout() -> (

@@ -98,6 +98,8 @@ class GetPath:
             # an admitted rollout, recycled rows taken, whose caller gave up (its client may
             # be closing: a reply arriving then would undo nothing): undone now
             late()
+        elif undo is None:
+            self.shell.cancelled_unseen(key)
         return SENT
 
     def send_meta(self, peer: bytes, rid: int, req: GetMeta, reply: MetaReply) -> None:

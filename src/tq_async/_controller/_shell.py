@@ -106,6 +106,9 @@ class Shell:
         #: `_sweep` ended runs again when resent, with what is left of it (the last
         #: ``_REPLY_CACHE``)
         self._ends: OrderedDict[tuple[bytes, int], float] = OrderedDict()
+        #: requests whose ``Cancel`` came before them (a ZMQ client's reconnects: each of its
+        #: connections is read in its own order), not to be run (the last ``_REPLY_CACHE``)
+        self._cancelled_first: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._sweep_at = float("inf")
 
@@ -290,10 +293,27 @@ class Shell:
                 self.endpoint.send(peer, [cached])
             return True
         if (peer, rid) not in self.pending:
+            first = self._cancelled_first
+            if first and (peer, rid) in first:
+                del first[(peer, rid)]
+                # its caller gave up: it is answered (a client keeps what a reply of a
+                # request it cancelled would undo until one comes), never run
+                self.send(peer, rid, error_reply(rid, TQError("cancelled by its client")))
+                return True
             return False
         if (peer, rid) in self._heard:  # its client is alive: it resends it
             self._heard_of((peer, rid))
         return True  # its reply will reach the retry
+
+    def cancelled_unseen(self, key: tuple[bytes, int]) -> None:
+        """A ``Cancel`` of a request neither waiting nor answered: it has not come yet (it
+        travels on another connection of its client), and is not run when it does."""
+        if key in self.replies:
+            return
+        first = self._cancelled_first
+        first[key] = None
+        if len(first) > _REPLY_CACHE:
+            first.popitem(last=False)
 
     def send(self, peer: bytes, rid: int, header: bytes, frames: Sequence[Any] = ()) -> None:
         """Send a reply and remember it: a retried request gets it again, not re-executed."""

@@ -26,6 +26,7 @@ import itertools
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -70,6 +71,9 @@ DEFAULT_BUSY_POLL = 1e-4
 #: the longest poll a client may ask for (longer would only burn CPU: a reply that takes
 #: longer is worth parking for)
 MAX_BUSY_POLL = 0.01
+#: Cancels of abandoned requests a connection sends again after a reconnect, until their
+#: reply comes (the most recent: a request whose reply never comes is forgotten)
+_CANCELS_KEPT = 1024
 #: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
@@ -253,6 +257,9 @@ class ConnectionCore:
         self.arrived: dict[int, Got] = {}
         #: request id -> what to do with a reply nobody waits for any more
         self.orphans: dict[int, Callable[[Reply, list[Any]], None]] = {}
+        #: requests abandoned with a ``Cancel``, until a reply to them arrives: a reconnect
+        #: sends their Cancels again (one queued on the socket it replaces is lost with it)
+        self.cancelled: OrderedDict[int, None] = OrderedDict()
         self._rids = itertools.count(1)
         self._retries = 0
         #: a handshake was dropped bare and ZMQ dials again (see `on_monitor`)
@@ -292,6 +299,8 @@ class ConnectionCore:
             # arrived, but before it saw it, still finds the reply (abandon)
             self.arrived[rid] = (reply, frames[1:])
             return rid
+        if self.cancelled:
+            self.cancelled.pop(rid, None)
         orphan = self.orphans.pop(rid, None)
         if orphan is not None:
             _undo(orphan, (reply, frames[1:]), self.name)
@@ -333,6 +342,11 @@ class ConnectionCore:
             return False
         if on_abandon is not None and not cancel_undoes:
             self.orphans[rid] = on_abandon
+        if not self.unix:  # (a Unix socket loses nothing without ending)
+            cancelled = self.cancelled
+            cancelled[rid] = None
+            if len(cancelled) > _CANCELS_KEPT:
+                cancelled.popitem(last=False)
         return True
 
     def next_wait(self, deadline: float | None, now: float) -> tuple[float | None, bool] | None:
@@ -353,6 +367,7 @@ class ConnectionCore:
         undone here (the service frees what it held when it notices the client is gone)."""
         self.inflight.clear()
         self.orphans.clear()
+        self.cancelled.clear()
 
     # ---- liveness ------------------------------------------------------------------------
 

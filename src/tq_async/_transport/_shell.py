@@ -222,6 +222,9 @@ class ConnectionShell:
         for frames in list(self._inflight.values()):
             with contextlib.suppress(zmq.ZMQError, OSError):
                 self._send(frames)
+        for rid in list(self._core.cancelled):  # (the service ignores a second Cancel)
+            with contextlib.suppress(zmq.ZMQError, OSError):
+                self._send(self._core.oneway(Cancel(rid)))
 
     def _retry(self, rid: int, outgoing: list[Any], keepalive: bool) -> None:
         """A request got no reply within ``retry_after`` seconds (see `first_of`): without

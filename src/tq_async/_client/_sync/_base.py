@@ -233,10 +233,10 @@ class Links:
             known_as=known_as,
         )
 
-    def open(self, wait: float, same_host: bool) -> None:
+    def open(self, wait: float, same_host: bool, limit: str = "connect_timeout") -> None:
         """Connect to the controller (if not yet) and learn the units within ``wait``
-        seconds; with ``same_host``, move to the services' same-host links (see
-        `Client.open`, which raises what this raises)."""
+        seconds (the option ``limit`` names); with ``same_host``, move to the services'
+        same-host links (see `Client.open`, which raises what this raises)."""
         if self.controller is not None:
             return
         # a refused first attempt means nothing listens there: fail now, not at the timeout
@@ -247,7 +247,7 @@ class Links:
             try:
                 hello = self.refresh_units(timeout=wait)
             except TQTimeoutError:
-                raise _unanswered(self.address, wait) from None
+                raise _unanswered(self.address, wait, limit) from None
             # from now on a refusal is a restarting controller: requests wait for it
             controller.refused_is_broken = False
             if same_host:
@@ -598,10 +598,10 @@ as_int = integral
 THREAD_COPY_BYTES = 16 << 20
 
 
-def _unanswered(address: str, wait: float) -> TQTimeoutError:
-    """The error of a first contact nothing answered within ``wait`` seconds."""
+def _unanswered(address: str, wait: float, limit: str) -> TQTimeoutError:
+    """The error of a first contact nothing answered within ``wait`` seconds (``limit``)."""
     return TQTimeoutError(
-        f"nothing answered at {address} within {wait:g} s (connect_timeout); check the "
+        f"nothing answered at {address} within {wait:g} s ({limit}); check the "
         "address (the TQ_ADDRESS=... line `tq-async serve` prints), that the services run, "
         "and that this host can reach them"
     )

@@ -233,13 +233,18 @@ class Client:
         """Connect to the controller and learn the storage units; returns the client.
 
         Raises:
-            TQTimeoutError: the controller did not answer within ``connect_timeout``.
+            TQTimeoutError: the controller did not answer within ``connect_timeout`` (or
+                ``request_timeout``, when shorter).
             BrokenError: nothing listens at the address (the connection was refused), or
                 what accepted the connection is not a tq_async service.
             AuthenticationError: the services refused this client's CURVE keys.
             InvalidRequestError: the address is malformed (e.g. ``tcp://HOST`` without a port).
         """
-        self._links.open(min(self.connect_timeout, self.request_timeout), self.same_host)
+        wait = min(self.connect_timeout, self.request_timeout)
+        limit = "connect_timeout"
+        if wait < self.connect_timeout:  # (a first answer is a request's too)
+            limit = "request_timeout, shorter than connect_timeout"
+        self._links.open(wait, self.same_host, limit)
         return self
 
     def close(self) -> None:
