@@ -142,3 +142,44 @@ def test_a_ready_set_drops_the_slots_of_rows_below_its_base() -> None:
     rows.pop(7)
     assert rows.missing([6, 7, 12, 3]) == [7, 3]
     assert rows.to_list() == [6, 8, 9, 12]
+
+
+class _NoScan(dict[str, Partition]):
+    """Partitions that refuse a pass over all of them."""
+
+    def values(self) -> Any:
+        raise AssertionError("a pass over every partition")
+
+    def items(self) -> Any:
+        raise AssertionError("a pass over every partition")
+
+    def __iter__(self) -> Any:
+        raise AssertionError("a pass over every partition")
+
+
+def _loads_of_every_partition(st: ControllerState) -> dict[int, int]:
+    loads: dict[int, int] = {}
+    for p in [*st.partitions.values(), *st.restoring.values()]:
+        for unit, n in p.unit_rows.items():
+            loads[unit] = loads.get(unit, 0) + n
+    return {u: n for u, n in loads.items() if n}
+
+
+def test_a_put_places_its_rows_without_a_pass_over_every_partition() -> None:
+    st = ControllerState({u: f"inproc://u{u}" for u in range(4)})
+    st.unit_hosts = {0: "a", 1: "a", 2: "b", 3: "b"}  # placement by host: by the units' loads
+    for i in range(20):
+        st.put_begin(f"p{i}", [X], 2, None, host="a")
+    scanned = st.partitions = _NoScan(st.partitions)
+    st.put_begin("p0", [X], 3, None, host="a")
+    st.put_begin("new", [X], 1, None, host="b")
+    st.partitions = dict(dict.items(scanned))
+    # the loads it reads are every partition's: after clears, a drop and an aborted restore
+    st.partitions["p1"].clear_rows([0])
+    st.drop_partition("p2")
+    staged = st.bind(restore_partition(partition_dump(st.partitions["p3"]), [3, 3]))
+    st.restoring["r"] = staged
+    assert {u: n for u, n in st.unit_loads().items() if n} == _loads_of_every_partition(st)
+    core = ControllerCore(st)
+    core.catalog.restore_abort(["r"])
+    assert {u: n for u, n in st.unit_loads().items() if n} == _loads_of_every_partition(st)

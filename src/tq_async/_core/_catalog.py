@@ -233,6 +233,7 @@ class Catalog:
             p = self.state.restoring.pop(pid, None)
             self.state.restoring_owed.pop(pid, None)
             if p is not None:
+                self.state.unbind(p)
                 dropped[pid] = p.incarnation
         return dropped
 

@@ -44,7 +44,6 @@ from .._errors import (
     RowsNotFound,
     SchemaError,
 )
-from .._wire._checks import integral
 from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
 from ._arrays import compact, rows_on
@@ -153,6 +152,8 @@ class Partition:
         self.units = array("i")
         #: live rows per storage unit (the load placement balances)
         self.unit_rows: dict[int, int] = {}
+        #: the same in every partition of the owning state (shared: `ControllerState.bind`)
+        self.loads: dict[int, int] = {}
         self.tags: list[dict[str, Any] | None] = []
         self.fields: dict[str, FieldState] = {}
         self.consumed: dict[str, bytearray] = {}
@@ -241,6 +242,7 @@ class Partition:
         self.origin.extend(itertools.repeat(first, n))
         self.units.extend(itertools.repeat(unit, n))
         self.unit_rows[unit] = self.unit_rows.get(unit, 0) + n
+        self.loads[unit] = self.loads.get(unit, 0) + n
         self.tags.extend(itertools.repeat(None, n))
         self.row_keys.extend(itertools.repeat(None, n))
         self.versions.grow(n)
@@ -534,6 +536,7 @@ class Partition:
         self.events.rows_removed(self.partition_id, set(rows), reason)
         for unit, freed in by_unit.items():
             self.unit_rows[unit] -= len(freed)
+            self.loads[unit] -= len(freed)
         compact(self)
         return by_unit
 
@@ -642,6 +645,9 @@ class ControllerState:
         self.group_limits: dict[str, int] = {}
         #: the events transitions record for watchers (see _events)
         self.events = Outbox()
+        #: live rows per storage unit in every bound partition (`bind`; `unbind` when one is
+        #: dropped): a put's placement reads it, without a pass over the partitions
+        self.loads: dict[int, int] = {}
 
     def new_rows_needed(
         self, partition_id: str, n_rows: int, rows: Sequence[int] | None, keys: Sequence[str] | None
@@ -703,15 +709,28 @@ class ControllerState:
         return self.bind(Partition(partition_id))
 
     def bind(self, p: Partition) -> Partition:
-        """``p`` shares this state's suspended units, prompt-group limits and event outbox."""
+        """``p`` shares this state's suspended units, prompt-group limits, event outbox and
+        unit loads (its rows count in them until `unbind`)."""
         p.unavailable = self.unavailable
         p.groups.limits = self.group_limits
         p.events = self.events
+        if p.loads is not self.loads:
+            for unit, n in p.unit_rows.items():
+                self.loads[unit] = self.loads.get(unit, 0) + n
+            p.loads = self.loads
         return p
+
+    def unbind(self, p: Partition) -> None:
+        """``p`` is gone: its rows leave the unit loads."""
+        if p.loads is self.loads:
+            for unit, n in p.unit_rows.items():
+                self.loads[unit] -= n
+            p.loads = {}
 
     def drop_partition(self, partition_id: str) -> Partition:
         """Forget a partition (``clear_partition``)."""
         p = self.partitions.pop(partition_id)
+        self.unbind(p)
         if self.events.on:
             self.events.add(PartitionCleared(partition_id=partition_id, incarnation=p.incarnation))
         return p
@@ -757,12 +776,9 @@ class ControllerState:
         return p
 
     def unit_loads(self) -> dict[int, int]:
-        """Live rows per storage unit, in every partition."""
-        loads: dict[int, int] = {}
-        for p in self.partitions.values():
-            for unit, n in p.unit_rows.items():
-                loads[unit] = loads.get(unit, 0) + n
-        return loads
+        """Live rows per storage unit, in every partition (those a checkpoint load stages
+        too: their rows are on the units)."""
+        return dict(self.loads)
 
     def live_units(self) -> list[int]:
         """The units that may take rows (neither lost nor suspended), in id order."""
@@ -843,19 +859,3 @@ def stale_incarnation(partition_id: str) -> str:
         "made: its rows are gone (the new partition's rows are other samples); fetch a new "
         "BatchMeta with get_meta"
     )
-
-
-def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
-    """Validate a capacity setting; ``(capacity, capacity is global)`` (numpy's ints taken
-    as ints)."""
-    if capacity is not None and type(capacity) is not int and not isinstance(capacity, bool):
-        capacity = integral(capacity)
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**63
-    ):  # an int64: the controller's replies carry it
-        raise InvalidRequestError(
-            f"capacity must be from 1 to {2**63 - 1} rows, or None, got {capacity!r}"
-        )
-    if scope not in ("partition", "global"):
-        raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")
-    return capacity, scope == "global"
