@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tq_async._core import _arrays
@@ -128,6 +129,17 @@ def test_keys_and_tags_follow_their_rows_after_a_drop(monkeypatch: pytest.Monkey
     core.catalog.set_tags("p", [3], [{"u": 5}])
     assert p.tags[3 - p.base] == {"t": 4, "u": 5}
     assert p.groups.rows("t", 4) == {3}
+
+
+def test_a_ready_set_takes_row_ids_past_2_31() -> None:
+    """A partition that outlives 2**31 rows (2.5 days at 10k rows/s) still samples."""
+    big = 2**31 + 5
+    rows = ReadyRows.from_mask(np.ones(3, dtype=np.bool_), big)
+    assert list(rows) == [big, big + 1, big + 2]
+    rows[big + 3] = None
+    rows.pop(big)
+    assert rows.to_list() == [big + 1, big + 2, big + 3]
+    assert rows.missing([big, big + 1]) == [big]
 
 
 def test_a_ready_set_drops_the_slots_of_rows_below_its_base() -> None:

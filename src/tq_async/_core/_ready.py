@@ -20,8 +20,10 @@ __all__ = ["FieldsKey", "ReadyRows", "ReadySet", "ReadyView", "ready_mask"]
 
 FieldsKey = tuple[str, ...]
 
-#: row ids in ready sets: a partition holds fewer than 2**31 rows
+#: positions in a ready set's order: a partition holds fewer than 2**31 rows at a time
 _ROW = np.int32
+#: row ids: a partition that lives long enough has more than 2**31 rows over its life
+_ID = np.int64
 
 
 class ReadyRows:
@@ -49,9 +51,9 @@ class ReadyRows:
     __slots__ = ("_base", "_dead", "_head", "_len", "_order", "_ov", "_pos", "_pv", "_tail")
 
     def __init__(self, rows: Any = ()) -> None:
-        order = np.array(rows, dtype=_ROW).ravel()
+        order = np.array(rows, dtype=_ID).ravel()
         n = len(order)
-        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ID)
         self._order[:n] = order
         self._pos = np.full(max(int(order.max()) + 1 if n else 0, 64), -1, dtype=_ROW)
         self._pos[order] = np.arange(n, dtype=_ROW)
@@ -66,14 +68,14 @@ class ReadyRows:
         """The rows where ``mask`` (bool, indexed by row - ``base``) is set, in row order.
 
         Built without a scatter: fresh memory page-faults at ~1.7 GB/s on the machines we
-        measured, so the arrays are int32 and sized to the rows (1M rows: ~10 ms).
+        measured, so the arrays are sized to the rows (1M rows: ~10 ms), the positions int32.
         """
         self = cls()
-        order = np.flatnonzero(mask).astype(_ROW)
+        order = np.flatnonzero(mask).astype(_ID)
         if base:
             order += base
         n = len(order)
-        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ID)
         self._order[:n] = order
         pos = np.cumsum(mask, dtype=_ROW)
         pos -= 1
@@ -174,7 +176,7 @@ class ReadyRows:
         cap = max(2 * n, 64) if grow or len(self._order) > 4 * max(n, 16) else len(self._order)
         if cap < n + 1:
             cap = 2 * n + 64
-        order = np.empty(cap, dtype=_ROW)
+        order = np.empty(cap, dtype=_ID)
         order[:n] = live
         self._order = order
         self._ov = order.data
