@@ -18,15 +18,17 @@ def assert_recovered_as(recovered: Partition, live: Partition) -> None:
     """``recovered`` is ``live`` followed by dead rows (the ids the record reserved)."""
     n = live.n_rows
     assert recovered.n_rows >= n
-    assert not any(recovered.alive[n:]), "a reserved row is alive"
+    assert recovered.base == live.base
+    assert not any(recovered.alive[n - live.base :]), "a reserved row is alive"
     assert _first(partition_dump(recovered), n) == partition_dump(live)
 
 
-def _first(d: PartitionDump, n: int) -> PartitionDump:
-    """``d`` with only its first ``n`` rows."""
+def _first(d: PartitionDump, n_rows: int) -> PartitionDump:
+    """``d`` with only its rows below ``n_rows``."""
+    n = n_rows - d.base  # (its arrays start at row ``d.base``)
     return msgspec.structs.replace(
         d,
-        n_rows=n,
+        n_rows=n_rows,
         alive=d.alive[:n],
         origin=d.origin[:n],
         units=d.units[:n],

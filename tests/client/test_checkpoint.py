@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 import tq_async as tq
 from _requests import cancelled_at
+from tq_async._core import _arrays
 
 
 def sample_batch() -> TensorDict:
@@ -874,3 +875,35 @@ async def test_dense_rows_padded_per_put_come_back_dense_after_a_restore(tmp_pat
             got = (await client.get_data(meta.select_rows(rows)))["score"]
             assert not got.is_nested
             assert torch.equal(got, want)
+
+
+async def test_a_partition_whose_arrays_dropped_cleared_rows_round_trips(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller keeps no state for cleared rows at a partition's front (its arrays
+    start at row ``base``): a checkpoint saves the live rows under their ids, and a load
+    puts their cells back under them; new rows continue the ids."""
+    monkeypatch.setattr(_arrays, "COMPACT_ROWS", 2)
+    ckpt = tmp_path / "ckpt"
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        old = await client.put({"x": torch.arange(6)}, partition_id="p")
+        await client.put({"x": torch.arange(6, 9)}, partition_id="p", tags=[{"g": 1}] * 3)
+        await client.clear_samples(old)
+        assert cluster.controller.state.partitions["p"].base == 6
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=3) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert await client.load_checkpoint(ckpt) == ["p"]
+        meta = await client.get_meta(["x"], 3, "p", "t")
+        assert meta.global_indexes == [6, 7, 8]
+        assert meta.tags == [{"g": 1}] * 3
+        assert (await client.get_data(meta))["x"].tolist() == [6, 7, 8]
+        assert (await client.put({"x": torch.arange(2)}, partition_id="p")).global_indexes == [
+            9,
+            10,
+        ]

@@ -19,6 +19,7 @@ import tq_async as tq
 from _cluster_proc import serve_role
 from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
+from tq_async._core._arrays import live_rows
 from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
 from tq_async._wire._protocol import WatchNext
 from tq_async.events import (
@@ -132,16 +133,17 @@ def truth(cluster: tq.LocalCluster) -> dict[str, Any]:
     """The controller's own state, in the model's shape."""
     out = {}
     for pid, p in cluster.controller.state.partitions.items():
-        rows = {r for r in range(p.n_rows) if p.alive[r]}
+        rows, b = set(live_rows(p)), p.base  # (row r at index r - b)
+        fields = p.fields.items()
         out[pid] = _normal(
             {
                 "incarnation": p.incarnation,
                 "sealed": p.sealed,
                 "rows": rows,
-                "fields": {f: {r for r in rows if fd.produced[r]} for f, fd in p.fields.items()},
-                "consumed": {t: {r for r in rows if c[r]} for t, c in p.consumed.items()},
+                "fields": {f: {r for r in rows if fd.produced[r - b]} for f, fd in fields},
+                "consumed": {t: {r for r in rows if c[r - b]} for t, c in p.consumed.items()},
                 "keys": dict(p.keys),
-                "tags": {r: dict(p.tags[r]) for r in rows if p.tags[r]},
+                "tags": {r: dict(p.tags[r - b]) for r in rows if p.tags[r - b]},
             }
         )
     return out

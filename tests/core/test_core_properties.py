@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tq_async._core import _arrays
 from tq_async._core._journal import (
     controller_record,
     decode_controller,
@@ -120,7 +121,7 @@ class Model:
             decision, _ = self.core.sampled(request, decision, decision.run(), self.now)
         if isinstance(decision, MetaReply) and decision.rows:
             p = self.core.state.partition("p")
-            dead = [r for r in decision.rows if not p.alive[r] and r not in self.cleared]
+            dead = [r for r in decision.rows if not p.is_alive(r) and r not in self.cleared]
             if request.task_name == "u" and not self.sealed:  # GRPO: only whole groups
                 groups = Counter(self.group[r] for r in decision.rows)
                 sizes = Counter(self.group.values())
@@ -146,7 +147,7 @@ class Model:
         placement, _ = self.core.put_begin("p", [X], n, None, None, self.now)
         self.core.abort_puts([placement.put_id])
         p = self.core.state.partition("p")
-        assert not any(p.alive[r] for r in placement.rows), "an aborted put left rows"
+        assert not any(p.is_alive(r) for r in placement.rows), "an aborted put left rows"
         assert not p.put_leases, "an aborted put left its put lease"
 
     def cancel(self, c: int, keyed: bool, n: int, lease: bool) -> None:
@@ -171,15 +172,18 @@ class Model:
         assert reply.lease_id not in p.leases, "a cancelled fetch kept its lease"
         consumed = p.consumed.get(task)
         assert consumed is not None
-        assert not any(consumed[r] for r in reply.rows), "a cancelled fetch consumed rows"
+        assert not any(r >= p.base and consumed[r - p.base] for r in reply.rows), (
+            "a cancelled fetch consumed rows"
+        )
 
     def tag(self, row: int) -> None:
         if row < len(self.committed):
             r = self.committed[row]
-            if not self.core.state.partition("p").alive[r]:
+            if not self.core.state.partition("p").is_alive(r):
                 return  # auto-cleared: tagging it is refused (RowsNotFound), as it should be
             self.core.catalog.set_tags("p", [r], [{"seen": row}])
-            assert self.core.state.partition("p").tags[r] == {"seen": row}
+            p = self.core.state.partition("p")
+            assert p.tags[r - p.base] == {"seen": row}
 
     def seal(self) -> None:
         self.sealed = True
@@ -361,7 +365,7 @@ class Model:
         """A producer clears one committed row (``clear_samples``)."""
         if i < len(self.committed):
             r = self.committed[i]
-            if self.core.state.partition("p").alive[r]:
+            if self.core.state.partition("p").is_alive(r):
                 self.core.clear_rows("p", [r])
                 self.cleared.add(r)
 
@@ -447,10 +451,20 @@ ops = st.one_of(
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(ops, max_size=40), st.booleans())
+@given(st.lists(ops, max_size=40), st.booleans(), st.booleans())
 def test_random_interleavings_keep_the_guarantees(
-    program: list[tuple[object, ...]], auto_clear: bool
+    program: list[tuple[object, ...]], auto_clear: bool, dropping: bool
 ) -> None:
+    # dropping: the partition drops its cleared front rows as soon as it can
+    default = _arrays.COMPACT_ROWS
+    _arrays.COMPACT_ROWS = 1 if dropping else default
+    try:
+        _run(program, auto_clear)
+    finally:
+        _arrays.COMPACT_ROWS = default
+
+
+def _run(program: list[tuple[object, ...]], auto_clear: bool) -> None:
     m = Model(auto_clear)
     for op, *args in program:
         if op == "seal":

@@ -11,7 +11,7 @@ from tq_async._errors import InvalidRequestError
 
 
 def _groups(tags: list[dict[str, Any] | None], limits: dict[str, int]) -> TagGroups:
-    g = TagGroups(lambda: tags)
+    g = TagGroups(lambda: enumerate(tags))
     g.limits = limits
     return g
 

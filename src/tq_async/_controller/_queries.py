@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from .._core._arrays import consumption_mask, live_rows, production_mask
 from .._core._dumps import partition_dump
 from .._core._figures import ready_counts
 from .._core._state import KV_CHUNK_BITS, Partition
@@ -61,8 +62,8 @@ def check_consumption(core: ControllerCore, body: CheckConsumption) -> bool:
     if asked is None:
         return False
     p, rows = asked
-    consumed = p.consumed.get(body.task_name)
-    return bool(rows) and consumed is not None and all(consumed[r] for r in rows)
+    consumed, base = p.consumed.get(body.task_name), p.base
+    return bool(rows) and consumed is not None and all(consumed[r - base] for r in rows)
 
 
 def _checked_rows(
@@ -82,11 +83,11 @@ def _checked_rows(
 def production_status(core: ControllerCore, body: ProductionStatus) -> dict[str, Any]:
     p = core.state.partition(body.partition_id)
     names = body.data_fields if body.data_fields is not None else list(p.fields)
-    return {n: p.production_mask(n) for n in names}
+    return {n: production_mask(p, n) for n in names}
 
 
 def consumption_status(core: ControllerCore, body: ConsumptionStatus) -> Any:
-    return core.state.partition(body.partition_id).consumption_mask(body.task_name)
+    return consumption_mask(core.state.partition(body.partition_id), body.task_name)
 
 
 def list_partitions(core: ControllerCore, body: ListPartitions) -> list[str]:
@@ -110,9 +111,8 @@ def partition_info(core: ControllerCore, body: PartitionInfo) -> Any:
     # per task: rows ready now and rows leased
     ready = ready_counts(p)
     leased: dict[str, int] = {}
-    alive = p.alive
     for lease in p.leases.values():
-        n = sum(1 for r in lease.rows if alive[r])  # (rows cleared meanwhile are not held)
+        n = sum(1 for r in lease.rows if p.is_alive(r))  # (rows cleared meanwhile: not held)
         if n:
             leased[lease.task] = leased.get(lease.task, 0) + n
     return info | {"ready": ready, "leased": leased}
@@ -152,22 +152,24 @@ def field_schema(core: ControllerCore, body: FieldSchema) -> list[ColumnHeader]:
     return [p.fields[f].header for f in body.fields if f in p.fields]
 
 
-def _all_produced(produced: bytearray, rows: list[int]) -> bool:
-    return all(map(produced.__getitem__, rows))
+def _all_produced(produced: bytearray, at: list[int]) -> bool:
+    """Whether every row at ``at`` (indexes: rows less the partition's ``base``) has a cell."""
+    return all(map(produced.__getitem__, at))
 
 
 def kv_lookup(core: ControllerCore, body: KVLookup) -> MetaReply:
     p = core.state.partition(body.partition_id)
     rows = p.rows_for_keys(body.keys)
+    at = [r - p.base for r in rows] if p.base else rows
     if body.available:  # the fields every key has: nothing to check key by key
-        fields = [f for f, fd in p.fields.items() if _all_produced(fd.produced, rows)]
+        fields = [f for f, fd in p.fields.items() if _all_produced(fd.produced, at)]
         return meta_reply(p, rows, fields)
     fields = body.fields if body.fields is not None else list(p.fields)
     # one scan per field; key by key (to name the first key lacking a field) only on failure
-    if all(f in p.fields and _all_produced(p.fields[f].produced, rows) for f in fields):
+    if all(f in p.fields and _all_produced(p.fields[f].produced, at) for f in fields):
         return meta_reply(p, rows, fields)
-    for key, r in zip(body.keys, rows, strict=True):
-        lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[r]]
+    for key, i in zip(body.keys, at, strict=True):
+        lacking = [f for f in fields if f not in p.fields or not p.fields[f].produced[i]]
         if lacking:
             raise KeyNotFound(
                 f"key {key!r} of partition {body.partition_id!r} has no fields "
@@ -216,8 +218,8 @@ class KVListingCache:
             self.version, self.packed, self.map = p.kv_version, None, None
         if not packed:
             if self.map is None:
-                tags = p.tags
-                listing = {k: tags[r] or {} for k, r in p.keys.items()}
+                tags, base = p.tags, p.base
+                listing = {k: tags[r - base] or {} for k, r in p.keys.items()}
                 self.map = msgspec.Raw(encoder.encode(listing))
             return self.map
         if self.packed is None:
@@ -227,7 +229,7 @@ class KVListingCache:
     def _pack(self, p: Partition) -> msgspec.Raw:
         dirty = p.take_kv_dirty()
         if not self._built:  # the first answer: every chunk
-            dirty = set(range((p.n_rows >> KV_CHUNK_BITS) + 1))
+            dirty = set(range(p.base >> KV_CHUNK_BITS, (p.n_rows >> KV_CHUNK_BITS) + 1))
             self._built = True
         for chunk in dirty:
             self._encode_chunk(p, chunk)
@@ -244,10 +246,11 @@ class KVListingCache:
 
     def _encode_chunk(self, p: Partition, chunk: int) -> None:
         lo = chunk << KV_CHUNK_BITS
-        row_keys, tags = p.row_keys, p.tags
-        hi = min(lo + (1 << KV_CHUNK_BITS), p.n_rows)
+        row_keys, tags, base = p.row_keys, p.tags, p.base
+        hi = min(lo + (1 << KV_CHUNK_BITS), p.n_rows) - base
+        lo = max(lo - base, 0)  # (indexes from here: rows below ``base`` were cleared)
         # (rows with a key: `None` is none, the key "" one like any other)
-        has_key = map(operator.is_not, row_keys[lo:hi], itertools.repeat(None))
+        has_key = map(operator.is_not, row_keys[lo:hi] if lo < hi else (), itertools.repeat(None))
         rows = list(itertools.compress(range(lo, hi), has_key))
         if not rows:
             self._counts.pop(chunk, None)
@@ -290,7 +293,7 @@ def _kv_answer(p: Partition, packed: bool) -> msgspec.Raw:
 def kv_keys(core: ControllerCore, body: KVKeys) -> list[str | None]:
     p = core.state.partition(body.partition_id)
     p.check_rows(body.rows)
-    row_keys = [p.row_keys[r] for r in body.rows]
+    row_keys = [p.row_keys[r - p.base] for r in body.rows]
     if None in row_keys:
         keyless = [r for r, k in zip(body.rows, row_keys, strict=True) if k is None]
         raise KeyNotFound(
@@ -339,7 +342,7 @@ def lost_rows(core: ControllerCore, body: LostRows) -> dict[str, Any]:
 
 
 def _alive_rows(p: Partition) -> list[int]:
-    return [r for r in range(p.n_rows) if p.alive[r]]
+    return live_rows(p)
 
 
 #: request type -> its answer

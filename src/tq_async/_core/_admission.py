@@ -40,14 +40,13 @@ class Admission:
         task = self.config.learner_task
         if task is None:
             return False
-        consumed = p.consumed.get(task)
+        consumed, base = p.consumed.get(task), p.base
         freed = sum(
             1
             for r in set(rows)
-            if 0 <= r < p.n_rows
-            and p.alive[r]
-            and p.versions.rows[r] >= 0
-            and not (consumed and consumed[r])
+            if p.is_alive(r)
+            and p.versions.rows[r - base] >= 0
+            and not (consumed and consumed[r - base])
         )
         return self.free_slots(freed)
 
@@ -55,14 +54,16 @@ class Admission:
         """The learner consumed ``rows``: their slots go back; True if any was outstanding."""
         if self.config.learner_task != task:
             return False
-        return self.free_slots(sum(1 for r in rows if p.versions.rows[r] >= 0))
+        rv, base = p.versions.rows, p.base
+        return self.free_slots(sum(1 for r in rows if rv[r - base] >= 0))
 
     def learner_released(self, task: str, p: Partition, rows: Sequence[int]) -> None:
         """The learner gave ``rows`` back unconsumed (a release, a lease that expired): they
         take again the slots their consumption freed (`learner_consumed`), or consuming
         them again would free them twice."""
         if self.config.learner_task == task:
-            self.state.outstanding += sum(1 for r in rows if p.versions.rows[r] >= 0)
+            rv, base = p.versions.rows, p.base
+            self.state.outstanding += sum(1 for r in rows if r >= base and rv[r - base] >= 0)
 
     def learner_reset(self, p: Partition, task: str | None) -> None:
         """``task``'s consumption of ``p`` is about to be forgotten (every task's if None):
@@ -72,7 +73,8 @@ class Admission:
             return
         consumed = p.consumed.get(learner)
         if consumed is not None:
-            rows = [r for r in range(p.n_rows) if consumed[r] and p.alive[r]]
+            alive, base = p.alive, p.base
+            rows = [i + base for i in range(len(alive)) if consumed[i] and alive[i]]
             self.learner_released(learner, p, rows)
 
     def free_slots(self, n: int) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from .._errors import BrokenError, InvalidRequestError, WouldBlock
 from .._wire._events import PartitionCreated, PartitionRestored, PartitionSealed
 from .._wire._protocol import PartitionDump, Placement
+from ._arrays import live_rows
 from ._dumps import restore_partition
 from ._effects import Effects
 from ._events import partition_snapshot
@@ -79,7 +80,7 @@ class Catalog:
             if pid == partition_id or (partition_id is None and pid not in st.auto_clear):
                 # (a recorded batch waiting for its reader holds its rows first)
                 self._leases.hold_waiting(p)
-                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
+                self._leases.auto_clear(p, live_rows(p), fx)
         return fx
 
     def set_tags(
@@ -143,7 +144,7 @@ class Catalog:
     def restore_begin(self, dumps: Sequence[PartitionDump]) -> dict[str, list[int]]:
         """Stage partitions of a checkpoint, invisible until `restore_commit`, their alive
         rows spread over the live units (neither lost nor suspended) in contiguous blocks;
-        each one's units (where its cells must go)."""
+        each one's units (where its cells must go), one per row from the dump's ``base`` on."""
         st = self.state
         if not st.units:
             raise InvalidRequestError("the controller has no storage units to restore onto")
@@ -165,8 +166,8 @@ class Catalog:
             )
         staged = []
         for d in dumps:
-            live = [r for r in range(d.n_rows) if d.alive[r]]
-            units = [ids[0]] * d.n_rows
+            live = [i for i in range(len(d.alive)) if d.alive[i]]  # (from ``d.base`` on)
+            units = [ids[0]] * len(d.alive)
             per_unit = -(-len(live) // len(ids)) if live else 1
             for i, r in enumerate(live):  # contiguous blocks, one per unit
                 units[r] = ids[min(i // per_unit, len(ids) - 1)]
@@ -209,7 +210,7 @@ class Catalog:
             ends, recycled = st.restoring_owed.pop(pid, ([], []))
             for task, index, ranks in ends:
                 st.dp_ends[(pid, p.incarnation, task, index)] = set(ranks)
-            queued = [r for r in recycled if p.alive[r]]
+            queued = [r for r in recycled if p.is_alive(r)]
             st.recycled.extend((pid, p.incarnation, r) for r in queued)
             self._leases.hold_recycled(p, queued)
             # (a checkpoint has no leases: every recorded batch waits for its next reader)
@@ -220,7 +221,7 @@ class Catalog:
             # nor holds: rows every auto-clear task consumed and no recorded batch waits for
             # are freed (no ack will ever come for them)
             if st.auto_clear:
-                self._leases.auto_clear(p, [r for r in range(p.n_rows) if p.alive[r]], fx)
+                self._leases.auto_clear(p, live_rows(p), fx)
         return fx
 
     def restore_abort(self, partition_ids: Sequence[str]) -> dict[str, str]:
@@ -232,6 +233,7 @@ class Catalog:
             p = self.state.restoring.pop(pid, None)
             self.state.restoring_owed.pop(pid, None)
             if p is not None:
+                self.state.unbind(p)
                 dropped[pid] = p.incarnation
         return dropped
 
@@ -256,7 +258,7 @@ class Catalog:
             if p is None or p.incarnation != incarnation:
                 continue  # its partition was cleared: nothing left to regenerate from
             self._leases.unhold_recycled(p, (row,))
-            if not p.alive[row]:
+            if not p.is_alive(row):
                 continue  # cleared meanwhile
             taken.setdefault(pid, []).append(row)
             n += 1
@@ -281,7 +283,7 @@ class Catalog:
             p = self.state.partitions.get(pid)
             if p is None or p.incarnation != incarnation:
                 continue
-            alive = [r for r in rows if p.alive[r]]
+            alive = [r for r in rows if p.is_alive(r)]
             if alive:
                 out[pid] = (alive, lease_id if lease_id in p.leases else 0)
         return out
@@ -293,7 +295,7 @@ class Catalog:
 
     def _recyclable(self, partition_id: str, incarnation: str, row: int) -> bool:
         p = self.state.partitions.get(partition_id)
-        return p is not None and p.incarnation == incarnation and bool(p.alive[row])
+        return p is not None and p.incarnation == incarnation and p.is_alive(row)
 
     def return_recycled(
         self,

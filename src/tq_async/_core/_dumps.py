@@ -39,7 +39,11 @@ def partition_dump(p: Partition, st: ControllerState | None = None) -> Partition
         PartitionDump,
         settled=sorted(p.settled),
         dp_ends=[(e[2], e[3], sorted(ranks)) for e, ranks in ends if e[:2] == (pid, inc)],
-        recycled=[r for i, e, r in recycled if (i, e) == (pid, inc) and p.alive[r]],
+        recycled=[
+            r
+            for i, e, r in recycled
+            if (i, e) == (pid, inc) and r >= p.base and p.alive[r - p.base]
+        ],
         lost=sorted(p.lost.items()),
         dropped=dict(p.dropped),
     )
@@ -51,7 +55,8 @@ def partition_dump(p: Partition, st: ControllerState | None = None) -> Partition
             if mask is None:
                 mask = given_back[lease.task] = bytearray(dump.consumed[lease.task])
             for r in lease.rows:
-                mask[r] = 0
+                if r >= p.base:
+                    mask[r - p.base] = 0
     dump.consumed.update((task, bytes(mask)) for task, mask in given_back.items())
     return dump
 
@@ -63,6 +68,7 @@ def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]],
     return make(
         partition_id=p.partition_id,
         n_rows=p.n_rows,
+        base=p.base,
         alive=bytes(p.alive),
         origin=ints(p.origin),
         units=ints(p.units),
@@ -78,21 +84,22 @@ def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]],
 
 
 def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
-    """A partition rebuilt from ``dump``, its rows placed on ``units`` (one per row).
+    """A partition rebuilt from ``dump``, its rows placed on ``units`` (one per row the
+    dump holds: from its ``base`` on).
 
     Raises:
         InvalidRequestError: the dump's per-row arrays disagree on the number of rows.
     """
-    n = dump.n_rows
+    n, base = dump.n_rows - dump.base, dump.base
     arrays = [dump.alive, dump.origin, dump.tags, dump.row_keys, units]
     arrays += [f.produced for f in dump.fields] + list(dump.consumed.values())
-    if any(len(a) != n for a in arrays):
+    if any(len(a) != n for a in arrays) or not 0 <= base <= dump.n_rows:
         raise InvalidRequestError(
             f"checkpoint of partition {dump.partition_id!r} is inconsistent: per-row arrays "
             f"do not all have {n} rows"
         )
     p = Partition(dump.partition_id)
-    p.n_rows = n
+    p.n_rows, p.base = dump.n_rows, base
     p.alive = bytearray(dump.alive)
     alive = np.frombuffer(dump.alive, np.uint8)  # (numpy: a recovering controller's 1M rows)
     p.n_alive = int(alive.sum(dtype=np.int64))
@@ -102,7 +109,7 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
     p.unit_rows = dict(zip(placed.tolist(), counts.tolist(), strict=True))
     p.tags = [None if t is None else dict(t) for t in dump.tags]  # ({}: tagged, kept)
     p.row_keys = list(dump.row_keys)
-    p.keys = {k: r for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
+    p.keys = {k: r + base for r, k in enumerate(dump.row_keys) if k is not None and p.alive[r]}
     p.sealed = dump.sealed
     for fd in dump.fields:
         p.fields[fd.header.name] = FieldState(fd.header, 0)
@@ -113,9 +120,13 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
         p.consumed_count[task] = int(both.sum(dtype=np.int64))
     p.recorded = {(t, d, b): tuple(rows) for t, d, b, rows in dump.deliveries}
     for (t, _, _), rows in p.recorded.items():
-        p.mark_recorded(t, rows)
+        p.mark_recorded(t, [r for r in rows if r >= base])
     p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
     p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
-    p.lost = {r: unit for r, unit in dump.lost if 0 <= r < n and not p.alive[r]}
+    p.lost = {
+        r: unit
+        for r, unit in dump.lost
+        if 0 <= r < dump.n_rows and (r < base or not p.alive[r - base])
+    }
     p.dropped = dict(dump.dropped)
     return p

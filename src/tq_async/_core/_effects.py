@@ -4,7 +4,8 @@
 of the
 parts it composes, `tq_async._core._admission` and `tq_async._core._liveness`) leaves the
 I/O
-shell to do; `AdmissionConfig` and `Deadlines` configure them.
+shell to do; `AdmissionConfig` and `Deadlines` configure them, and `check_capacity` checks
+the backpressure setting.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import numbers
 from dataclasses import dataclass, field
 
 from .._errors import InvalidRequestError
-from .._wire._checks import check_int
+from .._wire._checks import check_int, integral
 from ._state import Wakeup
 
-__all__ = ["AdmissionConfig", "Deadlines", "Effects"]
+__all__ = ["AdmissionConfig", "Deadlines", "Effects", "check_capacity"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +118,19 @@ class Effects:
         self.room |= other.room
         self.admission |= other.admission
         self.stale.extend(other.stale)
+
+
+def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
+    """Validate a capacity setting; ``(capacity, capacity is global)`` (numpy's ints taken
+    as ints)."""
+    if capacity is not None and type(capacity) is not int and not isinstance(capacity, bool):
+        capacity = integral(capacity)
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**63
+    ):  # an int64: the controller's replies carry it
+        raise InvalidRequestError(
+            f"capacity must be from 1 to {2**63 - 1} rows, or None, got {capacity!r}"
+        )
+    if scope not in ("partition", "global"):
+        raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")
+    return capacity, scope == "global"

@@ -26,6 +26,7 @@ from .._wire._events import (
     RowsRemoved,
     TagsChanged,
 )
+from ._arrays import live_rows
 
 __all__ = ["Outbox", "partition_snapshot"]
 
@@ -114,10 +115,9 @@ def _keys(keys: Sequence[str] | None) -> list[str] | None:
 def partition_snapshot(p: Any) -> PartitionSnapshot:
     """A `Partition`'s live rows, fields, consumption, keys
     and open leases (``p`` untyped: the state module imports this one)."""
-    alive = p.alive
-    rows = [r for r in range(p.n_rows) if alive[r]]
-    fields = {name: [r for r in rows if f.produced[r]] for name, f in p.fields.items()}
-    consumed = {task: [r for r in rows if c[r]] for task, c in p.consumed.items()}
+    rows, base, tags = live_rows(p), p.base, p.tags
+    fields = {name: [r for r in rows if f.produced[r - base]] for name, f in p.fields.items()}
+    consumed = {task: [r for r in rows if c[r - base]] for task, c in p.consumed.items()}
     return PartitionSnapshot(
         partition_id=p.partition_id,
         incarnation=p.incarnation,
@@ -127,5 +127,5 @@ def partition_snapshot(p: Any) -> PartitionSnapshot:
         consumed=consumed,
         keys=dict(p.keys),
         leases={lease_id: lease.task for lease_id, lease in p.leases.items()},
-        tags={r: dict(p.tags[r]) for r in rows if p.tags[r]},
+        tags={r: dict(tags[r - base]) for r in rows if tags[r - base]},
     )

@@ -23,17 +23,23 @@ def ready_counts(p: Partition) -> dict[str, int]:
     counts: dict[str, int] = {}
     for (task, _), rs in list(p.ready.items()):
         counts[task] = max(counts.get(task, 0), len(rs.rows))
-    unset = [(t, bytes(c)) for t, c in list(p.consumed.items()) if t not in counts]
-    if not unset:
+    if all(t in counts for t in list(p.consumed)):
         return counts
-    have = [bytes(p.alive), *(bytes(f.produced) for f in list(p.fields.values()))]
-    unavailable = list(p.unavailable)
-    n = min(len(p.units), *map(len, have), *(len(c) for _, c in unset))  # (rows added meanwhile)
+    while True:  # copies of one layout: again if the loop dropped cleared rows meanwhile
+        base = p.base
+        unset = [(t, bytes(c)) for t, c in list(p.consumed.items()) if t not in counts]
+        have = [bytes(p.alive), *(bytes(f.produced) for f in list(p.fields.values()))]
+        unavailable = list(p.unavailable)
+        # rows of suspended units are not ready (their units copied only then)
+        units = bytes(p.units) if unavailable else None
+        if p.base == base:
+            break
+    n = min(*map(len, have), *(len(c) for _, c in unset))  # (rows added meanwhile)
     mask = np.ones(n, dtype=np.bool_)
     for flags in have:
         mask &= np.frombuffer(flags, dtype=np.bool_, count=n)
-    if unavailable:  # rows of suspended units are not ready (their units copied only then)
-        mask &= ~np.isin(np.array(p.units[:n], dtype=np.int32), unavailable)
+    if units is not None:
+        mask &= ~np.isin(np.frombuffer(units, dtype=np.int32)[:n], unavailable)
     for task, consumed in unset:
         counts[task] = int(np.count_nonzero(mask & ~np.frombuffer(consumed, np.bool_, count=n)))
     return counts

@@ -423,8 +423,8 @@ class Gets:
         if self.state.placer.mode == "round_robin":
             return shares
         hosts = [self.rank_hosts.get((req.task_name, r), "") for r in range(len(shares))]
-        unit_hosts, units = self.state.unit_hosts, p.units
-        return local_shares(shares, hosts, lambda row: unit_hosts.get(units[row], ""))
+        unit_hosts, units, base = self.state.unit_hosts, p.units, p.base
+        return local_shares(shares, hosts, lambda row: unit_hosts.get(units[row - base], ""))
 
     def _holding(self, req: GetMeta, p: Partition) -> bool:
         """Whether delivered rows are held until acknowledged (a lease, or auto-clear)."""
@@ -432,14 +432,16 @@ class Gets:
 
     def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
         """The recorded batch ``key``, with its lease; None if it was never decided. Rows
-        lost with a storage unit since are left out (never handed out again)."""
+        lost with a storage unit since are left out (never handed out again), as are rows
+        cleared long since (the partition holds nothing of them: `_arrays.compact`)."""
         rows = p.recorded.get(key)
         if rows is None:
             return None
-        lost = p.lost
-        reply = meta_reply(
-            p, [r for r in rows if r not in lost] if lost else list(rows), req.data_fields
-        )
+        lost, base = p.lost, p.base
+        given = list(rows)
+        if lost or (given and min(given) < base):
+            given = [r for r in given if r not in lost and r >= base]
+        reply = meta_reply(p, given, req.data_fields)
         if req.mode != "fetch" or not rows:
             return reply
         lease_id = p.batch_leases.get(key)
@@ -488,9 +490,9 @@ class Gets:
             valid = [
                 r
                 for r in dict.fromkeys(rows)
-                if 0 <= r < p.n_rows
-                and p.alive[r]
-                and not (consumed and consumed[r])
+                if p.base <= r < p.n_rows
+                and p.alive[r - p.base]
+                and not (consumed and consumed[r - p.base])
                 and r not in answer
             ]
             if not valid:
@@ -574,7 +576,7 @@ def check_sampled(req: GetMeta, p: Partition, delivered: Sequence[int], sampler:
             )
         if not p.available(r):
             raise InvalidRequestError(
-                f"the sampler returned row {r}, which is on storage unit {p.units[r]}, "
+                f"the sampler returned row {r}, which is on storage unit {p.units[r - p.base]}, "
                 "suspended: its rows are not handed out until it comes back; sample from "
                 "the ready rows (ready_indexes)"
             )
@@ -717,18 +719,19 @@ def all_consumed(p: Partition, task: str) -> bool:
 
 def meta_reply(p: Partition, rows: list[int], fields: Sequence[str]) -> MetaReply:
     """The reply naming ``rows`` of ``p`` (their units, tags and versions)."""
-    tags = p.tags
+    tags, units, base = p.tags, p.units, p.base
+    at = [r - base for r in rows] if base else rows
     versions = {
-        f: [fv[r] for r in rows] for f in fields if (fv := p.versions.fields.get(f)) is not None
+        f: [fv[i] for i in at] for f in fields if (fv := p.versions.fields.get(f)) is not None
     }
     return MetaReply(
         rows,
-        [p.units[r] for r in rows],
-        [tags[r] or {} for r in rows],
+        [units[i] for i in at],
+        [tags[i] or {} for i in at],
         list(fields),
         versions=versions,
         incarnation=p.incarnation,
-        keys=[p.row_keys[r] for r in rows] if p.keys else None,
+        keys=[p.row_keys[i] for i in at] if p.keys else None,
     )
 
 

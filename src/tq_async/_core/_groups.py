@@ -10,7 +10,7 @@ Pure: no loop, no socket.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from .._errors import InvalidRequestError
@@ -24,9 +24,10 @@ Tags = Mapping[str, Any]
 
 
 class TagGroups:
-    """``tag -> value -> live rows`` over one partition's row tags (``source()``)."""
+    """``tag -> value -> live rows`` over one partition's row tags (``source()``: each row
+    with its tags)."""
 
-    def __init__(self, source: Callable[[], Sequence[Tags | None]]) -> None:
+    def __init__(self, source: Callable[[], Iterable[tuple[int, Tags | None]]]) -> None:
         self._source = source
         #: tag -> the most live rows one value of it may have: the prompt groups of the
         #: controller's samplers (shared with the owning ``ControllerState``)
@@ -42,7 +43,7 @@ class TagGroups:
         index = self._index.get(tag)
         if index is None:
             index = self._index[tag] = {}
-            for row, tags in enumerate(self._source()):  # a cleared row's tags are None
+            for row, tags in self._source():  # a cleared row's tags are None
                 value = _MISSING if tags is None else tags.get(tag, _MISSING)
                 if value is not _MISSING and _hashable(value):
                     index.setdefault(value, set()).add(row)

@@ -38,6 +38,7 @@ import numpy as np
 
 from .._wire._columns import ColumnHeader
 from .._wire._protocol import FieldDump, PartitionDump
+from ._arrays import fill, put_items, take
 from ._dumps import dump_rows, restore_partition
 from ._effects import Effects
 from ._sampling import load_states
@@ -103,6 +104,8 @@ class RowsRecord(msgspec.Struct, array_like=True):
     deliveries: list[tuple[str, int, int, list[int]]]
     row_version: bytes
     field_versions: dict[str, bytes]
+    #: the per-row arrays hold the rows from this one on (`Partition.base`)
+    base: int = 0
 
     @classmethod
     def of(cls, p: Partition) -> RowsRecord:
@@ -124,6 +127,7 @@ class RowsRecord(msgspec.Struct, array_like=True):
             deliveries=self.deliveries,
             row_version=_ints("q", self.row_version),
             field_versions={f: _ints("q", v) for f, v in self.field_versions.items()},
+            base=self.base,
         )
 
 
@@ -211,7 +215,8 @@ class PartitionDelta(msgspec.Struct, array_like=True):
 
     ``rows`` (int64, machine order) are the rows that changed or are new; every per-row
     array below holds their values in that order (machine-order bytes, as in `RowsRecord`),
-    for every field and task the partition has.
+    for every field and task the partition has. Rows below ``base`` are cleared: they are
+    not in ``rows``, and a replay drops them (`tq_async._core._arrays.compact`).
     """
 
     wall: float
@@ -243,6 +248,7 @@ class PartitionDelta(msgspec.Struct, array_like=True):
     dropped: dict[str, int] | None
     lost: list[tuple[int, int]]
     reserved: int = 0
+    base: int = 0
 
 
 _delta_decoder = msgspec.msgpack.Decoder(PartitionDelta)
@@ -266,11 +272,6 @@ RESERVE_MIN = 1024
 #: lease and put ids a recovered controller skips past the last record's next id (more
 #: than a controller hands out between two commits)
 ID_GAP = 1 << 24
-
-
-def _take(buf: Any, dtype: np.dtype[Any], idx: np.ndarray[Any, Any]) -> bytes:
-    out: bytes = np.frombuffer(buf, dtype)[idx].tobytes()
-    return out
 
 
 class _Seen:
@@ -395,9 +396,11 @@ class Tracker:
         assert ch is not None
         changed = ch.rows
         ch.rows = set()
+        base = p.base
         if seen.n_rows < p.n_rows:
-            changed.update(range(seen.n_rows, p.n_rows))
-        idx = np.array(sorted(changed), dtype=_I64)
+            changed.update(range(max(seen.n_rows, base), p.n_rows))
+        idx = np.array(sorted(r for r in changed if r >= base), dtype=_I64)
+        at = idx - base if base else idx
         leases: list[LeaseRecord] = []
         old = seen.leases
         for lease_id, lease in p.leases.items():
@@ -413,15 +416,15 @@ class Tracker:
             incarnation=p.incarnation,
             n_rows=p.n_rows,
             rows=idx.tobytes(),
-            alive=_take(p.alive, _U8, idx),
-            origin=_take(p.origin, _I64, idx),
-            units=_take(p.units, _I32, idx),
-            row_version=_take(p.versions.rows, _I64, idx),
-            produced={name: _take(f.produced, _U8, idx) for name, f in p.fields.items()},
-            consumed={t: _take(c, _U8, idx) for t, c in p.consumed.items()},
-            field_versions={f: _take(v, _I64, idx) for f, v in p.versions.fields.items()},
-            tags=[p.tags[r] for r in idx.tolist()],
-            row_keys=[p.row_keys[r] for r in idx.tolist()],
+            alive=take(p.alive, _U8, at),
+            origin=take(p.origin, _I64, at),
+            units=take(p.units, _I32, at),
+            row_version=take(p.versions.rows, _I64, at),
+            produced={name: take(f.produced, _U8, at) for name, f in p.fields.items()},
+            consumed={t: take(c, _U8, at) for t, c in p.consumed.items()},
+            field_versions={f: take(v, _I64, at) for f, v in p.versions.fields.items()},
+            tags=[p.tags[i] for i in at.tolist()],
+            row_keys=[p.row_keys[i] for i in at.tolist()],
             fields=[f.header for f in itertools.islice(p.fields.values(), seen.n_fields, None)],
             sealed=p.sealed,
             leases=leases,
@@ -438,6 +441,7 @@ class Tracker:
             dropped=dict(p.dropped) if p.dropped != seen.dropped else None,
             lost=_appended(p.lost, seen.n_lost),
             reserved=self.reserved,
+            base=base,
         )
         seen.mark(p)
         return delta
@@ -473,6 +477,7 @@ class _Image:
         self.incarnation = rec.incarnation
         self.wall = rec.wall
         self.n = r.n_rows
+        self.base = r.base
         self.alive = bytearray(r.alive)
         self.origin = bytearray(r.origin)
         self.units = bytearray(r.units)
@@ -498,34 +503,37 @@ class _Image:
         if d.incarnation != self.incarnation:
             raise ValueError(f"a delta of incarnation {d.incarnation} after {self.incarnation}")
         grow, n = d.n_rows - self.n, d.n_rows
-        if grow < 0:
-            raise ValueError(f"a delta of {n} rows after {self.n}")
+        if grow < 0 or d.base < self.base:
+            raise ValueError(f"a delta of {n} rows from {d.base} after {self.n} from {self.base}")
+        held = self.n - self.base
         for h in d.fields:
             self.headers[h.name] = h
-            self.produced.setdefault(h.name, bytearray(self.n))
+            self.produced.setdefault(h.name, bytearray(held))
         for task in d.consumed:  # tasks (and versioned fields) new since
             if task not in self.consumed:
-                self.consumed[task] = bytearray(self.n)
+                self.consumed[task] = bytearray(held)
         for name in d.field_versions:
             if name not in self.field_versions:
-                self.field_versions[name] = bytearray(_fill(-1, self.n, 8))
-        idx = np.frombuffer(d.rows, _I64)
-        _put(self.alive, grow, 0, _U8, idx, d.alive)
-        _put(self.origin, grow, 0, _I64, idx, d.origin)
-        _put(self.units, grow, 0, _I32, idx, d.units)
-        _put(self.row_version, grow, -1, _I64, idx, d.row_version)
+                self.field_versions[name] = bytearray(fill(-1, held, 8))
+        idx = np.frombuffer(d.rows, _I64) - d.base
+        drop = d.base - self.base  # rows cleared and dropped since (`compact`)
+        put_items(self.alive, grow, drop, 0, _U8, idx, d.alive)
+        put_items(self.origin, grow, drop, 0, _I64, idx, d.origin)
+        put_items(self.units, grow, drop, 0, _I32, idx, d.units)
+        put_items(self.row_version, grow, drop, -1, _I64, idx, d.row_version)
         for name, buf in self.produced.items():
-            _put(buf, grow, 0, _U8, idx, d.produced.get(name))
+            put_items(buf, grow, drop, 0, _U8, idx, d.produced.get(name))
         for task, buf in self.consumed.items():
-            _put(buf, grow, 0, _U8, idx, d.consumed.get(task))
+            put_items(buf, grow, drop, 0, _U8, idx, d.consumed.get(task))
         for name, buf in self.field_versions.items():
-            _put(buf, grow, -1, _I64, idx, d.field_versions.get(name))
-        self.tags.extend(itertools.repeat(None, grow))
-        self.row_keys.extend(itertools.repeat(None, grow))
-        for r, t, k in zip(idx.tolist(), d.tags, d.row_keys, strict=True):
-            self.tags[r] = t
-            self.row_keys[r] = k
-        self.n = n
+            put_items(buf, grow, drop, -1, _I64, idx, d.field_versions.get(name))
+        for rows in (self.tags, self.row_keys):
+            rows.extend(itertools.repeat(None, grow))
+            del rows[:drop]
+        for i, t, k in zip(idx.tolist(), d.tags, d.row_keys, strict=True):
+            self.tags[i] = t
+            self.row_keys[i] = k
+        self.n, self.base = n, d.base
         self.sealed = d.sealed
         for lease_id in d.ended:
             self.leases.pop(lease_id, None)
@@ -550,11 +558,11 @@ class _Image:
             return
         for buf in (self.alive, *self.produced.values(), *self.consumed.values()):
             buf.extend(bytes(grow))
-        self.origin.extend(_fill(0, grow, 8))
-        self.units.extend(_fill(0, grow, 4))
-        self.row_version.extend(_fill(-1, grow, 8))
+        self.origin.extend(fill(0, grow, 8))
+        self.units.extend(fill(0, grow, 4))
+        self.row_version.extend(fill(-1, grow, 8))
         for buf in self.field_versions.values():
-            buf.extend(_fill(-1, grow, 8))
+            buf.extend(fill(-1, grow, 8))
         self.tags.extend(itertools.repeat(None, grow))
         self.row_keys.extend(itertools.repeat(None, grow))
         self.n = self.reserved
@@ -565,6 +573,7 @@ class _Image:
             rows=RowsRecord(
                 partition_id=self.partition_id,
                 n_rows=self.n,
+                base=self.base,
                 alive=bytes(self.alive),
                 origin=bytes(self.origin),
                 units=bytes(self.units),
@@ -595,28 +604,6 @@ class _Image:
             lost=list(self.lost.items()),
             reserved=self.reserved,
         )
-
-
-def _fill(value: int, n: int, size: int) -> bytes:
-    return b"\xff" * (n * size) if value == -1 else bytes(n * size)
-
-
-def _put(
-    buf: bytearray,
-    grow: int,
-    fill: int,
-    dtype: np.dtype[Any],
-    idx: np.ndarray[Any, Any],
-    values: bytes | None,
-) -> None:
-    """Grow ``buf`` by ``grow`` items of ``fill``, then set the items ``idx`` to ``values``
-    (None: the array is new since the delta, its items stay ``fill``)."""
-    if grow:
-        buf.extend(_fill(fill, grow, dtype.itemsize))
-    if values is not None and len(idx):
-        view = np.frombuffer(buf, dtype)
-        view[idx] = np.frombuffer(values, dtype)
-        del view
 
 
 def replay(snapshot: PartitionRecord, deltas: Iterable[PartitionDelta]) -> PartitionRecord:

@@ -236,8 +236,10 @@ class GetLeases:
             if lease.deadline is not None:
                 fx.wakeups.append(Wakeup(partition_id, task))  # end-of-stream may be due
         # (only ``task``'s batches: another task's record of a row is no claim on it here)
-        mask = p.recorded_rows.get(task)
-        back = [r for r in rows if mask is None or r >= len(mask) or not mask[r]]
+        mask, base = p.recorded_rows.get(task), p.base
+        back = [
+            r for r in rows if mask is None or not 0 <= r - base < len(mask) or not mask[r - base]
+        ]
         if back and self._release(p, task, back):
             fx.wakeups.append(Wakeup(partition_id, task))
         return fx

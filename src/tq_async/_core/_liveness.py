@@ -17,6 +17,7 @@ from .._logging import get_logger
 from .._wire._events import UnitBack, UnitLost, UnitSuspended
 from .._wire._protocol import HeldRows, StoreClear
 from ._admission import Admission
+from ._arrays import rows_on
 from ._effects import Effects
 from ._state import ControllerState, Wakeup
 
@@ -63,7 +64,7 @@ class UnitLiveness:
         self._arm(st.suspended[unit], "unit", unit)
         for p in st.partitions.values():
             for rs in p.ready.values():
-                away = [r for r in rs.rows if p.units[r] == unit]
+                away = [r for r in rs.rows if p.units[r - p.base] == unit]
                 for r in away:
                     rs.discard(r)
                 if away:
@@ -115,7 +116,7 @@ class UnitLiveness:
         lost = {}
         for pid, p in st.partitions.items():
             # they never reach the learner: their slots go back, as cleared rows' do
-            if self.rollouts.free_unconsumed(p, p.rows_on(unit)):
+            if self.rollouts.free_unconsumed(p, rows_on(p, unit)):
                 fx.admission = True
             rows = p.lose_unit(unit)
             if rows:
@@ -185,9 +186,13 @@ def orphan_cells(state: ControllerState, unit: int, held: Sequence[HeldRows]) ->
             continue
         rows = np.frombuffer(h.rows, "<i8")
         rows = rows[(rows >= 0) & (rows < p.n_rows)]
-        alive = np.frombuffer(p.alive, np.uint8, count=p.n_rows)
-        units = np.frombuffer(p.units, np.int32, count=p.n_rows)
-        stale = rows[(alive[rows] == 0) | (units[rows] != unit)]
+        held_now = len(p.alive)  # (rows below ``p.base`` are cleared)
+        at = rows - p.base
+        alive = np.frombuffer(p.alive, np.uint8, count=held_now)
+        units = np.frombuffer(p.units, np.int32, count=held_now)
+        kept = at >= 0
+        kept[kept] = (alive[at[kept]] != 0) & (units[at[kept]] == unit)
+        stale = rows[~kept]
         if len(stale):
             out.append(StoreClear(h.partition_id, stale.tolist(), h.incarnation))
     return out

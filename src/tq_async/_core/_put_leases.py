@@ -82,7 +82,8 @@ class PutLeases:
             _placed_events(self.state.events, p, before is None, got, first_new, rows, keys)
         placement.incarnation = p.incarnation
         if keys is not None:  # a KV put's meta names every field its keys already have
-            placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[r] for r in got)]
+            at = [r - p.base for r in got]
+            placement.fields = [f for f, fd in p.fields.items() if all(fd.produced[i] for i in at)]
         if lease and rows is None:
             new = [r for r in got if r >= first_new]
             if keys is not None and p.put_leases:
@@ -165,7 +166,7 @@ class PutLeases:
         if p is None or p.incarnation != incarnation:
             return Effects()
         # rows may be gone already: lost with their unit
-        alive = [r for r in rows if r < p.n_rows and p.alive[r]]
+        alive = [r for r in rows if p.is_alive(r)]
         return self._clear(p, alive) if alive else Effects()
 
     def abort(self, put_ids: Sequence[int]) -> Effects:
@@ -200,11 +201,13 @@ class PutLeases:
         # a row with any cell produced was committed (by a client that sent no put id), and
         # one with tags was tagged by another call (a kv tag of the key this put created)
         fields = [f.produced for f in p.fields.values()]
-        tags = p.tags
+        tags, base = p.tags, p.base
         rows = [
-            r for r in put.rows if p.alive[r] and tags[r] is None and not any(f[r] for f in fields)
+            r
+            for r in put.rows
+            if p.is_alive(r) and tags[r - base] is None and not any(f[r - base] for f in fields)
         ]
-        if rows and p.put_leases and any(p.row_keys[r] is not None for r in rows):
+        if rows and p.put_leases and any(p.row_keys[r - base] is not None for r in rows):
             # a key another open put binds too is left to it (see `_being_created`)
             others = {r for other in p.put_leases.values() for r in other.rows}
             rows = [r for r in rows if r not in others]
@@ -218,8 +221,12 @@ def _being_created(p: Partition, rows: Sequence[int], first_new: int) -> list[in
     (no cell produced, no tag): this put holds them under its own put lease too, so the
     other one's giving up leaves them to this one (and this one's, to the other)."""
     fields = [f.produced for f in p.fields.values()]
-    tags = p.tags
-    bare = [r for r in rows if r < first_new and tags[r] is None and not any(f[r] for f in fields)]
+    tags, base = p.tags, p.base
+    bare = [
+        r
+        for r in rows
+        if r < first_new and tags[r - base] is None and not any(f[r - base] for f in fields)
+    ]
     if not bare:
         return []
     open_rows = {r for put in p.put_leases.values() for r in put.rows}

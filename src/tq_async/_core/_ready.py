@@ -20,8 +20,10 @@ __all__ = ["FieldsKey", "ReadyRows", "ReadySet", "ReadyView", "ready_mask"]
 
 FieldsKey = tuple[str, ...]
 
-#: row ids in ready sets: a partition holds fewer than 2**31 rows
+#: positions in a ready set's order: a partition holds fewer than 2**31 rows at a time
 _ROW = np.int32
+#: row ids: a partition that lives long enough has more than 2**31 rows over its life
+_ID = np.int64
 
 
 class ReadyRows:
@@ -38,18 +40,20 @@ class ReadyRows:
     ``i`` is live iff ``_pos[_order[i]] == i``, so removing a row is O(1) and re-adding it
     appends a new entry (what a dict does). Dead entries are skipped when iterating and
     compacted away once they outnumber live ones (amortised O(1), see ReadySet.discard).
+    ``_pos`` starts at row ``_base`` (its partition's first row held, `rebase`): it is
+    ``_pos[row - _base]`` that is written ``_pos[row]`` here.
 
     ``_ov`` and ``_pv`` are memoryviews of ``_order`` and ``_pos``, replaced with them: one
     element read or written through a memoryview costs a third of numpy's (a get_meta
     consumes a batch row by row).
     """
 
-    __slots__ = ("_dead", "_head", "_len", "_order", "_ov", "_pos", "_pv", "_tail")
+    __slots__ = ("_base", "_dead", "_head", "_len", "_order", "_ov", "_pos", "_pv", "_tail")
 
     def __init__(self, rows: Any = ()) -> None:
-        order = np.array(rows, dtype=_ROW).ravel()
+        order = np.array(rows, dtype=_ID).ravel()
         n = len(order)
-        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ID)
         self._order[:n] = order
         self._pos = np.full(max(int(order.max()) + 1 if n else 0, 64), -1, dtype=_ROW)
         self._pos[order] = np.arange(n, dtype=_ROW)
@@ -57,18 +61,21 @@ class ReadyRows:
         self._head = 0
         self._tail = self._len = n
         self._dead = 0
+        self._base = 0
 
     @classmethod
-    def from_mask(cls, mask: np.ndarray[Any, Any]) -> ReadyRows:
-        """The rows where ``mask`` (bool, indexed by row) is set, in row order.
+    def from_mask(cls, mask: np.ndarray[Any, Any], base: int = 0) -> ReadyRows:
+        """The rows where ``mask`` (bool, indexed by row - ``base``) is set, in row order.
 
         Built without a scatter: fresh memory page-faults at ~1.7 GB/s on the machines we
-        measured, so the arrays are int32 and sized to the rows (1M rows: ~10 ms).
+        measured, so the arrays are sized to the rows (1M rows: ~10 ms), the positions int32.
         """
         self = cls()
-        order = np.flatnonzero(mask).astype(_ROW)
+        order = np.flatnonzero(mask).astype(_ID)
+        if base:
+            order += base
         n = len(order)
-        self._order = np.empty(max(n + n // 4, 64), dtype=_ROW)
+        self._order = np.empty(max(n + n // 4, 64), dtype=_ID)
         self._order[:n] = order
         pos = np.cumsum(mask, dtype=_ROW)
         pos -= 1
@@ -78,35 +85,49 @@ class ReadyRows:
         self._pos = pos
         self._ov, self._pv = self._order.data, pos.data
         self._tail = self._len = n
+        self._base = base
         return self
+
+    def rebase(self, base: int) -> None:
+        """Rows below ``base`` are gone for good (none is ready): drop their slots."""
+        shift = base - self._base
+        if shift <= 0:
+            return
+        rest = self._pos[shift:]
+        self._pos = rest.copy() if len(rest) >= 64 else np.full(64, -1, dtype=_ROW)
+        if len(rest) < 64:
+            self._pos[: len(rest)] = rest
+        self._pv = self._pos.data
+        self._base = base
 
     def __len__(self) -> int:
         return self._len
 
     def __contains__(self, row: object) -> bool:
-        if not isinstance(row, int) or row < 0 or row >= len(self._pv):
+        if not isinstance(row, int):
             return False
-        return self._pv[row] >= 0
+        i = row - self._base
+        return 0 <= i < len(self._pv) and self._pv[i] >= 0
 
     def __setitem__(self, row: int, _value: None) -> None:
-        pos = self._pos
-        if row >= len(pos):
-            grown = np.full(max(2 * len(pos), row + 1), -1, dtype=_ROW)
+        pos, i = self._pos, row - self._base
+        if i >= len(pos):
+            grown = np.full(max(2 * len(pos), i + 1), -1, dtype=_ROW)
             grown[: len(pos)] = pos
             self._pos = pos = grown
             self._pv = grown.data
-        elif pos.item(row) >= 0:
+        elif pos.item(i) >= 0:
             return  # already ready: keeps its place, as in a dict
         if self._tail == len(self._order):
             self._compact(grow=True)
         self._order[self._tail] = row
-        pos[row] = self._tail
+        pos[i] = self._tail
         self._tail += 1
         self._len += 1
 
     def pop(self, row: int, default: Any = None) -> Any:
         """Remove ``row``; None if it was there, else ``default`` (``dict.pop``'s contract)."""
-        pos = self._pos
+        pos, row = self._pos, row - self._base
         if row < 0 or row >= len(pos):
             return default
         i = pos.item(row)
@@ -117,7 +138,8 @@ class ReadyRows:
         self._dead += 1
         if i == self._head:  # keep the front live, so prefix reads start at once
             order, tail, head = self._order, self._tail, i + 1
-            while head < tail and pos.item(order.item(head)) != head:
+            base = self._base
+            while head < tail and pos.item(order.item(head) - base) != head:
                 head += 1
             self._dead -= head - i
             self._head = head
@@ -127,9 +149,10 @@ class ReadyRows:
 
     def pop_all(self, rows: Sequence[int]) -> None:
         """`pop` each of ``rows`` (the same steps, in one call: a get_meta consumes a batch)."""
-        pv = self._pv
+        pv, base = self._pv, self._base
         n = len(pv)  # (only adding a row grows it)
         for row in rows:
+            row -= base
             if row < 0 or row >= n:
                 continue
             i = pv[row]
@@ -140,7 +163,7 @@ class ReadyRows:
             self._dead += 1
             if i == self._head:  # keep the front live (see pop)
                 ov, tail, head = self._ov, self._tail, i + 1
-                while head < tail and pv[ov[head]] != head:
+                while head < tail and pv[ov[head] - base] != head:
                     head += 1
                 self._dead -= head - i
                 self._head = head
@@ -153,16 +176,17 @@ class ReadyRows:
         cap = max(2 * n, 64) if grow or len(self._order) > 4 * max(n, 16) else len(self._order)
         if cap < n + 1:
             cap = 2 * n + 64
-        order = np.empty(cap, dtype=_ROW)
+        order = np.empty(cap, dtype=_ID)
         order[:n] = live
         self._order = order
         self._ov = order.data
-        self._pos[live] = np.arange(n, dtype=_ROW)
+        self._pos[live - self._base] = np.arange(n, dtype=_ROW)
         self._head, self._tail, self._dead = 0, n, 0
 
     def _live_block(self, a: int, b: int) -> np.ndarray[Any, Any]:
         block = self._order[a:b]
-        live: np.ndarray[Any, Any] = block[self._pos[block] == np.arange(a, b, dtype=_ROW)]
+        at = self._pos[block - self._base] if self._base else self._pos[block]
+        live: np.ndarray[Any, Any] = block[at == np.arange(a, b, dtype=_ROW)]
         return live
 
     @property
@@ -183,9 +207,11 @@ class ReadyRows:
 
     def missing(self, rows: Sequence[int]) -> list[int]:
         """Of ``rows``, those not ready, in order (one call for a whole batch)."""
-        pv = self._pv
+        pv, base = self._pv, self._base
         n = len(pv)  # (``r not in self``, without a method call per row)
-        return [r for r in rows if not (isinstance(r, int) and 0 <= r < n and pv[r] >= 0)]
+        return [
+            r for r in rows if not (isinstance(r, int) and 0 <= r - base < n and pv[r - base] >= 0)
+        ]
 
     def to_list(self) -> list[int]:
         """Every ready row, in order."""

@@ -15,7 +15,11 @@ Layout of one partition (``n`` rows allocated so far, ids ``0..n-1``, never reus
 * ``versions``: which policy version produced each cell, per field and per row
   (`tq_async._core._versions`).
 
-The arrays grow geometrically (``bytearray``/``array`` amortised appends). A per-(task, fields)
+The arrays grow geometrically (``bytearray``/``array`` amortised appends) and hold the rows
+from ``base`` on (row ``r`` at index ``r - base``): every row below ``base`` is cleared, and
+once the cleared rows at the front outnumber the rest, they are dropped (rows are allocated
+in order and mostly cleared in order: `tq_async._core._arrays.compact`), so a partition's
+memory follows its live rows, not every row it ever had. A per-(task, fields)
 **ready set** (`tq_async._core._ready`: rows in the order they became ready) is built
 once on first use (one numpy scan) and then kept up to date on every commit, consume, release
 and clear, so sampling never rescans the partition.
@@ -40,9 +44,9 @@ from .._errors import (
     RowsNotFound,
     SchemaError,
 )
-from .._wire._checks import integral
 from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
+from ._arrays import compact, rows_on
 from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
@@ -139,11 +143,17 @@ class Partition:
         self.incarnation = secrets.token_hex(8)
         self.n_rows = 0
         self.n_alive = 0
+        #: the first row the per-row arrays hold (every row below is cleared; `_arrays.compact`)
+        self.base = 0
+        #: rows from ``base`` to ``base + dead_front`` are cleared (where `compact` looks on)
+        self.dead_front = 0
         self.alive = bytearray()
         self.origin = array("q")
         self.units = array("i")
         #: live rows per storage unit (the load placement balances)
         self.unit_rows: dict[int, int] = {}
+        #: the same in every partition of the owning state (shared: `ControllerState.bind`)
+        self.loads: dict[int, int] = {}
         self.tags: list[dict[str, Any] | None] = []
         self.fields: dict[str, FieldState] = {}
         self.consumed: dict[str, bytearray] = {}
@@ -191,7 +201,7 @@ class Partition:
         #: rows a task consumed without their being delivered (a dropped tail)
         self.dropped: dict[str, int] = {}
         #: the rows sharing a value of a grouping tag (a prompt group), kept up to date
-        self.groups = TagGroups(lambda: self.tags)
+        self.groups = TagGroups(lambda: enumerate(self.tags, self.base))
         #: what changed since the journal last wrote this partition (None: no journal)
         self.changes: Changes | None = None
         #: bumped by each change that can make a sampler's answer stop fitting (rows
@@ -221,7 +231,7 @@ class Partition:
     def add_fields(self, headers: Sequence[ColumnHeader]) -> None:
         for h in headers:
             if h.name not in self.fields:
-                self.fields[h.name] = FieldState(h, self.n_rows)
+                self.fields[h.name] = FieldState(h, self.n_rows - self.base)
 
     def allocate(self, n: int, unit: int) -> range:
         """Allocate ``n`` new rows on ``unit``; they exist but nothing is produced yet."""
@@ -232,6 +242,7 @@ class Partition:
         self.origin.extend(itertools.repeat(first, n))
         self.units.extend(itertools.repeat(unit, n))
         self.unit_rows[unit] = self.unit_rows.get(unit, 0) + n
+        self.loads[unit] = self.loads.get(unit, 0) + n
         self.tags.extend(itertools.repeat(None, n))
         self.row_keys.extend(itertools.repeat(None, n))
         self.versions.grow(n)
@@ -258,11 +269,16 @@ class Partition:
 
     def first_missing(self, rows: Sequence[int]) -> int | None:
         """The first of ``rows`` that does not exist or is not alive (None: none)."""
-        n, alive = self.n_rows, self.alive
+        n, alive, base = self.n_rows, self.alive, self.base
         for r in rows:
-            if not (0 <= r < n and alive[r]):
+            if not (base <= r < n and alive[r - base]):
                 return r
         return None
+
+    def is_alive(self, row: int) -> bool:
+        """Whether ``row`` exists and is not cleared."""
+        i = row - self.base
+        return 0 <= i < len(self.alive) and bool(self.alive[i])
 
     def why_missing(self, r: int) -> str:
         """Why row ``r`` (not alive) cannot be handed out."""
@@ -300,11 +316,12 @@ class Partition:
         if tags is not None and self.groups.limits:
             self.groups.check(self.partition_id, rows, tags)
         if versions is not None:
-            self.versions.record(rows, fields, versions)
+            self.versions.record(rows, fields, versions, self.base)
+        base = self.base
         for name in fields:
             produced = self.fields[name].produced
             for r in rows:
-                produced[r] = 1
+                produced[r - base] = 1
         if tags is not None:
             for r, t in zip(rows, tags, strict=True):
                 if t:
@@ -318,7 +335,8 @@ class Partition:
             produced_arrays = [self.fields[f].produced for f in key]
             before = len(rs.rows)
             for r in rows:
-                if not consumed[r] and all(p[r] for p in produced_arrays) and self.available(r):
+                i = r - base
+                if not consumed[i] and all(p[i] for p in produced_arrays) and self.available(r):
                     rs.rows[r] = None
             if len(rs.rows) != before and task not in gained:
                 gained.append(task)
@@ -327,10 +345,10 @@ class Partition:
     def _merge_tags(self, row: int, tags: Mapping[str, Any]) -> None:
         self.kv_version += 1
         self.kv_dirty.add(row >> KV_CHUNK_BITS)
-        current = self.tags[row]
+        current = self.tags[row - self.base]
         self.groups.merged(row, current, tags)
         if current is None:
-            self.tags[row] = dict(tags)
+            self.tags[row - self.base] = dict(tags)
         else:
             current.update(tags)
 
@@ -347,17 +365,18 @@ class Partition:
 
     def available(self, row: int) -> bool:
         """Whether ``row``'s storage unit is serving (not suspended)."""
-        return not self.unavailable or self.units[row] not in self.unavailable
+        return not self.unavailable or self.units[row - self.base] not in self.unavailable
 
     def is_produced(self, row: int, fields: Sequence[str]) -> bool:
-        return all(self.fields[f].produced[row] for f in fields)
+        i = row - self.base
+        return all(self.fields[f].produced[i] for f in fields)
 
     # ---- consumption -------------------------------------------------------------------------
 
     def _task_array(self, task: str) -> bytearray:
         arr = self.consumed.get(task)
         if arr is None:
-            arr = self.consumed[task] = bytearray(self.n_rows)
+            arr = self.consumed[task] = bytearray(self.n_rows - self.base)
             self.consumed_count[task] = 0
         return arr
 
@@ -373,7 +392,7 @@ class Partition:
                 if self.unavailable:  # rows of suspended units are neither ready nor lost
                     units = np.frombuffer(self.units, dtype=np.int32)
                     mask &= ~np.isin(units, list(self.unavailable))
-                rs.rows = ReadyRows.from_mask(mask)
+                rs.rows = ReadyRows.from_mask(mask, self.base)
             self.ready[(task, key)] = rs
         return rs
 
@@ -383,8 +402,9 @@ class Partition:
         if self.changes is not None:
             self.changes.rows.update(rows)
         self.moves += 1
+        base = self.base
         for r in rows:
-            consumed[r] = 1
+            consumed[r - base] = 1
         self.consumed_count[task] += len(rows)
         self.events.consumed(self.partition_id, task, rows)
         for (t, _), rs in self.ready.items():
@@ -400,8 +420,9 @@ class Partition:
                 f"a sampler consumed the same row twice in one call (partition "
                 f"{self.partition_id!r}, task {task!r}); consume each row once"
             )
+        base = self.base
         for r in rows:
-            if consumed[r]:
+            if consumed[r - base]:
                 raise InvalidRequestError(
                     f"row {r} of partition {self.partition_id!r} was already consumed by task "
                     f"{task!r}; a sampler must not consume a row twice"
@@ -414,12 +435,16 @@ class Partition:
         consumed = self.consumed.get(task)
         if consumed is None:
             return []
-        n, alive = self.n_rows, self.alive
-        back = [r for r in dict.fromkeys(rows) if 0 <= r < n and alive[r] and consumed[r]]
+        n, alive, base = self.n_rows, self.alive, self.base
+        back = [
+            r
+            for r in dict.fromkeys(rows)
+            if base <= r < n and alive[r - base] and consumed[r - base]
+        ]
         if self.changes is not None:
             self.changes.rows.update(back)
         for r in back:
-            consumed[r] = 0
+            consumed[r - base] = 0
         self.consumed_count[task] -= len(back)
         self.events.released(self.partition_id, task, back)
         for (t, key), rs in self.ready.items():
@@ -442,7 +467,7 @@ class Partition:
             self.changes.whole = True
         for t in tasks:
             if t in self.consumed:
-                self.consumed[t] = bytearray(self.n_rows)
+                self.consumed[t] = bytearray(self.n_rows - self.base)
                 self.consumed_count[t] = 0
             for key in [k for k in self.ready if k[0] == t]:
                 del self.ready[key]
@@ -454,12 +479,13 @@ class Partition:
         """``rows`` are in a recorded batch of ``task`` (`recorded_rows`: a release tells
         which of its rows stay with a batch from them, not from every batch recorded)."""
         mask = self.recorded_rows.get(task)
+        n, base = self.n_rows - self.base, self.base
         if mask is None:
-            mask = self.recorded_rows[task] = bytearray(self.n_rows)
-        elif len(mask) < self.n_rows:
-            mask.extend(bytes(self.n_rows - len(mask)))
+            mask = self.recorded_rows[task] = bytearray(n)
+        elif len(mask) < n:
+            mask.extend(bytes(n - len(mask)))
         for r in rows:
-            mask[r] = 1
+            mask[r - base] = 1
 
     def offer(self, task: str, fields: Sequence[str]) -> tuple[ReadyView, bool]:
         """What a sampler of ``task`` asking for ``fields`` is offered: a view of the ready
@@ -487,18 +513,20 @@ class Partition:
             self.changes.rows.update(rows)
         self.moves += 1
         by_unit: dict[int, list[int]] = {}
+        base = self.base
         for r in set(rows):
-            self.alive[r] = 0
-            self.groups.cleared(r, self.tags[r])
-            self.tags[r] = None
-            key = self.row_keys[r]
+            i = r - base
+            self.alive[i] = 0
+            self.groups.cleared(r, self.tags[i])
+            self.tags[i] = None
+            key = self.row_keys[i]
             if key is not None:
                 del self.keys[key]
-                self.row_keys[r] = None
-            by_unit.setdefault(self.units[r], []).append(r)
+                self.row_keys[i] = None
+            by_unit.setdefault(self.units[i], []).append(r)
             for task, consumed in self.consumed.items():
-                if consumed[r]:
-                    consumed[r] = 0
+                if consumed[i]:
+                    consumed[i] = 0
                     self.consumed_count[task] -= 1
             for rs in self.ready.values():
                 rs.discard(r)
@@ -508,26 +536,17 @@ class Partition:
         self.events.rows_removed(self.partition_id, set(rows), reason)
         for unit, freed in by_unit.items():
             self.unit_rows[unit] -= len(freed)
+            self.loads[unit] -= len(freed)
+        compact(self)
         return by_unit
 
     def lose_unit(self, unit: int) -> list[int]:
         """Rows held by a dead unit are lost: never handed out again, reported by lost_rows."""
-        rows = self.rows_on(unit)
+        rows = rows_on(self, unit)
         if rows:
             self.clear_rows(rows, "lost")
             self.lost.update(dict.fromkeys(rows, unit))
         return rows
-
-    def rows_on(self, unit: int) -> list[int]:
-        """The live rows whose cells ``unit`` holds."""
-        return [r for r in range(self.n_rows) if self.alive[r] and self.units[r] == unit]
-
-    def live_rows_by_unit(self) -> dict[int, list[int]]:
-        by_unit: dict[int, list[int]] = {}
-        for r in range(self.n_rows):
-            if self.alive[r]:
-                by_unit.setdefault(self.units[r], []).append(r)
-        return by_unit
 
     # ---- keys (KV API) -----------------------------------------------------------------------
 
@@ -560,25 +579,11 @@ class Partition:
                 )
             for key, row in zip(new_keys, self.allocate(len(new_keys), unit), strict=True):
                 self.keys[key] = row
-                self.row_keys[row] = key
+                self.row_keys[row - self.base] = key
                 self.kv_dirty.add(row >> KV_CHUNK_BITS)
             self.kv_version += 1
         rows = [self.keys[k] for k in keys]
-        return rows, [self.units[r] for r in rows]
-
-    # ---- status ------------------------------------------------------------------------------
-
-    def production_mask(self, name: str) -> bytes:
-        f = self.fields.get(name)
-        if f is None:
-            return bytes(self.n_rows)
-        return bytes(a & b for a, b in zip(f.produced, self.alive, strict=True))
-
-    def consumption_mask(self, task: str) -> bytes:
-        c = self.consumed.get(task)
-        if c is None:
-            return bytes(self.n_rows)
-        return bytes(c)
+        return rows, [self.units[r - self.base] for r in rows]
 
 
 class ControllerState:
@@ -640,6 +645,9 @@ class ControllerState:
         self.group_limits: dict[str, int] = {}
         #: the events transitions record for watchers (see _events)
         self.events = Outbox()
+        #: live rows per storage unit in every bound partition (`bind`; `unbind` when one is
+        #: dropped): a put's placement reads it, without a pass over the partitions
+        self.loads: dict[int, int] = {}
 
     def new_rows_needed(
         self, partition_id: str, n_rows: int, rows: Sequence[int] | None, keys: Sequence[str] | None
@@ -689,22 +697,40 @@ class ControllerState:
         arrays = [p.consumed.get(t) for t in tasks]
         if any(a is None for a in arrays):
             return []
-        return [r for r in dict.fromkeys(rows) if p.alive[r] and all(a[r] for a in arrays if a)]
+        base = p.base
+        return [
+            r
+            for r in dict.fromkeys(rows)
+            if r >= base and p.alive[r - base] and all(a[r - base] for a in arrays if a)
+        ]
 
     def new_partition(self, partition_id: str) -> Partition:
         """A new empty partition bound to this state (not registered until the caller does)."""
         return self.bind(Partition(partition_id))
 
     def bind(self, p: Partition) -> Partition:
-        """``p`` shares this state's suspended units, prompt-group limits and event outbox."""
+        """``p`` shares this state's suspended units, prompt-group limits, event outbox and
+        unit loads (its rows count in them until `unbind`)."""
         p.unavailable = self.unavailable
         p.groups.limits = self.group_limits
         p.events = self.events
+        if p.loads is not self.loads:
+            for unit, n in p.unit_rows.items():
+                self.loads[unit] = self.loads.get(unit, 0) + n
+            p.loads = self.loads
         return p
+
+    def unbind(self, p: Partition) -> None:
+        """``p`` is gone: its rows leave the unit loads."""
+        if p.loads is self.loads:
+            for unit, n in p.unit_rows.items():
+                self.loads[unit] -= n
+            p.loads = {}
 
     def drop_partition(self, partition_id: str) -> Partition:
         """Forget a partition (``clear_partition``)."""
         p = self.partitions.pop(partition_id)
+        self.unbind(p)
         if self.events.on:
             self.events.add(PartitionCleared(partition_id=partition_id, incarnation=p.incarnation))
         return p
@@ -750,12 +776,9 @@ class ControllerState:
         return p
 
     def unit_loads(self) -> dict[int, int]:
-        """Live rows per storage unit, in every partition."""
-        loads: dict[int, int] = {}
-        for p in self.partitions.values():
-            for unit, n in p.unit_rows.items():
-                loads[unit] = loads.get(unit, 0) + n
-        return loads
+        """Live rows per storage unit, in every partition (those a checkpoint load stages
+        too: their rows are on the units)."""
+        return dict(self.loads)
 
     def live_units(self) -> list[int]:
         """The units that may take rows (neither lost nor suspended), in id order."""
@@ -801,7 +824,7 @@ class ControllerState:
             known.check_schema(headers)
             known.check_rows(rows)
             known.add_fields(headers)
-            return list(rows), [known.units[r] for r in rows], wakeups
+            return list(rows), [known.units[r - known.base] for r in rows], wakeups
         if keys is None and n_rows <= 0:
             raise InvalidRequestError(f"a put needs at least one row, got {n_rows}")
         if keys is not None and not keys:
@@ -845,19 +868,3 @@ def cleared_under_put(partition_id: str) -> str:
         f"partition {partition_id!r} was cleared (clear_partition) while this put wrote its "
         "rows: nothing of it was kept; put again (into the partition as it is now)"
     )
-
-
-def check_capacity(capacity: int | None, scope: str) -> tuple[int | None, bool]:
-    """Validate a capacity setting; ``(capacity, capacity is global)`` (numpy's ints taken
-    as ints)."""
-    if capacity is not None and type(capacity) is not int and not isinstance(capacity, bool):
-        capacity = integral(capacity)
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**63
-    ):  # an int64: the controller's replies carry it
-        raise InvalidRequestError(
-            f"capacity must be from 1 to {2**63 - 1} rows, or None, got {capacity!r}"
-        )
-    if scope not in ("partition", "global"):
-        raise InvalidRequestError(f"capacity_scope must be 'partition' or 'global', got {scope!r}")
-    return capacity, scope == "global"

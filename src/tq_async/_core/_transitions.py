@@ -45,6 +45,7 @@ from .._errors import InvalidRequestError
 from .._wire._protocol import GetMeta, MetaReply, Placement
 from ..samplers import BaseSampler, SequentialSampler
 from ._admission import Admission
+from ._arrays import live_rows_by_unit
 from ._catalog import Catalog
 from ._effects import AdmissionConfig, Deadlines, Effects
 from ._gets import Gets, Outcome, follower, meta_reply, record_key
@@ -316,7 +317,7 @@ class ControllerCore:
         for smp in self.samplers():
             _hook(smp, "clear_partition", partition_id)
             _hook(smp, "clear_cache", partition_id)  # TransferQueue's, as its controller calls it
-        by_unit = p.live_rows_by_unit()
+        by_unit = live_rows_by_unit(p)
         fx = Effects(room=True, wakeups=[Wakeup(partition_id)])
         fx.admission = self.rollouts.free_unconsumed(
             p, [r for rows in by_unit.values() for r in rows]

@@ -34,8 +34,17 @@ class PolicyVersions:
         for fv in self.fields.values():
             fv.extend(itertools.repeat(-1, n))
 
-    def record(self, rows: Sequence[int], fields: Sequence[str], versions: Sequence[int]) -> None:
-        """``fields`` of ``rows`` were produced by policy ``versions`` (one per row).
+    def drop(self, n: int) -> None:
+        """Forget the first ``n`` rows (cleared: their partition's arrays start after them)."""
+        del self.rows[:n]
+        for fv in self.fields.values():
+            del fv[:n]
+
+    def record(
+        self, rows: Sequence[int], fields: Sequence[str], versions: Sequence[int], base: int = 0
+    ) -> None:
+        """``fields`` of ``rows`` were produced by policy ``versions`` (one per row); the
+        arrays start at row ``base`` (the partition's).
 
         Raises `InvalidRequestError` (changing nothing) unless there is one non-negative
         version per row.
@@ -49,10 +58,11 @@ class PolicyVersions:
             if fv is None:
                 fv = self.fields[name] = array("q", itertools.repeat(-1, len(self.rows)))
             for r, v in zip(rows, versions, strict=True):
-                fv[r] = v
+                fv[r - base] = v
         rv = self.rows
         for r, v in zip(rows, versions, strict=True):
-            rv[r] = v if rv[r] < 0 else min(rv[r], v)
+            i = r - base
+            rv[i] = v if rv[i] < 0 else min(rv[i], v)
 
     @classmethod
     def restore(

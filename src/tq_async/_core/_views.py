@@ -22,6 +22,8 @@ class Rows(Protocol):
     @property
     def n_alive(self) -> int: ...
     @property
+    def base(self) -> int: ...
+    @property
     def alive(self) -> Sequence[int]: ...
     @property
     def tags(self) -> Sequence[Mapping[str, Any] | None]: ...
@@ -42,7 +44,9 @@ class _LiveRows(Mapping[int, V]):
         self._p = partition
 
     def __iter__(self) -> Iterator[int]:
-        return (r for r in range(self._p.n_rows) if self._p.alive[r])
+        p = self._p
+        alive, base = p.alive, p.base
+        return (i + base for i in range(len(alive)) if alive[i])
 
     def __len__(self) -> int:
         return self._p.n_alive
@@ -54,9 +58,9 @@ class RowTags(_LiveRows[Mapping[str, Any]]):
     __slots__ = ()
 
     def __getitem__(self, row: int) -> Mapping[str, Any]:
-        if not 0 <= row < self._p.n_rows:
+        if not self._p.base <= row < self._p.n_rows:
             raise KeyError(row)
-        tags = self._p.tags[row]
+        tags = self._p.tags[row - self._p.base]
         return MappingProxyType(tags) if tags else _EMPTY
 
     def tagged(self, tag: str, value: Any) -> Set[int]:
@@ -74,9 +78,9 @@ class RowOrigin(_LiveRows[tuple[int, int]]):
     __slots__ = ()
 
     def __getitem__(self, row: int) -> tuple[int, int]:
-        if not 0 <= row < self._p.n_rows:
+        if not self._p.base <= row < self._p.n_rows:
             raise KeyError(row)
-        first = self._p.origin[row]
+        first = self._p.origin[row - self._p.base]
         return first, row - first
 
 
@@ -86,9 +90,9 @@ class RowVersions(_LiveRows[int]):
     __slots__ = ()
 
     def __getitem__(self, row: int) -> int:
-        if not 0 <= row < self._p.n_rows:
+        if not self._p.base <= row < self._p.n_rows:
             raise KeyError(row)
-        return self._p.versions.rows[row]
+        return self._p.versions.rows[row - self._p.base]
 
 
 class PlacedRows(Rows, Protocol):
@@ -110,6 +114,6 @@ class RowHosts(_LiveRows[str]):
         self._hosts = hosts
 
     def __getitem__(self, row: int) -> str:
-        if not 0 <= row < self._p.n_rows:
+        if not self._p.base <= row < self._p.n_rows:
             raise KeyError(row)
-        return self._hosts.get(self._p.units[row], "")
+        return self._hosts.get(self._p.units[row - self._p.base], "")

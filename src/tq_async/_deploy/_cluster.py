@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from .._controller._journal import check_controller_dir, unit_data_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
+from .._core._effects import check_capacity
 from .._core._placement import Placer, check_placement
-from .._core._state import ControllerState, check_capacity
+from .._core._state import ControllerState
 from .._errors import ConfigError, InvalidRequestError
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting

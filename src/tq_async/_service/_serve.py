@@ -27,8 +27,9 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry
 
 from .._controller._server import ControllerServer
+from .._core._effects import check_capacity
 from .._core._placement import Placer
-from .._core._state import ControllerState, check_capacity
+from .._core._state import ControllerState
 from .._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from .._logging import get_logger
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer

@@ -283,6 +283,7 @@ def check_headers(columns: Sequence[ColumnHeader]) -> None:
 def _restore(b: RestoreBegin) -> None:
     for d in b.state.partitions:
         check_int(f"n_rows of partition {d.partition_id!r}", d.n_rows)
+        check_int(f"base of partition {d.partition_id!r}", d.base, 0, d.n_rows)
         check_ints("origin", d.origin)
         check_ints("row_version", d.row_version, -1)
         for name, versions in d.field_versions.items():

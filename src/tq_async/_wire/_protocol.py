@@ -397,6 +397,9 @@ class PartitionDump(msgspec.Struct, array_like=True):
     lost: list[tuple[int, int]] = []
     #: rows each task consumed without their being delivered (a dropped tail), counted
     dropped: dict[str, int] = {}
+    #: the per-row arrays hold the rows from this one on: every row below is cleared (a
+    #: checkpoint written before this field holds every row)
+    base: int = 0
 
 
 class StateDump(msgspec.Struct, array_like=True):

@@ -226,14 +226,15 @@ async def _write_snapshot(
     await run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
     for pi, pd in enumerate(dump.partitions):
         for fi, fd in enumerate(pd.fields):
-            rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
-            if not rows:
+            held = [i for i in range(len(pd.alive)) if pd.alive[i] and fd.produced[i]]
+            if not held:
                 continue
+            rows = [i + pd.base for i in held]
             meta = BatchMeta(
                 partition_id=pd.partition_id,
                 global_indexes=rows,
                 field_names=[fd.header.name],
-                units=[pd.units[r] for r in rows],
+                units=[pd.units[i] for i in held],
             )
             origins = [pd.origin[r] for r in rows]
             parts = await _fetch_cells(client, meta, fd.header, origins)
@@ -501,6 +502,8 @@ async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
     """See `AsyncClient.load_checkpoint`."""
     state, cells = await run_sync_off_loop(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
+    #: the first row of each partition's placement (the rows below were cleared)
+    bases = {pd.partition_id: pd.base for pd in state.partitions}
     try:
         placement: dict[str, list[int]] = await client.call(
             RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
@@ -512,10 +515,10 @@ async def load_checkpoint(client: ClientLink, path: str) -> list[str]:
         raise
     try:
         for head, column in cells:
-            units = placement[head.partition_id]
+            units, base = placement[head.partition_id], bases[head.partition_id]
             by_unit: dict[int, list[int]] = {}
             for pos, row in enumerate(head.rows):
-                by_unit.setdefault(units[row], []).append(pos)
+                by_unit.setdefault(units[row - base], []).append(pos)
             for unit, positions in by_unit.items():
                 runs = position_runs(positions)
                 part = take_rows(column, runs) if len(by_unit) > 1 else column

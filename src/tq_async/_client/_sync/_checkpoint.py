@@ -224,14 +224,15 @@ def _write_snapshot(client: ClientLink, tmp: str, dump: StateDump) -> dict[str, 
     run_sync_off_loop(add, "state.msgpack", [encoder.encode(dump)])
     for pi, pd in enumerate(dump.partitions):
         for fi, fd in enumerate(pd.fields):
-            rows = [r for r in range(pd.n_rows) if pd.alive[r] and fd.produced[r]]
-            if not rows:
+            held = [i for i in range(len(pd.alive)) if pd.alive[i] and fd.produced[i]]
+            if not held:
                 continue
+            rows = [i + pd.base for i in held]
             meta = BatchMeta(
                 partition_id=pd.partition_id,
                 global_indexes=rows,
                 field_names=[fd.header.name],
-                units=[pd.units[r] for r in rows],
+                units=[pd.units[i] for i in held],
             )
             origins = [pd.origin[r] for r in rows]
             parts = _fetch_cells(client, meta, fd.header, origins)
@@ -499,6 +500,8 @@ def load_checkpoint(client: ClientLink, path: str) -> list[str]:
     """See `Client.load_checkpoint`."""
     state, cells = run_sync_off_loop(_read_verified, path)
     ids = [pd.partition_id for pd in state.partitions]
+    #: the first row of each partition's placement (the rows below were cleared)
+    bases = {pd.partition_id: pd.base for pd in state.partitions}
     try:
         placement: dict[str, list[int]] = client.call(
             RestoreBegin(StateDump(state.partitions, {})), dict[str, list[int]]
@@ -510,10 +513,10 @@ def load_checkpoint(client: ClientLink, path: str) -> list[str]:
         raise
     try:
         for head, column in cells:
-            units = placement[head.partition_id]
+            units, base = placement[head.partition_id], bases[head.partition_id]
             by_unit: dict[int, list[int]] = {}
             for pos, row in enumerate(head.rows):
-                by_unit.setdefault(units[row], []).append(pos)
+                by_unit.setdefault(units[row - base], []).append(pos)
             for unit, positions in by_unit.items():
                 runs = position_runs(positions)
                 part = take_rows(column, runs) if len(by_unit) > 1 else column
