@@ -151,7 +151,7 @@ class ControlCalls:
         self.shell.apply(self.core.set_policy_version(body.version))
 
     def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
-        if self.core.acquire(body.policy_version, body.n, body.token):
+        if self.core.acquire(body.policy_version, body.n, body.token, msg.peer):
             self.shell.admit(msg.peer, msg.rid, body.n)
             return SENT
         self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
@@ -160,7 +160,7 @@ class ControlCalls:
     def on_release_rollout(self, msg: Incoming, body: ReleaseRollout) -> None:
         if body.n < 0:
             raise InvalidRequestError(f"release_rollout needs n >= 0, got {body.n}")
-        self.shell.apply(Effects(admission=self.core.free_slots(body.n)))
+        self.shell.apply(Effects(admission=self.core.release_slots(body.n, msg.peer)))
 
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
@@ -188,7 +188,8 @@ class ControlCalls:
     ) -> None:
         async def work() -> None:
             await self.shell.lot.until(
-                "admission", lambda: self.core.acquire(body.policy_version, body.n, body.token)
+                "admission",
+                lambda: self.core.acquire(body.policy_version, body.n, body.token, peer),
             )
             self.shell.admit(peer, rid, body.n)
 

@@ -604,10 +604,13 @@ class Recorder:
     def unasked(self, fx: Effects) -> None:
         """A transition no request asked for (a deadline, a storage unit's link) changed the
         partitions ``fx`` wakes (rows lost with a unit, leases run out): write them now, and
-        hold every reply until then."""
+        hold every reply until then (slots a gone holder gave back: the controller's record)."""
         pids = {w.partition_id for w in fx.wakeups}
         if pids:
             self.dirty.update(pids)
+            self._wake.set()
+        if fx.admission:
+            self.controller_dirty = True
             self._wake.set()
 
     def wrap(self, endpoint: Sends) -> _HeldSends:

@@ -63,6 +63,7 @@ class PutPath:
             body.versions,
             body.put_id,
             body.incarnation,
+            msg.peer,
         )
         self.shell.apply(fx)
 
@@ -171,6 +172,7 @@ class PutPath:
             body.versions,
             placed.put_id,
             incarnation,
+            peer,
         )
         fx.add(placed.effects)
         if body.rows is None:  # new rows: a late Cancel (its caller gave up) drops them

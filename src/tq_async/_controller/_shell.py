@@ -198,11 +198,14 @@ class Shell:
     def peer_gone(self, peer: bytes) -> None:
         """A same-host client's connection ended (its process exited or was killed): its
         requests still waiting end as if it had cancelled them (it never reads a reply, and
-        a get_meta woken later would take the task's rows for nobody)."""
+        a get_meta woken later would take the task's rows for nobody), and the admission
+        slots it acquired and never put go back (it will never put them)."""
         for key in [k for k in self.pending if k[0] == peer]:
             self.pending[key].cancel()
         for key in [k for k in self.watch.parked if k[0] == peer]:
             self.watch.cancel(key)
+        if self.core.holder_gone(peer):  # (its own waiting acquire_rollout is cancelled)
+            self.apply_unasked(Effects(admission=True))
 
     def resends_every(self, peer: bytes, refresh: float | None) -> None:
         """A client said (`Hello.refresh`) it resends a request still waiting every
@@ -344,7 +347,9 @@ class Shell:
         """Answer ``rid``, an admitted rollout of ``n`` rows; its late ``Cancel`` gives the
         slots back."""
         core = self.core
-        self.undo_on_cancel(peer, rid, lambda: self.apply(Effects(admission=core.free_slots(n))))
+        self.undo_on_cancel(
+            peer, rid, lambda: self.apply(Effects(admission=core.release_slots(n, peer)))
+        )
         self.send_ok(peer, rid, None)
 
     # ---- waiting -----------------------------------------------------------------------------

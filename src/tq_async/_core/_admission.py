@@ -84,6 +84,49 @@ class Admission:
         self.state.outstanding = max(0, self.state.outstanding - n)
         return True
 
+    def release(self, n: int, holder: bytes = b"") -> bool:
+        """``holder`` gives back ``n`` slots of rollouts that will not be put (a
+        ``release_rollout``, an admission cancelled): True if any was outstanding."""
+        self.settle(n, holder)
+        return self.free_slots(n)
+
+    def unversioned(self, partition_id: str, rows: Sequence[int]) -> int:
+        """How many of ``rows`` count against no admission yet (no policy version): a put
+        giving them one settles as many slots (`settle`). 0 while no slot has a holder."""
+        if not self.state.holders:
+            return 0
+        p = self.state.partitions.get(partition_id)
+        if p is None:
+            return 0
+        rv, n_rows = p.versions.rows, p.n_rows
+        return sum(1 for r in set(rows) if 0 <= r < n_rows and rv[r] < 0)
+
+    def settle(self, n: int, holder: bytes = b"") -> None:
+        """``n`` admitted slots were put (or released) by ``holder``: they are settled on
+        its own slots first, then on the oldest holders' (a rollout manager acquires, its
+        workers put from their own clients). Settled slots stay outstanding until the
+        learner consumes their rows; only the unsettled ones go back with their holder."""
+        holders = self.state.holders
+        own = holders.get(holder, 0)
+        if n < own:  # (the usual put: its own producer's, nothing else to look at)
+            holders[holder] = own - n
+            return
+        n -= holders.pop(holder, 0)
+        for h in list(holders):
+            if n <= 0:
+                return
+            take = min(n, holders[h])
+            n -= take
+            if take == holders[h]:
+                del holders[h]
+            else:
+                holders[h] -= take
+
+    def holder_gone(self, holder: bytes) -> bool:
+        """``holder`` is gone (its process died, or it closed its client): the slots it
+        acquired and never put go back. True if any was outstanding."""
+        return self.free_slots(self.state.holders.pop(holder, 0))
+
     def admissible(self, version: int, n: int) -> bool:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
         cfg, st = self.config, self.state
@@ -93,12 +136,13 @@ class Admission:
             return False
         return cfg.capacity is None or st.outstanding + n <= cfg.capacity
 
-    def acquire(self, version: int, n: int, token: int = 0) -> bool:
+    def acquire(self, version: int, n: int, token: int = 0, holder: bytes = b"") -> bool:
         """Admit a rollout if it fits now (True), else leave everything as it is.
 
         A ``token`` admitted before (one of the last `ADMITTED_TOKENS`, with as many rows) is
         admitted again without taking slots: its client asks again because the first reply
-        was lost (the controller died after recording it)."""
+        was lost (the controller died after recording it). The slots are ``holder``'s until
+        rows are put (`settle`): a holder gone gives back those left (`holder_gone`)."""
         if token and self.state.admitted.get(token) == n:
             return True
         if version < 0 or n < 1:
@@ -112,6 +156,9 @@ class Admission:
         if not self.admissible(version, n):
             return False
         self.state.outstanding += n
+        if holder:
+            holders = self.state.holders
+            holders[holder] = holders.get(holder, 0) + n
         if token:
             admitted = self.state.admitted
             admitted[token] = n

@@ -191,6 +191,8 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     dp_ends: list[tuple[str, str, str, int, list[int]]] = msgspec.field(default_factory=list)
     #: the latest takes of recycled rows by token (`ControllerState.taken`)
     taken: dict[int, list[tuple[str, str, list[int], int]]] = msgspec.field(default_factory=dict)
+    #: each holder's admitted slots not put yet, oldest first (`ControllerState.holders`)
+    holders: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -700,6 +702,7 @@ def controller_record(
         unit_hosts=dict(st.unit_hosts),
         dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
         taken=dict(st.taken),
+        holders=list(st.holders.items()),
     )
 
 
@@ -740,6 +743,7 @@ def recover(
     _restart_ids(core, ctl.next_id + ID_GAP)
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
+    st.holders = dict(ctl.holders)
     st.recycled.load(ctl.recycled)
     st.taken = dict(ctl.taken)
     st.stale_counts.update(ctl.stale_counts)

@@ -622,6 +622,9 @@ class ControllerState:
         #: the latest admissions' tokens -> rows: a client asking again with one (its reply
         #: was lost) is admitted without taking the slots twice (`Admission.acquire`)
         self.admitted: dict[int, int] = {}
+        #: each holder's (a client's identity) admitted slots whose rows are not put yet,
+        #: oldest holder first: a holder gone (`Admission.holder_gone`) gives them back
+        self.holders: dict[bytes, int] = {}
         #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
         #: taken once
         self.recycled = RecycledQueue()

@@ -279,9 +279,15 @@ class ControllerCore:
         versions: Sequence[int] | None,
         put_id: int = 0,
         incarnation: str | None = None,
+        holder: bytes = b"",
     ) -> Effects:
-        """Make a put visible (see `PutLeases.commit`)."""
-        return self.puts.commit(partition_id, rows, fields, tags, versions, put_id, incarnation)
+        """Make a put visible (see `PutLeases.commit`); rows it gives a policy version
+        settle as many admission slots, ``holder``'s first (`Admission.settle`)."""
+        fresh = self.rollouts.unversioned(partition_id, rows) if versions is not None else 0
+        fx = self.puts.commit(partition_id, rows, fields, tags, versions, put_id, incarnation)
+        if fresh:
+            self.rollouts.settle(fresh, holder)
+        return fx
 
     # ---- clearing ----------------------------------------------------------------------------
 
@@ -361,9 +367,17 @@ class ControllerCore:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
         return self.rollouts.admissible(version, n)
 
-    def acquire(self, version: int, n: int, token: int = 0) -> bool:
+    def acquire(self, version: int, n: int, token: int = 0, holder: bytes = b"") -> bool:
         """Admit a rollout if it fits now (True), else leave everything as it is."""
-        return self.rollouts.acquire(version, n, token)
+        return self.rollouts.acquire(version, n, token, holder)
+
+    def release_slots(self, n: int, holder: bytes = b"") -> bool:
+        """``holder`` gives back ``n`` slots it will not put; True if any was outstanding."""
+        return self.rollouts.release(n, holder)
+
+    def holder_gone(self, holder: bytes) -> bool:
+        """``holder`` is gone: the slots it acquired and never put go back."""
+        return self.rollouts.holder_gone(holder)
 
     def set_policy_version(self, version: int) -> Effects:
         """The learner moved: rollouts may start, and rows may have gone stale."""

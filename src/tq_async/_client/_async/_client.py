@@ -769,7 +769,9 @@ class AsyncClient:
         `release_rollout`, or when unconsumed rows are cleared). Put the rows with
         ``policy_version=``: only rows that carry one are admitted rollouts and free a slot
         (rows put without one, e.g. prompts, free none). A `put` that fails or is
-        cancelled frees none, wherever it stopped: put again, or `release_rollout`.
+        cancelled frees none, wherever it stopped: put again, or `release_rollout`. The
+        slots not yet put are this client's: over the same-host Unix socket they come back
+        when it is closed or its process dies (any client's put settles them first).
 
         Raises:
             TQTimeoutError: not admitted within ``timeout`` (nothing reserved).
