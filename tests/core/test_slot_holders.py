@@ -4,6 +4,9 @@ slots first; the holders survive a restart of a durable controller."""
 
 from __future__ import annotations
 
+import pytest
+
+from tq_async._core import _arrays
 from tq_async._core._effects import AdmissionConfig
 from tq_async._core._journal import controller_record, decode_controller, encode, recover
 from tq_async._core._state import ControllerState
@@ -114,3 +117,23 @@ def test_the_holders_survive_a_restart() -> None:
     assert list(again.state.holders.items()) == [(A, 2), (B, 1)]
     assert again.holder_gone(A)
     assert again.state.outstanding == 1
+
+
+def test_a_put_settles_slots_in_a_partition_whose_cleared_front_was_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows are counted by their ids, not their places in the partition's arrays: once the
+    cleared rows at the front are dropped (the arrays start at ``base``), a holder's put of
+    new rows still settles its slots (it counted row ``r`` at place ``r`` before)."""
+    monkeypatch.setattr(_arrays, "COMPACT_ROWS", 2)
+    core = new_core(capacity=8)
+    assert core.acquire(0, 4, holder=A)
+    old = put(core, 4, A)
+    learn(core, 4)
+    core.clear_rows("p", old)
+    assert core.state.partitions["p"].base == 4
+    assert core.acquire(0, 2, holder=B)
+    put(core, 2, B)
+    assert core.state.holders == {}
+    assert not core.holder_gone(B)  # nothing left to give back: its rows wait for the learner
+    assert core.state.outstanding == 2

@@ -98,8 +98,8 @@ class Admission:
         p = self.state.partitions.get(partition_id)
         if p is None:
             return 0
-        rv, n_rows = p.versions.rows, p.n_rows
-        return sum(1 for r in set(rows) if 0 <= r < n_rows and rv[r] < 0)
+        rv, n_rows, base = p.versions.rows, p.n_rows, p.base
+        return sum(1 for r in set(rows) if base <= r < n_rows and rv[r - base] < 0)
 
     def settle(self, n: int, holder: bytes = b"") -> None:
         """``n`` admitted slots were put (or released) by ``holder``: they are settled on

@@ -236,7 +236,7 @@ async def _write_snapshot(
                 field_names=[fd.header.name],
                 units=[pd.units[i] for i in held],
             )
-            origins = [pd.origin[r] for r in rows]
+            origins = [pd.origin[i] for i in held]
             parts = await _fetch_cells(client, meta, fd.header, origins)
             for k, (part, header, column) in enumerate(parts):
                 chunks = _encode_cells(pd.partition_id, part, header, column)

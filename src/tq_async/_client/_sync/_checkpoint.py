@@ -234,7 +234,7 @@ def _write_snapshot(client: ClientLink, tmp: str, dump: StateDump) -> dict[str, 
                 field_names=[fd.header.name],
                 units=[pd.units[i] for i in held],
             )
-            origins = [pd.origin[r] for r in rows]
+            origins = [pd.origin[i] for i in held]
             parts = _fetch_cells(client, meta, fd.header, origins)
             for k, (part, header, column) in enumerate(parts):
                 chunks = _encode_cells(pd.partition_id, part, header, column)
