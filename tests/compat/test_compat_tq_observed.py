@@ -55,3 +55,25 @@ def test_kv_batch_get_of_keys_that_share_no_field_raises_a_value_error() -> None
     tq.kv_put(key="c", partition_id="p", fields={"x": torch.tensor([3])})
     got = tq.kv_batch_get(keys=["a", "c"], partition_id="p")
     assert got["x"].values().tolist() == [1, 3]
+
+
+def test_production_status_has_a_column_per_field() -> None:
+    # TransferQueue: get_production_status(["prompt", "resp"], pid) gives (row ids, an int8
+    # [rows, fields] tensor: 1 where the row has the field), a column per field in the
+    # partition's order; (None, None) for a field the partition does not have, or no field
+    tq.init()
+    client = tq.get_client()
+    client.put(data=TensorDict({"prompt": torch.zeros(4, 2)}, batch_size=4), partition_id="p")
+    meta = client.get_meta(data_fields=["prompt"], batch_size=2, partition_id="p", task_name="g")
+    client.put(data=TensorDict({"resp": torch.ones(2, 3)}, batch_size=2), metadata=meta)
+    rows, status = client.get_production_status(data_fields=["resp", "prompt"], partition_id="p")
+    assert rows is not None
+    assert status is not None
+    assert rows.tolist() == [0, 1, 2, 3]
+    assert status.dtype == torch.int8
+    assert status.tolist() == [[1, 1], [1, 1], [1, 0], [1, 0]]
+    assert client.get_production_status(["resp"], "p")[1].tolist() == [[1], [1], [0], [0]]
+    assert client.get_production_status(["prompt", "nope"], "p") == (None, None)
+    assert client.get_production_status([], "p") == (None, None)
+    assert client.check_production_status(["prompt"], "p")
+    assert not client.check_production_status(["prompt", "resp"], "p")

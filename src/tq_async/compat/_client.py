@@ -472,17 +472,17 @@ class TransferQueueClient:
     def get_production_status(
         self, data_fields: Sequence[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(row ids, 1 where every field in data_fields is written)``; ``(None, None)`` for
-        an unknown partition."""
+        """``(row ids, [rows, fields]: 1 where the row has the field)``, a column per field of
+        ``data_fields`` in the partition's order; ``(None, None)`` for an unknown partition,
+        a field it does not have, or no field (as in TransferQueue)."""
         try:
             masks = self._client.production_status(partition_id)
         except PartitionNotFound:
             return None, None
-        n = max((m.shape[0] for m in masks.values()), default=0)
-        ready = torch.ones(n, dtype=torch.bool)
-        for name in data_fields:
-            ready &= masks.get(name, torch.zeros(n, dtype=torch.bool))
-        return first_index(partition_id) + torch.arange(n), ready.to(torch.int8)
+        if not data_fields or any(name not in masks for name in data_fields):
+            return None, None
+        status = torch.stack([m for name, m in masks.items() if name in data_fields], dim=1)
+        return first_index(partition_id) + torch.arange(status.shape[0]), status.to(torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """True when ``task_name`` consumed every row (False before the first put)."""
