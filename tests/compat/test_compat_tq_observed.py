@@ -77,3 +77,21 @@ def test_production_status_has_a_column_per_field() -> None:
     assert client.get_production_status([], "p") == (None, None)
     assert client.check_production_status(["prompt"], "p")
     assert not client.check_production_status(["prompt", "resp"], "p")
+
+
+def test_rows_ragged_in_one_later_dimension_come_back_jagged() -> None:
+    # TransferQueue: kv_batch_get of rows (2, 3) and (2, 4) gives a jagged nested tensor (its
+    # ragged dimension the rows' last, as torch.nested.as_nested_tensor(rows,
+    # layout=torch.jagged) builds it); rows ragged in two dimensions a strided one
+    tq.init()
+    for i, length in enumerate((3, 5)):
+        position_ids = torch.arange(4 * length).view(4, length)  # Qwen-VL's (4, L)
+        tq.kv_put(key=f"q{i}", partition_id="v", fields={"position_ids": position_ids})
+    got = tq.kv_batch_get(keys=["q0", "q1"], partition_id="v")["position_ids"]
+    assert got.layout == torch.jagged
+    assert got.to_padded_tensor(-1).shape == (2, 4, 5)
+    assert torch.equal(got.unbind()[1], torch.arange(20).view(4, 5))
+    images = [torch.ones(3, 2, 2), torch.zeros(3, 4, 4)]
+    tq.kv_batch_put(keys=["a", "b"], partition_id="w",
+                    fields={"uid": torch.arange(2), "img": images})  # fmt: skip
+    assert tq.kv_batch_get(keys=["a", "b"], partition_id="w")["img"].layout == torch.strided

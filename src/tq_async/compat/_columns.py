@@ -211,8 +211,8 @@ _RAGGED_FIELD = re.compile(r"rows of field '([^']+)' differ in more than their f
 
 def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None) -> TensorDict:
     """``client.get_data(meta, fields, nested=True)``; a field whose rows differ in more than
-    their first dimension comes back as a strided nested tensor (read row by row), as in
-    TransferQueue."""
+    their first dimension is read row by row and comes back as TransferQueue packs it: a
+    jagged nested tensor when the rows differ in one dimension, else a strided one."""
     names = list(meta.field_names) if fields is None else fields
     try:
         return client.get_data(meta, names, nested=True)
@@ -226,7 +226,11 @@ def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None)
     rows = [client.get_data(meta.select_rows([i]), [ragged])[ragged][0] for i in range(len(meta))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
-        td.set(ragged, torch.nested.nested_tensor(rows))
+        try:  # ragged in one dimension (after the first): jagged, as TransferQueue packs them
+            nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        except (RuntimeError, TypeError):
+            nested = torch.nested.nested_tensor(rows)
+        td.set(ragged, nested)
     return td
 
 
