@@ -95,3 +95,15 @@ def test_rows_ragged_in_one_later_dimension_come_back_jagged() -> None:
     tq.kv_batch_put(keys=["a", "b"], partition_id="w",
                     fields={"uid": torch.arange(2), "img": images})  # fmt: skip
     assert tq.kv_batch_get(keys=["a", "b"], partition_id="w")["img"].layout == torch.strided
+
+
+def test_select_samples_refuses_positions_outside_the_batch() -> None:
+    # TransferQueue: BatchMeta.select_samples([-1]) and ([3]) of 3 rows raise ValueError("Sample
+    # indices must be in range [0, 3)"); a negative position never picks a row from the end
+    batch = tq.BatchMeta(global_indexes=[0, 1, 2], partition_ids=["p"] * 3)
+    for positions in ([-1], [3], [0, 5]):
+        with pytest.raises(ValueError, match=r"0\.\.2") as info:
+            batch.select_samples(positions)
+        assert isinstance(info.value, tq_async.TQError)
+    assert batch.select_samples([2, 0, 2]).global_indexes == [2, 0, 2]
+    assert batch.select_samples([]).size == 0
