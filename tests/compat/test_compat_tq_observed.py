@@ -107,3 +107,16 @@ def test_select_samples_refuses_positions_outside_the_batch() -> None:
         assert isinstance(info.value, tq_async.TQError)
     assert batch.select_samples([2, 0, 2]).global_indexes == [2, 0, 2]
     assert batch.select_samples([]).size == 0
+
+
+def test_the_clients_kv_list_is_the_programs_partitions() -> None:
+    # TransferQueue: get_client().kv_list() lists the program's partitions, kv_list("nope") of
+    # a partition never put to is {} (as the module's kv_list)
+    tq.init()
+    client = tq.get_client()
+    client.put(data=TensorDict({"x": torch.arange(2)}, batch_size=2), partition_id="plain")
+    tq.kv_put(key="k", partition_id="kv", fields={"x": torch.tensor([1])}, tag={"n": 1})
+    assert client.kv_list() == {"plain": {}, "kv": {"k": {"n": 1}}}
+    assert client.kv_list("kv") == {"kv": {"k": {"n": 1}}}
+    assert client.kv_list("nope") == {}
+    assert tq.kv_list() == client.kv_list()

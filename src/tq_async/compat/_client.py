@@ -538,9 +538,15 @@ class TransferQueueClient:
         return self._client.kv_retrieve_keys([g - base for g in indexes], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
-        """``{partition_id: {key: tags}}`` for one partition or all (each a
-        `tq_async.KVListing`, decoded when first read)."""
-        return self._client.kv_list(partition_id)
+        """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist
+        yet, as in TransferQueue) or all (each a `tq_async.KVListing`, decoded when first
+        read)."""
+        try:
+            listing = self._client.kv_list(partition_id)
+        except PartitionNotFound:
+            return {}
+        listing.pop(REGISTRY, None)  # compat's numbering of partitions
+        return listing
 
     # -- checkpoints --
 
