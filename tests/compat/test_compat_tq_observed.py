@@ -120,3 +120,19 @@ def test_the_clients_kv_list_is_the_programs_partitions() -> None:
     assert client.kv_list("kv") == {"kv": {"k": {"n": 1}}}
     assert client.kv_list("nope") == {}
     assert tq.kv_list() == client.kv_list()
+
+
+def test_put_into_a_batch_stores_its_custom_meta() -> None:
+    # TransferQueue: meta.update_custom_meta([...]) then client.put(data, metadata=meta)
+    # stores the custom_meta with the put (merged into the rows'): another task's get_meta
+    # of those rows has it
+    tq.init()
+    client = tq.get_client()
+    client.put(data=TensorDict({"x": torch.arange(3)}, batch_size=3), partition_id="p")
+    meta = client.get_meta(data_fields=["x"], batch_size=3, partition_id="p", task_name="a")
+    meta.update_custom_meta([{"s": 1}, {}, {"s": 3}])
+    client.set_custom_meta(meta)
+    meta.update_custom_meta([{"w": 1}, {}, {}])
+    client.put(data=TensorDict({"y": torch.arange(3)}, batch_size=3), metadata=meta)
+    other = client.get_meta(data_fields=["x", "y"], batch_size=3, partition_id="p", task_name="b")
+    assert other.custom_meta == [{"s": 1, "w": 1}, {}, {"s": 3}]

@@ -394,18 +394,22 @@ class TransferQueueClient:
 
         ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
         with another dtype than it has in the partition is cast to the partition's dtype.
-        A compat ``metadata`` is returned itself, with the fields written added (as in
-        TransferQueue).
+        ``metadata``'s ``custom_meta`` is merged into its rows' with the put, and a compat
+        ``metadata`` is returned itself, with the fields written added (as in TransferQueue).
         """
         data = parsed(plain_columns(data), data_parser)
         native = None if metadata is None else _native(metadata)
         pid = partition_id if native is None else native.partition_id
+        # metadata's custom_meta goes with the put, as TransferQueue's put stores it
+        tags = native.tags if native is not None and native.tags else None
         meta = put_ragged(
             data,
             lambda d: put_retrying_dtypes(
                 pid,
                 d,
-                lambda e: self._client.put(e, pid if native is None else None, meta=native),
+                lambda e: self._client.put(
+                    e, pid if native is None else None, meta=native, tags=tags
+                ),
                 stored_dtypes,
             ),
             lambda m, rows, d: self._client.put(d, None, meta=m.select_rows(rows)),
