@@ -136,3 +136,17 @@ def test_put_into_a_batch_stores_its_custom_meta() -> None:
     client.put(data=TensorDict({"y": torch.arange(3)}, batch_size=3), metadata=meta)
     other = client.get_meta(data_fields=["x", "y"], batch_size=3, partition_id="p", task_name="b")
     assert other.custom_meta == [{"s": 1, "w": 1}, {}, {"s": 3}]
+
+
+def test_an_empty_batch_reads_and_clears_nothing() -> None:
+    # TransferQueue: get_data(BatchMeta.empty()) is an empty TensorDict (batch_size [0]);
+    # clear_samples and set_custom_meta of it do nothing (BatchMeta.concat of empty polls gives
+    # one)
+    tq.init()
+    client = tq.get_client()
+    for empty in (tq.BatchMeta.empty(), tq.BatchMeta.concat([tq.BatchMeta.empty()])):
+        got = client.get_data(empty)
+        assert got.batch_size == torch.Size([0])
+        assert list(got.keys()) == []
+        client.clear_samples(empty)
+        client.set_custom_meta(empty)

@@ -440,7 +440,9 @@ class TransferQueueClient:
 
     def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
         """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
-        nested tensors, as in TransferQueue."""
+        nested tensors, as in TransferQueue (an empty batch: an empty TensorDict)."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return TensorDict({}, batch_size=[0])  # (BatchMeta.empty() knows no partition)
         native = _native(metadata)
         if not native.field_names or not len(native):
             return TensorDict({}, batch_size=[len(native)])
@@ -448,6 +450,8 @@ class TransferQueueClient:
 
     def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
         """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return
         native = _native(metadata)
         tags = native.tags or [{} for _ in range(len(native))]
         self._client.set_tags(native, tags)
@@ -457,7 +461,9 @@ class TransferQueueClient:
         self._client.clear_partition(partition_id)
 
     def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
-        """Remove ``metadata``'s rows and free their storage."""
+        """Remove ``metadata``'s rows and free their storage (none for an empty batch)."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return
         self._client.clear_samples(_native(metadata))
 
     # -- status --
