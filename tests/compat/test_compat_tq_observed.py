@@ -150,3 +150,24 @@ def test_an_empty_batch_reads_and_clears_nothing() -> None:
         assert list(got.keys()) == []
         client.clear_samples(empty)
         client.set_custom_meta(empty)
+
+
+def test_clearing_what_is_gone_does_nothing() -> None:
+    # TransferQueue: clear_partition("nope") and reset_consumption("nope") (which returns True)
+    # do nothing, and clear_samples of rows cleared already clears the rest (as kv_clear skips
+    # missing keys)
+    tq.init()
+    client = tq.get_client()
+    client.clear_partition("nope")
+    assert client.reset_consumption("nope") is True
+    assert client.reset_consumption("nope", task_name="t") is True
+    client.put(data=TensorDict({"x": torch.arange(3)}, batch_size=3), partition_id="p")
+    meta = client.get_meta(data_fields=["x"], batch_size=3, partition_id="p", task_name="t")
+    client.clear_samples(meta.select_samples([0]))
+    client.clear_samples(meta.select_samples([0]))
+    client.clear_samples(meta)  # rows 1 and 2 go too
+    assert not client.client.partition_info("p")["rows"]
+    client.clear_partition("p")
+    client.clear_samples(meta)
+    client.clear_partition("p")
+    assert client.get_partition_list() == []

@@ -6,6 +6,7 @@ compat (from the registry partition, so that indexes are unique across partition
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import operator
 import threading
@@ -457,14 +458,25 @@ class TransferQueueClient:
         self._client.set_tags(native, tags)
 
     def clear_partition(self, partition_id: str) -> None:
-        """Remove the partition and free its storage."""
-        self._client.clear_partition(partition_id)
+        """Remove the partition and free its storage (nothing when it does not exist, as in
+        TransferQueue)."""
+        with contextlib.suppress(PartitionNotFound):
+            self._client.clear_partition(partition_id)
 
     def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
-        """Remove ``metadata``'s rows and free their storage (none for an empty batch)."""
+        """Remove ``metadata``'s rows and free their storage; rows (or a partition) cleared
+        already are skipped, as in TransferQueue (none for an empty batch)."""
         if isinstance(metadata, BatchMeta) and not metadata.size:
             return
-        self._client.clear_samples(_native(metadata))
+        native = _native(metadata)
+        try:
+            self._client.clear_samples(native)
+        except PartitionNotFound:
+            return
+        except RowsNotFound:  # (nothing was cleared: the rows still there go one by one)
+            for i in range(len(native)):
+                with contextlib.suppress(RowsNotFound, PartitionNotFound):
+                    self._client.clear_samples(native.select_rows([i]))
 
     # -- status --
 
@@ -504,8 +516,10 @@ class TransferQueueClient:
         return self._client.check_production_status(partition_id, data_fields)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        """Make the rows consumable again for ``task_name`` (all tasks when None)."""
-        self._client.reset_consumption(partition_id, task_name)
+        """Make the rows consumable again for ``task_name`` (all tasks when None); True, also
+        for a partition that does not exist (as in TransferQueue)."""
+        with contextlib.suppress(PartitionNotFound):
+            self._client.reset_consumption(partition_id, task_name)
         return True
 
     def get_partition_list(self) -> list[str]:
