@@ -171,3 +171,15 @@ def test_clearing_what_is_gone_does_nothing() -> None:
     client.clear_samples(meta)
     client.clear_partition("p")
     assert client.get_partition_list() == []
+
+
+def test_kv_put_of_a_nested_tensor_says_to_use_kv_batch_put() -> None:
+    # TransferQueue: kv_put(key, pid, fields={"x": <nested tensor>}) raises ValueError("Please
+    # use (async)kv_batch_put for batch operation"): a nested tensor is a batch of rows
+    tq.init()
+    rows = torch.nested.nested_tensor([torch.arange(2), torch.arange(3)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="kv_batch_put") as info:
+        tq.kv_put(key="k", partition_id="p", fields={"x": rows})
+    assert isinstance(info.value, tq_async.TQError)
+    assert "'x'" in str(info.value)
+    assert tq.kv_list("p") == {}  # nothing was written

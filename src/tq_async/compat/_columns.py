@@ -81,13 +81,22 @@ def plain_columns(fields: TensorDictBase | Mapping[str, Any], *, split: bool = T
 
 def one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
     """One key's fields as a one-row batch: each value of a dict is the key's row (a
-    ``NonTensorStack`` row holds its list of values, as in TransferQueue)."""
+    ``NonTensorStack`` row holds its list of values, as in TransferQueue).
+
+    Raises:
+        InvalidRequestError: a value is a nested tensor (rows of several keys).
+    """
     if isinstance(fields, TensorDictBase):
         if fields.batch_size == torch.Size([]):
             return plain_columns(fields.unsqueeze(0), split=False)  # the array is the row's
         return plain_columns(fields)
     row: dict[str, Any] = {}
     for name, value in fields.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            raise InvalidRequestError(
+                f"kv_put writes one key's row, but field {name!r} is a nested tensor (rows of "
+                "several keys): put them with kv_batch_put, a key per row"
+            )
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             value = torch.from_numpy(value)
         if isinstance(value, torch.Tensor) and not value.is_nested:
