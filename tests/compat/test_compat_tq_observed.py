@@ -183,3 +183,18 @@ def test_kv_put_of_a_nested_tensor_says_to_use_kv_batch_put() -> None:
     assert isinstance(info.value, tq_async.TQError)
     assert "'x'" in str(info.value)
     assert tq.kv_list("p") == {}  # nothing was written
+
+
+def test_kv_retrieve_meta_of_keys_without_a_common_field_is_not_ready() -> None:
+    # TransferQueue: get_client().kv_retrieve_meta(["new"], pid, create=True) of a new key is
+    # a batch with no field and is_ready False (production_status 0); keys sharing a field: 1
+    tq.init()
+    client = tq.get_client()
+    created = client.kv_retrieve_meta(keys=["new"], partition_id="p", create=True)
+    assert created.field_names == []
+    assert created.production_status.tolist() == [0]
+    assert not created.is_ready
+    tq.kv_put(key="new", partition_id="p", fields={"x": torch.tensor([1])})
+    written = client.kv_retrieve_meta(keys=["new"], partition_id="p")
+    assert written.production_status.tolist() == [1]
+    assert written.is_ready

@@ -531,9 +531,14 @@ class TransferQueueClient:
     def kv_retrieve_meta(
         self, keys: str | Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
-        """A batch of ``keys``' rows (missing keys are created with ``create``)."""
+        """A batch of ``keys``' rows (missing keys are created with ``create``), with the
+        fields they all have; not ready (``production_status`` 0) when they share none, as in
+        TransferQueue."""
         got = self._client.kv_retrieve_meta(as_list(keys, "keys"), partition_id, create)
-        return _compat_meta(got)
+        out = _compat_meta(got)
+        if not got.field_names:
+            out.production_status[:] = 0
+        return out
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes`` (ints, numpy's included).
