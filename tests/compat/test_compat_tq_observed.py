@@ -198,3 +198,12 @@ def test_kv_retrieve_meta_of_keys_without_a_common_field_is_not_ready() -> None:
     written = client.kv_retrieve_meta(keys=["new"], partition_id="p")
     assert written.production_status.tolist() == [1]
     assert written.is_ready
+
+
+def test_kv_batch_meta_prints_as_transferqueues() -> None:
+    # TransferQueue: str(KVBatchMeta(...)) is "KVBatchMeta(size=2, field_names=['x'],
+    # extra_info={'e': 1})" (print(meta) in a program's log)
+    meta = tq.KVBatchMeta(keys=["a", "b"], tags=[{}, {}], partition_id="p", fields=["x"],
+                          extra_info={"e": 1})  # fmt: skip
+    assert str(meta) == "KVBatchMeta(size=2, field_names=['x'], extra_info={'e': 1})"
+    assert repr(meta).startswith("KVBatchMeta(keys=['a', 'b'], tags=")
