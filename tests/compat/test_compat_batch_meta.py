@@ -134,7 +134,7 @@ def test_global_indexes_are_unique_across_partitions() -> None:
     assert rows is not None
     assert produced is not None
     assert rows.tolist() == val.global_indexes
-    assert produced.tolist() == [1, 1]
+    assert produced.tolist() == [[1, 1], [1, 1]]  # a column per field
     tq.kv_put(key="k", partition_id="kv", fields={"x": torch.ones(1)})
     kv_rows = client.kv_retrieve_meta(keys=["k"], partition_id="kv")
     assert client.kv_retrieve_keys(kv_rows.global_indexes, partition_id="kv") == ["k"]

@@ -68,7 +68,7 @@ def test_partitions_tasks_and_dynamic_fields() -> None:
     assert got["y"].tolist() == [0, 10, 20]
     _, produced = tq_client.get_production_status(data_fields=["x", "y"], partition_id="train")
     assert produced is not None
-    assert produced.tolist() == [1, 1, 1, 0, 0, 0]
+    assert produced.tolist() == [[1, 1], [1, 1], [1, 1], [1, 0], [1, 0], [1, 0]]  # x, y
     assert tq_client.reset_consumption("train", "A")
     again = tq_client.get_meta(data_fields=["x"], batch_size=3, partition_id="train", task_name="A")
     assert again.global_indexes == [0, 1, 2]

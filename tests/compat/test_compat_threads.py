@@ -102,7 +102,7 @@ async def test_an_async_put_given_up_on_leaves_no_rows() -> None:
         await asyncio.sleep(0.02)
     assert (info.get("allocated"), info.get("rows")) == (3, 0)
     again = await client.async_put(data, partition_id="p")  # the retry
-    assert client.get_production_status(["x"], "p")[1].tolist() == [0, 0, 0, 1, 1, 1]
+    assert client.get_production_status(["x"], "p")[1].tolist() == [[0], [0], [0], [1], [1], [1]]
     assert (await client.async_get_data(again))["x"].tolist() == [0, 1, 2]
 
 

@@ -652,12 +652,7 @@ def kv_list(partition_id: str | None = None) -> dict[str, KVListing]:
     """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist yet,
     as in TransferQueue), or for all when None. Each ``{key: tags}`` is a
     `tq_async.KVListing`, a dict decoded when first read (``dict(...)`` gives the plain one)."""
-    try:
-        listing = get_client().client.kv_list(partition_id)
-    except PartitionNotFound:
-        return {}
-    listing.pop(_REGISTRY, None)
-    return listing
+    return get_client().kv_list(partition_id)
 
 
 def kv_clear(keys: str | Sequence[str], partition_id: str) -> None:

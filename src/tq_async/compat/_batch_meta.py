@@ -453,8 +453,19 @@ class BatchMeta:
         return self._take(range(self.size), [n for n in names if n in present])
 
     def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
-        """The rows at ``sample_indices`` (positions in this batch)."""
-        return self._take(list(sample_indices))
+        """The rows at ``sample_indices`` (positions in this batch).
+
+        Raises:
+            InvalidRequestError: a position is outside ``0..size - 1`` (a negative one too).
+        """
+        positions = list(sample_indices)
+        outside = [i for i in positions if not 0 <= i < self.size]
+        if outside:
+            raise InvalidRequestError(
+                f"select_samples positions {outside[:8]} are outside this batch's rows "
+                f"0..{self.size - 1}"
+            )
+        return self._take(positions)
 
     def reorder(self, indices: Sequence[int]) -> None:
         """Put the rows in the order ``indices`` (positions), in place.

@@ -6,6 +6,7 @@ compat (from the registry partition, so that indexes are unique across partition
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import operator
 import threading
@@ -394,18 +395,22 @@ class TransferQueueClient:
 
         ``data_parser`` runs here on ``{field: column}`` before the put; a tensor field put
         with another dtype than it has in the partition is cast to the partition's dtype.
-        A compat ``metadata`` is returned itself, with the fields written added (as in
-        TransferQueue).
+        ``metadata``'s ``custom_meta`` is merged into its rows' with the put, and a compat
+        ``metadata`` is returned itself, with the fields written added (as in TransferQueue).
         """
         data = parsed(plain_columns(data), data_parser)
         native = None if metadata is None else _native(metadata)
         pid = partition_id if native is None else native.partition_id
+        # metadata's custom_meta goes with the put, as TransferQueue's put stores it
+        tags = native.tags if native is not None and native.tags else None
         meta = put_ragged(
             data,
             lambda d: put_retrying_dtypes(
                 pid,
                 d,
-                lambda e: self._client.put(e, pid if native is None else None, meta=native),
+                lambda e: self._client.put(
+                    e, pid if native is None else None, meta=native, tags=tags
+                ),
                 stored_dtypes,
             ),
             lambda m, rows, d: put_retrying_dtypes(
@@ -441,7 +446,9 @@ class TransferQueueClient:
 
     def get_data(self, metadata: BatchMeta | _meta.BatchMeta) -> TensorDict:
         """The cells of ``metadata``'s rows and fields; tensor fields come back as jagged
-        nested tensors, as in TransferQueue."""
+        nested tensors, as in TransferQueue (an empty batch: an empty TensorDict)."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return TensorDict({}, batch_size=[0])  # (BatchMeta.empty() knows no partition)
         native = _native(metadata)
         if not native.field_names or not len(native):
             return TensorDict({}, batch_size=[len(native)])
@@ -449,17 +456,32 @@ class TransferQueueClient:
 
     def set_custom_meta(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
         """Store ``metadata``'s per-row ``custom_meta`` (tags) on the controller."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return
         native = _native(metadata)
         tags = native.tags or [{} for _ in range(len(native))]
         self._client.set_tags(native, tags)
 
     def clear_partition(self, partition_id: str) -> None:
-        """Remove the partition and free its storage."""
-        self._client.clear_partition(partition_id)
+        """Remove the partition and free its storage (nothing when it does not exist, as in
+        TransferQueue)."""
+        with contextlib.suppress(PartitionNotFound):
+            self._client.clear_partition(partition_id)
 
     def clear_samples(self, metadata: BatchMeta | _meta.BatchMeta) -> None:
-        """Remove ``metadata``'s rows and free their storage."""
-        self._client.clear_samples(_native(metadata))
+        """Remove ``metadata``'s rows and free their storage; rows (or a partition) cleared
+        already are skipped, as in TransferQueue (none for an empty batch)."""
+        if isinstance(metadata, BatchMeta) and not metadata.size:
+            return
+        native = _native(metadata)
+        try:
+            self._client.clear_samples(native)
+        except PartitionNotFound:
+            return
+        except RowsNotFound:  # (nothing was cleared: the rows still there go one by one)
+            for i in range(len(native)):
+                with contextlib.suppress(RowsNotFound, PartitionNotFound):
+                    self._client.clear_samples(native.select_rows([i]))
 
     # -- status --
 
@@ -477,17 +499,17 @@ class TransferQueueClient:
     def get_production_status(
         self, data_fields: Sequence[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(row ids, 1 where every field in data_fields is written)``; ``(None, None)`` for
-        an unknown partition."""
+        """``(row ids, [rows, fields]: 1 where the row has the field)``, a column per field of
+        ``data_fields`` in the partition's order; ``(None, None)`` for an unknown partition,
+        a field it does not have, or no field (as in TransferQueue)."""
         try:
             masks = self._client.production_status(partition_id)
         except PartitionNotFound:
             return None, None
-        n = max((m.shape[0] for m in masks.values()), default=0)
-        ready = torch.ones(n, dtype=torch.bool)
-        for name in data_fields:
-            ready &= masks.get(name, torch.zeros(n, dtype=torch.bool))
-        return first_index(partition_id) + torch.arange(n), ready.to(torch.int8)
+        if not data_fields or any(name not in masks for name in data_fields):
+            return None, None
+        status = torch.stack([m for name, m in masks.items() if name in data_fields], dim=1)
+        return first_index(partition_id) + torch.arange(status.shape[0]), status.to(torch.int8)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """True when ``task_name`` consumed every row (False before the first put)."""
@@ -499,8 +521,10 @@ class TransferQueueClient:
         return self._client.check_production_status(partition_id, data_fields)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        """Make the rows consumable again for ``task_name`` (all tasks when None)."""
-        self._client.reset_consumption(partition_id, task_name)
+        """Make the rows consumable again for ``task_name`` (all tasks when None); True, also
+        for a partition that does not exist (as in TransferQueue)."""
+        with contextlib.suppress(PartitionNotFound):
+            self._client.reset_consumption(partition_id, task_name)
         return True
 
     def get_partition_list(self) -> list[str]:
@@ -512,9 +536,14 @@ class TransferQueueClient:
     def kv_retrieve_meta(
         self, keys: str | Sequence[str], partition_id: str, create: bool = False
     ) -> BatchMeta:
-        """A batch of ``keys``' rows (missing keys are created with ``create``)."""
+        """A batch of ``keys``' rows (missing keys are created with ``create``), with the
+        fields they all have; not ready (``production_status`` 0) when they share none, as in
+        TransferQueue."""
         got = self._client.kv_retrieve_meta(as_list(keys, "keys"), partition_id, create)
-        return _compat_meta(got)
+        out = _compat_meta(got)
+        if not got.field_names:
+            out.production_status[:] = 0
+        return out
 
     def kv_retrieve_keys(self, global_indexes: int | Sequence[int], partition_id: str) -> list[str]:
         """The key of each row in ``global_indexes`` (ints, numpy's included).
@@ -543,9 +572,15 @@ class TransferQueueClient:
         return self._client.kv_retrieve_keys([g - base for g in indexes], partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, KVListing]:
-        """``{partition_id: {key: tags}}`` for one partition or all (each a
-        `tq_async.KVListing`, decoded when first read)."""
-        return self._client.kv_list(partition_id)
+        """``{partition_id: {key: tags}}`` for one partition (``{}`` when it does not exist
+        yet, as in TransferQueue) or all (each a `tq_async.KVListing`, decoded when first
+        read)."""
+        try:
+            listing = self._client.kv_list(partition_id)
+        except PartitionNotFound:
+            return {}
+        listing.pop(REGISTRY, None)  # compat's numbering of partitions
+        return listing
 
     # -- checkpoints --
 

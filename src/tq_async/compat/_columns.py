@@ -81,13 +81,22 @@ def plain_columns(fields: TensorDictBase | Mapping[str, Any], *, split: bool = T
 
 def one_row(fields: TensorDictBase | Mapping[str, Any]) -> Any:
     """One key's fields as a one-row batch: each value of a dict is the key's row (a
-    ``NonTensorStack`` row holds its list of values, as in TransferQueue)."""
+    ``NonTensorStack`` row holds its list of values, as in TransferQueue).
+
+    Raises:
+        InvalidRequestError: a value is a nested tensor (rows of several keys).
+    """
     if isinstance(fields, TensorDictBase):
         if fields.batch_size == torch.Size([]):
             return plain_columns(fields.unsqueeze(0), split=False)  # the array is the row's
         return plain_columns(fields)
     row: dict[str, Any] = {}
     for name, value in fields.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            raise InvalidRequestError(
+                f"kv_put writes one key's row, but field {name!r} is a nested tensor (rows of "
+                "several keys): put them with kv_batch_put, a key per row"
+            )
         if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             value = from_numpy(value, name)  # (a tensor: its byte order and strides resolved)
         if isinstance(value, torch.Tensor) and not value.is_nested:
@@ -231,8 +240,8 @@ _RAGGED_FIELD = "rows of field {!r} differ in more than their first dimension"
 
 def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None) -> TensorDict:
     """``client.get_data(meta, fields, nested=True)``; a field whose rows differ in more than
-    their first dimension comes back as a strided nested tensor (read row by row), as in
-    TransferQueue."""
+    their first dimension is read row by row and comes back as TransferQueue packs it: a
+    jagged nested tensor when the rows differ in one dimension, else a strided one."""
     names = list(meta.field_names) if fields is None else fields
     try:
         return client.get_data(meta, names, nested=True)
@@ -246,7 +255,11 @@ def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None)
     rows = [client.get_data(meta.select_rows([i]), [ragged])[ragged][0] for i in range(len(meta))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
-        td.set(ragged, torch.nested.nested_tensor(rows))
+        try:  # ragged in one dimension (after the first): jagged, as TransferQueue packs them
+            nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        except (RuntimeError, TypeError):
+            nested = torch.nested.nested_tensor(rows)
+        td.set(ragged, nested)
     return td
 
 

@@ -53,6 +53,13 @@ class KVBatchMeta:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def __str__(self) -> str:
+        # TransferQueue's (what print() shows); repr() stays the dataclass's, every attribute
+        return (
+            f"KVBatchMeta(size={self.size}, field_names={self.fields}, "
+            f"extra_info={self.extra_info})"
+        )
+
     def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
         """The entries of ``keys_to_select``, in that order.
 
