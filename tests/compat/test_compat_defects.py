@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -332,3 +333,29 @@ def test_the_streaming_dataset_reads_rows_ragged_in_two_dimensions() -> None:
     (batch, _), *rest = list(tq.StreamingDataLoader(dataset, num_workers=0))
     assert not rest
     assert [r.shape for r in batch["img"].unbind()] == [r.shape for r in images]
+
+
+@pytest.mark.timeout(30)  # (it hung for ever)
+def test_force_fetch_answers_at_once_with_every_unconsumed_row_and_consumes_none() -> None:
+    """TransferQueue's force_fetch returns the partition's rows at once, whatever batch_size;
+    compat's waited for batch_size rows (a peek) and hung when fewer existed."""
+    tq.init()
+    client = tq.get_client()
+    meta = client.get_meta(["x"], 4, "p", mode="force_fetch", task_name="t")  # no partition
+    assert meta.size == 0
+    client.put(data={"x": torch.arange(3)}, partition_id="p")
+    client.put(data={"y": torch.arange(2)}, partition_id="p")  # rows without x: not listed
+    meta = client.get_meta(["x"], 8, "p", mode="force_fetch", task_name="t")
+    assert client.get_data(meta)["x"].tolist() == [0, 1, 2]
+    taken = client.get_meta(["x"], 2, "p", task_name="t")  # nothing was consumed
+    assert taken.size == 2
+    meta = client.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t")
+    assert client.get_data(meta)["x"].tolist() == [2]  # (every unconsumed row, not 1)
+    client.get_meta(["x"], 1, "p", task_name="t")
+    assert client.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t").size == 0
+    assert client.get_meta(["z"], 1, "p", mode="force_fetch", task_name="t").size == 0
+
+    async def look() -> Any:
+        return await client.async_get_meta(["x"], 5, "p", mode="force_fetch", task_name="u")
+
+    assert anyio.run(look).size == 3
