@@ -314,14 +314,6 @@ def test_jagged_rows_of_another_dtype_are_cast_as_dense_ones_are() -> None:
     assert client.get_data(meta)["img"].dtype == torch.float32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tq_async.SchemaError,
-    reason="compat.StreamingDataset fetches with tq_async's default fetch (get, no row-by-row "
-    "fallback): a field ragged in two dimensions raises SchemaError, where compat's get_data "
-    "and kv_batch_get return a strided nested tensor (migrating.md). Needs an async ragged "
-    "fallback in the dataset's fetch; a design choice (it also decides dense vs jagged there)",
-)
 def test_the_streaming_dataset_reads_rows_ragged_in_two_dimensions() -> None:
     """migrating.md: rows ragged in several dimensions (images) become a strided nested
     tensor through compat, as in TransferQueue; its StreamingDataset failed on them."""
@@ -333,6 +325,30 @@ def test_the_streaming_dataset_reads_rows_ragged_in_two_dimensions() -> None:
     (batch, _), *rest = list(tq.StreamingDataLoader(dataset, num_workers=0))
     assert not rest
     assert [r.shape for r in batch["img"].unbind()] == [r.shape for r in images]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_streaming_dataloader_reads_ragged_rows_once_each_and_frees_them(
+    num_workers: int,
+) -> None:
+    """The same with several batches, through DataLoader workers too (whose request takes
+    the next batches along): every row once, in order, each as it was put; an auto-clear
+    task's rows are freed once delivered."""
+    config = tq.init()
+    client = tq.get_client()
+    client.client.register_tasks(["t"], "p")
+    images = [torch.ones(1 + i % 3, 1 + i % 2) * i for i in range(8)]
+    client.put(data={"i": torch.arange(8), "img": images}, partition_id="p")
+    client.client.seal("p")
+    dataset = tq.StreamingDataset(config, 2, 1, ["i", "img"], "p", "t", 0)
+    loader = tq.StreamingDataLoader(
+        dataset, num_workers=num_workers, prefetch_factor=2 if num_workers else None
+    )
+    got = [(int(td["i"]), td["img"].unbind()[0]) for td, _ in loader]
+    assert [i for i, _ in got] == list(range(8))
+    for i, img in got:
+        assert torch.equal(img, images[i])
+    assert client.client.partition_info("p")["rows"] == 0
 
 
 @pytest.mark.timeout(30)  # (it hung for ever)
