@@ -370,6 +370,8 @@ def test_force_fetch_answers_at_once_with_every_unconsumed_row_and_consumes_none
     client.get_meta(["x"], 1, "p", task_name="t")
     assert client.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t").size == 0
     assert client.get_meta(["z"], 1, "p", mode="force_fetch", task_name="t").size == 0
+    with pytest.raises(tq_async.InvalidRequestError, match=r"data_fields=\['x'\]"):
+        client.get_meta("x", 1, "p", mode="force_fetch", task_name="t")  # (as fetch refuses)
 
     async def look() -> Any:
         return await client.async_get_meta(["x"], 5, "p", mode="force_fetch", task_name="u")

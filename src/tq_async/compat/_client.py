@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
+from .._client._sync._base import check_fields
 from .._client._sync._client import Client as _Client
 from .._core._state import INTERNAL_PARTITION_PREFIX
 from .._errors import ClosedError, InvalidRequestError, PartitionNotFound, RowsNotFound
@@ -397,12 +398,13 @@ class TransferQueueClient:
         (nothing consumed) at every row that has ``data_fields`` and that ``task_name`` has
         not consumed (TransferQueue also lists consumed rows and rows without the fields);
         an empty batch when there are none, or when they change under the look."""
+        data_fields = check_fields(data_fields)  # (a string is refused, as fetch refuses it)
         try:
-            produced = self._client.production_status(partition_id, list(data_fields))
+            produced = self._client.production_status(partition_id, data_fields)
             consumed = self._client.consumption_status(partition_id, task_name)
         except PartitionNotFound:
             return _empty(partition_id)
-        if not data_fields or any(name not in produced for name in data_fields):
+        if any(name not in produced for name in data_fields):
             return _empty(partition_id)
         ready = functools.reduce(operator.and_, (produced[name] for name in data_fields))
         n = min(ready.shape[0], consumed.shape[0])
