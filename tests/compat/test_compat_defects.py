@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -313,14 +314,6 @@ def test_jagged_rows_of_another_dtype_are_cast_as_dense_ones_are() -> None:
     assert client.get_data(meta)["img"].dtype == torch.float32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tq_async.SchemaError,
-    reason="compat.StreamingDataset fetches with tq_async's default fetch (get, no row-by-row "
-    "fallback): a field ragged in two dimensions raises SchemaError, where compat's get_data "
-    "and kv_batch_get return a strided nested tensor (migrating.md). Needs an async ragged "
-    "fallback in the dataset's fetch; a design choice (it also decides dense vs jagged there)",
-)
 def test_the_streaming_dataset_reads_rows_ragged_in_two_dimensions() -> None:
     """migrating.md: rows ragged in several dimensions (images) become a strided nested
     tensor through compat, as in TransferQueue; its StreamingDataset failed on them."""
@@ -332,3 +325,55 @@ def test_the_streaming_dataset_reads_rows_ragged_in_two_dimensions() -> None:
     (batch, _), *rest = list(tq.StreamingDataLoader(dataset, num_workers=0))
     assert not rest
     assert [r.shape for r in batch["img"].unbind()] == [r.shape for r in images]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_streaming_dataloader_reads_ragged_rows_once_each_and_frees_them(
+    num_workers: int,
+) -> None:
+    """The same with several batches, through DataLoader workers too (whose request takes
+    the next batches along): every row once, in order, each as it was put; an auto-clear
+    task's rows are freed once delivered."""
+    config = tq.init()
+    client = tq.get_client()
+    client.client.register_tasks(["t"], "p")
+    images = [torch.ones(1 + i % 3, 1 + i % 2) * i for i in range(8)]
+    client.put(data={"i": torch.arange(8), "img": images}, partition_id="p")
+    client.client.seal("p")
+    dataset = tq.StreamingDataset(config, 2, 1, ["i", "img"], "p", "t", 0)
+    loader = tq.StreamingDataLoader(
+        dataset, num_workers=num_workers, prefetch_factor=2 if num_workers else None
+    )
+    got = [(int(td["i"]), td["img"].unbind()[0]) for td, _ in loader]
+    assert [i for i, _ in got] == list(range(8))
+    for i, img in got:
+        assert torch.equal(img, images[i])
+    assert client.client.partition_info("p")["rows"] == 0
+
+
+@pytest.mark.timeout(30)  # (it hung for ever)
+def test_force_fetch_answers_at_once_with_every_unconsumed_row_and_consumes_none() -> None:
+    """TransferQueue's force_fetch returns the partition's rows at once, whatever batch_size;
+    compat's waited for batch_size rows (a peek) and hung when fewer existed."""
+    tq.init()
+    client = tq.get_client()
+    meta = client.get_meta(["x"], 4, "p", mode="force_fetch", task_name="t")  # no partition
+    assert meta.size == 0
+    client.put(data={"x": torch.arange(3)}, partition_id="p")
+    client.put(data={"y": torch.arange(2)}, partition_id="p")  # rows without x: not listed
+    meta = client.get_meta(["x"], 8, "p", mode="force_fetch", task_name="t")
+    assert client.get_data(meta)["x"].tolist() == [0, 1, 2]
+    taken = client.get_meta(["x"], 2, "p", task_name="t")  # nothing was consumed
+    assert taken.size == 2
+    meta = client.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t")
+    assert client.get_data(meta)["x"].tolist() == [2]  # (every unconsumed row, not 1)
+    client.get_meta(["x"], 1, "p", task_name="t")
+    assert client.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t").size == 0
+    assert client.get_meta(["z"], 1, "p", mode="force_fetch", task_name="t").size == 0
+    with pytest.raises(tq_async.InvalidRequestError, match=r"data_fields=\['x'\]"):
+        client.get_meta("x", 1, "p", mode="force_fetch", task_name="t")  # (as fetch refuses)
+
+    async def look() -> Any:
+        return await client.async_get_meta(["x"], 5, "p", mode="force_fetch", task_name="u")
+
+    assert anyio.run(look).size == 3

@@ -55,6 +55,7 @@ from .._client._async._client import AsyncClient
 from .._errors import (
     ClosedError,
     InvalidRequestError,
+    SchemaError,
     TQError,
 )
 from .._meta import BatchMeta
@@ -174,6 +175,14 @@ async def default_fetch_batch_fn(
     if meta.end_of_stream:
         return None, meta
     return data, meta
+
+
+def default_like(fn: Any) -> bool:
+    """Whether ``fn`` is `default_fetch_batch_fn` or tq_async's own wrapper of it (marked
+    ``default_like = True``, e.g. compat's): it takes the arguments only the default one gets
+    (``device``, ``keep_hold``, ``ack``), honours ``timeout=0`` and leaves the holds to the
+    dataset, as the default one does."""
+    return fn is default_fetch_batch_fn or getattr(fn, "default_like", False) is True
 
 
 def chunk_batch_fn(
@@ -760,10 +769,10 @@ class AsyncStreamingDataset:
 
     @property
     def _default_fetch(self) -> bool:
-        """Whether the fetch is `default_fetch_batch_fn`: it honours ``timeout=0``, and
-        leaves an auto-clear task's holds for the dataset to acknowledge (a custom one
-        acknowledges as it reads)."""
-        return self.fetch_batch_fn is default_fetch_batch_fn
+        """Whether the fetch is `default_fetch_batch_fn` (or a wrapper of it, `default_like`):
+        it honours ``timeout=0``, and leaves an auto-clear task's holds for the dataset to
+        acknowledge (a custom one acknowledges as it reads)."""
+        return default_like(self.fetch_batch_fn)
 
     def _deliver(self, cur: _Fetched, delivered: int) -> None:
         """``delivered`` micro-batches of ``cur`` are now with the caller."""
@@ -848,7 +857,7 @@ class AsyncStreamingDataset:
             config["dp_size"] = self.dp_size
         if self.tail is not None:
             config["tail"] = self.tail
-        if self._stride > 1 and self.fetch_batch_fn is default_fetch_batch_fn:
+        if self._stride > 1 and self._default_fetch:
             # Several DataLoader workers share the index space. The controller records the
             # other workers' indexes below ours first, in the same call (``record_from``), so
             # the recorded indexes of (task, dp_rank) stay a gap-free prefix: otherwise, at
@@ -878,17 +887,24 @@ class AsyncStreamingDataset:
         decided at once, in one request."""
         assert self._client is not None
         extra = self._default_fetch_extras()
-        got = await self._client.get_batches(
-            list(self.data_fields),
-            self.batch_size,
-            self._partition_id,
-            self.task_name,
-            config,
-            also=also,
-            timeout=timeout,
-            stop_when_consumed=self.stop_when_consumed,
-            **extra,
-        )
+        # a wrapper of the default fetch may read what get cannot (compat's: rows ragged in
+        # several dimensions): on a SchemaError, the batch alone through it (the rest stay
+        # recorded, read by their indexes)
+        wrapped = (SchemaError,) if self.fetch_batch_fn is not default_fetch_batch_fn else ()
+        try:
+            got = await self._client.get_batches(
+                list(self.data_fields),
+                self.batch_size,
+                self._partition_id,
+                self.task_name,
+                config,
+                also=also,
+                timeout=timeout,
+                stop_when_consumed=self.stop_when_consumed,
+                **extra,
+            )
+        except wrapped:
+            return [await self._call_fetch(config["batch_index"], config, timeout)]
         self._holds.sent(extra)
         return got
 
@@ -897,11 +913,7 @@ class AsyncStreamingDataset:
         """Whether a fetch reads onto `device` itself (device to device from a unit's
         device arena): with the default ``fetch_batch_fn`` (a custom one gets the arguments
         it always got) and no replay window (whose batches stay in host memory)."""
-        return (
-            self.fetch_batch_fn is default_fetch_batch_fn
-            and self.device is not None
-            and not self.replay_window
-        )
+        return self._default_fetch and self.device is not None and not self.replay_window
 
     def _default_fetch_extras(self) -> dict[str, Any]:
         """The arguments only the default fetch gets: the device it reads onto, and the

@@ -73,6 +73,8 @@ from ._async import (
     FetchBatchFn,
     MicroBatch,
     ProcessBatchFn,
+    default_fetch_batch_fn,
+    default_like,
 )
 from ._holds import LoaderAcks
 
@@ -330,19 +332,21 @@ class StreamingDataset(IterableDataset[MicroBatch]):
         check_blocking_allowed("iterating a StreamingDataset / StreamingDataLoader", _ASYNC_DATASET)
         host = _InThread(ads)
         exc_info: tuple[Any, Any, Any] = (None, None, None)
+        # a custom fetch_batch_fn may not honour "do not wait"
+        default = default_like(self._kwargs["fetch_batch_fn"] or default_fetch_batch_fn)
         # a DataLoader worker hands over its prefetch_factor batches at once when they are
-        # ready (see _ready_group); a custom fetch_batch_fn may not honour "do not wait"
+        # ready (see _ready_group)
         grouped = (
             self._whole_batches
             and self._handoff_batches > 1
             and get_worker_info() is not None
-            and self._kwargs["fetch_batch_fn"] is None
+            and default
         )
         # the hand-off's batches come in one request when they are ready at once
         ahead = self._handoff_batches - 1 if grouped else 0
         # a DataLoader worker waits for rows in slices, and stops once the loader's process
         # is gone (blocked until rows come, it would outlive it, its request waiting)
-        in_worker = get_worker_info() is not None and self._kwargs["fetch_batch_fn"] is None
+        in_worker = get_worker_info() is not None and default
         loader = os.getppid() if in_worker else None
         try:
             while True:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
+from .._client._sync._base import check_fields
 from .._client._sync._client import Client as _Client
 from .._core._state import INTERNAL_PARTITION_PREFIX
 from .._errors import ClosedError, InvalidRequestError, PartitionNotFound, RowsNotFound
@@ -319,13 +320,16 @@ class TransferQueueClient:
         sampling_config: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
         """Rows for ``task_name``: waits until the sampler finds them (with ``polling_mode``,
-        returns an empty batch when there are not enough). ``mode="force_fetch"`` looks
-        without consuming.
+        returns an empty batch when there are not enough). ``mode="force_fetch"`` answers at
+        once, without consuming: every row the task has not consumed that has
+        ``data_fields``, whatever ``batch_size`` (see `_force_fetch`).
 
         Raises:
             InvalidRequestError: ``task_name`` is missing or ``mode`` is unknown.
         """
         ours, task = _fetch_mode(mode, task_name)
+        if mode == "force_fetch":
+            return _compat_meta(self._force_fetch(data_fields, partition_id, task, sampling_config))
         timeout = POLLING_WAIT if self.polling_mode else None
         meta = self._fetch(data_fields, batch_size, partition_id, task, sampling_config, ours,
                            timeout)  # fmt: skip
@@ -345,6 +349,12 @@ class TransferQueueClient:
         ``ASYNC_WAIT_SLICE`` seconds, and rows found after the cancellation go back to the
         task."""
         ours, task = _fetch_mode(mode, task_name)
+        if mode == "force_fetch":  # (answers at once and takes nothing)
+            return await anyio.to_thread.run_sync(
+                lambda: _compat_meta(
+                    self._force_fetch(data_fields, partition_id, task, sampling_config)
+                )
+            )
 
         def wait(stopped: Callable[[], bool]) -> tuple[_meta.BatchMeta | None, BatchMeta]:
             while True:
@@ -376,6 +386,34 @@ class TransferQueueClient:
             )  # fmt: skip
         except _TQTimeoutError:
             return None
+
+    def _force_fetch(
+        self,
+        data_fields: Sequence[str],
+        partition_id: str,
+        task_name: str,
+        sampling_config: Mapping[str, Any] | None,
+    ) -> _meta.BatchMeta:
+        """TransferQueue's ``force_fetch``, as near as the sampler allows: at once, a look
+        (nothing consumed) at every row that has ``data_fields`` and that ``task_name`` has
+        not consumed (TransferQueue also lists consumed rows and rows without the fields);
+        an empty batch when there are none, or when they change under the look."""
+        data_fields = check_fields(data_fields)  # (a string is refused, as fetch refuses it)
+        try:
+            produced = self._client.production_status(partition_id, data_fields)
+            consumed = self._client.consumption_status(partition_id, task_name)
+        except PartitionNotFound:
+            return _empty(partition_id)
+        if any(name not in produced for name in data_fields):
+            return _empty(partition_id)
+        ready = functools.reduce(operator.and_, (produced[name] for name in data_fields))
+        n = min(ready.shape[0], consumed.shape[0])
+        count = int(ready.sum()) - int((ready[:n] & consumed[:n]).sum())
+        if count <= 0:
+            return _empty(partition_id)
+        meta = self._fetch(data_fields, count, partition_id, task_name, sampling_config,
+                           "peek", 0)  # fmt: skip
+        return _empty(partition_id) if meta is None else meta
 
     def _give_back(self, meta: _meta.BatchMeta | None, mode: str) -> None:
         """Return a fetch's rows to its task, as tq_async does for a cancelled fetch (a look

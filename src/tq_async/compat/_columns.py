@@ -14,6 +14,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from .. import _meta
+from .._client._async._client import AsyncClient
 from .._client._sync._client import Client
 from .._errors import InvalidRequestError, SchemaError
 from .._logging import get_logger
@@ -238,6 +239,23 @@ def put_ragged(
 _RAGGED_FIELD = "rows of field {!r} differ in more than their first dimension"
 
 
+def ragged_field(exc: SchemaError, names: list[str]) -> str | None:
+    """The field of ``names`` whose rows ``exc`` says cannot form one column, if any."""
+    message = str(exc)
+    return next((f for f in names if _RAGGED_FIELD.format(f) in message), None)
+
+
+def _packed(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A field's rows as TransferQueue packs them: a jagged nested tensor when they differ
+    in one dimension, else a strided one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
+        try:  # ragged in one dimension (after the first): jagged, as TransferQueue packs them
+            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        except (RuntimeError, TypeError):
+            return torch.nested.nested_tensor(rows)
+
+
 def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None) -> TensorDict:
     """``client.get_data(meta, fields, nested=True)``; a field whose rows differ in more than
     their first dimension is read row by row and comes back as TransferQueue packs it: a
@@ -246,20 +264,39 @@ def read(client: Client, meta: _meta.BatchMeta, fields: list[str] | None = None)
     try:
         return client.get_data(meta, names, nested=True)
     except SchemaError as exc:
-        message = str(exc)
-        ragged = next((f for f in names if _RAGGED_FIELD.format(f) in message), None)
+        ragged = ragged_field(exc, names)
         if ragged is None:
             raise
     rest = [f for f in names if f != ragged]
     td = read(client, meta, rest) if rest else TensorDict({}, batch_size=[len(meta)])
     rows = [client.get_data(meta.select_rows([i]), [ragged])[ragged][0] for i in range(len(meta))]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
-        try:  # ragged in one dimension (after the first): jagged, as TransferQueue packs them
-            nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-        except (RuntimeError, TypeError):
-            nested = torch.nested.nested_tensor(rows)
-        td.set(ragged, nested)
+    td.set(ragged, _packed(rows))
+    return td
+
+
+async def read_async(
+    client: AsyncClient, meta: _meta.BatchMeta, fields: list[str], device: Any = None
+) -> TensorDict:
+    """``await client.get_data(meta, fields, device=device)``, a field whose rows differ in
+    more than their first dimension read row by row as `read` reads it (the dataset's
+    fetch: the other fields come as tq_async's `get` gives them)."""
+    try:
+        return await client.get_data(meta, fields, device=device)
+    except SchemaError as exc:
+        ragged = ragged_field(exc, fields)
+        if ragged is None:
+            raise
+    rest = [f for f in fields if f != ragged]
+    td = (
+        await read_async(client, meta, rest, device)
+        if rest
+        else TensorDict({}, batch_size=[len(meta)], device=device)
+    )
+    rows = []
+    for i in range(len(meta)):
+        row = await client.get_data(meta.select_rows([i]), [ragged], device=device)
+        rows.append(row[ragged][0])
+    td.set(ragged, _packed(rows))
     return td
 
 

@@ -7,17 +7,18 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from .. import _meta
 from .._client._sync._client import Client as _Client
-from .._datasets._async import _split_rows
+from .._datasets._async import _split_rows, default_fetch_batch_fn
 from .._datasets._async import chunk_batch_fn as _chunk_batch_fn
 from .._datasets._torch import StreamingDataLoader as _StreamingDataLoader
 from .._datasets._torch import StreamingDataset as _StreamingDataset
-from .._errors import InvalidRequestError, UnsupportedTypeError
+from .._errors import InvalidRequestError, SchemaError, UnsupportedTypeError
 from ._batch_meta import GLOBAL_INDEX_STRIDE, BatchMeta
 from ._client import REGISTRY, attached, first_index, partition_schema
+from ._columns import ragged_field, read_async
 from ._config import address_in, flatten
 
 
@@ -82,6 +83,39 @@ def chunk_batch_fn(
     bounds = [(a, min(a + micro_batch_size, total)) for a in range(0, total, micro_batch_size)]
     parts = _split_rows(td, bounds)
     return [(part, batch_meta[a:b]) for part, (a, b) in zip(parts, bounds, strict=True)]
+
+
+async def compat_fetch_batch_fn(**kwargs: Any) -> tuple[TensorDict | None, _meta.BatchMeta]:
+    """compat's dataset fetch: `default_fetch_batch_fn` (with every argument the dataset
+    gives it), but a field whose rows differ in more than their first dimension is read row
+    by row, as compat's ``get_data`` reads it (a strided nested tensor), where tq_async's
+    ``get`` refuses it: the batch, recorded under its ``batch_index``, is read again by it."""
+    fields = list(kwargs["data_fields"])
+    try:
+        return await default_fetch_batch_fn(**kwargs)
+    except SchemaError as exc:
+        if ragged_field(exc, fields) is None:
+            raise
+    client = kwargs["client"]
+    # (the recorded batch, consuming nothing; the failed get sent the acknowledgements)
+    meta = await client.get_meta(
+        fields,
+        kwargs["batch_size"],
+        kwargs["partition_id"],
+        kwargs["task_name"],
+        kwargs["sampling_config"],
+        timeout=kwargs.get("timeout"),
+        stop_when_consumed=kwargs.get("stop_when_consumed", False),
+    )
+    if meta.end_of_stream:
+        return None, meta
+    td = await read_async(client, meta, fields, kwargs.get("device"))
+    if not kwargs.get("keep_hold"):
+        await client.ack(meta)  # the data is read: as get drops an auto-clear hold
+    return td, meta
+
+
+compat_fetch_batch_fn.default_like = True  # type: ignore[attr-defined]
 
 
 def _first_index_at(address: str, partition_id: str) -> int:
@@ -150,6 +184,7 @@ class StreamingDataset(_StreamingDataset):
             task_name,
             dp_rank=dp_rank,
             stop_when_consumed=should_check_consumption_status,
+            fetch_batch_fn=compat_fetch_batch_fn,
             process_batch_fn=functools.partial(
                 _compat_chunks,
                 process_batch_fn or _chunk_batch_fn,
