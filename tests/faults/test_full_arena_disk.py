@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from _cluster_proc import serve_role
+import tq_async as tq
+from _cluster_proc import serve_role, sigkill
 from _tmpfs import fill, small_tmpfs
 
 _CLIENT = r"""
@@ -90,3 +92,27 @@ def test_an_arena_file_made_on_a_full_disk_is_an_error_not_a_sigbus(tmp_path: Pa
             [sys.executable, "-c", make], capture_output=True, text=True, timeout=60
         )
         assert (done.returncode, done.stdout.strip()) == (0, "ENOSPC"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("level", ["process", "fsync"])
+async def test_a_unit_restarted_on_a_full_disk_comes_back(tmp_path: Path, level: str) -> None:
+    """A unit SIGKILLed, its disk filled meanwhile, started again on its directory: it used
+    to die at registration (rewriting its directory's marker: an OSError). It serves its
+    cells now (a clear is how room comes back), and a put fails with StorageFullError."""
+    want = torch.arange(64 * 4096).reshape(64, 4096)
+    with (
+        small_tmpfs(tmp_path / "disk", 6 << 20) as disk,
+        serve_role("controller") as (_, address),
+    ):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        args += ("--durability", level, "--data-dir", str(disk))
+        with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                meta = await client.put({"x": want}, "p")
+            sigkill(unit)
+        fill(disk)
+        with serve_role(*args, line="TQ_UNIT="):
+            async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+                assert torch.equal((await client.get_data(meta))["x"], want)
+                with pytest.raises(tq.StorageFullError):
+                    await client.put({"x": want + 1}, "p")
