@@ -9,6 +9,7 @@ written in an earlier boot of the machine (its page cache gone) are dropped, and
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import structlog
 from test_segments import DENSE, JAGGED, cells, frames_of
 
+from tq_async._paths import _shm
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import _segments
 from tq_async._storage._cells import StorageState, adopt_arena, begin_commit, end_commit
@@ -340,3 +342,71 @@ def test_a_group_commit_syncs_only_the_files_written_since_the_last(
     again = open_unit(tmp_path, sync=True)
     assert again.stats().rows == rows_before == 3
     close(again)
+
+
+class _Fallocate:
+    """The arena's `fallocate` seam: records the spans it reserves; fails with ENOSPC while
+    ``full`` (a full disk, without root)."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.spans: list[tuple[int, int]] = []
+
+    def __call__(self, fd: int, offset: int, length: int) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.spans.append((offset, length))
+        os.posix_fallocate(fd, offset, length)
+
+
+def test_an_arena_file_lends_only_regions_whose_disk_blocks_are_reserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arena file is sparse and mapped shared: a store into a page the full disk has no
+    block for kills the process storing (SIGBUS), a client copying a put or the unit copying
+    a read. A region's blocks are reserved before it is lent; on a full disk none is (the
+    caller uses the socket, where a put fails with StorageFullError). Pages reserved and kept
+    idle are not reserved again; pages given back (a hole again) are."""
+    seam = _Fallocate()
+    monkeypatch.setattr(_shm, "fallocate", seam)
+    arena = Arena(CAP, idle_bytes=4 * PAGE, path=str(tmp_path / ARENA_FILE))
+    assert seam.spans == [(0, PAGE)]  # the token's page, before it is written
+    region = arena.alloc(3 * PAGE)
+    assert region is not None
+    assert seam.spans[-1] == (region.offset, 3 * PAGE)
+    arena.release(region)  # idle: its blocks stay
+    seam.full = True
+    again = arena.alloc(3 * PAGE)  # reserved already: lent on a full disk too
+    assert again is not None
+    assert again.offset == region.offset
+    live = arena.live_bytes
+    assert arena.alloc(4 * PAGE) is None  # fresh pages: no room for them
+    assert arena.live_bytes == live
+    seam.full = False
+    fresh = arena.alloc(4 * PAGE)  # the refused region was left free
+    assert fresh is not None
+    assert fresh.offset == region.offset + 3 * PAGE
+    assert seam.spans[-1] == (fresh.offset, 4 * PAGE)
+    arena.release(again)
+    arena.release(fresh)  # past idle_bytes: given back (a hole again)
+    n = len(seam.spans)
+    big = arena.alloc(7 * PAGE)
+    assert big is not None
+    assert big.offset == region.offset
+    assert seam.spans[n:] == [(fresh.offset, 4 * PAGE)]  # only the pages given back
+    arena.close()
+
+
+def test_an_arena_file_whose_first_page_has_no_room_is_an_oserror(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new arena file on a full disk: an OSError naming the file (the unit starts without
+    shared memory), not a SIGBUS when its token is written."""
+    seam = _Fallocate()
+    seam.full = True
+    monkeypatch.setattr(_shm, "fallocate", seam)
+    path = tmp_path / ARENA_FILE
+    with pytest.raises(OSError, match="arena's first page") as got:
+        Arena(CAP, path=str(path))
+    assert got.value.errno == errno.ENOSPC
+    assert got.value.filename == str(path)

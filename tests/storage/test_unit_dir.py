@@ -131,10 +131,17 @@ def test_a_data_dir_it_cannot_write_in_is_a_config_error_at_start(
 
     if used:
         start()
+    _refuse_writes(monkeypatch, tmp_path, errno_)
+    with pytest.raises(tq.ConfigError, match=r"cannot write in .*make it writable"):
+        start()
+
+
+def _refuse_writes(monkeypatch: pytest.MonkeyPatch, directory: Path, errno_: int) -> None:
+    """Opening a file under ``directory`` for writing fails with ``errno_`` from now on."""
     real_open, real_os_open = open, os.open
 
     def refused(path: Any) -> None:
-        if str(path).startswith(str(tmp_path)):
+        if str(path).startswith(str(directory)):
             raise OSError(errno_, os.strerror(errno_), str(path))
 
     def fake_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
@@ -149,5 +156,30 @@ def test_a_data_dir_it_cannot_write_in_is_a_config_error_at_start(
 
     monkeypatch.setattr("builtins.open", fake_open)
     monkeypatch.setattr(os, "open", fake_os_open)
-    with pytest.raises(tq.ConfigError, match=r"cannot write in .*make it writable"):
-        start()
+
+
+def test_a_unit_restarted_on_a_full_disk_registers_without_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit restarted on its directory once its disk is full: registering under the id its
+    marker records has nothing to write (it used to die of an OSError rewriting the marker;
+    it comes back now: its cells can be read, its partitions cleared to make room). One that
+    must record an id says so with a `ConfigError` naming the directory."""
+    used, new = tmp_path / "used", tmp_path / "new"
+    used.mkdir()
+    new.mkdir()
+    first = UnitDir("process", str(used), None, 0)
+    assert first.instance is not None
+    first.registered(0, first.instance)
+    first.close()
+    unnamed = UnitDir("process", str(new), None, -1)  # the controller gives it an id
+    assert unnamed.instance is not None
+    _refuse_writes(monkeypatch, new, errno.ENOSPC)
+    with pytest.raises(tq.ConfigError, match=r"cannot write in .*free space"):
+        unnamed.registered(3, unnamed.instance)
+    unnamed.close()
+    again = UnitDir("process", str(used), None, 0)  # (its lock file exists: no write)
+    assert again.instance == first.instance
+    _refuse_writes(monkeypatch, used, errno.ENOSPC)
+    again.registered(0, again.instance)
+    again.close()

@@ -53,6 +53,10 @@ ALIGN = 64
 _CHECKED_BYTES = 64 << 20
 
 
+#: allocates an arena file's disk blocks (a seam: tests make it fail as a full disk does)
+fallocate = os.posix_fallocate
+
+
 def align(n: int, to: int = ALIGN) -> int:
     """``n`` rounded up to a multiple of ``to``."""
     return -(-n // to) * to
@@ -150,7 +154,9 @@ class Arena:
         path: a file to map instead of an anonymous memfd (a durable unit's arena, in its
             ``data_dir``: what clients write into it is in the operating system's files at
             once). An existing file keeps its contents (and its size, when larger than
-            ``cap``); regions holding recovered cells are taken back with `reserve`.
+            ``cap``); regions holding recovered cells are taken back with `reserve`. The
+            file is sparse: a region's disk blocks are allocated before it is lent
+            (`alloc`), since a store into a hole on a full disk is a SIGBUS.
         defer_frees: freed regions that held recorded cells (`Region.recorded`) wait in
             `deferred` until the owner releases them with `free_deferred` (``fsync`` level:
             such a region is reused only once the record that freed it is on the disk;
@@ -180,6 +186,13 @@ class Arena:
             if held > self.cap:  # a durable arena made larger before: its cells stay reachable
                 self.cap = held - held % PAGE
             os.ftruncate(self.fd, self.cap)
+            if path is not None:  # the token's page (a hole written on a full disk: SIGBUS)
+                try:
+                    fallocate(self.fd, 0, PAGE)
+                except OSError as exc:
+                    raise OSError(
+                        exc.errno, f"cannot reserve the arena's first page: {exc.strerror}", path
+                    ) from exc
             self.mmap = mmap.mmap(self.fd, self.cap)
         except BaseException:
             os.close(self.fd)
@@ -192,6 +205,11 @@ class Arena:
         # pages written since they were last given back (idle accounting)
         self._resident = np.zeros(self.cap // PAGE, dtype=np.bool_)
         self._resident[0] = True  # the token's page: never free
+        #: an arena file's pages whose disk blocks are allocated (`_reserve`); None: a memfd
+        self._reserved: np.ndarray[Any, np.dtype[np.bool_]] | None = None
+        if path is not None:
+            self._reserved = np.zeros(self.cap // PAGE, dtype=np.bool_)
+            self._reserved[0] = True
         self.live_bytes = 0
         self.idle_bytes = 0
         #: per chunk (`tq_async._paths._pinned`): how many clients hold it registered with
@@ -209,15 +227,37 @@ class Arena:
     # ---- allocation --------------------------------------------------------------------------
 
     def alloc(self, nbytes: int) -> Region | None:
-        """A region of at least ``nbytes`` (page-rounded), or None when the arena is full."""
+        """A region of at least ``nbytes`` (page-rounded), or None when the arena is full
+        (or, for an arena file, its disk: `_reserve`)."""
         region = self._extents.take_region(nbytes)
         if region is None:
             return None
         a, b = region.offset // PAGE, (region.offset + region.size) // PAGE
+        if self._reserved is not None and not self._reserve(a, b):
+            self._extents.give(region.offset, region.size)
+            return None
         self.idle_bytes -= int(np.count_nonzero(self._resident[a:b])) * PAGE
         self._resident[a:b] = True
         self.live_bytes += region.size
         return region
+
+    def _reserve(self, a: int, b: int) -> bool:
+        """Allocate the disk blocks of pages ``[a, b)`` of the arena file not yet allocated;
+        whether they are. A store into a page of a sparse file mapped shared that the disk
+        has no room for kills the process storing (SIGBUS): a unit copying a read, a client
+        copying a put. Blocks reserved first, such a store cannot fail."""
+        reserved = self._reserved
+        assert reserved is not None
+        if reserved[a:b].all():  # (the common case: pages lent before, kept idle since)
+            return True
+        missing = np.flatnonzero(~reserved[a:b])
+        lo, hi = a + int(missing[0]), a + int(missing[-1]) + 1
+        try:
+            fallocate(self.fd, lo * PAGE, (hi - lo) * PAGE)
+        except OSError:  # ENOSPC, EDQUOT: by socket instead (a put fails there: disk full)
+            return False
+        reserved[lo:hi] = True
+        return True
 
     def reserve(self, offset: int, size: int) -> Region:
         """Take back ``[offset, offset + size)`` (page-aligned, free): a region of cells a
@@ -285,6 +325,8 @@ class Arena:
                 continue
             given += int(np.count_nonzero(self._resident[a // PAGE : b // PAGE])) * PAGE
             self._resident[a // PAGE : b // PAGE] = False
+            if self._reserved is not None:  # a hole again: reserved anew when next lent
+                self._reserved[a // PAGE : b // PAGE] = False
         return given
 
     def _unlocked(self, offset: int, size: int) -> list[tuple[int, int]]:

@@ -104,11 +104,16 @@ def unwritable(directory: str, user: str, exc: OSError) -> ConfigError:
 
 
 def write_marker(directory: str, unit_id: int | None, instance: str) -> None:
-    """Write the unit's marker (see `put_marker`)."""
-    put_marker(
-        directory,
-        {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance},
-    )
+    """Write the unit's marker (see `put_marker`), unless it says so already: a unit
+    restarted on a full disk has nothing to write, and comes back."""
+    mark = {"kind": "storage", "format": FORMAT, "unit_id": unit_id, "instance": instance}
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            if json.load(f) == mark:
+                return
+    except (OSError, ValueError):
+        pass
+    put_marker(directory, mark)
 
 
 def put_marker(directory: str, mark: dict[str, Any]) -> None:

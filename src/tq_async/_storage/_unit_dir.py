@@ -123,10 +123,17 @@ class UnitDir:
         )
 
     def registered(self, unit_id: int, instance: str) -> None:
-        """The controller gave the unit ``unit_id``: a durable directory records it."""
+        """The controller gave the unit ``unit_id``: a durable directory records it.
+
+        Raises:
+            ConfigError: it cannot be recorded (a full disk).
+        """
         self.unit_id = unit_id
         if self._lock_fd >= 0 and self.path is not None:
-            write_marker(self.path, unit_id, instance)
+            try:
+                write_marker(self.path, unit_id, instance)
+            except OSError as exc:
+                raise unwritable(self.path, "storage unit", exc) from exc
 
     def close(self) -> None:
         """Close the segment files, remove the scratch directory, give the lock back (the
