@@ -19,7 +19,7 @@ import time
 
 from .._errors import ConfigError
 from .._logging import get_logger
-from .._transport._inherited import close_in_children, release
+from .._transport._inherited import close_in_children, release, remove_unheld
 from ._cells import StorageState
 from ._dir_marker import claim_unit_dir, unwritable, write_marker
 from ._segments import ARENA_FILE, SegmentStore
@@ -208,19 +208,8 @@ def sweep(parent: str, prefix: str, lock_name: str, what: str) -> None:
         if not name.startswith(prefix):
             continue
         path = os.path.join(parent, name)
-        try:
-            fd = os.open(os.path.join(path, lock_name), os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its process runs
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        if remove_unheld(path, os.path.join(path, lock_name)):
             log.info(f"removed {what} left when it was killed", path=path)
-        finally:
-            os.close(fd)
 
 
 def lock_dir(data_dir: str, lock_name: str, user: str) -> int:

@@ -17,12 +17,14 @@ among its own, as the sockets whose local address is one a service of this proce
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import socket
 import stat
 from typing import Any
 
-__all__ = ["close_in_children", "release", "serving", "stopped_serving"]
+__all__ = ["close_in_children", "release", "remove_unheld", "serving", "stopped_serving"]
 
 #: descriptors of this process that a forked child closes (directory locks)
 _held: set[int] = set()
@@ -40,6 +42,25 @@ def release(fd: int) -> None:
     """Close ``fd`` here; a child forked from now on has no copy to close."""
     _held.discard(fd)  # first: its number may be reused once closed
     os.close(fd)
+
+
+def remove_unheld(path: str, lock: str) -> bool:
+    """Remove directory ``path`` unless a process holds ``lock`` (a file in it, or ``path``
+    itself) locked: what a process killed before it removed its own leaves. True if removed;
+    a ``lock`` that cannot be opened (none, not ours) leaves ``path`` alone."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its process runs
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _name(address: str) -> Any:

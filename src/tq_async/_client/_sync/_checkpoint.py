@@ -45,6 +45,7 @@ from ..._errors import (
 )
 from ..._meta import BatchMeta
 from ..._sync_primitives import cleanup_scope, run_sync_off_loop
+from ..._transport._inherited import remove_unheld
 from ..._wire._checks import check_id
 from ..._wire._columns import (
     Column,
@@ -367,18 +368,7 @@ def _sweep(path: str) -> None:
             if os.path.lexists(path):  # (else `_finish_swap` did not find it whole)
                 shutil.rmtree(held, ignore_errors=True)
             continue
-        try:
-            fd = os.open(held, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its save runs
-        else:
-            shutil.rmtree(held, ignore_errors=True)
-        finally:
-            os.close(fd)
+        remove_unheld(held, held)  # (a running save holds its directory locked)
 
 
 def _replaceable(path: str) -> bool:
