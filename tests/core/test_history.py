@@ -14,8 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tq_async._core import _arrays
+from tq_async._core import _arrays, _leases
 from tq_async._core._dumps import partition_dump, restore_partition
+from tq_async._core._journal import (
+    controller_record,
+    decode_controller,
+    decode_partition,
+    encode,
+    partition_record,
+    recover,
+)
 from tq_async._core._ready import ReadyRows
 from tq_async._core._state import ControllerState, Partition
 from tq_async._core._transitions import ControllerCore, SampleCall
@@ -42,7 +50,10 @@ def put(
 
 
 def get(core: ControllerCore, task: str, n: int, **cfg: Any) -> MetaReply:
-    request = GetMeta("p", ["x"], n, task, cfg or None)
+    return get_request(core, GetMeta("p", ["x"], n, task, cfg or None))
+
+
+def get_request(core: ControllerCore, request: GetMeta) -> MetaReply:
     decision, _ = core.get_meta(request, 0.0)
     while isinstance(decision, SampleCall):
         decision, _ = core.sampled(request, decision, decision.run(), 0.0)
@@ -195,3 +206,62 @@ def test_a_put_places_its_rows_without_a_pass_over_every_partition() -> None:
     core = ControllerCore(st)
     core.catalog.restore_abort(["r"])
     assert {u: n for u, n in st.unit_loads().items() if n} == _loads_of_every_partition(st)
+
+
+def _journal_round_trip(core: ControllerCore) -> ControllerCore:
+    """``core`` recorded, encoded, decoded and recovered into a new core."""
+    parts = [
+        decode_partition(encode(partition_record(p, 0.0, 1000.0)))
+        for p in core.state.partitions.values()
+    ]
+    ctl = decode_controller(encode(controller_record(core, {0: "i0", 1: "i1"}, 1000.0)))
+    again = ControllerCore(ControllerState())
+    recover(again, ctl, parts, 0.0, 1000.0, {})
+    for unit in (0, 1):
+        again.unit_up(unit)
+    return again
+
+
+def test_recorded_batches_whose_rows_are_gone_do_not_grow_with_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job reads a recorded batch per step from one partition for days: the batches whose
+    rows were all cleared long since are forgotten (with their settled keys and lease ids),
+    and a late replay of one is still the replay of a batch whose rows are gone, never a
+    fresh sample."""
+    monkeypatch.setattr(_arrays, "COMPACT_ROWS", 1024)
+    monkeypatch.setattr(_leases, "BATCH_HOME_MIN", 16)
+    core = new_core()
+    core.catalog.register_tasks("p", ["b"])
+    steps, batch = 200, 100  # 20,000 rows and 400 recorded batches over its life
+    for step in range(steps):
+        rows = put(core, batch)
+        for rank in (0, 1):
+            request = GetMeta("p", ["x"], 50, "b", {"batch_index": step, "dp_rank": rank}, lease=60)
+            reply = get_request(core, request)
+            assert reply.rows == rows[50 * rank : 50 * rank + 50]
+            core.ack([reply.lease_id], 0.0)  # auto-clear frees them
+    p = core.state.partition("p")
+    assert p.n_alive == 0
+    most = 2 * 2 * (2 * _arrays.COMPACT_ROWS // batch + 1)  # what may wait for the next drop
+    assert len(p.recorded) <= most
+    assert len(p.settled) <= most
+    assert len(p.lease_batch) <= most
+    assert len(core.leases.batch_home) <= 2 * most
+    for again in (core, _journal_round_trip(core)):
+        q = again.state.partition("p")
+        fresh = put(again, 10)
+        # a late replay of a forgotten batch: its rows are gone; the new rows stay ready
+        old = get_request(again, GetMeta("p", ["x"], 10, "b", {"batch_index": 3}, lease=60))
+        assert old.rows == []
+        assert old.lease_id == 0
+        nxt = get_request(again, GetMeta("p", ["x"], 10, "b", {"batch_index": steps}))
+        assert nxt.rows == fresh
+        assert len(q.recorded) <= most + 1
+    # a checkpoint keeps what was forgotten
+    restored = restore_partition(partition_dump(p), list(p.units))
+    assert partition_dump(restored) == partition_dump(p)
+    # a reset of the task's consumption decides every index anew
+    core.reset_consumption("p", "b")
+    assert p.forgotten == {}
+    assert get_request(core, GetMeta("p", ["x"], 10, "b", {"batch_index": 3})).rows != []

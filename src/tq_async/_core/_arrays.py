@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ._forgotten import forget_cleared
+
 __all__ = [
     "COMPACT_ROWS",
     "compact",
@@ -33,7 +35,9 @@ def compact(p: Any) -> None:
     """Drop the cleared rows at the front of ``p``'s per-row arrays once they are at least
     `COMPACT_ROWS` and at least as many as the rows after them (each row is moved O(1)
     times, amortised); ``p.base`` moves past them. Rows are allocated in order and mostly
-    cleared in order, so the arrays follow the live rows, not every row ``p`` ever had."""
+    cleared in order, so the arrays follow the live rows, not every row ``p`` ever had;
+    nor do its recorded batches (those whose rows are all dropped are forgotten:
+    `tq_async._core._forgotten`)."""
     dead = p.alive.find(1, p.dead_front)
     p.dead_front = dead = len(p.alive) if dead < 0 else dead
     if dead < COMPACT_ROWS or 2 * dead < len(p.alive):
@@ -49,6 +53,7 @@ def compact(p: Any) -> None:
     p.dead_front = 0
     for rs in p.ready.values():
         rs.rows.rebase(p.base)
+    forget_cleared(p)
 
 
 def rows_on(p: Any, unit: int) -> list[int]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._errors import InvalidRequestError
 from .._wire._protocol import FieldDump, PartitionDump
+from ._forgotten import dump_forgotten, load_forgotten
 from ._state import ControllerState, FieldState, Partition
 from ._versions import PolicyVersions
 
@@ -80,6 +81,7 @@ def dump_rows(p: Partition, make: Callable[..., T], ints: Callable[[array[int]],
         deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in p.recorded.items()],
         row_version=ints(p.versions.rows),
         field_versions={f: ints(v) for f, v in p.versions.fields.items()},
+        forgotten=dump_forgotten(p),
     )
 
 
@@ -122,6 +124,7 @@ def restore_partition(dump: PartitionDump, units: Sequence[int]) -> Partition:
     for (t, _, _), rows in p.recorded.items():
         p.mark_recorded(t, [r for r in rows if r >= base])
     p.settled = {(t, d, b) for t, d, b in dump.settled if (t, d, b) in p.recorded}
+    p.forgotten = load_forgotten(dump.forgotten)
     p.versions = PolicyVersions.restore(n, dump.row_version, dump.field_versions)
     p.lost = {
         r: unit

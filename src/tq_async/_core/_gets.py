@@ -31,6 +31,7 @@ from ..samplers import BaseSampler, SequentialSampler, StaleRows
 from ._admission import Admission
 from ._assign import local_shares
 from ._effects import Effects
+from ._forgotten import is_forgotten
 from ._leases import GetLeases
 from ._ready import ReadyView
 from ._sampling import (
@@ -433,10 +434,12 @@ class Gets:
     def _recorded(self, req: GetMeta, p: Partition, key: RecordKey, now: float) -> MetaReply | None:
         """The recorded batch ``key``, with its lease; None if it was never decided. Rows
         lost with a storage unit since are left out (never handed out again), as are rows
-        cleared long since (the partition holds nothing of them: `_arrays.compact`)."""
+        cleared long since (the partition holds nothing of them: `_arrays.compact`; nor,
+        once no lease or hold waits on it, of the batch: `_forgotten`)."""
         rows = p.recorded.get(key)
         if rows is None:
-            return None
+            # forgotten once its rows were all gone: a replay still finds none of them
+            return meta_reply(p, [], req.data_fields) if is_forgotten(p, key) else None
         lost, base = p.lost, p.base
         given = list(rows)
         if lost or (given and min(given) < base):
@@ -552,7 +555,7 @@ def check_undecided(req: GetMeta, p: Partition, dp_size: int) -> None:
     task, rank, index = key
     recorded = p.recorded
     for r in range(dp_size):
-        if r != rank and (task, r, index) in recorded:
+        if r != rank and ((task, r, index) in recorded or is_forgotten(p, (task, r, index))):
             raise InvalidRequestError(
                 f"batch_index {index} of task {task!r} in partition {p.partition_id!r} was "
                 f"decided for dp_rank {r} but not for dp_rank {rank}: it was decided with a "
@@ -617,7 +620,7 @@ def _first_undecided(req: GetMeta, p: Partition, key: RecordKey) -> GetMeta | No
     task, rank, index = key
     recorded = p.recorded
     for i in range(max(int(start), 0), index):
-        if (task, rank, i) not in recorded:
+        if (task, rank, i) not in recorded and not is_forgotten(p, (task, rank, i)):
             assert cfg is not None
             return msgspec.structs.replace(req, sampling_config={**cfg, "batch_index": i}, ack=None)
     return None

@@ -106,6 +106,8 @@ class RowsRecord(msgspec.Struct, array_like=True):
     field_versions: dict[str, bytes]
     #: the per-row arrays hold the rows from this one on (`Partition.base`)
     base: int = 0
+    #: the recorded batches forgotten, ``(task, dp_rank, lo, hi)`` (`Partition.forgotten`)
+    forgotten: list[tuple[str, int, int, int]] = []
 
     @classmethod
     def of(cls, p: Partition) -> RowsRecord:
@@ -128,6 +130,7 @@ class RowsRecord(msgspec.Struct, array_like=True):
             row_version=_ints("q", self.row_version),
             field_versions={f: _ints("q", v) for f, v in self.field_versions.items()},
             base=self.base,
+            forgotten=self.forgotten,
         )
 
 
@@ -492,6 +495,8 @@ class _Image:
         self.row_keys = list(r.row_keys)
         self.sealed = r.sealed
         self.recorded = {(t, d, b): rows for t, d, b, rows in r.deliveries}
+        #: (forgetting batches writes a snapshot: no delta changes it)
+        self.forgotten = r.forgotten
         #: lease id -> (its record, the wall-clock time its ``left`` was measured at)
         self.leases = {lr.lease_id: (lr, rec.wall) for lr in rec.leases}
         self.lease_batch = {i: (t, d, b) for i, t, d, b in rec.lease_batch}
@@ -587,6 +592,7 @@ class _Image:
                 deliveries=[(t, d, b, list(rows)) for (t, d, b), rows in self.recorded.items()],
                 row_version=bytes(self.row_version),
                 field_versions={f: bytes(v) for f, v in self.field_versions.items()},
+                forgotten=self.forgotten,
             ),
             incarnation=self.incarnation,
             wall=wall,

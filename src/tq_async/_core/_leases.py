@@ -26,6 +26,9 @@ __all__ = ["RECYCLED_HOLDER", "GetLeases"]
 #: once their prompts are read: auto-clear may free them then)
 RECYCLED_HOLDER = "take_recycled"
 
+#: the fewest ids `GetLeases.batch_home` holds before it drops those of forgotten batches
+BATCH_HOME_MIN = 1024
+
 log = get_logger(__name__)
 
 
@@ -52,8 +55,11 @@ class GetLeases:
         self._arm = arm
         #: lease id -> the partition holding it (gone with the partition)
         self.home: dict[int, Partition] = {}
-        #: lease id of a recorded batch -> its partition, also after the lease ended
+        #: lease id of a recorded batch -> its partition, also after the lease ended (until
+        #: the batch is forgotten: `tq_async._core._forgotten`; `_prune` drops those)
         self.batch_home: dict[int, Partition] = {}
+        #: `batch_home` is pruned once it holds this many ids
+        self._prune_at = BATCH_HOME_MIN
 
     def live(self, lease_id: int, deadline: float) -> bool:
         """Whether a heap entry still stands for the lease's deadline."""
@@ -80,6 +86,7 @@ class GetLeases:
                 del p.lease_batch[lease_id]
                 self.batch_home.pop(lease_id, None)
         p.recorded = {k: v for k, v in p.recorded.items() if task is not None and k[0] != task}
+        p.forgotten = {k: v for k, v in p.forgotten.items() if task is not None and k[0] != task}
         p.recorded_rows = {
             t: m for t, m in p.recorded_rows.items() if task is not None and t != task
         }
@@ -121,10 +128,20 @@ class GetLeases:
             p.batch_leases[key] = lease_id
             p.lease_batch[lease_id] = key
             self.batch_home[lease_id] = p
+            if len(self.batch_home) >= self._prune_at:
+                self._prune()
         if deadline is not None:
             p.open_leases[lease.task] = p.open_leases.get(lease.task, 0) + 1
             self._arm(deadline, "lease", lease_id)
         _hold(p, lease.rows)
+
+    def _prune(self) -> None:
+        """Drop the ids of `batch_home` whose batch its partition forgot; prune again once
+        as many more were added (each id is looked at O(1) times, amortised)."""
+        home = self.batch_home
+        for lease_id in [i for i, p in home.items() if i not in p.lease_batch]:
+            del home[lease_id]
+        self._prune_at = max(BATCH_HOME_MIN, 2 * len(home))
 
     def drop(self, p: Partition, lease: Lease, *, acked: bool = False) -> None:
         del p.leases[lease.lease_id]
@@ -168,8 +185,8 @@ class GetLeases:
         p = self.batch_home.get(lease_id)
         if p is None or self.state.partitions.get(p.partition_id) is not p:
             return Effects()
-        key = p.lease_batch[lease_id]
-        if key in p.settled or key not in p.recorded:
+        key = p.lease_batch.get(lease_id)  # (None: the batch was forgotten, its rows gone)
+        if key is None or key in p.settled or key not in p.recorded:
             return Effects()
         live = p.batch_leases.get(key)
         if live is not None:

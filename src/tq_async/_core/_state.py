@@ -162,6 +162,9 @@ class Partition:
         self.sealed = False
         #: the recorded batches: ``(task, dp_rank, batch_index)`` -> the rows delivered
         self.recorded: dict[RecordKey, tuple[int, ...]] = {}
+        #: the recorded batches forgotten once their rows were all gone, by ``(task, dp_rank)``:
+        #: the indexes ``[lo, hi)`` (`tq_async._core._forgotten`)
+        self.forgotten: dict[tuple[str, int], tuple[int, int]] = {}
         #: per task, 1 for each row in one of its recorded batches (`mark_recorded`)
         self.recorded_rows: dict[str, bytearray] = {}
         #: KV API: user key -> row, and each row's key (None for rows put without a key)

@@ -400,6 +400,10 @@ class PartitionDump(msgspec.Struct, array_like=True):
     #: the per-row arrays hold the rows from this one on: every row below is cleared (a
     #: checkpoint written before this field holds every row)
     base: int = 0
+    #: the recorded batches forgotten once their rows were all gone, ``(task, dp_rank, lo,
+    #: hi)``: indexes ``lo..hi-1`` were decided (a checkpoint written before this field
+    #: forgot none)
+    forgotten: list[tuple[str, int, int, int]] = []
 
 
 class StateDump(msgspec.Struct, array_like=True):
