@@ -825,6 +825,27 @@ def test_seal_and_register_tasks_go_through_the_catalogue() -> None:
     assert "p" not in core.state.auto_clear
 
 
+def test_register_tasks_with_no_tasks_turns_a_partition_off_under_a_default_too() -> None:
+    """``register_tasks([], pid)`` turns auto-clear off for ``pid`` (before: with a default
+    setting, from ``auto_clear_tasks`` or ``register_tasks(tasks)``, it only dropped the
+    partition's own setting, and the default freed its rows once consumed)."""
+    core = new_core()
+    core.catalog.register_tasks(None, ["t"])
+    core.catalog.register_tasks("p", ["t", "u"])
+    core.catalog.register_tasks("p", [])
+    put(core, 2)
+    reply = get(core, req(2))
+    core.ack([reply.lease_id], 0.0)
+    assert core.state.partition("p").n_alive == 2  # kept: auto-clear is off there
+    put(core, 2, pid="q")
+    reply = get(core, req(2, pid="q"))
+    core.ack([reply.lease_id], 0.0)
+    assert core.state.partition("q").n_alive == 0  # the default's
+    core.catalog.register_tasks(None, [])  # no default: nothing left to turn off
+    core.catalog.register_tasks("p", [])
+    assert "p" not in core.state.auto_clear
+
+
 def test_set_tags_checks_the_incarnation() -> None:
     core = new_core()
     rows = put(core, 2)

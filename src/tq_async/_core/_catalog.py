@@ -68,12 +68,16 @@ class Catalog:
 
     def register_tasks(self, partition_id: str | None, tasks: Sequence[str]) -> Effects:
         """Auto-clear rows of ``partition_id`` (every partition without its own setting:
-        None) once ``tasks`` all consumed them; no tasks: auto-clear off. Rows they all
-        consumed already are freed now (unless held, as any consumed row)."""
+        None) once ``tasks`` all consumed them; no tasks: auto-clear off (for a partition
+        under a default setting: its own setting is "none"). Rows they all consumed already
+        are freed now (unless held, as any consumed row)."""
         st = self.state
         fx = Effects()
         if not tasks:
-            st.auto_clear.pop(partition_id, None)
+            if partition_id is not None and st.auto_clear.get(None):
+                st.auto_clear[partition_id] = ()  # (dropping its own would leave the default's)
+            else:
+                st.auto_clear.pop(partition_id, None)
             return fx
         st.auto_clear[partition_id] = tuple(dict.fromkeys(tasks))
         for pid, p in st.partitions.items():
