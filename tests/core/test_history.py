@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
+from tq_async._controller._queries import _kv_answer
 from tq_async._core import _arrays, _leases
 from tq_async._core._dumps import partition_dump, restore_partition
 from tq_async._core._journal import (
@@ -25,7 +27,7 @@ from tq_async._core._journal import (
     recover,
 )
 from tq_async._core._ready import ReadyRows
-from tq_async._core._state import ControllerState, Partition
+from tq_async._core._state import KV_CHUNK_BITS, ControllerState, Partition
 from tq_async._core._transitions import ControllerCore, SampleCall
 from tq_async._errors import RowsNotFound
 from tq_async._wire._columns import ColumnHeader
@@ -265,3 +267,29 @@ def test_recorded_batches_whose_rows_are_gone_do_not_grow_with_the_run(
     core.reset_consumption("p", "b")
     assert p.forgotten == {}
     assert get_request(core, GetMeta("p", ["x"], 10, "b", {"batch_index": 3})).rows != []
+
+
+def test_the_kv_chunks_to_list_again_follow_the_live_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition of keyed rows nobody lists (``kv_list``) for a long run: the chunks marked
+    for the listing to encode again are those of its live rows, not one per chunk it ever
+    had; a listing after the arrays dropped cleared rows lists the live keys only."""
+    monkeypatch.setattr(_arrays, "COMPACT_ROWS", 64)
+    core = new_core()
+    chunk = 1 << KV_CHUNK_BITS
+    steps = 40  # 40 chunks of keyed rows over its life, one alive at a time
+    before: list[int] = []
+    for step in range(steps):
+        keys = [f"k{step}-{i}" for i in range(chunk)]
+        placement, _ = core.put_begin("p", [X], 0, None, keys, 0.0)
+        core.put_commit("p", placement.rows, ["x"], None, None, placement.put_id)
+        if step == steps // 2:  # listed once midway: its cache follows from there
+            _kv_answer(core.state.partition("p"), True)
+        if before:
+            core.clear_rows("p", before)
+        before = placement.rows
+    p = core.state.partition("p")
+    assert p.base >= chunk * (steps - 3)
+    assert len(p.kv_dirty) <= 3
+    listed = msgspec.msgpack.decode(_kv_answer(p, True))
+    assert listed[0] == len(p.keys) == chunk
+    assert _kv_answer(p, False) is not None

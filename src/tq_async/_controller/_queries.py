@@ -231,6 +231,8 @@ class KVListingCache:
         if not self._built:  # the first answer: every chunk
             dirty = set(range(p.base >> KV_CHUNK_BITS, (p.n_rows >> KV_CHUNK_BITS) + 1))
             self._built = True
+        first = p.base >> KV_CHUNK_BITS  # (chunks below: their rows were dropped, not marked)
+        dirty.update(c for c in self._counts if c < first)
         for chunk in dirty:
             self._encode_chunk(p, chunk)
         order = sorted(self._counts)

@@ -16,6 +16,7 @@ from ._forgotten import forget_cleared
 
 __all__ = [
     "COMPACT_ROWS",
+    "KV_CHUNK_BITS",
     "compact",
     "consumption_mask",
     "fill",
@@ -29,6 +30,8 @@ __all__ = [
 
 #: the fewest cleared rows at the front of a partition's arrays that `compact` drops
 COMPACT_ROWS = 1 << 16
+#: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
+KV_CHUNK_BITS = 12
 
 
 def compact(p: Any) -> None:
@@ -53,6 +56,8 @@ def compact(p: Any) -> None:
     p.dead_front = 0
     for rs in p.ready.values():
         rs.rows.rebase(p.base)
+    if p.kv_dirty:  # chunks wholly below ``base``: nothing of them is left to list
+        p.kv_dirty = {c for c in p.kv_dirty if c >= p.base >> KV_CHUNK_BITS}
     forget_cleared(p)
 
 

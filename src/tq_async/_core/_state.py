@@ -46,7 +46,7 @@ from .._errors import (
 )
 from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
-from ._arrays import compact, rows_on
+from ._arrays import KV_CHUNK_BITS, compact, rows_on
 from ._events import Outbox
 from ._groups import TagGroups
 from ._placement import Placer
@@ -69,8 +69,6 @@ __all__ = [
 RecordKey = tuple[str, int, int]
 #: the events of a partition no state owns: never recorded
 _NO_EVENTS = Outbox()
-#: ``kv_list``'s cache re-encodes rows in chunks of ``1 << KV_CHUNK_BITS`` (see ``kv_dirty``)
-KV_CHUNK_BITS = 12
 #: the prefix of the partitions tq_async keeps for its own bookkeeping (``tq_async.compat``'s
 #: numbering of partitions): their rows are not the program's, so no capacity counts them
 INTERNAL_PARTITION_PREFIX = "__tq_async"
