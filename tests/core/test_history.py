@@ -293,3 +293,27 @@ def test_the_kv_chunks_to_list_again_follow_the_live_rows(monkeypatch: pytest.Mo
     listed = msgspec.msgpack.decode(_kv_answer(p, True))
     assert listed[0] == len(p.keys) == chunk
     assert _kv_answer(p, False) is not None
+
+
+def test_tasks_that_hold_nothing_in_a_partition_leave_no_per_row_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long run reads one partition under a new task name now and then (an evaluation per
+    step): a task whose rows are all cleared, with nothing ready, leased or recorded, keeps
+    no per-row array nor ready set (each put extended and each commit walked every one of
+    them, for every task name the partition ever saw); it reads on as a task that never
+    read."""
+    monkeypatch.setattr(_arrays, "COMPACT_ROWS", 64)
+    core = new_core()
+    for step in range(300):
+        rows = put(core, 10)
+        assert get(core, f"eval{step}", 10).rows == rows
+        assert get(core, "train", 5).rows == rows[:5]
+        core.clear_rows("p", rows)
+    p = core.state.partition("p")
+    assert len(p.consumed) <= 2 * 64 // 10 + 2
+    assert len(p.ready) <= 2 * 64 // 10 + 2
+    assert len(p.consumed_count) == len(p.consumed)
+    rows = put(core, 4)
+    assert get(core, "eval0", 4).rows == rows  # a task dropped reads again
+    assert get(core, "train", 4).rows == rows

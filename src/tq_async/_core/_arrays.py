@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._forgotten import forget_cleared
+from ._forgotten import forget_cleared, forget_idle_tasks
 
 __all__ = [
     "COMPACT_ROWS",
@@ -59,6 +59,7 @@ def compact(p: Any) -> None:
     if p.kv_dirty:  # chunks wholly below ``base``: nothing of them is left to list
         p.kv_dirty = {c for c in p.kv_dirty if c >= p.base >> KV_CHUNK_BITS}
     forget_cleared(p)
+    forget_idle_tasks(p)
 
 
 def rows_on(p: Any, unit: int) -> list[int]:
