@@ -23,9 +23,20 @@ from ._errors import TQError
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Event", "Lock", "Repeater", "cleanup_scope", "run_each", "run_sync_off_loop"]
+__all__ = [
+    "TIMERS_FIRE_IDLE",
+    "Event",
+    "Lock",
+    "Repeater",
+    "cleanup_scope",
+    "run_each",
+    "run_sync_off_loop",
+]
 
 T = TypeVar("T")
+
+#: a `Repeater` fires while its caller does its own work too (a timer of the event loop)
+TIMERS_FIRE_IDLE = True
 
 Lock = anyio.Lock
 Event = anyio.Event

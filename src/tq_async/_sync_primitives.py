@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
+    "TIMERS_FIRE_IDLE",
     "Event",
     "Lock",
     "Repeater",
@@ -30,6 +31,10 @@ T = TypeVar("T")
 
 Lock = threading.Lock
 Event = threading.Event
+
+#: a `Repeater` fires only while a request of its thread waits, never while its caller
+#: does its own work
+TIMERS_FIRE_IDLE = False
 
 
 def run_sync_off_loop(fn: Callable[..., T], *args: Any) -> T:
