@@ -31,6 +31,7 @@ __all__ = [
     "cleanup_scope",
     "run_each",
     "run_sync_off_loop",
+    "spawn",
 ]
 
 T = TypeVar("T")
@@ -75,6 +76,18 @@ def cleanup_scope(seconds: float) -> Iterator[None]:
     """Clean-up after a failure: shielded from cancellation, bounded to ``seconds``."""
     with anyio.move_on_after(seconds, shield=True):
         yield
+
+
+#: the tasks `spawn` started, until they end (the loop keeps only weak references)
+_spawned: set[asyncio.Task[None]] = set()
+
+
+def spawn(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``fn()`` as a task of the running loop, in the background (it handles its own
+    errors; one it lets out ends it, unseen)."""
+    task = asyncio.get_running_loop().create_task(fn())
+    _spawned.add(task)
+    task.add_done_callback(_spawned.discard)
 
 
 class Repeater:

@@ -25,6 +25,7 @@ __all__ = [
     "run_due_timers",
     "run_each",
     "run_sync_off_loop",
+    "spawn",
 ]
 
 T = TypeVar("T")
@@ -53,6 +54,12 @@ def cleanup_scope(seconds: float) -> Iterator[None]:
     """Clean-up after a failure: a blocking request is bounded by its own timeout."""
     del seconds
     yield
+
+
+def spawn(fn: Callable[[], Any]) -> None:
+    """Nothing: a blocking client has no background to run ``fn`` in (its timers fire only
+    while it waits in a call, so it never asks for one)."""
+    del fn
 
 
 class _Timers(threading.local):

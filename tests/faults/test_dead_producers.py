@@ -197,3 +197,27 @@ async def test_a_live_producer_keeps_its_slots_across_a_durable_controller_resta
                 with pytest.raises(tq.TQTimeoutError):  # its put settled them: none back
                     await client.acquire_rollout(0, 2, timeout=2 * LEASE)
                 assert (await client.staleness_status())["outstanding"] == 2
+
+
+async def test_a_same_host_producer_keeps_its_slots_across_a_restart_without_a_call(
+    tmp_path: Path,
+) -> None:
+    """A same-host producer speaks through the controller's Unix socket, which dies with it:
+    generating, it makes no call after the restart, yet its renewals find the restarted
+    controller, so its slots stay past the grace lease; killed, it gives them back."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path.parent / f"{tmp_path.name}.toml"
+    config.write_text(f'[admission]\ncapacity = 3\nlearner_task = "learn"\nslot_lease = {LEASE}\n')
+    args = ["controller", "--bind", bind, "--durability", "process", "--data-dir"]
+    args += [str(tmp_path), "--config", str(config)]
+    with serve_role(*args) as (ctl, _), _producer(bind, 2) as proc:
+        await _said(proc, b"ACQUIRED")
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        with serve_role(*args):
+            async with tq.AsyncClient.connect(bind) as client:
+                with pytest.raises(tq.TQTimeoutError):  # the grace lease is long past
+                    await client.acquire_rollout(0, 2, timeout=4 * LEASE)
+                assert (await client.staleness_status())["outstanding"] == 2
+                sigkill(proc)
+                await client.acquire_rollout(0, 3, timeout=20)

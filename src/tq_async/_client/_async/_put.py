@@ -201,7 +201,7 @@ class PutPath:
         #: put id -> the process that placed it, for puts not yet committed or aborted
         self._open: dict[int, int] = {}
         #: the admission slots this client holds: its puts settle them, renewed while held
-        self.slots = HeldSlots(lambda: links.controller)
+        self.slots = HeldSlots(links)
 
     def farewell(self) -> list[AbortPut]:
         """What a client closing while puts of this process are in flight sends last: their
