@@ -8,7 +8,7 @@ status and the metrics.
 Slots not put yet belong to their *holder*: a connection's identity, or the name an
 asynchronous client gives itself (the same across its reconnects and a restart of a durable
 controller). A named holder's slots are under a *slot lease* its client renews while it
-holds any (`renew`); a holder that stops renewing gives them back when it lapses (`expire`).
+holds any (`lease`); a holder that stops renewing gives them back when it lapses (`expire`).
 No loop, no clock: `ControllerCore` calls it with ``now`` and arms its deadlines.
 """
 

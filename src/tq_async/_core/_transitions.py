@@ -3,8 +3,8 @@
 No event loop, no sockets, no clock. Every transition takes the request (and ``now``, seconds
 on any monotonic clock) and returns what the I/O shell still has to do, as
 `Effects`: waiters to wake, rows to free on storage units, capacity and admission
-slots freed. Deadlines (leases, put leases, suspended units) live in one heap here; the
-shell arms a single timer for `ControllerCore.next_deadline` and calls
+slots freed. Deadlines (leases, put leases, slot leases, suspended units) live in one
+heap here; the shell arms a single timer for `ControllerCore.next_deadline` and calls
 `ControllerCore.advance` when it fires. A get_meta is decided in one call,
 `ControllerCore.decide` (`tq_async._core._gets`): it runs plain samplers, looks
 ahead for ``get_batches``, and returns a reply, a wait, or an ``async`` sampler's started call
