@@ -69,7 +69,7 @@ def _tell(proc: subprocess.Popen[bytes], line: bytes) -> None:
 
 
 #: the slot lease of these tests (seconds): a producer renews every third of it
-LEASE = 1.0
+LEASE = 2.0
 
 
 async def _said(proc: subprocess.Popen[bytes], word: bytes) -> None:
@@ -155,7 +155,7 @@ async def test_a_slow_tcp_producer_keeps_its_slots_for_many_leases_and_its_put_s
         with _producer(cluster.address, 2, same_host=False) as proc:
             await _said(proc, b"ACQUIRED")
             with pytest.raises(tq.TQTimeoutError):
-                await client.acquire_rollout(0, 2, timeout=4 * LEASE)
+                await client.acquire_rollout(0, 2, timeout=3 * LEASE)
             _tell(proc, b"put")
             await _said(proc, b"PUT")
             sigkill(proc)
@@ -190,7 +190,7 @@ async def test_a_live_producer_keeps_its_slots_across_a_durable_controller_resta
             async with tq.AsyncClient.connect(bind, same_host=False) as client:
                 assert (await client.staleness_status())["outstanding"] == 2
                 with pytest.raises(tq.TQTimeoutError):  # the grace lease is long past
-                    await client.acquire_rollout(0, 2, timeout=4 * LEASE)
+                    await client.acquire_rollout(0, 2, timeout=3 * LEASE)
                 _tell(proc, b"put")
                 await _said(proc, b"PUT")
                 sigkill(proc)
@@ -217,7 +217,7 @@ async def test_a_same_host_producer_keeps_its_slots_across_a_restart_without_a_c
         with serve_role(*args):
             async with tq.AsyncClient.connect(bind) as client:
                 with pytest.raises(tq.TQTimeoutError):  # the grace lease is long past
-                    await client.acquire_rollout(0, 2, timeout=4 * LEASE)
+                    await client.acquire_rollout(0, 2, timeout=3 * LEASE)
                 assert (await client.staleness_status())["outstanding"] == 2
                 sigkill(proc)
                 await client.acquire_rollout(0, 3, timeout=20)
