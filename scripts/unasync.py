@@ -47,6 +47,7 @@ FILES = {
         "_query",
         "_replies",
         "_same_host",
+        "_slots",
     )
 }
 

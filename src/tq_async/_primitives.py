@@ -23,9 +23,21 @@ from ._errors import TQError
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["Event", "Lock", "Repeater", "cleanup_scope", "run_each", "run_sync_off_loop"]
+__all__ = [
+    "TIMERS_FIRE_IDLE",
+    "Event",
+    "Lock",
+    "Repeater",
+    "cleanup_scope",
+    "run_each",
+    "run_sync_off_loop",
+    "spawn",
+]
 
 T = TypeVar("T")
+
+#: a `Repeater` fires while its caller does its own work too (a timer of the event loop)
+TIMERS_FIRE_IDLE = True
 
 Lock = anyio.Lock
 Event = anyio.Event
@@ -64,6 +76,18 @@ def cleanup_scope(seconds: float) -> Iterator[None]:
     """Clean-up after a failure: shielded from cancellation, bounded to ``seconds``."""
     with anyio.move_on_after(seconds, shield=True):
         yield
+
+
+#: the tasks `spawn` started, until they end (the loop keeps only weak references)
+_spawned: set[asyncio.Task[None]] = set()
+
+
+def spawn(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``fn()`` as a task of the running loop, in the background (it handles its own
+    errors; one it lets out ends it, unseen)."""
+    task = asyncio.get_running_loop().create_task(fn())
+    _spawned.add(task)
+    task.add_done_callback(_spawned.discard)
 
 
 class Repeater:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
+    "TIMERS_FIRE_IDLE",
     "Event",
     "Lock",
     "Repeater",
@@ -24,12 +25,17 @@ __all__ = [
     "run_due_timers",
     "run_each",
     "run_sync_off_loop",
+    "spawn",
 ]
 
 T = TypeVar("T")
 
 Lock = threading.Lock
 Event = threading.Event
+
+#: a `Repeater` fires only while a request of its thread waits, never while its caller
+#: does its own work
+TIMERS_FIRE_IDLE = False
 
 
 def run_sync_off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -48,6 +54,12 @@ def cleanup_scope(seconds: float) -> Iterator[None]:
     """Clean-up after a failure: a blocking request is bounded by its own timeout."""
     del seconds
     yield
+
+
+def spawn(fn: Callable[[], Any]) -> None:
+    """Nothing: a blocking client has no background to run ``fn`` in (its timers fire only
+    while it waits in a call, so it never asks for one)."""
+    del fn
 
 
 class _Timers(threading.local):

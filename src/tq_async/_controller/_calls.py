@@ -25,6 +25,7 @@ from .._wire._protocol import (
     RegisterTasks,
     Release,
     ReleaseRollout,
+    RenewSlots,
     ResetConsumption,
     RestoreAbort,
     RestoreBegin,
@@ -151,16 +152,38 @@ class ControlCalls:
         self.shell.apply(self.core.set_policy_version(body.version))
 
     def on_acquire_rollout(self, msg: Incoming, body: AcquireRollout) -> Any:
-        if self.core.acquire(body.policy_version, body.n, body.token, msg.peer):
-            self.shell.admit(msg.peer, msg.rid, body.n)
+        holder = self._holder(msg.peer, body)
+        now = self.shell.now() if body.holder else None
+        if self.core.acquire(body.policy_version, body.n, body.token, holder, now):
+            self._admit(msg.peer, msg.rid, body, holder)
             return SENT
         self.shell.spawn_waiting(msg, self._acquire_waiting, msg.peer, msg.rid, body, msg.t0)
         return DEFERRED
 
+    def _holder(self, peer: bytes, body: AcquireRollout) -> bytes:
+        """Who holds an acquire's slots: the name its client gives (its connection speaks
+        for it from now on), else the connection itself."""
+        if not body.holder:
+            return peer
+        self.core.rollouts.named(peer, body.holder)
+        return body.holder
+
+    def _admit(self, peer: bytes, rid: int, body: AcquireRollout, holder: bytes) -> None:
+        """Answer an admitted rollout: with the slot lease its client renews (None: its
+        connection holds the slots)."""
+        self.shell.rearm()  # (a named holder's slot lease)
+        lease = self.core.rollouts.config.slot_lease if body.holder else None
+        self.shell.admit(peer, rid, body.n, holder, lease)
+
     def on_release_rollout(self, msg: Incoming, body: ReleaseRollout) -> None:
         if body.n < 0:
             raise InvalidRequestError(f"release_rollout needs n >= 0, got {body.n}")
-        self.shell.apply(Effects(admission=self.core.release_slots(body.n, msg.peer)))
+        released = self.core.release_slots(body.n, body.holder or msg.peer)
+        self.shell.apply(Effects(admission=released))
+
+    def on_renew_slots(self, msg: Incoming, body: RenewSlots) -> None:
+        self.core.renew_slots(body.holder, msg.peer, self.shell.now())
+        self.shell.rearm()
 
     def on_take_recycled(self, msg: Incoming, body: TakeRecycled) -> list[RecycledRows]:
         if body.max_rows < 1:
@@ -186,12 +209,15 @@ class ControlCalls:
     async def _acquire_waiting(
         self, peer: bytes, rid: int, body: AcquireRollout, t0: float
     ) -> None:
+        holder = self._holder(peer, body)
+
+        def admitted() -> bool:
+            now = self.shell.now() if body.holder else None
+            return self.core.acquire(body.policy_version, body.n, body.token, holder, now)
+
         async def work() -> None:
-            await self.shell.lot.until(
-                "admission",
-                lambda: self.core.acquire(body.policy_version, body.n, body.token, peer),
-            )
-            self.shell.admit(peer, rid, body.n)
+            await self.shell.lot.until("admission", admitted)
+            self._admit(peer, rid, body, holder)
 
         st = self.state
         await self.shell.waiting_request(
@@ -239,6 +265,7 @@ class ControlCalls:
             SetPolicyVersion: self.on_set_policy_version,
             AcquireRollout: self.on_acquire_rollout,
             ReleaseRollout: self.on_release_rollout,
+            RenewSlots: self.on_renew_slots,
             TakeRecycled: self.on_take_recycled,
             ReturnRecycled: self.on_return_recycled,
         }

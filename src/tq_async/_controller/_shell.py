@@ -199,12 +199,13 @@ class Shell:
         """A same-host client's connection ended (its process exited or was killed): its
         requests still waiting end as if it had cancelled them (it never reads a reply, and
         a get_meta woken later would take the task's rows for nobody), and the admission
-        slots it acquired and never put go back (it will never put them)."""
+        slots it acquired and never put go back (it will never put them), those of the
+        holder it named too."""
         for key in [k for k in self.pending if k[0] == peer]:
             self.pending[key].cancel()
         for key in [k for k in self.watch.parked if k[0] == peer]:
             self.watch.cancel(key)
-        if self.core.holder_gone(peer):  # (its own waiting acquire_rollout is cancelled)
+        if self.core.peer_gone(peer):  # (its own waiting acquire_rollout is cancelled)
             self.apply_unasked(Effects(admission=True))
 
     def resends_every(self, peer: bytes, refresh: float | None) -> None:
@@ -343,14 +344,17 @@ class Shell:
         if len(undos) > _REPLY_CACHE:
             undos.popitem(last=False)
 
-    def admit(self, peer: bytes, rid: int, n: int) -> None:
-        """Answer ``rid``, an admitted rollout of ``n`` rows; its late ``Cancel`` gives the
+    def admit(
+        self, peer: bytes, rid: int, n: int, holder: bytes, lease: float | None = None
+    ) -> None:
+        """Answer ``rid``, an admitted rollout of ``n`` rows held by ``holder`` (with the
+        slot lease its client renews them under, if any); its late ``Cancel`` gives the
         slots back."""
         core = self.core
         self.undo_on_cancel(
-            peer, rid, lambda: self.apply(Effects(admission=core.release_slots(n, peer)))
+            peer, rid, lambda: self.apply(Effects(admission=core.release_slots(n, holder)))
         )
-        self.send_ok(peer, rid, None)
+        self.send_ok(peer, rid, lease)
 
     # ---- waiting -----------------------------------------------------------------------------
 

@@ -3,13 +3,18 @@
 `Admission` decides whether a rollout may start (``acquire_rollout``: the staleness
 bound and the capacity of `AdmissionConfig`), gives slots back as
 the learner consumes rows or rows are cleared unconsumed, and counts stale rows once for the
-status and the metrics. No loop, no clock: `ControllerCore`
-calls it.
+status and the metrics.
+
+Slots not put yet belong to their *holder*: a connection's identity, or the name an
+asynchronous client gives itself (the same across its reconnects and a restart of a durable
+controller). A named holder's slots are under a *slot lease* its client renews while it
+holds any (`lease`); a holder that stops renewing gives them back when it lapses (`expire`).
+No loop, no clock: `ControllerCore` calls it with ``now`` and arms its deadlines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._errors import InvalidRequestError
 from .._logging import get_logger
@@ -27,13 +32,33 @@ log = get_logger(__name__)
 #: admissions per producer happen in between
 ADMITTED_TOKENS = 256
 
+#: connections whose holder name is remembered (`Admission.peers`): a client's connection
+#: is named again by its next renewal, so only the latest few thousand are kept
+NAMED_PEERS = 4096
+
 
 class Admission:
-    """Admission slots and stale-row counts over ``state`` (see the module docstring)."""
+    """Admission slots and stale-row counts over ``state`` (see the module docstring).
 
-    def __init__(self, state: ControllerState, config: AdmissionConfig) -> None:
+    Args:
+        state: the controller's state.
+        config: the bounds, and the slot lease.
+        arm: ``arm(deadline, "slots", holder)`` schedules `expire` (none: slot leases
+            never lapse).
+    """
+
+    def __init__(
+        self,
+        state: ControllerState,
+        config: AdmissionConfig,
+        arm: Callable[[float, str, bytes], None] | None = None,
+    ) -> None:
         self.state = state
         self.config = config
+        self._arm = arm
+        #: connection identity -> the holder its client names itself (learned from its
+        #: acquires and renewals; not journaled: a restarted controller learns it again)
+        self.peers: dict[bytes, bytes] = {}
 
     def free_unconsumed(self, p: Partition, rows: Sequence[int]) -> bool:
         """Cleared rows the learner never consumed give their admission slots back."""
@@ -106,12 +131,14 @@ class Admission:
         its own slots first, then on the oldest holders' (a rollout manager acquires, its
         workers put from their own clients). Settled slots stay outstanding until the
         learner consumes their rows; only the unsettled ones go back with their holder."""
-        holders = self.state.holders
+        holders, leases = self.state.holders, self.state.slot_leases
+        holder = self.peers.get(holder, holder)
         own = holders.get(holder, 0)
         if n < own:  # (the usual put: its own producer's, nothing else to look at)
             holders[holder] = own - n
             return
         n -= holders.pop(holder, 0)
+        leases.pop(holder, None)
         for h in list(holders):
             if n <= 0:
                 return
@@ -119,13 +146,62 @@ class Admission:
             n -= take
             if take == holders[h]:
                 del holders[h]
+                leases.pop(h, None)
             else:
                 holders[h] -= take
 
     def holder_gone(self, holder: bytes) -> bool:
         """``holder`` is gone (its process died, or it closed its client): the slots it
         acquired and never put go back. True if any was outstanding."""
+        self.state.slot_leases.pop(holder, None)
         return self.free_slots(self.state.holders.pop(holder, 0))
+
+    def peer_gone(self, peer: bytes) -> bool:
+        """A client's connection ended (a same-host client's process died, or it closed
+        its client): the slots of the holder it named go back (`holder_gone`)."""
+        return self.holder_gone(self.peers.pop(peer, peer))
+
+    def named(self, peer: bytes, holder: bytes) -> None:
+        """Connection ``peer`` speaks for ``holder`` now: its puts and releases settle
+        ``holder``'s slots first, its end (`peer_gone`) gives them back."""
+        peers = self.peers
+        if peers.get(peer) != holder:
+            peers[peer] = holder
+            if len(peers) > NAMED_PEERS:
+                del peers[next(iter(peers))]
+
+    def lease(self, holder: bytes, now: float) -> None:
+        """``holder``'s client renews its slots (it acquired some, or renewed them): they
+        lapse a slot lease from ``now`` unless renewed again."""
+        if holder not in self.state.holders or self._arm is None:
+            return  # (its slots were put meanwhile: nothing to keep)
+        deadline = now + self.config.slot_lease
+        self.state.slot_leases[holder] = deadline
+        self._arm(deadline, "slots", holder)
+
+    def live(self, holder: bytes, deadline: float) -> bool:
+        """Whether ``holder``'s slot lease still ends at ``deadline`` (not renewed, put)."""
+        return self.state.slot_leases.get(holder) == deadline
+
+    def expire(self, holder: bytes, deadline: float, fx: Effects) -> None:
+        """``holder``'s slot lease lapsed at ``deadline`` (its client stopped renewing it: it
+        died over TCP, or a restarted controller's holder never came back): its slots not
+        put go back."""
+        if not self.live(holder, deadline):
+            return
+        n = self.state.holders.get(holder, 0)
+        log.warning(
+            "admission slots not renewed by their producer given back",
+            slots=n,
+            lease_s=self.config.slot_lease,
+        )
+        fx.admission |= self.holder_gone(holder)
+
+    def recovered(self, leased: Sequence[bytes], now: float) -> None:
+        """A restarted controller's recovered holders that renewed: each gets a full slot
+        lease for its client to reconnect and renew (`lease`)."""
+        for holder in leased:
+            self.lease(holder, now)
 
     def admissible(self, version: int, n: int) -> bool:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
@@ -136,13 +212,21 @@ class Admission:
             return False
         return cfg.capacity is None or st.outstanding + n <= cfg.capacity
 
-    def acquire(self, version: int, n: int, token: int = 0, holder: bytes = b"") -> bool:
+    def acquire(
+        self,
+        version: int,
+        n: int,
+        token: int = 0,
+        holder: bytes = b"",
+        now: float | None = None,
+    ) -> bool:
         """Admit a rollout if it fits now (True), else leave everything as it is.
 
         A ``token`` admitted before (one of the last `ADMITTED_TOKENS`, with as many rows) is
         admitted again without taking slots: its client asks again because the first reply
         was lost (the controller died after recording it). The slots are ``holder``'s until
-        rows are put (`settle`): a holder gone gives back those left (`holder_gone`)."""
+        rows are put (`settle`): a holder gone gives back those left (`holder_gone`). With
+        ``now`` the holder renews them (a slot lease from ``now``: `lease`)."""
         if token and self.state.admitted.get(token) == n:
             return True
         if version < 0 or n < 1:
@@ -159,6 +243,8 @@ class Admission:
         if holder:
             holders = self.state.holders
             holders[holder] = holders.get(holder, 0) + n
+            if now is not None:
+                self.lease(holder, now)
         if token:
             admitted = self.state.admitted
             admitted[token] = n

@@ -32,13 +32,25 @@ class AdmissionConfig:
             bound). Unconsumed rows are never evicted: producers wait instead.
         learner_task: the task whose consumption frees admission slots (needed with
             ``capacity``).
+        slot_lease: seconds an asynchronous client's admitted slots not put yet stay
+            its own without a renewal. The client renews them every third of it while it
+            holds any (a timer of its event loop), so only the slots of a producer that died
+            (over TCP, where nothing tells the controller) or whose loop was blocked that long
+            come back; a restarted durable controller gives the holders it recovers a full
+            lease to renew them.
     """
 
     max_staleness: int | None = None
     capacity: int | None = None
     learner_task: str | None = None
+    slot_lease: float = 60.0
 
     def __post_init__(self) -> None:
+        lease: object = self.slot_lease
+        seconds = float(lease) if isinstance(lease, numbers.Real) else math.nan
+        if isinstance(lease, bool) or not 0 < seconds < math.inf:
+            raise InvalidRequestError(f"slot_lease must be a positive number of seconds: {lease!r}")
+        object.__setattr__(self, "slot_lease", seconds)  # (numpy's floats as floats)
         # (numpy's ints, as configs hold them, kept as the ints they are)
         if self.max_staleness is not None:
             object.__setattr__(

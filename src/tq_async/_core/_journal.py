@@ -196,6 +196,10 @@ class ControllerRecord(msgspec.Struct, array_like=True):
     taken: dict[int, list[tuple[str, str, list[int], int]]] = msgspec.field(default_factory=dict)
     #: each holder's admitted slots not put yet, oldest first (`ControllerState.holders`)
     holders: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
+    #: the holders whose client renews their slots (`ControllerState.slot_leases`): each
+    #: gets a full slot lease when the controller recovers (none in older records: their
+    #: holders' slots are kept until put)
+    leased: list[bytes] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -709,6 +713,7 @@ def controller_record(
         dp_ends=[(*end, sorted(ranks)) for end, ranks in st.dp_ends.items()],
         taken=dict(st.taken),
         holders=list(st.holders.items()),
+        leased=list(st.slot_leases),
     )
 
 
@@ -750,6 +755,7 @@ def recover(
     st.learner_version, st.outstanding = ctl.learner_version, ctl.outstanding
     st.admitted = dict(ctl.admitted)
     st.holders = dict(ctl.holders)
+    core.rollouts.recovered(ctl.leased, now)
     st.recycled.load(ctl.recycled)
     st.taken = dict(ctl.taken)
     st.stale_counts.update(ctl.stale_counts)

@@ -626,6 +626,9 @@ class ControllerState:
         #: each holder's (a client's identity) admitted slots whose rows are not put yet,
         #: oldest holder first: a holder gone (`Admission.holder_gone`) gives them back
         self.holders: dict[bytes, int] = {}
+        #: the holders whose client renews their slots (`Admission.lease`) -> when they
+        #: lapse (the core's clock): one that stops renewing gives its slots back
+        self.slot_leases: dict[bytes, float] = {}
         #: stale rows whose prompts must be regenerated: (partition_id, incarnation, row),
         #: taken once
         self.recycled = RecycledQueue()

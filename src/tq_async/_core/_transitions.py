@@ -3,8 +3,8 @@
 No event loop, no sockets, no clock. Every transition takes the request (and ``now``, seconds
 on any monotonic clock) and returns what the I/O shell still has to do, as
 `Effects`: waiters to wake, rows to free on storage units, capacity and admission
-slots freed. Deadlines (leases, put leases, suspended units) live in one heap here; the
-shell arms a single timer for `ControllerCore.next_deadline` and calls
+slots freed. Deadlines (leases, put leases, slot leases, suspended units) live in one
+heap here; the shell arms a single timer for `ControllerCore.next_deadline` and calls
 `ControllerCore.advance` when it fires. A get_meta is decided in one call,
 `ControllerCore.decide` (`tq_async._core._gets`): it runs plain samplers, looks
 ahead for ``get_batches``, and returns a reply, a wait, or an ``async`` sampler's started call
@@ -112,9 +112,9 @@ class ControllerCore:
         self.admission = admission or AdmissionConfig()
         self._ids = itertools.count(1)
         #: (deadline, seq, kind, id); stale entries are skipped when popped
-        self._timers: list[tuple[float, int, str, int]] = []
+        self._timers: list[tuple[float, int, str, Any]] = []
         self.puts = PutLeases(self.state, self.put_lease, self._ids, self._arm, self._clear)
-        self.rollouts = Admission(self.state, self.admission)
+        self.rollouts = Admission(self.state, self.admission, self._arm)
         #: get-side leases and holds
         self.leases = GetLeases(self.state, self._ids, self._arm, self.rollouts)
         #: seal, auto-clear tasks, tags, room for puts, restores, recycled rows
@@ -143,19 +143,22 @@ class ControllerCore:
             heapq.heappop(timers)  # acknowledged, committed, renewed or resumed meanwhile
         return timers[0][0] if timers else None
 
-    def _live(self, deadline: float, _seq: int, kind: str, ident: int) -> bool:
+    def _live(self, deadline: float, _seq: int, kind: str, ident: Any) -> bool:
         """Whether a heap entry still stands for a deadline."""
         if kind == "lease":
             return self.leases.live(ident, deadline)
         if kind == "put":
             return self.puts.live(ident, deadline)
+        if kind == "slots":
+            return self.rollouts.live(ident, deadline)
         return self.state.suspended.get(ident) == deadline
 
-    def _arm(self, deadline: float, kind: str, ident: int) -> None:
+    def _arm(self, deadline: float, kind: str, ident: Any) -> None:
         heapq.heappush(self._timers, (deadline, next(self._ids), kind, ident))
 
     def advance(self, now: float) -> Effects:
-        """Expire every lease, put lease and suspended unit whose deadline is ``<= now``."""
+        """Expire every lease, put lease, slot lease and suspended unit whose deadline is
+        ``<= now``."""
         fx = Effects()
         timers = self._timers
         while timers and timers[0][0] <= now:
@@ -164,6 +167,8 @@ class ControllerCore:
                 self.leases.expire(ident, deadline, fx)
             elif kind == "put":
                 self.puts.lapse(ident, deadline, fx)
+            elif kind == "slots":
+                self.rollouts.expire(ident, deadline, fx)
             else:
                 self.liveness.on_deadline(ident, deadline, fx)
         return fx
@@ -367,9 +372,17 @@ class ControllerCore:
         """Whether a rollout of ``n`` rows at policy ``version`` may start now."""
         return self.rollouts.admissible(version, n)
 
-    def acquire(self, version: int, n: int, token: int = 0, holder: bytes = b"") -> bool:
-        """Admit a rollout if it fits now (True), else leave everything as it is."""
-        return self.rollouts.acquire(version, n, token, holder)
+    def acquire(
+        self, version: int, n: int, token: int = 0, holder: bytes = b"", now: float | None = None
+    ) -> bool:
+        """Admit a rollout if it fits now (True), else leave everything as it is; with
+        ``now``, ``holder`` renews its slots (see `Admission.acquire`)."""
+        return self.rollouts.acquire(version, n, token, holder, now)
+
+    def renew_slots(self, holder: bytes, peer: bytes, now: float) -> None:
+        """``holder``'s client, speaking on connection ``peer``, renews its slots."""
+        self.rollouts.named(peer, holder)
+        self.rollouts.lease(holder, now)
 
     def release_slots(self, n: int, holder: bytes = b"") -> bool:
         """``holder`` gives back ``n`` slots it will not put; True if any was outstanding."""
@@ -378,6 +391,10 @@ class ControllerCore:
     def holder_gone(self, holder: bytes) -> bool:
         """``holder`` is gone: the slots it acquired and never put go back."""
         return self.rollouts.holder_gone(holder)
+
+    def peer_gone(self, peer: bytes) -> bool:
+        """Connection ``peer`` ended: the slots of the holder it spoke for go back."""
+        return self.rollouts.peer_gone(peer)
 
     def set_policy_version(self, version: int) -> Effects:
         """The learner moved: rollouts may start, and rows may have gone stale."""

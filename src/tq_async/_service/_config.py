@@ -229,16 +229,21 @@ class AdmissionSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         max_staleness: a rollout of version ``v`` starts only while ``v - learner <= K``.
         capacity: the most rows admitted and not yet consumed by ``learner_task``.
         learner_task: the task whose consumption frees admission slots.
+        slot_lease: seconds an asynchronous client's slots not put yet stay its own
+            without a renewal (it renews every third of it; a dead producer's come back).
     """
 
     max_staleness: int | None = None
     capacity: int | None = None
     learner_task: str | None = None
+    slot_lease: float = AdmissionConfig.slot_lease
 
     def build(self) -> AdmissionConfig:
         """The `AdmissionConfig` (raises `ConfigError` when inconsistent)."""
         try:
-            return AdmissionConfig(self.max_staleness, self.capacity, self.learner_task)
+            return AdmissionConfig(
+                self.max_staleness, self.capacity, self.learner_task, self.slot_lease
+            )
         except TQError as exc:
             raise ConfigError(f"admission: {exc}") from exc
 

@@ -24,6 +24,7 @@ from ._protocol import (
     PutInline,
     RegisterUnit,
     ReleaseRollout,
+    RenewSlots,
     RestoreBegin,
     ReturnRecycled,
     SetPolicyVersion,
@@ -63,6 +64,8 @@ MAX_INT = 2**63 - 1
 MAX_PUT_ROWS = 2**31 - 1
 #: storage unit ids live in int32 arrays
 MAX_UNIT_ID = 2**31 - 1
+#: the longest name a client holds admission slots under (`AcquireRollout.holder`)
+MAX_HOLDER = 64
 _INF = math.inf
 
 
@@ -342,6 +345,17 @@ def _acquire(b: AcquireRollout) -> None:
     check_int("n", b.n, 1)
     check_seconds("timeout", b.timeout)
     check_int("token", b.token, 0)
+    _holder(b.holder)
+
+
+def _release(b: ReleaseRollout) -> None:
+    check_int("n", b.n)
+    _holder(b.holder)
+
+
+def _holder(holder: bytes) -> None:
+    if len(holder) > MAX_HOLDER:
+        raise InvalidRequestError(f"a slot holder's name is {MAX_HOLDER} bytes at most")
 
 
 def _watch_next(b: WatchNext) -> None:
@@ -363,7 +377,8 @@ _CHECKS: dict[type[Any], Callable[[Any], object]] = {
     AcquireRollout: _acquire,
     RegisterUnit: lambda b: check_int("unit_id", b.unit_id, -1, MAX_UNIT_ID),
     SetPolicyVersion: lambda b: check_int("version", b.version),
-    ReleaseRollout: lambda b: check_int("n", b.n),
+    ReleaseRollout: _release,
+    RenewSlots: lambda b: _holder(b.holder),
     TakeRecycled: lambda b: check_int("max_rows", b.max_rows, 1),
     ReturnRecycled: lambda b: check_ints("rows", b.rows),
     Ack: lambda b: check_ints("lease_ids", b.lease_ids),

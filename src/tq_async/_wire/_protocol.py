@@ -148,12 +148,25 @@ class AcquireRollout(_Msg):
     #: the client's name for this admission (0: none): asked again with the same token after
     #: its reply was lost, it is admitted once
     token: int = 0
+    #: the name the client holds its slots under, the same across its reconnects (empty:
+    #: its connection holds them): it renews them (`RenewSlots`) while it holds any, and the
+    #: reply is the slot lease in seconds (None: the connection holds them)
+    holder: bytes = b""
 
 
 class ReleaseRollout(_Msg):
     """Give back admission slots of rollouts that will not be put (e.g. generation failed)."""
 
     n: int
+    #: the holder whose slots they are first (`AcquireRollout.holder`; empty: the sender's)
+    holder: bytes = b""
+
+
+class RenewSlots(_Msg):
+    """The client holding admission slots under ``holder`` is alive: extend their slot
+    lease (fire and forget; the connection it comes on speaks for ``holder`` from now)."""
+
+    holder: bytes
 
 
 class TakeRecycled(_Msg):
@@ -490,6 +503,7 @@ ControllerBody = (
     | SetPolicyVersion
     | AcquireRollout
     | ReleaseRollout
+    | RenewSlots
     | TakeRecycled
     | ReturnRecycled
     | StalenessStatus

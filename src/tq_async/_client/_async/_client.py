@@ -770,8 +770,12 @@ class AsyncClient:
         ``policy_version=``: only rows that carry one are admitted rollouts and free a slot
         (rows put without one, e.g. prompts, free none). A `put` that fails or is
         cancelled frees none, wherever it stopped: put again, or `release_rollout`. The
-        slots not yet put are this client's: over the same-host Unix socket they come back
-        when it is closed or its process dies (any client's put settles them first).
+        slots not yet put are this client's (any client's put settles them first): it
+        renews them while it holds any, so they come back when it is closed or its process
+        dies (at once over the same-host Unix socket, after ``AdmissionConfig.slot_lease``
+        over TCP), and stay across a restart of a durable controller. A blocking `Client`
+        renews nothing (its timers fire only while it waits in a call): its connection
+        holds its slots.
 
         Raises:
             TQTimeoutError: not admitted within ``timeout`` (nothing reserved).

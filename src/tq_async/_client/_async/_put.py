@@ -69,6 +69,7 @@ from ..._wire._protocol import (
 from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
 from ._replies import ask_grant, decode
+from ._slots import HeldSlots
 
 __all__ = ["PutPath"]
 
@@ -199,11 +200,14 @@ class PutPath:
         self.inline_put_bytes = inline_put_bytes
         #: put id -> the process that placed it, for puts not yet committed or aborted
         self._open: dict[int, int] = {}
+        #: the admission slots this client holds: its puts settle them, renewed while held
+        self.slots = HeldSlots(links)
 
     def farewell(self) -> list[AbortPut]:
         """What a client closing while puts of this process are in flight sends last: their
         aborts (they fail with ClosedError; their rows are reclaimed at once, not when the
-        put lease lapses)."""
+        put lease lapses). Its admission slots are renewed no more."""
+        self.slots.stop()
         pid = os.getpid()
         mine = sorted(put_id for put_id, owner in self._open.items() if owner == pid)
         self._open.clear()
@@ -261,6 +265,8 @@ class PutPath:
             placement = await self._put_inline(put, nowait, timeout, deadline)
         else:
             placement = await self._put_in_three(put, nowait, timeout, deadline)
+        if versions is not None and meta is None and keys is None:
+            self.slots.settled(n)  # (new rows given a version settle slots)
         written_versions = {f: list(versions) for f in fields} if versions else {}
         if meta is None:
             out_tags = [t or {} for t in tag_list] if tag_list else []

@@ -294,7 +294,8 @@ class ControlCalls:
         token = unsettled.pop() if unsettled else secrets.randbits(62) + 1
         if unsettled:
             self._unsettled[key] = unsettled
-        body = AcquireRollout(*key, check_seconds("timeout", timeout), token)
+        slots = self._puts.slots
+        body = AcquireRollout(*key, check_seconds("timeout", timeout), token, slots.holder)
         deadline = None if timeout is None else timeout + self._links.request_timeout
 
         def on_abandon(reply: Reply, _frames: list[Any]) -> None:
@@ -302,11 +303,16 @@ class ControlCalls:
             # (a reply still on its way when it gave up is undone by the controller on the
             # call's Cancel, even if this client closes meanwhile)
             if reply.ok and self._links.controller is not None:
-                self._links.controller.send_best_effort(ReleaseRollout(body.n))
+                release = ReleaseRollout(body.n, slots.holder)
+                self._links.controller.send_best_effort(release)
 
         try:
             controller = self._links.controller_link()
-            controller.request(body, timeout=deadline, on_abandon=on_abandon, cancel_undoes=True)
+            payload, _ = controller.request(
+                body, timeout=deadline, on_abandon=on_abandon, cancel_undoes=True
+            )
+            # (the slot lease its holder renews; None: its connection holds them)
+            slots.acquired(body.n, decode(payload, float | None))
         except BrokenError:
             self._unsettled.setdefault(key, []).append(token)
             if len(self._unsettled) > _UNSETTLED:  # versions never asked for again
@@ -315,7 +321,9 @@ class ControlCalls:
 
     def release_rollout(self, n: int) -> None:
         """Give back ``n`` admission slots of rollouts that will not be put."""
-        self._links.call(ReleaseRollout(check_int("n", as_int(n))), None)
+        slots, n = self._puts.slots, check_int("n", as_int(n))
+        self._links.call(ReleaseRollout(n, slots.holder), None)
+        slots.settled(n)
 
     def take_recycled(self, max_rows: int = 1024) -> list[BatchMeta]:
         """Take stale rows whose prompts must be regenerated, one BatchMeta per partition.
