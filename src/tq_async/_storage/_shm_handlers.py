@@ -195,9 +195,10 @@ class ShmPath:
             return None
         return ShmGrant(self.book.lend_spare(peer, pid, region), region.offset, region.size)
 
-    def unlend(self, peer: bytes, spare: ShmGrant) -> None:
-        """Take back a spare whose answer failed (the client never learnt of it)."""
-        self.give_back(self.book.free(peer, [spare.grant], []))
+    def unlend(self, peer: bytes, *spares: ShmGrant) -> None:
+        """Take back spares whose answer failed (the client never learnt of them; those of
+        the device arena too)."""
+        self.give_back(self.book.free(peer, [spare.grant for spare in spares], []))
 
     def _lock(self, peer: bytes, pid: int, spans: list[tuple[int, int]]) -> None:
         """Before answering: the chunks of ``spans`` stay resident while ``peer`` holds them
