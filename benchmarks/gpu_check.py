@@ -408,6 +408,32 @@ def per_call(client_cols: dict[str, Any], torch: Any, device: str = "cuda") -> d
         server.stop()
 
 
+def _emulated(torch: Any) -> int:
+    """``--emulate``: `per_call` with the arena in host memory, and the requests of a call."""
+    import collections
+
+    from tq_async._paths._device import EMULATE_ENV
+    from tq_async._transport._dealer import DealerConnection
+
+    os.environ[EMULATE_ENV] = "1"  # the unit's arena and the client's columns: host memory
+    seen: collections.Counter[str] = collections.Counter()
+    real = DealerConnection.request
+
+    async def counted(self: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        seen[type(body).__name__] += 1
+        return await real(self, body, *args, **kwargs)
+
+    DealerConnection.request = counted  # type: ignore[method-assign]
+    small = per_call({}, torch, device="cpu")
+    print(
+        f"device arena (emulated), one 1 MiB column: put {small['put_us']:.0f} us, "
+        f"get_data(device='cpu') {small['get_us']:.0f} us (median of 50)"
+    )
+    # 55 rounds of put, get_data, clear_samples (and the first round's links)
+    print(f"requests in 55 rounds: {dict(sorted(seen.items()))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="batch size in MiB")
@@ -421,15 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.emulate:
-        from tq_async._paths._device import EMULATE_ENV
-
-        os.environ[EMULATE_ENV] = "1"  # the unit's arena and the client's columns: host memory
-        small = per_call({}, torch, device="cpu")
-        print(
-            f"device arena (emulated), one 1 MiB column: put {small['put_us']:.0f} us, "
-            f"get_data(device='cpu') {small['get_us']:.0f} us (median of 50)"
-        )
-        return 0
+        return _emulated(torch)
 
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing")

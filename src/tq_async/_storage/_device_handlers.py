@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import anyio
 
-from .._errors import DeviceError, InvalidRequestError, ProtocolError
+from .._errors import DeviceError, InvalidRequestError, ProtocolError, SessionLostError
 from .._logging import get_logger
 from .._paths._device import device_span_ok, open_device_arena
 from .._paths._shm import Region
@@ -25,7 +25,7 @@ from .._service._loop import Incoming
 from .._wire._protocol import DeviceHello, DeviceHelloReply, ShmGrant, StorePut
 from ._book import Book
 from ._cells import StorageState
-from ._shm_handlers import SPARE_SHARE
+from ._shm_handlers import NO_SESSION, SPARE_SHARE
 
 __all__ = ["DevicePath"]
 
@@ -113,6 +113,8 @@ class DevicePath:
         """Where a put's device columns are, checked against its grant (consumed); the
         grant's reference is released when the put is done (the stored chunks hold theirs)."""
         assert body.device is not None
+        if self.book.pid(peer) is None:  # (a grant of an earlier boot of this unit, maybe)
+            raise SessionLostError(NO_SESSION)
         device = self.state.device
         region = self.book.take_grant(peer, body.device.grant, device=True) if device else None
         if device is None or region is None:

@@ -439,34 +439,44 @@ class PutPath:
                 partition_id, rows, headers, placement.incarnation, host=self._links.host_id
             )
             conn, arena = self._links.data_link(unit)
-            kept = place_device_columns(self._links, unit, conn, arena, store, cols)
             try:
-                try:
-                    sent.append((conn, store))
-                    self._send(unit, conn, arena, store, kept)
-                except SessionLostError:
-                    if store.device is not None:
-                        raise
-                    # the unit restarted under this connection: nothing was stored; set
-                    # its shared memory up again and send once more
-                    store.shm, store.spare = None, 0
-                    self._links.session_lost(unit, arena)
-                    conn, arena = self._links.data_link(unit)
-                    sent.append((conn, store))
-                    self._send(unit, conn, arena, store, kept)
-            except BaseException:
-                if store.device is not None:  # the unit ignores a grant it consumed
-                    conn.send_best_effort(ShmFree([store.device.grant], []))
-                raise
-            finally:
-                if store.device_spare:
-                    self._links.same_host_units.asked(unit, device=True)
+                self._store_at(unit, conn, arena, store, cols, sent)
+            except SessionLostError:
+                # the unit restarted under this connection: nothing was stored; set its
+                # shared memory (and device arena) up again and send once more
+                store.shm, store.spare, store.device, store.device_spare = None, 0, None, 0
+                self._links.session_lost(unit, arena)
+                conn, arena = self._links.data_link(unit)
+                self._store_at(unit, conn, arena, store, cols, sent)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
             store_one(unit, positions)
             return
         run_each(store_one, by_unit.items())
+
+    def _store_at(
+        self,
+        unit: int,
+        conn: BlockingConnection,
+        arena: ArenaMap | None,
+        store: StorePut,
+        cols: list[Column | DeviceColumn],
+        sent: list[tuple[BlockingConnection, StorePut]],
+    ) -> None:
+        """Send ``unit`` its slice of a put (``store``, its columns ``cols``) on ``conn``,
+        its device columns into its device arena first when it has one."""
+        kept = place_device_columns(self._links, unit, conn, arena, store, cols)
+        try:
+            sent.append((conn, store))
+            self._send(unit, conn, arena, store, kept)
+        except BaseException:
+            if store.device is not None:  # the unit ignores a grant it consumed
+                conn.send_best_effort(ShmFree([store.device.grant], []))
+            raise
+        finally:
+            if store.device_spare:
+                self._links.same_host_units.asked(unit, device=True)
 
     def _send(
         self,
