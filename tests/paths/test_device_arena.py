@@ -578,3 +578,32 @@ async def test_a_steady_device_put_takes_the_grant_lent_with_the_last_answer(
         assert (await _stats(client))["device_bytes"] == held
     async with tq.AsyncClient.connect(address) as other:  # the first gave its spares back
         assert (await _stats(other))["device_bytes"] == 0
+
+
+async def test_device_copies_done_already_are_not_waited_for_on_a_worker_thread(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put's and a read's device copies are waited for off the loop only while they run:
+    copies complete already (host memory, here; on a GPU, an event already passed) cost no
+    thread's hop."""
+    from tq_async._client._async import _device_links
+
+    hops: list[Any] = []
+    off_loop = _device_links.run_sync_off_loop
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(fn)
+        return await off_loop(fn, *args)
+
+    x = torch.arange(16 * 8192).reshape(16, 8192)
+    async with tq.AsyncClient.connect(address) as client:
+        for b in (x, x + 1):  # one to each unit: the links open (a hop each: DeviceView)
+            await client.put({"x": b}, partition_id="hops")
+        hops.clear()
+        monkeypatch.setattr(_device_links, "run_sync_off_loop", counted)
+        meta = await client.put({"x": x + 2}, partition_id="hops")
+        td = await client.get_data(meta, device="cpu")
+        assert torch.equal(td["x"], x + 2)
+        assert (await _stats(client))["device_reads"] == 1
+        assert hops == []
+        await client.clear_partition("hops")
