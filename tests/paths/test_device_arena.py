@@ -607,3 +607,36 @@ async def test_device_copies_done_already_are_not_waited_for_on_a_worker_thread(
         assert (await _stats(client))["device_reads"] == 1
         assert hops == []
         await client.clear_partition("hops")
+
+
+async def test_a_put_of_new_fields_asks_for_its_device_grant_while_it_is_placed(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put of new fields names its rows, so their units are known before the controller
+    answers: a unit that lent no device grant for the new columns is asked for one while
+    PutBegin is under way (its round trip overlaps the placement's), and the put takes it."""
+    from tq_async._transport._dealer import DealerConnection
+
+    events: list[tuple[str, str]] = []
+    real = DealerConnection.request
+
+    async def traced(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        name = type(body).__name__
+        events.append(("start", name))
+        try:
+            return await real(self, body, *args, **kwargs)
+        finally:
+            events.append(("end", name))
+
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put({"a": torch.zeros(16, 8192)}, partition_id="ahead")  # linked
+        monkeypatch.setattr(DealerConnection, "request", traced)
+        r = torch.randn(16, 3 * 8192)  # 3 MiB: larger than the spare lent with the first put
+        meta = await client.put({"r": r}, meta=meta)
+        starts = [n for e, n in events if e == "start"]
+        assert sorted(starts) == ["PutBegin", "PutCommit", "ShmAlloc", "StorePut"]
+        # the grant was asked for before the placement came back
+        assert events.index(("start", "ShmAlloc")) < events.index(("end", "PutBegin"))
+        assert torch.equal((await client.get_data(meta, device="cpu"))["r"], r)
+        assert (await _stats(client))["device_puts"] == 2
+        await client.clear_partition("ahead")

@@ -17,17 +17,20 @@ from typing import TypeGuard
 import msgspec
 import zmq
 
+from ..._logging import get_logger
 from ..._paths._device_copy import to_host
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
 from ..._transport._dealer import DealerConnection
 from ..._wire._codec import DeviceColumn, columns_from_batch
-from ..._wire._columns import Column, ColumnHeader
-from ..._wire._protocol import PutSpares, Reply, ShmFree, ShmGrant, StorePut
+from ..._wire._columns import Column, ColumnHeader, positions_by_unit
+from ..._wire._protocol import PutSpares, Reply, ShmAlloc, ShmFree, ShmGrant, StorePut
 from ._base import Links
-from ._replies import decode
+from ._replies import ask_grant, decode
 
-__all__ = ["give_back_lent", "is_host", "keep_spares", "place_device_columns"]
+log = get_logger(__name__)
+
+__all__ = ["give_back_lent", "is_host", "keep_spares", "lend_ahead", "place_device_columns"]
 
 
 def is_host(column: Column | DeviceColumn) -> TypeGuard[Column]:
@@ -79,6 +82,36 @@ async def place_device_columns(
         assert is_host(column)
         out.append((h, column))
     return out
+
+
+async def lend_ahead(links: Links, cols: list[Column | DeviceColumn], units: list[int]) -> None:
+    """Before a put of new fields of rows on ``units`` (one per row) is placed: ask each
+    unit on this host whose device arena this client holds no spare of that holds its
+    slice of the put's device columns ``cols`` for one now (meanwhile the placement is
+    under way), kept as a spare for the put to take. Best effort: the put asks a unit
+    that did not lend one."""
+    devices, same_host = links.devices, links.same_host_units
+    held = [c.tensor for c in cols if isinstance(c, DeviceColumn)]
+    if devices is None or not held:
+        return
+    for unit, positions in positions_by_unit(units).items():
+        view, arena, conn = devices.view(unit), same_host.arenas.get(unit), links.units.get(unit)
+        nbytes = devices.grant_bytes([(0, t[: len(positions)]) for t in held])
+        if view is None or arena is None or conn is None:
+            continue  # not linked yet: the put links it and asks
+        if same_host.has_spare(unit, conn, nbytes, device=True):
+            continue
+        if not same_host.ask_spare(unit, device=True):
+            continue
+        try:
+            ask = ShmAlloc(nbytes, device=True)
+            grant = await ask_grant(conn, ask, links.request_timeout, view, "a device grant")
+            if grant is not None:
+                same_host.keep_spare(unit, conn, arena, grant, check=view.check)
+        except Exception as exc:  # the put asks again, and says what is wrong
+            log.debug("a device grant asked ahead of a put failed", unit=unit, error=str(exc))
+        finally:
+            same_host.asked(unit, device=True)
 
 
 def lent(body: StorePut, payload: msgspec.Raw) -> tuple[ShmGrant | None, ShmGrant | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -66,7 +67,7 @@ from ..._wire._protocol import (
 )
 from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
-from ._device_puts import give_back_lent, keep_spares, place_device_columns
+from ._device_puts import give_back_lent, keep_spares, lend_ahead, place_device_columns
 from ._replies import ask_grant, decode
 
 __all__ = ["PutPath"]
@@ -362,13 +363,23 @@ class PutPath:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
         controller = await self._links.controller_link()
-        payload, _ = await controller.request(
-            begin,
-            timeout=self._links.request_timeout if deadline is True else deadline or None,
-            on_abandon=on_abandon,
-            cancel_undoes=True,  # (a reply still on its way: the controller aborts the put)
-        )
-        placement: Placement = decode(payload, Placement)
+        answer: list[msgspec.Raw] = []
+
+        async def place() -> None:
+            payload, _ = await controller.request(
+                begin,
+                timeout=self._links.request_timeout if deadline is True else deadline or None,
+                on_abandon=on_abandon,
+                cancel_undoes=True,  # (a reply still on its way: the controller aborts the put)
+            )
+            answer.append(payload)
+
+        if meta is None or not any(isinstance(c, DeviceColumn) for c in put.columns):
+            await place()
+        else:  # the units are known: their device grants are asked for meanwhile
+            lend = partial(lend_ahead, self._links, put.columns, meta.units)
+            await run_each(lambda job: job(), [(place,), (lend,)])
+        placement: Placement = decode(answer[0], Placement)
         self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)

@@ -235,6 +235,13 @@ class SameHostUnits:
         self._spares[key] = keep
         return taken
 
+    def has_spare(
+        self, unit_id: int, conn: DealerConnection, nbytes: int, *, device: bool = False
+    ) -> bool:
+        """Whether `take_spare` would find one (nothing is taken or given back)."""
+        held = self._spares.get((unit_id, device), ())
+        return any(owner is conn and grant.size >= nbytes for owner, grant in held)
+
     def ask_spare(self, unit_id: int, *, device: bool = False) -> bool:
         """Whether a put to ``unit_id`` should ask for a spare (of its device arena with
         ``device``): fewer than `SPARES_PER_UNIT` held and asked for; it counts as asked
