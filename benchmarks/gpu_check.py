@@ -1,6 +1,11 @@
 """Every GPU path of tq_async, against torch's own pinned copies in the same run.
 
     python -m benchmarks.gpu_check [--mib 256] [--rounds 5]
+    TQ_ASYNC_GPU_EMULATE=1 python -m benchmarks.gpu_check --emulate
+
+``--emulate`` (no GPU needed) measures only the device arena's per-call time for one 1 MiB
+column, with the arena emulated in host memory (the "device" is the CPU): the round trips
+and the event-loop work of a call, without the copies' CUDA side.
 
 On a machine without CUDA it says so and exits 0 having measured nothing. With CUDA it
 prints, for a batch of ``--mib`` MiB of int64 in 4 columns:
@@ -366,16 +371,17 @@ class _StallSampler:
         return sorted(((n, k) for k, n in self.seen.items()), reverse=True)[:6]
 
 
-def per_call(client_cols: dict[str, Any], torch: Any) -> dict[str, float]:
+def per_call(client_cols: dict[str, Any], torch: Any, device: str = "cuda") -> dict[str, float]:
     """Microseconds a put and a ``get_data(device=)`` of one 1 MiB CUDA column take through a
-    unit's device arena (``tq-async serve --device-cap``), median of 50 after 5."""
+    unit's device arena (``tq-async serve --device-cap``), median of 50 after 5 (``device``
+    ``"cpu"``: the emulated arena, ``TQ_ASYNC_GPU_EMULATE=1``)."""
     import anyio
 
     import tq_async as tq
 
     from ._proc import ServeProcess
 
-    col = {"x": torch.randint(0, 1 << 30, (128, 1024), device="cuda")}  # 1 MiB
+    col = {"x": torch.randint(0, 1 << 30, (128, 1024), device=device)}  # 1 MiB
 
     async def run(address: str) -> dict[str, float]:
         async with tq.AsyncClient.connect(address) as client:
@@ -384,7 +390,7 @@ def per_call(client_cols: dict[str, Any], torch: Any) -> dict[str, float]:
                 t0 = time.perf_counter()
                 meta = await client.put(col, partition_id="small")
                 t1 = time.perf_counter()
-                await client.get_data(meta, device="cuda")
+                await client.get_data(meta, device=device)
                 t2 = time.perf_counter()
                 await client.clear_samples(meta)
                 if i >= 5:
@@ -402,12 +408,46 @@ def per_call(client_cols: dict[str, Any], torch: Any) -> dict[str, float]:
         server.stop()
 
 
+def _emulated(torch: Any) -> int:
+    """``--emulate``: `per_call` with the arena in host memory, and the requests of a call."""
+    import collections
+
+    from tq_async._paths._device import EMULATE_ENV
+    from tq_async._transport._dealer import DealerConnection
+
+    os.environ[EMULATE_ENV] = "1"  # the unit's arena and the client's columns: host memory
+    seen: collections.Counter[str] = collections.Counter()
+    real = DealerConnection.request
+
+    async def counted(self: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        seen[type(body).__name__] += 1
+        return await real(self, body, *args, **kwargs)
+
+    DealerConnection.request = counted  # type: ignore[method-assign]
+    small = per_call({}, torch, device="cpu")
+    print(
+        f"device arena (emulated), one 1 MiB column: put {small['put_us']:.0f} us, "
+        f"get_data(device='cpu') {small['get_us']:.0f} us (median of 50)"
+    )
+    # 55 rounds of put, get_data, clear_samples (and the first round's links)
+    print(f"requests in 55 rounds: {dict(sorted(seen.items()))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="batch size in MiB")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--emulate",
+        action="store_true",
+        help="only the device arena's per-call time, emulated in host memory (no GPU)",
+    )
     args = parser.parse_args(argv)
     import torch
+
+    if args.emulate:
+        return _emulated(torch)
 
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing")

@@ -40,6 +40,7 @@ FILES = {
         "_calls",
         "_nixl_links",
         "_device_links",
+        "_device_puts",
         "_client",
         "_checkpoint",
         "_watch",

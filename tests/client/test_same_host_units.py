@@ -336,3 +336,37 @@ def test_the_blocking_twin_links_in_the_calling_thread() -> None:
     assert conn is twin
     assert units[0] is twin
     assert isinstance(arena, Arena)
+
+
+def test_device_spares_are_held_apart_and_checked_against_the_device_arena() -> None:
+    """A device grant lent ahead is held apart from the arena's (a put of host columns never
+    takes one, nor one of device columns a shared-memory grant), checked against the device
+    arena's bounds, and goes back with the unit's arena as the others do."""
+    from tq_async._errors import ProtocolError
+
+    conn = Conn("tcp://10.0.0.1:5000")
+    part, _ = _part({}, {})
+    arena: Any = Arena(1, 7, 1 << 20, TOKEN)
+    part.arenas[0] = arena
+
+    def check(offset: int, nbytes: int, what: str) -> None:  # a device arena of 1 MiB
+        if not (offset >= 4096 and offset + nbytes <= 1 << 20):
+            raise ProtocolError(f"{what} lies outside the unit's device arena")
+
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(11, 8192, 65536), check=check)
+    assert part.spare_bytes() == 0
+    assert part.spare_bytes(device=True) == 65536
+    assert part.take_spare(0, cast(Any, conn), 4096) is None  # not a shared-memory grant
+    assert part.ask_spare(0, device=True)
+    assert part.ask_spare(0)  # each kind its own count
+    part.asked(0, device=True)
+    part.asked(0)
+    got = part.take_spare(0, cast(Any, conn), 4096, device=True)
+    assert got == ShmGrant(11, 8192, 65536)
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(12, 0, 4096), check=check)
+    assert conn.sent[-1] == ShmFree([12], [])  # outside the device arena: corrupt
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(13, 8192, 4096), check=check)
+    part.keep_spare(0, cast(Any, conn), arena, ShmGrant(14, 8192, 4096))
+    part.forget(0)  # both kinds go back with the unit's arena
+    assert sorted(m.grants[0] for m in conn.sent[-2:]) == [13, 14]
+    assert part.spare_bytes() == part.spare_bytes(device=True) == 0

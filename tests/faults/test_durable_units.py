@@ -408,6 +408,41 @@ async def test_a_spare_answered_just_before_the_unit_died_is_never_used_in_the_n
                         assert _same(await fresh.get_data(meta), batch)
 
 
+async def test_a_device_spare_held_across_a_unit_restart_puts_through_a_new_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A unit lends a same-host client the device grant of its next put too. Restarted
+    while the client rides the restart through on its connection, the new boot knows
+    neither the client's session nor that grant: the put that took it sets shared memory
+    and the device arena up again and goes through the new session (it failed, "grant
+    unknown"), and the client's next puts take the new boot's spares."""
+    from _chaos import free_port
+    from tq_async._client._async import _same_host
+    from tq_async._paths._device import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "1")  # the units' device arenas: host memory (a test)
+    monkeypatch.setattr(_same_host, "same_host_ipc", lambda address: False)
+    x = torch.arange(16 * 8192).reshape(16, 8192)  # 1 MiB: device to device
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0", "--device-cap")
+        args += (str(64 << 20), "--bind", f"tcp://127.0.0.1:{free_port()}")
+        async with tq.AsyncClient.connect(address, request_timeout=10) as client:
+            units = client._links.same_host_units
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                await client.put({"x": x}, "p")
+                assert units.spare_bytes(device=True) > 0  # lent ahead
+                back = _kill_unnoticed(client, unit)
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                with anyio.fail_after(30):
+                    await back.wait()
+                metas = [await client.put({"x": x + i}, "q") for i in range(2)]
+                for i, meta in enumerate(metas):
+                    assert torch.equal((await client.get_data(meta, device="cpu"))["x"], x + i)
+                (stats,) = (await client.storage_stats()).values()
+                assert stats["device_puts"] == 2
+                assert units.spare_bytes(device=True) > 0  # the new boot's
+
+
 def _kill_unnoticed(client: tq.AsyncClient, unit: subprocess.Popen[bytes]) -> anyio.Event:
     """SIGKILL ``unit`` while ``client``'s connection to it misses the disconnect (what a
     quick reconnect allows: the connection rides the restart through); the event is set

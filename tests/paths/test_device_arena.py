@@ -219,7 +219,9 @@ async def test_big_dense_columns_go_device_to_device(address: str) -> None:
         assert torch.equal(td["ids"], want["ids"][order])
         assert torch.equal(td["mask"], want["mask"][order])
         await client.clear_partition("dev")
-        assert (await _stats(client))["device_bytes"] == 0
+        # (what the units hold now: the device grants they lent ahead of its next puts)
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert (await _stats(client))["device_bytes"] == held
 
 
 async def test_columns_added_to_rows_and_read_back_together(address: str) -> None:
@@ -272,24 +274,25 @@ async def test_a_put_cancelled_after_its_device_copy_leaves_nothing(
 ) -> None:
     """Cancelled between the copy into the device grant and the unit hearing of it: the grant
     goes back, no row is committed, nothing stays in the arena."""
-    async with tq.AsyncClient.connect(address) as client:
-        links = client._links
-        entered = anyio.Event()
-        real = links.unit_request
+    from tq_async._transport._dealer import DealerConnection
 
-        async def stalled(unit: int, body: Any, frames: Any = ()) -> Any:
+    async with tq.AsyncClient.connect(address) as client:
+        entered = anyio.Event()
+        real = DealerConnection.request
+
+        async def stalled(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(body, StorePut) and body.device is not None:
                 entered.set()
                 await anyio.sleep_forever()  # the StorePut never leaves
-            return await real(unit, body, frames)
+            return await real(self, body, *args, **kwargs)
 
-        monkeypatch.setattr(links, "unit_request", stalled)
+        monkeypatch.setattr(DealerConnection, "request", stalled)
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.put, {"x": torch.zeros(16, 8192)}, "cancelled-put")
             await entered.wait()  # the grant is taken and the copy made
+            monkeypatch.setattr(DealerConnection, "request", real)
             assert (await _stats(client))["device_bytes"] > 0
             tg.cancel_scope.cancel()
-        monkeypatch.setattr(links, "unit_request", real)
         assert (await _stats(client))["device_bytes"] == 0  # the grant was given back
         status = await client.production_status("cancelled-put")
         assert not any(bool(v.any()) for v in status.values())  # nothing committed
@@ -321,7 +324,9 @@ async def test_a_read_cancelled_during_its_device_copy_unpins_and_consumes_nothi
         td, _ = await client.get(["x"], 16, "cancelled-read", "t", device="cpu")
         assert torch.equal(td["x"], x)
         await client.clear_partition("cancelled-read")
-        assert (await _stats(client))["device_bytes"] == 0  # the cancelled read's pin is gone
+        # the cancelled read's pin is gone (what is held: a device grant lent ahead of a put)
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert (await _stats(client))["device_bytes"] == held
 
 
 def test_the_blocking_client_takes_the_device_path(address: str) -> None:
@@ -521,3 +526,117 @@ def test_copy_out_blocks_are_page_locked_once_and_reused_by_size() -> None:
     gc.collect()
     assert blocks.idle_bytes == 2 << 20  # the second went back to the driver
     assert len(driver.freed) == 1
+
+
+# ---- round trips per call ------------------------------------------------------------------
+
+
+@pytest.fixture
+def requests_sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the requests this process's clients send (round trips), in order."""
+    from tq_async._transport._dealer import DealerConnection
+
+    seen: list[str] = []
+    real = DealerConnection.request
+
+    async def counted(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(type(body).__name__)
+        return await real(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(DealerConnection, "request", counted)
+    return seen
+
+
+async def test_a_steady_device_put_takes_the_grant_lent_with_the_last_answer(
+    address: str, requests_sent: list[str]
+) -> None:
+    """A producer putting device columns again and again asks for a device grant once: the
+    unit lends the next put's with each answer (three round trips a put, not four); a
+    smaller put uses a larger spare (its tail goes back), a larger one asks."""
+    x = torch.arange(16 * 8192).reshape(16, 8192)  # 1 MiB
+    async with tq.AsyncClient.connect(address) as client:
+        for _ in range(2):  # one to each unit: links, and asks for its grant
+            await client.put({"x": x}, partition_id="rt")
+        assert requests_sent.count("ShmAlloc") == 2
+        requests_sent.clear()
+        metas = [await client.put({"x": x + i}, partition_id="rt") for i in range(3)]
+        metas.append(await client.put({"x": (x + 3)[:8]}, partition_id="rt"))
+        assert requests_sent == ["PutBegin", "StorePut", "PutCommit"] * 4
+        stats = await _stats(client)
+        assert stats["device_puts"] == 6
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert held > 0
+        for i, meta in enumerate(metas):  # (read back device to device)
+            td = await client.get_data(meta, device="cpu")
+            assert torch.equal(td["x"], (x + i)[: len(meta)])
+        requests_sent.clear()
+        await client.put({"x": torch.cat([x, x])}, partition_id="rt")  # larger: asks
+        assert requests_sent == ["PutBegin", "ShmAlloc", "StorePut", "PutCommit"]
+        await client.clear_partition("rt")
+        # what the unit holds now is the spares it lent this client, nothing else
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert (await _stats(client))["device_bytes"] == held
+    async with tq.AsyncClient.connect(address) as other:  # the first gave its spares back
+        assert (await _stats(other))["device_bytes"] == 0
+
+
+async def test_device_copies_done_already_are_not_waited_for_on_a_worker_thread(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put's and a read's device copies are waited for off the loop only while they run:
+    copies complete already (host memory, here; on a GPU, an event already passed) cost no
+    thread's hop."""
+    from tq_async._client._async import _device_links
+
+    hops: list[Any] = []
+    off_loop = _device_links.run_sync_off_loop
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(fn)
+        return await off_loop(fn, *args)
+
+    x = torch.arange(16 * 8192).reshape(16, 8192)
+    async with tq.AsyncClient.connect(address) as client:
+        for b in (x, x + 1):  # one to each unit: the links open (a hop each: DeviceView)
+            await client.put({"x": b}, partition_id="hops")
+        hops.clear()
+        monkeypatch.setattr(_device_links, "run_sync_off_loop", counted)
+        meta = await client.put({"x": x + 2}, partition_id="hops")
+        td = await client.get_data(meta, device="cpu")
+        assert torch.equal(td["x"], x + 2)
+        assert (await _stats(client))["device_reads"] == 1
+        assert hops == []
+        await client.clear_partition("hops")
+
+
+async def test_a_put_of_new_fields_asks_for_its_device_grant_while_it_is_placed(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put of new fields names its rows, so their units are known before the controller
+    answers: a unit that lent no device grant for the new columns is asked for one while
+    PutBegin is under way (its round trip overlaps the placement's), and the put takes it."""
+    from tq_async._transport._dealer import DealerConnection
+
+    events: list[tuple[str, str]] = []
+    real = DealerConnection.request
+
+    async def traced(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        name = type(body).__name__
+        events.append(("start", name))
+        try:
+            return await real(self, body, *args, **kwargs)
+        finally:
+            events.append(("end", name))
+
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put({"a": torch.zeros(16, 8192)}, partition_id="ahead")  # linked
+        monkeypatch.setattr(DealerConnection, "request", traced)
+        r = torch.randn(16, 3 * 8192)  # 3 MiB: larger than the spare lent with the first put
+        meta = await client.put({"r": r}, meta=meta)
+        starts = [n for e, n in events if e == "start"]
+        assert sorted(starts) == ["PutBegin", "PutCommit", "ShmAlloc", "StorePut"]
+        # the grant was asked for before the placement came back
+        assert events.index(("start", "ShmAlloc")) < events.index(("end", "PutBegin"))
+        assert torch.equal((await client.get_data(meta, device="cpu"))["r"], r)
+        assert (await _stats(client))["device_puts"] == 2
+        await client.clear_partition("ahead")

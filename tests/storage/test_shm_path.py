@@ -141,3 +141,52 @@ def _fds_on(file: str) -> int:
         with contextlib.suppress(OSError):  # (the listing's own, closed by now)
             held += os.readlink(f"/proc/self/fd/{fd}") == file
     return held
+
+
+def test_device_spares_go_within_their_share_of_the_device_arena() -> None:
+    """A device grant is lent ahead by the same rules, counted apart from the arena's spares;
+    a put that uses a larger spare gives its tail back, a spare that goes back is freed."""
+    from tq_async._paths._device import DeviceArena, HostMemory
+    from tq_async._storage._device_handlers import DevicePath
+
+    state = StorageState(arena=Arena(64 * PAGE, idle_bytes=64 * PAGE))
+    book = Book()
+    book.peers[CLIENT] = 4321
+    book.nixl_peers.add(REMOTE)
+    state.device = device = DeviceArena(HostMemory(0, 65 * PAGE))
+    path = DevicePath(state, book, cap=device.cap, index=0)
+    shm = ShmPath(state, book, cap=64 * PAGE, idle_bytes=64 * PAGE)
+    try:
+        share = device.cap // SPARE_SHARE
+        assert path.lend(STRANGER, PAGE) is None  # not a same-host client
+        assert path.lend(REMOTE, PAGE) is None
+        first = path.lend(CLIENT, share // 2)
+        assert first is not None
+        assert book.device_spare_bytes == first.size
+        assert book.spare_bytes == 0  # the arena's spares are counted apart
+        assert path.lend(CLIENT, share - first.size + PAGE) is None  # beyond the share
+        second = path.lend(CLIENT, PAGE)
+        assert second is not None
+        shm.unlend(CLIENT, second)  # its answer failed: back in the device arena
+        assert book.device_spare_bytes == first.size
+        assert device.live_bytes == first.size
+        # a put of one page uses the larger spare: the rest goes back at once
+        region = book.take_grant(CLIENT, first.grant, device=True)
+        assert region is not None
+        assert book.device_spare_bytes == 0
+        device.trim(region, 100)
+        assert region.size == device.live_bytes == PAGE
+        device.release(region)
+        assert device.live_bytes == 0
+        cells = device.alloc(device.cap // 2)  # the device arena half full
+        assert cells is not None
+        assert path.lend(CLIENT, PAGE) is None  # the room is for puts that ask
+        device.release(cells)
+        lent = path.lend(CLIENT, PAGE)
+        assert lent is not None
+        shm.give_back(book.exited(4321))  # the client died holding it
+        assert book.device_spare_bytes == 0
+        assert device.live_bytes == 0
+    finally:
+        device.close()
+        state.arena.close()

@@ -239,6 +239,16 @@ class DeviceArena:
             self.live_bytes += region.size
         return region
 
+    def trim(self, region: Region, nbytes: int) -> None:
+        """Free the tail of ``region`` past its first ``nbytes`` (page-rounded, at least a
+        page): a grant lent ahead of a put turned out larger than the put."""
+        keep = max(PAGE, align(nbytes, PAGE))
+        if keep < region.size:
+            self.live_bytes -= region.size - keep
+            if not self.closed:
+                self._extents.give(region.offset + keep, region.size - keep)
+            region.size = keep
+
     def release(self, region: Region) -> None:
         region.refs -= 1
         if region.refs == 0:

@@ -75,7 +75,8 @@ class Book:
         locked: the arena chunks each same-host client holds registered with its GPU
             driver (see `tq_async._paths._pinned`), by socket identity.
         spares: the size of each grant lent ahead of a client's next put (`lend_spare`),
-            by id; ``spare_bytes`` their sum.
+            by id; ``spare_bytes`` their sum (``device_spare_bytes``: of those in the
+            device arena).
     """
 
     def __init__(self, data_path: str = "auto", claims: Claims | None = None) -> None:
@@ -90,6 +91,7 @@ class Book:
         self.locked: dict[bytes, set[int]] = {}
         self.spares: dict[int, int] = {}
         self.spare_bytes = 0
+        self.device_spare_bytes = 0
 
     def pid(self, peer: bytes) -> int | None:
         """The pid of a same-host client, 0 for a NIXL client, None for one that set up
@@ -109,16 +111,23 @@ class Book:
             self.claims.note("grant", gid)
         return gid
 
-    def lend_spare(self, peer: bytes, pid: int, region: Region) -> int:
-        """Lend ``region`` ahead of ``peer``'s next put, with the answer to this one (a
-        grant like any other, counted in ``spare_bytes`` until used or given back)."""
-        gid = self.grant(peer, pid, region)
+    def lend_spare(self, peer: bytes, pid: int, region: Region, *, device: bool = False) -> int:
+        """Lend ``region`` (of the device arena when ``device``) ahead of ``peer``'s next
+        put, with the answer to this one (a grant like any other, counted in
+        ``spare_bytes`` or ``device_spare_bytes`` until used or given back)."""
+        gid = self.grant(peer, pid, region, device=device)
         self.spares[gid] = region.size
-        self.spare_bytes += region.size
+        if device:
+            self.device_spare_bytes += region.size
+        else:
+            self.spare_bytes += region.size
         return gid
 
-    def _unspare(self, gid: int) -> None:
-        self.spare_bytes -= self.spares.pop(gid, 0)
+    def _unspare(self, gid: int, *, device: bool = False) -> None:
+        if device:
+            self.device_spare_bytes -= self.spares.pop(gid, 0)
+        else:
+            self.spare_bytes -= self.spares.pop(gid, 0)
 
     def pin(
         self, peer: bytes, pid: int, regions: list[Region], device: Sequence[Region] = ()
@@ -147,7 +156,7 @@ class Book:
         if entry is None or entry.peer != peer:
             return None
         del grants[gid]
-        self._unspare(gid)
+        self._unspare(gid, device=device)
         return entry.region
 
     # ---- giving back -------------------------------------------------------------------------
@@ -171,6 +180,7 @@ class Book:
             entry = self.device_grants.get(gid)
             if entry is not None and entry.peer == peer:
                 del self.device_grants[gid]
+                self._unspare(gid, device=True)
                 out.device.append(entry.region)
         for key in pins:
             pin = self.pins.get(key)
@@ -207,6 +217,7 @@ class Book:
             out.device.extend(self.device_pins.pop(key, []))
         for gid in [g for g, e in self.device_grants.items() if held(e)]:
             out.device.append(self.device_grants.pop(gid).region)
+            self._unspare(gid, device=True)
         return out
 
     def expire(self) -> Released | None:
@@ -238,4 +249,4 @@ class Book:
         self.device_pins.clear()
         self.locked.clear()
         self.spares.clear()
-        self.spare_bytes = 0
+        self.spare_bytes = self.device_spare_bytes = 0

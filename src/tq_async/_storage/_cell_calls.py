@@ -21,6 +21,8 @@ from .._service._metrics import Metrics
 from .._transport._hosts import locality_key
 from .._wire._protocol import (
     HeldRows,
+    PutSpares,
+    ShmGrant,
     StoreClear,
     StoreGet,
     StorePut,
@@ -67,15 +69,21 @@ class CellCalls:
             with self.device_path.put(msg.peer, body) as device:
                 data = self._store_put(msg, body, device)
         self.moved("in", body.host, data)
-        # a same-host client's next put may skip asking for its grant: lend it now
+        # a same-host client's next put may skip asking for its grants: lend them now
         spare = self.shm_path.lend(msg.peer, body.spare) if body.spare > 0 else None
+        answer: ShmGrant | PutSpares | None = spare
+        lent = [spare] if spare is not None else []
+        if body.device_spare > 0:
+            device_spare = self.device_path.lend(msg.peer, body.device_spare)
+            answer = PutSpares(spare, device_spare)
+            lent += [device_spare] if device_spare is not None else []
         if self.commits is not None:  # answered once the next group commit synced it
-            if spare is None:
-                return self.commits.after(msg, "StorePut", None)
+            if not lent:
+                return self.commits.after(msg, "StorePut", answer)
             return self.commits.after(
-                msg, "StorePut", spare, lambda: self.shm_path.unlend(msg.peer, spare)
+                msg, "StorePut", answer, lambda: self.shm_path.unlend(msg.peer, *lent)
             )
-        return spare
+        return answer
 
     def _store_put(
         self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import anyio
 
-from .._errors import DeviceError, InvalidRequestError, ProtocolError
+from .._errors import DeviceError, InvalidRequestError, ProtocolError, SessionLostError
 from .._logging import get_logger
 from .._paths._device import device_span_ok, open_device_arena
 from .._paths._shm import Region
@@ -25,6 +25,7 @@ from .._service._loop import Incoming
 from .._wire._protocol import DeviceHello, DeviceHelloReply, ShmGrant, StorePut
 from ._book import Book
 from ._cells import StorageState
+from ._shm_handlers import NO_SESSION, SPARE_SHARE
 
 __all__ = ["DevicePath"]
 
@@ -89,11 +90,31 @@ class DevicePath:
         gid = self.book.grant(peer, pid, region, device=True)
         return ShmGrant(gid, region.offset, region.size)
 
+    def lend(self, peer: bytes, nbytes: int) -> ShmGrant | None:
+        """A device grant of ``nbytes`` lent ahead of same-host ``peer``'s next put; None
+        when spares would hold more than their share of the arena or it is half full (the
+        shared-memory arena's rules, `tq_async._storage._shm_handlers.ShmPath.lend`)."""
+        device, pid = self.state.device, self.book.pid(peer)
+        if device is None or not pid or pid < 0:
+            return None
+        if (
+            self.book.device_spare_bytes + nbytes > device.cap // SPARE_SHARE
+            or device.live_bytes + nbytes > device.cap // 2
+        ):
+            return None
+        region = device.alloc(nbytes)
+        if region is None:
+            return None
+        gid = self.book.lend_spare(peer, pid, region, device=True)
+        return ShmGrant(gid, region.offset, region.size)
+
     @contextmanager
     def put(self, peer: bytes, body: StorePut) -> Iterator[tuple[Region, dict[int, int]]]:
         """Where a put's device columns are, checked against its grant (consumed); the
         grant's reference is released when the put is done (the stored chunks hold theirs)."""
         assert body.device is not None
+        if self.book.pid(peer) is None:  # (a grant of an earlier boot of this unit, maybe)
+            raise SessionLostError(NO_SESSION)
         device = self.state.device
         region = self.book.take_grant(peer, body.device.grant, device=True) if device else None
         if device is None or region is None:
@@ -103,6 +124,8 @@ class DevicePath:
             )
         where: dict[int, int] = {}
         cols, spans = body.device.columns, body.device.spans
+        # a spare grant may be larger than the put it carried: its tail goes back now
+        device.trim(region, max((off + n for off, n in spans if n >= 0), default=0))
         ok = len(cols) == len(spans) and len(set(cols)) == len(cols)
         for col, (off, n) in zip(cols, spans, strict=False):
             ok = ok and 0 <= col < len(body.columns) and device_span_ok(off, n, region.size)

@@ -46,7 +46,7 @@ __all__ = ["ShmPath"]
 log = get_logger(__name__)
 
 #: what a unit answers a shared-memory call from a connection it holds no session of
-_NO_SESSION = (
+NO_SESSION = (
     "this storage unit has no shared-memory session with this connection (none was set up "
     "with ShmHello, or the unit restarted since, or the connection was replaced); nothing "
     "was done: the client sets the session up again"
@@ -152,7 +152,7 @@ class ShmPath:
         claims held too long are taken back on the way."""
         pid = self.book.pid(peer)
         if pid is None:
-            raise SessionLostError(_NO_SESSION)
+            raise SessionLostError(NO_SESSION)
         if pid > 0 and self.arena is None:
             raise InvalidRequestError(
                 "this unit has no shared memory (its data path is zmq, the system offers "
@@ -195,9 +195,10 @@ class ShmPath:
             return None
         return ShmGrant(self.book.lend_spare(peer, pid, region), region.offset, region.size)
 
-    def unlend(self, peer: bytes, spare: ShmGrant) -> None:
-        """Take back a spare whose answer failed (the client never learnt of it)."""
-        self.give_back(self.book.free(peer, [spare.grant], []))
+    def unlend(self, peer: bytes, *spares: ShmGrant) -> None:
+        """Take back spares whose answer failed (the client never learnt of them; those of
+        the device arena too)."""
+        self.give_back(self.book.free(peer, [spare.grant for spare in spares], []))
 
     def _lock(self, peer: bytes, pid: int, spans: list[tuple[int, int]]) -> None:
         """Before answering: the chunks of ``spans`` stay resident while ``peer`` holds them
@@ -293,7 +294,7 @@ class ShmPath:
         assert body.shm is not None
         arena = self.arena
         if self.book.pid(peer) is None:  # (a grant of an earlier boot of this unit, maybe)
-            raise SessionLostError(_NO_SESSION)
+            raise SessionLostError(NO_SESSION)
         region = self.book.take_grant(peer, body.shm.grant) if arena is not None else None
         if arena is None or region is None:
             raise InvalidRequestError(

@@ -535,6 +535,8 @@ class StorePut(_Msg):
     #: a same-host client asks for a grant of this many bytes for its next put, lent with
     #: the answer (a `ShmGrant`, or None when the unit keeps its arena for others)
     spare: int = 0
+    #: the same for a grant of its device arena: then the answer is `PutSpares` (both)
+    device_spare: int = 0
 
 
 class StoreGet(_Msg):
@@ -811,6 +813,15 @@ class ShmGrant(msgspec.Struct, array_like=True):
     grant: int
     offset: int
     size: int
+
+
+class PutSpares(msgspec.Struct, array_like=True):
+    """The answer to a `StorePut` that asked for a device spare (``device_spare``): the
+    grants lent ahead of the client's next put, in the arena and in the device arena
+    (each None when the unit keeps its memory for others)."""
+
+    shm: ShmGrant | None = None
+    device: ShmGrant | None = None
 
 
 class StoreStatsReply(msgspec.Struct, array_like=True):

@@ -39,6 +39,7 @@ from ..._wire._protocol import (
     DeviceHelloReply,
     ShmAlloc,
     ShmFree,
+    ShmGrant,
     StoredColumns,
     StorePut,
 )
@@ -141,6 +142,13 @@ def _wait(event: Any) -> None:
         event.synchronize()
 
 
+def _copied(event: Any) -> None:
+    """Once the copies before ``event`` are complete (None: host copies, complete already):
+    waited for off the loop, unless they are done already (no thread's hop then)."""
+    if event is not None and not event.query():
+        run_sync_off_loop(_wait, event)
+
+
 def _record(device: torch.device) -> Any:
     """An event after the work queued so far on ``device``'s current stream (None: host)."""
     if device.type != "cuda":
@@ -197,6 +205,15 @@ class DeviceLinks:
         for unit_id in list(self._views):
             self.forget(unit_id)
 
+    def view(self, unit_id: int) -> DeviceView | None:
+        """The unit's device arena as opened here (None: not linked, or none)."""
+        return self._views.get(unit_id)
+
+    @staticmethod
+    def grant_bytes(columns: Sequence[tuple[int, torch.Tensor]]) -> int:
+        """The bytes of a device grant that holds ``columns`` (what `put` copies)."""
+        return sum(align(t.nbytes, DEVICE_ALIGN) for _, t in columns)
+
     def put(
         self,
         conn: BlockingConnection,
@@ -204,17 +221,19 @@ class DeviceLinks:
         body: StorePut,
         columns: Sequence[tuple[int, torch.Tensor]],
         timeout: float,
+        grant: ShmGrant | None = None,
     ) -> bool:
         """Copy ``columns`` (position in the put, tensor) into a grant of the unit's device
-        arena and describe them in ``body.device``; False when the arena is full. The caller
-        gives the grant back if ``body`` does not reach the unit."""
+        arena (``grant``, one lent ahead on ``conn`` that holds `grant_bytes`, or one asked
+        for now) and describe them in ``body.device``; False when the arena is full. The
+        caller gives the grant back if ``body`` does not reach the unit."""
         # the codec made them plain (DeviceColumn): their bytes are their values
         flats = [(i, t.view(-1).view(torch.uint8)) for i, t in columns]
-        nbytes = sum(align(f.numel(), DEVICE_ALIGN) for _, f in flats)
-        ask = ShmAlloc(nbytes, device=True)
-        grant = ask_grant(conn, ask, timeout, view, "a device arena grant")
         if grant is None:
-            return False
+            ask = ShmAlloc(self.grant_bytes(columns), device=True)
+            grant = ask_grant(conn, ask, timeout, view, "a device arena grant")
+            if grant is None:
+                return False
         try:
             spans: list[tuple[int, int]] = []
             pos = 0
@@ -224,8 +243,7 @@ class DeviceLinks:
                 view.tensor[start : start + n].copy_(flat, non_blocking=True)
                 spans.append((pos, n))
                 pos += align(n, DEVICE_ALIGN)
-            event = _record(view.device)
-            run_sync_off_loop(_wait, event)
+            _copied(_record(view.device))
         except BaseException:
             conn.send_best_effort(ShmFree([grant.grant], []))
             raise
@@ -245,8 +263,7 @@ class DeviceLinks:
             if spans:
                 out[j] = _gather(view, stored.columns[j], spans, stored.n_rows, target)
         if out:
-            event = _record(target if target.type == "cuda" else view.device)
-            run_sync_off_loop(_wait, event)
+            _copied(_record(target if target.type == "cuda" else view.device))
         return out
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from functools import partial
+from typing import Any
 
 import msgspec
 import torch
@@ -37,7 +38,6 @@ from ..._paths._device_copy import (
     stage_frames_now,
     to_host_now,
 )
-from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap, align
 from ..._sync_primitives import Repeater, cleanup_scope, run_each, run_sync_off_loop
 from ..._transport._sync_dealer import BlockingConnection
@@ -64,12 +64,12 @@ from ..._wire._protocol import (
     ShmAlloc,
     ShmFrames,
     ShmFree,
-    ShmGrant,
     StoreClear,
     StorePut,
 )
 from ._base import THREAD_COPY_BYTES, Links, as_int, tag_rows
 from ._device_links import keeps_on_device
+from ._device_puts import give_back_lent, keep_spares, lend_ahead, place_device_columns
 from ._replies import ask_grant, decode
 from ._slots import HeldSlots
 
@@ -98,10 +98,6 @@ def _check_versions(policy_version: int | Sequence[int] | None, n: int) -> list[
         )
     check_ints("policy_version", versions)
     return versions
-
-
-def _host(column: Column | DeviceColumn) -> TypeGuard[Column]:
-    return not isinstance(column, DeviceColumn)
 
 
 def _take_rows(
@@ -375,13 +371,23 @@ class PutPath:
                     self._links.controller.send_best_effort(AbortPut([late.put_id]))
 
         controller = self._links.controller_link()
-        payload, _ = controller.request(
-            begin,
-            timeout=self._links.request_timeout if deadline is True else deadline or None,
-            on_abandon=on_abandon,
-            cancel_undoes=True,  # (a reply still on its way: the controller aborts the put)
-        )
-        placement: Placement = decode(payload, Placement)
+        answer: list[msgspec.Raw] = []
+
+        def place() -> None:
+            payload, _ = controller.request(
+                begin,
+                timeout=self._links.request_timeout if deadline is True else deadline or None,
+                on_abandon=on_abandon,
+                cancel_undoes=True,  # (a reply still on its way: the controller aborts the put)
+            )
+            answer.append(payload)
+
+        if meta is None or not any(isinstance(c, DeviceColumn) for c in put.columns):
+            place()
+        else:  # the units are known: their device grants are asked for meanwhile
+            lend = partial(lend_ahead, self._links, put.columns, meta.units)
+            run_each(lambda job: job(), [(place,), (lend,)])
+        placement: Placement = decode(answer[0], Placement)
         self._links.note_epoch(placement.units_epoch)
         fields = [h.name for h in headers]
         renewal = self._renew_put(placement)
@@ -450,52 +456,15 @@ class PutPath:
                 partition_id, rows, headers, placement.incarnation, host=self._links.host_id
             )
             conn, arena = self._links.data_link(unit)
-            kept = self._place_device_columns(unit, conn, arena, store, cols)
             try:
-                try:
-                    sent.append((conn, store))
-                    send(unit, conn, arena, store, kept)
-                except SessionLostError:
-                    if store.device is not None:
-                        raise
-                    # the unit restarted under this connection: nothing was stored; set
-                    # its shared memory up again and send once more
-                    store.shm, store.spare = None, 0
-                    self._links.session_lost(unit, arena)
-                    conn, arena = self._links.data_link(unit)
-                    sent.append((conn, store))
-                    send(unit, conn, arena, store, kept)
-            except BaseException:
-                if store.device is not None:  # the unit ignores a grant it consumed
-                    conn.send_best_effort(ShmFree([store.device.grant], []))
-                raise
-
-        def send(
-            unit: int,
-            conn: BlockingConnection,
-            arena: ArenaMap | None,
-            store: StorePut,
-            kept: list[tuple[ColumnHeader, Column | DeviceColumn]],
-        ) -> None:
-            frames: list[Any] = []
-            for h, c in kept:
-                if isinstance(c, DeviceColumn):  # copied by its device into the arena
-                    frames.append(DeviceFrame(c.tensor))
-                else:
-                    frames.extend(column_to_frames(h, c))
-            on_device = any(isinstance(f, DeviceFrame) for f in frames)
-            big = on_device or sum(frame_nbytes(f) for f in frames) >= _SHM_MIN_BYTES
-            if big and arena is not None and self._store_shm(unit, conn, arena, store, frames):
-                return
-            if on_device:  # the arena is full: through pinned host memory, by socket
-                frames = stage_frames_now(frames)
-            if big and arena is None and self._links.nixl is not None:  # another host: NIXL
-                peer = self._links.nixl.link(unit, conn, self._links.request_timeout)
-                if peer is not None and self._links.nixl.put(
-                    unit, conn, peer, store, frames, self._links.request_timeout
-                ):
-                    return
-            self._links.unit_request(unit, store, frames)
+                self._store_at(unit, conn, arena, store, cols, sent)
+            except SessionLostError:
+                # the unit restarted under this connection: nothing was stored; set its
+                # shared memory (and device arena) up again and send once more
+                store.shm, store.spare, store.device, store.device_spare = None, 0, None, 0
+                self._links.session_lost(unit, arena)
+                conn, arena = self._links.data_link(unit)
+                self._store_at(unit, conn, arena, store, cols, sent)
 
         if len(by_unit) == 1:
             ((unit, positions),) = by_unit.items()
@@ -503,43 +472,66 @@ class PutPath:
             return
         run_each(store_one, by_unit.items())
 
-    def _place_device_columns(
+    def _store_at(
         self,
         unit: int,
         conn: BlockingConnection,
         arena: ArenaMap | None,
         store: StorePut,
         cols: list[Column | DeviceColumn],
-    ) -> list[tuple[ColumnHeader, Column | DeviceColumn]]:
-        """Move the device columns of a unit's slice into its device arena (described in
-        ``store.device``) when it has one; else, to a unit on this host, keep them for
-        their device to copy straight into its shared memory (`DeviceFrame`); else copy
-        them to host memory. The columns left to send, with their headers."""
-        held = [(i, c.tensor) for i, c in enumerate(cols) if isinstance(c, DeviceColumn)]
-        headers = store.columns
-        if not held:
-            return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
-        devices = self._links.devices
-        if arena is not None and devices is not None:
-            timeout = self._links.request_timeout
-            view = devices.link(unit, conn, timeout)
-            if view is not None:
-                with self._links.same_host_units.copying(unit):
-                    put = devices.put(conn, view, store, held, timeout)
-                if put:
-                    return [(h, c) for h, c in zip(headers, cols, strict=True) if _host(c)]
-        if arena is not None and pin_arena():
-            return list(zip(headers, cols, strict=True))
-        # through host memory: pinned copies, waited for off the loop
-        moved = to_host_now({str(i): t for i, t in held})
-        _, _, host_cols = columns_from_batch(moved, allow_pickle=False)
-        by_position = {i: c for (i, _), c in zip(held, host_cols, strict=True)}
-        out: list[tuple[ColumnHeader, Column | DeviceColumn]] = []
-        for i, (h, c) in enumerate(zip(headers, cols, strict=True)):
-            column = by_position.get(i, c)
-            assert _host(column)
-            out.append((h, column))
-        return out
+        sent: list[tuple[BlockingConnection, StorePut]],
+    ) -> None:
+        """Send ``unit`` its slice of a put (``store``, its columns ``cols``) on ``conn``,
+        its device columns into its device arena first when it has one."""
+        kept = place_device_columns(self._links, unit, conn, arena, store, cols)
+        try:
+            sent.append((conn, store))
+            self._send(unit, conn, arena, store, kept)
+        except BaseException:
+            if store.device is not None:  # the unit ignores a grant it consumed
+                conn.send_best_effort(ShmFree([store.device.grant], []))
+            raise
+        finally:
+            if store.device_spare:
+                self._links.same_host_units.asked(unit, device=True)
+
+    def _send(
+        self,
+        unit: int,
+        conn: BlockingConnection,
+        arena: ArenaMap | None,
+        store: StorePut,
+        kept: list[tuple[ColumnHeader, Column | DeviceColumn]],
+    ) -> None:
+        """Send ``unit`` its slice of a put (``store``; ``kept``: its columns still to send):
+        through its shared memory, NIXL or the socket."""
+        frames: list[Any] = []
+        for h, c in kept:
+            if isinstance(c, DeviceColumn):  # copied by its device into the arena
+                frames.append(DeviceFrame(c.tensor))
+            else:
+                frames.extend(column_to_frames(h, c))
+        on_device = any(isinstance(f, DeviceFrame) for f in frames)
+        big = on_device or sum(frame_nbytes(f) for f in frames) >= _SHM_MIN_BYTES
+        if big and arena is not None and self._store_shm(unit, conn, arena, store, frames):
+            return
+        if on_device:  # the arena is full: through pinned host memory, by socket
+            frames = stage_frames_now(frames)
+        if big and arena is None and self._links.nixl is not None:  # another host: NIXL
+            peer = self._links.nixl.link(unit, conn, self._links.request_timeout)
+            if peer is not None and self._links.nixl.put(
+                unit, conn, peer, store, frames, self._links.request_timeout
+            ):
+                return
+        if store.device is None:
+            self._links.unit_request(unit, store, frames)
+            return
+        # on the connection of its device grant (no other knows it), answered with what
+        # the unit lent ahead
+        timeout, give_back = self._links.request_timeout, give_back_lent(conn, store)
+        payload, _ = conn.request(store, frames, timeout=timeout, on_abandon=give_back)
+        assert arena is not None  # (the device path needs shared memory)
+        keep_spares(self._links, unit, conn, arena, store, payload)
 
     def _store_shm(
         self,
@@ -569,12 +561,6 @@ class PutPath:
         if asking:  # a next put as large (a smaller one: the unit frees the tail)
             body.spare = nbytes
 
-        def on_abandon(reply: Reply, _frames: list[zmq.Frame]) -> None:
-            if reply.ok:  # answered after the caller gave up: give back what it lent
-                late: ShmGrant | None = decode(reply.payload, ShmGrant | None)
-                if late is not None:
-                    conn.send_best_effort(ShmFree([late.grant], []))
-
         try:
             if on_device:
                 with units.copying(unit):
@@ -592,7 +578,7 @@ class PutPath:
                     "the storage unit restarted while this put copied into its shared memory; "
                     "nothing was stored: set shared memory up again and send the put again"
                 )
-            payload, _ = conn.request(body, timeout=timeout, on_abandon=on_abandon)
+            payload, _ = conn.request(body, timeout=timeout, on_abandon=give_back_lent(conn, body))
         except BaseException:
             # the unit ignores a grant it consumed already (a put that reached it)
             conn.send_best_effort(ShmFree([grant.grant], []))
@@ -600,7 +586,5 @@ class PutPath:
         finally:
             if asking:
                 units.asked(unit)
-        spare: ShmGrant | None = decode(payload, ShmGrant | None)
-        if spare is not None:
-            units.keep_spare(unit, conn, arena, spare)
+        keep_spares(self._links, unit, conn, arena, body, payload)
         return True

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import zmq
 
-from ..._errors import BrokenError, ClosedError, TQTimeoutError
+from ..._errors import BrokenError, ClosedError, ProtocolError, TQTimeoutError
 from ..._logging import get_logger
 from ..._paths._shm import ArenaMap
 from ..._sync_primitives import Lock
@@ -75,12 +75,13 @@ class SameHostUnits:
         self._locks: dict[int, Lock] = {}
         #: unit id -> when to try the handshake again after one timed out
         self._relink_at: dict[int, float] = {}
-        #: unit id -> grants it lent ahead of this client's next puts (`StorePut.spare`),
-        #: each with the connection it belongs to: at most `SPARES_PER_UNIT`, held and
-        #: asked for together (concurrent puts each take one)
-        self._spares: dict[int, list[tuple[BlockingConnection, ShmGrant]]] = {}
-        #: unit id -> puts in flight that ask it for a spare
-        self._asking: Counter[int] = Counter()
+        #: (unit id, in its device arena) -> grants it lent ahead of this client's next
+        #: puts (`StorePut.spare`, ``device_spare``), each with the connection it belongs
+        #: to: at most `SPARES_PER_UNIT` of a kind, held and asked for together
+        #: (concurrent puts each take one)
+        self._spares: dict[tuple[int, bool], list[tuple[BlockingConnection, ShmGrant]]] = {}
+        #: (unit id, device) -> puts in flight that ask it for a spare
+        self._asking: Counter[tuple[int, bool]] = Counter()
         #: unit id -> copies into or out of its memory under way off the loop (`copying`)
         self._copying: Counter[int] = Counter()
 
@@ -207,10 +208,14 @@ class SameHostUnits:
             fallbacks=self.fallbacks,
         )
 
-    def take_spare(self, unit_id: int, conn: BlockingConnection, nbytes: int) -> ShmGrant | None:
-        """A grant ``unit_id`` lent ahead on ``conn`` that holds ``nbytes`` (taken: one put
-        uses it); held ones lent on another connection go back."""
-        held = self._spares.get(unit_id)
+    def take_spare(
+        self, unit_id: int, conn: BlockingConnection, nbytes: int, *, device: bool = False
+    ) -> ShmGrant | None:
+        """A grant ``unit_id`` lent ahead on ``conn`` (in its device arena with ``device``)
+        that holds ``nbytes`` (taken: one put uses it); held ones lent on another
+        connection go back."""
+        key = (unit_id, device)
+        held = self._spares.get(key)
         if not held:
             return None
         owner, grant = held[-1]  # (the common case: the last one lent fits; O(1))
@@ -229,42 +234,58 @@ class SameHostUnits:
         if taken is None and keep:  # all too small: the smallest goes (puts grew)
             owner, grant = keep.pop(min(range(len(keep)), key=lambda i: keep[i][1].size))
             owner.send_best_effort(ShmFree([grant.grant], []))
-        self._spares[unit_id] = keep
+        self._spares[key] = keep
         return taken
 
-    def ask_spare(self, unit_id: int) -> bool:
-        """Whether a put to ``unit_id`` should ask for a spare (fewer than `SPARES_PER_UNIT`
-        held and asked for; it counts as asked until `asked`)."""
-        if len(self._spares.get(unit_id, ())) + self._asking[unit_id] >= SPARES_PER_UNIT:
+    def has_spare(
+        self, unit_id: int, conn: BlockingConnection, nbytes: int, *, device: bool = False
+    ) -> bool:
+        """Whether `take_spare` would find one (nothing is taken or given back)."""
+        held = self._spares.get((unit_id, device), ())
+        return any(owner is conn and grant.size >= nbytes for owner, grant in held)
+
+    def ask_spare(self, unit_id: int, *, device: bool = False) -> bool:
+        """Whether a put to ``unit_id`` should ask for a spare (of its device arena with
+        ``device``): fewer than `SPARES_PER_UNIT` held and asked for; it counts as asked
+        until `asked`."""
+        key = (unit_id, device)
+        if len(self._spares.get(key, ())) + self._asking[key] >= SPARES_PER_UNIT:
             return False
-        self._asking[unit_id] += 1
+        self._asking[key] += 1
         return True
 
-    def asked(self, unit_id: int) -> None:
+    def asked(self, unit_id: int, *, device: bool = False) -> None:
         """A put that asked ``unit_id`` for a spare has its answer (or failed)."""
-        self._asking[unit_id] -= 1
-        if self._asking[unit_id] <= 0:
-            del self._asking[unit_id]
+        key = (unit_id, device)
+        self._asking[key] -= 1
+        if self._asking[key] <= 0:
+            del self._asking[key]
 
     def keep_spare(
-        self, unit_id: int, conn: BlockingConnection, arena: ArenaMap, spare: ShmGrant
+        self,
+        unit_id: int,
+        conn: BlockingConnection,
+        arena: ArenaMap,
+        spare: ShmGrant,
+        check: Callable[[int, int, str], None] | None = None,
     ) -> None:
         """Hold ``spare`` (lent with a put's answer) for a next put to ``unit_id``; one past
         `SPARES_PER_UNIT`, outside the arena (a corrupt reply), or lent in an arena this
         client forgot since (the unit's connection broke while the answer waited for the
-        put to go on), goes back."""
+        put to go on), goes back. With ``check`` (the device arena's bounds check,
+        `DeviceView.check`: it raises) it is a spare of the unit's device arena."""
         if self.arenas.get(unit_id) is not arena:
             # its offset means nothing in the arena the unit has now (maybe restarted at the
             # same address, the connection back, and the region lent to another put)
             conn.send_best_effort(ShmFree([spare.grant], []))
             return
         try:
-            arena.check(spare.offset, spare.size, "a spare grant")
-        except ValueError as exc:
+            (check or arena.check)(spare.offset, spare.size, "a spare grant")
+        except (ValueError, ProtocolError) as exc:
             log.warning("a storage unit lent a grant outside its arena", error=str(exc))
             conn.send_best_effort(ShmFree([spare.grant], []))
             return
-        held = self._spares.setdefault(unit_id, [])
+        held = self._spares.setdefault((unit_id, check is not None), [])
         if len(held) >= SPARES_PER_UNIT:
             conn.send_best_effort(ShmFree([spare.grant], []))
         else:
@@ -282,13 +303,20 @@ class SameHostUnits:
             if self._copying[unit_id] <= 0:
                 del self._copying[unit_id]
 
-    def spare_bytes(self) -> int:
-        """Bytes of the grants this client holds lent ahead of its next puts."""
-        return sum(grant.size for held in self._spares.values() for _, grant in held)
+    def spare_bytes(self, *, device: bool = False) -> int:
+        """Bytes of the grants this client holds lent ahead of its next puts (in the units'
+        device arenas with ``device``)."""
+        return sum(
+            grant.size
+            for (_, on_device), held in self._spares.items()
+            if on_device == device
+            for _, grant in held
+        )
 
     def _drop_spare(self, unit_id: int) -> None:
-        for owner, grant in self._spares.pop(unit_id, ()):
-            owner.send_best_effort(ShmFree([grant.grant], []))
+        for device in (False, True):
+            for owner, grant in self._spares.pop((unit_id, device), ()):
+                owner.send_best_effort(ShmFree([grant.grant], []))
 
     def forget(self, unit_id: int) -> None:
         """Unmap the unit's arena (its connection broke or it moved)."""
@@ -308,7 +336,7 @@ class SameHostUnits:
         flight, which nobody will read (sent after those calls on their connection, so the
         unit reads it after them). Not while a copy of this client may still use the
         memory the unit lent it (`copying`): that stays lent until this process exits."""
-        for unit_id in list(self._spares):
+        for unit_id, _ in list(self._spares):
             self._drop_spare(unit_id)
         # (a send on a broken connection may forget its unit's arena: a copy of the items)
         for unit_id, arena in list(self.arenas.items()):
