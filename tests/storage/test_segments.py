@@ -19,10 +19,16 @@ import pytest
 import structlog
 
 import tq_async as tq
-from tq_async._storage import _cells
+from tq_async._storage import _cells, _segments
 from tq_async._storage._cells import StorageState
 from tq_async._storage._durable import rewrite_index
-from tq_async._storage._segments import MARKER, SegmentStore, claim_unit_dir
+from tq_async._storage._segments import (
+    MARKER,
+    ClearRecord,
+    PutRecord,
+    SegmentStore,
+    claim_unit_dir,
+)
 from tq_async._wire._columns import ColumnHeader, JaggedColumn, column_to_frames
 
 DENSE = ColumnHeader("x", "dense", "int64", (4,))  # 32 bytes per row
@@ -134,6 +140,31 @@ def test_a_bad_checksum_at_the_end_of_the_index_is_a_torn_tail(tmp_path: Path) -
         again = durable(tmp_path)
     assert any("torn tail" in e["event"] for e in logs)
     assert again.stats().rows == 1
+
+
+@pytest.mark.parametrize("where", ["payload", "length"])
+def test_a_bad_record_before_whole_ones_is_damage_not_a_torn_tail(
+    tmp_path: Path, where: str
+) -> None:
+    """Bit rot in the middle of the index (a crash only cuts its end): the start truncated
+    the index there, silently losing the acknowledged puts after it (and serving the values
+    they overwrote). It refuses to start now, saying what to do, the index left as it was."""
+    state = durable(tmp_path)
+    put(state, "p", [0], 1)
+    index = tmp_path / "index.log"
+    start = index.stat().st_size
+    put(state, "p", [1], 2)  # its record goes bad
+    put(state, "p", [0, 2], 3)  # acknowledged after it (overwrites row 0)
+    state.disk.close()  # type: ignore[union-attr]
+    data = bytearray(index.read_bytes())
+    data[start + (3 if where == "length" else 20)] ^= 0x40  # a length beyond the file
+    index.write_bytes(bytes(data))
+    with pytest.raises(tq.TQError, match=rf"damaged at byte {start}\b.*move the data_dir away"):
+        durable(tmp_path)
+    assert index.read_bytes() == bytes(data)  # nothing cut
+    # what the search for whole records after a bad one looks for (a torn tail has none)
+    for record in (PutRecord("p", None, []), ClearRecord("p", None, None)):
+        assert _segments._frame(record)[8:9] == _segments._PAYLOAD
 
 
 def test_a_chunk_whose_bytes_were_torn_from_its_segment_is_dropped(tmp_path: Path) -> None:

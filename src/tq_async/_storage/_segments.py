@@ -34,7 +34,10 @@ at ``fsync`` level is reused only after the commit of the record that freed it: 
 
 A torn tail (a record cut short or with a bad checksum at the end of the index, a chunk whose
 bytes lie past the end of its segment) can only hold writes nobody acknowledged: `load`
-drops it with a warning. A chunk's bytes are checked against its crc32 when read back.
+drops it with a warning. A bad record followed by whole ones is no torn tail (a crash only
+cuts the end: the disk damaged it) and `load` refuses it (`TQError`): dropping what follows
+would lose acknowledged puts, and skipping the bad one could serve values it overwrote. A
+chunk's bytes are checked against its crc32 when read back.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ _ARENA_BOOT = "arena.boot"
 #: the crc of a chunk that has none (cells in the arena file)
 NO_CRC = -1
 _RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
+#: every record's payload's first byte (a msgpack array of four: tag, then the fields)
+_PAYLOAD = b"\x94"
 #: most segment files a store keeps open for reading (the least recently read is closed)
 _READERS = 32
 
@@ -292,6 +297,7 @@ class SegmentStore:
                 data = f.read()
             records, good, named = _parse_index(data, sizes, missing)
             if good < len(data):
+                _check_torn(data, good, path)
                 log.warning(
                     "discarded the torn tail of a storage unit's index (a write cut short by a "
                     "crash: nothing in it was acknowledged)",
@@ -752,6 +758,42 @@ def _parse_index(
         good = pos
     missing["lost"] = gone.count()
     return records, good, named
+
+
+def _check_torn(data: bytes, bad: int, path: str) -> None:
+    """`TQError` if a whole record follows the bad one at ``bad``: the index was damaged (bit
+    rot: a crash only cuts its end), and dropping what follows would lose acknowledged puts
+    silently (or serve the values they overwrote). Nothing whole follows a torn tail."""
+    after = _next_record(data, bad + 1)
+    if after is not None:
+        raise TQError(
+            f"the storage unit's index {path} is damaged at byte {bad}: a bad record followed "
+            f"by whole ones (from byte {after}), which a crash cannot leave (it only cuts the "
+            "end); starting would lose acknowledged puts or serve values they overwrote. Check "
+            "the disk, then restore index.log from a backup, or move the data_dir away to "
+            "start an empty unit (the controller then counts the rows it held lost)"
+        )
+
+
+def _next_record(data: bytes, start: int) -> int | None:
+    """Where the first whole record at or after ``start`` begins (None: none).
+
+    Every record's payload is a msgpack array of four (its tag first): only the offsets
+    before such a byte are tried (a torn record may be megabytes of rows)."""
+    view = memoryview(data)
+    at = data.find(_PAYLOAD, start + _RECORD.size)
+    while at >= 0:
+        n, crc = _RECORD.unpack_from(data, at - _RECORD.size)
+        payload = view[at : at + n]
+        if len(payload) == n and zlib.crc32(payload) == crc:
+            try:
+                _decoder.decode(payload)
+            except msgspec.DecodeError:
+                pass
+            else:
+                return at - _RECORD.size
+        at = data.find(_PAYLOAD, at + 1)
+    return None
 
 
 def _whole(
