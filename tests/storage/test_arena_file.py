@@ -19,6 +19,8 @@ import pytest
 import structlog
 from test_segments import DENSE, JAGGED, cells, frames_of
 
+import tq_async as tq
+from _cluster_proc import serve_cluster
 from tq_async._paths import _shm
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import _segments
@@ -302,6 +304,32 @@ def test_a_client_writes_a_synced_arena_file_with_pwrite(tmp_path: Path) -> None
     mapped.close()
     assert mapped.fd == -1
     arena.close()
+
+
+async def test_an_io_error_writing_a_put_into_a_synced_arena_file_is_a_tqerror(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At ``fsync`` level a same-host client writes a put into the unit's arena file with
+    ``pwrite``: an I/O error there (the unit's disk failing) reached the caller as a raw
+    OSError. A TQError now, saying what to do; nothing was stored, the next put goes through."""
+    import torch
+
+    def failing(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    want = torch.arange(64 * 1024).reshape(64, 1024)
+    args = ("--durability", "fsync", "--data-dir", str(tmp_path))
+    with serve_cluster(1, args) as address:
+        async with tq.AsyncClient.connect(address, request_timeout=30) as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(os, "pwrite", failing)
+                with pytest.raises(tq.TQError, match="check the storage unit's disk") as got:
+                    await client.put({"x": want + 1}, "p")
+            assert not isinstance(got.value, OSError)
+            meta = await client.put({"x": want}, "p")
+            assert torch.equal((await client.get_data(meta))["x"], want)
+            stats = (await client.storage_stats())[0]
+            assert (stats["shm_puts"], stats["rows"]) == (1, 64)  # the failed put: nothing
 
 
 def test_a_group_commit_syncs_only_the_files_written_since_the_last(

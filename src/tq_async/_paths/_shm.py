@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidRequestError, SessionLostError
+from .._errors import InvalidRequestError, SessionLostError, StorageFullError, TQError
 from ._pinned import PIN_CHUNK, PinnedChunks, chunks_of
 
 __all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
@@ -478,6 +479,8 @@ class ArenaMap:
         Raises:
             SessionLostError: the unit restarted since the grant (`check_boot`); what was
                 copied before it is nobody's cells.
+            TQError: ``pwrite`` failed (the unit's disk: `StorageFullError` when it is full);
+                nothing was stored.
         """
         spans = []
         pos = offset
@@ -505,9 +508,14 @@ class ArenaMap:
     def _pwrite(self, src: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
         try:
             return os.pwrite(self.fd, src.data, at)
-        except OSError:
+        except OSError as exc:
             self.check_boot()  # closed meanwhile (the client saw the unit go): said so
-            raise
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise (StorageFullError if full else TQError)(
+                f"writing a put into the storage unit's shared memory (its arena file) failed "
+                f"({exc}): nothing of it was stored; check the storage unit's disk"
+                f"{' (free space on it)' if full else ''}, then put again"
+            ) from exc
 
     @staticmethod
     def layout(offset: int, sizes: Iterable[int]) -> list[tuple[int, int]]:
