@@ -10,6 +10,7 @@ written in an earlier boot of the machine (its page cache gone) are dropped, and
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,34 @@ def test_the_arena_files_mark_is_on_the_disk_before_any_cell_in_it(
     close(open_unit(tmp_path))
     mark = synced.index(str(tmp_path / "arena.boot.tmp"))
     assert str(tmp_path) in synced[mark + 1 :]
+
+
+def test_an_arena_files_mark_is_written_only_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit restarted on a full disk could not rewrite ``arena.boot`` and went without
+    shared memory: a mark that says so already is kept (the directory is synced all the
+    same: a killed unit may have renamed it unsynced); one that must change is written."""
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-a")
+    mark = tmp_path / "arena.boot"
+    close(open_unit(tmp_path))
+    written = mark.stat().st_ino
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    close(open_unit(tmp_path))  # the same boot, the same level
+    assert mark.stat().st_ino == written
+    assert synced == [str(tmp_path)]
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-b")
+    close(open_unit(tmp_path))  # another boot
+    assert json.loads(mark.read_text()) == {"synced": False, "boot": "boot-b"}
+    close(open_unit(tmp_path, sync=True))  # another level
+    assert json.loads(mark.read_text()) == {"synced": True}
 
 
 def test_a_larger_arena_file_keeps_its_size(tmp_path: Path) -> None:

@@ -356,13 +356,9 @@ class SegmentStore:
     def _arena_trusted(self) -> bool:
         """Whether the arena file holds what its records say: synced at ``fsync`` level, or
         written at ``process`` level in this boot (the page cache survived)."""
-        try:
-            with open(os.path.join(self.directory, _ARENA_BOOT)) as f:
-                mark = json.load(f)
-        except FileNotFoundError:
+        mark = _read_mark(os.path.join(self.directory, _ARENA_BOOT))
+        if mark is None:
             return True  # no arena cells were ever recorded
-        except (OSError, ValueError):
-            mark = {}
         boot = _boot_id()
         if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
             return True
@@ -376,18 +372,26 @@ class SegmentStore:
 
     def use_arena(self) -> None:
         """The unit's arena is the file `arena_path` from now on: say whether its cells are
-        synced (``fsync``: once what this boot wrote is synced) or only written in this boot."""
+        synced (``fsync``: once what this boot wrote is synced) or only written in this boot.
+
+        A mark that says so already is not written again (a unit restarted on a full disk
+        keeps its shared memory): it was synced before it was renamed into place, and the
+        directory is synced all the same (a killed unit may have renamed it unsynced).
+
+        Raises:
+            OSError: the mark cannot be written (the unit goes without shared memory)."""
         if self._arena_fd < 0:
             self._arena_fd = os.open(self.arena_path, os.O_RDWR | os.O_CLOEXEC)
         if self.sync:
             os.fdatasync(self._arena_fd)
         mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
         path = os.path.join(self.directory, _ARENA_BOOT)
-        with open(path + ".tmp", "w") as f:
-            json.dump(mark, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        if _read_mark(path) != mark:
+            with open(path + ".tmp", "w") as f:
+                json.dump(mark, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
         self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
@@ -834,6 +838,17 @@ def _new_index(index: str, sizes: dict[int, int]) -> bool:
             "(the controller then counts the rows it held lost)"
         )
     return True
+
+
+def _read_mark(path: str) -> Any:
+    """The arena file's mark at ``path`` (None: none was ever written; {}: unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
 
 
 def _boot_id() -> str:
