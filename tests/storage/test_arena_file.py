@@ -454,6 +454,33 @@ def test_an_arena_file_lends_only_regions_whose_disk_blocks_are_reserved(
     arena.close()
 
 
+def test_an_arena_file_whose_blocks_fail_for_another_reason_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``posix_fallocate`` failing for another reason than a full disk (an I/O error, a file
+    system that refuses it) left every same-host put on the socket without a word: a
+    warning now, once, with the reason (a full disk says so where the put fails)."""
+    arena = Arena(CAP, idle_bytes=0, path=str(tmp_path / ARENA_FILE))
+    seam = _Fallocate()
+    monkeypatch.setattr(_shm, "fallocate", seam)
+    seam.full = True
+    with structlog.testing.capture_logs() as logs:
+        assert arena.alloc(PAGE) is None
+    assert not logs  # a full disk: the put fails on the socket with StorageFullError
+
+    def failing(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_shm, "fallocate", failing)
+    with structlog.testing.capture_logs() as logs:
+        assert arena.alloc(PAGE) is None
+        assert arena.alloc(2 * PAGE) is None
+    (warning,) = logs
+    assert warning["log_level"] == "warning"
+    assert "Input/output error" in warning["error"]
+    arena.close()
+
+
 def test_an_arena_file_whose_first_page_has_no_room_is_an_oserror(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
