@@ -354,6 +354,43 @@ def test_a_full_disk_fails_the_put_whole_and_keeps_what_was_stored(tmp_path: Pat
     assert again.stats().rows == 3  # the unrecorded clear's cells are found again
 
 
+def test_a_write_that_could_not_be_cut_back_leaves_later_cells_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed midway and whose bytes could not be cut back (the truncate failed
+    too) left the segment longer than the store knew: the next puts' cells were recorded
+    where they were not (acknowledged, then "damaged" when read). The next put starts a new
+    segment now."""
+    writer = FullDisk()
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), write=writer)
+    disk.load()
+    state = StorageState(disk=disk)
+    put(state, "p", [0], 1)
+
+    def half_then_full(fd: int, data: Any) -> int:
+        if writer.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        writer.full = True  # the next write of this put finds the disk full
+        return os.write(fd, memoryview(data)[: len(data) // 2])
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disk, "_write", half_then_full)
+        patch.setattr(os, "ftruncate", no_truncate)
+        with pytest.raises(tq.StorageFullError):
+            put(state, "p", [1], 2)
+    writer.full = False
+    put(state, "p", [1], 3)
+    model = _fresh(tmp_path / "model", None)
+    put(model, "p", [0], 1)
+    put(model, "p", [1], 3)
+    disk.close()
+    assert cells(durable(tmp_path), "p", [0, 1]) == cells(model, "p", [0, 1])
+
+
 class FullIndex:
     """A write seam: writes to ``index.log`` fail with ENOSPC while ``full`` (the data fit in
     the disk's last blocks, the record did not: at ``fsync`` it is written at the commit)."""

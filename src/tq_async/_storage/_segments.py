@@ -437,7 +437,10 @@ class SegmentStore:
                     pos += view.nbytes
                 extents.append(Extent(self._segment, offset, tuple(sizes), crc))
         except OSError as exc:
-            self._cut(self._fd, start)
+            if not self._cut(self._fd, start):
+                # the file ends past what the store knows: cells appended after it would be
+                # recorded where they are not; the next put starts a new segment
+                self._size = self.segment_bytes
             raise _io_error(exc, self.directory, "writing cells") from exc
         self._size = pos
         self.space.grew(self._segment, pos)
@@ -454,11 +457,14 @@ class SegmentStore:
         while done < view.nbytes:
             done += self._write(self._fd, view[done:])
 
-    def _cut(self, fd: int, size: int) -> None:
+    def _cut(self, fd: int, size: int) -> bool:
+        """Cut a failed write back to ``size``; whether it could be."""
         try:
             os.ftruncate(fd, size)
         except OSError as exc:  # the index never names what is past ``size``: only waste
             log.warning("could not cut back a failed write", error=str(exc), dir=self.directory)
+            return False
+        return True
 
     def log(self, record: PutRecord | ClearRecord) -> None:
         """Add ``record`` to the index: now (process level) or at the next commit (fsync).
