@@ -391,6 +391,56 @@ def test_a_write_that_could_not_be_cut_back_leaves_later_cells_readable(
     assert cells(durable(tmp_path), "p", [0, 1]) == cells(model, "p", [0, 1])
 
 
+def put_and_commit(state: StorageState, pid: str, rows: list[int], seed: int) -> None:
+    """`put`, then (at ``fsync``) the group commit that answers it."""
+    put(state, pid, rows, seed)
+    if state.disk is not None and state.disk.sync:
+        state.disk.commit(state.disk.begin_commit())
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_an_index_record_that_could_not_be_cut_back_is_cut_before_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """A record written halfway whose bytes could not be cut back (the truncate failed too)
+    stayed in the index, and the next puts' records followed it: a bad record before whole
+    ones, which a start refuses. It is cut before the next record is written now (and the
+    put that finds it still cannot be fails)."""
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), sync=sync)
+    disk.load()
+    state = StorageState(disk=disk)
+    put_and_commit(state, "p", [0], 1)
+    torn = []
+
+    def half_then_full(fd: int, data: Any) -> int:
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith("index.log"):
+            return os.write(fd, data)
+        if torn:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        torn.append(fd)
+        return os.write(fd, memoryview(data)[: len(data) // 2])
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(disk, "_write", half_then_full)
+        patch.setattr(os, "ftruncate", no_truncate)
+        with pytest.raises(tq.StorageFullError):
+            put_and_commit(state, "p", [1], 2)
+        if not sync:  # (at fsync its record waits for a commit: nothing to cut yet)
+            with pytest.raises(tq.TQError, match="could not use its data_dir"):
+                put(state, "q", [0], 3)  # the index still cannot be cut back
+    put_and_commit(state, "p", [2], 4)
+    disk.close()
+    model = _fresh(tmp_path / "model", None)
+    put(model, "p", [0], 1)
+    put(model, "p", [2], 4)
+    again = durable(tmp_path)
+    assert cells(again, "p", [0, 2]) == cells(model, "p", [0, 2])
+
+
 class FullIndex:
     """A write seam: writes to ``index.log`` fail with ENOSPC while ``full`` (the data fit in
     the disk's last blocks, the record did not: at ``fsync`` it is written at the commit)."""

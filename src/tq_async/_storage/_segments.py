@@ -244,6 +244,8 @@ class SegmentStore:
         self._fd = -1
         self._size = 0
         self._index_fd = -1
+        #: where the index ends, past a failed write that could not be cut back (-1: none)
+        self._index_end = -1
         #: index records written (or waiting for the next commit) since the last rewrite
         self.records = 0
         #: fsync level: records and finished segments waiting for the next commit
@@ -285,7 +287,7 @@ class SegmentStore:
         """
         records: list[PutRecord | ClearRecord] = []
         sizes = self._segment_sizes()
-        if self.durable and ARENA in sizes and not self._arena_trusted():
+        if self.durable and ARENA in sizes and not _arena_trusted(self.directory):
             del sizes[ARENA]  # its chunks are dropped by `_whole`, with a warning
         path = os.path.join(self.directory, _INDEX)
         # the highest segment a record names (its file may be gone: all its chunks dead)
@@ -353,23 +355,6 @@ class SegmentStore:
 
     # ---- the arena file ------------------------------------------------------------------------
 
-    def _arena_trusted(self) -> bool:
-        """Whether the arena file holds what its records say: synced at ``fsync`` level, or
-        written at ``process`` level in this boot (the page cache survived)."""
-        mark = _read_mark(os.path.join(self.directory, _ARENA_BOOT))
-        if mark is None:
-            return True  # no arena cells were ever recorded
-        boot = _boot_id()
-        if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
-            return True
-        log.warning(
-            "the machine restarted since this storage unit's shared-memory cells were written "
-            "at durability 'process' (the page cache holding them is gone): they are dropped; "
-            "use durability 'fsync' to keep cells across a machine crash",
-            data_dir=self.directory,
-        )
-        return False
-
     def use_arena(self) -> None:
         """The unit's arena is the file `arena_path` from now on: say whether its cells are
         synced (``fsync``: once what this boot wrote is synced) or only written in this boot.
@@ -387,11 +372,7 @@ class SegmentStore:
         mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
         path = os.path.join(self.directory, _ARENA_BOOT)
         if _read_mark(path) != mark:
-            with open(path + ".tmp", "w") as f:
-                json.dump(mark, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
+            _write_mark(path, mark)
         self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
@@ -479,15 +460,37 @@ class SegmentStore:
         if self.sync:
             self._pending.append(frame)
             return
-        size = os.lseek(self._index_fd, 0, os.SEEK_END)
         try:
-            done = 0
-            view = memoryview(frame)
-            while done < len(frame):
-                done += self._write(self._index_fd, view[done:])
+            self._append_index(frame)
         except OSError as exc:
-            self._cut(self._index_fd, size)
             raise _io_error(exc, self.directory, "writing the index") from exc
+
+    def _append_index(self, blob: bytes, *, sync: bool = False) -> None:
+        """Append ``blob`` to the index (then fdatasync it, with ``sync``), all or nothing: a
+        failed write is cut back, before the next one when it could not be at once (a record
+        torn in the middle of the index would stop the next start).
+
+        Raises:
+            OSError: the write failed, or a failed one still cannot be cut back."""
+        fd = self._index_fd
+        size = self._index_end
+        if size >= 0:
+            if not self._cut(fd, size):
+                raise OSError(errno.EIO, "a failed write cannot be cut back from the index")
+            self._index_end = -1
+        else:
+            size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(blob)
+            done = 0
+            while done < len(blob):
+                done += self._write(fd, view[done:])
+            if sync:
+                os.fdatasync(fd)
+        except OSError:
+            if not self._cut(fd, size):
+                self._index_end = size
+            raise
 
     @property
     def pending(self) -> bool:
@@ -537,17 +540,7 @@ class SegmentStore:
                 # the rewrite holds every record before it; those logged since follow it
                 self._replace_index([*commit.rewrite, *commit.records])
             elif commit.records:
-                size = os.lseek(self._index_fd, 0, os.SEEK_END)
-                blob = b"".join(commit.records)
-                try:
-                    view = memoryview(blob)
-                    done = 0
-                    while done < len(blob):
-                        done += self._write(self._index_fd, view[done:])
-                    os.fdatasync(self._index_fd)
-                except OSError:
-                    self._cut(self._index_fd, size)
-                    raise
+                self._append_index(b"".join(commit.records), sync=True)
         except OSError as exc:
             raise _io_error(exc, self.directory, "syncing cells") from exc
         finally:
@@ -586,6 +579,7 @@ class SegmentStore:
         if self.sync:
             self._sync_dir()
         old, self._index_fd = self._index_fd, os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._index_end = -1  # (a new file: whole)
         os.close(old)
 
     def _sync_dir(self) -> None:
@@ -844,6 +838,34 @@ def _new_index(index: str, sizes: dict[int, int]) -> bool:
             "(the controller then counts the rows it held lost)"
         )
     return True
+
+
+def _arena_trusted(directory: str) -> bool:
+    """Whether the arena file of ``directory`` holds what its records say: synced at
+    ``fsync`` level, or written at ``process`` level in this boot (the page cache survived)."""
+    mark = _read_mark(os.path.join(directory, _ARENA_BOOT))
+    if mark is None:
+        return True  # no arena cells were ever recorded
+    boot = _boot_id()
+    if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
+        return True
+    log.warning(
+        "the machine restarted since this storage unit's shared-memory cells were written "
+        "at durability 'process' (the page cache holding them is gone): they are dropped; "
+        "use durability 'fsync' to keep cells across a machine crash",
+        data_dir=directory,
+    )
+    return False
+
+
+def _write_mark(path: str, mark: dict[str, Any]) -> None:
+    """Write the arena file's mark: synced aside, then renamed into place (the caller syncs
+    the directory)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(mark, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def _read_mark(path: str) -> Any:
