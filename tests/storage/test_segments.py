@@ -441,6 +441,33 @@ def test_an_index_record_that_could_not_be_cut_back_is_cut_before_the_next(
     assert cells(again, "p", [0, 2]) == cells(model, "p", [0, 2])
 
 
+def test_an_index_rewrite_that_fails_after_its_rename_keeps_later_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rewritten index was renamed into place, then opened again for appending: when that
+    open failed (no file descriptor left), the store kept appending to the old file, gone
+    from the directory, and the next acknowledged puts were not there after a restart. The
+    descriptor that wrote it is kept for appending now: nothing is opened after the rename."""
+    state = durable(tmp_path)
+    put(state, "p", [0], 1)
+    real = os.open
+
+    def no_fd_for_the_index(path: Any, flags: int, *args: Any) -> int:
+        if str(path).endswith("index.log"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, flags, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", no_fd_for_the_index)
+        rewrite_index(state)
+    put(state, "p", [1], 2)  # acknowledged
+    state.disk.close()  # type: ignore[union-attr]
+    model = _fresh(tmp_path / "model", None)
+    put(model, "p", [0], 1)
+    put(model, "p", [1], 2)
+    assert cells(durable(tmp_path), "p", [0, 1]) == cells(model, "p", [0, 1])
+
+
 class FullIndex:
     """A write seam: writes to ``index.log`` fail with ENOSPC while ``full`` (the data fit in
     the disk's last blocks, the record did not: at ``fsync`` it is written at the commit)."""

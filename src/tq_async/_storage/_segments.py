@@ -562,7 +562,7 @@ class SegmentStore:
     def _replace_index(self, frames: list[bytes]) -> None:
         path = os.path.join(self.directory, _INDEX)
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
             blob = memoryview(b"".join(frames))
             done = 0
@@ -570,17 +570,23 @@ class SegmentStore:
                 done += self._write(fd, blob[done:])
             if self.sync:
                 os.fsync(fd)
+            os.replace(tmp, path)
         except OSError:
             os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, path)
-        if self.sync:
-            self._sync_dir()
-        old, self._index_fd = self._index_fd, os.open(path, os.O_WRONLY | os.O_APPEND)
+        # appended to through the descriptor that wrote it: nothing after the rename may fail
+        # and leave the store appending to the old file, gone from the directory
+        old, self._index_fd = self._index_fd, fd
         self._index_end = -1  # (a new file: whole)
         os.close(old)
+        if self.sync:
+            try:
+                self._sync_dir()
+            except OSError:
+                self._new_file = True  # (the rename reaches the disk with the next commit)
+                raise
 
     def _sync_dir(self) -> None:
         dfd = os.open(self.directory, os.O_RDONLY)
