@@ -22,6 +22,7 @@ import tq_async as tq
 from tq_async._storage import _cells, _segments
 from tq_async._storage._cells import StorageState
 from tq_async._storage._durable import rewrite_index
+from tq_async._storage._index_frames import PAYLOAD
 from tq_async._storage._segments import (
     MARKER,
     ClearRecord,
@@ -164,7 +165,7 @@ def test_a_bad_record_before_whole_ones_is_damage_not_a_torn_tail(
     assert index.read_bytes() == bytes(data)  # nothing cut
     # what the search for whole records after a bad one looks for (a torn tail has none)
     for record in (PutRecord("p", None, []), ClearRecord("p", None, None)):
-        assert _segments._frame(record)[8:9] == _segments._PAYLOAD
+        assert _segments._frame(record)[8:9] == PAYLOAD
 
 
 def test_a_chunk_whose_bytes_were_torn_from_its_segment_is_dropped(tmp_path: Path) -> None:
@@ -466,6 +467,37 @@ def test_an_index_rewrite_that_fails_after_its_rename_keeps_later_records(
     put(model, "p", [0], 1)
     put(model, "p", [1], 2)
     assert cells(durable(tmp_path), "p", [0, 1]) == cells(model, "p", [0, 1])
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_segment_file_that_cannot_be_made_fails_the_put_and_not_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """The next segment file could not be made (no inode, no file descriptor left): the put
+    got a raw OSError, and the store kept the full segment's descriptor, closed already, to
+    close again when the next put started a segment (EBADF, or another file's descriptor
+    by then). The put fails with StorageFullError now, and the next one goes through."""
+    state = durable(tmp_path, sync=sync, segment_bytes=1)  # a new segment every put
+    put_and_commit(state, "p", [0], 1)
+    real = os.open
+
+    def no_new_segment(path: Any, flags: int, *args: Any) -> int:
+        if os.path.basename(str(path)).startswith("seg-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, flags, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", no_new_segment)
+        with pytest.raises(tq.StorageFullError):
+            put_and_commit(state, "p", [1], 2)
+    put_and_commit(state, "p", [2], 3)
+    put_and_commit(state, "p", [3], 4)
+    state.disk.close()  # type: ignore[union-attr]
+    model = _fresh(tmp_path / "model", None)
+    for row, seed in [(0, 1), (2, 3), (3, 4)]:
+        put(model, "p", [row], seed)
+    rows = [0, 2, 3]
+    assert cells(durable(tmp_path, sync=sync), "p", rows) == cells(model, "p", rows)
 
 
 class FullIndex:

@@ -10,9 +10,10 @@ Files:
   started past ``segment_bytes``; a segment none of whose chunks is alive any more is deleted
   (a cleared partition's space comes back).
 - ``index.log``: one record per put (its chunks: header, rows, extent, crc32 of the bytes) and
-  per clear, each ``[length u32][crc32 u32][msgpack]``. A unit restarted on its directory reads
-  this file only, never the data. When it holds many more records than live chunks it is
-  rewritten (one record per live chunk; written aside, then renamed over the old one).
+  per clear, each ``[length u32][crc32 u32][msgpack]`` (`tq_async._storage._index_frames`).
+  A unit restarted on its directory reads this file only, never the data. When it holds
+  many more records than live chunks it is rewritten (one record per live chunk; written
+  aside, then renamed over the old one).
 - ``arena.dat``: the unit's shared-memory arena (`tq_async._paths._shm.Arena` on a file): cells
   a same-host client put through shared memory are already in this file when the put
   arrives, so they are not written again: their index record names where they are in it
@@ -46,7 +47,6 @@ import contextlib
 import errno
 import json
 import os
-import struct
 import threading
 import zlib
 from collections import OrderedDict
@@ -61,6 +61,7 @@ from .._logging import get_logger
 from .._wire._columns import ColumnHeader
 from ._dir_marker import MARKER, claim_unit_dir
 from ._gone_cells import GoneCells
+from ._index_frames import check_torn, frame, frames
 from ._segment_space import SegmentSpace
 
 __all__ = [
@@ -85,9 +86,6 @@ ARENA_FILE = "arena.dat"
 _ARENA_BOOT = "arena.boot"
 #: the crc of a chunk that has none (cells in the arena file)
 NO_CRC = -1
-_RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
-#: every record's payload's first byte (a msgpack array of four: tag, then the fields)
-_PAYLOAD = b"\x94"
 #: most segment files a store keeps open for reading (the least recently read is closed)
 _READERS = 32
 
@@ -185,8 +183,7 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 def _frame(record: Record) -> bytes:
-    payload = _encoder.encode(record)
-    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+    return frame(_encoder.encode(record))
 
 
 @dataclass(slots=True)
@@ -299,7 +296,7 @@ class SegmentStore:
                 data = f.read()
             records, good, named = _parse_index(data, sizes, missing)
             if good < len(data):
-                _check_torn(data, good, path)
+                check_torn(data, good, path, _decoder.decode)
                 log.warning(
                     "discarded the torn tail of a storage unit's index (a write cut short by a "
                     "crash: nothing in it was acknowledged)",
@@ -376,7 +373,12 @@ class SegmentStore:
         self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
-        """Start the next segment file (the full one is closed, after its sync at fsync)."""
+        """Start the next segment file (the full one is closed, after its sync at fsync).
+
+        Raises:
+            OSError: the file cannot be made (the current one stays)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fd = os.open(self._path(self._segment + 1), flags, 0o644)
         if self._fd >= 0:
             if self.sync:
                 self._closing.append(self._fd)
@@ -385,7 +387,7 @@ class SegmentStore:
             if not self.space.chunks.get(self._segment):
                 self._gone(self._segment)
         self._segment += 1
-        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = fd
         self._size = 0
         self.space.grew(self._segment, 0)
         self._new_file = True  # its name reaches the disk with the directory's next sync
@@ -402,7 +404,10 @@ class SegmentStore:
             TQError: another I/O error.
         """
         if self._size >= self.segment_bytes:
-            self._roll()
+            try:
+                self._roll()
+            except OSError as exc:
+                raise _io_error(exc, self.directory, "making a segment file") from exc
         start = pos = self._size
         extents = []
         try:
@@ -744,18 +749,9 @@ def _parse_index(
     bytes are not in ``sizes`` (`_whole`: counted in ``missing``); the bytes they take, and
     the highest segment a record names."""
     records: list[PutRecord | ClearRecord] = []
-    pos = good = named = 0
+    good = named = 0
     gone = GoneCells()
-    while pos + _RECORD.size <= len(data):
-        n, crc = _RECORD.unpack_from(data, pos)
-        payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
-        if len(payload) < n or zlib.crc32(payload) != crc:
-            break
-        try:
-            rec = _decoder.decode(payload)
-        except msgspec.DecodeError:
-            break
-        pos += _RECORD.size + n
+    for rec, end in frames(data, _decoder.decode):
         if isinstance(rec, PutRecord):
             named = max(named, max((c.segment for c in rec.chunks), default=0))
         whole = _whole(rec, sizes, missing)
@@ -765,45 +761,9 @@ def _parse_index(
             assert isinstance(whole, PutRecord)
             gone.put(rec.partition, rec.incarnation, rec.chunks, whole.chunks)
         records.append(whole)
-        good = pos
+        good = end
     missing["lost"] = gone.count()
     return records, good, named
-
-
-def _check_torn(data: bytes, bad: int, path: str) -> None:
-    """`TQError` if a whole record follows the bad one at ``bad``: the index was damaged (bit
-    rot: a crash only cuts its end), and dropping what follows would lose acknowledged puts
-    silently (or serve the values they overwrote). Nothing whole follows a torn tail."""
-    after = _next_record(data, bad + 1)
-    if after is not None:
-        raise TQError(
-            f"the storage unit's index {path} is damaged at byte {bad}: a bad record followed "
-            f"by whole ones (from byte {after}), which a crash cannot leave (it only cuts the "
-            "end); starting would lose acknowledged puts or serve values they overwrote. Check "
-            "the disk, then restore index.log from a backup, or move the data_dir away to "
-            "start an empty unit (the controller then counts the rows it held lost)"
-        )
-
-
-def _next_record(data: bytes, start: int) -> int | None:
-    """Where the first whole record at or after ``start`` begins (None: none).
-
-    Every record's payload is a msgpack array of four (its tag first): only the offsets
-    before such a byte are tried (a torn record may be megabytes of rows)."""
-    view = memoryview(data)
-    at = data.find(_PAYLOAD, start + _RECORD.size)
-    while at >= 0:
-        n, crc = _RECORD.unpack_from(data, at - _RECORD.size)
-        payload = view[at : at + n]
-        if len(payload) == n and zlib.crc32(payload) == crc:
-            try:
-                _decoder.decode(payload)
-            except msgspec.DecodeError:
-                pass
-            else:
-                return at - _RECORD.size
-        at = data.find(_PAYLOAD, at + 1)
-    return None
 
 
 def _whole(
