@@ -10,6 +10,7 @@ written in an earlier boot of the machine (its page cache gone) are dropped, and
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import pytest
 import structlog
 from test_segments import DENSE, JAGGED, cells, frames_of
 
+import tq_async as tq
+from _cluster_proc import serve_cluster
 from tq_async._paths import _shm
 from tq_async._paths._shm import PAGE, Arena, ArenaMap
 from tq_async._storage import _segments
@@ -262,6 +265,34 @@ def test_the_arena_files_mark_is_on_the_disk_before_any_cell_in_it(
     assert str(tmp_path) in synced[mark + 1 :]
 
 
+def test_an_arena_files_mark_is_written_only_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit restarted on a full disk could not rewrite ``arena.boot`` and went without
+    shared memory: a mark that says so already is kept (the directory is synced all the
+    same: a killed unit may have renamed it unsynced); one that must change is written."""
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-a")
+    mark = tmp_path / "arena.boot"
+    close(open_unit(tmp_path))
+    written = mark.stat().st_ino
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    close(open_unit(tmp_path))  # the same boot, the same level
+    assert mark.stat().st_ino == written
+    assert synced == [str(tmp_path)]
+    monkeypatch.setattr(_segments, "_boot_id", lambda: "boot-b")
+    close(open_unit(tmp_path))  # another boot
+    assert json.loads(mark.read_text()) == {"synced": False, "boot": "boot-b"}
+    close(open_unit(tmp_path, sync=True))  # another level
+    assert json.loads(mark.read_text()) == {"synced": True}
+
+
 def test_a_larger_arena_file_keeps_its_size(tmp_path: Path) -> None:
     """A unit restarted with a smaller shm_cap still reaches cells past the new cap."""
     claim_unit_dir(str(tmp_path), 0)
@@ -302,6 +333,32 @@ def test_a_client_writes_a_synced_arena_file_with_pwrite(tmp_path: Path) -> None
     mapped.close()
     assert mapped.fd == -1
     arena.close()
+
+
+async def test_an_io_error_writing_a_put_into_a_synced_arena_file_is_a_tqerror(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At ``fsync`` level a same-host client writes a put into the unit's arena file with
+    ``pwrite``: an I/O error there (the unit's disk failing) reached the caller as a raw
+    OSError. A TQError now, saying what to do; nothing was stored, the next put goes through."""
+    import torch
+
+    def failing(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    want = torch.arange(64 * 1024).reshape(64, 1024)
+    args = ("--durability", "fsync", "--data-dir", str(tmp_path))
+    with serve_cluster(1, args) as address:
+        async with tq.AsyncClient.connect(address, request_timeout=30) as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(os, "pwrite", failing)
+                with pytest.raises(tq.TQError, match="check the storage unit's disk") as got:
+                    await client.put({"x": want + 1}, "p")
+            assert not isinstance(got.value, OSError)
+            meta = await client.put({"x": want}, "p")
+            assert torch.equal((await client.get_data(meta))["x"], want)
+            stats = (await client.storage_stats())[0]
+            assert (stats["shm_puts"], stats["rows"]) == (1, 64)  # the failed put: nothing
 
 
 def test_a_group_commit_syncs_only_the_files_written_since_the_last(
@@ -394,6 +451,33 @@ def test_an_arena_file_lends_only_regions_whose_disk_blocks_are_reserved(
     assert big is not None
     assert big.offset == region.offset
     assert seam.spans[n:] == [(fresh.offset, 4 * PAGE)]  # only the pages given back
+    arena.close()
+
+
+def test_an_arena_file_whose_blocks_fail_for_another_reason_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``posix_fallocate`` failing for another reason than a full disk (an I/O error, a file
+    system that refuses it) left every same-host put on the socket without a word: a
+    warning now, once, with the reason (a full disk says so where the put fails)."""
+    arena = Arena(CAP, idle_bytes=0, path=str(tmp_path / ARENA_FILE))
+    seam = _Fallocate()
+    monkeypatch.setattr(_shm, "fallocate", seam)
+    seam.full = True
+    with structlog.testing.capture_logs() as logs:
+        assert arena.alloc(PAGE) is None
+    assert not logs  # a full disk: the put fails on the socket with StorageFullError
+
+    def failing(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_shm, "fallocate", failing)
+    with structlog.testing.capture_logs() as logs:
+        assert arena.alloc(PAGE) is None
+        assert arena.alloc(2 * PAGE) is None
+    (warning,) = logs
+    assert warning["log_level"] == "warning"
+    assert "Input/output error" in warning["error"]
     arena.close()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -40,10 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidRequestError, SessionLostError
+from .._errors import InvalidRequestError, SessionLostError, StorageFullError, TQError
+from .._logging import get_logger
 from ._pinned import PIN_CHUNK, PinnedChunks, chunks_of
 
 __all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
+
+log = get_logger(__name__)
 
 PAGE = 4096
 TOKEN_BYTES = 16
@@ -210,6 +214,8 @@ class Arena:
         if path is not None:
             self._reserved = np.zeros(self.cap // PAGE, dtype=np.bool_)
             self._reserved[0] = True
+        #: `_reserve` failed for another reason than a full disk (said once)
+        self._refused = False
         self.live_bytes = 0
         self.idle_bytes = 0
         #: per chunk (`tq_async._paths._pinned`): how many clients hold it registered with
@@ -254,7 +260,15 @@ class Arena:
         lo, hi = a + int(missing[0]), a + int(missing[-1]) + 1
         try:
             fallocate(self.fd, lo * PAGE, (hi - lo) * PAGE)
-        except OSError:  # ENOSPC, EDQUOT: by socket instead (a put fails there: disk full)
+        except OSError as exc:  # by socket instead (a full disk: a put fails there, saying so)
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) and not self._refused:
+                self._refused = True
+                log.warning(
+                    "a durable storage unit cannot reserve its arena file's disk blocks: "
+                    "same-host puts and reads go over the socket; check its data_dir's disk",
+                    path=self.path,
+                    error=str(exc),
+                )
             return False
         reserved[lo:hi] = True
         return True
@@ -478,6 +492,8 @@ class ArenaMap:
         Raises:
             SessionLostError: the unit restarted since the grant (`check_boot`); what was
                 copied before it is nobody's cells.
+            TQError: ``pwrite`` failed (the unit's disk: `StorageFullError` when it is full);
+                nothing was stored.
         """
         spans = []
         pos = offset
@@ -505,9 +521,14 @@ class ArenaMap:
     def _pwrite(self, src: np.ndarray[Any, np.dtype[np.uint8]], at: int) -> int:
         try:
             return os.pwrite(self.fd, src.data, at)
-        except OSError:
+        except OSError as exc:
             self.check_boot()  # closed meanwhile (the client saw the unit go): said so
-            raise
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise (StorageFullError if full else TQError)(
+                f"writing a put into the storage unit's shared memory (its arena file) failed "
+                f"({exc}): nothing of it was stored; check the storage unit's disk"
+                f"{' (free space on it)' if full else ''}, then put again"
+            ) from exc
 
     @staticmethod
     def layout(offset: int, sizes: Iterable[int]) -> list[tuple[int, int]]:

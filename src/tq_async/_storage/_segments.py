@@ -10,9 +10,10 @@ Files:
   started past ``segment_bytes``; a segment none of whose chunks is alive any more is deleted
   (a cleared partition's space comes back).
 - ``index.log``: one record per put (its chunks: header, rows, extent, crc32 of the bytes) and
-  per clear, each ``[length u32][crc32 u32][msgpack]``. A unit restarted on its directory reads
-  this file only, never the data. When it holds many more records than live chunks it is
-  rewritten (one record per live chunk; written aside, then renamed over the old one).
+  per clear, each ``[length u32][crc32 u32][msgpack]`` (`tq_async._storage._index_frames`).
+  A unit restarted on its directory reads this file only, never the data. When it holds
+  many more records than live chunks it is rewritten (one record per live chunk; written
+  aside, then renamed over the old one).
 - ``arena.dat``: the unit's shared-memory arena (`tq_async._paths._shm.Arena` on a file): cells
   a same-host client put through shared memory are already in this file when the put
   arrives, so they are not written again: their index record names where they are in it
@@ -34,7 +35,10 @@ at ``fsync`` level is reused only after the commit of the record that freed it: 
 
 A torn tail (a record cut short or with a bad checksum at the end of the index, a chunk whose
 bytes lie past the end of its segment) can only hold writes nobody acknowledged: `load`
-drops it with a warning. A chunk's bytes are checked against its crc32 when read back.
+drops it with a warning. A bad record followed by whole ones is no torn tail (a crash only
+cuts the end: the disk damaged it) and `load` refuses it (`TQError`): dropping what follows
+would lose acknowledged puts, and skipping the bad one could serve values it overwrote. A
+chunk's bytes are checked against its crc32 when read back.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ import contextlib
 import errno
 import json
 import os
-import struct
 import threading
 import zlib
 from collections import OrderedDict
@@ -58,6 +61,7 @@ from .._logging import get_logger
 from .._wire._columns import ColumnHeader
 from ._dir_marker import MARKER, claim_unit_dir
 from ._gone_cells import GoneCells
+from ._index_frames import check_torn, frame, frames
 from ._segment_space import SegmentSpace
 
 __all__ = [
@@ -82,7 +86,6 @@ ARENA_FILE = "arena.dat"
 _ARENA_BOOT = "arena.boot"
 #: the crc of a chunk that has none (cells in the arena file)
 NO_CRC = -1
-_RECORD = struct.Struct("<II")  # payload length, crc32 of the payload
 #: most segment files a store keeps open for reading (the least recently read is closed)
 _READERS = 32
 
@@ -180,8 +183,7 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 
 def _frame(record: Record) -> bytes:
-    payload = _encoder.encode(record)
-    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+    return frame(_encoder.encode(record))
 
 
 @dataclass(slots=True)
@@ -239,6 +241,8 @@ class SegmentStore:
         self._fd = -1
         self._size = 0
         self._index_fd = -1
+        #: where the index ends, past a failed write that could not be cut back (-1: none)
+        self._index_end = -1
         #: index records written (or waiting for the next commit) since the last rewrite
         self.records = 0
         #: fsync level: records and finished segments waiting for the next commit
@@ -280,7 +284,7 @@ class SegmentStore:
         """
         records: list[PutRecord | ClearRecord] = []
         sizes = self._segment_sizes()
-        if self.durable and ARENA in sizes and not self._arena_trusted():
+        if self.durable and ARENA in sizes and not _arena_trusted(self.directory):
             del sizes[ARENA]  # its chunks are dropped by `_whole`, with a warning
         path = os.path.join(self.directory, _INDEX)
         # the highest segment a record names (its file may be gone: all its chunks dead)
@@ -292,6 +296,7 @@ class SegmentStore:
                 data = f.read()
             records, good, named = _parse_index(data, sizes, missing)
             if good < len(data):
+                check_torn(data, good, path, _decoder.decode)
                 log.warning(
                     "discarded the torn tail of a storage unit's index (a write cut short by a "
                     "crash: nothing in it was acknowledged)",
@@ -347,45 +352,33 @@ class SegmentStore:
 
     # ---- the arena file ------------------------------------------------------------------------
 
-    def _arena_trusted(self) -> bool:
-        """Whether the arena file holds what its records say: synced at ``fsync`` level, or
-        written at ``process`` level in this boot (the page cache survived)."""
-        try:
-            with open(os.path.join(self.directory, _ARENA_BOOT)) as f:
-                mark = json.load(f)
-        except FileNotFoundError:
-            return True  # no arena cells were ever recorded
-        except (OSError, ValueError):
-            mark = {}
-        boot = _boot_id()
-        if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
-            return True
-        log.warning(
-            "the machine restarted since this storage unit's shared-memory cells were written "
-            "at durability 'process' (the page cache holding them is gone): they are dropped; "
-            "use durability 'fsync' to keep cells across a machine crash",
-            data_dir=self.directory,
-        )
-        return False
-
     def use_arena(self) -> None:
         """The unit's arena is the file `arena_path` from now on: say whether its cells are
-        synced (``fsync``: once what this boot wrote is synced) or only written in this boot."""
+        synced (``fsync``: once what this boot wrote is synced) or only written in this boot.
+
+        A mark that says so already is not written again (a unit restarted on a full disk
+        keeps its shared memory): it was synced before it was renamed into place, and the
+        directory is synced all the same (a killed unit may have renamed it unsynced).
+
+        Raises:
+            OSError: the mark cannot be written (the unit goes without shared memory)."""
         if self._arena_fd < 0:
             self._arena_fd = os.open(self.arena_path, os.O_RDWR | os.O_CLOEXEC)
         if self.sync:
             os.fdatasync(self._arena_fd)
         mark = {"synced": True} if self.sync else {"synced": False, "boot": _boot_id()}
         path = os.path.join(self.directory, _ARENA_BOOT)
-        with open(path + ".tmp", "w") as f:
-            json.dump(mark, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        if _read_mark(path) != mark:
+            _write_mark(path, mark)
         self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
-        """Start the next segment file (the full one is closed, after its sync at fsync)."""
+        """Start the next segment file (the full one is closed, after its sync at fsync).
+
+        Raises:
+            OSError: the file cannot be made (the current one stays)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fd = os.open(self._path(self._segment + 1), flags, 0o644)
         if self._fd >= 0:
             if self.sync:
                 self._closing.append(self._fd)
@@ -394,7 +387,7 @@ class SegmentStore:
             if not self.space.chunks.get(self._segment):
                 self._gone(self._segment)
         self._segment += 1
-        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = fd
         self._size = 0
         self.space.grew(self._segment, 0)
         self._new_file = True  # its name reaches the disk with the directory's next sync
@@ -411,7 +404,10 @@ class SegmentStore:
             TQError: another I/O error.
         """
         if self._size >= self.segment_bytes:
-            self._roll()
+            try:
+                self._roll()
+            except OSError as exc:
+                raise _io_error(exc, self.directory, "making a segment file") from exc
         start = pos = self._size
         extents = []
         try:
@@ -427,7 +423,10 @@ class SegmentStore:
                     pos += view.nbytes
                 extents.append(Extent(self._segment, offset, tuple(sizes), crc))
         except OSError as exc:
-            self._cut(self._fd, start)
+            if not self._cut(self._fd, start):
+                # the file ends past what the store knows: cells appended after it would be
+                # recorded where they are not; the next put starts a new segment
+                self._size = self.segment_bytes
             raise _io_error(exc, self.directory, "writing cells") from exc
         self._size = pos
         self.space.grew(self._segment, pos)
@@ -444,11 +443,14 @@ class SegmentStore:
         while done < view.nbytes:
             done += self._write(self._fd, view[done:])
 
-    def _cut(self, fd: int, size: int) -> None:
+    def _cut(self, fd: int, size: int) -> bool:
+        """Cut a failed write back to ``size``; whether it could be."""
         try:
             os.ftruncate(fd, size)
         except OSError as exc:  # the index never names what is past ``size``: only waste
             log.warning("could not cut back a failed write", error=str(exc), dir=self.directory)
+            return False
+        return True
 
     def log(self, record: PutRecord | ClearRecord) -> None:
         """Add ``record`` to the index: now (process level) or at the next commit (fsync).
@@ -463,15 +465,37 @@ class SegmentStore:
         if self.sync:
             self._pending.append(frame)
             return
-        size = os.lseek(self._index_fd, 0, os.SEEK_END)
         try:
-            done = 0
-            view = memoryview(frame)
-            while done < len(frame):
-                done += self._write(self._index_fd, view[done:])
+            self._append_index(frame)
         except OSError as exc:
-            self._cut(self._index_fd, size)
             raise _io_error(exc, self.directory, "writing the index") from exc
+
+    def _append_index(self, blob: bytes, *, sync: bool = False) -> None:
+        """Append ``blob`` to the index (then fdatasync it, with ``sync``), all or nothing: a
+        failed write is cut back, before the next one when it could not be at once (a record
+        torn in the middle of the index would stop the next start).
+
+        Raises:
+            OSError: the write failed, or a failed one still cannot be cut back."""
+        fd = self._index_fd
+        size = self._index_end
+        if size >= 0:
+            if not self._cut(fd, size):
+                raise OSError(errno.EIO, "a failed write cannot be cut back from the index")
+            self._index_end = -1
+        else:
+            size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(blob)
+            done = 0
+            while done < len(blob):
+                done += self._write(fd, view[done:])
+            if sync:
+                os.fdatasync(fd)
+        except OSError:
+            if not self._cut(fd, size):
+                self._index_end = size
+            raise
 
     @property
     def pending(self) -> bool:
@@ -521,17 +545,7 @@ class SegmentStore:
                 # the rewrite holds every record before it; those logged since follow it
                 self._replace_index([*commit.rewrite, *commit.records])
             elif commit.records:
-                size = os.lseek(self._index_fd, 0, os.SEEK_END)
-                blob = b"".join(commit.records)
-                try:
-                    view = memoryview(blob)
-                    done = 0
-                    while done < len(blob):
-                        done += self._write(self._index_fd, view[done:])
-                    os.fdatasync(self._index_fd)
-                except OSError:
-                    self._cut(self._index_fd, size)
-                    raise
+                self._append_index(b"".join(commit.records), sync=True)
         except OSError as exc:
             raise _io_error(exc, self.directory, "syncing cells") from exc
         finally:
@@ -553,7 +567,7 @@ class SegmentStore:
     def _replace_index(self, frames: list[bytes]) -> None:
         path = os.path.join(self.directory, _INDEX)
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
             blob = memoryview(b"".join(frames))
             done = 0
@@ -561,16 +575,23 @@ class SegmentStore:
                 done += self._write(fd, blob[done:])
             if self.sync:
                 os.fsync(fd)
+            os.replace(tmp, path)
         except OSError:
             os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, path)
-        if self.sync:
-            self._sync_dir()
-        old, self._index_fd = self._index_fd, os.open(path, os.O_WRONLY | os.O_APPEND)
+        # appended to through the descriptor that wrote it: nothing after the rename may fail
+        # and leave the store appending to the old file, gone from the directory
+        old, self._index_fd = self._index_fd, fd
+        self._index_end = -1  # (a new file: whole)
         os.close(old)
+        if self.sync:
+            try:
+                self._sync_dir()
+            except OSError:
+                self._new_file = True  # (the rename reaches the disk with the next commit)
+                raise
 
     def _sync_dir(self) -> None:
         dfd = os.open(self.directory, os.O_RDONLY)
@@ -728,18 +749,9 @@ def _parse_index(
     bytes are not in ``sizes`` (`_whole`: counted in ``missing``); the bytes they take, and
     the highest segment a record names."""
     records: list[PutRecord | ClearRecord] = []
-    pos = good = named = 0
+    good = named = 0
     gone = GoneCells()
-    while pos + _RECORD.size <= len(data):
-        n, crc = _RECORD.unpack_from(data, pos)
-        payload = data[pos + _RECORD.size : pos + _RECORD.size + n]
-        if len(payload) < n or zlib.crc32(payload) != crc:
-            break
-        try:
-            rec = _decoder.decode(payload)
-        except msgspec.DecodeError:
-            break
-        pos += _RECORD.size + n
+    for rec, end in frames(data, _decoder.decode):
         if isinstance(rec, PutRecord):
             named = max(named, max((c.segment for c in rec.chunks), default=0))
         whole = _whole(rec, sizes, missing)
@@ -749,7 +761,7 @@ def _parse_index(
             assert isinstance(whole, PutRecord)
             gone.put(rec.partition, rec.incarnation, rec.chunks, whole.chunks)
         records.append(whole)
-        good = pos
+        good = end
     missing["lost"] = gone.count()
     return records, good, named
 
@@ -792,6 +804,45 @@ def _new_index(index: str, sizes: dict[int, int]) -> bool:
             "(the controller then counts the rows it held lost)"
         )
     return True
+
+
+def _arena_trusted(directory: str) -> bool:
+    """Whether the arena file of ``directory`` holds what its records say: synced at
+    ``fsync`` level, or written at ``process`` level in this boot (the page cache survived)."""
+    mark = _read_mark(os.path.join(directory, _ARENA_BOOT))
+    if mark is None:
+        return True  # no arena cells were ever recorded
+    boot = _boot_id()
+    if isinstance(mark, dict) and (mark.get("synced") or (boot and mark.get("boot") == boot)):
+        return True
+    log.warning(
+        "the machine restarted since this storage unit's shared-memory cells were written "
+        "at durability 'process' (the page cache holding them is gone): they are dropped; "
+        "use durability 'fsync' to keep cells across a machine crash",
+        data_dir=directory,
+    )
+    return False
+
+
+def _write_mark(path: str, mark: dict[str, Any]) -> None:
+    """Write the arena file's mark: synced aside, then renamed into place (the caller syncs
+    the directory)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(mark, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _read_mark(path: str) -> Any:
+    """The arena file's mark at ``path`` (None: none was ever written; {}: unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
 
 
 def _boot_id() -> str:
