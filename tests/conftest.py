@@ -11,6 +11,9 @@ import pytest
 # Tests run with filterwarnings=error; keep torch's thread pools small on the 2-core CI box.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+#: `--dist loadgroup` groups that hold under pytest >= 9.2 (see the module)
+pytest_plugins = ["_xdist_groups"]
+
 
 @pytest.fixture(autouse=True)
 def _restore_tq_logging() -> Iterator[None]:

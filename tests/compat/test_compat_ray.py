@@ -17,6 +17,10 @@ from tensordict import TensorDict  # noqa: E402
 import tq_async  # noqa: E402
 import tq_async.compat as tq  # noqa: E402
 
+#: on the worker of tests/deploy/test_ray.py (pytest-xdist --dist loadgroup): never two Ray
+#: instances starting at once on the 2-vCPU box (one timed out this test at 158 s)
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 def _worker_without_driver() -> str:
     try:
