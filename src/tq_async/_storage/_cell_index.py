@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .._core._state import stale_incarnation
+from .._core._gone import stale_incarnation
 from .._errors import RowsNotFound
 from .._paths._device import DeviceCells
 from .._paths._shm import Region
