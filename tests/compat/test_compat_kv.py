@@ -203,3 +203,25 @@ def test_keys_removed_while_kv_batch_get_reads_them_say_to_read_again(
     assert f"while this {call} read" in message
     assert f"call {call} again" in message
     assert "BatchMeta" not in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"keys": ["a"], "tags": None}, "tags"),
+        ({"keys": None, "tags": []}, "keys"),
+        ({"keys": "ab", "tags": [{}, {}]}, "keys"),
+        ({"keys": [1], "tags": [{}]}, "keys"),
+        ({"keys": ["a"], "tags": ["x"]}, "tags"),
+        ({"keys": ["a"], "tags": [None]}, "tags"),
+        ({"keys": ["a"], "tags": [{}], "fields": "xy"}, "fields"),
+        ({"keys": ["a"], "tags": [{}], "extra_info": [1]}, "extra_info"),
+    ],
+)
+def test_a_kv_batch_meta_of_bad_arguments_names_them(kwargs: dict[str, Any], named: str) -> None:
+    """``KVBatchMeta`` built with ``None`` keys or tags, tags that are not dicts or an
+    ``extra_info`` that is not one failed with Python's own TypeError / ValueError ("object
+    of type 'NoneType' has no len()"), and a string for ``keys`` or ``fields`` was split
+    into one-letter names. Each is an InvalidRequestError naming the argument."""
+    with pytest.raises(tq_async.InvalidRequestError, match=f"KVBatchMeta {named}"):
+        tq.KVBatchMeta(**kwargs)
