@@ -5,6 +5,7 @@ unique across partitions."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,3 +141,19 @@ def test_global_indexes_are_unique_across_partitions() -> None:
     assert client.kv_retrieve_keys(kv_rows.global_indexes, partition_id="kv") == ["k"]
     assert sorted(client.get_partition_list()) == ["kv", "train", "val"]
     assert sorted(tq.kv_list()) == ["kv", "train", "val"]
+
+
+@pytest.mark.parametrize("chunks", [np.int64(2), np.int32(2), torch.tensor(2)], ids=repr)
+def test_chunk_takes_a_numpy_or_torch_int(chunks: Any) -> None:
+    """A chunk count computed from a config (``np.int64``, a torch scalar) was refused as
+    "chunks must be a positive int", where TransferQueue's ``chunk`` takes it. Both metas
+    take any integral number (a bool, a float, 0 are still refused)."""
+    meta = tq.BatchMeta(global_indexes=[0, 1, 2], partition_ids=["p"] * 3)
+    assert [m.global_indexes for m in meta.chunk(chunks)] == [[0, 1], [2]]
+    kv = tq.KVBatchMeta(keys=["a", "b", "c"], tags=[{}, {}, {}])
+    assert [m.keys for m in kv.chunk(chunks)] == [["a", "b"], ["c"]]
+    for bad in (True, 2.0, 0):
+        with pytest.raises(tq_async.InvalidRequestError, match="chunks"):
+            meta.chunk(bad)
+        with pytest.raises(tq_async.InvalidRequestError, match="chunks"):
+            kv.chunk(bad)

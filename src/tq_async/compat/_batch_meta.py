@@ -15,6 +15,7 @@ from tensordict import TensorDictBase
 
 from .. import _meta
 from .._errors import InvalidRequestError
+from .._wire._checks import integral
 
 __all__ = ["GLOBAL_INDEX_STRIDE", "BatchMeta", "field_schema_of"]
 
@@ -485,6 +486,7 @@ class BatchMeta:
 
     def chunk(self, chunks: int) -> list[BatchMeta]:
         """``chunks`` pieces whose sizes differ by at most one (10 rows, 3 chunks: 4, 3, 3)."""
+        chunks = integral(chunks)  # (numpy's int64, a torch scalar: from a config)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise InvalidRequestError(f"chunks must be a positive int, got {chunks!r}")
         return [self._take(r) for r in _meta.even_ranges(self.size, chunks)]

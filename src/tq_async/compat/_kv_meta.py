@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _meta
 from .._errors import InvalidRequestError
+from .._wire._checks import integral
 
 
 def _names(name: str, values: Any) -> list[str]:
@@ -122,6 +123,7 @@ class KVBatchMeta:
 
     def chunk(self, chunks: int) -> list[KVBatchMeta]:
         """``chunks`` pieces whose sizes differ by at most one (10 keys, 3 chunks: 4, 3, 3)."""
+        chunks = integral(chunks)  # (numpy's int64, a torch scalar: from a config)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise InvalidRequestError(f"chunks must be a positive int, got {chunks!r}")
         base, extra = divmod(len(self), chunks)
