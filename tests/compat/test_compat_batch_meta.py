@@ -157,3 +157,32 @@ def test_chunk_takes_a_numpy_or_torch_int(chunks: Any) -> None:
             meta.chunk(bad)
         with pytest.raises(tq_async.InvalidRequestError, match="chunks"):
             kv.chunk(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"global_indexes": None, "partition_ids": ["p"]}, "global_indexes"),
+        ({"global_indexes": "01", "partition_ids": ["p", "p"]}, "global_indexes"),
+        ({"global_indexes": [0.5], "partition_ids": ["p"]}, "global_indexes"),
+        ({"global_indexes": [0, 1], "partition_ids": "pq"}, "partition_ids"),
+        ({"global_indexes": [0], "partition_ids": None}, "partition_ids"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "field_schema": ["x"]}, "field_schema"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "extra_info": [1]}, "extra_info"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "custom_meta": [1]}, "custom_meta"),
+    ],
+)
+def test_a_batch_meta_of_bad_arguments_names_them(kwargs: dict[str, Any], named: str) -> None:
+    """``BatchMeta`` built with ``None`` indexes, a schema, ``extra_info`` or ``custom_meta``
+    of the wrong type failed with Python's own TypeError / AttributeError, and strings were
+    split: ``partition_ids="pq"`` gave partitions 'p' and 'q', ``global_indexes="01"`` rows
+    0 and 1. Each is an InvalidRequestError naming the argument."""
+    with pytest.raises(tq_async.InvalidRequestError, match=f"BatchMeta {named}"):
+        BatchMeta(**kwargs)
+
+
+def test_a_batch_meta_takes_numpy_indexes_and_partition_ids() -> None:
+    meta = BatchMeta(global_indexes=np.arange(2), partition_ids=np.array(["p", "p"]))
+    assert meta.global_indexes == [0, 1]
+    assert meta.partition_ids == ["p", "p"]
+    assert type(meta.partition_ids[0]) is str

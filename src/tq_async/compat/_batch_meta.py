@@ -146,8 +146,14 @@ class BatchMeta:
         extra_info: Mapping[str, Any] | None = None,
         custom_meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
-        self.global_indexes = [int(i) for i in global_indexes]
-        self.partition_ids = [str(p) for p in partition_ids]
+        self.global_indexes = _indexes(global_indexes)
+        pids = _items("partition_ids", partition_ids)
+        if not all(isinstance(p, str) for p in pids):
+            raise InvalidRequestError(
+                f"BatchMeta partition_ids must be a list of str, got {partition_ids!r}"[:200]
+            )
+        self.partition_ids = [str(p) for p in pids]  # (numpy's str_ as str)
+        _check_dicts(field_schema, extra_info, custom_meta)
         n = len(self.global_indexes)
         if len(self.partition_ids) != n:
             raise InvalidRequestError(
@@ -597,6 +603,54 @@ class BatchMeta:
         )
 
     __repr__ = __str__
+
+
+def _items(name: str, values: Any) -> list[Any]:
+    """``values`` (a list, tuple or array) as a list; a string alone (which would be split
+    into one-letter items) or a non-iterable is refused."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidRequestError(
+            f"BatchMeta {name} must be a list, got the string {values!r}: pass [{values!r}]"[:200]
+        )
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidRequestError(
+            f"BatchMeta {name} must be a list, got {type(values).__name__}"
+        ) from None
+
+
+def _indexes(values: Any) -> list[int]:
+    """``global_indexes`` as plain ints (numpy's too); a float or a string is refused."""
+    indexes = [integral(i) for i in _items("global_indexes", values)]
+    bad = [i for i in indexes if isinstance(i, bool) or not isinstance(i, int)]
+    if bad:
+        raise InvalidRequestError(
+            f"BatchMeta global_indexes must be ints, got {type(bad[0]).__name__} {bad[0]!r}"
+        )
+    return indexes
+
+
+def _check_dicts(field_schema: Any, extra_info: Any, custom_meta: Any) -> None:
+    """The constructor's dict arguments are dicts (None: none)."""
+    if field_schema is not None and (
+        not isinstance(field_schema, Mapping)
+        or not all(isinstance(v, Mapping) for v in field_schema.values())
+    ):
+        raise InvalidRequestError(
+            "BatchMeta field_schema must be a dict {field: {dtype, shape, is_nested, "
+            f"is_non_tensor}}, got {field_schema!r}"[:200]
+        )
+    if extra_info is not None and not isinstance(extra_info, Mapping):
+        raise InvalidRequestError(
+            f"BatchMeta extra_info must be a dict (or None), got {type(extra_info).__name__}"
+        )
+    if custom_meta is not None and not all(
+        isinstance(c, Mapping) for c in _items("custom_meta", custom_meta)
+    ):
+        raise InvalidRequestError(
+            f"BatchMeta custom_meta must be one dict per row, got {custom_meta!r}"[:200]
+        )
 
 
 def _same(a: Any, b: Any) -> bool:
