@@ -186,3 +186,13 @@ def test_a_batch_meta_takes_numpy_indexes_and_partition_ids() -> None:
     assert meta.global_indexes == [0, 1]
     assert meta.partition_ids == ["p", "p"]
     assert type(meta.partition_ids[0]) is str
+
+
+def test_add_fields_of_a_dict_says_to_pass_a_tensordict() -> None:
+    """``add_fields({"y": tensor})`` failed with AttributeError ("'dict' object has no
+    attribute 'batch_size'"); it is an InvalidRequestError saying what to pass."""
+    meta = BatchMeta(global_indexes=[0, 1], partition_ids=["p", "p"])
+    with pytest.raises(tq_async.InvalidRequestError, match="add_fields takes a TensorDict"):
+        meta.add_fields({"y": torch.ones(2, 3)})  # type: ignore[arg-type]
+    meta.add_fields(TensorDict({"y": torch.ones(2, 3)}, batch_size=[2]))
+    assert meta.field_names == ["y"]

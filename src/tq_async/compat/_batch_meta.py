@@ -428,8 +428,14 @@ class BatchMeta:
         """Describe ``tensor_dict``'s fields here too (in place); rows become written.
 
         Raises:
-            InvalidRequestError: ``tensor_dict`` has another number of rows.
+            InvalidRequestError: ``tensor_dict`` is not a TensorDict, or has another number
+                of rows.
         """
+        if not isinstance(tensor_dict, TensorDictBase):
+            raise InvalidRequestError(
+                f"add_fields takes a TensorDict, got {type(tensor_dict).__name__}: pass "
+                f"TensorDict(fields, batch_size=[{self.size}])"
+            )
         n = int(tensor_dict.batch_size[0]) if tensor_dict.batch_size else 0
         if n == 0:
             return self
