@@ -907,3 +907,45 @@ async def test_a_partition_whose_arrays_dropped_cleared_rows_round_trips(
             9,
             10,
         ]
+
+
+async def test_dense_rows_of_a_field_first_put_jagged_come_back_dense_after_a_restore(
+    tmp_path: Path,
+) -> None:
+    """A field first put jagged (responses of 1, 5 and 2 tokens) and later dense (2 rows of 3)
+    reads each put's rows back as they were put, also when both went into rows of one put
+    (``late``). A checkpoint read the field's rows together (one jagged column, the field's
+    kind) and restored them so: after a restore the dense rows read back as a nested tensor."""
+    ckpt = tmp_path / "ckpt"
+    jagged = torch.nested.nested_tensor(
+        [torch.arange(n, dtype=torch.int64) for n in (1, 5, 2)], layout=torch.jagged
+    )
+    dense = torch.arange(6).reshape(2, 3)
+
+    async def read_back(client: tq.AsyncClient, pid: str, field: str) -> None:
+        meta = await client.get_meta([field], 3, pid, field)
+        got = (await client.get_data(meta))[field]
+        assert got.is_nested
+        assert [r.tolist() for r in got.unbind()] == [r.tolist() for r in jagged.unbind()]
+        meta = await client.get_meta([field], 2, pid, field)
+        got = (await client.get_data(meta))[field]
+        assert not got.is_nested
+        assert torch.equal(got, dense)
+
+    async with (
+        tq.local_cluster(num_storage_units=2) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.put({"resp": jagged}, partition_id="p")
+        await client.put({"resp": dense}, partition_id="p")
+        rows = await client.put({"x": torch.arange(5)}, partition_id="q")
+        await client.put({"late": jagged}, meta=rows.select_rows([0, 1, 2]))
+        await client.put({"late": dense}, meta=rows.select_rows([3, 4]))
+        await client.save_checkpoint(ckpt)
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        assert sorted(await client.load_checkpoint(ckpt)) == ["p", "q"]
+        await read_back(client, "p", "resp")
+        await read_back(client, "q", "late")

@@ -321,3 +321,52 @@ async def test_a_get_whose_partition_is_cleared_while_it_reads_fails_without_a_w
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         if again:  # the new partition's row is the task's, untouched
             assert len(await client.get_meta(["i"], 1, "p", "t", timeout=5)) == 1
+
+
+@pytest.mark.parametrize("call", ["get", "get_batches", "kv_batch_get"])
+@pytest.mark.parametrize("clear", ["clear_partition", "kv_clear", "re-created"])
+async def test_a_read_whose_rows_are_cleared_while_it_reads_says_what_to_do(
+    call: str, clear: str
+) -> None:
+    """A ``get`` (``get_batches``, ``kv_batch_get``: no BatchMeta in the caller's hands)
+    whose rows another task cleared after the controller named them, before their cells were
+    read: it said "... since this BatchMeta was made ...; fetch a new BatchMeta" (or named a
+    row number the caller never saw, with no advice). It says the rows were removed while
+    this call read them, and to call it again."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address, inline_get_bytes=0) as client,
+    ):
+        await client.kv_batch_put(["a", "b"], "p", {"i": torch.arange(2)})
+        reads = {
+            "get": lambda: client.get(["i"], 2, "p", "t"),
+            "get_batches": lambda: client.get_batches(
+                ["i"], 2, "p", "t", {"batch_index": 0}, also=[]
+            ),
+            "kv_batch_get": lambda: client.kv_batch_get(["a", "b"], "p"),
+        }
+        with paused_at(StoreGet) as paused:
+            async with anyio.create_task_group() as tg:
+                outcome: list[BaseException] = []
+
+                async def read() -> None:
+                    try:
+                        await reads[call]()
+                    except tq.TQError as exc:
+                        outcome.append(exc)
+
+                tg.start_soon(read)
+                await paused.reached(1)
+                if clear == "kv_clear":
+                    await client.kv_clear(["a"], "p")
+                else:
+                    await client.clear_partition("p")
+                if clear == "re-created":
+                    await client.kv_batch_put(["a", "b"], "p", {"i": torch.arange(2)})
+                paused.go()
+        (error,) = outcome
+        assert isinstance(error, tq.RowsNotFound)
+        message = str(error)
+        assert f"while this {call} read" in message
+        assert f"call {call} again" in message
+        assert "BatchMeta" not in message

@@ -5,6 +5,7 @@ unique across partitions."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,3 +141,58 @@ def test_global_indexes_are_unique_across_partitions() -> None:
     assert client.kv_retrieve_keys(kv_rows.global_indexes, partition_id="kv") == ["k"]
     assert sorted(client.get_partition_list()) == ["kv", "train", "val"]
     assert sorted(tq.kv_list()) == ["kv", "train", "val"]
+
+
+@pytest.mark.parametrize("chunks", [np.int64(2), np.int32(2), torch.tensor(2)], ids=repr)
+def test_chunk_takes_a_numpy_or_torch_int(chunks: Any) -> None:
+    """A chunk count computed from a config (``np.int64``, a torch scalar) was refused as
+    "chunks must be a positive int", where TransferQueue's ``chunk`` takes it. Both metas
+    take any integral number (a bool, a float, 0 are still refused)."""
+    meta = tq.BatchMeta(global_indexes=[0, 1, 2], partition_ids=["p"] * 3)
+    assert [m.global_indexes for m in meta.chunk(chunks)] == [[0, 1], [2]]
+    kv = tq.KVBatchMeta(keys=["a", "b", "c"], tags=[{}, {}, {}])
+    assert [m.keys for m in kv.chunk(chunks)] == [["a", "b"], ["c"]]
+    for bad in (True, 2.0, 0):
+        with pytest.raises(tq_async.InvalidRequestError, match="chunks"):
+            meta.chunk(bad)
+        with pytest.raises(tq_async.InvalidRequestError, match="chunks"):
+            kv.chunk(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"global_indexes": None, "partition_ids": ["p"]}, "global_indexes"),
+        ({"global_indexes": "01", "partition_ids": ["p", "p"]}, "global_indexes"),
+        ({"global_indexes": [0.5], "partition_ids": ["p"]}, "global_indexes"),
+        ({"global_indexes": [0, 1], "partition_ids": "pq"}, "partition_ids"),
+        ({"global_indexes": [0], "partition_ids": None}, "partition_ids"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "field_schema": ["x"]}, "field_schema"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "extra_info": [1]}, "extra_info"),
+        ({"global_indexes": [0], "partition_ids": ["p"], "custom_meta": [1]}, "custom_meta"),
+    ],
+)
+def test_a_batch_meta_of_bad_arguments_names_them(kwargs: dict[str, Any], named: str) -> None:
+    """``BatchMeta`` built with ``None`` indexes, a schema, ``extra_info`` or ``custom_meta``
+    of the wrong type failed with Python's own TypeError / AttributeError, and strings were
+    split: ``partition_ids="pq"`` gave partitions 'p' and 'q', ``global_indexes="01"`` rows
+    0 and 1. Each is an InvalidRequestError naming the argument."""
+    with pytest.raises(tq_async.InvalidRequestError, match=f"BatchMeta {named}"):
+        BatchMeta(**kwargs)
+
+
+def test_a_batch_meta_takes_numpy_indexes_and_partition_ids() -> None:
+    meta = BatchMeta(global_indexes=np.arange(2), partition_ids=np.array(["p", "p"]))
+    assert meta.global_indexes == [0, 1]
+    assert meta.partition_ids == ["p", "p"]
+    assert type(meta.partition_ids[0]) is str
+
+
+def test_add_fields_of_a_dict_says_to_pass_a_tensordict() -> None:
+    """``add_fields({"y": tensor})`` failed with AttributeError ("'dict' object has no
+    attribute 'batch_size'"); it is an InvalidRequestError saying what to pass."""
+    meta = BatchMeta(global_indexes=[0, 1], partition_ids=["p", "p"])
+    with pytest.raises(tq_async.InvalidRequestError, match="add_fields takes a TensorDict"):
+        meta.add_fields({"y": torch.ones(2, 3)})  # type: ignore[arg-type]
+    meta.add_fields(TensorDict({"y": torch.ones(2, 3)}, batch_size=[2]))
+    assert meta.field_names == ["y"]

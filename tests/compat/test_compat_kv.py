@@ -3,6 +3,8 @@ select_fields, kv_clear) and the async forms."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import torch
@@ -171,3 +173,55 @@ async def test_async_kv_forms() -> None:
     async with anyio.create_task_group() as tg:  # concurrent callers on one client
         for k in ("b", "c"):
             tg.start_soon(tq.async_kv_batch_get, [k], "p")
+
+
+@pytest.mark.parametrize("call", ["kv_batch_get", "kv_batch_get_by_meta"])
+def test_keys_removed_while_kv_batch_get_reads_them_say_to_read_again(
+    call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys another process cleared after kv_batch_get looked them up, before it read their
+    cells: the error said "... since this BatchMeta was made ...; fetch a new BatchMeta" (a
+    kv_batch_get has none). It says the keys' rows were removed while this call read them,
+    and to call it again."""
+    tq.init()
+    meta = tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"x": torch.ones(2, 3)})
+    client = tq.get_client().client
+    get_data = type(client).get_data
+
+    def cleared_first(self: Any, *args: Any, **kwargs: Any) -> Any:
+        client.clear_partition("p")
+        return get_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(client), "get_data", cleared_first)
+    reads = {
+        "kv_batch_get": lambda: tq.kv_batch_get(keys=["a", "b"], partition_id="p"),
+        "kv_batch_get_by_meta": lambda: tq.kv_batch_get_by_meta(meta),
+    }
+    with pytest.raises(tq_async.RowsNotFound) as caught:
+        reads[call]()
+    message = str(caught.value)
+    assert f"while this {call} read" in message
+    assert f"call {call} again" in message
+    assert "BatchMeta" not in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"keys": ["a"], "tags": None}, "tags"),
+        ({"keys": None, "tags": []}, "keys"),
+        ({"keys": "ab", "tags": [{}, {}]}, "keys"),
+        ({"keys": [1], "tags": [{}]}, "keys"),
+        ({"keys": ["a"], "tags": ["x"]}, "tags"),
+        ({"keys": ["a"], "tags": [None]}, "tags"),
+        ({"keys": ["a"], "tags": [{}], "fields": "xy"}, "fields"),
+        ({"keys": ["a"], "tags": [{}], "extra_info": [1]}, "extra_info"),
+    ],
+)
+def test_a_kv_batch_meta_of_bad_arguments_names_them(kwargs: dict[str, Any], named: str) -> None:
+    """``KVBatchMeta`` built with ``None`` keys or tags, tags that are not dicts or an
+    ``extra_info`` that is not one failed with Python's own TypeError / ValueError ("object
+    of type 'NoneType' has no len()"), and a string for ``keys`` or ``fields`` was split
+    into one-letter names. Each is an InvalidRequestError naming the argument."""
+    with pytest.raises(tq_async.InvalidRequestError, match=f"KVBatchMeta {named}"):
+        tq.KVBatchMeta(**kwargs)

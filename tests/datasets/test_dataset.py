@@ -477,6 +477,46 @@ async def test_auto_clear_keeps_the_batches_read_ahead_until_they_are_delivered(
         assert (await client.partition_info("p"))["rows"] == 0
 
 
+async def test_a_fetch_marked_default_like_keeps_the_batches_read_ahead_too() -> None:
+    """A ``fetch_batch_fn`` that wraps `default_fetch_batch_fn` (here: scales ``x``) and is
+    marked ``default_like = True`` (documented on `default_fetch_batch_fn`) gets the
+    default's arguments: an auto-clear task's batches read ahead keep their rows until they
+    are delivered, as with the default fetch."""
+    seen: list[dict[str, Any]] = []
+
+    async def scaled(**kwargs: Any) -> Any:
+        seen.append(kwargs)
+        td, meta = await tq.default_fetch_batch_fn(**kwargs)
+        if td is not None:
+            td["x"] = td["x"] * 10
+        return td, meta
+
+    scaled.default_like = True  # type: ignore[attr-defined]
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        await client.register_tasks(["train"])
+        await client.put(_rows(12), partition_id="p")
+        await client.seal("p")
+        args = (["x", "s"], 3, 3, "p", "train")
+        first = AsyncStreamingDataset(cluster.address, *args, prefetch=2, fetch_batch_fn=scaled)
+        async with first:
+            with anyio.fail_after(DEADLINE):
+                taken = [await anext(first)]
+                while (await client.partition_info("p"))["ready"]["train"] > 3:
+                    pass
+        assert all("keep_hold" in kwargs for kwargs in seen)
+        assert (await client.partition_info("p"))["rows"] == 9  # only the delivered batch
+        second = AsyncStreamingDataset(cluster.address, *args, prefetch=2, fetch_batch_fn=scaled)
+        second.load_state_dict(first.state_dict())
+        async with second:
+            rest = await _drain(second)
+        got = [x for td, _ in taken + rest for x in td["x"].tolist()]
+        assert got == [10 * i for i in range(12)]
+        assert (await client.partition_info("p"))["rows"] == 0
+
+
 async def test_cancelled_fetch_on_demand_loses_nothing() -> None:
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,

@@ -19,7 +19,8 @@ from .._wire._events import PartitionCreated
 from .._wire._protocol import Placement
 from ._effects import Effects
 from ._events import Outbox
-from ._state import ControllerState, Partition, PutLease, Wakeup, cleared_under_put
+from ._gone import cleared_under_put
+from ._state import ControllerState, Partition, PutLease, Wakeup
 
 __all__ = ["PutLeases"]
 

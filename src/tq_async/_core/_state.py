@@ -48,6 +48,7 @@ from .._wire._columns import ColumnHeader
 from .._wire._events import PartitionCleared
 from ._arrays import KV_CHUNK_BITS, compact, rows_on
 from ._events import Outbox
+from ._gone import stale_incarnation
 from ._groups import TagGroups
 from ._placement import Placer
 from ._ready import FieldsKey, ReadyRows, ReadySet, ReadyView, ready_mask
@@ -857,21 +858,3 @@ class ControllerState:
             self.partitions[partition_id] = p
             wakeups.append(Wakeup(partition_id))
         return got_rows, units, wakeups
-
-
-def stale_incarnation(partition_id: str) -> str:
-    """The message for a BatchMeta whose partition was cleared and its id reused."""
-    return (
-        f"partition {partition_id!r} was cleared and re-created since this BatchMeta was "
-        "made: its rows are gone (the new partition's rows are other samples); fetch a new "
-        "BatchMeta with get_meta"
-    )
-
-
-def cleared_under_put(partition_id: str) -> str:
-    """The message for a put whose new rows' partition was cleared between their placement
-    and its commit (its caller has no BatchMeta to fetch again)."""
-    return (
-        f"partition {partition_id!r} was cleared (clear_partition) while this put wrote its "
-        "rows: nothing of it was kept; put again (into the partition as it is now)"
-    )

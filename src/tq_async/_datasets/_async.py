@@ -115,7 +115,14 @@ async def default_fetch_batch_fn(
     """Fetch one batch: `get` under ``sampling_config``.
 
     This is the default ``fetch_batch_fn``. A custom one receives the same keyword arguments
-    (accept ``**kwargs`` to ignore those you do not need) and must keep its contract:
+    but ``device``, ``keep_hold`` and ``ack`` (accept ``**kwargs`` to ignore those you do not
+    need), and an auto-clear task's rows are acknowledged as it reads them (``get``'s
+    default), so a batch it read ahead and that is never delivered loses its rows. A custom
+    one that calls this function with every keyword argument it receives and returns its
+    result (the batch changed or not, the same rows and meta) says so with
+    ``fn.default_like = True``: it then gets these three as well, and the dataset
+    acknowledges each batch once delivered, as with this one. A custom one must keep this
+    contract:
 
     * pass ``sampling_config`` (it carries ``dp_rank`` and ``batch_index``, and ``dp_size``
       and ``tail`` when the dataset has them) to ``get`` or ``get_meta`` so the rows
@@ -178,10 +185,10 @@ async def default_fetch_batch_fn(
 
 
 def default_like(fn: Any) -> bool:
-    """Whether ``fn`` is `default_fetch_batch_fn` or tq_async's own wrapper of it (marked
-    ``default_like = True``, e.g. compat's): it takes the arguments only the default one gets
-    (``device``, ``keep_hold``, ``ack``), honours ``timeout=0`` and leaves the holds to the
-    dataset, as the default one does."""
+    """Whether ``fn`` is `default_fetch_batch_fn` or a wrapper of it marked
+    ``default_like = True`` (compat's, a user's: documented there): it takes the arguments
+    only the default one gets (``device``, ``keep_hold``, ``ack``), honours ``timeout=0``
+    and leaves the holds to the dataset, as the default one does."""
     return fn is default_fetch_batch_fn or getattr(fn, "default_like", False) is True
 
 

@@ -1,4 +1,4 @@
-"""The requests on a storage unit's cells: put, get, clear, stats.
+"""The requests on a storage unit's cells: put, get, clear, layout, stats.
 
 A `StorePut` carries its columns in frames after its header (the socket path), or names
 spans of a shared-memory grant (`tq_async._storage._shm_handlers`) and of a device grant
@@ -25,6 +25,7 @@ from .._wire._protocol import (
     ShmGrant,
     StoreClear,
     StoreGet,
+    StoreLayout,
     StorePut,
     StoreStats,
     StoreStatsReply,
@@ -119,6 +120,10 @@ class CellCalls:
             # an acknowledged clear survives too (its cells never come back)
             return self.commits.after(msg, "StoreClear", freed)
         return freed
+
+    def on_store_layout(self, msg: Incoming, body: StoreLayout) -> Any:
+        self.state.cells.check(body.partition_id, body.incarnation)
+        return self.state.cells.layout(body.partition_id, body.field, body.rows)
 
     def on_store_stats(self, msg: Incoming, body: StoreStats) -> StoreStatsReply:
         reply = self.state.stats()

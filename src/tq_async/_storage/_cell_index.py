@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .._core._state import stale_incarnation
+from .._core._gone import stale_incarnation
 from .._errors import RowsNotFound
 from .._paths._device import DeviceCells
 from .._paths._shm import Region
@@ -259,6 +259,33 @@ class CellIndex:
         return sum(
             max((len(ix) for ix in fields.values()), default=0) for fields in self.index.values()
         )
+
+    def layout(
+        self, partition_id: str, field: str, rows: Sequence[int]
+    ) -> list[tuple[ColumnHeader, int]]:
+        """Runs of ``rows`` (in that order) whose cells of ``field`` were put with one column
+        header: ``(header, rows in the run)``.
+
+        Raises:
+            RowsNotFound: a row of ``field`` is not stored.
+        """
+        index = self.index.get(partition_id, {}).get(field)
+        runs: list[tuple[ColumnHeader, int]] = []
+        serial = -1
+        for r in rows:
+            cell = None if index is None else index.get(r)
+            if cell is None:
+                raise RowsNotFound(
+                    f"row {r} of field {field!r} in partition {partition_id!r} is not stored "
+                    "(never written, or cleared)"
+                )
+            if cell >> CELL_BITS != serial:
+                serial = cell >> CELL_BITS
+                header = self.chunks[serial].header
+                if not runs or runs[-1][0] != header:
+                    runs.append((header, 0))
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        return runs
 
     def held_rows(self) -> dict[str, list[int]]:
         """The rows of each partition with a cell here (any field), sorted."""

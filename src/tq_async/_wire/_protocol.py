@@ -634,6 +634,19 @@ class StoreClear(_Msg):
     incarnation: str | None = None
 
 
+class StoreLayout(_Msg):
+    """How ``field`` of ``rows`` was put: answered with ``list[tuple[ColumnHeader, int]]``,
+    runs of those rows (in ``rows`` order) stored with one column header, and how many rows
+    each holds. Rows of different headers read together come back joined (dense rows with
+    jagged ones as one jagged column): a checkpoint reads them apart, each as it was put."""
+
+    partition_id: str
+    rows: list[int]
+    field: str
+    #: the partition incarnation the cells belong to (None: whichever the unit holds)
+    incarnation: str | None = None
+
+
 class StoreStats(_Msg):
     #: also list the rows the unit holds (`StoreStatsReply.held`): what a controller
     #: checks against its own rows when the unit comes back to it
@@ -654,6 +667,7 @@ StorageBody = (
     StorePut
     | StoreGet
     | StoreClear
+    | StoreLayout
     | StoreStats
     | ShmHello
     | DeviceHello

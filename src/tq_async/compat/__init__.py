@@ -43,12 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict, TensorDictBase
 
+from .._core._gone import cleared_under_read
 from .._deploy._background import BackgroundCluster, background_cluster
 from .._errors import (
     ClosedError,
     InvalidRequestError,
     KeyNotFound,
     PartitionNotFound,
+    RowsNotFound,
 )
 from .._errors import SchemaError as SchemaError
 from .._errors import UnsupportedTypeError as UnsupportedTypeError
@@ -591,9 +593,22 @@ def kv_batch_get(
 
     Raises:
         StorageKeyNotFoundError: a key is missing.
+        RowsNotFound: a key was removed (kv_clear, a clear) while this call read its cells:
+            call it again.
         InvalidRequestError: the keys share no field (one has none written yet): a
             ``ValueError``, as in TransferQueue.
     """
+    return _kv_batch_get(keys, partition_id, select_fields, "kv_batch_get")
+
+
+def _kv_batch_get(
+    keys: str | Sequence[str],
+    partition_id: str,
+    select_fields: str | Sequence[str] | None,
+    call: str,
+) -> TensorDict:
+    """`kv_batch_get`, for the compat function ``call`` (named by the error of keys removed
+    while it reads them)."""
     key_list = _as_list(keys, "keys")
     client = get_client().client
     meta = client.kv_retrieve_meta(key_list, partition_id)
@@ -605,7 +620,10 @@ def kv_batch_get(
         present = sorted(f for f in set(wanted) if f in meta.field_names)
     if not present:
         return TensorDict({}, batch_size=[len(key_list)])
-    return _read(client, meta, present)
+    try:
+        return _read(client, meta, present)
+    except RowsNotFound as exc:  # removed after the look-up
+        raise RowsNotFound(cleared_under_read(partition_id, call)) from exc
 
 
 def _no_common_field(
@@ -638,14 +656,14 @@ def kv_batch_get_by_meta(
     if not isinstance(meta, KVBatchMeta) or meta.partition_id is None:
         raise InvalidRequestError("meta must be a KVBatchMeta with a partition_id")
     if select_fields is None:
-        return kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+        return _kv_batch_get(meta.keys, meta.partition_id, meta.fields, "kv_batch_get_by_meta")
     wanted = _as_list(select_fields, "select_fields")
     unknown = [f for f in wanted if meta.fields is None or f not in meta.fields]
     if unknown:
         raise InvalidRequestError(
             f"select_fields {unknown} are not in the KVBatchMeta's fields {meta.fields}"
         )
-    return kv_batch_get(meta.keys, meta.partition_id, wanted)
+    return _kv_batch_get(meta.keys, meta.partition_id, wanted, "kv_batch_get_by_meta")
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, KVListing]:

@@ -15,6 +15,7 @@ from tensordict import TensorDictBase
 
 from .. import _meta
 from .._errors import InvalidRequestError
+from .._wire._checks import integral
 
 __all__ = ["GLOBAL_INDEX_STRIDE", "BatchMeta", "field_schema_of"]
 
@@ -145,8 +146,14 @@ class BatchMeta:
         extra_info: Mapping[str, Any] | None = None,
         custom_meta: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
-        self.global_indexes = [int(i) for i in global_indexes]
-        self.partition_ids = [str(p) for p in partition_ids]
+        self.global_indexes = _indexes(global_indexes)
+        pids = _items("partition_ids", partition_ids)
+        if not all(isinstance(p, str) for p in pids):
+            raise InvalidRequestError(
+                f"BatchMeta partition_ids must be a list of str, got {partition_ids!r}"[:200]
+            )
+        self.partition_ids = [str(p) for p in pids]  # (numpy's str_ as str)
+        _check_dicts(field_schema, extra_info, custom_meta)
         n = len(self.global_indexes)
         if len(self.partition_ids) != n:
             raise InvalidRequestError(
@@ -421,8 +428,14 @@ class BatchMeta:
         """Describe ``tensor_dict``'s fields here too (in place); rows become written.
 
         Raises:
-            InvalidRequestError: ``tensor_dict`` has another number of rows.
+            InvalidRequestError: ``tensor_dict`` is not a TensorDict, or has another number
+                of rows.
         """
+        if not isinstance(tensor_dict, TensorDictBase):
+            raise InvalidRequestError(
+                f"add_fields takes a TensorDict, got {type(tensor_dict).__name__}: pass "
+                f"TensorDict(fields, batch_size=[{self.size}])"
+            )
         n = int(tensor_dict.batch_size[0]) if tensor_dict.batch_size else 0
         if n == 0:
             return self
@@ -485,6 +498,7 @@ class BatchMeta:
 
     def chunk(self, chunks: int) -> list[BatchMeta]:
         """``chunks`` pieces whose sizes differ by at most one (10 rows, 3 chunks: 4, 3, 3)."""
+        chunks = integral(chunks)  # (numpy's int64, a torch scalar: from a config)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise InvalidRequestError(f"chunks must be a positive int, got {chunks!r}")
         return [self._take(r) for r in _meta.even_ranges(self.size, chunks)]
@@ -595,6 +609,54 @@ class BatchMeta:
         )
 
     __repr__ = __str__
+
+
+def _items(name: str, values: Any) -> list[Any]:
+    """``values`` (a list, tuple or array) as a list; a string alone (which would be split
+    into one-letter items) or a non-iterable is refused."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidRequestError(
+            f"BatchMeta {name} must be a list, got the string {values!r}: pass [{values!r}]"[:200]
+        )
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidRequestError(
+            f"BatchMeta {name} must be a list, got {type(values).__name__}"
+        ) from None
+
+
+def _indexes(values: Any) -> list[int]:
+    """``global_indexes`` as plain ints (numpy's too); a float or a string is refused."""
+    indexes = [integral(i) for i in _items("global_indexes", values)]
+    bad = [i for i in indexes if isinstance(i, bool) or not isinstance(i, int)]
+    if bad:
+        raise InvalidRequestError(
+            f"BatchMeta global_indexes must be ints, got {type(bad[0]).__name__} {bad[0]!r}"
+        )
+    return indexes
+
+
+def _check_dicts(field_schema: Any, extra_info: Any, custom_meta: Any) -> None:
+    """The constructor's dict arguments are dicts (None: none)."""
+    if field_schema is not None and (
+        not isinstance(field_schema, Mapping)
+        or not all(isinstance(v, Mapping) for v in field_schema.values())
+    ):
+        raise InvalidRequestError(
+            "BatchMeta field_schema must be a dict {field: {dtype, shape, is_nested, "
+            f"is_non_tensor}}, got {field_schema!r}"[:200]
+        )
+    if extra_info is not None and not isinstance(extra_info, Mapping):
+        raise InvalidRequestError(
+            f"BatchMeta extra_info must be a dict (or None), got {type(extra_info).__name__}"
+        )
+    if custom_meta is not None and not all(
+        isinstance(c, Mapping) for c in _items("custom_meta", custom_meta)
+    ):
+        raise InvalidRequestError(
+            f"BatchMeta custom_meta must be one dict per row, got {custom_meta!r}"[:200]
+        )
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _meta
 from .._errors import InvalidRequestError
+from .._wire._checks import integral
+
+
+def _names(name: str, values: Any) -> list[str]:
+    """``values`` (a list, tuple or array of str) as a list of plain str; a string alone
+    would be split into one-letter names."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidRequestError(
+            f"KVBatchMeta {name} must be a list of str, got the string {values!r}: pass "
+            f"[{values!r}]"[:200]
+        )
+    try:
+        names = list(values)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(v, str) for v in names):
+        raise InvalidRequestError(f"KVBatchMeta {name} must be a list of str, got {values!r}"[:200])
+    return [str(v) for v in names]  # (numpy's str_ as str)
 
 
 @dataclass
@@ -30,6 +48,25 @@ class KVBatchMeta:
     extra_info: dict[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.keys = _names("keys", self.keys)
+        if self.fields is not None:
+            self.fields = _names("fields", self.fields)
+        if isinstance(self.tags, (str, bytes, Mapping)) or not isinstance(self.tags, Sequence):
+            raise InvalidRequestError(
+                f"KVBatchMeta tags must be a list of one tag dict per key, got "
+                f"{type(self.tags).__name__}"
+            )
+        bad = [t for t in self.tags if not isinstance(t, Mapping)]
+        if bad:
+            raise InvalidRequestError(
+                f"KVBatchMeta tags must be dicts (one per key; {{}} for none), got "
+                f"{type(bad[0]).__name__} {bad[0]!r}"[:200]
+            )
+        if self.extra_info is not None and not isinstance(self.extra_info, Mapping):
+            raise InvalidRequestError(
+                f"KVBatchMeta extra_info must be a dict (or None), got "
+                f"{type(self.extra_info).__name__}"
+            )
         if len(self.keys) != len(self.tags):
             raise InvalidRequestError(
                 f"KVBatchMeta needs one tag dict per key: {len(self.keys)} keys, "
@@ -40,9 +77,7 @@ class KVBatchMeta:
         if self.fields is not None and len(set(self.fields)) != len(self.fields):
             raise InvalidRequestError("KVBatchMeta fields repeat; each field may appear once")
         # own copies, so chunks and selections never share mutable state
-        self.keys = list(self.keys)
         self.tags = copy.deepcopy([dict(t) for t in self.tags])
-        self.fields = None if self.fields is None else list(self.fields)
         self.extra_info = copy.deepcopy(dict(self.extra_info or {}))
 
     @property
@@ -88,6 +123,7 @@ class KVBatchMeta:
 
     def chunk(self, chunks: int) -> list[KVBatchMeta]:
         """``chunks`` pieces whose sizes differ by at most one (10 keys, 3 chunks: 4, 3, 3)."""
+        chunks = integral(chunks)  # (numpy's int64, a torch scalar: from a config)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise InvalidRequestError(f"chunks must be a positive int, got {chunks!r}")
         base, extra = divmod(len(self), chunks)

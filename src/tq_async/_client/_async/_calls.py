@@ -12,9 +12,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from ..._core._gone import cleared_under_read
 from ..._errors import (
     BrokenError,
     InvalidRequestError,
+    RowsNotFound,
     SchemaError,
 )
 from ..._logging import get_logger
@@ -458,7 +460,10 @@ class ControlCalls:
         partition_id = check_id("partition_id", partition_id)
         fields = None if select_fields is None else check_fields(select_fields)
         meta = await self._look_up(KVLookup(partition_id, _check_keys(keys), fields))
-        return await self._gets.get_data(meta)
+        try:
+            return await self._gets.get_data(meta)
+        except RowsNotFound as exc:  # removed after the look-up
+            raise RowsNotFound(cleared_under_read(partition_id, "kv_batch_get")) from exc
 
     async def _look_up(self, body: KVLookup) -> BatchMeta:
         """The `BatchMeta` of the rows of ``body.keys``, in their order (naming the fields the

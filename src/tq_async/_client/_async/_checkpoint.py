@@ -9,7 +9,8 @@ Layout of a checkpoint directory:
     cells-<p>-<f>.bin  one file per (partition, field): a msgpack header (rows, column header,
                        frame sizes) then the column's wire frames, exactly as the codec sends them
                        (``cells-<p>-<f>-<k>.bin`` too where a field's rows were put with
-                       different shapes: one file per part of rows that read back as put)
+                       different shapes or kinds: one file per column header, its rows
+                       read back as put)
 
 Row placement is not saved: a restore spreads rows over whatever storage units exist. No
 pickle is involved in reading a checkpoint (pickled columns stay opaque bytes).
@@ -38,7 +39,6 @@ from ..._errors import (
     CheckpointNotFoundError,
     InvalidRequestError,
     RowsNotFound,
-    SchemaError,
     TQError,
 )
 from ..._meta import BatchMeta
@@ -52,6 +52,7 @@ from ..._wire._columns import (
     column_from_frames,
     column_to_frames,
     position_runs,
+    positions_by_unit,
     take_rows,
 )
 from ..._wire._protocol import (
@@ -60,9 +61,11 @@ from ..._wire._protocol import (
     RestoreBegin,
     RestoreCommit,
     StateDump,
+    StoreLayout,
     StorePut,
     encoder,
 )
+from ._replies import decode
 
 __all__ = [
     "FORMAT",
@@ -139,7 +142,7 @@ class ClientLink:
     Attributes:
         call: a controller request and the type of its reply.
         fetch_columns: the named columns of a batch's rows, read from every unit.
-        store: a request with frames to one storage unit (by id).
+        store: a request with frames to one storage unit (by id), and its reply.
     """
 
     call: Callable[[msgspec.Struct, Any], Awaitable[Any]]
@@ -237,8 +240,7 @@ async def _write_snapshot(
                 field_names=[fd.header.name],
                 units=[pd.units[i] for i in held],
             )
-            origins = [pd.origin[i] for i in held]
-            parts = await _fetch_cells(client, meta, fd.header, origins)
+            parts = await _fetch_cells(client, meta, fd.header.name)
             for k, (part, header, column) in enumerate(parts):
                 chunks = _encode_cells(pd.partition_id, part, header, column)
                 name = f"cells-{pi}-{fi}-{k}.bin" if k else f"cells-{pi}-{fi}.bin"
@@ -247,31 +249,28 @@ async def _write_snapshot(
 
 
 async def _fetch_cells(
-    client: ClientLink, meta: BatchMeta, schema: ColumnHeader, origins: list[int] | None
+    client: ClientLink, meta: BatchMeta, name: str
 ) -> list[tuple[list[int], ColumnHeader, Column]]:
-    """Field ``schema.name`` of ``meta``'s rows as ``(rows, header, column)`` parts, each of
-    rows that read back as they were put: one part, unless the rows of a dense field were
-    put with different shapes (read together, they come back as one jagged column, or
-    cannot form one column at all). Those are read again in parts, by the put that made
-    their rows (``origins``, each row's), then in halves, until each reads back dense or is
-    one row."""
-    try:
-        headers, columns = await client.fetch_columns(meta, [schema.name])
-    except SchemaError:
-        if len(meta) < 2:
-            raise
-    else:
-        if headers[0].kind == schema.kind or len(meta) < 2:
-            return [(list(meta.global_indexes), headers[0], columns[0])]
-    groups: dict[int, list[int]] = {}
-    for pos, origin in enumerate(origins or ()):
-        groups.setdefault(origin, []).append(pos)
-    if len(groups) < 2:
-        half = len(meta) // 2
-        groups = {0: list(range(half)), 1: list(range(half, len(meta)))}
+    """Field ``name`` of ``meta``'s rows as ``(rows, header, column)`` parts, one per column
+    header its rows were stored with, so that each part reads back as its rows were put (read
+    together, rows put with different shapes or kinds come back joined: dense rows with
+    jagged ones as one jagged column, or as no column at all). The units say which rows have
+    which header (`StoreLayout`); one read per header."""
+    by_header: dict[ColumnHeader, list[int]] = {}
+    for unit, positions in positions_by_unit(meta.units).items():
+        rows = [meta.global_indexes[i] for i in positions]
+        ask = StoreLayout(meta.partition_id, rows, name, meta.incarnation)
+        payload, _ = await client.store(unit, ask, ())
+        runs: list[tuple[ColumnHeader, int]] = decode(payload, list[tuple[ColumnHeader, int]])
+        at = 0
+        for header, n in runs:
+            by_header.setdefault(header, []).extend(positions[at : at + n])
+            at += n
     parts = []
-    for positions in groups.values():
-        parts += await _fetch_cells(client, meta.select_rows(positions), schema, None)
+    for positions in by_header.values():
+        part = meta.select_rows(sorted(positions)) if len(by_header) > 1 else meta
+        headers, columns = await client.fetch_columns(part, [name])
+        parts.append((list(part.global_indexes), headers[0], columns[0]))
     return parts
 
 

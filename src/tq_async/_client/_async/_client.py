@@ -886,6 +886,8 @@ class AsyncClient:
         Raises:
             KeyNotFound: a key is missing, or lacks a selected field (the error names it);
                 never a silently shorter result.
+            RowsNotFound: a key was removed (kv_clear, a clear, auto-clear) while this call
+                read its cells: call it again.
         """
         return await self._calls.kv_batch_get(keys, partition_id, select_fields)
 

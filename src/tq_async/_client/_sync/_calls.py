@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from ..._core._gone import cleared_under_read
 from ..._errors import (
     BrokenError,
     InvalidRequestError,
+    RowsNotFound,
     SchemaError,
 )
 from ..._logging import get_logger
@@ -460,7 +462,10 @@ class ControlCalls:
         partition_id = check_id("partition_id", partition_id)
         fields = None if select_fields is None else check_fields(select_fields)
         meta = self._look_up(KVLookup(partition_id, _check_keys(keys), fields))
-        return self._gets.get_data(meta)
+        try:
+            return self._gets.get_data(meta)
+        except RowsNotFound as exc:  # removed after the look-up
+            raise RowsNotFound(cleared_under_read(partition_id, "kv_batch_get")) from exc
 
     def _look_up(self, body: KVLookup) -> BatchMeta:
         """The `BatchMeta` of the rows of ``body.keys``, in their order (naming the fields the

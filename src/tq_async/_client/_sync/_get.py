@@ -18,6 +18,7 @@ import torch
 import zmq
 from tensordict import TensorDict
 
+from ..._core._gone import cleared_under_read
 from ..._errors import (
     BrokenError,
     ClosedError,
@@ -561,7 +562,7 @@ class GetPath:
             self._reading[id(meta)] = (meta, os.getpid())
         try:
             td = self._read(meta, got, frames, query.nested, query.device)
-        except BaseException:
+        except BaseException as exc:
             # the rows go back, and their lease or hold is dropped with them (unless the
             # client closed meanwhile: its farewell gave them back)
             if undo and self._reading.pop(id(meta), None) is not None:
@@ -570,8 +571,10 @@ class GetPath:
                         self.release(meta)
                     except (RowsNotFound, PartitionNotFound):
                         pass  # gone with their partition (cleared): nothing to give back
-                    except Exception as exc:  # the read's own outcome matters more
-                        log.warning("could not give back the rows of a failed get", error=str(exc))
+                    except Exception as why:  # the read's own outcome matters more
+                        log.warning("could not give back the rows of a failed get", error=str(why))
+            if isinstance(exc, RowsNotFound):
+                raise RowsNotFound(cleared_under_read(meta.partition_id, "get")) from exc
             raise
         if undo and self._reading.pop(id(meta), None) is None:
             raise ClosedError(
@@ -595,7 +598,11 @@ class GetPath:
         # indexes, each with its rows and its hold: their next readers take them over)
         for m, g in answers:
             k = _inline_frame_count(g)
-            out.append((self._read(m, g, frames[pos : pos + k], as_nested, target), m))
+            try:
+                td = self._read(m, g, frames[pos : pos + k], as_nested, target)
+            except RowsNotFound as exc:
+                raise RowsNotFound(cleared_under_read(partition_id, "get_batches")) from exc
+            out.append((td, m))
             pos += k
             self._end_hold(m, query)
         if pos != len(frames):

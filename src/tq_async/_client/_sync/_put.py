@@ -21,7 +21,7 @@ import torch
 import zmq
 from tensordict import TensorDictBase
 
-from ..._core._state import cleared_under_put
+from ..._core._gone import cleared_under_put
 from ..._errors import (
     InvalidRequestError,
     PartitionNotFound,
