@@ -8,8 +8,8 @@ in its own process:
     tq-async serve storage --controller tcp://10.0.0.1:5555 --bind tcp://10.0.0.2:0 --unit-id 0
 
 Each process prints the one line a launcher parses (``TQ_ADDRESS=...`` for a controller,
-``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM or
-SIGINT.
+``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM,
+SIGINT or SIGHUP (a terminal that closes): each stops it gracefully.
 """
 
 from __future__ import annotations
@@ -52,10 +52,14 @@ log = get_logger("tq_async._deploy._cli")  # not __main__ under `python -m tq_as
 
 _DEFAULT_BIND = "tcp://127.0.0.1:0"
 
+#: the signals that stop a service gracefully (SIGHUP: its terminal closed, or a launcher
+#: went away; its default action killed the process with no clean stop)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 async def _serve(config: Config) -> None:
     # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with local_cluster(transport="tcp", config=config) as cluster:
             cluster.controller.watch.price_requests = True  # this loop runs only services
             # The line a launcher parses (one write, flushed: a parent reading stdout sees it)
@@ -87,7 +91,7 @@ async def _cancel_on_signal(
 ) -> None:
     # Started (not start_soon) so the handler is installed before any service starts: a
     # SIGTERM during a unit's registration stops it cleanly instead of killing the process.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         task_status.started()
         async for signum in signals:
             log.info("stopping", signal=signal.Signals(signum).name)
@@ -511,7 +515,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
-        help="run tq_async services until SIGTERM/SIGINT",
+        help="run tq_async services until SIGTERM/SIGINT/SIGHUP",
         formatter_class=_FORMATTER,
         description=(
             "Without a role: a controller and --storage-units storage units in this process; "
