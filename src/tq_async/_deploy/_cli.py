@@ -20,12 +20,13 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Protocol
 
 import anyio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from prometheus_client import CollectorRegistry
 
 from .._core._transitions import Deadlines
@@ -58,19 +59,19 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def _serve(config: Config) -> None:
-    # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
-    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
-        async with local_cluster(transport="tcp", config=config) as cluster:
-            cluster.controller.watch.price_requests = True  # this loop runs only services
-            # The line a launcher parses (one write, flushed: a parent reading stdout sees it)
-            lines = [f"TQ_ADDRESS={cluster.address}"]
-            if cluster.metrics_url:
-                lines.append(f"TQ_METRICS_URL={cluster.metrics_url}")
-            _announce(lines)
-            log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
-            async for signum in signals:
-                log.info("stopping", signal=signal.Signals(signum).name)
-                break
+    stop = anyio.Event()
+    async with (
+        _stopped_by_signals(stop.set),
+        local_cluster(transport="tcp", config=config) as cluster,
+    ):
+        cluster.controller.watch.price_requests = True  # this loop runs only services
+        # The line a launcher parses (one write, flushed: a parent reading stdout sees it)
+        lines = [f"TQ_ADDRESS={cluster.address}"]
+        if cluster.metrics_url:
+            lines.append(f"TQ_METRICS_URL={cluster.metrics_url}")
+        _announce(lines)
+        log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
+        await stop.wait()
 
 
 def _announce(lines: Sequence[str]) -> None:
@@ -86,68 +87,93 @@ def _announce(lines: Sequence[str]) -> None:
         os.close(devnull)
 
 
-async def _cancel_on_signal(
-    scope: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+@asynccontextmanager
+async def _stopped_by_signals(stop: Callable[[], None]) -> AsyncIterator[None]:
+    """Around a service's whole life: the first of `_STOP_SIGNALS` calls ``stop`` (a graceful
+    stop); a second one (Ctrl-C twice, a supervisor's second SIGTERM) while it stops ends the
+    process at once, killed by that signal as without a handler (what was acknowledged at
+    ``process``/``fsync`` is in the files already). Entered before any service starts: a
+    signal during a unit's registration stops it cleanly instead of killing the process."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(_on_signals, stop)
+        yield
+        tg.cancel_scope.cancel()
+
+
+async def _on_signals(
+    stop: Callable[[], None], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    # Started (not start_soon) so the handler is installed before any service starts: a
-    # SIGTERM during a unit's registration stops it cleanly instead of killing the process.
     with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         task_status.started()
         async for signum in signals:
             log.info("stopping", signal=signal.Signals(signum).name)
-            scope.cancel()
-            return
+            stop()
+            break
+        async for signum in signals:
+            log.warning("a second signal: stopping at once", signal=signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
 
 async def _serve_role(args: argparse.Namespace, config: Config) -> None:
     registry = CollectorRegistry() if config.metrics_on else None
-    bind = config.bind or _DEFAULT_BIND
     stop_metrics: Callable[[], None] | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(_cancel_on_signal, tg.cancel_scope)
-            if args.role == "controller":
-                address = await tg.start(
-                    partial(
-                        serve_controller,
-                        bind,
-                        advertise=args.advertise,
-                        metrics_registry=registry,
-                        config=config,
-                    )
-                )
-                lines = [f"TQ_ADDRESS={address}"]
-            else:
-                unit_id, address = await tg.start(
-                    partial(
-                        serve_storage,
-                        args.controller,
-                        bind,
-                        unit_id=args.unit_id,
-                        advertise=args.advertise,
-                        allow_pickle=config.allow_pickle,
-                        register_timeout=args.register_timeout,
-                        metrics_registry=registry,
-                        curve=config.load_curve(),
-                        shm_cap=config.shm_cap,
-                        data_path=config.data_path,
-                        device_cap=config.device_cap,
-                        device_index=_one_device_index(config.device_index),
-                        host_id=_one_host_id(config.host_id),
-                        durability=config.durability,
-                        data_dir=config.data_dir,
-                        memory_cap=config.memory_cap,
-                    )
-                )
-                lines = [f"TQ_UNIT={unit_id} {address}"]
-            if registry is not None and config.metrics_on is not None:
-                url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
-                lines.append(f"TQ_METRICS_URL={url}")
-            # printed once everything serves: a launcher takes the first line for "started"
-            _announce(lines)
-    finally:
-        if stop_metrics is not None:
-            await anyio.to_thread.run_sync(stop_metrics)
+    serving = anyio.CancelScope()
+    async with _stopped_by_signals(serving.cancel):
+        try:
+            with serving:
+                async with anyio.create_task_group() as tg:
+                    lines = await _start_role(tg, args, config, registry)
+                    if registry is not None and config.metrics_on is not None:
+                        address = metrics_address(config.metrics_on)
+                        url, stop_metrics = serve_metrics(registry, *address)
+                        lines.append(f"TQ_METRICS_URL={url}")
+                    # printed once everything serves: a launcher takes the first line for
+                    # "started"
+                    _announce(lines)
+        finally:
+            if stop_metrics is not None:
+                await anyio.to_thread.run_sync(stop_metrics)
+
+
+async def _start_role(
+    tg: TaskGroup, args: argparse.Namespace, config: Config, registry: CollectorRegistry | None
+) -> list[str]:
+    """Start the role's service in ``tg``; the lines it prints (``TQ_ADDRESS=``/``TQ_UNIT=``)."""
+    bind = config.bind or _DEFAULT_BIND
+    if args.role == "controller":
+        address = await tg.start(
+            partial(
+                serve_controller,
+                bind,
+                advertise=args.advertise,
+                metrics_registry=registry,
+                config=config,
+            )
+        )
+        return [f"TQ_ADDRESS={address}"]
+    unit_id, address = await tg.start(
+        partial(
+            serve_storage,
+            args.controller,
+            bind,
+            unit_id=args.unit_id,
+            advertise=args.advertise,
+            allow_pickle=config.allow_pickle,
+            register_timeout=args.register_timeout,
+            metrics_registry=registry,
+            curve=config.load_curve(),
+            shm_cap=config.shm_cap,
+            data_path=config.data_path,
+            device_cap=config.device_cap,
+            device_index=_one_device_index(config.device_index),
+            host_id=_one_host_id(config.host_id),
+            durability=config.durability,
+            data_dir=config.data_dir,
+            memory_cap=config.memory_cap,
+        )
+    )
+    return [f"TQ_UNIT={unit_id} {address}"]
 
 
 def _one_host_id(host_id: str | list[str] | None) -> str | None:
