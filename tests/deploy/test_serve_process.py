@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import re
 import signal
+import subprocess
+import sys
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from _services import service
+import tq_async as tq
+from _cluster_proc import _read_address, free_port
+from _services import START_TIMEOUT, service
+from tq_async._deploy._stderr import LogStream
 
 ROLES = [[], ["controller"]]
 ROLE_IDS = ["serve", "controller"]
@@ -37,3 +47,76 @@ def test_a_second_signal_ends_the_service_at_once(role: list[str], tmp_path: Pat
         proc.send_signal(signal.SIGCONT)
         assert proc.wait(timeout=20) in (-signal.SIGTERM, -signal.SIGINT), svc.stderr()
         assert "a second signal: stopping at once" in svc.stderr()
+
+
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_IDS)
+def test_a_launcher_that_never_reads_stderr_does_not_stall_the_service(role: list[str]) -> None:
+    """A launcher that pipes the service's stderr and never reads it: once the pipe is full
+    (64 KiB of logs), writing the next log line blocked the event loop and the service
+    answered nothing more. It serves on (the lines that do not fit are dropped, and counted),
+    and SIGTERM still stops it."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    argv = [*role, "--bind", bind, "--waiting-warning-after", "0.05"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,  # never read
+    )
+    try:
+        assert _read_address(proc) == bind
+        with tq.Client.connect(bind, request_timeout=10) as client:
+            # the controller warns that it has waited 0.05 s on a partition that does not
+            # exist, naming it and the field: a line over 64 KiB alone
+            with pytest.raises(tq.TQTimeoutError):
+                client.get_meta(["f" * 40_000], 1, "p" * 40_000, "t", timeout=1)
+            assert client.list_partitions() == []  # the service still answers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=START_TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
+
+
+def test_log_lines_that_do_not_fit_are_counted() -> None:
+    """`LogStream` drops the lines that do not fit while its reader lags, and says how many
+    once there is room: every line written is read, or counted in a note, in order."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)  # a small pipe: full at once
+    stream = LogStream(write, limit=2000)
+    os.close(write)
+    lines = [f"line {i} {'x' * 90}\n" for i in range(200)]
+    chunks: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: chunks.extend(iter(partial(os.read, read, 65536), b""))
+    )
+    try:
+        for line in lines[:100]:  # ~10 KB: over the pipe and the queue, so some are dropped
+            stream.write(line)
+        chunks.append(os.read(read, 4096))  # some room again
+        for line in lines[100:]:
+            stream.write(line)
+        reader.start()
+        stream.close(idle=START_TIMEOUT)  # all written: the reader reads to the end
+        reader.join(timeout=START_TIMEOUT)
+    finally:
+        os.close(read)
+    text = b"".join(chunks).decode()
+    seen = [int(line.split()[1]) for line in text.splitlines() if line.startswith("line ")]
+    notes = re.findall(r"tq-async: (\d+) log lines dropped: stderr was not read fast enough", text)
+    assert notes
+    assert len(seen) + sum(map(int, notes)) == len(lines)
+    assert seen == sorted(seen)
+
+
+def test_a_closed_stderr_drops_the_lines() -> None:
+    """A service started with its stderr closed (``2>&-``): Python has no ``sys.stderr``, and
+    the log stream drops every line instead of failing."""
+    closed = max(map(int, os.listdir("/proc/self/fd"))) + 100  # no descriptor has it
+    stream = LogStream(closed)
+    assert not stream.isatty()
+    assert stream.write("lost\n") == 5
+    stream.close()
