@@ -18,6 +18,7 @@ import tq_async as tq
 from _cluster_proc import _read_address, free_port
 from _services import START_TIMEOUT, service
 from tq_async._deploy._stderr import LogStream
+from tq_async._service._serve import serve_controller
 
 ROLES = [[], ["controller"]]
 ROLE_IDS = ["serve", "controller"]
@@ -120,3 +121,35 @@ def test_a_closed_stderr_drops_the_lines() -> None:
     assert not stream.isatty()
     assert stream.write("lost\n") == 5
     stream.close()
+
+
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_IDS)
+def test_a_bind_port_past_65535_is_a_bad_command_line(role: list[str]) -> None:
+    """``--bind tcp://127.0.0.1:99999`` (a typo for 9999): ZMQ took the port modulo 65536 and
+    the service served at port 34463. It is refused, status 2, naming the range."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tq_async._deploy._cli",
+            "serve",
+            *role,
+            "--bind",
+            "tcp://127.0.0.1:99999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "from 0 to 65535" in done.stderr
+    assert "TQ_ADDRESS" not in done.stdout
+
+
+async def test_a_service_refuses_a_bind_port_past_65535() -> None:
+    with pytest.raises(tq.InvalidRequestError, match="from 0 to 65535"):
+        async with tq.local_cluster(transport="tcp", bind="tcp://127.0.0.1:65536"):
+            pass
+    with pytest.raises(tq.InvalidRequestError, match="from 0 to 65535"):
+        await serve_controller("tcp://127.0.0.1:99999")
