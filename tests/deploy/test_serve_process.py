@@ -153,3 +153,28 @@ async def test_a_service_refuses_a_bind_port_past_65535() -> None:
             pass
     with pytest.raises(tq.InvalidRequestError, match="from 0 to 65535"):
         await serve_controller("tcp://127.0.0.1:99999")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--controller", "127.0.0.1:5555"], "did you mean 'tcp://127.0.0.1:5555'"),
+        (["--controller", "tcp://127.0.0.1:70000"], "needs a port from 1 to 65535"),
+        (["--controller", "tcp://127.0.0.1:5555", "--unit-id", "-1"], "--unit-id"),
+    ],
+    ids=["no-scheme", "port", "unit-id"],
+)
+def test_a_bad_storage_flag_is_a_bad_command_line(argv: list[str], says: str) -> None:
+    """A `serve storage` flag that cannot be right (a controller address without its scheme,
+    a negative unit id) ended the unit with status 1, as a controller that does not answer
+    does: it is a bad command line, status 2 (as `tq-async status` says of such an
+    address), before anything starts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", "storage", *argv],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr

@@ -66,6 +66,26 @@ def _seconds_arg(text: str) -> float:
     return seconds
 
 
+def _address_arg(text: str) -> str:
+    """``--controller``: an address a client can dial (``tcp://HOST:PORT``)."""
+    try:
+        check_address(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _unit_id_arg(text: str) -> int:
+    """``--unit-id``: an id >= 0."""
+    try:
+        unit_id = int(text)
+    except ValueError:
+        unit_id = -1
+    if unit_id < 0:
+        raise argparse.ArgumentTypeError(f"expected a unit id >= 0, got {text!r}")
+    return unit_id
+
+
 def _screens_arg(text: str) -> int:
     """``status --screens``: a count >= 1."""
     try:
@@ -347,11 +367,15 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
         description="Run one storage unit, register it; prints TQ_UNIT=<id> <address>.",
     )
     unit.add_argument(
-        "--controller", required=True, metavar="ADDR", help="the controller's address"
+        "--controller",
+        required=True,
+        type=_address_arg,
+        metavar="ADDR",
+        help="the controller's address",
     )
     unit.add_argument(
         "--unit-id",
-        type=int,
+        type=_unit_id_arg,
         default=None,
         metavar="N",
         help="this unit's id, unique in the cluster (default: the controller assigns one)",
