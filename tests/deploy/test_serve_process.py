@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -12,10 +13,11 @@ import threading
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tq_async as tq
-from _cluster_proc import _read_address, free_port
+from _cluster_proc import _read_address, free_port, serve_cluster
 from _services import START_TIMEOUT, service
 from tq_async._deploy._stderr import LogStream
 from tq_async._service._serve import serve_controller
@@ -178,3 +180,34 @@ def test_a_bad_storage_flag_is_a_bad_command_line(argv: list[str], says: str) ->
     )
     assert done.returncode == 2, done.stderr
     assert says in done.stderr
+
+
+def test_status_watch_into_a_reader_that_stopped_ends_quietly() -> None:
+    """``tq-async status --watch | head -n 5``: once ``head`` exits, the next screen met a
+    closed pipe and the command died with a BrokenPipeError traceback, status 1. It ends
+    quietly, status 0 (as a Ctrl-C ends the watch)."""
+    with serve_cluster(1) as address, tq.Client.connect(address) as client:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tq_async._deploy._cli", "status", address, "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        out, err = proc.stdout, proc.stderr
+        assert out is not None
+        assert err is not None
+        try:
+            assert out.readline()  # the first screen
+            out.close()  # the reader stops
+            for i in range(100):  # events: the watch prints again (bounded: it exits first)
+                client.put({"x": np.zeros((1, 1))}, partition_id=f"p{i}")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)
+                    break
+            said = err.read().decode()
+            assert proc.wait(timeout=START_TIMEOUT) == 0, said
+            assert "Traceback" not in said, said
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+            err.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -612,6 +613,11 @@ def _status(args: argparse.Namespace) -> int:
             )
         )
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # the reader stopped (`| head`): done, as a Ctrl-C is
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes there at exit
+        os.close(devnull)
         return 0
     except TQError as exc:
         hint = ""
