@@ -21,6 +21,7 @@ from .._service._config import Config
 from .._service._metrics import metrics_address, serve_metrics
 from .._service._serve import serve_controller, serve_storage
 from ._cluster import local_cluster
+from ._stderr import close_all
 
 __all__ = ["DEFAULT_BIND", "serve_all", "serve_role"]
 
@@ -88,6 +89,7 @@ async def _on_signals(
             break
         async for signum in signals:
             log.warning("a second signal: stopping at once", signal=signal.Signals(signum).name)
+            close_all(idle=0.2)  # that line out first (unless stderr is not read)
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 

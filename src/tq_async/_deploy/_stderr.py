@@ -13,9 +13,10 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections import deque
 
-__all__ = ["LogStream"]
+__all__ = ["LogStream", "close_all"]
 
 #: bytes of lines queued at most (a launcher that reads stderr late gets them all)
 LIMIT = 4 << 20
@@ -52,6 +53,7 @@ class LogStream:
         self._wrote_at = time.monotonic()  # when a write last made progress
         self._thread = threading.Thread(target=self._run, name="tq-async-stderr", daemon=True)
         self._thread.start()
+        _STREAMS.add(self)
 
     def isatty(self) -> bool:
         return self._tty
@@ -131,3 +133,13 @@ class LogStream:
                 select.select([], [self._fd], [])
                 continue
             self._wrote_at = time.monotonic()
+
+
+_STREAMS: weakref.WeakSet[LogStream] = weakref.WeakSet()
+
+
+def close_all(idle: float = IDLE_AT_CLOSE) -> None:
+    """`LogStream.close` every stream of this process: before it ends abruptly (a second
+    signal), the lines it logged last come out."""
+    for stream in list(_STREAMS):
+        stream.close(idle)
