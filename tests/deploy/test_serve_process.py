@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import signal
@@ -84,14 +85,20 @@ def test_a_launcher_that_never_reads_stderr_does_not_stall_the_service(role: lis
             pipe.close()
 
 
-def test_log_lines_that_do_not_fit_are_counted() -> None:
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_log_lines_that_do_not_fit_are_counted(as_json: bool) -> None:
     """`LogStream` drops the lines that do not fit while its reader lags, and says how many
-    once there is room: every line written is read, or counted in a note, in order."""
+    once there is room: every line written is read, or counted in a note, in order (with
+    ``--log-json`` the note is a JSON object too: a log shipper parses every line)."""
     read, write = os.pipe()
     fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)  # a small pipe: full at once
-    stream = LogStream(write, limit=2000)
+    stream = LogStream(write, limit=2000, json=as_json)
     os.close(write)
-    lines = [f"line {i} {'x' * 90}\n" for i in range(200)]
+    pad = "x" * 90
+    lines = [
+        json.dumps({"event": "line", "i": i, "pad": pad}) + "\n" if as_json else f"line {i} {pad}\n"
+        for i in range(200)
+    ]
     chunks: list[bytes] = []
     reader = threading.Thread(
         target=lambda: chunks.extend(iter(partial(os.read, read, 65536), b""))
@@ -107,11 +114,26 @@ def test_log_lines_that_do_not_fit_are_counted() -> None:
         reader.join(timeout=START_TIMEOUT)
     finally:
         os.close(read)
-    text = b"".join(chunks).decode()
-    seen = [int(line.split()[1]) for line in text.splitlines() if line.startswith("line ")]
-    notes = re.findall(r"tq-async: (\d+) log lines dropped: stderr was not read fast enough", text)
-    assert notes
-    assert len(seen) + sum(map(int, notes)) == len(lines)
+    seen, dropped = [], []
+    for line in b"".join(chunks).decode().splitlines():
+        if as_json:
+            record = json.loads(line)
+            if record["event"] == "line":
+                seen.append(record["i"])
+            else:
+                assert record["event"] == "log lines dropped: stderr was not read fast enough"
+                assert record["level"] == "warning"
+                dropped.append(record["count"])
+        elif line.startswith("line "):
+            seen.append(int(line.split()[1]))
+        else:
+            match = re.fullmatch(
+                r"tq-async: (\d+) log lines dropped: stderr was not read fast enough", line
+            )
+            assert match, line
+            dropped.append(int(match.group(1)))
+    assert dropped
+    assert len(seen) + sum(dropped) == len(lines)
     assert seen == sorted(seen)
 
 

@@ -559,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role is not None and (args.storage_units != 2 or args.host != "127.0.0.1"):
         parser.error("--storage-units and --host apply to the all-in-one `serve` only")
     # logs never block the service: a launcher may read a piped stderr late, or never
-    stderr = LogStream(2)  # (sys.stderr is None when it was closed)
+    stderr = LogStream(2, json=args.log_json)  # (sys.stderr is None when it was closed)
     configure_logging(args.log_level, json=args.log_json, stream=cast(TextIO, stderr))
     try:
         return _run_serve(parser, args, argv, stderr)

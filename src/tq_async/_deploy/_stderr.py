@@ -9,12 +9,14 @@ dropped and counted, and one line says how many once there is room again.
 
 from __future__ import annotations
 
+import json as _json
 import os
 import select
 import threading
 import time
 import weakref
 from collections import deque
+from datetime import datetime, timezone
 
 __all__ = ["LogStream", "close_all"]
 
@@ -35,9 +37,11 @@ class LogStream:
     Args:
         fd: where the lines go (stderr's descriptor).
         limit: bytes queued at most.
+        json: the lines are JSON objects (``--log-json``): so is the note of those dropped.
     """
 
-    def __init__(self, fd: int, limit: int = LIMIT) -> None:
+    def __init__(self, fd: int, limit: int = LIMIT, *, json: bool = False) -> None:
+        self._json = json
         try:
             self._fd = os.dup(fd)
         except OSError:  # closed (a launcher that gave the service none): lines are dropped
@@ -95,9 +99,12 @@ class LogStream:
             os.close(self._fd)
 
     def _note(self) -> bytes:
-        return (
-            f"tq-async: {self._dropped} log lines dropped: stderr was not read fast enough\n"
-        ).encode()
+        event = "log lines dropped: stderr was not read fast enough"
+        if not self._json:
+            return f"tq-async: {self._dropped} {event}\n".encode()
+        when = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        note = {"timestamp": when, "level": "warning", "logger": __name__, "event": event}
+        return (_json.dumps({**note, "count": self._dropped}) + "\n").encode()
 
     def _append(self, data: bytes) -> None:
         self._lines.append(data)
