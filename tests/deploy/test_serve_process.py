@@ -233,3 +233,23 @@ def test_status_watch_into_a_reader_that_stopped_ends_quietly() -> None:
                 proc.kill()
                 proc.wait(timeout=10)
             err.close()
+
+
+@pytest.mark.parametrize("role", ROLES, ids=ROLE_IDS)
+def test_a_data_dir_that_cannot_be_used_is_a_bad_configuration(
+    role: list[str], tmp_path: Path
+) -> None:
+    """``--data-dir`` naming a directory that does not exist is refused with a `ConfigError`
+    (a bad configuration: status 2, as documented), not status 1 (a service that could not
+    start: a port taken, a controller that does not answer)."""
+    missing = tmp_path / "missing"
+    argv = [*role, "--durability", "process", "--data-dir", str(missing)]
+    done = subprocess.run(
+        [sys.executable, "-m", "tq_async._deploy._cli", "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"mkdir -p {missing}" in done.stderr

@@ -539,8 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 after a clean stop (or the status shown), 1 when a service could
         not start (or ``status`` could not get the cluster's), 2 for a bad command line or
-        configuration (for ``status`` too: an address without its scheme, a certificate
-        that cannot be read).
+        configuration (a `ConfigError`, e.g. a ``--data-dir`` that is missing or another
+        service's; for ``status`` too: an address without its scheme, a certificate that
+        cannot be read).
     """
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -590,7 +591,7 @@ def _run_serve(
         if error is None:
             raise
         print(f"tq-async: error: {error}", file=stderr)
-        return 1
+        return 2 if isinstance(error, ConfigError) else 1  # (a bad --data-dir)
     return 0
 
 
