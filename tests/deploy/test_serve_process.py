@@ -37,6 +37,30 @@ def test_sighup_stops_the_service_gracefully(role: list[str], tmp_path: Path) ->
         assert "signal=SIGHUP" in svc.stderr()
 
 
+@pytest.mark.parametrize(
+    ("sig", "prefix"),
+    [
+        (signal.SIGHUP, ["nohup"]),
+        (signal.SIGINT, ["sh", "-c", 'trap "" INT; exec "$0" "$@"']),  # a script's `&`
+    ],
+    ids=["nohup", "background"],
+)
+def test_a_signal_that_came_in_ignored_stays_ignored(
+    sig: signal.Signals, prefix: list[str], tmp_path: Path
+) -> None:
+    """``nohup tq-async serve`` (SIGHUP ignored), ``tq-async serve &`` in a shell script
+    (SIGINT ignored): the launcher wants the service to serve on through them, and it
+    stopped on them instead."""
+    with service(["controller"], tmp_path / "e", prefix=prefix) as svc:
+        address = svc.wait_line("TQ_ADDRESS=")
+        svc.proc.send_signal(sig)
+        with tq.Client.connect(address, request_timeout=START_TIMEOUT) as client:
+            assert client.list_partitions() == []
+        assert svc.stop() == 0  # SIGTERM: the first signal it took
+        assert "signal=SIGTERM" in svc.stderr()
+        assert sig.name not in svc.stderr()
+
+
 @pytest.mark.parametrize("role", ROLES, ids=ROLE_IDS)
 def test_a_second_signal_ends_the_service_at_once(role: list[str], tmp_path: Path) -> None:
     """A second SIGTERM/SIGINT (Ctrl-C twice) while the service stops gracefully ends it at

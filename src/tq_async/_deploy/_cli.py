@@ -9,7 +9,8 @@ in its own process:
 
 Each process prints the one line a launcher parses (``TQ_ADDRESS=...`` for a controller,
 ``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM,
-SIGINT or SIGHUP (a terminal that closes): each stops it gracefully.
+SIGINT or SIGHUP (a terminal that closes; unless the launcher had them ignored, as
+``nohup`` does SIGHUP): each stops it gracefully.
 """
 
 from __future__ import annotations

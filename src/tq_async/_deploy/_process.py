@@ -30,9 +30,14 @@ log = get_logger(__name__)
 #: where a service binds without ``--bind``: a free port on loopback
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 
-#: the signals that stop a service gracefully (SIGHUP: its terminal closed, or a launcher
-#: went away; its default action killed the process with no clean stop)
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a service gracefully: SIGTERM, SIGINT and SIGHUP (its terminal
+    closed, or a launcher went away: its default action killed the process with no clean
+    stop), less SIGINT or SIGHUP when they came in ignored (``nohup``, a shell script's
+    ``&``: the launcher wants the service to serve on through them, as Python does)."""
+    kept = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN]
+    return (signal.SIGTERM, *kept)
 
 
 async def serve_all(config: Config) -> None:
@@ -67,7 +72,7 @@ def _announce(lines: Sequence[str]) -> None:
 
 @asynccontextmanager
 async def _stopped_by_signals(stop: Callable[[], None]) -> AsyncIterator[None]:
-    """Around a service's whole life: the first of `_STOP_SIGNALS` calls ``stop`` (a graceful
+    """Around a service's whole life: the first of `_stop_signals` calls ``stop`` (a graceful
     stop); a second one (Ctrl-C twice, a supervisor's second SIGTERM) while it stops ends the
     process at once, killed by that signal as without a handler (what was acknowledged at
     ``process``/``fsync`` is in the files already). Entered before any service starts: a
@@ -81,7 +86,7 @@ async def _stopped_by_signals(stop: Callable[[], None]) -> AsyncIterator[None]:
 async def _on_signals(
     stop: Callable[[], None], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+    with anyio.open_signal_receiver(*_stop_signals()) as signals:
         task_status.started()
         async for signum in signals:
             log.info("stopping", signal=signal.Signals(signum).name)
