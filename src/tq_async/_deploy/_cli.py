@@ -8,8 +8,9 @@ in its own process:
     tq-async serve storage --controller tcp://10.0.0.1:5555 --bind tcp://10.0.0.2:0 --unit-id 0
 
 Each process prints the one line a launcher parses (``TQ_ADDRESS=...`` for a controller,
-``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM or
-SIGINT.
+``TQ_UNIT=<id> <address>`` for a unit) on stdout, logs on stderr, and runs until SIGTERM,
+SIGINT or SIGHUP (a terminal that closes; unless the launcher had them ignored, as
+``nohup`` does SIGHUP): each stops it gracefully.
 """
 
 from __future__ import annotations
@@ -18,148 +19,31 @@ import argparse
 import gc
 import math
 import os
-import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO, cast
 
 import anyio
-from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry
 
 from .._core._transitions import Deadlines
 from .._errors import AuthenticationError, ConfigError, InvalidRequestError, TQError
-from .._logging import configure_logging, get_logger
+from .._logging import configure_logging
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
-from .._service._metrics import metrics_address, serve_metrics
 from .._service._serve import (
     check_address,
     first_tq_error,
     raise_fd_limit,
-    serve_controller,
-    serve_storage,
 )
 from .._storage._server import DEFAULT_SHM_CAP
-from ._cluster import local_cluster
+from ._process import DEFAULT_BIND, serve_all, serve_role
+from ._process import _one_device_index as _one_device_index  # (tests)
 from ._status import run_status
+from ._stderr import LogStream
 
 __all__ = ["main"]
-
-log = get_logger("tq_async._deploy._cli")  # not __main__ under `python -m tq_async._deploy._cli`
-
-_DEFAULT_BIND = "tcp://127.0.0.1:0"
-
-
-async def _serve(config: Config) -> None:
-    # The handler goes in first: a SIGTERM while starting stops the process cleanly too.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with local_cluster(transport="tcp", config=config) as cluster:
-            cluster.controller.watch.price_requests = True  # this loop runs only services
-            # The line a launcher parses (one write, flushed: a parent reading stdout sees it)
-            lines = [f"TQ_ADDRESS={cluster.address}"]
-            if cluster.metrics_url:
-                lines.append(f"TQ_METRICS_URL={cluster.metrics_url}")
-            _announce(lines)
-            log.info("serving", address=cluster.address, storage_units=config.num_storage_units)
-            async for signum in signals:
-                log.info("stopping", signal=signal.Signals(signum).name)
-                break
-
-
-def _announce(lines: Sequence[str]) -> None:
-    """Print the lines a launcher parses on stdout, in one write. A launcher that closed its
-    end (it read what it wanted, or went away) does not stop the service: that is logged,
-    and stdout goes to /dev/null (nothing else is printed there)."""
-    try:
-        print("\n".join(lines), flush=True)
-    except OSError as exc:  # BrokenPipeError (SIGPIPE is ignored), EIO
-        log.warning("stdout is closed: the service serves on", lines=lines, error=str(exc))
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the unflushed lines go there at exit
-        os.close(devnull)
-
-
-async def _cancel_on_signal(
-    scope: anyio.CancelScope, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    # Started (not start_soon) so the handler is installed before any service starts: a
-    # SIGTERM during a unit's registration stops it cleanly instead of killing the process.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        task_status.started()
-        async for signum in signals:
-            log.info("stopping", signal=signal.Signals(signum).name)
-            scope.cancel()
-            return
-
-
-async def _serve_role(args: argparse.Namespace, config: Config) -> None:
-    registry = CollectorRegistry() if config.metrics_on else None
-    bind = config.bind or _DEFAULT_BIND
-    stop_metrics: Callable[[], None] | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(_cancel_on_signal, tg.cancel_scope)
-            if args.role == "controller":
-                address = await tg.start(
-                    partial(
-                        serve_controller,
-                        bind,
-                        advertise=args.advertise,
-                        metrics_registry=registry,
-                        config=config,
-                    )
-                )
-                lines = [f"TQ_ADDRESS={address}"]
-            else:
-                unit_id, address = await tg.start(
-                    partial(
-                        serve_storage,
-                        args.controller,
-                        bind,
-                        unit_id=args.unit_id,
-                        advertise=args.advertise,
-                        allow_pickle=config.allow_pickle,
-                        register_timeout=args.register_timeout,
-                        metrics_registry=registry,
-                        curve=config.load_curve(),
-                        shm_cap=config.shm_cap,
-                        data_path=config.data_path,
-                        device_cap=config.device_cap,
-                        device_index=_one_device_index(config.device_index),
-                        host_id=_one_host_id(config.host_id),
-                        durability=config.durability,
-                        data_dir=config.data_dir,
-                        memory_cap=config.memory_cap,
-                    )
-                )
-                lines = [f"TQ_UNIT={unit_id} {address}"]
-            if registry is not None and config.metrics_on is not None:
-                url, stop_metrics = serve_metrics(registry, *metrics_address(config.metrics_on))
-                lines.append(f"TQ_METRICS_URL={url}")
-            # printed once everything serves: a launcher takes the first line for "started"
-            _announce(lines)
-    finally:
-        if stop_metrics is not None:
-            await anyio.to_thread.run_sync(stop_metrics)
-
-
-def _one_host_id(host_id: str | list[str] | None) -> str | None:
-    """A unit's host id from ``Config.host_id`` (a list names one per unit of a cluster)."""
-    if isinstance(host_id, list):
-        raise ConfigError("host_id: a storage unit alone takes one host id, not a list")
-    return host_id
-
-
-def _one_device_index(device_index: int | list[int]) -> int:
-    """A unit's GPU index from ``Config.device_index`` (a list names one per unit)."""
-    if isinstance(device_index, list):
-        if len(device_index) != 1:
-            raise ConfigError("device_index: a storage unit alone takes one GPU index, not a list")
-        return device_index[0]
-    return device_index
 
 
 def _device_index_arg(text: str) -> int | list[int]:
@@ -182,6 +66,26 @@ def _seconds_arg(text: str) -> float:
     if not seconds > 0:  # also nan
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return seconds
+
+
+def _address_arg(text: str) -> str:
+    """``--controller``: an address a client can dial (``tcp://HOST:PORT``)."""
+    try:
+        check_address(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _unit_id_arg(text: str) -> int:
+    """``--unit-id``: an id >= 0."""
+    try:
+        unit_id = int(text)
+    except ValueError:
+        unit_id = -1
+    if unit_id < 0:
+        raise argparse.ArgumentTypeError(f"expected a unit id >= 0, got {text!r}")
+    return unit_id
 
 
 def _screens_arg(text: str) -> int:
@@ -264,7 +168,7 @@ def _add_shared(parser: _Options) -> None:
         "--bind",
         default=None,
         metavar="tcp://HOST:PORT",
-        help=f"the address to bind (default: {_DEFAULT_BIND}: a free port on loopback)",
+        help=f"the address to bind (default: {DEFAULT_BIND}: a free port on loopback)",
     )
     parser.add_argument(
         "--metrics-on",
@@ -465,11 +369,15 @@ def _add_roles(serve: argparse.ArgumentParser) -> None:
         description="Run one storage unit, register it; prints TQ_UNIT=<id> <address>.",
     )
     unit.add_argument(
-        "--controller", required=True, metavar="ADDR", help="the controller's address"
+        "--controller",
+        required=True,
+        type=_address_arg,
+        metavar="ADDR",
+        help="the controller's address",
     )
     unit.add_argument(
         "--unit-id",
-        type=int,
+        type=_unit_id_arg,
         default=None,
         metavar="N",
         help="this unit's id, unique in the cluster (default: the controller assigns one)",
@@ -511,7 +419,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
-        help="run tq_async services until SIGTERM/SIGINT",
+        help="run tq_async services until SIGTERM/SIGINT/SIGHUP",
         formatter_class=_FORMATTER,
         description=(
             "Without a role: a controller and --storage-units storage units in this process; "
@@ -632,8 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 after a clean stop (or the status shown), 1 when a service could
         not start (or ``status`` could not get the cluster's), 2 for a bad command line or
-        configuration (for ``status`` too: an address without its scheme, a certificate
-        that cannot be read).
+        configuration (a `ConfigError`, e.g. a ``--data-dir`` that is missing or another
+        service's; for ``status`` too: an address without its scheme, a certificate that
+        cannot be read).
     """
     parser = _build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -651,27 +560,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.role is not None and (args.storage_units != 2 or args.host != "127.0.0.1"):
         parser.error("--storage-units and --host apply to the all-in-one `serve` only")
-    configure_logging(args.log_level, json=args.log_json)
+    # logs never block the service: a launcher may read a piped stderr late, or never
+    stderr = LogStream(2, json=args.log_json)  # (sys.stderr is None when it was closed)
+    configure_logging(args.log_level, json=args.log_json, stream=cast(TextIO, stderr))
+    try:
+        return _run_serve(parser, args, argv, stderr)
+    finally:
+        stderr.close()
+
+
+def _run_serve(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str], stderr: LogStream
+) -> int:
+    """``serve``, its logging set up: its exit status."""
     try:
         config = config_from_args(args, _given(parser, argv))
         config.controller_options()  # import and call the factories now: fail before binding
     except ConfigError as exc:
-        print(f"tq-async: error: {exc}", file=sys.stderr, flush=True)
+        print(f"tq-async: error: {exc}", file=stderr)
         return 2
     # a service holds a descriptor per client: the default soft limit (often 1,024) would
     # cap it long before the hard limit does (docs/deployment.md, "File descriptors")
     raise_fd_limit("serve" if args.role is None else args.role, config.num_storage_units)
     try:
         if args.role is None:
-            anyio.run(_serve, config)
+            anyio.run(serve_all, config)
         else:
-            anyio.run(_serve_role, args, config)
+            anyio.run(serve_role, args, config)
     except BaseException as exc:
         error = first_tq_error(exc)
         if error is None:
             raise
-        print(f"tq-async: error: {error}", file=sys.stderr, flush=True)
-        return 1
+        print(f"tq-async: error: {error}", file=stderr)
+        return 2 if isinstance(error, ConfigError) else 1  # (a bad --data-dir)
     return 0
 
 
@@ -694,6 +615,11 @@ def _status(args: argparse.Namespace) -> int:
             )
         )
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # the reader stopped (`| head`): done, as a Ctrl-C is
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes there at exit
+        os.close(devnull)
         return 0
     except TQError as exc:
         hint = ""

@@ -48,6 +48,7 @@ import zmq.auth
 from .._core._transitions import AdmissionConfig, Deadlines
 from .._errors import ConfigError, InvalidRequestError, TQError
 from .._storage._server import DEFAULT_SHM_CAP
+from .._transport._endpoints import normalize_bind
 from .._transport._security import CurveServer
 from ..samplers import BaseSampler
 from ._metrics import metrics_address
@@ -444,11 +445,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"auto_clear_tasks: task names must be non-empty, got {self.auto_clear_tasks}"
             )
-        if self.metrics_on is not None:
-            try:
+        try:
+            if self.metrics_on is not None:
                 metrics_address(self.metrics_on)
-            except InvalidRequestError as exc:
-                raise ConfigError(str(exc)) from None
+            if self.bind is not None:
+                normalize_bind(self.bind)
+        except InvalidRequestError as exc:
+            raise ConfigError(str(exc)) from None
 
     # ---- loading and saving ------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from .._errors import InvalidRequestError
 from .._logging import get_logger
 
 __all__ = ["LogThrottle", "is_loopback", "normalize_bind", "same_host_ipc", "zmq_context"]
@@ -73,8 +74,20 @@ def _nofile_soft() -> int:
 
 
 def normalize_bind(address: str) -> str:
-    """``tcp://host:0`` means "any free port" (ZMQ spells it ``*``)."""
-    if address.startswith("tcp://") and address.endswith(":0"):
+    """``tcp://host:0`` means "any free port" (ZMQ spells it ``*``).
+
+    Raises:
+        InvalidRequestError: a ``tcp://`` port past 65535 (ZMQ binds it modulo 65536: a
+            typo's ``:99999`` served at port 34463).
+    """
+    if not address.startswith("tcp://"):
+        return address
+    port = address.rpartition(":")[2]
+    if port.isdigit() and int(port) > 65535:
+        raise InvalidRequestError(
+            f"cannot bind {address!r}: the port must be from 0 to 65535 (0: any free port)"
+        )
+    if port == "0":
         return address[:-2] + ":*"
     return address
 

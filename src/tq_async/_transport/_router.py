@@ -229,6 +229,7 @@ class RouterEndpoint(DrainedSocket):
         twin: str | None = "ipc",
         on_gone: Callable[[bytes], None] | None = None,
     ) -> None:
+        address = normalize_bind(bind)  # (before a socket exists)
         sock = (context or zmq_context()).socket(zmq.ROUTER)
         if curve is not None:
             curve.apply(sock)
@@ -244,7 +245,7 @@ class RouterEndpoint(DrainedSocket):
         sock.setsockopt(zmq.BACKLOG, BACKLOG)
         try:
             _refuse_a_live_path(bind)
-            sock.bind(normalize_bind(bind))
+            sock.bind(address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise BrokenError(f"cannot bind {bind!r}: {exc}; choose another address") from exc
