@@ -740,14 +740,15 @@ def _consumed(events: list[Event]) -> list[tuple[int, str, list[int]]]:
 
 async def test_a_readers_batches_between_two_answers_make_one_rows_consumed() -> None:
     """Consumption by the task of the event before it, of its partition, joins that event
-    while no watcher can know it: one ``rows_consumed`` per answer, not per batch; anything
-    in between (another task's batch) ends the joining, and an event answered never grows."""
+    while no watcher can know it (a pass is due, or it is the first event after an answer):
+    one ``rows_consumed`` per answer, not per batch; anything in between (another task's
+    batch) ends the joining, and an event answered never grows."""
     async with (
         tq.local_cluster(num_storage_units=1) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         hub = cluster.controller.watch
-        await _put(client, "p", 12)
+        await _put(client, "p", 16)
         async with client.watch(kinds=["rows_consumed"]) as w:
             start = w.seq
             assert start is not None
@@ -772,7 +773,22 @@ async def test_a_readers_batches_between_two_answers_make_one_rows_consumed() ->
                 (start + 2, "u", [0]),
                 (start + 3, "t", [6, 7]),
             ]
-            # answered: the next batch of "t" is an event of its own, even with a pass due
+            # answered: the next batch of "t" is an event of its own, which the batches
+            # after it join while the watcher asks again
+            await client.get_meta(["x"], 1, "p", "t")
+            await client.get_meta(["x"], 1, "p", "t")
+            assert _consumed(await _take(w, 1)) == [(start + 4, "t", [8, 9])]
+            # only that one: with no pass due, the batches after another event are their own
+            # (a watcher that never asks again leaves no ring of big events)
+            for task in ["t", "u", "t", "t"]:
+                await client.get_meta(["x"], 1, "p", task)
+            assert _consumed(await _take(w, 4)) == [
+                (start + 5, "t", [10]),
+                (start + 6, "u", [1]),
+                (start + 7, "t", [11]),
+                (start + 8, "t", [12]),
+            ]
+            # and an event answered never grows, even with a pass due
             _hold_answers(hub)
             async with anyio.create_task_group() as tg:
                 got.clear()
@@ -782,8 +798,8 @@ async def test_a_readers_batches_between_two_answers_make_one_rows_consumed() ->
                 await client.get_meta(["x"], 1, "p", "t")
                 await client.get_meta(["x"], 1, "p", "t")
                 _release_answers(hub)
-            assert _consumed(got) == [(start + 4, "t", [8, 9])]
-            assert hub.log.last == start + 4
+            assert _consumed(got) == [(start + 9, "t", [13, 14])]
+            assert hub.log.last == start + 9
 
 
 async def test_consumption_never_joins_an_event_a_watcher_stands_at() -> None:

@@ -236,6 +236,8 @@ class WatchHub:
         self._interest = _Interest()
         #: events numbered since the last flush that no parked request wanted
         self._unwanted = 0
+        #: the last pass answered watchers and no event was numbered since
+        self._answered = False
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
@@ -256,10 +258,13 @@ class WatchHub:
                     if self._unwanted > self._interest.lag(self.log.history // 4):
                         self._schedule_flush()
             # consumption may join the last event while a pass is due (it seals the log: an
-            # event grows for a short while, and never once a watcher may know it)
+            # event grows for a short while, and never once a watcher may know it), and the
+            # first one after a pass that answered, while its watchers ask again (at most
+            # one such event a pass: the ring's memory stays bounded if none comes back)
             last = events[-1]
-            due = self._flush_handle is not None
-            outbox.let_join(last if due and type(last) is RowsConsumed else None)
+            joins = self._flush_handle is not None or self._answered
+            self._answered = False
+            outbox.let_join(last if joins and type(last) is RowsConsumed else None)
 
     def _unpark(self, key: tuple[bytes, int]) -> _Parked | None:
         """Take a parked request out (None: none under ``key``)."""
@@ -304,6 +309,7 @@ class WatchHub:
                 watchers += gone.body.watchers
                 sent += 1
                 self._send(*key, raw)
+        self._answered = sent > 0
         spent = time.thread_time() - t0
         self.own_seconds += spent
         if not sent and self.price_requests:
