@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -26,6 +26,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python versi
 __all__ = [
     "TIMERS_FIRE_IDLE",
     "Event",
+    "Handoff",
     "Lock",
     "Repeater",
     "cleanup_scope",
@@ -88,6 +89,44 @@ def spawn(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
     task = asyncio.get_running_loop().create_task(fn())
     _spawned.add(task)
     task.add_done_callback(_spawned.discard)
+
+
+class Handoff(Generic[T]):
+    """A value one task brings to the tasks that wait for it: ``await handoff.wait()``
+    returns what `give` gave (None: nothing came). Each waiter awaits a future of its own (a
+    waiter cancelled takes nothing from the others), and resumes with the value: no lock or
+    event to go through again (a task woken costs a few steps, paid by every watcher of a
+    shared watch at every answer)."""
+
+    __slots__ = ("_futures", "_given", "_value")
+
+    def __init__(self) -> None:
+        self._futures: list[asyncio.Future[T | None]] = []
+        self._given = False
+        self._value: T | None = None
+
+    def is_set(self) -> bool:
+        """Whether `give` was called."""
+        return self._given
+
+    def wait(self) -> Awaitable[T | None]:
+        fut: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
+        if self._given:
+            fut.set_result(self._value)
+        else:
+            self._futures.append(fut)
+        return fut
+
+    def give(self, value: T | None) -> int:
+        """Hand ``value`` to the waiting tasks (and to later ones); how many took it."""
+        self._given, self._value = True, value
+        futures, self._futures = self._futures, []
+        taken = 0
+        for fut in futures:
+            if not fut.done():  # (cancelled: its task is gone)
+                fut.set_result(value)
+                taken += 1
+        return taken
 
 
 class Repeater:

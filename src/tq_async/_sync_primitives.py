@@ -13,11 +13,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "TIMERS_FIRE_IDLE",
     "Event",
+    "Handoff",
     "Lock",
     "Repeater",
     "cleanup_scope",
@@ -60,6 +61,40 @@ def spawn(fn: Callable[[], Any]) -> None:
     """Nothing: a blocking client has no background to run ``fn`` in (its timers fire only
     while it waits in a call, so it never asks for one)."""
     del fn
+
+
+class Handoff(Generic[T]):
+    """A value one thread brings to the threads that wait for it: ``handoff.wait()`` returns
+    what `give` gave (None: nothing came)."""
+
+    __slots__ = ("_event", "_lock", "_value", "_waiting")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._waiting = 0
+
+    def is_set(self) -> bool:
+        """Whether `give` was called."""
+        return self._event.is_set()
+
+    def wait(self) -> T | None:
+        with self._lock:
+            given = self._event.is_set()
+            if not given:
+                self._waiting += 1
+        if not given:
+            self._event.wait()
+        return self._value
+
+    def give(self, value: T | None) -> int:
+        """Hand ``value`` to the waiting threads (and to later ones); how many took it."""
+        with self._lock:
+            self._value = value
+            self._event.set()
+            taken, self._waiting = self._waiting, 0
+        return taken
 
 
 class _Timers(threading.local):

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import gc
+import threading
+import time
+from typing import Any
+
+import anyio
 
 from tq_async._client._async._feeds import Feed, Feeds
+from tq_async._sync_primitives import Handoff as SyncHandoff
 from tq_async._wire._events import WatchBatch
 
 
@@ -40,6 +46,51 @@ async def test_the_first_asks_and_the_answer_is_kept_for_the_others() -> None:
     assert feed.answer(("i", 0)) is None
     assert feed.answer(("i", 3)) is None
     assert feed.answer((None, 0)) is None
+
+
+async def test_the_watchers_waiting_take_the_answer_at_once_and_it_is_kept_for_the_rest() -> None:
+    feed, _holders = _feed(4)
+    done = feed.lead(("i", 0))
+    got: list[WatchBatch | None] = []
+
+    async def wait(handoff: Any = done) -> None:
+        got.append(await handoff.wait())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        tg.start_soon(wait)
+        async with anyio.create_task_group() as gone:  # a waiter cancelled takes nothing
+            gone.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()
+            gone.cancel_scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        answer = _batch(3)
+        feed.landed(("i", 0), done, answer)
+    assert got == [answer, answer]
+    assert feed.answer(("i", 0)) is answer  # for the one not waiting: the leader and two took it
+    assert feed.answer(("i", 0)) is None
+    assert await done.wait() is answer  # (a waiter coming late takes it too)
+    failed = feed.lead(("i", 3))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, failed)
+        await anyio.wait_all_tasks_blocked()
+        feed.landed(("i", 3), failed, None)
+    assert got[-1] is None  # the request failed: nothing to take, this one asks itself
+
+
+def test_the_blocking_handoff_gives_the_threads_waiting_the_value() -> None:
+    handoff: SyncHandoff[int] = SyncHandoff()
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(handoff.wait()))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while handoff._waiting < 1 and time.monotonic() < deadline:  # (until it waits)
+        time.sleep(0)
+    assert not handoff.is_set()
+    assert handoff.give(7) == 1
+    waiter.join(30)
+    assert got == [7]
+    assert handoff.wait() == 7  # a thread coming later takes it at once
 
 
 async def test_a_failure_or_an_empty_poll_is_not_kept() -> None:

@@ -42,6 +42,8 @@ class Model:
         self.parts: dict[str, dict[str, Any]] = {}
         self.resyncs = 0
         self.seqs: list[int] = []
+        #: the rows of each rows_consumed, by partition
+        self.consumed: dict[str, list[list[int]]] = {}
 
     def apply(self, ev: Event) -> None:
         self.seqs.append(ev.seq)
@@ -86,6 +88,7 @@ class Model:
                     p["tags"].setdefault(r, {}).update(t)
         elif kind == "rows_consumed":
             p["consumed"].setdefault(ev.task, set()).update(rows)  # type: ignore[attr-defined]
+            self.consumed.setdefault(pid, []).append(ev.rows)  # type: ignore[attr-defined]
         elif kind == "rows_released":
             p["consumed"].get(ev.task, set()).difference_update(rows)  # type: ignore[attr-defined]
         elif kind == "consumption_reset":
@@ -198,13 +201,15 @@ async def random_ops(client: tq.AsyncClient, rng: random.Random, n: int, tag: st
             metas.pop(pid, None)
 
 
-async def _replay(history: int | None, seed: int) -> Model:
+async def _replay(history: int | None, seed: int, share: float | None = None) -> Model:
     async with (
         tq.local_cluster(num_storage_units=2) as cluster,
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         if history is not None:
             cluster.controller.watch.log = EventLog(history)
+        if share is not None:  # answers held back: consumption joins events not yet answered
+            cluster.controller.watch.pacer = Pacer(share=share, burst=0.0)
         rng = random.Random(seed)
         model = Model()
         async with client.watch() as events:
@@ -221,6 +226,10 @@ async def _replay(history: int | None, seed: int) -> Model:
 
                 tg.start_soon(watcher)
                 await random_ops(client, rng, 150, "during")
+                if share is not None:  # a reader's batches in a row, while a pass is due
+                    await client.put({"x": torch.arange(8)}, "r")
+                    for _ in range(4):
+                        await client.get_meta(["x"], 2, "r", "t1")
                 await client.seal("end", create=True)
         assert model.state() == truth(cluster)
         return model
@@ -231,6 +240,12 @@ async def test_events_replayed_give_the_final_state(seed: int) -> None:
     model = await _replay(None, seed)
     assert model.resyncs == 0
     assert model.seqs == list(range(1, len(model.seqs) + 1))  # no gap, no duplicate
+
+
+async def test_events_replayed_give_the_final_state_when_answers_are_paced() -> None:
+    model = await _replay(None, 4, share=0.01)
+    assert model.seqs == list(range(1, len(model.seqs) + 1))
+    assert len(model.consumed["r"]) < 4  # (joined)
 
 
 async def test_events_replayed_across_a_forced_resync() -> None:
@@ -702,6 +717,134 @@ async def test_events_nobody_wants_never_make_a_filtered_watcher_resync(bound: s
         async with client.watch(kinds=["partition_sealed"], max_lag=max_lag) as w:
             got = await _seal_after_puts(client, hub, w, 100)  # 200 unwanted events: 3 rings
             assert [e.kind for e in got] == ["partition_sealed"]
+
+
+def _hold_answers(hub: Any) -> None:
+    """The pacer is spent for a minute: a pass due waits (consumption joins its events)."""
+    hub.pacer = Pacer(share=0.001, burst=0.0)
+    hub.pacer.charge(asyncio.get_running_loop().time(), 0.06)
+
+
+def _release_answers(hub: Any) -> None:
+    """The pacer has credit again and the pass it held back runs now."""
+    hub.pacer = Pacer()
+    handle = hub._flush_handle
+    assert handle is not None  # (a pass was due)
+    handle.cancel()
+    hub._flush()
+
+
+def _consumed(events: list[Event]) -> list[tuple[int, str, list[int]]]:
+    return [(e.seq, e.task, e.rows) for e in events]  # type: ignore[attr-defined]
+
+
+async def test_a_readers_batches_between_two_answers_make_one_rows_consumed() -> None:
+    """Consumption by the task of the event before it, of its partition, joins that event
+    while no watcher can know it (a pass is due, or it is the first event after an answer):
+    one ``rows_consumed`` per answer, not per batch; anything in between (another task's
+    batch) ends the joining, and an event answered never grows."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        await _put(client, "p", 16)
+        async with client.watch(kinds=["rows_consumed"]) as w:
+            start = w.seq
+            assert start is not None
+            _hold_answers(hub)
+            async with anyio.create_task_group() as tg:
+                got: list[Event] = []
+
+                async def take(n: int) -> None:
+                    got.extend(await _take(w, n))
+
+                tg.start_soon(take, 3)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                for _ in range(3):
+                    await client.get_meta(["x"], 2, "p", "t")
+                await client.get_meta(["x"], 1, "p", "u")  # another task: its own event
+                for _ in range(2):
+                    await client.get_meta(["x"], 1, "p", "t")  # after it: a new one
+                _release_answers(hub)
+            assert _consumed(got) == [
+                (start + 1, "t", [0, 1, 2, 3, 4, 5]),
+                (start + 2, "u", [0]),
+                (start + 3, "t", [6, 7]),
+            ]
+            # answered: the next batch of "t" is an event of its own, which the batches
+            # after it join while the watcher asks again
+            await client.get_meta(["x"], 1, "p", "t")
+            await client.get_meta(["x"], 1, "p", "t")
+            assert _consumed(await _take(w, 1)) == [(start + 4, "t", [8, 9])]
+            # only that one: with no pass due, the batches after another event are their own
+            # (a watcher that never asks again leaves no ring of big events)
+            for task in ["t", "u", "t", "t"]:
+                await client.get_meta(["x"], 1, "p", task)
+            assert _consumed(await _take(w, 4)) == [
+                (start + 5, "t", [10]),
+                (start + 6, "u", [1]),
+                (start + 7, "t", [11]),
+                (start + 8, "t", [12]),
+            ]
+            # and an event answered never grows, even with a pass due
+            _hold_answers(hub)
+            async with anyio.create_task_group() as tg:
+                got.clear()
+                tg.start_soon(take, 1)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                await client.get_meta(["x"], 1, "p", "t")
+                await client.get_meta(["x"], 1, "p", "t")
+                _release_answers(hub)
+            assert _consumed(got) == [(start + 9, "t", [13, 14])]
+            assert hub.log.last == start + 9
+
+
+async def test_consumption_never_joins_an_event_a_watcher_stands_at() -> None:
+    """A watch that subscribes, or resumes (``since=``), at an event not yet answered to
+    anyone stands after it: the rows consumed next are a new event, which it gets whole."""
+    async with (
+        tq.local_cluster(num_storage_units=1) as cluster,
+        tq.AsyncClient.connect(cluster.address) as client,
+    ):
+        hub = cluster.controller.watch
+        await _put(client, "p", 12)
+        async with client.watch(kinds=["rows_consumed"]) as first:
+            _hold_answers(hub)
+            async with anyio.create_task_group() as tg:
+                got: dict[str, list[Event]] = {}
+
+                async def take(name: str, w: Any, n: int) -> None:
+                    got[name] = await _take(w, n)
+
+                tg.start_soon(take, "first", first, 3)
+                while not hub.parked:
+                    await anyio.wait_all_tasks_blocked()
+                await client.get_meta(["x"], 2, "p", "t")  # a pass is due: joinable
+                async with client.watch(kinds=["rows_consumed"]) as late:  # stands after it
+                    await client.get_meta(["x"], 2, "p", "t")
+                    resumed = client.watch(
+                        since=hub.log.last, incarnation=hub.log.incarnation, kinds=["rows_consumed"]
+                    )
+                    tg.start_soon(take, "resumed", resumed, 1)
+                    while len(hub.parked) < 2:
+                        await anyio.wait_all_tasks_blocked()
+                    await client.get_meta(["x"], 2, "p", "t")
+                    tg.start_soon(take, "late", late, 2)
+                    while len(hub.parked) < 3:
+                        await anyio.wait_all_tasks_blocked()
+                    _release_answers(hub)
+        rows = {name: [e.rows for e in evs] for name, evs in got.items()}  # type: ignore[attr-defined]
+        assert rows == {
+            "first": [[0, 1], [2, 3], [4, 5]],
+            "late": [[2, 3], [4, 5]],
+            "resumed": [[4, 5]],
+        }
+        assert [e.seq for e in got["first"]] == [e.seq for e in got["first"]][:1] + [
+            e.seq for e in got["late"]
+        ]
 
 
 async def test_the_parked_filters_are_counted_as_requests_park_and_go() -> None:

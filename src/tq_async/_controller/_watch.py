@@ -47,7 +47,14 @@ from .._core._events import partition_snapshot
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError
 from .._service._loop import REQUESTS, SENT, Incoming, RequestStats
-from .._wire._events import EVENT_KINDS, ClusterSnapshot, Event, Resync, WatchBatch
+from .._wire._events import (
+    EVENT_KINDS,
+    ClusterSnapshot,
+    Event,
+    Resync,
+    RowsConsumed,
+    WatchBatch,
+)
 from .._wire._protocol import WatchNext, encoder, ok_reply
 
 __all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "RequestCost", "WatchHub", "cluster_snapshot"]
@@ -78,6 +85,9 @@ class EventLog:
         self._ring: list[Event | None] = [None] * history
         #: the last event's number (0: none yet)
         self.last = 0
+        #: a watcher may know the events up to this one (answered, or a position at or past
+        #: them given out): they stay as they are (see `Outbox.joinable`)
+        self.sealed = 0
 
     @property
     def oldest(self) -> int:
@@ -90,6 +100,12 @@ class EventLog:
             self.last += 1
             ev.seq = self.last
             ring[self.last % n] = ev
+
+    def seal(self, seq: int | None = None) -> None:
+        """A watcher may know the events up to ``seq`` (None: every event)."""
+        seq = self.last if seq is None else min(seq, self.last)
+        if seq > self.sealed:
+            self.sealed = seq
 
     def get(self, seq: int) -> Event:
         """Event ``seq`` (``oldest <= seq <= last``)."""
@@ -220,6 +236,8 @@ class WatchHub:
         self._interest = _Interest()
         #: events numbered since the last flush that no parked request wanted
         self._unwanted = 0
+        #: the last pass answered watchers and no event was numbered since
+        self._answered = False
 
     def drain(self) -> None:
         """Number the events the core recorded since the last call; the parked watchers are
@@ -239,6 +257,14 @@ class WatchHub:
                     self._unwanted += len(events)
                     if self._unwanted > self._interest.lag(self.log.history // 4):
                         self._schedule_flush()
+            # consumption may join the last event while a pass is due (it seals the log: an
+            # event grows for a short while, and never once a watcher may know it), and the
+            # first one after a pass that answered, while its watchers ask again (at most
+            # one such event a pass: the ring's memory stays bounded if none comes back)
+            last = events[-1]
+            joins = self._flush_handle is not None or self._answered
+            self._answered = False
+            outbox.let_join(last if joins and type(last) is RowsConsumed else None)
 
     def _unpark(self, key: tuple[bytes, int]) -> _Parked | None:
         """Take a parked request out (None: none under ``key``)."""
@@ -263,6 +289,7 @@ class WatchHub:
             return
         t0 = time.thread_time()
         self.drain()
+        self.shell.state.events.let_join(None)  # (joined while this pass was due)
         self._unwanted = 0
         groups: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
         for key, parked in self.parked.items():
@@ -282,6 +309,7 @@ class WatchHub:
                 watchers += gone.body.watchers
                 sent += 1
                 self._send(*key, raw)
+        self._answered = sent > 0
         spent = time.thread_time() - t0
         self.own_seconds += spent
         if not sent and self.price_requests:
@@ -363,8 +391,10 @@ class WatchHub:
         self.drain()
         log = self.log
         if body.since is None:  # subscribe: where to go on from
+            self._seal()
             self._send(msg.peer, msg.rid, WatchBatch(log.incarnation, log.last, []))
             return SENT
+        self._seal(body.since)  # (a watcher stands there: what it saw stays as it was)
         # parked without a task: answered by _flush (after this pass: the watchers asking in
         # it share one answer; later if the pacer says so), _end_polls, or dropped by cancel
         self._park((msg.peer, msg.rid), body)
@@ -380,6 +410,7 @@ class WatchHub:
         ``body.since`` moves past the events that did not match)."""
         log = self.log
         assert body.since is not None
+        self._seal()  # the answer's position, and what it tells, are a watcher's now
         reason = self._lost(body)
         if reason is not None:
             snapshot = cluster_snapshot(self.shell.state, body.partition_id)
@@ -401,6 +432,14 @@ class WatchHub:
             out.append(ev)
         body.since = seq
         return WatchBatch(log.incarnation, seq, out) if out else None
+
+    def _seal(self, seq: int | None = None) -> None:
+        """A watcher may know the events up to ``seq`` (None: every event): none of them
+        grows any more."""
+        self.log.seal(seq)
+        outbox = self.shell.state.events
+        if outbox.joinable is not None and outbox.joinable.seq <= self.log.sealed:
+            outbox.let_join(None)
 
     def _lost(self, body: WatchNext) -> str | None:
         """Why the events after ``body.since`` cannot be told (None: they can)."""

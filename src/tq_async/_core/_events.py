@@ -5,6 +5,11 @@ that changes what a watcher can see records an event right after the change, and
 takes them (`Outbox.take`) when it applies the transition's effects, numbers them and
 hands them to the watchers. Nothing is recorded until the first watch starts
 (`Outbox.start`): a controller nobody watches builds no events.
+
+Consumption joins the event before it when that event is the same task's consumption of the
+same partition that no watcher saw yet (`Outbox.joinable`, which the shell sets): a reader
+taking batch after batch between two answers makes one ``rows_consumed``, not one a batch
+(each cost the controller, and every watcher, a step).
 """
 
 from __future__ import annotations
@@ -28,18 +33,24 @@ from .._wire._events import (
 )
 from ._arrays import live_rows
 
-__all__ = ["Outbox", "partition_snapshot"]
+__all__ = ["JOINED_ROWS", "Outbox", "partition_snapshot"]
+
+#: the most rows a `RowsConsumed` gathers from the consumption recorded after it
+JOINED_ROWS = 8192
 
 
 class Outbox:
     """Events recorded by transitions, in order, until the shell takes them."""
 
-    __slots__ = ("items", "on")
+    __slots__ = ("items", "joinable", "on")
 
     def __init__(self) -> None:
         #: recording (a watch started once)
         self.on = False
         self.items: list[Event] = []
+        #: the last event taken, when the rows its task consumes of its partition next may
+        #: join it (`let_join`: the shell's to say, as no watcher can know it yet)
+        self.joinable: RowsConsumed | None = None
 
     def start(self) -> None:
         """Record from now on."""
@@ -49,6 +60,11 @@ class Outbox:
         """The events recorded since the last call."""
         items, self.items = self.items, []
         return items
+
+    def let_join(self, event: RowsConsumed | None) -> None:
+        """Consumption recorded next may join ``event``, taken already (None: nothing may
+        join: a watcher may know the last event)."""
+        self.joinable = event
 
     def add(self, event: Event) -> None:
         """Record ``event`` (built by the caller only when `on`)."""
@@ -82,6 +98,16 @@ class Outbox:
 
     def consumed(self, pid: str, task: str, rows: Sequence[int]) -> None:
         if self.on and rows:
+            last = self.joinable
+            if (
+                last is not None
+                and not self.items  # (nothing recorded after it)
+                and last.task == task
+                and last.partition_id == pid
+                and len(last.rows) < JOINED_ROWS
+            ):
+                last.rows += rows
+                return
             self.items.append(RowsConsumed(partition_id=pid, task=task, rows=list(rows)))
 
     def released(self, pid: str, task: str, rows: Sequence[int]) -> None:

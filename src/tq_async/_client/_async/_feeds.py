@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..._primitives import Event
+from ..._primitives import Handoff
 from ..._wire._events import WatchBatch
 
 __all__ = ["Feed", "Feeds", "Position"]
@@ -45,8 +45,9 @@ class Feed:
         #: position -> the answer to a request from there and how many watchers have yet to
         #: take it (insertion order: oldest first)
         self._answers: dict[Position, _Kept] = {}
-        #: position -> set when the request from there in flight ended (answered or not)
-        self._flight: dict[Position, Event] = {}
+        #: position -> what the request from there in flight brings the watchers waiting
+        #: for it (its answer; None: it failed or was cancelled)
+        self._flight: dict[Position, Handoff[WatchBatch]] = {}
         #: the furthest cursor an answer reached, by incarnation
         self._newest: tuple[str, int] | None = None
 
@@ -85,30 +86,35 @@ class Feed:
             del self._answers[position]
         return batch
 
-    def in_flight(self, position: Position) -> Event | None:
-        """The event a request from ``position`` in flight sets when it ends (None: none)."""
+    def in_flight(self, position: Position) -> Handoff[WatchBatch] | None:
+        """What a request from ``position`` in flight hands its waiters when it ends (None:
+        none in flight)."""
         return self._flight.get(position)
 
-    def lead(self, position: Position) -> Event:
-        """The caller asks from ``position``; others wait on the returned event."""
-        self._flight[position] = done = Event()
+    def lead(self, position: Position) -> Handoff[WatchBatch]:
+        """The caller asks from ``position``; others wait for what it hands them."""
+        done: Handoff[WatchBatch] = Handoff()
+        self._flight[position] = done
         return done
 
-    def landed(self, position: Position, done: Event, batch: WatchBatch | None) -> None:
+    def landed(
+        self, position: Position, done: Handoff[WatchBatch], batch: WatchBatch | None
+    ) -> None:
         """The request `lead` announced ended with ``batch`` (None: it failed or was
-        cancelled: nothing is kept and the next watcher asks itself)."""
-        if batch is not None and (batch.cursor, batch.incarnation) != (position[1], position[0]):
-            # (an empty answer at the same position, the end of a poll, tells nothing)
-            self._keep(position, batch)
+        cancelled: nothing is kept and the next watcher asks itself): the watchers waiting
+        for it take it at once, and it is kept for the others."""
         if self._flight.get(position) is done:
             del self._flight[position]
-        done.set()
+        took = done.give(batch)
+        if batch is not None and (batch.cursor, batch.incarnation) != (position[1], position[0]):
+            # (an empty answer at the same position, the end of a poll, tells nothing)
+            self._keep(position, batch, 1 + took)
 
-    def _keep(self, position: Position, batch: WatchBatch) -> None:
+    def _keep(self, position: Position, batch: WatchBatch, took: int) -> None:
         newest = self._newest
         if newest is None or newest[0] != batch.incarnation or newest[1] < batch.cursor:
             self._newest = (batch.incarnation, batch.cursor)
-        waiting = len(self._watchers) - 1  # (the caller took it)
+        waiting = len(self._watchers) - took  # (the caller and its waiters took it)
         if waiting <= 0:
             return
         answers = self._answers

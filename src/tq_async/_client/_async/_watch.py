@@ -142,7 +142,10 @@ class Watcher:
                 if flight is None:
                     batch = await self._lead(feed, position)
                     break
-                await flight.wait()  # then the answer it brought, or this one asks
+                answer = await flight.wait()  # the answer it brought (None: this one asks)
+                if answer is not None:
+                    batch = answer
+                    break
         self._take(batch)
 
     async def _lead(self, feed: Feed, position: Position) -> WatchBatch:

@@ -144,7 +144,10 @@ class Watcher:
                 if flight is None:
                     batch = self._lead(feed, position)
                     break
-                flight.wait()  # then the answer it brought, or this one asks
+                answer = flight.wait()  # the answer it brought (None: this one asks)
+                if answer is not None:
+                    batch = answer
+                    break
         self._take(batch)
 
     def _lead(self, feed: Feed, position: Position) -> WatchBatch:
