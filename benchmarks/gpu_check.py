@@ -262,6 +262,9 @@ async def device_arena(
                 await client.get_data(meta)
                 await client.clear_samples(meta)
             stats = (await client.storage_stats())[0]
+            # what the unit holds now: the device grants it lent ahead of this client's next
+            # puts (nothing else once every row is cleared)
+            stats["device_spare_bytes"] = client._links.same_host_units.spare_bytes(device=True)
             moved = stats.get("device_out_bytes", 0) - before.get("device_out_bytes", 0)
             took = stats.get("device_out_us", 0) - before.get("device_out_us", 0)
             out["copy_out"] = moved / took / 1e3 if took else 0.0
