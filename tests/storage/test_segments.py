@@ -21,7 +21,7 @@ import structlog
 import tq_async as tq
 from tq_async._storage import _cells, _segments
 from tq_async._storage._cells import StorageState
-from tq_async._storage._durable import rewrite_index
+from tq_async._storage._durable import begin_commit, commit_now, end_commit, rewrite_index
 from tq_async._storage._index_frames import PAYLOAD
 from tq_async._storage._segments import (
     MARKER,
@@ -508,34 +508,95 @@ class FullIndex:
         self.full = False
 
     def __call__(self, fd: int, data: Any) -> int:
-        if self.full and os.readlink(f"/proc/self/fd/{fd}").endswith("index.log"):
+        if self.full and "index.log" in os.readlink(f"/proc/self/fd/{fd}"):  # (.tmp too)
             raise OSError(errno.ENOSPC, "No space left on device")
         return os.write(fd, data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="at fsync a put's cells take their rows in memory before its group commit; a "
-    "commit that fails answers the put with StorageFullError but leaves its cells in place "
-    "(rows it overwrote serve the failed put's values until a restart brings the old ones "
-    "back): undoing it needs the overwritten chunks kept until the commit (a design change)",
-)
 def test_a_put_whose_group_commit_failed_changes_no_cell(tmp_path: Path) -> None:
+    """At ``fsync`` a put's cells took their rows before its group commit: one whose
+    commit failed (StorageFullError) left them there, and rows it overwrote served its
+    values until a restart brought the old ones back. Its cells are undone now."""
     writer = FullIndex()
     claim_unit_dir(str(tmp_path), 0)
     disk = SegmentStore(str(tmp_path), sync=True, write=writer)
     disk.load()
     state = StorageState(disk=disk)
     put(state, "p", [0, 1], 1)
-    disk.commit(disk.begin_commit())
+    commit_now(state)
     before = cells(state, "p", [0, 1])
     writer.full = True
-    put(state, "p", [1], 2)  # overwrites row 1; answered after the commit below
+    put(state, "p", [1, 2], 2)  # overwrites row 1; answered after the commit below
     with pytest.raises(tq.StorageFullError):
-        disk.commit(disk.begin_commit())
+        commit_now(state)
+    assert cells(state, "p", [0, 1]) == before  # what the unit serves meanwhile
+    with pytest.raises(tq.RowsNotFound):
+        state.get("p", [2], ["x"])
     disk.close()
     assert cells(durable(tmp_path), "p", [0, 1]) == before  # what the disk holds
-    assert cells(state, "p", [0, 1]) == before  # what the unit serves meanwhile
+
+
+def test_a_clear_whose_group_commit_failed_gives_its_space_back_at_the_next(
+    tmp_path: Path,
+) -> None:
+    """At ``fsync`` a clear whose commit failed (the disk full down to the index's last
+    block) lost its record, and the segments it emptied, forgotten by the store, were
+    never deleted while the unit ran: clearing brought no space back, and a restart found
+    the cells again. The next commit deletes them and writes the whole index now."""
+    writer = FullIndex()
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), sync=True, write=writer, segment_bytes=1)
+    disk.load()
+    state = StorageState(disk=disk)
+    for seed in range(4):  # a segment each
+        put(state, "p", [seed], seed)
+    commit_now(state)
+    writer.full = True
+    assert state.clear("p", None) == 4
+    with pytest.raises(tq.StorageFullError):
+        commit_now(state)
+    writer.full = False
+    commit_now(state)  # the next request's
+    assert len(list(tmp_path.glob("seg-*.dat"))) == 1  # only the segment being written
+    assert disk.live_bytes == 0
+    disk.close()
+    assert durable(tmp_path).stats().rows == 0
+
+
+def test_puts_of_two_failed_commits_in_a_row_are_undone_each(tmp_path: Path) -> None:
+    """A put waiting for the next commit overwrote a row of a put whose commit (in flight)
+    then failed: that row keeps the later put's cells; when the later commit fails too,
+    the row has the cells both overwrote again (and the disk agrees)."""
+    writer = FullIndex()
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), sync=True, write=writer)
+    disk.load()
+    state = StorageState(disk=disk)
+    put(state, "p", [0, 1, 2], 1)
+    commit_now(state)
+    before = cells(state, "p", [0, 1, 2])
+    writer.full = True
+    put(state, "p", [1, 2], 2)
+    in_flight = begin_commit(state)
+    put(state, "p", [2], 3)  # overwrites the first failed put's row 2: waits for the next
+    later = _fresh(tmp_path / "model", None)
+    put(later, "p", [0, 1, 2], 1)
+    put(later, "p", [2], 3)
+    with pytest.raises(tq.StorageFullError):
+        disk.commit(in_flight)
+    end_commit(state, in_flight, tq.StorageFullError("full"))
+    assert cells(state, "p", [0, 1, 2]) == cells(later, "p", [0, 1, 2])
+    with pytest.raises(tq.StorageFullError):
+        commit_now(state)
+    assert cells(state, "p", [0, 1, 2]) == before
+    writer.full = False
+    put(state, "p", [0], 4)
+    commit_now(state)
+    assert state.cells.dead == []
+    disk.close()
+    again = durable(tmp_path)
+    assert cells(again, "p", [1, 2]) == cells(state, "p", [1, 2])
+    assert cells(again, "p", [0]) == cells(state, "p", [0])
 
 
 def test_a_full_disk_while_spilling_keeps_the_cells_in_memory(tmp_path: Path) -> None:
