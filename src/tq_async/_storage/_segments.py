@@ -663,8 +663,7 @@ class SegmentStore:
         self._readers.forget(segment)
 
     def _remove(self, segment: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(segment))
+        _delete(self._path(segment))
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -847,6 +846,17 @@ def _read_mark(path: str) -> Any:
         return None
     except (OSError, ValueError):
         return {}
+
+
+def _delete(path: str) -> None:
+    """Delete a dead segment's file; one that cannot be is left (a warning: only its space
+    is lost, a restart deletes it: `SegmentStore.collect`)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete a dead segment file", error=str(exc), path=path)
 
 
 def _sync_dir(directory: str) -> None:
