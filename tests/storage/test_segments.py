@@ -599,6 +599,42 @@ def test_puts_of_two_failed_commits_in_a_row_are_undone_each(tmp_path: Path) -> 
     assert cells(again, "p", [0]) == cells(state, "p", [0])
 
 
+def test_a_commit_that_ends_before_an_earlier_failed_one_frees_nothing_it_needs(
+    tmp_path: Path,
+) -> None:
+    """A put from this process is committed on its own thread while the loop's commit is
+    in flight, and may end first: the puts of the commit that ended were taken for those
+    of the oldest (a put on the disk undone, a failed one kept), and the chunks that died
+    in it would be freed though the earlier commit, failing after, undoes a put that
+    overwrote one of them. Each commit undoes its own puts now, and its dead chunks wait
+    for the earlier one."""
+    writer = FullIndex()
+    claim_unit_dir(str(tmp_path), 0)
+    disk = SegmentStore(str(tmp_path), sync=True, write=writer, segment_bytes=1)
+    disk.load()
+    state = StorageState(disk=disk)
+    put(state, "p", [0, 1], 1)  # X: a segment of its own
+    commit_now(state)
+    before = cells(state, "p", [0, 1])
+    put(state, "p", [0], 2)  # overwrites X's row 0
+    in_flight = begin_commit(state)
+    writer.full = True
+    with pytest.raises(tq.StorageFullError):
+        disk.commit(in_flight)  # its end waits on the loop
+    writer.full = False
+    put(state, "p", [1], 3)  # overwrites X's row 1: X is dead (until the undo below)
+    commit_now(state)  # the put from this process: ends first
+    end_commit(state, in_flight, tq.StorageFullError("full"))
+    model = _fresh(tmp_path / "model", None)
+    put(model, "p", [0, 1], 1)
+    put(model, "p", [1], 3)
+    assert cells(state, "p", [0, 1]) == cells(model, "p", [0, 1])
+    assert cells(state, "p", [0]) == (before[0][:1], before[1][:1])
+    commit_now(state)
+    disk.close()
+    assert cells(durable(tmp_path), "p", [0, 1]) == cells(model, "p", [0, 1])
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_segment_file_that_cannot_be_deleted_fails_no_clear(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool

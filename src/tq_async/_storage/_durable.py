@@ -172,6 +172,7 @@ def begin_commit(unit: Unit) -> Commit:
     assert unit.disk is not None
     commit = unit.disk.begin_commit()
     if unit.epochs:
+        commit.epoch = unit.epochs[-1]
         unit.epochs.append(Epoch())
     arena = unit.arena
     if arena is not None and arena.defer_frees:
@@ -185,12 +186,17 @@ def end_commit(unit: Unit, commit: Commit, error: TQError | None = None) -> None
     what it had to sync and delete waits for the next one, with the whole index rewritten
     (its clears, compactions: what the cells are now), and its freed regions stay unused (a
     restart may find their old cells again)."""
-    if len(unit.epochs) > 1:
-        epoch = unit.epochs.pop(0)
-        if error is None:
+    epochs, epoch = unit.epochs, commit.epoch
+    if isinstance(epoch, Epoch):
+        # (a commit of a put from this process may end before the one in flight ended)
+        at = next(i for i, e in enumerate(epochs) if e is epoch)
+        del epochs[at]
+        if error is not None:
+            _undo(unit, epoch, epochs[at:])
+        elif at == 0:
             _free_held(unit, epoch.held)
-        else:
-            _undo(unit, epoch)
+        else:  # an earlier commit may still fail: its puts need them
+            epochs[0].held += epoch.held
     if error is not None and unit.disk is not None and unit.disk.sync:
         unit.disk.retry(commit)
         rewrite_index(unit)
@@ -236,14 +242,16 @@ def _free_held(unit: Unit, held: list[Chunk]) -> None:
     unit.free_dead()
 
 
-def _undo(unit: Unit, epoch: Epoch) -> None:
+def _undo(unit: Unit, epoch: Epoch, later: list[Epoch]) -> None:
     """Undo the puts of ``epoch`` (its commit failed), the last first; the chunks they
-    made die now, those they overwrote live again, the others stay held by the next."""
-    cells, later = unit.cells, unit.epochs[-1]
+    made die now, those they overwrote live again, the others stay held by the last
+    commit (a put of ``later`` may undo its own overwrite of them)."""
+    cells = unit.cells
+    puts = [p for e in later for p in e.puts]
     for partition_id, rows, fields in reversed(epoch.puts):
-        cells.unstore(partition_id, rows, fields, later.puts)
+        cells.unstore(partition_id, rows, fields, puts)
     dying = {id(c) for c in cells.dead}
-    later.held += [c for c in epoch.held if c.live == 0 and id(c) not in dying]
+    unit.epochs[-1].held += [c for c in epoch.held if c.live == 0 and id(c) not in dying]
     unit.free_dead()
 
 

@@ -204,6 +204,8 @@ class Commit:
     #: arena regions freed by the records it writes: reusable once it is on the disk
     #: (`tq_async._storage._durable.begin_commit` fills it, `end_commit` frees them)
     freed: list[tuple[int, int]] = field(default_factory=list)
+    #: the puts it answers (`tq_async._storage._durable.Epoch`, undone if it fails)
+    epoch: Any = None
 
 
 class SegmentStore:
