@@ -184,6 +184,35 @@ def test_a_chunk_whose_bytes_were_torn_from_its_segment_is_dropped(tmp_path: Pat
         again.get("q", [0], ["j"])
 
 
+def test_a_unit_at_fsync_whose_index_lost_cells_restarts_on_a_full_disk(tmp_path: Path) -> None:
+    """At ``fsync`` a start that dropped cells whose bytes were gone rewrites the index at
+    once; on a full disk that commit failed, and so did the start (StorageFullError),
+    though a unit restarted on a full disk comes back. It starts now (a warning), and the
+    next commit writes the index, once there is room."""
+    state = durable(tmp_path, sync=True)
+    put(state, "p", [0, 1], 1)
+    put(state, "q", [0, 1], 2)
+    commit_now(state)
+    state.disk.close()  # type: ignore[union-attr]
+    (segment,) = tmp_path.glob("seg-*.dat")
+    with segment.open("r+b") as f:  # as if the index reached the disk and the data did not
+        f.truncate(segment.stat().st_size - 3)
+    writer = FullDisk()
+    writer.full = True
+    with structlog.testing.capture_logs() as logs:
+        again = durable(tmp_path, sync=True, write=writer)
+    assert any("could not rewrite" in e["event"] for e in logs)
+    model = _fresh(tmp_path / "model", 1)
+    assert cells(again, "p", [0, 1]) == cells(model, "p", [0, 1])
+    writer.full = False
+    commit_now(again)
+    again.disk.close()  # type: ignore[union-attr]
+    with structlog.testing.capture_logs() as logs:
+        third = durable(tmp_path, sync=True)
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+    assert cells(third, "p", [0, 1]) == cells(model, "p", [0, 1])
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_restarts_after_a_clear_warn_of_no_missing_cells(tmp_path: Path, sync: bool) -> None:
     """A segment whose chunks were all cleared is deleted by the start that replays the

@@ -162,7 +162,13 @@ def recover(unit: Unit) -> int:
     if disk.dropped:  # before any new cell may take the dropped ones' place
         rewrite_index(unit)
         if disk.sync:
-            disk.commit(disk.begin_commit())
+            commit = disk.begin_commit()
+            try:
+                disk.commit(commit)
+            except TQError as exc:  # a full disk: the unit starts; the next commit has it
+                log.warning("could not rewrite a storage unit's index", error=str(exc))
+                disk.retry(commit)
+                rewrite_index(unit)
     return len(cells.chunks)
 
 
