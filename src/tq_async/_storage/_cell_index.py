@@ -25,7 +25,7 @@ from .._paths._shm import Region
 from .._wire._columns import Column, ColumnHeader, column_nbytes
 from ._segments import ClearRecord, Extent, PutRecord
 
-__all__ = ["CELL_BITS", "POSITION", "CellIndex", "Chunk"]
+__all__ = ["CELL_BITS", "POSITION", "CellIndex", "Chunk", "FieldUndo", "PutUndo"]
 
 #: a cell is ``chunk serial << CELL_BITS | position in the chunk``
 CELL_BITS = 32
@@ -80,6 +80,37 @@ class Chunk:
         #: the chunks of its put whose columns are views of ``region`` too (this one with
         #: them; set where chunks may leave memory: see `StorageState.evict`)
         self.siblings: Sequence[Chunk] = ()
+
+
+#: what a put overwrote in one field: the field, the put's chunk serial, the cells it
+#: overwrote by row, and their chunks by serial (`CellIndex.store`, `CellIndex.unstore`)
+FieldUndo = tuple[str, int, dict[int, int], dict[int, Chunk]]
+#: a put to undo: its partition, rows and `FieldUndo` per field
+PutUndo = tuple[str, Sequence[int], list[FieldUndo]]
+
+
+def _hand_over(
+    later: list[PutUndo],
+    partition_id: str,
+    name: str,
+    row: int,
+    cell: int,
+    prev: int | None,
+    owners: dict[int, Chunk],
+) -> None:
+    """The put of ``later`` that overwrote ``cell`` (of a put undone) puts back ``prev``
+    (None: no cell) instead when it is undone in turn."""
+    for pid, _, fields in later:
+        if pid != partition_id:
+            continue
+        for field, _, old, theirs in fields:
+            if field == name and old.get(row) == cell:
+                if prev is None:
+                    del old[row]
+                else:
+                    old[row] = prev
+                    theirs[prev >> CELL_BITS] = owners[prev >> CELL_BITS]
+                return
 
 
 class CellIndex:
@@ -169,20 +200,81 @@ class CellIndex:
                 self.lru.pop(serial, None)
             self.dead.append(chunk)
 
-    def store(self, partition_id: str, rows: Sequence[int], chunks: Sequence[Chunk]) -> None:
+    def store(
+        self,
+        partition_id: str,
+        rows: Sequence[int],
+        chunks: Sequence[Chunk],
+        undo: list[FieldUndo] | None = None,
+    ) -> None:
         """``chunks`` (one per field, of a put of ``rows``) take their rows' cells; cells
-        overwritten release their old chunk."""
+        overwritten release their old chunk. ``undo``: where to note, per field, what the
+        put overwrote (`unstore` puts it back)."""
         n = len(rows)
         fields = self.index.setdefault(partition_id, {})
+        chunks_by_serial = self.chunks
         for chunk in chunks:
             index = fields.setdefault(chunk.header.name, {})
             serial = self.add(chunk)
             # the index is updated in one C loop (a Python loop over a 1M-row put took most
             # of its time)
-            for r in index.keys() & rows:
+            overwritten = index.keys() & rows
+            if undo is not None:
+                old = {r: index[r] for r in overwritten}
+                owners = {c >> CELL_BITS for c in old.values()}
+                undo.append(
+                    (chunk.header.name, serial, old, {s: chunks_by_serial[s] for s in owners})
+                )
+            for r in overwritten:
                 self.drop(index[r] >> CELL_BITS)
             first = serial << CELL_BITS
             index.update(zip(rows, range(first, first + n), strict=True))
+
+    def unstore(
+        self, partition_id: str, rows: Sequence[int], undo: list[FieldUndo], later: list[PutUndo]
+    ) -> None:
+        """Undo a put of ``rows`` (`store` noted ``undo``): its cells still in place give way
+        to the ones it overwrote (their chunks live again); a cell cleared since stays
+        cleared; one overwritten since by a put of ``later`` (not undone) is that put's to
+        undo: it then puts back what this one overwrote."""
+        fields = self.index.get(partition_id)
+        if fields is None:
+            return  # cleared since
+        for name, serial, old, owners in reversed(undo):
+            index = fields.get(name)
+            if index is None:
+                continue
+            first = serial << CELL_BITS
+            for pos, r in enumerate(rows):
+                cell = index.get(r)
+                prev = old.get(r)
+                if cell != first + pos:
+                    if cell is not None:  # overwritten since
+                        _hand_over(later, partition_id, name, r, first + pos, prev, owners)
+                    continue
+                if prev is None:
+                    del index[r]
+                else:
+                    index[r] = prev
+                    self._revive(prev >> CELL_BITS, owners[prev >> CELL_BITS])
+                self.drop(serial)
+            if not index:
+                del fields[name]
+        if not fields:
+            del self.index[partition_id]
+
+    def _revive(self, serial: int, chunk: Chunk) -> None:
+        """One cell of ``chunk`` (``serial``) is back; a dead chunk lives again."""
+        if serial in self.chunks:
+            chunk.live += 1
+            return
+        chunk.live = 1
+        self.chunks[serial] = chunk
+        self.resident_bytes += chunk.nbytes
+        if chunk.column is not None and chunk.device is None:
+            self.memory_bytes += chunk.nbytes
+            if self.lru is not None:
+                self.lru[serial] = chunk
 
     def restore(self, record: PutRecord) -> list[Chunk]:
         """Replay a put record: its chunks, on disk, take their rows (as `store` does);

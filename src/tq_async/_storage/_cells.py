@@ -52,10 +52,12 @@ from .._wire._columns import (
     take_rows,
 )
 from .._wire._protocol import StoredColumns, StoreStatsReply
-from ._cell_index import CELL_BITS, POSITION, CellIndex, Chunk
+from ._cell_index import CELL_BITS, POSITION, CellIndex, Chunk, FieldUndo
 from ._durable import (
+    Epoch,
     adopt_arena,
     begin_commit,
+    commit_now,
     compact,
     end_commit,
     log_clear,
@@ -67,7 +69,14 @@ from ._segments import ClearRecord, SegmentStore
 from ._tiers import evict, load
 from ._unit_stats import unit_stats
 
-__all__ = ["OverBudget", "StorageState", "adopt_arena", "begin_commit", "end_commit"]
+__all__ = [
+    "OverBudget",
+    "StorageState",
+    "adopt_arena",
+    "begin_commit",
+    "commit_now",
+    "end_commit",
+]
 
 log = get_logger(__name__)
 
@@ -126,6 +135,8 @@ class StorageState:
         self.disk = disk
         #: written on every put (a durable store), not only when spilled
         self._durable = disk is not None and disk.durable
+        #: at ``fsync``: the group commit in flight (if any), then the one being filled
+        self.epochs = [Epoch()] if self._durable and disk is not None and disk.sync else []
         self.memory_cap = memory_cap
         #: where each cell is, and the chunks' lives (see `CellIndex`)
         self.cells = CellIndex(lru=memory_cap is not None)
@@ -231,11 +242,37 @@ class StorageState:
         if device is not None:
             device[0].refs += len(on_device)
         cells = self.cells
-        cells.store(partition_id, rows, chunks)
+        if self.epochs:  # fsync: undone if its commit fails
+            undo: list[FieldUndo] = []
+            cells.store(partition_id, rows, chunks, undo)
+            self.epochs[-1].puts.append((partition_id, rows, undo))
+        else:
+            cells.store(partition_id, rows, chunks)
         if cells.dead:  # overwritten cells
-            self.free_dead()
+            self._bury(overwritten=True)
         self.evict()
         compact(self, _COMPACT_SLACK, _COMPACT_BUDGET)  # overwritten cells leave dead chunks too
+
+    def _bury(self, *, overwritten: bool = False) -> None:
+        """Free the dead chunks; at ``fsync`` those a put not yet committed overwrote
+        (``overwritten``: all of them) once the next commit is on the disk (they live
+        again if it fails: see `tq_async._storage._durable.Epoch`)."""
+        epochs, dead = self.epochs, self.cells.dead
+        if epochs and not overwritten:
+            kept = {
+                id(c)
+                for e in epochs
+                for *_, fields in e.puts
+                for *_, o in fields
+                for c in o.values()
+            }
+            if kept:
+                epochs[-1].held += [c for c in dead if id(c) in kept]
+                dead[:] = [c for c in dead if id(c) not in kept]
+        elif epochs:
+            epochs[-1].held += dead
+            dead.clear()
+        self.free_dead()
 
     def free_dead(self) -> None:
         """Release what the chunks whose last cell went hold (`CellIndex.dead`): their arena
@@ -247,8 +284,10 @@ class StorageState:
             chunk.region = None
             if chunk.device is not None and device is not None:
                 device.release(chunk.device)
+            chunk.device = None
             if chunk.extent is not None and disk is not None:
                 disk.release(chunk.extent)
+            chunk.extent = None
         self.cells.dead.clear()
 
     # ---- tiers -------------------------------------------------------------------------------
@@ -498,7 +537,7 @@ class StorageState:
             log_clear(
                 disk, ClearRecord(partition_id, None if rows is None else list(rows), incarnation)
             )
-        self.free_dead()
+        self._bury()
         if (
             self._durable
             and disk is not None

@@ -20,7 +20,7 @@ import anyio
 from .._errors import TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
-from ._cells import StorageState, begin_commit, end_commit
+from ._cells import StorageState, begin_commit, commit_now, end_commit
 from ._segments import SegmentStore
 
 __all__ = ["Answers", "GroupCommits"]
@@ -70,13 +70,7 @@ class GroupCommits:
 
     def now(self) -> None:
         """A group commit on this thread (a put from this process; the last one at close)."""
-        commit = begin_commit(self.state)
-        try:
-            self.disk.commit(commit)
-        except TQError as exc:
-            end_commit(self.state, commit, exc)
-            raise
-        end_commit(self.state, commit)
+        commit_now(self.state)
 
     async def run(self) -> None:
         """Sync what requests wrote, then answer them; one commit serves every request that

@@ -21,13 +21,15 @@ from .._logging import get_logger
 from .._paths._device import DeviceCells
 from .._paths._shm import PAGE, Arena, align
 from .._wire._columns import column_from_frames, column_to_frames
-from ._cell_index import CellIndex, Chunk
+from ._cell_index import CellIndex, Chunk, PutUndo
 from ._segments import ARENA, ClearRecord, Commit, PutRecord, SegmentStore, arena_chunk
 
 __all__ = [
+    "Epoch",
     "Unit",
     "adopt_arena",
     "begin_commit",
+    "commit_now",
     "compact",
     "end_commit",
     "log_clear",
@@ -39,12 +41,26 @@ __all__ = [
 log = get_logger(__name__)
 
 
+class Epoch:
+    """At ``fsync``: what the puts of one group commit changed, undone when it fails (a put
+    answered with an error changes no cell), and the chunks that died meanwhile, freed once
+    it is on the disk (an undone put needs the chunks it overwrote)."""
+
+    __slots__ = ("held", "puts")
+
+    def __init__(self) -> None:
+        self.puts: list[PutUndo] = []
+        self.held: list[Chunk] = []
+
+
 class Unit(Protocol):
     """What the durable tier uses of a unit's cells."""
 
     cells: CellIndex
     disk: SegmentStore | None
     arena: Arena | None
+    #: at ``fsync``: the commit in flight (if any), then the one being filled; else empty
+    epochs: list[Epoch]
 
     def free_dead(self) -> None:
         """Release what the chunks on ``cells.dead`` hold."""
@@ -146,7 +162,13 @@ def recover(unit: Unit) -> int:
     if disk.dropped:  # before any new cell may take the dropped ones' place
         rewrite_index(unit)
         if disk.sync:
-            disk.commit(disk.begin_commit())
+            commit = disk.begin_commit()
+            try:
+                disk.commit(commit)
+            except TQError as exc:  # a full disk: the unit starts; the next commit has it
+                log.warning("could not rewrite a storage unit's index", error=str(exc))
+                disk.retry(commit)
+                rewrite_index(unit)
     return len(cells.chunks)
 
 
@@ -155,6 +177,9 @@ def begin_commit(unit: Unit) -> Commit:
     last one: their freeing is in its records, so they are reused only after it."""
     assert unit.disk is not None
     commit = unit.disk.begin_commit()
+    if unit.epochs:
+        commit.epoch = unit.epochs[-1]
+        unit.epochs.append(Epoch())
     arena = unit.arena
     if arena is not None and arena.defer_frees:
         commit.freed, arena.deferred = arena.deferred, []
@@ -162,8 +187,25 @@ def begin_commit(unit: Unit) -> Commit:
 
 
 def end_commit(unit: Unit, commit: Commit, error: TQError | None = None) -> None:
-    """After ``commit`` ran: its freed regions are reused; after a failed one they stay
-    unused (a restart may find their old cells again)."""
+    """After ``commit`` ran: the chunks that died before it are freed, and its freed
+    regions reused. After a failed one its puts are undone (their requests get the error),
+    what it had to sync and delete waits for the next one, with the whole index rewritten
+    (its clears, compactions: what the cells are now), and its freed regions stay unused (a
+    restart may find their old cells again)."""
+    epochs, epoch = unit.epochs, commit.epoch
+    if isinstance(epoch, Epoch):
+        # (a commit of a put from this process may end before the one in flight ended)
+        at = next(i for i, e in enumerate(epochs) if e is epoch)
+        del epochs[at]
+        if error is not None:
+            _undo(unit, epoch, epochs[at:])
+        elif at == 0:
+            _free_held(unit, epoch.held)
+        else:  # an earlier commit may still fail: its puts need them
+            epochs[0].held += epoch.held
+    if error is not None and unit.disk is not None and unit.disk.sync:
+        unit.disk.retry(commit)
+        rewrite_index(unit)
     arena = unit.arena
     if arena is None or not commit.freed:
         return
@@ -176,6 +218,47 @@ def end_commit(unit: Unit, commit: Commit, error: TQError | None = None) -> None
             bytes=sum(n for _, n in commit.freed),
             error=str(error),
         )
+
+
+def commit_now(unit: Unit) -> None:
+    """A whole group commit of ``unit`` on this thread (`begin_commit`, the disk's
+    ``commit``, `end_commit`).
+
+    Raises:
+        StorageFullError: the disk is full (what the commit's puts changed is undone).
+        TQError: another I/O error (the same)."""
+    assert unit.disk is not None
+    commit = begin_commit(unit)
+    try:
+        unit.disk.commit(commit)
+    except TQError as exc:
+        end_commit(unit, commit, exc)
+        raise
+    end_commit(unit, commit)
+
+
+def _free_held(unit: Unit, held: list[Chunk]) -> None:
+    """Free the chunks of ``held`` still dead (each once: one may be listed twice)."""
+    dead = unit.cells.dead
+    seen: set[int] = set()
+    for chunk in held:
+        if chunk.live == 0 and id(chunk) not in seen:
+            seen.add(id(chunk))
+            dead.append(chunk)
+    unit.free_dead()
+
+
+def _undo(unit: Unit, epoch: Epoch, later: list[Epoch]) -> None:
+    """Undo the puts of ``epoch`` (its commit failed), the last first; the chunks they
+    made die now, those they overwrote live again, the others stay held by the last
+    commit (a put of ``later`` may undo its own overwrite of them)."""
+    cells = unit.cells
+    puts = [p for e in later for p in e.puts]
+    for partition_id, rows, fields in reversed(epoch.puts):
+        cells.unstore(partition_id, rows, fields, puts)
+    dying = {id(c) for c in cells.dead}
+    unit.epochs[-1].held += [c for c in epoch.held if c.live == 0 and id(c) not in dying]
+    unit.free_dead()
 
 
 def adopt_arena(unit: Unit, arena: Arena) -> int:

@@ -204,6 +204,8 @@ class Commit:
     #: arena regions freed by the records it writes: reusable once it is on the disk
     #: (`tq_async._storage._durable.begin_commit` fills it, `end_commit` frees them)
     freed: list[tuple[int, int]] = field(default_factory=list)
+    #: the puts it answers (`tq_async._storage._durable.Epoch`, undone if it fails)
+    epoch: Any = None
 
 
 class SegmentStore:
@@ -329,7 +331,7 @@ class SegmentStore:
         if self.durable:
             self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if new_index and self.sync:
-                self._sync_dir()  # its name is on the disk before any segment's
+                _sync_dir(self.directory)  # its name is on the disk before any segment's
         self._roll()
         return records
 
@@ -370,7 +372,7 @@ class SegmentStore:
         path = os.path.join(self.directory, _ARENA_BOOT)
         if _read_mark(path) != mark:
             _write_mark(path, mark)
-        self._sync_dir()  # the arena file's name and its mark's (else a crash trusts it)
+        _sync_dir(self.directory)  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
         """Start the next segment file (the full one is closed, after its sync at fsync).
@@ -540,19 +542,30 @@ class SegmentStore:
             for fd in [*commit.fds, *commit.closing]:
                 os.fdatasync(fd)
             if commit.sync_dir:
-                self._sync_dir()
+                _sync_dir(self.directory)
             if commit.rewrite is not None:
                 # the rewrite holds every record before it; those logged since follow it
                 self._replace_index([*commit.rewrite, *commit.records])
             elif commit.records:
                 self._append_index(b"".join(commit.records), sync=True)
-        except OSError as exc:
+        except OSError as exc:  # (`retry` takes it up again)
             raise _io_error(exc, self.directory, "syncing cells") from exc
-        finally:
-            for fd in commit.closing:
-                os.close(fd)
+        for fd in commit.closing:
+            os.close(fd)
         for segment in commit.dead:
             self._remove(segment)
+
+    def retry(self, commit: Commit) -> None:
+        """``commit`` failed (on the event loop, after it): the next one syncs its files
+        and the directory, and deletes its dead segments; its records are dropped (the
+        caller rewrites the index, or logs them again)."""
+        if self._fd in commit.fds:  # (a segment finished since is on ``_closing``)
+            self._unsynced = True
+        if self._arena_fd >= 0 and self._arena_fd in commit.fds:
+            self._arena_unsynced = True
+        self._closing[:0] = commit.closing
+        self._dead[:0] = commit.dead
+        self._new_file |= commit.sync_dir
 
     def rewrite(self, records: Sequence[PutRecord | ClearRecord]) -> None:
         """Replace the index with ``records`` (one per live chunk: the old ones are dead)."""
@@ -588,17 +601,10 @@ class SegmentStore:
         os.close(old)
         if self.sync:
             try:
-                self._sync_dir()
+                _sync_dir(self.directory)
             except OSError:
                 self._new_file = True  # (the rename reaches the disk with the next commit)
                 raise
-
-    def _sync_dir(self) -> None:
-        dfd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     # ---- chunks' lives -----------------------------------------------------------------------
 
@@ -659,8 +665,7 @@ class SegmentStore:
         self._readers.forget(segment)
 
     def _remove(self, segment: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(segment))
+        _delete(self._path(segment))
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -843,6 +848,26 @@ def _read_mark(path: str) -> Any:
         return None
     except (OSError, ValueError):
         return {}
+
+
+def _delete(path: str) -> None:
+    """Delete a dead segment's file; one that cannot be is left (a warning: only its space
+    is lost, a restart deletes it: `SegmentStore.collect`)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete a dead segment file", error=str(exc), path=path)
+
+
+def _sync_dir(directory: str) -> None:
+    """Sync ``directory`` (the names of the files made, renamed or deleted in it)."""
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _boot_id() -> str:
