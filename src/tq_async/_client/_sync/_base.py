@@ -461,7 +461,7 @@ class Links:
         if self._epoch_seen != self._units_epoch:
             self.refresh_units()
         conn = self.units.get(unit_id)
-        if conn is not None and conn.connected is False and process_state(conn.peer_pid) is None:
+        if conn is not None and conn.is_broken() and process_state(conn.peer_pid) is None:
             # broken, its process gone (or on another host): the unit is away, or back at
             # its address while ZMQ waits to dial again. Dialled anew, as the controller's
             # is: a refusal is immediate while nothing listens, and the first call once the
