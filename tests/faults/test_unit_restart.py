@@ -149,6 +149,34 @@ async def test_a_unit_back_at_its_address_is_reached_by_the_next_call(tmp_path: 
                 ctx.setsockopt(zmq.RECONNECT_IVL, 100)
 
 
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "tcp"])
+def test_a_blocking_client_reaches_a_unit_back_at_its_address_at_its_first_call(
+    tmp_path: Path, same_host: bool
+) -> None:
+    """A durable unit SIGKILLed and restarted on its address and directory, the controller
+    alive, while a blocking client made no call: its first call reaches the unit, as an
+    AsyncClient's does. Over TCP it failed with BrokenError: the blocking client reads
+    nothing between calls, so it found its unit connection broken only then."""
+    from _chaos import free_port
+
+    data_dir = tmp_path / "unit0"
+    data_dir.mkdir()
+    with serve_role("controller") as (_, address):
+        args = ("storage", "--controller", address, "--unit-id", "0")
+        args += ("--bind", f"tcp://127.0.0.1:{free_port()}")
+        args += ("--durability", "process", "--data-dir", str(data_dir))
+        with tq.Client.connect(address, request_timeout=10, same_host=same_host) as client:
+            with serve_role(*args, line="TQ_UNIT=") as (unit, _):
+                meta = client.put(_x(64, 1.0), "p")
+                assert client.get_data(meta)["x"][0, 0].item() == 1.0
+                unit.send_signal(signal.SIGKILL)
+                unit.wait(timeout=10)
+            with serve_role(*args, line="TQ_UNIT=") as _:
+                assert client.get_data(meta)["x"][0, 0].item() == 1.0  # the first call
+                again = client.put(_x(64, 2.0), "p")
+                assert client.get_data(again)["x"][0, 0].item() == 2.0
+
+
 async def test_rows_lost_with_a_unit_give_their_admission_slots_back(tmp_path: Path) -> None:
     """Unconsumed rows lost with a storage unit will never reach the learner: like cleared
     rows, they give their admission slots back. Before, each loss shrank the admission

@@ -135,6 +135,11 @@ class ConnectionShell:
         """None until the first connection, False once broken (until it is back)."""
         return self._core.connected
 
+    def is_broken(self) -> bool:
+        """Whether the connection broke (``connected`` is False, until it is back), as far
+        as this shell has read it: the blocking one reads what happened first."""
+        return self._core.connected is False
+
     @property
     def refused_is_broken(self) -> bool:
         """A refused connection attempt counts as broken (see `ConnectionCore`)."""

@@ -92,6 +92,9 @@ class BlockingConnection(ConnectionShell):
         self._monitor = None
         self._wake_fd: int | None = None
         self._peer_gone = False
+        #: the thread that read the connection last, in `is_broken`: its request reads
+        #: nothing again first
+        self._caught_up: int | None = None
         #: the longest a write waits for room in a full Unix socket (the request's timeout)
         self._write_wait = _WRITE_WAIT
         self._open()
@@ -256,7 +259,9 @@ class BlockingConnection(ConnectionShell):
         try:
             check_blocking_allowed(f"a blocking tq.Client request ({type(body).__name__})")
             self._check_open()
-            self._read()  # what happened since the last request (broken, back, late replies)
+            if self._caught_up != self._owner:
+                self._read()  # what happened since the last request (broken, back, late replies)
+            self._caught_up = None
             self._check_usable()
             core = self._core
             if core.inproc and frames:
@@ -279,6 +284,23 @@ class BlockingConnection(ConnectionShell):
             return core.finish(rid, got)
         finally:
             self._let_go()
+
+    def is_broken(self) -> bool:
+        """Whether the connection broke, once what happened on it since its last request is
+        read (its end, a late reply): a blocking connection reads nothing between calls, so
+        a service that restarted meanwhile is seen here, before the client picks the
+        connection for a call (which then finds the service again instead of failing). The
+        request this thread makes next does not read again. A connection another thread
+        uses is left to it."""
+        if not self._closed and self._busy.acquire(blocking=False):
+            with self._state:
+                self._owner = threading.get_ident()
+            try:
+                self._read()
+                self._caught_up = self._owner
+            finally:
+                self._let_go()
+        return self._core.connected is False
 
     def _shared_error(self) -> InvalidRequestError:
         return InvalidRequestError(

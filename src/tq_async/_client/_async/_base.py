@@ -371,7 +371,7 @@ class Links:
             StateLostError: it restarted without the state this client knew.
         """
         conn = self.ctl()
-        if self._must_rejoin or conn.connected is False or self._rejoining is not None:
+        if self._must_rejoin or conn.is_broken() or self._rejoining is not None:
             # (while a rejoin runs, its connection is not the one it ends on: a request sent
             # on it would fail with ClosedError when the same-host twin replaces it)
             return await self._rejoin()
@@ -418,7 +418,7 @@ class Links:
         conn = self.controller
         assert conn is not None
         known_as = conn.known_as
-        if conn.address != known_as or conn.connected is False:
+        if conn.address != known_as or conn.is_broken():
             # a same-host twin was the old process's; a broken socket is dialled anew, so
             # that a refusal is immediate (nothing listens yet) and nothing waits on it.
             # (A TCP link that is back is kept: requests sent since then are on it.)
@@ -466,7 +466,7 @@ class Links:
         if self._epoch_seen != self._units_epoch:
             await self.refresh_units()
         conn = self.units.get(unit_id)
-        if conn is not None and conn.connected is False and process_state(conn.peer_pid) is None:
+        if conn is not None and conn.is_broken() and process_state(conn.peer_pid) is None:
             # broken, its process gone (or on another host): the unit is away, or back at
             # its address while ZMQ waits to dial again. Dialled anew, as the controller's
             # is: a refusal is immediate while nothing listens, and the first call once the
