@@ -299,6 +299,33 @@ async def test_a_put_cancelled_after_its_device_copy_leaves_nothing(
         await client.clear_partition("cancelled-put")
 
 
+@pytest.mark.parametrize("nbytes", [256, (16 << 15) + 256])
+async def test_a_device_span_that_disagrees_with_its_rows_is_refused(
+    address: str, monkeypatch: pytest.MonkeyPatch, nbytes: int
+) -> None:
+    """A put naming a device span shorter (or longer) than its rows take: the unit would keep
+    cells past the span (over memory it gave back, lent to the next grant); it refuses it."""
+    from tq_async._transport._dealer import DealerConnection
+
+    real = DealerConnection.request
+
+    async def lying(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(body, StorePut) and body.device is not None:
+            body.device.spans = [(off, nbytes) for off, _ in body.device.spans]
+        return await real(self, body, *args, **kwargs)
+
+    async with tq.AsyncClient.connect(address) as client:
+        monkeypatch.setattr(DealerConnection, "request", lying)
+        with pytest.raises(tq.TQError, match="described wrongly"):
+            await client.put({"x": torch.zeros(16, 8192)}, partition_id="lying")  # 512 KiB
+        monkeypatch.setattr(DealerConnection, "request", real)
+        status = await client.production_status("lying")
+        assert not any(bool(v.any()) for v in status.values())  # nothing committed
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert (await _stats(client))["device_bytes"] == held  # and the grant went back
+        await client.clear_partition("lying")
+
+
 async def test_a_read_cancelled_during_its_device_copy_unpins_and_consumes_nothing(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,7 @@ from .._logging import get_logger
 from .._paths._device import device_span_ok, open_device_arena
 from .._paths._shm import Region
 from .._service._loop import Incoming
+from .._wire._columns import DENSE, ColumnHeader
 from .._wire._protocol import DeviceHello, DeviceHelloReply, ShmGrant, StorePut
 from ._book import Book
 from ._cells import StorageState
@@ -129,6 +130,8 @@ class DevicePath:
         ok = len(cols) == len(spans) and len(set(cols)) == len(cols)
         for col, (off, n) in zip(cols, spans, strict=False):
             ok = ok and 0 <= col < len(body.columns) and device_span_ok(off, n, region.size)
+            # the cells are as long as their rows: a shorter span would keep memory past it
+            ok = ok and _span_holds(body.columns[col], len(body.rows), n)
             where[col] = region.offset + off
         if not ok:
             device.release(region)
@@ -138,3 +141,14 @@ class DevicePath:
         finally:
             device.release(region)
         device.puts += 1
+
+
+def _span_holds(header: ColumnHeader, n_rows: int, nbytes: int) -> bool:
+    """Whether a device span of ``nbytes`` is exactly ``n_rows`` rows of ``header``'s (a
+    column that is not dense is refused when it is stored)."""
+    if header.kind != DENSE:
+        return True
+    try:
+        return header.item_bytes() * n_rows == nbytes
+    except ProtocolError:
+        return False
