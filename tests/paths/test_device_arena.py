@@ -10,6 +10,7 @@ has the CUDA versions (marked ``gpu``).
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -92,7 +93,7 @@ def _device_put(state: StorageState, rows: list[int], values: np.ndarray) -> Non
     assert region is not None
     device.memory.write(region.offset, values.tobytes())
     header = ColumnHeader("x", "dense", "int64", (values.shape[1],))
-    state.put("p", rows, [header], [], device=(region, {0: region.offset}))
+    state.put("p", rows, [header], [], device=(region, {0: (region.offset, values.nbytes)}))
     device.release(region)  # the grant's reference
 
 
@@ -115,6 +116,95 @@ def test_device_cells_are_read_where_they_are_or_copied_out() -> None:
     got = np.asarray(host.data).view(np.int64).reshape(4, 16)  # type: ignore[union-attr]
     assert (got == values[[2, 3, 4, 0]]).all()
     assert state.device.fallbacks == 2
+
+
+def _device_put_jagged(state: StorageState, rows: list[int], values: list[np.ndarray]) -> None:
+    """Put jagged field "j" (rows of float32 [len, 3]) as device cells: the values in the
+    arena, the offsets as the column's one frame (as a client would)."""
+    device = state.device
+    assert device is not None
+    flat = np.concatenate(values)
+    region = device.alloc(max(flat.nbytes, 1))
+    assert region is not None
+    device.memory.write(region.offset, flat.tobytes())
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    header = ColumnHeader("j", "jagged", "float32", (3,))
+    try:
+        state.put(
+            "p",
+            rows,
+            [header],
+            [offsets.tobytes()],
+            device=(region, {0: (region.offset, flat.nbytes)}),
+        )
+    finally:
+        device.release(region)  # the grant's reference
+
+
+def _jagged_rows(n: int) -> list[np.ndarray]:
+    return [np.arange((i % 4) * 3, dtype=np.float32).reshape(-1, 3) + 100 * i for i in range(n)]
+
+
+def test_jagged_device_cells_are_read_where_they_are_or_copied_out() -> None:
+    state = _state()
+    device = state.device
+    assert device is not None
+    values = _jagged_rows(8)  # row 0 (and 4) is empty
+    _device_put_jagged(state, list(range(8)), values)
+    order = [5, 6, 7, 0, 2]
+    # a reader on this host: the pieces' spans and the rows' offsets joined
+    got = state.read_shm("p", order, ["j"], device_ok=True)
+    assert got is not None
+    stored, _pinned, on_device = got
+    assert stored.device_spans is not None
+    assert stored.device_offsets is not None
+    offsets = np.frombuffer(stored.device_offsets[0] or b"", dtype=np.int64)
+    assert np.diff(offsets).tolist() == [len(values[r]) for r in order]
+    joined = np.concatenate(
+        [device.read(off, n).view(np.float32) for off, n in stored.device_spans[0]]
+    )
+    assert (joined == np.concatenate([values[r] for r in order]).reshape(-1)).all()
+    for region in on_device:
+        device.release(region)
+    # any other reader: a jagged host column, copied out of the arena
+    _, columns = state.get("p", order, ["j"])
+    host = columns[0]
+    assert not isinstance(host, list)
+    rows = [
+        np.asarray(host.values[a:b]).view(np.float32)  # type: ignore[union-attr]
+        for a, b in itertools.pairwise(host.offsets.tolist())  # type: ignore[union-attr]
+    ]
+    assert all((g == values[r]).all() for g, r in zip(rows, order, strict=True))
+    assert state.clear("p", None) == 8
+    assert device.live_bytes == 0
+
+
+@pytest.mark.parametrize("bad", ["short", "decreasing", "past the span", "not from 0"])
+def test_jagged_device_offsets_that_disagree_with_the_span_are_refused(bad: str) -> None:
+    from tq_async._errors import ProtocolError
+
+    state = _state()
+    device = state.device
+    assert device is not None
+    values = _jagged_rows(4)
+    offsets = {
+        "short": [0, 0, 1, 3],
+        "decreasing": [0, 2, 1, 3, 6],
+        "past the span": [0, 0, 1, 3, 7],
+        "not from 0": [1, 1, 2, 4, 7],
+    }[bad]
+    region = device.alloc(4096)
+    assert region is not None
+    header = ColumnHeader("j", "jagged", "float32", (3,))
+    frame = np.array(offsets, dtype=np.int64).tobytes()
+    with pytest.raises(ProtocolError):
+        state.put("p", [0, 1, 2, 3], [header], [frame], device=(region, {0: (region.offset, 72)}))
+    device.release(region)
+    assert sum(len(v) for v in values) * 12 == 72
+    assert device.live_bytes == 0  # nothing kept a reference
+    with pytest.raises(tq.RowsNotFound):
+        state.get("p", [0], ["j"])
 
 
 def test_device_cells_are_never_sent_inline() -> None:

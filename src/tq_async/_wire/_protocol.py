@@ -771,6 +771,9 @@ class StoredColumns(msgspec.Struct, array_like=True):
     #: per column, its pieces' ``(offset, nbytes)`` in the device arena, in row order
     #: (empty: the column came as frames); pinned with ``pin``
     device_spans: list[list[tuple[int, int]]] | None = None
+    #: per column read from the device arena and jagged, its rows' offsets (int64 from 0,
+    #: ``n_rows + 1``) into its pieces joined; None for the others (older units: None)
+    device_offsets: list[bytes | None] | None = None
 
 
 class ShmHelloReply(msgspec.Struct, array_like=True):
