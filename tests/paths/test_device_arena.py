@@ -314,6 +314,83 @@ async def test_big_dense_columns_go_device_to_device(address: str) -> None:
         assert (await _stats(client))["device_bytes"] == held
 
 
+def _jagged_batch(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A jagged column of ``n`` rows ``[len, k]`` (8 KiB an element; row 3 empty), random
+    bytes, over the device threshold."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = (i * 7 + seed) % 5 * (i != 3)
+        row = torch.randint(0, 256, (length, 8192), generator=g).to(torch.uint8).view(dtype)
+        rows.append(row if dtype != torch.bool else row.view(torch.uint8) % 2 == 1)
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+def _same_rows(got: torch.Tensor, want: list[torch.Tensor]) -> None:
+    assert got.is_nested
+    rows = got.unbind()
+    assert len(rows) == len(want)
+    for g, w in zip(rows, want, strict=True):
+        assert g.dtype == w.dtype
+        assert g.shape == w.shape
+        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+
+
+async def test_jagged_columns_go_device_to_device(address: str) -> None:
+    batches = [{"j": _jagged_batch(32, torch.float32, s)} for s in (1, 2)]
+    rows = [t for b in batches for t in b["j"].unbind()]
+    async with tq.AsyncClient.connect(address) as client:
+        for b in batches:  # one unit each
+            await client.put(b, partition_id="jag")
+        stats = await _stats(client)
+        assert stats["device_puts"] == 2
+        meta = await client.get_meta(["j"], 64, "jag", "t")
+        assert sorted(set(meta.units)) == [0, 1]
+        want = [rows[r] for r in meta.global_indexes]
+        _same_rows((await client.get_data(meta, device="cpu"))["j"], want)
+        stats = await _stats(client)
+        assert stats["device_reads"] == 2
+        assert stats["device_fallbacks"] == 0
+        # rows out of order, across both units
+        order = [i for pair in zip(range(32), range(63, 31, -1), strict=True) for i in pair]
+        _same_rows(
+            (await client.get_data(meta.select_rows(order), device="cpu"))["j"],
+            [want[i] for i in order],
+        )
+        # a reader on the host: the units copy the cells out as jagged columns
+        _same_rows((await client.get_data(meta))["j"], want)
+        assert (await _stats(client))["device_fallbacks"] > 0
+        await client.clear_partition("jag")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float64,
+        torch.complex64,
+    ],
+)
+async def test_jagged_device_columns_round_trip_every_dtype(
+    address: str, dtype: torch.dtype
+) -> None:
+    j = _jagged_batch(16, dtype, 3)
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put({"j": j, "ids": torch.arange(16)}, partition_id="dt")
+        assert (await _stats(client))["device_puts"] == 1
+        got = meta.select_rows([5, 0, 3, 9])
+        want = [j.unbind()[r] for r in got.global_indexes]
+        _same_rows((await client.get_data(got, device="cpu"))["j"], want)
+        _same_rows((await client.get_data(got))["j"], want)
+        await client.clear_partition("dt")
+
+
 async def test_columns_added_to_rows_and_read_back_together(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
         meta = await client.put({"p": torch.arange(16 * 8192).reshape(16, 8192)}, partition_id="a")
@@ -468,15 +545,24 @@ async def test_a_client_without_the_device_path_reads_the_same_rows(address: str
         await far.clear_partition("far")
 
 
-async def test_a_full_device_arena_puts_through_host_memory(emulate: None) -> None:
+@pytest.mark.parametrize("pin", ["1", "0"])  # into shared memory by their device, or staged
+async def test_a_full_device_arena_puts_through_host_memory(
+    emulate: None, monkeypatch: pytest.MonkeyPatch, pin: str
+) -> None:
+    from tq_async._paths._pinned import PIN_ENV
+
+    monkeypatch.setenv(PIN_ENV, pin)
     with serve_cluster(storage_units=1, args=["--device-cap", str(1 << 20)]) as addr:
         async with tq.AsyncClient.connect(addr) as client:
             big = torch.arange(64 * 8192).reshape(64, 8192)  # 4 MiB: more than the arena
-            meta = await client.put({"x": big}, partition_id="full")
+            jag = _jagged_batch(64, torch.bfloat16, 5)  # ~1 MiB of values, with the rest
+            meta = await client.put({"x": big, "j": jag}, partition_id="full")
             stats = await _stats(client)
             assert stats["device_puts"] == 0
             assert stats["device_bytes"] == 0
-            assert torch.equal((await client.get_data(meta, device="cpu"))["x"], big)
+            td = await client.get_data(meta, device="cpu")
+            assert torch.equal(td["x"], big)
+            _same_rows(td["j"], list(jag.unbind()))
 
 
 async def test_a_dead_clients_device_grant_is_freed(emulate: None, tmp_path: Any) -> None:
@@ -528,10 +614,13 @@ async def test_a_dead_readers_pin_on_device_cells_is_released(emulate: None, tmp
 
 async def test_units_without_a_device_arena_take_host_memory(emulate: None) -> None:
     batch = _batch()
+    jag = _jagged_batch(32, torch.float32, 4)  # big enough for a device arena
     with serve_cluster(storage_units=2) as addr:  # no --device-cap
         async with tq.AsyncClient.connect(addr) as client:
-            meta = await client.put(batch, partition_id="plain")
-            _same(await client.get_data(meta, device="cpu"), batch)
+            meta = await client.put({**batch, "big_jag": jag}, partition_id="plain")
+            td = await client.get_data(meta, device="cpu")
+            _same(td, batch)
+            _same_rows(td["big_jag"], [jag.unbind()[r] for r in meta.global_indexes])
             assert await _stats(client) == {
                 "device_bytes": 0,
                 "device_cap": 0,
