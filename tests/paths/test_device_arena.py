@@ -167,6 +167,13 @@ def test_jagged_device_cells_are_read_where_they_are_or_copied_out() -> None:
     assert (joined == np.concatenate([values[r] for r in order]).reshape(-1)).all()
     for region in on_device:
         device.release(region)
+    # a reader that takes dense fields only (an older client): the unit copies it out
+    got = state.read_shm("p", order, ["j"], device_ok=True, jagged_ok=False)
+    assert got is not None
+    assert got[0].device_spans is None
+    assert got[0].device_offsets is None
+    for region in got[1]:
+        state.arena.release(region)  # type: ignore[union-attr]
     # any other reader: a jagged host column, copied out of the arena
     _, columns = state.get("p", order, ["j"])
     host = columns[0]

@@ -291,12 +291,14 @@ class StorageState:
         incarnation: str | None = None,
         touched: list[Chunk] | None = None,
         device_ok: bool = False,
+        jagged_ok: bool = True,
     ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
         """Columns for ``fields`` of ``rows`` in that order (views when possible).
 
         ``touched`` collects the chunks read (to pin their arena regions). Cells in the
         device arena are copied to the host, unless ``device_ok``: then a field whose cells
-        all are there (with one row shape) comes as their pieces, a list of DeviceCells.
+        all are there (with one row shape) comes as their pieces, a list of DeviceCells
+        (a jagged field only with ``jagged_ok``: older readers take dense ones only).
 
         Raises:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
@@ -349,7 +351,12 @@ class StorageState:
                 if budget < 0:
                     raise OverBudget(f"the cells take more than {max_bytes} bytes")
             if on_device:
-                if device_ok and len(on_device) == len(pieces) and len(set(piece_headers)) == 1:
+                if (
+                    device_ok
+                    and (jagged_ok or piece_headers[0].kind != JAGGED)
+                    and len(on_device) == len(pieces)
+                    and len(set(piece_headers)) == 1
+                ):
                     headers.append(piece_headers[0])
                     columns.append(on_device)
                     continue
@@ -447,6 +454,7 @@ class StorageState:
         incarnation: str | None = None,
         *,
         device_ok: bool = False,
+        jagged_ok: bool = True,
     ) -> tuple[StoredColumns, list[Region], list[Region]] | None:
         """`get` as arena spans: views of regions where the cells already are, the
         rest copied into a new region. Returns the reply, the regions to pin (each holding
@@ -468,6 +476,7 @@ class StorageState:
                 touched=touched,
                 incarnation=incarnation,
                 device_ok=device_ok,
+                jagged_ok=jagged_ok,
             )
         frames: list[Any] = []
         device_spans: list[list[tuple[int, int]]] = []

@@ -251,7 +251,12 @@ class ShmPath:
         device = self.state.device
         device_ok = body.device and device is not None and pid > 0
         got = self.state.read_shm(
-            body.partition_id, body.rows, body.fields, body.incarnation, device_ok=device_ok
+            body.partition_id,
+            body.rows,
+            body.fields,
+            body.incarnation,
+            device_ok=device_ok,
+            jagged_ok=body.jagged,
         )
         arena = self.arena
         assert arena is not None

@@ -561,6 +561,9 @@ class StoreGet(_Msg):
     #: the task that fetched the rows (``BatchMeta.task_name``; "": none), for the unit's
     #: per-task byte counters
     task: str = ""
+    #: (with ``device``) jagged fields' cells in the device arena are answered with their
+    #: spans too (``StoredColumns.device_offsets``; older clients: copied out to the host)
+    jagged: bool = False
 
 
 class ShmFrames(msgspec.Struct, array_like=True):

@@ -464,6 +464,7 @@ class GetPath:
                 host=self._links.host_id,
                 pinned=onto is not None,
                 task=meta.task_name or "",
+                jagged=view is not None,
             )
             on_device: dict[int, DeviceColumn] | None = None
             try:
