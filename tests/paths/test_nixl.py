@@ -679,3 +679,19 @@ def test_a_transfer_whose_peer_is_gone_fails_as_transfer_failed(where: str) -> N
     assert isinstance(info.value, TQError)
     assert "nixlRemoteDisconnectError" in str(info.value)
     assert fake.released == 1  # the handle went back
+
+
+def test_a_staging_buffer_nixl_cannot_register_fails_as_transfer_failed() -> None:
+    class _Refusing(_FailingAgent):
+        def register_memory(self, descs: Any, mem: str) -> Any:
+            raise _disconnect_error()("registration refused")
+
+    agent = object.__new__(_nixl.ClientAgent)
+    # (the real constructor makes a NIXL agent: its fields by hand)
+    agent.agent = _Refusing("transfer")
+    agent.slot_bytes, agent.max_slots = 1 << 16, 2
+    agent._cond, agent._free, agent._made, agent._regs = threading.Condition(), [], 0, []
+    with pytest.raises(_nixl.TransferFailed) as info:
+        agent.read("peer", 0, [(0, 8)], time.monotonic() + 30)
+    assert info.value.reason == "error"
+    assert agent.busy_slots == 0  # nothing was counted as made

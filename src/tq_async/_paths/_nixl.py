@@ -364,9 +364,13 @@ class ClientAgent:
                 slot = self._free.pop()
             else:
                 slot = _Slot(self.slot_bytes)
-                self._regs.append(
-                    self.agent.register_memory([(slot.addr, self.slot_bytes, 0, "")], "DRAM")
-                )
+                try:
+                    reg = self.agent.register_memory([(slot.addr, self.slot_bytes, 0, "")], "DRAM")
+                except Exception as exc:
+                    raise TransferFailed(
+                        "error", f"NIXL could not register a staging buffer: {exc}"
+                    ) from exc
+                self._regs.append(reg)
                 self._made += 1
         try:
             yield slot
