@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeGuard
 
 import msgspec
+import torch
 import zmq
 
 from ..._logging import get_logger
@@ -84,6 +85,13 @@ async def place_device_columns(
     return out
 
 
+def _first_rows(column: DeviceColumn, k: int) -> torch.Tensor:
+    """The values of ``column``'s first ``k`` rows (what a slice of ``k`` rows may take)."""
+    if column.offsets is None:
+        return column.tensor[:k]
+    return column.tensor[: int(column.offsets[min(k, len(column))])]
+
+
 def _dense(column: Column | DeviceColumn) -> bool:
     """Whether ``column`` is a dense device column (one its device copies to host memory)."""
     return isinstance(column, DeviceColumn) and column.offsets is None
@@ -101,12 +109,12 @@ async def lend_ahead(links: Links, cols: list[Column | DeviceColumn], units: lis
     under way), kept as a spare for the put to take. Best effort: the put asks a unit
     that did not lend one."""
     devices, same_host = links.devices, links.same_host_units
-    held = [c.tensor for c in cols if isinstance(c, DeviceColumn)]
+    held = [c for c in cols if isinstance(c, DeviceColumn)]
     if devices is None or not held:
         return
     for unit, positions in positions_by_unit(units).items():
         view, arena, conn = devices.view(unit), same_host.arenas.get(unit), links.units.get(unit)
-        nbytes = devices.grant_bytes([(0, t[: len(positions)]) for t in held])
+        nbytes = devices.grant_bytes([(0, _first_rows(c, len(positions))) for c in held])
         if view is None or arena is None or conn is None:
             continue  # not linked yet: the put links it and asks
         if same_host.has_spare(unit, conn, nbytes, device=True):
