@@ -10,6 +10,7 @@ has the CUDA versions (marked ``gpu``).
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -92,7 +93,7 @@ def _device_put(state: StorageState, rows: list[int], values: np.ndarray) -> Non
     assert region is not None
     device.memory.write(region.offset, values.tobytes())
     header = ColumnHeader("x", "dense", "int64", (values.shape[1],))
-    state.put("p", rows, [header], [], device=(region, {0: region.offset}))
+    state.put("p", rows, [header], [], device=(region, {0: (region.offset, values.nbytes)}))
     device.release(region)  # the grant's reference
 
 
@@ -115,6 +116,102 @@ def test_device_cells_are_read_where_they_are_or_copied_out() -> None:
     got = np.asarray(host.data).view(np.int64).reshape(4, 16)  # type: ignore[union-attr]
     assert (got == values[[2, 3, 4, 0]]).all()
     assert state.device.fallbacks == 2
+
+
+def _device_put_jagged(state: StorageState, rows: list[int], values: list[np.ndarray]) -> None:
+    """Put jagged field "j" (rows of float32 [len, 3]) as device cells: the values in the
+    arena, the offsets as the column's one frame (as a client would)."""
+    device = state.device
+    assert device is not None
+    flat = np.concatenate(values)
+    region = device.alloc(max(flat.nbytes, 1))
+    assert region is not None
+    device.memory.write(region.offset, flat.tobytes())
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    header = ColumnHeader("j", "jagged", "float32", (3,))
+    try:
+        state.put(
+            "p",
+            rows,
+            [header],
+            [offsets.tobytes()],
+            device=(region, {0: (region.offset, flat.nbytes)}),
+        )
+    finally:
+        device.release(region)  # the grant's reference
+
+
+def _jagged_rows(n: int) -> list[np.ndarray]:
+    return [np.arange((i % 4) * 3, dtype=np.float32).reshape(-1, 3) + 100 * i for i in range(n)]
+
+
+def test_jagged_device_cells_are_read_where_they_are_or_copied_out() -> None:
+    state = _state()
+    device = state.device
+    assert device is not None
+    values = _jagged_rows(8)  # row 0 (and 4) is empty
+    _device_put_jagged(state, list(range(8)), values)
+    order = [5, 6, 7, 0, 2]
+    # a reader on this host: the pieces' spans and the rows' offsets joined
+    got = state.read_shm("p", order, ["j"], device_ok=True)
+    assert got is not None
+    stored, _pinned, on_device = got
+    assert stored.device_spans is not None
+    assert stored.device_offsets is not None
+    offsets = np.frombuffer(stored.device_offsets[0] or b"", dtype=np.int64)
+    assert np.diff(offsets).tolist() == [len(values[r]) for r in order]
+    joined = np.concatenate(
+        [device.read(off, n).view(np.float32) for off, n in stored.device_spans[0]]
+    )
+    assert (joined == np.concatenate([values[r] for r in order]).reshape(-1)).all()
+    for region in on_device:
+        device.release(region)
+    # a reader that takes dense fields only (an older client): the unit copies it out
+    got = state.read_shm("p", order, ["j"], device_ok=True, jagged_ok=False)
+    assert got is not None
+    assert got[0].device_spans is None
+    assert got[0].device_offsets is None
+    for region in got[1]:
+        state.arena.release(region)  # type: ignore[union-attr]
+    # any other reader: a jagged host column, copied out of the arena
+    _, columns = state.get("p", order, ["j"])
+    host = columns[0]
+    assert not isinstance(host, list)
+    rows = [
+        np.asarray(host.values[a:b]).view(np.float32)  # type: ignore[union-attr]
+        for a, b in itertools.pairwise(host.offsets.tolist())  # type: ignore[union-attr]
+    ]
+    assert all((g == values[r]).all() for g, r in zip(rows, order, strict=True))
+    assert state.clear("p", None) == 8
+    assert device.live_bytes == 0
+
+
+@pytest.mark.parametrize("bad", ["short", "decreasing", "past the span", "not from 0"])
+def test_jagged_device_offsets_that_disagree_with_the_span_are_refused(bad: str) -> None:
+    from tq_async._errors import ProtocolError
+
+    state = _state()
+    device = state.device
+    assert device is not None
+    values = _jagged_rows(4)
+    offsets = {
+        "short": [0, 0, 1, 3],
+        "decreasing": [0, 2, 1, 3, 6],
+        "past the span": [0, 0, 1, 3, 7],
+        "not from 0": [1, 1, 2, 4, 7],
+    }[bad]
+    region = device.alloc(4096)
+    assert region is not None
+    header = ColumnHeader("j", "jagged", "float32", (3,))
+    frame = np.array(offsets, dtype=np.int64).tobytes()
+    with pytest.raises(ProtocolError):
+        state.put("p", [0, 1, 2, 3], [header], [frame], device=(region, {0: (region.offset, 72)}))
+    device.release(region)
+    assert sum(len(v) for v in values) * 12 == 72
+    assert device.live_bytes == 0  # nothing kept a reference
+    with pytest.raises(tq.RowsNotFound):
+        state.get("p", [0], ["j"])
 
 
 def test_device_cells_are_never_sent_inline() -> None:
@@ -224,6 +321,83 @@ async def test_big_dense_columns_go_device_to_device(address: str) -> None:
         assert (await _stats(client))["device_bytes"] == held
 
 
+def _jagged_batch(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A jagged column of ``n`` rows ``[len, k]`` (8 KiB an element; row 3 empty), random
+    bytes, over the device threshold."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = (i * 7 + seed) % 5 * (i != 3)
+        row = torch.randint(0, 256, (length, 8192), generator=g).to(torch.uint8).view(dtype)
+        rows.append(row if dtype != torch.bool else row.view(torch.uint8) % 2 == 1)
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+def _same_rows(got: torch.Tensor, want: list[torch.Tensor]) -> None:
+    assert got.is_nested
+    rows = got.unbind()
+    assert len(rows) == len(want)
+    for g, w in zip(rows, want, strict=True):
+        assert g.dtype == w.dtype
+        assert g.shape == w.shape
+        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+
+
+async def test_jagged_columns_go_device_to_device(address: str) -> None:
+    batches = [{"j": _jagged_batch(32, torch.float32, s)} for s in (1, 2)]
+    rows = [t for b in batches for t in b["j"].unbind()]
+    async with tq.AsyncClient.connect(address) as client:
+        for b in batches:  # one unit each
+            await client.put(b, partition_id="jag")
+        stats = await _stats(client)
+        assert stats["device_puts"] == 2
+        meta = await client.get_meta(["j"], 64, "jag", "t")
+        assert sorted(set(meta.units)) == [0, 1]
+        want = [rows[r] for r in meta.global_indexes]
+        _same_rows((await client.get_data(meta, device="cpu"))["j"], want)
+        stats = await _stats(client)
+        assert stats["device_reads"] == 2
+        assert stats["device_fallbacks"] == 0
+        # rows out of order, across both units
+        order = [i for pair in zip(range(32), range(63, 31, -1), strict=True) for i in pair]
+        _same_rows(
+            (await client.get_data(meta.select_rows(order), device="cpu"))["j"],
+            [want[i] for i in order],
+        )
+        # a reader on the host: the units copy the cells out as jagged columns
+        _same_rows((await client.get_data(meta))["j"], want)
+        assert (await _stats(client))["device_fallbacks"] > 0
+        await client.clear_partition("jag")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float64,
+        torch.complex64,
+    ],
+)
+async def test_jagged_device_columns_round_trip_every_dtype(
+    address: str, dtype: torch.dtype
+) -> None:
+    j = _jagged_batch(16, dtype, 3)
+    async with tq.AsyncClient.connect(address) as client:
+        meta = await client.put({"j": j, "ids": torch.arange(16)}, partition_id="dt")
+        assert (await _stats(client))["device_puts"] == 1
+        got = meta.select_rows([5, 0, 3, 9])
+        want = [j.unbind()[r] for r in got.global_indexes]
+        _same_rows((await client.get_data(got, device="cpu"))["j"], want)
+        _same_rows((await client.get_data(got))["j"], want)
+        await client.clear_partition("dt")
+
+
 async def test_columns_added_to_rows_and_read_back_together(address: str) -> None:
     async with tq.AsyncClient.connect(address) as client:
         meta = await client.put({"p": torch.arange(16 * 8192).reshape(16, 8192)}, partition_id="a")
@@ -299,6 +473,33 @@ async def test_a_put_cancelled_after_its_device_copy_leaves_nothing(
         await client.clear_partition("cancelled-put")
 
 
+@pytest.mark.parametrize("nbytes", [256, (16 << 15) + 256])
+async def test_a_device_span_that_disagrees_with_its_rows_is_refused(
+    address: str, monkeypatch: pytest.MonkeyPatch, nbytes: int
+) -> None:
+    """A put naming a device span shorter (or longer) than its rows take: the unit would keep
+    cells past the span (over memory it gave back, lent to the next grant); it refuses it."""
+    from tq_async._transport._dealer import DealerConnection
+
+    real = DealerConnection.request
+
+    async def lying(self: DealerConnection, body: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(body, StorePut) and body.device is not None:
+            body.device.spans = [(off, nbytes) for off, _ in body.device.spans]
+        return await real(self, body, *args, **kwargs)
+
+    async with tq.AsyncClient.connect(address) as client:
+        monkeypatch.setattr(DealerConnection, "request", lying)
+        with pytest.raises(tq.TQError, match="described wrongly"):
+            await client.put({"x": torch.zeros(16, 8192)}, partition_id="lying")  # 512 KiB
+        monkeypatch.setattr(DealerConnection, "request", real)
+        status = await client.production_status("lying")
+        assert not any(bool(v.any()) for v in status.values())  # nothing committed
+        held = client._links.same_host_units.spare_bytes(device=True)
+        assert (await _stats(client))["device_bytes"] == held  # and the grant went back
+        await client.clear_partition("lying")
+
+
 async def test_a_read_cancelled_during_its_device_copy_unpins_and_consumes_nothing(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,15 +552,24 @@ async def test_a_client_without_the_device_path_reads_the_same_rows(address: str
         await far.clear_partition("far")
 
 
-async def test_a_full_device_arena_puts_through_host_memory(emulate: None) -> None:
+@pytest.mark.parametrize("pin", ["1", "0"])  # into shared memory by their device, or staged
+async def test_a_full_device_arena_puts_through_host_memory(
+    emulate: None, monkeypatch: pytest.MonkeyPatch, pin: str
+) -> None:
+    from tq_async._paths._pinned import PIN_ENV
+
+    monkeypatch.setenv(PIN_ENV, pin)
     with serve_cluster(storage_units=1, args=["--device-cap", str(1 << 20)]) as addr:
         async with tq.AsyncClient.connect(addr) as client:
             big = torch.arange(64 * 8192).reshape(64, 8192)  # 4 MiB: more than the arena
-            meta = await client.put({"x": big}, partition_id="full")
+            jag = _jagged_batch(64, torch.bfloat16, 5)  # ~1 MiB of values, with the rest
+            meta = await client.put({"x": big, "j": jag}, partition_id="full")
             stats = await _stats(client)
             assert stats["device_puts"] == 0
             assert stats["device_bytes"] == 0
-            assert torch.equal((await client.get_data(meta, device="cpu"))["x"], big)
+            td = await client.get_data(meta, device="cpu")
+            assert torch.equal(td["x"], big)
+            _same_rows(td["j"], list(jag.unbind()))
 
 
 async def test_a_dead_clients_device_grant_is_freed(emulate: None, tmp_path: Any) -> None:
@@ -411,10 +621,13 @@ async def test_a_dead_readers_pin_on_device_cells_is_released(emulate: None, tmp
 
 async def test_units_without_a_device_arena_take_host_memory(emulate: None) -> None:
     batch = _batch()
+    jag = _jagged_batch(32, torch.float32, 4)  # big enough for a device arena
     with serve_cluster(storage_units=2) as addr:  # no --device-cap
         async with tq.AsyncClient.connect(addr) as client:
-            meta = await client.put(batch, partition_id="plain")
-            _same(await client.get_data(meta, device="cpu"), batch)
+            meta = await client.put({**batch, "big_jag": jag}, partition_id="plain")
+            td = await client.get_data(meta, device="cpu")
+            _same(td, batch)
+            _same_rows(td["big_jag"], [jag.unbind()[r] for r in meta.global_indexes])
             assert await _stats(client) == {
                 "device_bytes": 0,
                 "device_cap": 0,
@@ -609,8 +822,9 @@ async def test_device_copies_done_already_are_not_waited_for_on_a_worker_thread(
         await client.clear_partition("hops")
 
 
+@pytest.mark.parametrize("kind", ["dense", "jagged"])
 async def test_a_put_of_new_fields_asks_for_its_device_grant_while_it_is_placed(
-    address: str, monkeypatch: pytest.MonkeyPatch
+    address: str, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """A put of new fields names its rows, so their units are known before the controller
     answers: a unit that lent no device grant for the new columns is asked for one while
@@ -632,11 +846,19 @@ async def test_a_put_of_new_fields_asks_for_its_device_grant_while_it_is_placed(
         meta = await client.put({"a": torch.zeros(16, 8192)}, partition_id="ahead")  # linked
         monkeypatch.setattr(DealerConnection, "request", traced)
         r = torch.randn(16, 3 * 8192)  # 3 MiB: larger than the spare lent with the first put
+        if kind == "jagged":  # rows of 20-27 elements of 8 KiB: ~3 MiB of values too
+            r = torch.nested.nested_tensor(
+                [torch.randn(20 + i % 8, 2048) for i in range(16)], layout=torch.jagged
+            )
         meta = await client.put({"r": r}, meta=meta)
         starts = [n for e, n in events if e == "start"]
         assert sorted(starts) == ["PutBegin", "PutCommit", "ShmAlloc", "StorePut"]
         # the grant was asked for before the placement came back
         assert events.index(("start", "ShmAlloc")) < events.index(("end", "PutBegin"))
-        assert torch.equal((await client.get_data(meta, device="cpu"))["r"], r)
+        got = (await client.get_data(meta, device="cpu"))["r"]
+        if kind == "jagged":
+            _same_rows(got, list(r.unbind()))
+        else:
+            assert torch.equal(got, r)
         assert (await _stats(client))["device_puts"] == 2
         await client.clear_partition("ahead")

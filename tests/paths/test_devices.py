@@ -380,6 +380,31 @@ def test_cuda_columns_move_device_to_device_through_a_units_device_arena() -> No
 
 @pytest.mark.gpu
 @needs_cuda
+def test_big_jagged_cuda_columns_move_through_a_units_device_arena() -> None:
+    from _cluster_proc import serve_cluster
+
+    rows = [torch.randn(i % 7, 1024, device="cuda").to(torch.bfloat16) for i in range(64)]
+    jag = torch.nested.nested_tensor(rows, layout=torch.jagged)  # ~384 KiB of values
+    with (
+        serve_cluster(storage_units=2, args=["--device-cap", str(64 << 20)]) as address,
+        tq.Client.connect(address) as client,
+    ):
+        meta = client.put({"j": jag}, partition_id="jag")
+        assert sum(s["device_puts"] for s in client.storage_stats().values()) >= 1
+        order = list(range(63, -1, -2)) + list(range(0, 64, 2))
+        sub = meta.select_rows(order)
+        want = [rows[meta.global_indexes[i]] for i in order]
+        for device in ("cuda", None):
+            got = client.get_data(sub, device=device)["j"]
+            assert got.is_nested
+            assert got.is_cuda == (device == "cuda")
+            for g, w in zip(got.unbind(), want, strict=True):
+                assert torch.equal(g.cpu().view(torch.int16), w.cpu().view(torch.int16))
+        client.clear_partition("jag")
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_rows_put_from_a_gpu_outlive_their_producer() -> None:
     """Unlike torch's CUDA IPC (the producer keeps the tensor alive), the unit owns the cells:
     a producer that exits after its put takes nothing with it."""

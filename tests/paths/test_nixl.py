@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -618,3 +619,79 @@ async def test_cuda_columns_round_trip_over_nixl(
         stats = await _nixl_stats(client)
         assert stats["nixl_puts"] == 1
         assert stats["nixl_reads"] == 1
+
+
+def _disconnect_error() -> type[Exception]:
+    """What NIXL raises when a transfer's peer is gone (a stand-in without NIXL)."""
+    for name in ("nixl_cu12", "nixl_cu13"):
+        try:
+            error: type[Exception] = importlib.import_module(
+                f"{name}._bindings"
+            ).nixlRemoteDisconnectError
+        except Exception:
+            continue
+        return error
+
+    class nixlRemoteDisconnectError(Exception):  # NIXL's own name
+        pass
+
+    return nixlRemoteDisconnectError
+
+
+class _FailingAgent:
+    """A NIXL agent whose transfers break at ``where`` (posting, or a later poll)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.released = 0
+
+    def get_xfer_descs(self, descs: Any, mem: str) -> Any:
+        return descs
+
+    def initialize_xfer(self, op: str, ld: Any, rd: Any, peer: str) -> Any:
+        agent = self
+
+        class _Handle:
+            def release(self) -> None:
+                agent.released += 1
+
+        return _Handle()
+
+    def transfer(self, handle: Any) -> str:
+        if self.where == "transfer":
+            raise _disconnect_error()("remote agent disconnected")
+        return "PROC"
+
+    def check_xfer_state(self, handle: Any) -> str:
+        raise _disconnect_error()("remote agent disconnected")
+
+
+@pytest.mark.parametrize("where", ["transfer", "check_xfer_state"])
+def test_a_transfer_whose_peer_is_gone_fails_as_transfer_failed(where: str) -> None:
+    # NIXL raises nixlRemoteDisconnectError from transfer() or check_xfer_state() when the
+    # unit died mid-transfer: the client falls back on TransferFailed, never sees the raw one
+    agent = object.__new__(_nixl.ClientAgent)
+    fake = _FailingAgent(where)
+    agent.agent = fake
+    with pytest.raises(_nixl.TransferFailed) as info:
+        agent._xfer("READ", [(0, 8)], [(0, 8)], "peer", time.monotonic() + 30)
+    assert info.value.reason == "error"
+    assert isinstance(info.value, TQError)
+    assert "nixlRemoteDisconnectError" in str(info.value)
+    assert fake.released == 1  # the handle went back
+
+
+def test_a_staging_buffer_nixl_cannot_register_fails_as_transfer_failed() -> None:
+    class _Refusing(_FailingAgent):
+        def register_memory(self, descs: Any, mem: str) -> Any:
+            raise _disconnect_error()("registration refused")
+
+    agent = object.__new__(_nixl.ClientAgent)
+    # (the real constructor makes a NIXL agent: its fields by hand)
+    agent.agent = _Refusing("transfer")
+    agent.slot_bytes, agent.max_slots = 1 << 16, 2
+    agent._cond, agent._free, agent._made, agent._regs = threading.Condition(), [], 0, []
+    with pytest.raises(_nixl.TransferFailed) as info:
+        agent.read("peer", 0, [(0, 8)], time.monotonic() + 30)
+    assert info.value.reason == "error"
+    assert agent.busy_slots == 0  # nothing was counted as made

@@ -51,6 +51,7 @@ __all__ = [
     "CudaDriver",
     "DeviceArena",
     "DeviceCells",
+    "DeviceJaggedCells",
     "DeviceMemory",
     "EMULATE_ENV",
     "HostMemory",
@@ -311,3 +312,24 @@ class DeviceCells:
     def rows(self, a: int, b: int) -> DeviceCells:
         """Rows ``[a, b)``."""
         return DeviceCells(self.offset + a * self.row_bytes, self.row_bytes, b - a)
+
+
+class DeviceJaggedCells(DeviceCells):
+    """Rows of a jagged column in the device arena: its values from ``offset`` (the first
+    row's), ``item_bytes`` (``row_bytes``) per element along the ragged dimension; row ``i``
+    is elements ``[offsets[i], offsets[i + 1])`` counted from ``offsets[0]`` (host int64)."""
+
+    __slots__ = ("offsets",)
+
+    def __init__(self, offset: int, item_bytes: int, offsets: np.ndarray[Any, Any]) -> None:
+        super().__init__(offset, item_bytes, len(offsets) - 1)
+        self.offsets = offsets
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets[-1] - self.offsets[0]) * self.row_bytes
+
+    def rows(self, a: int, b: int) -> DeviceJaggedCells:
+        """Rows ``[a, b)``."""
+        skip = int(self.offsets[a] - self.offsets[0]) * self.row_bytes
+        return DeviceJaggedCells(self.offset + skip, self.row_bytes, self.offsets[a : b + 1])

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidRequestError
+from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._wire._buffers import buffer_pool
 from ._shm import align
@@ -99,8 +99,9 @@ def check_data_path(value: Any) -> str:
     return str(value)
 
 
-class TransferFailed(Exception):
-    """A NIXL transfer did not complete (internal: the request goes through the socket).
+class TransferFailed(TQError):
+    """A NIXL transfer did not complete (internal: the request goes through the socket, so
+    nothing needs doing; if it ever shows, retry the call, or set ``data_path="zmq"``).
 
     Args:
         reason: a label value for ``tq_transfer_fallbacks_total`` (``error``, ``timeout``).
@@ -290,6 +291,15 @@ class _Slot:
         self.addr = int(self.array.ctypes.data)
 
 
+def _state(call: Any, handle: Any, op: str) -> Any:
+    """``call(handle)`` (post or poll a transfer), what NIXL raises as `TransferFailed` (a
+    peer gone raises ``nixlRemoteDisconnectError``, say)."""
+    try:
+        return call(handle)
+    except Exception as exc:
+        raise TransferFailed("error", f"a NIXL {op} failed: {type(exc).__name__}: {exc}") from exc
+
+
 class ClientAgent:
     """One client process's agent, its registered staging buffers and the units it knows.
 
@@ -354,9 +364,13 @@ class ClientAgent:
                 slot = self._free.pop()
             else:
                 slot = _Slot(self.slot_bytes)
-                self._regs.append(
-                    self.agent.register_memory([(slot.addr, self.slot_bytes, 0, "")], "DRAM")
-                )
+                try:
+                    reg = self.agent.register_memory([(slot.addr, self.slot_bytes, 0, "")], "DRAM")
+                except Exception as exc:
+                    raise TransferFailed(
+                        "error", f"NIXL could not register a staging buffer: {exc}"
+                    ) from exc
+                self._regs.append(reg)
                 self._made += 1
         try:
             yield slot
@@ -382,7 +396,7 @@ class ClientAgent:
         except Exception as exc:
             raise TransferFailed("error", f"NIXL could not start a {op}: {exc}") from exc
         try:
-            state = agent.transfer(handle)
+            state = _state(agent.transfer, handle, op)
             polls = 0
             while state == "PROC":
                 # this thread is the client's UCX progress engine (over TCP it receives the
@@ -391,7 +405,7 @@ class ClientAgent:
                 if polls % _SPIN == 0 and time.monotonic() > deadline:
                     raise TransferFailed("timeout", f"a NIXL {op} did not finish in time")
                 os.sched_yield()
-                state = agent.check_xfer_state(handle)
+                state = _state(agent.check_xfer_state, handle, op)
             if state != "DONE":
                 raise TransferFailed("error", f"a NIXL {op} failed (state {state})")
         finally:

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from .._paths._shm import Region
 from .._service._loop import Incoming, WithFrames
 from .._service._metrics import Metrics
 from .._transport._hosts import locality_key
@@ -30,7 +29,7 @@ from .._wire._protocol import (
     StoreStats,
     StoreStatsReply,
 )
-from ._cells import StorageState
+from ._cells import DevicePut, StorageState
 from ._commits import GroupCommits
 from ._device_handlers import DevicePath
 from ._shm_handlers import ShmPath
@@ -86,9 +85,7 @@ class CellCalls:
             )
         return answer
 
-    def _store_put(
-        self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
-    ) -> list[Any]:
+    def _store_put(self, msg: Incoming, body: StorePut, device: DevicePut | None) -> list[Any]:
         """Store a put's columns (frames, shared-memory spans or device cells); its frames."""
         if body.shm is not None:
             return self.shm_path.put(msg, body, device)

@@ -26,21 +26,21 @@ answered. Cells in the device arena stay there (never written, never spilled).
 from __future__ import annotations
 
 import contextlib
-import math
 import secrets
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from .._errors import InvalidRequestError, ProtocolError, RowsNotFound, SchemaError
 from .._logging import get_logger
-from .._paths._device import DeviceArena, DeviceCells
+from .._paths._device import DeviceArena, DeviceCells, DeviceJaggedCells
 from .._paths._nixl import UnitNixl
 from .._paths._shm import PAGE, Arena, Region, align
 from .._transport._hosts import LOCALITY_KEYS
 from .._wire._columns import (
-    ITEM_SIZES,
+    DENSE,
+    JAGGED,
     Column,
     ColumnHeader,
     JaggedColumn,
@@ -48,6 +48,7 @@ from .._wire._columns import (
     column_from_frames,
     column_nbytes,
     column_to_frames,
+    frame_buffer,
     join_columns,
     take_rows,
 )
@@ -70,6 +71,7 @@ from ._tiers import evict, load
 from ._unit_stats import unit_stats
 
 __all__ = [
+    "DevicePut",
     "OverBudget",
     "StorageState",
     "adopt_arena",
@@ -77,6 +79,9 @@ __all__ = [
     "commit_now",
     "end_commit",
 ]
+
+#: a put's device arena grant and, by column position, its cells' span in the arena
+DevicePut: TypeAlias = tuple[Region, dict[int, tuple[int, int]]]
 
 log = get_logger(__name__)
 
@@ -182,7 +187,7 @@ class StorageState:
         region: Region | None = None,
         *,
         incarnation: str | None = None,
-        device: tuple[Region, dict[int, int]] | None = None,
+        device: DevicePut | None = None,
         spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Store columns for ``rows`` (frames in header order). All-or-nothing.
@@ -204,7 +209,10 @@ class StorageState:
         if len(set(rows)) != n:
             raise InvalidRequestError("a put lists the same row twice")
         on_device = device[1] if device is not None else {}
-        expected = sum(column_frame_count(h) for i, h in enumerate(headers) if i not in on_device)
+        expected = sum(
+            _device_frame_count(h) if i in on_device else column_frame_count(h)
+            for i, h in enumerate(headers)
+        )
         if expected != len(frames):
             raise ProtocolError(f"StorePut carries {len(frames)} frames, its header {expected}")
         chunks: list[Chunk] = []
@@ -219,10 +227,10 @@ class StorageState:
                 )
             if i in on_device:
                 assert device is not None
-                if h.kind != "dense":
-                    raise ProtocolError(f"field {h.name!r} on a device must be dense")
-                placed = DeviceCells(on_device[i], ITEM_SIZES[h.dtype] * math.prod(h.shape), n)
+                k = _device_frame_count(h)
+                placed = _device_cells(h, *on_device[i], n, frames[pos : pos + k])
                 chunks.append(Chunk(h, placed, None, device[0]))
+                pos += k
                 continue
             k = column_frame_count(h)
             chunks.append(Chunk(h, column_from_frames(h, frames[pos : pos + k], n), region))
@@ -316,12 +324,14 @@ class StorageState:
         incarnation: str | None = None,
         touched: list[Chunk] | None = None,
         device_ok: bool = False,
+        jagged_ok: bool = True,
     ) -> tuple[list[ColumnHeader], list[Column | list[DeviceCells]]]:
         """Columns for ``fields`` of ``rows`` in that order (views when possible).
 
         ``touched`` collects the chunks read (to pin their arena regions). Cells in the
         device arena are copied to the host, unless ``device_ok``: then a field whose cells
-        all are there (with one row shape) comes as their pieces, a list of DeviceCells.
+        all are there (with one row shape) comes as their pieces, a list of DeviceCells
+        (a jagged field only with ``jagged_ok``: older readers take dense ones only).
 
         Raises:
             RowsNotFound: a row is not stored, or ``incarnation`` (of the partition, None:
@@ -374,7 +384,12 @@ class StorageState:
                 if budget < 0:
                     raise OverBudget(f"the cells take more than {max_bytes} bytes")
             if on_device:
-                if device_ok and len(on_device) == len(pieces) and len(set(piece_headers)) == 1:
+                if (
+                    device_ok
+                    and (jagged_ok or piece_headers[0].kind != JAGGED)
+                    and len(on_device) == len(pieces)
+                    and len(set(piece_headers)) == 1
+                ):
                     headers.append(piece_headers[0])
                     columns.append(on_device)
                     continue
@@ -433,6 +448,10 @@ class StorageState:
             return piece
         assert self.device is not None  # device cells exist only while the arena does
         self.device.fallbacks += 1
+        if isinstance(piece, DeviceJaggedCells):
+            values = self.device.read(piece.offset, piece.nbytes)
+            offsets = piece.offsets - piece.offsets[0]
+            return column_from_frames(header, [values, offsets], piece.n)
         return column_from_frames(header, [self.device.read(piece.offset, piece.nbytes)], piece.n)
 
     def read(
@@ -468,6 +487,7 @@ class StorageState:
         incarnation: str | None = None,
         *,
         device_ok: bool = False,
+        jagged_ok: bool = True,
     ) -> tuple[StoredColumns, list[Region], list[Region]] | None:
         """`get` as arena spans: views of regions where the cells already are, the
         rest copied into a new region. Returns the reply, the regions to pin (each holding
@@ -489,10 +509,13 @@ class StorageState:
                 touched=touched,
                 incarnation=incarnation,
                 device_ok=device_ok,
+                jagged_ok=jagged_ok,
             )
         frames: list[Any] = []
         device_spans: list[list[tuple[int, int]]] = []
+        device_offsets: list[bytes | None] = []
         for h, c in zip(headers, columns, strict=True):
+            device_offsets.append(_joined_offsets(c) if isinstance(c, list) else None)
             if isinstance(c, list):
                 device_spans.append([(p.offset, p.nbytes) for p in c])
             else:
@@ -512,6 +535,8 @@ class StorageState:
         on_device: list[Region] = []
         if any(device_spans):
             stored.device_spans = device_spans
+            if any(o is not None for o in device_offsets):
+                stored.device_offsets = device_offsets
             on_device = list(
                 {id(c.device): c.device for c in touched if c.device is not None}.values()
             )
@@ -576,3 +601,45 @@ def _place(arena: Arena, frames: list[Any]) -> tuple[list[tuple[int, int]], Regi
             spans.append((pos, n))
             pos += align(n)
     return spans, copy
+
+
+def _device_frame_count(header: ColumnHeader) -> int:
+    """Frames of a column whose cells are in the device arena: a jagged one's offsets."""
+    return 1 if header.kind == JAGGED else 0
+
+
+def _device_cells(
+    header: ColumnHeader, offset: int, nbytes: int, n: int, frames: Sequence[Any]
+) -> DeviceCells:
+    """The cells of ``n`` rows a put left in the device arena at ``[offset, +nbytes)`` (a
+    dense column's span is checked against its rows already); a jagged column's offsets
+    (its one frame) are checked against the span and copied (the frame may be a view of
+    shared memory the chunk does not hold)."""
+    if header.kind == DENSE:
+        return DeviceCells(offset, header.item_bytes(), n)
+    if header.kind != JAGGED:
+        raise ProtocolError(f"field {header.name!r} on a device must be dense or jagged")
+    item = header.item_bytes()
+    raw = np.frombuffer(frame_buffer(frames[0]), dtype=np.uint8)
+    if raw.nbytes != (n + 1) * 8:
+        raise ProtocolError(f"the offsets of field {header.name!r} are not {n + 1} int64")
+    offsets = raw.view(np.int64).copy()
+    if (
+        int(offsets[0]) != 0
+        or bool((offsets[1:] < offsets[:-1]).any())
+        or int(offsets[-1]) * item != nbytes
+    ):
+        raise ProtocolError(f"field {header.name!r} has jagged offsets that disagree with its span")
+    return DeviceJaggedCells(offset, item, offsets)
+
+
+def _joined_offsets(pieces: list[DeviceCells]) -> bytes | None:
+    """The offsets (int64, from 0) of a jagged column read as device ``pieces``, joined in
+    row order (None: a dense column)."""
+    jagged = [p for p in pieces if isinstance(p, DeviceJaggedCells)]
+    if not jagged:
+        return None
+    lengths = np.concatenate([np.diff(p.offsets) for p in jagged])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets.tobytes()

@@ -20,11 +20,11 @@ import anyio
 from .._errors import DeviceError, InvalidRequestError, ProtocolError, SessionLostError
 from .._logging import get_logger
 from .._paths._device import device_span_ok, open_device_arena
-from .._paths._shm import Region
 from .._service._loop import Incoming
+from .._wire._columns import DENSE, ColumnHeader
 from .._wire._protocol import DeviceHello, DeviceHelloReply, ShmGrant, StorePut
 from ._book import Book
-from ._cells import StorageState
+from ._cells import DevicePut, StorageState
 from ._shm_handlers import NO_SESSION, SPARE_SHARE
 
 __all__ = ["DevicePath"]
@@ -109,9 +109,10 @@ class DevicePath:
         return ShmGrant(gid, region.offset, region.size)
 
     @contextmanager
-    def put(self, peer: bytes, body: StorePut) -> Iterator[tuple[Region, dict[int, int]]]:
-        """Where a put's device columns are, checked against its grant (consumed); the
-        grant's reference is released when the put is done (the stored chunks hold theirs)."""
+    def put(self, peer: bytes, body: StorePut) -> Iterator[DevicePut]:
+        """Where a put's device columns are (by position: arena offset, bytes), checked
+        against its grant (consumed); the grant's reference is released when the put is
+        done (the stored chunks hold theirs)."""
         assert body.device is not None
         if self.book.pid(peer) is None:  # (a grant of an earlier boot of this unit, maybe)
             raise SessionLostError(NO_SESSION)
@@ -122,14 +123,16 @@ class DevicePath:
                 f"device arena grant {body.device.grant} is unknown to this unit (never "
                 "given, used already, freed, or another client's); put again"
             )
-        where: dict[int, int] = {}
+        where: dict[int, tuple[int, int]] = {}
         cols, spans = body.device.columns, body.device.spans
         # a spare grant may be larger than the put it carried: its tail goes back now
         device.trim(region, max((off + n for off, n in spans if n >= 0), default=0))
         ok = len(cols) == len(spans) and len(set(cols)) == len(cols)
         for col, (off, n) in zip(cols, spans, strict=False):
             ok = ok and 0 <= col < len(body.columns) and device_span_ok(off, n, region.size)
-            where[col] = region.offset + off
+            # the cells are as long as their rows: a shorter span would keep memory past it
+            ok = ok and _span_holds(body.columns[col], len(body.rows), n)
+            where[col] = (region.offset + off, n)
         if not ok:
             device.release(region)
             raise ProtocolError("a put's device columns are described wrongly; put again")
@@ -138,3 +141,14 @@ class DevicePath:
         finally:
             device.release(region)
         device.puts += 1
+
+
+def _span_holds(header: ColumnHeader, n_rows: int, nbytes: int) -> bool:
+    """Whether a device span of ``nbytes`` is exactly ``n_rows`` rows of ``header``'s (a
+    column that is not dense is refused when it is stored)."""
+    if header.kind != DENSE:
+        return True
+    try:
+        return header.item_bytes() * n_rows == nbytes
+    except ProtocolError:
+        return False

@@ -39,7 +39,7 @@ from .._wire._protocol import (
     StorePut,
 )
 from ._book import Book, Released
-from ._cells import StorageState, adopt_arena
+from ._cells import DevicePut, StorageState, adopt_arena
 
 __all__ = ["ShmPath"]
 
@@ -216,9 +216,7 @@ class ShmPath:
                 self.give_back(self.book.closed(msg.peer))
         return SENT  # one-way
 
-    def put(
-        self, msg: Incoming, body: StorePut, device: tuple[Region, dict[int, int]] | None
-    ) -> list[Any]:
+    def put(self, msg: Incoming, body: StorePut, device: DevicePut | None) -> list[Any]:
         """Store a put whose columns are in its grant (consumed); their frames (views)."""
         if len(msg.frames) != 1:
             raise ProtocolError("a shared-memory put carries no data frames")
@@ -253,7 +251,12 @@ class ShmPath:
         device = self.state.device
         device_ok = body.device and device is not None and pid > 0
         got = self.state.read_shm(
-            body.partition_id, body.rows, body.fields, body.incarnation, device_ok=device_ok
+            body.partition_id,
+            body.rows,
+            body.fields,
+            body.incarnation,
+            device_ok=device_ok,
+            jagged_ok=body.jagged,
         )
         arena = self.arena
         assert arena is not None

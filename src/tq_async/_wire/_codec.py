@@ -43,7 +43,7 @@ from ._columns import (
     JaggedColumn,
     ListColumn,
 )
-from ._nested import Ragged, jagged_tensor, tensordict_of
+from ._nested import Ragged, SharedOffsets, jagged_tensor, tensordict_of
 
 __all__ = [
     "columns_from_batch",
@@ -354,15 +354,49 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
 
 @dataclass(slots=True, eq=False)
 class DeviceColumn:
-    """A dense column left on its device by a put (it moves device to device, see
+    """A dense or jagged column left on its device by a put (it moves device to device, see
     `tq_async._client._async._device_links`), or read back onto one: ``tensor`` is ``[n,
-    *shape]``
-    (a put's: detached and contiguous, its bytes its values)."""
+    *shape]`` (a put's: detached and contiguous, its bytes its values); of a jagged column
+    (``offsets``: int64 ``[n + 1]`` from 0, on the host) its values ``[offsets[-1], *shape]``,
+    row ``i`` being ``tensor[offsets[i]:offsets[i + 1]]``."""
 
     tensor: torch.Tensor
+    offsets: torch.Tensor | None = None
 
     def __len__(self) -> int:
+        if self.offsets is not None:
+            return int(self.offsets.shape[0]) - 1
         return int(self.tensor.shape[0])
+
+    def take(self, runs: Sequence[tuple[int, int]]) -> DeviceColumn:
+        """Rows ``[a, b)`` of each run, joined on the device."""
+        t, offsets = self.tensor, self.offsets
+        if offsets is None:
+            if len(runs) == 1:
+                return DeviceColumn(t[runs[0][0] : runs[0][1]])
+            return DeviceColumn(torch.cat([t[a:b] for a, b in runs]))
+        values = [t[int(offsets[a]) : int(offsets[b])] for a, b in runs]
+        lengths = torch.cat([offsets[a + 1 : b + 1] - offsets[a:b] for a, b in runs])
+        joined = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=joined[1:])
+        return DeviceColumn(values[0] if len(values) == 1 else torch.cat(values), joined)
+
+    def value(self) -> torch.Tensor:
+        """What a reader gets: the tensor, or of a jagged column a jagged nested tensor on
+        the values' device."""
+        if self.offsets is None:
+            return self.tensor
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
+        offsets = self.offsets.to(self.tensor.device, non_blocking=True)
+        return SharedOffsets(offsets, lo, hi).jagged(self.tensor)
+
+    def on_host(self, header: ColumnHeader, values: torch.Tensor) -> Column:
+        """This column as a host column, its values copied to the host already (``values``)."""
+        if self.offsets is None:
+            return DenseColumn(_as_bytes(values, len(self)))
+        total = int(self.offsets[-1])
+        return JaggedColumn(_as_bytes(values, total), self.offsets.numpy())
 
 
 #: what a mapping's value may be (a NonTensorData is one value for every row: a TensorDict's)
@@ -460,6 +494,14 @@ def _kept_column(name: str, t: torch.Tensor, n: int) -> tuple[ColumnHeader, Devi
             f"field {name!r} has shape {tuple(t.shape)} but the batch has {n} rows; every "
             "column's first dimension must be the batch size"
         )
+    if t.is_nested:  # jagged, ragged in dimension 1 (`keeps_on_device`)
+        offsets = t.offsets().to("cpu", torch.int64)  # type: ignore[attr-defined]
+        a, b = int(offsets[0]), int(offsets[-1])
+        values = _plain(t.values()[a:b])
+        header = ColumnHeader(
+            name, JAGGED, _dtype_name(values.dtype, name), tuple(values.shape[1:])
+        )
+        return header, DeviceColumn(values, offsets - a)
     header = ColumnHeader(name, DENSE, _dtype_name(t.dtype, name), tuple(t.shape[1:]))
     return header, DeviceColumn(_plain(t))
 
@@ -551,7 +593,7 @@ def _tensor(data: np.ndarray[Any, Any], dtype: torch.dtype, shape: tuple[int, ..
 def column_value(header: ColumnHeader, column: Column | DeviceColumn) -> Any:
     """The user-facing value of a column: a tensor, a jagged nested tensor or a list."""
     if isinstance(column, DeviceColumn):
-        return column.tensor
+        return column.value()
     if isinstance(column, DenseColumn):
         return _tensor(column.data, torch_dtype(header.dtype), (len(column), *header.shape))
     if isinstance(column, JaggedColumn):

@@ -561,6 +561,9 @@ class StoreGet(_Msg):
     #: the task that fetched the rows (``BatchMeta.task_name``; "": none), for the unit's
     #: per-task byte counters
     task: str = ""
+    #: (with ``device``) jagged fields' cells in the device arena are answered with their
+    #: spans too (``StoredColumns.device_offsets``; older clients: copied out to the host)
+    jagged: bool = False
 
 
 class ShmFrames(msgspec.Struct, array_like=True):
@@ -785,6 +788,9 @@ class StoredColumns(msgspec.Struct, array_like=True):
     #: per column, its pieces' ``(offset, nbytes)`` in the device arena, in row order
     #: (empty: the column came as frames); pinned with ``pin``
     device_spans: list[list[tuple[int, int]]] | None = None
+    #: per column read from the device arena and jagged, its rows' offsets (int64 from 0,
+    #: ``n_rows + 1``) into its pieces joined; None for the others (older units: None)
+    device_offsets: list[bytes | None] | None = None
 
 
 class ShmHelloReply(msgspec.Struct, array_like=True):

@@ -29,8 +29,8 @@ from ..._paths._device import DEVICE_ALIGN, EMULATE_ENV, driver
 from ..._paths._shm import PAGE, TOKEN_BYTES, ArenaMap, align
 from ..._primitives import Lock, run_sync_off_loop
 from ..._transport._dealer import DealerConnection
-from ..._wire._codec import torch_dtype
-from ..._wire._columns import ColumnHeader
+from ..._wire._codec import DeviceColumn, torch_dtype
+from ..._wire._columns import DENSE, JAGGED, ColumnHeader
 from ..._wire._protocol import (
     DeviceFrames,
     DeviceHello,
@@ -56,19 +56,22 @@ def _discard(_: object) -> None:
 
 
 def keeps_on_device(t: Any) -> bool:
-    """Whether a put may move column ``t`` device to device: a dense tensor on a GPU (on
-    the host too, in emulation: tests) of at least `DEVICE_MIN_BYTES`."""
+    """Whether a put may move column ``t`` device to device: a dense tensor, or a jagged
+    one ragged in dimension 1, on a GPU (on the host too, in emulation: tests) of at least
+    `DEVICE_MIN_BYTES` (of values)."""
     if not isinstance(t, torch.Tensor):
         return False
     kind = t.device.type  # first: a host tensor (the common case) stops here
     if kind != "cuda" and not (kind == "cpu" and os.environ.get(EMULATE_ENV)):
         return False
-    return (
-        not t.is_nested
-        and t.layout == torch.strided
-        and t.dim() > 0
-        and (t.nbytes >= DEVICE_MIN_BYTES)
-    )
+    if t.is_nested:
+        return (
+            t.layout == torch.jagged
+            and getattr(t, "_ragged_idx", 1) == 1
+            and getattr(t, "_lengths", None) is None  # (holes: through host memory)
+            and t.values().nbytes >= DEVICE_MIN_BYTES
+        )
+    return t.layout == torch.strided and t.dim() > 0 and (t.nbytes >= DEVICE_MIN_BYTES)
 
 
 class _CudaArray:
@@ -250,16 +253,18 @@ class DeviceLinks:
 
     async def read(
         self, view: DeviceView, stored: StoredColumns, target: torch.device
-    ) -> dict[int, torch.Tensor]:
-        """The columns a read left in the device arena (``stored.device_spans``), copied
-        onto ``target`` and complete, by column position (the caller then drops the pin)."""
-        out: dict[int, torch.Tensor] = {}
+    ) -> dict[int, DeviceColumn]:
+        """The columns a read left in the device arena (``stored.device_spans``, jagged ones'
+        offsets in ``stored.device_offsets``), copied onto ``target`` and complete, by
+        column position (the caller then drops the pin)."""
+        out: dict[int, DeviceColumn] = {}
         assert stored.device_spans is not None
-        if len(stored.device_spans) != len(stored.columns):
+        offsets = stored.device_offsets or [None] * len(stored.columns)
+        if not (len(stored.device_spans) == len(offsets) == len(stored.columns)):
             raise ProtocolError("a read's device spans do not match its columns")
         for j, spans in enumerate(stored.device_spans):
             if spans:
-                out[j] = _gather(view, stored.columns[j], spans, stored.n_rows, target)
+                out[j] = _gather(view, stored.columns[j], spans, stored.n_rows, target, offsets[j])
         if out:
             await _copied(_record(target if target.type == "cuda" else view.device))
         return out
@@ -271,19 +276,33 @@ def _gather(
     spans: Sequence[tuple[int, int]],
     n: int,
     target: torch.device,
-) -> torch.Tensor:
-    """One column out of the arena: its pieces joined into new memory on ``target``."""
+    raw_offsets: bytes | None = None,
+) -> DeviceColumn:
+    """One column out of the arena: its pieces joined into new memory on ``target`` (a
+    jagged one's rows at ``raw_offsets``)."""
     dtype = torch_dtype(header.dtype or "")
     total = 0
     for off, nbytes in spans:
         view.check(off, nbytes, "a device span")
         total += nbytes
-    row = dtype.itemsize * math.prod(header.shape)
-    if header.kind != "dense" or total != n * row:
+    item = dtype.itemsize * math.prod(header.shape)
+    offsets = _offsets(raw_offsets, n) if header.kind == JAGGED else None
+    rows = n if offsets is None else int(offsets[-1])
+    if (offsets is None) != (header.kind == DENSE) or total != rows * item:
         raise ProtocolError(f"field {header.name!r} came from the device arena malformed")
     out = torch.empty(total, dtype=torch.uint8, device=target)
     pos = 0
     for off, nbytes in spans:
         out[pos : pos + nbytes].copy_(view.tensor[off : off + nbytes], non_blocking=True)
         pos += nbytes
-    return out.view(dtype).view((n, *header.shape))
+    return DeviceColumn(out.view(dtype).view((rows, *header.shape)), offsets)
+
+
+def _offsets(raw: bytes | None, n: int) -> torch.Tensor | None:
+    """A jagged column's offsets as a unit sent them (None: malformed)."""
+    if raw is None or len(raw) != (n + 1) * 8:
+        return None
+    offsets = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+        return None
+    return offsets

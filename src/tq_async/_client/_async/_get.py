@@ -37,12 +37,12 @@ from ..._wire._buffers import buffer_pool
 from ..._wire._codec import (
     DeviceColumn,
     column_value,
-    columns_from_batch,
     columns_to_tensordict,
     torch_dtype,
 )
 from ..._wire._columns import (
     DENSE,
+    JAGGED,
     Column,
     ColumnHeader,
     column_frame_count,
@@ -107,7 +107,7 @@ async def _copy_spans(arena: ArenaMap, spans: Sequence[tuple[int, int]]) -> list
 
 async def _read_onto(
     arena: ArenaMap, stored: StoredColumns, device: torch.device
-) -> tuple[list[Any], dict[int, torch.Tensor]]:
+) -> tuple[list[Any], dict[int, DeviceColumn]]:
     """A same-host read onto ``device``: its dense columns copied host to device straight
     out of the arena (page-locked), by position, and the other columns' frames copied
     into buffers of our own (`_copy_spans`)."""
@@ -140,7 +140,7 @@ async def _read_onto(
             raise ProtocolError(f"{exc}; the storage unit's reply is corrupt") from None
     moved = await read_onto_async(arena, [span for _, span, _ in direct], device)
     on_device = {
-        j: t.view(dtype).view((n, *stored.columns[j].shape))
+        j: DeviceColumn(t.view(dtype).view((n, *stored.columns[j].shape)))
         for (j, _, dtype), t in zip(direct, moved, strict=True)
     }
     return frames, on_device
@@ -168,7 +168,7 @@ def _stored_columns(
     stored: StoredColumns,
     frames: Sequence[Any],
     n_rows: int,
-    on_device: dict[int, torch.Tensor] | None = None,
+    on_device: dict[int, DeviceColumn] | None = None,
 ) -> tuple[list[ColumnHeader], list[Column | DeviceColumn]]:
     """Rebuild the columns of one unit's part from its frames (all of them, exactly) and
     the columns read from its device arena (``on_device``, by position)."""
@@ -178,7 +178,7 @@ def _stored_columns(
     pos = 0
     for j, h in enumerate(stored.columns):
         if on_device and j in on_device:
-            columns.append(DeviceColumn(on_device[j]))
+            columns.append(on_device[j])
             continue
         k = column_frame_count(h)  # too few frames: column_from_frames says so
         columns.append(column_from_frames(h, frames[pos : pos + k], n_rows))
@@ -255,6 +255,10 @@ def _merge_parts(
         pieces = [parts[u][1][j] for u in by_unit]
         piece_headers = [parts[u][0][j] for u in by_unit]
         device = next((p.tensor.device for p in pieces if isinstance(p, DeviceColumn)), None)
+        if device is not None and len(set(piece_headers)) == 1 and piece_headers[0].kind == JAGGED:
+            headers.append(piece_headers[0])
+            columns.append(_join_jagged(piece_headers[0], pieces, inverse, device))
+            continue
         if device is not None and len(set(piece_headers)) == 1:  # joined on the device
             tensors = [_tensor_on(piece_headers[0], p, device) for p in pieces]
             index = torch.tensor(inverse, device=device)
@@ -280,9 +284,33 @@ def _host_column(header: ColumnHeader, column: Column | DeviceColumn) -> Column:
     """``column`` in host memory (a part read from a device arena is copied to the host)."""
     if not isinstance(column, DeviceColumn):
         return column
-    _, _, (host,) = columns_from_batch({header.name: column.tensor.cpu()})
-    assert not isinstance(host, DeviceColumn)
-    return host
+    return column.on_host(header, column.tensor.cpu())
+
+
+def _join_jagged(
+    header: ColumnHeader, pieces: list[Column | DeviceColumn], inverse: list[int], device: Any
+) -> DeviceColumn:
+    """Jagged ``pieces`` (some on ``device``) joined there, row ``i`` being row
+    ``inverse[i]`` of them one after another."""
+    values, lengths = [], []
+    for p in pieces:
+        if isinstance(p, DeviceColumn):
+            assert p.offsets is not None
+            values.append(p.tensor.to(device, non_blocking=True))
+            lengths.append(p.offsets[1:] - p.offsets[:-1])
+        else:
+            nested = column_value(header, p)
+            values.append(nested.values().to(device))
+            lengths.append(nested.offsets().diff())
+    length = torch.cat(lengths)
+    starts = torch.cumsum(length, 0) - length
+    index = torch.tensor(inverse, dtype=torch.int64)
+    picked = length[index]
+    offsets = torch.zeros(len(picked) + 1, dtype=torch.int64)
+    torch.cumsum(picked, 0, out=offsets[1:])
+    shift = torch.repeat_interleave(starts[index] - offsets[:-1], picked)
+    rows = (torch.arange(int(offsets[-1])) + shift).to(device, non_blocking=True)
+    return DeviceColumn(torch.cat(values).index_select(0, rows), offsets)
 
 
 def _read_fields(fields: Any) -> list[str]:
@@ -437,8 +465,9 @@ class GetPath:
                 host=self._links.host_id,
                 pinned=onto is not None,
                 task=meta.task_name or "",
+                jagged=view is not None,
             )
-            on_device: dict[int, torch.Tensor] | None = None
+            on_device: dict[int, DeviceColumn] | None = None
             try:
                 payload, frames = await self._ask(unit, conn, get)
             except SessionLostError:
@@ -496,7 +525,7 @@ class GetPath:
         arena: ArenaMap | None,
         nixl: Any,
         targets: tuple[torch.device | None, Any, torch.device | None],
-    ) -> tuple[StoredColumns, list[Any], dict[int, torch.Tensor] | None]:
+    ) -> tuple[StoredColumns, list[Any], dict[int, DeviceColumn] | None]:
         """A shared-memory (or NIXL) reply's columns, copied out of the unit's memory (its
         pin freed after); read through the socket instead when the NIXL transfer failed, or
         when a durable unit restarted under the copy (the next data call sets shared memory
@@ -532,11 +561,11 @@ class GetPath:
         onto: torch.device | None,
         view: Any,
         device: torch.device | None,
-    ) -> tuple[list[Any], dict[int, torch.Tensor] | None]:
+    ) -> tuple[list[Any], dict[int, DeviceColumn] | None]:
         """A same-host read's columns out of the unit's arena (onto ``onto`` straight out
         of page-locked memory) and its device arena (``view``, onto ``device``)."""
         assert stored.shm_spans is not None
-        on_device: dict[int, torch.Tensor] | None = None
+        on_device: dict[int, DeviceColumn] | None = None
         try:
             if onto is not None:
                 frames, on_device = await _read_onto(arena, stored, onto)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TypeGuard
 
 import msgspec
+import torch
 import zmq
 
 from ..._logging import get_logger
@@ -24,7 +25,7 @@ from ..._paths._device_copy import to_host_now
 from ..._paths._pinned import pin_arena
 from ..._paths._shm import ArenaMap
 from ..._transport._sync_dealer import BlockingConnection
-from ..._wire._codec import DeviceColumn, columns_from_batch
+from ..._wire._codec import DeviceColumn
 from ..._wire._columns import Column, ColumnHeader, positions_by_unit
 from ..._wire._protocol import PutSpares, Reply, ShmAlloc, ShmFree, ShmGrant, StorePut
 from ._base import Links
@@ -71,19 +72,36 @@ def place_device_columns(
             if put:
                 if units.ask_spare(unit, device=True):  # (`asked` once answered)
                     store.device_spare = nbytes
-                return [(h, c) for h, c in zip(headers, cols, strict=True) if is_host(c)]
-    if arena is not None and pin_arena():
-        return list(zip(headers, cols, strict=True))
+                # (a jagged column's offsets still travel: its one frame)
+                return [(h, c) for h, c in zip(headers, cols, strict=True) if not _dense(c)]
+    if arena is not None and pin_arena():  # dense ones: copied by their device in `_send`
+        held = [(i, t) for i, t in held if not _dense(cols[i])]
+        if not held:
+            return list(zip(headers, cols, strict=True))
     # through host memory: pinned copies, waited for off the loop
     moved = to_host_now({str(i): t for i, t in held})
-    _, _, host_cols = columns_from_batch(moved, allow_pickle=False)
-    by_position = {i: c for (i, _), c in zip(held, host_cols, strict=True)}
     out: list[tuple[ColumnHeader, Column | DeviceColumn]] = []
     for i, (h, c) in enumerate(zip(headers, cols, strict=True)):
-        column = by_position.get(i, c)
-        assert is_host(column)
-        out.append((h, column))
+        values = moved.get(str(i))
+        out.append((h, c if values is None else _device_column(c).on_host(h, values)))
     return out
+
+
+def _first_rows(column: DeviceColumn, k: int) -> torch.Tensor:
+    """The values of ``column``'s first ``k`` rows (what a slice of ``k`` rows may take)."""
+    if column.offsets is None:
+        return column.tensor[:k]
+    return column.tensor[: int(column.offsets[min(k, len(column))])]
+
+
+def _dense(column: Column | DeviceColumn) -> bool:
+    """Whether ``column`` is a dense device column (one its device copies to host memory)."""
+    return isinstance(column, DeviceColumn) and column.offsets is None
+
+
+def _device_column(column: Column | DeviceColumn) -> DeviceColumn:
+    assert isinstance(column, DeviceColumn)
+    return column
 
 
 def lend_ahead(links: Links, cols: list[Column | DeviceColumn], units: list[int]) -> None:
@@ -93,12 +111,12 @@ def lend_ahead(links: Links, cols: list[Column | DeviceColumn], units: list[int]
     under way), kept as a spare for the put to take. Best effort: the put asks a unit
     that did not lend one."""
     devices, same_host = links.devices, links.same_host_units
-    held = [c.tensor for c in cols if isinstance(c, DeviceColumn)]
+    held = [c for c in cols if isinstance(c, DeviceColumn)]
     if devices is None or not held:
         return
     for unit, positions in positions_by_unit(units).items():
         view, arena, conn = devices.view(unit), same_host.arenas.get(unit), links.units.get(unit)
-        nbytes = devices.grant_bytes([(0, t[: len(positions)]) for t in held])
+        nbytes = devices.grant_bytes([(0, _first_rows(c, len(positions))) for c in held])
         if view is None or arena is None or conn is None:
             continue  # not linked yet: the put links it and asks
         if same_host.has_spare(unit, conn, nbytes, device=True):

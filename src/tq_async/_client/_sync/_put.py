@@ -17,7 +17,6 @@ from functools import partial
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 from tensordict import TensorDictBase
 
@@ -106,10 +105,7 @@ def _take_rows(
     """`take_rows`, for device columns too (their rows joined on the device)."""
     if not isinstance(column, DeviceColumn):
         return take_rows(column, runs)
-    t = column.tensor
-    if len(runs) == 1:
-        return DeviceColumn(t[runs[0][0] : runs[0][1]])
-    return DeviceColumn(torch.cat([t[a:b] for a, b in runs]))
+    return column.take(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +503,10 @@ class PutPath:
         through its shared memory, NIXL or the socket."""
         frames: list[Any] = []
         for h, c in kept:
-            if isinstance(c, DeviceColumn):  # copied by its device into the arena
+            if isinstance(c, DeviceColumn) and c.offsets is not None:
+                # a jagged column whose values are in the unit's device arena: its offsets
+                frames.append(c.offsets.numpy())
+            elif isinstance(c, DeviceColumn):  # copied by its device into the arena
                 frames.append(DeviceFrame(c.tensor))
             else:
                 frames.extend(column_to_frames(h, c))
