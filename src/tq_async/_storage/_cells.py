@@ -356,23 +356,7 @@ class StorageState:
                 raise RowsNotFound(f"field {name!r} of partition {partition_id!r} is not stored")
             pieces: list[Column | DeviceCells] = []
             piece_headers: list[ColumnHeader] = []
-            # runs of consecutive cells of one chunk: cells [start, end)
-            start = end = -1
-            for r in rows:
-                try:
-                    cell = index[r]
-                except KeyError:
-                    raise RowsNotFound(
-                        f"row {r} of field {name!r} in partition {partition_id!r} is not stored "
-                        "(never written, or cleared)"
-                    ) from None
-                if cell == end:  # the next position in the same chunk
-                    end += 1
-                    continue
-                if start >= 0:
-                    self._take(start, end, pieces, piece_headers, touched, from_disk)
-                start, end = cell, cell + 1
-            if start >= 0:
+            for start, end in _runs(index, rows, name, partition_id):
                 self._take(start, end, pieces, piece_headers, touched, from_disk)
             if not pieces:  # no rows requested
                 raise InvalidRequestError("a get needs at least one row")
@@ -393,7 +377,9 @@ class StorageState:
                     headers.append(piece_headers[0])
                     columns.append(on_device)
                     continue
-                host = [self._to_host(h, p) for h, p in zip(piece_headers, pieces, strict=True)]
+                host = [
+                    _to_host(self.device, h, p) for h, p in zip(piece_headers, pieces, strict=True)
+                ]
             else:
                 host = pieces  # type: ignore[assignment]
             # rows put with different shapes: dense if they share one, else jagged
@@ -441,18 +427,6 @@ class StorageState:
         headers.append(chunk.header)
         if touched is not None:
             touched.append(chunk)
-
-    def _to_host(self, header: ColumnHeader, piece: Column | DeviceCells) -> Column:
-        """``piece`` in host memory (cells in the device arena are copied out)."""
-        if not isinstance(piece, DeviceCells):
-            return piece
-        assert self.device is not None  # device cells exist only while the arena does
-        self.device.fallbacks += 1
-        if isinstance(piece, DeviceJaggedCells):
-            values = self.device.read(piece.offset, piece.nbytes)
-            offsets = piece.offsets - piece.offsets[0]
-            return column_from_frames(header, [values, offsets], piece.n)
-        return column_from_frames(header, [self.device.read(piece.offset, piece.nbytes)], piece.n)
 
     def read(
         self,
@@ -575,6 +549,50 @@ class StorageState:
     def stats(self) -> StoreStatsReply:
         """The unit's counters (see `tq_async._storage._unit_stats`)."""
         return unit_stats(self)
+
+
+def _runs(
+    index: Any, rows: Sequence[int], name: str, partition_id: str
+) -> Iterator[tuple[int, int]]:
+    """``rows``' cells of field ``name`` as runs of consecutive cells of one chunk: cells
+    ``[start, end)``, in the order of ``rows``.
+
+    Raises:
+        RowsNotFound: a row of ``rows`` is not stored.
+    """
+    start = end = -1
+    for r in rows:
+        try:
+            cell = index[r]
+        except KeyError:
+            raise RowsNotFound(
+                f"row {r} of field {name!r} in partition {partition_id!r} is not stored "
+                "(never written, or cleared)"
+            ) from None
+        if cell == end:  # the next position in the same chunk
+            end += 1
+            continue
+        if start >= 0:
+            yield start, end
+        start, end = cell, cell + 1
+    if start >= 0:
+        yield start, end
+
+
+def _to_host(
+    device: DeviceArena | None, header: ColumnHeader, piece: Column | DeviceCells
+) -> Column:
+    """``piece`` in host memory (cells in ``device``, the unit's device arena, are copied
+    out)."""
+    if not isinstance(piece, DeviceCells):
+        return piece
+    assert device is not None  # device cells exist only while the arena does
+    device.fallbacks += 1
+    if isinstance(piece, DeviceJaggedCells):
+        values = device.read(piece.offset, piece.nbytes)
+        offsets = piece.offsets - piece.offsets[0]
+        return column_from_frames(header, [values, offsets], piece.n)
+    return column_from_frames(header, [device.read(piece.offset, piece.nbytes)], piece.n)
 
 
 def _place(arena: Arena, frames: list[Any]) -> tuple[list[tuple[int, int]], Region | None] | None:
