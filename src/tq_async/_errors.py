@@ -185,7 +185,10 @@ CALLERS_FAULT: tuple[type[TQError], ...] = (
 
 def error_from_wire(kind: str, message: str) -> TQError:
     """Rebuild the exception a service reported; unknown kinds become a plain `TQError`."""
-    cls = _BY_NAME.get(kind, TQError)
+    cls = _BY_NAME.get(kind)
+    if cls is None:  # a subclass defined after this module (e.g. in a data path's module)
+        _BY_NAME.update((sub.__name__, sub) for sub in _subclasses(TQError))
+        cls = _BY_NAME.get(kind, TQError)
     if cls is TQError and kind != "TQError":
         message = f"{kind}: {message}"
     return cls(message)

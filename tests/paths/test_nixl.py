@@ -329,7 +329,7 @@ async def test_a_failed_read_falls_back_to_the_socket(
         base = await _nixl_stats(client)
 
         def broken(*args: Any) -> None:
-            raise _nixl.TransferFailed("error", "injected")
+            raise _nixl.TransferFailed("injected")
 
         monkeypatch.setattr(agent, "_xfer", broken)
         registry = CollectorRegistry()

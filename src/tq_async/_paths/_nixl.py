@@ -104,10 +104,11 @@ class TransferFailed(TQError):
     nothing needs doing; if it ever shows, retry the call, or set ``data_path="zmq"``).
 
     Args:
+        message: what happened.
         reason: a label value for ``tq_transfer_fallbacks_total`` (``error``, ``timeout``).
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, message: str, reason: str = "error") -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -297,7 +298,7 @@ def _state(call: Any, handle: Any, op: str) -> Any:
     try:
         return call(handle)
     except Exception as exc:
-        raise TransferFailed("error", f"a NIXL {op} failed: {type(exc).__name__}: {exc}") from exc
+        raise TransferFailed(f"a NIXL {op} failed: {type(exc).__name__}: {exc}") from exc
 
 
 class ClientAgent:
@@ -359,7 +360,7 @@ class ClientAgent:
             while not self._free and self._made >= self.max_slots:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
-                    raise TransferFailed("timeout", "no NIXL staging buffer became free in time")
+                    raise TransferFailed("no NIXL staging buffer became free in time", "timeout")
             if self._free:
                 slot = self._free.pop()
             else:
@@ -368,7 +369,7 @@ class ClientAgent:
                     reg = self.agent.register_memory([(slot.addr, self.slot_bytes, 0, "")], "DRAM")
                 except Exception as exc:
                     raise TransferFailed(
-                        "error", f"NIXL could not register a staging buffer: {exc}"
+                        f"NIXL could not register a staging buffer: {exc}"
                     ) from exc
                 self._regs.append(reg)
                 self._made += 1
@@ -394,7 +395,7 @@ class ClientAgent:
             rd = agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
             handle = agent.initialize_xfer(op, ld, rd, peer)
         except Exception as exc:
-            raise TransferFailed("error", f"NIXL could not start a {op}: {exc}") from exc
+            raise TransferFailed(f"NIXL could not start a {op}: {exc}") from exc
         try:
             state = _state(agent.transfer, handle, op)
             polls = 0
@@ -403,11 +404,11 @@ class ClientAgent:
                 # data): poll, yielding the CPU between polls rather than sleeping
                 polls += 1
                 if polls % _SPIN == 0 and time.monotonic() > deadline:
-                    raise TransferFailed("timeout", f"a NIXL {op} did not finish in time")
+                    raise TransferFailed(f"a NIXL {op} did not finish in time", "timeout")
                 os.sched_yield()
                 state = _state(agent.check_xfer_state, handle, op)
             if state != "DONE":
-                raise TransferFailed("error", f"a NIXL {op} failed (state {state})")
+                raise TransferFailed(f"a NIXL {op} failed (state {state})")
         finally:
             try:
                 handle.release()
