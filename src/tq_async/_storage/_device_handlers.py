@@ -25,7 +25,7 @@ from .._wire._columns import DENSE, ColumnHeader
 from .._wire._protocol import DeviceHello, DeviceHelloReply, ShmGrant, StorePut
 from ._book import Book
 from ._cells import DevicePut, StorageState
-from ._shm_handlers import NO_SESSION, SPARE_SHARE
+from ._shm_handlers import NO_SESSION, may_lend
 
 __all__ = ["DevicePath"]
 
@@ -97,10 +97,7 @@ class DevicePath:
         device, pid = self.state.device, self.book.pid(peer)
         if device is None or not pid or pid < 0:
             return None
-        if (
-            self.book.device_spare_bytes + nbytes > device.cap // SPARE_SHARE
-            or device.live_bytes + nbytes > device.cap // 2
-        ):
+        if not may_lend(nbytes, self.book.device_spare_bytes, device.live_bytes, device.cap):
             return None
         region = device.alloc(nbytes)
         if region is None:

@@ -56,6 +56,13 @@ NO_SESSION = (
 SPARE_SHARE = 8
 
 
+def may_lend(nbytes: int, spare_bytes: int, live_bytes: int, cap: int) -> bool:
+    """Whether an arena of ``cap`` bytes (``live_bytes`` in use, ``spare_bytes`` of them lent
+    ahead) lends ``nbytes`` more ahead of a put: spares stay within their share of it, and
+    nothing is lent once it is half full (the shared-memory and the device arenas alike)."""
+    return spare_bytes + nbytes <= cap // SPARE_SHARE and live_bytes + nbytes <= cap // 2
+
+
 class ShmPath:
     """The shared-memory arena of one unit and the handlers of the requests that use it.
 
@@ -185,10 +192,7 @@ class ShmPath:
         arena, pid = self.arena, self.book.pid(peer)
         if arena is None or not pid or pid < 0:
             return None
-        if (
-            self.book.spare_bytes + nbytes > arena.cap // SPARE_SHARE
-            or arena.live_bytes + nbytes > arena.cap // 2
-        ):
+        if not may_lend(nbytes, self.book.spare_bytes, arena.live_bytes, arena.cap):
             return None
         region = arena.alloc(nbytes)
         if region is None:
