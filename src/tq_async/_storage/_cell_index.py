@@ -179,13 +179,17 @@ class CellIndex:
     def add(self, chunk: Chunk) -> int:
         """Keep ``chunk``; its serial."""
         serial = next(self._serials)
+        self._keep(serial, chunk)
+        return serial
+
+    def _keep(self, serial: int, chunk: Chunk) -> None:
+        """Count ``chunk`` (``serial``) among the chunks held (and those in memory)."""
         self.chunks[serial] = chunk
         self.resident_bytes += chunk.nbytes
         if chunk.column is not None and chunk.device is None:
             self.memory_bytes += chunk.nbytes
             if self.lru is not None:
                 self.lru[serial] = chunk
-        return serial
 
     def drop(self, serial: int) -> None:
         """One cell of chunk ``serial`` is gone (overwritten or cleared)."""
@@ -269,12 +273,7 @@ class CellIndex:
             chunk.live += 1
             return
         chunk.live = 1
-        self.chunks[serial] = chunk
-        self.resident_bytes += chunk.nbytes
-        if chunk.column is not None and chunk.device is None:
-            self.memory_bytes += chunk.nbytes
-            if self.lru is not None:
-                self.lru[serial] = chunk
+        self._keep(serial, chunk)
 
     def restore(self, record: PutRecord) -> list[Chunk]:
         """Replay a put record: its chunks, on disk, take their rows (as `store` does);
