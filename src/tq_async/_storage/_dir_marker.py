@@ -14,6 +14,7 @@ import secrets
 from typing import Any
 
 from .._errors import ConfigError
+from .._paths._dirs import sync_dir
 
 __all__ = [
     "DISK_INSTANCE",
@@ -126,8 +127,4 @@ def put_marker(directory: str, mark: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, marker)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    sync_dir(directory)

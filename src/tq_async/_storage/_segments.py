@@ -58,6 +58,7 @@ import msgspec
 
 from .._errors import StorageFullError, TQError
 from .._logging import get_logger
+from .._paths._dirs import sync_dir
 from .._wire._columns import ColumnHeader
 from ._dir_marker import MARKER, claim_unit_dir
 from ._gone_cells import GoneCells
@@ -331,7 +332,7 @@ class SegmentStore:
         if self.durable:
             self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if new_index and self.sync:
-                _sync_dir(self.directory)  # its name is on the disk before any segment's
+                sync_dir(self.directory)  # its name is on the disk before any segment's
         self._roll()
         return records
 
@@ -372,7 +373,7 @@ class SegmentStore:
         path = os.path.join(self.directory, _ARENA_BOOT)
         if _read_mark(path) != mark:
             _write_mark(path, mark)
-        _sync_dir(self.directory)  # the arena file's name and its mark's (else a crash trusts it)
+        sync_dir(self.directory)  # the arena file's name and its mark's (else a crash trusts it)
 
     def _roll(self) -> None:
         """Start the next segment file (the full one is closed, after its sync at fsync).
@@ -542,7 +543,7 @@ class SegmentStore:
             for fd in [*commit.fds, *commit.closing]:
                 os.fdatasync(fd)
             if commit.sync_dir:
-                _sync_dir(self.directory)
+                sync_dir(self.directory)
             if commit.rewrite is not None:
                 # the rewrite holds every record before it; those logged since follow it
                 self._replace_index([*commit.rewrite, *commit.records])
@@ -601,7 +602,7 @@ class SegmentStore:
         os.close(old)
         if self.sync:
             try:
-                _sync_dir(self.directory)
+                sync_dir(self.directory)
             except OSError:
                 self._new_file = True  # (the rename reaches the disk with the next commit)
                 raise
@@ -859,15 +860,6 @@ def _delete(path: str) -> None:
         pass
     except OSError as exc:
         log.warning("could not delete a dead segment file", error=str(exc), path=path)
-
-
-def _sync_dir(directory: str) -> None:
-    """Sync ``directory`` (the names of the files made, renamed or deleted in it)."""
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _boot_id() -> str:

@@ -42,6 +42,7 @@ from ..._errors import (
     TQError,
 )
 from ..._meta import BatchMeta
+from ..._paths._dirs import sync_dir
 from ..._primitives import cleanup_scope, run_sync_off_loop
 from ..._transport._inherited import remove_unheld
 from ..._wire._checks import check_id
@@ -396,10 +397,10 @@ def _swap_into_place(tmp: str, path: str) -> None:
     """Rename ``tmp`` to ``path``; an existing ``path`` is replaced only once ``tmp`` is whole.
     Both directories are synced (``tmp``'s files' names, then the rename): a save that
     returned survives a machine crash."""
-    _sync_dir(tmp)
+    sync_dir(tmp)
     if not os.path.exists(path):
         os.rename(tmp, path)
-        _sync_dir(os.path.dirname(tmp))
+        sync_dir(os.path.dirname(tmp))
         return
     old = f"{tmp}.old"
     os.rename(path, old)
@@ -408,16 +409,8 @@ def _swap_into_place(tmp: str, path: str) -> None:
     except OSError:
         os.rename(old, path)
         raise
-    _sync_dir(os.path.dirname(tmp))
+    sync_dir(os.path.dirname(tmp))
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _sync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_verified(path: str) -> tuple[StateDump, list[tuple[_CellsHeader, Column]]]:
