@@ -7,6 +7,7 @@ import contextlib
 import random
 import signal
 import socket
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tq_async._controller import _watch
 from tq_async._controller._watch import EventLog, Pacer, RequestCost
 from tq_async._core._arrays import live_rows
 from tq_async._service._loop import REQUESTS, SAMPLE_EVERY, Incoming, RequestStats
+from tq_async._transport._endpoints import READS, SAMPLE_READS, ReaderCost
 from tq_async._wire._protocol import WatchNext
 from tq_async.events import (
     EVENT_KINDS,
@@ -898,29 +900,59 @@ async def test_the_parked_filters_are_counted_as_requests_park_and_go() -> None:
         assert not hub._interest.filters
 
 
-async def test_a_request_is_priced_without_the_hubs_own_passes() -> None:
-    """`RequestCost` estimates what a request costs beyond its handler from the loop's CPU;
-    the hub's passes (charged as they happen) are not counted in it a second time."""
+def test_a_reader_call_in_sample_reads_is_timed_with_the_requests_it_read() -> None:
+    """`ReaderCost`: one reader call in `SAMPLE_READS` is timed, and counts the requests read
+    in it (each request counts itself: ``handled``); the other calls only run."""
+    reads = ReaderCost()
 
-    class _Seen(RequestCost):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cpu: list[float] = []
+    def reader(n: int) -> Callable[[], None]:
+        def read() -> None:
+            for _ in range(n):
+                reads.handled += 1
 
-        def update(self, now: float, cpu: float, stats: RequestStats) -> float:
-            self.cpu.append(cpu)
-            return super().update(now, cpu, stats)
+        return read
 
-    async with tq.local_cluster(num_storage_units=1) as cluster:
-        hub = cluster.controller.watch
-        hub.price_requests = True
-        hub.cost = seen = _Seen()
-        hub.own_seconds = 1000.0
-        body = WatchNext(hub.log.last, hub.log.incarnation)
-        hub.on_watch_next(Incoming(b"peer", 1, [], 0.0), body)
-        assert hub.cancel((b"peer", 1))
-        assert len(seen.cpu) == 1
-        assert seen.cpu[0] < 0  # the thread's CPU less the hub's own (1000 s of it)
+    for i in range(1, SAMPLE_READS):
+        reads.read(reader(i))
+    assert (reads.messages, reads.seconds) == (0, 0.0)
+    reads.read(reader(5))  # the SAMPLE_READS-th
+    assert reads.messages == 5
+    assert reads.seconds > 0
+    assert reads.handled == sum(range(1, SAMPLE_READS)) + 5
+
+
+async def test_requests_over_a_socket_are_counted_by_the_services_readers() -> None:
+    """A client's requests over TCP (and the same-host Unix socket) are read by the readers
+    `READS` samples: the pacer's price of a request comes from them."""
+    before = READS.handled
+    with tq.background_cluster(num_storage_units=1) as cluster:
+        async with tq.AsyncClient.connect(cluster.address) as client:
+            await client.put({"x": torch.arange(4)}, "p")
+            for _ in range(2 * SAMPLE_READS):
+                await client.get_meta(["x"], 1, "p", "t", mode="peek")
+    # (a background cluster serves in its own thread, in this process: same counters)
+    assert READS.handled - before >= 2 * SAMPLE_READS
+    assert READS.messages > 0
+
+
+def test_a_request_is_priced_beyond_its_handler() -> None:
+    """`RequestCost`: the sampled reader calls' CPU per request they read, less what the
+    sampled handlers took, over windows long enough in requests and in time. The loop's other
+    work (a unit's replies, timers, the hub's passes) is not in the reads: not in the price."""
+    stats, reads = RequestStats(), ReaderCost()
+    cost = RequestCost()
+    assert cost.update(0.0, reads, stats) == 0.0  # the first call only starts a window
+    reads.messages, reads.seconds = 10, 0.001
+    stats.sampled, stats.handler_seconds = 3, 0.000_03
+    assert cost.update(1.0, reads, stats) == 0.0  # too few requests for a window
+    reads.messages, reads.seconds = 100, 0.01
+    stats.sampled, stats.handler_seconds = 31, 0.000_31
+    assert cost.update(0.01, reads, stats) == 0.0  # too short a window
+    # 100 requests read in 0.01 s of CPU, 100 us each, of which a handler took 10 us
+    assert cost.update(1.0, reads, stats) == pytest.approx(90e-6)
+    reads.messages, reads.seconds = 200, 0.02
+    stats.sampled, stats.handler_seconds = 62, 0.062
+    assert cost.update(2.0, reads, stats) == 0.0  # handlers heavier than the average: no less
 
 
 class _Charges(Pacer):
@@ -1009,22 +1041,6 @@ async def test_watchers_of_one_client_ask_for_all_of_them() -> None:
                 await anyio.wait_all_tasks_blocked()
             assert [p.body.watchers for p in hub.parked.values()] == [1]
             await _put(client, "p", 1)
-
-
-def test_a_request_is_priced_beyond_its_handler() -> None:
-    """`RequestCost`: the process's CPU per request less what the sampled handlers took,
-    over windows long enough in requests and in time."""
-    stats = RequestStats()
-    cost = RequestCost()
-    assert cost.update(0.0, 1.0, stats) == 0.0  # the first call only starts a window
-    stats.requests, stats.sampled, stats.handler_seconds = 100, 3, 0.000_03
-    assert cost.update(1.0, 1.1, stats) == 0.0  # too few requests for a window
-    stats.requests, stats.sampled, stats.handler_seconds = 1000, 31, 0.000_31
-    assert cost.update(0.01, 1.1, stats) == 0.0  # too short a window
-    # 1000 requests took 0.1 s of CPU, 100 us each, of which a handler took 10 us
-    assert cost.update(1.0, 1.1, stats) == pytest.approx(90e-6)
-    stats.requests, stats.sampled, stats.handler_seconds = 2000, 62, 0.062
-    assert cost.update(2.0, 1.2, stats) == 0.0  # handlers heavier than the average: no less
 
 
 async def test_the_services_count_requests_and_time_a_sample_of_handlers() -> None:

@@ -47,6 +47,7 @@ from .._core._events import partition_snapshot
 from .._core._state import ControllerState
 from .._errors import InvalidRequestError
 from .._service._loop import REQUESTS, SENT, Incoming, RequestStats
+from .._transport._endpoints import READS, ReaderCost
 from .._wire._events import (
     EVENT_KINDS,
     ClusterSnapshot,
@@ -67,8 +68,9 @@ DEFAULT_HISTORY = 65536
 WATCH_SHARE = 0.08
 #: the watchers' time saved up while they are quiet: answers that go out at once
 WATCH_BURST = 0.002
-#: `RequestCost` averages over windows of at least this many requests ...
-COST_WINDOW_REQUESTS = 256
+#: `RequestCost` averages over windows of at least this many requests (read in the sampled
+#: reader calls: one in 16) ...
+COST_WINDOW_REQUESTS = 32
 #: ... and this many seconds of the clock
 COST_WINDOW_SECONDS = 0.05
 
@@ -155,14 +157,19 @@ class Pacer:
 
 
 class RequestCost:
-    """What reading, decoding and dispatching a request costs this process, in CPU seconds.
+    """What reading, decoding, dispatching and answering a request costs this process beyond
+    its handler, in CPU seconds.
 
     A watcher's request costs more than its handler: the socket read, the decoding and the
     dispatch happen before the handler's clock starts, and on a small machine they were most
     of a watcher's real cost. They are about the same for every request, so they are
-    estimated from all of them (`RequestStats`): the loop thread's CPU time per request, less
-    what the sampled handlers took, over windows of at least `COST_WINDOW_REQUESTS` requests
-    and `COST_WINDOW_SECONDS`. Pure: the caller passes the clock and the figures.
+    estimated from all of them: the sampled reader calls' CPU time per request they handled
+    (`ReaderCost`), less what the sampled handlers took (`RequestStats`), over windows of at
+    least `COST_WINDOW_REQUESTS` requests read in sampled calls and `COST_WINDOW_SECONDS`.
+    (The loop's CPU per request, as this was first estimated, also held the work no request's
+    intake is: the replies of the units a put is forwarded to, timers, the tasks handlers
+    start -- ~140 against ~30-60 us a request under a stream of puts, and the pacer charged
+    every watcher's request that much.) Pure: the caller passes the clock and the figures.
     """
 
     __slots__ = ("_at", "_last", "seconds")
@@ -173,17 +180,17 @@ class RequestCost:
         self._at: float | None = None
         self._last = (0.0, 0, 0, 0.0)
 
-    def update(self, now: float, cpu: float, stats: RequestStats) -> float:
+    def update(self, now: float, reads: ReaderCost, stats: RequestStats) -> float:
         """The estimate, taking a new window when the last one is long enough."""
-        figures = (cpu, stats.requests, stats.sampled, stats.handler_seconds)
+        figures = (reads.seconds, reads.messages, stats.sampled, stats.handler_seconds)
         if self._at is None:
             self._at, self._last = now, figures
             return self.seconds
-        cpu0, requests0, sampled0, handlers0 = self._last
-        n, sampled = stats.requests - requests0, stats.sampled - sampled0
+        read0, messages0, sampled0, handlers0 = self._last
+        n, sampled = reads.messages - messages0, stats.sampled - sampled0
         if n >= COST_WINDOW_REQUESTS and sampled and now - self._at >= COST_WINDOW_SECONDS:
             handler = (stats.handler_seconds - handlers0) / sampled
-            self.seconds = max(0.0, (cpu - cpu0) / n - handler)
+            self.seconds = max(0.0, (reads.seconds - read0) / n - handler)
             self._at, self._last = now, figures
         return self.seconds
 
@@ -229,9 +236,6 @@ class WatchHub:
         #: program's own code shares the loop: `local_cluster`)
         self.cost = RequestCost()
         self.price_requests = True
-        #: the loop thread's CPU seconds spent answering watchers outside request handlers
-        #: (`_flush`): not part of what a request costs (`RequestCost`)
-        self.own_seconds = 0.0
         #: the parked requests' filters, counted as they park and go (`_Interest`)
         self._interest = _Interest()
         #: events numbered since the last flush that no parked request wanted
@@ -311,7 +315,6 @@ class WatchHub:
                 self._send(*key, raw)
         self._answered = sent > 0
         spent = time.thread_time() - t0
-        self.own_seconds += spent
         if not sent and self.price_requests:
             # a pass for nothing costs what taking a request does: filtered watchers must
             # not buy one after every request
@@ -378,9 +381,7 @@ class WatchHub:
             now = asyncio.get_running_loop().time()
             spent = time.thread_time() - t0
             if self.price_requests:
-                # (the loop's CPU less this hub's own passes: they are charged as they happen)
-                cpu = time.thread_time() - self.own_seconds
-                spent += self.cost.update(now, cpu, REQUESTS)
+                spent += self.cost.update(now, READS, REQUESTS)
             # a request a client's watchers share counts as theirs: the pacer paces watchers
             self.pacer.charge(now, spent * body.watchers)
 

@@ -42,7 +42,7 @@ from .._errors import (
     BrokenError,
 )
 from .._logging import get_logger
-from ._endpoints import normalize_bind, zmq_context
+from ._endpoints import READS, normalize_bind, zmq_context
 from ._inherited import serving, stopped_serving
 from ._routes import LocalRoute, local_routes, local_routes_lock
 from ._security import CurveServer
@@ -284,14 +284,19 @@ class RouterEndpoint(DrainedSocket):
             serving(address)
         super().__init__(sock)
 
+    def _drain(self) -> None:
+        READS.read(super()._drain)
+
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             log.warning("dropped a message without a header frame")
             return
+        READS.handled += 1
         self._on_message(frames[0].bytes, frames[1:])
 
     def _on_unix_message(self, peer: bytes, frames: list[Any]) -> None:
         if not self._closed:
+            READS.handled += 1
             self._on_message(peer, frames)
 
     def send(self, peer: bytes, frames: Sequence[Any]) -> None:

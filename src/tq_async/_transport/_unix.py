@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 
 from .._logging import get_logger
-from ._endpoints import LogThrottle
+from ._endpoints import READS, LogThrottle
 from ._inherited import serving, stopped_serving
 
 __all__ = ["HELLO", "MessageStream", "UnixListener", "UnixSocket", "abstract_name"]
@@ -527,6 +527,9 @@ class _Peer:
         listener._loop.add_reader(self._fd, self._read)
 
     def _read(self) -> None:
+        READS.read(self._take)
+
+    def _take(self) -> None:
         stream = self._stream
         stream.fill()
         while stream.messages:
