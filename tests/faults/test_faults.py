@@ -144,6 +144,55 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
             assert got.global_indexes == [0, 1]
 
 
+#: accepts TCP connections (the kernel does, into its backlog) but never speaks ZMTP: a unit
+#: whose process is killed before the controller's connection to it finished its handshake
+SILENT_LISTENER = textwrap.dedent(
+    """
+    import socket, time
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    print(f"tcp://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    while True:
+        time.sleep(3600)
+    """
+)
+
+
+async def test_unit_killed_before_its_handshake_fails_the_forwarded_put_fast() -> None:
+    """A unit killed before the controller's connection to it was ever up (a loaded
+    machine: the handshake had not completed): reconnecting is refused, the unit is
+    suspended and lost at once -- and the put the controller forwarded to it fails then
+    with BrokenError, not after the unit's 30 s timeout."""
+    with process(SILENT_LISTENER) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failure: list[BaseException] = []
+
+            async def doomed_put() -> None:
+                try:
+                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: no handshake
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            with anyio.fail_after(20):  # (the unit's own timeout is 30 s)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(doomed_put)
+                    await until(lambda: _store_put_in_flight(controller, 1))
+                    assert controller._links.conns[1]._core.handshaken is False
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert 1 in controller.state.dead_units
+            assert isinstance(failure[0], tq.BrokenError), failure
+            assert "storage unit 1" in str(failure[0]), failure
+            info = await client.partition_info("p")
+            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
+            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
+            assert got.global_indexes == [0, 1]
+
+
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
     conn = controller._links.conns.get(unit_id)
     if conn is None:

@@ -212,9 +212,18 @@ class UnitLinks:
         shell = self.shell
         if shell.stopping or unit_id in self.local_units or unit_id not in self.state.units:
             return
-        if unit_id not in self.state.suspended:
-            # refused before the link was ever up: the unit died right after registering
-            # (no disconnect to suspend it on); before, it stayed "up" for good
+        if unit_id not in self.state.suspended and unit_id not in self.state.dead_units:
+            # refused before the link was ever up: the unit died right after registering or
+            # before its handshake completed (no disconnect suspended it, nor failed what was
+            # forwarded to it: a one-message put waited for the unit's timeout); breaking
+            # the link does both (`_unit_silent`)
+            conn = self.conns.get(unit_id)
+            if conn is not None:
+                conn.break_off(
+                    f"storage unit {unit_id} at {conn.name} refused the connection before it "
+                    "was ever up (its process is gone or restarting); requests in flight to "
+                    "it are lost: retry"
+                )
             shell.apply_unasked(self.core.unit_down(unit_id, shell.now()))
         if self._unit_instance.get(unit_id, "").startswith(DISK_INSTANCE):
             return
