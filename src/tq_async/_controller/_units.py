@@ -299,7 +299,8 @@ class UnitLinks:
     ) -> None:
         """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors.
 
-        With ``incarnation``, units free only that incarnation's cells.
+        With ``incarnation``, units free only that incarnation's cells. A lost unit's cells
+        are gone; a suspended unit frees its cells once back (`_free_orphans`).
         """
         errors: list[str] = []
 
@@ -311,9 +312,13 @@ class UnitLinks:
             except TQError as exc:
                 errors.append(f"unit {unit_id}: {exc}")
 
+        st = self.state
         async with anyio.create_task_group() as tg:
             for unit_id, rows in by_unit.items():
-                if unit_id in self.state.units and unit_id not in self.state.dead_units:
+                # a suspended unit is not asked (a paused one would keep the clear waiting
+                # for the unit's timeout): it frees what it missed once back (`_free_orphans`)
+                away = unit_id in st.dead_units or unit_id in st.suspended
+                if unit_id in st.units and not away:
                     tg.start_soon(clear_one, unit_id, rows)
         if peer is None:
             if errors:
