@@ -36,8 +36,8 @@ def free_port() -> int:
 
 class WarmProcess:
     """A `warm_python` child: as much of a ``subprocess.Popen`` (binary pipes) as these tests
-    use -- ``stdin`` and ``stdout`` (the two ends of one socket), ``pid``, ``poll``, ``wait``,
-    ``send_signal``; SIGKILLed on leaving its ``with`` (if still running)."""
+    use -- ``stdin`` and ``stdout`` (both ways of one socket), ``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``; SIGKILLed on leaving its ``with`` (if still running)."""
 
     def __init__(self, code: str, argv: Sequence[str]) -> None:
         ctx = mp.get_context("forkserver")
@@ -46,9 +46,10 @@ class WarmProcess:
         self._proc = ctx.Process(target=_run_code, args=(code, list(argv), theirs), daemon=True)
         self._proc.start()
         theirs.close()
-        self._sock = ours
         self.stdin = ours.makefile("wb")
         self.stdout = ours.makefile("rb")
+        self.stderr = None  # (the fork server's: the test process's own)
+        ours.close()  # (its end closes with the last of these two)
         self.pid = self._proc.pid
 
     def poll(self) -> int | None:
@@ -65,6 +66,9 @@ class WarmProcess:
         if self._proc.exitcode is None:  # (not reaped yet: its pid is still its own)
             os.kill(self._proc.pid or 0, sig)
 
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
     def __enter__(self) -> WarmProcess:
         return self
 
@@ -75,7 +79,6 @@ class WarmProcess:
             sigkill(self)
         self.stdin.close()
         self.stdout.close()
-        self._sock.close()
 
 
 def warm_python(code: str, *argv: str) -> WarmProcess:
