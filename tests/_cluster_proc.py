@@ -36,20 +36,24 @@ def free_port() -> int:
 
 class WarmProcess:
     """A `warm_python` child: as much of a ``subprocess.Popen`` (binary pipes) as these tests
-    use -- ``stdin`` and ``stdout`` (both ways of one socket), ``pid``, ``poll``, ``wait``,
-    ``send_signal``, ``kill``; SIGKILLed on leaving its ``with`` (if still running)."""
+    use -- ``stdin`` and ``stdout`` (both ways of one socket), ``stderr`` (if asked for, else
+    the test process's), ``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``; SIGKILLed on
+    leaving its ``with`` (if still running)."""
 
-    def __init__(self, code: str, argv: Sequence[str]) -> None:
+    def __init__(self, code: str, argv: Sequence[str], *, stderr: bool = False) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_WARM_MODULES)  # (read when the fork server starts)
         ours, theirs = socket.socketpair()
-        self._proc = ctx.Process(target=_run_code, args=(code, list(argv), theirs), daemon=True)
+        err = socket.socketpair() if stderr else (None, None)
+        args = (code, list(argv), theirs, err[1])
+        self._proc = ctx.Process(target=_run_code, args=args, daemon=True)
         self._proc.start()
-        theirs.close()
         self.stdin = ours.makefile("wb")
         self.stdout = ours.makefile("rb")
-        self.stderr = None  # (the fork server's: the test process's own)
-        ours.close()  # (its end closes with the last of these two)
+        self.stderr = None if err[0] is None else err[0].makefile("rb")
+        for sock in (theirs, ours, *err):  # (ours closes with the last of its files)
+            if sock is not None:
+                sock.close()
         self.pid = self._proc.pid
 
     def poll(self) -> int | None:
@@ -77,30 +81,38 @@ class WarmProcess:
     ) -> None:
         if self.poll() is None:
             sigkill(self)
-        self.stdin.close()
-        self.stdout.close()
+        for stream in (self.stdin, self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
 
 
-def warm_python(code: str, *argv: str) -> WarmProcess:
+def warm_python(code: str, *argv: str, stderr: bool = False) -> WarmProcess:
     """``python -c CODE ARGV...`` without the interpreter's start: forked from a server
     that imported the client once (per test process), so a child that connects a client
     starts in a fraction of a second, not ~4.5 s of CPU. It is a process of its own, killed
-    as any other; its stdin and stdout are `WarmProcess`'s."""
-    return WarmProcess(code, argv)
+    as any other; its stdin and stdout (and its stderr, with ``stderr``: then read it, or a
+    child that writes much blocks) are `WarmProcess`'s."""
+    return WarmProcess(code, argv, stderr=stderr)
 
 
-def _run_code(code: str, argv: list[str], sock: socket.socket) -> None:
-    """In a `warm_python` child: ``sock`` as stdin and stdout, then ``code`` as ``__main__``."""
+def _run_code(code: str, argv: list[str], sock: socket.socket, err: socket.socket | None) -> None:
+    """In a `warm_python` child: ``sock`` as stdin and stdout (``err`` as stderr, if given),
+    then ``code`` as ``__main__``."""
     os.dup2(sock.fileno(), 0)
     os.dup2(sock.fileno(), 1)
     sock.close()
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own, for its life
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    if err is not None:
+        os.dup2(err.fileno(), 2)
+        err.close()
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
     sys.argv = ["-c", *argv]
     try:
         exec(compile(code, "<warm_python>", "exec"), {"__name__": "__main__"})
     finally:
         sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def sigkill(proc: subprocess.Popen[bytes] | WarmProcess) -> None:
