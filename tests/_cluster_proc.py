@@ -1,4 +1,5 @@
-"""Test helpers that run in other processes: a ``tq-async serve`` cluster and a resume reader.
+"""Test helpers that run in other processes: a ``tq-async serve`` cluster, a resume reader, and
+children forked warm (`warm_python`).
 
 A DataLoader worker (forked or spawned) must reach the cluster over TCP while the test's own
 thread is blocked iterating, so these tests run the services in a child process.
@@ -22,8 +23,8 @@ from typing import Any
 _START_TIMEOUT = 60.0
 
 #: what a `warm_python` child has imported before it starts: the client (with torch and
-#: tensordict, ~4.5 s of CPU for every fresh interpreter)
-_WARM_MODULES = ["tq_async", "tq_async._client._async._client"]
+#: tensordict, ~4.5 s of CPU for every fresh interpreter), a unit's durable cells
+_WARM_MODULES = ["tq_async", "tq_async._client._async._client", "tq_async._storage._segments"]
 
 
 def free_port() -> int:
@@ -91,7 +92,9 @@ def warm_python(code: str, *argv: str, stderr: bool = False) -> WarmProcess:
     that imported the client once (per test process), so a child that connects a client
     starts in a fraction of a second, not ~4.5 s of CPU. It is a process of its own, killed
     as any other; its stdin and stdout (and its stderr, with ``stderr``: then read it, or a
-    child that writes much blocks) are `WarmProcess`'s."""
+    child that writes much blocks) are `WarmProcess`'s. Its environment is the server's (this
+    process's when the first one started): not for a child that needs a variable set since,
+    nor for code that must patch a module before its first import."""
     return WarmProcess(code, argv, stderr=stderr)
 
 
