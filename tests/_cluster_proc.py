@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from multiprocessing import forkserver
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +25,37 @@ _START_TIMEOUT = 60.0
 
 #: what a `warm_python` child has imported before it starts: the client (with torch and
 #: tensordict, ~4.5 s of CPU for every fresh interpreter), a unit's durable cells
-_WARM_MODULES = ["tq_async", "tq_async._client._async._client", "tq_async._storage._segments"]
+_WARM_MODULES = [
+    "tq_async",
+    "tq_async._client._async._client",
+    "tq_async._storage._segments",
+    "tensordict",
+]
+#: the environment the test session started with (this module is imported while the tests
+#: are collected): what the fork server, and so every child forked from it, runs with
+_SESSION_ENV = dict(os.environ)
+
+
+def warm_context() -> Any:
+    """The ``forkserver`` multiprocessing context whose server preloaded `_WARM_MODULES`: one
+    per test process, started on first use with the session's environment -- not with what
+    the test that happens to start it monkeypatched (every later child would inherit it)."""
+    ctx = mp.get_context("forkserver")
+    if not _warm_started:
+        ctx.set_forkserver_preload(_WARM_MODULES)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_SESSION_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _warm_started.append(True)
+    return ctx
+
+
+_warm_started: list[bool] = []
 
 
 def free_port() -> int:
@@ -42,8 +73,7 @@ class WarmProcess:
     leaving its ``with`` (if still running)."""
 
     def __init__(self, code: str, argv: Sequence[str], *, stderr: bool = False) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_WARM_MODULES)  # (read when the fork server starts)
+        ctx = warm_context()
         ours, theirs = socket.socketpair()
         err = socket.socketpair() if stderr else (None, None)
         args = (code, list(argv), theirs, err[1])

@@ -14,12 +14,10 @@ runs the benchmark RESULTS.md quotes: producers put for that long instead, whate
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
-from multiprocessing import forkserver
 from typing import Any
 
 import anyio
@@ -27,6 +25,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import warm_context
 
 PROCESSES = 4
 COROUTINES = 128  # per process: half put, half get
@@ -114,12 +113,10 @@ def test_512_coroutines_in_4_processes_lose_and_duplicate_nothing() -> None:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    # the workers fork from one server that imported this module and tensordict (a client
-    # imports it): four spawned processes would each import torch and tensordict first, ~4 s of
-    # CPU apiece, all of it before the load starts; the server imports while the service starts
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "tensordict"])
-    forkserver.ensure_running()
+    # the workers fork from the session's warm server (the client and tensordict imported):
+    # four spawned processes would each import torch and tensordict first, ~4 s of CPU
+    # apiece, all of it before the load starts; the server imports while the service starts
+    ctx = warm_context()
     out: Any = ctx.Queue()
     workers: list[Any] = []
     try:
