@@ -415,6 +415,61 @@ def test_services_never_import_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
+#: what a service process never imports (a module, or a package and all under it): the
+#: clients (torch, tensordict), the datasets, the compatibility layer, the in-process clusters'
+#: thread, the CLI's other commands
+NOT_IN_SERVICES = (
+    "torch",
+    "tensordict",
+    "tq_async._client",
+    "tq_async._datasets",
+    "tq_async._deploy._background",
+    "tq_async.compat",
+)
+
+
+def imported(err: str) -> set[str]:
+    """The modules a process imported, from its ``-X importtime`` lines on stderr."""
+    lines = err.splitlines()
+    return {line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")}
+
+
+def _unneeded(modules: set[str], unneeded: tuple[str, ...]) -> list[str]:
+    return sorted(
+        m for m in modules if m in unneeded or m.startswith(tuple(f"{u}." for u in unneeded))
+    )
+
+
+async def test_a_serve_process_imports_only_what_it_runs(tmp_path: Path) -> None:
+    """A service restarted after a crash, a Ray actor, a ``tq-async serve`` start in a fraction
+    of a second when they import only what they run: every ``serve`` (all-in-one, controller,
+    storage) imported the clients' code, the in-process clusters' and the CLI's other
+    commands at start-up, as ``import tq_async`` did. Read from the real processes' own
+    import log, through a first put and get (what serving imports on first use counts)."""
+    log_imports = ["env", "PYTHONPROFILEIMPORTTIME=1"]
+    with ExitStack() as stack:
+        ctl = stack.enter_context(service(["controller"], tmp_path / "ctl.err", log_imports))
+        address = ctl.wait_line("TQ_ADDRESS=")
+        unit = stack.enter_context(
+            service(["storage", "--controller", address], tmp_path / "unit.err", log_imports)
+        )
+        unit.wait_line("TQ_UNIT=")
+        whole = stack.enter_context(service([], tmp_path / "whole.err", log_imports))
+        for cluster in (address, whole.wait_line("TQ_ADDRESS=")):
+            async with tq.AsyncClient.connect(cluster) as client:
+                await client.put({"x": torch.arange(4)}, partition_id="p")
+                td, _ = await client.get(["x"], 4, "p", "t", timeout=30)
+                assert td["x"].tolist() == [0, 1, 2, 3]
+        services = {"controller": ctl, "storage": unit, "serve": whole}
+        for svc in services.values():
+            assert svc.stop() == 0
+        unneeded = {
+            name: _unneeded(imported(svc.stderr()), NOT_IN_SERVICES)
+            for name, svc in services.items()
+        }
+    assert unneeded == {name: [] for name in services}
+
+
 @pytest.mark.parametrize("allowed", [False, True])
 async def test_a_cluster_on_every_interface_warns_as_its_services_would(allowed: bool) -> None:
     """``local_cluster`` / ``tq-async serve`` on a non-loopback host warned "anyone who can
