@@ -32,15 +32,8 @@ from .._logging import configure_logging
 from .._paths._nixl import DATA_PATHS
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
-from .._service._serve import (
-    check_address,
-    first_tq_error,
-    raise_fd_limit,
-)
+from .._service._serve import DEFAULT_BIND, check_address, first_tq_error, raise_fd_limit
 from .._storage._server import DEFAULT_SHM_CAP
-from ._process import DEFAULT_BIND, serve_all, serve_role
-from ._process import _one_device_index as _one_device_index  # (tests)
-from ._status import run_status
 from ._stderr import LogStream
 
 __all__ = ["main"]
@@ -582,6 +575,8 @@ def _run_serve(
     # a service holds a descriptor per client: the default soft limit (often 1,024) would
     # cap it long before the hard limit does (docs/deployment.md, "File descriptors")
     raise_fd_limit("serve" if args.role is None else args.role, config.num_storage_units)
+    from ._process import serve_all, serve_role  # (each command imports what it runs)
+
     try:
         if args.role is None:
             anyio.run(serve_all, config)
@@ -597,6 +592,8 @@ def _run_serve(
 
 
 def _status(args: argparse.Namespace) -> int:
+    from ._status import run_status  # (each command imports what it runs)
+
     try:  # a bad command line: status 2, as for serve
         keys = load_curve(args.curve_cert, None)
         check_address(args.address)

@@ -19,16 +19,12 @@ from .._errors import ConfigError
 from .._logging import get_logger
 from .._service._config import Config
 from .._service._metrics import metrics_address, serve_metrics
-from .._service._serve import serve_controller, serve_storage
-from ._cluster import local_cluster
+from .._service._serve import DEFAULT_BIND, serve_controller, serve_storage
 from ._stderr import close_all
 
-__all__ = ["DEFAULT_BIND", "serve_all", "serve_role"]
+__all__ = ["serve_all", "serve_role"]
 
 log = get_logger(__name__)
-
-#: where a service binds without ``--bind``: a free port on loopback
-DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:
@@ -42,6 +38,8 @@ def _stop_signals() -> tuple[signal.Signals, ...]:
 
 async def serve_all(config: Config) -> None:
     """The all-in-one ``tq-async serve``: a controller and its units until a signal."""
+    from ._cluster import local_cluster  # (a role's process runs no cluster)
+
     stop = anyio.Event()
     async with (
         _stopped_by_signals(stop.set),

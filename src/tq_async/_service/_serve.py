@@ -45,6 +45,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python versi
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
+    "DEFAULT_BIND",
     "advertised_address",
     "check_address",
     "first_tq_error",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+#: where a service binds without ``--bind``: a free port on loopback
+DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 #: ``RegisterUnit.unit_id`` that asks the controller to choose the id.
 ASSIGN_UNIT_ID = -1
