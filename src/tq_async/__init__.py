@@ -26,8 +26,9 @@ in a circle):
    and the data paths, ``_paths/`` (shared memory ``_shm``, NIXL ``_nixl``, device arenas
    ``_device`` and device copies ``_device_copy``).
 4. **services and clients**: what both services share, ``_service/`` (the request loop
-   ``_loop``, the ``_parking`` lot for requests that wait, ``_metrics``, one ``Config``
-   ``_config``, one service on its own ``_serve``); the controller, ``_controller/`` (a thin
+   ``_loop``, the ``_parking`` lot for requests that wait, ``_metrics`` and, imported when
+   they are on, their ``_exposition``, one ``Config`` ``_config``, one service on its own
+   ``_serve``); the controller, ``_controller/`` (a thin
    shell around the core); the storage units, ``_storage/``; the clients, ``_client/``
    (``_async/``, and ``_sync/``, the blocking twins generated from it by
    ``scripts/unasync.py``; their ``_options``).

@@ -417,7 +417,7 @@ def test_services_never_import_torch() -> None:
 
 #: what a service process never imports (a module, or a package and all under it): the
 #: clients (torch, tensordict), the datasets, the compatibility layer, the in-process clusters'
-#: thread, the CLI's other commands
+#: thread, the CLI's other commands, the metrics' exposition when they are off
 NOT_IN_SERVICES = (
     "torch",
     "tensordict",
@@ -426,6 +426,7 @@ NOT_IN_SERVICES = (
     "tq_async._deploy._background",
     "tq_async._deploy._status",
     "tq_async.compat",
+    "prometheus_client",  # (without --metrics-on)
 )
 #: ... and what a role's process (one service) does not import besides: the in-process cluster
 NOT_IN_ROLES = (*NOT_IN_SERVICES, "tq_async._deploy._cluster", "tq_async._portal")

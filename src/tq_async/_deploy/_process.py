@@ -10,17 +10,20 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
-from prometheus_client import CollectorRegistry
 
 from .._errors import ConfigError
 from .._logging import get_logger
 from .._service._config import Config
-from .._service._metrics import metrics_address, serve_metrics
+from .._service._metrics import metrics_address
 from .._service._serve import DEFAULT_BIND, serve_controller, serve_storage
 from ._stderr import close_all
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["serve_all", "serve_role"]
 
@@ -99,7 +102,11 @@ async def _on_signals(
 
 async def serve_role(args: argparse.Namespace, config: Config) -> None:
     """``tq-async serve controller`` / ``serve storage``: the role's service until a signal."""
-    registry = CollectorRegistry() if config.metrics_on else None
+    registry = None
+    if config.metrics_on:
+        from prometheus_client import CollectorRegistry  # (metrics on)
+
+        registry = CollectorRegistry()
     stop_metrics: Callable[[], None] | None = None
     serving = anyio.CancelScope()
     async with _stopped_by_signals(serving.cancel):
@@ -108,6 +115,8 @@ async def serve_role(args: argparse.Namespace, config: Config) -> None:
                 async with anyio.create_task_group() as tg:
                     lines = await _start_role(tg, args, config, registry)
                     if registry is not None and config.metrics_on is not None:
+                        from .._service._exposition import serve_metrics
+
                         address = metrics_address(config.metrics_on)
                         url, stop_metrics = serve_metrics(registry, *address)
                         lines.append(f"TQ_METRICS_URL={url}")

@@ -19,12 +19,11 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry
 
 from .._controller._server import ControllerServer
 from .._core._effects import check_capacity
@@ -39,10 +38,12 @@ from .._transport._security import CurveClient, CurveServer
 from .._wire._protocol import RegisterUnit
 from ..samplers import BaseSampler
 from ._config import Config
-from ._metrics import Metrics, controller_collector, register, storage_collector
+from ._metrics import Metrics
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = [
     "DEFAULT_BIND",
@@ -315,6 +316,8 @@ async def serve_controller(
             bound: str = await tg.start(controller.serve, bind)
             address = advertised_address(bound, bind, advertise)
             if metrics_registry is not None:
+                from ._exposition import controller_collector, register  # (metrics on)
+
                 gauges = controller_collector(controller.state, lambda: controller.waiting)
                 collectors.callback(register(metrics_registry, gauges))
             log.info("controller serving", address=address)
@@ -411,6 +414,8 @@ async def serve_storage(
                 )
             )
             if metrics_registry is not None:
+                from ._exposition import register, storage_collector  # (metrics on)
+
                 gauges = storage_collector({unit.unit_id: unit.state})
                 collectors.callback(register(metrics_registry, gauges))
             log.info(
