@@ -427,6 +427,7 @@ NOT_IN_SERVICES = (
     "tq_async._deploy._status",
     "tq_async.compat",
     "prometheus_client",  # (without --metrics-on)
+    "importlib.metadata",  # (the version: for --version only)
 )
 #: ... and what a role's process (one service) does not import besides: the in-process cluster
 NOT_IN_ROLES = (*NOT_IN_SERVICES, "tq_async._deploy._cluster", "tq_async._portal")

@@ -406,9 +406,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run tq_async services as processes.",
         formatter_class=_FORMATTER,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
-    )
+    parser.add_argument("--version", action=_VersionAction, help="print the version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -478,6 +476,18 @@ def _version() -> str:
     from .. import __version__
 
     return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the version is looked up when asked for (``importlib.metadata`` costs
+    ~15-25 ms, which every ``serve`` paid building its parser)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"{parser.prog} {_version()}", flush=True)
+        parser.exit()
 
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
