@@ -75,8 +75,8 @@ if TYPE_CHECKING:
     from ._client._async._client import AsyncClient as AsyncClient
     from ._client._options import ClientOptions as ClientOptions
     from ._client._sync._client import Client as Client
-    from ._core._transitions import AdmissionConfig as AdmissionConfig
-    from ._core._transitions import Deadlines as Deadlines
+    from ._core._settings import AdmissionConfig as AdmissionConfig
+    from ._core._settings import Deadlines as Deadlines
     from ._datasets._async import AsyncStreamingDataset as AsyncStreamingDataset
     from ._datasets._async import chunk_batch_fn as chunk_batch_fn
     from ._datasets._async import default_fetch_batch_fn as default_fetch_batch_fn
@@ -109,7 +109,7 @@ if TYPE_CHECKING:
 #: public name -> module, imported on first access (PEP 562): the services (``tq-async serve``,
 #: the Ray actors) import only the modules they run, the clients' and clusters' never
 _LAZY = {
-    "AdmissionConfig": "._core._transitions",
+    "AdmissionConfig": "._core._settings",
     "AdmissionSection": "._service._config",
     "AsyncClient": "._client._async._client",
     "AsyncStreamingDataset": "._datasets._async",
@@ -127,7 +127,7 @@ _LAZY = {
     "CurveClient": "._transport._security",
     "CurveSection": "._service._config",
     "CurveServer": "._transport._security",
-    "Deadlines": "._core._transitions",
+    "Deadlines": "._core._settings",
     "default_fetch_batch_fn": "._datasets._async",
     "get_seqlen_balanced_partitions": ".samplers",
     "GRPOGroupNSampler": ".samplers",

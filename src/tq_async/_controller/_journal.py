@@ -59,8 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
-from .._storage._dir_marker import put_marker, unwritable
-from .._storage._unit_dir import lock_dir
+from .._storage._dir_marker import lock_dir, put_marker, unwritable
 from .._transport._inherited import release
 from .._wire._protocol import (
     Ack,

@@ -26,14 +26,14 @@ from typing import Any, Protocol, TextIO, cast
 
 import anyio
 
-from .._core._transitions import Deadlines
+from .._core._settings import Deadlines
 from .._errors import AuthenticationError, ConfigError, InvalidRequestError, TQError
 from .._logging import configure_logging
 from .._paths._nixl import DATA_PATHS
+from .._paths._shm import DEFAULT_SHM_CAP
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
 from .._service._serve import DEFAULT_BIND, check_address, first_tq_error, raise_fd_limit
-from .._storage._server import DEFAULT_SHM_CAP
 from ._stderr import LogStream
 
 __all__ = ["main"]
@@ -578,7 +578,8 @@ def _run_serve(
     """``serve``, its logging set up: its exit status."""
     try:
         config = config_from_args(args, _given(parser, argv))
-        config.controller_options()  # import and call the factories now: fail before binding
+        if args.role != "storage":  # (a unit's process needs no controller options)
+            config.controller_options()  # import and call the factories: fail before binding
     except ConfigError as exc:
         print(f"tq-async: error: {exc}", file=stderr)
         return 2

@@ -25,18 +25,13 @@ import anyio
 import msgspec
 from anyio.abc import TaskStatus
 
-from .._controller._server import ControllerServer
-from .._core._effects import check_capacity
-from .._core._placement import Placer
-from .._core._state import ControllerState
 from .._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from .._logging import get_logger
-from .._storage._server import DEFAULT_SHM_CAP, StorageServer
+from .._paths._shm import DEFAULT_SHM_CAP
 from .._transport._dealer import DealerConnection
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveClient, CurveServer
 from .._wire._protocol import RegisterUnit
-from ..samplers import BaseSampler
 from ._config import Config
 from ._metrics import Metrics
 
@@ -44,6 +39,8 @@ if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python versi
     from exceptiongroup import BaseExceptionGroup
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+    from ..samplers import BaseSampler
 
 __all__ = [
     "DEFAULT_BIND",
@@ -300,6 +297,12 @@ async def serve_controller(
     if _is_wildcard(bind) and not advertise:
         advertised_address(bind, bind, None)  # raises the explanatory error
     options: dict[str, Any] = {"sampler": sampler, "allow_pickle": allow_pickle, "curve": curve}
+    # each role imports its own service: a unit's process never imports the controller's core
+    from .._controller._server import ControllerServer
+    from .._core._effects import check_capacity
+    from .._core._placement import Placer
+    from .._core._state import ControllerState
+
     state = ControllerState()
     if config is not None:
         options = {**config.controller_options(), **({"curve": curve} if curve else {})}
@@ -383,6 +386,8 @@ async def serve_storage(
         raise InvalidRequestError(f"unit_id must be >= 0, got {unit_id}")
     check_address(controller)
     warn_if_exposed(bind, "storage", curve)
+    from .._storage._server import StorageServer  # (see serve_controller)
+
     unit = StorageServer(
         -1 if unit_id is None else unit_id,
         allow_pickle=allow_pickle,

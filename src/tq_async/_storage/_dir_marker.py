@@ -1,4 +1,5 @@
-"""Whose a data_dir is: the marker file a storage unit writes in its directory.
+"""Whose a data_dir is: the marker file a storage unit writes in its directory, and the lock
+its process holds on it (`lock_dir`, a controller's journal's too).
 
 ``tq-async-data-dir.json`` says which unit the directory belongs to, the format of its files,
 and the unit's instance token (a durable unit's cells outlive its process: the controller
@@ -8,6 +9,7 @@ name for its own marker (`tq_async._controller._journal`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -15,9 +17,11 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._paths._dirs import sync_dir
+from .._transport._inherited import close_in_children
 
 __all__ = [
     "DISK_INSTANCE",
+    "lock_dir",
     "FORMAT",
     "MARKER",
     "claim_unit_dir",
@@ -128,3 +132,22 @@ def put_marker(directory: str, mark: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, marker)
     sync_dir(directory)
+
+
+def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
+    """Lock ``data_dir`` (through its file ``lock_name``) for this process, used as ``user``
+    (a storage unit, a controller): its file descriptor (closing it, or the process ending,
+    unlocks). Held by another running process, or not writable: `ConfigError`."""
+    try:
+        fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise unwritable(data_dir, user, exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
+            "its own directory (or stop the other one first)"
+        ) from None
+    return close_in_children(fd)  # a forked child's copy would keep it locked
