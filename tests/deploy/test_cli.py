@@ -491,14 +491,17 @@ async def test_a_serve_process_imports_only_what_it_runs(tmp_path: Path) -> None
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the `ray` extra")
 def test_the_ray_actors_import_only_what_they_run() -> None:
-    """`tq_async.ray` (what a Ray actor of a service imports) imported the clients' code too."""
+    """`tq_async.ray` (what a Ray actor of a service imports, whichever service) imported the
+    clients' code too, and the controller's and the units' both: each actor imports its own
+    service's when it starts it."""
     probe = "import sys, tq_async.ray\nprint('\\n'.join(sys.modules))\n"
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
     ray_imports = ("importlib.metadata",)  # (ray's own)
-    unneeded = [u for u in NOT_IN_ROLES if u not in ray_imports]
+    services = ("tq_async._controller", "tq_async.samplers", "tq_async._storage._server")
+    unneeded = [u for u in (*NOT_IN_ROLES, *services) if u not in ray_imports]
     assert _unneeded(set(done.stdout.split()), tuple(unneeded)) == []
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
-from .._controller._journal import check_controller_dir, unit_data_dir
+from .._controller._journal import check_controller_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._effects import check_capacity
 from .._core._placement import Placer, check_placement
@@ -24,6 +24,7 @@ from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
 from .._service._metrics import Metrics, metrics_address
 from .._service._serve import first_tq_error, only_error, warn_if_exposed
+from .._storage._dir_marker import unit_data_dir
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._storage._unit_dir import locked_dir
 from .._transport._inherited import release

@@ -21,7 +21,9 @@ from .._transport._inherited import close_in_children
 
 __all__ = [
     "DISK_INSTANCE",
+    "UNITS_DIR",
     "lock_dir",
+    "unit_data_dir",
     "FORMAT",
     "MARKER",
     "claim_unit_dir",
@@ -36,6 +38,10 @@ MARKER = "tq-async-data-dir.json"
 FORMAT = 1
 #: a durable unit's instance token starts with this: its cells outlive its process
 DISK_INSTANCE = "disk-"
+#: where a cluster started as a whole (``local_cluster``, ``tq-async serve``,
+#: ``tq_async.ray.launch``) keeps its storage units' directories, inside the controller's
+#: (``units/unit-N``)
+UNITS_DIR = "units"
 
 
 def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:
@@ -151,3 +157,22 @@ def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
             "its own directory (or stop the other one first)"
         ) from None
     return close_in_children(fd)  # a forked child's copy would keep it locked
+
+
+def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
+    """Storage unit ``unit_id``'s directory in a cluster started as a whole on ``data_dir``
+    (the controller's): ``data_dir/units/unit-N``, the same unit every start, so the cluster
+    started again on ``data_dir`` finds each unit's cells.
+
+    Args:
+        data_dir: the controller's directory.
+        unit_id: the unit's id.
+        create: make the directory (and its parents) if it is missing.
+
+    Returns:
+        The unit's directory.
+    """
+    path = os.path.join(data_dir, UNITS_DIR, f"unit-{unit_id}")
+    if create:
+        os.makedirs(path, exist_ok=True)
+    return path
