@@ -9,7 +9,7 @@ by the core (`UnitLiveness`); this part does the I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -20,11 +20,13 @@ from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
 from .._storage._dir_marker import DISK_INSTANCE
-from .._storage._server import StorageServer
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveServer
 from .._wire._protocol import RegisterUnit, StoreClear, StoreStats, StoreStatsReply
 from ._shell import Shell
+
+if TYPE_CHECKING:  # (a `serve controller` process never imports the units' code)
+    from .._storage._server import StorageServer
 
 __all__ = ["UnitLinks"]
 
