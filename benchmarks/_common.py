@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 import anyio
@@ -60,6 +62,16 @@ class Config:
     def pick(self, full: Any, smoke: Any) -> Any:
         """``smoke`` in smoke mode, else ``full``."""
         return smoke if self.smoke else full
+
+    def processes(self) -> SpawnContext | ForkServerContext:
+        """Where a workload's client processes come from: spawned, as measured; at --smoke
+        forked from one server that imported torch, tensordict and tq_async once for all of
+        them (a spawned process spends ~4 s of CPU on those imports before its first call)."""
+        if not self.smoke:
+            return multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "tensordict", "tq_async", "anyio"])
+        return ctx
 
 
 def result(

@@ -22,9 +22,9 @@ Each phase runs ``rounds`` times on a fresh partition; rates are reported as med
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import queue
 import traceback
+from multiprocessing.context import ForkServerContext, SpawnContext
 from time import perf_counter
 from typing import Any
 
@@ -111,10 +111,15 @@ async def _mp_client_async(
 
 
 async def _multiprocess(
-    address: str, pids: list[str], procs: int, calls: int, per_task: int, inflight: int
+    ctx: SpawnContext | ForkServerContext,
+    address: str,
+    pids: list[str],
+    procs: int,
+    calls: int,
+    per_task: int,
+    inflight: int,
 ) -> list[float]:
-    """Rates (calls/s) of each round with ``procs`` spawned client processes."""
-    ctx = multiprocessing.get_context("spawn")
+    """Rates (calls/s) of each round with ``procs`` client processes (``cfg.processes()``)."""
     barrier = ctx.Barrier(procs)
     out = ctx.Queue()
     workers = [
@@ -256,7 +261,7 @@ async def _main(cfg: Config) -> list[dict[str, Any]]:
             for pid in pids:
                 await _fill(client, pid, rows, 4096)
             mp_rates = await _multiprocess(
-                address, pids, procs, calls_per_client, per_task, inflight
+                cfg.processes(), address, pids, procs, calls_per_client, per_task, inflight
             )
             for pid in pids:
                 await client.clear_partition(pid)

@@ -18,9 +18,9 @@ The first few puts are warm-up and dropped.
 
 from __future__ import annotations
 
-import multiprocessing
 import queue
 import traceback
+from multiprocessing.context import ForkServerContext, SpawnContext
 from time import perf_counter
 from typing import Any
 
@@ -173,11 +173,10 @@ async def _same_process(
 
 
 async def _other_process(
-    address: str, pid: str, n: int, dataset: bool
+    ctx: SpawnContext | ForkServerContext, address: str, pid: str, n: int, dataset: bool
 ) -> tuple[list[float], list[float]]:
     import tq_async as tq
 
-    ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
     q = ctx.Queue()
     proc = ctx.Process(
@@ -207,14 +206,17 @@ async def _other_process(
 
 async def _main(cfg: Config) -> list[dict[str, Any]]:
     n = cfg.pick(450, 20) + WARMUP
+    ctx = cfg.processes()
     out: list[dict[str, Any]] = []
     with anyio.fail_after(cfg.pick(300, 60)):
         async with open_cluster(cfg) as address:
             out += _stats("same process", *await _same_process(address, "w3-l", n, False), n)
-            out += _stats("consumer process", *await _other_process(address, "w3-r", n, False), n)
+            out += _stats(
+                "consumer process", *await _other_process(ctx, address, "w3-r", n, False), n
+            )
             to_item, _ = await _same_process(address, "w3-dl", n, True)
             out += _dataset_stats("same process", to_item, n)
-            to_item, _ = await _other_process(address, "w3-dr", n, True)
+            to_item, _ = await _other_process(ctx, address, "w3-dr", n, True)
             out += _dataset_stats("consumer process", to_item, n)
     return out
 

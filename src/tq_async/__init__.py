@@ -26,8 +26,9 @@ in a circle):
    and the data paths, ``_paths/`` (shared memory ``_shm``, NIXL ``_nixl``, device arenas
    ``_device`` and device copies ``_device_copy``).
 4. **services and clients**: what both services share, ``_service/`` (the request loop
-   ``_loop``, the ``_parking`` lot for requests that wait, ``_metrics``, one ``Config``
-   ``_config``, one service on its own ``_serve``); the controller, ``_controller/`` (a thin
+   ``_loop``, the ``_parking`` lot for requests that wait, ``_metrics`` and, imported when
+   they are on, their ``_exposition``, one ``Config`` ``_config``, one service on its own
+   ``_serve``); the controller, ``_controller/`` (a thin
    shell around the core); the storage units, ``_storage/``; the clients, ``_client/``
    (``_async/``, and ``_sync/``, the blocking twins generated from it by
    ``scripts/unasync.py``; their ``_options``).
@@ -38,23 +39,16 @@ in a circle):
    ``tq_async.transfer_queue`` alias and `tq_async.lowlevel`, the internals for tools
    and custom deployments.
 
-The names that need torch (clients, datasets) are imported on first use, so that the services
-(``tq-async serve``, Ray actors), which never touch a tensor, start without importing torch:
-~0.3 s and ~60 MB instead of ~3 s and ~330 MB.
+Every public name but the errors is imported on first use (``_LAZY``), so that a process
+imports only the modules it runs: the services (``tq-async serve``, Ray actors) never import
+the clients, the datasets or torch (~0.3 s and ~60 MB instead of ~3 s and ~330 MB), and a
+``tq-async serve`` imports neither the clients' nor the in-process clusters' code.
 """
 
 import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ._client._async._checkpoint import checkpoint_metadata as checkpoint_metadata
-from ._client._options import ClientOptions as ClientOptions
-from ._core._transitions import AdmissionConfig as AdmissionConfig
-from ._core._transitions import Deadlines as Deadlines
-from ._deploy._background import BackgroundCluster as BackgroundCluster
-from ._deploy._background import background_cluster as background_cluster
-from ._deploy._cluster import LocalCluster as LocalCluster
-from ._deploy._cluster import local_cluster as local_cluster
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BrokenError as BrokenError
 from ._errors import CheckpointError as CheckpointError
@@ -75,42 +69,78 @@ from ._errors import TQError as TQError
 from ._errors import TQTimeoutError as TQTimeoutError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._errors import WouldBlock as WouldBlock
-from ._logging import configure_logging as configure_logging
-from ._meta import BatchMeta as BatchMeta
-from ._service._config import AdmissionSection as AdmissionSection
-from ._service._config import Config as Config
-from ._service._config import CurveSection as CurveSection
-from ._service._config import SamplerSpec as SamplerSpec
-from ._transport._security import CurveClient as CurveClient
-from ._transport._security import CurveServer as CurveServer
-from ._transport._security import curve_keypair as curve_keypair
-from ._wire._listing import KVListing as KVListing
-from .samplers import BaseSampler as BaseSampler
-from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
-from .samplers import RankAwareSampler as RankAwareSampler
-from .samplers import SeqlenBalancedSampler as SeqlenBalancedSampler
-from .samplers import SequentialSampler as SequentialSampler
-from .samplers import StalenessSampler as StalenessSampler
-from .samplers import StaleRows as StaleRows
-from .samplers import get_seqlen_balanced_partitions as get_seqlen_balanced_partitions
-from .samplers import karmarkar_karp as karmarkar_karp
 
 if TYPE_CHECKING:
+    from ._client._async._checkpoint import checkpoint_metadata as checkpoint_metadata
     from ._client._async._client import AsyncClient as AsyncClient
+    from ._client._options import ClientOptions as ClientOptions
     from ._client._sync._client import Client as Client
+    from ._core._settings import AdmissionConfig as AdmissionConfig
+    from ._core._settings import Deadlines as Deadlines
     from ._datasets._async import AsyncStreamingDataset as AsyncStreamingDataset
     from ._datasets._async import chunk_batch_fn as chunk_batch_fn
     from ._datasets._async import default_fetch_batch_fn as default_fetch_batch_fn
     from ._datasets._torch import StreamingDataLoader as StreamingDataLoader
     from ._datasets._torch import StreamingDataset as StreamingDataset
+    from ._deploy._background import BackgroundCluster as BackgroundCluster
+    from ._deploy._background import background_cluster as background_cluster
+    from ._deploy._cluster import LocalCluster as LocalCluster
+    from ._deploy._cluster import local_cluster as local_cluster
+    from ._logging import configure_logging as configure_logging
+    from ._meta import BatchMeta as BatchMeta
+    from ._service._config import AdmissionSection as AdmissionSection
+    from ._service._config import Config as Config
+    from ._service._config import CurveSection as CurveSection
+    from ._service._config import SamplerSpec as SamplerSpec
+    from ._transport._security import CurveClient as CurveClient
+    from ._transport._security import CurveServer as CurveServer
+    from ._transport._security import curve_keypair as curve_keypair
+    from ._wire._listing import KVListing as KVListing
+    from .samplers import BaseSampler as BaseSampler
+    from .samplers import GRPOGroupNSampler as GRPOGroupNSampler
+    from .samplers import RankAwareSampler as RankAwareSampler
+    from .samplers import SeqlenBalancedSampler as SeqlenBalancedSampler
+    from .samplers import SequentialSampler as SequentialSampler
+    from .samplers import StalenessSampler as StalenessSampler
+    from .samplers import StaleRows as StaleRows
+    from .samplers import get_seqlen_balanced_partitions as get_seqlen_balanced_partitions
+    from .samplers import karmarkar_karp as karmarkar_karp
 
-#: public name -> module, imported on first access (PEP 562)
+#: public name -> module, imported on first access (PEP 562): the services (``tq-async serve``,
+#: the Ray actors) import only the modules they run, the clients' and clusters' never
 _LAZY = {
+    "AdmissionConfig": "._core._settings",
+    "AdmissionSection": "._service._config",
     "AsyncClient": "._client._async._client",
     "AsyncStreamingDataset": "._datasets._async",
+    "background_cluster": "._deploy._background",
+    "BackgroundCluster": "._deploy._background",
+    "BaseSampler": ".samplers",
+    "BatchMeta": "._meta",
+    "checkpoint_metadata": "._client._async._checkpoint",
     "chunk_batch_fn": "._datasets._async",
-    "default_fetch_batch_fn": "._datasets._async",
     "Client": "._client._sync._client",
+    "ClientOptions": "._client._options",
+    "Config": "._service._config",
+    "configure_logging": "._logging",
+    "curve_keypair": "._transport._security",
+    "CurveClient": "._transport._security",
+    "CurveSection": "._service._config",
+    "CurveServer": "._transport._security",
+    "Deadlines": "._core._settings",
+    "default_fetch_batch_fn": "._datasets._async",
+    "get_seqlen_balanced_partitions": ".samplers",
+    "GRPOGroupNSampler": ".samplers",
+    "karmarkar_karp": ".samplers",
+    "KVListing": "._wire._listing",
+    "local_cluster": "._deploy._cluster",
+    "LocalCluster": "._deploy._cluster",
+    "RankAwareSampler": ".samplers",
+    "SamplerSpec": "._service._config",
+    "SeqlenBalancedSampler": ".samplers",
+    "SequentialSampler": ".samplers",
+    "StalenessSampler": ".samplers",
+    "StaleRows": ".samplers",
     "StreamingDataLoader": "._datasets._torch",
     "StreamingDataset": "._datasets._torch",
 }
@@ -143,6 +173,8 @@ def __getattr__(name: str) -> Any:
             stacklevel=2,
         )
         return getattr(importlib.import_module(".lowlevel", __name__), name)
+    if name == "samplers":  # a public subpackage (`import tq_async.samplers` is not needed)
+        return importlib.import_module(".samplers", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

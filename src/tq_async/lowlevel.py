@@ -21,7 +21,7 @@ expose more of the design and change more often between minor versions.
 from ._controller._server import ControllerServer as ControllerServer
 from ._core._state import ControllerState as ControllerState
 from ._core._transitions import ControllerCore as ControllerCore
-from ._service._metrics import transfer_collector as transfer_collector
+from ._service._exposition import transfer_collector as transfer_collector
 from ._service._serve import serve_controller as serve_controller
 from ._service._serve import serve_storage as serve_storage
 from ._storage._server import StorageServer as StorageServer

@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -51,14 +51,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tq_async.ray needs Ray; install it with `pip install 'tq_async[ray]'`"
     ) from exc
 
-from ._controller._journal import unit_data_dir
 from ._errors import BrokenError, ConfigError, InvalidRequestError, TQError, TQTimeoutError
 from ._logging import get_logger
 from ._service._config import Config, device_indexes
 from ._service._serve import first_tq_error, serve_controller, serve_storage
+from ._storage._dir_marker import unit_data_dir
 from ._transport._hosts import ENV_HOST_ID
 from ._transport._security import CurveServer
-from .samplers import BaseSampler
+
+if TYPE_CHECKING:  # (a storage unit's actor never imports the samplers)
+    from .samplers import BaseSampler
 
 __all__ = ["RayCluster", "attach", "launch", "select_nodes"]
 

@@ -415,6 +415,96 @@ def test_services_never_import_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
+#: what a service process never imports (a module, or a package and all under it): the
+#: clients (torch, tensordict), the datasets, the compatibility layer, the in-process clusters'
+#: thread, the CLI's other commands, the metrics' exposition when they are off
+NOT_IN_SERVICES = (
+    "torch",
+    "tensordict",
+    "tq_async._client",
+    "tq_async._datasets",
+    "tq_async._deploy._background",
+    "tq_async._deploy._status",
+    "tq_async.compat",
+    "prometheus_client",  # (without --metrics-on)
+    "importlib.metadata",  # (the version: for --version only)
+)
+#: ... and what a role's process (one service) does not import besides: the in-process cluster
+NOT_IN_ROLES = (*NOT_IN_SERVICES, "tq_async._deploy._cluster", "tq_async._portal")
+#: ... nor, a storage unit's, the controller, its core and the samplers; a controller's, the
+#: units' code
+NOT_IN_ROLE = {
+    "storage": (
+        *NOT_IN_ROLES,
+        "tq_async._controller",
+        "tq_async._core._state",
+        "tq_async._core._transitions",
+        "tq_async.samplers",
+    ),
+    "controller": (*NOT_IN_ROLES, "tq_async._storage._server", "tq_async._storage._cells"),
+    "serve": NOT_IN_SERVICES,
+}
+
+
+def imported(err: str) -> set[str]:
+    """The modules a process imported, from its ``-X importtime`` lines on stderr."""
+    lines = err.splitlines()
+    return {line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")}
+
+
+def _unneeded(modules: set[str], unneeded: tuple[str, ...]) -> list[str]:
+    return sorted(
+        m for m in modules if m in unneeded or m.startswith(tuple(f"{u}." for u in unneeded))
+    )
+
+
+async def test_a_serve_process_imports_only_what_it_runs(tmp_path: Path) -> None:
+    """A service restarted after a crash, a Ray actor, a ``tq-async serve`` start in a fraction
+    of a second when they import only what they run: every ``serve`` (all-in-one, controller,
+    storage) imported the clients' code, the in-process clusters' and the CLI's other
+    commands at start-up, as ``import tq_async`` did, a unit the controller's and a controller
+    the units'. Read from the real processes' own
+    import log, through a first put and get (what serving imports on first use counts)."""
+    log_imports = ["env", "PYTHONPROFILEIMPORTTIME=1"]
+    with ExitStack() as stack:
+        ctl = stack.enter_context(service(["controller"], tmp_path / "ctl.err", log_imports))
+        address = ctl.wait_line("TQ_ADDRESS=")
+        unit = stack.enter_context(
+            service(["storage", "--controller", address], tmp_path / "unit.err", log_imports)
+        )
+        unit.wait_line("TQ_UNIT=")
+        whole = stack.enter_context(service([], tmp_path / "whole.err", log_imports))
+        for cluster in (address, whole.wait_line("TQ_ADDRESS=")):
+            async with tq.AsyncClient.connect(cluster) as client:
+                await client.put({"x": torch.arange(4)}, partition_id="p")
+                td, _ = await client.get(["x"], 4, "p", "t", timeout=30)
+                assert td["x"].tolist() == [0, 1, 2, 3]
+        services = {"controller": ctl, "storage": unit, "serve": whole}
+        for svc in services.values():
+            assert svc.stop() == 0
+        unneeded = {
+            name: _unneeded(imported(svc.stderr()), NOT_IN_ROLE[name])
+            for name, svc in services.items()
+        }
+    assert unneeded == {name: [] for name in services}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the `ray` extra")
+def test_the_ray_actors_import_only_what_they_run() -> None:
+    """`tq_async.ray` (what a Ray actor of a service imports, whichever service) imported the
+    clients' code too, and the controller's and the units' both: each actor imports its own
+    service's when it starts it."""
+    probe = "import sys, tq_async.ray\nprint('\\n'.join(sys.modules))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    ray_imports = ("importlib.metadata",)  # (ray's own)
+    services = ("tq_async._controller", "tq_async.samplers", "tq_async._storage._server")
+    unneeded = [u for u in (*NOT_IN_ROLES, *services) if u not in ray_imports]
+    assert _unneeded(set(done.stdout.split()), tuple(unneeded)) == []
+
+
 @pytest.mark.parametrize("allowed", [False, True])
 async def test_a_cluster_on_every_interface_warns_as_its_services_would(allowed: bool) -> None:
     """``local_cluster`` / ``tq-async serve`` on a non-loopback host warned "anyone who can

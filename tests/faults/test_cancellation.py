@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -24,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from _cluster_proc import serve_cluster, serve_role, sigkill
+from _cluster_proc import serve_cluster, serve_role, sigkill, warm_python
 from _requests import cancelled_at
 from tq_async._transport._dealer import DealerConnection
 from tq_async._wire._protocol import Cancel, StoreGet, encoder
@@ -46,10 +44,58 @@ async def client_in(mode: str, **kwargs: Any) -> AsyncIterator[tq.AsyncClient]:
         ):
             yield client
         return
-    with serve_cluster() as address:
+    address = _SHARED.address()
+    try:
         async with tq.AsyncClient.connect(address, same_host=mode == "unix", **kwargs) as client:
             await client.list_partitions()  # connected (through the Unix socket if asked)
             yield client
+    finally:
+        await _SHARED.clean()
+
+
+class _SharedService:
+    """The ``tq-async serve`` the tcp and unix tests of `client_in` share (one per module and
+    xdist worker: starting one per test was most of this module's time). Each test leaves it
+    as it found it -- its partitions cleared, no row stored -- or it is stopped, and the next
+    test starts another."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._address: str | None = None
+
+    def address(self) -> str:
+        if self._address is None:
+            self._address = self._stack.enter_context(serve_cluster())
+        return self._address
+
+    def close(self) -> None:
+        self._address = None
+        self._stack.close()
+
+    async def clean(self) -> None:
+        """Clear every partition and wait until no unit stores a row (or stop the service)."""
+        assert self._address is not None
+        try:
+            with anyio.fail_after(20):
+                async with tq.AsyncClient.connect(self._address) as client:
+                    for pid in await client.list_partitions():
+                        await client.clear_partition(pid)
+                    while any(s["rows"] for s in (await client.storage_stats()).values()):
+                        pass  # (each stats request is a round trip after the clears)
+                    assert await client.list_partitions() == []
+        except BaseException:
+            self.close()
+            raise
+
+
+_SHARED = _SharedService()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shared_service() -> Iterator[None]:
+    """Stop the shared service after the module's last test."""
+    yield
+    _SHARED.close()
 
 
 def controller(client: tq.AsyncClient) -> DealerConnection:
@@ -424,14 +470,10 @@ async def test_a_client_killed_while_its_requests_wait_leaves_nothing_parked() -
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         ctl = cluster.controller
-        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, killed with a deadline
-            [sys.executable, "-c", _WAITING_CLIENT, cluster.address]
-        )
-        try:
+        with warm_python(_WAITING_CLIENT, cluster.address) as proc:
             with anyio.fail_after(60):  # (a process to start; the counts tell it parked)
                 while ctl.waiting < 1 or not ctl.watch.parked:
                     await anyio.sleep(0.05)
-        finally:
             sigkill(proc)
         with anyio.fail_after(10):  # its Unix socket's end is read by the controller's loop
             while ctl.waiting or ctl.watch.parked:
@@ -463,14 +505,10 @@ async def test_a_zmq_client_killed_while_its_get_meta_waits_leaves_the_rows_to_t
         tq.AsyncClient.connect(cluster.address) as client,
     ):
         ctl = cluster.controller
-        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, killed with a deadline
-            [sys.executable, "-c", _WAITING_ZMQ_CLIENT, cluster.address]
-        )
-        try:
+        with warm_python(_WAITING_ZMQ_CLIENT, cluster.address) as proc:
             with anyio.fail_after(60):  # (a process to start; the count tells it parked)
                 while ctl.waiting < 1:
                     await anyio.sleep(0.05)
-        finally:
             sigkill(proc)
         with anyio.fail_after(10):  # three missed resends of 0.2 s end it
             while ctl.waiting:
@@ -517,7 +555,7 @@ async def test_get_metas_given_up_on_a_paused_controller_over_tcp_take_no_rows()
         async with (
             tq.AsyncClient.connect(address) as producer,
             tq.AsyncClient.connect(
-                address, same_host=False, retry_after=0.3, request_timeout=1
+                address, same_host=False, retry_after=0.15, request_timeout=0.5
             ) as consumer,
         ):
             await fill(producer, "p", 8)

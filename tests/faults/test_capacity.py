@@ -105,11 +105,12 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket(
     unit resumes (counted in ``link_fallbacks``) instead of failing with a timeout, and
     tries the handshake again later (here: at once)."""
     monkeypatch.setattr(_same_host, "RELINK_AFTER", 0.0)
+    monkeypatch.setattr(_same_host, "SHM_HELLO_TIMEOUT", 2.0)  # (5 s: the same, slower)
     data = torch.arange(4 * 256, dtype=torch.int64).view(4, 256)
     with serve_role("--storage-units", "1") as (proc, address):
-        # request_timeout above the handshake's 5 s but below the pause: before the fix the
+        # request_timeout above the handshake's 2 s but below the pause: before the fix the
         # handshake waited request_timeout and the read failed
-        async with tq.AsyncClient.connect(address, request_timeout=6.5) as client:
+        async with tq.AsyncClient.connect(address, request_timeout=2.6) as client:
             await client.put({"x": data}, partition_id="p")
             meta = await client.get_meta(["x"], 4, "p", "t")
             os.kill(proc.pid, signal.SIGSTOP)
@@ -122,7 +123,7 @@ async def test_handshake_with_a_stalled_unit_degrades_to_the_socket(
                         got["td"] = await client.get_data(meta)
 
                     tg.start_soon(read)
-                    await anyio.sleep(7.5)  # the fault: the unit stays stalled this long
+                    await anyio.sleep(3.0)  # the fault: the unit stays stalled this long
                     os.kill(proc.pid, signal.SIGCONT)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)

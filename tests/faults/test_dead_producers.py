@@ -6,10 +6,6 @@ held still gives them back when their holder dies afterwards."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -17,7 +13,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from _cluster_proc import free_port, serve_role, sigkill
+from _cluster_proc import WarmProcess, free_port, serve_role, sigkill, warm_python
 
 #: a producer that acquires slots, says so, then waits (between acquire and put) until
 #: killed; each line on its stdin makes it ask the controller something (reconnecting to a
@@ -49,20 +45,13 @@ asyncio.run(main())
 """
 
 
-@contextmanager
-def _producer(address: str, n: int, *, same_host: bool = True) -> Iterator[subprocess.Popen[bytes]]:
+def _producer(address: str, n: int, *, same_host: bool = True) -> WarmProcess:
     """A `_PRODUCER` process holding ``n`` slots, SIGKILLed on exit (if not already);
     without ``same_host`` it speaks TCP only (its death is told to nobody)."""
-    argv = [sys.executable, "-c", _PRODUCER, address, str(n), "1" if same_host else "0"]
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                sigkill(proc)
+    return warm_python(_PRODUCER, address, str(n), "1" if same_host else "0")
 
 
-def _tell(proc: subprocess.Popen[bytes], line: bytes) -> None:
+def _tell(proc: WarmProcess, line: bytes) -> None:
     assert proc.stdin is not None
     proc.stdin.write(line + b"\n")
     proc.stdin.flush()
@@ -72,7 +61,7 @@ def _tell(proc: subprocess.Popen[bytes], line: bytes) -> None:
 LEASE = 2.0
 
 
-async def _said(proc: subprocess.Popen[bytes], word: bytes) -> None:
+async def _said(proc: WarmProcess, word: bytes) -> None:
     assert proc.stdout is not None
     with anyio.fail_after(60):  # (a process to start)
         line = await anyio.to_thread.run_sync(proc.stdout.readline)

@@ -27,8 +27,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -43,7 +41,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_async as tq
-from _cluster_proc import serve_role
+from _cluster_proc import serve_role, warm_python
 
 #: programs per mode (embedded; tq-async serve) in the default profile
 DEFAULT_EXAMPLES = (60, 40)
@@ -349,26 +347,13 @@ async def test_serve_process_keeps_the_guarantees_under_random_faults() -> None:
             await killed_consumer(unix, address)
 
 
-def _spawn(script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
-    )
-
-
 async def killed_consumer(client: tq.AsyncClient, address: str) -> None:
     """A consumer process SIGKILLed holding leases: its rows come back, each acked once."""
     await client.put({"v": torch.arange(12)}, partition_id="killed")
     await client.seal("killed")
-    child = _spawn(CONSUMER, address, "killed")
-    try:
-        assert child.stdout is not None
+    with warm_python(CONSUMER, address, "killed") as child:  # (SIGKILLed on leaving)
         line = await anyio.to_thread.run_sync(child.stdout.readline)
-        assert line.startswith("GOT"), line
-    finally:
-        child.kill()
-        child.wait(10)
-        if child.stdout is not None:
-            child.stdout.close()
+        assert line.startswith(b"GOT"), line
     acked: list[int] = []
     with anyio.fail_after(30):
         while True:

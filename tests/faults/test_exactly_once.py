@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import WarmProcess, warm_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and loopback services")
 
@@ -34,13 +35,8 @@ _DEADLINE = 60.0
 class Proc:
     """A child process whose stdout (and optionally stderr) lines are read with deadlines."""
 
-    def __init__(self, argv: list[str], *, stderr: bool = False) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE if stderr else subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+    def __init__(self, proc: subprocess.Popen[bytes] | WarmProcess) -> None:
+        self.proc = proc
         self._buf: dict[int, bytes] = {}
 
     def line(self, prefix: str, *, err: bool = False, timeout: float = _DEADLINE) -> str:
@@ -82,7 +78,7 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        for stream in (self.proc.stdout, self.proc.stderr):
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
 
@@ -101,13 +97,21 @@ def running(*procs: Proc) -> Iterator[None]:
 
 
 def serve(*args: str, stderr: bool = False) -> tuple[Proc, str]:
-    proc = Proc([sys.executable, "-m", "tq_async._deploy._cli", "serve", *args], stderr=stderr)
+    proc = Proc(
+        subprocess.Popen(
+            [sys.executable, "-m", "tq_async._deploy._cli", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if stderr else subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    )
     line = proc.line("TQ_")
     return proc, line.split("=", 1)[1] if line.startswith("TQ_ADDRESS=") else line
 
 
 def child(code: str, *args: str) -> Proc:
-    return Proc([sys.executable, "-c", textwrap.dedent(code), *args])
+    """``python -c CODE ARGS...``, forked warm (`warm_python`: the client imported already)."""
+    return Proc(warm_python(textwrap.dedent(code), *args))
 
 
 CONSUMER = """

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from tq_async._controller._server import ControllerServer
+from tq_async._controller._server import ControllerServer, Deadlines
 from tq_async._core._state import ControllerState
 from tq_async._storage._server import StorageServer
 from tq_async._wire._protocol import StorePut, storage_request_decoder
@@ -63,12 +63,14 @@ def process(script: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 @asynccontextmanager
-async def cluster_with_remote_unit(remote: str) -> AsyncIterator[ControllerServer]:
+async def cluster_with_remote_unit(
+    remote: str, deadlines: Deadlines | None = None
+) -> AsyncIterator[ControllerServer]:
     """Unit 0 in this loop, unit 1 at ``remote``; the first put lands on 0, the next on 1."""
     async with anyio.create_task_group() as tg:
         local = StorageServer(0)
         addresses = {0: await tg.start(local.serve, "tcp://127.0.0.1:0"), 1: remote}
-        controller = ControllerServer(ControllerState(addresses))
+        controller = ControllerServer(ControllerState(addresses), deadlines=deadlines)
         await tg.start(controller.serve, "tcp://127.0.0.1:0")
         try:
             yield controller
@@ -142,6 +144,84 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
             got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
             assert got.global_indexes == [0, 1]
+
+
+#: accepts TCP connections (the kernel does, into its backlog) but never speaks ZMTP: a unit
+#: whose process is killed before the controller's connection to it finished its handshake
+SILENT_LISTENER = textwrap.dedent(
+    """
+    import socket, time
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    print(f"tcp://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    while True:
+        time.sleep(3600)
+    """
+)
+
+
+async def test_unit_killed_before_its_handshake_fails_the_forwarded_put_fast() -> None:
+    """A unit killed before the controller's connection to it was ever up (a loaded
+    machine: the handshake had not completed): reconnecting is refused, the unit is
+    suspended and lost at once -- and the put the controller forwarded to it fails then
+    with BrokenError, not after the unit's 30 s timeout."""
+    with process(SILENT_LISTENER) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failure: list[BaseException] = []
+
+            async def doomed_put() -> None:
+                try:
+                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: no handshake
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            with anyio.fail_after(20):  # (the unit's own timeout is 30 s)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(doomed_put)
+                    await until(lambda: _store_put_in_flight(controller, 1))
+                    assert controller._links.conns[1]._core.handshaken is False
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert 1 in controller.state.dead_units
+            assert isinstance(failure[0], tq.BrokenError), failure
+            assert "storage unit 1" in str(failure[0]), failure
+            info = await client.partition_info("p")
+            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
+            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
+            assert got.global_indexes == [0, 1]
+
+
+async def test_a_clear_with_rows_on_a_suspended_unit_answers_at_once() -> None:
+    """A paused unit (SIGSTOP) is suspended; a clear of a partition with rows on it is done
+    in the controller and answered at once (it failed after the unit's 30 s timeout: the
+    kernel of the paused process still accepts the controller's reconnection, so the
+    unit's StoreClear waited for a handshake that never came). The unit frees the cells
+    when it comes back, as it frees those of any clear it missed."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote, Deadlines(unit_suspend_after=1)) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=60) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            on_1 = await client.put({"x": torch.arange(2, 4)}, "p")
+            assert set(on_1.units) == {1}
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                await until(lambda: 1 in controller.state.suspended)
+                with anyio.fail_after(10):  # (the unit's own timeout is 30 s)
+                    await client.clear_partition("p")
+                assert "p" not in await client.list_partitions()
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            await until(lambda: not controller.state.suspended)
+            with anyio.fail_after(10):  # its cells are freed once it is back
+                while (await client.storage_stats())[1]["rows"]:
+                    await anyio.lowlevel.checkpoint()
+            assert (await client.storage_stats())[0]["rows"] == 0
 
 
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:

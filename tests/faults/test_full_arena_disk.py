@@ -10,6 +10,7 @@ a put, not the unit copying a read, not a unit making its arena.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import tq_async as tq
-from _cluster_proc import serve_role, sigkill
+from _cluster_proc import serve_role, sigkill, warm_python
 from _tmpfs import fill, small_tmpfs
 
 _CLIENT = r"""
@@ -57,19 +58,17 @@ def test_a_full_disk_fails_a_same_host_put_and_kills_no_process(tmp_path: Path, 
         args = ("storage", "--controller", address, "--unit-id", "0")
         args += ("--durability", level, "--data-dir", str(disk), "--shm-cap", str(64 << 20))
         with serve_role(*args, line="TQ_UNIT=") as (unit, _):
-            client = subprocess.Popen(
-                [sys.executable, "-c", _CLIENT, address],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert client.stdout is not None
-            full = client.stdout.readline()  # (EOF if it died)
-            if full.startswith("FULL"):
-                fill(disk)  # not a page left for the read's copy
-            out, err = client.communicate("go\n", timeout=90)
-            assert client.returncode == 0, (client.returncode, err[-3000:])
+            with warm_python(_CLIENT, address, stderr=True) as client:
+                full = client.stdout.readline().decode()  # (EOF if it died)
+                if full.startswith("FULL"):
+                    fill(disk)  # not a page left for the read's copy
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # (it died)
+                    client.stdin.write(b"go\n")
+                    client.stdin.flush()
+                code = client.wait(timeout=90)  # (what it prints is small: the socket holds it)
+                assert client.stderr is not None
+                out, err = client.stdout.read().decode(), client.stderr.read().decode()
+            assert code == 0, (code, err[-3000:])
             assert "free space" in full
             assert out.startswith("READ")
             assert int(out.split()[1]) >= 2  # the put's grant and the read's copy: refused

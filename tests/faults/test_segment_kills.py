@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 
 import tq_async as tq
+from _cluster_proc import sigkill, warm_python
 from tq_async._storage._cells import StorageState
 from tq_async._storage._segments import SegmentStore
 
@@ -33,22 +32,13 @@ ROWS = 64
 def _run_until_killed(directory: Path, seed: int, level: str, acks: int) -> list[dict[str, Any]]:
     """Start the child, SIGKILL it once it acknowledged ``acks`` operations; every line it
     printed (read to the end after the kill: it may have gone further)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(directory), str(seed), level],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stdout is not None
     lines = []
-    try:
+    with warm_python(CHILD.read_text(), str(directory), str(seed), level) as proc:  # (forked)
         for raw in proc.stdout:
             lines.append(json.loads(raw))
             if lines[-1].get("ok") == acks:
                 break
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    with proc.stdout:
+        sigkill(proc)
         lines.extend(json.loads(raw) for raw in proc.stdout.read().splitlines() if raw.strip())
     assert any("ok" in line for line in lines), "the child acknowledged nothing"
     return lines

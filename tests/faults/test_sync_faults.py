@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tq_async as tq
+from _cluster_proc import warm_python
 from tq_async._wire._buffers import buffer_pool
 
 _FORK = mp.get_context("fork")
@@ -146,14 +147,14 @@ signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _run_script(script: str, address: str) -> subprocess.CompletedProcess[str]:
-    """``script`` in a fresh interpreter after `_PRELUDE`, given the cluster's address
-    (bounded in time)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + script, address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """``script`` in a process of its own (`warm_python`) after `_PRELUDE`, given the
+    cluster's address (bounded in time)."""
+    with warm_python(_PRELUDE + script, address, stderr=True) as proc:
+        code = proc.wait(timeout=60)  # (its output is a few lines: the socket holds them)
+        assert proc.stderr is not None
+        out = subprocess.CompletedProcess(
+            script, code, proc.stdout.read().decode(), proc.stderr.read().decode()
+        )
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
     return out
 
@@ -286,7 +287,7 @@ def test_a_child_forked_while_a_thread_finds_the_controller_again_does_not_hang(
     assert proc.stdout is not None
     address = proc.stdout.readline().strip().split("=", 1)[1]
     proc.stdout.close()
-    client = tq.Client.connect(address, request_timeout=10, same_host=False).open()
+    client = tq.Client.connect(address, request_timeout=1, same_host=False).open()
     client.list_partitions()
     proc.kill()
     proc.wait(10)

@@ -691,7 +691,8 @@ async def test_a_gpu_list_of_another_length_than_the_units_is_refused() -> None:
 
 
 def test_serve_takes_a_gpu_index_per_unit() -> None:
-    from tq_async._deploy._cli import _device_index_arg, _one_device_index
+    from tq_async._deploy._cli import _device_index_arg
+    from tq_async._deploy._process import _one_device_index
 
     assert _device_index_arg("3") == 3
     assert _device_index_arg("0,1,2") == [0, 1, 2]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -144,9 +145,12 @@ def run_script(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 
 def test_a_failed_task_stops_the_run_with_the_first_error_and_a_diagnosis(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Groups of 8 against a cluster set up for groups of 4 (examples/grpo.toml)."""
+    """Groups of 8 against a cluster set up for groups of 4 (examples/grpo.toml).
+
+    The script runs once as a program (its exit status and stderr are the point); the rerun,
+    the printed configuration and the run that succeeds with it run in this process."""
     sizes = ["--tiny", "--n-samples", "8", "--rank-batch-size", "8", "--micro-batch-size", "4"]
     toml = EXAMPLE.parent / "grpo.toml"
     with service(["--config", str(toml)], tmp_path / "serve.err") as svc:
@@ -163,16 +167,21 @@ def test_a_failed_task_stops_the_run_with_the_first_error_and_a_diagnosis(
         assert "samplers set up for other arguments" in diagnosis
         assert "--print-config" in diagnosis
         # the failed run cleared its partitions: a rerun is not refused, it fails the same way
-        again = run_script(*sizes, "--address", address)
-        assert again.returncode == 1
-        assert "already holds" not in again.stderr
-        assert "samplers set up for other arguments" in again.stderr
-        # with the configuration printed for these arguments, the same run succeeds
-        (tmp_path / "run.toml").write_text(run_script(*sizes, "--print-config").stdout)
+        args = example.parse_args([*sizes, "--address", address, "--quiet"])
+        try:  # a refusal (SystemExit: "already holds ...") is no Exception: it fails the test
+            anyio.run(example.run, args)
+        except Exception as exc:  # a task failed, as the script's main sees it
+            again = example.first_error(exc)
+        else:
+            pytest.fail("the rerun succeeded against samplers set up for groups of 4")
+        assert "samplers set up for other arguments" in example.diagnose(again, args)
+    # with the configuration printed for these arguments, the same run succeeds
+    example.main([*sizes, "--print-config"])
+    (tmp_path / "run.toml").write_text(capsys.readouterr().out)
     with service(["--config", str(tmp_path / "run.toml")], tmp_path / "run.err") as svc:
-        done = run_script(*sizes, "--address", svc.wait_line("TQ_ADDRESS="), "--quiet")
-        assert done.returncode == 0, done.stderr
-        assert "NO" not in done.stdout
+        args = example.parse_args([*sizes, "--address", svc.wait_line("TQ_ADDRESS="), "--quiet"])
+        s = anyio.run(example.run, args)
+        check_summary(s, rows=s["steps"] * args.prompts_per_step * 8)
 
 
 async def test_a_cluster_holding_another_runs_partitions_is_refused_with_what_to_do() -> None:
@@ -190,15 +199,19 @@ async def test_a_cluster_holding_another_runs_partitions_is_refused_with_what_to
         assert "fresh `tq-async serve`" in message
 
 
-def test_help_shows_the_defaults() -> None:
-    done = run_script("--help")
-    assert done.returncode == 0
-    text = " ".join(done.stdout.split())
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        example.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
     assert "responses per prompt (default: 4)" in text
     assert "GRPO groups per step (default: 16)" in text
     assert "(default: 1)" in text  # --max-staleness
 
 
-def test_print_config_matches_grpo_toml_for_the_defaults() -> None:
-    printed = tq.Config.from_toml_string(run_script("--print-config").stdout)
+def test_print_config_matches_grpo_toml_for_the_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    example.main(["--print-config"])
+    printed = tq.Config.from_toml_string(capsys.readouterr().out)
     assert printed == tq.Config.from_toml(EXAMPLE.parent / "grpo.toml")

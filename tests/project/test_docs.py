@@ -2,7 +2,8 @@
 
 Rules (no list of exceptions):
 
-- ``python`` blocks run in a fresh interpreter (top-level ``await`` allowed); ``bash`` / ``sh``
+- ``python`` blocks run in a fresh process (top-level ``await`` allowed), forked from an
+  interpreter that imported what they all import; ``bash`` / ``sh``
   blocks run with ``bash -eu``; ``console`` blocks are transcripts: each ``$ command`` runs
   and its output must match the lines below it (any run of digits matches any other). A
   command whose transcript starts with ``TQ_ADDRESS=`` is a service: it runs until it prints
@@ -50,6 +51,33 @@ if code.co_flags & inspect.CO_COROUTINE:
 else:
     exec(code, namespace)
 """
+
+#: forks a process per python block that then runs RUNNER as its program (own namespace and
+#: process group, exit status, atexit): a fresh interpreter spends ~4 s of CPU importing torch,
+#: tensordict and tq_async before a block's first line, once here for all the blocks
+FORKER = (
+    """
+import os, sys
+import anyio, tensordict, torch, tq_async
+for request in sys.stdin:
+    script, log, cwd = request.rstrip("\\n").split("\\0")
+    pid = os.fork()
+    if pid == 0:
+        break
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+else:
+    sys.exit(0)
+os.setsid()
+os.chdir(cwd)
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(out, 1)
+os.dup2(out, 2)
+sys.argv = ["-c", script]
+"""
+    + RUNNER
+)
 
 
 @dataclass
@@ -103,12 +131,56 @@ def same(expected: str, actual: str) -> bool:
     return re.fullmatch(pattern, actual.strip()) is not None
 
 
+class Forker:
+    """The FORKER interpreter, started on first use: a process of its own per python block."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, script: Path, log: Path, cwd: Path) -> int:
+        """The pid of a new process running ``script`` in ``cwd``, output to ``log``; 0 when
+        the forker is gone."""
+        if self.proc is None:
+            with self.log.open("w") as err:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", FORKER],
+                    cwd=self.log.parent,
+                    env=env(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(f"{script}\0{log}\0{cwd}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        return int(line) if line else 0
+
+    def exit_code(self) -> int:
+        """The exit status of the process last started, once it is gone."""
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            assert self.proc.stdout is not None
+            self.proc.stdin.close()  # it exits
+            self.proc.wait(timeout=30)
+            self.proc.stdout.close()
+
+
 class Session:
     """One file's blocks: a working directory and the process groups they left running."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, forker: Forker) -> None:
         self.workdir = workdir
         self.groups: list[int] = []
+        self.forker = forker
 
     def close(self) -> None:
         """Stop what the blocks left running (each block ran in its own process group)."""
@@ -127,7 +199,7 @@ class Session:
         elif block.lang == "python":
             script = self.workdir / f"block_{block.line}.py"
             script.write_text(block.text)
-            self.check(block, [sys.executable, "-c", RUNNER, str(script)])
+            self.python(block, script)
         elif block.lang in ("bash", "sh"):
             self.check(block, ["bash", "-euc", block.text])
         else:
@@ -154,6 +226,19 @@ class Session:
             pytest.fail(f"{block} did not finish in 120 s:\n{log.read_text()}")
         assert code == 0, f"{block} failed ({code}):\n{log.read_text()}"
         return log.read_text()
+
+    def python(self, block: Block, script: Path) -> None:
+        """Run ``script`` as ``python -c RUNNER script`` would, in a process of the forker's."""
+        log = self.workdir / f"block_{block.line}.log"
+        pid = self.forker.start(script, log, self.workdir)
+        if not pid:
+            pytest.fail(f"the forker exited before {block}:\n{self.forker.log.read_text()}")
+        self.groups.append(pid)
+        if not _wait_gone(pid, timeout=120):
+            self.forker.exit_code()
+            pytest.fail(f"{block} did not finish in 120 s:\n{log.read_text()}")
+        code = self.forker.exit_code()
+        assert code == 0, f"{block} failed ({code}):\n{log.read_text()}"
 
     def console(self, block: Block) -> None:
         commands: list[tuple[str, list[str]]] = []
@@ -231,15 +316,19 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _wait_gone(pid: int, timeout: float) -> None:
-    """Wait (on a pidfd: no polling) until ``pid`` exits; SIGKILL it after ``timeout``."""
+def _wait_gone(pid: int, timeout: float) -> bool:
+    """Wait (on a pidfd: no polling) until ``pid`` exits; SIGKILL it after ``timeout``.
+
+    Returns whether it exited within ``timeout``."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        return
+        return True
     try:
         if not select.select([fd], [], [], timeout)[0]:
             os.kill(pid, signal.SIGKILL)
+            return False
+        return True
     finally:
         os.close(fd)
 
@@ -256,6 +345,13 @@ def test_every_shell_and_python_block_is_run_or_marked() -> None:
             assert block.skipped, f"{block} uses other hosts' addresses: mark it `# not run`"
 
 
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forker]:
+    shared = Forker(tmp_path_factory.mktemp("forker") / "forker.log")
+    yield shared
+    shared.close()
+
+
 def runnable(path: Path) -> list[Block]:
     return [b for b in blocks(path) if b.lang in RUNNABLE and not b.skipped]
 
@@ -264,8 +360,8 @@ def runnable(path: Path) -> list[Block]:
 @pytest.mark.parametrize(
     "path", [p for p in FILES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT))
 )
-def test_the_code_in_the_docs_runs(path: Path, tmp_path: Path) -> None:
-    session = Session(tmp_path)
+def test_the_code_in_the_docs_runs(path: Path, tmp_path: Path, forker: Forker) -> None:
+    session = Session(tmp_path, forker)
     try:
         for block in runnable(path):
             session.run(block)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import pickle
@@ -157,6 +158,28 @@ def test_the_public_names_are_pinned() -> None:
     ]
     for name in tq_async.lowlevel.__all__:
         assert inspect.getdoc(getattr(tq_async.lowlevel, name)), f"{name} has no docstring"
+
+
+def test_the_lazy_names_are_the_type_checkers_names() -> None:
+    """``tq_async`` imports its names but the errors on first use (``_LAZY``), and shows them
+    to type checkers and the API reference under ``if TYPE_CHECKING:``: both say the same
+    module for the same names, and every public name is one or the other."""
+    tree = ast.parse(Path(tq_async.__file__).read_text())
+    checked = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    declared = {
+        alias.name: "." * node.level + (node.module or "")
+        for node in checked.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert declared == tq_async._LAZY
+    eager = {n for n in tq_async.__all__ if n in vars(tq_async) and n not in tq_async._LAZY}
+    assert eager | set(tq_async._LAZY) == set(tq_async.__all__)
+    assert all(issubclass(getattr(tq_async, n), tq_async.TQError) for n in eager)
 
 
 @pytest.mark.parametrize("name", ["ColumnHeader", "ControllerServer", "ControllerState"])

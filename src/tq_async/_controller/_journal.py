@@ -59,8 +59,7 @@ from .._core._transitions import ControllerCore, Effects
 from .._errors import ConfigError, TQError
 from .._logging import get_logger
 from .._service._loop import Handler, Incoming
-from .._storage._dir_marker import put_marker, unwritable
-from .._storage._unit_dir import lock_dir
+from .._storage._dir_marker import UNITS_DIR, lock_dir, put_marker, unwritable
 from .._transport._inherited import release
 from .._wire._protocol import (
     Ack,
@@ -89,7 +88,6 @@ __all__ = [
     "check_controller_dir",
     "check_durability",
     "check_no_journal",
-    "unit_data_dir",
 ]
 
 log = get_logger(__name__)
@@ -102,10 +100,6 @@ DURABILITY: tuple[str, ...] = ("memory", "process", "fsync")
 
 #: the file naming what a data_dir belongs to (a controller, a storage unit)
 MARKER = "tq-async-data-dir.json"
-#: where a cluster started as a whole (``local_cluster``, ``tq-async serve``,
-#: ``tq_async.ray.launch``) keeps its storage units' directories, inside the controller's
-#: (``units/unit-N``)
-UNITS_DIR = "units"
 _DB = "controller.db"
 #: the lock a running controller holds on its data_dir (a second controller on it is refused)
 _LOCK = "tq-async-data-dir.lock"
@@ -288,25 +282,6 @@ def _check_wal_tail(path: str) -> None:
             wal=path + "-wal",
             bytes=wal_size,
         )
-
-
-def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
-    """Storage unit ``unit_id``'s directory in a cluster started as a whole on ``data_dir``
-    (the controller's): ``data_dir/units/unit-N``, the same unit every start, so the cluster
-    started again on ``data_dir`` finds each unit's cells.
-
-    Args:
-        data_dir: the controller's directory.
-        unit_id: the unit's id.
-        create: make the directory (and its parents) if it is missing.
-
-    Returns:
-        The unit's directory.
-    """
-    path = os.path.join(data_dir, UNITS_DIR, f"unit-{unit_id}")
-    if create:
-        os.makedirs(path, exist_ok=True)
-    return path
 
 
 def _claim(data_dir: str) -> None:

@@ -32,7 +32,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -43,7 +43,6 @@ from .._errors import ClosedError
 from .._service._loop import SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
 from .._storage._dir_marker import DISK_INSTANCE
-from .._storage._server import StorageServer
 from .._transport._router import RouterEndpoint
 from .._transport._security import CurveServer
 from .._wire._protocol import (
@@ -66,6 +65,9 @@ from ._queries import QUERIES
 from ._shell import Shell
 from ._units import UnitLinks
 from ._watch import WatchHub
+
+if TYPE_CHECKING:  # (a `serve controller` process never imports the units' code)
+    from .._storage._server import StorageServer
 
 __all__ = ["AdmissionConfig", "ControllerServer", "Deadlines"]
 

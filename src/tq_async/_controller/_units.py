@@ -9,7 +9,7 @@ by the core (`UnitLiveness`); this part does the I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -20,11 +20,13 @@ from .._errors import InvalidRequestError, TQError
 from .._logging import get_logger
 from .._service._loop import DEFERRED, Incoming
 from .._storage._dir_marker import DISK_INSTANCE
-from .._storage._server import StorageServer
 from .._transport._dealer import DealerConnection
 from .._transport._security import CurveServer
 from .._wire._protocol import RegisterUnit, StoreClear, StoreStats, StoreStatsReply
 from ._shell import Shell
+
+if TYPE_CHECKING:  # (a `serve controller` process never imports the units' code)
+    from .._storage._server import StorageServer
 
 __all__ = ["UnitLinks"]
 
@@ -212,9 +214,18 @@ class UnitLinks:
         shell = self.shell
         if shell.stopping or unit_id in self.local_units or unit_id not in self.state.units:
             return
-        if unit_id not in self.state.suspended:
-            # refused before the link was ever up: the unit died right after registering
-            # (no disconnect to suspend it on); before, it stayed "up" for good
+        if unit_id not in self.state.suspended and unit_id not in self.state.dead_units:
+            # refused before the link was ever up: the unit died right after registering or
+            # before its handshake completed (no disconnect suspended it, nor failed what was
+            # forwarded to it: a one-message put waited for the unit's timeout); breaking
+            # the link does both (`_unit_silent`)
+            conn = self.conns.get(unit_id)
+            if conn is not None:
+                conn.break_off(
+                    f"storage unit {unit_id} at {conn.name} refused the connection before it "
+                    "was ever up (its process is gone or restarting); requests in flight to "
+                    "it are lost: retry"
+                )
             shell.apply_unasked(self.core.unit_down(unit_id, shell.now()))
         if self._unit_instance.get(unit_id, "").startswith(DISK_INSTANCE):
             return
@@ -290,7 +301,8 @@ class UnitLinks:
     ) -> None:
         """Tell units to free rows; answer ``peer`` (if any) once all have, or with the errors.
 
-        With ``incarnation``, units free only that incarnation's cells.
+        With ``incarnation``, units free only that incarnation's cells. A lost unit's cells
+        are gone; a suspended unit frees its cells once back (`_free_orphans`).
         """
         errors: list[str] = []
 
@@ -302,9 +314,13 @@ class UnitLinks:
             except TQError as exc:
                 errors.append(f"unit {unit_id}: {exc}")
 
+        st = self.state
         async with anyio.create_task_group() as tg:
             for unit_id, rows in by_unit.items():
-                if unit_id in self.state.units and unit_id not in self.state.dead_units:
+                # a suspended unit is not asked (a paused one would keep the clear waiting
+                # for the unit's timeout): it frees what it missed once back (`_free_orphans`)
+                away = unit_id in st.dead_units or unit_id in st.suspended
+                if unit_id in st.units and not away:
                     tg.start_soon(clear_one, unit_id, rows)
         if peer is None:
             if errors:

@@ -26,21 +26,14 @@ from typing import Any, Protocol, TextIO, cast
 
 import anyio
 
-from .._core._transitions import Deadlines
+from .._core._settings import Deadlines
 from .._errors import AuthenticationError, ConfigError, InvalidRequestError, TQError
 from .._logging import configure_logging
 from .._paths._nixl import DATA_PATHS
+from .._paths._shm import DEFAULT_SHM_CAP
 from .._service._config import Config
 from .._service._config import load_curve as load_curve
-from .._service._serve import (
-    check_address,
-    first_tq_error,
-    raise_fd_limit,
-)
-from .._storage._server import DEFAULT_SHM_CAP
-from ._process import DEFAULT_BIND, serve_all, serve_role
-from ._process import _one_device_index as _one_device_index  # (tests)
-from ._status import run_status
+from .._service._serve import DEFAULT_BIND, check_address, first_tq_error, raise_fd_limit
 from ._stderr import LogStream
 
 __all__ = ["main"]
@@ -413,9 +406,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run tq_async services as processes.",
         formatter_class=_FORMATTER,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
-    )
+    parser.add_argument("--version", action=_VersionAction, help="print the version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -485,6 +476,18 @@ def _version() -> str:
     from .. import __version__
 
     return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the version is looked up when asked for (``importlib.metadata`` costs
+    ~15-25 ms, which every ``serve`` paid building its parser)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"{parser.prog} {_version()}", flush=True)
+        parser.exit()
 
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -575,13 +578,16 @@ def _run_serve(
     """``serve``, its logging set up: its exit status."""
     try:
         config = config_from_args(args, _given(parser, argv))
-        config.controller_options()  # import and call the factories now: fail before binding
+        if args.role != "storage":  # (a unit's process needs no controller options)
+            config.controller_options()  # import and call the factories: fail before binding
     except ConfigError as exc:
         print(f"tq-async: error: {exc}", file=stderr)
         return 2
     # a service holds a descriptor per client: the default soft limit (often 1,024) would
     # cap it long before the hard limit does (docs/deployment.md, "File descriptors")
     raise_fd_limit("serve" if args.role is None else args.role, config.num_storage_units)
+    from ._process import serve_all, serve_role  # (each command imports what it runs)
+
     try:
         if args.role is None:
             anyio.run(serve_all, config)
@@ -597,6 +603,8 @@ def _run_serve(
 
 
 def _status(args: argparse.Namespace) -> int:
+    from ._status import run_status  # (each command imports what it runs)
+
     try:  # a bad command line: status 2, as for serve
         keys = load_curve(args.curve_cert, None)
         check_address(args.address)

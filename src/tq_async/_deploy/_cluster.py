@@ -8,13 +8,12 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
-from prometheus_client import CollectorRegistry
 
-from .._controller._journal import check_controller_dir, unit_data_dir
+from .._controller._journal import check_controller_dir
 from .._controller._server import AdmissionConfig, ControllerServer, Deadlines
 from .._core._effects import check_capacity
 from .._core._placement import Placer, check_placement
@@ -23,15 +22,9 @@ from .._errors import ConfigError, InvalidRequestError
 from .._paths._nixl import check_data_path
 from .._portal import host_services, stop_hosting
 from .._service._config import Config, device_indexes, per_unit
-from .._service._metrics import (
-    Metrics,
-    controller_collector,
-    metrics_address,
-    register,
-    serve_metrics,
-    storage_collector,
-)
+from .._service._metrics import Metrics, metrics_address
 from .._service._serve import first_tq_error, only_error, warn_if_exposed
+from .._storage._dir_marker import unit_data_dir
 from .._storage._server import DEFAULT_SHM_CAP, StorageServer
 from .._storage._unit_dir import locked_dir
 from .._transport._inherited import release
@@ -41,6 +34,8 @@ from ..samplers import BaseSampler
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["LocalCluster", "local_cluster"]
 
@@ -299,6 +294,8 @@ def _plan(config: Config | None, registry: CollectorRegistry | None, **given: An
         }
         auto_clear = config.auto_clear_tasks
         if config.metrics_on is not None and registry is None:
+            from prometheus_client import CollectorRegistry  # (metrics on)
+
             registry = CollectorRegistry()
     units = given["num_storage_units"]
     if type(units) is not int and not isinstance(units, bool):
@@ -400,6 +397,13 @@ async def _start(tg: TaskGroup, plan: _Plan, controller_bind: str) -> LocalClust
     address = await tg.start(controller.serve, controller_bind)
     cluster = LocalCluster(address, controller, units)
     if registry is not None:
+        from .._service._exposition import (  # (metrics on)
+            controller_collector,
+            register,
+            serve_metrics,
+            storage_collector,
+        )
+
         plan.unregister += [
             register(registry, controller_collector(controller.state, lambda: controller.waiting)),
             register(registry, storage_collector({u.unit_id: u.state for u in units})),

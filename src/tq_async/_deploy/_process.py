@@ -10,25 +10,24 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
-from prometheus_client import CollectorRegistry
 
 from .._errors import ConfigError
 from .._logging import get_logger
 from .._service._config import Config
-from .._service._metrics import metrics_address, serve_metrics
-from .._service._serve import serve_controller, serve_storage
-from ._cluster import local_cluster
+from .._service._metrics import metrics_address
+from .._service._serve import DEFAULT_BIND, serve_controller, serve_storage
 from ._stderr import close_all
 
-__all__ = ["DEFAULT_BIND", "serve_all", "serve_role"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["serve_all", "serve_role"]
 
 log = get_logger(__name__)
-
-#: where a service binds without ``--bind``: a free port on loopback
-DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:
@@ -42,6 +41,8 @@ def _stop_signals() -> tuple[signal.Signals, ...]:
 
 async def serve_all(config: Config) -> None:
     """The all-in-one ``tq-async serve``: a controller and its units until a signal."""
+    from ._cluster import local_cluster  # (a role's process runs no cluster)
+
     stop = anyio.Event()
     async with (
         _stopped_by_signals(stop.set),
@@ -101,7 +102,11 @@ async def _on_signals(
 
 async def serve_role(args: argparse.Namespace, config: Config) -> None:
     """``tq-async serve controller`` / ``serve storage``: the role's service until a signal."""
-    registry = CollectorRegistry() if config.metrics_on else None
+    registry = None
+    if config.metrics_on:
+        from prometheus_client import CollectorRegistry  # (metrics on)
+
+        registry = CollectorRegistry()
     stop_metrics: Callable[[], None] | None = None
     serving = anyio.CancelScope()
     async with _stopped_by_signals(serving.cancel):
@@ -110,6 +115,8 @@ async def serve_role(args: argparse.Namespace, config: Config) -> None:
                 async with anyio.create_task_group() as tg:
                     lines = await _start_role(tg, args, config, registry)
                     if registry is not None and config.metrics_on is not None:
+                        from .._service._exposition import serve_metrics
+
                         address = metrics_address(config.metrics_on)
                         url, stop_metrics = serve_metrics(registry, *address)
                         lines.append(f"TQ_METRICS_URL={url}")

@@ -45,7 +45,22 @@ from .._errors import InvalidRequestError, SessionLostError, StorageFullError, T
 from .._logging import get_logger
 from ._pinned import PIN_CHUNK, PinnedChunks, chunks_of
 
-__all__ = ["Arena", "ArenaMap", "Extents", "Region", "PAGE", "TOKEN_BYTES"]
+__all__ = [
+    "Arena",
+    "ArenaMap",
+    "DEFAULT_SHM_CAP",
+    "DEFAULT_SHM_IDLE",
+    "Extents",
+    "Region",
+    "PAGE",
+    "TOKEN_BYTES",
+]
+
+#: default shared-memory arena per storage unit (address space; pages are used only once
+#: written)
+DEFAULT_SHM_CAP = 1 << 30
+#: default bound on freed arena pages kept for reuse
+DEFAULT_SHM_IDLE = 256 << 20
 
 log = get_logger(__name__)
 

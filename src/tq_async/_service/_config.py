@@ -39,19 +39,21 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 import zmq.auth
 
-from .._core._transitions import AdmissionConfig, Deadlines
+from .._core._settings import AdmissionConfig, Deadlines
 from .._errors import ConfigError, InvalidRequestError, TQError
-from .._storage._server import DEFAULT_SHM_CAP
+from .._paths._shm import DEFAULT_SHM_CAP
 from .._transport._endpoints import normalize_bind
 from .._transport._security import CurveServer
-from ..samplers import BaseSampler
 from ._metrics import metrics_address
+
+if TYPE_CHECKING:  # (a storage unit's process never imports the samplers)
+    from ..samplers import BaseSampler
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -169,6 +171,8 @@ class SamplerSpec:
 
 def _sampler_hint(given: Any) -> str:
     """What to write instead of a sampler object (or class) where a spec is expected."""
+    from ..samplers import BaseSampler
+
     if isinstance(given, BaseSampler) or (
         isinstance(given, type) and issubclass(given, BaseSampler)
     ):

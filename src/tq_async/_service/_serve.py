@@ -19,32 +19,31 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from prometheus_client import CollectorRegistry
 
-from .._controller._server import ControllerServer
-from .._core._effects import check_capacity
-from .._core._placement import Placer
-from .._core._state import ControllerState
 from .._errors import InvalidRequestError, ProtocolError, TQError, TQTimeoutError
 from .._logging import get_logger
-from .._storage._server import DEFAULT_SHM_CAP, StorageServer
+from .._paths._shm import DEFAULT_SHM_CAP
 from .._transport._dealer import DealerConnection
 from .._transport._endpoints import is_loopback
 from .._transport._security import CurveClient, CurveServer
 from .._wire._protocol import RegisterUnit
-from ..samplers import BaseSampler
 from ._config import Config
-from ._metrics import Metrics, controller_collector, register, storage_collector
+from ._metrics import Metrics
 
 if sys.version_info < (3, 11):  # pragma: no cover - depends on the Python version
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ..samplers import BaseSampler
 
 __all__ = [
+    "DEFAULT_BIND",
     "advertised_address",
     "check_address",
     "first_tq_error",
@@ -56,6 +55,9 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+#: where a service binds without ``--bind``: a free port on loopback
+DEFAULT_BIND = "tcp://127.0.0.1:0"
 
 #: ``RegisterUnit.unit_id`` that asks the controller to choose the id.
 ASSIGN_UNIT_ID = -1
@@ -295,6 +297,12 @@ async def serve_controller(
     if _is_wildcard(bind) and not advertise:
         advertised_address(bind, bind, None)  # raises the explanatory error
     options: dict[str, Any] = {"sampler": sampler, "allow_pickle": allow_pickle, "curve": curve}
+    # each role imports its own service: a unit's process never imports the controller's core
+    from .._controller._server import ControllerServer
+    from .._core._effects import check_capacity
+    from .._core._placement import Placer
+    from .._core._state import ControllerState
+
     state = ControllerState()
     if config is not None:
         options = {**config.controller_options(), **({"curve": curve} if curve else {})}
@@ -311,6 +319,8 @@ async def serve_controller(
             bound: str = await tg.start(controller.serve, bind)
             address = advertised_address(bound, bind, advertise)
             if metrics_registry is not None:
+                from ._exposition import controller_collector, register  # (metrics on)
+
                 gauges = controller_collector(controller.state, lambda: controller.waiting)
                 collectors.callback(register(metrics_registry, gauges))
             log.info("controller serving", address=address)
@@ -376,6 +386,8 @@ async def serve_storage(
         raise InvalidRequestError(f"unit_id must be >= 0, got {unit_id}")
     check_address(controller)
     warn_if_exposed(bind, "storage", curve)
+    from .._storage._server import StorageServer  # (see serve_controller)
+
     unit = StorageServer(
         -1 if unit_id is None else unit_id,
         allow_pickle=allow_pickle,
@@ -407,6 +419,8 @@ async def serve_storage(
                 )
             )
             if metrics_registry is not None:
+                from ._exposition import register, storage_collector  # (metrics on)
+
                 gauges = storage_collector({unit.unit_id: unit.state})
                 collectors.callback(register(metrics_registry, gauges))
             log.info(

@@ -1,4 +1,5 @@
-"""Whose a data_dir is: the marker file a storage unit writes in its directory.
+"""Whose a data_dir is: the marker file a storage unit writes in its directory, and the lock
+its process holds on it (`lock_dir`, a controller's journal's too).
 
 ``tq-async-data-dir.json`` says which unit the directory belongs to, the format of its files,
 and the unit's instance token (a durable unit's cells outlive its process: the controller
@@ -8,6 +9,7 @@ name for its own marker (`tq_async._controller._journal`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -15,9 +17,13 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._paths._dirs import sync_dir
+from .._transport._inherited import close_in_children
 
 __all__ = [
     "DISK_INSTANCE",
+    "UNITS_DIR",
+    "lock_dir",
+    "unit_data_dir",
     "FORMAT",
     "MARKER",
     "claim_unit_dir",
@@ -32,6 +38,10 @@ MARKER = "tq-async-data-dir.json"
 FORMAT = 1
 #: a durable unit's instance token starts with this: its cells outlive its process
 DISK_INSTANCE = "disk-"
+#: where a cluster started as a whole (``local_cluster``, ``tq-async serve``,
+#: ``tq_async.ray.launch``) keeps its storage units' directories, inside the controller's
+#: (``units/unit-N``)
+UNITS_DIR = "units"
 
 
 def claim_unit_dir(directory: str, unit_id: int | None) -> tuple[int | None, str]:
@@ -128,3 +138,41 @@ def put_marker(directory: str, mark: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, marker)
     sync_dir(directory)
+
+
+def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
+    """Lock ``data_dir`` (through its file ``lock_name``) for this process, used as ``user``
+    (a storage unit, a controller): its file descriptor (closing it, or the process ending,
+    unlocks). Held by another running process, or not writable: `ConfigError`."""
+    try:
+        fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise unwritable(data_dir, user, exc) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
+            "its own directory (or stop the other one first)"
+        ) from None
+    return close_in_children(fd)  # a forked child's copy would keep it locked
+
+
+def unit_data_dir(data_dir: str, unit_id: int, *, create: bool = False) -> str:
+    """Storage unit ``unit_id``'s directory in a cluster started as a whole on ``data_dir``
+    (the controller's): ``data_dir/units/unit-N``, the same unit every start, so the cluster
+    started again on ``data_dir`` finds each unit's cells.
+
+    Args:
+        data_dir: the controller's directory.
+        unit_id: the unit's id.
+        create: make the directory (and its parents) if it is missing.
+
+    Returns:
+        The unit's directory.
+    """
+    path = os.path.join(data_dir, UNITS_DIR, f"unit-{unit_id}")
+    if create:
+        os.makedirs(path, exist_ok=True)
+    return path

@@ -39,7 +39,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from .._errors import ClosedError, InvalidRequestError
 from .._paths._nixl import Claims, UnitNixl, check_data_path
-from .._paths._shm import Arena, Region
+from .._paths._shm import DEFAULT_SHM_CAP, DEFAULT_SHM_IDLE, Arena, Region
 from .._service._loop import DEFERRED, SENT, Handler, Incoming, Service
 from .._service._metrics import Metrics
 from .._transport._hosts import resolve_host_id
@@ -73,11 +73,6 @@ from ._shm_handlers import ShmPath
 from ._unit_dir import UnitDir
 
 __all__ = ["DEFAULT_SHM_CAP", "DEFAULT_SHM_IDLE", "StorageServer"]
-
-#: default shared-memory arena per unit (address space; pages are used only once written)
-DEFAULT_SHM_CAP = 1 << 30
-#: default bound on freed arena pages kept for reuse
-DEFAULT_SHM_IDLE = 256 << 20
 
 
 class StorageServer(Service):

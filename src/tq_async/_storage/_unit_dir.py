@@ -21,10 +21,10 @@ from .._errors import ConfigError
 from .._logging import get_logger
 from .._transport._inherited import close_in_children, release, remove_unheld
 from ._cells import StorageState
-from ._dir_marker import claim_unit_dir, unwritable, write_marker
+from ._dir_marker import claim_unit_dir, lock_dir, unwritable, write_marker
 from ._segments import ARENA_FILE, SegmentStore
 
-__all__ = ["UnitDir", "lock_dir", "locked_dir", "sweep"]
+__all__ = ["UnitDir", "locked_dir", "sweep"]
 
 log = get_logger(__name__)
 
@@ -210,22 +210,3 @@ def sweep(parent: str, prefix: str, lock_name: str, what: str) -> None:
         path = os.path.join(parent, name)
         if remove_unheld(path, os.path.join(path, lock_name)):
             log.info(f"removed {what} left when it was killed", path=path)
-
-
-def lock_dir(data_dir: str, lock_name: str, user: str) -> int:
-    """Lock ``data_dir`` (through its file ``lock_name``) for this process, used as ``user``
-    (a storage unit, a controller): its file descriptor (closing it, or the process ending,
-    unlocks). Held by another running process, or not writable: `ConfigError`."""
-    try:
-        fd = os.open(os.path.join(data_dir, lock_name), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise unwritable(data_dir, user, exc) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(
-            f"data_dir: {data_dir!r} is in use by another running {user}; give each {user} "
-            "its own directory (or stop the other one first)"
-        ) from None
-    return close_in_children(fd)  # a forked child's copy would keep it locked

@@ -269,6 +269,15 @@ class ConnectionShell:
         if self._on_disconnect is not None:
             self._on_disconnect()
 
+    def break_off(self, why: str) -> None:
+        """Break the connection as a disconnect does (``why``: the requests' `BrokenError`),
+        for an owner that declared its peer gone while no break was reported: a connection
+        refused before its handshake ever completed reports none, and what was sent on it
+        waits (ZMQ keeps it for a peer that may come) -- the waiting requests fail, the
+        socket's queue is dropped, ``on_disconnect`` runs."""
+        if not self._closed:
+            self._disconnected(why)
+
     def _purge(self) -> None:
         """Drop what the ZMQ socket still queues for the peer that went away: a request
         just failed with `BrokenError` (sent after the peer died, before the monitor said
