@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager, contextmanager
 
 import anyio
 import pytest
+import structlog
 import torch
 
 import tq_async as tq
@@ -225,15 +226,19 @@ async def test_a_clear_with_rows_on_a_suspended_unit_answers_at_once() -> None:
 
 
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
+    return _store_puts_in_flight(controller, unit_id) > 0
+
+
+def _store_puts_in_flight(controller: ControllerServer, unit_id: int) -> int:
     conn = controller._links.conns.get(unit_id)
     if conn is None:
-        return False
+        return 0
+    puts = 0
     for frames in conn._inflight.values():
         header = frames[0]
         req = storage_request_decoder.decode(header if isinstance(header, bytes) else bytes(header))
-        if isinstance(req.body, StorePut):
-            return True
-    return False
+        puts += isinstance(req.body, StorePut)
+    return puts
 
 
 async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
@@ -265,6 +270,39 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
             got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
             assert got.global_indexes == [0, 1]
+
+
+async def test_puts_failed_by_a_dead_unit_log_no_traceback_flood() -> None:
+    """Puts the controller forwarded to a unit that dies fail with BrokenError: an expected
+    outage, not a bug. The controller logged each at ERROR with a full traceback ("controller
+    request failed"), a flood during an outage; now one warning line, no traceback (the unit's
+    loss has its own line), the rest counted."""
+    with process(BLACK_HOLE) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failures: list[BaseException] = []
+
+            async def doomed_put(i: int) -> None:
+                try:
+                    await client.put({"x": torch.arange(2) + 10 * i}, "p")
+                except tq.TQError as exc:
+                    failures.append(exc)
+
+            with structlog.testing.capture_logs() as logs:
+                async with anyio.create_task_group() as tg:
+                    for i in range(1, 7):
+                        tg.start_soon(doomed_put, i)
+                    await until(lambda: _store_puts_in_flight(controller, 1) >= 3)
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert len(failures) >= 3, failures
+            assert all(isinstance(exc, tq.BrokenError) for exc in failures), failures
+            failed = [e for e in logs if "request failed" in e["event"]]
+            assert not [e for e in logs if e.get("exc_info") is not None], failed
+            assert not [e for e in logs if e["log_level"] == "error" and e in failed], failed
+            assert len(failed) == 1, failed
 
 
 async def test_lost_reply_is_retried_and_delivered_exactly_once() -> None:
