@@ -266,6 +266,11 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
             assert not client._links.units  # the client never talked to a unit itself
             # the put failed fast (well before its 30 s timeout), with the unit's loss
             assert isinstance(failure[0], tq.BrokenError)
+            # ... and says which: the client talks to the controller, the address is a unit's,
+            # and waiting for it to be "back" is not what to do (a new put goes elsewhere)
+            message = str(failure[0])
+            assert "storage unit 1" in message, message
+            assert "put it again" in message, message
             info = await client.partition_info("p")
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
             got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
