@@ -19,7 +19,7 @@ import tq_async as tq
 from tq_async._controller._server import ControllerServer, Deadlines
 from tq_async._core._state import ControllerState
 from tq_async._storage._server import StorageServer
-from tq_async._wire._protocol import StorePut, storage_request_decoder
+from tq_async._wire._protocol import StoreClear, StorePut, storage_request_decoder
 
 UNIT_PROCESS = textwrap.dedent(
     """
@@ -225,20 +225,57 @@ async def test_a_clear_with_rows_on_a_suspended_unit_answers_at_once() -> None:
             assert (await client.storage_stats())[0]["rows"] == 0
 
 
+async def test_a_clear_whose_unit_dies_mid_way_answers_ok() -> None:
+    """A unit killed while the controller's StoreClear to it is in flight: the clear is done
+    in the controller, and the unit's cells are gone with it (or freed once it is back, as
+    after any clear it missed). The clear failed ("freeing storage failed: unit 1: the
+    connection ... broke") and the controller logged it with a traceback; now it answers
+    ok, quietly."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            on_1 = await client.put({"x": torch.arange(2, 4)}, "p")
+            assert set(on_1.units) == {1}
+            os.kill(proc.pid, signal.SIGSTOP)  # (not suspended yet: its clear goes out)
+            failure: list[BaseException] = []
+
+            async def clear() -> None:
+                try:
+                    await client.clear_partition("p")
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            with structlog.testing.capture_logs() as logs, anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(clear)
+                    await until(lambda: _in_flight(controller, 1, StoreClear) > 0)
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert not failure, failure
+            assert not [e for e in logs if e["log_level"] == "error" and "exc_info" in e], logs
+            assert "p" not in await client.list_partitions()
+
+
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
     return _store_puts_in_flight(controller, unit_id) > 0
 
 
 def _store_puts_in_flight(controller: ControllerServer, unit_id: int) -> int:
+    return _in_flight(controller, unit_id, StorePut)
+
+
+def _in_flight(controller: ControllerServer, unit_id: int, kind: type) -> int:
     conn = controller._links.conns.get(unit_id)
     if conn is None:
         return 0
-    puts = 0
+    found = 0
     for frames in conn._inflight.values():
         header = frames[0]
         req = storage_request_decoder.decode(header if isinstance(header, bytes) else bytes(header))
-        puts += isinstance(req.body, StorePut)
-    return puts
+        found += isinstance(req.body, kind)
+    return found
 
 
 async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
