@@ -116,6 +116,28 @@ async def test_unit_killed_after_it_holds_rows() -> None:
                 await client.put({"y": torch.zeros(4)}, meta=doomed)
 
 
+async def test_a_read_from_a_dead_unit_names_the_unit() -> None:
+    """A read of rows on a unit that died failed with "nothing listens at tcp://... check
+    the address": an address the program never gave (the controller listed it), and no word
+    of which unit or how to learn whether its rows are lost; now it names the storage unit
+    and points at `lost_rows`."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=5) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            doomed = await client.put({"x": torch.arange(2, 4)}, "p")
+            assert (await client.get_data(doomed))["x"].tolist() == [2, 3]
+            os.kill(proc.pid, signal.SIGKILL)
+            await until(lambda: 1 in controller.state.dead_units)
+            with anyio.fail_after(10), pytest.raises(tq.BrokenError) as failed:
+                await client.get_data(doomed)
+            message = str(failed.value)
+            assert "storage unit 1" in message, message
+            assert "lost_rows" in message, message
+
+
 async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
     """The three-step put (client -> unit directly) to a unit that dies."""
     with process(BLACK_HOLE) as (proc, remote):
