@@ -40,7 +40,9 @@ in a circle):
 
 The names that need torch (clients, datasets) are imported on first use, so that the services
 (``tq-async serve``, Ray actors), which never touch a tensor, start without importing torch:
-~0.3 s and ~60 MB instead of ~3 s and ~330 MB.
+~0.3 s and ~60 MB instead of ~3 s and ~330 MB. The clients import tensordict only when a
+program hands one in or reads one (``_wire._tensordicts``): a producer that puts dicts of
+tensors saves its ~2 s of CPU.
 """
 
 import importlib
