@@ -42,7 +42,9 @@ in a circle):
 Every public name but the errors is imported on first use (``_LAZY``), so that a process
 imports only the modules it runs: the services (``tq-async serve``, Ray actors) never import
 the clients, the datasets or torch (~0.3 s and ~60 MB instead of ~3 s and ~330 MB), and a
-``tq-async serve`` imports neither the clients' nor the in-process clusters' code.
+``tq-async serve`` imports neither the clients' nor the in-process clusters' code. The
+clients import tensordict only when a program hands one in or reads one
+(``_wire._tensordicts``): a producer that puts dicts of tensors saves its ~2 s of CPU.
 """
 
 import importlib

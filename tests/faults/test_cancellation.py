@@ -549,8 +549,15 @@ async def test_get_metas_given_up_on_a_paused_controller_over_tcp_take_no_rows()
     reconnects every ``retry_after`` and resends, then sends its ``Cancel`` on its last
     connection. Once resumed, the controller reads those connections in any order: a
     ``Cancel`` read before its request found nothing to cancel and was dropped, then the
-    request ran and its rows went to a caller long gone (2 of 8 rows never came back). Now
-    a request whose ``Cancel`` came first is not run."""
+    request ran and its rows went to a caller long gone (2 of 8 rows never came back).
+
+    What this pins is the client's half: the copies of a request and its ``Cancel`` queued
+    on a socket a reconnect replaces are lost with it (the paused controller never finished
+    their handshake), so a ``Cancel`` is sent again on each reconnect until its reply comes
+    (`ConnectionShell`'s resend of ``ConnectionCore.cancelled``): without it this fails.
+    The controller's half, a request whose ``Cancel`` was read first is not run
+    (`Shell.is_retry`), is too timing-bound to reproduce here: a paused controller reads the
+    surviving copies in order; `test_a_request_whose_cancel_came_first_is_not_run` pins it."""
     with serve_role("--storage-units", "1") as (proc, address):
         async with (
             tq.AsyncClient.connect(address) as producer,

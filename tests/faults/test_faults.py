@@ -12,13 +12,14 @@ from contextlib import asynccontextmanager, contextmanager
 
 import anyio
 import pytest
+import structlog
 import torch
 
 import tq_async as tq
 from tq_async._controller._server import ControllerServer, Deadlines
 from tq_async._core._state import ControllerState
 from tq_async._storage._server import StorageServer
-from tq_async._wire._protocol import StorePut, storage_request_decoder
+from tq_async._wire._protocol import StoreClear, StorePut, storage_request_decoder
 
 UNIT_PROCESS = textwrap.dedent(
     """
@@ -113,6 +114,28 @@ async def test_unit_killed_after_it_holds_rows() -> None:
             assert set(again.units) == {0}
             with pytest.raises(tq.RowsNotFound, match="lost with storage unit 1"):
                 await client.put({"y": torch.zeros(4)}, meta=doomed)
+
+
+async def test_a_read_from_a_dead_unit_names_the_unit() -> None:
+    """A read of rows on a unit that died failed with "nothing listens at tcp://... check
+    the address": an address the program never gave (the controller listed it), and no word
+    of which unit or how to learn whether its rows are lost; now it names the storage unit
+    and points at `lost_rows`."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=5) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            doomed = await client.put({"x": torch.arange(2, 4)}, "p")
+            assert (await client.get_data(doomed))["x"].tolist() == [2, 3]
+            os.kill(proc.pid, signal.SIGKILL)
+            await until(lambda: 1 in controller.state.dead_units)
+            with anyio.fail_after(10), pytest.raises(tq.BrokenError) as failed:
+                await client.get_data(doomed)
+            message = str(failed.value)
+            assert "storage unit 1" in message, message
+            assert "lost_rows" in message, message
 
 
 async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
@@ -224,16 +247,57 @@ async def test_a_clear_with_rows_on_a_suspended_unit_answers_at_once() -> None:
             assert (await client.storage_stats())[0]["rows"] == 0
 
 
+async def test_a_clear_whose_unit_dies_mid_way_answers_ok() -> None:
+    """A unit killed while the controller's StoreClear to it is in flight: the clear is done
+    in the controller, and the unit's cells are gone with it (or freed once it is back, as
+    after any clear it missed). The clear failed ("freeing storage failed: unit 1: the
+    connection ... broke") and the controller logged it with a traceback; now it answers
+    ok, quietly."""
+    with process(UNIT_PROCESS) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            on_1 = await client.put({"x": torch.arange(2, 4)}, "p")
+            assert set(on_1.units) == {1}
+            os.kill(proc.pid, signal.SIGSTOP)  # (not suspended yet: its clear goes out)
+            failure: list[BaseException] = []
+
+            async def clear() -> None:
+                try:
+                    await client.clear_partition("p")
+                except tq.TQError as exc:
+                    failure.append(exc)
+
+            with structlog.testing.capture_logs() as logs, anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(clear)
+                    await until(lambda: _in_flight(controller, 1, StoreClear) > 0)
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert not failure, failure
+            assert not [e for e in logs if e["log_level"] == "error" and "exc_info" in e], logs
+            assert "p" not in await client.list_partitions()
+
+
 def _store_put_in_flight(controller: ControllerServer, unit_id: int) -> bool:
+    return _store_puts_in_flight(controller, unit_id) > 0
+
+
+def _store_puts_in_flight(controller: ControllerServer, unit_id: int) -> int:
+    return _in_flight(controller, unit_id, StorePut)
+
+
+def _in_flight(controller: ControllerServer, unit_id: int, kind: type) -> int:
     conn = controller._links.conns.get(unit_id)
     if conn is None:
-        return False
+        return 0
+    found = 0
     for frames in conn._inflight.values():
         header = frames[0]
         req = storage_request_decoder.decode(header if isinstance(header, bytes) else bytes(header))
-        if isinstance(req.body, StorePut):
-            return True
-    return False
+        found += isinstance(req.body, kind)
+    return found
 
 
 async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
@@ -261,10 +325,48 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
             assert not client._links.units  # the client never talked to a unit itself
             # the put failed fast (well before its 30 s timeout), with the unit's loss
             assert isinstance(failure[0], tq.BrokenError)
+            # ... and says which: the client talks to the controller, the address is a unit's,
+            # and waiting for it to be "back" is not what to do (a new put goes elsewhere)
+            message = str(failure[0])
+            assert "storage unit 1" in message, message
+            assert "put it again" in message, message
             info = await client.partition_info("p")
             assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
             got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
             assert got.global_indexes == [0, 1]
+
+
+async def test_puts_failed_by_a_dead_unit_log_no_traceback_flood() -> None:
+    """Puts the controller forwarded to a unit that dies fail with BrokenError: an expected
+    outage, not a bug. The controller logged each at ERROR with a full traceback ("controller
+    request failed"), a flood during an outage; now one warning line, no traceback (the unit's
+    loss has its own line), the rest counted."""
+    with process(BLACK_HOLE) as (proc, remote):
+        async with (
+            cluster_with_remote_unit(remote) as controller,
+            tq.AsyncClient.connect(controller.address, request_timeout=30) as client,
+        ):
+            await client.put({"x": torch.arange(2)}, "p")  # unit 0
+            failures: list[BaseException] = []
+
+            async def doomed_put(i: int) -> None:
+                try:
+                    await client.put({"x": torch.arange(2) + 10 * i}, "p")
+                except tq.TQError as exc:
+                    failures.append(exc)
+
+            with structlog.testing.capture_logs() as logs:
+                async with anyio.create_task_group() as tg:
+                    for i in range(1, 7):
+                        tg.start_soon(doomed_put, i)
+                    await until(lambda: _store_puts_in_flight(controller, 1) >= 3)
+                    os.kill(proc.pid, signal.SIGKILL)
+            assert len(failures) >= 3, failures
+            assert all(isinstance(exc, tq.BrokenError) for exc in failures), failures
+            failed = [e for e in logs if "request failed" in e["event"]]
+            assert not [e for e in logs if e.get("exc_info") is not None], failed
+            assert not [e for e in logs if e["log_level"] == "error" and e in failed], failed
+            assert len(failed) == 1, failed
 
 
 async def test_lost_reply_is_retried_and_delivered_exactly_once() -> None:

@@ -231,6 +231,42 @@ def test_a_drop_during_the_handshake_is_not_a_tq_async_service() -> None:
     assert "not a tq_async service" in str(seen.fail)
 
 
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_handshake_nobody_answered_is_not_called_a_foreign_service(
+    monkeypatch: pytest.MonkeyPatch, curve: bool
+) -> None:
+    """A paused service (SIGSTOP): its kernel accepts the connection, nothing answers the
+    ZMTP handshake, ZMQ gives up after its handshake interval (30 s), twice. The error said
+    "what listens there is not a tq_async service" (with CURVE: "dropped the security
+    handshake", a key problem); it says what is known: nothing answered within that time,
+    the process may be paused, overloaded or not a tq_async service."""
+    from tq_async._transport import _connection
+
+    now = [100.0]
+    monkeypatch.setattr(_connection, "_clock", lambda: now[0])
+    keys = tq.CurveClient(*(b"x" * 40,) * 3) if curve else None
+    core = ConnectionCore("tcp://h:1", refused_is_broken=True, curve=keys)
+    core.handshaken = False
+    seen = Liveness()
+    for _ in range(2):
+        assert core.on_monitor(zmq.EVENT_CONNECTED, 0).connected
+        now[0] += 30.0  # ZMQ's handshake interval passes in silence
+        seen = core.on_monitor(zmq.EVENT_DISCONNECTED, 0)
+        if seen.broken:
+            break
+        assert core.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0) == Liveness()
+    assert seen.broken
+    assert seen.fail is None, seen.fail  # (no refusal: a resumed process is welcome)
+    error = core.disconnected(seen.why)
+    assert type(error) is tq.BrokenError, error
+    with pytest.raises(tq.BrokenError, match="nothing answered"):
+        core.check_usable(closed=False)  # what later requests say too
+    message = str(error)
+    assert "nothing answered the ZMTP handshake within 30 s" in message, message
+    assert "paused" in message, message
+    assert "is not a tq_async service" not in message, message
+
+
 def test_curve_refusals_say_what_to_fix() -> None:
     core = ConnectionCore("tcp://h:1")
     seen = core.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 0)

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._core._state import ControllerState, Partition
 from .._core._transitions import Effects
-from .._errors import InvalidRequestError, RowsNotFound, TQError
+from .._errors import BrokenError, InvalidRequestError, RowsNotFound, TQError, TQTimeoutError
 from .._service._loop import DEFERRED, SENT, Handler, Incoming
 from .._wire._protocol import (
     AbortPut,
@@ -235,9 +235,12 @@ class PutPath:
                         placed.partition.incarnation,
                         host=body.host,
                     )
-                    await self.links.conn(unit_id).request(
-                        store, frames, timeout=self.links.unit_timeout
-                    )
+                    try:
+                        await self.links.conn(unit_id).request(
+                            store, frames, timeout=self.links.unit_timeout
+                        )
+                    except (BrokenError, TQTimeoutError) as exc:
+                        raise _unit_failed(exc, unit_id) from exc
                 self._inline_commit(peer, rid, body, placed)
             except BaseException:
                 self._inline_undo(body, placed)
@@ -286,6 +289,15 @@ class PutPath:
             RenewPut: self.on_renew_put,
             AbortPut: self.on_abort_put,
         }
+
+
+def _unit_failed(exc: BrokenError | TQTimeoutError, unit_id: int) -> TQError:
+    """A forwarded put's error, as its client reads it: the address is a unit's (the client
+    talks to the controller), and what to do is to put again (not to wait for the unit)."""
+    return type(exc)(
+        f"storage unit {unit_id}, where this put's rows were placed, failed them: {exc} -- "
+        "nothing of this put was written; put it again"
+    )
 
 
 @dataclass(slots=True)

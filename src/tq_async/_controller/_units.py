@@ -291,6 +291,11 @@ class UnitLinks:
         """Tell the units to free rows, in a task (failures are logged)."""
         self.shell.spawn(self.clear_units, None, 0, partition_id, by_unit, incarnation)
 
+    def _away(self, unit_id: int) -> bool:
+        """Whether ``unit_id`` is lost (its cells are gone) or suspended (it frees what the
+        clears it missed cleared once back, `_free_orphans`)."""
+        return unit_id in self.state.dead_units or unit_id in self.state.suspended
+
     async def clear_units(
         self,
         peer: bytes | None,
@@ -312,15 +317,15 @@ class UnitLinks:
                     StoreClear(partition_id, rows, incarnation), timeout=self.unit_timeout
                 )
             except TQError as exc:
-                errors.append(f"unit {unit_id}: {exc}")
+                if not self._away(unit_id):  # (one that went away frees them once back)
+                    errors.append(f"unit {unit_id}: {exc}")
 
         st = self.state
         async with anyio.create_task_group() as tg:
             for unit_id, rows in by_unit.items():
                 # a suspended unit is not asked (a paused one would keep the clear waiting
                 # for the unit's timeout): it frees what it missed once back (`_free_orphans`)
-                away = unit_id in st.dead_units or unit_id in st.suspended
-                if unit_id in st.units and not away:
+                if unit_id in st.units and not self._away(unit_id):
                     tg.start_soon(clear_one, unit_id, rows)
         if peer is None:
             if errors:

@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from .._errors import InvalidRequestError
 from .._wire._nested import jagged_from_values
+from .._wire._tensordicts import is_tensordict
 from ._pinned import split_at_chunks
 from ._shm import ArenaMap
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "Copier",
@@ -234,6 +237,8 @@ def to_device_now(td: TensorDict, device: torch.device | None) -> TensorDict:
         v = td.get(k)
         out[k] = move(v) if isinstance(v, torch.Tensor) else v
     copier.finish()
+    from tensordict import TensorDict
+
     return TensorDict(out, batch_size=td.batch_size)
 
 
@@ -293,7 +298,7 @@ def _host_items(
     """``data``'s columns when some tensor of it (not kept) is on a device; None when all
     are on the host (or ``data`` is not something put takes: the codec explains what is
     wrong)."""
-    if isinstance(data, TensorDictBase):
+    if is_tensordict(data):
         if len(data.batch_size) != 1:
             return None
         items = [(k, data.get(k)) for k in data.keys()]  # noqa: SIM118
@@ -347,7 +352,9 @@ def to_host_now(
             out[k] = v
     for copier in copiers.values():
         copier.finish()
-    if isinstance(data, TensorDictBase):
+    if is_tensordict(data):
+        from tensordict import TensorDict
+
         return TensorDict(out, batch_size=data.batch_size)
     return out
 

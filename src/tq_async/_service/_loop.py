@@ -8,7 +8,9 @@ it, or one of two markers: `SENT` (it answered, or the message is one-way) and
 `DEFERRED` (a task it started will answer and record the metrics).
 
 Which errors are the caller's fault is decided once (`CALLERS_FAULT`):
-those are answered quietly; anything else is answered too, and logged with its traceback.
+those are answered quietly; a peer's outage (`BrokenError`: a storage unit gone) is
+answered with a warning, throttled (an outage fails every request that reaches the peer);
+anything else is answered too, and logged with its traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from .._errors import CALLERS_FAULT, ProtocolError
+from .._errors import CALLERS_FAULT, BrokenError, ProtocolError
 from .._logging import get_logger
 from .._transport._endpoints import LogThrottle
 from .._transport._router import RouterEndpoint
@@ -94,6 +96,8 @@ class Service:
         self.metrics = metrics
         self._decoder = decoder
         self._malformed = LogThrottle()
+        #: requests failed by a peer's outage: its liveness has its own lines, one is enough
+        self._outages = LogThrottle(burst=1)
         self._endpoint: RouterEndpoint | None = None
         self.handlers: Mapping[type, Handler] = {}
 
@@ -115,8 +119,13 @@ class Service:
         self.send(peer, rid, ok_reply(rid, payload), frames)
 
     def send_error(self, peer: bytes, rid: int, exc: BaseException, op: str) -> None:
-        """Answer ``rid`` with ``exc``; log its traceback unless it is the caller's fault."""
-        if not isinstance(exc, CALLERS_FAULT):
+        """Answer ``rid`` with ``exc``; log its traceback unless it is the caller's fault
+        or a peer's outage (a throttled warning: no bug to trace)."""
+        if isinstance(exc, CALLERS_FAULT):
+            pass
+        elif isinstance(exc, BrokenError):
+            self._outages.warning(f"{self.name} request failed", op=op, rid=rid, error=str(exc))
+        else:
             log.error(f"{self.name} request failed", op=op, rid=rid, exc_info=exc)
         self.send(peer, rid, error_reply(rid, exc))
 

@@ -74,6 +74,9 @@ MAX_BUSY_POLL = 0.01
 #: Cancels of abandoned requests a connection sends again after a reconnect, until their
 #: reply comes (the most recent: a request whose reply never comes is forgotten)
 _CANCELS_KEPT = 1024
+#: a handshake dropped this long after the connection was accepted was never answered (ZMQ
+#: gives up after its handshake interval, 30 s); a peer that refuses drops it at once
+_SILENT_HANDSHAKE = 5.0
 #: ZMTP heartbeats on client connections: a silent peer is dropped after the timeout.
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 10_000
@@ -262,6 +265,8 @@ class ConnectionCore:
         self.cancelled: OrderedDict[int, None] = OrderedDict()
         self._rids = itertools.count(1)
         self._retries = 0
+        #: when the current connection was accepted (how long its handshake went unanswered)
+        self._connected_at = 0.0
         #: a handshake was dropped bare and ZMQ dials again (see `on_monitor`)
         self._redialled = False
 
@@ -376,6 +381,7 @@ class ConnectionCore:
         if event == _CONNECTED:
             self.connected = True
             self._retries = 0
+            self._connected_at = _clock()
             return Liveness(connected=True)
         if event == _HANDSHAKE_SUCCEEDED:
             self.handshaken = True
@@ -393,7 +399,16 @@ class ConnectionCore:
             if self.handshaken:
                 return Liveness(broken=True)
             # dropped during the handshake: not an outage
+            silent = _clock() - self._connected_at
             if self.refusal is None:
+                if silent >= _SILENT_HANDSHAKE:
+                    # nobody answered: a paused or overloaded process, or no ZMTP there; it
+                    # is not a refusal (a redial may find the process resumed)
+                    if self._redialled:
+                        return Liveness(broken=True, why=unanswered_handshake(self.name, silent))
+                    self._redialled = True
+                    self._retries = -1
+                    return _NOTHING
                 if self.curve is None and not self._redialled:
                     # a CURVE service that read this client's greeting before it sent its
                     # own mechanism drops it bare (over ipc, always): ZMQ dials again, and
@@ -565,6 +580,18 @@ def dropped_handshake(address: str, curve: CurveClient | None) -> BrokenError:
         f"the peer at {address} accepted the connection and closed it before the "
         "ZMTP handshake: what listens there is not a tq_async service (or it was "
         "stopping); check the address (the TQ_ADDRESS=... line `tq-async serve` prints)"
+    )
+
+
+def unanswered_handshake(address: str, seconds: float) -> str:
+    """Why nothing answered the ZMTP handshake: the peer accepted the connection (its
+    kernel does, for a paused process too) and stayed silent until ZMQ gave up."""
+    return (
+        f"the peer at {address} accepted the connection, but nothing answered the ZMTP "
+        f"handshake within {seconds:.0f} s: the process there may be paused (SIGSTOP), "
+        "overloaded, or not a tq_async service; check that the service runs there and is "
+        "not stopped (`kill -CONT` resumes a paused one), and the address (the "
+        "TQ_ADDRESS=... line `tq-async serve` prints); retry once it answers"
     )
 
 

@@ -14,20 +14,14 @@ buffer is copied, since tensors are writable).
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
-from tensordict import (
-    LazyStackedTensorDict,
-    NonTensorData,
-    NonTensorStack,
-    TensorDict,
-    TensorDictBase,
-)
 
 from .._errors import InvalidRequestError, ProtocolError, SchemaError, UnsupportedTypeError
 from ._checks import check_text
@@ -44,6 +38,10 @@ from ._columns import (
     ListColumn,
 )
 from ._nested import Ragged, SharedOffsets, jagged_tensor, tensordict_of
+from ._tensordicts import is_tensordict, is_tensordict_type
+
+if TYPE_CHECKING:
+    from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 __all__ = [
     "columns_from_batch",
@@ -296,18 +294,8 @@ def _column_from_value(
         value = from_numpy(value, name)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, n)
-    if isinstance(value, NonTensorStack):
-        values = value.tolist()
-    elif isinstance(value, NonTensorData):
-        values = [value.data] * n
-    elif isinstance(value, (list, tuple)):
-        values = list(value)
-    elif isinstance(value, TensorDictBase):
-        raise SchemaError(
-            f"field {name!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))"
-        )
-    else:
-        raise _not_a_column(name, value)
+    is_list = isinstance(value, (list, tuple))
+    values = list(value) if is_list else _non_tensor_values(name, value, n)
     if len(values) != n:
         raise SchemaError(
             f"field {name!r} has {len(values)} rows but the batch has {n}; every column must "
@@ -318,6 +306,23 @@ def _column_from_value(
         if all(isinstance(t, torch.Tensor) for t in tensors):
             return _list_of_tensors_column(name, tensors, n)  # type: ignore[arg-type]
     return _object_column(name, values, allow_pickle)
+
+
+def _non_tensor_values(name: str, value: Any, n: int) -> list[Any]:
+    """The rows of a tensordict column that holds no tensor (what a TensorDict gives for its
+    list columns); any other value is not a column."""
+    tensordict = sys.modules.get("tensordict")  # no value is one unless the program imported it
+    if tensordict is not None:
+        if isinstance(value, tensordict.NonTensorStack):
+            rows: list[Any] = value.tolist()
+            return rows
+        if isinstance(value, tensordict.NonTensorData):
+            return [value.data] * n
+        if isinstance(value, tensordict.TensorDictBase):
+            raise SchemaError(
+                f"field {name!r} is a nested TensorDict; flatten it first (td.flatten_keys('.'))"
+            )
+    raise _not_a_column(name, value)
 
 
 def _not_a_column(name: str, value: Any, *, no_rows: bool = False) -> InvalidRequestError:
@@ -347,7 +352,7 @@ def _batch_size_of(data: Mapping[str, Any]) -> int:
         elif isinstance(value, torch.Tensor):
             if value.dim() > 0:  # size(0), not shape[0]: a strided nested tensor has no shape
                 return int(value.size(0))
-        elif isinstance(value, (list, tuple, NonTensorStack)):
+        elif isinstance(value, (list, tuple)) or is_tensordict_type(value, "NonTensorStack"):
             return len(value)
     return -1
 
@@ -399,8 +404,9 @@ class DeviceColumn:
         return JaggedColumn(_as_bytes(values, total), self.offsets.numpy())
 
 
-#: what a mapping's value may be (a NonTensorData is one value for every row: a TensorDict's)
-_COLUMN_TYPES = (torch.Tensor, np.ndarray, list, tuple, NonTensorStack, NonTensorData)
+#: what a mapping's value may be, besides a tensordict ``NonTensorStack`` or ``NonTensorData``
+#: (one value for every row: a TensorDict's)
+_COLUMN_TYPES = (torch.Tensor, np.ndarray, list, tuple)
 
 
 def columns_from_batch(
@@ -429,7 +435,7 @@ def columns_from_batch(
         SchemaError: columns disagree on the number of rows, or the batch is empty.
         UnsupportedTypeError: a value cannot travel (names the field and the type).
     """
-    if isinstance(data, TensorDictBase):
+    if is_tensordict(data):
         if len(data.batch_size) != 1:
             raise SchemaError(
                 f"the TensorDict has batch_size {list(data.batch_size)}; tq_async needs one "
@@ -454,7 +460,10 @@ def columns_from_batch(
                         "rows; a column needs one row per sample: put "
                         f"{{{name!r}: t.reshape(1)}} for one row"
                     )
-                if not isinstance(value, _COLUMN_TYPES):
+                if not isinstance(value, _COLUMN_TYPES) and not (
+                    is_tensordict_type(value, "NonTensorStack")
+                    or is_tensordict_type(value, "NonTensorData")
+                ):
                     raise _not_a_column(name, value, no_rows=True)
         raise SchemaError("the batch has no rows; put at least one row")
     headers: list[ColumnHeader] = []
@@ -483,6 +492,8 @@ def _field_of(data: TensorDictBase, key: str) -> Any:
     try:
         return data.get(key)
     except RuntimeError:
+        from tensordict import LazyStackedTensorDict
+
         if not isinstance(data, LazyStackedTensorDict):
             raise
         return data.get(key, as_list=True)  # type: ignore[call-overload]
@@ -661,6 +672,8 @@ def _non_tensor_stack(values: list[Any]) -> NonTensorStack:
     ``NonTensorStack.from_list`` is 3x faster but turns list values into nested stacks, so
     rows holding lists are wrapped one by one.
     """
+    from tensordict import NonTensorData, NonTensorStack
+
     if any(isinstance(v, list) for v in values):
         return NonTensorStack(*[NonTensorData(v, batch_size=[]) for v in values])
     return NonTensorStack.from_list(values)
@@ -701,4 +714,6 @@ def columns_to_tensordict(
         fields[header.name] = value
     if tensors_only:
         return tensordict_of(fields, n, cpu_tensors=True)
+    from tensordict import TensorDict
+
     return TensorDict(fields, batch_size=[n])

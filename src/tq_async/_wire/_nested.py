@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:  # imported by the first batch built (see `_tensordicts`)
+    from tensordict import TensorDict
 
 __all__ = ["Ragged", "RowWindows", "SharedOffsets", "jagged_tensor", "tensordict_of"]
 
@@ -204,6 +206,7 @@ def _probed_njt_maker() -> _NJTMaker:
 def _probed_tensordict_maker() -> Callable[[dict[str, torch.Tensor], int], TensorDict]:
     """tensordict's unchecked constructor (private: ``TensorDict._new_unsafe``) when it builds
     what ``TensorDict(fields, batch_size=[n])`` builds, else the public constructor."""
+    from tensordict import TensorDict
 
     def public(fields: dict[str, torch.Tensor], n: int) -> TensorDict:
         return TensorDict(fields, batch_size=[n])
@@ -263,6 +266,8 @@ def tensordict_of(fields: dict[str, Any], n: int, *, cpu_tensors: bool) -> Tenso
     the probe allows."""
     if cpu_tensors:
         return _tensordict(fields, n)
+    from tensordict import TensorDict
+
     return TensorDict(fields, batch_size=[n])
 
 

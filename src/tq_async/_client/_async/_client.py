@@ -36,10 +36,9 @@ import os
 import sys
 from collections.abc import Collection, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from ..._errors import (
     InvalidRequestError,
@@ -60,6 +59,9 @@ from ._get import GetPath
 from ._put import PutPath
 from ._query import meta_query
 from ._watch import Watcher
+
+if TYPE_CHECKING:  # imported when a program uses one (see `_wire._tensordicts`)
+    from tensordict import TensorDict, TensorDictBase
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack

@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 import zmq
-from tensordict import TensorDict
 
 from ..._core._gone import cleared_under_read
 from ..._errors import (
@@ -65,6 +64,9 @@ from ..._wire._protocol import (
 from ._base import THREAD_COPY_BYTES, Links, check_fields
 from ._query import MetaQuery, check_nested, lease_ids
 from ._replies import decode
+
+if TYPE_CHECKING:  # imported when a program uses one (see `_wire._tensordicts`)
+    from tensordict import TensorDict
 
 __all__ = ["GetPath"]
 
@@ -410,6 +412,8 @@ class GetPath:
         carries every field with 0 rows, its dtype and row shape, as a non-empty batch of
         the same fields would (one question to the controller, no storage unit)."""
         if meta.end_of_stream or not names or len(meta):
+            from tensordict import TensorDict
+
             return TensorDict({}, batch_size=[len(meta)])
         headers = await self._links.call(FieldSchema(meta.partition_id, names), list[ColumnHeader])
         by_name = {h.name: h for h in headers}

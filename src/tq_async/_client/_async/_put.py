@@ -12,11 +12,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from tensordict import TensorDictBase
 
 from ..._core._gone import cleared_under_put
 from ..._errors import (
@@ -69,6 +68,9 @@ from ._device_links import keeps_on_device
 from ._device_puts import give_back_lent, keep_spares, lend_ahead, place_device_columns
 from ._replies import ask_grant, decode
 from ._slots import HeldSlots
+
+if TYPE_CHECKING:  # imported when a program uses one (see `_wire._tensordicts`)
+    from tensordict import TensorDictBase
 
 __all__ = ["PutPath"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -492,7 +492,7 @@ class Links:
         conn = self.unit(unit_id)
         try:
             return conn.request(body, frames, timeout=self.request_timeout)
-        except (BrokenError, ClosedError):
+        except (BrokenError, ClosedError) as exc:
             if self.controller is None:
                 raise
             try:
@@ -500,7 +500,7 @@ class Links:
             except TQError:
                 moved = False  # the controller is not answering either: report the unit
             if not moved:
-                raise
+                _unit_away(unit_id, exc)
         log.info("retrying at the storage unit's new address", unit=unit_id)
         conn = self.unit(unit_id)
         return conn.request(body, frames, timeout=self.request_timeout)
@@ -615,3 +615,15 @@ def _hello(links: Links, conn: BlockingConnection | None) -> Hello:
     zmq_link = conn is not None and not conn.address.startswith("uds://")
     refresh = retry_after if zmq_link and retry_after is not None and retry_after > 0 else None
     return Hello(host=links.host_id, refresh=refresh)
+
+
+def _unit_away(unit_id: int, exc: BrokenError | ClosedError) -> NoReturn:
+    """Raise a storage unit's broken connection as its caller reads it: which unit (the
+    address is one the controller listed), and how to learn whether its rows wait or are
+    lost (a closed connection, or a more precise error, is raised as it is)."""
+    if type(exc) is not BrokenError:
+        raise exc
+    raise BrokenError(
+        f"storage unit {unit_id}: {exc}; `lost_rows()` says whether the controller "
+        "suspended it (its rows wait for it) or declared it lost (its rows are gone)"
+    ) from exc

@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from ..._core._gone import cleared_under_read
 from ..._errors import (
@@ -60,11 +59,15 @@ from ..._wire._protocol import (
     StoreStatsReply,
     TakeRecycled,
 )
+from ..._wire._tensordicts import is_tensordict
 from ._base import Links, as_int, check_fields, tag_rows
 from ._checkpoint import ClientLink, load_checkpoint, save_checkpoint
 from ._get import GetPath
 from ._put import PutPath
 from ._replies import decode
+
+if TYPE_CHECKING:  # imported when a program uses one (see `_wire._tensordicts`)
+    from tensordict import TensorDict, TensorDictBase
 
 __all__ = ["ControlCalls"]
 
@@ -115,7 +118,7 @@ def _mask(raw: bytes) -> torch.Tensor:
 
 def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dict[str, Any]:
     """One key's fields as a one-row batch."""
-    if isinstance(fields, TensorDictBase):
+    if is_tensordict(fields):
         if fields.batch_size == torch.Size([]):
             return fields.unsqueeze(0)
         if fields.batch_size == torch.Size([1]):
@@ -130,7 +133,7 @@ def _one_row(fields: TensorDictBase | Mapping[str, Any]) -> TensorDictBase | dic
 def _no_fields(fields: TensorDictBase | Mapping[str, Any]) -> bool:
     """Whether a KV call's ``fields`` hold no field (``{}``, an empty TensorDict): it writes
     tags only."""
-    return fields.is_empty() if isinstance(fields, TensorDictBase) else not fields
+    return fields.is_empty() if is_tensordict(fields) else not fields
 
 
 def _one_cell(value: Any) -> Any:
