@@ -62,10 +62,12 @@ __all__ = ["DEFAULT_HISTORY", "EventLog", "Pacer", "RequestCost", "WatchHub", "c
 
 #: events the controller keeps for watchers that resume (``since=``) or lag
 DEFAULT_HISTORY = 65536
-#: the share of the controller's time its watchers may take (see `Pacer`); at 0.05 a lone
-#: watcher of a busy `serve` waited ~1.5 ms for the pacer (put -> event p99 2.8-3.9 ms), at
-#: 0.08 its p99 is 1.5-2.2 ms (RESULTS.md, fourteenth session)
-WATCH_SHARE = 0.08
+#: the share of the controller's time its watchers may take (see `Pacer`). With each request
+#: priced at what reading it costs (`RequestCost`), at 0.08 a lone watcher of a `serve` taking
+#: back-to-back puts was answered every ~1.2 ms (put -> event p99 2.0-6.0 ms, 1.4-4.6 ms above
+#: the puts' own), at 0.15 every ~0.7 ms (1.6-5.0 ms, 0.5-2.3 above); W2 with 16 watchers
+#: held at both (median of paired rounds 0.98 / 0.99 of none; RESULTS.md, twenty-first session)
+WATCH_SHARE = 0.15
 #: the watchers' time saved up while they are quiet: answers that go out at once
 WATCH_BURST = 0.002
 #: `RequestCost` averages over windows of at least this many requests (read in the sampled
