@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -157,19 +159,25 @@ async def test_pickle_needs_opt_in_on_both_sides() -> None:
         assert td.get("t").tolist() == [(1, 2), {3}]
 
 
-async def raw_request(address: str, frames: list[bytes]) -> list[bytes] | None:
-    """Send raw frames on a fresh DEALER; the reply's frames, or None if none within 1 s."""
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+@asynccontextmanager
+async def dealer(address: str) -> AsyncIterator[zmq.asyncio.Socket]:
+    """A fresh DEALER connected to ``address``, closed on leaving."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
+        yield sock
+    finally:
+        sock.close()
+
+
+async def raw_request(address: str, frames: list[bytes]) -> list[bytes] | None:
+    """Send raw frames on a fresh DEALER; the reply's frames, or None if none within 1 s."""
+    async with dealer(address) as sock:
         await sock.send_multipart(frames)
         if await sock.poll(1000):
             return list(await sock.recv_multipart())
         return None
-    finally:
-        sock.close()
 
 
 def _decoded(frames: list[bytes]) -> Reply:
@@ -185,11 +193,7 @@ async def replies_before_a_marker(address: str, frames: list[bytes]) -> list[Rep
     that came before the marker's. A service answers a malformed message as it reads it, in
     the order of its connection, so its reply (if any) comes first: no fixed wait for a
     reply that may never come (a storage unit answers the marker with an error)."""
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
+    async with dealer(address) as sock:
         await sock.send_multipart(frames)
         await sock.send_multipart([encoder.encode((MARKER, ListPartitions()))])
         replies = []
@@ -197,8 +201,6 @@ async def replies_before_a_marker(address: str, frames: list[bytes]) -> list[Rep
             while (reply := _decoded(await sock.recv_multipart())).rid != MARKER:
                 replies.append(reply)
         return replies
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 
 import anyio
 import pytest
@@ -86,6 +87,22 @@ async def until(predicate: object, seconds: float = 10) -> None:
             await anyio.lowlevel.checkpoint()
 
 
+async def _put_failing(client: tq.AsyncClient, failure: list[BaseException]) -> None:
+    """The second put of these tests (rows 2-3, to unit 1): its failure goes in ``failure``."""
+    try:
+        await client.put({"x": torch.arange(2, 4)}, "p")
+    except tq.TQError as exc:
+        failure.append(exc)
+
+
+async def _only_the_first_put_is_visible(client: tq.AsyncClient) -> None:
+    """The failed put's rows were removed, none half-visible: only the first put's two."""
+    info = await client.partition_info("p")
+    assert info["rows"] == 2
+    got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
+    assert got.global_indexes == [0, 1]
+
+
 async def test_unit_killed_after_it_holds_rows() -> None:
     with process(UNIT_PROCESS) as (proc, remote):
         async with (
@@ -149,12 +166,7 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
         ):
             await client.put({"x": torch.arange(2)}, "p")  # unit 0
             failure: list[BaseException] = []
-
-            async def doomed_put() -> None:
-                try:
-                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: never answers
-                except tq.TQError as exc:
-                    failure.append(exc)
+            doomed_put = partial(_put_failing, client, failure)  # unit 1: never answers
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed_put)
@@ -163,10 +175,7 @@ async def test_unit_killed_mid_put_leaves_nothing_half_visible() -> None:
                 os.kill(proc.pid, signal.SIGKILL)
             # the put failed fast with BrokenError (well before its 30 s timeout)
             assert isinstance(failure[0], tq.BrokenError)
-            info = await client.partition_info("p")
-            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
-            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
-            assert got.global_indexes == [0, 1]
+            await _only_the_first_put_is_visible(client)
 
 
 #: accepts TCP connections (the kernel does, into its backlog) but never speaks ZMTP: a unit
@@ -196,12 +205,7 @@ async def test_unit_killed_before_its_handshake_fails_the_forwarded_put_fast() -
         ):
             await client.put({"x": torch.arange(2)}, "p")  # unit 0
             failure: list[BaseException] = []
-
-            async def doomed_put() -> None:
-                try:
-                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: no handshake
-                except tq.TQError as exc:
-                    failure.append(exc)
+            doomed_put = partial(_put_failing, client, failure)  # unit 1: no handshake
 
             with anyio.fail_after(20):  # (the unit's own timeout is 30 s)
                 async with anyio.create_task_group() as tg:
@@ -212,10 +216,7 @@ async def test_unit_killed_before_its_handshake_fails_the_forwarded_put_fast() -
             assert 1 in controller.state.dead_units
             assert isinstance(failure[0], tq.BrokenError), failure
             assert "storage unit 1" in str(failure[0]), failure
-            info = await client.partition_info("p")
-            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
-            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
-            assert got.global_indexes == [0, 1]
+            await _only_the_first_put_is_visible(client)
 
 
 async def test_a_clear_with_rows_on_a_suspended_unit_answers_at_once() -> None:
@@ -309,12 +310,7 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
         ):
             await client.put({"x": torch.arange(2)}, "p")  # unit 0
             failure: list[BaseException] = []
-
-            async def doomed_put() -> None:
-                try:
-                    await client.put({"x": torch.arange(2, 4)}, "p")  # unit 1: never answers
-                except tq.TQError as exc:
-                    failure.append(exc)
+            doomed_put = partial(_put_failing, client, failure)  # unit 1: never answers
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed_put)
@@ -330,10 +326,7 @@ async def test_unit_killed_mid_inline_put_leaves_nothing_half_visible() -> None:
             message = str(failure[0])
             assert "storage unit 1" in message, message
             assert "put it again" in message, message
-            info = await client.partition_info("p")
-            assert info["rows"] == 2  # the failed put's rows were removed, none half-visible
-            got = await client.get_meta(["x"], 2, "p", "t", mode="peek")
-            assert got.global_indexes == [0, 1]
+            await _only_the_first_put_is_visible(client)
 
 
 async def test_puts_failed_by_a_dead_unit_log_no_traceback_flood() -> None:
