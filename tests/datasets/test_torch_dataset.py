@@ -227,7 +227,9 @@ def test_a_worker_fetches_its_ready_hand_off_in_one_request() -> None:
         loader = StreamingDataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60)
         got = [td["x"].tolist() for td, _ in loader]
         assert got == [list(range(i, i + 4)) for i in range(0, 64, 4)]
-        assert registry.get_sample_value("tq_requests_total", labels) == before + 10
+    # (read once the cluster's thread is joined: a request is counted after its reply went
+    # out, so the last one's count may still be on its way when the loader has its answer)
+    assert registry.get_sample_value("tq_requests_total", labels) == before + 10
 
 
 def test_a_worker_never_waits_to_fill_a_hand_off(address: str, client: tq.Client) -> None:

@@ -217,7 +217,10 @@ async def test_cells_of_rows_cleared_while_their_unit_was_gone_are_freed_when_it
                         pass  # this reply comes after the journal record of the clear
                 ctl.send_signal(signal.SIGKILL)
                 ctl.wait(timeout=10)
-            assert failed  # never confirmed: the unit could not free its cells
+            # confirmed or not, the clear is journaled: the controller answers it once its unit
+            # is seen away (a suspended or lost unit is not asked; it frees the cells once back),
+            # or the kill ends the request first
+            assert all(isinstance(exc, (tq.BrokenError, tq.TQTimeoutError)) for exc in failed)
         ctl = stack.enter_context(_controller(bind, ctl_dir))
         stack.enter_context(serve_role(*unit_args, line="TQ_UNIT="))
         async with tq.AsyncClient.connect(bind, request_timeout=10) as c:
